@@ -1,0 +1,40 @@
+"""Planner search speed: gpt-175b on 1,024 GPUs over the full candidate space (target: < 1 s on 2 cores).
+
+    python benchmarks/search_speed.py
+Prints the search time (best of 5), configurations costed, and candidates costed per second.
+"""
+
+from __future__ import annotations
+
+import time
+
+from cost_models.profile import DEFAULT_PROFILE
+from cost_models.specs import Precision, TrainingSpec
+from planner.hardware import make_cluster
+from planner.models import load_preset
+from planner.search import SearchSpace, search
+
+
+def main() -> None:
+    model = load_preset("gpt-175b")
+    cluster = make_cluster(1024, gpu="a100-80gb")
+    training = TrainingSpec(seq_len=2048)
+    space = SearchSpace(precisions=tuple(Precision))  # every precision, not just the default one
+    timings = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        result = search(model, cluster, training, DEFAULT_PROFILE, space)
+        timings.append(time.perf_counter() - t0)
+    best = min(timings)
+    print(f"gpt-175b on 1024 x a100-80gb, full space: {result.n_costed} configurations costed, "
+          f"{len(result.fitting)} distinct fitting")
+    print(f"search time: {best * 1000:.1f} ms (best of 5; target < 1000 ms)")
+    print(f"candidates costed per second: {result.n_costed / best:,.0f}")
+    t0 = time.perf_counter()
+    from planner.api import plan
+    plan("gpt-13b", gpus=8)
+    print(f"plan('gpt-13b', gpus=8): {(time.perf_counter() - t0) * 1000:.1f} ms")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,53 @@
+"""FLOPs per token.
+
+Executed FLOPs (Kaplan et al. 2020; PaLM appendix B): 6 per non-embedding parameter per token (forward
+2, backward 4) plus attention 12*L*n_heads*head_dim*s (forward + backward, causal masking not
+discounted); a tied output head still multiplies by the embedding matrix, so it adds 6*h*V.
+MFU uses torchtitan's convention instead (6 per parameter, embeddings included, plus the same attention
+term), so our MFU is comparable with the published torchtitan figures. LoRA: frozen weights need no weight gradient, so their backward is
+2 FLOPs per parameter instead of 4. Activation checkpointing re-runs the forward (2 per parameter plus
+the attention forward) of each checkpointed block; that is hardware FLOPs, not model FLOPs.
+Ignored: norms, activations, softmax and the loss (well under 1% for billion-parameter models).
+"""
+
+from __future__ import annotations
+
+import math
+
+from .specs import Finetune, FsdpConfig, ModelSpec, TrainingSpec
+
+
+def attention_flops_per_token_per_layer(model: ModelSpec, seq_len: int) -> float:
+    """Forward + backward of QK^T and PV (torchtitan: 12 * n_heads * head_dim * s per layer)."""
+    return 12 * model.q_dim * seq_len
+
+
+def _training_flops(params: float, model: ModelSpec, training: TrainingSpec) -> float:
+    if training.finetune is Finetune.LORA:
+        lora = model.n_layers * model.lora_params_per_block(training.lora_rank)
+        matmul = 4 * params + 2 * lora  # frozen weights: forward 2 + input-gradient 2
+    else:
+        matmul = 6 * params
+    return matmul + model.n_layers * attention_flops_per_token_per_layer(model, training.seq_len)
+
+
+def model_flops_per_token(model: ModelSpec, training: TrainingSpec) -> float:
+    """FLOPs one training token executes, without recompute."""
+    dense_params = model.n_params - model.embedding_params
+    if model.tied_embeddings:
+        dense_params += model.hidden_size * model.vocab_size
+    return _training_flops(dense_params, model, training)
+
+
+def mfu_flops_per_token(model: ModelSpec, training: TrainingSpec) -> float:
+    """The numerator of MFU, torchtitan's convention: every parameter counts 6 FLOPs per token."""
+    return _training_flops(model.n_params, model, training)
+
+
+def recompute_flops_per_token(model: ModelSpec, training: TrainingSpec, config: FsdpConfig) -> float:
+    """Extra forward FLOPs per token from activation checkpointing."""
+    if not config.ac_every:
+        return 0.0
+    n_ckpt = math.ceil(model.n_layers / config.ac_every)
+    block_forward = 2 * model.block_params + attention_flops_per_token_per_layer(model, training.seq_len) / 3
+    return n_ckpt * block_forward

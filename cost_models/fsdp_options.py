@@ -1,0 +1,88 @@
+"""FsdpConfig -> the FSDP1 / FSDP2 arguments, as plain names (no torch import).
+
+The single mapping from a candidate to FSDP's options. `calibration.apply` turns these names into torch
+objects, the emitters print them as code, the JSON output shows them: all three stay in step.
+dtypes are torch attribute names ("bfloat16"); enums are member names ("FULL_SHARD").
+"""
+
+from __future__ import annotations
+
+from .specs import FsdpConfig, Precision, Sharding
+
+_TORCH_DTYPE = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+# FSDP2 has no strategy enum: each maps to reshard_after_forward and a mesh layout.
+_FSDP1_STRATEGY = {
+    Sharding.FULL_SHARD: "FULL_SHARD",
+    Sharding.SHARD_GRAD_OP: "SHARD_GRAD_OP",
+    Sharding.NO_SHARD: "NO_SHARD",
+    Sharding.HYBRID_SHARD: "HYBRID_SHARD",
+    Sharding.HYBRID_SHARD_ZERO2: "_HYBRID_SHARD_ZERO2",
+}
+
+
+def mixed_precision_dtypes(precision: Precision) -> dict | None:
+    """param/reduce dtypes for FSDP's mixed precision, or None when the model runs in its own dtype.
+
+    bf16-pure casts the model itself to bf16 (no fp32 master copy), so FSDP needs no policy. Buffers are
+    not cast: a bf16 rotary inv_freq buffer would blur positions in long sequences, and buffers are too
+    small to matter for memory.
+    """
+    if not precision.mixed:
+        return None
+    return {"param_dtype": _TORCH_DTYPE[precision.compute_dtype], "reduce_dtype": _TORCH_DTYPE[precision.reduce_dtype]}
+
+
+def model_dtype(precision: Precision) -> str:
+    """dtype the model's parameters are stored in before wrapping."""
+    return _TORCH_DTYPE[precision.param_dtype]
+
+
+def fsdp1_strategy(config: FsdpConfig, gpus_per_node: int) -> tuple[str, str]:
+    """FSDP1 ShardingStrategy member name, and a note when it differs from the plan's name.
+
+    With one GPU per node FSDP1's HYBRID clamps the 1-rank shard group to NO_SHARD on that group and
+    drops the cross-node all-reduce (replicas silently diverge; seen on CPU/gloo), so NO_SHARD over all
+    ranks is used: the same layout with gradients synchronised.
+    """
+    if config.sharding.is_hybrid and gpus_per_node == 1:
+        return "NO_SHARD", "HYBRID with 1 GPU per node is NO_SHARD (FSDP1 would skip the cross-node all-reduce)"
+    if config.sharding is Sharding.HYBRID_SHARD_ZERO2:
+        return "_HYBRID_SHARD_ZERO2", "ZeRO-2 inside a node, replicas across nodes (torch keeps the name private)"
+    return _FSDP1_STRATEGY[config.sharding], ""
+
+
+def fsdp1_options(config: FsdpConfig, block_class: str, gpus_per_node: int) -> dict:
+    """Keyword arguments of FSDP1's FullyShardedDataParallel, by name."""
+    return {
+        "sharding_strategy": fsdp1_strategy(config, gpus_per_node)[0],
+        "mixed_precision": mixed_precision_dtypes(config.precision),
+        "cpu_offload": {"offload_params": True} if config.offload else None,
+        "auto_wrap_policy": {"ModuleWrapPolicy": [block_class]},
+        "backward_prefetch": "BACKWARD_PRE" if config.backward_prefetch else None,
+        "forward_prefetch": config.forward_prefetch,
+        "limit_all_gathers": config.limit_all_gathers,
+        # Needed for frozen + trainable params in one unit (LoRA) and for torch.compile; costs nothing.
+        "use_orig_params": True,
+        # Only needed when rank 0 alone loads weights or the model is built on the meta device.
+        "sync_module_states": False,
+    }
+
+
+def mesh_layout(config: FsdpConfig, n_gpus: int, gpus_per_node: int) -> dict:
+    """FSDP2 DeviceMesh: 1-D over all ranks, or 2-D (replicate, shard) for HSDP and plain replication."""
+    if config.sharding.is_hybrid:
+        return {"shape": [n_gpus // gpus_per_node, gpus_per_node], "dim_names": ["dp_replicate", "dp_shard"]}
+    if config.sharding is Sharding.NO_SHARD:
+        return {"shape": [n_gpus, 1], "dim_names": ["dp_replicate", "dp_shard"]}
+    return {"shape": [n_gpus], "dim_names": ["dp_shard"]}
+
+
+def fully_shard_options(config: FsdpConfig) -> dict:
+    """Keyword arguments of FSDP2's fully_shard for each block (the mesh comes from mesh_layout)."""
+    mp = mixed_precision_dtypes(config.precision)
+    return {
+        "reshard_after_forward": config.sharding.reshards_after_forward or config.sharding is Sharding.NO_SHARD,
+        "mp_policy": None if mp is None else {"param_dtype": mp["param_dtype"], "reduce_dtype": mp["reduce_dtype"]},
+        "offload_policy": "CPUOffloadPolicy" if config.offload else None,
+    }

@@ -1,0 +1,54 @@
+"""Efficiency coefficients of the cost model, as plain data.
+
+Defaults come from public measurements (shared/reference/published.md, hardware.md); `fsdp-plan
+calibrate` fits them to a user's cluster and saves them as a profile file that replaces these.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from .units import GiB
+
+
+def _default_compute_efficiency() -> dict:
+    # Achieved fraction of dense peak for the transformer's matmul-heavy step (hardware FLOPs, i.e.
+    # recompute included). bf16/fp16: least-squares fit to torchtitan's five FSDP2 rows on 64 x A100
+    # (published.md) -> 0.64; see tests/golden/test_published.py for each row's error. fp32 (no TF32):
+    # CUDA-core GEMMs reach ~85-90% of their much lower peak; 0.8 is a stated guess until calibrated.
+    return {"bf16": 0.64, "fp16": 0.64, "fp32": 0.80}
+
+
+@dataclass(frozen=True)
+class Profile:
+    compute_efficiency: dict = field(default_factory=_default_compute_efficiency)
+    # Achieved fraction of the catalog's bus bandwidth. The intra-node catalog figures are already
+    # measured NCCL bus bandwidths (1.0); inter-node: 86 of ~100 GB/s measured (hardware.md).
+    intra_node_comm_efficiency: float = 1.0
+    inter_node_comm_efficiency: float = 0.85
+    # Per-hop latency of a ring step (NCCL LL/Simple protocols are a few microseconds per hop).
+    intra_node_latency_s: float = 5e-6
+    inter_node_latency_s: float = 15e-6
+    # Fixed host-side cost per micro-step: kernel launches and hooks, data loading.
+    microstep_overhead_s: float = 0.01
+    # Memory outside PyTorch's allocator: CUDA context and library workspaces (0.5-1 GB, hardware.md).
+    cuda_context_bytes: int = int(0.75 * GiB)
+    # Caching-allocator reserved / allocated - 1 at the peak (fragmentation, FSDP paper section 7).
+    fragmentation: float = 0.05
+    # Fraction of HBM bandwidth the elementwise optimizer step achieves.
+    optimizer_hbm_efficiency: float = 0.7
+    # Parameters per second one rank's CPU optimizer step updates (CPU offload); issue 74588 reports
+    # 3-10x slower steps with torch.optim.Adam on the CPU.
+    cpu_optimizer_params_per_s: float = 4e8
+    # Achieved fraction of PCIe bandwidth for offload copies (pinned memory).
+    pcie_efficiency: float = 0.8
+    source: str = "defaults (published measurements)"
+
+    def efficiency(self, dtype: str) -> float:
+        return self.compute_efficiency.get(dtype, self.compute_efficiency["bf16"])
+
+    def with_updates(self, **changes) -> "Profile":
+        return replace(self, **changes)
+
+
+DEFAULT_PROFILE = Profile()

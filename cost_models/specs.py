@@ -1,0 +1,304 @@
+"""The planner's vocabulary: frozen dataclasses validated on construction.
+
+ModelSpec (what is trained), GpuSpec and ClusterSpec (where), TrainingSpec (how much data, which
+optimizer, full or LoRA fine-tuning) and FsdpConfig (the FSDP knobs a candidate sets). Bad values raise
+SpecError naming the field and the valid choices; the CLI turns that into one line and exit code 2.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+
+class SpecError(ValueError):
+    """A field holds a value the planner cannot use. `field` names it, the message says what is valid."""
+
+    def __init__(self, field_name: str, message: str):
+        super().__init__(f"{field_name}: {message}")
+        self.field = field_name
+
+
+def _choices(enum_cls) -> str:
+    return ", ".join(m.value for m in enum_cls)
+
+
+def parse_enum(enum_cls, value, field_name: str):
+    """Enum member from its value (case-insensitive), or SpecError listing the valid values."""
+    if isinstance(value, enum_cls):
+        return value
+    text = str(value).strip()
+    for member in enum_cls:
+        if member.value.lower() == text.lower() or member.name.lower() == text.lower().replace("-", "_"):
+            return member
+    raise SpecError(field_name, f"unknown value {value!r}; choose one of: {_choices(enum_cls)}")
+
+
+class Sharding(str, Enum):
+    FULL_SHARD = "FULL_SHARD"
+    SHARD_GRAD_OP = "SHARD_GRAD_OP"
+    NO_SHARD = "NO_SHARD"
+    HYBRID_SHARD = "HYBRID_SHARD"
+    HYBRID_SHARD_ZERO2 = "HYBRID_SHARD_ZERO2"
+
+    @property
+    def is_hybrid(self) -> bool:
+        return self in (Sharding.HYBRID_SHARD, Sharding.HYBRID_SHARD_ZERO2)
+
+    @property
+    def reshards_after_forward(self) -> bool:
+        """FULL_SHARD-like strategies free gathered params after each unit's forward (ZeRO-3)."""
+        return self in (Sharding.FULL_SHARD, Sharding.HYBRID_SHARD)
+
+
+class Precision(str, Enum):
+    FP32 = "fp32"            # everything fp32 (no TF32: PyTorch's default for matmuls)
+    BF16 = "bf16"            # fp32 master params, bf16 compute, fp32 gradient reduction
+    BF16_PURE = "bf16-pure"  # params, grads, optimizer state and reduction all bf16
+    FP16 = "fp16"            # fp32 master params, fp16 compute, fp32 reduction, ShardedGradScaler
+
+    @property
+    def compute_dtype(self) -> str:
+        return {"fp32": "fp32", "bf16": "bf16", "bf16-pure": "bf16", "fp16": "fp16"}[self.value]
+
+    @property
+    def param_dtype(self) -> str:
+        """dtype of the stored (sharded) parameters and their gradients."""
+        return "bf16" if self is Precision.BF16_PURE else "fp32"
+
+    @property
+    def reduce_dtype(self) -> str:
+        return "bf16" if self is Precision.BF16_PURE else "fp32"
+
+    @property
+    def mixed(self) -> bool:
+        """True when compute uses a cast copy of the stored params (FSDP MixedPrecision)."""
+        return self in (Precision.BF16, Precision.FP16)
+
+
+class Optimizer(str, Enum):
+    ADAMW = "adamw"
+    ADAM = "adam"
+    SGD = "sgd"               # with momentum
+    ADAMW_8BIT = "adamw-8bit"  # bitsandbytes-style: two 1-byte states per parameter
+
+    def state_bytes_per_param(self, param_dtype: str) -> float:
+        """Persistent optimizer state per trainable parameter (ZeRO paper, formulas.md)."""
+        width = 4 if param_dtype == "fp32" else 2
+        return {"adamw": 2 * width, "adam": 2 * width, "sgd": width, "adamw-8bit": 2}[self.value]
+
+
+class Attention(str, Enum):
+    SDPA = "sdpa"    # fused kernels: no s^2 score storage
+    EAGER = "eager"  # explicit softmax(QK^T): stores a*s^2 scores per sequence and layer
+
+
+class Finetune(str, Enum):
+    FULL = "full"
+    LORA = "lora"
+
+
+def parse_activation_checkpointing(value) -> int:
+    """'none' -> 0, 'full' -> 1, 'every-K' -> K (checkpoint one block in every K)."""
+    if isinstance(value, int):
+        if value < 0:
+            raise SpecError("activation_checkpointing", "must be none, full or every-K with K >= 1")
+        return value
+    text = str(value).strip().lower()
+    if text in ("none", "no", "off", "0"):
+        return 0
+    if text in ("full", "all", "1"):
+        return 1
+    if text.startswith("every-") and text[6:].isdigit() and int(text[6:]) >= 1:
+        return int(text[6:])
+    raise SpecError("activation_checkpointing", f"unknown value {value!r}; choose one of: none, full, every-K (K >= 1)")
+
+
+def format_activation_checkpointing(ac_every: int) -> str:
+    return {0: "none", 1: "full"}.get(ac_every, f"every-{ac_every}")
+
+
+def _positive(field_name: str, value, allow_zero: bool = False) -> None:
+    if value is None or value < 0 or (value == 0 and not allow_zero):
+        raise SpecError(field_name, f"must be {'>= 0' if allow_zero else '> 0'}, got {value}")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A decoder (or encoder) transformer: L identical blocks plus a root (embeddings, final norm, head).
+
+    Parameter counts are exact (they equal sum(p.numel()) of the torch model built from the same
+    config); the shape fields drive FLOPs and activation memory.
+    """
+
+    name: str
+    family: str              # HF model_type for activation accounting: llama, mistral, qwen2, phi3, gpt2, gpt_neox, opt, bloom, falcon, mpt, bert; generic
+    n_layers: int
+    hidden_size: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    ffn_hidden_size: int
+    vocab_size: int
+    block_params: int        # parameters of one block
+    embedding_params: int    # token (+ position, token-type) embedding tables
+    head_params: int         # untied output projection (0 when tied to the embeddings)
+    root_other_params: int   # final norm, pooler, MLM transform: root params that are not embeddings/head
+    block_class: str         # module class repeated L times: the auto-wrap unit
+    gated_mlp: bool = False          # SwiGLU-style: gate and up projections
+    norm: str = "layernorm"          # layernorm | rmsnorm (eager, fp32 upcast) | fused_rmsnorm
+    activation: str = "gelu"         # silu | gelu | gelu_new | relu | gelu_tanh
+    parallel_block: bool = False     # attention and MLP read the same normed input (GPT-J/NeoX/Falcon)
+    tied_embeddings: bool = False
+    dropout: bool = False            # dropout with p > 0 in training (masks are saved for backward)
+    causal: bool = True              # False for encoders (BERT): no causal LM loss shift
+    lora_target_shapes: tuple[tuple[int, int], ...] = ()  # (in, out) of each block linear LoRA adapts
+    max_seq_len: int = 0             # 0 = unknown / unlimited (rotary, ALiBi)
+
+    def __post_init__(self):
+        for name in ("n_layers", "hidden_size", "n_heads", "n_kv_heads", "head_dim", "ffn_hidden_size",
+                     "vocab_size", "block_params"):
+            _positive(f"model.{name}", getattr(self, name))
+        for name in ("embedding_params", "head_params", "root_other_params"):
+            _positive(f"model.{name}", getattr(self, name), allow_zero=True)
+        if self.n_heads % self.n_kv_heads:
+            raise SpecError("model.n_kv_heads", f"{self.n_kv_heads} does not divide n_heads={self.n_heads}")
+
+    @property
+    def root_params(self) -> int:
+        """Parameters outside the repeated blocks: they form the root FSDP unit."""
+        return self.embedding_params + self.head_params + self.root_other_params
+
+    @property
+    def n_params(self) -> int:
+        return self.n_layers * self.block_params + self.root_params
+
+    @property
+    def kv_dim(self) -> int:
+        return self.n_kv_heads * self.head_dim
+
+    @property
+    def q_dim(self) -> int:
+        return self.n_heads * self.head_dim
+
+    def lora_params_per_block(self, rank: int) -> int:
+        return sum(rank * (i + o) for i, o in self.lora_target_shapes)
+
+
+@dataclass(frozen=True)
+class GpuSpec:
+    id: str
+    name: str
+    memory_bytes: int
+    hbm_bytes_per_s: float
+    peak_flops: dict = field(default_factory=dict)  # dtype -> dense FLOP/s ("bf16", "fp16", "fp32")
+    intra_node_bus_bytes_per_s: float = 0.0          # NCCL bus bandwidth inside a node
+    pcie_bytes_per_s: float = 25e9                   # host<->device, per direction, per GPU
+    default_internode_gbit_per_s: float = 1600.0     # per node, all NICs together
+    default_cpu_ram_bytes_per_node: int = 0          # the usual server for this GPU; 0 = unknown
+    source: str = ""
+
+    def __post_init__(self):
+        _positive("gpu.memory_bytes", self.memory_bytes)
+        _positive("gpu.hbm_bytes_per_s", self.hbm_bytes_per_s)
+        _positive("gpu.intra_node_bus_bytes_per_s", self.intra_node_bus_bytes_per_s)
+        _positive("gpu.pcie_bytes_per_s", self.pcie_bytes_per_s)
+
+    def supports(self, dtype: str) -> bool:
+        return self.peak_flops.get(dtype, 0) > 0
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    gpu: GpuSpec
+    n_gpus: int
+    gpus_per_node: int
+    internode_bytes_per_s: float     # per node, shared by its GPUs
+    cpu_ram_bytes_per_node: int = 0  # 0 = unknown: offload RAM is reported, not checked
+
+    def __post_init__(self):
+        _positive("gpus", self.n_gpus)
+        _positive("gpus_per_node", self.gpus_per_node)
+        _positive("internode_gbps", self.internode_bytes_per_s)
+        _positive("cpu_ram_per_node", self.cpu_ram_bytes_per_node, allow_zero=True)
+        if self.gpus_per_node > self.n_gpus:
+            raise SpecError("gpus_per_node", f"{self.gpus_per_node} is more than gpus={self.n_gpus}")
+
+    @property
+    def n_nodes(self) -> int:
+        return -(-self.n_gpus // self.gpus_per_node)
+
+
+@dataclass(frozen=True)
+class TrainingSpec:
+    seq_len: int = 2048
+    global_batch: int | None = None   # sequences per optimizer step; None = micro-batch x GPUs x accumulation
+    optimizer: Optimizer = Optimizer.ADAMW
+    finetune: Finetune = Finetune.FULL
+    lora_rank: int = 16
+
+    def __post_init__(self):
+        _positive("seq_len", self.seq_len)
+        if self.global_batch is not None:
+            _positive("global_batch", self.global_batch)
+        _positive("lora_rank", self.lora_rank)
+        object.__setattr__(self, "optimizer", parse_enum(Optimizer, self.optimizer, "optimizer"))
+        object.__setattr__(self, "finetune", parse_enum(Finetune, self.finetune, "finetune"))
+
+
+@dataclass(frozen=True)
+class FsdpConfig:
+    """One candidate: the knobs FSDP exposes, plus micro-batch and accumulation.
+
+    Wrapping is always one unit per repeated block plus the root (torchtitan's layout), which is what
+    every emitted config does.
+    """
+
+    sharding: Sharding = Sharding.FULL_SHARD
+    precision: Precision = Precision.BF16
+    offload: bool = False
+    ac_every: int = 0                 # 0 none, 1 every block, K every K-th block
+    micro_batch: int = 1
+    grad_accum: int = 1
+    attention: Attention = Attention.SDPA
+    backward_prefetch: bool = True    # BackwardPrefetch.BACKWARD_PRE (FSDP2 always prefetches)
+    forward_prefetch: bool = False
+    limit_all_gathers: bool = True    # FSDP1 rate limiter: at most two all-gathers in flight
+
+    def __post_init__(self):
+        object.__setattr__(self, "sharding", parse_enum(Sharding, self.sharding, "sharding"))
+        object.__setattr__(self, "precision", parse_enum(Precision, self.precision, "precision"))
+        object.__setattr__(self, "attention", parse_enum(Attention, self.attention, "attention"))
+        object.__setattr__(self, "ac_every", parse_activation_checkpointing(self.ac_every))
+        _positive("micro_batch", self.micro_batch)
+        _positive("grad_accum", self.grad_accum)
+
+    @property
+    def activation_checkpointing(self) -> str:
+        return format_activation_checkpointing(self.ac_every)
+
+    def shard_group_size(self, cluster: ClusterSpec) -> int:
+        """d: ranks that share one copy of the model state."""
+        if self.sharding is Sharding.NO_SHARD:
+            return 1
+        if self.sharding.is_hybrid:
+            return cluster.gpus_per_node
+        return cluster.n_gpus
+
+    def replicate_group_size(self, cluster: ClusterSpec) -> int:
+        """r: copies of the model state (data-parallel replicas of the shard group)."""
+        return cluster.n_gpus // self.shard_group_size(cluster)
+
+    def to_dict(self) -> dict:
+        return {
+            "sharding": self.sharding.value,
+            "precision": self.precision.value,
+            "offload": self.offload,
+            "activation_checkpointing": self.activation_checkpointing,
+            "micro_batch": self.micro_batch,
+            "grad_accum": self.grad_accum,
+            "attention": self.attention.value,
+            "backward_prefetch": self.backward_prefetch,
+            "forward_prefetch": self.forward_prefetch,
+            "limit_all_gathers": self.limit_all_gathers,
+        }

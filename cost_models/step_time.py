@@ -1,0 +1,156 @@
+"""Step time: per-unit compute overlapped with FSDP's collectives, plus offload and the optimizer step.
+
+Per micro-step, unit by unit (formulas.md, "Overlap"): in forward the next block's all-gather runs
+during the current block's compute; in backward the next block's all-gather (backward prefetch) and the
+previous block's reduce-scatter (and HSDP's all-reduce across replicas) run during the current block's
+backward. A unit's exposed communication is max(0, comm - compute); the root's all-gather before the
+first block and the last reduce-scatter are always exposed. Without backward prefetch the backward
+all-gathers are not overlapped. Gradient accumulation repeats the micro-step; sharded strategies
+reduce-scatter every micro-step (no gathered gradients are kept), NO_SHARD all-reduces only on the
+last (no_sync). CPU offload adds host<->device copies of every unit's shard and the CPU optimizer
+step. Ignored: kernel-level compute/communication contention, stragglers, data loading.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+from . import comm
+from .compute import (attention_flops_per_token_per_layer, mfu_flops_per_token, model_flops_per_token,
+                      recompute_flops_per_token)
+from .memory import ParamCounts
+from .profile import Profile
+from .specs import Attention, ClusterSpec, FsdpConfig, ModelSpec, Sharding, TrainingSpec
+from .units import DTYPE_BYTES
+
+
+@dataclass(frozen=True)
+class TimeBreakdown:
+    compute_s: float             # all micro-steps, recompute included
+    recompute_s: float           # the part of compute_s spent re-running checkpointed forwards
+    exposed_comm_s: float        # communication not hidden behind compute
+    total_comm_s: float          # all collective time, hidden or not (for information)
+    offload_copy_s: float        # CPU offload host<->device copies
+    optimizer_s: float           # the optimizer step (GPU, or CPU with offload)
+    overhead_s: float            # fixed per micro-step cost
+    step_s: float
+    tokens_per_s_per_gpu: float
+    mfu: float                   # model FLOPs (torchtitan's count, no recompute) / (step time * peak)
+    hfu: float                   # executed FLOPs (recompute included) / (step time * peak)
+
+    def to_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def _shard_tiers(config: FsdpConfig, cluster: ClusterSpec, profile: Profile):
+    """(shard-group tier, replicate-group tier) for the configuration's process groups."""
+    d = config.shard_group_size(cluster)
+    shard_spans_nodes = d > cluster.gpus_per_node
+    shard = comm.Tier.for_group(cluster, profile, spans_nodes=shard_spans_nodes)
+    replicate = comm.Tier.for_group(cluster, profile, spans_nodes=cluster.n_nodes > 1,
+                                    groups_sharing_nics=min(d, cluster.gpus_per_node))
+    return shard, replicate
+
+
+def estimate_step_time(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, config: FsdpConfig,
+                       profile: Profile) -> TimeBreakdown:
+    gpu = cluster.gpu
+    precision = config.precision
+    dtype = precision.compute_dtype
+    peak = gpu.peak_flops[dtype]
+    flops_per_s = peak * profile.efficiency(dtype)
+    c = DTYPE_BYTES[dtype]
+    p = DTYPE_BYTES[precision.param_dtype]
+    r = DTYPE_BYTES[precision.reduce_dtype]
+    L = model.n_layers
+    d = config.shard_group_size(cluster)
+    n_replicas = config.replicate_group_size(cluster)
+    counts = ParamCounts.of(model, training)
+    tokens = config.micro_batch * training.seq_len
+
+    # --- compute per micro-step -----------------------------------------------------------------------
+    model_flops = model_flops_per_token(model, training) * tokens
+    recompute_flops = recompute_flops_per_token(model, training, config) * tokens
+    compute_s = (model_flops + recompute_flops) / flops_per_s
+    recompute_s = recompute_flops / flops_per_s
+    if config.attention is Attention.EAGER:
+        # Eager attention streams a*s^2 score tensors through HBM: write scores, softmax read/write
+        # (fp32), read probabilities for P@V, and about twice that in backward.
+        score_bytes = L * config.micro_batch * model.n_heads * training.seq_len ** 2 * (3 * c + 8) * 3
+        compute_s += score_bytes / (gpu.hbm_bytes_per_s * profile.optimizer_hbm_efficiency)
+    block_model_flops = (2 * counts.block() + attention_flops_per_token_per_layer(model, training.seq_len) / 3) * tokens
+    block_fwd_s = block_model_flops / flops_per_s
+    block_bwd_s = 2 * block_fwd_s + (recompute_s / L)
+
+    # --- collectives per micro-step --------------------------------------------------------------------
+    shard_tier, replicate_tier = _shard_tiers(config, cluster, profile)
+    block_gather = counts.block() * c
+    block_reduce = counts.trainable_block * r
+    root_gather = counts.root() * c
+    root_reduce = counts.trainable_root * r
+    if config.sharding is Sharding.NO_SHARD:
+        ag = 0.0
+        rs = comm.all_reduce_s(block_reduce, n_replicas, replicate_tier)
+        root_ag = 0.0
+        root_rs = comm.all_reduce_s(root_reduce, n_replicas, replicate_tier)
+        sync_every_microstep = False
+    else:
+        ag = comm.all_gather_s(block_gather, d, shard_tier)
+        rs = comm.reduce_scatter_s(block_reduce, d, shard_tier)
+        rs += comm.all_reduce_s(block_reduce / d, n_replicas, replicate_tier)
+        root_ag = comm.all_gather_s(root_gather, d, shard_tier)
+        root_rs = comm.reduce_scatter_s(root_reduce, d, shard_tier) + comm.all_reduce_s(
+            root_reduce / d, n_replicas, replicate_tier)
+        sync_every_microstep = True
+    gathers_in_backward = config.sharding in (Sharding.FULL_SHARD, Sharding.HYBRID_SHARD)
+    bwd_ag = ag if gathers_in_backward else 0.0
+
+    fwd_exposed = root_ag + ag + (L - 1) * max(0.0, ag - block_fwd_s)
+
+    def backward_exposed(reduce_s: float) -> float:
+        if config.backward_prefetch:
+            per_block = max(0.0, bwd_ag + reduce_s - block_bwd_s)
+        else:
+            per_block = bwd_ag + max(0.0, reduce_s - block_bwd_s)
+        return L * per_block + reduce_s + root_rs
+
+    accum = config.grad_accum
+    if sync_every_microstep:
+        exposed = accum * (fwd_exposed + backward_exposed(rs))
+        total_comm = accum * (root_ag + root_rs + L * (ag + bwd_ag + rs))
+    else:
+        exposed = accum * fwd_exposed + (accum - 1) * backward_exposed(0.0) + backward_exposed(rs)
+        total_comm = accum * (root_ag + L * (ag + bwd_ag)) + root_rs + L * rs
+
+    # --- CPU offload and optimizer step ---------------------------------------------------------------
+    trainable_shard = counts.trainable(L) / d
+    stored_shard_bytes = (counts.trainable(L) * p + counts.frozen(L) * (c if precision.mixed else p)) / d
+    opt_bytes = training.optimizer.state_bytes_per_param(precision.param_dtype)
+    if config.offload:
+        gathers = 2 if gathers_in_backward else 1
+        copy_bytes = accum * (gathers * stored_shard_bytes + trainable_shard * p)
+        offload_copy_s = copy_bytes / (gpu.pcie_bytes_per_s * profile.pcie_efficiency)
+        optimizer_s = trainable_shard / profile.cpu_optimizer_params_per_s
+    else:
+        offload_copy_s = 0.0
+        # read/write params and states, read grads
+        touched = trainable_shard * (2 * p + p + 2 * opt_bytes)
+        optimizer_s = touched / (gpu.hbm_bytes_per_s * profile.optimizer_hbm_efficiency)
+
+    overhead_s = accum * profile.microstep_overhead_s
+    compute_total = accum * compute_s
+    step_s = compute_total + exposed + offload_copy_s + optimizer_s + overhead_s
+    tokens_per_step = accum * tokens
+    return TimeBreakdown(
+        compute_s=compute_total,
+        recompute_s=accum * recompute_s,
+        exposed_comm_s=exposed,
+        total_comm_s=total_comm,
+        offload_copy_s=offload_copy_s,
+        optimizer_s=optimizer_s,
+        overhead_s=overhead_s,
+        step_s=step_s,
+        tokens_per_s_per_gpu=tokens_per_step / step_s,
+        mfu=tokens_per_step * mfu_flops_per_token(model, training) / (step_s * peak),
+        hfu=accum * (model_flops + recompute_flops) / (step_s * peak),
+    )

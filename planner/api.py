@@ -1,0 +1,224 @@
+"""plan() and estimate(): the Python API the CLI forwards to.
+
+Arguments map one to one to the CLI flags. torch is imported only by the methods that return torch
+objects (Candidate.fsdp_kwargs, Candidate.apply_fully_shard).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from cost_models import fsdp_options
+from cost_models.evaluate import Evaluation, evaluate
+from cost_models.profile import DEFAULT_PROFILE, Profile
+from cost_models.specs import (Attention, ClusterSpec, FsdpConfig, ModelSpec, Precision, Sharding, SpecError,
+                               TrainingSpec, parse_enum)
+from cost_models.units import parse_bytes
+
+from .errors import PlannerError
+from .hardware import DEFAULT_GPU, make_cluster
+from .models import resolve_model
+from .search import SearchSpace, search, suggestions
+
+
+@dataclass
+class Candidate:
+    """One costed configuration, with its FSDP arguments."""
+
+    evaluation: Evaluation
+    model: ModelSpec
+    cluster: ClusterSpec
+    training: TrainingSpec
+
+    @property
+    def config(self) -> FsdpConfig:
+        return self.evaluation.config
+
+    @property
+    def fits(self) -> bool:
+        return self.evaluation.fits
+
+    @property
+    def reasons(self) -> tuple[str, ...]:
+        return self.evaluation.reasons
+
+    @property
+    def memory(self):
+        return self.evaluation.memory
+
+    @property
+    def time(self):
+        return self.evaluation.time
+
+    def fsdp1_options(self) -> dict:
+        return fsdp_options.fsdp1_options(self.config, self.model.block_class, self.cluster.gpus_per_node)
+
+    def fully_shard_options(self) -> dict:
+        opts = fsdp_options.fully_shard_options(self.config)
+        opts["mesh"] = fsdp_options.mesh_layout(self.config, self.cluster.n_gpus, self.cluster.gpus_per_node)
+        return opts
+
+    def fsdp_kwargs(self, module=None, *, device_id=None) -> dict:
+        """Keyword arguments for FullyShardedDataParallel(module, **kwargs): real torch objects.
+
+        The wrap policy uses the block class detected in `module` when given, else the class named by the
+        model spec (looked up among the module's submodules).
+        """
+        from calibration.apply import fsdp1_kwargs
+
+        return fsdp1_kwargs(self.config, _block_classes(self.model, module),
+                            gpus_per_node=self.cluster.gpus_per_node, device_id=device_id)
+
+    def apply_fully_shard(self, module, mesh=None):
+        """Apply FSDP2 to `module` unit by unit (blocks, then root) as the emitted code does."""
+        from calibration.apply import apply_fsdp2, make_mesh
+
+        if mesh is None:
+            import torch
+
+            device_type = "cuda" if torch.cuda.is_available() else "cpu"
+            mesh = make_mesh(self.config, self.cluster.n_gpus, self.cluster.gpus_per_node, device_type)
+        return apply_fsdp2(module, self.config, _block_classes(self.model, module), mesh)
+
+    def to_dict(self) -> dict:
+        m = self.memory
+        return {
+            "config": self.config.to_dict(),
+            "fits": self.fits,
+            "reasons": list(self.reasons),
+            "memory": {
+                "peak_allocated_bytes": m.peak_allocated_bytes,
+                "peak_reserved_bytes": m.peak_reserved_bytes,
+                "peak_phase": m.peak_phase,
+                "breakdown": m.breakdown.to_dict(),
+                "cpu_bytes_per_node": m.cpu_bytes_per_node,
+                "notes": list(m.notes),
+            },
+            "time": {
+                "step_s": self.time.step_s,
+                "tokens_per_s_per_gpu": self.time.tokens_per_s_per_gpu,
+                "mfu": self.time.mfu,
+                "breakdown": {k: v for k, v in self.time.to_dict().items()
+                              if k not in ("step_s", "tokens_per_s_per_gpu", "mfu", "hfu")},
+                "hfu": self.time.hfu,
+            },
+            "fsdp_kwargs": self.fsdp1_options(),
+            "fully_shard_kwargs": self.fully_shard_options(),
+        }
+
+
+def _block_classes(spec: ModelSpec, module) -> set:
+    if module is None:
+        raise PlannerError("module", "fsdp_kwargs needs the nn.Module to find its block class in")
+    from .models import block_classes_of
+
+    classes = {type(m) for m in module.modules() if type(m).__name__ == spec.block_class}
+    return classes or block_classes_of(module)
+
+
+@dataclass
+class Plan:
+    model: ModelSpec
+    cluster: ClusterSpec
+    training: TrainingSpec
+    candidates: list[Candidate]                          # fitting, best first
+    misses: list[Candidate] = field(default_factory=list)  # nearest misses first
+    suggestions: list[str] = field(default_factory=list)   # what would make the nearest miss fit
+    n_costed: int = 0
+    skipped: list[str] = field(default_factory=list)
+
+    @property
+    def best(self) -> Candidate | None:
+        return self.candidates[0] if self.candidates else None
+
+    def to_dict(self, top: int | None = None) -> dict:
+        shown = self.candidates[:top] if top else self.candidates
+        return {
+            "model": {"name": self.model.name, "n_params": self.model.n_params},
+            "cluster": {"gpu": self.cluster.gpu.id, "gpus": self.cluster.n_gpus,
+                        "gpus_per_node": self.cluster.gpus_per_node},
+            "candidates": [c.to_dict() for c in shown] or [c.to_dict() for c in self.misses[:top or 5]],
+            "suggestions": self.suggestions,
+            "n_costed": self.n_costed,
+        }
+
+
+def _training(seq_len, global_batch, optimizer, finetune, lora_rank) -> TrainingSpec:
+    return TrainingSpec(seq_len=seq_len, global_batch=global_batch, optimizer=optimizer, finetune=finetune,
+                        lora_rank=lora_rank)
+
+
+def _cluster(gpus, gpu, gpus_per_node, internode_gbps, gpu_memory, intra_node_gb_per_s, pcie_gb_per_s,
+             cpu_ram_per_node) -> ClusterSpec:
+    try:
+        memory = parse_bytes(gpu_memory) if gpu_memory is not None else None
+        ram = parse_bytes(cpu_ram_per_node) if cpu_ram_per_node is not None else None
+    except ValueError as exc:
+        raise PlannerError("gpu_memory" if gpu_memory is not None else "cpu_ram_per_node", str(exc)) from None
+    return make_cluster(gpus, gpu=gpu, gpus_per_node=gpus_per_node, internode_gbps=internode_gbps,
+                        gpu_memory=memory, intra_node_gb_per_s=intra_node_gb_per_s, pcie_gb_per_s=pcie_gb_per_s,
+                        cpu_ram_per_node=ram)
+
+
+def plan(model, gpus: int, *, gpu: str = DEFAULT_GPU, gpus_per_node: int | None = None,
+         internode_gbps: float | None = None, gpu_memory: str | int | None = None,
+         intra_node_gb_per_s: float | None = None, pcie_gb_per_s: float | None = None,
+         cpu_ram_per_node: str | int | None = None, seq_len: int = 2048, global_batch: int | None = None,
+         optimizer: str = "adamw", finetune: str = "full", lora_rank: int = 16,
+         precisions: list[str] | None = None, attention: str = "sdpa", profile: Profile | None = None,
+         space: SearchSpace | None = None) -> Plan:
+    """Search every candidate configuration and rank those that fit by throughput."""
+    spec = model if isinstance(model, ModelSpec) else resolve_model(model)
+    cluster = _cluster(gpus, gpu, gpus_per_node, internode_gbps, gpu_memory, intra_node_gb_per_s, pcie_gb_per_s,
+                       cpu_ram_per_node)
+    training = _training(seq_len, global_batch, optimizer, finetune, lora_rank)
+    profile = profile or DEFAULT_PROFILE
+    if space is None:
+        space = SearchSpace(
+            precisions=tuple(parse_enum(Precision, p, "precision") for p in precisions) if precisions else None,
+            attention=parse_enum(Attention, attention, "attention"))
+    result = search(spec, cluster, training, profile, space)
+    wrap = lambda e: Candidate(e, spec, cluster, training)  # noqa: E731
+    tips = suggestions(spec, cluster, training, profile, result.misses[0]) if not result.fitting and result.misses else []
+    return Plan(model=spec, cluster=cluster, training=training, candidates=[wrap(e) for e in result.fitting],
+                misses=[wrap(e) for e in result.misses], suggestions=tips, n_costed=result.n_costed,
+                skipped=result.skipped)
+
+
+def estimate(model, gpus: int, *, gpu: str = DEFAULT_GPU, gpus_per_node: int | None = None,
+             internode_gbps: float | None = None, gpu_memory: str | int | None = None,
+             intra_node_gb_per_s: float | None = None, pcie_gb_per_s: float | None = None,
+             cpu_ram_per_node: str | int | None = None, seq_len: int = 2048, global_batch: int | None = None,
+             optimizer: str = "adamw", finetune: str = "full", lora_rank: int = 16,
+             sharding: str = "FULL_SHARD", precision: str = "bf16", activation_checkpointing: str = "none",
+             micro_batch: int = 1, grad_accum: int | None = None, attention: str = "sdpa",
+             offload: bool = False, backward_prefetch: bool = True, forward_prefetch: bool = False,
+             limit_all_gathers: bool = True, profile: Profile | None = None) -> Candidate:
+    """Cost one explicit configuration."""
+    spec = model if isinstance(model, ModelSpec) else resolve_model(model)
+    cluster = _cluster(gpus, gpu, gpus_per_node, internode_gbps, gpu_memory, intra_node_gb_per_s, pcie_gb_per_s,
+                       cpu_ram_per_node)
+    training = _training(seq_len, global_batch, optimizer, finetune, lora_rank)
+    if grad_accum is None:
+        grad_accum = 1
+        if global_batch is not None:
+            per_step = micro_batch * cluster.n_gpus
+            if global_batch % per_step:
+                raise PlannerError("global_batch", f"{global_batch} is not a multiple of micro_batch x gpus "
+                                   f"= {per_step}")
+            grad_accum = global_batch // per_step
+    config = FsdpConfig(sharding=sharding, precision=precision, offload=offload,
+                        ac_every=activation_checkpointing, micro_batch=micro_batch, grad_accum=grad_accum,
+                        attention=attention, backward_prefetch=backward_prefetch,
+                        forward_prefetch=forward_prefetch, limit_all_gathers=limit_all_gathers)
+    if config.sharding.is_hybrid and cluster.n_gpus % cluster.gpus_per_node:
+        raise PlannerError("gpus_per_node", f"{config.sharding.value} needs gpus ({cluster.n_gpus}) divisible by "
+                           f"gpus_per_node ({cluster.gpus_per_node})")
+    if not cluster.gpu.supports(config.precision.compute_dtype):
+        supported = ", ".join(p.value for p in Precision if cluster.gpu.supports(p.compute_dtype))
+        raise PlannerError("precision", f"{cluster.gpu.id} has no {config.precision.compute_dtype} support; "
+                           f"choose one of: {supported}")
+    return Candidate(evaluate(spec, cluster, training, config, profile or DEFAULT_PROFILE), spec, cluster, training)
+
+
+__all__ = ["plan", "estimate", "Plan", "Candidate", "Sharding", "SpecError"]

@@ -1,0 +1,142 @@
+"""`fsdp-plan`: each command parses flags, calls the API, renders. Errors become one line and exit 2."""
+
+from __future__ import annotations
+
+import sys
+from typing import Annotated, Optional
+
+import typer
+from typer.exceptions import TyperException
+
+from cost_models.specs import SpecError
+from planner.cli_options import (AttentionOpt, CpuRam, Emit, FinetuneOpt, Format, FormatOpt, GlobalBatch, Gpu,
+                                 GpuMemory, Gpus, GpusPerNode, InternodeGbps, IntraNode, LoraRank, Model, Optim, Pcie,
+                                 SeqLen, cluster_and_training)
+
+app = typer.Typer(add_completion=False, no_args_is_help=False, pretty_exceptions_enable=False,
+                  rich_markup_mode=None,
+                  help="Plan PyTorch FSDP configurations: memory, step time, and the config to use.")
+
+
+@app.callback(invoke_without_command=True)
+def main_plan(
+    ctx: typer.Context,
+    model: Model = None, gpus: Gpus = None, gpus_per_node: GpusPerNode = None, gpu: Gpu = "a100-80gb",
+    internode_gbps: InternodeGbps = None, gpu_memory: GpuMemory = None, intra_node_gb_per_s: IntraNode = None,
+    pcie_gb_per_s: Pcie = None, cpu_ram_per_node: CpuRam = None,
+    seq_len: SeqLen = 2048, global_batch: GlobalBatch = None, optimizer: Optim = "adamw",
+    finetune: FinetuneOpt = "full", lora_rank: LoraRank = 16, attention: AttentionOpt = "sdpa",
+    precision: Annotated[Optional[list[str]], typer.Option("--precision", help="Precisions to search (repeatable)")] = None,
+    top: Annotated[int, typer.Option("--top", help="Candidates to show")] = 5,
+    output_format: FormatOpt = Format.table,
+    emit: Annotated[Optional[Emit], typer.Option("--emit", help="Print only this artifact of the best config")] = None,
+):
+    """Rank every FSDP configuration that fits; print the best as ready-to-use code."""
+    if ctx.invoked_subcommand is not None:
+        return
+    from planner import report
+    from planner.api import plan
+    from planner.emit import emit_artifact, recommendation_text
+
+    args = cluster_and_training(model, gpus, gpus_per_node, gpu, internode_gbps, gpu_memory, intra_node_gb_per_s,
+                                 pcie_gb_per_s, cpu_ram_per_node, seq_len, global_batch, optimizer, finetune,
+                                 lora_rank)
+    if top < 1:
+        raise SpecError("top", f"must be >= 1, got {top}")
+    p = plan(model, precisions=precision, attention=attention, **args)
+    if emit is not None:
+        if p.best is None:
+            raise SpecError("emit", "nothing fits, so there is no config to emit; run without --emit to see why")
+        typer.echo(emit_artifact(emit.value, p.best))
+        return
+    if output_format is Format.json:
+        typer.echo(report.plan_json(p, top))
+        return
+    typer.echo(report.plan_text(p, top))
+    if p.best is not None:
+        typer.echo("\n" + recommendation_text(p.best))
+
+
+@app.command("estimate")
+def estimate_cmd(
+    model: Model = None, gpus: Gpus = None, gpus_per_node: GpusPerNode = None, gpu: Gpu = "a100-80gb",
+    internode_gbps: InternodeGbps = None, gpu_memory: GpuMemory = None, intra_node_gb_per_s: IntraNode = None,
+    pcie_gb_per_s: Pcie = None, cpu_ram_per_node: CpuRam = None,
+    seq_len: SeqLen = 2048, global_batch: GlobalBatch = None, optimizer: Optim = "adamw",
+    finetune: FinetuneOpt = "full", lora_rank: LoraRank = 16, attention: AttentionOpt = "sdpa",
+    sharding: Annotated[str, typer.Option("--sharding", help="FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD, HYBRID_SHARD_ZERO2")] = "FULL_SHARD",
+    precision: Annotated[str, typer.Option("--precision", help="fp32, bf16, bf16-pure, fp16")] = "bf16",
+    activation_checkpointing: Annotated[str, typer.Option("--activation-checkpointing", help="none, full, every-K")] = "none",
+    micro_batch: Annotated[int, typer.Option("--micro-batch", help="Sequences per GPU per micro-step")] = 1,
+    grad_accum: Annotated[Optional[int], typer.Option("--grad-accum", help="Micro-steps per optimizer step")] = None,
+    offload: Annotated[bool, typer.Option("--offload/--no-offload", help="CPU offload of params, grads, optimizer")] = False,
+    backward_prefetch: Annotated[bool, typer.Option("--backward-prefetch/--no-backward-prefetch")] = True,
+    limit_all_gathers: Annotated[bool, typer.Option("--limit-all-gathers/--no-limit-all-gathers")] = True,
+    output_format: FormatOpt = Format.table,
+):
+    """Cost one explicit configuration."""
+    from planner import report
+    from planner.api import estimate
+
+    args = cluster_and_training(model, gpus, gpus_per_node, gpu, internode_gbps, gpu_memory, intra_node_gb_per_s,
+                                 pcie_gb_per_s, cpu_ram_per_node, seq_len, global_batch, optimizer, finetune,
+                                 lora_rank)
+    c = estimate(model, sharding=sharding, precision=precision, activation_checkpointing=activation_checkpointing,
+                 micro_batch=micro_batch, grad_accum=grad_accum, attention=attention, offload=offload,
+                 backward_prefetch=backward_prefetch, limit_all_gathers=limit_all_gathers, **args)
+    typer.echo(report.estimate_json(c) if output_format is Format.json else report.estimate_text(c))
+
+
+@app.command("models")
+def models_cmd():
+    """List the model presets."""
+    from tabulate import tabulate
+
+    from planner.models import list_presets, load_preset
+
+    rows = []
+    for name in list_presets():
+        s = load_preset(name)
+        rows.append([name, f"{s.n_params / 1e9:.2f}B", s.n_layers, s.hidden_size, s.n_heads, s.n_kv_heads,
+                     s.vocab_size, s.block_class])
+    typer.echo(tabulate(rows, headers=["preset", "params", "layers", "hidden", "heads", "kv heads", "vocab",
+                                       "block"], disable_numparse=True))
+
+
+@app.command("gpus")
+def gpus_cmd():
+    """List the GPU catalog with sources."""
+    from tabulate import tabulate
+
+    from planner.hardware import gpu_catalog
+
+    rows = [[g.id, g.name, f"{g.memory_bytes / 2**30:.0f}", *(f"{g.peak_flops.get(k, 0) / 1e12:g}" for k in
+                                                            ("bf16", "fp16", "fp32")),
+             f"{g.intra_node_bus_bytes_per_s / 1e9:g}", g.source] for g in gpu_catalog().values()]
+    typer.echo(tabulate(rows, headers=["id", "name", "GiB", "bf16 TF", "fp16 TF", "fp32 TF", "bus GB/s", "source"],
+                        disable_numparse=True))
+
+
+def _fail(message: str) -> None:
+    typer.echo(f"error: {message}", err=True)
+    sys.exit(2)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Console entry point: typer's usage errors and our input errors become one line and exit code 2."""
+    try:
+        result = app(args=argv, standalone_mode=False)
+    except SpecError as exc:
+        _fail(str(exc))
+    except typer.Exit as exc:
+        sys.exit(exc.exit_code)
+    except typer.Abort:
+        _fail("aborted")
+    except TyperException as exc:  # typer's vendored click usage errors: bad or missing flags and values
+        _fail(exc.format_message().replace("\n", " "))
+    if isinstance(result, int) and result:  # --help and friends return an exit code
+        sys.exit(result)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,321 @@
+"""Text artifacts for a chosen plan: FSDP1 and FSDP2 code, an accelerate config, a torchrun command.
+
+Pure strings (no torch import). Every choice mirrors calibration/apply.py, the code path we measure:
+one FSDP unit per repeated block plus the root, mixed precision per Precision, activation checkpointing
+on blocks 0, K, 2K, ... The code snippets define `apply_fsdp(model, device=None)` and look the block class
+up by name, so they paste into any script that has built `model` and initialised the process group.
+"""
+
+from __future__ import annotations
+
+from cost_models import fsdp_options
+from cost_models.specs import ClusterSpec, FsdpConfig, ModelSpec, Precision, TrainingSpec
+
+_ACCELERATE_MIXED = {Precision.FP32: "no", Precision.BF16: "bf16", Precision.FP16: "fp16", Precision.BF16_PURE: "no"}
+RDZV_PORT = 29500
+_YAML_WORDS = {"no", "yes", "on", "off", "true", "false", "null", "y", "n"}
+
+
+# ---------------------------------------------------------------- shared helpers
+
+def _summary(config: FsdpConfig, model_spec: ModelSpec, cluster: ClusterSpec) -> list[str]:
+    """Comment lines naming the plan: model, cluster, every knob, and the batch it assumes."""
+    offload = "params+grads on CPU, optimizer step on CPU" if config.offload else "none"
+    return [
+        f"FSDP plan for {model_spec.name} on {cluster.n_gpus} x {cluster.gpu.name} "
+        f"({cluster.n_nodes} node(s) x {cluster.gpus_per_node})",
+        f"sharding {config.sharding.value}, precision {config.precision.value}, offload {offload}, "
+        f"activation checkpointing {config.activation_checkpointing}, attention {config.attention.value}",
+        f"micro-batch {config.micro_batch} per GPU, gradient accumulation {config.grad_accum}",
+    ]
+
+
+def _comment(lines: list[str]) -> str:
+    return "\n".join(f"# {line}" for line in lines)
+
+
+def _mixed_dtypes(precision: Precision) -> tuple[str, str] | None:
+    """(param_dtype, reduce_dtype) as torch expressions, or None when FSDP must not cast (fp32, bf16-pure)."""
+    names = fsdp_options.mixed_precision_dtypes(precision)
+    if names is None:
+        return None
+    return f"torch.{names['param_dtype']}", f"torch.{names['reduce_dtype']}"
+
+
+def _fsdp1_strategy(config: FsdpConfig, cluster: ClusterSpec) -> tuple[str, str]:
+    return fsdp_options.fsdp1_strategy(config, cluster.gpus_per_node)
+
+
+def _preamble(config: FsdpConfig, blocks_var: str, blocks_expr: str) -> list[str]:
+    """Body lines shared by both snippets: find the blocks (fail loudly on a wrong name), cast for bf16-pure."""
+    lines = [f"{blocks_var} = {blocks_expr}",
+             f"if not {blocks_var}:",
+             "    raise ValueError(f\"no {BLOCK_CLASS} in the model: check the block class name\")"]
+    if config.precision is Precision.BF16_PURE:
+        lines.append("model.to(torch.bfloat16)  # bf16-pure: params, grads, optimizer state and reductions in bf16")
+    return lines
+
+
+def _notes(config: FsdpConfig, training: TrainingSpec | None = None) -> list[str]:
+    """Caveats that change the training loop rather than the wrapping."""
+    notes = []
+    if config.precision is Precision.FP16:
+        notes.append("fp16 gradients underflow without loss scaling: use torch.distributed.fsdp.sharded_grad_scaler."
+                     "ShardedGradScaler (scaler.scale(loss).backward(); scaler.step(opt); scaler.update()). "
+                     "bf16 needs no scaler.")
+    if config.offload:
+        notes.append("offload: create the optimizer after wrapping; its step runs on the CPU (often the "
+                     "bottleneck), and CPU RAM per node must hold the params, grads and optimizer state.")
+    if training is not None and training.finetune.value == "lora":
+        notes.append("LoRA: apply the adapters (get_peft_model) before wrapping; frozen and trainable "
+                     "params may share a unit because use_orig_params is on.")
+    return notes
+
+
+def _ac_every_clause(config: FsdpConfig) -> str:
+    return "" if config.ac_every == 1 else f" if i % {config.ac_every} == 0"
+
+
+# ---------------------------------------------------------------- artifacts
+
+def emit_fsdp1(config: FsdpConfig, model_spec: ModelSpec, cluster: ClusterSpec) -> str:
+    """Python snippet wrapping a model with FSDP1 FullyShardedDataParallel."""
+    strategy, strategy_note = _fsdp1_strategy(config, cluster)
+    dtypes = _mixed_dtypes(config.precision)
+    mixed = "None" if dtypes is None else f"MixedPrecision(param_dtype={dtypes[0]}, reduce_dtype={dtypes[1]})"
+    prefetch = "BackwardPrefetch.BACKWARD_PRE" if config.backward_prefetch else "None"
+    imports = [
+        "import torch",
+        "from torch.distributed.fsdp import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy",
+        "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP",
+        "from torch.distributed.fsdp.wrap import ModuleWrapPolicy",
+    ]
+    ac = []
+    if config.ac_every:
+        imports.append("from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (\n"
+                       "    CheckpointImpl, apply_activation_checkpointing, checkpoint_wrapper)")
+        ac = [
+            f"# Activation checkpointing ({config.activation_checkpointing}) inside each block's unit, non-reentrant.",
+            f"checkpointed = {{block for i, block in enumerate(blocks){_ac_every_clause(config)}}}",
+            "apply_activation_checkpointing(",
+            "    model,",
+            "    checkpoint_wrapper_fn=lambda m: checkpoint_wrapper(m, checkpoint_impl=CheckpointImpl.NO_REENTRANT),",
+            "    check_fn=lambda m: m in checkpointed,",
+            ")",
+        ]
+    body = _preamble(config, "blocks", "[m for m in model.modules() if type(m).__name__ == BLOCK_CLASS]") + [
+        "if device is None:",
+        "    device = torch.device(\"cuda\", torch.cuda.current_device())  # set from LOCAL_RANK beforehand",
+        "model = FSDP(",
+        "    model,",
+        f"    sharding_strategy=ShardingStrategy.{strategy},{'  # ' + strategy_note if strategy_note else ''}",
+        f"    mixed_precision={mixed},{'  # buffers keep fp32' if dtypes else ''}",
+        f"    cpu_offload={'CPUOffload(offload_params=True)' if config.offload else 'None'},"
+        f"{'  # params and grads on CPU; there is no optimizer-only offload' if config.offload else ''}",
+        f"    backward_prefetch={prefetch},",
+        f"    forward_prefetch={config.forward_prefetch},"
+        f"{'  # issues the next all-gather early: static graphs only' if config.forward_prefetch else ''}",
+        f"    limit_all_gathers={config.limit_all_gathers},"
+        "  # rate limiter (<= 2 all-gathers in flight), not message merging",
+        "    auto_wrap_policy=ModuleWrapPolicy({type(blocks[0])}),  # one unit per block + the root",
+        "    use_orig_params=True,  # needed for LoRA/frozen params and torch.compile",
+        "    sync_module_states=False,  # every rank builds identical weights; True broadcasts rank 0's (more traffic)",
+        "    device_id=device,",
+        ")",
+    ] + ac + ["return model"]
+    return _render(config, model_spec, cluster, imports, body)
+
+
+def emit_fsdp2(config: FsdpConfig, model_spec: ModelSpec, cluster: ClusterSpec) -> str:
+    """Python snippet applying FSDP2 fully_shard torchtitan-style: each block, then the root."""
+    dtypes = _mixed_dtypes(config.precision)
+    imports = [
+        "import torch",
+        "import torch.distributed as dist",
+        "from torch.distributed.device_mesh import init_device_mesh",
+        "from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard",
+    ]
+    if config.ac_every:
+        imports.append("from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import "
+                       "CheckpointImpl, checkpoint_wrapper")
+    world = "dist.get_world_size()"
+    layout = fsdp_options.mesh_layout(config, cluster.n_gpus, cluster.gpus_per_node)
+    if len(layout["shape"]) == 1:
+        mesh = f"init_device_mesh(device_type, ({world},), mesh_dim_names=(\"dp_shard\",))"
+        mesh_note = "shard over all ranks"
+    else:
+        shard = layout["shape"][1]
+        mesh = (f"init_device_mesh(device_type, ({world} // {shard}, {shard}), "
+                "mesh_dim_names=(\"dp_replicate\", \"dp_shard\"))")
+        mesh_note = ("NO_SHARD: shard groups of 1, every rank a replica (DDP)" if shard == 1
+                     else "HSDP: shard inside a node, replicate across nodes")
+    reshard = fsdp_options.fully_shard_options(config)["reshard_after_forward"]
+    mp = "MixedPrecisionPolicy()" if dtypes is None else \
+        f"MixedPrecisionPolicy(param_dtype={dtypes[0]}, reduce_dtype={dtypes[1]})"
+    offload = ['fsdp_kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=device_type != "cpu")  '
+               '# params, grads, optimizer step on CPU'] if config.offload else []
+    loop = ["for i, name in enumerate(block_names):",
+            "    parent_name, _, attr = name.rpartition(\".\")",
+            "    parent = model.get_submodule(parent_name)",
+            "    block = getattr(parent, attr)"]
+    if config.ac_every:
+        wrap = ["block = checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT)",
+                "setattr(parent, attr, block)  # shard the wrapper: recompute stays inside the unit"]
+        note = f"# activation checkpointing ({config.activation_checkpointing}), non-reentrant"
+        if config.ac_every == 1:
+            loop += [f"    {note}"] + [f"    {line}" for line in wrap]
+        else:
+            loop += [f"    if i % {config.ac_every} == 0:  {note}"] + [f"        {line}" for line in wrap]
+    loop += ["    fully_shard(block, **fsdp_kwargs)",
+             "fully_shard(model, **fsdp_kwargs)  # root: embeddings, final norm, head"]
+    body = _preamble(config, "block_names",
+                     "[n for n, m in model.named_modules() if type(m).__name__ == BLOCK_CLASS]") + [
+        "device_type = \"cuda\" if device is None else torch.device(device).type",
+        f"mesh = {mesh}  # {mesh_note}",
+        "fsdp_kwargs = dict(",
+        "    mesh=mesh,",
+        f"    reshard_after_forward={reshard},  # "
+        + ("free gathered params after forward (ZeRO-3)" if reshard else "keep them for backward (ZeRO-2)"),
+        f"    mp_policy={mp},",
+        ")",
+        *offload,
+    ] + loop + ["return model"]
+    return _render(config, model_spec, cluster, imports, body)
+
+
+def _render(config, model_spec, cluster, imports: list[str], body: list[str]) -> str:
+    notes = _notes(config)
+    return "\n".join([
+        _comment(_summary(config, model_spec, cluster)),
+        *imports,
+        "",
+        f"BLOCK_CLASS = {model_spec.block_class!r}  # the repeated block: one FSDP unit each",
+        "",
+        "",
+        "def apply_fsdp(model, device=None):",
+        *(f"    {line}" if line else "" for line in body),
+        *([""] + [_comment(notes)] if notes else []),
+    ]) + "\n"
+
+
+def emit_accelerate(config: FsdpConfig, model_spec: ModelSpec, cluster: ClusterSpec,
+                    training: TrainingSpec | None = None) -> str:
+    """accelerate (1.x) config YAML, FSDP1 form, loadable by `accelerate launch --config_file`."""
+    strategy, strategy_note = _fsdp1_strategy(config, cluster)
+    strategy = strategy.lstrip("_")  # accelerate names it HYBRID_SHARD_ZERO2
+    mixed = _ACCELERATE_MIXED[config.precision]
+    ac_note = ""
+    if config.ac_every > 1:
+        ac_note = (f"accelerate checkpoints every block (the plan: {config.activation_checkpointing}); "
+                   "more recompute, less memory than planned")
+    fsdp = [
+        ("fsdp_version", 1, ""),
+        ("fsdp_sharding_strategy", strategy, strategy_note),
+        # accelerate 1.x reads the FSDP1 strategy from either key: keep both equal.
+        ("fsdp_reshard_after_forward", strategy, "the same setting under its newer accelerate name"),
+        ("fsdp_auto_wrap_policy", "TRANSFORMER_BASED_WRAP", "one unit per block + the root"),
+        ("fsdp_transformer_layer_cls_to_wrap", model_spec.block_class, ""),
+        ("fsdp_backward_prefetch", "BACKWARD_PRE" if config.backward_prefetch else "NO_PREFETCH", ""),
+        ("fsdp_forward_prefetch", config.forward_prefetch, "static graphs only" if config.forward_prefetch else ""),
+        ("fsdp_offload_params", config.offload, "params+grads on CPU, optimizer step on CPU" if config.offload else ""),
+        ("fsdp_use_orig_params", True, "needed for LoRA/frozen params and torch.compile"),
+        ("fsdp_cpu_ram_efficient_loading", True, "only rank 0 reads the checkpoint (transformers models)"),
+        ("fsdp_sync_module_states", True, "required by the line above: broadcasts rank 0's weights once"),
+        ("fsdp_state_dict_type", "SHARDED_STATE_DICT", "each rank saves its shard: no full gather on rank 0"),
+        ("fsdp_activation_checkpointing", config.ac_every > 0, ac_note),
+    ]
+    top = [
+        ("compute_environment", "LOCAL_MACHINE", ""),
+        ("debug", False, ""),
+        ("distributed_type", "FSDP", ""),
+        ("downcast_bf16", "no", ""),
+        ("enable_cpu_affinity", False, ""),
+        ("fsdp_config", fsdp, ""),
+        ("machine_rank", 0, "set 0..N-1 on each machine (or --machine_rank)" if cluster.n_nodes > 1 else ""),
+        ("main_training_function", "main", ""),
+        ("mixed_precision", mixed, _accelerate_precision_note(config.precision)),
+        ("num_machines", cluster.n_nodes, ""),
+        ("num_processes", cluster.n_gpus, "all GPUs on all machines"),
+        ("rdzv_backend", "static", ""),
+        ("use_cpu", False, ""),
+    ]
+    if cluster.n_nodes > 1:
+        top.insert(7, ("main_process_port", RDZV_PORT, ""))
+    header = _summary(config, model_spec, cluster) + _notes(config, training)
+    if cluster.n_nodes > 1:
+        header.append("multi-node: pass --main_process_ip <address of machine_rank 0> to accelerate launch")
+    if config.limit_all_gathers is False:
+        header.append("limit_all_gathers=False is not a config key: set it on FullyShardedDataParallelPlugin")
+    if config.grad_accum > 1:
+        header.append(f"gradient accumulation is not a config key: Accelerator(gradient_accumulation_steps="
+                      f"{config.grad_accum})")
+    return _comment(header) + "\n" + "\n".join(_yaml(top)) + "\n"
+
+
+def _accelerate_precision_note(precision: Precision) -> str:
+    if precision is Precision.BF16:
+        return ("accelerate reduces grads in bf16; for the planned fp32 reduction pass FullyShardedDataParallelPlugin("
+                "mixed_precision_policy={param_dtype: bf16, reduce_dtype: fp32, buffer_dtype: fp32})")
+    if precision is Precision.BF16_PURE:
+        return "bf16-pure: load the model in bf16 (dtype=torch.bfloat16); no autocast, no fp32 masters"
+    if precision is Precision.FP16:
+        return "accelerate adds the ShardedGradScaler itself"
+    return ""
+
+
+def _yaml(entries, indent: str = "") -> list[str]:
+    """Render (key, value, comment) entries; a list value is a nested mapping. Values are plain scalars
+    (names, numbers, booleans), so only YAML's boolean words need quoting."""
+    lines = []
+    for key, value, note in entries:
+        if isinstance(value, list):
+            lines.append(f"{indent}{key}:")
+            lines.extend(_yaml(value, indent + "  "))
+            continue
+        text = str(value).lower() if isinstance(value, bool) else str(value)
+        if text.lower() in _YAML_WORDS and not isinstance(value, bool):
+            text = f"'{text}'"  # YAML 1.1 reads a bare no/yes/on/off as a boolean
+        lines.append(f"{indent}{key}: {text}" + (f"  # {note}" if note else ""))
+    return lines
+
+
+def emit_torchrun(config: FsdpConfig, model_spec: ModelSpec, cluster: ClusterSpec, script: str = "train.py") -> str:
+    """torchrun command line: standalone on one node, c10d rendezvous on $MASTER_ADDR across nodes."""
+    header = _summary(config, model_spec, cluster)
+    if cluster.n_nodes == 1:
+        command = f"torchrun --standalone --nproc_per_node {cluster.gpus_per_node} {script}"
+    else:
+        header.append(f"run the same command on each of the {cluster.n_nodes} nodes; "
+                      "MASTER_ADDR = the address of any one of them")
+        command = (f"torchrun --nnodes {cluster.n_nodes} --nproc_per_node {cluster.gpus_per_node} "
+                   f"--rdzv_backend c10d --rdzv_endpoint $MASTER_ADDR:{RDZV_PORT} --rdzv_id fsdp-plan {script}")
+    return _comment(header) + "\n" + command + "\n"
+
+
+# ---------------------------------------------------------------- for a planned candidate
+
+ARTIFACTS = ("fsdp1", "fsdp2", "accelerate", "torchrun")
+
+
+def emit_artifact(kind: str, candidate) -> str:
+    """One artifact (fsdp1, fsdp2, accelerate, torchrun) for a planner.api.Candidate."""
+    config, spec, cluster = candidate.config, candidate.model, candidate.cluster
+    if kind == "fsdp1":
+        return emit_fsdp1(config, spec, cluster)
+    if kind == "fsdp2":
+        return emit_fsdp2(config, spec, cluster)
+    if kind == "accelerate":
+        return emit_accelerate(config, spec, cluster, candidate.training)
+    if kind == "torchrun":
+        return emit_torchrun(config, spec, cluster)
+    raise ValueError(f"emit: unknown artifact {kind!r}; choose one of: {', '.join(ARTIFACTS)}")
+
+
+def recommendation_text(candidate) -> str:
+    """The recommended config as FSDP2 code plus the launch line; the other dialects are one flag away."""
+    return "\n".join([
+        "Recommended config (FSDP2; --emit fsdp1 | accelerate | torchrun for the other forms):",
+        "",
+        emit_fsdp2(candidate.config, candidate.model, candidate.cluster),
+        emit_torchrun(candidate.config, candidate.model, candidate.cluster),
+    ])

@@ -1,0 +1,77 @@
+"""The GPU catalog (planner/catalog/gpus.json) and cluster construction from user flags."""
+
+from __future__ import annotations
+
+import difflib
+import json
+from dataclasses import replace
+from functools import lru_cache
+from pathlib import Path
+
+from cost_models.specs import ClusterSpec, GpuSpec
+from cost_models.units import GB, GiB, MiB, TB, TFLOP, gbit_per_s_to_bytes_per_s
+
+from .errors import PlannerError
+
+_CATALOG = Path(__file__).parent / "catalog" / "gpus.json"
+DEFAULT_GPU = "a100-80gb"
+
+
+@lru_cache(maxsize=1)
+def gpu_catalog() -> dict[str, GpuSpec]:
+    entries = json.loads(_CATALOG.read_text())["gpus"]
+    return {
+        e["id"]: GpuSpec(
+            id=e["id"],
+            name=e["name"],
+            memory_bytes=e["memory_mib"] * MiB,
+            hbm_bytes_per_s=e["hbm_tb_per_s"] * TB,
+            peak_flops={k: v * TFLOP for k, v in e["tflops"].items()},
+            intra_node_bus_bytes_per_s=e["intra_node_bus_gb_per_s"] * GB,
+            pcie_bytes_per_s=e["pcie_gb_per_s"] * GB,
+            default_internode_gbit_per_s=e["internode_gbit_per_s"],
+            default_cpu_ram_bytes_per_node=e["cpu_ram_gib_per_node"] * GiB,
+            source=e["source"],
+        )
+        for e in entries
+    }
+
+
+def get_gpu(gpu_id: str) -> GpuSpec:
+    catalog = gpu_catalog()
+    key = str(gpu_id).strip().lower()
+    if key not in catalog:
+        close = difflib.get_close_matches(key, catalog, n=3, cutoff=0.4)
+        hint = f" (did you mean {', '.join(close)}?)" if close else ""
+        raise PlannerError("gpu", f"unknown GPU {gpu_id!r}{hint}; choose one of: {', '.join(catalog)}")
+    return catalog[key]
+
+
+def make_cluster(gpus: int, gpu: str = DEFAULT_GPU, gpus_per_node: int | None = None,
+                 internode_gbps: float | None = None, gpu_memory: int | None = None,
+                 intra_node_gb_per_s: float | None = None, pcie_gb_per_s: float | None = None,
+                 cpu_ram_per_node: int | None = None) -> ClusterSpec:
+    """A ClusterSpec from CLI-level values; every catalog figure can be overridden."""
+    if gpus is None or gpus < 1:
+        raise PlannerError("gpus", f"must be >= 1, got {gpus}")
+    spec = get_gpu(gpu)
+    overrides = {}
+    if gpu_memory is not None:
+        overrides["memory_bytes"] = gpu_memory
+    if intra_node_gb_per_s is not None:
+        overrides["intra_node_bus_bytes_per_s"] = intra_node_gb_per_s * GB
+    if pcie_gb_per_s is not None:
+        overrides["pcie_bytes_per_s"] = pcie_gb_per_s * GB
+    if overrides:
+        spec = replace(spec, **overrides)
+    per_node = gpus_per_node if gpus_per_node is not None else min(gpus, 8)
+    if per_node < 1:
+        raise PlannerError("gpus_per_node", f"must be >= 1, got {per_node}")
+    if per_node > gpus:
+        raise PlannerError("gpus_per_node", f"{per_node} is more than gpus={gpus}")
+    network = internode_gbps if internode_gbps is not None else spec.default_internode_gbit_per_s
+    if network <= 0:
+        raise PlannerError("internode_gbps", f"must be > 0, got {network}")
+    return ClusterSpec(gpu=spec, n_gpus=gpus, gpus_per_node=per_node,
+                       internode_bytes_per_s=gbit_per_s_to_bytes_per_s(network),
+                       cpu_ram_bytes_per_node=cpu_ram_per_node or spec.default_cpu_ram_bytes_per_node)

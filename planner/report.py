@@ -1,0 +1,100 @@
+"""Tables and text for people, JSON for scripts. The only place that formats units."""
+
+from __future__ import annotations
+
+import json
+
+from tabulate import tabulate
+
+from cost_models.units import GiB
+
+from .api import Candidate, Plan
+
+
+def gib(n_bytes: float) -> str:
+    return f"{n_bytes / GiB:.1f}"
+
+
+def _model_state_bytes(c: Candidate) -> int:
+    b = c.memory.breakdown
+    return b.sharded_params + b.sharded_grads + b.optimizer_state + b.optimizer_temporaries
+
+
+def _row(rank, c: Candidate) -> list:
+    cfg, b, t = c.config, c.memory.breakdown, c.time
+    return [
+        rank, cfg.sharding.value, cfg.precision.value, "yes" if cfg.offload else "no", cfg.activation_checkpointing,
+        cfg.micro_batch, cfg.grad_accum, "yes" if cfg.backward_prefetch else "no",
+        gib(c.memory.peak_reserved_bytes), gib(_model_state_bytes(c)),
+        gib(b.unsharded_params + b.unsharded_grads + b.collective_buffers), gib(b.activations),
+        gib(b.logits_and_loss), f"{t.step_s:.3f}", f"{t.tokens_per_s_per_gpu:,.0f}", f"{100 * t.mfu:.1f}%",
+    ]
+
+
+_HEADERS = ["#", "sharding", "precision", "offload", "act. ckpt", "micro", "accum", "bwd prefetch",
+            "peak GiB", "states GiB", "gathered GiB", "activ. GiB", "logits GiB", "step s", "tok/s/GPU", "MFU"]
+
+
+def candidates_table(candidates: list[Candidate], top: int) -> str:
+    return tabulate([_row(i + 1, c) for i, c in enumerate(candidates[:top])], headers=_HEADERS,
+                    tablefmt="simple", disable_numparse=True)
+
+
+def plan_text(p: Plan, top: int) -> str:
+    c0 = p.cluster
+    lines = [
+        f"{p.model.name}: {p.model.n_params / 1e9:.2f}B parameters, {p.model.n_layers} x {p.model.block_class}",
+        f"cluster: {c0.n_gpus} x {c0.gpu.name} ({gib(c0.gpu.memory_bytes)} GiB), {c0.gpus_per_node} per node, "
+        f"{c0.internode_bytes_per_s * 8 / 1e9:.0f} Gbit/s between nodes",
+        f"training: seq {p.training.seq_len}, {p.training.optimizer.value}, {p.training.finetune.value} fine-tuning"
+        + (f" (rank {p.training.lora_rank})" if p.training.finetune.value == "lora" else "")
+        + (f", global batch {p.training.global_batch}" if p.training.global_batch else ""),
+        f"costed {p.n_costed} configurations: {len(p.candidates)} fit, {len(p.misses)} nearest misses",
+        "",
+    ]
+    if p.candidates:
+        lines += [f"Top {min(top, len(p.candidates))} (ranked by tokens/s per GPU; peak = reserved incl. CUDA context):",
+                  candidates_table(p.candidates, top), ""]
+        best = p.best
+        if best.memory.notes:
+            lines += [f"note: {n}" for n in best.memory.notes] + [""]
+    else:
+        lines += ["Nothing fits. Nearest misses:", candidates_table(p.misses, top), ""]
+        lines += [f"  #{i + 1}: {'; '.join(c.reasons)}" for i, c in enumerate(p.misses[:top])]
+        lines += ["", "Would fit with:" if p.suggestions else "No single change makes the nearest miss fit."]
+        lines += [f"  - {s}" for s in p.suggestions]
+    for reason in p.skipped:
+        lines.append(f"skipped: {reason}")
+    return "\n".join(lines)
+
+
+def estimate_text(c: Candidate) -> str:
+    cfg, m, t = c.config, c.memory, c.time
+    rows = [[k, gib(v)] for k, v in m.breakdown.to_dict().items()]
+    rows += [["peak allocated", gib(m.peak_allocated_bytes)], ["peak reserved (+context, fragmentation)",
+                                                               gib(m.peak_reserved_bytes)]]
+    trows = [[k, f"{v:.4f}"] for k, v in t.to_dict().items() if k.endswith("_s")]
+    lines = [
+        f"{c.model.name} ({c.model.n_params / 1e9:.2f}B) on {c.cluster.n_gpus} x {c.cluster.gpu.id}: "
+        + ", ".join(f"{k}={v}" for k, v in cfg.to_dict().items()),
+        "",
+        f"Memory per GPU (GiB), peak in {m.peak_phase.replace('_', ' ')}:",
+        tabulate(rows, tablefmt="simple", disable_numparse=True),
+    ]
+    if m.cpu_bytes_per_node:
+        lines.append(f"CPU RAM per node for offloaded state: {gib(m.cpu_bytes_per_node)} GiB")
+    lines += ["", "Step time (s):", tabulate(trows, tablefmt="simple", disable_numparse=True),
+              f"tokens/s per GPU: {t.tokens_per_s_per_gpu:,.0f}   MFU: {100 * t.mfu:.1f}%", "",
+              "fits: yes" if c.fits else "fits: NO - " + "; ".join(c.reasons)]
+    lines += [f"note: {n}" for n in m.notes]
+    return "\n".join(lines)
+
+
+def estimate_json(c: Candidate) -> str:
+    d = c.to_dict()
+    out = {"model": {"name": c.model.name, "n_params": c.model.n_params}, **d}
+    return json.dumps(out, indent=2)
+
+
+def plan_json(p: Plan, top: int) -> str:
+    return json.dumps(p.to_dict(top), indent=2)

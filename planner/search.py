@@ -1,0 +1,176 @@
+"""Enumerate the candidate space, cost each candidate, rank what fits. No I/O.
+
+The space is strategy x precision x offload x activation checkpointing x micro-batch (with gradient
+accumulation to reach the global batch) x backward prefetch x rate limiter. Memory grows with the
+micro-batch, so once a micro-batch does not fit, larger ones with the same knobs are skipped (the first
+miss is kept: it is a "nearest miss" worth explaining).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field, replace
+
+from cost_models.evaluate import Evaluation, evaluate, unsupported_reasons
+from cost_models.profile import Profile
+from cost_models.specs import (Attention, ClusterSpec, FsdpConfig, ModelSpec, Precision, Sharding, TrainingSpec)
+
+MICRO_BATCHES = (1, 2, 4, 8, 16, 32, 64)
+AC_CHOICES = (0, 4, 2, 1)  # none, every 4th, every 2nd, every block
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    shardings: tuple[Sharding, ...] = tuple(Sharding)
+    precisions: tuple[Precision, ...] | None = None  # None: bf16, or fp16 where the GPU has no bf16
+    offload: tuple[bool, ...] = (False, True)
+    ac_every: tuple[int, ...] = AC_CHOICES
+    micro_batches: tuple[int, ...] = MICRO_BATCHES
+    backward_prefetch: tuple[bool, ...] = (True, False)
+    limit_all_gathers: tuple[bool, ...] = (True, False)
+    attention: Attention = Attention.SDPA
+
+    def precisions_for(self, cluster: ClusterSpec) -> tuple[Precision, ...]:
+        if self.precisions is not None:
+            return self.precisions
+        return (Precision.BF16,) if cluster.gpu.supports("bf16") else (Precision.FP16,)
+
+    def shardings_for(self, cluster: ClusterSpec) -> tuple[Sharding, ...]:
+        """HYBRID on one node is FULL_SHARD under another name; NO_SHARD-like choices need >1 GPU to differ."""
+        out = []
+        for s in self.shardings:
+            if s.is_hybrid and (cluster.n_nodes == 1 or cluster.n_gpus % cluster.gpus_per_node):
+                continue
+            out.append(s)
+        return tuple(out)
+
+
+@dataclass
+class SearchResult:
+    fitting: list[Evaluation]       # best first
+    misses: list[Evaluation]        # smallest overshoot first
+    n_costed: int
+    skipped: list[str] = field(default_factory=list)  # whole options left out, and why
+
+
+def _grad_accum_for(micro_batch: int, cluster: ClusterSpec, training: TrainingSpec) -> int | None:
+    """Accumulation steps to reach the global batch, or None when the micro-batch cannot reach it."""
+    if training.global_batch is None:
+        return 1
+    per_step = micro_batch * cluster.n_gpus
+    if training.global_batch % per_step:
+        return None
+    return training.global_batch // per_step
+
+
+def rank_key(e: Evaluation):
+    """Throughput first; on a tie, less memory, then the simpler config."""
+    return (-round(e.time.tokens_per_s_per_gpu, 6), e.memory.peak_reserved_bytes, e.config.ac_every,
+            e.config.offload)
+
+
+def _distinct(ranked: list[Evaluation]) -> list[Evaluation]:
+    """Keep the best of the candidates that differ only in prefetch / rate-limiter settings.
+
+    Those settings trade memory or exposed communication without changing what the user sees in the
+    table; the variants ranked lower are dominated (no faster, no smaller) and only add noise.
+    """
+    seen, out = set(), []
+    for e in ranked:
+        c = e.config
+        key = (c.sharding, c.precision, c.offload, c.ac_every, c.micro_batch, c.grad_accum)
+        if key not in seen:
+            seen.add(key)
+            out.append(e)
+    return out
+
+
+def overshoot(e: Evaluation) -> tuple[float, float]:
+    """How far a candidate is from fitting: the larger, then the sum, of GPU memory and CPU RAM needed
+    over available."""
+    ratios = [e.memory.peak_reserved_bytes / e.capacity_bytes]
+    if e.config.offload and e.memory.cpu_ram_capacity_bytes:
+        ratios.append(e.memory.cpu_bytes_per_node / e.memory.cpu_ram_capacity_bytes)
+    return max(ratios), sum(ratios)
+
+
+def describe(config: FsdpConfig) -> str:
+    """A config in the words of the CLI flags."""
+    parts = [config.sharding.value, config.precision.value, f"{config.activation_checkpointing} checkpointing",
+             f"micro-batch {config.micro_batch}"]
+    if config.offload:
+        parts.append("CPU offload")
+    return ", ".join(parts)
+
+
+def search(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, profile: Profile,
+           space: SearchSpace = SearchSpace()) -> SearchResult:
+    fitting: list[Evaluation] = []
+    misses: list[Evaluation] = []
+    skipped: list[str] = []
+    n_costed = 0
+    shardings = space.shardings_for(cluster)
+    if len(shardings) < len(space.shardings):
+        skipped.append("HYBRID strategies: single node (or GPUs not divisible by GPUs per node), "
+                       "where they equal FULL_SHARD / SHARD_GRAD_OP")
+    micro_batches = [mb for mb in space.micro_batches if _grad_accum_for(mb, cluster, training) is not None]
+    if not micro_batches:
+        skipped.append(f"every micro-batch: global batch {training.global_batch} is not a multiple of "
+                       f"micro-batch x {cluster.n_gpus} GPUs for any of {space.micro_batches}")
+    knobs = itertools.product(shardings, space.precisions_for(cluster), space.offload, space.ac_every,
+                              space.backward_prefetch, space.limit_all_gathers)
+    for sharding, precision, offload, ac, prefetch, limit in knobs:
+        if offload and sharding is Sharding.NO_SHARD:
+            continue  # FSDP offloads shards; with nothing sharded DDP-style offload is not offered
+        for mb in micro_batches:
+            config = FsdpConfig(sharding=sharding, precision=precision, offload=offload, ac_every=ac,
+                                micro_batch=mb, grad_accum=_grad_accum_for(mb, cluster, training),
+                                attention=space.attention, backward_prefetch=prefetch,
+                                limit_all_gathers=limit)
+            if unsupported_reasons(cluster, config):
+                break
+            e = evaluate(model, cluster, training, config, profile)
+            n_costed += 1
+            if e.fits:
+                fitting.append(e)
+            else:
+                misses.append(e)
+                break  # larger micro-batches need more memory
+    fitting = _distinct(sorted(fitting, key=rank_key))
+    misses = _distinct(sorted(misses, key=overshoot))
+    return SearchResult(fitting=fitting, misses=misses, n_costed=n_costed, skipped=skipped)
+
+
+def suggestions(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, profile: Profile,
+                miss: Evaluation) -> list[str]:
+    """What would make the nearest miss fit: more GPUs, offload, checkpointing, LoRA, shorter sequences."""
+    from cost_models.specs import Finetune  # local: only needed when nothing fits
+
+    out = []
+    config = miss.config
+    fs = replace(config, sharding=Sharding.FULL_SHARD)
+    n = cluster.n_gpus
+    for _ in range(12):  # up to 4096x more GPUs
+        n *= 2
+        bigger = replace(cluster, n_gpus=n, gpus_per_node=min(cluster.gpus_per_node, n))
+        fitting = [c for c in (replace(fs, offload=False), fs) if evaluate(model, bigger, training, c, profile).fits]
+        if fitting:
+            out.append(f"{n} GPUs with {describe(fitting[0])}")
+            break
+    if not config.offload and config.sharding is not Sharding.NO_SHARD:
+        if evaluate(model, cluster, training, replace(config, offload=True), profile).fits:
+            out.append("CPU offload (--offload): params, grads and optimizer state in CPU RAM; slower steps")
+    if config.ac_every != 1 and evaluate(model, cluster, training, replace(config, ac_every=1), profile).fits:
+        out.append("full activation checkpointing (--activation-checkpointing full)")
+    if training.finetune is not Finetune.LORA:
+        lora = replace(training, finetune=Finetune.LORA)
+        if evaluate(model, cluster, lora, config, profile).fits:
+            out.append(f"LoRA fine-tuning (--finetune lora --lora-rank {training.lora_rank}): frozen weights "
+                       "need no gradients or optimizer state")
+    seq = training.seq_len
+    while seq > 128:
+        seq //= 2
+        if evaluate(model, cluster, replace(training, seq_len=seq), config, profile).fits:
+            out.append(f"sequences of {seq} tokens (--seq-len {seq})")
+            break
+    return out

@@ -1,0 +1,95 @@
+"""The `fsdp-plan` command: outputs scripts can read, and one-line errors with exit code 2."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+CLI = [sys.executable, "-m", "planner.cli"]
+
+
+def run(*args):
+    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=120)
+
+
+def test_main_job_table_and_recommendation():
+    r = run("--model", "gpt-13b", "--gpus", "8")
+    assert r.returncode == 0, r.stderr
+    assert "gpt-13b" in r.stdout and "FULL_SHARD" in r.stdout and "tok/s/GPU" in r.stdout
+    assert "fully_shard(" in r.stdout  # the recommended config as FSDP2 code
+
+
+def test_plan_json_shape():
+    r = run("--model", "llama2-7b", "--gpus", "16", "--format", "json", "--top", "3")
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    assert d["model"] == {"name": "llama2-7b", "n_params": 6_738_415_616}
+    assert 1 <= len(d["candidates"]) <= 3
+    c = d["candidates"][0]
+    assert set(c) >= {"config", "fits", "reasons", "memory", "time", "fsdp_kwargs", "fully_shard_kwargs"}
+    assert c["fits"] is True
+    tps = [x["time"]["tokens_per_s_per_gpu"] for x in d["candidates"]]
+    assert tps == sorted(tps, reverse=True)  # best first
+
+
+def test_estimate_json_keys_and_values():
+    r = run("estimate", "--model", "llama2-70b", "--gpus", "64", "--seq-len", "4096", "--micro-batch", "2",
+            "--activation-checkpointing", "full", "--format", "json")
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    assert d["model"]["name"] == "llama2-70b"
+    assert d["config"]["activation_checkpointing"] == "full" and d["config"]["micro_batch"] == 2
+    m, t = d["memory"], d["time"]
+    assert set(m) >= {"peak_allocated_bytes", "peak_reserved_bytes", "breakdown", "cpu_bytes_per_node"}
+    assert set(t) >= {"step_s", "tokens_per_s_per_gpu", "mfu", "breakdown"}
+    assert m["peak_reserved_bytes"] > m["peak_allocated_bytes"] == sum(m["breakdown"].values())
+    assert d["fits"] is True and d["reasons"] == []
+    assert t["tokens_per_s_per_gpu"] == pytest.approx(353, rel=0.15)  # torchtitan row, HF norms
+
+
+@pytest.mark.parametrize("args,field", [
+    (["--model", "llama2-7", "--gpus", "8"], "model"),
+    (["--model", "gpt-13b", "--gpus", "0"], "gpus"),
+    (["--model", "gpt-13b", "--gpus", "8", "--gpu", "a100"], "gpu"),
+    (["estimate", "--model", "gpt-13b", "--gpus", "8", "--sharding", "ZERO3"], "sharding"),
+    (["estimate", "--model", "gpt-13b", "--gpus", "8", "--precision", "fp8"], "precision"),
+    (["estimate", "--model", "gpt-13b", "--gpus", "8", "--micro-batch", "-1"], "micro_batch"),
+    (["estimate", "--model", "gpt-13b", "--gpus", "8", "--seq-len", "-5"], "seq_len"),
+    (["estimate", "--model", "gpt-13b", "--gpus", "12", "--gpus-per-node", "8", "--sharding", "HYBRID_SHARD"],
+     "gpus_per_node"),
+    (["estimate", "--model", "gpt-13b", "--gpus", "8", "--gpu", "v100-32gb", "--precision", "bf16"], "precision"),
+    (["--model", "gpt-13b", "--gpus", "eight"], "gpus"),
+    (["--gpus", "8"], "model"),
+])
+def test_bad_input_one_line_exit_2(args, field):
+    r = run(*args)
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
+    assert field in lines[0]
+
+
+def test_unknown_preset_suggests_close_names():
+    r = run("--model", "llama2-7", "--gpus", "8")
+    assert "llama2-7b" in r.stderr
+
+
+def test_malformed_config_json(tmp_path):
+    bad = tmp_path / "config.json"
+    bad.write_text("{not json")
+    r = run("--model", str(bad), "--gpus", "8")
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "model" in r.stderr
+
+
+def test_nothing_fits_explains_and_suggests():
+    r = run("--model", "gpt-175b", "--gpus", "8")
+    assert r.returncode == 0, r.stderr
+    assert "Nothing fits" in r.stdout and "Would fit with" in r.stdout
+    assert "GPUs with FULL_SHARD" in r.stdout
+
+
+def test_import_planner_does_not_import_torch():
+    code = "import sys, planner, cost_models, planner.cli, planner.search; print('torch' in sys.modules)"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.stdout.strip() == "False", r.stderr

@@ -1,0 +1,74 @@
+"""Golden tests: the cost model against published FSDP measurements (shared/reference/published.md).
+
+torchtitan, FSDP2 on 64 x A100 80GB (docs/performance.md, mid-2024): bf16 mixed precision with fp32
+reduce, SDPA, no torch.compile. torchtitan's Llama uses its fused RMSNorm kernel (norm_type
+"fused_rmsnorm" in its Llama training configs of that time), which saves only the norm's input, unlike the
+eager Hugging Face RMSNorm our presets model; the specs below say so. These rows set the default
+bf16 compute efficiency (a single constant fitted to all five, cost_models/profile.py), so each row is
+checked within 8%; the OOM row must be rejected and the full-checkpointing 70B rows must fit.
+"""
+
+from dataclasses import replace
+
+import pytest
+
+from planner import estimate
+from planner.models import load_preset
+
+TOLERANCE = 0.08
+
+# model, local batch, seq, checkpointing, tokens/s/GPU, MFU (None: OOM in the published run)
+ROWS = [
+    ("llama2-13b", 2, 4096, "none", 2162, 0.611),
+    ("llama2-13b", 2, 4096, "every-2", 1914, 0.541),
+    ("llama2-70b", 2, 4096, "full", 353, 0.505),
+    ("llama3-8b", 1, 8192, "every-2", 2876, 0.563),
+    ("llama3-70b", 1, 8192, "full", 323, 0.505),
+]
+
+
+def torchtitan_llama(name):
+    return replace(load_preset(name), norm="fused_rmsnorm", name=f"{name} (torchtitan)")
+
+
+def _estimate(name, batch, seq, ac):
+    return estimate(torchtitan_llama(name), gpus=64, gpu="a100-80gb", seq_len=seq, micro_batch=batch,
+                    activation_checkpointing=ac, sharding="FULL_SHARD", precision="bf16")
+
+
+@pytest.mark.parametrize("name,batch,seq,ac,tps,mfu", ROWS)
+def test_torchtitan_throughput_and_mfu(name, batch, seq, ac, tps, mfu):
+    c = _estimate(name, batch, seq, ac)
+    assert c.fits, c.reasons
+    assert c.time.tokens_per_s_per_gpu == pytest.approx(tps, rel=TOLERANCE)
+    assert c.time.mfu == pytest.approx(mfu, rel=TOLERANCE)
+
+
+def test_torchtitan_oom_row_is_rejected():
+    # Llama 2 70B, local batch 2, seq 4096, selective (every other layer) checkpointing: OOM on 80 GB.
+    c = _estimate("llama2-70b", 2, 4096, "every-2")
+    assert not c.fits
+    assert "GiB per GPU" in c.reasons[0]
+
+
+def test_fsdp_paper_ddp_limit():
+    # FSDP paper: DDP (NO_SHARD) and FSDP both train 611M and 2.28B models on 80 GB A100s; DDP runs out
+    # of memory at the next size they tried (11.3B). Presets bracketing those: GPT-3 1.3B fits NO_SHARD,
+    # GPT-3 6.7B does not (its fp32 Adam states alone are 6.7B x 16 B = 107 GB), but fits FULL_SHARD.
+    kw = dict(gpus=8, gpu="a100-80gb", seq_len=2048, micro_batch=1)
+    assert estimate("gpt-1.3b", sharding="NO_SHARD", **kw).fits
+    big = estimate("gpt-6.7b", sharding="NO_SHARD", **kw)
+    assert not big.fits and big.memory.peak_allocated_bytes > 107e9
+    assert estimate("gpt-6.7b", sharding="FULL_SHARD", **kw).fits
+
+
+def test_fsdp_paper_gpt175b_tflops_per_gpu():
+    # FSDP paper: GPT-175B on 128-512 A100 80GB reaches > 173 TFLOP/s per GPU at batch 1 and > 186 at
+    # batch 2 (about 55-60% of 312), with activation checkpointing; we read those as executed (hardware)
+    # FLOPs, recompute included. The model must land in that band within 10%, on 2 Tb/s RoCE per host.
+    for gpus, batch in ((128, 1), (512, 2)):
+        c = estimate("gpt-175b", gpus=gpus, gpu="a100-80gb", seq_len=2048, micro_batch=batch,
+                     activation_checkpointing="full", internode_gbps=2000)
+        assert c.fits, c.reasons
+        achieved = c.time.hfu * 312
+        assert 0.9 * 173 <= achieved <= 1.1 * 200, achieved

@@ -1,0 +1,162 @@
+"""Cost-model figures checked by hand on small, round specs."""
+
+import math
+
+import pytest
+
+from cost_models import comm
+from cost_models.compute import mfu_flops_per_token, model_flops_per_token, recompute_flops_per_token
+from cost_models.evaluate import evaluate
+from cost_models.memory import estimate_memory
+from cost_models.profile import DEFAULT_PROFILE, Profile
+from cost_models.specs import (ClusterSpec, FsdpConfig, GpuSpec, ModelSpec, SpecError, TrainingSpec,
+                               parse_activation_checkpointing)
+from cost_models.step_time import estimate_step_time
+
+GPU = GpuSpec(id="test", name="test", memory_bytes=80 * 2**30, hbm_bytes_per_s=2e12,
+              peak_flops={"bf16": 300e12, "fp32": 20e12}, intra_node_bus_bytes_per_s=200e9)
+# 4 blocks of 1,000 params and a 200-param root: Psi = 4,200 (too small for activations to matter
+# unless asked for; sequences of 1 token keep them out of the model-state checks).
+TOY = ModelSpec(name="toy", family="llama", n_layers=4, hidden_size=8, n_heads=2, n_kv_heads=1, head_dim=4,
+                ffn_hidden_size=16, vocab_size=10, block_params=1000, embedding_params=100, head_params=80,
+                root_other_params=20, block_class="Block", gated_mlp=True, norm="rmsnorm", activation="silu",
+                lora_target_shapes=((8, 8), (8, 4), (8, 4), (8, 8)))
+
+
+def cluster(n=4, per_node=4):
+    return ClusterSpec(gpu=GPU, n_gpus=n, gpus_per_node=per_node, internode_bytes_per_s=100e9)
+
+
+def mem(config, n=4, per_node=4, **training):
+    return estimate_memory(TOY, cluster(n, per_node), TrainingSpec(seq_len=1, **training), config, DEFAULT_PROFILE)
+
+
+def test_full_shard_model_states_fp32_adam():
+    m = estimate_memory(TOY, cluster(4), TrainingSpec(seq_len=1), FsdpConfig(precision="fp32"), DEFAULT_PROFILE)
+    # step phase: params 4 B, grads 4 B, Adam 8 B, foreach temporaries 4 B per param, all / 4 ranks
+    b = m.phases["optimizer_step"]
+    assert (b.sharded_params, b.sharded_grads, b.optimizer_state, b.optimizer_temporaries) == (4200, 4200, 8400, 4200)
+
+
+def test_bf16_gathers_two_blocks_and_root_in_compute_dtype():
+    m = mem(FsdpConfig(precision="bf16"))
+    assert m.phases["backward"].unsharded_params == 2 * 1000 * 2 + 200 * 2  # two blocks in flight + root
+    # SHARD_GRAD_OP keeps every block gathered until backward
+    sgo = mem(FsdpConfig(sharding="SHARD_GRAD_OP", precision="bf16", micro_batch=64), n=4)
+    assert sgo.peak_phase == "backward"
+    assert sgo.breakdown.unsharded_params == 4 * 1000 * 2 + 200 * 2
+
+
+def test_no_shard_holds_full_states():
+    m = mem(FsdpConfig(sharding="NO_SHARD", precision="fp32"))
+    b = m.phases["optimizer_step"]
+    assert b.sharded_params == 4200 * 4 and b.optimizer_state == 4200 * 8 and b.sharded_grads == 4200 * 4
+
+
+def test_hybrid_shards_within_node_only():
+    # 8 GPUs, 4 per node: HYBRID shards over d=4, FULL_SHARD over d=8
+    hy = mem(FsdpConfig(sharding="HYBRID_SHARD", precision="fp32"), n=8, per_node=4)
+    fs = mem(FsdpConfig(sharding="FULL_SHARD", precision="fp32"), n=8, per_node=4)
+    assert hy.phases["optimizer_step"].optimizer_state == 4200 * 8 / 4
+    assert fs.phases["optimizer_step"].optimizer_state == math.ceil(4200 * 8 / 8)
+
+
+def test_offload_moves_states_to_cpu_ram_per_node():
+    m = mem(FsdpConfig(precision="bf16", offload=True))
+    assert m.breakdown.sharded_params == m.breakdown.optimizer_state == 0
+    # per rank: params 4 + grads 4 + Adam 8 + temporaries 4 = 20 B/param / 4 ranks, 4 ranks per node
+    assert m.cpu_bytes_per_node == 4 * (4200 * 20 // 4)
+
+
+def test_lora_frozen_weights_have_no_grads_or_optimizer_state():
+    m = mem(FsdpConfig(precision="fp32"), finetune="lora", lora_rank=2)
+    lora_per_block = 2 * (16 + 12 + 12 + 16)  # r * (in + out) summed over q, k, v, o = 112
+    trainable = 4 * lora_per_block
+    assert m.phases["optimizer_step"].optimizer_state == math.ceil(trainable * 8 / 4)
+    assert m.phases["optimizer_step"].sharded_grads == math.ceil(trainable * 4 / 4)
+    assert TOY.lora_params_per_block(2) == lora_per_block
+
+
+def test_activation_bytes_llama_block_by_hand():
+    from cost_models.activations import block_bytes_per_token
+    from cost_models.specs import Attention
+
+    h, f, kv, q, c = 8, 16, 4, 8, 2
+    norms = 2 * ((4 * h + c * h) + c * h)          # fp32 upcast + normalised product + linear input
+    attn = c * (q + 2 * kv) + c * q + c * q        # q,k,v ; output ; o-proj input
+    mlp = 4 * c * f                                # gate, act, up, product
+    assert block_bytes_per_token(TOY, c, Attention.SDPA, 128) == norms + attn + mlp
+    # eager adds the fp32 softmax and the bf16 probabilities, a*s each, minus the fused kernel's output copy
+    eager = block_bytes_per_token(TOY, c, Attention.EAGER, 128)
+    assert eager - (norms + attn + mlp) == 2 * 128 * (4 + c) - c * q
+
+
+def test_checkpointing_never_raises_activation_memory():
+    acts = [estimate_memory(TOY, cluster(), TrainingSpec(seq_len=512), FsdpConfig(ac_every=k, micro_batch=4),
+                            DEFAULT_PROFILE) for k in (0, 4, 2, 1)]
+    activation_bytes = [a.phases["backward"].activations for a in acts]
+    assert activation_bytes == sorted(activation_bytes, reverse=True)
+    assert activation_bytes[0] > activation_bytes[-1]
+
+
+def test_ring_collective_times():
+    tier = comm.Tier(bus_bytes_per_s=100e9, latency_s=0.0)
+    assert comm.all_gather_s(1e9, 8, tier) == pytest.approx(7 / 8 * 1e9 / 100e9)
+    assert comm.all_reduce_s(1e9, 8, tier) == pytest.approx(2 * 7 / 8 * 1e9 / 100e9)
+    assert comm.all_gather_s(1e9, 1, tier) == 0.0
+    with_latency = comm.Tier(bus_bytes_per_s=100e9, latency_s=1e-5)
+    assert comm.reduce_scatter_s(0, 8, with_latency) == pytest.approx(7e-5)
+
+
+def test_hsdp_replica_all_reduce_shares_the_node_nics():
+    c = cluster(8, 4)
+    alone = comm.Tier.for_group(c, Profile(inter_node_comm_efficiency=1.0), spans_nodes=True)
+    shared = comm.Tier.for_group(c, Profile(inter_node_comm_efficiency=1.0), spans_nodes=True, groups_sharing_nics=4)
+    assert alone.bus_bytes_per_s == 100e9 and shared.bus_bytes_per_s == 25e9
+
+
+def test_flops_per_token_llama2_7b_by_hand():
+    from planner.models import load_preset
+
+    m = load_preset("llama2-7b")
+    t = TrainingSpec(seq_len=4096)
+    attention = 12 * 32 * 4096 * 4096
+    assert model_flops_per_token(m, t) == 6 * (6_738_415_616 - 32000 * 4096) + attention
+    assert mfu_flops_per_token(m, t) == 6 * 6_738_415_616 + attention
+    full = recompute_flops_per_token(m, t, FsdpConfig(ac_every=1))
+    assert full == 32 * (2 * m.block_params + attention / 32 / 3)
+
+
+def test_step_time_compute_bound_case_by_hand():
+    # One GPU, no collectives: step = FLOPs / (peak * eff) + optimizer + overhead.
+    prof = Profile(compute_efficiency={"bf16": 0.5, "fp32": 0.5}, microstep_overhead_s=0.0)
+    t = estimate_step_time(TOY, cluster(1, 1), TrainingSpec(seq_len=100), FsdpConfig(micro_batch=2), prof)
+    flops = 200 * model_flops_per_token(TOY, TrainingSpec(seq_len=100))
+    assert t.compute_s == pytest.approx(flops / 150e12)
+    assert t.exposed_comm_s == 0.0
+    assert t.step_s == pytest.approx(t.compute_s + t.optimizer_s)
+    assert t.tokens_per_s_per_gpu == pytest.approx(200 / t.step_s)
+
+
+def test_unsupported_dtype_is_a_reason_not_an_exception():
+    v100 = GpuSpec(id="v100", name="v100", memory_bytes=16 * 2**30, hbm_bytes_per_s=9e11,
+                   peak_flops={"fp16": 125e12, "fp32": 15.7e12}, intra_node_bus_bytes_per_s=1.2e11)
+    c = ClusterSpec(gpu=v100, n_gpus=2, gpus_per_node=2, internode_bytes_per_s=1e10)
+    e = evaluate(TOY, c, TrainingSpec(seq_len=8), FsdpConfig(precision="fp16"), DEFAULT_PROFILE)
+    assert e.fits
+    with pytest.raises(KeyError):  # bf16 has no peak: evaluate is only called on supported configs
+        evaluate(TOY, c, TrainingSpec(seq_len=8), FsdpConfig(precision="bf16"), DEFAULT_PROFILE)
+
+
+@pytest.mark.parametrize("text,value", [("none", 0), ("full", 1), ("every-3", 3)])
+def test_activation_checkpointing_parsing(text, value):
+    assert parse_activation_checkpointing(text) == value
+
+
+def test_bad_spec_values_name_the_field():
+    with pytest.raises(SpecError, match="sharding: unknown value 'ZERO3'.*FULL_SHARD"):
+        FsdpConfig(sharding="ZERO3")
+    with pytest.raises(SpecError, match="micro_batch"):
+        FsdpConfig(micro_batch=0)
+    with pytest.raises(SpecError, match="activation_checkpointing"):
+        FsdpConfig(ac_every="every-0")

@@ -1,0 +1,68 @@
+"""Property tests over the planner's inputs: no crash, no negative or NaN figures, monotonic memory."""
+
+import math
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from cost_models.specs import Sharding
+from planner import estimate
+from planner.models import list_presets
+
+PRESETS = list_presets()
+SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+configs = st.fixed_dictionaries({
+    "model": st.sampled_from(PRESETS),
+    "gpus": st.sampled_from([1, 2, 8, 16, 64, 256]),
+    "gpu": st.sampled_from(["a100-80gb", "h100-80gb", "l4-24gb", "mi300x-192gb"]),
+    "seq_len": st.sampled_from([128, 512, 2048, 8192]),
+    "micro_batch": st.integers(1, 16),
+    "grad_accum": st.integers(1, 4),
+    "sharding": st.sampled_from([s.value for s in Sharding]),
+    "precision": st.sampled_from(["fp32", "bf16", "bf16-pure", "fp16"]),
+    "activation_checkpointing": st.sampled_from(["none", "full", "every-2", "every-3"]),
+    "attention": st.sampled_from(["sdpa", "eager"]),
+    "offload": st.booleans(),
+    "finetune": st.sampled_from(["full", "lora"]),
+    "optimizer": st.sampled_from(["adamw", "adam", "sgd", "adamw-8bit"]),
+})
+
+
+def _finite_non_negative(d):
+    for k, v in d.items():
+        if isinstance(v, dict):
+            _finite_non_negative(v)
+        elif isinstance(v, (int, float)) and not isinstance(v, bool):
+            assert math.isfinite(v) and v >= 0, (k, v)
+
+
+@SETTINGS
+@given(configs)
+def test_estimate_never_crashes_or_goes_negative(kw):
+    c = estimate(**kw)
+    d = c.to_dict()
+    _finite_non_negative(d["memory"])
+    _finite_non_negative(d["time"])
+    assert c.time.step_s > 0 and c.memory.peak_allocated_bytes > 0
+    assert c.fits == (not c.reasons)
+
+
+@SETTINGS
+@given(configs, st.sampled_from([2, 4, 8, 16, 64]))
+def test_full_shard_memory_never_grows_with_more_gpus(kw, factor):
+    kw = {**kw, "sharding": "FULL_SHARD"}
+    small = estimate(**kw).memory.peak_allocated_bytes
+    large = estimate(**{**kw, "gpus": kw["gpus"] * factor}).memory.peak_allocated_bytes
+    assert large <= small
+
+
+@SETTINGS
+@given(configs)
+def test_checkpointing_never_raises_activation_memory(kw):
+    def activations(ac):
+        m = estimate(**{**kw, "activation_checkpointing": ac}).memory
+        return m.phases["backward"].activations
+
+    none, every3, every2, full = (activations(a) for a in ("none", "every-3", "every-2", "full"))
+    assert full <= every2 <= none and full <= every3 <= none
