@@ -117,6 +117,13 @@ def gpus_cmd():
                         disable_numparse=True))
 
 
+# Commands that live in their own modules (they import torch lazily, inside the command).
+from planner import cli_calibrate, cli_trace  # noqa: E402
+
+cli_trace.register(app)
+cli_calibrate.register(app)
+
+
 def _fail(message: str) -> None:
     typer.echo(f"error: {message}", err=True)
     sys.exit(2)
