@@ -1,0 +1,241 @@
+"""Per-rank tensor memory of a training step, by category: our one door to PyTorch's memory tracker.
+
+    tracker = MemoryTracker(model, optimizer, vocab_size=V)   # model: FSDP2-wrapped, or any nn.Module
+    with tracker:
+        step()                      # warm-up: creates optimizer state, first all-gathers
+        tracker.reset()             # forget the warm-up's peak
+        step()
+    snap = tracker.snapshot()       # MemorySnapshot: peak_allocated_bytes, breakdown, peak_phase
+
+It works the same on fake tensors (FakeTensorMode: the trace tier) and on real tensors (CPU runs under
+torchrun/gloo, GPU runs). It counts tensor *storages* as they are created and freed (a view costs
+nothing, a storage is counted once however many tensors share it), with no allocator rounding: the
+figure is what `torch.cuda.max_memory_allocated` would show minus the caching allocator's 512-byte
+rounding, and without the CUDA context or library workspaces.
+
+Behind it sits `torch.distributed._tools.fsdp2_mem_tracker.FSDPMemTracker` (FSDP2 modules), or its base
+`MemTracker` for anything else (FSDP1, plain modules). Both are private torch APIs: nothing else in the
+project may import them. Categories map onto cost_models.memory.MemoryBreakdown's field names:
+
+    Sharded Param                 -> sharded_params     (the stored DTensor shards; all params without FSDP2)
+    Unsharded Param               -> unsharded_params   (gathered compute-dtype params)
+    Sharded Grad                  -> sharded_grads      (all grads without FSDP2)
+    Unsharded Grad                -> unsharded_grads    (full-size grads before reduce-scatter)
+    OptState                      -> optimizer_state    (what the optimizer keeps between steps)
+                                   + optimizer_temporaries (what it allocates during step() on top)
+    Activation, Temp              -> activations        (saved for backward, recomputed, and the
+                                                         activation gradients of the backward pass)
+    tensors whose last dim is V   -> logits_and_loss    (logits, fp32 upcast, log-softmax, their grads;
+                                                         only when vocab_size is given, else in activations)
+    All Gather, Reduce Scatter    -> collective_buffers
+    Buffer, Inputs                -> other
+
+peak_phase is where the peak happened: "forward", "backward" or "optimizer_step".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+import torch
+from torch import nn
+
+BREAKDOWN_KEYS = ("sharded_params", "unsharded_params", "sharded_grads", "unsharded_grads", "optimizer_state",
+                  "activations", "logits_and_loss", "optimizer_temporaries", "collective_buffers", "other")
+
+
+@dataclass(frozen=True)
+class MemorySnapshot:
+    """Bytes per rank at the peak of the tracked window, by category (keys: BREAKDOWN_KEYS)."""
+
+    peak_allocated_bytes: int
+    breakdown: dict[str, int] = field(default_factory=dict)
+    peak_phase: str = "unknown"
+
+    def to_dict(self) -> dict:
+        return {"peak_allocated_bytes": self.peak_allocated_bytes, "peak_phase": self.peak_phase,
+                "breakdown": dict(self.breakdown)}
+
+
+# Extra category for logits-shaped tensors. The private trackers key their per-device dicts by their own
+# str-Enum members; ours repeats their values (equal as str, so their members find our keys) plus one.
+_LOGITS = "Logits and loss"
+
+
+def _category_enum(base):
+    members = {m.name: m.value for m in base}
+    members["LOGITS"] = _LOGITS
+    return Enum(f"{base.__name__}WithLogits", members, type=str)
+
+
+_TO_BREAKDOWN = {
+    "Sharded Param": "sharded_params", "Parameter": "sharded_params",
+    "Unsharded Param": "unsharded_params",
+    "Sharded Grad": "sharded_grads", "Gradient": "sharded_grads",
+    "Unsharded Grad": "unsharded_grads",
+    "OptState": "optimizer_state", "Optstate": "optimizer_state",
+    "Activation": "activations", "Temp": "activations",
+    _LOGITS: "logits_and_loss",
+    "All Gather": "collective_buffers", "Reduce Scatter": "collective_buffers",
+    "Buffer": "other", "Inputs": "other", "Other": "other",
+}
+
+
+def _tracker_class(fsdp2: bool):
+    """A subclass of the private tracker that records the phase of the peak and files logits apart."""
+    from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
+
+    if fsdp2:
+        from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefType
+
+        base, refs = FSDPMemTracker, _FSDPRefType
+    else:
+        base, refs = MemTracker, _MemRefType
+    categories = _category_enum(refs)
+    transient = {refs.ACT.value, refs.TEMP.value}
+
+    class _Tracker(base):
+        def __init__(self, *args, vocab_size: int | None = None):
+            super().__init__(*args)
+            self._ref_class = categories
+            self.vocab_size = vocab_size
+            self.peak_phase = "unknown"
+
+        def _phase(self) -> str:
+            if self._in_opt:
+                return "optimizer_step"
+            return "backward" if self._mod_tracker.is_bw else "forward"
+
+        def _track(self, reftype, t: torch.Tensor) -> None:
+            if (self.vocab_size and reftype in transient and t.dim() >= 1 and t.shape[-1] == self.vocab_size):
+                reftype = categories.LOGITS
+            super()._track(reftype, t)
+
+        def _update_peak_stats(self, peak_state) -> None:
+            before = dict(self._peak_mem)
+            super()._update_peak_stats(peak_state)
+            if self._peak_mem != before:
+                self.peak_phase = self._phase()
+
+        def restart_peak(self) -> None:
+            """Make the current usage the peak: what follows is measured on its own."""
+            self.reset_mod_stats()
+            self._peak_mem_snap = self.get_tracker_snapshot()
+            self._peak_mem = {dev: snap.get("Total", 0) for dev, snap in self._peak_mem_snap.items()}
+            self.peak_phase = "unknown"
+
+    return _Tracker
+
+
+def _is_fsdp2(model: nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
+def _storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind `tensors` (DTensors count their local shard)."""
+    from torch.distributed.tensor import DTensor
+
+    seen: dict[int, int] = {}
+    for t in tensors:
+        if not isinstance(t, torch.Tensor):
+            continue
+        if isinstance(t, DTensor):
+            t = t.to_local()
+        st = t.untyped_storage()
+        seen[id(st)] = st.nbytes()
+    return sum(seen.values())
+
+
+class MemoryTracker:
+    """Context manager measuring per-rank tensor memory by category (see the module docstring).
+
+    model: an FSDP2 module (fully_shard applied, categories as FSDP2 sees them) or any nn.Module (FSDP1,
+    DDP, plain: parameters count as sharded_params, gradients as sharded_grads). optimizer: tracked for
+    optimizer_state / optimizer_temporaries (optional). vocab_size: files tensors whose last dimension is
+    the vocabulary under logits_and_loss; None leaves them in activations. device: the device whose
+    memory is reported (default: the parameters' device).
+    """
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
+                 vocab_size: int | None = None, device: torch.device | str | None = None):
+        self.model = model
+        self.optimizer = optimizer
+        self.fsdp2 = _is_fsdp2(model)
+        cls = _tracker_class(self.fsdp2)
+        if self.fsdp2:
+            self._tracker = cls(model, optimizer, vocab_size=vocab_size)
+        else:
+            self._tracker = cls(vocab_size=vocab_size)
+            self._tracker.track_external(*(x for x in (model, optimizer) if x is not None))
+        if device is None:
+            first = next(model.parameters(), None)
+            device = first.device if first is not None else torch.device("cpu")
+        self.device = torch.device(device)
+
+    def __enter__(self) -> "MemoryTracker":
+        self._tracker.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._tracker.__exit__(*exc)
+
+    def track_inputs(self, *tensors) -> None:
+        """Count input tensors made before entering (input ids, labels) under "other"."""
+        if self.fsdp2:
+            self._tracker.track_inputs(tensors)
+        else:
+            self._tracker.track_external(*tensors)
+
+    def reset(self) -> None:
+        """Start a new measuring window: call after the warm-up step, inside the context."""
+        self._tracker.restart_peak()
+
+    def current_bytes(self) -> int:
+        snap = self._tracker.get_tracker_snapshot("current")
+        return self._device_snap(snap).get("Total", 0)
+
+    def _device_snap(self, snap: dict) -> dict:
+        for dev, dev_snap in snap.items():
+            if torch.device(dev).type == self.device.type:
+                return dev_snap
+        return {}
+
+    def optimizer_state_bytes(self) -> int:
+        """Bytes the optimizer keeps between steps (its state tensors, on any device)."""
+        if self.optimizer is None:
+            return 0
+        return _storage_bytes(t for state in self.optimizer.state.values() for t in state.values())
+
+    def snapshot(self) -> MemorySnapshot:
+        """The peak since entering (or since reset()), by category. Categories sum to the peak."""
+        raw = self._device_snap(self._tracker.get_tracker_snapshot("peak"))
+        breakdown = dict.fromkeys(BREAKDOWN_KEYS, 0)
+        for key, n_bytes in raw.items():
+            if key == "Total":
+                continue
+            breakdown[_TO_BREAKDOWN.get(str(getattr(key, "value", key)), "other")] += n_bytes
+        # The tracker files everything made during step() as optimizer state; the part above what the
+        # optimizer keeps afterwards is the step's temporaries. (Optimizer state on another device, e.g.
+        # Adam's CPU step counters, is not in this device's figure.)
+        kept = min(breakdown["optimizer_state"], self._state_bytes_on_device())
+        breakdown["optimizer_temporaries"] = breakdown["optimizer_state"] - kept
+        breakdown["optimizer_state"] = kept
+        peak = raw.get("Total", 0)
+        return MemorySnapshot(peak_allocated_bytes=peak, breakdown=breakdown, peak_phase=self._tracker.peak_phase)
+
+    def _state_bytes_on_device(self) -> int:
+        if self.optimizer is None:
+            return 0
+        from torch.distributed.tensor import DTensor
+
+        tensors = []
+        for state in self.optimizer.state.values():
+            for t in state.values():
+                if isinstance(t, torch.Tensor):
+                    local = t.to_local() if isinstance(t, DTensor) else t
+                    if local.device.type == self.device.type:
+                        tensors.append(local)
+        return _storage_bytes(tensors)
