@@ -57,7 +57,8 @@ def estimate_step_time(model: ModelSpec, cluster: ClusterSpec, training: Trainin
     gpu = cluster.gpu
     precision = config.precision
     dtype = precision.compute_dtype
-    peak = gpu.peak_flops[dtype]
+    # A dtype the GPU lacks runs emulated: price it at the fp32 rate (evaluate rejects it anyway).
+    peak = gpu.peak_flops.get(dtype) or gpu.peak_flops["fp32"]
     flops_per_s = peak * profile.efficiency(dtype)
     c = DTYPE_BYTES[dtype]
     p = DTYPE_BYTES[precision.param_dtype]

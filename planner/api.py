@@ -168,16 +168,22 @@ def plan(model, gpus: int, *, gpu: str = DEFAULT_GPU, gpus_per_node: int | None 
          precisions: list[str] | None = None, attention: str = "sdpa", profile: Profile | None = None,
          space: SearchSpace | None = None) -> Plan:
     """Search every candidate configuration and rank those that fit by throughput."""
-    spec = model if isinstance(model, ModelSpec) else resolve_model(model)
-    cluster = _cluster(gpus, gpu, gpus_per_node, internode_gbps, gpu_memory, intra_node_gb_per_s, pcie_gb_per_s,
-                       cpu_ram_per_node)
-    training = _training(seq_len, global_batch, optimizer, finetune, lora_rank)
-    profile = profile or DEFAULT_PROFILE
+    spec, cluster, training = resolve_inputs(
+        model, gpus, gpu=gpu, gpus_per_node=gpus_per_node, internode_gbps=internode_gbps, gpu_memory=gpu_memory,
+        intra_node_gb_per_s=intra_node_gb_per_s, pcie_gb_per_s=pcie_gb_per_s, cpu_ram_per_node=cpu_ram_per_node,
+        seq_len=seq_len, global_batch=global_batch, optimizer=optimizer, finetune=finetune, lora_rank=lora_rank)
     if space is None:
         space = SearchSpace(
             precisions=tuple(parse_enum(Precision, p, "precision") for p in precisions) if precisions else None,
             attention=parse_enum(Attention, attention, "attention"))
-    result = search(spec, cluster, training, profile, space)
+    return plan_for(spec, cluster, training, profile, space)
+
+
+def plan_for(spec: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, profile: Profile | None = None,
+             space: SearchSpace | None = None) -> Plan:
+    """Search and rank for resolved specs."""
+    profile = profile or DEFAULT_PROFILE
+    result = search(spec, cluster, training, profile, space or SearchSpace())
     wrap = lambda e: Candidate(e, spec, cluster, training)  # noqa: E731
     tips = suggestions(spec, cluster, training, profile, result.misses[0]) if not result.fitting and result.misses else []
     return Plan(model=spec, cluster=cluster, training=training, candidates=[wrap(e) for e in result.fitting],
@@ -195,22 +201,46 @@ def estimate(model, gpus: int, *, gpu: str = DEFAULT_GPU, gpus_per_node: int | N
              offload: bool = False, backward_prefetch: bool = True, forward_prefetch: bool = False,
              limit_all_gathers: bool = True, profile: Profile | None = None) -> Candidate:
     """Cost one explicit configuration."""
-    spec = model if isinstance(model, ModelSpec) else resolve_model(model)
-    cluster = _cluster(gpus, gpu, gpus_per_node, internode_gbps, gpu_memory, intra_node_gb_per_s, pcie_gb_per_s,
-                       cpu_ram_per_node)
-    training = _training(seq_len, global_batch, optimizer, finetune, lora_rank)
+    spec, cluster, training = resolve_inputs(
+        model, gpus, gpu=gpu, gpus_per_node=gpus_per_node, internode_gbps=internode_gbps, gpu_memory=gpu_memory,
+        intra_node_gb_per_s=intra_node_gb_per_s, pcie_gb_per_s=pcie_gb_per_s, cpu_ram_per_node=cpu_ram_per_node,
+        seq_len=seq_len, global_batch=global_batch, optimizer=optimizer, finetune=finetune, lora_rank=lora_rank)
     if grad_accum is None:
-        grad_accum = 1
-        if global_batch is not None:
-            per_step = micro_batch * cluster.n_gpus
-            if global_batch % per_step:
-                raise PlannerError("global_batch", f"{global_batch} is not a multiple of micro_batch x gpus "
-                                   f"= {per_step}")
-            grad_accum = global_batch // per_step
+        grad_accum = grad_accum_for(micro_batch, cluster, training)
     config = FsdpConfig(sharding=sharding, precision=precision, offload=offload,
                         ac_every=activation_checkpointing, micro_batch=micro_batch, grad_accum=grad_accum,
                         attention=attention, backward_prefetch=backward_prefetch,
                         forward_prefetch=forward_prefetch, limit_all_gathers=limit_all_gathers)
+    return estimate_config(spec, cluster, training, config, profile)
+
+
+def grad_accum_for(micro_batch: int, cluster: ClusterSpec, training: TrainingSpec) -> int:
+    """Accumulation steps that reach the global batch (1 without one); PlannerError when it cannot."""
+    if training.global_batch is None:
+        return 1
+    per_step = micro_batch * cluster.n_gpus
+    if training.global_batch % per_step:
+        raise PlannerError("global_batch", f"{training.global_batch} is not a multiple of micro_batch x gpus "
+                                           f"= {per_step}")
+    return training.global_batch // per_step
+
+
+def resolve_inputs(model, gpus: int, *, gpu: str = DEFAULT_GPU, gpus_per_node: int | None = None,
+                   internode_gbps: float | None = None, gpu_memory: str | int | None = None,
+                   intra_node_gb_per_s: float | None = None, pcie_gb_per_s: float | None = None,
+                   cpu_ram_per_node: str | int | None = None, seq_len: int = 2048, global_batch: int | None = None,
+                   optimizer: str = "adamw", finetune: str = "full",
+                   lora_rank: int = 16) -> tuple[ModelSpec, ClusterSpec, TrainingSpec]:
+    """The specs behind every command: model, cluster and training from API/CLI arguments."""
+    spec = model if isinstance(model, ModelSpec) else resolve_model(model)
+    cluster = _cluster(gpus, gpu, gpus_per_node, internode_gbps, gpu_memory, intra_node_gb_per_s, pcie_gb_per_s,
+                       cpu_ram_per_node)
+    return spec, cluster, _training(seq_len, global_batch, optimizer, finetune, lora_rank)
+
+
+def estimate_config(spec: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, config: FsdpConfig,
+                    profile: Profile | None = None) -> Candidate:
+    """Cost an FsdpConfig; configurations that cannot run on the cluster at all raise PlannerError."""
     if config.sharding.is_hybrid and cluster.n_gpus % cluster.gpus_per_node:
         raise PlannerError("gpus_per_node", f"{config.sharding.value} needs gpus ({cluster.n_gpus}) divisible by "
                            f"gpus_per_node ({cluster.gpus_per_node})")

@@ -118,10 +118,11 @@ def gpus_cmd():
 
 
 # Commands that live in their own modules (they import torch lazily, inside the command).
-from planner import cli_calibrate, cli_trace  # noqa: E402
+from planner import cli_calibrate, cli_check, cli_trace  # noqa: E402
 
 cli_trace.register(app)
 cli_calibrate.register(app)
+cli_check.register(app)
 
 
 def _fail(message: str) -> None:

@@ -17,7 +17,10 @@ class Emit(str, Enum):
     fsdp1 = "fsdp1"
     fsdp2 = "fsdp2"
     accelerate = "accelerate"
+    accelerate_fsdp2 = "accelerate-fsdp2"
+    lightning = "lightning"
     torchrun = "torchrun"
+    slurm = "slurm"
 
 
 # --- options shared by every command (one flag = one API argument) ---------------------------------

@@ -199,8 +199,8 @@ def _render(config, model_spec, cluster, imports: list[str], body: list[str]) ->
 
 
 def emit_accelerate(config: FsdpConfig, model_spec: ModelSpec, cluster: ClusterSpec,
-                    training: TrainingSpec | None = None) -> str:
-    """accelerate (1.x) config YAML, FSDP1 form, loadable by `accelerate launch --config_file`."""
+                    training: TrainingSpec | None = None, fsdp_version: int = 1) -> str:
+    """accelerate (1.x) config YAML, FSDP1 or FSDP2 form, loadable by `accelerate launch --config_file`."""
     strategy, strategy_note = _fsdp1_strategy(config, cluster)
     strategy = strategy.lstrip("_")  # accelerate names it HYBRID_SHARD_ZERO2
     mixed = _ACCELERATE_MIXED[config.precision]
@@ -208,17 +208,29 @@ def emit_accelerate(config: FsdpConfig, model_spec: ModelSpec, cluster: ClusterS
     if config.ac_every > 1:
         ac_note = (f"accelerate checkpoints every block (the plan: {config.activation_checkpointing}); "
                    "more recompute, less memory than planned")
+    if fsdp_version == 2:
+        reshard = fsdp_options.fully_shard_options(config)["reshard_after_forward"]
+        sharding_keys = [("fsdp_reshard_after_forward", reshard,
+                          "free gathered params after forward (ZeRO-3)" if reshard else "keep them for backward (ZeRO-2)")]
+        fsdp1_only = []
+    else:
+        sharding_keys = [
+            ("fsdp_sharding_strategy", strategy, strategy_note),
+            # accelerate 1.x reads the FSDP1 strategy from either key: keep both equal.
+            ("fsdp_reshard_after_forward", strategy, "the same setting under its newer accelerate name"),
+        ]
+        fsdp1_only = [
+            ("fsdp_backward_prefetch", "BACKWARD_PRE" if config.backward_prefetch else "NO_PREFETCH", ""),
+            ("fsdp_forward_prefetch", config.forward_prefetch, "static graphs only" if config.forward_prefetch else ""),
+            ("fsdp_use_orig_params", True, "needed for LoRA/frozen params and torch.compile"),
+        ]
     fsdp = [
-        ("fsdp_version", 1, ""),
-        ("fsdp_sharding_strategy", strategy, strategy_note),
-        # accelerate 1.x reads the FSDP1 strategy from either key: keep both equal.
-        ("fsdp_reshard_after_forward", strategy, "the same setting under its newer accelerate name"),
+        ("fsdp_version", fsdp_version, ""),
+        *sharding_keys,
         ("fsdp_auto_wrap_policy", "TRANSFORMER_BASED_WRAP", "one unit per block + the root"),
         ("fsdp_transformer_layer_cls_to_wrap", model_spec.block_class, ""),
-        ("fsdp_backward_prefetch", "BACKWARD_PRE" if config.backward_prefetch else "NO_PREFETCH", ""),
-        ("fsdp_forward_prefetch", config.forward_prefetch, "static graphs only" if config.forward_prefetch else ""),
+        *fsdp1_only,
         ("fsdp_offload_params", config.offload, "params+grads on CPU, optimizer step on CPU" if config.offload else ""),
-        ("fsdp_use_orig_params", True, "needed for LoRA/frozen params and torch.compile"),
         ("fsdp_cpu_ram_efficient_loading", True, "only rank 0 reads the checkpoint (transformers models)"),
         ("fsdp_sync_module_states", True, "required by the line above: broadcasts rank 0's weights once"),
         ("fsdp_state_dict_type", "SHARDED_STATE_DICT", "each rank saves its shard: no full gather on rank 0"),
@@ -241,6 +253,12 @@ def emit_accelerate(config: FsdpConfig, model_spec: ModelSpec, cluster: ClusterS
     ]
     if cluster.n_nodes > 1:
         top.insert(7, ("main_process_port", RDZV_PORT, ""))
+    layout = fsdp_options.mesh_layout(config, cluster.n_gpus, cluster.gpus_per_node)
+    if fsdp_version == 2 and len(layout["shape"]) == 2:
+        top.insert(-2, ("parallelism_config", [
+            ("parallelism_config_dp_replicate_size", layout["shape"][0], "replicas (HSDP across nodes)"),
+            ("parallelism_config_dp_shard_size", layout["shape"][1], "shard group"),
+        ], ""))
     header = _summary(config, model_spec, cluster) + _notes(config, training)
     if cluster.n_nodes > 1:
         header.append("multi-node: pass --main_process_ip <address of machine_rank 0> to accelerate launch")
@@ -292,9 +310,62 @@ def emit_torchrun(config: FsdpConfig, model_spec: ModelSpec, cluster: ClusterSpe
     return _comment(header) + "\n" + command + "\n"
 
 
+def emit_lightning(config: FsdpConfig, model_spec: ModelSpec, cluster: ClusterSpec) -> str:
+    """Lightning Trainer with FSDPStrategy (Lightning's FSDP1 integration), same choices as emit_fsdp1."""
+    strategy, strategy_note = _fsdp1_strategy(config, cluster)
+    dtypes = _mixed_dtypes(config.precision)
+    precision = {Precision.FP32: "32-true", Precision.BF16: "bf16-mixed", Precision.FP16: "16-mixed",
+                 Precision.BF16_PURE: "bf16-true"}[config.precision]
+    lines = [
+        _comment(_summary(config, model_spec, cluster)),
+        "import torch",
+        "from lightning.pytorch import Trainer",
+        "from lightning.pytorch.strategies import FSDPStrategy",
+        "from torch.distributed.fsdp import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy",
+        f"from transformers.models.{model_spec.family} import modeling_{model_spec.family} as modeling"
+        if model_spec.family not in ("generic",) else "# import your block class here",
+        "",
+        f"Block = modeling.{model_spec.block_class}  # the repeated block: one FSDP unit each",
+        "strategy = FSDPStrategy(",
+        f"    sharding_strategy=ShardingStrategy.{strategy},{'  # ' + strategy_note if strategy_note else ''}",
+        "    auto_wrap_policy={Block},",
+        f"    activation_checkpointing_policy={'{Block}' if config.ac_every else 'None'},"
+        + (f"  # Lightning checkpoints every block (plan: {config.activation_checkpointing})" if config.ac_every > 1 else ""),
+        f"    cpu_offload={'CPUOffload(offload_params=True)' if config.offload else 'False'},",
+        f"    mixed_precision={'None' if dtypes is None else f'MixedPrecision(param_dtype={dtypes[0]}, reduce_dtype={dtypes[1]})'},",
+        f"    backward_prefetch={'BackwardPrefetch.BACKWARD_PRE' if config.backward_prefetch else 'None'},",
+        f"    forward_prefetch={config.forward_prefetch},",
+        f"    limit_all_gathers={config.limit_all_gathers},  # rate limiter, not message merging",
+        "    use_orig_params=True,",
+        ")",
+        f"trainer = Trainer(strategy=strategy, accelerator=\"gpu\", devices={cluster.gpus_per_node}, "
+        f"num_nodes={cluster.n_nodes}, precision=\"{precision}\", accumulate_grad_batches={config.grad_accum})",
+        f"# DataLoader batch_size={config.micro_batch} per GPU",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def emit_slurm(config: FsdpConfig, model_spec: ModelSpec, cluster: ClusterSpec, script: str = "train.py") -> str:
+    """sbatch script: one task per node, each running torchrun for that node's GPUs (c10d rendezvous)."""
+    return "\n".join([
+        "#!/bin/bash",
+        _comment(_summary(config, model_spec, cluster)),
+        f"#SBATCH --job-name=fsdp-{model_spec.name}",
+        f"#SBATCH --nodes={cluster.n_nodes}",
+        "#SBATCH --ntasks-per-node=1",
+        f"#SBATCH --gpus-per-node={cluster.gpus_per_node}",
+        "#SBATCH --exclusive",
+        "set -euo pipefail",
+        "head_node=$(scontrol show hostnames \"$SLURM_JOB_NODELIST\" | head -n 1)",
+        f"srun torchrun --nnodes \"$SLURM_NNODES\" --nproc_per_node {cluster.gpus_per_node} \\",
+        f"    --rdzv_id \"$SLURM_JOB_ID\" --rdzv_backend c10d --rdzv_endpoint \"$head_node:{RDZV_PORT}\" \\",
+        f"    {script}",
+    ]) + "\n"
+
+
 # ---------------------------------------------------------------- for a planned candidate
 
-ARTIFACTS = ("fsdp1", "fsdp2", "accelerate", "torchrun")
+ARTIFACTS = ("fsdp1", "fsdp2", "accelerate", "accelerate-fsdp2", "lightning", "torchrun", "slurm")
 
 
 def emit_artifact(kind: str, candidate) -> str:
@@ -306,15 +377,21 @@ def emit_artifact(kind: str, candidate) -> str:
         return emit_fsdp2(config, spec, cluster)
     if kind == "accelerate":
         return emit_accelerate(config, spec, cluster, candidate.training)
+    if kind == "accelerate-fsdp2":
+        return emit_accelerate(config, spec, cluster, candidate.training, fsdp_version=2)
+    if kind == "lightning":
+        return emit_lightning(config, spec, cluster)
     if kind == "torchrun":
         return emit_torchrun(config, spec, cluster)
+    if kind == "slurm":
+        return emit_slurm(config, spec, cluster)
     raise ValueError(f"emit: unknown artifact {kind!r}; choose one of: {', '.join(ARTIFACTS)}")
 
 
 def recommendation_text(candidate) -> str:
     """The recommended config as FSDP2 code plus the launch line; the other dialects are one flag away."""
     return "\n".join([
-        "Recommended config (FSDP2; --emit fsdp1 | accelerate | torchrun for the other forms):",
+        f"Recommended config (FSDP2; --emit {' | '.join(a for a in ARTIFACTS if a != 'fsdp2')} for the other forms):",
         "",
         emit_fsdp2(candidate.config, candidate.model, candidate.cluster),
         emit_torchrun(candidate.config, candidate.model, candidate.cluster),

@@ -98,3 +98,20 @@ def estimate_json(c: Candidate) -> str:
 
 def plan_json(p: Plan, top: int) -> str:
     return json.dumps(p.to_dict(top), indent=2)
+
+
+def check_text(r) -> str:
+    s = r.setup
+    lines = [f"Checking {s.source} (FSDP{s.fsdp_version})", "", estimate_text(r.candidate), ""]
+    if not r.findings:
+        lines.append("No findings: this setup matches what the planner would do.")
+    for f in r.findings:
+        lines += [f"[{f.severity.upper()}] {f.code}: {f.message}", f"    fix: {f.fix}"]
+    counts = {label: sum(f.severity == sev for f in r.findings)
+              for sev, label in (("error", "errors"), ("warning", "warnings"), ("advice", "advice"))}
+    lines += ["", ", ".join(f"{label}: {n}" for label, n in counts.items())]
+    return "\n".join(lines)
+
+
+def check_json(r) -> str:
+    return json.dumps(r.to_dict(), indent=2)

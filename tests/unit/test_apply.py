@@ -4,7 +4,6 @@ the reference Llama has exactly ModelSpec.n_params parameters."""
 from __future__ import annotations
 
 import ast
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -338,33 +337,12 @@ def test_emit_torchrun():
                                       "--rdzv_endpoint $MASTER_ADDR:29500 --rdzv_id fsdp-plan pretrain.py")
 
 
-def _load_accelerate(tmp_path, text: str, extra_args=()):
-    """Load the YAML with accelerate's own loader, then resolve it the way `accelerate launch` does
-    into environment variables and a FullyShardedDataParallelPlugin."""
-    from accelerate.commands.config.config_args import load_config_from_file
-    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
-    from accelerate.utils import FullyShardedDataParallelPlugin
-    from accelerate.utils.launch import prepare_multi_gpu_env
-
-    path = tmp_path / "accelerate.yaml"
-    path.write_text(text)
-    loaded = load_config_from_file(str(path))
-    args = launch_command_parser().parse_args(["--config_file", str(path), *extra_args, "train.py"])
-    args = _validate_launch_command(args)[0]
-    env = prepare_multi_gpu_env(args)  # also sets the torchrun arguments on args
-    # sync_module_states needs an accelerator to build the plugin; its value is checked in env instead.
-    plugin_env = {**env, "FSDP_SYNC_MODULE_STATES": "false", "FSDP_CPU_RAM_EFFICIENT_LOADING": "false"}
-    with mock.patch.dict(os.environ, plugin_env):
-        plugin = FullyShardedDataParallelPlugin()
-    return loaded, env, plugin, args
-
-
-def test_emit_accelerate_loads_with_accelerate(tmp_path):
+def test_emit_accelerate_loads_with_accelerate(tmp_path, load_accelerate):
     from accelerate.utils import DistributedType
 
     config = FsdpConfig(sharding="SHARD_GRAD_OP", precision="bf16", ac_every=1, offload=True, grad_accum=4)
     text = emit_accelerate(config, SPEC, ONE_NODE, TrainingSpec(finetune="lora"))
-    loaded, env, plugin, _ = _load_accelerate(tmp_path, text)
+    loaded, env, plugin, _ = load_accelerate(tmp_path, text)
     assert loaded.distributed_type is DistributedType.FSDP and loaded.mixed_precision == "bf16"
     assert (loaded.num_machines, loaded.num_processes, loaded.machine_rank) == (1, 8, 0)
     assert loaded.fsdp_config["fsdp_version"] == 1
@@ -379,12 +357,12 @@ def test_emit_accelerate_loads_with_accelerate(tmp_path):
     assert "gradient_accumulation_steps=4" in text and "LoRA" in text
 
 
-def test_emit_accelerate_multi_node_and_precisions(tmp_path):
+def test_emit_accelerate_multi_node_and_precisions(tmp_path, load_accelerate):
     from accelerate.utils import DistributedType
 
     config = FsdpConfig(sharding="HYBRID_SHARD_ZERO2", precision="bf16-pure", backward_prefetch=False)
     text = emit_accelerate(config, SPEC, TWO_NODES)
-    loaded, env, plugin, args = _load_accelerate(tmp_path, text, ["--main_process_ip", "10.0.0.1"])
+    loaded, env, plugin, args = load_accelerate(tmp_path, text, ["--main_process_ip", "10.0.0.1"])
     assert loaded.distributed_type is DistributedType.FSDP
     assert loaded.mixed_precision == "no"  # bf16-pure: the model is loaded in bf16 instead
     assert (loaded.num_machines, loaded.num_processes, loaded.main_process_port) == (2, 16, 29500)

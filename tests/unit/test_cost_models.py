@@ -144,8 +144,9 @@ def test_unsupported_dtype_is_a_reason_not_an_exception():
     c = ClusterSpec(gpu=v100, n_gpus=2, gpus_per_node=2, internode_bytes_per_s=1e10)
     e = evaluate(TOY, c, TrainingSpec(seq_len=8), FsdpConfig(precision="fp16"), DEFAULT_PROFILE)
     assert e.fits
-    with pytest.raises(KeyError):  # bf16 has no peak: evaluate is only called on supported configs
-        evaluate(TOY, c, TrainingSpec(seq_len=8), FsdpConfig(precision="bf16"), DEFAULT_PROFILE)
+    bf16 = evaluate(TOY, c, TrainingSpec(seq_len=8), FsdpConfig(precision="bf16"), DEFAULT_PROFILE)
+    assert not bf16.fits and "no bf16 support" in bf16.reasons[0]
+    assert bf16.time.step_s > e.time.step_s  # priced at the fp32 rate
 
 
 @pytest.mark.parametrize("text,value", [("none", 0), ("full", 1), ("every-3", 3)])

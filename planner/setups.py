@@ -1,0 +1,262 @@
+"""Read a user's existing FSDP setup: an accelerate config, or a JSON/YAML file of FSDP1 kwargs or FSDP2
+`fully_shard` arguments. The result is an FsdpConfig (what the cost model prices) plus the settings
+the cost model does not price but the doctor checks (wrap policy, use_orig_params, init, scaler...).
+
+Values are accepted the way people write them: "FULL_SHARD", "ShardingStrategy.FULL_SHARD", 1;
+"bfloat16", "torch.bfloat16", "bf16". Anything unreadable raises PlannerError naming the key.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from cost_models.specs import FsdpConfig, Precision, Sharding
+
+from .errors import PlannerError
+
+_STRATEGY_NUMBERS = {"1": "FULL_SHARD", "2": "SHARD_GRAD_OP", "3": "NO_SHARD", "4": "HYBRID_SHARD",
+                     "5": "HYBRID_SHARD_ZERO2"}
+_DTYPES = {"float32": "fp32", "fp32": "fp32", "float": "fp32", "bfloat16": "bf16", "bf16": "bf16",
+           "float16": "fp16", "fp16": "fp16", "half": "fp16"}
+# FSDP1 arguments that FSDP2's fully_shard no longer has, and what replaced them.
+FSDP2_REMOVED = {
+    "sharding_strategy": "reshard_after_forward (True = FULL_SHARD, False = SHARD_GRAD_OP) and a 2-D mesh for HSDP",
+    "backward_prefetch": "nothing: FSDP2 always prefetches the next unit in backward (explicit control: "
+                         "module.set_modules_to_backward_prefetch)",
+    "use_orig_params": "nothing: FSDP2 always keeps the original parameters (DTensor per parameter)",
+    "limit_all_gathers": "nothing: FSDP2 bounds in-flight all-gathers by itself",
+    "forward_prefetch": "module.set_modules_to_forward_prefetch",
+    "auto_wrap_policy": "calling fully_shard on each block, then the root",
+    "cpu_offload": "offload_policy=CPUOffloadPolicy()",
+    "mixed_precision": "mp_policy=MixedPrecisionPolicy(...)",
+    "sync_module_states": "loading a full state dict with set_model_state_dict(..., broadcast_from_rank0=True)",
+}
+
+
+@dataclass(frozen=True)
+class UserSetup:
+    config: FsdpConfig
+    fsdp_version: int = 1
+    source: str = "flags"
+    explicit: frozenset = frozenset()       # keys the user wrote (FSDP argument names)
+    wrap: str = "block"                     # block | size | none | custom
+    use_orig_params: bool = False           # FSDP1's default
+    sync_module_states: bool = False
+    init: str = "all"                       # all ranks load | rank0 (cpu_ram_efficient_loading) | meta
+    grad_scaler: str | None = None          # sharded | plain | none | None (not stated)
+    reduce_dtype: str | None = None         # as written, when mixed precision is set
+    n_processes: int | None = None          # cluster size written in an accelerate config
+    n_machines: int | None = None
+    fsdp2_removed: tuple[str, ...] = ()     # FSDP1-only keys found in an FSDP2 config
+    notes: tuple[str, ...] = field(default=())
+
+
+def _strip(value) -> str:
+    text = str(value).strip()
+    for prefix in ("ShardingStrategy.", "BackwardPrefetch.", "torch.", "StateDictType."):
+        if text.startswith(prefix):
+            text = text[len(prefix):]
+    return text
+
+
+def _bool(key: str, value) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("true", "yes", "1", "on"):
+        return True
+    if text in ("false", "no", "0", "off", "none", "null", ""):
+        return False
+    raise PlannerError(key, f"expected true or false, got {value!r}")
+
+
+def _dtype(key: str, value) -> str:
+    text = _strip(value).lower()
+    if text not in _DTYPES:
+        raise PlannerError(key, f"unknown dtype {value!r}; choose one of: float32, bfloat16, float16")
+    return _DTYPES[text]
+
+
+def _strategy(key: str, value) -> Sharding:
+    text = _strip(value).upper().lstrip("_")
+    text = _STRATEGY_NUMBERS.get(text, text)
+    try:
+        return Sharding(text)
+    except ValueError:
+        raise PlannerError(key, f"unknown sharding strategy {value!r}; choose one of: "
+                                f"{', '.join(s.value for s in Sharding)}") from None
+
+
+def _precision_from_dtypes(param_dtype: str | None, reduce_dtype: str | None, model_dtype: str = "fp32") -> Precision:
+    if param_dtype is None or param_dtype == "fp32":
+        return Precision.BF16_PURE if model_dtype == "bf16" else Precision.FP32
+    return Precision.FP16 if param_dtype == "fp16" else Precision.BF16
+
+
+def _load(path: Path) -> dict:
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise PlannerError("config", f"cannot read {path}: {exc.strerror}") from None
+    try:
+        if path.suffix in (".yaml", ".yml"):
+            import yaml
+
+            data = yaml.safe_load(text)
+        else:
+            data = json.loads(text)
+    except Exception as exc:  # yaml.YAMLError / json.JSONDecodeError: both mean "not readable"
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise PlannerError("config", f"{path} is not valid {'YAML' if path.suffix in ('.yaml', '.yml') else 'JSON'}: "
+                                     f"{first}") from None
+    if not isinstance(data, dict):
+        raise PlannerError("config", f"{path} must hold a mapping of settings, got {type(data).__name__}")
+    return data
+
+
+def read_setup(path) -> UserSetup:
+    """An accelerate config (has `distributed_type` or `fsdp_config`) or a kwargs file."""
+    path = Path(path)
+    data = _load(path)
+    if "fsdp_config" in data or "distributed_type" in data:
+        return from_accelerate(data, source=str(path))
+    return from_kwargs(data, source=str(path))
+
+
+def from_accelerate(data: dict, source: str = "accelerate config") -> UserSetup:
+    """accelerate's YAML: top-level mixed_precision/num_processes/num_machines, FSDP keys under fsdp_config."""
+    if str(data.get("distributed_type", "FSDP")).upper() != "FSDP":
+        raise PlannerError("distributed_type", f"{data.get('distributed_type')!r} is not FSDP; "
+                                               "fsdp-plan check reads FSDP configs")
+    fsdp = data.get("fsdp_config") or {}
+    if not isinstance(fsdp, dict):
+        raise PlannerError("fsdp_config", "must be a mapping of fsdp_* keys")
+    version = int(fsdp.get("fsdp_version", 1))
+    if version not in (1, 2):
+        raise PlannerError("fsdp_version", f"must be 1 or 2, got {version}")
+    mixed = str(data.get("mixed_precision", "no")).lower()
+    if mixed not in ("no", "bf16", "fp16", "fp8"):
+        raise PlannerError("mixed_precision", f"unknown value {mixed!r}; choose one of: no, bf16, fp16")
+    precision = {"no": Precision.FP32, "bf16": Precision.BF16, "fp16": Precision.FP16}.get(mixed, Precision.BF16)
+    if version == 2:
+        reshard = _bool("fsdp_reshard_after_forward", fsdp.get("fsdp_reshard_after_forward", True))
+        parallel = data.get("parallelism_config") or {}
+        replicas = int(parallel.get("parallelism_config_dp_replicate_size", 1) or 1)
+        if replicas > 1:
+            sharding = Sharding.HYBRID_SHARD if reshard else Sharding.HYBRID_SHARD_ZERO2
+        else:
+            sharding = Sharding.FULL_SHARD if reshard else Sharding.SHARD_GRAD_OP
+    else:
+        raw = fsdp.get("fsdp_sharding_strategy", fsdp.get("fsdp_reshard_after_forward", "FULL_SHARD"))
+        sharding = _strategy("fsdp_sharding_strategy", raw)
+    prefetch = _strip(fsdp.get("fsdp_backward_prefetch", "BACKWARD_PRE")).upper()
+    if prefetch not in ("BACKWARD_PRE", "BACKWARD_POST", "NO_PREFETCH", "NONE"):
+        raise PlannerError("fsdp_backward_prefetch", f"unknown value {prefetch!r}; choose one of: BACKWARD_PRE, "
+                                                     "BACKWARD_POST, NO_PREFETCH")
+    config = FsdpConfig(
+        sharding=sharding, precision=precision,
+        offload=_bool("fsdp_offload_params", fsdp.get("fsdp_offload_params", False)),
+        ac_every=1 if _bool("fsdp_activation_checkpointing", fsdp.get("fsdp_activation_checkpointing", False)) else 0,
+        backward_prefetch=prefetch in ("BACKWARD_PRE", "BACKWARD_POST"),
+        forward_prefetch=_bool("fsdp_forward_prefetch", fsdp.get("fsdp_forward_prefetch", False)),
+    )
+    wrap = {"TRANSFORMER_BASED_WRAP": "block", "SIZE_BASED_WRAP": "size", "NO_WRAP": "none"}.get(
+        str(fsdp.get("fsdp_auto_wrap_policy", "NO_WRAP")).upper(), "custom")
+    keys = {k.removeprefix("fsdp_") for k in fsdp}
+    removed = tuple(k for k in ("backward_prefetch", "use_orig_params", "forward_prefetch", "sharding_strategy")
+                    if version == 2 and k in keys)
+    rank0 = _bool("fsdp_cpu_ram_efficient_loading", fsdp.get("fsdp_cpu_ram_efficient_loading", False))
+    return UserSetup(
+        config=config, fsdp_version=version, source=source, explicit=frozenset(keys), wrap=wrap,
+        use_orig_params=True if version == 2 else _bool("fsdp_use_orig_params", fsdp.get("fsdp_use_orig_params", False)),
+        sync_module_states=_bool("fsdp_sync_module_states", fsdp.get("fsdp_sync_module_states", False)),
+        init="rank0" if rank0 else "all",
+        grad_scaler="sharded" if precision is Precision.FP16 else None,  # accelerate adds it for fp16
+        reduce_dtype=None, n_processes=_int_or_none(data, "num_processes"),
+        n_machines=_int_or_none(data, "num_machines"), fsdp2_removed=removed,
+    )
+
+
+def _int_or_none(data: dict, key: str) -> int | None:
+    if data.get(key) is None:
+        return None
+    try:
+        return int(data[key])
+    except (TypeError, ValueError):
+        raise PlannerError(key, f"expected an integer, got {data[key]!r}") from None
+
+
+def _is_fsdp2_kwargs(data: dict) -> bool:
+    return int(data.get("fsdp_version", 0) or 0) == 2 or any(
+        k in data for k in ("reshard_after_forward", "mp_policy", "offload_policy", "mesh"))
+
+
+def from_kwargs(data: dict, source: str = "kwargs") -> UserSetup:
+    """FSDP1 FullyShardedDataParallel kwargs, or FSDP2 fully_shard kwargs, written as JSON/YAML.
+
+    Extra keys the code around the wrapper decides: `grad_scaler` (ShardedGradScaler / GradScaler / null),
+    `model_dtype` (the dtype the model is loaded in), `init` (all / rank0 / meta), `activation_checkpointing`,
+    `micro_batch`, `grad_accum`.
+    """
+    known = {"sharding_strategy", "mixed_precision", "cpu_offload", "auto_wrap_policy", "backward_prefetch",
+             "forward_prefetch", "limit_all_gathers", "use_orig_params", "sync_module_states", "device_id",
+             "param_init_fn", "reshard_after_forward", "mp_policy", "offload_policy", "mesh", "fsdp_version",
+             "grad_scaler", "model_dtype", "init", "activation_checkpointing", "micro_batch", "grad_accum",
+             "ignored_modules", "process_group", "device_mesh"}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise PlannerError(unknown[0], f"not an FSDP argument fsdp-plan knows; known: {', '.join(sorted(known))}")
+    version = 2 if _is_fsdp2_kwargs(data) else 1
+    model_dtype = _dtype("model_dtype", data.get("model_dtype", "float32"))
+    mp = data.get("mp_policy" if version == 2 else "mixed_precision")
+    if mp is not None and not isinstance(mp, dict):
+        raise PlannerError("mixed_precision", "must be a mapping like {param_dtype: bfloat16, reduce_dtype: float32}")
+    param_dtype = _dtype("param_dtype", mp["param_dtype"]) if mp and mp.get("param_dtype") else None
+    reduce_dtype = _dtype("reduce_dtype", mp["reduce_dtype"]) if mp and mp.get("reduce_dtype") else None
+    precision = _precision_from_dtypes(param_dtype, reduce_dtype, model_dtype)
+    if version == 2:
+        reshard = _bool("reshard_after_forward", data.get("reshard_after_forward", True))
+        shape = (data.get("mesh") or {}).get("shape") if isinstance(data.get("mesh"), dict) else None
+        hybrid = bool(shape) and len(shape) == 2 and shape[1] > 1 and shape[0] > 1
+        no_shard = bool(shape) and len(shape) == 2 and shape[1] == 1
+        if no_shard:
+            sharding = Sharding.NO_SHARD
+        elif hybrid:
+            sharding = Sharding.HYBRID_SHARD if reshard else Sharding.HYBRID_SHARD_ZERO2
+        else:
+            sharding = Sharding.FULL_SHARD if reshard else Sharding.SHARD_GRAD_OP
+        offload = data.get("offload_policy") not in (None, False, "null", "None")
+        removed = tuple(k for k in FSDP2_REMOVED if k in data)
+        wrap = "block"  # fully_shard is applied per module by the user's code
+    else:
+        sharding = _strategy("sharding_strategy", data.get("sharding_strategy", "FULL_SHARD"))
+        cpu = data.get("cpu_offload")
+        offload = _bool("cpu_offload.offload_params", cpu.get("offload_params", False)) if isinstance(cpu, dict) \
+            else _bool("cpu_offload", cpu if cpu is not None else False)
+        removed = ()
+        policy = str(data.get("auto_wrap_policy") or "").lower()
+        wrap = ("none" if not policy else "size" if "size" in policy
+                else "block" if any(w in policy for w in ("transformer", "modulewrap", "block", "layer")) else "custom")
+    prefetch = data.get("backward_prefetch", "BACKWARD_PRE")
+    scaler = data.get("grad_scaler", "unstated")
+    scaler = None if scaler == "unstated" else "none" if scaler in (None, False, "null", "None") else \
+        "sharded" if "sharded" in str(scaler).lower() else "plain"
+    init = "meta" if data.get("param_init_fn") else str(data.get("init", "all")).lower()
+    if init not in ("all", "rank0", "meta"):
+        raise PlannerError("init", f"unknown value {init!r}; choose one of: all, rank0, meta")
+    config = FsdpConfig(
+        sharding=sharding, precision=precision, offload=offload,
+        ac_every=data.get("activation_checkpointing", "none"),
+        micro_batch=int(data.get("micro_batch", 1)), grad_accum=int(data.get("grad_accum", 1)),
+        backward_prefetch=prefetch is not None and _strip(prefetch).upper() != "NONE",
+        forward_prefetch=_bool("forward_prefetch", data.get("forward_prefetch", False)),
+        limit_all_gathers=_bool("limit_all_gathers", data.get("limit_all_gathers", True)),
+    )
+    return UserSetup(
+        config=config, fsdp_version=version, source=source, explicit=frozenset(data), wrap=wrap,
+        use_orig_params=True if version == 2 else _bool("use_orig_params", data.get("use_orig_params", False)),
+        sync_module_states=_bool("sync_module_states", data.get("sync_module_states", False)),
+        init=init, grad_scaler=scaler, reduce_dtype=reduce_dtype, fsdp2_removed=removed,
+    )

@@ -1,0 +1,35 @@
+"""Shared fixtures."""
+
+import os
+from unittest import mock
+
+import pytest
+
+
+def _load_accelerate(tmp_path, text: str, extra_args=()):
+    """Load the YAML with accelerate's own loader, then resolve it the way `accelerate launch` does
+    into environment variables and a FullyShardedDataParallelPlugin."""
+    from accelerate.commands.config.config_args import load_config_from_file
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from accelerate.utils.launch import prepare_multi_gpu_env
+
+    path = tmp_path / "accelerate.yaml"
+    path.write_text(text)
+    loaded = load_config_from_file(str(path))
+    args = launch_command_parser().parse_args(["--config_file", str(path), *extra_args, "train.py"])
+    args = _validate_launch_command(args)[0]
+    env = prepare_multi_gpu_env(args)  # also sets the torchrun arguments on args
+    # sync_module_states needs an accelerator to build the plugin; its value is checked in env instead.
+    plugin_env = {**env, "FSDP_SYNC_MODULE_STATES": "false", "FSDP_CPU_RAM_EFFICIENT_LOADING": "false"}
+    with mock.patch.dict(os.environ, plugin_env):
+        plugin = FullyShardedDataParallelPlugin()
+    return loaded, env, plugin, args
+
+
+
+@pytest.fixture
+def load_accelerate():
+    """accelerate's own config loader and launch-time resolution, as a function (tmp_path, yaml_text)."""
+    pytest.importorskip("accelerate")
+    return _load_accelerate

@@ -1,0 +1,135 @@
+"""Each doctor finding: a config that triggers it and one that does not."""
+
+import pytest
+
+from planner.doctor import check
+from planner.setups import UserSetup, from_accelerate, from_kwargs
+
+GOOD = {"auto_wrap_policy": "ModuleWrapPolicy", "mixed_precision": {"param_dtype": "bfloat16",
+                                                                     "reduce_dtype": "float32"},
+        "use_orig_params": True}
+
+
+def codes(kwargs, model="llama2-7b", gpus=8, **kw):
+    return {f.code: f.severity for f in check(from_kwargs(kwargs), model, gpus, **kw).findings}
+
+
+def test_good_config_has_no_errors_or_warnings():
+    # the planner's own pick, written as kwargs, has nothing to fix
+    found = codes({**GOOD, "activation_checkpointing": "none", "micro_batch": 2}, seq_len=2048)
+    assert not {c: s for c, s in found.items() if s != "advice"}, found
+
+
+@pytest.mark.parametrize("scaler,severity", [("null", "error"), ("GradScaler", "error"), ("unstated", "warning")])
+def test_fp16_without_sharded_scaler(scaler, severity):
+    kw = {**GOOD, "mixed_precision": {"param_dtype": "float16", "reduce_dtype": "float32"}}
+    if scaler != "unstated":
+        kw["grad_scaler"] = None if scaler == "null" else scaler
+    assert codes(kw)["fp16-without-sharded-scaler"] == severity
+    assert "fp16-without-sharded-scaler" not in codes({**kw, "grad_scaler": "ShardedGradScaler"})
+    assert "fp16-without-sharded-scaler" not in codes(GOOD)
+
+
+def test_lora_without_use_orig_params():
+    assert codes({**GOOD, "use_orig_params": False}, finetune="lora")["lora-without-use-orig-params"] == "error"
+    assert "lora-without-use-orig-params" not in codes(GOOD, finetune="lora")
+    assert "lora-without-use-orig-params" not in codes({**GOOD, "use_orig_params": False})  # full fine-tune
+    fsdp2 = {"reshard_after_forward": True, "mp_policy": GOOD["mixed_precision"]}
+    assert "lora-without-use-orig-params" not in codes(fsdp2, finetune="lora")  # FSDP2 keeps original params
+
+
+def test_no_auto_wrap_policy_prices_one_unit():
+    no_wrap = {k: v for k, v in GOOD.items() if k != "auto_wrap_policy"}
+    r = check(from_kwargs(no_wrap), "llama2-13b", 8)
+    f = {f.code: f for f in r.findings}["no-auto-wrap-policy"]
+    # the whole 13B model gathered in bf16 (26 GB) is added to the per-block estimate
+    wrapped = check(from_kwargs(GOOD), "llama2-13b", 8).candidate
+    extra = r.candidate.memory.peak_allocated_bytes - wrapped.memory.peak_allocated_bytes
+    assert extra == pytest.approx(13_015_864_320 * 2 - wrapped.memory.phases["backward"].unsharded_params, rel=0.01)
+    assert f.severity == ("warning" if r.candidate.fits else "error")
+    assert "no-auto-wrap-policy" not in codes(GOOD)
+
+
+def test_size_based_wrap_is_advice():
+    assert codes({**GOOD, "auto_wrap_policy": "size_based_auto_wrap_policy"})["size-based-wrap"] == "advice"
+    assert "size-based-wrap" not in codes(GOOD)
+
+
+def test_hybrid_on_one_node():
+    assert codes({**GOOD, "sharding_strategy": "HYBRID_SHARD"}, gpus=8)["hybrid-on-one-node"] == "warning"
+    assert "hybrid-on-one-node" not in codes({**GOOD, "sharding_strategy": "HYBRID_SHARD"}, gpus=16)
+
+
+def test_sync_module_states():
+    assert codes({**GOOD, "sync_module_states": True})["needless-sync-module-states"] == "advice"
+    assert codes({**GOOD, "init": "rank0"})["missing-sync-module-states"] == "error"
+    assert codes({**GOOD, "param_init_fn": "reset_parameters"})["missing-sync-module-states"] == "warning"
+    ok = codes({**GOOD, "init": "rank0", "sync_module_states": True})
+    assert "missing-sync-module-states" not in ok and "needless-sync-module-states" not in ok
+
+
+def test_forward_prefetch_with_dynamic_control_flow():
+    kw = {**GOOD, "forward_prefetch": True}
+    assert codes(kw, dynamic_control_flow=True)["forward-prefetch-dynamic-graph"] == "error"
+    assert "forward-prefetch-dynamic-graph" not in codes(kw)
+    assert "forward-prefetch-dynamic-graph" not in codes(GOOD, dynamic_control_flow=True)
+
+
+def test_limit_all_gathers_explained():
+    assert codes({**GOOD, "limit_all_gathers": True})["limit-all-gathers-is-a-rate-limiter"] == "advice"
+    assert codes({**GOOD, "limit_all_gathers": False})["limit-all-gathers-is-a-rate-limiter"] == "warning"
+    assert "limit-all-gathers-is-a-rate-limiter" not in codes(GOOD)
+
+
+def test_offload_cpu_ram_does_not_fit():
+    kw = {**GOOD, "cpu_offload": {"offload_params": True}}
+    assert codes(kw, model="llama2-70b", cpu_ram_per_node="512GiB")["cpu-ram-does-not-fit"] == "error"
+    assert "cpu-ram-does-not-fit" not in codes(kw, model="llama2-70b", cpu_ram_per_node="4TiB")
+
+
+def test_gpu_memory_does_not_fit():
+    assert codes(GOOD, model="llama2-70b", gpus=8)["gpu-memory-does-not-fit"] == "error"
+    assert "gpu-memory-does-not-fit" not in codes(GOOD, model="llama2-7b", gpus=8)
+
+
+def test_micro_batch_leaves_memory_unused():
+    kw = {**GOOD, "activation_checkpointing": "full"}
+    found = codes(kw, model="llama2-7b", gpus=8, seq_len=512)
+    assert found["micro-batch-leaves-memory-unused"] == "advice"
+    assert "micro-batch-leaves-memory-unused" not in codes({**kw, "micro_batch": 8}, model="llama2-7b", gpus=8,
+                                                           seq_len=4096)
+
+
+def test_strategy_the_planner_ranks_clearly_slower():
+    # NO_SHARD on 64 GPUs across 8 nodes all-reduces full fp32 gradients over the network
+    slow = {**GOOD, "sharding_strategy": "NO_SHARD"}
+    r = check(from_kwargs(slow), "gpt-760m", 64, seq_len=512)
+    f = {f.code: f for f in r.findings}.get("planner-pick-is-faster")
+    assert f is not None and f.severity == "warning" and "%" in f.message
+    # the planner's own pick is, by definition, not clearly slower than itself
+    best = UserSetup(config=r.plan.best.config, use_orig_params=True)
+    again = check(best, "gpt-760m", 64, seq_len=512)
+    assert "planner-pick-is-faster" not in {f.code for f in again.findings}
+
+
+def test_bf16_on_gpu_without_bf16():
+    assert codes(GOOD, gpu="v100-32gb", model="gpt-350m")["dtype-not-supported"] == "error"
+    fp16 = {**GOOD, "mixed_precision": {"param_dtype": "float16"}, "grad_scaler": "ShardedGradScaler"}
+    assert "dtype-not-supported" not in codes(fp16, gpu="v100-32gb", model="gpt-350m")
+
+
+def test_fsdp2_config_with_removed_settings():
+    fsdp2 = {"reshard_after_forward": True, "mp_policy": GOOD["mixed_precision"]}
+    found = codes({**fsdp2, "backward_prefetch": "BACKWARD_PRE", "use_orig_params": True})
+    assert found["fsdp2-removed-backward-prefetch"] == "warning" and found["fsdp2-removed-use-orig-params"] == "warning"
+    assert not any(c.startswith("fsdp2-removed") for c in codes(fsdp2))
+    acc = from_accelerate({"distributed_type": "FSDP", "mixed_precision": "bf16",
+                           "fsdp_config": {"fsdp_version": 2, "fsdp_backward_prefetch": "BACKWARD_PRE",
+                                           "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP"}})
+    assert acc.fsdp2_removed == ("backward_prefetch",)
+
+
+def test_low_precision_reduction():
+    kw = {**GOOD, "mixed_precision": {"param_dtype": "bfloat16", "reduce_dtype": "bfloat16"}}
+    assert codes(kw)["low-precision-reduction"] == "advice"
+    assert "low-precision-reduction" not in codes(GOOD)
