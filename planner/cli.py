@@ -30,6 +30,8 @@ def main_plan(
     top: Annotated[int, typer.Option("--top", help="Candidates to show")] = 5,
     output_format: FormatOpt = Format.table,
     emit: Annotated[Optional[Emit], typer.Option("--emit", help="Print only this artifact of the best config")] = None,
+    verify_top: Annotated[int, typer.Option("--verify-top", help="Re-check the top K candidates with the trace tier "
+                                                               "(real FSDP2 step on fake tensors, no GPU)")] = 0,
 ):
     """Rank every FSDP configuration that fits; print the best as ready-to-use code."""
     if ctx.invoked_subcommand is not None:
@@ -43,7 +45,18 @@ def main_plan(
                                  lora_rank)
     if top < 1:
         raise SpecError("top", f"must be >= 1, got {top}")
+    if verify_top < 0:
+        raise SpecError("verify_top", f"must be >= 0, got {verify_top}")
     p = plan(model, precisions=precision, attention=attention, **args)
+    if verify_top and emit is None:
+        from planner.tracing import verified_plan_json, verified_plan_text, verify_top as run_verification
+
+        checks = run_verification(p, verify_top, model)
+        typer.echo(verified_plan_json(p, top, checks) if output_format is Format.json
+                   else verified_plan_text(p, top, checks))
+        if output_format is not Format.json and p.best is not None:
+            typer.echo("\n" + recommendation_text(p.best))
+        return
     if emit is not None:
         if p.best is None:
             raise SpecError("emit", "nothing fits, so there is no config to emit; run without --emit to see why")

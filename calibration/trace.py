@@ -1,0 +1,262 @@
+"""The trace tier: the real FSDP2 training step on fake tensors, with every tensor's memory accounted.
+
+    result = trace_memory(spec, config, n_gpus=64, gpus_per_node=8, seq_len=4096, hf_config=cfg)
+    result.peak_allocated_bytes, result.breakdown, result.peak_phase
+
+What runs is what the plan emits, on no GPU and no real memory:
+- a fake process group of the real world size (we are rank 0) and the DeviceMesh built from it by
+  calibration.apply.make_mesh, *outside* FakeTensorMode (inside it, mesh creation fails);
+- the model built inside FakeTensorMode by calibration.build.build_model: transformers' from_config (no
+  weights) when there is a Hugging Face config, else the project's reference Llama;
+- cast_for_precision, then apply_fsdp2 (checkpoint every K-th block, fully_shard each block, then the
+  root; a 2-D (replicate, shard) mesh for HYBRID with the shard group inside a node);
+- the configured optimizer with foreach=False, two full steps (forward with the model's own loss on
+  random token ids, backward, optimizer step, zero_grad) measured by calibration.memtrack; the figures
+  are those of the second step.
+
+foreach=False because the tracker mis-accounts foreach kernels on DTensors (pitfalls.md). The
+multi-tensor (foreach) step that training actually runs by default differs from the for-loop one only in
+its temporaries: Adam/AdamW's foreach step holds sqrt(exp_avg_sq) for every local parameter shard at
+once, i.e. one more copy of the sharded trainable parameters in the state dtype; SGD's updates in place.
+The traced optimizer-step phase replaces the for-loop temporaries with that figure.
+
+Limits (raised as TraceUnsupported): LoRA (needs peft), CPU offload (on a CPU mesh device and host
+memory are the same), 8-bit Adam (bitsandbytes). A model whose code cannot run on fake tensors
+(data-dependent shapes, custom kernels, remote code) raises UntraceableModel naming the failing step.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from cost_models.specs import Finetune, FsdpConfig, ModelSpec, Optimizer, Sharding, TrainingSpec
+
+from .memtrack import BREAKDOWN_KEYS, MemorySnapshot, MemoryTracker
+
+
+class TraceError(RuntimeError):
+    """The trace tier cannot produce a figure for this request."""
+
+
+class TraceUnsupported(TraceError):
+    """A configuration the trace tier does not model (LoRA, offload, 8-bit optimizers)."""
+
+
+class UntraceableModel(TraceError):
+    """The model's code does not run under FakeTensorMode (data-dependent ops, custom code)."""
+
+
+@dataclass(frozen=True)
+class TraceResult:
+    """Per-rank memory of the second training step, as MemoryBreakdown categories (bytes)."""
+
+    peak_allocated_bytes: int
+    breakdown: dict[str, int]
+    peak_phase: str                           # "forward", "backward" or "optimizer_step"
+    phases: dict[str, MemorySnapshot]         # "forward_backward" and "optimizer_step" windows
+    world_size: int
+    shard_group_size: int
+    builder: str                              # "transformers" or "reference"
+    seconds: float
+    notes: tuple[str, ...] = ()
+
+    def to_dict(self) -> dict:
+        return {
+            "peak_allocated_bytes": self.peak_allocated_bytes,
+            "peak_phase": self.peak_phase,
+            "breakdown": dict(self.breakdown),
+            "phases": {name: snap.to_dict() for name, snap in self.phases.items()},
+            "world_size": self.world_size,
+            "shard_group_size": self.shard_group_size,
+            "builder": self.builder,
+            "seconds": round(self.seconds, 2),
+            "notes": list(self.notes),
+        }
+
+
+# ---------------------------------------------------------------- the fake world
+
+class _FakeWorld:
+    """A fake process group of `world_size` ranks for the duration of a trace (rank 0 is us).
+
+    An already initialised fake group of the same size is reused and left alone; any other initialised
+    group is an error (the trace would shard over the wrong world)."""
+
+    def __init__(self, world_size: int):
+        self.world_size = world_size
+        self.owned = False
+
+    def __enter__(self):
+        if dist.is_initialized():
+            if dist.get_backend() == "fake" and dist.get_world_size() == self.world_size:
+                return self
+            raise TraceError(f"a {dist.get_backend()} process group of {dist.get_world_size()} ranks is already "
+                             f"initialised; the trace needs its own fake group of {self.world_size}")
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+
+        dist.init_process_group("fake", rank=0, world_size=self.world_size, store=FakeStore())
+        self.owned = True
+        return self
+
+    def __exit__(self, *exc):
+        if self.owned:
+            dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------- building and stepping
+
+def _block_classes(model: nn.Module, spec: ModelSpec) -> set[type]:
+    classes = {type(m) for m in model.modules() if type(m).__name__ == spec.block_class}
+    if classes:
+        return classes
+    from .apply import block_classes_for
+
+    return block_classes_for(model)
+
+
+def _make_optimizer(params, optimizer: Optimizer) -> torch.optim.Optimizer:
+    params = [p for p in params if p.requires_grad]
+    if optimizer is Optimizer.SGD:
+        return torch.optim.SGD(params, lr=1e-3, momentum=0.9, foreach=False)
+    if optimizer is Optimizer.ADAM:
+        return torch.optim.Adam(params, lr=1e-4, foreach=False)
+    return torch.optim.AdamW(params, lr=1e-4, foreach=False)
+
+
+def foreach_temporary_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes the multi-tensor (foreach) step allocates on top of the state: Adam/AdamW's
+    torch._foreach_sqrt(exp_avg_sqs), one tensor per local parameter shard (then divided and added to
+    in place); SGD with momentum updates in place (0)."""
+    if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+        return 0
+    from torch.distributed.tensor import DTensor
+
+    total = 0
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.requires_grad:
+                local = p.to_local() if isinstance(p, DTensor) else p
+                total += local.numel() * local.element_size()
+    return total
+
+
+def _loss(model: nn.Module, ids: torch.Tensor, is_hf: bool) -> torch.Tensor:
+    out = model(input_ids=ids, labels=ids) if is_hf else model(ids, labels=ids)
+    return out.loss if hasattr(out, "loss") else out[0]
+
+
+def _replace_temporaries(snap: MemorySnapshot, temporaries: int) -> MemorySnapshot:
+    """The optimizer-step window with the for-loop step's temporaries swapped for the foreach step's."""
+    b = dict(snap.breakdown)
+    peak = snap.peak_allocated_bytes - b["optimizer_temporaries"] + temporaries
+    b["optimizer_temporaries"] = temporaries
+    return MemorySnapshot(peak_allocated_bytes=peak, breakdown=b, peak_phase="optimizer_step")
+
+
+def _untraceable(what: str, exc: BaseException) -> UntraceableModel:
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return UntraceableModel(f"{what} failed under FakeTensorMode: {type(exc).__name__}: {text[:300]} "
+                            "(data-dependent ops or custom code cannot be traced; use the analytic estimate "
+                            "or `fsdp-plan calibrate` on real hardware)")
+
+
+def trace_memory(spec: ModelSpec, config: FsdpConfig, *, n_gpus: int, gpus_per_node: int, seq_len: int,
+                 optimizer: Optimizer | str = Optimizer.ADAMW, hf_config: dict | None = None,
+                 finetune: Finetune | str = Finetune.FULL) -> TraceResult:
+    """Run two FSDP2 training steps of `spec` under FakeTensorMode on rank 0 of `n_gpus`; see the module
+    docstring. hf_config (a config.json dict with model_type) builds the transformers model; without
+    it the reference Llama is built from `spec`."""
+    training = TrainingSpec(seq_len=seq_len, optimizer=optimizer, finetune=finetune)
+    _check_supported(config, training)
+    if n_gpus < 1 or gpus_per_node < 1:
+        raise TraceError(f"need gpus >= 1 and gpus_per_node >= 1, got {n_gpus} and {gpus_per_node}")
+    if config.sharding.is_hybrid and n_gpus % gpus_per_node:
+        raise TraceError(f"{config.sharding.value} needs gpus ({n_gpus}) divisible by gpus_per_node ({gpus_per_node})")
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from .apply import apply_fsdp2, cast_for_precision, make_mesh
+    from .build import build_model
+
+    started = time.perf_counter()
+    is_hf = hf_config is not None
+    if is_hf:
+        _require_transformers()
+    shard = _shard_group(config, n_gpus, gpus_per_node)
+    notes = []
+    with _FakeWorld(n_gpus):
+        mesh = make_mesh(config, n_gpus, gpus_per_node, "cpu")  # outside FakeTensorMode (pitfalls.md)
+        with FakeTensorMode(allow_non_fake_inputs=False):
+            try:
+                model = build_model(spec, hf_config, attention=config.attention.value, device="cpu")
+            except Exception as exc:  # noqa: BLE001 - any failure of foreign model code is reported as such
+                raise _untraceable(f"building {spec.name}", exc) from exc
+            model.train()
+            if is_hf and hasattr(model, "config"):
+                model.config.use_cache = False  # no KV cache in training (HF warns and drops it with AC)
+            cast_for_precision(model, config)
+            apply_fsdp2(model, config, _block_classes(model, spec), mesh)
+            opt = _make_optimizer(model.parameters(), training.optimizer)
+            ids = torch.randint(0, spec.vocab_size, (config.micro_batch, seq_len))
+            tracker = MemoryTracker(model, opt, vocab_size=spec.vocab_size if spec.vocab_size != seq_len else None)
+            tracker.track_inputs(ids)
+            phases = {}
+            with tracker:
+                for step in range(2):
+                    if step == 1:
+                        tracker.reset()
+                    try:
+                        _loss(model, ids, is_hf).backward()
+                    except Exception as exc:  # noqa: BLE001
+                        raise _untraceable(f"the training step of {spec.name}", exc) from exc
+                    if step == 1:
+                        phases["forward_backward"] = tracker.snapshot()
+                        tracker.reset()
+                    opt.step()
+                    if step == 1:
+                        phases["optimizer_step"] = _replace_temporaries(tracker.snapshot(),
+                                                                        foreach_temporary_bytes(opt))
+                    opt.zero_grad(set_to_none=True)
+    if training.optimizer in (Optimizer.ADAM, Optimizer.ADAMW):
+        notes.append("optimizer traced with foreach=False; the foreach step's temporaries (one sharded fp32 "
+                     "copy of the trainable params) are added analytically")
+    if spec.vocab_size == seq_len:
+        notes.append("vocab size equals sequence length: logits are counted under activations")
+    peak = max(phases.values(), key=lambda s: s.peak_allocated_bytes)
+    return TraceResult(peak_allocated_bytes=peak.peak_allocated_bytes, breakdown=dict(peak.breakdown),
+                       peak_phase=peak.peak_phase, phases=phases, world_size=n_gpus, shard_group_size=shard,
+                       builder="transformers" if is_hf else "reference", seconds=time.perf_counter() - started,
+                       notes=tuple(notes))
+
+
+def _shard_group(config: FsdpConfig, n_gpus: int, gpus_per_node: int) -> int:
+    if config.sharding is Sharding.NO_SHARD:
+        return 1
+    return gpus_per_node if config.sharding.is_hybrid else n_gpus
+
+
+def _check_supported(config: FsdpConfig, training: TrainingSpec) -> None:
+    if training.finetune is Finetune.LORA:
+        raise TraceUnsupported("the trace tier does not model LoRA fine-tuning (it would need peft); "
+                               "use the analytic estimate")
+    if config.offload:
+        raise TraceUnsupported("the trace tier does not model CPU offload (on a CPU mesh, device and host "
+                               "memory are one); use the analytic estimate")
+    if training.optimizer is Optimizer.ADAMW_8BIT:
+        raise TraceUnsupported("the trace tier does not model 8-bit AdamW (bitsandbytes kernels); trace with "
+                               "adamw and subtract 6 bytes per sharded parameter, or use the analytic estimate")
+
+
+def _require_transformers() -> None:
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        raise TraceError("tracing a Hugging Face model needs transformers: pip install 'fsdp-planner[trace]'") from None
+
+
+__all__ = ["TraceResult", "TraceError", "TraceUnsupported", "UntraceableModel", "trace_memory",
+           "foreach_temporary_bytes", "BREAKDOWN_KEYS"]

@@ -1,0 +1,260 @@
+"""trace(): the trace tier beside the analytic estimate, and --verify-top for a plan.
+
+    from planner.tracing import trace
+    t = trace("llama2-7b", gpus=8, precision="bf16", micro_batch=2)
+    t.traced.peak_allocated_bytes, t.candidate.memory.peak_allocated_bytes, t.to_dict()["difference"]
+
+Arguments are exactly those of planner.api.estimate. torch, transformers and calibration are imported
+inside the functions: `import planner` stays free of torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from cost_models.profile import DEFAULT_PROFILE, Profile
+from cost_models.specs import ModelSpec
+from cost_models.units import GiB
+
+from .api import Candidate, Plan, estimate
+from .errors import PlannerError
+
+INSTALL_HINT = "the trace tier needs transformers for Hugging Face models: pip install 'fsdp-planner[trace]'"
+
+
+@dataclass
+class TraceReport:
+    """The traced per-rank memory of one configuration, with the analytic estimate of the same one."""
+
+    candidate: Candidate        # the analytic estimate (config, cluster, time)
+    traced: object              # calibration.trace.TraceResult
+    profile: Profile
+
+    @property
+    def peak_reserved_bytes(self) -> int:
+        """Traced allocated peak plus the same fragmentation and CUDA context the estimate adds."""
+        return int(self.traced.peak_allocated_bytes * (1 + self.profile.fragmentation)) + \
+            self.profile.cuda_context_bytes
+
+    @property
+    def fits(self) -> bool:
+        return self.peak_reserved_bytes <= self.candidate.cluster.gpu.memory_bytes
+
+    @property
+    def relative_error(self) -> float:
+        """(estimate - trace) / trace of the peak allocated bytes."""
+        return self.candidate.memory.peak_allocated_bytes / self.traced.peak_allocated_bytes - 1
+
+    def difference(self) -> dict:
+        est = self.candidate.memory
+        traced = self.traced
+        est_b = est.breakdown.to_dict()
+        keys = list(dict.fromkeys([*est_b, *traced.breakdown]))
+        return {
+            "peak_allocated_bytes": est.peak_allocated_bytes - traced.peak_allocated_bytes,
+            "peak_allocated_relative": round(self.relative_error, 4),
+            "peak_phase": {"analytic": est.peak_phase, "trace": traced.peak_phase},
+            "breakdown": {k: est_b.get(k, 0) - traced.breakdown.get(k, 0) for k in keys},
+        }
+
+    def to_dict(self) -> dict:
+        """estimate's JSON shape with the traced memory, "source": "trace", the analytic memory beside it
+        and the difference (analytic - trace). Step time is the analytic model's: the trace measures memory."""
+        c = self.candidate
+        analytic = c.to_dict()
+        traced = self.traced
+        reasons = [] if self.fits else [
+            f"traced peak needs {self.peak_reserved_bytes / GiB:.1f} GiB per GPU > "
+            f"{c.cluster.gpu.memory_bytes / GiB:.1f} GiB (peak in {traced.peak_phase.replace('_', ' ')})"]
+        return {
+            "model": {"name": c.model.name, "n_params": c.model.n_params},
+            "source": "trace",
+            "config": analytic["config"],
+            "fits": self.fits,
+            "reasons": reasons,
+            "memory": {
+                "peak_allocated_bytes": traced.peak_allocated_bytes,
+                "peak_reserved_bytes": self.peak_reserved_bytes,
+                "peak_phase": traced.peak_phase,
+                "breakdown": dict(traced.breakdown),
+                "cpu_bytes_per_node": 0,
+                "notes": list(traced.notes),
+            },
+            "time": analytic["time"],
+            "fsdp_kwargs": analytic["fsdp_kwargs"],
+            "fully_shard_kwargs": analytic["fully_shard_kwargs"],
+            "trace": {k: v for k, v in traced.to_dict().items() if k not in ("peak_allocated_bytes", "breakdown",
+                                                                            "peak_phase", "notes")},
+            "analytic": {"source": "analytic", "fits": c.fits, "reasons": list(c.reasons),
+                         "memory": analytic["memory"]},
+            "difference": self.difference(),
+        }
+
+
+def _hf_config(model) -> dict | None:
+    from .models import hf_config_of
+
+    if isinstance(model, ModelSpec):
+        return None
+    return hf_config_of(model)
+
+
+def trace_candidate(candidate: Candidate, hf_config: dict | None, profile: Profile | None = None) -> TraceReport:
+    """Trace the configuration of an analytic Candidate (same model, cluster, training)."""
+    from calibration.trace import TraceError, trace_memory
+
+    spec = candidate.model
+    if hf_config is None and spec.family != "llama":
+        raise PlannerError("model", f"{spec.name}: no Hugging Face config to build it from and the reference "
+                                    "implementation covers the llama family only; pass a preset or config.json")
+    try:
+        traced = trace_memory(spec, candidate.config, n_gpus=candidate.cluster.n_gpus,
+                              gpus_per_node=candidate.cluster.gpus_per_node, seq_len=candidate.training.seq_len,
+                              optimizer=candidate.training.optimizer, hf_config=hf_config,
+                              finetune=candidate.training.finetune)
+    except TraceError as exc:
+        raise PlannerError("trace", str(exc)) from None
+    return TraceReport(candidate=candidate, traced=traced, profile=profile or DEFAULT_PROFILE)
+
+
+def require_trace_dependencies(hf_config: dict | None) -> None:
+    """PlannerError with the install command when the trace tier cannot import what it needs."""
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        raise PlannerError("trace", "the trace tier needs torch: pip install 'fsdp-planner[trace]'") from None
+    if hf_config is not None:
+        try:
+            import transformers  # noqa: F401
+        except ImportError:
+            raise PlannerError("trace", INSTALL_HINT) from None
+
+
+def trace(model, gpus: int, *, profile: Profile | None = None, **kwargs) -> TraceReport:
+    """Trace one explicit configuration; arguments are exactly those of planner.api.estimate."""
+    if _is_module(model):
+        raise PlannerError("model", "the trace tier builds the model itself: pass a preset name, a config.json "
+                                    "or its dict, not an nn.Module")
+    hf_config = _hf_config(model)
+    require_trace_dependencies(hf_config)
+    candidate = estimate(model, gpus, profile=profile, **kwargs)
+    return trace_candidate(candidate, hf_config, profile)
+
+
+def _is_module(obj) -> bool:
+    import sys
+
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(obj, torch.nn.Module)
+
+
+# ---------------------------------------------------------------- --verify-top K
+
+@dataclass
+class Verification:
+    """Whether the trace tier confirms that a planned candidate fits."""
+
+    rank: int                              # 1-based position in the plan
+    confirmed: bool
+    traced_peak_allocated_bytes: int | None
+    traced_peak_reserved_bytes: int | None
+    relative_error: float | None           # analytic vs trace, peak allocated
+    reason: str = ""                       # why not confirmed (or not traced)
+
+    def to_dict(self) -> dict:
+        return {"confirmed": self.confirmed, "traced_peak_allocated_bytes": self.traced_peak_allocated_bytes,
+                "traced_peak_reserved_bytes": self.traced_peak_reserved_bytes,
+                "analytic_vs_trace": None if self.relative_error is None else round(self.relative_error, 4),
+                "reason": self.reason}
+
+    @property
+    def label(self) -> str:
+        if self.traced_peak_allocated_bytes is None:
+            return "not traced"
+        return "confirmed" if self.confirmed else "NOT confirmed"
+
+
+def verify_top(plan: Plan, k: int, model_arg, profile: Profile | None = None) -> list[Verification]:
+    """Trace the top k candidates of a plan; each is confirmed when its traced peak (with the same
+    reserved-memory allowance as the estimate) fits the GPU. A candidate the trace tier cannot run
+    (offload, LoRA, an untraceable model) is marked "not traced" with the reason."""
+    hf_config = _hf_config(model_arg)
+    require_trace_dependencies(hf_config)
+    out = []
+    for i, candidate in enumerate(plan.candidates[:k]):
+        try:
+            report = trace_candidate(candidate, hf_config, profile)
+        except PlannerError as exc:
+            out.append(Verification(i + 1, False, None, None, None, str(exc)))
+            continue
+        reason = "" if report.fits else report.to_dict()["reasons"][0]
+        out.append(Verification(i + 1, report.fits, report.traced.peak_allocated_bytes, report.peak_reserved_bytes,
+                                report.relative_error, reason))
+    return out
+
+
+def verification_table(verifications: list[Verification]) -> str:
+    from tabulate import tabulate
+
+    rows = [[v.rank, v.label,
+             "" if v.traced_peak_reserved_bytes is None else f"{v.traced_peak_reserved_bytes / GiB:.1f}",
+             "" if v.relative_error is None else f"{100 * v.relative_error:+.1f}%", v.reason]
+            for v in verifications]
+    return tabulate(rows, headers=["#", "trace", "traced peak GiB", "estimate vs trace", "reason"],
+                    tablefmt="simple", disable_numparse=True)
+
+
+def report_text(r: TraceReport) -> str:
+    """Table form of `fsdp-plan trace`: traced and analytic memory side by side, by category."""
+    from tabulate import tabulate
+
+    c = r.candidate
+    traced = r.traced
+    est = c.memory
+    est_b = est.breakdown.to_dict()
+    keys = list(dict.fromkeys([*est_b, *traced.breakdown]))
+    rows = [[k, f"{traced.breakdown.get(k, 0) / GiB:.2f}", f"{est_b.get(k, 0) / GiB:.2f}",
+             f"{(est_b.get(k, 0) - traced.breakdown.get(k, 0)) / GiB:+.2f}"] for k in keys]
+    rows.append(["peak allocated", f"{traced.peak_allocated_bytes / GiB:.2f}", f"{est.peak_allocated_bytes / GiB:.2f}",
+                 f"{(est.peak_allocated_bytes - traced.peak_allocated_bytes) / GiB:+.2f} "
+                 f"({100 * r.relative_error:+.1f}%)"])
+    rows.append(["peak reserved (+context, fragmentation)", f"{r.peak_reserved_bytes / GiB:.2f}",
+                 f"{est.peak_reserved_bytes / GiB:.2f}", ""])
+    lines = [
+        f"{c.model.name} ({c.model.n_params / 1e9:.2f}B) on {c.cluster.n_gpus} x {c.cluster.gpu.id}, traced as rank 0 "
+        f"of {traced.world_size} (shard group {traced.shard_group_size}, {traced.builder} model, "
+        f"{traced.seconds:.1f} s): " + ", ".join(f"{k}={v}" for k, v in c.config.to_dict().items()),
+        "",
+        f"Memory per GPU (GiB): trace peak in {traced.peak_phase.replace('_', ' ')}, "
+        f"estimate peak in {est.peak_phase.replace('_', ' ')}",
+        tabulate(rows, headers=["category", "trace", "estimate", "estimate - trace"], tablefmt="simple",
+                 disable_numparse=True),
+        "",
+        "fits (traced): yes" if r.fits else "fits (traced): NO - " + r.to_dict()["reasons"][0],
+    ]
+    lines += [f"note: {n}" for n in (*traced.notes, *est.notes)]
+    return "\n".join(lines)
+
+
+def verified_plan_json(plan: Plan, top: int, verifications: list[Verification]) -> str:
+    """The plan's JSON with a "verification" object on each traced candidate."""
+    import json
+
+    shown = max(top, max((v.rank for v in verifications), default=0))
+    d = plan.to_dict(shown)
+    for v in verifications:
+        if v.rank <= len(d["candidates"]) and plan.candidates:
+            d["candidates"][v.rank - 1]["verification"] = v.to_dict()
+    d["verified_top"] = len(verifications)
+    return json.dumps(d, indent=2)
+
+
+def verified_plan_text(plan: Plan, top: int, verifications: list[Verification]) -> str:
+    from .report import plan_text
+
+    shown = max(top, max((v.rank for v in verifications), default=0))
+    text = plan_text(plan, shown)
+    if not plan.candidates:
+        return text + "\n\nNothing fits: no candidate to verify with the trace tier."
+    return (text + f"\n\nTrace tier check of the top {len(verifications)} (real FSDP2 step on fake tensors; "
+            "confirmed = traced peak + context + fragmentation fits the GPU):\n" + verification_table(verifications))
