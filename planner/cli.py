@@ -32,6 +32,8 @@ def main_plan(
     emit: Annotated[Optional[Emit], typer.Option("--emit", help="Print only this artifact of the best config")] = None,
     verify_top: Annotated[int, typer.Option("--verify-top", help="Re-check the top K candidates with the trace tier "
                                                                "(real FSDP2 step on fake tensors, no GPU)")] = 0,
+    plot: Annotated[Optional[str], typer.Option("--plot", help="Draw the top candidates' memory and step time "
+                                                               "to FILE.png or FILE.svg (needs matplotlib)")] = None,
 ):
     """Rank every FSDP configuration that fits; print the best as ready-to-use code."""
     if ctx.invoked_subcommand is not None:
@@ -48,6 +50,10 @@ def main_plan(
     if verify_top < 0:
         raise SpecError("verify_top", f"must be >= 0, got {verify_top}")
     p = plan(model, precisions=precision, attention=attention, **args)
+    if plot is not None:
+        from planner.plot import plot_candidates
+
+        plot_candidates((p.candidates or p.misses)[:top], plot, p.cluster.gpu.memory_bytes)
     if verify_top and emit is None:
         from planner.tracing import verified_plan_json, verified_plan_text, verify_top as run_verification
 
@@ -131,11 +137,12 @@ def gpus_cmd():
 
 
 # Commands that live in their own modules (they import torch lazily, inside the command).
-from planner import cli_calibrate, cli_check, cli_trace  # noqa: E402
+from planner import cli_calibrate, cli_check, cli_explain, cli_trace  # noqa: E402
 
 cli_trace.register(app)
 cli_calibrate.register(app)
 cli_check.register(app)
+cli_explain.register(app)
 
 
 def _fail(message: str) -> None:

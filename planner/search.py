@@ -96,7 +96,8 @@ def overshoot(e: Evaluation) -> tuple[float, float]:
 
 def describe(config: FsdpConfig) -> str:
     """A config in the words of the CLI flags."""
-    parts = [config.sharding.value, config.precision.value, f"{config.activation_checkpointing} checkpointing",
+    ac = "no" if not config.ac_every else config.activation_checkpointing
+    parts = [config.sharding.value, config.precision.value, f"{ac} activation checkpointing",
              f"micro-batch {config.micro_batch}"]
     if config.offload:
         parts.append("CPU offload")
