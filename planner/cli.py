@@ -111,15 +111,15 @@ def models_cmd():
     """List the model presets."""
     from tabulate import tabulate
 
-    from planner.models import list_presets, load_preset
+    from planner.models import list_presets, load_preset, preset_source
 
     rows = []
     for name in list_presets():
         s = load_preset(name)
-        rows.append([name, f"{s.n_params / 1e9:.2f}B", s.n_layers, s.hidden_size, s.n_heads, s.n_kv_heads,
-                     s.vocab_size, s.block_class])
+        rows.append([name, f"{s.n_params:,}", s.n_layers, s.hidden_size, s.n_heads, s.n_kv_heads,
+                     s.vocab_size, s.block_class, preset_source(name)])
     typer.echo(tabulate(rows, headers=["preset", "params", "layers", "hidden", "heads", "kv heads", "vocab",
-                                       "block"], disable_numparse=True))
+                                       "block", "source"], disable_numparse=True))
 
 
 @app.command("gpus")

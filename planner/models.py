@@ -69,6 +69,14 @@ def preset_hf_config(name: str) -> dict:
     return {k: v for k, v in _catalog()[key].items() if k not in _PRESET_META_KEYS}
 
 
+def preset_source(name: str) -> str:
+    """Where a preset's numbers come from (the catalog's `_source` note)."""
+    key = _preset_key(name)
+    if key is None:
+        raise _unknown_preset(name)
+    return _catalog()[key].get("_source", "")
+
+
 def load_preset(name: str) -> ModelSpec:
     key = _preset_key(name)
     if key is None:

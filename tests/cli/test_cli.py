@@ -93,3 +93,14 @@ def test_import_planner_does_not_import_torch():
     code = "import sys, planner, cost_models, planner.cli, planner.search; print('torch' in sys.modules)"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.stdout.strip() == "False", r.stderr
+
+
+def test_catalog_listings_show_counts_and_sources():
+    models = run("models")
+    assert models.returncode == 0
+    row = next(line for line in models.stdout.splitlines() if line.startswith("llama2-7b "))
+    assert "6,738,415,616" in row and "LlamaDecoderLayer" in row
+    assert "Brown et al. 2020" in models.stdout
+    gpus = run("gpus")
+    row = next(line for line in gpus.stdout.splitlines() if line.startswith("h100-80gb "))
+    assert "989" in row and "datasheet" in row
