@@ -11,7 +11,7 @@ from typer.exceptions import TyperException
 from cost_models.specs import SpecError
 from planner.cli_options import (AttentionOpt, CpuRam, Emit, FinetuneOpt, Format, FormatOpt, GlobalBatch, Gpu,
                                  GpuMemory, Gpus, GpusPerNode, InternodeGbps, IntraNode, LoraRank, Model, Optim, Pcie,
-                                 SeqLen, cluster_and_training)
+                                 SeqLen, cluster_and_training, config_command)
 
 app = typer.Typer(add_completion=False, no_args_is_help=False, pretty_exceptions_enable=False,
                   rich_markup_mode=None,
@@ -76,34 +76,15 @@ def main_plan(
         typer.echo("\n" + recommendation_text(p.best))
 
 
-@app.command("estimate")
-def estimate_cmd(
-    model: Model = None, gpus: Gpus = None, gpus_per_node: GpusPerNode = None, gpu: Gpu = "a100-80gb",
-    internode_gbps: InternodeGbps = None, gpu_memory: GpuMemory = None, intra_node_gb_per_s: IntraNode = None,
-    pcie_gb_per_s: Pcie = None, cpu_ram_per_node: CpuRam = None,
-    seq_len: SeqLen = 2048, global_batch: GlobalBatch = None, optimizer: Optim = "adamw",
-    finetune: FinetuneOpt = "full", lora_rank: LoraRank = 16, attention: AttentionOpt = "sdpa",
-    sharding: Annotated[str, typer.Option("--sharding", help="FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD, HYBRID_SHARD_ZERO2")] = "FULL_SHARD",
-    precision: Annotated[str, typer.Option("--precision", help="fp32, bf16, bf16-pure, fp16")] = "bf16",
-    activation_checkpointing: Annotated[str, typer.Option("--activation-checkpointing", help="none, full, every-K")] = "none",
-    micro_batch: Annotated[int, typer.Option("--micro-batch", help="Sequences per GPU per micro-step")] = 1,
-    grad_accum: Annotated[Optional[int], typer.Option("--grad-accum", help="Micro-steps per optimizer step")] = None,
-    offload: Annotated[bool, typer.Option("--offload/--no-offload", help="CPU offload of params, grads, optimizer")] = False,
-    backward_prefetch: Annotated[bool, typer.Option("--backward-prefetch/--no-backward-prefetch")] = True,
-    limit_all_gathers: Annotated[bool, typer.Option("--limit-all-gathers/--no-limit-all-gathers")] = True,
-    output_format: FormatOpt = Format.table,
-):
-    """Cost one explicit configuration."""
+def _estimate(model, args: dict, config: dict, output_format: Format) -> None:
     from planner import report
     from planner.api import estimate
 
-    args = cluster_and_training(model, gpus, gpus_per_node, gpu, internode_gbps, gpu_memory, intra_node_gb_per_s,
-                                 pcie_gb_per_s, cpu_ram_per_node, seq_len, global_batch, optimizer, finetune,
-                                 lora_rank)
-    c = estimate(model, sharding=sharding, precision=precision, activation_checkpointing=activation_checkpointing,
-                 micro_batch=micro_batch, grad_accum=grad_accum, attention=attention, offload=offload,
-                 backward_prefetch=backward_prefetch, limit_all_gathers=limit_all_gathers, **args)
+    c = estimate(model, **config, **args)
     typer.echo(report.estimate_json(c) if output_format is Format.json else report.estimate_text(c))
+
+
+config_command(app, "estimate", "Cost one explicit configuration.", _estimate)
 
 
 @app.command("models")

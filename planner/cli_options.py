@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from enum import Enum
-from typing import Annotated, Optional
+from typing import Annotated, Callable, Optional
 
 import typer
 
@@ -56,3 +56,41 @@ def cluster_and_training(model, gpus, gpus_per_node, gpu, internode_gbps, gpu_me
                 gpu_memory=gpu_memory, intra_node_gb_per_s=intra_node_gb_per_s, pcie_gb_per_s=pcie_gb_per_s,
                 cpu_ram_per_node=cpu_ram_per_node, seq_len=seq_len,
                 global_batch=global_batch, optimizer=optimizer, finetune=finetune, lora_rank=lora_rank)
+
+
+ConfigRunner = Callable[[str, dict, dict, Format], None]
+
+
+def config_command(app, name: str, help_text: str, run: ConfigRunner) -> None:
+    """Register a command that takes exactly `fsdp-plan estimate`'s flags (model, cluster, training and one
+    explicit configuration). `run(model, cluster_and_training_kwargs, config_kwargs, output_format)`."""
+
+    def command(
+        model: Model = None, gpus: Gpus = None, gpus_per_node: GpusPerNode = None, gpu: Gpu = "a100-80gb",
+        internode_gbps: InternodeGbps = None, gpu_memory: GpuMemory = None, intra_node_gb_per_s: IntraNode = None,
+        pcie_gb_per_s: Pcie = None, cpu_ram_per_node: CpuRam = None,
+        seq_len: SeqLen = 2048, global_batch: GlobalBatch = None, optimizer: Optim = "adamw",
+        finetune: FinetuneOpt = "full", lora_rank: LoraRank = 16, attention: AttentionOpt = "sdpa",
+        sharding: Annotated[str, typer.Option("--sharding", help="FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD, "
+                                                                 "HYBRID_SHARD_ZERO2")] = "FULL_SHARD",
+        precision: Annotated[str, typer.Option("--precision", help="fp32, bf16, bf16-pure, fp16")] = "bf16",
+        activation_checkpointing: Annotated[str, typer.Option("--activation-checkpointing",
+                                                              help="none, full, every-K")] = "none",
+        micro_batch: Annotated[int, typer.Option("--micro-batch", help="Sequences per GPU per micro-step")] = 1,
+        grad_accum: Annotated[Optional[int], typer.Option("--grad-accum", help="Micro-steps per optimizer step")] = None,
+        offload: Annotated[bool, typer.Option("--offload/--no-offload",
+                                              help="CPU offload of params, grads, optimizer")] = False,
+        backward_prefetch: Annotated[bool, typer.Option("--backward-prefetch/--no-backward-prefetch")] = True,
+        limit_all_gathers: Annotated[bool, typer.Option("--limit-all-gathers/--no-limit-all-gathers")] = True,
+        output_format: FormatOpt = Format.table,
+    ):
+        args = cluster_and_training(model, gpus, gpus_per_node, gpu, internode_gbps, gpu_memory, intra_node_gb_per_s,
+                                    pcie_gb_per_s, cpu_ram_per_node, seq_len, global_batch, optimizer, finetune,
+                                    lora_rank)
+        config = dict(sharding=sharding, precision=precision, activation_checkpointing=activation_checkpointing,
+                      micro_batch=micro_batch, grad_accum=grad_accum, attention=attention, offload=offload,
+                      backward_prefetch=backward_prefetch, limit_all_gathers=limit_all_gathers)
+        run(model, args, config, output_format)
+
+    command.__doc__ = help_text
+    app.command(name)(command)
