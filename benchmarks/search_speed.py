@@ -6,10 +6,12 @@ Prints the search time (best of 5), configurations costed, and candidates costed
 
 from __future__ import annotations
 
+import itertools
 import time
 
+from cost_models.evaluate import evaluate
 from cost_models.profile import DEFAULT_PROFILE
-from cost_models.specs import Precision, TrainingSpec
+from cost_models.specs import FsdpConfig, Precision, TrainingSpec
 from planner.hardware import make_cluster
 from planner.models import load_preset
 from planner.search import SearchSpace, search
@@ -26,10 +28,26 @@ def main() -> None:
         result = search(model, cluster, training, DEFAULT_PROFILE, space)
         timings.append(time.perf_counter() - t0)
     best = min(timings)
-    print(f"gpt-175b on 1024 x a100-80gb, full space: {result.n_costed} configurations costed, "
+    space_size = (len(space.shardings_for(cluster)) * len(space.precisions_for(cluster)) * len(space.offload)
+                  * len(space.ac_every) * len(space.backward_prefetch) * len(space.limit_all_gathers)
+                  * len(space.micro_batches))
+    print(f"gpt-175b on 1024 x a100-80gb: candidate space {space_size:,} configurations; "
+          f"{result.n_costed} costed (larger micro-batches skipped once one misses), "
           f"{len(result.fitting)} distinct fitting")
     print(f"search time: {best * 1000:.1f} ms (best of 5; target < 1000 ms)")
     print(f"candidates costed per second: {result.n_costed / best:,.0f}")
+    # Exhaustive: every configuration of the space costed, no pruning.
+    configs = [FsdpConfig(sharding=sh, precision=pr, offload=off, ac_every=ac, micro_batch=mb,
+                          backward_prefetch=bp, limit_all_gathers=lim)
+               for sh, pr, off, ac, bp, lim, mb in itertools.product(
+                   space.shardings_for(cluster), space.precisions_for(cluster), space.offload, space.ac_every,
+                   space.backward_prefetch, space.limit_all_gathers, space.micro_batches)]
+    t0 = time.perf_counter()
+    for config in configs:
+        evaluate(model, cluster, training, config, DEFAULT_PROFILE)
+    exhaustive = time.perf_counter() - t0
+    print(f"exhaustive: {len(configs):,} configurations in {exhaustive * 1000:.0f} ms "
+          f"({len(configs) / exhaustive:,.0f} per second)")
     t0 = time.perf_counter()
     from planner.api import plan
     plan("gpt-13b", gpus=8)
