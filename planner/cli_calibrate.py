@@ -1,5 +1,133 @@
-"""`fsdp-plan calibrate`: short real FSDP runs, fitted back into the cost model (registered by planner.cli)."""
+"""`fsdp-plan calibrate`: short real FSDP runs, fitted back into the cost model (registered by planner.cli).
+
+    fsdp-plan calibrate --model llama3-8b --gpus 8 --gpu h100-80gb --top 3 --steps 10 --warmup 3 --out calib
+    fsdp-plan calibrate --model llama3-8b --gpus 8 --sharding FULL_SHARD --micro-batch 2 --out calib  # one config
+    fsdp-plan calibrate ... --nodes 2 --rdzv-endpoint node0:29500 [--launch --node-rank N] [--emit slurm]
+    fsdp-plan calibrate --factory my_pkg.models:build --gpus 2 --device cpu --out calib-cpu
+
+Only forwards flags to planner.calibrating.calibrate and prints its report.
+"""
+
+from __future__ import annotations
+
+import sys
+from enum import Enum
+from typing import Annotated, Optional
+
+import typer
+
+from planner.cli_options import (AttentionOpt, FormatOpt, Format, GlobalBatch, Gpu, Gpus, GpusPerNode,
+                                 InternodeGbps, Model, Optim, SeqLen)
+
+
+class CalibrateEmit(str, Enum):
+    slurm = "slurm"
+
+
+_EXPLICIT = ("sharding", "activation_checkpointing", "micro_batch", "grad_accum", "offload", "backward_prefetch",
+             "limit_all_gathers")
+
+
+def _fault(text: str | None) -> dict | None:
+    """--fault RUN:RANK:KIND[:STEP] (testing): make rank RANK of the RUN-th run (0-based) fail."""
+    if not text:
+        return None
+    from planner.errors import PlannerError
+
+    parts = text.split(":")
+    if len(parts) not in (3, 4) or not parts[0].isdigit() or not parts[1].isdigit():
+        raise PlannerError("fault", f"expected RUN:RANK:KIND[:STEP], got {text!r}")
+    return {"run": int(parts[0]), "rank": int(parts[1]), "kind": parts[2],
+            "step": int(parts[3]) if len(parts) == 4 else 0}
 
 
 def register(app) -> None:
     """Add the calibrate command to the typer app."""
+
+    @app.command("calibrate")
+    def calibrate_cmd(
+        out: Annotated[str, typer.Option("--out", help="Directory for results.jsonl, profile.json, logs")] = "calibration",
+        model: Model = None,
+        factory: Annotated[Optional[str], typer.Option("--factory", help="pkg.module:function building the nn.Module "
+                                                       "(called with n_layers=L under --layers)")] = None,
+        gpus: Gpus = None, gpus_per_node: GpusPerNode = None,
+        nodes: Annotated[Optional[int], typer.Option("--nodes", help="Nodes (multi-node: with --rdzv-endpoint)")] = None,
+        gpu: Gpu = "a100-80gb", internode_gbps: InternodeGbps = None,
+        device: Annotated[str, typer.Option("--device", help="cuda (NCCL) or cpu (gloo, one thread per rank)")] = "cuda",
+        seq_len: SeqLen = 2048, global_batch: GlobalBatch = None, optimizer: Optim = "adamw",
+        attention: AttentionOpt = "sdpa",
+        precision: Annotated[Optional[list[str]], typer.Option(
+            "--precision", help="Precisions to search (repeatable); one value with the config flags")] = None,
+        top: Annotated[Optional[int], typer.Option("--top", help="Run the K best planned candidates (default 3)")] = None,
+        sharding: Annotated[Optional[str], typer.Option("--sharding", help="Run this config (estimate's flags)")] = None,
+        activation_checkpointing: Annotated[Optional[str], typer.Option("--activation-checkpointing")] = None,
+        micro_batch: Annotated[Optional[int], typer.Option("--micro-batch")] = None,
+        grad_accum: Annotated[Optional[int], typer.Option("--grad-accum")] = None,
+        offload: Annotated[Optional[bool], typer.Option("--offload/--no-offload")] = None,
+        backward_prefetch: Annotated[Optional[bool], typer.Option("--backward-prefetch/--no-backward-prefetch")] = None,
+        limit_all_gathers: Annotated[Optional[bool], typer.Option("--limit-all-gathers/--no-limit-all-gathers")] = None,
+        steps: Annotated[int, typer.Option("--steps", help="Timed steps per run")] = 10,
+        warmup: Annotated[int, typer.Option("--warmup", help="Untimed steps first")] = 3,
+        fsdp_version: Annotated[int, typer.Option("--fsdp-version", help="1 (FullyShardedDataParallel) or 2 (fully_shard)")] = 2,
+        layers: Annotated[Optional[int], typer.Option("--layers", help="Run L blocks, extrapolate per block")] = None,
+        emulate_world_size: Annotated[Optional[int], typer.Option(
+            "--emulate-world-size", help="One device runs rank 0 of an N-rank job (fake process group)")] = None,
+        profile: Annotated[Optional[str], typer.Option("--profile", help="Predict with this profile.json")] = None,
+        force_profile: Annotated[bool, typer.Option("--force-profile", help="Use a profile from another cluster")] = False,
+        fit: Annotated[bool, typer.Option("--fit/--no-fit", help="Refit the profile from the measured runs")] = True,
+        resume: Annotated[bool, typer.Option("--resume", help="Skip runs already in DIR/results.jsonl")] = False,
+        timeout: Annotated[Optional[float], typer.Option("--timeout", help="Seconds per run before its process "
+                                                         "group is killed (default: 600 + 10x the predicted steps)")] = None,
+        launch: Annotated[bool, typer.Option("--launch", help="Multi-node: run this node's part (else print)")] = False,
+        rdzv_endpoint: Annotated[Optional[str], typer.Option("--rdzv-endpoint", help="HOST:PORT of node 0")] = None,
+        node_rank: Annotated[int, typer.Option("--node-rank", help="This node's rank (with --launch)")] = 0,
+        emit: Annotated[Optional[CalibrateEmit], typer.Option("--emit", help="Print a SLURM batch script instead")] = None,
+        output_format: FormatOpt = Format.table,
+        fault: Annotated[Optional[str], typer.Option("--fault", hidden=True, help="Testing: RUN:RANK:KIND[:STEP]")] = None,
+    ):
+        """Run the best candidates (or one config) for a few real steps, refit the cost model, re-rank."""
+        import dataclasses
+        import json
+
+        from cost_models.specs import FsdpConfig
+        from planner.calibrating import CalibrationRequest, calibrate, render, report_json, slurm_script
+        from planner.errors import PlannerError
+
+        if gpus is None:
+            raise PlannerError("gpus", "missing: pass --gpus N (ranks per run; 1 with --emulate-world-size)")
+        given = {k: v for k, v in dict(sharding=sharding, activation_checkpointing=activation_checkpointing,
+                                       micro_batch=micro_batch, grad_accum=grad_accum, offload=offload,
+                                       backward_prefetch=backward_prefetch,
+                                       limit_all_gathers=limit_all_gathers).items() if v is not None}
+        config = None
+        if given:
+            if top is not None:
+                raise PlannerError("top", "give either --top K or one configuration's flags (--sharding ...), not both")
+            if precision and len(precision) > 1:
+                raise PlannerError("precision", "one configuration takes one --precision")
+            if "activation_checkpointing" in given:
+                given["ac_every"] = given.pop("activation_checkpointing")
+            config = FsdpConfig(precision=(precision or ["fp32" if device == "cpu" else "bf16"])[0], **given)
+            if config.grad_accum == 1 and global_batch and grad_accum is None:
+                per_step = config.micro_batch * (emulate_world_size or gpus)
+                if global_batch % per_step:
+                    raise PlannerError("global_batch", f"{global_batch} is not a multiple of micro_batch x gpus = {per_step}")
+                config = dataclasses.replace(config, grad_accum=global_batch // per_step)
+        request = CalibrationRequest(
+            out_dir=out, gpus=gpus, model=model, factory=factory, device=device, gpu=gpu, gpus_per_node=gpus_per_node,
+            nodes=nodes, internode_gbps=internode_gbps, seq_len=seq_len, global_batch=global_batch,
+            optimizer=optimizer, precisions=precision, attention=attention, top=top or 3, config=config, steps=steps,
+            warmup=warmup, fsdp_version=fsdp_version, layers=layers, emulate_world_size=emulate_world_size,
+            profile=profile, force_profile=force_profile, fit=fit, resume=resume, timeout_s=timeout, launch=launch,
+            rdzv_endpoint=rdzv_endpoint, node_rank=node_rank, fault=_fault(fault))
+        if emit is CalibrateEmit.slurm:
+            argv = sys.argv[1:]
+            if argv and argv[0] == "calibrate":
+                argv = argv[1:]
+            typer.echo(slurm_script(request, argv), nl=False)
+            return
+        report = calibrate(request)
+        if output_format is Format.json:
+            typer.echo(json.dumps(report_json(report), indent=2))
+        else:
+            typer.echo(render(report))

@@ -1,0 +1,205 @@
+"""Fit the cost model's efficiency coefficients to measured runs (scipy least squares).
+
+Step time. The unknowns are the Profile coefficients the runs can tell apart:
+- compute_efficiency[dtype] for each compute dtype that was run (achieved fraction of peak FLOP/s);
+- microstep_overhead_s, once there are two runs or more (a fixed cost per micro-step);
+- intra_node_comm_efficiency / inter_node_comm_efficiency, when a run communicated on that tier (runs
+  under --emulate-world-size have no real communication and do not inform them).
+For each set of values the full cost model (cost_models.step_time) predicts every run; the fit
+minimises the squared log-ratios predicted/measured (relative errors, so a 2 s and a 0.2 s run weigh
+the same), plus a weak pull (weight PRIOR_WEIGHT) of each coefficient's log towards its starting
+value. The pull only matters where the runs do not determine a coefficient, e.g. two runs and three
+unknowns: that coefficient then stays near its published default instead of drifting to a bound.
+
+Memory. The allocated peak has no free coefficient (it is a ledger of tensors, checked in the report).
+What sits above it is fitted directly from the GPU runs: fragmentation = median(max reserved / max
+allocated - 1), cuda_context_bytes = median(device memory used outside PyTorch's allocator). CPU runs
+measure neither, so both keep their values.
+
+No torch: this runs in the planner process on results read back from results.jsonl.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass, field, replace
+
+from cost_models.evaluate import evaluate
+from cost_models.profile import Profile
+from cost_models.specs import ClusterSpec, FsdpConfig, GpuSpec, ModelSpec, Sharding, TrainingSpec
+from cost_models.step_time import TimeBreakdown, estimate_step_time
+
+PRIOR_WEIGHT = 1e-3
+_BOUNDS = {  # (low, high) of each fitted coefficient
+    "compute_efficiency": (1e-3, 2.0),  # > 1 possible on CPU, where "peak" is a measured matmul rate
+    "microstep_overhead_s": (1e-6, 10.0),
+    "intra_node_comm_efficiency": (1e-3, 10.0),
+    "inter_node_comm_efficiency": (1e-3, 10.0),
+}
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One measured run, with everything the cost model needs to predict it."""
+
+    run_id: str
+    model: ModelSpec
+    cluster: ClusterSpec
+    training: TrainingSpec
+    config: FsdpConfig
+    step_s: float
+    peak_allocated_bytes: int | None = None
+    peak_reserved_bytes: int | None = None
+    non_torch_bytes: int | None = None
+    emulated: bool = False
+
+
+def specs_from_setup(setup) -> tuple[ModelSpec, ClusterSpec, TrainingSpec, FsdpConfig]:
+    """The cost-model specs of a stored run (calibration.store.RunSetup)."""
+    model = dict(setup.model)
+    model["lora_target_shapes"] = tuple(tuple(x) for x in model.get("lora_target_shapes", ()))
+    gpu = GpuSpec(**setup.gpu)
+    cluster = ClusterSpec(gpu=gpu, n_gpus=setup.n_gpus, gpus_per_node=setup.gpus_per_node,
+                          internode_bytes_per_s=setup.internode_bytes_per_s)
+    config = dict(setup.config)
+    config["ac_every"] = config.pop("activation_checkpointing")
+    return ModelSpec(**model), cluster, TrainingSpec(**setup.training), FsdpConfig(**config)
+
+
+def sample_from_record(record) -> Sample:
+    model, cluster, training, config = specs_from_setup(record.setup)
+    m = record.measured
+    return Sample(run_id=record.run_id, model=model, cluster=cluster, training=training, config=config,
+                  step_s=m.step_s, peak_allocated_bytes=m.peak_allocated_bytes,
+                  peak_reserved_bytes=m.peak_reserved_bytes, non_torch_bytes=m.non_torch_bytes,
+                  emulated=record.setup.emulated)
+
+
+def predicted_step_s(sample: Sample, profile: Profile) -> float:
+    """The step the run should have measured: emulated runs did no real communication."""
+    t = estimate_step_time(sample.model, sample.cluster, sample.training, sample.config, profile)
+    return t.step_s - t.exposed_comm_s if sample.emulated else t.step_s
+
+
+def step_time(sample: Sample, profile: Profile) -> TimeBreakdown:
+    return estimate_step_time(sample.model, sample.cluster, sample.training, sample.config, profile)
+
+
+def _communicates(sample: Sample) -> tuple[bool, bool]:
+    """(intra-node, inter-node) tiers this run's collectives used."""
+    if sample.emulated or sample.cluster.n_gpus == 1:
+        return False, False
+    c, cl = sample.config, sample.cluster
+    d, replicas = c.shard_group_size(cl), c.replicate_group_size(cl)
+    intra = 1 < d <= cl.gpus_per_node or (replicas > 1 and cl.n_nodes == 1)
+    inter = cl.n_nodes > 1 and (d > cl.gpus_per_node or replicas > 1)
+    return intra, inter
+
+
+@dataclass
+class Fit:
+    profile: Profile
+    fitted: list[str]
+    step_error_before: float          # RMS relative step-time error with the starting profile
+    step_error_after: float
+    per_run: list[dict] = field(default_factory=list)  # run_id, measured, before, after
+    notes: list[str] = field(default_factory=list)
+
+
+def _rms_rel(pairs) -> float:
+    errors = [(p - m) / m for p, m in pairs]
+    return math.sqrt(sum(e * e for e in errors) / len(errors)) if errors else 0.0
+
+
+def _unknowns(samples: list[Sample]) -> list[str]:
+    names = [f"compute_efficiency:{d}" for d in sorted({s.config.precision.compute_dtype for s in samples})]
+    if len(samples) >= 2:
+        names.append("microstep_overhead_s")
+    tiers = [_communicates(s) for s in samples]
+    if any(intra for intra, _ in tiers):
+        names.append("intra_node_comm_efficiency")
+    if any(inter for _, inter in tiers):
+        names.append("inter_node_comm_efficiency")
+    return names
+
+
+def _get(profile: Profile, name: str) -> float:
+    if name.startswith("compute_efficiency:"):
+        return profile.efficiency(name.split(":", 1)[1])
+    return getattr(profile, name)
+
+
+def _with(profile: Profile, values: dict[str, float]) -> Profile:
+    eff = dict(profile.compute_efficiency)
+    changes = {}
+    for name, value in values.items():
+        if name.startswith("compute_efficiency:"):
+            eff[name.split(":", 1)[1]] = value
+        else:
+            changes[name] = value
+    return replace(profile, compute_efficiency=eff, **changes)
+
+
+def _bounds(name: str) -> tuple[float, float]:
+    return _BOUNDS[name.split(":", 1)[0]]
+
+
+def fit_profile(samples: list[Sample], base: Profile, source: str = "fitted") -> Fit:
+    """Coefficients that best explain the measured runs, starting from (and pulled weakly towards) base."""
+    import numpy as np
+    from scipy.optimize import least_squares
+
+    if not samples:
+        return Fit(base, [], 0.0, 0.0, notes=["no measured run: nothing to fit"])
+    names = _unknowns(samples)
+    start = np.array([math.log(min(max(_get(base, n), _bounds(n)[0] * 1.01), _bounds(n)[1] * 0.99)) for n in names])
+    low = np.array([math.log(_bounds(n)[0]) for n in names])
+    high = np.array([math.log(_bounds(n)[1]) for n in names])
+    measured = np.array([s.step_s for s in samples])
+
+    def residuals(x):
+        profile = _with(base, dict(zip(names, np.exp(x))))
+        predicted = np.array([predicted_step_s(s, profile) for s in samples])
+        return np.concatenate([np.log(predicted / measured), PRIOR_WEIGHT * (x - start)])
+
+    result = least_squares(residuals, start, bounds=(low, high), x_scale=1.0, method="trf")
+    values = dict(zip(names, (float(v) for v in np.exp(result.x))))
+    notes = []
+    for name, value in values.items():
+        lo, hi = _bounds(name)
+        if value <= lo * 1.05 or value >= hi * 0.95:
+            notes.append(f"{name} ended at its bound ({value:.3g}): the runs barely constrain it")
+    if len(samples) < len(names):
+        notes.append(f"{len(samples)} runs for {len(names)} unknowns: the weakly determined ones stay near "
+                     "their starting values")
+
+    # memory above the allocated peak (GPU runs only)
+    memory = {}
+    ratios = [s.peak_reserved_bytes / s.peak_allocated_bytes - 1 for s in samples
+              if s.peak_reserved_bytes and s.peak_allocated_bytes]
+    if ratios:
+        memory["fragmentation"] = max(0.0, statistics.median(ratios))
+    outside = [s.non_torch_bytes for s in samples if s.non_torch_bytes is not None]
+    if outside:
+        memory["cuda_context_bytes"] = int(statistics.median(outside))
+    fitted_profile = replace(_with(base, values), **memory, source=source)
+
+    per_run = []
+    for s in samples:
+        before, after = predicted_step_s(s, base), predicted_step_s(s, fitted_profile)
+        per_run.append({"run_id": s.run_id, "measured_step_s": s.step_s, "before_step_s": before,
+                        "after_step_s": after})
+    return Fit(
+        profile=fitted_profile,
+        fitted=[n.replace(":", "[") + "]" if ":" in n else n for n in names] + list(memory),
+        step_error_before=_rms_rel((r["before_step_s"], r["measured_step_s"]) for r in per_run),
+        step_error_after=_rms_rel((r["after_step_s"], r["measured_step_s"]) for r in per_run),
+        per_run=per_run,
+        notes=notes,
+    )
+
+
+def predict(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, config: FsdpConfig, profile: Profile):
+    """The cost model's evaluation of one configuration (memory, time, fits)."""
+    return evaluate(model, cluster, training, config, profile)

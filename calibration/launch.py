@@ -1,0 +1,200 @@
+"""One torchrun job per calibration run: timeouts, process-group kills, and failures turned into records.
+
+A run is a child process group (torchrun and its ranks, started in a new session). It ends one of
+three ways, and none of them stops the calibration:
+- rank 0 wrote its result file and torchrun exited 0: measured;
+- a rank failed: the ranks' error files (written by calibration.runner: "oom" or "crash", with the
+  rank's message) or, when a rank died without one (killed, segfault, os._exit), the tail of the log;
+- it ran past its timeout (a hung collective, a deadlock): the whole process group gets SIGTERM, then
+  SIGKILL after a grace period, and the run is recorded as "timeout".
+
+No torch import: the launcher only builds command lines and watches processes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+KILL_GRACE_S = 5.0
+LOG_TAIL_LINES = 15
+
+
+@dataclass(frozen=True)
+class Rendezvous:
+    """Where the ranks of a multi-node job meet: node 0's address and a free port (torchrun's static
+    rendezvous, so global rank 0, which writes the result, is on node 0)."""
+
+    host: str
+    port: int = 29500
+
+    @classmethod
+    def parse(cls, text: str) -> "Rendezvous":
+        host, sep, port = text.rpartition(":")
+        if not sep or not host or not port.isdigit():
+            raise ValueError(f"rendezvous endpoint must look like HOST:PORT, got {text!r}")
+        return cls(host, int(port))
+
+
+@dataclass(frozen=True)
+class Launch:
+    """How one job is started: ranks per node, nodes, and (multi-node) the rendezvous and this node's rank."""
+
+    nproc_per_node: int
+    nnodes: int = 1
+    node_rank: int = 0
+    rendezvous: Rendezvous | None = None
+    python: str = sys.executable
+
+    def torchrun_args(self, node_rank: int | None = None) -> list[str]:
+        args = [self.python, "-m", "torch.distributed.run", "--nproc-per-node", str(self.nproc_per_node)]
+        if self.nnodes == 1 and self.rendezvous is None:
+            return args + ["--standalone"]
+        if self.rendezvous is None:
+            raise ValueError("a multi-node run needs a rendezvous endpoint (--rdzv-endpoint HOST:PORT)")
+        rank = self.node_rank if node_rank is None else node_rank
+        return args + ["--nnodes", str(self.nnodes), "--node-rank", str(rank),
+                       "--master-addr", self.rendezvous.host, "--master-port", str(self.rendezvous.port)]
+
+
+def runner_command(launch: Launch | None, job_path: str | Path, node_rank: int | None = None) -> list[str]:
+    """The command of one run: torchrun + calibration.runner, or the runner alone (emulated world size)."""
+    tail = ["-m", "calibration.runner", "--job", str(job_path)]
+    if launch is None:
+        return [sys.executable, *tail]
+    return launch.torchrun_args(node_rank) + tail
+
+
+def shell_line(argv: list[str], env: dict | None = None) -> str:
+    prefix = " ".join(f"{k}={shlex.quote(str(v))}" for k, v in (env or {}).items())
+    return (prefix + " " if prefix else "") + " ".join(shlex.quote(a) for a in argv)
+
+
+@dataclass
+class Outcome:
+    status: str                  # "ok", "oom", "crash", "timeout"
+    wall_s: float
+    returncode: int | None
+    result: dict | None = None   # rank 0's result file (status "ok")
+    message: str = ""
+    rank: int | None = None
+    log_tail: list[str] = field(default_factory=list)
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """SIGTERM the run's process group, SIGKILL what is left after a grace period."""
+    pgid = proc.pid  # start_new_session: the child leads its own process group
+    for sig, wait_s in ((signal.SIGTERM, KILL_GRACE_S), (signal.SIGKILL, KILL_GRACE_S)):
+        try:
+            os.killpg(pgid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait_s)
+        except subprocess.TimeoutExpired:
+            continue
+        # torchrun is gone; ranks it could not reap may linger in the group
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return
+
+
+def _tail(path: Path, n: int = LOG_TAIL_LINES) -> list[str]:
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return []
+    useful = [line for line in lines if line.strip() and "FutureWarning" not in line
+              and "return func(*args, **kwargs)" not in line]
+    return useful[-n:]
+
+
+def _rank_errors(error_dir: Path) -> list[dict]:
+    errors = []
+    for path in sorted(error_dir.glob("rank*.json")):
+        try:
+            errors.append(json.loads(path.read_text()))
+        except (OSError, json.JSONDecodeError):
+            continue
+    return errors
+
+
+def _first_cause(errors: list[dict]) -> dict:
+    """The error that explains the run: an OOM first, else a rank that did not fail because a peer left."""
+    for error in errors:
+        if error.get("kind") == "oom":
+            return error
+    for error in errors:
+        text = error.get("message", "").lower()
+        if not any(w in text for w in ("connection closed", "connection reset", "broken pipe", "peer")):
+            return error
+    return errors[0]
+
+
+def _died_rank(lines: list[str]) -> tuple[int | None, str]:
+    """torchrun's summary of a worker that died without a Python error (signal, os._exit)."""
+    rank, exitcode = None, ""
+    for line in lines:
+        text = line.strip()
+        if text.startswith("rank") and ":" in text and "(local_rank" in text:
+            try:
+                rank = int(text.split(":", 1)[1].split("(")[0].strip())
+            except ValueError:
+                pass
+        if text.startswith("exitcode") and ":" in text:
+            exitcode = text.split(":", 1)[1].strip()
+    return rank, exitcode
+
+
+def run_job(argv: list[str], *, timeout_s: float, result_path: Path, error_dir: Path, log_path: Path,
+            env: dict | None = None, cwd: str | Path | None = None) -> Outcome:
+    """Run one job to completion, a failure, or its timeout; never raises for what the job does."""
+    result_path, error_dir, log_path = Path(result_path), Path(error_dir), Path(log_path)
+    for stale in [result_path, *error_dir.glob("rank*.json")]:
+        stale.unlink(missing_ok=True)
+    error_dir.mkdir(parents=True, exist_ok=True)
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+    with open(log_path, "w") as log:
+        log.write(f"$ {shell_line(argv)}\n")
+        log.flush()
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                env={**os.environ, **(env or {})}, cwd=cwd, start_new_session=True)
+        timed_out = False
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+        except BaseException:  # Ctrl-C: take the run down with us, keep what is on disk
+            _kill_group(proc)
+            raise
+        finally:
+            _kill_group(proc)  # also reaps ranks torchrun left behind
+    wall_s = time.monotonic() - t0
+    tail = _tail(log_path)
+    if timed_out:
+        return Outcome("timeout", wall_s, None, message=f"no result after {timeout_s:.0f} s: process group killed "
+                                                         "(a hung collective or a rank stuck)", log_tail=tail)
+    if proc.returncode == 0 and result_path.exists():
+        try:
+            return Outcome("ok", wall_s, 0, result=json.loads(result_path.read_text()), log_tail=tail)
+        except (OSError, json.JSONDecodeError) as exc:
+            return Outcome("crash", wall_s, 0, message=f"unreadable result file {result_path}: {exc}", log_tail=tail)
+    errors = _rank_errors(error_dir)
+    if errors:
+        cause = _first_cause(errors)
+        return Outcome(cause.get("kind", "crash"), wall_s, proc.returncode, message=cause.get("message", ""),
+                       rank=cause.get("rank"), log_tail=tail)
+    rank, exitcode = _died_rank(tail)
+    message = (f"rank {rank} died (exit code {exitcode}) without a Python error" if rank is not None
+               else f"exit code {proc.returncode}: {' | '.join(tail[-3:])}")
+    oom = any("out of memory" in line.lower() or "oom-kill" in line.lower() for line in tail)
+    return Outcome("oom" if oom else "crash", wall_s, proc.returncode, message=message, rank=rank, log_tail=tail)

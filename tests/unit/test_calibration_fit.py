@@ -1,0 +1,84 @@
+"""calibration/fit.py: the fit recovers known coefficients from runs the cost model itself generated."""
+
+import dataclasses
+
+import pytest
+
+from calibration.fit import Sample, fit_profile, predicted_step_s, step_time
+from cost_models.profile import DEFAULT_PROFILE
+from cost_models.specs import ClusterSpec, FsdpConfig, GpuSpec, TrainingSpec
+from planner.models import load_preset
+from planner.search import describe
+
+GPU = GpuSpec(id="test", name="test", memory_bytes=80 * 2**30, hbm_bytes_per_s=2e12,
+              peak_flops={"bf16": 300e12, "fp32": 20e12}, intra_node_bus_bytes_per_s=100e9)
+MODEL = load_preset("llama2-7b")
+CLUSTER = ClusterSpec(gpu=GPU, n_gpus=8, gpus_per_node=8, internode_bytes_per_s=50e9)
+TRAINING = TrainingSpec(seq_len=1024)
+# What "the cluster" really does: slower compute, more overhead, a slower NVLink than the catalog says.
+TRUE = dataclasses.replace(DEFAULT_PROFILE, compute_efficiency={"bf16": 0.45, "fp16": 0.64, "fp32": 0.8},
+                           microstep_overhead_s=0.03, intra_node_comm_efficiency=0.4)
+CONFIGS = [
+    FsdpConfig(sharding="FULL_SHARD", micro_batch=1),
+    FsdpConfig(sharding="FULL_SHARD", micro_batch=4, ac_every=1),
+    FsdpConfig(sharding="SHARD_GRAD_OP", micro_batch=2, grad_accum=4),
+    FsdpConfig(sharding="NO_SHARD", micro_batch=1, grad_accum=2),
+]
+
+
+def sample(config, profile=TRUE, **kw):
+    s = Sample(run_id=describe(config), model=MODEL, cluster=CLUSTER, training=TRAINING, config=config, step_s=0.0, **kw)
+    return dataclasses.replace(s, step_s=predicted_step_s(s, profile))
+
+
+def test_fit_recovers_the_coefficients_that_made_the_runs():
+    # the runs must expose communication for its efficiency to be identifiable
+    assert any(step_time(sample(c), TRUE).exposed_comm_s > 0.05 * sample(c).step_s for c in CONFIGS)
+    fit = fit_profile([sample(c) for c in CONFIGS], DEFAULT_PROFILE)
+    p = fit.profile
+    assert set(fit.fitted) == {"compute_efficiency[bf16]", "microstep_overhead_s", "intra_node_comm_efficiency"}
+    assert p.compute_efficiency["bf16"] == pytest.approx(0.45, rel=0.02)
+    assert p.microstep_overhead_s == pytest.approx(0.03, rel=0.05)
+    assert p.intra_node_comm_efficiency == pytest.approx(0.4, rel=0.05)
+    assert fit.step_error_before > 0.2 and fit.step_error_after < 0.005
+    # and predicts a configuration it never saw
+    unseen = FsdpConfig(sharding="FULL_SHARD", micro_batch=2, grad_accum=2, ac_every=2)
+    assert predicted_step_s(sample(unseen), p) == pytest.approx(sample(unseen).step_s, rel=0.01)
+
+
+def test_one_run_fits_compute_efficiency_only():
+    fit = fit_profile([sample(CONFIGS[1])], DEFAULT_PROFILE)
+    assert fit.fitted == ["compute_efficiency[bf16]", "intra_node_comm_efficiency"]
+    assert fit.profile.microstep_overhead_s == DEFAULT_PROFILE.microstep_overhead_s
+    assert any("1 runs for 2 unknowns" in n for n in fit.notes)
+    assert fit.step_error_after < 0.01  # one run is always matched
+
+
+def test_emulated_runs_inform_compute_not_communication():
+    emulated = [sample(c, emulated=True) for c in CONFIGS]
+    for s in emulated:  # the measured step of a fake process group has no communication in it
+        assert s.step_s == pytest.approx(step_time(s, TRUE).step_s - step_time(s, TRUE).exposed_comm_s)
+    fit = fit_profile(emulated, DEFAULT_PROFILE)
+    assert "intra_node_comm_efficiency" not in fit.fitted
+    assert fit.profile.intra_node_comm_efficiency == DEFAULT_PROFILE.intra_node_comm_efficiency
+    assert fit.profile.compute_efficiency["bf16"] == pytest.approx(0.45, rel=0.02)
+
+
+def test_memory_overheads_are_medians_of_gpu_runs():
+    runs = [dataclasses.replace(sample(c), peak_allocated_bytes=1000, peak_reserved_bytes=r, non_torch_bytes=n)
+            for c, r, n in zip(CONFIGS, (1100, 1080, 1200, 1090), (500, 700, 600, 650))]
+    fit = fit_profile(runs, DEFAULT_PROFILE)
+    assert fit.profile.fragmentation == pytest.approx(0.095)    # median of 0.10, 0.08, 0.20, 0.09
+    assert fit.profile.cuda_context_bytes == 625                # median of 500, 700, 600, 650
+    assert {"fragmentation", "cuda_context_bytes"} <= set(fit.fitted)
+
+
+def test_cpu_runs_keep_memory_overheads():
+    fit = fit_profile([dataclasses.replace(sample(c), peak_allocated_bytes=1000) for c in CONFIGS], DEFAULT_PROFILE)
+    assert fit.profile.fragmentation == DEFAULT_PROFILE.fragmentation
+    assert fit.profile.cuda_context_bytes == DEFAULT_PROFILE.cuda_context_bytes
+
+
+def test_no_runs_no_fit():
+    fit = fit_profile([], DEFAULT_PROFILE)
+    assert fit.profile is DEFAULT_PROFILE and fit.fitted == [] and "nothing to fit" in fit.notes[0]
