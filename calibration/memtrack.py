@@ -20,7 +20,7 @@ project may import them. Categories map onto cost_models.memory.MemoryBreakdown'
     Sharded Param                 -> sharded_params     (the stored DTensor shards; all params without FSDP2)
     Unsharded Param               -> unsharded_params   (gathered compute-dtype params)
     Sharded Grad                  -> sharded_grads      (all grads without FSDP2)
-    Unsharded Grad                -> unsharded_grads    (full-size grads before reduce-scatter)
+    Unsharded Grad                -> unsharded_grads    (full-size grads from accumulation to reduce-scatter)
     OptState                      -> optimizer_state    (what the optimizer keeps between steps)
                                    + optimizer_temporaries (what it allocates during step() on top)
     Activation, Temp              -> activations        (saved for backward, recomputed, and the
@@ -101,6 +101,9 @@ def _tracker_class(fsdp2: bool):
             self._ref_class = categories
             self.vocab_size = vocab_size
             self.peak_phase = "unknown"
+            from torch.utils.weak import WeakIdKeyDictionary
+
+            self._grad_hooked = WeakIdKeyDictionary()
 
         def _phase(self) -> str:
             if self._in_opt:
@@ -117,6 +120,38 @@ def _tracker_class(fsdp2: bool):
             super()._update_peak_stats(peak_state)
             if self._peak_mem != before:
                 self.peak_phase = self._phase()
+
+        if fsdp2:
+            def _fsdp_param_group_pre_backward(self, fsdp_mod, orig):
+                inner = super()._fsdp_param_group_pre_backward(fsdp_mod, orig)
+
+                def with_grad_hooks(*args, **kwargs):
+                    out = inner(*args, **kwargs)
+                    self._hook_unsharded_grads(fsdp_mod)
+                    return out
+
+                return with_grad_hooks
+
+            def _hook_unsharded_grads(self, fsdp_mod) -> None:
+                """File each unsharded gradient as such the moment autograd accumulates it (the private
+                tracker only does so at the unit's post-backward, counting it as Temp until then)."""
+                group = fsdp_mod._get_fsdp_state()._fsdp_param_group
+                for fsdp_param in group.fsdp_params if group else ():
+                    param = getattr(fsdp_param, "_unsharded_param", None)
+                    if param is None or not param.requires_grad or param in self._grad_hooked:
+                        continue
+                    self._grad_hooked[param] = param.register_post_accumulate_grad_hook(self._file_grad)
+
+            def _file_grad(self, param) -> None:
+                if self._depth > 0 and param.grad is not None:
+                    self._update_and_maybe_create_winfos(param.grad, refs.UNSHARDED_GRAD)
+
+        def __exit__(self, *args):
+            super().__exit__(*args)
+            if self._depth == 0:
+                for handle in self._grad_hooked.values():
+                    handle.remove()
+                self._grad_hooked.clear()
 
         def restart_peak(self) -> None:
             """Make the current usage the peak: what follows is measured on its own."""

@@ -8,7 +8,7 @@ What runs is what the plan emits, on no GPU and no real memory:
   calibration.apply.make_mesh, *outside* FakeTensorMode (inside it, mesh creation fails);
 - the model built inside FakeTensorMode by calibration.build.build_model: transformers' from_config (no
   weights) when there is a Hugging Face config, else the project's reference Llama;
-- cast_for_precision, then apply_fsdp2 (checkpoint every K-th block, fully_shard each block, then the
+- the precision's storage dtype (bf16-pure builds in bf16, as cast_for_precision would cast), then apply_fsdp2 (checkpoint every K-th block, fully_shard each block, then the
   root; a 2-D (replicate, shard) mesh for HYBRID with the shard group inside a node);
 - the configured optimizer with foreach=False, two full steps (forward with the model's own loss on
   random token ids, backward, optimizer step, zero_grad) measured by calibration.memtrack; the figures
@@ -28,6 +28,7 @@ memory are the same), 8-bit Adam (bitsandbytes). A model whose code cannot run o
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -177,28 +178,107 @@ def trace_memory(spec: ModelSpec, config: FsdpConfig, *, n_gpus: int, gpus_per_n
         raise TraceError(f"need gpus >= 1 and gpus_per_node >= 1, got {n_gpus} and {gpus_per_node}")
     if config.sharding.is_hybrid and n_gpus % gpus_per_node:
         raise TraceError(f"{config.sharding.value} needs gpus ({n_gpus}) divisible by gpus_per_node ({gpus_per_node})")
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from .apply import apply_fsdp2, cast_for_precision, make_mesh
-    from .build import build_model
-
     started = time.perf_counter()
     is_hf = hf_config is not None
     if is_hf:
         _require_transformers()
+        import transformers
+
+        verbosity = transformers.logging.get_verbosity()
+        transformers.logging.set_verbosity_error()  # config warnings about token ids etc. are not ours to show
+    try:
+        with _real_run_masking(is_hf):
+            return _trace(spec, config, training, n_gpus, gpus_per_node, seq_len, hf_config, started)
+    finally:
+        if is_hf:
+            transformers.logging.set_verbosity(verbosity)
+
+
+@contextmanager
+def cuda_kernel_choices():
+    """Run the two ops whose CPU kernels save different tensors than the CUDA ones a GPU run uses.
+
+    - dropout: the CPU kernel multiplies by a mask kept in the input's dtype; CUDA's fused native_dropout
+      keeps a one-byte bool mask. We call native_dropout, which is CUDA's choice on every device.
+    - scaled_dot_product_attention with dropout_p > 0: CPU falls back to the math path (fp32 upcast,
+      s^2 scores saved); CUDA's flash / memory-efficient kernels take dropout in the kernel and save the
+      same q, k, v, output and logsumexp as without dropout (plus an RNG seed). We run it with
+      dropout_p=0, which saves exactly those.
+    Everything else (matmuls, norms, softmax, losses) saves the same tensors on both devices."""
+    import torch.nn.functional as F
+    from torch.overrides import TorchFunctionMode
+
+    sdpa = F.scaled_dot_product_attention
+
+    class _Mode(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = dict(kwargs or {})
+            if func is sdpa:
+                if len(args) > 4:
+                    args = (*args[:4], 0.0, *args[5:])
+                elif kwargs.get("dropout_p", 0.0):
+                    kwargs["dropout_p"] = 0.0
+                return func(*args, **kwargs)
+            if func in (F.dropout, torch.dropout):
+                x = args[0]
+                p = args[1] if len(args) > 1 else kwargs.get("p", 0.5)
+                train = args[2] if len(args) > 2 else kwargs.get("training", kwargs.get("train", True))
+                if train and p > 0 and x.is_floating_point():
+                    return torch.native_dropout(x, p, True)[0]
+            return func(*args, **kwargs)
+
+    with _Mode():
+        yield
+
+
+@contextmanager
+def _real_run_masking(is_hf: bool):
+    """Make transformers choose the attention mask a real run would.
+
+    Without a KV cache (training), transformers looks for packed sequences in position_ids; on a FakeTensor
+    it cannot read the values, takes the tensor for a compile-time trace, and materialises a (b, 1, s, s)
+    causal mask that SDPA then converts and saves in every layer (b*s*s*c bytes per layer). On real
+    tensors the check finds one sequence per row (our random ids are unpacked) and SDPA runs with
+    is_causal and no mask: we give transformers that answer."""
+    masking = None
+    if is_hf:
+        try:
+            import transformers.masking_utils as masking
+        except ImportError:
+            masking = None
+    original = getattr(masking, "find_packed_sequence_indices", None)
+    if original is not None:
+        masking.find_packed_sequence_indices = lambda position_ids: None
+    try:
+        yield
+    finally:
+        if original is not None:
+            masking.find_packed_sequence_indices = original
+
+
+def _trace(spec, config, training, n_gpus, gpus_per_node, seq_len, hf_config, started) -> TraceResult:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from .apply import TORCH_DTYPES, apply_fsdp2, make_mesh
+    from .build import build_model
+
+    is_hf = hf_config is not None
     shard = _shard_group(config, n_gpus, gpus_per_node)
     notes = []
     with _FakeWorld(n_gpus):
         mesh = make_mesh(config, n_gpus, gpus_per_node, "cpu")  # outside FakeTensorMode (pitfalls.md)
         with FakeTensorMode(allow_non_fake_inputs=False):
             try:
-                model = build_model(spec, hf_config, attention=config.attention.value, device="cpu")
+                # bf16-pure: built in bf16 rather than cast afterwards (cast_for_precision's model.to() must
+                # swap fake parameters, which fails when transformers holds references to them); the
+                # parameters end up the same, only fp32-computed buffers (rotary inv_freq) stay fp32.
+                model = build_model(spec, hf_config, attention=config.attention.value, device="cpu",
+                                    dtype=TORCH_DTYPES[config.precision.param_dtype])
             except Exception as exc:  # noqa: BLE001 - any failure of foreign model code is reported as such
                 raise _untraceable(f"building {spec.name}", exc) from exc
             model.train()
             if is_hf and hasattr(model, "config"):
                 model.config.use_cache = False  # no KV cache in training (HF warns and drops it with AC)
-            cast_for_precision(model, config)
             apply_fsdp2(model, config, _block_classes(model, spec), mesh)
             opt = _make_optimizer(model.parameters(), training.optimizer)
             ids = torch.randint(0, spec.vocab_size, (config.micro_batch, seq_len))
@@ -210,7 +290,10 @@ def trace_memory(spec: ModelSpec, config: FsdpConfig, *, n_gpus: int, gpus_per_n
                     if step == 1:
                         tracker.reset()
                     try:
-                        _loss(model, ids, is_hf).backward()
+                        with cuda_kernel_choices():
+                            loss = _loss(model, ids, is_hf)
+                        loss.backward()
+                        del loss
                     except Exception as exc:  # noqa: BLE001
                         raise _untraceable(f"the training step of {spec.name}", exc) from exc
                     if step == 1:
@@ -222,8 +305,8 @@ def trace_memory(spec: ModelSpec, config: FsdpConfig, *, n_gpus: int, gpus_per_n
                                                                         foreach_temporary_bytes(opt))
                     opt.zero_grad(set_to_none=True)
     if training.optimizer in (Optimizer.ADAM, Optimizer.ADAMW):
-        notes.append("optimizer traced with foreach=False; the foreach step's temporaries (one sharded fp32 "
-                     "copy of the trainable params) are added analytically")
+        notes.append("optimizer traced with foreach=False; the foreach step's temporaries (one more copy of the "
+                     "sharded trainable params, in their dtype) are added analytically")
     if spec.vocab_size == seq_len:
         notes.append("vocab size equals sequence length: logits are counted under activations")
     peak = max(phases.values(), key=lambda s: s.peak_allocated_bytes)
