@@ -127,31 +127,48 @@ def _rank_errors(error_dir: Path) -> list[dict]:
     return errors
 
 
-def _first_cause(errors: list[dict]) -> dict:
-    """The error that explains the run: an OOM first, else a rank that did not fail because a peer left."""
-    for error in errors:
-        if error.get("kind") == "oom":
-            return error
-    for error in errors:
-        text = error.get("message", "").lower()
-        if not any(w in text for w in ("connection closed", "connection reset", "broken pipe", "peer")):
-            return error
-    return errors[0]
+_PEER_LOST = ("connection closed", "connection reset", "broken pipe", "peer", "nccl communicator was aborted")
+
+
+def _root_cause(log_text: str) -> tuple[int | None, str]:
+    """torchrun's "Root Cause (first observed failure)" block: the rank that failed first and its exit code."""
+    _, found, after = log_text.rpartition("Root Cause (first observed failure)")
+    if not found:
+        return None, ""
+    return _died_rank(after.splitlines()[:12])
 
 
 def _died_rank(lines: list[str]) -> tuple[int | None, str]:
-    """torchrun's summary of a worker that died without a Python error (signal, os._exit)."""
+    """Rank and exit code from the first failure block of torchrun's summary."""
     rank, exitcode = None, ""
     for line in lines:
         text = line.strip()
-        if text.startswith("rank") and ":" in text and "(local_rank" in text:
+        if rank is None and text.startswith("rank") and ":" in text and "(local_rank" in text:
             try:
                 rank = int(text.split(":", 1)[1].split("(")[0].strip())
             except ValueError:
                 pass
-        if text.startswith("exitcode") and ":" in text:
+        if not exitcode and text.startswith("exitcode") and ":" in text:
             exitcode = text.split(":", 1)[1].strip()
     return rank, exitcode
+
+
+def _cause(errors: list[dict], log_text: str) -> dict:
+    """The failure that explains the run. An OOM first; then a rank's own error; a rank that lost its peer
+    explains nothing when torchrun saw another rank die first (killed, segfault, os._exit: no error file)."""
+    for error in errors:
+        if error.get("kind") == "oom":
+            return error
+    for error in errors:
+        if not any(w in error.get("message", "").lower() for w in _PEER_LOST):
+            return error
+    rank, exitcode = _root_cause(log_text)
+    if rank is not None and rank not in {e.get("rank") for e in errors}:
+        return {"kind": "crash", "rank": rank, "message": f"rank {rank} died (exit code {exitcode}) without a "
+                                                          "Python error; the other ranks lost their peer"}
+    if errors:
+        return errors[0]
+    return {}
 
 
 def run_job(argv: list[str], *, timeout_s: float, result_path: Path, error_dir: Path, log_path: Path,
@@ -188,13 +205,15 @@ def run_job(argv: list[str], *, timeout_s: float, result_path: Path, error_dir: 
             return Outcome("ok", wall_s, 0, result=json.loads(result_path.read_text()), log_tail=tail)
         except (OSError, json.JSONDecodeError) as exc:
             return Outcome("crash", wall_s, 0, message=f"unreadable result file {result_path}: {exc}", log_tail=tail)
-    errors = _rank_errors(error_dir)
-    if errors:
-        cause = _first_cause(errors)
+    try:
+        log_text = log_path.read_text(errors="replace")
+    except OSError:
+        log_text = ""
+    cause = _cause(_rank_errors(error_dir), log_text)
+    if cause:
         return Outcome(cause.get("kind", "crash"), wall_s, proc.returncode, message=cause.get("message", ""),
                        rank=cause.get("rank"), log_tail=tail)
-    rank, exitcode = _died_rank(tail)
-    message = (f"rank {rank} died (exit code {exitcode}) without a Python error" if rank is not None
-               else f"exit code {proc.returncode}: {' | '.join(tail[-3:])}")
-    oom = any("out of memory" in line.lower() or "oom-kill" in line.lower() for line in tail)
-    return Outcome("oom" if oom else "crash", wall_s, proc.returncode, message=message, rank=rank, log_tail=tail)
+    # no error file and no torchrun summary: killed from outside (the kernel's OOM killer, say)
+    oom = any("out of memory" in line.lower() or "killed" in line.lower() for line in tail)
+    return Outcome("oom" if oom else "crash", wall_s, proc.returncode,
+                   message=f"exit code {proc.returncode}: {' | '.join(tail[-3:])}", log_tail=tail)
