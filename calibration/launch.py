@@ -51,10 +51,11 @@ class Launch:
     nnodes: int = 1
     node_rank: int = 0
     rendezvous: Rendezvous | None = None
-    python: str = sys.executable
+    python: str | None = sys.executable  # None: the `torchrun` script (for commands printed for people)
 
     def torchrun_args(self, node_rank: int | None = None) -> list[str]:
-        args = [self.python, "-m", "torch.distributed.run", "--nproc-per-node", str(self.nproc_per_node)]
+        start = ["torchrun"] if self.python is None else [self.python, "-m", "torch.distributed.run"]
+        args = [*start, "--nproc-per-node", str(self.nproc_per_node)]
         if self.nnodes == 1 and self.rendezvous is None:
             return args + ["--standalone"]
         if self.rendezvous is None:

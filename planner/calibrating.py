@@ -222,9 +222,18 @@ def cpu_cluster(host: store.HostSpec, n_ranks: int, per_node: int) -> ClusterSpe
 
 
 def _probe_host(out_dir: Path, target: Target, training: TrainingSpec, ranks: int, dtypes: set[str],
-                timeout_s: float) -> store.HostProbe:
-    """DIR/host.json, measured now unless an earlier probe there covers these dtypes."""
+                timeout_s: float, node_rank: int = 0) -> store.HostProbe:
+    """DIR/host.json, measured now unless an earlier probe there covers these dtypes. Other nodes of a
+    multi-node CPU calibration wait for node 0's (same candidates on every node need the same "GPU")."""
     path = out_dir / "host.json"
+    if node_rank:
+        deadline = time.monotonic() + timeout_s
+        while not path.exists():
+            if time.monotonic() > deadline:
+                raise PlannerError("out", f"no {path} from node 0 after {timeout_s:.0f} s: --out must be a "
+                                          "directory every node sees")
+            time.sleep(1.0)
+        return store.HostProbe.model_validate_json(path.read_text())
     if path.exists():
         probe = store.HostProbe.model_validate_json(path.read_text())
         if dtypes <= {d for d, v in probe.host.peak_flops.items() if v > 0} and probe.host.ranks == ranks:
@@ -419,7 +428,8 @@ def calibrate(request: CalibrationRequest, progress_stream=None) -> CalibrationR
             dtypes = {"fp32"} | {parse_enum(Precision, p, "precision").compute_dtype for p in request.precisions or ()}
             if request.config is not None:
                 dtypes.add(request.config.precision.compute_dtype)
-            probe = _probe_host(out, target, training, ranks, dtypes, timeout_s=request.timeout_s or 300)
+            probe = _probe_host(out, target, training, ranks, dtypes, timeout_s=request.timeout_s or 300,
+                                node_rank=request.node_rank)
             host, hop_latency = probe.host, probe.hop_latency_s
             progress.note(f"  {host.name}: {host.peak_flops['fp32'] / 1e9:.1f} GFLOP/s fp32 per rank, "
                           f"gloo {host.bus_bytes_per_s / 1e9:.2f} GB/s bus, {hop_latency * 1e6:.0f} us per hop")
@@ -563,10 +573,11 @@ def _node_commands(request, out, target, plans, launch, nodes) -> list[str]:
         _, job_path = _job(request, out, target, config, setup, rid, position)
         lines.append(f"# run {position + 1}/{len(plans)}: {describe(config)}")
         for node in range(nodes):
-            run_launch = replace(launch, rendezvous=replace(launch.rendezvous, port=launch.rendezvous.port + position))
-            argv = launching.runner_command(run_launch, job_path, node_rank=node)
+            run_launch = replace(launch, python=None,
+                                 rendezvous=replace(launch.rendezvous, port=launch.rendezvous.port + position))
+            argv = launching.runner_command(run_launch, job_path.resolve(), node_rank=node)
             lines.append(f"#   node {node}:")
-            lines.append(launching.shell_line(argv, {"OMP_NUM_THREADS": 1}))
+            lines.append(launching.shell_line(argv, {"OMP_NUM_THREADS": 1} if request.device == "cpu" else None))
     return lines
 
 
@@ -583,7 +594,10 @@ def _conclude(request, out, target, cluster, training, base, host, profile_file,
     fit = None
     profile = base
     profile_path = None
-    if request.fit and measured and not commands:
+    follower = nodes > 1 and request.node_rank != 0
+    if follower:
+        notes.append(f"node {request.node_rank}: node 0 records results.jsonl, fits and reports")
+    elif request.fit and measured and not commands:
         samples = [_sample_with_cluster(r, cluster) for r in measured]
         fit = fit_profile(samples, base, source=f"fitted by fsdp-plan calibrate ({len(samples)} runs)")
         profile = fit.profile
@@ -670,8 +684,10 @@ def render(report: CalibrationReport) -> str:
              f"cluster: {c.n_gpus} x {c.gpu.name}, {c.gpus_per_node} per node; seq {report.training.seq_len}, "
              f"{report.training.optimizer.value}, FSDP{report.request.fsdp_version}", ""]
     if report.commands:
-        lines += ["Multi-node: run these on the nodes (or run this command on every node with --launch "
-                  "--node-rank N; node 0 records results.jsonl and fits):", *report.commands]
+        lines += ["Multi-node: run each run's command on its node, in order (the job files must be visible there).",
+                  "Or run this same fsdp-plan calibrate command on every node with --launch --node-rank N (node 0",
+                  "records results.jsonl and fits), or print a SLURM script that does so with --emit slurm.", "",
+                  *report.commands]
         return "\n".join(lines)
     fitted = report.fit is not None
     rows = []

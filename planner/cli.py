@@ -10,8 +10,9 @@ from typer.exceptions import TyperException
 
 from cost_models.specs import SpecError
 from planner.cli_options import (AttentionOpt, CpuRam, Emit, FinetuneOpt, Format, FormatOpt, GlobalBatch, Gpu,
-                                 GpuMemory, Gpus, GpusPerNode, InternodeGbps, IntraNode, LoraRank, Model, Optim, Pcie,
-                                 SeqLen, cluster_and_training, config_command)
+                                 ForceProfile, GpuMemory, Gpus, GpusPerNode, InternodeGbps, IntraNode, LoraRank, Model,
+                                 Optim, Pcie, ProfileOpt, SeqLen, cluster_and_training, config_command,
+                                 load_profile_flag)
 
 app = typer.Typer(add_completion=False, no_args_is_help=False, pretty_exceptions_enable=False,
                   rich_markup_mode=None,
@@ -34,6 +35,7 @@ def main_plan(
                                                                "(real FSDP2 step on fake tensors, no GPU)")] = 0,
     plot: Annotated[Optional[str], typer.Option("--plot", help="Draw the top candidates' memory and step time "
                                                                "to FILE.png or FILE.svg (needs matplotlib)")] = None,
+    profile: ProfileOpt = None, force_profile: ForceProfile = False,
 ):
     """Rank every FSDP configuration that fits; print the best as ready-to-use code."""
     if ctx.invoked_subcommand is not None:
@@ -49,7 +51,8 @@ def main_plan(
         raise SpecError("top", f"must be >= 1, got {top}")
     if verify_top < 0:
         raise SpecError("verify_top", f"must be >= 0, got {verify_top}")
-    p = plan(model, precisions=precision, attention=attention, **args)
+    p = plan(model, precisions=precision, attention=attention, profile=load_profile_flag(profile, gpu, force_profile),
+             **args)
     if plot is not None:
         from planner.plot import plot_candidates
 
@@ -84,7 +87,7 @@ def _estimate(model, args: dict, config: dict, output_format: Format) -> None:
     typer.echo(report.estimate_json(c) if output_format is Format.json else report.estimate_text(c))
 
 
-config_command(app, "estimate", "Cost one explicit configuration.", _estimate)
+config_command(app, "estimate", "Cost one explicit configuration.", _estimate, takes_profile=True)
 
 
 @app.command("models")

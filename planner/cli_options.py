@@ -40,6 +40,18 @@ FinetuneOpt = Annotated[str, typer.Option("--finetune", help="full or lora")]
 LoraRank = Annotated[int, typer.Option("--lora-rank", help="LoRA rank")]
 AttentionOpt = Annotated[str, typer.Option("--attention", help="sdpa (fused) or eager")]
 FormatOpt = Annotated[Format, typer.Option("--format", help="table or json")]
+ProfileOpt = Annotated[Optional[str], typer.Option("--profile", help="Predict with a profile.json fitted by "
+                                                   "`fsdp-plan calibrate`")]
+ForceProfile = Annotated[bool, typer.Option("--force-profile", help="Use a profile fitted on another GPU type")]
+
+
+def load_profile_flag(path: str | None, gpu: str, force: bool):
+    """The cost-model Profile in --profile FILE (None without one), refused when fitted on another GPU type."""
+    if path is None:
+        return None
+    from calibration.store import load_profile  # pydantic, no torch
+
+    return load_profile(path, gpu_id=gpu, force=force)
 
 
 def cluster_and_training(model, gpus, gpus_per_node, gpu, internode_gbps, gpu_memory, intra_node_gb_per_s,
@@ -61,9 +73,10 @@ def cluster_and_training(model, gpus, gpus_per_node, gpu, internode_gbps, gpu_me
 ConfigRunner = Callable[[str, dict, dict, Format], None]
 
 
-def config_command(app, name: str, help_text: str, run: ConfigRunner) -> None:
+def config_command(app, name: str, help_text: str, run: ConfigRunner, takes_profile: bool = False) -> None:
     """Register a command that takes exactly `fsdp-plan estimate`'s flags (model, cluster, training and one
-    explicit configuration). `run(model, cluster_and_training_kwargs, config_kwargs, output_format)`."""
+    explicit configuration). `run(model, cluster_and_training_kwargs, config_kwargs, output_format)`; with
+    takes_profile, config_kwargs also holds `profile` (the --profile file's Profile, or None)."""
 
     def command(
         model: Model = None, gpus: Gpus = None, gpus_per_node: GpusPerNode = None, gpu: Gpu = "a100-80gb",
@@ -83,13 +96,20 @@ def config_command(app, name: str, help_text: str, run: ConfigRunner) -> None:
         backward_prefetch: Annotated[bool, typer.Option("--backward-prefetch/--no-backward-prefetch")] = True,
         limit_all_gathers: Annotated[bool, typer.Option("--limit-all-gathers/--no-limit-all-gathers")] = True,
         output_format: FormatOpt = Format.table,
+        profile: ProfileOpt = None, force_profile: ForceProfile = False,
     ):
+        if profile is not None and not takes_profile:
+            from planner.errors import PlannerError
+
+            raise PlannerError("profile", f"`fsdp-plan {name}` does not use a profile")
         args = cluster_and_training(model, gpus, gpus_per_node, gpu, internode_gbps, gpu_memory, intra_node_gb_per_s,
                                     pcie_gb_per_s, cpu_ram_per_node, seq_len, global_batch, optimizer, finetune,
                                     lora_rank)
         config = dict(sharding=sharding, precision=precision, activation_checkpointing=activation_checkpointing,
                       micro_batch=micro_batch, grad_accum=grad_accum, attention=attention, offload=offload,
                       backward_prefetch=backward_prefetch, limit_all_gathers=limit_all_gathers)
+        if takes_profile:
+            config["profile"] = load_profile_flag(profile, gpu, force_profile)
         run(model, args, config, output_format)
 
     command.__doc__ = help_text
