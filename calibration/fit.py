@@ -173,6 +173,17 @@ def fit_profile(samples: list[Sample], base: Profile, source: str = "fitted") ->
     if len(samples) < len(names):
         notes.append(f"{len(samples)} runs for {len(names)} unknowns: the weakly determined ones stay near "
                      "their starting values")
+    else:
+        # Runs that differ only in ways some coefficients affect alike (say, all with one micro-step of the
+        # same size: compute efficiency and per-micro-step overhead move every run together) leave those
+        # coefficients tied: the data's Jacobian has fewer independent directions than unknowns.
+        data_jac = result.jac[:len(samples)]
+        singular = np.linalg.svd(data_jac, compute_uv=False)
+        rank = int(np.sum(singular > 1e-3 * singular[0])) if singular.size and singular[0] > 0 else 0
+        if rank < len(names):
+            notes.append(f"the runs determine {rank} independent combination(s) of the {len(names)} unknowns; the "
+                         "rest stay near their starting values (vary micro-batch, accumulation or checkpointing "
+                         "across runs to separate them)")
 
     # memory above the allocated peak (GPU runs only)
     memory = {}

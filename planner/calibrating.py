@@ -639,6 +639,13 @@ def _conclude(request, out, target, cluster, training, base, host, profile_file,
     if request.device == "cpu":
         notes.append("--device cpu: the 'GPU' is this CPU as measured (host.json); fitted efficiencies are "
                      "fractions of those measured rates, not of any GPU's")
+    else:
+        names = {r.fingerprint.device_name for r in measured if r.fingerprint is not None}
+        family = cluster.gpu.id.split("-")[0].lower()  # "h100" of "h100-80gb"
+        strangers = sorted(n for n in names if family not in n.lower())
+        if strangers:
+            notes.append(f"the runs ran on {', '.join(strangers)} but were planned for --gpu {cluster.gpu.id}: the "
+                         "fitted efficiencies are relative to the wrong peak figures; pass the right --gpu")
 
     report = CalibrationReport(request=request, target=target, cluster=cluster, training=training, runs=views,
                                new_run_ids=new_ids, skipped_run_ids=skipped, fit=fit, profile_path=profile_path,

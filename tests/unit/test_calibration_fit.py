@@ -82,3 +82,12 @@ def test_cpu_runs_keep_memory_overheads():
 def test_no_runs_no_fit():
     fit = fit_profile([], DEFAULT_PROFILE)
     assert fit.profile is DEFAULT_PROFILE and fit.fitted == [] and "nothing to fit" in fit.notes[0]
+
+
+def test_runs_that_cannot_separate_the_coefficients_are_flagged():
+    # three runs of one shape (one micro-step of 4): efficiency and overhead move them all together
+    same = [sample(FsdpConfig(sharding=s, micro_batch=4, ac_every=1)) for s in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD")]
+    fit = fit_profile(same, DEFAULT_PROFILE)
+    assert any("independent combination(s) of the 3 unknowns" in n for n in fit.notes)
+    assert fit.step_error_after < 0.01  # still matches what it saw
+    assert not any("independent" in n for n in fit_profile([sample(c) for c in CONFIGS], DEFAULT_PROFILE).notes)
