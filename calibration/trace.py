@@ -204,31 +204,26 @@ def cuda_kernel_choices():
       s^2 scores saved); CUDA's flash / memory-efficient kernels take dropout in the kernel and save the
       same q, k, v, output and logsumexp as without dropout (plus an RNG seed). We run it with
       dropout_p=0, which saves exactly those.
-    Everything else (matmuls, norms, softmax, losses) saves the same tensors on both devices."""
+    Everything else (matmuls, norms, softmax, losses) saves the same tensors on both devices. The two
+    functions are swapped on torch.nn.functional for the duration (models look them up at call time), so
+    the choice also holds for activation checkpointing's recompute inside backward."""
     import torch.nn.functional as F
-    from torch.overrides import TorchFunctionMode
 
-    sdpa = F.scaled_dot_product_attention
+    sdpa, dropout = F.scaled_dot_product_attention, F.dropout
 
-    class _Mode(TorchFunctionMode):
-        def __torch_function__(self, func, types, args=(), kwargs=None):
-            kwargs = dict(kwargs or {})
-            if func is sdpa:
-                if len(args) > 4:
-                    args = (*args[:4], 0.0, *args[5:])
-                elif kwargs.get("dropout_p", 0.0):
-                    kwargs["dropout_p"] = 0.0
-                return func(*args, **kwargs)
-            if func in (F.dropout, torch.dropout):
-                x = args[0]
-                p = args[1] if len(args) > 1 else kwargs.get("p", 0.5)
-                train = args[2] if len(args) > 2 else kwargs.get("training", kwargs.get("train", True))
-                if train and p > 0 and x.is_floating_point():
-                    return torch.native_dropout(x, p, True)[0]
-            return func(*args, **kwargs)
+    def sdpa_cuda(query, key, value, attn_mask=None, dropout_p=0.0, *args, **kwargs):
+        return sdpa(query, key, value, attn_mask, 0.0, *args, **kwargs)
 
-    with _Mode():
+    def dropout_cuda(input, p=0.5, training=True, inplace=False):
+        if training and p > 0 and input.is_floating_point() and not inplace:
+            return torch.native_dropout(input, p, True)[0]
+        return dropout(input, p, training, inplace)
+
+    F.scaled_dot_product_attention, F.dropout = sdpa_cuda, dropout_cuda
+    try:
         yield
+    finally:
+        F.scaled_dot_product_attention, F.dropout = sdpa, dropout
 
 
 @contextmanager
@@ -290,10 +285,10 @@ def _trace(spec, config, training, n_gpus, gpus_per_node, seq_len, hf_config, st
                     if step == 1:
                         tracker.reset()
                     try:
-                        with cuda_kernel_choices():
+                        with cuda_kernel_choices():  # also in backward: checkpoint recompute runs there
                             loss = _loss(model, ids, is_hf)
-                        loss.backward()
-                        del loss
+                            loss.backward()
+                            del loss
                     except Exception as exc:  # noqa: BLE001
                         raise _untraceable(f"the training step of {spec.name}", exc) from exc
                     if step == 1:

@@ -1,21 +1,40 @@
-"""Activation memory: what autograd saves for backward, per token, per block.
+"""Activation memory: what autograd saves for backward, and what the backward holds on top, per token.
 
 Korthikanti et al. 2022 give s*b*h*(34 + 5*a*s/h) bytes per GPT layer with 16-bit activations. Real
-implementations differ from the textbook block, so the count here is assembled from the ops of the
-Hugging Face implementations (the models users actually run), tensor by tensor:
+implementations differ from the textbook block, so the counts here are assembled tensor by tensor from
+the Hugging Face implementations (transformers 5, the code users run), as listed by
+torch.autograd.graph.saved_tensors_hooks on each model type and checked against the trace tier
+(benchmarks/memory_accuracy.py, docs/accuracy.md). c = bytes of the compute dtype; per token of the
+micro-batch; h hidden, q = heads x head_dim, kv = kv heads x head_dim, f FFN width, a heads, s sequence.
 
-- a LayerNorm saves its input; an eager RMSNorm (HF, torchtitan's "rmsnorm") upcasts to fp32 and saves
-  the fp32 input and the normalised low-precision tensor it multiplies by the weight; a fused RMSNorm
-  kernel (norm "fused_rmsnorm", torchtitan's Triton kernel) saves its input only;
-- a linear layer saves its input (shared inputs are counted once);
-- fused attention (SDPA flash / memory-efficient) saves q, k, v, the output and a logsumexp; eager
-  attention also saves the softmax probabilities (fp32 for Llama-style models) of shape a*s*s;
-- the MLP saves its activation's input and output (a gated MLP also the up projection and product);
-  GPT-2's `gelu_new` is written in Python ops and saves four f-sized tensors;
-- dropout with p > 0 saves a one-byte mask per element.
+- Norms. LayerNorm saves its input (c*h) and the linear layers save its output (c*h). Hugging Face's
+  RMSNorm upcasts to fp32: it saves the fp32 input (4h), the normalised tensor cast back (c*h) and the
+  output (c*h). A parallel block (GPT-NeoX) feeds both LayerNorms from one input, saved once.
+- Attention, SDPA (flash / memory-efficient kernels): the q, k, v the kernel reads, its output (which
+  is also the o-projection's input) and an fp32 logsumexp (4a). Separate projections with rotary
+  (Llama, Mistral, Qwen2): the rotated q and k replace the projections, c*(q + 2kv). A fused qkv
+  projection is saved whole because v is a view of it, c*(q + 2kv); with rotary (GPT-NeoX, Phi-3,
+  Falcon) the rotated q and k are new tensors, + c*(q + kv), built (b, heads, s, d)-contiguous by a cat,
+  so the kernel's output comes out in that layout and .transpose(1, 2).contiguous() copies it, + c*q.
+- Attention, eager: softmax probabilities of a*s per token: Llama-style models take the softmax in fp32
+  and cast it back (4 + c bytes; 4 in fp32), GPT-2 in the compute dtype (c); the P @ V output is copied
+  into the o-projection's input (c*q); Llama-style models repeat k and v per query head (3*c*q in all).
+  Attention dropout (p > 0) keeps a 1-byte mask and the dropped probabilities (1 + c).
+- MLP: SwiGLU saves gate, act(gate), up and their product (4*c*f, fused or not); native GELU/SiLU its
+  input and output (2*c*f); ReLU its output (c*f); GPT-2's gelu_new is Python ops: x, x^3 term, tanh,
+  the product and fc2's input (5*c*f).
+- Dropout (p > 0) on the residual branches and embeddings: one 1-byte mask per element (CUDA's fused
+  dropout; the trace tier uses the same kernel choice).
+- Root: the final norm, the LM head's input, the labels (8 B); rotary cos/sin tables (per sequence,
+  shared by all layers); logits: see logits_bytes_per_token.
 
-Ignored: per-token scalars smaller than one hidden vector (norm statistics), rotary tables (shared by
-all layers), allocator rounding. The trace tier (`fsdp-plan trace`) measures the exact figure.
+The backward of a block holds, on top of what is saved: the incoming gradient (c*h) and the gradients
+of its widest op. For the MLP that is the gradient of fc2's input and of the two factors of the gated
+product (3*c*f, while fc2's saved input c*f is already freed); eager attention holds the probabilities'
+gradient in fp32 next to the saved softmax output. See backward_working_bytes_per_token.
+
+Ignored: per-token scalars smaller than a hidden vector other than the logsumexp (norm statistics), the
+allocator's 512-byte rounding. The trace tier (`fsdp-plan trace`) measures the exact figure.
 """
 
 from __future__ import annotations
@@ -24,64 +43,98 @@ from .specs import Attention, ModelSpec
 
 # Families whose eager attention softmax runs in fp32 (HF: softmax(..., dtype=torch.float32)).
 _FP32_SOFTMAX_FAMILIES = {"llama", "mistral", "qwen2", "phi3", "gpt_neox", "falcon", "generic"}
+# Separate q/k/v projections, rotary applied elementwise (rotated q/k keep the projection's layout).
+_SEPARATE_QKV_FAMILIES = {"llama", "mistral", "qwen2", "generic"}
+# Fused qkv projection with rotary through a cat: rotated copies, and a copy of the attention output.
+_FUSED_ROTARY_FAMILIES = {"gpt_neox", "phi3", "falcon"}
 # Families with ALiBi position bias: SDPA gets a float mask, so fused kernels may not be used.
 ALIBI_FAMILIES = {"bloom", "mpt"}
 # Families whose activation function is written in Python ops (saves several f-sized tensors).
 PYTHON_OP_ACTIVATIONS = {"gelu_new", "gelu_pytorch_tanh_python", "quick_gelu"}
+ROTARY_FAMILIES = {"llama", "mistral", "qwen2", "phi3", "gpt_neox", "falcon", "generic"}
+LOGSUMEXP_BYTES = 4  # fp32 per head and token, saved by the fused attention kernels
 
 
 def _norm_bytes(model: ModelSpec, c: int) -> int:
-    """Saved bytes per token of one norm (its input; for RMSNorm the fp32 upcast and the product)."""
+    """Saved bytes per token of one norm, without its output (for RMSNorm the fp32 upcast and the
+    normalised tensor cast back; for LayerNorm and fused RMSNorm kernels the input)."""
     h = model.hidden_size
     if model.norm == "rmsnorm":
         return 4 * h + c * h
-    # layernorm, and fused RMSNorm kernels (torchtitan's fused_rmsnorm): the input only.
     return c * h
+
+
+def _norms_bytes(model: ModelSpec, c: int) -> int:
+    """Both norms of a block with their outputs (the tensors the linear layers read)."""
+    h = model.hidden_size
+    if model.parallel_block and model.family == "falcon":
+        return _norm_bytes(model, c) + c * h           # one norm feeds attention and MLP
+    if model.parallel_block:
+        return _norm_bytes(model, c) + 2 * c * h       # two norms of one input: the input saved once
+    return 2 * (_norm_bytes(model, c) + c * h)
+
+
+def _softmax_bytes(model: ModelSpec, c: int) -> int:
+    return 4 if model.family in _FP32_SOFTMAX_FAMILIES else c
+
+
+def _uses_s2_attention(model: ModelSpec, attention: Attention) -> bool:
+    return attention is Attention.EAGER or model.family in ALIBI_FAMILIES
+
+
+def _probs_bytes(model: ModelSpec, c: int, seq_len: int) -> int:
+    """Eager attention: softmax output (+ its cast back to c), dropout mask and dropped probabilities."""
+    probs = model.n_heads * seq_len
+    soft = _softmax_bytes(model, c)
+    saved = probs * (soft + (c if soft != c else 0))
+    if model.dropout:
+        saved += probs * (1 + c)
+    return saved
+
+
+def _attention_bytes(model: ModelSpec, c: int, attention: Attention, seq_len: int, micro_batch: int = 1) -> int:
+    """Saved bytes per token of self-attention, excluding its (normed) input."""
+    q, kv = model.q_dim, model.kv_dim
+    eager = _uses_s2_attention(model, attention)
+    if model.family in _SEPARATE_QKV_FAMILIES:
+        qkv = 3 * c * q if eager else c * (q + 2 * kv)   # eager repeats k and v per query head
+    elif model.family in _FUSED_ROTARY_FAMILIES:
+        qkv = c * (q + 2 * kv) + c * (q + kv)            # fused projection + rotated q and k
+        if eager and (micro_batch > 1 or kv < q):
+            # P @ V reads v through a batched matmul: with more than one sequence (or repeated k/v
+            # heads) v is copied to a contiguous tensor and the fused projection is no longer kept.
+            qkv = 3 * c * q
+    else:
+        qkv = c * (q + 2 * kv)                           # fused projection, q/k/v are views of it
+    if eager:
+        return qkv + c * q + _probs_bytes(model, c, seq_len)  # + copy of P @ V for the o-projection
+    out = c * q + LOGSUMEXP_BYTES * model.n_heads
+    if model.family in _FUSED_ROTARY_FAMILIES:
+        out += c * q                                     # the output, copied into (b, s, heads x d)
+    return qkv + out
 
 
 def _mlp_bytes(model: ModelSpec, c: int) -> int:
     """Saved bytes per token of the MLP, excluding its (normed) input."""
     f = model.ffn_hidden_size
     if model.gated_mlp:
-        # act(gate) saves gate; act * up saves both; down saves the product.
-        return 4 * c * f
+        return 4 * c * f    # gate, act(gate), up, act * up
     if model.activation in PYTHON_OP_ACTIVATIONS:
-        # pow saves x, tanh saves its output, the final product saves both factors, fc2 saves the result.
-        return 5 * c * f
+        return 5 * c * f    # fc1 output, x^3 term, tanh, product, fc2 input
     if model.activation == "relu":
-        # relu saves its output, which is also fc2's input.
-        return c * f
-    # native gelu/silu: saves its input; fc2 saves the output.
-    return 2 * c * f
+        return c * f        # relu saves its output, which is also fc2's input
+    return 2 * c * f        # native gelu/silu: its input; fc2 saves the output
 
 
-def _attention_bytes(model: ModelSpec, c: int, attention: Attention, seq_len: int) -> int:
-    """Saved bytes per token of self-attention, excluding its (normed) input."""
-    q, kv = model.q_dim, model.kv_dim
-    saved = c * (q + 2 * kv)      # q, k, v as the attention kernel sees them (after rotary)
-    saved += c * q                # attention output (kept by SDPA and as the o-projection's input)
-    saved += c * q                # o-projection input: the heads merged into a contiguous tensor
-    if attention is Attention.EAGER or model.family in ALIBI_FAMILIES:
-        probs = model.n_heads * seq_len
-        softmax_bytes = 4 if model.family in _FP32_SOFTMAX_FAMILIES else c
-        saved += probs * softmax_bytes + probs * c  # softmax output, cast probabilities for P @ V
-        if model.dropout:
-            saved += probs * (1 + c)                # dropout mask and dropped probabilities
-        saved -= c * q                              # no separate kernel output copy: P @ V is the output
-    return saved
-
-
-def block_bytes_per_token(model: ModelSpec, compute_bytes: int, attention: Attention, seq_len: int) -> int:
+def block_bytes_per_token(model: ModelSpec, compute_bytes: int, attention: Attention, seq_len: int,
+                          micro_batch: int = 1) -> int:
     """Bytes one block saves for backward per token of the micro-batch."""
     c = compute_bytes
-    h = model.hidden_size
-    shared_norm = model.parallel_block and model.family == "falcon"
-    n_norms = 1 if shared_norm else 2
-    saved = n_norms * (_norm_bytes(model, c) + c * h)  # each norm and the normed tensor the linears read
-    saved += _attention_bytes(model, c, attention, seq_len)
+    saved = _norms_bytes(model, c)
+    saved += _attention_bytes(model, c, attention, seq_len, micro_batch)
     saved += _mlp_bytes(model, c)
     if model.dropout:
-        saved += 2 * h  # residual dropout masks after attention and MLP
+        saved += 2 * model.hidden_size  # residual dropout masks after attention and MLP (1 byte each)
     return saved
 
 
@@ -90,33 +143,111 @@ def checkpointed_block_bytes_per_token(model: ModelSpec, compute_bytes: int) -> 
     return compute_bytes * model.hidden_size
 
 
+def input_saved_by_first_norm(model: ModelSpec, compute_bytes: int) -> bool:
+    """Whether the block's first norm saves the block input itself (LayerNorm; RMSNorm in fp32, where the
+    upcast is a no-op): then a recomputed checkpointed block's saved input is that same tensor."""
+    return model.norm != "rmsnorm" or compute_bytes == 4
+
+
 def root_bytes_per_token(model: ModelSpec, compute_bytes: int) -> int:
-    """Final norm and the output head's input."""
-    return _norm_bytes(model, compute_bytes) + compute_bytes * model.hidden_size
+    """Final norm, the output head's input, the labels (int64) and the embedding dropout mask."""
+    c, h = compute_bytes, model.hidden_size
+    saved = _norm_bytes(model, c) + c * h + 8
+    if model.dropout:
+        saved += h
+    return saved
+
+
+def shared_bytes(model: ModelSpec, compute_bytes: int, seq_len: int) -> int:
+    """Bytes saved once per micro-batch whatever its size: the rotary cos and sin tables (s x head_dim)."""
+    if model.family not in ROTARY_FAMILIES:
+        return 0
+    return 2 * seq_len * model.head_dim * compute_bytes
+
+
+def eager_mask_bytes(model: ModelSpec, compute_bytes: int, seq_len: int, micro_batch: int,
+                     attention: Attention) -> int:
+    """Eager attention gets a materialised (b, 1, s, s) causal mask in the compute dtype. It dies with the
+    forward unless activation checkpointing keeps it as an input of every checkpointed block's recompute:
+    count it only then."""
+    if not _uses_s2_attention(model, attention) or model.family in ALIBI_FAMILIES:
+        return 0
+    return micro_batch * seq_len * seq_len * compute_bytes
 
 
 def logits_bytes_per_token(model: ModelSpec, compute_bytes: int) -> tuple[int, int]:
     """(kept, peak) bytes per token of the logits and the loss.
 
-    kept: the logits in the compute dtype, held by the model output through backward.
-    peak: at the loss's backward, HF's loss upcasts logits to fp32, log-softmax saves an fp32 output,
-    and its backward makes an fp32 gradient and the gradient of the upcast: kept + 3 fp32 copies.
+    Hugging Face's causal-LM loss upcasts the logits to fp32 and takes log_softmax, which saves its fp32
+    output. kept: what of it stays alive through the blocks' backward: nothing once the training loop
+    drops the model output before backward (Trainer's training_step, torchtitan's `del pred`); a loop
+    that keeps `outputs` alive adds c*V. peak: at the log-softmax backward, its saved output, the
+    gradient arriving from the NLL loss and the gradient it produces: three fp32 copies, 12*V.
     """
-    v = model.vocab_size
-    kept = compute_bytes * v
-    return kept, kept + 3 * 4 * v
+    return 0, 3 * 4 * model.vocab_size
+
+
+def forward_logits_bytes_per_token(model: ModelSpec, compute_bytes: int) -> int:
+    """At the end of forward: the logits, their fp32 upcast (a copy unless already fp32), log_softmax's output."""
+    v, c = model.vocab_size, compute_bytes
+    return c * v + (4 * v if c != 4 else 0) + 4 * v
+
+
+def mlp_backward_working_bytes_per_token(model: ModelSpec, compute_bytes: int) -> int:
+    """Bytes the MLP's backward holds above the block's saved tensors: the incoming gradient (c*h) and
+    the gradients of fc2's input and of the activation's factors, minus fc2's freed input."""
+    c, h, f = compute_bytes, model.hidden_size, model.ffn_hidden_size
+    if model.gated_mlp:
+        return c * h + 3 * c * f - c * f
+    if model.activation in PYTHON_OP_ACTIVATIONS:
+        return c * h + 2 * c * f          # two f-sized gradients of the Python-op chain at once
+    return c * h + 2 * c * f - c * f      # gradient of fc2's input and of the activation's input
+
+
+def attention_backward_working_bytes_per_token(model: ModelSpec, compute_bytes: int, attention: Attention,
+                                              seq_len: int) -> int:
+    """Bytes the attention backward holds above what its block still keeps saved at that point.
+
+    Fused kernels: the incoming gradient and the q, k, v gradients (small next to the MLP's). Eager: at
+    the softmax backward, the gradient of the probabilities and the softmax's own gradient (both fp32 for
+    Llama-style models, whose cast-back copy of the probabilities is freed by then: 8 - c bytes per
+    score; 8 in fp32), plus the dropout's gradient when attention dropout is on."""
+    c = compute_bytes
+    q, kv = model.q_dim, model.kv_dim
+    grads = c * model.hidden_size + c * (q + 2 * kv)
+    if not _uses_s2_attention(model, attention):
+        return grads
+    probs = model.n_heads * seq_len
+    soft = _softmax_bytes(model, c)
+    s2 = probs * (2 * soft - (c if soft != c else 0))
+    if model.dropout:
+        s2 += probs * c
+    return c * model.hidden_size + c * q + s2
+
+
+def attention_freed_before_backward_bytes_per_token(model: ModelSpec, compute_bytes: int) -> int:
+    """What a block has freed when its attention backward starts: the MLP branch runs its backward first
+    (its ops were recorded last), freeing the MLP's saved tensors and the second norm's (a parallel
+    block's second norm shares its input with the first: only its output goes)."""
+    c, h = compute_bytes, model.hidden_size
+    if model.parallel_block:
+        return _mlp_bytes(model, c) + (c * h if model.family != "falcon" else 0)
+    return _mlp_bytes(model, c) + _norm_bytes(model, c) + c * h + (h if model.dropout else 0)
 
 
 def quirks(model: ModelSpec, attention: Attention) -> list[str]:
     """Where the formulas are known to be rough for this model: say so and point to the trace tier."""
     notes = []
     if model.activation in PYTHON_OP_ACTIVATIONS:
-        notes.append(f"activation {model.activation} is written in Python ops (saves several f-sized tensors); "
-                     "verify activation memory with `fsdp-plan trace`")
+        notes.append(f"activation {model.activation} is written in Python ops (saves 5 f-sized tensors per "
+                     "block, 2.5x a fused GELU); verify activation memory with `fsdp-plan trace`")
     if model.family in ALIBI_FAMILIES and attention is Attention.SDPA:
         notes.append(f"{model.family} uses an ALiBi bias: SDPA cannot use the flash kernel and s^2 "
                      "attention memory is counted; verify with `fsdp-plan trace`")
     if model.family == "generic":
         notes.append("model architecture inferred from an nn.Module: activation memory uses a Llama-style "
                      "block; verify with `fsdp-plan trace`")
+    if model.family in ("bert", "opt", "bloom", "mpt", "falcon"):
+        notes.append(f"activation accounting for {model.family} follows the generic recipe (not checked "
+                     "tensor by tensor against the trace tier); verify with `fsdp-plan trace`")
     return notes

@@ -1,16 +1,24 @@
-"""Per-rank GPU memory ledger for one FSDP configuration.
+"""Per-rank GPU memory ledger for one FSDP configuration, at the moments where the peak can happen.
 
 Model states follow the ZeRO/FSDP papers (formulas.md): stored params, gradients and optimizer state
-are divided by the shard-group size d; compute-dtype copies of the units in flight are gathered whole.
-Categories are named like PyTorch's FSDPMemTracker so traced and estimated figures line up.
+are divided by the shard-group size d. FSDP2's schedule (the emitted config; checked against the trace
+tier, docs/accuracy.md) decides what else is alive, moment by moment:
 
-The peak is the larger of two moments:
-- backward: everything saved by the forward is alive, the loss backward makes fp32 logit gradients,
-  the root unit's params and gradients stay gathered (FSDP2 does not reshard the root after forward),
-  one block is gathered with its gradient and reduce-scatter buffer, and the next is prefetched;
-- optimizer step: stored params, gradients, optimizer state and the step's temporaries.
-Ignored: per-parameter padding to a multiple of d (at most d-1 elements per tensor), the embedding
-gradient's sparse shape, allocator rounding to 512 bytes; reserved adds the profile's fragmentation.
+- loss backward: everything the forward saved, the loss's three fp32 (b*s, V) tensors (log-softmax
+  output, its gradient, the logits' gradient), the root unit gathered (FSDP2 never reshards the root
+  after forward) and the last block's all-gather prefetched for its backward;
+- a block's backward: the saved tensors of the blocks below it and its own (re-computed when
+  checkpointed), the backward's working set (activations.py), the root's and this block's gathered
+  params and compute-dtype gradients, the next block's all-gather prefetch, the previous block's
+  reduce-scatter input (reduce dtype), and the sharded gradients of the blocks done. The first block
+  processed and the highest checkpointed one are the candidates;
+- end of backward: the root's gradients and their reduce-scatter, with every block's sharded gradient;
+- optimizer step: stored params, gradients, optimizer state and the foreach step's temporaries.
+SHARD_GRAD_OP-like strategies keep every block gathered from forward until its backward (no prefetch).
+A shard group of one rank (NO_SHARD) still copies params out to unsharded tensors but needs no
+collective buffers.
+Ignored: per-parameter padding to a multiple of d (at most d-1 rows per tensor), allocator rounding to
+512 bytes; reserved adds the profile's fragmentation and the CUDA context.
 """
 
 from __future__ import annotations
@@ -23,10 +31,10 @@ from .profile import Profile
 from .specs import ClusterSpec, Finetune, FsdpConfig, ModelSpec, Optimizer, Precision, Sharding, TrainingSpec
 from .units import DTYPE_BYTES
 
-# Blocks whose compute-dtype params are gathered at once in FULL_SHARD: the current one and the
-# prefetched next one (FSDP1's rate limiter allows two all-gathers in flight; FSDP2 prefetches one).
+# Blocks whose compute-dtype params are gathered at once in FULL_SHARD: the one in compute and the
+# prefetched next one (its all-gather output, counted as a collective buffer until copied out).
 UNITS_IN_FLIGHT = 2
-UNITS_IN_FLIGHT_UNLIMITED = 3  # limit_all_gathers=False lets the CPU run further ahead
+UNITS_IN_FLIGHT_UNLIMITED = 3  # limit_all_gathers=False (FSDP1) lets the CPU run one unit further ahead
 
 
 @dataclass(frozen=True)
@@ -61,6 +69,7 @@ class MemoryEstimate:
     cpu_bytes_per_node: int          # CPU RAM the offloaded state needs on each node
     cpu_ram_capacity_bytes: int      # CPU RAM per node of the cluster (0 = unknown)
     notes: tuple[str, ...] = ()
+    peak_moment: str = ""            # what runs at the peak: "loss backward", "backward of block 31", ...
 
 
 @dataclass(frozen=True)
@@ -109,86 +118,112 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
     counts = ParamCounts.of(model, training)
     trainable, frozen = counts.trainable(L), counts.frozen(L)
     opt_per_param = training.optimizer.state_bytes_per_param(precision.param_dtype)
+    gpu_states = 0 if config.offload else 1
 
     # --- model states, sharded over d (on the CPU with offload) -------------------------------------
     sharded_params = _shard(trainable * p + frozen * frozen_p, d)
     sharded_grads = _shard(trainable * p, d)
     optimizer_state = _shard(trainable * opt_per_param, d)
-    # foreach Adam/AdamW makes an fp32 list as large as one state (sqrt of exp_avg_sq), SGD none.
+    # foreach Adam/AdamW makes a list as large as one state (sqrt of exp_avg_sq), SGD updates in place.
     step_temporaries = _shard(trainable * p, d) if training.optimizer is not Optimizer.SGD else 0
     if precision is Precision.FP16:
         step_temporaries += 4 * 1024  # ShardedGradScaler: found-inf flags and the scale, per device
+    block_sharded_grad = _shard(counts.trainable_block * p, d)
+    accumulated = sharded_grads if config.grad_accum > 1 else 0  # earlier micro-steps' sharded grads
 
-    # --- gathered compute-dtype params during forward/backward ----------------------------------------
-    block_c = counts.block() * c
-    root_c = counts.root() * c
-    if d == 1 and not precision.mixed:
-        unsharded_params = 0  # the stored params are the compute params: nothing extra is gathered
-    elif config.sharding in (Sharding.SHARD_GRAD_OP, Sharding.HYBRID_SHARD_ZERO2):
-        unsharded_params = L * block_c + root_c  # kept gathered from forward until backward
-    else:
-        in_flight = UNITS_IN_FLIGHT if config.limit_all_gathers else UNITS_IN_FLIGHT_UNLIMITED
-        unsharded_params = min(L, in_flight) * block_c + root_c
+    # --- gathered params and collective buffers ------------------------------------------------------
+    block_c, root_c = counts.block() * c, counts.root() * c
+    keeps_gathered = config.sharding in (Sharding.SHARD_GRAD_OP, Sharding.HYBRID_SHARD_ZERO2)
+    prefetch = 0 if keeps_gathered or d == 1 else block_c   # next block's all-gather output
+    if prefetch and not config.limit_all_gathers:
+        prefetch += block_c
+    block_rs = counts.trainable_block * r if d > 1 else 0   # reduce-scatter input of the block before
+    root_rs = counts.trainable_root * r if d > 1 else 0
 
-    # --- gradients in backward: the root's stay gathered until the end, one block's in flight --------
-    unsharded_grads = (counts.trainable_root + counts.trainable_block) * c
-    collective_buffers = counts.trainable_block * r  # reduce-scatter input of the block in flight
-    if d > 1:
-        collective_buffers += block_c  # all-gather output of the prefetched block before copy-out
-    accumulating = config.grad_accum > 1
-    if config.sharding is Sharding.NO_SHARD:
-        grads_in_backward = trainable * p  # full gradients, all-reduced in buckets
-    else:
-        grads_in_backward = sharded_grads if accumulating else 0  # sharded grads of earlier micro-steps
-
-    # --- activations ------------------------------------------------------------------------------------
+    # --- activations, per token of the micro-batch ----------------------------------------------------
     tokens = config.micro_batch * training.seq_len
-    full_block = activations.block_bytes_per_token(model, c, config.attention, training.seq_len)
-    ckpt_block = activations.checkpointed_block_bytes_per_token(model, c)
-    if config.ac_every:
-        # Blocks 0, K, 2K, ... keep only their input. Backward runs from the last block down, so when the
-        # highest checkpointed block re-runs its forward, the full blocks above it are already freed.
-        n_ckpt = math.ceil(L / config.ac_every)
-        saved_per_token = n_ckpt * ckpt_block + (L - n_ckpt) * full_block
-        last_ckpt = config.ac_every * ((L - 1) // config.ac_every)
-        freed_above = (L - 1 - last_ckpt) * full_block
-        recompute_per_token = max(0, full_block - ckpt_block - freed_above)
-    else:
-        saved_per_token = L * full_block
-        recompute_per_token = 0
-    saved_per_token += activations.root_bytes_per_token(model, c)
-    activation_bytes = tokens * (saved_per_token + recompute_per_token)
-    logits_kept, logits_peak = activations.logits_bytes_per_token(model, c)
+    attn = config.attention
+    full = activations.block_bytes_per_token(model, c, attn, training.seq_len, config.micro_batch)
+    ckpt = activations.checkpointed_block_bytes_per_token(model, c)
+    root_saved = activations.root_bytes_per_token(model, c)
+    K = config.ac_every
+    shared = activations.shared_bytes(model, c, training.seq_len)
+    if K:
+        shared += activations.eager_mask_bytes(model, c, training.seq_len, config.micro_batch, attn)
 
-    offload = config.offload
-    gpu_states = 0 if offload else 1
-    # Two backward moments: the loss backward (fp32 logit gradients), and the first block's backward
-    # (logits' gradients freed, one block's grads and buffers and the recompute in flight).
-    at_loss = tokens * (saved_per_token + logits_peak)
-    at_first_block = activation_bytes + tokens * logits_kept + unsharded_grads + collective_buffers
-    backward = MemoryBreakdown(
-        sharded_params=gpu_states * sharded_params,
-        unsharded_params=unsharded_params,
-        sharded_grads=gpu_states * grads_in_backward,
-        unsharded_grads=unsharded_grads if at_first_block >= at_loss else counts.trainable_root * c,
-        optimizer_state=gpu_states * optimizer_state,
-        activations=activation_bytes if at_first_block >= at_loss else tokens * saved_per_token,
-        logits_and_loss=tokens * (logits_kept if at_first_block >= at_loss else logits_peak),
-        collective_buffers=collective_buffers if at_first_block >= at_loss else 0,
+    def is_ckpt(i: int) -> bool:
+        return bool(K) and i % K == 0
+
+    def saved_below(i: int) -> int:
+        n_ck = -(-i // K) if K else 0   # blocks 0, K, 2K, ... below i
+        return n_ck * ckpt + (i - n_ck) * full
+
+    _, logits_peak = activations.logits_bytes_per_token(model, c)
+    w_mlp = activations.mlp_backward_working_bytes_per_token(model, c)
+    w_attn = activations.attention_backward_working_bytes_per_token(model, c, attn, training.seq_len)
+    freed_attn = activations.attention_freed_before_backward_bytes_per_token(model, c)
+    h, f = model.hidden_size, model.ffn_hidden_size
+    # Gradients accumulated when the MLP's backward peaks (fc2's weight) and when the attention's does
+    # (the MLP's and the o-projection's).
+    mlp_grad = min(counts.trainable_block, h * f) * c
+    attn_grad = min(counts.trainable_block, (3 if model.gated_mlp else 2) * h * f + model.q_dim * h) * c
+    ckpt_input_extra = 0 if activations.input_saved_by_first_norm(model, c) else ckpt
+    head_grad = (model.head_params or (model.embedding_params if model.tied_embeddings else 0)) + model.root_other_params
+    head_grad = min(head_grad, counts.trainable_root) * c
+
+    def states(sharded_grad_bytes: int) -> dict:
+        return dict(sharded_params=gpu_states * sharded_params, optimizer_state=gpu_states * optimizer_state,
+                    sharded_grads=gpu_states * (accumulated + sharded_grad_bytes))
+
+    moments: dict[str, MemoryBreakdown] = {}
+    moments["loss backward"] = MemoryBreakdown(
+        **states(0),
+        unsharded_params=root_c + (L * block_c if keeps_gathered else 0),
+        collective_buffers=prefetch,
+        activations=tokens * (saved_below(L) + root_saved) + shared,
+        logits_and_loss=tokens * logits_peak,
     )
+    candidates = {L - 1}
+    if L >= 2:
+        candidates.add(L - 2)
+    if K:
+        candidates.add(K * ((L - 1) // K))
+    for i in sorted(candidates, reverse=True):
+        # A checkpointed block re-runs its forward; its saved input stays (unless the first norm saves
+        # that very tensor).
+        this = full + (ckpt_input_extra if is_ckpt(i) else 0)
+        below = saved_below(i)
+        at_mlp = tokens * (below + this + w_mlp)
+        at_attn = tokens * (below + this - freed_attn + w_attn)
+        mlp_first = at_mlp >= at_attn
+        moments[f"backward of block {i}" + (" (recomputed)" if is_ckpt(i) else "")] = MemoryBreakdown(
+            **states((L - 1 - i) * block_sharded_grad),
+            unsharded_params=root_c + block_c + (i * block_c if keeps_gathered else 0),
+            collective_buffers=(prefetch if i > 0 else 0) + (block_rs if i < L - 1 else 0),
+            unsharded_grads=head_grad + (mlp_grad if mlp_first else attn_grad),
+            activations=(at_mlp if mlp_first else at_attn) + shared,
+        )
+    moments["end of backward"] = MemoryBreakdown(
+        **states(L * block_sharded_grad),
+        unsharded_params=root_c,
+        unsharded_grads=counts.trainable_root * c,
+        collective_buffers=root_rs,
+    )
+    peak_moment = max(moments, key=lambda k: moments[k].total_bytes)
+    backward = moments[peak_moment]
     step = MemoryBreakdown(
         sharded_params=gpu_states * sharded_params,
-        sharded_grads=gpu_states * (trainable * p if config.sharding is Sharding.NO_SHARD else sharded_grads),
+        sharded_grads=gpu_states * sharded_grads,
         optimizer_state=gpu_states * optimizer_state,
         optimizer_temporaries=gpu_states * step_temporaries,
     )
-    if backward.total_bytes >= step.total_bytes:
-        breakdown, phase = backward, "backward"
+    if step.total_bytes > backward.total_bytes:
+        breakdown, phase, peak_moment = step, "optimizer_step", "optimizer step"
     else:
-        breakdown, phase = step, "optimizer_step"
+        breakdown, phase = backward, "backward"
     peak_allocated = breakdown.total_bytes
     peak_reserved = int(peak_allocated * (1 + profile.fragmentation)) + profile.cuda_context_bytes
-    cpu_per_rank = (sharded_params + sharded_grads + optimizer_state + step_temporaries) if offload else 0
+    cpu_per_rank = (sharded_params + sharded_grads + optimizer_state + step_temporaries) if config.offload else 0
     return MemoryEstimate(
         breakdown=breakdown,
         peak_phase=phase,
@@ -198,4 +233,5 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
         cpu_bytes_per_node=cpu_per_rank * cluster.gpus_per_node,
         cpu_ram_capacity_bytes=cluster.cpu_ram_bytes_per_node,
         notes=tuple(activations.quirks(model, config.attention)),
+        peak_moment=peak_moment,
     )

@@ -40,7 +40,14 @@ def test_full_shard_model_states_fp32_adam():
 
 def test_bf16_gathers_two_blocks_and_root_in_compute_dtype():
     m = mem(FsdpConfig(precision="bf16"))
-    assert m.phases["backward"].unsharded_params == 2 * 1000 * 2 + 200 * 2  # two blocks in flight + root
+    # FSDP2's schedule (checked against the trace tier): in a block's backward the block and the root are
+    # gathered, the next block's all-gather output is in flight (a collective buffer until copied out), and
+    # so is the fp32 reduce-scatter input of the block before. The peak is the second block processed.
+    b = m.phases["backward"]
+    assert m.peak_moment == "backward of block 2"
+    assert b.unsharded_params == 1000 * 2 + 200 * 2           # current block + root, bf16
+    assert b.collective_buffers == 1000 * 2 + 1000 * 4        # prefetched block (bf16) + reduce-scatter (fp32)
+    assert b.sharded_grads == 1000 * 4 // 4                   # block 3's fp32 grad, sharded over 4
     # SHARD_GRAD_OP keeps every block gathered until backward
     sgo = mem(FsdpConfig(sharding="SHARD_GRAD_OP", precision="bf16", micro_batch=64), n=4)
     assert sgo.peak_phase == "backward"
@@ -81,14 +88,19 @@ def test_activation_bytes_llama_block_by_hand():
     from cost_models.activations import block_bytes_per_token
     from cost_models.specs import Attention
 
-    h, f, kv, q, c = 8, 16, 4, 8, 2
+    h, f, kv, q, c, a = 8, 16, 4, 8, 2, 2
     norms = 2 * ((4 * h + c * h) + c * h)          # fp32 upcast + normalised product + linear input
-    attn = c * (q + 2 * kv) + c * q + c * q        # q,k,v ; output ; o-proj input
+    # rotated q and k, v; the kernel's output, which is also the o-projection's input (HF transposes it
+    # back to (b, s, heads*d) without a copy: the kernel writes it in that layout); fp32 logsumexp.
+    # Earlier versions counted a separate o-projection input copy: saved_tensors_hooks on LlamaAttention
+    # show none (the copy exists only for cat-built rotary, GPT-NeoX/Phi-3).
+    attn = c * (q + 2 * kv) + c * q + 4 * a
     mlp = 4 * c * f                                # gate, act, up, product
     assert block_bytes_per_token(TOY, c, Attention.SDPA, 128) == norms + attn + mlp
-    # eager adds the fp32 softmax and the bf16 probabilities, a*s each, minus the fused kernel's output copy
+    # eager: q and the per-head repeated k and v (3 c q), the copy of P @ V for the o-projection (c q),
+    # the fp32 softmax and its bf16 cast (a * s * (4 + c))
     eager = block_bytes_per_token(TOY, c, Attention.EAGER, 128)
-    assert eager - (norms + attn + mlp) == 2 * 128 * (4 + c) - c * q
+    assert eager == norms + 4 * c * q + a * 128 * (4 + c) + mlp
 
 
 def test_checkpointing_never_raises_activation_memory():
