@@ -87,8 +87,12 @@ class Predicted(_Strict):
 class Measured(_Strict):
     """What a run measured. Times are the slowest rank's; memory the largest rank's."""
 
-    step_s: float                           # median step after warm-up
-    step_s_all: list[float]                 # every measured step (slowest rank)
+    step_s: float                           # median step after warm-up (slowest rank per step), on step_clock
+    step_s_all: list[float]                 # every measured step
+    step_clock: Literal["wall", "process_cpu"] = "wall"  # process_cpu (--device cpu): the rank process's CPU
+                                            # time (all its threads), which other processes on a shared host
+                                            # cannot inflate; GPUs: wall clock after cuda.synchronize
+    wall_step_s: float | None = None        # median wall-clock step (= step_s on GPUs)
     tokens_per_s_per_gpu: float
     peak_allocated_bytes: int | None = None  # torch.cuda.max_memory_allocated, or the tensor accountant on CPU
     peak_reserved_bytes: int | None = None  # torch.cuda.max_memory_reserved (None on CPU)

@@ -222,7 +222,7 @@ def cpu_cluster(host: store.HostSpec, n_ranks: int, per_node: int) -> ClusterSpe
 
 
 def _probe_host(out_dir: Path, target: Target, training: TrainingSpec, ranks: int, dtypes: set[str],
-                timeout_s: float, node_rank: int = 0) -> store.HostProbe:
+                timeout_s: float, node_rank: int = 0, progress: "Progress | None" = None) -> store.HostProbe:
     """DIR/host.json, measured now unless an earlier probe there covers these dtypes. Other nodes of a
     multi-node CPU calibration wait for node 0's (same candidates on every node need the same "GPU")."""
     path = out_dir / "host.json"
@@ -238,6 +238,8 @@ def _probe_host(out_dir: Path, target: Target, training: TrainingSpec, ranks: in
         probe = store.HostProbe.model_validate_json(path.read_text())
         if dtypes <= {d for d, v in probe.host.peak_flops.items() if v > 0} and probe.host.ranks == ranks:
             return probe
+    if progress:
+        progress.note("measuring the CPU (matmul FLOP/s, memory and gloo bandwidth) ...")
     spec = target.run_spec
     shape = (2 * training.seq_len, spec.hidden_size, spec.ffn_hidden_size)
     argv = launching.Launch(nproc_per_node=ranks).torchrun_args() + [
@@ -251,6 +253,10 @@ def _probe_host(out_dir: Path, target: Target, training: TrainingSpec, ranks: in
                                      f"{out_dir / 'logs' / 'probe.log'}")
     probe = store.HostProbe.model_validate(outcome.result)
     store.write_atomic(path, probe.model_dump_json(indent=2) + "\n")
+    if progress:
+        host = probe.host
+        progress.note(f"  {host.name}: {host.peak_flops['fp32'] / 1e9:.1f} GFLOP/s fp32 per rank, gloo "
+                      f"{host.bus_bytes_per_s / 1e9:.2f} GB/s bus, {probe.hop_latency_s * 1e6:.0f} us per hop")
     return probe
 
 
@@ -424,15 +430,12 @@ def calibrate(request: CalibrationRequest, progress_stream=None) -> CalibrationR
                                               f"calibration runs {ranks}; pass --force-profile to use it anyway")
             hop_latency = profile_file.coefficients.intra_node_latency_s
         else:
-            progress.note("measuring the CPU (matmul FLOP/s, memory and gloo bandwidth) ...")
             dtypes = {"fp32"} | {parse_enum(Precision, p, "precision").compute_dtype for p in request.precisions or ()}
             if request.config is not None:
                 dtypes.add(request.config.precision.compute_dtype)
             probe = _probe_host(out, target, training, ranks, dtypes, timeout_s=request.timeout_s or 300,
-                                node_rank=request.node_rank)
+                                node_rank=request.node_rank, progress=progress)
             host, hop_latency = probe.host, probe.hop_latency_s
-            progress.note(f"  {host.name}: {host.peak_flops['fp32'] / 1e9:.1f} GFLOP/s fp32 per rank, "
-                          f"gloo {host.bus_bytes_per_s / 1e9:.2f} GB/s bus, {hop_latency * 1e6:.0f} us per hop")
         cluster = cpu_cluster(host, world, per_node)
     else:
         from .hardware import make_cluster
@@ -446,8 +449,9 @@ def calibrate(request: CalibrationRequest, progress_stream=None) -> CalibrationR
             store.check_fingerprint(profile_file, here, request.profile, request.force_profile)
         base = profile_file.profile()
     elif request.device == "cpu":
+        # No CUDA context and no caching allocator on a CPU: reserved = allocated.
         base = replace(DEFAULT_PROFILE, intra_node_latency_s=hop_latency, inter_node_latency_s=hop_latency,
-                       source="defaults, CPU latency measured")
+                       cuda_context_bytes=0, fragmentation=0.0, source="defaults, CPU latency measured")
     else:
         base = DEFAULT_PROFILE
 
@@ -638,7 +642,9 @@ def _conclude(request, out, target, cluster, training, base, host, profile_file,
                      "on a fake process group; measured steps have no communication, the cost model adds it")
     if request.device == "cpu":
         notes.append("--device cpu: the 'GPU' is this CPU as measured (host.json); fitted efficiencies are "
-                     "fractions of those measured rates, not of any GPU's")
+                     "fractions of those measured rates, not of any GPU's. Step times are each rank's process "
+                     "CPU time (a shared host's other processes inflate wall time); wall times are in "
+                     "results.jsonl")
     else:
         names = {r.fingerprint.device_name for r in measured if r.fingerprint is not None}
         family = cluster.gpu.id.split("-")[0].lower()  # "h100" of "h100-80gb"
