@@ -235,9 +235,17 @@ def attention_freed_before_backward_bytes_per_token(model: ModelSpec, compute_by
     return _mlp_bytes(model, c) + _norm_bytes(model, c) + c * h + (h if model.dropout else 0)
 
 
-def quirks(model: ModelSpec, attention: Attention) -> list[str]:
+# Families whose Hugging Face attention can be sliding-window (Mistral-7B v0.1: 4096 tokens).
+SLIDING_WINDOW_FAMILIES = {"mistral"}
+
+
+def quirks(model: ModelSpec, attention: Attention, seq_len: int = 0) -> list[str]:
     """Where the formulas are known to be rough for this model: say so and point to the trace tier."""
     notes = []
+    if model.family in SLIDING_WINDOW_FAMILIES and attention is Attention.SDPA and seq_len > 4096:
+        notes.append(f"{model.family} with a sliding window shorter than the sequence ({seq_len}): transformers "
+                     "hands SDPA an s x s mask, which each layer converts and saves (b*s*s*c bytes per layer, "
+                     "not counted here); verify with `fsdp-plan trace`")
     if model.activation in PYTHON_OP_ACTIVATIONS:
         notes.append(f"activation {model.activation} is written in Python ops (saves 5 f-sized tensors per "
                      "block, 2.5x a fused GELU); verify activation memory with `fsdp-plan trace`")

@@ -10,8 +10,9 @@ tier, docs/accuracy.md) decides what else is alive, moment by moment:
 - a block's backward: the saved tensors of the blocks below it and its own (re-computed when
   checkpointed), the backward's working set (activations.py), the root's and this block's gathered
   params and compute-dtype gradients, the next block's all-gather prefetch, the previous block's
-  reduce-scatter input (reduce dtype), and the sharded gradients of the blocks done. The first block
-  processed and the highest checkpointed one are the candidates;
+  reduce-scatter input (reduce dtype), and the sharded gradients of the blocks done. The first and last
+  blocks processed and the highest checkpointed one are the candidates (with checkpointing the last
+  ones can peak: each block done adds its sharded gradient, each block below saves only its input);
 - end of backward: the root's gradients and their reduce-scatter, with every block's sharded gradient;
 - optimizer step: stored params, gradients, optimizer state and the foreach step's temporaries.
 SHARD_GRAD_OP-like strategies keep every block gathered from forward until its backward (no prefetch).
@@ -183,11 +184,10 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
         activations=tokens * (saved_below(L) + root_saved) + shared,
         logits_and_loss=tokens * logits_peak,
     )
-    candidates = {L - 1}
-    if L >= 2:
-        candidates.add(L - 2)
-    if K:
-        candidates.add(K * ((L - 1) // K))
+    # Within blocks of one kind (checkpointed or not) a block's moment is linear in its index: the saved
+    # tensors below it shrink going down while the sharded gradients of the blocks done grow. The extremes
+    # of each kind, and the neighbours where the prefetch / reduce-scatter buffers start or stop, suffice.
+    candidates = {i for i in (0, 1, L - 2, L - 1, K * ((L - 1) // K) if K else 0) if 0 <= i < L}
     for i in sorted(candidates, reverse=True):
         # A checkpointed block re-runs its forward; its saved input stays (unless the first norm saves
         # that very tensor).
@@ -232,6 +232,6 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
         peak_reserved_bytes=peak_reserved,
         cpu_bytes_per_node=cpu_per_rank * cluster.gpus_per_node,
         cpu_ram_capacity_bytes=cluster.cpu_ram_bytes_per_node,
-        notes=tuple(activations.quirks(model, config.attention)),
+        notes=tuple(activations.quirks(model, config.attention, training.seq_len)),
         peak_moment=peak_moment,
     )

@@ -51,8 +51,8 @@ def main_plan(
         raise SpecError("top", f"must be >= 1, got {top}")
     if verify_top < 0:
         raise SpecError("verify_top", f"must be >= 0, got {verify_top}")
-    p = plan(model, precisions=precision, attention=attention, profile=load_profile_flag(profile, gpu, force_profile),
-             **args)
+    fitted = load_profile_flag(profile, gpu, force_profile)
+    p = plan(model, precisions=precision, attention=attention, profile=fitted, **args)
     if plot is not None:
         from planner.plot import plot_candidates
 
@@ -60,7 +60,7 @@ def main_plan(
     if verify_top and emit is None:
         from planner.tracing import verified_plan_json, verified_plan_text, verify_top as run_verification
 
-        checks = run_verification(p, verify_top, model)
+        checks = run_verification(p, verify_top, model, fitted)
         typer.echo(verified_plan_json(p, top, checks) if output_format is Format.json
                    else verified_plan_text(p, top, checks))
         if output_format is not Format.json and p.best is not None:

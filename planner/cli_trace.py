@@ -1,7 +1,8 @@
 """`fsdp-plan trace`: the real FSDP2 step on fake tensors (registered onto the app by planner.cli).
 
-Takes exactly the flags of `fsdp-plan estimate` and prints the same JSON shape with "source": "trace",
-plus the analytic estimate ("analytic") and the difference; or a table of both by category.
+Takes exactly the flags of `fsdp-plan estimate` (cli_options.config_command) and prints the same JSON
+shape with "source": "trace", plus the analytic estimate ("analytic") and the difference; or a table of
+both by category.
 """
 
 from __future__ import annotations
@@ -22,5 +23,5 @@ def _trace(model, args: dict, config: dict, output_format: Format) -> None:
 
 def register(app) -> None:
     """Add the trace command to the typer app."""
-    config_command(app, "trace", "Run the real FSDP2 step on fake tensors (no GPU) and compare its memory with the "
-                                 "estimate.", _trace)
+    config_command(app, "trace", "Run the real FSDP2 training step on fake tensors (no GPU, no memory) and compare "
+                   "its per-rank memory with the estimate.", _trace)

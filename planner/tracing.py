@@ -86,7 +86,7 @@ class TraceReport:
             "trace": {k: v for k, v in traced.to_dict().items() if k not in ("peak_allocated_bytes", "breakdown",
                                                                             "peak_phase", "notes")},
             "analytic": {"source": "analytic", "fits": c.fits, "reasons": list(c.reasons),
-                         "memory": analytic["memory"]},
+                         "memory": {**analytic["memory"], "peak_moment": c.memory.peak_moment}},
             "difference": self.difference(),
         }
 
@@ -226,7 +226,7 @@ def report_text(r: TraceReport) -> str:
         f"{traced.seconds:.1f} s): " + ", ".join(f"{k}={v}" for k, v in c.config.to_dict().items()),
         "",
         f"Memory per GPU (GiB): trace peak in {traced.peak_phase.replace('_', ' ')}, "
-        f"estimate peak in {est.peak_phase.replace('_', ' ')}",
+        f"estimate peak in {est.peak_moment or est.peak_phase.replace('_', ' ')}",
         tabulate(rows, headers=["category", "trace", "estimate", "estimate - trace"], tablefmt="simple",
                  disable_numparse=True),
         "",

@@ -64,9 +64,16 @@ def test_full_shard_memory_never_grows_with_more_gpus(kw, factor):
 @SETTINGS
 @given(configs)
 def test_checkpointing_never_raises_activation_memory(kw):
-    def activations(ac):
-        m = estimate(**{**kw, "activation_checkpointing": ac}).memory
-        return m.phases["backward"].activations
+    # The backward phase's peak, not its "activations" category: the model now picks the moment of the
+    # peak (loss backward, a block's backward, end of backward), and categories of different moments do not
+    # compare. Checkpointing can add what it keeps alive for the recompute that no-checkpointing frees after
+    # forward: eager attention's (b, 1, s, s) mask, and a block's input next to its bf16 RMSNorm upcast -
+    # visible when the peak is a late block's backward (sharded gradients dominating, tiny activations).
+    def backward_peak(ac):
+        c = estimate(**{**kw, "activation_checkpointing": ac})
+        return c.memory.phases["backward"].total_bytes, c
 
-    none, every3, every2, full = (activations(a) for a in ("none", "every-3", "every-2", "full"))
-    assert full <= every2 <= none and full <= every3 <= none
+    (none, c), (every3, _), (every2, _), (full, _) = (backward_peak(a) for a in ("none", "every-3", "every-2", "full"))
+    tokens = kw["micro_batch"] * kw["seq_len"]
+    kept = (kw["micro_batch"] * kw["seq_len"] ** 2 + tokens * c.model.hidden_size) * 4
+    assert full <= every2 + kept and every2 <= none + kept and full <= every3 + kept and every3 <= none + kept

@@ -1,0 +1,191 @@
+"""The trace tier: a CI-sized FSDP2 step on fake tensors, checked by hand, and the golden accuracy grid.
+
+The full grid (48 configurations, 6 architectures) is benchmarks/memory_accuracy.py; docs/accuracy.md
+holds its figures. Here: the model states of a traced step against a hand count, a handful of
+configurations where the analytic estimate must stay within the tolerance the grid achieved, and the
+command-line surface (JSON shape, --verify-top, errors).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from calibration.reference import tiny_llama_spec  # noqa: E402
+from calibration.trace import TraceUnsupported, UntraceableModel, trace_memory  # noqa: E402
+from cost_models.specs import FsdpConfig  # noqa: E402
+from planner.errors import PlannerError  # noqa: E402
+from planner.tracing import trace  # noqa: E402
+
+F32 = 4
+# Tolerance of the golden grid: the full benchmark's maximum error was 1.7% (docs/accuracy.md); these
+# small configurations must stay within 3%, the median target of the issue.
+TOLERANCE = 0.03
+
+
+def test_traced_model_states_equal_the_hand_count():
+    """Reference Llama, 4 ranks, fp32 FULL_SHARD, AdamW: every weight's dim 0 divides by 4 (no padding)."""
+    spec = tiny_llama_spec()  # 2 blocks of 36,992 params + root 32,832 (embedding, head, final norm)
+    n_params = 2 * 36_992 + 32_832
+    assert spec.n_params == n_params
+    r = trace_memory(spec, FsdpConfig(precision="fp32"), n_gpus=4, gpus_per_node=4, seq_len=32)
+    step = r.phases["optimizer_step"].breakdown
+    shard = n_params * F32 // 4                       # 26,704 bytes per rank
+    assert step["sharded_params"] == shard
+    assert step["sharded_grads"] == shard
+    n_tensors = 2 * 9 + 3                             # Adam's step counters: one fp32 scalar per tensor
+    assert step["optimizer_state"] == 2 * shard + n_tensors * F32
+    # the foreach step's sqrt(exp_avg_sq) list: one more sharded copy
+    assert step["optimizer_temporaries"] == shard
+    model_states = step["sharded_params"] + step["sharded_grads"] + step["optimizer_state"]
+    assert model_states == 4 * shard + n_tensors * F32 == 427_348
+    # nothing else is alive during the step but the token ids (int64, 1 x 32)
+    assert r.phases["optimizer_step"].peak_allocated_bytes == model_states + shard + 32 * 8
+    assert r.builder == "reference" and r.world_size == 4 and r.shard_group_size == 4
+
+
+# Scaled-down configs of the benchmark's architectures (2 layers), quick to trace.
+TINY = {
+    "llama": {"model_type": "llama", "hidden_size": 128, "intermediate_size": 352, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 3000,
+              "max_position_embeddings": 4096},
+    "gpt2": {"model_type": "gpt2", "n_embd": 128, "n_layer": 2, "n_head": 4, "vocab_size": 3000,
+             "n_positions": 4096, "bos_token_id": 0, "eos_token_id": 0},
+    "qwen2": {"model_type": "qwen2", "hidden_size": 128, "intermediate_size": 512, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 9000,
+              "tie_word_embeddings": True, "max_position_embeddings": 4096},
+    "gpt_neox": {"model_type": "gpt_neox", "hidden_size": 128, "intermediate_size": 512, "num_hidden_layers": 2,
+                 "num_attention_heads": 4, "vocab_size": 3000, "max_position_embeddings": 4096,
+                 "rotary_pct": 0.25},
+    "phi3": {"model_type": "phi3", "hidden_size": 128, "intermediate_size": 384, "num_hidden_layers": 2,
+             "num_attention_heads": 4, "num_key_value_heads": 4, "vocab_size": 3000,
+             "max_position_embeddings": 4096, "original_max_position_embeddings": 4096, "pad_token_id": 0,
+             "bos_token_id": 1, "eos_token_id": 2},
+}
+
+GOLDEN = [
+    ("llama", 8, dict(sharding="FULL_SHARD", precision="bf16", micro_batch=2, seq_len=512)),
+    ("llama", 4, dict(sharding="FULL_SHARD", precision="fp32", activation_checkpointing="full", attention="eager",
+                      micro_batch=1, seq_len=256)),
+    ("gpt2", 4, dict(sharding="SHARD_GRAD_OP", precision="bf16", activation_checkpointing="every-2",
+                     micro_batch=2, seq_len=256)),
+    ("qwen2", 16, dict(sharding="HYBRID_SHARD", gpus_per_node=8, precision="bf16-pure", micro_batch=1,
+                       seq_len=1024)),
+    ("gpt_neox", 2, dict(sharding="NO_SHARD", precision="bf16", attention="eager", micro_batch=2, seq_len=256)),
+    ("phi3", 8, dict(sharding="HYBRID_SHARD_ZERO2", gpus_per_node=4, precision="fp32",
+                     activation_checkpointing="every-2", micro_batch=1, seq_len=512)),
+]
+
+
+@pytest.mark.parametrize("arch,gpus,kwargs", GOLDEN, ids=[f"{a}-{k['sharding']}" for a, _, k in GOLDEN])
+def test_golden_estimate_within_tolerance_of_trace(arch, gpus, kwargs):
+    r = trace(dict(TINY[arch]), gpus, **kwargs)
+    est = r.candidate.memory.peak_allocated_bytes
+    traced = r.traced.peak_allocated_bytes
+    assert abs(est - traced) / traced <= TOLERANCE, (
+        f"estimate {est:,} vs trace {traced:,} ({100 * (est / traced - 1):+.1f}%), estimate peak at "
+        f"{r.candidate.memory.peak_moment}; traced breakdown {r.traced.breakdown}")
+    # the categories that are pure model state agree exactly where both sides hold them
+    b_est, b_tr = r.candidate.memory.phases["optimizer_step"], r.traced.phases["optimizer_step"].breakdown
+    assert b_est.sharded_params == pytest.approx(b_tr["sharded_params"], rel=0.02)  # padding to d rows
+
+
+def test_report_json_shape_and_difference():
+    r = trace(dict(TINY["llama"]), 4, seq_len=256)
+    d = r.to_dict()
+    assert d["source"] == "trace"
+    assert set(d["memory"]) >= {"peak_allocated_bytes", "peak_reserved_bytes", "peak_phase", "breakdown"}
+    assert d["memory"]["peak_allocated_bytes"] == sum(d["memory"]["breakdown"].values())
+    assert d["analytic"]["memory"]["peak_allocated_bytes"] == r.candidate.memory.peak_allocated_bytes
+    assert d["difference"]["peak_allocated_bytes"] == (r.candidate.memory.peak_allocated_bytes
+                                                       - r.traced.peak_allocated_bytes)
+    assert set(d["config"]) == set(r.candidate.to_dict()["config"])
+
+
+def test_unsupported_and_untraceable_are_errors_not_crashes(monkeypatch):
+    with pytest.raises(TraceUnsupported, match="CPU offload"):
+        trace_memory(tiny_llama_spec(), FsdpConfig(offload=True), n_gpus=2, gpus_per_node=2, seq_len=8)
+    with pytest.raises(PlannerError, match="LoRA"):
+        trace(dict(TINY["llama"]), 2, seq_len=8, finetune="lora")
+
+    import torch
+
+    class DataDependent(torch.nn.Module):
+        """A model whose forward branches on tensor values: fake tensors cannot answer."""
+
+        def __init__(self, spec):
+            super().__init__()
+            self.layers = torch.nn.ModuleList([torch.nn.Linear(8, 8) for _ in range(2)])
+            self.embed = torch.nn.Embedding(spec.vocab_size, 8)
+
+        def forward(self, ids, labels=None):
+            x = self.embed(ids)
+            if x.sum() > 0:  # data-dependent control flow
+                x = x * 2
+            return (x.sum(),)
+
+    monkeypatch.setattr("calibration.build.build_model", lambda spec, *a, **k: DataDependent(spec))
+    with pytest.raises(UntraceableModel, match="failed under FakeTensorMode.*data-dependent"):
+        trace_memory(tiny_llama_spec(), FsdpConfig(), n_gpus=2, gpus_per_node=2, seq_len=8)
+
+
+def test_missing_transformers_says_how_to_install(monkeypatch):
+    from planner.tracing import require_trace_dependencies
+
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers -> ImportError
+    with pytest.raises(PlannerError, match=r"pip install 'fsdp-planner\[trace\]'"):
+        require_trace_dependencies({"model_type": "llama"})
+    require_trace_dependencies(None)  # the reference model needs no transformers
+
+
+def _cli(*args):
+    """Run `fsdp-plan ARGS` in-process (torch and transformers are already imported here)."""
+    from typer.testing import CliRunner
+
+    from planner.cli import app
+
+    result = CliRunner().invoke(app, list(args), catch_exceptions=True)
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        return 2, result.stdout, f"error: {result.exception}"
+    return result.exit_code, result.stdout, ""
+
+
+def test_cli_trace_json_and_table(tmp_path):
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(TINY["llama"]))
+    code, stdout, err = _cli("trace", "--model", str(cfg), "--gpus", "4", "--seq-len", "128", "--format", "json")
+    assert code == 0, err
+    d = json.loads(stdout)
+    assert d["source"] == "trace" and "analytic" in d and "difference" in d
+    assert d["memory"]["breakdown"]["sharded_params"] > 0
+    code, stdout, err = _cli("trace", "--model", str(cfg), "--gpus", "4", "--seq-len", "128")
+    assert code == 0 and "estimate - trace" in stdout and "fits (traced): yes" in stdout
+    code, _, err = _cli("trace", "--model", str(cfg), "--gpus", "4", "--offload")
+    assert code == 2 and err.startswith("error: trace:") and "offload" in err
+
+
+def test_cli_verify_top_marks_candidates(tmp_path):
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(TINY["llama"]))
+    code, stdout, err = _cli("--model", str(cfg), "--gpus", "2", "--seq-len", "128", "--top", "2",
+                             "--verify-top", "1", "--format", "json")
+    assert code == 0, err
+    d = json.loads(stdout)
+    first = d["candidates"][0]["verification"]
+    assert first["confirmed"] is True and first["traced_peak_allocated_bytes"] > 0
+    assert abs(first["analytic_vs_trace"]) <= TOLERANCE
+    assert "verification" not in d["candidates"][1]
+    code, stdout, err = _cli("--model", str(cfg), "--gpus", "2", "--seq-len", "128", "--top", "1",
+                             "--verify-top", "1")
+    assert code == 0 and "confirmed" in stdout
+
+
+def test_import_planner_tracing_does_not_import_torch():
+    code = "import sys, planner, planner.tracing, planner.cli_trace; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "False", out.stderr
