@@ -35,6 +35,7 @@ peak_phase is where the peak happened: "forward", "backward" or "optimizer_step"
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -146,6 +147,17 @@ def _tracker_class(fsdp2: bool):
                 if self._depth > 0 and param.grad is not None:
                     self._update_and_maybe_create_winfos(param.grad, refs.UNSHARDED_GRAD)
 
+        if not fsdp2:
+            def _track_module_params_and_buffers(self, module, install_grad_hooks=True):
+                # FSDP1 (use_orig_params=True) exposes parameters as views of its flat parameter: gradient
+                # hooks cannot go on non-leaf tensors. Without them gradients are counted where autograd
+                # makes them (activations) until the tracker meets them again; the peak is unaffected.
+                if install_grad_hooks and not all(p.is_leaf for p in module.parameters()):
+                    install_grad_hooks = False
+                with warnings.catch_warnings():  # it reads .grad of those views: torch warns each time
+                    warnings.simplefilter("ignore", UserWarning)
+                    return super()._track_module_params_and_buffers(module, install_grad_hooks)
+
         def __exit__(self, *args):
             super().__exit__(*args)
             if self._depth == 0:
@@ -188,7 +200,8 @@ class MemoryTracker:
     """Context manager measuring per-rank tensor memory by category (see the module docstring).
 
     model: an FSDP2 module (fully_shard applied, categories as FSDP2 sees them) or any nn.Module (FSDP1,
-    DDP, plain: parameters count as sharded_params, gradients as sharded_grads). optimizer: tracked for
+    DDP, plain: parameters count as sharded_params, gradients as sharded_grads; FSDP1's gradients of its
+    flat parameters may show under activations, the peak is the same). optimizer: tracked for
     optimizer_state / optimizer_temporaries (optional). vocab_size: files tensors whose last dimension is
     the vocabulary under logits_and_loss; None leaves them in activations. device: the device whose
     memory is reported (default: the parameters' device).
@@ -227,6 +240,11 @@ class MemoryTracker:
     def reset(self) -> None:
         """Start a new measuring window: call after the warm-up step, inside the context."""
         self._tracker.restart_peak()
+
+    def next_microstep(self) -> None:
+        """Between the micro-steps of one measured step (gradient accumulation): keep the peak, let the
+        root module run forward again (PyTorch's tracker refuses a second root forward otherwise)."""
+        self._tracker.reset_mod_stats()
 
     def current_bytes(self) -> int:
         snap = self._tracker.get_tracker_snapshot("current")

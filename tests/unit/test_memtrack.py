@@ -87,6 +87,22 @@ def test_reset_forgets_the_warm_up_peak():
     assert snap.peak_allocated_bytes <= 8 * 8 * F32 * 2 + 2 * 8 * F32 * 2 + 64
 
 
+def test_gradient_accumulation_micro_steps_keep_the_peak():
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, foreach=False)
+    x = torch.randn(4, 64)
+    with MemoryTracker(model, opt) as tracker:
+        for micro in range(2):  # without next_microstep the tracker refuses the second root forward
+            model(x).pow(2).mean().backward()
+            tracker.next_microstep()
+        opt.step()
+    snap = tracker.snapshot()
+    params = (64 * 128 + 128 * 10) * F32
+    # at the first step: params, accumulated grads and the new momentum buffers, nothing else
+    assert snap.breakdown["optimizer_state"] == snap.breakdown["sharded_grads"] == params
+    assert snap.peak_allocated_bytes == 3 * params and snap.peak_phase == "optimizer_step"
+
+
 def test_snapshot_to_dict():
     snap = MemorySnapshot(peak_allocated_bytes=10, breakdown={"activations": 10}, peak_phase="backward")
     assert snap.to_dict() == {"peak_allocated_bytes": 10, "peak_phase": "backward", "breakdown": {"activations": 10}}
