@@ -27,7 +27,7 @@ from dataclasses import dataclass, field, replace
 
 from cost_models.evaluate import evaluate
 from cost_models.profile import Profile
-from cost_models.specs import ClusterSpec, FsdpConfig, GpuSpec, ModelSpec, Sharding, TrainingSpec
+from cost_models.specs import ClusterSpec, FsdpConfig, GpuSpec, ModelSpec, TrainingSpec
 from cost_models.step_time import TimeBreakdown, estimate_step_time
 
 PRIOR_WEIGHT = 1e-3

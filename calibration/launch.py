@@ -131,41 +131,41 @@ def _rank_errors(error_dir: Path) -> list[dict]:
 _PEER_LOST = ("connection closed", "connection reset", "broken pipe", "peer", "nccl communicator was aborted")
 
 
-def _root_cause(log_text: str) -> tuple[int | None, str]:
-    """torchrun's "Root Cause (first observed failure)" block: the rank that failed first and its exit code."""
-    _, found, after = log_text.rpartition("Root Cause (first observed failure)")
+def _failed_ranks(log_text: str) -> dict[int, str]:
+    """Every failed rank in torchrun's last failure summary ("Failures:" and "Root Cause"), with its exit code.
+    Which one torchrun calls the root cause is a race when ranks die within the same second."""
+    _, found, summary = log_text.rpartition("ChildFailedError")
     if not found:
-        return None, ""
-    return _died_rank(after.splitlines()[:12])
-
-
-def _died_rank(lines: list[str]) -> tuple[int | None, str]:
-    """Rank and exit code from the first failure block of torchrun's summary."""
-    rank, exitcode = None, ""
-    for line in lines:
+        return {}
+    failed, rank = {}, None
+    for line in summary.splitlines():
         text = line.strip()
-        if rank is None and text.startswith("rank") and ":" in text and "(local_rank" in text:
+        if text.startswith("rank") and ":" in text and "(local_rank" in text:
             try:
                 rank = int(text.split(":", 1)[1].split("(")[0].strip())
             except ValueError:
-                pass
-        if not exitcode and text.startswith("exitcode") and ":" in text:
-            exitcode = text.split(":", 1)[1].strip()
-    return rank, exitcode
+                rank = None
+        elif text.startswith("exitcode") and ":" in text and rank is not None:
+            failed.setdefault(rank, text.split(":", 1)[1].strip())
+            rank = None
+    return failed
 
 
 def _cause(errors: list[dict], log_text: str) -> dict:
     """The failure that explains the run. An OOM first; then a rank's own error; a rank that lost its peer
-    explains nothing when torchrun saw another rank die first (killed, segfault, os._exit: no error file)."""
+    explains nothing when another rank died without an error file (killed, segfault, os._exit)."""
     for error in errors:
         if error.get("kind") == "oom":
             return error
     for error in errors:
         if not any(w in error.get("message", "").lower() for w in _PEER_LOST):
             return error
-    rank, exitcode = _root_cause(log_text)
-    if rank is not None and rank not in {e.get("rank") for e in errors}:
-        return {"kind": "crash", "rank": rank, "message": f"rank {rank} died (exit code {exitcode}) without a "
+    reported = {e.get("rank") for e in errors}
+    silent = {r: code for r, code in _failed_ranks(log_text).items() if r not in reported}
+    if silent:
+        # ranks torchrun itself stopped with SIGTERM while tearing the job down are victims, not causes
+        rank = min(silent, key=lambda r: ("SIGTERM" in silent[r] or silent[r].startswith("-15"), r))
+        return {"kind": "crash", "rank": rank, "message": f"rank {rank} died (exit code {silent[rank]}) without a "
                                                           "Python error; the other ranks lost their peer"}
     if errors:
         return errors[0]

@@ -468,9 +468,12 @@ def calibrate(request: CalibrationRequest, progress_stream=None) -> CalibrationR
         progress.note(f"--resume: {len(skipped)} run(s) already in {results_path}, skipped")
 
     multi_node = nodes > 1 and not request.emulate_world_size
+    try:
+        rendezvous = launching.Rendezvous.parse(request.rdzv_endpoint) if request.rdzv_endpoint else None
+    except ValueError as exc:
+        raise PlannerError("rdzv_endpoint", str(exc)) from None
     launch = None if request.emulate_world_size else launching.Launch(
-        nproc_per_node=per_node, nnodes=nodes, node_rank=request.node_rank,
-        rendezvous=launching.Rendezvous.parse(request.rdzv_endpoint) if request.rdzv_endpoint else None)
+        nproc_per_node=per_node, nnodes=nodes, node_rank=request.node_rank, rendezvous=rendezvous)
     if multi_node and launch.rendezvous is None:
         raise PlannerError("rdzv_endpoint", f"{nodes} nodes need --rdzv-endpoint HOST:PORT (node 0's address and "
                                             "a free port)")
@@ -480,9 +483,9 @@ def calibrate(request: CalibrationRequest, progress_stream=None) -> CalibrationR
         commands = _node_commands(request, out, target, plans, launch, nodes)
     else:
         progress.total = len(todo)
-        for index, (config, setup, rid) in enumerate(todo):
+        for config, setup, rid in todo:
             evaluation = evaluate(target.run_spec, cluster, training, config, base)
-            record = _run_one(request, out, target, cluster, config, setup, rid, evaluation, base, launch, index,
+            record = _run_one(request, out, target, config, setup, rid, evaluation, base, launch,
                               plans.index((config, setup, rid)), progress)
             if record is not None:
                 store.append_record(results_path, record)
@@ -538,8 +541,9 @@ def _timeout(request: CalibrationRequest, evaluation: Evaluation) -> float:
     return 600.0 + 10 * (request.warmup + request.steps + 2) * evaluation.time.step_s
 
 
-def _run_one(request, out, target, cluster, config, setup, rid, evaluation, base, launch, index, position,
+def _run_one(request, out, target, config, setup, rid, evaluation, base, launch, position,
              progress) -> store.RunRecord | None:
+    """Launch one run, wait for its end, and make its results.jsonl record (None on nodes other than 0)."""
     job, job_path = _job(request, out, target, config, setup, rid, position)
     if launch is not None and launch.rendezvous is not None:  # a fresh port per run: no TIME_WAIT clashes
         launch = replace(launch, rendezvous=replace(launch.rendezvous, port=launch.rendezvous.port + position))
