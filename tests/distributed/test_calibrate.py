@@ -11,7 +11,8 @@ One calibration (module fixture), then checks on what it left behind:
 Plus a direct runner job under --emulate-world-size semantics (one process, fake process group) and one
 FSDP1 run (meta parameters materialised by param_init_fn).
 
-About 80 s on 2 cores: each torchrun job costs ~10 s of process start-up and `import torch`.
+About 70-100 s on 2 cores (more when other processes share them): each torchrun job costs ~10 s of
+process start-up and `import torch`.
 """
 
 from __future__ import annotations
@@ -148,6 +149,8 @@ def run(argv, timeout=120) -> subprocess.CompletedProcess:
 def test_emulated_world_size_runs_rank_0_with_real_sharded_memory(tmp_path):
     """One process, rank 0 of 4 on a fake process group: its parameter shards are a quarter of the model."""
     job, path, spec = runner_job(tmp_path, emulate_world_size=4)
+    job["model"]["source"] = "reference"  # what a llama preset builds: our reference Llama from the spec
+    path.write_text(json.dumps(job))
     run([sys.executable, "-m", "calibration.runner", "--job", str(path)])
     result = json.loads((tmp_path / "result.json").read_text())
     m = result["measured"]
