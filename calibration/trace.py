@@ -8,11 +8,17 @@ What runs is what the plan emits, on no GPU and no real memory:
   calibration.apply.make_mesh, *outside* FakeTensorMode (inside it, mesh creation fails);
 - the model built inside FakeTensorMode by calibration.build.build_model: transformers' from_config (no
   weights) when there is a Hugging Face config, else the project's reference Llama;
-- the precision's storage dtype (bf16-pure builds in bf16, as cast_for_precision would cast), then apply_fsdp2 (checkpoint every K-th block, fully_shard each block, then the
-  root; a 2-D (replicate, shard) mesh for HYBRID with the shard group inside a node);
+- the precision's storage dtype (bf16-pure builds in bf16, as cast_for_precision would cast), then
+  apply_fsdp2 (checkpoint every K-th block, fully_shard each block, then the root; a 2-D (replicate,
+  shard) mesh for HYBRID with the shard group inside a node);
 - the configured optimizer with foreach=False, two full steps (forward with the model's own loss on
-  random token ids, backward, optimizer step, zero_grad) measured by calibration.memtrack; the figures
-  are those of the second step.
+  random token ids, backward - two micro-steps when grad_accum > 1, the second one holding the first's
+  sharded gradients as every later one does - optimizer step, zero_grad) measured by calibration.memtrack;
+  the figures are those of the second step. The training loop drops the model output before backward.
+
+Two things are made to behave as on a GPU run (see cuda_kernel_choices and _real_run_masking):
+transformers' choice of attention mask, which fake tensors would turn into an s x s mask per layer, and
+the dropout / SDPA-with-dropout kernels, whose CPU versions keep other tensors than CUDA's.
 
 foreach=False because the tracker mis-accounts foreach kernels on DTensors (pitfalls.md). The
 multi-tensor (foreach) step that training actually runs by default differs from the for-loop one only in
@@ -29,7 +35,7 @@ from __future__ import annotations
 
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -284,13 +290,16 @@ def _trace(spec, config, training, n_gpus, gpus_per_node, seq_len, hf_config, st
                 for step in range(2):
                     if step == 1:
                         tracker.reset()
-                    try:
-                        with cuda_kernel_choices():  # also in backward: checkpoint recompute runs there
-                            loss = _loss(model, ids, is_hf)
-                            loss.backward()
-                            del loss
-                    except Exception as exc:  # noqa: BLE001
-                        raise _untraceable(f"the training step of {spec.name}", exc) from exc
+                    for micro in range(min(config.grad_accum, 2)):
+                        if micro:
+                            tracker.next_microstep()
+                        try:
+                            with cuda_kernel_choices():  # also in backward: checkpoint recompute runs there
+                                loss = _loss(model, ids, is_hf)
+                                loss.backward()
+                                del loss
+                        except Exception as exc:  # noqa: BLE001
+                            raise _untraceable(f"the training step of {spec.name}", exc) from exc
                     if step == 1:
                         phases["forward_backward"] = tracker.snapshot()
                         tracker.reset()
