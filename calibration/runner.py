@@ -40,7 +40,6 @@ import contextlib
 import json
 import math
 import os
-import platform
 import statistics
 import sys
 import time
@@ -54,7 +53,7 @@ from torch import nn
 from calibration.apply import (apply_activation_checkpointing, apply_fsdp2, block_classes_for, cast_for_precision,
                                fsdp1_kwargs, grad_scaler_for, make_mesh)
 from calibration.build import build_model, load_factory
-from calibration.store import write_atomic
+from calibration.store import cpu_name, write_atomic
 from cost_models.specs import FsdpConfig, ModelSpec, Sharding
 
 INIT_STD = 0.02
@@ -248,16 +247,6 @@ def fingerprint(device: torch.device, devices_per_node: int, n_nodes: int) -> di
                 "nccl_version": ".".join(str(x) for x in nccl) if isinstance(nccl, tuple) else str(nccl)}
     return {"device_type": "cpu", "device_name": cpu_name(), "devices_per_node": devices_per_node,
             "n_nodes": n_nodes, "torch_version": torch.__version__, "nccl_version": None}
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "cpu"
 
 
 def _clear_module_stats(tracker):

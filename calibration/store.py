@@ -378,3 +378,16 @@ def load_profile(path: str | Path, *, gpu_id: str | None = None, force: bool = F
 
 def gpu_spec_dict(gpu: GpuSpec) -> dict:
     return {f.name: getattr(gpu, f.name) for f in fields(gpu)}
+
+
+def cpu_name() -> str:
+    """The host CPU's model name (a CPU run's device name in its fingerprint)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine() or "cpu"

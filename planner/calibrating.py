@@ -43,6 +43,7 @@ from cost_models.units import GiB, MiB
 
 from .errors import PlannerError
 from .search import SearchSpace, search
+from .search import describe as search_describe
 
 ROOT = Path(__file__).resolve().parents[1]
 STARTUP_GUESS_S = 20.0       # torchrun + import torch + build, before the first step (progress estimate)
@@ -382,13 +383,7 @@ class Progress:
 
 
 def describe(config: FsdpConfig) -> str:
-    parts = [config.sharding.value, config.precision.value, f"AC {config.activation_checkpointing}",
-             f"mb {config.micro_batch}x{config.grad_accum}"]
-    if config.offload:
-        parts.append("offload")
-    if not config.backward_prefetch:
-        parts.append("no bwd prefetch")
-    return ", ".join(parts)
+    return search_describe(config, compact=True)
 
 
 # ------------------------------------------------------------------------------------------ the flow
@@ -501,20 +496,8 @@ def _cpu_fingerprint(out: Path, host: store.HostSpec, per_node: int) -> store.Fi
         return store.HostProbe.model_validate_json(probe_path.read_text()).fingerprint
     from importlib.metadata import version
 
-    return store.Fingerprint(device_type="cpu", device_name=_cpu_name(), devices_per_node=per_node,
+    return store.Fingerprint(device_type="cpu", device_name=store.cpu_name(), devices_per_node=per_node,
                              torch_version=version("torch"))
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    import platform
-
-    return platform.processor() or platform.machine() or "cpu"
 
 
 def _job(request: CalibrationRequest, out: Path, target: Target, config: FsdpConfig, setup: store.RunSetup,

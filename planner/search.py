@@ -96,8 +96,16 @@ def overshoot(e: Evaluation) -> tuple[float, float]:
     return max(ratios), sum(ratios)
 
 
-def describe(config: FsdpConfig) -> str:
-    """A config in the words of the CLI flags."""
+def describe(config: FsdpConfig, compact: bool = False) -> str:
+    """A config in the words of the CLI flags; compact for table cells."""
+    if compact:
+        parts = [config.sharding.value, config.precision.value, f"AC {config.activation_checkpointing}",
+                 f"mb {config.micro_batch}x{config.grad_accum}"]
+        if config.offload:
+            parts.append("offload")
+        if not config.backward_prefetch:
+            parts.append("no bwd prefetch")
+        return ", ".join(parts)
     ac = "no" if not config.ac_every else config.activation_checkpointing
     parts = [config.sharding.value, config.precision.value, f"{ac} activation checkpointing",
              f"micro-batch {config.micro_batch}"]
