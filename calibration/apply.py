@@ -98,9 +98,13 @@ def fsdp1_kwargs(config: FsdpConfig, block_classes: set[type], *, gpus_per_node:
     }
 
 
-def apply_fsdp1(model: nn.Module, config: FsdpConfig, block_classes: set[type], **kwargs) -> nn.Module:
-    """FSDP1-wrap `model` (kwargs go to fsdp1_kwargs), then checkpoint every K-th block inside its unit."""
-    wrapped = FullyShardedDataParallel(model, **fsdp1_kwargs(config, block_classes, **kwargs))
+def apply_fsdp1(model: nn.Module, config: FsdpConfig, block_classes: set[type], *, param_init_fn=None,
+                **kwargs) -> nn.Module:
+    """FSDP1-wrap `model` (kwargs go to fsdp1_kwargs), then checkpoint every K-th block inside its unit.
+
+    param_init_fn: FSDP1's hook that materialises a meta-device unit before it is sharded."""
+    extra = {"param_init_fn": param_init_fn} if param_init_fn is not None else {}
+    wrapped = FullyShardedDataParallel(model, **fsdp1_kwargs(config, block_classes, **kwargs), **extra)
     if config.ac_every:
         apply_activation_checkpointing(wrapped, block_classes, config.ac_every)
     return wrapped

@@ -12,8 +12,7 @@ steps. Each rank:
    transformers' from_config, or the user's factory `pkg.module:function` (called with n_layers=L when
    the job reduces depth);
 2. applies the config through calibration.apply, the code path the emitted config uses (FSDP2:
-   apply_fsdp2; FSDP1: the FullyShardedDataParallel kwargs of fsdp1_kwargs plus a param_init_fn that
-   materialises each unit on its device, then apply_activation_checkpointing as apply_fsdp1 does), then
+   apply_fsdp2; FSDP1: apply_fsdp1 with a param_init_fn that materialises each unit on its device), then
    materialises and initialises the parameters: N(0, 0.02) for matrices, ones for norm weights, zeros
    for biases. Weights do not matter to speed or memory; NaN-free numbers do (fp16 loss scaling);
 3. trains on synthetic token batches (random ids, labels = ids): `warmup` steps, then `steps` timed
@@ -50,8 +49,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from calibration.apply import (apply_activation_checkpointing, apply_fsdp2, block_classes_for, cast_for_precision,
-                               fsdp1_kwargs, grad_scaler_for, make_mesh)
+from calibration.apply import (apply_fsdp1, apply_fsdp2, block_classes_for, cast_for_precision, grad_scaler_for,
+                               make_mesh)
 from calibration.build import build_model, load_factory
 from calibration.store import cpu_name, write_atomic
 from cost_models.specs import FsdpConfig, ModelSpec, Sharding
@@ -142,18 +141,12 @@ def apply_config(model: nn.Module, config: FsdpConfig, fsdp_version: int, classe
     cast_for_precision(model, config)
     buffers = snapshot_buffers(model)
     if fsdp_version == 1:
-        from torch.distributed.fsdp import FullyShardedDataParallel
-
-        def materialise(module: nn.Module) -> None:
+        def materialise(module: nn.Module) -> None:  # meta -> device, unit by unit, before sharding
             module.to_empty(device=device, recurse=False)
             init_module_params(module, buffers)
 
-        # = calibration.apply.apply_fsdp1 + param_init_fn (meta -> device, unit by unit, before sharding).
-        kwargs = fsdp1_kwargs(config, classes, gpus_per_node=gpus_per_node, device_id=device)
-        model = FullyShardedDataParallel(model, param_init_fn=materialise, **kwargs)
-        if config.ac_every:
-            apply_activation_checkpointing(model, classes, config.ac_every)
-        return model
+        return apply_fsdp1(model, config, classes, param_init_fn=materialise, gpus_per_node=gpus_per_node,
+                           device_id=device)
     mesh = make_mesh(config, world, gpus_per_node, device.type)
     apply_fsdp2(model, config, classes, mesh)
     model.to_empty(device=device)
