@@ -4,11 +4,13 @@
     p = plan("gpt-13b", gpus=8)
     p.best.fsdp_kwargs(model)        # kwargs for FullyShardedDataParallel(model, **kwargs)
     p.best.apply_fully_shard(model)  # FSDP2, unit by unit
+    trace("llama2-7b", gpus=8)       # the real FSDP2 step on fake tensors (needs transformers)
 
 Importing this package does not import torch.
 """
 
 from .api import Candidate, Plan, estimate, plan
 from .errors import PlannerError
+from .tracing import trace
 
-__all__ = ["plan", "estimate", "Plan", "Candidate", "PlannerError"]
+__all__ = ["plan", "estimate", "trace", "Plan", "Candidate", "PlannerError"]

@@ -90,6 +90,7 @@ class Candidate:
                 "peak_allocated_bytes": m.peak_allocated_bytes,
                 "peak_reserved_bytes": m.peak_reserved_bytes,
                 "peak_phase": m.peak_phase,
+                "peak_moment": m.peak_moment,
                 "breakdown": m.breakdown.to_dict(),
                 "cpu_bytes_per_node": m.cpu_bytes_per_node,
                 "notes": list(m.notes),

@@ -9,7 +9,7 @@ import math
 
 from cost_models import activations
 from cost_models.compute import mfu_flops_per_token, model_flops_per_token, recompute_flops_per_token
-from cost_models.memory import UNITS_IN_FLIGHT, ParamCounts
+from cost_models.memory import ParamCounts
 from cost_models.units import DTYPE_BYTES, GiB
 
 from .api import Candidate
@@ -21,57 +21,62 @@ def _gib(n: float) -> str:
 
 
 def memory_terms(c: Candidate) -> list[tuple[str, str, str]]:
-    """(term, formula with numbers, source) for each category of the backward-phase peak."""
+    """(term, formula with numbers, source) for each category at the peak moment."""
     m, cfg, L = c.model, c.config, c.model.n_layers
+    b = c.memory.breakdown
     d = cfg.shard_group_size(c.cluster)
     p = DTYPE_BYTES[cfg.precision.param_dtype]
     cb = DTYPE_BYTES[cfg.precision.compute_dtype]
+    r = DTYPE_BYTES[cfg.precision.reduce_dtype]
     counts = ParamCounts.of(m, c.training)
     trainable, frozen = counts.trainable(L), counts.frozen(L)
+    frozen_b = cb if cfg.precision.mixed else p
     opt = c.training.optimizer.state_bytes_per_param(cfg.precision.param_dtype)
     tokens = cfg.micro_batch * c.training.seq_len
     where = "CPU RAM (offloaded)" if cfg.offload else "GPU"
     terms = [
-        ("stored parameters", f"{trainable:,} trainable x {p} B + {frozen:,} frozen x {cb if cfg.precision.mixed else p} B"
-         f" / d={d} = {_gib(math.ceil((trainable * p + frozen * (cb if cfg.precision.mixed else p)) / d))} on {where}",
+        ("peak moment", f"{c.memory.peak_moment} ({c.memory.peak_phase.replace('_', ' ')})",
+         "the largest of the moments where FSDP2's schedule can peak (cost_models/memory.py)"),
+        ("stored parameters", f"{trainable:,} trainable x {p} B + {frozen:,} frozen x {frozen_b} B / d={d} = "
+         f"{_gib(math.ceil((trainable * p + frozen * frozen_b) / d))} on {where}",
          "ZeRO (Rajbhandari et al. 2020) / FSDP (Zhao et al. 2023): each rank keeps 1/d of every unit"),
         ("optimizer state", f"{trainable:,} x {opt:g} B ({c.training.optimizer.value}) / {d} = "
          f"{_gib(math.ceil(trainable * opt / d))} on {where}",
          "Adam/AdamW keep two states per parameter (m, v); SGD one; 8-bit Adam two 1-byte states"),
-        ("gradients", f"sharded: {trainable:,} x {p} B / {d} = {_gib(math.ceil(trainable * p / d))} after backward; "
-         f"in flight: the root's and one block's compute-dtype gradients "
-         f"{_gib(m.root_params * cb + counts.block() * cb)}", "FSDP reduce-scatters each unit's gradient after its backward"),
-        ("gathered parameters", f"{min(L, UNITS_IN_FLIGHT)} blocks x {counts.block():,} x {cb} B + root "
-         f"{m.root_params:,} x {cb} B = {_gib(c.memory.phases['backward'].unsharded_params)}"
-         if cfg.sharding.reshards_after_forward else
-         f"all {L} blocks stay gathered from forward to backward ({cfg.sharding.value}): "
-         f"{_gib(c.memory.phases['backward'].unsharded_params)}",
-         "FSDP paper: peak parameter memory = sharded + the units in flight (current + prefetched)"),
+        ("sharded gradients", f"{trainable:,} x {p} B / {d} = {_gib(math.ceil(trainable * p / d))} once complete; "
+         f"at the peak {_gib(b.sharded_grads)} (the units already reduced)",
+         "FSDP reduce-scatters each unit's gradient after its backward"),
+        ("gathered parameters", (f"the root ({counts.root():,} x {cb} B, kept gathered through backward) and the "
+                                 f"block in compute ({counts.block():,} x {cb} B)" if cfg.sharding.reshards_after_forward
+                                 else f"the root and every block not yet through backward ({cfg.sharding.value} "
+                                      "keeps them gathered from forward") + f" = {_gib(b.unsharded_params)}",
+         "FSDP paper: peak parameter memory = sharded + the units in flight"),
+        ("compute-dtype gradients", f"the root's and the current block's gradients before reduce-scatter = "
+                                    f"{_gib(b.unsharded_grads)}", "autograd writes gradients in the compute dtype"),
+        ("collective buffers", f"the next block's all-gather output ({counts.block():,} x {cb} B) and the previous "
+                               f"block's reduce-scatter input ({counts.trainable_block:,} x {r} B) = "
+                               f"{_gib(b.collective_buffers)}",
+         "FSDP2 prefetches the next unit and copies gradients into a flat reduce-scatter buffer"),
     ]
-    terms.append(("collective buffers", f"reduce-scatter input of the block in flight ({counts.trainable_block:,} x "
-                  f"{DTYPE_BYTES[cfg.precision.reduce_dtype]} B) and the prefetched block's all-gather output = "
-                  f"{_gib(c.memory.phases['backward'].collective_buffers)}",
-                  "FSDP2 copies gradients into a flat reduce-scatter buffer in the reduce dtype"))
-    per_block = activations.block_bytes_per_token(m, cb, cfg.attention, c.training.seq_len)
+    per_block = activations.block_bytes_per_token(m, cb, cfg.attention, c.training.seq_len, cfg.micro_batch)
     if cfg.ac_every:
         n_ckpt = math.ceil(L / cfg.ac_every)
-        act = (f"{n_ckpt} checkpointed blocks keep their input ({m.hidden_size} x {cb} B per token) and "
-               f"{L - n_ckpt} keep everything ({per_block:,} B per token); x {tokens:,} tokens, plus one block "
-               f"re-run in backward = {_gib(c.memory.phases['backward'].activations)}")
+        act = (f"{n_ckpt} checkpointed blocks keep their input ({m.hidden_size} x {cb} B per token), {L - n_ckpt} "
+               f"keep everything ({per_block:,} B per token); x {tokens:,} tokens; at the peak "
+               f"{_gib(b.activations)}")
     else:
         act = (f"{L} blocks x {per_block:,} B per token ({per_block / m.hidden_size:.1f} x h) x {tokens:,} tokens "
-               f"= {_gib(c.memory.phases['backward'].activations)}")
+               f"= {_gib(L * per_block * tokens)} saved; at the peak {_gib(b.activations)}")
     terms.append(("activations", act, "Korthikanti et al. 2022 (34 s b h per GPT layer), recounted per "
                   "architecture from what autograd saves (cost_models/activations.py); verify with fsdp-plan trace"))
-    kept, peak = activations.logits_bytes_per_token(m, cb)
-    terms.append(("logits and loss", f"{tokens:,} tokens x vocab {m.vocab_size:,} x ({kept // m.vocab_size} B kept + "
-                  f"{(peak - kept) // m.vocab_size} B fp32 loss temporaries at its peak) = {_gib(tokens * peak)}",
+    _, loss = activations.logits_bytes_per_token(m, cb)
+    terms.append(("logits and loss", f"{tokens:,} tokens x vocab {m.vocab_size:,} x {loss // m.vocab_size} B (the "
+                  f"loss's fp32 log-softmax, its gradient and the logits' gradient) = {_gib(tokens * loss)} during the "
+                  f"loss backward; at the peak {_gib(b.logits_and_loss)}",
                   "Hugging Face's causal-LM loss upcasts the logits to fp32"))
-    prof = c.memory
-    terms.append(("reserved", f"peak allocated {_gib(prof.peak_allocated_bytes)} in {prof.peak_phase.replace('_', ' ')}"
-                  f" x (1 + fragmentation) + CUDA context = {_gib(prof.peak_reserved_bytes)} of "
-                  f"{_gib(c.cluster.gpu.memory_bytes)}", "hardware.md: context 0.5-1 GB; FSDP paper section 7 on "
-                  "allocator fragmentation"))
+    terms.append(("reserved", f"peak allocated {_gib(c.memory.peak_allocated_bytes)} x (1 + fragmentation) + CUDA "
+                  f"context = {_gib(c.memory.peak_reserved_bytes)} of {_gib(c.cluster.gpu.memory_bytes)}",
+                  "hardware.md: context 0.5-1 GB; FSDP paper section 7 on allocator fragmentation"))
     return terms
 
 
