@@ -245,6 +245,14 @@ class TrainingSpec:
         object.__setattr__(self, "optimizer", parse_enum(Optimizer, self.optimizer, "optimizer"))
         object.__setattr__(self, "finetune", parse_enum(Finetune, self.finetune, "finetune"))
 
+    def grad_accum_for(self, micro_batch: int, n_gpus: int) -> int | None:
+        """Micro-steps that reach the global batch (1 without one); None when micro_batch x n_gpus does
+        not divide it."""
+        if self.global_batch is None:
+            return 1
+        per_step = micro_batch * n_gpus
+        return None if self.global_batch % per_step else self.global_batch // per_step
+
 
 @dataclass(frozen=True)
 class FsdpConfig:

@@ -217,13 +217,11 @@ def estimate(model, gpus: int, *, gpu: str = DEFAULT_GPU, gpus_per_node: int | N
 
 def grad_accum_for(micro_batch: int, cluster: ClusterSpec, training: TrainingSpec) -> int:
     """Accumulation steps that reach the global batch (1 without one); PlannerError when it cannot."""
-    if training.global_batch is None:
-        return 1
-    per_step = micro_batch * cluster.n_gpus
-    if training.global_batch % per_step:
+    accum = training.grad_accum_for(micro_batch, cluster.n_gpus)
+    if accum is None:
         raise PlannerError("global_batch", f"{training.global_batch} is not a multiple of micro_batch x gpus "
-                                           f"= {per_step}")
-    return training.global_batch // per_step
+                                           f"= {micro_batch * cluster.n_gpus}")
+    return accum
 
 
 def resolve_inputs(model, gpus: int, *, gpu: str = DEFAULT_GPU, gpus_per_node: int | None = None,

@@ -53,16 +53,6 @@ class SearchResult:
     skipped: list[str] = field(default_factory=list)  # whole options left out, and why
 
 
-def _grad_accum_for(micro_batch: int, cluster: ClusterSpec, training: TrainingSpec) -> int | None:
-    """Accumulation steps to reach the global batch, or None when the micro-batch cannot reach it."""
-    if training.global_batch is None:
-        return 1
-    per_step = micro_batch * cluster.n_gpus
-    if training.global_batch % per_step:
-        return None
-    return training.global_batch // per_step
-
-
 def rank_key(e: Evaluation):
     """Throughput first; on a tie (communication-bound steps hide extra compute) the simpler config: no
     offload, less recompute; then less memory."""
@@ -124,7 +114,7 @@ def search(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, profi
     if len(shardings) < len(space.shardings):
         skipped.append("HYBRID strategies: single node (or GPUs not divisible by GPUs per node), "
                        "where they equal FULL_SHARD / SHARD_GRAD_OP")
-    micro_batches = [mb for mb in space.micro_batches if _grad_accum_for(mb, cluster, training) is not None]
+    micro_batches = [mb for mb in space.micro_batches if training.grad_accum_for(mb, cluster.n_gpus) is not None]
     if not micro_batches:
         skipped.append(f"every micro-batch: global batch {training.global_batch} is not a multiple of "
                        f"micro-batch x {cluster.n_gpus} GPUs for any of {space.micro_batches}")
@@ -135,7 +125,7 @@ def search(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, profi
             continue  # FSDP offloads shards; with nothing sharded DDP-style offload is not offered
         for mb in micro_batches:
             config = FsdpConfig(sharding=sharding, precision=precision, offload=offload, ac_every=ac,
-                                micro_batch=mb, grad_accum=_grad_accum_for(mb, cluster, training),
+                                micro_batch=mb, grad_accum=training.grad_accum_for(mb, cluster.n_gpus),
                                 attention=space.attention, backward_prefetch=prefetch,
                                 limit_all_gathers=limit)
             if unsupported_reasons(cluster, config):
