@@ -109,8 +109,13 @@ def _attention_bytes(model: ModelSpec, c: int, attention: Attention, seq_len: in
     if eager:
         return qkv + c * q + _probs_bytes(model, c, seq_len)  # + copy of P @ V for the o-projection
     out = c * q + LOGSUMEXP_BYTES * model.n_heads
-    if model.family in _FUSED_ROTARY_FAMILIES:
+    windowed = 0 < model.sliding_window < seq_len
+    if model.family in _FUSED_ROTARY_FAMILIES or windowed:
         out += c * q                                     # the output, copied into (b, s, heads x d)
+    if windowed:
+        # A window shorter than the sequence makes transformers hand SDPA an (s, s) mask (the
+        # memory-efficient kernel, not flash), which each layer converts to the compute dtype and saves.
+        out += seq_len * c
     return qkv + out
 
 
@@ -235,17 +240,13 @@ def attention_freed_before_backward_bytes_per_token(model: ModelSpec, compute_by
     return _mlp_bytes(model, c) + _norm_bytes(model, c) + c * h + (h if model.dropout else 0)
 
 
-# Families whose Hugging Face attention can be sliding-window (Mistral-7B v0.1: 4096 tokens).
-SLIDING_WINDOW_FAMILIES = {"mistral"}
-
-
 def quirks(model: ModelSpec, attention: Attention, seq_len: int = 0) -> list[str]:
     """Where the formulas are known to be rough for this model: say so and point to the trace tier."""
     notes = []
-    if model.family in SLIDING_WINDOW_FAMILIES and attention is Attention.SDPA and seq_len > 4096:
-        notes.append(f"{model.family} with a sliding window shorter than the sequence ({seq_len}): transformers "
-                     "hands SDPA an s x s mask, which each layer converts and saves (b*s*s*c bytes per layer, "
-                     "not counted here); verify with `fsdp-plan trace`")
+    if attention is Attention.SDPA and 0 < model.sliding_window < seq_len:
+        notes.append(f"sliding window {model.sliding_window} < sequence {seq_len}: SDPA gets an s x s mask that "
+                     "each layer saves (counted) and a masked backward whose working set is only approximated; "
+                     "verify with `fsdp-plan trace`")
     if model.activation in PYTHON_OP_ACTIVATIONS:
         notes.append(f"activation {model.activation} is written in Python ops (saves 5 f-sized tensors per "
                      "block, 2.5x a fused GELU); verify activation memory with `fsdp-plan trace`")

@@ -154,6 +154,7 @@ class ModelSpec:
     causal: bool = True              # False for encoders (BERT): no causal LM loss shift
     lora_target_shapes: tuple[tuple[int, int], ...] = ()  # (in, out) of each block linear LoRA adapts
     max_seq_len: int = 0             # 0 = unknown / unlimited (rotary, ALiBi)
+    sliding_window: int = 0          # attention window in tokens (Mistral 7B v0.1: 4096); 0 = full attention
 
     def __post_init__(self):
         for name in ("n_layers", "hidden_size", "n_heads", "n_kv_heads", "head_dim", "ffn_hidden_size",

@@ -325,7 +325,15 @@ def _llama_style(c: _Cfg) -> dict:
         # Phi-3 declares resid_pdrop/embd_pdrop but its transformers module only applies attention dropout.
         dropout=c.any_dropout(attention_dropout=0.0), lora_target_shapes=lora,
         max_seq_len=c.size("max_position_embeddings", default=default_max_pos),
+        sliding_window=_sliding_window(c),
     )
+
+
+def _sliding_window(c: _Cfg) -> int:
+    """Mistral's window applies to every layer (MistralConfig's default is 4096; null disables it)."""
+    if c.model_type != "mistral" or ("sliding_window" in c.data and c.data["sliding_window"] is None):
+        return 0
+    return c.size("sliding_window", default=4096)
 
 
 def _gpt2(c: _Cfg) -> dict:

@@ -343,3 +343,14 @@ def test_import_leaves_torch_and_transformers_unloaded():
     code = ("import sys, planner.models as m; m.load_preset('llama2-7b'); m.resolve_model('gpt-125m'); "
             "bad = [n for n in ('torch', 'transformers') if n in sys.modules]; assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_mistral_sliding_window():
+    from planner.models import from_hf_config, load_preset
+
+    assert load_preset("mistral-7b").sliding_window == 4096
+    base = {"model_type": "mistral", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 100}
+    assert from_hf_config(base).sliding_window == 4096          # MistralConfig's default
+    assert from_hf_config({**base, "sliding_window": None}).sliding_window == 0
+    assert from_hf_config({**base, "model_type": "llama"}).sliding_window == 0
