@@ -26,6 +26,11 @@ class Evaluation:
         return self.capacity_bytes - self.memory.peak_reserved_bytes
 
 
+def gpu_memory_reason(reserved_bytes: int, capacity_bytes: int, detail: str, prefix: str = "") -> str:
+    """The reason a candidate does not fit in GPU memory (the doctor and the trace tier word it alike)."""
+    return f"{prefix}needs {reserved_bytes / GiB:.1f} GiB per GPU > {capacity_bytes / GiB:.1f} GiB ({detail})"
+
+
 def unsupported_reasons(cluster: ClusterSpec, config: FsdpConfig) -> list[str]:
     """Configurations that cannot run at all on this cluster, whatever the memory."""
     reasons = []
@@ -48,9 +53,9 @@ def evaluate(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, con
     if memory.peak_reserved_bytes > capacity:
         b = memory.breakdown
         largest = max(b.to_dict().items(), key=lambda kv: kv[1])
-        reasons.append(f"needs {memory.peak_reserved_bytes / GiB:.1f} GiB per GPU > {capacity / GiB:.1f} GiB "
-                       f"(peak in {memory.peak_phase.replace('_', ' ')}; largest: {largest[0]} "
-                       f"{largest[1] / GiB:.1f} GiB)")
+        reasons.append(gpu_memory_reason(memory.peak_reserved_bytes, capacity,
+                                         f"peak in {memory.peak_phase.replace('_', ' ')}; largest: {largest[0]} "
+                                         f"{largest[1] / GiB:.1f} GiB"))
     ram = cluster.cpu_ram_bytes_per_node
     if config.offload and ram and memory.cpu_bytes_per_node > ram:
         reasons.append(f"CPU offload needs {memory.cpu_bytes_per_node / GiB:.0f} GiB of CPU RAM per node "

@@ -222,7 +222,7 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
     else:
         breakdown, phase = backward, "backward"
     peak_allocated = breakdown.total_bytes
-    peak_reserved = int(peak_allocated * (1 + profile.fragmentation)) + profile.cuda_context_bytes
+    peak_reserved = profile.reserved_bytes(peak_allocated)
     cpu_per_rank = (sharded_params + sharded_grads + optimizer_state + step_temporaries) if config.offload else 0
     return MemoryEstimate(
         breakdown=breakdown,

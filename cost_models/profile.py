@@ -44,6 +44,10 @@ class Profile:
     pcie_efficiency: float = 0.8
     source: str = "defaults (published measurements)"
 
+    def reserved_bytes(self, allocated_bytes: int) -> int:
+        """What the GPU must hold for an allocated peak: the allocator's fragmentation and the CUDA context."""
+        return int(allocated_bytes * (1 + self.fragmentation)) + self.cuda_context_bytes
+
     def efficiency(self, dtype: str) -> float:
         return self.compute_efficiency.get(dtype, self.compute_efficiency["bf16"])
 

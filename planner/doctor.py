@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from cost_models.evaluate import evaluate
+from cost_models.evaluate import evaluate, gpu_memory_reason
 from cost_models.profile import DEFAULT_PROFILE, Profile
 from cost_models.specs import ClusterSpec, Finetune, FsdpConfig, ModelSpec, Precision, TrainingSpec
 from cost_models.units import DTYPE_BYTES, GiB
@@ -300,11 +300,11 @@ def _as_one_unit(candidate: Candidate, extra_bytes: int, profile: Profile) -> Ca
     phase, breakdown = max(phases.items(), key=lambda kv: kv[1].total_bytes)
     allocated = breakdown.total_bytes
     memory = replace(m, breakdown=breakdown, peak_phase=phase, phases=phases, peak_allocated_bytes=allocated,
-                     peak_reserved_bytes=int(allocated * (1 + profile.fragmentation)) + profile.cuda_context_bytes,
+                     peak_reserved_bytes=profile.reserved_bytes(allocated),
                      notes=m.notes + ("no auto-wrap policy: the whole model is one unit, gathered at once",))
     reasons = [r for r in e.reasons if "GiB per GPU" not in r]
     if memory.peak_reserved_bytes > e.capacity_bytes:
-        reasons.insert(0, f"needs {memory.peak_reserved_bytes / GiB:.1f} GiB per GPU > {e.capacity_bytes / GiB:.1f} "
-                          f"GiB (no auto-wrap policy: the whole model is gathered at once)")
+        reasons.insert(0, gpu_memory_reason(memory.peak_reserved_bytes, e.capacity_bytes,
+                                            "no auto-wrap policy: the whole model is gathered at once"))
     evaluation = replace(e, memory=memory, fits=not reasons, reasons=tuple(reasons))
     return Candidate(evaluation, candidate.model, candidate.cluster, candidate.training)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from cost_models.evaluate import gpu_memory_reason
 from cost_models.profile import DEFAULT_PROFILE, Profile
 from cost_models.specs import ModelSpec
 from cost_models.units import GiB
@@ -33,8 +34,7 @@ class TraceReport:
     @property
     def peak_reserved_bytes(self) -> int:
         """Traced allocated peak plus the same fragmentation and CUDA context the estimate adds."""
-        return int(self.traced.peak_allocated_bytes * (1 + self.profile.fragmentation)) + \
-            self.profile.cuda_context_bytes
+        return self.profile.reserved_bytes(self.traced.peak_allocated_bytes)
 
     @property
     def fits(self) -> bool:
@@ -63,9 +63,9 @@ class TraceReport:
         c = self.candidate
         analytic = c.to_dict()
         traced = self.traced
-        reasons = [] if self.fits else [
-            f"traced peak needs {self.peak_reserved_bytes / GiB:.1f} GiB per GPU > "
-            f"{c.cluster.gpu.memory_bytes / GiB:.1f} GiB (peak in {traced.peak_phase.replace('_', ' ')})"]
+        reasons = [] if self.fits else [gpu_memory_reason(
+            self.peak_reserved_bytes, c.cluster.gpu.memory_bytes, f"peak in {traced.peak_phase.replace('_', ' ')}",
+            prefix="traced peak ")]
         return {
             "model": {"name": c.model.name, "n_params": c.model.n_params},
             "source": "trace",
