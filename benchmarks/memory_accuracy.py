@@ -1,11 +1,13 @@
 """Accuracy of the analytic memory model against the trace tier, over a grid of configurations.
 
-    python benchmarks/memory_accuracy.py [--jobs 2] [--quick] [--json out.json]
+    python benchmarks/memory_accuracy.py [--jobs 2] [--quick] [--json out.json] [--finetune lora]
 
 For every configuration: the analytic estimate (planner.api.estimate) and the trace (planner.tracing.trace:
 the real FSDP2 training step on fake tensors, rank 0 of the real world size) of the same model, cluster and
 FsdpConfig. Prints one row per configuration, the error per memory category, and the median and maximum
-absolute relative error of the peak allocated memory ((estimate - trace) / trace).
+absolute relative error of the peak allocated memory ((estimate - trace) / trace). --finetune lora runs
+the same grid as LoRA fine-tuning (rank 16 on the attention projections, peft, frozen base in the compute
+dtype).
 
 The architectures are real Hugging Face model types with their real module code (transformers
 from_config, no weights), scaled down in depth and width (4-8 layers, hidden 256-512) so the grid of 60
@@ -154,8 +156,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="first configuration of each architecture only")
     parser.add_argument("--arch", action="append", help="only these architectures (repeatable)")
     parser.add_argument("--json", type=Path, help="also write the raw results here")
+    parser.add_argument("--finetune", choices=("full", "lora"), default="full", help="full (default) or lora")
+    parser.add_argument("--lora-rank", type=int, default=16)
     args = parser.parse_args(argv)
     rows = grid()
+    if args.finetune == "lora":
+        rows = [{**r, "finetune": "lora", "lora_rank": args.lora_rank} for r in rows]
     if args.arch:
         rows = [r for r in rows if r["arch"] in args.arch]
     if args.quick:

@@ -67,7 +67,9 @@ def fsdp1_kwargs(config: FsdpConfig, block_classes: set[type], *, gpus_per_node:
 
     trainable_mixed (LoRA): also wrap each leaf module whose weight requires grad, so frozen and trainable
     parameters land in different flat parameters and FSDP1 allocates no gradient for the frozen ones
-    (PEFT's fsdp_auto_wrap_policy). Freeze the base model before calling.
+    (PEFT's fsdp_auto_wrap_policy), and cast each unit's inputs to the compute dtype: peft casts an
+    adapter's input to its weight's dtype read outside the adapter's unit (fp32 when sharded), and only
+    the root casts inputs by default. Freeze the base model before calling.
     """
     if not block_classes:
         raise ValueError("block_classes is empty: FSDP would make the whole model one unit")
@@ -86,7 +88,8 @@ def fsdp1_kwargs(config: FsdpConfig, block_classes: set[type], *, gpus_per_node:
         policy = ModuleWrapPolicy(set(classes))
     return {
         "sharding_strategy": strategy,
-        "mixed_precision": None if dtypes is None else MixedPrecision(param_dtype=dtypes[0], reduce_dtype=dtypes[1]),
+        "mixed_precision": None if dtypes is None else MixedPrecision(param_dtype=dtypes[0], reduce_dtype=dtypes[1],
+                                                                      cast_forward_inputs=trainable_mixed),
         "cpu_offload": CPUOffload(offload_params=True) if config.offload else None,
         "backward_prefetch": BackwardPrefetch.BACKWARD_PRE if config.backward_prefetch else None,
         "forward_prefetch": config.forward_prefetch,

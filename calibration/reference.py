@@ -199,7 +199,6 @@ def tiny_llama_spec(**overrides) -> ModelSpec:
                                 shape["tied_embeddings"])
     return ModelSpec(
         family="llama", block_class="Block", gated_mlp=True, norm="rmsnorm", activation="silu",
-        # PEFT's default LoRA targets for Llama: q_proj and v_proj, as (in, out).
-        lora_target_shapes=((h, q_dim), (h, kv_dim)),
+        lora_target_shapes=((h, q_dim), (h, kv_dim), (h, kv_dim), (q_dim, h)),  # q, k, v, o as the presets
         **shape, **counts,
     )

@@ -10,7 +10,9 @@ steps. Each rank:
 1. builds the model with its parameters on the meta device (buffers such as rotary tables are real), at
    the depth the job asks for: a preset through our reference Llama, a Hugging Face config through
    transformers' from_config, or the user's factory `pkg.module:function` (called with n_layers=L when
-   the job reduces depth);
+   the job reduces depth); with "finetune": "lora", peft adapters on the attention projections through
+   calibration.lora (as the trace tier adds them: frozen base in the compute dtype, adapters in the
+   parameter dtype);
 2. applies the config through calibration.apply, the code path the emitted config uses (FSDP2:
    apply_fsdp2; FSDP1: apply_fsdp1 with a param_init_fn that materialises each unit on its device), then
    materialises and initialises the parameters: N(0, 0.02) for matrices, ones for norm weights, zeros
@@ -136,8 +138,9 @@ def snapshot_buffers(model: nn.Module) -> dict[int, dict[str, torch.Tensor]]:
 
 
 def apply_config(model: nn.Module, config: FsdpConfig, fsdp_version: int, classes: set[type], world: int,
-                 gpus_per_node: int, device: torch.device) -> nn.Module:
-    """Apply FSDP as the emitted config does, then materialise the meta parameters on `device`."""
+                 gpus_per_node: int, device: torch.device, lora: bool = False) -> nn.Module:
+    """Apply FSDP as the emitted config does, then materialise the meta parameters on `device`.
+    lora: FSDP1 wraps the adapters in their own units (frozen and trainable params apart)."""
     cast_for_precision(model, config)
     buffers = snapshot_buffers(model)
     if fsdp_version == 1:
@@ -146,7 +149,7 @@ def apply_config(model: nn.Module, config: FsdpConfig, fsdp_version: int, classe
             init_module_params(module, buffers)
 
         return apply_fsdp1(model, config, classes, param_init_fn=materialise, gpus_per_node=gpus_per_node,
-                           device_id=device)
+                           device_id=device, trainable_mixed=lora)
     mesh = make_mesh(config, world, gpus_per_node, device.type)
     apply_fsdp2(model, config, classes, mesh)
     model.to_empty(device=device)
@@ -298,8 +301,18 @@ def run(job: dict) -> None:
     torch.manual_seed(job.get("seed", 0))
     model = build(job["model"], config.attention.value)
     classes = block_classes(model, job["model"].get("block_class"))
-    model = apply_config(model, config, job["fsdp_version"], classes, world, gpus_per_node, device)
-    optimizer = make_optimizer(job["optimizer"], model.parameters(), config.precision.value)
+    lora = job.get("finetune") == "lora"
+    if lora:
+        from calibration.apply import TORCH_DTYPES
+        from calibration.lora import add_lora
+
+        precision = config.precision
+        model = add_lora(model, _model_spec(job["model"]["spec"]), job["lora_rank"], classes,
+                         frozen_dtype=TORCH_DTYPES[precision.compute_dtype] if precision.mixed else None,
+                         adapter_dtype=TORCH_DTYPES[precision.param_dtype])
+    model = apply_config(model, config, job["fsdp_version"], classes, world, gpus_per_node, device, lora)
+    optimizer = make_optimizer(job["optimizer"], [p for p in model.parameters() if p.requires_grad],
+                               config.precision.value)
     scaler = grad_scaler_for(config, device=device.type)
 
     vocab = job["model"]["spec"]["vocab_size"]

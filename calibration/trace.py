@@ -26,7 +26,10 @@ its temporaries: Adam/AdamW's foreach step holds sqrt(exp_avg_sq) for every loca
 once, i.e. one more copy of the sharded trainable parameters in the state dtype; SGD's updates in place.
 The traced optimizer-step phase replaces the for-loop temporaries with that figure.
 
-Limits (raised as TraceUnsupported): LoRA (needs peft), CPU offload (on a CPU mesh device and host
+LoRA fine-tuning adds peft adapters through calibration.lora (frozen base in the compute dtype, adapters
+in fp32), as calibration runs do.
+
+Limits (raised as TraceUnsupported): LoRA without peft installed, CPU offload (on a CPU mesh device and host
 memory are the same), 8-bit Adam (bitsandbytes). A model whose code cannot run on fake tensors
 (data-dependent shapes, custom kernels, remote code) raises UntraceableModel naming the failing step.
 """
@@ -51,7 +54,7 @@ class TraceError(RuntimeError):
 
 
 class TraceUnsupported(TraceError):
-    """A configuration the trace tier does not model (LoRA, offload, 8-bit optimizers)."""
+    """A configuration the trace tier does not model (offload, 8-bit optimizers; LoRA without peft)."""
 
 
 class UntraceableModel(TraceError):
@@ -174,11 +177,11 @@ def _untraceable(what: str, exc: BaseException) -> UntraceableModel:
 
 def trace_memory(spec: ModelSpec, config: FsdpConfig, *, n_gpus: int, gpus_per_node: int, seq_len: int,
                  optimizer: Optimizer | str = Optimizer.ADAMW, hf_config: dict | None = None,
-                 finetune: Finetune | str = Finetune.FULL) -> TraceResult:
+                 finetune: Finetune | str = Finetune.FULL, lora_rank: int = 16) -> TraceResult:
     """Run two FSDP2 training steps of `spec` under FakeTensorMode on rank 0 of `n_gpus`; see the module
     docstring. hf_config (a config.json dict with model_type) builds the transformers model; without
     it the reference Llama is built from `spec`."""
-    training = TrainingSpec(seq_len=seq_len, optimizer=optimizer, finetune=finetune)
+    training = TrainingSpec(seq_len=seq_len, optimizer=optimizer, finetune=finetune, lora_rank=lora_rank)
     _check_supported(config, training)
     if n_gpus < 1 or gpus_per_node < 1:
         raise TraceError(f"need gpus >= 1 and gpus_per_node >= 1, got {n_gpus} and {gpus_per_node}")
@@ -266,21 +269,40 @@ def _trace(spec, config, training, n_gpus, gpus_per_node, seq_len, hf_config, st
     is_hf = hf_config is not None
     shard = _shard_group(config, n_gpus, gpus_per_node)
     notes = []
+    lora = training.finetune is Finetune.LORA
     with _FakeWorld(n_gpus):
         mesh = make_mesh(config, n_gpus, gpus_per_node, "cpu")  # outside FakeTensorMode (pitfalls.md)
+        # LoRA: built on meta, where peft can add its adapters (it cannot move fake tensors), with the
+        # frozen base in the compute dtype under mixed precision (calibration.lora); materialised below.
+        if lora:
+            from .lora import add_lora
+
+            dtype = config.precision.compute_dtype if config.precision.mixed else config.precision.param_dtype
+            try:
+                model = build_model(spec, hf_config, attention=config.attention.value, device="meta",
+                                    dtype=TORCH_DTYPES[dtype])
+                classes = _block_classes(model, spec)
+                model = add_lora(model, spec, training.lora_rank, classes,
+                                 adapter_dtype=TORCH_DTYPES[config.precision.param_dtype])
+            except Exception as exc:  # noqa: BLE001 - any failure of foreign model code is reported as such
+                raise _untraceable(f"building {spec.name} with LoRA", exc) from exc
         with FakeTensorMode(allow_non_fake_inputs=False):
             try:
-                # bf16-pure: built in bf16 rather than cast afterwards (cast_for_precision's model.to() must
-                # swap fake parameters, which fails when transformers holds references to them); the
-                # parameters end up the same, only fp32-computed buffers (rotary inv_freq) stay fp32.
-                model = build_model(spec, hf_config, attention=config.attention.value, device="cpu",
-                                    dtype=TORCH_DTYPES[config.precision.param_dtype])
+                if lora:
+                    _meta_to_fake(model)
+                else:
+                    # bf16-pure: built in bf16 rather than cast afterwards (cast_for_precision's model.to()
+                    # must swap fake parameters, which fails when transformers holds references to them); the
+                    # parameters end up the same, only fp32-computed buffers (rotary inv_freq) stay fp32.
+                    model = build_model(spec, hf_config, attention=config.attention.value, device="cpu",
+                                        dtype=TORCH_DTYPES[config.precision.param_dtype])
+                    classes = _block_classes(model, spec)
             except Exception as exc:  # noqa: BLE001 - any failure of foreign model code is reported as such
                 raise _untraceable(f"building {spec.name}", exc) from exc
             model.train()
             if is_hf and hasattr(model, "config"):
                 model.config.use_cache = False  # no KV cache in training (HF warns and drops it with AC)
-            apply_fsdp2(model, config, _block_classes(model, spec), mesh)
+            apply_fsdp2(model, config, classes, mesh)
             opt = _make_optimizer(model.parameters(), training.optimizer)
             ids = torch.randint(0, spec.vocab_size, (config.micro_batch, seq_len))
             tracker = MemoryTracker(model, opt, vocab_size=spec.vocab_size if spec.vocab_size != seq_len else None)
@@ -320,6 +342,25 @@ def _trace(spec, config, training, n_gpus, gpus_per_node, seq_len, hf_config, st
                        notes=tuple(notes))
 
 
+def _meta_to_fake(model: nn.Module) -> None:
+    """Replace every meta parameter and buffer with a fresh (fake, under FakeTensorMode) CPU tensor of the
+    same shape and dtype, one per original so tied weights stay tied. Module.to_empty would call
+    empty_like on the meta tensors, which FakeTensorMode refuses as non-fake inputs."""
+    made: dict[int, torch.Tensor] = {}
+
+    def fresh(t: torch.Tensor, param: bool) -> torch.Tensor:
+        if id(t) not in made:
+            new = torch.empty(t.shape, dtype=t.dtype, device="cpu")
+            made[id(t)] = nn.Parameter(new, requires_grad=t.requires_grad) if param else new
+        return made[id(t)]
+
+    for module in model.modules():
+        for slots, param in ((module._parameters, True), (module._buffers, False)):
+            for name, t in list(slots.items()):
+                if t is not None and t.device.type == "meta":
+                    slots[name] = fresh(t, param)
+
+
 def _shard_group(config: FsdpConfig, n_gpus: int, gpus_per_node: int) -> int:
     if config.sharding is Sharding.NO_SHARD:
         return 1
@@ -328,8 +369,10 @@ def _shard_group(config: FsdpConfig, n_gpus: int, gpus_per_node: int) -> int:
 
 def _check_supported(config: FsdpConfig, training: TrainingSpec) -> None:
     if training.finetune is Finetune.LORA:
-        raise TraceUnsupported("the trace tier does not model LoRA fine-tuning (it would need peft); "
-                               "use the analytic estimate")
+        try:
+            import peft  # noqa: F401
+        except ImportError:
+            raise TraceUnsupported("tracing LoRA fine-tuning needs peft: pip install 'fsdp-planner[lora]'") from None
     if config.offload:
         raise TraceUnsupported("the trace tier does not model CPU offload (on a CPU mesh, device and host "
                                "memory are one); use the analytic estimate")

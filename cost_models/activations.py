@@ -33,6 +33,17 @@ of its widest op. For the MLP that is the gradient of fc2's input and of the two
 product (3*c*f, while fc2's saved input c*f is already freed); eager attention holds the probabilities'
 gradient in fp32 next to the saved softmax output. See backward_working_bytes_per_token.
 
+LoRA (lora_rank > 0; adapters on the attention projections, ModelSpec.lora_target_shapes): autograd
+saves a tensor only for a gradient someone needs, and frozen weights need none. So a frozen linear does
+not save its input, and a frozen norm weight does not keep the normalised tensor it multiplies (frozen
+RMSNorm saves just its fp32 input, 4h; LayerNorm its input, c*h). The attention norm's output is still
+saved, by the q/k/v adapters' lora_A; the MLP keeps only what its activation function needs (SwiGLU:
+gate, act(gate), up; GELU/SiLU its input; ReLU its output; gelu_new its four Python-op tensors), not
+its norm's output nor fc2's input; the root keeps the final norm's input, not the LM head's. Each
+adapter saves its lora_A output (r values) for lora_B. Nothing before the first adapter needs a
+gradient: the embedding dropout keeps no mask, the first block's first norm (and a parallel block's
+MLP) saves nothing (first_block_lora_savings).
+
 Ignored: per-token scalars smaller than a hidden vector other than the logsumexp (norm statistics), the
 allocator's 512-byte rounding. The trace tier (`fsdp-plan trace`) measures the exact figure.
 """
@@ -55,23 +66,26 @@ ROTARY_FAMILIES = {"llama", "mistral", "qwen2", "phi3", "gpt_neox", "falcon", "g
 LOGSUMEXP_BYTES = 4  # fp32 per head and token, saved by the fused attention kernels
 
 
-def _norm_bytes(model: ModelSpec, c: int) -> int:
+def _norm_bytes(model: ModelSpec, c: int, lora: bool = False) -> int:
     """Saved bytes per token of one norm, without its output (for RMSNorm the fp32 upcast and the
-    normalised tensor cast back; for LayerNorm and fused RMSNorm kernels the input)."""
+    normalised tensor cast back - only the upcast when the weight is frozen; for LayerNorm and fused
+    RMSNorm kernels the input)."""
     h = model.hidden_size
     if model.norm == "rmsnorm":
-        return 4 * h + c * h
+        return 4 * h + (0 if lora else c * h)
     return c * h
 
 
-def _norms_bytes(model: ModelSpec, c: int) -> int:
-    """Both norms of a block with their outputs (the tensors the linear layers read)."""
+def _norms_bytes(model: ModelSpec, c: int, lora: bool = False) -> int:
+    """Both norms of a block with the outputs the linear layers save (under LoRA only the attention
+    norm's, which the q/k/v adapters read)."""
     h = model.hidden_size
+    norm = _norm_bytes(model, c, lora)
     if model.parallel_block and model.family == "falcon":
-        return _norm_bytes(model, c) + c * h           # one norm feeds attention and MLP
+        return norm + c * h                            # one norm feeds attention and MLP
     if model.parallel_block:
-        return _norm_bytes(model, c) + 2 * c * h       # two norms of one input: the input saved once
-    return 2 * (_norm_bytes(model, c) + c * h)
+        return norm + (1 if lora else 2) * c * h       # two norms of one input: the input saved once
+    return 2 * norm + (1 if lora else 2) * c * h
 
 
 def _softmax_bytes(model: ModelSpec, c: int) -> int:
@@ -119,25 +133,32 @@ def _attention_bytes(model: ModelSpec, c: int, attention: Attention, seq_len: in
     return qkv + out
 
 
-def _mlp_bytes(model: ModelSpec, c: int) -> int:
-    """Saved bytes per token of the MLP, excluding its (normed) input."""
+def _mlp_bytes(model: ModelSpec, c: int, lora: bool = False) -> int:
+    """Saved bytes per token of the MLP, excluding its (normed) input. Under LoRA the MLP is frozen:
+    fc2 does not save its input."""
     f = model.ffn_hidden_size
+    fc2_input = 0 if lora else c * f
     if model.gated_mlp:
-        return 4 * c * f    # gate, act(gate), up, act * up
+        return 3 * c * f + fc2_input   # gate, act(gate), up (+ act * up)
     if model.activation in PYTHON_OP_ACTIVATIONS:
-        return 5 * c * f    # fc1 output, x^3 term, tanh, product, fc2 input
+        return 4 * c * f + fc2_input   # fc1 output, x^3 term, tanh, product (+ fc2 input)
     if model.activation == "relu":
-        return c * f        # relu saves its output, which is also fc2's input
-    return 2 * c * f        # native gelu/silu: its input; fc2 saves the output
+        return c * f                   # relu saves its output, which is also fc2's input
+    return c * f + fc2_input           # native gelu/silu: its input (+ fc2 saves the output)
+
+
+def lora_adapter_bytes(model: ModelSpec, c: int, lora_rank: int) -> int:
+    """Each adapter's lora_A output (r values), saved for lora_B's weight gradient."""
+    return len(model.lora_target_shapes) * lora_rank * c
 
 
 def block_bytes_per_token(model: ModelSpec, compute_bytes: int, attention: Attention, seq_len: int,
-                          micro_batch: int = 1) -> int:
-    """Bytes one block saves for backward per token of the micro-batch."""
-    c = compute_bytes
-    saved = _norms_bytes(model, c)
+                          micro_batch: int = 1, lora_rank: int = 0) -> int:
+    """Bytes one block saves for backward per token of the micro-batch (lora_rank > 0: LoRA fine-tuning)."""
+    c, lora = compute_bytes, lora_rank > 0
+    saved = _norms_bytes(model, c, lora)
     saved += _attention_bytes(model, c, attention, seq_len, micro_batch)
-    saved += _mlp_bytes(model, c)
+    saved += _mlp_bytes(model, c, lora) + lora_adapter_bytes(model, c, lora_rank)
     if model.dropout:
         saved += 2 * model.hidden_size  # residual dropout masks after attention and MLP (1 byte each)
     return saved
@@ -154,13 +175,25 @@ def input_saved_by_first_norm(model: ModelSpec, compute_bytes: int) -> bool:
     return model.norm != "rmsnorm" or compute_bytes == 4
 
 
-def root_bytes_per_token(model: ModelSpec, compute_bytes: int) -> int:
-    """Final norm, the output head's input, the labels (int64) and the embedding dropout mask."""
+def root_bytes_per_token(model: ModelSpec, compute_bytes: int, lora: bool = False) -> int:
+    """Final norm, the output head's input (not with a frozen head: LoRA), the labels (int64) and the
+    embedding dropout mask."""
     c, h = compute_bytes, model.hidden_size
-    saved = _norm_bytes(model, c) + c * h + 8
-    if model.dropout:
+    saved = _norm_bytes(model, c, lora) + (0 if lora else c * h) + 8
+    if model.dropout and not lora:
         saved += h
     return saved
+
+
+def first_block_lora_savings(model: ModelSpec, compute_bytes: int) -> int:
+    """Under LoRA the first block's input needs no gradient (frozen embeddings), so its first norm saves
+    nothing, nor does a parallel block's MLP branch (it reads the block input, not the attention's
+    output): bytes per token the first block saves less than block_bytes_per_token says (unless
+    checkpointed)."""
+    savings = _norm_bytes(model, compute_bytes, lora=True)
+    if model.parallel_block:
+        savings += _mlp_bytes(model, compute_bytes, lora=True)
+    return savings
 
 
 def shared_bytes(model: ModelSpec, compute_bytes: int, seq_len: int) -> int:
@@ -198,15 +231,17 @@ def forward_logits_bytes_per_token(model: ModelSpec, compute_bytes: int) -> int:
     return c * v + (4 * v if c != 4 else 0) + 4 * v
 
 
-def mlp_backward_working_bytes_per_token(model: ModelSpec, compute_bytes: int) -> int:
+def mlp_backward_working_bytes_per_token(model: ModelSpec, compute_bytes: int, lora: bool = False) -> int:
     """Bytes the MLP's backward holds above the block's saved tensors: the incoming gradient (c*h) and
-    the gradients of fc2's input and of the activation's factors, minus fc2's freed input."""
+    the gradients of fc2's input and of the activation's factors, minus fc2's freed input (which a
+    frozen fc2, LoRA, never saved)."""
     c, h, f = compute_bytes, model.hidden_size, model.ffn_hidden_size
+    freed = 0 if lora else c * f
     if model.gated_mlp:
-        return c * h + 3 * c * f - c * f
+        return c * h + 3 * c * f - freed
     if model.activation in PYTHON_OP_ACTIVATIONS:
         return c * h + 2 * c * f          # two f-sized gradients of the Python-op chain at once
-    return c * h + 2 * c * f - c * f      # gradient of fc2's input and of the activation's input
+    return c * h + 2 * c * f - freed      # gradient of fc2's input and of the activation's input
 
 
 def attention_backward_working_bytes_per_token(model: ModelSpec, compute_bytes: int, attention: Attention,
@@ -230,14 +265,16 @@ def attention_backward_working_bytes_per_token(model: ModelSpec, compute_bytes: 
     return c * model.hidden_size + c * q + s2
 
 
-def attention_freed_before_backward_bytes_per_token(model: ModelSpec, compute_bytes: int) -> int:
+def attention_freed_before_backward_bytes_per_token(model: ModelSpec, compute_bytes: int, lora: bool = False) -> int:
     """What a block has freed when its attention backward starts: the MLP branch runs its backward first
     (its ops were recorded last), freeing the MLP's saved tensors and the second norm's (a parallel
-    block's second norm shares its input with the first: only its output goes)."""
+    block's second norm shares its input with the first: only its output goes; under LoRA the MLP norm's
+    output was never saved)."""
     c, h = compute_bytes, model.hidden_size
+    norm_out = 0 if lora else c * h
     if model.parallel_block:
-        return _mlp_bytes(model, c) + (c * h if model.family != "falcon" else 0)
-    return _mlp_bytes(model, c) + _norm_bytes(model, c) + c * h + (h if model.dropout else 0)
+        return _mlp_bytes(model, c, lora) + (norm_out if model.family != "falcon" else 0)
+    return _mlp_bytes(model, c, lora) + _norm_bytes(model, c, lora) + norm_out + (h if model.dropout else 0)
 
 
 def quirks(model: ModelSpec, attention: Attention, seq_len: int = 0) -> list[str]:

@@ -4,8 +4,8 @@ Executed FLOPs (Kaplan et al. 2020; PaLM appendix B): 6 per non-embedding parame
 2, backward 4) plus attention 12*L*n_heads*head_dim*s (forward + backward, causal masking not
 discounted); a tied output head still multiplies by the embedding matrix, so it adds 6*h*V.
 MFU uses torchtitan's convention instead (6 per parameter, embeddings included, plus the same attention
-term), so our MFU is comparable with the published torchtitan figures. LoRA: frozen weights need no weight gradient, so their backward is
-2 FLOPs per parameter instead of 4. Activation checkpointing re-runs the forward (2 per parameter plus
+term), so our MFU is comparable with the published torchtitan figures. LoRA: frozen weights need no
+weight gradient, so their backward is 2 FLOPs per parameter instead of 4; the adapters cost the full 6. Activation checkpointing re-runs the forward (2 per parameter plus
 the attention forward) of each checkpointed block; that is hardware FLOPs, not model FLOPs.
 Ignored: norms, activations, softmax and the loss (well under 1% for billion-parameter models).
 """
@@ -25,7 +25,7 @@ def attention_flops_per_token_per_layer(model: ModelSpec, seq_len: int) -> float
 def _training_flops(params: float, model: ModelSpec, training: TrainingSpec) -> float:
     if training.finetune is Finetune.LORA:
         lora = model.n_layers * model.lora_params_per_block(training.lora_rank)
-        matmul = 4 * params + 2 * lora  # frozen weights: forward 2 + input-gradient 2
+        matmul = 4 * params + 6 * lora  # frozen weights: forward 2 + input-gradient 2; adapters train (6)
     else:
         matmul = 6 * params
     return matmul + model.n_layers * attention_flops_per_token_per_layer(model, training.seq_len)

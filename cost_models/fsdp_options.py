@@ -52,13 +52,18 @@ def fsdp1_strategy(config: FsdpConfig, gpus_per_node: int) -> tuple[str, str]:
     return _FSDP1_STRATEGY[config.sharding], ""
 
 
-def fsdp1_options(config: FsdpConfig, block_class: str, gpus_per_node: int) -> dict:
-    """Keyword arguments of FSDP1's FullyShardedDataParallel, by name."""
+def fsdp1_options(config: FsdpConfig, block_class: str, gpus_per_node: int, lora: bool = False) -> dict:
+    """Keyword arguments of FSDP1's FullyShardedDataParallel, by name. lora: adapters in their own units
+    and unit inputs cast to the compute dtype (calibration.apply.fsdp1_kwargs' trainable_mixed)."""
+    mixed = mixed_precision_dtypes(config.precision)
+    if lora and mixed is not None:
+        mixed = {**mixed, "cast_forward_inputs": True}
     return {
         "sharding_strategy": fsdp1_strategy(config, gpus_per_node)[0],
-        "mixed_precision": mixed_precision_dtypes(config.precision),
+        "mixed_precision": mixed,
         "cpu_offload": {"offload_params": True} if config.offload else None,
-        "auto_wrap_policy": {"ModuleWrapPolicy": [block_class]},
+        "auto_wrap_policy": {"CustomPolicy": {"blocks": [block_class], "trainable_leaves": True}} if lora
+        else {"ModuleWrapPolicy": [block_class]},
         "backward_prefetch": "BACKWARD_PRE" if config.backward_prefetch else None,
         "forward_prefetch": config.forward_prefetch,
         "limit_all_gathers": config.limit_all_gathers,

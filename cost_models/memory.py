@@ -144,9 +144,10 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
     # --- activations, per token of the micro-batch ----------------------------------------------------
     tokens = config.micro_batch * training.seq_len
     attn = config.attention
-    full = activations.block_bytes_per_token(model, c, attn, training.seq_len, config.micro_batch)
+    lora_rank = training.lora_rank if training.finetune is Finetune.LORA else 0
+    full = activations.block_bytes_per_token(model, c, attn, training.seq_len, config.micro_batch, lora_rank)
     ckpt = activations.checkpointed_block_bytes_per_token(model, c)
-    root_saved = activations.root_bytes_per_token(model, c)
+    root_saved = activations.root_bytes_per_token(model, c, lora=bool(lora_rank))
     K = config.ac_every
     shared = activations.shared_bytes(model, c, training.seq_len)
     if K:
@@ -155,14 +156,17 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
     def is_ckpt(i: int) -> bool:
         return bool(K) and i % K == 0
 
+    # LoRA without checkpointing: block 0's first norm saves nothing (its input needs no gradient).
+    first_less = activations.first_block_lora_savings(model, c) if lora_rank and not K else 0
+
     def saved_below(i: int) -> int:
         n_ck = -(-i // K) if K else 0   # blocks 0, K, 2K, ... below i
-        return n_ck * ckpt + (i - n_ck) * full
+        return n_ck * ckpt + (i - n_ck) * full - (first_less if i > 0 else 0)
 
     _, logits_peak = activations.logits_bytes_per_token(model, c)
-    w_mlp = activations.mlp_backward_working_bytes_per_token(model, c)
+    w_mlp = activations.mlp_backward_working_bytes_per_token(model, c, lora=bool(lora_rank))
     w_attn = activations.attention_backward_working_bytes_per_token(model, c, attn, training.seq_len)
-    freed_attn = activations.attention_freed_before_backward_bytes_per_token(model, c)
+    freed_attn = activations.attention_freed_before_backward_bytes_per_token(model, c, lora=bool(lora_rank))
     h, f = model.hidden_size, model.ffn_hidden_size
     # Gradients accumulated when the MLP's backward peaks (fc2's weight) and when the attention's does
     # (the MLP's and the o-projection's).
@@ -191,7 +195,7 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
     for i in sorted(candidates, reverse=True):
         # A checkpointed block re-runs its forward; its saved input stays (unless the first norm saves
         # that very tensor).
-        this = full + (ckpt_input_extra if is_ckpt(i) else 0)
+        this = full + (ckpt_input_extra if is_ckpt(i) else 0) - (first_less if i == 0 else 0)
         below = saved_below(i)
         at_mlp = tokens * (below + this + w_mlp)
         at_attn = tokens * (below + this - freed_attn + w_attn)

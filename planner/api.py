@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 from cost_models import fsdp_options
 from cost_models.evaluate import Evaluation, evaluate
 from cost_models.profile import DEFAULT_PROFILE, Profile
-from cost_models.specs import (Attention, ClusterSpec, FsdpConfig, ModelSpec, Precision, Sharding, SpecError,
-                               TrainingSpec, parse_enum)
+from cost_models.specs import (Attention, ClusterSpec, Finetune, FsdpConfig, ModelSpec, Precision, Sharding,
+                               SpecError, TrainingSpec, parse_enum)
 from cost_models.units import parse_bytes
 
 from .errors import PlannerError
@@ -51,7 +51,8 @@ class Candidate:
         return self.evaluation.time
 
     def fsdp1_options(self) -> dict:
-        return fsdp_options.fsdp1_options(self.config, self.model.block_class, self.cluster.gpus_per_node)
+        return fsdp_options.fsdp1_options(self.config, self.model.block_class, self.cluster.gpus_per_node,
+                                          lora=self.training.finetune is Finetune.LORA)
 
     def fully_shard_options(self) -> dict:
         opts = fsdp_options.fully_shard_options(self.config)
@@ -67,7 +68,8 @@ class Candidate:
         from calibration.apply import fsdp1_kwargs
 
         return fsdp1_kwargs(self.config, _block_classes(self.model, module),
-                            gpus_per_node=self.cluster.gpus_per_node, device_id=device_id)
+                            gpus_per_node=self.cluster.gpus_per_node, device_id=device_id,
+                            trainable_mixed=self.training.finetune is Finetune.LORA)
 
     def apply_fully_shard(self, module, mesh=None):
         """Apply FSDP2 to `module` unit by unit (blocks, then root) as the emitted code does."""

@@ -68,6 +68,8 @@ class CalibrationRequest:
     seq_len: int = 2048
     global_batch: int | None = None
     optimizer: str = "adamw"
+    finetune: str = "full"               # full | lora (peft adapters on the attention projections)
+    lora_rank: int = 16
     precisions: list[str] | None = None
     attention: str = "sdpa"
     top: int = 3
@@ -198,7 +200,8 @@ def _factory_spec(factory: str) -> ModelSpec:
 
 
 def _training(request: CalibrationRequest) -> TrainingSpec:
-    return TrainingSpec(seq_len=request.seq_len, global_batch=request.global_batch, optimizer=request.optimizer)
+    return TrainingSpec(seq_len=request.seq_len, global_batch=request.global_batch, optimizer=request.optimizer,
+                        finetune=request.finetune, lora_rank=request.lora_rank)
 
 
 def _nodes_and_per_node(request: CalibrationRequest) -> tuple[int, int]:
@@ -397,6 +400,7 @@ def calibrate(request: CalibrationRequest, progress_stream=None) -> CalibrationR
         raise PlannerError("steps", "need --steps >= 1 and --warmup >= 0")
     if request.emulate_world_size is not None and request.emulate_world_size < 2:
         raise PlannerError("emulate_world_size", f"must be >= 2, got {request.emulate_world_size}")
+    training = _training(request)  # validates seq_len, optimizer, finetune before anything is written
     out = Path(request.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     results_path = out / store.RESULTS_FILE
@@ -406,7 +410,6 @@ def calibrate(request: CalibrationRequest, progress_stream=None) -> CalibrationR
                                   "them and add to it, or choose another --out")
 
     target = resolve_target(request)
-    training = _training(request)
     nodes, per_node = _nodes_and_per_node(request)
     world = request.emulate_world_size or request.gpus
     if request.emulate_world_size and request.gpus != 1:
@@ -508,7 +511,8 @@ def _job(request: CalibrationRequest, out: Path, target: Target, config: FsdpCon
         fault = {k: v for k, v in request.fault.items() if k != "run"}
     job = {"run_id": rid, "model": target.job_model(), "config": config.to_dict(), "fsdp_version": setup.fsdp_version,
            "gpus_per_node": setup.gpus_per_node, "seq_len": setup.training["seq_len"],
-           "optimizer": setup.training["optimizer"], "steps": setup.steps, "warmup": setup.warmup,
+           "optimizer": setup.training["optimizer"], "finetune": setup.training["finetune"],
+           "lora_rank": setup.training["lora_rank"], "steps": setup.steps, "warmup": setup.warmup,
            "device": setup.device, "emulate_world_size": request.emulate_world_size,
            "result_path": str((run_dir / "result.json").resolve()), "error_dir": str((run_dir / "errors").resolve()),
            "fault": fault, "measure_comm": True, "seed": 0}

@@ -16,8 +16,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from planner.cli_options import (AttentionOpt, FormatOpt, Format, GlobalBatch, Gpu, Gpus, GpusPerNode,
-                                 InternodeGbps, Model, Optim, SeqLen)
+from planner.cli_options import (AttentionOpt, FinetuneOpt, FormatOpt, Format, GlobalBatch, Gpu, Gpus, GpusPerNode,
+                                 InternodeGbps, LoraRank, Model, Optim, SeqLen)
 
 
 class CalibrateEmit(str, Enum):
@@ -55,7 +55,7 @@ def register(app) -> None:
         gpu: Gpu = "a100-80gb", internode_gbps: InternodeGbps = None,
         device: Annotated[str, typer.Option("--device", help="cuda (NCCL) or cpu (gloo, one thread per rank)")] = "cuda",
         seq_len: SeqLen = 2048, global_batch: GlobalBatch = None, optimizer: Optim = "adamw",
-        attention: AttentionOpt = "sdpa",
+        finetune: FinetuneOpt = "full", lora_rank: LoraRank = 16, attention: AttentionOpt = "sdpa",
         precision: Annotated[Optional[list[str]], typer.Option(
             "--precision", help="Precisions to search (repeatable); one value with the config flags")] = None,
         top: Annotated[Optional[int], typer.Option("--top", help="Run the K best planned candidates (default 3)")] = None,
@@ -116,7 +116,7 @@ def register(app) -> None:
         request = CalibrationRequest(
             out_dir=out, gpus=gpus, model=model, factory=factory, device=device, gpu=gpu, gpus_per_node=gpus_per_node,
             nodes=nodes, internode_gbps=internode_gbps, seq_len=seq_len, global_batch=global_batch,
-            optimizer=optimizer, precisions=precision, attention=attention, top=top or 3, config=config, steps=steps,
+            optimizer=optimizer, finetune=finetune, lora_rank=lora_rank, precisions=precision, attention=attention, top=top or 3, config=config, steps=steps,
             warmup=warmup, fsdp_version=fsdp_version, layers=layers, emulate_world_size=emulate_world_size,
             profile=profile, force_profile=force_profile, fit=fit, resume=resume, timeout_s=timeout, launch=launch,
             rdzv_endpoint=rdzv_endpoint, node_rank=node_rank, fault=_fault(fault))

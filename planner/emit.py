@@ -67,8 +67,8 @@ def _notes(config: FsdpConfig, training: TrainingSpec | None = None) -> list[str
         notes.append("offload: create the optimizer after wrapping; its step runs on the CPU (often the "
                      "bottleneck), and CPU RAM per node must hold the params, grads and optimizer state.")
     if training is not None and training.finetune.value == "lora":
-        notes.append("LoRA: apply the adapters (get_peft_model) before wrapping; frozen and trainable "
-                     "params may share a unit because use_orig_params is on.")
+        notes.append("LoRA: apply the adapters (get_peft_model) before wrapping; the plan counts the frozen base in "
+                     "the compute dtype (from_pretrained(dtype=torch.bfloat16)) and peft's fp32 adapters.")
     return notes
 
 
@@ -78,17 +78,26 @@ def _ac_every_clause(config: FsdpConfig) -> str:
 
 # ---------------------------------------------------------------- artifacts
 
-def emit_fsdp1(config: FsdpConfig, model_spec: ModelSpec, cluster: ClusterSpec) -> str:
-    """Python snippet wrapping a model with FSDP1 FullyShardedDataParallel."""
+def emit_fsdp1(config: FsdpConfig, model_spec: ModelSpec, cluster: ClusterSpec,
+               training: TrainingSpec | None = None) -> str:
+    """Python snippet wrapping a model with FSDP1 FullyShardedDataParallel.
+
+    LoRA: the wrap policy also gives every trainable leaf (each adapter linear) its own unit, as
+    calibration.apply's trainable_mixed does: FSDP1 flattens a unit into one flat parameter, which
+    needs one dtype (a bf16 base and fp32 adapters cannot share it) and gets a gradient as a whole
+    (frozen weights sharing it with adapters would get gradients too)."""
+    lora = training is not None and training.finetune.value == "lora"
     strategy, strategy_note = _fsdp1_strategy(config, cluster)
     dtypes = _mixed_dtypes(config.precision)
-    mixed = "None" if dtypes is None else f"MixedPrecision(param_dtype={dtypes[0]}, reduce_dtype={dtypes[1]})"
+    # LoRA: peft casts an adapter's input to the dtype of its (sharded, fp32) weight; each unit casts back.
+    cast = ", cast_forward_inputs=True" if lora else ""
+    mixed = "None" if dtypes is None else f"MixedPrecision(param_dtype={dtypes[0]}, reduce_dtype={dtypes[1]}{cast})"
     prefetch = "BackwardPrefetch.BACKWARD_PRE" if config.backward_prefetch else "None"
     imports = [
         "import torch",
         "from torch.distributed.fsdp import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy",
         "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP",
-        "from torch.distributed.fsdp.wrap import ModuleWrapPolicy",
+        "from torch.distributed.fsdp.wrap import CustomPolicy" if lora else "from torch.distributed.fsdp.wrap import ModuleWrapPolicy",
     ]
     ac = []
     if config.ac_every:
@@ -103,7 +112,19 @@ def emit_fsdp1(config: FsdpConfig, model_spec: ModelSpec, cluster: ClusterSpec) 
             "    check_fn=lambda m: m in checkpointed,",
             ")",
         ]
-    body = _preamble(config, "blocks", "[m for m in model.modules() if type(m).__name__ == BLOCK_CLASS]") + [
+    policy = "    auto_wrap_policy=ModuleWrapPolicy({type(blocks[0])}),  # one unit per block + the root"
+    lora_unit = []
+    if lora:
+        policy = "    auto_wrap_policy=CustomPolicy(lora_unit),  # blocks, each adapter linear, the root"
+        lora_unit = [
+            "block_class = type(blocks[0])",
+            "",
+            "def lora_unit(m):  # a block, or a leaf whose weight trains: adapters apart from the frozen base",
+            "    weight = getattr(m, \"weight\", None)",
+            "    return isinstance(m, block_class) or (not list(m.children()) and weight is not None and weight.requires_grad)",
+            "",
+        ]
+    body = _preamble(config, "blocks", "[m for m in model.modules() if type(m).__name__ == BLOCK_CLASS]") + lora_unit + [
         "if device is None:",
         "    device = torch.device(\"cuda\", torch.cuda.current_device())  # set from LOCAL_RANK beforehand",
         "model = FSDP(",
@@ -117,16 +138,17 @@ def emit_fsdp1(config: FsdpConfig, model_spec: ModelSpec, cluster: ClusterSpec) 
         f"{'  # issues the next all-gather early: static graphs only' if config.forward_prefetch else ''}",
         f"    limit_all_gathers={config.limit_all_gathers},"
         "  # rate limiter (<= 2 all-gathers in flight), not message merging",
-        "    auto_wrap_policy=ModuleWrapPolicy({type(blocks[0])}),  # one unit per block + the root",
+        policy,
         "    use_orig_params=True,  # needed for LoRA/frozen params and torch.compile",
         "    sync_module_states=False,  # every rank builds identical weights; True broadcasts rank 0's (more traffic)",
         "    device_id=device,",
         ")",
     ] + ac + ["return model"]
-    return _render(config, model_spec, cluster, imports, body)
+    return _render(config, model_spec, cluster, imports, body, training)
 
 
-def emit_fsdp2(config: FsdpConfig, model_spec: ModelSpec, cluster: ClusterSpec) -> str:
+def emit_fsdp2(config: FsdpConfig, model_spec: ModelSpec, cluster: ClusterSpec,
+               training: TrainingSpec | None = None) -> str:
     """Python snippet applying FSDP2 fully_shard torchtitan-style: each block, then the root."""
     dtypes = _mixed_dtypes(config.precision)
     imports = [
@@ -180,11 +202,12 @@ def emit_fsdp2(config: FsdpConfig, model_spec: ModelSpec, cluster: ClusterSpec) 
         ")",
         *offload,
     ] + loop + ["return model"]
-    return _render(config, model_spec, cluster, imports, body)
+    return _render(config, model_spec, cluster, imports, body, training)
 
 
-def _render(config, model_spec, cluster, imports: list[str], body: list[str]) -> str:
-    notes = _notes(config)
+def _render(config, model_spec, cluster, imports: list[str], body: list[str],
+            training: TrainingSpec | None = None) -> str:
+    notes = _notes(config, training)
     return "\n".join([
         _comment(_summary(config, model_spec, cluster)),
         *imports,
@@ -372,9 +395,9 @@ def emit_artifact(kind: str, candidate) -> str:
     """One artifact (fsdp1, fsdp2, accelerate, torchrun) for a planner.api.Candidate."""
     config, spec, cluster = candidate.config, candidate.model, candidate.cluster
     if kind == "fsdp1":
-        return emit_fsdp1(config, spec, cluster)
+        return emit_fsdp1(config, spec, cluster, candidate.training)
     if kind == "fsdp2":
-        return emit_fsdp2(config, spec, cluster)
+        return emit_fsdp2(config, spec, cluster, candidate.training)
     if kind == "accelerate":
         return emit_accelerate(config, spec, cluster, candidate.training)
     if kind == "accelerate-fsdp2":
@@ -393,6 +416,6 @@ def recommendation_text(candidate) -> str:
     return "\n".join([
         f"Recommended config (FSDP2; --emit {' | '.join(a for a in ARTIFACTS if a != 'fsdp2')} for the other forms):",
         "",
-        emit_fsdp2(candidate.config, candidate.model, candidate.cluster),
+        emit_fsdp2(candidate.config, candidate.model, candidate.cluster, candidate.training),
         emit_torchrun(candidate.config, candidate.model, candidate.cluster),
     ])

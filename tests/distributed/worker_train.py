@@ -4,10 +4,11 @@
         --fsdp-version 1 --config '{"sharding": "FULL_SHARD", "precision": "fp32"}' [--fsdp-version 2 --config ...]
 
 Each (--fsdp-version, --config) pair is a case; --config is FsdpConfig.to_dict() JSON (any subset) plus
-optional "gpus_per_node" (HYBRID meshes) and "emitted": true (run the snippet planner/emit.py writes
-instead of calibration.apply). All cases share one process group to keep CI time low. Rank 0
-prints one JSON line per case: {"case": i, "fsdp_version": v, "config": {...}, "losses": [...],
-"checkpointed_blocks": n}, the loss averaged over ranks.
+optional "gpus_per_node" (HYBRID meshes), "emitted": true (run the snippet planner/emit.py writes
+instead of calibration.apply) and "lora": r (peft adapters of rank r through calibration.lora, the base
+frozen). All cases share one process group to keep CI time low. Rank 0 prints one JSON line per case:
+{"case": i, "fsdp_version": v, "config": {...}, "losses": [...], "checkpointed_blocks": n,
+"frozen_moved": bool, "grads": {"trainable": n, "frozen": n}}, the loss averaged over ranks.
 """
 
 from __future__ import annotations
@@ -22,13 +23,14 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import Checkpoi
 
 from calibration.apply import apply_fsdp1, apply_fsdp2, cast_for_precision, grad_scaler_for, make_mesh
 from calibration.reference import Block, build_reference, tiny_llama_spec
-from cost_models.specs import ClusterSpec, FsdpConfig, GpuSpec
+from cost_models.specs import ClusterSpec, FsdpConfig, GpuSpec, TrainingSpec
 from cost_models.units import GiB
 from planner.emit import emit_fsdp1, emit_fsdp2
 
 STEPS = 8
 SEQ_LEN = 32
 LR = 3e-3
+LORA_LR = 3e-2  # adapters start at B = 0 and train a few thousand weights: a LoRA-sized step
 PERIOD = 8
 
 
@@ -39,23 +41,36 @@ def config_from_dict(data: dict) -> FsdpConfig:
     return FsdpConfig(**data)
 
 
-def run_case(fsdp_version: int, data: dict, rank: int, world: int) -> list[float]:
+def run_case(fsdp_version: int, data: dict, rank: int, world: int) -> tuple[list[float], int, dict]:
     data = dict(data)
     gpus_per_node = data.pop("gpus_per_node", world)
     emitted = data.pop("emitted", False)
+    lora_rank = data.pop("lora", 0)
     config = config_from_dict(data)
     torch.manual_seed(0)  # same initial weights on every rank (sync_module_states=False)
-    model = build_reference(tiny_llama_spec(n_layers=4))
+    spec = tiny_llama_spec(n_layers=4)
+    model = build_reference(spec)
+    if lora_rank:
+        from calibration.apply import TORCH_DTYPES
+        from calibration.lora import add_lora
+
+        precision = config.precision
+        model = add_lora(model, spec, lora_rank, {Block},
+                         frozen_dtype=TORCH_DTYPES[precision.compute_dtype] if precision.mixed else None,
+                         adapter_dtype=TORCH_DTYPES[precision.param_dtype])
     if not emitted:  # the emitted snippet casts for bf16-pure itself
         cast_for_precision(model, config)
     if emitted:
-        model = apply_emitted(fsdp_version, config, world, gpus_per_node, model)
+        model = apply_emitted(fsdp_version, config, world, gpus_per_node, model, lora=bool(lora_rank))
     elif fsdp_version == 1:
-        model = apply_fsdp1(model, config, {Block}, gpus_per_node=gpus_per_node, device_id=torch.device("cpu"))
+        model = apply_fsdp1(model, config, {Block}, gpus_per_node=gpus_per_node, device_id=torch.device("cpu"),
+                            trainable_mixed=bool(lora_rank))
     else:
         apply_fsdp2(model, config, {Block}, make_mesh(config, world, gpus_per_node, "cpu"))
     checkpointed = sum(isinstance(m, CheckpointWrapper) for m in model.modules())
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    frozen = [p for p in model.parameters() if not p.requires_grad]
+    frozen_before = [_local(p).detach().clone() for p in frozen]
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LORA_LR if lora_rank else LR)
     scaler = grad_scaler_for(config, device="cpu")
     # A fixed batch per rank (different across ranks: real data parallelism): rows cycle through one
     # random 8-token pattern from different offsets, so the next token is learnable from the current one.
@@ -76,16 +91,26 @@ def run_case(fsdp_version: int, data: dict, rank: int, world: int) -> list[float
         mean = loss.detach().float().clone()
         dist.all_reduce(mean)
         losses.append(mean.item() / world)
-    return losses, checkpointed
+        if len(losses) == 1:  # gradients exist between backward and the next zero_grad
+            grads = {"trainable": sum(p.grad is not None for p in model.parameters() if p.requires_grad),
+                     "frozen": sum(p.grad is not None for p in frozen)}
+    moved = any(not torch.equal(_local(p), before) for p, before in zip(frozen, frozen_before))
+    return losses, checkpointed, {"frozen_moved": moved, "grads": grads}
 
 
-def apply_emitted(fsdp_version: int, config: FsdpConfig, world: int, gpus_per_node: int, model):
+def _local(p: torch.Tensor) -> torch.Tensor:
+    return p.to_local() if hasattr(p, "to_local") else p
+
+
+def apply_emitted(fsdp_version: int, config: FsdpConfig, world: int, gpus_per_node: int, model, lora: bool = False):
     """Run the code planner/emit.py writes for users, to prove it trains like calibration.apply."""
     gpu = GpuSpec(id="cpu", name="CPU", memory_bytes=GiB, hbm_bytes_per_s=1e11, intra_node_bus_bytes_per_s=1e10)
     cluster = ClusterSpec(gpu=gpu, n_gpus=world, gpus_per_node=gpus_per_node, internode_bytes_per_s=1e9)
     emit = emit_fsdp1 if fsdp_version == 1 else emit_fsdp2
     namespace: dict = {}
-    exec(compile(emit(config, tiny_llama_spec(n_layers=4), cluster), f"<emit_fsdp{fsdp_version}>", "exec"), namespace)
+    training = TrainingSpec(finetune="lora" if lora else "full")
+    code = emit(config, tiny_llama_spec(n_layers=4), cluster, training)
+    exec(compile(code, f"<emit_fsdp{fsdp_version}>", "exec"), namespace)
     return namespace["apply_fsdp"](model, device=torch.device("cpu"))
 
 
@@ -101,10 +126,10 @@ def main():
     try:
         for i, (version, text) in enumerate(zip(args.fsdp_version, args.config)):
             data = json.loads(text)
-            losses, checkpointed = run_case(version, data, rank, world)
+            losses, checkpointed, state = run_case(version, data, rank, world)
             if rank == 0:
                 print(json.dumps({"case": i, "fsdp_version": version, "config": data, "losses": losses,
-                                  "checkpointed_blocks": checkpointed}), flush=True)
+                                  "checkpointed_blocks": checkpointed, **state}), flush=True)
             dist.barrier()
     finally:
         dist.destroy_process_group()

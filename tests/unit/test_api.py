@@ -59,3 +59,23 @@ def test_fsdp_kwargs_needs_the_module():
 
     with pytest.raises(PlannerError, match="module"):
         plan("llama2-7b", gpus=8).best.fsdp_kwargs(None)
+
+
+def test_lora_kwargs_put_adapters_in_their_own_units():
+    """FSDP1 flattens a unit into one flat parameter (one dtype, one gradient): with LoRA the policy must
+    also wrap each trainable leaf, and each unit casts its inputs (peft casts to the sharded fp32 weight's
+    dtype). The JSON description says the same."""
+    from torch.distributed.fsdp.wrap import CustomPolicy
+
+    spec = tiny_llama_spec()
+    with torch.device("meta"):
+        module = build_reference(spec)
+    c = estimate(spec, gpus=2, precision="bf16", finetune="lora", lora_rank=4)
+    kwargs = c.fsdp_kwargs(module)
+    assert isinstance(kwargs["auto_wrap_policy"], CustomPolicy)
+    assert kwargs["mixed_precision"].cast_forward_inputs is True
+    described = c.to_dict()["fsdp_kwargs"]
+    assert described["auto_wrap_policy"] == {"CustomPolicy": {"blocks": [spec.block_class], "trainable_leaves": True}}
+    assert described["mixed_precision"]["cast_forward_inputs"] is True
+    full = estimate(spec, gpus=2, precision="bf16").fsdp_kwargs(module)
+    assert isinstance(full["auto_wrap_policy"], ModuleWrapPolicy) and full["mixed_precision"].cast_forward_inputs is False

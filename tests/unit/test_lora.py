@@ -1,0 +1,47 @@
+"""calibration.lora: peft adapters where the cost model says they are, for every supported model type.
+
+The cost model prices LoRA from ModelSpec.lora_target_shapes; traces and calibration runs add the adapters
+with calibration.lora.add_lora. Both must mean the same linears: for every small config of every
+supported Hugging Face model type, peft's adapter parameters equal n_layers x lora_params_per_block(r)
+exactly, and nothing else trains.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("peft")
+pytest.importorskip("transformers")
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+from calibration.lora import add_lora, lora_target_names  # noqa: E402
+from planner.models import from_hf_config  # noqa: E402
+from tests.unit.test_models import SMALL_CONFIGS, build_on_meta  # noqa: E402
+
+RANK = 4
+
+
+@pytest.mark.parametrize("name", sorted(SMALL_CONFIGS))
+def test_adapters_are_the_linears_the_cost_model_prices(name):
+    cfg = dict(SMALL_CONFIGS[name])
+    spec = from_hf_config(dict(cfg))
+    model = build_on_meta(cfg)
+    classes = {type(m) for m in model.modules() if type(m).__name__ == spec.block_class}
+    model = add_lora(model, spec, RANK, classes, frozen_dtype=torch.bfloat16)
+    trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    assert sum(p.numel() for p in trainable.values()) == spec.n_layers * spec.lora_params_per_block(RANK)
+    assert all("lora_" in n and p.dtype == torch.float32 for n, p in trainable.items())
+    frozen = [p for p in model.parameters() if not p.requires_grad]
+    assert frozen and all(p.dtype == torch.bfloat16 for p in frozen)
+
+
+def test_targets_are_found_by_shape_in_module_order():
+    block = nn.Module()
+    block.attn = nn.Module()
+    block.attn.q, block.attn.k, block.attn.o = nn.Linear(8, 8), nn.Linear(8, 4), nn.Linear(8, 8)
+    block.mlp = nn.Linear(8, 8)  # same shape as q and o: only the first two (8, 8) linears are taken
+    assert lora_target_names(block, ((8, 8), (8, 4), (8, 8))) == ["attn.q", "attn.k", "attn.o"]
+    with pytest.raises(ValueError, match=r"no linear of shape\(s\) \[\(8, 16\)\].*lora_target_shapes"):
+        lora_target_names(block, ((8, 8), (8, 16)))
