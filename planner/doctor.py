@@ -75,6 +75,28 @@ def lora_without_orig_params(ctx: Context):
                       "set use_orig_params=True (accelerate: fsdp_use_orig_params: true)")
 
 
+def lora_adapters_share_units(ctx: Context):
+    """FSDP1 + LoRA wrapped per block only: each block's unit flattens its frozen weights and its adapters
+    into one FlatParameter, which needs one dtype and gets one gradient (calibration.apply's
+    trainable_mixed and the emitted FSDP1 snippet wrap the adapters apart)."""
+    if not (ctx.training.finetune is Finetune.LORA and ctx.setup.fsdp_version == 1 and ctx.setup.use_orig_params
+            and ctx.setup.wrap == "block"):
+        return
+    frozen_block = ctx.model.block_params * ctx.model.n_layers
+    d = ctx.config.shard_group_size(ctx.cluster)
+    grad_bytes = frozen_block * DTYPE_BYTES[ctx.config.precision.param_dtype] / d
+    trainer = (" HF Trainer swaps in peft's policy for PEFT models by itself; plain accelerate does not."
+               if ctx.setup.source == "accelerate" else "")
+    yield Finding("lora-adapters-share-units", WARNING,
+                  "LoRA with one FSDP1 unit per block: each unit flattens the frozen weights and the adapters into "
+                  "one FlatParameter, which must have one dtype (peft's fp32 adapters over a bf16 base fail with "
+                  "'Must flatten tensors with uniform dtype') and has one gradient: in one dtype, the frozen block "
+                  f"weights get gradients too ({grad_bytes / GiB:.1f} GiB per GPU of sharded gradients, plus a "
+                  f"block's unsharded gradient at a time, that the plan does not count).{trainer}",
+                  "wrap each adapter in its own unit: auto_wrap_policy=peft.utils.other.fsdp_auto_wrap_policy(model), "
+                  "or the CustomPolicy that `fsdp-plan --finetune lora --emit fsdp1` writes; FSDP2 needs nothing")
+
+
 def wrap_policy(ctx: Context):
     if ctx.setup.wrap == "none":
         total = ctx.candidate.memory.peak_reserved_bytes  # already priced as one unit by check()
@@ -210,7 +232,7 @@ def reduce_in_low_precision(ctx: Context):
                       "reduce_dtype=torch.float32")
 
 
-RULES = (dtype_support, does_not_fit, fp16_scaler, lora_without_orig_params, wrap_policy, hybrid_single_node,
+RULES = (dtype_support, does_not_fit, fp16_scaler, lora_without_orig_params, lora_adapters_share_units, wrap_policy, hybrid_single_node,
          sync_module_states, forward_prefetch_dynamic, limit_all_gathers, fsdp2_removed_settings,
          reduce_in_low_precision, micro_batch_headroom, slower_than_plan)
 

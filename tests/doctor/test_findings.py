@@ -38,6 +38,19 @@ def test_lora_without_use_orig_params():
     assert "lora-without-use-orig-params" not in codes(fsdp2, finetune="lora")  # FSDP2 keeps original params
 
 
+def test_lora_adapters_sharing_block_units():
+    found = check(from_kwargs(GOOD), "llama2-7b", 8, finetune="lora").findings
+    f = {f.code: f for f in found}["lora-adapters-share-units"]
+    assert f.severity == "warning" and "uniform dtype" in f.message and "fsdp_auto_wrap_policy" in f.fix
+    # the frozen blocks' fp32 gradients, sharded over 8: 32 x 202,383,360 params x 4 B / 8 = 3.0 GiB
+    assert "3.0 GiB per GPU" in f.message
+    assert "lora-adapters-share-units" not in codes({**GOOD, "auto_wrap_policy": "lambda_auto_wrap_policy"},
+                                                    finetune="lora")  # a custom policy (peft's is a lambda)
+    assert "lora-adapters-share-units" not in codes(GOOD)  # full fine-tuning
+    fsdp2 = {"reshard_after_forward": True, "mp_policy": GOOD["mixed_precision"]}
+    assert "lora-adapters-share-units" not in codes(fsdp2, finetune="lora")  # FSDP2 shards per parameter
+
+
 def test_no_auto_wrap_policy_prices_one_unit():
     no_wrap = {k: v for k, v in GOOD.items() if k != "auto_wrap_policy"}
     r = check(from_kwargs(no_wrap), "llama2-13b", 8)
