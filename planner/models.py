@@ -330,10 +330,17 @@ def _llama_style(c: _Cfg) -> dict:
 
 
 def _sliding_window(c: _Cfg) -> int:
-    """Mistral's window applies to every layer (MistralConfig's default is 4096; null disables it)."""
-    if c.model_type != "mistral" or ("sliding_window" in c.data and c.data["sliding_window"] is None):
+    """The attention window of every layer, 0 for none. Mistral: MistralConfig's default is 4096, null
+    disables it. Phi-3: none unless the config sets one (Phi-3-mini-4k's config.json says 2047). Qwen2
+    windows only layers from max_window_layers on, and only with use_sliding_window (off in released
+    configs): not modelled, counted as full attention."""
+    if "sliding_window" in c.data and c.data["sliding_window"] is None:
         return 0
-    return c.size("sliding_window", default=4096)
+    if c.model_type == "mistral":
+        return c.size("sliding_window", default=4096)
+    if c.model_type == "phi3" and "sliding_window" in c.data:
+        return c.size("sliding_window")
+    return 0
 
 
 def _gpt2(c: _Cfg) -> dict:

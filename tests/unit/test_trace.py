@@ -246,3 +246,18 @@ def test_sliding_window_mask_is_counted():
     assert abs(r["difference"]["peak_allocated_relative"]) < 0.005
     # the mask alone: 2 layers x 512 x 512 x 2 bytes = 1 MiB, well above that tolerance
     assert 2 * 512 * 512 * 2 > 0.005 * r["memory"]["peak_allocated_bytes"]
+
+
+def test_phi3_sliding_window_is_read_and_counted():
+    # Phi-3 windows every layer when its config sets sliding_window (Phi-3-mini-4k: 2047); the same mask as
+    # Mistral's, and the output copy its cat-built rotary already makes. 2-layer Phi-3, 512 tokens, window 128.
+    from planner.models import from_hf_config
+
+    cfg = {**TINY["phi3"], "sliding_window": 128}
+    assert from_hf_config(dict(cfg)).sliding_window == 128
+    assert from_hf_config({**TINY["phi3"], "sliding_window": None}).sliding_window == 0
+    assert from_hf_config(dict(TINY["phi3"])).sliding_window == 0   # PHI3Config's default: no window
+    r = trace(cfg, 4, precision="bf16", micro_batch=2, seq_len=512)
+    assert abs(r.relative_error) < 0.005
+    # the masks: 2 layers x (2 x 512 x 512) x 2 bytes = 2 MiB, 3.5% of the peak: far above the tolerance
+    assert 2 * 2 * 512 * 512 * 2 > 0.03 * r.traced.peak_allocated_bytes
