@@ -85,9 +85,10 @@ def lora_adapters_share_units(ctx: Context):
     frozen_block = ctx.model.block_params * ctx.model.n_layers
     d = ctx.config.shard_group_size(ctx.cluster)
     grad_bytes = frozen_block * DTYPE_BYTES[ctx.config.precision.param_dtype] / d
-    trainer = (" HF Trainer swaps in peft's policy for PEFT models by itself; plain accelerate does not."
-               if ctx.setup.source == "accelerate" else "")
-    yield Finding("lora-adapters-share-units", WARNING,
+    # An accelerate config is fine under HF Trainer, which swaps in peft's policy for PEFT models itself.
+    accelerate = ctx.setup.dialect == "accelerate"
+    trainer = " HF Trainer swaps in peft's policy for PEFT models by itself; plain accelerate does not." if accelerate else ""
+    yield Finding("lora-adapters-share-units", ADVICE if accelerate else WARNING,
                   "LoRA with one FSDP1 unit per block: each unit flattens the frozen weights and the adapters into "
                   "one FlatParameter, which must have one dtype (peft's fp32 adapters over a bf16 base fail with "
                   "'Must flatten tensors with uniform dtype') and has one gradient: in one dtype, the frozen block "

@@ -68,7 +68,9 @@ def _notes(config: FsdpConfig, training: TrainingSpec | None = None) -> list[str
                      "bottleneck), and CPU RAM per node must hold the params, grads and optimizer state.")
     if training is not None and training.finetune.value == "lora":
         notes.append("LoRA: apply the adapters (get_peft_model) before wrapping; the plan counts the frozen base in "
-                     "the compute dtype (from_pretrained(dtype=torch.bfloat16)) and peft's fp32 adapters.")
+                     "the compute dtype (from_pretrained(dtype=torch.bfloat16)) and peft's fp32 adapters. FSDP1 needs "
+                     "the adapters in units of their own (the fsdp1 snippet's CustomPolicy; HF Trainer does it for "
+                     "PEFT models; plain accelerate: auto_wrap_policy=peft.utils.other.fsdp_auto_wrap_policy(model)).")
     return notes
 
 

@@ -40,6 +40,7 @@ class UserSetup:
     config: FsdpConfig
     fsdp_version: int = 1
     source: str = "flags"
+    dialect: str = "flags"                  # flags | accelerate | kwargs: what the setup was read from
     explicit: frozenset = frozenset()       # keys the user wrote (FSDP argument names)
     wrap: str = "block"                     # block | size | none | custom
     use_orig_params: bool = False           # FSDP1's default
@@ -169,7 +170,7 @@ def from_accelerate(data: dict, source: str = "accelerate config") -> UserSetup:
                     if version == 2 and k in keys)
     rank0 = _bool("fsdp_cpu_ram_efficient_loading", fsdp.get("fsdp_cpu_ram_efficient_loading", False))
     return UserSetup(
-        config=config, fsdp_version=version, source=source, explicit=frozenset(keys), wrap=wrap,
+        config=config, fsdp_version=version, source=source, dialect="accelerate", explicit=frozenset(keys), wrap=wrap,
         use_orig_params=True if version == 2 else _bool("fsdp_use_orig_params", fsdp.get("fsdp_use_orig_params", False)),
         sync_module_states=_bool("fsdp_sync_module_states", fsdp.get("fsdp_sync_module_states", False)),
         init="rank0" if rank0 else "all",
@@ -255,7 +256,7 @@ def from_kwargs(data: dict, source: str = "kwargs") -> UserSetup:
         limit_all_gathers=_bool("limit_all_gathers", data.get("limit_all_gathers", True)),
     )
     return UserSetup(
-        config=config, fsdp_version=version, source=source, explicit=frozenset(data), wrap=wrap,
+        config=config, fsdp_version=version, source=source, dialect="kwargs", explicit=frozenset(data), wrap=wrap,
         use_orig_params=True if version == 2 else _bool("use_orig_params", data.get("use_orig_params", False)),
         sync_module_states=_bool("sync_module_states", data.get("sync_module_states", False)),
         init=init, grad_scaler=scaler, reduce_dtype=reduce_dtype, fsdp2_removed=removed,

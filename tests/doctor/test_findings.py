@@ -146,3 +146,20 @@ def test_low_precision_reduction():
     kw = {**GOOD, "mixed_precision": {"param_dtype": "bfloat16", "reduce_dtype": "bfloat16"}}
     assert codes(kw)["low-precision-reduction"] == "advice"
     assert "low-precision-reduction" not in codes(GOOD)
+
+
+def test_lora_adapters_sharing_units_is_advice_for_accelerate_configs():
+    """An accelerate config is right under HF Trainer (it swaps in peft's policy for PEFT models), so the
+    doctor advises instead of warning; the planner's own emitted accelerate config gets the same advice."""
+    from cost_models.specs import TrainingSpec
+    from planner.api import estimate
+    from planner.emit import emit_accelerate
+    from planner.setups import from_accelerate
+    import yaml
+
+    c = estimate("llama2-7b", 8, finetune="lora")
+    text = emit_accelerate(c.config, c.model, c.cluster, TrainingSpec(finetune="lora"))
+    assert "fsdp_auto_wrap_policy(model)" in text  # the header says what plain accelerate needs
+    found = {f.code: f for f in check(from_accelerate(yaml.safe_load(text)), "llama2-7b", 8, finetune="lora").findings}
+    assert found["lora-adapters-share-units"].severity == "advice"
+    assert "HF Trainer" in found["lora-adapters-share-units"].message
