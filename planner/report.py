@@ -46,9 +46,7 @@ def plan_text(p: Plan, top: int) -> str:
         f"{p.model.name}: {p.model.n_params / 1e9:.2f}B parameters, {p.model.n_layers} x {p.model.block_class}",
         f"cluster: {c0.n_gpus} x {c0.gpu.name} ({gib(c0.gpu.memory_bytes)} GiB), {c0.gpus_per_node} per node, "
         f"{c0.internode_bytes_per_s * 8 / 1e9:.0f} Gbit/s between nodes",
-        f"training: seq {p.training.seq_len}, {p.training.optimizer.value}, {p.training.finetune.value} fine-tuning"
-        + (f" (rank {p.training.lora_rank})" if p.training.finetune.value == "lora" else "")
-        + (f", global batch {p.training.global_batch}" if p.training.global_batch else ""),
+        training_line(p.training),
         f"costed {p.n_costed} configurations: {len(p.candidates)} fit, {len(p.misses)} nearest misses",
         "",
     ]
@@ -68,6 +66,13 @@ def plan_text(p: Plan, top: int) -> str:
     return "\n".join(lines)
 
 
+def training_line(training) -> str:
+    """"training: seq 2048, adamw, lora fine-tuning (rank 16), global batch 64"."""
+    return (f"training: seq {training.seq_len}, {training.optimizer.value}, {training.finetune.value} fine-tuning"
+            + (f" (rank {training.lora_rank})" if training.finetune.value == "lora" else "")
+            + (f", global batch {training.global_batch}" if training.global_batch else ""))
+
+
 def estimate_text(c: Candidate) -> str:
     cfg, m, t = c.config, c.memory, c.time
     rows = [[k, gib(v)] for k, v in m.breakdown.to_dict().items()]
@@ -77,6 +82,7 @@ def estimate_text(c: Candidate) -> str:
     lines = [
         f"{c.model.name} ({c.model.n_params / 1e9:.2f}B) on {c.cluster.n_gpus} x {c.cluster.gpu.id}: "
         + ", ".join(f"{k}={v}" for k, v in cfg.to_dict().items()),
+        training_line(c.training),
         "",
         f"Memory per GPU (GiB), peak in {m.peak_phase.replace('_', ' ')}:",
         tabulate(rows, tablefmt="simple", disable_numparse=True),

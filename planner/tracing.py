@@ -19,6 +19,7 @@ from cost_models.units import GiB
 
 from .api import Candidate, Plan, estimate
 from .errors import PlannerError
+from .report import training_line
 
 INSTALL_HINT = "the trace tier needs transformers for Hugging Face models: pip install 'fsdp-planner[trace]'"
 
@@ -224,6 +225,7 @@ def report_text(r: TraceReport) -> str:
         f"{c.model.name} ({c.model.n_params / 1e9:.2f}B) on {c.cluster.n_gpus} x {c.cluster.gpu.id}, traced as rank 0 "
         f"of {traced.world_size} (shard group {traced.shard_group_size}, {traced.builder} model, "
         f"{traced.seconds:.1f} s): " + ", ".join(f"{k}={v}" for k, v in c.config.to_dict().items()),
+        training_line(c.training),
         "",
         f"Memory per GPU (GiB): trace peak in {traced.peak_phase.replace('_', ' ')}, "
         f"estimate peak in {est.peak_moment or est.peak_phase.replace('_', ' ')}",
