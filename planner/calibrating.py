@@ -42,6 +42,7 @@ from cost_models.specs import (Attention, ClusterSpec, FsdpConfig, ModelSpec, Pr
 from cost_models.units import GiB, MiB
 
 from .errors import PlannerError
+from .report import training_line
 from .search import SearchSpace, search
 from .search import describe as search_describe
 
@@ -685,8 +686,8 @@ def render(report: CalibrationReport) -> str:
     size = f"{t.spec.n_params / 1e9:.2f}B" if t.spec.n_params >= 1e9 else f"{t.spec.n_params / 1e6:.2f}M"
     lines = [f"{t.name}: {size} parameters, {t.spec.n_layers} x {t.spec.block_class}"
              + (f" (runs use {t.run_spec.n_layers} blocks)" if t.reduced else ""),
-             f"cluster: {c.n_gpus} x {c.gpu.name}, {c.gpus_per_node} per node; seq {report.training.seq_len}, "
-             f"{report.training.optimizer.value}, FSDP{report.request.fsdp_version}", ""]
+             f"cluster: {c.n_gpus} x {c.gpu.name}, {c.gpus_per_node} per node; FSDP{report.request.fsdp_version}",
+             training_line(report.training), ""]
     if report.commands:
         lines += ["Multi-node: run each run's command on its node, in order (the job files must be visible there).",
                   "Or run this same fsdp-plan calibrate command on every node with --launch --node-rank N (node 0",
