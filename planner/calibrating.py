@@ -402,6 +402,11 @@ def calibrate(request: CalibrationRequest, progress_stream=None) -> CalibrationR
     if request.emulate_world_size is not None and request.emulate_world_size < 2:
         raise PlannerError("emulate_world_size", f"must be >= 2, got {request.emulate_world_size}")
     training = _training(request)  # validates seq_len, optimizer, finetune before anything is written
+    if request.finetune == "lora":
+        import importlib.util
+
+        if importlib.util.find_spec("peft") is None:
+            raise PlannerError("finetune", "LoRA runs add peft adapters: pip install 'fsdp-planner[lora]'")
     out = Path(request.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     results_path = out / store.RESULTS_FILE

@@ -113,3 +113,20 @@ def test_existing_results_need_resume(tmp_path):
 def test_trace_takes_no_profile(slow_profile):
     r = run("trace", "--model", "llama2-7b", "--gpus", "8", "--profile", str(slow_profile))
     assert r.returncode == 2 and "does not use a profile" in r.stderr
+
+
+def test_lora_bad_rank_and_missing_peft_are_one_line_errors_before_anything_is_written(tmp_path, monkeypatch):
+    out = tmp_path / "never"
+    r = run("calibrate", "--model", "llama2-7b", "--gpus", "8", "--finetune", "lora", "--lora-rank", "0",
+            "--out", str(out))
+    assert r.returncode == 2 and r.stderr.strip() == "error: lora_rank: must be > 0, got 0"
+    assert not out.exists()
+    # without peft installed: the same refusal, naming the extra to install
+    from planner.calibrating import CalibrationRequest, calibrate
+    from planner.errors import PlannerError
+
+    monkeypatch.setitem(sys.modules, "peft", None)
+    monkeypatch.setattr("importlib.util.find_spec", lambda name, *a: None if name == "peft" else object())
+    with pytest.raises(PlannerError, match=r"finetune: LoRA runs add peft adapters: pip install 'fsdp-planner\[lora\]'"):
+        calibrate(CalibrationRequest(out_dir=str(out), gpus=8, model="llama2-7b", finetune="lora"))
+    assert not out.exists()
