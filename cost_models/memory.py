@@ -144,7 +144,7 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
     # --- activations, per token of the micro-batch ----------------------------------------------------
     tokens = config.micro_batch * training.seq_len
     attn = config.attention
-    lora_rank = training.lora_rank if training.finetune is Finetune.LORA else 0
+    lora_rank = training.adapter_rank
     full = activations.block_bytes_per_token(model, c, attn, training.seq_len, config.micro_batch, lora_rank)
     ckpt = activations.checkpointed_block_bytes_per_token(model, c)
     root_saved = activations.root_bytes_per_token(model, c, lora=bool(lora_rank))

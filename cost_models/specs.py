@@ -246,6 +246,11 @@ class TrainingSpec:
         object.__setattr__(self, "optimizer", parse_enum(Optimizer, self.optimizer, "optimizer"))
         object.__setattr__(self, "finetune", parse_enum(Finetune, self.finetune, "finetune"))
 
+    @property
+    def adapter_rank(self) -> int:
+        """The LoRA rank when fine-tuning with LoRA, else 0 (what the activation formulas take)."""
+        return self.lora_rank if self.finetune is Finetune.LORA else 0
+
     def grad_accum_for(self, micro_batch: int, n_gpus: int) -> int | None:
         """Micro-steps that reach the global batch (1 without one); None when micro_batch x n_gpus does
         not divide it."""

@@ -58,7 +58,8 @@ def memory_terms(c: Candidate) -> list[tuple[str, str, str]]:
                                f"{_gib(b.collective_buffers)}",
          "FSDP2 prefetches the next unit and copies gradients into a flat reduce-scatter buffer"),
     ]
-    per_block = activations.block_bytes_per_token(m, cb, cfg.attention, c.training.seq_len, cfg.micro_batch)
+    rank = c.training.adapter_rank
+    per_block = activations.block_bytes_per_token(m, cb, cfg.attention, c.training.seq_len, cfg.micro_batch, rank)
     if cfg.ac_every:
         n_ckpt = math.ceil(L / cfg.ac_every)
         act = (f"{n_ckpt} checkpointed blocks keep their input ({m.hidden_size} x {cb} B per token), {L - n_ckpt} "
@@ -67,6 +68,8 @@ def memory_terms(c: Candidate) -> list[tuple[str, str, str]]:
     else:
         act = (f"{L} blocks x {per_block:,} B per token ({per_block / m.hidden_size:.1f} x h) x {tokens:,} tokens "
                f"= {_gib(L * per_block * tokens)} saved; at the peak {_gib(b.activations)}")
+    if rank:
+        act += "; LoRA: frozen weights keep no tensors for weight gradients, each adapter its r-wide lora_A output"
     terms.append(("activations", act, "Korthikanti et al. 2022 (34 s b h per GPT layer), recounted per "
                   "architecture from what autograd saves (cost_models/activations.py); verify with fsdp-plan trace"))
     _, loss = activations.logits_bytes_per_token(m, cb)
@@ -88,7 +91,8 @@ def time_terms(c: Candidate) -> list[tuple[str, str, str]]:
     flops = model_flops_per_token(m, c.training)
     re = recompute_flops_per_token(m, c.training, cfg)
     return [
-        ("FLOPs per token", f"6 x non-embedding params + 12 x L x heads x head_dim x s = {flops / 1e9:,.1f} GFLOP"
+        ("FLOPs per token", ("4 x frozen non-embedding params + 6 x adapter params" if c.training.adapter_rank
+                             else "6 x non-embedding params") + f" + 12 x L x heads x head_dim x s = {flops / 1e9:,.1f} GFLOP"
          + (f", + {re / 1e9:,.1f} GFLOP recompute ({cfg.activation_checkpointing} checkpointing)" if re else ""),
          "Kaplan et al. 2020; PaLM appendix B; Korthikanti et al. 2022 for recompute"),
         ("compute", f"{cfg.grad_accum} micro-step(s) x {tokens:,} tokens x {(flops + re) / 1e9:,.1f} GFLOP / "

@@ -23,6 +23,24 @@ def test_explain_terms_are_hand_checkable():
         assert source in text
 
 
+def test_explain_lora_uses_the_lora_formulas():
+    """LoRA: 4 FLOPs per frozen weight, 6 per adapter weight; a block's saved bytes without the tensors only
+    weight gradients need (what the memory estimate itself uses)."""
+    from planner import estimate
+
+    c = estimate("llama2-7b", 8, finetune="lora", lora_rank=16, micro_batch=1, seq_len=4096)
+    text = explain_text(c)
+    h, q, kv, f, L = 4096, 4096, 4096, 11008, 32
+    adapters = L * 16 * ((h + q) + 2 * (h + kv) + (q + h))              # q, k, v, o: 16,777,216
+    flops = 4 * (6_738_415_616 - 32000 * h) + 6 * adapters + 12 * L * q * 4096
+    assert f"{flops / 1e9:,.1f} GFLOP" in text and "4 x frozen non-embedding params + 6 x adapter params" in text
+    # per token and block, bf16: frozen RMSNorms keep fp32 inputs (2 x 4h) + the attention norm's output (2h);
+    # rotated q, k and v (2 x 3h), the kernel output (2h), fp32 logsumexp (4 x 32); gate, act, up (3 x 2f);
+    # the 4 adapters' lora_A outputs (4 x 16 x 2)
+    per_block = 8 * h + 2 * h + 6 * h + 2 * h + 4 * 32 + 6 * f + 4 * 16 * 2
+    assert f"{L} blocks x {per_block:,} B per token" in text
+
+
 def test_explain_cli_and_nothing_fits():
     cli = [sys.executable, "-m", "planner.cli", "explain"]
     r = subprocess.run([*cli, "--model", "llama2-7b", "--gpus", "8"], capture_output=True, text=True, timeout=60)
