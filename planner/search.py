@@ -167,7 +167,7 @@ def suggestions(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, 
         lora = replace(training, finetune=Finetune.LORA)
         if evaluate(model, cluster, lora, config, profile).fits:
             out.append(f"LoRA fine-tuning (--finetune lora --lora-rank {training.lora_rank}): frozen weights "
-                       "need no gradients or optimizer state")
+                       "need no gradients, no optimizer state, and none of the activations kept for weight gradients")
     seq = training.seq_len
     while seq > 128:
         seq //= 2
