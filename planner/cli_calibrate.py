@@ -126,7 +126,12 @@ def register(app) -> None:
                 argv = argv[1:]
             typer.echo(slurm_script(request, argv), nl=False)
             return
-        report = calibrate(request)
+        try:
+            report = calibrate(request)
+        except KeyboardInterrupt:  # the run in flight was killed with its process group (calibration.launch)
+            typer.echo(f"\ninterrupted: every run that ended is in {out}/results.jsonl; the same command with "
+                       "--resume runs the rest", err=True)
+            raise typer.Exit(130) from None
         if output_format is Format.json:
             typer.echo(json.dumps(report_json(report), indent=2))
         else:

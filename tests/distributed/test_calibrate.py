@@ -207,3 +207,26 @@ def test_fsdp1_lora_run_materialises_base_and_adapters(tmp_path):
          "-m", "calibration.runner", "--job", str(path)])
     m = json.loads((tmp_path / "result.json").read_text())["measured"]
     assert 4.0 < m["loss"] < 8.0 and m["step_s"] > 0
+
+
+def test_ctrl_c_kills_the_run_in_flight_and_says_how_to_resume(tmp_path):
+    """SIGINT while a rank hangs: exit 130 with one line naming results.jsonl and --resume, and no rank of
+    the killed torchrun job left running."""
+    import signal
+    import time
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([sys.executable, "-m", "planner.cli", "calibrate", *COMMON, "--sharding", "FULL_SHARD",
+                             "--micro-batch", "4", "--out", str(tmp_path), "--fault", "0:1:hang:1"],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not (tmp_path / "runs").exists() and time.monotonic() < deadline:  # the run has started
+        time.sleep(0.5)
+    time.sleep(8)  # ranks up and rank 1 hanging
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err[-3000:]
+    assert f"interrupted: every run that ended is in {tmp_path}/results.jsonl" in err and "--resume" in err
+    assert "Traceback" not in err
+    leftover = subprocess.run(["pgrep", "-f", str(tmp_path / "jobs")], capture_output=True, text=True)
+    assert leftover.stdout.strip() == "", leftover.stdout
