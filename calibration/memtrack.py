@@ -149,10 +149,11 @@ def _tracker_class(fsdp2: bool):
 
         if not fsdp2:
             def _track_module_params_and_buffers(self, module, install_grad_hooks=True):
-                # FSDP1 (use_orig_params=True) exposes parameters as views of its flat parameter: gradient
-                # hooks cannot go on non-leaf tensors. Without them gradients are counted where autograd
-                # makes them (activations) until the tracker meets them again; the peak is unaffected.
-                if install_grad_hooks and not all(p.is_leaf for p in module.parameters()):
+                # FSDP1 (use_orig_params=True) exposes parameters as views of its flat parameter, and frozen
+                # parameters (LoRA) need no gradient: gradient hooks go on neither. Without them gradients
+                # are counted where autograd makes them (activations) until the tracker meets them again;
+                # the peak is unaffected.
+                if install_grad_hooks and not all(p.is_leaf and p.requires_grad for p in module.parameters()):
                     install_grad_hooks = False
                 with warnings.catch_warnings():  # it reads .grad of those views: torch warns each time
                     warnings.simplefilter("ignore", UserWarning)

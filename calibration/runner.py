@@ -377,11 +377,6 @@ def run(job: dict) -> None:
             exposed = profiled_exposed_comm_s(step)
             if exposed is not None:
                 measured["exposed_comm_s"] = _reduce_max([exposed], device)[0]
-    elif job["fsdp_version"] == 1:
-        # calibration.memtrack's tracker registers post-accumulate-grad hooks on every parameter, and
-        # FSDP1 (use_orig_params=True) exposes its parameters as non-leaf views of the flat parameter.
-        measured.update(memory_source="none", memory_note="CPU memory of FSDP1 runs is not measured: the "
-                        "tensor accountant (calibration.memtrack) tracks FSDP2 and plain modules only")
     else:
         from calibration.memtrack import MemoryTracker
 
