@@ -118,6 +118,10 @@ def test_lora_golden_estimate_within_tolerance_of_trace(arch, gpus, kwargs):
     assert abs(est - traced) / traced <= TOLERANCE, (
         f"estimate {est:,} vs trace {traced:,} ({100 * (est / traced - 1):+.1f}%); traced {r.traced.breakdown}")
     assert r.candidate.memory.breakdown.activations == pytest.approx(r.traced.breakdown["activations"], rel=0.05)
+    # model states exactly (a tied embedding traced as two tensors would add a vocab x hidden copy)
+    b_est, b_tr = r.candidate.memory.phases["optimizer_step"], r.traced.phases["optimizer_step"].breakdown
+    assert b_est.sharded_params == pytest.approx(b_tr["sharded_params"], rel=0.02)
+    assert b_est.optimizer_state == pytest.approx(b_tr["optimizer_state"], rel=0.02)
 
 
 def test_lora_traced_model_states_equal_the_hand_count():
