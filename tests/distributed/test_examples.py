@@ -17,6 +17,17 @@ def test_plan_a_model_example():
     assert "llama3-8b: 8,030,261,248 parameters" in r.stdout and "fully_shard(" in r.stdout
 
 
+def test_lora_finetune_example():
+    r = subprocess.run([sys.executable, str(ROOT / "examples" / "lora_finetune.py")], capture_output=True, text=True,
+                       timeout=60, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    full, lora = (line for line in r.stdout.splitlines() if line.startswith((" full:", "lora:")))
+    # LoRA keeps a fraction of full fine-tuning's model states: adapters' grads and Adam state only
+    states = [float(line.split("states ")[1].split(",")[0]) for line in (full, lora)]
+    assert states[1] < 0.2 * states[0], states
+    assert "CustomPolicy(lora_unit)" in r.stdout and "cast_forward_inputs=True" in r.stdout
+
+
 @pytest.mark.distributed
 @pytest.mark.parametrize("version", [1, 2])
 def test_train_with_plan_under_torchrun(version):
