@@ -21,7 +21,7 @@ def test_lora_finetune_example():
     r = subprocess.run([sys.executable, str(ROOT / "examples" / "lora_finetune.py")], capture_output=True, text=True,
                        timeout=60, cwd=ROOT)
     assert r.returncode == 0, r.stderr
-    full, lora = (line for line in r.stdout.splitlines() if line.startswith((" full:", "lora:")))
+    full, lora = (line for line in r.stdout.splitlines() if line.startswith(("full:", "lora:")))
     # LoRA keeps a fraction of full fine-tuning's model states: adapters' grads and Adam state only
     states = [float(line.split("states ")[1].split(",")[0]) for line in (full, lora)]
     assert states[1] < 0.2 * states[0], states
