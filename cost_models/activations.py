@@ -286,7 +286,7 @@ def quirks(model: ModelSpec, attention: Attention, seq_len: int = 0) -> list[str
                      "verify with `fsdp-plan trace`")
     if model.activation in PYTHON_OP_ACTIVATIONS:
         notes.append(f"activation {model.activation} is written in Python ops (saves 5 f-sized tensors per "
-                     "block, 2.5x a fused GELU); verify activation memory with `fsdp-plan trace`")
+                     "block, 4 under LoRA: 2-2.5x a fused GELU); verify activation memory with `fsdp-plan trace`")
     if model.family in ALIBI_FAMILIES and attention is Attention.SDPA:
         notes.append(f"{model.family} uses an ALiBi bias: SDPA cannot use the flash kernel and s^2 "
                      "attention memory is counted; verify with `fsdp-plan trace`")
