@@ -104,7 +104,3 @@ def _init_adapter(weight: torch.Tensor, is_a: bool) -> None:
         nn.init.kaiming_uniform_(weight, a=5 ** 0.5)
     else:
         weight.zero_()
-
-
-def trainable_params(model: nn.Module) -> int:
-    return sum(p.numel() for p in model.parameters() if p.requires_grad)
