@@ -265,16 +265,38 @@ def attention_backward_working_bytes_per_token(model: ModelSpec, compute_bytes: 
     return c * model.hidden_size + c * q + s2
 
 
-def attention_freed_before_backward_bytes_per_token(model: ModelSpec, compute_bytes: int, lora: bool = False) -> int:
-    """What a block has freed when its attention backward starts: the MLP branch runs its backward first
+def attention_freed_before_backward_bytes_per_token(model: ModelSpec, compute_bytes: int, lora: bool = False,
+                                                    attention: Attention = Attention.SDPA, micro_batch: int = 1) -> int:
+    """What a block has freed when its attention backward peaks: the MLP branch runs its backward first
     (its ops were recorded last), freeing the MLP's saved tensors and the second norm's (a parallel
     block's second norm shares its input with the first: only its output goes; under LoRA the MLP norm's
-    output was never saved)."""
+    output was never saved). Eager attention peaks at the softmax backward, after the o-projection's and
+    P @ V's backward: see _eager_freed_before_softmax_backward."""
     c, h = compute_bytes, model.hidden_size
     norm_out = 0 if lora else c * h
     if model.parallel_block:
-        return _mlp_bytes(model, c, lora) + (norm_out if model.family != "falcon" else 0)
-    return _mlp_bytes(model, c, lora) + _norm_bytes(model, c, lora) + norm_out + (h if model.dropout else 0)
+        freed = _mlp_bytes(model, c, lora) + (norm_out if model.family != "falcon" else 0)
+    else:
+        freed = _mlp_bytes(model, c, lora) + _norm_bytes(model, c, lora) + norm_out + (h if model.dropout else 0)
+    if attention is Attention.EAGER:
+        freed += _eager_freed_before_softmax_backward(model, c, micro_batch)
+    return freed
+
+
+def _eager_freed_before_softmax_backward(model: ModelSpec, c: int, micro_batch: int) -> int:
+    """The o-projection's input copy (c*q) and what P @ V alone kept of v: v itself for separate
+    projections (c*q: repeated per head, or as wide under MHA); for a fused rotary projection the fused
+    output (v is its view) unless v was copied to a contiguous tensor (then that copy, c*q); nothing for
+    GPT-2, whose q and k are views of the same fused output. Families checked against the trace only."""
+    q, kv = model.q_dim, model.kv_dim
+    if model.family in _SEPARATE_QKV_FAMILIES:
+        return c * q + c * q
+    if model.family in _FUSED_ROTARY_FAMILIES:
+        copied = micro_batch > 1 or kv < q
+        return c * q + (c * q if copied else c * (q + 2 * kv))
+    if model.family == "gpt2":
+        return c * q
+    return 0
 
 
 def quirks(model: ModelSpec, attention: Attention, seq_len: int = 0) -> list[str]:

@@ -166,7 +166,9 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
     _, logits_peak = activations.logits_bytes_per_token(model, c)
     w_mlp = activations.mlp_backward_working_bytes_per_token(model, c, lora=bool(lora_rank))
     w_attn = activations.attention_backward_working_bytes_per_token(model, c, attn, training.seq_len)
-    freed_attn = activations.attention_freed_before_backward_bytes_per_token(model, c, lora=bool(lora_rank))
+    freed_attn = activations.attention_freed_before_backward_bytes_per_token(model, c, lora=bool(lora_rank),
+                                                                             attention=attn,
+                                                                             micro_batch=config.micro_batch)
     h, f = model.hidden_size, model.ffn_hidden_size
     # Gradients accumulated when the MLP's backward peaks (fc2's weight) and when the attention's does
     # (the MLP's and the o-projection's).

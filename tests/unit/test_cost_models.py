@@ -126,6 +126,23 @@ def test_lora_activation_bytes_llama_block_by_hand():
     assert first_block_lora_savings(TOY, c) == 4 * h
 
 
+def test_eager_attention_backward_peaks_after_v_and_the_o_input_are_freed():
+    """At the softmax backward (eager attention's peak) the o-projection's input copy and v are gone:
+    Llama-style separate projections free c*q + c*q (v repeated per head, or as wide under MHA); a fused
+    rotary projection with one sequence and MHA frees the copy and the fused output v is a view of."""
+    from cost_models.activations import attention_freed_before_backward_bytes_per_token as freed
+    from cost_models.specs import Attention
+
+    c, q = 2, TOY.q_dim
+    assert freed(TOY, c, attention=Attention.EAGER) - freed(TOY, c) == c * q + c * q
+    neox = ModelSpec(name="neox", family="gpt_neox", n_layers=2, hidden_size=8, n_heads=2, n_kv_heads=2, head_dim=4,
+                     ffn_hidden_size=32, vocab_size=10, block_params=1, embedding_params=1, head_params=1,
+                     root_other_params=1, block_class="B", parallel_block=True)
+    assert freed(neox, c, attention=Attention.EAGER) - freed(neox, c) == c * 8 + c * (8 + 2 * 8)
+    # two sequences: P @ V reads a contiguous copy of v (the fused output is not kept): that copy goes
+    assert freed(neox, c, attention=Attention.EAGER, micro_batch=2) - freed(neox, c) == 2 * c * 8
+
+
 def test_checkpointing_never_raises_activation_memory():
     acts = [estimate_memory(TOY, cluster(), TrainingSpec(seq_len=512), FsdpConfig(ac_every=k, micro_batch=4),
                             DEFAULT_PROFILE) for k in (0, 4, 2, 1)]
