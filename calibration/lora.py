@@ -1,17 +1,17 @@
 """LoRA fine-tuning as the cost model prices it, with peft: one code path for traces and calibration runs.
 
-    add_lora(model, spec, rank=16, block_classes={LlamaDecoderLayer}, frozen_dtype=torch.bfloat16)
+    add_lora(model, spec, rank=16, block_classes={LlamaDecoderLayer}, precision=Precision.BF16)
 
 The adapted linears are those of ModelSpec.lora_target_shapes ((in, out) of each block linear: the
 attention projections for every architecture the planner knows), found in the first block by shape, in
 module order, and named to peft by their path inside the block ("self_attn.q_proj"), which peft matches
 in every block. The base model is frozen (peft marks only the adapters trainable).
 
-Dtypes follow peft's defaults for a base model loaded in a low precision: under mixed precision the
-frozen weights are in the compute dtype (what `from_pretrained(dtype=torch.bfloat16)` gives; the cost
-model counts them so) and the adapters in fp32 (peft's autocast_adapter_dtype); FSDP then gathers both in
-bf16 and reduces the adapters' gradients in fp32. Under bf16-pure everything, adapters included, is bf16
-(adapter_dtype). frozen_dtype=None leaves the base as built.
+Dtypes follow peft's defaults for a base model loaded in a low precision (lora_dtypes): under mixed
+precision the frozen weights are in the compute dtype (what `from_pretrained(dtype=torch.bfloat16)`
+gives; the cost model counts them so) and the adapters in fp32 (peft's autocast_adapter_dtype); FSDP then
+gathers both in bf16 and reduces the adapters' gradients in fp32. Otherwise (fp32, bf16-pure) both are in
+the parameter dtype.
 """
 
 from __future__ import annotations
@@ -21,7 +21,9 @@ from collections import Counter
 import torch
 from torch import nn
 
-from cost_models.specs import ModelSpec
+from cost_models.specs import ModelSpec, Precision, parse_enum
+
+from .apply import TORCH_DTYPES
 
 
 def linear_shape(module: nn.Module) -> tuple[int, int] | None:
@@ -49,9 +51,16 @@ def lora_target_names(block: nn.Module, shapes: tuple[tuple[int, int], ...]) -> 
     return names
 
 
+def lora_dtypes(precision: Precision) -> tuple[torch.dtype, torch.dtype]:
+    """(frozen base, adapters) dtypes under `precision`; see the module docstring."""
+    frozen = precision.compute_dtype if precision.mixed else precision.param_dtype
+    return TORCH_DTYPES[frozen], TORCH_DTYPES[precision.param_dtype]
+
+
 def add_lora(model: nn.Module, spec: ModelSpec, rank: int, block_classes: set[type],
-             frozen_dtype: torch.dtype | None = None, adapter_dtype: torch.dtype = torch.float32) -> nn.Module:
-    """Freeze `model` and inject rank-`rank` LoRA adapters into its blocks' target linears (in place).
+             precision: Precision | str = Precision.FP32) -> nn.Module:
+    """Freeze `model` and inject rank-`rank` LoRA adapters into its blocks' target linears (in place),
+    with the dtypes of lora_dtypes(precision).
 
     Works on real and meta parameters, not on fake ones (peft moves adapters with Module.to(), which
     cannot swap fake tensors): traces build on meta, add LoRA, then materialise under FakeTensorMode."""
@@ -65,8 +74,9 @@ def add_lora(model: nn.Module, spec: ModelSpec, rank: int, block_classes: set[ty
     if block is None:
         raise ValueError(f"no block of class {sorted(c.__name__ for c in block_classes)} in {type(model).__name__}")
     targets = lora_target_names(block, spec.lora_target_shapes)
-    if frozen_dtype is not None:  # parameters only: buffers such as rotary tables keep their dtype
-        for param in model.parameters():
+    frozen_dtype, adapter_dtype = lora_dtypes(parse_enum(Precision, precision, "precision"))
+    for param in model.parameters():  # parameters only: buffers such as rotary tables keep their dtype
+        if param.dtype != frozen_dtype:
             param.data = param.data.to(frozen_dtype)
     conv1d = any(type(block.get_submodule(t)).__name__ == "Conv1D" for t in targets)  # GPT-2: (in, out) weights
     config = LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, bias="none", target_modules=targets,

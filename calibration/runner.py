@@ -303,13 +303,9 @@ def run(job: dict) -> None:
     classes = block_classes(model, job["model"].get("block_class"))
     lora = job.get("finetune") == "lora"
     if lora:
-        from calibration.apply import TORCH_DTYPES
         from calibration.lora import add_lora
 
-        precision = config.precision
-        model = add_lora(model, _model_spec(job["model"]["spec"]), job["lora_rank"], classes,
-                         frozen_dtype=TORCH_DTYPES[precision.compute_dtype] if precision.mixed else None,
-                         adapter_dtype=TORCH_DTYPES[precision.param_dtype])
+        model = add_lora(model, _model_spec(job["model"]["spec"]), job["lora_rank"], classes, config.precision)
     model = apply_config(model, config, job["fsdp_version"], classes, world, gpus_per_node, device, lora)
     optimizer = make_optimizer(job["optimizer"], [p for p in model.parameters() if p.requires_grad],
                                config.precision.value)

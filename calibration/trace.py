@@ -27,7 +27,7 @@ once, i.e. one more copy of the sharded trainable parameters in the state dtype;
 The traced optimizer-step phase replaces the for-loop temporaries with that figure.
 
 LoRA fine-tuning adds peft adapters through calibration.lora (frozen base in the compute dtype, adapters
-in fp32), as calibration runs do.
+in the parameter dtype), as calibration runs do.
 
 Limits (raised as TraceUnsupported): LoRA without peft installed, CPU offload (on a CPU mesh device and host
 memory are the same), 8-bit Adam (bitsandbytes). A model whose code cannot run on fake tensors
@@ -272,18 +272,16 @@ def _trace(spec, config, training, n_gpus, gpus_per_node, seq_len, hf_config, st
     lora = training.finetune is Finetune.LORA
     with _FakeWorld(n_gpus):
         mesh = make_mesh(config, n_gpus, gpus_per_node, "cpu")  # outside FakeTensorMode (pitfalls.md)
-        # LoRA: built on meta, where peft can add its adapters (it cannot move fake tensors), with the
-        # frozen base in the compute dtype under mixed precision (calibration.lora); materialised below.
+        # LoRA: built on meta, where peft can add its adapters (it cannot move fake tensors) and the frozen
+        # base can be cast (calibration.lora's dtypes); materialised below.
         if lora:
             from .lora import add_lora
 
-            dtype = config.precision.compute_dtype if config.precision.mixed else config.precision.param_dtype
             try:
                 model = build_model(spec, hf_config, attention=config.attention.value, device="meta",
-                                    dtype=TORCH_DTYPES[dtype])
+                                    dtype=TORCH_DTYPES[config.precision.param_dtype])
                 classes = _block_classes(model, spec)
-                model = add_lora(model, spec, training.lora_rank, classes,
-                                 adapter_dtype=TORCH_DTYPES[config.precision.param_dtype])
+                model = add_lora(model, spec, training.lora_rank, classes, config.precision)
             except Exception as exc:  # noqa: BLE001 - any failure of foreign model code is reported as such
                 raise _untraceable(f"building {spec.name} with LoRA", exc) from exc
         with FakeTensorMode(allow_non_fake_inputs=False):

@@ -51,13 +51,9 @@ def run_case(fsdp_version: int, data: dict, rank: int, world: int) -> tuple[list
     spec = tiny_llama_spec(n_layers=4)
     model = build_reference(spec)
     if lora_rank:
-        from calibration.apply import TORCH_DTYPES
         from calibration.lora import add_lora
 
-        precision = config.precision
-        model = add_lora(model, spec, lora_rank, {Block},
-                         frozen_dtype=TORCH_DTYPES[precision.compute_dtype] if precision.mixed else None,
-                         adapter_dtype=TORCH_DTYPES[precision.param_dtype])
+        model = add_lora(model, spec, lora_rank, {Block}, config.precision)
     if not emitted:  # the emitted snippet casts for bf16-pure itself
         cast_for_precision(model, config)
     if emitted:

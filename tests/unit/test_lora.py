@@ -29,7 +29,7 @@ def test_adapters_are_the_linears_the_cost_model_prices(name):
     spec = from_hf_config(dict(cfg))
     model = build_on_meta(cfg)
     classes = {type(m) for m in model.modules() if type(m).__name__ == spec.block_class}
-    model = add_lora(model, spec, RANK, classes, frozen_dtype=torch.bfloat16)
+    model = add_lora(model, spec, RANK, classes, "bf16")  # mixed: bf16 base, fp32 adapters
     trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
     assert sum(p.numel() for p in trainable.values()) == spec.n_layers * spec.lora_params_per_block(RANK)
     assert all("lora_" in n and p.dtype == torch.float32 for n, p in trainable.items())
