@@ -67,9 +67,8 @@ def fsdp1_kwargs(config: FsdpConfig, block_classes: set[type], *, gpus_per_node:
 
     trainable_mixed (LoRA): also wrap each leaf module whose weight requires grad, so frozen and trainable
     parameters land in different flat parameters and FSDP1 allocates no gradient for the frozen ones
-    (PEFT's fsdp_auto_wrap_policy), and cast each unit's inputs to the compute dtype: peft casts an
-    adapter's input to its weight's dtype read outside the adapter's unit (fp32 when sharded), and only
-    the root casts inputs by default. Freeze the base model before calling.
+    (PEFT's fsdp_auto_wrap_policy), and cast each unit's inputs to the compute dtype
+    (fsdp_options.fsdp1_mixed_precision says why). Freeze the base model before calling.
     """
     if not block_classes:
         raise ValueError("block_classes is empty: FSDP would make the whole model one unit")
@@ -80,7 +79,7 @@ def fsdp1_kwargs(config: FsdpConfig, block_classes: set[type], *, gpus_per_node:
             raise ValueError(f"{config.sharding.value}: FSDP1 shards within the {per_node} local devices "
                              f"it sees, the plan assumes gpus_per_node={gpus_per_node}")
     strategy = ShardingStrategy[fsdp_options.fsdp1_strategy(config, per_node)[0]]
-    dtypes = _mixed_dtypes(config.precision)
+    mixed = fsdp_options.fsdp1_mixed_precision(config.precision, lora=trainable_mixed)
     classes = tuple(block_classes)
     if trainable_mixed:
         policy = CustomPolicy(lambda m: isinstance(m, classes) or _is_trainable_leaf(m))
@@ -88,8 +87,8 @@ def fsdp1_kwargs(config: FsdpConfig, block_classes: set[type], *, gpus_per_node:
         policy = ModuleWrapPolicy(set(classes))
     return {
         "sharding_strategy": strategy,
-        "mixed_precision": None if dtypes is None else MixedPrecision(param_dtype=dtypes[0], reduce_dtype=dtypes[1],
-                                                                      cast_forward_inputs=trainable_mixed),
+        "mixed_precision": None if mixed is None else MixedPrecision(
+            **{k: getattr(torch, v) if k.endswith("_dtype") else v for k, v in mixed.items()}),
         "cpu_offload": CPUOffload(offload_params=True) if config.offload else None,
         "backward_prefetch": BackwardPrefetch.BACKWARD_PRE if config.backward_prefetch else None,
         "forward_prefetch": config.forward_prefetch,

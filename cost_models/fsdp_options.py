@@ -52,15 +52,22 @@ def fsdp1_strategy(config: FsdpConfig, gpus_per_node: int) -> tuple[str, str]:
     return _FSDP1_STRATEGY[config.sharding], ""
 
 
+def fsdp1_mixed_precision(precision: Precision, lora: bool = False) -> dict | None:
+    """FSDP1 MixedPrecision arguments by name (dtypes as torch attribute names), or None. lora: every unit
+    casts its floating inputs to the compute dtype: peft casts an adapter's input to the dtype of its
+    weight read outside the adapter's unit (the sharded fp32 one), and by default only the root casts."""
+    mixed = mixed_precision_dtypes(precision)
+    if lora and mixed is not None:
+        mixed = {**mixed, "cast_forward_inputs": True}
+    return mixed
+
+
 def fsdp1_options(config: FsdpConfig, block_class: str, gpus_per_node: int, lora: bool = False) -> dict:
     """Keyword arguments of FSDP1's FullyShardedDataParallel, by name. lora: adapters in their own units
     and unit inputs cast to the compute dtype (calibration.apply.fsdp1_kwargs' trainable_mixed)."""
-    mixed = mixed_precision_dtypes(config.precision)
-    if lora and mixed is not None:
-        mixed = {**mixed, "cast_forward_inputs": True}
     return {
         "sharding_strategy": fsdp1_strategy(config, gpus_per_node)[0],
-        "mixed_precision": mixed,
+        "mixed_precision": fsdp1_mixed_precision(config.precision, lora),
         "cpu_offload": {"offload_params": True} if config.offload else None,
         "auto_wrap_policy": {"CustomPolicy": {"blocks": [block_class], "trainable_leaves": True}} if lora
         else {"ModuleWrapPolicy": [block_class]},

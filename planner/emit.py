@@ -90,10 +90,9 @@ def emit_fsdp1(config: FsdpConfig, model_spec: ModelSpec, cluster: ClusterSpec,
     (frozen weights sharing it with adapters would get gradients too)."""
     lora = training is not None and training.finetune.value == "lora"
     strategy, strategy_note = _fsdp1_strategy(config, cluster)
-    dtypes = _mixed_dtypes(config.precision)
-    # LoRA: peft casts an adapter's input to the dtype of its (sharded, fp32) weight; each unit casts back.
-    cast = ", cast_forward_inputs=True" if lora else ""
-    mixed = "None" if dtypes is None else f"MixedPrecision(param_dtype={dtypes[0]}, reduce_dtype={dtypes[1]}{cast})"
+    options = fsdp_options.fsdp1_mixed_precision(config.precision, lora)
+    mixed = "None" if options is None else "MixedPrecision(" + ", ".join(
+        f"{k}=torch.{v}" if k.endswith("_dtype") else f"{k}={v}" for k, v in options.items()) + ")"
     prefetch = "BackwardPrefetch.BACKWARD_PRE" if config.backward_prefetch else "None"
     imports = [
         "import torch",
@@ -132,7 +131,7 @@ def emit_fsdp1(config: FsdpConfig, model_spec: ModelSpec, cluster: ClusterSpec,
         "model = FSDP(",
         "    model,",
         f"    sharding_strategy=ShardingStrategy.{strategy},{'  # ' + strategy_note if strategy_note else ''}",
-        f"    mixed_precision={mixed},{'  # buffers keep fp32' if dtypes else ''}",
+        f"    mixed_precision={mixed},{'  # buffers keep fp32' if options else ''}",
         f"    cpu_offload={'CPUOffload(offload_params=True)' if config.offload else 'None'},"
         f"{'  # params and grads on CPU; there is no optimizer-only offload' if config.offload else ''}",
         f"    backward_prefetch={prefetch},",
