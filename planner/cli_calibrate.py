@@ -116,8 +116,8 @@ def register(app) -> None:
         request = CalibrationRequest(
             out_dir=out, gpus=gpus, model=model, factory=factory, device=device, gpu=gpu, gpus_per_node=gpus_per_node,
             nodes=nodes, internode_gbps=internode_gbps, seq_len=seq_len, global_batch=global_batch,
-            optimizer=optimizer, finetune=finetune, lora_rank=lora_rank, precisions=precision, attention=attention, top=top or 3, config=config, steps=steps,
-            warmup=warmup, fsdp_version=fsdp_version, layers=layers, emulate_world_size=emulate_world_size,
+            optimizer=optimizer, finetune=finetune, lora_rank=lora_rank, precisions=precision, attention=attention,
+            top=top or 3, config=config, steps=steps, warmup=warmup, fsdp_version=fsdp_version, layers=layers, emulate_world_size=emulate_world_size,
             profile=profile, force_profile=force_profile, fit=fit, resume=resume, timeout_s=timeout, launch=launch,
             rdzv_endpoint=rdzv_endpoint, node_rank=node_rank, fault=_fault(fault))
         if emit is CalibrateEmit.slurm:

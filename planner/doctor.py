@@ -233,8 +233,8 @@ def reduce_in_low_precision(ctx: Context):
                       "reduce_dtype=torch.float32")
 
 
-RULES = (dtype_support, does_not_fit, fp16_scaler, lora_without_orig_params, lora_adapters_share_units, wrap_policy, hybrid_single_node,
-         sync_module_states, forward_prefetch_dynamic, limit_all_gathers, fsdp2_removed_settings,
+RULES = (dtype_support, does_not_fit, fp16_scaler, lora_without_orig_params, lora_adapters_share_units, wrap_policy,
+         hybrid_single_node, sync_module_states, forward_prefetch_dynamic, limit_all_gathers, fsdp2_removed_settings,
          reduce_in_low_precision, micro_batch_headroom, slower_than_plan)
 
 
