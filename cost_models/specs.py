@@ -124,6 +124,82 @@ def _positive(field_name: str, value, allow_zero: bool = False) -> None:
 
 
 @dataclass(frozen=True)
+class MoeSpec:
+    """The mixture-of-experts MLP of a model's sparse blocks (Mixtral, Qwen-MoE, DeepSeek, gpt-oss).
+
+    transformers 5 stores a sparse layer's routed experts as stacked tensors (experts x out x in, e.g.
+    gate_up_proj and down_proj), which FSDP2 shards along dim 0 = the expert index: with fewer experts
+    than ranks a rank holds whole experts and the rest is padding (cost_models/moe.py). A model whose
+    first `n_dense_layers` blocks have a dense MLP (DeepSeek's first_k_dense_replace) keeps
+    ModelSpec.block_params for the sparse block and `dense_block_params` for those.
+    """
+
+    n_experts: int                  # routed experts per sparse layer
+    experts_per_token: int          # top-k: routed experts each token visits
+    expert_ffn_size: int            # intermediate width of one routed expert
+    expert_params: int              # parameters of one routed expert (its slice of the stacked tensors)
+    stacked_expert_tensors: tuple[tuple[int, int], ...] = ()  # (dim 0 = n_experts, elements per expert) of each stacked tensor
+    router_params: int = 0          # per sparse layer: the router's weight (+ bias)
+    shared_ffn_size: int = 0        # total intermediate width of the always-active shared expert(s); 0 = none
+    shared_params: int = 0          # per sparse layer: the shared expert(s) (+ their gate)
+    n_dense_layers: int = 0         # leading blocks with a dense MLP instead
+    dense_block_params: int = 0     # parameters of one of those dense blocks
+    dense_ffn_size: int = 0         # their MLP width
+
+    def __post_init__(self):
+        for name in ("n_experts", "experts_per_token", "expert_ffn_size", "expert_params"):
+            _positive(f"model.moe.{name}", getattr(self, name))
+        if self.experts_per_token > self.n_experts:
+            raise SpecError("model.moe.experts_per_token",
+                            f"{self.experts_per_token} is more than n_experts={self.n_experts}")
+        if self.n_dense_layers and not self.dense_block_params:
+            raise SpecError("model.moe.dense_block_params", "must be > 0 when n_dense_layers > 0")
+
+    @property
+    def routed_params(self) -> int:
+        """All routed experts of one sparse layer."""
+        return self.n_experts * self.expert_params
+
+    @property
+    def inactive_params(self) -> int:
+        """Routed-expert parameters of one sparse layer a token does not visit."""
+        return (self.n_experts - self.experts_per_token) * self.expert_params
+
+
+@dataclass(frozen=True)
+class ActivationTerms:
+    """One block's activation memory for one (compute dtype, attention), fitted from traces of the real
+    block: bytes = tokens x (per_token + per_token_per_seq x seq_len), tokens = micro-batch x seq_len."""
+
+    saved_per_token: float              # what the block saves for backward
+    saved_per_token_per_seq: float      # ... the part that grows with the sequence (scores, masks)
+    working_per_token: float            # what its backward holds above the saved tensors at its peak
+    working_per_token_per_seq: float
+
+    def saved_bytes_per_token(self, seq_len: int) -> float:
+        return self.saved_per_token + self.saved_per_token_per_seq * seq_len
+
+    def working_bytes_per_token(self, seq_len: int) -> float:
+        return self.working_per_token + self.working_per_token_per_seq * seq_len
+
+
+@dataclass(frozen=True)
+class ActivationProfile:
+    """Per-block activation memory traced from the real model (planner/models/generic.py): used instead
+    of the per-family formulas of activations.py for families that have none. Keyed by
+    (compute dtype, attention)."""
+
+    terms: tuple[tuple[str, str, ActivationTerms], ...]
+    source: str = ""                    # how it was made: layers and points traced, seconds, cache key
+
+    def get(self, compute_dtype: str, attention: str) -> ActivationTerms | None:
+        for dtype, attn, terms in self.terms:
+            if dtype == compute_dtype and attn == attention:
+                return terms
+        return None
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     """A decoder (or encoder) transformer: L identical blocks plus a root (embeddings, final norm, head).
 
@@ -155,6 +231,9 @@ class ModelSpec:
     lora_target_shapes: tuple[tuple[int, int], ...] = ()  # (in, out) of each block linear LoRA adapts
     max_seq_len: int = 0             # 0 = unknown / unlimited (rotary, ALiBi)
     sliding_window: int = 0          # attention window in tokens (Mistral 7B v0.1: 4096); 0 = full attention
+    moe: MoeSpec | None = None       # mixture-of-experts shape of the sparse blocks; None = dense
+    attention_choices: tuple[str, ...] = ("sdpa", "eager")  # implementations the family runs (Gemma 2: eager only)
+    activation_profile: ActivationProfile | None = None     # traced per-block activations (families without a formula)
 
     def __post_init__(self):
         for name in ("n_layers", "hidden_size", "n_heads", "n_kv_heads", "head_dim", "ffn_hidden_size",
@@ -164,6 +243,12 @@ class ModelSpec:
             _positive(f"model.{name}", getattr(self, name), allow_zero=True)
         if self.n_heads % self.n_kv_heads:
             raise SpecError("model.n_kv_heads", f"{self.n_kv_heads} does not divide n_heads={self.n_heads}")
+        if self.moe is not None and self.moe.n_dense_layers >= self.n_layers:
+            raise SpecError("model.moe.n_dense_layers", f"{self.moe.n_dense_layers} leaves no sparse block of "
+                                                        f"n_layers={self.n_layers}")
+        unknown = set(self.attention_choices) - {a.value for a in Attention}
+        if not self.attention_choices or unknown:
+            raise SpecError("model.attention_choices", f"{self.attention_choices!r}; choose from: {_choices(Attention)}")
 
     @property
     def root_params(self) -> int:
@@ -171,8 +256,31 @@ class ModelSpec:
         return self.embedding_params + self.head_params + self.root_other_params
 
     @property
+    def n_dense_layers(self) -> int:
+        return self.moe.n_dense_layers if self.moe else 0
+
+    @property
+    def total_block_params(self) -> int:
+        """All repeated blocks: the sparse ones at block_params, leading dense ones (MoE) at their own size."""
+        dense = self.n_dense_layers
+        return (self.n_layers - dense) * self.block_params + (dense * self.moe.dense_block_params if dense else 0)
+
+    @property
     def n_params(self) -> int:
-        return self.n_layers * self.block_params + self.root_params
+        return self.total_block_params + self.root_params
+
+    @property
+    def active_params(self) -> int:
+        """Parameters one token's forward uses: the routed experts it does not visit left out (= n_params
+        for dense models). FLOPs scale with these."""
+        if self.moe is None:
+            return self.n_params
+        return self.n_params - (self.n_layers - self.n_dense_layers) * self.moe.inactive_params
+
+    @property
+    def priced_by(self) -> str:
+        """Which activation model prices this spec: the family's formulas or a traced block profile."""
+        return "block memory profile" if self.activation_profile is not None else "formula"
 
     @property
     def kv_dim(self) -> int:

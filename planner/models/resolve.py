@@ -1,0 +1,169 @@
+"""Where a ModelSpec comes from: presets (planner/catalog/models.json), config.json files or
+directories, Hugging Face config dicts, dispatched by model_type to the family readers (families.py);
+nn.Modules go to module.py."""
+
+from __future__ import annotations
+
+import difflib
+import json
+from functools import lru_cache
+from pathlib import Path
+
+from cost_models.specs import ModelSpec, SpecError
+from planner.errors import ModelNotFound, PlannerError, UnsupportedModel
+
+from .config_reader import Cfg
+from .families import BUILDERS
+
+CATALOG_PATH = Path(__file__).parent.parent / "catalog" / "models.json"
+
+# Keys of a preset entry that are ours, not Hugging Face's: stripped before building a torch model.
+_PRESET_META_KEYS = ("_source",)
+
+
+# ---------------------------------------------------------------------------------------------
+# Public API
+# ---------------------------------------------------------------------------------------------
+
+def resolve_model(model) -> ModelSpec:
+    """ModelSpec from a preset name, a config.json path (file or directory), an HF config dict,
+    an nn.Module, or a ModelSpec (returned unchanged)."""
+    if isinstance(model, ModelSpec):
+        return model
+    if isinstance(model, dict):
+        return from_hf_config(model)
+    from .module import from_module, is_module
+
+    if is_module(model):
+        return from_module(model)
+    if isinstance(model, str) and _preset_key(model) is not None:
+        return load_preset(model)
+    if isinstance(model, (str, Path)):
+        path = _config_path(model)
+        return from_hf_config(read_hf_config(path), name=_name_from_path(path))
+    raise PlannerError("model", f"expected a preset name, a config.json path, a dict or an nn.Module, "
+                                f"got {type(model).__name__}")
+
+
+def list_presets() -> list[str]:
+    return sorted(_catalog())
+
+
+def preset_hf_config(name: str) -> dict:
+    """The Hugging Face config dict of a preset (without our `_source` note): feed it to
+    `transformers.AutoConfig.for_model(**d)` to build the real model."""
+    key = _preset_key(name)
+    if key is None:
+        raise _unknown_preset(name)
+    return {k: v for k, v in _catalog()[key].items() if k not in _PRESET_META_KEYS}
+
+
+def preset_source(name: str) -> str:
+    """Where a preset's numbers come from (the catalog's `_source` note)."""
+    key = _preset_key(name)
+    if key is None:
+        raise _unknown_preset(name)
+    return _catalog()[key].get("_source", "")
+
+
+def load_preset(name: str) -> ModelSpec:
+    key = _preset_key(name)
+    if key is None:
+        raise _unknown_preset(name)
+    return from_hf_config(preset_hf_config(key), name=key)
+
+
+def hf_config_of(model) -> dict | None:
+    """The HF config dict behind a preset name, a config path or a dict; None for an nn.Module."""
+    if isinstance(model, dict):
+        return dict(model)
+    if isinstance(model, str) and _preset_key(model) is not None:
+        return preset_hf_config(model)
+    if isinstance(model, (str, Path)):
+        return read_hf_config(_config_path(model))
+    return None
+
+
+def _config_path(model: str | Path) -> Path:
+    """The config path a non-preset string names; ModelNotFound (with close preset names) when the
+    string looks like neither an existing path nor a path at all (a mistyped preset)."""
+    path = Path(model)
+    if isinstance(model, Path) or path.exists() or _looks_like_path(str(model)):
+        return path
+    raise _unknown_preset(str(model))
+
+
+def read_hf_config(path: str | Path) -> dict:
+    """Parse a config.json (or the config.json inside a directory); PlannerError on any failure."""
+    path = Path(path)
+    file = path / "config.json" if path.is_dir() else path
+    if not file.is_file():
+        where = f"no config.json in directory {path}" if path.is_dir() else f"no such file: {path}"
+        raise PlannerError("model", f"{where} (and it is not a preset name)")
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise PlannerError("model", f"{file} is not valid JSON: {e.msg} at line {e.lineno}") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise PlannerError("model", f"cannot read {file}: {e}") from None
+    if not isinstance(data, dict):
+        raise PlannerError("model", f"{file} must hold a JSON object, got {type(data).__name__}")
+    return data
+
+
+def from_hf_config(cfg: dict, name: str | None = None) -> ModelSpec:
+    """ModelSpec with exact parameter counts from a Hugging Face config dict."""
+    if not isinstance(cfg, dict):
+        raise PlannerError("model", f"a Hugging Face config must be a dict, got {type(cfg).__name__}")
+    model_type = cfg.get("model_type")
+    if not isinstance(model_type, str) or not model_type:
+        raise PlannerError("model", "config is missing required key 'model_type' "
+                                    f"(supported: {', '.join(supported_model_types())})")
+    builder = BUILDERS.get(model_type)
+    if builder is None:
+        raise UnsupportedModel("model_type", f"{model_type!r} is not supported; supported model_type values: "
+                                             f"{', '.join(supported_model_types())}")
+    fields = builder(Cfg(cfg, model_type))
+    if name is None:
+        name = Path(str(cfg.get("_name_or_path") or model_type)).name or model_type
+    try:
+        return ModelSpec(name=name, family=model_type, **fields)
+    except SpecError as e:  # a size the config allows but the spec rejects (e.g. a zero)
+        raise PlannerError("model", f"config of {name!r}: {e}") from None
+
+
+def supported_model_types() -> list[str]:
+    return sorted(BUILDERS)
+
+
+# ---------------------------------------------------------------------------------------------
+# Presets
+# ---------------------------------------------------------------------------------------------
+
+@lru_cache(maxsize=1)
+def _catalog() -> dict[str, dict]:
+    return json.loads(CATALOG_PATH.read_text(encoding="utf-8"))
+
+
+def _preset_key(name: str) -> str | None:
+    """Catalog key for a preset name, case-insensitively; None when it is not one."""
+    lowered = name.strip().lower()
+    return next((key for key in _catalog() if key.lower() == lowered), None)
+
+
+def _unknown_preset(name: str) -> ModelNotFound:
+    close = difflib.get_close_matches(name.strip().lower(), list_presets(), n=4, cutoff=0.5)
+    hint = f"did you mean: {', '.join(close)}?" if close else f"presets: {', '.join(list_presets())}"
+    return ModelNotFound("model", f"unknown model {name!r}: not a preset nor an existing config path; {hint}")
+
+
+def _looks_like_path(text: str) -> bool:
+    return text.endswith(".json") or "/" in text or "\\" in text or text.startswith(".")
+
+
+def _name_from_path(path: Path) -> str:
+    """'models/llama/config.json' -> 'llama'; 'tiny.json' -> 'tiny'."""
+    if path.is_dir():
+        return path.resolve().name
+    return path.resolve().parent.name if path.stem == "config" else path.stem
+
