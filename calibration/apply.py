@@ -13,6 +13,7 @@ Conventions:
 - Activation checkpointing wraps blocks 0, K, 2K, ... (index % K == 0): ceil(L / K) of L blocks, the
   memory-conservative reading of "every-K". FSDP2 applies it before fully_shard (torchtitan); FSDP1
   after wrapping (apply_fsdp1, as accelerate does). Both give the same checkpointed regions.
+- Hugging Face models train with model.config.use_cache = False (disable_kv_cache says why).
 """
 
 from __future__ import annotations
@@ -106,6 +107,7 @@ def apply_fsdp1(model: nn.Module, config: FsdpConfig, block_classes: set[type], 
 
     param_init_fn: FSDP1's hook that materialises a meta-device unit before it is sharded."""
     extra = {"param_init_fn": param_init_fn} if param_init_fn is not None else {}
+    disable_kv_cache(model)
     wrapped = FullyShardedDataParallel(model, **fsdp1_kwargs(config, block_classes, **kwargs), **extra)
     if config.ac_every:
         apply_activation_checkpointing(wrapped, block_classes, config.ac_every)
@@ -159,6 +161,7 @@ def fsdp2_kwargs(config: FsdpConfig, mesh: DeviceMesh) -> dict:
 def apply_fsdp2(model: nn.Module, config: FsdpConfig, block_classes: set[type], mesh: DeviceMesh) -> nn.Module:
     """torchtitan-style: checkpoint every K-th block, fully_shard each block (the checkpoint wrapper when
     there is one, so recompute stays inside the unit), then the root. Returns the same module."""
+    disable_kv_cache(model)
     if config.ac_every:
         apply_activation_checkpointing(model, block_classes, config.ac_every)
     kwargs = fsdp2_kwargs(config, mesh)
@@ -191,6 +194,19 @@ def _block_slots(model: nn.Module, block_classes: set[type]) -> list[tuple[nn.Mo
 
     visit(model)
     return slots
+
+
+def disable_kv_cache(model: nn.Module) -> None:
+    """Set `model.config.use_cache = False` when the model has a config with that attribute (Hugging Face).
+
+    Training needs no KV cache, and HF configs default to use_cache=True. HF's gradient_checkpointing_enable
+    turns it off, our checkpoint_wrapper does not: the forward fills a live cache and each checkpointed
+    block's recompute appends its keys and values again, held to the end of backward (more memory; SDPA's
+    gradients are unchanged, eager attention fails in the recompute). apply_fsdp1/apply_fsdp2 call this,
+    and the emitted snippets do the same."""
+    config = getattr(model, "config", None)
+    if hasattr(config, "use_cache"):
+        config.use_cache = False
 
 
 def apply_activation_checkpointing(model: nn.Module, block_classes: set[type], every: int) -> int:

@@ -16,7 +16,9 @@ steps. Each rank:
 2. applies the config through calibration.apply, the code path the emitted config uses (FSDP2:
    apply_fsdp2; FSDP1: apply_fsdp1 with a param_init_fn that materialises each unit on its device), then
    materialises and initialises the parameters: N(0, 0.02) for matrices, ones for norm weights, zeros
-   for biases. Weights do not matter to speed or memory; NaN-free numbers do (fp16 loss scaling);
+   for biases. Weights do not matter to speed or memory; NaN-free numbers do (fp16 loss scaling). Both
+   apply functions turn a Hugging Face model's KV cache off (model.config.use_cache = False), as the
+   emitted code does: left on, checkpointed recompute grows it and the measured peak with it;
 3. trains on synthetic token batches (random ids, labels = ids): `warmup` steps, then `steps` timed
    steps of grad_accum micro-steps + optimizer step each. NO_SHARD skips the gradient all-reduce on all
    but the last micro-step (no_sync), sharded strategies reduce-scatter every micro-step, as the cost

@@ -63,11 +63,14 @@ class Candidate:
         """Keyword arguments for FullyShardedDataParallel(module, **kwargs): real torch objects.
 
         The wrap policy uses the block class detected in `module` when given, else the class named by the
-        model spec (looked up among the module's submodules).
+        model spec (looked up among the module's submodules). Also turns a Hugging Face module's KV cache off
+        for training (calibration.apply.disable_kv_cache says why).
         """
-        from calibration.apply import fsdp1_kwargs
+        from calibration.apply import disable_kv_cache, fsdp1_kwargs
 
-        return fsdp1_kwargs(self.config, _block_classes(self.model, module),
+        classes = _block_classes(self.model, module)
+        disable_kv_cache(module)
+        return fsdp1_kwargs(self.config, classes,
                             gpus_per_node=self.cluster.gpus_per_node, device_id=device_id,
                             trainable_mixed=self.training.finetune is Finetune.LORA)
 

@@ -17,7 +17,7 @@ from cost_models.units import DTYPE_BYTES, GiB
 
 from .api import Candidate, Plan
 from .search import describe
-from .setups import FSDP2_REMOVED, UserSetup
+from .setups import FSDP2_REMOVED, UserSetup, model_use_cache
 
 ERROR, WARNING, ADVICE = "error", "warning", "advice"
 SEVERITY_ORDER = {ERROR: 0, WARNING: 1, ADVICE: 2}
@@ -45,6 +45,7 @@ class Context:
     dynamic_control_flow: bool
     unwrapped_extra_bytes: int      # memory the estimate lacks when there is no auto-wrap policy
     profile: Profile
+    model_use_cache: bool | None = None  # use_cache in the model's own config (config.json, HF dict, module)
 
     @property
     def config(self) -> FsdpConfig:
@@ -225,6 +226,41 @@ def slower_than_plan(ctx: Context):
                       f"{describe(best.config)}")
 
 
+def kv_cache_extra_bytes(model: ModelSpec, config: FsdpConfig, seq_len: int) -> int:
+    """What a live KV cache adds under activation checkpointing, at least: the keys and values of every
+    checkpointed block, 2 x b x s x kv_dim x compute bytes each (shared/reference/pitfalls.md; Llama 2 7B,
+    every-2, 4k tokens: 16 x 64 MiB = 1 GiB, traced +1.06 GiB). With every block checkpointed the peak
+    lands later in backward, where each recompute has grown its layer of the cache: tiny real Llamas of 2
+    to 8 blocks measured 3-4.5x this (tests/unit/test_apply.py: 3.5x)."""
+    if not config.ac_every:
+        return 0
+    n_checkpointed = -(-model.n_layers // config.ac_every)  # blocks 0, K, 2K, ...
+    kv_bytes = 2 * config.micro_batch * seq_len * model.kv_dim * DTYPE_BYTES[config.precision.compute_dtype]
+    return n_checkpointed * kv_bytes
+
+
+def kv_cache_with_checkpointing(ctx: Context):
+    """Checkpointing with the Hugging Face KV cache on: the setup says use_cache: true, or the model's
+    config.json does and a kwargs setup does not say it is turned off. An accelerate config gets advice:
+    under HF Trainer it is right (TrainingArguments.use_cache defaults to False), in a plain loop not."""
+    stated = ctx.setup.use_cache
+    if not ctx.config.ac_every or stated is False or (stated is None and not ctx.model_use_cache):
+        return
+    extra = kv_cache_extra_bytes(ctx.model, ctx.config, ctx.training.seq_len)
+    accelerate = ctx.setup.dialect == "accelerate"
+    where = "the setup says use_cache: true" if stated else "the model's config has use_cache: true"
+    trainer = (" HF Trainer turns it off (TrainingArguments.use_cache defaults to False); a plain accelerate loop "
+               "does not." if accelerate else "")
+    yield Finding("checkpointing-with-kv-cache", ADVICE if accelerate else WARNING,
+                  f"Activation checkpointing with the KV cache on ({where}): checkpoint_wrapper leaves it on (HF's "
+                  "gradient_checkpointing_enable turns it off), so the forward fills a live cache and each "
+                  "checkpointed block's recompute appends its keys and values again, held to the end of backward: "
+                  f"at least {extra / GiB:.2f} GiB per GPU the estimate does not count (SDPA's gradients are "
+                  f"unchanged; eager attention fails in the recompute).{trainer}",
+                  "model.config.use_cache = False before training (the snippets `fsdp-plan --emit fsdp1|fsdp2` "
+                  "write do it); in a kwargs file, say so with use_cache: false")
+
+
 def reduce_in_low_precision(ctx: Context):
     if ctx.config.precision.mixed and ctx.setup.reduce_dtype in ("bf16", "fp16"):
         yield Finding("low-precision-reduction", ADVICE,
@@ -235,7 +271,7 @@ def reduce_in_low_precision(ctx: Context):
 
 RULES = (dtype_support, does_not_fit, fp16_scaler, lora_without_orig_params, lora_adapters_share_units, wrap_policy,
          hybrid_single_node, sync_module_states, forward_prefetch_dynamic, limit_all_gathers, fsdp2_removed_settings,
-         reduce_in_low_precision, micro_batch_headroom, slower_than_plan)
+         reduce_in_low_precision, kv_cache_with_checkpointing, micro_batch_headroom, slower_than_plan)
 
 
 def unwrapped_extra_bytes(setup: UserSetup, candidate: Candidate) -> int:
@@ -248,13 +284,14 @@ def unwrapped_extra_bytes(setup: UserSetup, candidate: Candidate) -> int:
 
 
 def diagnose(setup: UserSetup, candidate: Candidate, plan: Plan | None, *, unwrapped_extra: int = 0,
-             dynamic_control_flow: bool = False, profile: Profile | None = None) -> list[Finding]:
+             dynamic_control_flow: bool = False, profile: Profile | None = None,
+             model_use_cache: bool | None = None) -> list[Finding]:
     """Run every rule. `candidate` is already priced as the user runs it (one unit when unwrapped, adding
     `unwrapped_extra` bytes)."""
     ctx = Context(setup=setup, candidate=candidate, model=candidate.model, cluster=candidate.cluster,
                   training=candidate.training, best=plan.best if plan else None,
                   dynamic_control_flow=dynamic_control_flow, unwrapped_extra_bytes=unwrapped_extra,
-                  profile=profile or DEFAULT_PROFILE)
+                  profile=profile or DEFAULT_PROFILE, model_use_cache=model_use_cache)
     findings = [f for rule in RULES for f in rule(ctx)]
     return sorted(findings, key=lambda f: SEVERITY_ORDER[f.severity])
 
@@ -309,7 +346,7 @@ def check(setup: UserSetup, model, gpus: int | None = None, *, gpus_per_node: in
     extra = unwrapped_extra_bytes(setup, candidate)
     candidate = _as_one_unit(candidate, extra, profile)
     findings = diagnose(setup, candidate, best, unwrapped_extra=extra, dynamic_control_flow=dynamic_control_flow,
-                        profile=profile)
+                        profile=profile, model_use_cache=model_use_cache(model))
     return CheckReport(setup=setup, candidate=candidate, findings=findings, plan=best)
 
 

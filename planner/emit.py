@@ -14,6 +14,9 @@ from cost_models.specs import ClusterSpec, FsdpConfig, ModelSpec, Precision, Tra
 _ACCELERATE_MIXED = {Precision.FP32: "no", Precision.BF16: "bf16", Precision.FP16: "fp16", Precision.BF16_PURE: "no"}
 RDZV_PORT = 29500
 _YAML_WORDS = {"no", "yes", "on", "off", "true", "false", "null", "y", "n"}
+# Why training turns a Hugging Face model's KV cache off (calibration.apply.disable_kv_cache does the same).
+_KV_CACHE_WHY = ("no KV cache in training: left on (HF's default), each checkpointed recompute appends to it "
+                 "until backward ends")
 
 
 # ---------------------------------------------------------------- shared helpers
@@ -50,7 +53,10 @@ def _preamble(config: FsdpConfig, blocks_var: str, blocks_expr: str) -> list[str
     """Body lines shared by both snippets: find the blocks (fail loudly on a wrong name), cast for bf16-pure."""
     lines = [f"{blocks_var} = {blocks_expr}",
              f"if not {blocks_var}:",
-             "    raise ValueError(f\"no {BLOCK_CLASS} in the model: check the block class name\")"]
+             "    raise ValueError(f\"no {BLOCK_CLASS} in the model: check the block class name\")",
+             f"# {_KV_CACHE_WHY[0].upper()}{_KV_CACHE_WHY[1:]}",
+             "if hasattr(getattr(model, \"config\", None), \"use_cache\"):  # a Hugging Face model",
+             "    model.config.use_cache = False"]
     if config.precision is Precision.BF16_PURE:
         lines.append("model.to(torch.bfloat16)  # bf16-pure: params, grads, optimizer state and reductions in bf16")
     return lines
@@ -288,6 +294,9 @@ def emit_accelerate(config: FsdpConfig, model_spec: ModelSpec, cluster: ClusterS
         header.append("multi-node: pass --main_process_ip <address of machine_rank 0> to accelerate launch")
     if config.limit_all_gathers is False:
         header.append("limit_all_gathers=False is not a config key: set it on FullyShardedDataParallelPlugin")
+    if config.ac_every:
+        header.append(f"set model.config.use_cache = False in your training loop (HF Trainer does: "
+                      f"TrainingArguments.use_cache defaults to False); {_KV_CACHE_WHY}")
     if config.grad_accum > 1:
         header.append(f"gradient accumulation is not a config key: Accelerator(gradient_accumulation_steps="
                       f"{config.grad_accum})")
@@ -366,6 +375,8 @@ def emit_lightning(config: FsdpConfig, model_spec: ModelSpec, cluster: ClusterSp
         f"num_nodes={cluster.n_nodes}, precision=\"{precision}\", accumulate_grad_batches={config.grad_accum})",
         f"# DataLoader batch_size={config.micro_batch} per GPU",
     ]
+    if config.ac_every:
+        lines.append(f"# in the LightningModule: model.config.use_cache = False; {_KV_CACHE_WHY}")
     return "\n".join(lines) + "\n"
 
 

@@ -51,6 +51,7 @@ class UserSetup:
     n_processes: int | None = None          # cluster size written in an accelerate config
     n_machines: int | None = None
     fsdp2_removed: tuple[str, ...] = ()     # FSDP1-only keys found in an FSDP2 config
+    use_cache: bool | None = None           # model.config.use_cache as the training runs (None: not stated)
     notes: tuple[str, ...] = field(default=())
 
 
@@ -199,13 +200,13 @@ def from_kwargs(data: dict, source: str = "kwargs") -> UserSetup:
 
     Extra keys the code around the wrapper decides: `grad_scaler` (ShardedGradScaler / GradScaler / null),
     `model_dtype` (the dtype the model is loaded in), `init` (all / rank0 / meta), `activation_checkpointing`,
-    `micro_batch`, `grad_accum`.
+    `micro_batch`, `grad_accum`, `use_cache` (model.config.use_cache during training: true / false).
     """
     known = {"sharding_strategy", "mixed_precision", "cpu_offload", "auto_wrap_policy", "backward_prefetch",
              "forward_prefetch", "limit_all_gathers", "use_orig_params", "sync_module_states", "device_id",
              "param_init_fn", "reshard_after_forward", "mp_policy", "offload_policy", "mesh", "fsdp_version",
              "grad_scaler", "model_dtype", "init", "activation_checkpointing", "micro_batch", "grad_accum",
-             "ignored_modules", "process_group", "device_mesh"}
+             "ignored_modules", "process_group", "device_mesh", "use_cache"}
     unknown = sorted(set(data) - known)
     if unknown:
         raise PlannerError(unknown[0], f"not an FSDP argument fsdp-plan knows; known: {', '.join(sorted(known))}")
@@ -260,4 +261,15 @@ def from_kwargs(data: dict, source: str = "kwargs") -> UserSetup:
         use_orig_params=True if version == 2 else _bool("use_orig_params", data.get("use_orig_params", False)),
         sync_module_states=_bool("sync_module_states", data.get("sync_module_states", False)),
         init=init, grad_scaler=scaler, reduce_dtype=reduce_dtype, fsdp2_removed=removed,
+        use_cache=_bool("use_cache", data["use_cache"]) if "use_cache" in data else None,
     )
+
+
+def model_use_cache(model) -> bool | None:
+    """use_cache of the model being checked: the key of a config.json (path) or HF config dict, or an
+    nn.Module's model.config.use_cache; None when the model does not say (presets, other modules)."""
+    from .models import hf_config_of
+
+    hf = hf_config_of(model)
+    value = hf.get("use_cache") if hf is not None else getattr(getattr(model, "config", None), "use_cache", None)
+    return None if value is None else _bool("use_cache", value)

@@ -163,3 +163,41 @@ def test_lora_adapters_sharing_units_is_advice_for_accelerate_configs():
     found = {f.code: f for f in check(from_accelerate(yaml.safe_load(text)), "llama2-7b", 8, finetune="lora").findings}
     assert found["lora-adapters-share-units"].severity == "advice"
     assert "HF Trainer" in found["lora-adapters-share-units"].message
+
+
+def test_checkpointing_with_the_kv_cache_on(tmp_path):
+    """Signals: `use_cache: true` in a kwargs file, or a config.json with use_cache: true that the setup
+    does not turn off; only with activation checkpointing. Priced at the lower bound, every checkpointed
+    block's keys and values: llama2-7b every-2 -> 16 x 2 x 1 x 4096 x 4096 x 2 B (bf16) = 1.00 GiB."""
+    import json
+
+    ac = {**GOOD, "activation_checkpointing": "every-2"}
+    found = check(from_kwargs({**ac, "use_cache": True}), "llama2-7b", 8, seq_len=4096).findings
+    f = {f.code: f for f in found}["checkpointing-with-kv-cache"]
+    assert f.severity == "warning" and "at least 1.00 GiB per GPU" in f.message and "use_cache = False" in f.fix
+    assert "checkpointing-with-kv-cache" not in codes({**ac, "use_cache": False})
+    assert "checkpointing-with-kv-cache" not in codes({**GOOD, "use_cache": True})  # no recompute
+    assert "checkpointing-with-kv-cache" not in codes(ac)  # a preset says nothing about the cache
+
+    hf = {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 11008, "num_attention_heads": 32,
+          "num_key_value_heads": 32, "num_hidden_layers": 32, "vocab_size": 32000}
+    (tmp_path / "on").mkdir()
+    (tmp_path / "on" / "config.json").write_text(json.dumps({**hf, "use_cache": True}))
+    (tmp_path / "off.json").write_text(json.dumps({**hf, "use_cache": False}))
+    assert codes(ac, model=str(tmp_path / "on"))["checkpointing-with-kv-cache"] == "warning"
+    assert "checkpointing-with-kv-cache" not in codes({**ac, "use_cache": False}, model=str(tmp_path / "on"))
+    assert "checkpointing-with-kv-cache" not in codes(ac, model=str(tmp_path / "off.json"))
+    assert "checkpointing-with-kv-cache" not in codes(GOOD, model=str(tmp_path / "on"))
+    # accelerate under HF Trainer is right (TrainingArguments.use_cache defaults to False): advice only
+    acc = from_accelerate({"distributed_type": "FSDP", "mixed_precision": "bf16",
+                           "fsdp_config": {"fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+                                           "fsdp_activation_checkpointing": True, "fsdp_use_orig_params": True}})
+    f = {f.code: f for f in check(acc, str(tmp_path / "on"), 8).findings}["checkpointing-with-kv-cache"]
+    assert f.severity == "advice" and "HF Trainer" in f.message
+
+
+def test_use_cache_must_be_a_boolean():
+    from planner.errors import PlannerError
+
+    with pytest.raises(PlannerError, match="use_cache"):
+        from_kwargs({**GOOD, "use_cache": "sometimes"})

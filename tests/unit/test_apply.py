@@ -29,6 +29,7 @@ from torch.distributed.fsdp.wrap import CustomPolicy, ModuleWrapPolicy
 import calibration.apply as apply_mod
 from calibration.apply import (
     apply_activation_checkpointing,
+    apply_fsdp1,
     apply_fsdp2,
     block_classes_for,
     cast_for_precision,
@@ -210,6 +211,113 @@ def test_cast_and_scaler():
     assert {p.dtype for p in model.parameters()} == {torch.float32}
     assert isinstance(grad_scaler_for(FsdpConfig(precision="fp16"), device="cpu"), ShardedGradScaler)
     assert grad_scaler_for(FsdpConfig(precision="bf16")) is None
+
+
+# ---------------------------------------------------------------- the KV cache (real HF Llama, one gloo rank)
+
+# The 4-block Llama of the CPU calibration run that showed the pitfall (shared/reference/pitfalls.md).
+KV_LLAMA = dict(model_type="llama", hidden_size=128, intermediate_size=344, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=32, num_hidden_layers=4, vocab_size=512)
+
+
+@pytest.fixture
+def gloo_rank():
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    yield 1
+    dist.destroy_process_group()
+
+
+def _kv_llama():
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**KV_LLAMA))
+    assert model.config.use_cache is True  # Hugging Face's default
+    return model.train()
+
+
+def _checkpointed_peak(config: FsdpConfig, seq_len: int, use_cache: bool | None) -> tuple[int, bool, float]:
+    """FSDP2 + full checkpointing through calibration.apply, real tensors; use_cache set after the apply
+    path unless None. Returns (peak bytes of the second step, use_cache as apply left it, last loss)."""
+    from calibration.memtrack import MemoryTracker
+
+    model = _kv_llama()
+    apply_fsdp2(model, config, {type(model.model.layers[0])}, make_mesh(config, 1, 1, "cpu"))
+    left_by_apply = model.config.use_cache
+    if use_cache is not None:
+        model.config.use_cache = use_cache
+    ids = torch.randint(0, KV_LLAMA["vocab_size"], (config.micro_batch, seq_len),
+                        generator=torch.Generator().manual_seed(1))
+    tracker = MemoryTracker(model, None, vocab_size=KV_LLAMA["vocab_size"])
+    tracker.track_inputs(ids)
+    with tracker:
+        for step in range(2):
+            model.zero_grad(set_to_none=True)
+            loss = model(ids, labels=ids).loss
+            loss.backward()
+            if step == 0:
+                tracker.reset()
+    return tracker.snapshot().peak_allocated_bytes, left_by_apply, loss.item()
+
+
+def test_apply_path_turns_the_kv_cache_off_measured(gloo_rank):
+    """SHARD_GRAD_OP, fp32, every block checkpointed, micro-batch 4 x 256 tokens (about 5 s): with the
+    cache forced back on, each recompute appends its keys and values to a live cache, held to the end
+    of backward; the apply path's own peak is the cache-off peak."""
+    from planner.doctor import kv_cache_extra_bytes
+    from planner.models import from_hf_config
+
+    config, seq_len = FsdpConfig(sharding="SHARD_GRAD_OP", precision="fp32", ac_every=1, micro_batch=4), 256
+    default, left_by_apply, default_loss = _checkpointed_peak(config, seq_len, None)
+    off, _, off_loss = _checkpointed_peak(config, seq_len, False)
+    on, _, on_loss = _checkpointed_peak(config, seq_len, True)
+    assert left_by_apply is False
+    assert default == pytest.approx(off, rel=1e-3)  # a count of tensors: equal in practice (22,868,616 B)
+    # The doctor's lower bound: 4 checkpointed blocks x 2 x 4 x 256 x kv_dim 64 x 4 B = 2 MiB. Measured
+    # 3.5x that (7,352,320 B): the peak comes late in backward, where recomputes have grown their layers.
+    lower = kv_cache_extra_bytes(from_hf_config(KV_LLAMA), config, seq_len)
+    assert lower == 4 * 2 * 4 * 256 * 64 * 4 == 2 * 2**20
+    assert 3.0 <= (on - off) / lower <= 4.5, (on, off)
+    assert on_loss == pytest.approx(off_loss, rel=1e-6) == pytest.approx(default_loss, rel=1e-6)  # same math
+
+
+def test_fsdp1_apply_and_api_kwargs_turn_the_kv_cache_off(gloo_rank):
+    from planner import estimate
+
+    model = _kv_llama()
+    wrapped = apply_fsdp1(model, FsdpConfig(ac_every=2), {type(model.model.layers[0])},
+                          device_id=torch.device("cpu"))
+    assert wrapped.config.use_cache is False
+    model = _kv_llama()
+    estimate(KV_LLAMA, 1, activation_checkpointing="full").fsdp_kwargs(model)
+    assert model.config.use_cache is False
+    plain = build_reference(SPEC)  # no config: left alone
+    apply_mod.disable_kv_cache(plain)
+    assert not hasattr(plain, "config")
+
+
+@pytest.mark.parametrize("emit", [emit_fsdp1, emit_fsdp2])
+def test_emitted_snippets_turn_the_kv_cache_off(gloo_rank, emit):
+    from planner.models import from_hf_config
+
+    code = emit(FsdpConfig(ac_every=1), from_hf_config(KV_LLAMA), ClusterSpec(gpu=GPU, n_gpus=1, gpus_per_node=1,
+                                                                             internode_bytes_per_s=50e9))
+    assert "    model.config.use_cache = False" in code and "No KV cache in training" in code
+    namespace: dict = {}
+    exec(compile(code, emit.__name__, "exec"), namespace)
+    model = _kv_llama()
+    wrapped = namespace["apply_fsdp"](model, device=torch.device("cpu"))
+    assert wrapped.config.use_cache is False
+    assert sum(isinstance(m, CheckpointWrapper) for m in wrapped.modules()) == 4
+
+
+def test_accelerate_and_lightning_say_to_turn_the_kv_cache_off():
+    from planner.emit import emit_lightning
+
+    for emit in (emit_accelerate, emit_lightning):
+        assert "model.config.use_cache = False" in emit(FsdpConfig(ac_every=2), SPEC, ONE_NODE)
+        assert "use_cache" not in emit(FsdpConfig(), SPEC, ONE_NODE)  # nothing to grow without recompute
+    assert "HF Trainer does" in emit_accelerate(FsdpConfig(ac_every=1), SPEC, ONE_NODE)
 
 
 # ---------------------------------------------------------------- reference model and build
