@@ -105,6 +105,15 @@ def _tracker_class(fsdp2: bool):
             from torch.utils.weak import WeakIdKeyDictionary
 
             self._grad_hooked = WeakIdKeyDictionary()
+            self.watched = WeakIdKeyDictionary()  # module -> [(activation, gradient) bytes] in its backward
+
+        def _update_snap(self, u_type, winfo, *args, **kwargs) -> None:
+            super()._update_snap(u_type, winfo, *args, **kwargs)
+            if self.watched and self._mod_tracker.is_bw and u_type.name == "ADD":
+                parents = self._mod_tracker.parents
+                for module, log in self.watched.items():
+                    if self._mod_tracker.get_known_fqn(module) in parents:
+                        log.append(_activations_and_grads(self._curr_mem_snap.get(winfo.device, {})))
 
         def _phase(self) -> str:
             if self._in_opt:
@@ -174,6 +183,18 @@ def _tracker_class(fsdp2: bool):
             self.peak_phase = "unknown"
 
     return _Tracker
+
+
+def _activations_and_grads(dev_snap: dict) -> tuple[int, int]:
+    """(activation bytes, gradient bytes) of one device's snapshot."""
+    acts = grads = 0
+    for key, n_bytes in dev_snap.items():
+        category = _TO_BREAKDOWN.get(str(getattr(key, "value", key)))
+        if category == "activations":
+            acts += n_bytes
+        elif category in ("sharded_grads", "unsharded_grads"):
+            grads += n_bytes
+    return acts, grads
 
 
 def _is_fsdp2(model: nn.Module) -> bool:
@@ -279,6 +300,34 @@ class MemoryTracker:
         breakdown["optimizer_state"] = kept
         peak = raw.get("Total", 0)
         return MemorySnapshot(peak_allocated_bytes=peak, breakdown=breakdown, peak_phase=self._tracker.peak_phase)
+
+    def watch_backward(self, modules) -> None:
+        """Record (activation, gradient) bytes at every allocation inside these modules' backward (call
+        before entering); read them with backward_moments."""
+        for module in modules:
+            self._tracker.watched[module] = []
+
+    def backward_moments(self, module: nn.Module) -> list[tuple[int, int]]:
+        """(activation bytes, gradient bytes) at each allocation of `module`'s backward (watch_backward)."""
+        return list(self._tracker.watched.get(module, []))
+
+    def module_moments(self, module: nn.Module) -> dict[str, tuple[int, int]]:
+        """(activation bytes, gradient bytes) live at `module`'s first pre-forward, post-forward and
+        pre-backward since entering: keys pre_forward, post_forward, pre_backward (absent when not reached).
+        Activations are what forward saved and backward's temporaries (categories Activation and Temp)."""
+        from torch.distributed._tools.mem_tracker import _ModState
+
+        stats = self._tracker.memory_tracking.get(module)
+        if stats is None:
+            return {}
+        names = {_ModState.PRE_FW: "pre_forward", _ModState.POST_FW: "post_forward",
+                 _ModState.PRE_BW: "pre_backward"}
+        out = {}
+        for state, name in names.items():
+            snaps = stats.snapshots.get(state)
+            if snaps:
+                out[name] = _activations_and_grads(self._device_snap(snaps[0]))
+        return out
 
     def _state_bytes_on_device(self) -> int:
         if self.optimizer is None:

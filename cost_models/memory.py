@@ -29,7 +29,7 @@ from dataclasses import dataclass, fields
 
 from . import activations
 from .profile import Profile
-from .specs import ClusterSpec, Finetune, FsdpConfig, ModelSpec, Optimizer, Precision, Sharding, TrainingSpec
+from .specs import ActivationTerms, ClusterSpec, Finetune, FsdpConfig, ModelSpec, Optimizer, Precision, Sharding, TrainingSpec
 from .units import DTYPE_BYTES
 
 # Blocks whose compute-dtype params are gathered at once in FULL_SHARD: the one in compute and the
@@ -103,6 +103,15 @@ class ParamCounts:
         return self.trainable_root + self.frozen_root
 
 
+def traced_block_terms(model: ModelSpec, precision: Precision, attention) -> "ActivationTerms | None":
+    """The block memory profile's terms for this compute dtype and attention (fp16 reuses bf16's: same
+    widths), or None when the model is priced by the formulas."""
+    if model.activation_profile is None:
+        return None
+    dtype = "bf16" if precision.compute_dtype == "fp16" else precision.compute_dtype
+    return model.activation_profile.get(dtype, attention.value)
+
+
 def _shard(n_bytes: float, d: int) -> int:
     return math.ceil(n_bytes / d)
 
@@ -146,6 +155,9 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
     attn = config.attention
     lora_rank = training.adapter_rank
     full = activations.block_bytes_per_token(model, c, attn, training.seq_len, config.micro_batch, lora_rank)
+    traced = traced_block_terms(model, precision, attn) if not lora_rank else None
+    if traced is not None:
+        full = round(traced.saved_bytes_per_token(training.seq_len))
     ckpt = activations.checkpointed_block_bytes_per_token(model, c)
     root_saved = activations.root_bytes_per_token(model, c, lora=bool(lora_rank))
     K = config.ac_every
@@ -199,15 +211,20 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
         # that very tensor).
         this = full + (ckpt_input_extra if is_ckpt(i) else 0) - (first_less if i == 0 else 0)
         below = saved_below(i)
-        at_mlp = tokens * (below + this + w_mlp)
-        at_attn = tokens * (below + this - freed_attn + w_attn)
-        mlp_first = at_mlp >= at_attn
+        if traced is not None:  # the traced block's own backward moments
+            w_acts, w_grads = traced.backward_peak(tokens, training.seq_len)
+            block_acts, block_grads = tokens * (below + this) + round(w_acts), min(w_grads, counts.trainable_block * c)
+        else:
+            at_mlp = tokens * (below + this + w_mlp)
+            at_attn = tokens * (below + this - freed_attn + w_attn)
+            mlp_first = at_mlp >= at_attn
+            block_acts, block_grads = (at_mlp, mlp_grad) if mlp_first else (at_attn, attn_grad)
         moments[f"backward of block {i}" + (" (recomputed)" if is_ckpt(i) else "")] = MemoryBreakdown(
             **states((L - 1 - i) * block_sharded_grad),
             unsharded_params=root_c + block_c + (i * block_c if keeps_gathered else 0),
             collective_buffers=(prefetch if i > 0 else 0) + (block_rs if i < L - 1 else 0),
-            unsharded_grads=head_grad + (mlp_grad if mlp_first else attn_grad),
-            activations=(at_mlp if mlp_first else at_attn) + shared,
+            unsharded_grads=head_grad + block_grads,
+            activations=block_acts + shared,
         )
     moments["end of backward"] = MemoryBreakdown(
         **states(L * block_sharded_grad),

@@ -142,9 +142,12 @@ class MoeSpec:
     router_params: int = 0          # per sparse layer: the router's weight (+ bias)
     shared_ffn_size: int = 0        # total intermediate width of the always-active shared expert(s); 0 = none
     shared_params: int = 0          # per sparse layer: the shared expert(s) (+ their gate)
-    n_dense_layers: int = 0         # leading blocks with a dense MLP instead
+    n_dense_layers: int = 0         # blocks with a dense MLP instead (DeepSeek's leading ones, Llama 4's interleaved)
+    first_sparse_layer: int = 0     # index of the first sparse block (= n_dense_layers when the dense ones lead)
     dense_block_params: int = 0     # parameters of one of those dense blocks
     dense_ffn_size: int = 0         # their MLP width
+    renormalise_top_k: bool = True    # the top-k routing weights are divided by their sum (Mixtral; norm_topk_prob)
+    fp32_routing_weights: bool = False  # they stay fp32, so the weighted expert outputs are fp32 (Mixtral, DeepSeek)
 
     def __post_init__(self):
         for name in ("n_experts", "experts_per_token", "expert_ffn_size", "expert_params"):
@@ -167,20 +170,37 @@ class MoeSpec:
 
 
 @dataclass(frozen=True)
+class BackwardMoment:
+    """One moment of a block's backward, above what is live when it starts: gradient bytes of the block's
+    weights accumulated by then, and activation bytes = const + tokens x (per_token + per_token_per_seq x s)
+    (const: token-independent temporaries such as a weight gradient before it is accumulated)."""
+
+    grad_bytes: int
+    const_bytes: float
+    per_token: float
+    per_token_per_seq: float
+
+    def activation_bytes(self, tokens: int, seq_len: int) -> float:
+        return self.const_bytes + tokens * (self.per_token + self.per_token_per_seq * seq_len)
+
+
+@dataclass(frozen=True)
 class ActivationTerms:
     """One block's activation memory for one (compute dtype, attention), fitted from traces of the real
-    block: bytes = tokens x (per_token + per_token_per_seq x seq_len), tokens = micro-batch x seq_len."""
+    block (calibration/block_profile.py); tokens = micro-batch x seq_len."""
 
-    saved_per_token: float              # what the block saves for backward
+    saved_per_token: float              # what the block saves for backward, per token
     saved_per_token_per_seq: float      # ... the part that grows with the sequence (scores, masks)
-    working_per_token: float            # what its backward holds above the saved tensors at its peak
-    working_per_token_per_seq: float
+    backward_moments: tuple[BackwardMoment, ...]  # candidates for the block's backward peak
 
     def saved_bytes_per_token(self, seq_len: int) -> float:
         return self.saved_per_token + self.saved_per_token_per_seq * seq_len
 
-    def working_bytes_per_token(self, seq_len: int) -> float:
-        return self.working_per_token + self.working_per_token_per_seq * seq_len
+    def backward_peak(self, tokens: int, seq_len: int) -> tuple[float, int]:
+        """(activation bytes, gradient bytes) at the moment of the block's backward where their sum peaks,
+        above the block's saved tensors and everything live before its backward."""
+        best = max(self.backward_moments, key=lambda m: m.activation_bytes(tokens, seq_len) + m.grad_bytes)
+        return best.activation_bytes(tokens, seq_len), best.grad_bytes
 
 
 @dataclass(frozen=True)
@@ -222,7 +242,10 @@ class ModelSpec:
     root_other_params: int   # final norm, pooler, MLM transform: root params that are not embeddings/head
     block_class: str         # module class repeated L times: the auto-wrap unit
     gated_mlp: bool = False          # SwiGLU-style: gate and up projections
-    norm: str = "layernorm"          # layernorm | rmsnorm (eager, fp32 upcast) | fused_rmsnorm
+    norm: str = "layernorm"          # layernorm | rmsnorm (eager, fp32 upcast) | fused_rmsnorm | rmsnorm_fp32
+    #                                  (the weight applied in fp32 too: Gemma's (1 + w), OLMo 2)
+    norm_layout: str = "pre"         # pre | sandwich (norms before and after each sublayer: Gemma 2/3) | post (OLMo 2)
+    qk_norm: str = ""                # "" | head (q, k normed over head_dim: Qwen3, Gemma 3) | full (q_dim, kv_dim: OLMo 2)
     activation: str = "gelu"         # silu | gelu | gelu_new | relu | gelu_tanh
     parallel_block: bool = False     # attention and MLP read the same normed input (GPT-J/NeoX/Falcon)
     tied_embeddings: bool = False
@@ -231,6 +254,9 @@ class ModelSpec:
     lora_target_shapes: tuple[tuple[int, int], ...] = ()  # (in, out) of each block linear LoRA adapts
     max_seq_len: int = 0             # 0 = unknown / unlimited (rotary, ALiBi)
     sliding_window: int = 0          # attention window in tokens (Mistral 7B v0.1: 4096); 0 = full attention
+    full_attention_layers: int = 0   # with a window: layers that still attend fully (Gemma 2/3, gpt-oss alternate)
+    attn_softcap: bool = False       # tanh soft-capping of the attention scores (Gemma 2)
+    logit_softcap: bool = False      # tanh soft-capping of the logits (Gemma 2)
     moe: MoeSpec | None = None       # mixture-of-experts shape of the sparse blocks; None = dense
     attention_choices: tuple[str, ...] = ("sdpa", "eager")  # implementations the family runs (Gemma 2: eager only)
     activation_profile: ActivationProfile | None = None     # traced per-block activations (families without a formula)
@@ -276,6 +302,16 @@ class ModelSpec:
         if self.moe is None:
             return self.n_params
         return self.n_params - (self.n_layers - self.n_dense_layers) * self.moe.inactive_params
+
+    def summary_dict(self) -> dict:
+        """The model as JSON output names it: size, active size (MoE) and which activation model prices it."""
+        out = {"name": self.name, "n_params": self.n_params}
+        if self.moe is not None:
+            out["active_params"] = self.active_params
+        out["priced_by"] = self.priced_by
+        if self.activation_profile is not None:
+            out["activation_profile"] = self.activation_profile.source
+        return out
 
     @property
     def priced_by(self) -> str:

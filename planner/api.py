@@ -140,7 +140,7 @@ class Plan:
     def to_dict(self, top: int | None = None) -> dict:
         shown = self.candidates[:top] if top else self.candidates
         return {
-            "model": {"name": self.model.name, "n_params": self.model.n_params},
+            "model": self.model.summary_dict(),
             "cluster": {"gpu": self.cluster.gpu.id, "gpus": self.cluster.n_gpus,
                         "gpus_per_node": self.cluster.gpus_per_node},
             "candidates": [c.to_dict() for c in shown] or [c.to_dict() for c in self.misses[:top or 5]],
@@ -171,17 +171,19 @@ def plan(model, gpus: int, *, gpu: str = DEFAULT_GPU, gpus_per_node: int | None 
          intra_node_gb_per_s: float | None = None, pcie_gb_per_s: float | None = None,
          cpu_ram_per_node: str | int | None = None, seq_len: int = 2048, global_batch: int | None = None,
          optimizer: str = "adamw", finetune: str = "full", lora_rank: int = 16,
-         precisions: list[str] | None = None, attention: str = "sdpa", profile: Profile | None = None,
-         space: SearchSpace | None = None) -> Plan:
-    """Search every candidate configuration and rank those that fit by throughput."""
+         precisions: list[str] | None = None, attention: str | None = None, profile: Profile | None = None,
+         space: SearchSpace | None = None, trust_remote_code: bool = False) -> Plan:
+    """Search every candidate configuration and rank those that fit by throughput. attention None: the
+    model's first choice (sdpa, or eager for families that refuse it)."""
     spec, cluster, training = resolve_inputs(
         model, gpus, gpu=gpu, gpus_per_node=gpus_per_node, internode_gbps=internode_gbps, gpu_memory=gpu_memory,
         intra_node_gb_per_s=intra_node_gb_per_s, pcie_gb_per_s=pcie_gb_per_s, cpu_ram_per_node=cpu_ram_per_node,
-        seq_len=seq_len, global_batch=global_batch, optimizer=optimizer, finetune=finetune, lora_rank=lora_rank)
+        seq_len=seq_len, global_batch=global_batch, optimizer=optimizer, finetune=finetune, lora_rank=lora_rank,
+        attention=space.attention.value if space else attention, trust_remote_code=trust_remote_code)
     if space is None:
         space = SearchSpace(
             precisions=tuple(parse_enum(Precision, p, "precision") for p in precisions) if precisions else None,
-            attention=parse_enum(Attention, attention, "attention"))
+            attention=parse_enum(Attention, model_attention(spec, attention), "attention"))
     return plan_for(spec, cluster, training, profile, space)
 
 
@@ -203,14 +205,17 @@ def estimate(model, gpus: int, *, gpu: str = DEFAULT_GPU, gpus_per_node: int | N
              cpu_ram_per_node: str | int | None = None, seq_len: int = 2048, global_batch: int | None = None,
              optimizer: str = "adamw", finetune: str = "full", lora_rank: int = 16,
              sharding: str = "FULL_SHARD", precision: str = "bf16", activation_checkpointing: str = "none",
-             micro_batch: int = 1, grad_accum: int | None = None, attention: str = "sdpa",
+             micro_batch: int = 1, grad_accum: int | None = None, attention: str | None = None,
              offload: bool = False, backward_prefetch: bool = True, forward_prefetch: bool = False,
-             limit_all_gathers: bool = True, profile: Profile | None = None) -> Candidate:
-    """Cost one explicit configuration."""
+             limit_all_gathers: bool = True, profile: Profile | None = None,
+             trust_remote_code: bool = False) -> Candidate:
+    """Cost one explicit configuration (attention None: the model's first choice)."""
     spec, cluster, training = resolve_inputs(
         model, gpus, gpu=gpu, gpus_per_node=gpus_per_node, internode_gbps=internode_gbps, gpu_memory=gpu_memory,
         intra_node_gb_per_s=intra_node_gb_per_s, pcie_gb_per_s=pcie_gb_per_s, cpu_ram_per_node=cpu_ram_per_node,
-        seq_len=seq_len, global_batch=global_batch, optimizer=optimizer, finetune=finetune, lora_rank=lora_rank)
+        seq_len=seq_len, global_batch=global_batch, optimizer=optimizer, finetune=finetune, lora_rank=lora_rank,
+        attention=attention, trust_remote_code=trust_remote_code)
+    attention = model_attention(spec, attention)
     if grad_accum is None:
         grad_accum = grad_accum_for(micro_batch, cluster, training)
     config = FsdpConfig(sharding=sharding, precision=precision, offload=offload,
@@ -233,13 +238,37 @@ def resolve_inputs(model, gpus: int, *, gpu: str = DEFAULT_GPU, gpus_per_node: i
                    internode_gbps: float | None = None, gpu_memory: str | int | None = None,
                    intra_node_gb_per_s: float | None = None, pcie_gb_per_s: float | None = None,
                    cpu_ram_per_node: str | int | None = None, seq_len: int = 2048, global_batch: int | None = None,
-                   optimizer: str = "adamw", finetune: str = "full",
-                   lora_rank: int = 16) -> tuple[ModelSpec, ClusterSpec, TrainingSpec]:
-    """The specs behind every command: model, cluster and training from API/CLI arguments."""
-    spec = model if isinstance(model, ModelSpec) else resolve_model(model)
+                   optimizer: str = "adamw", finetune: str = "full", lora_rank: int = 16,
+                   attention: str | None = None,
+                   trust_remote_code: bool = False) -> tuple[ModelSpec, ClusterSpec, TrainingSpec]:
+    """The specs behind every command: model, cluster and training from API/CLI arguments. A model without
+    an activation formula gets its traced block memory profile here (for `attention`, default: every
+    implementation it runs)."""
+    spec = model if isinstance(model, ModelSpec) else resolve_model(model, trust_remote_code=trust_remote_code)
     cluster = _cluster(gpus, gpu, gpus_per_node, internode_gbps, gpu_memory, intra_node_gb_per_s, pcie_gb_per_s,
                        cpu_ram_per_node)
-    return spec, cluster, _training(seq_len, global_batch, optimizer, finetune, lora_rank)
+    training = _training(seq_len, global_batch, optimizer, finetune, lora_rank)
+    if training.finetune is Finetune.FULL and not isinstance(model, ModelSpec):
+        from .models import hf_config_of
+        from .models.block_profiles import needs_block_profile, with_block_profile
+
+        hf_config = hf_config_of(model)
+        if needs_block_profile(spec, hf_config):
+            spec = with_block_profile(spec, hf_config, training.seq_len,
+                                      attentions=(model_attention(spec, attention),))
+    return spec, cluster, training
+
+
+def model_attention(spec: ModelSpec, attention: str | None) -> str:
+    """The attention implementation to price: the one asked for, if the model runs it, else (None) the
+    model's first choice."""
+    if attention is None:
+        return spec.attention_choices[0]
+    value = parse_enum(Attention, attention, "attention").value
+    if value not in spec.attention_choices:
+        raise PlannerError("attention", f"{spec.name} does not run {value} attention in transformers; choose one "
+                                        f"of: {', '.join(spec.attention_choices)}")
+    return value
 
 
 def estimate_config(spec: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, config: FsdpConfig,

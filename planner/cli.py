@@ -11,8 +11,8 @@ from typer.exceptions import TyperException
 from cost_models.specs import SpecError
 from planner.cli_options import (AttentionOpt, CpuRam, Emit, FinetuneOpt, Format, FormatOpt, GlobalBatch, Gpu,
                                  ForceProfile, GpuMemory, Gpus, GpusPerNode, InternodeGbps, IntraNode, LoraRank, Model,
-                                 Optim, Pcie, ProfileOpt, SeqLen, cluster_and_training, config_command,
-                                 load_profile_flag)
+                                 Optim, Pcie, ProfileOpt, SeqLen, TrustRemoteCode, cluster_and_training,
+                                 config_command, load_profile_flag)
 
 app = typer.Typer(add_completion=False, no_args_is_help=False, pretty_exceptions_enable=False,
                   rich_markup_mode=None,
@@ -26,7 +26,7 @@ def main_plan(
     internode_gbps: InternodeGbps = None, gpu_memory: GpuMemory = None, intra_node_gb_per_s: IntraNode = None,
     pcie_gb_per_s: Pcie = None, cpu_ram_per_node: CpuRam = None,
     seq_len: SeqLen = 2048, global_batch: GlobalBatch = None, optimizer: Optim = "adamw",
-    finetune: FinetuneOpt = "full", lora_rank: LoraRank = 16, attention: AttentionOpt = "sdpa",
+    finetune: FinetuneOpt = "full", lora_rank: LoraRank = 16, attention: AttentionOpt = None,
     precision: Annotated[Optional[list[str]], typer.Option("--precision", help="Precisions to search (repeatable)")] = None,
     top: Annotated[int, typer.Option("--top", help="Candidates to show")] = 5,
     output_format: FormatOpt = Format.table,
@@ -35,7 +35,7 @@ def main_plan(
                                                                "(real FSDP2 step on fake tensors, no GPU)")] = 0,
     plot: Annotated[Optional[str], typer.Option("--plot", help="Draw the top candidates' memory and step time "
                                                                "to FILE.png or FILE.svg (needs matplotlib)")] = None,
-    profile: ProfileOpt = None, force_profile: ForceProfile = False,
+    profile: ProfileOpt = None, force_profile: ForceProfile = False, trust_remote_code: TrustRemoteCode = False,
 ):
     """Rank every FSDP configuration that fits; print the best as ready-to-use code."""
     if ctx.invoked_subcommand is not None:
@@ -46,7 +46,7 @@ def main_plan(
 
     args = cluster_and_training(model, gpus, gpus_per_node, gpu, internode_gbps, gpu_memory, intra_node_gb_per_s,
                                  pcie_gb_per_s, cpu_ram_per_node, seq_len, global_batch, optimizer, finetune,
-                                 lora_rank)
+                                 lora_rank, trust_remote_code)
     if top < 1:
         raise SpecError("top", f"must be >= 1, got {top}")
     if verify_top < 0:

@@ -38,7 +38,10 @@ GlobalBatch = Annotated[Optional[int], typer.Option("--global-batch", help="Sequ
 Optim = Annotated[str, typer.Option("--optimizer", help="adamw, adam, sgd, adamw-8bit")]
 FinetuneOpt = Annotated[str, typer.Option("--finetune", help="full or lora")]
 LoraRank = Annotated[int, typer.Option("--lora-rank", help="LoRA rank")]
-AttentionOpt = Annotated[str, typer.Option("--attention", help="sdpa (fused) or eager")]
+AttentionOpt = Annotated[Optional[str], typer.Option("--attention", help="sdpa (fused) or eager; default: sdpa, "
+                                                     "or eager for models that do not run sdpa (Gemma 2, gpt-oss)")]
+TrustRemoteCode = Annotated[bool, typer.Option("--trust-remote-code", help="Build a config.json whose auto_map names "
+                                               "custom modelling code (runs that code)")]
 FormatOpt = Annotated[Format, typer.Option("--format", help="table or json")]
 ProfileOpt = Annotated[Optional[str], typer.Option("--profile", help="Predict with a profile.json fitted by "
                                                    "`fsdp-plan calibrate`")]
@@ -56,7 +59,7 @@ def load_profile_flag(path: str | None, gpu: str, force: bool):
 
 def cluster_and_training(model, gpus, gpus_per_node, gpu, internode_gbps, gpu_memory, intra_node_gb_per_s,
                           pcie_gb_per_s, cpu_ram_per_node, seq_len, global_batch, optimizer, finetune,
-                          lora_rank) -> dict:
+                          lora_rank, trust_remote_code: bool = False) -> dict:
     from planner.errors import PlannerError
 
     if model is None:
@@ -67,7 +70,8 @@ def cluster_and_training(model, gpus, gpus_per_node, gpu, internode_gbps, gpu_me
     return dict(gpus=gpus, gpus_per_node=gpus_per_node, gpu=gpu, internode_gbps=internode_gbps,
                 gpu_memory=gpu_memory, intra_node_gb_per_s=intra_node_gb_per_s, pcie_gb_per_s=pcie_gb_per_s,
                 cpu_ram_per_node=cpu_ram_per_node, seq_len=seq_len,
-                global_batch=global_batch, optimizer=optimizer, finetune=finetune, lora_rank=lora_rank)
+                global_batch=global_batch, optimizer=optimizer, finetune=finetune, lora_rank=lora_rank,
+                trust_remote_code=trust_remote_code)
 
 
 ConfigRunner = Callable[[str, dict, dict, Format], None]
@@ -83,7 +87,7 @@ def config_command(app, name: str, help_text: str, run: ConfigRunner, takes_prof
         internode_gbps: InternodeGbps = None, gpu_memory: GpuMemory = None, intra_node_gb_per_s: IntraNode = None,
         pcie_gb_per_s: Pcie = None, cpu_ram_per_node: CpuRam = None,
         seq_len: SeqLen = 2048, global_batch: GlobalBatch = None, optimizer: Optim = "adamw",
-        finetune: FinetuneOpt = "full", lora_rank: LoraRank = 16, attention: AttentionOpt = "sdpa",
+        finetune: FinetuneOpt = "full", lora_rank: LoraRank = 16, attention: AttentionOpt = None,
         sharding: Annotated[str, typer.Option("--sharding", help="FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD, "
                                                                  "HYBRID_SHARD_ZERO2")] = "FULL_SHARD",
         precision: Annotated[str, typer.Option("--precision", help="fp32, bf16, bf16-pure, fp16")] = "bf16",
@@ -96,7 +100,7 @@ def config_command(app, name: str, help_text: str, run: ConfigRunner, takes_prof
         backward_prefetch: Annotated[bool, typer.Option("--backward-prefetch/--no-backward-prefetch")] = True,
         limit_all_gathers: Annotated[bool, typer.Option("--limit-all-gathers/--no-limit-all-gathers")] = True,
         output_format: FormatOpt = Format.table,
-        profile: ProfileOpt = None, force_profile: ForceProfile = False,
+        profile: ProfileOpt = None, force_profile: ForceProfile = False, trust_remote_code: TrustRemoteCode = False,
     ):
         if profile is not None and not takes_profile:
             from planner.errors import PlannerError
@@ -104,7 +108,7 @@ def config_command(app, name: str, help_text: str, run: ConfigRunner, takes_prof
             raise PlannerError("profile", f"`fsdp-plan {name}` does not use a profile")
         args = cluster_and_training(model, gpus, gpus_per_node, gpu, internode_gbps, gpu_memory, intra_node_gb_per_s,
                                     pcie_gb_per_s, cpu_ram_per_node, seq_len, global_batch, optimizer, finetune,
-                                    lora_rank)
+                                    lora_rank, trust_remote_code)
         config = dict(sharding=sharding, precision=precision, activation_checkpointing=activation_checkpointing,
                       micro_batch=micro_batch, grad_accum=grad_accum, attention=attention, offload=offload,
                       backward_prefetch=backward_prefetch, limit_all_gathers=limit_all_gathers)

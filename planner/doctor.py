@@ -309,7 +309,7 @@ class CheckReport:
 
     def to_dict(self) -> dict:
         return {
-            "model": {"name": self.candidate.model.name, "n_params": self.candidate.model.n_params},
+            "model": self.candidate.model.summary_dict(),
             "source": self.setup.source,
             "fsdp_version": self.setup.fsdp_version,
             **self.candidate.to_dict(),

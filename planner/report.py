@@ -43,7 +43,7 @@ def candidates_table(candidates: list[Candidate], top: int) -> str:
 def plan_text(p: Plan, top: int) -> str:
     c0 = p.cluster
     lines = [
-        f"{p.model.name}: {p.model.n_params / 1e9:.2f}B parameters, {p.model.n_layers} x {p.model.block_class}",
+        *model_lines(p.model),
         f"cluster: {c0.n_gpus} x {c0.gpu.name} ({gib(c0.gpu.memory_bytes)} GiB), {c0.gpus_per_node} per node, "
         f"{c0.internode_bytes_per_s * 8 / 1e9:.0f} Gbit/s between nodes",
         training_line(p.training),
@@ -64,6 +64,16 @@ def plan_text(p: Plan, top: int) -> str:
     for reason in p.skipped:
         lines.append(f"skipped: {reason}")
     return "\n".join(lines)
+
+
+def model_lines(spec) -> list[str]:
+    """"name: 46.70B parameters (12.88B active), 32 x Block" and, for a model priced by a traced block
+    profile, where its activation memory comes from."""
+    active = f" ({spec.active_params / 1e9:.2f}B active)" if spec.moe is not None else ""
+    lines = [f"{spec.name}: {spec.n_params / 1e9:.2f}B parameters{active}, {spec.n_layers} x {spec.block_class}"]
+    if spec.activation_profile is not None:
+        lines.append(f"activations: {spec.activation_profile.source}")
+    return lines
 
 
 def training_line(training) -> str:
@@ -98,7 +108,7 @@ def estimate_text(c: Candidate) -> str:
 
 def estimate_json(c: Candidate) -> str:
     d = c.to_dict()
-    out = {"model": {"name": c.model.name, "n_params": c.model.n_params}, **d}
+    out = {"model": c.model.summary_dict(), **d}
     return json.dumps(out, indent=2)
 
 

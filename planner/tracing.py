@@ -68,7 +68,7 @@ class TraceReport:
             self.peak_reserved_bytes, c.cluster.gpu.memory_bytes, f"peak in {traced.peak_phase.replace('_', ' ')}",
             prefix="traced peak ")]
         return {
-            "model": {"name": c.model.name, "n_params": c.model.n_params},
+            "model": c.model.summary_dict(),
             "source": "trace",
             "config": analytic["config"],
             "fits": self.fits,

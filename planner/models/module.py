@@ -24,7 +24,7 @@ def is_module(obj) -> bool:
 
 def block_classes_of(module) -> set[type]:
     """The repeated block class(es) of a module: the FSDP auto-wrap units."""
-    return {type(block) for block in _find_blocks(module, _hf_block_class_name(module))}
+    return {type(block) for block in find_blocks(module, _hf_block_class_name(module))}
 
 
 def from_module(module, name: str | None = None) -> ModelSpec:
@@ -35,12 +35,15 @@ def from_module(module, name: str | None = None) -> ModelSpec:
     Parameter counts always come from the module itself.
     """
     name = name or type(module).__name__
-    blocks = _find_blocks(module, _hf_block_class_name(module))
+    blocks = find_blocks(module, _hf_block_class_name(module))
     split = _measure_split(module, blocks)
     hf_dict = _hf_config_dict(module)
     try:
         if hf_dict is not None and hf_dict.get("model_type") in BUILDERS:
-            return dataclasses.replace(from_hf_config(hf_dict, name=name), **split)
+            spec = from_hf_config(hf_dict, name=name)
+            if spec.n_dense_layers:  # blocks of two sizes (MoE): the config's split is exact, the mean is not
+                split = {k: v for k, v in split.items() if k not in ("block_params", "root_other_params")}
+            return dataclasses.replace(spec, **split)
         return ModelSpec(name=name, family="generic", **_infer_shapes(module, blocks, hf_dict or {}), **split)
     except PlannerError:
         raise
@@ -66,7 +69,7 @@ def _hf_block_class_name(module) -> str | None:
         return None
 
 
-def _find_blocks(module, class_name: str | None = None) -> list:
+def find_blocks(module, class_name: str | None = None) -> list:
     """Instances of the block class: `class_name` when known (transformers), else the class whose
     instances, as children of an nn.ModuleList / nn.Sequential, hold the most parameters. Classes
     repeated at least twice win over single ones, so a Sequential(embedding, encoder, head) does not

@@ -25,13 +25,13 @@ _PRESET_META_KEYS = ("_source",)
 # Public API
 # ---------------------------------------------------------------------------------------------
 
-def resolve_model(model) -> ModelSpec:
+def resolve_model(model, *, trust_remote_code: bool = False) -> ModelSpec:
     """ModelSpec from a preset name, a config.json path (file or directory), an HF config dict,
     an nn.Module, or a ModelSpec (returned unchanged)."""
     if isinstance(model, ModelSpec):
         return model
     if isinstance(model, dict):
-        return from_hf_config(model)
+        return from_hf_config(model, trust_remote_code=trust_remote_code)
     from .module import from_module, is_module
 
     if is_module(model):
@@ -40,7 +40,8 @@ def resolve_model(model) -> ModelSpec:
         return load_preset(model)
     if isinstance(model, (str, Path)):
         path = _config_path(model)
-        return from_hf_config(read_hf_config(path), name=_name_from_path(path))
+        return from_hf_config(read_hf_config(path), name=_name_from_path(path), trust_remote_code=trust_remote_code,
+                              source_dir=path if path.is_dir() else path.parent)
     raise PlannerError("model", f"expected a preset name, a config.json path, a dict or an nn.Module, "
                                 f"got {type(model).__name__}")
 
@@ -111,21 +112,25 @@ def read_hf_config(path: str | Path) -> dict:
     return data
 
 
-def from_hf_config(cfg: dict, name: str | None = None) -> ModelSpec:
-    """ModelSpec with exact parameter counts from a Hugging Face config dict."""
+def from_hf_config(cfg: dict, name: str | None = None, *, trust_remote_code: bool = False,
+                   source_dir: Path | None = None) -> ModelSpec:
+    """ModelSpec with exact parameter counts from a Hugging Face config dict: a family reader where we have
+    one (no torch), else the model transformers builds on the meta device (generic.py). Remote code
+    (auto_map) needs trust_remote_code and the model's directory (source_dir)."""
     if not isinstance(cfg, dict):
         raise PlannerError("model", f"a Hugging Face config must be a dict, got {type(cfg).__name__}")
     model_type = cfg.get("model_type")
     if not isinstance(model_type, str) or not model_type:
         raise PlannerError("model", "config is missing required key 'model_type' "
                                     f"(supported: {', '.join(supported_model_types())})")
-    builder = BUILDERS.get(model_type)
-    if builder is None:
-        raise UnsupportedModel("model_type", f"{model_type!r} is not supported; supported model_type values: "
-                                             f"{', '.join(supported_model_types())}")
-    fields = builder(Cfg(cfg, model_type))
     if name is None:
         name = Path(str(cfg.get("_name_or_path") or model_type)).name or model_type
+    builder = BUILDERS.get(model_type)
+    if builder is None or cfg.get("auto_map"):
+        from .generic import from_transformers  # imports torch and transformers
+
+        return from_transformers(cfg, name, trust_remote_code=trust_remote_code, source_dir=source_dir)
+    fields = builder(Cfg(cfg, model_type))
     try:
         return ModelSpec(name=name, family=model_type, **fields)
     except SpecError as e:  # a size the config allows but the spec rejects (e.g. a zero)

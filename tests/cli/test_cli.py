@@ -24,7 +24,7 @@ def test_plan_json_shape():
     r = run("--model", "llama2-7b", "--gpus", "16", "--format", "json", "--top", "3")
     assert r.returncode == 0, r.stderr
     d = json.loads(r.stdout)
-    assert d["model"] == {"name": "llama2-7b", "n_params": 6_738_415_616}
+    assert d["model"] == {"name": "llama2-7b", "n_params": 6_738_415_616, "priced_by": "formula"}
     assert 1 <= len(d["candidates"]) <= 3
     c = d["candidates"][0]
     assert set(c) >= {"config", "fits", "reasons", "memory", "time", "fsdp_kwargs", "fully_shard_kwargs"}

@@ -1,0 +1,166 @@
+"""Block memory profile: one block's activation memory traced from the real model, for families that have
+no formula in cost_models/activations.py.
+
+    terms, seconds = profile_block(hf_config, compute_dtype="bf16", attention="sdpa", seq_len=4096)
+
+The Hugging Face model is built at full width but with only a few layers (one period of its layer pattern,
+e.g. Gemma 3's five local and one global layer; the leading dense layers of an MoE model and two sparse
+ones) inside FakeTensorMode: no memory, no FLOPs. It runs forward and backward, no FSDP, parameters in the
+compute dtype (what FSDP's mixed precision gathers), under the same GPU-run kernel and mask choices as the
+trace tier (calibration.trace), with calibration.memtrack's per-module moments. For each block:
+
+    saved   = activations at its post-forward - at its pre-forward   (what it adds for backward)
+    working = activations at its backward peak - at its pre-backward + the incoming gradient (c*h)
+
+which is what cost_models.memory calls block_bytes_per_token and the backward working set. Three
+(micro-batch, sequence) points - (1, s/2), (1, s), (2, s) - fit bytes = tokens x (a + b x s): the linear
+term (every tensor of a token) and the quadratic one (scores, masks); the b=2 point checks linearity in
+tokens. Saved bytes are the mean over the profiled blocks (the layer pattern repeats), working bytes the
+largest (the peak happens in the worst block).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from cost_models.specs import ActivationTerms, BackwardMoment
+from cost_models.units import DTYPE_BYTES
+
+from .memtrack import MemoryTracker
+
+MAX_PROFILED_LAYERS = 8   # a layer pattern longer than this is profiled on its first 8 layers
+MIN_SEQ_LEN = 32
+
+
+def profiled_layers(hf_config: dict, n_dense_layers: int = 0) -> int:
+    """Layers to build: one period of `layer_types` (at least 2), plus the leading dense layers of an MoE."""
+    total = int(hf_config.get("num_hidden_layers") or hf_config.get("n_layer") or 2)
+    period = 2
+    kinds = hf_config.get("layer_types")
+    if isinstance(kinds, list) and kinds:
+        period = next(p for p in range(1, len(kinds) + 1)
+                      if all(kinds[i] == kinds[i % p] for i in range(len(kinds))))
+        period = max(2, period)
+    # + 2: the first block (its input is held by the model's forward) and the one after the last measured
+    return min(total, n_dense_layers + min(period, MAX_PROFILED_LAYERS) + 2)
+
+
+def _reduced_config(hf_config: dict, n_layers: int):
+    from transformers import AutoConfig
+
+    fields = dict(hf_config)
+    model_type = fields.pop("model_type")
+    config = AutoConfig.for_model(model_type, **fields)
+    config.num_hidden_layers = n_layers
+    if isinstance(getattr(config, "layer_types", None), list):
+        config.layer_types = config.layer_types[:n_layers]
+    config.use_cache = False
+    return config
+
+
+def _blocks(model, block_class: str) -> list:
+    return [m for m in model.modules() if type(m).__name__ == block_class]
+
+
+def _measure(model, blocks: list, vocab_size: int, micro_batch: int, seq_len: int, incoming_bytes: int):
+    """For one (micro_batch, seq_len) forward + backward: the mean saved bytes per block, and each block's
+    backward moments as (activation, gradient) bytes above what was live at its pre-backward."""
+    from .trace import cuda_kernel_choices
+
+    ids = torch.randint(0, vocab_size, (micro_batch, seq_len))
+    tracker = MemoryTracker(model, vocab_size=vocab_size)
+    tracker.watch_backward(blocks)
+    with tracker:
+        with cuda_kernel_choices():
+            out = model(input_ids=ids, labels=ids)
+            out.loss.backward()
+            del out
+    for p in model.parameters():
+        p.grad = None
+    moments = [tracker.module_moments(block) for block in blocks]
+    # Steady state: what one block adds by the time the next starts (its output replaces its input, which
+    # the caller still holds at the block's own post-forward). The first block is skipped: the model's
+    # forward holds the embedding output (its input) to the end.
+    saved = [after["pre_forward"][0] - before["pre_forward"][0] for before, after in zip(moments[1:], moments[2:])]
+    backward = []
+    for block, m in zip(blocks[1:-1], moments[1:-1]):
+        pre_acts, pre_grads = m["pre_backward"]
+        # the incoming gradient is live at pre-backward; the memory model counts it in the working set
+        backward.append([(acts - pre_acts + incoming_bytes, grads - pre_grads)
+                         for acts, grads in tracker.backward_moments(block)])
+    return sum(saved) / len(saved), backward
+
+
+def profile_block(hf_config: dict, *, block_class: str, compute_dtype: str, attention: str, seq_len: int,
+                  hidden_size: int, vocab_size: int, n_dense_layers: int = 0) -> tuple[ActivationTerms, float]:
+    """Fitted per-token terms of one block (see the module docstring) and the seconds the profile took.
+    With n_dense_layers (an MoE's leading dense blocks) the sparse blocks after them are profiled."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from transformers import AutoModelForCausalLM
+
+    from .apply import TORCH_DTYPES
+    from .trace import _real_run_masking
+
+    started = time.perf_counter()
+    n_layers = profiled_layers(hf_config, n_dense_layers)
+    config = _reduced_config(hf_config, n_layers)
+    c = DTYPE_BYTES[compute_dtype]
+    long_s = max(MIN_SEQ_LEN, seq_len)
+    points = ((1, max(MIN_SEQ_LEN, long_s // 2)), (1, long_s), (2, long_s))
+    saved, backward = [], []
+    with _real_run_masking(True), FakeTensorMode(allow_non_fake_inputs=False):
+        with torch.device("cpu"):
+            model = AutoModelForCausalLM.from_config(config, attn_implementation=attention,
+                                                     dtype=TORCH_DTYPES[compute_dtype])
+        model.train()
+        blocks = _blocks(model, block_class)[max(0, n_dense_layers - 1):]
+        if len(blocks) < 3:
+            raise ValueError(f"need 3 {block_class} blocks in the profiled model, found {len(blocks)}")
+        for b, s in points:
+            mean_saved, moments = _measure(model, blocks, vocab_size, b, s, c * hidden_size * b * s)
+            saved.append(mean_saved)
+            backward.append(moments)
+    tokens = [b * s for b, s in points]
+    seqs = [s for _, s in points]
+    k, a, q = _solve(tokens, seqs, saved)
+    terms = ActivationTerms(saved_per_token=a, saved_per_token_per_seq=max(q, 0.0),
+                            backward_moments=_envelope(_fit_moments(tokens, seqs, backward), long_s))
+    return terms, time.perf_counter() - started
+
+
+def _solve(tokens: list[int], seqs: list[int], ys: list[float]) -> tuple[float, float, float]:
+    """(k, a, q) with y = k + t*(a + q*s) through the three points."""
+    import numpy as np
+
+    rows = np.array([[1.0, t, t * s] for t, s in zip(tokens, seqs)])
+    k, a, q = np.linalg.solve(rows, np.array(ys, dtype=float))
+    return float(k), float(a), float(q)
+
+
+def _fit_moments(tokens, seqs, backward) -> list[BackwardMoment]:
+    """One BackwardMoment per allocation of each profiled block's backward, matched across the three
+    points by position (the same ops run in the same order whatever the shape)."""
+    fitted = []
+    for block_index in range(len(backward[0])):
+        logs = [point[block_index] for point in backward]
+        if len({len(log) for log in logs}) != 1:
+            # data-dependent op order: keep each point's peak moment only
+            logs = [[max(log, key=sum)] for log in logs]
+        for events in zip(*logs):
+            k, a, q = _solve(tokens, seqs, [acts for acts, _ in events])
+            fitted.append(BackwardMoment(grad_bytes=max(g for _, g in events), const_bytes=k, per_token=a,
+                                         per_token_per_seq=q))
+    return fitted
+
+
+def _envelope(moments: list[BackwardMoment], seq_len: int) -> tuple[BackwardMoment, ...]:
+    """The moments that are the peak for some micro-batch the planner may try (1 to 128 sequences)."""
+    keep = []
+    for b in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128):
+        tokens = b * seq_len
+        best = max(moments, key=lambda m: m.activation_bytes(tokens, seq_len) + m.grad_bytes)
+        if best not in keep:
+            keep.append(best)
+    return tuple(keep)

@@ -1,0 +1,190 @@
+"""Block memory profiles for models without an activation formula: traced once, cached on disk.
+
+    spec = with_block_profile(spec, hf_config, seq_len=4096)   # spec.activation_profile is set
+
+The profile (calibration/block_profile.py: the real block at full width on fake tensors) is made for
+each compute dtype the planner prices (bf16, which fp16 shares, and fp32) and each attention
+implementation the model runs, at the requested sequence length. It is cached as one JSON file per
+(config, torch and transformers versions, dtype, attention, sequence length) under
+$FSDP_PLANNER_CACHE (default ~/.cache/fsdp-planner)/block-profiles/, written atomically and validated
+when read (a file that does not parse is made again). After the first profile the search is as fast as
+for a preset.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import time
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from cost_models.specs import ActivationProfile, ActivationTerms, BackwardMoment, ModelSpec
+from planner.errors import PlannerError
+
+SCHEMA_VERSION = 1
+PROFILED_DTYPES = ("bf16", "fp32")
+
+
+class _Moment(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    grad_bytes: int
+    const_bytes: float
+    per_token: float
+    per_token_per_seq: float
+
+
+class BlockProfileFile(BaseModel):
+    """One cached profile: what it was made from and the fitted terms."""
+
+    model_config = ConfigDict(extra="forbid")
+    schema_version: int
+    key: str
+    model_type: str
+    compute_dtype: str
+    attention: str
+    seq_len: int
+    torch_version: str
+    transformers_version: str
+    seconds: float
+    saved_per_token: float
+    saved_per_token_per_seq: float
+    backward_moments: list[_Moment]
+
+    def terms(self) -> ActivationTerms:
+        return ActivationTerms(saved_per_token=self.saved_per_token,
+                               saved_per_token_per_seq=self.saved_per_token_per_seq,
+                               backward_moments=tuple(BackwardMoment(**m.model_dump()) for m in self.backward_moments))
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("FSDP_PLANNER_CACHE") or Path.home() / ".cache" / "fsdp-planner"
+    return Path(root) / "block-profiles"
+
+
+def _versions() -> tuple[str, str]:
+    """torch and transformers versions from the installed metadata (no import: a cached run stays fast)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("torch"), version("transformers")
+    except PackageNotFoundError:
+        return "none", "none"
+
+
+def _config_key(kind: str, hf_config: dict, **extra) -> str:
+    torch_version, transformers_version = _versions()
+    blob = json.dumps({"kind": kind, "config": hf_config, "torch": torch_version, "transformers": transformers_version,
+                       "schema": SCHEMA_VERSION, **extra}, sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:24]
+
+
+def cached_spec(hf_config: dict, name: str, make) -> ModelSpec:
+    """The ModelSpec transformers' meta build gives for this config (`make()`), cached like the profiles:
+    a later run neither imports torch nor builds the model."""
+    key = _config_key("spec", hf_config)
+    path = cache_dir() / f"spec-{key}.json"
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        if data.get("key") == key:
+            return dataclasses.replace(_spec_from_dict(data["spec"]), name=name)
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    spec = make()
+    from calibration.store import write_atomic
+
+    try:
+        write_atomic(path, json.dumps({"key": key, "spec": dataclasses.asdict(spec)}, indent=1))
+    except OSError:
+        pass
+    return spec
+
+
+def _spec_from_dict(data: dict) -> ModelSpec:
+    """Inverse of dataclasses.asdict for a ModelSpec (tuples and the nested MoeSpec restored); a file that
+    does not describe a valid spec raises TypeError/ValueError and is made again."""
+    from cost_models.specs import MoeSpec
+
+    fields = dict(data)
+    fields["lora_target_shapes"] = tuple(tuple(s) for s in fields.get("lora_target_shapes", ()))
+    fields["attention_choices"] = tuple(fields.get("attention_choices", ("sdpa", "eager")))
+    if fields.get("moe") is not None:
+        moe = dict(fields["moe"])
+        moe["stacked_expert_tensors"] = tuple(tuple(s) for s in moe.get("stacked_expert_tensors", ()))
+        fields["moe"] = MoeSpec(**moe)
+    if fields.get("activation_profile") is not None:
+        raise ValueError("a cached spec holds no profile")
+    return ModelSpec(**fields)
+
+
+def profile_key(hf_config: dict, compute_dtype: str, attention: str, seq_len: int) -> str:
+    return _config_key("block-profile", hf_config, dtype=compute_dtype, attention=attention, seq_len=seq_len)
+
+
+def _read(path: Path, key: str) -> BlockProfileFile | None:
+    try:
+        profile = BlockProfileFile.model_validate_json(path.read_text(encoding="utf-8"))
+    except (OSError, ValidationError, ValueError):
+        return None
+    return profile if profile.key == key and profile.schema_version == SCHEMA_VERSION else None
+
+
+def load_or_profile(spec: ModelSpec, hf_config: dict, compute_dtype: str, attention: str,
+                    seq_len: int) -> tuple[BlockProfileFile, bool]:
+    """The cached profile for this (config, dtype, attention, seq_len), or a new one written to the cache;
+    the flag says whether it was cached."""
+    key = profile_key(hf_config, compute_dtype, attention, seq_len)
+    path = cache_dir() / f"{key}.json"
+    cached = _read(path, key)
+    if cached is not None:
+        return cached, True
+    from calibration.block_profile import profile_block  # torch, transformers
+    from calibration.store import write_atomic
+
+    try:
+        terms, seconds = profile_block(hf_config, block_class=spec.block_class, compute_dtype=compute_dtype,
+                                       attention=attention, seq_len=seq_len, hidden_size=spec.hidden_size,
+                                       vocab_size=spec.vocab_size,
+                                       n_dense_layers=spec.moe.first_sparse_layer if spec.moe else 0)
+    except Exception as exc:  # noqa: BLE001 - foreign model code: report it as one line
+        text = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+        raise PlannerError("model", f"tracing a block of {spec.name} for its memory profile failed "
+                                    f"({type(exc).__name__}: {text})") from None
+    torch_version, transformers_version = _versions()
+    profile = BlockProfileFile(
+        schema_version=SCHEMA_VERSION, key=key, model_type=str(hf_config.get("model_type")),
+        compute_dtype=compute_dtype, attention=attention, seq_len=seq_len, torch_version=torch_version,
+        transformers_version=transformers_version, seconds=round(seconds, 3),
+        saved_per_token=terms.saved_per_token, saved_per_token_per_seq=terms.saved_per_token_per_seq,
+        backward_moments=[_Moment(**dataclasses.asdict(m)) for m in terms.backward_moments])
+    try:
+        write_atomic(path, profile.model_dump_json(indent=1))
+    except OSError:
+        pass  # an unwritable cache costs a re-profile next time, not a wrong answer
+    return profile, False
+
+
+def with_block_profile(spec: ModelSpec, hf_config: dict, seq_len: int,
+                       attentions: tuple[str, ...] | None = None) -> ModelSpec:
+    """spec with activation_profile set for every profiled dtype x attention (default: all the model runs)."""
+    started = time.perf_counter()
+    entries, made, first_seconds = [], 0, 0.0
+    for attention in attentions or spec.attention_choices:
+        for dtype in PROFILED_DTYPES:
+            profile, cached = load_or_profile(spec, hf_config, dtype, attention, seq_len)
+            entries.append((dtype, attention, profile.terms()))
+            first_seconds += profile.seconds
+            made += not cached
+    took = time.perf_counter() - started
+    source = (f"traced block memory profile ({len(entries)} dtype x attention, seq {seq_len}): "
+              + (f"made in {took:.1f} s, cached in {cache_dir()}" if made
+                 else f"cached in {cache_dir()} (first made in {first_seconds:.1f} s)"))
+    return dataclasses.replace(spec, activation_profile=ActivationProfile(terms=tuple(entries), source=source))
+
+
+def needs_block_profile(spec: ModelSpec, hf_config: dict | None) -> bool:
+    """A model read from transformers' build (no family formula) gets its activations from a profile."""
+    return hf_config is not None and spec.family == "generic" and spec.activation_profile is None

@@ -1,0 +1,200 @@
+"""Any causal LM transformers can build: the fallback for a model_type without a family reader.
+
+    spec = from_transformers(cfg_dict, name="granite-8b")
+
+The model is built from its config on the meta device (no memory, no weights), and everything is read
+from what was built: exact parameter counts (module.py's split into blocks, embeddings, head and the rest),
+the repeated block, the shapes, a mixture-of-experts layout (stacked expert tensors, top-k, leading dense
+blocks) and which attention implementations the model class runs. Activation memory then comes from a
+traced block memory profile (block_profiles.py), not from a formula.
+
+Remote-code models (config.json with `auto_map`) are refused unless trust_remote_code is set; then the
+config and the code are loaded from the model's directory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from cost_models.specs import ModelSpec, MoeSpec, SpecError
+from planner.errors import PlannerError, UnsupportedModel
+
+# Config keys naming the routed experts and top-k, in the spellings of transformers' MoE configs.
+_EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+_TOP_K_KEYS = ("num_experts_per_tok", "moe_topk", "top_k", "num_selected_experts")
+_EXPERT_WIDTH_KEYS = ("moe_intermediate_size", "expert_intermediate_size", "intermediate_size")
+
+
+def transformers_version() -> str:
+    try:
+        import transformers
+    except ImportError:
+        return "not installed"
+    return transformers.__version__
+
+
+def _require_transformers(model_type: str) -> None:
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        raise PlannerError("model_type", f"{model_type!r} has no built-in reader; pricing it from its transformers "
+                                         "implementation needs transformers: pip install 'fsdp-planner[hf]'") from None
+
+
+def hf_config_object(cfg: dict, *, trust_remote_code: bool = False, source_dir: Path | None = None):
+    """transformers' config object for a config dict; PlannerError (one line) when it cannot be made."""
+    model_type = cfg.get("model_type")
+    _require_transformers(model_type)
+    from transformers import AutoConfig
+
+    if cfg.get("auto_map"):
+        if not trust_remote_code:
+            raise PlannerError("trust_remote_code", f"config of model_type {model_type!r} names custom modelling "
+                                                    "code (auto_map); pass --trust-remote-code to run it")
+        if source_dir is None:
+            raise PlannerError("model", "a remote-code model (auto_map) must be given as its directory, which holds "
+                                        "the code next to config.json")
+        return _quiet(lambda: AutoConfig.from_pretrained(str(source_dir), trust_remote_code=True))
+    fields = {k: v for k, v in cfg.items() if k != "model_type"}
+    try:
+        return _quiet(lambda: AutoConfig.for_model(model_type, **fields))
+    except ValueError as exc:
+        if "Unrecognized model identifier" in str(exc) or model_type not in _known_model_types():
+            raise UnsupportedModel("model_type", f"{model_type!r} is not a model type transformers "
+                                             f"{transformers_version()} can build") from None
+        raise PlannerError("model", f"config of model_type {model_type!r}: {_first_line(exc)}") from None
+    except (TypeError, KeyError, AttributeError) as exc:
+        raise PlannerError("model", f"config of model_type {model_type!r}: {_first_line(exc)}") from None
+
+
+def _known_model_types() -> set[str]:
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    return set(CONFIG_MAPPING_NAMES)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return (text[0] if text else type(exc).__name__)[:300]
+
+
+def _quiet(make):
+    """Run transformers without its config warnings (token ids etc. are not ours to show)."""
+    import transformers
+
+    verbosity = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()
+    try:
+        return make()
+    finally:
+        transformers.logging.set_verbosity(verbosity)
+
+
+def build_on_meta(config, *, trust_remote_code: bool = False):
+    """AutoModelForCausalLM.from_config on the meta device; PlannerError when transformers cannot."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model_type = getattr(config, "model_type", "?")
+    try:
+        with torch.device("meta"):
+            return _quiet(lambda: AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code))
+    except ValueError as exc:
+        if "Unrecognized configuration class" in str(exc):
+            raise UnsupportedModel("model_type", f"{model_type!r} is not a causal language model in transformers "
+                                             f"{transformers_version()} (no AutoModelForCausalLM class)") from None
+        raise PlannerError("model", f"transformers {transformers_version()} cannot build model_type "
+                                    f"{model_type!r}: {_first_line(exc)}") from None
+    except (TypeError, KeyError, AttributeError, RuntimeError, ImportError) as exc:
+        raise PlannerError("model", f"transformers {transformers_version()} cannot build model_type "
+                                    f"{model_type!r}: {type(exc).__name__}: {_first_line(exc)}") from None
+
+
+def from_transformers(cfg: dict, name: str, *, trust_remote_code: bool = False,
+                      source_dir: Path | None = None) -> ModelSpec:
+    """ModelSpec of any causal LM transformers can build, read from the model built on meta (cached on disk
+    by config and versions: block_profiles.cached_spec)."""
+    from .block_profiles import cached_spec
+
+    if cfg.get("auto_map") and not trust_remote_code:
+        hf_config_object(cfg)  # raises the one-line refusal
+    return cached_spec(cfg, name, lambda: _read_built_model(cfg, name, trust_remote_code, source_dir))
+
+
+def _read_built_model(cfg: dict, name: str, trust_remote_code: bool, source_dir: Path | None) -> ModelSpec:
+    from .module import find_blocks, from_module
+
+    config = hf_config_object(cfg, trust_remote_code=trust_remote_code, source_dir=source_dir)
+    model = build_on_meta(config, trust_remote_code=trust_remote_code)
+    spec = from_module(model, name=name)
+    blocks = find_blocks(model, spec.block_class)
+    moe = _moe_layout(model, blocks, cfg)
+    try:
+        spec = dataclasses.replace(spec, attention_choices=attention_choices(model))
+        return _with_moe(spec, moe, blocks) if moe else spec
+    except SpecError as e:
+        raise PlannerError("model", f"config of {name!r}: {e}") from None
+
+
+def attention_choices(model) -> tuple[str, ...]:
+    """The implementations this model class runs in training: sdpa only where the class declares support
+    (Gemma 2 and gpt-oss do not), eager always."""
+    return ("sdpa", "eager") if getattr(type(model), "_supports_sdpa", False) else ("eager",)
+
+
+def _config_int(cfg: dict, keys: tuple[str, ...]) -> int | None:
+    for key in keys:
+        value = cfg.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
+
+def _moe_layout(model, blocks: list, cfg: dict) -> dict | None:
+    """Routed experts as transformers stores them: 3-D parameters whose dim 0 is the expert count.
+    None for a dense model."""
+    n_experts = _config_int(cfg, _EXPERT_KEYS)
+    top_k = _config_int(cfg, _TOP_K_KEYS)
+    if not n_experts or not top_k:
+        return None
+    sparse = []
+    for index, block in enumerate(blocks):
+        stacked = [(name, p) for name, p in block.named_parameters() if p.dim() == 3 and p.shape[0] == n_experts]
+        if stacked:
+            sparse.append((index, block, stacked))
+    if not sparse:
+        return None
+    index, block, stacked = sparse[0]
+    sparse_indices = {i for i, _, _ in sparse}
+    dense = [b for i, b in enumerate(blocks) if i not in sparse_indices]
+    return dict(n_experts=n_experts, top_k=min(top_k, n_experts), first_sparse=index, block=block, stacked=stacked,
+                dense=dense, expert_width=_config_int(cfg, _EXPERT_WIDTH_KEYS) or 0)
+
+
+def _numel(module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def _with_moe(spec: ModelSpec, moe: dict, blocks: list) -> ModelSpec:
+    """The spec with its MoE shape: block_params is the sparse block's, leading dense blocks apart; counts
+    re-split so that n_params is unchanged."""
+    block = moe["block"]
+    n_dense = len(moe["dense"])
+    stacked = tuple((p.shape[0], p[0].numel()) for _, p in moe["stacked"])
+    expert_params = sum(per_expert for _, per_expert in stacked)
+    router = sum(p.numel() for name, p in block.named_parameters()  # (E, h) weight, (E,) bias or score bias
+                 if p.dim() <= 2 and p.shape[0] == moe["n_experts"] and ("gate" in name or "router" in name))
+    width = moe["expert_width"] or max(min(p.shape[1:]) for _, p in moe["stacked"])
+    sparse_params = _numel(block)
+    dense_params = sum(_numel(b) for b in moe["dense"]) // n_dense if n_dense else 0
+    blocks_total = sum(_numel(b) for b in blocks)
+    other = spec.root_other_params + spec.n_layers * spec.block_params - blocks_total
+    # parameters of the sparse blocks that differ from the first sparse one go to the root (rare)
+    remainder = blocks_total - n_dense * dense_params - (spec.n_layers - n_dense) * sparse_params
+    moe_spec = MoeSpec(n_experts=moe["n_experts"], experts_per_token=moe["top_k"], expert_ffn_size=width,
+                       expert_params=expert_params, stacked_expert_tensors=stacked, router_params=router,
+                       n_dense_layers=n_dense, first_sparse_layer=moe["first_sparse"], dense_block_params=dense_params,
+                       dense_ffn_size=spec.ffn_hidden_size if n_dense else 0)
+    return dataclasses.replace(spec, moe=moe_spec, block_params=sparse_params,
+                               ffn_hidden_size=width, root_other_params=other + remainder)
