@@ -12,72 +12,12 @@ from collections.abc import Callable
 from planner.errors import PlannerError
 
 from .config_reader import Cfg, head, layernorm, linear, mlp, normalise_activation, qkvo
+from .family_table import BUILDERS as TABLE_BUILDERS
+from .moe_families import BUILDERS as MOE_BUILDERS
 
 # ---------------------------------------------------------------------------------------------
 # Per-model_type builders: config -> ModelSpec fields. Each mirrors modeling_<type>.py.
 # ---------------------------------------------------------------------------------------------
-
-# Llama-style decoders (RMSNorm, SwiGLU, rotary, GQA): block class and transformers' default
-# max_position_embeddings. They differ only in which biases exist (_llama_biases) and in Phi-3's
-# fused qkv_proj / gate_up_proj, which hold exactly as many parameters as separate projections.
-_LLAMA_STYLE = {
-    "llama": ("LlamaDecoderLayer", 2048),
-    "mistral": ("MistralDecoderLayer", 4096 * 32),
-    "qwen2": ("Qwen2DecoderLayer", 32768),
-    "phi3": ("Phi3DecoderLayer", 4096),
-}
-
-
-def _llama_biases(c: Cfg) -> tuple[bool, bool, bool]:
-    """(q/k/v bias, o_proj bias, MLP bias) as each modeling file builds them."""
-    if c.model_type == "llama":
-        attention_bias = c.flag("attention_bias", False)
-        return attention_bias, attention_bias, c.flag("mlp_bias", False)
-    if c.model_type == "qwen2":
-        return True, False, False  # hard-coded: q/k/v carry biases, o_proj does not
-    return False, False, False     # mistral, phi3: hard-coded bias=False
-
-
-def _llama_style(c: Cfg) -> dict:
-    block_class, default_max_pos = _LLAMA_STYLE[c.model_type]
-    qkv_bias, o_bias, mlp_bias = _llama_biases(c)
-    h, L, vocab = c.size("hidden_size"), c.size("num_hidden_layers"), c.size("vocab_size")
-    n_heads = c.size("num_attention_heads")
-    n_kv = c.size("num_key_value_heads", default=n_heads)
-    c.divides("num_key_value_heads", n_kv, "num_attention_heads", n_heads)
-    head_dim = c.size("head_dim", default=h // n_heads)  # explicit head_dim overrides h / n_heads
-    f = c.size("intermediate_size")
-    q_dim, kv_dim = n_heads * head_dim, n_kv * head_dim
-    tied = c.flag("tie_word_embeddings", False)
-    block = qkvo(h, q_dim, kv_dim, qkv_bias, o_bias) + mlp(h, f, mlp_bias, gated=True) + 2 * h  # 2 RMSNorms
-    fused = c.model_type == "phi3"
-    lora = ((h, q_dim + 2 * kv_dim), (q_dim, h)) if fused else ((h, q_dim), (h, kv_dim), (h, kv_dim), (q_dim, h))
-    return dict(
-        n_layers=L, hidden_size=h, n_heads=n_heads, n_kv_heads=n_kv, head_dim=head_dim, ffn_hidden_size=f,
-        vocab_size=vocab, block_params=block, embedding_params=vocab * h, head_params=head(tied, h, vocab),
-        root_other_params=h,  # final RMSNorm
-        block_class=block_class, gated_mlp=True, norm="rmsnorm",
-        activation=normalise_activation(c.text("hidden_act", "silu")), tied_embeddings=tied,
-        # Phi-3 declares resid_pdrop/embd_pdrop but its transformers module only applies attention dropout.
-        dropout=c.any_dropout(attention_dropout=0.0), lora_target_shapes=lora,
-        max_seq_len=c.size("max_position_embeddings", default=default_max_pos),
-        sliding_window=_sliding_window(c),
-    )
-
-
-def _sliding_window(c: Cfg) -> int:
-    """The attention window of every layer, 0 for none. Mistral: MistralConfig's default is 4096, null
-    disables it. Phi-3: none unless the config sets one (Phi-3-mini-4k's config.json says 2047). Qwen2
-    windows only layers from max_window_layers on, and only with use_sliding_window (off in released
-    configs): not modelled, counted as full attention."""
-    if "sliding_window" in c.data and c.data["sliding_window"] is None:
-        return 0
-    if c.model_type == "mistral":
-        return c.size("sliding_window", default=4096)
-    if c.model_type == "phi3" and "sliding_window" in c.data:
-        return c.size("sliding_window")
-    return 0
-
 
 def _gpt2(c: Cfg) -> dict:
     # GPT2Config's attribute_map: hidden_size -> n_embd, num_hidden_layers -> n_layer, ...
@@ -265,8 +205,10 @@ def _bert(c: Cfg) -> dict:
     )
 
 
+# Llama-like decoders (llama, mistral, qwen2, phi3, qwen3, gemma*, olmo2, phi, starcoder2) are rows of a
+# table (family_table.py), mixture-of-experts ones too (moe_families.py); the rest have a reader each here.
 BUILDERS: dict[str, Callable[[Cfg], dict]] = {
-    **{model_type: _llama_style for model_type in _LLAMA_STYLE},
+    **TABLE_BUILDERS, **MOE_BUILDERS,
     "gpt2": _gpt2, "gpt_neox": _gpt_neox, "opt": _opt, "bloom": _bloom, "falcon": _falcon, "mpt": _mpt,
     "bert": _bert,
 }
