@@ -33,3 +33,9 @@ def load_accelerate():
     """accelerate's own config loader and launch-time resolution, as a function (tmp_path, yaml_text)."""
     pytest.importorskip("accelerate")
     return _load_accelerate
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _planner_cache(tmp_path_factory):
+    """Block profiles and specs of generic models are cached under a test-session directory, not ~/.cache."""
+    os.environ["FSDP_PLANNER_CACHE"] = str(tmp_path_factory.mktemp("fsdp-planner-cache"))

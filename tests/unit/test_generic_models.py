@@ -1,0 +1,147 @@
+"""The generic path: any causal LM transformers builds, priced by a traced block memory profile.
+
+Counts are checked against transformers on the meta device; the profile against the formulas of a family
+that has them (Llama: the formulas are within 0.01% of the trace tier, docs/accuracy.md) and the estimate
+built on it against the trace tier; the caches against re-profiling; bad input against one-line errors.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("transformers")
+
+import torch  # noqa: E402
+
+from cost_models import activations  # noqa: E402
+from cost_models.specs import Attention  # noqa: E402
+from planner.api import estimate  # noqa: E402
+from planner.errors import PlannerError, UnsupportedModel  # noqa: E402
+from planner.models import from_hf_config  # noqa: E402
+from planner.models.block_profiles import cache_dir, with_block_profile  # noqa: E402
+
+# Families transformers ships that have no reader here (the generic path prices them).
+GRANITE = {"model_type": "granite", "hidden_size": 256, "intermediate_size": 704, "num_hidden_layers": 4,
+           "num_attention_heads": 8, "num_key_value_heads": 2, "vocab_size": 3000, "tie_word_embeddings": True,
+           "embedding_multiplier": 12.0, "residual_multiplier": 0.22, "attention_multiplier": 0.0078125,
+           "logits_scaling": 16.0}
+COHERE = {"model_type": "cohere", "hidden_size": 256, "intermediate_size": 704, "num_hidden_layers": 3,
+          "num_attention_heads": 8, "num_key_value_heads": 2, "vocab_size": 3000}
+LLAMA4 = {"model_type": "llama4_text", "hidden_size": 256, "intermediate_size": 256, "intermediate_size_mlp": 768,
+          "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 32,
+          "vocab_size": 3000, "num_local_experts": 4, "num_experts_per_tok": 1, "interleave_moe_layer_step": 2}
+LLAMA = {"model_type": "llama", "hidden_size": 256, "intermediate_size": 704, "num_hidden_layers": 4,
+         "num_attention_heads": 8, "num_key_value_heads": 2, "vocab_size": 3000}
+
+
+@pytest.fixture(autouse=True)
+def _own_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("FSDP_PLANNER_CACHE", str(tmp_path / "cache"))
+
+
+def _meta_count(cfg: dict) -> int:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    fields = {k: v for k, v in cfg.items() if k != "model_type"}
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(cfg["model_type"], **fields))
+    return sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("cfg", [GRANITE, COHERE, LLAMA4], ids=["granite", "cohere", "llama4_text"])
+def test_counts_equal_the_meta_build(cfg):
+    spec = from_hf_config(dict(cfg), name=cfg["model_type"])
+    assert spec.n_params == _meta_count(cfg)
+    assert spec.n_layers == cfg["num_hidden_layers"] and spec.hidden_size == 256
+
+
+def test_interleaved_moe_layout_read_from_the_built_model():
+    """Llama 4: every second layer is sparse, 4 stacked experts of (256 -> 2 x 256) and (256 -> 256)."""
+    spec = from_hf_config(dict(LLAMA4), name="llama4")
+    moe = spec.moe
+    assert (moe.n_experts, moe.experts_per_token, moe.n_dense_layers, moe.first_sparse_layer) == (4, 1, 2, 1)
+    assert moe.stacked_expert_tensors == ((4, 256 * 2 * 256), (4, 256 * 256))
+    assert moe.expert_params == 3 * 256 * 256
+    # a token visits 1 of 4 experts in each of the 2 sparse layers
+    assert spec.n_params - spec.active_params == 2 * 3 * moe.expert_params
+
+
+def test_block_profile_of_a_family_with_formulas_matches_them():
+    """The Llama formulas are exact against the trace; the traced profile must agree with them within 2%."""
+    spec = from_hf_config(dict(LLAMA), name="llama")
+    seq = 512
+    profiled = with_block_profile(spec, LLAMA, seq, attentions=("sdpa", "eager"))
+    for dtype, c in (("bf16", 2), ("fp32", 4)):
+        for attention in (Attention.SDPA, Attention.EAGER):
+            terms = profiled.activation_profile.get(dtype, attention.value)
+            formula = activations.block_bytes_per_token(spec, c, attention, seq)
+            assert terms.saved_bytes_per_token(seq) == pytest.approx(formula, rel=0.02)
+    # backward: the MLP moment of an sdpa block holds c*h + 2*c*f above the saved tensors, with fc2's
+    # weight gradient (h x f) accumulated
+    acts, grads = profiled.activation_profile.get("bf16", "sdpa").backward_peak(4 * seq, seq)
+    assert acts / (4 * seq) == pytest.approx(activations.mlp_backward_working_bytes_per_token(spec, 2), rel=0.02)
+    assert grads == 256 * 704 * 2
+
+
+def test_generic_estimate_matches_the_trace():
+    """Granite (no reader) priced from its profile, against the trace tier on the same config."""
+    from planner.tracing import trace
+
+    kwargs = dict(precision="bf16", micro_batch=2, seq_len=512)
+    report = trace(dict(GRANITE), 4, **kwargs)
+    assert report.candidate.model.priced_by == "block memory profile"
+    assert abs(report.relative_error) < 0.01, report.relative_error
+
+
+def test_profile_and_spec_are_cached(tmp_path):
+    first = estimate(dict(GRANITE), 4, seq_len=256)
+    files = sorted(p.name for p in cache_dir().iterdir())
+    assert len(files) == 3  # the spec and two profiles (bf16, fp32) for sdpa
+    assert "made in" in first.model.activation_profile.source
+    second = estimate(dict(GRANITE), 4, seq_len=256)
+    assert "cached in" in second.model.activation_profile.source
+    assert second.memory.peak_allocated_bytes == first.memory.peak_allocated_bytes
+    # a damaged profile is made again, not trusted
+    victim = next(p for p in cache_dir().iterdir() if not p.name.startswith("spec-"))
+    victim.write_text("{not json")
+    third = estimate(dict(GRANITE), 4, seq_len=256)
+    assert third.memory.peak_allocated_bytes == first.memory.peak_allocated_bytes
+    assert json.loads(victim.read_text())["key"] == victim.stem
+
+
+def test_remote_code_is_refused_without_the_flag():
+    cfg = {**LLAMA, "auto_map": {"AutoModelForCausalLM": "modeling_x.XForCausalLM"}}
+    with pytest.raises(PlannerError, match="--trust-remote-code") as err:
+        from_hf_config(cfg)
+    assert err.value.field == "trust_remote_code"
+
+
+def test_unknown_model_type_names_the_transformers_version():
+    import transformers
+
+    with pytest.raises(UnsupportedModel, match=transformers.__version__):
+        from_hf_config({"model_type": "not-a-model", "hidden_size": 8})
+
+
+def test_cli_refuses_remote_code_in_one_line_and_writes_nothing(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**LLAMA, "auto_map": {"AutoModelForCausalLM": "modeling_x.XForCausalLM"}}))
+    r = subprocess.run([sys.executable, "-m", "planner.cli", "--model", str(path), "--gpus", "8"],
+                       capture_output=True, text=True)
+    assert r.returncode == 2
+    assert len(r.stderr.strip().splitlines()) == 1 and "--trust-remote-code" in r.stderr
+    assert "Traceback" not in r.stderr
+    assert not cache_dir().exists()
+
+
+def test_cli_says_which_path_priced_the_model(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(GRANITE))
+    r = subprocess.run([sys.executable, "-m", "planner.cli", "--model", str(path), "--gpus", "4", "--seq-len", "256"],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert "activations: traced block memory profile" in r.stdout and "made in" in r.stdout
