@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 
 from cost_models import activations
+from cost_models.memory import traced_block_terms
 from cost_models.compute import mfu_flops_per_token, model_flops_per_token, recompute_flops_per_token
 from cost_models.memory import ParamCounts
 from cost_models.units import DTYPE_BYTES, GiB
@@ -60,6 +61,9 @@ def memory_terms(c: Candidate) -> list[tuple[str, str, str]]:
     ]
     rank = c.training.adapter_rank
     per_block = activations.block_bytes_per_token(m, cb, cfg.attention, c.training.seq_len, cfg.micro_batch, rank)
+    traced = traced_block_terms(m, cfg.precision, cfg.attention) if not rank else None
+    if traced is not None:
+        per_block = round(traced.saved_bytes_per_token(c.training.seq_len))
     if cfg.ac_every:
         n_ckpt = math.ceil(L / cfg.ac_every)
         act = (f"{n_ckpt} checkpointed blocks keep their input ({m.hidden_size} x {cb} B per token), {L - n_ckpt} "
@@ -70,8 +74,10 @@ def memory_terms(c: Candidate) -> list[tuple[str, str, str]]:
                f"= {_gib(L * per_block * tokens)} saved; at the peak {_gib(b.activations)}")
     if rank:
         act += "; LoRA: frozen weights keep no tensors for weight gradients, each adapter its r-wide lora_A output"
-    terms.append(("activations", act, "Korthikanti et al. 2022 (34 s b h per GPT layer), recounted per "
-                  "architecture from what autograd saves (cost_models/activations.py); verify with fsdp-plan trace"))
+    source = (f"{m.activation_profile.source} (planner/models/block_profiles.py)" if traced is not None else
+              "Korthikanti et al. 2022 (34 s b h per GPT layer), recounted per architecture from what autograd saves "
+              "(cost_models/activations.py); verify with fsdp-plan trace")
+    terms.append(("activations", act, source))
     _, loss = activations.logits_bytes_per_token(m, cb)
     terms.append(("logits and loss", f"{tokens:,} tokens x vocab {m.vocab_size:,} x {loss // m.vocab_size} B (the "
                   f"loss's fp32 log-softmax, its gradient and the logits' gradient) = {_gib(tokens * loss)} during the "
