@@ -41,6 +41,7 @@ from cost_models.profile import DEFAULT_PROFILE, Profile
 from cost_models.specs import (Attention, ClusterSpec, FsdpConfig, ModelSpec, Precision, TrainingSpec, parse_enum)
 from cost_models.units import GiB, MiB
 
+from .api import model_attention
 from .errors import PlannerError
 from .report import training_line
 from .search import SearchSpace, search
@@ -72,7 +73,7 @@ class CalibrationRequest:
     finetune: str = "full"               # full | lora (peft adapters on the attention projections)
     lora_rank: int = 16
     precisions: list[str] | None = None
-    attention: str = "sdpa"
+    attention: str | None = None         # None: the model's first choice (sdpa, or eager where it refuses sdpa)
     top: int = 3
     config: FsdpConfig | None = None     # run exactly this configuration instead of the top K
     steps: int = 10
@@ -286,22 +287,24 @@ def _live_fingerprint(request: CalibrationRequest, per_node: int, nodes: int) ->
 
 # ------------------------------------------------------------------------------------------ candidates
 
-def _space(request: CalibrationRequest) -> SearchSpace:
+def _space(request: CalibrationRequest, spec: ModelSpec) -> SearchSpace:
     precisions = request.precisions or (["fp32"] if request.device == "cpu" else None)
     kwargs = {}
     if request.device == "cpu":
         kwargs["offload"] = (False,)  # "offload to the CPU" from a CPU measures nothing
     return SearchSpace(precisions=tuple(parse_enum(Precision, p, "precision") for p in precisions) if precisions else None,
-                       attention=parse_enum(Attention, request.attention, "attention"), **kwargs)
+                       attention=parse_enum(Attention, model_attention(spec, request.attention), "attention"),
+                       **kwargs)
 
 
 def candidates(request: CalibrationRequest, target: Target, cluster: ClusterSpec, training: TrainingSpec,
                profile: Profile) -> list[FsdpConfig]:
     if request.config is not None:
-        return [request.config]
+        attention = model_attention(target.spec, request.attention)
+        return [dataclasses.replace(request.config, attention=attention)]
     if request.top < 1:
         raise PlannerError("top", f"must be >= 1, got {request.top}")
-    result = search(target.spec, cluster, training, profile, _space(request))
+    result = search(target.spec, cluster, training, profile, _space(request, target.spec))
     if not result.fitting:
         raise PlannerError("model", f"no configuration of {target.name} fits {cluster.n_gpus} x {cluster.gpu.name}: "
                                     "nothing to calibrate (run `fsdp-plan` for the nearest misses)")

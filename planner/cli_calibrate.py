@@ -55,7 +55,7 @@ def register(app) -> None:
         gpu: Gpu = "a100-80gb", internode_gbps: InternodeGbps = None,
         device: Annotated[str, typer.Option("--device", help="cuda (NCCL) or cpu (gloo, one thread per rank)")] = "cuda",
         seq_len: SeqLen = 2048, global_batch: GlobalBatch = None, optimizer: Optim = "adamw",
-        finetune: FinetuneOpt = "full", lora_rank: LoraRank = 16, attention: AttentionOpt = "sdpa",
+        finetune: FinetuneOpt = "full", lora_rank: LoraRank = 16, attention: AttentionOpt = None,
         precision: Annotated[Optional[list[str]], typer.Option(
             "--precision", help="Precisions to search (repeatable); one value with the config flags")] = None,
         top: Annotated[Optional[int], typer.Option("--top", help="Run the K best planned candidates (default 3)")] = None,
