@@ -145,3 +145,15 @@ def test_cli_says_which_path_priced_the_model(tmp_path):
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert "activations: traced block memory profile" in r.stdout and "made in" in r.stdout
+
+
+def test_a_cached_generic_model_plans_without_importing_torch(tmp_path):
+    """After the first profile the search is as fast as for a preset: no torch, no transformers, no build."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(GRANITE))
+    estimate(str(path), 4, seq_len=256)  # makes the spec and its profiles (this process has torch already)
+    code = ("import sys; from planner.api import plan; p = plan(sys.argv[1], 4, seq_len=256); "
+            "print(p.best is not None, 'torch' in sys.modules, 'transformers' in sys.modules, p.model.priced_by)")
+    r = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["True", "False", "False", "block", "memory", "profile"]
