@@ -1,6 +1,6 @@
 """Accuracy of the analytic memory model against the trace tier, over a grid of configurations.
 
-    python benchmarks/memory_accuracy.py [--jobs 2] [--quick] [--json out.json] [--finetune lora]
+    python benchmarks/memory_accuracy.py [--jobs 2] [--quick] [--json out.json] [--finetune lora] [--families 2026] [--profile-too]
 
 For every configuration: the analytic estimate (planner.api.estimate) and the trace (planner.tracing.trace:
 the real FSDP2 training step on fake tensors, rank 0 of the real world size) of the same model, cluster and
@@ -59,12 +59,73 @@ ARCHS: dict[str, dict] = {
                    "eos_token_id": 2},
 }
 
+# Today's families (issue 9), scaled down the same way: dense and mixture-of-experts, each with the quirks
+# that decide its memory (q/k norms, sandwich norms, soft-capping, alternating windows, MLA, shared experts,
+# attention sinks). granite and llama4_text have no reader: the generic path prices them from a traced
+# block memory profile. Fewer experts than ranks in most rows: FSDP2 pads the stacked expert tensors.
+ARCHS_2026: dict[str, dict] = {
+    "qwen3": {"model_type": "qwen3", "_name_or_path": "qwen3", "hidden_size": 256, "intermediate_size": 768,
+              "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 64,
+              "vocab_size": 30000, "tie_word_embeddings": False, "max_position_embeddings": 8192},
+    "gemma2": {"model_type": "gemma2", "_name_or_path": "gemma2", "hidden_size": 256, "intermediate_size": 1024,
+               "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
+               "vocab_size": 32000, "sliding_window": 512, "max_position_embeddings": 8192,
+               "final_logit_softcapping": 30.0, "attn_logit_softcapping": 50.0, "query_pre_attn_scalar": 64},
+    "gemma3": {"model_type": "gemma3_text", "_name_or_path": "gemma3", "hidden_size": 256,
+               "intermediate_size": 1024, "num_hidden_layers": 6, "num_attention_heads": 4,
+               "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 32000, "sliding_window": 256,
+               "max_position_embeddings": 8192, "query_pre_attn_scalar": 64},
+    "olmo2": {"model_type": "olmo2", "_name_or_path": "olmo2", "hidden_size": 256, "intermediate_size": 704,
+              "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 8, "vocab_size": 10000,
+              "max_position_embeddings": 8192},
+    "phi2": {"model_type": "phi", "_name_or_path": "phi2", "hidden_size": 256, "intermediate_size": 1024,
+             "num_hidden_layers": 4, "num_attention_heads": 8, "vocab_size": 5000, "partial_rotary_factor": 0.4,
+             "max_position_embeddings": 8192, "resid_pdrop": 0.1},
+    "starcoder2": {"model_type": "starcoder2", "_name_or_path": "starcoder2", "hidden_size": 256,
+                   "intermediate_size": 1024, "num_hidden_layers": 4, "num_attention_heads": 8,
+                   "num_key_value_heads": 2, "vocab_size": 5000, "max_position_embeddings": 8192,
+                   "sliding_window": None},
+    "mixtral": {"model_type": "mixtral", "_name_or_path": "mixtral", "hidden_size": 256, "intermediate_size": 512,
+                "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 2, "vocab_size": 8000,
+                "num_local_experts": 8, "num_experts_per_tok": 2, "max_position_embeddings": 8192,
+                "sliding_window": None},
+    "qwen3-moe": {"model_type": "qwen3_moe", "_name_or_path": "qwen3-moe", "hidden_size": 256,
+                  "intermediate_size": 768, "moe_intermediate_size": 128, "num_hidden_layers": 4,
+                  "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 32, "vocab_size": 15000,
+                  "num_experts": 16, "num_experts_per_tok": 4, "max_position_embeddings": 8192},
+    "qwen2-moe": {"model_type": "qwen2_moe", "_name_or_path": "qwen2-moe", "hidden_size": 256,
+                  "intermediate_size": 768, "moe_intermediate_size": 128, "shared_expert_intermediate_size": 512,
+                  "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 8, "vocab_size": 15000,
+                  "num_experts": 8, "num_experts_per_tok": 2, "max_position_embeddings": 8192},
+    "deepseek-v3": {"model_type": "deepseek_v3", "_name_or_path": "deepseek-v3", "hidden_size": 256,
+                    "intermediate_size": 768, "moe_intermediate_size": 128, "num_hidden_layers": 4,
+                    "num_attention_heads": 8, "num_key_value_heads": 8, "vocab_size": 12000,
+                    "n_routed_experts": 8, "num_experts_per_tok": 2, "n_shared_experts": 1,
+                    "first_k_dense_replace": 1, "n_group": 2, "topk_group": 1, "q_lora_rank": 96,
+                    "kv_lora_rank": 64, "qk_nope_head_dim": 32, "qk_rope_head_dim": 16, "v_head_dim": 32,
+                    "max_position_embeddings": 8192, "rope_scaling": None},
+    "gpt-oss": {"model_type": "gpt_oss", "_name_or_path": "gpt-oss", "hidden_size": 256, "intermediate_size": 256,
+                "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 32,
+                "vocab_size": 20000, "num_local_experts": 8, "num_experts_per_tok": 2, "sliding_window": 256,
+                "max_position_embeddings": 8192, "rope_scaling": None},
+    "granite": {"model_type": "granite", "_name_or_path": "granite", "hidden_size": 256, "intermediate_size": 704,
+                "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 2, "vocab_size": 12000,
+                "tie_word_embeddings": True, "embedding_multiplier": 12.0, "residual_multiplier": 0.22,
+                "attention_multiplier": 0.0078125, "logits_scaling": 16.0, "max_position_embeddings": 8192},
+    "llama4": {"model_type": "llama4_text", "_name_or_path": "llama4", "hidden_size": 256, "intermediate_size": 256,
+               "intermediate_size_mlp": 768, "num_hidden_layers": 4, "num_attention_heads": 8,
+               "num_key_value_heads": 2, "head_dim": 32, "vocab_size": 12000, "num_local_experts": 4,
+               "num_experts_per_tok": 1, "interleave_moe_layer_step": 2, "max_position_embeddings": 8192},
+}
+GRIDS = {"classic": ARCHS, "2026": ARCHS_2026}
+
 SHARDINGS = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2")
 
 
-def grid() -> list[dict]:
-    """60 configurations: 10 per architecture, cycling through every sharding strategy, precision,
-    checkpointing mode and attention kernel, micro-batches 1-8, sequences 512-8192, 2-128 GPUs."""
+def grid(archs: dict[str, dict] = ARCHS) -> list[dict]:
+    """10 configurations per architecture, cycling through every sharding strategy, precision,
+    checkpointing mode and attention kernel, micro-batches 1-8, sequences 512-8192, 2-128 GPUs. A family
+    that does not run SDPA in transformers (Gemma 2, gpt-oss) takes eager where the row says sdpa."""
     # (sharding, precision, checkpointing, attention, micro-batch, seq, gpus, gpus per node)
     settings = [
         ("FULL_SHARD", "bf16", "none", "sdpa", 2, 2048, 8, 8),
@@ -79,29 +140,50 @@ def grid() -> list[dict]:
         ("HYBRID_SHARD", "bf16", "every-2", "eager", 4, 2048, 16, 8),
     ]
     out = []
-    for a, arch in enumerate(ARCHS):
+    for a, arch in enumerate(archs):
         for i in range(len(settings)):
             # Rotate the settings per architecture so every architecture meets every option.
             sharding, precision, ac, attention, mb, seq, gpus, per_node = settings[(i + a) % len(settings)]
+            if attention == "sdpa" and archs[arch]["model_type"] in EAGER_ONLY:
+                attention = "eager"
             out.append(dict(arch=arch, sharding=sharding, precision=precision, activation_checkpointing=ac,
                             attention=attention, micro_batch=mb, seq_len=seq, gpus=gpus, gpus_per_node=per_node))
     return out
 
 
+EAGER_ONLY = {"gemma2", "gpt_oss"}  # transformers' model classes declare no SDPA support (_supports_sdpa)
+
+
 def run_one(row: dict) -> dict:
     from planner.tracing import trace
 
-    kwargs = {k: v for k, v in row.items() if k not in ("arch", "gpus")}
+    kwargs = {k: v for k, v in row.items() if k not in ("arch", "gpus", "profile_too")}
     t0 = time.perf_counter()
     try:
-        r = trace(dict(ARCHS[row["arch"]]), row["gpus"], **kwargs)
+        r = trace(dict({**ARCHS, **ARCHS_2026}[row["arch"]]), row["gpus"], **kwargs)
     except Exception as exc:  # noqa: BLE001 - a failed row is reported, the grid goes on
         return {**row, "error": f"{type(exc).__name__}: {exc}"}
     est = r.candidate.memory
-    return {**row, "trace_peak": r.traced.peak_allocated_bytes, "estimate_peak": est.peak_allocated_bytes,
+    extra = {}
+    if row.get("profile_too"):
+        extra = _profile_path(r, dict({**ARCHS, **ARCHS_2026}[row["arch"]]))
+    return {**row, **extra, "trace_peak": r.traced.peak_allocated_bytes, "estimate_peak": est.peak_allocated_bytes,
             "trace_phase": r.traced.peak_phase, "estimate_phase": est.peak_phase, "estimate_moment": est.peak_moment,
             "trace_breakdown": dict(r.traced.breakdown), "estimate_breakdown": est.breakdown.to_dict(),
             "relative_error": r.relative_error, "seconds": time.perf_counter() - t0}
+
+
+def _profile_path(report, hf_config: dict) -> dict:
+    """The same configuration priced from a traced block memory profile instead of the family's formulas
+    (what the generic path does for families without them)."""
+    from planner.api import estimate_config
+    from planner.models.block_profiles import with_block_profile
+
+    c = report.candidate
+    spec = c.model if c.model.activation_profile is not None else with_block_profile(
+        c.model, hf_config, c.training.seq_len, attentions=(c.config.attention.value,))
+    priced = estimate_config(spec, c.cluster, c.training, c.config).memory.peak_allocated_bytes
+    return {"profile_peak": priced, "profile_error": priced / report.traced.peak_allocated_bytes - 1}
 
 
 def run(rows: list[dict], jobs: int = 1) -> list[dict]:
@@ -122,10 +204,12 @@ def summarize(results: list[dict]) -> str:
     rows = [[i + 1, r["arch"], r["sharding"], r["precision"], r["activation_checkpointing"], r["attention"],
              r["micro_batch"], r["seq_len"], f"{r['gpus']}/{r['gpus_per_node']}", _mib(r["trace_peak"]),
              _mib(r["estimate_peak"]), f"{100 * r['relative_error']:+.1f}%", r["trace_phase"], r["estimate_moment"]]
+            + ([f"{100 * r['profile_error']:+.1f}%"] if "profile_error" in r else [])
             for i, r in enumerate(ok)]
     lines = ["Per configuration (MiB per rank; error = (estimate - trace) / trace of the peak allocated):",
              tabulate(rows, headers=["#", "arch", "sharding", "precision", "ckpt", "attn", "mb", "seq", "gpus/node",
-                                     "trace", "estimate", "error", "trace peak in", "estimated peak moment"],
+                                     "trace", "estimate", "error", "trace peak in", "estimated peak moment",
+                                     "profile error"],
                       tablefmt="simple", disable_numparse=True), ""]
     keys = list(ok[0]["trace_breakdown"]) if ok else []
     cat_rows = []
@@ -144,6 +228,14 @@ def summarize(results: list[dict]) -> str:
                      f"median {100 * statistics.median(errors):.2f}%, max {100 * max(errors):.2f}% "
                      f"(#{ok.index(worst) + 1} {worst['arch']} {worst['sharding']} {worst['precision']})")
         lines.append(f"phase of the peak agrees in {sum(r['trace_phase'] == r['estimate_phase'] for r in ok)} of {len(ok)}")
+        profiled = [r for r in ok if "profile_error" in r]
+        if profiled:
+            p_errors = [abs(r["profile_error"]) for r in profiled]
+            gaps = [abs(r["profile_peak"] / r["estimate_peak"] - 1) for r in profiled]
+            lines.append(f"priced from a traced block profile instead: |profile - trace| / trace median "
+                         f"{100 * statistics.median(p_errors):.2f}%, max {100 * max(p_errors):.2f}%; "
+                         f"|profile - estimate| / estimate median {100 * statistics.median(gaps):.2f}%, "
+                         f"max {100 * max(gaps):.2f}%")
     for r in results:
         if "error" in r:
             lines.append(f"FAILED {r['arch']} {r['sharding']} {r['precision']}: {r['error']}")
@@ -155,15 +247,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--jobs", type=int, default=2, help="parallel trace processes (default 2)")
     parser.add_argument("--quick", action="store_true", help="first configuration of each architecture only")
     parser.add_argument("--arch", action="append", help="only these architectures (repeatable)")
+    parser.add_argument("--families", choices=tuple(GRIDS), default="classic",
+                        help="classic: the 2019-2023 families (default); 2026: today's dense and MoE families")
     parser.add_argument("--json", type=Path, help="also write the raw results here")
     parser.add_argument("--finetune", choices=("full", "lora"), default="full", help="full (default) or lora")
+    parser.add_argument("--profile-too", action="store_true",
+                        help="also price each configuration from a traced block memory profile (the generic path)")
     parser.add_argument("--lora-rank", type=int, default=16)
     args = parser.parse_args(argv)
-    rows = grid()
+    rows = grid(GRIDS[args.families])
     if args.finetune == "lora":
         rows = [{**r, "finetune": "lora", "lora_rank": args.lora_rank} for r in rows]
     if args.arch:
         rows = [r for r in rows if r["arch"] in args.arch]
+    if args.profile_too:
+        rows = [{**r, "profile_too": True} for r in rows]
     if args.quick:
         rows = [r for i, r in enumerate(rows) if i % 10 == 0]
     t0 = time.perf_counter()
