@@ -186,11 +186,13 @@ def _with_moe(spec: ModelSpec, moe: dict, blocks: list) -> ModelSpec:
     router = sum(p.numel() for name, p in block.named_parameters()  # (E, h) weight, (E,) bias or score bias
                  if p.dim() <= 2 and p.shape[0] == moe["n_experts"] and ("gate" in name or "router" in name))
     width = moe["expert_width"] or max(min(p.shape[1:]) for _, p in moe["stacked"])
-    sparse_params = _numel(block)
+    # sparse blocks can differ (Qwen3-Next mixes linear- and full-attention layers): the floor of their mean,
+    # the rest to the root, so that n_params stays exact
+    sparse_blocks = [b for b in blocks if all(b is not d for d in moe["dense"])]
+    sparse_params = sum(_numel(b) for b in sparse_blocks) // len(sparse_blocks)
     dense_params = sum(_numel(b) for b in moe["dense"]) // n_dense if n_dense else 0
     blocks_total = sum(_numel(b) for b in blocks)
     other = spec.root_other_params + spec.n_layers * spec.block_params - blocks_total
-    # parameters of the sparse blocks that differ from the first sparse one go to the root (rare)
     remainder = blocks_total - n_dense * dense_params - (spec.n_layers - n_dense) * sparse_params
     moe_spec = MoeSpec(n_experts=moe["n_experts"], experts_per_token=moe["top_k"], expert_ffn_size=width,
                        expert_params=expert_params, stacked_expert_tensors=stacked, router_params=router,
