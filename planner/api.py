@@ -252,7 +252,9 @@ def resolve_inputs(model, gpus: int, *, gpu: str = DEFAULT_GPU, gpus_per_node: i
         from .models import hf_config_of
         from .models.block_profiles import needs_block_profile, with_block_profile
 
-        hf_config = hf_config_of(model)
+        from .models.module import hf_config_dict
+
+        hf_config = hf_config_dict(model) or hf_config_of(model)  # a transformers module's config, or the file's
         if needs_block_profile(spec, hf_config):
             spec = with_block_profile(spec, hf_config, training.seq_len,
                                       attentions=(model_attention(spec, attention),))

@@ -123,18 +123,21 @@ def from_transformers(cfg: dict, name: str, *, trust_remote_code: bool = False,
 
 
 def _read_built_model(cfg: dict, name: str, trust_remote_code: bool, source_dir: Path | None) -> ModelSpec:
-    from .module import find_blocks, from_module
+    from .module import from_module
 
     config = hf_config_object(cfg, trust_remote_code=trust_remote_code, source_dir=source_dir)
-    model = build_on_meta(config, trust_remote_code=trust_remote_code)
-    spec = from_module(model, name=name)
-    blocks = find_blocks(model, spec.block_class)
+    return from_module(build_on_meta(config, trust_remote_code=trust_remote_code), name=name)
+
+
+def refine_from_module(spec: ModelSpec, model, blocks: list, cfg: dict) -> ModelSpec:
+    """A generic spec inferred from a transformers module, with what the module itself tells: the attention
+    implementations its class runs and its mixture-of-experts layout."""
     moe = _moe_layout(model, blocks, cfg)
     try:
         spec = dataclasses.replace(spec, attention_choices=attention_choices(model))
         return _with_moe(spec, moe, blocks) if moe else spec
     except SpecError as e:
-        raise PlannerError("model", f"config of {name!r}: {e}") from None
+        raise PlannerError("model", f"config of {spec.name!r}: {e}") from None
 
 
 def attention_choices(model) -> tuple[str, ...]:

@@ -37,21 +37,26 @@ def from_module(module, name: str | None = None) -> ModelSpec:
     name = name or type(module).__name__
     blocks = find_blocks(module, _hf_block_class_name(module))
     split = _measure_split(module, blocks)
-    hf_dict = _hf_config_dict(module)
+    hf_dict = hf_config_dict(module)
     try:
         if hf_dict is not None and hf_dict.get("model_type") in BUILDERS:
             spec = from_hf_config(hf_dict, name=name)
             if spec.n_dense_layers:  # blocks of two sizes (MoE): the config's split is exact, the mean is not
                 split = {k: v for k, v in split.items() if k not in ("block_params", "root_other_params")}
             return dataclasses.replace(spec, **split)
-        return ModelSpec(name=name, family="generic", **_infer_shapes(module, blocks, hf_dict or {}), **split)
+        spec = ModelSpec(name=name, family="generic", **_infer_shapes(module, blocks, hf_dict or {}), **split)
+        if hf_dict is not None:  # a transformers model without a family reader
+            from .generic import refine_from_module
+
+            spec = refine_from_module(spec, module, blocks, hf_dict)
+        return spec
     except PlannerError:
         raise
     except SpecError as e:  # e.g. a module with no parameters in its blocks
         raise PlannerError("model", f"cannot describe module {name!r}: {e}") from None
 
 
-def _hf_config_dict(module) -> dict | None:
+def hf_config_dict(module) -> dict | None:
     """`module.config.to_dict()` for a transformers model (anything with such a config), else None."""
     to_dict = getattr(getattr(module, "config", None), "to_dict", None)
     data = to_dict() if callable(to_dict) else None
@@ -60,7 +65,7 @@ def _hf_config_dict(module) -> dict | None:
 
 def _hf_block_class_name(module) -> str | None:
     """The decoder-layer class name transformers uses for this module's model_type, if supported."""
-    hf_dict = _hf_config_dict(module)
+    hf_dict = hf_config_dict(module)
     if hf_dict is None or hf_dict.get("model_type") not in BUILDERS:
         return None
     try:
