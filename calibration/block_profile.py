@@ -48,11 +48,16 @@ def profiled_layers(hf_config: dict, n_dense_layers: int = 0) -> int:
 
 
 def _reduced_config(hf_config: dict, n_layers: int):
+    """The config at n_layers. Remote code (auto_map; the planner lets it through only with
+    --trust-remote-code) is loaded from the directory named by _name_or_path."""
     from transformers import AutoConfig
 
     fields = dict(hf_config)
     model_type = fields.pop("model_type")
-    config = AutoConfig.for_model(model_type, **fields)
+    if fields.get("auto_map"):
+        config = AutoConfig.from_pretrained(fields["_name_or_path"], trust_remote_code=True)
+    else:
+        config = AutoConfig.for_model(model_type, **fields)
     config.num_hidden_layers = n_layers
     if isinstance(getattr(config, "layer_types", None), list):
         config.layer_types = config.layer_types[:n_layers]
@@ -113,7 +118,8 @@ def profile_block(hf_config: dict, *, block_class: str, compute_dtype: str, atte
     with _real_run_masking(True), FakeTensorMode(allow_non_fake_inputs=False):
         with torch.device("cpu"):
             model = AutoModelForCausalLM.from_config(config, attn_implementation=attention,
-                                                     dtype=TORCH_DTYPES[compute_dtype])
+                                                     dtype=TORCH_DTYPES[compute_dtype],
+                                                     trust_remote_code=bool(hf_config.get("auto_map")))
         model.train()
         blocks = _blocks(model, block_class)[max(0, n_dense_layers - 1):]
         if len(blocks) < 3:

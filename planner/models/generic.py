@@ -42,7 +42,7 @@ def _require_transformers(model_type: str) -> None:
                                          "implementation needs transformers: pip install 'fsdp-planner[hf]'") from None
 
 
-def hf_config_object(cfg: dict, *, trust_remote_code: bool = False, source_dir: Path | None = None):
+def hf_config_object(cfg: dict, *, trust_remote_code: bool = False):
     """transformers' config object for a config dict; PlannerError (one line) when it cannot be made."""
     model_type = cfg.get("model_type")
     _require_transformers(model_type)
@@ -52,10 +52,11 @@ def hf_config_object(cfg: dict, *, trust_remote_code: bool = False, source_dir: 
         if not trust_remote_code:
             raise PlannerError("trust_remote_code", f"config of model_type {model_type!r} names custom modelling "
                                                     "code (auto_map); pass --trust-remote-code to run it")
-        if source_dir is None:
-            raise PlannerError("model", "a remote-code model (auto_map) must be given as its directory, which holds "
-                                        "the code next to config.json")
-        return _quiet(lambda: AutoConfig.from_pretrained(str(source_dir), trust_remote_code=True))
+        code_dir = cfg.get("_name_or_path")
+        if not code_dir or not (Path(code_dir) / "config.json").is_file():
+            raise PlannerError("model", "a remote-code model (auto_map) must be given as its directory (or its "
+                                        "config.json there), which holds the code next to config.json")
+        return _quiet(lambda: AutoConfig.from_pretrained(code_dir, trust_remote_code=True))
     fields = {k: v for k, v in cfg.items() if k != "model_type"}
     try:
         return _quiet(lambda: AutoConfig.for_model(model_type, **fields))
@@ -111,21 +112,20 @@ def build_on_meta(config, *, trust_remote_code: bool = False):
                                     f"{model_type!r}: {type(exc).__name__}: {_first_line(exc)}") from None
 
 
-def from_transformers(cfg: dict, name: str, *, trust_remote_code: bool = False,
-                      source_dir: Path | None = None) -> ModelSpec:
+def from_transformers(cfg: dict, name: str, *, trust_remote_code: bool = False) -> ModelSpec:
     """ModelSpec of any causal LM transformers can build, read from the model built on meta (cached on disk
     by config and versions: block_profiles.cached_spec)."""
     from .block_profiles import cached_spec
 
     if cfg.get("auto_map") and not trust_remote_code:
         hf_config_object(cfg)  # raises the one-line refusal
-    return cached_spec(cfg, name, lambda: _read_built_model(cfg, name, trust_remote_code, source_dir))
+    return cached_spec(cfg, name, lambda: _read_built_model(cfg, name, trust_remote_code))
 
 
-def _read_built_model(cfg: dict, name: str, trust_remote_code: bool, source_dir: Path | None) -> ModelSpec:
+def _read_built_model(cfg: dict, name: str, trust_remote_code: bool) -> ModelSpec:
     from .module import from_module
 
-    config = hf_config_object(cfg, trust_remote_code=trust_remote_code, source_dir=source_dir)
+    config = hf_config_object(cfg, trust_remote_code=trust_remote_code)
     return from_module(build_on_meta(config, trust_remote_code=trust_remote_code), name=name)
 
 

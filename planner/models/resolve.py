@@ -40,8 +40,8 @@ def resolve_model(model, *, trust_remote_code: bool = False) -> ModelSpec:
         return load_preset(model)
     if isinstance(model, (str, Path)):
         path = _config_path(model)
-        return from_hf_config(read_hf_config(path), name=_name_from_path(path), trust_remote_code=trust_remote_code,
-                              source_dir=path if path.is_dir() else path.parent)
+        return from_hf_config(_with_code_dir(read_hf_config(path), path), name=_name_from_path(path),
+                              trust_remote_code=trust_remote_code)
     raise PlannerError("model", f"expected a preset name, a config.json path, a dict or an nn.Module, "
                                 f"got {type(model).__name__}")
 
@@ -81,8 +81,16 @@ def hf_config_of(model) -> dict | None:
     if isinstance(model, str) and _preset_key(model) is not None:
         return preset_hf_config(model)
     if isinstance(model, (str, Path)):
-        return read_hf_config(_config_path(model))
+        path = _config_path(model)
+        return _with_code_dir(read_hf_config(path), path)
     return None
+
+
+def _with_code_dir(cfg: dict, path: Path) -> dict:
+    """A remote-code config (auto_map) remembers the directory its code lives in, as transformers does."""
+    if cfg.get("auto_map") and not cfg.get("_name_or_path"):
+        cfg["_name_or_path"] = str((path if path.is_dir() else path.parent).resolve())
+    return cfg
 
 
 def _config_path(model: str | Path) -> Path:
@@ -112,11 +120,10 @@ def read_hf_config(path: str | Path) -> dict:
     return data
 
 
-def from_hf_config(cfg: dict, name: str | None = None, *, trust_remote_code: bool = False,
-                   source_dir: Path | None = None) -> ModelSpec:
+def from_hf_config(cfg: dict, name: str | None = None, *, trust_remote_code: bool = False) -> ModelSpec:
     """ModelSpec with exact parameter counts from a Hugging Face config dict: a family reader where we have
     one (no torch), else the model transformers builds on the meta device (generic.py). Remote code
-    (auto_map) needs trust_remote_code and the model's directory (source_dir)."""
+    (auto_map) needs trust_remote_code and the directory holding the code (the config's _name_or_path)."""
     if not isinstance(cfg, dict):
         raise PlannerError("model", f"a Hugging Face config must be a dict, got {type(cfg).__name__}")
     model_type = cfg.get("model_type")
@@ -129,7 +136,7 @@ def from_hf_config(cfg: dict, name: str | None = None, *, trust_remote_code: boo
     if builder is None or cfg.get("auto_map"):
         from .generic import from_transformers  # imports torch and transformers
 
-        return from_transformers(cfg, name, trust_remote_code=trust_remote_code, source_dir=source_dir)
+        return from_transformers(cfg, name, trust_remote_code=trust_remote_code)
     fields = builder(Cfg(cfg, model_type))
     try:
         return ModelSpec(name=name, family=model_type, **fields)

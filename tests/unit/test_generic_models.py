@@ -157,3 +157,30 @@ def test_a_cached_generic_model_plans_without_importing_torch(tmp_path):
     r = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["True", "False", "False", "block", "memory", "profile"]
+
+
+def _remote_code_dir(tmp_path):
+    """A model whose code lives next to its config.json (auto_map), as on the Hub: a Llama under another name."""
+    d = tmp_path / "remote-llama"
+    d.mkdir()
+    (d / "configuration_tiny.py").write_text(
+        "from transformers import LlamaConfig\n\n\nclass TinyRemoteConfig(LlamaConfig):\n    model_type = 'tiny_remote'\n")
+    (d / "modeling_tiny.py").write_text(
+        "from transformers import LlamaForCausalLM\nfrom .configuration_tiny import TinyRemoteConfig\n\n\n"
+        "class TinyRemoteForCausalLM(LlamaForCausalLM):\n    config_class = TinyRemoteConfig\n")
+    cfg = {**LLAMA, "model_type": "tiny_remote", "auto_map": {"AutoConfig": "configuration_tiny.TinyRemoteConfig",
+                                                               "AutoModelForCausalLM": "modeling_tiny.TinyRemoteForCausalLM"}}
+    (d / "config.json").write_text(json.dumps(cfg))
+    return d
+
+
+def test_remote_code_runs_with_the_flag_and_is_priced_like_its_llama(tmp_path):
+    d = _remote_code_dir(tmp_path)
+    with pytest.raises(PlannerError, match="--trust-remote-code"):
+        estimate(str(d), 4, seq_len=256)
+    remote = estimate(str(d), 4, seq_len=256, trust_remote_code=True)
+    llama = estimate(dict(LLAMA), 4, seq_len=256)
+    assert remote.model.n_params == llama.model.n_params == _meta_count(LLAMA)
+    assert remote.model.priced_by == "block memory profile" and llama.model.priced_by == "formula"
+    # the traced profile of the same block agrees with the Llama formulas
+    assert remote.memory.peak_allocated_bytes == pytest.approx(llama.memory.peak_allocated_bytes, rel=0.01)
