@@ -50,6 +50,7 @@ allocator's 512-byte rounding. The trace tier (`fsdp-plan trace`) measures the e
 
 from __future__ import annotations
 
+from . import moe
 from .specs import Attention, ModelSpec
 
 # Families whose eager attention softmax runs in fp32 (HF: softmax(..., dtype=torch.float32)).
@@ -136,6 +137,8 @@ def _attention_bytes(model: ModelSpec, c: int, attention: Attention, seq_len: in
 def _mlp_bytes(model: ModelSpec, c: int, lora: bool = False) -> int:
     """Saved bytes per token of the MLP, excluding its (normed) input. Under LoRA the MLP is frozen:
     fc2 does not save its input."""
+    if model.moe is not None:
+        return moe.mlp_bytes_per_token(model, c, lora)  # router and routed token rows (cost_models/moe.py)
     f = model.ffn_hidden_size
     fc2_input = 0 if lora else c * f
     if model.gated_mlp:
@@ -235,6 +238,8 @@ def mlp_backward_working_bytes_per_token(model: ModelSpec, compute_bytes: int, l
     """Bytes the MLP's backward holds above the block's saved tensors: the incoming gradient (c*h) and
     the gradients of fc2's input and of the activation's factors, minus fc2's freed input (which a
     frozen fc2, LoRA, never saved)."""
+    if model.moe is not None:
+        return moe.mlp_backward_working_bytes_per_token(model, compute_bytes, lora)
     c, h, f = compute_bytes, model.hidden_size, model.ffn_hidden_size
     freed = 0 if lora else c * f
     if model.gated_mlp:

@@ -7,13 +7,17 @@ MFU uses torchtitan's convention instead (6 per parameter, embeddings included, 
 term), so our MFU is comparable with the published torchtitan figures. LoRA: frozen weights need no
 weight gradient, so their backward is 2 FLOPs per parameter instead of 4; the adapters cost the full 6. Activation checkpointing re-runs the forward (2 per parameter plus
 the attention forward) of each checkpointed block; that is hardware FLOPs, not model FLOPs.
-Ignored: norms, activations, softmax and the loss (well under 1% for billion-parameter models).
+Mixture of experts: a token runs through the k experts its router picks, so FLOPs count the active
+parameters (ModelSpec.active_params: the experts it skips left out; the router's E x h matmul is among
+them) - for MFU too, as torchtitan counts its MoE models. Ignored: norms, activations, softmax, top-k and
+the loss (well under 1% for billion-parameter models), grouped_mm's efficiency on small expert batches.
 """
 
 from __future__ import annotations
 
 import math
 
+from .moe import active_block_params
 from .specs import Finetune, FsdpConfig, ModelSpec, TrainingSpec
 
 
@@ -33,15 +37,15 @@ def _training_flops(params: float, model: ModelSpec, training: TrainingSpec) -> 
 
 def model_flops_per_token(model: ModelSpec, training: TrainingSpec) -> float:
     """FLOPs one training token executes, without recompute."""
-    dense_params = model.n_params - model.embedding_params
+    dense_params = model.active_params - model.embedding_params
     if model.tied_embeddings:
         dense_params += model.hidden_size * model.vocab_size
     return _training_flops(dense_params, model, training)
 
 
 def mfu_flops_per_token(model: ModelSpec, training: TrainingSpec) -> float:
-    """The numerator of MFU, torchtitan's convention: every parameter counts 6 FLOPs per token."""
-    return _training_flops(model.n_params, model, training)
+    """The numerator of MFU, torchtitan's convention: every (active) parameter counts 6 FLOPs per token."""
+    return _training_flops(model.active_params, model, training)
 
 
 def recompute_flops_per_token(model: ModelSpec, training: TrainingSpec, config: FsdpConfig) -> float:
@@ -49,5 +53,5 @@ def recompute_flops_per_token(model: ModelSpec, training: TrainingSpec, config: 
     if not config.ac_every:
         return 0.0
     n_ckpt = math.ceil(model.n_layers / config.ac_every)
-    block_forward = 2 * model.block_params + attention_flops_per_token_per_layer(model, training.seq_len) / 3
+    block_forward = 2 * active_block_params(model) + attention_flops_per_token_per_layer(model, training.seq_len) / 3
     return n_ckpt * block_forward

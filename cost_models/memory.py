@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, fields
 
-from . import activations
+from . import activations, moe
 from .profile import Profile
 from .specs import ActivationTerms, ClusterSpec, Finetune, FsdpConfig, ModelSpec, Optimizer, Precision, Sharding, TrainingSpec
 from .units import DTYPE_BYTES
@@ -75,26 +75,35 @@ class MemoryEstimate:
 
 @dataclass(frozen=True)
 class ParamCounts:
-    """Parameters split the way memory cares: trainable (grads + optimizer) or frozen."""
+    """Parameters split the way memory cares: trainable (grads + optimizer) or frozen.
+
+    Blocks count as the model's repeated (for MoE: sparse) block; dense_delta corrects the totals for an
+    MoE model's leading dense blocks (their parameters minus as many sparse blocks')."""
 
     trainable_block: int
     frozen_block: int
     trainable_root: int
     frozen_root: int
+    trainable_dense_delta: int = 0
+    frozen_dense_delta: int = 0
 
     @classmethod
-    def of(cls, model: ModelSpec, training: TrainingSpec) -> "ParamCounts":
+    def of(cls, model: ModelSpec, training: TrainingSpec, shard_group: int = 1) -> "ParamCounts":
+        """shard_group d > 1: a sparse block's stacked expert tensors padded to a multiple of d rows, as FSDP2
+        shards, gathers and reduce-scatters them (cost_models/moe.py); d = 1: the real counts."""
+        block = moe.block_gathered_elements(model, shard_group)
+        delta = model.n_dense_layers * (model.moe.dense_block_params - block) if model.n_dense_layers else 0
         if training.finetune is Finetune.LORA:
             lora = model.lora_params_per_block(training.lora_rank)
-            return cls(trainable_block=lora, frozen_block=model.block_params, trainable_root=0,
-                       frozen_root=model.root_params)
-        return cls(model.block_params, 0, model.root_params, 0)
+            return cls(trainable_block=lora, frozen_block=block, trainable_root=0,
+                       frozen_root=model.root_params, frozen_dense_delta=delta)
+        return cls(block, 0, model.root_params, 0, trainable_dense_delta=delta)
 
     def trainable(self, n_layers: int) -> int:
-        return n_layers * self.trainable_block + self.trainable_root
+        return n_layers * self.trainable_block + self.trainable_root + self.trainable_dense_delta
 
     def frozen(self, n_layers: int) -> int:
-        return n_layers * self.frozen_block + self.frozen_root
+        return n_layers * self.frozen_block + self.frozen_root + self.frozen_dense_delta
 
     def block(self) -> int:
         return self.trainable_block + self.frozen_block
@@ -125,7 +134,8 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
     p = DTYPE_BYTES[precision.param_dtype]          # stored params and their gradients
     r = DTYPE_BYTES[precision.reduce_dtype]         # reduce-scatter / all-reduce buffers
     frozen_p = c if precision.mixed else p          # frozen (LoRA base) weights are kept in compute dtype
-    counts = ParamCounts.of(model, training)
+    counts = ParamCounts.of(model, training, d)     # MoE: stacked experts padded as FSDP2 pads them
+    real = ParamCounts.of(model, training)          # what autograd's gradients hold
     trainable, frozen = counts.trainable(L), counts.frozen(L)
     opt_per_param = training.optimizer.state_bytes_per_param(precision.param_dtype)
     gpu_states = 0 if config.offload else 1
@@ -171,9 +181,28 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
     # LoRA without checkpointing: block 0's first norm saves nothing (its input needs no gradient).
     first_less = activations.first_block_lora_savings(model, c) if lora_rank and not K else 0
 
+    # MoE models' leading dense blocks (n_dense_layers): their own saved bytes, gathered bytes and sharded
+    # gradient in what lies below / has been done at a moment (the moment's own block is priced as sparse).
+    nd = model.n_dense_layers
+    dense = moe.dense_block_spec(model)
+    full_dense = activations.block_bytes_per_token(dense, c, attn, training.seq_len, config.micro_batch,
+                                                   lora_rank) if dense else full
+    dense_delta = (counts.trainable_dense_delta + counts.frozen_dense_delta) // nd if nd else 0
+    dense_grad_delta = (counts.trainable_dense_delta // nd * p) // d if nd else 0
+
     def saved_below(i: int) -> int:
         n_ck = -(-i // K) if K else 0   # blocks 0, K, 2K, ... below i
-        return n_ck * ckpt + (i - n_ck) * full - (first_less if i > 0 else 0)
+        dense_below = min(i, nd)
+        dense_full_below = dense_below - (-(-dense_below // K) if K else 0)
+        return (n_ck * ckpt + (i - n_ck) * full - (first_less if i > 0 else 0)
+                - dense_full_below * (full - full_dense))
+
+    def gathered_below(i: int) -> int:
+        return i * block_c + min(i, nd) * dense_delta * c
+
+    def grads_done(i: int) -> int:
+        """Sharded gradients of blocks i+1 .. L-1, reduce-scattered already."""
+        return (L - 1 - i) * block_sharded_grad + max(0, nd - 1 - i) * dense_grad_delta
 
     _, logits_peak = activations.logits_bytes_per_token(model, c)
     w_mlp = activations.mlp_backward_working_bytes_per_token(model, c, lora=bool(lora_rank))
@@ -184,8 +213,12 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
     h, f = model.hidden_size, model.ffn_hidden_size
     # Gradients accumulated when the MLP's backward peaks (fc2's weight) and when the attention's does
     # (the MLP's and the o-projection's).
-    mlp_grad = min(counts.trainable_block, h * f) * c
-    attn_grad = min(counts.trainable_block, (3 if model.gated_mlp else 2) * h * f + model.q_dim * h) * c
+    mlp_grad = min(real.trainable_block, h * f) * c
+    attn_grad = min(real.trainable_block, (3 if model.gated_mlp else 2) * h * f + model.q_dim * h) * c
+    mlp_moments = ()
+    if model.moe is not None:  # the MoE MLP's own moments (cost_models/moe.py); at the attention's, all its grads
+        mlp_moments = {ck: moe.backward_moments(model, c, lora=bool(lora_rank), recomputed=ck) for ck in (False, True)}
+        attn_grad = min(real.trainable_block, moe.mlp_param_elements(model) + model.q_dim * h) * c
     ckpt_input_extra = 0 if activations.input_saved_by_first_norm(model, c) else ckpt
     head_grad = (model.head_params or (model.embedding_params if model.tied_embeddings else 0)) + model.root_other_params
     head_grad = min(head_grad, counts.trainable_root) * c
@@ -197,7 +230,7 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
     moments: dict[str, MemoryBreakdown] = {}
     moments["loss backward"] = MemoryBreakdown(
         **states(0),
-        unsharded_params=root_c + (L * block_c if keeps_gathered else 0),
+        unsharded_params=root_c + (gathered_below(L) if keeps_gathered else 0),
         collective_buffers=prefetch,
         activations=tokens * (saved_below(L) + root_saved) + shared,
         logits_and_loss=tokens * logits_peak,
@@ -205,7 +238,7 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
     # Within blocks of one kind (checkpointed or not) a block's moment is linear in its index: the saved
     # tensors below it shrink going down while the sharded gradients of the blocks done grow. The extremes
     # of each kind, and the neighbours where the prefetch / reduce-scatter buffers start or stop, suffice.
-    candidates = {i for i in (0, 1, L - 2, L - 1, K * ((L - 1) // K) if K else 0) if 0 <= i < L}
+    candidates = {i for i in (0, 1, L - 2, L - 1, K * ((L - 1) // K) if K else 0, nd - 1, nd) if 0 <= i < L}
     for i in sorted(candidates, reverse=True):
         # A checkpointed block re-runs its forward; its saved input stays (unless the first norm saves
         # that very tensor).
@@ -213,21 +246,27 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
         below = saved_below(i)
         if traced is not None:  # the traced block's own backward moments
             w_acts, w_grads = traced.backward_peak(tokens, training.seq_len)
-            block_acts, block_grads = tokens * (below + this) + round(w_acts), min(w_grads, counts.trainable_block * c)
+            block_acts, block_grads = tokens * (below + this) + round(w_acts), min(w_grads, real.trainable_block * c)
+        elif mlp_moments:  # MoE: the largest of its MLP's moments and the attention's, gradients included
+            at_attn = tokens * (below + this - freed_attn + w_attn)
+            block_acts, block_grads = max([(tokens * (below + this) + m.activation_bytes(tokens, training.seq_len),
+                                            min(m.grad_bytes, real.trainable_block * c))
+                                           for m in mlp_moments[is_ckpt(i)]]
+                                          + [(at_attn, attn_grad)], key=sum)
         else:
             at_mlp = tokens * (below + this + w_mlp)
             at_attn = tokens * (below + this - freed_attn + w_attn)
             mlp_first = at_mlp >= at_attn
             block_acts, block_grads = (at_mlp, mlp_grad) if mlp_first else (at_attn, attn_grad)
         moments[f"backward of block {i}" + (" (recomputed)" if is_ckpt(i) else "")] = MemoryBreakdown(
-            **states((L - 1 - i) * block_sharded_grad),
-            unsharded_params=root_c + block_c + (i * block_c if keeps_gathered else 0),
+            **states(grads_done(i)),
+            unsharded_params=root_c + block_c + (gathered_below(i) if keeps_gathered else 0),
             collective_buffers=(prefetch if i > 0 else 0) + (block_rs if i < L - 1 else 0),
             unsharded_grads=head_grad + block_grads,
             activations=block_acts + shared,
         )
     moments["end of backward"] = MemoryBreakdown(
-        **states(L * block_sharded_grad),
+        **states(grads_done(-1)),
         unsharded_params=root_c,
         unsharded_grads=counts.trainable_root * c,
         collective_buffers=root_rs,
@@ -255,6 +294,7 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
         peak_reserved_bytes=peak_reserved,
         cpu_bytes_per_node=cpu_per_rank * cluster.gpus_per_node,
         cpu_ram_capacity_bytes=cluster.cpu_ram_bytes_per_node,
-        notes=tuple(activations.quirks(model, config.attention, training.seq_len)),
+        notes=tuple(activations.quirks(model, config.attention, training.seq_len))
+        + tuple(n for n in [moe.padding_note(model, d, c)] if n),
         peak_moment=peak_moment,
     )

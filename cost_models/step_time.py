@@ -8,14 +8,18 @@ first block and the last reduce-scatter are always exposed. Without backward pre
 all-gathers are not overlapped. Gradient accumulation repeats the micro-step; sharded strategies
 reduce-scatter every micro-step (no gathered gradients are kept), NO_SHARD all-reduces only on the
 last (no_sync). CPU offload adds host<->device copies of every unit's shard and the CPU optimizer
-step. Ignored: kernel-level compute/communication contention, stragglers, data loading.
+step. Mixture of experts: compute follows the active parameters (compute.py), the collectives move every
+expert of a block, padded as FSDP2 pads stacked expert tensors (cost_models/moe.py), so small
+micro-batches leave the all-gathers exposed (communication_note says why and what helps); an MoE model's
+leading dense blocks are priced with their own sizes, each paired with blocks of its kind for the
+overlap. Ignored: kernel-level compute/communication contention, stragglers, data loading.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from . import comm
+from . import comm, moe
 from .compute import (attention_flops_per_token_per_layer, mfu_flops_per_token, model_flops_per_token,
                       recompute_flops_per_token)
 from .memory import ParamCounts
@@ -66,7 +70,7 @@ def estimate_step_time(model: ModelSpec, cluster: ClusterSpec, training: Trainin
     L = model.n_layers
     d = config.shard_group_size(cluster)
     n_replicas = config.replicate_group_size(cluster)
-    counts = ParamCounts.of(model, training)
+    counts = ParamCounts.of(model, training, d)   # what is gathered and reduce-scattered (MoE: padded)
     tokens = config.micro_batch * training.seq_len
 
     # --- compute per micro-step -----------------------------------------------------------------------
@@ -79,49 +83,60 @@ def estimate_step_time(model: ModelSpec, cluster: ClusterSpec, training: Trainin
         # (fp32), read probabilities for P@V, and about twice that in backward.
         score_bytes = L * config.micro_batch * model.n_heads * training.seq_len ** 2 * (3 * c + 8) * 3
         compute_s += score_bytes / (gpu.hbm_bytes_per_s * profile.optimizer_hbm_efficiency)
-    block_model_flops = (2 * counts.block() + attention_flops_per_token_per_layer(model, training.seq_len) / 3) * tokens
-    block_fwd_s = block_model_flops / flops_per_s
+    attn_fwd_flops = attention_flops_per_token_per_layer(model, training.seq_len) / 3
+    adapters = counts.trainable_block if counts.frozen_block else 0   # LoRA
+    block_fwd_s = (2 * (moe.active_block_params(model) + adapters) + attn_fwd_flops) * tokens / flops_per_s
     block_bwd_s = 2 * block_fwd_s + (recompute_s / L)
 
     # --- collectives per micro-step --------------------------------------------------------------------
     shard_tier, replicate_tier = _shard_tiers(config, cluster, profile)
-    block_gather = counts.block() * c
-    block_reduce = counts.trainable_block * r
     root_gather = counts.root() * c
     root_reduce = counts.trainable_root * r
-    if config.sharding is Sharding.NO_SHARD:
-        ag = 0.0
-        rs = comm.all_reduce_s(block_reduce, n_replicas, replicate_tier)
-        root_ag = 0.0
-        root_rs = comm.all_reduce_s(root_reduce, n_replicas, replicate_tier)
-        sync_every_microstep = False
-    else:
-        ag = comm.all_gather_s(block_gather, d, shard_tier)
-        rs = comm.reduce_scatter_s(block_reduce, d, shard_tier)
-        rs += comm.all_reduce_s(block_reduce / d, n_replicas, replicate_tier)
-        root_ag = comm.all_gather_s(root_gather, d, shard_tier)
-        root_rs = comm.reduce_scatter_s(root_reduce, d, shard_tier) + comm.all_reduce_s(
-            root_reduce / d, n_replicas, replicate_tier)
-        sync_every_microstep = True
+    sync_every_microstep = config.sharding is not Sharding.NO_SHARD
+
+    def collectives(gather_bytes: float, reduce_bytes: float) -> tuple[float, float]:
+        """(all-gather, gradient reduction) seconds of one unit."""
+        if not sync_every_microstep:
+            return 0.0, comm.all_reduce_s(reduce_bytes, n_replicas, replicate_tier)
+        return (comm.all_gather_s(gather_bytes, d, shard_tier),
+                comm.reduce_scatter_s(reduce_bytes, d, shard_tier)
+                + comm.all_reduce_s(reduce_bytes / d, n_replicas, replicate_tier))
+
+    root_ag, root_rs = collectives(root_gather, root_reduce)
     gathers_in_backward = config.sharding in (Sharding.FULL_SHARD, Sharding.HYBRID_SHARD)
-    bwd_ag = ag if gathers_in_backward else 0.0
+    # Blocks by kind: (count, all-gather s, reduction s, forward s, backward s); block 0 is of the last kind.
+    ag, rs = collectives(counts.block() * c, counts.trainable_block * r)
+    kinds = [(L - model.n_dense_layers, ag, rs, block_fwd_s, block_bwd_s)]
+    if model.n_dense_layers:  # an MoE model's leading dense blocks: their own sizes and FLOPs
+        nd, dense_delta = model.n_dense_layers, (counts.trainable_dense_delta + counts.frozen_dense_delta) // model.n_dense_layers
+        d_fwd = block_fwd_s + 2 * (model.moe.dense_block_params - moe.active_block_params(model)) * tokens / flops_per_s
+        d_ag, d_rs = collectives((counts.block() + dense_delta) * c,
+                                 (counts.trainable_block + counts.trainable_dense_delta // nd) * r)
+        kinds.append((nd, d_ag, d_rs, d_fwd, 2 * d_fwd + recompute_s / L))
+    first_ag, last_rs = kinds[-1][1], kinds[-1][2]
 
-    fwd_exposed = root_ag + ag + (L - 1) * max(0.0, ag - block_fwd_s)
+    fwd_exposed = root_ag + first_ag + sum(n * max(0.0, a - f) for n, a, _, f, _ in kinds) \
+        - max(0.0, first_ag - kinds[-1][3])
 
-    def backward_exposed(reduce_s: float) -> float:
-        if config.backward_prefetch:
-            per_block = max(0.0, bwd_ag + reduce_s - block_bwd_s)
-        else:
-            per_block = bwd_ag + max(0.0, reduce_s - block_bwd_s)
-        return L * per_block + reduce_s + root_rs
+    def backward_exposed(reducing: bool) -> float:
+        exposed_s = (last_rs if reducing else 0.0) + root_rs
+        for n, a, reduce_s, _, bwd_s in kinds:
+            a, reduce_s = (a if gathers_in_backward else 0.0), (reduce_s if reducing else 0.0)
+            if config.backward_prefetch:
+                exposed_s += n * max(0.0, a + reduce_s - bwd_s)
+            else:
+                exposed_s += n * (a + max(0.0, reduce_s - bwd_s))
+        return exposed_s
 
     accum = config.grad_accum
+    gathered_s = sum(n * a * (2 if gathers_in_backward else 1) for n, a, *_ in kinds)
+    reduced_s = sum(n * reduce_s for n, _, reduce_s, *_ in kinds)
     if sync_every_microstep:
-        exposed = accum * (fwd_exposed + backward_exposed(rs))
-        total_comm = accum * (root_ag + root_rs + L * (ag + bwd_ag + rs))
+        exposed = accum * (fwd_exposed + backward_exposed(True))
+        total_comm = accum * (root_ag + root_rs + gathered_s + reduced_s)
     else:
-        exposed = accum * fwd_exposed + (accum - 1) * backward_exposed(0.0) + backward_exposed(rs)
-        total_comm = accum * (root_ag + L * (ag + bwd_ag)) + root_rs + L * rs
+        exposed = accum * fwd_exposed + (accum - 1) * backward_exposed(False) + backward_exposed(True)
+        total_comm = accum * (root_ag + gathered_s) + root_rs + reduced_s
 
     # --- CPU offload and optimizer step ---------------------------------------------------------------
     trainable_shard = counts.trainable(L) / d

@@ -8,7 +8,7 @@ up by name, so they paste into any script that has built `model` and initialised
 
 from __future__ import annotations
 
-from cost_models import fsdp_options
+from cost_models import fsdp_options, moe
 from cost_models.specs import ClusterSpec, FsdpConfig, ModelSpec, Precision, TrainingSpec
 
 _ACCELERATE_MIXED = {Precision.FP32: "no", Precision.BF16: "bf16", Precision.FP16: "fp16", Precision.BF16_PURE: "no"}
@@ -208,8 +208,27 @@ def emit_fsdp2(config: FsdpConfig, model_spec: ModelSpec, cluster: ClusterSpec,
         f"    mp_policy={mp},",
         ")",
         *offload,
+        *_moe_padding_fix(config, model_spec, cluster),
     ] + loop + ["return model"]
     return _render(config, model_spec, cluster, imports, body, training)
+
+
+def _moe_padding_fix(config: FsdpConfig, model_spec: ModelSpec, cluster: ClusterSpec) -> list[str]:
+    """Commented lines that shard stacked experts off dim 0 when FSDP2 would pad them: the plan priced the
+    padding (dim 0), so the fix stays a comment to enable knowingly (cost_models/moe.py)."""
+    if model_spec.moe is None:
+        return []
+    d = config.shard_group_size(cluster)
+    if moe.padding_factor(model_spec, d) <= 1:
+        return []
+    e = model_spec.moe.n_experts
+    return [f"# MoE: {e} experts on a shard group of {d}: FSDP2 shards the stacked expert tensors on dim 0 and",
+            f"# pads them to {d} rows ({moe.padding_factor(model_spec, d):.1f}x gathered; this plan priced it). "
+            "To shard them on dim 1 instead",
+            f"# (even shards needed: dim 1 % {d} == 0), uncomment; the gathered size drops to the real one:",
+            "# from torch.distributed.tensor import Shard",
+            f"# fsdp_kwargs[\"shard_placement_fn\"] = lambda p: Shard(1) if p.ndim >= 2 and p.shape[0] % {d} "
+            f"and p.shape[1] % {d} == 0 else None"]
 
 
 def _render(config, model_spec, cluster, imports: list[str], body: list[str],

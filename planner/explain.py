@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 
-from cost_models import activations
+from cost_models import activations, moe
 from cost_models.memory import traced_block_terms
 from cost_models.compute import mfu_flops_per_token, model_flops_per_token, recompute_flops_per_token
 from cost_models.memory import ParamCounts
@@ -29,8 +29,10 @@ def memory_terms(c: Candidate) -> list[tuple[str, str, str]]:
     p = DTYPE_BYTES[cfg.precision.param_dtype]
     cb = DTYPE_BYTES[cfg.precision.compute_dtype]
     r = DTYPE_BYTES[cfg.precision.reduce_dtype]
-    counts = ParamCounts.of(m, c.training)
+    counts = ParamCounts.of(m, c.training, d)  # MoE: stacked experts padded to a multiple of d rows
     trainable, frozen = counts.trainable(L), counts.frozen(L)
+    real = ParamCounts.of(m, c.training)
+    padded = f" (FSDP2 padding included; {real.trainable(L):,} real)" if trainable != real.trainable(L) else ""
     frozen_b = cb if cfg.precision.mixed else p
     opt = c.training.optimizer.state_bytes_per_param(cfg.precision.param_dtype)
     tokens = cfg.micro_batch * c.training.seq_len
@@ -38,9 +40,11 @@ def memory_terms(c: Candidate) -> list[tuple[str, str, str]]:
     terms = [
         ("peak moment", f"{c.memory.peak_moment} ({c.memory.peak_phase.replace('_', ' ')})",
          "the largest of the moments where FSDP2's schedule can peak (cost_models/memory.py)"),
-        ("stored parameters", f"{trainable:,} trainable x {p} B + {frozen:,} frozen x {frozen_b} B / d={d} = "
+        ("stored parameters", f"{trainable:,} trainable{padded} x {p} B + {frozen:,} frozen x {frozen_b} B / d={d} = "
          f"{_gib(math.ceil((trainable * p + frozen * frozen_b) / d))} on {where}",
-         "ZeRO (Rajbhandari et al. 2020) / FSDP (Zhao et al. 2023): each rank keeps 1/d of every unit"),
+         "ZeRO (Rajbhandari et al. 2020) / FSDP (Zhao et al. 2023): each rank keeps 1/d of every unit"
+         + (f"; FSDP2 pads each stacked expert tensor to ceil(E / d) rows per rank (x{moe.padding_factor(m, d):.1f}, "
+            "counts include it)" if m.moe is not None and moe.padding_factor(m, d) > 1 else "")),
         ("optimizer state", f"{trainable:,} x {opt:g} B ({c.training.optimizer.value}) / {d} = "
          f"{_gib(math.ceil(trainable * opt / d))} on {where}",
          "Adam/AdamW keep two states per parameter (m, v); SGD one; 8-bit Adam two 1-byte states"),
@@ -96,9 +100,12 @@ def time_terms(c: Candidate) -> list[tuple[str, str, str]]:
     peak = c.cluster.gpu.peak_flops.get(dtype, 0)
     flops = model_flops_per_token(m, c.training)
     re = recompute_flops_per_token(m, c.training, cfg)
-    return [
+    terms = [
         ("FLOPs per token", ("4 x frozen non-embedding params + 6 x adapter params" if c.training.adapter_rank
-                             else "6 x non-embedding params") + f" + 12 x L x heads x head_dim x s = {flops / 1e9:,.1f} GFLOP"
+                             else "6 x non-embedding params") + (f" (active: {m.active_params:,} of {m.n_params:,}, "
+                                                                 f"{m.moe.experts_per_token} of {m.moe.n_experts} "
+                                                                 "experts per token)" if m.moe else "")
+         + f" + 12 x L x heads x head_dim x s = {flops / 1e9:,.1f} GFLOP"
          + (f", + {re / 1e9:,.1f} GFLOP recompute ({cfg.activation_checkpointing} checkpointing)" if re else ""),
          "Kaplan et al. 2020; PaLM appendix B; Korthikanti et al. 2022 for recompute"),
         ("compute", f"{cfg.grad_accum} micro-step(s) x {tokens:,} tokens x {(flops + re) / 1e9:,.1f} GFLOP / "
@@ -112,8 +119,15 @@ def time_terms(c: Candidate) -> list[tuple[str, str, str]]:
         else ("optimizer step", f"{t.optimizer_s:.4f} s: read/write params and states at HBM speed", "memory-bound"),
         ("step", f"{t.step_s:.3f} s -> {t.tokens_per_s_per_gpu:,.0f} tokens/s per GPU; MFU = "
          f"{mfu_flops_per_token(m, c.training) / 1e9:,.1f} GFLOP/token x tokens/s / peak = {100 * t.mfu:.1f}%",
-         "MFU as torchtitan computes it (6 x all params + attention)"),
+         "MFU as torchtitan computes it (6 x all params + attention)" + (", active params for MoE" if m.moe else "")),
     ]
+    d = cfg.shard_group_size(c.cluster)
+    why = moe.comm_bound_note(m, t.exposed_comm_s, t.step_s, moe.padding_factor(m, d) if m.moe else 1.0,
+                              cfg.sharding.value, cfg.micro_batch)
+    if why:
+        terms.insert(3, ("why communication", why, "FSDP gathers every parameter of a unit; an MoE token computes "
+                         "with its top-k experts only (cost_models/moe.py)"))
+    return terms
 
 
 def _efficiency(c: Candidate, flops_per_token: float, peak: float) -> float:

@@ -77,13 +77,16 @@ class MoeFamily:
     dense_layers: Callable[[Cfg, int], int] = all_sparse
     mla: bool = False                     # DeepSeek's multi-head latent attention
     mlp_bias: Flag = False                # biases of the dense MLPs and shared experts (DeepSeek-V2 mlp_bias)
+    renormalise_top_k: Flag = ("norm_topk_prob", False)  # top-k weights divided by their sum (Mixtral always)
+    fp32_routing_weights: bool = False    # the routing weights stay fp32 (Mixtral; DeepSeek's fp32 router)
 
 
 _ATTENTION_BIAS = ("attention_bias", False)
 
 MOE_FAMILIES: dict[str, MoeFamily] = {
     "mixtral": MoeFamily(Family("MixtralDecoderLayer", 4096 * 32, kv_heads=8, window=window_if_set),
-                         ("num_local_experts", "num_experts"), "intermediate_size"),
+                         ("num_local_experts", "num_experts"), "intermediate_size", renormalise_top_k=True,
+                         fp32_routing_weights=True),
     "qwen2_moe": MoeFamily(Family("Qwen2MoeDecoderLayer", 32768, qkv_bias=("qkv_bias", True), kv_heads=16,
                                   window=qwen_window),
                            ("num_experts",), "moe_intermediate_size", shared="qwen", shared_default=5632,
@@ -94,16 +97,18 @@ MOE_FAMILIES: dict[str, MoeFamily] = {
                            dense_layers=qwen_dense_layers),
     "deepseek_v2": MoeFamily(Family("DeepseekV2DecoderLayer", 2048), ("n_routed_experts", "num_experts"),
                              "moe_intermediate_size", shared="deepseek", shared_default=2,
-                             dense_layers=first_k_dense(0), mla=True, mlp_bias=("mlp_bias", False)),
+                             dense_layers=first_k_dense(0), mla=True, mlp_bias=("mlp_bias", False),
+                             fp32_routing_weights=True),
     "deepseek_v3": MoeFamily(Family("DeepseekV3DecoderLayer", 4096), ("n_routed_experts", "num_local_experts"),
                              "moe_intermediate_size", shared="deepseek", shared_default=1,
-                             dense_layers=first_k_dense(3), mla=True),
+                             dense_layers=first_k_dense(3), mla=True, renormalise_top_k=("norm_topk_prob", True),
+                             fp32_routing_weights=True),
     # Attention sinks need eager (or a kernel): transformers' GptOss has _supports_sdpa = False.
     "gpt_oss": MoeFamily(Family("GptOssDecoderLayer", 131072, qkv_bias=("attention_bias", True),
                                 o_bias=("attention_bias", True), head_dim=64, kv_heads=8, attention_sinks=True,
                                 window=alternating(None, 2, 128), attention=eager_only),
                          ("num_local_experts", "num_experts"), "intermediate_size", router_bias=True,
-                         expert_bias=True),
+                         expert_bias=True, renormalise_top_k=False),
 }
 
 
@@ -167,7 +172,8 @@ def read_moe(c: Cfg) -> dict:
         moe = MoeSpec(
             n_experts=n_experts, experts_per_token=top_k, expert_ffn_size=f, expert_params=expert,
             stacked_expert_tensors=stacked, router_params=router, shared_ffn_size=shared_f, shared_params=shared,
-            n_dense_layers=n_dense, dense_ffn_size=dense_f,
+            n_dense_layers=n_dense, dense_ffn_size=dense_f, renormalise_top_k=read_flag(c, fam.renormalise_top_k),
+            fp32_routing_weights=fam.fp32_routing_weights,
             dense_block_params=frame + (mlp(h, dense_f, mlp_bias, gated=True) if n_dense else 0),
         )
     except SpecError as e:  # e.g. num_experts_per_tok > the experts

@@ -3,9 +3,10 @@
 import math
 import os
 
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
+from cost_models.moe import padding_factor
 from cost_models.specs import Sharding
 from planner import estimate
 from planner.models import list_presets
@@ -55,8 +56,14 @@ def test_estimate_never_crashes_or_goes_negative(kw):
 def test_full_shard_memory_never_grows_with_more_gpus(kw, factor):
     # From 2 GPUs up: on 1 GPU FULL_SHARD degenerates to NO_SHARD (FSDP1 switches by itself) and in fp32
     # gathers nothing, so 1 -> 2 GPUs can add gathered copies (with offload, states do not shrink on GPU).
+    # Mixture of experts: FSDP2 pads each stacked expert tensor to a multiple of the shard group, so a
+    # group larger than the experts gathers (and holds) more; the property holds where padding does not grow.
     kw = {**kw, "sharding": "FULL_SHARD", "gpus": max(2, kw["gpus"])}
-    small = estimate(**kw).memory.peak_allocated_bytes
+    small_c = estimate(**kw)
+    spec = small_c.model
+    if spec.moe is not None:
+        assume(padding_factor(spec, kw["gpus"] * factor) <= padding_factor(spec, kw["gpus"]))
+    small = small_c.memory.peak_allocated_bytes
     large = estimate(**{**kw, "gpus": kw["gpus"] * factor}).memory.peak_allocated_bytes
     assert large <= small
 
