@@ -17,9 +17,13 @@ def build_model(spec: ModelSpec, hf_config: dict | None = None, attention: str =
     """Build the model without weights on `device` ("meta" allocates nothing; traces and planning use it).
 
     With hf_config (a config.json as a dict, including model_type) the model comes from transformers:
-    AutoModelForCausalLM, or AutoModelForMaskedLM (BertForMaskedLM) for BERT. Without one, the reference
-    Llama built from `spec`. dtype defaults to fp32 rather than the config's torch_dtype: FSDP's
-    precision policy (or cast_for_precision for bf16-pure) decides the dtypes, not the checkpoint.
+    AutoModelForCausalLM, or AutoModelForMaskedLM (BertForMaskedLM) for BERT, built as a GPU training run
+    builds it: `attention` where the family supports it, else eager (hf_attention: Gemma 2 refuses SDPA
+    for its logit soft-capping, gpt-oss for its attention sinks), and mixture-of-experts layers through
+    transformers' grouped_mm experts kernel (HF_EXPERTS). The choices made are on model.config
+    (_attn_implementation, _experts_implementation). Without hf_config, the reference Llama built from
+    `spec`. dtype defaults to fp32 rather than the config's torch_dtype: FSDP's precision policy (or
+    cast_for_precision for bf16-pure) decides the dtypes, not the checkpoint.
     """
     dtype = dtype or torch.float32
     with torch.device(device):
@@ -30,13 +34,71 @@ def build_model(spec: ModelSpec, hf_config: dict | None = None, attention: str =
                 return build_reference(spec, attention)
             finally:
                 torch.set_default_dtype(previous)
-        from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForMaskedLM
+        config = hf_config_object(hf_config)
+        auto = _auto_class(config)
+        cls = hf_model_class(config)
+        experts = {"experts_implementation": HF_EXPERTS} if cls._can_set_experts_implementation() else {}
+        model = auto.from_config(config, attn_implementation=hf_attention(cls, attention), dtype=dtype, **experts)
+    _cast_kept_parameters(model, dtype)
+    return model
 
-        fields = dict(hf_config)
-        model_type = fields.pop("model_type")
-        config = AutoConfig.for_model(model_type, **fields)
-        auto = AutoModelForMaskedLM if model_type == "bert" else AutoModelForCausalLM
-        return auto.from_config(config, attn_implementation=attention, dtype=dtype)
+
+@torch.no_grad()
+def _cast_kept_parameters(model: nn.Module, dtype: torch.dtype) -> None:
+    """Parameters transformers keeps in fp32 whatever the dtype asked (_keep_in_fp32_modules_strict:
+    DeepSeek-V3's router weight), cast to `dtype` as cast_for_precision's model.to() casts them for
+    bf16-pure: FSDP2 needs one dtype per unit. New tensors in the parameters' slots (works on fake
+    tensors, where model.to() does not); buffers keep their dtype."""
+    for module in model.modules():
+        for name, param in list(module._parameters.items()):
+            if param is not None and param.is_floating_point() and param.dtype != dtype:
+                module._parameters[name] = nn.Parameter(param.to(dtype), requires_grad=param.requires_grad)
+
+
+# transformers 5's default experts kernel, and the one a GPU run takes: the b x s x top-k routed token rows
+# sorted by expert, one torch._grouped_mm per projection (static shapes, so it also runs on fake tensors).
+# Named explicitly so that a transformers release changing its default cannot change what we price.
+HF_EXPERTS = "grouped_mm"
+
+
+def hf_config_object(hf_config: dict):
+    """The transformers config of a config.json dict (with model_type)."""
+    from transformers import AutoConfig
+
+    fields = dict(hf_config)
+    model_type = fields.pop("model_type")
+    return AutoConfig.for_model(model_type, **fields)
+
+
+def _auto_class(config):
+    from transformers import AutoModelForCausalLM, AutoModelForMaskedLM
+
+    return AutoModelForMaskedLM if config.model_type == "bert" else AutoModelForCausalLM
+
+
+def hf_model_class(config) -> type:
+    """The transformers class from_config builds: *ForMaskedLM for BERT, *ForCausalLM otherwise."""
+    from transformers.models.auto.auto_factory import _get_model_class
+
+    return _get_model_class(config, _auto_class(config)._model_mapping)
+
+
+def hf_attention(cls: type, requested: str) -> str:
+    """The attention implementation `cls` runs for `requested`: SDPA where the family supports it
+    (transformers' `_supports_sdpa`), else eager, which every family has."""
+    if requested == "sdpa" and not getattr(cls, "_supports_sdpa", False):
+        return "eager"
+    return requested
+
+
+def model_kernels(model: nn.Module, default_attention: str) -> tuple[str, str | None]:
+    """(attention implementation, experts implementation or None) a built model runs: transformers keeps
+    them on model.config; a model without experts layers (or not from transformers) has None."""
+    config = getattr(model, "config", None)
+    attention = getattr(config, "_attn_implementation", None) or default_attention
+    can_set = getattr(type(model), "_can_set_experts_implementation", None)
+    experts = getattr(config, "_experts_implementation", None) if can_set is not None and can_set() else None
+    return attention, experts
 
 
 def load_factory(path: str) -> Callable[..., nn.Module]:

@@ -16,9 +16,15 @@ What runs is what the plan emits, on no GPU and no real memory:
   sharded gradients as every later one does - optimizer step, zero_grad) measured by calibration.memtrack;
   the figures are those of the second step. The training loop drops the model output before backward.
 
-Two things are made to behave as on a GPU run (see cuda_kernel_choices and _real_run_masking):
-transformers' choice of attention mask, which fake tensors would turn into an s x s mask per layer, and
-the dropout / SDPA-with-dropout kernels, whose CPU versions keep other tensors than CUDA's.
+The model is built as a GPU run builds it (calibration.build): the attention implementation the family
+runs (eager for Gemma 2 and gpt-oss, which refuse SDPA; TraceResult.attention says which), transformers'
+grouped_mm experts kernel for mixture-of-experts layers (TraceResult.experts), the KV cache off.
+Three things are made to behave as on a GPU run (see cuda_kernel_choices, _real_run_masking and
+_grouped_mm_shapes_any_dtype): transformers' choice of attention mask, which fake tensors would turn into
+an s x s mask per layer; the dropout / SDPA-with-dropout kernels, whose CPU versions keep other tensors
+than CUDA's; and torch._grouped_mm's meta function, which refuses the fp32/fp16 inputs the real kernels
+take. tests/distributed/test_trace_families.py checks the result against real CPU runs of small
+configs of today's families, to the byte when it was written.
 
 foreach=False because the tracker mis-accounts foreach kernels on DTensors (pitfalls.md). The
 multi-tensor (foreach) step that training actually runs by default differs from the for-loop one only in
@@ -37,6 +43,7 @@ memory are the same), 8-bit Adam (bitsandbytes). A model whose code cannot run o
 from __future__ import annotations
 
 import time
+import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -74,6 +81,8 @@ class TraceResult:
     builder: str                              # "transformers" or "reference"
     seconds: float
     notes: tuple[str, ...] = ()
+    attention: str = ""                       # the implementation traced (eager where a family refuses sdpa)
+    experts: str | None = None                # mixture-of-experts kernel ("grouped_mm"); None: no experts
 
     def to_dict(self) -> dict:
         return {
@@ -84,6 +93,8 @@ class TraceResult:
             "world_size": self.world_size,
             "shard_group_size": self.shard_group_size,
             "builder": self.builder,
+            "attention": self.attention,
+            "experts": self.experts,
             "seconds": round(self.seconds, 2),
             "notes": list(self.notes),
         }
@@ -129,7 +140,9 @@ def _block_classes(model: nn.Module, spec: ModelSpec) -> set[type]:
     return block_classes_for(model)
 
 
-def _make_optimizer(params, optimizer: Optimizer) -> torch.optim.Optimizer:
+def make_optimizer(params, optimizer: Optimizer | str = Optimizer.ADAMW) -> torch.optim.Optimizer:
+    """The optimizer the trace steps: the configured one with foreach=False (see the module docstring)."""
+    optimizer = Optimizer(optimizer)
     params = [p for p in params if p.requires_grad]
     if optimizer is Optimizer.SGD:
         return torch.optim.SGD(params, lr=1e-3, momentum=0.9, foreach=False)
@@ -196,7 +209,7 @@ def trace_memory(spec: ModelSpec, config: FsdpConfig, *, n_gpus: int, gpus_per_n
         verbosity = transformers.logging.get_verbosity()
         transformers.logging.set_verbosity_error()  # config warnings about token ids etc. are not ours to show
     try:
-        with _real_run_masking(is_hf):
+        with _real_run_masking(is_hf), _grouped_mm_shapes_any_dtype():
             return _trace(spec, config, training, n_gpus, gpus_per_node, seq_len, hf_config, started)
     finally:
         if is_hf:
@@ -260,11 +273,42 @@ def _real_run_masking(is_hf: bool):
             masking.find_packed_sequence_indices = original
 
 
+@contextmanager
+def _grouped_mm_shapes_any_dtype():
+    """Let torch._grouped_mm (transformers' grouped_mm experts kernel) run on fake tensors of any dtype.
+
+    Its meta function - what FakeTensorMode runs - checks the inputs as the CUDA CUTLASS kernel needs
+    them (bf16 only), but the real kernels take fp32 and fp16 too (CPU; CUDA through its fallback path),
+    and an fp32 or fp16 run of a mixture-of-experts model goes through them. For those dtypes we give
+    FakeTensorMode the output the meta function would make - same shape, the inputs' dtype - skipping
+    only the dtype check; bf16 keeps the meta function as it is. The override is a dispatcher
+    registration for the Meta key, removed on exit."""
+    try:
+        from torch._meta_registrations import _create_grouped_mm_output_tensor, meta_grouped_mm
+    except ImportError:  # a torch without grouped_mm: nothing to do
+        yield
+        return
+
+    def meta(mat_a, mat_b, offs=None, bias=None, out_dtype=None):
+        if mat_a.dtype == torch.bfloat16 or mat_a.dtype != mat_b.dtype or bias is not None:
+            return meta_grouped_mm(mat_a, mat_b, offs=offs, bias=bias, out_dtype=out_dtype)
+        return _create_grouped_mm_output_tensor(mat_a, mat_b, offs, out_dtype)
+
+    library = torch.library.Library("aten", "IMPL")
+    with warnings.catch_warnings():  # "overriding a previously registered kernel": that is the point
+        warnings.simplefilter("ignore", UserWarning)
+        library.impl("_grouped_mm", meta, "Meta")
+    try:
+        yield
+    finally:
+        library._destroy()
+
+
 def _trace(spec, config, training, n_gpus, gpus_per_node, seq_len, hf_config, started) -> TraceResult:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from .apply import TORCH_DTYPES, apply_fsdp2, make_mesh
-    from .build import build_model
+    from .build import build_model, model_kernels
 
     is_hf = hf_config is not None
     shard = _shard_group(config, n_gpus, gpus_per_node)
@@ -300,34 +344,16 @@ def _trace(spec, config, training, n_gpus, gpus_per_node, seq_len, hf_config, st
             model.train()
             if is_hf and hasattr(model, "config"):
                 model.config.use_cache = False  # no KV cache in training (HF warns and drops it with AC)
+            name, (attention, experts) = type(model).__name__, model_kernels(model, config.attention.value)
             apply_fsdp2(model, config, classes, mesh)
-            opt = _make_optimizer(model.parameters(), training.optimizer)
+            opt = make_optimizer(model.parameters(), training.optimizer)
             ids = torch.randint(0, spec.vocab_size, (config.micro_batch, seq_len))
-            tracker = MemoryTracker(model, opt, vocab_size=spec.vocab_size if spec.vocab_size != seq_len else None)
-            tracker.track_inputs(ids)
-            phases = {}
-            with tracker:
-                for step in range(2):
-                    if step == 1:
-                        tracker.reset()
-                    for micro in range(min(config.grad_accum, 2)):
-                        if micro:
-                            tracker.next_microstep()
-                        try:
-                            with cuda_kernel_choices():  # also in backward: checkpoint recompute runs there
-                                loss = _loss(model, ids, is_hf)
-                                loss.backward()
-                                del loss
-                        except Exception as exc:  # noqa: BLE001
-                            raise _untraceable(f"the training step of {spec.name}", exc) from exc
-                    if step == 1:
-                        phases["forward_backward"] = tracker.snapshot()
-                        tracker.reset()
-                    opt.step()
-                    if step == 1:
-                        phases["optimizer_step"] = _replace_temporaries(tracker.snapshot(),
-                                                                        foreach_temporary_bytes(opt))
-                    opt.zero_grad(set_to_none=True)
+            try:
+                phases = measure_training_steps(model, opt, ids, config, vocab_size=spec.vocab_size, is_hf=is_hf)
+            except Exception as exc:  # noqa: BLE001
+                raise _untraceable(f"the training step of {spec.name}", exc) from exc
+    if attention != config.attention.value:
+        notes.append(f"{name} does not run {config.attention.value} attention: traced with {attention}")
     if training.optimizer in (Optimizer.ADAM, Optimizer.ADAMW):
         notes.append("optimizer traced with foreach=False; the foreach step's temporaries (one more copy of the "
                      "sharded trainable params, in their dtype) are added analytically")
@@ -337,7 +363,40 @@ def _trace(spec, config, training, n_gpus, gpus_per_node, seq_len, hf_config, st
     return TraceResult(peak_allocated_bytes=peak.peak_allocated_bytes, breakdown=dict(peak.breakdown),
                        peak_phase=peak.peak_phase, phases=phases, world_size=n_gpus, shard_group_size=shard,
                        builder="transformers" if is_hf else "reference", seconds=time.perf_counter() - started,
-                       notes=tuple(notes))
+                       notes=tuple(notes), attention=attention, experts=experts)
+
+
+def measure_training_steps(model: nn.Module, optimizer: torch.optim.Optimizer, ids: torch.Tensor, config: FsdpConfig,
+                           *, vocab_size: int, is_hf: bool) -> dict[str, MemorySnapshot]:
+    """Two training steps of an FSDP2-wrapped `model` on `ids` (labels = ids) under calibration.memtrack:
+    the second step's "forward_backward" window (min(grad_accum, 2) micro-steps) and its "optimizer_step"
+    window, the latter with the for-loop step's temporaries replaced by the foreach step's (see the module
+    docstring; `optimizer` must be a foreach=False one). Fake or real tensors alike: the trace runs it
+    under FakeTensorMode, tests/distributed runs it on gloo ranks to check the trace against real memory.
+    Tensors whose last dimension is the vocabulary count as logits_and_loss, unless it equals the
+    sequence length."""
+    tracker = MemoryTracker(model, optimizer, vocab_size=vocab_size if vocab_size != ids.shape[-1] else None)
+    tracker.track_inputs(ids)
+    phases = {}
+    with tracker:
+        for step in range(2):
+            if step == 1:
+                tracker.reset()
+            for micro in range(min(config.grad_accum, 2)):
+                if micro:
+                    tracker.next_microstep()
+                with cuda_kernel_choices():  # also in backward: checkpoint recompute runs there
+                    loss = _loss(model, ids, is_hf)
+                    loss.backward()
+                    del loss
+            if step == 1:
+                phases["forward_backward"] = tracker.snapshot()
+                tracker.reset()
+            optimizer.step()
+            if step == 1:
+                phases["optimizer_step"] = _replace_temporaries(tracker.snapshot(), foreach_temporary_bytes(optimizer))
+            optimizer.zero_grad(set_to_none=True)
+    return phases
 
 
 def _meta_to_fake(model: nn.Module) -> None:
@@ -387,4 +446,4 @@ def _require_transformers() -> None:
 
 
 __all__ = ["TraceResult", "TraceError", "TraceUnsupported", "UntraceableModel", "trace_memory",
-           "foreach_temporary_bytes", "BREAKDOWN_KEYS"]
+           "measure_training_steps", "make_optimizer", "foreach_temporary_bytes", "BREAKDOWN_KEYS"]
