@@ -223,7 +223,8 @@ def _moe_padding_fix(config: FsdpConfig, model_spec: ModelSpec, cluster: Cluster
         return []
     e = model_spec.moe.n_experts
     return [f"# MoE: {e} experts on a shard group of {d}: FSDP2 shards the stacked expert tensors on dim 0 and",
-            f"# pads them to {d} rows ({moe.padding_factor(model_spec, d):.1f}x gathered; this plan priced it). "
+            f"# pads them to {moe.rows_per_rank(e, d) * d} rows ({moe.padding_factor(model_spec, d):.1f}x gathered; "
+            "this plan priced it). "
             "To shard them on dim 1 instead",
             f"# (even shards needed: dim 1 % {d} == 0), uncomment; the gathered size drops to the real one:",
             "# from torch.distributed.tensor import Shard",

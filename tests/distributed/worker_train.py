@@ -26,19 +26,13 @@ from calibration.reference import Block, build_reference, tiny_llama_spec
 from cost_models.specs import ClusterSpec, FsdpConfig, GpuSpec, TrainingSpec
 from cost_models.units import GiB
 from planner.emit import emit_fsdp1, emit_fsdp2
+from tests.distributed.cases import config_from_dict, learnable_batch, serve
 
 STEPS = 8
 SEQ_LEN = 32
 LR = 3e-3
 LORA_LR = 3e-2  # adapters start at B = 0 and train a few thousand weights: a LoRA-sized step
 PERIOD = 8
-
-
-def config_from_dict(data: dict) -> FsdpConfig:
-    data = dict(data)
-    if "activation_checkpointing" in data:
-        data["ac_every"] = data.pop("activation_checkpointing")
-    return FsdpConfig(**data)
 
 
 def run_case(fsdp_version: int, data: dict, rank: int, world: int) -> tuple[list[float], int, dict]:
@@ -68,11 +62,7 @@ def run_case(fsdp_version: int, data: dict, rank: int, world: int) -> tuple[list
     frozen_before = [_local(p).detach().clone() for p in frozen]
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LORA_LR if lora_rank else LR)
     scaler = grad_scaler_for(config, device="cpu")
-    # A fixed batch per rank (different across ranks: real data parallelism): rows cycle through one
-    # random 8-token pattern from different offsets, so the next token is learnable from the current one.
-    pattern = torch.randperm(256, generator=torch.Generator().manual_seed(0))[:PERIOD]
-    offsets = torch.randint(0, PERIOD, (config.micro_batch, 1), generator=torch.Generator().manual_seed(1 + rank))
-    ids = pattern[(offsets + torch.arange(SEQ_LEN)) % PERIOD]
+    ids = learnable_batch(config.micro_batch, SEQ_LEN, rank, PERIOD)
     losses = []
     for _ in range(STEPS):
         optimizer.zero_grad(set_to_none=True)
@@ -117,18 +107,14 @@ def main():
     args = parser.parse_args()
     if len(args.fsdp_version) != len(args.config):
         parser.error("give one --config per --fsdp-version")
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    try:
-        for i, (version, text) in enumerate(zip(args.fsdp_version, args.config)):
-            data = json.loads(text)
-            losses, checkpointed, state = run_case(version, data, rank, world)
-            if rank == 0:
-                print(json.dumps({"case": i, "fsdp_version": version, "config": data, "losses": losses,
-                                  "checkpointed_blocks": checkpointed, **state}), flush=True)
-            dist.barrier()
-    finally:
-        dist.destroy_process_group()
+
+    def one(case, rank, world):
+        version, data = case
+        losses, checkpointed, state = run_case(version, data, rank, world)
+        return {"fsdp_version": version, "config": data, "losses": losses, "checkpointed_blocks": checkpointed,
+                **state}
+
+    serve([(version, json.loads(text)) for version, text in zip(args.fsdp_version, args.config)], one)
 
 
 if __name__ == "__main__":
