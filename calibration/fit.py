@@ -30,6 +30,8 @@ from cost_models.profile import Profile
 from cost_models.specs import ClusterSpec, FsdpConfig, GpuSpec, ModelSpec, TrainingSpec
 from cost_models.step_time import TimeBreakdown, estimate_step_time
 
+from .store import model_spec_from_dict
+
 PRIOR_WEIGHT = 1e-3
 _BOUNDS = {  # (low, high) of each fitted coefficient
     "compute_efficiency": (1e-3, 2.0),  # > 1 possible on CPU, where "peak" is a measured matmul rate
@@ -57,14 +59,12 @@ class Sample:
 
 def specs_from_setup(setup) -> tuple[ModelSpec, ClusterSpec, TrainingSpec, FsdpConfig]:
     """The cost-model specs of a stored run (calibration.store.RunSetup)."""
-    model = dict(setup.model)
-    model["lora_target_shapes"] = tuple(tuple(x) for x in model.get("lora_target_shapes", ()))
     gpu = GpuSpec(**setup.gpu)
     cluster = ClusterSpec(gpu=gpu, n_gpus=setup.n_gpus, gpus_per_node=setup.gpus_per_node,
                           internode_bytes_per_s=setup.internode_bytes_per_s)
     config = dict(setup.config)
     config["ac_every"] = config.pop("activation_checkpointing")
-    return ModelSpec(**model), cluster, TrainingSpec(**setup.training), FsdpConfig(**config)
+    return model_spec_from_dict(setup.model), cluster, TrainingSpec(**setup.training), FsdpConfig(**config)
 
 
 def sample_from_record(record) -> Sample:

@@ -56,7 +56,7 @@ from torch import nn
 from calibration.apply import (apply_fsdp1, apply_fsdp2, block_classes_for, cast_for_precision, grad_scaler_for,
                                make_mesh)
 from calibration.build import build_model, load_factory
-from calibration.store import cpu_name, write_atomic
+from calibration.store import cpu_name, model_spec_from_dict, write_atomic
 from cost_models.specs import FsdpConfig, ModelSpec, Sharding
 
 INIT_STD = 0.02
@@ -88,9 +88,7 @@ def params_on_meta():
 
 
 def _model_spec(data: dict) -> ModelSpec:
-    data = dict(data)
-    data["lora_target_shapes"] = tuple(tuple(x) for x in data.get("lora_target_shapes", ()))
-    return ModelSpec(**data)
+    return model_spec_from_dict(data)  # nested MoeSpec / ActivationProfile too (MoE models crashed here)
 
 
 def build(job_model: dict, attention: str) -> nn.Module:

@@ -29,7 +29,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from cost_models.profile import Profile
-from cost_models.specs import GpuSpec, SpecError
+from cost_models.specs import (ActivationProfile, ActivationTerms, BackwardMoment, GpuSpec, ModelSpec, MoeSpec,
+                                 SpecError)
 
 SCHEMA_VERSION = 1
 RESULTS_FILE = "results.jsonl"
@@ -378,6 +379,27 @@ def load_profile(path: str | Path, *, gpu_id: str | None = None, force: bool = F
 
 def gpu_spec_dict(gpu: GpuSpec) -> dict:
     return {f.name: getattr(gpu, f.name) for f in fields(gpu)}
+
+
+def model_spec_from_dict(data: dict) -> ModelSpec:
+    """The ModelSpec of its dataclasses.asdict() form (a job file's spec, a stored run's setup.model): the
+    JSON lists back to tuples and the nested MoeSpec / ActivationProfile back to dataclasses."""
+    fields_ = dict(data)
+    fields_["lora_target_shapes"] = tuple(tuple(x) for x in fields_.get("lora_target_shapes", ()))
+    if "attention_choices" in fields_:
+        fields_["attention_choices"] = tuple(fields_["attention_choices"])
+    if fields_.get("moe") is not None:
+        moe = dict(fields_["moe"])
+        moe["stacked_expert_tensors"] = tuple(tuple(x) for x in moe.get("stacked_expert_tensors", ()))
+        fields_["moe"] = MoeSpec(**moe)
+    if fields_.get("activation_profile") is not None:
+        profile = dict(fields_["activation_profile"])
+        profile["terms"] = tuple(
+            (dtype, attention, ActivationTerms(**{**terms, "backward_moments": tuple(
+                BackwardMoment(**m) for m in terms.get("backward_moments", ()))}))
+            for dtype, attention, terms in profile.get("terms", ()))
+        fields_["activation_profile"] = ActivationProfile(**profile)
+    return ModelSpec(**fields_)
 
 
 def cpu_name() -> str:

@@ -160,3 +160,19 @@ def test_store_does_not_import_torch():
     code = "import sys, calibration.store, calibration.fit, calibration.launch; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
+
+
+def test_model_spec_from_dict_restores_nested_specs():
+    """A job file's / stored run's spec (dataclasses.asdict, through JSON) comes back equal, with its
+    MoeSpec and ActivationProfile: ModelSpec(**data) left them dicts and MoE calibration runs crashed."""
+    from cost_models.specs import ActivationProfile, ActivationTerms, BackwardMoment
+    from planner.models import from_hf_config
+
+    moe = from_hf_config({"model_type": "qwen3_moe", "hidden_size": 64, "intermediate_size": 128, "head_dim": 16,
+                          "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                          "vocab_size": 512, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32})
+    assert moe.moe is not None and moe.moe.stacked_expert_tensors
+    terms = ActivationTerms(1.5, 0.25, (BackwardMoment(10, 2.0, 3.0, 0.5),))
+    profiled = dataclasses.replace(moe, activation_profile=ActivationProfile(terms=(("bf16", "sdpa", terms),), source="x"))
+    for spec in (moe, profiled):
+        assert store.model_spec_from_dict(json.loads(json.dumps(dataclasses.asdict(spec)))) == spec
