@@ -115,9 +115,12 @@ def dense_block_spec(model: ModelSpec) -> ModelSpec | None:
 
 # ---------------------------------------------------------------- activations (grouped_mm experts)
 
-def router_bytes_per_token(moe: MoeSpec) -> int:
-    """The router's saved tensors: fp32 softmax over E, top-k indices, renormalised top-k values and sum."""
+def router_bytes_per_token(moe: MoeSpec, c: int) -> int:
+    """The router's saved tensors: fp32 softmax over E, top-k indices, renormalised top-k values and sum;
+    gpt-oss's (topk_softmax) the top-k indices and the softmax over those k, in the compute dtype."""
     k = moe.experts_per_token
+    if moe.router_kind == "topk_softmax":
+        return INDEX_BYTES * k + c * k
     return 4 * moe.n_experts + INDEX_BYTES * k + ((4 * k + 4) if moe.renormalise_top_k else 0)
 
 
@@ -126,10 +129,13 @@ def _routing_weight_bytes(moe: MoeSpec, c: int) -> int:
 
 
 def _expert_activation_bytes(model: ModelSpec, c: int, lora: bool) -> int:
-    """Per routed row: what the expert's activation keeps (SwiGLU: the gate|up output and act(gate); a
-    plain activation its input) and the down projection's input (not under LoRA)."""
+    """Per routed row: what the expert's activation keeps (SwiGLU: the gate|up output and act(gate);
+    gpt-oss's clamped SwiGLU also the clamped gate, x * sigmoid(alpha x) and up + 1; a plain activation its
+    input) and the down projection's input (not under LoRA)."""
     f = model.moe.expert_ffn_size
     down_input = 0 if lora else c * f
+    if model.moe.expert_activation == "clamped_swiglu":
+        return 6 * c * f + down_input   # gate|up (2f), clamp(gate), sigmoid, glu, up + 1
     return (3 * c * f if model.gated_mlp else c * f) + down_input
 
 
@@ -156,9 +162,10 @@ def mlp_bytes_per_token(model: ModelSpec, c: int, lora: bool = False) -> int:
     moe = model.moe
     h, k = model.hidden_size, moe.experts_per_token
     gathered_input = 0 if lora else c * h
+    indices = (4 if moe.expert_bias else 3) * INDEX_BYTES   # + the sorted expert ids the bias gathers read
     per_row = (gathered_input + _expert_activation_bytes(model, c, lora) + c * h
-               + _routing_weight_bytes(moe, c) + 3 * INDEX_BYTES)
-    return router_bytes_per_token(moe) + k * per_row + _shared_expert_bytes(model, c, lora)
+               + _routing_weight_bytes(moe, c) + indices)
+    return router_bytes_per_token(moe, c) + k * per_row + _shared_expert_bytes(model, c, lora)
 
 
 def _weighted_output_bytes(moe: MoeSpec, c: int) -> int:

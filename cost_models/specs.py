@@ -148,6 +148,10 @@ class MoeSpec:
     dense_ffn_size: int = 0         # their MLP width
     renormalise_top_k: bool = True    # the top-k routing weights are divided by their sum (Mixtral; norm_topk_prob)
     fp32_routing_weights: bool = False  # they stay fp32, so the weighted expert outputs are fp32 (Mixtral, DeepSeek)
+    router_kind: str = "softmax"      # softmax (fp32, over all experts) then top-k | topk_softmax (gpt-oss: top-k
+    #                                   logits, then a compute-dtype softmax over those k)
+    expert_activation: str = "swiglu"  # swiglu | clamped_swiglu (gpt-oss: clamp, x * sigmoid(alpha x), (up + 1) x glu)
+    expert_bias: bool = False         # biased expert projections (gpt-oss): the sorted expert ids are kept for them
 
     def __post_init__(self):
         for name in ("n_experts", "experts_per_token", "expert_ffn_size", "expert_params"):
@@ -157,6 +161,9 @@ class MoeSpec:
                             f"{self.experts_per_token} is more than n_experts={self.n_experts}")
         if self.n_dense_layers and not self.dense_block_params:
             raise SpecError("model.moe.dense_block_params", "must be > 0 when n_dense_layers > 0")
+        for name, valid in (("router_kind", ("softmax", "topk_softmax")), ("expert_activation", ("swiglu", "clamped_swiglu"))):
+            if getattr(self, name) not in valid:
+                raise SpecError(f"model.moe.{name}", f"{getattr(self, name)!r}; choose one of: {', '.join(valid)}")
 
     @property
     def routed_params(self) -> int:

@@ -79,6 +79,8 @@ class MoeFamily:
     mlp_bias: Flag = False                # biases of the dense MLPs and shared experts (DeepSeek-V2 mlp_bias)
     renormalise_top_k: Flag = ("norm_topk_prob", False)  # top-k weights divided by their sum (Mixtral always)
     fp32_routing_weights: bool = False    # the routing weights stay fp32 (Mixtral; DeepSeek's fp32 router)
+    router_kind: str = "softmax"          # softmax then top-k | topk_softmax (gpt-oss)
+    expert_activation: str = "swiglu"     # swiglu | clamped_swiglu (gpt-oss's _apply_gate)
 
 
 _ATTENTION_BIAS = ("attention_bias", False)
@@ -108,7 +110,8 @@ MOE_FAMILIES: dict[str, MoeFamily] = {
                                 o_bias=("attention_bias", True), head_dim=64, kv_heads=8, attention_sinks=True,
                                 window=alternating(None, 2, 128), attention=eager_only),
                          ("num_local_experts", "num_experts"), "intermediate_size", router_bias=True,
-                         expert_bias=True, renormalise_top_k=False),
+                         expert_bias=True, renormalise_top_k=False, router_kind="topk_softmax",
+                         expert_activation="clamped_swiglu"),
 }
 
 
@@ -173,7 +176,8 @@ def read_moe(c: Cfg) -> dict:
             n_experts=n_experts, experts_per_token=top_k, expert_ffn_size=f, expert_params=expert,
             stacked_expert_tensors=stacked, router_params=router, shared_ffn_size=shared_f, shared_params=shared,
             n_dense_layers=n_dense, dense_ffn_size=dense_f, renormalise_top_k=read_flag(c, fam.renormalise_top_k),
-            fp32_routing_weights=fam.fp32_routing_weights,
+            fp32_routing_weights=fam.fp32_routing_weights, router_kind=fam.router_kind,
+            expert_activation=fam.expert_activation, expert_bias=fam.expert_bias,
             dense_block_params=frame + (mlp(h, dense_f, mlp_bias, gated=True) if n_dense else 0),
         )
     except SpecError as e:  # e.g. num_experts_per_tok > the experts

@@ -92,6 +92,19 @@ def test_grouped_mm_saved_bytes_by_hand():
     assert lora == 4_212 - k * (c * h + c * f)
 
 
+def test_gpt_oss_saved_bytes_by_hand():
+    """gpt-oss: top-k of the logits then a softmax over k (compute dtype), biased experts (the sorted
+    expert ids stay for the bias gathers), clamped SwiGLU. 5,592 B/token is what torch dispatch counted on
+    transformers' GptOssMLP at these sizes (bf16, 512 tokens)."""
+    spec = from_hf_config({"model_type": "gpt_oss", "vocab_size": 128, "hidden_size": 128, "intermediate_size": 160,
+                           "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+                           "num_local_experts": 8, "num_experts_per_tok": 2})
+    assert (spec.moe.router_kind, spec.moe.expert_activation, spec.moe.expert_bias) == ("topk_softmax", "clamped_swiglu", True)
+    c, h, f, k = BF16, 128, 160, 2
+    row = c * h + 2 * c * f + 4 * c * f + c * f + c * h + c + 4 * 8  # + clamp, sigmoid, glu, up + 1; 4 index vectors
+    assert moe.mlp_bytes_per_token(spec, c) == 8 * k + c * k + k * row == 5_592
+
+
 def test_backward_moments_by_hand():
     spec = tiny_mixtral()
     c, h, f, E, k = BF16, 128, 192, 8, 2
