@@ -28,6 +28,7 @@ import torch
 from cost_models.specs import ActivationTerms, BackwardMoment
 from cost_models.units import DTYPE_BYTES
 
+from .build import build_model
 from .memtrack import MemoryTracker
 
 MAX_PROFILED_LAYERS = 8   # a layer pattern longer than this is profiled on its first 8 layers
@@ -47,22 +48,26 @@ def profiled_layers(hf_config: dict, n_dense_layers: int = 0) -> int:
     return min(total, n_dense_layers + min(period, MAX_PROFILED_LAYERS) + 2)
 
 
-def _reduced_config(hf_config: dict, n_layers: int):
-    """The config at n_layers. Remote code (auto_map; the planner lets it through only with
-    --trust-remote-code) is loaded from the directory named by _name_or_path."""
-    from transformers import AutoConfig
+def _reduced_config(hf_config: dict, n_layers: int) -> dict:
+    """The config dict at n_layers (a layer_types list, where the config has one, cut to match)."""
+    fields = {**hf_config, "num_hidden_layers": n_layers, "use_cache": False}
+    if isinstance(hf_config.get("layer_types"), list):
+        fields["layer_types"] = hf_config["layer_types"][:n_layers]
+    return fields
 
-    fields = dict(hf_config)
-    model_type = fields.pop("model_type")
-    if fields.get("auto_map"):
-        config = AutoConfig.from_pretrained(fields["_name_or_path"], trust_remote_code=True)
-    else:
-        config = AutoConfig.for_model(model_type, **fields)
-    config.num_hidden_layers = n_layers
-    if isinstance(getattr(config, "layer_types", None), list):
-        config.layer_types = config.layer_types[:n_layers]
-    config.use_cache = False
-    return config
+
+def _build(hf_config: dict, attention: str, dtype: torch.dtype):
+    """The model as the trace tier builds it (calibration.build: the attention and experts kernels of a GPU
+    run); remote code (auto_map, let through only with --trust-remote-code) from its _name_or_path."""
+    if not hf_config.get("auto_map"):
+        return build_model(None, hf_config, attention=attention, device="cpu", dtype=dtype)
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(hf_config["_name_or_path"], trust_remote_code=True)
+    config.num_hidden_layers, config.use_cache = hf_config["num_hidden_layers"], False
+    with torch.device("cpu"):
+        return AutoModelForCausalLM.from_config(config, attn_implementation=attention, dtype=dtype,
+                                                trust_remote_code=True)
 
 
 def _blocks(model, block_class: str) -> list:
@@ -103,10 +108,9 @@ def profile_block(hf_config: dict, *, block_class: str, compute_dtype: str, atte
     """Fitted per-token terms of one block (see the module docstring) and the seconds the profile took.
     With n_dense_layers (an MoE's leading dense blocks) the sparse blocks after them are profiled."""
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from transformers import AutoModelForCausalLM
 
     from .apply import TORCH_DTYPES
-    from .trace import _real_run_masking
+    from .trace import _grouped_mm_shapes_any_dtype, _real_run_masking
 
     started = time.perf_counter()
     n_layers = profiled_layers(hf_config, n_dense_layers)
@@ -115,11 +119,8 @@ def profile_block(hf_config: dict, *, block_class: str, compute_dtype: str, atte
     long_s = max(MIN_SEQ_LEN, seq_len)
     points = ((1, max(MIN_SEQ_LEN, long_s // 2)), (1, long_s), (2, long_s))
     saved, backward = [], []
-    with _real_run_masking(True), FakeTensorMode(allow_non_fake_inputs=False):
-        with torch.device("cpu"):
-            model = AutoModelForCausalLM.from_config(config, attn_implementation=attention,
-                                                     dtype=TORCH_DTYPES[compute_dtype],
-                                                     trust_remote_code=bool(hf_config.get("auto_map")))
+    with _real_run_masking(True), _grouped_mm_shapes_any_dtype(), FakeTensorMode(allow_non_fake_inputs=False):
+        model = _build(config, attention, TORCH_DTYPES[compute_dtype])
         model.train()
         blocks = _blocks(model, block_class)[max(0, n_dense_layers - 1):]
         if len(blocks) < 3:

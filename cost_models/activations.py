@@ -317,8 +317,9 @@ def quirks(model: ModelSpec, attention: Attention, seq_len: int = 0) -> list[str
     if model.family in ALIBI_FAMILIES and attention is Attention.SDPA:
         notes.append(f"{model.family} uses an ALiBi bias: SDPA cannot use the flash kernel and s^2 "
                      "attention memory is counted; verify with `fsdp-plan trace`")
-    if model.family == "generic" and model.activation_profile is None:
-        notes.append("model architecture inferred from an nn.Module: activation memory uses a Llama-style "
+    if model.family == "generic" and model.priced_by == "formula":
+        why = f" ({model.activation_profile.source})" if model.activation_profile is not None else ""
+        notes.append(f"model architecture inferred from an nn.Module{why}: activation memory uses a Llama-style "
                      "block; verify with `fsdp-plan trace`")
     if model.family in ("bert", "opt", "bloom", "mpt", "falcon"):
         notes.append(f"activation accounting for {model.family} follows the generic recipe (not checked "

@@ -323,7 +323,8 @@ class ModelSpec:
     @property
     def priced_by(self) -> str:
         """Which activation model prices this spec: the family's formulas or a traced block profile."""
-        return "block memory profile" if self.activation_profile is not None else "formula"
+        return "block memory profile" if self.activation_profile is not None and self.activation_profile.terms \
+            else "formula"
 
     @property
     def kv_dim(self) -> int:

@@ -174,7 +174,12 @@ def with_block_profile(spec: ModelSpec, hf_config: dict, seq_len: int,
     entries, made, first_seconds = [], 0, 0.0
     for attention in attentions or spec.attention_choices:
         for dtype in PROFILED_DTYPES:
-            profile, cached = load_or_profile(spec, hf_config, dtype, attention, seq_len)
+            try:
+                profile, cached = load_or_profile(spec, hf_config, dtype, attention, seq_len)
+            except PlannerError as exc:
+                # model code that does not run on fake tensors: priced by the generic recipe, and said so
+                failed = ActivationProfile(terms=(), source=f"no block memory profile: {exc.args[0].split(': ', 1)[-1]}")
+                return dataclasses.replace(spec, activation_profile=failed)
             entries.append((dtype, attention, profile.terms()))
             first_seconds += profile.seconds
             made += not cached

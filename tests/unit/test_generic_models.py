@@ -184,3 +184,14 @@ def test_remote_code_runs_with_the_flag_and_is_priced_like_its_llama(tmp_path):
     assert remote.model.priced_by == "block memory profile" and llama.model.priced_by == "formula"
     # the traced profile of the same block agrees with the Llama formulas
     assert remote.memory.peak_allocated_bytes == pytest.approx(llama.memory.peak_allocated_bytes, rel=0.01)
+
+
+def test_a_model_whose_code_does_not_trace_falls_back_to_the_generic_recipe_and_says_why():
+    """JetMoE routes with data-dependent shapes (a .item() on the router output): no fake-tensor profile."""
+    cfg = {"model_type": "jetmoe", "hidden_size": 128, "num_hidden_layers": 3, "num_key_value_heads": 4,
+           "kv_channels": 32, "intermediate_size": 256, "num_local_experts": 4, "num_experts_per_tok": 2,
+           "vocab_size": 1000}
+    candidate = estimate(dict(cfg), 2, seq_len=128)
+    assert candidate.model.n_params == _meta_count(cfg)
+    assert candidate.model.priced_by == "formula"
+    assert any("no block memory profile" in n and "DataDependent" in n for n in candidate.memory.notes)
