@@ -6,10 +6,10 @@ Each case compares calibration.trace.trace_memory's peak_allocated_bytes at worl
 run's peak (rank 0, the second of two steps, the trace's measuring loop and foreach adjustment). When this
 was written every case agreed to the byte (bf16 at 128 tokens: 1,967,572 bytes for starcoder2 ...
 4,777,708 for gpt_oss; fp32, every other block checkpointed, 2 x 64 tokens: 2,853,180 for qwen3_moe,
-5,253,804 for gpt_oss). The tolerance, 1%, is what the
-issue aims for; what it guards against, measured on the same cases at 128 tokens: tracing without the
-trace tier's packed-sequence answer (calibration.trace._real_run_masking) puts the SDPA families
-1.7-4.3% above their real runs, the materialised s x s mask of every layer.
+5,253,804 for gpt_oss). The tolerance, 1%, is what the issue aims for; what it guards against, measured
+on the same cases at 128 tokens: tracing without the trace tier's packed-sequence answer
+(calibration.trace._real_run_masking) puts the SDPA families 1.7-4.3% above their real runs, the
+materialised s x s mask of every layer.
 
 One torchrun launch for all cases (~35 s on 2 idle cores), then one trace per case (~2 s each): about a
 minute in all, two when other processes share the cores.
