@@ -87,10 +87,12 @@ def cached_spec(hf_config: dict, name: str, make) -> ModelSpec:
     a later run neither imports torch nor builds the model."""
     key = _config_key("spec", hf_config)
     path = cache_dir() / f"spec-{key}.json"
+    from calibration.store import model_spec_from_dict  # pydantic, no torch
+
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
-        if data.get("key") == key:
-            return dataclasses.replace(_spec_from_dict(data["spec"]), name=name)
+        if data.get("key") == key:  # a file that does not hold a valid spec is made again
+            return dataclasses.replace(model_spec_from_dict(data["spec"]), name=name)
     except (OSError, ValueError, KeyError, TypeError):
         pass
     spec = make()
@@ -101,23 +103,6 @@ def cached_spec(hf_config: dict, name: str, make) -> ModelSpec:
     except OSError:
         pass
     return spec
-
-
-def _spec_from_dict(data: dict) -> ModelSpec:
-    """Inverse of dataclasses.asdict for a ModelSpec (tuples and the nested MoeSpec restored); a file that
-    does not describe a valid spec raises TypeError/ValueError and is made again."""
-    from cost_models.specs import MoeSpec
-
-    fields = dict(data)
-    fields["lora_target_shapes"] = tuple(tuple(s) for s in fields.get("lora_target_shapes", ()))
-    fields["attention_choices"] = tuple(fields.get("attention_choices", ("sdpa", "eager")))
-    if fields.get("moe") is not None:
-        moe = dict(fields["moe"])
-        moe["stacked_expert_tensors"] = tuple(tuple(s) for s in moe.get("stacked_expert_tensors", ()))
-        fields["moe"] = MoeSpec(**moe)
-    if fields.get("activation_profile") is not None:
-        raise ValueError("a cached spec holds no profile")
-    return ModelSpec(**fields)
 
 
 def profile_key(hf_config: dict, compute_dtype: str, attention: str, seq_len: int) -> str:
