@@ -155,7 +155,19 @@ def fsdp2_kwargs(config: FsdpConfig, mesh: DeviceMesh) -> dict:
         else MixedPrecisionPolicy(param_dtype=dtypes[0], reduce_dtype=dtypes[1]),
         # Pinned host memory needs an accelerator; on a CPU mesh (tests) the policy is a no-op anyway.
         **({"offload_policy": CPUOffloadPolicy(pin_memory=mesh.device_type != "cpu")} if config.offload else {}),
+        **({"shard_placement_fn": dim1_placement(mesh.size(-1))} if config.expert_shard_dim else {}),
     }
+
+
+def dim1_placement(d: int):
+    """shard_placement_fn for expert_shard_dim=1 (fsdp_options.DIM1_PLACEMENT): stacked expert matrices,
+    whose dim 0 (the expert index) the shard group d does not divide, go on dim 1 unpadded."""
+    from torch.distributed.tensor import Shard
+
+    def placement(p):
+        return Shard(1) if p.ndim == 3 and p.shape[0] % d and p.shape[1] % d == 0 else None
+
+    return placement
 
 
 def apply_fsdp2(model: nn.Module, config: FsdpConfig, block_classes: set[type], mesh: DeviceMesh) -> nn.Module:

@@ -97,4 +97,12 @@ def fully_shard_options(config: FsdpConfig) -> dict:
         "reshard_after_forward": config.sharding.reshards_after_forward or config.sharding is Sharding.NO_SHARD,
         "mp_policy": None if mp is None else {"param_dtype": mp["param_dtype"], "reduce_dtype": mp["reduce_dtype"]},
         "offload_policy": "CPUOffloadPolicy" if config.offload else None,
+        **({"shard_placement_fn": DIM1_PLACEMENT} if config.expert_shard_dim else {}),
     }
+
+
+# FSDP2's shard_placement_fn for expert_shard_dim=1: a stacked expert matrix (the only 3-D parameters of a
+# transformers MoE) whose dim 0 the shard group d does not divide is sharded on dim 1, when that divides evenly
+# (FSDP2 needs even shards off dim 0); everything else stays on dim 0.
+DIM1_PLACEMENT = "Shard(1) if p.ndim == 3 and p.shape[0] % d and p.shape[1] % d == 0 else None"
+

@@ -88,10 +88,11 @@ class ParamCounts:
     frozen_dense_delta: int = 0
 
     @classmethod
-    def of(cls, model: ModelSpec, training: TrainingSpec, shard_group: int = 1) -> "ParamCounts":
+    def of(cls, model: ModelSpec, training: TrainingSpec, shard_group: int = 1, dim1: bool = False) -> "ParamCounts":
         """shard_group d > 1: a sparse block's stacked expert tensors padded to a multiple of d rows, as FSDP2
-        shards, gathers and reduce-scatters them (cost_models/moe.py); d = 1: the real counts."""
-        block = moe.block_gathered_elements(model, shard_group)
+        shards, gathers and reduce-scatters them (cost_models/moe.py; dim1: the expert matrices sharded on dim 1,
+        unpadded); d = 1: the real counts."""
+        block = moe.block_gathered_elements(model, shard_group, dim1)
         delta = model.n_dense_layers * (model.moe.dense_block_params - block) if model.n_dense_layers else 0
         if training.finetune is Finetune.LORA:
             lora = model.lora_params_per_block(training.lora_rank)
@@ -134,7 +135,8 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
     p = DTYPE_BYTES[precision.param_dtype]          # stored params and their gradients
     r = DTYPE_BYTES[precision.reduce_dtype]         # reduce-scatter / all-reduce buffers
     frozen_p = c if precision.mixed else p          # frozen (LoRA base) weights are kept in compute dtype
-    counts = ParamCounts.of(model, training, d)     # MoE: stacked experts padded as FSDP2 pads them
+    # MoE: stacked experts padded as FSDP2 pads them on dim 0 (the matrices unpadded when sharded on dim 1)
+    counts = ParamCounts.of(model, training, d, dim1=bool(config.expert_shard_dim))
     real = ParamCounts.of(model, training)          # what autograd's gradients hold
     trainable, frozen = counts.trainable(L), counts.frozen(L)
     opt_per_param = training.optimizer.state_bytes_per_param(precision.param_dtype)
@@ -265,6 +267,19 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
             unsharded_grads=head_grad + block_grads,
             activations=block_acts + shared,
         )
+    if config.expert_shard_dim and d > 1 and model.moe is not None and not keeps_gathered:
+        # FSDP2 copies a dim-1 shard's all-gather out through a temporary as large as the tensor (chunk-cat
+        # into the unsharded parameter): at a block's pre-backward its flat all-gather output, the temporary
+        # and the unsharded block are alive at once, with the saved tensors of the blocks up to it.
+        temp = moe.dim1_elements(model, d) * c
+        for i in sorted(candidates, reverse=True):
+            moments[f"all-gather copy-out of block {i}"] = MemoryBreakdown(
+                **states(grads_done(i)),
+                unsharded_params=root_c + block_c,
+                collective_buffers=block_c + (block_rs if i < L - 1 else 0),
+                unsharded_grads=head_grad,   # the temporary is an ordinary allocation (as the trace files it)
+                activations=tokens * (saved_below(i) + (ckpt if is_ckpt(i) else full)) + shared + temp,
+            )
     moments["end of backward"] = MemoryBreakdown(
         **states(grads_done(-1)),
         unsharded_params=root_c,
@@ -295,6 +310,6 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
         cpu_bytes_per_node=cpu_per_rank * cluster.gpus_per_node,
         cpu_ram_capacity_bytes=cluster.cpu_ram_bytes_per_node,
         notes=tuple(activations.quirks(model, config.attention, training.seq_len))
-        + tuple(n for n in [moe.padding_note(model, d, c)] if n),
+        + tuple(n for n in [None if config.expert_shard_dim else moe.padding_note(model, d, c)] if n),
         peak_moment=peak_moment,
     )

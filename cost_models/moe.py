@@ -50,6 +50,7 @@ softmax router), leading dense blocks at their own index (priced as sparse at th
 
 from __future__ import annotations
 
+from .fsdp_options import DIM1_PLACEMENT
 from .specs import BackwardMoment, ModelSpec, MoeSpec
 
 INDEX_BYTES = 8  # int64 routing indices
@@ -62,43 +63,66 @@ def rows_per_rank(rows: int, d: int) -> int:
     return -(-rows // d)
 
 
-def small_dim0_tensors(model: ModelSpec) -> tuple[tuple[int, int], ...]:
+def small_dim0_tensors(model: ModelSpec, dim1: bool = False) -> tuple[tuple[int, int], ...]:
     """(rows, elements per row) of the tensors of a sparse block whose dim 0 is small enough to pad: the
-    stacked experts and the router's weight (+ bias), both E rows, and Qwen's shared-expert gate (1 row)."""
+    stacked experts and the router's weight (+ bias), both E rows, and Qwen's shared-expert gate (1 row).
+    dim1: without the stacked expert matrices, which shard_placement_fn then shards on dim 1 unpadded."""
     moe = model.moe
     router = ((moe.n_experts, moe.router_params // moe.n_experts),) if moe.router_params else ()
     gate = ((1, model.hidden_size),) if _shared_gate(model) else ()
-    return tuple(moe.stacked_expert_tensors) + router + gate
+    stacked = tuple(t for t in moe.stacked_expert_tensors if not (dim1 and _is_matrix(model, t)))
+    return stacked + router + gate
 
 
-def _small_elements(model: ModelSpec) -> int:
-    return sum(rows * per_row for rows, per_row in small_dim0_tensors(model))
+def _is_matrix(model: ModelSpec, tensor: tuple[int, int]) -> bool:
+    """A stacked (E, out, in) expert matrix rather than a stacked bias: h x f or h x 2f per expert."""
+    return tensor[1] in (model.hidden_size * model.moe.expert_ffn_size, 2 * model.hidden_size * model.moe.expert_ffn_size)
 
 
-def padded_shard_elements(model: ModelSpec, d: int) -> int:
+def _small_elements(model: ModelSpec, dim1: bool = False) -> int:
+    return sum(rows * per_row for rows, per_row in small_dim0_tensors(model, dim1))
+
+
+def padded_shard_elements(model: ModelSpec, d: int, dim1: bool = False) -> int:
     """Elements rank 0 holds of those tensors: ceil(rows / d) rows of each."""
-    return sum(rows_per_rank(rows, d) * per_row for rows, per_row in small_dim0_tensors(model))
+    return sum(rows_per_rank(rows, d) * per_row for rows, per_row in small_dim0_tensors(model, dim1))
 
 
-def padding_factor(model: ModelSpec, d: int) -> float:
+def padding_factor(model: ModelSpec, d: int, dim1: bool = False) -> float:
     """Gathered (padded) over real size of the experts, router and gate at shard group d: 1 when d divides E."""
-    real = _small_elements(model)
-    return d * padded_shard_elements(model, d) / real if real else 1.0
+    real = _small_elements(model, dim1)
+    return d * padded_shard_elements(model, d, dim1) / real if real else 1.0
 
 
-def block_shard_elements(model: ModelSpec, d: int) -> float:
+def block_shard_elements(model: ModelSpec, d: int, dim1: bool = False) -> float:
     """Rank 0's elements of one sparse block's parameters: the dense ones / d, the small-dim-0 ones padded."""
     if model.moe is None:
         return model.block_params / d
-    return (model.block_params - _small_elements(model)) / d + padded_shard_elements(model, d)
+    return (model.block_params - _small_elements(model, dim1)) / d + padded_shard_elements(model, d, dim1)
 
 
-def block_gathered_elements(model: ModelSpec, d: int) -> int:
+def block_gathered_elements(model: ModelSpec, d: int, dim1: bool = False) -> int:
     """Elements of one sparse block's all-gather output (= its unsharded parameters' storage, padding
-    included) and of its reduce-scatter input."""
+    included) and of its reduce-scatter input. dim1: the stacked expert matrices sharded on dim 1."""
     if model.moe is None or d <= 1:
         return model.block_params
-    return model.block_params - _small_elements(model) + d * padded_shard_elements(model, d)
+    return model.block_params - _small_elements(model, dim1) + d * padded_shard_elements(model, d, dim1)
+
+
+def dim1_elements(model: ModelSpec, d: int) -> int:
+    """Elements of one sparse block that shard_placement_fn puts on dim 1 at shard group d: the stacked
+    expert matrices when d does not divide E (their all-gather is copied out through a temporary)."""
+    if model.moe is None or model.moe.n_experts % d == 0:
+        return 0
+    return sum(rows * per_row for rows, per_row in model.moe.stacked_expert_tensors if _is_matrix(model, (rows, per_row)))
+
+
+def dim1_shardable(model: ModelSpec, d: int) -> bool:
+    """Whether sharding the stacked experts on dim 1 removes their padding at shard group d: their dim 1
+    (h, or the expert width f / 2f) divides evenly, as FSDP2 requires off dim 0."""
+    moe = model.moe
+    return (moe is not None and d > 1 and padding_factor(model, d) > 1 and model.hidden_size % d == 0
+            and moe.expert_ffn_size % d == 0)
 
 
 def dense_block_spec(model: ModelSpec) -> ModelSpec | None:
@@ -263,9 +287,9 @@ def padding_note(model: ModelSpec, d: int, compute_bytes: int) -> str | None:
             f"(the expert index), so rank 0 holds {rows} expert(s) of each, {d - holders} of {d} ranks hold only "
             f"padding, and every sparse block's all-gather, gathered copy and reduce-scatter is "
             f"{padding_factor(model, d):.1f}x its experts' size (+{extra / 2**30:.2f} GiB per gathered block, "
-            f"{n_sparse} sparse blocks; counted). Fix: shard them on a dimension {d} divides, "
-            f"fully_shard(block, ..., shard_placement_fn=lambda p: Shard(1) if p.ndim == 3 and p.shape[0] % {d} "
-            f"else None) (FSDP2 needs even shards off dim 0: check p.shape[1] % {d} == 0), or a shard group that "
+            f"{n_sparse} sparse blocks; counted). Fix: shard the stacked expert matrices on dim 1 (fully_shard's "
+            f"shard_placement_fn=lambda p: {DIM1_PLACEMENT.replace('% d', f'% {d}')}: the plan's expert_shard_dim=1, "
+            f"searched when dim 1 divides evenly, as FSDP2 requires off dim 0), or use a shard group that "
             f"divides {moe.n_experts} (HYBRID_SHARD with shard groups of {group})")
 
 
@@ -300,6 +324,6 @@ def active_block_params(model: ModelSpec) -> int:
 
 
 __all__ = ["rows_per_rank", "small_dim0_tensors", "padded_shard_elements", "padding_factor", "block_shard_elements",
-           "block_gathered_elements", "dense_block_spec", "router_bytes_per_token", "mlp_bytes_per_token",
+           "block_gathered_elements", "dim1_elements", "dim1_shardable", "dense_block_spec", "router_bytes_per_token", "mlp_bytes_per_token",
            "backward_moments", "mlp_backward_working_bytes_per_token", "mlp_param_elements", "padding_note",
            "comm_bound_note", "active_block_params"]

@@ -430,6 +430,9 @@ class FsdpConfig:
     backward_prefetch: bool = True    # BackwardPrefetch.BACKWARD_PRE (FSDP2 always prefetches)
     forward_prefetch: bool = False
     limit_all_gathers: bool = True    # FSDP1 rate limiter: at most two all-gathers in flight
+    expert_shard_dim: int = 0         # FSDP2: 0 shards every parameter on dim 0 (stacked experts padded to a multiple
+    #                                   of the shard group); 1 shards the stacked expert matrices on dim 1 when the
+    #                                   group does not divide the experts (shard_placement_fn), unpadded
 
     def __post_init__(self):
         object.__setattr__(self, "sharding", parse_enum(Sharding, self.sharding, "sharding"))
@@ -438,6 +441,8 @@ class FsdpConfig:
         object.__setattr__(self, "ac_every", parse_activation_checkpointing(self.ac_every))
         _positive("micro_batch", self.micro_batch)
         _positive("grad_accum", self.grad_accum)
+        if self.expert_shard_dim not in (0, 1):
+            raise SpecError("expert_shard_dim", f"{self.expert_shard_dim!r}; choose 0 (dim 0, padded) or 1")
 
     @property
     def activation_checkpointing(self) -> str:
@@ -467,4 +472,5 @@ class FsdpConfig:
             "backward_prefetch": self.backward_prefetch,
             "forward_prefetch": self.forward_prefetch,
             "limit_all_gathers": self.limit_all_gathers,
+            **({"expert_shard_dim": self.expert_shard_dim} if self.expert_shard_dim else {}),
         }

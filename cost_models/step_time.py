@@ -70,7 +70,8 @@ def estimate_step_time(model: ModelSpec, cluster: ClusterSpec, training: Trainin
     L = model.n_layers
     d = config.shard_group_size(cluster)
     n_replicas = config.replicate_group_size(cluster)
-    counts = ParamCounts.of(model, training, d)   # what is gathered and reduce-scattered (MoE: padded)
+    # what is gathered and reduce-scattered (MoE: padded on dim 0, the expert matrices not when sharded on dim 1)
+    counts = ParamCounts.of(model, training, d, dim1=bool(config.expert_shard_dim))
     tokens = config.micro_batch * training.seq_len
 
     # --- compute per micro-step -----------------------------------------------------------------------

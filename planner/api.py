@@ -57,6 +57,9 @@ class Candidate:
     def fully_shard_options(self) -> dict:
         opts = fsdp_options.fully_shard_options(self.config)
         opts["mesh"] = fsdp_options.mesh_layout(self.config, self.cluster.n_gpus, self.cluster.gpus_per_node)
+        if "shard_placement_fn" in opts:  # with this plan's shard group in place of d
+            d = self.config.shard_group_size(self.cluster)
+            opts["shard_placement_fn"] = "lambda p: " + opts["shard_placement_fn"].replace("% d", f"% {d}")
         return opts
 
     def fsdp_kwargs(self, module=None, *, device_id=None) -> dict:
@@ -208,8 +211,9 @@ def estimate(model, gpus: int, *, gpu: str = DEFAULT_GPU, gpus_per_node: int | N
              micro_batch: int = 1, grad_accum: int | None = None, attention: str | None = None,
              offload: bool = False, backward_prefetch: bool = True, forward_prefetch: bool = False,
              limit_all_gathers: bool = True, profile: Profile | None = None,
-             trust_remote_code: bool = False) -> Candidate:
-    """Cost one explicit configuration (attention None: the model's first choice)."""
+             trust_remote_code: bool = False, expert_shard_dim: int = 0) -> Candidate:
+    """Cost one explicit configuration (attention None: the model's first choice; expert_shard_dim=1: FSDP2
+    shards stacked MoE expert matrices on dim 1, unpadded)."""
     spec, cluster, training = resolve_inputs(
         model, gpus, gpu=gpu, gpus_per_node=gpus_per_node, internode_gbps=internode_gbps, gpu_memory=gpu_memory,
         intra_node_gb_per_s=intra_node_gb_per_s, pcie_gb_per_s=pcie_gb_per_s, cpu_ram_per_node=cpu_ram_per_node,
@@ -221,7 +225,8 @@ def estimate(model, gpus: int, *, gpu: str = DEFAULT_GPU, gpus_per_node: int | N
     config = FsdpConfig(sharding=sharding, precision=precision, offload=offload,
                         ac_every=activation_checkpointing, micro_batch=micro_batch, grad_accum=grad_accum,
                         attention=attention, backward_prefetch=backward_prefetch,
-                        forward_prefetch=forward_prefetch, limit_all_gathers=limit_all_gathers)
+                        forward_prefetch=forward_prefetch, limit_all_gathers=limit_all_gathers,
+                        expert_shard_dim=expert_shard_dim)
     return estimate_config(spec, cluster, training, config, profile)
 
 

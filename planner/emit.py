@@ -214,22 +214,26 @@ def emit_fsdp2(config: FsdpConfig, model_spec: ModelSpec, cluster: ClusterSpec,
 
 
 def _moe_padding_fix(config: FsdpConfig, model_spec: ModelSpec, cluster: ClusterSpec) -> list[str]:
-    """Commented lines that shard stacked experts off dim 0 when FSDP2 would pad them: the plan priced the
-    padding (dim 0), so the fix stays a comment to enable knowingly (cost_models/moe.py)."""
+    """MoE: the shard_placement_fn that shards stacked expert matrices on dim 1 (fsdp_options.DIM1_PLACEMENT):
+    set when the plan chose it (expert_shard_dim=1); a comment to enable knowingly when the plan priced
+    FSDP2's dim-0 padding instead (cost_models/moe.py)."""
     if model_spec.moe is None:
         return []
     d = config.shard_group_size(cluster)
+    placement = fsdp_options.DIM1_PLACEMENT.replace("% d", f"% {d}")
+    lines = ["from torch.distributed.tensor import Shard",
+             f"fsdp_kwargs[\"shard_placement_fn\"] = lambda p: {placement}"]
+    e = model_spec.moe.n_experts
+    if config.expert_shard_dim:
+        return [f"# MoE: {e} experts on a shard group of {d}: stacked experts sharded on dim 1 (no padding on dim 0)",
+                *lines]
     if moe.padding_factor(model_spec, d) <= 1:
         return []
-    e = model_spec.moe.n_experts
     return [f"# MoE: {e} experts on a shard group of {d}: FSDP2 shards the stacked expert tensors on dim 0 and",
             f"# pads them to {moe.rows_per_rank(e, d) * d} rows ({moe.padding_factor(model_spec, d):.1f}x gathered; "
-            "this plan priced it). "
-            "To shard them on dim 1 instead",
+            "this plan priced it). To shard them on dim 1 instead",
             f"# (even shards needed: dim 1 % {d} == 0), uncomment; the gathered size drops to the real one:",
-            "# from torch.distributed.tensor import Shard",
-            f"# fsdp_kwargs[\"shard_placement_fn\"] = lambda p: Shard(1) if p.ndim >= 2 and p.shape[0] % {d} "
-            f"and p.shape[1] % {d} == 0 else None"]
+            *(f"# {line}" for line in lines)]
 
 
 def _render(config, model_spec, cluster, imports: list[str], body: list[str],

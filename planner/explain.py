@@ -29,7 +29,8 @@ def memory_terms(c: Candidate) -> list[tuple[str, str, str]]:
     p = DTYPE_BYTES[cfg.precision.param_dtype]
     cb = DTYPE_BYTES[cfg.precision.compute_dtype]
     r = DTYPE_BYTES[cfg.precision.reduce_dtype]
-    counts = ParamCounts.of(m, c.training, d)  # MoE: stacked experts padded to a multiple of d rows
+    dim1 = bool(cfg.expert_shard_dim)
+    counts = ParamCounts.of(m, c.training, d, dim1)  # MoE: stacked experts padded to a multiple of d rows
     trainable, frozen = counts.trainable(L), counts.frozen(L)
     real = ParamCounts.of(m, c.training)
     padded = f" (FSDP2 padding included; {real.trainable(L):,} real)" if trainable != real.trainable(L) else ""
@@ -43,8 +44,8 @@ def memory_terms(c: Candidate) -> list[tuple[str, str, str]]:
         ("stored parameters", f"{trainable:,} trainable{padded} x {p} B + {frozen:,} frozen x {frozen_b} B / d={d} = "
          f"{_gib(math.ceil((trainable * p + frozen * frozen_b) / d))} on {where}",
          "ZeRO (Rajbhandari et al. 2020) / FSDP (Zhao et al. 2023): each rank keeps 1/d of every unit"
-         + (f"; FSDP2 pads each stacked expert tensor to ceil(E / d) rows per rank (x{moe.padding_factor(m, d):.1f}, "
-            "counts include it)" if m.moe is not None and moe.padding_factor(m, d) > 1 else "")),
+         + (f"; FSDP2 pads each stacked expert tensor to ceil(E / d) rows per rank (x{moe.padding_factor(m, d, dim1):.1f}, "
+            "counts include it)" if m.moe is not None and moe.padding_factor(m, d, dim1) > 1 else "")),
         ("optimizer state", f"{trainable:,} x {opt:g} B ({c.training.optimizer.value}) / {d} = "
          f"{_gib(math.ceil(trainable * opt / d))} on {where}",
          "Adam/AdamW keep two states per parameter (m, v); SGD one; 8-bit Adam two 1-byte states"),
@@ -122,7 +123,8 @@ def time_terms(c: Candidate) -> list[tuple[str, str, str]]:
          "MFU as torchtitan computes it (6 x all params + attention)" + (", active params for MoE" if m.moe else "")),
     ]
     d = cfg.shard_group_size(c.cluster)
-    why = moe.comm_bound_note(m, t.exposed_comm_s, t.step_s, moe.padding_factor(m, d) if m.moe else 1.0,
+    why = moe.comm_bound_note(m, t.exposed_comm_s, t.step_s,
+                              moe.padding_factor(m, d, bool(cfg.expert_shard_dim)) if m.moe else 1.0,
                               cfg.sharding.value, cfg.micro_batch)
     if why:
         terms.insert(3, ("why communication", why, "FSDP gathers every parameter of a unit; an MoE token computes "

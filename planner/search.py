@@ -1,7 +1,9 @@
 """Enumerate the candidate space, cost each candidate, rank what fits. No I/O.
 
 The space is strategy x precision x offload x activation checkpointing x micro-batch (with gradient
-accumulation to reach the global batch) x backward prefetch x rate limiter. Memory grows with the
+accumulation to reach the global batch) x backward prefetch x rate limiter, and for mixture-of-experts
+models whose experts FSDP2 would pad at a strategy's shard group, stacked experts on dim 0 (padded) or
+dim 1 (shard_placement_fn, unpadded). Memory grows with the
 micro-batch, so once a micro-batch does not fit, larger ones with the same knobs are skipped (the first
 miss is kept: it is a "nearest miss" worth explaining).
 """
@@ -11,6 +13,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field, replace
 
+from cost_models import moe
 from cost_models.evaluate import Evaluation, evaluate, unsupported_reasons
 from cost_models.profile import Profile
 from cost_models.specs import (Attention, ClusterSpec, FsdpConfig, ModelSpec, Precision, Sharding, TrainingSpec)
@@ -29,6 +32,7 @@ class SearchSpace:
     backward_prefetch: tuple[bool, ...] = (True, False)
     limit_all_gathers: tuple[bool, ...] = (True, False)
     attention: Attention = Attention.SDPA
+    expert_shard_dims: tuple[int, ...] = (0, 1)  # MoE: 1 only where it removes padding (moe.dim1_shardable)
 
     def precisions_for(self, cluster: ClusterSpec) -> tuple[Precision, ...]:
         if self.precisions is not None:
@@ -70,7 +74,7 @@ def _distinct(ranked: list[Evaluation]) -> list[Evaluation]:
     seen, out = set(), []
     for e in ranked:
         c = e.config
-        key = (c.sharding, c.precision, c.offload, c.ac_every, c.micro_batch, c.grad_accum)
+        key = (c.sharding, c.precision, c.offload, c.ac_every, c.micro_batch, c.grad_accum, c.expert_shard_dim)
         if key not in seen:
             seen.add(key)
             out.append(e)
@@ -95,13 +99,27 @@ def describe(config: FsdpConfig, compact: bool = False) -> str:
             parts.append("offload")
         if not config.backward_prefetch:
             parts.append("no bwd prefetch")
+        if config.expert_shard_dim:
+            parts.append("experts dim 1")
         return ", ".join(parts)
     ac = "no" if not config.ac_every else config.activation_checkpointing
     parts = [config.sharding.value, config.precision.value, f"{ac} activation checkpointing",
              f"micro-batch {config.micro_batch}"]
     if config.offload:
         parts.append("CPU offload")
+    if config.expert_shard_dim:
+        parts.append("stacked experts sharded on dim 1")
     return ", ".join(parts)
+
+
+def _with_expert_dims(knobs, model: ModelSpec, cluster: ClusterSpec, space: SearchSpace):
+    """Each knob combination with expert_shard_dim 0, and also 1 where FSDP2 would pad the stacked experts
+    at that strategy's shard group and sharding them on dim 1 removes it."""
+    for knob in knobs:
+        d = FsdpConfig(sharding=knob[0]).shard_group_size(cluster)
+        for dim in space.expert_shard_dims:
+            if dim == 0 or moe.dim1_shardable(model, d):
+                yield (*knob, dim)
 
 
 def search(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, profile: Profile,
@@ -120,14 +138,14 @@ def search(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, profi
                        f"micro-batch x {cluster.n_gpus} GPUs for any of {space.micro_batches}")
     knobs = itertools.product(shardings, space.precisions_for(cluster), space.offload, space.ac_every,
                               space.backward_prefetch, space.limit_all_gathers)
-    for sharding, precision, offload, ac, prefetch, limit in knobs:
+    for sharding, precision, offload, ac, prefetch, limit, dim in _with_expert_dims(knobs, model, cluster, space):
         if offload and sharding is Sharding.NO_SHARD:
             continue  # FSDP offloads shards; with nothing sharded DDP-style offload is not offered
         for mb in micro_batches:
             config = FsdpConfig(sharding=sharding, precision=precision, offload=offload, ac_every=ac,
                                 micro_batch=mb, grad_accum=training.grad_accum_for(mb, cluster.n_gpus),
                                 attention=space.attention, backward_prefetch=prefetch,
-                                limit_all_gathers=limit)
+                                limit_all_gathers=limit, expert_shard_dim=dim)
             if unsupported_reasons(cluster, config):
                 break
             e = evaluate(model, cluster, training, config, profile)

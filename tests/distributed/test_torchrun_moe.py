@@ -3,7 +3,8 @@
 One launch runs every case in one process group (tests/distributed/worker_moe.py). Checks: the loss
 falls below 0.7x its first value in 8 AdamW steps; with 3 experts on 2 ranks FSDP2 pads the stacked
 expert tensors on dim 0 (rank 0 holds 2 rows of the 3: the layout cost_models/moe.py prices), and the
-emitted FSDP2 code with its shard_placement_fn fix uncommented shards them on dim 1 instead (no padding);
+emitted FSDP2 code with its shard_placement_fn fix uncommented, or a plan with expert_shard_dim=1 (applied
+by calibration.apply or by its emitted code), shards them on dim 1 instead (no padding);
 every fp32 case follows the same loss trajectory (layout and padding change memory, not math).
 """
 
@@ -31,6 +32,8 @@ CASES = [
     {"experts": 3, "config": {"sharding": "FULL_SHARD", "precision": "fp32"}, "emitted": True, "shard_dim1": True},
     {"experts": 3, "config": {"sharding": "SHARD_GRAD_OP", "precision": "fp32", "activation_checkpointing": "full"}},
     {"experts": 4, "config": {"sharding": "FULL_SHARD", "precision": "bf16"}, "emitted": True},
+    {"experts": 3, "config": {"sharding": "FULL_SHARD", "precision": "fp32", "expert_shard_dim": 1}},  # the plan's option
+    {"experts": 3, "config": {"sharding": "FULL_SHARD", "precision": "fp32", "expert_shard_dim": 1}, "emitted": True},
 ]
 
 
@@ -64,10 +67,13 @@ def test_stacked_experts_are_padded_on_dim_0_unless_the_fix_shards_dim_1():
     assert by_case[1]["gate_up_shards"] == [[2, 192, 64], [1, 192, 64]] and by_case[1]["shard_dim"] == 0
     # the emitted fix: dim 1 (192 rows) splits evenly, every rank holds half of each of the 3 experts
     assert by_case[2]["gate_up_shards"] == [[3, 96, 64], [3, 96, 64]] and by_case[2]["shard_dim"] == 1
+    # expert_shard_dim=1 through calibration.apply and through the code the plan emits for it: the same
+    for i in (5, 6):
+        assert by_case[i]["gate_up_shards"] == [[3, 96, 64], [3, 96, 64]] and by_case[i]["shard_dim"] == 1
 
 
 def test_padding_and_layout_do_not_change_the_math():
     fp32 = [r for r in launch() if r["config"]["precision"] == "fp32" and r["experts"] == 3]
-    assert len(fp32) == 3
+    assert len(fp32) == 5
     for result in fp32[1:]:
         assert result["losses"] == pytest.approx(fp32[0]["losses"], rel=1e-4), (result["config"], result["losses"])
