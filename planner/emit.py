@@ -324,6 +324,10 @@ def emit_accelerate(config: FsdpConfig, model_spec: ModelSpec, cluster: ClusterS
     if config.grad_accum > 1:
         header.append(f"gradient accumulation is not a config key: Accelerator(gradient_accumulation_steps="
                       f"{config.grad_accum})")
+    if config.expert_shard_dim:
+        header.append("the plan shards stacked MoE experts on dim 1 (fully_shard's shard_placement_fn), which this config "
+                      "cannot set: FSDP2 through accelerate pads them on dim 0 (use --emit fsdp2); FSDP1 flattens each "
+                      "unit and does not pad per expert")
     return _comment(header) + "\n" + "\n".join(_yaml(top)) + "\n"
 
 
