@@ -9,7 +9,11 @@ micro-batch; h hidden, q = heads x head_dim, kv = kv heads x head_dim, f FFN wid
 
 - Norms. LayerNorm saves its input (c*h) and the linear layers save its output (c*h). Hugging Face's
   RMSNorm upcasts to fp32: it saves the fp32 input (4h), the normalised tensor cast back (c*h) and the
-  output (c*h). A parallel block (GPT-NeoX) feeds both LayerNorms from one input, saved once.
+  output (c*h). A parallel block (GPT-NeoX) feeds both LayerNorms from one input, saved once. Gemma's
+  (1 + w) RMSNorm and OLMo 2's apply the weight in fp32 (norm "rmsnorm_fp32"): the normalised tensor is
+  saved in fp32 (4h + 4h). Gemma 2/3 put a norm before and after each sublayer (norm_layout "sandwich":
+  four norms, two outputs saved); OLMo 2 only after (the sublayers' inputs are saved instead: same count).
+  q/k norms (Qwen3, Gemma 3 per head; OLMo 2 over q_dim and kv_dim) save what a norm of that width saves.
 - Attention, SDPA (flash / memory-efficient kernels): the q, k, v the kernel reads, its output (which
   is also the o-projection's input) and an fp32 logsumexp (4a). Separate projections with rotary
   (Llama, Mistral, Qwen2): the rotated q and k replace the projections, c*(q + 2kv). A fused qkv
@@ -19,7 +23,11 @@ micro-batch; h hidden, q = heads x head_dim, kv = kv heads x head_dim, f FFN wid
 - Attention, eager: softmax probabilities of a*s per token: Llama-style models take the softmax in fp32
   and cast it back (4 + c bytes; 4 in fp32), GPT-2 in the compute dtype (c); the P @ V output is copied
   into the o-projection's input (c*q); Llama-style models repeat k and v per query head (3*c*q in all).
-  Attention dropout (p > 0) keeps a 1-byte mask and the dropped probabilities (1 + c).
+  Attention dropout (p > 0) keeps a 1-byte mask and the dropped probabilities (1 + c), which replace
+  the fp32 softmax's cast copy. Score soft-capping (Gemma 2) saves the tanh output (c).
+- Sliding windows shorter than the sequence, SDPA: each windowed layer saves an (s, s) mask, and k and v
+  repeated per query head (transformers' repeat_kv when a mask is passed); alternating families (Gemma
+  2/3, gpt-oss) pay this in their windowed layers only, averaged over the blocks.
 - MLP: SwiGLU saves gate, act(gate), up and their product (4*c*f, fused or not); native GELU/SiLU its
   input and output (2*c*f); ReLU its output (c*f); GPT-2's gelu_new is Python ops: x, x^3 term, tanh,
   the product and fc2's input (5*c*f).
@@ -53,28 +61,37 @@ from __future__ import annotations
 from . import moe
 from .specs import Attention, ModelSpec
 
+# Llama-like families of the table (planner/models/family_table.py, moe_families.py): separate q/k/v
+# projections, rotary, fp32 softmax in eager; their norms, q/k norms and soft-capping are ModelSpec fields.
+_TABLE_FAMILIES = {"qwen3", "gemma", "gemma2", "gemma3_text", "olmo2", "phi", "starcoder2", "mixtral", "qwen2_moe",
+                   "qwen3_moe"}
 # Families whose eager attention softmax runs in fp32 (HF: softmax(..., dtype=torch.float32)).
-_FP32_SOFTMAX_FAMILIES = {"llama", "mistral", "qwen2", "phi3", "gpt_neox", "falcon", "generic"}
+_FP32_SOFTMAX_FAMILIES = {"llama", "mistral", "qwen2", "phi3", "gpt_neox", "falcon", "generic", *_TABLE_FAMILIES}
 # Separate q/k/v projections, rotary applied elementwise (rotated q/k keep the projection's layout).
-_SEPARATE_QKV_FAMILIES = {"llama", "mistral", "qwen2", "generic"}
+_SEPARATE_QKV_FAMILIES = {"llama", "mistral", "qwen2", "generic", *_TABLE_FAMILIES}
 # Fused qkv projection with rotary through a cat: rotated copies, and a copy of the attention output.
 _FUSED_ROTARY_FAMILIES = {"gpt_neox", "phi3", "falcon"}
 # Families with ALiBi position bias: SDPA gets a float mask, so fused kernels may not be used.
 ALIBI_FAMILIES = {"bloom", "mpt"}
 # Families whose activation function is written in Python ops (saves several f-sized tensors).
 PYTHON_OP_ACTIVATIONS = {"gelu_new", "gelu_pytorch_tanh_python", "quick_gelu"}
-ROTARY_FAMILIES = {"llama", "mistral", "qwen2", "phi3", "gpt_neox", "falcon", "generic"}
+ROTARY_FAMILIES = {"llama", "mistral", "qwen2", "phi3", "gpt_neox", "falcon", "generic", *_TABLE_FAMILIES}
+# Families whose rotary cos/sin tables stay fp32 (OLMo 2 rotates in fp32 and casts the result back).
+_FP32_ROTARY_FAMILIES = {"olmo2"}
 LOGSUMEXP_BYTES = 4  # fp32 per head and token, saved by the fused attention kernels
 
 
-def _norm_bytes(model: ModelSpec, c: int, lora: bool = False) -> int:
-    """Saved bytes per token of one norm, without its output (for RMSNorm the fp32 upcast and the
-    normalised tensor cast back - only the upcast when the weight is frozen; for LayerNorm and fused
-    RMSNorm kernels the input)."""
-    h = model.hidden_size
+def _norm_bytes(model: ModelSpec, c: int, lora: bool = False, width: int = 0) -> int:
+    """Saved bytes per token of one norm (over `width`, default the hidden size), without its output: for
+    RMSNorm the fp32 upcast and the normalised tensor the weight multiplies - cast back to c, or fp32 for
+    rmsnorm_fp32 (Gemma's (1 + w), OLMo 2) - only the upcast when the weight is frozen; for LayerNorm and
+    fused RMSNorm kernels the input."""
+    w = width or model.hidden_size
     if model.norm == "rmsnorm":
-        return 4 * h + (0 if lora else c * h)
-    return c * h
+        return 4 * w + (0 if lora else c * w)
+    if model.norm == "rmsnorm_fp32":
+        return 4 * w + (0 if lora else 4 * w)
+    return c * w
 
 
 def _norms_bytes(model: ModelSpec, c: int, lora: bool = False) -> int:
@@ -86,11 +103,35 @@ def _norms_bytes(model: ModelSpec, c: int, lora: bool = False) -> int:
         return norm + c * h                            # one norm feeds attention and MLP
     if model.parallel_block:
         return norm + (1 if lora else 2) * c * h       # two norms of one input: the input saved once
+    if model.norm_layout == "sandwich":
+        # four norms; only the two before the sublayers have outputs the linears save (the two after feed
+        # the residual adds)
+        return 4 * norm + (1 if lora else 2) * c * h
+    # pre-norms: the two norm outputs; post-norms (OLMo 2): the two sublayer inputs, saved by the linears
     return 2 * norm + (1 if lora else 2) * c * h
+
+
+def _qk_norm_bytes(model: ModelSpec, c: int, lora: bool = False) -> int:
+    """q and k norms (Qwen3, Gemma 3: per head over head_dim; OLMo 2: over q_dim and kv_dim): each saves
+    what a norm of that width saves, plus its fp32 statistics (per head, or per token); the projections'
+    outputs they read are not saved (the norm's fp32 upcast is a copy), so nothing else changes."""
+    if not model.qk_norm:
+        return 0
+    stats = 4 * (model.n_heads + model.n_kv_heads if model.qk_norm == "head" else 2)
+    return _norm_bytes(model, c, lora, width=model.q_dim) + _norm_bytes(model, c, lora, width=model.kv_dim) + stats
+
+
+def _windowed_layers(model: ModelSpec) -> tuple[int, int]:
+    """(layers with the sliding window, n_layers): alternating families window only some layers."""
+    return model.n_layers - model.full_attention_layers, model.n_layers
 
 
 def _softmax_bytes(model: ModelSpec, c: int) -> int:
     return 4 if model.family in _FP32_SOFTMAX_FAMILIES else c
+
+
+def _attention_dropout(model: ModelSpec) -> bool:
+    return model.dropout if model.attention_dropout is None else model.attention_dropout
 
 
 def _uses_s2_attention(model: ModelSpec, attention: Attention) -> bool:
@@ -101,14 +142,19 @@ def _probs_bytes(model: ModelSpec, c: int, seq_len: int) -> int:
     """Eager attention: softmax output (+ its cast back to c), dropout mask and dropped probabilities."""
     probs = model.n_heads * seq_len
     soft = _softmax_bytes(model, c)
-    saved = probs * (soft + (c if soft != c else 0))
-    if model.dropout:
-        saved += probs * (1 + c)
+    saved = probs * soft
+    if model.attn_softcap:
+        saved += probs * c  # tanh(scores / cap) saves its output (Gemma 2)
+    if _attention_dropout(model):
+        saved += probs * (1 + c)  # mask and dropped probabilities (the cast copy only feeds the dropout)
+    elif soft != c:
+        saved += probs * c        # the fp32 softmax's cast back, P @ V's input
     return saved
 
 
-def _attention_bytes(model: ModelSpec, c: int, attention: Attention, seq_len: int, micro_batch: int = 1) -> int:
-    """Saved bytes per token of self-attention, excluding its (normed) input."""
+def _attention_bytes(model: ModelSpec, c: int, attention: Attention, seq_len: int, micro_batch: int = 1,
+                     lora: bool = False) -> int:
+    """Saved bytes per token of self-attention, excluding its (normed) input (lora: frozen q/k norms)."""
     q, kv = model.q_dim, model.kv_dim
     eager = _uses_s2_attention(model, attention)
     if model.family in _SEPARATE_QKV_FAMILIES:
@@ -121,16 +167,21 @@ def _attention_bytes(model: ModelSpec, c: int, attention: Attention, seq_len: in
             qkv = 3 * c * q
     else:
         qkv = c * (q + 2 * kv)                           # fused projection, q/k/v are views of it
+    qkv += _qk_norm_bytes(model, c, lora)
     if eager:
         return qkv + c * q + _probs_bytes(model, c, seq_len)  # + copy of P @ V for the o-projection
     out = c * q + LOGSUMEXP_BYTES * model.n_heads
-    windowed = 0 < model.sliding_window < seq_len
-    if model.family in _FUSED_ROTARY_FAMILIES or windowed:
+    if model.family in _FUSED_ROTARY_FAMILIES:
         out += c * q                                     # the output, copied into (b, s, heads x d)
-    if windowed:
-        # A window shorter than the sequence makes transformers hand SDPA an (s, s) mask (the
-        # memory-efficient kernel, not flash), which each layer converts to the compute dtype and saves.
-        out += seq_len * c
+    if 0 < model.sliding_window < seq_len:
+        # A window shorter than the sequence makes transformers hand SDPA an (s, s) mask, which each
+        # windowed layer saves in the compute dtype; with a mask transformers repeats k and v per query
+        # head (repeat_kv; a view when there is one kv head), and SDPA saves the repeated copies.
+        windowed, n_layers = _windowed_layers(model)
+        repeated = 2 * c * (q - kv) if model.family in _SEPARATE_QKV_FAMILIES and 1 < model.n_kv_heads else 0
+        if model.family not in _SEPARATE_QKV_FAMILIES and model.family not in _FUSED_ROTARY_FAMILIES:
+            repeated = c * q                             # the output, copied into (b, s, heads x d)
+        out += (seq_len * c + repeated) * windowed // n_layers
     return qkv + out
 
 
@@ -160,7 +211,7 @@ def block_bytes_per_token(model: ModelSpec, compute_bytes: int, attention: Atten
     """Bytes one block saves for backward per token of the micro-batch (lora_rank > 0: LoRA fine-tuning)."""
     c, lora = compute_bytes, lora_rank > 0
     saved = _norms_bytes(model, c, lora)
-    saved += _attention_bytes(model, c, attention, seq_len, micro_batch)
+    saved += _attention_bytes(model, c, attention, seq_len, micro_batch, lora)
     saved += _mlp_bytes(model, c, lora) + lora_adapter_bytes(model, c, lora_rank)
     if model.dropout:
         saved += 2 * model.hidden_size  # residual dropout masks after attention and MLP (1 byte each)
@@ -174,8 +225,9 @@ def checkpointed_block_bytes_per_token(model: ModelSpec, compute_bytes: int) -> 
 
 def input_saved_by_first_norm(model: ModelSpec, compute_bytes: int) -> bool:
     """Whether the block's first norm saves the block input itself (LayerNorm; RMSNorm in fp32, where the
-    upcast is a no-op): then a recomputed checkpointed block's saved input is that same tensor."""
-    return model.norm != "rmsnorm" or compute_bytes == 4
+    upcast is a no-op), or the block starts with its attention (post-norms, OLMo 2): then a recomputed
+    checkpointed block's saved input is that same tensor."""
+    return model.norm not in ("rmsnorm", "rmsnorm_fp32") or compute_bytes == 4 or model.norm_layout == "post"
 
 
 def root_bytes_per_token(model: ModelSpec, compute_bytes: int, lora: bool = False) -> int:
@@ -192,28 +244,35 @@ def first_block_lora_savings(model: ModelSpec, compute_bytes: int) -> int:
     """Under LoRA the first block's input needs no gradient (frozen embeddings), so its first norm saves
     nothing, nor does a parallel block's MLP branch (it reads the block input, not the attention's
     output): bytes per token the first block saves less than block_bytes_per_token says (unless
-    checkpointed)."""
-    savings = _norm_bytes(model, compute_bytes, lora=True)
+    checkpointed). A post-norm block (OLMo 2) has no norm before its attention: nothing to save."""
+    savings = _norm_bytes(model, compute_bytes, lora=True) if model.norm_layout != "post" else 0
     if model.parallel_block:
         savings += _mlp_bytes(model, compute_bytes, lora=True)
     return savings
 
 
 def shared_bytes(model: ModelSpec, compute_bytes: int, seq_len: int) -> int:
-    """Bytes saved once per micro-batch whatever its size: the rotary cos and sin tables (s x head_dim)."""
+    """Bytes saved once per micro-batch whatever its size: the rotary cos and sin tables (s x head_dim),
+    in the compute dtype (fp32 for OLMo 2)."""
     if model.family not in ROTARY_FAMILIES:
         return 0
-    return 2 * seq_len * model.head_dim * compute_bytes
+    return 2 * seq_len * model.head_dim * (4 if model.family in _FP32_ROTARY_FAMILIES else compute_bytes)
 
 
 def eager_mask_bytes(model: ModelSpec, compute_bytes: int, seq_len: int, micro_batch: int,
                      attention: Attention) -> int:
-    """Eager attention gets a materialised (b, 1, s, s) causal mask in the compute dtype. It dies with the
-    forward unless activation checkpointing keeps it as an input of every checkpointed block's recompute:
-    count it only then."""
-    if not _uses_s2_attention(model, attention) or model.family in ALIBI_FAMILIES:
+    """Eager attention gets a materialised (b, 1, s, s) causal mask in the compute dtype - two when local and
+    global layers alternate (Gemma 2/3, gpt-oss: a sliding and a full mask). SDPA gets one only for a
+    window shorter than the sequence: a boolean (s, s), expanded over the batch. The masks die with the
+    forward unless activation checkpointing keeps them as inputs of every checkpointed block's recompute:
+    count them only then."""
+    windowed = 0 < model.sliding_window < seq_len
+    if not _uses_s2_attention(model, attention):
+        return seq_len * seq_len if windowed else 0
+    if model.family in ALIBI_FAMILIES:
         return 0
-    return micro_batch * seq_len * seq_len * compute_bytes
+    masks = 2 if model.sliding_window and 0 < model.full_attention_layers < model.n_layers else 1
+    return masks * micro_batch * seq_len * seq_len * compute_bytes
 
 
 def logits_bytes_per_token(model: ModelSpec, compute_bytes: int) -> tuple[int, int]:
@@ -223,15 +282,17 @@ def logits_bytes_per_token(model: ModelSpec, compute_bytes: int) -> tuple[int, i
     output. kept: what of it stays alive through the blocks' backward: nothing once the training loop
     drops the model output before backward (Trainer's training_step, torchtitan's `del pred`); a loop
     that keeps `outputs` alive adds c*V. peak: at the log-softmax backward, its saved output, the
-    gradient arriving from the NLL loss and the gradient it produces: three fp32 copies, 12*V.
+    gradient arriving from the NLL loss and the gradient it produces: three fp32 copies, 12*V. Logit
+    soft-capping (Gemma 2: cap * tanh(logits / cap)) keeps the tanh output (c*V) until its backward.
     """
-    return 0, 3 * 4 * model.vocab_size
+    return 0, 3 * 4 * model.vocab_size + (compute_bytes * model.vocab_size if model.logit_softcap else 0)
 
 
 def forward_logits_bytes_per_token(model: ModelSpec, compute_bytes: int) -> int:
-    """At the end of forward: the logits, their fp32 upcast (a copy unless already fp32), log_softmax's output."""
+    """At the end of forward: the logits, their fp32 upcast (a copy unless already fp32), log_softmax's output
+    (with logit soft-capping, the saved tanh output too)."""
     v, c = model.vocab_size, compute_bytes
-    return c * v + (4 * v if c != 4 else 0) + 4 * v
+    return c * v + (4 * v if c != 4 else 0) + 4 * v + (c * v if model.logit_softcap else 0)
 
 
 def mlp_backward_working_bytes_per_token(model: ModelSpec, compute_bytes: int, lora: bool = False) -> int:
@@ -265,8 +326,9 @@ def attention_backward_working_bytes_per_token(model: ModelSpec, compute_bytes: 
     probs = model.n_heads * seq_len
     soft = _softmax_bytes(model, c)
     s2 = probs * (2 * soft - (c if soft != c else 0))
-    if model.dropout:
-        s2 += probs * c
+    if _attention_dropout(model):
+        # compute-dtype softmax (GPT-2): the dropout's gradient too; an fp32 one: its 1-byte mask is freed too
+        s2 += probs * c if soft == c else -probs
     return c * model.hidden_size + c * q + s2
 
 
@@ -283,6 +345,10 @@ def attention_freed_before_backward_bytes_per_token(model: ModelSpec, compute_by
         freed = _mlp_bytes(model, c, lora) + (norm_out if model.family != "falcon" else 0)
     else:
         freed = _mlp_bytes(model, c, lora) + _norm_bytes(model, c, lora) + norm_out + (h if model.dropout else 0)
+        if model.norm_layout in ("sandwich", "post"):
+            freed += _norm_bytes(model, c, lora)  # the norm after the attention, whose backward came first
+        if model.norm_layout == "sandwich":
+            freed += _norm_bytes(model, c, lora)  # ... and the one after the MLP
     if attention is Attention.EAGER:
         freed += _eager_freed_before_softmax_backward(model, c, micro_batch)
     return freed
@@ -323,5 +389,9 @@ def quirks(model: ModelSpec, attention: Attention, seq_len: int = 0) -> list[str
                      "block; verify with `fsdp-plan trace`")
     if model.family in ("bert", "opt", "bloom", "mpt", "falcon"):
         notes.append(f"activation accounting for {model.family} follows the generic recipe (not checked "
+                     "tensor by tensor against the trace tier); verify with `fsdp-plan trace`")
+    if model.family in ("deepseek_v2", "deepseek_v3", "gpt_oss"):
+        what = "latent attention (MLA)" if model.family != "gpt_oss" else "attention with sinks"
+        notes.append(f"{model.family}'s {what} is priced with the generic fused-projection recipe (not checked "
                      "tensor by tensor against the trace tier); verify with `fsdp-plan trace`")
     return notes

@@ -257,6 +257,7 @@ class ModelSpec:
     parallel_block: bool = False     # attention and MLP read the same normed input (GPT-J/NeoX/Falcon)
     tied_embeddings: bool = False
     dropout: bool = False            # dropout with p > 0 in training (masks are saved for backward)
+    attention_dropout: bool | None = None  # dropout on the attention probabilities; None = as `dropout` (Phi-2: off)
     causal: bool = True              # False for encoders (BERT): no causal LM loss shift
     lora_target_shapes: tuple[tuple[int, int], ...] = ()  # (in, out) of each block linear LoRA adapts
     max_seq_len: int = 0             # 0 = unknown / unlimited (rotary, ALiBi)

@@ -88,9 +88,9 @@ def alternating(period_key: str | None, period: int, window: int):
 
 
 # ---------------------------------------------------------------------------------------------
-# Attention implementations a family can train with (transformers' _supports_sdpa and the kernels'
-# semantics): SDPA is refused by Gemma 2 and gpt-oss (attention sinks), and it silently drops Gemma 3's
-# optional score soft-capping, so a soft-capped Gemma 3 is eager only.
+# Attention implementations a family can train with: transformers' Gemma 2 and gpt-oss (attention sinks)
+# classes declare _supports_sdpa = False, and its sdpa_attention_forward raises on a `softcap`, so a
+# Gemma 3 config with attn_logit_softcapping is eager only.
 # ---------------------------------------------------------------------------------------------
 
 def any_attention(c: Cfg) -> tuple[str, ...]:
@@ -263,6 +263,7 @@ def common_fields(c: Cfg, fam: Family, d: Dims) -> dict:
         qk_norm=fam.qk_norm if fam.qk_norm and read_flag(c, fam.qk_norm_flag) else "",
         parallel_block=fam.norm_layout == "parallel", activation=activation_of(c, fam), tied_embeddings=tied,
         dropout=c.any_dropout(**dict(fam.dropout)), lora_target_shapes=attention_lora_shapes(fam, d),
+        attention_dropout=c.any_dropout(**{k: p for k, p in fam.dropout if k == "attention_dropout"}),
         max_seq_len=c.size("max_position_embeddings", default=fam.max_positions),
         sliding_window=window, full_attention_layers=full_layers if window else 0,
         attn_softcap=attn_softcap, logit_softcap=logit_softcap, attention_choices=fam.attention(c),
