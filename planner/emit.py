@@ -371,6 +371,14 @@ def emit_torchrun(config: FsdpConfig, model_spec: ModelSpec, cluster: ClusterSpe
     return _comment(header) + "\n" + command + "\n"
 
 
+# model_types whose modeling file lives under another module name (transformers' SPECIAL_MODEL_TYPE_TO_MODULE_NAME)
+_HF_MODULES = {"gemma3_text": "gemma3"}
+
+
+def _hf_module(model_type: str) -> str:
+    return _HF_MODULES.get(model_type, model_type)
+
+
 def emit_lightning(config: FsdpConfig, model_spec: ModelSpec, cluster: ClusterSpec) -> str:
     """Lightning Trainer with FSDPStrategy (Lightning's FSDP1 integration), same choices as emit_fsdp1."""
     strategy, strategy_note = _fsdp1_strategy(config, cluster)
@@ -383,8 +391,8 @@ def emit_lightning(config: FsdpConfig, model_spec: ModelSpec, cluster: ClusterSp
         "from lightning.pytorch import Trainer",
         "from lightning.pytorch.strategies import FSDPStrategy",
         "from torch.distributed.fsdp import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy",
-        f"from transformers.models.{model_spec.family} import modeling_{model_spec.family} as modeling"
-        if model_spec.family not in ("generic",) else "# import your block class here",
+        f"from transformers.models.{_hf_module(model_spec.family)} import modeling_{_hf_module(model_spec.family)} "
+        "as modeling" if model_spec.family not in ("generic",) else "# import your block class here",
         "",
         f"Block = modeling.{model_spec.block_class}  # the repeated block: one FSDP unit each",
         "strategy = FSDPStrategy(",

@@ -1,0 +1,30 @@
+"""Emitted code names real transformers modules and classes for every preset's family."""
+
+from __future__ import annotations
+
+import importlib
+import re
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from planner.api import plan  # noqa: E402
+from planner.models import list_presets, load_preset  # noqa: E402
+
+ONE_PER_FAMILY = sorted({load_preset(n).family: n for n in list_presets()}.values())
+
+
+@pytest.mark.parametrize("preset", ONE_PER_FAMILY)
+def test_lightning_snippet_imports_the_block_class(preset):
+    """The Lightning snippet imports the modeling module by path: it must exist and hold the block class
+    (gemma3_text lives in transformers.models.gemma3)."""
+    from planner.emit import emit_lightning
+
+    p = plan(preset, 64, gpu="h100-80gb", seq_len=1024)
+    best = p.best or p.misses[0]
+    code = emit_lightning(best.config, p.model, p.cluster)
+    module_path = re.search(r"from (transformers\.models\.\w+) import (modeling_\w+) as modeling", code)
+    assert module_path, code
+    module = importlib.import_module(f"{module_path[1]}.{module_path[2]}")
+    assert hasattr(module, p.model.block_class)
