@@ -21,6 +21,7 @@ largest (the peak happens in the worst block).
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import torch
@@ -36,8 +37,8 @@ MIN_SEQ_LEN = 32
 
 
 def profiled_layers(hf_config: dict, n_dense_layers: int = 0) -> int:
-    """Layers to build: one period of `layer_types` (at least 2), plus the leading dense layers of an MoE."""
-    total = int(hf_config.get("num_hidden_layers") or hf_config.get("n_layer") or 2)
+    """Layers to build: one period of `layer_types` (at least 2), plus the leading dense layers of an MoE
+    (more than the model has, if need be: a block's figures do not depend on the depth)."""
     period = 2
     kinds = hf_config.get("layer_types")
     if isinstance(kinds, list) and kinds:
@@ -45,14 +46,15 @@ def profiled_layers(hf_config: dict, n_dense_layers: int = 0) -> int:
                       if all(kinds[i] == kinds[i % p] for i in range(len(kinds))))
         period = max(2, period)
     # + 2: the first block (its input is held by the model's forward) and the one after the last measured
-    return min(total, n_dense_layers + min(period, MAX_PROFILED_LAYERS) + 2)
+    return n_dense_layers + min(period, MAX_PROFILED_LAYERS) + 2
 
 
 def _reduced_config(hf_config: dict, n_layers: int) -> dict:
-    """The config dict at n_layers (a layer_types list, where the config has one, cut to match)."""
+    """The config dict at n_layers (a layer_types list, where the config has one, cut or repeated to match)."""
     fields = {**hf_config, "num_hidden_layers": n_layers, "use_cache": False}
-    if isinstance(hf_config.get("layer_types"), list):
-        fields["layer_types"] = hf_config["layer_types"][:n_layers]
+    kinds = hf_config.get("layer_types")
+    if isinstance(kinds, list) and kinds:
+        fields["layer_types"] = [kinds[i % len(kinds)] for i in range(n_layers)]
     return fields
 
 
@@ -74,9 +76,11 @@ def _blocks(model, block_class: str) -> list:
     return [m for m in model.modules() if type(m).__name__ == block_class]
 
 
-def _measure(model, blocks: list, vocab_size: int, micro_batch: int, seq_len: int, incoming_bytes: int):
-    """For one (micro_batch, seq_len) forward + backward: the mean saved bytes per block, and each block's
-    backward moments as (activation, gradient) bytes above what was live at its pre-backward."""
+def _measure(model, blocks: list, n_dense: int, vocab_size: int, micro_batch: int, seq_len: int,
+             incoming_bytes: int):
+    """For one (micro_batch, seq_len) forward + backward, (saved, backward) of the sparse (or only) blocks
+    and of the leading dense ones (None without): saved = mean bytes a block saves, backward = its
+    backward's moments as (activation, gradient) bytes above what was live at its pre-backward."""
     from .trace import cuda_kernel_choices
 
     ids = torch.randint(0, vocab_size, (micro_batch, seq_len))
@@ -90,17 +94,32 @@ def _measure(model, blocks: list, vocab_size: int, micro_batch: int, seq_len: in
     for p in model.parameters():
         p.grad = None
     moments = [tracker.module_moments(block) for block in blocks]
-    # Steady state: what one block adds by the time the next starts (its output replaces its input, which
-    # the caller still holds at the block's own post-forward). The first block is skipped: the model's
-    # forward holds the embedding output (its input) to the end.
-    saved = [after["pre_forward"][0] - before["pre_forward"][0] for before, after in zip(moments[1:], moments[2:])]
-    backward = []
-    for block, m in zip(blocks[1:-1], moments[1:-1]):
-        pre_acts, pre_grads = m["pre_backward"]
+
+    def backward_of(index: int) -> list[tuple[int, int]]:
+        pre_acts, pre_grads = moments[index]["pre_backward"]
         # the incoming gradient is live at pre-backward; the memory model counts it in the working set
-        backward.append([(acts - pre_acts + incoming_bytes, grads - pre_grads)
-                         for acts, grads in tracker.backward_moments(block)])
-    return sum(saved) / len(saved), backward
+        return [(acts - pre_acts + incoming_bytes, grads - pre_grads)
+                for acts, grads in tracker.backward_moments(blocks[index])]
+
+    def own(index: int) -> int:
+        """What the block added by its post-forward, its output aside (the caller still holds its input)."""
+        m = moments[index]
+        return m["post_forward"][0] - m["pre_forward"][0] - m["output"][0]
+
+    sparse = list(range(n_dense, len(blocks)))
+    # Steady state: what one block adds by the time the next starts (its output replaces its input). The
+    # first block is skipped: the model's forward holds the embedding output (its input) to the end.
+    first = max(sparse[0], 1)
+    saved = [moments[j + 1]["pre_forward"][0] - moments[j]["pre_forward"][0] for j in range(first, len(blocks) - 1)]
+    mean_saved = sum(saved) / len(saved)
+    result = (mean_saved, [backward_of(j) for j in range(first, len(blocks) - 1)])
+    if not n_dense:
+        return result, None
+    # Dense blocks lead, so none has a steady state: the sparse blocks' steady figure plus the difference of
+    # what each kind adds by its own post-forward (whether a block saves its input cancels out).
+    sparse_own = sum(own(j) for j in range(first, len(blocks) - 1)) / len(saved)
+    dense_saved = mean_saved + sum(own(j) for j in range(n_dense)) / n_dense - sparse_own
+    return result, (dense_saved, [backward_of(j) for j in range(n_dense)])
 
 
 def profile_block(hf_config: dict, *, block_class: str, compute_dtype: str, attention: str, seq_len: int,
@@ -122,19 +141,28 @@ def profile_block(hf_config: dict, *, block_class: str, compute_dtype: str, atte
     with _real_run_masking(True), _grouped_mm_shapes_any_dtype(), FakeTensorMode(allow_non_fake_inputs=False):
         model = _build(config, attention, TORCH_DTYPES[compute_dtype])
         model.train()
-        blocks = _blocks(model, block_class)[max(0, n_dense_layers - 1):]
-        if len(blocks) < 3:
-            raise ValueError(f"need 3 {block_class} blocks in the profiled model, found {len(blocks)}")
+        blocks = _blocks(model, block_class)
+        if len(blocks) - n_dense_layers < 3:
+            raise ValueError(f"need 3 sparse {block_class} blocks in the profiled model, found "
+                             f"{len(blocks) - n_dense_layers}")
+        sparse, dense = [], []
         for b, s in points:
-            mean_saved, moments = _measure(model, blocks, vocab_size, b, s, c * hidden_size * b * s)
-            saved.append(mean_saved)
-            backward.append(moments)
+            of_sparse, of_dense = _measure(model, blocks, n_dense_layers, vocab_size, b, s, c * hidden_size * b * s)
+            sparse.append(of_sparse)
+            dense.append(of_dense)
     tokens = [b * s for b, s in points]
     seqs = [s for _, s in points]
-    k, a, q = _solve(tokens, seqs, saved)
-    terms = ActivationTerms(saved_per_token=a, saved_per_token_per_seq=max(q, 0.0),
-                            backward_moments=_envelope(_fit_moments(tokens, seqs, backward), long_s))
+    terms = _terms(tokens, seqs, sparse, long_s)
+    if n_dense_layers:
+        terms = dataclasses.replace(terms, dense=_terms(tokens, seqs, dense, long_s))
     return terms, time.perf_counter() - started
+
+
+def _terms(tokens: list[int], seqs: list[int], measured: list, seq_len: int) -> ActivationTerms:
+    """ActivationTerms fitted from the three points' (saved, backward moments)."""
+    _, a, q = _solve(tokens, seqs, [saved for saved, _ in measured])
+    return ActivationTerms(saved_per_token=a, saved_per_token_per_seq=max(q, 0.0),
+                           backward_moments=_envelope(_fit_moments(tokens, seqs, [bw for _, bw in measured]), seq_len))
 
 
 def _solve(tokens: list[int], seqs: list[int], ys: list[float]) -> tuple[float, float, float]:

@@ -313,7 +313,8 @@ class MemoryTracker:
 
     def module_moments(self, module: nn.Module) -> dict[str, tuple[int, int]]:
         """(activation bytes, gradient bytes) live at `module`'s first pre-forward, post-forward and
-        pre-backward since entering: keys pre_forward, post_forward, pre_backward (absent when not reached).
+        pre-backward since entering: keys pre_forward, post_forward, pre_backward (absent when not reached),
+        and output: (bytes of its forward's output, 0).
         Activations are what forward saved and backward's temporaries (categories Activation and Temp)."""
         from torch.distributed._tools.mem_tracker import _ModState
 
@@ -327,6 +328,7 @@ class MemoryTracker:
             snaps = stats.snapshots.get(state)
             if snaps:
                 out[name] = _activations_and_grads(self._device_snap(snaps[0]))
+        out["output"] = (getattr(stats, "output_mem", 0), 0)  # bytes of what its forward returned
         return out
 
     def _state_bytes_on_device(self) -> int:

@@ -381,6 +381,12 @@ def gpu_spec_dict(gpu: GpuSpec) -> dict:
     return {f.name: getattr(gpu, f.name) for f in fields(gpu)}
 
 
+def _activation_terms(terms: dict) -> ActivationTerms:
+    dense = terms.get("dense")
+    return ActivationTerms(**{**terms, "backward_moments": tuple(BackwardMoment(**m) for m in terms.get("backward_moments", ())),
+                              "dense": _activation_terms(dense) if dense is not None else None})
+
+
 def model_spec_from_dict(data: dict) -> ModelSpec:
     """The ModelSpec of its dataclasses.asdict() form (a job file's spec, a stored run's setup.model): the
     JSON lists back to tuples and the nested MoeSpec / ActivationProfile back to dataclasses."""
@@ -394,10 +400,8 @@ def model_spec_from_dict(data: dict) -> ModelSpec:
         fields_["moe"] = MoeSpec(**moe)
     if fields_.get("activation_profile") is not None:
         profile = dict(fields_["activation_profile"])
-        profile["terms"] = tuple(
-            (dtype, attention, ActivationTerms(**{**terms, "backward_moments": tuple(
-                BackwardMoment(**m) for m in terms.get("backward_moments", ()))}))
-            for dtype, attention, terms in profile.get("terms", ()))
+        profile["terms"] = tuple((dtype, attention, _activation_terms(terms))
+                                 for dtype, attention, terms in profile.get("terms", ()))
         fields_["activation_profile"] = ActivationProfile(**profile)
     return ModelSpec(**fields_)
 

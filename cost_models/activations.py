@@ -71,6 +71,10 @@ _FP32_SOFTMAX_FAMILIES = {"llama", "mistral", "qwen2", "phi3", "gpt_neox", "falc
 _SEPARATE_QKV_FAMILIES = {"llama", "mistral", "qwen2", "generic", *_TABLE_FAMILIES}
 # Fused qkv projection with rotary through a cat: rotated copies, and a copy of the attention output.
 _FUSED_ROTARY_FAMILIES = {"gpt_neox", "phi3", "falcon"}
+# Families whose attention has no formula here yet (DeepSeek's multi-head latent attention, gpt-oss's sinks):
+# where transformers is installed their activations come from a traced block memory profile
+# (planner/models/block_profiles.py), as for families without a reader.
+PROFILED_FAMILIES = {"deepseek_v2", "deepseek_v3", "gpt_oss"}
 # Families with ALiBi position bias: SDPA gets a float mask, so fused kernels may not be used.
 ALIBI_FAMILIES = {"bloom", "mpt"}
 # Families whose activation function is written in Python ops (saves several f-sized tensors).
@@ -390,8 +394,8 @@ def quirks(model: ModelSpec, attention: Attention, seq_len: int = 0) -> list[str
     if model.family in ("bert", "opt", "bloom", "mpt", "falcon"):
         notes.append(f"activation accounting for {model.family} follows the generic recipe (not checked "
                      "tensor by tensor against the trace tier); verify with `fsdp-plan trace`")
-    if model.family in ("deepseek_v2", "deepseek_v3", "gpt_oss"):
+    if model.family in PROFILED_FAMILIES and model.priced_by == "formula":
         what = "latent attention (MLA)" if model.family != "gpt_oss" else "attention with sinks"
-        notes.append(f"{model.family}'s {what} is priced with the generic fused-projection recipe (not checked "
-                     "tensor by tensor against the trace tier); verify with `fsdp-plan trace`")
+        notes.append(f"{model.family}'s {what} is priced with the generic fused-projection recipe (install "
+                     "transformers to price it from a traced block memory profile); verify with `fsdp-plan trace`")
     return notes

@@ -189,6 +189,9 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
     dense = moe.dense_block_spec(model)
     full_dense = activations.block_bytes_per_token(dense, c, attn, training.seq_len, config.micro_batch,
                                                    lora_rank) if dense else full
+    traced_dense = traced.dense if traced is not None and nd else None
+    if traced_dense is not None:
+        full_dense = round(traced_dense.saved_bytes_per_token(training.seq_len))
     dense_delta = (counts.trainable_dense_delta + counts.frozen_dense_delta) // nd if nd else 0
     dense_grad_delta = (counts.trainable_dense_delta // nd * p) // d if nd else 0
 
@@ -244,10 +247,12 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
     for i in sorted(candidates, reverse=True):
         # A checkpointed block re-runs its forward; its saved input stays (unless the first norm saves
         # that very tensor).
-        this = full + (ckpt_input_extra if is_ckpt(i) else 0) - (first_less if i == 0 else 0)
+        own_traced = traced_dense if traced_dense is not None and i < nd else traced
+        this = (full_dense if own_traced is traced_dense and traced_dense is not None else full) \
+            + (ckpt_input_extra if is_ckpt(i) else 0) - (first_less if i == 0 else 0)
         below = saved_below(i)
-        if traced is not None:  # the traced block's own backward moments
-            w_acts, w_grads = traced.backward_peak(tokens, training.seq_len)
+        if own_traced is not None:  # the traced block's own backward moments
+            w_acts, w_grads = own_traced.backward_peak(tokens, training.seq_len)
             block_acts, block_grads = tokens * (below + this) + round(w_acts), min(w_grads, real.trainable_block * c)
         elif mlp_moments:  # MoE: the largest of its MLP's moments and the attention's, gradients included
             at_attn = tokens * (below + this - freed_attn + w_attn)

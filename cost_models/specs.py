@@ -199,6 +199,7 @@ class ActivationTerms:
     saved_per_token: float              # what the block saves for backward, per token
     saved_per_token_per_seq: float      # ... the part that grows with the sequence (scores, masks)
     backward_moments: tuple[BackwardMoment, ...]  # candidates for the block's backward peak
+    dense: "ActivationTerms | None" = None  # an MoE model's dense blocks (MoeSpec.n_dense_layers), profiled apart
 
     def saved_bytes_per_token(self, seq_len: int) -> float:
         return self.saved_per_token + self.saved_per_token_per_seq * seq_len

@@ -25,7 +25,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from cost_models.specs import ActivationProfile, ActivationTerms, BackwardMoment, ModelSpec
 from planner.errors import PlannerError
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: dense-block terms
 PROFILED_DTYPES = ("bf16", "fp32")
 
 
@@ -35,6 +35,13 @@ class _Moment(BaseModel):
     const_bytes: float
     per_token: float
     per_token_per_seq: float
+
+
+class _DenseTerms(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    saved_per_token: float
+    saved_per_token_per_seq: float
+    backward_moments: list[_Moment]
 
 
 class BlockProfileFile(BaseModel):
@@ -53,11 +60,18 @@ class BlockProfileFile(BaseModel):
     saved_per_token: float
     saved_per_token_per_seq: float
     backward_moments: list[_Moment]
+    dense: _DenseTerms | None = None    # an MoE model's leading dense blocks
 
     def terms(self) -> ActivationTerms:
+        dense = self.dense
         return ActivationTerms(saved_per_token=self.saved_per_token,
                                saved_per_token_per_seq=self.saved_per_token_per_seq,
-                               backward_moments=tuple(BackwardMoment(**m.model_dump()) for m in self.backward_moments))
+                               backward_moments=tuple(BackwardMoment(**m.model_dump()) for m in self.backward_moments),
+                               dense=None if dense is None else ActivationTerms(
+                                   saved_per_token=dense.saved_per_token,
+                                   saved_per_token_per_seq=dense.saved_per_token_per_seq,
+                                   backward_moments=tuple(BackwardMoment(**m.model_dump())
+                                                          for m in dense.backward_moments)))
 
 
 def cache_dir() -> Path:
@@ -144,7 +158,10 @@ def load_or_profile(spec: ModelSpec, hf_config: dict, compute_dtype: str, attent
         compute_dtype=compute_dtype, attention=attention, seq_len=seq_len, torch_version=torch_version,
         transformers_version=transformers_version, seconds=round(seconds, 3),
         saved_per_token=terms.saved_per_token, saved_per_token_per_seq=terms.saved_per_token_per_seq,
-        backward_moments=[_Moment(**dataclasses.asdict(m)) for m in terms.backward_moments])
+        backward_moments=[_Moment(**dataclasses.asdict(m)) for m in terms.backward_moments],
+        dense=None if terms.dense is None else _DenseTerms(
+            saved_per_token=terms.dense.saved_per_token, saved_per_token_per_seq=terms.dense.saved_per_token_per_seq,
+            backward_moments=[_Moment(**dataclasses.asdict(m)) for m in terms.dense.backward_moments]))
     try:
         write_atomic(path, profile.model_dump_json(indent=1))
     except OSError:
@@ -176,5 +193,13 @@ def with_block_profile(spec: ModelSpec, hf_config: dict, seq_len: int,
 
 
 def needs_block_profile(spec: ModelSpec, hf_config: dict | None) -> bool:
-    """A model read from transformers' build (no family formula) gets its activations from a profile."""
-    return hf_config is not None and spec.family == "generic" and spec.activation_profile is None
+    """A model read from transformers' build (no family reader) gets its activations from a profile, and so
+    does a family whose attention has no formula (activations.PROFILED_FAMILIES) where transformers is
+    installed (without it: the formula, whose note says to verify)."""
+    from importlib.util import find_spec
+
+    from cost_models.activations import PROFILED_FAMILIES
+
+    if hf_config is None or spec.activation_profile is not None:
+        return False
+    return spec.family == "generic" or (spec.family in PROFILED_FAMILIES and find_spec("transformers") is not None)

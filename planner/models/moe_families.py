@@ -176,6 +176,7 @@ def read_moe(c: Cfg) -> dict:
             n_experts=n_experts, experts_per_token=top_k, expert_ffn_size=f, expert_params=expert,
             stacked_expert_tensors=stacked, router_params=router, shared_ffn_size=shared_f, shared_params=shared,
             n_dense_layers=n_dense, dense_ffn_size=dense_f, renormalise_top_k=read_flag(c, fam.renormalise_top_k),
+            first_sparse_layer=n_dense if fam.mla else 0,  # DeepSeek's first_k_dense_replace layers lead
             fp32_routing_weights=fam.fp32_routing_weights, router_kind=fam.router_kind,
             expert_activation=fam.expert_activation, expert_bias=fam.expert_bias,
             dense_block_params=frame + (mlp(h, dense_f, mlp_bias, gated=True) if n_dense else 0),

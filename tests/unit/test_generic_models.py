@@ -195,3 +195,24 @@ def test_a_model_whose_code_does_not_trace_falls_back_to_the_generic_recipe_and_
     assert candidate.model.n_params == _meta_count(cfg)
     assert candidate.model.priced_by == "formula"
     assert any("no block memory profile" in n and "DataDependent" in n for n in candidate.memory.notes)
+
+
+DEEPSEEK_V3 = {"model_type": "deepseek_v3", "hidden_size": 256, "intermediate_size": 768, "moe_intermediate_size": 128,
+               "num_hidden_layers": 3, "num_attention_heads": 8, "num_key_value_heads": 8, "vocab_size": 3000,
+               "n_routed_experts": 8, "num_experts_per_tok": 2, "n_shared_experts": 1, "first_k_dense_replace": 1,
+               "n_group": 2, "topk_group": 1, "q_lora_rank": 96, "kv_lora_rank": 64, "qk_nope_head_dim": 32,
+               "qk_rope_head_dim": 16, "v_head_dim": 32, "rope_scaling": None}
+
+
+def test_a_family_without_an_attention_formula_is_priced_by_its_profile():
+    """DeepSeek's latent attention has no formula: with transformers installed its blocks are profiled, the
+    leading dense block apart (the formula path was 35% low on the benchmark's deepseek-v3 row, the profile
+    without the dense block 6.5% low here). Measured today: -1.04%; a gap of ~530 B per token and sparse
+    block between the plain bf16 profile and the FSDP2 trace is not explained yet, hence 2%."""
+    from planner.tracing import trace
+
+    report = trace(dict(DEEPSEEK_V3), 4, precision="bf16", micro_batch=2, seq_len=256, attention="eager")
+    assert report.candidate.model.priced_by == "block memory profile"
+    assert report.candidate.model.moe.n_dense_layers == 1
+    assert report.candidate.model.activation_profile.terms[0][2].dense is not None
+    assert abs(report.relative_error) < 0.02, report.relative_error
