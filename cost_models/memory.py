@@ -192,22 +192,30 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
     traced_dense = traced.dense if traced is not None and nd else None
     if traced_dense is not None:
         full_dense = round(traced_dense.saved_bytes_per_token(training.seq_len))
+    elif traced is not None:
+        full_dense = full  # interleaved dense blocks (Llama 4): the profile's mean over the pattern covers them
     dense_delta = (counts.trainable_dense_delta + counts.frozen_dense_delta) // nd if nd else 0
     dense_grad_delta = (counts.trainable_dense_delta // nd * p) // d if nd else 0
 
+    leading = model.moe is not None and model.moe.first_sparse_layer == nd
+
+    def n_dense_below(i: int) -> int:
+        """Dense blocks among blocks 0 .. i-1: all leading (DeepSeek), or spread evenly (Llama 4 interleaves)."""
+        return min(i, nd) if leading else (i * nd) // L
+
     def saved_below(i: int) -> int:
         n_ck = -(-i // K) if K else 0   # blocks 0, K, 2K, ... below i
-        dense_below = min(i, nd)
+        dense_below = n_dense_below(i)
         dense_full_below = dense_below - (-(-dense_below // K) if K else 0)
         return (n_ck * ckpt + (i - n_ck) * full - (first_less if i > 0 else 0)
                 - dense_full_below * (full - full_dense))
 
     def gathered_below(i: int) -> int:
-        return i * block_c + min(i, nd) * dense_delta * c
+        return i * block_c + n_dense_below(i) * dense_delta * c
 
     def grads_done(i: int) -> int:
         """Sharded gradients of blocks i+1 .. L-1, reduce-scattered already."""
-        return (L - 1 - i) * block_sharded_grad + max(0, nd - 1 - i) * dense_grad_delta
+        return (L - 1 - i) * block_sharded_grad + (nd - n_dense_below(i + 1)) * dense_grad_delta
 
     _, logits_peak = activations.logits_bytes_per_token(model, c)
     w_mlp = activations.mlp_backward_working_bytes_per_token(model, c, lora=bool(lora_rank))

@@ -171,8 +171,11 @@ def _moe_layout(model, blocks: list, cfg: dict) -> dict | None:
     index, block, stacked = sparse[0]
     sparse_indices = {i for i, _, _ in sparse}
     dense = [b for i, b in enumerate(blocks) if i not in sparse_indices]
-    return dict(n_experts=n_experts, top_k=min(top_k, n_experts), first_sparse=index, block=block, stacked=stacked,
-                dense=dense, expert_width=_config_int(cfg, _EXPERT_WIDTH_KEYS) or 0)
+    # dense blocks that all lead (DeepSeek) are profiled apart; interleaved ones (Llama 4) are averaged with
+    # the sparse ones over the pattern (first_sparse 0)
+    leading = sparse_indices == set(range(index, len(blocks)))
+    return dict(n_experts=n_experts, top_k=min(top_k, n_experts), first_sparse=index if leading else 0, block=block,
+                stacked=stacked, dense=dense, expert_width=_config_int(cfg, _EXPERT_WIDTH_KEYS) or 0)
 
 
 def _numel(module) -> int:

@@ -63,7 +63,8 @@ def test_interleaved_moe_layout_read_from_the_built_model():
     """Llama 4: every second layer is sparse, 4 stacked experts of (256 -> 2 x 256) and (256 -> 256)."""
     spec = from_hf_config(dict(LLAMA4), name="llama4")
     moe = spec.moe
-    assert (moe.n_experts, moe.experts_per_token, moe.n_dense_layers, moe.first_sparse_layer) == (4, 1, 2, 1)
+    # interleaved, not leading: first_sparse_layer 0 (the profile averages over the pattern)
+    assert (moe.n_experts, moe.experts_per_token, moe.n_dense_layers, moe.first_sparse_layer) == (4, 1, 2, 0)
     assert moe.stacked_expert_tensors == ((4, 256 * 2 * 256), (4, 256 * 256))
     assert moe.expert_params == 3 * 256 * 256
     # a token visits 1 of 4 experts in each of the 2 sparse layers
