@@ -21,7 +21,7 @@ def test_lightning_snippet_imports_the_block_class(preset):
     (gemma3_text lives in transformers.models.gemma3)."""
     from planner.emit import emit_lightning
 
-    p = plan(preset, 64, gpu="h100-80gb", seq_len=1024)
+    p = plan(load_preset(preset), 64, gpu="h100-80gb", seq_len=1024)  # a spec: no block profile to trace
     best = p.best or p.misses[0]
     code = emit_lightning(best.config, p.model, p.cluster)
     module_path = re.search(r"from (transformers\.models\.\w+) import (modeling_\w+) as modeling", code)
