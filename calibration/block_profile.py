@@ -1,22 +1,26 @@
 """Block memory profile: one block's activation memory traced from the real model, for families that have
 no formula in cost_models/activations.py.
 
-    terms, seconds = profile_block(hf_config, compute_dtype="bf16", attention="sdpa", seq_len=4096)
+    terms, seconds = profile_block(hf_config, block_class=..., compute_dtype="bf16", attention="sdpa",
+                                   seq_len=4096, hidden_size=h, vocab_size=V, n_dense_layers=0)
 
-The Hugging Face model is built at full width but with only a few layers (one period of its layer pattern,
-e.g. Gemma 3's five local and one global layer; the leading dense layers of an MoE model and two sparse
-ones) inside FakeTensorMode: no memory, no FLOPs. It runs forward and backward, no FSDP, parameters in the
-compute dtype (what FSDP's mixed precision gathers), under the same GPU-run kernel and mask choices as the
-trace tier (calibration.trace), with calibration.memtrack's per-module moments. For each block:
+The Hugging Face model is built as the trace tier builds it (calibration.build: the attention and experts
+kernels of a GPU run) at full width but a few layers - one period of its `layer_types` (at least 2) plus
+2, after an MoE model's leading dense layers - inside FakeTensorMode: no memory, no FLOPs. It runs
+forward and backward, no FSDP, parameters in the compute dtype (what FSDP's mixed precision gathers),
+under the trace tier's mask and kernel choices, with calibration.memtrack's per-module moments:
 
-    saved   = activations at its post-forward - at its pre-forward   (what it adds for backward)
-    working = activations at its backward peak - at its pre-backward + the incoming gradient (c*h)
+    saved    = activations at the next block's pre-forward - at the block's own (steady state: its output
+               has replaced its input; the first block, whose input the model holds, is skipped)
+    backward = (activation, gradient) bytes at every allocation of the block's backward, above its
+               pre-backward, + the incoming gradient (c*h), which the memory model counts in the working set
 
-which is what cost_models.memory calls block_bytes_per_token and the backward working set. Three
-(micro-batch, sequence) points - (1, s/2), (1, s), (2, s) - fit bytes = tokens x (a + b x s): the linear
-term (every tensor of a token) and the quadratic one (scores, masks); the b=2 point checks linearity in
-tokens. Saved bytes are the mean over the profiled blocks (the layer pattern repeats), working bytes the
-largest (the peak happens in the worst block).
+which is what cost_models.memory calls a block's saved bytes and its backward moments. Three
+(micro-batch, sequence) points - (1, s/2), (1, s), (2, s) - fit k + tokens x (a + q x s) for the saved
+bytes (k dropped: it is no tensor of a token) and for each backward moment, matched across the points by
+position; the moments that can be the peak for 1-128 sequences are kept. Saved bytes are the mean over
+the profiled blocks (a layer pattern repeats). Leading dense blocks (DeepSeek) have no steady state: their
+saved bytes are the sparse ones plus the difference of what each kind adds by its own post-forward.
 """
 
 from __future__ import annotations
