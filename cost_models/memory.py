@@ -255,9 +255,10 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
     for i in sorted(candidates, reverse=True):
         # A checkpointed block re-runs its forward; its saved input stays (unless the first norm saves
         # that very tensor).
-        own_traced = traced_dense if traced_dense is not None and i < nd else traced
-        this = (full_dense if own_traced is traced_dense and traced_dense is not None else full) \
-            + (ckpt_input_extra if is_ckpt(i) else 0) - (first_less if i == 0 else 0)
+        traced_dense_block = traced_dense is not None and i < nd
+        own_traced = traced_dense if traced_dense_block else traced
+        this = (full_dense if traced_dense_block else full) + (ckpt_input_extra if is_ckpt(i) else 0) \
+            - (first_less if i == 0 else 0)
         below = saved_below(i)
         if own_traced is not None:  # the traced block's own backward moments
             w_acts, w_grads = own_traced.backward_peak(tokens, training.seq_len)

@@ -25,7 +25,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from cost_models.specs import ActivationProfile, ActivationTerms, BackwardMoment, ModelSpec
 from planner.errors import PlannerError
 
-SCHEMA_VERSION = 2  # 2: dense-block terms
+SCHEMA_VERSION = 3  # 2: dense-block terms; 3: terms nested
 PROFILED_DTYPES = ("bf16", "fp32")
 
 
@@ -37,11 +37,25 @@ class _Moment(BaseModel):
     per_token_per_seq: float
 
 
-class _DenseTerms(BaseModel):
+class _Terms(BaseModel):
+    """ActivationTerms as stored (an MoE model's leading dense blocks nested)."""
+
     model_config = ConfigDict(extra="forbid")
     saved_per_token: float
     saved_per_token_per_seq: float
     backward_moments: list[_Moment]
+    dense: _Terms | None = None
+
+    @classmethod
+    def of(cls, terms: ActivationTerms) -> _Terms:
+        return cls(saved_per_token=terms.saved_per_token, saved_per_token_per_seq=terms.saved_per_token_per_seq,
+                   backward_moments=[_Moment(**dataclasses.asdict(m)) for m in terms.backward_moments],
+                   dense=None if terms.dense is None else cls.of(terms.dense))
+
+    def activation_terms(self) -> ActivationTerms:
+        return ActivationTerms(saved_per_token=self.saved_per_token, saved_per_token_per_seq=self.saved_per_token_per_seq,
+                               backward_moments=tuple(BackwardMoment(**m.model_dump()) for m in self.backward_moments),
+                               dense=None if self.dense is None else self.dense.activation_terms())
 
 
 class BlockProfileFile(BaseModel):
@@ -57,21 +71,7 @@ class BlockProfileFile(BaseModel):
     torch_version: str
     transformers_version: str
     seconds: float
-    saved_per_token: float
-    saved_per_token_per_seq: float
-    backward_moments: list[_Moment]
-    dense: _DenseTerms | None = None    # an MoE model's leading dense blocks
-
-    def terms(self) -> ActivationTerms:
-        dense = self.dense
-        return ActivationTerms(saved_per_token=self.saved_per_token,
-                               saved_per_token_per_seq=self.saved_per_token_per_seq,
-                               backward_moments=tuple(BackwardMoment(**m.model_dump()) for m in self.backward_moments),
-                               dense=None if dense is None else ActivationTerms(
-                                   saved_per_token=dense.saved_per_token,
-                                   saved_per_token_per_seq=dense.saved_per_token_per_seq,
-                                   backward_moments=tuple(BackwardMoment(**m.model_dump())
-                                                          for m in dense.backward_moments)))
+    terms: _Terms
 
 
 def cache_dir() -> Path:
@@ -156,12 +156,7 @@ def load_or_profile(spec: ModelSpec, hf_config: dict, compute_dtype: str, attent
     profile = BlockProfileFile(
         schema_version=SCHEMA_VERSION, key=key, model_type=str(hf_config.get("model_type")),
         compute_dtype=compute_dtype, attention=attention, seq_len=seq_len, torch_version=torch_version,
-        transformers_version=transformers_version, seconds=round(seconds, 3),
-        saved_per_token=terms.saved_per_token, saved_per_token_per_seq=terms.saved_per_token_per_seq,
-        backward_moments=[_Moment(**dataclasses.asdict(m)) for m in terms.backward_moments],
-        dense=None if terms.dense is None else _DenseTerms(
-            saved_per_token=terms.dense.saved_per_token, saved_per_token_per_seq=terms.dense.saved_per_token_per_seq,
-            backward_moments=[_Moment(**dataclasses.asdict(m)) for m in terms.dense.backward_moments]))
+        transformers_version=transformers_version, seconds=round(seconds, 3), terms=_Terms.of(terms))
     try:
         write_atomic(path, profile.model_dump_json(indent=1))
     except OSError:
@@ -182,7 +177,7 @@ def with_block_profile(spec: ModelSpec, hf_config: dict, seq_len: int,
                 # model code that does not run on fake tensors: priced by the generic recipe, and said so
                 failed = ActivationProfile(terms=(), source=f"no block memory profile: {exc.args[0].split(': ', 1)[-1]}")
                 return dataclasses.replace(spec, activation_profile=failed)
-            entries.append((dtype, attention, profile.terms()))
+            entries.append((dtype, attention, profile.terms.activation_terms()))
             first_seconds += profile.seconds
             made += not cached
     took = time.perf_counter() - started
