@@ -62,6 +62,9 @@ def main() -> None:
         losses.append(mean.item() / world)
     if rank == 0:
         print(json.dumps({"fsdp_version": args.fsdp_version, "config": best.config.to_dict(), "losses": losses}))
+    # every rank done with its collectives before gloo's threads are torn down (a rank that destroys the
+    # group while its peer is still in the last all-reduce aborts: "terminate called without an active exception")
+    dist.barrier()
     dist.destroy_process_group()
 
 
