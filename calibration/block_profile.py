@@ -5,7 +5,7 @@ no formula in cost_models/activations.py.
                                    seq_len=4096, hidden_size=h, vocab_size=V, n_dense_layers=0)
 
 The Hugging Face model is built as the trace tier builds it (calibration.build: the attention and experts
-kernels of a GPU run) at full width but a few layers - one period of its `layer_types` (at least 2) plus
+kernels of a GPU run) at full width but a few layers - one period of its layer pattern (at least 2) plus
 2, after an MoE model's leading dense layers - inside FakeTensorMode: no memory, no FLOPs. It runs
 forward and backward, no FSDP, parameters in the compute dtype (what FSDP's mixed precision gathers),
 under the trace tier's mask and kernel choices, with calibration.memtrack's per-module moments:
@@ -40,40 +40,51 @@ MAX_PROFILED_LAYERS = 8   # a layer pattern longer than this is profiled on its 
 MIN_SEQ_LEN = 32
 
 
+# layer-index lists a config may hold (which layers are sparse / dense), cut by index rather than position
+_INDEX_LISTS = ("moe_layers", "mlp_only_layers")
+
+
+def _per_layer_fields(hf_config: dict) -> dict:
+    """The config's per-layer lists as transformers completes them (Llama 4 derives layer_types and
+    no_rope_layers, Gemma 3 layer_types): every list as long as the model is deep, and the layer-index
+    lists (as membership). A config transformers cannot complete contributes only its own lists."""
+    from .build import hf_config_object, quiet_transformers
+
+    try:
+        fields = quiet_transformers(lambda: hf_config_object(hf_config)).to_dict()
+    except Exception:  # noqa: BLE001 - the build itself reports what is wrong with the config
+        fields = hf_config
+    n = fields.get("num_hidden_layers", hf_config.get("num_hidden_layers"))
+    per_layer = {key: value for key, value in fields.items() if isinstance(value, list) and len(value) == n}
+    for key in _INDEX_LISTS:  # as per-layer membership, so that a pattern repeats by position like the rest
+        if isinstance(fields.get(key), list) and fields[key]:
+            per_layer[key] = [i in fields[key] for i in range(n)]
+    return per_layer
+
+
+def _layer_kinds(per_layer: dict, n_layers: int) -> list[tuple]:
+    """Each layer's kind: its entry in every per-layer list."""
+    return [tuple(repr(value[i]) for _, value in sorted(per_layer.items())) for i in range(n_layers)]
+
+
 def profiled_layers(hf_config: dict, n_dense_layers: int = 0) -> int:
-    """Layers to build: one period of `layer_types` (at least 2), plus the leading dense layers of an MoE
-    (more than the model has, if need be: a block's figures do not depend on the depth)."""
-    period = 2
-    kinds = hf_config.get("layer_types")
-    if isinstance(kinds, list) and kinds:
-        period = next(p for p in range(1, len(kinds) + 1)
-                      if all(kinds[i] == kinds[i % p] for i in range(len(kinds))))
-        period = max(2, period)
+    """Layers to build: one period of the layer pattern after the leading dense layers (at least 2, at most
+    MAX_PROFILED_LAYERS), plus those leading dense layers of an MoE, plus 2 (more than the model has, if
+    need be: a block's figures do not depend on the depth)."""
+    kinds = _layer_kinds(_per_layer_fields(hf_config), hf_config["num_hidden_layers"])[n_dense_layers:]
+    period = next((p for p in range(1, len(kinds) + 1) if all(kinds[i] == kinds[i % p] for i in range(len(kinds)))),
+                  MAX_PROFILED_LAYERS)
     # + 2: the first block (its input is held by the model's forward) and the one after the last measured
-    return n_dense_layers + min(period, MAX_PROFILED_LAYERS) + 2
+    return n_dense_layers + min(max(2, period), MAX_PROFILED_LAYERS) + 2
 
 
 def _reduced_config(hf_config: dict, n_layers: int) -> dict:
-    """The config dict at n_layers (a layer_types list, where the config has one, cut or repeated to match)."""
+    """The config dict at n_layers, its per-layer lists made explicit and cut (or repeated) to match."""
     fields = {**hf_config, "num_hidden_layers": n_layers, "use_cache": False}
-    kinds = hf_config.get("layer_types")
-    if isinstance(kinds, list) and kinds:
-        fields["layer_types"] = [kinds[i % len(kinds)] for i in range(n_layers)]
+    for key, value in _per_layer_fields(hf_config).items():
+        cut = [value[i % len(value)] for i in range(n_layers)]
+        fields[key] = [i for i, member in enumerate(cut) if member] if key in _INDEX_LISTS else cut
     return fields
-
-
-def _build(hf_config: dict, attention: str, dtype: torch.dtype):
-    """The model as the trace tier builds it (calibration.build: the attention and experts kernels of a GPU
-    run); remote code (auto_map, let through only with --trust-remote-code) from its _name_or_path."""
-    if not hf_config.get("auto_map"):
-        return build_model(None, hf_config, attention=attention, device="cpu", dtype=dtype)
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.from_pretrained(hf_config["_name_or_path"], trust_remote_code=True)
-    config.num_hidden_layers, config.use_cache = hf_config["num_hidden_layers"], False
-    with torch.device("cpu"):
-        return AutoModelForCausalLM.from_config(config, attn_implementation=attention, dtype=dtype,
-                                                trust_remote_code=True)
 
 
 def _blocks(model, block_class: str) -> list:
@@ -126,6 +137,38 @@ def _measure(model, blocks: list, n_dense: int, vocab_size: int, micro_batch: in
     return result, (dense_saved, [backward_of(j) for j in range(n_dense)])
 
 
+def _held_by_checkpointing(model, blocks: list, vocab_size: int, micro_batch: int, seq_len: int) -> int:
+    """Bytes of the blocks' inputs besides their hidden states (masks, rotary tables, positions), each
+    storage once: what checkpointed blocks keep alive for their recompute. A forward suffices."""
+    from torch.utils._pytree import tree_leaves
+
+    storages: dict[int, int] = {}
+
+    def record(_module, args, kwargs):
+        hidden = args[0] if args else kwargs.get("hidden_states")
+        skip = hidden.untyped_storage()._cdata if isinstance(hidden, torch.Tensor) else None
+        for leaf in tree_leaves((args, kwargs)):
+            if isinstance(leaf, torch.Tensor) and leaf.untyped_storage()._cdata != skip:
+                storages[leaf.untyped_storage()._cdata] = leaf.untyped_storage().nbytes()
+
+    handles = [block.register_forward_pre_hook(record, with_kwargs=True) for block in blocks]
+    try:
+        with torch.no_grad():
+            model(input_ids=torch.randint(0, vocab_size, (micro_batch, seq_len)))
+    finally:
+        for handle in handles:
+            handle.remove()
+    return sum(storages.values())
+
+
+def _fit_held(points: list[tuple[int, int]], held: list[int]) -> tuple[float, float, float, float]:
+    """(a, ab, q, qb) with bytes = s*(a + ab*b) + s^2*(q + qb*b) through four (b, s) points."""
+    import numpy as np
+
+    rows = np.array([[s, b * s, s * s, b * s * s] for b, s in points], dtype=float)
+    return tuple(float(x) for x in np.linalg.solve(rows, np.array(held, dtype=float)))
+
+
 def profile_block(hf_config: dict, *, block_class: str, compute_dtype: str, attention: str, seq_len: int,
                   hidden_size: int, vocab_size: int, n_dense_layers: int = 0) -> tuple[ActivationTerms, float]:
     """Fitted per-token terms of one block (see the module docstring) and the seconds the profile took.
@@ -143,7 +186,7 @@ def profile_block(hf_config: dict, *, block_class: str, compute_dtype: str, atte
     points = ((1, max(MIN_SEQ_LEN, long_s // 2)), (1, long_s), (2, long_s))
     saved, backward = [], []
     with _real_run_masking(True), _grouped_mm_shapes_any_dtype(), FakeTensorMode(allow_non_fake_inputs=False):
-        model = _build(config, attention, TORCH_DTYPES[compute_dtype])
+        model = build_model(None, config, attention=attention, device="cpu", dtype=TORCH_DTYPES[compute_dtype])
         model.train()
         blocks = _blocks(model, block_class)
         if len(blocks) - n_dense_layers < 3:
@@ -154,9 +197,11 @@ def profile_block(hf_config: dict, *, block_class: str, compute_dtype: str, atte
             of_sparse, of_dense = _measure(model, blocks, n_dense_layers, vocab_size, b, s, c * hidden_size * b * s)
             sparse.append(of_sparse)
             dense.append(of_dense)
+        held_points = [*points, (2, points[0][1])]
+        held = _fit_held(held_points, [_held_by_checkpointing(model, blocks, vocab_size, b, s) for b, s in held_points])
     tokens = [b * s for b, s in points]
     seqs = [s for _, s in points]
-    terms = _terms(tokens, seqs, sparse, long_s)
+    terms = dataclasses.replace(_terms(tokens, seqs, sparse, long_s), checkpoint_held=held)
     if n_dense_layers:
         terms = dataclasses.replace(terms, dense=_terms(tokens, seqs, dense, long_s))
     return terms, time.perf_counter() - started

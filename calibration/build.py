@@ -38,7 +38,8 @@ def build_model(spec: ModelSpec, hf_config: dict | None = None, attention: str =
         auto = _auto_class(config)
         cls = hf_model_class(config)
         experts = {"experts_implementation": HF_EXPERTS} if cls._can_set_experts_implementation() else {}
-        model = auto.from_config(config, attn_implementation=hf_attention(cls, attention), dtype=dtype, **experts)
+        model = auto.from_config(config, attn_implementation=hf_attention(cls, attention), dtype=dtype, **experts,
+                                 **_remote(config))
     _cast_kept_parameters(model, dtype)
     return model
 
@@ -62,12 +63,33 @@ HF_EXPERTS = "grouped_mm"
 
 
 def hf_config_object(hf_config: dict):
-    """The transformers config of a config.json dict (with model_type)."""
+    """The transformers config of a config.json dict (with model_type). Remote code (auto_map, which the
+    planner lets through only with --trust-remote-code) comes from the directory named by _name_or_path,
+    the dict's fields over the file's (a profile's or a small calibration run's layer count)."""
     from transformers import AutoConfig
 
     fields = dict(hf_config)
     model_type = fields.pop("model_type")
+    if fields.pop("auto_map", None):
+        return AutoConfig.from_pretrained(fields.pop("_name_or_path"), trust_remote_code=True, **fields)
     return AutoConfig.for_model(model_type, **fields)
+
+
+def quiet_transformers(make):
+    """make() without transformers' config warnings (token ids etc. are not ours to show)."""
+    import transformers
+
+    verbosity = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()
+    try:
+        return make()
+    finally:
+        transformers.logging.set_verbosity(verbosity)
+
+
+def _remote(config) -> dict:
+    """from_config's trust_remote_code for a config whose classes come with the model (auto_map)."""
+    return {"trust_remote_code": True} if getattr(config, "auto_map", None) else {}
 
 
 def _auto_class(config):
@@ -80,6 +102,11 @@ def hf_model_class(config) -> type:
     """The transformers class from_config builds: *ForMaskedLM for BERT, *ForCausalLM otherwise."""
     from transformers.models.auto.auto_factory import _get_model_class
 
+    auto_map = getattr(config, "auto_map", None) or {}
+    if "AutoModelForCausalLM" in auto_map:  # remote code: the class its directory defines
+        from transformers.dynamic_module_utils import get_class_from_dynamic_module
+
+        return get_class_from_dynamic_module(auto_map["AutoModelForCausalLM"], config._name_or_path)
     return _get_model_class(config, _auto_class(config)._model_mapping)
 
 

@@ -384,6 +384,7 @@ def gpu_spec_dict(gpu: GpuSpec) -> dict:
 def _activation_terms(terms: dict) -> ActivationTerms:
     dense = terms.get("dense")
     return ActivationTerms(**{**terms, "backward_moments": tuple(BackwardMoment(**m) for m in terms.get("backward_moments", ())),
+                              "checkpoint_held": tuple(terms.get("checkpoint_held", (0.0, 0.0, 0.0, 0.0))),
                               "dense": _activation_terms(dense) if dense is not None else None})
 
 
@@ -397,6 +398,7 @@ def model_spec_from_dict(data: dict) -> ModelSpec:
     if fields_.get("moe") is not None:
         moe = dict(fields_["moe"])
         moe["stacked_expert_tensors"] = tuple(tuple(x) for x in moe.get("stacked_expert_tensors", ()))
+        moe["dense_layers"] = tuple(moe.get("dense_layers", ()))
         fields_["moe"] = MoeSpec(**moe)
     if fields_.get("activation_profile") is not None:
         profile = dict(fields_["activation_profile"])

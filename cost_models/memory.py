@@ -156,10 +156,7 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
     # --- gathered params and collective buffers ------------------------------------------------------
     block_c, root_c = counts.block() * c, counts.root() * c
     keeps_gathered = config.sharding in (Sharding.SHARD_GRAD_OP, Sharding.HYBRID_SHARD_ZERO2)
-    prefetch = 0 if keeps_gathered or d == 1 else block_c   # next block's all-gather output
-    if prefetch and not config.limit_all_gathers:
-        prefetch += block_c
-    block_rs = counts.trainable_block * r if d > 1 else 0   # reduce-scatter input of the block before
+    prefetches = not keeps_gathered and d > 1
     root_rs = counts.trainable_root * r if d > 1 else 0
 
     # --- activations, per token of the micro-batch ----------------------------------------------------
@@ -174,7 +171,9 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
     root_saved = activations.root_bytes_per_token(model, c, lora=bool(lora_rank))
     K = config.ac_every
     shared = activations.shared_bytes(model, c, training.seq_len)
-    if K:
+    if K and traced is not None:  # the blocks' other inputs (masks, rotary tables), kept for the recompute
+        shared = round(traced.checkpoint_held_bytes(config.micro_batch, training.seq_len))
+    elif K:
         shared += activations.eager_mask_bytes(model, c, training.seq_len, config.micro_batch, attn)
 
     def is_ckpt(i: int) -> bool:
@@ -184,7 +183,7 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
     first_less = activations.first_block_lora_savings(model, c) if lora_rank and not K else 0
 
     # MoE models' leading dense blocks (n_dense_layers): their own saved bytes, gathered bytes and sharded
-    # gradient in what lies below / has been done at a moment (the moment's own block is priced as sparse).
+    # gradient in what lies below / has been done at a moment and at its own moment.
     nd = model.n_dense_layers
     dense = moe.dense_block_spec(model)
     full_dense = activations.block_bytes_per_token(dense, c, attn, training.seq_len, config.micro_batch,
@@ -196,12 +195,35 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
         full_dense = full  # interleaved dense blocks (Llama 4): the profile's mean over the pattern covers them
     dense_delta = (counts.trainable_dense_delta + counts.frozen_dense_delta) // nd if nd else 0
     dense_grad_delta = (counts.trainable_dense_delta // nd * p) // d if nd else 0
+    dense_rs_delta = counts.trainable_dense_delta // nd * r if nd and d > 1 else 0
 
-    leading = model.moe is not None and model.moe.first_sparse_layer == nd
+    # Which blocks are dense: all leading (DeepSeek) or interleaved (Llama 4, Qwen's decoder_sparse_step).
+    dense_blocks = model.dense_block_indices()
+    leading = dense_blocks == frozenset(range(nd))
+    dense_prefix = [0]
+    for i in range(L if dense_blocks and not leading else 0):
+        dense_prefix.append(dense_prefix[-1] + (i in dense_blocks))
 
     def n_dense_below(i: int) -> int:
-        """Dense blocks among blocks 0 .. i-1: all leading (DeepSeek), or spread evenly (Llama 4 interleaves)."""
-        return min(i, nd) if leading else (i * nd) // L
+        """Dense blocks among blocks 0 .. i-1."""
+        return min(i, nd) if leading else dense_prefix[min(max(i, 0), L)]
+
+    def gathered(i: int) -> int:
+        """Bytes of block i's all-gather output (its unsharded parameters)."""
+        return block_c + (dense_delta * c if i in dense_blocks else 0)
+
+    def prefetch_below(i: int) -> int:
+        """The backward prefetch's all-gather outputs at block i's moment: block i-1's (and i-2's without
+        limit_all_gathers); at the loss backward (i = L) the last blocks'."""
+        if not prefetches or i <= 0:
+            return 0
+        return gathered(i - 1) + (0 if config.limit_all_gathers else gathered(max(i - 2, 0)))
+
+    def reduce_scatter_above(i: int) -> int:
+        """The reduce-scatter input of block i+1, done just before block i's backward."""
+        if d == 1 or i >= L - 1:
+            return 0
+        return counts.trainable_block * r + (dense_rs_delta if i + 1 in dense_blocks else 0)
 
     def saved_below(i: int) -> int:
         n_ck = -(-i // K) if K else 0   # blocks 0, K, 2K, ... below i
@@ -244,7 +266,7 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
     moments["loss backward"] = MemoryBreakdown(
         **states(0),
         unsharded_params=root_c + (gathered_below(L) if keeps_gathered else 0),
-        collective_buffers=prefetch,
+        collective_buffers=prefetch_below(L),
         activations=tokens * (saved_below(L) + root_saved) + shared,
         logits_and_loss=tokens * logits_peak,
     )
@@ -252,10 +274,15 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
     # tensors below it shrink going down while the sharded gradients of the blocks done grow. The extremes
     # of each kind, and the neighbours where the prefetch / reduce-scatter buffers start or stop, suffice.
     candidates = {i for i in (0, 1, L - 2, L - 1, K * ((L - 1) // K) if K else 0, nd - 1, nd) if 0 <= i < L}
+    if dense_blocks and not leading:  # interleaved: the extremes of each kind of block and of its neighbours
+        kinds: dict[tuple, list[int]] = {}
+        for i in range(L):
+            kinds.setdefault((is_ckpt(i), i in dense_blocks, i - 1 in dense_blocks, i + 1 in dense_blocks), []).append(i)
+        candidates |= {ends[0] for ends in kinds.values()} | {ends[-1] for ends in kinds.values()}
     for i in sorted(candidates, reverse=True):
         # A checkpointed block re-runs its forward; its saved input stays (unless the first norm saves
         # that very tensor).
-        traced_dense_block = traced_dense is not None and i < nd
+        traced_dense_block = traced_dense is not None and i in dense_blocks
         own_traced = traced_dense if traced_dense_block else traced
         this = (full_dense if traced_dense_block else full) + (ckpt_input_extra if is_ckpt(i) else 0) \
             - (first_less if i == 0 else 0)
@@ -276,8 +303,8 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
             block_acts, block_grads = (at_mlp, mlp_grad) if mlp_first else (at_attn, attn_grad)
         moments[f"backward of block {i}" + (" (recomputed)" if is_ckpt(i) else "")] = MemoryBreakdown(
             **states(grads_done(i)),
-            unsharded_params=root_c + block_c + (gathered_below(i) if keeps_gathered else 0),
-            collective_buffers=(prefetch if i > 0 else 0) + (block_rs if i < L - 1 else 0),
+            unsharded_params=root_c + gathered(i) + (gathered_below(i) if keeps_gathered else 0),
+            collective_buffers=prefetch_below(i) + reduce_scatter_above(i),
             unsharded_grads=head_grad + block_grads,
             activations=block_acts + shared,
         )
@@ -289,8 +316,8 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
         for i in sorted(candidates, reverse=True):
             moments[f"all-gather copy-out of block {i}"] = MemoryBreakdown(
                 **states(grads_done(i)),
-                unsharded_params=root_c + block_c,
-                collective_buffers=block_c + (block_rs if i < L - 1 else 0),
+                unsharded_params=root_c + gathered(i),
+                collective_buffers=gathered(i) + reduce_scatter_above(i),
                 unsharded_grads=head_grad,   # the temporary is an ordinary allocation (as the trace files it)
                 activations=tokens * (saved_below(i) + (ckpt if is_ckpt(i) else full)) + shared + temp,
             )

@@ -144,6 +144,8 @@ class MoeSpec:
     shared_params: int = 0          # per sparse layer: the shared expert(s) (+ their gate)
     n_dense_layers: int = 0         # blocks with a dense MLP instead (DeepSeek's leading ones, Llama 4's interleaved)
     first_sparse_layer: int = 0     # index of the first sparse block (= n_dense_layers when the dense ones lead)
+    dense_layers: tuple[int, ...] = ()  # the dense blocks' indices; () = the first n_dense_layers when they lead
+    #                                     (first_sparse_layer == n_dense_layers), else spread evenly
     dense_block_params: int = 0     # parameters of one of those dense blocks
     dense_ffn_size: int = 0         # their MLP width
     renormalise_top_k: bool = True    # the top-k routing weights are divided by their sum (Mixtral; norm_topk_prob)
@@ -161,6 +163,9 @@ class MoeSpec:
                             f"{self.experts_per_token} is more than n_experts={self.n_experts}")
         if self.n_dense_layers and not self.dense_block_params:
             raise SpecError("model.moe.dense_block_params", "must be > 0 when n_dense_layers > 0")
+        if self.dense_layers and (len(set(self.dense_layers)) != self.n_dense_layers or min(self.dense_layers) < 0):
+            raise SpecError("model.moe.dense_layers", f"{self.dense_layers!r} must be n_dense_layers="
+                                                      f"{self.n_dense_layers} distinct indices >= 0")
         for name, valid in (("router_kind", ("softmax", "topk_softmax")), ("expert_activation", ("swiglu", "clamped_swiglu"))):
             if getattr(self, name) not in valid:
                 raise SpecError(f"model.moe.{name}", f"{getattr(self, name)!r}; choose one of: {', '.join(valid)}")
@@ -200,6 +205,14 @@ class ActivationTerms:
     saved_per_token_per_seq: float      # ... the part that grows with the sequence (scores, masks)
     backward_moments: tuple[BackwardMoment, ...]  # candidates for the block's backward peak
     dense: "ActivationTerms | None" = None  # an MoE model's dense blocks (MoeSpec.n_dense_layers), profiled apart
+    # The blocks' inputs besides the hidden states (masks, rotary tables, positions), which activation
+    # checkpointing keeps alive to the backward: bytes = a*s + b_*b*s + q*s^2 + qb*b*s^2, coefficients in
+    # that order (micro-batch b, sequence s).
+    checkpoint_held: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)
+
+    def checkpoint_held_bytes(self, micro_batch: int, seq_len: int) -> float:
+        a, ab, q, qb = self.checkpoint_held
+        return seq_len * (a + ab * micro_batch) + seq_len * seq_len * (q + qb * micro_batch)
 
     def saved_bytes_per_token(self, seq_len: int) -> float:
         return self.saved_per_token + self.saved_per_token_per_seq * seq_len
@@ -281,6 +294,9 @@ class ModelSpec:
         if self.moe is not None and self.moe.n_dense_layers >= self.n_layers:
             raise SpecError("model.moe.n_dense_layers", f"{self.moe.n_dense_layers} leaves no sparse block of "
                                                         f"n_layers={self.n_layers}")
+        if self.moe is not None and self.moe.dense_layers and max(self.moe.dense_layers) >= self.n_layers:
+            raise SpecError("model.moe.dense_layers", f"{self.moe.dense_layers!r} has an index >= "
+                                                      f"n_layers={self.n_layers}")
         unknown = set(self.attention_choices) - {a.value for a in Attention}
         if not self.attention_choices or unknown:
             raise SpecError("model.attention_choices", f"{self.attention_choices!r}; choose from: {_choices(Attention)}")
@@ -293,6 +309,18 @@ class ModelSpec:
     @property
     def n_dense_layers(self) -> int:
         return self.moe.n_dense_layers if self.moe else 0
+
+    def dense_block_indices(self) -> frozenset[int]:
+        """Which blocks have a dense MLP: MoeSpec.dense_layers, else the leading ones, else spread evenly."""
+        moe = self.moe
+        if moe is None or not moe.n_dense_layers:
+            return frozenset()
+        if moe.dense_layers:
+            return frozenset(moe.dense_layers)
+        if moe.first_sparse_layer == moe.n_dense_layers:
+            return frozenset(range(moe.n_dense_layers))
+        L, nd = self.n_layers, moe.n_dense_layers
+        return frozenset(i for i in range(L) if (i + 1) * nd // L > i * nd // L)
 
     @property
     def total_block_params(self) -> int:

@@ -25,7 +25,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from cost_models.specs import ActivationProfile, ActivationTerms, BackwardMoment, ModelSpec
 from planner.errors import PlannerError
 
-SCHEMA_VERSION = 3  # 2: dense-block terms; 3: terms nested
+SCHEMA_VERSION = 4  # 2: dense-block terms; 3: terms nested; 4: specs hold MoE dense-layer indices, terms the checkpoint-held inputs
 PROFILED_DTYPES = ("bf16", "fp32")
 
 
@@ -45,17 +45,19 @@ class _Terms(BaseModel):
     saved_per_token_per_seq: float
     backward_moments: list[_Moment]
     dense: _Terms | None = None
+    checkpoint_held: tuple[float, float, float, float]
 
     @classmethod
     def of(cls, terms: ActivationTerms) -> _Terms:
         return cls(saved_per_token=terms.saved_per_token, saved_per_token_per_seq=terms.saved_per_token_per_seq,
                    backward_moments=[_Moment(**dataclasses.asdict(m)) for m in terms.backward_moments],
-                   dense=None if terms.dense is None else cls.of(terms.dense))
+                   dense=None if terms.dense is None else cls.of(terms.dense), checkpoint_held=terms.checkpoint_held)
 
     def activation_terms(self) -> ActivationTerms:
         return ActivationTerms(saved_per_token=self.saved_per_token, saved_per_token_per_seq=self.saved_per_token_per_seq,
                                backward_moments=tuple(BackwardMoment(**m.model_dump()) for m in self.backward_moments),
-                               dense=None if self.dense is None else self.dense.activation_terms())
+                               dense=None if self.dense is None else self.dense.activation_terms(),
+                               checkpoint_held=self.checkpoint_held)
 
 
 class BlockProfileFile(BaseModel):

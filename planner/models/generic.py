@@ -46,8 +46,6 @@ def hf_config_object(cfg: dict, *, trust_remote_code: bool = False):
     """transformers' config object for a config dict; PlannerError (one line) when it cannot be made."""
     model_type = cfg.get("model_type")
     _require_transformers(model_type)
-    from transformers import AutoConfig
-
     if cfg.get("auto_map"):
         if not trust_remote_code:
             raise PlannerError("trust_remote_code", f"config of model_type {model_type!r} names custom modelling "
@@ -56,10 +54,10 @@ def hf_config_object(cfg: dict, *, trust_remote_code: bool = False):
         if not code_dir or not (Path(code_dir) / "config.json").is_file():
             raise PlannerError("model", "a remote-code model (auto_map) must be given as its directory (or its "
                                         "config.json there), which holds the code next to config.json")
-        return _quiet(lambda: AutoConfig.from_pretrained(code_dir, trust_remote_code=True))
-    fields = {k: v for k, v in cfg.items() if k != "model_type"}
+    from calibration.build import hf_config_object as build_config
+
     try:
-        return _quiet(lambda: AutoConfig.for_model(model_type, **fields))
+        return _quiet(lambda: build_config(cfg))
     except ValueError as exc:
         if "Unrecognized model identifier" in str(exc) or model_type not in _known_model_types():
             raise UnsupportedModel("model_type", f"{model_type!r} is not a model type transformers "
@@ -81,15 +79,9 @@ def _first_line(exc: BaseException) -> str:
 
 
 def _quiet(make):
-    """Run transformers without its config warnings (token ids etc. are not ours to show)."""
-    import transformers
+    from calibration.build import quiet_transformers
 
-    verbosity = transformers.logging.get_verbosity()
-    transformers.logging.set_verbosity_error()
-    try:
-        return make()
-    finally:
-        transformers.logging.set_verbosity(verbosity)
+    return quiet_transformers(make)
 
 
 def build_on_meta(config, *, trust_remote_code: bool = False):
@@ -175,7 +167,8 @@ def _moe_layout(model, blocks: list, cfg: dict) -> dict | None:
     # the sparse ones over the pattern (first_sparse 0)
     leading = sparse_indices == set(range(index, len(blocks)))
     return dict(n_experts=n_experts, top_k=min(top_k, n_experts), first_sparse=index if leading else 0, block=block,
-                stacked=stacked, dense=dense, expert_width=_config_int(cfg, _EXPERT_WIDTH_KEYS) or 0)
+                stacked=stacked, dense=dense, expert_width=_config_int(cfg, _EXPERT_WIDTH_KEYS) or 0,
+                dense_layers=tuple(i for i in range(len(blocks)) if i not in sparse_indices))
 
 
 def _numel(module) -> int:
@@ -203,6 +196,7 @@ def _with_moe(spec: ModelSpec, moe: dict, blocks: list) -> ModelSpec:
     moe_spec = MoeSpec(n_experts=moe["n_experts"], experts_per_token=moe["top_k"], expert_ffn_size=width,
                        expert_params=expert_params, stacked_expert_tensors=stacked, router_params=router,
                        n_dense_layers=n_dense, first_sparse_layer=moe["first_sparse"], dense_block_params=dense_params,
+                       dense_layers=moe["dense_layers"],
                        dense_ffn_size=spec.ffn_hidden_size if n_dense else 0)
     return dataclasses.replace(spec, moe=moe_spec, block_params=sparse_params,
                                ffn_hidden_size=width, root_other_params=other + remainder)

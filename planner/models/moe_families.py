@@ -33,10 +33,10 @@ from .family_table import (Dims, Family, Flag, alternating, attention_params, co
                            norm_params, qwen_window, read_dims, read_flag, window_if_set)
 
 
-# -- which layers are sparse: config -> number of dense layers among n_layers ---------------------
+# -- which layers are sparse: config -> the indices of the dense layers among n_layers ---------------
 
-def all_sparse(c: Cfg, n_layers: int) -> int:
-    return 0
+def all_sparse(c: Cfg, n_layers: int) -> tuple[int, ...]:
+    return ()
 
 
 def _count(c: Cfg, key: str, default: int) -> int:
@@ -49,18 +49,18 @@ def _count(c: Cfg, key: str, default: int) -> int:
     return value
 
 
-def qwen_dense_layers(c: Cfg, n_layers: int) -> int:
+def qwen_dense_layers(c: Cfg, n_layers: int) -> tuple[int, ...]:
     step = c.size("decoder_sparse_step", default=1)
     only = c.data.get("mlp_only_layers") or []
     if not isinstance(only, list):
         raise PlannerError("model", f"{c.model_type} config key 'mlp_only_layers' must be a list of layer "
                                     f"indices, got {only!r}")
-    return sum(1 for i in range(n_layers) if i in only or (i + 1) % step)
+    return tuple(i for i in range(n_layers) if i in only or (i + 1) % step)
 
 
 def first_k_dense(default: int):
-    def rule(c: Cfg, n_layers: int) -> int:
-        return min(_count(c, "first_k_dense_replace", default), n_layers)
+    def rule(c: Cfg, n_layers: int) -> tuple[int, ...]:
+        return tuple(range(min(_count(c, "first_k_dense_replace", default), n_layers)))
     return rule
 
 
@@ -74,7 +74,7 @@ class MoeFamily:
     shared_default: int = 0               # transformers' default of shared_expert_intermediate_size / n_shared_experts
     router_bias: bool = False
     expert_bias: bool = False             # gpt-oss: gate_up_proj_bias, down_proj_bias
-    dense_layers: Callable[[Cfg, int], int] = all_sparse
+    dense_layers: Callable[[Cfg, int], tuple[int, ...]] = all_sparse  # the dense blocks' indices
     mla: bool = False                     # DeepSeek's multi-head latent attention
     mlp_bias: Flag = False                # biases of the dense MLPs and shared experts (DeepSeek-V2 mlp_bias)
     renormalise_top_k: Flag = ("norm_topk_prob", False)  # top-k weights divided by their sum (Mixtral always)
@@ -168,7 +168,8 @@ def read_moe(c: Cfg) -> dict:
         shared_f = _count(c, "n_shared_experts", fam.shared_default) * f
         shared = mlp(h, shared_f, mlp_bias, gated=True)
     frame = attention + att.block_norms * norm_params(att, h)  # what a sparse and a dense block share
-    n_dense = fam.dense_layers(c, d.n_layers)
+    dense_layers = fam.dense_layers(c, d.n_layers)
+    n_dense = len(dense_layers)
     dense_f = c.size("intermediate_size") if n_dense else 0
     expert = sum(per_expert for _, per_expert in stacked)
     try:
@@ -177,6 +178,7 @@ def read_moe(c: Cfg) -> dict:
             stacked_expert_tensors=stacked, router_params=router, shared_ffn_size=shared_f, shared_params=shared,
             n_dense_layers=n_dense, dense_ffn_size=dense_f, renormalise_top_k=read_flag(c, fam.renormalise_top_k),
             first_sparse_layer=n_dense if fam.mla else 0,  # DeepSeek's first_k_dense_replace layers lead
+            dense_layers=dense_layers,
             fp32_routing_weights=fam.fp32_routing_weights, router_kind=fam.router_kind,
             expert_activation=fam.expert_activation, expert_bias=fam.expert_bias,
             dense_block_params=frame + (mlp(h, dense_f, mlp_bias, gated=True) if n_dense else 0),

@@ -67,8 +67,39 @@ def test_interleaved_moe_layout_read_from_the_built_model():
     assert (moe.n_experts, moe.experts_per_token, moe.n_dense_layers, moe.first_sparse_layer) == (4, 1, 2, 0)
     assert moe.stacked_expert_tensors == ((4, 256 * 2 * 256), (4, 256 * 256))
     assert moe.expert_params == 3 * 256 * 256
+    assert moe.dense_layers == (0, 2)  # moe_layers = [1, 3]
     # a token visits 1 of 4 experts in each of the 2 sparse layers
     assert spec.n_params - spec.active_params == 2 * 3 * moe.expert_params
+
+
+def test_profile_sees_the_layer_pattern_transformers_derives():
+    """Llama 4's config.json names no layer_types: transformers derives a no-RoPE, full-attention layer
+    every fourth (the rest chunked) and the sparse layers from interleave_moe_layer_step. One period (4)
+    + 2 layers are profiled, their lists cut from the derived ones."""
+    from calibration.block_profile import _reduced_config, profiled_layers
+
+    assert profiled_layers(dict(LLAMA4)) == 6
+    reduced = _reduced_config(dict(LLAMA4), 6)
+    assert reduced["no_rope_layers"] == [1, 1, 1, 0, 1, 1] and reduced["moe_layers"] == [1, 3, 5]
+    assert reduced["layer_types"][3] == "full_attention" and reduced["layer_types"].count("full_attention") == 1
+
+
+@pytest.mark.parametrize("setting", [
+    # every second block dense: the block gathered at each moment and its prefetch have their own sizes
+    dict(gpus=32, precision="fp32", activation_checkpointing="every-2", attention="eager", seq_len=512),
+    # chunks shorter than the sequence: SDPA gets a (s, s) boolean mask that every checkpointed block keeps
+    dict(gpus=4, precision="bf16-pure", activation_checkpointing="full", attention="sdpa", seq_len=4096,
+         attention_chunk_size=1024),
+], ids=["interleaved-gathers", "checkpoint-held-mask"])
+def test_interleaved_moe_estimate_matches_the_trace(setting):
+    """Llama 4 (no reader), priced from its profile, against the trace tier: these rows were +10.8% (a
+    sparse block's size at every moment) and -5.1% (the mask) before."""
+    from planner.tracing import trace
+
+    setting = dict(setting)
+    cfg = {**LLAMA4, "attention_chunk_size": setting.pop("attention_chunk_size", 8192)}
+    report = trace(cfg, setting.pop("gpus"), sharding="FULL_SHARD", micro_batch=1, **setting)
+    assert abs(report.relative_error) < 0.01, report.relative_error
 
 
 def test_block_profile_of_a_family_with_formulas_matches_them():
@@ -185,6 +216,14 @@ def test_remote_code_runs_with_the_flag_and_is_priced_like_its_llama(tmp_path):
     assert remote.model.priced_by == "block memory profile" and llama.model.priced_by == "formula"
     # the traced profile of the same block agrees with the Llama formulas
     assert remote.memory.peak_allocated_bytes == pytest.approx(llama.memory.peak_allocated_bytes, rel=0.01)
+
+
+def test_the_trace_tier_builds_remote_code_with_the_flag(tmp_path):
+    """calibration.build takes the model class from the model's directory, as the profile does."""
+    from planner.tracing import trace
+
+    report = trace(str(_remote_code_dir(tmp_path)), 4, seq_len=256, trust_remote_code=True)
+    assert abs(report.relative_error) < 0.001, report.relative_error
 
 
 def test_a_model_whose_code_does_not_trace_falls_back_to_the_generic_recipe_and_says_why():
