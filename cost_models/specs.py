@@ -446,8 +446,9 @@ class TrainingSpec:
 class FsdpConfig:
     """One candidate: the knobs FSDP exposes, plus micro-batch and accumulation.
 
-    Wrapping is always one unit per repeated block plus the root (torchtitan's layout), which is what
-    every emitted config does.
+    Wrapping is one unit per repeated block plus the root (torchtitan's layout), which is what every
+    emitted config does; with expert_units an MoE model's routed experts (the module holding a sparse
+    block's stacked expert tensors) are a unit of their own inside their block's.
     """
 
     sharding: Sharding = Sharding.FULL_SHARD
@@ -463,6 +464,7 @@ class FsdpConfig:
     expert_shard_dim: int = 0         # FSDP2: 0 shards every parameter on dim 0 (stacked experts padded to a multiple
     #                                   of the shard group); 1 shards the stacked expert matrices on dim 1 when the
     #                                   group does not divide the experts (shard_placement_fn), unpadded
+    expert_units: bool = False        # MoE: each sparse block's routed experts wrapped as their own FSDP unit
 
     def __post_init__(self):
         object.__setattr__(self, "sharding", parse_enum(Sharding, self.sharding, "sharding"))
@@ -503,4 +505,5 @@ class FsdpConfig:
             "forward_prefetch": self.forward_prefetch,
             "limit_all_gathers": self.limit_all_gathers,
             **({"expert_shard_dim": self.expert_shard_dim} if self.expert_shard_dim else {}),
+            **({"expert_units": True} if self.expert_units else {}),
         }
