@@ -370,22 +370,43 @@ class ModelSpec:
 
 @dataclass(frozen=True)
 class GpuSpec:
+    """One accelerator and the usual server it comes in (planner/catalog/gpus.json, with sources).
+
+    The fields after `source` describe what the cost model does not read yet (the architecture, the
+    scale-up domain, the host link, the NICs; planner/hardware.py sizes nodes by default_gpus_per_node);
+    their defaults keep every older construction valid. Bandwidths are per GPU and direction unless per node.
+    """
+
     id: str
     name: str
     memory_bytes: int
     hbm_bytes_per_s: float
-    peak_flops: dict = field(default_factory=dict)  # dtype -> dense FLOP/s ("bf16", "fp16", "fp32")
+    peak_flops: dict = field(default_factory=dict)  # dtype -> dense FLOP/s ("bf16", "fp16", "fp32", "fp8")
     intra_node_bus_bytes_per_s: float = 0.0          # NCCL bus bandwidth inside a node
-    pcie_bytes_per_s: float = 25e9                   # host<->device, per direction, per GPU
+    pcie_bytes_per_s: float = 25e9                   # host<->device, per direction, per GPU, as copies reach it
     default_internode_gbit_per_s: float = 1600.0     # per node, all NICs together
     default_cpu_ram_bytes_per_node: int = 0          # the usual server for this GPU; 0 = unknown
     source: str = ""
+    architecture: str = ""                           # ampere, hopper, ada, blackwell, volta, cdna3, cdna4; "" = unknown
+    default_gpus_per_node: int = 8                   # GPUs in the usual server (GB200: a compute tray of 4)
+    scale_up_domain_gpus: int = 0                    # GPUs joined by NVLink / Infinity Fabric (HGX 8, NVL72 72);
+    #                                                  1 = none (PCIe only); 0 = unknown: taken as the node
+    scale_up_link: str = ""                          # e.g. "NVLink4 over NVSwitch"
+    scale_up_peak_bytes_per_s: float = 0.0           # datasheet peak of that link; 0 = none or unknown
+    host_link: str = ""                              # "PCIe Gen5 x16", "NVLink-C2C" (GH200, GB200)
+    host_link_peak_bytes_per_s: float = 0.0          # datasheet peak (pcie_bytes_per_s is what copies reach)
+    nics_per_node: int = 0                           # 0 = unknown
+    nic: str = ""                                    # e.g. "8 x 400 Gb/s NDR InfiniBand (ConnectX-7)"
 
     def __post_init__(self):
         _positive("gpu.memory_bytes", self.memory_bytes)
         _positive("gpu.hbm_bytes_per_s", self.hbm_bytes_per_s)
         _positive("gpu.intra_node_bus_bytes_per_s", self.intra_node_bus_bytes_per_s)
         _positive("gpu.pcie_bytes_per_s", self.pcie_bytes_per_s)
+        _positive("gpu.default_gpus_per_node", self.default_gpus_per_node)
+        for name in ("scale_up_domain_gpus", "scale_up_peak_bytes_per_s", "host_link_peak_bytes_per_s",
+                     "nics_per_node"):
+            _positive(f"gpu.{name}", getattr(self, name), allow_zero=True)
 
     def supports(self, dtype: str) -> bool:
         return self.peak_flops.get(dtype, 0) > 0
@@ -398,18 +419,29 @@ class ClusterSpec:
     gpus_per_node: int
     internode_bytes_per_s: float     # per node, shared by its GPUs
     cpu_ram_bytes_per_node: int = 0  # 0 = unknown: offload RAM is reported, not checked
+    scale_up_domain_gpus: int = 0    # GPUs of this cluster in one NVLink / Infinity Fabric domain (a 72-GPU
+    #                                  GB200 NVL72 cluster: 72); 0 = the node. Not priced yet: comm.py
+    #                                  and step_time.py still take the node as the fast tier
 
     def __post_init__(self):
         _positive("gpus", self.n_gpus)
         _positive("gpus_per_node", self.gpus_per_node)
         _positive("internode_gbps", self.internode_bytes_per_s)
         _positive("cpu_ram_per_node", self.cpu_ram_bytes_per_node, allow_zero=True)
+        _positive("scale_up_domain_gpus", self.scale_up_domain_gpus, allow_zero=True)
         if self.gpus_per_node > self.n_gpus:
             raise SpecError("gpus_per_node", f"{self.gpus_per_node} is more than gpus={self.n_gpus}")
+        if self.scale_up_domain_gpus > self.n_gpus:
+            raise SpecError("scale_up_domain_gpus", f"{self.scale_up_domain_gpus} is more than gpus={self.n_gpus}")
 
     @property
     def n_nodes(self) -> int:
         return -(-self.n_gpus // self.gpus_per_node)
+
+    @property
+    def scale_up_gpus(self) -> int:
+        """GPUs that share one scale-up domain here: the domain's size, else (0, unknown) the node's."""
+        return self.scale_up_domain_gpus or self.gpus_per_node
 
 
 @dataclass(frozen=True)

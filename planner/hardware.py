@@ -32,6 +32,15 @@ def gpu_catalog() -> dict[str, GpuSpec]:
             default_internode_gbit_per_s=e["internode_gbit_per_s"],
             default_cpu_ram_bytes_per_node=e["cpu_ram_gib_per_node"] * GiB,
             source=e["source"],
+            architecture=e["architecture"],
+            default_gpus_per_node=e["gpus_per_node"],
+            scale_up_domain_gpus=e["scale_up_domain_gpus"],
+            scale_up_link=e["scale_up_link"],
+            scale_up_peak_bytes_per_s=e["scale_up_peak_gb_per_s"] * GB,
+            host_link=e["host_link"],
+            host_link_peak_bytes_per_s=e["host_link_peak_gb_per_s"] * GB,
+            nics_per_node=e["nics_per_node"],
+            nic=e["nic"],
         )
         for e in entries
     }
@@ -50,8 +59,11 @@ def get_gpu(gpu_id: str) -> GpuSpec:
 def make_cluster(gpus: int, gpu: str = DEFAULT_GPU, gpus_per_node: int | None = None,
                  internode_gbps: float | None = None, gpu_memory: int | None = None,
                  intra_node_gb_per_s: float | None = None, pcie_gb_per_s: float | None = None,
-                 cpu_ram_per_node: int | None = None) -> ClusterSpec:
-    """A ClusterSpec from CLI-level values; every catalog figure can be overridden."""
+                 cpu_ram_per_node: int | None = None, scale_up_domain_gpus: int | None = None) -> ClusterSpec:
+    """A ClusterSpec from CLI-level values; every catalog figure can be overridden.
+
+    Nodes default to the GPU's usual server (8, a GB200 compute tray 4, a GH200 superchip 1) and the
+    scale-up domain to the GPU's (HGX 8, GB200 NVL72 72), both capped at `gpus`."""
     if gpus is None or gpus < 1:
         raise PlannerError("gpus", f"must be >= 1, got {gpus}")
     spec = get_gpu(gpu)
@@ -64,7 +76,7 @@ def make_cluster(gpus: int, gpu: str = DEFAULT_GPU, gpus_per_node: int | None = 
         overrides["pcie_bytes_per_s"] = pcie_gb_per_s * GB
     if overrides:
         spec = replace(spec, **overrides)
-    per_node = gpus_per_node if gpus_per_node is not None else min(gpus, 8)
+    per_node = gpus_per_node if gpus_per_node is not None else min(gpus, spec.default_gpus_per_node)
     if per_node < 1:
         raise PlannerError("gpus_per_node", f"must be >= 1, got {per_node}")
     if per_node > gpus:
@@ -72,6 +84,9 @@ def make_cluster(gpus: int, gpu: str = DEFAULT_GPU, gpus_per_node: int | None = 
     network = internode_gbps if internode_gbps is not None else spec.default_internode_gbit_per_s
     if network <= 0:
         raise PlannerError("internode_gbps", f"must be > 0, got {network}")
+    if scale_up_domain_gpus is not None and scale_up_domain_gpus < 1:
+        raise PlannerError("scale_up_domain_gpus", f"must be >= 1, got {scale_up_domain_gpus}")
     return ClusterSpec(gpu=spec, n_gpus=gpus, gpus_per_node=per_node,
                        internode_bytes_per_s=gbit_per_s_to_bytes_per_s(network),
-                       cpu_ram_bytes_per_node=cpu_ram_per_node or spec.default_cpu_ram_bytes_per_node)
+                       cpu_ram_bytes_per_node=cpu_ram_per_node or spec.default_cpu_ram_bytes_per_node,
+                       scale_up_domain_gpus=min(scale_up_domain_gpus or spec.scale_up_domain_gpus, gpus))
