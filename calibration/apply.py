@@ -178,9 +178,18 @@ def apply_fsdp2(model: nn.Module, config: FsdpConfig, block_classes: set[type], 
         apply_activation_checkpointing(model, block_classes, config.ac_every)
     kwargs = fsdp2_kwargs(config, mesh)
     for parent, name in _block_slots(model, block_classes):
-        fully_shard(getattr(parent, name), **kwargs)
+        block = getattr(parent, name)
+        if config.expert_units:  # the routed experts first: a unit of their own inside the block's
+            for experts in expert_modules(block):
+                fully_shard(experts, **kwargs)
+        fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)
     return model
+
+
+def expert_modules(block: nn.Module) -> list[nn.Module]:
+    """The modules holding a block's stacked expert tensors (fsdp_options.IS_EXPERTS_MODULE)."""
+    return [m for m in block.modules() if any(p.ndim == 3 for p in m.parameters(recurse=False))]
 
 
 # ---------------------------------------------------------------- shared helpers

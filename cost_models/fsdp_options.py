@@ -105,4 +105,7 @@ def fully_shard_options(config: FsdpConfig) -> dict:
 # transformers MoE) whose dim 0 the shard group d does not divide is sharded on dim 1, when that divides evenly
 # (FSDP2 needs even shards off dim 0); everything else stays on dim 0.
 DIM1_PLACEMENT = "Shard(1) if p.ndim == 3 and p.shape[0] % d and p.shape[1] % d == 0 else None"
+# expert_units: the modules that hold a transformers MoE's stacked expert tensors (its only 3-D parameters),
+# each fully_shard-ed before its block (torchtitan shards an MoE block's experts the same way)
+IS_EXPERTS_MODULE = "any(p.ndim == 3 for p in m.parameters(recurse=False))"
 

@@ -109,6 +109,16 @@ def block_gathered_elements(model: ModelSpec, d: int, dim1: bool = False) -> int
     return model.block_params - _small_elements(model, dim1) + d * padded_shard_elements(model, d, dim1)
 
 
+def experts_gathered_elements(model: ModelSpec, d: int, dim1: bool = False) -> int:
+    """Elements of the routed experts' all-gather output when they are an FSDP unit of their own
+    (FsdpConfig.expert_units): the stacked tensors, padded to d x ceil(E / d) rows on dim 0 (the expert
+    matrices unpadded when sharded on dim 1); 0 for a dense model."""
+    if model.moe is None:
+        return 0
+    return sum(rows * per_row if d <= 1 or (dim1 and _is_matrix(model, (rows, per_row)))
+               else d * rows_per_rank(rows, d) * per_row for rows, per_row in model.moe.stacked_expert_tensors)
+
+
 def dim1_elements(model: ModelSpec, d: int) -> int:
     """Elements of one sparse block that shard_placement_fn puts on dim 1 at shard group d: the stacked
     expert matrices when d does not divide E (their all-gather is copied out through a temporary)."""
@@ -324,6 +334,6 @@ def active_block_params(model: ModelSpec) -> int:
 
 
 __all__ = ["rows_per_rank", "small_dim0_tensors", "padded_shard_elements", "padding_factor", "block_shard_elements",
-           "block_gathered_elements", "dim1_elements", "dim1_shardable", "dense_block_spec", "router_bytes_per_token", "mlp_bytes_per_token",
+           "block_gathered_elements", "experts_gathered_elements", "dim1_elements", "dim1_shardable", "dense_block_spec", "router_bytes_per_token", "mlp_bytes_per_token",
            "backward_moments", "mlp_backward_working_bytes_per_token", "mlp_param_elements", "padding_note",
            "comm_bound_note", "active_block_params"]

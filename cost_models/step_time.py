@@ -107,6 +107,12 @@ def estimate_step_time(model: ModelSpec, cluster: ClusterSpec, training: Trainin
     gathers_in_backward = config.sharding in (Sharding.FULL_SHARD, Sharding.HYBRID_SHARD)
     # Blocks by kind: (count, all-gather s, reduction s, forward s, backward s); block 0 is of the last kind.
     ag, rs = collectives(counts.block() * c, counts.trainable_block * r)
+    experts = moe.experts_gathered_elements(model, d, bool(config.expert_shard_dim)) if config.expert_units else 0
+    if experts:  # two collectives per sparse block (its experts, the rest): the same bytes, twice the latency
+        trained = 0 if counts.frozen_block else experts   # LoRA: frozen experts reduce nothing
+        shell_ag, shell_rs = collectives((counts.block() - experts) * c, (counts.trainable_block - trained) * r)
+        own_ag, own_rs = collectives(experts * c, trained * r)
+        ag, rs = shell_ag + own_ag, shell_rs + (own_rs if trained else 0.0)
     kinds = [(L - model.n_dense_layers, ag, rs, block_fwd_s, block_bwd_s)]
     if model.n_dense_layers:  # an MoE model's leading dense blocks: their own sizes and FLOPs
         nd, dense_delta = model.n_dense_layers, (counts.trainable_dense_delta + counts.frozen_dense_delta) // model.n_dense_layers

@@ -211,9 +211,9 @@ def estimate(model, gpus: int, *, gpu: str = DEFAULT_GPU, gpus_per_node: int | N
              micro_batch: int = 1, grad_accum: int | None = None, attention: str | None = None,
              offload: bool = False, backward_prefetch: bool = True, forward_prefetch: bool = False,
              limit_all_gathers: bool = True, profile: Profile | None = None,
-             trust_remote_code: bool = False, expert_shard_dim: int = 0) -> Candidate:
+             trust_remote_code: bool = False, expert_shard_dim: int = 0, expert_units: bool = False) -> Candidate:
     """Cost one explicit configuration (attention None: the model's first choice; expert_shard_dim=1: FSDP2
-    shards stacked MoE expert matrices on dim 1, unpadded)."""
+    shards stacked MoE expert matrices on dim 1, unpadded; expert_units: MoE experts as their own units)."""
     spec, cluster, training = resolve_inputs(
         model, gpus, gpu=gpu, gpus_per_node=gpus_per_node, internode_gbps=internode_gbps, gpu_memory=gpu_memory,
         intra_node_gb_per_s=intra_node_gb_per_s, pcie_gb_per_s=pcie_gb_per_s, cpu_ram_per_node=cpu_ram_per_node,
@@ -226,7 +226,9 @@ def estimate(model, gpus: int, *, gpu: str = DEFAULT_GPU, gpus_per_node: int | N
                         ac_every=activation_checkpointing, micro_batch=micro_batch, grad_accum=grad_accum,
                         attention=attention, backward_prefetch=backward_prefetch,
                         forward_prefetch=forward_prefetch, limit_all_gathers=limit_all_gathers,
-                        expert_shard_dim=expert_shard_dim)
+                        expert_shard_dim=expert_shard_dim, expert_units=expert_units)
+    if expert_units and spec.moe is None:
+        raise PlannerError("expert_units", f"{spec.name} has no routed experts (a dense model): drop --expert-units")
     return estimate_config(spec, cluster, training, config, profile)
 
 

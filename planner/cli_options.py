@@ -101,6 +101,8 @@ def config_command(app, name: str, help_text: str, run: ConfigRunner, takes_prof
         limit_all_gathers: Annotated[bool, typer.Option("--limit-all-gathers/--no-limit-all-gathers")] = True,
         expert_shard_dim: Annotated[int, typer.Option("--expert-shard-dim", help="MoE, FSDP2: 0 shards stacked "
                                                       "experts on dim 0 (padded to the shard group), 1 on dim 1")] = 0,
+        expert_units: Annotated[bool, typer.Option("--expert-units/--no-expert-units", help="MoE: wrap each block's "
+                                                   "routed experts as their own FSDP unit")] = False,
         output_format: FormatOpt = Format.table,
         profile: ProfileOpt = None, force_profile: ForceProfile = False, trust_remote_code: TrustRemoteCode = False,
     ):
@@ -114,7 +116,7 @@ def config_command(app, name: str, help_text: str, run: ConfigRunner, takes_prof
         config = dict(sharding=sharding, precision=precision, activation_checkpointing=activation_checkpointing,
                       micro_batch=micro_batch, grad_accum=grad_accum, attention=attention, offload=offload,
                       backward_prefetch=backward_prefetch, limit_all_gathers=limit_all_gathers,
-                      expert_shard_dim=expert_shard_dim)
+                      expert_shard_dim=expert_shard_dim, expert_units=expert_units)
         if takes_profile:
             config["profile"] = load_profile_flag(profile, gpu, force_profile)
         run(model, args, config, output_format)

@@ -77,6 +77,10 @@ def _notes(config: FsdpConfig, training: TrainingSpec | None = None) -> list[str
                      "the compute dtype (from_pretrained(dtype=torch.bfloat16)) and peft's fp32 adapters. FSDP1 needs "
                      "the adapters in units of their own (the fsdp1 snippet's CustomPolicy; HF Trainer does it for "
                      "PEFT models; plain accelerate: auto_wrap_policy=peft.utils.other.fsdp_auto_wrap_policy(model)).")
+    if config.expert_units:
+        notes.append("expert units: the plan wraps each block's routed experts (the module holding the stacked expert "
+                     "tensors) as an FSDP2 unit of its own before the block, as --emit fsdp2 writes; for FSDP1 or "
+                     "accelerate add that module's class to the wrap policy's classes.")
     return notes
 
 
@@ -195,6 +199,10 @@ def emit_fsdp2(config: FsdpConfig, model_spec: ModelSpec, cluster: ClusterSpec,
             loop += [f"    {note}"] + [f"    {line}" for line in wrap]
         else:
             loop += [f"    if i % {config.ac_every} == 0:  {note}"] + [f"        {line}" for line in wrap]
+    if config.expert_units:
+        loop += ["    # MoE: each routed-experts module (the stacked expert tensors) its own unit, inside the block's",
+                 f"    for experts in [m for m in block.modules() if {fsdp_options.IS_EXPERTS_MODULE}]:",
+                 "        fully_shard(experts, **fsdp_kwargs)"]
     loop += ["    fully_shard(block, **fsdp_kwargs)",
              "fully_shard(model, **fsdp_kwargs)  # root: embeddings, final norm, head"]
     body = _preamble(config, "block_names",

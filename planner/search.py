@@ -74,7 +74,8 @@ def _distinct(ranked: list[Evaluation]) -> list[Evaluation]:
     seen, out = set(), []
     for e in ranked:
         c = e.config
-        key = (c.sharding, c.precision, c.offload, c.ac_every, c.micro_batch, c.grad_accum, c.expert_shard_dim)
+        key = (c.sharding, c.precision, c.offload, c.ac_every, c.micro_batch, c.grad_accum, c.expert_shard_dim,
+               c.expert_units)
         if key not in seen:
             seen.add(key)
             out.append(e)
@@ -101,6 +102,8 @@ def describe(config: FsdpConfig, compact: bool = False) -> str:
             parts.append("no bwd prefetch")
         if config.expert_shard_dim:
             parts.append("experts dim 1")
+        if config.expert_units:
+            parts.append("expert units")
         return ", ".join(parts)
     ac = "no" if not config.ac_every else config.activation_checkpointing
     parts = [config.sharding.value, config.precision.value, f"{ac} activation checkpointing",
@@ -109,12 +112,15 @@ def describe(config: FsdpConfig, compact: bool = False) -> str:
         parts.append("CPU offload")
     if config.expert_shard_dim:
         parts.append("stacked experts sharded on dim 1")
+    if config.expert_units:
+        parts.append("routed experts as their own FSDP units")
     return ", ".join(parts)
 
 
 def _with_expert_dims(knobs, model: ModelSpec, cluster: ClusterSpec, space: SearchSpace):
     """Each knob combination with expert_shard_dim 0, and also 1 where FSDP2 would pad the stacked experts
-    at that strategy's shard group and sharding them on dim 1 removes it."""
+    at that strategy's shard group and sharding them on dim 1 removes it. (Separate expert units are an
+    --expert-units option, not searched: they are priced as the per-block layout, cost_models/memory.py.)"""
     for knob in knobs:
         d = FsdpConfig(sharding=knob[0]).shard_group_size(cluster)
         for dim in space.expert_shard_dims:

@@ -4,7 +4,8 @@ One launch runs every case in one process group (tests/distributed/worker_moe.py
 falls below 0.7x its first value in 8 AdamW steps; with 3 experts on 2 ranks FSDP2 pads the stacked
 expert tensors on dim 0 (rank 0 holds 2 rows of the 3: the layout cost_models/moe.py prices), and the
 emitted FSDP2 code with its shard_placement_fn fix uncommented, or a plan with expert_shard_dim=1 (applied
-by calibration.apply or by its emitted code), shards them on dim 1 instead (no padding);
+by calibration.apply or by its emitted code), shards them on dim 1 instead (no padding); a plan with
+expert_units wraps each block's experts module as an FSDP unit of its own (applied and emitted);
 every fp32 case follows the same loss trajectory (layout and padding change memory, not math).
 """
 
@@ -34,6 +35,10 @@ CASES = [
     {"experts": 4, "config": {"sharding": "FULL_SHARD", "precision": "bf16"}, "emitted": True},
     {"experts": 3, "config": {"sharding": "FULL_SHARD", "precision": "fp32", "expert_shard_dim": 1}},  # the plan's option
     {"experts": 3, "config": {"sharding": "FULL_SHARD", "precision": "fp32", "expert_shard_dim": 1}, "emitted": True},
+    # routed experts as FSDP units of their own: through calibration.apply (under checkpointing too) and the emitted code
+    {"experts": 3, "config": {"sharding": "FULL_SHARD", "precision": "fp32", "expert_units": True,
+                              "activation_checkpointing": "full"}},
+    {"experts": 3, "config": {"sharding": "FULL_SHARD", "precision": "fp32", "expert_units": True}, "emitted": True},
 ]
 
 
@@ -72,8 +77,13 @@ def test_stacked_experts_are_padded_on_dim_0_unless_the_fix_shards_dim_1():
         assert by_case[i]["gate_up_shards"] == [[3, 96, 64], [3, 96, 64]] and by_case[i]["shard_dim"] == 1
 
 
+def test_expert_units_wrap_the_experts_apart():
+    for result in launch():
+        assert result["experts_are_units"] == bool(result["config"].get("expert_units")), result["config"]
+
+
 def test_padding_and_layout_do_not_change_the_math():
     fp32 = [r for r in launch() if r["config"]["precision"] == "fp32" and r["experts"] == 3]
-    assert len(fp32) == 5
+    assert len(fp32) == 7
     for result in fp32[1:]:
         assert result["losses"] == pytest.approx(fp32[0]["losses"], rel=1e-4), (result["config"], result["losses"])

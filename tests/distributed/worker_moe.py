@@ -86,8 +86,11 @@ def run_case(case: dict, rank: int, world: int) -> dict:
         losses.append(mean.item() / world)
     shapes = [None] * world
     dist.all_gather_object(shapes, list(gate_up.to_local().shape))  # every rank's shard of gate_up_proj
+    from torch.distributed.fsdp import FSDPModule
+
     return {**case, "losses": losses, "gate_up_shards": shapes, "shard_dim": gate_up.placements[0].dim,
-            "experts_implementation": model.config._experts_implementation}
+            "experts_implementation": model.config._experts_implementation,
+            "experts_are_units": isinstance(experts, FSDPModule)}
 
 
 def main():

@@ -17,6 +17,7 @@ from cost_models.compute import attention_flops_per_token_per_layer, model_flops
 from cost_models.specs import Attention, FsdpConfig, TrainingSpec
 from planner import estimate
 from planner.emit import emit_fsdp2
+from planner.errors import PlannerError
 from planner.explain import explain_text
 from planner.models import from_hf_config, resolve_model
 
@@ -236,3 +237,39 @@ def test_emitted_fsdp2_wraps_moe_blocks_and_offers_the_padding_fix():
     assert "shard_placement_fn" in code and "8 experts on a shard group of 64" in code
     assert "shard_placement_fn" not in emit_fsdp2(c.config, c.model, dataclasses.replace(c.cluster, n_gpus=8,
                                                                                           gpus_per_node=8))
+
+
+# ---------------------------------------------------------------- separate expert units
+
+def test_experts_gathered_elements_by_hand():
+    """8 experts padded to 16 rows at 16 ranks, each 3 x h x f = 73,728 elements; unpadded at 8 ranks."""
+    spec = tiny_mixtral()
+    assert moe.experts_gathered_elements(spec, 16) == 16 * 3 * 128 * 192
+    assert moe.experts_gathered_elements(spec, 8) == 8 * 3 * 128 * 192
+
+
+@pytest.mark.parametrize("config", [
+    {"precision": "bf16", "expert_units": True},                     # traced 20% below the estimate
+    {"precision": "bf16", "expert_units": True, "ac_every": "full"},  # traced 31% below
+])
+def test_expert_units_are_priced_as_an_upper_bound_and_say_so(config):
+    """Priced as the per-block layout (cost_models/memory.py): never below the traced FSDP2 step."""
+    spec = tiny_mixtral()
+    traced = _trace(spec, 16, 256, **config)
+    kwargs = {("activation_checkpointing" if k == "ac_every" else k): v for k, v in config.items()}
+    est = estimate(spec, 16, seq_len=256, gpus_per_node=8, **kwargs).memory
+    assert est.peak_allocated_bytes >= traced.peak_allocated_bytes
+    assert any("expert units are priced as one FSDP unit per block" in note for note in est.notes)
+
+
+def test_expert_units_cost_one_more_collective_per_sparse_block():
+    spec = tiny_mixtral()
+    block = estimate(spec, 16, seq_len=256, precision="bf16").time
+    units = estimate(spec, 16, seq_len=256, precision="bf16", expert_units=True).time
+    assert units.step_s > block.step_s
+
+
+def test_expert_units_on_a_dense_model_is_refused():
+    with pytest.raises(PlannerError, match="no routed experts") as err:
+        estimate("llama2-7b", 8, expert_units=True)
+    assert err.value.field == "expert_units"
