@@ -1,6 +1,7 @@
 """Accuracy of the analytic memory model against the trace tier, over a grid of configurations.
 
     python benchmarks/memory_accuracy.py [--jobs 2] [--quick] [--json out.json] [--finetune lora] [--families 2026] [--profile-too]
+                                         [--expert-units]
 
 For every configuration: the analytic estimate (planner.api.estimate) and the trace (planner.tracing.trace:
 the real FSDP2 training step on fake tensors, rank 0 of the real world size) of the same model, cluster and
@@ -254,8 +255,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--profile-too", action="store_true",
                         help="also price each configuration from a traced block memory profile (the generic path)")
     parser.add_argument("--lora-rank", type=int, default=16)
+    parser.add_argument("--expert-units", action="store_true",
+                        help="MoE architectures' FULL_SHARD / HYBRID_SHARD rows only, with the experts as FSDP units")
     args = parser.parse_args(argv)
     rows = grid(GRIDS[args.families])
+    if args.expert_units:
+        archs = {**ARCHS, **ARCHS_2026}
+        rows = [{**r, "expert_units": True} for r in rows if r["sharding"] in ("FULL_SHARD", "HYBRID_SHARD")
+                and any(k in archs[r["arch"]] for k in ("num_local_experts", "num_experts", "n_routed_experts"))]
     if args.finetune == "lora":
         rows = [{**r, "finetune": "lora", "lora_rank": args.lora_rank} for r in rows]
     if args.arch:

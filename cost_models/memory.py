@@ -24,6 +24,7 @@ Ignored: per-parameter padding to a multiple of d (at most d-1 rows per tensor),
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, fields
 
@@ -122,11 +123,6 @@ def traced_block_terms(model: ModelSpec, precision: Precision, attention) -> "Ac
     return model.activation_profile.get(dtype, attention.value)
 
 
-EXPERT_UNITS_NOTE = ("expert units are priced as one FSDP unit per block, an upper bound: the experts reshard after "
-                     "their backward and the backward prefetch leaves them out (FSDP2 keeps one more experts-sized "
-                     "all-gather output after a checkpointed recompute); `fsdp-plan trace` gives the exact figure")
-
-
 def _shard(n_bytes: float, d: int) -> int:
     return math.ceil(n_bytes / d)
 
@@ -217,24 +213,27 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
         """Bytes of block i's all-gather output (its unsharded parameters)."""
         return block_c + (dense_delta * c if i in dense_blocks else 0)
 
-    # Routed experts as units of their own (expert_units) are priced as this per-block layout: FSDP2 then
-    # reshards the experts at their post-backward and prefetches blocks without them, but keeps an extra
-    # experts-sized all-gather output after a checkpointed recompute (its FORWARD-state wait_for_unshard),
-    # and the moments after the experts' backward are not known well enough to claim the saving yet
-    # (docs/accuracy.md: the trace of expert units against this estimate).
+    # Routed experts as units of their own (expert_units): FSDP2's backward prefetches in reverse order of
+    # the post-forwards (block_i, experts_i, block_i-1, ...), so the prefetched unit is a block without its
+    # experts; after the experts' backward their unit has resharded and its reduce-scatter is the one in flight.
+    experts_c = moe.experts_gathered_elements(model, d, bool(config.expert_shard_dim)) * c if config.expert_units else 0
+    experts_rs = experts_c // c * r if experts_c and not counts.frozen_block and d > 1 else 0
+
+    def prefetched(i: int) -> int:
+        return gathered(i) - (0 if i in dense_blocks else experts_c)
 
     def prefetch_below(i: int) -> int:
         """The backward prefetch's all-gather outputs at block i's moment: block i-1's (and i-2's without
         limit_all_gathers); at the loss backward (i = L) the last blocks'."""
         if not prefetches or i <= 0:
             return 0
-        return gathered(i - 1) + (0 if config.limit_all_gathers else gathered(max(i - 2, 0)))
+        return prefetched(i - 1) + (0 if config.limit_all_gathers else prefetched(max(i - 2, 0)))
 
     def reduce_scatter_above(i: int) -> int:
         """The reduce-scatter input of block i+1, done just before block i's backward."""
         if d == 1 or i >= L - 1:
             return 0
-        return counts.trainable_block * r + (dense_rs_delta if i + 1 in dense_blocks else 0)
+        return counts.trainable_block * r + (dense_rs_delta if i + 1 in dense_blocks else -experts_rs)
 
     def saved_below(i: int) -> int:
         n_ck = -(-i // K) if K else 0   # blocks 0, K, 2K, ... below i
@@ -281,6 +280,13 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
         activations=tokens * (saved_below(L) + root_saved) + shared,
         logits_and_loss=tokens * logits_peak,
     )
+    if experts_c and prefetches and L - 1 not in dense_blocks:
+        # The loss is computed inside the model's forward, before the root's post-forward frees the last
+        # unit's all-gather output (FSDP2 defers that free for an implicit prefetch): with expert units, the
+        # last block's experts', larger than the block the loss backward prefetches.
+        moments["loss in forward"] = dataclasses.replace(
+            moments["loss backward"], collective_buffers=experts_c,
+            logits_and_loss=tokens * activations.forward_logits_bytes_per_token(model, c))
     # Within blocks of one kind (checkpointed or not) a block's moment is linear in its index: the saved
     # tensors below it shrink going down while the sharded gradients of the blocks done grow. The extremes
     # of each kind, and the neighbours where the prefetch / reduce-scatter buffers start or stop, suffice.
@@ -298,15 +304,22 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
         this = (full_dense if traced_dense_block else full) + (ckpt_input_extra if is_ckpt(i) else 0) \
             - (first_less if i == 0 else 0)
         below = saved_below(i)
+        params_adjust = buffers_adjust = 0
         if own_traced is not None:  # the traced block's own backward moments
             w_acts, w_grads = own_traced.backward_peak(tokens, training.seq_len)
             block_acts, block_grads = tokens * (below + this) + round(w_acts), min(w_grads, real.trainable_block * c)
+            if experts_c and i not in dense_blocks:
+                # a profile does not say which moments follow the experts' backward: the peak's activations
+                # with the worse of the two states (experts gathered, or resharded with their reduce-scatter)
+                buffers_adjust = max(0, experts_rs - reduce_scatter_above(i) - experts_c)
         elif mlp_moments:  # MoE: the largest of its MLP's moments and the attention's, gradients included
             at_attn = tokens * (below + this - freed_attn + w_attn)
-            block_acts, block_grads = max([(tokens * (below + this) + m.activation_bytes(tokens, training.seq_len),
-                                            min(m.grad_bytes, real.trainable_block * c))
-                                           for m in mlp_moments[is_ckpt(i)]]
-                                          + [(at_attn, attn_grad)], key=sum)
+            # expert units, after the experts' backward: their unit resharded, its reduce-scatter in flight
+            done = (-experts_c, experts_rs - reduce_scatter_above(i)) if experts_c and i not in dense_blocks else (0, 0)
+            block_acts, block_grads, params_adjust, buffers_adjust = max(
+                [(tokens * (below + this) + m.activation_bytes(tokens, training.seq_len),
+                  min(m.grad_bytes, real.trainable_block * c), *(done if m.experts_done else (0, 0)))
+                 for m in mlp_moments[is_ckpt(i)]] + [(at_attn, attn_grad, *done)], key=sum)
         else:
             at_mlp = tokens * (below + this + w_mlp)
             at_attn = tokens * (below + this - freed_attn + w_attn)
@@ -314,8 +327,9 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
             block_acts, block_grads = (at_mlp, mlp_grad) if mlp_first else (at_attn, attn_grad)
         moments[f"backward of block {i}" + (" (recomputed)" if is_ckpt(i) else "")] = MemoryBreakdown(
             **states(grads_done(i)),
-            unsharded_params=root_c + gathered(i) + (gathered_below(i) if keeps_gathered else 0),
-            collective_buffers=prefetch_below(i) + reduce_scatter_above(i),
+            unsharded_params=root_c + gathered(i) + (gathered_below(i) if keeps_gathered else 0)
+            + params_adjust,
+            collective_buffers=prefetch_below(i) + reduce_scatter_above(i) + buffers_adjust,
             unsharded_grads=head_grad + block_grads,
             activations=block_acts + shared,
         )
@@ -362,7 +376,6 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
         cpu_bytes_per_node=cpu_per_rank * cluster.gpus_per_node,
         cpu_ram_capacity_bytes=cluster.cpu_ram_bytes_per_node,
         notes=tuple(activations.quirks(model, config.attention, training.seq_len))
-        + tuple(n for n in [None if config.expert_shard_dim else moe.padding_note(model, d, c)] if n)
-        + ((EXPERT_UNITS_NOTE,) if config.expert_units and model.moe is not None else ()),
+        + tuple(n for n in [None if config.expert_shard_dim else moe.padding_note(model, d, c)] if n),
         peak_moment=peak_moment,
     )

@@ -244,7 +244,7 @@ def backward_moments(model: ModelSpec, c: int, lora: bool = False, recomputed: b
         if model.gated_mlp:
             grads = 0 if lora else (moe.routed_params + moe.router_params + 2 * h * fs + h) * c
             last = 2 * c * h + 2 * c * fs - (mlp_bytes_per_token(model, c, lora) - c * fs)
-            shared = [BackwardMoment(grads, 0, last, 0)]
+            shared = [BackwardMoment(grads, 0, last, 0, experts_done=True)]
     elif fs:
         # DeepSeek: the shared experts ran after the routed ones, so their backward comes first (a dense
         # MLP's moment: the incoming gradient and its activation's gradients, its down projection's weight
@@ -265,7 +265,7 @@ def backward_moments(model: ModelSpec, c: int, lora: bool = False, recomputed: b
         # in fp32: four (b*s, h) fp32 temporaries at the pow backward (+ the cast of its gradient to c)
         norm = 16 * h + (c * h if c != 4 else 0)
         moments.append(BackwardMoment(0 if lora else mlp_param_elements(model) * c, 0,
-                                      norm - mlp_bytes_per_token(model, c, lora), 0))
+                                      norm - mlp_bytes_per_token(model, c, lora), 0, experts_done=True))
     return tuple(moments)
 
 

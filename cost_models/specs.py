@@ -191,6 +191,7 @@ class BackwardMoment:
     const_bytes: float
     per_token: float
     per_token_per_seq: float
+    experts_done: bool = False  # MoE: after the routed experts' backward (an expert unit has resharded by then)
 
     def activation_bytes(self, tokens: int, seq_len: int) -> float:
         return self.const_bytes + tokens * (self.per_token + self.per_token_per_seq * seq_len)

@@ -33,6 +33,7 @@ class SearchSpace:
     limit_all_gathers: tuple[bool, ...] = (True, False)
     attention: Attention = Attention.SDPA
     expert_shard_dims: tuple[int, ...] = (0, 1)  # MoE: 1 only where it removes padding (moe.dim1_shardable)
+    expert_units: tuple[bool, ...] = (False, True)  # MoE: experts as their own unit where blocks are re-gathered
 
     def precisions_for(self, cluster: ClusterSpec) -> tuple[Precision, ...]:
         if self.precisions is not None:
@@ -117,15 +118,20 @@ def describe(config: FsdpConfig, compact: bool = False) -> str:
     return ", ".join(parts)
 
 
-def _with_expert_dims(knobs, model: ModelSpec, cluster: ClusterSpec, space: SearchSpace):
+def _with_expert_options(knobs, model: ModelSpec, cluster: ClusterSpec, space: SearchSpace):
     """Each knob combination with expert_shard_dim 0, and also 1 where FSDP2 would pad the stacked experts
-    at that strategy's shard group and sharding them on dim 1 removes it. (Separate expert units are an
-    --expert-units option, not searched: they are priced as the per-block layout, cost_models/memory.py.)"""
+    at that strategy's shard group and sharding them on dim 1 removes it; without expert units, and with
+    them for an MoE model under a strategy that gathers blocks again in backward (the backward prefetch
+    then leaves the experts out, and they reshard after their own backward)."""
     for knob in knobs:
-        d = FsdpConfig(sharding=knob[0]).shard_group_size(cluster)
+        sharding = FsdpConfig(sharding=knob[0])
+        d = sharding.shard_group_size(cluster)
+        regathers = d > 1 and sharding.sharding in (Sharding.FULL_SHARD, Sharding.HYBRID_SHARD)
         for dim in space.expert_shard_dims:
             if dim == 0 or moe.dim1_shardable(model, d):
-                yield (*knob, dim)
+                for units in space.expert_units:
+                    if not units or (model.moe is not None and regathers):
+                        yield (*knob, dim, units)
 
 
 def search(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, profile: Profile,
@@ -144,14 +150,15 @@ def search(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, profi
                        f"micro-batch x {cluster.n_gpus} GPUs for any of {space.micro_batches}")
     knobs = itertools.product(shardings, space.precisions_for(cluster), space.offload, space.ac_every,
                               space.backward_prefetch, space.limit_all_gathers)
-    for sharding, precision, offload, ac, prefetch, limit, dim in _with_expert_dims(knobs, model, cluster, space):
+    for sharding, precision, offload, ac, prefetch, limit, dim, units in _with_expert_options(knobs, model, cluster,
+                                                                                             space):
         if offload and sharding is Sharding.NO_SHARD:
             continue  # FSDP offloads shards; with nothing sharded DDP-style offload is not offered
         for mb in micro_batches:
             config = FsdpConfig(sharding=sharding, precision=precision, offload=offload, ac_every=ac,
                                 micro_batch=mb, grad_accum=training.grad_accum_for(mb, cluster.n_gpus),
                                 attention=space.attention, backward_prefetch=prefetch,
-                                limit_all_gathers=limit, expert_shard_dim=dim)
+                                limit_all_gathers=limit, expert_shard_dim=dim, expert_units=units)
             if unsupported_reasons(cluster, config):
                 break
             e = evaluate(model, cluster, training, config, profile)

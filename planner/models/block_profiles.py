@@ -35,6 +35,7 @@ class _Moment(BaseModel):
     const_bytes: float
     per_token: float
     per_token_per_seq: float
+    experts_done: bool = False
 
 
 class _Terms(BaseModel):
