@@ -421,8 +421,8 @@ class ClusterSpec:
     internode_bytes_per_s: float     # per node, shared by its GPUs
     cpu_ram_bytes_per_node: int = 0  # 0 = unknown: offload RAM is reported, not checked
     scale_up_domain_gpus: int = 0    # GPUs of this cluster in one NVLink / Infinity Fabric domain (a 72-GPU
-    #                                  GB200 NVL72 cluster: 72); 0 = the node. Not priced yet: comm.py
-    #                                  and step_time.py still take the node as the fast tier
+    #                                  GB200 NVL72 cluster: 72); 0 = the node. A process group inside it
+    #                                  runs on the fast tier (fast_tier_gpus)
 
     def __post_init__(self):
         _positive("gpus", self.n_gpus)
@@ -443,6 +443,13 @@ class ClusterSpec:
     def scale_up_gpus(self) -> int:
         """GPUs that share one scale-up domain here: the domain's size, else (0, unknown) the node's."""
         return self.scale_up_domain_gpus or self.gpus_per_node
+
+    @property
+    def fast_tier_gpus(self) -> int:
+        """GPUs a process group can span on the intra-node tier (GpuSpec.intra_node_bus_bytes_per_s): the
+        node (PCIe parts too: their bus figure is PCIe's), or the larger scale-up domain (GB200 NVL72: 72
+        GPUs over NVLink across 18 trays of 4)."""
+        return max(self.gpus_per_node, self.scale_up_domain_gpus)
 
 
 @dataclass(frozen=True)

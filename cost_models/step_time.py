@@ -49,9 +49,9 @@ class TimeBreakdown:
 def _shard_tiers(config: FsdpConfig, cluster: ClusterSpec, profile: Profile):
     """(shard-group tier, replicate-group tier) for the configuration's process groups."""
     d = config.shard_group_size(cluster)
-    shard_spans_nodes = d > cluster.gpus_per_node
-    shard = comm.Tier.for_group(cluster, profile, spans_nodes=shard_spans_nodes)
-    replicate = comm.Tier.for_group(cluster, profile, spans_nodes=cluster.n_nodes > 1,
+    # a group inside the scale-up domain (the node, or GB200's 72-GPU NVLink domain) stays on the fast tier
+    shard = comm.Tier.for_group(cluster, profile, spans_nodes=d > cluster.fast_tier_gpus)
+    replicate = comm.Tier.for_group(cluster, profile, spans_nodes=cluster.n_gpus > cluster.fast_tier_gpus,
                                     groups_sharing_nics=min(d, cluster.gpus_per_node))
     return shard, replicate
 

@@ -225,3 +225,23 @@ def test_lora_flops_frozen_weights_skip_their_weight_gradient():
     adapters = TOY.n_layers * 2 * (16 + 12 + 12 + 16)             # 448, trained: forward 2 + backward 4
     assert full == 6 * dense + attention
     assert lora == 4 * dense + 6 * adapters + attention
+
+
+def test_a_group_inside_the_scale_up_domain_stays_on_the_fast_tier():
+    """GB200 NVL72: 72 GPUs in trays of 4 share one NVLink domain, so a 72-rank shard group's all-gather runs
+    at the NVLink bus rate and latency; 72 B200 (9 HGX nodes of 8) cross InfiniBand. By hand: the ring
+    all-gather of 1 GiB on 72 ranks is 71 x latency + 71/72 x 1 GiB / bandwidth."""
+    from cost_models import comm
+    from cost_models.profile import DEFAULT_PROFILE as P
+    from cost_models.step_time import _shard_tiers
+    from planner.hardware import make_cluster
+
+    gb200, b200 = make_cluster(72, gpu="gb200"), make_cluster(72, gpu="b200")
+    assert (gb200.gpus_per_node, gb200.fast_tier_gpus, b200.fast_tier_gpus) == (4, 72, 8)
+    config = FsdpConfig(sharding="FULL_SHARD")
+    fast, _ = _shard_tiers(config, gb200, P)
+    slow, _ = _shard_tiers(config, b200, P)
+    nvlink = gb200.gpu.intra_node_bus_bytes_per_s * P.intra_node_comm_efficiency
+    assert (fast.bus_bytes_per_s, fast.latency_s) == (nvlink, P.intra_node_latency_s)
+    assert slow.latency_s == P.inter_node_latency_s and slow.bus_bytes_per_s < nvlink
+    assert comm.all_gather_s(2**30, 72, fast) == pytest.approx(71 * P.intra_node_latency_s + 71 / 72 * 2**30 / nvlink)
