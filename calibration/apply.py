@@ -47,12 +47,13 @@ from cost_models.specs import FsdpConfig, Precision
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def _mixed_dtypes(precision: Precision) -> tuple[torch.dtype, torch.dtype] | None:
-    """(param_dtype, reduce_dtype) for FSDP's mixed precision, or None when FSDP must not cast."""
-    names = fsdp_options.mixed_precision_dtypes(precision)
+def _mixed_dtypes(config: FsdpConfig) -> tuple[torch.dtype | None, torch.dtype] | None:
+    """(param_dtype or None, reduce_dtype) for FSDP's mixed precision, or None when FSDP must not cast."""
+    names = fsdp_options.mixed_precision_dtypes(config.precision, config.reduce_dtype)
     if names is None:
         return None
-    return getattr(torch, names["param_dtype"]), getattr(torch, names["reduce_dtype"])
+    param = names["param_dtype"]
+    return (None if param is None else getattr(torch, param)), getattr(torch, names["reduce_dtype"])
 
 
 # ---------------------------------------------------------------- FSDP1
@@ -80,7 +81,7 @@ def fsdp1_kwargs(config: FsdpConfig, block_classes: set[type], *, gpus_per_node:
             raise ValueError(f"{config.sharding.value}: FSDP1 shards within the {per_node} local devices "
                              f"it sees, the plan assumes gpus_per_node={gpus_per_node}")
     strategy = ShardingStrategy[fsdp_options.fsdp1_strategy(config, per_node)[0]]
-    mixed = fsdp_options.fsdp1_mixed_precision(config.precision, lora=trainable_mixed)
+    mixed = fsdp_options.fsdp1_mixed_precision(config.precision, lora=trainable_mixed, reduce_dtype=config.reduce_dtype)
     classes = tuple(block_classes)
     if trainable_mixed:
         policy = CustomPolicy(lambda m: isinstance(m, classes) or _is_trainable_leaf(m))
@@ -146,7 +147,7 @@ def make_mesh(config: FsdpConfig, world_size: int, gpus_per_node: int, device_ty
 
 def fsdp2_kwargs(config: FsdpConfig, mesh: DeviceMesh) -> dict:
     """Keyword arguments for fully_shard(module, **kwargs)."""
-    dtypes = _mixed_dtypes(config.precision)
+    dtypes = _mixed_dtypes(config)
     return {
         "mesh": mesh,
         # FULL/HYBRID free gathered params after forward (ZeRO-3); the ZeRO-2 forms keep them for backward.

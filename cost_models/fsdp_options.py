@@ -21,16 +21,18 @@ _FSDP1_STRATEGY = {
 }
 
 
-def mixed_precision_dtypes(precision: Precision) -> dict | None:
+def mixed_precision_dtypes(precision: Precision, reduce_dtype: str | None = None) -> dict | None:
     """param/reduce dtypes for FSDP's mixed precision, or None when the model runs in its own dtype.
 
     bf16-pure casts the model itself to bf16 (no fp32 master copy), so FSDP needs no policy. Buffers are
     not cast: a bf16 rotary inv_freq buffer would blur positions in long sequences, and buffers are too
-    small to matter for memory.
+    small to matter for memory. reduce_dtype (FsdpConfig.reduce_dtype) overrides the precision's; without
+    mixed precision it gives a policy that casts only the gradients for their reduction (param_dtype None).
     """
+    reduce = reduce_dtype or precision.reduce_dtype
     if not precision.mixed:
-        return None
-    return {"param_dtype": _TORCH_DTYPE[precision.compute_dtype], "reduce_dtype": _TORCH_DTYPE[precision.reduce_dtype]}
+        return None if reduce == precision.reduce_dtype else {"param_dtype": None, "reduce_dtype": _TORCH_DTYPE[reduce]}
+    return {"param_dtype": _TORCH_DTYPE[precision.compute_dtype], "reduce_dtype": _TORCH_DTYPE[reduce]}
 
 
 def model_dtype(precision: Precision) -> str:
@@ -52,11 +54,13 @@ def fsdp1_strategy(config: FsdpConfig, gpus_per_node: int) -> tuple[str, str]:
     return _FSDP1_STRATEGY[config.sharding], ""
 
 
-def fsdp1_mixed_precision(precision: Precision, lora: bool = False) -> dict | None:
+def fsdp1_mixed_precision(precision: Precision, lora: bool = False, reduce_dtype: str | None = None) -> dict | None:
     """FSDP1 MixedPrecision arguments by name (dtypes as torch attribute names), or None. lora: every unit
     casts its floating inputs to the compute dtype: peft casts an adapter's input to the dtype of its
     weight read outside the adapter's unit (the sharded fp32 one), and by default only the root casts."""
-    mixed = mixed_precision_dtypes(precision)
+    mixed = mixed_precision_dtypes(precision, reduce_dtype)
+    if mixed is not None and mixed["param_dtype"] is None:
+        mixed = {"reduce_dtype": mixed["reduce_dtype"]}
     if lora and mixed is not None:
         mixed = {**mixed, "cast_forward_inputs": True}
     return mixed
@@ -67,7 +71,7 @@ def fsdp1_options(config: FsdpConfig, block_class: str, gpus_per_node: int, lora
     and unit inputs cast to the compute dtype (calibration.apply.fsdp1_kwargs' trainable_mixed)."""
     return {
         "sharding_strategy": fsdp1_strategy(config, gpus_per_node)[0],
-        "mixed_precision": fsdp1_mixed_precision(config.precision, lora),
+        "mixed_precision": fsdp1_mixed_precision(config.precision, lora, config.reduce_dtype),
         "cpu_offload": {"offload_params": True} if config.offload else None,
         "auto_wrap_policy": {"CustomPolicy": {"blocks": [block_class], "trainable_leaves": True}} if lora
         else {"ModuleWrapPolicy": [block_class]},
@@ -92,7 +96,7 @@ def mesh_layout(config: FsdpConfig, n_gpus: int, gpus_per_node: int) -> dict:
 
 def fully_shard_options(config: FsdpConfig) -> dict:
     """Keyword arguments of FSDP2's fully_shard for each block (the mesh comes from mesh_layout)."""
-    mp = mixed_precision_dtypes(config.precision)
+    mp = mixed_precision_dtypes(config.precision, config.reduce_dtype)
     return {
         "reshard_after_forward": config.sharding.reshards_after_forward or config.sharding is Sharding.NO_SHARD,
         "mp_policy": None if mp is None else {"param_dtype": mp["param_dtype"], "reduce_dtype": mp["reduce_dtype"]},

@@ -134,7 +134,7 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
     precision = config.precision
     c = DTYPE_BYTES[precision.compute_dtype]        # gathered params, activations, compute grads
     p = DTYPE_BYTES[precision.param_dtype]          # stored params and their gradients
-    r = DTYPE_BYTES[precision.reduce_dtype]         # reduce-scatter / all-reduce buffers
+    r = DTYPE_BYTES[config.gradient_reduce_dtype]   # reduce-scatter / all-reduce buffers
     frozen_p = c if precision.mixed else p          # frozen (LoRA base) weights are kept in compute dtype
     # MoE: stacked experts padded as FSDP2 pads them on dim 0 (the matrices unpadded when sharded on dim 1)
     counts = ParamCounts.of(model, training, d, dim1=bool(config.expert_shard_dim))

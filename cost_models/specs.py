@@ -482,6 +482,9 @@ class TrainingSpec:
         return None if self.global_batch % per_step else self.global_batch // per_step
 
 
+REDUCE_DTYPES = ("fp32", "bf16")
+
+
 @dataclass(frozen=True)
 class FsdpConfig:
     """One candidate: the knobs FSDP exposes, plus micro-batch and accumulation.
@@ -505,6 +508,7 @@ class FsdpConfig:
     #                                   of the shard group); 1 shards the stacked expert matrices on dim 1 when the
     #                                   group does not divide the experts (shard_placement_fn), unpadded
     expert_units: bool = False        # MoE: each sparse block's routed experts wrapped as their own FSDP unit
+    reduce_dtype: str | None = None   # gradient reduction dtype (fp32 | bf16); None: the precision's own
 
     def __post_init__(self):
         object.__setattr__(self, "sharding", parse_enum(Sharding, self.sharding, "sharding"))
@@ -515,6 +519,13 @@ class FsdpConfig:
         _positive("grad_accum", self.grad_accum)
         if self.expert_shard_dim not in (0, 1):
             raise SpecError("expert_shard_dim", f"{self.expert_shard_dim!r}; choose 0 (dim 0, padded) or 1")
+        if self.reduce_dtype is not None and self.reduce_dtype not in REDUCE_DTYPES:
+            raise SpecError("reduce_dtype", f"{self.reduce_dtype!r}; choose one of: {', '.join(REDUCE_DTYPES)}")
+
+    @property
+    def gradient_reduce_dtype(self) -> str:
+        """dtype of the reduce-scatter / all-reduce of gradients: the override, else the precision's."""
+        return self.reduce_dtype or self.precision.reduce_dtype
 
     @property
     def activation_checkpointing(self) -> str:
@@ -546,4 +557,5 @@ class FsdpConfig:
             "limit_all_gathers": self.limit_all_gathers,
             **({"expert_shard_dim": self.expert_shard_dim} if self.expert_shard_dim else {}),
             **({"expert_units": True} if self.expert_units else {}),
+            **({"reduce_dtype": self.reduce_dtype} if self.reduce_dtype else {}),
         }

@@ -66,7 +66,7 @@ def estimate_step_time(model: ModelSpec, cluster: ClusterSpec, training: Trainin
     flops_per_s = peak * profile.efficiency(dtype)
     c = DTYPE_BYTES[dtype]
     p = DTYPE_BYTES[precision.param_dtype]
-    r = DTYPE_BYTES[precision.reduce_dtype]
+    r = DTYPE_BYTES[config.gradient_reduce_dtype]
     L = model.n_layers
     d = config.shard_group_size(cluster)
     n_replicas = config.replicate_group_size(cluster)

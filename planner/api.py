@@ -12,7 +12,7 @@ from cost_models import fsdp_options
 from cost_models.evaluate import Evaluation, evaluate
 from cost_models.profile import DEFAULT_PROFILE, Profile
 from cost_models.specs import (Attention, ClusterSpec, Finetune, FsdpConfig, ModelSpec, Precision, Sharding,
-                               SpecError, TrainingSpec, parse_enum)
+                               REDUCE_DTYPES, SpecError, TrainingSpec, parse_enum)
 from cost_models.units import parse_bytes
 
 from .errors import PlannerError
@@ -175,9 +175,11 @@ def plan(model, gpus: int, *, gpu: str = DEFAULT_GPU, gpus_per_node: int | None 
          cpu_ram_per_node: str | int | None = None, seq_len: int = 2048, global_batch: int | None = None,
          optimizer: str = "adamw", finetune: str = "full", lora_rank: int = 16,
          precisions: list[str] | None = None, attention: str | None = None, profile: Profile | None = None,
-         space: SearchSpace | None = None, trust_remote_code: bool = False) -> Plan:
+         space: SearchSpace | None = None, trust_remote_code: bool = False,
+         reduce_dtypes: list[str] | None = None) -> Plan:
     """Search every candidate configuration and rank those that fit by throughput. attention None: the
-    model's first choice (sdpa, or eager for families that refuse it)."""
+    model's first choice (sdpa, or eager for families that refuse it); reduce_dtypes: gradient reduction
+    dtypes to search (None: each precision's own)."""
     spec, cluster, training = resolve_inputs(
         model, gpus, gpu=gpu, gpus_per_node=gpus_per_node, internode_gbps=internode_gbps, gpu_memory=gpu_memory,
         intra_node_gb_per_s=intra_node_gb_per_s, pcie_gb_per_s=pcie_gb_per_s, cpu_ram_per_node=cpu_ram_per_node,
@@ -186,8 +188,15 @@ def plan(model, gpus: int, *, gpu: str = DEFAULT_GPU, gpus_per_node: int | None 
     if space is None:
         space = SearchSpace(
             precisions=tuple(parse_enum(Precision, p, "precision") for p in precisions) if precisions else None,
-            attention=parse_enum(Attention, model_attention(spec, attention), "attention"))
+            attention=parse_enum(Attention, model_attention(spec, attention), "attention"),
+            reduce_dtypes=tuple(_reduce_dtype(r) for r in reduce_dtypes) if reduce_dtypes else (None,))
     return plan_for(spec, cluster, training, profile, space)
+
+
+def _reduce_dtype(name: str) -> str:
+    if name not in REDUCE_DTYPES:
+        raise PlannerError("reduce_dtype", f"{name!r}; choose one of: {', '.join(REDUCE_DTYPES)}")
+    return name
 
 
 def plan_for(spec: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, profile: Profile | None = None,
@@ -211,9 +220,11 @@ def estimate(model, gpus: int, *, gpu: str = DEFAULT_GPU, gpus_per_node: int | N
              micro_batch: int = 1, grad_accum: int | None = None, attention: str | None = None,
              offload: bool = False, backward_prefetch: bool = True, forward_prefetch: bool = False,
              limit_all_gathers: bool = True, profile: Profile | None = None,
-             trust_remote_code: bool = False, expert_shard_dim: int = 0, expert_units: bool = False) -> Candidate:
+             trust_remote_code: bool = False, expert_shard_dim: int = 0, expert_units: bool = False,
+             reduce_dtype: str | None = None) -> Candidate:
     """Cost one explicit configuration (attention None: the model's first choice; expert_shard_dim=1: FSDP2
-    shards stacked MoE expert matrices on dim 1, unpadded; expert_units: MoE experts as their own units)."""
+    shards stacked MoE expert matrices on dim 1, unpadded; expert_units: MoE experts as their own units;
+    reduce_dtype fp32 | bf16: the gradient reduction's dtype, None: the precision's)."""
     spec, cluster, training = resolve_inputs(
         model, gpus, gpu=gpu, gpus_per_node=gpus_per_node, internode_gbps=internode_gbps, gpu_memory=gpu_memory,
         intra_node_gb_per_s=intra_node_gb_per_s, pcie_gb_per_s=pcie_gb_per_s, cpu_ram_per_node=cpu_ram_per_node,
@@ -226,7 +237,7 @@ def estimate(model, gpus: int, *, gpu: str = DEFAULT_GPU, gpus_per_node: int | N
                         ac_every=activation_checkpointing, micro_batch=micro_batch, grad_accum=grad_accum,
                         attention=attention, backward_prefetch=backward_prefetch,
                         forward_prefetch=forward_prefetch, limit_all_gathers=limit_all_gathers,
-                        expert_shard_dim=expert_shard_dim, expert_units=expert_units)
+                        expert_shard_dim=expert_shard_dim, expert_units=expert_units, reduce_dtype=reduce_dtype)
     if expert_units and spec.moe is None:
         raise PlannerError("expert_units", f"{spec.name} has no routed experts (a dense model): drop --expert-units")
     return estimate_config(spec, cluster, training, config, profile)

@@ -28,6 +28,9 @@ def main_plan(
     seq_len: SeqLen = 2048, global_batch: GlobalBatch = None, optimizer: Optim = "adamw",
     finetune: FinetuneOpt = "full", lora_rank: LoraRank = 16, attention: AttentionOpt = None,
     precision: Annotated[Optional[list[str]], typer.Option("--precision", help="Precisions to search (repeatable)")] = None,
+    reduce_dtype: Annotated[Optional[list[str]], typer.Option("--reduce-dtype", help="Gradient reduction dtypes to "
+                                                              "search, fp32 | bf16 (repeatable; default: each "
+                                                              "precision's own)")] = None,
     top: Annotated[int, typer.Option("--top", help="Candidates to show")] = 5,
     output_format: FormatOpt = Format.table,
     emit: Annotated[Optional[Emit], typer.Option("--emit", help="Print only this artifact of the best config")] = None,
@@ -52,7 +55,7 @@ def main_plan(
     if verify_top < 0:
         raise SpecError("verify_top", f"must be >= 0, got {verify_top}")
     fitted = load_profile_flag(profile, gpu, force_profile)
-    p = plan(model, precisions=precision, attention=attention, profile=fitted, **args)
+    p = plan(model, precisions=precision, attention=attention, profile=fitted, reduce_dtypes=reduce_dtype, **args)
     if plot is not None:
         from planner.plot import plot_candidates
 

@@ -103,6 +103,8 @@ def config_command(app, name: str, help_text: str, run: ConfigRunner, takes_prof
                                                       "experts on dim 0 (padded to the shard group), 1 on dim 1")] = 0,
         expert_units: Annotated[bool, typer.Option("--expert-units/--no-expert-units", help="MoE: wrap each block's "
                                                    "routed experts as their own FSDP unit")] = False,
+        reduce_dtype: Annotated[Optional[str], typer.Option("--reduce-dtype", help="gradient reduction dtype: fp32 "
+                                                            "or bf16 (default: the precision's)")] = None,
         output_format: FormatOpt = Format.table,
         profile: ProfileOpt = None, force_profile: ForceProfile = False, trust_remote_code: TrustRemoteCode = False,
     ):
@@ -116,7 +118,7 @@ def config_command(app, name: str, help_text: str, run: ConfigRunner, takes_prof
         config = dict(sharding=sharding, precision=precision, activation_checkpointing=activation_checkpointing,
                       micro_batch=micro_batch, grad_accum=grad_accum, attention=attention, offload=offload,
                       backward_prefetch=backward_prefetch, limit_all_gathers=limit_all_gathers,
-                      expert_shard_dim=expert_shard_dim, expert_units=expert_units)
+                      expert_shard_dim=expert_shard_dim, expert_units=expert_units, reduce_dtype=reduce_dtype)
         if takes_profile:
             config["profile"] = load_profile_flag(profile, gpu, force_profile)
         run(model, args, config, output_format)

@@ -27,7 +27,8 @@ def _summary(config: FsdpConfig, model_spec: ModelSpec, cluster: ClusterSpec) ->
     return [
         f"FSDP plan for {model_spec.name} on {cluster.n_gpus} x {cluster.gpu.name} "
         f"({cluster.n_nodes} node(s) x {cluster.gpus_per_node})",
-        f"sharding {config.sharding.value}, precision {config.precision.value}, offload {offload}, "
+        f"sharding {config.sharding.value}, precision {config.precision.value}"
+        f"{f' (gradients reduced in {config.reduce_dtype})' if config.reduce_dtype else ''}, offload {offload}, "
         f"activation checkpointing {config.activation_checkpointing}, attention {config.attention.value}",
         f"micro-batch {config.micro_batch} per GPU, gradient accumulation {config.grad_accum}",
     ]
@@ -37,12 +38,14 @@ def _comment(lines: list[str]) -> str:
     return "\n".join(f"# {line}" for line in lines)
 
 
-def _mixed_dtypes(precision: Precision) -> tuple[str, str] | None:
-    """(param_dtype, reduce_dtype) as torch expressions, or None when FSDP must not cast (fp32, bf16-pure)."""
-    names = fsdp_options.mixed_precision_dtypes(precision)
+def _mixed_dtypes(config: FsdpConfig) -> tuple[str, str] | None:
+    """(param_dtype, reduce_dtype) as torch expressions ("None" for a parameter dtype FSDP leaves alone), or
+    None when FSDP must not cast (fp32, bf16-pure, without a reduce_dtype of their own)."""
+    names = fsdp_options.mixed_precision_dtypes(config.precision, config.reduce_dtype)
     if names is None:
         return None
-    return f"torch.{names['param_dtype']}", f"torch.{names['reduce_dtype']}"
+    param = names["param_dtype"]
+    return ("None" if param is None else f"torch.{param}"), f"torch.{names['reduce_dtype']}"
 
 
 def _fsdp1_strategy(config: FsdpConfig, cluster: ClusterSpec) -> tuple[str, str]:
@@ -100,7 +103,7 @@ def emit_fsdp1(config: FsdpConfig, model_spec: ModelSpec, cluster: ClusterSpec,
     (frozen weights sharing it with adapters would get gradients too)."""
     lora = training is not None and training.finetune.value == "lora"
     strategy, strategy_note = _fsdp1_strategy(config, cluster)
-    options = fsdp_options.fsdp1_mixed_precision(config.precision, lora)
+    options = fsdp_options.fsdp1_mixed_precision(config.precision, lora, config.reduce_dtype)
     mixed = "None" if options is None else "MixedPrecision(" + ", ".join(
         f"{k}=torch.{v}" if k.endswith("_dtype") else f"{k}={v}" for k, v in options.items()) + ")"
     prefetch = "BackwardPrefetch.BACKWARD_PRE" if config.backward_prefetch else "None"
@@ -161,7 +164,7 @@ def emit_fsdp1(config: FsdpConfig, model_spec: ModelSpec, cluster: ClusterSpec,
 def emit_fsdp2(config: FsdpConfig, model_spec: ModelSpec, cluster: ClusterSpec,
                training: TrainingSpec | None = None) -> str:
     """Python snippet applying FSDP2 fully_shard torchtitan-style: each block, then the root."""
-    dtypes = _mixed_dtypes(config.precision)
+    dtypes = _mixed_dtypes(config)
     imports = [
         "import torch",
         "import torch.distributed as dist",
@@ -307,7 +310,7 @@ def emit_accelerate(config: FsdpConfig, model_spec: ModelSpec, cluster: ClusterS
         ("fsdp_config", fsdp, ""),
         ("machine_rank", 0, "set 0..N-1 on each machine (or --machine_rank)" if cluster.n_nodes > 1 else ""),
         ("main_training_function", "main", ""),
-        ("mixed_precision", mixed, _accelerate_precision_note(config.precision)),
+        ("mixed_precision", mixed, _accelerate_precision_note(config)),
         ("num_machines", cluster.n_nodes, ""),
         ("num_processes", cluster.n_gpus, "all GPUs on all machines"),
         ("rdzv_backend", "static", ""),
@@ -339,10 +342,16 @@ def emit_accelerate(config: FsdpConfig, model_spec: ModelSpec, cluster: ClusterS
     return _comment(header) + "\n" + "\n".join(_yaml(top)) + "\n"
 
 
-def _accelerate_precision_note(precision: Precision) -> str:
+def _accelerate_precision_note(config: FsdpConfig) -> str:
+    precision, reduce = config.precision, config.gradient_reduce_dtype
     if precision is Precision.BF16:
+        if reduce == "bf16":
+            return "accelerate reduces grads in bf16, as planned"
         return ("accelerate reduces grads in bf16; for the planned fp32 reduction pass FullyShardedDataParallelPlugin("
                 "mixed_precision_policy={param_dtype: bf16, reduce_dtype: fp32, buffer_dtype: fp32})")
+    if config.reduce_dtype and reduce != precision.reduce_dtype:
+        return (f"the plan reduces grads in {reduce}, which this config cannot set: pass FullyShardedDataParallelPlugin("
+                f"mixed_precision_policy={{reduce_dtype: {reduce}}})")
     if precision is Precision.BF16_PURE:
         return "bf16-pure: load the model in bf16 (dtype=torch.bfloat16); no autocast, no fp32 masters"
     if precision is Precision.FP16:
@@ -390,7 +399,7 @@ def _hf_module(model_type: str) -> str:
 def emit_lightning(config: FsdpConfig, model_spec: ModelSpec, cluster: ClusterSpec) -> str:
     """Lightning Trainer with FSDPStrategy (Lightning's FSDP1 integration), same choices as emit_fsdp1."""
     strategy, strategy_note = _fsdp1_strategy(config, cluster)
-    dtypes = _mixed_dtypes(config.precision)
+    dtypes = _mixed_dtypes(config)
     precision = {Precision.FP32: "32-true", Precision.BF16: "bf16-mixed", Precision.FP16: "16-mixed",
                  Precision.BF16_PURE: "bf16-true"}[config.precision]
     lines = [

@@ -28,7 +28,7 @@ def memory_terms(c: Candidate) -> list[tuple[str, str, str]]:
     d = cfg.shard_group_size(c.cluster)
     p = DTYPE_BYTES[cfg.precision.param_dtype]
     cb = DTYPE_BYTES[cfg.precision.compute_dtype]
-    r = DTYPE_BYTES[cfg.precision.reduce_dtype]
+    r = DTYPE_BYTES[cfg.gradient_reduce_dtype]
     dim1 = bool(cfg.expert_shard_dim)
     counts = ParamCounts.of(m, c.training, d, dim1)  # MoE: stacked experts padded to a multiple of d rows
     trainable, frozen = counts.trainable(L), counts.frozen(L)

@@ -23,7 +23,7 @@ def _model_state_bytes(c: Candidate) -> int:
 def _row(rank, c: Candidate) -> list:
     cfg, b, t = c.config, c.memory.breakdown, c.time
     return [
-        rank, cfg.sharding.value + (" +experts dim 1" if cfg.expert_shard_dim else "") + (" +expert units" if cfg.expert_units else ""), cfg.precision.value, "yes" if cfg.offload else "no", cfg.activation_checkpointing,
+        rank, cfg.sharding.value + (" +experts dim 1" if cfg.expert_shard_dim else "") + (" +expert units" if cfg.expert_units else ""), cfg.precision.value + (f" (reduce {cfg.reduce_dtype})" if cfg.reduce_dtype else ""), "yes" if cfg.offload else "no", cfg.activation_checkpointing,
         cfg.micro_batch, cfg.grad_accum, "yes" if cfg.backward_prefetch else "no",
         gib(c.memory.peak_reserved_bytes), gib(_model_state_bytes(c)),
         gib(b.unsharded_params + b.unsharded_grads + b.collective_buffers), gib(b.activations),

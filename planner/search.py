@@ -34,6 +34,9 @@ class SearchSpace:
     attention: Attention = Attention.SDPA
     expert_shard_dims: tuple[int, ...] = (0, 1)  # MoE: 1 only where it removes padding (moe.dim1_shardable)
     expert_units: tuple[bool, ...] = (False, True)  # MoE: experts as their own unit where blocks are re-gathered
+    # gradient reduction dtypes (None: each precision's own); a numerics choice like the precision: only the
+    # user's (`--reduce-dtype`), not searched by default
+    reduce_dtypes: tuple[str | None, ...] = (None,)
 
     def precisions_for(self, cluster: ClusterSpec) -> tuple[Precision, ...]:
         if self.precisions is not None:
@@ -76,7 +79,7 @@ def _distinct(ranked: list[Evaluation]) -> list[Evaluation]:
     for e in ranked:
         c = e.config
         key = (c.sharding, c.precision, c.offload, c.ac_every, c.micro_batch, c.grad_accum, c.expert_shard_dim,
-               c.expert_units)
+               c.expert_units, c.gradient_reduce_dtype)
         if key not in seen:
             seen.add(key)
             out.append(e)
@@ -105,6 +108,8 @@ def describe(config: FsdpConfig, compact: bool = False) -> str:
             parts.append("experts dim 1")
         if config.expert_units:
             parts.append("expert units")
+        if config.reduce_dtype:
+            parts.append(f"reduce {config.reduce_dtype}")
         return ", ".join(parts)
     ac = "no" if not config.ac_every else config.activation_checkpointing
     parts = [config.sharding.value, config.precision.value, f"{ac} activation checkpointing",
@@ -115,6 +120,8 @@ def describe(config: FsdpConfig, compact: bool = False) -> str:
         parts.append("stacked experts sharded on dim 1")
     if config.expert_units:
         parts.append("routed experts as their own FSDP units")
+    if config.reduce_dtype:
+        parts.append(f"gradients reduced in {config.reduce_dtype}")
     return ", ".join(parts)
 
 
@@ -149,16 +156,17 @@ def search(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, profi
         skipped.append(f"every micro-batch: global batch {training.global_batch} is not a multiple of "
                        f"micro-batch x {cluster.n_gpus} GPUs for any of {space.micro_batches}")
     knobs = itertools.product(shardings, space.precisions_for(cluster), space.offload, space.ac_every,
-                              space.backward_prefetch, space.limit_all_gathers)
-    for sharding, precision, offload, ac, prefetch, limit, dim, units in _with_expert_options(knobs, model, cluster,
-                                                                                             space):
+                              space.backward_prefetch, space.limit_all_gathers, space.reduce_dtypes)
+    for sharding, precision, offload, ac, prefetch, limit, reduce, dim, units in _with_expert_options(
+            knobs, model, cluster, space):
         if offload and sharding is Sharding.NO_SHARD:
             continue  # FSDP offloads shards; with nothing sharded DDP-style offload is not offered
         for mb in micro_batches:
             config = FsdpConfig(sharding=sharding, precision=precision, offload=offload, ac_every=ac,
                                 micro_batch=mb, grad_accum=training.grad_accum_for(mb, cluster.n_gpus),
                                 attention=space.attention, backward_prefetch=prefetch,
-                                limit_all_gathers=limit, expert_shard_dim=dim, expert_units=units)
+                                limit_all_gathers=limit, expert_shard_dim=dim, expert_units=units,
+                                reduce_dtype=None if reduce == precision.reduce_dtype else reduce)
             if unsupported_reasons(cluster, config):
                 break
             e = evaluate(model, cluster, training, config, profile)

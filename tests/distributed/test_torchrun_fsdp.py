@@ -41,6 +41,7 @@ CASES = {
         {"sharding": "FULL_SHARD", "precision": "bf16", "activation_checkpointing": "every-2", "emitted": True},
         {"sharding": "FULL_SHARD", "precision": "bf16", "lora": 8},
         {"sharding": "FULL_SHARD", "precision": "bf16", "lora": 8, "emitted": True},
+        {"sharding": "FULL_SHARD", "precision": "bf16", "reduce_dtype": "bf16"},   # bf16 reduce-scatter
     ],
     2: [
         {"sharding": "FULL_SHARD", "precision": "fp32", "activation_checkpointing": "every-2"},
@@ -51,6 +52,8 @@ CASES = {
         {"sharding": "HYBRID_SHARD", "precision": "fp32", "gpus_per_node": 1, "activation_checkpointing": "full",
          "emitted": True},
         {"sharding": "FULL_SHARD", "precision": "bf16", "lora": 8, "activation_checkpointing": "every-2"},
+        {"sharding": "FULL_SHARD", "precision": "bf16", "reduce_dtype": "bf16", "emitted": True},
+        {"sharding": "FULL_SHARD", "precision": "fp32", "reduce_dtype": "bf16"},  # a policy casting only the grads
     ],
 }
 PARAMS = [(v, i) for v, cases in CASES.items() for i in range(len(cases))]
@@ -102,11 +105,23 @@ def test_same_precision_same_trajectory(precision, rel):
     """Same seed and data: FSDP1 and FSDP2, every layout, AC choice, and the emitted snippets give the
     same losses; layouts change memory, not math. A replica missing its gradient all-reduce diverges."""
     results = [r for v in CASES for r in launch(v)
-               if r["config"]["precision"] == precision and "lora" not in r["config"]]
+               if r["config"]["precision"] == precision and "lora" not in r["config"] and "reduce_dtype" not in r["config"]]
     assert len({(r["fsdp_version"], bool(r["config"].get("emitted"))) for r in results}) >= 3
     reference = results[0]["losses"]
     for result in results[1:]:
         assert result["losses"] == pytest.approx(reference, rel=rel), (result["config"], result["losses"], reference)
+
+
+def test_a_bf16_gradient_reduction_stays_near_its_precision_s_trajectory():
+    """--reduce-dtype bf16 (FSDP1 MixedPrecision, FSDP2 MixedPrecisionPolicy, the emitted snippet, and over
+    fp32 params): the same descent within bf16's rounding of the summed gradients, not the same bits."""
+    runs = [r for v in CASES for r in launch(v) if "lora" not in r["config"]]
+    for result in (r for r in runs if r["config"].get("reduce_dtype") == "bf16"):
+        reference = next(r for r in runs if r["config"]["precision"] == result["config"]["precision"]
+                         and "reduce_dtype" not in r["config"])
+        assert result["losses"] == pytest.approx(reference["losses"], rel=0.05), (result["config"], result["losses"])
+        if result["config"]["precision"] == "fp32":  # fp32 otherwise reduces in fp32: the cast took effect
+            assert result["losses"] != reference["losses"]
 
 
 def test_lora_same_trajectory_in_fsdp1_fsdp2_and_the_emitted_snippet():
