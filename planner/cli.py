@@ -116,11 +116,12 @@ def gpus_cmd():
 
     from planner.hardware import gpu_catalog
 
-    rows = [[g.id, g.name, f"{g.memory_bytes / 2**30:.0f}", *(f"{g.peak_flops.get(k, 0) / 1e12:g}" for k in
-                                                            ("bf16", "fp16", "fp32")),
-             f"{g.intra_node_bus_bytes_per_s / 1e9:g}", g.source] for g in gpu_catalog().values()]
-    typer.echo(tabulate(rows, headers=["id", "name", "GiB", "bf16 TF", "fp16 TF", "fp32 TF", "bus GB/s", "source"],
-                        disable_numparse=True))
+    rows = [[g.id, g.name, f"{g.memory_bytes / 2**30:.0f}", f"{g.hbm_bytes_per_s / 1e12:g}",
+             *(f"{g.peak_flops[k] / 1e12:g}" if k in g.peak_flops else "-" for k in ("bf16", "fp16", "fp32", "fp8")),
+             f"{g.intra_node_bus_bytes_per_s / 1e9:g}", g.scale_up_domain_gpus or "-", g.source]
+            for g in gpu_catalog().values()]
+    typer.echo(tabulate(rows, headers=["id", "name", "GiB", "HBM TB/s", "bf16 TF", "fp16 TF", "fp32 TF", "fp8 TF",
+                                       "bus GB/s", "scale-up GPUs", "source"], disable_numparse=True))
 
 
 # Commands that live in their own modules (they import torch lazily, inside the command).

@@ -103,4 +103,8 @@ def test_catalog_listings_show_counts_and_sources():
     assert "Brown et al. 2020" in models.stdout
     gpus = run("gpus")
     row = next(line for line in gpus.stdout.splitlines() if line.startswith("h100-80gb "))
-    assert "989" in row and "datasheet" in row
+    assert "989" in row and "1979" in row and "datasheet" in row  # bf16 and fp8 dense TFLOP/s
+    gb200 = next(line for line in gpus.stdout.splitlines() if line.startswith("gb200 "))
+    assert " 72 " in gb200  # the NVL72 scale-up domain
+    a100 = next(line for line in gpus.stdout.splitlines() if line.startswith("a100-80gb "))
+    assert a100.split()[a100.split().index("312") + 3] == "-"  # bf16 312, fp16 312, fp32 19.5, no fp8
