@@ -21,6 +21,9 @@ bytes (k dropped: it is no tensor of a token) and for each backward moment, matc
 position; the moments that can be the peak for 1-128 sequences are kept. Saved bytes are the mean over
 the profiled blocks (a layer pattern repeats). Leading dense blocks (DeepSeek) have no steady state: their
 saved bytes are the sparse ones plus the difference of what each kind adds by its own post-forward.
+The blocks' other inputs (masks, rotary tables, positions), which a checkpointed block keeps for its
+recompute, are summed per storage from their forward pre-hooks at four points (a forward each) and fitted
+as s(a + a'b) + s^2(q + q'b): ActivationTerms.checkpoint_held.
 """
 
 from __future__ import annotations
