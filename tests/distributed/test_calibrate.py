@@ -239,10 +239,14 @@ def test_ctrl_c_kills_the_run_in_flight_and_says_how_to_resume(tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "planner.cli", "calibrate", *COMMON, "--sharding", "FULL_SHARD",
                              "--micro-batch", "4", "--out", str(tmp_path), "--fault", "0:1:hang:1"],
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    def hanging() -> bool:  # rank 1 has reached its injected hang (the runner logs it first)
+        return any("injected fault 'hang'" in log.read_text(errors="replace")
+                   for log in (tmp_path / "runs").glob("*/log.txt"))
+
     deadline = time.monotonic() + 120
-    while not (tmp_path / "runs").exists() and time.monotonic() < deadline:  # the run has started
+    while not hanging() and time.monotonic() < deadline and proc.poll() is None:
         time.sleep(0.5)
-    time.sleep(8)  # ranks up and rank 1 hanging
+    assert hanging(), "the run never reached the injected hang"
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err[-3000:]
