@@ -236,9 +236,12 @@ def test_ctrl_c_kills_the_run_in_flight_and_says_how_to_resume(tmp_path):
     import time
 
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    # SIGINT as a terminal delivers it: a suite started in the background (`.ci/run &`) has SIGINT ignored,
+    # which children inherit and Python then never turns into KeyboardInterrupt
     proc = subprocess.Popen([sys.executable, "-m", "planner.cli", "calibrate", *COMMON, "--sharding", "FULL_SHARD",
                              "--micro-batch", "4", "--out", str(tmp_path), "--fault", "0:1:hang:1"],
-                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     def hanging() -> bool:  # rank 1 has reached its injected hang (the runner logs it first)
         return any("injected fault 'hang'" in log.read_text(errors="replace")
                    for log in (tmp_path / "runs").glob("*/log.txt"))
