@@ -98,8 +98,12 @@ class Finetune(str, Enum):
     LORA = "lora"
 
 
+SELECTIVE_OP = "selective-op"  # torchtitan's op-level policy in every block (FsdpConfig.selective_op_ac)
+
+
 def parse_activation_checkpointing(value) -> int:
-    """'none' -> 0, 'full' -> 1, 'every-K' -> K (checkpoint one block in every K)."""
+    """'none' -> 0, 'full' -> 1, 'every-K' -> K (checkpoint one block in every K). 'selective-op' is not
+    a block count: FsdpConfig reads it into selective_op_ac."""
     if isinstance(value, int):
         if value < 0:
             raise SpecError("activation_checkpointing", "must be none, full or every-K with K >= 1")
@@ -111,10 +115,13 @@ def parse_activation_checkpointing(value) -> int:
         return 1
     if text.startswith("every-") and text[6:].isdigit() and int(text[6:]) >= 1:
         return int(text[6:])
-    raise SpecError("activation_checkpointing", f"unknown value {value!r}; choose one of: none, full, every-K (K >= 1)")
+    raise SpecError("activation_checkpointing",
+                    f"unknown value {value!r}; choose one of: none, full, every-K (K >= 1), {SELECTIVE_OP}")
 
 
-def format_activation_checkpointing(ac_every: int) -> str:
+def format_activation_checkpointing(ac_every: int, selective_op: bool = False) -> str:
+    if selective_op:
+        return SELECTIVE_OP
     return {0: "none", 1: "full"}.get(ac_every, f"every-{ac_every}")
 
 
@@ -509,8 +516,21 @@ class FsdpConfig:
     #                                   group does not divide the experts (shard_placement_fn), unpadded
     expert_units: bool = False        # MoE: each sparse block's routed experts wrapped as their own FSDP unit
     reduce_dtype: str | None = None   # gradient reduction dtype (fp32 | bf16); None: the precision's own
+    # torchtitan's selective op-level checkpointing in every block (published.md): matmul, SDPA and max outputs
+    # saved except every second matmul, everything else recomputed; ac_every is 0 with it. Construct with
+    # ac_every="selective-op" (the CLI's --activation-checkpointing value) or selective_op_ac=True.
+    selective_op_ac: bool = False
+    compile: bool = False             # torch.compile of each block (torchtitan compiles per block)
+    float8: bool = False              # torchao Float8 linears (dynamic tensorwise scaling) on FP8 tensor cores
+    fp8_all_gather: bool = False      # with float8, FSDP2 all-gathers the Float8 linears' weights in FP8 (1 byte)
+    reshard_after_forward: int = 0    # FSDP2 int: after forward keep params sharded over this many ranks (a
+    #                                   divisor of the shard group, e.g. the node) and all-gather only among
+    #                                   them in backward; 0: the strategy's own (FULL_SHARD: the whole group)
 
     def __post_init__(self):
+        if isinstance(self.ac_every, str) and self.ac_every.strip().lower() == SELECTIVE_OP:
+            object.__setattr__(self, "ac_every", 0)
+            object.__setattr__(self, "selective_op_ac", True)
         object.__setattr__(self, "sharding", parse_enum(Sharding, self.sharding, "sharding"))
         object.__setattr__(self, "precision", parse_enum(Precision, self.precision, "precision"))
         object.__setattr__(self, "attention", parse_enum(Attention, self.attention, "attention"))
@@ -521,6 +541,17 @@ class FsdpConfig:
             raise SpecError("expert_shard_dim", f"{self.expert_shard_dim!r}; choose 0 (dim 0, padded) or 1")
         if self.reduce_dtype is not None and self.reduce_dtype not in REDUCE_DTYPES:
             raise SpecError("reduce_dtype", f"{self.reduce_dtype!r}; choose one of: {', '.join(REDUCE_DTYPES)}")
+        if self.selective_op_ac and self.ac_every:
+            raise SpecError("activation_checkpointing", f"{SELECTIVE_OP} checkpoints every block by op; "
+                            f"it cannot be combined with {format_activation_checkpointing(self.ac_every)}")
+        if self.fp8_all_gather and not self.float8:
+            raise SpecError("fp8_all_gather", "needs float8 (the FP8 all-gather moves Float8 linears' weights)")
+        if self.reshard_after_forward < 0 or self.reshard_after_forward == 1:
+            raise SpecError("reshard_after_forward", f"{self.reshard_after_forward}; give a group of >= 2 ranks "
+                            "(a divisor of the shard group), or 0 for the strategy's own")
+        if self.reshard_after_forward and self.sharding not in (Sharding.FULL_SHARD, Sharding.HYBRID_SHARD):
+            raise SpecError("reshard_after_forward", f"an int group needs FULL_SHARD or HYBRID_SHARD, not "
+                            f"{self.sharding.value} (which keeps params gathered after forward)")
 
     @property
     def gradient_reduce_dtype(self) -> str:
@@ -529,7 +560,12 @@ class FsdpConfig:
 
     @property
     def activation_checkpointing(self) -> str:
-        return format_activation_checkpointing(self.ac_every)
+        return format_activation_checkpointing(self.ac_every, self.selective_op_ac)
+
+    @property
+    def checkpoints(self) -> bool:
+        """Any activation checkpointing (block-level or selective op-level)."""
+        return bool(self.ac_every or self.selective_op_ac)
 
     def shard_group_size(self, cluster: ClusterSpec) -> int:
         """d: ranks that share one copy of the model state."""
@@ -558,4 +594,8 @@ class FsdpConfig:
             **({"expert_shard_dim": self.expert_shard_dim} if self.expert_shard_dim else {}),
             **({"expert_units": True} if self.expert_units else {}),
             **({"reduce_dtype": self.reduce_dtype} if self.reduce_dtype else {}),
+            **({"compile": True} if self.compile else {}),
+            **({"float8": True} if self.float8 else {}),
+            **({"fp8_all_gather": True} if self.fp8_all_gather else {}),
+            **({"reshard_after_forward": self.reshard_after_forward} if self.reshard_after_forward else {}),
         }
