@@ -13,12 +13,15 @@ Conventions:
 - Activation checkpointing wraps blocks 0, K, 2K, ... (index % K == 0): ceil(L / K) of L blocks, the
   memory-conservative reading of "every-K". FSDP2 applies it before fully_shard (torchtitan); FSDP1
   after wrapping (apply_fsdp1, as accelerate does). Both give the same checkpointed regions.
+  selective-op wraps every block with torchtitan's op-level policy (selective_op_context says what it saves).
+- The order is torchtitan's: Float8 linears (torchao), checkpointing, torch.compile of each block, then
+  fully_shard block by block and the root. Float8 and the FP8 all-gather are GPU-only (fp8 tensor cores).
 - Hugging Face models train with model.config.use_cache = False (disable_kv_cache says why).
 """
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, defaultdict
 
 import torch
 from torch import nn
@@ -40,6 +43,7 @@ from torch.distributed.fsdp import (
 )
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.distributed.fsdp.wrap import CustomPolicy, ModuleWrapPolicy
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from cost_models import fsdp_options
 from cost_models.specs import FsdpConfig, Precision
@@ -104,20 +108,39 @@ def fsdp1_kwargs(config: FsdpConfig, block_classes: set[type], *, gpus_per_node:
 
 def apply_fsdp1(model: nn.Module, config: FsdpConfig, block_classes: set[type], *, param_init_fn=None,
                 **kwargs) -> nn.Module:
-    """FSDP1-wrap `model` (kwargs go to fsdp1_kwargs), then checkpoint every K-th block inside its unit.
+    """FSDP1-wrap `model` (kwargs go to fsdp1_kwargs), then checkpoint every K-th block (or every block with
+    the selective-op policy) inside its unit; float8 converts the blocks' linears before wrapping, compile
+    compiles each block (the wrapper inside its unit) after. FSDP1 has no FP8 all-gather and no int
+    reshard_after_forward: both raise.
 
     param_init_fn: FSDP1's hook that materialises a meta-device unit before it is sharded."""
+    for field, value in (("fp8_all_gather", config.fp8_all_gather), ("reshard_after_forward", config.reshard_after_forward)):
+        if value:
+            raise ValueError(f"{field}: FSDP2 only (fully_shard); FSDP1 has no such option")
     extra = {"param_init_fn": param_init_fn} if param_init_fn is not None else {}
     disable_kv_cache(model)
+    if config.float8:
+        convert_to_float8(model, block_classes, config, _fsdp1_device_type(kwargs.get("device_id")))
     wrapped = FullyShardedDataParallel(model, **fsdp1_kwargs(config, block_classes, **kwargs), **extra)
-    if config.ac_every:
-        apply_activation_checkpointing(wrapped, block_classes, config.ac_every)
+    apply_checkpointing(wrapped, block_classes, config)
+    if config.compile:
+        for parent, name in _block_slots(wrapped, block_classes):
+            unit = getattr(parent, name)
+            (unit._fsdp_wrapped_module if isinstance(unit, FullyShardedDataParallel) else unit).compile()
     return wrapped
 
 
 def _is_trainable_leaf(module: nn.Module) -> bool:
     weight = getattr(module, "weight", None)
     return not list(module.children()) and isinstance(weight, nn.Parameter) and weight.requires_grad
+
+
+def _fsdp1_device_type(device_id) -> str:
+    if isinstance(device_id, torch.device):
+        return device_id.type
+    if isinstance(device_id, int):
+        return "cuda"
+    return torch.accelerator.current_accelerator().type if torch.accelerator.is_available() else "cpu"
 
 
 def _fsdp1_devices_per_node(device_id) -> int:
@@ -145,13 +168,17 @@ def make_mesh(config: FsdpConfig, world_size: int, gpus_per_node: int, device_ty
     return init_device_mesh(device_type, tuple(layout["shape"]), mesh_dim_names=tuple(layout["dim_names"]))
 
 
-def fsdp2_kwargs(config: FsdpConfig, mesh: DeviceMesh) -> dict:
-    """Keyword arguments for fully_shard(module, **kwargs)."""
+def fsdp2_kwargs(config: FsdpConfig, mesh: DeviceMesh, block: bool = False) -> dict:
+    """Keyword arguments for fully_shard(module, **kwargs). block: a block's unit, which takes the config's
+    int reshard_after_forward when it has one (after forward its params stay sharded over that many ranks,
+    and backward all-gathers among them only); the root keeps the strategy's bool (FSDP2 keeps the root's
+    params for backward anyway)."""
     dtypes = _mixed_dtypes(config)
+    reshard = fsdp_options.fully_shard_options(config)["reshard_after_forward"]
     return {
         "mesh": mesh,
         # FULL/HYBRID free gathered params after forward (ZeRO-3); the ZeRO-2 forms keep them for backward.
-        "reshard_after_forward": fsdp_options.fully_shard_options(config)["reshard_after_forward"],
+        "reshard_after_forward": config.reshard_after_forward if block and config.reshard_after_forward else reshard,
         "mp_policy": MixedPrecisionPolicy() if dtypes is None
         else MixedPrecisionPolicy(param_dtype=dtypes[0], reduce_dtype=dtypes[1]),
         # Pinned host memory needs an accelerator; on a CPU mesh (tests) the policy is a no-op anyway.
@@ -172,20 +199,70 @@ def dim1_placement(d: int):
 
 
 def apply_fsdp2(model: nn.Module, config: FsdpConfig, block_classes: set[type], mesh: DeviceMesh) -> nn.Module:
-    """torchtitan-style: checkpoint every K-th block, fully_shard each block (the checkpoint wrapper when
-    there is one, so recompute stays inside the unit), then the root. Returns the same module."""
+    """torchtitan-style: Float8 linears, checkpoint every K-th block (or every block by op), compile each
+    block, fully_shard each block (the checkpoint wrapper when there is one, so recompute stays inside the
+    unit), then the root. Returns the same module."""
     disable_kv_cache(model)
-    if config.ac_every:
-        apply_activation_checkpointing(model, block_classes, config.ac_every)
-    kwargs = fsdp2_kwargs(config, mesh)
+    if config.float8:
+        convert_to_float8(model, block_classes, config, mesh.device_type)
+    apply_checkpointing(model, block_classes, config)
+    kwargs, block_kwargs = fsdp2_kwargs(config, mesh), fsdp2_kwargs(config, mesh, block=True)
     for parent, name in _block_slots(model, block_classes):
         block = getattr(parent, name)
+        if config.compile:  # in place (nn.Module.compile): names, state dict keys and FSDP's hooks unchanged
+            block.compile()
         if config.expert_units:  # the routed experts first: a unit of their own inside the block's
             for experts in expert_modules(block):
-                fully_shard(experts, **kwargs)
-        fully_shard(block, **kwargs)
+                fully_shard(experts, **block_kwargs)
+        fully_shard(block, **block_kwargs)
     fully_shard(model, **kwargs)
     return model
+
+
+# ---------------------------------------------------------------- Float8 (torchao), GPU only
+
+FLOAT8_DIM_MULTIPLE = 16  # FP8 matmuls (torch._scaled_mm) need both dims of the weight divisible by 16
+
+
+def convert_to_float8(model: nn.Module, block_classes: set[type], config: FsdpConfig, device_type: str) -> int:
+    """torchao Float8 linears (tensorwise dynamic scaling) for the blocks' nn.Linear layers whose dims are
+    multiples of 16, as torchtitan converts them (its filter leaves the output head in high precision; here
+    everything outside the blocks stays). With fp8_all_gather FSDP2 all-gathers those weights in FP8.
+    Returns how many linears were converted. Raises on CPU and without torchao: a CUDA GPU with FP8
+    tensor cores (compute capability 8.9+: Ada, Hopper, Blackwell) is needed."""
+    if device_type != "cuda":
+        raise ValueError(f"float8: torchao Float8 linears run on CUDA GPUs with FP8 tensor cores; this run is on "
+                         f"{device_type} (drop float8, or run on an H100-class GPU)")
+    if torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 9):
+        raise ValueError(f"float8: {torch.cuda.get_device_name()} has no FP8 tensor cores (needs compute "
+                         "capability 8.9+: Ada, Hopper, Blackwell)")
+    try:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    except ImportError:
+        raise ValueError("float8: needs torchao (pip install torchao) for its Float8 linears") from None
+    inside = {id(m) for parent, name in _block_slots(model, block_classes) for m in getattr(parent, name).modules()}
+    converted = []
+
+    def wanted(module: nn.Module, fqn: str) -> bool:
+        ok = (isinstance(module, nn.Linear) and id(module) in inside
+              and module.in_features % FLOAT8_DIM_MULTIPLE == 0 and module.out_features % FLOAT8_DIM_MULTIPLE == 0)
+        if ok:
+            converted.append(fqn)
+        return ok
+
+    convert_to_float8_training(model, config=Float8LinearConfig(enable_fsdp_float8_all_gather=config.fp8_all_gather),
+                               module_filter_fn=wanted)
+    return len(converted)
+
+
+def precompute_float8_scales(model: nn.Module, config: FsdpConfig) -> None:
+    """After each optimizer step with the FP8 all-gather: compute every Float8 weight's scale in one
+    all-reduce for all of them (torchao's precompute_float8_dynamic_scale_for_fsdp) instead of one per
+    weight inside each all-gather. No-op otherwise."""
+    if config.fp8_all_gather:
+        from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+        precompute_float8_dynamic_scale_for_fsdp(model)
 
 
 def expert_modules(block: nn.Module) -> list[nn.Module]:
@@ -231,14 +308,55 @@ def disable_kv_cache(model: nn.Module) -> None:
         config.use_cache = False
 
 
-def apply_activation_checkpointing(model: nn.Module, block_classes: set[type], every: int) -> int:
+def apply_checkpointing(model: nn.Module, block_classes: set[type], config: FsdpConfig) -> int:
+    """The config's activation checkpointing: every K-th block, or every block with the selective-op
+    policy; returns how many blocks were wrapped (0 without checkpointing)."""
+    if config.selective_op_ac:
+        return apply_activation_checkpointing(model, block_classes, 1, context_fn=selective_op_context)
+    return apply_activation_checkpointing(model, block_classes, config.ac_every) if config.ac_every else 0
+
+
+# torchtitan's selective op-level checkpointing (shared/reference/published.md): the outputs of these ops
+# are saved, except every second matmul; every other op (norms, activations, elementwise) is recomputed.
+# aten.mm is what nn.Linear dispatches to (2-D weights, bias-free); a biased linear dispatches to addmm,
+# counted as a matmul here too (torchtitan's models have no biases) so a q/k/v bias (Qwen2) changes nothing.
+_aten = torch.ops.aten
+SELECTIVE_OP_MATMULS = frozenset({_aten.mm.default, _aten.addmm.default})
+SELECTIVE_OP_SAVE = SELECTIVE_OP_MATMULS | {
+    _aten._scaled_dot_product_flash_attention.default,
+    _aten._scaled_dot_product_efficient_attention.default,
+    _aten._scaled_dot_product_cudnn_attention.default,
+    _aten._scaled_dot_product_flash_attention_for_cpu.default,  # SDPA's fused kernel on CPU
+    _aten.max.default,  # Float8's absmax: saved so the recompute need not scale again
+    torch.ops._c10d_functional.reduce_scatter_tensor.default,
+}
+
+
+def selective_op_context():
+    """context_fn of a non-reentrant checkpoint: torchtitan's policy, with the matmul count kept apart for
+    the forward and the recompute so both make the same choices (odd matmuls saved, even recomputed)."""
+    matmuls: defaultdict = defaultdict(int)
+
+    def policy(ctx, func, *args, **kwargs):
+        mode = "recompute" if ctx.is_recompute else "forward"
+        if func in SELECTIVE_OP_MATMULS:
+            matmuls[mode] += 1
+        save = func in SELECTIVE_OP_SAVE and not (func in SELECTIVE_OP_MATMULS and matmuls[mode] % 2 == 0)
+        return CheckpointPolicy.MUST_SAVE if save else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
+
+
+def apply_activation_checkpointing(model: nn.Module, block_classes: set[type], every: int, context_fn=None) -> int:
     """Wrap blocks 0, K, 2K, ... in a non-reentrant checkpoint_wrapper; returns how many were wrapped.
+    context_fn: a selective checkpoint policy (selective_op_context), else the whole block is recomputed.
 
     Non-reentrant: works with FSDP, frozen params and kwargs. Works before or after FSDP1 wrapping
     (after, the wrapper sits inside the block's FSDP unit). Already-wrapped blocks are left alone.
     """
     if every < 1:
         raise ValueError(f"every must be >= 1, got {every}")
+    extra = {"context_fn": context_fn} if context_fn is not None else {}
     count = 0
     for index, (parent, name) in enumerate(_block_slots(model, block_classes)):
         if index % every:
@@ -249,7 +367,8 @@ def apply_activation_checkpointing(model: nn.Module, block_classes: set[type], e
             holder, attr = getattr(holder, attr), "_fsdp_wrapped_module"
         if isinstance(getattr(holder, attr), CheckpointWrapper):
             continue
-        setattr(holder, attr, checkpoint_wrapper(getattr(holder, attr), checkpoint_impl=CheckpointImpl.NO_REENTRANT))
+        setattr(holder, attr, checkpoint_wrapper(getattr(holder, attr), checkpoint_impl=CheckpointImpl.NO_REENTRANT,
+                                                 **extra))
         count += 1
     return count
 

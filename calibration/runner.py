@@ -16,7 +16,9 @@ steps. Each rank:
 2. applies the config through calibration.apply, the code path the emitted config uses (FSDP2:
    apply_fsdp2; FSDP1: apply_fsdp1 with a param_init_fn that materialises each unit on its device), then
    materialises and initialises the parameters: N(0, 0.02) for matrices, ones for norm weights, zeros
-   for biases. Weights do not matter to speed or memory; NaN-free numbers do (fp16 loss scaling). Both
+   for biases. The config's selective-op checkpointing, per-block torch.compile (the warmup steps absorb
+   the compile), Float8 linears and FP8 all-gather (CUDA only; the scales precomputed after each optimizer
+   step) are applied there too. Weights do not matter to speed or memory; NaN-free numbers do (fp16 loss scaling). Both
    apply functions turn a Hugging Face model's KV cache off (model.config.use_cache = False), as the
    emitted code does: left on, checkpointed recompute grows it and the measured peak with it;
 3. trains on synthetic token batches (random ids, labels = ids): `warmup` steps, then `steps` timed
@@ -54,7 +56,7 @@ import torch.distributed as dist
 from torch import nn
 
 from calibration.apply import (apply_fsdp1, apply_fsdp2, block_classes_for, cast_for_precision, grad_scaler_for,
-                               make_mesh)
+                               make_mesh, precompute_float8_scales)
 from calibration.build import build_model, load_factory
 from calibration.store import cpu_name, model_spec_from_dict, write_atomic
 from cost_models.specs import FsdpConfig, ModelSpec, Sharding
@@ -335,6 +337,7 @@ def run(job: dict) -> None:
             scaler.update()
         else:
             optimizer.step()
+        precompute_float8_scales(model, config)  # FP8 all-gather: next step's weight scales, one all-reduce
         optimizer.zero_grad(set_to_none=True)
         last_loss[0] = loss.detach().float().item() * config.grad_accum
 
