@@ -60,6 +60,9 @@ class Candidate:
         if "shard_placement_fn" in opts:  # with this plan's shard group in place of d
             d = self.config.shard_group_size(self.cluster)
             opts["shard_placement_fn"] = "lambda p: " + opts["shard_placement_fn"].replace("% d", f"% {d}")
+        if self.config.reshard_after_forward:  # the blocks' int group; the root keeps the strategy's bool
+            opts["root_reshard_after_forward"] = opts["reshard_after_forward"]
+            opts["reshard_after_forward"] = self.config.reshard_after_forward
         return opts
 
     def fsdp_kwargs(self, module=None, *, device_id=None) -> dict:
@@ -221,10 +224,14 @@ def estimate(model, gpus: int, *, gpu: str = DEFAULT_GPU, gpus_per_node: int | N
              offload: bool = False, backward_prefetch: bool = True, forward_prefetch: bool = False,
              limit_all_gathers: bool = True, profile: Profile | None = None,
              trust_remote_code: bool = False, expert_shard_dim: int = 0, expert_units: bool = False,
-             reduce_dtype: str | None = None) -> Candidate:
+             reduce_dtype: str | None = None, compile: bool = False, float8: bool = False,
+             fp8_all_gather: bool = False, reshard_after_forward: int = 0) -> Candidate:
     """Cost one explicit configuration (attention None: the model's first choice; expert_shard_dim=1: FSDP2
     shards stacked MoE expert matrices on dim 1, unpadded; expert_units: MoE experts as their own units;
-    reduce_dtype fp32 | bf16: the gradient reduction's dtype, None: the precision's)."""
+    reduce_dtype fp32 | bf16: the gradient reduction's dtype, None: the precision's; activation_checkpointing
+    "selective-op": torchtitan's op-level policy in every block; compile: torch.compile per block; float8:
+    torchao Float8 linears, fp8_all_gather: FSDP2 gathers them in FP8; reshard_after_forward N: FSDP2 keeps
+    block params sharded over N ranks after forward, 0: the strategy's own)."""
     spec, cluster, training = resolve_inputs(
         model, gpus, gpu=gpu, gpus_per_node=gpus_per_node, internode_gbps=internode_gbps, gpu_memory=gpu_memory,
         intra_node_gb_per_s=intra_node_gb_per_s, pcie_gb_per_s=pcie_gb_per_s, cpu_ram_per_node=cpu_ram_per_node,
@@ -237,7 +244,9 @@ def estimate(model, gpus: int, *, gpu: str = DEFAULT_GPU, gpus_per_node: int | N
                         ac_every=activation_checkpointing, micro_batch=micro_batch, grad_accum=grad_accum,
                         attention=attention, backward_prefetch=backward_prefetch,
                         forward_prefetch=forward_prefetch, limit_all_gathers=limit_all_gathers,
-                        expert_shard_dim=expert_shard_dim, expert_units=expert_units, reduce_dtype=reduce_dtype)
+                        expert_shard_dim=expert_shard_dim, expert_units=expert_units, reduce_dtype=reduce_dtype,
+                        compile=compile, float8=float8, fp8_all_gather=fp8_all_gather,
+                        reshard_after_forward=reshard_after_forward)
     if expert_units and spec.moe is None:
         raise PlannerError("expert_units", f"{spec.name} has no routed experts (a dense model): drop --expert-units")
     return estimate_config(spec, cluster, training, config, profile)
@@ -294,14 +303,30 @@ def model_attention(spec: ModelSpec, attention: str | None) -> str:
 def estimate_config(spec: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, config: FsdpConfig,
                     profile: Profile | None = None) -> Candidate:
     """Cost an FsdpConfig; configurations that cannot run on the cluster at all raise PlannerError."""
+    error = cluster_rejects(cluster, config)
+    if error is not None:
+        raise error
+    return Candidate(evaluate(spec, cluster, training, config, profile or DEFAULT_PROFILE), spec, cluster, training)
+
+
+def cluster_rejects(cluster: ClusterSpec, config: FsdpConfig) -> PlannerError | None:
+    """Why `config` cannot run on `cluster` at all (its field and the valid choices), or None."""
     if config.sharding.is_hybrid and cluster.n_gpus % cluster.gpus_per_node:
-        raise PlannerError("gpus_per_node", f"{config.sharding.value} needs gpus ({cluster.n_gpus}) divisible by "
-                           f"gpus_per_node ({cluster.gpus_per_node})")
+        return PlannerError("gpus_per_node", f"{config.sharding.value} needs gpus ({cluster.n_gpus}) divisible by "
+                            f"gpus_per_node ({cluster.gpus_per_node})")
     if not cluster.gpu.supports(config.precision.compute_dtype):
         supported = ", ".join(p.value for p in Precision if cluster.gpu.supports(p.compute_dtype))
-        raise PlannerError("precision", f"{cluster.gpu.id} has no {config.precision.compute_dtype} support; "
-                           f"choose one of: {supported}")
-    return Candidate(evaluate(spec, cluster, training, config, profile or DEFAULT_PROFILE), spec, cluster, training)
+        return PlannerError("precision", f"{cluster.gpu.id} has no {config.precision.compute_dtype} support; "
+                            f"choose one of: {supported}")
+    if config.float8 and not cluster.gpu.supports("fp8"):
+        return PlannerError("float8", f"{cluster.gpu.id} has no FP8 tensor cores; drop --float8, or plan for a GPU "
+                                      "that has them (fsdp-plan gpus: the fp8 TF column)")
+    d = config.shard_group_size(cluster)
+    if config.reshard_after_forward and d % config.reshard_after_forward:
+        return PlannerError("reshard_after_forward", f"{config.reshard_after_forward} does not divide the shard group "
+                                                     f"of {d} ranks; choose a divisor >= 2 of {d} (e.g. the node's "
+                                                     f"{cluster.gpus_per_node} GPUs), or 0")
+    return None
 
 
 __all__ = ["plan", "estimate", "Plan", "Candidate", "Sharding", "SpecError"]

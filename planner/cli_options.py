@@ -91,8 +91,9 @@ def config_command(app, name: str, help_text: str, run: ConfigRunner, takes_prof
         sharding: Annotated[str, typer.Option("--sharding", help="FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD, "
                                                                  "HYBRID_SHARD_ZERO2")] = "FULL_SHARD",
         precision: Annotated[str, typer.Option("--precision", help="fp32, bf16, bf16-pure, fp16")] = "bf16",
-        activation_checkpointing: Annotated[str, typer.Option("--activation-checkpointing",
-                                                              help="none, full, every-K")] = "none",
+        activation_checkpointing: Annotated[str, typer.Option("--activation-checkpointing", help="none, full, every-K, "
+                                                              "selective-op (torchtitan's op-level policy in every "
+                                                              "block)")] = "none",
         micro_batch: Annotated[int, typer.Option("--micro-batch", help="Sequences per GPU per micro-step")] = 1,
         grad_accum: Annotated[Optional[int], typer.Option("--grad-accum", help="Micro-steps per optimizer step")] = None,
         offload: Annotated[bool, typer.Option("--offload/--no-offload",
@@ -105,6 +106,15 @@ def config_command(app, name: str, help_text: str, run: ConfigRunner, takes_prof
                                                    "routed experts as their own FSDP unit")] = False,
         reduce_dtype: Annotated[Optional[str], typer.Option("--reduce-dtype", help="gradient reduction dtype: fp32 "
                                                             "or bf16 (default: the precision's)")] = None,
+        compile: Annotated[bool, typer.Option("--compile/--no-compile", help="torch.compile each block "
+                                              "(torchtitan style, before fully_shard)")] = False,
+        float8: Annotated[bool, typer.Option("--float8/--no-float8", help="torchao Float8 linears in the blocks "
+                                             "(GPUs with FP8 tensor cores, bf16 compute)")] = False,
+        fp8_all_gather: Annotated[bool, typer.Option("--fp8-all-gather/--no-fp8-all-gather", help="with --float8, "
+                                                     "FSDP2 all-gathers the Float8 weights in FP8")] = False,
+        reshard_after_forward: Annotated[int, typer.Option("--reshard-after-forward", help="FSDP2: after forward keep "
+                                                           "block params sharded over N ranks (a divisor of the shard "
+                                                           "group, e.g. a node); 0: the strategy's own")] = 0,
         output_format: FormatOpt = Format.table,
         profile: ProfileOpt = None, force_profile: ForceProfile = False, trust_remote_code: TrustRemoteCode = False,
     ):
@@ -118,7 +128,9 @@ def config_command(app, name: str, help_text: str, run: ConfigRunner, takes_prof
         config = dict(sharding=sharding, precision=precision, activation_checkpointing=activation_checkpointing,
                       micro_batch=micro_batch, grad_accum=grad_accum, attention=attention, offload=offload,
                       backward_prefetch=backward_prefetch, limit_all_gathers=limit_all_gathers,
-                      expert_shard_dim=expert_shard_dim, expert_units=expert_units, reduce_dtype=reduce_dtype)
+                      expert_shard_dim=expert_shard_dim, expert_units=expert_units, reduce_dtype=reduce_dtype,
+                      compile=compile, float8=float8, fp8_all_gather=fp8_all_gather,
+                      reshard_after_forward=reshard_after_forward)
         if takes_profile:
             config["profile"] = load_profile_flag(profile, gpu, force_profile)
         run(model, args, config, output_format)

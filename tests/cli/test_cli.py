@@ -61,6 +61,16 @@ def test_estimate_json_keys_and_values():
     (["estimate", "--model", "gpt-13b", "--gpus", "8", "--gpu", "v100-32gb", "--precision", "bf16"], "precision"),
     (["--model", "gpt-13b", "--gpus", "eight"], "gpus"),
     (["--gpus", "8"], "model"),
+    # the issue-10 options: each bad value names its field and what is valid
+    (["estimate", "--model", "gpt-13b", "--gpus", "8", "--activation-checkpointing", "selective"],
+     "activation_checkpointing"),
+    (["estimate", "--model", "gpt-13b", "--gpus", "8", "--fp8-all-gather"], "fp8_all_gather"),
+    (["estimate", "--model", "gpt-13b", "--gpus", "8", "--float8"], "float8"),  # a100-80gb: no FP8
+    (["estimate", "--model", "gpt-13b", "--gpus", "16", "--reshard-after-forward", "1"], "reshard_after_forward"),
+    (["estimate", "--model", "gpt-13b", "--gpus", "16", "--reshard-after-forward", "3"], "reshard_after_forward"),
+    (["estimate", "--model", "gpt-13b", "--gpus", "16", "--reshard-after-forward", "8", "--sharding", "SHARD_GRAD_OP"],
+     "reshard_after_forward"),
+    (["estimate", "--model", "gpt-13b", "--gpus", "16", "--reshard-after-forward", "eight"], "reshard-after-forward"),
 ])
 def test_bad_input_one_line_exit_2(args, field):
     r = run(*args)
@@ -68,6 +78,30 @@ def test_bad_input_one_line_exit_2(args, field):
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
     assert field in lines[0]
+
+
+@pytest.mark.parametrize("args,valid", [
+    (["--activation-checkpointing", "selective"], "selective-op"),
+    (["--reshard-after-forward", "3"], "divisor >= 2 of 16"),
+    (["--fp8-all-gather"], "needs float8"),
+])
+def test_bad_issue10_values_say_what_is_valid(args, valid):
+    r = run("estimate", "--model", "gpt-13b", "--gpus", "16", "--gpu", "h100-80gb", *args)
+    assert r.returncode == 2 and valid in r.stderr, r.stderr
+
+
+def test_estimate_selective_op_compile_float8_and_int_reshard():
+    r = run("estimate", "--model", "llama3-8b", "--gpus", "16", "--gpu", "h100-80gb", "--seq-len", "8192",
+            "--micro-batch", "2", "--activation-checkpointing", "selective-op", "--compile", "--float8",
+            "--fp8-all-gather", "--reshard-after-forward", "8", "--format", "json")
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    assert d["config"]["activation_checkpointing"] == "selective-op"
+    assert {k: d["config"].get(k) for k in ("compile", "float8", "fp8_all_gather", "reshard_after_forward")} == {
+        "compile": True, "float8": True, "fp8_all_gather": True, "reshard_after_forward": 8}
+    # blocks keep params sharded over the node's 8 ranks after forward; the root keeps FULL_SHARD's bool
+    assert d["fully_shard_kwargs"]["reshard_after_forward"] == 8
+    assert d["fully_shard_kwargs"]["root_reshard_after_forward"] is True
 
 
 def test_unknown_preset_suggests_close_names():
