@@ -11,6 +11,8 @@ from __future__ import annotations
 from cost_models import fsdp_options, moe
 from cost_models.specs import ClusterSpec, FsdpConfig, ModelSpec, Precision, TrainingSpec
 
+from . import emit_techniques as tech
+
 _ACCELERATE_MIXED = {Precision.FP32: "no", Precision.BF16: "bf16", Precision.FP16: "fp16", Precision.BF16_PURE: "no"}
 RDZV_PORT = 29500
 _YAML_WORDS = {"no", "yes", "on", "off", "true", "false", "null", "y", "n"}
@@ -31,6 +33,7 @@ def _summary(config: FsdpConfig, model_spec: ModelSpec, cluster: ClusterSpec) ->
         f"{f' (gradients reduced in {config.reduce_dtype})' if config.reduce_dtype else ''}, offload {offload}, "
         f"activation checkpointing {config.activation_checkpointing}, attention {config.attention.value}",
         f"micro-batch {config.micro_batch} per GPU, gradient accumulation {config.grad_accum}",
+        *tech.summary_line(config),
     ]
 
 
@@ -88,7 +91,13 @@ def _notes(config: FsdpConfig, training: TrainingSpec | None = None) -> list[str
 
 
 def _ac_every_clause(config: FsdpConfig) -> str:
-    return "" if config.ac_every == 1 else f" if i % {config.ac_every} == 0"
+    return "" if config.ac_every <= 1 else f" if i % {config.ac_every} == 0"  # selective-op: every block
+
+
+def _wrapper_call(config: FsdpConfig, module: str) -> str:
+    """checkpoint_wrapper(...) of one block: non-reentrant, with the selective-op policy when planned."""
+    policy = ", context_fn=selective_op_context" if config.selective_op_ac else ""
+    return f"checkpoint_wrapper({module}, checkpoint_impl=CheckpointImpl.NO_REENTRANT{policy})"
 
 
 # ---------------------------------------------------------------- artifacts
@@ -114,7 +123,7 @@ def emit_fsdp1(config: FsdpConfig, model_spec: ModelSpec, cluster: ClusterSpec,
         "from torch.distributed.fsdp.wrap import CustomPolicy" if lora else "from torch.distributed.fsdp.wrap import ModuleWrapPolicy",
     ]
     ac = []
-    if config.ac_every:
+    if config.checkpoints:
         imports.append("from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (\n"
                        "    CheckpointImpl, apply_activation_checkpointing, checkpoint_wrapper)")
         ac = [
@@ -122,10 +131,17 @@ def emit_fsdp1(config: FsdpConfig, model_spec: ModelSpec, cluster: ClusterSpec,
             f"checkpointed = {{block for i, block in enumerate(blocks){_ac_every_clause(config)}}}",
             "apply_activation_checkpointing(",
             "    model,",
-            "    checkpoint_wrapper_fn=lambda m: checkpoint_wrapper(m, checkpoint_impl=CheckpointImpl.NO_REENTRANT),",
+            f"    checkpoint_wrapper_fn=lambda m: {_wrapper_call(config, 'm')},",
             "    check_fn=lambda m: m in checkpointed,",
             ")",
         ]
+    imports += tech.imports(config)
+    if config.compile:
+        ac += ["# torch.compile each block in place, inside its unit (the checkpoint wrapper when there is one)",
+               "for unit in model.modules():",
+               "    inner = getattr(unit, \"_fsdp_wrapped_module\", None)",
+               "    if unit is not model and getattr(inner, \"_checkpoint_wrapped_module\", inner) in blocks:",
+               "        inner.compile()"]
     policy = "    auto_wrap_policy=ModuleWrapPolicy({type(blocks[0])}),  # one unit per block + the root"
     lora_unit = []
     if lora:
@@ -139,6 +155,8 @@ def emit_fsdp1(config: FsdpConfig, model_spec: ModelSpec, cluster: ClusterSpec,
             "",
         ]
     body = _preamble(config, "blocks", "[m for m in model.modules() if type(m).__name__ == BLOCK_CLASS]") + lora_unit + [
+        *tech.float8_lines(config, "[n for n, m in model.named_modules() if type(m).__name__ == BLOCK_CLASS]",
+                           fp8_all_gather=False),
         "if device is None:",
         "    device = torch.device(\"cuda\", torch.cuda.current_device())  # set from LOCAL_RANK beforehand",
         "model = FSDP(",
@@ -158,7 +176,7 @@ def emit_fsdp1(config: FsdpConfig, model_spec: ModelSpec, cluster: ClusterSpec,
         "    device_id=device,",
         ")",
     ] + ac + ["return model"]
-    return _render(config, model_spec, cluster, imports, body, training)
+    return _render(config, model_spec, cluster, imports, body, training, tech.fsdp1_unexpressed(config))
 
 
 def emit_fsdp2(config: FsdpConfig, model_spec: ModelSpec, cluster: ClusterSpec,
@@ -171,9 +189,10 @@ def emit_fsdp2(config: FsdpConfig, model_spec: ModelSpec, cluster: ClusterSpec,
         "from torch.distributed.device_mesh import init_device_mesh",
         "from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard",
     ]
-    if config.ac_every:
+    if config.checkpoints:
         imports.append("from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import "
                        "CheckpointImpl, checkpoint_wrapper")
+    imports += tech.imports(config)
     world = "dist.get_world_size()"
     layout = fsdp_options.mesh_layout(config, cluster.n_gpus, cluster.gpus_per_node)
     if len(layout["shape"]) == 1:
@@ -194,20 +213,28 @@ def emit_fsdp2(config: FsdpConfig, model_spec: ModelSpec, cluster: ClusterSpec,
             "    parent_name, _, attr = name.rpartition(\".\")",
             "    parent = model.get_submodule(parent_name)",
             "    block = getattr(parent, attr)"]
-    if config.ac_every:
-        wrap = ["block = checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT)",
+    if config.checkpoints:
+        wrap = [f"block = {_wrapper_call(config, 'block')}",
                 "setattr(parent, attr, block)  # shard the wrapper: recompute stays inside the unit"]
         note = f"# activation checkpointing ({config.activation_checkpointing}), non-reentrant"
-        if config.ac_every == 1:
+        if config.ac_every <= 1:
             loop += [f"    {note}"] + [f"    {line}" for line in wrap]
         else:
             loop += [f"    if i % {config.ac_every} == 0:  {note}"] + [f"        {line}" for line in wrap]
+    if config.compile:
+        loop += [f"    block.compile()  # {tech.COMPILE_NOTE}"]
+    unit_kwargs = "block_kwargs" if config.reshard_after_forward else "fsdp_kwargs"
     if config.expert_units:
         loop += ["    # MoE: each routed-experts module (the stacked expert tensors) its own unit, inside the block's",
                  f"    for experts in [m for m in block.modules() if {fsdp_options.IS_EXPERTS_MODULE}]:",
-                 "        fully_shard(experts, **fsdp_kwargs)"]
-    loop += ["    fully_shard(block, **fsdp_kwargs)",
+                 f"        fully_shard(experts, **{unit_kwargs})"]
+    loop += [f"    fully_shard(block, **{unit_kwargs})",
              "fully_shard(model, **fsdp_kwargs)  # root: embeddings, final norm, head"]
+    block_kwargs = [
+        f"block_kwargs = {{**fsdp_kwargs, \"reshard_after_forward\": {config.reshard_after_forward}}}  # blocks: after "
+        f"forward keep params sharded over groups of {config.reshard_after_forward} ranks,",
+        "# so backward all-gathers inside a group only (the root keeps its own: FSDP2 holds the root for backward)",
+    ] if config.reshard_after_forward else []
     body = _preamble(config, "block_names",
                      "[n for n, m in model.named_modules() if type(m).__name__ == BLOCK_CLASS]") + [
         "device_type = \"cuda\" if device is None else torch.device(device).type",
@@ -219,9 +246,12 @@ def emit_fsdp2(config: FsdpConfig, model_spec: ModelSpec, cluster: ClusterSpec,
         f"    mp_policy={mp},",
         ")",
         *offload,
+        *block_kwargs,
         *_moe_padding_fix(config, model_spec, cluster),
+        *tech.float8_lines(config, "block_names", fp8_all_gather=config.fp8_all_gather),
     ] + loop + ["return model"]
-    return _render(config, model_spec, cluster, imports, body, training)
+    return _render(config, model_spec, cluster, imports, body, training,
+                   [tech.PRECOMPUTE_NOTE] if config.fp8_all_gather else [])
 
 
 def _moe_padding_fix(config: FsdpConfig, model_spec: ModelSpec, cluster: ClusterSpec) -> list[str]:
@@ -248,14 +278,15 @@ def _moe_padding_fix(config: FsdpConfig, model_spec: ModelSpec, cluster: Cluster
 
 
 def _render(config, model_spec, cluster, imports: list[str], body: list[str],
-            training: TrainingSpec | None = None) -> str:
-    notes = _notes(config, training)
+            training: TrainingSpec | None = None, extra_notes: list[str] = ()) -> str:
+    notes = _notes(config, training) + list(extra_notes)
     return "\n".join([
         _comment(_summary(config, model_spec, cluster)),
         *imports,
         "",
         f"BLOCK_CLASS = {model_spec.block_class!r}  # the repeated block: one FSDP unit each",
         "",
+        *tech.module_level(config),
         "",
         "def apply_fsdp(model, device=None):",
         *(f"    {line}" if line else "" for line in body),
@@ -268,7 +299,7 @@ def emit_accelerate(config: FsdpConfig, model_spec: ModelSpec, cluster: ClusterS
     """accelerate (1.x) config YAML, FSDP1 or FSDP2 form, loadable by `accelerate launch --config_file`."""
     strategy, strategy_note = _fsdp1_strategy(config, cluster)
     strategy = strategy.lstrip("_")  # accelerate names it HYBRID_SHARD_ZERO2
-    mixed = _ACCELERATE_MIXED[config.precision]
+    mixed = "fp8" if config.float8 else _ACCELERATE_MIXED[config.precision]
     ac_note = ""
     if config.ac_every > 1:
         ac_note = (f"accelerate checkpoints every block (the plan: {config.activation_checkpointing}); "
@@ -299,7 +330,7 @@ def emit_accelerate(config: FsdpConfig, model_spec: ModelSpec, cluster: ClusterS
         ("fsdp_cpu_ram_efficient_loading", True, "only rank 0 reads the checkpoint (transformers models)"),
         ("fsdp_sync_module_states", True, "required by the line above: broadcasts rank 0's weights once"),
         ("fsdp_state_dict_type", "SHARDED_STATE_DICT", "each rank saves its shard: no full gather on rank 0"),
-        ("fsdp_activation_checkpointing", config.ac_every > 0, ac_note),
+        ("fsdp_activation_checkpointing", config.checkpoints, ac_note),
     ]
     top = [
         ("compute_environment", "LOCAL_MACHINE", ""),
@@ -324,12 +355,14 @@ def emit_accelerate(config: FsdpConfig, model_spec: ModelSpec, cluster: ClusterS
             ("parallelism_config_dp_replicate_size", layout["shape"][0], "replicas (HSDP across nodes)"),
             ("parallelism_config_dp_shard_size", layout["shape"][1], "shard group"),
         ], ""))
-    header = _summary(config, model_spec, cluster) + _notes(config, training)
+    top += tech.accelerate_dynamo(config) + tech.accelerate_fp8(config, fsdp_version)
+    header = _summary(config, model_spec, cluster) + _notes(config, training) + tech.accelerate_unexpressed(
+        config, fsdp_version)
     if cluster.n_nodes > 1:
         header.append("multi-node: pass --main_process_ip <address of machine_rank 0> to accelerate launch")
     if config.limit_all_gathers is False:
         header.append("limit_all_gathers=False is not a config key: set it on FullyShardedDataParallelPlugin")
-    if config.ac_every:
+    if config.checkpoints:
         header.append(f"set model.config.use_cache = False in your training loop (HF Trainer does: "
                       f"TrainingArguments.use_cache defaults to False); {_KV_CACHE_WHY}")
     if config.grad_accum > 1:
@@ -377,7 +410,7 @@ def _yaml(entries, indent: str = "") -> list[str]:
 
 def emit_torchrun(config: FsdpConfig, model_spec: ModelSpec, cluster: ClusterSpec, script: str = "train.py") -> str:
     """torchrun command line: standalone on one node, c10d rendezvous on $MASTER_ADDR across nodes."""
-    header = _summary(config, model_spec, cluster)
+    header = _summary(config, model_spec, cluster) + tech.launcher_notes(config)
     if cluster.n_nodes == 1:
         command = f"torchrun --standalone --nproc_per_node {cluster.gpus_per_node} {script}"
     else:
@@ -415,7 +448,7 @@ def emit_lightning(config: FsdpConfig, model_spec: ModelSpec, cluster: ClusterSp
         "strategy = FSDPStrategy(",
         f"    sharding_strategy=ShardingStrategy.{strategy},{'  # ' + strategy_note if strategy_note else ''}",
         "    auto_wrap_policy={Block},",
-        f"    activation_checkpointing_policy={'{Block}' if config.ac_every else 'None'},"
+        f"    activation_checkpointing_policy={'{Block}' if config.checkpoints else 'None'},"
         + (f"  # Lightning checkpoints every block (plan: {config.activation_checkpointing})" if config.ac_every > 1 else ""),
         f"    cpu_offload={'CPUOffload(offload_params=True)' if config.offload else 'False'},",
         f"    mixed_precision={'None' if dtypes is None else f'MixedPrecision(param_dtype={dtypes[0]}, reduce_dtype={dtypes[1]})'},",
@@ -428,8 +461,9 @@ def emit_lightning(config: FsdpConfig, model_spec: ModelSpec, cluster: ClusterSp
         f"num_nodes={cluster.n_nodes}, precision=\"{precision}\", accumulate_grad_batches={config.grad_accum})",
         f"# DataLoader batch_size={config.micro_batch} per GPU",
     ]
-    if config.ac_every:
+    if config.checkpoints:
         lines.append(f"# in the LightningModule: model.config.use_cache = False; {_KV_CACHE_WHY}")
+    lines += [f"# {note}" for note in tech.lightning_unexpressed(config)]
     return "\n".join(lines) + "\n"
 
 
@@ -437,7 +471,7 @@ def emit_slurm(config: FsdpConfig, model_spec: ModelSpec, cluster: ClusterSpec, 
     """sbatch script: one task per node, each running torchrun for that node's GPUs (c10d rendezvous)."""
     return "\n".join([
         "#!/bin/bash",
-        _comment(_summary(config, model_spec, cluster)),
+        _comment(_summary(config, model_spec, cluster) + tech.launcher_notes(config)),
         f"#SBATCH --job-name=fsdp-{model_spec.name}",
         f"#SBATCH --nodes={cluster.n_nodes}",
         "#SBATCH --ntasks-per-node=1",
