@@ -10,6 +10,7 @@ Not covered on CPU, and why:
 - FSDP1 CPUOffload needs an accelerator ("Cannot access accelerator device"); FSDP2 offload is covered.
 - FSDP1 HYBRID with a shard group > 1: FSDP1 takes the node size from device_count() of the device,
   which is 1 for CPU. HYBRID with gpus_per_node=1 is covered (fsdp1_kwargs maps it to NO_SHARD).
+- Float8 and the FP8 all-gather: CUDA GPUs with FP8 tensor cores only (tests/gpu/test_float8.py).
 - fp16: ShardedGradScaler works on CPU, but this toy run hits an fp16 overflow spike at step 5 and the
   scaler needs several skipped steps to back off (from 2**16), so 8 steps cannot show the decrease.
 bf16 works on CPU/gloo (FSDP1 MixedPrecision, FSDP2 MixedPrecisionPolicy, bf16-pure) and is covered.
@@ -30,7 +31,7 @@ pytestmark = pytest.mark.distributed
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("worker_train.py")
-TIMEOUT_S = 120  # a launch takes ~8 s on 2 cores; a hang must not stall CI
+TIMEOUT_S = 180  # a launch takes ~8 s on 2 cores (FSDP2's: ~25 s with its compiled case); a hang must not stall CI
 
 CASES = {
     1: [
@@ -42,6 +43,7 @@ CASES = {
         {"sharding": "FULL_SHARD", "precision": "bf16", "lora": 8},
         {"sharding": "FULL_SHARD", "precision": "bf16", "lora": 8, "emitted": True},
         {"sharding": "FULL_SHARD", "precision": "bf16", "reduce_dtype": "bf16"},   # bf16 reduce-scatter
+        {"sharding": "FULL_SHARD", "precision": "fp32", "activation_checkpointing": "selective-op"},
     ],
     2: [
         {"sharding": "FULL_SHARD", "precision": "fp32", "activation_checkpointing": "every-2"},
@@ -54,6 +56,10 @@ CASES = {
         {"sharding": "FULL_SHARD", "precision": "bf16", "lora": 8, "activation_checkpointing": "every-2"},
         {"sharding": "FULL_SHARD", "precision": "bf16", "reduce_dtype": "bf16", "emitted": True},
         {"sharding": "FULL_SHARD", "precision": "fp32", "reduce_dtype": "bf16"},  # a policy casting only the grads
+        {"sharding": "FULL_SHARD", "precision": "fp32", "activation_checkpointing": "selective-op", "emitted": True},
+        # torch.compile of each block (~15 s of inductor on 2 cores: the one compiled run), with selective-op
+        {"sharding": "FULL_SHARD", "precision": "bf16", "activation_checkpointing": "selective-op", "compile": True,
+         "emitted": True},
     ],
 }
 PARAMS = [(v, i) for v, cases in CASES.items() for i in range(len(cases))]
@@ -63,7 +69,7 @@ def _ids(param):
     version, index = param
     case = CASES[version][index]
     extras = [str(case[k]) if k == "activation_checkpointing" else k
-              for k in ("activation_checkpointing", "offload", "emitted", "lora") if k in case]
+              for k in ("activation_checkpointing", "offload", "compile", "emitted", "lora") if k in case]
     return "-".join([f"fsdp{version}", case["sharding"], case["precision"], *extras])
 
 
@@ -96,16 +102,17 @@ def test_loss_decreases(param):
     else:
         assert losses[-1] < 0.7 * losses[0], losses
     # Blocks 0, K, 2K, ... of the 4 are checkpointed: ceil(4 / K).
-    ac_every = {"full": 1, "every-2": 2}.get(CASES[version][index].get("activation_checkpointing"), 0)
+    ac_every = {"full": 1, "every-2": 2, "selective-op": 1}.get(CASES[version][index].get("activation_checkpointing"), 0)
     assert result["checkpointed_blocks"] == (-(-4 // ac_every) if ac_every else 0)
+    assert result["compiled_blocks"] == (4 if CASES[version][index].get("compile") else 0)
 
 
 @pytest.mark.parametrize("precision,rel", [("fp32", 1e-4), ("bf16", 1e-3)])
 def test_same_precision_same_trajectory(precision, rel):
     """Same seed and data: FSDP1 and FSDP2, every layout, AC choice, and the emitted snippets give the
     same losses; layouts change memory, not math. A replica missing its gradient all-reduce diverges."""
-    results = [r for v in CASES for r in launch(v)
-               if r["config"]["precision"] == precision and "lora" not in r["config"] and "reduce_dtype" not in r["config"]]
+    results = [r for v in CASES for r in launch(v) if r["config"]["precision"] == precision
+               and not {"lora", "reduce_dtype", "compile"} & set(r["config"])]
     assert len({(r["fsdp_version"], bool(r["config"].get("emitted"))) for r in results}) >= 3
     reference = results[0]["losses"]
     for result in results[1:]:
@@ -122,6 +129,22 @@ def test_a_bf16_gradient_reduction_stays_near_its_precision_s_trajectory():
         assert result["losses"] == pytest.approx(reference["losses"], rel=0.05), (result["config"], result["losses"])
         if result["config"]["precision"] == "fp32":  # fp32 otherwise reduces in fp32: the cast took effect
             assert result["losses"] != reference["losses"]
+
+
+def test_selective_op_checkpointing_changes_memory_not_math():
+    """selective-op through calibration.apply (FSDP1) and the emitted FSDP2 snippet: the fp32 losses of
+    the plain run, and the compiled bf16 one near bf16's eager trajectory (inductor fuses, so not the same bits)."""
+    runs = [r for v in CASES for r in launch(v)]
+    fp32 = next(r for r in runs if r["config"] == {"sharding": "FULL_SHARD", "precision": "fp32"})
+    selective = [r for r in runs if r["config"].get("activation_checkpointing") == "selective-op"]
+    assert {(r["fsdp_version"], bool(r["config"].get("emitted")), bool(r["config"].get("compile")))
+            for r in selective} == {(1, False, False), (2, True, False), (2, True, True)}
+    for result in selective:
+        if result["config"]["precision"] == "fp32":
+            assert result["losses"] == pytest.approx(fp32["losses"], rel=1e-4), result["config"]
+    compiled = next(r for r in selective if r["config"].get("compile"))
+    bf16 = next(r for r in runs if r["config"] == {"sharding": "FULL_SHARD", "precision": "bf16"})
+    assert compiled["losses"] == pytest.approx(bf16["losses"], rel=0.03), compiled["losses"]
 
 
 def test_lora_same_trajectory_in_fsdp1_fsdp2_and_the_emitted_snippet():

@@ -8,7 +8,7 @@ optional "gpus_per_node" (HYBRID meshes), "emitted": true (run the snippet plann
 instead of calibration.apply) and "lora": r (peft adapters of rank r through calibration.lora, the base
 frozen). All cases share one process group to keep CI time low. Rank 0 prints one JSON line per case:
 {"case": i, "fsdp_version": v, "config": {...}, "losses": [...], "checkpointed_blocks": n,
-"frozen_moved": bool, "grads": {"trainable": n, "frozen": n}}, the loss averaged over ranks.
+"frozen_moved": bool, "grads": {"trainable": n, "frozen": n}, "compiled_blocks": n}, the loss averaged over ranks.
 """
 
 from __future__ import annotations
@@ -81,7 +81,8 @@ def run_case(fsdp_version: int, data: dict, rank: int, world: int) -> tuple[list
             grads = {"trainable": sum(p.grad is not None for p in model.parameters() if p.requires_grad),
                      "frozen": sum(p.grad is not None for p in frozen)}
     moved = any(not torch.equal(_local(p), before) for p, before in zip(frozen, frozen_before))
-    return losses, checkpointed, {"frozen_moved": moved, "grads": grads}
+    compiled = sum(m._compiled_call_impl is not None for m in model.modules())  # nn.Module.compile() in place
+    return losses, checkpointed, {"frozen_moved": moved, "grads": grads, "compiled_blocks": compiled}
 
 
 def _local(p: torch.Tensor) -> torch.Tensor:
