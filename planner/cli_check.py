@@ -46,7 +46,8 @@ def register(app) -> None:
             setup = read_setup(config)
             if activation_checkpointing is not None:
                 from dataclasses import replace
-                setup = replace(setup, config=replace(setup.config, ac_every=activation_checkpointing))
+                setup = replace(setup, config=replace(setup.config, ac_every=activation_checkpointing,
+                                                  selective_op_ac=False))  # the flag's value decides
         else:
             setup = UserSetup(config=FsdpConfig(sharding=sharding or "FULL_SHARD", precision=precision or "bf16",
                                                 ac_every=activation_checkpointing or "none", offload=offload),

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from cost_models.specs import FsdpConfig
 
+from .search import technique_words
+
 # torchtitan's selective op-level checkpointing as module-level code of a snippet: the same ops and counting
 # as calibration.apply.selective_op_context (a test compares the two op by op).
 SELECTIVE_OP_IMPORTS = [
@@ -77,13 +79,7 @@ def float8_lines(config: FsdpConfig, names_expr: str, fp8_all_gather: bool) -> l
 def summary_line(config: FsdpConfig) -> list[str]:
     """One more summary comment line naming the techniques the config uses (none: no line, so configs
     without them emit exactly what they did before)."""
-    parts = []
-    if config.compile:
-        parts.append("torch.compile per block")
-    if config.float8:
-        parts.append("Float8 linears (torchao)" + (" with FP8 all-gather" if config.fp8_all_gather else ""))
-    if config.reshard_after_forward:
-        parts.append(f"blocks reshard to groups of {config.reshard_after_forward} ranks after forward")
+    parts = technique_words(config)
     return [", ".join(parts)] if parts else []
 
 

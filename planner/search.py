@@ -1,7 +1,10 @@
 """Enumerate the candidate space, cost each candidate, rank what fits. No I/O.
 
-The space is strategy x precision x offload x activation checkpointing x micro-batch (with gradient
-accumulation to reach the global batch) x backward prefetch x rate limiter, and for mixture-of-experts
+The space is strategy x precision x offload x activation checkpointing (none, every-K, full, selective-op)
+x micro-batch (with gradient accumulation to reach the global batch) x backward prefetch x rate limiter x
+torch.compile per block x Float8 linears (where the GPU has FP8 and compute is bf16; with the FP8
+all-gather under FULL_SHARD / HYBRID_SHARD) x, for FULL_SHARD across nodes, blocks resharding to the node
+after forward; and for mixture-of-experts
 models whose experts FSDP2 would pad at a strategy's shard group, stacked experts on dim 0 (padded) or
 dim 1 (shard_placement_fn, unpadded). Memory grows with the
 micro-batch, so once a micro-batch does not fit, larger ones with the same knobs are skipped (the first
@@ -16,10 +19,13 @@ from dataclasses import dataclass, field, replace
 from cost_models import moe
 from cost_models.evaluate import Evaluation, evaluate, unsupported_reasons
 from cost_models.profile import Profile
-from cost_models.specs import (Attention, ClusterSpec, FsdpConfig, ModelSpec, Precision, Sharding, TrainingSpec)
+from cost_models.specs import (SELECTIVE_OP, Attention, ClusterSpec, FsdpConfig, ModelSpec, Precision, Sharding,
+                               TrainingSpec)
 
 MICRO_BATCHES = (1, 2, 4, 8, 16, 32, 64)
-AC_CHOICES = (0, 4, 2, 1)  # none, every 4th, every 2nd, every block
+AC_CHOICES = (0, 4, 2, 1, SELECTIVE_OP)  # none, every 4th, every 2nd, every block, torchtitan's op-level policy
+FLOAT8_PRECISIONS = (Precision.BF16, Precision.BF16_PURE)  # torchao's Float8 linears as torchtitan runs them
+FP8_ALL_GATHER_SHARDINGS = (Sharding.FULL_SHARD, Sharding.HYBRID_SHARD)  # gather every step in forward and backward
 
 
 @dataclass(frozen=True)
@@ -27,7 +33,7 @@ class SearchSpace:
     shardings: tuple[Sharding, ...] = tuple(Sharding)
     precisions: tuple[Precision, ...] | None = None  # None: bf16, or fp16 where the GPU has no bf16
     offload: tuple[bool, ...] = (False, True)
-    ac_every: tuple[int, ...] = AC_CHOICES
+    ac_every: tuple[int | str, ...] = AC_CHOICES
     micro_batches: tuple[int, ...] = MICRO_BATCHES
     backward_prefetch: tuple[bool, ...] = (True, False)
     limit_all_gathers: tuple[bool, ...] = (True, False)
@@ -37,6 +43,17 @@ class SearchSpace:
     # gradient reduction dtypes (None: each precision's own); a numerics choice like the precision: only the
     # user's (`--reduce-dtype`), not searched by default
     reduce_dtypes: tuple[str | None, ...] = (None,)
+    # torch.compile per block; None: (False, True) on GPUs, (False,) on calibrate's CPU "device" (id "cpu"),
+    # where inductor takes ~15 s per run and its CPU kernels say nothing about a GPU's
+    compile: tuple[bool, ...] | None = None
+    float8: tuple[bool, ...] = (False, True)  # only where the GPU has FP8 tensor cores and compute is bf16
+    fp8_all_gather: tuple[bool, ...] = (True,)  # with float8 under FP8_ALL_GATHER_SHARDINGS (elsewhere: False)
+    reshard_to_node: tuple[bool, ...] = (False, True)  # FULL_SHARD over several nodes: reshard_after_forward = node
+
+    def compile_for(self, cluster: ClusterSpec) -> tuple[bool, ...]:
+        if self.compile is not None:
+            return self.compile
+        return (False,) if cluster.gpu.id == "cpu" else (False, True)
 
     def precisions_for(self, cluster: ClusterSpec) -> tuple[Precision, ...]:
         if self.precisions is not None:
@@ -64,9 +81,11 @@ class SearchResult:
 def rank_key(e: Evaluation):
     """Throughput first; on a tie (communication-bound steps hide extra compute) the simpler config: no
     offload, less recompute; then less memory."""
-    recomputed_fraction = 1 / e.config.ac_every if e.config.ac_every else 0.0
-    return (-round(e.time.tokens_per_s_per_gpu, 6), e.config.offload, recomputed_fraction,
-            e.memory.peak_reserved_bytes)
+    c = e.config
+    # selective-op reruns every second matmul and the cheap ops of every block: about every-2's share
+    recomputed_fraction = 0.5 if c.selective_op_ac else 1 / c.ac_every if c.ac_every else 0.0
+    return (-round(e.time.tokens_per_s_per_gpu, 6), c.offload, recomputed_fraction, c.compile, c.float8,
+            bool(c.reshard_after_forward), e.memory.peak_reserved_bytes)
 
 
 def _distinct(ranked: list[Evaluation]) -> list[Evaluation]:
@@ -78,8 +97,9 @@ def _distinct(ranked: list[Evaluation]) -> list[Evaluation]:
     seen, out = set(), []
     for e in ranked:
         c = e.config
-        key = (c.sharding, c.precision, c.offload, c.ac_every, c.micro_batch, c.grad_accum, c.expert_shard_dim,
-               c.expert_units, c.gradient_reduce_dtype)
+        key = (c.sharding, c.precision, c.offload, c.ac_every, c.selective_op_ac, c.micro_batch, c.grad_accum,
+               c.expert_shard_dim, c.expert_units, c.gradient_reduce_dtype, c.compile, c.float8, c.fp8_all_gather,
+               c.reshard_after_forward)
         if key not in seen:
             seen.add(key)
             out.append(e)
@@ -110,8 +130,8 @@ def describe(config: FsdpConfig, compact: bool = False) -> str:
             parts.append("expert units")
         if config.reduce_dtype:
             parts.append(f"reduce {config.reduce_dtype}")
-        return ", ".join(parts)
-    ac = "no" if not config.ac_every else config.activation_checkpointing
+        return ", ".join(parts + technique_words(config, compact=True))
+    ac = config.activation_checkpointing if config.checkpoints else "no"
     parts = [config.sharding.value, config.precision.value, f"{ac} activation checkpointing",
              f"micro-batch {config.micro_batch}"]
     if config.offload:
@@ -122,7 +142,19 @@ def describe(config: FsdpConfig, compact: bool = False) -> str:
         parts.append("routed experts as their own FSDP units")
     if config.reduce_dtype:
         parts.append(f"gradients reduced in {config.reduce_dtype}")
-    return ", ".join(parts)
+    return ", ".join(parts + technique_words(config))
+
+
+def technique_words(config: FsdpConfig, compact: bool = False) -> list[str]:
+    """compile, Float8 (+ FP8 all-gather) and the blocks' reshard group in words (none: an empty list)."""
+    words = ("compile", "float8", " + fp8 all-gather", "reshard to {}") if compact else (
+        "torch.compile per block", "Float8 linears", " with FP8 all-gather", "blocks resharded to {} ranks after forward")
+    parts = [words[0]] if config.compile else []
+    if config.float8:
+        parts.append(words[1] + (words[2] if config.fp8_all_gather else ""))
+    if config.reshard_after_forward:
+        parts.append(words[3].format(config.reshard_after_forward))
+    return parts
 
 
 def _with_expert_options(knobs, model: ModelSpec, cluster: ClusterSpec, space: SearchSpace):
@@ -141,6 +173,23 @@ def _with_expert_options(knobs, model: ModelSpec, cluster: ClusterSpec, space: S
                         yield (*knob, dim, units)
 
 
+def _with_techniques(knobs, cluster: ClusterSpec, space: SearchSpace):
+    """Each knob combination with compile, Float8 (+ FP8 all-gather) and resharding to the node as the
+    space and cluster allow: (*knob, compile, float8, fp8_all_gather, reshard_after_forward)."""
+    compiles = space.compile_for(cluster)
+    has_fp8 = cluster.gpu.supports("fp8")
+    to_node = cluster.n_nodes > 1 and cluster.gpus_per_node >= 2
+    for knob in knobs:
+        sharding, precision = knob[0], knob[1]
+        float8s = space.float8 if has_fp8 and precision in FLOAT8_PRECISIONS else (False,)
+        reshards = tuple(dict.fromkeys(cluster.gpus_per_node if on else 0 for on in space.reshard_to_node)) \
+            if to_node and sharding is Sharding.FULL_SHARD else (0,)
+        for compile_, float8, reshard in itertools.product(compiles, float8s, reshards):
+            gathers = space.fp8_all_gather if float8 and sharding in FP8_ALL_GATHER_SHARDINGS else (False,)
+            for fp8_all_gather in gathers:
+                yield (*knob, compile_, float8, fp8_all_gather, reshard)
+
+
 def search(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, profile: Profile,
            space: SearchSpace = SearchSpace()) -> SearchResult:
     fitting: list[Evaluation] = []
@@ -157,8 +206,8 @@ def search(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, profi
                        f"micro-batch x {cluster.n_gpus} GPUs for any of {space.micro_batches}")
     knobs = itertools.product(shardings, space.precisions_for(cluster), space.offload, space.ac_every,
                               space.backward_prefetch, space.limit_all_gathers, space.reduce_dtypes)
-    for sharding, precision, offload, ac, prefetch, limit, reduce, dim, units in _with_expert_options(
-            knobs, model, cluster, space):
+    for (sharding, precision, offload, ac, prefetch, limit, reduce, dim, units, compile_, float8, fp8_all_gather,
+         reshard) in _with_techniques(_with_expert_options(knobs, model, cluster, space), cluster, space):
         if offload and sharding is Sharding.NO_SHARD:
             continue  # FSDP offloads shards; with nothing sharded DDP-style offload is not offered
         for mb in micro_batches:
@@ -166,7 +215,8 @@ def search(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, profi
                                 micro_batch=mb, grad_accum=training.grad_accum_for(mb, cluster.n_gpus),
                                 attention=space.attention, backward_prefetch=prefetch,
                                 limit_all_gathers=limit, expert_shard_dim=dim, expert_units=units,
-                                reduce_dtype=None if reduce == precision.reduce_dtype else reduce)
+                                reduce_dtype=None if reduce == precision.reduce_dtype else reduce, compile=compile_,
+                                float8=float8, fp8_all_gather=fp8_all_gather, reshard_after_forward=reshard)
             if unsupported_reasons(cluster, config):
                 break
             e = evaluate(model, cluster, training, config, profile)
@@ -200,7 +250,8 @@ def suggestions(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, 
     if not config.offload and config.sharding is not Sharding.NO_SHARD:
         if evaluate(model, cluster, training, replace(config, offload=True), profile).fits:
             out.append("CPU offload (--offload): params, grads and optimizer state in CPU RAM; slower steps")
-    if config.ac_every != 1 and evaluate(model, cluster, training, replace(config, ac_every=1), profile).fits:
+    full = replace(config, ac_every=1, selective_op_ac=False)
+    if config.ac_every != 1 and evaluate(model, cluster, training, full, profile).fits:
         out.append("full activation checkpointing (--activation-checkpointing full)")
     if training.finetune is not Finetune.LORA:
         lora = replace(training, finetune=Finetune.LORA)

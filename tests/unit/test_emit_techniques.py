@@ -144,7 +144,7 @@ def test_lightning_and_launchers_say_what_the_script_must_do():
     assert "ModelParallelStrategy" in lightning
     for emit in (emit_torchrun, emit_slurm):
         text = emit(ALL, SPEC, TWO_NODES)
-        assert "torch.compile per block, Float8 linears (torchao) with FP8 all-gather" in text
+        assert "torch.compile per block, Float8 linears with FP8 all-gather, blocks resharded to 4" in text
         assert "--emit fsdp2 writes that code" in text
 
 
