@@ -232,9 +232,10 @@ def kv_cache_extra_bytes(model: ModelSpec, config: FsdpConfig, seq_len: int) -> 
     every-2, 4k tokens: 16 x 64 MiB = 1 GiB, traced +1.06 GiB). With every block checkpointed the peak
     lands later in backward, where each recompute has grown its layer of the cache: tiny real Llamas of 2
     to 8 blocks measured 3-4.5x this (tests/unit/test_apply.py: 3.5x)."""
-    if not config.ac_every:
+    if not config.checkpoints:
         return 0
-    n_checkpointed = -(-model.n_layers // config.ac_every)  # blocks 0, K, 2K, ...
+    # blocks 0, K, 2K, ...; selective-op: every block (its recompute reruns the cache's appends too)
+    n_checkpointed = model.n_layers if config.selective_op_ac else -(-model.n_layers // config.ac_every)
     kv_bytes = 2 * config.micro_batch * seq_len * model.kv_dim * DTYPE_BYTES[config.precision.compute_dtype]
     return n_checkpointed * kv_bytes
 
@@ -244,7 +245,7 @@ def kv_cache_with_checkpointing(ctx: Context):
     config.json does and a kwargs setup does not say it is turned off. An accelerate config gets advice:
     under HF Trainer it is right (TrainingArguments.use_cache defaults to False), in a plain loop not."""
     stated = ctx.setup.use_cache
-    if not ctx.config.ac_every or stated is False or (stated is None and not ctx.model_use_cache):
+    if not ctx.config.checkpoints or stated is False or (stated is None and not ctx.model_use_cache):
         return
     extra = kv_cache_extra_bytes(ctx.model, ctx.config, ctx.training.seq_len)
     accelerate = ctx.setup.dialect == "accelerate"
@@ -269,7 +270,69 @@ def reduce_in_low_precision(ctx: Context):
                       "reduce_dtype=torch.float32")
 
 
-RULES = (dtype_support, does_not_fit, fp16_scaler, lora_without_orig_params, lora_adapters_share_units, wrap_policy,
+def float8_support(ctx: Context):
+    c = ctx.config
+    if c.float8 and not ctx.cluster.gpu.supports("fp8"):
+        yield Finding("float8-without-fp8-tensor-cores", ERROR,
+                      f"Float8 linears on {ctx.cluster.gpu.name}, which has no FP8 tensor cores: torchao's FP8 matmul "
+                      "(torch._scaled_mm) needs compute capability 8.9+ (Ada, Hopper, Blackwell) and fails here.",
+                      "drop Float8 (bf16 linears), or train on a GPU with FP8 (fsdp-plan gpus: the fp8 TF column)")
+    if c.float8 and c.precision not in (Precision.BF16, Precision.BF16_PURE):
+        yield Finding("float8-without-bf16-compute", WARNING,
+                      f"Float8 linears with {c.precision.value} compute: torchao's recipe (and torchtitan's figures) "
+                      "run the rest of the model in bf16; fp32 around FP8 matmuls casts every input and output in "
+                      "and out of fp32, fp16 adds loss scaling to FP8's narrow range.",
+                      "bf16 mixed precision (param_dtype=torch.bfloat16) with the Float8 linears")
+    if c.fp8_all_gather and ctx.setup.fsdp_version == 1:
+        yield Finding("fp8-all-gather-needs-fsdp2", ERROR,
+                      "The FP8 all-gather (Float8LinearConfig(enable_fsdp_float8_all_gather=True)) works through "
+                      "FSDP2's per-parameter DTensors; FSDP1 flattens each unit into one FlatParameter and gathers it "
+                      "in the compute dtype, so the setting does nothing or fails.",
+                      "FSDP2 (fully_shard; accelerate: fsdp_version: 2), or enable_fsdp_float8_all_gather=False")
+
+
+def reshard_group(ctx: Context):
+    r = ctx.config.reshard_after_forward
+    if not r:
+        return
+    d = ctx.config.shard_group_size(ctx.cluster)
+    if d % r:
+        yield Finding("reshard-after-forward-not-a-divisor", ERROR,
+                      f"reshard_after_forward={r} must divide the shard group of {d} ranks (FSDP2 raises "
+                      f"'should be a factor of {d}'): after forward each block's params are resharded over groups "
+                      f"of {r} consecutive ranks.",
+                      f"a divisor >= 2 of {d}, e.g. the node's {ctx.cluster.gpus_per_node} GPUs "
+                      f"(reshard_after_forward={ctx.cluster.gpus_per_node}), or True")
+    elif r == d:
+        yield Finding("reshard-after-forward-is-the-whole-group", ADVICE,
+                      f"reshard_after_forward={r} is the whole shard group: the same as True (FSDP2 treats it so).",
+                      f"reshard_after_forward=True, or a smaller divisor of {d} (the node's "
+                      f"{ctx.cluster.gpus_per_node} GPUs) to keep backward's all-gathers inside a node")
+
+
+def compile_dynamic_shapes(ctx: Context):
+    if ctx.config.compile and ctx.setup.compile_dynamic:
+        yield Finding("compile-with-dynamic-shapes", WARNING,
+                      "torch.compile with dynamic shapes: inductor traces shape-generic kernels (symbolic sizes, "
+                      "fewer specialisations, no CUDA graphs), slower than the static ones the plan assumes; training "
+                      "batches of one sequence length need none, and varying lengths recompile a few times then go "
+                      "dynamic by themselves.",
+                      "dynamic=False (accelerate: dynamo_use_dynamic: false) with sequences padded or packed to a "
+                      "fixed length")
+
+
+def selective_op_unexpressed(ctx: Context):
+    if "selective-op" in ctx.setup.unexpressed:
+        yield Finding("selective-op-not-expressible", ERROR,
+                      f"A {ctx.setup.dialect} config cannot express selective op-level checkpointing: accelerate's "
+                      "fsdp_activation_checkpointing is a bool (every block recomputed whole) and rejects "
+                      "'selective-op'. The estimate prices the policy you asked for.",
+                      "fsdp_activation_checkpointing: true (whole blocks: less memory, more recompute), or wrap each "
+                      "block yourself with the selective_op_context that `fsdp-plan ... --emit fsdp2` writes before "
+                      "accelerator.prepare")
+
+
+RULES = (dtype_support, float8_support, reshard_group, compile_dynamic_shapes, selective_op_unexpressed, does_not_fit, fp16_scaler, lora_without_orig_params, lora_adapters_share_units, wrap_policy,
          hybrid_single_node, sync_module_states, forward_prefetch_dynamic, limit_all_gathers, fsdp2_removed_settings,
          reduce_in_low_precision, kv_cache_with_checkpointing, micro_batch_headroom, slower_than_plan)
 
@@ -322,7 +385,7 @@ def check(setup: UserSetup, model, gpus: int | None = None, *, gpus_per_node: in
           profile: Profile | None = None, **cluster_and_training) -> CheckReport:
     """Estimate the user's setup on the cluster and run every rule. Cluster size defaults to the one the
     accelerate config names (num_processes, num_machines)."""
-    from .api import estimate_config, grad_accum_for, plan_for, resolve_inputs
+    from .api import cluster_rejects, estimate_config, grad_accum_for, plan_for, resolve_inputs
     from .errors import PlannerError
 
     if gpus is None:
@@ -338,9 +401,10 @@ def check(setup: UserSetup, model, gpus: int | None = None, *, gpus_per_node: in
                                                else setup.config.grad_accum))
     setup = replace(setup, config=config)
     profile = profile or DEFAULT_PROFILE
-    if cluster.gpu.supports(config.precision.compute_dtype):
+    rejected = cluster_rejects(cluster, config)
+    if rejected is None or rejected.field not in ("precision", "float8", "reshard_after_forward"):
         candidate = estimate_config(spec, cluster, training, config, profile)
-    else:  # still price it (rejected, with the reason) so the report shows what it would need
+    else:  # still price it (rejected, with the reason) so the report shows what it would need; a rule explains
         candidate = Candidate(evaluate(spec, cluster, training, config, profile), spec, cluster, training)
     best = plan_for(spec, cluster, training, profile)
     extra = unwrapped_extra_bytes(setup, candidate)

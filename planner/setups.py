@@ -12,7 +12,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from cost_models.specs import FsdpConfig, Precision, Sharding
+from cost_models.specs import SELECTIVE_OP, FsdpConfig, Precision, Sharding
 
 from .errors import PlannerError
 
@@ -52,6 +52,8 @@ class UserSetup:
     n_machines: int | None = None
     fsdp2_removed: tuple[str, ...] = ()     # FSDP1-only keys found in an FSDP2 config
     use_cache: bool | None = None           # model.config.use_cache as the training runs (None: not stated)
+    compile_dynamic: bool = False           # torch.compile with dynamic shapes (dynamic=True, dynamo_use_dynamic)
+    unexpressed: tuple[str, ...] = ()       # settings asked for that the dialect cannot express (selective-op)
     notes: tuple[str, ...] = field(default=())
 
 
@@ -140,8 +142,20 @@ def from_accelerate(data: dict, source: str = "accelerate config") -> UserSetup:
         raise PlannerError("fsdp_version", f"must be 1 or 2, got {version}")
     mixed = str(data.get("mixed_precision", "no")).lower()
     if mixed not in ("no", "bf16", "fp16", "fp8"):
-        raise PlannerError("mixed_precision", f"unknown value {mixed!r}; choose one of: no, bf16, fp16")
+        raise PlannerError("mixed_precision", f"unknown value {mixed!r}; choose one of: no, bf16, fp16, fp8")
     precision = {"no": Precision.FP32, "bf16": Precision.BF16, "fp16": Precision.FP16}.get(mixed, Precision.BF16)
+    fp8 = data.get("fp8_config") or {}
+    if not isinstance(fp8, dict):
+        raise PlannerError("fp8_config", "must be a mapping like {backend: AO}")
+    # accelerate's torchao (AO) recipe all-gathers Float8 weights in FP8 under FSDP2 unless told otherwise
+    fp8_all_gather = (mixed == "fp8" and version == 2 and str(fp8.get("backend", "AO")).upper() == "AO"
+                      and _bool("fp8_config.enable_fsdp_float8_all_gather", fp8.get("enable_fsdp_float8_all_gather", True)))
+    dynamo = data.get("dynamo_config") or {}
+    if not isinstance(dynamo, dict):
+        raise PlannerError("dynamo_config", "must be a mapping of dynamo_* keys")
+    compiles = str(dynamo.get("dynamo_backend", "NO")).upper() not in ("NO", "NONE", "")
+    ac = fsdp.get("fsdp_activation_checkpointing", False)
+    selective = str(ac).strip().lower() == SELECTIVE_OP  # accelerate reads a bool: it cannot say this
     if version == 2:
         reshard = _bool("fsdp_reshard_after_forward", fsdp.get("fsdp_reshard_after_forward", True))
         parallel = data.get("parallelism_config") or {}
@@ -160,9 +174,10 @@ def from_accelerate(data: dict, source: str = "accelerate config") -> UserSetup:
     config = FsdpConfig(
         sharding=sharding, precision=precision,
         offload=_bool("fsdp_offload_params", fsdp.get("fsdp_offload_params", False)),
-        ac_every=1 if _bool("fsdp_activation_checkpointing", fsdp.get("fsdp_activation_checkpointing", False)) else 0,
+        ac_every=SELECTIVE_OP if selective else 1 if _bool("fsdp_activation_checkpointing", ac) else 0,
         backward_prefetch=prefetch in ("BACKWARD_PRE", "BACKWARD_POST"),
         forward_prefetch=_bool("fsdp_forward_prefetch", fsdp.get("fsdp_forward_prefetch", False)),
+        compile=compiles, float8=mixed == "fp8", fp8_all_gather=fp8_all_gather,
     )
     wrap = {"TRANSFORMER_BASED_WRAP": "block", "SIZE_BASED_WRAP": "size", "NO_WRAP": "none"}.get(
         str(fsdp.get("fsdp_auto_wrap_policy", "NO_WRAP")).upper(), "custom")
@@ -178,6 +193,8 @@ def from_accelerate(data: dict, source: str = "accelerate config") -> UserSetup:
         grad_scaler="sharded" if precision is Precision.FP16 else None,  # accelerate adds it for fp16
         reduce_dtype=None, n_processes=_int_or_none(data, "num_processes"),
         n_machines=_int_or_none(data, "num_machines"), fsdp2_removed=removed,
+        compile_dynamic=compiles and _bool("dynamo_config.dynamo_use_dynamic", dynamo.get("dynamo_use_dynamic", False)),
+        unexpressed=(SELECTIVE_OP,) if selective else (),
     )
 
 
@@ -200,13 +217,15 @@ def from_kwargs(data: dict, source: str = "kwargs") -> UserSetup:
 
     Extra keys the code around the wrapper decides: `grad_scaler` (ShardedGradScaler / GradScaler / null),
     `model_dtype` (the dtype the model is loaded in), `init` (all / rank0 / meta), `activation_checkpointing`,
-    `micro_batch`, `grad_accum`, `use_cache` (model.config.use_cache during training: true / false).
+    `micro_batch`, `grad_accum`, `use_cache` (model.config.use_cache during training: true / false),
+    `compile` (torch.compile per block: true, or a mapping like {dynamic: true}), `float8` (torchao Float8
+    linears), `fp8_all_gather`. FSDP2's `reshard_after_forward` may be an int group size.
     """
     known = {"sharding_strategy", "mixed_precision", "cpu_offload", "auto_wrap_policy", "backward_prefetch",
              "forward_prefetch", "limit_all_gathers", "use_orig_params", "sync_module_states", "device_id",
              "param_init_fn", "reshard_after_forward", "mp_policy", "offload_policy", "mesh", "fsdp_version",
              "grad_scaler", "model_dtype", "init", "activation_checkpointing", "micro_batch", "grad_accum",
-             "ignored_modules", "process_group", "device_mesh", "use_cache"}
+             "ignored_modules", "process_group", "device_mesh", "use_cache", "compile", "float8", "fp8_all_gather"}
     unknown = sorted(set(data) - known)
     if unknown:
         raise PlannerError(unknown[0], f"not an FSDP argument fsdp-plan knows; known: {', '.join(sorted(known))}")
@@ -218,8 +237,12 @@ def from_kwargs(data: dict, source: str = "kwargs") -> UserSetup:
     param_dtype = _dtype("param_dtype", mp["param_dtype"]) if mp and mp.get("param_dtype") else None
     reduce_dtype = _dtype("reduce_dtype", mp["reduce_dtype"]) if mp and mp.get("reduce_dtype") else None
     precision = _precision_from_dtypes(param_dtype, reduce_dtype, model_dtype)
+    reshard_group = 0
     if version == 2:
-        reshard = _bool("reshard_after_forward", data.get("reshard_after_forward", True))
+        raw = data.get("reshard_after_forward", True)
+        if isinstance(raw, int) and not isinstance(raw, bool) and raw >= 2:  # an int group: resharded after forward
+            raw, reshard_group = True, raw
+        reshard = _bool("reshard_after_forward", raw)
         shape = (data.get("mesh") or {}).get("shape") if isinstance(data.get("mesh"), dict) else None
         hybrid = bool(shape) and len(shape) == 2 and shape[1] > 1 and shape[0] > 1
         no_shard = bool(shape) and len(shape) == 2 and shape[1] == 1
@@ -248,8 +271,13 @@ def from_kwargs(data: dict, source: str = "kwargs") -> UserSetup:
     init = "meta" if data.get("param_init_fn") else str(data.get("init", "all")).lower()
     if init not in ("all", "rank0", "meta"):
         raise PlannerError("init", f"unknown value {init!r}; choose one of: all, rank0, meta")
+    compile_ = data.get("compile", False)
+    dynamic = isinstance(compile_, dict) and _bool("compile.dynamic", compile_.get("dynamic", False))
     config = FsdpConfig(
         sharding=sharding, precision=precision, offload=offload,
+        compile=bool(compile_) if isinstance(compile_, dict) else _bool("compile", compile_),
+        float8=_bool("float8", data.get("float8", False)),
+        fp8_all_gather=_bool("fp8_all_gather", data.get("fp8_all_gather", False)), reshard_after_forward=reshard_group,
         ac_every=data.get("activation_checkpointing", "none"),
         micro_batch=int(data.get("micro_batch", 1)), grad_accum=int(data.get("grad_accum", 1)),
         backward_prefetch=prefetch is not None and _strip(prefetch).upper() != "NONE",
@@ -261,7 +289,7 @@ def from_kwargs(data: dict, source: str = "kwargs") -> UserSetup:
         use_orig_params=True if version == 2 else _bool("use_orig_params", data.get("use_orig_params", False)),
         sync_module_states=_bool("sync_module_states", data.get("sync_module_states", False)),
         init=init, grad_scaler=scaler, reduce_dtype=reduce_dtype, fsdp2_removed=removed,
-        use_cache=_bool("use_cache", data["use_cache"]) if "use_cache" in data else None,
+        use_cache=_bool("use_cache", data["use_cache"]) if "use_cache" in data else None, compile_dynamic=dynamic,
     )
 
 
