@@ -3,10 +3,10 @@
     python benchmarks/throughput_accuracy.py [--json out.json]
 
 Prints each row's published and predicted tokens/s/GPU (and reserved memory where the source gives it),
-the error (predicted - published) / published, and the MAPE over the rows whose setting the planner
-models exactly. A row whose technique the planner does not model yet (torchtitan's selective op-level
-checkpointing, torch.compile, Float8 linears) is priced at the nearest setting it does model and marked
-with what differs: those errors say how far the nearest plan is, not how good the model is.
+the error (predicted - published) / published, and the MAPE over the rows. Each row is priced in its
+published setting: torchtitan's selective op-level checkpointing, torch.compile, Float8 linears and the
+FP8 all-gather where the run used them. `--fit` also prints the one bf16 matmul efficiency that fits
+all rows best (the default in cost_models/profile.py comes from it).
 
 torchtitan's Llama runs its fused RMSNorm (norm "fused_rmsnorm", as tests/golden/test_published.py).
 The H100 rows ran on Grand Teton hosts: 96 GB HBM2e at 2.4 TB/s, 500 W (catalog id h100-96gb).
@@ -22,7 +22,10 @@ from pathlib import Path
 
 from tabulate import tabulate
 
-from planner import estimate
+from cost_models.profile import DEFAULT_PROFILE, Profile
+from cost_models.specs import FsdpConfig, TrainingSpec
+from planner.api import estimate_config
+from planner.hardware import make_cluster
 from planner.models import load_preset
 
 
@@ -37,7 +40,8 @@ class Row:
     technique: str           # as published
     tokens_per_s: float      # published, per GPU
     memory_gib: float | None  # published peak reserved, where given
-    checkpointing: str       # the nearest setting the planner models
+    checkpointing: str       # activation checkpointing as published (selective-op: torchtitan's op-level policy)
+    options: tuple = ()      # the published run's optimizations: compile, float8, fp8_all_gather
     unmodelled: str = ""     # what the published run does that the plan does not (empty: modelled exactly)
 
 
@@ -46,36 +50,57 @@ SELECTIVE_OP = "selective op-level AC"
 ROWS = [
     Row(A100, "llama2-13b", "a100-80gb", 64, 2, 4096, "none", 2162, None, "none"),
     Row(A100, "llama2-13b", "a100-80gb", 64, 2, 4096, "selective layer", 1914, None, "every-2"),
-    Row(A100, "llama2-13b", "a100-80gb", 64, 2, 4096, "selective op", 1904, None, "every-2", SELECTIVE_OP),
+    Row(A100, "llama2-13b", "a100-80gb", 64, 2, 4096, "selective op", 1904, None, "selective-op"),
     Row(A100, "llama2-70b", "a100-80gb", 64, 2, 4096, "full", 353, None, "full"),
     Row(A100, "llama3-8b", "a100-80gb", 64, 1, 8192, "selective layer", 2876, None, "every-2"),
-    Row(A100, "llama3-8b", "a100-80gb", 64, 1, 8192, "selective op", 2973, None, "every-2", SELECTIVE_OP),
+    Row(A100, "llama3-8b", "a100-80gb", 64, 1, 8192, "selective op", 2973, None, "selective-op"),
     Row(A100, "llama3-70b", "a100-80gb", 64, 1, 8192, "full", 323, None, "full"),
-    *(Row(H100, "llama3.1-8b", "h100-96gb", gpus, 2, 8192, tech, tps, mem, "every-2",
-          ", ".join([SELECTIVE_OP] + extra))
+    *(Row(H100, "llama3.1-8b", "h100-96gb", gpus, 2, 8192, tech, tps, mem, "selective-op", options)
       for gpus, rows in ((8, ((5762, 82.4), (6667, 77.0), (8532, 76.8))),
                          (128, ((5605, 67.0), (6514, 62.0), (8380, 61.8))))
-      for (tps, mem), tech, extra in zip(rows, ("FSDP", "FSDP + compile", "FSDP + compile + Float8"),
-                                         ([], ["compile"], ["compile", "Float8"]))),
+      for (tps, mem), tech, options in zip(rows, ("FSDP", "FSDP + compile", "FSDP + compile + Float8"),
+                                           ((), ("compile",), ("compile", "float8")))),
     Row(H100, "llama3.1-8b", "h100-96gb", 8, 1, 32768, "compile + Float8, full AC", 3890, 83.9, "full",
-        "compile, Float8"),
-    Row(H200, "llama3.1-8b", "h200-141gb", 32, 2, 8192, "compile + Float8 + FP8 all-gather", 10938, 47.96, "every-2",
-        f"{SELECTIVE_OP}, compile, Float8"),
-    Row(H200, "llama3.1-8b", "h200-141gb", 64, 2, 8192, "compile + Float8 + FP8 all-gather", 10753, 46.97, "every-2",
-        f"{SELECTIVE_OP}, compile, Float8"),
+        ("compile", "float8")),
+    Row(H200, "llama3.1-8b", "h200-141gb", 32, 2, 8192, "compile + Float8 + FP8 all-gather", 10938, 47.96,
+        "selective-op", ("compile", "float8", "fp8_all_gather")),
+    Row(H200, "llama3.1-8b", "h200-141gb", 64, 2, 8192, "compile + Float8 + FP8 all-gather", 10753, 46.97,
+        "selective-op", ("compile", "float8", "fp8_all_gather")),
 ]
 
 
-def predict(row: Row):
+def predict(row: Row, profile: Profile = DEFAULT_PROFILE):
+    """The published setting: FSDP2 FULL_SHARD, bf16 with fp32 reduction, its checkpointing and options."""
     model = replace(load_preset(row.model), norm="fused_rmsnorm", name=f"{row.model} (torchtitan)")
-    return estimate(model, gpus=row.gpus, gpu=row.gpu, seq_len=row.seq_len, micro_batch=row.micro_batch,
-                    activation_checkpointing=row.checkpointing, sharding="FULL_SHARD", precision="bf16")
+    config = FsdpConfig(sharding="FULL_SHARD", precision="bf16", ac_every=row.checkpointing,
+                        micro_batch=row.micro_batch, **{name: True for name in row.options})
+    return estimate_config(model, make_cluster(row.gpus, row.gpu), TrainingSpec(seq_len=row.seq_len), config,
+                           profile)
+
+
+def fit_compute_efficiency() -> float:
+    """The one bf16 matmul efficiency (cost_models/profile.py) minimising the squared log-errors of all rows."""
+    import math
+
+    from scipy.optimize import minimize_scalar
+
+    def loss(eff: float) -> float:
+        profile = DEFAULT_PROFILE.with_updates(compute_efficiency={**DEFAULT_PROFILE.compute_efficiency,
+                                                                   "bf16": eff, "fp16": eff})
+        return sum(math.log(predict(r, profile).time.tokens_per_s_per_gpu / r.tokens_per_s) ** 2 for r in ROWS)
+
+    return minimize_scalar(loss, bounds=(0.3, 1.0), method="bounded", options={"xatol": 1e-3}).x
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path, help="also write the rows and predictions here")
+    parser.add_argument("--fit", action="store_true",
+                        help="also print the bf16 matmul efficiency that least-squares fits every row (log errors)")
     args = parser.parse_args(argv)
+    if args.fit:
+        print(f"least-squares bf16 compute efficiency over the {len(ROWS)} rows: {fit_compute_efficiency():.3f} "
+              f"(default {DEFAULT_PROFILE.efficiency('bf16')})\n")
     table, out, exact_errors = [], [], []
     for row in ROWS:
         c = predict(row)
@@ -87,13 +112,14 @@ def main(argv: list[str] | None = None) -> None:
         table.append([row.source, row.model, f"{row.gpus} x {row.gpu}", f"{row.micro_batch} x {row.seq_len}",
                       row.technique, f"{row.tokens_per_s:,.0f}", f"{tps:,.0f}", f"{100 * err:+.1f}%",
                       "" if row.memory_gib is None else f"{row.memory_gib:.1f}", f"{mem:.1f}",
-                      row.checkpointing + (f" (lacks {row.unmodelled})" if row.unmodelled else "")])
+                      " + ".join((row.checkpointing,) + row.options)
+                      + (f" (lacks {row.unmodelled})" if row.unmodelled else "")])
         out.append({**row.__dict__, "predicted_tokens_per_s": tps, "error": err, "predicted_memory_gib": mem})
     print(tabulate(table, headers=["source", "model", "GPUs", "mb x seq", "published technique", "tok/s/GPU",
                                    "predicted", "error", "GiB", "predicted GiB", "priced as"]))
     print(f"\nMAPE over the {len(exact_errors)} rows modelled exactly: {100 * statistics.mean(exact_errors):.1f}% "
-          f"(max {100 * max(exact_errors):.1f}%); the other {len(ROWS) - len(exact_errors)} rows are priced at the "
-          "nearest modelled setting (issue 10: selective-op checkpointing, compile, Float8)")
+          f"(max {100 * max(exact_errors):.1f}%)" + (f"; the other {len(ROWS) - len(exact_errors)} rows are priced "
+                                                    "at the nearest modelled setting" if len(exact_errors) < len(ROWS) else ""))
     if args.json:
         args.json.write_text(json.dumps(out, indent=1))
 

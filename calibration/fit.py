@@ -79,7 +79,7 @@ def sample_from_record(record) -> Sample:
 def predicted_step_s(sample: Sample, profile: Profile) -> float:
     """The step the run should have measured: emulated runs did no real communication."""
     t = estimate_step_time(sample.model, sample.cluster, sample.training, sample.config, profile)
-    return t.step_s - t.exposed_comm_s if sample.emulated else t.step_s
+    return t.step_s - t.exposed_comm_s - t.overlap_slowdown_s if sample.emulated else t.step_s
 
 
 def step_time(sample: Sample, profile: Profile) -> TimeBreakdown:

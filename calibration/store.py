@@ -33,6 +33,7 @@ from cost_models.specs import (ActivationProfile, ActivationTerms, BackwardMomen
                                  SpecError)
 
 SCHEMA_VERSION = 1
+PROFILE_SCHEMA_VERSION = 2
 RESULTS_FILE = "results.jsonl"
 PROFILE_FILE = "profile.json"
 
@@ -132,6 +133,7 @@ class HostSpec(_Strict):
         return GpuSpec(id="cpu", name=f"{self.name} (1 thread per rank)", memory_bytes=self.memory_bytes,
                        hbm_bytes_per_s=self.hbm_bytes_per_s, peak_flops=dict(self.peak_flops),
                        intra_node_bus_bytes_per_s=self.bus_bytes_per_s, pcie_bytes_per_s=self.hbm_bytes_per_s,
+                       matmul_efficiency=1.0,  # peak_flops are measured matmul rates already
                        default_internode_gbit_per_s=self.bus_bytes_per_s * 8 / 1e9,
                        source="measured by fsdp-plan calibrate --device cpu (calibration/runner.py --probe)")
 
@@ -202,6 +204,13 @@ class Coefficients(_Strict):
     optimizer_hbm_efficiency: float
     cpu_optimizer_params_per_s: float
     pcie_efficiency: float
+    default_gpu_matmul_efficiency: float
+    matmul_half_dim: float
+    default_attention_efficiency: float
+    attention_efficiency: float
+    attention_half_seq: float
+    memory_bound_efficiency: float
+    overlap_slowdown: float
 
     @classmethod
     def of(cls, profile: Profile) -> "Coefficients":
@@ -219,7 +228,8 @@ class FitSummary(_Strict):
 
 
 class ProfileFile(_Strict):
-    schema_version: Literal[1] = SCHEMA_VERSION
+    # 2: the operator-level step time (compute_efficiency is relative to the GPU's large-GEMM rate)
+    schema_version: Literal[2] = PROFILE_SCHEMA_VERSION
     kind: Literal["fsdp-plan-profile"] = "fsdp-plan-profile"
     created: str
     fingerprint: Fingerprint
@@ -341,9 +351,9 @@ def load_profile_file(path: str | Path) -> ProfileFile:
         raise StoreError("profile", f"{path} is not JSON: {exc.msg} at line {exc.lineno}") from None
     if not isinstance(data, dict) or data.get("kind") != "fsdp-plan-profile":
         raise StoreError("profile", f"{path} is not an fsdp-plan profile (written by `fsdp-plan calibrate`)")
-    if data.get("schema_version") != SCHEMA_VERSION:
+    if data.get("schema_version") != PROFILE_SCHEMA_VERSION:
         raise StoreError("profile", f"{path} has schema_version {data.get('schema_version')!r}; this fsdp-plan "
-                                    f"reads {SCHEMA_VERSION}: calibrate again")
+                                    f"reads {PROFILE_SCHEMA_VERSION}: calibrate again")
     try:
         return ProfileFile.model_validate(data)
     except ValidationError as exc:

@@ -58,7 +58,7 @@ allocator's 512-byte rounding. The trace tier (`fsdp-plan trace`) measures the e
 
 from __future__ import annotations
 
-from . import moe
+from . import moe, operators
 from .specs import Attention, ModelSpec
 
 # Llama-like families of the table (planner/models/family_table.py, moe_families.py): separate q/k/v
@@ -225,6 +225,19 @@ def block_bytes_per_token(model: ModelSpec, compute_bytes: int, attention: Atten
 def checkpointed_block_bytes_per_token(model: ModelSpec, compute_bytes: int) -> int:
     """A checkpointed block keeps only its input (non-reentrant checkpoint)."""
     return compute_bytes * model.hidden_size
+
+
+def selective_op_held_bytes_per_token(model: ModelSpec, compute_bytes: int, attention: Attention, seq_len: int,
+                                      lora_rank: int = 0) -> int:
+    """What a block keeps from its forward to its backward under torchtitan's selective op-level policy
+    (published.md): its input (the non-reentrant checkpoint's), and the cached outputs of the ops it must
+    save - every other aten.mm (operators.selective_op_saved_elements) and the SDPA kernel's output and
+    logsumexp. Eager attention's batched products (aten.bmm) and softmax are not on the list: recomputed."""
+    c = compute_bytes
+    saved = c * model.hidden_size + c * operators.selective_op_saved_elements(model, seq_len, lora_rank)
+    if not _uses_s2_attention(model, attention):
+        saved += c * model.q_dim + LOGSUMEXP_BYTES * model.n_heads
+    return round(saved)
 
 
 def input_saved_by_first_norm(model: ModelSpec, compute_bytes: int) -> bool:

@@ -49,7 +49,13 @@ def mfu_flops_per_token(model: ModelSpec, training: TrainingSpec) -> float:
 
 
 def recompute_flops_per_token(model: ModelSpec, training: TrainingSpec, config: FsdpConfig) -> float:
-    """Extra forward FLOPs per token from activation checkpointing."""
+    """Extra forward FLOPs per token from activation checkpointing. Selective op-level: every second
+    matmul of each block (operators.BlockOps.selective_op_recomputed), the attention kernel's output saved."""
+    if config.selective_op_ac:
+        from .operators import block_ops  # operators imports moe, as this module does: no cycle at import
+
+        ops = block_ops(model, 2, training.seq_len, training.adapter_rank)
+        return model.n_layers * sum(m.forward_flops_per_token for m in ops.selective_op_recomputed())
     if not config.ac_every:
         return 0.0
     n_ckpt = math.ceil(model.n_layers / config.ac_every)

@@ -28,7 +28,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, fields
 
-from . import activations, moe
+from . import activations, moe, operators
 from .profile import Profile
 from .specs import ActivationTerms, ClusterSpec, Finetune, FsdpConfig, ModelSpec, Optimizer, Precision, Sharding, TrainingSpec
 from .units import DTYPE_BYTES
@@ -156,6 +156,8 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
 
     # --- gathered params and collective buffers ------------------------------------------------------
     block_c, root_c = counts.block() * c, counts.root() * c
+    if config.fp8_all_gather:  # FSDP2 gathers the Float8 linears' weights in FP8: 1 byte each, not c
+        block_c -= (c - 1) * operators.float8_weight_elements(model, c, training.seq_len)
     keeps_gathered = config.sharding in (Sharding.SHARD_GRAD_OP, Sharding.HYBRID_SHARD_ZERO2)
     prefetches = not keeps_gathered and d > 1
     root_rs = counts.trainable_root * r if d > 1 else 0
@@ -169,8 +171,10 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
     if traced is not None:
         full = round(traced.saved_bytes_per_token(training.seq_len))
     ckpt = activations.checkpointed_block_bytes_per_token(model, c)
+    if config.selective_op_ac:  # every block checkpointed, keeping its input and the policy's saved outputs
+        ckpt = activations.selective_op_held_bytes_per_token(model, c, attn, training.seq_len, lora_rank)
     root_saved = activations.root_bytes_per_token(model, c, lora=bool(lora_rank))
-    K = config.ac_every
+    K = 1 if config.selective_op_ac else config.ac_every
     shared = activations.shared_bytes(model, c, training.seq_len)
     if K and traced is not None:  # the blocks' other inputs (masks, rotary tables), kept for the recompute
         shared = round(traced.checkpoint_held_bytes(config.micro_batch, training.seq_len))
@@ -245,6 +249,13 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
     def gathered_below(i: int) -> int:
         return i * block_c + n_dense_below(i) * dense_delta * c
 
+    # reshard_after_forward=N (FSDP2 int): after its forward each block keeps an N-way shard of its params
+    # (what its backward all-gathers among N ranks) until its backward
+    partial_n = config.reshard_after_forward if not keeps_gathered else 0
+
+    def partial_below(i: int) -> int:
+        return _shard(gathered_below(i), partial_n) if partial_n else 0
+
     def grads_done(i: int) -> int:
         """Sharded gradients of blocks i+1 .. L-1, reduce-scattered already."""
         return (L - 1 - i) * block_sharded_grad + (nd - n_dense_below(i + 1)) * dense_grad_delta
@@ -275,7 +286,7 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
     moments: dict[str, MemoryBreakdown] = {}
     moments["loss backward"] = MemoryBreakdown(
         **states(0),
-        unsharded_params=root_c + (gathered_below(L) if keeps_gathered else 0),
+        unsharded_params=root_c + (gathered_below(L) if keeps_gathered else 0) + partial_below(L),
         collective_buffers=prefetch_below(L),
         activations=tokens * (saved_below(L) + root_saved) + shared,
         logits_and_loss=tokens * logits_peak,
@@ -328,7 +339,7 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
         moments[f"backward of block {i}" + (" (recomputed)" if is_ckpt(i) else "")] = MemoryBreakdown(
             **states(grads_done(i)),
             unsharded_params=root_c + gathered(i) + (gathered_below(i) if keeps_gathered else 0)
-            + params_adjust,
+            + partial_below(i) + params_adjust,
             collective_buffers=prefetch_below(i) + reduce_scatter_above(i) + buffers_adjust,
             unsharded_grads=head_grad + block_grads,
             activations=block_acts + shared,

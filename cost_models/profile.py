@@ -12,11 +12,11 @@ from .units import GiB
 
 
 def _default_compute_efficiency() -> dict:
-    # Achieved fraction of dense peak for the transformer's matmul-heavy step (hardware FLOPs, i.e.
-    # recompute included). bf16/fp16: least-squares fit to torchtitan's five FSDP2 rows on 64 x A100
-    # (published.md) -> 0.64; see tests/golden/test_published.py for each row's error. fp32 (no TF32):
-    # CUDA-core GEMMs reach ~85-90% of their much lower peak; 0.8 is a stated guess until calibrated.
-    return {"bf16": 0.64, "fp16": 0.64, "fp32": 0.80}
+    # The fraction of the GPU's best large-GEMM rate (catalog matmul_efficiency x peak) that a training
+    # step's matmuls reach, per compute dtype (kernel_time.py). bf16/fp16: least-squares fit over the
+    # published torchtitan rows (benchmarks/throughput_accuracy.py, docs/accuracy.md). fp32 (no TF32):
+    # CUDA-core GEMMs reach ~85-90% of their much lower peak (1.0 x the default 0.8 is a stated guess).
+    return {"bf16": 0.74, "fp16": 0.74, "fp32": 1.0}
 
 
 @dataclass(frozen=True)
@@ -42,6 +42,25 @@ class Profile:
     cpu_optimizer_params_per_s: float = 4e8
     # Achieved fraction of PCIe bandwidth for offload copies (pinned memory).
     pcie_efficiency: float = 0.8
+    # --- the operator-level step time (kernel_time.py) ---
+    # Large-GEMM efficiency (best measured product / peak) for a GPU whose catalog entry has none.
+    default_gpu_matmul_efficiency: float = 0.8
+    # Shape factor x / (x + x0) per matmul dimension: skinny and small products fall below the large rate.
+    # x0 = 64 is a stated estimate (a 64-row product runs at about half the rate of a large one).
+    matmul_half_dim: float = 64.0
+    # Flash-attention fwd+bwd efficiency (fraction of peak) for a GPU whose entry has none, and a scale
+    # calibration fits on top of the catalog's figure.
+    default_attention_efficiency: float = 0.35
+    attention_efficiency: float = 1.0
+    # s / (s + s0): FlashAttention-2's rate at 1k tokens is ~70% of its rate at 16k (FA2 paper, fig. 4).
+    attention_half_seq: float = 384.0
+    # Fraction of HBM bandwidth the memory-bound kernels (norms, activations, rotary, casts, loss) reach:
+    # streaming kernels reach ~80-90% (hardware.md).
+    memory_bound_efficiency: float = 0.8
+    # Compute slows while NCCL kernels run beside it (they take SMs and HBM bandwidth): extra seconds per
+    # second of hidden communication. 0.1 is a stated estimate (NCCL's ring kernels use ~8-16 of 108-132
+    # SMs); calibration fits it from runs at more than one communication share.
+    overlap_slowdown: float = 0.1
     source: str = "defaults (published measurements)"
 
     def reserved_bytes(self, allocated_bytes: int) -> int:

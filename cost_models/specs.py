@@ -405,6 +405,8 @@ class GpuSpec:
     host_link_peak_bytes_per_s: float = 0.0          # datasheet peak (pcie_bytes_per_s is what copies reach)
     nics_per_node: int = 0                           # 0 = unknown
     nic: str = ""                                    # e.g. "8 x 400 Gb/s NDR InfiniBand (ConnectX-7)"
+    matmul_efficiency: float = 0.0                   # best measured large bf16 GEMM / bf16 peak; 0 = unknown
+    attention_efficiency: float = 0.0                # SDPA flash kernel fwd+bwd / bf16 peak (long s, head dim 128); 0 = unknown
 
     def __post_init__(self):
         _positive("gpu.memory_bytes", self.memory_bytes)
@@ -413,7 +415,7 @@ class GpuSpec:
         _positive("gpu.pcie_bytes_per_s", self.pcie_bytes_per_s)
         _positive("gpu.default_gpus_per_node", self.default_gpus_per_node)
         for name in ("scale_up_domain_gpus", "scale_up_peak_bytes_per_s", "host_link_peak_bytes_per_s",
-                     "nics_per_node"):
+                     "nics_per_node", "matmul_efficiency", "attention_efficiency"):
             _positive(f"gpu.{name}", getattr(self, name), allow_zero=True)
 
     def supports(self, dtype: str) -> bool:

@@ -17,11 +17,12 @@ overlap. Ignored: kernel-level compute/communication contention, stragglers, dat
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+import math
+from dataclasses import dataclass, fields, replace
 
-from . import comm, moe
-from .compute import (attention_flops_per_token_per_layer, mfu_flops_per_token, model_flops_per_token,
-                      recompute_flops_per_token)
+from . import comm, moe, operators
+from .compute import mfu_flops_per_token, model_flops_per_token, recompute_flops_per_token
+from .kernel_time import BlockTime, Rates, eager_attention_ops, price_block
 from .memory import ParamCounts
 from .profile import Profile
 from .specs import Attention, ClusterSpec, FsdpConfig, ModelSpec, Sharding, TrainingSpec
@@ -30,9 +31,13 @@ from .units import DTYPE_BYTES
 
 @dataclass(frozen=True)
 class TimeBreakdown:
-    compute_s: float             # all micro-steps, recompute included
+    compute_s: float             # all micro-steps, recompute included: matmul + attention + memory-bound
     recompute_s: float           # the part of compute_s spent re-running checkpointed forwards
+    matmul_s: float              # of compute_s without recompute: the matmuls (block linears, experts, head)
+    attention_s: float           # ... the attention kernels (eager: the score products)
+    memory_bound_s: float        # ... norms, activations, rotary, residuals, loss, casts, FSDP's copies
     exposed_comm_s: float        # communication not hidden behind compute
+    overlap_slowdown_s: float    # compute slowed by the NCCL kernels running beside it
     total_comm_s: float          # all collective time, hidden or not (for information)
     offload_copy_s: float        # CPU offload host<->device copies
     optimizer_s: float           # the optimizer step (GPU, or CPU with offload)
@@ -56,6 +61,35 @@ def _shard_tiers(config: FsdpConfig, cluster: ClusterSpec, profile: Profile):
     return shard, replicate
 
 
+def _block_times(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, rates: Rates, c: int,
+                 tokens: int) -> tuple[BlockTime, BlockTime | None, float, float]:
+    """(sparse-or-only block, dense block of an MoE model or None, recompute s of the average block (both
+    kinds), per-micro-step weight-cast s): every block's forward, backward and recompute on `tokens`."""
+    lora = training.adapter_rank
+    recompute = "selective-op" if config.selective_op_ac else ("full" if config.ac_every else "")
+    n_ckpt = model.n_layers if config.selective_op_ac else (math.ceil(model.n_layers / config.ac_every)
+                                                            if config.ac_every else 0)
+
+    def price(spec: ModelSpec) -> tuple[BlockTime, BlockTime, float]:
+        ops = operators.block_ops(spec, c, training.seq_len, lora)
+        if config.float8:
+            ops = replace(ops, memory_ops=ops.memory_ops + (operators.float8_cast_op(ops.matmuls, c),))
+        eager = (eager_attention_ops(ops, spec.n_heads, c) if config.attention is Attention.EAGER else None)
+        kw = dict(eager_attention=eager, compiled=config.compile, float8=config.float8)
+        casts = rates.memory_s(operators.weight_cast_bytes(ops.matmuls, c, config.fp8_all_gather)) if config.float8 else 0.0
+        return price_block(ops, rates, tokens, **kw), price_block(ops, rates, tokens, recompute=recompute, **kw), casts
+
+    plain, ckpt, casts = price(model)
+    dense_spec = moe.dense_block_spec(model)
+    dense = price(dense_spec) if dense_spec is not None else None
+    recompute_s = n_ckpt * ckpt.recompute_s / model.n_layers if recompute else 0.0
+    if dense is not None and recompute:
+        nd = model.n_dense_layers
+        recompute_s += n_ckpt * nd * (dense[1].recompute_s - ckpt.recompute_s) / model.n_layers ** 2
+    weight_casts = (model.n_layers - model.n_dense_layers) * casts + (model.n_dense_layers * dense[2] if dense else 0.0)
+    return plain, dense[0] if dense else None, recompute_s, weight_casts
+
+
 def estimate_step_time(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, config: FsdpConfig,
                        profile: Profile) -> TimeBreakdown:
     gpu = cluster.gpu
@@ -63,7 +97,7 @@ def estimate_step_time(model: ModelSpec, cluster: ClusterSpec, training: Trainin
     dtype = precision.compute_dtype
     # A dtype the GPU lacks runs emulated: price it at the fp32 rate (evaluate rejects it anyway).
     peak = gpu.peak_flops.get(dtype) or gpu.peak_flops["fp32"]
-    flops_per_s = peak * profile.efficiency(dtype)
+    rates = Rates.of(gpu, dtype, profile)
     c = DTYPE_BYTES[dtype]
     p = DTYPE_BYTES[precision.param_dtype]
     r = DTYPE_BYTES[config.gradient_reduce_dtype]
@@ -74,20 +108,29 @@ def estimate_step_time(model: ModelSpec, cluster: ClusterSpec, training: Trainin
     counts = ParamCounts.of(model, training, d, dim1=bool(config.expert_shard_dim))
     tokens = config.micro_batch * training.seq_len
 
-    # --- compute per micro-step -----------------------------------------------------------------------
+    # --- compute per micro-step: every operator priced by its class (kernel_time.py) -------------------
     model_flops = model_flops_per_token(model, training) * tokens
     recompute_flops = recompute_flops_per_token(model, training, config) * tokens
-    compute_s = (model_flops + recompute_flops) / flops_per_s
-    recompute_s = recompute_flops / flops_per_s
-    if config.attention is Attention.EAGER:
-        # Eager attention streams a*s^2 score tensors through HBM: write scores, softmax read/write
-        # (fp32), read probabilities for P@V, and about twice that in backward.
-        score_bytes = L * config.micro_batch * model.n_heads * training.seq_len ** 2 * (3 * c + 8) * 3
-        compute_s += score_bytes / (gpu.hbm_bytes_per_s * profile.optimizer_hbm_efficiency)
-    attn_fwd_flops = attention_flops_per_token_per_layer(model, training.seq_len) / 3
-    adapters = counts.trainable_block if counts.frozen_block else 0   # LoRA
-    block_fwd_s = (2 * (moe.active_block_params(model) + adapters) + attn_fwd_flops) * tokens / flops_per_s
-    block_bwd_s = 2 * block_fwd_s + (recompute_s / L)
+    block, dense_block, block_recompute_s, weight_casts_s = _block_times(model, training, config, rates, c, tokens)
+    nd = model.n_dense_layers
+    blocks = [(L - nd, block)] + ([(nd, dense_block)] if dense_block is not None else [])
+    head, root_memory = operators.root_ops(model, c)
+    head_s = 3 * rates.matmul_forward_s(head, tokens) if head is not None else 0.0
+    root_memory_s = rates.memory_s(tokens * sum(op.bytes(config.compile, False) + op.bytes(config.compile, True)
+                                                for op in root_memory))
+    # FSDP2's copies around its collectives: each all-gather's output split into the unsharded parameters
+    # (read + write c), each reduce-scatter's input packed (and cast) from the gradients (c + r)
+    gathers = 2 if config.sharding.reshards_after_forward else 1
+    gathered_elements = counts.block() * (L - nd) + (counts.block() + (counts.trainable_dense_delta + counts.frozen_dense_delta) // max(nd, 1)) * nd + counts.root()
+    fsdp_copy_s = rates.memory_s(gathers * gathered_elements * 2 * c + counts.trainable(L) * (c + r)) if d > 1 else 0.0
+    matmul_s = head_s + sum(n * (b.matmul_forward_s + b.matmul_backward_s) for n, b in blocks)
+    attention_s = sum(n * (b.attention_forward_s + b.attention_backward_s) for n, b in blocks)
+    memory_bound_s = root_memory_s + fsdp_copy_s + weight_casts_s + sum(
+        n * (b.memory_forward_s + b.memory_backward_s) for n, b in blocks)
+    recompute_s = L * block_recompute_s
+    compute_s = matmul_s + attention_s + memory_bound_s + recompute_s
+    block_fwd_s = block.forward_s
+    block_bwd_s = block.backward_s - block.recompute_s + block_recompute_s
 
     # --- collectives per micro-step --------------------------------------------------------------------
     shard_tier, replicate_tier = _shard_tiers(config, cluster, profile)
@@ -105,29 +148,38 @@ def estimate_step_time(model: ModelSpec, cluster: ClusterSpec, training: Trainin
 
     root_ag, root_rs = collectives(root_gather, root_reduce)
     gathers_in_backward = config.sharding in (Sharding.FULL_SHARD, Sharding.HYBRID_SHARD)
-    # Blocks by kind: (count, all-gather s, reduction s, forward s, backward s); block 0 is of the last kind.
-    ag, rs = collectives(counts.block() * c, counts.trainable_block * r)
+    # FSDP2's FP8 all-gather moves the Float8 linears' weights in 1 byte
+    fp8_saving = (c - 1) * operators.float8_weight_elements(model, c, training.seq_len) if config.fp8_all_gather else 0
+    ag, rs = collectives(counts.block() * c - fp8_saving, counts.trainable_block * r)
     experts = moe.experts_gathered_elements(model, d, bool(config.expert_shard_dim)) if config.expert_units else 0
     if experts:  # two collectives per sparse block (its experts, the rest): the same bytes, twice the latency
         trained = 0 if counts.frozen_block else experts   # LoRA: frozen experts reduce nothing
         shell_ag, shell_rs = collectives((counts.block() - experts) * c, (counts.trainable_block - trained) * r)
         own_ag, own_rs = collectives(experts * c, trained * r)
         ag, rs = shell_ag + own_ag, shell_rs + (own_rs if trained else 0.0)
-    kinds = [(L - model.n_dense_layers, ag, rs, block_fwd_s, block_bwd_s)]
+    # reshard_after_forward=N: backward all-gathers each block among N ranks (inside the node: the fast tier)
+    bwd_gather = 1.0
+    if config.reshard_after_forward and gathers_in_backward and sync_every_microstep and ag > 0:
+        n_partial = config.reshard_after_forward
+        tier = comm.Tier.for_group(cluster, profile, spans_nodes=n_partial > cluster.fast_tier_gpus)
+        block_bytes = counts.block() * c - fp8_saving
+        bwd_gather = comm.all_gather_s(block_bytes, n_partial, tier) / comm.all_gather_s(block_bytes, d, shard_tier)
+    # Blocks by kind: (count, forward all-gather s, backward all-gather s, reduction s, forward s, backward s)
+    kinds = [(L - model.n_dense_layers, ag, ag * bwd_gather, rs, block_fwd_s, block_bwd_s)]
     if model.n_dense_layers:  # an MoE model's leading dense blocks: their own sizes and FLOPs
-        nd, dense_delta = model.n_dense_layers, (counts.trainable_dense_delta + counts.frozen_dense_delta) // model.n_dense_layers
-        d_fwd = block_fwd_s + 2 * (model.moe.dense_block_params - moe.active_block_params(model)) * tokens / flops_per_s
+        dense_delta = (counts.trainable_dense_delta + counts.frozen_dense_delta) // nd
         d_ag, d_rs = collectives((counts.block() + dense_delta) * c,
                                  (counts.trainable_block + counts.trainable_dense_delta // nd) * r)
-        kinds.append((nd, d_ag, d_rs, d_fwd, 2 * d_fwd + recompute_s / L))
-    first_ag, last_rs = kinds[-1][1], kinds[-1][2]
+        kinds.append((nd, d_ag, d_ag * bwd_gather, d_rs, dense_block.forward_s,
+                      dense_block.backward_s - dense_block.recompute_s + block_recompute_s))
+    first_ag, last_rs = kinds[-1][1], kinds[-1][3]
 
-    fwd_exposed = root_ag + first_ag + sum(n * max(0.0, a - f) for n, a, _, f, _ in kinds) \
-        - max(0.0, first_ag - kinds[-1][3])
+    fwd_exposed = root_ag + first_ag + sum(n * max(0.0, a - f) for n, a, _, _, f, _ in kinds) \
+        - max(0.0, first_ag - kinds[-1][4])
 
     def backward_exposed(reducing: bool) -> float:
         exposed_s = (last_rs if reducing else 0.0) + root_rs
-        for n, a, reduce_s, _, bwd_s in kinds:
+        for n, _, a, reduce_s, _, bwd_s in kinds:
             a, reduce_s = (a if gathers_in_backward else 0.0), (reduce_s if reducing else 0.0)
             if config.backward_prefetch:
                 exposed_s += n * max(0.0, a + reduce_s - bwd_s)
@@ -136,8 +188,8 @@ def estimate_step_time(model: ModelSpec, cluster: ClusterSpec, training: Trainin
         return exposed_s
 
     accum = config.grad_accum
-    gathered_s = sum(n * a * (2 if gathers_in_backward else 1) for n, a, *_ in kinds)
-    reduced_s = sum(n * reduce_s for n, _, reduce_s, *_ in kinds)
+    gathered_s = sum(n * (a_f + (a_b if gathers_in_backward else 0.0)) for n, a_f, a_b, *_ in kinds)
+    reduced_s = sum(n * reduce_s for n, _, _, reduce_s, *_ in kinds)
     if sync_every_microstep:
         exposed = accum * (fwd_exposed + backward_exposed(True))
         total_comm = accum * (root_ag + root_rs + gathered_s + reduced_s)
@@ -162,12 +214,17 @@ def estimate_step_time(model: ModelSpec, cluster: ClusterSpec, training: Trainin
 
     overhead_s = accum * profile.microstep_overhead_s
     compute_total = accum * compute_s
-    step_s = compute_total + exposed + offload_copy_s + optimizer_s + overhead_s
+    overlap_slowdown_s = profile.overlap_slowdown * max(0.0, min(total_comm - exposed, compute_total))
+    step_s = compute_total + exposed + overlap_slowdown_s + offload_copy_s + optimizer_s + overhead_s
     tokens_per_step = accum * tokens
     return TimeBreakdown(
         compute_s=compute_total,
         recompute_s=accum * recompute_s,
+        matmul_s=accum * matmul_s,
+        attention_s=accum * attention_s,
+        memory_bound_s=accum * memory_bound_s,
         exposed_comm_s=exposed,
+        overlap_slowdown_s=overlap_slowdown_s,
         total_comm_s=total_comm,
         offload_copy_s=offload_copy_s,
         optimizer_s=optimizer_s,

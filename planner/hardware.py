@@ -41,6 +41,8 @@ def gpu_catalog() -> dict[str, GpuSpec]:
             host_link_peak_bytes_per_s=e["host_link_peak_gb_per_s"] * GB,
             nics_per_node=e["nics_per_node"],
             nic=e["nic"],
+            matmul_efficiency=e.get("matmul_efficiency", 0.0),
+            attention_efficiency=e.get("attention_efficiency", 0.0),
         )
         for e in entries
     }

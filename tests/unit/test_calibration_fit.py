@@ -56,8 +56,10 @@ def test_one_run_fits_compute_efficiency_only():
 
 def test_emulated_runs_inform_compute_not_communication():
     emulated = [sample(c, emulated=True) for c in CONFIGS]
-    for s in emulated:  # the measured step of a fake process group has no communication in it
-        assert s.step_s == pytest.approx(step_time(s, TRUE).step_s - step_time(s, TRUE).exposed_comm_s)
+    for s in emulated:  # the measured step of a fake process group has no communication in it, nor its slowdown
+        t = step_time(s, TRUE)
+        assert t.overlap_slowdown_s > 0
+        assert s.step_s == pytest.approx(t.step_s - t.exposed_comm_s - t.overlap_slowdown_s)
     fit = fit_profile(emulated, DEFAULT_PROFILE)
     assert "intra_node_comm_efficiency" not in fit.fitted
     assert fit.profile.intra_node_comm_efficiency == DEFAULT_PROFILE.intra_node_comm_efficiency

@@ -179,13 +179,14 @@ def test_flops_per_token_llama2_7b_by_hand():
     assert full == 32 * (2 * m.block_params + attention / 32 / 3)
 
 
-def test_step_time_compute_bound_case_by_hand():
-    # One GPU, no collectives: step = FLOPs / (peak * eff) + optimizer + overhead.
+def test_step_time_single_gpu_is_its_operator_classes():
+    # One GPU, no collectives: step = matmuls + attention + memory-bound + optimizer + overhead, and
+    # nothing overlaps (no slowdown); the classes are the ones tests/unit/test_operator_time.py checks.
     prof = Profile(compute_efficiency={"bf16": 0.5, "fp32": 0.5}, microstep_overhead_s=0.0)
     t = estimate_step_time(TOY, cluster(1, 1), TrainingSpec(seq_len=100), FsdpConfig(micro_batch=2), prof)
-    flops = 200 * model_flops_per_token(TOY, TrainingSpec(seq_len=100))
-    assert t.compute_s == pytest.approx(flops / 150e12)
-    assert t.exposed_comm_s == 0.0
+    assert t.compute_s == pytest.approx(t.matmul_s + t.attention_s + t.memory_bound_s)
+    assert t.matmul_s > 0 and t.attention_s > 0 and t.memory_bound_s > 0
+    assert t.exposed_comm_s == 0.0 and t.overlap_slowdown_s == 0.0
     assert t.step_s == pytest.approx(t.compute_s + t.optimizer_s)
     assert t.tokens_per_s_per_gpu == pytest.approx(200 / t.step_s)
 
