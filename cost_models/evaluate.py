@@ -38,6 +38,15 @@ def unsupported_reasons(cluster: ClusterSpec, config: FsdpConfig) -> list[str]:
     if not cluster.gpu.supports(dtype):
         supported = ", ".join(k for k, v in cluster.gpu.peak_flops.items() if v)
         reasons.append(f"{cluster.gpu.id} has no {dtype} support (supported: {supported})")
+    if config.float8 and not cluster.gpu.supports("fp8"):
+        reasons.append(f"{cluster.gpu.id} has no FP8 tensor cores: Float8 linears need Hopper, Ada, Blackwell or "
+                       "CDNA 3/4")
+    if config.float8 and dtype != "bf16":
+        reasons.append(f"Float8 linears (torchao) run with bf16 compute, not {config.precision.value}")
+    d = config.shard_group_size(cluster)
+    if config.reshard_after_forward and (d % config.reshard_after_forward or config.reshard_after_forward >= d):
+        reasons.append(f"reshard_after_forward={config.reshard_after_forward} must divide the shard group ({d} "
+                       "ranks) and be smaller than it")
     if config.sharding.is_hybrid and cluster.n_gpus % cluster.gpus_per_node:
         reasons.append(f"{config.sharding.value} needs gpus ({cluster.n_gpus}) divisible by gpus_per_node "
                        f"({cluster.gpus_per_node})")

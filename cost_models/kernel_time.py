@@ -22,6 +22,7 @@ Ignored: wave quantisation, L2 reuse, kernel launch gaps (profile.microstep_over
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 from .operators import BlockOps, Matmul, MemoryOp
 from .profile import Profile
@@ -116,6 +117,7 @@ def eager_attention_ops(ops: BlockOps, n_heads: int, c: int) -> tuple[tuple[Matm
     return products, traffic
 
 
+@lru_cache(maxsize=4096)  # candidates of one search share blocks, rates and micro-batches
 def price_block(ops: BlockOps, rates: Rates, tokens: int, *, eager_attention: tuple | None = None,
                 compiled: bool = False, float8: bool = False, recompute: str = "") -> BlockTime:
     """One micro-batch of `tokens` through a block. recompute: "" none, "full" (the whole forward again,

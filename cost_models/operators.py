@@ -37,6 +37,7 @@ rotary tables, masks), the MoE router's small softmax/top-k (counted as a memory
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import lru_cache
 
 from . import moe as moe_model
 from .specs import ModelSpec
@@ -52,7 +53,7 @@ class Matmul:
     k: int
     rows_per_token: float = 1.0
     count: int = 1
-    bias: bool = False        # addmm: not an aten.mm for the selective-op policy
+    bias: bool = False        # a biased linear (aten.addmm)
     float8: bool = True       # converted by torchao's convert_to_float8_training (block nn.Linear layers)
     trainable: bool = True    # False: frozen (LoRA base weight): no weight-gradient product
 
@@ -96,11 +97,11 @@ class BlockOps:
         return sum(m.forward_flops_per_token for m in self.matmuls)
 
     def selective_op_recomputed(self) -> tuple[Matmul, ...]:
-        """torchtitan's policy: of the aten.mm calls of a forward, the 2nd, 4th, ... are recomputed (an
-        addmm - biased linear - or a grouped expert product is not an aten.mm: recomputed, uncounted)."""
-        plain = [m for m in self.matmuls if not m.bias and m.count == 1 and m.rows_per_token == 1.0]
-        others = [m for m in self.matmuls if m not in plain]
-        return tuple(plain[1::2]) + tuple(others)
+        """torchtitan's policy as calibration.apply runs it: of the linear products of a forward (aten.mm, and
+        aten.addmm for a biased linear), the 2nd, 4th, ... are recomputed; a grouped expert product
+        (aten._grouped_mm) is not on the save list: always recomputed, and not counted."""
+        linear = [m for m in self.matmuls if m.count == 1 and m.rows_per_token == 1.0]
+        return tuple(linear[1::2]) + tuple(m for m in self.matmuls if m not in linear)
 
 
 def _elementwise(name: str, elements: float, fwd: float, bwd: float, fused_fwd: float, fused_bwd: float) -> MemoryOp:
@@ -184,6 +185,7 @@ def attention_forward_flops(model: ModelSpec, seq_len: int) -> tuple[float, floa
     return 4.0 * model.q_dim * keys, reference
 
 
+@lru_cache(maxsize=256)  # the search prices thousands of configurations of one model
 def block_ops(model: ModelSpec, c: int, seq_len: int, lora_rank: int = 0) -> BlockOps:
     """The (sparse, for MoE) block's operators; moe.dense_block_spec(model) gives the dense blocks'."""
     h, q, kv, f = model.hidden_size, model.q_dim, model.kv_dim, model.ffn_hidden_size

@@ -115,6 +115,9 @@ def parse_activation_checkpointing(value) -> int:
         return 1
     if text.startswith("every-") and text[6:].isdigit() and int(text[6:]) >= 1:
         return int(text[6:])
+    if text == SELECTIVE_OP:
+        raise SpecError("activation_checkpointing", f"{SELECTIVE_OP} is not a block count: FsdpConfig(ac_every="
+                        f"'{SELECTIVE_OP}') sets selective_op_ac")
     raise SpecError("activation_checkpointing",
                     f"unknown value {value!r}; choose one of: none, full, every-K (K >= 1), {SELECTIVE_OP}")
 
@@ -548,6 +551,9 @@ class FsdpConfig:
                             f"it cannot be combined with {format_activation_checkpointing(self.ac_every)}")
         if self.fp8_all_gather and not self.float8:
             raise SpecError("fp8_all_gather", "needs float8 (the FP8 all-gather moves Float8 linears' weights)")
+        if self.fp8_all_gather and self.sharding is Sharding.NO_SHARD:
+            raise SpecError("fp8_all_gather", "NO_SHARD all-gathers nothing; choose FULL_SHARD, SHARD_GRAD_OP or a "
+                                              "HYBRID_SHARD strategy")
         if self.reshard_after_forward < 0 or self.reshard_after_forward == 1:
             raise SpecError("reshard_after_forward", f"{self.reshard_after_forward}; give a group of >= 2 ranks "
                             "(a divisor of the shard group), or 0 for the strategy's own")

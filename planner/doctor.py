@@ -16,7 +16,7 @@ from cost_models.specs import ClusterSpec, Finetune, FsdpConfig, ModelSpec, Prec
 from cost_models.units import DTYPE_BYTES, GiB
 
 from .api import Candidate, Plan
-from .search import describe
+from .search import describe, technique_words
 from .setups import FSDP2_REMOVED, UserSetup, model_use_cache
 
 ERROR, WARNING, ADVICE = "error", "warning", "advice"
@@ -46,10 +46,16 @@ class Context:
     unwrapped_extra_bytes: int      # memory the estimate lacks when there is no auto-wrap policy
     profile: Profile
     model_use_cache: bool | None = None  # use_cache in the model's own config (config.json, HF dict, module)
+    best_same_techniques: Candidate | None = None  # the planner's best with the user's compile / Float8 choices
 
     @property
     def config(self) -> FsdpConfig:
         return self.setup.config
+
+
+def _techniques(config: FsdpConfig) -> tuple:
+    """What changes the model code rather than FSDP's settings: compile, Float8 (+ its FP8 all-gather)."""
+    return config.compile, config.float8
 
 
 # --- rules ------------------------------------------------------------------------------------------------
@@ -213,17 +219,25 @@ def micro_batch_headroom(ctx: Context):
 
 
 def slower_than_plan(ctx: Context):
-    best, mine = ctx.best, ctx.candidate
-    if best is None or not mine.fits or ctx.setup.wrap == "none":
+    """Clearly (> 10%) faster picks of the planner: with the user's own compile / Float8 choices, FSDP
+    settings alone (sharding, checkpointing, micro-batch: a warning); with torch.compile or Float8 linears
+    added (code changes, not FSDP settings: advice)."""
+    mine = ctx.candidate
+    if not mine.fits or ctx.setup.wrap == "none":
         return
-    gain = best.time.tokens_per_s_per_gpu / mine.time.tokens_per_s_per_gpu - 1
-    if gain > 0.10:
-        yield Finding("planner-pick-is-faster", WARNING,
-                      f"The planner ranks this configuration clearly slower: {mine.time.tokens_per_s_per_gpu:,.0f} "
-                      f"tokens/s per GPU against {best.time.tokens_per_s_per_gpu:,.0f} (+{100 * gain:.0f}%) for "
-                      f"{describe(best.config)}.",
-                      f"use the planner's pick (fsdp-plan --model ... --emit fsdp1|fsdp2|accelerate): "
-                      f"{describe(best.config)}")
+    techniques = ctx.best if ctx.best is not None and _techniques(ctx.best.config) != _techniques(mine.config) else None
+    for code, severity, best in (("planner-pick-is-faster", WARNING, ctx.best_same_techniques),
+                                 ("techniques-would-help", ADVICE, techniques)):
+        gain = best.time.tokens_per_s_per_gpu / mine.time.tokens_per_s_per_gpu - 1 if best is not None else 0.0
+        if gain <= 0.10:
+            continue
+        what = ("The planner ranks this configuration clearly slower" if severity == WARNING else
+                f"The planner's pick adds {', '.join(technique_words(best.config))}")
+        yield Finding(code, severity,
+                      f"{what}: {mine.time.tokens_per_s_per_gpu:,.0f} tokens/s per GPU against "
+                      f"{best.time.tokens_per_s_per_gpu:,.0f} (+{100 * gain:.0f}%) for {describe(best.config)}.",
+                      f"use the planner's pick (fsdp-plan --model ... --emit fsdp1|fsdp2|accelerate; fsdp2 writes "
+                      f"the compile and Float8 code): {describe(best.config)}")
 
 
 def kv_cache_extra_bytes(model: ModelSpec, config: FsdpConfig, seq_len: int) -> int:
@@ -353,6 +367,8 @@ def diagnose(setup: UserSetup, candidate: Candidate, plan: Plan | None, *, unwra
     `unwrapped_extra` bytes)."""
     ctx = Context(setup=setup, candidate=candidate, model=candidate.model, cluster=candidate.cluster,
                   training=candidate.training, best=plan.best if plan else None,
+                  best_same_techniques=next((c for c in plan.candidates if _techniques(c.config)
+                                             == _techniques(candidate.config)), None) if plan else None,
                   dynamic_control_flow=dynamic_control_flow, unwrapped_extra_bytes=unwrapped_extra,
                   profile=profile or DEFAULT_PROFILE, model_use_cache=model_use_cache)
     findings = [f for rule in RULES for f in rule(ctx)]

@@ -20,6 +20,17 @@ def test_good_config_has_no_errors_or_warnings():
     assert not {c: s for c, s in found.items() if s != "advice"}, found
 
 
+def test_compile_and_float8_are_advice_not_a_warning():
+    # the planner's pick on H100 adds torch.compile and Float8 linears (code changes, not FSDP settings): the
+    # same FSDP settings without them get advice naming them, not "planner-pick-is-faster"
+    found = {f.code: f for f in check(from_kwargs({**GOOD, "activation_checkpointing": "none", "micro_batch": 2}),
+                                      "llama2-7b", 8, gpu="h100-80gb", seq_len=2048).findings}
+    pick = found.get("planner-pick-is-faster")   # FSDP settings only (here: a larger micro-batch)
+    assert pick is None or ("compile" not in pick.message and "Float8" not in pick.message)
+    advice = found["techniques-would-help"]
+    assert advice.severity == "advice" and "torch.compile per block" in advice.message
+
+
 @pytest.mark.parametrize("scaler,severity", [("null", "error"), ("GradScaler", "error"), ("unstated", "warning")])
 def test_fp16_without_sharded_scaler(scaler, severity):
     kw = {**GOOD, "mixed_precision": {"param_dtype": "float16", "reduce_dtype": "float32"}}

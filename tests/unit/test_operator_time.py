@@ -71,9 +71,14 @@ def test_selective_op_policy_recomputes_every_second_mm():
     ops = operators.block_ops(LLAMA, 2, seq_len=4096)
     assert [m.name for m in ops.matmuls] == ["q", "k", "v", "o", "gate", "up", "down"]
     assert [m.name for m in ops.selective_op_recomputed()] == ["k", "o", "up"]
-    # Qwen2's biased q/k/v run as addmm: not counted, recomputed; the aten.mm calls are o, gate, up, down
+    # Qwen2's biased q/k/v run as aten.addmm, counted as matmuls as calibration.apply's policy counts them
     qwen = dataclasses.replace(LLAMA, family="qwen2", block_params=LLAMA.block_params + Q + 2 * KV)
-    assert [m.name for m in operators.block_ops(qwen, 2, 4096).selective_op_recomputed()] == ["gate", "down", "q", "k", "v"]
+    assert [m.bias for m in operators.block_ops(qwen, 2, 4096).matmuls[:3]] == [True] * 3
+    assert [m.name for m in operators.block_ops(qwen, 2, 4096).selective_op_recomputed()] == ["k", "o", "up"]
+    # a routed expert's grouped product is not on the save list: recomputed whatever its position
+    assert operators.Matmul("experts", 8, 8, 0.25, 8) in operators.BlockOps(
+        (operators.Matmul("router", 8, 8), operators.Matmul("experts", 8, 8, 0.25, 8)), 0, 0, (), 128, 1
+    ).selective_op_recomputed()
     # recompute: those matmuls' forward and every memory-bound op's forward; the attention output is saved
     t = price_block(ops, RATES, 8192, recompute="selective-op")
     assert t.recompute_attention_s == 0.0
