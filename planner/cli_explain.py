@@ -1,9 +1,21 @@
-"""`fsdp-plan explain`: the planner's pick, its memory and time budget term by term."""
+"""`fsdp-plan explain`: the planner's pick, or one configuration given by flags, its memory and time budget
+term by term; --plot draws the step budget by operator class."""
 
 from __future__ import annotations
 
-from planner.cli_options import (CpuRam, FinetuneOpt, GlobalBatch, Gpu, GpuMemory, Gpus, GpusPerNode, InternodeGbps,
-                                 IntraNode, LoraRank, Model, Optim, Pcie, SeqLen, cluster_and_training)
+from typing import Annotated, Optional
+
+import typer
+
+from planner.cli_options import (AttentionOpt, CpuRam, FinetuneOpt, GlobalBatch, Gpu, GpuMemory, Gpus, GpusPerNode,
+                                 InternodeGbps, IntraNode, LoraRank, Model, Optim, Pcie, SeqLen,
+                                 cluster_and_training)
+
+
+
+def _opt(flag: str, help_text: str):
+    """A config flag: None unless given (any one given: explain that config, not the planner's pick)."""
+    return typer.Option(flag, help=f"config: {help_text}")
 
 
 def register(app) -> None:
@@ -13,20 +25,47 @@ def register(app) -> None:
         internode_gbps: InternodeGbps = None, gpu_memory: GpuMemory = None, intra_node_gb_per_s: IntraNode = None,
         pcie_gb_per_s: Pcie = None, cpu_ram_per_node: CpuRam = None, seq_len: SeqLen = 2048,
         global_batch: GlobalBatch = None, optimizer: Optim = "adamw", finetune: FinetuneOpt = "full",
-        lora_rank: LoraRank = 16,
+        lora_rank: LoraRank = 16, attention: AttentionOpt = None,
+        sharding: Annotated[Optional[str], _opt("--sharding", "FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, ...")] = None,
+        precision: Annotated[Optional[str], _opt("--precision", "fp32, bf16, bf16-pure, fp16")] = None,
+        activation_checkpointing: Annotated[Optional[str], _opt("--activation-checkpointing",
+                                                                "none, full, every-K, selective-op")] = None,
+        micro_batch: Annotated[Optional[int], _opt("--micro-batch", "sequences per GPU per micro-step")] = None,
+        grad_accum: Annotated[Optional[int], _opt("--grad-accum", "micro-steps per optimizer step")] = None,
+        offload: Annotated[Optional[bool], _opt("--offload/--no-offload", "CPU offload")] = None,
+        compile: Annotated[Optional[bool], _opt("--compile/--no-compile", "torch.compile each block")] = None,
+        float8: Annotated[Optional[bool], _opt("--float8/--no-float8", "torchao Float8 linears")] = None,
+        fp8_all_gather: Annotated[Optional[bool], _opt("--fp8-all-gather/--no-fp8-all-gather",
+                                                       "with --float8, all-gather in FP8")] = None,
+        plot: Annotated[Optional[str], typer.Option("--plot", help="Draw the step budget by operator class to "
+                                                    "FILE.png or FILE.svg (the pick and the next 4, or the given "
+                                                    "config; needs matplotlib)")] = None,
     ):
-        """Walk through the winning config's memory and time budget, formula by formula."""
-        import typer
-
-        from planner.api import plan
+        """Walk through the winning config's memory and time budget, formula by formula. With any config flag,
+        explain that configuration instead (flags not given: `fsdp-plan estimate`'s defaults)."""
+        from planner.api import estimate, plan
         from planner.errors import PlannerError
         from planner.explain import explain_text
 
         args = cluster_and_training(model, gpus, gpus_per_node, gpu, internode_gbps, gpu_memory, intra_node_gb_per_s,
                                     pcie_gb_per_s, cpu_ram_per_node, seq_len, global_batch, optimizer, finetune,
                                     lora_rank)
-        p = plan(model, **args)
-        if p.best is None:
-            raise PlannerError("model", f"nothing fits {p.model.name} on {gpus} x {gpu}; run `fsdp-plan --model "
-                                        f"{model} --gpus {gpus}` for the nearest misses and what would fit")
-        typer.echo(explain_text(p.best))
+        config = dict(sharding=sharding, precision=precision, activation_checkpointing=activation_checkpointing,
+                      micro_batch=micro_batch, grad_accum=grad_accum, offload=offload, compile=compile,
+                      float8=float8, fp8_all_gather=fp8_all_gather)
+        given = {k: v for k, v in config.items() if v is not None}
+        if given:
+            shown = [estimate(model, attention=attention, **given, **args)]
+        else:
+            p = plan(model, attention=attention, **args)
+            if p.best is None:
+                raise PlannerError("model", f"nothing fits {p.model.name} on {gpus} x {gpu}; run `fsdp-plan --model "
+                                            f"{model} --gpus {gpus}` for the nearest misses and what would fit")
+            shown = p.candidates[:5]
+        typer.echo(explain_text(shown[0]))
+        if not shown[0].fits:
+            typer.echo("\nthis config does not fit: " + "; ".join(shown[0].reasons))
+        if plot is not None:
+            from planner.plot import plot_step_budget
+
+            typer.echo(f"\nstep budget drawn to {plot_step_budget(shown, plot)}")

@@ -1,6 +1,7 @@
 """`fsdp-plan explain`: the winning config's memory and time budget in plain words, term by term,
-with the formula and where it comes from. Every number is recomputed from the formula it quotes and
-printed beside the cost model's own figure, so a reader can check the arithmetic.
+with the formula and where it comes from. Memory terms here; the step's budget by operator class in
+explain_time.py. The figures are the cost model's own, the formulas' inputs beside them, so a reader can
+check the arithmetic.
 """
 
 from __future__ import annotations
@@ -8,12 +9,12 @@ from __future__ import annotations
 import math
 
 from cost_models import activations, moe
-from cost_models.memory import traced_block_terms
-from cost_models.compute import mfu_flops_per_token, model_flops_per_token, recompute_flops_per_token
-from cost_models.memory import ParamCounts
+from cost_models.memory import ParamCounts, traced_block_terms
+from cost_models.profile import DEFAULT_PROFILE, Profile
 from cost_models.units import DTYPE_BYTES, GiB
 
 from .api import Candidate
+from .explain_time import time_terms
 from .search import describe
 
 
@@ -94,56 +95,14 @@ def memory_terms(c: Candidate) -> list[tuple[str, str, str]]:
     return terms
 
 
-def time_terms(c: Candidate) -> list[tuple[str, str, str]]:
-    m, cfg, t = c.model, c.config, c.time
-    tokens = cfg.micro_batch * c.training.seq_len
-    dtype = cfg.precision.compute_dtype
-    peak = c.cluster.gpu.peak_flops.get(dtype, 0)
-    flops = model_flops_per_token(m, c.training)
-    re = recompute_flops_per_token(m, c.training, cfg)
-    terms = [
-        ("FLOPs per token", ("4 x frozen non-embedding params + 6 x adapter params" if c.training.adapter_rank
-                             else "6 x non-embedding params") + (f" (active: {m.active_params:,} of {m.n_params:,}, "
-                                                                 f"{m.moe.experts_per_token} of {m.moe.n_experts} "
-                                                                 "experts per token)" if m.moe else "")
-         + f" + 12 x L x heads x head_dim x s = {flops / 1e9:,.1f} GFLOP"
-         + (f", + {re / 1e9:,.1f} GFLOP recompute ({cfg.activation_checkpointing} checkpointing)" if re else ""),
-         "Kaplan et al. 2020; PaLM appendix B; Korthikanti et al. 2022 for recompute"),
-        ("compute", f"{cfg.grad_accum} micro-step(s) x {tokens:,} tokens x {(flops + re) / 1e9:,.1f} GFLOP / "
-         f"({peak / 1e12:g} TFLOP/s {dtype} peak x {_efficiency(c, flops + re, peak):.2f} achieved) = {t.compute_s:.3f} s",
-         "efficiency fitted to torchtitan's published A100 runs (published.md) until calibrated"),
-        ("communication", f"{t.total_comm_s:.3f} s of all-gather/reduce-scatter"
-         f"{'/all-reduce' if cfg.sharding.is_hybrid else ''} per step, of which {t.exposed_comm_s:.3f} s is not hidden "
-         f"behind compute", "ring collectives: (n-1)/n x message / bus bandwidth (NCCL's convention); FSDP prefetch "
-         "overlaps the next unit's all-gather with the current unit's compute"),
-        ("offload", f"host<->device copies {t.offload_copy_s:.3f} s", "PCIe at the catalog's rate") if cfg.offload
-        else ("optimizer step", f"{t.optimizer_s:.4f} s: read/write params and states at HBM speed", "memory-bound"),
-        ("step", f"{t.step_s:.3f} s -> {t.tokens_per_s_per_gpu:,.0f} tokens/s per GPU; MFU = "
-         f"{mfu_flops_per_token(m, c.training) / 1e9:,.1f} GFLOP/token x tokens/s / peak = {100 * t.mfu:.1f}%",
-         "MFU as torchtitan computes it (6 x all params + attention)" + (", active params for MoE" if m.moe else "")),
-    ]
-    d = cfg.shard_group_size(c.cluster)
-    why = moe.comm_bound_note(m, t.exposed_comm_s, t.step_s,
-                              moe.padding_factor(m, d, bool(cfg.expert_shard_dim)) if m.moe else 1.0,
-                              cfg.sharding.value, cfg.micro_batch)
-    if why:
-        terms.insert(3, ("why communication", why, "FSDP gathers every parameter of a unit; an MoE token computes "
-                         "with its top-k experts only (cost_models/moe.py)"))
-    return terms
-
-
-def _efficiency(c: Candidate, flops_per_token: float, peak: float) -> float:
-    tokens = c.config.grad_accum * c.config.micro_batch * c.training.seq_len
-    return tokens * flops_per_token / (c.time.compute_s * peak) if c.time.compute_s and peak else 0.0
-
-
-def explain_text(c: Candidate) -> str:
+def explain_text(c: Candidate, profile: Profile = DEFAULT_PROFILE) -> str:
+    """The memory terms, then the time terms (`profile`: the one c was costed with)."""
     lines = [f"Why {describe(c.config)} for {c.model.name} on {c.cluster.n_gpus} x {c.cluster.gpu.id}:",
              "", "Memory per GPU:"]
     for term, formula, source in memory_terms(c):
         lines += [f"  {term}: {formula}", f"      source: {source}"]
     lines += ["", "Time per optimizer step:"]
-    for term, formula, source in time_terms(c):
+    for term, formula, source in time_terms(c, profile):
         lines += [f"  {term}: {formula}", f"      source: {source}"]
     lines += [f"  note: {n}" for n in c.memory.notes]
     return "\n".join(lines)

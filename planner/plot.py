@@ -1,24 +1,29 @@
-"""`--plot FILE.png|.svg`: memory breakdown of the top candidates as stacked bars against the GPU's
-capacity, and step time split into compute / exposed communication / offload / optimizer / overhead.
-matplotlib is optional (`pip install fsdp-planner[plot]`).
+"""`--plot FILE.png|.svg`: the main command draws the top candidates' memory (stacked bars against the GPU's
+capacity) beside their step budget; `fsdp-plan explain --plot` draws the step budget alone. The budget is
+one horizontal stacked bar per candidate, in seconds per optimizer step, by the classes of
+explain_time.BUDGET (TimeBreakdown's matmul, attention, memory-bound, recompute, exposed communication, ...),
+which add up to the step. Files are written atomically (a temporary file beside the target, then
+os.replace). matplotlib is optional (`pip install fsdp-planner[plot]`) and imported only here, when drawing.
 """
 
 from __future__ import annotations
 
+import os
+import tempfile
 from pathlib import Path
 
 from cost_models.units import GiB
 
 from .errors import PlannerError
+from .explain_time import BUDGET
 
 MEMORY_CATEGORIES = ("sharded_params", "sharded_grads", "optimizer_state", "optimizer_temporaries",
                      "unsharded_params", "unsharded_grads", "collective_buffers", "activations", "logits_and_loss")
-TIME_PARTS = (("compute_s", "compute"), ("exposed_comm_s", "exposed communication"),
-              ("offload_copy_s", "offload copies"), ("optimizer_s", "optimizer step"), ("overhead_s", "overhead"))
 
 
-def plot_candidates(candidates, path, capacity_bytes: int) -> Path:
-    path = Path(path)
+def _pyplot(path: Path):
+    """matplotlib.pyplot on the Agg backend, after checking the file type (before the import: a clear error
+    either way)."""
     if path.suffix.lower() not in (".png", ".svg"):
         raise PlannerError("plot", f"{path.name}: the file must end in .png or .svg")
     try:
@@ -28,9 +33,61 @@ def plot_candidates(candidates, path, capacity_bytes: int) -> Path:
         import matplotlib.pyplot as plt
     except ImportError:
         raise PlannerError("plot", "needs matplotlib: pip install 'fsdp-planner[plot]'") from None
-    labels = [f"#{i + 1} {c.config.sharding.value}\n{c.config.activation_checkpointing}, mb {c.config.micro_batch}"
-              + (", offload" if c.config.offload else "") for i, c in enumerate(candidates)]
-    fig, (mem_ax, time_ax) = plt.subplots(1, 2, figsize=(6 + 1.6 * len(candidates), 5.5))
+    return plt
+
+
+def _save(plt, fig, path: Path) -> Path:
+    """Write the figure to a temporary file in the target's folder, then rename it over the target."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=path.suffix)
+    os.close(fd)
+    try:
+        fig.savefig(tmp, format=path.suffix[1:].lower(), bbox_inches="tight")
+        os.replace(tmp, path)
+    finally:
+        plt.close(fig)
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return path
+
+
+def _label(i: int, c) -> str:
+    cfg = c.config
+    techniques = [t for t, on in (("compile", cfg.compile), ("float8", cfg.float8), ("offload", cfg.offload)) if on]
+    return (f"#{i + 1} {cfg.sharding.value}\n{cfg.activation_checkpointing}, mb {cfg.micro_batch}"
+            + "".join(f", {t}" for t in techniques))
+
+
+def _budget_bars(ax, candidates, labels: list[str]) -> None:
+    """One horizontal bar per candidate (the first on top), stacked by BUDGET class, seconds per step."""
+    rows = list(range(len(candidates)))[::-1]
+    lefts = [0.0] * len(candidates)
+    for key, name in BUDGET:
+        widths = [getattr(c.time, key) for c in candidates]
+        if any(widths):
+            ax.barh(rows, widths, left=lefts, label=name)
+            lefts = [a + w for a, w in zip(lefts, widths)]
+    ax.set_yticks(rows, labels, fontsize=7)
+    ax.set_xlabel("seconds per optimizer step")
+    ax.set_title("Step budget by operator class")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+
+
+def plot_step_budget(candidates, path) -> Path:
+    """The step budget of each candidate (or of the one explained config) as a horizontal stacked bar."""
+    path = Path(path)
+    plt = _pyplot(path)
+    fig, ax = plt.subplots(figsize=(9, 1.6 + 0.7 * len(candidates)))
+    _budget_bars(ax, candidates, [_label(i, c) for i, c in enumerate(candidates)])
+    fig.tight_layout()
+    return _save(plt, fig, path)
+
+
+def plot_candidates(candidates, path, capacity_bytes: int) -> Path:
+    """Memory at the peak (vertical stacked bars, the GPU's capacity as a line) beside the step budget."""
+    path = Path(path)
+    plt = _pyplot(path)
+    labels = [_label(i, c) for i, c in enumerate(candidates)]
+    fig, (mem_ax, time_ax) = plt.subplots(1, 2, figsize=(9 + 1.6 * len(candidates), 5.5))
     bottoms = [0.0] * len(candidates)
     for category in MEMORY_CATEGORIES:
         heights = [c.memory.breakdown.to_dict()[category] / GiB for c in candidates]
@@ -43,18 +100,7 @@ def plot_candidates(candidates, path, capacity_bytes: int) -> Path:
     mem_ax.set_ylabel("GiB per GPU at the peak")
     mem_ax.set_title("Memory")
     mem_ax.legend(fontsize=7)
-    bottoms = [0.0] * len(candidates)
-    for key, name in TIME_PARTS:
-        heights = [getattr(c.time, key) for c in candidates]
-        if any(heights):
-            time_ax.bar(labels, heights, bottom=bottoms, label=name)
-            bottoms = [b + h for b, h in zip(bottoms, heights)]
-    time_ax.set_ylabel("seconds per optimizer step")
-    time_ax.set_title("Step time")
-    time_ax.legend(fontsize=7)
-    for ax in (mem_ax, time_ax):
-        ax.tick_params(axis="x", labelsize=7)
+    mem_ax.tick_params(axis="x", labelsize=7)
+    _budget_bars(time_ax, candidates, labels)
     fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)

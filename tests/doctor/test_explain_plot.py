@@ -1,5 +1,6 @@
 """`fsdp-plan explain` shows checkable arithmetic; `--plot` draws the breakdown."""
 
+import re
 import subprocess
 import sys
 
@@ -18,7 +19,7 @@ def test_explain_terms_are_hand_checkable():
     # FLOPs per token: 6 x (13,015,864,320 - 32000 x 5120) + 12 x 40 x 40 x 128 x 4096 = 87.2 GFLOP
     flops = 6 * (13_015_864_320 - 32000 * 5120) + 12 * 40 * 40 * 128 * 4096
     assert f"{flops / 1e9:,.1f} GFLOP" in text
-    assert f"{100 * best.time.mfu:.1f}%" in text and f"{best.time.step_s:.3f} s" in text
+    assert f"{100 * best.time.mfu:.1f}%" in text and f"step: {best.time.step_s:.7g} s" in text
     for source in ("Korthikanti", "Kaplan", "ZeRO"):
         assert source in text
 
@@ -78,3 +79,113 @@ def test_plot_flag_on_main_command(tmp_path):
                         "--plot", str(out)], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert out.stat().st_size > 5000 and b"GPU memory" in out.read_bytes()
+
+
+# ---------------------------------------------------------------- the step's budget by operator class
+
+def _class_seconds(text: str) -> dict[str, float]:
+    """The seconds each budget term of the explain text starts with."""
+    from planner.explain_time import BUDGET
+
+    out = {}
+    for _, name in BUDGET:
+        m = re.search(rf"^  {re.escape(name)}: ([0-9.e+-]+) s", text, re.M)
+        if m:
+            out[name] = float(m.group(1))
+    return out
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(model="llama3-8b", gpus=8, gpu="h100-80gb", seq_len=8192, micro_batch=2,
+         activation_checkpointing="selective-op", compile=True),
+    dict(model="llama2-13b", gpus=16, gpu="a100-80gb", seq_len=4096, sharding="HYBRID_SHARD",
+         activation_checkpointing="full", grad_accum=2),
+    dict(model="llama2-7b", gpus=8, offload=True, attention="eager"),
+])
+def test_explain_class_seconds_sum_to_the_step(kwargs):
+    """Every class TimeBreakdown holds is printed (offload only with offload), with the model's own seconds,
+    and the printed figures add up to the printed step."""
+    from planner import estimate
+
+    c = estimate(**kwargs)
+    text = explain_text(c)
+    seconds = _class_seconds(text)
+    assert ("offload copies" in seconds) == c.config.offload and len(seconds) == 8 + c.config.offload
+    step = float(re.search(r"^  step: ([0-9.e+-]+) s", text, re.M).group(1))
+    assert sum(seconds.values()) == pytest.approx(step, rel=1e-6)
+    assert step == pytest.approx(c.time.step_s, rel=1e-6)
+    assert seconds["matmul"] == pytest.approx(c.time.matmul_s, rel=1e-6)
+    assert seconds["recompute"] == pytest.approx(c.time.recompute_s, rel=1e-6)
+
+
+def test_matmul_formula_reproduces_the_model_by_hand():
+    """llama2-7b, one A100, one 2,048-token sequence: 32 blocks of q, k, v, o (4096 x 4096), gate, up
+    (4096 -> 11008) and down, plus the 32,000-wide head; each 2mnk x 3 passes at 312 TFLOP/s x 0.87
+    (catalog) x 0.74 (profile) x the shape factor prod x / (x + 64)."""
+    from planner import estimate
+
+    c = estimate("llama2-7b", 1, gpu="a100-80gb", seq_len=2048, micro_batch=1)
+    text = explain_text(c)
+    assert c.config.grad_accum == 1
+    shapes = [(2048, 4096, 4096)] * 4 + [(2048, 11008, 4096)] * 2 + [(2048, 4096, 11008)]
+    for name, (m, n, k) in zip(("q", "k", "v", "o", "gate", "up", "down"), shapes):
+        assert f"{name} {m}x{n}x{k} [" in text
+    assert "output head 2048x32000x4096 [" in text
+    assert "312 TFLOP/s bf16 peak x 0.87 large-GEMM" in text and "x 0.74 training fraction" in text
+    assert "x / (x + 64)" in text
+    rate = 312e12 * 0.87 * 0.74
+
+    def seconds(m, n, k):
+        shape = m / (m + 64) * n / (n + 64) * k / (k + 64)
+        return 3 * 2 * m * n * k / (rate * shape)
+
+    by_hand = 32 * sum(seconds(*s) for s in shapes) + seconds(2048, 32000, 4096)
+    assert by_hand == pytest.approx(c.time.matmul_s, rel=1e-9)
+    assert _class_seconds(text)["matmul"] == pytest.approx(by_hand, rel=1e-6)
+
+
+def test_compile_shrinks_the_memory_bound_term():
+    from planner import estimate
+
+    eager, compiled = (explain_text(estimate("llama3-8b", 8, gpu="h100-80gb", seq_len=8192, compile=on))
+                       for on in (False, True))
+    assert "(eager kernels)" in eager and "(compiled: inductor" in compiled
+    assert _class_seconds(compiled)["memory-bound"] < 0.8 * _class_seconds(eager)["memory-bound"]
+    assert _class_seconds(compiled)["matmul"] == _class_seconds(eager)["matmul"]
+
+
+@pytest.mark.parametrize("suffix", [".png", ".svg"])
+def test_step_budget_plot(tmp_path, suffix):
+    pytest.importorskip("matplotlib")
+    from planner.plot import plot_step_budget
+
+    p = plan("llama3-8b", gpus=8, gpu="h100-80gb", seq_len=8192)
+    out = plot_step_budget(p.candidates[:3], tmp_path / f"budget{suffix}")
+    assert out == tmp_path / f"budget{suffix}" and [f.name for f in tmp_path.iterdir()] == [out.name]  # no temp left
+    data = out.read_bytes()
+    if suffix == ".png":
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR" and len(data) > 5000
+    else:
+        for name in (b"matmul", b"attention", b"memory-bound", b"exposed communication", b"seconds per optimizer"):
+            assert name in data
+
+
+def test_plot_without_matplotlib_is_a_clear_error(tmp_path, monkeypatch):
+    from planner.plot import plot_step_budget
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` now raises ImportError
+    with pytest.raises(PlannerError, match="needs matplotlib: pip install"):
+        plot_step_budget([], tmp_path / "budget.png")
+    assert not (tmp_path / "budget.png").exists()
+
+
+def test_explain_cli_explains_a_given_config_and_plots_it(tmp_path):
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "budget.png"
+    r = subprocess.run([sys.executable, "-m", "planner.cli", "explain", "--model", "llama3-8b", "--gpus", "8",
+                        "--gpu", "h100-80gb", "--micro-batch", "2", "--seq-len", "8192",
+                        "--activation-checkpointing", "selective-op", "--compile", "--plot", str(out)],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "(selective-op)" in r.stdout and "(compiled: inductor" in r.stdout and "16,384 tokens" in r.stdout
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"drawn to {out}" in r.stdout

@@ -1,0 +1,217 @@
+"""The time half of `fsdp-plan explain`: the step's budget by operator class, each with its formula.
+
+The seconds are the cost model's own (TimeBreakdown, c.time): nothing here re-derives them. What is
+recomputed, from cost_models.operators and kernel_time, is only what the formulas show - the shapes, rates,
+bytes and factors - so a reader can redo the arithmetic; BUDGET's classes add up to step_s.
+"""
+
+from __future__ import annotations
+
+import math
+
+from cost_models import moe, operators
+from cost_models.compute import mfu_flops_per_token, model_flops_per_token, recompute_flops_per_token
+from cost_models.kernel_time import Rates, eager_attention_ops
+from cost_models.memory import ParamCounts
+from cost_models.profile import DEFAULT_PROFILE, Profile
+from cost_models.specs import Attention
+from cost_models.units import DTYPE_BYTES
+
+# (TimeBreakdown field, term) in the step's order: compute by operator class, then what is not compute.
+BUDGET = (("matmul_s", "matmul"), ("attention_s", "attention"), ("memory_bound_s", "memory-bound"),
+          ("recompute_s", "recompute"), ("exposed_comm_s", "exposed communication"),
+          ("overlap_slowdown_s", "overlap slowdown"), ("offload_copy_s", "offload copies"),
+          ("optimizer_s", "optimizer step"), ("overhead_s", "overhead"))
+
+
+def _seconds(c, key: str) -> str:
+    """'0.1234567 s, 12.3% of the step': seven significant digits, so the printed classes sum to the step."""
+    s, step = getattr(c.time, key), c.time.step_s
+    return f"{s:.7g} s, {100 * s / step:.1f}% of the step"
+
+
+def _tf(flops_per_s: float) -> str:
+    return f"{flops_per_s / 1e12:,.1f} TFLOP/s"
+
+
+def _peak(c) -> float:
+    gpu = c.cluster.gpu
+    return gpu.peak_flops.get(c.config.precision.compute_dtype) or gpu.peak_flops["fp32"]  # as step_time prices it
+
+
+def _block_kinds(c) -> list[tuple[int, object, tuple]]:
+    """(blocks of this kind, BlockOps, memory ops as step_time prices them): the sparse (or only) block and an
+    MoE model's leading dense blocks."""
+    m, cfg = c.model, c.config
+    cb = DTYPE_BYTES[cfg.precision.compute_dtype]
+    dense = moe.dense_block_spec(m)
+    kinds = []
+    for n, spec in [(m.n_layers - m.n_dense_layers, m)] + ([(m.n_dense_layers, dense)] if dense else []):
+        ops = operators.block_ops(spec, cb, c.training.seq_len, c.training.adapter_rank)
+        memory = ops.memory_ops + ((operators.float8_cast_op(ops.matmuls, cb),) if cfg.float8 else ())
+        if cfg.attention is Attention.EAGER:
+            memory += (eager_attention_ops(ops, spec.n_heads, cb)[1],)
+        kinds.append((n, ops, memory))
+    return kinds
+
+
+def _matmul(c, rates: Rates, profile: Profile) -> str:
+    cfg, gpu, tokens = c.config, c.cluster.gpu, c.config.micro_batch * c.training.seq_len
+    dtype = cfg.precision.compute_dtype
+    float8 = cfg.float8 and rates.float8_flops_per_s > 0
+
+    def shapes(matmuls) -> str:
+        out = []
+        for mm in matmuls:
+            rows = tokens * mm.rows_per_token
+            f8 = " fp8" if float8 and mm.float8 else ""
+            out.append(f"{mm.name} {rows:g}x{mm.n}x{mm.k}{f' x{mm.count}' if mm.count > 1 else ''}{f8} "
+                       f"[{rates.shape_factor(rows, mm.n, mm.k):.4f}]")
+        return ", ".join(out)
+
+    blocks = " + ".join(f"{n} blocks x ({shapes(ops.matmuls)})" for n, ops, _ in _block_kinds(c))
+    head, _ = operators.root_ops(c.model, DTYPE_BYTES[dtype])
+    frozen = " (2 for a frozen LoRA base weight: no weight gradient)" if c.training.adapter_rank else ""
+    peak = _peak(c)
+    large = gpu.matmul_efficiency or profile.default_gpu_matmul_efficiency
+    fp8 = (f"; fp8 products at {gpu.peak_flops['fp8'] / 1e12:g} TFLOP/s fp8 peak x the same fractions = "
+           f"{_tf(rates.float8_flops_per_s)}" if float8 else "")
+    return (f"{_seconds(c, 'matmul_s')} = {cfg.grad_accum} micro-step(s) x [{blocks}"
+            + (f" + {shapes([head])}" if head is not None else "")
+            + f"] of m x n x k [shape factor], each 2mnk FLOPs x 3 passes (forward, input and weight gradients)"
+            f"{frozen} / (rate x shape factor); rate = {peak / 1e12:g} TFLOP/s {dtype} peak x {large:g} large-GEMM "
+            f"efficiency ({gpu.id} catalog) x {profile.efficiency(dtype):g} training fraction (profile) = "
+            f"{_tf(rates.matmul_flops_per_s)}{fp8}; shape factor = product over m, n, k of x / (x + "
+            f"{rates.half_dim:g})")
+
+
+def _attention(c, rates: Rates, profile: Profile) -> str:
+    m, cfg = c.model, c.config
+    s, tokens = c.training.seq_len, cfg.micro_batch * c.training.seq_len
+    _, ops, _ = _block_kinds(c)[0]
+    head = f"{_seconds(c, 'attention_s')} = {cfg.grad_accum} micro-step(s) x {m.n_layers} blocks x "
+    if cfg.attention is Attention.EAGER:
+        d = ops.head_dim
+        return (head + f"{m.n_heads} heads x (QK^T {tokens}x{s}x{d} + P @ V {tokens}x{d}x{s}) x 2mnk FLOPs x 3 "
+                f"passes at the matmul rate {_tf(rates.matmul_flops_per_s)} x shape factor (eager: all {s} keys, "
+                f"no causal skipping); the scores' traffic ({m.n_heads} x {s} x (3 x c + 8) B per token) is "
+                "memory-bound")
+    keys = ops.attention_flops_per_token / (4 * m.q_dim)
+    gpu = c.cluster.gpu
+    kernel = gpu.attention_efficiency or profile.default_attention_efficiency
+    rate = rates.attention_rate(s, ops.head_dim)
+    why = "the causal kernel skips the masked blocks" if m.causal else "not causal: every key"
+    return (head + f"(1 forward + 2.5 backward) x {ops.attention_flops_per_token / 1e6:,.1f} MFLOP per token "
+            f"(4 x q_dim {m.q_dim} x {keys:g} keys per query of s = {s}: {why}) x {tokens:,} tokens / {_tf(rate)}; "
+            f"rate = {_peak(c) / 1e12:g} TFLOP/s peak x {kernel:g} flash-kernel efficiency ({gpu.id} catalog) x "
+            f"{profile.attention_efficiency:g} (profile) x s / (s + {rates.attention_half_seq:g}) = "
+            f"{s / (s + rates.attention_half_seq):.3f} x head-dim factor "
+            f"{rate / (rates.attention_flops_per_s * s / (s + rates.attention_half_seq)):.3f} "
+            f"(head_dim {ops.head_dim}: d / (d + 24), 1 at 128)")
+
+
+def _memory_bound(c, rates: Rates, profile: Profile) -> str:
+    cfg, tokens = c.config, c.config.micro_batch * c.training.seq_len
+    compiled = cfg.compile
+    head, root = operators.root_ops(c.model, DTYPE_BYTES[cfg.precision.compute_dtype])
+    per_step = [(n * tokens * (op.bytes(compiled, False) + op.bytes(compiled, True)), op.name)
+                for n, _, memory in _block_kinds(c) for op in memory]
+    per_step += [(tokens * (op.bytes(compiled, False) + op.bytes(compiled, True)), op.name) for op in root]
+    blocks = " + ".join(f"{n} blocks x {sum(op.bytes(compiled, False) for op in mem):,.0f} + "
+                        f"{sum(op.bytes(compiled, True) for op in mem):,.0f} B per token (forward + backward)"
+                        for n, _, mem in _block_kinds(c))
+    root_bytes = sum(op.bytes(compiled, False) + op.bytes(compiled, True) for op in root)
+    per_token_s = rates.memory_s(sum(b for b, _ in per_step))
+    rest = c.time.memory_bound_s / cfg.grad_accum - per_token_s
+    biggest = ", ".join(f"{name} {b / 1e9:.2f} GB" for b, name in sorted(per_step, reverse=True)[:3])
+    mode = "compiled: inductor fuses each pointwise chain" if compiled else "eager kernels"
+    return (f"{_seconds(c, 'memory_bound_s')} = {cfg.grad_accum} micro-step(s) x ([{blocks} + root {root_bytes:,.0f}"
+            f" B per token (final norm, embedding, loss over {c.model.vocab_size:,} logits)] x {tokens:,} tokens "
+            f"({mode}) / {rates.memory_bytes_per_s / 1e12:.2f} TB/s = {per_token_s:.4f} s, + {rest:.4f} s of FSDP2's "
+            f"copy-in/out around each collective" + (" and the Float8 weights' casts" if cfg.float8 else "")
+            + f"); {c.cluster.gpu.hbm_bytes_per_s / 1e12:g} TB/s HBM x {profile.memory_bound_efficiency:g} "
+            f"memory-bound efficiency; biggest per micro-step: {biggest}")
+
+
+def _recompute(c, rates: Rates) -> str:
+    cfg, L = c.config, c.model.n_layers
+    tokens = cfg.micro_batch * c.training.seq_len
+    if cfg.selective_op_ac:
+        _, ops, memory = _block_kinds(c)[0]
+        names = ", ".join(mm.name for mm in ops.selective_op_recomputed())
+        forward = sum(op.bytes(cfg.compile, False) for op in memory)
+        return (f"{_seconds(c, 'recompute_s')} = {cfg.grad_accum} micro-step(s) x {L} blocks x (every second linear "
+                f"product's forward ({names}) at {_tf(rates.matmul_flops_per_s)} x shape factor + the memory-bound "
+                f"forward, {forward:,.0f} B per token / {rates.memory_bytes_per_s / 1e12:.2f} TB/s) x {tokens:,} "
+                "tokens (selective-op); the attention kernel's output and the other products are saved")
+    if cfg.ac_every:
+        n = math.ceil(L / cfg.ac_every)
+        return (f"{_seconds(c, 'recompute_s')} = {cfg.grad_accum} micro-step(s) x {n} of {L} blocks (every "
+                f"{cfg.ac_every}) x the block's whole forward again in backward (its matmul, attention and "
+                "memory-bound forward, as priced above)")
+    return f"{_seconds(c, 'recompute_s')}: no activation checkpointing"
+
+
+def time_terms(c, profile: Profile = DEFAULT_PROFILE) -> list[tuple[str, str, str]]:
+    """(term, formula with numbers, source): FLOPs per token, then one term per BUDGET class, then the step.
+    `profile`: the one c was costed with (the formulas' coefficients; the seconds are c.time's)."""
+    m, cfg, t = c.model, c.config, c.time
+    dtype = cfg.precision.compute_dtype
+    rates = Rates.of(c.cluster.gpu, dtype, profile)
+    flops, re = model_flops_per_token(m, c.training), recompute_flops_per_token(m, c.training, cfg)
+    d = cfg.shard_group_size(c.cluster)
+    per_rank = ParamCounts.of(m, c.training, d, bool(cfg.expert_shard_dim)).trainable(m.n_layers) / d
+    p = DTYPE_BYTES[cfg.precision.param_dtype]
+    opt = c.training.optimizer.state_bytes_per_param(cfg.precision.param_dtype)
+    terms = [
+        ("FLOPs per token", ("4 x frozen non-embedding params + 6 x adapter params" if c.training.adapter_rank
+                             else "6 x non-embedding params") + (f" (active: {m.active_params:,} of {m.n_params:,}, "
+                                                                 f"{m.moe.experts_per_token} of {m.moe.n_experts} "
+                                                                 "experts per token)" if m.moe else "")
+         + f" + 12 x L x heads x head_dim x s = {flops / 1e9:,.1f} GFLOP"
+         + (f", + {re / 1e9:,.1f} GFLOP recompute ({cfg.activation_checkpointing} checkpointing)" if re else ""),
+         "Kaplan et al. 2020; PaLM appendix B; Korthikanti et al. 2022 for recompute"),
+        ("matmul", _matmul(c, rates, profile),
+         "hardware.md (best measured large GEMM / peak); training fraction fitted to torchtitan's published runs "
+         "(benchmarks/throughput_accuracy.py); shape factor x0 a stated estimate (cost_models/kernel_time.py)"),
+        ("attention", _attention(c, rates, profile),
+         "eager attention: its score products over all keys (cost_models/kernel_time.py)"
+         if cfg.attention is Attention.EAGER else "FlashAttention-2 and -3 papers: kernel efficiency, causal work, "
+         "backward 2.5x the forward, sequence and head-dim factors (cost_models/kernel_time.py)"),
+        ("memory-bound", _memory_bound(c, rates, profile),
+         "hardware.md (streaming kernels reach 80-90% of HBM); bytes per op from the Hugging Face / torchtitan "
+         "kernels and inductor's fusion (cost_models/operators.py)"),
+        ("recompute", _recompute(c, rates), "torchtitan's activation checkpointing (full blocks, or the op-level "
+         "policy as calibration/apply.py runs it); Korthikanti et al. 2022"),
+        ("exposed communication", f"{_seconds(c, 'exposed_comm_s')}: of {t.total_comm_s:.4f} s of all-gather/"
+         f"reduce-scatter{'/all-reduce' if cfg.sharding.is_hybrid else ''} per step, what compute does not hide",
+         "ring collectives: (n-1)/n x message / bus bandwidth (NCCL's convention); FSDP prefetch overlaps the "
+         "next unit's all-gather with the current unit's compute"),
+        ("overlap slowdown", f"{_seconds(c, 'overlap_slowdown_s')} = {profile.overlap_slowdown:g} x min(hidden "
+         f"communication {t.total_comm_s - t.exposed_comm_s:.4f} s, compute {t.compute_s:.4f} s)",
+         "a stated estimate (profile.overlap_slowdown): NCCL's ring kernels take SMs and HBM bandwidth"),
+        ("offload copies", f"{_seconds(c, 'offload_copy_s')}: host<->device copies of every unit's shard at "
+         f"{c.cluster.gpu.pcie_bytes_per_s / 1e9:g} GB/s PCIe x {profile.pcie_efficiency:g}",
+         "the catalog's PCIe rate (hardware.md)") if cfg.offload else None,
+        ("optimizer step", f"{_seconds(c, 'optimizer_s')} = " + (
+            f"{per_rank:,.0f} trainable params per rank / {profile.cpu_optimizer_params_per_s:g} params/s on the CPU"
+            if cfg.offload else f"{per_rank:,.0f} trainable params per rank x (2 x {p} + {p} + 2 x {opt:g}) B (read/"
+            f"write the param and its states, read the gradient) / ({c.cluster.gpu.hbm_bytes_per_s / 1e12:g} TB/s "
+            f"HBM x {profile.optimizer_hbm_efficiency:g})"),
+         "CPU Adam: PyTorch issue 74588" if cfg.offload else "memory-bound elementwise update"),
+        ("overhead", f"{_seconds(c, 'overhead_s')} = {cfg.grad_accum} micro-step(s) x "
+         f"{profile.microstep_overhead_s:g} s (kernel launches, hooks, data loading)", "a stated estimate (profile)"),
+        ("step", f"{t.step_s:.7g} s (the classes above) -> {t.tokens_per_s_per_gpu:,.0f} tokens/s per GPU; MFU = "
+         f"{mfu_flops_per_token(m, c.training) / 1e9:,.1f} GFLOP/token x tokens/s / peak = {100 * t.mfu:.1f}% "
+         f"(HFU, recompute counted: {100 * t.hfu:.1f}%)",
+         "MFU as torchtitan computes it (6 x all params + attention)" + (", active params for MoE" if m.moe else "")),
+    ]
+    terms = [term for term in terms if term is not None]
+    why = moe.comm_bound_note(m, t.exposed_comm_s, t.step_s,
+                              moe.padding_factor(m, d, bool(cfg.expert_shard_dim)) if m.moe else 1.0,
+                              cfg.sharding.value, cfg.micro_batch)
+    if why:
+        at = next(i for i, (name, *_) in enumerate(terms) if name == "overlap slowdown")
+        terms.insert(at, ("why communication", why, "FSDP gathers every parameter of a unit; an MoE token computes "
+                          "with its top-k experts only (cost_models/moe.py)"))
+    return terms
