@@ -1,10 +1,18 @@
 """Fit the cost model's efficiency coefficients to measured runs (scipy least squares).
 
-Step time. The unknowns are the Profile coefficients the runs can tell apart:
-- compute_efficiency[dtype] for each compute dtype that was run (achieved fraction of peak FLOP/s);
-- microstep_overhead_s, once there are two runs or more (a fixed cost per micro-step);
+Step time. The unknowns are the Profile coefficients of the operator-level step time (kernel_time.py)
+the runs can inform:
+- compute_efficiency[dtype] for each compute dtype that was run (the matmuls' achieved fraction of the
+  GPU's large-GEMM rate);
+- with two runs or more: microstep_overhead_s (a fixed cost per micro-step), memory_bound_efficiency
+  (the pointwise kernels' fraction of HBM bandwidth) and attention_efficiency (a scale on the catalog's
+  flash-kernel figure);
 - intra_node_comm_efficiency / inter_node_comm_efficiency, when a run communicated on that tier (runs
-  under --emulate-world-size have no real communication and do not inform them).
+  under --emulate-world-size have no real communication and do not inform them), and with two such runs
+  overlap_slowdown (compute slowed beside NCCL), with three the tier's per-hop latency.
+Which of them the runs identified is reported, not assumed: from the fit's Jacobian (the data and the
+weak prior), each coefficient's standard error in log space; one within IDENTIFIED_LOG_ERROR (about
++-10%) is identified, the others stayed near their starting values (Fit.identified / not_identified).
 For each set of values the full cost model (cost_models.step_time) predicts every run; the fit
 minimises the squared log-ratios predicted/measured (relative errors, so a 2 s and a 0.2 s run weigh
 the same), plus a weak pull (weight PRIOR_WEIGHT) of each coefficient's log towards its starting
@@ -33,11 +41,19 @@ from cost_models.step_time import TimeBreakdown, estimate_step_time
 from .store import model_spec_from_dict
 
 PRIOR_WEIGHT = 1e-3
+IDENTIFIED_LOG_ERROR = 0.1   # a coefficient known to about +-10% counts as identified by the runs
+# The noise the identification assumes on each run's log step time (repeat-to-repeat spread of short runs).
+RUN_LOG_NOISE = 0.02
 _BOUNDS = {  # (low, high) of each fitted coefficient
     "compute_efficiency": (1e-3, 2.0),  # > 1 possible on CPU, where "peak" is a measured matmul rate
     "microstep_overhead_s": (1e-6, 10.0),
     "intra_node_comm_efficiency": (1e-3, 10.0),
     "inter_node_comm_efficiency": (1e-3, 10.0),
+    "memory_bound_efficiency": (1e-3, 4.0),
+    "attention_efficiency": (1e-3, 10.0),
+    "overlap_slowdown": (1e-4, 5.0),
+    "intra_node_latency_s": (1e-8, 1e-2),
+    "inter_node_latency_s": (1e-8, 1e-2),
 }
 
 
@@ -105,6 +121,8 @@ class Fit:
     step_error_after: float
     per_run: list[dict] = field(default_factory=list)  # run_id, measured, before, after
     notes: list[str] = field(default_factory=list)
+    identified: dict[str, float] = field(default_factory=dict)   # coefficient -> relative standard error
+    not_identified: list[str] = field(default_factory=list)      # fitted, but the runs barely moved them
 
 
 def _rms_rel(pairs) -> float:
@@ -113,15 +131,35 @@ def _rms_rel(pairs) -> float:
 
 
 def _unknowns(samples: list[Sample]) -> list[str]:
+    """(base, extra): the unknowns fitted whenever runs inform them, and the operator-level ones fitted only
+    with more runs than unknowns and kept only where the runs identify them (fit_profile)."""
     names = [f"compute_efficiency:{d}" for d in sorted({s.config.precision.compute_dtype for s in samples})]
+    extra = []
     if len(samples) >= 2:
         names.append("microstep_overhead_s")
+        extra += ["memory_bound_efficiency", "attention_efficiency"]
     tiers = [_communicates(s) for s in samples]
-    if any(intra for intra, _ in tiers):
-        names.append("intra_node_comm_efficiency")
-    if any(inter for _, inter in tiers):
-        names.append("inter_node_comm_efficiency")
-    return names
+    for k, tier in enumerate(("intra_node", "inter_node")):
+        n_runs = sum(1 for t in tiers if t[k])
+        if n_runs:
+            names.append(f"{tier}_comm_efficiency")
+        if n_runs >= 3:
+            extra.append(f"{tier}_latency_s")
+    if sum(1 for t in tiers if any(t)) >= 2:
+        extra.append("overlap_slowdown")
+    return names, extra
+
+
+def _log_errors(jacobian, n_samples: int) -> list[float]:
+    """Standard error of each unknown's log from the least-squares Jacobian (data rows scaled by the run
+    noise, prior rows as they are): sqrt of the diagonal of (J^T J)^-1."""
+    import numpy as np
+
+    j = np.array(jacobian, dtype=float)
+    j[:n_samples] /= RUN_LOG_NOISE
+    j[n_samples:] /= RUN_LOG_NOISE
+    cov = np.linalg.pinv(j.T @ j)
+    return [float(math.sqrt(max(v, 0.0))) for v in np.diag(cov)]
 
 
 def _get(profile: Profile, name: str) -> float:
@@ -152,24 +190,48 @@ def fit_profile(samples: list[Sample], base: Profile, source: str = "fitted") ->
 
     if not samples:
         return Fit(base, [], 0.0, 0.0, notes=["no measured run: nothing to fit"])
-    names = _unknowns(samples)
-    start = np.array([math.log(min(max(_get(base, n), _bounds(n)[0] * 1.01), _bounds(n)[1] * 0.99)) for n in names])
-    low = np.array([math.log(_bounds(n)[0]) for n in names])
-    high = np.array([math.log(_bounds(n)[1]) for n in names])
+    base_names, extra = _unknowns(samples)
     measured = np.array([s.step_s for s in samples])
 
-    def residuals(x):
-        profile = _with(base, dict(zip(names, np.exp(x))))
-        predicted = np.array([predicted_step_s(s, profile) for s in samples])
-        return np.concatenate([np.log(predicted / measured), PRIOR_WEIGHT * (x - start)])
+    def solve(names: list[str]):
+        start = np.array([math.log(min(max(_get(base, n), _bounds(n)[0] * 1.01), _bounds(n)[1] * 0.99))
+                          for n in names])
+        low = np.array([math.log(_bounds(n)[0]) for n in names])
+        high = np.array([math.log(_bounds(n)[1]) for n in names])
 
-    result = least_squares(residuals, start, bounds=(low, high), x_scale=1.0, method="trf")
+        def residuals(x):
+            profile = _with(base, dict(zip(names, np.exp(x))))
+            predicted = np.array([predicted_step_s(s, profile) for s in samples])
+            return np.concatenate([np.log(predicted / measured), PRIOR_WEIGHT * (x - start)])
+
+        return least_squares(residuals, start, bounds=(low, high), x_scale=1.0, method="trf")
+
+    # The operator-level coefficients join only with more runs than unknowns, and stay only where the runs
+    # identify them: an unidentified one would trade against the others instead of keeping its default.
+    # Backward elimination: drop the least determined of them and refit, while one is not identified and
+    # the smaller model still explains the runs within their noise.
+    names = base_names + extra if len(samples) > len(base_names) + len(extra) else base_names
+    result = solve(names)
+    while True:
+        errors = dict(zip(names, _log_errors(result.jac, len(samples))))
+        loose = [n for n in names if n in extra and errors[n] > IDENTIFIED_LOG_ERROR]
+        if not loose:
+            break
+        smaller = [n for n in names if n != max(loose, key=errors.get)]
+        reduced = solve(smaller)
+        if float(np.sqrt(np.mean(reduced.fun[:len(samples)] ** 2))) > RUN_LOG_NOISE:
+            break
+        names, result = smaller, reduced
+    dropped = [n for n in extra if n not in names]
+    errors = _log_errors(result.jac, len(samples))
     values = dict(zip(names, (float(v) for v in np.exp(result.x))))
     notes = []
     for name, value in values.items():
         lo, hi = _bounds(name)
         if value <= lo * 1.05 or value >= hi * 0.95:
             notes.append(f"{name} ended at its bound ({value:.3g}): the runs barely constrain it")
+    if dropped:
+        notes.append(f"kept at their starting values (the runs do not identify them): {', '.join(dropped)}")
     if len(samples) < len(names):
         notes.append(f"{len(samples)} runs for {len(names)} unknowns: the weakly determined ones stay near "
                      "their starting values")
@@ -195,6 +257,9 @@ def fit_profile(samples: list[Sample], base: Profile, source: str = "fitted") ->
     if outside:
         memory["cuda_context_bytes"] = int(statistics.median(outside))
     fitted_profile = replace(_with(base, values), **memory, source=source)
+    label = {n: n.replace(":", "[") + "]" if ":" in n else n for n in names}
+    identified = {label[n]: math.exp(e) - 1 for n, e in zip(names, errors) if e <= IDENTIFIED_LOG_ERROR}
+    not_identified = [label[n] for n, e in zip(names, errors) if e > IDENTIFIED_LOG_ERROR]
 
     per_run = []
     for s in samples:
@@ -203,11 +268,13 @@ def fit_profile(samples: list[Sample], base: Profile, source: str = "fitted") ->
                         "after_step_s": after})
     return Fit(
         profile=fitted_profile,
-        fitted=[n.replace(":", "[") + "]" if ":" in n else n for n in names] + list(memory),
+        fitted=[label[n] for n in names] + list(memory),
         step_error_before=_rms_rel((r["before_step_s"], r["measured_step_s"]) for r in per_run),
         step_error_after=_rms_rel((r["after_step_s"], r["measured_step_s"]) for r in per_run),
         per_run=per_run,
         notes=notes,
+        identified=identified,
+        not_identified=not_identified,
     )
 
 

@@ -225,6 +225,8 @@ class FitSummary(_Strict):
     step_error_before: float         # RMS of relative step-time errors with the starting profile
     step_error_after: float          # ... and with the fitted one
     notes: list[str] = Field(default_factory=list)
+    identified: dict[str, float] = Field(default_factory=dict)  # coefficient -> relative standard error (<~10%)
+    not_identified: list[str] = Field(default_factory=list)     # fitted but loosely determined by the runs
 
 
 class ProfileFile(_Strict):

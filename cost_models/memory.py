@@ -357,9 +357,11 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
                 unsharded_grads=head_grad,   # the temporary is an ordinary allocation (as the trace files it)
                 activations=tokens * (saved_below(i) + (ckpt if is_ckpt(i) else full)) + shared + temp,
             )
+    # The root's post-backward reshards its parameters before it reduce-scatters their gradients (FSDP2's
+    # FSDPParamGroup.post_backward): the gathered root is gone when its reduce-scatter input is built.
     moments["end of backward"] = MemoryBreakdown(
         **states(grads_done(-1)),
-        unsharded_params=root_c,
+        unsharded_params=root_c if d == 1 else 0,
         unsharded_grads=counts.trainable_root * c,
         collective_buffers=root_rs,
     )

@@ -613,7 +613,8 @@ def _conclude(request, out, target, cluster, training, base, host, profile_file,
             created=datetime.now(timezone.utc).isoformat(timespec="seconds"), fingerprint=fingerprint,
             gpu_id=cluster.gpu.id, host=host, coefficients=store.Coefficients.of(profile),
             fit=store.FitSummary(n_runs=len(samples), fitted=fit.fitted, step_error_before=fit.step_error_before,
-                                 step_error_after=fit.step_error_after, notes=fit.notes),
+                                 step_error_after=fit.step_error_after, notes=fit.notes, identified=fit.identified,
+                                 not_identified=fit.not_identified),
             runs=[r.run_id for r in measured])
         store.write_profile(profile_path, pf)
     elif not request.fit:
@@ -738,6 +739,11 @@ def render(report: CalibrationReport) -> str:
                   f"  compute efficiency {eff}; micro-step overhead {p.microstep_overhead_s * 1e3:.2f} ms; "
                   f"comm efficiency intra {p.intra_node_comm_efficiency:.3f}, inter {p.inter_node_comm_efficiency:.3f}; "
                   f"fragmentation {p.fragmentation:.3f}; context {_bytes(p.cuda_context_bytes)}",
+                  f"  memory-bound efficiency {p.memory_bound_efficiency:.3f}, attention x{p.attention_efficiency:.3f}, "
+                  f"overlap slowdown {p.overlap_slowdown:.3f}",
+                  f"  identified by the runs: " + (", ".join(f"{k} (+-{100 * v:.0f}%)" for k, v in f.identified.items())
+                                                    or "none") + (f"; loosely determined: {', '.join(f.not_identified)}"
+                                                                  if f.not_identified else ""),
                   f"  step-time error (RMS): {100 * f.step_error_before:.0f}% with the starting profile, "
                   f"{100 * f.step_error_after:.0f}% fitted",
                   *[f"  note: {n}" for n in f.notes],
@@ -775,7 +781,8 @@ def report_json(report: CalibrationReport) -> dict:
         "skipped_runs": report.skipped_run_ids,
         "fit": None if report.fit is None else {
             "fitted": report.fit.fitted, "step_error_before": report.fit.step_error_before,
-            "step_error_after": report.fit.step_error_after, "notes": report.fit.notes},
+            "step_error_after": report.fit.step_error_after, "notes": report.fit.notes,
+            "identified": report.fit.identified, "not_identified": report.fit.not_identified},
         "profile_path": str(report.profile_path) if report.profile_path else None,
         "ranked": [v.record.run_id for v in report.ranked],
         "best": report.best.config.to_dict() if report.best is not None else None,

@@ -41,9 +41,36 @@ def test_fit_recovers_the_coefficients_that_made_the_runs():
     assert p.microstep_overhead_s == pytest.approx(0.03, rel=0.05)
     assert p.intra_node_comm_efficiency == pytest.approx(0.4, rel=0.05)
     assert fit.step_error_before > 0.2 and fit.step_error_after < 0.005
+    # 4 runs for 3 + 4 operator-level unknowns: those keep their defaults, and the report says so
+    assert set(fit.identified) == {"compute_efficiency[bf16]", "intra_node_comm_efficiency"}
+    assert fit.not_identified == ["microstep_overhead_s"]
+    assert any("kept at their starting values" in n and "memory_bound_efficiency" in n for n in fit.notes)
     # and predicts a configuration it never saw
     unseen = FsdpConfig(sharding="FULL_SHARD", micro_batch=2, grad_accum=2, ac_every=2)
     assert predicted_step_s(sample(unseen), p) == pytest.approx(sample(unseen).step_s, rel=0.01)
+
+
+def test_runs_that_vary_compile_and_sequence_identify_the_memory_bound_rate():
+    # compile on/off changes only the memory-bound bytes; 16 runs (compile x attention x seq x micro-batch)
+    # made with pointwise kernels at 0.5 of HBM bandwidth (default 0.8) and a slower flash kernel
+    true = dataclasses.replace(TRUE, memory_bound_efficiency=0.5, attention_efficiency=0.7)
+    runs = []
+    for compiled in (False, True):
+        for attention in ("sdpa", "eager"):
+            for seq in (512, 8192):
+                for mb in (1, 2):
+                    s = Sample(run_id=f"{compiled}{attention}{seq}{mb}", model=MODEL, cluster=CLUSTER,
+                               training=TrainingSpec(seq_len=seq), step_s=0.0,
+                               config=FsdpConfig(micro_batch=mb, compile=compiled, attention=attention))
+                    runs.append(dataclasses.replace(s, step_s=predicted_step_s(s, true)))
+    fit = fit_profile(runs, DEFAULT_PROFILE)
+    assert "memory_bound_efficiency" in fit.identified and fit.identified["memory_bound_efficiency"] < 0.1
+    assert fit.profile.memory_bound_efficiency == pytest.approx(0.5, rel=0.2)
+    assert fit.profile.compute_efficiency["bf16"] == pytest.approx(0.45, rel=0.1)
+    # what the runs leave loose stays at its default and is named (the smaller model fits within run noise)
+    assert fit.profile.overlap_slowdown == DEFAULT_PROFILE.overlap_slowdown
+    assert any("kept at their starting values" in n and "overlap_slowdown" in n for n in fit.notes)
+    assert fit.step_error_after < 0.02
 
 
 def test_one_run_fits_compute_efficiency_only():
