@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The GPU checks in one run, for a CUDA machine with PyTorch but perhaps no package index (such as the
 # device machines this project is lent): predicted vs measured memory and step time of real calibration
-# runs (world size 1; rank 0 of an emulated 8-rank job; a LoRA fine-tune), via tests/gpu.
+# runs (world size 1; rank 0 of an emulated 8-rank job; a LoRA fine-tune), and the CUDA paths of the
+# optimizations (tests/gpu/test_float8.py: Float8 linears + FP8 all-gather + selective-op + per-block
+# compile training one rank, on GPUs with FP8 and torchao installed), via tests/gpu.
 #
 #   bash benchmarks/gpu_check.sh [OUT]          # OUT defaults to $OUT, else ./gpu-check
 #

@@ -11,7 +11,7 @@ H200 - is priced by the same defaults (cost_models/profile.py: one bf16 matmul e
 over all sixteen rows by `python benchmarks/throughput_accuracy.py --fit`; the GPUs' own kernel figures
 from the catalog). THROUGHPUT_TOLERANCE is 12%: 13 of the 16 rows are within the 10% issue 10 asks for;
 the A100 Llama 2 70B full-checkpointing row (-10.9%), the 128-GPU H100 FSDP row (+10.9%) and the 32k-token
-row (+11.7%) are not (docs/accuracy.md).
+row (+11.7%) are not (docs/step_time.md).
 """
 
 from dataclasses import replace
@@ -131,7 +131,7 @@ def test_h100_h200_rows_throughput(row):
 def test_h100_rows_memory(row):
     # torchtitan's reported peak (reserved) memory. The H200 rows (47-48 GiB published) are not checked: the
     # model says 62-64 GiB for their setting, which differs from the H100 rows' only in the FP8 all-gather
-    # and the newer torchtitan; what that run saved is not known (docs/accuracy.md).
+    # and the newer torchtitan; what that run saved is not known (docs/step_time.md).
     c = BENCH.predict(row)
     assert c.memory.peak_reserved_bytes / 2**30 == pytest.approx(row.memory_gib, rel=MEMORY_TOLERANCE)
 
