@@ -9,6 +9,7 @@ from tabulate import tabulate
 from cost_models.units import GiB
 
 from .api import Candidate, Plan
+from .search import technique_words
 
 
 def gib(n_bytes: float) -> str:
@@ -25,13 +26,14 @@ def _row(rank, c: Candidate) -> list:
     return [
         rank, cfg.sharding.value + (" +experts dim 1" if cfg.expert_shard_dim else "") + (" +expert units" if cfg.expert_units else ""), cfg.precision.value + (f" (reduce {cfg.reduce_dtype})" if cfg.reduce_dtype else ""), "yes" if cfg.offload else "no", cfg.activation_checkpointing,
         cfg.micro_batch, cfg.grad_accum, "yes" if cfg.backward_prefetch else "no",
+        ", ".join(technique_words(cfg, compact=True)) or "-",
         gib(c.memory.peak_reserved_bytes), gib(_model_state_bytes(c)),
         gib(b.unsharded_params + b.unsharded_grads + b.collective_buffers), gib(b.activations),
         gib(b.logits_and_loss), f"{t.step_s:.3f}", f"{t.tokens_per_s_per_gpu:,.0f}", f"{100 * t.mfu:.1f}%",
     ]
 
 
-_HEADERS = ["#", "sharding", "precision", "offload", "act. ckpt", "micro", "accum", "bwd prefetch",
+_HEADERS = ["#", "sharding", "precision", "offload", "act. ckpt", "micro", "accum", "bwd prefetch", "techniques",
             "peak GiB", "states GiB", "gathered GiB", "activ. GiB", "logits GiB", "step s", "tok/s/GPU", "MFU"]
 
 
