@@ -23,7 +23,8 @@ the profiled blocks (a layer pattern repeats). Leading dense blocks (DeepSeek) h
 saved bytes are the sparse ones plus the difference of what each kind adds by its own post-forward.
 The blocks' other inputs (masks, rotary tables, positions), which a checkpointed block keeps for its
 recompute, are summed per storage from their forward pre-hooks at four points (a forward each) and fitted
-as s(a + a'b) + s^2(q + q'b): ActivationTerms.checkpoint_held.
+as s(a + a'b) + s^2(q + q'b): ActivationTerms.checkpoint_held. One more forward and backward counts a
+steady-state block's operators for the step time (calibration/block_ops.py): ActivationTerms.operators.
 """
 
 from __future__ import annotations
@@ -179,7 +180,8 @@ def profile_block(hf_config: dict, *, block_class: str, compute_dtype: str, atte
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from .apply import TORCH_DTYPES
-    from .trace import _grouped_mm_shapes_any_dtype, _real_run_masking
+    from .block_ops import count_block_operators
+    from .trace import _grouped_mm_shapes_any_dtype, _real_run_masking, cuda_kernel_choices
 
     started = time.perf_counter()
     n_layers = profiled_layers(hf_config, n_dense_layers)
@@ -202,11 +204,15 @@ def profile_block(hf_config: dict, *, block_class: str, compute_dtype: str, atte
             dense.append(of_dense)
         held_points = [*points, (2, points[0][1])]
         held = _fit_held(held_points, [_held_by_checkpointing(model, blocks, vocab_size, b, s) for b, s in held_points])
+        with cuda_kernel_choices():  # the step-time inventory of a steady-state block (and of a dense one)
+            operators = count_block_operators(model, blocks[max(n_dense_layers, 1)], vocab_size, 1, long_s)
+            dense_operators = count_block_operators(model, blocks[0], vocab_size, 1, long_s) if n_dense_layers else None
     tokens = [b * s for b, s in points]
     seqs = [s for _, s in points]
-    terms = dataclasses.replace(_terms(tokens, seqs, sparse, long_s), checkpoint_held=held)
+    terms = dataclasses.replace(_terms(tokens, seqs, sparse, long_s), checkpoint_held=held, operators=operators)
     if n_dense_layers:
-        terms = dataclasses.replace(terms, dense=_terms(tokens, seqs, dense, long_s))
+        terms = dataclasses.replace(terms, dense=dataclasses.replace(_terms(tokens, seqs, dense, long_s),
+                                                                     operators=dense_operators))
     return terms, time.perf_counter() - started
 
 

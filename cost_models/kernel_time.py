@@ -140,7 +140,9 @@ def price_block(ops: BlockOps, rates: Rates, tokens: int, *, eager_attention: tu
     if recompute == "full":
         re = (mm_f, att_f, mem_f)
     elif recompute == "selective-op":
-        re = (sum(rates.matmul_forward_s(m, tokens, float8) for m in ops.selective_op_recomputed()), 0.0, mem_f)
+        # eager attention's batched products and softmax are not on the save list: recomputed too
+        re = (sum(rates.matmul_forward_s(m, tokens, float8) for m in ops.selective_op_recomputed()),
+              att_f if eager_attention is not None else 0.0, mem_f)
     else:
         re = (0.0, 0.0, 0.0)
     return BlockTime(mm_f, mm_b, att_f, att_b, mem_f, mem_b, *re)

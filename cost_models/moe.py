@@ -143,8 +143,13 @@ def dense_block_spec(model: ModelSpec) -> ModelSpec | None:
         return None
     from dataclasses import replace
 
+    from .specs import ActivationProfile
+
+    profile = model.activation_profile  # a traced profile's dense-block terms become the dense spec's own
+    if profile is not None:
+        profile = ActivationProfile(terms=tuple((d, a, t.dense or t) for d, a, t in profile.terms), source=profile.source)
     return replace(model, moe=None, block_params=moe.dense_block_params,
-                   ffn_hidden_size=moe.dense_ffn_size or model.ffn_hidden_size)
+                   ffn_hidden_size=moe.dense_ffn_size or model.ffn_hidden_size, activation_profile=profile)
 
 
 # ---------------------------------------------------------------- activations (grouped_mm experts)

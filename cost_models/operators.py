@@ -30,6 +30,11 @@ weight-gradient GEMM reads (2 + 2 per element of the gradient and of the input) 
 weights' casts happen once per micro-step (see weight_cast_bytes). Under compile the scaling fuses into
 the neighbouring pointwise kernels (1 byte per input element forward, c + 2 per gradient element backward).
 
+Checked against the kernels of a traced Hugging Face Llama block (calibration/block_ops.py, tests/unit/
+test_block_ops.py): these forward bytes are 1.05x what the traced ops read and write, the backward bytes
+0.79x (autograd's casts and gradient sums the backward list misses). Models priced by a traced block memory
+profile take the traced inventory itself (block_ops).
+
 Ignored: the scalar reductions of norms (per-token statistics), kernels on per-micro-batch tensors (the
 rotary tables, masks), the MoE router's small softmax/top-k (counted as a memory op on E elements).
 """
@@ -92,6 +97,7 @@ class BlockOps:
     memory_ops: tuple[MemoryOp, ...]
     head_dim: int
     seq_len: int
+    traced: bool = False                # counted from a traced block (eager attention's products included)
 
     def matmul_flops_per_token(self) -> float:
         return sum(m.forward_flops_per_token for m in self.matmuls)
@@ -186,8 +192,38 @@ def attention_forward_flops(model: ModelSpec, seq_len: int) -> tuple[float, floa
 
 
 @lru_cache(maxsize=256)  # the search prices thousands of configurations of one model
-def block_ops(model: ModelSpec, c: int, seq_len: int, lora_rank: int = 0) -> BlockOps:
-    """The (sparse, for MoE) block's operators; moe.dense_block_spec(model) gives the dense blocks'."""
+def block_ops(model: ModelSpec, c: int, seq_len: int, lora_rank: int = 0, attention: str = "sdpa") -> BlockOps:
+    """The (sparse, for MoE) block's operators; moe.dense_block_spec(model) gives the dense blocks'. A model
+    priced by a traced block memory profile takes the operators counted in that trace (full fine-tuning;
+    LoRA's frozen products are priced from the structure)."""
+    formula = _formula_block_ops(model, c, seq_len, lora_rank)
+    traced = _traced(model, c, attention) if not lora_rank else None
+    return formula if traced is None else _from_trace(formula, traced, model, seq_len)
+
+
+def _traced(model: ModelSpec, c: int, attention: str):
+    profile = model.activation_profile
+    terms = profile.get("fp32" if c == 4 else "bf16", attention) if profile is not None else None
+    return terms.operators if terms is not None else None
+
+
+def _from_trace(formula: BlockOps, traced, model: ModelSpec, seq_len: int) -> BlockOps:
+    """The traced inventory (calibration/block_ops.py): its matmuls, its attention FLOPs scaled from the traced
+    sequence to this one, its eager bytes; what compile would fuse stays the formula's estimate."""
+    matmuls = tuple(Matmul(f"traced product {i + 1}", n, k, rows, count, float8=count == 1 and rows == 1.0)
+                    for i, (n, k, rows, count) in enumerate(traced.matmuls))
+    traced_keys = traced.attention_reference_flops / (4.0 * model.q_dim) if traced.attention_reference_flops else 0
+    scale = seq_len / traced_keys if traced_keys else 1.0
+    fused_fwd = sum(op.fused_forward_bytes for op in formula.memory_ops)
+    fused_bwd = sum(op.fused_backward_bytes for op in formula.memory_ops)
+    memory = MemoryOp("traced pointwise ops", traced.memory_forward_bytes_per_token,
+                      traced.memory_backward_bytes_per_token, min(fused_fwd, traced.memory_forward_bytes_per_token),
+                      min(fused_bwd, traced.memory_backward_bytes_per_token))
+    return BlockOps(matmuls, traced.attention_flops_per_token * scale, traced.attention_reference_flops * scale,
+                    (memory,), formula.head_dim, seq_len, traced=True)
+
+
+def _formula_block_ops(model: ModelSpec, c: int, seq_len: int, lora_rank: int = 0) -> BlockOps:
     h, q, kv, f = model.hidden_size, model.q_dim, model.kv_dim, model.ffn_hidden_size
     matmuls = _fit_to_params(model, _attention_matmuls(model) + _mlp_matmuls(model))
     if lora_rank:

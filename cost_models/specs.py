@@ -208,6 +208,20 @@ class BackwardMoment:
 
 
 @dataclass(frozen=True)
+class TracedOperators:
+    """One block's operators counted in a traced forward and backward (calibration/block_ops.py), per token:
+    the forward's matmuls as (n, k, rows per token, count) - the backward's two products per weight are
+    priced from them -, the attention kernel's forward FLOPs, and the HBM bytes every other non-view op
+    read and wrote in forward and in backward."""
+
+    matmuls: tuple[tuple[int, int, float, int], ...]
+    attention_flops_per_token: float
+    attention_reference_flops: float
+    memory_forward_bytes_per_token: float
+    memory_backward_bytes_per_token: float
+
+
+@dataclass(frozen=True)
 class ActivationTerms:
     """One block's activation memory for one (compute dtype, attention), fitted from traces of the real
     block (calibration/block_profile.py); tokens = micro-batch x seq_len."""
@@ -220,6 +234,7 @@ class ActivationTerms:
     # checkpointing keeps alive to the backward: bytes = a*s + b_*b*s + q*s^2 + qb*b*s^2, coefficients in
     # that order (micro-batch b, sequence s).
     checkpoint_held: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)
+    operators: TracedOperators | None = None  # the block's operator inventory (step time), traced with it
 
     def checkpoint_held_bytes(self, micro_batch: int, seq_len: int) -> float:
         a, ab, q, qb = self.checkpoint_held

@@ -71,10 +71,12 @@ def _block_times(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, r
                                                             if config.ac_every else 0)
 
     def price(spec: ModelSpec) -> tuple[BlockTime, BlockTime, float]:
-        ops = operators.block_ops(spec, c, training.seq_len, lora)
+        ops = operators.block_ops(spec, c, training.seq_len, lora, config.attention.value)
         if config.float8:
             ops = replace(ops, memory_ops=ops.memory_ops + (operators.float8_cast_op(ops.matmuls, c),))
-        eager = (eager_attention_ops(ops, spec.n_heads, c) if config.attention is Attention.EAGER else None)
+        # a traced inventory already holds eager attention's products and score traffic
+        eager = (eager_attention_ops(ops, spec.n_heads, c)
+                 if config.attention is Attention.EAGER and not ops.traced else None)
         kw = dict(eager_attention=eager, compiled=config.compile, float8=config.float8)
         casts = rates.memory_s(operators.weight_cast_bytes(ops.matmuls, c, config.fp8_all_gather)) if config.float8 else 0.0
         return price_block(ops, rates, tokens, **kw), price_block(ops, rates, tokens, recompute=recompute, **kw), casts

@@ -22,10 +22,10 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from cost_models.specs import ActivationProfile, ActivationTerms, BackwardMoment, ModelSpec
+from cost_models.specs import ActivationProfile, ActivationTerms, BackwardMoment, ModelSpec, TracedOperators
 from planner.errors import PlannerError
 
-SCHEMA_VERSION = 4  # 2: dense-block terms; 3: terms nested; 4: specs hold MoE dense-layer indices, terms the checkpoint-held inputs
+SCHEMA_VERSION = 5  # 2: dense-block terms; 3: terms nested; 4: specs hold MoE dense-layer indices, terms the checkpoint-held inputs; 5: the traced operator inventory
 PROFILED_DTYPES = ("bf16", "fp32")
 
 
@@ -38,6 +38,15 @@ class _Moment(BaseModel):
     experts_done: bool = False
 
 
+class _Operators(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    matmuls: list[tuple[int, int, float, int]]
+    attention_flops_per_token: float
+    attention_reference_flops: float
+    memory_forward_bytes_per_token: float
+    memory_backward_bytes_per_token: float
+
+
 class _Terms(BaseModel):
     """ActivationTerms as stored (an MoE model's leading dense blocks nested)."""
 
@@ -47,18 +56,25 @@ class _Terms(BaseModel):
     backward_moments: list[_Moment]
     dense: _Terms | None = None
     checkpoint_held: tuple[float, float, float, float]
+    operators: _Operators | None = None
 
     @classmethod
     def of(cls, terms: ActivationTerms) -> _Terms:
+        ops = terms.operators
         return cls(saved_per_token=terms.saved_per_token, saved_per_token_per_seq=terms.saved_per_token_per_seq,
                    backward_moments=[_Moment(**dataclasses.asdict(m)) for m in terms.backward_moments],
-                   dense=None if terms.dense is None else cls.of(terms.dense), checkpoint_held=terms.checkpoint_held)
+                   dense=None if terms.dense is None else cls.of(terms.dense), checkpoint_held=terms.checkpoint_held,
+                   operators=None if ops is None else _Operators(**{**dataclasses.asdict(ops),
+                                                                     "matmuls": list(ops.matmuls)}))
 
     def activation_terms(self) -> ActivationTerms:
+        ops = self.operators
         return ActivationTerms(saved_per_token=self.saved_per_token, saved_per_token_per_seq=self.saved_per_token_per_seq,
                                backward_moments=tuple(BackwardMoment(**m.model_dump()) for m in self.backward_moments),
                                dense=None if self.dense is None else self.dense.activation_terms(),
-                               checkpoint_held=self.checkpoint_held)
+                               checkpoint_held=self.checkpoint_held,
+                               operators=None if ops is None else TracedOperators(
+                                   **{**ops.model_dump(), "matmuls": tuple(tuple(m) for m in ops.matmuls)}))
 
 
 class BlockProfileFile(BaseModel):
