@@ -9,12 +9,14 @@ users run it), and what the same work moves once torch.compile (inductor) fuses 
 ops between two matmuls into one kernel: it reads the chain's inputs and writes its outputs once. Per
 element of the tensor the op runs on (h hidden, q = heads x head_dim, kv, f FFN width), bf16 c = 2:
 - eager RMSNorm with the fp32 upcast (Hugging Face): upcast (c + 4), pow (8), mean (4), x * rsqrt (8),
-  cast back (4 + c), weight (2c): 28 + 4c forward; its autograd backward about 52 + 6c. A fused kernel
+  cast back (4 + c), weight (2c): 28 + 4c forward; its autograd backward 80 + 6c (counted in a trace:
+  the fp32 products, sums and casts of each op's backward). A fused kernel
   (torchtitan's fused_rmsnorm, LayerNorm, any norm under compile) reads x and writes y (2c), and in
   backward reads x and the gradient and writes dx (3c, + the weight gradient's partial sums: ~4c).
   Gemma's / OLMo 2's fp32-weight norm adds an fp32 product (+8 forward, +16 backward).
-- rotary on q and k: rotate_half's slice/neg/cat, two products and a sum (about 12c forward and backward;
-  torchtitan's complex-number version moves about as much); fused: read and write once (2c each way).
+- rotary on q and k: rotate_half's slice/neg/cat, two products and a sum (about 12c forward, 15c backward
+  with slice_backward's zero-filled copies; torchtitan's complex-number version moves about as much), and in
+  backward the q and k gradients copied back to (b, s, heads x d) (2c); fused: read and write once (2c).
 - residual adds: 3c each way (read two, write one); under compile folded into the next norm (2c).
 - the backward sums the gradients of a tensor read by several ops (q/k/v of one input, gate/up): 3c per
   extra reader; under compile folded into the norm backward (c).
@@ -31,8 +33,8 @@ weights' casts happen once per micro-step (see weight_cast_bytes). Under compile
 the neighbouring pointwise kernels (1 byte per input element forward, c + 2 per gradient element backward).
 
 Checked against the kernels of a traced Hugging Face Llama block (calibration/block_ops.py, tests/unit/
-test_block_ops.py): these forward bytes are 1.05x what the traced ops read and write, the backward bytes
-0.79x (autograd's casts and gradient sums the backward list misses). Models priced by a traced block memory
+test_block_ops.py): these forward bytes are 1.05x what the traced ops read and write; the backward's norm
+and rotary coefficients are read from that trace. Models priced by a traced block memory
 profile take the traced inventory itself (block_ops).
 
 Ignored: the scalar reductions of norms (per-token statistics), kernels on per-micro-batch tensors (the
@@ -117,7 +119,7 @@ def _elementwise(name: str, elements: float, fwd: float, bwd: float, fused_fwd: 
 def norm_op(model: ModelSpec, c: int, width: int, name: str) -> MemoryOp:
     if model.norm in ("rmsnorm", "rmsnorm_fp32"):
         extra = (8, 16) if model.norm == "rmsnorm_fp32" else (0, 0)
-        return _elementwise(name, width, 28 + 4 * c + extra[0], 52 + 6 * c + extra[1], 2 * c, 4 * c)
+        return _elementwise(name, width, 28 + 4 * c + extra[0], 80 + 6 * c + extra[1], 2 * c, 4 * c)
     return _elementwise(name, width, 2 * c, 4 * c, 2 * c, 4 * c)
 
 
@@ -234,7 +236,8 @@ def _formula_block_ops(model: ModelSpec, c: int, seq_len: int, lora_rank: int = 
     if model.qk_norm:
         ops.append(norm_op(model, c, q + kv, "q/k norms"))
     if model.family not in ("gpt2", "bert", "opt", "bloom", "mpt"):  # rotary
-        ops.append(_elementwise("rotary", q + kv, 12 * c, 12 * c, 2 * c, 2 * c))
+        ops.append(_elementwise("rotary", q + kv, 12 * c, 15 * c, 2 * c, 2 * c))
+        ops.append(_elementwise("q/k gradient copies", q + kv, 0, 2 * c, 0, 0))  # back to (b, s, heads x d)
     ops.append(_elementwise("attention output copy", q, 2 * c, 2 * c, 2 * c, 2 * c))
     ops.append(_elementwise("residual adds", 2 * h, 3 * c, 3 * c, 2 * c, 2 * c))
     readers = (2 if len(_attention_matmuls(model)) > 2 else 0) + (1 if model.gated_mlp and model.moe is None else 0)
