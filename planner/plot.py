@@ -1,6 +1,7 @@
 """`--plot FILE.png|.svg`: the main command draws the top candidates' memory (stacked bars against the GPU's
 capacity) beside their step budget; `fsdp-plan explain --plot` draws the step budget alone. The budget is
-one horizontal stacked bar per candidate, in seconds per optimizer step, by the classes of
+one horizontal stacked bar per candidate, in microseconds per token (so micro-batch 1 and 2 compare like
+for like), ending with its tokens/s, by the classes of
 explain_time.BUDGET (TimeBreakdown's matmul, attention, memory-bound, recompute, exposed communication, ...),
 which add up to the step. Files are written atomically (a temporary file beside the target, then
 os.replace). matplotlib is optional (`pip install fsdp-planner[plot]`) and imported only here, when drawing.
@@ -58,16 +59,22 @@ def _label(i: int, c) -> str:
 
 
 def _budget_bars(ax, candidates, labels: list[str]) -> None:
-    """One horizontal bar per candidate (the first on top), stacked by BUDGET class, seconds per step."""
+    """One horizontal bar per candidate (the first on top), stacked by BUDGET class, in microseconds per
+    token: candidates whose steps hold different numbers of tokens (micro-batch, accumulation) compare
+    like for like; each bar ends with its tokens/s per GPU."""
     rows = list(range(len(candidates)))[::-1]
+    per_token = [1e6 / (c.time.tokens_per_s_per_gpu * c.time.step_s) for c in candidates]  # us per step-second
     lefts = [0.0] * len(candidates)
     for key, name in BUDGET:
-        widths = [getattr(c.time, key) for c in candidates]
+        widths = [getattr(c.time, key) * k for c, k in zip(candidates, per_token)]
         if any(widths):
             ax.barh(rows, widths, left=lefts, label=name)
             lefts = [a + w for a, w in zip(lefts, widths)]
+    for row, left, c in zip(rows, lefts, candidates):
+        ax.text(left, row, f" {c.time.tokens_per_s_per_gpu:,.0f} tok/s", va="center", fontsize=7)
+    ax.set_xlim(0, 1.25 * max(lefts))
     ax.set_yticks(rows, labels, fontsize=7)
-    ax.set_xlabel("seconds per optimizer step")
+    ax.set_xlabel("microseconds per token per GPU (1e6 / tokens/s)")
     ax.set_title("Step budget by operator class")
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
 
@@ -99,7 +106,7 @@ def plot_candidates(candidates, path, capacity_bytes: int) -> Path:
     mem_ax.axhline(capacity_bytes / GiB, color="red", linestyle="--", label="GPU memory")
     mem_ax.set_ylabel("GiB per GPU at the peak")
     mem_ax.set_title("Memory")
-    mem_ax.legend(fontsize=7)
+    mem_ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(0.0, -0.12), ncol=3)  # below, off the bars
     mem_ax.tick_params(axis="x", labelsize=7)
     _budget_bars(time_ax, candidates, labels)
     fig.tight_layout()

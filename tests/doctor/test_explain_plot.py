@@ -166,8 +166,33 @@ def test_step_budget_plot(tmp_path, suffix):
     if suffix == ".png":
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR" and len(data) > 5000
     else:
-        for name in (b"matmul", b"attention", b"memory-bound", b"exposed communication", b"seconds per optimizer"):
+        for name in (b"matmul", b"attention", b"memory-bound", b"exposed communication", b"microseconds per token",
+                     b"tok/s"):
             assert name in data
+
+
+def test_budget_bars_are_time_per_token():
+    # candidates at micro-batch 1 and 2 hold different tokens per step: each bar's length is 1e6 / tokens/s
+    from planner.plot import _budget_bars
+
+    p = plan("llama3-8b", gpus=8, gpu="h100-80gb", seq_len=8192)
+    picks = [next(c for c in p.candidates if c.config.micro_batch == mb) for mb in (1, 2)]
+
+    class Axes:
+        def __init__(self):
+            self.lengths = [0.0, 0.0]
+
+        def barh(self, rows, widths, left, label):
+            for row, w in zip(rows, widths):
+                self.lengths[1 - row] += w
+
+        def __getattr__(self, name):
+            return lambda *a, **k: None
+
+    ax = Axes()
+    _budget_bars(ax, picks, ["a", "b"])
+    for length, c in zip(ax.lengths, picks):
+        assert length == pytest.approx(1e6 / c.time.tokens_per_s_per_gpu, rel=1e-9)
 
 
 def test_plot_without_matplotlib_is_a_clear_error(tmp_path, monkeypatch):
