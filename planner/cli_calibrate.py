@@ -17,7 +17,7 @@ from typing import Annotated, Optional
 import typer
 
 from planner.cli_options import (AttentionOpt, FinetuneOpt, FormatOpt, Format, GlobalBatch, Gpu, Gpus, GpusPerNode,
-                                 InternodeGbps, LoraRank, Model, Optim, SeqLen)
+                                 InternodeGbps, LoraRank, Model, Optim, SeqLen, finite_float)
 
 
 class CalibrateEmit(str, Enum):
@@ -76,7 +76,7 @@ def register(app) -> None:
         force_profile: Annotated[bool, typer.Option("--force-profile", help="Use a profile from another cluster")] = False,
         fit: Annotated[bool, typer.Option("--fit/--no-fit", help="Refit the profile from the measured runs")] = True,
         resume: Annotated[bool, typer.Option("--resume", help="Skip runs already in DIR/results.jsonl")] = False,
-        timeout: Annotated[Optional[float], typer.Option("--timeout", help="Seconds per run before its process "
+        timeout: Annotated[Optional[float], typer.Option("--timeout", parser=finite_float, help="Seconds per run before its process "
                                                          "group is killed (default: 600 + 10x the predicted steps)")] = None,
         launch: Annotated[bool, typer.Option("--launch", help="Multi-node: run this node's part (else print)")] = False,
         rdzv_endpoint: Annotated[Optional[str], typer.Option("--rdzv-endpoint", help="HOST:PORT of node 0")] = None,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from enum import Enum
 from typing import Annotated, Callable, Optional
 
@@ -23,15 +24,27 @@ class Emit(str, Enum):
     slurm = "slurm"
 
 
+def finite_float(text: str) -> float:
+    """The parser of every float flag: a finite number. float() reads "nan", "inf" and "-inf", which no
+    bandwidth or timeout means and which slip past `<= 0` checks (NaN compares false to everything)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise typer.BadParameter(f"{text!r} is not a number") from None
+    if not math.isfinite(value):
+        raise typer.BadParameter(f"{text!r} is not a finite number")
+    return value
+
+
 # --- options shared by every command (one flag = one API argument) ---------------------------------
 Model = Annotated[Optional[str], typer.Option("--model", "-m", help="Preset name, HF config.json, or a directory holding one")]
 Gpus = Annotated[Optional[int], typer.Option("--gpus", "-g", help="Number of GPUs")]
 GpusPerNode = Annotated[Optional[int], typer.Option("--gpus-per-node", help="GPUs per node (default min(gpus, 8))")]
 Gpu = Annotated[str, typer.Option("--gpu", help="GPU type (see `fsdp-plan gpus`)")]
-InternodeGbps = Annotated[Optional[float], typer.Option("--internode-gbps", help="Network per node, Gbit/s")]
+InternodeGbps = Annotated[Optional[float], typer.Option("--internode-gbps", parser=finite_float, help="Network per node, Gbit/s")]
 GpuMemory = Annotated[Optional[str], typer.Option("--gpu-memory", help="Override GPU memory, e.g. 80GiB")]
-IntraNode = Annotated[Optional[float], typer.Option("--intra-node-gb-per-s", help="Override intra-node bus bandwidth, GB/s")]
-Pcie = Annotated[Optional[float], typer.Option("--pcie-gb-per-s", help="Override host<->device bandwidth, GB/s")]
+IntraNode = Annotated[Optional[float], typer.Option("--intra-node-gb-per-s", parser=finite_float, help="Override intra-node bus bandwidth, GB/s")]
+Pcie = Annotated[Optional[float], typer.Option("--pcie-gb-per-s", parser=finite_float, help="Override host<->device bandwidth, GB/s")]
 CpuRam = Annotated[Optional[str], typer.Option("--cpu-ram-per-node", help="CPU RAM per node, e.g. 1TiB (checks offload)")]
 SeqLen = Annotated[int, typer.Option("--seq-len", help="Tokens per sequence")]
 GlobalBatch = Annotated[Optional[int], typer.Option("--global-batch", help="Sequences per optimizer step")]

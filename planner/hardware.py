@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import math
 from dataclasses import replace
 from functools import lru_cache
 from pathlib import Path
@@ -68,6 +69,10 @@ def make_cluster(gpus: int, gpu: str = DEFAULT_GPU, gpus_per_node: int | None = 
     scale-up domain to the GPU's (HGX 8, GB200 NVL72 72), both capped at `gpus`."""
     if gpus is None or gpus < 1:
         raise PlannerError("gpus", f"must be >= 1, got {gpus}")
+    for name, value in (("internode_gbps", internode_gbps), ("intra_node_gb_per_s", intra_node_gb_per_s),
+                        ("pcie_gb_per_s", pcie_gb_per_s)):
+        if value is not None and not 0 < value < math.inf:  # NaN fails both comparisons
+            raise PlannerError(name, f"must be a finite number > 0, got {value}")
     spec = get_gpu(gpu)
     overrides = {}
     if gpu_memory is not None:
@@ -84,8 +89,6 @@ def make_cluster(gpus: int, gpu: str = DEFAULT_GPU, gpus_per_node: int | None = 
     if per_node > gpus:
         raise PlannerError("gpus_per_node", f"{per_node} is more than gpus={gpus}")
     network = internode_gbps if internode_gbps is not None else spec.default_internode_gbit_per_s
-    if network <= 0:
-        raise PlannerError("internode_gbps", f"must be > 0, got {network}")
     if scale_up_domain_gpus is not None and scale_up_domain_gpus < 1:
         raise PlannerError("scale_up_domain_gpus", f"must be >= 1, got {scale_up_domain_gpus}")
     return ClusterSpec(gpu=spec, n_gpus=gpus, gpus_per_node=per_node,
