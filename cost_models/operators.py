@@ -179,18 +179,13 @@ def _fit_to_params(model: ModelSpec, matmuls: list[Matmul]) -> list[Matmul]:
 
 def attention_forward_flops(model: ModelSpec, seq_len: int) -> tuple[float, float]:
     """(executed, reference) forward FLOPs per token of QK^T and PV: reference 4 * q_dim * s (torchtitan's
-    MFU count); a causal kernel computes about half (the blocks above the diagonal skipped), a window of w
-    tokens about w of the s keys."""
+    MFU count); a causal kernel computes about half (the blocks above the diagonal skipped). A sliding
+    window shorter than the sequence makes transformers hand SDPA an explicit (s, s) mask, and a masked
+    kernel computes every block: all s keys (the traced Gemma 3 block does)."""
     reference = 4.0 * model.q_dim * seq_len
-    if not model.causal:
+    if not model.causal or 0 < model.sliding_window < seq_len:
         return reference, reference
-    full = seq_len / 2
-    if 0 < model.sliding_window < seq_len:
-        windowed, L = model.n_layers - model.full_attention_layers, model.n_layers
-        keys = (windowed * min(model.sliding_window, seq_len / 2) + (L - windowed) * full) / L
-    else:
-        keys = full
-    return 4.0 * model.q_dim * keys, reference
+    return reference / 2, reference
 
 
 @lru_cache(maxsize=256)  # the search prices thousands of configurations of one model

@@ -57,3 +57,21 @@ def test_formula_memory_bytes_against_the_trace(traced):
     bwd = sum(op.backward_bytes for op in formula.memory_ops)
     assert fwd == pytest.approx(traced.memory_forward_bytes_per_token, rel=0.10)
     assert bwd == pytest.approx(traced.memory_backward_bytes_per_token, rel=0.05)
+
+
+def test_gemma3_windowed_block_against_the_formula():
+    # sandwich norms, q/k norms, a 64-token window under a 128-token sequence: transformers hands SDPA an
+    # explicit mask, so the kernel computes all s keys (no causal half); products as the formula lists them
+    cfg = {"model_type": "gemma3_text", "hidden_size": 256, "intermediate_size": 768, "num_attention_heads": 4,
+           "num_key_value_heads": 2, "num_hidden_layers": 6, "vocab_size": 512, "max_position_embeddings": 512,
+           "head_dim": 64, "sliding_window": 64, "sliding_window_pattern": 6}
+    terms, _ = profile_block(cfg, block_class="Gemma3DecoderLayer", compute_dtype="bf16", attention="sdpa",
+                             seq_len=128, hidden_size=256, vocab_size=512)
+    traced = terms.operators
+    formula = operators.block_ops(dataclasses.replace(spec_from_hf_config(cfg), activation_profile=None), 2, 128)
+    assert [(n, k) for n, k, _, _ in traced.matmuls] == [(m.n, m.k) for m in formula.matmuls]
+    assert traced.attention_flops_per_token == formula.attention_flops_per_token == 4 * 256 * 128
+    assert sum(op.forward_bytes for op in formula.memory_ops) == pytest.approx(traced.memory_forward_bytes_per_token,
+                                                                             rel=0.10)
+    assert sum(op.backward_bytes for op in formula.memory_ops) == pytest.approx(traced.memory_backward_bytes_per_token,
+                                                                              rel=0.10)
