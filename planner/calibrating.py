@@ -410,7 +410,9 @@ def calibrate(request: CalibrationRequest, progress_stream=None) -> CalibrationR
 
         if importlib.util.find_spec("peft") is None:
             raise PlannerError("finetune", "LoRA runs add peft adapters: pip install 'fsdp-planner[lora]'")
-    out = Path(request.out_dir)
+    # Absolute once, here: the probe and every run start with cwd=ROOT (so `-m calibration.runner` imports
+    # this checkout), where a relative --out would name another directory than the user's.
+    out = Path(request.out_dir).resolve()
     out.mkdir(parents=True, exist_ok=True)
     results_path = out / store.RESULTS_FILE
     existing = store.read_records(results_path)
@@ -523,7 +525,7 @@ def _job(request: CalibrationRequest, out: Path, target: Target, config: FsdpCon
            "optimizer": setup.training["optimizer"], "finetune": setup.training["finetune"],
            "lora_rank": setup.training["lora_rank"], "steps": setup.steps, "warmup": setup.warmup,
            "device": setup.device, "emulate_world_size": request.emulate_world_size,
-           "result_path": str((run_dir / "result.json").resolve()), "error_dir": str((run_dir / "errors").resolve()),
+           "result_path": str(run_dir / "result.json"), "error_dir": str(run_dir / "errors"),
            "fault": fault, "measure_comm": True, "seed": 0}
     path = out / "jobs" / f"{rid}.json"
     store.write_atomic(path, json.dumps(job, indent=1) + "\n")
@@ -543,7 +545,7 @@ def _run_one(request, out, target, config, setup, rid, evaluation, base, launch,
     job, job_path = _job(request, out, target, config, setup, rid, position)
     if launch is not None and launch.rendezvous is not None:  # a fresh port per run: no TIME_WAIT clashes
         launch = replace(launch, rendezvous=replace(launch.rendezvous, port=launch.rendezvous.port + position))
-    argv = launching.runner_command(launch, job_path.resolve())
+    argv = launching.runner_command(launch, job_path)
     expected = STARTUP_GUESS_S + (request.warmup + request.steps) * evaluation.time.step_s
     progress.start(describe(config), expected)
     log_rel = Path("runs") / rid / "log.txt"
@@ -579,7 +581,7 @@ def _node_commands(request, out, target, plans, launch, nodes) -> list[str]:
         for node in range(nodes):
             run_launch = replace(launch, python=None,
                                  rendezvous=replace(launch.rendezvous, port=launch.rendezvous.port + position))
-            argv = launching.runner_command(run_launch, job_path.resolve(), node_rank=node)
+            argv = launching.runner_command(run_launch, job_path, node_rank=node)
             lines.append(f"#   node {node}:")
             lines.append(launching.shell_line(argv, {"OMP_NUM_THREADS": 1} if request.device == "cpu" else None))
     return lines
