@@ -22,7 +22,7 @@ import json
 import os
 import tempfile
 import warnings
-from dataclasses import asdict, fields
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any, Literal
 
@@ -290,12 +290,40 @@ def write_atomic(path: str | Path, text: str) -> None:
 
 
 def append_record(path: str | Path, record: RunRecord) -> None:
-    """Append one run as one line, durably (flush + fsync) before returning."""
+    """Append one run as one line, durably (flush + fsync) before returning. A file whose last record lacks
+    its newline gets one first, so the two records stay two lines."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     line = record.model_dump_json() + "\n"
-    with open(path, "a", encoding="utf-8") as f:
-        f.write(line)
+    with open(path, "a+b") as f:
+        if f.tell() > 0:
+            f.seek(-1, os.SEEK_END)
+            if f.read(1) != b"\n":
+                line = "\n" + line
+        f.write(line.encode("utf-8"))
+        f.flush()
+        os.fsync(f.fileno())
+
+
+@dataclass(frozen=True)
+class TornLine:
+    """The last line of a results.jsonl cut short: its writer was killed mid-write (append_record writes
+    one line per run, so only the last line can be torn). `offset`: the bytes before it, all whole lines."""
+
+    path: Path
+    line: int
+    offset: int
+    size_bytes: int
+
+    def note(self) -> str:
+        return (f"{self.path}:{self.line}: skipped a torn last line ({self.size_bytes} bytes; a run was killed "
+                "while writing its record), the runs before it are kept")
+
+
+def drop_torn_line(torn: TornLine) -> None:
+    """Cut the torn fragment off, so the next record appended starts a line of its own."""
+    with open(torn.path, "r+b") as f:
+        f.truncate(torn.offset)
         f.flush()
         os.fsync(f.fileno())
 
@@ -306,34 +334,43 @@ def _where(exc: ValidationError) -> str:
     return f"{loc}: {e['msg']}"
 
 
-def read_records(path: str | Path) -> list[RunRecord]:
-    """Every run in a results.jsonl, validated. A missing file is an empty list."""
+def read_results(path: str | Path) -> tuple[list[RunRecord], TornLine | None]:
+    """Every run in a results.jsonl, validated, and its torn last line if it has one (skipped: not JSON, not
+    UTF-8, and no newline after it). Any other bad line is a StoreError naming it. A missing file is ([], None)."""
     path = Path(path)
     if not path.exists():
-        return []
-    text = path.read_text(encoding="utf-8")
-    lines = text.split("\n")
-    torn = not text.endswith("\n") and text != ""
-    records = []
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
+        return [], None
+    data = path.read_bytes()
+    lines = data.split(b"\n")
+    records, torn, offset = [], None, 0
+    for number, raw in enumerate(lines, 1):
+        start, offset = offset, offset + len(raw) + 1
+        if not raw.strip():
             continue
-        last = number == len(lines)
         try:
-            data = json.loads(line)
-        except json.JSONDecodeError as exc:
-            if last and torn:
-                warnings.warn(f"{path}:{number}: skipping a torn last line (a run was interrupted while writing)")
+            entry = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            if number == len(lines):  # the last piece of a split has no newline after it
+                torn = TornLine(path, number, start, len(raw))
                 continue
-            raise StoreError("results", f"{path}:{number} is not JSON: {exc.msg}") from None
-        version = data.get("schema_version") if isinstance(data, dict) else None
+            why = exc.msg if isinstance(exc, json.JSONDecodeError) else "invalid UTF-8"
+            raise StoreError("results", f"{path}:{number} is not JSON: {why}") from None
+        version = entry.get("schema_version") if isinstance(entry, dict) else None
         if version != SCHEMA_VERSION:
             raise StoreError("results", f"{path}:{number} has schema_version {version!r}; this fsdp-plan reads "
                                         f"{SCHEMA_VERSION}")
         try:
-            records.append(RunRecord.model_validate(data))
+            records.append(RunRecord.model_validate(entry))
         except ValidationError as exc:
             raise StoreError("results", f"{path}:{number}: {_where(exc)}") from None
+    return records, torn
+
+
+def read_records(path: str | Path) -> list[RunRecord]:
+    """Every run in a results.jsonl (read_results), warning about a torn last line."""
+    records, torn = read_results(path)
+    if torn is not None:
+        warnings.warn(torn.note())
     return records
 
 

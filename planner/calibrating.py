@@ -415,7 +415,7 @@ def calibrate(request: CalibrationRequest, progress_stream=None) -> CalibrationR
     out = Path(request.out_dir).resolve()
     out.mkdir(parents=True, exist_ok=True)
     results_path = out / store.RESULTS_FILE
-    existing = store.read_records(results_path)
+    existing, torn = store.read_results(results_path)
     if existing and not request.resume:
         raise PlannerError("out", f"{results_path} already holds {len(existing)} run(s): pass --resume to skip "
                                   "them and add to it, or choose another --out")
@@ -472,7 +472,10 @@ def calibrate(request: CalibrationRequest, progress_stream=None) -> CalibrationR
         plans.append((config, setup, store.run_id(setup)))
     todo = [p for p in plans if p[2] not in done]
     skipped = [p[2] for p in plans if p[2] in done]
-    report_notes = []
+    report_notes = [torn.note()] if torn is not None else []
+    if torn is not None:  # a hard kill mid-write: the records before it stand, the next one must start a line
+        store.drop_torn_line(torn)
+        progress.note(torn.note())
     if skipped:
         progress.note(f"--resume: {len(skipped)} run(s) already in {results_path}, skipped")
 

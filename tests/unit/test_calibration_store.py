@@ -56,13 +56,47 @@ def test_missing_results_file_is_empty(tmp_path):
 def test_torn_last_line_is_skipped_other_bad_lines_fail(tmp_path):
     path = tmp_path / "results.jsonl"
     store.append_record(path, measured_record())
+    store.append_record(path, error_record())
+    fragment = '{"schema_version": 1, "run_id": "tor'  # a crash mid-write: 36 bytes of a record
     with open(path, "a") as f:
-        f.write('{"schema_version": 1, "run_id": "tor')  # a crash mid-write
-    with pytest.warns(UserWarning, match="torn last line"):
-        assert [r.run_id for r in store.read_records(path)] == ["a"]
+        f.write(fragment)
+    records, torn = store.read_results(path)
+    assert [r.run_id for r in records] == ["a", "b"]  # nothing measured before the kill is lost
+    assert (torn.path, torn.line, torn.size_bytes) == (path, 3, len(fragment))
+    assert torn.note().startswith(f"{path}:3: skipped a torn last line (36 bytes;")
+    with pytest.warns(UserWarning, match=f"{path}:3: skipped a torn last line"):
+        assert [r.run_id for r in store.read_records(path)] == ["a", "b"]
     path.write_text(path.read_text() + "\n")  # now complete but broken: an error naming the line
-    with pytest.raises(store.StoreError, match=r"results.jsonl:2 is not JSON"):
+    with pytest.raises(store.StoreError, match=r"results.jsonl:3 is not JSON"):
         store.read_records(path)
+
+
+def test_torn_multibyte_character_is_torn_not_a_crash(tmp_path):
+    path = tmp_path / "results.jsonl"
+    store.append_record(path, measured_record())
+    path.write_bytes(path.read_bytes() + '{"run_id": "\u00d7'.encode()[:-1])  # cut inside a UTF-8 "×"
+    records, torn = store.read_results(path)
+    assert [r.run_id for r in records] == ["a"] and torn.line == 2
+    path.write_bytes(path.read_bytes() + b"\n")
+    with pytest.raises(store.StoreError, match=r"results.jsonl:2 is not JSON: invalid UTF-8"):
+        store.read_records(path)
+
+
+def test_appending_after_a_torn_line_keeps_every_record(tmp_path):
+    """What --resume does after a hard kill: drop the fragment, append the rerun; every record reads back."""
+    path = tmp_path / "results.jsonl"
+    store.append_record(path, measured_record())
+    with open(path, "a") as f:
+        f.write('{"schema_version": 1, "run_id": "tor')
+    _, torn = store.read_results(path)
+    store.drop_torn_line(torn)
+    store.append_record(path, error_record())
+    assert store.read_results(path) == ([measured_record(), error_record()], None)
+    # a last record whole but for its newline (killed between the two writes) is kept, and the next one
+    # appended after it starts a line of its own
+    path.write_text(path.read_text().rstrip("\n"))
+    store.append_record(path, measured_record("c"))
+    assert [r.run_id for r in store.read_records(path)] == ["a", "b", "c"]
 
 
 def test_schema_violations_name_the_line_and_field(tmp_path):
