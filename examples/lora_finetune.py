@@ -21,8 +21,8 @@ for finetune in ("full", "lora"):
     m = b.memory.breakdown
     print(f"{finetune:>4}: {b.config.sharding.value}, {b.config.activation_checkpointing} checkpointing, "
           f"micro-batch {b.config.micro_batch} x {b.config.grad_accum}; peak {b.memory.peak_reserved_bytes / 2**30:.1f} "
-          f"GiB (states {(m.sharded_params + m.sharded_grads + m.optimizer_state) / 2**30:.1f}, activations "
-          f"{m.activations / 2**30:.1f}); {b.time.tokens_per_s_per_gpu:,.0f} tokens/s per GPU")
+          f"GiB (params {m.sharded_params / 2**30:.1f}, grads + optimizer {(m.sharded_grads + m.optimizer_state) / 2**30:.2f}, "
+          f"activations {m.activations / 2**30:.1f}); {b.time.tokens_per_s_per_gpu:,.0f} tokens/s per GPU")
 print()
 print(emit_artifact("fsdp1", b))  # b: the LoRA pick
 

@@ -22,9 +22,10 @@ def test_lora_finetune_example():
                        timeout=60, cwd=ROOT)
     assert r.returncode == 0, r.stderr
     full, lora = (line for line in r.stdout.splitlines() if line.startswith(("full:", "lora:")))
-    # LoRA keeps a fraction of full fine-tuning's model states: adapters' grads and Adam state only
-    states = [float(line.split("states ")[1].split(",")[0]) for line in (full, lora)]
-    assert states[1] < 0.2 * states[0], states
+    # LoRA keeps grads and Adam state for the adapters only: a small fraction of full fine-tuning's (the
+    # frozen weights may be sharded or not: at 8 GPUs the planner may keep them whole, NO_SHARD)
+    trained = [float(line.split("grads + optimizer ")[1].split(",")[0]) for line in (full, lora)]
+    assert trained[1] < 0.05 * trained[0], trained
     assert "CustomPolicy(lora_unit)" in r.stdout and "cast_forward_inputs=True" in r.stdout
 
 
