@@ -134,7 +134,8 @@ cli_explain.register(app)
 
 
 def _fail(message: str) -> None:
-    typer.echo(f"error: {message}", err=True)
+    # a value read from a user's file may hold lone surrogates (YAML's "\ud800" escapes): print them escaped
+    typer.echo(f"error: {message}".encode("utf-8", "backslashreplace").decode("utf-8"), err=True)
     sys.exit(2)
 
 

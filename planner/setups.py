@@ -137,7 +137,7 @@ def from_accelerate(data: dict, source: str = "accelerate config") -> UserSetup:
     fsdp = data.get("fsdp_config") or {}
     if not isinstance(fsdp, dict):
         raise PlannerError("fsdp_config", "must be a mapping of fsdp_* keys")
-    version = int(fsdp.get("fsdp_version", 1))
+    version = _int(fsdp, "fsdp_version", 1)
     if version not in (1, 2):
         raise PlannerError("fsdp_version", f"must be 1 or 2, got {version}")
     mixed = str(data.get("mixed_precision", "no")).lower()
@@ -159,7 +159,9 @@ def from_accelerate(data: dict, source: str = "accelerate config") -> UserSetup:
     if version == 2:
         reshard = _bool("fsdp_reshard_after_forward", fsdp.get("fsdp_reshard_after_forward", True))
         parallel = data.get("parallelism_config") or {}
-        replicas = int(parallel.get("parallelism_config_dp_replicate_size", 1) or 1)
+        if not isinstance(parallel, dict):
+            raise PlannerError("parallelism_config", "must be a mapping of parallelism_config_* keys")
+        replicas = _int(parallel, "parallelism_config_dp_replicate_size", 1) or 1
         if replicas > 1:
             sharding = Sharding.HYBRID_SHARD if reshard else Sharding.HYBRID_SHARD_ZERO2
         else:
@@ -201,14 +203,23 @@ def from_accelerate(data: dict, source: str = "accelerate config") -> UserSetup:
 def _int_or_none(data: dict, key: str) -> int | None:
     if data.get(key) is None:
         return None
+    value = data[key]
     try:
-        return int(data[key])
-    except (TypeError, ValueError):
-        raise PlannerError(key, f"expected an integer, got {data[key]!r}") from None
+        if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+            raise ValueError
+        return int(value)
+    except (TypeError, ValueError, OverflowError):
+        raise PlannerError(key, f"expected an integer, got {value!r}") from None
+
+
+def _int(data: dict, key: str, default: int) -> int:
+    """An integer field; missing or null: the default."""
+    value = _int_or_none(data, key)
+    return default if value is None else value
 
 
 def _is_fsdp2_kwargs(data: dict) -> bool:
-    return int(data.get("fsdp_version", 0) or 0) == 2 or any(
+    return _int(data, "fsdp_version", 0) == 2 or any(
         k in data for k in ("reshard_after_forward", "mp_policy", "offload_policy", "mesh"))
 
 
@@ -279,7 +290,7 @@ def from_kwargs(data: dict, source: str = "kwargs") -> UserSetup:
         float8=_bool("float8", data.get("float8", False)),
         fp8_all_gather=_bool("fp8_all_gather", data.get("fp8_all_gather", False)), reshard_after_forward=reshard_group,
         ac_every=data.get("activation_checkpointing", "none"),
-        micro_batch=int(data.get("micro_batch", 1)), grad_accum=int(data.get("grad_accum", 1)),
+        micro_batch=_int(data, "micro_batch", 1), grad_accum=_int(data, "grad_accum", 1),
         backward_prefetch=prefetch is not None and _strip(prefetch).upper() != "NONE",
         forward_prefetch=_bool("forward_prefetch", data.get("forward_prefetch", False)),
         limit_all_gathers=_bool("limit_all_gathers", data.get("limit_all_gathers", True)),
