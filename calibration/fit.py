@@ -150,16 +150,13 @@ def _unknowns(samples: list[Sample]) -> list[str]:
     return names, extra
 
 
-def _log_errors(jacobian, n_samples: int) -> list[float]:
-    """Standard error of each unknown's log from the least-squares Jacobian (data rows scaled by the run
-    noise, prior rows as they are): sqrt of the diagonal of (J^T J)^-1."""
+def _log_errors(jacobian) -> list[float]:
+    """Standard error of each unknown's log from the least-squares Jacobian of the residuals (the runs' log
+    errors and the prior's pull alike, in units of RUN_LOG_NOISE): sqrt of the diagonal of (J^T J)^-1."""
     import numpy as np
 
-    j = np.array(jacobian, dtype=float)
-    j[:n_samples] /= RUN_LOG_NOISE
-    j[n_samples:] /= RUN_LOG_NOISE
-    cov = np.linalg.pinv(j.T @ j)
-    return [float(math.sqrt(max(v, 0.0))) for v in np.diag(cov)]
+    j = np.array(jacobian, dtype=float) / RUN_LOG_NOISE
+    return [float(math.sqrt(max(v, 0.0))) for v in np.diag(np.linalg.pinv(j.T @ j))]
 
 
 def _get(profile: Profile, name: str) -> float:
@@ -213,7 +210,7 @@ def fit_profile(samples: list[Sample], base: Profile, source: str = "fitted") ->
     names = base_names + extra if len(samples) > len(base_names) + len(extra) else base_names
     result = solve(names)
     while True:
-        errors = dict(zip(names, _log_errors(result.jac, len(samples))))
+        errors = dict(zip(names, _log_errors(result.jac)))
         loose = [n for n in names if n in extra and errors[n] > IDENTIFIED_LOG_ERROR]
         if not loose:
             break
@@ -223,7 +220,6 @@ def fit_profile(samples: list[Sample], base: Profile, source: str = "fitted") ->
             break
         names, result = smaller, reduced
     dropped = [n for n in extra if n not in names]
-    errors = _log_errors(result.jac, len(samples))
     values = dict(zip(names, (float(v) for v in np.exp(result.x))))
     notes = []
     for name, value in values.items():
@@ -258,8 +254,8 @@ def fit_profile(samples: list[Sample], base: Profile, source: str = "fitted") ->
         memory["cuda_context_bytes"] = int(statistics.median(outside))
     fitted_profile = replace(_with(base, values), **memory, source=source)
     label = {n: n.replace(":", "[") + "]" if ":" in n else n for n in names}
-    identified = {label[n]: math.exp(e) - 1 for n, e in zip(names, errors) if e <= IDENTIFIED_LOG_ERROR}
-    not_identified = [label[n] for n, e in zip(names, errors) if e > IDENTIFIED_LOG_ERROR]
+    identified = {label[n]: math.exp(errors[n]) - 1 for n in names if errors[n] <= IDENTIFIED_LOG_ERROR}
+    not_identified = [label[n] for n in names if errors[n] > IDENTIFIED_LOG_ERROR]
 
     per_run = []
     for s in samples:

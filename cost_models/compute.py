@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 
 from .moe import active_block_params
+from .operators import block_ops
 from .specs import Finetune, FsdpConfig, ModelSpec, TrainingSpec
 
 
@@ -52,8 +53,6 @@ def recompute_flops_per_token(model: ModelSpec, training: TrainingSpec, config: 
     """Extra forward FLOPs per token from activation checkpointing. Selective op-level: every second
     matmul of each block (operators.BlockOps.selective_op_recomputed), the attention kernel's output saved."""
     if config.selective_op_ac:
-        from .operators import block_ops  # operators imports moe, as this module does: no cycle at import
-
         ops = block_ops(model, 2, training.seq_len, training.adapter_rank)
         return model.n_layers * sum(m.forward_flops_per_token for m in ops.selective_op_recomputed())
     if not config.ac_every:

@@ -44,7 +44,7 @@ class Rates:
 
     @classmethod
     def of(cls, gpu: GpuSpec, dtype: str, profile: Profile) -> "Rates":
-        peak = gpu.peak_flops.get(dtype) or gpu.peak_flops["fp32"]
+        peak = gpu.priced_peak_flops(dtype)
         achieved = profile.efficiency(dtype)   # what training products reach of the best large GEMM
         large = (gpu.matmul_efficiency or profile.default_gpu_matmul_efficiency) * achieved
         attention = (gpu.attention_efficiency or profile.default_attention_efficiency) * profile.attention_efficiency

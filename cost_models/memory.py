@@ -157,7 +157,7 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
     # --- gathered params and collective buffers ------------------------------------------------------
     block_c, root_c = counts.block() * c, counts.root() * c
     if config.fp8_all_gather:  # FSDP2 gathers the Float8 linears' weights in FP8: 1 byte each, not c
-        block_c -= (c - 1) * operators.float8_weight_elements(model, c, training.seq_len)
+        block_c -= operators.fp8_all_gather_saving_bytes(model, c, training.seq_len)
     keeps_gathered = config.sharding in (Sharding.SHARD_GRAD_OP, Sharding.HYBRID_SHARD_ZERO2)
     prefetches = not keeps_gathered and d > 1
     root_rs = counts.trainable_root * r if d > 1 else 0

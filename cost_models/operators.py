@@ -101,9 +101,6 @@ class BlockOps:
     seq_len: int
     traced: bool = False                # counted from a traced block (eager attention's products included)
 
-    def matmul_flops_per_token(self) -> float:
-        return sum(m.forward_flops_per_token for m in self.matmuls)
-
     def selective_op_recomputed(self) -> tuple[Matmul, ...]:
         """torchtitan's policy as calibration.apply runs it: of the linear products of a forward (aten.mm, and
         aten.addmm for a biased linear), the 2nd, 4th, ... are recomputed; a grouped expert product
@@ -282,6 +279,12 @@ def float8_cast_op(matmuls: tuple[Matmul, ...], c: int) -> MemoryOp:
 def float8_weight_elements(model: ModelSpec, c: int, seq_len: int) -> int:
     """Weights of one (sparse) block that torchao converts to Float8 linears (what an FP8 all-gather moves)."""
     return sum(m.weight_elements for m in block_ops(model, c, seq_len).matmuls if m.float8)
+
+
+def fp8_all_gather_saving_bytes(model: ModelSpec, c: int, seq_len: int) -> int:
+    """Bytes one block's all-gather (and its output) moves less with FSDP2's FP8 all-gather: the Float8
+    linears' weights in 1 byte instead of c."""
+    return (c - 1) * float8_weight_elements(model, c, seq_len)
 
 
 def selective_op_saved_elements(model: ModelSpec, seq_len: int, lora_rank: int = 0) -> float:

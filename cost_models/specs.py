@@ -439,6 +439,11 @@ class GpuSpec:
     def supports(self, dtype: str) -> bool:
         return self.peak_flops.get(dtype, 0) > 0
 
+    def priced_peak_flops(self, dtype: str) -> float:
+        """The dense peak the step time prices `dtype` at: a dtype the GPU lacks runs emulated, at the fp32
+        rate (evaluate rejects it anyway)."""
+        return self.peak_flops.get(dtype) or self.peak_flops["fp32"]
+
 
 @dataclass(frozen=True)
 class ClusterSpec:

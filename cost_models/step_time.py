@@ -12,7 +12,8 @@ step. Mixture of experts: compute follows the active parameters (compute.py), th
 expert of a block, padded as FSDP2 pads stacked expert tensors (cost_models/moe.py), so small
 micro-batches leave the all-gathers exposed (communication_note says why and what helps); an MoE model's
 leading dense blocks are priced with their own sizes, each paired with blocks of its kind for the
-overlap. Ignored: kernel-level compute/communication contention, stragglers, data loading.
+overlap. Compute runs per operator class (kernel_time.py), and slows by profile.overlap_slowdown for each
+second of communication it hides. Ignored: stragglers, data loading.
 """
 
 from __future__ import annotations
@@ -61,22 +62,26 @@ def _shard_tiers(config: FsdpConfig, cluster: ClusterSpec, profile: Profile):
     return shard, replicate
 
 
+def priced_block_ops(spec: ModelSpec, training: TrainingSpec, config: FsdpConfig, c: int):
+    """(BlockOps, eager attention's products and score traffic or None) of one block as the step prices it:
+    Float8's casts among the memory-bound ops; a traced inventory already holds eager attention's work."""
+    ops = operators.block_ops(spec, c, training.seq_len, training.adapter_rank, config.attention.value)
+    if config.float8:
+        ops = replace(ops, memory_ops=ops.memory_ops + (operators.float8_cast_op(ops.matmuls, c),))
+    eager = eager_attention_ops(ops, spec.n_heads, c) if config.attention is Attention.EAGER and not ops.traced else None
+    return ops, eager
+
+
 def _block_times(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, rates: Rates, c: int,
                  tokens: int) -> tuple[BlockTime, BlockTime | None, float, float]:
     """(sparse-or-only block, dense block of an MoE model or None, recompute s of the average block (both
     kinds), per-micro-step weight-cast s): every block's forward, backward and recompute on `tokens`."""
-    lora = training.adapter_rank
     recompute = "selective-op" if config.selective_op_ac else ("full" if config.ac_every else "")
     n_ckpt = model.n_layers if config.selective_op_ac else (math.ceil(model.n_layers / config.ac_every)
                                                             if config.ac_every else 0)
 
     def price(spec: ModelSpec) -> tuple[BlockTime, BlockTime, float]:
-        ops = operators.block_ops(spec, c, training.seq_len, lora, config.attention.value)
-        if config.float8:
-            ops = replace(ops, memory_ops=ops.memory_ops + (operators.float8_cast_op(ops.matmuls, c),))
-        # a traced inventory already holds eager attention's products and score traffic
-        eager = (eager_attention_ops(ops, spec.n_heads, c)
-                 if config.attention is Attention.EAGER and not ops.traced else None)
+        ops, eager = priced_block_ops(spec, training, config, c)
         kw = dict(eager_attention=eager, compiled=config.compile, float8=config.float8)
         casts = rates.memory_s(operators.weight_cast_bytes(ops.matmuls, c, config.fp8_all_gather)) if config.float8 else 0.0
         return price_block(ops, rates, tokens, **kw), price_block(ops, rates, tokens, recompute=recompute, **kw), casts
@@ -97,8 +102,7 @@ def estimate_step_time(model: ModelSpec, cluster: ClusterSpec, training: Trainin
     gpu = cluster.gpu
     precision = config.precision
     dtype = precision.compute_dtype
-    # A dtype the GPU lacks runs emulated: price it at the fp32 rate (evaluate rejects it anyway).
-    peak = gpu.peak_flops.get(dtype) or gpu.peak_flops["fp32"]
+    peak = gpu.priced_peak_flops(dtype)
     rates = Rates.of(gpu, dtype, profile)
     c = DTYPE_BYTES[dtype]
     p = DTYPE_BYTES[precision.param_dtype]
@@ -115,6 +119,7 @@ def estimate_step_time(model: ModelSpec, cluster: ClusterSpec, training: Trainin
     recompute_flops = recompute_flops_per_token(model, training, config) * tokens
     block, dense_block, block_recompute_s, weight_casts_s = _block_times(model, training, config, rates, c, tokens)
     nd = model.n_dense_layers
+    dense_delta = (counts.trainable_dense_delta + counts.frozen_dense_delta) // nd if nd else 0  # per dense block
     blocks = [(L - nd, block)] + ([(nd, dense_block)] if dense_block is not None else [])
     head, root_memory = operators.root_ops(model, c)
     head_s = 3 * rates.matmul_forward_s(head, tokens) if head is not None else 0.0
@@ -123,7 +128,7 @@ def estimate_step_time(model: ModelSpec, cluster: ClusterSpec, training: Trainin
     # FSDP2's copies around its collectives: each all-gather's output split into the unsharded parameters
     # (read + write c), each reduce-scatter's input packed (and cast) from the gradients (c + r)
     gathers = 2 if config.sharding.reshards_after_forward else 1
-    gathered_elements = counts.block() * (L - nd) + (counts.block() + (counts.trainable_dense_delta + counts.frozen_dense_delta) // max(nd, 1)) * nd + counts.root()
+    gathered_elements = counts.block() * L + dense_delta * nd + counts.root()
     fsdp_copy_s = rates.memory_s(gathers * gathered_elements * 2 * c + counts.trainable(L) * (c + r)) if d > 1 else 0.0
     matmul_s = head_s + sum(n * (b.matmul_forward_s + b.matmul_backward_s) for n, b in blocks)
     attention_s = sum(n * (b.attention_forward_s + b.attention_backward_s) for n, b in blocks)
@@ -151,7 +156,7 @@ def estimate_step_time(model: ModelSpec, cluster: ClusterSpec, training: Trainin
     root_ag, root_rs = collectives(root_gather, root_reduce)
     gathers_in_backward = config.sharding in (Sharding.FULL_SHARD, Sharding.HYBRID_SHARD)
     # FSDP2's FP8 all-gather moves the Float8 linears' weights in 1 byte
-    fp8_saving = (c - 1) * operators.float8_weight_elements(model, c, training.seq_len) if config.fp8_all_gather else 0
+    fp8_saving = operators.fp8_all_gather_saving_bytes(model, c, training.seq_len) if config.fp8_all_gather else 0
     ag, rs = collectives(counts.block() * c - fp8_saving, counts.trainable_block * r)
     experts = moe.experts_gathered_elements(model, d, bool(config.expert_shard_dim)) if config.expert_units else 0
     if experts:  # two collectives per sparse block (its experts, the rest): the same bytes, twice the latency
@@ -169,7 +174,6 @@ def estimate_step_time(model: ModelSpec, cluster: ClusterSpec, training: Trainin
     # Blocks by kind: (count, forward all-gather s, backward all-gather s, reduction s, forward s, backward s)
     kinds = [(L - model.n_dense_layers, ag, ag * bwd_gather, rs, block_fwd_s, block_bwd_s)]
     if model.n_dense_layers:  # an MoE model's leading dense blocks: their own sizes and FLOPs
-        dense_delta = (counts.trainable_dense_delta + counts.frozen_dense_delta) // nd
         d_ag, d_rs = collectives((counts.block() + dense_delta) * c,
                                  (counts.trainable_block + counts.trainable_dense_delta // nd) * r)
         kinds.append((nd, d_ag, d_ag * bwd_gather, d_rs, dense_block.forward_s,

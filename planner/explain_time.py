@@ -11,10 +11,11 @@ import math
 
 from cost_models import moe, operators
 from cost_models.compute import mfu_flops_per_token, model_flops_per_token, recompute_flops_per_token
-from cost_models.kernel_time import Rates, eager_attention_ops
+from cost_models.kernel_time import Rates
 from cost_models.memory import ParamCounts
 from cost_models.profile import DEFAULT_PROFILE, Profile
 from cost_models.specs import Attention
+from cost_models.step_time import priced_block_ops
 from cost_models.units import DTYPE_BYTES
 
 # (TimeBreakdown field, term) in the step's order: compute by operator class, then what is not compute.
@@ -36,7 +37,7 @@ def _tf(flops_per_s: float) -> str:
 
 def _peak(c) -> float:
     gpu = c.cluster.gpu
-    return gpu.peak_flops.get(c.config.precision.compute_dtype) or gpu.peak_flops["fp32"]  # as step_time prices it
+    return gpu.priced_peak_flops(c.config.precision.compute_dtype)
 
 
 def _block_kinds(c) -> list[tuple[int, object, tuple]]:
@@ -47,10 +48,8 @@ def _block_kinds(c) -> list[tuple[int, object, tuple]]:
     dense = moe.dense_block_spec(m)
     kinds = []
     for n, spec in [(m.n_layers - m.n_dense_layers, m)] + ([(m.n_dense_layers, dense)] if dense else []):
-        ops = operators.block_ops(spec, cb, c.training.seq_len, c.training.adapter_rank)
-        memory = ops.memory_ops + ((operators.float8_cast_op(ops.matmuls, cb),) if cfg.float8 else ())
-        if cfg.attention is Attention.EAGER:
-            memory += (eager_attention_ops(ops, spec.n_heads, cb)[1],)
+        ops, eager = priced_block_ops(spec, c.training, cfg, cb)
+        memory = ops.memory_ops + ((eager[1],) if eager is not None else ())
         kinds.append((n, ops, memory))
     return kinds
 
