@@ -234,7 +234,7 @@ def test_cli_verify_top_marks_candidates(tmp_path):
 
 
 def test_import_planner_tracing_does_not_import_torch():
-    code = "import sys, planner, planner.tracing, planner.cli_trace; print('torch' in sys.modules)"
+    code = "import sys, planner, planner.tracing, planner.cli.trace; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "False", out.stderr
 

@@ -8,20 +8,16 @@ from typing import Annotated, Callable, Optional
 
 import typer
 
+from planner.emit import ARTIFACTS
+
 
 class Format(str, Enum):
     table = "table"
     json = "json"
 
 
-class Emit(str, Enum):
-    fsdp1 = "fsdp1"
-    fsdp2 = "fsdp2"
-    accelerate = "accelerate"
-    accelerate_fsdp2 = "accelerate-fsdp2"
-    lightning = "lightning"
-    torchrun = "torchrun"
-    slurm = "slurm"
+# --emit's choices are planner.emit's artifacts (one list): "accelerate-fsdp2" is the member accelerate_fsdp2.
+Emit = Enum("Emit", {name.replace("-", "_"): name for name in ARTIFACTS}, type=str, module=__name__)
 
 
 def finite_float(text: str) -> float:

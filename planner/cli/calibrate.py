@@ -16,7 +16,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from planner.cli_options import (AttentionOpt, FinetuneOpt, FormatOpt, Format, GlobalBatch, Gpu, Gpus, GpusPerNode,
+from planner.cli.options import (AttentionOpt, FinetuneOpt, FormatOpt, Format, GlobalBatch, Gpu, Gpus, GpusPerNode,
                                  InternodeGbps, LoraRank, Model, Optim, SeqLen, finite_float)
 
 

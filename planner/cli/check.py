@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from planner.cli_options import (CpuRam, FinetuneOpt, Format, FormatOpt, GlobalBatch, Gpu, GpuMemory, Gpus,
+from planner.cli.options import (CpuRam, FinetuneOpt, Format, FormatOpt, GlobalBatch, Gpu, GpuMemory, Gpus,
                                  GpusPerNode, InternodeGbps, IntraNode, LoraRank, Model, Optim, Pcie, SeqLen)
 
 

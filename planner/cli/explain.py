@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from planner.cli_options import (AttentionOpt, CpuRam, FinetuneOpt, GlobalBatch, Gpu, GpuMemory, Gpus, GpusPerNode,
+from planner.cli.options import (AttentionOpt, CpuRam, FinetuneOpt, GlobalBatch, Gpu, GpuMemory, Gpus, GpusPerNode,
                                  InternodeGbps, IntraNode, LoraRank, Model, Optim, Pcie, SeqLen,
                                  cluster_and_training)
 

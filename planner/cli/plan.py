@@ -1,25 +1,19 @@
-"""`fsdp-plan`: each command parses flags, calls the API, renders. Errors become one line and exit 2."""
+"""`fsdp-plan [flags]` (the app's default command): rank every FSDP configuration that fits and print the best
+as ready-to-use code, or only one artifact of it with --emit."""
 
 from __future__ import annotations
 
-import sys
 from typing import Annotated, Optional
 
 import typer
-from typer.exceptions import TyperException
 
 from cost_models.specs import SpecError
-from planner.cli_options import (AttentionOpt, CpuRam, Emit, FinetuneOpt, Format, FormatOpt, GlobalBatch, Gpu,
+from planner.cli.options import (AttentionOpt, CpuRam, Emit, FinetuneOpt, Format, FormatOpt, GlobalBatch, Gpu,
                                  ForceProfile, GpuMemory, Gpus, GpusPerNode, InternodeGbps, IntraNode, LoraRank, Model,
                                  Optim, Pcie, ProfileOpt, SeqLen, TrustRemoteCode, cluster_and_training,
-                                 config_command, load_profile_flag)
-
-app = typer.Typer(add_completion=False, no_args_is_help=False, pretty_exceptions_enable=False,
-                  rich_markup_mode=None,
-                  help="Plan PyTorch FSDP configurations: memory, step time, and the config to use.")
+                                 load_profile_flag)
 
 
-@app.callback(invoke_without_command=True)
 def main_plan(
     ctx: typer.Context,
     model: Model = None, gpus: Gpus = None, gpus_per_node: GpusPerNode = None, gpu: Gpu = "a100-80gb",
@@ -82,78 +76,6 @@ def main_plan(
         typer.echo("\n" + recommendation_text(p.best))
 
 
-def _estimate(model, args: dict, config: dict, output_format: Format) -> None:
-    from planner import report
-    from planner.api import estimate
-
-    c = estimate(model, **config, **args)
-    typer.echo(report.estimate_json(c) if output_format is Format.json else report.estimate_text(c))
-
-
-config_command(app, "estimate", "Cost one explicit configuration.", _estimate, takes_profile=True)
-
-
-@app.command("models")
-def models_cmd():
-    """List the model presets."""
-    from tabulate import tabulate
-
-    from planner.models import list_presets, load_preset, preset_source
-
-    rows = []
-    for name in list_presets():
-        s = load_preset(name)
-        rows.append([name, f"{s.n_params:,}", s.n_layers, s.hidden_size, s.n_heads, s.n_kv_heads,
-                     s.vocab_size, s.block_class, preset_source(name)])
-    typer.echo(tabulate(rows, headers=["preset", "params", "layers", "hidden", "heads", "kv heads", "vocab",
-                                       "block", "source"], disable_numparse=True))
-
-
-@app.command("gpus")
-def gpus_cmd():
-    """List the GPU catalog with sources."""
-    from tabulate import tabulate
-
-    from planner.hardware import gpu_catalog
-
-    rows = [[g.id, g.name, f"{g.memory_bytes / 2**30:.0f}", f"{g.hbm_bytes_per_s / 1e12:g}",
-             *(f"{g.peak_flops[k] / 1e12:g}" if k in g.peak_flops else "-" for k in ("bf16", "fp16", "fp32", "fp8")),
-             f"{g.intra_node_bus_bytes_per_s / 1e9:g}", g.scale_up_domain_gpus or "-", g.source]
-            for g in gpu_catalog().values()]
-    typer.echo(tabulate(rows, headers=["id", "name", "GiB", "HBM TB/s", "bf16 TF", "fp16 TF", "fp32 TF", "fp8 TF",
-                                       "bus GB/s", "scale-up GPUs", "source"], disable_numparse=True))
-
-
-# Commands that live in their own modules (they import torch lazily, inside the command).
-from planner import cli_calibrate, cli_check, cli_explain, cli_trace  # noqa: E402
-
-cli_trace.register(app)
-cli_calibrate.register(app)
-cli_check.register(app)
-cli_explain.register(app)
-
-
-def _fail(message: str) -> None:
-    # a value read from a user's file may hold lone surrogates (YAML's "\ud800" escapes): print them escaped
-    typer.echo(f"error: {message}".encode("utf-8", "backslashreplace").decode("utf-8"), err=True)
-    sys.exit(2)
-
-
-def main(argv: list[str] | None = None) -> None:
-    """Console entry point: typer's usage errors and our input errors become one line and exit code 2."""
-    try:
-        result = app(args=argv, standalone_mode=False)
-    except SpecError as exc:
-        _fail(str(exc))
-    except typer.Exit as exc:
-        sys.exit(exc.exit_code)
-    except typer.Abort:
-        _fail("aborted")
-    except TyperException as exc:  # typer's vendored click usage errors: bad or missing flags and values
-        _fail(exc.format_message().replace("\n", " "))
-    if isinstance(result, int) and result:  # --help and friends return an exit code
-        sys.exit(result)
-
-
-if __name__ == "__main__":
-    main()
+def register(app) -> None:
+    """Make planning the app's default command (its flags come before any subcommand)."""
+    app.callback(invoke_without_command=True)(main_plan)

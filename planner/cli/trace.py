@@ -1,6 +1,6 @@
 """`fsdp-plan trace`: the real FSDP2 step on fake tensors (registered onto the app by planner.cli).
 
-Takes exactly the flags of `fsdp-plan estimate` (cli_options.config_command) and prints the same JSON
+Takes exactly the flags of `fsdp-plan estimate` (options.config_command) and prints the same JSON
 shape with "source": "trace", plus the analytic estimate ("analytic") and the difference; or a table of
 both by category.
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import typer
 
-from planner.cli_options import Format, config_command
+from planner.cli.options import Format, config_command
 
 
 def _trace(model, args: dict, config: dict, output_format: Format) -> None:
