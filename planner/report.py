@@ -1,4 +1,5 @@
-"""Tables and text for people, JSON for scripts. The only place that formats units."""
+"""Tables and text for people, JSON for scripts. The only place that formats units (with its sibling
+report_calibration.py, a calibration's report)."""
 
 from __future__ import annotations
 

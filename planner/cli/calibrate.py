@@ -5,7 +5,7 @@
     fsdp-plan calibrate ... --nodes 2 --rdzv-endpoint node0:29500 [--launch --node-rank N] [--emit slurm]
     fsdp-plan calibrate --factory my_pkg.models:build --gpus 2 --device cpu --out calib-cpu
 
-Only forwards flags to planner.calibrating.calibrate and prints its report.
+Only forwards flags to planner.calibrating.calibrate and prints its report (planner.report_calibration).
 """
 
 from __future__ import annotations
@@ -87,11 +87,11 @@ def register(app) -> None:
     ):
         """Run the best candidates (or one config) for a few real steps, refit the cost model, re-rank."""
         import dataclasses
-        import json
 
         from cost_models.specs import FsdpConfig
-        from planner.calibrating import CalibrationRequest, calibrate, render, report_json, slurm_script
+        from planner.calibrating import CalibrationRequest, calibrate, slurm_script
         from planner.errors import PlannerError
+        from planner.report_calibration import calibration_json, calibration_text
 
         if gpus is None:
             raise PlannerError("gpus", "missing: pass --gpus N (ranks per run; 1 with --emulate-world-size)")
@@ -132,7 +132,4 @@ def register(app) -> None:
             typer.echo(f"\ninterrupted: every run that ended is in {out}/results.jsonl; the same command with "
                        "--resume runs the rest", err=True)
             raise typer.Exit(130) from None
-        if output_format is Format.json:
-            typer.echo(json.dumps(report_json(report), indent=2))
-        else:
-            typer.echo(render(report))
+        typer.echo(calibration_json(report) if output_format is Format.json else calibration_text(report))

@@ -1,0 +1,190 @@
+"""What a calibration is asked (CalibrationRequest), the model it runs (Target, resolved from --model or
+--factory), the node layout, and the report it answers with (RunView, CalibrationReport)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from calibration import store
+from calibration.fit import Fit
+from cost_models.evaluate import Evaluation
+from cost_models.profile import Profile
+from cost_models.specs import ClusterSpec, FsdpConfig, ModelSpec, TrainingSpec
+
+from ..errors import PlannerError
+
+_LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers")
+
+
+@dataclass
+class CalibrationRequest:
+    """One calibration. Field names are the CLI flags (--top -> top)."""
+
+    out_dir: str
+    gpus: int
+    model: str | None = None             # preset, config.json, or a directory holding one
+    factory: str | None = None           # "pkg.module:function" returning the nn.Module (called with n_layers=L)
+    device: str = "cuda"                 # cuda | cpu
+    gpu: str = "a100-80gb"               # catalog id of the GPUs (cuda)
+    gpus_per_node: int | None = None
+    nodes: int | None = None
+    internode_gbps: float | None = None
+    seq_len: int = 2048
+    global_batch: int | None = None
+    optimizer: str = "adamw"
+    finetune: str = "full"               # full | lora (peft adapters on the attention projections)
+    lora_rank: int = 16
+    precisions: list[str] | None = None
+    attention: str | None = None         # None: the model's first choice (sdpa, or eager where it refuses sdpa)
+    top: int = 3
+    config: FsdpConfig | None = None     # run exactly this configuration instead of the top K
+    steps: int = 10
+    warmup: int = 3
+    fsdp_version: int = 2
+    layers: int | None = None            # run a depth-reduced copy, extrapolate per block
+    emulate_world_size: int | None = None
+    profile: str | None = None           # predict with this profile.json
+    force_profile: bool = False
+    fit: bool = True
+    resume: bool = False
+    timeout_s: float | None = None       # per run; default from the predicted step time
+    launch: bool = True                  # multi-node: False prints the per-node commands
+    rdzv_endpoint: str | None = None     # HOST:PORT of node 0 (multi-node)
+    node_rank: int = 0
+    fault: dict | None = None            # testing: {"run": i, "rank": r, "step": s, "kind": exit|hang|oom|raise}
+
+
+@dataclass
+class Target:
+    """The model to run: its spec at full depth and at the depth actually run, and how to build it."""
+
+    name: str
+    spec: ModelSpec
+    run_spec: ModelSpec
+    source: str                          # reference | hf | factory
+    hf_config: dict | None = None
+    factory: str | None = None
+
+    @property
+    def reduced(self) -> bool:
+        return self.run_spec.n_layers != self.spec.n_layers
+
+    def job_model(self) -> dict:
+        hf = None
+        if self.hf_config is not None:
+            hf = dict(self.hf_config)
+            for key in _LAYER_KEYS:
+                if key in hf:
+                    hf[key] = self.run_spec.n_layers
+        return {"source": self.source, "spec": dataclasses.asdict(self.run_spec), "hf_config": hf,
+                "factory": self.factory, "block_class": self.run_spec.block_class,
+                "n_layers": self.run_spec.n_layers if self.reduced else None}
+
+
+@dataclass
+class RunView:
+    """A results.jsonl record with the cost model's predictions before and after the fit."""
+
+    record: store.RunRecord
+    config: FsdpConfig
+    after: Evaluation | None = None              # prediction with the fitted (or given) profile
+    extrapolated_step_s: float | None = None     # --layers: measured + the model's cost of the missing blocks
+    extrapolated_peak_bytes: int | None = None
+
+    @property
+    def measured(self) -> store.Measured | None:
+        return self.record.measured
+
+
+@dataclass
+class CalibrationReport:
+    request: CalibrationRequest
+    target: Target
+    cluster: ClusterSpec
+    training: TrainingSpec
+    runs: list[RunView]                  # every run in results.jsonl of this model and cluster
+    new_run_ids: list[str]
+    skipped_run_ids: list[str]
+    fit: Fit | None
+    profile_path: Path | None
+    profile: Profile                     # the fitted profile, or the one predictions were made with
+    starting_profile: Profile
+    host: store.HostSpec | None = None
+    best: object | None = None           # planner.api.Candidate of the fastest measured config
+    notes: list[str] = field(default_factory=list)
+    commands: list[str] = field(default_factory=list)  # multi-node without --launch: what to run
+
+    @property
+    def ranked(self) -> list[RunView]:
+        ok = [r for r in self.runs if r.measured is not None]
+        return sorted(ok, key=lambda r: -r.measured.tokens_per_s_per_gpu)
+
+
+
+# ------------------------------------------------------------------------------------------ resolving
+
+def resolve_target(request: CalibrationRequest) -> Target:
+    from ..models import hf_config_of, resolve_model
+
+    if request.factory:
+        spec = _factory_spec(request.factory)
+        source, hf, name = "factory", None, request.factory
+    elif request.model:
+        spec = resolve_model(request.model)
+        hf = hf_config_of(request.model)
+        name = spec.name
+        is_preset = hf is not None and not os.path.exists(str(request.model))
+        source = "reference" if (is_preset and spec.family == "llama") else "hf"
+        if source == "reference":
+            hf = None
+    else:
+        raise PlannerError("model", "missing: pass --model (preset or config.json) or --factory pkg.module:function")
+    run_spec = spec
+    if request.layers is not None:
+        if request.layers < 1:
+            raise PlannerError("layers", f"must be >= 1, got {request.layers}")
+        if request.layers < spec.n_layers:
+            run_spec = replace(spec, n_layers=request.layers)
+    return Target(name=name, spec=spec, run_spec=run_spec, source=source, hf_config=hf, factory=request.factory)
+
+
+def _factory_spec(factory: str) -> ModelSpec:
+    """Build the user's model with parameters on meta, read its spec (a `.spec` ModelSpec if it has one)."""
+    from calibration.runner import build
+
+    from ..models import from_module
+
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())  # `pkg.module` relative to where the user runs, as `python -m` does
+    try:
+        module = build({"source": "factory", "factory": factory}, "sdpa")
+    except (ImportError, AttributeError, ValueError, TypeError) as exc:
+        raise PlannerError("factory", f"cannot build {factory!r}: {exc}") from None
+    spec = getattr(module, "spec", None)
+    return spec if isinstance(spec, ModelSpec) else from_module(module, name=factory)
+
+
+def training_spec(request: CalibrationRequest) -> TrainingSpec:
+    return TrainingSpec(seq_len=request.seq_len, global_batch=request.global_batch, optimizer=request.optimizer,
+                        finetune=request.finetune, lora_rank=request.lora_rank)
+
+
+def nodes_and_per_node(request: CalibrationRequest) -> tuple[int, int]:
+    world = request.emulate_world_size or request.gpus
+    if request.nodes:
+        if world % request.nodes:
+            raise PlannerError("nodes", f"--gpus {world} is not a multiple of --nodes {request.nodes}")
+        per_node = world // request.nodes
+        if request.gpus_per_node and request.gpus_per_node != per_node:
+            raise PlannerError("gpus_per_node", f"{request.gpus_per_node} disagrees with --gpus {world} / --nodes "
+                                                f"{request.nodes} = {per_node}")
+        return request.nodes, per_node
+    per_node = request.gpus_per_node or (world if request.device == "cpu" else min(world, 8))
+    if world % per_node:
+        raise PlannerError("gpus_per_node", f"--gpus {world} is not a multiple of --gpus-per-node {per_node}")
+    return world // per_node, per_node
+
