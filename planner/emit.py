@@ -1,4 +1,5 @@
-"""Text artifacts for a chosen plan: FSDP1 and FSDP2 code, an accelerate config, a torchrun command.
+"""Text artifacts for a chosen plan: FSDP1 and FSDP2 code, an accelerate config, a torchrun command (the trainers'
+and schedulers' dialects - HF Trainer, torchtitan, PyTorchJob - are in planner/emit_trainers.py).
 
 Pure strings (no torch import). Every choice mirrors calibration/apply.py, the code path we measure:
 one FSDP unit per repeated block plus the root, mixed precision per Precision, activation checkpointing
@@ -22,6 +23,16 @@ _KV_CACHE_WHY = ("no KV cache in training: left on (HF's default), each checkpoi
 
 
 # ---------------------------------------------------------------- shared helpers
+
+# FSDP2's reshard_after_forward in words, for the comment beside it
+RESHARD_NOTE = {True: "free gathered params after forward (ZeRO-3)", False: "keep them for backward (ZeRO-2)"}
+
+
+def reshard_entry(config: FsdpConfig, key: str) -> tuple[str, bool, str]:
+    """FSDP2's reshard_after_forward for the plan as a (key, value, comment) config entry."""
+    reshard = fsdp_options.fully_shard_options(config)["reshard_after_forward"]
+    return key, reshard, RESHARD_NOTE[reshard]
+
 
 def _summary(config: FsdpConfig, model_spec: ModelSpec, cluster: ClusterSpec) -> list[str]:
     """Comment lines naming the plan: model, cluster, every knob, and the batch it assumes."""
@@ -242,7 +253,7 @@ def emit_fsdp2(config: FsdpConfig, model_spec: ModelSpec, cluster: ClusterSpec,
         "fsdp_kwargs = dict(",
         "    mesh=mesh,",
         f"    reshard_after_forward={reshard},  # "
-        + ("free gathered params after forward (ZeRO-3)" if reshard else "keep them for backward (ZeRO-2)"),
+        + RESHARD_NOTE[reshard],
         f"    mp_policy={mp},",
         ")",
         *offload,
@@ -305,9 +316,7 @@ def emit_accelerate(config: FsdpConfig, model_spec: ModelSpec, cluster: ClusterS
         ac_note = (f"accelerate checkpoints every block (the plan: {config.activation_checkpointing}); "
                    "more recompute, less memory than planned")
     if fsdp_version == 2:
-        reshard = fsdp_options.fully_shard_options(config)["reshard_after_forward"]
-        sharding_keys = [("fsdp_reshard_after_forward", reshard,
-                          "free gathered params after forward (ZeRO-3)" if reshard else "keep them for backward (ZeRO-2)")]
+        sharding_keys = [reshard_entry(config, "fsdp_reshard_after_forward")]
         fsdp1_only = []
     else:
         sharding_keys = [
@@ -408,17 +417,31 @@ def _yaml(entries, indent: str = "") -> list[str]:
     return lines
 
 
+def torchrun_args(cluster: ClusterSpec, script: str = "train.py", *, nnodes: str | None = None,
+                  endpoint: str = f"$MASTER_ADDR:{RDZV_PORT}", rdzv_id: str = "fsdp-plan") -> list[str]:
+    """torchrun's arguments, one list for every launcher (torchrun, slurm, pytorchjob, hf-trainer): standalone on
+    one node, else one c10d rendezvous at `endpoint` for `nnodes` nodes (default: the cluster's count)."""
+    if nnodes is None and cluster.n_nodes == 1:
+        return ["--standalone", "--nproc_per_node", str(cluster.gpus_per_node), script]
+    return ["--nnodes", nnodes or str(cluster.n_nodes), "--nproc_per_node", str(cluster.gpus_per_node),
+            "--rdzv_backend", "c10d", "--rdzv_endpoint", endpoint, "--rdzv_id", rdzv_id, script]
+
+
+def torchrun_command(cluster: ClusterSpec, script: str = "train.py") -> str:
+    return " ".join(["torchrun", *torchrun_args(cluster, script)])
+
+
+def multi_node_note(cluster: ClusterSpec) -> list[str]:
+    if cluster.n_nodes == 1:
+        return []
+    return [f"run the same command on each of the {cluster.n_nodes} nodes; "
+            "MASTER_ADDR = the address of any one of them"]
+
+
 def emit_torchrun(config: FsdpConfig, model_spec: ModelSpec, cluster: ClusterSpec, script: str = "train.py") -> str:
     """torchrun command line: standalone on one node, c10d rendezvous on $MASTER_ADDR across nodes."""
-    header = _summary(config, model_spec, cluster) + tech.launcher_notes(config)
-    if cluster.n_nodes == 1:
-        command = f"torchrun --standalone --nproc_per_node {cluster.gpus_per_node} {script}"
-    else:
-        header.append(f"run the same command on each of the {cluster.n_nodes} nodes; "
-                      "MASTER_ADDR = the address of any one of them")
-        command = (f"torchrun --nnodes {cluster.n_nodes} --nproc_per_node {cluster.gpus_per_node} "
-                   f"--rdzv_backend c10d --rdzv_endpoint $MASTER_ADDR:{RDZV_PORT} --rdzv_id fsdp-plan {script}")
-    return _comment(header) + "\n" + command + "\n"
+    header = _summary(config, model_spec, cluster) + tech.launcher_notes(config) + multi_node_note(cluster)
+    return _comment(header) + "\n" + torchrun_command(cluster, script) + "\n"
 
 
 # model_types whose modeling file lives under another module name (transformers' SPECIAL_MODEL_TYPE_TO_MODULE_NAME)
@@ -479,20 +502,29 @@ def emit_slurm(config: FsdpConfig, model_spec: ModelSpec, cluster: ClusterSpec, 
         "#SBATCH --exclusive",
         "set -euo pipefail",
         "head_node=$(scontrol show hostnames \"$SLURM_JOB_NODELIST\" | head -n 1)",
-        f"srun torchrun --nnodes \"$SLURM_NNODES\" --nproc_per_node {cluster.gpus_per_node} \\",
-        f"    --rdzv_id \"$SLURM_JOB_ID\" --rdzv_backend c10d --rdzv_endpoint \"$head_node:{RDZV_PORT}\" \\",
-        f"    {script}",
+        " ".join(["srun torchrun", *torchrun_args(cluster, script, nnodes='"$SLURM_NNODES"',
+                                                  endpoint=f'"$head_node:{RDZV_PORT}"', rdzv_id='"$SLURM_JOB_ID"')]),
     ]) + "\n"
 
 
 # ---------------------------------------------------------------- for a planned candidate
 
-ARTIFACTS = ("fsdp1", "fsdp2", "accelerate", "accelerate-fsdp2", "lightning", "torchrun", "slurm")
+ARTIFACTS = ("fsdp1", "fsdp2", "accelerate", "accelerate-fsdp2", "lightning", "hf-trainer", "hf-trainer-fsdp1",
+             "torchtitan", "torchrun", "slurm", "pytorchjob")
 
 
 def emit_artifact(kind: str, candidate) -> str:
-    """One artifact (fsdp1, fsdp2, accelerate, torchrun) for a planner.api.Candidate."""
+    """One of ARTIFACTS for a planner.api.Candidate."""
+    from . import emit_trainers as trainers  # it builds on this module's helpers
+
     config, spec, cluster = candidate.config, candidate.model, candidate.cluster
+    if kind in ("hf-trainer", "hf-trainer-fsdp1"):
+        version = 2 if kind == "hf-trainer" else 1
+        return trainers.emit_hf_trainer(config, spec, cluster, candidate.training, fsdp_version=version)
+    if kind == "torchtitan":
+        return trainers.emit_torchtitan(config, spec, cluster, candidate.training)
+    if kind == "pytorchjob":
+        return trainers.emit_pytorchjob(config, spec, cluster)
     if kind == "fsdp1":
         return emit_fsdp1(config, spec, cluster, candidate.training)
     if kind == "fsdp2":

@@ -96,6 +96,22 @@ def fsdp1_unexpressed(config: FsdpConfig) -> list[str]:
     return notes
 
 
+def reshard_group_note(config: FsdpConfig, cannot: str) -> list[str]:
+    """The plan's int reshard_after_forward, for a dialect that `cannot` set it ([] when the plan has none)."""
+    if not config.reshard_after_forward:
+        return []
+    return [f"the plan keeps block params sharded over {config.reshard_after_forward} ranks after forward "
+            f"(fully_shard's int reshard_after_forward), which {cannot}: blocks re-gather over the whole shard "
+            "group (--emit fsdp2 has it)"]
+
+
+def fp8_all_gather_note(config: FsdpConfig, fsdp_version: int, fsdp2_form: str) -> list[str]:
+    """The FP8 all-gather under an FSDP1 form: FSDP2 only."""
+    if config.fp8_all_gather and fsdp_version == 1:
+        return [f"the plan all-gathers Float8 weights in FP8: FSDP2 only (use {fsdp2_form})"]
+    return []
+
+
 def accelerate_dynamo(config: FsdpConfig) -> list:
     """accelerate's dynamo_config for per-block compile: regional compilation compiles each repeated block."""
     if not config.compile:
@@ -127,13 +143,8 @@ def accelerate_unexpressed(config: FsdpConfig, fsdp_version: int) -> list[str]:
     if config.float8:
         notes.append("Float8: accelerate's torchao recipe chooses the linears itself (it leaves the first and last "
                      "out); the plan converts every block linear whose dims are multiples of 16")
-    if config.fp8_all_gather and fsdp_version == 1:
-        notes.append("the plan all-gathers Float8 weights in FP8: FSDP2 only (use --emit accelerate-fsdp2)")
-    if config.reshard_after_forward:
-        notes.append(f"the plan keeps block params sharded over {config.reshard_after_forward} ranks after forward "
-                     "(fully_shard's int reshard_after_forward), which accelerate cannot set: it re-gathers over "
-                     "the whole shard group (--emit fsdp2 has it)")
-    return notes
+    return (notes + fp8_all_gather_note(config, fsdp_version, "--emit accelerate-fsdp2")
+            + reshard_group_note(config, "accelerate cannot set"))
 
 
 def lightning_unexpressed(config: FsdpConfig) -> list[str]:

@@ -28,6 +28,28 @@ def _load_accelerate(tmp_path, text: str, extra_args=()):
 
 
 
+def _build_training_arguments(text: str):
+    """Run an emitted `--emit hf-trainer` snippet as a training script would and return its TrainingArguments.
+    This machine has no GPU, where bf16=True refuses to construct without use_cpu=True: the snippet carries that
+    line commented, and it is uncommented here. The environment (transformers sets FSDP_* variables) and
+    accelerate's process state are restored afterwards."""
+    from accelerate.state import AcceleratorState
+
+    namespace = {}
+    with mock.patch.dict(os.environ):
+        exec(compile(text.replace("# use_cpu=True,", "use_cpu=True,"), "<hf-trainer snippet>", "exec"), namespace)
+    AcceleratorState._reset_state(reset_partial_state=True)
+    return namespace["args"]
+
+
+@pytest.fixture
+def training_arguments():
+    """transformers' TrainingArguments built from an emitted snippet, as a function (snippet_text)."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    return _build_training_arguments
+
+
 @pytest.fixture
 def load_accelerate():
     """accelerate's own config loader and launch-time resolution, as a function (tmp_path, yaml_text)."""
