@@ -1,5 +1,6 @@
 """Read a user's existing FSDP setup: an accelerate config, or a JSON/YAML file of FSDP1 kwargs or FSDP2
-`fully_shard` arguments. The result is an FsdpConfig (what the cost model prices) plus the settings
+`fully_shard` arguments (Hugging Face TrainingArguments and torchtitan job settings: planner/setups_trainers.py).
+read_setup tells them apart by content. The result is an FsdpConfig (what the cost model prices) plus the settings
 the cost model does not price but the doctor checks (wrap policy, use_orig_params, init, scaler...).
 
 Values are accepted the way people write them: "FULL_SHARD", "ShardingStrategy.FULL_SHARD", 1;
@@ -40,7 +41,7 @@ class UserSetup:
     config: FsdpConfig
     fsdp_version: int = 1
     source: str = "flags"
-    dialect: str = "flags"                  # flags | accelerate | kwargs: what the setup was read from
+    dialect: str = "flags"                  # what it was read from: flags | accelerate | kwargs | hf-trainer | torchtitan
     explicit: frozenset = frozenset()       # keys the user wrote (FSDP argument names)
     wrap: str = "block"                     # block | size | none | custom
     use_orig_params: bool = False           # FSDP1's default
@@ -54,6 +55,7 @@ class UserSetup:
     use_cache: bool | None = None           # model.config.use_cache as the training runs (None: not stated)
     compile_dynamic: bool = False           # torch.compile with dynamic shapes (dynamic=True, dynamo_use_dynamic)
     unexpressed: tuple[str, ...] = ()       # settings asked for that the dialect cannot express (selective-op)
+    seq_len: int | None = None              # tokens per sequence, where the setup says (torchtitan's training.seq_len)
     notes: tuple[str, ...] = field(default=())
 
 
@@ -99,11 +101,16 @@ def _precision_from_dtypes(param_dtype: str | None, reduce_dtype: str | None, mo
     return Precision.FP16 if param_dtype == "fp16" else Precision.BF16
 
 
-def _load(path: Path) -> dict:
+def _read(path: Path) -> str:
     try:
-        text = path.read_text()
+        return path.read_text()
     except OSError as exc:
         raise PlannerError("config", f"cannot read {path}: {exc.strerror}") from None
+    except UnicodeDecodeError:
+        raise PlannerError("config", f"{path} is not UTF-8 text") from None
+
+
+def _parse(path: Path, text: str) -> dict:
     try:
         if path.suffix in (".yaml", ".yml"):
             import yaml
@@ -121,9 +128,19 @@ def _load(path: Path) -> dict:
 
 
 def read_setup(path) -> UserSetup:
-    """An accelerate config (has `distributed_type` or `fsdp_config`) or a kwargs file."""
+    """By content: torchtitan settings (a .toml job file, or --section.option flags), an accelerate config (has
+    `distributed_type`), HF TrainingArguments (`fsdp`, per_device_train_batch_size, ...), an accelerate config
+    again (`fsdp_config` alone), else FSDP kwargs."""
+    from . import setups_trainers as trainers  # it reads values with this module's helpers
+
     path = Path(path)
-    data = _load(path)
+    text = _read(path)
+    settings = trainers.torchtitan_settings(text, path)
+    if settings is not None:
+        return trainers.from_torchtitan(settings, source=str(path))
+    data = _parse(path, text)
+    if "distributed_type" not in data and trainers.is_hf_trainer(data):
+        return trainers.from_hf_trainer(data, source=str(path))
     if "fsdp_config" in data or "distributed_type" in data:
         return from_accelerate(data, source=str(path))
     return from_kwargs(data, source=str(path))

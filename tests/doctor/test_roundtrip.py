@@ -120,3 +120,115 @@ def test_check_cli_exit_codes(tmp_path):
     r = subprocess.run([*cli, str(typo), "--model", "gpt-13b", "--gpus", "8"], capture_output=True, text=True,
                        timeout=60)
     assert r.returncode == 2 and "sharding_strategy" in r.stderr and "FULL_SHARD" in r.stderr
+
+
+# --- the trainers' dialects (issue 11): emit -> the trainer's own file -> check reads the same config ----------
+
+TWO_NODES = make_cluster(16, gpus_per_node=8)
+
+
+def hf_arguments_file(args, path: Path) -> Path:
+    """TrainingArguments saved the way scripts save them (to_dict, as JSON or YAML). accelerate's
+    ParallelismConfig.to_json() returns None (accelerate 1.15), so to_dict() loses the HSDP mesh: it is written
+    as the mapping check reads."""
+    data = args.to_dict()
+    if args.parallelism_config is not None:
+        pc = args.parallelism_config
+        data["parallelism_config"] = {"dp_replicate_size": pc.dp_replicate_size, "dp_shard_size": pc.dp_shard_size}
+    path.write_text(yaml.safe_dump(data) if path.suffix == ".yaml" else __import__("json").dumps(data))
+    return path
+
+
+@pytest.mark.parametrize("version", [1, 2])
+@pytest.mark.parametrize("config", [
+    FsdpConfig(micro_batch=2, grad_accum=4),
+    FsdpConfig(sharding="SHARD_GRAD_OP", precision="fp16", ac_every=1, offload=True),
+    FsdpConfig(sharding="HYBRID_SHARD", precision="fp32", compile=True),
+    FsdpConfig(sharding="HYBRID_SHARD_ZERO2", ac_every=1, forward_prefetch=True, backward_prefetch=False),
+    FsdpConfig(sharding="NO_SHARD", micro_batch=4),
+])
+def test_hf_trainer_round_trip(tmp_path, training_arguments, config, version):
+    from planner.emit_trainers import emit_hf_trainer
+
+    args = training_arguments(emit_hf_trainer(config, SPEC, TWO_NODES, fsdp_version=version))
+    back = read_setup(hf_arguments_file(args, tmp_path / ("args.yaml" if version == 1 else "args.json")))
+    expected_version = 1 if config.sharding.value == "NO_SHARD" else version  # accelerate's FSDP2 has no NO_SHARD
+    if expected_version == 2:  # FSDP2 always prefetches in backward and has no forward_prefetch flag
+        config = FsdpConfig(**{**config.__dict__, "backward_prefetch": True, "forward_prefetch": False})
+    assert back.config == config
+    assert (back.dialect, back.fsdp_version, back.wrap, back.init) == ("hf-trainer", expected_version, "block", "rank0")
+    assert back.sync_module_states  # rank 0 loads; FSDP1's sync_module_states / FSDP2's broadcast share it
+    assert back.n_processes == (16 if config.sharding.is_hybrid and expected_version == 2 else None)
+
+
+def _flags_as_toml(text: str) -> str:
+    """The same overrides as a torchtitan TOML job file: --a.b=v -> [a] b = v, --a.b -> true, --a.no-b -> false."""
+    import re
+
+    tables: dict = {}
+    for line in text.splitlines():
+        if not line.startswith("--"):
+            continue
+        name, eq, value = line[2:].partition("=")
+        section, _, option = name.rpartition(".")
+        if not eq:
+            value = "false" if option.startswith("no-") else "true"
+            option = option.removeprefix("no-")
+        elif not re.fullmatch(r"-?\d+", value):
+            value = f'"{value}"'
+        tables.setdefault(section, []).append(f"{option} = {value}")
+    return "".join(f"[{s}]\n" + "\n".join(rows) + "\n" for s, rows in tables.items())
+
+
+@pytest.mark.parametrize("form", ["flags", "toml"])
+@pytest.mark.parametrize("config", [
+    FsdpConfig(micro_batch=2, grad_accum=3),
+    FsdpConfig(sharding="SHARD_GRAD_OP", ac_every=4, offload=True, precision="bf16-pure"),
+    FsdpConfig(sharding="HYBRID_SHARD", ac_every="selective-op", compile=True, float8=True, fp8_all_gather=True),
+    FsdpConfig(sharding="HYBRID_SHARD_ZERO2", ac_every=1, precision="fp32", float8=True),
+    FsdpConfig(sharding="NO_SHARD", micro_batch=4),
+])
+def test_torchtitan_round_trip(tmp_path, config, form):
+    from planner.emit_trainers import emit_torchtitan
+    from cost_models.specs import TrainingSpec
+
+    text = emit_torchtitan(config, SPEC, TWO_NODES, TrainingSpec(seq_len=4096))
+    path = tmp_path / ("overrides.txt" if form == "flags" else "job.toml")
+    path.write_text(text if form == "flags" else _flags_as_toml(text))
+    back = read_setup(path)
+    assert back.config == config
+    assert (back.dialect, back.fsdp_version, back.seq_len, back.n_processes) == ("torchtitan", 2, 4096, 16)
+    assert back.n_machines == (2 if config.sharding.is_hybrid else None)  # HSDP: the shard group is a node
+
+
+@pytest.mark.parametrize("kind", ["hf-trainer", "torchtitan"])
+def test_planner_pick_round_trips_through_the_trainers_with_no_findings(tmp_path, training_arguments, kind):
+    from planner.emit import emit_artifact
+
+    p = plan("llama2-7b", gpus=16, seq_len=4096)
+    text = emit_artifact(kind, p.best)
+    path = hf_arguments_file(training_arguments(text), tmp_path / "args.json") if kind == "hf-trainer" else \
+        tmp_path / "overrides.txt"
+    if kind == "torchtitan":
+        path.write_text(text)
+    r = check(read_setup(path), "llama2-7b", 16, seq_len=4096)
+    assert r.candidate.config == p.best.config
+    assert r.candidate.time.tokens_per_s_per_gpu == pytest.approx(p.best.time.tokens_per_s_per_gpu, rel=1e-9)
+    assert not [f for f in r.findings if f.severity != "advice"], r.findings
+
+
+def test_check_cli_reads_torchtitan_flags(tmp_path):
+    cli = [sys.executable, "-m", "planner.cli", "check"]
+    flags = tmp_path / "overrides.txt"
+    flags.write_text("--parallelism.data_parallel_shard_degree=8\n--activation_checkpoint.mode=full\n"
+                     "--training.local_batch_size=2\n")
+    ok = subprocess.run([*cli, str(flags), "--model", "llama3-8b", "--format", "json"], capture_output=True,
+                        text=True, timeout=120)
+    assert ok.returncode in (0, 1), ok.stderr  # the file names the GPU count: no --gpus
+    import json
+    report = json.loads(ok.stdout)
+    assert report["source"] == str(flags) and report["config"]["micro_batch"] == 2
+    flags.write_text("--parallelism.pipeline_parallel_degree=2\n")
+    bad = subprocess.run([*cli, str(flags), "--model", "llama3-8b"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1
+    assert "parallelism.pipeline_parallel_degree" in bad.stderr

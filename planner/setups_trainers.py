@@ -1,0 +1,360 @@
+"""Read the trainers' dialects back for `fsdp-plan check`: Hugging Face TrainingArguments (JSON/YAML with `fsdp`,
+`fsdp_config`, the batch and precision keys) and torchtitan job settings (a TOML job file, or a list of
+--section.option flags). The mirror of planner/emit_trainers.py: what it emits reads back as the plan's
+FsdpConfig (tests/doctor/test_roundtrip.py).
+
+Defaults are the trainers' own (an absent per_device_train_batch_size is HF's 8; an absent
+activation_checkpoint.mode is torchtitan's selective every-2), so a file is priced as it would run. A value the
+trainer would refuse, or a setting fsdp-plan cannot price, raises one PlannerError naming the key.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from pathlib import Path
+
+from cost_models.specs import SELECTIVE_OP, FsdpConfig, Precision, Sharding
+
+from .errors import PlannerError
+from .setups import UserSetup, _bool, _int, _int_or_none, _strategy, _strip
+
+# ---------------------------------------------------------------- Hugging Face TrainingArguments
+
+# Top-level keys only TrainingArguments has (accelerate configs and FSDP kwargs files use none of them).
+HF_MARKERS = ("fsdp", "per_device_train_batch_size", "gradient_accumulation_steps", "output_dir", "bf16", "fp16")
+# fsdp_config keys transformers reads (5.x; the 4.x ones it still accepts), without the optional fsdp_ prefix.
+HF_FSDP_KEYS = ("version", "reshard_after_forward", "cpu_offload", "activation_checkpointing",
+                "cpu_ram_efficient_loading", "state_dict_type", "auto_wrap_policy", "transformer_layer_cls_to_wrap",
+                "min_num_params", "backward_prefetch", "forward_prefetch", "use_orig_params", "sync_module_states",
+                "limit_all_gathers", "xla", "xla_fsdp_settings", "xla_fsdp_grad_ckpt", "xla_fsdp_v2")
+HF_LEGACY_OPTIONS = ("full_shard", "shard_grad_op", "no_shard", "hybrid_shard", "hybrid_shard_zero2", "offload",
+                     "auto_wrap")
+HF_WRAP = {"TRANSFORMER_BASED_WRAP": "block", "SIZE_BASED_WRAP": "size", "NO_WRAP": "none"}
+
+
+def is_hf_trainer(data: dict) -> bool:
+    return any(key in data for key in HF_MARKERS)
+
+
+def _hf_fsdp_on(data: dict) -> list[str]:
+    """The legacy strategy words of `fsdp` ([] for fsdp=True); PlannerError when FSDP is off."""
+    value = data.get("fsdp")
+    if value is True:
+        return []
+    if isinstance(value, str):
+        text = value.strip().lower()
+        if text in ("true", "yes", "1", "on"):
+            return []
+        if text not in ("", "false", "no", "0", "off", "none", "null"):
+            return value.split()
+    elif isinstance(value, list) and value and all(isinstance(v, str) for v in value):
+        return list(value)
+    elif value is not None and value is not False and value != []:
+        raise PlannerError("fsdp", f"expected true (or the legacy words {' '.join(HF_LEGACY_OPTIONS)}), got {value!r}")
+    raise PlannerError("fsdp", "FSDP is off in these TrainingArguments; fsdp-plan check reads FSDP setups "
+                               "(fsdp=True with fsdp_config)")
+
+
+def _hf_fsdp_config(data: dict, legacy: list[str]) -> dict:
+    """fsdp_config without fsdp_ prefixes, the legacy strategy words applied as transformers 5 does
+    (TrainingArguments._apply_legacy_fsdp_to_config: setdefault, so fsdp_config wins)."""
+    raw = data.get("fsdp_config") or {}
+    if not isinstance(raw, dict):
+        raise PlannerError("fsdp_config", "must be a mapping of FSDP settings (a path to a JSON file is not followed: "
+                                          "inline its contents)")
+    config = {str(k).removeprefix("fsdp_"): v for k, v in raw.items()}
+    unknown = sorted(set(config) - set(HF_FSDP_KEYS))
+    if unknown:
+        raise PlannerError(f"fsdp_config.{unknown[0]}", f"not a key transformers reads (it would be ignored); "
+                                                        f"known: {', '.join(HF_FSDP_KEYS)}")
+    version = _int(config, "version", 2)
+    if version not in (1, 2):
+        raise PlannerError("fsdp_config.version", f"must be 1 or 2, got {version}")
+    for item in legacy:
+        word = item.strip().lower()
+        if word not in HF_LEGACY_OPTIONS:
+            raise PlannerError("fsdp", f"unknown option {item!r}; choose from: {', '.join(HF_LEGACY_OPTIONS)}")
+        if word == "offload":
+            config.setdefault("cpu_offload", True)
+        elif word != "auto_wrap" and version == 2:
+            if word not in ("full_shard", "shard_grad_op"):
+                raise PlannerError("fsdp", f"{word} is FSDP1 only in transformers 5: set fsdp_config version 1, or "
+                                           "use full_shard / shard_grad_op")
+            config.setdefault("reshard_after_forward", word == "full_shard")
+        elif word != "auto_wrap":
+            config.setdefault("reshard_after_forward", word)
+    config["version"] = version
+    return config
+
+
+def _hf_replicas(data: dict) -> tuple[int, int | None]:
+    """(dp_replicate_size, dp_shard_size or None) of TrainingArguments' parallelism_config (accelerate's
+    ParallelismConfig as a mapping; the parallelism_config_ prefix of accelerate configs accepted)."""
+    raw = data.get("parallelism_config") or {}
+    if not isinstance(raw, dict):
+        raise PlannerError("parallelism_config", "must be a mapping like {dp_replicate_size: 2, dp_shard_size: 8}")
+    parallel = {str(k).removeprefix("parallelism_config_"): v for k, v in raw.items()}
+    replicas, shard = _int(parallel, "dp_replicate_size", 1), _int_or_none(parallel, "dp_shard_size")
+    for key in ("tp_size", "cp_size", "sp_size"):
+        if _int(parallel, key, 1) > 1:
+            raise PlannerError(f"parallelism_config.{key}", "fsdp-plan plans FSDP/HSDP data parallelism only; set it "
+                                                            "to 1")
+    if replicas < 1 or (shard is not None and shard < 1):
+        raise PlannerError("parallelism_config", f"sizes must be >= 1, got dp_replicate_size={replicas}, "
+                                                 f"dp_shard_size={shard}")
+    if replicas > 1 and shard == 1:
+        raise PlannerError("parallelism_config.dp_shard_size", "1 with replicas is plain DDP, which accelerate refuses "
+                                                               "here: use dp_shard_size > 1 (HSDP), or FSDP1 no_shard")
+    return replicas, shard
+
+
+def _hf_checkpointing(data: dict, fsdp: dict) -> tuple[int | str, str | None]:
+    """(ac_every, note): FSDP's own checkpointing (fsdp_config, every block) or TrainingArguments' own
+    (activation_checkpointing, formerly gradient_checkpointing; its kwargs' every_n_layers)."""
+    ac = fsdp.get("activation_checkpointing", False)
+    if str(ac).strip().lower() == SELECTIVE_OP:  # transformers reads a bool: it cannot say this
+        return SELECTIVE_OP, None
+    if _bool("fsdp_config.activation_checkpointing", ac):
+        return 1, None
+    key = "activation_checkpointing" if data.get("activation_checkpointing") is not None else "gradient_checkpointing"
+    if not _bool(key, data.get(key, False)):
+        return 0, None
+    kwargs = data.get(f"{key}_kwargs") or {}
+    if not isinstance(kwargs, dict):
+        raise PlannerError(f"{key}_kwargs", "must be a mapping like {every_n_layers: 2}")
+    every = _int(kwargs, "every_n_layers", 1)
+    if every < 1:
+        raise PlannerError(f"{key}_kwargs.every_n_layers", f"must be >= 1, got {every}")
+    return every, (f"{key}=True checkpoints outside the FSDP units: each block is all-gathered again for its "
+                   "recompute (fsdp_config's activation_checkpointing does not)")
+
+
+def _positive_int(data: dict, key: str, default: int) -> int:
+    value = _int(data, key, default)
+    if value < 1:
+        raise PlannerError(key, f"must be >= 1, got {value}")
+    return value
+
+
+def from_hf_trainer(data: dict, source: str = "TrainingArguments") -> UserSetup:
+    """TrainingArguments as JSON/YAML (HfArgumentParser's files, TrainingArguments.to_dict()): `fsdp` (True, or the
+    deprecated strategy words), `fsdp_config`, `parallelism_config` (HSDP), per_device_train_batch_size,
+    gradient_accumulation_steps, bf16/fp16, torch_compile, activation_checkpointing. Other TrainingArguments
+    keys are not FSDP's and are left alone."""
+    fsdp = _hf_fsdp_config(data, _hf_fsdp_on(data))
+    version = fsdp["version"]
+    bf16, fp16 = _bool("bf16", data.get("bf16", False)), _bool("fp16", data.get("fp16", False))
+    if bf16 and fp16:
+        raise PlannerError("bf16", "bf16 and fp16 are both true; choose one")
+    precision = Precision.BF16 if bf16 else Precision.FP16 if fp16 else Precision.FP32
+    replicas, shard = _hf_replicas(data) if version == 2 else (1, None)
+    if version == 2:
+        reshard = _bool("fsdp_config.reshard_after_forward", fsdp.get("reshard_after_forward", True))
+        sharding = ((Sharding.HYBRID_SHARD if reshard else Sharding.HYBRID_SHARD_ZERO2) if replicas > 1
+                    else Sharding.FULL_SHARD if reshard else Sharding.SHARD_GRAD_OP)
+        prefetch, forward_prefetch, limit = True, False, True  # FSDP2 prefetches and bounds its all-gathers itself
+    else:
+        sharding = _strategy("fsdp_config.reshard_after_forward", fsdp.get("reshard_after_forward", "full_shard"))
+        prefetch = _strip(fsdp.get("backward_prefetch", "NO_PREFETCH")).upper()  # transformers' FSDP1 default
+        if prefetch not in ("BACKWARD_PRE", "BACKWARD_POST", "NO_PREFETCH"):
+            raise PlannerError("fsdp_config.backward_prefetch", f"unknown value {prefetch!r}; choose one of: "
+                                                                "BACKWARD_PRE, BACKWARD_POST, NO_PREFETCH")
+        prefetch = prefetch != "NO_PREFETCH"
+        forward_prefetch = _bool("fsdp_config.forward_prefetch", fsdp.get("forward_prefetch", False))
+        limit = _bool("fsdp_config.limit_all_gathers", fsdp.get("limit_all_gathers", True))
+    policy = str(fsdp.get("auto_wrap_policy", "TRANSFORMER_BASED_WRAP")).upper()
+    if policy not in HF_WRAP:
+        raise PlannerError("fsdp_config.auto_wrap_policy", f"unknown value {policy!r}; choose one of: "
+                                                           f"{', '.join(HF_WRAP)}")
+    ac_every, ac_note = _hf_checkpointing(data, fsdp)
+    rank0 = _bool("fsdp_config.cpu_ram_efficient_loading", fsdp.get("cpu_ram_efficient_loading", False))
+    compiles = _bool("torch_compile", data.get("torch_compile", False)) or any(
+        data.get(k) is not None for k in ("torch_compile_backend", "torch_compile_mode"))
+    config = FsdpConfig(
+        sharding=sharding, precision=precision,
+        offload=_bool("fsdp_config.cpu_offload", fsdp.get("cpu_offload", False)), ac_every=ac_every,
+        micro_batch=_positive_int(data, "per_device_train_batch_size", 8),  # HF's default
+        grad_accum=_positive_int(data, "gradient_accumulation_steps", 1),
+        backward_prefetch=prefetch, forward_prefetch=forward_prefetch, limit_all_gathers=limit, compile=compiles,
+    )
+    return UserSetup(
+        config=config, fsdp_version=version, source=source, dialect="hf-trainer",
+        explicit=frozenset(str(k).removeprefix("fsdp_") for k in data.get("fsdp_config") or {}),
+        wrap=HF_WRAP[policy],
+        use_orig_params=version == 2 or _bool("fsdp_config.use_orig_params", fsdp.get("use_orig_params", True)),
+        # FSDP2: accelerate broadcasts rank 0's state dict itself when only rank 0 loads it (cpu_ram_efficient_loading)
+        sync_module_states=rank0 if version == 2 else _bool("fsdp_config.sync_module_states",
+                                                            fsdp.get("sync_module_states", True)),
+        init="rank0" if rank0 else "all",
+        grad_scaler="sharded" if fp16 else None,  # accelerate adds the ShardedGradScaler for fp16
+        n_processes=replicas * shard if shard else None, n_machines=replicas if replicas > 1 else None,
+        use_cache=_bool("use_cache", data.get("use_cache", False)),  # TrainingArguments' default: off
+        unexpressed=(SELECTIVE_OP,) if ac_every == SELECTIVE_OP else (),
+        notes=(ac_note,) if ac_note else (),
+    )
+
+
+# ---------------------------------------------------------------- torchtitan
+
+_FLAG = re.compile(r"--[A-Za-z_][\w-]*\.[\w.-]+")
+# booleans fsdp-plan reads, in the names of torchtitan 0.2 and 0.1 (--name / --section.no-name on the command line)
+TORCHTITAN_BOOLS = ("compile.enable", "training.compile", "training.enable_cpu_offload",
+                    "quantize.linear.float8.enable_fsdp_float8_all_gather", "float8.enable_fsdp_float8_all_gather")
+TORCHTITAN_OTHER_PARALLELISM = ("tensor_parallel_degree", "pipeline_parallel_degree", "context_parallel_degree",
+                                "expert_parallel_degree")
+
+
+def _flatten(table: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in table.items():
+        if isinstance(value, dict):
+            out.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def _parse_flags(text: str) -> dict:
+    """{section.option: value} of --section.option=value / --section.option value / --flag / --section.no-flag."""
+    try:
+        tokens = shlex.split(text.replace("\\\n", " "), comments=True)
+    except ValueError as exc:
+        raise PlannerError("config", f"cannot split the flags: {exc}") from None
+    out, i = {}, 0
+    while i < len(tokens):
+        token = tokens[i]
+        if not _FLAG.match(token):
+            raise PlannerError("config", f"{token!r} is not a torchtitan --section.option flag")
+        name, eq, value = token[2:].partition("=")
+        section, _, option = name.rpartition(".")
+        name = f"{section}.{option.replace('-', '_')}"
+        negated = f"{section}.{option[3:].replace('-', '_')}"
+        if not eq and option[:3] in ("no-", "no_") and negated in TORCHTITAN_BOOLS:
+            name, value = negated, False
+        elif not eq and (i + 1 == len(tokens) or tokens[i + 1].startswith("--")):
+            value = True
+        elif not eq:
+            i += 1
+            value = tokens[i]
+        out[name] = value
+        i += 1
+    return out
+
+
+def torchtitan_settings(text: str, path: Path) -> dict | None:
+    """{section.option: value} of a torchtitan TOML job file (a .toml path) or flag list (text whose first word is a
+    --section.option flag); None when the text is neither (JSON / YAML)."""
+    if path.suffix == ".toml":
+        import tomllib
+
+        try:
+            return _flatten(tomllib.loads(text))
+        except tomllib.TOMLDecodeError as exc:
+            raise PlannerError("config", f"{path} is not valid TOML: {exc}") from None
+    try:
+        first = shlex.split(text.replace("\\\n", " "), comments=True)[:1]
+    except ValueError:
+        return None
+    return _parse_flags(text) if first and _FLAG.match(first[0]) else None
+
+
+def _choice(settings: dict, key: str, choices: tuple[str, ...], default: str) -> str:
+    value = str(settings.get(key, default)).strip().lower()
+    if value not in choices:
+        raise PlannerError(key, f"unknown value {settings[key]!r}; choose one of: {', '.join(choices)}")
+    return value
+
+
+def _first(settings: dict, *keys: str):
+    """(key, value) of the first key present (torchtitan 0.2's name, then 0.1's), else (the first key, None)."""
+    return next(((k, settings[k]) for k in keys if k in settings), (keys[0], None))
+
+
+def _list(value) -> list[str]:
+    """A list of names: a TOML array, or a flag's comma-separated text."""
+    if value is None:
+        return []
+    items = value if isinstance(value, list) else str(value).split(",")
+    return [str(item).strip() for item in items if str(item).strip()]
+
+
+def _torchtitan_checkpointing(settings: dict) -> int | str:
+    mode = _choice(settings, "activation_checkpoint.mode", ("none", "selective", "full", "memory_budget"), "selective")
+    if mode == "memory_budget":
+        raise PlannerError("activation_checkpoint.mode", "memory_budget (compile's min-cut) is not priced by "
+                                                         "fsdp-plan; choose none, full or selective")
+    if mode != "selective":
+        return 1 if mode == "full" else 0
+    option = str(settings.get("activation_checkpoint.selective_ac_option", "2")).strip().lower()
+    if option == "op":
+        return SELECTIVE_OP
+    if not option.isdigit():
+        raise PlannerError("activation_checkpoint.selective_ac_option", f"unknown value {option!r}; choose op or an "
+                                                                        "integer K (every K-th block)")
+    return max(int(option), 1)  # torchtitan: 0 checkpoints every block, like 1
+
+
+def from_torchtitan(settings: dict, source: str = "torchtitan") -> UserSetup:
+    """torchtitan job settings as {section.option: value} (torchtitan_settings): 0.2's names, and 0.1's spellings
+    of compile (training.compile) and Float8 ([float8], converter "float8")."""
+    for option in TORCHTITAN_OTHER_PARALLELISM:
+        if _int(settings, f"parallelism.{option}", 1) > 1:
+            raise PlannerError(f"parallelism.{option}", "fsdp-plan plans FSDP/HSDP data parallelism only; set it to 1")
+    replicas = _positive_int(settings, "parallelism.data_parallel_replicate_degree", 1)
+    shard = _int(settings, "parallelism.data_parallel_shard_degree", -1)
+    if shard == 0 or shard < -1:
+        raise PlannerError("parallelism.data_parallel_shard_degree", f"must be -1 (the rest) or >= 1, got {shard}")
+    reshard = _choice(settings, "parallelism.fsdp_reshard_after_forward", ("default", "always", "never"),
+                      "default") != "never"
+    if shard == 1:
+        sharding = Sharding.NO_SHARD  # DDP over the replicas
+    elif replicas > 1:
+        sharding = Sharding.HYBRID_SHARD if reshard else Sharding.HYBRID_SHARD_ZERO2
+    else:
+        sharding = Sharding.FULL_SHARD if reshard else Sharding.SHARD_GRAD_OP
+    param = _choice(settings, "training.mixed_precision_param", ("bfloat16", "float32"), "bfloat16")
+    _choice(settings, "training.mixed_precision_reduce", ("float32",), "float32")
+    pure = _choice(settings, "training.dtype", ("bfloat16", "float32"), "float32") == "bfloat16"
+    precision = Precision.BF16_PURE if pure else Precision.BF16 if param == "bfloat16" else Precision.FP32
+    micro_batch = _positive_int(settings, "training.local_batch_size" if "training.local_batch_size" in settings
+                                else "training.batch_size", 8)  # batch_size: before local_batch_size
+    global_batch = _int(settings, "training.global_batch_size", -1)
+    grad_accum = 1
+    if global_batch > 0:
+        if shard < 1:
+            raise PlannerError("training.global_batch_size", "needs parallelism.data_parallel_shard_degree >= 1 to "
+                                                             "give the accumulation steps (-1 is the world size, which "
+                                                             "the file does not say)")
+        grad_accum, rest = divmod(global_batch, micro_batch * replicas * shard)
+        if rest or not grad_accum:
+            raise PlannerError("training.global_batch_size", f"{global_batch} is not a multiple of local_batch_size x "
+                                                             f"data-parallel degree = {micro_batch * replicas * shard}")
+    compile_key, compile_value = _first(settings, "compile.enable", "training.compile")
+    compiles = _bool(compile_key, compile_value or False) and (
+        compile_key != "compile.enable" or "model" in _list(settings.get("compile.components", ["model"])))
+    converters = _list(settings.get("model.converters"))
+    if any(c in ("mx", "quantize.linear.mx") for c in converters):
+        raise PlannerError("model.converters", "MX (MXFP8) linears are not priced by fsdp-plan; float8 is")
+    float8 = any(c in ("float8", "quantize.linear.float8") for c in converters)
+    gather_key, gather = _first(settings, "quantize.linear.float8.enable_fsdp_float8_all_gather",
+                                "float8.enable_fsdp_float8_all_gather")
+    fp8_all_gather = float8 and sharding is not Sharding.NO_SHARD and _bool(gather_key, gather or False)
+    config = FsdpConfig(
+        sharding=sharding, precision=precision,
+        offload=_bool("training.enable_cpu_offload", settings.get("training.enable_cpu_offload", False)),
+        ac_every=_torchtitan_checkpointing(settings), micro_batch=micro_batch, grad_accum=grad_accum,
+        compile=compiles, float8=float8, fp8_all_gather=fp8_all_gather,
+    )
+    seq_len = _positive_int(settings, "training.seq_len", 2048)
+    hybrid = sharding.is_hybrid
+    return UserSetup(
+        config=config, fsdp_version=2, source=source, dialect="torchtitan", explicit=frozenset(settings), wrap="block",
+        # torchtitan builds on the meta device, then every rank initialises its shards alike (DTensor's RNG) or
+        # loads them from a checkpoint: as if every rank built the same weights, nothing to broadcast
+        use_orig_params=True, init="all",
+        n_processes=replicas * shard if shard >= 1 else None,
+        n_machines=replicas if hybrid else None,  # HSDP: one replica per machine, so the shard group is a node
+        use_cache=False,  # torchtitan's models keep no KV cache in training
+        seq_len=seq_len,
+    )
