@@ -7,6 +7,9 @@ three ways, and none of them stops the calibration:
   rank's message) or, when a rank died without one (killed, segfault, os._exit), the tail of the log;
 - it ran past its timeout (a hung collective, a deadlock): the whole process group gets SIGTERM, then
   SIGKILL after a grace period, and the run is recorded as "timeout".
+Its own session keeps a terminal's Ctrl-C away from the ranks (the launcher tears the group down itself),
+so on Linux torchrun also gets SIGTERM from the kernel when the launcher dies without a chance to (a
+SIGKILL): torchrun then stops its ranks, and no orphaned run keeps computing beside the --resume.
 
 No torch import: the launcher only builds command lines and watches processes.
 """
@@ -87,6 +90,33 @@ class Outcome:
     message: str = ""
     rank: int | None = None
     log_tail: list[str] = field(default_factory=list)
+
+
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def _die_with_parent():
+    """A preexec_fn that has the kernel send the child SIGTERM when this process dies (Linux; None
+    elsewhere). Resolved here, in the parent, so the forked child only makes the one call. The death
+    signal fires when the forking thread ends: run_job is called from the main thread."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        import ctypes
+
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
+    prctl.restype = ctypes.c_int
+    parent = os.getpid()
+
+    def preexec() -> None:
+        prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+        if os.getppid() != parent:  # the parent died before the prctl: no signal will come
+            os._exit(1)
+
+    return preexec
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
@@ -185,7 +215,8 @@ def run_job(argv: list[str], *, timeout_s: float, result_path: Path, error_dir: 
         log.write(f"$ {shell_line(argv)}\n")
         log.flush()
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                env={**os.environ, **(env or {})}, cwd=cwd, start_new_session=True)
+                                env={**os.environ, **(env or {})}, cwd=cwd, start_new_session=True,
+                                preexec_fn=_die_with_parent())
         timed_out = False
         try:
             proc.wait(timeout=timeout_s)
