@@ -5,8 +5,8 @@
 Prints each row's published and predicted tokens/s/GPU (and reserved memory where the source gives it),
 the error (predicted - published) / published, and the MAPE over the rows. Each row is priced in its
 published setting: torchtitan's selective op-level checkpointing, torch.compile, Float8 linears and the
-FP8 all-gather where the run used them. `--fit` also prints the one bf16 matmul efficiency that fits
-all rows best (the default in cost_models/profile.py comes from it).
+FP8 all-gather where the run used them. `--fit` also prints the bf16 matmul efficiency and the
+memory-bound efficiency that fit all rows best jointly (the defaults in cost_models/profile.py come from it).
 
 torchtitan's Llama runs its fused RMSNorm (norm "fused_rmsnorm", as tests/golden/test_published.py).
 The H100 rows ran on Grand Teton hosts: 96 GB HBM2e at 2.4 TB/s, 500 W (catalog id h100-96gb).
@@ -43,6 +43,7 @@ class Row:
     checkpointing: str       # activation checkpointing as published (selective-op: torchtitan's op-level policy)
     options: tuple = ()      # the published run's optimizations: compile, float8, fp8_all_gather
     unmodelled: str = ""     # what the published run does that the plan does not (empty: modelled exactly)
+    compile_loss: bool = True  # with compile: the loss compiled too (torchtitan's default since 2025)
 
 
 A100, H100, H200 = "torchtitan 64 x A100 (mid-2024)", "torchtitan H100 (Dec 2024)", "torchtitan H200 (Jun 2025)"
@@ -55,13 +56,16 @@ ROWS = [
     Row(A100, "llama3-8b", "a100-80gb", 64, 1, 8192, "selective layer", 2876, None, "every-2"),
     Row(A100, "llama3-8b", "a100-80gb", 64, 1, 8192, "selective op", 2973, None, "selective-op"),
     Row(A100, "llama3-70b", "a100-80gb", 64, 1, 8192, "full", 323, None, "full"),
-    *(Row(H100, "llama3.1-8b", "h100-96gb", gpus, 2, 8192, tech, tps, mem, "selective-op", options)
+    # torchtitan's train.py of late 2024 compiled the blocks only: its `loss_fn = torch.compile(loss_fn)` was
+    # commented out ("compiling loss function causes CUDA errors"); the loss became a compile component in 2025.
+    *(Row(H100, "llama3.1-8b", "h100-96gb", gpus, 2, 8192, tech, tps, mem, "selective-op", options,
+          compile_loss=False)
       for gpus, rows in ((8, ((5762, 82.4), (6667, 77.0), (8532, 76.8))),
                          (128, ((5605, 67.0), (6514, 62.0), (8380, 61.8))))
       for (tps, mem), tech, options in zip(rows, ("FSDP", "FSDP + compile", "FSDP + compile + Float8"),
                                            ((), ("compile",), ("compile", "float8")))),
     Row(H100, "llama3.1-8b", "h100-96gb", 8, 1, 32768, "compile + Float8, full AC", 3890, 83.9, "full",
-        ("compile", "float8")),
+        ("compile", "float8"), compile_loss=False),
     Row(H200, "llama3.1-8b", "h200-141gb", 32, 2, 8192, "compile + Float8 + FP8 all-gather", 10938, 47.96,
         "selective-op", ("compile", "float8", "fp8_all_gather")),
     Row(H200, "llama3.1-8b", "h200-141gb", 64, 2, 8192, "compile + Float8 + FP8 all-gather", 10753, 46.97,
@@ -73,34 +77,45 @@ def predict(row: Row, profile: Profile = DEFAULT_PROFILE):
     """The published setting: FSDP2 FULL_SHARD, bf16 with fp32 reduction, its checkpointing and options."""
     model = replace(load_preset(row.model), norm="fused_rmsnorm", name=f"{row.model} (torchtitan)")
     config = FsdpConfig(sharding="FULL_SHARD", precision="bf16", ac_every=row.checkpointing,
-                        micro_batch=row.micro_batch, **{name: True for name in row.options})
+                        micro_batch=row.micro_batch, compile_loss=row.compile_loss,
+                        **{name: True for name in row.options})
     return estimate_config(model, make_cluster(row.gpus, row.gpu), TrainingSpec(seq_len=row.seq_len), config,
                            profile)
 
 
-def fit_compute_efficiency() -> float:
-    """The one bf16 matmul efficiency (cost_models/profile.py) minimising the squared log-errors of all rows."""
+def fit_efficiencies() -> tuple[tuple[float, float], tuple[float, float], float]:
+    """The bf16 matmul efficiency and the memory-bound efficiency (cost_models/profile.py) minimising the
+    squared log-errors of all rows jointly: (values, standard errors, rms log error)."""
     import math
 
-    from scipy.optimize import minimize_scalar
+    import numpy as np
+    from scipy.optimize import least_squares
 
-    def loss(eff: float) -> float:
-        profile = DEFAULT_PROFILE.with_updates(compute_efficiency={**DEFAULT_PROFILE.compute_efficiency,
-                                                                   "bf16": eff, "fp16": eff})
-        return sum(math.log(predict(r, profile).time.tokens_per_s_per_gpu / r.tokens_per_s) ** 2 for r in ROWS)
+    def log_errors(x) -> list[float]:
+        profile = DEFAULT_PROFILE.with_updates(
+            compute_efficiency={**DEFAULT_PROFILE.compute_efficiency, "bf16": x[0], "fp16": x[0]},
+            memory_bound_efficiency=x[1])
+        return [math.log(predict(r, profile).time.tokens_per_s_per_gpu / r.tokens_per_s) for r in ROWS]
 
-    return minimize_scalar(loss, bounds=(0.3, 1.0), method="bounded", options={"xatol": 1e-3}).x
+    sol = least_squares(log_errors, [DEFAULT_PROFILE.efficiency("bf16"), DEFAULT_PROFILE.memory_bound_efficiency],
+                        bounds=([0.2, 0.1], [1.2, 1.0]))
+    variance = float(np.sum(sol.fun ** 2)) / (len(ROWS) - 2)
+    errors = np.sqrt(np.diag(np.linalg.inv(sol.jac.T @ sol.jac)) * variance)
+    return (float(sol.x[0]), float(sol.x[1])), (float(errors[0]), float(errors[1])), math.sqrt(variance)
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path, help="also write the rows and predictions here")
     parser.add_argument("--fit", action="store_true",
-                        help="also print the bf16 matmul efficiency that least-squares fits every row (log errors)")
+                        help="also print the bf16 matmul and memory-bound efficiencies that least-squares fit every "
+                             "row jointly (log errors)")
     args = parser.parse_args(argv)
     if args.fit:
-        print(f"least-squares bf16 compute efficiency over the {len(ROWS)} rows: {fit_compute_efficiency():.3f} "
-              f"(default {DEFAULT_PROFILE.efficiency('bf16')})\n")
+        (matmul, memory), (matmul_se, memory_se), rms = fit_efficiencies()
+        print(f"least squares over the {len(ROWS)} rows (log errors, rms {rms:.3f}): bf16 compute efficiency "
+              f"{matmul:.3f} +- {matmul_se:.3f} (default {DEFAULT_PROFILE.efficiency('bf16')}), memory-bound "
+              f"efficiency {memory:.3f} +- {memory_se:.3f} (default {DEFAULT_PROFILE.memory_bound_efficiency})\n")
     table, out, exact_errors = [], [], []
     for row in ROWS:
         c = predict(row)

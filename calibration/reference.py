@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from calibration.fused_loss import IGNORE_INDEX, shifted_targets
 from cost_models.specs import ModelSpec
 
 ROPE_THETA = 10000.0
@@ -153,11 +154,10 @@ class ReferenceLlama(nn.Module):
 
 
 def causal_lm_loss(logits, labels):
-    """Hugging Face's ForCausalLMLoss: fp32 logits, token t predicts label t+1, -100 ignored, mean."""
-    logits = logits.float()
-    shift_logits = logits[..., :-1, :].reshape(-1, logits.shape[-1])
-    shift_labels = labels[..., 1:].reshape(-1).to(logits.device)
-    return F.cross_entropy(shift_logits, shift_labels, ignore_index=-100)
+    """Hugging Face's ForCausalLMLoss: fp32 logits, token t predicts label t+1, -100 ignored, mean. Like
+    it, the labels are shifted and padded rather than the logits sliced (no copy of the logits)."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), shifted_targets(labels.to(logits.device)),
+                           ignore_index=IGNORE_INDEX)
 
 
 def build_reference(spec: ModelSpec, attention: str = "sdpa") -> nn.Module:

@@ -58,6 +58,7 @@ from torch import nn
 from calibration.apply import (apply_fsdp1, apply_fsdp2, block_classes_for, cast_for_precision, grad_scaler_for,
                                make_mesh, precompute_float8_scales)
 from calibration.build import build_model, load_factory
+from calibration.reference import causal_lm_loss
 from calibration.store import cpu_name, model_spec_from_dict, write_atomic
 from cost_models.specs import FsdpConfig, ModelSpec, Sharding
 
@@ -176,21 +177,25 @@ def make_optimizer(name: str, params, precision_name: str):
     raise ValueError(f"unknown optimizer {name!r}")
 
 
-def loss_of(output, ids: torch.Tensor) -> torch.Tensor:
-    """The loss of a forward: `.loss` (Hugging Face, our reference), else cross-entropy of the logits."""
+def loss_fn_for(config: FsdpConfig):
+    """The loss the plan prices: the model's own (Hugging Face computes it in the forward, from `labels`),
+    or with compile (config.loss_compiled) the cross-entropy compiled apart, one fused kernel each way
+    (torchtitan's compile.components "loss"); None: the model's own."""
+    return torch.compile(causal_lm_loss) if config.loss_compiled else None
+
+
+def loss_of(model, ids: torch.Tensor, loss_fn=None) -> torch.Tensor:
+    """The loss of one forward: `.loss` (Hugging Face, our reference), else `loss_fn` (or the eager
+    cross-entropy) of the logits. With a loss_fn the model is not given labels."""
+    try:
+        output = model(ids) if loss_fn is not None else model(ids, labels=ids)
+    except TypeError:
+        output = model(ids)  # a factory model without a labels argument
     loss = getattr(output, "loss", None)
     if loss is not None:
         return loss
     logits = output[0] if isinstance(output, (tuple, list)) else getattr(output, "logits", output)
-    logits = logits.float()
-    return nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
-
-
-def forward(model, ids):
-    try:
-        return model(ids, labels=ids)
-    except TypeError:
-        return model(ids)  # a factory model without a labels argument
+    return (loss_fn or causal_lm_loss)(logits, ids)
 
 
 # ------------------------------------------------------------------------------------------ measuring
@@ -312,6 +317,7 @@ def run(job: dict) -> None:
     optimizer = make_optimizer(job["optimizer"], [p for p in model.parameters() if p.requires_grad],
                                config.precision.value)
     scaler = grad_scaler_for(config, device=device.type)
+    loss_fn = loss_fn_for(config)
 
     vocab = job["model"]["spec"]["vocab_size"]
     seq = job["seq_len"]
@@ -330,7 +336,7 @@ def run(job: dict) -> None:
                 model.set_requires_gradient_sync(last)
             with model.no_sync() if job["fsdp_version"] == 1 and no_sync_possible and not last \
                     else contextlib.nullcontext():
-                loss = loss_of(forward(model, ids), ids) / config.grad_accum
+                loss = loss_of(model, ids, loss_fn) / config.grad_accum
                 (scaler.scale(loss) if scaler else loss).backward()
         if scaler:
             scaler.step(optimizer)

@@ -168,7 +168,14 @@ def foreach_temporary_bytes(optimizer: torch.optim.Optimizer) -> int:
     return total
 
 
-def _loss(model: nn.Module, ids: torch.Tensor, is_hf: bool) -> torch.Tensor:
+def _loss(model: nn.Module, ids: torch.Tensor, is_hf: bool, compiled: bool) -> torch.Tensor:
+    """The model's own loss, or with a compiled loss (config.loss_compiled) the fused cross-entropy of its
+    logits (calibration/fused_loss.py: the compiled kernel's memory, runnable on fake tensors)."""
+    if compiled:
+        from calibration.fused_loss import fused_causal_lm_loss
+
+        out = model(input_ids=ids) if is_hf else model(ids)
+        return fused_causal_lm_loss(out.logits if hasattr(out, "logits") else out[0], ids)
     out = model(input_ids=ids, labels=ids) if is_hf else model(ids, labels=ids)
     return out.loss if hasattr(out, "loss") else out[0]
 
@@ -386,7 +393,7 @@ def measure_training_steps(model: nn.Module, optimizer: torch.optim.Optimizer, i
                 if micro:
                     tracker.next_microstep()
                 with cuda_kernel_choices():  # also in backward: checkpoint recompute runs there
-                    loss = _loss(model, ids, is_hf)
+                    loss = _loss(model, ids, is_hf, config.loss_compiled)
                     loss.backward()
                     del loss
             if step == 1:

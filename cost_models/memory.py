@@ -260,7 +260,7 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
         """Sharded gradients of blocks i+1 .. L-1, reduce-scattered already."""
         return (L - 1 - i) * block_sharded_grad + (nd - n_dense_below(i + 1)) * dense_grad_delta
 
-    _, logits_peak = activations.logits_bytes_per_token(model, c)
+    _, logits_peak = activations.logits_bytes_per_token(model, c, config.loss_compiled)
     w_mlp = activations.mlp_backward_working_bytes_per_token(model, c, lora=bool(lora_rank))
     w_attn = activations.attention_backward_working_bytes_per_token(model, c, attn, training.seq_len)
     freed_attn = activations.attention_freed_before_backward_bytes_per_token(model, c, lora=bool(lora_rank),
@@ -291,13 +291,21 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
         activations=tokens * (saved_below(L) + root_saved) + shared,
         logits_and_loss=tokens * logits_peak,
     )
+    if config.loss_compiled and not keeps_gathered and d > 1:
+        # A compiled loss runs outside the model (on its logits): the root's FSDP2 post-forward has
+        # resharded it (reshard_after_forward is explicit, so the root's keep-gathered default is off), and
+        # its pre-backward hook, on the logits, gathers it only once the loss's backward is done.
+        loss_moment = moments["loss backward"]
+        moments["loss backward"] = dataclasses.replace(loss_moment, unsharded_params=loss_moment.unsharded_params
+                                                       - root_c, collective_buffers=0)
+        moments["head backward"] = dataclasses.replace(loss_moment, logits_and_loss=tokens * c * model.vocab_size)
     if experts_c and prefetches and L - 1 not in dense_blocks:
         # The loss is computed inside the model's forward, before the root's post-forward frees the last
         # unit's all-gather output (FSDP2 defers that free for an implicit prefetch): with expert units, the
         # last block's experts', larger than the block the loss backward prefetches.
         moments["loss in forward"] = dataclasses.replace(
             moments["loss backward"], collective_buffers=experts_c,
-            logits_and_loss=tokens * activations.forward_logits_bytes_per_token(model, c))
+            logits_and_loss=tokens * activations.forward_logits_bytes_per_token(model, c, config.loss_compiled))
     # Within blocks of one kind (checkpointed or not) a block's moment is linear in its index: the saved
     # tensors below it shrink going down while the sharded gradients of the blocks done grow. The extremes
     # of each kind, and the neighbours where the prefetch / reduce-scatter buffers start or stop, suffice.
@@ -378,7 +386,11 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
     else:
         breakdown, phase = backward, "backward"
     peak_allocated = breakdown.total_bytes
-    peak_reserved = profile.reserved_bytes(peak_allocated)
+    # The loss's segments stay reserved once made (allocator.py): with its allocator-stranded bytes the loss
+    # backward can set the reserved peak even where another moment allocates more.
+    loss_reserved = moments["loss backward"].total_bytes + tokens * activations.logits_reserved_extra_bytes_per_token(
+        model, c, config.loss_compiled)
+    peak_reserved = profile.reserved_bytes(max(peak_allocated, loss_reserved))
     cpu_per_rank = (sharded_params + sharded_grads + optimizer_state + step_temporaries) if config.offload else 0
     return MemoryEstimate(
         breakdown=breakdown,

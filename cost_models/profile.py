@@ -13,10 +13,11 @@ from .units import GiB
 
 def _default_compute_efficiency() -> dict:
     # The fraction of the GPU's best large-GEMM rate (catalog matmul_efficiency x peak) that a training
-    # step's matmuls reach, per compute dtype (kernel_time.py). bf16/fp16: least-squares fit over the
-    # published torchtitan rows (benchmarks/throughput_accuracy.py, docs/accuracy.md). fp32 (no TF32):
-    # CUDA-core GEMMs reach ~85-90% of their much lower peak (1.0 x the default 0.8 is a stated guess).
-    return {"bf16": 0.74, "fp16": 0.74, "fp32": 1.0}
+    # step's matmuls reach, per compute dtype (kernel_time.py). bf16/fp16: least-squares fit over the 16
+    # published torchtitan rows jointly with memory_bound_efficiency (`python benchmarks/throughput_accuracy.py
+    # --fit`: 0.890 +- 0.026). fp32 (no TF32): CUDA-core GEMMs reach ~85-90% of their much lower peak (1.0 x
+    # the default 0.8 is a stated guess).
+    return {"bf16": 0.89, "fp16": 0.89, "fp32": 1.0}
 
 
 @dataclass(frozen=True)
@@ -54,9 +55,13 @@ class Profile:
     attention_efficiency: float = 1.0
     # s / (s + s0): FlashAttention-2's rate at 1k tokens is ~70% of its rate at 16k (FA2 paper, fig. 4).
     attention_half_seq: float = 384.0
-    # Fraction of HBM bandwidth the memory-bound kernels (norms, activations, rotary, casts, loss) reach:
-    # streaming kernels reach ~80-90% (hardware.md).
-    memory_bound_efficiency: float = 0.8
+    # HBM bandwidth fraction at which the memory-bound kernels (norms, activations, rotary, casts, loss)
+    # move the bytes operators.py counts. One streaming kernel reaches ~80-90% (hardware.md); a step's
+    # eager chains reach about half of that on the counted bytes (each op's minimum traffic: launch gaps,
+    # reductions, strided copies and the copies no formula lists are not counted). Least-squares fit over
+    # the 16 published rows with the matmul efficiency (0.42 +- 0.03): identified by the rows' different
+    # memory-bound shares (A100 against H100's twice the FLOP/s per byte, eager against compiled).
+    memory_bound_efficiency: float = 0.42
     # Compute slows while NCCL kernels run beside it (they take SMs and HBM bandwidth): extra seconds per
     # second of hidden communication. 0.1 is a stated estimate (NCCL's ring kernels use ~8-16 of 108-132
     # SMs); calibration fits it from runs at more than one communication share.

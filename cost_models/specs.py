@@ -546,6 +546,8 @@ class FsdpConfig:
     # ac_every="selective-op" (the CLI's --activation-checkpointing value) or selective_op_ac=True.
     selective_op_ac: bool = False
     compile: bool = False             # torch.compile of each block (torchtitan compiles per block)
+    compile_loss: bool = True         # with compile, the loss too (torchtitan's compile.components default
+    #                                   ["model", "loss"]): one fused cross-entropy kernel, no fp32 logits
     float8: bool = False              # torchao Float8 linears (dynamic tensorwise scaling) on FP8 tensor cores
     fp8_all_gather: bool = False      # with float8, FSDP2 all-gathers the Float8 linears' weights in FP8 (1 byte)
     reshard_after_forward: int = 0    # FSDP2 int: after forward keep params sharded over this many ranks (a
@@ -591,6 +593,11 @@ class FsdpConfig:
         return format_activation_checkpointing(self.ac_every, self.selective_op_ac)
 
     @property
+    def loss_compiled(self) -> bool:
+        """The cross-entropy runs compiled (fused; activations.loss_events)."""
+        return self.compile and self.compile_loss
+
+    @property
     def checkpoints(self) -> bool:
         """Any activation checkpointing (block-level or selective op-level)."""
         return bool(self.ac_every or self.selective_op_ac)
@@ -623,6 +630,7 @@ class FsdpConfig:
             **({"expert_units": True} if self.expert_units else {}),
             **({"reduce_dtype": self.reduce_dtype} if self.reduce_dtype else {}),
             **({"compile": True} if self.compile else {}),
+            **({"compile_loss": False} if self.compile and not self.compile_loss else {}),
             **({"float8": True} if self.float8 else {}),
             **({"fp8_all_gather": True} if self.fp8_all_gather else {}),
             **({"reshard_after_forward": self.reshard_after_forward} if self.reshard_after_forward else {}),

@@ -123,8 +123,10 @@ def estimate_step_time(model: ModelSpec, cluster: ClusterSpec, training: Trainin
     blocks = [(L - nd, block)] + ([(nd, dense_block)] if dense_block is not None else [])
     head, root_memory = operators.root_ops(model, c)
     head_s = 3 * rates.matmul_forward_s(head, tokens) if head is not None else 0.0
-    root_memory_s = rates.memory_s(tokens * sum(op.bytes(config.compile, False) + op.bytes(config.compile, True)
-                                                for op in root_memory))
+    # Per-block compile leaves the root's own norm and embedding eager; the loss is fused when it is compiled.
+    root_memory_s = rates.memory_s(tokens * sum(
+        op.bytes(fused, False) + op.bytes(fused, True)
+        for op, fused in ((op, op.name == "loss" and config.loss_compiled) for op in root_memory)))
     # FSDP2's copies around its collectives: each all-gather's output split into the unsharded parameters
     # (read + write c), each reduce-scatter's input packed (and cast) from the gradients (c + r)
     gathers = 2 if config.sharding.reshards_after_forward else 1

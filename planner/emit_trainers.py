@@ -262,6 +262,10 @@ def torchtitan_overrides(config: FsdpConfig, cluster: ClusterSpec, seq_len: int)
     else:
         flags.append(("activation_checkpoint.mode", "full" if config.ac_every else "none", ""))
     flags.append(("compile.enable", config.compile, "torchtitan compiles each block" if config.compile else ""))
+    if config.compile:
+        flags.append(("compile.components", "model,loss" if config.compile_loss else "model",
+                      "the blocks and the loss (fused cross-entropy: no fp32 copy of the logits)" if config.compile_loss
+                      else "the blocks only: the loss stays eager, as planned"))
     if config.float8:
         flags += [
             ("model.converters", "quantize.linear.float8", "torchao Float8 linears, tensorwise scaling"),

@@ -331,8 +331,10 @@ def from_torchtitan(settings: dict, source: str = "torchtitan") -> UserSetup:
             raise PlannerError("training.global_batch_size", f"{global_batch} is not a multiple of local_batch_size x "
                                                              f"data-parallel degree = {micro_batch * replicas * shard}")
     compile_key, compile_value = _first(settings, "compile.enable", "training.compile")
-    compiles = _bool(compile_key, compile_value or False) and (
-        compile_key != "compile.enable" or "model" in _list(settings.get("compile.components", ["model"])))
+    # compile.components (0.2): torchtitan's default ["model", "loss"]; 0.1's training.compile was blocks only
+    components = _list(settings.get("compile.components", ["model", "loss"])) if compile_key == "compile.enable" \
+        else ["model"]
+    compiles = _bool(compile_key, compile_value or False) and "model" in components
     converters = _list(settings.get("model.converters"))
     if any(c in ("mx", "quantize.linear.mx") for c in converters):
         raise PlannerError("model.converters", "MX (MXFP8) linears are not priced by fsdp-plan; float8 is")
@@ -344,7 +346,7 @@ def from_torchtitan(settings: dict, source: str = "torchtitan") -> UserSetup:
         sharding=sharding, precision=precision,
         offload=_bool("training.enable_cpu_offload", settings.get("training.enable_cpu_offload", False)),
         ac_every=_torchtitan_checkpointing(settings), micro_batch=micro_batch, grad_accum=grad_accum,
-        compile=compiles, float8=float8, fp8_all_gather=fp8_all_gather,
+        compile=compiles, compile_loss="loss" in components, float8=float8, fp8_all_gather=fp8_all_gather,
     )
     seq_len = _positive_int(settings, "training.seq_len", 2048)
     hybrid = sharding.is_hybrid

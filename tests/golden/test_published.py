@@ -7,11 +7,10 @@ eager Hugging Face RMSNorm our presets model; the specs below say so. The OOM ro
 the full-checkpointing 70B rows must fit.
 
 Every published torchtitan row - A100, H100 (FSDP, + compile, + Float8; 8 and 128 GPUs; 32k context) and
-H200 - is priced by the same defaults (cost_models/profile.py: one bf16 matmul efficiency, least-squares
-over all sixteen rows by `python benchmarks/throughput_accuracy.py --fit`; the GPUs' own kernel figures
-from the catalog). THROUGHPUT_TOLERANCE is 12%: 13 of the 16 rows are within the 10% issue 10 asks for;
-the A100 Llama 2 70B full-checkpointing row (-10.9%), the 128-GPU H100 FSDP row (+10.9%) and the 32k-token
-row (+11.7%) are not (docs/step_time.md).
+H200 - is priced by the same defaults (cost_models/profile.py: one bf16 matmul efficiency and one
+memory-bound efficiency, least squares over all sixteen rows jointly by `python
+benchmarks/throughput_accuracy.py --fit`; the GPUs' own kernel figures from the catalog), each within the
+10% issue 10 asks for (max 6.2%), and every published memory figure (H100, H200) within 10% (max 6.1%).
 """
 
 from dataclasses import replace
@@ -21,8 +20,8 @@ import pytest
 from planner import estimate
 from planner.models import load_preset
 
-TOLERANCE = 0.12  # tokens/s, every published row (see the module docstring)
-MEMORY_TOLERANCE = 0.13
+TOLERANCE = 0.10  # tokens/s, every published row (see the module docstring)
+MEMORY_TOLERANCE = 0.10  # peak reserved GiB, every row that publishes it
 
 # model, local batch, seq, checkpointing, tokens/s/GPU, MFU (None: OOM in the published run)
 ROWS = [
@@ -126,12 +125,12 @@ def test_h100_h200_rows_throughput(row):
     assert c.time.tokens_per_s_per_gpu == pytest.approx(row.tokens_per_s, rel=TOLERANCE)
 
 
-@pytest.mark.parametrize("row", [r for r in NEWER_ROWS if r.gpu == "h100-96gb"],
-                         ids=lambda r: f"{r.gpus}x-{r.seq_len}-" + "+".join((r.checkpointing,) + r.options))
-def test_h100_rows_memory(row):
-    # torchtitan's reported peak (reserved) memory. The H200 rows (47-48 GiB published) are not checked: the
-    # model says 62-64 GiB for their setting, which differs from the H100 rows' only in the FP8 all-gather
-    # and the newer torchtitan; what that run saved is not known (docs/step_time.md).
+@pytest.mark.parametrize("row", [r for r in NEWER_ROWS if r.memory_gib is not None],
+                         ids=lambda r: f"{r.gpus}x{r.gpu}-{r.seq_len}-" + "+".join((r.checkpointing,) + r.options))
+def test_h100_h200_rows_memory(row):
+    # torchtitan's reported peak (reserved) memory. The loss sets it: eager, three fp32 logits-sized
+    # tensors at its backward plus the caching allocator's stranded bf16 segment (cost_models/allocator.py);
+    # compiled (the H200 run: torchtitan compiles the loss since 2025), the bf16 logits and their gradient.
     c = BENCH.predict(row)
     assert c.memory.peak_reserved_bytes / 2**30 == pytest.approx(row.memory_gib, rel=MEMORY_TOLERANCE)
 

@@ -1,0 +1,57 @@
+"""The loss's memory: the caching allocator's reserved bytes (cost_models/allocator.py), the eager and
+compiled loss sequences (activations.loss_events), and the fused loss the trace runs for a compiled one."""
+
+import pytest
+import torch
+
+from calibration.fused_loss import fused_causal_lm_loss
+from calibration.reference import causal_lm_loss
+from cost_models import activations, allocator
+
+
+def test_best_fit_reuses_a_freed_block_only_when_it_fits():
+    # 2 freed, then 4 requested: a new segment (2 stays reserved); then 2 requested: the cached 2 serves it.
+    events = [("alloc", "a", 2), ("alloc", "b", 4), ("free", "a", 2), ("alloc", "c", 4), ("alloc", "d", 2)]
+    assert allocator.reserved_peak(events) == (10, 10)
+    # freed 4 serves a later 4 (no new segment): reserved 4 + 4
+    assert allocator.reserved_peak([("alloc", "a", 4), ("alloc", "b", 4), ("free", "a", 4), ("alloc", "c", 4)]) == (8, 8)
+    with pytest.raises(ValueError, match="alloc or free"):
+        allocator.reserved_peak([("malloc", "a", 1)])
+
+
+def test_eager_bf16_loss_strands_the_logits_segment():
+    # By hand, bytes per logit element: logits 2, fp32 copy 4, log_softmax 4 (three segments); the copy and
+    # logits freed; backward: the NLL gradient (4) takes the copy's segment, log_softmax's gradient (4) fits
+    # no free block (2) -> a fourth segment; the bf16 gradient (2) reuses the logits'. Allocated peak
+    # 4 + 4 + 4 = 12, reserved 2 + 4 + 4 + 4 = 14.
+    assert activations._loss_bytes(2, False) == (10, 12, 14)
+    assert activations._loss_bytes(4, False) == (8, 12, 12)   # fp32: no copy, nothing stranded
+    assert activations._loss_bytes(2, True) == (2, 4, 4)      # compiled: saved logits + their gradient
+
+
+def test_compiled_loss_saves_only_the_logits():
+    # What torch.compile (inductor, here on CPU) saves for the loss's backward: the bf16 logits and per-row
+    # statistics, no fp32 copy of them (the 2 bytes per logit element activations.loss_events counts).
+    n, v = 64, 1000
+    logits = torch.randn(1, n, v, dtype=torch.bfloat16, requires_grad=True)
+    ids = torch.randint(0, v, (1, n))
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel() * t.element_size()) or t,
+                                                  lambda t: t):
+        loss = torch.compile(causal_lm_loss)(logits, ids)
+    loss.backward()
+    assert n * v * 2 <= sum(saved) <= n * v * 2 + 64 * n   # logits + O(rows)
+    assert logits.grad.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_loss_equals_eager(dtype):
+    torch.manual_seed(0)
+    x = torch.randn(2, 1500, 300, dtype=dtype) * 3   # 3000 rows: 64 chunks
+    ids = torch.randint(0, 300, (2, 1500))
+    eager, fused = x.clone().requires_grad_(), x.clone().requires_grad_()
+    a, b = causal_lm_loss(eager, ids), fused_causal_lm_loss(fused, ids)
+    a.backward(), b.backward()
+    assert b.item() == pytest.approx(a.item(), rel=1e-5)
+    assert torch.allclose(fused.grad.float(), eager.grad.float(), atol=1e-7 if dtype == torch.float32 else 2e-5)
+    assert fused.grad[:, -1].abs().sum() == 0   # the padded last position has no target
