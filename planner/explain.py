@@ -106,3 +106,16 @@ def explain_text(c: Candidate, profile: Profile = DEFAULT_PROFILE) -> str:
         lines += [f"  {term}: {formula}", f"      source: {source}"]
     lines += [f"  note: {n}" for n in c.memory.notes]
     return "\n".join(lines)
+
+
+def explain_json(c: Candidate, chosen_by: str, profile: Profile = DEFAULT_PROFILE) -> str:
+    """estimate's JSON of `c` with the same terms as explain_text under "explanation" (planner.schemas'
+    ExplainOutput). chosen_by: "plan" (the planner's pick) or "flags" (the configuration given)."""
+    import json
+
+    def rows(terms):
+        return [{"term": term, "formula": formula, "source": source} for term, formula, source in terms]
+
+    return json.dumps({"model": c.model.summary_dict(), "chosen_by": chosen_by, **c.to_dict(),
+                       "explanation": {"memory": rows(memory_terms(c)), "time": rows(time_terms(c, profile))}},
+                      indent=2)

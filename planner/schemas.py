@@ -1,7 +1,8 @@
 """The JSON Schemas of every `--format json` output: pydantic models that describe, field by field, what
-planner/report.py, planner/tracing.py, planner/doctor.py and planner/report_calibration.py write.
+planner/report.py, planner/tracing.py, planner/doctor.py, planner/report_calibration.py and
+planner/explain.py write.
 
-    fsdp-plan schema plan                  # print one (plan, estimate, trace, calibrate, check)
+    fsdp-plan schema plan                  # print one (plan, estimate, trace, calibrate, check, explain)
     python -m planner.schemas docs/schemas # write docs/schemas/NAME.schema.json (tests/cli/test_schemas.py
                                            # fails when those files are stale)
 
@@ -12,7 +13,7 @@ the schemas, fails as soon as a writer adds, drops or renames a field without th
 Shipped: the schemas are generated at runtime from these models (the package holds the models, not copies
 of the JSON); docs/schemas/ holds the same text for readers without the package.
 
-Versioning: SCHEMA_VERSION names the shape of all five outputs together and sits in each schema's `$id`
+Versioning: SCHEMA_VERSION names the shape of all six outputs together and sits in each schema's `$id`
 (urn:fsdp-planner:schema:NAME:vN) and `x-schema-version`. The schemas are closed, so any change to an
 output's shape - a field added, removed, renamed or retyped - bumps it, and docs/schemas/ is regenerated in
 the same commit. The outputs themselves carry no version field (scripts depend on their shape as it is).
@@ -23,7 +24,8 @@ Shapes worth knowing (kept as they are, since scripts read them):
 - A trace's memory `breakdown` (and its phases' and the difference's) has the estimate's categories plus
   "other": memory the tracker files under no category (calibration.memtrack.BREAKDOWN_KEYS).
 - `plan`'s `candidates` holds the nearest misses (fits: false) when nothing fits.
-- `explain` prints text only: it has no --format json and so no schema.
+- `explain`'s terms are text (formulas with their numbers written in): the figures a script computes
+  with are the estimate-shaped keys beside them.
 """
 
 from __future__ import annotations
@@ -348,6 +350,25 @@ class TraceOutput(_Out):
     difference: Difference
 
 
+class Term(_Out):
+    term: str = Field(description='what is costed: "stored parameters", "matmul", ...')
+    formula: str = Field(description="the formula with this configuration's numbers (text, units written out)")
+    source: str = Field(description="where the formula comes from")
+
+
+class Explanation(_Out):
+    memory: list[Term] = Field(description="per-GPU memory at the peak moment, category by category")
+    time: list[Term] = Field(description="the optimizer step: FLOPs per token, each operator class, the step")
+
+
+class ExplainOutput(EstimateOutput):
+    """`fsdp-plan explain --format json`: estimate's shape for the configuration explained, with the terms
+    `fsdp-plan explain` prints (the same text) under "explanation"."""
+
+    chosen_by: Literal["plan", "flags"] = Field(description="plan: the planner's pick; flags: the config given")
+    explanation: Explanation
+
+
 class CalibrationRun(RunRecord):
     """A results.jsonl record (calibration.store.RunRecord) with the fitted prediction beside it."""
 
@@ -382,7 +403,7 @@ class CalibrateOutput(_Out):
 
 
 OUTPUTS: dict[str, type[BaseModel]] = {"plan": PlanOutput, "estimate": EstimateOutput, "trace": TraceOutput,
-                                       "calibrate": CalibrateOutput, "check": CheckOutput}
+                                       "calibrate": CalibrateOutput, "check": CheckOutput, "explain": ExplainOutput}
 
 
 def json_schema(name: str) -> dict:
@@ -390,8 +411,7 @@ def json_schema(name: str) -> dict:
     from .errors import PlannerError
 
     if name not in OUTPUTS:
-        extra = " (explain prints text only: it has no --format json)" if name == "explain" else ""
-        raise PlannerError("schema", f"no schema for {name!r}{extra}; choose one of: {', '.join(OUTPUTS)}")
+        raise PlannerError("schema", f"no schema for {name!r}; choose one of: {', '.join(OUTPUTS)}")
     return {"$schema": "https://json-schema.org/draft/2020-12/schema",
             "$id": f"urn:fsdp-planner:schema:{name}:v{SCHEMA_VERSION}", "x-schema-version": SCHEMA_VERSION,
             **OUTPUTS[name].model_json_schema()}

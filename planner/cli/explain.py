@@ -1,5 +1,6 @@
 """`fsdp-plan explain`: the planner's pick, or one configuration given by flags, its memory and time budget
-term by term; --plot draws the step budget by operator class."""
+term by term; --plot draws the step budget by operator class; --format json gives estimate's JSON with the
+same terms under "explanation" (planner.schemas.ExplainOutput)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from planner.cli.options import (AttentionOpt, CpuRam, FinetuneOpt, GlobalBatch, Gpu, GpuMemory, Gpus, GpusPerNode,
-                                 InternodeGbps, IntraNode, LoraRank, Model, Optim, Pcie, SeqLen,
+from planner.cli.options import (AttentionOpt, CpuRam, FinetuneOpt, Format, FormatOpt, GlobalBatch, Gpu, GpuMemory,
+                                 Gpus, GpusPerNode, InternodeGbps, IntraNode, LoraRank, Model, Optim, Pcie, SeqLen,
                                  cluster_and_training)
 
 
@@ -40,12 +41,13 @@ def register(app) -> None:
         plot: Annotated[Optional[str], typer.Option("--plot", help="Draw the step budget by operator class to "
                                                     "FILE.png or FILE.svg (the pick and the next 4, or the given "
                                                     "config; needs matplotlib)")] = None,
+        output_format: FormatOpt = Format.table,
     ):
         """Walk through the winning config's memory and time budget, formula by formula. With any config flag,
         explain that configuration instead (flags not given: `fsdp-plan estimate`'s defaults)."""
         from planner.api import estimate, plan
         from planner.errors import PlannerError
-        from planner.explain import explain_text
+        from planner.explain import explain_json, explain_text
 
         args = cluster_and_training(model, gpus, gpus_per_node, gpu, internode_gbps, gpu_memory, intra_node_gb_per_s,
                                     pcie_gb_per_s, cpu_ram_per_node, seq_len, global_batch, optimizer, finetune,
@@ -62,10 +64,17 @@ def register(app) -> None:
                 raise PlannerError("model", f"nothing fits {p.model.name} on {gpus} x {gpu}; run `fsdp-plan --model "
                                             f"{model} --gpus {gpus}` for the nearest misses and what would fit")
             shown = p.candidates[:5]
-        typer.echo(explain_text(shown[0]))
-        if not shown[0].fits:
-            typer.echo("\nthis config does not fit: " + "; ".join(shown[0].reasons))
+        if output_format is Format.json:  # stdout stays one JSON document: the plot's path goes to stderr
+            typer.echo(explain_json(shown[0], "flags" if given else "plan"))
+        else:
+            typer.echo(explain_text(shown[0]))
+            if not shown[0].fits:
+                typer.echo("\nthis config does not fit: " + "; ".join(shown[0].reasons))
         if plot is not None:
             from planner.plot import plot_step_budget
 
-            typer.echo(f"\nstep budget drawn to {plot_step_budget(shown, plot)}")
+            drawn = plot_step_budget(shown, plot)
+            if output_format is Format.json:
+                typer.echo(f"step budget drawn to {drawn}", err=True)
+            else:
+                typer.echo(f"\nstep budget drawn to {drawn}")

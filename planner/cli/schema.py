@@ -12,7 +12,7 @@ def register(app) -> None:
 
     @app.command("schema")
     def schema_cmd(
-        name: Annotated[str, typer.Argument(help="The output: plan, estimate, trace, calibrate or check")],
+        name: Annotated[str, typer.Argument(help="The output: plan, estimate, trace, calibrate, check or explain")],
     ):
         """Print the JSON Schema of `fsdp-plan NAME --format json`'s output (versioned: see its $id)."""
         from planner.schemas import schema_text
