@@ -84,14 +84,22 @@ def memory_terms(c: Candidate) -> list[tuple[str, str, str]]:
               "Korthikanti et al. 2022 (34 s b h per GPT layer), recounted per architecture from what autograd saves "
               "(cost_models/activations.py); verify with fsdp-plan trace")
     terms.append(("activations", act, source))
-    _, loss = activations.logits_bytes_per_token(m, cb)
-    terms.append(("logits and loss", f"{tokens:,} tokens x vocab {m.vocab_size:,} x {loss // m.vocab_size} B (the "
-                  f"loss's fp32 log-softmax, its gradient and the logits' gradient) = {_gib(tokens * loss)} during the "
-                  f"loss backward; at the peak {_gib(b.logits_and_loss)}",
+    compiled = cfg.loss_compiled
+    _, loss = activations.logits_bytes_per_token(m, cb, compiled)
+    stranded = activations.logits_reserved_extra_bytes_per_token(m, cb, compiled)
+    held = ("the compiled loss's saved logits and their gradient" if compiled else
+            "the loss's fp32 log-softmax, its gradient and the logits' gradient")
+    terms.append(("logits and loss", f"{tokens:,} tokens x vocab {m.vocab_size:,} x {loss // m.vocab_size} B ({held}) "
+                  f"= {_gib(tokens * loss)} during the loss backward; at the peak {_gib(b.logits_and_loss)}",
+                  "torch.compile of the loss: one fused kernel each way (activations.loss_events)" if compiled else
                   "Hugging Face's causal-LM loss upcasts the logits to fp32"))
-    terms.append(("reserved", f"peak allocated {_gib(c.memory.peak_allocated_bytes)} x (1 + fragmentation) + CUDA "
-                  f"context = {_gib(c.memory.peak_reserved_bytes)} of {_gib(c.cluster.gpu.memory_bytes)}",
-                  "hardware.md: context 0.5-1 GB; FSDP paper section 7 on allocator fragmentation"))
+    stranded_text = (f" (at least the loss backward's allocation + {_gib(tokens * stranded)} of segments the caching "
+                     "allocator cannot reuse)" if stranded else "")
+    terms.append(("reserved", f"peak allocated {_gib(c.memory.peak_allocated_bytes)}{stranded_text} x (1 + "
+                  f"fragmentation) + CUDA context = {_gib(c.memory.peak_reserved_bytes)} of "
+                  f"{_gib(c.cluster.gpu.memory_bytes)}",
+                  "hardware.md: context 0.5-1 GB; FSDP paper section 7 on allocator fragmentation; "
+                  "cost_models/allocator.py"))
     return terms
 
 
