@@ -62,6 +62,14 @@ def _shard_tiers(config: FsdpConfig, cluster: ClusterSpec, profile: Profile):
     return shard, replicate
 
 
+def root_memory_bytes_per_token(model: ModelSpec, config: FsdpConfig, c: int) -> tuple[tuple[str, float, float], ...]:
+    """(name, forward, backward) bytes per token of the root's memory-bound chains as the step prices them:
+    per-block compile leaves the final norm and the embedding eager; the loss is fused when it is compiled."""
+    _, ops = operators.root_ops(model, c)
+    fused = {op.name: op.name == "loss" and config.loss_compiled for op in ops}
+    return tuple((op.name, op.bytes(fused[op.name], False), op.bytes(fused[op.name], True)) for op in ops)
+
+
 def priced_block_ops(spec: ModelSpec, training: TrainingSpec, config: FsdpConfig, c: int):
     """(BlockOps, eager attention's products and score traffic or None) of one block as the step prices it:
     Float8's casts among the memory-bound ops; a traced inventory already holds eager attention's work."""
@@ -121,12 +129,9 @@ def estimate_step_time(model: ModelSpec, cluster: ClusterSpec, training: Trainin
     nd = model.n_dense_layers
     dense_delta = (counts.trainable_dense_delta + counts.frozen_dense_delta) // nd if nd else 0  # per dense block
     blocks = [(L - nd, block)] + ([(nd, dense_block)] if dense_block is not None else [])
-    head, root_memory = operators.root_ops(model, c)
+    head, _ = operators.root_ops(model, c)
     head_s = 3 * rates.matmul_forward_s(head, tokens) if head is not None else 0.0
-    # Per-block compile leaves the root's own norm and embedding eager; the loss is fused when it is compiled.
-    root_memory_s = rates.memory_s(tokens * sum(
-        op.bytes(fused, False) + op.bytes(fused, True)
-        for op, fused in ((op, op.name == "loss" and config.loss_compiled) for op in root_memory)))
+    root_memory_s = rates.memory_s(tokens * sum(f + b for _, f, b in root_memory_bytes_per_token(model, config, c)))
     # FSDP2's copies around its collectives: each all-gather's output split into the unsharded parameters
     # (read + write c), each reduce-scatter's input packed (and cast) from the gradients (c + r)
     gathers = 2 if config.sharding.reshards_after_forward else 1

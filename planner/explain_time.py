@@ -15,7 +15,7 @@ from cost_models.kernel_time import Rates
 from cost_models.memory import ParamCounts
 from cost_models.profile import DEFAULT_PROFILE, Profile
 from cost_models.specs import Attention
-from cost_models.step_time import priced_block_ops
+from cost_models.step_time import priced_block_ops, root_memory_bytes_per_token
 from cost_models.units import DTYPE_BYTES
 
 # (TimeBreakdown field, term) in the step's order: compute by operator class, then what is not compute.
@@ -112,20 +112,21 @@ def _attention(c, rates: Rates, profile: Profile) -> str:
 def _memory_bound(c, rates: Rates, profile: Profile) -> str:
     cfg, tokens = c.config, c.config.micro_batch * c.training.seq_len
     compiled = cfg.compile
-    head, root = operators.root_ops(c.model, DTYPE_BYTES[cfg.precision.compute_dtype])
+    root = root_memory_bytes_per_token(c.model, cfg, DTYPE_BYTES[cfg.precision.compute_dtype])
     per_step = [(n * tokens * (op.bytes(compiled, False) + op.bytes(compiled, True)), op.name)
                 for n, _, memory in _block_kinds(c) for op in memory]
-    per_step += [(tokens * (op.bytes(compiled, False) + op.bytes(compiled, True)), op.name) for op in root]
+    per_step += [(tokens * (forward + backward), name) for name, forward, backward in root]
     blocks = " + ".join(f"{n} blocks x {sum(op.bytes(compiled, False) for op in mem):,.0f} + "
                         f"{sum(op.bytes(compiled, True) for op in mem):,.0f} B per token (forward + backward)"
                         for n, _, mem in _block_kinds(c))
-    root_bytes = sum(op.bytes(compiled, False) + op.bytes(compiled, True) for op in root)
+    root_bytes = sum(forward + backward for _, forward, backward in root)
     per_token_s = rates.memory_s(sum(b for b, _ in per_step))
     rest = c.time.memory_bound_s / cfg.grad_accum - per_token_s
     biggest = ", ".join(f"{name} {b / 1e9:.2f} GB" for b, name in sorted(per_step, reverse=True)[:3])
-    mode = "compiled: inductor fuses each pointwise chain" if compiled else "eager kernels"
+    mode = ("compiled: inductor fuses each block's pointwise chains" + (" and the loss" if cfg.loss_compiled else "")
+            if compiled else "eager kernels")
     return (f"{_seconds(c, 'memory_bound_s')} = {cfg.grad_accum} micro-step(s) x ([{blocks} + root {root_bytes:,.0f}"
-            f" B per token (final norm, embedding, loss over {c.model.vocab_size:,} logits)] x {tokens:,} tokens "
+            f" B per token (final norm, embedding eager; loss over {c.model.vocab_size:,} logits)] x {tokens:,} tokens "
             f"({mode}) / {rates.memory_bytes_per_s / 1e12:.2f} TB/s = {per_token_s:.4f} s, + {rest:.4f} s of FSDP2's "
             f"copy-in/out around each collective" + (" and the Float8 weights' casts" if cfg.float8 else "")
             + f"); {c.cluster.gpu.hbm_bytes_per_s / 1e12:g} TB/s HBM x {profile.memory_bound_efficiency:g} "
@@ -178,8 +179,9 @@ def time_terms(c, profile: Profile = DEFAULT_PROFILE) -> list[tuple[str, str, st
          if cfg.attention is Attention.EAGER else "FlashAttention-2 and -3 papers: kernel efficiency, causal work, "
          "backward 2.5x the forward, sequence and head-dim factors (cost_models/kernel_time.py)"),
         ("memory-bound", _memory_bound(c, rates, profile),
-         "hardware.md (streaming kernels reach 80-90% of HBM); bytes per op from the Hugging Face / torchtitan "
-         "kernels and inductor's fusion (cost_models/operators.py)"),
+         "memory-bound efficiency fitted with the matmul fraction to torchtitan's published runs "
+         "(benchmarks/throughput_accuracy.py --fit; one streaming kernel reaches 80-90% of HBM, hardware.md); bytes "
+         "per op from the Hugging Face / torchtitan kernels and inductor's fusion (cost_models/operators.py)"),
         ("recompute", _recompute(c, rates), "torchtitan's activation checkpointing (full blocks, or the op-level "
          "policy as calibration/apply.py runs it); Korthikanti et al. 2022"),
         ("exposed communication", f"{_seconds(c, 'exposed_comm_s')}: of {t.total_comm_s:.4f} s of all-gather/"
