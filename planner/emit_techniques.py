@@ -48,6 +48,29 @@ PRECOMPUTE_NOTE = ("FP8 all-gather: after each optimizer.step() call torchao.flo
                    "(model): every Float8 weight's scale in one all-reduce, not one per weight inside each all-gather.")
 
 
+def hf_compiled_loss_lines(config: FsdpConfig) -> list[str]:
+    """With compile the plan counts the loss fused (config.loss_compiled: the bf16 logits and their gradient, no
+    fp32 copies). A Hugging Face model computes its loss eagerly inside its forward; Trainer's compute_loss_func
+    takes it out (Trainer then calls the model without labels), compiled as calibration/runner.py runs it."""
+    if not config.loss_compiled:
+        return []
+    return [
+        "",
+        "",
+        "@torch.compile  # the loss fused, as planned: bf16 logits and their gradient, no fp32 copies of them",
+        "def causal_lm_loss_sum(logits, labels):",
+        "    targets = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=-100)  # next token; the last ignored",
+        "    return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(),",
+        "                                             ignore_index=-100, reduction=\"sum\")",
+        "",
+        "",
+        "def compute_loss_func(outputs, labels, num_items_in_batch=None):",
+        "    \"\"\"Trainer(..., compute_loss_func=compute_loss_func): the model's own loss, computed outside it.\"\"\"",
+        "    count = num_items_in_batch if num_items_in_batch is not None else (labels[:, 1:] != -100).sum()",
+        "    return causal_lm_loss_sum(outputs.logits, labels) / count",
+    ]
+
+
 def module_level(config: FsdpConfig) -> list[str]:
     """Code a snippet defines before apply_fsdp (the selective-op policy), else nothing."""
     return SELECTIVE_OP_POLICY if config.selective_op_ac else []

@@ -161,7 +161,8 @@ def emit_hf_trainer(config: FsdpConfig, model_spec: ModelSpec, cluster: ClusterS
     launch = torchrun_command(cluster, script)
     if config.compile:
         launch = "ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION=true " + launch
-    imports = (["import torch"] if reduce_lines else []) + ["from transformers import TrainingArguments"]
+    loss_lines = tech.hf_compiled_loss_lines(config)
+    imports = (["import torch"] if reduce_lines or loss_lines else []) + ["from transformers import TrainingArguments"]
     if hsdp:
         imports.append("from accelerate import ParallelismConfig")
     arguments = [
@@ -200,6 +201,7 @@ def emit_hf_trainer(config: FsdpConfig, model_spec: ModelSpec, cluster: ClusterS
         "args = TrainingArguments(",
         *arguments,
         *reduce_lines,
+        *loss_lines,
         *([_comment(notes)] if notes else []),
         _comment([f"launch (Trainer builds the accelerator from these arguments; `accelerate launch` works too): "
                   f"{launch}"] + multi_node_note(cluster)),

@@ -28,18 +28,23 @@ def _load_accelerate(tmp_path, text: str, extra_args=()):
 
 
 
-def _build_training_arguments(text: str):
-    """Run an emitted `--emit hf-trainer` snippet as a training script would and return its TrainingArguments.
-    This machine has no GPU, where bf16=True refuses to construct without use_cpu=True: the snippet carries that
-    line commented, and it is uncommented here. The environment (transformers sets FSDP_* variables) and
-    accelerate's process state are restored afterwards."""
+def _run_hf_snippet(text: str) -> dict:
+    """Run an emitted `--emit hf-trainer` snippet as a training script would and return what it defines (its
+    TrainingArguments `args`, a compiled loss's `compute_loss_func`). This machine has no GPU, where bf16=True
+    refuses to construct without use_cpu=True: the snippet carries that line commented, and it is uncommented
+    here. The environment (transformers sets FSDP_* variables) and accelerate's process state are restored
+    afterwards."""
     from accelerate.state import AcceleratorState
 
     namespace = {}
     with mock.patch.dict(os.environ):
         exec(compile(text.replace("# use_cpu=True,", "use_cpu=True,"), "<hf-trainer snippet>", "exec"), namespace)
     AcceleratorState._reset_state(reset_partial_state=True)
-    return namespace["args"]
+    return namespace
+
+
+def _build_training_arguments(text: str):
+    return _run_hf_snippet(text)["args"]
 
 
 @pytest.fixture
@@ -48,6 +53,14 @@ def training_arguments():
     pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
     return _build_training_arguments
+
+
+@pytest.fixture
+def hf_snippet():
+    """What an emitted `--emit hf-trainer` snippet defines, as a function (snippet_text) -> namespace."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    return _run_hf_snippet
 
 
 @pytest.fixture

@@ -82,6 +82,32 @@ def test_hf_trainer_snippet_builds_training_arguments_with_the_plan(training_arg
         assert "mixed_precision_policy" not in plugin_args
 
 
+def test_hf_trainer_compiled_loss_is_the_models_own_loss(hf_snippet):
+    # With compile the plan counts the loss fused; the snippet's compute_loss_func computes it outside the model
+    # (Trainer then calls the model without labels). Its value equals the model's own loss, per token (mean) and
+    # as Trainer's gradient-accumulation form (sum / num_items_in_batch).
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    ns = hf_snippet(emit_hf_trainer(FsdpConfig(compile=True), SPEC, ONE_NODE))
+    assert "compute_loss_func" not in hf_snippet(emit_hf_trainer(FsdpConfig(compile=True, compile_loss=False), SPEC,
+                                                                 ONE_NODE))
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                         num_attention_heads=4, num_key_value_heads=2, vocab_size=500))
+    ids = torch.randint(0, 500, (2, 33))
+    ids[1, :5] = -100  # ignored labels count as HF counts them
+    inputs = ids.clamp(min=0)
+    own = model(inputs, labels=ids).loss
+    loss_sum = ns["causal_lm_loss_sum"]._torchdynamo_orig_callable  # the compiled function's source (compile itself:
+    ns["causal_lm_loss_sum"] = loss_sum                              # tests/unit/test_loss_memory.py)
+    ours = ns["compute_loss_func"](model(inputs), ids)
+    assert ours.item() == pytest.approx(own.item(), rel=1e-5)
+    items = (ids[:, 1:] != -100).sum()
+    assert ns["compute_loss_func"](model(inputs), ids, num_items_in_batch=2 * items).item() == pytest.approx(
+        own.item() / 2, rel=1e-5)
+
+
 def test_hf_trainer_says_what_it_cannot_set():
     text = emit_hf_trainer(FsdpConfig(ac_every="selective-op", float8=True, fp8_all_gather=True,
                                       reshard_after_forward=8, forward_prefetch=True), SPEC, TWO_NODES)
