@@ -335,18 +335,63 @@ def compile_dynamic_shapes(ctx: Context):
                       "fixed length")
 
 
+# Dialects that cannot say "selective-op" (their checkpointing switch is a bool), in their own words: (what the
+# dialect has, the fix in it). torchtitan can (activation_checkpoint.mode = "selective", selective_ac_option =
+# "op"), and so can a kwargs file (the training script's own choice): their readers never mark it unexpressed.
+SELECTIVE_OP_DIALECTS = {
+    "accelerate": ("An accelerate config", "accelerate's fsdp_activation_checkpointing is a bool (every block "
+                   "recomputed whole) and rejects 'selective-op'",
+                   "fsdp_activation_checkpointing: true (whole blocks: less memory, more recompute), or wrap each "
+                   "block yourself with the selective_op_context that `fsdp-plan ... --emit fsdp2` writes before "
+                   "accelerator.prepare"),
+    "hf-trainer": ("Hugging Face TrainingArguments", "fsdp_config's activation_checkpointing (like the Trainer's "
+                   "own gradient_checkpointing) is a bool: every block recomputed whole",
+                   "fsdp_config: {activation_checkpointing: true} (whole blocks: less memory, more recompute), or "
+                   "wrap each block with the selective_op_context that `fsdp-plan ... --emit fsdp2` writes before "
+                   "building the Trainer, or a torchtitan job (activation_checkpoint.mode = \"selective\", "
+                   "selective_ac_option = \"op\")"),
+}
+
+
 def selective_op_unexpressed(ctx: Context):
-    if "selective-op" in ctx.setup.unexpressed:
-        yield Finding("selective-op-not-expressible", ERROR,
-                      f"A {ctx.setup.dialect} config cannot express selective op-level checkpointing: accelerate's "
-                      "fsdp_activation_checkpointing is a bool (every block recomputed whole) and rejects "
-                      "'selective-op'. The estimate prices the policy you asked for.",
-                      "fsdp_activation_checkpointing: true (whole blocks: less memory, more recompute), or wrap each "
-                      "block yourself with the selective_op_context that `fsdp-plan ... --emit fsdp2` writes before "
-                      "accelerator.prepare")
+    if "selective-op" not in ctx.setup.unexpressed:
+        return
+    who, what, fix = SELECTIVE_OP_DIALECTS.get(
+        ctx.setup.dialect, (f"A {ctx.setup.dialect} setup", "it has no op-level checkpointing policy",
+                            "apply the selective_op_context that `fsdp-plan ... --emit fsdp2` writes to each block"))
+    yield Finding("selective-op-not-expressible", ERROR,
+                  f"{who} cannot express selective op-level checkpointing: {what}. The estimate prices the policy "
+                  "you asked for.", fix)
 
 
-RULES = (dtype_support, float8_support, reshard_group, compile_dynamic_shapes, selective_op_unexpressed, does_not_fit, fp16_scaler, lora_without_orig_params, lora_adapters_share_units, wrap_policy,
+def checkpointing_outside_units(ctx: Context):
+    """A reentrant checkpoint around each FSDP1 unit's call (HF Trainer's own activation_checkpointing with
+    use_reentrant: true): the recompute in backward runs the unit's pre-forward hook before its pre-backward one,
+    so a strategy that reshards after forward all-gathers the block a third time (recompute, then backward), 50%
+    more all-gather traffic for those blocks; transformers warns of it (huggingface/transformers#30404).
+    Non-reentrant checkpointing (transformers 5's default) and FSDP2 gather nothing more, measured in
+    tests/distributed/test_hf_checkpointing_gathers.py; unsharded groups and SHARD_GRAD_OP gather nothing."""
+    c = ctx.config
+    if not (ctx.setup.checkpoint_regathers and c.checkpoints and c.sharding.reshards_after_forward
+            and c.shard_group_size(ctx.cluster) > 1):
+        return
+    n_blocks = ctx.model.n_layers if c.selective_op_ac else -(-ctx.model.n_layers // max(1, c.ac_every))
+    gathered = n_blocks * ctx.model.block_params * DTYPE_BYTES[c.precision.compute_dtype]
+    every = "" if c.ac_every in (0, 1) or c.selective_op_ac else (
+        f"; fsdp_config's checkpoints every block, not every {c.ac_every}th: less memory, more recompute")
+    yield Finding("checkpointing-outside-fsdp-units", WARNING,
+                  "The Trainer's own activation checkpointing, reentrant, wraps each block from outside its FSDP1 "
+                  "unit, so the recompute in backward runs the unit's forward hooks again: each checkpointed block is "
+                  f"all-gathered a third time per micro-step ({n_blocks} blocks, {gathered / GiB:.1f} GiB of "
+                  f"{c.precision.compute_dtype} params, 50% more all-gather traffic for them), which the estimate "
+                  "does not count.",
+                  "use_reentrant: false in activation_checkpointing_kwargs (transformers 5's default), or "
+                  "activation_checkpointing: false with fsdp_config: {activation_checkpointing: true} (FSDP's own, "
+                  f"inside the units{every}), or FSDP2 (fsdp_config: {{version: 2}})")
+
+
+RULES = (dtype_support, float8_support, reshard_group, compile_dynamic_shapes, selective_op_unexpressed,
+         checkpointing_outside_units, does_not_fit, fp16_scaler, lora_without_orig_params, lora_adapters_share_units, wrap_policy,
          hybrid_single_node, sync_module_states, forward_prefetch_dynamic, limit_all_gathers, fsdp2_removed_settings,
          reduce_in_low_precision, kv_cache_with_checkpointing, micro_batch_headroom, slower_than_plan)
 
@@ -398,9 +443,10 @@ class CheckReport:
 
 def check(setup: UserSetup, model, gpus: int | None = None, *, gpus_per_node: int | None = None,
           micro_batch: int | None = None, grad_accum: int | None = None, dynamic_control_flow: bool = False,
-          profile: Profile | None = None, **cluster_and_training) -> CheckReport:
+          profile: Profile | None = None, seq_len: int | None = None, **cluster_and_training) -> CheckReport:
     """Estimate the user's setup on the cluster and run every rule. Cluster size defaults to the one the
-    accelerate config names (num_processes, num_machines)."""
+    accelerate config names (num_processes, num_machines); seq_len to the setup's own (torchtitan's
+    training.seq_len), else 2048."""
     from .api import cluster_rejects, estimate_config, grad_accum_for, plan_for, resolve_inputs
     from .errors import PlannerError
 
@@ -410,7 +456,9 @@ def check(setup: UserSetup, model, gpus: int | None = None, *, gpus_per_node: in
         gpus = setup.n_processes
     if gpus_per_node is None and setup.n_machines:
         gpus_per_node = max(1, gpus // setup.n_machines)
-    spec, cluster, training = resolve_inputs(model, gpus, gpus_per_node=gpus_per_node, **cluster_and_training)
+    seq_len = seq_len or setup.seq_len or 2048
+    spec, cluster, training = resolve_inputs(model, gpus, gpus_per_node=gpus_per_node, seq_len=seq_len,
+                                             **cluster_and_training)
     mb = micro_batch or setup.config.micro_batch
     config = replace(setup.config, micro_batch=mb,
                      grad_accum=grad_accum or (grad_accum_for(mb, cluster, training) if training.global_batch

@@ -56,6 +56,8 @@ class UserSetup:
     compile_dynamic: bool = False           # torch.compile with dynamic shapes (dynamic=True, dynamo_use_dynamic)
     unexpressed: tuple[str, ...] = ()       # settings asked for that the dialect cannot express (selective-op)
     seq_len: int | None = None              # tokens per sequence, where the setup says (torchtitan's training.seq_len)
+    checkpoint_regathers: bool = False      # the recompute all-gathers each checkpointed block again: a reentrant
+    #                                         checkpoint around FSDP1 units (HF Trainer's own, use_reentrant: true)
     notes: tuple[str, ...] = field(default=())
 
 

@@ -109,25 +109,29 @@ def _hf_replicas(data: dict) -> tuple[int, int | None]:
     return replicas, shard
 
 
-def _hf_checkpointing(data: dict, fsdp: dict) -> tuple[int | str, str | None]:
-    """(ac_every, note): FSDP's own checkpointing (fsdp_config, every block) or TrainingArguments' own
-    (activation_checkpointing, formerly gradient_checkpointing; its kwargs' every_n_layers)."""
+def _hf_checkpointing(data: dict, fsdp: dict) -> tuple[int | str, bool]:
+    """(ac_every, reentrant outside the units): FSDP's own checkpointing (fsdp_config, every block, inside the
+    units) or TrainingArguments' own (activation_checkpointing, formerly gradient_checkpointing; its kwargs'
+    every_n_layers), which checkpoints each block's call from outside its unit. That is reentrant when the kwargs
+    say use_reentrant: true, or pass other checkpoint keys without it (torch.utils.checkpoint's default);
+    transformers 5 passes use_reentrant=False when they are empty."""
     ac = fsdp.get("activation_checkpointing", False)
     if str(ac).strip().lower() == SELECTIVE_OP:  # transformers reads a bool: it cannot say this
-        return SELECTIVE_OP, None
+        return SELECTIVE_OP, False
     if _bool("fsdp_config.activation_checkpointing", ac):
-        return 1, None
+        return 1, False
     key = "activation_checkpointing" if data.get("activation_checkpointing") is not None else "gradient_checkpointing"
     if not _bool(key, data.get(key, False)):
-        return 0, None
+        return 0, False
     kwargs = data.get(f"{key}_kwargs") or {}
     if not isinstance(kwargs, dict):
         raise PlannerError(f"{key}_kwargs", "must be a mapping like {every_n_layers: 2}")
     every = _int(kwargs, "every_n_layers", 1)
     if every < 1:
         raise PlannerError(f"{key}_kwargs.every_n_layers", f"must be >= 1, got {every}")
-    return every, (f"{key}=True checkpoints outside the FSDP units: each block is all-gathered again for its "
-                   "recompute (fsdp_config's activation_checkpointing does not)")
+    rest = {k: v for k, v in kwargs.items() if k not in ("every_n_layers", "offload")}
+    reentrant = _bool(f"{key}_kwargs.use_reentrant", rest["use_reentrant"]) if "use_reentrant" in rest else bool(rest)
+    return every, reentrant
 
 
 def _positive_int(data: dict, key: str, default: int) -> int:
@@ -167,7 +171,13 @@ def from_hf_trainer(data: dict, source: str = "TrainingArguments") -> UserSetup:
     if policy not in HF_WRAP:
         raise PlannerError("fsdp_config.auto_wrap_policy", f"unknown value {policy!r}; choose one of: "
                                                            f"{', '.join(HF_WRAP)}")
-    ac_every, ac_note = _hf_checkpointing(data, fsdp)
+    ac_every, reentrant_outside = _hf_checkpointing(data, fsdp)
+    # FSDP1 re-gathers a unit whose forward a reentrant checkpoint reruns in backward (its pre-forward hook sees
+    # no backward yet); FSDP2's hooks and a non-reentrant checkpoint do not (tests/distributed/test_hf_checkpointing)
+    regathers = reentrant_outside and version == 1
+    ac_note = ("TrainingArguments' own activation checkpointing (reentrant) checkpoints outside the FSDP1 units: "
+               "each block is all-gathered again for its recompute (fsdp_config's activation_checkpointing does "
+               "not)") if regathers else None
     rank0 = _bool("fsdp_config.cpu_ram_efficient_loading", fsdp.get("cpu_ram_efficient_loading", False))
     compiles = _bool("torch_compile", data.get("torch_compile", False)) or any(
         data.get(k) is not None for k in ("torch_compile_backend", "torch_compile_mode"))
@@ -191,7 +201,7 @@ def from_hf_trainer(data: dict, source: str = "TrainingArguments") -> UserSetup:
         n_processes=replicas * shard if shard else None, n_machines=replicas if replicas > 1 else None,
         use_cache=_bool("use_cache", data.get("use_cache", False)),  # TrainingArguments' default: off
         unexpressed=(SELECTIVE_OP,) if ac_every == SELECTIVE_OP else (),
-        notes=(ac_note,) if ac_note else (),
+        notes=(ac_note,) if ac_note else (), checkpoint_regathers=regathers,
     )
 
 

@@ -10,17 +10,24 @@ from typing import Annotated, Optional
 import typer
 
 from planner.cli.options import (CpuRam, FinetuneOpt, Format, FormatOpt, GlobalBatch, Gpu, GpuMemory, Gpus,
-                                 GpusPerNode, InternodeGbps, IntraNode, LoraRank, Model, Optim, Pcie, SeqLen)
+                                 GpusPerNode, InternodeGbps, IntraNode, LoraRank, Model, Optim, Pcie)
+
+CONFIG_HELP = ("The setup to check, told apart by content: an accelerate config (YAML); FSDP1 "
+               "FullyShardedDataParallel kwargs or FSDP2 fully_shard arguments (JSON/YAML); Hugging Face "
+               "TrainingArguments (JSON/YAML with fsdp, fsdp_config); a torchtitan job file (.toml) or its "
+               "--section.option flag list (a text file). Without it: the --sharding/--precision/... flags")
+# None: the file's own sequence length where it says one (torchtitan's training.seq_len), else 2048
+SeqLenOrFile = Annotated[Optional[int], typer.Option(
+    "--seq-len", help="Tokens per sequence [default: the file's (torchtitan training.seq_len), else 2048]")]
 
 
 def register(app) -> None:
     @app.command("check")
     def check_cmd(
-        config: Annotated[Optional[str], typer.Argument(help="accelerate config, or JSON/YAML of FSDP1 kwargs or "
-                                                             "FSDP2 fully_shard arguments")] = None,
+        config: Annotated[Optional[str], typer.Argument(help=CONFIG_HELP)] = None,
         model: Model = None, gpus: Gpus = None, gpus_per_node: GpusPerNode = None, gpu: Gpu = "a100-80gb",
         internode_gbps: InternodeGbps = None, gpu_memory: GpuMemory = None, intra_node_gb_per_s: IntraNode = None,
-        pcie_gb_per_s: Pcie = None, cpu_ram_per_node: CpuRam = None, seq_len: SeqLen = 2048,
+        pcie_gb_per_s: Pcie = None, cpu_ram_per_node: CpuRam = None, seq_len: SeqLenOrFile = None,
         global_batch: GlobalBatch = None, optimizer: Optim = "adamw", finetune: FinetuneOpt = "full",
         lora_rank: LoraRank = 16,
         micro_batch: Annotated[Optional[int], typer.Option("--micro-batch", help="Sequences per GPU per micro-step")] = None,

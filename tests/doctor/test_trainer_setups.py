@@ -26,9 +26,18 @@ def test_hf_legacy_strategy_string_and_fsdp_prefixes():
 
 
 def test_hf_own_checkpointing_every_n_layers_is_read_and_noted():
-    s = from_hf_trainer({"fsdp": True, "gradient_checkpointing": True,
-                         "gradient_checkpointing_kwargs": {"every_n_layers": 3}})
-    assert s.config.ac_every == 3 and "all-gathered again" in s.notes[0]
+    # reentrant around FSDP1 units: the recompute re-gathers (tests/distributed/test_hf_checkpointing_gathers.py)
+    s = from_hf_trainer({"fsdp": True, "fsdp_config": {"version": 1}, "gradient_checkpointing": True,
+                         "gradient_checkpointing_kwargs": {"every_n_layers": 3, "use_reentrant": True}})
+    assert s.config.ac_every == 3 and s.checkpoint_regathers and "all-gathered again" in s.notes[0]
+    # transformers 5's default (non-reentrant), and FSDP2 whatever the checkpoint: nothing gathered again
+    for data in ({"fsdp": True, "fsdp_config": {"version": 1}, "gradient_checkpointing": True},
+                 {"fsdp": True, "activation_checkpointing": True, "activation_checkpointing_kwargs": {"use_reentrant": 1}}):
+        quiet = from_hf_trainer(data)
+        assert quiet.config.ac_every == 1 and not quiet.checkpoint_regathers and not quiet.notes
+    # other checkpoint kwargs without use_reentrant: torch.utils.checkpoint's default, reentrant
+    assert from_hf_trainer({"fsdp": True, "fsdp_config": {"version": 1}, "gradient_checkpointing": True,
+                            "gradient_checkpointing_kwargs": {"preserve_rng_state": False}}).checkpoint_regathers
     assert from_hf_trainer({"fsdp": True, "fsdp_config": {"activation_checkpointing": "selective-op"}}).unexpressed \
         == ("selective-op",)
 
