@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .feasibility import as_run, refusals
 from .memory import MemoryEstimate, estimate_memory
 from .profile import Profile
 from .specs import ClusterSpec, FsdpConfig, ModelSpec, TrainingSpec
@@ -32,29 +33,15 @@ def gpu_memory_reason(reserved_bytes: int, capacity_bytes: int, detail: str, pre
 
 
 def unsupported_reasons(cluster: ClusterSpec, config: FsdpConfig) -> list[str]:
-    """Configurations that cannot run at all on this cluster, whatever the memory."""
-    reasons = []
-    dtype = config.precision.compute_dtype
-    if not cluster.gpu.supports(dtype):
-        supported = ", ".join(k for k, v in cluster.gpu.peak_flops.items() if v)
-        reasons.append(f"{cluster.gpu.id} has no {dtype} support (supported: {supported})")
-    if config.float8 and not cluster.gpu.supports("fp8"):
-        reasons.append(f"{cluster.gpu.id} has no FP8 tensor cores: Float8 linears need Hopper, Ada, Blackwell or "
-                       "CDNA 3/4")
-    if config.float8 and dtype != "bf16":
-        reasons.append(f"Float8 linears (torchao) run with bf16 compute, not {config.precision.value}")
-    d = config.shard_group_size(cluster)
-    if config.reshard_after_forward and (d % config.reshard_after_forward or config.reshard_after_forward >= d):
-        reasons.append(f"reshard_after_forward={config.reshard_after_forward} must divide the shard group ({d} "
-                       "ranks) and be smaller than it")
-    if config.sharding.is_hybrid and cluster.n_gpus % cluster.gpus_per_node:
-        reasons.append(f"{config.sharding.value} needs gpus ({cluster.n_gpus}) divisible by gpus_per_node "
-                       f"({cluster.gpus_per_node})")
-    return reasons
+    """Why a configuration cannot run at all on this cluster, whatever the memory (cost_models.feasibility)."""
+    return [r.reason for r in refusals(cluster, config)]
 
 
 def evaluate(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, config: FsdpConfig,
              profile: Profile) -> Evaluation:
+    """Price `config` as FSDP runs it (feasibility.as_run: a reshard group equal to the shard group is the
+    strategy's own resharding), with the reasons it cannot run or does not fit."""
+    config = as_run(config, cluster)
     memory = estimate_memory(model, cluster, training, config, profile)
     time = estimate_step_time(model, cluster, training, config, profile)
     reasons = unsupported_reasons(cluster, config)

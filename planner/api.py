@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from cost_models import fsdp_options
 from cost_models.evaluate import Evaluation, evaluate
+from cost_models.feasibility import refusals
 from cost_models.profile import DEFAULT_PROFILE, Profile
 from cost_models.specs import (Attention, ClusterSpec, Finetune, FsdpConfig, ModelSpec, Precision, Sharding,
                                REDUCE_DTYPES, SpecError, TrainingSpec, parse_enum)
@@ -310,23 +311,13 @@ def estimate_config(spec: ModelSpec, cluster: ClusterSpec, training: TrainingSpe
 
 
 def cluster_rejects(cluster: ClusterSpec, config: FsdpConfig) -> PlannerError | None:
-    """Why `config` cannot run on `cluster` at all (its field and the valid choices), or None."""
-    if config.sharding.is_hybrid and cluster.n_gpus % cluster.gpus_per_node:
-        return PlannerError("gpus_per_node", f"{config.sharding.value} needs gpus ({cluster.n_gpus}) divisible by "
-                            f"gpus_per_node ({cluster.gpus_per_node})")
-    if not cluster.gpu.supports(config.precision.compute_dtype):
-        supported = ", ".join(p.value for p in Precision if cluster.gpu.supports(p.compute_dtype))
-        return PlannerError("precision", f"{cluster.gpu.id} has no {config.precision.compute_dtype} support; "
-                            f"choose one of: {supported}")
-    if config.float8 and not cluster.gpu.supports("fp8"):
-        return PlannerError("float8", f"{cluster.gpu.id} has no FP8 tensor cores; drop --float8, or plan for a GPU "
-                                      "that has them (fsdp-plan gpus: the fp8 TF column)")
-    d = config.shard_group_size(cluster)
-    if config.reshard_after_forward and d % config.reshard_after_forward:
-        return PlannerError("reshard_after_forward", f"{config.reshard_after_forward} does not divide the shard group "
-                                                     f"of {d} ranks; choose a divisor >= 2 of {d} (e.g. the node's "
-                                                     f"{cluster.gpus_per_node} GPUs), or 0")
-    return None
+    """Why `config` cannot run on `cluster` at all (cost_models.feasibility: its field, the reason and what is
+    valid), or None; of several, one the cost model cannot price first."""
+    refused = refusals(cluster, config)
+    if not refused:
+        return None
+    first = next((r for r in refused if not r.priced), refused[0])
+    return PlannerError(first.field, f"{first.reason}; {first.fix}")
 
 
 __all__ = ["plan", "estimate", "Plan", "Candidate", "Sharding", "SpecError"]

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from cost_models.evaluate import evaluate, gpu_memory_reason
+from cost_models.feasibility import refusals
 from cost_models.profile import DEFAULT_PROFILE, Profile
 from cost_models.specs import ClusterSpec, Finetune, FsdpConfig, ModelSpec, Precision, TrainingSpec
 from cost_models.units import DTYPE_BYTES, GiB
@@ -176,20 +177,18 @@ def fsdp2_removed_settings(ctx: Context):
                       f"remove {key}; FSDP2 uses {FSDP2_REMOVED[key]}")
 
 
-def dtype_support(ctx: Context):
-    dtype = ctx.config.precision.compute_dtype
-    if not ctx.cluster.gpu.supports(dtype):
-        alt = "fp16 with ShardedGradScaler" if ctx.cluster.gpu.supports("fp16") else "fp32"
-        yield Finding("dtype-not-supported", ERROR,
-                      f"{ctx.cluster.gpu.name} has no {dtype} tensor cores (no {dtype} support); the run fails or "
-                      "falls back to slow emulation.",
-                      f"mixed precision {alt}")
+def cannot_run(ctx: Context):
+    """The configuration cannot run on this cluster at all (cost_models.feasibility, the table the estimate and
+    the API refuse by)."""
+    for r in refusals(ctx.cluster, ctx.candidate.config):
+        yield Finding(r.code, ERROR, f"{r.reason}.", r.fix)
 
 
 def does_not_fit(ctx: Context):
+    refused = {r.reason for r in refusals(ctx.cluster, ctx.candidate.config)}
     for reason in ctx.candidate.reasons:
-        if "support" in reason or "no auto-wrap" in reason:
-            continue  # reported by dtype_support / wrap_policy
+        if reason in refused or "no auto-wrap" in reason:
+            continue  # reported by cannot_run / wrap_policy
         code = "cpu-ram-does-not-fit" if "CPU RAM" in reason else "gpu-memory-does-not-fit"
         fix = ("more nodes (offloaded state per node shrinks with the shard group), or no offload with more GPUs"
                if code == "cpu-ram-does-not-fit" else _fit_fix(ctx))
@@ -285,12 +284,8 @@ def reduce_in_low_precision(ctx: Context):
 
 
 def float8_support(ctx: Context):
+    """Float8 where it runs but is not what torchao's recipe assumes; on GPUs without FP8: cannot_run."""
     c = ctx.config
-    if c.float8 and not ctx.cluster.gpu.supports("fp8"):
-        yield Finding("float8-without-fp8-tensor-cores", ERROR,
-                      f"Float8 linears on {ctx.cluster.gpu.name}, which has no FP8 tensor cores: torchao's FP8 matmul "
-                      "(torch._scaled_mm) needs compute capability 8.9+ (Ada, Hopper, Blackwell) and fails here.",
-                      "drop Float8 (bf16 linears), or train on a GPU with FP8 (fsdp-plan gpus: the fp8 TF column)")
     if c.float8 and c.precision not in (Precision.BF16, Precision.BF16_PURE):
         yield Finding("float8-without-bf16-compute", WARNING,
                       f"Float8 linears with {c.precision.value} compute: torchao's recipe (and torchtitan's figures) "
@@ -306,20 +301,13 @@ def float8_support(ctx: Context):
 
 
 def reshard_group(ctx: Context):
+    """An int reshard_after_forward FSDP2 accepts but reads as True; one that does not divide: cannot_run."""
     r = ctx.config.reshard_after_forward
-    if not r:
-        return
     d = ctx.config.shard_group_size(ctx.cluster)
-    if d % r:
-        yield Finding("reshard-after-forward-not-a-divisor", ERROR,
-                      f"reshard_after_forward={r} must divide the shard group of {d} ranks (FSDP2 raises "
-                      f"'should be a factor of {d}'): after forward each block's params are resharded over groups "
-                      f"of {r} consecutive ranks.",
-                      f"a divisor >= 2 of {d}, e.g. the node's {ctx.cluster.gpus_per_node} GPUs "
-                      f"(reshard_after_forward={ctx.cluster.gpus_per_node}), or True")
-    elif r == d:
+    if r and r == d:
         yield Finding("reshard-after-forward-is-the-whole-group", ADVICE,
-                      f"reshard_after_forward={r} is the whole shard group: the same as True (FSDP2 treats it so).",
+                      f"reshard_after_forward={r} is the whole shard group: the same as True (FSDP2 treats it so, and "
+                      "the estimate prices it so).",
                       f"reshard_after_forward=True, or a smaller divisor of {d} (the node's "
                       f"{ctx.cluster.gpus_per_node} GPUs) to keep backward's all-gathers inside a node")
 
@@ -390,7 +378,7 @@ def checkpointing_outside_units(ctx: Context):
                   f"inside the units{every}), or FSDP2 (fsdp_config: {{version: 2}})")
 
 
-RULES = (dtype_support, float8_support, reshard_group, compile_dynamic_shapes, selective_op_unexpressed,
+RULES = (cannot_run, float8_support, reshard_group, compile_dynamic_shapes, selective_op_unexpressed,
          checkpointing_outside_units, does_not_fit, fp16_scaler, lora_without_orig_params, lora_adapters_share_units, wrap_policy,
          hybrid_single_node, sync_module_states, forward_prefetch_dynamic, limit_all_gathers, fsdp2_removed_settings,
          reduce_in_low_precision, kv_cache_with_checkpointing, micro_batch_headroom, slower_than_plan)
@@ -447,7 +435,7 @@ def check(setup: UserSetup, model, gpus: int | None = None, *, gpus_per_node: in
     """Estimate the user's setup on the cluster and run every rule. Cluster size defaults to the one the
     accelerate config names (num_processes, num_machines); seq_len to the setup's own (torchtitan's
     training.seq_len), else 2048."""
-    from .api import cluster_rejects, estimate_config, grad_accum_for, plan_for, resolve_inputs
+    from .api import estimate_config, grad_accum_for, plan_for, resolve_inputs
     from .errors import PlannerError
 
     if gpus is None:
@@ -465,11 +453,12 @@ def check(setup: UserSetup, model, gpus: int | None = None, *, gpus_per_node: in
                                                else setup.config.grad_accum))
     setup = replace(setup, config=config)
     profile = profile or DEFAULT_PROFILE
-    rejected = cluster_rejects(cluster, config)
-    if rejected is None or rejected.field not in ("precision", "float8", "reshard_after_forward"):
-        candidate = estimate_config(spec, cluster, training, config, profile)
-    else:  # still price it (rejected, with the reason) so the report shows what it would need; a rule explains
+    if all(r.priced for r in refusals(cluster, config)):
+        # priced even when it cannot run (rejected, with the reasons) so the report shows what it would need;
+        # cannot_run explains
         candidate = Candidate(evaluate(spec, cluster, training, config, profile), spec, cluster, training)
+    else:
+        candidate = estimate_config(spec, cluster, training, config, profile)  # raises cluster_rejects' error
     best = plan_for(spec, cluster, training, profile)
     extra = unwrapped_extra_bytes(setup, candidate)
     candidate = _as_one_unit(candidate, extra, profile)
