@@ -232,7 +232,8 @@ def estimate(model, gpus: int, *, gpu: str = DEFAULT_GPU, gpus_per_node: int | N
     reduce_dtype fp32 | bf16: the gradient reduction's dtype, None: the precision's; activation_checkpointing
     "selective-op": torchtitan's op-level policy in every block; compile: torch.compile per block; float8:
     torchao Float8 linears, fp8_all_gather: FSDP2 gathers them in FP8; reshard_after_forward N: FSDP2 keeps
-    block params sharded over N ranks after forward, 0: the strategy's own)."""
+    block params sharded over N ranks after forward, 0: the strategy's own, as is N equal to the shard group,
+    which FSDP2 reads as True). What cannot run on the cluster raises PlannerError (cost_models.feasibility)."""
     spec, cluster, training = resolve_inputs(
         model, gpus, gpu=gpu, gpus_per_node=gpus_per_node, internode_gbps=internode_gbps, gpu_memory=gpu_memory,
         intra_node_gb_per_s=intra_node_gb_per_s, pcie_gb_per_s=pcie_gb_per_s, cpu_ram_per_node=cpu_ram_per_node,
