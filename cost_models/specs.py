@@ -564,6 +564,8 @@ class FsdpConfig:
         object.__setattr__(self, "ac_every", parse_activation_checkpointing(self.ac_every))
         _positive("micro_batch", self.micro_batch)
         _positive("grad_accum", self.grad_accum)
+        if not self.compile:  # compile_loss means nothing without compile: one spelling, so configs compare equal
+            object.__setattr__(self, "compile_loss", True)
         if self.expert_shard_dim not in (0, 1):
             raise SpecError("expert_shard_dim", f"{self.expert_shard_dim!r}; choose 0 (dim 0, padded) or 1")
         if self.reduce_dtype is not None and self.reduce_dtype not in REDUCE_DTYPES:

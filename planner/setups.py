@@ -198,7 +198,8 @@ def from_accelerate(data: dict, source: str = "accelerate config") -> UserSetup:
         ac_every=SELECTIVE_OP if selective else 1 if _bool("fsdp_activation_checkpointing", ac) else 0,
         backward_prefetch=prefetch in ("BACKWARD_PRE", "BACKWARD_POST"),
         forward_prefetch=_bool("fsdp_forward_prefetch", fsdp.get("fsdp_forward_prefetch", False)),
-        compile=compiles, float8=mixed == "fp8", fp8_all_gather=fp8_all_gather,
+        compile=compiles, compile_loss=False, float8=mixed == "fp8", fp8_all_gather=fp8_all_gather,  # the
+        # loss: inside a Hugging Face model's forward, which regional compilation leaves eager
     )
     wrap = {"TRANSFORMER_BASED_WRAP": "block", "SIZE_BASED_WRAP": "size", "NO_WRAP": "none"}.get(
         str(fsdp.get("fsdp_auto_wrap_policy", "NO_WRAP")).upper(), "custom")
@@ -248,7 +249,8 @@ def from_kwargs(data: dict, source: str = "kwargs") -> UserSetup:
     Extra keys the code around the wrapper decides: `grad_scaler` (ShardedGradScaler / GradScaler / null),
     `model_dtype` (the dtype the model is loaded in), `init` (all / rank0 / meta), `activation_checkpointing`,
     `micro_batch`, `grad_accum`, `use_cache` (model.config.use_cache during training: true / false),
-    `compile` (torch.compile per block: true, or a mapping like {dynamic: true}), `float8` (torchao Float8
+    `compile` (torch.compile per block and of the loss: true, or a mapping like {dynamic: true, loss: false}
+    for blocks only), `float8` (torchao Float8
     linears), `fp8_all_gather`. FSDP2's `reshard_after_forward` may be an int group size.
     """
     known = {"sharding_strategy", "mixed_precision", "cpu_offload", "auto_wrap_policy", "backward_prefetch",
@@ -306,6 +308,7 @@ def from_kwargs(data: dict, source: str = "kwargs") -> UserSetup:
     config = FsdpConfig(
         sharding=sharding, precision=precision, offload=offload,
         compile=bool(compile_) if isinstance(compile_, dict) else _bool("compile", compile_),
+        compile_loss=_bool("compile.loss", compile_.get("loss", True)) if isinstance(compile_, dict) else True,
         float8=_bool("float8", data.get("float8", False)),
         fp8_all_gather=_bool("fp8_all_gather", data.get("fp8_all_gather", False)), reshard_after_forward=reshard_group,
         ac_every=data.get("activation_checkpointing", "none"),

@@ -187,6 +187,7 @@ def from_hf_trainer(data: dict, source: str = "TrainingArguments") -> UserSetup:
         micro_batch=_positive_int(data, "per_device_train_batch_size", 8),  # HF's default
         grad_accum=_positive_int(data, "gradient_accumulation_steps", 1),
         backward_prefetch=prefetch, forward_prefetch=forward_prefetch, limit_all_gathers=limit, compile=compiles,
+        compile_loss=False,  # the model's own loss, in its forward: eager (a compute_loss_func is code, not an argument)
     )
     return UserSetup(
         config=config, fsdp_version=version, source=source, dialect="hf-trainer",

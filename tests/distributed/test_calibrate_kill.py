@@ -120,6 +120,10 @@ def test_sigkill_mid_calibration_then_resume_loses_nothing_and_skips_the_torn_li
     wall = time.monotonic() - t0
     assert resumed.returncode == 0, f"exit {resumed.returncode}\n{resumed.stderr[-5000:]}"
     report = json.loads(resumed.stdout)
+    # a real calibration's JSON report is what its schema says (fsdp-plan schema calibrate)
+    jsonschema = pytest.importorskip("jsonschema")
+    from planner.schemas import json_schema
+    jsonschema.Draft202012Validator(json_schema("calibrate")).validate(report)
     before_ids = [r.run_id for r in before]
     # nothing measured is lost and nothing measured is measured again
     assert report["skipped_runs"] == before_ids
