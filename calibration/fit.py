@@ -5,8 +5,9 @@ the runs can inform:
 - compute_efficiency[dtype] for each compute dtype that was run (the matmuls' achieved fraction of the
   GPU's large-GEMM rate);
 - with two runs or more: microstep_overhead_s (a fixed cost per micro-step), memory_bound_efficiency
-  (the pointwise kernels' fraction of HBM bandwidth) and attention_efficiency (a scale on the catalog's
-  flash-kernel figure);
+  (the pointwise kernels' fraction of HBM bandwidth), attention_efficiency (a scale on the catalog's
+  flash-kernel figure) and matmul_half_dim (the matmul efficiency curve: x0 of the shape factor
+  prod x / (x + x0), which runs of different micro-batches or widths tell apart from compute_efficiency);
 - intra_node_comm_efficiency / inter_node_comm_efficiency, when a run communicated on that tier (runs
   under --emulate-world-size have no real communication and do not inform them), and with two such runs
   overlap_slowdown (compute slowed beside NCCL), with three the tier's per-hop latency.
@@ -51,6 +52,7 @@ _BOUNDS = {  # (low, high) of each fitted coefficient
     "inter_node_comm_efficiency": (1e-3, 10.0),
     "memory_bound_efficiency": (1e-3, 4.0),
     "attention_efficiency": (1e-3, 10.0),
+    "matmul_half_dim": (1.0, 8192.0),
     "overlap_slowdown": (1e-4, 5.0),
     "intra_node_latency_s": (1e-8, 1e-2),
     "inter_node_latency_s": (1e-8, 1e-2),
@@ -137,7 +139,7 @@ def _unknowns(samples: list[Sample]) -> list[str]:
     extra = []
     if len(samples) >= 2:
         names.append("microstep_overhead_s")
-        extra += ["memory_bound_efficiency", "attention_efficiency"]
+        extra += ["memory_bound_efficiency", "attention_efficiency", "matmul_half_dim"]
     tiers = [_communicates(s) for s in samples]
     for k, tier in enumerate(("intra_node", "inter_node")):
         n_runs = sum(1 for t in tiers if t[k])
