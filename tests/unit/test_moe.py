@@ -280,13 +280,15 @@ def test_expert_units_against_the_trace(config, tolerance):
 
 
 def test_search_wraps_experts_apart_where_it_lets_a_larger_micro_batch_fit():
-    """Qwen3-30B-A3B on 8 A100 80GB at 4k tokens: micro-batch 4 fits only with expert units (one layer's
-    128 experts, 1.13 GiB in bf16, left out of the backward prefetch)."""
+    """Qwen3-30B-A3B on 8 A100 80GB at 3.5k tokens, eager (compile's fused loss would free more than the
+    experts): micro-batch 4 fits only with expert units (one layer's 128 experts, 1.13 GiB in bf16, left out
+    of the backward prefetch): 79.6 against 80.8 GiB reserved."""
     from planner.api import plan
+    from planner.search import SearchSpace
 
-    p = plan("qwen3-30b-a3b", 8, seq_len=4096)
+    p = plan("qwen3-30b-a3b", 8, seq_len=3584, space=SearchSpace(compile=(False,)))
     assert p.best.config.expert_units and p.best.config.micro_batch == 4
-    without = estimate("qwen3-30b-a3b", 8, seq_len=4096, activation_checkpointing="full", micro_batch=4)
+    without = estimate("qwen3-30b-a3b", 8, seq_len=3584, activation_checkpointing="full", micro_batch=4)
     assert not without.fits
 
 
