@@ -171,11 +171,11 @@ def foreach_temporary_bytes(optimizer: torch.optim.Optimizer) -> int:
 def _loss(model: nn.Module, ids: torch.Tensor, is_hf: bool, compiled: bool) -> torch.Tensor:
     """The model's own loss, or with a compiled loss (config.loss_compiled) the fused cross-entropy of its
     logits (calibration/fused_loss.py: the compiled kernel's memory, runnable on fake tensors)."""
-    if compiled:
+    if compiled:  # as calibration runs it, with the fused loss standing for the compiled one
         from calibration.fused_loss import fused_causal_lm_loss
+        from calibration.runner import loss_of
 
-        out = model(input_ids=ids) if is_hf else model(ids)
-        return fused_causal_lm_loss(out.logits if hasattr(out, "logits") else out[0], ids)
+        return loss_of(model, ids, fused_causal_lm_loss)
     out = model(input_ids=ids, labels=ids) if is_hf else model(ids, labels=ids)
     return out.loss if hasattr(out, "loss") else out[0]
 
