@@ -95,10 +95,7 @@ def _notes(config: FsdpConfig, training: TrainingSpec | None = None) -> list[str
                      "the adapters in units of their own (the fsdp1 snippet's CustomPolicy; HF Trainer does it for "
                      "PEFT models; plain accelerate: auto_wrap_policy=peft.utils.other.fsdp_auto_wrap_policy(model)).")
     if config.loss_compiled:
-        notes.append("compile the loss too (the plan counts it fused: the bf16 logits and their gradient, no fp32 "
-                     "copies): loss_fn = torch.compile(lambda logits, labels: torch.nn.functional.cross_entropy("
-                     "logits.flatten(0, 1).float(), labels.flatten(0, 1))), applied to model(input_ids).logits "
-                     "(the model called without labels).")
+        notes.append(tech.COMPILED_LOSS_NOTE)
     if config.expert_units:
         notes.append("expert units: the plan wraps each block's routed experts (the module holding the stacked expert "
                      "tensors) as an FSDP2 unit of its own before the block, as --emit fsdp2 writes; for FSDP1 or "

@@ -44,6 +44,13 @@ SELECTIVE_OP_POLICY = [
 ]
 FLOAT8_IMPORT = "from torchao.float8 import Float8LinearConfig, convert_to_float8_training"
 COMPILE_NOTE = "torch.compile per block, in place (torchtitan compiles each block before sharding it)"
+# The next-token cross-entropy as Hugging Face's ForCausalLMLoss computes it (labels = the input ids; shifted
+# and padded rather than the logits sliced), for a loss compiled outside the model.
+NEXT_TOKEN_TARGETS = "torch.nn.functional.pad(labels[:, 1:], (0, 1), value=-100)"
+COMPILED_LOSS_NOTE = ("compile the loss too (the plan counts it fused: the bf16 logits and their gradient, no fp32 "
+                      "copies): loss_fn = torch.compile(lambda logits, labels: torch.nn.functional.cross_entropy("
+                      f"logits.flatten(0, 1).float(), {NEXT_TOKEN_TARGETS}.flatten(), ignore_index=-100)), applied "
+                      "to model(input_ids).logits and input_ids (the model called without labels).")
 PRECOMPUTE_NOTE = ("FP8 all-gather: after each optimizer.step() call torchao.float8.precompute_float8_dynamic_scale_for_fsdp"
                    "(model): every Float8 weight's scale in one all-reduce, not one per weight inside each all-gather.")
 
@@ -59,7 +66,7 @@ def hf_compiled_loss_lines(config: FsdpConfig) -> list[str]:
         "",
         "@torch.compile  # the loss fused, as planned: bf16 logits and their gradient, no fp32 copies of them",
         "def causal_lm_loss_sum(logits, labels):",
-        "    targets = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=-100)  # next token; the last ignored",
+        f"    targets = {NEXT_TOKEN_TARGETS}  # next token; the last ignored",
         "    return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(),",
         "                                             ignore_index=-100, reduction=\"sum\")",
         "",

@@ -159,3 +159,20 @@ def test_emit_does_not_import_torch_for_the_techniques():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                        env={**os.environ, "PYTHONPATH": str(__import__("pathlib").Path(__file__).parents[2])})
     assert r.stdout.strip() == "False", r.stderr
+
+
+def test_compiled_loss_note_is_the_models_own_loss():
+    # The note the dialects print with compile gives the loss to compile outside the model; run as written it
+    # equals a Hugging Face model's own (next-token, shifted) loss.
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from planner import emit_techniques as tech
+
+    expression = tech.COMPILED_LOSS_NOTE.split("loss_fn = torch.compile(")[1].rsplit("), applied", 1)[0]
+    loss_fn = eval(expression, {"torch": torch})
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                         num_attention_heads=4, num_key_value_heads=2, vocab_size=500))
+    ids = torch.randint(0, 500, (2, 33))
+    assert loss_fn(model(ids).logits, ids).item() == pytest.approx(model(ids, labels=ids).loss.item(), rel=1e-6)
