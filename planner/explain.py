@@ -15,6 +15,7 @@ from cost_models.units import DTYPE_BYTES, GiB
 
 from .api import Candidate
 from .explain_time import time_terms
+from .report import estimate_dict
 from .search import describe
 
 
@@ -124,6 +125,6 @@ def explain_json(c: Candidate, chosen_by: str, profile: Profile = DEFAULT_PROFIL
     def rows(terms):
         return [{"term": term, "formula": formula, "source": source} for term, formula, source in terms]
 
-    return json.dumps({"model": c.model.summary_dict(), "chosen_by": chosen_by, **c.to_dict(),
+    return json.dumps({**estimate_dict(c, chosen_by=chosen_by),
                        "explanation": {"memory": rows(memory_terms(c)), "time": rows(time_terms(c, profile))}},
                       indent=2)

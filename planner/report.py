@@ -109,10 +109,14 @@ def estimate_text(c: Candidate) -> str:
     return "\n".join(lines)
 
 
+def estimate_dict(c: Candidate, **extra) -> dict:
+    """estimate's JSON object (planner.schemas' EstimateOutput): the model, then `extra` keys (explain's), then
+    the candidate."""
+    return {"model": c.model.summary_dict(), **extra, **c.to_dict()}
+
+
 def estimate_json(c: Candidate) -> str:
-    d = c.to_dict()
-    out = {"model": c.model.summary_dict(), **d}
-    return json.dumps(out, indent=2)
+    return json.dumps(estimate_dict(c), indent=2)
 
 
 def plan_json(p: Plan, top: int) -> str:
