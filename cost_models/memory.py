@@ -28,7 +28,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, fields
 
-from . import activations, moe, operators
+from . import activations, moe, operators, tensor_parallel
 from .profile import Profile
 from .specs import ActivationTerms, ClusterSpec, Finetune, FsdpConfig, ModelSpec, Optimizer, Precision, Sharding, TrainingSpec
 from .units import DTYPE_BYTES
@@ -129,6 +129,11 @@ def _shard(n_bytes: float, d: int) -> int:
 
 def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, config: FsdpConfig,
                     profile: Profile) -> MemoryEstimate:
+    # The mesh's per-rank view: a TP rank's slice of the model (tensor_parallel.local_model) on a CP rank's
+    # s / cp tokens of each sequence (SDPA keeps nothing that grows with the keys' length).
+    model = tensor_parallel.local_model(model, config)
+    if config.cp > 1:
+        training = dataclasses.replace(training, seq_len=training.seq_len // config.cp)
     L = model.n_layers
     d = config.shard_group_size(cluster)
     precision = config.precision

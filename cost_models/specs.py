@@ -505,12 +505,12 @@ class TrainingSpec:
         """The LoRA rank when fine-tuning with LoRA, else 0 (what the activation formulas take)."""
         return self.lora_rank if self.finetune is Finetune.LORA else 0
 
-    def grad_accum_for(self, micro_batch: int, n_gpus: int) -> int | None:
-        """Micro-steps that reach the global batch (1 without one); None when micro_batch x n_gpus does
-        not divide it."""
+    def grad_accum_for(self, micro_batch: int, data_parallel: int) -> int | None:
+        """Micro-steps that reach the global batch (1 without one); None when micro_batch x the data-parallel
+        ranks (the GPUs over tp x cp x pp) does not divide it."""
         if self.global_batch is None:
             return 1
-        per_step = micro_batch * n_gpus
+        per_step = micro_batch * data_parallel
         return None if self.global_batch % per_step else self.global_batch // per_step
 
 
@@ -553,6 +553,16 @@ class FsdpConfig:
     reshard_after_forward: int = 0    # FSDP2 int: after forward keep params sharded over this many ranks (a
     #                                   divisor of the shard group, e.g. the node) and all-gather only among
     #                                   them in backward; 0: the strategy's own (FULL_SHARD: the whole group)
+    # The device mesh beside FSDP (cost_models/mesh.py, torchtitan's layout): tensor, context, expert and pipeline
+    # degrees; the data-parallel degrees follow from the strategy and the GPUs left (mesh.mesh_of).
+    tp: int = 1
+    cp: int = 1
+    ep: int = 1
+    pp: int = 1
+    async_tp: bool = False            # torchtitan's async TP: TP collectives overlapped with the matmuls (compile)
+    sequence_parallel: bool = True    # with tp: norms and residuals on s/tp tokens, loss parallel (torchtitan);
+    #                                   False: transformers' tp_plan (accelerate, HF Trainer): activations
+    #                                   replicated between blocks, the head colwise with its logits gathered
 
     def __post_init__(self):
         if isinstance(self.ac_every, str) and self.ac_every.strip().lower() == SELECTIVE_OP:
@@ -581,6 +591,22 @@ class FsdpConfig:
         if self.reshard_after_forward < 0 or self.reshard_after_forward == 1:
             raise SpecError("reshard_after_forward", f"{self.reshard_after_forward}; give a group of >= 2 ranks "
                             "(a divisor of the shard group), or 0 for the strategy's own")
+        for name in ("tp", "cp", "ep", "pp"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise SpecError(name, f"must be an integer >= 1, got {value!r}")
+        if self.tp == 1:  # sequence parallel means nothing without TP: one spelling, so configs compare equal
+            object.__setattr__(self, "sequence_parallel", True)
+        if self.async_tp and self.tp == 1:
+            raise SpecError("async_tp", "needs tensor parallelism (tp >= 2)")
+        if self.async_tp and not self.compile:
+            raise SpecError("async_tp", "needs torch.compile (torchtitan's async TP runs on compiled blocks): add compile")
+        if self.async_tp and not self.sequence_parallel:
+            raise SpecError("async_tp", "overlaps the sequence-parallel all-gathers and reduce-scatters; it needs "
+                                        "sequence_parallel")
+        if self.cp > 1 and self.sharding is Sharding.NO_SHARD:
+            raise SpecError("cp", "FSDP2 shards over dp_shard x cp even without data parallelism: with cp > 1 "
+                                  "choose FULL_SHARD, SHARD_GRAD_OP or a HYBRID_SHARD strategy, not NO_SHARD")
         if self.reshard_after_forward and self.sharding not in (Sharding.FULL_SHARD, Sharding.HYBRID_SHARD):
             raise SpecError("reshard_after_forward", f"an int group needs FULL_SHARD or HYBRID_SHARD, not "
                             f"{self.sharding.value} (which keeps params gathered after forward)")
@@ -604,17 +630,32 @@ class FsdpConfig:
         """Any activation checkpointing (block-level or selective op-level)."""
         return bool(self.ac_every or self.selective_op_ac)
 
-    def shard_group_size(self, cluster: ClusterSpec) -> int:
-        """d: ranks that share one copy of the model state."""
+    @property
+    def model_parallel(self) -> int:
+        """Ranks of one data-parallel rank's model copy: tp x cp x pp (they see the same sequences)."""
+        return self.tp * self.cp * self.pp
+
+    def data_parallel_size(self, cluster: ClusterSpec) -> int:
+        """Ranks that see different sequences (dp_replicate x dp_shard): the GPUs over tp x cp x pp."""
+        return max(1, cluster.n_gpus // self.model_parallel)
+
+    def dp_shard_size(self, cluster: ClusterSpec) -> int:
+        """dp_shard: FULL_SHARD-like strategies shard over all data-parallel ranks, HYBRID ones over those of a
+        node (the node's GPUs over tp x cp), NO_SHARD over none."""
         if self.sharding is Sharding.NO_SHARD:
             return 1
+        dp = self.data_parallel_size(cluster)
         if self.sharding.is_hybrid:
-            return cluster.gpus_per_node
-        return cluster.n_gpus
+            return max(1, min(dp, cluster.gpus_per_node // (self.tp * self.cp)))
+        return dp
+
+    def shard_group_size(self, cluster: ClusterSpec) -> int:
+        """d: ranks that share one copy of the model state (FSDP's dp_shard x cp)."""
+        return self.dp_shard_size(cluster) * self.cp
 
     def replicate_group_size(self, cluster: ClusterSpec) -> int:
-        """r: copies of the model state (data-parallel replicas of the shard group)."""
-        return cluster.n_gpus // self.shard_group_size(cluster)
+        """r: copies of the model state (data-parallel replicas of the shard group, dp_replicate)."""
+        return self.data_parallel_size(cluster) // self.dp_shard_size(cluster)
 
     def to_dict(self) -> dict:
         return {
@@ -636,4 +677,7 @@ class FsdpConfig:
             **({"float8": True} if self.float8 else {}),
             **({"fp8_all_gather": True} if self.fp8_all_gather else {}),
             **({"reshard_after_forward": self.reshard_after_forward} if self.reshard_after_forward else {}),
+            "tp": self.tp, "cp": self.cp, "ep": self.ep, "pp": self.pp,
+            **({"async_tp": True} if self.async_tp else {}),
+            **({"sequence_parallel": False} if self.tp > 1 and not self.sequence_parallel else {}),
         }

@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, fields, replace
 
-from . import comm, moe, operators
+from . import comm, moe, operators, tensor_parallel
 from .compute import mfu_flops_per_token, model_flops_per_token, recompute_flops_per_token
 from .kernel_time import BlockTime, Rates, eager_attention_ops, price_block
 from .memory import ParamCounts
@@ -107,6 +107,7 @@ def _block_times(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, r
 
 def estimate_step_time(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, config: FsdpConfig,
                        profile: Profile) -> TimeBreakdown:
+    full_model, model = model, tensor_parallel.local_model(model, config)  # a TP rank's slice of the model
     gpu = cluster.gpu
     precision = config.precision
     dtype = precision.compute_dtype
@@ -120,7 +121,9 @@ def estimate_step_time(model: ModelSpec, cluster: ClusterSpec, training: Trainin
     n_replicas = config.replicate_group_size(cluster)
     # what is gathered and reduce-scattered (MoE: padded on dim 0, the expert matrices not when sharded on dim 1)
     counts = ParamCounts.of(model, training, d, dim1=bool(config.expert_shard_dim))
-    tokens = config.micro_batch * training.seq_len
+    # a CP rank's share of each sequence; its queries still attend over all s keys (load-balanced causal: the
+    # same FLOPs per token as the whole sequence), so the operators are priced at training.seq_len
+    tokens = config.micro_batch * training.seq_len // config.cp
 
     # --- compute per micro-step: every operator priced by its class (kernel_time.py) -------------------
     model_flops = model_flops_per_token(model, training) * tokens
@@ -229,7 +232,9 @@ def estimate_step_time(model: ModelSpec, cluster: ClusterSpec, training: Trainin
     compute_total = accum * compute_s
     overlap_slowdown_s = profile.overlap_slowdown * max(0.0, min(total_comm - exposed, compute_total))
     step_s = compute_total + exposed + overlap_slowdown_s + offload_copy_s + optimizer_s + overhead_s
-    tokens_per_step = accum * tokens
+    # tokens per GPU: a TP group shares its tokens, a CP group splits them (tokens is already a CP rank's)
+    tokens_per_step = accum * tokens / config.tp
+    full_tokens_per_step = accum * config.micro_batch * training.seq_len / config.model_parallel
     return TimeBreakdown(
         compute_s=compute_total,
         recompute_s=accum * recompute_s,
@@ -244,6 +249,6 @@ def estimate_step_time(model: ModelSpec, cluster: ClusterSpec, training: Trainin
         overhead_s=overhead_s,
         step_s=step_s,
         tokens_per_s_per_gpu=tokens_per_step / step_s,
-        mfu=tokens_per_step * mfu_flops_per_token(model, training) / (step_s * peak),
+        mfu=full_tokens_per_step * mfu_flops_per_token(full_model, training) / (step_s * peak),
         hfu=accum * (model_flops + recompute_flops) / (step_s * peak),
     )

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from cost_models import fsdp_options
 from cost_models.evaluate import Evaluation, evaluate
 from cost_models.feasibility import refusals
+from cost_models.mesh_rules import mesh_refusals
 from cost_models.profile import DEFAULT_PROFILE, Profile
 from cost_models.specs import (Attention, ClusterSpec, Finetune, FsdpConfig, ModelSpec, Precision, Sharding,
                                REDUCE_DTYPES, SpecError, TrainingSpec, parse_enum)
@@ -226,14 +227,18 @@ def estimate(model, gpus: int, *, gpu: str = DEFAULT_GPU, gpus_per_node: int | N
              limit_all_gathers: bool = True, profile: Profile | None = None,
              trust_remote_code: bool = False, expert_shard_dim: int = 0, expert_units: bool = False,
              reduce_dtype: str | None = None, compile: bool = False, float8: bool = False,
-             fp8_all_gather: bool = False, reshard_after_forward: int = 0) -> Candidate:
+             fp8_all_gather: bool = False, reshard_after_forward: int = 0, tp: int = 1, cp: int = 1, ep: int = 1,
+             pp: int = 1, async_tp: bool = False, sequence_parallel: bool = True) -> Candidate:
     """Cost one explicit configuration (attention None: the model's first choice; expert_shard_dim=1: FSDP2
     shards stacked MoE expert matrices on dim 1, unpadded; expert_units: MoE experts as their own units;
     reduce_dtype fp32 | bf16: the gradient reduction's dtype, None: the precision's; activation_checkpointing
     "selective-op": torchtitan's op-level policy in every block; compile: torch.compile per block; float8:
     torchao Float8 linears, fp8_all_gather: FSDP2 gathers them in FP8; reshard_after_forward N: FSDP2 keeps
     block params sharded over N ranks after forward, 0: the strategy's own, as is N equal to the shard group,
-    which FSDP2 reads as True). What cannot run on the cluster raises PlannerError (cost_models.feasibility)."""
+    which FSDP2 reads as True; tp / cp / ep / pp: the device mesh's tensor, context, expert and pipeline degrees
+    beside FSDP over the rest (cost_models/mesh.py), async_tp: TP's collectives overlapped (needs compile),
+    sequence_parallel False: TP as transformers' tp_plan runs it). What cannot run on the cluster, or a mesh the
+    model does not allow, raises PlannerError (cost_models.feasibility, cost_models.mesh_rules)."""
     spec, cluster, training = resolve_inputs(
         model, gpus, gpu=gpu, gpus_per_node=gpus_per_node, internode_gbps=internode_gbps, gpu_memory=gpu_memory,
         intra_node_gb_per_s=intra_node_gb_per_s, pcie_gb_per_s=pcie_gb_per_s, cpu_ram_per_node=cpu_ram_per_node,
@@ -241,25 +246,29 @@ def estimate(model, gpus: int, *, gpu: str = DEFAULT_GPU, gpus_per_node: int | N
         attention=attention, trust_remote_code=trust_remote_code)
     attention = model_attention(spec, attention)
     if grad_accum is None:
-        grad_accum = grad_accum_for(micro_batch, cluster, training)
+        grad_accum = grad_accum_for(micro_batch, cluster, training, tp * cp * pp)
     config = FsdpConfig(sharding=sharding, precision=precision, offload=offload,
                         ac_every=activation_checkpointing, micro_batch=micro_batch, grad_accum=grad_accum,
                         attention=attention, backward_prefetch=backward_prefetch,
                         forward_prefetch=forward_prefetch, limit_all_gathers=limit_all_gathers,
                         expert_shard_dim=expert_shard_dim, expert_units=expert_units, reduce_dtype=reduce_dtype,
                         compile=compile, float8=float8, fp8_all_gather=fp8_all_gather,
-                        reshard_after_forward=reshard_after_forward)
+                        reshard_after_forward=reshard_after_forward, tp=tp, cp=cp, ep=ep, pp=pp, async_tp=async_tp,
+                        sequence_parallel=sequence_parallel)
     if expert_units and spec.moe is None:
         raise PlannerError("expert_units", f"{spec.name} has no routed experts (a dense model): drop --expert-units")
     return estimate_config(spec, cluster, training, config, profile)
 
 
-def grad_accum_for(micro_batch: int, cluster: ClusterSpec, training: TrainingSpec) -> int:
-    """Accumulation steps that reach the global batch (1 without one); PlannerError when it cannot."""
-    accum = training.grad_accum_for(micro_batch, cluster.n_gpus)
+def grad_accum_for(micro_batch: int, cluster: ClusterSpec, training: TrainingSpec, model_parallel: int = 1) -> int:
+    """Accumulation steps that reach the global batch (1 without one) on the data-parallel ranks (the GPUs over
+    tp x cp x pp = model_parallel); PlannerError when it cannot."""
+    data_parallel = max(1, cluster.n_gpus // model_parallel)
+    accum = training.grad_accum_for(micro_batch, data_parallel)
     if accum is None:
-        raise PlannerError("global_batch", f"{training.global_batch} is not a multiple of micro_batch x gpus "
-                                           f"= {micro_batch * cluster.n_gpus}")
+        ranks = "gpus" if model_parallel == 1 else f"data-parallel ranks ({cluster.n_gpus} GPUs / tp x cp x pp)"
+        raise PlannerError("global_batch", f"{training.global_batch} is not a multiple of micro_batch x {ranks} "
+                                           f"= {micro_batch * data_parallel}")
     return accum
 
 
@@ -304,7 +313,11 @@ def model_attention(spec: ModelSpec, attention: str | None) -> str:
 
 def estimate_config(spec: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, config: FsdpConfig,
                     profile: Profile | None = None) -> Candidate:
-    """Cost an FsdpConfig; configurations that cannot run on the cluster at all raise PlannerError."""
+    """Cost an FsdpConfig; configurations that cannot run on the cluster at all, or on a mesh the model does not
+    allow, raise PlannerError."""
+    refused = mesh_refusals(spec, cluster, training, config)
+    if refused:
+        raise PlannerError(refused[0].field, f"{refused[0].reason}; {refused[0].fix}")
     error = cluster_rejects(cluster, config)
     if error is not None:
         raise error

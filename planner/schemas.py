@@ -41,7 +41,7 @@ from pydantic.json_schema import SkipJsonSchema
 from calibration.store import RunRecord
 from cost_models.specs import Attention, Precision, Sharding
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 Bytes = Annotated[int, Field(description="bytes per rank (GPU) unless said otherwise")]
 Seconds = Annotated[float, Field(description="seconds")]
@@ -96,6 +96,13 @@ class Config(_Out):
     float8: absent_or(Literal[True], "torchao Float8 linears")
     fp8_all_gather: absent_or(Literal[True], "Float8 weights all-gathered in FP8")
     reshard_after_forward: absent_or(int, "blocks reshard to a group of this many ranks after forward")
+    tp: int = Field(ge=1, description="tensor-parallel degree (1: none)")
+    cp: int = Field(ge=1, description="context-parallel degree (1: none)")
+    ep: int = Field(ge=1, description="expert-parallel degree (1: none)")
+    pp: int = Field(ge=1, description="pipeline-parallel degree (1: none)")
+    async_tp: absent_or(Literal[True], "TP's collectives overlapped with the matmuls (torchtitan's async TP)")
+    sequence_parallel: absent_or(Literal[False], "with tp > 1: no sequence parallel, logits gathered "
+                                                 "(transformers' tp_plan); absent: sequence and loss parallel")
 
 
 class MemoryBreakdown(_Out):

@@ -55,6 +55,21 @@ FormatOpt = Annotated[Format, typer.Option("--format", help="table or json")]
 ProfileOpt = Annotated[Optional[str], typer.Option("--profile", help="Predict with a profile.json fitted by "
                                                    "`fsdp-plan calibrate`")]
 ForceProfile = Annotated[bool, typer.Option("--force-profile", help="Use a profile fitted on another GPU type")]
+# the device mesh beside FSDP (torchtitan's degrees); on the plan command an unset degree is searched
+Tp = Annotated[Optional[int], typer.Option("--tp", help="Tensor-parallel degree (heads and MLP split over N GPUs "
+                                           "of a node; default 1, searched by the plan command)")]
+Cp = Annotated[Optional[int], typer.Option("--cp", help="Context-parallel degree (each sequence split over N GPUs, "
+                                           "ring attention; default 1, searched by the plan command)")]
+Ep = Annotated[Optional[int], typer.Option("--ep", help="Expert-parallel degree (MoE: experts split over N GPUs; "
+                                           "default 1, searched by the plan command)")]
+Pp = Annotated[Optional[int], typer.Option("--pp", help="Pipeline-parallel degree (1: pipeline stages are not "
+                                           "planned yet)")]
+AsyncTp = Annotated[bool, typer.Option("--async-tp/--no-async-tp", help="Overlap TP's all-gathers and "
+                                       "reduce-scatters with the matmuls (torchtitan; needs --compile)")]
+SequenceParallel = Annotated[bool, typer.Option("--sequence-parallel/--no-sequence-parallel", help="With --tp: "
+                                                "norms and residuals split over the sequence, loss parallel "
+                                                "(torchtitan); --no-sequence-parallel: transformers' tp_plan "
+                                                "(accelerate, HF Trainer), the logits gathered")]
 
 
 def load_profile_flag(path: str | None, gpu: str, force: bool):
@@ -81,6 +96,19 @@ def cluster_and_training(model, gpus, gpus_per_node, gpu, internode_gbps, gpu_me
                 cpu_ram_per_node=cpu_ram_per_node, seq_len=seq_len,
                 global_batch=global_batch, optimizer=optimizer, finetune=finetune, lora_rank=lora_rank,
                 trust_remote_code=trust_remote_code)
+
+
+def mesh_degrees(tp, cp, ep, pp, default=None) -> dict:
+    """--tp / --cp / --ep / --pp as API arguments: the given degrees, the rest `default` (None: searched)."""
+    from planner.errors import PlannerError
+
+    out = {}
+    for name, value in (("tp", tp), ("cp", cp), ("ep", ep), ("pp", pp)):
+        if value is not None and value < 1:
+            raise PlannerError(name, f"must be an integer >= 1, got {value}")
+        if value is not None or default is not None:
+            out[name] = value if value is not None else default
+    return out
 
 
 ConfigRunner = Callable[[str, dict, dict, Format], None]
@@ -124,6 +152,8 @@ def config_command(app, name: str, help_text: str, run: ConfigRunner, takes_prof
         reshard_after_forward: Annotated[int, typer.Option("--reshard-after-forward", help="FSDP2: after forward keep "
                                                            "block params sharded over N ranks (a divisor of the shard "
                                                            "group, e.g. a node); 0: the strategy's own")] = 0,
+        tp: Tp = None, cp: Cp = None, ep: Ep = None, pp: Pp = None, async_tp: AsyncTp = False,
+        sequence_parallel: SequenceParallel = True,
         output_format: FormatOpt = Format.table,
         profile: ProfileOpt = None, force_profile: ForceProfile = False, trust_remote_code: TrustRemoteCode = False,
     ):
@@ -139,7 +169,8 @@ def config_command(app, name: str, help_text: str, run: ConfigRunner, takes_prof
                       backward_prefetch=backward_prefetch, limit_all_gathers=limit_all_gathers,
                       expert_shard_dim=expert_shard_dim, expert_units=expert_units, reduce_dtype=reduce_dtype,
                       compile=compile, float8=float8, fp8_all_gather=fp8_all_gather,
-                      reshard_after_forward=reshard_after_forward)
+                      reshard_after_forward=reshard_after_forward, **mesh_degrees(tp, cp, ep, pp, default=1),
+                      async_tp=async_tp, sequence_parallel=sequence_parallel)
         if takes_profile:
             config["profile"] = load_profile_flag(profile, gpu, force_profile)
         run(model, args, config, output_format)

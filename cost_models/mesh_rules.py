@@ -1,0 +1,98 @@
+"""Which mesh degrees a model, a cluster and a sequence allow: the one table of mesh rules.
+
+The estimate and the API raise the first refusal as one line naming the field and what would be valid
+(planner.api); the search only enumerates degrees that pass (planner/search.py, `valid_degrees`). Rules:
+- tp x cp x pp divides the GPUs (the rest is data parallelism);
+- tp divides the attention heads, and the KV heads divide by tp or tp by them (then each rank keeps one KV
+  head, replicated as the TP plan does), and tp divides the MLP width;
+- cp: the sequence is a multiple of 2 x cp (load-balanced causal sharding gives each rank chunks i and
+  2 cp - 1 - i); ring attention runs SDPA's fused kernels, not eager attention;
+- ep: only for a model with routed experts, dividing them and dp_shard x cp x tp;
+- pp = 1 (pipeline stages are the next issue).
+"""
+
+from __future__ import annotations
+
+from .feasibility import Refusal
+from .specs import Attention, ClusterSpec, Finetune, FsdpConfig, ModelSpec, TrainingSpec
+
+
+def divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def _list(values) -> str:
+    values = list(values)
+    return ", ".join(str(v) for v in values[:12]) + (", ..." if len(values) > 12 else "")
+
+
+def tp_degrees(model: ModelSpec) -> list[int]:
+    """Tensor-parallel degrees the model's TP plan can split: heads, KV heads (or replicated) and MLP width."""
+    kv = model.n_kv_heads
+    ffn = model.moe.expert_ffn_size if model.moe is not None and not model.ffn_hidden_size else model.ffn_hidden_size
+    return [t for t in divisors(model.n_heads)
+            if (kv % t == 0 or t % kv == 0) and ffn % t == 0]
+
+
+def cp_degrees(seq_len: int, limit: int) -> list[int]:
+    """Context-parallel degrees for a sequence: 2 x cp divides it (load balancing), up to `limit`."""
+    return [c for c in range(1, limit + 1) if seq_len % (2 * c) == 0 or c == 1]
+
+
+def ep_degrees(model: ModelSpec, ranks: int) -> list[int]:
+    """Expert-parallel degrees: divisors of the routed experts that divide dp_shard x cp x tp (`ranks`)."""
+    if model.moe is None:
+        return [1]
+    return [e for e in divisors(model.moe.n_experts) if ranks % e == 0]
+
+
+def mesh_refusals(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, config: FsdpConfig) -> list[Refusal]:
+    """Every mesh rule `config` breaks here, in the table's order (empty: the mesh is valid)."""
+    out: list[Refusal] = []
+    n = cluster.n_gpus
+    tp, cp, ep, pp = config.tp, config.cp, config.ep, config.pp
+    if pp != 1:
+        out.append(Refusal("pp", "pp-not-planned", f"pp={pp}: pipeline parallelism is not planned yet",
+                           "use pp 1 (tensor, context and expert parallelism are planned)", priced=False))
+    product = tp * cp * pp
+    if n % product:
+        valid = [k for k in divisors(n)]
+        field = "tp" if tp > 1 and n % tp else ("cp" if cp > 1 and n % cp else "tp")
+        out.append(Refusal(field, "mesh-does-not-divide-gpus",
+                           f"tp x cp x pp = {tp} x {cp} x {pp} = {product} does not divide gpus={n}",
+                           f"choose degrees whose product divides {n} (divisors: {_list(valid)})", priced=False))
+    if tp > 1:
+        valid = tp_degrees(model)
+        if tp not in valid:
+            out.append(Refusal("tp", "tp-does-not-divide-heads",
+                               f"tp={tp} does not split {model.name}'s {model.n_heads} attention heads, "
+                               f"{model.n_kv_heads} KV heads and MLP width {model.ffn_hidden_size} evenly",
+                               f"choose one of: {_list(v for v in valid if n % v == 0)}", priced=False))
+    if cp > 1:
+        valid = cp_degrees(training.seq_len, n)
+        if cp not in valid:
+            out.append(Refusal("cp", "cp-does-not-divide-sequence",
+                               f"cp={cp}: load-balanced ring attention splits each sequence into 2 x cp = {2 * cp} "
+                               f"chunks, and seq_len={training.seq_len} is not a multiple of {2 * cp}",
+                               f"choose one of: {_list(v for v in valid if n % v == 0)}", priced=False))
+        if config.attention is Attention.EAGER:
+            out.append(Refusal("attention", "cp-needs-sdpa", "context parallelism's ring attention runs SDPA's fused "
+                               "kernels, not eager attention", "use --attention sdpa, or cp 1", priced=False))
+    if ep > 1:
+        if model.moe is None:
+            out.append(Refusal("ep", "ep-on-dense-model", f"ep={ep}: {model.name} has no routed experts (a dense "
+                               "model)", "use ep 1", priced=False))
+        else:
+            ranks = config.dp_shard_size(cluster) * cp * tp
+            experts = model.moe.n_experts
+            if experts % ep or ranks % ep:
+                why = (f"does not divide the {experts} routed experts" if experts % ep else
+                       f"does not divide dp_shard x cp x tp = {ranks} (EP borrows ranks from data and tensor "
+                       "parallelism)")
+                out.append(Refusal("ep", "ep-does-not-divide", f"ep={ep} {why}",
+                                   f"choose one of: {_list(ep_degrees(model, ranks))}", priced=False))
+    if (tp > 1 or cp > 1 or ep > 1) and training.finetune is Finetune.LORA:
+        out.append(Refusal("finetune", "mesh-with-lora", "LoRA with tensor, context or expert parallelism is not "
+                           "planned (PEFT adapters on DTensor shards)", "use tp = cp = ep = 1 with LoRA",
+                           priced=False))
+    return out
