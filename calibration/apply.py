@@ -207,11 +207,15 @@ def apply_fsdp2(model: nn.Module, config: FsdpConfig, block_classes: set[type], 
         convert_to_float8(model, block_classes, config, mesh.device_type)
     apply_checkpointing(model, block_classes, config)
     kwargs, block_kwargs = fsdp2_kwargs(config, mesh), fsdp2_kwargs(config, mesh, block=True)
+    if config.ep > 1:  # E / ep experts per rank, all-to-all dispatch, fully_shard over efsdp (calibration/expert_parallel.py)
+        from .expert_parallel import apply_expert_parallel
+
+        apply_expert_parallel(model, config, mesh, block_kwargs)
     for parent, name in _block_slots(model, block_classes):
         block = getattr(parent, name)
         if config.compile:  # in place (nn.Module.compile): names, state dict keys and FSDP's hooks unchanged
             block.compile()
-        if config.expert_units:  # the routed experts first: a unit of their own inside the block's
+        if config.expert_units and config.ep == 1:  # the routed experts first: a unit of their own inside the block's
             for experts in expert_modules(block):
                 fully_shard(experts, **block_kwargs)
         fully_shard(block, **block_kwargs)

@@ -28,7 +28,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, fields
 
-from . import activations, moe, operators, tensor_parallel
+from . import activations, expert_parallel, moe, operators, tensor_parallel
 from .profile import Profile
 from .specs import ActivationTerms, ClusterSpec, Finetune, FsdpConfig, ModelSpec, Optimizer, Precision, Sharding, TrainingSpec
 from .units import DTYPE_BYTES
@@ -132,6 +132,9 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
     # The mesh's per-rank view: a TP rank's slice of the model (tensor_parallel.local_model) on a CP rank's
     # s / cp tokens of each sequence (SDPA keeps nothing that grows with the keys' length).
     model = tensor_parallel.local_model(model, config)
+    ep_view = expert_parallel.view(model, config, cluster, training)  # EP: E / ep experts, FSDP over efsdp
+    if ep_view is not None:
+        model = ep_view.model
     if config.cp > 1:
         training = dataclasses.replace(training, seq_len=training.seq_len // config.cp)
     L = model.n_layers
@@ -143,8 +146,11 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
     frozen_p = c if precision.mixed else p          # frozen (LoRA base) weights are kept in compute dtype
     # MoE: stacked experts padded as FSDP2 pads them on dim 0 (the matrices unpadded when sharded on dim 1)
     counts = ParamCounts.of(model, training, d, dim1=bool(config.expert_shard_dim))
+    shard_counts = counts  # what the model states divide by d (EP: the experts' efsdp shard, scaled to d)
+    if ep_view is not None:
+        counts, shard_counts = ep_view.param_counts(training)
     real = ParamCounts.of(model, training)          # what autograd's gradients hold
-    trainable, frozen = counts.trainable(L), counts.frozen(L)
+    trainable, frozen = shard_counts.trainable(L), shard_counts.frozen(L)
     opt_per_param = training.optimizer.state_bytes_per_param(precision.param_dtype)
     gpu_states = 0 if config.offload else 1
 
@@ -156,7 +162,7 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
     step_temporaries = _shard(trainable * p, d) if training.optimizer is not Optimizer.SGD else 0
     if precision is Precision.FP16:
         step_temporaries += 4 * 1024  # ShardedGradScaler: found-inf flags and the scale, per device
-    block_sharded_grad = _shard(counts.trainable_block * p, d)
+    block_sharded_grad = _shard(shard_counts.trainable_block * p, d)
     accumulated = sharded_grads if config.grad_accum > 1 else 0  # earlier micro-steps' sharded grads
 
     # --- gathered params and collective buffers ------------------------------------------------------
@@ -172,6 +178,8 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
     attn = config.attention
     lora_rank = training.adapter_rank
     full = activations.block_bytes_per_token(model, c, attn, training.seq_len, config.micro_batch, lora_rank)
+    if ep_view is not None:  # the dispatch / combine's own saved tensors, the busiest rank's extra rows
+        full += round(ep_view.saved_delta_bytes_per_token(c))
     traced = traced_block_terms(model, precision, attn) if not lora_rank else None
     if traced is not None:
         full = round(traced.saved_bytes_per_token(training.seq_len))
@@ -204,7 +212,7 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
     elif traced is not None:
         full_dense = full  # interleaved dense blocks (Llama 4): the profile's mean over the pattern covers them
     dense_delta = (counts.trainable_dense_delta + counts.frozen_dense_delta) // nd if nd else 0
-    dense_grad_delta = (counts.trainable_dense_delta // nd * p) // d if nd else 0
+    dense_grad_delta = (shard_counts.trainable_dense_delta // nd * p) // d if nd else 0
     dense_rs_delta = counts.trainable_dense_delta // nd * r if nd and d > 1 else 0
 
     # Which blocks are dense: all leading (DeepSeek) or interleaved (Llama 4, Qwen's decoder_sparse_step).
@@ -227,6 +235,9 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
     # experts; after the experts' backward their unit has resharded and its reduce-scatter is the one in flight.
     experts_c = moe.experts_gathered_elements(model, d, bool(config.expert_shard_dim)) * c if config.expert_units else 0
     experts_rs = experts_c // c * r if experts_c and not counts.frozen_block and d > 1 else 0
+    if ep_view is not None:  # with EP the experts are always a unit of their own, on the efsdp mesh
+        experts_c = ep_view.experts_gathered_elements() * c
+        experts_rs = experts_c // c * r if ep_view.efsdp > 1 else 0
 
     def prefetched(i: int) -> int:
         return gathered(i) - (0 if i in dense_blocks else experts_c)
@@ -280,6 +291,10 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
     if model.moe is not None:  # the MoE MLP's own moments (cost_models/moe.py); at the attention's, all its grads
         mlp_moments = {ck: moe.backward_moments(model, c, lora=bool(lora_rank), recomputed=ck) for ck in (False, True)}
         attn_grad = min(real.trainable_block, moe.mlp_param_elements(model) + model.q_dim * h) * c
+        if ep_view is not None:
+            mlp_moments = {ck: ep_view.backward_moments(c, recomputed=ck) for ck in (False, True)}
+            attn_grad = min(real.trainable_block, moe.mlp_param_elements(model) + model.q_dim * h
+                            - model.moe.routed_params + ep_view.local_experts * model.moe.expert_params) * c
     ckpt_input_extra = 0 if activations.input_saved_by_first_norm(model, c) else ckpt
     head_grad = (model.head_params or (model.embedding_params if model.tied_embeddings else 0)) + model.root_other_params
     head_grad = min(head_grad, counts.trainable_root) * c
@@ -406,6 +421,7 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
         cpu_bytes_per_node=cpu_per_rank * cluster.gpus_per_node,
         cpu_ram_capacity_bytes=cluster.cpu_ram_bytes_per_node,
         notes=tuple(activations.quirks(model, config.attention, training.seq_len))
-        + tuple(n for n in [None if config.expert_shard_dim else moe.padding_note(model, d, c)] if n),
+        + tuple(n for n in [None if config.expert_shard_dim or ep_view else moe.padding_note(model, d, c)] if n)
+        + (ep_view.notes() if ep_view is not None else ()),
         peak_moment=peak_moment,
     )

@@ -491,9 +491,15 @@ class TrainingSpec:
     optimizer: Optimizer = Optimizer.ADAMW
     finetune: Finetune = Finetune.FULL
     lora_rank: int = 16
+    # expert parallelism: the busiest rank's routed rows over the mean (1 = balanced routing, what is priced by
+    # default); it scales that rank's grouped-GEMM rows, their saved activations and the all-to-all it waits on
+    routing_imbalance: float = 1.0
 
     def __post_init__(self):
         _positive("seq_len", self.seq_len)
+        if not isinstance(self.routing_imbalance, (int, float)) or self.routing_imbalance < 1:
+            raise SpecError("routing_imbalance", f"must be >= 1 (the busiest rank's rows over the mean), got "
+                                                 f"{self.routing_imbalance!r}")
         if self.global_batch is not None:
             _positive("global_batch", self.global_batch)
         _positive("lora_rank", self.lora_rank)

@@ -1,0 +1,154 @@
+"""Expert parallelism: what one rank of an EP group holds, saves, computes and sends (torchtitan's layout, run by
+transformers' AllToAllEP: calibration/expert_parallel.py; shared/reference/parallelism.md).
+
+Holds. Each rank keeps E / ep whole experts: the stacked expert tensors' dim 0 is E / ep. FSDP2 shards them over
+efsdp = dp_shard x cp x tp / ep ranks (not the dense parameters' d = dp_shard x cp), as a unit of their own inside
+each sparse block (transformers' apply_fully_sharded_data_parallelism `fully_shard`s the experts module on the
+efsdp mesh), padding dim 0 to a multiple of efsdp as it pads any dim 0 (cost_models/moe.py). The router (E rows)
+and everything else stays on the dense mesh, sharded over d.
+
+Saves, per routed row (T tokens x top-k rows a rank sends; the rank's experts receive as many under balanced
+routing, `routing_imbalance` x as many on the busiest rank). Checked tensor by tensor with saved_tensors_hooks on a
+Mixtral block and against the trace tier. Against transformers' grouped_mm path without EP (moe.mlp_bytes_per_token):
+- the sender keeps the combined expert output (c*h: the weighted product's other operand), the routing weight (w),
+  the sort order and the gather index (2 x int64);
+- the expert side keeps the received row (c*h, the up projection's input), the activation's tensors (as without
+  EP), the unit routing weights (c: the experts run top-1 with weights one), the sentinel mask of rows for
+  other ranks' experts (1 byte: `_is_expert_parallel` masks them) and the gather index and inverse permutation
+  (2 x int64; the sort permutation is not saved, the unit weights need no gradient);
+so a balanced row saves 1 + c + 8 bytes more than without EP, and the busiest rank's expert-side bytes scale by the
+imbalance. Backward: the same moments as without EP (moe.backward_moments: the un-permute, the activation's and the
+up projection's backward), the weight gradients being those of the rank's E / ep experts.
+Dispatch and combine buffers: the all-to-all inputs and outputs (k*h*c per token each way) live between the gather
+and the permutation (forward) and between the two all-to-alls' backward calls; they are transient (not saved).
+
+Computes. The grouped expert GEMMs on the rows the rank receives: T k under balanced routing (as many as without
+EP: each token still visits k experts, now on other ranks), imbalance x that on the busiest rank, which every
+other rank waits for at the combine.
+
+Sends. Forward: dispatch (each rank's T k rows of h, c bytes) and combine (the same back) all-to-alls over the ep
+group; backward the same two with the gradients. The all-to-all moves (ep - 1) / ep of its rows off the rank.
+
+Ignored: the per-expert counts' all-to-all (E int64 per layer) and its host sync, capacity factors / token
+dropping (none in transformers' path), tp > 1 (transformers slices the tokens over TP first: not traced yet).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from . import moe
+from .specs import BackwardMoment, ClusterSpec, FsdpConfig, ModelSpec
+
+INDEX_BYTES = moe.INDEX_BYTES
+
+
+@dataclass(frozen=True)
+class ExpertParallelView:
+    """One rank's view of an EP group: the per-rank model (E / ep experts stacked), the experts' FSDP group."""
+
+    model: ModelSpec       # stacked expert tensors of E / ep rows; block_params without the other ranks' experts
+    ep: int
+    efsdp: int             # ranks FSDP shards this rank's experts over
+    d: int                 # ranks FSDP shards the rest over (dp_shard x cp)
+    imbalance: float       # the busiest rank's routed rows over the mean (TrainingSpec.routing_imbalance)
+
+    @property
+    def local_experts(self) -> int:
+        return self.model.moe.n_experts // self.ep
+
+    # ------------------------------------------------------------ parameters
+
+    def experts_gathered_elements(self) -> int:
+        """One sparse block's experts as FSDP2 gathers them over efsdp: E / ep rows padded to efsdp x ceil."""
+        return moe.experts_gathered_elements(self.model, self.efsdp)
+
+    def experts_shard_elements(self) -> int:
+        """This rank's shard of one sparse block's experts (rank 0: a full chunk, padding included)."""
+        return self.experts_gathered_elements() // max(1, self.efsdp)
+
+    def param_counts(self, training):
+        """(gathered, shard) ParamCounts of the per-rank model: gathered counts the block's all-gather outputs
+        (the rest padded at d, the experts at efsdp); shard counts are those whose / d is a rank's shard (the
+        experts' efsdp shard scaled by d), which the ledger's model states divide by d."""
+        from .memory import ParamCounts
+
+        gathered = ParamCounts.of(self.model, training, self.d)
+        g_experts = moe.experts_gathered_elements(self.model, self.d)
+        experts_d = self.experts_gathered_elements()
+        block = gathered.trainable_block - g_experts + experts_d
+        shard_block = block - experts_d + self.experts_shard_elements() * self.d
+        nd = self.model.n_dense_layers
+
+        def counts(b: int) -> ParamCounts:
+            delta = nd * (self.model.moe.dense_block_params - b) if nd else 0
+            return replace(gathered, trainable_block=b, trainable_dense_delta=delta)
+
+        return counts(block), counts(shard_block)
+
+    # ------------------------------------------------------------ activations
+
+    def expert_row_bytes(self, c: int) -> int:
+        """Saved bytes per row the rank's experts receive: the row, the activation's tensors, the unit weight,
+        the sentinel mask, the gather index and the inverse permutation (+ the sorted expert ids with biases)."""
+        m = self.model
+        return (c * m.hidden_size + moe._expert_activation_bytes(m, c, False) + c + 1
+                + (3 if m.moe.expert_bias else 2) * INDEX_BYTES)
+
+    def saved_delta_bytes_per_token(self, c: int) -> float:
+        """Saved bytes per token of a sparse block above transformers' grouped_mm path without EP
+        (moe.mlp_bytes_per_token): 1 + c + 8 per routed row, and the busiest rank's extra received rows."""
+        k = self.model.moe.experts_per_token
+        return k * (1 + c + INDEX_BYTES) + k * (self.imbalance - 1) * self.expert_row_bytes(c)
+
+    def backward_moments(self, c: int, recomputed: bool) -> tuple[BackwardMoment, ...]:
+        """moe.backward_moments with this rank's experts' weight gradients (E / ep of them), the expert-side
+        working bytes scaled by the imbalance."""
+        m = self.model
+        local = replace(m, moe=replace(m.moe, n_experts=self.local_experts,
+                                       experts_per_token=min(m.moe.experts_per_token, self.local_experts)))
+        per_token = moe.backward_moments(m, c, recomputed=recomputed)
+        grads = moe.backward_moments(local, c, recomputed=recomputed)
+        return tuple(replace(t, grad_bytes=g.grad_bytes) for t, g in zip(per_token, grads))
+
+    # ------------------------------------------------------------ compute and communication
+
+    def expert_rows_per_token(self) -> float:
+        """Rows the busiest rank's experts compute per token of its micro-batch: k x imbalance."""
+        return self.model.moe.experts_per_token * self.imbalance
+
+    def all_to_all_bytes_per_token(self, c: int) -> int:
+        """Bytes one rank sends and receives in one dispatch (or combine) all-to-all, per token: k rows of h."""
+        return self.model.moe.experts_per_token * self.model.hidden_size * c
+
+    def notes(self) -> tuple[str, ...]:
+        m = self.model
+        rows = moe.rows_per_rank(self.local_experts, self.efsdp) if self.efsdp > 1 else self.local_experts
+        out = [f"expert parallelism {self.ep}: {self.local_experts} of {m.moe.n_experts} experts per rank, sharded "
+               f"by FSDP over efsdp = {self.efsdp} ranks ({rows} expert row(s) per rank); routing priced "
+               + ("balanced (routing_imbalance 1.0)" if self.imbalance == 1 else
+                  f"with the busiest rank receiving {self.imbalance:g}x the mean rows (routing_imbalance)")]
+        if self.efsdp > 1 and self.local_experts % self.efsdp:
+            out.append(f"{self.local_experts} experts per EP rank on an efsdp group of {self.efsdp}: FSDP2 pads "
+                       f"their stacked tensors to {self.efsdp * rows} rows (counted)")
+        return tuple(out)
+
+
+def view(model: ModelSpec, config: FsdpConfig, cluster: ClusterSpec, training) -> ExpertParallelView | None:
+    """The EP view of a rank (None when ep = 1): `model` is the TP rank's model (tensor_parallel.local_model)."""
+    if config.ep <= 1 or model.moe is None:
+        return None
+    from .mesh import mesh_of
+
+    mesh = mesh_of(config, cluster)
+    E, ep = model.moe.n_experts, config.ep
+    mo = model.moe
+    local_rows = tuple((rows // ep, per_row) for rows, per_row in mo.stacked_expert_tensors)
+    others = (E - E // ep) * mo.expert_params
+    local = replace(model, block_params=model.block_params - others,
+                    moe=replace(mo, stacked_expert_tensors=local_rows))
+    return ExpertParallelView(model=local, ep=ep, efsdp=mesh.efsdp, d=mesh.fsdp,
+                              imbalance=float(getattr(training, "routing_imbalance", 1.0)))
+
+
+__all__ = ["ExpertParallelView", "view"]
