@@ -10,6 +10,12 @@ memory-bound efficiency that fit all rows best jointly (the defaults in cost_mod
 
 torchtitan's Llama runs its fused RMSNorm (norm "fused_rmsnorm", as tests/golden/test_published.py).
 The H100 rows ran on Grand Teton hosts: 96 GB HBM2e at 2.4 TB/s, 500 W (catalog id h100-96gb).
+
+The mesh rows (published.md, "torchtitan with context and tensor parallelism"): FSDP 8 x TP 8 on 64 GPUs
+(sequence and loss parallel, TP inside each host; "local batch 12" is per data-parallel rank: micro-batch 12
+on each TP group, one micro-step), vanilla and async TP, bf16 and Float8 tensorwise linears; FSDP 4 x CP 2 on 8
+GPUs at 65,536 tokens. The Float8 rowwise TP rows (3,709 and 3,915 tokens/s/GPU) are not priced: the planner
+has no rowwise-scaling recipe (NOT_PRICED).
 """
 
 from __future__ import annotations
@@ -44,9 +50,12 @@ class Row:
     options: tuple = ()      # the published run's optimizations: compile, float8, fp8_all_gather
     unmodelled: str = ""     # what the published run does that the plan does not (empty: modelled exactly)
     compile_loss: bool = True  # with compile: the loss compiled too (torchtitan's default since 2025)
+    tp: int = 1              # tensor-parallel degree (sequence and loss parallel, torchtitan's default)
+    cp: int = 1              # context-parallel degree (FSDP over dp_shard x cp)
 
 
 A100, H100, H200 = "torchtitan 64 x A100 (mid-2024)", "torchtitan H100 (Dec 2024)", "torchtitan H200 (Jun 2025)"
+H100_TP = "torchtitan H100 async TP (Jun 2025)"
 SELECTIVE_OP = "selective op-level AC"
 ROWS = [
     Row(A100, "llama2-13b", "a100-80gb", 64, 2, 4096, "none", 2162, None, "none"),
@@ -70,6 +79,20 @@ ROWS = [
         "selective-op", ("compile", "float8", "fp8_all_gather")),
     Row(H200, "llama3.1-8b", "h200-141gb", 64, 2, 8192, "compile + Float8 + FP8 all-gather", 10753, 46.97,
         "selective-op", ("compile", "float8", "fp8_all_gather")),
+    # the mesh: benchmarks/llama3_h100_202412_torchtitan.md (CP, Table 2) and asyncTP_llama3_h100_2025-06 (TP)
+    Row(H100, "llama3.1-8b", "h100-96gb", 8, 1, 65536, "FSDP 4 x CP 2, compile + Float8, full AC", 2540, 84.2,
+        "full", ("compile", "float8"), compile_loss=False, cp=2),
+    *(Row(H100_TP, "llama3.1-8b", "h100-96gb", 64, 12, 8192, f"FSDP 8 x TP 8, {tech}", tps, None, "selective-op",
+          options, tp=8)
+      for tech, tps, options in (("bf16, vanilla TP", 4378, ("compile",)),
+                                 ("bf16, async TP", 4809, ("compile", "async_tp")),
+                                 ("Float8 tensorwise, vanilla TP", 5078, ("compile", "float8")),
+                                 ("Float8 tensorwise, async TP", 5570, ("compile", "float8", "async_tp")))),
+]
+# published rows the planner cannot price (printed, not costed)
+NOT_PRICED = [
+    (H100_TP, "FSDP 8 x TP 8, Float8 rowwise, vanilla TP", 3709, "no rowwise-scaling Float8 recipe"),
+    (H100_TP, "FSDP 8 x TP 8, Float8 rowwise, async TP", 3915, "no rowwise-scaling Float8 recipe"),
 ]
 
 
@@ -77,7 +100,7 @@ def predict(row: Row, profile: Profile = DEFAULT_PROFILE):
     """The published setting: FSDP2 FULL_SHARD, bf16 with fp32 reduction, its checkpointing and options."""
     model = replace(load_preset(row.model), norm="fused_rmsnorm", name=f"{row.model} (torchtitan)")
     config = FsdpConfig(sharding="FULL_SHARD", precision="bf16", ac_every=row.checkpointing,
-                        micro_batch=row.micro_batch, compile_loss=row.compile_loss,
+                        micro_batch=row.micro_batch, compile_loss=row.compile_loss, tp=row.tp, cp=row.cp,
                         **{name: True for name in row.options})
     return estimate_config(model, make_cluster(row.gpus, row.gpu), TrainingSpec(seq_len=row.seq_len), config,
                            profile)
@@ -135,6 +158,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"\nMAPE over the {len(exact_errors)} rows modelled exactly: {100 * statistics.mean(exact_errors):.1f}% "
           f"(max {100 * max(exact_errors):.1f}%)" + (f"; the other {len(ROWS) - len(exact_errors)} rows are priced "
                                                     "at the nearest modelled setting" if len(exact_errors) < len(ROWS) else ""))
+    for source, technique, tps, why in NOT_PRICED:
+        print(f"not priced: {source}, {technique}: {tps:,} tokens/s/GPU ({why})")
     if args.json:
         args.json.write_text(json.dumps(out, indent=1))
 

@@ -28,7 +28,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, fields
 
-from . import activations, expert_parallel, moe, operators, tensor_parallel
+from . import activations, context_parallel, expert_parallel, moe, operators, tensor_parallel
 from .profile import Profile
 from .specs import ActivationTerms, ClusterSpec, Finetune, FsdpConfig, ModelSpec, Optimizer, Precision, Sharding, TrainingSpec
 from .units import DTYPE_BYTES
@@ -279,6 +279,7 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
     _, logits_peak = activations.logits_bytes_per_token(model, c, config.loss_compiled)
     w_mlp = activations.mlp_backward_working_bytes_per_token(model, c, lora=bool(lora_rank))
     w_attn = activations.attention_backward_working_bytes_per_token(model, c, attn, training.seq_len)
+    w_attn += context_parallel.ring_working_bytes_per_token(model, config.cp, c)  # CP: the ring's transients
     freed_attn = activations.attention_freed_before_backward_bytes_per_token(model, c, lora=bool(lora_rank),
                                                                              attention=attn,
                                                                              micro_batch=config.micro_batch)

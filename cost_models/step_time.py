@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, fields, replace
 
-from . import comm, moe, operators, tensor_parallel
+from . import comm, context_parallel, moe, operators, tensor_parallel
 from .compute import mfu_flops_per_token, model_flops_per_token, recompute_flops_per_token
 from .kernel_time import BlockTime, Rates, eager_attention_ops, price_block
 from .memory import ParamCounts
@@ -47,19 +47,39 @@ class TimeBreakdown:
     tokens_per_s_per_gpu: float
     mfu: float                   # model FLOPs (torchtitan's count, no recompute) / (step time * peak)
     hfu: float                   # executed FLOPs (recompute included) / (step time * peak)
+    # the mesh's collectives, of total_comm_s and exposed_comm_s (FSDP's are the rest): tensor parallel's
+    # all-gathers / reduce-scatters (all-reduces without sequence parallel), context parallel's ring exchanges
+    tp_comm_s: float = 0.0
+    tp_exposed_comm_s: float = 0.0
+    cp_comm_s: float = 0.0
+    cp_exposed_comm_s: float = 0.0
 
     def to_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
 def _shard_tiers(config: FsdpConfig, cluster: ClusterSpec, profile: Profile):
-    """(shard-group tier, replicate-group tier) for the configuration's process groups."""
+    """(shard-group tier, replicate-group tier) for the configuration's process groups. The mesh puts tp innermost
+    (cost_models/mesh.py): FSDP's dp_shard x cp ranks are tp apart, so the group spans d x tp consecutive ranks,
+    and the tp groups of a node cross the network at once (each GPU has its NIC share)."""
     d = config.shard_group_size(cluster)
+    tp = config.tp
     # a group inside the scale-up domain (the node, or GB200's 72-GPU NVLink domain) stays on the fast tier
-    shard = comm.Tier.for_group(cluster, profile, spans_nodes=d > cluster.fast_tier_gpus)
+    shard = comm.Tier.for_group(cluster, profile, spans_nodes=d > 1 and d * tp > cluster.fast_tier_gpus,
+                                groups_sharing_nics=min(tp, cluster.gpus_per_node))
     replicate = comm.Tier.for_group(cluster, profile, spans_nodes=cluster.n_gpus > cluster.fast_tier_gpus,
-                                    groups_sharing_nics=min(d, cluster.gpus_per_node))
+                                    groups_sharing_nics=min(d * tp, cluster.gpus_per_node))
     return shard, replicate
+
+
+def mesh_tiers(config: FsdpConfig, cluster: ClusterSpec, profile: Profile) -> tuple[comm.Tier, comm.Tier]:
+    """(TP group tier, CP group tier): a TP group is tp consecutive ranks; a CP group cp ranks tp apart (cp x tp
+    consecutive ranks), the tp CP groups of those ranks crossing the network at once when it spans nodes."""
+    tp, cp = config.tp, config.cp
+    tp_tier = comm.Tier.for_group(cluster, profile, spans_nodes=tp > cluster.fast_tier_gpus)
+    cp_tier = comm.Tier.for_group(cluster, profile, spans_nodes=cp * tp > cluster.fast_tier_gpus,
+                                  groups_sharing_nics=min(tp, cluster.gpus_per_node))
+    return tp_tier, cp_tier
 
 
 def root_memory_bytes_per_token(model: ModelSpec, config: FsdpConfig, c: int) -> tuple[tuple[str, float, float], ...]:
@@ -67,13 +87,18 @@ def root_memory_bytes_per_token(model: ModelSpec, config: FsdpConfig, c: int) ->
     per-block compile leaves the final norm and the embedding eager; the loss is fused when it is compiled."""
     _, ops = operators.root_ops(model, c)
     fused = {op.name: op.name == "loss" and config.loss_compiled for op in ops}
-    return tuple((op.name, op.bytes(fused[op.name], False), op.bytes(fused[op.name], True)) for op in ops)
+    # sequence parallel: the final norm runs on s / tp tokens (the loss on vocab / tp is in the local model)
+    share = {op.name: 1 / config.tp if op.name == "final norm" and config.sequence_parallel else 1.0 for op in ops}
+    return tuple((op.name, share[op.name] * op.bytes(fused[op.name], False), share[op.name] * op.bytes(fused[op.name], True))
+                 for op in ops)
 
 
 def priced_block_ops(spec: ModelSpec, training: TrainingSpec, config: FsdpConfig, c: int):
     """(BlockOps, eager attention's products and score traffic or None) of one block as the step prices it:
     Float8's casts among the memory-bound ops; a traced inventory already holds eager attention's work."""
     ops = operators.block_ops(spec, c, training.seq_len, training.adapter_rank, config.attention.value)
+    if config.tp > 1 and config.sequence_parallel:  # norms, residuals, dropout on s / tp tokens
+        ops = tensor_parallel.sequence_parallel_ops(ops, config.tp)
     if config.float8:
         ops = replace(ops, memory_ops=ops.memory_ops + (operators.float8_cast_op(ops.matmuls, c),))
     eager = eager_attention_ops(ops, spec.n_heads, c) if config.attention is Attention.EAGER and not ops.traced else None
@@ -133,6 +158,8 @@ def estimate_step_time(model: ModelSpec, cluster: ClusterSpec, training: Trainin
     dense_delta = (counts.trainable_dense_delta + counts.frozen_dense_delta) // nd if nd else 0  # per dense block
     blocks = [(L - nd, block)] + ([(nd, dense_block)] if dense_block is not None else [])
     head, _ = operators.root_ops(model, c)
+    if head is not None and config.tp > 1 and not config.sequence_parallel:  # colwise: vocab / tp, then gathered
+        head = replace(head, n=max(1, head.n // config.tp))
     head_s = 3 * rates.matmul_forward_s(head, tokens) if head is not None else 0.0
     root_memory_s = rates.memory_s(tokens * sum(f + b for _, f, b in root_memory_bytes_per_token(model, config, c)))
     # FSDP2's copies around its collectives: each all-gather's output split into the unsharded parameters
@@ -142,12 +169,28 @@ def estimate_step_time(model: ModelSpec, cluster: ClusterSpec, training: Trainin
     fsdp_copy_s = rates.memory_s(gathers * gathered_elements * 2 * c + counts.trainable(L) * (c + r)) if d > 1 else 0.0
     matmul_s = head_s + sum(n * (b.matmul_forward_s + b.matmul_backward_s) for n, b in blocks)
     attention_s = sum(n * (b.attention_forward_s + b.attention_backward_s) for n, b in blocks)
+    # --- the mesh's collectives per micro-batch: TP's per block and at the root, CP's ring per attention call -----
+    tp_tier, cp_tier = mesh_tiers(config, cluster, profile)
+    ckpt_share = 1.0 if config.selective_op_ac else (math.ceil(L / config.ac_every) / L if config.ac_every else 0.0)
+    block_ops_local, _ = priced_block_ops(model, training, config, c)
+    products = {m.name: rates.matmul_forward_s(m, tokens, config.float8) for m in block_ops_local.matmuls}
+    if head is not None:
+        products[head.name] = rates.matmul_forward_s(head, tokens)
+    tp_t = tensor_parallel.step_seconds(full_model, config, tokens, c, tp_tier, rates, products, ckpt_share)
+    cp_t = context_parallel.ring_seconds(model, config, tokens, c, cp_tier, block.attention_forward_s,
+                                         block.attention_backward_s, 0.0 if config.selective_op_ac else ckpt_share)
+    mesh_copy_f = tp_t.block_copy_forward_s + rates.memory_s(cp_t.merge_forward_bytes)
+    mesh_copy_b = tp_t.block_copy_backward_s + rates.memory_s(cp_t.merge_backward_bytes)
     memory_bound_s = root_memory_s + fsdp_copy_s + weight_casts_s + sum(
-        n * (b.memory_forward_s + b.memory_backward_s) for n, b in blocks)
+        n * (b.memory_forward_s + b.memory_backward_s) for n, b in blocks) + L * (mesh_copy_f + mesh_copy_b) \
+        + tp_t.root_copy_s
     recompute_s = L * block_recompute_s
     compute_s = matmul_s + attention_s + memory_bound_s + recompute_s
-    block_fwd_s = block.forward_s
-    block_bwd_s = block.backward_s - block.recompute_s + block_recompute_s
+    # a block's forward and backward as FSDP's prefetch sees them: its compute, then what TP and CP leave exposed
+    mesh_fwd_s = mesh_copy_f + tp_t.block_forward_exposed_s + cp_t.forward_exposed_s
+    mesh_bwd_s = mesh_copy_b + tp_t.block_backward_exposed_s + cp_t.backward_exposed_s
+    block_fwd_s = block.forward_s + mesh_fwd_s
+    block_bwd_s = block.backward_s - block.recompute_s + block_recompute_s + mesh_bwd_s
 
     # --- collectives per micro-step --------------------------------------------------------------------
     shard_tier, replicate_tier = _shard_tiers(config, cluster, profile)
@@ -186,8 +229,8 @@ def estimate_step_time(model: ModelSpec, cluster: ClusterSpec, training: Trainin
     if model.n_dense_layers:  # an MoE model's leading dense blocks: their own sizes and FLOPs
         d_ag, d_rs = collectives((counts.block() + dense_delta) * c,
                                  (counts.trainable_block + counts.trainable_dense_delta // nd) * r)
-        kinds.append((nd, d_ag, d_ag * bwd_gather, d_rs, dense_block.forward_s,
-                      dense_block.backward_s - dense_block.recompute_s + block_recompute_s))
+        kinds.append((nd, d_ag, d_ag * bwd_gather, d_rs, dense_block.forward_s + mesh_fwd_s,
+                      dense_block.backward_s - dense_block.recompute_s + block_recompute_s + mesh_bwd_s))
     first_ag, last_rs = kinds[-1][1], kinds[-1][3]
 
     fwd_exposed = root_ag + first_ag + sum(n * max(0.0, a - f) for n, a, _, _, f, _ in kinds) \
@@ -212,6 +255,12 @@ def estimate_step_time(model: ModelSpec, cluster: ClusterSpec, training: Trainin
     else:
         exposed = accum * fwd_exposed + (accum - 1) * backward_exposed(False) + backward_exposed(True)
         total_comm = accum * (root_ag + gathered_s) + root_rs + reduced_s
+    # TP's and CP's collectives run on the compute stream's critical path (unless hidden, above): every micro-step
+    tp_comm = accum * (L * tp_t.block_s + tp_t.root_s)
+    tp_exposed = accum * (L * tp_t.block_exposed_s + tp_t.root_exposed_s)
+    cp_comm, cp_exposed = accum * L * cp_t.total_s, accum * L * cp_t.exposed_s
+    exposed += tp_exposed + cp_exposed
+    total_comm += tp_comm + cp_comm
 
     # --- CPU offload and optimizer step ---------------------------------------------------------------
     trainable_shard = counts.trainable(L) / d
@@ -251,4 +300,8 @@ def estimate_step_time(model: ModelSpec, cluster: ClusterSpec, training: Trainin
         tokens_per_s_per_gpu=tokens_per_step / step_s,
         mfu=full_tokens_per_step * mfu_flops_per_token(full_model, training) / (step_s * peak),
         hfu=accum * (model_flops + recompute_flops) / (step_s * peak),
+        tp_comm_s=tp_comm,
+        tp_exposed_comm_s=tp_exposed,
+        cp_comm_s=cp_comm,
+        cp_exposed_comm_s=cp_exposed,
     )

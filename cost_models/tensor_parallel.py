@@ -15,7 +15,7 @@ per-rank parameters and the narrower matmuls as they read any model's.
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from .specs import FsdpConfig, ModelSpec
 
@@ -74,3 +74,209 @@ def local_model(model: ModelSpec, config: FsdpConfig) -> ModelSpec:
         head_params=model.head_params // tp,
         moe=local_moe,
     )
+
+
+# --- step time: TP's collectives per block and at the root (issue 17 item 3) ------------------------------------
+#
+# Megatron-LM's plan with sequence parallel (Korthikanti et al. 2022, section 4.2.2; torchtitan's
+# parallelize_llama): between the column-wise and row-wise halves of attention and of the MLP the activations are
+# replicated, elsewhere sharded on the sequence. Per block and micro-batch, forward: the attention input and the
+# MLP input are all-gathered (Shard(1) -> Replicate), the row-wise o and down outputs reduce-scattered (Partial ->
+# Shard(1)); backward: the same four with the roles swapped (the gradient of an all-gather is a reduce-scatter);
+# each moves the full b x s x h activation. Without sequence parallel (transformers' tp_plan): the o and down
+# outputs all-reduced forward, the attention and MLP input gradients all-reduced backward. Recompute repeats
+# what the checkpointed forward re-runs: all four (two all-reduces) under full checkpointing; under torchtitan's
+# selective op-level policy the reduce-scatter outputs are on its save list and the all-gathers are not, and
+# the recomputed k and up products need the gathered inputs: two all-gathers (without SP: the all-reduce after
+# o, whose output the recomputed up product needs).
+#
+# Float8 tensorwise with TP (torchtitan's Float8ColwiseParallel / Float8RowwiseParallel / PrepareFloat8ModuleInput,
+# torchao.float8.float8_tensor_parallel): the inputs are cast before the forward all-gather and the output
+# gradients before the backward all-gather, so every all-gather moves 1 byte per element; the reduce-scatters
+# move the compute dtype.
+#
+# DTensor's collectives on the sequence dimension (dim 1 of (b, s, h)) run NCCL on dim 0 and reorder
+# (torch.distributed._functional_collectives): reduce_scatter_single cats its input's chunks to dim 0 first,
+# all_gather_single re-cats its output along dim 1 (a view only when b = 1, torch._utils._maybe_view_chunk_cat):
+# one more read and write of the message per collective (memory-bound; sequence_parallel_copy_bytes).
+#
+# Root: with sequence parallel the row-wise embedding's output is reduce-scattered to Shard(1) and the final
+# norm's output all-gathered for the column-wise head (their gradients the other way), and loss parallel
+# all-reduces three (b, s) fp32 statistics of the vocab-sharded logits (max, sum of exponentials, the target's
+# logit); without it the embedding's output is all-reduced, the head's logits all-gathered to the full vocabulary
+# (colwise_gather_output) and the head's input gradient all-reduced.
+#
+# Async TP (torchtitan enable_async_tensor_parallel: symmetric-memory micro-pipelining of all-gather + matmul and
+# matmul + reduce-scatter, compile only) hides each collective behind the products it is fused with: forward
+# the attention input's all-gather behind q/k/v, o's reduce-scatter behind o, the MLP input's behind gate/up,
+# down's behind down; backward the output-gradient all-gathers behind o's and down's two backward products and
+# the input-gradient reduce-scatters behind the q/k/v and gate/up input-gradient products; recompute's
+# all-gathers behind the recomputed products that read them. Exposed: max(0, collective - its products) each.
+# Ignored: the loss-parallel statistics' overlap, NVLS / in-switch reductions, the chunked products' own shape
+# penalty under async TP.
+
+TP_ATTENTION_IN = ("q", "k", "v", "qkv")
+TP_MLP_IN = ("gate", "up", "fc1", "shared gate", "shared up")
+TP_ATTENTION_OUT = ("o",)
+TP_MLP_OUT = ("down", "fc2", "shared down")
+HEAD = ("output head",)
+
+
+@dataclass(frozen=True)
+class TpCollective:
+    """One collective of a TP group for one micro-batch: message_bytes is the full (unsharded) tensor."""
+
+    name: str
+    kind: str                      # "all-gather", "reduce-scatter" or "all-reduce"
+    phase: str                     # "forward", "backward" or "recompute"
+    message_bytes: float
+    fused_with: tuple[str, ...] = ()  # the products async TP decomposes it with (operators.Matmul names)
+    product_passes: float = 0.0       # in forward-product units: 1 forward (or an input gradient), 2 both backward
+
+
+def block_collectives(model: ModelSpec, config: FsdpConfig, tokens: int, c: int) -> tuple[TpCollective, ...]:
+    """One block's TP collectives for `tokens` tokens per TP rank (b x s: TP ranks share their tokens)."""
+    if config.tp == 1:
+        return ()
+    act = tokens * model.hidden_size * c
+    gather = tokens * model.hidden_size * (1 if config.float8 else c)  # Float8 TP gathers FP8 inputs/gradients
+    full_ac = bool(config.ac_every)   # the checkpointed share of blocks is applied by the caller
+    if config.sequence_parallel:
+        out = [TpCollective("attention input", "all-gather", "forward", gather, TP_ATTENTION_IN, 1),
+               TpCollective("o output", "reduce-scatter", "forward", act, TP_ATTENTION_OUT, 1),
+               TpCollective("MLP input", "all-gather", "forward", gather, TP_MLP_IN, 1),
+               TpCollective("down output", "reduce-scatter", "forward", act, TP_MLP_OUT, 1),
+               TpCollective("down output gradient", "all-gather", "backward", gather, TP_MLP_OUT, 2),
+               TpCollective("MLP input gradient", "reduce-scatter", "backward", act, TP_MLP_IN, 1),
+               TpCollective("o output gradient", "all-gather", "backward", gather, TP_ATTENTION_OUT, 2),
+               TpCollective("attention input gradient", "reduce-scatter", "backward", act, TP_ATTENTION_IN, 1)]
+        if full_ac:
+            out += [replace(x, phase="recompute") for x in out[:4]]
+        elif config.selective_op_ac:
+            out += [replace(out[0], phase="recompute", fused_with=("k",)),
+                    replace(out[2], phase="recompute", fused_with=("up",))]
+        return tuple(out)
+    out = [TpCollective("o output", "all-reduce", "forward", act),
+           TpCollective("down output", "all-reduce", "forward", act),
+           TpCollective("MLP input gradient", "all-reduce", "backward", act),
+           TpCollective("attention input gradient", "all-reduce", "backward", act)]
+    if full_ac:
+        out += [replace(x, phase="recompute") for x in out[:2]]
+    elif config.selective_op_ac:
+        out.append(replace(out[0], phase="recompute"))
+    return tuple(out)
+
+
+def root_collectives(model: ModelSpec, config: FsdpConfig, tokens: int, c: int) -> tuple[TpCollective, ...]:
+    """The embedding's, the head's and the loss's TP collectives for one micro-batch (model: the full model)."""
+    if config.tp == 1:
+        return ()
+    act = tokens * model.hidden_size * c
+    if config.sequence_parallel:
+        stats = 3 * tokens * 4  # loss parallel: per-token max, sum of exponentials, target logit (fp32)
+        return (TpCollective("embedding output", "reduce-scatter", "forward", act),
+                TpCollective("head input", "all-gather", "forward", act, HEAD, 1),
+                TpCollective("loss-parallel statistics", "all-reduce", "forward", stats),
+                TpCollective("head input gradient", "reduce-scatter", "backward", act, HEAD, 1),
+                TpCollective("embedding output gradient", "all-gather", "backward", act))
+    return (TpCollective("embedding output", "all-reduce", "forward", act),
+            TpCollective("logits (colwise_gather_output)", "all-gather", "forward", tokens * model.vocab_size * c),
+            TpCollective("head input gradient", "all-reduce", "backward", act))
+
+
+def collective_s(x: TpCollective, n_ranks: int, tier) -> float:
+    from . import comm
+
+    run = {"all-gather": comm.all_gather_s, "reduce-scatter": comm.reduce_scatter_s,
+           "all-reduce": comm.all_reduce_s}[x.kind]
+    return run(x.message_bytes, n_ranks, tier)
+
+
+def sequence_parallel_copy_bytes(collectives: tuple[TpCollective, ...], tp: int, micro_batch: int) -> float:
+    """HBM bytes of DTensor's reordering around sequence-dimension collectives: each rank reads and writes the
+    gathered output (all-gather, unless the micro-batch is 1: a view) or the input it scatters (reduce-scatter)
+    once more (module notes above)."""
+    if tp == 1:
+        return 0.0
+    kinds = ("all-gather", "reduce-scatter") if micro_batch > 1 else ("reduce-scatter",)
+    return sum(2 * x.message_bytes for x in collectives if x.kind in kinds)
+
+
+SEQUENCE_SHARDED_OPS = ("norm ", "residual adds", "dropout")  # operators.py names: s / tp tokens with SP
+
+
+def sequence_parallel_ops(ops, tp: int):
+    """A block's operators as a TP rank with sequence parallel runs them: the norms, residual adds and dropout
+    on s / tp tokens (Korthikanti et al. 2022), everything between the all-gather and the reduce-scatter on the
+    rank's heads / MLP slice (already narrower in local_model). A traced inventory cannot be split: unchanged."""
+    from .operators import MemoryOp
+
+    if tp == 1 or ops.traced:
+        return ops
+
+    def shard(op: MemoryOp) -> MemoryOp:
+        if not op.name.startswith(SEQUENCE_SHARDED_OPS) or op.name.startswith("q/k"):
+            return op
+        return MemoryOp(op.name, op.forward_bytes / tp, op.backward_bytes / tp, op.fused_forward_bytes / tp,
+                        op.fused_backward_bytes / tp)
+
+    return replace(ops, memory_ops=tuple(shard(op) for op in ops.memory_ops))
+
+
+@dataclass(frozen=True)
+class TpTime:
+    """Seconds of TP's collectives per micro-batch: per block (forward; backward with its recompute) and the root,
+    all of them and the part not hidden (everything without async TP), and the memory-bound reordering copies."""
+
+    block_forward_s: float = 0.0
+    block_forward_exposed_s: float = 0.0
+    block_backward_s: float = 0.0
+    block_backward_exposed_s: float = 0.0
+    block_copy_forward_s: float = 0.0
+    block_copy_backward_s: float = 0.0
+    root_s: float = 0.0
+    root_exposed_s: float = 0.0
+    root_copy_s: float = 0.0
+
+    @property
+    def block_s(self) -> float:
+        return self.block_forward_s + self.block_backward_s
+
+    @property
+    def block_exposed_s(self) -> float:
+        return self.block_forward_exposed_s + self.block_backward_exposed_s
+
+
+def step_seconds(model: ModelSpec, config: FsdpConfig, tokens: int, c: int, tier, rates, products: dict,
+                 recompute_share: float) -> TpTime:
+    """TP's seconds for one micro-batch of `tokens` per rank. products: forward seconds of each product a TP rank
+    runs (operators.Matmul name -> s; async TP hides collectives behind them); recompute_share: the fraction of
+    blocks whose forward is recomputed (1 with selective op-level or full checkpointing of every block)."""
+    if config.tp == 1:
+        return TpTime()
+    tp = config.tp
+
+    def priced(collectives):
+        total, exposed = {"forward": 0.0, "backward": 0.0}, {"forward": 0.0, "backward": 0.0}
+        for x in collectives:
+            share = recompute_share if x.phase == "recompute" else 1.0
+            phase = "forward" if x.phase == "forward" else "backward"
+            s = collective_s(x, tp, tier)
+            hidden = x.product_passes * sum(products.get(n, 0.0) for n in x.fused_with) if config.async_tp else 0.0
+            total[phase] += share * s
+            exposed[phase] += share * max(0.0, s - hidden)
+        return total, exposed
+
+    block = block_collectives(model, config, tokens, c)
+    root = root_collectives(model, config, tokens, c)
+    (bt, be), (rt, re) = priced(block), priced(root)
+    copies = {"forward": 0.0, "backward": 0.0}
+    if config.sequence_parallel:
+        for x in block:
+            share = recompute_share if x.phase == "recompute" else 1.0
+            copies["forward" if x.phase == "forward" else "backward"] += share * rates.memory_s(
+                sequence_parallel_copy_bytes((x,), tp, config.micro_batch))
+    root_copy = rates.memory_s(sequence_parallel_copy_bytes(root, tp, config.micro_batch)) \
+        if config.sequence_parallel else 0.0
+    return TpTime(bt["forward"], be["forward"], bt["backward"], be["backward"], copies["forward"],
+                  copies["backward"], rt["forward"] + rt["backward"], re["forward"] + re["backward"], root_copy)

@@ -31,6 +31,16 @@ def _seconds(c, key: str) -> str:
     return f"{s:.7g} s, {100 * s / step:.1f}% of the step"
 
 
+def _mesh_comm(c) -> str:
+    """'; tensor parallel 0.62 s (0.62 s exposed), ...': the mesh's share of the communication, where it has one."""
+    t, cfg = c.time, c.config
+    parts = [f"{name} {total:.4f} s ({exposed:.4f} s exposed)" for name, on, total, exposed in (
+        (f"tensor parallel (tp {cfg.tp}{', async' if cfg.async_tp else ''}"
+         f"{'' if cfg.sequence_parallel else ', no sequence parallel'})", cfg.tp > 1, t.tp_comm_s, t.tp_exposed_comm_s),
+        (f"context parallel (cp {cfg.cp} ring)", cfg.cp > 1, t.cp_comm_s, t.cp_exposed_comm_s)) if on]
+    return ("; of it " + ", ".join(parts)) if parts else ""
+
+
 def _tf(flops_per_s: float) -> str:
     return f"{flops_per_s / 1e12:,.1f} TFLOP/s"
 
@@ -185,9 +195,14 @@ def time_terms(c, profile: Profile = DEFAULT_PROFILE) -> list[tuple[str, str, st
         ("recompute", _recompute(c, rates), "torchtitan's activation checkpointing (full blocks, or the op-level "
          "policy as calibration/apply.py runs it); Korthikanti et al. 2022"),
         ("exposed communication", f"{_seconds(c, 'exposed_comm_s')}: of {t.total_comm_s:.4f} s of all-gather/"
-         f"reduce-scatter{'/all-reduce' if cfg.sharding.is_hybrid else ''} per step, what compute does not hide",
+         f"reduce-scatter{'/all-reduce' if cfg.sharding.is_hybrid else ''} per step, what compute does not hide"
+         + _mesh_comm(c),
          "ring collectives: (n-1)/n x message / bus bandwidth (NCCL's convention); FSDP prefetch overlaps the "
-         "next unit's all-gather with the current unit's compute"),
+         "next unit's all-gather with the current unit's compute"
+         + ("; TP: Korthikanti et al. 2022 (sequence parallel), exposed unless async TP hides a collective behind "
+            "the products it is fused with (cost_models/tensor_parallel.py)" if cfg.tp > 1 else "")
+         + ("; CP: PyTorch's ring attention, its K/V all-gather behind the diagonal step, the fp32 dK/dV permutes "
+            "behind the next steps (cost_models/context_parallel.py)" if cfg.cp > 1 else "")),
         ("overlap slowdown", f"{_seconds(c, 'overlap_slowdown_s')} = {profile.overlap_slowdown:g} x min(hidden "
          f"communication {t.total_comm_s - t.exposed_comm_s:.4f} s, compute {t.compute_s:.4f} s)",
          "a stated estimate (profile.overlap_slowdown): NCCL's ring kernels take SMs and HBM bandwidth"),

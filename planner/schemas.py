@@ -146,6 +146,11 @@ class TimeBreakdown(_Out):
     offload_copy_s: Seconds = Field(description="s: CPU offload host<->device copies")
     optimizer_s: Seconds = Field(description="s: the optimizer step (GPU, or CPU with offload)")
     overhead_s: Seconds = Field(description="s: fixed per-micro-step cost")
+    tp_comm_s: Seconds = Field(description="s: tensor parallel's collectives (of total_comm_s), hidden or not")
+    tp_exposed_comm_s: Seconds = Field(description="s: tensor parallel's collectives not hidden (of exposed_comm_s)")
+    cp_comm_s: Seconds = Field(description="s: context parallel's ring exchanges (of total_comm_s), hidden or not")
+    cp_exposed_comm_s: Seconds = Field(description="s: context parallel's ring exchanges not hidden behind the "
+                                                   "attention (of exposed_comm_s)")
 
 
 class Time(_Out):
