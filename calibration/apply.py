@@ -14,8 +14,10 @@ Conventions:
   memory-conservative reading of "every-K". FSDP2 applies it before fully_shard (torchtitan); FSDP1
   after wrapping (apply_fsdp1, as accelerate does). Both give the same checkpointed regions.
   selective-op wraps every block with torchtitan's op-level policy (selective_op_context says what it saves).
-- The order is torchtitan's: Float8 linears (torchao), checkpointing, torch.compile of each block, then
-  fully_shard block by block and the root. Float8 and the FP8 all-gather are GPU-only (fp8 tensor cores).
+- The order is torchtitan's: Float8 linears (torchao), the mesh's other parallelisms (tensor parallel,
+  apply_mesh_parallelisms), checkpointing, torch.compile of each block, then fully_shard block by block and
+  the root on the data-parallel sub-mesh (dp_shard x cp flattened; HSDP with dp_replicate in front).
+  Float8 and the FP8 all-gather are GPU-only (fp8 tensor cores).
 - Hugging Face models train with model.config.use_cache = False (disable_kv_cache says why).
 """
 
@@ -46,7 +48,7 @@ from torch.distributed.fsdp.wrap import CustomPolicy, ModuleWrapPolicy
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from cost_models import fsdp_options
-from cost_models.specs import FsdpConfig, Precision
+from cost_models.specs import FsdpConfig, Precision, Sharding
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -157,15 +159,74 @@ def _fsdp1_devices_per_node(device_id) -> int:
 # ---------------------------------------------------------------- FSDP2
 
 def make_mesh(config: FsdpConfig, world_size: int, gpus_per_node: int, device_type: str = "cuda") -> DeviceMesh:
-    """1-D ("dp_shard",) for FULL_SHARD/SHARD_GRAD_OP; 2-D ("dp_replicate", "dp_shard") otherwise.
+    """Data parallelism only: 1-D ("dp_shard",) for FULL_SHARD/SHARD_GRAD_OP; 2-D ("dp_replicate", "dp_shard")
+    otherwise. With tp or cp > 1: the N-D mesh of dense_mesh_dims (make_dense_mesh).
 
     HYBRID shards inside a node: (world / gpus_per_node, gpus_per_node). NO_SHARD is (world, 1): every
     rank holds a full replica and gradients are all-reduced, i.e. DDP through FSDP2.
     """
     if config.sharding.is_hybrid and world_size % gpus_per_node:
         raise ValueError(f"world size {world_size} is not a multiple of gpus_per_node={gpus_per_node}")
+    if config.tp > 1 or config.cp > 1:
+        return make_dense_mesh(config, world_size, gpus_per_node, device_type)
     layout = fsdp_options.mesh_layout(config, world_size, gpus_per_node)
     return init_device_mesh(device_type, tuple(layout["shape"]), mesh_dim_names=tuple(layout["dim_names"]))
+
+
+# torchtitan's dense mesh (torchtitan/distributed/parallel_dims.py), outermost first; pp joins in front later.
+DENSE_MESH_DIMS = ("dp_replicate", "dp_shard", "cp", "tp")
+FSDP_DIM = "dp_shard_cp"  # torchtitan's name for dp_shard x cp flattened: the axis fully_shard shards over
+
+
+def dense_mesh_dims(config: FsdpConfig, world_size: int, gpus_per_node: int) -> dict[str, int]:
+    """{dim: size} in DENSE_MESH_DIMS order: tp and cp as configured, the data-parallel ranks left split as
+    FsdpConfig.dp_shard_size does (cost_models/mesh.py: FULL_SHARD-like over all of them, HYBRID inside a
+    node, NO_SHARD replicated)."""
+    model_parallel = config.tp * config.cp * config.pp
+    if world_size % model_parallel:
+        raise ValueError(f"world size {world_size} is not a multiple of tp x cp x pp = {model_parallel}")
+    dp = world_size // model_parallel
+    if config.sharding is Sharding.NO_SHARD:
+        dp_shard = 1
+    elif config.sharding.is_hybrid:
+        dp_shard = max(1, min(dp, gpus_per_node // (config.tp * config.cp)))
+    else:
+        dp_shard = dp
+    if dp % dp_shard:
+        raise ValueError(f"{dp} data-parallel ranks do not split into shard groups of {dp_shard}")
+    return {"dp_replicate": dp // dp_shard, "dp_shard": dp_shard, "cp": config.cp, "tp": config.tp}
+
+
+def make_dense_mesh(config: FsdpConfig, world_size: int, gpus_per_node: int, device_type: str = "cuda") -> DeviceMesh:
+    """The N-D DeviceMesh [dp_replicate, dp_shard, cp, tp] (size-1 dims kept, so every name exists), with
+    dp_shard x cp flattened to FSDP_DIM (build it outside FakeTensorMode, pitfalls.md)."""
+    dims = dense_mesh_dims(config, world_size, gpus_per_node)
+    mesh = init_device_mesh(device_type, tuple(dims.values()), mesh_dim_names=tuple(dims))
+    mesh["dp_shard", "cp"]._flatten(FSDP_DIM)
+    return mesh
+
+
+def data_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The sub-mesh fully_shard takes: dp_shard x cp (HSDP: with dp_replicate in front), or the mesh itself
+    when it has no model-parallel dims (make_mesh's data-parallel layouts)."""
+    names = mesh.mesh_dim_names or ()
+    if "tp" not in names and "cp" not in names:
+        return mesh
+    return mesh["dp_replicate", FSDP_DIM] if mesh["dp_replicate"].size() > 1 else mesh[FSDP_DIM]
+
+
+def apply_mesh_parallelisms(model: nn.Module, config: FsdpConfig, block_classes: set[type], mesh: DeviceMesh) -> None:
+    """The per-mesh step: every parallelism other than FSDP, applied to the model in torchtitan's order before
+    checkpointing, compile and fully_shard. Tensor parallel (calibration/tensor_parallel.py) on the "tp" dim;
+    expert parallelism (calibration/expert_parallel.py) joins here. Context parallelism shards the step's
+    inputs rather than the model (context_parallel around each step). No-op on a data-parallel-only mesh."""
+    names = mesh.mesh_dim_names or ()
+    if config.tp > 1:
+        if "tp" not in names:
+            raise ValueError(f"tp={config.tp} needs a mesh with a 'tp' dim (make_mesh), got {names}")
+        from .tensor_parallel import apply_tensor_parallel
+
+        apply_tensor_parallel(model, mesh["tp"], _block_slots(model, block_classes), config.sequence_parallel)
 
 
 def fsdp2_kwargs(config: FsdpConfig, mesh: DeviceMesh, block: bool = False) -> dict:
@@ -199,12 +260,14 @@ def dim1_placement(d: int):
 
 
 def apply_fsdp2(model: nn.Module, config: FsdpConfig, block_classes: set[type], mesh: DeviceMesh) -> nn.Module:
-    """torchtitan-style: Float8 linears, checkpoint every K-th block (or every block by op), compile each
+    """torchtitan-style: the mesh's other parallelisms (apply_mesh_parallelisms: TP), Float8 linears, checkpoint every K-th block (or every block by op), compile each
     block, fully_shard each block (the checkpoint wrapper when there is one, so recompute stays inside the
     unit), then the root. Returns the same module."""
     disable_kv_cache(model)
-    if config.float8:
+    if config.float8:  # a model converter, before any parallelism (torchtitan)
         convert_to_float8(model, block_classes, config, mesh.device_type)
+    apply_mesh_parallelisms(model, config, block_classes, mesh)
+    mesh = data_parallel_mesh(mesh)
     apply_checkpointing(model, block_classes, config)
     kwargs, block_kwargs = fsdp2_kwargs(config, mesh), fsdp2_kwargs(config, mesh, block=True)
     if config.ep > 1:  # E / ep experts per rank, all-to-all dispatch, fully_shard over efsdp (calibration/expert_parallel.py)

@@ -76,12 +76,13 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin):
         b, s, _ = x.shape
-        q = self.q_proj(x).view(b, s, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        # -1 heads: a tensor-parallel rank's projections hold n_heads / tp (n_kv_heads / tp) of them
+        q = self.q_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         # GQA: each kv head serves n_heads / n_kv_heads query heads (repeated, as Hugging Face does).
-        groups = self.n_heads // self.n_kv_heads
+        groups = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
         if self.attention == "eager":
             # Explicit scores: stores a (b, heads, s, s) tensor per layer, like HF's eager path.

@@ -8,6 +8,10 @@ What runs is what the plan emits, on no GPU and no real memory:
   calibration.apply.make_mesh, *outside* FakeTensorMode (inside it, mesh creation fails);
 - the model built inside FakeTensorMode by calibration.build.build_model: transformers' from_config (no
   weights) when there is a Hugging Face config, else the project's reference Llama;
+- with tp > 1 the N-D mesh [dp_replicate, dp_shard, cp, tp] and the model's TP plan applied by
+  parallelize_module before anything else (calibration/tensor_parallel.py; loss parallel around the step
+  with sequence parallel), FSDP on the dp_shard x cp sub-mesh; context and expert parallelism are not
+  traced (TraceUnsupported);
 - the precision's storage dtype (bf16-pure builds in bf16, as cast_for_precision would cast), then
   apply_fsdp2 (checkpoint every K-th block, fully_shard each block, then the root; a 2-D (replicate,
   shard) mesh for HYBRID with the shard group inside a node);
@@ -203,6 +207,7 @@ def trace_memory(spec: ModelSpec, config: FsdpConfig, *, n_gpus: int, gpus_per_n
     it the reference Llama is built from `spec`."""
     training = TrainingSpec(seq_len=seq_len, optimizer=optimizer, finetune=finetune, lora_rank=lora_rank)
     _check_supported(config, training)
+    _check_mesh(spec, config, n_gpus)
     if n_gpus < 1 or gpus_per_node < 1:
         raise TraceError(f"need gpus >= 1 and gpus_per_node >= 1, got {n_gpus} and {gpus_per_node}")
     if config.sharding.is_hybrid and n_gpus % gpus_per_node:
@@ -321,7 +326,7 @@ def _trace(spec, config, training, n_gpus, gpus_per_node, seq_len, hf_config, st
     shard = _shard_group(config, n_gpus, gpus_per_node)
     notes = []
     lora = training.finetune is Finetune.LORA
-    with _FakeWorld(n_gpus):
+    with _FakeWorld(n_gpus), _dtensors_under_fake_mode():
         mesh = make_mesh(config, n_gpus, gpus_per_node, "cpu")  # outside FakeTensorMode (pitfalls.md)
         # LoRA: built on meta, where peft can add its adapters (it cannot move fake tensors) and the frozen
         # base can be cast (calibration.lora's dtypes); materialised below.
@@ -380,8 +385,12 @@ def measure_training_steps(model: nn.Module, optimizer: torch.optim.Optimizer, i
     window, the latter with the for-loop step's temporaries replaced by the foreach step's (see the module
     docstring; `optimizer` must be a foreach=False one). Fake or real tensors alike: the trace runs it
     under FakeTensorMode, tests/distributed runs it on gloo ranks to check the trace against real memory.
-    Tensors whose last dimension is the vocabulary count as logits_and_loss, unless it equals the
-    sequence length."""
+    Tensors whose last dimension is the vocabulary (a TP rank's vocab / tp with loss parallel) count as
+    logits_and_loss, unless it equals the sequence length. With tensor parallelism the step runs inside
+    loss_parallel() when the config has sequence parallel (calibration/tensor_parallel.loss_context)."""
+    from .tensor_parallel import local_vocab_size, loss_context
+
+    vocab_size = local_vocab_size(vocab_size, config.tp, config.sequence_parallel)  # a TP rank's logits
     tracker = MemoryTracker(model, optimizer, vocab_size=vocab_size if vocab_size != ids.shape[-1] else None)
     tracker.track_inputs(ids)
     phases = {}
@@ -392,7 +401,8 @@ def measure_training_steps(model: nn.Module, optimizer: torch.optim.Optimizer, i
             for micro in range(min(config.grad_accum, 2)):
                 if micro:
                     tracker.next_microstep()
-                with cuda_kernel_choices():  # also in backward: checkpoint recompute runs there
+                # also in backward: checkpoint recompute runs there, and loss parallel's backward
+                with cuda_kernel_choices(), loss_context(config.tp, config.sequence_parallel):
                     loss = _loss(model, ids, is_hf, config.loss_compiled)
                     loss.backward()
                     del loss
@@ -426,9 +436,82 @@ def _meta_to_fake(model: nn.Module) -> None:
 
 
 def _shard_group(config: FsdpConfig, n_gpus: int, gpus_per_node: int) -> int:
+    """FSDP's shard group: dp_shard x cp of the mesh (calibration.apply.dense_mesh_dims)."""
+    if config.tp > 1 or config.cp > 1:
+        from .apply import dense_mesh_dims
+
+        dims = dense_mesh_dims(config, n_gpus, gpus_per_node)
+        return dims["dp_shard"] * dims["cp"]
     if config.sharding is Sharding.NO_SHARD:
         return 1
     return gpus_per_node if config.sharding.is_hybrid else n_gpus
+
+
+@contextmanager
+def _dtensors_under_fake_mode():
+    """Two things DTensor does differently when the whole step already runs under FakeTensorMode, put back
+    as a real run does them (both patches are undone on exit):
+
+    - DeviceMesh creation. A mesh holds real rank tensors; built inside FakeTensorMode it fails
+      (pitfalls.md). make_mesh runs outside the mode, but fully_shard on tensor-parallel parameters
+      concatenates the data-parallel and the TP meshes into a new one (FSDPParam._init_sharding_spec_tp,
+      DeviceMesh._concatenate) while the fake parameters are being sharded: DeviceMesh.__init__ runs under
+      unset_fake_temporarily.
+    - Shape propagation. For some ops (loss parallel's log-softmax and nll handlers, ops whose output
+      metadata is not cached) DTensor runs the op once on *global-shape* fake tensors to learn the output's
+      shape (ShardingPropagator._propagate_tensor_meta_non_cached, `detect_fake_mode() or FakeTensorMode()`).
+      On a real run that is a private FakeTensorMode the memory tracker never sees; inside the trace it
+      finds the trace's own mode and the tracker counts those global tensors as allocations (loss parallel:
+      two fp32 b x s x V tensors, +24% over the real run of a tiny Llama, tp 2). It runs with the
+      dispatch modes set aside, so it takes a private FakeTensorMode as on a real run."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    mesh_init = DeviceMesh.__init__
+    propagate = ShardingPropagator._propagate_tensor_meta_non_cached
+
+    def init_outside_fake_mode(self, *args, **kwargs):
+        with unset_fake_temporarily():
+            mesh_init(self, *args, **kwargs)
+
+    def propagate_untracked(self, op_schema):
+        with _disable_current_modes():
+            return propagate(self, op_schema)
+
+    DeviceMesh.__init__ = init_outside_fake_mode
+    ShardingPropagator._propagate_tensor_meta_non_cached = propagate_untracked
+    try:
+        yield
+    finally:
+        DeviceMesh.__init__ = mesh_init
+        ShardingPropagator._propagate_tensor_meta_non_cached = propagate
+
+
+def _check_mesh(spec: ModelSpec, config: FsdpConfig, n_gpus: int) -> None:
+    """The mesh the trace runs: tensor parallel (calibration/tensor_parallel.py) on dense models, expert
+    parallelism (calibration/expert_parallel.py) on MoE models with tp = 1; context parallelism is not traced."""
+    if config.cp > 1:
+        raise TraceUnsupported("the trace tier does not run context parallelism: torch's ring attention has no "
+                               "CPU path (pitfalls.md); use the analytic estimate")
+    if config.ep > 1 and (config.tp > 1 or spec.moe is None):  # EP: calibration/expert_parallel.py (tp = 1)
+        raise TraceUnsupported("the trace tier runs expert parallelism on mixture-of-experts models with tp = 1 "
+                               "(transformers' AllToAllEP); use the analytic estimate")
+    if config.pp > 1:
+        raise TraceUnsupported("the trace tier does not run pipeline parallelism; use the analytic estimate")
+    if config.tp > 1:
+        from .tensor_parallel import check_tensor_parallel
+
+        if n_gpus % config.tp:
+            raise TraceError(f"tp={config.tp} does not divide the {n_gpus} GPUs")
+        if spec.moe is not None:
+            raise TraceUnsupported("the trace tier runs tensor parallelism on dense models only (the experts' TP "
+                                   "plan belongs to expert parallelism); use the analytic estimate")
+        try:
+            check_tensor_parallel(spec.n_heads, spec.n_kv_heads, config.tp)
+        except ValueError as exc:
+            raise TraceUnsupported(str(exc)) from None
 
 
 def _check_supported(config: FsdpConfig, training: TrainingSpec) -> None:

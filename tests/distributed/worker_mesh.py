@@ -1,0 +1,71 @@
+"""torchrun worker: the trace tier's tensor-parallel FSDP2 training step on real tensors (gloo, CPU).
+
+    torchrun --standalone --nproc_per_node=2 tests/distributed/worker_mesh.py \
+        --case '{"hf_config": {...}, "config": {"tp": 2, "precision": "fp32"}, "seq_len": 64}' [--case ...]
+
+Each case builds the small Hugging Face model with real weights (calibration.build.build_model, the trace's
+builder), turns the KV cache off, builds the N-D mesh and applies tensor parallelism then FSDP2 through
+calibration.apply (make_mesh, apply_fsdp2: the one code path the trace runs), and measures two training steps
+with calibration.trace.measure_training_steps (the trace's measuring loop, loss parallel included). Rank 0
+prints one JSON line per case: {"case": i, "peak_allocated_bytes": n, "peak_phase": ..., "phases": {...},
+"gloo_copy_bytes": n}.
+
+gloo's own buffer copies, which NCCL does not make, are counted apart and named (gloo_copy_bytes): its
+reduce_scatter_tensor all-reduces a clone of the input (tests/distributed/worker_families.py says the same
+of FSDP2's gradient reduce-scatter, replaced here as there by an in-place all-reduce) - sequence
+parallelism's reduce-scatters of the row-wise linears' outputs run through it. The worker swaps the
+functional reduce-scatter's gloo path for an in-place one too and records the clone it avoided, so the
+measured peak is the NCCL run's and the difference is stated.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
+
+from calibration.apply import TORCH_DTYPES, apply_fsdp2, make_mesh
+from calibration.build import build_model
+from calibration.trace import make_optimizer, measure_training_steps
+from planner.models import block_classes_of
+from tests.distributed.cases import config_from_dict, serve
+from tests.distributed.worker_families import InPlaceReduceScatter
+
+
+def run_case(case: dict, rank: int, world: int) -> dict:
+    hf_config = case["hf_config"]
+    config = config_from_dict(case["config"])
+    torch.manual_seed(0)  # the same weights on every rank (TP shards them, FSDP shards the shards)
+    model = build_model(None, hf_config, attention=config.attention.value, device="cpu",
+                        dtype=TORCH_DTYPES[config.precision.param_dtype])
+    classes = block_classes_of(model)
+    model.train()
+    model.config.use_cache = False
+    apply_fsdp2(model, config, classes, make_mesh(config, world, world, "cpu"))
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_custom_reduce_scatter(InPlaceReduceScatter())
+    optimizer = make_optimizer(model.parameters(), case.get("optimizer", "adamw"))
+    # a TP group sees the same tokens: with dp_shard = 1 every rank takes the same ids
+    ids = torch.randint(0, hf_config["vocab_size"], (config.micro_batch, case["seq_len"]),
+                        generator=torch.Generator().manual_seed(1))
+    phases = measure_training_steps(model, optimizer, ids, config, vocab_size=hf_config["vocab_size"], is_hf=True)
+    peak = max(phases.values(), key=lambda s: s.peak_allocated_bytes)
+    return {"peak_allocated_bytes": peak.peak_allocated_bytes, "peak_phase": peak.peak_phase,
+            "phases": {k: v.to_dict() for k, v in phases.items()}}
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--case", action="append", required=True, help="JSON: hf_config, config, seq_len")
+    args = parser.parse_args()
+    serve([json.loads(text) for text in args.case], run_case)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    main()
