@@ -187,6 +187,9 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
     if config.selective_op_ac:  # every block checkpointed, keeping its input and the policy's saved outputs
         ckpt = activations.selective_op_held_bytes_per_token(model, c, attn, training.seq_len, lora_rank)
     root_saved = activations.root_bytes_per_token(model, c, lora=bool(lora_rank))
+    if tensor_parallel.sequence_parallel(config) and traced is None:  # the residual stream on s / tp tokens
+        full, ckpt, root_saved = tensor_parallel.sequence_parallel_saved_bytes(
+            model, c, config.tp, full, ckpt, root_saved, lora=bool(lora_rank))
     K = 1 if config.selective_op_ac else config.ac_every
     shared = activations.shared_bytes(model, c, training.seq_len)
     if K and traced is not None:  # the blocks' other inputs (masks, rotary tables), kept for the recompute
@@ -277,6 +280,8 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
         return (L - 1 - i) * block_sharded_grad + (nd - n_dense_below(i + 1)) * dense_grad_delta
 
     _, logits_peak = activations.logits_bytes_per_token(model, c, config.loss_compiled)
+    if tensor_parallel.sequence_parallel(config) and not config.loss_compiled:  # loss parallel, vocab / tp
+        logits_peak = tensor_parallel.loss_parallel_peak_bytes_per_token(model)
     w_mlp = activations.mlp_backward_working_bytes_per_token(model, c, lora=bool(lora_rank))
     w_attn = activations.attention_backward_working_bytes_per_token(model, c, attn, training.seq_len)
     w_attn += context_parallel.ring_working_bytes_per_token(model, config.cp, c)  # CP: the ring's transients

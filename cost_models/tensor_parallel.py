@@ -4,9 +4,10 @@ transformers' base_model_tp_plan apply it; shared/reference/parallelism.md).
 The Llama-style plan splits q/k/v, gate and up column-wise and o and down row-wise: each rank has
 n_heads / tp heads (KV heads / tp, or one KV head replicated when there are fewer KV heads than ranks) and
 ffn / tp of the MLP; norms (and a row-wise layer's bias) stay replicated. The embedding is split row-wise
-over the vocabulary and the head column-wise; with loss parallel (torchtitan's default with sequence
-parallel) the cross-entropy runs on vocab / tp logits per rank, without it (transformers' tp_plan,
-`colwise_gather_output`) the logits are gathered to the full vocabulary. Routed experts are split over tp
+over the vocabulary (torchtitan; transformers' tp_plan keeps it replicated) and the head column-wise; with
+loss parallel (torchtitan's default with sequence parallel) the cross-entropy runs on vocab / tp logits per
+rank, without it (transformers' tp_plan, `colwise_gather_output`) the logits are gathered to the full
+vocabulary. Routed experts are split over tp
 only without expert parallelism (ep = 1); with ep > 1 EP borrows the TP ranks (torchtitan's etp = 1).
 
 `local_model` gives the per-rank ModelSpec: the memory ledger and the operator-level step time then read the
@@ -70,7 +71,8 @@ def local_model(model: ModelSpec, config: FsdpConfig) -> ModelSpec:
         ffn_hidden_size=max(1, model.ffn_hidden_size // tp),
         vocab_size=model.vocab_size // tp if config.sequence_parallel else model.vocab_size,
         block_params=block,
-        embedding_params=model.embedding_params // tp,
+        # torchtitan shards the embedding over the vocabulary; transformers' tp_plan leaves it replicated
+        embedding_params=model.embedding_params // tp if config.sequence_parallel else model.embedding_params,
         head_params=model.head_params // tp,
         moe=local_moe,
     )
@@ -280,3 +282,65 @@ def step_seconds(model: ModelSpec, config: FsdpConfig, tokens: int, c: int, tier
         if config.sequence_parallel else 0.0
     return TpTime(bt["forward"], be["forward"], bt["backward"], be["backward"], copies["forward"],
                   copies["backward"], rt["forward"] + rt["backward"], re["forward"] + re["backward"], root_copy)
+
+
+# ---------------------------------------------------------------- memory terms (cost_models/memory.py reads them)
+# Measured against the trace tier (calibration/tensor_parallel.py applies the plan; benchmarks/memory_accuracy.py
+# --mesh), itself equal to a real gloo run of a tiny Llama to the byte (tests/distributed/test_torchrun_mesh.py).
+
+def sequence_parallel(config: FsdpConfig) -> bool:
+    """Whether the residual stream is sharded over the sequence (torchtitan's TP with tp > 1)."""
+    return config.tp > 1 and config.sequence_parallel
+
+
+def residual_stream_bytes_per_token(model: ModelSpec, compute_bytes: int, lora: bool = False) -> int:
+    """Saved bytes per token of a block that live on the residual stream: its norms (the fp32 upcast and
+    the normalised tensor each RMSNorm saves; activations._norm_bytes) and the residual dropout masks. With
+    sequence parallel they are saved for s / tp tokens only. What the norms' outputs feed - the column-wise
+    q/k/v and gate/up linears - is saved after the all-gather, for every token (the gathered linear inputs:
+    they stay at full tokens in the per-rank formula)."""
+    from .activations import _norm_bytes
+    from .operators import _n_norms
+
+    stream = _n_norms(model) * _norm_bytes(model, compute_bytes, lora)
+    if model.dropout:
+        stream += 2 * model.hidden_size  # 1-byte masks after attention and MLP
+    return stream
+
+
+def root_stream_bytes_per_token(model: ModelSpec, compute_bytes: int, lora: bool = False) -> int:
+    """The root's saved bytes per token on the residual stream: the final norm's and the embedding dropout
+    mask (the head's gathered input and the int64 labels stay at full tokens)."""
+    from .activations import _norm_bytes
+
+    return _norm_bytes(model, compute_bytes, lora) + (model.hidden_size if model.dropout and not lora else 0)
+
+
+def sequence_parallel_saved_bytes(model: ModelSpec, compute_bytes: int, tp: int, block: int, checkpointed: int,
+                                  root: int, lora: bool = False) -> tuple[int, int, int]:
+    """(block, checkpointed block, root) saved bytes per token of the micro-batch under sequence parallel, from
+    the per-rank formulas at full tokens (`model` is local_model's): the residual-stream parts on s / tp
+    tokens (residual_stream_bytes_per_token, root_stream_bytes_per_token), a checkpointed block's input - a
+    residual-stream tensor - on s / tp. Korthikanti et al. 2022 (Table 2): with TP + SP everything shrinks by
+    tp; here the gathered inputs of the column-wise linears are kept whole, as torch's ColwiseParallel saves
+    them (sbh per linear group), which Megatron's SP avoids only by re-gathering them in backward."""
+    stream = residual_stream_bytes_per_token(model, compute_bytes, lora)
+    root_stream = root_stream_bytes_per_token(model, compute_bytes, lora)
+    return (block - stream + _per_rank(stream, tp), _per_rank(checkpointed, tp),
+            root - root_stream + _per_rank(root_stream, tp))
+
+
+def _per_rank(bytes_per_token: int, tp: int) -> int:
+    return -(-bytes_per_token // tp)
+
+
+# Loss parallel (torch.distributed.tensor.parallel.loss_parallel, torchtitan): its fused log-softmax + NLL
+# backward holds the saved log-softmax output, a zeroed gradient it scatters the -1s into, their sum with
+# exp(x), and the product with the incoming gradient: four fp32 copies of the rank's vocab / tp logits
+# (the unsharded loss holds three, activations.logits_bytes_per_token).
+LOSS_PARALLEL_FP32_COPIES = 4
+
+
+def loss_parallel_peak_bytes_per_token(model: ModelSpec) -> int:
+    """Bytes per token at loss parallel's backward (`model` is local_model's: vocab / tp)."""
+    return LOSS_PARALLEL_FP32_COPIES * 4 * model.vocab_size
