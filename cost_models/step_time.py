@@ -130,6 +130,30 @@ def _block_times(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, r
     return plain, dense[0] if dense else None, recompute_s, weight_casts
 
 
+_NO_TP, _NO_CP = tensor_parallel.TpTime(), context_parallel.CpTime()
+
+
+def _mesh_times(full_model: ModelSpec, model: ModelSpec, training: TrainingSpec, config: FsdpConfig,
+                cluster: ClusterSpec, profile: Profile, rates: Rates, c: int, tokens: int, head, block: BlockTime):
+    """(TP's, CP's) seconds per micro-batch: TP's collectives per block and at the root, CP's ring per attention
+    call (model: a TP rank's slice; block: its priced block, whose attention the ring hides behind)."""
+    if config.tp == 1 and config.cp == 1:
+        return _NO_TP, _NO_CP
+    L = model.n_layers
+    tp_tier, cp_tier = mesh_tiers(config, cluster, profile)
+    ckpt_share = 1.0 if config.selective_op_ac else (math.ceil(L / config.ac_every) / L if config.ac_every else 0.0)
+    products = {}  # async TP: each product's forward seconds, what a collective can hide behind
+    if config.async_tp:
+        block_ops_local, _ = priced_block_ops(model, training, config, c)
+        products = {m.name: rates.matmul_forward_s(m, tokens, config.float8) for m in block_ops_local.matmuls}
+        if head is not None:
+            products[head.name] = rates.matmul_forward_s(head, tokens)
+    tp_t = tensor_parallel.step_seconds(full_model, config, tokens, c, tp_tier, rates, products, ckpt_share)
+    cp_t = context_parallel.ring_seconds(model, config, tokens, c, cp_tier, block.attention_forward_s,
+                                         block.attention_backward_s, 0.0 if config.selective_op_ac else ckpt_share)
+    return tp_t, cp_t
+
+
 def estimate_step_time(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, config: FsdpConfig,
                        profile: Profile) -> TimeBreakdown:
     full_model, model = model, tensor_parallel.local_model(model, config)  # a TP rank's slice of the model
@@ -170,15 +194,7 @@ def estimate_step_time(model: ModelSpec, cluster: ClusterSpec, training: Trainin
     matmul_s = head_s + sum(n * (b.matmul_forward_s + b.matmul_backward_s) for n, b in blocks)
     attention_s = sum(n * (b.attention_forward_s + b.attention_backward_s) for n, b in blocks)
     # --- the mesh's collectives per micro-batch: TP's per block and at the root, CP's ring per attention call -----
-    tp_tier, cp_tier = mesh_tiers(config, cluster, profile)
-    ckpt_share = 1.0 if config.selective_op_ac else (math.ceil(L / config.ac_every) / L if config.ac_every else 0.0)
-    block_ops_local, _ = priced_block_ops(model, training, config, c)
-    products = {m.name: rates.matmul_forward_s(m, tokens, config.float8) for m in block_ops_local.matmuls}
-    if head is not None:
-        products[head.name] = rates.matmul_forward_s(head, tokens)
-    tp_t = tensor_parallel.step_seconds(full_model, config, tokens, c, tp_tier, rates, products, ckpt_share)
-    cp_t = context_parallel.ring_seconds(model, config, tokens, c, cp_tier, block.attention_forward_s,
-                                         block.attention_backward_s, 0.0 if config.selective_op_ac else ckpt_share)
+    tp_t, cp_t = _mesh_times(full_model, model, training, config, cluster, profile, rates, c, tokens, head, block)
     mesh_copy_f = tp_t.block_copy_forward_s + rates.memory_s(cp_t.merge_forward_bytes)
     mesh_copy_b = tp_t.block_copy_backward_s + rates.memory_s(cp_t.merge_backward_bytes)
     memory_bound_s = root_memory_s + fsdp_copy_s + weight_casts_s + sum(
