@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 
-from cost_models import moe, operators
+from cost_models import moe, operators, tensor_parallel
 from cost_models.compute import mfu_flops_per_token, model_flops_per_token, recompute_flops_per_token
 from cost_models.kernel_time import Rates
 from cost_models.memory import ParamCounts
@@ -50,10 +50,10 @@ def _peak(c) -> float:
     return gpu.priced_peak_flops(c.config.precision.compute_dtype)
 
 
-def _block_kinds(c) -> list[tuple[int, object, tuple]]:
+def _block_kinds(c, m=None) -> list[tuple[int, object, tuple]]:
     """(blocks of this kind, BlockOps, memory ops as step_time prices them): the sparse (or only) block and an
-    MoE model's leading dense blocks."""
-    m, cfg = c.model, c.config
+    MoE model's leading dense blocks (m: the model to price, c.model by default; a TP rank's slice for the mesh)."""
+    m, cfg = m or c.model, c.config
     cb = DTYPE_BYTES[cfg.precision.compute_dtype]
     dense = moe.dense_block_spec(m)
     kinds = []
@@ -120,15 +120,18 @@ def _attention(c, rates: Rates, profile: Profile) -> str:
 
 
 def _memory_bound(c, rates: Rates, profile: Profile) -> str:
-    cfg, tokens = c.config, c.config.micro_batch * c.training.seq_len
+    # a mesh rank's share, as step_time prices it: its TP slice of the model on its s / cp tokens of each sequence
+    cfg, tokens = c.config, c.config.micro_batch * c.training.seq_len // c.config.cp
+    model = tensor_parallel.local_model(c.model, cfg)
     compiled = cfg.compile
-    root = root_memory_bytes_per_token(c.model, cfg, DTYPE_BYTES[cfg.precision.compute_dtype])
+    root = root_memory_bytes_per_token(model, cfg, DTYPE_BYTES[cfg.precision.compute_dtype])
+    kinds = _block_kinds(c, model)
     per_step = [(n * tokens * (op.bytes(compiled, False) + op.bytes(compiled, True)), op.name)
-                for n, _, memory in _block_kinds(c) for op in memory]
+                for n, _, memory in kinds for op in memory]
     per_step += [(tokens * (forward + backward), name) for name, forward, backward in root]
     blocks = " + ".join(f"{n} blocks x {sum(op.bytes(compiled, False) for op in mem):,.0f} + "
                         f"{sum(op.bytes(compiled, True) for op in mem):,.0f} B per token (forward + backward)"
-                        for n, _, mem in _block_kinds(c))
+                        for n, _, mem in kinds)
     root_bytes = sum(forward + backward for _, forward, backward in root)
     per_token_s = rates.memory_s(sum(b for b, _ in per_step))
     rest = c.time.memory_bound_s / cfg.grad_accum - per_token_s
@@ -136,9 +139,12 @@ def _memory_bound(c, rates: Rates, profile: Profile) -> str:
     mode = ("compiled: inductor fuses each block's pointwise chains" + (" and the loss" if cfg.loss_compiled else "")
             if compiled else "eager kernels")
     return (f"{_seconds(c, 'memory_bound_s')} = {cfg.grad_accum} micro-step(s) x ([{blocks} + root {root_bytes:,.0f}"
-            f" B per token (final norm, embedding eager; loss over {c.model.vocab_size:,} logits)] x {tokens:,} tokens "
+            f" B per token (final norm, embedding eager; loss over {model.vocab_size:,} logits)] x {tokens:,} tokens "
             f"({mode}) / {rates.memory_bytes_per_s / 1e12:.2f} TB/s = {per_token_s:.4f} s, + {rest:.4f} s of FSDP2's "
             f"copy-in/out around each collective" + (" and the Float8 weights' casts" if cfg.float8 else "")
+            + (", DTensor's reorder copies around sequence-parallel collectives" if cfg.tp > 1 and cfg.sequence_parallel
+               else "") + (", the ring attention's fp32 merges" if cfg.cp > 1 else "")
+            + (f" (a TP rank's slice of the model, tp {cfg.tp})" if cfg.tp > 1 else "")
             + f"); {c.cluster.gpu.hbm_bytes_per_s / 1e12:g} TB/s HBM x {profile.memory_bound_efficiency:g} "
             f"memory-bound efficiency; biggest per micro-step: {biggest}")
 
