@@ -10,6 +10,7 @@ up by name, so they paste into any script that has built `model` and initialised
 from __future__ import annotations
 
 from cost_models import fsdp_options, moe
+from cost_models.mesh import mesh_of
 from cost_models.specs import ClusterSpec, FsdpConfig, ModelSpec, Precision, TrainingSpec
 
 from . import emit_techniques as tech
@@ -45,7 +46,20 @@ def _summary(config: FsdpConfig, model_spec: ModelSpec, cluster: ClusterSpec) ->
         f"activation checkpointing {config.activation_checkpointing}, attention {config.attention.value}",
         f"micro-batch {config.micro_batch} per GPU, gradient accumulation {config.grad_accum}",
         *tech.summary_line(config),
+        *mesh_summary(config, cluster),
     ]
+
+
+def mesh_summary(config: FsdpConfig, cluster: ClusterSpec) -> list[str]:
+    """The plan's device mesh in one line (none for data parallelism alone, so those plans emit as before)."""
+    if config.tp == config.cp == config.ep == config.pp == 1:
+        return []
+    mesh = mesh_of(config, cluster)
+    dims = " x ".join(f"{name} {size}" for name, size in mesh.used_dims())
+    experts = f"; experts on efsdp {mesh.efsdp} x ep {mesh.ep}" if mesh.ep > 1 else ""
+    tp = ("" if config.tp == 1 else ", TP with sequence parallel and loss parallel (torchtitan's)"
+          if config.sequence_parallel else ", TP as transformers' tp_plan (no sequence parallel)")
+    return [f"mesh {mesh.describe()}: {dims}{experts}{tp}"]
 
 
 def _comment(lines: list[str]) -> str:
@@ -512,7 +526,7 @@ def emit_slurm(config: FsdpConfig, model_spec: ModelSpec, cluster: ClusterSpec, 
 # ---------------------------------------------------------------- for a planned candidate
 
 ARTIFACTS = ("fsdp1", "fsdp2", "accelerate", "accelerate-fsdp2", "lightning", "hf-trainer", "hf-trainer-fsdp1",
-             "torchtitan", "torchrun", "slurm", "pytorchjob")
+             "torchtitan", "torchtitan-0.2", "torchrun", "slurm", "pytorchjob")
 
 
 def emit_artifact(kind: str, candidate) -> str:
@@ -523,8 +537,9 @@ def emit_artifact(kind: str, candidate) -> str:
     if kind in ("hf-trainer", "hf-trainer-fsdp1"):
         version = 2 if kind == "hf-trainer" else 1
         return trainers.emit_hf_trainer(config, spec, cluster, candidate.training, fsdp_version=version)
-    if kind == "torchtitan":
-        return trainers.emit_torchtitan(config, spec, cluster, candidate.training)
+    if kind in ("torchtitan", "torchtitan-0.2"):  # 0.3's names (the current release), or 0.2's
+        return trainers.emit_torchtitan(config, spec, cluster, candidate.training,
+                                        version="0.2" if kind == "torchtitan-0.2" else "0.3")
     if kind == "pytorchjob":
         return trainers.emit_pytorchjob(config, spec, cluster)
     if kind == "fsdp1":

@@ -1,5 +1,5 @@
 """The plan in the words of the trainers and schedulers people launch with: Hugging Face Trainer arguments
-(transformers 5), torchtitan overrides, a Kubeflow PyTorchJob manifest.
+(transformers 5), torchtitan overrides (planner/emit_torchtitan.py), a Kubeflow PyTorchJob manifest.
 
 Each says every planned setting the trainer can hold, and names in a comment what it cannot (never a silent
 drop); a plan a trainer cannot run at all (fp16 under torchtitan) is refused with one PlannerError line.
@@ -24,7 +24,6 @@ _TORCH_DTYPE = {"fp32": "torch.float32", "bf16": "torch.bfloat16", "fp16": "torc
 # (formerly gradient_checkpointing) checkpoints outside the FSDP units, and its recompute adds a redundant
 # all-gather in backward (transformers' training_args.py, issue 30404).
 HF_AC_NOTE = "TrainingArguments' activation_checkpointing (gradient_checkpointing) would add an all-gather in backward"
-TORCHTITAN_VERSION = "torchtitan 0.2 (0.2.0 - 0.2.2)"
 
 
 def _py(value) -> str:
@@ -208,102 +207,9 @@ def emit_hf_trainer(config: FsdpConfig, model_spec: ModelSpec, cluster: ClusterS
     ]) + "\n"
 
 
-# ---------------------------------------------------------------- torchtitan
+# ---------------------------------------------------------------- torchtitan (planner/emit_torchtitan.py)
 
-def _torchtitan_refusal(config: FsdpConfig) -> None:
-    if config.precision is Precision.FP16:
-        raise PlannerError("emit", "torchtitan has no fp16 mixed precision (training.mixed_precision_param: bfloat16 | "
-                                   "float32); plan with --precision bf16 or fp32, or use --emit fsdp2")
-
-
-def _flag(name: str, value) -> str:
-    """torchtitan's (tyro) flag form: --section.option=value; a boolean is --section.option / --section.no-option."""
-    if isinstance(value, bool):
-        section, _, option = name.rpartition(".")
-        return f"--{name}" if value else f"--{section}.no-{option}"
-    return f"--{name}={value}"
-
-
-def torchtitan_overrides(config: FsdpConfig, cluster: ClusterSpec, seq_len: int) -> tuple[list, list[str]]:
-    """((name, value, comment) flags, notes on what torchtitan cannot say) for the plan, in TORCHTITAN_VERSION's
-    JobConfig names."""
-    _torchtitan_refusal(config)
-    replicas, shard = _shard_layout(config, cluster)
-    notes = []
-    reshard = fsdp_options.fully_shard_options(config)["reshard_after_forward"]
-    flags = [
-        ("parallelism.data_parallel_replicate_degree", replicas, "HSDP: replicas across nodes" if replicas > 1 and
-         shard > 1 else "DDP: every rank a replica" if shard == 1 and replicas > 1 else ""),
-        ("parallelism.data_parallel_shard_degree", shard, "the shard group"),
-        ("parallelism.fsdp_reshard_after_forward", "default" if reshard else "never",
-         RESHARD_NOTE[reshard]),
-        ("training.local_batch_size", config.micro_batch, "the plan's micro-batch per GPU"),
-        ("training.global_batch_size", config.micro_batch * cluster.n_gpus * config.grad_accum,
-         f"{config.grad_accum} gradient accumulation step(s)" if config.grad_accum > 1 else ""),
-        ("training.seq_len", seq_len, ""),
-    ]
-    if config.precision is Precision.BF16_PURE:
-        flags.append(("training.dtype", "bfloat16", "bf16-pure: params, grads and optimizer state in bf16"))
-    flags += [
-        ("training.mixed_precision_param", "float32" if config.precision is Precision.FP32 else "bfloat16", ""),
-        ("training.mixed_precision_reduce", "float32", "torchtitan's only choice"),
-    ]
-    if config.gradient_reduce_dtype != "fp32":
-        notes.append(f"the plan reduces gradients in {config.gradient_reduce_dtype}; torchtitan reduces in float32 "
-                     "(mixed_precision_reduce has no other value): twice the gradient traffic of the plan")
-    flags.append(("training.enable_cpu_offload", config.offload,
-                  "params, grads and optimizer step on CPU" if config.offload else ""))
-    if config.selective_op_ac:
-        flags += [("activation_checkpoint.mode", "selective", ""),
-                  ("activation_checkpoint.selective_ac_option", "op", "op-level: the plan's selective-op")]
-    elif config.ac_every > 1:
-        flags += [("activation_checkpoint.mode", "selective", ""),
-                  ("activation_checkpoint.selective_ac_option", config.ac_every,
-                   f"one block in {config.ac_every} (torchtitan counts from 1: blocks {config.ac_every - 1}, "
-                   f"{2 * config.ac_every - 1}, ...)")]
-    else:
-        flags.append(("activation_checkpoint.mode", "full" if config.ac_every else "none", ""))
-    flags.append(("compile.enable", config.compile, "torchtitan compiles each block" if config.compile else ""))
-    if config.compile:
-        flags.append(("compile.components", "model,loss" if config.compile_loss else "model",
-                      "the blocks and the loss (fused cross-entropy: no fp32 copy of the logits)" if config.compile_loss
-                      else "the blocks only: the loss stays eager, as planned"))
-    if config.float8:
-        flags += [
-            ("model.converters", "quantize.linear.float8", "torchao Float8 linears, tensorwise scaling"),
-            ("quantize.linear.float8.filter_fqns", "output", "the head stays bf16, as planned (blocks only)"),
-            ("quantize.linear.float8.enable_fsdp_float8_all_gather", config.fp8_all_gather,
-             "FSDP2 all-gathers Float8 weights in FP8" if config.fp8_all_gather else ""),
-            ("quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp", config.fp8_all_gather,
-             "one all-reduce of every scale after the optimizer step" if config.fp8_all_gather else ""),
-        ]
-    else:
-        notes.append("no Float8: leave float8 out of model.converters in the base config")
-    notes += tech.reshard_group_note(config, "fsdp_reshard_after_forward (default | always | never) cannot say")
-    notes += _fsdp1_only_notes(config, "an FSDP1 dialect (--emit fsdp1)") + _expert_notes(config, "torchtitan")
-    return flags, notes
-
-
-def emit_torchtitan(config: FsdpConfig, model_spec: ModelSpec, cluster: ClusterSpec,
-                    training: TrainingSpec | None = None, script: str = "-m torchtitan.train") -> str:
-    """Override flags for a torchtitan run of the plan (--section.option=value, one a line), after the model's
-    own job config: `torchrun ... -m torchtitan.train --job.config_file MODEL.toml $(grep -v '^#' FILE)`."""
-    if training is not None and training.finetune.value == "lora":
-        raise PlannerError("emit", "torchtitan trains full models (no LoRA); use --emit hf-trainer or fsdp2")
-    flags, notes = torchtitan_overrides(config, cluster, training.seq_len if training else 2048)
-    launch = " ".join(["torchrun", *torchrun_args(cluster, script)])
-    header = _summary(config, model_spec, cluster) + [
-        f"torchtitan overrides in {TORCHTITAN_VERSION} JobConfig names (TOML sections / --section.option flags); "
-        "booleans are --option / --no-option flags",
-        "0.1.0 spells compile training.compile and Float8 [float8] (converter \"float8\"); 0.3's Python configs keep "
-        "the training.*, parallelism.* and compile.enable names, with activation checkpointing and Float8 as "
-        "components of the --config function",
-        f"launch: {launch} --job.config_file <the model's .toml> $(grep -v '^#' <this file>)",
-        *multi_node_note(cluster),
-    ]
-    # a flag's comment goes on the line above it: grep -v '^#' must leave flags only
-    body = [line for name, value, note in flags for line in ([f"# {note}"] if note else []) + [_flag(name, value)]]
-    return "\n".join([_comment(header + notes), *body]) + "\n"
+from .emit_torchtitan import TORCHTITAN_VERSIONS, emit_torchtitan, torchtitan_overrides  # noqa: E402,F401
 
 
 # ---------------------------------------------------------------- Kubeflow PyTorchJob

@@ -200,7 +200,8 @@ def test_torchtitan_round_trip(tmp_path, config, form):
     from planner.emit_trainers import emit_torchtitan
     from cost_models.specs import TrainingSpec
 
-    text = emit_torchtitan(config, SPEC, TWO_NODES, TrainingSpec(seq_len=4096))
+    # 0.2's names (TOML job files are 0.2's form; 0.3's flags round-trip in tests/unit/test_emit_mesh.py)
+    text = emit_torchtitan(config, SPEC, TWO_NODES, TrainingSpec(seq_len=4096), version="0.2")
     path = tmp_path / ("overrides.txt" if form == "flags" else "job.toml")
     path.write_text(text if form == "flags" else _flags_as_toml(text))
     back = read_setup(path)

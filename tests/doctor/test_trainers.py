@@ -1,6 +1,7 @@
 """The trainers' dialects (issue 11): --emit hf-trainer builds real transformers TrainingArguments whose resolved
-FSDP settings are the plan's; --emit torchtitan writes torchtitan 0.2's override flags (checked by hand against
-torchtitan 0.2.0 and 0.2.2's own JobConfig parser); --emit pytorchjob is a Kubeflow manifest running the
+FSDP settings are the plan's; --emit torchtitan-0.2 writes torchtitan 0.2's override flags (checked by hand against
+torchtitan 0.2.0 and 0.2.2's own JobConfig parser; 0.3's, parsed by torchtitan 0.3.0 itself:
+tests/unit/test_emit_mesh.py); --emit pytorchjob is a Kubeflow manifest running the
 torchrun line. Reading them back: test_trainer_setups.py and test_roundtrip.py."""
 
 import os
@@ -25,8 +26,12 @@ TWO_NODES = make_cluster(16, gpus_per_node=8)
 def flags_of(text: str) -> dict:
     """The flags a shell passes after `$(grep -v '^#' FILE)`: every line that is not a comment."""
     lines = [line for line in text.splitlines() if line and not line.startswith("#")]
-    assert all(line.startswith("--") and " " not in line for line in lines), lines
-    return dict(line[2:].partition("=")[::2] for line in lines)
+    assert all(" " not in line for line in lines), lines
+    flags, subcommands = lines, []
+    if lines and not lines[-1].startswith("--"):  # torchtitan 0.3's activation-checkpoint:X, after every flag
+        flags, subcommands = lines[:-1], [lines[-1].partition(":")[::2]]
+    assert all(line.startswith("--") for line in flags), lines
+    return dict([line[2:].partition("=")[::2] for line in flags] + subcommands)
 
 
 # ---------------------------------------------------------------- --emit hf-trainer
@@ -126,11 +131,12 @@ def test_hf_trainer_says_what_it_cannot_set():
 
 def test_torchtitan_overrides_for_hsdp_with_every_2_checkpointing():
     config = FsdpConfig(sharding="HYBRID_SHARD_ZERO2", ac_every=2, micro_batch=2, grad_accum=4, offload=True)
-    text = emit_torchtitan(config, SPEC, TWO_NODES, TrainingSpec(seq_len=8192))
+    text = emit_torchtitan(config, SPEC, TWO_NODES, TrainingSpec(seq_len=8192), version="0.2")
     assert "torchtitan 0.2 (0.2.0 - 0.2.2) JobConfig names" in text
     assert flags_of(text) == {
         "parallelism.data_parallel_replicate_degree": "2", "parallelism.data_parallel_shard_degree": "8",
-        "parallelism.fsdp_reshard_after_forward": "never",
+        "parallelism.fsdp_reshard_after_forward": "never", "parallelism.tensor_parallel_degree": "1",
+        "parallelism.context_parallel_degree": "1", "parallelism.expert_parallel_degree": "1",
         "training.local_batch_size": "2", "training.global_batch_size": str(2 * 16 * 4), "training.seq_len": "8192",
         "training.mixed_precision_param": "bfloat16", "training.mixed_precision_reduce": "float32",
         "training.enable_cpu_offload": "",
@@ -142,7 +148,7 @@ def test_torchtitan_overrides_for_hsdp_with_every_2_checkpointing():
 def test_torchtitan_float8_selective_op_and_what_it_cannot_say():
     config = FsdpConfig(ac_every="selective-op", compile=True, float8=True, fp8_all_gather=True,
                         reshard_after_forward=8, reduce_dtype="bf16")
-    text = emit_torchtitan(config, SPEC, TWO_NODES)
+    text = emit_torchtitan(config, SPEC, TWO_NODES, version="0.2")
     flags = flags_of(text)
     assert flags["activation_checkpoint.selective_ac_option"] == "op" and "compile.enable" in flags
     assert flags["model.converters"] == "quantize.linear.float8"
@@ -150,7 +156,8 @@ def test_torchtitan_float8_selective_op_and_what_it_cannot_say():
     assert flags["quantize.linear.float8.filter_fqns"] == "output"  # the head stays bf16, as planned
     assert "fsdp_reshard_after_forward (default | always | never) cannot say" in text
     assert "torchtitan reduces in float32" in text
-    assert flags_of(emit_torchtitan(FsdpConfig(precision="bf16-pure"), SPEC, ONE_NODE))["training.dtype"] == "bfloat16"
+    assert flags_of(emit_torchtitan(FsdpConfig(precision="bf16-pure"), SPEC, ONE_NODE, version="0.2"))[
+        "training.dtype"] == "bfloat16"
 
 
 def test_torchtitan_refuses_fp16_and_lora_in_one_line():

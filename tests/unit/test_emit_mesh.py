@@ -1,0 +1,187 @@
+"""The mesh in the emitted configs (issue 17, item 5): --emit torchtitan in torchtitan 0.3's names, parsed by
+torchtitan 0.3.0's own ConfigManager (0.2's spellings behind --emit torchtitan-0.2); --emit fsdp2's N-D
+init_device_mesh, TP plan, context parallel and fully_shard on the data-parallel sub-mesh, run on a tiny model
+under a fake process group; accelerate / HF Trainer ParallelismConfig; and what a dialect cannot express, one
+line each."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import json
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from cost_models.specs import FsdpConfig, TrainingSpec
+from planner.emit_torchtitan import emit_torchtitan
+from planner.errors import PlannerError
+from planner.hardware import make_cluster
+from planner.models import load_preset
+from planner.setups import read_setup
+from planner.setups_trainers import from_torchtitan, torchtitan_settings
+
+LLAMA = load_preset("llama3-8b")
+DEEPSEEK = load_preset("deepseek-v3")
+ONE_NODE, TWO_NODES = make_cluster(8), make_cluster(16, gpus_per_node=8)
+PARSER = Path(__file__).with_name("torchtitan_parse.py")
+
+
+def flag_lines(text: str) -> list[str]:
+    """What `$(grep -v '^#' FILE)` hands torchtitan: every line that is not a comment."""
+    lines = [line for line in text.splitlines() if line and not line.startswith("#")]
+    assert all(" " not in line for line in lines), lines
+    return lines
+
+
+def _torchtitan_03() -> str | None:
+    """Why torchtitan's own parser cannot run here, or None."""
+    if importlib.util.find_spec("torchtitan") is None:
+        return "torchtitan is not installed (a test-only dependency: pip install -e '.[test]')"
+    version = importlib.metadata.version("torchtitan")
+    return None if version.startswith("0.3") else f"torchtitan {version} installed; these are 0.3's names"
+
+
+def parse_with_torchtitan(sets: list[tuple[str, str, list[str]]]) -> list[dict]:
+    """Each (module, config, args) through torchtitan's ConfigManager.parse_args (tests/unit/torchtitan_parse.py)."""
+    run = subprocess.run([sys.executable, str(PARSER)], input=json.dumps(sets), capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    return json.loads(run.stdout.splitlines()[-1])
+
+
+# (plan, model, cluster, seq_len) and what torchtitan must resolve from the emitted flags
+PLANS = {
+    "plain": (FsdpConfig(), LLAMA, ONE_NODE, 2048,
+              dict(dp_replicate=1, dp_shard=8, tp=1, cp=1, ep=1, ac="none", compile=False, global_batch_size=8)),
+    "compile-float8": (FsdpConfig(compile=True, float8=True, ac_every=1, micro_batch=2), LLAMA, ONE_NODE, 4096,
+                       dict(dp_shard=8, compile=True, components=["model", "loss"], ac="FullAC", local_batch_size=2,
+                            global_batch_size=16, seq_len=4096)),
+    "selective-op-hsdp": (FsdpConfig(sharding="HYBRID_SHARD", ac_every="selective-op", micro_batch=2, grad_accum=4),
+                          LLAMA, TWO_NODES, 8192,
+                          dict(dp_replicate=2, dp_shard=8, reshard="default", ac="SelectiveAC",
+                               global_batch_size=2 * 16 * 4)),
+    "tp2-cp4-async": (FsdpConfig(tp=2, cp=4, compile=True, async_tp=True, ac_every=1), LLAMA, TWO_NODES, 131072,
+                      dict(dp_replicate=1, dp_shard=2, tp=2, cp=4, async_tp=True, sequence_parallel=True,
+                           global_batch_size=2, seq_len=131072)),
+    "tp8-no-sp": (FsdpConfig(tp=8, sequence_parallel=False, sharding="SHARD_GRAD_OP"), LLAMA, ONE_NODE, 2048,
+                  dict(dp_shard=1, tp=8, sequence_parallel=False, async_tp=False, reshard="never",
+                       global_batch_size=1)),
+    "cp8": (FsdpConfig(cp=8, ac_every=1), LLAMA, ONE_NODE, 262144, dict(dp_shard=1, cp=8, global_batch_size=1)),
+    "ep8-deepseek": (FsdpConfig(ep=8, ac_every=1), DEEPSEEK, make_cluster(64), 4096,
+                     dict(dp_shard=64, ep=8, tp=1, ac="FullAC")),
+    "bf16-pure-every-2": (FsdpConfig(precision="bf16-pure", offload=True, ac_every=2), LLAMA, ONE_NODE, 2048,
+                          dict(dtype="bfloat16", offload=True, ac="FullAC")),  # 0.3 has no every-K: full, noted
+}
+
+
+def _emitted(name: str, version: str = "0.3") -> str:
+    config, spec, cluster, seq_len, _ = PLANS[name]
+    return emit_torchtitan(config, spec, cluster, TrainingSpec(seq_len=seq_len), version=version)
+
+
+def _as_parsed(lines: list[str]) -> tuple[str, str, list[str]]:
+    """(module, config, the other args). Float8's config function of one's own needs torchao and an FP8 GPU to
+    build: the flags are parsed on the model's stock config function (the function itself: below)."""
+    module = next(line.split("=", 1)[1] for line in lines if line.startswith("--module="))
+    config = next(line.split("=", 1)[1] for line in lines if line.startswith("--config="))
+    if module == "fsdp_plan_float8":
+        module, config = "llama3", config.removesuffix("_float8")
+    return module, config, [line for line in lines if not line.startswith(("--module=", "--config="))]
+
+
+# The five 0.2 spellings 0.3.0's parser rejects (issue 17), each alone on 0.3's llama3_8b
+SPELLINGS_02 = ["--activation_checkpoint.mode=full", "--model.converters=quantize.linear.float8",
+                "--quantize.linear.float8.filter_fqns=output",
+                "--quantize.linear.float8.no-enable_fsdp_float8_all_gather",
+                "--quantize.linear.float8.no-precompute_float8_dynamic_scale_for_fsdp"]
+
+
+@pytest.fixture(scope="module")
+def parsed():
+    why = _torchtitan_03()
+    if why:
+        pytest.skip(why)
+    sets = [_as_parsed(flag_lines(_emitted(name))) for name in PLANS]
+    sets += [("llama3", "llama3_8b", [flag]) for flag in SPELLINGS_02]
+    results = parse_with_torchtitan(sets)
+    return dict(zip(PLANS, results[:len(PLANS)])), results[len(PLANS):]
+
+
+@pytest.mark.parametrize("name", PLANS)
+def test_torchtitan_03_parses_every_emitted_override_set(parsed, name):
+    got = parsed[0][name]
+    assert "error" not in got, got
+    want = PLANS[name][4]
+    assert {key: got[key] for key in want} == want
+    assert got["pp"] == 1 and got["mixed_precision_param"] == "bfloat16"
+
+
+def test_torchtitan_03_rejects_the_0_2_spellings_the_old_emitter_wrote(parsed):
+    for flag, got in zip(SPELLINGS_02, parsed[1]):
+        assert got == {"error": f"Unrecognized options: {flag}"}
+    old = flag_lines(_emitted("compile-float8", version="0.2"))
+    assert sum(line.split("=")[0].replace(".no-", ".") in {f.split("=")[0].replace(".no-", ".") for f in SPELLINGS_02}
+               for line in old) == 5  # what --emit torchtitan-0.2 still writes, for 0.2
+
+
+def test_torchtitan_03_float8_config_function_is_torchtitans_form():
+    """The Float8 config function the notes write: valid Python, on names torchtitan 0.3 has (model_registry
+    takes converters; Float8LinearConverter.Config has filter_fqns and model_compile_enabled)."""
+    import ast
+
+    text = _emitted("compile-float8")
+    code = "\n".join(line[4:] for line in text.splitlines() if line.startswith("#   "))
+    tree = ast.parse(code)
+    assert [n.name for n in tree.body if isinstance(n, ast.FunctionDef)] == ["llama3_8b_float8"]
+    assert 'filter_fqns=["lm_head"], model_compile_enabled=True' in code
+    assert flag_lines(text)[:2] == ["--module=fsdp_plan_float8", "--config=llama3_8b_float8"]
+    assert "rowwise" in text and "--model.converters" not in flag_lines(text)
+
+
+def test_torchtitan_03_lines_and_degrees():
+    lines = flag_lines(_emitted("tp2-cp4-async"))
+    assert lines[:2] == ["--module=llama3", "--config=llama3_8b"] and lines[-1] == "activation-checkpoint:full"
+    for line in ("--parallelism.tensor_parallel_degree=2", "--parallelism.context_parallel_degree=4",
+                 "--parallelism.expert_parallel_degree=1", "--parallelism.data_parallel_shard_degree=2",
+                 "--compile.enable_async_tensor_parallel", "--parallelism.enable_sequence_parallel",
+                 "--training.global_batch_size=2"):
+        assert line in lines
+    assert "--parallelism.expert_parallel_degree=8" in flag_lines(_emitted("ep8-deepseek"))
+    assert flag_lines(_emitted("ep8-deepseek"))[:2] == ["--module=deepseek_v3", "--config=deepseek_v3_671b"]
+    every2 = _emitted("bf16-pure-every-2")
+    assert "the plan checkpoints one block in 2; torchtitan 0.3 has no every-K-th-block option" in every2
+    assert "--activation_checkpoint.selective_ac_option=2" in flag_lines(_emitted("bf16-pure-every-2", "0.2"))
+
+
+def test_torchtitan_02_keeps_its_spellings_and_names_async_tp_under_parallelism():
+    lines = flag_lines(_emitted("tp2-cp4-async", version="0.2"))
+    assert "--parallelism.enable_async_tensor_parallel" in lines and "--activation_checkpoint.mode=full" in lines
+    assert not any(line.startswith(("--module", "--config", "activation-checkpoint:")) for line in lines)
+    with pytest.raises(PlannerError, match="torchtitan 0.2 always runs sequence parallel") as err:
+        _emitted("tp8-no-sp", version="0.2")
+    assert len(str(err.value).splitlines()) == 1 and err.value.field == "sequence_parallel"
+
+
+@pytest.mark.parametrize("version", ["0.3", "0.2"])
+@pytest.mark.parametrize("name", [n for n in PLANS if n not in ("bf16-pure-every-2",)])
+def test_torchtitan_round_trip_emit_then_check_gives_the_plan_back(tmp_path, name, version):
+    config, spec, cluster, seq_len, _ = PLANS[name]
+    if version == "0.2" and not config.sequence_parallel:
+        return  # refused above
+    path = tmp_path / "overrides.txt"
+    path.write_text(_emitted(name, version))
+    setup = read_setup(path)
+    assert setup.dialect == "torchtitan" and setup.seq_len == seq_len
+    assert setup.config == config
+    assert setup.n_processes == cluster.n_gpus
+
+
+def test_torchtitan_every_2_reads_back_as_what_0_3_runs():
+    settings = torchtitan_settings(_emitted("bf16-pure-every-2"), Path("overrides.txt"))
+    config = PLANS["bf16-pure-every-2"][0]
+    assert from_torchtitan(settings).config == replace(config, ac_every=1)  # what 0.3 runs, said in the notes
+    assert from_torchtitan(torchtitan_settings(_emitted("bf16-pure-every-2", "0.2"), Path("o"))).config == config

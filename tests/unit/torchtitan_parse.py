@@ -1,0 +1,87 @@
+"""Parse override sets with torchtitan 0.3's own ConfigManager.parse_args, in a process of its own (torchtitan's
+imports set allocator variables and warnings filters that must not leak into the test session).
+
+stdin: a JSON list of [module, config, [args...]]; stdout, last line: a JSON list, one entry per set, either
+{"error": "<tyro's message, last lines>"} or the resolved fields fsdp-plan plans.
+
+torchtitan 0.3.0 imports triton at module level for its async expert-parallel kernels
+(torchtitan/distributed/minimal_async_ep/kernels.py); a CPU torch has no triton, and parsing a config never runs
+those kernels, so when triton is absent that one module is stood in by one that raises if a kernel is called.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import io
+import json
+import sys
+import types
+
+KERNELS = "torchtitan.distributed.minimal_async_ep.kernels"
+
+
+def _stand_in_for_triton_kernels() -> None:
+    if importlib.util.find_spec("triton") is not None:
+        return
+    stub = types.ModuleType(KERNELS)
+
+    def __getattr__(name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+
+        def kernel(*args, **kwargs):
+            raise RuntimeError(f"{KERNELS}.{name}: triton is not installed")
+
+        return kernel
+
+    stub.__getattr__ = __getattr__
+    sys.modules[KERNELS] = stub
+
+
+def resolved(c) -> dict:
+    ac = c.activation_checkpoint
+    return {
+        "dp_replicate": c.parallelism.data_parallel_replicate_degree,
+        "dp_shard": c.parallelism.data_parallel_shard_degree,
+        "reshard": c.parallelism.fsdp_reshard_after_forward,
+        "tp": c.parallelism.tensor_parallel_degree, "cp": c.parallelism.context_parallel_degree,
+        "ep": c.parallelism.expert_parallel_degree, "pp": c.parallelism.pipeline_parallel_degree,
+        "sequence_parallel": c.parallelism.enable_sequence_parallel,
+        "async_tp": c.compile.enable_async_tensor_parallel,
+        "compile": c.compile.enable, "components": list(c.compile.components),
+        "ac": "none" if ac is None else type(ac).__qualname__.split(".")[0],
+        "local_batch_size": c.training.local_batch_size, "global_batch_size": c.training.global_batch_size,
+        "seq_len": c.training.seq_len, "dtype": c.training.dtype,
+        "mixed_precision_param": c.training.mixed_precision_param, "offload": c.training.enable_cpu_offload,
+    }
+
+
+def main() -> None:
+    _stand_in_for_triton_kernels()
+    from torchtitan.config import ConfigManager
+
+    out = []
+    for module, config, args in json.load(sys.stdin):
+        text = io.StringIO()
+        try:
+            with contextlib.redirect_stdout(text), contextlib.redirect_stderr(text):
+                c = ConfigManager().parse_args(["--module", module, "--config", config, *args])
+            out.append(resolved(c))
+        except SystemExit:  # tyro prints why and exits 2
+            lines = [line.strip(" │╭╮╰╯─") for line in text.getvalue().splitlines()]
+            start = next((i for i, line in enumerate(lines) if line.startswith("Unrecognized options:")), None)
+            if start is None:
+                out.append({"error": " ".join(line for line in lines if line)[:300]})
+                continue
+            said = []  # tyro wraps a long option onto the next line: up to the blank line after it
+            for line in lines[start:]:
+                if said and (not line or line.startswith("---")):
+                    break
+                said.append(line)
+            out.append({"error": "".join(said).replace(":", ": ", 1).replace(":  ", ": ")})
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
