@@ -120,6 +120,58 @@ ARCHS_2026: dict[str, dict] = {
 }
 GRIDS = {"classic": ARCHS, "2026": ARCHS_2026}
 
+# Expert parallelism (issue 17): transformers' own EP path (ep_plan + AllToAllEP, calibration/expert_parallel.py)
+# at the real world size, experts fully_shard-ed over efsdp = dp_shard x cp x tp / ep. 64 experts to reach ep 64.
+EP_ARCHS: dict[str, dict] = {
+    "qwen3-moe-64": {**ARCHS_2026["qwen3-moe"], "_name_or_path": "qwen3-moe-64", "num_experts": 64,
+                     "num_experts_per_tok": 4},
+    # a small vocabulary and 8 blocks, so a block's backward (the experts' moments) sets the peak, not the loss
+    "qwen3-moe-blocks": {**ARCHS_2026["qwen3-moe"], "_name_or_path": "qwen3-moe-blocks", "vocab_size": 2000,
+                         "num_hidden_layers": 8, "moe_intermediate_size": 256},
+    "mixtral-blocks": {**ARCHS_2026["mixtral"], "_name_or_path": "mixtral-blocks", "vocab_size": 2000,
+                       "num_hidden_layers": 8},
+}
+
+
+def ep_grid() -> list[dict]:
+    """Expert-parallel rows of the mesh grid: ep 2-64, 4-1,024 GPUs, with and without checkpointing, every MoE
+    family that has a transformers ep_plan (Llama 4 has none: its experts take every token)."""
+    # (arch, ep, gpus, gpus per node, sharding, precision, checkpointing, micro-batch, seq)
+    settings = [
+        ("mixtral", 2, 8, 8, "FULL_SHARD", "bf16", "none", 2, 1024),
+        ("mixtral", 4, 16, 8, "FULL_SHARD", "bf16", "full", 4, 1024),
+        ("mixtral", 8, 64, 8, "FULL_SHARD", "bf16-pure", "every-2", 2, 2048),
+        ("mixtral", 8, 1024, 8, "FULL_SHARD", "bf16", "full", 2, 2048),
+        ("mixtral", 2, 32, 8, "HYBRID_SHARD", "bf16", "none", 1, 2048),
+        ("mixtral", 4, 128, 8, "SHARD_GRAD_OP", "fp32", "every-2", 1, 1024),
+        ("qwen3-moe", 2, 4, 4, "FULL_SHARD", "bf16", "none", 2, 2048),
+        ("qwen3-moe", 4, 64, 8, "FULL_SHARD", "bf16", "full", 4, 1024),
+        ("qwen3-moe", 8, 256, 8, "FULL_SHARD", "bf16-pure", "full", 2, 2048),
+        ("qwen3-moe", 16, 16, 8, "FULL_SHARD", "bf16", "none", 1, 4096),
+        ("qwen3-moe", 16, 1024, 8, "FULL_SHARD", "bf16", "every-2", 2, 1024),
+        ("qwen3-moe", 4, 32, 8, "HYBRID_SHARD", "bf16", "full", 2, 2048),
+        ("qwen3-moe-64", 32, 64, 8, "FULL_SHARD", "bf16", "none", 2, 1024),
+        ("qwen3-moe-64", 64, 64, 8, "FULL_SHARD", "bf16", "full", 4, 1024),
+        ("qwen3-moe-64", 64, 1024, 8, "FULL_SHARD", "bf16", "full", 2, 2048),
+        ("qwen3-moe-64", 16, 512, 8, "FULL_SHARD", "bf16-pure", "every-2", 2, 1024),
+        ("qwen3-moe-64", 8, 8, 8, "SHARD_GRAD_OP", "bf16", "none", 1, 2048),
+        ("qwen2-moe", 2, 8, 8, "FULL_SHARD", "bf16", "none", 2, 1024),
+        ("qwen2-moe", 8, 128, 8, "FULL_SHARD", "bf16", "full", 2, 2048),
+        ("qwen2-moe", 4, 1024, 8, "FULL_SHARD", "bf16-pure", "every-2", 1, 2048),
+        ("deepseek-v3", 2, 16, 8, "FULL_SHARD", "bf16", "none", 2, 1024),
+        ("deepseek-v3", 8, 64, 8, "FULL_SHARD", "bf16", "full", 2, 2048),
+        ("gpt-oss", 4, 8, 8, "FULL_SHARD", "bf16", "none", 2, 1024),
+        ("gpt-oss", 8, 256, 8, "FULL_SHARD", "bf16", "full", 1, 2048),
+        ("qwen3-moe-blocks", 4, 16, 8, "FULL_SHARD", "bf16", "none", 4, 2048),
+        ("qwen3-moe-blocks", 16, 64, 8, "FULL_SHARD", "bf16", "every-2", 8, 1024),
+        ("mixtral-blocks", 2, 8, 8, "FULL_SHARD", "bf16", "none", 4, 2048),
+        ("mixtral-blocks", 8, 512, 8, "FULL_SHARD", "fp32", "full", 8, 1024),
+    ]
+    return [dict(arch=arch, ep=ep, gpus=gpus, gpus_per_node=per_node, sharding=sharding, precision=precision,
+                 activation_checkpointing=ac, micro_batch=mb, seq_len=seq,
+                 attention="eager" if {**ARCHS_2026, **EP_ARCHS}[arch]["model_type"] in EAGER_ONLY else "sdpa")
+            for arch, ep, gpus, per_node, sharding, precision, ac, mb, seq in settings]
+
 SHARDINGS = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2")
 
 
@@ -161,7 +213,7 @@ def run_one(row: dict) -> dict:
     kwargs = {k: v for k, v in row.items() if k not in ("arch", "gpus", "profile_too")}
     t0 = time.perf_counter()
     try:
-        r = trace(dict({**ARCHS, **ARCHS_2026}[row["arch"]]), row["gpus"], **kwargs)
+        r = trace(dict({**ARCHS, **ARCHS_2026, **EP_ARCHS}[row["arch"]]), row["gpus"], **kwargs)
     except Exception as exc:  # noqa: BLE001 - a failed row is reported, the grid goes on
         return {**row, "error": f"{type(exc).__name__}: {exc}"}
     est = r.candidate.memory

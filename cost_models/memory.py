@@ -325,7 +325,7 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
         moments["loss backward"] = dataclasses.replace(loss_moment, unsharded_params=loss_moment.unsharded_params
                                                        - root_c, collective_buffers=0)
         moments["head backward"] = dataclasses.replace(loss_moment, logits_and_loss=tokens * c * model.vocab_size)
-    if experts_c and prefetches and L - 1 not in dense_blocks:
+    if experts_c and (prefetches or keeps_gathered and d > 1) and L - 1 not in dense_blocks:  # (ZeRO-2: deferred too)
         # The loss is computed inside the model's forward, before the root's post-forward frees the last
         # unit's all-gather output (FSDP2 defers that free for an implicit prefetch): with expert units, the
         # last block's experts', larger than the block the loss backward prefetches.
