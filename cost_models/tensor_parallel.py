@@ -92,10 +92,11 @@ def local_model(model: ModelSpec, config: FsdpConfig) -> ModelSpec:
 # the recomputed k and up products need the gathered inputs: two all-gathers (without SP: the all-reduce after
 # o, whose output the recomputed up product needs).
 #
-# Float8 tensorwise with TP (torchtitan's Float8ColwiseParallel / Float8RowwiseParallel / PrepareFloat8ModuleInput,
-# torchao.float8.float8_tensor_parallel): the inputs are cast before the forward all-gather and the output
-# gradients before the backward all-gather, so every all-gather moves 1 byte per element; the reduce-scatters
-# move the compute dtype.
+# Float8 tensorwise with TP (torchtitan's parallelize_llama of 2025, `enable_float8_tensorwise_tp`: torchao's
+# Float8ColwiseParallel / Float8RowwiseParallel / PrepareFloat8ModuleInput, "float8 all-gather with TP is only
+# supported for tensorwise"; torchtitan 0.3.0 no longer carries it): the inputs are cast before the forward
+# all-gather and the output gradients before the backward all-gather, so every all-gather moves 1 byte per
+# element; the reduce-scatters move the compute dtype. Rowwise recipes gather in bf16 (not priced).
 #
 # DTensor's collectives on the sequence dimension (dim 1 of (b, s, h)) run NCCL on dim 0 and reorder
 # (torch.distributed._functional_collectives): reduce_scatter_single cats its input's chunks to dim 0 first,
