@@ -353,6 +353,9 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
         if own_traced is not None:  # the traced block's own backward moments
             w_acts, w_grads = own_traced.backward_peak(tokens, training.seq_len)
             block_acts, block_grads = tokens * (below + this) + round(w_acts), min(w_grads, real.trainable_block * c)
+            # CP: the ring's transients on top (a profile does not say whether its peak is the attention's: an
+            # upper bound where the MLP's is)
+            block_acts += tokens * context_parallel.ring_working_bytes_per_token(model, config.cp, c)
             if experts_c and i not in dense_blocks:
                 # a profile does not say which moments follow the experts' backward: the peak's activations
                 # with the worse of the two states (experts gathered, or resharded with their reduce-scatter)
