@@ -1,4 +1,5 @@
-"""Planner search speed: gpt-175b on 1,024 GPUs over the full candidate space (target: < 1 s on 2 cores).
+"""Planner search speed: gpt-175b on 1,024 GPUs over the full candidate space, the device mesh included (tp and
+cp as planner/search.py enumerates them), target: < 1 s on 2 cores.
 
     python benchmarks/search_speed.py
 Prints the search time (best of 5), configurations costed, and candidates costed per second.
@@ -14,7 +15,7 @@ from cost_models.profile import DEFAULT_PROFILE
 from cost_models.specs import FsdpConfig, Precision, TrainingSpec
 from planner.hardware import make_cluster
 from planner.models import load_preset
-from planner.search import SearchSpace, search
+from planner.search import SearchSpace, mesh_choices, search
 
 
 def main() -> None:
@@ -31,7 +32,10 @@ def main() -> None:
     space_size = (len(space.shardings_for(cluster)) * len(space.precisions_for(cluster)) * len(space.offload)
                   * len(space.ac_every) * len(space.backward_prefetch) * len(space.limit_all_gathers)
                   * len(space.micro_batches))
-    print(f"gpt-175b on 1024 x a100-80gb: candidate space {space_size:,} configurations; "
+    meshes = mesh_choices(model, cluster, training, space)
+    print(f"meshes searched: {len(meshes)} (tp x cp x ep: "
+          f"{', '.join(f'{m.tp}x{m.cp}x{m.ep}' for m in meshes)})")
+    print(f"gpt-175b on 1024 x a100-80gb: data-parallel candidate space {space_size:,} configurations; "
           f"{result.n_costed} costed (larger micro-batches skipped once one misses), "
           f"{len(result.fitting)} distinct fitting")
     print(f"search time: {best * 1000:.1f} ms (best of 5; target < 1000 ms)")

@@ -86,7 +86,14 @@ def fsdp1_options(config: FsdpConfig, block_class: str, gpus_per_node: int, lora
 
 
 def mesh_layout(config: FsdpConfig, n_gpus: int, gpus_per_node: int) -> dict:
-    """FSDP2 DeviceMesh: 1-D over all ranks, or 2-D (replicate, shard) for HSDP and plain replication."""
+    """FSDP2 DeviceMesh: 1-D over all ranks, or 2-D (replicate, shard) for HSDP and plain replication; with
+    tensor / context parallelism torchtitan's [dp_replicate, dp_shard, cp, tp] (its dims of size > 1, dp_shard
+    always: FSDP's axis). pp joins outermost with pipeline stages."""
+    if config.model_parallel > 1:
+        replicate, shard = config.dp_degrees(n_gpus, gpus_per_node)
+        dims = [("dp_replicate", replicate), ("dp_shard", shard), ("cp", config.cp), ("tp", config.tp)]
+        used = [(name, size) for name, size in dims if size > 1 or name == "dp_shard"]
+        return {"shape": [size for _, size in used], "dim_names": [name for name, _ in used]}
     if config.sharding.is_hybrid:
         return {"shape": [n_gpus // gpus_per_node, gpus_per_node], "dim_names": ["dp_replicate", "dp_shard"]}
     if config.sharding is Sharding.NO_SHARD:

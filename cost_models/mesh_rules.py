@@ -2,13 +2,14 @@
 
 The estimate and the API raise the first refusal as one line naming the field and what would be valid
 (planner.api); the search only enumerates degrees that pass (planner/search.py, `valid_degrees`). Rules:
-- tp x cp x pp divides the GPUs (the rest is data parallelism);
 - tp divides the attention heads, and the KV heads divide by tp or tp by them (then each rank keeps one KV
   head, replicated as the TP plan does), and tp divides the MLP width;
 - cp: the sequence is a multiple of 2 x cp (load-balanced causal sharding gives each rank chunks i and
   2 cp - 1 - i); ring attention runs SDPA's fused kernels, not eager attention;
 - ep: only for a model with routed experts, dividing them and dp_shard x cp x tp;
+- tp x cp x pp divides the GPUs (the rest is data parallelism);
 - pp = 1 (pipeline stages are the next issue).
+The model's own limits come first, so `--tp 3` on 32 heads names the heads, not the GPU count.
 """
 
 from __future__ import annotations
@@ -54,13 +55,6 @@ def mesh_refusals(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec
     if pp != 1:
         out.append(Refusal("pp", "pp-not-planned", f"pp={pp}: pipeline parallelism is not planned yet",
                            "use pp 1 (tensor, context and expert parallelism are planned)", priced=False))
-    product = tp * cp * pp
-    if n % product:
-        valid = [k for k in divisors(n)]
-        field = "tp" if tp > 1 and n % tp else ("cp" if cp > 1 and n % cp else "tp")
-        out.append(Refusal(field, "mesh-does-not-divide-gpus",
-                           f"tp x cp x pp = {tp} x {cp} x {pp} = {product} does not divide gpus={n}",
-                           f"choose degrees whose product divides {n} (divisors: {_list(valid)})", priced=False))
     if tp > 1:
         valid = tp_degrees(model)
         if tp not in valid:
@@ -91,6 +85,14 @@ def mesh_refusals(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec
                        "parallelism)")
                 out.append(Refusal("ep", "ep-does-not-divide", f"ep={ep} {why}",
                                    f"choose one of: {_list(ep_degrees(model, ranks))}", priced=False))
+    product = tp * cp * pp
+    if n % product:
+        valid = [k for k in divisors(n)]
+        given = [name for name, value in (("tp", tp), ("cp", cp), ("pp", pp)) if value > 1]
+        field = given[0] if len(given) == 1 else "mesh"  # one degree at fault, or their product
+        out.append(Refusal(field, "mesh-does-not-divide-gpus",
+                           f"tp x cp x pp = {tp} x {cp} x {pp} = {product} does not divide gpus={n}",
+                           f"choose degrees whose product divides {n} (divisors: {_list(valid)})", priced=False))
     if (tp > 1 or cp > 1 or ep > 1) and training.finetune is Finetune.LORA:
         out.append(Refusal("finetune", "mesh-with-lora", "LoRA with tensor, context or expert parallelism is not "
                            "planned (PEFT adapters on DTensor shards)", "use tp = cp = ep = 1 with LoRA",

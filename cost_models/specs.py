@@ -645,15 +645,17 @@ class FsdpConfig:
         """Ranks that see different sequences (dp_replicate x dp_shard): the GPUs over tp x cp x pp."""
         return max(1, cluster.n_gpus // self.model_parallel)
 
-    def dp_shard_size(self, cluster: ClusterSpec) -> int:
-        """dp_shard: FULL_SHARD-like strategies shard over all data-parallel ranks, HYBRID ones over those of a
-        node (the node's GPUs over tp x cp), NO_SHARD over none."""
+    def dp_degrees(self, n_gpus: int, gpus_per_node: int) -> tuple[int, int]:
+        """(dp_replicate, dp_shard): FULL_SHARD-like strategies shard over all data-parallel ranks, HYBRID ones
+        over those of a node (the node's GPUs over tp x cp), NO_SHARD over none; the rest replicates."""
+        dp = max(1, n_gpus // self.model_parallel)
         if self.sharding is Sharding.NO_SHARD:
-            return 1
-        dp = self.data_parallel_size(cluster)
-        if self.sharding.is_hybrid:
-            return max(1, min(dp, cluster.gpus_per_node // (self.tp * self.cp)))
-        return dp
+            return dp, 1
+        shard = max(1, min(dp, gpus_per_node // (self.tp * self.cp))) if self.sharding.is_hybrid else dp
+        return dp // shard, shard
+
+    def dp_shard_size(self, cluster: ClusterSpec) -> int:
+        return self.dp_degrees(cluster.n_gpus, cluster.gpus_per_node)[1]
 
     def shard_group_size(self, cluster: ClusterSpec) -> int:
         """d: ranks that share one copy of the model state (FSDP's dp_shard x cp)."""
@@ -661,7 +663,7 @@ class FsdpConfig:
 
     def replicate_group_size(self, cluster: ClusterSpec) -> int:
         """r: copies of the model state (data-parallel replicas of the shard group, dp_replicate)."""
-        return self.data_parallel_size(cluster) // self.dp_shard_size(cluster)
+        return self.dp_degrees(cluster.n_gpus, cluster.gpus_per_node)[0]
 
     def to_dict(self) -> dict:
         return {

@@ -140,6 +140,7 @@ class Plan:
     suggestions: list[str] = field(default_factory=list)   # what would make the nearest miss fit
     n_costed: int = 0
     skipped: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)          # about the space searched (data parallelism's limit)
 
     @property
     def best(self) -> Candidate | None:
@@ -154,6 +155,7 @@ class Plan:
             "candidates": [c.to_dict() for c in shown] or [c.to_dict() for c in self.misses[:top or 5]],
             "suggestions": self.suggestions,
             "n_costed": self.n_costed,
+            **({"notes": self.notes} if self.notes else {}),
         }
 
 
@@ -181,10 +183,14 @@ def plan(model, gpus: int, *, gpu: str = DEFAULT_GPU, gpus_per_node: int | None 
          optimizer: str = "adamw", finetune: str = "full", lora_rank: int = 16,
          precisions: list[str] | None = None, attention: str | None = None, profile: Profile | None = None,
          space: SearchSpace | None = None, trust_remote_code: bool = False,
-         reduce_dtypes: list[str] | None = None) -> Plan:
+         reduce_dtypes: list[str] | None = None, tp: int | None = None, cp: int | None = None,
+         ep: int | None = None, pp: int | None = None, async_tp: bool | None = None,
+         sequence_parallel: bool = True) -> Plan:
     """Search every candidate configuration and rank those that fit by throughput. attention None: the
     model's first choice (sdpa, or eager for families that refuse it); reduce_dtypes: gradient reduction
-    dtypes to search (None: each precision's own)."""
+    dtypes to search (None: each precision's own); tp / cp / ep pin a mesh degree (None: searched), pp must be
+    1; async_tp True / False pins TP's overlap (None: searched where compile and TP run); sequence_parallel
+    False plans TP as transformers' tp_plan runs it."""
     spec, cluster, training = resolve_inputs(
         model, gpus, gpu=gpu, gpus_per_node=gpus_per_node, internode_gbps=internode_gbps, gpu_memory=gpu_memory,
         intra_node_gb_per_s=intra_node_gb_per_s, pcie_gb_per_s=pcie_gb_per_s, cpu_ram_per_node=cpu_ram_per_node,
@@ -194,8 +200,22 @@ def plan(model, gpus: int, *, gpu: str = DEFAULT_GPU, gpus_per_node: int | None 
         space = SearchSpace(
             precisions=tuple(parse_enum(Precision, p, "precision") for p in precisions) if precisions else None,
             attention=parse_enum(Attention, model_attention(spec, attention), "attention"),
-            reduce_dtypes=tuple(_reduce_dtype(r) for r in reduce_dtypes) if reduce_dtypes else (None,))
+            reduce_dtypes=tuple(_reduce_dtype(r) for r in reduce_dtypes) if reduce_dtypes else (None,),
+            tp=tp, cp=cp, ep=ep, async_tp=(False, True) if async_tp is None else (async_tp,),
+            sequence_parallel=sequence_parallel)
+        _check_pinned_mesh(spec, cluster, training, space, pp)
     return plan_for(spec, cluster, training, profile, space)
+
+
+def _check_pinned_mesh(spec: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, space: SearchSpace,
+                       pp: int | None) -> None:
+    """A pinned degree the model or cluster does not allow is one line (PlannerError), not an empty plan."""
+    config = FsdpConfig(tp=space.tp or 1, cp=space.cp or 1, pp=pp or 1, ep=space.ep or 1,
+                        attention=space.attention, sequence_parallel=space.sequence_parallel)
+    refused = [r for r in mesh_refusals(spec, cluster, training, config)
+               if r.code != "ep-does-not-divide" or spec.moe is None or spec.moe.n_experts % config.ep]
+    if refused:
+        raise PlannerError(refused[0].field, f"{refused[0].reason}; {refused[0].fix}")
 
 
 def _reduce_dtype(name: str) -> str:
@@ -213,7 +233,7 @@ def plan_for(spec: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, prof
     tips = suggestions(spec, cluster, training, profile, result.misses[0]) if not result.fitting and result.misses else []
     return Plan(model=spec, cluster=cluster, training=training, candidates=[wrap(e) for e in result.fitting],
                 misses=[wrap(e) for e in result.misses], suggestions=tips, n_costed=result.n_costed,
-                skipped=result.skipped)
+                skipped=result.skipped, notes=result.notes)
 
 
 def estimate(model, gpus: int, *, gpu: str = DEFAULT_GPU, gpus_per_node: int | None = None,

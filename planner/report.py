@@ -25,7 +25,7 @@ def _model_state_bytes(c: Candidate) -> int:
 def _row(rank, c: Candidate) -> list:
     cfg, b, t = c.config, c.memory.breakdown, c.time
     return [
-        rank, cfg.sharding.value + (" +experts dim 1" if cfg.expert_shard_dim else "") + (" +expert units" if cfg.expert_units else ""), cfg.precision.value + (f" (reduce {cfg.reduce_dtype})" if cfg.reduce_dtype else ""), "yes" if cfg.offload else "no", cfg.activation_checkpointing,
+        rank, cfg.sharding.value + (" +experts dim 1" if cfg.expert_shard_dim else "") + (" +expert units" if cfg.expert_units else ""), mesh_words(cfg), cfg.precision.value + (f" (reduce {cfg.reduce_dtype})" if cfg.reduce_dtype else ""), "yes" if cfg.offload else "no", cfg.activation_checkpointing,
         cfg.micro_batch, cfg.grad_accum, "yes" if cfg.backward_prefetch else "no",
         ", ".join(technique_words(cfg, compact=True)) or "-",
         gib(c.memory.peak_reserved_bytes), gib(_model_state_bytes(c)),
@@ -34,7 +34,13 @@ def _row(rank, c: Candidate) -> list:
     ]
 
 
-_HEADERS = ["#", "sharding", "precision", "offload", "act. ckpt", "micro", "accum", "bwd prefetch", "techniques",
+def mesh_words(config) -> str:
+    """The degrees beside FSDP in a table cell: "tp 8, cp 2" (or "-")."""
+    return ", ".join(f"{name} {getattr(config, name)}" for name in ("tp", "cp", "ep", "pp")
+                     if getattr(config, name) > 1) or "-"
+
+
+_HEADERS = ["#", "sharding", "mesh", "precision", "offload", "act. ckpt", "micro", "accum", "bwd prefetch", "techniques",
             "peak GiB", "states GiB", "gathered GiB", "activ. GiB", "logits GiB", "step s", "tok/s/GPU", "MFU"]
 
 
@@ -59,6 +65,9 @@ def plan_text(p: Plan, top: int) -> str:
         best = p.best
         if best.memory.notes:
             lines += [f"note: {n}" for n in best.memory.notes] + [""]
+    elif not p.misses:  # nothing was costed: the cause is in skipped / notes, never an empty table
+        lines += ["Nothing could be costed:"] + [f"  - {reason}" for reason in p.notes + p.skipped]
+        return "\n".join(lines)
     else:
         lines += ["Nothing fits. Nearest misses:", candidates_table(p.misses, top), ""]
         lines += [f"  #{i + 1}: {'; '.join(c.reasons)}" for i, c in enumerate(p.misses[:top])]
@@ -66,6 +75,7 @@ def plan_text(p: Plan, top: int) -> str:
         lines += [f"  - {s}" for s in p.suggestions]
     for reason in p.skipped:
         lines.append(f"skipped: {reason}")
+    lines += [f"note: {n}" for n in p.notes]
     return "\n".join(lines)
 
 

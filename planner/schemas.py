@@ -270,6 +270,8 @@ class PlanOutput(_Out):
                                                         "nearest misses (fits: false)")
     suggestions: list[str] = Field(description="when nothing fits: what single change would make it fit")
     n_costed: int = Field(description="configurations costed")
+    notes: absent_or(list[str], "about the space searched, one line each (e.g. data parallelism alone cannot "
+                                "use the GPUs, and the way out)")
     verified_top: absent_or(int, "--verify-top: how many candidates the trace tier checked")
 
 

@@ -9,6 +9,18 @@ models whose experts FSDP2 would pad at a strategy's shard group, stacked expert
 dim 1 (shard_placement_fn, unpadded). Memory grows with the
 micro-batch, so once a micro-batch does not fit, larger ones with the same knobs are skipped (the first
 miss is kept: it is a "nearest miss" worth explaining).
+
+Above all of it, the device mesh (cost_models/mesh.py): tensor, context and expert degrees the model and the
+cluster allow (cost_models/mesh_rules.py), each searched with the FSDP knobs FSDP2 has (the FSDP1-only ones -
+no backward prefetch, no rate limiter - only on the data-parallel-only mesh, which FSDP1 can run; CPU offload
+too, the other way out of memory):
+- tp: divisors of the heads (KV heads divided or replicated) and the MLP inside the scale-up domain (a TP group's
+  four collectives per block on the inter-node tier lose to FSDP alone), unless pinned;
+- cp: sequences of at least MIN_CP_TOKENS tokens per rank (ring attention's exchanges hide behind the attention
+  only on long chunks), 2 x cp dividing the sequence;
+- ep: for MoE, divisors of the experts that divide dp_shard x cp x tp;
+and the global batch a multiple of the data-parallel ranks (GPUs / tp x cp) x micro-batch. Pinned degrees
+(SearchSpace.tp / cp / ep) are searched alone.
 """
 
 from __future__ import annotations
@@ -18,6 +30,7 @@ from dataclasses import dataclass, field, replace
 
 from cost_models import moe
 from cost_models.evaluate import Evaluation, evaluate, unsupported_reasons
+from cost_models.mesh_rules import cp_degrees, divisors, ep_degrees, mesh_refusals, tp_degrees
 from cost_models.profile import Profile
 from cost_models.specs import (SELECTIVE_OP, Attention, ClusterSpec, FsdpConfig, ModelSpec, Precision, Sharding,
                                TrainingSpec)
@@ -26,6 +39,7 @@ MICRO_BATCHES = (1, 2, 4, 8, 16, 32, 64)
 AC_CHOICES = (0, 4, 2, 1, SELECTIVE_OP)  # none, every 4th, every 2nd, every block, torchtitan's op-level policy
 FLOAT8_PRECISIONS = (Precision.BF16, Precision.BF16_PURE)  # torchao's Float8 linears as torchtitan runs them
 FP8_ALL_GATHER_SHARDINGS = (Sharding.FULL_SHARD, Sharding.HYBRID_SHARD)  # gather every step in forward and backward
+MIN_CP_TOKENS = 4096  # tokens per CP rank the search goes down to (Llama 3's 131k runs: CP 16, 8k per rank)
 
 
 @dataclass(frozen=True)
@@ -49,6 +63,12 @@ class SearchSpace:
     float8: tuple[bool, ...] = (False, True)  # only where the GPU has FP8 tensor cores and compute is bf16
     fp8_all_gather: tuple[bool, ...] = (True,)  # with float8 under FP8_ALL_GATHER_SHARDINGS (elsewhere: False)
     reshard_to_node: tuple[bool, ...] = (False, True)  # FULL_SHARD over several nodes: reshard_after_forward = node
+    # the mesh: None searches the degrees the model and cluster allow; an int pins one
+    tp: int | None = None
+    cp: int | None = None
+    ep: int | None = None
+    async_tp: tuple[bool, ...] = (False, True)   # with tp, compile and sequence parallel
+    sequence_parallel: bool = True               # False: transformers' tp_plan (the user's --no-sequence-parallel)
 
     def compile_for(self, cluster: ClusterSpec) -> tuple[bool, ...]:
         if self.compile is not None:
@@ -70,12 +90,42 @@ class SearchSpace:
         return tuple(out)
 
 
+@dataclass(frozen=True)
+class MeshChoice:
+    tp: int = 1
+    cp: int = 1
+    ep: int = 1
+
+    @property
+    def model_parallel(self) -> int:
+        return self.tp * self.cp
+
+
+def mesh_choices(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
+                 space: SearchSpace) -> list[MeshChoice]:
+    """The (tp, cp, ep) the search tries, data parallelism alone first. ep is checked against each strategy's
+    dp_shard in the search (ep_fits)."""
+    n = cluster.n_gpus
+    tps = [space.tp] if space.tp else [t for t in tp_degrees(model) if n % t == 0 and t <= cluster.fast_tier_gpus]
+    cps = [space.cp] if space.cp else [c for c in cp_degrees(training.seq_len, n)
+                                      if c == 1 or training.seq_len // c >= MIN_CP_TOKENS]
+    eps = [space.ep] if space.ep else [e for e in ep_degrees(model, n) if e == 1 or e & (e - 1) == 0]
+    out = [MeshChoice(t, c, e) for t in tps for c in cps for e in eps if n % (t * c) == 0]
+    return sorted(out, key=lambda m: (m.tp * m.cp * m.ep, m.tp, m.cp))
+
+
+def ep_fits(model: ModelSpec, cluster: ClusterSpec, config: FsdpConfig) -> bool:
+    return config.ep == 1 or (model.moe is not None and model.moe.n_experts % config.ep == 0
+                              and (config.dp_shard_size(cluster) * config.cp * config.tp) % config.ep == 0)
+
+
 @dataclass
 class SearchResult:
     fitting: list[Evaluation]       # best first
     misses: list[Evaluation]        # smallest overshoot first
     n_costed: int
     skipped: list[str] = field(default_factory=list)  # whole options left out, and why
+    notes: list[str] = field(default_factory=list)    # what the reader must know about the space (one line each)
 
 
 def rank_key(e: Evaluation):
@@ -84,8 +134,8 @@ def rank_key(e: Evaluation):
     c = e.config
     # selective-op reruns every second matmul and the cheap ops of every block: about every-2's share
     recomputed_fraction = 0.5 if c.selective_op_ac else 1 / c.ac_every if c.ac_every else 0.0
-    return (-round(e.time.tokens_per_s_per_gpu, 6), c.offload, recomputed_fraction, c.compile, c.float8,
-            bool(c.reshard_after_forward), e.memory.peak_reserved_bytes)
+    return (-round(e.time.tokens_per_s_per_gpu, 6), c.offload, recomputed_fraction, c.model_parallel * c.ep,
+            c.compile, c.float8, c.async_tp, bool(c.reshard_after_forward), e.memory.peak_reserved_bytes)
 
 
 def _distinct(ranked: list[Evaluation]) -> list[Evaluation]:
@@ -99,7 +149,7 @@ def _distinct(ranked: list[Evaluation]) -> list[Evaluation]:
         c = e.config
         key = (c.sharding, c.precision, c.offload, c.ac_every, c.selective_op_ac, c.micro_batch, c.grad_accum,
                c.expert_shard_dim, c.expert_units, c.gradient_reduce_dtype, c.compile, c.float8, c.fp8_all_gather,
-               c.reshard_after_forward)
+               c.reshard_after_forward, c.tp, c.cp, c.ep, c.pp, c.async_tp, c.sequence_parallel)
         if key not in seen:
             seen.add(key)
             out.append(e)
@@ -130,7 +180,7 @@ def describe(config: FsdpConfig, compact: bool = False) -> str:
             parts.append("expert units")
         if config.reduce_dtype:
             parts.append(f"reduce {config.reduce_dtype}")
-        return ", ".join(parts + technique_words(config, compact=True))
+        return ", ".join(parts + mesh_parts(config) + technique_words(config, compact=True))
     ac = config.activation_checkpointing if config.checkpoints else "no"
     parts = [config.sharding.value, config.precision.value, f"{ac} activation checkpointing",
              f"micro-batch {config.micro_batch}"]
@@ -142,52 +192,86 @@ def describe(config: FsdpConfig, compact: bool = False) -> str:
         parts.append("routed experts as their own FSDP units")
     if config.reduce_dtype:
         parts.append(f"gradients reduced in {config.reduce_dtype}")
-    return ", ".join(parts + technique_words(config))
+    return ", ".join(parts + mesh_parts(config) + technique_words(config))
+
+
+def mesh_parts(config: FsdpConfig) -> list[str]:
+    """The degrees beside FSDP in the words of the flags ("tp 8", "cp 2", "no sequence parallel")."""
+    parts = [f"{name} {getattr(config, name)}" for name in ("tp", "cp", "ep", "pp") if getattr(config, name) > 1]
+    if config.tp > 1 and not config.sequence_parallel:
+        parts.append("no sequence parallel")
+    return parts
 
 
 def technique_words(config: FsdpConfig, compact: bool = False) -> list[str]:
     """compile, Float8 (+ FP8 all-gather) and the blocks' reshard group in words (none: an empty list)."""
-    words = ("compile", "float8", " + fp8 all-gather", "reshard to {}") if compact else (
-        "torch.compile per block", "Float8 linears", " with FP8 all-gather", "blocks resharded to {} ranks after forward")
+    words = ("compile", "float8", " + fp8 all-gather", "reshard to {}", "async TP") if compact else (
+        "torch.compile per block", "Float8 linears", " with FP8 all-gather", "blocks resharded to {} ranks after forward",
+        "async TP")
     parts = [words[0]] if config.compile else []
     if config.float8:
         parts.append(words[1] + (words[2] if config.fp8_all_gather else ""))
     if config.reshard_after_forward:
         parts.append(words[3].format(config.reshard_after_forward))
+    if config.async_tp:
+        parts.append(words[4])
     return parts
 
 
-def _with_expert_options(knobs, model: ModelSpec, cluster: ClusterSpec, space: SearchSpace):
+def _with_expert_options(knobs, model: ModelSpec, cluster: ClusterSpec, space: SearchSpace, mesh: MeshChoice):
     """Each knob combination with expert_shard_dim 0, and also 1 where FSDP2 would pad the stacked experts
     at that strategy's shard group and sharding them on dim 1 removes it; without expert units, and with
     them for an MoE model under a strategy that gathers blocks again in backward (the backward prefetch
     then leaves the experts out, and they reshard after their own backward)."""
     for knob in knobs:
-        sharding = FsdpConfig(sharding=knob[0])
+        sharding = FsdpConfig(sharding=knob[0], tp=mesh.tp, cp=mesh.cp, ep=mesh.ep)
         d = sharding.shard_group_size(cluster)
         regathers = d > 1 and sharding.sharding in (Sharding.FULL_SHARD, Sharding.HYBRID_SHARD)
         for dim in space.expert_shard_dims:
-            if dim == 0 or moe.dim1_shardable(model, d):
+            if dim == 0 or (mesh.ep == 1 and moe.dim1_shardable(model, d)):
                 for units in space.expert_units:
                     if not units or (model.moe is not None and regathers):
                         yield (*knob, dim, units)
 
 
-def _with_techniques(knobs, cluster: ClusterSpec, space: SearchSpace):
-    """Each knob combination with compile, Float8 (+ FP8 all-gather) and resharding to the node as the
-    space and cluster allow: (*knob, compile, float8, fp8_all_gather, reshard_after_forward)."""
+def _with_techniques(knobs, cluster: ClusterSpec, space: SearchSpace, mesh: MeshChoice):
+    """Each knob combination with compile, Float8 (+ FP8 all-gather), resharding to the node and async TP as
+    the space and cluster allow: (*knob, compile, float8, fp8_all_gather, reshard_after_forward, async_tp)."""
     compiles = space.compile_for(cluster)
     has_fp8 = cluster.gpu.supports("fp8")
-    to_node = cluster.n_nodes > 1 and cluster.gpus_per_node >= 2
+    node_ranks = cluster.gpus_per_node // (mesh.tp * mesh.cp)  # a shard group's ranks inside one node
+    to_node = cluster.n_nodes > 1 and node_ranks >= 2
     for knob in knobs:
         sharding, precision = knob[0], knob[1]
         float8s = space.float8 if has_fp8 and precision in FLOAT8_PRECISIONS else (False,)
-        reshards = tuple(dict.fromkeys(cluster.gpus_per_node if on else 0 for on in space.reshard_to_node)) \
+        reshards = tuple(dict.fromkeys(node_ranks * mesh.cp if on else 0 for on in space.reshard_to_node)) \
             if to_node and sharding is Sharding.FULL_SHARD else (0,)
         for compile_, float8, reshard in itertools.product(compiles, float8s, reshards):
             gathers = space.fp8_all_gather if float8 and sharding in FP8_ALL_GATHER_SHARDINGS else (False,)
-            for fp8_all_gather in gathers:
-                yield (*knob, compile_, float8, fp8_all_gather, reshard)
+            asyncs = space.async_tp if mesh.tp > 1 and compile_ and space.sequence_parallel else (False,)
+            for fp8_all_gather, async_tp in itertools.product(gathers, asyncs):
+                yield (*knob, compile_, float8, fp8_all_gather, reshard, async_tp)
+
+
+def data_parallel_note(cluster: ClusterSpec, training: TrainingSpec, space: SearchSpace,
+                       fitting: list[Evaluation]) -> str | None:
+    """One line when data parallelism alone cannot use every GPU (the global batch has fewer sequences than
+    GPUs, or is no multiple of them for any micro-batch), with the way out."""
+    n, gb = cluster.n_gpus, training.global_batch
+    if gb is None or any(training.grad_accum_for(mb, n) is not None for mb in space.micro_batches):
+        return None
+    most = max(k for k in range(1, min(n, gb) + 1) if gb % k == 0)  # one sequence or more on every GPU
+    mesh = next((e for e in fitting if e.config.model_parallel > 1), None)
+    found = (f"; the search found {describe_mesh(mesh.config, cluster)} "
+             f"({mesh.time.tokens_per_s_per_gpu:,.0f} tokens/s/GPU)") if mesh is not None else ""
+    return (f"data parallelism alone cannot use {n} GPUs with global batch {gb} ({gb} sequences): use at most "
+            f"{most} GPU{'s' if most > 1 else ''}, a global batch that is a multiple of {n}, or tensor / context parallelism{found}")
+
+
+def describe_mesh(config: FsdpConfig, cluster: ClusterSpec) -> str:
+    from cost_models.mesh import mesh_of
+
+    return mesh_of(config, cluster).describe()
 
 
 def search(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, profile: Profile,
@@ -200,35 +284,57 @@ def search(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, profi
     if len(shardings) < len(space.shardings):
         skipped.append("HYBRID strategies: single node (or GPUs not divisible by GPUs per node), "
                        "where they equal FULL_SHARD / SHARD_GRAD_OP")
-    micro_batches = [mb for mb in space.micro_batches if training.grad_accum_for(mb, cluster.n_gpus) is not None]
-    if not micro_batches:
+    meshes = mesh_choices(model, cluster, training, space)
+    usable = 0
+    for mesh in meshes:
+        data_parallel = cluster.n_gpus // mesh.model_parallel
+        micro_batches = [mb for mb in space.micro_batches if training.grad_accum_for(mb, data_parallel) is not None]
+        if not micro_batches:
+            continue
+        usable += 1
+        plain = mesh == MeshChoice()
+        # FSDP1-only knobs (no backward prefetch, no rate limiter) only where FSDP1 can run: no mesh
+        prefetches = space.backward_prefetch if plain else (True,)
+        limits = space.limit_all_gathers if plain else (True,)
+        mesh_shardings = shardings if mesh.cp == 1 else tuple(s for s in shardings if s is not Sharding.NO_SHARD)
+        # CPU offload is the way out for data parallelism alone; a mesh is the other way out, not combined with it
+        offloads = space.offload if plain else (False,)
+        knobs = itertools.product(mesh_shardings, space.precisions_for(cluster), offloads, space.ac_every,
+                                  prefetches, limits, space.reduce_dtypes)
+        for (sharding, precision, offload, ac, prefetch, limit, reduce, dim, units, compile_, float8, fp8_all_gather,
+             reshard, async_tp) in _with_techniques(_with_expert_options(knobs, model, cluster, space, mesh),
+                                                    cluster, space, mesh):
+            if offload and sharding is Sharding.NO_SHARD:
+                continue  # FSDP offloads shards; with nothing sharded DDP-style offload is not offered
+            for mb in micro_batches:
+                config = FsdpConfig(sharding=sharding, precision=precision, offload=offload, ac_every=ac,
+                                    micro_batch=mb, grad_accum=training.grad_accum_for(mb, data_parallel),
+                                    attention=space.attention, backward_prefetch=prefetch,
+                                    limit_all_gathers=limit, expert_shard_dim=dim, expert_units=units,
+                                    reduce_dtype=None if reduce == precision.reduce_dtype else reduce,
+                                    compile=compile_, float8=float8, fp8_all_gather=fp8_all_gather,
+                                    reshard_after_forward=reshard, tp=mesh.tp, cp=mesh.cp, ep=mesh.ep,
+                                    async_tp=async_tp, sequence_parallel=space.sequence_parallel)
+                if not plain and (not ep_fits(model, cluster, config) or (
+                        sharding.is_hybrid and config.dp_shard_size(cluster) in (1, config.data_parallel_size(cluster)))):
+                    break  # EP not dividing this strategy's ranks; HYBRID that is FULL_SHARD or DDP by another name
+                if unsupported_reasons(cluster, config) or (not plain and mesh_refusals(model, cluster, training, config)):
+                    break
+                e = evaluate(model, cluster, training, config, profile)
+                n_costed += 1
+                if e.fits:
+                    fitting.append(e)
+                else:
+                    misses.append(e)
+                    break  # larger micro-batches need more memory
+    if not usable:
         skipped.append(f"every micro-batch: global batch {training.global_batch} is not a multiple of "
-                       f"micro-batch x {cluster.n_gpus} GPUs for any of {space.micro_batches}")
-    knobs = itertools.product(shardings, space.precisions_for(cluster), space.offload, space.ac_every,
-                              space.backward_prefetch, space.limit_all_gathers, space.reduce_dtypes)
-    for (sharding, precision, offload, ac, prefetch, limit, reduce, dim, units, compile_, float8, fp8_all_gather,
-         reshard) in _with_techniques(_with_expert_options(knobs, model, cluster, space), cluster, space):
-        if offload and sharding is Sharding.NO_SHARD:
-            continue  # FSDP offloads shards; with nothing sharded DDP-style offload is not offered
-        for mb in micro_batches:
-            config = FsdpConfig(sharding=sharding, precision=precision, offload=offload, ac_every=ac,
-                                micro_batch=mb, grad_accum=training.grad_accum_for(mb, cluster.n_gpus),
-                                attention=space.attention, backward_prefetch=prefetch,
-                                limit_all_gathers=limit, expert_shard_dim=dim, expert_units=units,
-                                reduce_dtype=None if reduce == precision.reduce_dtype else reduce, compile=compile_,
-                                float8=float8, fp8_all_gather=fp8_all_gather, reshard_after_forward=reshard)
-            if unsupported_reasons(cluster, config):
-                break
-            e = evaluate(model, cluster, training, config, profile)
-            n_costed += 1
-            if e.fits:
-                fitting.append(e)
-            else:
-                misses.append(e)
-                break  # larger micro-batches need more memory
+                       f"micro-batch x the data-parallel ranks for any of {space.micro_batches} on any mesh")
     fitting = _distinct(sorted(fitting, key=rank_key))
     misses = _distinct(sorted(misses, key=overshoot))
-    return SearchResult(fitting=fitting, misses=misses, n_costed=n_costed, skipped=skipped)
+    note = data_parallel_note(cluster, training, space, fitting)
+    return SearchResult(fitting=fitting, misses=misses, n_costed=n_costed, skipped=skipped,
+                        notes=[note] if note else [])
 
 
 def suggestions(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, profile: Profile,

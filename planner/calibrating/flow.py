@@ -32,7 +32,9 @@ STARTUP_GUESS_S = 20.0       # torchrun + import torch + build, before the first
 
 def _space(request: CalibrationRequest, spec: ModelSpec) -> SearchSpace:
     precisions = request.precisions or (["fp32"] if request.device == "cpu" else None)
-    kwargs = {}
+    # data parallelism only: the runner applies FSDP, not the mesh's TP / CP / EP yet (issue 17 item 6), and a
+    # run must measure exactly the configuration it is fitted as
+    kwargs = dict(tp=1, cp=1, ep=1)
     if request.device == "cpu":
         kwargs["offload"] = (False,)  # "offload to the CPU" from a CPU measures nothing
     return SearchSpace(precisions=tuple(parse_enum(Precision, p, "precision") for p in precisions) if precisions else None,

@@ -10,7 +10,7 @@ import typer
 
 from planner.cli.options import (AttentionOpt, CpuRam, FinetuneOpt, Format, FormatOpt, GlobalBatch, Gpu, GpuMemory,
                                  Gpus, GpusPerNode, InternodeGbps, IntraNode, LoraRank, Model, Optim, Pcie, SeqLen,
-                                 cluster_and_training)
+                                 Cp, Ep, Pp, Tp, cluster_and_training, mesh_degrees)
 
 
 
@@ -38,6 +38,10 @@ def register(app) -> None:
         float8: Annotated[Optional[bool], _opt("--float8/--no-float8", "torchao Float8 linears")] = None,
         fp8_all_gather: Annotated[Optional[bool], _opt("--fp8-all-gather/--no-fp8-all-gather",
                                                        "with --float8, all-gather in FP8")] = None,
+        tp: Tp = None, cp: Cp = None, ep: Ep = None, pp: Pp = None,
+        async_tp: Annotated[Optional[bool], _opt("--async-tp/--no-async-tp", "TP's collectives overlapped")] = None,
+        sequence_parallel: Annotated[Optional[bool], _opt("--sequence-parallel/--no-sequence-parallel",
+                                                          "with --tp: sequence and loss parallel")] = None,
         plot: Annotated[Optional[str], typer.Option("--plot", help="Draw the step budget by operator class to "
                                                     "FILE.png or FILE.svg (the pick and the next 4, or the given "
                                                     "config; needs matplotlib)")] = None,
@@ -54,7 +58,8 @@ def register(app) -> None:
                                     lora_rank)
         config = dict(sharding=sharding, precision=precision, activation_checkpointing=activation_checkpointing,
                       micro_batch=micro_batch, grad_accum=grad_accum, offload=offload, compile=compile,
-                      float8=float8, fp8_all_gather=fp8_all_gather)
+                      float8=float8, fp8_all_gather=fp8_all_gather, **mesh_degrees(tp, cp, ep, pp), async_tp=async_tp,
+                      sequence_parallel=sequence_parallel)
         given = {k: v for k, v in config.items() if v is not None}
         if given:
             shown = [estimate(model, attention=attention, **given, **args)]

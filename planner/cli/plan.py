@@ -10,8 +10,8 @@ import typer
 from cost_models.specs import SpecError
 from planner.cli.options import (AttentionOpt, CpuRam, Emit, FinetuneOpt, Format, FormatOpt, GlobalBatch, Gpu,
                                  ForceProfile, GpuMemory, Gpus, GpusPerNode, InternodeGbps, IntraNode, LoraRank, Model,
-                                 Optim, Pcie, ProfileOpt, SeqLen, TrustRemoteCode, cluster_and_training,
-                                 load_profile_flag)
+                                 Optim, Pcie, ProfileOpt, SeqLen, TrustRemoteCode, Cp, Ep, Pp, SequenceParallel, Tp,
+                                 cluster_and_training, load_profile_flag, mesh_degrees)
 
 
 def main_plan(
@@ -32,9 +32,14 @@ def main_plan(
                                                                "(real FSDP2 step on fake tensors, no GPU)")] = 0,
     plot: Annotated[Optional[str], typer.Option("--plot", help="Draw the top candidates' memory and step time "
                                                                "to FILE.png or FILE.svg (needs matplotlib)")] = None,
+    tp: Tp = None, cp: Cp = None, ep: Ep = None, pp: Pp = None,
+    async_tp: Annotated[Optional[bool], typer.Option("--async-tp/--no-async-tp", help="Pin TP's overlap of its "
+                                                     "collectives with the matmuls (default: searched where "
+                                                     "compile and TP run)")] = None,
+    sequence_parallel: SequenceParallel = True,
     profile: ProfileOpt = None, force_profile: ForceProfile = False, trust_remote_code: TrustRemoteCode = False,
 ):
-    """Rank every FSDP configuration that fits; print the best as ready-to-use code."""
+    """Rank every FSDP configuration that fits, the device mesh included; print the best as ready-to-use code."""
     if ctx.invoked_subcommand is not None:
         return
     from planner import report
@@ -49,7 +54,8 @@ def main_plan(
     if verify_top < 0:
         raise SpecError("verify_top", f"must be >= 0, got {verify_top}")
     fitted = load_profile_flag(profile, gpu, force_profile)
-    p = plan(model, precisions=precision, attention=attention, profile=fitted, reduce_dtypes=reduce_dtype, **args)
+    p = plan(model, precisions=precision, attention=attention, profile=fitted, reduce_dtypes=reduce_dtype,
+             **mesh_degrees(tp, cp, ep, pp), async_tp=async_tp, sequence_parallel=sequence_parallel, **args)
     if plot is not None:
         from planner.plot import plot_candidates
 

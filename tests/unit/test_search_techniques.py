@@ -33,9 +33,14 @@ def test_h100_two_nodes_explores_every_technique_where_it_applies():
     # the FP8 all-gather goes with Float8 under FULL_SHARD / HYBRID_SHARD, and nowhere else
     assert all(c.fp8_all_gather == (c.sharding in (Sharding.FULL_SHARD, Sharding.HYBRID_SHARD)) for c in float8)
     assert not any(c.fp8_all_gather for c in configs if not c.float8)
-    # FULL_SHARD over 2 nodes of 8: blocks reshard to the node (8) after forward, or not; no other strategy
-    assert {c.reshard_after_forward for c in configs if c.sharding is Sharding.FULL_SHARD} == {0, 8}
+    # FULL_SHARD over 2 nodes of 8: blocks reshard to the node (8) after forward, or not; no other strategy. With
+    # tp ranks inside the node, the node's share of the shard group: 8 / tp
+    plain = [c for c in configs if c.model_parallel == 1]
+    assert {c.reshard_after_forward for c in plain if c.sharding is Sharding.FULL_SHARD} == {0, 8}
     assert {c.reshard_after_forward for c in configs if c.sharding is not Sharding.FULL_SHARD} == {0}
+    for tp in (2, 4):
+        assert {c.reshard_after_forward for c in configs
+                if c.sharding is Sharding.FULL_SHARD and c.tp == tp and c.cp == 1} == {0, 8 // tp}
 
 
 def test_no_float8_without_fp8_tensor_cores_no_reshard_on_one_node():

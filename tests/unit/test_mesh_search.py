@@ -1,0 +1,149 @@
+"""The device mesh in a candidate (issue 17, items 1, 4 and 7): the degrees a configuration derives, what a TP
+rank holds, the batch split over data-parallel ranks only, the search over meshes, and bad degrees as one line
+naming the field with exit code 2. Figures checked by hand in the comments."""
+
+import pytest
+
+from cost_models.mesh import Mesh, mesh_of
+from cost_models.mesh_rules import mesh_refusals, tp_degrees
+from cost_models.specs import FsdpConfig, SpecError, TrainingSpec
+from cost_models.tensor_parallel import local_model
+from planner.api import estimate, plan
+from planner.cli import main
+from planner.errors import PlannerError
+from planner.hardware import make_cluster
+from planner.models import load_preset
+
+
+def test_mesh_of_follows_torchtitans_layout():
+    # 64 GPUs, FULL_SHARD, tp 2 x cp 4: dp = 64 / 8 = 8 data-parallel ranks, FSDP over dp_shard x cp = 32
+    cluster = make_cluster(64, gpu="h100-80gb")
+    mesh = mesh_of(FsdpConfig(tp=2, cp=4), cluster)
+    assert (mesh.dp_replicate, mesh.dp_shard, mesh.cp, mesh.tp, mesh.world) == (1, 8, 4, 2, 64)
+    assert FsdpConfig(tp=2, cp=4).shard_group_size(cluster) == 32 == mesh.fsdp
+    # HSDP with tp 2 on 8-GPU nodes: a node's 8 GPUs = dp_shard 4 x tp 2, replicated over the 8 nodes
+    hsdp = mesh_of(FsdpConfig(sharding="HYBRID_SHARD", tp=2), cluster)
+    assert (hsdp.dp_replicate, hsdp.dp_shard, hsdp.tp) == (8, 4, 2)
+    assert hsdp.describe() == "HSDP 8x4 x TP 2"
+    # experts: efsdp = dp_shard x cp x tp / ep = 8 x 4 x 2 / 16 = 4
+    assert Mesh(dp_shard=8, cp=4, tp=2, ep=16).efsdp == 4
+    with pytest.raises(SpecError, match="ep: 3 must divide"):
+        Mesh(dp_shard=8, ep=3)
+
+
+def test_a_tp_rank_holds_its_slice_of_llama3_8b():
+    # llama3-8b block: q, o 4096 x 4096; k, v 1024 x 4096; gate, up, down 14336 x 4096; two RMSNorms of 4096.
+    # tp 2: linears 218,103,808 / 2 + norms 8,192 = 109,060,096 per rank; embedding and head 128,256 x 4096 / 2.
+    model = load_preset("llama3-8b")
+    local = local_model(model, FsdpConfig(tp=2))
+    assert (local.n_heads, local.n_kv_heads, local.ffn_hidden_size) == (16, 4, 7168)
+    assert local.block_params == 109_060_096
+    assert local.embedding_params == local.head_params == 262_668_288
+    # FULL_SHARD on 8 GPUs with tp 2: FSDP over 4 ranks; fp32 sharded params = 4,015,263,744 elements x 4 B / 4
+    c = estimate(model, 8, gpu="h100-80gb", tp=2)
+    assert c.memory.breakdown.sharded_params == 32 * 109_060_096 + 2 * 262_668_288 + 4096
+    # tp 16 keeps one of the 8 KV heads per rank (replicated), 2 query heads
+    assert local_model(model, FsdpConfig(tp=16)).n_kv_heads == 1
+
+
+def test_global_batch_splits_over_data_parallel_ranks_only():
+    # 1,024 GPUs, global batch 512: data parallelism alone cannot place one sequence per GPU; tp 2 leaves 512
+    # data-parallel ranks, micro-batch 1, no accumulation
+    c = estimate("llama3.1-70b", 1024, gpu="h100-80gb", global_batch=512, tp=2, activation_checkpointing="full")
+    assert (c.config.micro_batch, c.config.grad_accum) == (1, 1)
+    with pytest.raises(PlannerError, match="global_batch: 512 is not a multiple of micro_batch x gpus = 1024"):
+        estimate("llama3.1-70b", 1024, gpu="h100-80gb", global_batch=512)
+    with pytest.raises(PlannerError, match=r"data-parallel ranks .* = 2048"):
+        estimate("llama3.1-70b", 1024, gpu="h100-80gb", global_batch=512, tp=2, micro_batch=4)
+
+
+def test_tp_degrees_follow_heads_kv_heads_and_mlp():
+    # llama3-8b: 32 heads, 8 KV heads, MLP 14336 = 2^11 x 7: 1, 2, 4, 8 divide all; 16 and 32 replicate KV heads
+    assert tp_degrees(load_preset("llama3-8b")) == [1, 2, 4, 8, 16, 32]
+    # gpt-175b: 96 heads (no GQA), MLP 49152: every divisor of 96
+    assert tp_degrees(load_preset("gpt-175b")) == [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 96]
+
+
+@pytest.fixture(scope="module")
+def long_context_plan():
+    return plan("llama3.1-8b", 8, gpu="h100-96gb", seq_len=131072)
+
+
+def test_long_sequence_plans_context_parallelism(long_context_plan):
+    # Data parallelism alone holds a whole 131k sequence per GPU: nothing fits without CP (the issue's first
+    # command said "Nothing fits"); torchtitan trains it as FSDP 2 x CP 4 or FSDP 1 x CP 8.
+    p = long_context_plan
+    assert p.best is not None and p.best.fits
+    assert p.best.config.cp > 1
+    assert all(c.config.cp * c.config.tp > 1 and c.config.cp * c.config.tp <= 8 for c in p.candidates)
+
+
+def test_more_gpus_than_sequences_plans_a_mesh_and_says_why():
+    p = plan("llama3.1-70b", 1024, gpu="h100-80gb", global_batch=512)
+    assert p.best is not None and p.best.config.model_parallel >= 2
+    # global batch 512 on 1,024 GPUs: data parallelism can use at most 512 (512 divides 1,024 and 512)
+    assert p.notes and p.notes[0].startswith("data parallelism alone cannot use 1024 GPUs with global batch 512 "
+                                             "(512 sequences): use at most 512 GPUs")
+    assert "the search found FSDP" in p.notes[0]
+    assert all(512 % (c.config.micro_batch * 1024 // c.config.model_parallel) == 0 for c in p.candidates)
+
+
+def test_pinned_degrees_are_searched_alone():
+    p = plan("llama3-8b", 16, gpu="h100-80gb", tp=2, cp=1)
+    assert {(c.config.tp, c.config.cp) for c in p.candidates} == {(2, 1)}
+
+
+BAD = [
+    (["estimate", "--model", "llama3-8b", "--gpus", "8", "--tp", "3"],
+     "error: tp: tp=3 does not split llama3-8b's 32 attention heads, 8 KV heads and MLP width 14336 evenly; "
+     "choose one of: 1, 2, 4, 8"),
+    (["--model", "llama3-8b", "--gpus", "8", "--tp", "16"],
+     "error: tp: tp x cp x pp = 16 x 1 x 1 = 16 does not divide gpus=8; choose degrees whose product divides 8 "
+     "(divisors: 1, 2, 4, 8)"),
+    (["estimate", "--model", "llama3-8b", "--gpus", "8", "--cp", "3", "--seq-len", "8192"],
+     "error: cp: cp=3: load-balanced ring attention splits each sequence into 2 x cp = 6 chunks, and "
+     "seq_len=8192 is not a multiple of 6; choose one of: 1, 2, 4, 8"),
+    (["--model", "llama3-8b", "--gpus", "8", "--ep", "2"],
+     "error: ep: ep=2: llama3-8b has no routed experts (a dense model); use ep 1"),
+    (["estimate", "--model", "mixtral-8x7b", "--gpus", "16", "--ep", "16"],
+     "error: ep: ep=16 does not divide the 8 routed experts; choose one of: 1, 2, 4, 8"),
+    (["estimate", "--model", "llama3-8b", "--gpus", "12", "--tp", "8"],
+     "error: tp: tp x cp x pp = 8 x 1 x 1 = 8 does not divide gpus=12; choose degrees whose product divides 12 "
+     "(divisors: 1, 2, 3, 4, 6, 12)"),
+    (["estimate", "--model", "llama3-8b", "--gpus", "8", "--tp", "2", "--cp", "8", "--seq-len", "8192"],
+     "error: mesh: tp x cp x pp = 2 x 8 x 1 = 16 does not divide gpus=8; choose degrees whose product divides 8 "
+     "(divisors: 1, 2, 4, 8)"),
+    (["estimate", "--model", "llama3-8b", "--gpus", "8", "--async-tp"],
+     "error: async_tp: needs tensor parallelism (tp >= 2)"),
+    (["--model", "llama3-8b", "--gpus", "8", "--pp", "2"],
+     "error: pp: pp=2: pipeline parallelism is not planned yet; use pp 1 (tensor, context and expert "
+     "parallelism are planned)"),
+]
+
+
+@pytest.mark.parametrize("argv,line", BAD, ids=[" ".join(a[-2:]) for a, _ in BAD])
+def test_bad_degrees_are_one_line_and_exit_2(argv, line, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    out, err = capsys.readouterr()
+    assert exc.value.code == 2 and out == ""
+    assert err.strip().splitlines() == [line]
+
+
+def test_mesh_refusals_name_every_broken_rule():
+    model, cluster = load_preset("llama3-8b"), make_cluster(8, gpu="h100-80gb")
+    refused = mesh_refusals(model, cluster, TrainingSpec(seq_len=8192), FsdpConfig(tp=3, cp=3, ep=2))
+    assert [r.field for r in refused] == ["tp", "cp", "ep", "mesh"]
+
+
+def test_nothing_costed_says_the_cause_not_an_empty_table():
+    from planner import report
+
+    # 3 sequences on 8 GPUs with the mesh pinned to data parallelism: no micro-batch places whole sequences
+    p = plan("llama3-8b", 8, global_batch=3, tp=1, cp=1)
+    assert p.n_costed == 0 and not p.candidates and not p.misses
+    text = report.plan_text(p, 5)
+    assert "Nearest misses" not in text and "No single change" not in text
+    assert ("  - data parallelism alone cannot use 8 GPUs with global batch 3 (3 sequences): use at most 3 GPUs, a "
+            "global batch that is a multiple of 8, or tensor / context parallelism") in text.splitlines()
+    assert p.to_dict()["notes"] == p.notes
