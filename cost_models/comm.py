@@ -50,3 +50,14 @@ def all_reduce_s(message_bytes: float, n_ranks: int, tier: Tier) -> float:
     if n_ranks <= 1:
         return 0.0
     return 2 * (n_ranks - 1) * tier.latency_s + 2 * (n_ranks - 1) / n_ranks * message_bytes / tier.bus_bytes_per_s
+
+
+def all_to_all_s(message_bytes: float, n_ranks: int, tier: Tier) -> float:
+    """Each rank sends message_bytes split evenly over the n ranks (itself included) and receives as much: it
+    moves (n-1)/n * M off the rank, every peer's send and receive posted at once (NCCL's grouped send / recv,
+    one latency). nccl-tests' alltoall busbw is the same (n-1)/n convention. Ignored: across nodes, the share
+    of the peers inside the node travels NVLink, not the NIC (priced at the tier's bandwidth, an overestimate
+    of at most gpus_per_node / n)."""
+    if n_ranks <= 1:
+        return 0.0
+    return tier.latency_s + (n_ranks - 1) / n_ranks * message_bytes / tier.bus_bytes_per_s

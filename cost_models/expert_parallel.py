@@ -134,6 +134,59 @@ class ExpertParallelView:
         return tuple(out)
 
 
+def expert_parallel_ops(ops, model: ModelSpec, ep: int, imbalance: float = 1.0):
+    """A sparse block's operators as one EP rank runs them: its E / ep experts' grouped GEMMs, each on
+    k x ep x imbalance / E rows per token of the micro-batch (the rows it receives: balanced, as many as
+    without EP, now on fewer, larger GEMMs, which the shape factor prices), and the experts' activation on the
+    busiest rank's imbalance x the rows."""
+    m = model.moe
+    local = m.n_experts // ep
+    rows = m.experts_per_token * imbalance / local
+    matmuls = tuple(replace(x, rows_per_token=rows, count=local) if x.name.startswith("experts ") else x
+                    for x in ops.matmuls)
+    memory = tuple(replace(o, forward_bytes=o.forward_bytes * imbalance, backward_bytes=o.backward_bytes * imbalance,
+                           fused_forward_bytes=o.fused_forward_bytes * imbalance,
+                           fused_backward_bytes=o.fused_backward_bytes * imbalance)
+                   if o.name == "MLP activation" and imbalance != 1 else o for o in ops.memory_ops)
+    return replace(ops, matmuls=matmuls, memory_ops=memory)
+
+
+def ep_tier(view: ExpertParallelView, cluster: ClusterSpec, profile):
+    """The network an EP group's all-to-all runs on: ep consecutive ranks (ep innermost in the expert view), the
+    fast tier inside the scale-up domain; across nodes every GPU of a node exchanges at once, each with its share
+    of the node's network bandwidth."""
+    from .comm import Tier
+
+    spans = view.ep > cluster.fast_tier_gpus
+    return Tier.for_group(cluster, profile, spans_nodes=spans,
+                          groups_sharing_nics=min(cluster.gpus_per_node, view.ep) if spans else 1)
+
+
+def all_to_all_seconds(view: ExpertParallelView, cluster: ClusterSpec, profile, tokens: int, c: int) -> float:
+    """Seconds of one dispatch (or combine) all-to-all of a sparse block for a micro-batch of `tokens`: k rows of
+    h per token, the busiest rank receiving (dispatch) and sending back (combine) imbalance x as many."""
+    from .comm import all_to_all_s
+
+    message = tokens * view.all_to_all_bytes_per_token(c) * view.imbalance
+    return all_to_all_s(message, view.ep, ep_tier(view, cluster, profile))
+
+
+def expert_fsdp_seconds(view: ExpertParallelView, cluster: ClusterSpec, profile, gather_bytes: float,
+                        reduce_bytes: float, n_replicas: int, replicate_tier) -> tuple[float, float]:
+    """(all-gather, gradient reduction) seconds of one sparse block's experts unit: over efsdp, whose ranks are
+    ep apart (the group spans efsdp x ep consecutive ranks; the ep groups of a node cross the network at once),
+    then HSDP's all-reduce of the shard across dp_replicate."""
+    from . import comm
+
+    efsdp = view.efsdp
+    spans = efsdp > 1 and efsdp * view.ep > cluster.fast_tier_gpus
+    tier = comm.Tier.for_group(cluster, profile, spans_nodes=spans,
+                               groups_sharing_nics=min(view.ep, cluster.gpus_per_node) if spans else 1)
+    return (comm.all_gather_s(gather_bytes, efsdp, tier),
+            comm.reduce_scatter_s(reduce_bytes, efsdp, tier)
+            + comm.all_reduce_s(reduce_bytes / max(1, efsdp), n_replicas, replicate_tier))
+
+
 def view(model: ModelSpec, config: FsdpConfig, cluster: ClusterSpec, training) -> ExpertParallelView | None:
     """The EP view of a rank (None when ep = 1): `model` is the TP rank's model (tensor_parallel.local_model)."""
     if config.ep <= 1 or model.moe is None:
@@ -151,4 +204,5 @@ def view(model: ModelSpec, config: FsdpConfig, cluster: ClusterSpec, training) -
                               imbalance=float(getattr(training, "routing_imbalance", 1.0)))
 
 
-__all__ = ["ExpertParallelView", "view"]
+__all__ = ["ExpertParallelView", "view", "expert_parallel_ops", "ep_tier", "all_to_all_seconds",
+           "expert_fsdp_seconds"]

@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, fields, replace
 
-from . import comm, context_parallel, moe, operators, tensor_parallel
+from . import comm, context_parallel, expert_parallel, moe, operators, tensor_parallel
 from .compute import mfu_flops_per_token, model_flops_per_token, recompute_flops_per_token
 from .kernel_time import BlockTime, Rates, eager_attention_ops, price_block
 from .memory import ParamCounts
@@ -53,6 +53,9 @@ class TimeBreakdown:
     tp_exposed_comm_s: float = 0.0
     cp_comm_s: float = 0.0
     cp_exposed_comm_s: float = 0.0
+    # expert parallelism's dispatch and combine all-to-alls (forward, backward, recompute), on the critical path
+    ep_comm_s: float = 0.0
+    routing_imbalance: float = 1.0   # the busiest EP rank's routed rows over the mean, as priced
 
     def to_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -99,6 +102,8 @@ def priced_block_ops(spec: ModelSpec, training: TrainingSpec, config: FsdpConfig
     ops = operators.block_ops(spec, c, training.seq_len, training.adapter_rank, config.attention.value)
     if config.tp > 1 and config.sequence_parallel:  # norms, residuals, dropout on s / tp tokens
         ops = tensor_parallel.sequence_parallel_ops(ops, config.tp)
+    if config.ep > 1 and spec.moe is not None:  # a rank's E / ep experts on the rows it receives
+        ops = expert_parallel.expert_parallel_ops(ops, spec, config.ep, training.routing_imbalance)
     if config.float8:
         ops = replace(ops, memory_ops=ops.memory_ops + (operators.float8_cast_op(ops.matmuls, c),))
     eager = eager_attention_ops(ops, spec.n_heads, c) if config.attention is Attention.EAGER and not ops.traced else None
@@ -170,6 +175,10 @@ def estimate_step_time(model: ModelSpec, cluster: ClusterSpec, training: Trainin
     n_replicas = config.replicate_group_size(cluster)
     # what is gathered and reduce-scattered (MoE: padded on dim 0, the expert matrices not when sharded on dim 1)
     counts = ParamCounts.of(model, training, d, dim1=bool(config.expert_shard_dim))
+    shard_counts = counts  # what a rank's optimizer touches x d (EP: the experts' efsdp shard scaled to d)
+    ep_view = expert_parallel.view(model, config, cluster, training)  # EP: E / ep experts per rank, over efsdp
+    if ep_view is not None:
+        counts, shard_counts = ep_view.param_counts(training)
     # a CP rank's share of each sequence; its queries still attend over all s keys (load-balanced causal: the
     # same FLOPs per token as the whole sequence), so the operators are priced at training.seq_len
     tokens = config.micro_batch * training.seq_len // config.cp
@@ -207,6 +216,13 @@ def estimate_step_time(model: ModelSpec, cluster: ClusterSpec, training: Trainin
     mesh_bwd_s = mesh_copy_b + tp_t.block_backward_exposed_s + cp_t.backward_exposed_s
     block_fwd_s = block.forward_s + mesh_fwd_s
     block_bwd_s = block.backward_s - block.recompute_s + block_recompute_s + mesh_bwd_s
+    # EP: a sparse block's dispatch and combine all-to-alls, forward, backward and in a checkpointed block's
+    # recompute, between the router and the experts (nothing to overlap them with): in the block's windows
+    a2a_s = expert_parallel.all_to_all_seconds(ep_view, cluster, profile, tokens, c) if ep_view is not None else 0.0
+    ckpt_blocks = L if config.selective_op_ac else (math.ceil(L / config.ac_every) if config.ac_every else 0)
+    block_fwd_s += 2 * a2a_s
+    block_bwd_s += 2 * a2a_s * (1 + ckpt_blocks / L)
+    ep_comm = config.grad_accum * (L - model.n_dense_layers) * 2 * a2a_s * (2 + ckpt_blocks / L)
 
     # --- collectives per micro-step --------------------------------------------------------------------
     shard_tier, replicate_tier = _shard_tiers(config, cluster, profile)
@@ -228,10 +244,14 @@ def estimate_step_time(model: ModelSpec, cluster: ClusterSpec, training: Trainin
     fp8_saving = operators.fp8_all_gather_saving_bytes(model, c, training.seq_len) if config.fp8_all_gather else 0
     ag, rs = collectives(counts.block() * c - fp8_saving, counts.trainable_block * r)
     experts = moe.experts_gathered_elements(model, d, bool(config.expert_shard_dim)) if config.expert_units else 0
+    if ep_view is not None:  # EP: the experts are a unit of their own, on the efsdp mesh
+        experts = ep_view.experts_gathered_elements()
     if experts:  # two collectives per sparse block (its experts, the rest): the same bytes, twice the latency
         trained = 0 if counts.frozen_block else experts   # LoRA: frozen experts reduce nothing
         shell_ag, shell_rs = collectives((counts.block() - experts) * c, (counts.trainable_block - trained) * r)
-        own_ag, own_rs = collectives(experts * c, trained * r)
+        own_ag, own_rs = collectives(experts * c, trained * r) if ep_view is None else \
+            expert_parallel.expert_fsdp_seconds(ep_view, cluster, profile, experts * c, trained * r, n_replicas,
+                                                replicate_tier)
         ag, rs = shell_ag + own_ag, shell_rs + (own_rs if trained else 0.0)
     # reshard_after_forward=N: backward all-gathers each block among N ranks (inside the node: the fast tier)
     bwd_gather = 1.0
@@ -275,11 +295,11 @@ def estimate_step_time(model: ModelSpec, cluster: ClusterSpec, training: Trainin
     tp_comm = accum * (L * tp_t.block_s + tp_t.root_s)
     tp_exposed = accum * (L * tp_t.block_exposed_s + tp_t.root_exposed_s)
     cp_comm, cp_exposed = accum * L * cp_t.total_s, accum * L * cp_t.exposed_s
-    exposed += tp_exposed + cp_exposed
-    total_comm += tp_comm + cp_comm
+    exposed += tp_exposed + cp_exposed + ep_comm
+    total_comm += tp_comm + cp_comm + ep_comm
 
     # --- CPU offload and optimizer step ---------------------------------------------------------------
-    trainable_shard = counts.trainable(L) / d
+    trainable_shard = shard_counts.trainable(L) / d
     stored_shard_bytes = (counts.trainable(L) * p + counts.frozen(L) * (c if precision.mixed else p)) / d
     opt_bytes = training.optimizer.state_bytes_per_param(precision.param_dtype)
     if config.offload:
@@ -320,4 +340,6 @@ def estimate_step_time(model: ModelSpec, cluster: ClusterSpec, training: Trainin
         tp_exposed_comm_s=tp_exposed,
         cp_comm_s=cp_comm,
         cp_exposed_comm_s=cp_exposed,
+        ep_comm_s=ep_comm,
+        routing_imbalance=training.routing_imbalance if ep_view is not None else 1.0,
     )

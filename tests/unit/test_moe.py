@@ -286,7 +286,9 @@ def test_search_wraps_experts_apart_where_it_lets_a_larger_micro_batch_fit():
     from planner.api import plan
     from planner.search import SearchSpace
 
-    p = plan("qwen3-30b-a3b", 8, seq_len=3584, space=SearchSpace(compile=(False,)))
+    # FSDP alone (ep pinned to 1): with expert parallelism searched, EP 8 (whole experts, no prefetch of them)
+    # ranks first, which is tests/unit/test_expert_parallel.py's business
+    p = plan("qwen3-30b-a3b", 8, seq_len=3584, space=SearchSpace(compile=(False,), ep=1))
     assert p.best.config.expert_units and p.best.config.micro_batch == 4
     without = estimate("qwen3-30b-a3b", 8, seq_len=3584, activation_checkpointing="full", micro_batch=4)
     assert not without.fits
