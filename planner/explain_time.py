@@ -64,8 +64,16 @@ def _block_kinds(c, m=None) -> list[tuple[int, object, tuple]]:
     return kinds
 
 
+def rank_view(c):
+    """(model, tokens per micro-step) of one mesh rank as step_time prices it: its TP slice of the model on its
+    s / cp tokens of each sequence (the model itself and micro-batch x s without a mesh)."""
+    cfg = c.config
+    return tensor_parallel.local_model(c.model, cfg), cfg.micro_batch * c.training.seq_len // cfg.cp
+
+
 def _matmul(c, rates: Rates, profile: Profile) -> str:
-    cfg, gpu, tokens = c.config, c.cluster.gpu, c.config.micro_batch * c.training.seq_len
+    cfg, gpu = c.config, c.cluster.gpu
+    model, tokens = rank_view(c)
     dtype = cfg.precision.compute_dtype
     float8 = cfg.float8 and rates.float8_flops_per_s > 0
 
@@ -78,8 +86,8 @@ def _matmul(c, rates: Rates, profile: Profile) -> str:
                        f"[{rates.shape_factor(rows, mm.n, mm.k):.4f}]")
         return ", ".join(out)
 
-    blocks = " + ".join(f"{n} blocks x ({shapes(ops.matmuls)})" for n, ops, _ in _block_kinds(c))
-    head, _ = operators.root_ops(c.model, DTYPE_BYTES[dtype])
+    blocks = " + ".join(f"{n} blocks x ({shapes(ops.matmuls)})" for n, ops, _ in _block_kinds(c, model))
+    head, _ = operators.root_ops(model, DTYPE_BYTES[dtype])
     frozen = " (2 for a frozen LoRA base weight: no weight gradient)" if c.training.adapter_rank else ""
     peak = _peak(c)
     large = gpu.matmul_efficiency or profile.default_gpu_matmul_efficiency
@@ -95,9 +103,10 @@ def _matmul(c, rates: Rates, profile: Profile) -> str:
 
 
 def _attention(c, rates: Rates, profile: Profile) -> str:
-    m, cfg = c.model, c.config
-    s, tokens = c.training.seq_len, cfg.micro_batch * c.training.seq_len
-    _, ops, _ = _block_kinds(c)[0]
+    cfg = c.config
+    m, tokens = rank_view(c)
+    s = c.training.seq_len  # a CP rank's queries still attend over the whole sequence's keys
+    _, ops, _ = _block_kinds(c, m)[0]
     head = f"{_seconds(c, 'attention_s')} = {cfg.grad_accum} micro-step(s) x {m.n_layers} blocks x "
     if cfg.attention is Attention.EAGER:
         d = ops.head_dim
@@ -120,9 +129,8 @@ def _attention(c, rates: Rates, profile: Profile) -> str:
 
 
 def _memory_bound(c, rates: Rates, profile: Profile) -> str:
-    # a mesh rank's share, as step_time prices it: its TP slice of the model on its s / cp tokens of each sequence
-    cfg, tokens = c.config, c.config.micro_batch * c.training.seq_len // c.config.cp
-    model = tensor_parallel.local_model(c.model, cfg)
+    cfg = c.config
+    model, tokens = rank_view(c)
     compiled = cfg.compile
     root = root_memory_bytes_per_token(model, cfg, DTYPE_BYTES[cfg.precision.compute_dtype])
     kinds = _block_kinds(c, model)

@@ -147,3 +147,14 @@ def test_nothing_costed_says_the_cause_not_an_empty_table():
     assert ("  - data parallelism alone cannot use 8 GPUs with global batch 3 (3 sequences): use at most 3 GPUs, a "
             "global batch that is a multiple of 8, or tensor / context parallelism") in text.splitlines()
     assert p.to_dict()["notes"] == p.notes
+
+
+def test_explain_prices_a_mesh_ranks_matmuls_and_attention():
+    from planner.explain import explain_text
+
+    # llama3-8b, tp 4 x cp 2 at 16k: a rank's q is 32 / 4 heads x 128 = 1,024 wide on 16,384 / 2 = 8,192 tokens;
+    # the loss-parallel head 128,256 / 4 = 32,064 wide; its queries still see all 16,384 keys (8,192 causal)
+    c = estimate("llama3-8b", 8, gpu="h100-80gb", tp=4, cp=2, seq_len=16384, activation_checkpointing="full")
+    text = explain_text(c)
+    assert "q 8192x1024x4096" in text and "output head 8192x32064x4096" in text
+    assert "4 x q_dim 1024 x 8192 keys per query of s = 16384" in text and "x 8,192 tokens /" in text
