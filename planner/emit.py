@@ -13,6 +13,7 @@ from cost_models import fsdp_options, moe
 from cost_models.mesh import mesh_of
 from cost_models.specs import ClusterSpec, FsdpConfig, ModelSpec, Precision, TrainingSpec
 
+from . import emit_mesh as meshed
 from . import emit_techniques as tech
 
 _ACCELERATE_MIXED = {Precision.FP32: "no", Precision.BF16: "bf16", Precision.FP16: "fp16", Precision.BF16_PURE: "no"}
@@ -220,9 +221,12 @@ def emit_fsdp2(config: FsdpConfig, model_spec: ModelSpec, cluster: ClusterSpec,
         imports.append("from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import "
                        "CheckpointImpl, checkpoint_wrapper")
     imports += tech.imports(config)
+    imports += (["import math"] if meshed.uses_mesh(config) else []) + meshed.fsdp2_imports(config)
     world = "dist.get_world_size()"
     layout = fsdp_options.mesh_layout(config, cluster.n_gpus, cluster.gpus_per_node)
-    if len(layout["shape"]) == 1:
+    if meshed.uses_mesh(config):
+        pass  # the N-D mesh: emit_mesh.fsdp2_mesh_lines
+    elif len(layout["shape"]) == 1:
         mesh = f"init_device_mesh(device_type, ({world},), mesh_dim_names=(\"dp_shard\",))"
         mesh_note = "shard over all ranks"
     else:
@@ -262,12 +266,17 @@ def emit_fsdp2(config: FsdpConfig, model_spec: ModelSpec, cluster: ClusterSpec,
         f"forward keep params sharded over groups of {config.reshard_after_forward} ranks,",
         "# so backward all-gathers inside a group only (the root keeps its own: FSDP2 holds the root for backward)",
     ] if config.reshard_after_forward else []
+    if meshed.uses_mesh(config):
+        mesh_lines, dp_mesh = meshed.fsdp2_mesh_lines(config, cluster)
+    else:
+        mesh_lines, dp_mesh = [f"mesh = {mesh}  # {mesh_note}"], "mesh"
     body = _preamble(config, "block_names",
                      "[n for n, m in model.named_modules() if type(m).__name__ == BLOCK_CLASS]") + [
         "device_type = \"cuda\" if device is None else torch.device(device).type",
-        f"mesh = {mesh}  # {mesh_note}",
+        *mesh_lines,
+        *meshed.fsdp2_tp_lines(config),
         "fsdp_kwargs = dict(",
-        "    mesh=mesh,",
+        f"    mesh={dp_mesh},",
         f"    reshard_after_forward={reshard},  # "
         + RESHARD_NOTE[reshard],
         f"    mp_policy={mp},",
@@ -278,7 +287,8 @@ def emit_fsdp2(config: FsdpConfig, model_spec: ModelSpec, cluster: ClusterSpec,
         *tech.float8_lines(config, "block_names", fp8_all_gather=config.fp8_all_gather),
     ] + loop + ["return model"]
     return _render(config, model_spec, cluster, imports, body, training,
-                   [tech.PRECOMPUTE_NOTE] if config.fp8_all_gather else [])
+                   ([tech.PRECOMPUTE_NOTE] if config.fp8_all_gather else [])
+                   + meshed.fsdp2_notes(config, model_spec, cluster), meshed.fsdp2_module_level(config, cluster))
 
 
 def _moe_padding_fix(config: FsdpConfig, model_spec: ModelSpec, cluster: ClusterSpec) -> list[str]:
@@ -305,8 +315,23 @@ def _moe_padding_fix(config: FsdpConfig, model_spec: ModelSpec, cluster: Cluster
 
 
 def _render(config, model_spec, cluster, imports: list[str], body: list[str],
-            training: TrainingSpec | None = None, extra_notes: list[str] = ()) -> str:
+            training: TrainingSpec | None = None, extra_notes: list[str] = (), module_level: list[str] = ()) -> str:
     notes = _notes(config, training) + list(extra_notes)
+    lines = [
+        _comment(_summary(config, model_spec, cluster)),
+        *imports,
+        "",
+        f"BLOCK_CLASS = {model_spec.block_class!r}  # the repeated block: one FSDP unit each",
+        "",
+        *tech.module_level(config),
+        *module_level,
+        "",
+        "def apply_fsdp(model, device=None):",
+        *(f"    {line}" if line else "" for line in body),
+        *([""] + [_comment(notes)] if notes else []),
+    ]
+    if meshed.uses_mesh(config):  # the mesh snippets: every line at most 100 characters
+        return "\n".join(meshed.fit_lines(lines)) + "\n"
     return "\n".join([
         _comment(_summary(config, model_spec, cluster)),
         *imports,
@@ -314,6 +339,7 @@ def _render(config, model_spec, cluster, imports: list[str], body: list[str],
         f"BLOCK_CLASS = {model_spec.block_class!r}  # the repeated block: one FSDP unit each",
         "",
         *tech.module_level(config),
+        *module_level,
         "",
         "def apply_fsdp(model, device=None):",
         *(f"    {line}" if line else "" for line in body),

@@ -1,0 +1,265 @@
+"""The device mesh in the emitted configs: the N-D DeviceMesh, the tensor-parallel plan and context parallel for
+--emit fsdp2 (torchtitan's order: TP, then activation checkpointing, compile, fully_shard on the data-parallel
+sub-mesh), accelerate's ParallelismConfig, and the one-line refusal of a dialect that cannot hold a mesh.
+
+The TP plan is the one calibration/tensor_parallel.py applies (torchtitan's parallelize_llama in transformers'
+Llama names, which Llama, Mistral, Qwen2/3 and the reference model share):
+- sequence_parallel (torchtitan's): the embedding row-wise with its output on sequence shards (Shard(1)), each
+  block's norms SequenceParallel, the attention's and the MLP's input all-gathered (PrepareModuleInput), q/k/v,
+  gate, up column-wise, o, down row-wise reducing back onto the sequence shards, the final norm
+  SequenceParallel and the head column-wise with vocab-sharded logits for loss_parallel's cross-entropy. The
+  residual stream stays a Shard(1) DTensor, so Hugging Face code that reads the sequence length sees the
+  global one.
+- without it (transformers' tp_plan, as accelerate and HF Trainer run it): the block linears only, and the
+  head column-wise with its logits gathered (colwise_gather_output).
+Pure strings: no torch import.
+"""
+
+from __future__ import annotations
+
+from cost_models.mesh import Mesh, mesh_of
+from cost_models.specs import ClusterSpec, FsdpConfig, ModelSpec
+
+from .errors import PlannerError
+
+MAX_LINE = 100  # every emitted line of code at most this long (tests check it)
+
+
+def uses_mesh(config: FsdpConfig) -> bool:
+    return not (config.tp == config.cp == config.ep == config.pp == 1)
+
+
+def mesh_words(config: FsdpConfig) -> str:
+    """'tp=2, cp=4': the plan's non-data-parallel degrees, for refusals."""
+    return ", ".join(f"{name}={getattr(config, name)}" for name in ("tp", "cp", "ep", "pp") if getattr(config, name) > 1)
+
+
+def refuse_mesh(config: FsdpConfig, dialect: str, instead: str) -> None:
+    """One PlannerError line for a dialect that has no device mesh (FSDP1, accelerate's FSDP1, Lightning's
+    FSDPStrategy, the launchers): never a silently data-parallel config."""
+    if uses_mesh(config):
+        field = next(name for name in ("tp", "cp", "ep", "pp") if getattr(config, name) > 1)
+        raise PlannerError(field, f"{dialect} cannot express the plan's mesh ({mesh_words(config)}); use {instead}")
+
+
+# ---------------------------------------------------------------- --emit fsdp2
+
+def fsdp2_imports(config: FsdpConfig) -> list[str]:
+    if not uses_mesh(config):
+        return []
+    lines = ["import contextlib"] if _needs_step(config) else []
+    if config.tp > 1:
+        lines += ["from torch.distributed.tensor import Replicate, Shard",
+                  "from torch.distributed.tensor.parallel import (",
+                  "    ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel, parallelize_module)"]
+        if config.sequence_parallel:
+            lines.append("from torch.distributed.tensor.parallel import loss_parallel")
+    if config.cp > 1:
+        lines.append("from torch.distributed.tensor.experimental import context_parallel")
+    if config.async_tp:
+        lines += ["import torch._inductor.config",
+                  "from torch.distributed._symmetric_memory import enable_symm_mem_for_group"]
+    return lines
+
+
+def _needs_step(config: FsdpConfig) -> bool:
+    """The step itself changes: context parallel shards the inputs, loss parallel takes vocab-sharded logits."""
+    return config.cp > 1 or (config.tp > 1 and config.sequence_parallel)
+
+
+def fsdp2_module_level(config: FsdpConfig, cluster: ClusterSpec) -> list[str]:
+    """The mesh's shape, the TP plan of one block and the micro-step, before apply_fsdp."""
+    if not uses_mesh(config):
+        return []
+    mesh = mesh_of(config, cluster)
+    dims = mesh.used_dims()
+    names = ", ".join(f'"{name}"' for name, _ in dims)
+    shape = ", ".join(str(size) for _, size in dims)
+    lines = [f"# The device mesh: {mesh.describe()} ({' x '.join(n for n, _ in dims)}; torchtitan's names, tp "
+             "innermost)",
+             f"MESH_SHAPE = ({shape},)" if len(dims) == 1 else f"MESH_SHAPE = ({shape})",
+             f"MESH_DIMS = ({names},)" if len(dims) == 1 else f"MESH_DIMS = ({names})", ""]
+    if config.tp > 1:
+        lines += ["", *_block_tp_plan(config), ""]
+    if _needs_step(config):
+        lines += ["", *_micro_step(config), ""]
+    return lines
+
+
+def _block_tp_plan(config: FsdpConfig) -> list[str]:
+    if not config.sequence_parallel:
+        return [
+            "def block_tp_plan():",
+            "    \"\"\"One block's TP plan: transformers' base_model_tp_plan (Llama names; no sequence parallel).\"\"\"",
+            "    return {",
+            *(f"        \"{name}\": ColwiseParallel()," for name in
+              ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+            "        \"self_attn.o_proj\": RowwiseParallel(),",
+            "        \"mlp.gate_proj\": ColwiseParallel(),",
+            "        \"mlp.up_proj\": ColwiseParallel(),",
+            "        \"mlp.down_proj\": RowwiseParallel(),",
+            "    }",
+        ]
+    return [
+        "def block_tp_plan():",
+        "    \"\"\"One block's TP plan: torchtitan's parallelize_llama in transformers' Llama names. Norms",
+        "    on s/tp tokens (sequence parallel), inputs all-gathered, row-wise outputs reduce-scattered.\"\"\"",
+        "    gather_input = dict(desired_input_layouts=(Replicate(),), use_local_output=True)",
+        "    return {",
+        "        \"input_layernorm\": SequenceParallel(),",
+        "        \"self_attn\": PrepareModuleInput(  # the decoder layer passes hidden_states=...",
+        "            input_kwarg_layouts={\"hidden_states\": Shard(1)},",
+        "            desired_input_kwarg_layouts={\"hidden_states\": Replicate()}, use_local_output=True),",
+        *(f"        \"{name}\": ColwiseParallel()," for name in
+          ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+        "        \"self_attn.o_proj\": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),",
+        "        \"post_attention_layernorm\": SequenceParallel(),",
+        "        \"mlp\": PrepareModuleInput(input_layouts=(Shard(1),), **gather_input),",
+        "        \"mlp.gate_proj\": ColwiseParallel(),",
+        "        \"mlp.up_proj\": ColwiseParallel(),",
+        "        \"mlp.down_proj\": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),",
+        "    }",
+    ]
+
+
+def _micro_step(config: FsdpConfig) -> list[str]:
+    """forward_backward(model, mesh, input_ids): the loss as the plan computes it on this mesh."""
+    what = [w for w, on in (("context parallel shards every sequence over mesh[\"cp\"]", config.cp > 1),
+                            ("loss parallel: the cross-entropy on vocab-sharded logits",
+                             config.tp > 1 and config.sequence_parallel)) if on]
+    lines = [
+        "def forward_backward(model, mesh, input_ids):",
+        "    \"\"\"One micro-step on the plan's mesh: " + ";\n    ".join(what) + ".",
+        "    Call optimizer.step() after the last micro-step.\"\"\"",
+        "    # next-token targets, shifted before context parallel splits the sequence",
+        "    labels = torch.nn.functional.pad(input_ids[:, 1:], (0, 1), value=-100)",
+    ]
+    if config.cp > 1:
+        lines += [
+            "    positions = torch.arange(input_ids.shape[1], device=input_ids.device).repeat(len(input_ids), 1)",
+            "    # load-balanced ring attention gives rank r chunks r and 2 cp - 1 - r: Hugging Face reads a jump",
+            "    # in position_ids as packed sequences (an explicit mask, which ring attention cannot take), so",
+            "    # the rotary embedding gets the real positions through a hook and the mask stays causal",
+            "    rotary = next(m for n, m in model.named_modules() if n.endswith(\"rotary_emb\"))",
+            "    hook = rotary.register_forward_pre_hook(",
+            "        lambda m, args, kwargs: (args, {**kwargs, \"position_ids\": positions}), with_kwargs=True)",
+        ]
+    lines += ["    with contextlib.ExitStack() as stack:"]
+    if config.cp > 1:
+        lines += [
+            "        stack.callback(hook.remove)",
+            "        stack.enter_context(context_parallel(  # each rank keeps s / cp tokens of each sequence",
+            "            mesh[\"cp\"], buffers=[input_ids, labels, positions], buffer_seq_dims=[1, 1, 1]))",
+        ]
+    if config.tp > 1 and config.sequence_parallel:
+        lines.append("        stack.enter_context(loss_parallel())")
+    lines += [
+        "        logits = model(input_ids=input_ids).logits",
+        "        loss = torch.nn.functional.cross_entropy(",
+        "            logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100)",
+        "        loss.backward()",
+        "    return loss",
+    ]
+    return lines
+
+
+def fsdp2_mesh_lines(config: FsdpConfig, cluster: ClusterSpec) -> tuple[list[str], str]:
+    """(body lines building `mesh` and the data-parallel sub-mesh `dp_mesh`, the name fully_shard takes)."""
+    mesh = mesh_of(config, cluster)
+    names = [name for name, _ in mesh.used_dims()]
+    lines = [
+        "if dist.get_world_size() != math.prod(MESH_SHAPE):",
+        "    raise ValueError(f\"the plan's mesh {MESH_SHAPE} needs {math.prod(MESH_SHAPE)} ranks\")",
+        "mesh = init_device_mesh(device_type, MESH_SHAPE, mesh_dim_names=MESH_DIMS)",
+    ]
+    if config.cp > 1:
+        lines.append("mesh[\"dp_shard\", \"cp\"]._flatten(\"dp_shard_cp\")  # FSDP shards over dp_shard x cp")
+        shard = "dp_shard_cp"
+    else:
+        shard = "dp_shard"
+    replicate = "dp_replicate" in names
+    what = "HSDP: replicas of the shard group" if replicate else "FSDP's axis"
+    sub = f"mesh[\"dp_replicate\", \"{shard}\"]" if replicate else f"mesh[\"{shard}\"]"
+    lines.append(f"dp_mesh = {sub}  # {what}")
+    return lines, "dp_mesh"
+
+
+def fsdp2_tp_lines(config: FsdpConfig) -> list[str]:
+    """Body lines applying TP to every block and the root, before checkpointing (torchtitan's order)."""
+    if config.tp == 1:
+        return []
+    lines = [
+        f"# Tensor parallel (tp {config.tp}) first, then checkpointing, compile and FSDP (torchtitan's order)",
+        "tp_mesh = mesh[\"tp\"]",
+        "for name in block_names:",
+        "    parallelize_module(model.get_submodule(name), tp_mesh, block_tp_plan())",
+        "module_names = {m: n for n, m in model.named_modules()}",
+        "embedding = module_names[model.get_input_embeddings()]",
+        "head = module_names[model.get_output_embeddings()]",
+    ]
+    if config.sequence_parallel:
+        lines += [
+            "blocks_parent = block_names[0].rpartition(\".\")[0].rpartition(\".\")[0]  # \"model\" in HF models",
+            "final_norm = f\"{blocks_parent}.norm\" if blocks_parent else \"norm\"",
+            "parallelize_module(model, tp_mesh, {",
+            "    embedding: RowwiseParallel(",
+            "        input_layouts=Replicate(), output_layouts=Shard(1), use_local_output=False),",
+            "    final_norm: SequenceParallel(),",
+            "    head: ColwiseParallel(  # vocab-sharded logits: loss parallel (forward_backward)",
+            "        input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),",
+            "})",
+        ]
+    else:
+        lines.append("parallelize_module(model, tp_mesh, {head: ColwiseParallel(output_layouts=Replicate())})"
+                     "  # gathered")
+    if config.async_tp:
+        lines += ["# async TP: inductor overlaps the TP collectives with the matmuls (compiled blocks)",
+                  "torch._inductor.config._micro_pipeline_tp = True",
+                  "enable_symm_mem_for_group(tp_mesh.get_group().group_name)"]
+    return lines
+
+
+def fit_lines(lines: list[str], width: int = MAX_LINE) -> list[str]:
+    """Every line at most `width` characters: a long comment wrapped, a long trailing comment moved above its
+    code (same indentation). Code itself is written short enough."""
+    import textwrap
+
+    out = []
+    for line in (part for text in lines for part in text.split("\n")):
+        if len(line) <= width:
+            out.append(line)
+            continue
+        indent = line[:len(line) - len(line.lstrip())]
+        if line.startswith("from ") and " import " in line and "(" not in line:
+            module, _, names = line.partition(" import ")
+            out += [f"{module} import (", f"    {names})"]
+            continue
+        code, sep, comment = line.partition("  # ")
+        if line.lstrip().startswith("#"):
+            code, comment = "", line.lstrip()[1:].strip()
+        elif not sep:
+            out.append(line)
+            continue
+        out += textwrap.wrap(comment, width, initial_indent=indent + "# ", subsequent_indent=indent + "# ",
+                             break_long_words=False, break_on_hyphens=False)
+        if code:
+            out.append(code)
+    return out
+
+
+def fsdp2_notes(config: FsdpConfig, model_spec: ModelSpec, cluster: ClusterSpec) -> list[str]:
+    notes = []
+    mesh: Mesh = mesh_of(config, cluster)
+    if config.tp > 1:
+        notes.append(f"TP plan: transformers' Llama names for {model_spec.block_class} (q/k/v, gate, up colwise; "
+                     "o, down rowwise); rename them for a model whose blocks name them otherwise.")
+    if config.cp > 1:
+        notes.append("context parallel: run each micro-step through forward_backward (SDPA, no attention mask, "
+                     "fixed-length sequences); its ring attention runs on CUDA only.")
+    if config.ep > 1:
+        notes.append(f"expert parallel (ep {mesh.ep}): the experts live on a second view of the ranks, "
+                     f"[dp_replicate, efsdp, ep] = [{mesh.dp_replicate}, {mesh.efsdp}, {mesh.ep}]; apply "
+                     "torchtitan's ExpertParallel to each MoE block's experts on its \"ep\" dim and fully_shard "
+                     "them over \"efsdp\" (not written here: transformers' MoE blocks have no EP plan this "
+                     "snippet can apply), or use --emit torchtitan.")
+    return notes
