@@ -159,9 +159,9 @@ class Plan:
         }
 
 
-def _training(seq_len, global_batch, optimizer, finetune, lora_rank) -> TrainingSpec:
+def _training(seq_len, global_batch, optimizer, finetune, lora_rank, routing_imbalance=1.0) -> TrainingSpec:
     return TrainingSpec(seq_len=seq_len, global_batch=global_batch, optimizer=optimizer, finetune=finetune,
-                        lora_rank=lora_rank)
+                        lora_rank=lora_rank, routing_imbalance=routing_imbalance)
 
 
 def _cluster(gpus, gpu, gpus_per_node, internode_gbps, gpu_memory, intra_node_gb_per_s, pcie_gb_per_s,
@@ -185,17 +185,19 @@ def plan(model, gpus: int, *, gpu: str = DEFAULT_GPU, gpus_per_node: int | None 
          space: SearchSpace | None = None, trust_remote_code: bool = False,
          reduce_dtypes: list[str] | None = None, tp: int | None = None, cp: int | None = None,
          ep: int | None = None, pp: int | None = None, async_tp: bool | None = None,
-         sequence_parallel: bool = True) -> Plan:
+         sequence_parallel: bool = True, routing_imbalance: float = 1.0) -> Plan:
     """Search every candidate configuration and rank those that fit by throughput. attention None: the
     model's first choice (sdpa, or eager for families that refuse it); reduce_dtypes: gradient reduction
     dtypes to search (None: each precision's own); tp / cp / ep pin a mesh degree (None: searched), pp must be
     1; async_tp True / False pins TP's overlap (None: searched where compile and TP run); sequence_parallel
-    False plans TP as transformers' tp_plan runs it."""
+    False plans TP as transformers' tp_plan runs it; routing_imbalance: MoE under EP, the busiest rank's routed
+    rows over the mean (1: balanced)."""
     spec, cluster, training = resolve_inputs(
         model, gpus, gpu=gpu, gpus_per_node=gpus_per_node, internode_gbps=internode_gbps, gpu_memory=gpu_memory,
         intra_node_gb_per_s=intra_node_gb_per_s, pcie_gb_per_s=pcie_gb_per_s, cpu_ram_per_node=cpu_ram_per_node,
         seq_len=seq_len, global_batch=global_batch, optimizer=optimizer, finetune=finetune, lora_rank=lora_rank,
-        attention=space.attention.value if space else attention, trust_remote_code=trust_remote_code)
+        attention=space.attention.value if space else attention, trust_remote_code=trust_remote_code,
+        routing_imbalance=routing_imbalance)
     if space is None:
         space = SearchSpace(
             precisions=tuple(parse_enum(Precision, p, "precision") for p in precisions) if precisions else None,
@@ -248,7 +250,8 @@ def estimate(model, gpus: int, *, gpu: str = DEFAULT_GPU, gpus_per_node: int | N
              trust_remote_code: bool = False, expert_shard_dim: int = 0, expert_units: bool = False,
              reduce_dtype: str | None = None, compile: bool = False, float8: bool = False,
              fp8_all_gather: bool = False, reshard_after_forward: int = 0, tp: int = 1, cp: int = 1, ep: int = 1,
-             pp: int = 1, async_tp: bool = False, sequence_parallel: bool = True) -> Candidate:
+             pp: int = 1, async_tp: bool = False, sequence_parallel: bool = True,
+             routing_imbalance: float = 1.0) -> Candidate:
     """Cost one explicit configuration (attention None: the model's first choice; expert_shard_dim=1: FSDP2
     shards stacked MoE expert matrices on dim 1, unpadded; expert_units: MoE experts as their own units;
     reduce_dtype fp32 | bf16: the gradient reduction's dtype, None: the precision's; activation_checkpointing
@@ -263,7 +266,7 @@ def estimate(model, gpus: int, *, gpu: str = DEFAULT_GPU, gpus_per_node: int | N
         model, gpus, gpu=gpu, gpus_per_node=gpus_per_node, internode_gbps=internode_gbps, gpu_memory=gpu_memory,
         intra_node_gb_per_s=intra_node_gb_per_s, pcie_gb_per_s=pcie_gb_per_s, cpu_ram_per_node=cpu_ram_per_node,
         seq_len=seq_len, global_batch=global_batch, optimizer=optimizer, finetune=finetune, lora_rank=lora_rank,
-        attention=attention, trust_remote_code=trust_remote_code)
+        attention=attention, trust_remote_code=trust_remote_code, routing_imbalance=routing_imbalance)
     attention = model_attention(spec, attention)
     if grad_accum is None:
         grad_accum = grad_accum_for(micro_batch, cluster, training, tp * cp * pp)
@@ -297,15 +300,15 @@ def resolve_inputs(model, gpus: int, *, gpu: str = DEFAULT_GPU, gpus_per_node: i
                    intra_node_gb_per_s: float | None = None, pcie_gb_per_s: float | None = None,
                    cpu_ram_per_node: str | int | None = None, seq_len: int = 2048, global_batch: int | None = None,
                    optimizer: str = "adamw", finetune: str = "full", lora_rank: int = 16,
-                   attention: str | None = None,
-                   trust_remote_code: bool = False) -> tuple[ModelSpec, ClusterSpec, TrainingSpec]:
+                   attention: str | None = None, trust_remote_code: bool = False,
+                   routing_imbalance: float = 1.0) -> tuple[ModelSpec, ClusterSpec, TrainingSpec]:
     """The specs behind every command: model, cluster and training from API/CLI arguments. A model without
     an activation formula gets its traced block memory profile here (for `attention`, default: every
     implementation it runs)."""
     spec = model if isinstance(model, ModelSpec) else resolve_model(model, trust_remote_code=trust_remote_code)
     cluster = _cluster(gpus, gpu, gpus_per_node, internode_gbps, gpu_memory, intra_node_gb_per_s, pcie_gb_per_s,
                        cpu_ram_per_node)
-    training = _training(seq_len, global_batch, optimizer, finetune, lora_rank)
+    training = _training(seq_len, global_batch, optimizer, finetune, lora_rank, routing_imbalance)
     if training.finetune is Finetune.FULL and not isinstance(model, ModelSpec):
         from .models import hf_config_of
         from .models.block_profiles import needs_block_profile, with_block_profile

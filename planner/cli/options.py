@@ -55,6 +55,8 @@ FormatOpt = Annotated[Format, typer.Option("--format", help="table or json")]
 ProfileOpt = Annotated[Optional[str], typer.Option("--profile", help="Predict with a profile.json fitted by "
                                                    "`fsdp-plan calibrate`")]
 ForceProfile = Annotated[bool, typer.Option("--force-profile", help="Use a profile fitted on another GPU type")]
+RoutingImbalance = Annotated[float, typer.Option("--routing-imbalance", parser=finite_float, help="MoE with --ep: "
+                             "the busiest rank's routed tokens over the mean (1 = balanced routing, the default)")]
 # the device mesh beside FSDP (torchtitan's degrees); on the plan command an unset degree is searched
 Tp = Annotated[Optional[int], typer.Option("--tp", help="Tensor-parallel degree (heads and MLP split over N GPUs "
                                            "of a node; default 1, searched by the plan command)")]
@@ -83,7 +85,7 @@ def load_profile_flag(path: str | None, gpu: str, force: bool):
 
 def cluster_and_training(model, gpus, gpus_per_node, gpu, internode_gbps, gpu_memory, intra_node_gb_per_s,
                           pcie_gb_per_s, cpu_ram_per_node, seq_len, global_batch, optimizer, finetune,
-                          lora_rank, trust_remote_code: bool = False) -> dict:
+                          lora_rank, trust_remote_code: bool = False, routing_imbalance: float = 1.0) -> dict:
     from planner.errors import PlannerError
 
     if model is None:
@@ -95,7 +97,8 @@ def cluster_and_training(model, gpus, gpus_per_node, gpu, internode_gbps, gpu_me
                 gpu_memory=gpu_memory, intra_node_gb_per_s=intra_node_gb_per_s, pcie_gb_per_s=pcie_gb_per_s,
                 cpu_ram_per_node=cpu_ram_per_node, seq_len=seq_len,
                 global_batch=global_batch, optimizer=optimizer, finetune=finetune, lora_rank=lora_rank,
-                trust_remote_code=trust_remote_code)
+                trust_remote_code=trust_remote_code,
+                **({"routing_imbalance": routing_imbalance} if routing_imbalance != 1.0 else {}))
 
 
 def mesh_degrees(tp, cp, ep, pp, default=None) -> dict:
@@ -153,7 +156,7 @@ def config_command(app, name: str, help_text: str, run: ConfigRunner, takes_prof
                                                            "block params sharded over N ranks (a divisor of the shard "
                                                            "group, e.g. a node); 0: the strategy's own")] = 0,
         tp: Tp = None, cp: Cp = None, ep: Ep = None, pp: Pp = None, async_tp: AsyncTp = False,
-        sequence_parallel: SequenceParallel = True,
+        sequence_parallel: SequenceParallel = True, routing_imbalance: RoutingImbalance = 1.0,
         output_format: FormatOpt = Format.table,
         profile: ProfileOpt = None, force_profile: ForceProfile = False, trust_remote_code: TrustRemoteCode = False,
     ):
@@ -163,7 +166,7 @@ def config_command(app, name: str, help_text: str, run: ConfigRunner, takes_prof
             raise PlannerError("profile", f"`fsdp-plan {name}` does not use a profile")
         args = cluster_and_training(model, gpus, gpus_per_node, gpu, internode_gbps, gpu_memory, intra_node_gb_per_s,
                                     pcie_gb_per_s, cpu_ram_per_node, seq_len, global_batch, optimizer, finetune,
-                                    lora_rank, trust_remote_code)
+                                    lora_rank, trust_remote_code, routing_imbalance)
         config = dict(sharding=sharding, precision=precision, activation_checkpointing=activation_checkpointing,
                       micro_batch=micro_batch, grad_accum=grad_accum, attention=attention, offload=offload,
                       backward_prefetch=backward_prefetch, limit_all_gathers=limit_all_gathers,

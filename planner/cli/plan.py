@@ -10,7 +10,8 @@ import typer
 from cost_models.specs import SpecError
 from planner.cli.options import (AttentionOpt, CpuRam, Emit, FinetuneOpt, Format, FormatOpt, GlobalBatch, Gpu,
                                  ForceProfile, GpuMemory, Gpus, GpusPerNode, InternodeGbps, IntraNode, LoraRank, Model,
-                                 Optim, Pcie, ProfileOpt, SeqLen, TrustRemoteCode, Cp, Ep, Pp, SequenceParallel, Tp,
+                                 Optim, Pcie, ProfileOpt, SeqLen, TrustRemoteCode, Cp, Ep, Pp, RoutingImbalance,
+                                 SequenceParallel, Tp,
                                  cluster_and_training, load_profile_flag, mesh_degrees)
 
 
@@ -36,7 +37,7 @@ def main_plan(
     async_tp: Annotated[Optional[bool], typer.Option("--async-tp/--no-async-tp", help="Pin TP's overlap of its "
                                                      "collectives with the matmuls (default: searched where "
                                                      "compile and TP run)")] = None,
-    sequence_parallel: SequenceParallel = True,
+    sequence_parallel: SequenceParallel = True, routing_imbalance: RoutingImbalance = 1.0,
     profile: ProfileOpt = None, force_profile: ForceProfile = False, trust_remote_code: TrustRemoteCode = False,
 ):
     """Rank every FSDP configuration that fits, the device mesh included; print the best as ready-to-use code."""
@@ -48,7 +49,7 @@ def main_plan(
 
     args = cluster_and_training(model, gpus, gpus_per_node, gpu, internode_gbps, gpu_memory, intra_node_gb_per_s,
                                  pcie_gb_per_s, cpu_ram_per_node, seq_len, global_batch, optimizer, finetune,
-                                 lora_rank, trust_remote_code)
+                                 lora_rank, trust_remote_code, routing_imbalance)
     if top < 1:
         raise SpecError("top", f"must be >= 1, got {top}")
     if verify_top < 0:

@@ -158,3 +158,17 @@ def test_explain_prices_a_mesh_ranks_matmuls_and_attention():
     text = explain_text(c)
     assert "q 8192x1024x4096" in text and "output head 8192x32064x4096" in text
     assert "4 x q_dim 1024 x 8192 keys per query of s = 16384" in text and "x 8,192 tokens /" in text
+
+
+def test_routing_imbalance_is_settable_and_stated(capsys):
+    # Mixtral, ep 8 on 16 GPUs: the busiest rank's expert GEMMs and all-to-alls scale with the imbalance
+    base = estimate("mixtral-8x7b", 16, gpu="h100-80gb", ep=8, activation_checkpointing="full")
+    skewed = estimate("mixtral-8x7b", 16, gpu="h100-80gb", ep=8, activation_checkpointing="full",
+                      routing_imbalance=1.5)
+    assert skewed.time.step_s > base.time.step_s
+    assert any("1.5x the mean rows" in n for n in skewed.memory.notes)
+    with pytest.raises(SystemExit) as exc:
+        main(["estimate", "--model", "mixtral-8x7b", "--gpus", "16", "--ep", "8", "--routing-imbalance", "0.5"])
+    assert exc.value.code == 2
+    assert capsys.readouterr().err.strip() == ("error: routing_imbalance: must be >= 1 (the busiest rank's rows over "
+                                               "the mean), got 0.5")
