@@ -138,6 +138,7 @@ def emit_fsdp1(config: FsdpConfig, model_spec: ModelSpec, cluster: ClusterSpec,
     calibration.apply's trainable_mixed does: FSDP1 flattens a unit into one flat parameter, which
     needs one dtype (a bf16 base and fp32 adapters cannot share it) and gets a gradient as a whole
     (frozen weights sharing it with adapters would get gradients too)."""
+    meshed.refuse_mesh(config, "FSDP1 (FullyShardedDataParallel)", "--emit fsdp2 or torchtitan")
     lora = training is not None and training.finetune.value == "lora"
     strategy, strategy_note = _fsdp1_strategy(config, cluster)
     options = fsdp_options.fsdp1_mixed_precision(config.precision, lora, config.reduce_dtype)
@@ -349,7 +350,11 @@ def _render(config, model_spec, cluster, imports: list[str], body: list[str],
 
 def emit_accelerate(config: FsdpConfig, model_spec: ModelSpec, cluster: ClusterSpec,
                     training: TrainingSpec | None = None, fsdp_version: int = 1) -> str:
-    """accelerate (1.x) config YAML, FSDP1 or FSDP2 form, loadable by `accelerate launch --config_file`."""
+    """accelerate (1.x) config YAML, FSDP1 or FSDP2 form, loadable by `accelerate launch --config_file`; a mesh
+    (FSDP2 only) as accelerate's parallelism_config (emit_mesh.accelerate_mesh)."""
+    if fsdp_version == 1:
+        meshed.refuse_mesh(config, "accelerate's FSDP1 config", "--emit accelerate-fsdp2 (ParallelismConfig)")
+    mesh = meshed.accelerate_mesh(config, cluster, "accelerate")
     strategy, strategy_note = _fsdp1_strategy(config, cluster)
     strategy = strategy.lstrip("_")  # accelerate names it HYBRID_SHARD_ZERO2
     mixed = "fp8" if config.float8 else _ACCELERATE_MIXED[config.precision]
@@ -401,14 +406,22 @@ def emit_accelerate(config: FsdpConfig, model_spec: ModelSpec, cluster: ClusterS
     if cluster.n_nodes > 1:
         top.insert(7, ("main_process_port", RDZV_PORT, ""))
     layout = fsdp_options.mesh_layout(config, cluster.n_gpus, cluster.gpus_per_node)
-    if fsdp_version == 2 and len(layout["shape"]) == 2:
+    if mesh is not None:
+        top.insert(-2, ("parallelism_config", [
+            ("parallelism_config_dp_replicate_size", mesh.dp_replicate, "replicas (HSDP across nodes)"
+             if mesh.dp_replicate > 1 else ""),
+            ("parallelism_config_dp_shard_size", mesh.dp_shard, "shard group (FSDP shards over dp_shard x cp)"),
+            ("parallelism_config_tp_size", mesh.tp, "transformers' tp_plan" if mesh.tp > 1 else ""),
+            ("parallelism_config_cp_size", mesh.cp, "ring attention over cp ranks" if mesh.cp > 1 else ""),
+        ], ""))
+    elif fsdp_version == 2 and len(layout["shape"]) == 2:
         top.insert(-2, ("parallelism_config", [
             ("parallelism_config_dp_replicate_size", layout["shape"][0], "replicas (HSDP across nodes)"),
             ("parallelism_config_dp_shard_size", layout["shape"][1], "shard group"),
         ], ""))
     top += tech.accelerate_dynamo(config) + tech.accelerate_fp8(config, fsdp_version)
     header = _summary(config, model_spec, cluster) + _notes(config, training) + tech.accelerate_unexpressed(
-        config, fsdp_version)
+        config, fsdp_version) + meshed.accelerate_notes(config)
     if cluster.n_nodes > 1:
         header.append("multi-node: pass --main_process_ip <address of machine_rank 0> to accelerate launch")
     if config.limit_all_gathers is False:
@@ -482,7 +495,8 @@ def multi_node_note(cluster: ClusterSpec) -> list[str]:
 
 def emit_torchrun(config: FsdpConfig, model_spec: ModelSpec, cluster: ClusterSpec, script: str = "train.py") -> str:
     """torchrun command line: standalone on one node, c10d rendezvous on $MASTER_ADDR across nodes."""
-    header = _summary(config, model_spec, cluster) + tech.launcher_notes(config) + multi_node_note(cluster)
+    header = (_summary(config, model_spec, cluster) + tech.launcher_notes(config) + meshed.launcher_mesh_note(config)
+              + multi_node_note(cluster))
     return _comment(header) + "\n" + torchrun_command(cluster, script) + "\n"
 
 
@@ -496,6 +510,8 @@ def _hf_module(model_type: str) -> str:
 
 def emit_lightning(config: FsdpConfig, model_spec: ModelSpec, cluster: ClusterSpec) -> str:
     """Lightning Trainer with FSDPStrategy (Lightning's FSDP1 integration), same choices as emit_fsdp1."""
+    meshed.refuse_mesh(config, "Lightning's FSDPStrategy (FSDP1)", "--emit fsdp2 (in Lightning: ModelParallelStrategy "
+                       "with that code in configure_model) or torchtitan")
     strategy, strategy_note = _fsdp1_strategy(config, cluster)
     dtypes = _mixed_dtypes(config)
     precision = {Precision.FP32: "32-true", Precision.BF16: "bf16-mixed", Precision.FP16: "16-mixed",
@@ -536,7 +552,8 @@ def emit_slurm(config: FsdpConfig, model_spec: ModelSpec, cluster: ClusterSpec, 
     """sbatch script: one task per node, each running torchrun for that node's GPUs (c10d rendezvous)."""
     return "\n".join([
         "#!/bin/bash",
-        _comment(_summary(config, model_spec, cluster) + tech.launcher_notes(config)),
+        _comment(_summary(config, model_spec, cluster) + tech.launcher_notes(config)
+                 + meshed.launcher_mesh_note(config)),
         f"#SBATCH --job-name=fsdp-{model_spec.name}",
         f"#SBATCH --nodes={cluster.n_nodes}",
         "#SBATCH --ntasks-per-node=1",

@@ -263,3 +263,53 @@ def fsdp2_notes(config: FsdpConfig, model_spec: ModelSpec, cluster: ClusterSpec)
                      "them over \"efsdp\" (not written here: transformers' MoE blocks have no EP plan this "
                      "snippet can apply), or use --emit torchtitan.")
     return notes
+
+
+# ---------------------------------------------------------------- accelerate / HF Trainer (ParallelismConfig)
+
+def accelerate_mesh(config: FsdpConfig, cluster: ClusterSpec, dialect: str) -> Mesh | None:
+    """The mesh accelerate's ParallelismConfig(dp_replicate_size, dp_shard_size, tp_size, cp_size) holds for the
+    plan (None: data parallelism only, as before), or one PlannerError line for what it cannot: expert or
+    pipeline parallelism, torchtitan's sequence parallel (accelerate runs TP as transformers' tp_plan), and the
+    meshes accelerate 1.15 refuses (FSDP2 with nothing to shard over; TP / CP beside pure replication)."""
+    if not uses_mesh(config):
+        return None
+    if config.ep > 1 or config.pp > 1:
+        field = "ep" if config.ep > 1 else "pp"
+        what = "expert" if field == "ep" else "pipeline"
+        raise PlannerError(field, f"{dialect} has no {what} parallelism (accelerate's ParallelismConfig: "
+                                  "dp_replicate, dp_shard, tp, cp); use --emit torchtitan or fsdp2")
+    if config.tp > 1 and config.sequence_parallel:
+        raise PlannerError("sequence_parallel", f"{dialect} runs TP as transformers' tp_plan, without sequence "
+                                                "parallel (the plan's); plan with --no-sequence-parallel, or use "
+                                                "--emit torchtitan or fsdp2")
+    mesh = mesh_of(config, cluster)
+    if mesh.dp_shard == 1 and mesh.cp == 1:
+        raise PlannerError("tp", f"{dialect} cannot hold the plan's mesh {mesh.describe()}: accelerate's FSDP2 "
+                                 "needs dp_shard or cp > 1 to shard over; use --emit fsdp2 or torchtitan")
+    if mesh.dp_replicate > 1 and mesh.dp_shard == 1:
+        raise PlannerError("sharding", f"{dialect} cannot hold the plan's mesh {mesh.describe()}: accelerate "
+                                       "refuses TP / CP beside pure replication (dp_shard 1); use --emit fsdp2 or "
+                                       "torchtitan")
+    return mesh
+
+
+def accelerate_notes(config: FsdpConfig) -> list[str]:
+    """How the training script uses accelerate's mesh: TP at load time, CP around each step."""
+    notes = []
+    if config.tp > 1:
+        notes.append(f"TP through transformers' tp_plan: load the model with from_pretrained(..., tp_plan=\"auto\", "
+                     f"tp_size={config.tp}) (transformers' base_model_tp_plan; the head's logits gathered)")
+    if config.cp > 1:
+        notes.append("context parallel: run each step inside accelerator.maybe_context_parallel(buffers=[input_ids, "
+                     "labels, position_ids], buffer_seq_dims=[1, 1, 1], no_restore_buffers={input_ids, labels, "
+                     "position_ids}) with SDPA and no attention mask, labels shifted beforehand")
+    return notes
+
+
+def launcher_mesh_note(config: FsdpConfig) -> list[str]:
+    """torchrun / slurm / pytorchjob launch the ranks; the mesh is the training script's."""
+    if not uses_mesh(config):
+        return []
+    return [f"the plan's mesh ({mesh_words(config)}) is built by the training script (--emit fsdp2 writes it; "
+            "--emit torchtitan sets its degrees); this only launches the ranks"]

@@ -14,6 +14,7 @@ import re
 from cost_models import fsdp_options
 from cost_models.specs import ClusterSpec, FsdpConfig, ModelSpec, Precision, TrainingSpec
 
+from . import emit_mesh as meshed
 from . import emit_techniques as tech
 from .emit import (RDZV_PORT, RESHARD_NOTE, _comment, _fsdp1_strategy, _summary, multi_node_note, reshard_entry,
                    torchrun_args, torchrun_command)
@@ -153,6 +154,10 @@ def emit_hf_trainer(config: FsdpConfig, model_spec: ModelSpec, cluster: ClusterS
                     training: TrainingSpec | None = None, fsdp_version: int = 2, script: str = "train.py") -> str:
     """transformers.TrainingArguments(...) in transformers 5's form: fsdp=True and every FSDP setting in
     fsdp_config (the strategy string "full_shard auto_wrap" is deprecated), and the launch line."""
+    if fsdp_version == 1:
+        meshed.refuse_mesh(config, "HF Trainer's FSDP1 (fsdp_config version 1)", "--emit hf-trainer "
+                           "(FSDP2 with ParallelismConfig)")
+    mesh = meshed.accelerate_mesh(config, cluster, "HF Trainer")
     version, version_note = _hf_version(config, cluster, fsdp_version)
     replicas, shard = _shard_layout(config, cluster)
     hsdp = version == 2 and replicas > 1
@@ -162,7 +167,7 @@ def emit_hf_trainer(config: FsdpConfig, model_spec: ModelSpec, cluster: ClusterS
         launch = "ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION=true " + launch
     loss_lines = tech.hf_compiled_loss_lines(config)
     imports = (["import torch"] if reduce_lines or loss_lines else []) + ["from transformers import TrainingArguments"]
-    if hsdp:
+    if hsdp or mesh is not None:
         imports.append("from accelerate import ParallelismConfig")
     arguments = [
         f"    per_device_train_batch_size={config.micro_batch},  # the plan's micro-batch per GPU",
@@ -173,7 +178,11 @@ def emit_hf_trainer(config: FsdpConfig, model_spec: ModelSpec, cluster: ClusterS
     if config.compile:
         arguments.append("    torch_compile=True,  # each block compiled: ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION="
                          "true on the launch line (else the whole model)")
-    if hsdp:
+    if mesh is not None:
+        arguments.append(f"    parallelism_config=ParallelismConfig(dp_replicate_size={mesh.dp_replicate}, "
+                         f"dp_shard_size={mesh.dp_shard}, tp_size={mesh.tp}, cp_size={mesh.cp}),  # the plan's "
+                         f"mesh: {mesh.describe()}")
+    elif hsdp:
         arguments.append(f"    parallelism_config=ParallelismConfig(dp_replicate_size={replicas}, "
                          f"dp_shard_size={shard}),  # HSDP: shard inside a node, replicate across nodes")
     arguments += ["    fsdp=True,", "    fsdp_config={"]
@@ -181,6 +190,7 @@ def emit_hf_trainer(config: FsdpConfig, model_spec: ModelSpec, cluster: ClusterS
                   for key, value, note in _hf_fsdp_config(config, model_spec, cluster, version)]
     arguments += ["    },", ")"]
     notes = ([version_note] if version_note else []) + reduce_notes + _hf_technique_notes(config, version)
+    notes += meshed.accelerate_notes(config)
     notes += _expert_notes(config, "fsdp_config")
     if version == 2:
         notes += _fsdp1_only_notes(config, "--emit hf-trainer-fsdp1")
@@ -247,7 +257,7 @@ def emit_pytorchjob(config: FsdpConfig, model_spec: ModelSpec, cluster: ClusterS
         specs["Worker"] = replica(cluster.n_nodes - 1)
     manifest = {"apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob", "metadata": {"name": name},
                 "spec": {"nprocPerNode": str(cluster.gpus_per_node), "pytorchReplicaSpecs": specs}}
-    header = _summary(config, model_spec, cluster) + tech.launcher_notes(config) + [
+    header = _summary(config, model_spec, cluster) + tech.launcher_notes(config) + meshed.launcher_mesh_note(config) + [
         f"kubectl apply -f <this file>; one pod per node ({cluster.n_nodes}), {cluster.gpus_per_node} GPU(s) each; "
         "replace the image with yours (it must hold the training script)",
         f"the operator sets MASTER_ADDR and MASTER_PORT (= the port named pytorchjob-port, {RDZV_PORT}), WORLD_SIZE "

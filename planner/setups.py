@@ -181,6 +181,8 @@ def from_accelerate(data: dict, source: str = "accelerate config") -> UserSetup:
         if not isinstance(parallel, dict):
             raise PlannerError("parallelism_config", "must be a mapping of parallelism_config_* keys")
         replicas = _int(parallel, "parallelism_config_dp_replicate_size", 1) or 1
+        mesh = accelerate_degrees({k.removeprefix("parallelism_config_"): v for k, v in parallel.items()},
+                                  "parallelism_config.parallelism_config_")
         if replicas > 1:
             sharding = Sharding.HYBRID_SHARD if reshard else Sharding.HYBRID_SHARD_ZERO2
         else:
@@ -188,6 +190,7 @@ def from_accelerate(data: dict, source: str = "accelerate config") -> UserSetup:
     else:
         raw = fsdp.get("fsdp_sharding_strategy", fsdp.get("fsdp_reshard_after_forward", "FULL_SHARD"))
         sharding = _strategy("fsdp_sharding_strategy", raw)
+        mesh = {}
     prefetch = _strip(fsdp.get("fsdp_backward_prefetch", "BACKWARD_PRE")).upper()
     if prefetch not in ("BACKWARD_PRE", "BACKWARD_POST", "NO_PREFETCH", "NONE"):
         raise PlannerError("fsdp_backward_prefetch", f"unknown value {prefetch!r}; choose one of: BACKWARD_PRE, "
@@ -200,6 +203,7 @@ def from_accelerate(data: dict, source: str = "accelerate config") -> UserSetup:
         forward_prefetch=_bool("fsdp_forward_prefetch", fsdp.get("fsdp_forward_prefetch", False)),
         compile=compiles, compile_loss=False, float8=mixed == "fp8", fp8_all_gather=fp8_all_gather,  # the
         # loss: inside a Hugging Face model's forward, which regional compilation leaves eager
+        **mesh,
     )
     wrap = {"TRANSFORMER_BASED_WRAP": "block", "SIZE_BASED_WRAP": "size", "NO_WRAP": "none"}.get(
         str(fsdp.get("fsdp_auto_wrap_policy", "NO_WRAP")).upper(), "custom")
@@ -218,6 +222,20 @@ def from_accelerate(data: dict, source: str = "accelerate config") -> UserSetup:
         compile_dynamic=compiles and _bool("dynamo_config.dynamo_use_dynamic", dynamo.get("dynamo_use_dynamic", False)),
         unexpressed=(SELECTIVE_OP,) if selective else (),
     )
+
+
+def accelerate_degrees(parallel: dict, prefix: str) -> dict:
+    """tp / cp of accelerate's ParallelismConfig (keys without their parallelism_config_ prefix) as FsdpConfig
+    fields: accelerate runs TP as transformers' tp_plan, so without sequence parallel. sp_size (DeepSpeed's
+    Ulysses) is not FSDP's and is refused."""
+    if _int(parallel, "sp_size", 1) > 1:
+        raise PlannerError(f"{prefix}sp_size", "DeepSpeed's sequence parallel (Ulysses) is not planned by fsdp-plan; "
+                                               "set it to 1 (context parallel: cp_size)")
+    tp, cp = _int(parallel, "tp_size", 1), _int(parallel, "cp_size", 1)
+    for key, value in (("tp_size", tp), ("cp_size", cp)):
+        if value < 1:
+            raise PlannerError(f"{prefix}{key}", f"must be >= 1, got {value}")
+    return {"tp": tp, "cp": cp, **({"sequence_parallel": False} if tp > 1 else {})}
 
 
 def _int_or_none(data: dict, key: str) -> int | None:

@@ -17,7 +17,7 @@ from pathlib import Path
 from cost_models.specs import SELECTIVE_OP, FsdpConfig, Precision, Sharding
 
 from .errors import PlannerError
-from .setups import UserSetup, _bool, _int, _int_or_none, _strategy, _strip
+from .setups import UserSetup, _bool, _int, _int_or_none, _strategy, _strip, accelerate_degrees
 
 # ---------------------------------------------------------------- Hugging Face TrainingArguments
 
@@ -88,25 +88,23 @@ def _hf_fsdp_config(data: dict, legacy: list[str]) -> dict:
     return config
 
 
-def _hf_replicas(data: dict) -> tuple[int, int | None]:
-    """(dp_replicate_size, dp_shard_size or None) of TrainingArguments' parallelism_config (accelerate's
-    ParallelismConfig as a mapping; the parallelism_config_ prefix of accelerate configs accepted)."""
+def _hf_replicas(data: dict) -> tuple[int, int | None, dict]:
+    """(dp_replicate_size, dp_shard_size or None, {tp, cp, ...} as FsdpConfig fields) of TrainingArguments'
+    parallelism_config (accelerate's ParallelismConfig as a mapping; the parallelism_config_ prefix of accelerate
+    configs accepted)."""
     raw = data.get("parallelism_config") or {}
     if not isinstance(raw, dict):
         raise PlannerError("parallelism_config", "must be a mapping like {dp_replicate_size: 2, dp_shard_size: 8}")
     parallel = {str(k).removeprefix("parallelism_config_"): v for k, v in raw.items()}
     replicas, shard = _int(parallel, "dp_replicate_size", 1), _int_or_none(parallel, "dp_shard_size")
-    for key in ("tp_size", "cp_size", "sp_size"):
-        if _int(parallel, key, 1) > 1:
-            raise PlannerError(f"parallelism_config.{key}", "fsdp-plan plans FSDP/HSDP data parallelism only; set it "
-                                                            "to 1")
+    mesh = accelerate_degrees(parallel, "parallelism_config.")  # refuses what fsdp-plan does not plan
     if replicas < 1 or (shard is not None and shard < 1):
         raise PlannerError("parallelism_config", f"sizes must be >= 1, got dp_replicate_size={replicas}, "
                                                  f"dp_shard_size={shard}")
     if replicas > 1 and shard == 1:
         raise PlannerError("parallelism_config.dp_shard_size", "1 with replicas is plain DDP, which accelerate refuses "
                                                                "here: use dp_shard_size > 1 (HSDP), or FSDP1 no_shard")
-    return replicas, shard
+    return replicas, shard, mesh
 
 
 def _hf_checkpointing(data: dict, fsdp: dict) -> tuple[int | str, bool]:
@@ -152,7 +150,7 @@ def from_hf_trainer(data: dict, source: str = "TrainingArguments") -> UserSetup:
     if bf16 and fp16:
         raise PlannerError("bf16", "bf16 and fp16 are both true; choose one")
     precision = Precision.BF16 if bf16 else Precision.FP16 if fp16 else Precision.FP32
-    replicas, shard = _hf_replicas(data) if version == 2 else (1, None)
+    replicas, shard, mesh = _hf_replicas(data) if version == 2 else (1, None, {})
     if version == 2:
         reshard = _bool("fsdp_config.reshard_after_forward", fsdp.get("reshard_after_forward", True))
         sharding = ((Sharding.HYBRID_SHARD if reshard else Sharding.HYBRID_SHARD_ZERO2) if replicas > 1
@@ -188,6 +186,7 @@ def from_hf_trainer(data: dict, source: str = "TrainingArguments") -> UserSetup:
         grad_accum=_positive_int(data, "gradient_accumulation_steps", 1),
         backward_prefetch=prefetch, forward_prefetch=forward_prefetch, limit_all_gathers=limit, compile=compiles,
         compile_loss=False,  # the model's own loss, in its forward: eager (a compute_loss_func is code, not an argument)
+        **mesh,
     )
     return UserSetup(
         config=config, fsdp_version=version, source=source, dialect="hf-trainer",
@@ -199,7 +198,8 @@ def from_hf_trainer(data: dict, source: str = "TrainingArguments") -> UserSetup:
                                                             fsdp.get("sync_module_states", True)),
         init="rank0" if rank0 else "all",
         grad_scaler="sharded" if fp16 else None,  # accelerate adds the ShardedGradScaler for fp16
-        n_processes=replicas * shard if shard else None, n_machines=replicas if replicas > 1 else None,
+        n_processes=replicas * shard * config.tp * config.cp if shard else None,
+        n_machines=replicas if replicas > 1 else None,
         use_cache=_bool("use_cache", data.get("use_cache", False)),  # TrainingArguments' default: off
         unexpressed=(SELECTIVE_OP,) if ac_every == SELECTIVE_OP else (),
         notes=(ac_note,) if ac_note else (), checkpoint_regathers=regathers,

@@ -290,3 +290,82 @@ def test_fsdp2_tp_snippet_runs_a_training_step_on_a_tiny_llama(fake_group, seque
         loss = logits.float().mean()
         loss.backward()
     assert loss.shape == () and q.grad is not None and q.grad.placements == q.placements
+
+
+# ---------------------------------------------------------------- accelerate / HF Trainer: ParallelismConfig
+
+TP_CP = FsdpConfig(tp=2, cp=2, sequence_parallel=False)  # FSDP 4 x CP 2 x TP 2 on 16 GPUs
+
+
+def test_accelerate_fsdp2_mesh_is_a_parallelism_config_accelerate_launch_resolves(tmp_path, load_accelerate):
+    import yaml
+
+    from planner.emit import emit_accelerate
+    from planner.setups import from_accelerate
+
+    text = emit_accelerate(TP_CP, LLAMA, TWO_NODES, fsdp_version=2)
+    data = yaml.safe_load(text)
+    assert data["parallelism_config"] == {"parallelism_config_dp_replicate_size": 1,
+                                          "parallelism_config_dp_shard_size": 4, "parallelism_config_tp_size": 2,
+                                          "parallelism_config_cp_size": 2}
+    _, env, _, _ = load_accelerate(tmp_path, text, ["--main_process_ip", "10.0.0.1"])
+    sizes = {k: env[f"PARALLELISM_CONFIG_{k.upper()}"] for k in ("dp_replicate_size", "dp_shard_size", "tp_size",
+                                                                  "cp_size")}
+    assert sizes == {"dp_replicate_size": "1", "dp_shard_size": "4", "tp_size": "2", "cp_size": "2"}
+    assert 'tp_plan="auto", tp_size=2' in text and "accelerator.maybe_context_parallel(" in text
+    back = from_accelerate(data)  # check reads the degrees back
+    assert back.config == TP_CP and back.n_processes == 16
+
+
+def test_hf_trainer_mesh_is_the_plans_parallelism_config(tmp_path, training_arguments):
+    from planner.emit_trainers import emit_hf_trainer
+    from planner.setups_trainers import from_hf_trainer
+
+    text = emit_hf_trainer(TP_CP, LLAMA, TWO_NODES)
+    assert "ParallelismConfig(dp_replicate_size=1, dp_shard_size=4, tp_size=2, cp_size=2)" in text
+    pc = training_arguments(text).parallelism_config
+    assert (pc.dp_replicate_size, pc.dp_shard_size, pc.tp_size, pc.cp_size) == (1, 4, 2, 2)
+    back = from_hf_trainer({"fsdp": True, "bf16": True, "per_device_train_batch_size": 1, "parallelism_config": {
+        "dp_replicate_size": 1, "dp_shard_size": 4, "tp_size": 2, "cp_size": 2}})
+    assert (back.config.tp, back.config.cp, back.config.sequence_parallel, back.n_processes) == (2, 2, False, 16)
+
+
+# what a dialect cannot express: one PlannerError line naming the field and what to use instead
+CANNOT = [
+    ("fsdp1", FsdpConfig(tp=2), "tp", "FSDP1 (FullyShardedDataParallel) cannot express the plan's mesh (tp=2)"),
+    ("accelerate", FsdpConfig(cp=2), "cp", "accelerate's FSDP1 config cannot express the plan's mesh (cp=2)"),
+    ("lightning", FsdpConfig(tp=2, cp=2), "tp", "Lightning's FSDPStrategy (FSDP1) cannot express"),
+    ("hf-trainer-fsdp1", FsdpConfig(tp=2, sequence_parallel=False), "tp", "HF Trainer's FSDP1"),
+    ("accelerate-fsdp2", FsdpConfig(ep=2), "ep", "accelerate has no expert parallelism"),
+    ("hf-trainer", FsdpConfig(ep=2), "ep", "HF Trainer has no expert parallelism"),
+    ("accelerate-fsdp2", FsdpConfig(tp=2), "sequence_parallel",
+     "accelerate runs TP as transformers' tp_plan, without sequence parallel"),
+    ("hf-trainer", FsdpConfig(tp=2), "sequence_parallel", "plan with --no-sequence-parallel"),
+    ("accelerate-fsdp2", FsdpConfig(tp=8, sequence_parallel=False), "tp",
+     "accelerate cannot hold the plan's mesh FSDP 1 x TP 8: accelerate's FSDP2 needs dp_shard or cp > 1"),
+]
+
+
+@pytest.mark.parametrize("kind, config, field, words", CANNOT, ids=lambda v: str(v)[:30])
+def test_a_dialect_that_cannot_hold_the_mesh_says_so_in_one_line(kind, config, field, words):
+    from types import SimpleNamespace
+
+    from planner.emit import emit_artifact
+
+    candidate = SimpleNamespace(config=config, model=LLAMA, cluster=ONE_NODE, training=TrainingSpec())
+    with pytest.raises(PlannerError) as err:
+        emit_artifact(kind, candidate)
+    assert err.value.field == field and words in str(err.value) and len(str(err.value).splitlines()) == 1
+    assert "use --emit" in str(err.value) or "plan with" in str(err.value)
+
+
+@pytest.mark.parametrize("kind", ["torchrun", "slurm", "pytorchjob"])
+def test_launchers_say_the_mesh_is_the_scripts(kind):
+    from types import SimpleNamespace
+
+    from planner.emit import emit_artifact
+
+    candidate = SimpleNamespace(config=FsdpConfig(tp=2, cp=2), model=LLAMA, cluster=ONE_NODE, training=None)
+    text = emit_artifact(kind, candidate)
+    assert ("# the plan's mesh (tp=2, cp=2) is built by the training script (--emit fsdp2 writes it; --emit "
+            "torchtitan sets its degrees); this only launches the ranks") in text
