@@ -48,6 +48,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from . import comm
 from .specs import FsdpConfig, ModelSpec
 
 
@@ -107,7 +108,6 @@ def ring_seconds(model: ModelSpec, config: FsdpConfig, tokens: int, c: int, tier
     """One block's ring for a micro-batch of `tokens` per CP rank (model: a TP rank's). attention_*_s: the block's
     attention kernels on this rank (what the exchanges hide behind); recompute_share: the fraction of blocks whose
     forward full checkpointing re-runs (0 with selective op-level checkpointing: the kernels' outputs are saved)."""
-    from . import comm
 
     cp = config.cp
     if cp == 1:

@@ -54,8 +54,10 @@ class MemoryBreakdown:
     collective_buffers: int = 0
 
     @property
-    def total_bytes(self) -> int:
-        return sum(getattr(self, f.name) for f in fields(self))
+    def total_bytes(self) -> int:  # the fields spelled out: the search sums tens of thousands of these
+        return (self.sharded_params + self.unsharded_params + self.sharded_grads + self.unsharded_grads
+                + self.optimizer_state + self.activations + self.logits_and_loss + self.optimizer_temporaries
+                + self.collective_buffers)
 
     def to_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}

@@ -18,13 +18,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from . import comm
+from .activations import _norm_bytes
+from .operators import MemoryOp, _n_norms
 from .specs import FsdpConfig, ModelSpec
 
 
 def _norm_params(model: ModelSpec) -> int:
     """A block's replicated parameters: its norms' weights (and q/k norms). LayerNorm's biases included."""
-    from .operators import _n_norms  # the one count of a block's norms
-
     per_norm = 2 if model.norm == "layernorm" else 1
     qk = {"": 0, "head": 2 * model.head_dim, "full": model.q_dim + model.kv_dim}.get(model.qk_norm, 0)
     return _n_norms(model) * per_norm * model.hidden_size + qk
@@ -35,11 +36,25 @@ def local_kv_heads(model: ModelSpec, tp: int) -> int:
     return max(1, model.n_kv_heads // tp)
 
 
+_LOCAL: dict[tuple, tuple[ModelSpec, ModelSpec]] = {}  # (id(model), tp, ep, sp) -> (model, its slice): the search
+#                                                        prices thousands of configurations of one model
+
+
 def local_model(model: ModelSpec, config: FsdpConfig) -> ModelSpec:
     """The ModelSpec one rank of a TP group of config.tp holds (the model itself when tp = 1)."""
-    tp = config.tp
-    if tp == 1:
+    if config.tp == 1:
         return model
+    key = (id(model), config.tp, config.ep, config.sequence_parallel)
+    cached = _LOCAL.get(key)
+    if cached is None or cached[0] is not model:
+        if len(_LOCAL) > 256:
+            _LOCAL.clear()
+        cached = _LOCAL[key] = (model, _local_model(model, config))
+    return cached[1]
+
+
+def _local_model(model: ModelSpec, config: FsdpConfig) -> ModelSpec:
+    tp = config.tp
     kv_local = local_kv_heads(model, tp)
     replicated = _norm_params(model)
     moe = model.moe
@@ -188,7 +203,6 @@ def root_collectives(model: ModelSpec, config: FsdpConfig, tokens: int, c: int) 
 
 
 def collective_s(x: TpCollective, n_ranks: int, tier) -> float:
-    from . import comm
 
     run = {"all-gather": comm.all_gather_s, "reduce-scatter": comm.reduce_scatter_s,
            "all-reduce": comm.all_reduce_s}[x.kind]
@@ -212,7 +226,6 @@ def sequence_parallel_ops(ops, tp: int):
     """A block's operators as a TP rank with sequence parallel runs them: the norms, residual adds and dropout
     on s / tp tokens (Korthikanti et al. 2022), everything between the all-gather and the reduce-scatter on the
     rank's heads / MLP slice (already narrower in local_model). A traced inventory cannot be split: unchanged."""
-    from .operators import MemoryOp
 
     if tp == 1 or ops.traced:
         return ops
@@ -300,8 +313,6 @@ def residual_stream_bytes_per_token(model: ModelSpec, compute_bytes: int, lora: 
     sequence parallel they are saved for s / tp tokens only. What the norms' outputs feed - the column-wise
     q/k/v and gate/up linears - is saved after the all-gather, for every token (the gathered linear inputs:
     they stay at full tokens in the per-rank formula)."""
-    from .activations import _norm_bytes
-    from .operators import _n_norms
 
     stream = _n_norms(model) * _norm_bytes(model, compute_bytes, lora)
     if model.dropout:
@@ -312,7 +323,6 @@ def residual_stream_bytes_per_token(model: ModelSpec, compute_bytes: int, lora: 
 def root_stream_bytes_per_token(model: ModelSpec, compute_bytes: int, lora: bool = False) -> int:
     """The root's saved bytes per token on the residual stream: the final norm's and the embedding dropout
     mask (the head's gathered input and the int64 labels stay at full tokens)."""
-    from .activations import _norm_bytes
 
     return _norm_bytes(model, compute_bytes, lora) + (model.hidden_size if model.dropout and not lora else 0)
 
