@@ -1,7 +1,7 @@
 """Accuracy of the analytic memory model against the trace tier, over a grid of configurations.
 
     python benchmarks/memory_accuracy.py [--jobs 2] [--quick] [--json out.json] [--finetune lora] [--families 2026] [--profile-too]
-                                         [--expert-units]
+                                         [--expert-units] [--mesh]
 
 For every configuration: the analytic estimate (planner.api.estimate) and the trace (planner.tracing.trace:
 the real FSDP2 training step on fake tensors, rank 0 of the real world size) of the same model, cluster and
@@ -172,6 +172,78 @@ def ep_grid() -> list[dict]:
                  attention="eager" if {**ARCHS_2026, **EP_ARCHS}[arch]["model_type"] in EAGER_ONLY else "sdpa")
             for arch, ep, gpus, per_node, sharding, precision, ac, mb, seq in settings]
 
+# Tensor parallelism (issue 17): calibration/tensor_parallel.py's plan (transformers' base_model_tp_plan) at the
+# real world size, FSDP2 over dp_shard x cp. One arch of the Llama 3 shape with 8 KV heads so tp reaches 8 (the
+# trace applies column-wise k/v, which needs kv_heads % tp == 0).
+TP_ARCHS: dict[str, dict] = {
+    "llama3-gqa8": {"model_type": "llama", "_name_or_path": "llama3-gqa8", "hidden_size": 512,
+                    "intermediate_size": 1536, "num_hidden_layers": 4, "num_attention_heads": 16,
+                    "num_key_value_heads": 8, "vocab_size": 16000, "max_position_embeddings": 8192,
+                    "rope_theta": 500000.0},
+    # Qwen2 (q/k/v biases, column-wise with the bias split) and Starcoder2 (LayerNorm, biases, plain gelu MLP
+    # c_fc / c_proj) with untied heads: transformers' tp_plan (no SP) cannot tie a replicated embedding.
+    "qwen2-tp": {**ARCHS["qwen2-tied"], "_name_or_path": "qwen2-tp", "num_attention_heads": 8,
+                 "num_key_value_heads": 4, "tie_word_embeddings": False},
+    "starcoder2-untied": {**ARCHS_2026["starcoder2"], "_name_or_path": "starcoder2-untied", "num_key_value_heads": 4,
+                          "tie_word_embeddings": False},
+}
+
+
+def tp_grid() -> list[dict]:
+    """Tensor-parallel rows of the mesh grid: tp 2-8, with sequence parallel + loss parallel (torchtitan) and
+    without (transformers' tp_plan: the head's logits gathered), with and without checkpointing, 8-256 GPUs,
+    Llama 2 / Llama 3 shapes, Qwen2 (q/k/v biases) and Starcoder2 (LayerNorm, biases, plain MLP, tied)."""
+    # (arch, tp, sequence parallel, sharding, precision, checkpointing, attention, micro-batch, seq, gpus, per node)
+    settings = [
+        ("llama2-mha", 2, True, "FULL_SHARD", "bf16", "none", "sdpa", 2, 1024, 8, 8),
+        ("llama2-mha", 2, False, "FULL_SHARD", "bf16", "full", "sdpa", 2, 1024, 16, 8),
+        ("llama2-mha", 4, True, "FULL_SHARD", "bf16", "full", "sdpa", 4, 2048, 32, 8),
+        ("llama2-mha", 4, False, "HYBRID_SHARD", "bf16", "none", "sdpa", 1, 2048, 32, 8),
+        ("llama2-mha", 8, True, "FULL_SHARD", "bf16-pure", "none", "sdpa", 2, 2048, 64, 8),
+        ("llama2-mha", 8, False, "FULL_SHARD", "fp32", "full", "sdpa", 1, 1024, 16, 8),
+        ("llama2-mha", 8, True, "HYBRID_SHARD", "bf16", "every-2", "sdpa", 2, 1024, 64, 8),
+        ("llama2-mha", 2, True, "SHARD_GRAD_OP", "fp32", "every-2", "sdpa", 1, 2048, 8, 8),
+        ("llama2-mha", 4, True, "FULL_SHARD", "bf16", "none", "eager", 1, 1024, 16, 8),
+        ("llama2-mha", 2, False, "NO_SHARD", "bf16", "none", "sdpa", 2, 512, 8, 8),
+        ("llama2-mha", 8, True, "FULL_SHARD", "bf16", "full", "sdpa", 2, 2048, 256, 8),
+        ("llama3-gqa8", 2, True, "FULL_SHARD", "bf16", "full", "sdpa", 2, 2048, 8, 8),
+        ("llama3-gqa8", 4, True, "FULL_SHARD", "bf16", "none", "sdpa", 2, 1024, 16, 8),
+        ("llama3-gqa8", 8, True, "FULL_SHARD", "bf16", "full", "sdpa", 4, 1024, 32, 8),
+        ("llama3-gqa8", 8, False, "FULL_SHARD", "bf16", "none", "sdpa", 1, 2048, 64, 8),
+        ("llama3-gqa8", 4, False, "HYBRID_SHARD_ZERO2", "bf16", "full", "sdpa", 2, 1024, 32, 8),
+        ("llama3-gqa8", 2, True, "HYBRID_SHARD", "fp32", "none", "sdpa", 1, 1024, 16, 4),
+        ("llama3-gqa8", 2, False, "FULL_SHARD", "bf16", "full", "eager", 2, 512, 8, 8),
+        ("llama3-gqa", 2, True, "FULL_SHARD", "bf16", "none", "sdpa", 2, 2048, 16, 8),
+        ("llama3-gqa", 2, False, "FULL_SHARD", "bf16", "full", "sdpa", 4, 1024, 8, 8),
+        ("qwen2-tp", 2, True, "FULL_SHARD", "bf16", "full", "sdpa", 2, 2048, 8, 8),
+        ("qwen2-tp", 4, False, "FULL_SHARD", "bf16", "none", "sdpa", 1, 2048, 32, 8),
+        ("qwen2-tp", 4, True, "FULL_SHARD", "bf16", "none", "sdpa", 4, 1024, 64, 8),
+        ("starcoder2", 2, True, "FULL_SHARD", "bf16", "none", "sdpa", 2, 1024, 8, 8),
+        ("starcoder2-untied", 4, False, "FULL_SHARD", "bf16", "full", "sdpa", 2, 2048, 16, 8),
+        ("starcoder2-untied", 4, True, "HYBRID_SHARD", "bf16", "every-2", "sdpa", 2, 1024, 32, 8),
+    ]
+    return [dict(arch=arch, tp=tp, sequence_parallel=sp, sharding=sharding, precision=precision,
+                 activation_checkpointing=ac, attention=attention, micro_batch=mb, seq_len=seq, gpus=gpus,
+                 gpus_per_node=per_node)
+            for arch, tp, sp, sharding, precision, ac, attention, mb, seq, gpus, per_node in settings]
+
+
+# The mesh grid (--mesh): each parallelism's rows (expert parallelism's ep_grid joins here).
+MESH_ROW_SETS = (tp_grid, ep_grid)
+
+
+def mesh_grid() -> list[dict]:
+    return [row for rows in MESH_ROW_SETS for row in rows()]
+
+
+def arch_config(name: str) -> dict:
+    """The config.json of an architecture of any grid (every module-level *_ARCHS / ARCHS* dict)."""
+    for key, archs in globals().items():
+        if "ARCHS" in key and isinstance(archs, dict) and name in archs:
+            return dict(archs[name])
+    raise KeyError(f"no architecture {name!r} in any grid")
+
+
 SHARDINGS = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2")
 
 
@@ -213,7 +285,7 @@ def run_one(row: dict) -> dict:
     kwargs = {k: v for k, v in row.items() if k not in ("arch", "gpus", "profile_too")}
     t0 = time.perf_counter()
     try:
-        r = trace(dict({**ARCHS, **ARCHS_2026, **EP_ARCHS}[row["arch"]]), row["gpus"], **kwargs)
+        r = trace(arch_config(row["arch"]), row["gpus"], **kwargs)
     except Exception as exc:  # noqa: BLE001 - a failed row is reported, the grid goes on
         return {**row, "error": f"{type(exc).__name__}: {exc}"}
     est = r.candidate.memory
@@ -250,11 +322,20 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:,.1f}"
 
 
+def _mesh_label(row: dict) -> str:
+    """' tp4', ' tp4 no-SP', ' ep8': the row's mesh degrees beside the architecture (nothing for FSDP only)."""
+    parts = [f"{k}{row[k]}" for k in ("tp", "cp", "ep") if row.get(k, 1) > 1]
+    if row.get("tp", 1) > 1 and row.get("sequence_parallel") is False:
+        parts.append("no-SP")
+    return "".join(f" {p}" for p in parts)
+
+
 def summarize(results: list[dict]) -> str:
     from tabulate import tabulate
 
     ok = [r for r in results if "error" not in r]
-    rows = [[i + 1, r["arch"], r["sharding"], r["precision"], r["activation_checkpointing"], r["attention"],
+    rows = [[i + 1, r["arch"] + _mesh_label(r), r["sharding"], r["precision"], r["activation_checkpointing"],
+             r["attention"],
              r["micro_batch"], r["seq_len"], f"{r['gpus']}/{r['gpus_per_node']}", _mib(r["trace_peak"]),
              _mib(r["estimate_peak"]), f"{100 * r['relative_error']:+.1f}%", r["trace_phase"], r["estimate_moment"]]
             + ([f"{100 * r['profile_error']:+.1f}%"] if "profile_error" in r else [])
@@ -279,7 +360,8 @@ def summarize(results: list[dict]) -> str:
         worst = max(ok, key=lambda r: abs(r["relative_error"]))
         lines.append(f"peak allocated, |estimate - trace| / trace over {len(ok)} configurations: "
                      f"median {100 * statistics.median(errors):.2f}%, max {100 * max(errors):.2f}% "
-                     f"(#{ok.index(worst) + 1} {worst['arch']} {worst['sharding']} {worst['precision']})")
+                     f"(#{ok.index(worst) + 1} {worst['arch']}{_mesh_label(worst)} {worst['sharding']} "
+                     f"{worst['precision']})")
         lines.append(f"phase of the peak agrees in {sum(r['trace_phase'] == r['estimate_phase'] for r in ok)} of {len(ok)}")
         profiled = [r for r in ok if "profile_error" in r]
         if profiled:
@@ -291,7 +373,7 @@ def summarize(results: list[dict]) -> str:
                          f"max {100 * max(gaps):.2f}%")
     for r in results:
         if "error" in r:
-            lines.append(f"FAILED {r['arch']} {r['sharding']} {r['precision']}: {r['error']}")
+            lines.append(f"FAILED {r['arch']}{_mesh_label(r)} {r['sharding']} {r['precision']}: {r['error']}")
     return "\n".join(lines)
 
 
@@ -307,10 +389,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--profile-too", action="store_true",
                         help="also price each configuration from a traced block memory profile (the generic path)")
     parser.add_argument("--lora-rank", type=int, default=16)
+    parser.add_argument("--mesh", action="store_true",
+                        help="the mesh grid instead (mesh_grid: tensor-parallel rows, tp 2-8 with and without SP, "
+                             "and expert-parallel rows)")
     parser.add_argument("--expert-units", action="store_true",
                         help="MoE architectures' FULL_SHARD / HYBRID_SHARD rows only, with the experts as FSDP units")
     args = parser.parse_args(argv)
-    rows = grid(GRIDS[args.families])
+    rows = mesh_grid() if args.mesh else grid(GRIDS[args.families])
     if args.expert_units:
         archs = {**ARCHS, **ARCHS_2026}
         rows = [{**r, "expert_units": True} for r in rows if r["sharding"] in ("FULL_SHARD", "HYBRID_SHARD")

@@ -21,8 +21,12 @@ Two ways to run it (FsdpConfig.sequence_parallel):
   replicated between blocks, norms on every token, the embedding replicated) and the head column-wise with
   its logits all-gathered to the full vocabulary ("colwise_gather_output").
 
+Tied embeddings (sequence parallel only): the embedding's and the head's DTensor weights are both Shard(0)
+over the vocabulary, and are tied again after parallelize_module.
+
 Limits (ValueError, which the trace reports as unsupported): plan styles other than colwise / rowwise (the
-mixture-of-experts styles belong to expert parallelism), KV heads that tp does not divide (transformers and
+mixture-of-experts styles belong to expert parallelism; Qwen3's and Gemma 3's
+"replicated_with_grad_allreduce" q/k norms, whose gradients need an all-reduce over tp), KV heads that tp does not divide (transformers and
 torchtitan both need kv_heads % tp == 0 for a column-wise k/v), tied embeddings without sequence
 parallelism (a replicated embedding and a column-wise head cannot share one weight).
 """
@@ -125,11 +129,7 @@ def root_styles(model: nn.Module, blocks_parent: str, sequence_parallel: bool) -
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
     names = {id(m): n for n, m in model.named_modules()}
-    embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") \
-        else getattr(model, "embed_tokens", None)
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else getattr(model, "lm_head", None)
-    if head is None or embedding is None:
-        raise ValueError(f"tensor parallel: cannot find the embedding and the head of {type(model).__name__}")
+    embedding, head = _embedding_and_head(model)
     tied = head.weight is embedding.weight
     styles: dict = {}
     if sequence_parallel:
@@ -168,9 +168,22 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, block_slots: li
     module_names = {id(m): n for n, m in model.named_modules()}
     container = module_names[id(block_slots[0][0])]           # "model.layers" (HF), "layers" (reference)
     blocks_parent = container.rsplit(".", 1)[0] if "." in container else ""
+    embedding, head = _embedding_and_head(model)
+    tied = head.weight is embedding.weight
     styles = root_styles(model, blocks_parent, sequence_parallel)
     parallelize_module(model, tp_mesh, styles)
+    if tied:  # each style made its own DTensor of the one weight: tie them again (both Shard(0), the vocabulary)
+        head.weight = embedding.weight
     return count + len(styles)
+
+
+def _embedding_and_head(model: nn.Module) -> tuple[nn.Module, nn.Module]:
+    embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") \
+        else getattr(model, "embed_tokens", None)
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else getattr(model, "lm_head", None)
+    if head is None or embedding is None:
+        raise ValueError(f"tensor parallel: cannot find the embedding and the head of {type(model).__name__}")
+    return embedding, head
 
 
 def check_tensor_parallel(n_heads: int, n_kv_heads: int, tp: int) -> None:

@@ -131,6 +131,26 @@ class _FakeWorld:
     def __exit__(self, *exc):
         if self.owned:
             dist.destroy_process_group()
+            _forget_dtensor_placements()
+
+
+def _forget_dtensor_placements() -> None:
+    """Clear DTensor's sharding-propagation caches once a fake world is gone.
+
+    They are keyed by op schemas whose meshes compare equal across worlds (a tp=2 sub-mesh of 16 ranks
+    equals another one of 16 ranks, whatever the other dims), and their
+    answers hold the old meshes, whose process groups (by name) died with the world: the next trace of
+    the same mesh shape in this process would redistribute over a group that no longer exists ("Could
+    not resolve the process group registered under the name ...")."""
+    from torch.distributed.tensor._collective_utils import MeshTopoInfo
+    from torch.distributed.tensor._redistribute import _gen_transform_infos
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    _clear_sharding_prop_cache()  # the Python caches and the C++ dispatch fast path's
+    ShardingPropagator._propagate_tensor_meta_cached.cache_clear()
+    _gen_transform_infos.cache_clear()
+    MeshTopoInfo.build_from_mesh.cache_clear()
 
 
 # ---------------------------------------------------------------- building and stepping

@@ -46,9 +46,10 @@ def run_case(case: dict, rank: int, world: int) -> dict:
     model.train()
     model.config.use_cache = False
     apply_fsdp2(model, config, classes, make_mesh(config, world, world, "cpu"))
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.set_custom_reduce_scatter(InPlaceReduceScatter())
+    if not case.get("gloo_reduce_scatter"):  # FSDP2's gradient reduce-scatter without gloo's clone
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.set_custom_reduce_scatter(InPlaceReduceScatter())
     optimizer = make_optimizer(model.parameters(), case.get("optimizer", "adamw"))
     # a TP group sees the same tokens: with dp_shard = 1 every rank takes the same ids
     ids = torch.randint(0, hf_config["vocab_size"], (config.micro_batch, case["seq_len"]),
