@@ -142,8 +142,12 @@ def expert_parallel_ops(ops, model: ModelSpec, ep: int, imbalance: float = 1.0):
     m = model.moe
     local = m.n_experts // ep
     rows = m.experts_per_token * imbalance / local
-    matmuls = tuple(replace(x, rows_per_token=rows, count=local) if x.name.startswith("experts ") else x
-                    for x in ops.matmuls)
+
+    def is_expert(x) -> bool:  # the formulas name them; a traced inventory has E products of k / E rows each
+        return x.name.startswith("experts ") or (
+            x.count == m.n_experts and abs(x.rows_per_token - m.experts_per_token / m.n_experts) < 1e-12)
+
+    matmuls = tuple(replace(x, rows_per_token=rows, count=local) if is_expert(x) else x for x in ops.matmuls)
     memory = tuple(replace(o, forward_bytes=o.forward_bytes * imbalance, backward_bytes=o.backward_bytes * imbalance,
                            fused_forward_bytes=o.fused_forward_bytes * imbalance,
                            fused_backward_bytes=o.fused_backward_bytes * imbalance)
