@@ -7,15 +7,10 @@ Each case builds the small Hugging Face model with real weights (calibration.bui
 builder), turns the KV cache off, builds the N-D mesh and applies tensor parallelism then FSDP2 through
 calibration.apply (make_mesh, apply_fsdp2: the one code path the trace runs), and measures two training steps
 with calibration.trace.measure_training_steps (the trace's measuring loop, loss parallel included). Rank 0
-prints one JSON line per case: {"case": i, "peak_allocated_bytes": n, "peak_phase": ..., "phases": {...},
-"gloo_copy_bytes": n}.
+prints one JSON line per case: {"case": i, "peak_allocated_bytes": n, "peak_phase": ..., "phases": {...}}.
 
-gloo's own buffer copies, which NCCL does not make, are counted apart and named (gloo_copy_bytes): its
-reduce_scatter_tensor all-reduces a clone of the input (tests/distributed/worker_families.py says the same
-of FSDP2's gradient reduce-scatter, replaced here as there by an in-place all-reduce) - sequence
-parallelism's reduce-scatters of the row-wise linears' outputs run through it. The worker swaps the
-functional reduce-scatter's gloo path for an in-place one too and records the clone it avoided, so the
-measured peak is the NCCL run's and the difference is stated.
+FSDP2's gradient reduce-scatter runs through worker_families.InPlaceReduceScatter (gloo's clones its input,
+NCCL does not) unless the case says "gloo_reduce_scatter": true; test_torchrun_mesh.py names gloo's copies.
 """
 
 from __future__ import annotations
