@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 
 from cost_models.evaluate import evaluate, gpu_memory_reason
 from cost_models.feasibility import refusals
+from cost_models.mesh_rules import mesh_refusals
 from cost_models.profile import DEFAULT_PROFILE, Profile
 from cost_models.specs import ClusterSpec, Finetune, FsdpConfig, ModelSpec, Precision, TrainingSpec
 from cost_models.units import DTYPE_BYTES, GiB
@@ -182,6 +183,32 @@ def cannot_run(ctx: Context):
     the API refuse by)."""
     for r in refusals(ctx.cluster, ctx.candidate.config):
         yield Finding(r.code, ERROR, f"{r.reason}.", r.fix)
+
+
+def mesh_rules_broken(ctx: Context):
+    """A tensor / context / expert parallel degree the model, the sequence or the cluster does not allow
+    (cost_models/mesh_rules.py, the table the estimate and the search use): the run fails, or splits unevenly."""
+    for r in mesh_refusals(ctx.model, ctx.cluster, ctx.training, ctx.config):
+        yield Finding(r.code, ERROR, f"{r.reason}.", r.fix)
+
+
+def tp_across_nodes(ctx: Context):
+    """TP past the fast tier: every block's sequence-parallel all-gathers and reduce-scatters (2 + 2 forward,
+    the same in backward) are exposed on the inter-node network, which is many times slower than NVLink."""
+    tp, fast = ctx.config.tp, ctx.cluster.fast_tier_gpus
+    if tp <= fast:
+        return
+    inter, intra = ctx.cluster.internode_bytes_per_s, ctx.cluster.gpu.intra_node_bus_bytes_per_s
+    gpn = ctx.cluster.gpus_per_node
+    yield Finding("tp-across-nodes", WARNING,
+                  f"tp={tp} spans {-(-tp // fast)} nodes of {fast} GPUs: each block's TP all-gathers and "
+                  f"reduce-scatters (forward and backward) run on the inter-node tier, {inter / gpn / 1e9:.0f} GB/s "
+                  f"per GPU (the node's {inter / 1e9:.0f} GB/s of network shared by its {gpn} GPUs, every one in a "
+                  f"TP group that crosses) against {intra / 1e9:.0f} GB/s inside the node, on the critical path of "
+                  "every block.",
+                  f"tp <= {fast} (TP inside a node), with context or data parallelism across nodes "
+                  f"(e.g. tp {max(d for d in range(1, fast + 1) if fast % d == 0 and tp % d == 0)} and cp or "
+                  "dp_shard for the rest)")
 
 
 def does_not_fit(ctx: Context):
@@ -378,7 +405,7 @@ def checkpointing_outside_units(ctx: Context):
                   f"inside the units{every}), or FSDP2 (fsdp_config: {{version: 2}})")
 
 
-RULES = (cannot_run, float8_support, reshard_group, compile_dynamic_shapes, selective_op_unexpressed,
+RULES = (cannot_run, mesh_rules_broken, tp_across_nodes, float8_support, reshard_group, compile_dynamic_shapes, selective_op_unexpressed,
          checkpointing_outside_units, does_not_fit, fp16_scaler, lora_without_orig_params, lora_adapters_share_units, wrap_policy,
          hybrid_single_node, sync_module_states, forward_prefetch_dynamic, limit_all_gathers, fsdp2_removed_settings,
          reduce_in_low_precision, kv_cache_with_checkpointing, micro_batch_headroom, slower_than_plan)
