@@ -221,11 +221,14 @@ def _untraceable(what: str, exc: BaseException) -> UntraceableModel:
 
 def trace_memory(spec: ModelSpec, config: FsdpConfig, *, n_gpus: int, gpus_per_node: int, seq_len: int,
                  optimizer: Optimizer | str = Optimizer.ADAMW, hf_config: dict | None = None,
-                 finetune: Finetune | str = Finetune.FULL, lora_rank: int = 16) -> TraceResult:
+                 finetune: Finetune | str = Finetune.FULL, lora_rank: int = 16,
+                 routing_imbalance: float = 1.0) -> TraceResult:
     """Run two FSDP2 training steps of `spec` under FakeTensorMode on rank 0 of `n_gpus`; see the module
     docstring. hf_config (a config.json dict with model_type) builds the transformers model; without
-    it the reference Llama is built from `spec`."""
-    training = TrainingSpec(seq_len=seq_len, optimizer=optimizer, finetune=finetune, lora_rank=lora_rank)
+    it the reference Llama is built from `spec`. routing_imbalance (EP): rank 0's experts receive that many
+    times the balanced rows (calibration/expert_parallel.py)."""
+    training = TrainingSpec(seq_len=seq_len, optimizer=optimizer, finetune=finetune, lora_rank=lora_rank,
+                            routing_imbalance=routing_imbalance)
     _check_supported(config, training)
     _check_mesh(spec, config, n_gpus)
     if n_gpus < 1 or gpus_per_node < 1:
@@ -241,7 +244,9 @@ def trace_memory(spec: ModelSpec, config: FsdpConfig, *, n_gpus: int, gpus_per_n
         verbosity = transformers.logging.get_verbosity()
         transformers.logging.set_verbosity_error()  # config warnings about token ids etc. are not ours to show
     try:
-        with _real_run_masking(is_hf), _grouped_mm_shapes_any_dtype():
+        from .expert_parallel import routing_imbalance as ep_imbalance
+
+        with _real_run_masking(is_hf), _grouped_mm_shapes_any_dtype(), ep_imbalance(training.routing_imbalance):
             return _trace(spec, config, training, n_gpus, gpus_per_node, seq_len, hf_config, started)
     finally:
         if is_hf:

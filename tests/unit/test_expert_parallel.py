@@ -127,6 +127,9 @@ TRACED = {  # name: (hf config, gpus, estimate kwargs)
     "mixtral ep2 8 ranks": (TINY_MIXTRAL, 8, dict(seq_len=256, precision="bf16", ep=2, micro_batch=2)),
     "mixtral ep4 16 ranks, every-2": (TINY_MIXTRAL, 16, dict(seq_len=512, precision="bf16", ep=4, micro_batch=2,
                                                             activation_checkpointing="every-2")),
+    # rank 0's experts receive 1.5 x the balanced rows from every peer (the trace's fake group checks no sizes)
+    "mixtral ep4 8 ranks, imbalance 1.5": (TINY_MIXTRAL, 8, dict(seq_len=512, precision="bf16", ep=4, micro_batch=2,
+                                                                 routing_imbalance=1.5)),
     "qwen3-moe ep16 64 ranks, full": ({"model_type": "qwen3_moe", "hidden_size": 128, "intermediate_size": 256,
                                        "moe_intermediate_size": 64, "num_hidden_layers": 2,
                                        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
