@@ -29,8 +29,12 @@ other rank waits for at the combine.
 Sends. Forward: dispatch (each rank's T k rows of h, c bytes) and combine (the same back) all-to-alls over the ep
 group; backward the same two with the gradients. The all-to-all moves (ep - 1) / ep of its rows off the rank.
 
+With tp > 1 (experts whole on every TP rank, etp = 1) the ranks of a TP group dispatch disjoint slices of the
+tokens they share: the step time prices tokens / tp rows per rank (GEMMs and all-to-alls); the memory ledger
+still counts every token's routed rows on each TP rank (an overestimate by up to tp of the experts' saved rows;
+EP with tp > 1 is not traced yet, so that term is unchecked).
 Ignored: the per-expert counts' all-to-all (E int64 per layer) and its host sync, capacity factors / token
-dropping (none in transformers' path), tp > 1 (transformers slices the tokens over TP first: not traced yet).
+dropping (none in transformers' path).
 """
 
 from __future__ import annotations
@@ -134,14 +138,15 @@ class ExpertParallelView:
         return tuple(out)
 
 
-def expert_parallel_ops(ops, model: ModelSpec, ep: int, imbalance: float = 1.0):
+def expert_parallel_ops(ops, model: ModelSpec, ep: int, imbalance: float = 1.0, tp: int = 1):
     """A sparse block's operators as one EP rank runs them: its E / ep experts' grouped GEMMs, each on
     k x ep x imbalance / E rows per token of the micro-batch (the rows it receives: balanced, as many as
     without EP, now on fewer, larger GEMMs, which the shape factor prices), and the experts' activation on the
-    busiest rank's imbalance x the rows."""
+    busiest rank's imbalance x the rows. With tp > 1 the ranks of a TP group dispatch disjoint slices of the
+    tokens they share (transformers' AllToAllEP, torchtitan with etp = 1): 1 / tp of those rows each."""
     m = model.moe
     local = m.n_experts // ep
-    rows = m.experts_per_token * imbalance / local
+    rows = m.experts_per_token * imbalance / (local * tp)
 
     def is_expert(x) -> bool:  # the formulas name them; a traced inventory has E products of k / E rows each
         return x.name.startswith("experts ") or (

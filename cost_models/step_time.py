@@ -103,7 +103,7 @@ def priced_block_ops(spec: ModelSpec, training: TrainingSpec, config: FsdpConfig
     if config.tp > 1 and config.sequence_parallel:  # norms, residuals, dropout on s / tp tokens
         ops = tensor_parallel.sequence_parallel_ops(ops, config.tp)
     if config.ep > 1 and spec.moe is not None:  # a rank's E / ep experts on the rows it receives
-        ops = expert_parallel.expert_parallel_ops(ops, spec, config.ep, training.routing_imbalance)
+        ops = expert_parallel.expert_parallel_ops(ops, spec, config.ep, training.routing_imbalance, config.tp)
     if config.float8:
         ops = replace(ops, memory_ops=ops.memory_ops + (operators.float8_cast_op(ops.matmuls, c),))
     eager = eager_attention_ops(ops, spec.n_heads, c) if config.attention is Attention.EAGER and not ops.traced else None
@@ -218,7 +218,8 @@ def estimate_step_time(model: ModelSpec, cluster: ClusterSpec, training: Trainin
     block_bwd_s = block.backward_s - block.recompute_s + block_recompute_s + mesh_bwd_s
     # EP: a sparse block's dispatch and combine all-to-alls, forward, backward and in a checkpointed block's
     # recompute, between the router and the experts (nothing to overlap them with): in the block's windows
-    a2a_s = expert_parallel.all_to_all_seconds(ep_view, cluster, profile, tokens, c) if ep_view is not None else 0.0
+    # (a TP group's ranks dispatch disjoint slices of the tokens they share: tokens / tp each)
+    a2a_s = expert_parallel.all_to_all_seconds(ep_view, cluster, profile, tokens // config.tp, c) if ep_view else 0.0
     ckpt_blocks = L if config.selective_op_ac else (math.ceil(L / config.ac_every) if config.ac_every else 0)
     block_fwd_s += 2 * a2a_s
     block_bwd_s += 2 * a2a_s * (1 + ckpt_blocks / L)
