@@ -134,7 +134,9 @@ class ExpertParallelView:
                   f"with the busiest rank receiving {self.imbalance:g}x the mean rows (routing_imbalance)")]
         if self.efsdp > 1 and self.local_experts % self.efsdp:
             out.append(f"{self.local_experts} experts per EP rank on an efsdp group of {self.efsdp}: FSDP2 pads "
-                       f"their stacked tensors to {self.efsdp * rows} rows (counted)")
+                       f"their stacked tensors to {self.efsdp * rows} rows (counted; transformers' EP shards them on "
+                       "dim 0, torchtitan on dim 1 when efsdp x ep exceeds the experts: expert_shard_dim is not "
+                       "applied with EP here); a larger ep, or HYBRID_SHARD's smaller efsdp, removes it")
         return tuple(out)
 
 

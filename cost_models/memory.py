@@ -383,7 +383,7 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
             unsharded_grads=head_grad + block_grads,
             activations=block_acts + shared,
         )
-    if config.expert_shard_dim and d > 1 and model.moe is not None and not keeps_gathered:
+    if config.expert_shard_dim and d > 1 and model.moe is not None and not keeps_gathered and ep_view is None:
         # FSDP2 copies a dim-1 shard's all-gather out through a temporary as large as the tensor (chunk-cat
         # into the unsharded parameter): at a block's pre-backward its flat all-gather output, the temporary
         # and the unsharded block are alive at once, with the saved tensors of the blocks up to it.

@@ -166,3 +166,27 @@ def test_trace_shards_experts_over_efsdp(traced):
     v = expert_parallel.view(r.candidate.model, r.candidate.config, r.candidate.cluster, r.candidate.training)
     assert (v.local_experts, v.efsdp) == (1, 4) and v.experts_shard_elements() * 4 == v.experts_gathered_elements()
     assert r.traced.experts == "grouped_mm"
+
+
+def test_experts_fsdp_over_efsdp_and_their_padding_note():
+    """Mixtral-8x7B (8 experts) on 64 H100s, ep 8: FULL_SHARD leaves efsdp = 8 ranks for each rank's one expert,
+    which FSDP2 pads to 8 rows (8x the experts' all-gather, counted and said); HYBRID_SHARD (8 per node) has
+    efsdp = 1: no expert all-gather at all, the gradients all-reduced across the 8 replicas."""
+    from cost_models.step_time import _shard_tiers
+
+    full = estimate("mixtral-8x7b", 64, gpu="h100-80gb", seq_len=4096, ep=8, activation_checkpointing="full")
+    v = expert_parallel.view(full.model, full.config, full.cluster, full.training)
+    assert (v.local_experts, v.efsdp, v.d) == (1, 8, 64)
+    one = 2 * 14336 * 4096 + 4096 * 14336
+    assert v.experts_gathered_elements() == 8 * one and v.experts_shard_elements() == one
+    assert any("1 experts per EP rank on an efsdp group of 8: FSDP2 pads their stacked tensors to 8 rows" in n
+               for n in full.memory.notes)
+    hsdp = estimate("mixtral-8x7b", 64, gpu="h100-80gb", seq_len=4096, ep=8, sharding="HYBRID_SHARD",
+                    activation_checkpointing="full")
+    v = expert_parallel.view(hsdp.model, hsdp.config, hsdp.cluster, hsdp.training)
+    assert (v.efsdp, v.d, hsdp.config.replicate_group_size(hsdp.cluster)) == (1, 8, 8)
+    replicate = _shard_tiers(hsdp.config, hsdp.cluster, _profile())[1]
+    grads = one * F32
+    ag, rs = expert_parallel.expert_fsdp_seconds(v, hsdp.cluster, _profile(), one * BF16, grads, 8, replicate)
+    assert ag == 0.0 and rs == pytest.approx(comm.all_reduce_s(grads, 8, replicate))
+    assert hsdp.time.step_s < full.time.step_s
