@@ -180,11 +180,11 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
     attn = config.attention
     lora_rank = training.adapter_rank
     full = activations.block_bytes_per_token(model, c, attn, training.seq_len, config.micro_batch, lora_rank)
-    if ep_view is not None:  # the dispatch / combine's own saved tensors, the busiest rank's extra rows
-        full += round(ep_view.saved_delta_bytes_per_token(c))
     traced = traced_block_terms(model, precision, attn) if not lora_rank else None
     if traced is not None:
         full = round(traced.saved_bytes_per_token(training.seq_len))
+    if ep_view is not None:  # the dispatch / combine's own saved tensors, the busiest rank's extra rows
+        full += round(ep_view.saved_delta_bytes_per_token(c))
     ckpt = activations.checkpointed_block_bytes_per_token(model, c)
     if config.selective_op_ac:  # every block checkpointed, keeping its input and the policy's saved outputs
         ckpt = activations.selective_op_held_bytes_per_token(model, c, attn, training.seq_len, lora_rank)
