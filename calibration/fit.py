@@ -10,7 +10,13 @@ the runs can inform:
   prod x / (x + x0), which runs of different micro-batches or widths tell apart from compute_efficiency);
 - intra_node_comm_efficiency / inter_node_comm_efficiency, when a run communicated on that tier (runs
   under --emulate-world-size have no real communication and do not inform them), and with two such runs
-  overlap_slowdown (compute slowed beside NCCL), with three the tier's per-hop latency.
+  overlap_slowdown (compute slowed beside NCCL), with three the tier's per-hop latency;
+- the mesh's rates (MESH_RATES): tp_comm_efficiency when a run's TP collectives really ran (tp > 1, not
+  emulated), ep_comm_efficiency when its EP all-to-alls did (ep > 1 on a mixture-of-experts model). Each is a
+  multiplier on the bus bandwidth of the tier its group spans (cost_models/profile.py), so it is told apart
+  from the tier's own efficiency by runs whose TP (EP) share of the step differs from their FSDP share: runs at
+  several tp, or beside data-parallel-only runs. They join whenever a run informs them, and are kept only where
+  the runs identify them (below); otherwise they stay at their starting value (1.0: the tier's rate).
 Which of them the runs identified is reported, not assumed: from the fit's Jacobian (the data and the
 weak prior), each coefficient's standard error in log space; one within IDENTIFIED_LOG_ERROR (about
 +-10%) is identified, the others stayed near their starting values (Fit.identified / not_identified).
@@ -54,6 +60,8 @@ _BOUNDS = {  # (low, high) of each fitted coefficient
     "attention_efficiency": (1e-3, 10.0),
     "matmul_half_dim": (1.0, 8192.0),
     "overlap_slowdown": (1e-4, 5.0),
+    "tp_comm_efficiency": (1e-3, 10.0),
+    "ep_comm_efficiency": (1e-3, 10.0),
     "intra_node_latency_s": (1e-8, 1e-2),
     "inter_node_latency_s": (1e-8, 1e-2),
 }
@@ -115,6 +123,18 @@ def _communicates(sample: Sample) -> tuple[bool, bool]:
     return intra, inter
 
 
+MESH_RATES = ("tp_comm_efficiency", "ep_comm_efficiency")
+
+
+def _mesh_communicates(sample: Sample) -> tuple[bool, bool]:
+    """(TP, EP): whether this run's TP collectives / EP all-to-alls really ran (a group of 2+ ranks on a real
+    process group; an emulated run's collectives return at once)."""
+    if sample.emulated or sample.cluster.n_gpus == 1:
+        return False, False
+    c = sample.config
+    return c.tp > 1, c.ep > 1 and sample.model.moe is not None
+
+
 @dataclass
 class Fit:
     profile: Profile
@@ -132,9 +152,10 @@ def _rms_rel(pairs) -> float:
     return math.sqrt(sum(e * e for e in errors) / len(errors)) if errors else 0.0
 
 
-def _unknowns(samples: list[Sample]) -> list[str]:
-    """(base, extra): the unknowns fitted whenever runs inform them, and the operator-level ones fitted only
-    with more runs than unknowns and kept only where the runs identify them (fit_profile)."""
+def _unknowns(samples: list[Sample]) -> tuple[list[str], list[str], list[str]]:
+    """(base, mesh, extra): the unknowns fitted whenever runs inform them; the mesh's rates, fitted whenever runs
+    inform them and kept only where the runs identify them; the operator-level ones, fitted only with more runs
+    than unknowns and kept only where the runs identify them (fit_profile)."""
     names = [f"compute_efficiency:{d}" for d in sorted({s.config.precision.compute_dtype for s in samples})]
     extra = []
     if len(samples) >= 2:
@@ -149,7 +170,9 @@ def _unknowns(samples: list[Sample]) -> list[str]:
             extra.append(f"{tier}_latency_s")
     if sum(1 for t in tiers if any(t)) >= 2:
         extra.append("overlap_slowdown")
-    return names, extra
+    mesh = [_mesh_communicates(s) for s in samples]
+    mesh_names = [name for k, name in enumerate(MESH_RATES) if any(m[k] for m in mesh)]
+    return names, mesh_names, extra
 
 
 def _log_errors(jacobian) -> list[float]:
@@ -189,7 +212,7 @@ def fit_profile(samples: list[Sample], base: Profile, source: str = "fitted") ->
 
     if not samples:
         return Fit(base, [], 0.0, 0.0, notes=["no measured run: nothing to fit"])
-    base_names, extra = _unknowns(samples)
+    base_names, mesh_names, extra = _unknowns(samples)
     measured = np.array([s.step_s for s in samples])
 
     def solve(names: list[str]):
@@ -208,20 +231,28 @@ def fit_profile(samples: list[Sample], base: Profile, source: str = "fitted") ->
     # The operator-level coefficients join only with more runs than unknowns, and stay only where the runs
     # identify them: an unidentified one would trade against the others instead of keeping its default.
     # Backward elimination: drop the least determined of them and refit, while one is not identified and
-    # the smaller model still explains the runs within their noise.
+    # the smaller model still explains the runs within their noise. The mesh's rates join whenever a run
+    # informs them and take part in the same elimination, but leave whenever they are not identified (their
+    # default is the tier's own rate, which the other coefficients are fitted to), explained or not.
+    base_names = base_names + mesh_names
     names = base_names + extra if len(samples) > len(base_names) + len(extra) else base_names
     result = solve(names)
     while True:
         errors = dict(zip(names, _log_errors(result.jac)))
-        loose = [n for n in names if n in extra and errors[n] > IDENTIFIED_LOG_ERROR]
+        loose = [n for n in names if n in extra + mesh_names and errors[n] > IDENTIFIED_LOG_ERROR]
         if not loose:
             break
-        smaller = [n for n in names if n != max(loose, key=errors.get)]
+        worst = max(loose, key=errors.get)
+        smaller = [n for n in names if n != worst]
         reduced = solve(smaller)
-        if float(np.sqrt(np.mean(reduced.fun[:len(samples)] ** 2))) > RUN_LOG_NOISE:
-            break
+        if worst in extra and float(np.sqrt(np.mean(reduced.fun[:len(samples)] ** 2))) > RUN_LOG_NOISE:
+            loose_mesh = [n for n in loose if n in mesh_names]
+            if not loose_mesh:
+                break
+            smaller = [n for n in names if n != max(loose_mesh, key=errors.get)]
+            reduced = solve(smaller)
         names, result = smaller, reduced
-    dropped = [n for n in extra if n not in names]
+    dropped = [n for n in mesh_names + extra if n not in names]
     values = dict(zip(names, (float(v) for v in np.exp(result.x))))
     notes = []
     for name, value in values.items():

@@ -158,7 +158,59 @@ def apply_config(model: nn.Module, config: FsdpConfig, fsdp_version: int, classe
     model.to_empty(device=device)
     for module in model.modules():
         init_module_params(module, buffers)
+    model._calibration_mesh = mesh  # the N-D mesh: context parallelism shards each step's inputs on its "cp" dim
     return model
+
+
+def data_parallel_rank(rank: int, config: FsdpConfig) -> int:
+    """The data-parallel rank of global `rank` in torchtitan's dense mesh [dp_replicate, dp_shard, cp, tp] (tp
+    innermost, then cp): the tp x cp ranks of one model copy share their sequences (TP ranks compute on the same
+    tokens, CP ranks each take a slice of them), so the batch is drawn from this rank, not the global one. Expert
+    parallelism borrows data-parallel ranks and changes nothing here."""
+    return rank // (config.tp * config.cp * config.pp)
+
+
+def check_same_sequences(model: nn.Module, config: FsdpConfig, batches: list[torch.Tensor], device: torch.device) -> None:
+    """Raise unless every rank of each TP and CP group holds the same batches (a checksum's max and min over the
+    group agree): ranks of one model copy that fed different sequences would train on neither."""
+    mesh = getattr(model, "_calibration_mesh", None)
+    if mesh is None:
+        return
+    checksum = sum(int((b.long().flatten() * (torch.arange(b.numel(), device=b.device) % 997 + 1)).sum())
+                   for b in batches)
+    for name in ("tp", "cp"):
+        if getattr(config, name) > 1:
+            t = torch.tensor([checksum, -checksum], dtype=torch.int64, device=device)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=mesh[name].get_group())
+            if int(t[0]) != -int(t[1]):
+                raise RuntimeError(f"the ranks of a {name} group drew different batches (checksums {int(t[0])} vs "
+                                   f"{-int(t[1])}): a {name} group must feed the same sequences")
+
+
+CP_NEEDS_CUDA = ("cp: context parallelism's ring attention dispatches only CUDA SDPA kernels (torch's "
+                 "context_parallel has no CPU path, shared/reference/pitfalls.md): run --cp on CUDA GPUs, or --cp 1 "
+                 "on --device cpu")
+
+
+def step_context(model: nn.Module, config: FsdpConfig, ids: torch.Tensor):
+    """What a micro-step's forward and backward run inside: loss parallel with sequence-parallel TP (the
+    cross-entropy on vocab-sharded logits, calibration.tensor_parallel.loss_context), and with cp > 1 torch's
+    context_parallel on the mesh's "cp" dim, which shards the ids (the labels: labels = ids) on the sequence in
+    its load-balanced chunks, as torchtitan does around its train step. Positions are each rank's local ones
+    (the reference model and Hugging Face's derive them from the local length): the same kernels and shapes,
+    so the same time and memory; the loss value is not the unsharded one."""
+    from calibration.tensor_parallel import loss_context
+
+    stack = contextlib.ExitStack()
+    stack.enter_context(loss_context(config.tp, config.sequence_parallel))
+    if config.cp > 1:
+        if ids.device.type != "cuda":
+            raise ValueError(CP_NEEDS_CUDA)
+        from torch.distributed.tensor.experimental import context_parallel
+
+        mesh = model._calibration_mesh
+        stack.enter_context(context_parallel(mesh["cp"], buffers=[ids], buffer_seq_dims=[1], no_restore_buffers={ids}))
+    return stack
 
 
 def make_optimizer(name: str, params, precision_name: str):
@@ -305,6 +357,10 @@ def run(job: dict) -> None:
 
     config = FsdpConfig(**{**{k: v for k, v in job["config"].items() if k != "activation_checkpointing"},
                            "ac_every": job["config"].get("activation_checkpointing", 0)})
+    if config.cp > 1 and device.type != "cuda":
+        raise ValueError(CP_NEEDS_CUDA)
+    if job["fsdp_version"] == 1 and config.model_parallel * config.ep > 1:
+        raise ValueError("fsdp_version 1: FSDP1 composes with no device mesh; tp / cp / ep need FSDP2")
     torch.manual_seed(job.get("seed", 0))
     model = build(job["model"], config.attention.value)
     classes = block_classes(model, job["model"].get("block_class"))
@@ -321,9 +377,11 @@ def run(job: dict) -> None:
 
     vocab = job["model"]["spec"]["vocab_size"]
     seq = job["seq_len"]
-    gen = torch.Generator(device="cpu").manual_seed(1000 + rank)
+    # every rank of a TP / CP group feeds the same sequences: the data-parallel rank decides the batch
+    gen = torch.Generator(device="cpu").manual_seed(1000 + data_parallel_rank(rank, config))
     batches = [torch.randint(0, vocab, (config.micro_batch, seq), generator=gen).to(device)
                for _ in range(config.grad_accum)]
+    check_same_sequences(model, config, batches, device)
     no_sync_possible = config.sharding is Sharding.NO_SHARD and config.grad_accum > 1
     last_loss = [float("nan")]
 
@@ -335,7 +393,7 @@ def run(job: dict) -> None:
             if job["fsdp_version"] == 2 and no_sync_possible:
                 model.set_requires_gradient_sync(last)
             with model.no_sync() if job["fsdp_version"] == 1 and no_sync_possible and not last \
-                    else contextlib.nullcontext():
+                    else contextlib.nullcontext(), step_context(model, config, ids):
                 loss = loss_of(model, ids, loss_fn) / config.grad_accum
                 (scaler.scale(loss) if scaler else loss).backward()
         if scaler:
@@ -345,6 +403,7 @@ def run(job: dict) -> None:
             optimizer.step()
         precompute_float8_scales(model, config)  # FP8 all-gather: next step's weight scales, one all-reduce
         optimizer.zero_grad(set_to_none=True)
+        loss = loss.full_tensor() if hasattr(loss, "full_tensor") else loss  # loss parallel: a replicated DTensor
         last_loss[0] = loss.detach().float().item() * config.grad_accum
 
     warmup, steps = job["warmup"], job["steps"]
@@ -385,7 +444,11 @@ def run(job: dict) -> None:
     else:
         from calibration.memtrack import MemoryTracker
 
-        tracker = MemoryTracker(model, optimizer, vocab_size=vocab, device=device)
+        from calibration.tensor_parallel import local_vocab_size
+
+        # a TP rank's logits are vocab / tp wide under loss parallel (the tracker files them as logits_and_loss)
+        tracker = MemoryTracker(model, optimizer, vocab_size=local_vocab_size(vocab, config.tp, config.sequence_parallel),
+                                device=device)
         between = getattr(tracker, "next_microstep", None) or _clear_module_stats(tracker)
         with tracker:
             step(between)    # the tracker's own warm-up: it must see the state tensors being used
@@ -395,7 +458,8 @@ def run(job: dict) -> None:
         peak = int(_reduce_max([float(snap.peak_allocated_bytes)], device)[0])
         measured.update(peak_allocated_bytes=peak, memory_source="memtrack",
                         memory_breakdown={k: int(v) for k, v in snap.breakdown.items()}, peak_phase=snap.peak_phase)
-    tokens = config.micro_batch * seq * config.grad_accum
+    # per GPU, as the cost model counts them: a TP group computes on one set of sequences, a CP group splits them
+    tokens = config.micro_batch * seq * config.grad_accum / config.model_parallel
     measured["tokens_per_s_per_gpu"] = tokens / measured["step_s"]
     if rank == 0:
         local = 1 if emulate else int(os.environ.get("LOCAL_WORLD_SIZE", world))

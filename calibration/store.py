@@ -33,7 +33,10 @@ from cost_models.specs import (ActivationProfile, ActivationTerms, BackwardMomen
                                  SpecError)
 
 SCHEMA_VERSION = 1
-PROFILE_SCHEMA_VERSION = 2
+PROFILE_SCHEMA_VERSION = 3
+# profile files this fsdp-plan reads: 2 lacks the mesh's rates (tp / ep_comm_efficiency), which were priced at 1.0
+# when it was fitted, so it reads with them at 1.0
+PROFILE_SCHEMA_VERSIONS_READ = (2, 3)
 RESULTS_FILE = "results.jsonl"
 PROFILE_FILE = "profile.json"
 
@@ -157,7 +160,8 @@ class RunSetup(_Strict):
     gpus_per_node: int
     internode_bytes_per_s: float
     training: dict[str, Any]   # TrainingSpec fields
-    config: dict[str, Any]     # FsdpConfig.to_dict()
+    config: dict[str, Any]     # FsdpConfig.to_dict(): the FSDP knobs and the mesh's degrees tp, cp, ep, pp (records
+                               # written before the mesh have none: 1, what those runs ran)
     fsdp_version: Literal[1, 2]
     device: Literal["cuda", "cpu"]
     emulated: bool = False     # rank 0 of n_gpus on a fake process group: no real communication
@@ -211,6 +215,9 @@ class Coefficients(_Strict):
     attention_half_seq: float
     memory_bound_efficiency: float
     overlap_slowdown: float
+    # schema 3: the mesh's collective rates (absent from a schema-2 file: 1.0, the pricing it was fitted under)
+    tp_comm_efficiency: float = 1.0
+    ep_comm_efficiency: float = 1.0
 
     @classmethod
     def of(cls, profile: Profile) -> "Coefficients":
@@ -231,7 +238,8 @@ class FitSummary(_Strict):
 
 class ProfileFile(_Strict):
     # 2: the operator-level step time (compute_efficiency is relative to the GPU's large-GEMM rate)
-    schema_version: Literal[2] = PROFILE_SCHEMA_VERSION
+    # 3: the mesh's collective rates (Coefficients.tp_comm_efficiency, ep_comm_efficiency); 2 still reads
+    schema_version: Literal[2, 3] = PROFILE_SCHEMA_VERSION
     kind: Literal["fsdp-plan-profile"] = "fsdp-plan-profile"
     created: str
     fingerprint: Fingerprint
@@ -390,9 +398,14 @@ def load_profile_file(path: str | Path) -> ProfileFile:
         raise StoreError("profile", f"{path} is not JSON: {exc.msg} at line {exc.lineno}") from None
     if not isinstance(data, dict) or data.get("kind") != "fsdp-plan-profile":
         raise StoreError("profile", f"{path} is not an fsdp-plan profile (written by `fsdp-plan calibrate`)")
-    if data.get("schema_version") != PROFILE_SCHEMA_VERSION:
+    if data.get("schema_version") not in PROFILE_SCHEMA_VERSIONS_READ:
+        readable = " or ".join(str(v) for v in PROFILE_SCHEMA_VERSIONS_READ)
         raise StoreError("profile", f"{path} has schema_version {data.get('schema_version')!r}; this fsdp-plan "
-                                    f"reads {PROFILE_SCHEMA_VERSION}: calibrate again")
+                                    f"reads {readable}: calibrate again")
+    if data.get("schema_version") == 2 and isinstance(data.get("coefficients"), dict):
+        for name in ("tp_comm_efficiency", "ep_comm_efficiency"):  # not in schema 2: a mesh field there is an error
+            if name in data["coefficients"]:
+                raise StoreError("profile", f"{path}: coefficients.{name} is not a schema_version 2 field")
     try:
         return ProfileFile.model_validate(data)
     except ValidationError as exc:

@@ -30,11 +30,20 @@ STARTUP_GUESS_S = 20.0       # torchrun + import torch + build, before the first
 
 # ------------------------------------------------------------------------------------------ candidates
 
+# torch's context_parallel dispatches only the CUDA SDPA kernels to its ring attention (shared/reference/pitfalls.md)
+CP_NEEDS_CUDA = ("context parallelism's ring attention has no CPU path (torch's context_parallel dispatches only "
+                 "CUDA SDPA kernels): calibrate cp > 1 on CUDA GPUs, or use --cp 1 with --device cpu")
+
+
 def _space(request: CalibrationRequest, spec: ModelSpec) -> SearchSpace:
     precisions = request.precisions or (["fp32"] if request.device == "cpu" else None)
-    # data parallelism only: the runner applies FSDP, not the mesh's TP / CP / EP yet (issue 17 item 6), and a
-    # run must measure exactly the configuration it is fitted as
-    kwargs = dict(tp=1, cp=1, ep=1)
+    # The mesh as the plan command searches it: the runner applies TP and EP (calibration.apply, gloo on a CPU)
+    # and CP on CUDA, so a run measures exactly the configuration it is fitted as. FSDP1 composes with no mesh.
+    kwargs: dict = {}
+    if request.fsdp_version == 1:
+        kwargs.update(tp=1, cp=1, ep=1)
+    elif request.device == "cpu":
+        kwargs["cp"] = 1  # CP_NEEDS_CUDA
     if request.device == "cpu":
         kwargs["offload"] = (False,)  # "offload to the CPU" from a CPU measures nothing
     return SearchSpace(precisions=tuple(parse_enum(Precision, p, "precision") for p in precisions) if precisions else None,
@@ -46,7 +55,9 @@ def candidates(request: CalibrationRequest, target: Target, cluster: ClusterSpec
                profile: Profile) -> list[FsdpConfig]:
     if request.config is not None:
         attention = model_attention(target.spec, request.attention)
-        return [dataclasses.replace(request.config, attention=attention)]
+        config = dataclasses.replace(request.config, attention=attention)
+        _check_mesh(request, target, cluster, training, config)
+        return [config]
     if request.top < 1:
         raise PlannerError("top", f"must be >= 1, got {request.top}")
     result = search(target.spec, cluster, training, profile, _space(request, target.spec))
@@ -54,6 +65,25 @@ def candidates(request: CalibrationRequest, target: Target, cluster: ClusterSpec
         raise PlannerError("model", f"no configuration of {target.name} fits {cluster.n_gpus} x {cluster.gpu.name}: "
                                     "nothing to calibrate (run `fsdp-plan` for the nearest misses)")
     return [e.config for e in result.fitting[:request.top]]
+
+
+def _check_runnable(request: CalibrationRequest, config: FsdpConfig) -> None:
+    if config.cp > 1 and request.device == "cpu":
+        raise PlannerError("cp", CP_NEEDS_CUDA)
+    if request.fsdp_version == 1 and config.model_parallel * config.ep > 1:
+        raise PlannerError("fsdp_version", "FSDP1 composes with no device mesh: tp / cp / ep need --fsdp-version 2")
+
+
+def _check_mesh(request: CalibrationRequest, target: Target, cluster: ClusterSpec, training: TrainingSpec,
+                config: FsdpConfig) -> None:
+    """The given configuration's mesh must be one the runner can apply here and the model and cluster allow: one
+    line (PlannerError) otherwise."""
+    _check_runnable(request, config)
+    from cost_models.mesh_rules import mesh_refusals
+
+    refused = mesh_refusals(target.run_spec, cluster, training, config)
+    if refused:
+        raise PlannerError(refused[0].field, f"{refused[0].reason}; {refused[0].fix}")
 
 
 def _setup(request: CalibrationRequest, target: Target, cluster: ClusterSpec, training: TrainingSpec,
@@ -93,6 +123,8 @@ def calibrate(request: CalibrationRequest, progress_stream=None) -> CalibrationR
     if request.emulate_world_size is not None and request.emulate_world_size < 2:
         raise PlannerError("emulate_world_size", f"must be >= 2, got {request.emulate_world_size}")
     training = training_spec(request)  # validates seq_len, optimizer, finetune before anything is written
+    if request.config is not None:  # what the runner cannot apply here, before the CPU is probed
+        _check_runnable(request, request.config)
     if request.finetune == "lora":
         import importlib.util
 

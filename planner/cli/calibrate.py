@@ -4,6 +4,7 @@
     fsdp-plan calibrate --model llama3-8b --gpus 8 --sharding FULL_SHARD --micro-batch 2 --out calib  # one config
     fsdp-plan calibrate ... --nodes 2 --rdzv-endpoint node0:29500 [--launch --node-rank N] [--emit slurm]
     fsdp-plan calibrate --factory my_pkg.models:build --gpus 2 --device cpu --out calib-cpu
+    fsdp-plan calibrate --model llama3-8b --gpus 8 --sharding FULL_SHARD --tp 2 --out calib-tp  # one mesh config
 
 Only forwards flags to planner.calibrating.calibrate and prints its report (planner.report_calibration).
 """
@@ -16,8 +17,9 @@ from typing import Annotated, Optional
 
 import typer
 
-from planner.cli.options import (AttentionOpt, FinetuneOpt, FormatOpt, Format, GlobalBatch, Gpu, Gpus, GpusPerNode,
-                                 InternodeGbps, LoraRank, Model, Optim, SeqLen, finite_float)
+from planner.cli.options import (AttentionOpt, Cp, Ep, FinetuneOpt, FormatOpt, Format, GlobalBatch, Gpu, Gpus,
+                                 GpusPerNode, InternodeGbps, LoraRank, Model, Optim, SeqLen, Tp, finite_float,
+                                 mesh_degrees)
 
 
 class CalibrateEmit(str, Enum):
@@ -66,6 +68,10 @@ def register(app) -> None:
         offload: Annotated[Optional[bool], typer.Option("--offload/--no-offload")] = None,
         backward_prefetch: Annotated[Optional[bool], typer.Option("--backward-prefetch/--no-backward-prefetch")] = None,
         limit_all_gathers: Annotated[Optional[bool], typer.Option("--limit-all-gathers/--no-limit-all-gathers")] = None,
+        tp: Tp = None, cp: Cp = None, ep: Ep = None,
+        sequence_parallel: Annotated[Optional[bool], typer.Option(
+            "--sequence-parallel/--no-sequence-parallel", help="With --tp: torchtitan's sequence + loss parallel "
+            "(default), or transformers' tp_plan")] = None,
         steps: Annotated[int, typer.Option("--steps", help="Timed steps per run")] = 10,
         warmup: Annotated[int, typer.Option("--warmup", help="Untimed steps first")] = 3,
         fsdp_version: Annotated[int, typer.Option("--fsdp-version", help="1 (FullyShardedDataParallel) or 2 (fully_shard)")] = 2,
@@ -98,7 +104,8 @@ def register(app) -> None:
         given = {k: v for k, v in dict(sharding=sharding, activation_checkpointing=activation_checkpointing,
                                        micro_batch=micro_batch, grad_accum=grad_accum, offload=offload,
                                        backward_prefetch=backward_prefetch,
-                                       limit_all_gathers=limit_all_gathers).items() if v is not None}
+                                       limit_all_gathers=limit_all_gathers, sequence_parallel=sequence_parallel,
+                                       **mesh_degrees(tp, cp, ep, None)).items() if v is not None}
         config = None
         if given:
             if top is not None:
@@ -109,9 +116,14 @@ def register(app) -> None:
                 given["ac_every"] = given.pop("activation_checkpointing")
             config = FsdpConfig(precision=(precision or ["fp32" if device == "cpu" else "bf16"])[0], **given)
             if config.grad_accum == 1 and global_batch and grad_accum is None:
-                per_step = config.micro_batch * (emulate_world_size or gpus)
+                world = emulate_world_size or gpus
+                if world % config.model_parallel:
+                    raise PlannerError("mesh", f"tp x cp = {config.model_parallel} does not divide gpus={world}")
+                # the global batch splits over the data-parallel ranks only (a TP / CP group shares its sequences)
+                per_step = config.micro_batch * (world // config.model_parallel)
                 if global_batch % per_step:
-                    raise PlannerError("global_batch", f"{global_batch} is not a multiple of micro_batch x gpus = {per_step}")
+                    dp = "gpus" if config.model_parallel == 1 else "data-parallel ranks"
+                    raise PlannerError("global_batch", f"{global_batch} is not a multiple of micro_batch x {dp} = {per_step}")
                 config = dataclasses.replace(config, grad_accum=global_batch // per_step)
         request = CalibrationRequest(
             out_dir=out, gpus=gpus, model=model, factory=factory, device=device, gpu=gpu, gpus_per_node=gpus_per_node,

@@ -142,3 +142,54 @@ def test_runs_that_cannot_separate_the_coefficients_are_flagged():
     assert any("independent combination(s) of the 3 unknowns" in n for n in fit.notes)
     assert fit.step_error_after < 0.01  # still matches what it saw
     assert not any("independent" in n for n in fit_profile([sample(c) for c in CONFIGS], DEFAULT_PROFILE).notes)
+
+
+# --- the mesh's rates (issue 17 item 6) ----------------------------------------------------------------------------
+# TP's collectives at a known fraction of the tier's bus bandwidth: runs at tp 1, 2, 4 and 8 (each with its FSDP
+# collectives over the data-parallel ranks left) on one 8-GPU node, two micro-batches each.
+TP_TRUE = dataclasses.replace(TRUE, tp_comm_efficiency=0.6)
+TP_CONFIGS = [FsdpConfig(sharding="FULL_SHARD", micro_batch=mb, tp=tp) for tp in (1, 2, 4, 8) for mb in (1, 2)]
+
+
+def test_runs_at_several_tp_degrees_identify_the_tp_collective_rate():
+    runs = [sample(c, TP_TRUE) for c in TP_CONFIGS]
+    t = step_time(runs[-1], TP_TRUE)  # tp 8: TP's collectives are a large share of the step
+    assert t.tp_exposed_comm_s > 0.1 * runs[-1].step_s
+    fit = fit_profile(runs, DEFAULT_PROFILE)
+    assert "tp_comm_efficiency" in fit.identified, (fit.identified, fit.not_identified, fit.notes)
+    assert fit.profile.tp_comm_efficiency == pytest.approx(0.6, rel=0.05)
+    assert fit.profile.intra_node_comm_efficiency == pytest.approx(0.4, rel=0.05)
+    assert fit.profile.compute_efficiency["bf16"] == pytest.approx(0.45, rel=0.05)
+    assert fit.step_error_after < 0.01
+    # the EP rate had no run to inform it: not fitted, at its default
+    assert "ep_comm_efficiency" not in fit.fitted and fit.profile.ep_comm_efficiency == 1.0
+
+
+def test_the_tp_rate_stays_at_its_default_unless_runs_identify_it():
+    # no TP run: not an unknown at all
+    assert "tp_comm_efficiency" not in fit_profile([sample(c) for c in CONFIGS], DEFAULT_PROFILE).fitted
+    # emulated TP runs made no real collective (their step is priced without communication)
+    emulated = fit_profile([sample(c, TP_TRUE, emulated=True) for c in TP_CONFIGS], DEFAULT_PROFILE)
+    assert "tp_comm_efficiency" not in emulated.fitted and emulated.profile.tp_comm_efficiency == 1.0
+    # one TP run beside one data-parallel run: four unknowns for two runs, the rate not identified -> kept at 1.0
+    two = fit_profile([sample(TP_CONFIGS[0], TP_TRUE), sample(TP_CONFIGS[4], TP_TRUE)], DEFAULT_PROFILE)
+    assert two.profile.tp_comm_efficiency == 1.0
+    assert any("kept at their starting values" in n and "tp_comm_efficiency" in n for n in two.notes)
+
+
+def test_ep_runs_make_the_all_to_all_rate_an_unknown_priced_on_the_ep_tier():
+    # the rate divides the all-to-alls' bus bandwidth (cost_models/expert_parallel.ep_tier) and nothing else
+    from calibration.fit import _unknowns
+
+    moe = load_preset("mixtral-8x7b")
+    cluster = ClusterSpec(gpu=dataclasses.replace(GPU, memory_bytes=800 * 2**30), n_gpus=8, gpus_per_node=8,
+                          internode_bytes_per_s=50e9)
+    run = Sample(run_id="ep8", model=moe, cluster=cluster, training=TRAINING, step_s=1.0,
+                 config=FsdpConfig(sharding="FULL_SHARD", micro_batch=2, ep=8))
+    full, slow = step_time(run, TRUE), step_time(run, dataclasses.replace(TRUE, ep_comm_efficiency=0.5))
+    assert full.ep_comm_s > 0
+    latency = full.ep_comm_s - (slow.ep_comm_s - full.ep_comm_s)  # the per-hop latency does not scale with it
+    assert slow.ep_comm_s - latency == pytest.approx(2 * (full.ep_comm_s - latency), rel=1e-9)
+    assert slow.total_comm_s - slow.ep_comm_s == pytest.approx(full.total_comm_s - full.ep_comm_s, rel=1e-12)
+    assert _unknowns([run])[1] == ["ep_comm_efficiency"]
+    assert _unknowns([dataclasses.replace(run, emulated=True)])[1] == []  # an emulated run exchanged nothing

@@ -183,12 +183,49 @@ def test_bad_profile_files_fail_with_the_reason(tmp_path):
     data = json.loads(profile_file().model_dump_json())
     # a profile fitted before the operator-level step time (its compute efficiency meant a fraction of peak)
     path.write_text(json.dumps({**data, "schema_version": 1}))
-    with pytest.raises(store.StoreError, match="schema_version 1; this fsdp-plan reads 2: calibrate again"):
+    with pytest.raises(store.StoreError, match="schema_version 1; this fsdp-plan reads 2 or 3: calibrate again"):
         store.load_profile(path)
     data["coefficients"]["fragmentation"] = "lots"
     path.write_text(json.dumps(data))
     with pytest.raises(store.StoreError, match="coefficients.fragmentation"):
         store.load_profile(path)
+
+
+def test_schema_2_profiles_read_with_the_mesh_rates_at_their_default(tmp_path):
+    # written before the mesh's rates existed: priced at the tier's rate then, so read with 1.0
+    path = tmp_path / "v2.json"
+    data = json.loads(profile_file().model_dump_json())
+    assert data["schema_version"] == 3 and data["coefficients"]["tp_comm_efficiency"] == 1.0
+    for name in ("tp_comm_efficiency", "ep_comm_efficiency"):
+        del data["coefficients"][name]
+    path.write_text(json.dumps({**data, "schema_version": 2}))
+    loaded = store.load_profile(path)
+    assert loaded.tp_comm_efficiency == 1.0 and loaded.ep_comm_efficiency == 1.0
+    assert loaded.microstep_overhead_s == 0.02
+    # a fitted rate survives the round trip in schema 3
+    fitted = dataclasses.replace(DEFAULT_PROFILE, tp_comm_efficiency=0.62, ep_comm_efficiency=0.3)
+    store.write_profile(path, profile_file().model_copy(update={"coefficients": store.Coefficients.of(fitted)}))
+    loaded = store.load_profile(path)
+    assert (loaded.tp_comm_efficiency, loaded.ep_comm_efficiency) == (0.62, 0.3)
+
+
+def test_records_carry_the_mesh_degrees_and_old_records_read_as_data_parallel():
+    from calibration.fit import specs_from_setup
+    from cost_models.specs import FsdpConfig
+    from planner.hardware import get_gpu
+    from planner.models import load_preset
+
+    tp2 = FsdpConfig(sharding="FULL_SHARD", precision="fp32", tp=2).to_dict()
+    assert (tp2["tp"], tp2["cp"], tp2["ep"], tp2["pp"]) == (2, 1, 1, 1)
+    setup = store.RunSetup(model=dataclasses.asdict(load_preset("gpt-125m")), full_n_layers=12,
+                           gpu=store.gpu_spec_dict(get_gpu("a100-80gb")), n_gpus=2, gpus_per_node=2,
+                           internode_bytes_per_s=1e9, training={"seq_len": 64}, config=tp2, fsdp_version=2,
+                           device="cpu", steps=1, warmup=0)
+    # a record written before the mesh: no degrees in its config, which ran data parallelism only
+    old = setup.model_copy(update={"config": {k: v for k, v in tp2.items() if k not in ("tp", "cp", "ep", "pp")}})
+    assert store.run_id(setup) != store.run_id(old)  # the degree is part of what defines a run
+    assert specs_from_setup(setup)[3].tp == 2
+    assert specs_from_setup(old)[3].tp == 1
 
 
 def test_store_does_not_import_torch():
