@@ -210,7 +210,9 @@ def emit_fsdp1(config: FsdpConfig, model_spec: ModelSpec, cluster: ClusterSpec,
 
 def emit_fsdp2(config: FsdpConfig, model_spec: ModelSpec, cluster: ClusterSpec,
                training: TrainingSpec | None = None) -> str:
-    """Python snippet applying FSDP2 fully_shard torchtitan-style: each block, then the root."""
+    """Python snippet applying FSDP2 fully_shard torchtitan-style: each block, then the root; with a mesh, TP
+    before it on the N-D DeviceMesh (planner/emit_mesh.py)."""
+    meshed.refuse_fsdp2(config, model_spec)
     dtypes = _mixed_dtypes(config)
     imports = [
         "import torch",
@@ -275,7 +277,7 @@ def emit_fsdp2(config: FsdpConfig, model_spec: ModelSpec, cluster: ClusterSpec,
                      "[n for n, m in model.named_modules() if type(m).__name__ == BLOCK_CLASS]") + [
         "device_type = \"cuda\" if device is None else torch.device(device).type",
         *mesh_lines,
-        *meshed.fsdp2_tp_lines(config),
+        *meshed.fsdp2_tp_lines(config, model_spec.tied_embeddings),
         "fsdp_kwargs = dict(",
         f"    mesh={dp_mesh},",
         f"    reshard_after_forward={reshard},  # "

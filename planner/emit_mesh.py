@@ -44,6 +44,16 @@ def refuse_mesh(config: FsdpConfig, dialect: str, instead: str) -> None:
 
 # ---------------------------------------------------------------- --emit fsdp2
 
+def refuse_fsdp2(config: FsdpConfig, model_spec: ModelSpec) -> None:
+    """What the snippet's TP plan cannot apply, in one line (calibration/tensor_parallel.py refuses the same)."""
+    if config.pp > 1:
+        raise PlannerError("pp", f"pp={config.pp}: pipeline stages are not emitted yet; use pp 1")
+    if config.tp > 1 and not config.sequence_parallel and model_spec.tied_embeddings:
+        raise PlannerError("sequence_parallel", f"{model_spec.name} ties its embedding to the head: transformers' "
+                                                "plan (a replicated embedding, a column-wise head) cannot share one "
+                                                "weight; plan with sequence parallel (the default)")
+
+
 def fsdp2_imports(config: FsdpConfig) -> list[str]:
     if not uses_mesh(config):
         return []
@@ -184,7 +194,7 @@ def fsdp2_mesh_lines(config: FsdpConfig, cluster: ClusterSpec) -> tuple[list[str
     return lines, "dp_mesh"
 
 
-def fsdp2_tp_lines(config: FsdpConfig) -> list[str]:
+def fsdp2_tp_lines(config: FsdpConfig, tied: bool = False) -> list[str]:
     """Body lines applying TP to every block and the root, before checkpointing (torchtitan's order)."""
     if config.tp == 1:
         return []
@@ -209,6 +219,8 @@ def fsdp2_tp_lines(config: FsdpConfig) -> list[str]:
             "        input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),",
             "})",
         ]
+        if tied:
+            lines.append("model.get_output_embeddings().weight = model.get_input_embeddings().weight  # re-tie")
     else:
         lines.append("parallelize_module(model, tp_mesh, {head: ColwiseParallel(output_layouts=Replicate())})"
                      "  # gathered")

@@ -14,8 +14,9 @@ from planner.cli.options import (CpuRam, FinetuneOpt, Format, FormatOpt, GlobalB
 
 CONFIG_HELP = ("The setup to check, told apart by content: an accelerate config (YAML); FSDP1 "
                "FullyShardedDataParallel kwargs or FSDP2 fully_shard arguments (JSON/YAML); Hugging Face "
-               "TrainingArguments (JSON/YAML with fsdp, fsdp_config); a torchtitan job file (.toml) or its "
-               "--section.option flag list (a text file). Without it: the --sharding/--precision/... flags")
+               "TrainingArguments (JSON/YAML with fsdp, fsdp_config); a torchtitan 0.2 job file (.toml) or a "
+               "flag list (a text file: 0.3's --module/--config, --section.option flags, activation-checkpoint:X). "
+               "Mesh degrees (tp, cp, ep) are read too. Without it: the --sharding/--precision/... flags")
 # None: the file's own sequence length where it says one (torchtitan's training.seq_len), else 2048
 SeqLenOrFile = Annotated[Optional[int], typer.Option(
     "--seq-len", help="Tokens per sequence [default: the file's (torchtitan training.seq_len), else 2048]")]

@@ -251,8 +251,8 @@ def test_fsdp2_mesh_snippet_compiles_with_the_plans_mesh_and_short_lines(config,
     assert f"dp_mesh = {fsdp_mesh}" in code and "    mesh=dp_mesh," in code
 
 
-@pytest.mark.parametrize("sequence_parallel", [True, False])
-def test_fsdp2_tp_snippet_runs_a_training_step_on_a_tiny_llama(fake_group, sequence_parallel):
+@pytest.mark.parametrize("sequence_parallel, tied", [(True, False), (False, False), (True, True)])
+def test_fsdp2_tp_snippet_runs_a_training_step_on_a_tiny_llama(fake_group, sequence_parallel, tied):
     """The emitted TP + FSDP2 code on a tiny transformers Llama, 4 fake ranks (dp_shard 2 x tp 2): the mesh is
     the plan's, the linears are DTensors sharded as the plan says, and a forward and backward run (with
     sequence parallel through the snippet's own forward_backward, loss parallel)."""
@@ -262,7 +262,7 @@ def test_fsdp2_tp_snippet_runs_a_training_step_on_a_tiny_llama(fake_group, seque
     from planner.emit import emit_fsdp2
 
     config = FsdpConfig(tp=2, sequence_parallel=sequence_parallel, ac_every=1)
-    code = emit_fsdp2(config, LLAMA, make_cluster(4))
+    code = emit_fsdp2(config, replace(LLAMA, tied_embeddings=tied), make_cluster(4))
     fake_group(4)
     namespace: dict = {}
     exec(compile(code, "<emitted fsdp2>", "exec"), namespace)
@@ -270,8 +270,9 @@ def test_fsdp2_tp_snippet_runs_a_training_step_on_a_tiny_llama(fake_group, seque
     real_mesh = namespace["init_device_mesh"]
     namespace["init_device_mesh"] = lambda *a, **k: made.setdefault("mesh", real_mesh(*a, **k))
     torch.manual_seed(0)
-    model = namespace["apply_fsdp"](_tiny_hf_llama(), device="cpu")
+    model = namespace["apply_fsdp"](_tiny_hf_llama(tie_word_embeddings=tied), device="cpu")
     mesh = made["mesh"]
+    assert (model.lm_head.weight is model.model.embed_tokens.weight) is tied  # one vocab-sharded weight
     assert tuple(mesh.shape) == (2, 2) and mesh.mesh_dim_names == ("dp_shard", "tp")
     attention = model.model.layers[0]._checkpoint_wrapped_module.self_attn
     q, o = attention.q_proj.weight, attention.o_proj.weight
@@ -369,3 +370,14 @@ def test_launchers_say_the_mesh_is_the_scripts(kind):
     text = emit_artifact(kind, candidate)
     assert ("# the plan's mesh (tp=2, cp=2) is built by the training script (--emit fsdp2 writes it; --emit "
             "torchtitan sets its degrees); this only launches the ranks") in text
+
+
+def test_fsdp2_refuses_transformers_plan_with_tied_embeddings_in_one_line():
+    from planner.emit import emit_fsdp2
+
+    tied = load_preset("llama3.2-1b")
+    assert tied.tied_embeddings
+    with pytest.raises(PlannerError, match="ties its embedding to the head") as err:
+        emit_fsdp2(FsdpConfig(tp=2, sequence_parallel=False), tied, ONE_NODE)
+    assert err.value.field == "sequence_parallel" and len(str(err.value).splitlines()) == 1
+    emit_fsdp2(FsdpConfig(tp=2), tied, ONE_NODE)  # sequence parallel: embedding and head both split on the vocab
