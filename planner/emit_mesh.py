@@ -250,13 +250,29 @@ def fit_lines(lines: list[str], width: int = MAX_LINE) -> list[str]:
         if line.lstrip().startswith("#"):
             code, comment = "", line.lstrip()[1:].strip()
         elif not sep:
-            out.append(line)
+            out += _split_code(line, width)
             continue
         out += textwrap.wrap(comment, width, initial_indent=indent + "# ", subsequent_indent=indent + "# ",
                              break_long_words=False, break_on_hyphens=False)
         if code:
-            out.append(code)
+            out += _split_code(code, width)
     return out
+
+
+def _split_code(line: str, width: int) -> list[str]:
+    """A code line past `width` broken after its first opening bracket (Python continues inside brackets)."""
+    if len(line) <= width:
+        return [line]
+    indent = line[:len(line) - len(line.lstrip())]
+    at = min((i for i in (line.find("("), line.find("[")) if i >= 0), default=-1)
+    if at < 0 or at + 1 >= len(line.rstrip()):
+        return [line]
+    head, tail = line[:at + 1], indent + "        " + line[at + 1:].lstrip()
+    if len(tail) > width and '"' not in tail and "'" not in tail:  # inside the brackets any space may break
+        cut = tail.rfind(" ", len(indent) + 9, width)
+        if cut > 0:
+            return [head, tail[:cut], indent + "        " + tail[cut + 1:]]
+    return [head, tail]
 
 
 def fsdp2_notes(config: FsdpConfig, model_spec: ModelSpec, cluster: ClusterSpec) -> list[str]:

@@ -381,3 +381,20 @@ def test_fsdp2_refuses_transformers_plan_with_tied_embeddings_in_one_line():
         emit_fsdp2(FsdpConfig(tp=2, sequence_parallel=False), tied, ONE_NODE)
     assert err.value.field == "sequence_parallel" and len(str(err.value).splitlines()) == 1
     emit_fsdp2(FsdpConfig(tp=2), tied, ONE_NODE)  # sequence parallel: embedding and head both split on the vocab
+
+
+@pytest.mark.parametrize("model", ["llama3-8b", "mixtral-8x7b", "deepseek-v3"])
+def test_fsdp2_mesh_snippets_with_every_technique_compile_with_short_lines(model):
+    from planner.emit import emit_fsdp2
+
+    spec = load_preset(model)
+    moe = spec.moe is not None
+    for config in (FsdpConfig(tp=2, ac_every="selective-op", compile=True, float8=True, fp8_all_gather=True,
+                              reshard_after_forward=2),
+                   FsdpConfig(tp=2, cp=2, ep=2 if moe else 1, ac_every=2, offload=True, precision="bf16-pure",
+                              expert_units=moe),
+                   FsdpConfig(sharding="HYBRID_SHARD", cp=2, ep=4 if moe else 1)):
+        code = emit_fsdp2(config, spec, TWO_NODES, TrainingSpec(seq_len=4096))
+        compile(code, f"<fsdp2 {model}>", "exec")
+        assert max(len(line) for line in code.splitlines()) <= 100
+        assert ("# expert parallel (ep " in code) is (config.ep > 1)
