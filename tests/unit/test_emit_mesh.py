@@ -398,3 +398,55 @@ def test_fsdp2_mesh_snippets_with_every_technique_compile_with_short_lines(model
         compile(code, f"<fsdp2 {model}>", "exec")
         assert max(len(line) for line in code.splitlines()) <= 100
         assert ("# expert parallel (ep " in code) is (config.ep > 1)
+
+
+def test_fsdp2_cp_micro_step_feeds_the_real_positions_and_keeps_attention_causal(fake_group):
+    """context_parallel itself has no CPU path (its ring attention dispatches CUDA SDPA kernels only): here it
+    is stood in by what it does to rank 0 of cp = 2, keeping load-balanced chunks 0 and 3 of every buffer. The
+    snippet's micro-step must then give the rotary embedding those tokens' real positions and leave the mask
+    to SDPA's is_causal (an explicit mask, which Hugging Face builds when position_ids jump, ring attention
+    cannot take), with the targets shifted before the split."""
+    import contextlib
+    from unittest import mock
+
+    import torch
+
+    from planner.emit import emit_fsdp2
+
+    code = emit_fsdp2(FsdpConfig(cp=2, precision="fp32"), LLAMA, make_cluster(2))
+    fake_group(2)
+    namespace: dict = {}
+    exec(compile(code, "<emitted fsdp2>", "exec"), namespace)
+    seen: dict = {"sdpa": []}
+
+    @contextlib.contextmanager
+    def rank0_of_cp2(mesh, buffers, buffer_seq_dims):
+        assert mesh.mesh_dim_names == ("cp",) and buffer_seq_dims == [1, 1, 1] and len(buffers) == 3
+        for buffer in buffers:
+            quarter = buffer.shape[1] // 4
+            kept = torch.cat([buffer[:, :quarter], buffer[:, 3 * quarter:]], dim=1).clone()
+            buffer.resize_(kept.shape).copy_(kept)
+        seen["labels"] = buffers[1].clone()
+        yield
+
+    made = {}
+    real_mesh = namespace["init_device_mesh"]
+    namespace.update(context_parallel=rank0_of_cp2,
+                     init_device_mesh=lambda *a, **k: made.setdefault("mesh", real_mesh(*a, **k)))
+    model = namespace["apply_fsdp"](_tiny_hf_llama(), device="cpu")
+    assert made["mesh"].mesh_dim_names == ("dp_shard", "cp") and tuple(made["mesh"].shape) == (1, 2)
+    model.model.rotary_emb.register_forward_hook(
+        lambda m, args, kwargs, out: seen.update(positions=kwargs["position_ids"].clone()), with_kwargs=True)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(*args, **kwargs):
+        seen["sdpa"].append((kwargs.get("attn_mask"), kwargs.get("is_causal")))
+        return sdpa(*args, **kwargs)
+
+    ids = torch.arange(16).repeat(2, 1)
+    with mock.patch("torch.nn.functional.scaled_dot_product_attention", spy):
+        loss = namespace["forward_backward"](model, made["mesh"], ids)
+    assert seen["positions"].tolist() == [[0, 1, 2, 3, 12, 13, 14, 15]] * 2
+    assert seen["labels"].tolist() == [[1, 2, 3, 4, 13, 14, 15, -100]] * 2  # shifted before the split
+    assert seen["sdpa"] == [(None, True)] * 2  # both blocks: no explicit mask, causal
+    assert loss.shape == () and not model.model.rotary_emb._forward_pre_hooks  # the hook is gone again
