@@ -39,6 +39,11 @@ TORCHTITAN_CONFIGS = {
     "deepseek-v3": ("deepseek_v3", "deepseek_v3_671b"),
     "gpt-oss-20b": ("gpt_oss", "gpt_oss_20b"), "gpt-oss-120b": ("gpt_oss", "gpt_oss_120b"),
 }
+# the other way (check without --model): the preset whose weights torchtitan's config function trains
+PRESET_OF_CONFIG = {("llama3", "llama3_8b"): "llama3.1-8b", ("llama3", "llama3_70b"): "llama3.1-70b",
+                    ("llama3", "llama3_405b"): "llama3.1-405b", ("qwen3", "qwen3_32b"): "qwen3-32b",
+                    ("qwen3", "qwen3_30b_a3b"): "qwen3-30b-a3b", ("deepseek_v3", "deepseek_v3_671b"): "deepseek-v3",
+                    ("gpt_oss", "gpt_oss_20b"): "gpt-oss-20b", ("gpt_oss", "gpt_oss_120b"): "gpt-oss-120b"}
 FLOAT8_MODULE = "fsdp_plan_float8"  # the module name the 0.3 Float8 config function is saved under
 
 
@@ -51,6 +56,14 @@ def _version(version: str) -> str:
 def module_and_config(model_spec: ModelSpec | None) -> tuple[str, str] | None:
     """torchtitan 0.3's (--module, --config) for the model, None when torchtitan has no config for it."""
     return TORCHTITAN_CONFIGS.get(model_spec.name) if model_spec is not None else None
+
+
+def preset_of(module: str | None, function: str | None) -> str | None:
+    """The fsdp-plan preset torchtitan 0.3's --module / --config trains (Float8's own function: its base's)."""
+    if function and module == FLOAT8_MODULE:
+        function = function.removesuffix("_float8")
+        module = next((m for (m, f) in PRESET_OF_CONFIG if f == function), None)
+    return PRESET_OF_CONFIG.get((module, (function or "").removesuffix("_float8")))
 
 
 def _refusal(config: FsdpConfig, version: str) -> None:

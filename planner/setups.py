@@ -58,6 +58,7 @@ class UserSetup:
     seq_len: int | None = None              # tokens per sequence, where the setup says (torchtitan's training.seq_len)
     checkpoint_regathers: bool = False      # the recompute all-gathers each checkpointed block again: a reentrant
     #                                         checkpoint around FSDP1 units (HF Trainer's own, use_reentrant: true)
+    model: str | None = None                # the model the setup names (torchtitan 0.3's --module / --config)
     notes: tuple[str, ...] = field(default=())
 
 

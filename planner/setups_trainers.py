@@ -16,6 +16,7 @@ from pathlib import Path
 
 from cost_models.specs import SELECTIVE_OP, FsdpConfig, Precision, Sharding
 
+from .emit_torchtitan import preset_of
 from .errors import PlannerError
 from .setups import UserSetup, _bool, _int, _int_or_none, _strategy, _strip, accelerate_degrees
 
@@ -439,5 +440,5 @@ def from_torchtitan(settings: dict, source: str = "torchtitan") -> UserSetup:
         n_processes=replicas * shard * config.cp * config.tp if shard >= 1 else None,
         n_machines=replicas if hybrid else None,  # HSDP: one replica per machine, so the shard group is a node
         use_cache=False,  # torchtitan's models keep no KV cache in training
-        seq_len=seq_len,
+        seq_len=seq_len, model=preset_of(settings.get("module"), settings.get("config")),
     )

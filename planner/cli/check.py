@@ -48,10 +48,11 @@ def register(app) -> None:
         from planner.setups import UserSetup, read_setup
         from cost_models.specs import FsdpConfig
 
+        setup = read_setup(config) if config is not None else None
+        model = model or (setup.model if setup is not None else None)  # torchtitan 0.3's --module / --config
         if model is None:
             raise PlannerError("model", "missing: pass --model with a preset name or a config.json path")
-        if config is not None:
-            setup = read_setup(config)
+        if setup is not None:
             if activation_checkpointing is not None:
                 from dataclasses import replace
                 setup = replace(setup, config=replace(setup.config, ac_every=activation_checkpointing,

@@ -121,3 +121,20 @@ def test_accelerate_emit_then_check_gives_the_mesh_back(tmp_path):
     r = check(read_setup(path), "llama3-8b", seq_len=8192)
     assert (r.candidate.config.tp, r.candidate.config.cp, r.candidate.config.sequence_parallel) == (2, 2, False)
     assert r.candidate.cluster.n_gpus == 16 and not r.has_errors
+
+
+def test_check_without_model_takes_it_from_torchtitans_config_function(tmp_path, capsys):
+    from planner.cli import main
+
+    path = tmp_path / "overrides.txt"
+    path.write_text(emit_torchtitan(FsdpConfig(tp=2, cp=2, ac_every=1), LLAMA, make_cluster(16, gpus_per_node=8),
+                                    TrainingSpec(seq_len=8192)))
+    assert read_setup(path).model == "llama3.1-8b"  # torchtitan's llama3_8b trains Llama 3.1 8B
+    try:
+        main(["check", str(path), "--format", "json"])
+        code = 0
+    except SystemExit as exc:
+        code = exc.code
+    data = json.loads(capsys.readouterr().out)
+    assert code == 0 and data["model"]["name"] == "llama3.1-8b"
+    assert {k: data["config"][k] for k in ("tp", "cp")} == {"tp": 2, "cp": 2}
