@@ -29,15 +29,16 @@ from .errors import PlannerError
 
 TORCHTITAN_VERSIONS = {"0.3": "torchtitan 0.3 (0.3.0)", "0.2": "torchtitan 0.2 (0.2.0 - 0.2.2)"}
 DEFAULT_VERSION = "0.3"
-# fsdp-plan's presets -> torchtitan 0.3's --module / --config (torchtitan/models/*/config_registry.py)
+# fsdp-plan's presets -> torchtitan 0.3's --module / --config and the flavor that function builds
+# (torchtitan/models/*/config_registry.py)
 TORCHTITAN_CONFIGS = {
-    "llama3-8b": ("llama3", "llama3_8b"), "llama3.1-8b": ("llama3", "llama3_8b"),
-    "llama3-70b": ("llama3", "llama3_70b"), "llama3.1-70b": ("llama3", "llama3_70b"),
-    "llama3.3-70b": ("llama3", "llama3_70b"),
-    "llama3-405b": ("llama3", "llama3_405b"), "llama3.1-405b": ("llama3", "llama3_405b"),
-    "qwen3-32b": ("qwen3", "qwen3_32b"), "qwen3-30b-a3b": ("qwen3", "qwen3_30b_a3b"),
-    "deepseek-v3": ("deepseek_v3", "deepseek_v3_671b"),
-    "gpt-oss-20b": ("gpt_oss", "gpt_oss_20b"), "gpt-oss-120b": ("gpt_oss", "gpt_oss_120b"),
+    "llama3-8b": ("llama3", "llama3_8b", "8B"), "llama3.1-8b": ("llama3", "llama3_8b", "8B"),
+    "llama3-70b": ("llama3", "llama3_70b", "70B"), "llama3.1-70b": ("llama3", "llama3_70b", "70B"),
+    "llama3.3-70b": ("llama3", "llama3_70b", "70B"),
+    "llama3-405b": ("llama3", "llama3_405b", "405B"), "llama3.1-405b": ("llama3", "llama3_405b", "405B"),
+    "qwen3-32b": ("qwen3", "qwen3_32b", "32B"), "qwen3-30b-a3b": ("qwen3", "qwen3_30b_a3b", "30B-A3B"),
+    "deepseek-v3": ("deepseek_v3", "deepseek_v3_671b", "671B"),
+    "gpt-oss-20b": ("gpt_oss", "gpt_oss_20b", "20b"), "gpt-oss-120b": ("gpt_oss", "gpt_oss_120b", "120b"),
 }
 # the other way (check without --model): the preset whose weights torchtitan's config function trains
 PRESET_OF_CONFIG = {("llama3", "llama3_8b"): "llama3.1-8b", ("llama3", "llama3_70b"): "llama3.1-70b",
@@ -55,7 +56,8 @@ def _version(version: str) -> str:
 
 def module_and_config(model_spec: ModelSpec | None) -> tuple[str, str] | None:
     """torchtitan 0.3's (--module, --config) for the model, None when torchtitan has no config for it."""
-    return TORCHTITAN_CONFIGS.get(model_spec.name) if model_spec is not None else None
+    known = TORCHTITAN_CONFIGS.get(model_spec.name) if model_spec is not None else None
+    return known[:2] if known else None
 
 
 def preset_of(module: str | None, function: str | None) -> str | None:
@@ -127,8 +129,8 @@ def _float8(config: FsdpConfig, model_spec: ModelSpec | None, version: str) -> t
             ("quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp", config.fp8_all_gather,
              "one all-reduce of every scale after the optimizer step" if config.fp8_all_gather else ""),
         ], []
-    module, function = module_and_config(model_spec) or ("<module>", "<config>")
-    flavor = function.rpartition("_")[2].upper() if module != "<module>" else "<flavor>"
+    module, function, flavor = TORCHTITAN_CONFIGS.get(getattr(model_spec, "name", None),
+                                                      ("<module>", "<config>", "<flavor>"))
     compiled = "True" if config.compile else "False"
     notes = [
         "Float8 in 0.3 is a model converter of the config function, not a flag: save these lines as "

@@ -100,6 +100,15 @@ SPELLINGS_02 = ["--activation_checkpoint.mode=full", "--model.converters=quantiz
                 "--quantize.linear.float8.no-precompute_float8_dynamic_scale_for_fsdp"]
 
 
+def float8_function_code(text: str) -> str:
+    """The Float8 config function the 0.3 notes write (comment lines indented by two)."""
+    return "\n".join(line[4:] for line in text.splitlines() if line.startswith("#   "))
+
+
+FLOAT8_FUNCTIONS = {"llama3.1-70b": ("llama3_70b_float8", "70B"), "deepseek-v3": ("deepseek_v3_671b_float8", "671B"),
+                    "qwen3-30b-a3b": ("qwen3_30b_a3b_float8", "30B-A3B")}
+
+
 @pytest.fixture(scope="module")
 def parsed():
     why = _torchtitan_03()
@@ -107,8 +116,22 @@ def parsed():
         pytest.skip(why)
     sets = [_as_parsed(flag_lines(_emitted(name))) for name in PLANS]
     sets += [("llama3", "llama3_8b", [flag]) for flag in SPELLINGS_02]
+    sets += [("<float8 config function>", float8_function_code(emit_torchtitan(
+        FsdpConfig(float8=True, compile=True), load_preset(model), ONE_NODE)), [function])
+             for model, (function, _) in FLOAT8_FUNCTIONS.items()]
     results = parse_with_torchtitan(sets)
-    return dict(zip(PLANS, results[:len(PLANS)])), results[len(PLANS):]
+    n, m = len(PLANS), len(SPELLINGS_02)
+    return dict(zip(PLANS, results[:n])), results[n:n + m], dict(zip(FLOAT8_FUNCTIONS, results[n + m:]))
+
+
+@pytest.mark.parametrize("model", FLOAT8_FUNCTIONS)
+def test_torchtitan_03_float8_config_function_runs_in_torchtitan(parsed, model):
+    """The function builds torchtitan's own flavor of the model, with a Float8LinearConverter config that keeps
+    the head in bf16 (its build() is left out: it needs torchao and an FP8 GPU)."""
+    got = parsed[2][model]
+    assert got["flavor"] == FLOAT8_FUNCTIONS[model][1]
+    assert (got["converter"], got["filter_fqns"], got["model_compile_enabled"]) == (
+        "Float8LinearConverter.Config", ["lm_head"], True)
 
 
 @pytest.mark.parametrize("name", PLANS)
@@ -134,7 +157,7 @@ def test_torchtitan_03_float8_config_function_is_torchtitans_form():
     import ast
 
     text = _emitted("compile-float8")
-    code = "\n".join(line[4:] for line in text.splitlines() if line.startswith("#   "))
+    code = float8_function_code(text)
     tree = ast.parse(code)
     assert [n.name for n in tree.body if isinstance(n, ast.FunctionDef)] == ["llama3_8b_float8"]
     assert 'filter_fqns=["lm_head"], model_compile_enabled=True' in code

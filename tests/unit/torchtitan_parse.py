@@ -57,12 +57,39 @@ def resolved(c) -> dict:
     }
 
 
+FLOAT8_FUNCTION = "<float8 config function>"  # an entry [FLOAT8_FUNCTION, its code, [its name]]
+
+
+def float8_function(code: str, name: str) -> dict:
+    """Run the Float8 config function --emit torchtitan writes, with its module's model_registry building the
+    flavor without converters (Float8LinearConverter.build needs torchao and an FP8 GPU): the flavor must be one
+    torchtitan knows, the converter configs must construct."""
+    namespace: dict = {}
+    exec(compile(code, "<float8 config function>", "exec"), namespace)
+    real = namespace["model_registry"]
+    seen = {}
+
+    def model_registry(flavor, converters=None, **kwargs):
+        seen["converters"] = converters
+        return real(flavor, **kwargs)
+
+    namespace["model_registry"] = model_registry
+    config = namespace[name]()
+    converter = seen["converters"][0]
+    return {"model": config.model_spec.name, "flavor": config.model_spec.flavor,
+            "converter": type(converter).__qualname__, "filter_fqns": list(converter.filter_fqns),
+            "model_compile_enabled": converter.model_compile_enabled}
+
+
 def main() -> None:
     _stand_in_for_triton_kernels()
     from torchtitan.config import ConfigManager
 
     out = []
     for module, config, args in json.load(sys.stdin):
+        if module == FLOAT8_FUNCTION:
+            out.append(float8_function(config, args[0]))
+            continue
         text = io.StringIO()
         try:
             with contextlib.redirect_stdout(text), contextlib.redirect_stderr(text):
