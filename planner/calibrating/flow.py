@@ -34,12 +34,18 @@ STARTUP_GUESS_S = 20.0       # torchrun + import torch + build, before the first
 CP_NEEDS_CUDA = ("context parallelism's ring attention has no CPU path (torch's context_parallel dispatches only "
                  "CUDA SDPA kernels): calibrate cp > 1 on CUDA GPUs, or use --cp 1 with --device cpu")
 
+# calibration.apply runs TP's collectives as DTensor issues them; torchtitan's async TP (inductor's micro-pipelined
+# all-gather / reduce-scatter matmuls on symmetric memory, CUDA only) is not applied, so a run could not be what
+# the plan priced
+ASYNC_TP_NOT_APPLIED = ("async TP is not applied by the calibration runner (inductor's micro-pipelined TP on "
+                        "symmetric memory, CUDA only): calibrate tp without async TP")
+
 
 def _space(request: CalibrationRequest, spec: ModelSpec) -> SearchSpace:
     precisions = request.precisions or (["fp32"] if request.device == "cpu" else None)
     # The mesh as the plan command searches it: the runner applies TP and EP (calibration.apply, gloo on a CPU)
     # and CP on CUDA, so a run measures exactly the configuration it is fitted as. FSDP1 composes with no mesh.
-    kwargs: dict = {}
+    kwargs: dict = {"async_tp": (False,)}  # ASYNC_TP_NOT_APPLIED
     if request.fsdp_version == 1:
         kwargs.update(tp=1, cp=1, ep=1)
     elif request.device == "cpu":
@@ -70,6 +76,8 @@ def candidates(request: CalibrationRequest, target: Target, cluster: ClusterSpec
 def _check_runnable(request: CalibrationRequest, config: FsdpConfig) -> None:
     if config.cp > 1 and request.device == "cpu":
         raise PlannerError("cp", CP_NEEDS_CUDA)
+    if config.async_tp:
+        raise PlannerError("async_tp", ASYNC_TP_NOT_APPLIED)
     if request.fsdp_version == 1 and config.model_parallel * config.ep > 1:
         raise PlannerError("fsdp_version", "FSDP1 composes with no device mesh: tp / cp / ep need --fsdp-version 2")
 

@@ -30,6 +30,7 @@ def test_planned_candidates_may_take_tp_and_ep_and_cp_only_where_cuda_runs_it():
     spec = load_preset("llama2-7b")
     cpu = _space(CalibrationRequest(out_dir="x", gpus=2, model="llama2-7b", device="cpu"), spec)
     assert (cpu.tp, cpu.ep, cpu.cp) == (None, None, 1)  # None: searched
+    assert cpu.async_tp == (False,)  # the runner does not apply async TP
     cuda = _space(CalibrationRequest(out_dir="x", gpus=8, model="llama2-7b"), spec)
     assert (cuda.tp, cuda.ep, cuda.cp) == (None, None, None)
     fsdp1 = _space(CalibrationRequest(out_dir="x", gpus=8, model="llama2-7b", fsdp_version=1), spec)
@@ -51,3 +52,13 @@ def test_what_the_runner_cannot_apply_is_one_line_before_anything_runs(tmp_path,
                         "--out", str(out)], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and r.stderr.strip() == line, r.stderr
     assert not (out / "results.jsonl").exists() and not (out / "host.json").exists()
+
+
+def test_a_given_async_tp_config_is_refused_in_one_line(tmp_path):
+    from planner.calibrating import calibrate
+    from planner.errors import PlannerError
+
+    config = FsdpConfig(sharding="FULL_SHARD", tp=2, compile=True, async_tp=True)
+    with pytest.raises(PlannerError, match=r"^async_tp: async TP is not applied by the calibration runner"):
+        calibrate(CalibrationRequest(out_dir=str(tmp_path / "never"), gpus=8, model="llama2-7b", config=config))
+    assert not (tmp_path / "never").exists()
