@@ -8,10 +8,12 @@ What runs is what the plan emits, on no GPU and no real memory:
   calibration.apply.make_mesh, *outside* FakeTensorMode (inside it, mesh creation fails);
 - the model built inside FakeTensorMode by calibration.build.build_model: transformers' from_config (no
   weights) when there is a Hugging Face config, else the project's reference Llama;
-- with tp > 1 the N-D mesh [dp_replicate, dp_shard, cp, tp] and the model's TP plan applied by
+- with tp or cp > 1 the N-D mesh [dp_replicate, dp_shard, cp, tp]: the model's TP plan applied by
   parallelize_module before anything else (calibration/tensor_parallel.py; loss parallel around the step
-  with sequence parallel), FSDP on the dp_shard x cp sub-mesh; context and expert parallelism are not
-  traced (TraceUnsupported);
+  with sequence parallel); with cp, the step inside torch's context_parallel (the token ids sharded over
+  the sequence, load-balanced) with its ring attention reaching the CPU SDPA kernel
+  (calibration/context_parallel.py); with ep, the experts over the ep group (calibration/expert_parallel.py);
+  FSDP on the dp_shard x cp sub-mesh;
 - the precision's storage dtype (bf16-pure builds in bf16, as cast_for_precision would cast), then
   apply_fsdp2 (checkpoint every K-th block, fully_shard each block, then the root; a 2-D (replicate,
   shard) mesh for HYBRID with the shard group inside a node);
@@ -386,7 +388,8 @@ def _trace(spec, config, training, n_gpus, gpus_per_node, seq_len, hf_config, st
             opt = make_optimizer(model.parameters(), training.optimizer)
             ids = torch.randint(0, spec.vocab_size, (config.micro_batch, seq_len))
             try:
-                phases = measure_training_steps(model, opt, ids, config, vocab_size=spec.vocab_size, is_hf=is_hf)
+                phases = measure_training_steps(model, opt, ids, config, vocab_size=spec.vocab_size, is_hf=is_hf,
+                                                mesh=mesh)
             except Exception as exc:  # noqa: BLE001
                 raise _untraceable(f"the training step of {spec.name}", exc) from exc
     if attention != config.attention.value:
@@ -404,7 +407,7 @@ def _trace(spec, config, training, n_gpus, gpus_per_node, seq_len, hf_config, st
 
 
 def measure_training_steps(model: nn.Module, optimizer: torch.optim.Optimizer, ids: torch.Tensor, config: FsdpConfig,
-                           *, vocab_size: int, is_hf: bool) -> dict[str, MemorySnapshot]:
+                           *, vocab_size: int, is_hf: bool, mesh=None) -> dict[str, MemorySnapshot]:
     """Two training steps of an FSDP2-wrapped `model` on `ids` (labels = ids) under calibration.memtrack:
     the second step's "forward_backward" window (min(grad_accum, 2) micro-steps) and its "optimizer_step"
     window, the latter with the for-loop step's temporaries replaced by the foreach step's (see the module
@@ -413,11 +416,42 @@ def measure_training_steps(model: nn.Module, optimizer: torch.optim.Optimizer, i
     Tensors whose last dimension is the vocabulary (a TP rank's vocab / tp with loss parallel) count as
     logits_and_loss, unless it equals the sequence length. With tensor parallelism the step runs inside
     loss_parallel() when the config has sequence parallel (calibration/tensor_parallel.loss_context)."""
+    from contextlib import ExitStack
+
     from .tensor_parallel import local_vocab_size, loss_context
 
     vocab_size = local_vocab_size(vocab_size, config.tp, config.sequence_parallel)  # a TP rank's logits
-    tracker = MemoryTracker(model, optimizer, vocab_size=vocab_size if vocab_size != ids.shape[-1] else None)
-    tracker.track_inputs(ids)
+    seq_len = ids.shape[-1]
+    with ExitStack() as cp:
+        _shard_context_parallel_inputs(cp, ids, config, mesh)
+        tracker = MemoryTracker(model, optimizer, vocab_size=vocab_size if vocab_size != seq_len else None)
+        tracker.track_inputs(ids)
+        return _measured_steps(model, optimizer, ids, config, tracker, is_hf)
+
+
+def _shard_context_parallel_inputs(stack, ids: torch.Tensor, config: FsdpConfig, mesh) -> None:
+    """With cp > 1: enter torch's context_parallel on the mesh's "cp" dim for the whole measurement, the token
+    ids sharded in place over the sequence with its load balancing (rank r holds chunks r and 2cp-1-r), and
+    ring attention reaching the CPU SDPA kernel (calibration/context_parallel.py). No position ids are
+    passed: the load-balanced position ids a numerically faithful run passes are not increasing, and
+    on real tensors transformers takes them for packed sequences and builds an attention mask, which ring
+    attention refuses; without them the model numbers its s/cp tokens 0.. (other rotary angles, the same
+    tensors and memory)."""
+    if config.cp == 1:
+        return
+    if mesh is None or "cp" not in (mesh.mesh_dim_names or ()):
+        raise TraceError(f"cp={config.cp} needs the N-D mesh with a 'cp' dim (calibration.apply.make_mesh)")
+    from torch.distributed.tensor.experimental import context_parallel
+
+    from .context_parallel import cpu_ring_attention
+
+    stack.enter_context(context_parallel(mesh["cp"], buffers=[ids], buffer_seq_dims=[1], no_restore_buffers={ids}))
+    stack.enter_context(cpu_ring_attention())
+
+
+def _measured_steps(model, optimizer, ids, config, tracker, is_hf) -> dict[str, MemorySnapshot]:
+    from .tensor_parallel import loss_context
+
     phases = {}
     with tracker:
         for step in range(2):
@@ -516,10 +550,10 @@ def _dtensors_under_fake_mode():
 
 def _check_mesh(spec: ModelSpec, config: FsdpConfig, n_gpus: int) -> None:
     """The mesh the trace runs: tensor parallel (calibration/tensor_parallel.py) on dense models, expert
-    parallelism (calibration/expert_parallel.py) on MoE models with tp = 1; context parallelism is not traced."""
-    if config.cp > 1:
-        raise TraceUnsupported("the trace tier does not run context parallelism: torch's ring attention has no "
-                               "CPU path (pitfalls.md); use the analytic estimate")
+    parallelism (calibration/expert_parallel.py) on MoE models with tp = 1, context parallelism
+    (calibration/context_parallel.py) with SDPA."""
+    if config.cp > 1 and config.attention.value != "sdpa":
+        raise TraceUnsupported("context parallelism runs ring attention in place of SDPA: trace it with sdpa")
     if config.ep > 1 and (config.tp > 1 or spec.moe is None):  # EP: calibration/expert_parallel.py (tp = 1)
         raise TraceUnsupported("the trace tier runs expert parallelism on mixture-of-experts models with tp = 1 "
                                "(transformers' AllToAllEP); use the analytic estimate")

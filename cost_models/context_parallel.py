@@ -136,3 +136,14 @@ def ring_working_bytes_per_token(model: ModelSpec, cp: int, c: int) -> int:
     forward_merge = 16 * q
     backward_accumulators = 4 * q + 3 * 4 * kv
     return in_flight + max(forward_merge, backward_accumulators)
+
+
+def ring_saved_bytes_per_token(model: ModelSpec, cp: int, c: int) -> int:
+    """Bytes per token a (not checkpointed) block saves for backward beyond plain SDPA's under ring attention:
+    the merged output (_SDPAMerger's result, cast back to c) is contiguous in (batch, heads, seq, head_dim), so
+    the o-projection's (batch, seq, q_dim) input is a copy and both are saved - plain SDPA's output is laid out
+    (batch, seq, heads, head_dim) and the o-projection reads a view of it. c x q_dim. Measured with the trace
+    tier (calibration/context_parallel.py runs torch's ring on the CPU kernel; equal to a real gloo run to the
+    byte): tiny Llama, 2 blocks, 2 x 512 tokens, cp 2: +262,144 bytes = 2 x 2 x 256 x 128 x 2. model: a TP
+    rank's."""
+    return c * model.q_dim if cp > 1 else 0

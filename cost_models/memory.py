@@ -192,6 +192,8 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
     if tensor_parallel.sequence_parallel(config) and traced is None:  # the residual stream on s / tp tokens
         full, ckpt, root_saved = tensor_parallel.sequence_parallel_saved_bytes(
             model, c, config.tp, full, ckpt, root_saved, lora=bool(lora_rank))
+    if config.cp > 1 and traced is None:  # ring attention's output and the o-projection's copy of it
+        full += context_parallel.ring_saved_bytes_per_token(model, config.cp, c)
     K = 1 if config.selective_op_ac else config.ac_every
     shared = activations.shared_bytes(model, c, training.seq_len)
     if K and traced is not None:  # the blocks' other inputs (masks, rotary tables), kept for the recompute

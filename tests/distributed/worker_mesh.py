@@ -1,4 +1,4 @@
-"""torchrun worker: the trace tier's tensor-parallel FSDP2 training step on real tensors (gloo, CPU).
+"""torchrun worker: the trace tier's tensor- and context-parallel FSDP2 training step on real tensors (gloo, CPU).
 
     torchrun --standalone --nproc_per_node=2 tests/distributed/worker_mesh.py \
         --case '{"hf_config": {...}, "config": {"tp": 2, "precision": "fp32"}, "seq_len": 64}' [--case ...]
@@ -40,16 +40,18 @@ def run_case(case: dict, rank: int, world: int) -> dict:
     classes = block_classes_of(model)
     model.train()
     model.config.use_cache = False
-    apply_fsdp2(model, config, classes, make_mesh(config, world, world, "cpu"))
+    mesh = make_mesh(config, world, world, "cpu")
+    apply_fsdp2(model, config, classes, mesh)
     if not case.get("gloo_reduce_scatter"):  # FSDP2's gradient reduce-scatter without gloo's clone
         for module in model.modules():
             if isinstance(module, FSDPModule):
                 module.set_custom_reduce_scatter(InPlaceReduceScatter())
     optimizer = make_optimizer(model.parameters(), case.get("optimizer", "adamw"))
-    # a TP group sees the same tokens: with dp_shard = 1 every rank takes the same ids
+    # a TP or CP group sees the same tokens: with dp_shard = 1 every rank takes the same ids (CP shards them)
     ids = torch.randint(0, hf_config["vocab_size"], (config.micro_batch, case["seq_len"]),
                         generator=torch.Generator().manual_seed(1))
-    phases = measure_training_steps(model, optimizer, ids, config, vocab_size=hf_config["vocab_size"], is_hf=True)
+    phases = measure_training_steps(model, optimizer, ids, config, vocab_size=hf_config["vocab_size"], is_hf=True,
+                                    mesh=mesh)  # cp > 1: context_parallel on mesh["cp"], ring attention on CPU
     peak = max(phases.values(), key=lambda s: s.peak_allocated_bytes)
     return {"peak_allocated_bytes": peak.peak_allocated_bytes, "peak_phase": peak.peak_phase,
             "phases": {k: v.to_dict() for k, v in phases.items()}}

@@ -1,6 +1,8 @@
 """The trace tier on an N-D mesh: tensor parallelism applied by calibration.apply (torchtitan's order, the TP
-plan of calibration/tensor_parallel.py), traced on fake tensors at the real world size, and the analytic
-memory (cost_models/tensor_parallel.py, read by cost_models/memory.py) against it.
+plan of calibration/tensor_parallel.py) and context parallelism (torch's ring attention reaching the CPU SDPA
+kernel through calibration/context_parallel.py), traced on fake tensors at the real world size, and the
+analytic memory (cost_models/tensor_parallel.py and context_parallel.py, read by cost_models/memory.py)
+against it.
 
 Each trace is a tiny Llama (2 blocks, hidden 128, 8 heads over 4 KV heads, vocabulary 3,000) shared by the
 tests through module-scoped fixtures (about a second each). The tolerance, 0.5%, is the issue's median bar;
@@ -106,10 +108,29 @@ def test_sequence_parallel_shrinks_the_saved_activations(sp, no_sp):
     assert estimated == pytest.approx(traced, rel=0.02)
 
 
+@pytest.fixture(scope="module")
+def cp2():
+    """Context parallel 2 (torch's ring attention on the CPU SDPA kernel, calibration/context_parallel.py),
+    FSDP over dp_shard 4 x cp 2: each rank holds 2 x 256 of the 2 x 512 tokens."""
+    return trace(dict(TINY), 8, micro_batch=MB, seq_len=2 * SEQ, cp=2)
+
+
+def test_context_parallel_trace(cp2, fsdp_only):
+    """A CP rank's memory is that of the same model on s/cp tokens (fsdp_only: 2 x 256 tokens, 8 ranks), plus
+    what the ring keeps: its merged output, contiguous in (b, heads, s, d), so the o-projection saves a copy
+    beside it - one b x s/cp x q_dim tensor per block, 2 x 2 x 256 x 128 x 2 bytes - and the token ids'
+    storage, sharded in place by resize_ (which keeps the full b x s int64 allocation: +2 x 256 x 8)."""
+    assert cp2.traced.shard_group_size == 8  # FSDP over dp_shard x cp
+    assert cp2.traced.breakdown["activations"] - fsdp_only.traced.breakdown["activations"] == 2 * MB * SEQ * 128 * BF16
+    assert cp2.traced.breakdown["other"] - fsdp_only.traced.breakdown["other"] == MB * SEQ * 8
+    assert abs(cp2.relative_error) <= TOLERANCE, cp2.difference()
+
+
 def test_mesh_the_trace_does_not_run():
     spec = _trace(8).candidate.model
-    with pytest.raises(TraceUnsupported, match="context parallelism"):
-        trace_memory(spec, FsdpConfig(cp=2), n_gpus=8, gpus_per_node=8, seq_len=SEQ, hf_config=dict(TINY))
+    with pytest.raises(TraceUnsupported, match="sdpa"):
+        trace_memory(spec, FsdpConfig(cp=2, attention="eager"), n_gpus=8, gpus_per_node=8, seq_len=SEQ,
+                     hf_config=dict(TINY))
     with pytest.raises(TraceUnsupported, match="KV heads"):
         trace_memory(spec, FsdpConfig(tp=8), n_gpus=8, gpus_per_node=8, seq_len=SEQ, hf_config=dict(TINY))
 
