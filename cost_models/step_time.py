@@ -55,7 +55,6 @@ class TimeBreakdown:
     cp_exposed_comm_s: float = 0.0
     # expert parallelism's dispatch and combine all-to-alls (forward, backward, recompute), on the critical path
     ep_comm_s: float = 0.0
-    routing_imbalance: float = 1.0   # the busiest EP rank's routed rows over the mean, as priced
 
     def to_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -344,5 +343,4 @@ def estimate_step_time(model: ModelSpec, cluster: ClusterSpec, training: Trainin
         cp_comm_s=cp_comm,
         cp_exposed_comm_s=cp_exposed,
         ep_comm_s=ep_comm,
-        routing_imbalance=training.routing_imbalance if ep_view is not None else 1.0,
     )

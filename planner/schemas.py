@@ -151,6 +151,8 @@ class TimeBreakdown(_Out):
     cp_comm_s: Seconds = Field(description="s: context parallel's ring exchanges (of total_comm_s), hidden or not")
     cp_exposed_comm_s: Seconds = Field(description="s: context parallel's ring exchanges not hidden behind the "
                                                    "attention (of exposed_comm_s)")
+    ep_comm_s: Seconds = Field(description="s: expert parallel's dispatch and combine all-to-alls (of total_comm_s "
+                                           "and exposed_comm_s: priced exposed)")
 
 
 class Time(_Out):

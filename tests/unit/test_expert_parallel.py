@@ -95,7 +95,8 @@ def test_step_time_prices_four_all_to_alls_per_sparse_block_and_more_with_recomp
 
     skewed = estimate_config(c.model, c.cluster, dataclasses.replace(c.training, routing_imbalance=1.5), c.config)
     assert skewed.time.ep_comm_s == pytest.approx(48 * 4 * comm.all_to_all_s(1.5 * 134_217_728, 8, tier))
-    assert skewed.time.routing_imbalance == 1.5 and skewed.time.step_s > c.time.step_s
+    assert skewed.training.routing_imbalance == 1.5 and skewed.time.step_s > c.time.step_s
+    assert any("1.5x the mean rows" in note for note in skewed.memory.notes)  # stated with the estimate
     assert any("busiest rank receiving 1.5x the mean rows" in n for n in skewed.memory.notes)
 
 
