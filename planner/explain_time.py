@@ -37,7 +37,8 @@ def _mesh_comm(c) -> str:
     parts = [f"{name} {total:.4f} s ({exposed:.4f} s exposed)" for name, on, total, exposed in (
         (f"tensor parallel (tp {cfg.tp}{', async' if cfg.async_tp else ''}"
          f"{'' if cfg.sequence_parallel else ', no sequence parallel'})", cfg.tp > 1, t.tp_comm_s, t.tp_exposed_comm_s),
-        (f"context parallel (cp {cfg.cp} ring)", cfg.cp > 1, t.cp_comm_s, t.cp_exposed_comm_s)) if on]
+        (f"context parallel (cp {cfg.cp} ring)", cfg.cp > 1, t.cp_comm_s, t.cp_exposed_comm_s),
+        (f"expert parallel (ep {cfg.ep} dispatch / combine all-to-alls)", cfg.ep > 1, t.ep_comm_s, t.ep_comm_s)) if on]
     return ("; of it " + ", ".join(parts)) if parts else ""
 
 

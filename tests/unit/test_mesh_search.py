@@ -172,3 +172,12 @@ def test_routing_imbalance_is_settable_and_stated(capsys):
     assert exc.value.code == 2
     assert capsys.readouterr().err.strip() == ("error: routing_imbalance: must be >= 1 (the busiest rank's rows over "
                                                "the mean), got 0.5")
+
+
+def test_explain_names_the_expert_all_to_alls():
+    from planner.explain import explain_text
+
+    c = estimate("mixtral-8x7b", 16, gpu="h100-80gb", ep=8, activation_checkpointing="full")
+    assert c.time.ep_comm_s > 0
+    assert (f"expert parallel (ep 8 dispatch / combine all-to-alls) {c.time.ep_comm_s:.4f} s "
+            f"({c.time.ep_comm_s:.4f} s exposed)") in explain_text(c)
