@@ -196,7 +196,8 @@ def step_context(model: nn.Module, config: FsdpConfig, ids: torch.Tensor):
     """What a micro-step's forward and backward run inside: loss parallel with sequence-parallel TP (the
     cross-entropy on vocab-sharded logits, calibration.tensor_parallel.loss_context), and with cp > 1 torch's
     context_parallel on the mesh's "cp" dim, which shards the ids (the labels: labels = ids) on the sequence in
-    its load-balanced chunks, as torchtitan does around its train step. Positions are each rank's local ones
+    its load-balanced chunks in place, as torchtitan does around its train step, and puts the whole sequence back
+    on exit (the next step reuses the batch). Positions are each rank's local ones
     (the reference model and Hugging Face's derive them from the local length): the same kernels and shapes,
     so the same time and memory; the loss value is not the unsharded one."""
     from calibration.tensor_parallel import loss_context
@@ -209,7 +210,7 @@ def step_context(model: nn.Module, config: FsdpConfig, ids: torch.Tensor):
         from torch.distributed.tensor.experimental import context_parallel
 
         mesh = model._calibration_mesh
-        stack.enter_context(context_parallel(mesh["cp"], buffers=[ids], buffer_seq_dims=[1], no_restore_buffers={ids}))
+        stack.enter_context(context_parallel(mesh["cp"], buffers=[ids], buffer_seq_dims=[1]))
     return stack
 
 

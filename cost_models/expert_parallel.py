@@ -165,14 +165,15 @@ def expert_parallel_ops(ops, model: ModelSpec, ep: int, imbalance: float = 1.0, 
 def ep_tier(view: ExpertParallelView, cluster: ClusterSpec, profile):
     """The network an EP group's all-to-all runs on: ep consecutive ranks (ep innermost in the expert view), the
     fast tier inside the scale-up domain; across nodes every GPU of a node exchanges at once, each with its share
-    of the node's network bandwidth. The all-to-alls run at profile.ep_comm_efficiency of its bus bandwidth (1.0
-    unless calibration fitted it)."""
+    of the node's network bandwidth. The all-to-alls run at profile.ep_comm_efficiency of its alpha-beta rate,
+    bandwidth and latency alike (1.0 unless calibration fitted it)."""
     from .comm import Tier
 
     spans = view.ep > cluster.fast_tier_gpus
     tier = Tier.for_group(cluster, profile, spans_nodes=spans,
                           groups_sharing_nics=min(cluster.gpus_per_node, view.ep) if spans else 1)
-    return replace(tier, bus_bytes_per_s=tier.bus_bytes_per_s * profile.ep_comm_efficiency)
+    return replace(tier, bus_bytes_per_s=tier.bus_bytes_per_s * profile.ep_comm_efficiency,
+                   latency_s=tier.latency_s / profile.ep_comm_efficiency)
 
 
 def all_to_all_seconds(view: ExpertParallelView, cluster: ClusterSpec, profile, tokens: int, c: int) -> float:

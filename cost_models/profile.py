@@ -27,12 +27,13 @@ class Profile:
     # measured NCCL bus bandwidths (1.0); inter-node: 86 of ~100 GB/s measured (hardware.md).
     intra_node_comm_efficiency: float = 1.0
     inter_node_comm_efficiency: float = 0.85
-    # The mesh's collectives, as multipliers on the bus bandwidth of the tier their group spans (1.0: priced at
-    # the rate FSDP's collectives get there). TP's sequence-parallel all-gathers / reduce-scatters (all-reduces
-    # without SP) move activations many times per block, smaller messages than FSDP's parameter gathers, on
-    # DTensor's code path; EP's dispatch / combine all-to-alls exchange with every peer at once. No published
-    # figure sets either apart from the tier's rate: calibration fits each only where runs with tp > 1 (ep > 1)
-    # identify it (calibration/fit.py), else it stays 1.0.
+    # The mesh's collectives, as the fraction of the alpha-beta rate of the tier their group spans that they
+    # reach (bus bandwidth x eff, per-hop latency / eff; 1.0: priced as FSDP's collectives there). TP's
+    # sequence-parallel all-gathers / reduce-scatters (all-reduces without SP) move activations many times per
+    # block, smaller messages than FSDP's parameter gathers, on DTensor's code path (on a GPU bandwidth-bound;
+    # on gloo, latency-bound); EP's dispatch / combine all-to-alls exchange with every peer at once. No
+    # published figure sets either apart from the tier's rate: calibration fits each only where runs with
+    # tp > 1 (ep > 1) identify it (calibration/fit.py), else it stays 1.0.
     tp_comm_efficiency: float = 1.0
     ep_comm_efficiency: float = 1.0
     # Per-hop latency of a ring step (NCCL LL/Simple protocols are a few microseconds per hop).

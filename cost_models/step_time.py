@@ -77,10 +77,12 @@ def _shard_tiers(config: FsdpConfig, cluster: ClusterSpec, profile: Profile):
 def mesh_tiers(config: FsdpConfig, cluster: ClusterSpec, profile: Profile) -> tuple[comm.Tier, comm.Tier]:
     """(TP group tier, CP group tier): a TP group is tp consecutive ranks; a CP group cp ranks tp apart (cp x tp
     consecutive ranks), the tp CP groups of those ranks crossing the network at once when it spans nodes. TP's
-    collectives run at profile.tp_comm_efficiency of the tier's bus bandwidth (1.0 unless calibration fitted it)."""
+    collectives run at profile.tp_comm_efficiency of the tier's alpha-beta rate, bandwidth and per-hop latency
+    alike (1.0 unless calibration fitted it)."""
     tp, cp = config.tp, config.cp
     tp_tier = comm.Tier.for_group(cluster, profile, spans_nodes=tp > cluster.fast_tier_gpus)
-    tp_tier = replace(tp_tier, bus_bytes_per_s=tp_tier.bus_bytes_per_s * profile.tp_comm_efficiency)
+    tp_tier = replace(tp_tier, bus_bytes_per_s=tp_tier.bus_bytes_per_s * profile.tp_comm_efficiency,
+                      latency_s=tp_tier.latency_s / profile.tp_comm_efficiency)
     cp_tier = comm.Tier.for_group(cluster, profile, spans_nodes=cp * tp > cluster.fast_tier_gpus,
                                   groups_sharing_nics=min(tp, cluster.gpus_per_node))
     return tp_tier, cp_tier

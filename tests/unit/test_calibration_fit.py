@@ -155,6 +155,8 @@ def test_runs_at_several_tp_degrees_identify_the_tp_collective_rate():
     runs = [sample(c, TP_TRUE) for c in TP_CONFIGS]
     t = step_time(runs[-1], TP_TRUE)  # tp 8: TP's collectives are a large share of the step
     assert t.tp_exposed_comm_s > 0.1 * runs[-1].step_s
+    # the rate scales TP's alpha-beta time, bandwidth and per-hop latency alike: 0.6 takes 1 / 0.6 of the time
+    assert t.tp_comm_s == pytest.approx(step_time(runs[-1], TRUE).tp_comm_s / 0.6, rel=1e-9)
     fit = fit_profile(runs, DEFAULT_PROFILE)
     assert "tp_comm_efficiency" in fit.identified, (fit.identified, fit.not_identified, fit.notes)
     assert fit.profile.tp_comm_efficiency == pytest.approx(0.6, rel=0.05)
@@ -178,7 +180,7 @@ def test_the_tp_rate_stays_at_its_default_unless_runs_identify_it():
 
 
 def test_ep_runs_make_the_all_to_all_rate_an_unknown_priced_on_the_ep_tier():
-    # the rate divides the all-to-alls' bus bandwidth (cost_models/expert_parallel.ep_tier) and nothing else
+    # the rate scales the all-to-alls' alpha-beta time (cost_models/expert_parallel.ep_tier) and nothing else
     from calibration.fit import _unknowns
 
     moe = load_preset("mixtral-8x7b")
@@ -188,8 +190,7 @@ def test_ep_runs_make_the_all_to_all_rate_an_unknown_priced_on_the_ep_tier():
                  config=FsdpConfig(sharding="FULL_SHARD", micro_batch=2, ep=8))
     full, slow = step_time(run, TRUE), step_time(run, dataclasses.replace(TRUE, ep_comm_efficiency=0.5))
     assert full.ep_comm_s > 0
-    latency = full.ep_comm_s - (slow.ep_comm_s - full.ep_comm_s)  # the per-hop latency does not scale with it
-    assert slow.ep_comm_s - latency == pytest.approx(2 * (full.ep_comm_s - latency), rel=1e-9)
+    assert slow.ep_comm_s == pytest.approx(2 * full.ep_comm_s, rel=1e-9)  # bandwidth and per-hop latency alike
     assert slow.total_comm_s - slow.ep_comm_s == pytest.approx(full.total_comm_s - full.ep_comm_s, rel=1e-12)
     assert _unknowns([run])[1] == ["ep_comm_efficiency"]
     assert _unknowns([dataclasses.replace(run, emulated=True)])[1] == []  # an emulated run exchanged nothing
