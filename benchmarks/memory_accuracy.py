@@ -228,8 +228,31 @@ def tp_grid() -> list[dict]:
             for arch, tp, sp, sharding, precision, ac, attention, mb, seq, gpus, per_node in settings]
 
 
+def cp_grid() -> list[dict]:
+    """Context-parallel rows of the mesh grid: cp 2-8 (torch's ring attention, load-balanced, reaching the CPU
+    SDPA kernel through calibration/context_parallel.py), with and without checkpointing, alone and with tp 2
+    (SP on and off), 8-128 GPUs. SDPA only: the ring replaces it."""
+    # (arch, cp, tp, sequence parallel, sharding, precision, checkpointing, micro-batch, seq, gpus, per node)
+    settings = [
+        ("llama2-mha", 2, 1, True, "FULL_SHARD", "bf16", "none", 2, 2048, 8, 8),
+        ("llama2-mha", 4, 1, True, "FULL_SHARD", "bf16", "full", 1, 4096, 16, 8),
+        ("llama2-mha", 8, 1, True, "FULL_SHARD", "bf16", "every-2", 1, 4096, 64, 8),
+        ("llama2-mha", 2, 2, True, "HYBRID_SHARD", "bf16", "none", 1, 2048, 32, 8),
+        ("llama3-gqa8", 2, 2, True, "FULL_SHARD", "bf16", "full", 1, 2048, 16, 8),
+        ("llama3-gqa8", 4, 2, False, "FULL_SHARD", "bf16", "none", 1, 2048, 64, 8),
+        ("llama3-gqa8", 8, 1, True, "FULL_SHARD", "fp32", "full", 1, 4096, 128, 8),
+        ("llama3-gqa", 2, 1, True, "SHARD_GRAD_OP", "bf16", "none", 2, 2048, 8, 8),
+        ("llama3-gqa", 4, 1, True, "FULL_SHARD", "bf16-pure", "full", 2, 2048, 32, 8),
+        ("qwen2-tp", 2, 2, True, "FULL_SHARD", "bf16", "none", 1, 2048, 8, 8),
+    ]
+    return [dict(arch=arch, cp=cp, tp=tp, sequence_parallel=sp, sharding=sharding, precision=precision,
+                 activation_checkpointing=ac, attention="sdpa", micro_batch=mb, seq_len=seq, gpus=gpus,
+                 gpus_per_node=per_node)
+            for arch, cp, tp, sp, sharding, precision, ac, mb, seq, gpus, per_node in settings]
+
+
 # The mesh grid (--mesh): each parallelism's rows (expert parallelism's ep_grid joins here).
-MESH_ROW_SETS = (tp_grid, ep_grid)
+MESH_ROW_SETS = (tp_grid, cp_grid, ep_grid)
 
 
 def mesh_grid() -> list[dict]:
@@ -390,12 +413,16 @@ def main(argv: list[str] | None = None) -> None:
                         help="also price each configuration from a traced block memory profile (the generic path)")
     parser.add_argument("--lora-rank", type=int, default=16)
     parser.add_argument("--mesh", action="store_true",
-                        help="the mesh grid instead (mesh_grid: tensor-parallel rows, tp 2-8 with and without SP, "
-                             "and expert-parallel rows)")
+                        help="the mesh grid instead (mesh_grid: tensor-parallel rows, tp 2-8 with and without SP; "
+                             "context-parallel rows, cp 2-8; expert-parallel rows)")
+    parser.add_argument("--only", choices=("tp", "cp", "ep"), action="append",
+                        help="with --mesh: only the rows with this degree > 1 (repeatable)")
     parser.add_argument("--expert-units", action="store_true",
                         help="MoE architectures' FULL_SHARD / HYBRID_SHARD rows only, with the experts as FSDP units")
     args = parser.parse_args(argv)
     rows = mesh_grid() if args.mesh else grid(GRIDS[args.families])
+    if args.only:
+        rows = [r for r in rows if any(r.get(k, 1) > 1 for k in args.only)]
     if args.expert_units:
         archs = {**ARCHS, **ARCHS_2026}
         rows = [{**r, "expert_units": True} for r in rows if r["sharding"] in ("FULL_SHARD", "HYBRID_SHARD")

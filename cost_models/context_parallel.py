@@ -33,12 +33,14 @@ head_dim, kv = KV heads x head_dim of a TP rank, c the compute dtype):
   flattened K/V concatenated for the send (2 kv x c);
 - forward, while a step merges: the running fp32 output, the step's output upcast, and the two fp32
   temporaries of out - sigmoid(.) x (out - o_i): 16 q (the step's compute-dtype output is plain SDPA's own);
-- backward: the fp32 dQ (4 q) and dK/dV accumulators, with the fp32 dK/dV being sent and the one arriving
-  (3 x 4 x 2 kv), beside the kernel's compute-dtype gradients that plain SDPA also makes.
+- backward: the fp32 dQ (4 q) and dK/dV accumulators, with the fp32 dK/dV being sent, the one arriving and
+  the step's own in fp32 (zeros_like for a step the causal mask skips, or _partial_update's torch.cat):
+  4 x 4 x 2 kv, beside the kernel's compute-dtype gradients that plain SDPA also makes.
 The larger of the forward and backward sets is charged at the attention's backward moment (under full
-checkpointing the recomputed forward's ring runs at that block's moment too). Assumed, not traced: the ring
-cannot run on this CPU build (pitfalls.md: no CPU SDPA in its dispatcher), so these follow the code, not a
-measurement; the GPU check is tests/gpu (where a GPU is lent).
+checkpointing the recomputed forward's ring runs at that block's moment too). Traced since the ring reaches
+the CPU SDPA kernel (calibration/context_parallel.py; equal to a real gloo run to the byte): the two rows of
+the mesh grid whose peak is a recomputed block's backward (llama2-mha cp 4 full AC, cp 8 every-2) were short
+by 4,108 and 4,132 bytes per token with 3 fp32 dK/dV buffers, -3.7% / -2.2%; with 4, -0.04% / -0.39%.
 
 Ignored: the per-row logsumexp tensors' traffic (heads per token, small beside heads x head_dim), the
 attention kernel's lower rate on chunks of s / cp (s / 2 cp) keys (the kernel is priced at the full s).
@@ -134,7 +136,7 @@ def ring_working_bytes_per_token(model: ModelSpec, cp: int, c: int) -> int:
     q, kv = model.q_dim, 2 * model.kv_dim
     in_flight = cp * kv * c + kv * c
     forward_merge = 16 * q
-    backward_accumulators = 4 * q + 3 * 4 * kv
+    backward_accumulators = 4 * q + 4 * 4 * kv
     return in_flight + max(forward_merge, backward_accumulators)
 
 
