@@ -601,6 +601,8 @@ class FsdpConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise SpecError(name, f"must be an integer >= 1, got {value!r}")
+        if self.ep > 1:  # expert parallelism puts each rank's experts in a unit of their own (on the efsdp mesh)
+            object.__setattr__(self, "expert_units", True)
         if self.tp == 1:  # sequence parallel means nothing without TP: one spelling, so configs compare equal
             object.__setattr__(self, "sequence_parallel", True)
         if self.async_tp and self.tp == 1:
