@@ -190,7 +190,8 @@ def torchtitan_overrides(config: FsdpConfig, cluster: ClusterSpec, seq_len: int,
     reshard = fsdp_options.fully_shard_options(config)["reshard_after_forward"]
     flags = [
         ("parallelism.data_parallel_replicate_degree", replicas, "HSDP: replicas across nodes" if replicas > 1 and
-         shard > 1 else "DDP: every rank a replica" if shard == 1 and replicas > 1 and config.cp == 1 else ""),
+         shard > 1 else ("DDP: every rank a replica" if config.tp == 1 else "DDP: every TP group a replica")
+         if shard == 1 and replicas > 1 and config.cp == 1 else ""),
         ("parallelism.data_parallel_shard_degree", shard, "the shard group" + (
             " (FSDP shards over dp_shard x cp)" if config.cp > 1 else "")),
         ("parallelism.fsdp_reshard_after_forward", "default" if reshard else "never", RESHARD_NOTE[reshard]),

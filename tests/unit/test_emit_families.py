@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import re
 
@@ -23,7 +24,9 @@ def test_lightning_snippet_imports_the_block_class(preset):
 
     p = plan(load_preset(preset), 64, gpu="h100-80gb", seq_len=1024)  # a spec: no block profile to trace
     best = p.best or p.misses[0]
-    code = emit_lightning(best.config, p.model, p.cluster)
+    # Lightning's FSDPStrategy holds no mesh (a TP / CP / EP pick is refused in one line): its FSDP knobs alone
+    config = dataclasses.replace(best.config, tp=1, cp=1, ep=1, async_tp=False, sequence_parallel=True)
+    code = emit_lightning(config, p.model, p.cluster)
     module_path = re.search(r"from (transformers\.models\.\w+) import (modeling_\w+) as modeling", code)
     assert module_path, code
     module = importlib.import_module(f"{module_path[1]}.{module_path[2]}")
