@@ -308,9 +308,9 @@ def accelerate_mesh(config: FsdpConfig, cluster: ClusterSpec, dialect: str) -> M
         raise PlannerError(field, f"{dialect} has no {what} parallelism (accelerate's ParallelismConfig: "
                                   "dp_replicate, dp_shard, tp, cp); use --emit torchtitan or fsdp2")
     if config.tp > 1 and config.sequence_parallel:
-        raise PlannerError("sequence_parallel", f"{dialect} runs TP as transformers' tp_plan, without sequence "
-                                                "parallel (the plan's); plan with --no-sequence-parallel, or use "
-                                                "--emit torchtitan or fsdp2")
+        raise PlannerError("sequence_parallel", f"{dialect} runs TP as transformers' tp_plan, which has no "
+                                                "sequence parallel (the plan has it); plan with "
+                                                "--no-sequence-parallel, or use --emit torchtitan or fsdp2")
     mesh = mesh_of(config, cluster)
     if mesh.dp_shard == 1 and mesh.cp == 1:
         raise PlannerError("tp", f"{dialect} cannot hold the plan's mesh {mesh.describe()}: accelerate's FSDP2 "

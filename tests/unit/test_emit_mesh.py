@@ -363,7 +363,7 @@ CANNOT = [
     ("accelerate-fsdp2", FsdpConfig(ep=2), "ep", "accelerate has no expert parallelism"),
     ("hf-trainer", FsdpConfig(ep=2), "ep", "HF Trainer has no expert parallelism"),
     ("accelerate-fsdp2", FsdpConfig(tp=2), "sequence_parallel",
-     "accelerate runs TP as transformers' tp_plan, without sequence parallel"),
+     "accelerate runs TP as transformers' tp_plan, which has no sequence parallel (the plan has it)"),
     ("hf-trainer", FsdpConfig(tp=2), "sequence_parallel", "plan with --no-sequence-parallel"),
     ("accelerate-fsdp2", FsdpConfig(tp=8, sequence_parallel=False), "tp",
      "accelerate cannot hold the plan's mesh FSDP 1 x TP 8: accelerate's FSDP2 needs dp_shard or cp > 1"),
