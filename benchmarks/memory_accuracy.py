@@ -192,7 +192,8 @@ TP_ARCHS: dict[str, dict] = {
 def tp_grid() -> list[dict]:
     """Tensor-parallel rows of the mesh grid: tp 2-8, with sequence parallel + loss parallel (torchtitan) and
     without (transformers' tp_plan: the head's logits gathered), with and without checkpointing, 8-256 GPUs,
-    Llama 2 / Llama 3 shapes, Qwen2 (q/k/v biases) and Starcoder2 (LayerNorm, biases, plain MLP, tied)."""
+    Llama 2 / Llama 3 shapes, Qwen2 (q/k/v biases), Qwen3 (q/k norms over head_dim, transformers'
+    "replicated_with_grad_allreduce") and Starcoder2 (LayerNorm, biases, plain MLP, tied)."""
     # (arch, tp, sequence parallel, sharding, precision, checkpointing, attention, micro-batch, seq, gpus, per node)
     settings = [
         ("llama2-mha", 2, True, "FULL_SHARD", "bf16", "none", "sdpa", 2, 1024, 8, 8),
@@ -218,6 +219,9 @@ def tp_grid() -> list[dict]:
         ("qwen2-tp", 2, True, "FULL_SHARD", "bf16", "full", "sdpa", 2, 2048, 8, 8),
         ("qwen2-tp", 4, False, "FULL_SHARD", "bf16", "none", "sdpa", 1, 2048, 32, 8),
         ("qwen2-tp", 4, True, "FULL_SHARD", "bf16", "none", "sdpa", 4, 1024, 64, 8),
+        ("qwen3", 2, True, "FULL_SHARD", "bf16", "full", "sdpa", 2, 2048, 8, 8),
+        ("qwen3", 2, False, "FULL_SHARD", "bf16", "none", "sdpa", 1, 2048, 32, 8),
+        ("qwen3", 2, True, "HYBRID_SHARD", "bf16", "none", "sdpa", 4, 1024, 64, 8),
         ("starcoder2", 2, True, "FULL_SHARD", "bf16", "none", "sdpa", 2, 1024, 8, 8),
         ("starcoder2-untied", 4, False, "FULL_SHARD", "bf16", "full", "sdpa", 2, 2048, 16, 8),
         ("starcoder2-untied", 4, True, "HYBRID_SHARD", "bf16", "every-2", "sdpa", 2, 1024, 32, 8),

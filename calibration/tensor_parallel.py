@@ -21,12 +21,15 @@ Two ways to run it (FsdpConfig.sequence_parallel):
   replicated between blocks, norms on every token, the embedding replicated) and the head column-wise with
   its logits all-gathered to the full vocabulary ("colwise_gather_output").
 
+Qwen3's and Gemma 3's q/k norms ("replicated_with_grad_allreduce": a norm over head_dim on each rank's heads)
+run as HeadShardedReplicate: Replicate weights, a Shard(-2) (heads) DTensor input, so that DTensor reduces their
+gradients over tp.
+
 Tied embeddings (sequence parallel only): the embedding's and the head's DTensor weights are both Shard(0)
 over the vocabulary, and are tied again after parallelize_module.
 
 Limits (ValueError, which the trace reports as unsupported): plan styles other than colwise / rowwise (the
-mixture-of-experts styles belong to expert parallelism; Qwen3's and Gemma 3's
-"replicated_with_grad_allreduce" q/k norms, whose gradients need an all-reduce over tp), KV heads that tp does not divide (transformers and
+mixture-of-experts styles belong to expert parallelism), KV heads that tp does not divide (transformers and
 torchtitan both need kv_heads % tp == 0 for a column-wise k/v), tied embeddings without sequence
 parallelism (a replicated embedding and a column-wise head cannot share one weight).
 """
@@ -46,7 +49,7 @@ LLAMA_STYLE_PLAN = {
     "self_attn.o_proj": "rowwise",
     "mlp.gate_proj": "colwise", "mlp.up_proj": "colwise", "mlp.down_proj": "rowwise",
 }
-SUPPORTED_STYLES = ("colwise", "rowwise")
+SUPPORTED_STYLES = ("colwise", "rowwise", "replicated_with_grad_allreduce")
 
 
 def block_plan(model: nn.Module) -> dict[str, str]:
@@ -66,6 +69,38 @@ def block_plan(model: nn.Module) -> dict[str, str]:
                              f"colwise / rowwise only: {', '.join(SUPPORTED_STYLES)})")
         plan[rest] = style
     return plan
+
+
+def _head_sharded_replicate():
+    """transformers' "replicated_with_grad_allreduce" as a DTensor style: the module's parameters Replicate over
+    tp, its input - a rank's heads, (b, s, heads / tp, head_dim) - a Shard(-2) DTensor, its output local
+    again. DTensor then reduces the weight's gradient over the heads of every rank (Partial -> Replicate), the
+    all-reduce the transformers name asks for, and the activations are the plain module's."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
+    from torch.distributed.tensor.parallel.style import ParallelStyle
+
+    class HeadShardedReplicateStyle(ParallelStyle):
+        def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+            def partition(name, mod, mesh):
+                for key, param in list(mod.named_parameters(recurse=False)):
+                    mod.register_parameter(key, nn.Parameter(distribute_tensor(param, mesh, [Replicate()]),
+                                                             requires_grad=param.requires_grad))
+
+            def inputs(mod, args, mesh):
+                first = args[0] if isinstance(args[0], DTensor) else DTensor.from_local(args[0], mesh, [Shard(-2)],
+                                                                                         run_check=False)
+                return (first, *args[1:])
+
+            def outputs(mod, out, mesh):
+                return out.to_local() if isinstance(out, DTensor) else out
+
+            return distribute_module(module, device_mesh, partition, inputs, outputs)
+
+    return HeadShardedReplicateStyle
+
+
+def HeadShardedReplicate():  # noqa: N802 - reads like the ParallelStyle classes it sits among
+    return _head_sharded_replicate()()
 
 
 def _is_norm(module: nn.Module) -> bool:
@@ -107,7 +142,9 @@ def block_styles(block: nn.Module, plan: dict[str, str], sequence_parallel: bool
         if not matched:
             raise ValueError(f"tensor parallel: {pattern!r} names no module of {type(block).__name__}")
         for name in matched:
-            if style == "colwise":
+            if style == "replicated_with_grad_allreduce":  # q/k norms over head_dim (Qwen3, Gemma 3)
+                styles[name] = HeadShardedReplicate()
+            elif style == "colwise":
                 styles[name] = ColwiseParallel()
             else:  # rowwise: with sequence parallel, reduce-scatter back onto the sequence shards
                 styles[name] = RowwiseParallel(output_layouts=Shard(1), use_local_output=False) \

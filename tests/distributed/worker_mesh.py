@@ -31,7 +31,50 @@ from tests.distributed.cases import config_from_dict, serve
 from tests.distributed.worker_families import InPlaceReduceScatter
 
 
+def tp_gradient_check(case: dict) -> dict:
+    """The TP plan's numerics: the model with calibration/tensor_parallel.py's plan on the 2 ranks against the
+    same weights unsharded on each rank (norm weights perturbed so their gradients matter): the loss and every
+    parameter's gradient (full_tensor), fp32, with and without sequence parallel."""
+    import copy
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    from calibration.apply import _block_slots
+    from calibration.tensor_parallel import apply_tensor_parallel, loss_context
+
+    torch.manual_seed(0)
+    reference = build_model(None, case["hf_config"], device="cpu", dtype=torch.float32)
+    reference.config.use_cache = False
+    with torch.no_grad():
+        for name, param in reference.named_parameters():
+            if "norm" in name:
+                param.add_(torch.randn_like(param) * 0.1)
+    ids = torch.randint(0, case["hf_config"]["vocab_size"], (2, case["seq_len"]), generator=torch.Generator().manual_seed(1))
+    loss_ref = reference(input_ids=ids, labels=ids).loss
+    loss_ref.backward()
+    out = {}
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    for sp in (True, False):
+        model = copy.deepcopy(reference)
+        model.zero_grad(set_to_none=True)
+        apply_tensor_parallel(model, mesh, _block_slots(model, block_classes_of(model)), sp)
+        with loss_context(2, sp):
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+        full = lambda t: t.full_tensor() if isinstance(t, DTensor) else t  # noqa: E731
+        errors = {name: (full(p.grad) - q.grad).abs().max().item()
+                  for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters())}
+        worst = max(errors, key=errors.get)
+        out["sp" if sp else "no_sp"] = {"loss_error": abs(full(loss).item() - loss_ref.item()), "worst": worst,
+                                        "max_grad_error": errors[worst],
+                                        "qk_norm_grad_error": max(v for k, v in errors.items() if "q_norm" in k or "k_norm" in k)}
+    return out
+
+
 def run_case(case: dict, rank: int, world: int) -> dict:
+    if case.get("gradient_check"):
+        return tp_gradient_check(case)
     hf_config = case["hf_config"]
     config = config_from_dict(case["config"])
     torch.manual_seed(0)  # the same weights on every rank (TP shards them, FSDP shards the shards)
