@@ -162,3 +162,29 @@ def test_tp_plan_from_transformers_and_the_family_table():
     hf = build_model(None, dict(TINY), device="meta")
     reference = build_model(tiny_llama_spec(), None, device="meta")
     assert block_plan(hf) == LLAMA_STYLE_PLAN == block_plan(reference)
+
+
+def test_qwen3_q_k_norms_take_the_head_sharded_replicate_style():
+    """Qwen3's base_model_tp_plan names its q/k norms "replicated_with_grad_allreduce"; they become
+    HeadShardedReplicate (Replicate weights, heads-sharded input: DTensor reduces their gradients over tp),
+    the linears colwise / rowwise, and with sequence parallel the block norms SequenceParallel and the
+    attention / MLP inputs gathered (PrepareModuleInput)."""
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                   SequenceParallel)
+
+    from calibration.build import build_model
+    from calibration.tensor_parallel import block_plan, block_styles
+
+    qwen3 = {"model_type": "qwen3", "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 1,
+             "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "vocab_size": 1000}
+    model = build_model(None, qwen3, device="meta")
+    plan = block_plan(model)
+    assert plan["self_attn.q_norm"] == plan["self_attn.k_norm"] == "replicated_with_grad_allreduce"
+    styles = block_styles(model.model.layers[0], plan, sequence_parallel=True)
+    kinds = {name: type(style).__name__ for name, style in styles.items()}
+    assert kinds["self_attn.q_norm"] == kinds["self_attn.k_norm"] == "HeadShardedReplicateStyle"
+    assert isinstance(styles["self_attn.q_proj"], ColwiseParallel)
+    assert isinstance(styles["mlp.down_proj"], RowwiseParallel)
+    assert isinstance(styles["input_layernorm"], SequenceParallel)
+    assert isinstance(styles["self_attn"], PrepareModuleInput) and isinstance(styles["mlp"], PrepareModuleInput)
+    assert "input_layernorm" not in block_styles(model.model.layers[0], plan, sequence_parallel=False)
