@@ -72,5 +72,29 @@ def load_accelerate():
 
 @pytest.fixture(autouse=True, scope="session")
 def _planner_cache(tmp_path_factory):
-    """Block profiles and specs of generic models are cached under a test-session directory, not ~/.cache."""
-    os.environ["FSDP_PLANNER_CACHE"] = str(tmp_path_factory.mktemp("fsdp-planner-cache"))
+    """Block profiles and specs of generic models are cached under a test-session directory, not ~/.cache.
+    Under pytest-xdist the workers share one (the directory above each worker's own basetemp): a profile one
+    worker traced is not traced again by the other (the cache writes atomically; a race costs a second trace)."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        path = tmp_path_factory.getbasetemp().parent / "fsdp-planner-cache"
+        path.mkdir(exist_ok=True)
+    else:
+        path = tmp_path_factory.mktemp("fsdp-planner-cache")
+    os.environ["FSDP_PLANNER_CACHE"] = str(path)
+
+
+TORCHRUN_GROUP = "torchrun"
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """The README's test command runs `-n 2 --dist loadgroup` (pytest-xdist): each test file is one unit of
+    work (its module fixtures built once, on one worker), and every test that starts torchrun (tests/distributed/
+    and tests marked `distributed`) is one unit, so two 2-rank gloo jobs never share the 2 cores while
+    timing-sensitive kill / resume checks run. tryfirst: xdist reads the marks in its own hook."""
+    for item in items:
+        if item.get_closest_marker("xdist_group"):
+            continue
+        path = item.path.relative_to(config.rootpath).as_posix()
+        distributed = path.startswith("tests/distributed/") or item.get_closest_marker("distributed")
+        item.add_marker(pytest.mark.xdist_group(TORCHRUN_GROUP if distributed else path))
