@@ -191,7 +191,7 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
     root_saved = activations.root_bytes_per_token(model, c, lora=bool(lora_rank))
     if tensor_parallel.sequence_parallel(config) and traced is None:  # the residual stream on s / tp tokens
         full, ckpt, root_saved = tensor_parallel.sequence_parallel_saved_bytes(
-            model, c, config.tp, full, ckpt, root_saved, lora=bool(lora_rank))
+            model, c, config.tp, full, ckpt, root_saved, lora=bool(lora_rank), selective_op=config.selective_op_ac)
     if config.cp > 1 and traced is None:  # ring attention's output and the o-projection's copy of it
         full += context_parallel.ring_saved_bytes_per_token(model, config.cp, c)
     K = 1 if config.selective_op_ac else config.ac_every

@@ -4,6 +4,7 @@ The estimate and the API raise the first refusal as one line naming the field an
 (planner.api); the search only enumerates degrees that pass (planner/search.py, `valid_degrees`). Rules:
 - tp divides the attention heads, and the KV heads divide by tp or tp by them (then each rank keeps one KV
   head, replicated as the TP plan does), and tp divides the MLP width;
+- without sequence parallel (transformers' tp_plan) the embedding is not tied to the head;
 - cp: the sequence is a multiple of 2 x cp (load-balanced causal sharding gives each rank chunks i and
   2 cp - 1 - i); ring attention runs SDPA's fused kernels, not eager attention;
 - ep: only for a model with routed experts, dividing them and dp_shard x cp x tp;
@@ -62,6 +63,12 @@ def mesh_refusals(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec
                                f"tp={tp} does not split {model.name}'s {model.n_heads} attention heads, "
                                f"{model.n_kv_heads} KV heads and MLP width {model.ffn_hidden_size} evenly",
                                f"choose one of: {_list(v for v in valid if n % v == 0)}", priced=False))
+    if tp > 1 and not config.sequence_parallel and model.tied_embeddings:
+        out.append(Refusal("sequence_parallel", "tp-plan-with-tied-embeddings",
+                           f"{model.name} ties its embedding to the head: transformers' tp_plan (no sequence parallel) "
+                           "splits the head column-wise but keeps the embedding whole, which cannot share one weight",
+                           "use sequence parallel (torchtitan's plan splits both over the vocabulary), or tp 1",
+                           priced=False))
     if cp > 1:
         valid = cp_degrees(training.seq_len, n)
         if cp not in valid:

@@ -328,7 +328,7 @@ def root_stream_bytes_per_token(model: ModelSpec, compute_bytes: int, lora: bool
 
 
 def sequence_parallel_saved_bytes(model: ModelSpec, compute_bytes: int, tp: int, block: int, checkpointed: int,
-                                  root: int, lora: bool = False) -> tuple[int, int, int]:
+                                  root: int, lora: bool = False, selective_op: bool = False) -> tuple[int, int, int]:
     """(block, checkpointed block, root) saved bytes per token of the micro-batch under sequence parallel, from
     the per-rank formulas at full tokens (`model` is local_model's): the residual-stream parts on s / tp
     tokens (residual_stream_bytes_per_token, root_stream_bytes_per_token), a checkpointed block's input - a
@@ -337,8 +337,14 @@ def sequence_parallel_saved_bytes(model: ModelSpec, compute_bytes: int, tp: int,
     them (sbh per linear group), which Megatron's SP avoids only by re-gathering them in backward."""
     stream = residual_stream_bytes_per_token(model, compute_bytes, lora)
     root_stream = root_stream_bytes_per_token(model, compute_bytes, lora)
-    return (block - stream + _per_rank(stream, tp), _per_rank(checkpointed, tp),
-            root - root_stream + _per_rank(root_stream, tp))
+    held = _per_rank(checkpointed, tp)
+    if selective_op:
+        # torchtitan's policy keeps every other matmul's output - column-wise ones narrow, row-wise ones' partial
+        # sums h wide, all on the gathered full tokens - and the reduce-scatter outputs of o and down (on its save
+        # list); only the block's input is a residual-stream tensor on s / tp tokens
+        hidden = compute_bytes * model.hidden_size
+        held = checkpointed - hidden + _per_rank(hidden, tp) + 2 * _per_rank(hidden, tp)
+    return (block - stream + _per_rank(stream, tp), held, root - root_stream + _per_rank(root_stream, tp))
 
 
 def _per_rank(bytes_per_token: int, tp: int) -> int:
