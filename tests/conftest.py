@@ -1,5 +1,6 @@
 """Shared fixtures."""
 
+import dataclasses
 import os
 from unittest import mock
 
@@ -98,3 +99,34 @@ def pytest_collection_modifyitems(config, items):
         path = item.path.relative_to(config.rootpath).as_posix()
         distributed = path.startswith("tests/distributed/") or item.get_closest_marker("distributed")
         item.add_marker(pytest.mark.xdist_group(TORCHRUN_GROUP if distributed else path))
+
+
+# The planner's searches, shared within tests/doctor and tests/cli: `check` plans the model on the cluster
+# (planner.api.plan_for; ~6,000 candidates for llama3-8b on 16 GPUs, 5-14 s on 2 cores) to compare a setup against
+# the best, and `plan` / `explain` / `--emit` in-process calls repeat the same few inputs. A search depends only on
+# its inputs (model, cluster, training, profile, space: frozen dataclasses, keyed by their value repr), never on the
+# setup checked, so it runs once per worker and later calls get a copy of its result (fresh lists of the same frozen
+# Evaluations). tests/unit, which tests the search and cost models themselves (some by patching them), is left out.
+SHARED_SEARCH_DIRS = ("tests/doctor/", "tests/cli/")
+_SEARCHES: dict[str, object] = {}
+
+
+def _shared_search(search):
+    def shared(spec, cluster, training, profile, space):
+        key = repr((spec, cluster, training, profile, space))
+        if " at 0x" in key:  # an object without a value repr: not shared
+            return search(spec, cluster, training, profile, space)
+        if key not in _SEARCHES:
+            _SEARCHES[key] = search(spec, cluster, training, profile, space)
+        result = _SEARCHES[key]
+        return dataclasses.replace(result, fitting=list(result.fitting), misses=list(result.misses),
+                                   skipped=list(result.skipped), notes=list(result.notes))
+    return shared
+
+
+@pytest.fixture(autouse=True)
+def _share_searches(request, monkeypatch):
+    if request.node.path.relative_to(request.config.rootpath).as_posix().startswith(SHARED_SEARCH_DIRS):
+        import planner.api
+
+        monkeypatch.setattr(planner.api, "search", _shared_search(planner.api.search))
