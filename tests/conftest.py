@@ -2,9 +2,19 @@
 
 import dataclasses
 import os
+import sys
 from unittest import mock
 
 import pytest
+
+# Under pytest-xdist (the README's `-n 2` on 2 cores) each worker computes on one thread, as torchrun's ranks do:
+# two workers of two OpenMP threads each oversubscribe the cores, and their threads spin waiting for each other
+# (the KV-cache measurement of tests/unit/test_apply.py: 74 s with 2 threads, 23 s with 1, on 2 busy cores).
+# Subprocesses (the CLI, torchrun and its ranks) inherit it.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 def _load_accelerate(tmp_path, text: str, extra_args=()):
