@@ -258,7 +258,9 @@ def emit_fsdp2(config: FsdpConfig, model_spec: ModelSpec, cluster: ClusterSpec,
     if config.compile:
         loop += [f"    block.compile()  # {tech.COMPILE_NOTE}"]
     unit_kwargs = "block_kwargs" if config.reshard_after_forward else "fsdp_kwargs"
-    if config.expert_units:
+    if config.ep > 1:
+        loop += meshed.expert_unit_lines(config, cluster, unit_kwargs)
+    elif config.expert_units:
         loop += ["    # MoE: each routed-experts module (the stacked expert tensors) its own unit, inside the block's",
                  f"    for experts in [m for m in block.modules() if {fsdp_options.IS_EXPERTS_MODULE}]:",
                  f"        fully_shard(experts, **{unit_kwargs})"]
@@ -278,6 +280,7 @@ def emit_fsdp2(config: FsdpConfig, model_spec: ModelSpec, cluster: ClusterSpec,
         "device_type = \"cuda\" if device is None else torch.device(device).type",
         *mesh_lines,
         *meshed.fsdp2_tp_lines(config, model_spec.tied_embeddings),
+        *meshed.fsdp2_ep_lines(config),
         "fsdp_kwargs = dict(",
         f"    mesh={dp_mesh},",
         f"    reshard_after_forward={reshard},  # "

@@ -48,6 +48,10 @@ def refuse_fsdp2(config: FsdpConfig, model_spec: ModelSpec) -> None:
     """What the snippet's TP plan cannot apply, in one line (calibration/tensor_parallel.py refuses the same)."""
     if config.pp > 1:
         raise PlannerError("pp", f"pp={config.pp}: pipeline stages are not emitted yet; use pp 1")
+    if config.ep > 1 and config.tp > 1:
+        raise PlannerError("ep", f"ep={config.ep} with tp={config.tp}: expert parallelism beside tensor parallelism is "
+                                 "priced but not written as FSDP2 code (transformers slices the tokens over TP first); "
+                                 "use --emit torchtitan, or tp 1")
     if config.tp > 1 and not config.sequence_parallel and model_spec.tied_embeddings:
         raise PlannerError("sequence_parallel", f"{model_spec.name} ties its embedding to the head: transformers' "
                                                 "plan (a replicated embedding, a column-wise head) cannot share one "
@@ -66,6 +70,8 @@ def fsdp2_imports(config: FsdpConfig) -> list[str]:
             lines.append("from torch.distributed.tensor.parallel import loss_parallel")
     if config.cp > 1:
         lines.append("from torch.distributed.tensor.experimental import context_parallel")
+    if config.ep > 1:
+        lines += ["import re", "from transformers.distributed.expert_parallel import apply_expert_parallelism"]
     if config.async_tp:
         lines += ["import torch._inductor.config",
                   "from torch.distributed._symmetric_memory import enable_symm_mem_for_group"]
@@ -91,9 +97,57 @@ def fsdp2_module_level(config: FsdpConfig, cluster: ClusterSpec) -> list[str]:
              f"MESH_DIMS = ({names},)" if len(dims) == 1 else f"MESH_DIMS = ({names})", ""]
     if config.tp > 1:
         lines += ["", *_block_tp_plan(config), ""]
+    if config.ep > 1:
+        lines += ["", *_expert_parallel(mesh), ""]
     if _needs_step(config):
         lines += ["", *_micro_step(config), ""]
     return lines
+
+
+def _expert_parallel(mesh: Mesh) -> list[str]:
+    """Expert parallelism as calibration/expert_parallel.py applies it: transformers' own ep_plan on the experts'
+    view of the ranks [dp_replicate, efsdp, ep, etp] (etp 1: experts whole), tokens moved by all-to-alls."""
+    efsdp = 'ep_mesh["dp_replicate", "efsdp"]' if mesh.dp_replicate > 1 else 'ep_mesh["efsdp"]'
+    return [
+        f"# The experts' view of the ranks: (dp_replicate, efsdp, ep, etp), efsdp = dp_shard x cp x tp / ep",
+        f"EP_MESH_SHAPE = ({mesh.dp_replicate}, {mesh.efsdp}, {mesh.ep}, 1)",
+        "",
+        "",
+        "def apply_expert_parallel(model, device_type):",
+        f'    """Expert parallel (ep {mesh.ep}): each rank keeps E / {mesh.ep} experts of every sparse block, the',
+        "    tokens reach them by all-to-all (transformers' ep_plan and its all_to_all implementation).",
+        '    Returns the experts modules and the mesh FSDP shards them over."""',
+        "    ep_mesh = init_device_mesh(device_type, EP_MESH_SHAPE,",
+        '                               mesh_dim_names=("dp_replicate", "efsdp", "ep", "etp"))',
+        "    names = [n for n, _ in model.named_modules()] + [n for n, _ in model.named_parameters()]",
+        "    plan = {}",
+        "    for pattern, style in model.ep_plan.items():  # its * matches a block's index",
+        '        regex = re.compile(re.escape(pattern).replace(r"\\*", r"\\d+"))',
+        "        plan.update({n: style for n in names if regex.fullmatch(n)})",
+        '    apply_expert_parallelism(model, ep_mesh["ep"], ep_mesh["etp"], plan,',
+        '                             ep_implementation="all_to_all")',
+        '    experts = [model.get_submodule(n) for n, s in plan.items() if s == "ep_dispatch_experts"]',
+        f"    return experts, {efsdp}",
+    ]
+
+
+def fsdp2_ep_lines(config: FsdpConfig) -> list[str]:
+    """Body lines applying EP before checkpointing (torchtitan's order), and the experts' FSDP kwargs."""
+    if config.ep == 1:
+        return []
+    return [f"# Expert parallel (ep {config.ep}) before checkpointing, compile and FSDP",
+            "ep_experts, efsdp_mesh = apply_expert_parallel(model, device_type)"]
+
+
+def expert_unit_lines(config: FsdpConfig, cluster: ClusterSpec, unit_kwargs: str) -> list[str]:
+    """Inside the block loop: each EP experts module its own unit over efsdp; its gradient covers every
+    data-parallel rank's tokens, so it is averaged over all of them (transformers does the same)."""
+    mesh = mesh_of(config, cluster)
+    dp = mesh.dp_replicate * mesh.dp_shard * mesh.cp
+    return ["    # EP: this block's experts, their own unit on efsdp; averaged over all data-parallel ranks",
+            "    for experts in [m for m in block.modules() if any(m is e for e in ep_experts)]:",
+            f'        fully_shard(experts, **{{**{unit_kwargs}, "mesh": efsdp_mesh}})',
+            f"        experts.set_gradient_divide_factor({dp}.0)"]
 
 
 def _block_tp_plan(config: FsdpConfig) -> list[str]:
@@ -285,11 +339,9 @@ def fsdp2_notes(config: FsdpConfig, model_spec: ModelSpec, cluster: ClusterSpec)
         notes.append("context parallel: run each micro-step through forward_backward (SDPA, no attention mask, "
                      "fixed-length sequences); its ring attention runs on CUDA only.")
     if config.ep > 1:
-        notes.append(f"expert parallel (ep {mesh.ep}): the experts live on a second view of the ranks, "
-                     f"[dp_replicate, efsdp, ep] = [{mesh.dp_replicate}, {mesh.efsdp}, {mesh.ep}]; apply "
-                     "torchtitan's ExpertParallel to each MoE block's experts on its \"ep\" dim and fully_shard "
-                     "them over \"efsdp\" (not written here: transformers' MoE blocks have no EP plan this "
-                     "snippet can apply), or use --emit torchtitan.")
+        notes.append(f"expert parallel (ep {mesh.ep}): transformers (>= 5.21) applies the model's own ep_plan; "
+                     f"each rank keeps E / {mesh.ep} experts, FSDP-sharded over efsdp = {mesh.efsdp}; routing is "
+                     "priced balanced (--routing-imbalance to price a skew).")
     return notes
 
 

@@ -414,13 +414,15 @@ def test_fsdp2_mesh_snippets_with_every_technique_compile_with_short_lines(model
     moe = spec.moe is not None
     for config in (FsdpConfig(tp=2, ac_every="selective-op", compile=True, float8=True, fp8_all_gather=True,
                               reshard_after_forward=2),
-                   FsdpConfig(tp=2, cp=2, ep=2 if moe else 1, ac_every=2, offload=True, precision="bf16-pure",
+                   # EP beside TP is refused in this dialect (test_fsdp2_ep_snippet_...): tp 2 on the dense model
+                   FsdpConfig(tp=1 if moe else 2, cp=2, ep=2 if moe else 1, ac_every=2, offload=True, precision="bf16-pure",
                               expert_units=moe),
                    FsdpConfig(sharding="HYBRID_SHARD", cp=2, ep=4 if moe else 1)):
         code = emit_fsdp2(config, spec, TWO_NODES, TrainingSpec(seq_len=4096))
         compile(code, f"<fsdp2 {model}>", "exec")
         assert max(len(line) for line in code.splitlines()) <= 100
         assert ("# expert parallel (ep " in code) is (config.ep > 1)
+        assert ("ep_experts, efsdp_mesh = apply_expert_parallel(model, device_type)" in code) is (config.ep > 1)
 
 
 def test_fsdp2_cp_micro_step_feeds_the_real_positions_and_keeps_attention_causal(fake_group):
@@ -473,3 +475,37 @@ def test_fsdp2_cp_micro_step_feeds_the_real_positions_and_keeps_attention_causal
     assert seen["labels"].tolist() == [[1, 2, 3, 4, 13, 14, 15, -100]] * 2  # shifted before the split
     assert seen["sdpa"] == [(None, True)] * 2  # both blocks: no explicit mask, causal
     assert loss.shape == () and not model.model.rotary_emb._forward_pre_hooks  # the hook is gone again
+
+
+def test_fsdp2_ep_snippet_shards_each_ranks_experts_over_efsdp(fake_group):
+    """The emitted EP + FSDP2 code on a tiny transformers Mixtral (8 experts), 4 fake ranks, ep 2: the experts'
+    view is (dp_replicate 1, efsdp 2, ep 2, etp 1), each rank keeps 8 / 2 = 4 experts (transformers' ep_plan),
+    and FSDP shards those 4 over efsdp 2: 2 expert rows per rank of each stacked tensor; the rest of the block
+    over dp_shard 4. The experts' gradient is averaged over the 4 data-parallel ranks."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+    from torch.distributed.tensor import DTensor
+
+    from planner.emit import emit_fsdp2
+    from planner.models import from_hf_config
+
+    hf = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2, tie_word_embeddings=False)
+    spec = from_hf_config({"model_type": "mixtral", **hf}, name="tiny-mixtral")
+    config = FsdpConfig(ep=2)
+    code = emit_fsdp2(config, spec, make_cluster(4))
+    assert max(len(line) for line in code.splitlines()) <= 100
+    fake_group(4)
+    namespace: dict = {}
+    exec(compile(code, "<emitted fsdp2>", "exec"), namespace)
+    assert namespace["EP_MESH_SHAPE"] == (1, 2, 2, 1) and namespace["MESH_SHAPE"] == (4,)
+    model = namespace["apply_fsdp"](MixtralForCausalLM(MixtralConfig(**hf, attn_implementation="sdpa")),
+                                    device="cpu")
+    experts = model.model.layers[0].mlp.experts
+    for p in experts.parameters():
+        # one DTensor over (efsdp, ep): the 8 experts split 4 per EP rank, those 4 over efsdp: 2 rows here
+        assert isinstance(p, DTensor) and p.device_mesh.mesh_dim_names == ("efsdp", "ep")
+        assert p.shape[0] == 8 and p.to_local().shape[0] == 2
+    q = model.model.layers[0].self_attn.q_proj.weight
+    assert q.device_mesh.mesh_dim_names == ("dp_shard",) and q.to_local().shape[0] == 64 // 4
+    with pytest.raises(PlannerError, match="ep: ep=2 with tp=2"):
+        emit_fsdp2(FsdpConfig(ep=2, tp=2), spec, make_cluster(4))
