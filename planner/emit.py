@@ -14,6 +14,7 @@ from cost_models.mesh import mesh_of
 from cost_models.specs import ClusterSpec, FsdpConfig, ModelSpec, Precision, TrainingSpec
 
 from . import emit_mesh as meshed
+from .errors import PlannerError
 from . import emit_techniques as tech
 
 _ACCELERATE_MIXED = {Precision.FP32: "no", Precision.BF16: "bf16", Precision.FP16: "fp16", Precision.BF16_PURE: "no"}
@@ -608,10 +609,13 @@ def emit_artifact(kind: str, candidate) -> str:
 
 
 def recommendation_text(candidate) -> str:
-    """The recommended config as FSDP2 code plus the launch line; the other dialects are one flag away."""
-    return "\n".join([
-        f"Recommended config (FSDP2; --emit {' | '.join(a for a in ARTIFACTS if a != 'fsdp2')} for the other forms):",
-        "",
-        emit_fsdp2(candidate.config, candidate.model, candidate.cluster, candidate.training),
-        emit_torchrun(candidate.config, candidate.model, candidate.cluster),
-    ])
+    """The recommended config as FSDP2 code plus the launch line; the other dialects are one flag away. A plan the
+    FSDP2 snippet cannot write (EP beside TP, pinned by the user) is given as torchtitan flags, saying why."""
+    others = " | ".join(a for a in ARTIFACTS if a != "fsdp2")
+    try:
+        code = emit_fsdp2(candidate.config, candidate.model, candidate.cluster, candidate.training)
+        head = f"Recommended config (FSDP2; --emit {others} for the other forms):"
+    except PlannerError as exc:
+        code = emit_artifact("torchtitan", candidate)
+        head = f"Recommended config (torchtitan: the FSDP2 snippet cannot write it, {exc}):"
+    return "\n".join([head, "", code, emit_torchrun(candidate.config, candidate.model, candidate.cluster)])

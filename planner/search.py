@@ -110,7 +110,11 @@ def mesh_choices(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
     cps = [space.cp] if space.cp else [c for c in cp_degrees(training.seq_len, n)
                                       if c == 1 or training.seq_len // c >= MIN_CP_TOKENS]
     eps = [space.ep] if space.ep else [e for e in ep_degrees(model, n) if e == 1 or e & (e - 1) == 0]
-    out = [MeshChoice(t, c, e) for t in tps for c in cps for e in eps if n % (t * c) == 0]
+    # EP beside TP is priced (estimate --tp --ep) but not applied by the trace tier nor written as FSDP2 code, and
+    # its memory is unchecked against a trace: searched only when the user pins both
+    both = space.tp is not None and space.ep is not None
+    out = [MeshChoice(t, c, e) for t in tps for c in cps for e in eps
+           if n % (t * c) == 0 and (both or t == 1 or e == 1)]
     return sorted(out, key=lambda m: (m.tp * m.cp * m.ep, m.tp, m.cp))
 
 

@@ -181,3 +181,16 @@ def test_explain_names_the_expert_all_to_alls():
     assert c.time.ep_comm_s > 0
     assert (f"expert parallel (ep 8 dispatch / combine all-to-alls) {c.time.ep_comm_s:.4f} s "
             f"({c.time.ep_comm_s:.4f} s exposed)") in explain_text(c)
+
+
+def test_ep_beside_tp_is_searched_only_when_pinned_and_recommended_as_torchtitan():
+    from planner.emit import recommendation_text
+
+    # the trace tier and the FSDP2 snippet do not apply EP beside TP: the search leaves it out unless pinned
+    p = plan("qwen3-30b-a3b", 64, gpu="h100-80gb", seq_len=4096)
+    assert not any(c.config.tp > 1 and c.config.ep > 1 for c in p.candidates)
+    assert any(c.config.ep > 1 for c in p.candidates) and any(c.config.tp > 1 for c in p.candidates)
+    c = estimate("qwen3-30b-a3b", 64, gpu="h100-80gb", seq_len=4096, tp=2, ep=4, activation_checkpointing="full")
+    text = recommendation_text(c)
+    assert text.startswith("Recommended config (torchtitan: the FSDP2 snippet cannot write it, ep: ep=4 with tp=2")
+    assert "--parallelism.tensor_parallel_degree=2" in text and "--parallelism.expert_parallel_degree=4" in text
