@@ -338,20 +338,8 @@ def _render(config, model_spec, cluster, imports: list[str], body: list[str],
         *([""] + [_comment(notes)] if notes else []),
     ]
     if meshed.uses_mesh(config):  # the mesh snippets: every line at most 100 characters
-        return "\n".join(meshed.fit_lines(lines)) + "\n"
-    return "\n".join([
-        _comment(_summary(config, model_spec, cluster)),
-        *imports,
-        "",
-        f"BLOCK_CLASS = {model_spec.block_class!r}  # the repeated block: one FSDP unit each",
-        "",
-        *tech.module_level(config),
-        *module_level,
-        "",
-        "def apply_fsdp(model, device=None):",
-        *(f"    {line}" if line else "" for line in body),
-        *([""] + [_comment(notes)] if notes else []),
-    ]) + "\n"
+        lines = meshed.fit_lines(lines)
+    return "\n".join(lines) + "\n"
 
 
 def emit_accelerate(config: FsdpConfig, model_spec: ModelSpec, cluster: ClusterSpec,
