@@ -52,6 +52,17 @@ def main() -> None:
     exhaustive = time.perf_counter() - t0
     print(f"exhaustive: {len(configs):,} configurations in {exhaustive * 1000:.0f} ms "
           f"({len(configs) / exhaustive:,.0f} per second)")
+    # GPT-3's blocks fuse q/k/v (no TP plan: cost_models/mesh_rules.TP_PLAN_FAMILIES), so its space is data
+    # parallelism only; a Llama of that scale exercises the mesh (tp 1-8) on the same cluster
+    llama = load_preset("llama3.1-405b")
+    meshes = mesh_choices(llama, cluster, training, space)
+    timings = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        result = search(llama, cluster, training, DEFAULT_PROFILE, space)
+        timings.append(time.perf_counter() - t0)
+    print(f"llama3.1-405b on 1024 x a100-80gb, meshes {', '.join(f'{m.tp}x{m.cp}x{m.ep}' for m in meshes)} "
+          f"(tp x cp x ep): {result.n_costed} costed in {min(timings) * 1000:.1f} ms (best of 3; target < 1000 ms)")
     t0 = time.perf_counter()
     from planner.api import plan
     plan("gpt-13b", gpus=8)

@@ -2,6 +2,7 @@
 
 The estimate and the API raise the first refusal as one line naming the field and what would be valid
 (planner.api); the search only enumerates degrees that pass (planner/search.py, `valid_degrees`). Rules:
+- tp only for models the TP plan splits (TP_PLAN_FAMILIES; MoE models beside EP);
 - tp divides the attention heads, and the KV heads divide by tp or tp by them (then each rank keeps one KV
   head, replicated as the TP plan does), and tp divides the MLP width;
 - without sequence parallel (transformers' tp_plan) the embedding is not tied to the head;
@@ -28,8 +29,21 @@ def _list(values) -> str:
     return ", ".join(str(v) for v in values[:12]) + (", ..." if len(values) > 12 else "")
 
 
-def tp_degrees(model: ModelSpec) -> list[int]:
+# Dense families whose blocks the TP plan splits (calibration/tensor_parallel.py, --emit fsdp2): separate q, k, v, o
+# and gate / up / down projections under those names. Fused q/k/v (GPT-2, GPT-NeoX, Phi-3, Falcon, BLOOM, MPT) and
+# other layouts have no plan here; MoE models take TP beside EP only (torchtitan's etp = 1: --emit torchtitan).
+TP_PLAN_FAMILIES = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "olmo2"})
+
+
+def tp_plannable(model: ModelSpec, ep: int = 1) -> bool:
+    """Whether tensor parallelism is planned for this model (with this expert-parallel degree)."""
+    return ep > 1 if model.moe is not None else model.family in TP_PLAN_FAMILIES
+
+
+def tp_degrees(model: ModelSpec, ep: int = 1) -> list[int]:
     """Tensor-parallel degrees the model's TP plan can split: heads, KV heads (or replicated) and MLP width."""
+    if not tp_plannable(model, ep):
+        return [1]
     kv = model.n_kv_heads
     ffn = model.moe.expert_ffn_size if model.moe is not None and not model.ffn_hidden_size else model.ffn_hidden_size
     return [t for t in divisors(model.n_heads)
@@ -56,8 +70,14 @@ def mesh_refusals(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec
     if pp != 1:
         out.append(Refusal("pp", "pp-not-planned", f"pp={pp}: pipeline parallelism is not planned yet",
                            "use pp 1 (tensor, context and expert parallelism are planned)", priced=False))
-    if tp > 1:
-        valid = tp_degrees(model)
+    if tp > 1 and not tp_plannable(model, ep):
+        why = ("tensor parallelism of routed experts is not planned: split them with --ep (TP then splits the "
+               "attention, torchtitan's layout)" if model.moe is not None else
+               f"{model.name}'s blocks ({model.family}) have no TP plan here (it splits separate q/k/v/o and "
+               f"gate/up/down projections: {', '.join(sorted(TP_PLAN_FAMILIES))})")
+        out.append(Refusal("tp", "tp-not-planned-for-model", f"tp={tp}: {why}", "use tp 1", priced=False))
+    elif tp > 1:
+        valid = tp_degrees(model, ep)
         if tp not in valid:
             out.append(Refusal("tp", "tp-does-not-divide-heads",
                                f"tp={tp} does not split {model.name}'s {model.n_heads} attention heads, "

@@ -60,8 +60,12 @@ def test_global_batch_splits_over_data_parallel_ranks_only():
 def test_tp_degrees_follow_heads_kv_heads_and_mlp():
     # llama3-8b: 32 heads, 8 KV heads, MLP 14336 = 2^11 x 7: 1, 2, 4, 8 divide all; 16 and 32 replicate KV heads
     assert tp_degrees(load_preset("llama3-8b")) == [1, 2, 4, 8, 16, 32]
-    # gpt-175b: 96 heads (no GQA), MLP 49152: every divisor of 96
-    assert tp_degrees(load_preset("gpt-175b")) == [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 96]
+    # llama3.1-405b: 128 heads over 8 KV heads, MLP 53248 = 2^12 x 13: powers of two up to 128
+    assert tp_degrees(load_preset("llama3.1-405b")) == [1, 2, 4, 8, 16, 32, 64, 128]
+    # GPT-2 blocks fuse q, k and v in one projection (c_attn): no TP plan, so no TP degree but 1; MoE models
+    # take TP beside EP only
+    assert tp_degrees(load_preset("gpt-175b")) == [1]
+    assert tp_degrees(load_preset("mixtral-8x7b")) == [1] and tp_degrees(load_preset("mixtral-8x7b"), ep=2)[:3] == [1, 2, 4]
 
 
 @pytest.fixture(scope="module")
@@ -94,6 +98,12 @@ def test_pinned_degrees_are_searched_alone():
 
 
 BAD = [
+    (["estimate", "--model", "gpt-13b", "--gpus", "8", "--tp", "2"],
+     "error: tp: tp=2: gpt-13b's blocks (gpt2) have no TP plan here (it splits separate q/k/v/o and gate/up/down "
+     "projections: gemma, gemma2, gemma3_text, llama, mistral, olmo2, qwen2, qwen3); use tp 1"),
+    (["estimate", "--model", "mixtral-8x7b", "--gpus", "16", "--tp", "2"],
+     "error: tp: tp=2: tensor parallelism of routed experts is not planned: split them with --ep (TP then splits "
+     "the attention, torchtitan's layout); use tp 1"),
     (["estimate", "--model", "llama3-8b", "--gpus", "8", "--tp", "3"],
      "error: tp: tp=3 does not split llama3-8b's 32 attention heads, 8 KV heads and MLP width 14336 evenly; "
      "choose one of: 1, 2, 4, 8"),
@@ -189,7 +199,7 @@ def test_ep_beside_tp_is_searched_only_when_pinned_and_recommended_as_torchtitan
     # the trace tier and the FSDP2 snippet do not apply EP beside TP: the search leaves it out unless pinned
     p = plan("qwen3-30b-a3b", 64, gpu="h100-80gb", seq_len=4096)
     assert not any(c.config.tp > 1 and c.config.ep > 1 for c in p.candidates)
-    assert any(c.config.ep > 1 for c in p.candidates) and any(c.config.tp > 1 for c in p.candidates)
+    assert any(c.config.ep > 1 for c in p.candidates) and not any(c.config.tp > 1 for c in p.candidates)
     c = estimate("qwen3-30b-a3b", 64, gpu="h100-80gb", seq_len=4096, tp=2, ep=4, activation_checkpointing="full")
     text = recommendation_text(c)
     assert text.startswith("Recommended config (torchtitan: the FSDP2 snippet cannot write it, ep: ep=4 with tp=2")
