@@ -1,9 +1,15 @@
-"""What the torchrun workers share: FsdpConfig from a case's JSON, and running the cases of one launch."""
+"""What the torchrun workers share: FsdpConfig from a case's JSON, and running the cases of one launch (and, for
+the tests, launching them: run_cases; the worker's own `main`: serve_cli)."""
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
+import subprocess
+import sys
 from collections.abc import Callable, Iterable
+from pathlib import Path
 
 import torch.distributed as dist
 
@@ -40,3 +46,28 @@ def learnable_batch(micro_batch: int, seq_len: int, rank: int, period: int = 8, 
     pattern = torch.randperm(vocab, generator=torch.Generator().manual_seed(0))[:period]
     offsets = torch.randint(0, period, (micro_batch, 1), generator=torch.Generator().manual_seed(1 + rank))
     return pattern[(offsets + torch.arange(seq_len)) % period]
+
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run_cases(worker: Path, cases: list[dict], timeout_s: float) -> tuple[dict, ...]:
+    """One 2-rank torchrun job of `worker` over every case (one process group for all: CI time); rank 0's results."""
+    args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(worker)]
+    for case in cases:
+        args += ["--case", json.dumps(case)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)
+    assert proc.returncode == 0, f"torchrun failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    results = tuple(json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{"))
+    assert len(results) == len(cases), proc.stdout
+    return results
+
+
+def serve_cli(run_case: Callable[[object, int, int], dict]) -> None:
+    """A worker's main: its --case JSON arguments, served in one process group."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--case", action="append", required=True, help="JSON: hf_config, config, seq_len")
+    args = parser.parse_args()
+    serve([json.loads(text) for text in args.case], run_case)

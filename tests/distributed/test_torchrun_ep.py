@@ -13,18 +13,15 @@ input (a unit's gradients in the reduce dtype), which NCCL does not make (worker
 from __future__ import annotations
 
 import functools
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.distributed.cases import run_cases
+
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.distributed
 
-ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("worker_ep.py")
 TIMEOUT_S = 240
 REAL_RUN_JITTER_BYTES = 2 * 65_536
@@ -43,15 +40,7 @@ CASES = [
 
 @functools.cache
 def launch() -> tuple[dict, ...]:
-    args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(WORKER)]
-    for case in CASES:
-        args += ["--case", json.dumps(case)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
-    assert proc.returncode == 0, f"torchrun failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    results = tuple(json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{"))
-    assert len(results) == len(CASES), proc.stdout
-    return results
+    return run_cases(WORKER, CASES, TIMEOUT_S)
 
 
 @functools.cache

@@ -20,9 +20,6 @@ the NCCL run's; "gloo_reduce_scatter": true keeps gloo's clone, to name what it 
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
 
 import torch
 import torch.distributed as dist
@@ -32,7 +29,7 @@ from calibration.apply import TORCH_DTYPES, apply_fsdp2, make_mesh
 from calibration.build import build_model
 from calibration.trace import make_optimizer, measure_training_steps
 from planner.models import block_classes_of
-from tests.distributed.cases import config_from_dict, serve
+from tests.distributed.cases import config_from_dict, serve_cli
 from tests.distributed.worker_families import InPlaceReduceScatter
 
 
@@ -96,13 +93,5 @@ def run_case(case: dict, rank: int, world: int) -> dict:
             "experts_are_units": isinstance(experts, FSDPModule), "gloo_copy_bytes": _RecordingReduceScatter.largest}
 
 
-def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--case", action="append", required=True, help="JSON: hf_config, config, seq_len")
-    args = parser.parse_args()
-    serve([json.loads(text) for text in args.case], run_case)
-
-
 if __name__ == "__main__":
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    main()
+    serve_cli(run_case)
