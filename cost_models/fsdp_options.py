@@ -7,6 +7,7 @@ dtypes are torch attribute names ("bfloat16"); enums are member names ("FULL_SHA
 
 from __future__ import annotations
 
+from .mesh import mesh_for
 from .specs import FsdpConfig, Precision, Sharding
 
 _TORCH_DTYPE = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
@@ -90,9 +91,7 @@ def mesh_layout(config: FsdpConfig, n_gpus: int, gpus_per_node: int) -> dict:
     tensor / context parallelism torchtitan's [dp_replicate, dp_shard, cp, tp] (its dims of size > 1, dp_shard
     always: FSDP's axis). pp joins outermost with pipeline stages."""
     if config.model_parallel > 1:
-        replicate, shard = config.dp_degrees(n_gpus, gpus_per_node)
-        dims = [("dp_replicate", replicate), ("dp_shard", shard), ("cp", config.cp), ("tp", config.tp)]
-        used = [(name, size) for name, size in dims if size > 1 or name == "dp_shard"]
+        used = mesh_for(config, n_gpus, gpus_per_node, ep=1).used_dims()  # the dense mesh (experts: their view)
         return {"shape": [size for _, size in used], "dim_names": [name for name, _ in used]}
     if config.sharding.is_hybrid:
         return {"shape": [n_gpus // gpus_per_node, gpus_per_node], "dim_names": ["dp_replicate", "dp_shard"]}

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .specs import SpecError
+from .specs import SpecError, check_degree
 
 DENSE_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")   # outermost first, as init_device_mesh takes them
 
@@ -32,9 +32,7 @@ class Mesh:
 
     def __post_init__(self):
         for name in ("dp_replicate", "dp_shard", "cp", "tp", "ep", "pp"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise SpecError(name, f"must be an integer >= 1, got {value!r}")
+            check_degree(name, getattr(self, name))
         if (self.dp_shard * self.cp * self.tp) % self.ep:
             raise SpecError("ep", f"{self.ep} must divide dp_shard x cp x tp = {self.dp_shard * self.cp * self.tp} "
                                   "(expert parallelism borrows ranks from data and tensor parallelism)")
@@ -58,10 +56,6 @@ class Mesh:
         """Ranks FSDP shards each rank's experts over: dp_shard x cp x tp / ep."""
         return self.dp_shard * self.cp * self.tp // self.ep
 
-    @property
-    def is_data_parallel_only(self) -> bool:
-        return self.tp == self.cp == self.ep == self.pp == 1
-
     def dense_dims(self) -> tuple[tuple[str, int], ...]:
         """(name, size) of the dense mesh's dimensions, outermost first."""
         return tuple((name, getattr(self, name)) for name in DENSE_DIMS)
@@ -81,7 +75,12 @@ class Mesh:
 
 def mesh_of(config, cluster) -> Mesh:
     """The mesh a configuration runs on this cluster: its tp / cp / ep / pp and the data-parallel degrees its
-    strategy takes from the GPUs left (FsdpConfig.dp_shard_size)."""
-    dp_shard = config.dp_shard_size(cluster)
-    return Mesh(dp_replicate=config.replicate_group_size(cluster), dp_shard=dp_shard, cp=config.cp, tp=config.tp,
-                ep=config.ep, pp=config.pp)
+    strategy takes from the GPUs left (FsdpConfig.dp_degrees)."""
+    return mesh_for(config, cluster.n_gpus, cluster.gpus_per_node)
+
+
+def mesh_for(config, n_gpus: int, gpus_per_node: int, ep: int | None = None) -> Mesh:
+    """mesh_of from the GPU counts; ep overrides the config's (1: the dense mesh alone, valid for any ep)."""
+    dp_replicate, dp_shard = config.dp_degrees(n_gpus, gpus_per_node)
+    return Mesh(dp_replicate=dp_replicate, dp_shard=dp_shard, cp=config.cp, tp=config.tp,
+                ep=config.ep if ep is None else ep, pp=config.pp)

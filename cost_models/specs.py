@@ -128,6 +128,12 @@ def format_activation_checkpointing(ac_every: int, selective_op: bool = False) -
     return {0: "none", 1: "full"}.get(ac_every, f"every-{ac_every}")
 
 
+def check_degree(field_name: str, value) -> None:
+    """A mesh degree (tp, cp, ep, pp, dp_shard, ...): an integer >= 1."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise SpecError(field_name, f"must be an integer >= 1, got {value!r}")
+
+
 def _positive(field_name: str, value, allow_zero: bool = False) -> None:
     if value is None or value < 0 or (value == 0 and not allow_zero):
         raise SpecError(field_name, f"must be {'>= 0' if allow_zero else '> 0'}, got {value}")
@@ -598,9 +604,7 @@ class FsdpConfig:
             raise SpecError("reshard_after_forward", f"{self.reshard_after_forward}; give a group of >= 2 ranks "
                             "(a divisor of the shard group), or 0 for the strategy's own")
         for name in ("tp", "cp", "ep", "pp"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise SpecError(name, f"must be an integer >= 1, got {value!r}")
+            check_degree(name, getattr(self, name))
         if self.ep > 1:  # expert parallelism puts each rank's experts in a unit of their own (on the efsdp mesh)
             object.__setattr__(self, "expert_units", True)
         if self.tp == 1:  # sequence parallel means nothing without TP: one spelling, so configs compare equal

@@ -74,7 +74,7 @@ def _local_model(model: ModelSpec, config: FsdpConfig) -> ModelSpec:
             else moe.stacked_expert_tensors,
             shared_ffn_size=moe.shared_ffn_size // tp,
             shared_params=moe.shared_params // tp,
-            dense_block_params=(_norm_params(model) + (moe.dense_block_params - _norm_params(model)) // tp)
+            dense_block_params=(replicated + (moe.dense_block_params - replicated) // tp)
             if moe.dense_block_params else 0,
             dense_ffn_size=moe.dense_ffn_size // tp,
         )

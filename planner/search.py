@@ -30,6 +30,7 @@ from dataclasses import dataclass, field, replace
 
 from cost_models import moe
 from cost_models.evaluate import Evaluation, evaluate, unsupported_reasons
+from cost_models.mesh import mesh_of
 from cost_models.mesh_rules import cp_degrees, divisors, ep_degrees, mesh_refusals, tp_degrees
 from cost_models.profile import Profile
 from cost_models.specs import (SELECTIVE_OP, Attention, ClusterSpec, FsdpConfig, ModelSpec, Precision, Sharding,
@@ -104,7 +105,7 @@ class MeshChoice:
 def mesh_choices(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
                  space: SearchSpace) -> list[MeshChoice]:
     """The (tp, cp, ep) the search tries, data parallelism alone first. ep is checked against each strategy's
-    dp_shard in the search (ep_fits)."""
+    dp_shard in the search (mesh_refusals, once per mesh and strategy)."""
     n = cluster.n_gpus
     tps = [space.tp] if space.tp else [t for t in tp_degrees(model) if n % t == 0 and t <= cluster.fast_tier_gpus]
     cps = [space.cp] if space.cp else [c for c in cp_degrees(training.seq_len, n)
@@ -116,11 +117,6 @@ def mesh_choices(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
     out = [MeshChoice(t, c, e) for t in tps for c in cps for e in eps
            if n % (t * c) == 0 and (both or t == 1 or e == 1)]
     return sorted(out, key=lambda m: (m.tp * m.cp * m.ep, m.tp, m.cp))
-
-
-def ep_fits(model: ModelSpec, cluster: ClusterSpec, config: FsdpConfig) -> bool:
-    return config.ep == 1 or (model.moe is not None and model.moe.n_experts % config.ep == 0
-                              and (config.dp_shard_size(cluster) * config.cp * config.tp) % config.ep == 0)
 
 
 @dataclass
@@ -273,8 +269,6 @@ def data_parallel_note(cluster: ClusterSpec, training: TrainingSpec, space: Sear
 
 
 def describe_mesh(config: FsdpConfig, cluster: ClusterSpec) -> str:
-    from cost_models.mesh import mesh_of
-
     return mesh_of(config, cluster).describe()
 
 
@@ -297,6 +291,17 @@ def search(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, profi
             continue
         usable += 1
         plain = mesh == MeshChoice()
+        runs: dict[Sharding, bool] = {}
+
+        def mesh_runs(config: FsdpConfig) -> bool:
+            """The mesh rules pass (EP dividing this strategy's dp_shard x cp x tp among them), and HYBRID is not
+            FULL_SHARD or DDP by another name; they read only the mesh and the strategy, so once per strategy."""
+            if config.sharding not in runs:
+                dp_shard = config.dp_shard_size(cluster)
+                runs[config.sharding] = not mesh_refusals(model, cluster, training, config) and not (
+                    config.sharding.is_hybrid and dp_shard in (1, config.data_parallel_size(cluster)))
+            return runs[config.sharding]
+
         # FSDP1-only knobs (no backward prefetch, no rate limiter) only where FSDP1 can run: no mesh
         prefetches = space.backward_prefetch if plain else (True,)
         limits = space.limit_all_gathers if plain else (True,)
@@ -319,10 +324,9 @@ def search(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, profi
                                     compile=compile_, float8=float8, fp8_all_gather=fp8_all_gather,
                                     reshard_after_forward=reshard, tp=mesh.tp, cp=mesh.cp, ep=mesh.ep,
                                     async_tp=async_tp, sequence_parallel=space.sequence_parallel)
-                if not plain and (not ep_fits(model, cluster, config) or (
-                        sharding.is_hybrid and config.dp_shard_size(cluster) in (1, config.data_parallel_size(cluster)))):
-                    break  # EP not dividing this strategy's ranks; HYBRID that is FULL_SHARD or DDP by another name
-                if unsupported_reasons(cluster, config) or (not plain and mesh_refusals(model, cluster, training, config)):
+                if not plain and not mesh_runs(config):
+                    break
+                if unsupported_reasons(cluster, config):
                     break
                 e = evaluate(model, cluster, training, config, profile)
                 n_costed += 1
