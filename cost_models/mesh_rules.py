@@ -10,13 +10,14 @@ The estimate and the API raise the first refusal as one line naming the field an
   2 cp - 1 - i); ring attention runs SDPA's fused kernels, not eager attention;
 - ep: only for a model with routed experts, dividing them and dp_shard x cp x tp;
 - tp x cp x pp divides the GPUs (the rest is data parallelism);
-- pp = 1 (pipeline stages are the next issue).
+- pp: at least one block per stage, and the microbatches the schedule needs (cost_models/pipeline.py).
 The model's own limits come first, so `--tp 3` on 32 heads names the heads, not the GPU count.
 """
 
 from __future__ import annotations
 
 from .feasibility import Refusal
+from .pipeline import pipeline_refusals
 from .specs import Attention, ClusterSpec, Finetune, FsdpConfig, ModelSpec, TrainingSpec
 
 
@@ -68,8 +69,10 @@ def mesh_refusals(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec
     n = cluster.n_gpus
     tp, cp, ep, pp = config.tp, config.cp, config.ep, config.pp
     if pp != 1:
+        # TODO(issue 18): removed when memory and step time price the stages
         out.append(Refusal("pp", "pp-not-planned", f"pp={pp}: pipeline parallelism is not planned yet",
                            "use pp 1 (tensor, context and expert parallelism are planned)", priced=False))
+        out.extend(pipeline_refusals(model, config))
     if tp > 1 and not tp_plannable(model, ep):
         why = ("tensor parallelism of routed experts is not planned: split them with --ep (TP then splits the "
                "attention, torchtitan's layout)" if model.moe is not None else
@@ -120,8 +123,9 @@ def mesh_refusals(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec
         out.append(Refusal(field, "mesh-does-not-divide-gpus",
                            f"tp x cp x pp = {tp} x {cp} x {pp} = {product} does not divide gpus={n}",
                            f"choose degrees whose product divides {n} (divisors: {_list(valid)})", priced=False))
-    if (tp > 1 or cp > 1 or ep > 1) and training.finetune is Finetune.LORA:
-        out.append(Refusal("finetune", "mesh-with-lora", "LoRA with tensor, context or expert parallelism is not "
-                           "planned (PEFT adapters on DTensor shards)", "use tp = cp = ep = 1 with LoRA",
+    if (tp > 1 or cp > 1 or ep > 1 or pp > 1) and training.finetune is Finetune.LORA:
+        out.append(Refusal("finetune", "mesh-with-lora", "LoRA with tensor, context, expert or pipeline parallelism "
+                           "is not planned (PEFT adapters on DTensor shards and stages)",
+                           "use tp = cp = ep = pp = 1 with LoRA",
                            priced=False))
     return out

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
+from .schedules import Schedule
+
 
 class SpecError(ValueError):
     """A field holds a value the planner cannot use. `field` names it, the message says what is valid."""
@@ -575,6 +577,10 @@ class FsdpConfig:
     sequence_parallel: bool = True    # with tp: norms and residuals on s/tp tokens, loss parallel (torchtitan);
     #                                   False: transformers' tp_plan (accelerate, HF Trainer): activations
     #                                   replicated between blocks, the head colwise with its logits gathered
+    # Pipeline stages (cost_models/pipeline.py): with pp > 1 the local batch (global batch / data-parallel ranks)
+    # is split into grad_accum microbatches of micro_batch sequences, all run by one schedule step.
+    pp_schedule: Schedule = Schedule.ONE_F_ONE_B
+    pp_stages_per_rank: int = 0       # V stages on each pipeline rank; 0: the schedule's own (1, looped ones 2)
 
     def __post_init__(self):
         if isinstance(self.ac_every, str) and self.ac_every.strip().lower() == SELECTIVE_OP:
@@ -616,12 +622,43 @@ class FsdpConfig:
         if self.async_tp and not self.sequence_parallel:
             raise SpecError("async_tp", "overlaps the sequence-parallel all-gathers and reduce-scatters; it needs "
                                         "sequence_parallel")
+        object.__setattr__(self, "pp_schedule", parse_enum(Schedule, self.pp_schedule, "pp_schedule"))
+        self._check_pipeline()
         if self.cp > 1 and self.sharding is Sharding.NO_SHARD:
             raise SpecError("cp", "FSDP2 shards over dp_shard x cp even without data parallelism: with cp > 1 "
                                   "choose FULL_SHARD, SHARD_GRAD_OP or a HYBRID_SHARD strategy, not NO_SHARD")
         if self.reshard_after_forward and self.sharding not in (Sharding.FULL_SHARD, Sharding.HYBRID_SHARD):
             raise SpecError("reshard_after_forward", f"an int group needs FULL_SHARD or HYBRID_SHARD, not "
                             f"{self.sharding.value} (which keeps params gathered after forward)")
+
+    def _check_pipeline(self) -> None:
+        """The schedule's own shape (torch.distributed.pipelining.schedules raises on each of these); the rules
+        on blocks and microbatches are in cost_models/pipeline.py."""
+        schedule, v = self.pp_schedule, self.pp_stages_per_rank
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise SpecError("pp_stages_per_rank", f"must be an integer >= 1 (0: the schedule's own), got {v!r}")
+        if self.pp == 1:  # no pipeline: one spelling, so configs compare equal
+            object.__setattr__(self, "pp_schedule", Schedule.ONE_F_ONE_B)
+            object.__setattr__(self, "pp_stages_per_rank", 1)
+            return
+        if v == 0:
+            object.__setattr__(self, "pp_stages_per_rank", v := schedule.default_stages_per_rank)
+        if v > 1 and not schedule.looped:
+            looped = ", ".join(s.value for s in Schedule if s.looped)
+            raise SpecError("pp_stages_per_rank", f"{v} needs a looped schedule ({looped}); {schedule.value} runs "
+                                                  "one stage per rank")
+        if schedule.v_shaped and v != 2:
+            raise SpecError("pp_stages_per_rank", f"{schedule.value} runs exactly 2 stages per rank (a V), got {v}")
+
+    @property
+    def pp_stages(self) -> int:
+        """Pipeline stages in all: pp x stages per rank."""
+        return self.pp * self.pp_stages_per_rank
+
+    @property
+    def pp_microbatches(self) -> int:
+        """Microbatches one schedule step runs (1 without a pipeline)."""
+        return self.grad_accum if self.pp > 1 else 1
 
     @property
     def gradient_reduce_dtype(self) -> str:
@@ -694,4 +731,6 @@ class FsdpConfig:
             "tp": self.tp, "cp": self.cp, "ep": self.ep, "pp": self.pp,
             **({"async_tp": True} if self.async_tp else {}),
             **({"sequence_parallel": False} if self.tp > 1 and not self.sequence_parallel else {}),
+            **({"pp_schedule": self.pp_schedule.value, "pp_stages_per_rank": self.pp_stages_per_rank}
+               if self.pp > 1 else {}),
         }
