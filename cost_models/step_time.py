@@ -163,7 +163,8 @@ def _mesh_times(full_model: ModelSpec, model: ModelSpec, training: TrainingSpec,
 
 
 def estimate_step_time(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, config: FsdpConfig,
-                       profile: Profile) -> TimeBreakdown:
+                       profile: Profile, terms: dict | None = None) -> TimeBreakdown:
+    """terms: a dict to receive the per-unit terms of one micro-step (cost_models/step_timeline.py draws them)."""
     full_model, model = model, tensor_parallel.local_model(model, config)  # a TP rank's slice of the model
     gpu = cluster.gpu
     precision = config.precision
@@ -301,6 +302,11 @@ def estimate_step_time(model: ModelSpec, cluster: ClusterSpec, training: Trainin
     cp_comm, cp_exposed = accum * L * cp_t.total_s, accum * L * cp_t.exposed_s
     exposed += tp_exposed + cp_exposed + ep_comm
     total_comm += tp_comm + cp_comm + ep_comm
+    if terms is not None:
+        terms.update(kinds=kinds, root_ag=root_ag, root_rs=root_rs, last_rs=last_rs, compute_s=compute_s,
+                     gathers_in_backward=gathers_in_backward, sync_every_microstep=sync_every_microstep, tp=tp_t,
+                     cp=cp_t, a2a_s=a2a_s, ckpt_blocks=ckpt_blocks, recompute_s=block_recompute_s, head_s=head_s,
+                     root_memory_s=root_memory_s, fsdp_copy_s=fsdp_copy_s, weight_casts_s=weight_casts_s)
 
     # --- CPU offload and optimizer step ---------------------------------------------------------------
     trainable_shard = shard_counts.trainable(L) / d
