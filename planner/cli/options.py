@@ -9,6 +9,7 @@ from typing import Annotated, Callable, Optional
 import typer
 
 from planner.emit import ARTIFACTS
+from planner.progress import quiet_for
 
 
 class Format(str, Enum):
@@ -51,7 +52,7 @@ AttentionOpt = Annotated[Optional[str], typer.Option("--attention", help="sdpa (
                                                      "or eager for models that do not run sdpa (Gemma 2, gpt-oss)")]
 TrustRemoteCode = Annotated[bool, typer.Option("--trust-remote-code", help="Build a config.json whose auto_map names "
                                                "custom modelling code (runs that code)")]
-FormatOpt = Annotated[Format, typer.Option("--format", help="table or json")]
+FormatOpt = Annotated[Format, typer.Option("--format", help="table or json", callback=quiet_for)]  # json: no progress
 ProfileOpt = Annotated[Optional[str], typer.Option("--profile", help="Predict with a profile.json fitted by "
                                                    "`fsdp-plan calibrate`")]
 ForceProfile = Annotated[bool, typer.Option("--force-profile", help="Use a profile fitted on another GPU type")]
