@@ -19,6 +19,7 @@ from cost_models.units import GiB
 
 from .api import Candidate, Plan, estimate
 from .errors import PlannerError
+from .progress import progress
 from .report import training_line
 
 INSTALL_HINT = "the trace tier needs transformers for Hugging Face models: pip install 'fsdp-planner[trace]'"
@@ -109,11 +110,12 @@ def trace_candidate(candidate: Candidate, hf_config: dict | None, profile: Profi
         raise PlannerError("model", f"{spec.name}: no Hugging Face config to build it from and the reference "
                                     "implementation covers the llama family only; pass a preset or config.json")
     try:
-        traced = trace_memory(spec, candidate.config, n_gpus=candidate.cluster.n_gpus,
-                              gpus_per_node=candidate.cluster.gpus_per_node, seq_len=candidate.training.seq_len,
-                              optimizer=candidate.training.optimizer, hf_config=hf_config,
-                              finetune=candidate.training.finetune, lora_rank=candidate.training.lora_rank,
-                              routing_imbalance=candidate.training.routing_imbalance)
+        with progress(f"tracing {spec.name} on {candidate.cluster.n_gpus} fake ranks"):
+            traced = trace_memory(spec, candidate.config, n_gpus=candidate.cluster.n_gpus,
+                                  gpus_per_node=candidate.cluster.gpus_per_node, seq_len=candidate.training.seq_len,
+                                  optimizer=candidate.training.optimizer, hf_config=hf_config,
+                                  finetune=candidate.training.finetune, lora_rank=candidate.training.lora_rank,
+                                  routing_imbalance=candidate.training.routing_imbalance)
     except TraceError as exc:
         raise PlannerError("trace", str(exc)) from None
     return TraceReport(candidate=candidate, traced=traced, profile=profile or DEFAULT_PROFILE)
