@@ -1,6 +1,7 @@
 """Where a ModelSpec comes from: presets (planner/catalog/models.json), config.json files or
-directories, Hugging Face config dicts, dispatched by model_type to the family readers (families.py);
-nn.Modules go to module.py."""
+directories, Hugging Face Hub ids (hub.py), Hugging Face config dicts, dispatched by model_type to the family
+readers (families.py); nn.Modules go to module.py. A string is a local config path if one exists, else a
+preset, else a hub id (org/name)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from pathlib import Path
 from cost_models.specs import ModelSpec, SpecError
 from planner.errors import ModelNotFound, PlannerError, UnsupportedModel
 
+from . import hub
 from .config_reader import Cfg
 from .families import BUILDERS
 
@@ -26,8 +28,9 @@ _PRESET_META_KEYS = ("_source",)
 # ---------------------------------------------------------------------------------------------
 
 def resolve_model(model, *, trust_remote_code: bool = False) -> ModelSpec:
-    """ModelSpec from a preset name, a config.json path (file or directory), an HF config dict,
-    an nn.Module, or a ModelSpec (returned unchanged)."""
+    """ModelSpec from a preset name, a config.json path (file or directory), a Hub id ('Qwen/Qwen3-8B': its
+    config.json from the Hugging Face cache or the Hub), an HF config dict, an nn.Module, or a ModelSpec
+    (returned unchanged)."""
     if isinstance(model, ModelSpec):
         return model
     if isinstance(model, dict):
@@ -36,7 +39,7 @@ def resolve_model(model, *, trust_remote_code: bool = False) -> ModelSpec:
 
     if is_module(model):
         return from_module(model)
-    if isinstance(model, str) and _preset_key(model) is not None:
+    if _names_preset(model):
         return load_preset(model)
     if isinstance(model, (str, Path)):
         path = _config_path(model)
@@ -78,7 +81,7 @@ def hf_config_of(model) -> dict | None:
     """The HF config dict behind a preset name, a config path or a dict; None for an nn.Module."""
     if isinstance(model, dict):
         return dict(model)
-    if isinstance(model, str) and _preset_key(model) is not None:
+    if _names_preset(model):
         return preset_hf_config(model)
     if isinstance(model, (str, Path)):
         path = _config_path(model)
@@ -93,11 +96,24 @@ def _with_code_dir(cfg: dict, path: Path) -> dict:
     return cfg
 
 
-def _config_path(model: str | Path) -> Path:
-    """The config path a non-preset string names; ModelNotFound (with close preset names) when the
-    string looks like neither an existing path nor a path at all (a mistyped preset)."""
+def _names_preset(model) -> bool:
+    """A preset name, unless a local config of that name exists (the local file wins)."""
+    if not isinstance(model, str) or _preset_key(model) is None:
+        return False
     path = Path(model)
-    if isinstance(model, Path) or path.exists() or _looks_like_path(str(model)):
+    return not (path.is_file() or (path / "config.json").is_file())
+
+
+def _config_path(model: str | Path) -> Path:
+    """The config path a non-preset string names (a hub id's: its cached or downloaded config.json);
+    ModelNotFound (with close preset names) when the string looks like neither an existing path, a hub id
+    nor a path at all (a mistyped preset)."""
+    path = Path(model)
+    if isinstance(model, Path) or path.exists():
+        return path
+    if hub.is_hub_id(str(model)):
+        return hub.config_path(str(model))
+    if _looks_like_path(str(model)):
         return path
     raise _unknown_preset(str(model))
 
@@ -174,7 +190,9 @@ def _looks_like_path(text: str) -> bool:
 
 
 def _name_from_path(path: Path) -> str:
-    """'models/llama/config.json' -> 'llama'; 'tiny.json' -> 'tiny'."""
+    """'models/llama/config.json' -> 'llama'; 'tiny.json' -> 'tiny'; a hub cache snapshot's -> the repo's name."""
+    if hub.name_of_snapshot(path):
+        return hub.name_of_snapshot(path)
     if path.is_dir():
         return path.resolve().name
     return path.resolve().parent.name if path.stem == "config" else path.stem

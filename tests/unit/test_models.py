@@ -247,13 +247,15 @@ def test_malformed_config_json_raises_one_line_planner_error(tmp_path, content, 
     assert err.value.field == "model" and expected in str(err.value) and "\n" not in str(err.value)
 
 
-def test_missing_files_raise_planner_error(tmp_path):
+def test_missing_files_raise_planner_error(tmp_path, monkeypatch):
     with pytest.raises(PlannerError, match="no config.json"):
         resolve_model(str(tmp_path))
     with pytest.raises(PlannerError, match="no such file"):
         resolve_model(str(tmp_path / "missing.json"))
-    with pytest.raises(PlannerError, match="no such file"):
-        resolve_model("meta-llama/Llama-2-7b-hf")  # a Hub id: we do not download
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # a Hub id outside the cache: tests/unit/test_hub_ids.py
+    with pytest.raises(PlannerError, match="is not in the Hugging Face cache"):
+        resolve_model("meta-llama/Llama-2-7b-hf")
 
 
 _junk = st.one_of(st.none(), st.booleans(), st.integers(-3, 70), st.floats(-1, 2), st.text(max_size=3),
