@@ -10,7 +10,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from calibration import launch as launching
-from calibration import store
+from calibration import lock, store
 from calibration.fit import Sample, fit_profile, sample_from_record, specs_from_setup
 from cost_models.evaluate import Evaluation, evaluate
 from cost_models.profile import DEFAULT_PROFILE, Profile
@@ -142,6 +142,12 @@ def calibrate(request: CalibrationRequest, progress_stream=None) -> CalibrationR
     # this checkout), where a relative --out would name another directory than the user's.
     out = Path(request.out_dir).resolve()
     out.mkdir(parents=True, exist_ok=True)
+    with lock.hold(out, request.node_rank):  # one calibration per folder, until the report is made
+        return _calibrate_in(request, out, training, progress_stream)
+
+
+def _calibrate_in(request: CalibrationRequest, out: Path, training: TrainingSpec, progress_stream) -> CalibrationReport:
+    """calibrate's work, with the --out folder locked."""
     results_path = out / store.RESULTS_FILE
     existing, torn = store.read_results(results_path)
     if existing and not request.resume:
