@@ -4,6 +4,7 @@ report_calibration.py, a calibration's report)."""
 from __future__ import annotations
 
 import json
+import textwrap
 
 from tabulate import tabulate
 
@@ -44,12 +45,47 @@ _HEADERS = ["#", "sharding", "mesh", "precision", "offload", "act. ckpt", "micro
             "peak GiB", "states GiB", "gathered GiB", "activ. GiB", "logits GiB", "step s", "tok/s/GPU", "MFU"]
 
 
-def candidates_table(candidates: list[Candidate], top: int) -> str:
-    return tabulate([_row(i + 1, c) for i, c in enumerate(candidates[:top])], headers=_HEADERS,
-                    tablefmt="simple", disable_numparse=True)
+# The default view: at most this many columns; --wide shows every column (_HEADERS).
+NARROW_WIDTH = 100
+# The columns a reader needs first, most needed first: the narrow view drops from the end until the table fits.
+_NARROW = ["#", "tok/s/GPU", "peak GiB", "MFU", "sharding", "mesh", "act. ckpt", "micro", "accum", "step s",
+           "techniques", "precision", "offload", "activ. GiB", "states GiB", "gathered GiB", "logits GiB",
+           "bwd prefetch"]
+_KEPT = {"#", "tok/s/GPU", "peak GiB", "MFU", "step s"}  # shown even when every row has the same value
 
 
-def plan_text(p: Plan, top: int) -> str:
+def _table(rows: list[list], headers: list[str]) -> str:
+    return tabulate(rows, headers=headers, tablefmt="simple", disable_numparse=True)
+
+
+def candidates_table(candidates: list[Candidate], top: int, wide: bool = False) -> str:
+    """The candidates as a table. Narrow (the default): a column whose value is the same in every row moves to one
+    "every row:" line under the table, and the least needed columns go until the table fits NARROW_WIDTH."""
+    rows = [_row(i + 1, c) for i, c in enumerate(candidates[:top])]
+    if wide:
+        return _table(rows, _HEADERS)
+    index = {h: i for i, h in enumerate(_HEADERS)}
+    same = [h for h in _NARROW if h not in _KEPT and len({row[index[h]] for row in rows}) == 1]
+    shown = [h for h in _NARROW if h not in same]
+    dropped = []
+    while True:
+        ordered = [h for h in _HEADERS if h in shown]
+        text = _table([[row[index[h]] for h in ordered] for row in rows], ordered)
+        if max(len(line) for line in text.splitlines()) <= NARROW_WIDTH or len(shown) <= len(_KEPT):
+            break
+        dropped.append(shown.pop())
+    notes = ([f"every row: {', '.join(f'{h} {rows[0][index[h]]}' for h in _HEADERS if h in same)}"]
+             if same else []) + ([f"not shown: {', '.join(dropped)} (--wide shows every column)"] if dropped else [])
+    return "\n".join([text] + _wrap("; ".join(notes)))
+
+
+def _wrap(text: str, indent: int = 2) -> list[str]:
+    """A line of prose folded to NARROW_WIDTH, later lines indented (long words such as paths are not broken)."""
+    return textwrap.wrap(text, NARROW_WIDTH, subsequent_indent=" " * indent, break_long_words=False,
+                         break_on_hyphens=False) if text else []
+
+
+def plan_text(p: Plan, top: int, wide: bool = False) -> str:
     c0 = p.cluster
     lines = [
         *model_lines(p.model),
@@ -61,21 +97,20 @@ def plan_text(p: Plan, top: int) -> str:
     ]
     if p.candidates:
         lines += [f"Top {min(top, len(p.candidates))} (ranked by tokens/s per GPU; peak = reserved incl. CUDA context):",
-                  candidates_table(p.candidates, top), ""]
+                  candidates_table(p.candidates, top, wide), ""]
         best = p.best
         if best.memory.notes:
-            lines += [f"note: {n}" for n in best.memory.notes] + [""]
+            lines += [w for n in best.memory.notes for w in _wrap(f"note: {n}")] + [""]
     elif not p.misses:  # nothing was costed: the cause is in skipped / notes, never an empty table
-        lines += ["Nothing could be costed:"] + [f"  - {reason}" for reason in p.notes + p.skipped]
+        lines += ["Nothing could be costed:"] + [w for reason in p.notes + p.skipped for w in _wrap(f"  - {reason}", 4)]
         return "\n".join(lines)
     else:
-        lines += ["Nothing fits. Nearest misses:", candidates_table(p.misses, top), ""]
-        lines += [f"  #{i + 1}: {'; '.join(c.reasons)}" for i, c in enumerate(p.misses[:top])]
+        lines += ["Nothing fits. Nearest misses:", candidates_table(p.misses, top, wide), ""]
+        lines += [w for i, c in enumerate(p.misses[:top]) for w in _wrap(f"  #{i + 1}: {'; '.join(c.reasons)}", 6)]
         lines += ["", "Would fit with:" if p.suggestions else "No single change makes the nearest miss fit."]
-        lines += [f"  - {s}" for s in p.suggestions]
-    for reason in p.skipped:
-        lines.append(f"skipped: {reason}")
-    lines += [f"note: {n}" for n in p.notes]
+        lines += [w for s in p.suggestions for w in _wrap(f"  - {s}", 4)]
+    lines += [w for reason in p.skipped for w in _wrap(f"skipped: {reason}")]
+    lines += [w for n in p.notes for w in _wrap(f"note: {n}")]
     return "\n".join(lines)
 
 

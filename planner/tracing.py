@@ -254,11 +254,11 @@ def verified_plan_json(plan: Plan, top: int, verifications: list[Verification]) 
     return json.dumps(d, indent=2)
 
 
-def verified_plan_text(plan: Plan, top: int, verifications: list[Verification]) -> str:
+def verified_plan_text(plan: Plan, top: int, verifications: list[Verification], wide: bool = False) -> str:
     from .report import plan_text
 
     shown = max(top, max((v.rank for v in verifications), default=0))
-    text = plan_text(plan, shown)
+    text = plan_text(plan, shown, wide)
     if not plan.candidates:
         return text + "\n\nNothing fits: no candidate to verify with the trace tier."
     return (text + f"\n\nTrace tier check of the top {len(verifications)} (real FSDP2 step on fake tensors; "

@@ -27,6 +27,8 @@ def main_plan(
                                                               "search, fp32 | bf16 (repeatable; default: each "
                                                               "precision's own)")] = None,
     top: Annotated[int, typer.Option("--top", help="Candidates to show")] = 5,
+    wide: Annotated[bool, typer.Option("--wide", help="Every column of the table (default: the ones that fit "
+                                                      "100 columns)")] = False,
     output_format: FormatOpt = Format.table,
     emit: Annotated[Optional[Emit], typer.Option("--emit", help="Print only this artifact of the best config")] = None,
     verify_top: Annotated[int, typer.Option("--verify-top", help="Re-check the top K candidates with the trace tier "
@@ -66,7 +68,7 @@ def main_plan(
 
         checks = run_verification(p, verify_top, model, fitted)
         typer.echo(verified_plan_json(p, top, checks) if output_format is Format.json
-                   else verified_plan_text(p, top, checks))
+                   else verified_plan_text(p, top, checks, wide))
         if output_format is not Format.json and p.best is not None:
             typer.echo("\n" + recommendation_text(p.best))
         return
@@ -78,7 +80,7 @@ def main_plan(
     if output_format is Format.json:
         typer.echo(report.plan_json(p, top))
         return
-    typer.echo(report.plan_text(p, top))
+    typer.echo(report.plan_text(p, top, wide))
     if p.best is not None:
         typer.echo("\n" + recommendation_text(p.best))
 
