@@ -1,0 +1,206 @@
+"""The predicted step laid out in time: when each unit's forward, backward, recompute and collectives run.
+
+A rendering of estimate_step_time's own terms (its `terms` dict), not a second overlap model: the compute
+stream runs every unit's window back to back and waits, between windows, exactly what step_time.py prices as
+exposed (docs/step_time.md, "Overlap"). Forward: the root's and the first block's all-gathers are exposed,
+then block i's window hides block i+1's all-gather (issued when block i starts, FSDP2's prefetch). Backward:
+each block's window hides one all-gather and one reduction, sent one after the other on the network (the model
+adds them), then the last reduce-scatter and the root's are exposed; without backward prefetch a block's
+all-gather runs before its backward, unhidden. TP's and CP's collectives sit in the block's window, their
+exposed part after its compute; EP's all-to-alls are exposed. So the compute stream's busy time plus its waits
+is step_s. Where the uniform per-block window is not a literal schedule (the first backward window prices a
+reduction before any block has reduced, the last an all-gather with no block left; an MoE model's first sparse
+block waits what a sparse block waits) the event says so in its args.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from . import tensor_parallel
+from .profile import Profile
+from .specs import ClusterSpec, FsdpConfig, ModelSpec, Sharding, TrainingSpec
+from .step_time import TimeBreakdown, estimate_step_time, root_memory_bytes_per_token
+from .units import DTYPE_BYTES
+
+COMPUTE, ALL_GATHER, REDUCE, TP, CP, EP, OFFLOAD = ("compute", "FSDP all-gather", "FSDP reduce-scatter", "TP",
+                                                    "CP ring", "EP all-to-all", "offload copies")
+TRACKS = (COMPUTE, ALL_GATHER, REDUCE, TP, CP, EP, OFFLOAD)
+_SLOT = "the model's uniform per-block window prices this slot (cost_models/step_timeline.py)"
+
+
+@dataclass(frozen=True)
+class Span:
+    track: str           # one of TRACKS
+    name: str
+    phase: str           # forward, backward, recompute, optimizer, overhead, communication
+    start_s: float
+    dur_s: float
+    args: dict = field(default_factory=dict)
+
+    @property
+    def end_s(self) -> float:
+        return self.start_s + self.dur_s
+
+
+@dataclass(frozen=True)
+class StepTimeline:
+    spans: tuple[Span, ...]
+    time: TimeBreakdown
+    reduce_name: str     # what the reduction track runs: reduce-scatter, + replica all-reduce (HSDP), all-reduce
+
+    @property
+    def end_s(self) -> float:
+        return max(s.end_s for s in self.spans)
+
+
+class _Lanes:
+    """Spans per track; the compute stream's clock advances past each compute span and each wait."""
+
+    def __init__(self):
+        self.spans: list[Span] = []
+        self.now = 0.0  # the compute stream
+
+    def compute(self, name: str, phase: str, dur_s: float, **args) -> None:
+        if dur_s > 0:
+            self.spans.append(Span(COMPUTE, name, phase, self.now, dur_s, args))
+            self.now += dur_s
+
+    def comm(self, track: str, name: str, start_s: float, dur_s: float, **args) -> float:
+        """A collective from start_s; returns its end."""
+        if dur_s > 0:
+            self.spans.append(Span(track, name, "communication", start_s, dur_s, args))
+        return start_s + dur_s
+
+    def wait(self, dur_s: float) -> None:
+        self.now += max(0.0, dur_s)
+
+
+def uncovered_s(span: Span, busy: list[tuple[float, float]]) -> float:
+    """Seconds of `span` outside the sorted, disjoint `busy` intervals: a collective's exposed part."""
+    covered = sum(max(0.0, min(span.end_s, e) - max(span.start_s, s)) for s, e in busy)
+    return span.dur_s - covered
+
+
+def step_timeline(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, config: FsdpConfig,
+                  profile: Profile) -> StepTimeline:
+    """Every span of one optimizer step as estimate_step_time prices it (config: as evaluate runs it)."""
+    terms: dict = {}
+    t = estimate_step_time(model, cluster, training, config, profile, terms)
+    local = tensor_parallel.local_model(model, config)
+    L, nd, accum = local.n_layers, local.n_dense_layers, config.grad_accum
+    tp_t, cp_t, a2a = terms["tp"], terms["cp"], terms["a2a_s"]
+    ckpt_share = terms["ckpt_blocks"] / L
+    # (count, forward AG, backward AG, reduction, forward window, backward window) per kind; dense blocks run first
+    kinds = terms["kinds"]
+    order = [kinds[-1]] * nd + [kinds[0]] * (L - nd)
+
+    def mesh_exposed(i: int, backward: bool) -> tuple[float, float, float]:
+        """(TP, CP, EP) seconds block i's window waits for the mesh's collectives (EP: sparse blocks only)."""
+        ep = 2 * a2a * ((1 + ckpt_share) if backward else 1.0) if i >= nd else 0.0
+        if backward:
+            return tp_t.block_backward_exposed_s, cp_t.backward_exposed_s, ep
+        return tp_t.block_forward_exposed_s, cp_t.forward_exposed_s, ep
+
+    def window(lanes: _Lanes, i: int, backward: bool, label: str) -> float:
+        """Block i's compute then its mesh waits; returns the window's start."""
+        start = lanes.now
+        tp_exp, cp_exp, ep_s = mesh_exposed(i, backward)
+        total = order[i][5] if backward else order[i][4]
+        compute_s = total - tp_exp - cp_exp - ep_s
+        if backward:
+            recompute_s = terms["recompute_s"]
+            lanes.compute(f"recompute block {i}", "recompute", recompute_s)
+            lanes.compute(f"backward block {i}", "backward", compute_s - recompute_s)
+        else:
+            lanes.compute(f"forward block {i}", "forward", compute_s)
+        tp_total = tp_t.block_backward_s if backward else tp_t.block_forward_s
+        cp_total = cp_t.backward_s if backward else cp_t.forward_s
+        end = lanes.now + tp_exp
+        lanes.comm(TP, f"TP collectives block {i} {label}", end - tp_total, tp_total)
+        end += cp_exp
+        lanes.comm(CP, f"CP ring block {i} {label}", end - cp_total, cp_total)
+        lanes.comm(EP, f"all-to-all block {i} {label}", end, ep_s, note="dispatch + combine" +
+                   (", recompute's share included" if backward else ""))
+        lanes.wait(tp_exp + cp_exp + ep_s)
+        return start
+
+    root_f, root_b = _root_compute(local, config, terms)
+    reduce_name = ("all-reduce" if config.sharding is Sharding.NO_SHARD else "reduce-scatter + replica all-reduce"
+                   if config.replicate_group_size(cluster) > 1 else "reduce-scatter")
+    lanes = _Lanes()
+    for m in range(accum):
+        mb = f"mb {m}"
+        reducing = terms["sync_every_microstep"] or m == accum - 1
+        # forward: the root's and block 0's all-gathers before anything runs
+        end = lanes.comm(ALL_GATHER, f"all-gather root {mb}", lanes.now, terms["root_ag"])
+        end = lanes.comm(ALL_GATHER, f"all-gather block 0 {mb}", end, order[0][1])
+        lanes.wait(end - lanes.now)
+        for i in range(L):
+            issued = window(lanes, i, False, f"fwd {mb}")
+            if i + 1 < L:  # the next block's all-gather, hidden by this window; the model's wait before it
+                a_f = order[i + 1][1]
+                wait = max(0.0, a_f - order[i + 1][4])
+                # a wait ends when the gather does; at an MoE model's first sparse block the model prices the wait
+                # with a sparse window (not this dense one), so the drawn gather may start before this window
+                note = {"note": "waits what a sparse block waits (step_time's kinds)"} if order[i + 1] != order[i] \
+                    else {}
+                lanes.comm(ALL_GATHER, f"all-gather block {i + 1} {mb}", lanes.now + wait - a_f if wait else issued,
+                           a_f, **note)
+                lanes.wait(wait)
+        for name, dur in root_f:
+            lanes.compute(f"{name} {mb}", "forward", dur)
+        lanes.comm(TP, f"TP root collectives {mb}", lanes.now + tp_t.root_exposed_s - tp_t.root_s, tp_t.root_s)
+        lanes.wait(tp_t.root_exposed_s)
+        for name, dur in root_b:
+            lanes.compute(f"{name} {mb}", "backward", dur)
+        # backward, last block first
+        for k, i in enumerate(reversed(range(L))):
+            _, _, a_b, rs, _, bwd = order[i]
+            a_b = a_b if terms["gathers_in_backward"] else 0.0
+            rs = rs if reducing else 0.0
+            ag_name = f"all-gather block {i - 1} {mb}" if i > 0 else f"all-gather {mb}"
+            ag_args = {} if i > 0 else {"note": _SLOT}
+            rs_name = f"{reduce_name} block {i + 1} {mb}" if k > 0 else f"{reduce_name} {mb}"
+            rs_args = {} if k > 0 else {"note": _SLOT}
+            if config.backward_prefetch:
+                start = lanes.now
+                end = lanes.comm(ALL_GATHER, ag_name, start, a_b, **ag_args)
+                end = lanes.comm(REDUCE, rs_name, end, rs, **rs_args)
+                window(lanes, i, True, f"bwd {mb}")
+                lanes.wait(end - lanes.now)
+            else:  # its own all-gather first, unhidden; the previous block's reduction beside its backward
+                end = lanes.comm(ALL_GATHER, f"all-gather block {i} {mb}", lanes.now, a_b)
+                lanes.wait(end - lanes.now)
+                end = lanes.comm(REDUCE, rs_name, lanes.now, rs, **rs_args)
+                window(lanes, i, True, f"bwd {mb}")
+                lanes.wait(end - lanes.now)
+        end = lanes.comm(REDUCE, f"{reduce_name} block 0 {mb}", lanes.now, terms["last_rs"] if reducing else 0.0)
+        end = lanes.comm(REDUCE, f"{reduce_name} root {mb}", end, terms["root_rs"],
+                         **({} if reducing else {"note": "priced on this no_sync micro-step too (step_time.py)"}))
+        lanes.wait(end - lanes.now)
+        lanes.compute(f"micro-step overhead {mb}", "overhead", t.overhead_s / accum,
+                      note="profile.microstep_overhead_s: launches, Python, the data loader's hand-off")
+    lanes.compute("overlap slowdown", "overhead", t.overlap_slowdown_s,
+                  note="compute slowed by the NCCL kernels beside it (profile.overlap_slowdown x the hidden "
+                       "communication), spread over the step; drawn here")
+    end = lanes.comm(OFFLOAD, "offload copies (host <-> device)", lanes.now, t.offload_copy_s)
+    lanes.wait(end - lanes.now)
+    lanes.compute("optimizer step (CPU)" if config.offload else "optimizer step", "optimizer", t.optimizer_s)
+    return StepTimeline(tuple(lanes.spans), t, reduce_name)
+
+
+def _root_compute(local: ModelSpec, config: FsdpConfig, terms: dict):
+    """(forward, backward) named compute seconds of the root per micro-step: the head (one forward, two backward
+    products), the root's memory-bound chains by pass, FSDP2's copies, Float8's weight casts, TP's root copies."""
+    chains = root_memory_bytes_per_token(local, config, DTYPE_BYTES[config.precision.compute_dtype])
+    fwd_bytes, bwd_bytes = sum(f for _, f, _ in chains), sum(b for _, _, b in chains)
+    share_f = fwd_bytes / (fwd_bytes + bwd_bytes) if fwd_bytes + bwd_bytes else 0.0
+    mem = terms["root_memory_s"]
+    forward = [("head forward", terms["head_s"] / 3), ("root forward (embedding, final norm, loss)", mem * share_f)]
+    backward = [("head backward", 2 * terms["head_s"] / 3), ("root backward (loss, final norm, embedding)",
+                                                            mem * (1 - share_f)),
+                ("FSDP2 copy-in / copy-out, every unit", terms["fsdp_copy_s"]),
+                ("Float8 weight casts, every block", terms["weight_casts_s"]),
+                ("TP root copies", terms["tp"].root_copy_s)]
+    return forward, backward

@@ -1,0 +1,60 @@
+"""The predicted step as a Chrome trace-event file (`fsdp-plan explain --timeline FILE`), for Perfetto
+(ui.perfetto.dev) and chrome://tracing.
+
+Format: the Trace Event Format (https://docs.google.com/document/d/1CvAClvFfyA5R-PhYUmn5OOQtYMH4h6I0nSsKchNAySU):
+a JSON object whose "traceEvents" holds "X" (complete) events with ts / dur in microseconds on a pid / tid, and
+"M" (metadata) events naming the process and each thread. One thread per stream: the compute stream, then one
+per collective stream (FSDP's all-gather and reduction, the mesh's TP / CP / EP when the plan has them, the
+offload copies); the spans are cost_models.step_timeline's, so a collective's part outside the compute spans
+(its args' exposed_us) is what step_time.py prices as exposed.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from cost_models.profile import DEFAULT_PROFILE, Profile
+from cost_models.step_timeline import COMPUTE, REDUCE, TRACKS, StepTimeline, step_timeline, uncovered_s
+
+from .api import Candidate
+from .search import describe
+
+PID = 1
+
+
+def trace_events(c: Candidate, profile: Profile = DEFAULT_PROFILE) -> dict:
+    """The trace-event document of c's predicted optimizer step (`profile`: the one c was costed with)."""
+    return timeline_document(step_timeline(c.model, c.cluster, c.training, c.config, profile),
+                             f"predicted step: {c.model.name}, {describe(c.config)}, {c.cluster.n_gpus} x "
+                             f"{c.cluster.gpu.id}")
+
+
+def timeline_document(tl: StepTimeline, title: str) -> dict:
+    used = [track for track in TRACKS if any(s.track == track for s in tl.spans)]
+    tid = {track: i + 1 for i, track in enumerate(used)}
+    names = {REDUCE: f"FSDP {tl.reduce_name}"}
+    events: list[dict] = [{"ph": "M", "name": "process_name", "pid": PID, "tid": 0, "args": {"name": title}}]
+    for track in used:
+        events += [{"ph": "M", "name": "thread_name", "pid": PID, "tid": tid[track],
+                    "args": {"name": names.get(track, track)}},
+                   {"ph": "M", "name": "thread_sort_index", "pid": PID, "tid": tid[track],
+                    "args": {"sort_index": tid[track]}}]
+    busy = sorted((s.start_s, s.end_s) for s in tl.spans if s.track == COMPUTE)  # back to back: disjoint
+    for s in sorted(tl.spans, key=lambda s: (tid[s.track], s.start_s)):
+        args = dict(s.args)
+        if s.track != COMPUTE:
+            args["exposed_us"] = uncovered_s(s, busy) * 1e6
+        events.append({"ph": "X", "name": s.name, "cat": s.phase, "pid": PID, "tid": tid[s.track],
+                       "ts": s.start_s * 1e6, "dur": s.dur_s * 1e6, "args": args})
+    t = tl.time
+    return {"traceEvents": events, "displayTimeUnit": "ms",
+            "otherData": {"source": "fsdp-planner's cost model (cost_models/step_time.py), not a measurement",
+                          "step_s": t.step_s, "compute_s": t.compute_s, "exposed_comm_s": t.exposed_comm_s,
+                          "total_comm_s": t.total_comm_s, "optimizer_s": t.optimizer_s}}
+
+
+def write_timeline(c: Candidate, path: str, profile: Profile = DEFAULT_PROFILE) -> Path:
+    out = Path(path)
+    out.write_text(json.dumps(trace_events(c, profile)))
+    return out
