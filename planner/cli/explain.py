@@ -45,6 +45,9 @@ def register(app) -> None:
         plot: Annotated[Optional[str], typer.Option("--plot", help="Draw the step budget by operator class to "
                                                     "FILE.png or FILE.svg (the pick and the next 4, or the given "
                                                     "config; needs matplotlib)")] = None,
+        timeline: Annotated[Optional[str], typer.Option("--timeline", help="Write the predicted step (the explained "
+                                                        "config) to FILE.json as a Chrome trace: one compute track, "
+                                                        "one per collective stream; open in ui.perfetto.dev")] = None,
         output_format: FormatOpt = Format.table,
     ):
         """Walk through the winning config's memory and time budget, formula by formula. With any config flag,
@@ -83,3 +86,12 @@ def register(app) -> None:
                 typer.echo(f"step budget drawn to {drawn}", err=True)
             else:
                 typer.echo(f"\nstep budget drawn to {drawn}")
+        if timeline is not None:
+            from planner.timeline import write_timeline
+
+            try:
+                written = write_timeline(shown[0], timeline)
+            except OSError as e:
+                raise PlannerError("timeline", f"cannot write {timeline}: {e.strerror}") from None
+            said = f"predicted step written to {written} (a Chrome trace: ui.perfetto.dev or chrome://tracing)"
+            typer.echo(said if output_format is Format.json else "\n" + said, err=output_format is Format.json)
