@@ -13,6 +13,7 @@ from cost_models.evaluate import Evaluation, evaluate
 from cost_models.feasibility import refusals
 from cost_models.mesh_rules import mesh_refusals
 from cost_models.profile import DEFAULT_PROFILE, Profile
+from cost_models.schedules import Schedule
 from cost_models.specs import (Attention, ClusterSpec, Finetune, FsdpConfig, ModelSpec, Precision, Sharding,
                                REDUCE_DTYPES, SpecError, TrainingSpec, parse_enum)
 from cost_models.units import parse_bytes
@@ -184,12 +185,14 @@ def plan(model, gpus: int, *, gpu: str = DEFAULT_GPU, gpus_per_node: int | None 
          precisions: list[str] | None = None, attention: str | None = None, profile: Profile | None = None,
          space: SearchSpace | None = None, trust_remote_code: bool = False,
          reduce_dtypes: list[str] | None = None, tp: int | None = None, cp: int | None = None,
-         ep: int | None = None, pp: int | None = None, async_tp: bool | None = None,
+         ep: int | None = None, pp: int | None = None, pp_schedule: str | None = None,
+         pp_stages_per_rank: int | None = None, async_tp: bool | None = None,
          sequence_parallel: bool = True, routing_imbalance: float = 1.0) -> Plan:
     """Search every candidate configuration and rank those that fit by throughput. attention None: the
     model's first choice (sdpa, or eager for families that refuse it); reduce_dtypes: gradient reduction
-    dtypes to search (None: each precision's own); tp / cp / ep pin a mesh degree (None: searched), pp must be
-    1; async_tp True / False pins TP's overlap (None: searched where compile and TP run); sequence_parallel
+    dtypes to search (None: each precision's own); tp / cp / ep / pp pin a mesh degree (None: searched; pp 1
+    leaves pipelines out), pp_schedule / pp_stages_per_rank pin the pipeline's schedule (None: 1F1B and
+    interleaved 1F1B with 2 stages per rank; the microbatch count follows from the global batch); async_tp True / False pins TP's overlap (None: searched where compile and TP run); sequence_parallel
     False plans TP as transformers' tp_plan runs it; routing_imbalance: MoE under EP, the busiest rank's routed
     rows over the mean (1: balanced)."""
     spec, cluster, training = resolve_inputs(
@@ -204,18 +207,28 @@ def plan(model, gpus: int, *, gpu: str = DEFAULT_GPU, gpus_per_node: int | None 
             attention=parse_enum(Attention, model_attention(spec, attention), "attention"),
             reduce_dtypes=tuple(_reduce_dtype(r) for r in reduce_dtypes) if reduce_dtypes else (None,),
             tp=tp, cp=cp, ep=ep, async_tp=(False, True) if async_tp is None else (async_tp,),
-            sequence_parallel=sequence_parallel)
-        _check_pinned_mesh(spec, cluster, training, space, pp)
+            sequence_parallel=sequence_parallel, pp=pp,
+            pp_schedule=parse_enum(Schedule, pp_schedule, "pp_schedule") if pp_schedule is not None else None,
+            pp_stages_per_rank=pp_stages_per_rank)
+        _check_pinned_mesh(spec, cluster, training, space)
     return plan_for(spec, cluster, training, profile, space)
 
 
-def _check_pinned_mesh(spec: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, space: SearchSpace,
-                       pp: int | None) -> None:
-    """A pinned degree the model or cluster does not allow is one line (PlannerError), not an empty plan."""
-    config = FsdpConfig(tp=space.tp or 1, cp=space.cp or 1, pp=pp or 1, ep=space.ep or 1,
-                        attention=space.attention, sequence_parallel=space.sequence_parallel)
-    refused = [r for r in mesh_refusals(spec, cluster, training, config)
-               if r.code != "ep-does-not-divide" or spec.moe is None or spec.moe.n_experts % config.ep]
+def _check_pinned_mesh(spec: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, space: SearchSpace) -> None:
+    """A pinned degree the model or cluster does not allow is one line (PlannerError), not an empty plan. The
+    microbatch count is the search's to choose (from the micro-batch), so its rules are not checked here."""
+    pipelined = space.pp is not None and space.pp > 1
+    if not pipelined and (space.pp_schedule is not None or space.pp_stages_per_rank is not None):
+        given = "pp_schedule" if space.pp_schedule is not None else "pp_stages_per_rank"
+        raise PlannerError(given, "pins the pipeline's schedule: give pp >= 2 (--pp N) with it, or leave it out "
+                                  "(the search tries 1f1b and interleaved-1f1b with 2 stages per rank)")
+    config = FsdpConfig(tp=space.tp or 1, cp=space.cp or 1, pp=space.pp or 1, ep=space.ep or 1,
+                        attention=space.attention, sequence_parallel=space.sequence_parallel,
+                        pp_schedule=space.pp_schedule or Schedule.ONE_F_ONE_B,
+                        pp_stages_per_rank=space.pp_stages_per_rank or 0)
+    refused = [r for r in sorted(mesh_refusals(spec, cluster, training, config), key=lambda r: r.code == "pp-not-planned")
+               if (r.code != "ep-does-not-divide" or spec.moe is None or spec.moe.n_experts % config.ep)
+               and r.field != "micro_batch"]
     if refused:
         raise PlannerError(refused[0].field, f"{refused[0].reason}; {refused[0].fix}")
 
@@ -250,7 +263,8 @@ def estimate(model, gpus: int, *, gpu: str = DEFAULT_GPU, gpus_per_node: int | N
              trust_remote_code: bool = False, expert_shard_dim: int = 0, expert_units: bool = False,
              reduce_dtype: str | None = None, compile: bool = False, float8: bool = False,
              fp8_all_gather: bool = False, reshard_after_forward: int = 0, tp: int = 1, cp: int = 1, ep: int = 1,
-             pp: int = 1, async_tp: bool = False, sequence_parallel: bool = True,
+             pp: int = 1, pp_schedule: str | None = None, pp_stages_per_rank: int | None = None,
+             async_tp: bool = False, sequence_parallel: bool = True,
              routing_imbalance: float = 1.0) -> Candidate:
     """Cost one explicit configuration (attention None: the model's first choice; expert_shard_dim=1: FSDP2
     shards stacked MoE expert matrices on dim 1, unpadded; expert_units: MoE experts as their own units;
@@ -259,7 +273,10 @@ def estimate(model, gpus: int, *, gpu: str = DEFAULT_GPU, gpus_per_node: int | N
     torchao Float8 linears, fp8_all_gather: FSDP2 gathers them in FP8; reshard_after_forward N: FSDP2 keeps
     block params sharded over N ranks after forward, 0: the strategy's own, as is N equal to the shard group,
     which FSDP2 reads as True; tp / cp / ep / pp: the device mesh's tensor, context, expert and pipeline degrees
-    beside FSDP over the rest (cost_models/mesh.py), async_tp: TP's collectives overlapped (needs compile),
+    beside FSDP over the rest (cost_models/mesh.py); with pp > 1, pp_schedule (gpipe, 1f1b - the default -,
+    interleaved-1f1b, zero-bubble, dualpipev) and pp_stages_per_rank (looped schedules; None: 2), and micro_batch
+    is the pipeline microbatch: the local batch (global batch / data-parallel ranks) is split into grad_accum
+    microbatches run in one schedule step (cost_models/pipeline.py); async_tp: TP's collectives overlapped (needs compile),
     sequence_parallel False: TP as transformers' tp_plan runs it). What cannot run on the cluster, or a mesh the
     model does not allow, raises PlannerError (cost_models.feasibility, cost_models.mesh_rules)."""
     spec, cluster, training = resolve_inputs(
@@ -268,6 +285,9 @@ def estimate(model, gpus: int, *, gpu: str = DEFAULT_GPU, gpus_per_node: int | N
         seq_len=seq_len, global_batch=global_batch, optimizer=optimizer, finetune=finetune, lora_rank=lora_rank,
         attention=attention, trust_remote_code=trust_remote_code, routing_imbalance=routing_imbalance)
     attention = model_attention(spec, attention)
+    if pp == 1 and (pp_schedule is not None or pp_stages_per_rank is not None):
+        given = "pp_schedule" if pp_schedule is not None else "pp_stages_per_rank"
+        raise PlannerError(given, "needs pipeline parallelism: give pp >= 2 (--pp N) with it, or leave it out")
     if grad_accum is None:
         grad_accum = grad_accum_for(micro_batch, cluster, training, tp * cp * pp)
     config = FsdpConfig(sharding=sharding, precision=precision, offload=offload,
@@ -277,7 +297,8 @@ def estimate(model, gpus: int, *, gpu: str = DEFAULT_GPU, gpus_per_node: int | N
                         expert_shard_dim=expert_shard_dim, expert_units=expert_units, reduce_dtype=reduce_dtype,
                         compile=compile, float8=float8, fp8_all_gather=fp8_all_gather,
                         reshard_after_forward=reshard_after_forward, tp=tp, cp=cp, ep=ep, pp=pp, async_tp=async_tp,
-                        sequence_parallel=sequence_parallel)
+                        sequence_parallel=sequence_parallel, pp_schedule=pp_schedule or Schedule.ONE_F_ONE_B,
+                        pp_stages_per_rank=pp_stages_per_rank or 0)
     if expert_units and spec.moe is None:
         raise PlannerError("expert_units", f"{spec.name} has no routed experts (a dense model): drop --expert-units")
     return estimate_config(spec, cluster, training, config, profile)
@@ -338,7 +359,9 @@ def estimate_config(spec: ModelSpec, cluster: ClusterSpec, training: TrainingSpe
                     profile: Profile | None = None) -> Candidate:
     """Cost an FsdpConfig; configurations that cannot run on the cluster at all, or on a mesh the model does not
     allow, raise PlannerError."""
-    refused = mesh_refusals(spec, cluster, training, config)
+    # TODO(issue 18): drop the sort with mesh_rules' pp-not-planned; until then the stage and microbatch rules
+    # the input breaks name their own field first
+    refused = sorted(mesh_refusals(spec, cluster, training, config), key=lambda r: r.code == "pp-not-planned")
     if refused:
         raise PlannerError(refused[0].field, f"{refused[0].reason}; {refused[0].fix}")
     error = cluster_rejects(cluster, config)

@@ -19,8 +19,11 @@ too, the other way out of memory):
 - cp: sequences of at least MIN_CP_TOKENS tokens per rank (ring attention's exchanges hide behind the attention
   only on long chunks), 2 x cp dividing the sequence;
 - ep: for MoE, divisors of the experts that divide dp_shard x cp x tp;
-and the global batch a multiple of the data-parallel ranks (GPUs / tp x cp) x micro-batch. Pinned degrees
-(SearchSpace.tp / cp / ep) are searched alone.
+- pp: after each mesh without it, pipelines of growing degree (planner/search_pipeline.py: 1F1B and interleaved
+  1F1B, the microbatch count the global batch gives), walked while they fit better or faster than the degree
+  before: PP is kept where it wins, or where nothing fits without it;
+and the global batch a multiple of the data-parallel ranks (GPUs / tp x cp x pp) x micro-batch. Pinned degrees
+(SearchSpace.tp / cp / ep / pp) are searched alone.
 """
 
 from __future__ import annotations
@@ -32,9 +35,13 @@ from cost_models import moe
 from cost_models.evaluate import Evaluation, evaluate, unsupported_reasons
 from cost_models.mesh import mesh_of
 from cost_models.mesh_rules import cp_degrees, divisors, ep_degrees, mesh_refusals, tp_degrees
+from cost_models.pipeline import microbatch_refusal
 from cost_models.profile import Profile
+from cost_models.schedules import Schedule
 from cost_models.specs import (SELECTIVE_OP, Attention, ClusterSpec, FsdpConfig, ModelSpec, Precision, Sharding,
                                TrainingSpec)
+
+from .search_pipeline import NO_PIPELINE, PP_SHARDINGS, Pipeline, microbatch_plans, pipelines, pp_degrees
 
 MICRO_BATCHES = (1, 2, 4, 8, 16, 32, 64)
 AC_CHOICES = (0, 4, 2, 1, SELECTIVE_OP)  # none, every 4th, every 2nd, every block, torchtitan's op-level policy
@@ -70,6 +77,11 @@ class SearchSpace:
     ep: int | None = None
     async_tp: tuple[bool, ...] = (False, True)   # with tp, compile and sequence parallel
     sequence_parallel: bool = True               # False: transformers' tp_plan (the user's --no-sequence-parallel)
+    # pipelines (planner/search_pipeline.py): pp None walks the degrees, 1 leaves PP out, N pins it; a pinned
+    # schedule / stages per rank narrows the schedules tried
+    pp: int | None = None
+    pp_schedule: Schedule | None = None
+    pp_stages_per_rank: int | None = None
 
     def compile_for(self, cluster: ClusterSpec) -> tuple[bool, ...]:
         if self.compile is not None:
@@ -96,16 +108,18 @@ class MeshChoice:
     tp: int = 1
     cp: int = 1
     ep: int = 1
+    pipeline: Pipeline = NO_PIPELINE
 
     @property
     def model_parallel(self) -> int:
-        return self.tp * self.cp
+        return self.tp * self.cp * self.pipeline.pp
 
 
 def mesh_choices(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
                  space: SearchSpace) -> list[MeshChoice]:
-    """The (tp, cp, ep) the search tries, data parallelism alone first. ep is checked against each strategy's
-    dp_shard in the search (mesh_refusals, once per mesh and strategy)."""
+    """The (tp, cp, ep) the search tries without a pipeline, data parallelism alone first (pp pinned: with it).
+    ep is checked against each strategy's dp_shard in the search (mesh_refusals, once per mesh and strategy);
+    the pipelines over each are pipeline_meshes'."""
     n = cluster.n_gpus
     tps = [space.tp] if space.tp else [t for t in tp_degrees(model) if n % t == 0 and t <= cluster.fast_tier_gpus]
     cps = [space.cp] if space.cp else [c for c in cp_degrees(training.seq_len, n)
@@ -116,7 +130,20 @@ def mesh_choices(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
     both = space.tp is not None and space.ep is not None
     out = [MeshChoice(t, c, e) for t in tps for c in cps for e in eps
            if n % (t * c) == 0 and (both or t == 1 or e == 1)]
-    return sorted(out, key=lambda m: (m.tp * m.cp * m.ep, m.tp, m.cp))
+    out = sorted(out, key=lambda m: (m.tp * m.cp * m.ep, m.tp, m.cp))
+    if space.pp is not None and space.pp > 1:  # pinned: every mesh with that pipeline, and no mesh without it
+        return [replace(m, pipeline=p) for m in out for p in pipeline_meshes(model, cluster, space, m)]
+    return out
+
+
+def pipeline_meshes(model: ModelSpec, cluster: ClusterSpec, space: SearchSpace, mesh: MeshChoice) -> list[Pipeline]:
+    """The pipelines over `mesh`'s tp x cp (x ep) the search may walk, by degree then schedule (PP_SCHEDULES'
+    order); none when the space leaves PP out."""
+    if space.pp == 1:
+        return []
+    free = cluster.n_gpus // (mesh.tp * mesh.cp)
+    return [p for pp in pp_degrees(model, free, space.pp)
+            for p in pipelines(model, pp, space.pp_schedule, space.pp_stages_per_rank)]
 
 
 @dataclass
@@ -149,7 +176,8 @@ def _distinct(ranked: list[Evaluation]) -> list[Evaluation]:
         c = e.config
         key = (c.sharding, c.precision, c.offload, c.ac_every, c.selective_op_ac, c.micro_batch, c.grad_accum,
                c.expert_shard_dim, c.expert_units, c.gradient_reduce_dtype, c.compile, c.float8, c.fp8_all_gather,
-               c.reshard_after_forward, c.tp, c.cp, c.ep, c.pp, c.async_tp, c.sequence_parallel)
+               c.reshard_after_forward, c.tp, c.cp, c.ep, c.pp, c.pp_schedule, c.pp_stages_per_rank, c.async_tp,
+               c.sequence_parallel)
         if key not in seen:
             seen.add(key)
             out.append(e)
@@ -272,76 +300,135 @@ def describe_mesh(config: FsdpConfig, cluster: ClusterSpec) -> str:
     return mesh_of(config, cluster).describe()
 
 
+@dataclass
+class _Found:
+    fitting: list[Evaluation] = field(default_factory=list)
+    misses: list[Evaluation] = field(default_factory=list)
+    n_costed: int = 0
+
+    def best_tokens_per_s(self) -> float | None:
+        return max((e.time.tokens_per_s_per_gpu for e in self.fitting), default=None)
+
+
+def _cost_mesh(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, profile: Profile,
+               space: SearchSpace, shardings: tuple[Sharding, ...], mesh: MeshChoice) -> _Found | None:
+    """Every knob combination on one mesh (None: no micro-batch reaches the global batch on it)."""
+    data_parallel = cluster.n_gpus // mesh.model_parallel
+    pipe = mesh.pipeline
+    plans = microbatch_plans(training, data_parallel, space.micro_batches, pipe)
+    if not plans:
+        return None
+
+    def probe(sharding: Sharding = Sharding.FULL_SHARD, mb: int = 1, accum: int = 1) -> FsdpConfig:
+        """What the mesh rules and the schedule's microbatch rule read: the mesh, the strategy, the microbatches."""
+        return FsdpConfig(sharding=sharding, micro_batch=mb, grad_accum=accum, attention=space.attention, tp=mesh.tp,
+                          cp=mesh.cp, ep=mesh.ep, pp=pipe.pp, pp_schedule=pipe.schedule,
+                          pp_stages_per_rank=pipe.stages_per_rank, sequence_parallel=space.sequence_parallel)
+
+    if pipe.pp > 1:  # microbatch counts the schedule refuses (torch raises on them) are not costed, nor (unless
+        # the schedule is pinned) fewer than the stages: torchtitan warns of the bubble, interleaving gains nothing
+        least = 1 if space.pp_schedule is not None else pipe.stages
+        plans = [(mb, accum) for mb, accum in plans
+                 if accum >= least and microbatch_refusal(probe(mb=mb, accum=accum)) is None]
+        if not plans:
+            return None
+    found = _Found()
+    plain = mesh == MeshChoice()
+    runs: dict[Sharding, bool] = {}
+
+    def mesh_runs(config: FsdpConfig) -> bool:
+        """The mesh rules pass (EP dividing this strategy's dp_shard x cp x tp among them), and HYBRID is not
+        FULL_SHARD or DDP by another name; they read only the mesh and the strategy (a pipeline's microbatches
+        are checked before), so once per strategy."""
+        if config.sharding not in runs:
+            dp_shard = config.dp_shard_size(cluster)
+            runs[config.sharding] = not mesh_refusals(model, cluster, training, config) and not (
+                config.sharding.is_hybrid and dp_shard in (1, config.data_parallel_size(cluster)))
+        return runs[config.sharding]
+
+    # FSDP1-only knobs (no backward prefetch, no rate limiter) only where FSDP1 can run: no mesh
+    prefetches = space.backward_prefetch if plain else (True,)
+    limits = space.limit_all_gathers if plain else (True,)
+    mesh_shardings = shardings if mesh.cp == 1 else tuple(s for s in shardings if s is not Sharding.NO_SHARD)
+    if pipe.pp > 1:
+        mesh_shardings = tuple(s for s in mesh_shardings if s in PP_SHARDINGS)
+    if not plain:  # a strategy the mesh rules refuse here costs nothing (once per strategy, not per knob)
+        mb, accum = plans[0] if plans else (1, 1)
+        mesh_shardings = tuple(s for s in mesh_shardings if mesh_runs(probe(s, mb, accum)))
+    # CPU offload is the way out for data parallelism alone; a mesh is the other way out, not combined with it
+    offloads = space.offload if plain else (False,)
+    knobs = itertools.product(mesh_shardings, space.precisions_for(cluster), offloads, space.ac_every,
+                              prefetches, limits, space.reduce_dtypes)
+    for (sharding, precision, offload, ac, prefetch, limit, reduce, dim, units, compile_, float8, fp8_all_gather,
+         reshard, async_tp) in _with_techniques(_with_expert_options(knobs, model, cluster, space, mesh),
+                                                cluster, space, mesh):
+        if offload and sharding is Sharding.NO_SHARD:
+            continue  # FSDP offloads shards; with nothing sharded DDP-style offload is not offered
+        for mb, accum in plans:
+            config = FsdpConfig(sharding=sharding, precision=precision, offload=offload, ac_every=ac,
+                                micro_batch=mb, grad_accum=accum, attention=space.attention,
+                                backward_prefetch=prefetch, limit_all_gathers=limit, expert_shard_dim=dim,
+                                expert_units=units, reduce_dtype=None if reduce == precision.reduce_dtype else reduce,
+                                compile=compile_, float8=float8, fp8_all_gather=fp8_all_gather,
+                                reshard_after_forward=reshard, tp=mesh.tp, cp=mesh.cp, ep=mesh.ep, pp=pipe.pp,
+                                pp_schedule=pipe.schedule, pp_stages_per_rank=pipe.stages_per_rank,
+                                async_tp=async_tp, sequence_parallel=space.sequence_parallel)
+            if unsupported_reasons(cluster, config):
+                break
+            e = evaluate(model, cluster, training, config, profile)
+            found.n_costed += 1
+            if e.fits:
+                found.fitting.append(e)
+            else:
+                found.misses.append(e)
+                break  # larger micro-batches need more memory
+    return found
+
+
+def _better(found: _Found | None, before: float | None) -> bool:
+    """Whether the pipeline walk goes on past `found`: it fits faster than the degree before, or nothing fit
+    before (PP where nothing fits without it)."""
+    best = found.best_tokens_per_s() if found is not None else None
+    return before is None or (best is not None and best > before)
+
+
 def search(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, profile: Profile,
            space: SearchSpace = SearchSpace()) -> SearchResult:
-    fitting: list[Evaluation] = []
-    misses: list[Evaluation] = []
+    """Cost the space. Each mesh without a pipeline, then its pipelines (pipeline_meshes) by growing degree for each
+    schedule, while a degree fits faster than the one before (or nothing fit before): a larger pp halves the
+    data-parallel ranks and grows the bubble, so past the best degree none is faster."""
+    found: list[_Found] = []
     skipped: list[str] = []
-    n_costed = 0
     shardings = space.shardings_for(cluster)
     if len(shardings) < len(space.shardings):
         skipped.append("HYBRID strategies: single node (or GPUs not divisible by GPUs per node), "
                        "where they equal FULL_SHARD / SHARD_GRAD_OP")
-    meshes = mesh_choices(model, cluster, training, space)
-    usable = 0
-    for mesh in meshes:
-        data_parallel = cluster.n_gpus // mesh.model_parallel
-        micro_batches = [mb for mb in space.micro_batches if training.grad_accum_for(mb, data_parallel) is not None]
-        if not micro_batches:
-            continue
-        usable += 1
-        plain = mesh == MeshChoice()
-        runs: dict[Sharding, bool] = {}
-
-        def mesh_runs(config: FsdpConfig) -> bool:
-            """The mesh rules pass (EP dividing this strategy's dp_shard x cp x tp among them), and HYBRID is not
-            FULL_SHARD or DDP by another name; they read only the mesh and the strategy, so once per strategy."""
-            if config.sharding not in runs:
-                dp_shard = config.dp_shard_size(cluster)
-                runs[config.sharding] = not mesh_refusals(model, cluster, training, config) and not (
-                    config.sharding.is_hybrid and dp_shard in (1, config.data_parallel_size(cluster)))
-            return runs[config.sharding]
-
-        # FSDP1-only knobs (no backward prefetch, no rate limiter) only where FSDP1 can run: no mesh
-        prefetches = space.backward_prefetch if plain else (True,)
-        limits = space.limit_all_gathers if plain else (True,)
-        mesh_shardings = shardings if mesh.cp == 1 else tuple(s for s in shardings if s is not Sharding.NO_SHARD)
-        # CPU offload is the way out for data parallelism alone; a mesh is the other way out, not combined with it
-        offloads = space.offload if plain else (False,)
-        knobs = itertools.product(mesh_shardings, space.precisions_for(cluster), offloads, space.ac_every,
-                                  prefetches, limits, space.reduce_dtypes)
-        for (sharding, precision, offload, ac, prefetch, limit, reduce, dim, units, compile_, float8, fp8_all_gather,
-             reshard, async_tp) in _with_techniques(_with_expert_options(knobs, model, cluster, space, mesh),
-                                                    cluster, space, mesh):
-            if offload and sharding is Sharding.NO_SHARD:
-                continue  # FSDP offloads shards; with nothing sharded DDP-style offload is not offered
-            for mb in micro_batches:
-                config = FsdpConfig(sharding=sharding, precision=precision, offload=offload, ac_every=ac,
-                                    micro_batch=mb, grad_accum=training.grad_accum_for(mb, data_parallel),
-                                    attention=space.attention, backward_prefetch=prefetch,
-                                    limit_all_gathers=limit, expert_shard_dim=dim, expert_units=units,
-                                    reduce_dtype=None if reduce == precision.reduce_dtype else reduce,
-                                    compile=compile_, float8=float8, fp8_all_gather=fp8_all_gather,
-                                    reshard_after_forward=reshard, tp=mesh.tp, cp=mesh.cp, ep=mesh.ep,
-                                    async_tp=async_tp, sequence_parallel=space.sequence_parallel)
-                if not plain and not mesh_runs(config):
-                    break
-                if unsupported_reasons(cluster, config):
-                    break
-                e = evaluate(model, cluster, training, config, profile)
-                n_costed += 1
-                if e.fits:
-                    fitting.append(e)
-                else:
-                    misses.append(e)
-                    break  # larger micro-batches need more memory
-    if not usable:
+    cost = lambda mesh: _cost_mesh(model, cluster, training, profile, space, shardings, mesh)  # noqa: E731
+    for mesh in mesh_choices(model, cluster, training, space):
+        flat = cost(mesh)
+        found.append(flat)
+        if mesh.pipeline.pp > 1:
+            continue  # pinned pp: mesh_choices gave the pipelines themselves
+        best_before: dict[tuple, float | None] = {}  # per schedule: the last degree's best tokens/s/GPU
+        stopped: set[tuple] = set()
+        for pipe in pipeline_meshes(model, cluster, space, mesh):
+            key = (pipe.schedule, pipe.stages_per_rank)
+            if key in stopped:
+                continue
+            piped = cost(replace(mesh, pipeline=pipe))
+            found.append(piped)
+            if _better(piped, best_before.get(key, flat.best_tokens_per_s() if flat is not None else None)):
+                best_before[key] = piped.best_tokens_per_s() if piped is not None else None
+            else:
+                stopped.add(key)
+    costed = [f for f in found if f is not None]
+    if not costed:
         skipped.append(f"every micro-batch: global batch {training.global_batch} is not a multiple of "
                        f"micro-batch x the data-parallel ranks for any of {space.micro_batches} on any mesh")
-    fitting = _distinct(sorted(fitting, key=rank_key))
-    misses = _distinct(sorted(misses, key=overshoot))
+    fitting = _distinct(sorted((e for f in costed for e in f.fitting), key=rank_key))
+    misses = _distinct(sorted((e for f in costed for e in f.misses), key=overshoot))
     note = data_parallel_note(cluster, training, space, fitting)
-    return SearchResult(fitting=fitting, misses=misses, n_costed=n_costed, skipped=skipped,
+    return SearchResult(fitting=fitting, misses=misses, n_costed=sum(f.n_costed for f in costed), skipped=skipped,
                         notes=[note] if note else [])
 
 

@@ -18,8 +18,8 @@ from typing import Annotated, Optional
 import typer
 
 from planner.cli.options import (AttentionOpt, Cp, Ep, FinetuneOpt, FormatOpt, Format, GlobalBatch, Gpu, Gpus,
-                                 GpusPerNode, InternodeGbps, LoraRank, Model, Optim, SeqLen, Tp, finite_float,
-                                 mesh_degrees)
+                                 GpusPerNode, InternodeGbps, LoraRank, Model, Optim, Pp, PpSchedule, PpStagesPerRank,
+                                 SeqLen, Tp, finite_float, mesh_degrees, pipeline_args)
 
 
 class CalibrateEmit(str, Enum):
@@ -68,7 +68,8 @@ def register(app) -> None:
         offload: Annotated[Optional[bool], typer.Option("--offload/--no-offload")] = None,
         backward_prefetch: Annotated[Optional[bool], typer.Option("--backward-prefetch/--no-backward-prefetch")] = None,
         limit_all_gathers: Annotated[Optional[bool], typer.Option("--limit-all-gathers/--no-limit-all-gathers")] = None,
-        tp: Tp = None, cp: Cp = None, ep: Ep = None,
+        tp: Tp = None, cp: Cp = None, ep: Ep = None, pp: Pp = None, pp_schedule: PpSchedule = None,
+        pp_stages_per_rank: PpStagesPerRank = None,
         sequence_parallel: Annotated[Optional[bool], typer.Option(
             "--sequence-parallel/--no-sequence-parallel", help="With --tp: torchtitan's sequence + loss parallel "
             "(default), or transformers' tp_plan")] = None,
@@ -105,7 +106,8 @@ def register(app) -> None:
                                        micro_batch=micro_batch, grad_accum=grad_accum, offload=offload,
                                        backward_prefetch=backward_prefetch,
                                        limit_all_gathers=limit_all_gathers, sequence_parallel=sequence_parallel,
-                                       **mesh_degrees(tp, cp, ep, None)).items() if v is not None}
+                                       **mesh_degrees(tp, cp, ep, pp),
+                                       **pipeline_args(pp_schedule, pp_stages_per_rank)).items() if v is not None}
         config = None
         if given:
             if top is not None:
@@ -118,7 +120,7 @@ def register(app) -> None:
             if config.grad_accum == 1 and global_batch and grad_accum is None:
                 world = emulate_world_size or gpus
                 if world % config.model_parallel:
-                    raise PlannerError("mesh", f"tp x cp = {config.model_parallel} does not divide gpus={world}")
+                    raise PlannerError("mesh", f"tp x cp x pp = {config.model_parallel} does not divide gpus={world}")
                 # the global batch splits over the data-parallel ranks only (a TP / CP group shares its sequences)
                 per_step = config.micro_batch * (world // config.model_parallel)
                 if global_batch % per_step:

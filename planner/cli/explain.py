@@ -10,7 +10,8 @@ import typer
 
 from planner.cli.options import (AttentionOpt, CpuRam, FinetuneOpt, Format, FormatOpt, GlobalBatch, Gpu, GpuMemory,
                                  Gpus, GpusPerNode, InternodeGbps, IntraNode, LoraRank, Model, Optim, Pcie, SeqLen,
-                                 Cp, Ep, Pp, Tp, cluster_and_training, mesh_degrees)
+                                 Cp, Ep, Pp, PP_MICRO_BATCH, PpSchedule, PpStagesPerRank, Tp, cluster_and_training,
+                                 mesh_degrees, pipeline_args)
 
 
 
@@ -31,14 +32,16 @@ def register(app) -> None:
         precision: Annotated[Optional[str], _opt("--precision", "fp32, bf16, bf16-pure, fp16")] = None,
         activation_checkpointing: Annotated[Optional[str], _opt("--activation-checkpointing",
                                                                 "none, full, every-K, selective-op")] = None,
-        micro_batch: Annotated[Optional[int], _opt("--micro-batch", "sequences per GPU per micro-step")] = None,
+        micro_batch: Annotated[Optional[int], _opt("--micro-batch", "sequences per GPU per micro-step; "
+                                                               + PP_MICRO_BATCH)] = None,
         grad_accum: Annotated[Optional[int], _opt("--grad-accum", "micro-steps per optimizer step")] = None,
         offload: Annotated[Optional[bool], _opt("--offload/--no-offload", "CPU offload")] = None,
         compile: Annotated[Optional[bool], _opt("--compile/--no-compile", "torch.compile each block")] = None,
         float8: Annotated[Optional[bool], _opt("--float8/--no-float8", "torchao Float8 linears")] = None,
         fp8_all_gather: Annotated[Optional[bool], _opt("--fp8-all-gather/--no-fp8-all-gather",
                                                        "with --float8, all-gather in FP8")] = None,
-        tp: Tp = None, cp: Cp = None, ep: Ep = None, pp: Pp = None,
+        tp: Tp = None, cp: Cp = None, ep: Ep = None, pp: Pp = None, pp_schedule: PpSchedule = None,
+        pp_stages_per_rank: PpStagesPerRank = None,
         async_tp: Annotated[Optional[bool], _opt("--async-tp/--no-async-tp", "TP's collectives overlapped")] = None,
         sequence_parallel: Annotated[Optional[bool], _opt("--sequence-parallel/--no-sequence-parallel",
                                                           "with --tp: sequence and loss parallel")] = None,
@@ -61,7 +64,8 @@ def register(app) -> None:
                                     lora_rank)
         config = dict(sharding=sharding, precision=precision, activation_checkpointing=activation_checkpointing,
                       micro_batch=micro_batch, grad_accum=grad_accum, offload=offload, compile=compile,
-                      float8=float8, fp8_all_gather=fp8_all_gather, **mesh_degrees(tp, cp, ep, pp), async_tp=async_tp,
+                      float8=float8, fp8_all_gather=fp8_all_gather, **mesh_degrees(tp, cp, ep, pp),
+                      **pipeline_args(pp_schedule, pp_stages_per_rank), async_tp=async_tp,
                       sequence_parallel=sequence_parallel)
         given = {k: v for k, v in config.items() if v is not None}
         if given:

@@ -65,8 +65,18 @@ Cp = Annotated[Optional[int], typer.Option("--cp", help="Context-parallel degree
                                            "ring attention; default 1, searched by the plan command)")]
 Ep = Annotated[Optional[int], typer.Option("--ep", help="Expert-parallel degree (MoE: experts split over N GPUs; "
                                            "default 1, searched by the plan command)")]
-Pp = Annotated[Optional[int], typer.Option("--pp", help="Pipeline-parallel degree (1: pipeline stages are not "
-                                           "planned yet)")]
+PP_MICRO_BATCH = ("with --pp, --micro-batch is the pipeline microbatch: the local batch (global batch / "
+                  "data-parallel ranks) is split into local batch / micro-batch microbatches, all run in one "
+                  "schedule step")
+Pp = Annotated[Optional[int], typer.Option("--pp", help="Pipeline-parallel degree: the blocks split evenly into "
+                                           "stages over N ranks (the outermost mesh dimension; embedding on the "
+                                           f"first stage, norm + head + loss on the last); {PP_MICRO_BATCH}")]
+PpSchedule = Annotated[Optional[str], typer.Option("--pp-schedule", help="With --pp: gpipe, 1f1b (default), "
+                                                   "interleaved-1f1b, zero-bubble or dualpipev (torch.distributed."
+                                                   "pipelining's ScheduleGPipe ... ScheduleDualPipeV)")]
+PpStagesPerRank = Annotated[Optional[int], typer.Option("--pp-stages-per-rank", help="With --pp and a looped "
+                                                        "schedule (interleaved-1f1b, zero-bubble, dualpipev): "
+                                                        "stages V on each pipeline rank (default 2)")]
 AsyncTp = Annotated[bool, typer.Option("--async-tp/--no-async-tp", help="Overlap TP's all-gathers and "
                                        "reduce-scatters with the matmuls (torchtitan; needs --compile)")]
 SequenceParallel = Annotated[bool, typer.Option("--sequence-parallel/--no-sequence-parallel", help="With --tp: "
@@ -102,6 +112,12 @@ def cluster_and_training(model, gpus, gpus_per_node, gpu, internode_gbps, gpu_me
                 **({"routing_imbalance": routing_imbalance} if routing_imbalance != 1.0 else {}))
 
 
+def pipeline_args(pp_schedule, pp_stages_per_rank) -> dict:
+    """--pp-schedule / --pp-stages-per-rank as API arguments: the given ones only (the rest: the defaults)."""
+    return {k: v for k, v in (("pp_schedule", pp_schedule), ("pp_stages_per_rank", pp_stages_per_rank))
+            if v is not None}
+
+
 def mesh_degrees(tp, cp, ep, pp, default=None) -> dict:
     """--tp / --cp / --ep / --pp as API arguments: the given degrees, the rest `default` (None: searched)."""
     from planner.errors import PlannerError
@@ -135,8 +151,10 @@ def config_command(app, name: str, help_text: str, run: ConfigRunner, takes_prof
         activation_checkpointing: Annotated[str, typer.Option("--activation-checkpointing", help="none, full, every-K, "
                                                               "selective-op (torchtitan's op-level policy in every "
                                                               "block)")] = "none",
-        micro_batch: Annotated[int, typer.Option("--micro-batch", help="Sequences per GPU per micro-step")] = 1,
-        grad_accum: Annotated[Optional[int], typer.Option("--grad-accum", help="Micro-steps per optimizer step")] = None,
+        micro_batch: Annotated[int, typer.Option("--micro-batch", help="Sequences per GPU per micro-step; "
+                                                 f"{PP_MICRO_BATCH}")] = 1,
+        grad_accum: Annotated[Optional[int], typer.Option("--grad-accum", help="Micro-steps per optimizer step "
+                                                          "(with --pp: the microbatches of one schedule step)")] = None,
         offload: Annotated[bool, typer.Option("--offload/--no-offload",
                                               help="CPU offload of params, grads, optimizer")] = False,
         backward_prefetch: Annotated[bool, typer.Option("--backward-prefetch/--no-backward-prefetch")] = True,
@@ -156,7 +174,8 @@ def config_command(app, name: str, help_text: str, run: ConfigRunner, takes_prof
         reshard_after_forward: Annotated[int, typer.Option("--reshard-after-forward", help="FSDP2: after forward keep "
                                                            "block params sharded over N ranks (a divisor of the shard "
                                                            "group, e.g. a node); 0: the strategy's own")] = 0,
-        tp: Tp = None, cp: Cp = None, ep: Ep = None, pp: Pp = None, async_tp: AsyncTp = False,
+        tp: Tp = None, cp: Cp = None, ep: Ep = None, pp: Pp = None, pp_schedule: PpSchedule = None,
+        pp_stages_per_rank: PpStagesPerRank = None, async_tp: AsyncTp = False,
         sequence_parallel: SequenceParallel = True, routing_imbalance: RoutingImbalance = 1.0,
         output_format: FormatOpt = Format.table,
         profile: ProfileOpt = None, force_profile: ForceProfile = False, trust_remote_code: TrustRemoteCode = False,
@@ -174,7 +193,8 @@ def config_command(app, name: str, help_text: str, run: ConfigRunner, takes_prof
                       expert_shard_dim=expert_shard_dim, expert_units=expert_units, reduce_dtype=reduce_dtype,
                       compile=compile, float8=float8, fp8_all_gather=fp8_all_gather,
                       reshard_after_forward=reshard_after_forward, **mesh_degrees(tp, cp, ep, pp, default=1),
-                      async_tp=async_tp, sequence_parallel=sequence_parallel)
+                      **pipeline_args(pp_schedule, pp_stages_per_rank), async_tp=async_tp,
+                      sequence_parallel=sequence_parallel)
         if takes_profile:
             config["profile"] = load_profile_flag(profile, gpu, force_profile)
         run(model, args, config, output_format)

@@ -11,8 +11,8 @@ from cost_models.specs import SpecError
 from planner.cli.options import (AttentionOpt, CpuRam, Emit, FinetuneOpt, Format, FormatOpt, GlobalBatch, Gpu,
                                  ForceProfile, GpuMemory, Gpus, GpusPerNode, InternodeGbps, IntraNode, LoraRank, Model,
                                  Optim, Pcie, ProfileOpt, SeqLen, TrustRemoteCode, Cp, Ep, Pp, RoutingImbalance,
-                                 SequenceParallel, Tp,
-                                 cluster_and_training, load_profile_flag, mesh_degrees)
+                                 SequenceParallel, Tp, PpSchedule, PpStagesPerRank,
+                                 cluster_and_training, load_profile_flag, mesh_degrees, pipeline_args)
 
 
 def main_plan(
@@ -35,7 +35,8 @@ def main_plan(
                                                                "(real FSDP2 step on fake tensors, no GPU)")] = 0,
     plot: Annotated[Optional[str], typer.Option("--plot", help="Draw the top candidates' memory and step time "
                                                                "to FILE.png or FILE.svg (needs matplotlib)")] = None,
-    tp: Tp = None, cp: Cp = None, ep: Ep = None, pp: Pp = None,
+    tp: Tp = None, cp: Cp = None, ep: Ep = None, pp: Pp = None, pp_schedule: PpSchedule = None,
+    pp_stages_per_rank: PpStagesPerRank = None,
     async_tp: Annotated[Optional[bool], typer.Option("--async-tp/--no-async-tp", help="Pin TP's overlap of its "
                                                      "collectives with the matmuls (default: searched where "
                                                      "compile and TP run)")] = None,
@@ -58,7 +59,7 @@ def main_plan(
         raise SpecError("verify_top", f"must be >= 0, got {verify_top}")
     fitted = load_profile_flag(profile, gpu, force_profile)
     p = plan(model, precisions=precision, attention=attention, profile=fitted, reduce_dtypes=reduce_dtype,
-             **mesh_degrees(tp, cp, ep, pp), async_tp=async_tp, sequence_parallel=sequence_parallel, **args)
+             **mesh_degrees(tp, cp, ep, pp), **pipeline_args(pp_schedule, pp_stages_per_rank), async_tp=async_tp, sequence_parallel=sequence_parallel, **args)
     if plot is not None:
         from planner.plot import plot_candidates
 
