@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, fields, replace
 
-from . import comm, context_parallel, expert_parallel, moe, operators, tensor_parallel
+from . import comm, context_parallel, expert_parallel, moe, operators, pipeline_time, tensor_parallel
 from .compute import mfu_flops_per_token, model_flops_per_token, recompute_flops_per_token
 from .kernel_time import BlockTime, Rates, eager_attention_ops, price_block
 from .memory import ParamCounts
@@ -55,6 +55,13 @@ class TimeBreakdown:
     cp_exposed_comm_s: float = 0.0
     # expert parallelism's dispatch and combine all-to-alls (forward, backward, recompute), on the critical path
     ep_comm_s: float = 0.0
+    # pipeline parallelism (cost_models/pipeline_time.py; 0 without): with pp > 1 compute_s and the mesh's exposed
+    # collectives are the mean pipeline rank's, and the step adds the schedule's warm-up and cool-down (bubble),
+    # the slowest rank's excess over the mean (imbalance: the first and last stages' embedding, head and loss) and
+    # the exposed stage-to-stage sends of activations and gradients (pp_comm_s, of exposed_comm_s)
+    pp_bubble_s: float = 0.0
+    pp_imbalance_s: float = 0.0
+    pp_comm_s: float = 0.0
 
     def to_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -141,6 +148,23 @@ def _block_times(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, r
 _NO_TP, _NO_CP = tensor_parallel.TpTime(), context_parallel.CpTime()
 
 
+def _optimizer_times(trainable_shard: float, trainable: int, frozen: int, d: int, accum: int, gathers: int, gpu,
+                     training: TrainingSpec, config: FsdpConfig, profile: Profile) -> tuple[float, float]:
+    """(offload copies, optimizer step) seconds of a rank holding trainable_shard parameters (d x its shard of
+    `trainable` and `frozen` elements); CPU offload copies each unit's shard in `gathers` times per micro-step."""
+    precision = config.precision
+    p, c = DTYPE_BYTES[precision.param_dtype], DTYPE_BYTES[precision.compute_dtype]
+    stored_shard_bytes = (trainable * p + frozen * (c if precision.mixed else p)) / d
+    opt_bytes = training.optimizer.state_bytes_per_param(precision.param_dtype)
+    if config.offload:
+        copy_bytes = accum * (gathers * stored_shard_bytes + trainable_shard * p)
+        return (copy_bytes / (gpu.pcie_bytes_per_s * profile.pcie_efficiency),
+                trainable_shard / profile.cpu_optimizer_params_per_s)
+    # read/write params and states, read grads
+    touched = trainable_shard * (2 * p + p + 2 * opt_bytes)
+    return 0.0, touched / (gpu.hbm_bytes_per_s * profile.optimizer_hbm_efficiency)
+
+
 def _mesh_times(full_model: ModelSpec, model: ModelSpec, training: TrainingSpec, config: FsdpConfig,
                 cluster: ClusterSpec, profile: Profile, rates: Rates, c: int, tokens: int, head, block: BlockTime):
     """(TP's, CP's) seconds per micro-batch: TP's collectives per block and at the root, CP's ring per attention
@@ -201,7 +225,7 @@ def estimate_step_time(model: ModelSpec, cluster: ClusterSpec, training: Trainin
     root_memory_s = rates.memory_s(tokens * sum(f + b for _, f, b in root_memory_bytes_per_token(model, config, c)))
     # FSDP2's copies around its collectives: each all-gather's output split into the unsharded parameters
     # (read + write c), each reduce-scatter's input packed (and cast) from the gradients (c + r)
-    gathers = 2 if config.sharding.reshards_after_forward else 1
+    gathers = 2 if config.sharding.reshards_after_forward and config.pp == 1 else 1  # PP keeps them gathered
     gathered_elements = counts.block() * L + dense_delta * nd + counts.root()
     fsdp_copy_s = rates.memory_s(gathers * gathered_elements * 2 * c + counts.trainable(L) * (c + r)) if d > 1 else 0.0
     matmul_s = head_s + sum(n * (b.matmul_forward_s + b.matmul_backward_s) for n, b in blocks)
@@ -273,6 +297,25 @@ def estimate_step_time(model: ModelSpec, cluster: ClusterSpec, training: Trainin
         kinds.append((nd, d_ag, d_ag * bwd_gather, d_rs, dense_block.forward_s + mesh_fwd_s,
                       dense_block.backward_s - dense_block.recompute_s + block_recompute_s + mesh_bwd_s))
     first_ag, last_rs = kinds[-1][1], kinds[-1][3]
+    if config.pp > 1:  # one schedule step of grad_accum microbatches (cost_models/pipeline_time.py)
+        w_share = 0.0 if counts.frozen_block else 0.5  # W: the weight-gradient half of the matmuls' backward
+        blocks_pp = tuple(pipeline_time.BlockCost(n, f + weight_casts_s / L, b, w_share * bt.matmul_backward_s, a, red)
+                          for (n, a, _, red, f, b), bt in zip(kinds, [block] + ([dense_block] if nd else [])))
+        root_bytes = {name: (f, b) for name, f, b in root_memory_bytes_per_token(model, config, c)}
+        emb = model.embedding_params / max(1, model.root_params)  # the root's collectives split by parameters
+        tp_root = tp_t.root_exposed_s + tp_t.root_copy_s  # loss-parallel statistics, the head's: the last stage
+        root_pp = pipeline_time.RootCost(
+            rates.memory_s(tokens * root_bytes["embedding"][0]), rates.memory_s(tokens * root_bytes["embedding"][1]),
+            head_s / 3 + rates.memory_s(tokens * (root_bytes["final norm"][0] + root_bytes["loss"][0])) + tp_root / 2,
+            2 * head_s / 3 + rates.memory_s(tokens * (root_bytes["final norm"][1] + root_bytes["loss"][1]))
+            + tp_root / 2, w_share * 2 * head_s / 3, emb * root_ag, emb * root_rs, (1 - emb) * root_ag,
+            (1 - emb) * root_rs)
+        return _pipeline_step(model, full_model, cluster, training, config, profile, blocks_pp, root_pp,
+                              dict(compute_s=compute_s - fsdp_copy_s, recompute_s=recompute_s, matmul_s=matmul_s,
+                                   attention_s=attention_s, memory_bound_s=memory_bound_s - fsdp_copy_s),
+                              (L * tp_t.block_s + tp_t.root_s, L * tp_t.block_exposed_s + tp_t.root_exposed_s),
+                              (L * cp_t.total_s, L * cp_t.exposed_s), ep_comm / config.grad_accum, fsdp_copy_s,
+                              counts, shard_counts, d, tokens, c, peak, model_flops + recompute_flops)
 
     fwd_exposed = root_ag + first_ag + sum(n * max(0.0, a - f) for n, a, _, _, f, _ in kinds) \
         - max(0.0, first_ag - kinds[-1][4])
@@ -309,19 +352,9 @@ def estimate_step_time(model: ModelSpec, cluster: ClusterSpec, training: Trainin
                      root_memory_s=root_memory_s, fsdp_copy_s=fsdp_copy_s, weight_casts_s=weight_casts_s)
 
     # --- CPU offload and optimizer step ---------------------------------------------------------------
-    trainable_shard = shard_counts.trainable(L) / d
-    stored_shard_bytes = (counts.trainable(L) * p + counts.frozen(L) * (c if precision.mixed else p)) / d
-    opt_bytes = training.optimizer.state_bytes_per_param(precision.param_dtype)
-    if config.offload:
-        gathers = 2 if gathers_in_backward else 1
-        copy_bytes = accum * (gathers * stored_shard_bytes + trainable_shard * p)
-        offload_copy_s = copy_bytes / (gpu.pcie_bytes_per_s * profile.pcie_efficiency)
-        optimizer_s = trainable_shard / profile.cpu_optimizer_params_per_s
-    else:
-        offload_copy_s = 0.0
-        # read/write params and states, read grads
-        touched = trainable_shard * (2 * p + p + 2 * opt_bytes)
-        optimizer_s = touched / (gpu.hbm_bytes_per_s * profile.optimizer_hbm_efficiency)
+    offload_copy_s, optimizer_s = _optimizer_times(shard_counts.trainable(L) / d, counts.trainable(L),
+                                                   counts.frozen(L), d, accum, 2 if gathers_in_backward else 1,
+                                                   gpu, training, config, profile)
 
     overhead_s = accum * profile.microstep_overhead_s
     compute_total = accum * compute_s
@@ -352,3 +385,41 @@ def estimate_step_time(model: ModelSpec, cluster: ClusterSpec, training: Trainin
         cp_exposed_comm_s=cp_exposed,
         ep_comm_s=ep_comm,
     )
+
+
+def _pipeline_step(model, full_model, cluster, training, config, profile, blocks, root, per_mb: dict, tp_mb, cp_mb,
+                   ep_mb: float, fsdp_copy_s: float, counts, shard_counts, d: int, tokens: int, c: int, peak: float,
+                   flops_mb: float) -> TimeBreakdown:
+    """A pipeline rank's step (cost_models/pipeline_time.py): the compute classes and the mesh's collectives are
+    the mean rank's (the whole model's per microbatch x m / pp), the step the schedule's critical path. per_mb,
+    tp_mb, cp_mb ((all, exposed) s), ep_mb: the whole model's seconds for one microbatch."""
+    pp, m = config.pp, config.pp_microbatches
+    passes = pipeline_time.stage_passes(model, config, blocks, root)
+    p2p_s = pipeline_time.p2p_seconds(model, config, cluster, profile, tokens, c)
+    pipe = pipeline_time.pipeline_time(model, config, passes, p2p_s)
+    share = m / pp
+    compute = share * per_mb["compute_s"] + fsdp_copy_s / pp  # FSDP2's copies once per step (gathered all step)
+    mesh_exposed = share * (tp_mb[1] + cp_mb[1] + ep_mb)
+    fsdp_total = sum(s.gather_s + s.reduce_s for s in passes) / pp
+    total_comm = share * (tp_mb[0] + cp_mb[0] + ep_mb) + fsdp_total + pipe.p2p_total_s
+    exposed = mesh_exposed + pipe.fsdp_exposed_s + pipe.p2p_exposed_s
+    trainable, frozen = pipeline_time.largest_rank_params(model, config, counts)
+    shard_trainable, _ = pipeline_time.largest_rank_params(model, config, shard_counts)
+    offload_copy_s, optimizer_s = _optimizer_times(shard_trainable / d, trainable, frozen, d, 1, 1, cluster.gpu,
+                                                   training, config, profile)
+    overhead_s = m * profile.microstep_overhead_s
+    overlap_slowdown_s = profile.overlap_slowdown * max(0.0, min(total_comm - exposed, compute))
+    step_s = compute + exposed + pipe.bubble_s + pipe.imbalance_s + overlap_slowdown_s + offload_copy_s \
+        + optimizer_s + overhead_s
+    full_tokens = m * config.micro_batch * training.seq_len / config.model_parallel
+    return TimeBreakdown(
+        compute_s=compute, recompute_s=share * per_mb["recompute_s"], matmul_s=share * per_mb["matmul_s"],
+        attention_s=share * per_mb["attention_s"], memory_bound_s=share * per_mb["memory_bound_s"] + fsdp_copy_s / pp,
+        exposed_comm_s=exposed, overlap_slowdown_s=overlap_slowdown_s, total_comm_s=total_comm,
+        offload_copy_s=offload_copy_s, optimizer_s=optimizer_s, overhead_s=overhead_s, step_s=step_s,
+        tokens_per_s_per_gpu=m * tokens / config.tp / pp / step_s,
+        mfu=full_tokens * mfu_flops_per_token(full_model, training) / (step_s * peak),
+        hfu=share * flops_mb / (step_s * peak),
+        tp_comm_s=share * tp_mb[0], tp_exposed_comm_s=share * tp_mb[1], cp_comm_s=share * cp_mb[0],
+        cp_exposed_comm_s=share * cp_mb[1], ep_comm_s=share * ep_mb,
+        pp_bubble_s=pipe.bubble_s, pp_imbalance_s=pipe.imbalance_s, pp_comm_s=pipe.p2p_exposed_s)
