@@ -60,16 +60,20 @@ class _Lanes:
     def __init__(self):
         self.spans: list[Span] = []
         self.now = 0.0  # the compute stream
+        self.micro_batch: int | None = None
+
+    def _args(self, args: dict) -> dict:
+        return args if self.micro_batch is None else {"micro_batch": self.micro_batch, **args}
 
     def compute(self, name: str, phase: str, dur_s: float, **args) -> None:
         if dur_s > 0:
-            self.spans.append(Span(COMPUTE, name, phase, self.now, dur_s, args))
+            self.spans.append(Span(COMPUTE, name, phase, self.now, dur_s, self._args(args)))
             self.now += dur_s
 
     def comm(self, track: str, name: str, start_s: float, dur_s: float, **args) -> float:
         """A collective from start_s; returns its end."""
         if dur_s > 0:
-            self.spans.append(Span(track, name, "communication", start_s, dur_s, args))
+            self.spans.append(Span(track, name, "communication", start_s, dur_s, self._args(args)))
         return start_s + dur_s
 
     def wait(self, dur_s: float) -> None:
@@ -102,9 +106,9 @@ def step_timeline(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec
             return tp_t.block_backward_exposed_s, cp_t.backward_exposed_s, ep
         return tp_t.block_forward_exposed_s, cp_t.forward_exposed_s, ep
 
-    def window(lanes: _Lanes, i: int, backward: bool, label: str) -> float:
+    def window(lanes: _Lanes, i: int, backward: bool) -> float:
         """Block i's compute then its mesh waits; returns the window's start."""
-        start = lanes.now
+        start, label = lanes.now, "backward" if backward else "forward"
         tp_exp, cp_exp, ep_s = mesh_exposed(i, backward)
         total = order[i][5] if backward else order[i][4]
         compute_s = total - tp_exp - cp_exp - ep_s
@@ -130,14 +134,14 @@ def step_timeline(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec
                    if config.replicate_group_size(cluster) > 1 else "reduce-scatter")
     lanes = _Lanes()
     for m in range(accum):
-        mb = f"mb {m}"
+        lanes.micro_batch = m
         reducing = terms["sync_every_microstep"] or m == accum - 1
         # forward: the root's and block 0's all-gathers before anything runs
-        end = lanes.comm(ALL_GATHER, f"all-gather root {mb}", lanes.now, terms["root_ag"])
-        end = lanes.comm(ALL_GATHER, f"all-gather block 0 {mb}", end, order[0][1])
+        end = lanes.comm(ALL_GATHER, "all-gather root", lanes.now, terms["root_ag"])
+        end = lanes.comm(ALL_GATHER, "all-gather block 0", end, order[0][1])
         lanes.wait(end - lanes.now)
         for i in range(L):
-            issued = window(lanes, i, False, f"fwd {mb}")
+            issued = window(lanes, i, False)
             if i + 1 < L:  # the next block's all-gather, hidden by this window; the model's wait before it
                 a_f = order[i + 1][1]
                 wait = max(0.0, a_f - order[i + 1][4])
@@ -145,42 +149,43 @@ def step_timeline(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec
                 # with a sparse window (not this dense one), so the drawn gather may start before this window
                 note = {"note": "waits what a sparse block waits (step_time's kinds)"} if order[i + 1] != order[i] \
                     else {}
-                lanes.comm(ALL_GATHER, f"all-gather block {i + 1} {mb}", lanes.now + wait - a_f if wait else issued,
+                lanes.comm(ALL_GATHER, f"all-gather block {i + 1}", lanes.now + wait - a_f if wait else issued,
                            a_f, **note)
                 lanes.wait(wait)
         for name, dur in root_f:
-            lanes.compute(f"{name} {mb}", "forward", dur)
-        lanes.comm(TP, f"TP root collectives {mb}", lanes.now + tp_t.root_exposed_s - tp_t.root_s, tp_t.root_s)
+            lanes.compute(name, "forward", dur)
+        lanes.comm(TP, "TP root collectives", lanes.now + tp_t.root_exposed_s - tp_t.root_s, tp_t.root_s)
         lanes.wait(tp_t.root_exposed_s)
         for name, dur in root_b:
-            lanes.compute(f"{name} {mb}", "backward", dur)
+            lanes.compute(name, "backward", dur)
         # backward, last block first
         for k, i in enumerate(reversed(range(L))):
             _, _, a_b, rs, _, bwd = order[i]
             a_b = a_b if terms["gathers_in_backward"] else 0.0
             rs = rs if reducing else 0.0
-            ag_name = f"all-gather block {i - 1} {mb}" if i > 0 else f"all-gather {mb}"
+            ag_name = f"all-gather block {i - 1}" if i > 0 else "all-gather"
             ag_args = {} if i > 0 else {"note": _SLOT}
-            rs_name = f"{reduce_name} block {i + 1} {mb}" if k > 0 else f"{reduce_name} {mb}"
+            rs_name = f"{reduce_name} block {i + 1}" if k > 0 else reduce_name
             rs_args = {} if k > 0 else {"note": _SLOT}
             if config.backward_prefetch:
                 start = lanes.now
                 end = lanes.comm(ALL_GATHER, ag_name, start, a_b, **ag_args)
                 end = lanes.comm(REDUCE, rs_name, end, rs, **rs_args)
-                window(lanes, i, True, f"bwd {mb}")
+                window(lanes, i, True)
                 lanes.wait(end - lanes.now)
             else:  # its own all-gather first, unhidden; the previous block's reduction beside its backward
-                end = lanes.comm(ALL_GATHER, f"all-gather block {i} {mb}", lanes.now, a_b)
+                end = lanes.comm(ALL_GATHER, f"all-gather block {i}", lanes.now, a_b)
                 lanes.wait(end - lanes.now)
                 end = lanes.comm(REDUCE, rs_name, lanes.now, rs, **rs_args)
-                window(lanes, i, True, f"bwd {mb}")
+                window(lanes, i, True)
                 lanes.wait(end - lanes.now)
-        end = lanes.comm(REDUCE, f"{reduce_name} block 0 {mb}", lanes.now, terms["last_rs"] if reducing else 0.0)
-        end = lanes.comm(REDUCE, f"{reduce_name} root {mb}", end, terms["root_rs"],
+        end = lanes.comm(REDUCE, f"{reduce_name} block 0", lanes.now, terms["last_rs"] if reducing else 0.0)
+        end = lanes.comm(REDUCE, f"{reduce_name} root", end, terms["root_rs"],
                          **({} if reducing else {"note": "priced on this no_sync micro-step too (step_time.py)"}))
         lanes.wait(end - lanes.now)
-        lanes.compute(f"micro-step overhead {mb}", "overhead", t.overhead_s / accum,
+        lanes.compute("micro-step overhead", "overhead", t.overhead_s / accum,
                       note="profile.microstep_overhead_s: launches, Python, the data loader's hand-off")
+    lanes.micro_batch = None
     lanes.compute("overlap slowdown", "overhead", t.overlap_slowdown_s,
                   note="compute slowed by the NCCL kernels beside it (profile.overlap_slowdown x the hidden "
                        "communication), spread over the step; drawn here")

@@ -1,0 +1,137 @@
+"""`fsdp-plan explain --timeline`: the predicted step as a Chrome trace (planner/timeline.py). The file holds the
+fields Perfetto reads (the Trace Event Format's X and M events), and what the trace shows adds up to the estimate:
+the compute track's busy time plus the communication no compute hides is the estimate's step_s."""
+
+import functools
+import json
+import subprocess
+import sys
+
+import jsonschema
+import pytest
+
+from planner.api import estimate
+from planner.timeline import trace_events
+
+# The Trace Event Format (docs.google.com/document/d/1CvAClvFfyA5R-PhYUmn5OOQtYMH4h6I0nSsKchNAySU): complete events
+# ("X": name, ts and dur in microseconds, pid, tid) and the metadata events that name the tracks ("M").
+_NUMBER = {"type": "number", "minimum": 0}
+SCHEMA = {
+    "type": "object", "required": ["traceEvents"],
+    "properties": {
+        "displayTimeUnit": {"enum": ["ms", "ns"]},
+        "traceEvents": {"type": "array", "minItems": 1, "items": {"oneOf": [
+            {"type": "object", "required": ["ph", "name", "ts", "dur", "pid", "tid"],
+             "properties": {"ph": {"const": "X"}, "name": {"type": "string", "minLength": 1}, "cat": {"type": "string"},
+                            "ts": _NUMBER, "dur": _NUMBER, "pid": {"type": "integer"}, "tid": {"type": "integer"},
+                            "args": {"type": "object"}}},
+            {"type": "object", "required": ["ph", "name", "pid", "tid", "args"],
+             "properties": {"ph": {"const": "M"}, "pid": {"type": "integer"}, "tid": {"type": "integer"},
+                            "name": {"enum": ["process_name", "thread_name", "thread_sort_index"]},
+                            "args": {"type": "object", "minProperties": 1}}},
+        ]}},
+    },
+}
+
+# llama3-8b (32 blocks, meta-llama/Meta-Llama-3-8B config.json) on 16 A100s, micro-batch 1 x 2048
+PLANS = {
+    "fsdp": dict(model="llama3-8b", gpus=16),
+    "tp2": dict(model="llama3-8b", gpus=16, tp=2),
+    "accum4-full-ac": dict(model="llama3-8b", gpus=16, grad_accum=4, activation_checkpointing="full"),
+    "mixtral-ep8-full-ac": dict(model="mixtral-8x7b", gpus=16, ep=8, activation_checkpointing="full"),
+}
+
+
+@functools.cache
+def _traced(name: str):
+    c = estimate(**PLANS[name])
+    return c, json.loads(json.dumps(trace_events(c)))  # what the file holds
+
+
+def _tracks(doc) -> dict[str, list[tuple[float, float, str]]]:
+    """Track name -> sorted (start us, end us, event name) of its X events."""
+    names = {e["tid"]: e["args"]["name"] for e in doc["traceEvents"] if e["ph"] == "M" and e["name"] == "thread_name"}
+    tracks: dict[str, list] = {}
+    for e in doc["traceEvents"]:
+        if e["ph"] == "X":
+            tracks.setdefault(names[e["tid"]], []).append((e["ts"], e["ts"] + e["dur"], e["name"]))
+    return {k: sorted(v) for k, v in tracks.items()}
+
+
+def _union(intervals):
+    out = []
+    for s, e in sorted(intervals):
+        if out and s <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], e)
+        else:
+            out.append([s, e])
+    return out
+
+
+def _exposed_us(tracks) -> float:
+    """Measure of the collectives' union outside the compute track's events."""
+    busy = _union((s, e) for s, e, _ in tracks["compute"])
+    comm = _union((s, e) for k, v in tracks.items() if k != "compute" for s, e, _ in v)
+    covered = sum(max(0.0, min(e, be) - max(s, bs)) for s, e in comm for bs, be in busy)
+    return sum(e - s for s, e in comm) - covered
+
+
+@pytest.mark.parametrize("name", list(PLANS))
+def test_timeline_is_a_trace_event_file(name):
+    _, doc = _traced(name)
+    jsonschema.validate(doc, SCHEMA)
+    tracks = _tracks(doc)
+    assert {"compute", "FSDP all-gather", "FSDP reduce-scatter"} <= set(tracks)
+    for track, events in tracks.items():  # a track's slices never cross (Perfetto nests or stacks them)
+        for (_, end, a), (start, _, b) in zip(events, events[1:]):
+            assert start >= end - 1e-6, (track, a, b)
+
+
+@pytest.mark.parametrize("name", list(PLANS))
+def test_compute_plus_exposed_communication_is_the_step(name):
+    c, doc = _traced(name)
+    t = c.time
+    tracks = _tracks(doc)
+    busy_us = sum(e - s for s, e, _ in tracks["compute"])
+    exposed_us = _exposed_us(tracks)
+    step_us = t.step_s * 1e6
+    assert busy_us + exposed_us == pytest.approx(step_us, rel=1e-6)
+    assert max(e for v in tracks.values() for _, e, _ in v) == pytest.approx(step_us, rel=1e-6)
+    # the split is the estimate's: compute (slowed by overlap), optimizer and overhead; exposed communication
+    assert busy_us == pytest.approx(1e6 * (t.compute_s + t.overlap_slowdown_s + t.optimizer_s + t.overhead_s), rel=1e-6)
+    assert exposed_us == pytest.approx(1e6 * (t.exposed_comm_s + t.offload_copy_s), rel=1e-6)
+
+
+def test_events_per_unit_and_micro_batch():
+    """32 blocks (Llama 3 8B): a forward and a backward per block and micro-batch, full AC a recompute each;
+    TP's collectives per block forward and backward plus the root's; EP's all-to-alls on every Mixtral block."""
+    def count(name, track, word):
+        return sum(word in n for _, _, n in _tracks(_traced(name)[1])[track])
+
+    assert count("fsdp", "compute", "forward block") == count("fsdp", "compute", "backward block") == 32
+    assert count("fsdp", "compute", "recompute") == 0
+    assert count("accum4-full-ac", "compute", "forward block") == 4 * 32
+    assert count("accum4-full-ac", "compute", "recompute block") == 4 * 32
+    assert count("accum4-full-ac", "compute", "optimizer step") == 1
+    assert count("tp2", "TP", "TP collectives block") == 2 * 32 and count("tp2", "TP", "TP root") == 1
+    assert count("mixtral-ep8-full-ac", "EP all-to-all", "all-to-all block") == 2 * 32
+    # forward gathers the root and each block once, before the last block's forward ends: 33 all-gathers
+    fsdp = _tracks(_traced("fsdp")[1])
+    forward_end = next(e for _, e, n in fsdp["compute"] if n == "forward block 31")
+    assert sum(e <= forward_end for _, e, _ in fsdp["FSDP all-gather"]) == 33
+
+CLI = [sys.executable, "-m", "planner.cli"]
+
+
+def test_explain_writes_the_timeline(tmp_path):
+    out = tmp_path / "step.json"
+    r = subprocess.run([*CLI, "explain", "--model", "llama3-8b", "--gpus", "16", "--micro-batch", "1", "--format",
+                        "json", "--timeline", str(out)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(out.read_text())
+    jsonschema.validate(doc, SCHEMA)
+    assert doc["otherData"]["step_s"] == pytest.approx(_traced("fsdp")[0].time.step_s, rel=1e-12)
+    assert f"predicted step written to {out}" in r.stderr
+    bad = subprocess.run([*CLI, "explain", "--model", "llama3-8b", "--gpus", "16", "--micro-batch", "1",
+                          "--timeline", str(tmp_path / "no" / "step.json")], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0 and "timeline" in bad.stderr, bad.stderr
