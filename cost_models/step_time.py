@@ -315,7 +315,7 @@ def estimate_step_time(model: ModelSpec, cluster: ClusterSpec, training: Trainin
                                    attention_s=attention_s, memory_bound_s=memory_bound_s - fsdp_copy_s),
                               (L * tp_t.block_s + tp_t.root_s, L * tp_t.block_exposed_s + tp_t.root_exposed_s),
                               (L * cp_t.total_s, L * cp_t.exposed_s), ep_comm / config.grad_accum, fsdp_copy_s,
-                              counts, shard_counts, d, tokens, c, peak, model_flops + recompute_flops)
+                              counts, shard_counts, d, tokens, c, peak, model_flops + recompute_flops, terms)
 
     fwd_exposed = root_ag + first_ag + sum(n * max(0.0, a - f) for n, a, _, _, f, _ in kinds) \
         - max(0.0, first_ag - kinds[-1][4])
@@ -389,7 +389,7 @@ def estimate_step_time(model: ModelSpec, cluster: ClusterSpec, training: Trainin
 
 def _pipeline_step(model, full_model, cluster, training, config, profile, blocks, root, per_mb: dict, tp_mb, cp_mb,
                    ep_mb: float, fsdp_copy_s: float, counts, shard_counts, d: int, tokens: int, c: int, peak: float,
-                   flops_mb: float) -> TimeBreakdown:
+                   flops_mb: float, terms: dict | None = None) -> TimeBreakdown:
     """A pipeline rank's step (cost_models/pipeline_time.py): the compute classes and the mesh's collectives are
     the mean rank's (the whole model's per microbatch x m / pp), the step the schedule's critical path. per_mb,
     tp_mb, cp_mb ((all, exposed) s), ep_mb: the whole model's seconds for one microbatch."""
@@ -397,6 +397,8 @@ def _pipeline_step(model, full_model, cluster, training, config, profile, blocks
     passes = pipeline_time.stage_passes(model, config, blocks, root)
     p2p_s = pipeline_time.p2p_seconds(model, config, cluster, profile, tokens, c)
     pipe = pipeline_time.pipeline_time(model, config, passes, p2p_s)
+    if terms is not None:  # what explain shows of the walk
+        terms.update(pipeline_passes=passes, pipeline_p2p_s=p2p_s, pipeline=pipe)
     share = m / pp
     compute = share * per_mb["compute_s"] + fsdp_copy_s / pp  # FSDP2's copies once per step (gathered all step)
     mesh_exposed = share * (tp_mb[1] + cp_mb[1] + ep_mb)

@@ -13,6 +13,8 @@ from cost_models import moe, operators, tensor_parallel
 from cost_models.compute import mfu_flops_per_token, model_flops_per_token, recompute_flops_per_token
 from cost_models.kernel_time import Rates
 from cost_models.memory import ParamCounts
+from cost_models.pipeline import stages
+from cost_models.pipeline_time import largest_rank_params
 from cost_models.profile import DEFAULT_PROFILE, Profile
 from cost_models.specs import Attention
 from cost_models.step_time import priced_block_ops, root_memory_bytes_per_token
@@ -21,6 +23,7 @@ from cost_models.units import DTYPE_BYTES
 # (TimeBreakdown field, term) in the step's order: compute by operator class, then what is not compute.
 BUDGET = (("matmul_s", "matmul"), ("attention_s", "attention"), ("memory_bound_s", "memory-bound"),
           ("recompute_s", "recompute"), ("exposed_comm_s", "exposed communication"),
+          ("pp_bubble_s", "pipeline bubble"), ("pp_imbalance_s", "pipeline imbalance"),
           ("overlap_slowdown_s", "overlap slowdown"), ("offload_copy_s", "offload copies"),
           ("optimizer_s", "optimizer step"), ("overhead_s", "overhead"))
 
@@ -29,6 +32,11 @@ def _seconds(c, key: str) -> str:
     """'0.1234567 s, 12.3% of the step': seven significant digits, so the printed classes sum to the step."""
     s, step = getattr(c.time, key), c.time.step_s
     return f"{s:.7g} s, {100 * s / step:.1f}% of the step"
+
+
+def _steps(cfg) -> str:
+    """'2 micro-step(s)', or under PP the mean pipeline rank's share: '32 microbatches / pp 16'."""
+    return f"{cfg.grad_accum} microbatches / pp {cfg.pp}" if cfg.pp > 1 else f"{cfg.grad_accum} micro-step(s)"
 
 
 def _mesh_comm(c) -> str:
@@ -94,7 +102,7 @@ def _matmul(c, rates: Rates, profile: Profile) -> str:
     large = gpu.matmul_efficiency or profile.default_gpu_matmul_efficiency
     fp8 = (f"; fp8 products at {gpu.peak_flops['fp8'] / 1e12:g} TFLOP/s fp8 peak x the same fractions = "
            f"{_tf(rates.float8_flops_per_s)}" if float8 else "")
-    return (f"{_seconds(c, 'matmul_s')} = {cfg.grad_accum} micro-step(s) x [{blocks}"
+    return (f"{_seconds(c, 'matmul_s')} = {_steps(cfg)} x [{blocks}"
             + (f" + {shapes([head])}" if head is not None else "")
             + f"] of m x n x k [shape factor], each 2mnk FLOPs x 3 passes (forward, input and weight gradients)"
             f"{frozen} / (rate x shape factor); rate = {peak / 1e12:g} TFLOP/s {dtype} peak x {large:g} large-GEMM "
@@ -108,7 +116,7 @@ def _attention(c, rates: Rates, profile: Profile) -> str:
     m, tokens = rank_view(c)
     s = c.training.seq_len  # a CP rank's queries still attend over the whole sequence's keys
     _, ops, _ = _block_kinds(c, m)[0]
-    head = f"{_seconds(c, 'attention_s')} = {cfg.grad_accum} micro-step(s) x {m.n_layers} blocks x "
+    head = f"{_seconds(c, 'attention_s')} = {_steps(cfg)} x {m.n_layers} blocks x "
     if cfg.attention is Attention.EAGER:
         d = ops.head_dim
         return (head + f"{m.n_heads} heads x (QK^T {tokens}x{s}x{d} + P @ V {tokens}x{d}x{s}) x 2mnk FLOPs x 3 "
@@ -143,11 +151,11 @@ def _memory_bound(c, rates: Rates, profile: Profile) -> str:
                         for n, _, mem in kinds)
     root_bytes = sum(forward + backward for _, forward, backward in root)
     per_token_s = rates.memory_s(sum(b for b, _ in per_step))
-    rest = c.time.memory_bound_s / cfg.grad_accum - per_token_s
+    rest = c.time.memory_bound_s / (cfg.grad_accum / cfg.pp if cfg.pp > 1 else cfg.grad_accum) - per_token_s
     biggest = ", ".join(f"{name} {b / 1e9:.2f} GB" for b, name in sorted(per_step, reverse=True)[:3])
     mode = ("compiled: inductor fuses each block's pointwise chains" + (" and the loss" if cfg.loss_compiled else "")
             if compiled else "eager kernels")
-    return (f"{_seconds(c, 'memory_bound_s')} = {cfg.grad_accum} micro-step(s) x ([{blocks} + root {root_bytes:,.0f}"
+    return (f"{_seconds(c, 'memory_bound_s')} = {_steps(cfg)} x ([{blocks} + root {root_bytes:,.0f}"
             f" B per token (final norm, embedding eager; loss over {model.vocab_size:,} logits)] x {tokens:,} tokens "
             f"({mode}) / {rates.memory_bytes_per_s / 1e12:.2f} TB/s = {per_token_s:.4f} s, + {rest:.4f} s of FSDP2's "
             f"copy-in/out around each collective" + (" and the Float8 weights' casts" if cfg.float8 else "")
@@ -165,13 +173,13 @@ def _recompute(c, rates: Rates) -> str:
         _, ops, memory = _block_kinds(c)[0]
         names = ", ".join(mm.name for mm in ops.selective_op_recomputed())
         forward = sum(op.bytes(cfg.compile, False) for op in memory)
-        return (f"{_seconds(c, 'recompute_s')} = {cfg.grad_accum} micro-step(s) x {L} blocks x (every second linear "
+        return (f"{_seconds(c, 'recompute_s')} = {_steps(cfg)} x {L} blocks x (every second linear "
                 f"product's forward ({names}) at {_tf(rates.matmul_flops_per_s)} x shape factor + the memory-bound "
                 f"forward, {forward:,.0f} B per token / {rates.memory_bytes_per_s / 1e12:.2f} TB/s) x {tokens:,} "
                 "tokens (selective-op); the attention kernel's output and the other products are saved")
     if cfg.ac_every:
         n = math.ceil(L / cfg.ac_every)
-        return (f"{_seconds(c, 'recompute_s')} = {cfg.grad_accum} micro-step(s) x {n} of {L} blocks (every "
+        return (f"{_seconds(c, 'recompute_s')} = {_steps(cfg)} x {n} of {L} blocks (every "
                 f"{cfg.ac_every}) x the block's whole forward again in backward (its matmul, attention and "
                 "memory-bound forward, as priced above)")
     return f"{_seconds(c, 'recompute_s')}: no activation checkpointing"
@@ -186,6 +194,9 @@ def time_terms(c, profile: Profile = DEFAULT_PROFILE) -> list[tuple[str, str, st
     flops, re = model_flops_per_token(m, c.training), recompute_flops_per_token(m, c.training, cfg)
     d = cfg.shard_group_size(c.cluster)
     per_rank = ParamCounts.of(m, c.training, d, bool(cfg.expert_shard_dim)).trainable(m.n_layers) / d
+    if cfg.pp > 1:  # the pipeline rank holding the most (its TP slice): the slowest optimizer step
+        local = rank_view(c)[0]
+        per_rank = largest_rank_params(local, cfg, ParamCounts.of(local, c.training, d))[0] / d
     p = DTYPE_BYTES[cfg.precision.param_dtype]
     opt = c.training.optimizer.state_bytes_per_param(cfg.precision.param_dtype)
     terms = [
@@ -211,13 +222,15 @@ def time_terms(c, profile: Profile = DEFAULT_PROFILE) -> list[tuple[str, str, st
          "policy as calibration/apply.py runs it); Korthikanti et al. 2022"),
         ("exposed communication", f"{_seconds(c, 'exposed_comm_s')}: of {t.total_comm_s:.4f} s of all-gather/"
          f"reduce-scatter{'/all-reduce' if cfg.sharding.is_hybrid else ''} per step, what compute does not hide"
-         + _mesh_comm(c),
+         + _mesh_comm(c) + (f"; of it stage-to-stage sends {t.pp_comm_s:.4f} s (pipeline bubble below)"
+                            if cfg.pp > 1 else ""),
          "ring collectives: (n-1)/n x message / bus bandwidth (NCCL's convention); FSDP prefetch overlaps the "
          "next unit's all-gather with the current unit's compute"
          + ("; TP: Korthikanti et al. 2022 (sequence parallel), exposed unless async TP hides a collective behind "
             "the products it is fused with (cost_models/tensor_parallel.py)" if cfg.tp > 1 else "")
          + ("; CP: PyTorch's ring attention, its K/V all-gather behind the diagonal step, the fp32 dK/dV permutes "
             "behind the next steps (cost_models/context_parallel.py)" if cfg.cp > 1 else "")),
+        *(_pipeline_terms(c, profile) if cfg.pp > 1 else ()),
         ("overlap slowdown", f"{_seconds(c, 'overlap_slowdown_s')} = {profile.overlap_slowdown:g} x min(hidden "
          f"communication {t.total_comm_s - t.exposed_comm_s:.4f} s, compute {t.compute_s:.4f} s)",
          "a stated estimate (profile.overlap_slowdown): NCCL's ring kernels take SMs and HBM bandwidth"),
@@ -246,3 +259,48 @@ def time_terms(c, profile: Profile = DEFAULT_PROFILE) -> list[tuple[str, str, st
         terms.insert(at, ("why communication", why, "FSDP gathers every parameter of a unit; an MoE token computes "
                           "with its top-k experts only (cost_models/moe.py)"))
     return terms
+
+
+def _pipeline_terms(c, profile: Profile) -> tuple[tuple[str, str, str], ...]:
+    """The schedule's bubble and the slowest rank's excess, with the stage passes the walk took
+    (cost_models/pipeline_time.py); the exposed sends and FSDP's once-per-step collectives named."""
+    from cost_models.pipeline_time import textbook_bubble_fraction
+    from cost_models.step_time import estimate_step_time
+
+    cfg, t = c.config, c.time
+    walked: dict = {}
+    estimate_step_time(c.model, c.cluster, c.training, cfg, profile, terms=walked)
+    passes, p2p_s, pipe = walked["pipeline_passes"], walked["pipeline_p2p_s"], walked["pipeline"]
+    pp, v, m, schedule = cfg.pp, cfg.pp_stages_per_rank, cfg.pp_microbatches, cfg.pp_schedule
+    layout = stages(c.model, cfg)
+
+    def ms(x: float) -> str:
+        return f"{1e3 * x:.2f} ms"
+
+    shown = sorted({0, len(layout) // 2, len(layout) - 1})
+    per_stage = "; ".join(f"stage {i} ({layout[i].describe()}, rank {layout[i].rank}): F {ms(passes[i].forward_s)}, "
+                          f"B {ms(passes[i].backward_s)}" + (f" (W {ms(passes[i].weight_s)})"
+                                                              if schedule.value in ("zero-bubble", "dualpipev") else "")
+                          for i in shown)
+    try:
+        ideal = f"; equal stages: {100 * textbook_bubble_fraction(schedule, pp, v, m):.1f}% of the step"
+    except ValueError:
+        ideal = "; W passes (the weight-gradient half of each matmul backward, at the fused backward's rate) fill it"
+    slowest = pipe.rank_busy_s and pipe.slowest_rank
+    bubble = (f"{_seconds(c, 'pp_bubble_s')}: {schedule.torch_class} on pp {pp} ranks x {v} stage(s) per rank, {m} "
+              f"microbatches of {cfg.micro_batch}; torch's order walked with each stage's passes per microbatch "
+              f"({per_stage}): the step without sends {pipe.step_s - pipe.p2p_exposed_s - pipe.fsdp_exposed_s:.4f} s = "
+              f"{m} x the slowest rank's {ms(pipe.mean_rank_s + pipe.imbalance_s / m)} + warm-up and cool-down "
+              f"{t.pp_bubble_s:.4f} s ({100 * t.pp_bubble_s / t.step_s:.1f}% of the step{ideal}); sends: "
+              f"{ms(p2p_s)} each ({cfg.micro_batch} x {c.training.seq_len // cfg.cp} tokens x {c.model.hidden_size} x "
+              f"2 B{f' / tp {cfg.tp}' if cfg.tp > 1 and cfg.sequence_parallel else ''} to the next stage's rank), "
+              f"{t.pp_comm_s:.4f} s of them on the critical path; FSDP gathers each stage once per step and "
+              f"reduce-scatters after its last backward: {pipe.fsdp_exposed_s:.4f} s exposed")
+    imbalance = (f"{_seconds(c, 'pp_imbalance_s')} = {m} microbatches x (the slowest rank {slowest}: "
+                 f"{ms(pipe.mean_rank_s + pipe.imbalance_s / m)} - the mean rank {ms(pipe.mean_rank_s)}) of F + B; "
+                 "the first stage holds the embedding, the last the final norm, head and loss")
+    return (("pipeline bubble", bubble, "GPipe (Huang et al. 2019), 1F1B / interleaved 1F1B (Narayanan et al. 2021, "
+             "SC21), zero bubble (Qi et al. 2023), DualPipeV: torch.distributed.pipelining's orders "
+             "(cost_models/pipeline_orders.py) walked as an event simulation (cost_models/pipeline_time.py)"),
+            ("pipeline imbalance", imbalance, "stage passes from the per-block and root prices above "
+             "(cost_models/pipeline.py's split)"))
