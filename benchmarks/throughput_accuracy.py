@@ -16,6 +16,11 @@ The mesh rows (published.md, "torchtitan with context and tensor parallelism"): 
 on each TP group, one micro-step), vanilla and async TP, bf16 and Float8 tensorwise linears; FSDP 4 x CP 2 on 8
 GPUs at 65,536 tokens. The Float8 rowwise TP rows (3,709 and 3,915 tokens/s/GPU) are not priced: the planner
 has no rowwise-scaling recipe (NOT_PRICED).
+
+The pipeline rows (PP_ROWS, issue 18): Llama 3 405B pretraining (Dubey et al. 2024, Table 4) as BF16 model
+TFLOP/s per GPU = MFU x 989, every input stated in tests/golden/test_pipeline_rows.py (h100-80gb, TP 8 x PP 16,
+interleaved 1F1B with the paper's one-layer chunks: V = 8, no checkpointing, 16M tokens per batch, micro-batch 1).
+They are costed through cost_models.evaluate (the mesh rules still refuse pp > 1 and block-less end stages).
 """
 
 from __future__ import annotations
@@ -96,6 +101,54 @@ NOT_PRICED = [
 ]
 
 
+LLAMA3 = "Llama 3 405B pretraining (Dubey et al. 2024, Table 4)"
+LLAMA3_TOKENS_PER_BATCH = 2 ** 24  # 16M tokens per global batch
+
+
+@dataclass(frozen=True)
+class PipelineRow:
+    gpus: int
+    cp: int
+    seq_len: int
+    tflops_per_gpu: float    # published BF16 model TFLOP/s per GPU
+    tp: int = 8
+    pp: int = 16
+
+
+PP_ROWS = [PipelineRow(8192, 1, 8192, 430), PipelineRow(16384, 1, 8192, 400), PipelineRow(16384, 16, 131072, 380)]
+
+
+def predict_pipeline(row: PipelineRow, profile: Profile = DEFAULT_PROFILE, stages_per_rank: int = 8,
+                     checkpointing: str = "none"):
+    """(model, cluster, config, Evaluation) of a Llama 3 row: DP = the GPUs over tp x cp x pp, the microbatches
+    the 16M-token batch over DP at micro-batch 1 (tests/golden/test_pipeline_rows.py states why each input)."""
+    from cost_models.evaluate import evaluate
+
+    model = load_preset("llama3.1-405b")
+    dp = row.gpus // (row.tp * row.pp * row.cp)
+    config = FsdpConfig(sharding="FULL_SHARD", precision="bf16", ac_every=checkpointing, micro_batch=1,
+                        grad_accum=LLAMA3_TOKENS_PER_BATCH // row.seq_len // dp, tp=row.tp, cp=row.cp, pp=row.pp,
+                        pp_schedule="interleaved-1f1b", pp_stages_per_rank=stages_per_rank)
+    cluster = make_cluster(row.gpus, "h100-80gb")
+    return model, cluster, config, evaluate(model, cluster, TrainingSpec(seq_len=row.seq_len), config, profile)
+
+
+def pipeline_table() -> tuple[list[list[str]], list[float]]:
+    """The PP rows' table lines and errors (predicted TFLOP/s = MFU x the GPU's bf16 peak)."""
+    table, errors = [], []
+    for row in PP_ROWS:
+        _, cluster, config, e = predict_pipeline(row)
+        t = e.time
+        tflops = t.mfu * cluster.gpu.priced_peak_flops("bf16") / 1e12
+        errors.append(tflops / row.tflops_per_gpu - 1)
+        table.append([LLAMA3, f"{row.gpus:,} x h100-80gb", f"tp {row.tp} cp {row.cp} pp {row.pp} dp "
+                      f"{config.data_parallel_size(cluster)}", f"{row.seq_len:,}", config.pp_microbatches,
+                      f"{row.tflops_per_gpu:.0f}", f"{tflops:.0f}", f"{100 * errors[-1]:+.1f}%",
+                      f"{100 * t.pp_bubble_s / t.step_s:.1f}%", f"{100 * t.pp_imbalance_s / t.step_s:.1f}%",
+                      f"{100 * t.pp_comm_s / t.step_s:.1f}%"])
+    return table, errors
+
+
 def predict(row: Row, profile: Profile = DEFAULT_PROFILE):
     """The published setting: FSDP2 FULL_SHARD, bf16 with fp32 reduction, its checkpointing and options."""
     model = replace(load_preset(row.model), norm="fused_rmsnorm", name=f"{row.model} (torchtitan)")
@@ -158,6 +211,12 @@ def main(argv: list[str] | None = None) -> None:
     print(f"\nMAPE over the {len(exact_errors)} rows modelled exactly: {100 * statistics.mean(exact_errors):.1f}% "
           f"(max {100 * max(exact_errors):.1f}%)" + (f"; the other {len(ROWS) - len(exact_errors)} rows are priced "
                                                     "at the nearest modelled setting" if len(exact_errors) < len(ROWS) else ""))
+    pp_table, pp_errors = pipeline_table()
+    print("\npipeline rows (interleaved 1F1B, V 8, no checkpointing, micro-batch 1; BF16 model TFLOP/s per GPU):")
+    print(tabulate(pp_table, headers=["source", "GPUs", "mesh", "seq", "microbatches", "TFLOP/s", "predicted",
+                                      "error", "bubble", "imbalance", "sends exposed"]))
+    print(f"MAPE over the {len(pp_errors)} pipeline rows: {100 * statistics.mean(map(abs, pp_errors)):.1f}% "
+          f"(max {100 * max(map(abs, pp_errors)):.1f}%)")
     for source, technique, tps, why in NOT_PRICED:
         print(f"not priced: {source}, {technique}: {tps:,} tokens/s/GPU ({why})")
     if args.json:

@@ -32,22 +32,15 @@ from functools import cache
 import pytest
 
 from cost_models import pipeline_time
-from cost_models.evaluate import evaluate
 from cost_models.pipeline import stages
 from cost_models.pipeline_orders import orders
 from cost_models.pipeline_time import StagePass, textbook_bubble_fraction, walk
 from cost_models.profile import DEFAULT_PROFILE
 from cost_models.schedules import Schedule
-from cost_models.specs import FsdpConfig, TrainingSpec
 from planner.explain_time import BUDGET
-from planner.hardware import make_cluster
-from planner.models import load_preset
 
 TOLERANCE = 0.10
 
-# GPUs, cp, sequence, published TFLOP/s per GPU
-LLAMA3_ROWS = [(8192, 1, 8192, 430), (16384, 1, 8192, 400), (16384, 16, 131072, 380)]
-TOKENS_PER_BATCH = 2 ** 24
 
 
 def uniform_fraction(schedule, pp, v, m, f=1.0, b=2.0, w=1.0):
@@ -131,15 +124,23 @@ def test_orders_are_torchs(schedule, pp, v, m):
         assert last == [x for i in range(m) for x in ((pp - 1, "F", i), (pp - 1, "B", i))]
 
 
+def _benchmark():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    import throughput_accuracy
+
+    return throughput_accuracy
+
+
+BENCH = _benchmark()  # the rows and their inputs live in benchmarks/throughput_accuracy.py (PP_ROWS)
+
+
 @cache
 def llama3_405b(gpus: int, cp: int, seq: int, v: int = 8, ac: str = "none"):
-    model = load_preset("llama3.1-405b")
-    dp = gpus // (8 * 16 * cp)
-    config = FsdpConfig(sharding="FULL_SHARD", precision="bf16", ac_every=ac, micro_batch=1,
-                        grad_accum=TOKENS_PER_BATCH // seq // dp, tp=8, cp=cp, pp=16,
-                        pp_schedule="interleaved-1f1b", pp_stages_per_rank=v)
-    cluster = make_cluster(gpus, "h100-80gb")
-    return model, cluster, config, evaluate(model, cluster, TrainingSpec(seq_len=seq), config, DEFAULT_PROFILE)
+    row = next(r for r in BENCH.PP_ROWS if (r.gpus, r.cp, r.seq_len) == (gpus, cp, seq))
+    return BENCH.predict_pipeline(row, DEFAULT_PROFILE, stages_per_rank=v, checkpointing=ac)
 
 
 def test_llama3_layout_is_the_papers():
@@ -148,6 +149,14 @@ def test_llama3_layout_is_the_papers():
     assert len(split) == 128 and config.pp_microbatches == 32
     assert (split[0].n_blocks, split[0].embedding, split[-1].n_blocks, split[-1].head) == (0, True, 0, True)
     assert all(s.n_blocks == 1 for s in split[1:-1])
+
+
+LLAMA3_ROWS = [(r.gpus, r.cp, r.seq_len, r.tflops_per_gpu) for r in BENCH.PP_ROWS]
+
+
+def test_llama3_rows_are_the_published_ones():
+    assert LLAMA3_ROWS == [(8192, 1, 8192, 430), (16384, 1, 8192, 400), (16384, 16, 131072, 380)]
+    assert BENCH.LLAMA3_TOKENS_PER_BATCH == 2 ** 24
 
 
 @pytest.mark.parametrize("gpus,cp,seq,tflops", LLAMA3_ROWS)
