@@ -2,6 +2,7 @@
 
     resolve_model("llama2-7b")                 preset from planner/catalog/models.json
     resolve_model("path/to/config.json")       or a directory holding one, or the config as a dict
+    resolve_model("Qwen/Qwen3-8B")             a Hub id: its config.json from the HF cache or the Hub (hub.py)
     resolve_model(torch_module)                counted on whatever device it lives (meta is fine)
 
 resolve.py: presets, config files, dispatch by model_type; families.py: one reader per family with a
