@@ -14,6 +14,7 @@ torch's runtime runs them one after the other unless a custom function is regist
 from __future__ import annotations
 
 from collections import defaultdict
+from functools import lru_cache
 from typing import NamedTuple
 
 from .schedules import Schedule
@@ -25,8 +26,13 @@ class Action(NamedTuple):
     microbatch: int
 
 
-def orders(schedule: Schedule, pp: int, stages_per_rank: int, microbatches: int) -> dict[int, list[Action]]:
-    """rank -> its actions in execution order."""
+@lru_cache(maxsize=256)
+def orders(schedule: Schedule, pp: int, stages_per_rank: int, microbatches: int) -> dict[int, tuple[Action, ...]]:
+    """rank -> its actions in execution order (cached: the search walks the same shapes many times)."""
+    return {r: tuple(a) for r, a in _orders(schedule, pp, stages_per_rank, microbatches).items()}
+
+
+def _orders(schedule: Schedule, pp: int, stages_per_rank: int, microbatches: int) -> dict[int, list[Action]]:
     m, v = microbatches, stages_per_rank
     if schedule is Schedule.GPIPE:
         return {r: [Action(r, "F", i) for i in range(m)] + [Action(r, "B", i) for i in range(m)] for r in range(pp)}

@@ -176,6 +176,21 @@ def test_llama3_budget_adds_up_and_names_its_pipeline_terms():
     assert 0 < t.pp_comm_s < t.exposed_comm_s
 
 
+def test_explain_walks_the_pipeline_terms():
+    from cost_models.specs import TrainingSpec
+    from planner.api import Candidate
+    from planner.explain_time import time_terms
+
+    model, cluster, config, e = llama3_405b(8192, 1, 8192)
+    terms = {name: text for name, text, _ in time_terms(Candidate(e, model, cluster, TrainingSpec(seq_len=8192)))}
+    bubble, imbalance = terms["pipeline bubble"], terms["pipeline imbalance"]
+    assert bubble.startswith(f"{e.time.pp_bubble_s:.7g} s") and "ScheduleInterleaved1F1B on pp 16 ranks x 8" in bubble
+    assert "equal stages: 5.5% of the step" in bubble  # 15 / 271
+    assert "0.80 ms each (1 x 8192 tokens x 16384 x 2 B / tp 8" in bubble  # test_stage_send_by_hand's figure
+    assert imbalance.startswith(f"{e.time.pp_imbalance_s:.7g} s") and "32 microbatches" in imbalance
+    assert "32 microbatches / pp 16" in terms["matmul"]
+
+
 def test_stage_send_by_hand():
     # one microbatch's activations across a stage boundary: 1 x 8192 x 16384 x 2 B / tp 8 = 33,554,432 B, on
     # another host (tp x dp = 512 ranks between neighbours), each of the host's 8 GPUs on its 400 Gb/s share at
