@@ -12,14 +12,14 @@ The Llama 3 rows, every input assumed (one set for all three rows; the cost mode
 - Batch: 16M = 2^24 tokens per global batch (published.md); micro-batch 1 sequence, so the microbatches per
   schedule step are 2,048 / 64 = 32, 2,048 / 128 = 16 and 128 / 8 = 16.
 - Schedule: interleaved 1F1B (torch's ScheduleInterleaved1F1B order, the closest torch schedule to Meta's own
-  interleaved one). Stages: the paper balances the pipeline by taking one layer each from the first and the last
-  stage, "the first model chunk on the first stage has only the embedding, and the last model chunk on the last
-  stage has only output projection and loss calculation", which is 126 blocks + 2 over 128 one-layer chunks:
-  V = 8 stages per rank. cost_models/pipeline.py's even split gives exactly that layout at V = 8 (stage 0 the
+  interleaved one). Stages: the paper (section 3.3.2, paraphrased; not yet in published.md) balances the pipeline
+  by taking one Transformer layer each from the first and the last stage, so that the first model chunk holds
+  only the embedding and the last only the output projection and the loss: 126 blocks + 2 over 128 one-layer
+  chunks, V = 8 stages per rank. cost_models/pipeline.py's even split gives exactly that layout at V = 8 (stage 0 the
   embedding alone, stage 127 norm + head + loss alone, one block each in between); mesh_rules refuses block-less
   stages today, so the rows are costed through evaluate() (torch's PipelineStage runs an embedding-only stage).
-- Activation checkpointing: none (the paper: the pipeline's memory fixes let them "pre-train Llama 3 on
-  sequences of 8K tokens without activation checkpointing"; assumed for the 131K row too).
+- Activation checkpointing: none (the paper, same section, paraphrased: its pipeline memory fixes let 8K-token
+  pre-training run without activation checkpointing; assumed for the 131K row too).
 - TFLOP/s per GPU = the model's MFU x 989 (torchtitan's count: 6 x non-embedding params + 12 L h s per token);
   the published MFU (43%, 41%, 38%) is the TFLOP/s over the same 989.
 Result: 415 vs 430 (-3.4%), 388 vs 400 (-2.9%), 381 vs 380 (+0.2%). With the schedule's default V = 2 instead:
