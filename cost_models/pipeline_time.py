@@ -4,8 +4,11 @@ The step is the critical path of the schedule's own order (cost_models/pipeline_
 an event simulation: each rank runs its actions in order; a stage's forward waits for the previous stage's
 forward of that microbatch, its backward for the next stage's input gradient (the last stage's for its own
 forward, the loss being computed there), a W (zero-bubble's weight gradient) for its I; an edge between ranks
-adds the stage-to-stage transfer (torch posts sends and receives asynchronously on NCCL's stream, so a transfer
-costs the step only where its receiver waits for it: in warm-up and cool-down, once per boundary). With equal
+adds the stage-to-stage transfer. torch posts sends and receives asynchronously on NCCL's stream: the multi-stage
+runtime (interleaved, zero bubble, DualPipeV) posts a receive ahead of the pass that needs it, so a transfer costs
+the step only where its receiver waits for it (warm-up and cool-down, once per boundary); GPipe and 1F1B post it
+after the rank's previous pass (batched with that pass's send), so each cross-rank pass waits for one transfer
+after its predecessor on the rank ends - every microbatch pays it there. With equal
 stages this gives the textbook bubble, (p - 1) / (m + p - 1) of the step for GPipe and 1F1B and (p - 1) /
 (V m + p - 1) for interleaved 1F1B (Narayanan et al. 2021 and SC21; shared/reference/parallelism.md); unequal
 stages (the first holds the embedding, the last the final norm, head and loss) set their own pace.
@@ -22,8 +25,9 @@ reduce-scatters once. The all-gathers of a rank other than the first run while i
 (NCCL waits hold the stream, not the CPU, so FSDP issues them at once); the first rank exposes its first unit's
 and whatever each block's gather outlasts the previous block's forward of one microbatch. The reduce-scatters
 (with HSDP's all-reduce) run on their own stream after each stage's last backward: what outlasts a rank's
-remaining work ends the step later. Ignored: a send's completion coupling sender and receiver (torch waits on
-batched send + receive pairs), stragglers, the optimizer's cross-rank gradient-norm all-reduce.
+remaining work ends the step later. Ignored: NCCL's per-peer ordering beyond that (a send waits for its receiver's
+post: in 1F1B's steady state the batched send + receive pairs of two neighbours meet at the same moment, which the
+rule above already prices), stragglers, the optimizer's cross-rank gradient-norm all-reduce.
 """
 
 from __future__ import annotations
@@ -70,18 +74,24 @@ def walk(schedule: Schedule, pp: int, v: int, m: int, passes: tuple[StagePass, .
     last_bwd = [0.0] * n_stages
     at = [0] * pp
 
+    # GPipe and 1F1B (torch's PipelineScheduleSingle) post a receive after the rank's previous compute, behind its
+    # sends on NCCL's stream: the transfer starts when both the sender's and the receiver's previous passes end.
+    # The multi-stage runtime posts receives ahead (where the sender's send is), so only the sender's end counts.
+    late = schedule in (Schedule.GPIPE, Schedule.ONE_F_ONE_B)
+
+    def arrival(sent: float | None, src: int, dst: int) -> float | None:
+        if sent is None or rank_of[src] == rank_of[dst]:
+            return sent
+        return (max(sent, free[rank_of[dst]]) if late else sent) + p2p_s
+
     def ready(stage: int, kind: str, mb: int) -> float | None:
         if kind == "F":
-            if stage == 0:
-                return 0.0
-            t = done.get((stage - 1, "F", mb))
-            return None if t is None else t + (p2p_s if rank_of[stage - 1] != rank_of[stage] else 0.0)
+            return 0.0 if stage == 0 else arrival(done.get((stage - 1, "F", mb)), stage - 1, stage)
         if kind == "W":
             return done.get((stage, "I", mb))
         if stage == n_stages - 1:
             return done.get((stage, "F", mb))
-        t = done.get((stage + 1, "G", mb))  # the next stage's input gradient (its B or I)
-        return None if t is None else t + (p2p_s if rank_of[stage + 1] != rank_of[stage] else 0.0)
+        return arrival(done.get((stage + 1, "G", mb)), stage + 1, stage)  # the next stage's input gradient (B or I)
 
     remaining = sum(len(a) for a in todo.values())
     while remaining:

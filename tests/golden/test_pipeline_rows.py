@@ -79,8 +79,23 @@ def test_slowest_stage_sets_the_pace():
     # pass of each other stage in warm-up and cool-down, 3 x 3: 57 (equal stages: 33)
     passes = tuple(StagePass(1.0, 2.0, 1.0) for _ in range(3)) + (StagePass(2.0, 4.0, 2.0),)
     assert walk(Schedule.ONE_F_ONE_B, 4, 1, 8, passes, 0.0).step_s == pytest.approx(57.0, abs=1e-9)
-    # a transfer of 0.25 s on each boundary: warm-up and cool-down pay it once per boundary each way, 57 + 6 x 0.25
-    assert walk(Schedule.ONE_F_ONE_B, 4, 1, 8, passes, 0.25).step_s == pytest.approx(58.5, abs=1e-9)
+    # a transfer of 0.25 s on each boundary. Schedule1F1B receives after the rank's previous pass: warm-up
+    # 3 x (1 + 0.25) = 3.75, the last stage's 8 cycles of 0.25 + 2 + 4 less the first wait (counted in warm-up),
+    # cool-down 3 x (0.25 + 2): 3.75 + 7 x 6.25 + 6 + 6.75 = 60.25
+    assert walk(Schedule.ONE_F_ONE_B, 4, 1, 8, passes, 0.25).step_s == pytest.approx(60.25, abs=1e-9)
+
+
+def test_sends_by_hand():
+    # GPipe p 2, m 2, F = B = 1, a 0.25 s send: rank 1's forwards at 1.25-2.25 and 2.5-3.5 (each receive after its
+    # previous pass), backwards to 5.5; rank 0's at max(4.5, 2) + 0.25 = 4.75-5.75 and 6-7: 7 (6 without sends)
+    two = (StagePass(1.0, 1.0, 0.5),) * 2
+    assert walk(Schedule.GPIPE, 2, 1, 2, two, 0.25).step_s == pytest.approx(7.0, abs=1e-9)
+    assert walk(Schedule.GPIPE, 2, 1, 2, two, 0.0).step_s == pytest.approx(6.0, abs=1e-9)
+    # interleaved 1F1B p 2, V 2, m 4, chunks F 0.5, B 1: (V m + p - 1) x 1.5 = 13.5; torch's runtime posts receives
+    # ahead, so only the critical path's boundary crossings pay: 3 forward in warm-up, 3 backward in cool-down
+    chunks = (StagePass(0.5, 1.0, 0.5),) * 4
+    assert walk(Schedule.INTERLEAVED_1F1B, 2, 2, 4, chunks, 0.0).step_s == pytest.approx(13.5, abs=1e-9)
+    assert walk(Schedule.INTERLEAVED_1F1B, 2, 2, 4, chunks, 0.25).step_s == pytest.approx(13.5 + 6 * 0.25, abs=1e-9)
 
 
 @cache
