@@ -102,10 +102,24 @@ def _tracker_class(fsdp2: bool):
             self._ref_class = categories
             self.vocab_size = vocab_size
             self.peak_phase = "unknown"
+            self.microbatched = False
             from torch.utils.weak import WeakIdKeyDictionary
 
             self._grad_hooked = WeakIdKeyDictionary()
             self.watched = WeakIdKeyDictionary()  # module -> [(activation, gradient) bytes] in its backward
+
+        if fsdp2:
+            def _fsdp_state_pre_forward(self, fsdp_mod, orig):
+                inner = super()._fsdp_state_pre_forward(fsdp_mod, orig)
+
+                def repeatable(*args, **kwargs):
+                    # pipeline stages run forward once per microbatch: a new forward starts the unit's stats
+                    # afresh (the private tracker refuses a root's second forward); peaks are kept
+                    if self.microbatched and not self._mod_tracker.is_bw:
+                        self.memory_tracking.pop(fsdp_mod, None)
+                    return inner(*args, **kwargs)
+
+                return repeatable
 
         def _update_snap(self, u_type, winfo, *args, **kwargs) -> None:
             super()._update_snap(u_type, winfo, *args, **kwargs)
@@ -233,9 +247,16 @@ class MemoryTracker:
                  vocab_size: int | None = None, device: torch.device | str | None = None):
         self.model = model
         self.optimizer = optimizer
-        self.fsdp2 = _is_fsdp2(model)
+        # A ModuleList of FSDP2 roots: one pipeline rank's stages, tracked as one model, each running its
+        # forward once per microbatch (calibration/trace_pipeline.py)
+        stages = isinstance(model, nn.ModuleList) and len(model) > 0 and all(map(_is_fsdp2, model))
+        self.fsdp2 = stages or _is_fsdp2(model)
         cls = _tracker_class(self.fsdp2)
-        if self.fsdp2:
+        if stages:
+            self._tracker = cls(model[0], optimizer, vocab_size=vocab_size)
+            self._tracker._root_mod = model  # the private tracker walks only its root's modules and buffers
+            self._tracker.microbatched = True
+        elif self.fsdp2:
             self._tracker = cls(model, optimizer, vocab_size=vocab_size)
         else:
             self._tracker = cls(vocab_size=vocab_size)

@@ -104,7 +104,10 @@ def fully_shard_options(config: FsdpConfig) -> dict:
     """Keyword arguments of FSDP2's fully_shard for each block (the mesh comes from mesh_layout)."""
     mp = mixed_precision_dtypes(config.precision, config.reduce_dtype)
     return {
-        "reshard_after_forward": config.sharding.reshards_after_forward or config.sharding is Sharding.NO_SHARD,
+        # under PP torchtitan keeps the blocks gathered from forward to backward (fsdp_reshard_after_forward
+        # "default": not pp_enabled), saving an all-gather per microbatch
+        "reshard_after_forward": (config.sharding.reshards_after_forward or config.sharding is Sharding.NO_SHARD)
+        and config.pp == 1,
         "mp_policy": None if mp is None else {"param_dtype": mp["param_dtype"], "reduce_dtype": mp["reduce_dtype"]},
         "offload_policy": "CPUOffloadPolicy" if config.offload else None,
         **({"shard_placement_fn": DIM1_PLACEMENT} if config.expert_shard_dim else {}),

@@ -1,0 +1,123 @@
+"""THE code that cuts a built model into one pipeline rank's stages and builds torch's schedule over them.
+
+    modules = split_stages(model, spec, config, pp_rank)           # nn.Modules, this rank's stages in order
+    for module in modules: apply_fsdp2(module, config, classes, mesh)   # TP, checkpointing, compile, FSDP
+    schedule = build_schedule(modules, stage_indices(spec, config, pp_rank), config, pp_group, device,
+                              causal_lm_loss, seq_len=s, dtype=compute_dtype)
+    schedule.step(ids, target=ids, losses=[])    # first rank passes the ids, the last the targets
+
+Used by the trace tier (calibration/trace_pipeline.py) and by real runs, so what is measured is one code path.
+The split is cost_models/pipeline.py's (even blocks; the embedding on the first stage, the final norm, head and
+loss on the last; torch's loop / v placement of stages on ranks), applied to Hugging Face decoders that name their
+pieces in the config's base_model_pp_plan (embed_tokens, layers, norm) and the causal LM's _pp_plan (lm_head), as
+transformers' llama-style families do. Each stage is a StageModule holding references to the built model's
+modules (no copy: torchtitan's _split_module deep-copies a meta model; on fake or real tensors the unused pieces
+are simply never tracked or trained): the kept blocks under their original index (`layers.5`, torchtitan's FQNs),
+and on every stage the rotary embedding, whose cos / sin each stage computes for itself as the HF model does once.
+
+The schedule is torch.distributed.pipelining's class for config.pp_schedule (cost_models/schedules.py), with
+scale_grads=False as torchtitan builds it (its loss is already divided by the microbatches). Every PipelineStage
+gets static input / output metadata (microbatch x seq_len x hidden in the compute dtype, the logits last), so
+torch's warm-up vote is STATIC on every rank and no shapes travel between ranks.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from cost_models.pipeline import rank_stages
+from cost_models.schedules import Schedule
+from cost_models.specs import FsdpConfig, ModelSpec
+
+
+class PipelineSplitError(ValueError):
+    """The model does not name its pieces for a pipeline split (no base_model_pp_plan)."""
+
+
+class StageModule(nn.Module):
+    """One pipeline stage of a transformers decoder: [embedding] + blocks + [norm + head]; forward takes token
+    ids on the first stage, the previous stage's hidden states elsewhere, and returns hidden states (logits on the
+    last stage)."""
+
+    def __init__(self, causal_lm: nn.Module, first_block: int, n_blocks: int, embedding: bool, head: bool):
+        super().__init__()
+        base = causal_lm.get_decoder() if hasattr(causal_lm, "get_decoder") else causal_lm.model
+        plan = getattr(causal_lm.config, "base_model_pp_plan", None) or {}
+        if not {"embed_tokens", "layers", "norm"} <= set(plan) or not hasattr(base, "rotary_emb"):
+            raise PipelineSplitError(f"{type(causal_lm).__name__} names no embed_tokens / layers / norm in its "
+                                     "base_model_pp_plan (llama-style transformers decoders do)")
+        self.config = causal_lm.config
+        self.embed_tokens = base.embed_tokens if embedding else None
+        self.layers = nn.ModuleDict({str(i): base.layers[i] for i in range(first_block, first_block + n_blocks)})
+        self.rotary_emb = base.rotary_emb
+        self.norm = base.norm if head else None
+        self.lm_head = causal_lm.get_output_embeddings() if head else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from transformers.masking_utils import create_causal_mask
+
+        hidden = self.embed_tokens(x) if self.embed_tokens is not None else x
+        positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+        mask = create_causal_mask(config=self.config, inputs_embeds=hidden, attention_mask=None, cache=None,
+                                  position_ids=positions)
+        rotary = self.rotary_emb(hidden, position_ids=positions)
+        for layer in self.layers.values():
+            hidden = layer(hidden, attention_mask=mask, position_embeddings=rotary, position_ids=positions)
+        if self.lm_head is not None:
+            hidden = self.lm_head(self.norm(hidden))
+        return hidden
+
+
+def stage_indices(spec: ModelSpec, config: FsdpConfig, pp_rank: int) -> list[int]:
+    """The stage indices pipeline rank pp_rank runs, in the model's order (torch's loop / v placement)."""
+    return [s.index for s in rank_stages(spec, config, pp_rank)]
+
+
+def split_stages(model: nn.Module, spec: ModelSpec, config: FsdpConfig, pp_rank: int) -> list[nn.Module]:
+    """This pipeline rank's stage modules, in the model's order (cost_models.pipeline.rank_stages)."""
+    return [StageModule(model, s.first_block, s.n_blocks, s.embedding, s.head)
+            for s in rank_stages(spec, config, pp_rank)]
+
+
+def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The loss the HF model computes inside its forward (shifted cross-entropy on the fp32-upcast logits)."""
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    return ForCausalLMLoss(logits, labels, vocab_size=logits.shape[-1])
+
+
+def _schedule_class(schedule: Schedule):
+    from torch.distributed.pipelining import schedules
+
+    return getattr(schedules, Schedule(schedule).torch_class)
+
+
+def build_schedule(stage_modules: list[nn.Module], stage_indices: list[int], config: FsdpConfig, pp_group,
+                   device: torch.device | str, loss_fn, *, seq_len: int, hidden_size: int, vocab_size: int,
+                   dtype: torch.dtype):
+    """torch's schedule for config.pp_schedule over this rank's stages (PipelineStage each, static metadata:
+    (micro_batch, seq_len, hidden) activations in `dtype`, token ids into the first stage, (micro_batch,
+    seq_len, vocab) logits out of the last). n_microbatches = config.pp_microbatches."""
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining.schedules import PipelineScheduleMulti
+
+    n_stages = config.pp_stages
+    mb = config.micro_batch
+    stages = []
+    for module, index in zip(stage_modules, stage_indices):
+        ids = torch.zeros(mb, seq_len, dtype=torch.long, device=device)
+        hidden_in = torch.empty(mb, seq_len, hidden_size, dtype=dtype, device=device, requires_grad=True)
+        last = index == n_stages - 1
+        out = torch.empty(mb, seq_len, vocab_size if last else hidden_size, dtype=dtype, device=device,
+                          requires_grad=not last)
+        stages.append(PipelineStage(module, index, n_stages, torch.device(device),
+                                    input_args=(ids if index == 0 else hidden_in,), output_args=(out,),
+                                    group=pp_group))
+    cls = _schedule_class(config.pp_schedule)
+    if issubclass(cls, PipelineScheduleMulti):
+        return cls(stages, n_microbatches=config.pp_microbatches, loss_fn=loss_fn, scale_grads=False)
+    return cls(stages[0], n_microbatches=config.pp_microbatches, loss_fn=loss_fn, scale_grads=False)
+
+
+__all__ = ["StageModule", "PipelineSplitError", "split_stages", "stage_indices", "build_schedule", "causal_lm_loss"]

@@ -1,0 +1,222 @@
+"""The trace tier for pipeline parallelism: torch.distributed.pipelining's real schedule on fake tensors, one
+pipeline rank at a time.
+
+    results = trace_pipeline(spec, config, n_gpus=8, gpus_per_node=8, seq_len=2048, hf_config=cfg)
+    results[r].peak_allocated_bytes        # pipeline rank r (its dp / tp coordinates 0), a TraceResult
+
+For each pipeline rank r, as calibration/trace.py does for FSDP2 (its helpers are reused):
+- a fake process group of the real world size in which we are global rank r x (world / pp) - the pp coordinate r,
+  every other coordinate 0 - and torchtitan's mesh [pp, dp_replicate, dp_shard, cp, tp] built from it outside
+  FakeTensorMode (dp_shard x cp flattened for FSDP);
+- the Hugging Face model built inside FakeTensorMode (calibration.build.build_model), cut into this rank's stages
+  by calibration.pipeline.split_stages, each stage given apply_fsdp2 on the data-parallel sub-mesh (checkpointing,
+  compile, fully_shard per block then the stage root; reshard_after_forward=False under PP, torchtitan's default,
+  cost_models/fsdp_options.py), then wrapped in PipelineStage and scheduled by calibration.pipeline.build_schedule;
+- two steps (schedule.step over config.pp_microbatches microbatches, then the optimizer) under calibration.memtrack
+  (all of the rank's stages tracked as one model), the figures those of the second step.
+
+Two shims make the schedules run here. On the fake group: torch's warm-up vote (_PipelineSchedule._warmup_p2p) sends a
+one-element tensor around the ranks and reads it with .item(), which a fake tensor received from a fake group
+cannot answer; every rank passes complete static metadata (build_schedule), so every rank of a real run votes
+STATIC, and the shim sets that outcome on each stage. The P2P sends and receives of activations and gradients
+themselves run on the fake group as no-ops into real (fake) buffers, so the receive buffers are counted as on a
+real run. Under the memory tracker: zero-bubble's autograd.grad on the stage inputs (leaf_inputs_untracked).
+The tracker files the schedule's receive buffers and the stage inputs kept for backward as activations.
+
+Limits (TraceUnsupported): tensor / context / expert parallelism inside a stage, LoRA, offload and 8-bit Adam,
+a model without transformers' base_model_pp_plan (calibration.pipeline.PipelineSplitError).
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from cost_models.specs import Finetune, FsdpConfig, ModelSpec, Optimizer, TrainingSpec
+
+from .trace import (TraceError, TraceResult, TraceUnsupported, _check_supported, _dtensors_under_fake_mode,
+                    _forget_dtensor_placements, _real_run_masking, _replace_temporaries, _require_transformers,
+                    _untraceable, cuda_kernel_choices, foreach_temporary_bytes, make_optimizer)
+
+
+@contextmanager
+def _fake_world(world_size: int, rank: int):
+    """A fake process group in which we are `rank`; refuses to run beside an initialised group."""
+    if dist.is_initialized():
+        raise TraceError(f"a {dist.get_backend()} process group is already initialised; the pipeline trace needs "
+                         f"its own fake group of {world_size} ranks")
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", rank=rank, world_size=world_size, store=FakeStore())
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+        _forget_dtensor_placements()
+
+
+@contextmanager
+def static_vote():
+    """Every stage's warm-up vote decided STATIC, as it is on a real run where every rank passes complete
+    static metadata (see the module docstring); the P2P neighbours are warmed up lazily by the first send."""
+    from torch.distributed.pipelining import schedules
+    from torch.distributed.pipelining._utils import InferenceMode
+
+    original = schedules._PipelineSchedule._warmup_p2p
+
+    def vote(self, stages, has_backward, p2p_done):
+        for stage in stages:
+            stage._inference_mode = InferenceMode.STATIC
+
+    schedules._PipelineSchedule._warmup_p2p = vote
+    try:
+        yield
+    finally:
+        schedules._PipelineSchedule._warmup_p2p = original
+
+
+@contextmanager
+def leaf_inputs_untracked():
+    """Zero-bubble and DualPipeV run the input-gradient pass as torch.autograd.grad on the stage's inputs, and the
+    memory tracker's module tracker (torch.distributed._tools.mod_tracker) hooks every module's inputs with
+    register_multi_grad_hook, whose first call asks the engine about each input's node: for a leaf (the stage's
+    receive buffer) autograd.grad refuses that question ("A leaf node was passed to _will_engine_execute_node").
+    The hook only marks where a module's backward ends (bookkeeping of parent modules, no memory): leaves are left
+    out of it for the trace. Memory is unchanged: the tracker counts tensors, not hooks."""
+    from torch.distributed._tools import mod_tracker
+
+    original = mod_tracker.register_multi_grad_hook
+
+    def non_leaf(tensors, fn, *args, **kwargs):
+        kept = [t for t in tensors if t.grad_fn is not None]
+        return original(kept, fn, *args, **kwargs) if kept else None
+
+    mod_tracker.register_multi_grad_hook = non_leaf
+    try:
+        yield
+    finally:
+        mod_tracker.register_multi_grad_hook = original
+
+
+def make_pipeline_mesh(config: FsdpConfig, world_size: int, gpus_per_node: int, device_type: str):
+    """torchtitan's [pp, dp_replicate, dp_shard, cp, tp] (size-1 dims kept) with dp_shard x cp flattened."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from .apply import FSDP_DIM, dense_mesh_dims
+
+    dims = {"pp": config.pp, **dense_mesh_dims(config, world_size, gpus_per_node)}
+    mesh = init_device_mesh(device_type, tuple(dims.values()), mesh_dim_names=tuple(dims))
+    mesh["dp_shard", "cp"]._flatten(FSDP_DIM)
+    return mesh
+
+
+def _check_pipeline(spec: ModelSpec, config: FsdpConfig, hf_config: dict | None) -> None:
+    if config.pp < 2:
+        raise TraceError("trace_pipeline needs pp >= 2; calibration.trace.trace_memory traces pp = 1")
+    if config.tp > 1 or config.cp > 1 or config.ep > 1:
+        raise TraceUnsupported("the pipeline trace runs FSDP inside each stage only (tp = cp = ep = 1)")
+    if hf_config is None:
+        raise TraceUnsupported("the pipeline trace splits transformers models (base_model_pp_plan); pass hf_config")
+    from cost_models.pipeline import pipeline_refusals
+
+    refusals = pipeline_refusals(spec, config)
+    if refusals:
+        raise TraceError(f"{refusals[0].field}: {refusals[0].reason}")
+
+
+def trace_pipeline(spec: ModelSpec, config: FsdpConfig, *, n_gpus: int, gpus_per_node: int, seq_len: int,
+                   optimizer: Optimizer | str = Optimizer.ADAMW, hf_config: dict | None = None,
+                   ranks: tuple[int, ...] | None = None) -> tuple[TraceResult, ...]:
+    """One TraceResult per pipeline rank (or per rank in `ranks`), each its own fake world; see the module
+    docstring."""
+    training = TrainingSpec(seq_len=seq_len, optimizer=optimizer, finetune=Finetune.FULL)
+    _check_supported(config, training)
+    _check_pipeline(spec, config, hf_config)
+    if n_gpus % (config.pp * config.tp * config.cp):
+        raise TraceError(f"pp={config.pp} does not divide the {n_gpus} GPUs")
+    _require_transformers()
+    import transformers
+
+    verbosity = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()
+    try:
+        with _real_run_masking(True), static_vote(), leaf_inputs_untracked():
+            return tuple(_trace_rank(spec, config, training, n_gpus, gpus_per_node, seq_len, hf_config, r)
+                         for r in (range(config.pp) if ranks is None else ranks))
+    finally:
+        transformers.logging.set_verbosity(verbosity)
+
+
+def _trace_rank(spec, config, training, n_gpus, gpus_per_node, seq_len, hf_config, pp_rank) -> TraceResult:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from .apply import TORCH_DTYPES, apply_fsdp2
+    from .build import build_model
+    from .memtrack import MemoryTracker
+    from .pipeline import build_schedule, causal_lm_loss, split_stages, stage_indices
+    from .trace import _block_classes
+
+    started = time.perf_counter()
+    dp_ranks = n_gpus // config.pp
+    indices = stage_indices(spec, config, pp_rank)
+    first, last = 0 in indices, config.pp_stages - 1 in indices
+    with _fake_world(n_gpus, pp_rank * dp_ranks), _dtensors_under_fake_mode():
+        mesh = make_pipeline_mesh(config, n_gpus, gpus_per_node, "cpu")  # outside FakeTensorMode (pitfalls.md)
+        shard = mesh["dp_shard_cp"].size()
+        with FakeTensorMode(allow_non_fake_inputs=False):
+            try:
+                model = build_model(spec, hf_config, attention=config.attention.value, device="cpu",
+                                    dtype=TORCH_DTYPES[config.precision.param_dtype])
+            except Exception as exc:  # noqa: BLE001 - foreign model code
+                raise _untraceable(f"building {spec.name}", exc) from exc
+            model.train()
+            model.config.use_cache = False
+            classes = _block_classes(model, spec)
+            modules = split_stages(model, spec, config, pp_rank)
+            for module in modules:
+                apply_fsdp2(module, config, classes, mesh)
+            stages = nn.ModuleList(modules)
+            opt = make_optimizer(stages.parameters(), training.optimizer)
+            schedule = build_schedule(modules, indices, config, mesh.get_group("pp"), "cpu", causal_lm_loss,
+                                      seq_len=seq_len, hidden_size=spec.hidden_size, vocab_size=spec.vocab_size,
+                                      dtype=TORCH_DTYPES[config.precision.compute_dtype])
+            ids = torch.randint(0, spec.vocab_size, (config.micro_batch * config.pp_microbatches, seq_len))
+            tracker = MemoryTracker(stages, opt, vocab_size=spec.vocab_size if spec.vocab_size != seq_len else None)
+            tracker.track_inputs(ids)
+            try:
+                phases = _measured_steps(schedule, opt, ids, tracker, first, last)
+            except Exception as exc:  # noqa: BLE001
+                raise _untraceable(f"the {config.pp_schedule.value} schedule of {spec.name}", exc) from exc
+    peak = max(phases.values(), key=lambda s: s.peak_allocated_bytes)
+    notes = (f"pipeline rank {pp_rank} of {config.pp}: stages {', '.join(map(str, indices))}",)
+    return TraceResult(peak_allocated_bytes=peak.peak_allocated_bytes, breakdown=dict(peak.breakdown),
+                       peak_phase=peak.peak_phase, phases=phases, world_size=n_gpus,
+                       shard_group_size=shard, builder="transformers",
+                       seconds=time.perf_counter() - started, notes=notes, attention=config.attention.value)
+
+
+def _measured_steps(schedule, optimizer, ids, tracker, first: bool, last: bool) -> dict:
+    """The second of two steps: its schedule window and its optimizer window (foreach temporaries)."""
+    def run_schedule():
+        with cuda_kernel_choices():
+            schedule.step(*((ids,) if first else ()), **({"target": ids, "losses": []} if last else {}))
+
+    with tracker:
+        run_schedule()  # warm-up: optimizer state, first all-gathers
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        tracker.reset()
+        run_schedule()
+        schedule_window = tracker.snapshot()
+        tracker.reset()
+        optimizer.step()
+        step_window = _replace_temporaries(tracker.snapshot(), foreach_temporary_bytes(optimizer))
+        optimizer.zero_grad(set_to_none=True)
+    return {"forward_backward": schedule_window, "optimizer_step": step_window}
+
+
+__all__ = ["trace_pipeline", "static_vote", "make_pipeline_mesh"]
