@@ -51,9 +51,10 @@ def learnable_batch(micro_batch: int, seq_len: int, rank: int, period: int = 8, 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def run_cases(worker: Path, cases: list[dict], timeout_s: float) -> tuple[dict, ...]:
-    """One 2-rank torchrun job of `worker` over every case (one process group for all: CI time); rank 0's results."""
-    args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(worker)]
+def run_cases(worker: Path, cases: list[dict], timeout_s: float, nproc: int = 2) -> tuple[dict, ...]:
+    """One `nproc`-rank torchrun job of `worker` over every case (one process group for all: CI time); rank 0's
+    results."""
+    args = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(worker)]
     for case in cases:
         args += ["--case", json.dumps(case)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
