@@ -64,7 +64,10 @@ class TimeBreakdown:
     pp_comm_s: float = 0.0
 
     def to_dict(self) -> dict:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        """Every field; the pipeline's only with a pipeline (the output schemas leave them out without one)."""
+        pipeline = ("pp_bubble_s", "pp_imbalance_s", "pp_comm_s")
+        piped = any(getattr(self, name) for name in pipeline)
+        return {f.name: getattr(self, f.name) for f in fields(self) if piped or f.name not in pipeline}
 
 
 def _shard_tiers(config: FsdpConfig, cluster: ClusterSpec, profile: Profile):
