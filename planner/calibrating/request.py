@@ -129,6 +129,7 @@ class CalibrationReport:
 
 def resolve_target(request: CalibrationRequest) -> Target:
     from ..models import hf_config_of, resolve_model
+    from ..models.resolve import names_preset
 
     if request.factory:
         spec = _factory_spec(request.factory)
@@ -137,7 +138,7 @@ def resolve_target(request: CalibrationRequest) -> Target:
         spec = resolve_model(request.model)
         hf = hf_config_of(request.model)
         name = spec.name
-        is_preset = hf is not None and not os.path.exists(str(request.model))
+        is_preset = names_preset(request.model)  # not a config path nor a hub id: the spec is the preset's
         source = "reference" if (is_preset and spec.family == "llama") else "hf"
         if source == "reference":
             hf = None

@@ -39,7 +39,7 @@ def resolve_model(model, *, trust_remote_code: bool = False) -> ModelSpec:
 
     if is_module(model):
         return from_module(model)
-    if _names_preset(model):
+    if names_preset(model):
         return load_preset(model)
     if isinstance(model, (str, Path)):
         path = _config_path(model)
@@ -81,7 +81,7 @@ def hf_config_of(model) -> dict | None:
     """The HF config dict behind a preset name, a config path or a dict; None for an nn.Module."""
     if isinstance(model, dict):
         return dict(model)
-    if _names_preset(model):
+    if names_preset(model):
         return preset_hf_config(model)
     if isinstance(model, (str, Path)):
         path = _config_path(model)
@@ -96,7 +96,7 @@ def _with_code_dir(cfg: dict, path: Path) -> dict:
     return cfg
 
 
-def _names_preset(model) -> bool:
+def names_preset(model) -> bool:
     """A preset name, unless a local config of that name exists (the local file wins)."""
     if not isinstance(model, str) or _preset_key(model) is None:
         return False
