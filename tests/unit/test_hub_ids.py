@@ -225,3 +225,21 @@ def test_an_id_not_cached_is_downloaded_alone_into_the_cache(tmp_path):
     # a repo the Hub does not have: one line, exit 2
     assert missing.returncode == 2 and len(missing.stderr.strip().splitlines()) == 1, missing.stderr
     assert "the Hub has no such model (or it is private: hf auth login)" in missing.stderr
+
+
+def test_calibrate_runs_a_hub_llama_as_transformers_builds_it(hub_cache):
+    """A preset Llama runs as our reference Llama built from the spec; a hub id's (like a config path's) as the
+    model transformers builds from its config.json, so a config with biases is run with them."""
+    from planner.calibrating import CalibrationRequest
+    from planner.calibrating.request import resolve_target
+    from planner.models import preset_hf_config
+
+    config = {**preset_hf_config("llama3.2-1b"), "attention_bias": True}
+    write_snapshot(hub_cache, "meta-llama/Llama-3.2-1B", MAIN_SHA, config)
+    by_id = resolve_target(CalibrationRequest(out_dir="unused", gpus=2, model="meta-llama/Llama-3.2-1B"))
+    assert by_id.source == "hf" and by_id.hf_config == config
+    # 1,235,814,400 (the preset: 16 blocks of 60,821,504, the tied 128,256 x 2048 embedding, the final norm)
+    # + the q, k, v, o biases: 16 x (2048 + 512 + 512 + 2048)
+    assert by_id.spec.n_params == 1_235_814_400 + 16 * 5120
+    preset = resolve_target(CalibrationRequest(out_dir="unused", gpus=2, model="llama3.2-1b"))
+    assert preset.source == "reference" and preset.hf_config is None and preset.spec.n_params == 1_235_814_400
