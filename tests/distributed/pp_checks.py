@@ -1,0 +1,58 @@
+"""What the pipeline torchrun tests share (test_torchrun_pp.py: 2 ranks, test_torchrun_pp_dp.py: 4): the tiny
+model, its cases, the trace of a case and the two comparisons; test_torchrun_pp.py's docstring gives the figures."""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+
+import pytest
+
+WORKER = Path(__file__).with_name("worker_pp.py")
+TIMEOUT_S = 300
+REAL_RUN_JITTER_BYTES = 65_536      # one real run's peak against a fixed figure, by hash seed (test_torchrun_ep)
+SEQ_LEN, HIDDEN = 64, 64
+TINY = dict(model_type="llama", hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=256, max_position_embeddings=256, tie_word_embeddings=False)
+
+
+def cases(**config) -> list[dict]:
+    """GPipe and 1F1B of the tiny model with these FsdpConfig fields (fp32, pp 2 by default)."""
+    return [{"hf_config": TINY, "config": {"pp": 2, "precision": "fp32", **config, "pp_schedule": schedule},
+             "seq_len": SEQ_LEN} for schedule in ("gpipe", "1f1b")]
+
+
+@functools.cache
+def traced(config_json: str, world: int):
+    from calibration.trace_pipeline import trace_pipeline
+    from planner.models import from_hf_config
+    from tests.distributed.cases import config_from_dict
+
+    spec = from_hf_config(dict(TINY), name="tiny-pp")
+    return trace_pipeline(spec, config_from_dict(json.loads(config_json)), n_gpus=world, gpus_per_node=world,
+                          seq_len=SEQ_LEN, hf_config=dict(TINY))
+
+
+def check_against_trace(real: dict, case: dict, world: int) -> None:
+    """Every global rank's real peak against its pipeline rank's traced one: the trace's, plus at most one stage
+    output that gloo keeps after its send (test_torchrun_pp.py), within the real runs' jitter; the same peak
+    phase; the counted states to the byte."""
+    trace = traced(json.dumps(case["config"], sort_keys=True), world)
+    sent_bytes = case["config"].get("micro_batch", 1) * SEQ_LEN * HIDDEN * 4  # one fp32 stage output
+    for rank in real["ranks"]:
+        t = trace[rank["pp_rank"]]
+        extra = rank["peak_allocated_bytes"] - t.peak_allocated_bytes
+        assert -REAL_RUN_JITTER_BYTES <= extra <= sent_bytes + REAL_RUN_JITTER_BYTES, (
+            rank["rank"], rank["peak_allocated_bytes"], t.peak_allocated_bytes, rank["phases"], t.to_dict()["phases"])
+        assert rank["peak_phase"] == t.peak_phase
+        counted = rank["phases"]["optimizer_step"]["breakdown"]
+        for key in ("sharded_params", "sharded_grads", "optimizer_state"):  # counted, not timed: to the byte
+            assert counted[key] == t.phases["optimizer_step"].breakdown[key], key
+
+
+def check_numerics(real: dict) -> None:
+    """The pipeline's loss equals the unsplit model's at each of 3 steps to 1e-5, every gradient to 1e-6."""
+    assert real["losses"] == pytest.approx(real["reference_losses"], abs=1e-5)
+    assert real["losses"][0] > real["losses"][-1]  # it trains
+    assert real["max_grad_error"] <= 1e-6 and real["max_grad"] > 1e-3, real
