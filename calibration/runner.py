@@ -58,6 +58,7 @@ from torch import nn
 from calibration.apply import (apply_fsdp1, apply_fsdp2, block_classes_for, cast_for_precision, grad_scaler_for,
                                make_mesh, precompute_float8_scales)
 from calibration.build import build_model, load_factory
+from calibration.profile_step import phase, profile_step
 from calibration.reference import causal_lm_loss
 from calibration.store import cpu_name, model_spec_from_dict, write_atomic
 from cost_models.specs import FsdpConfig, ModelSpec, Sharding
@@ -395,15 +396,18 @@ def run(job: dict) -> None:
                 model.set_requires_gradient_sync(last)
             with model.no_sync() if job["fsdp_version"] == 1 and no_sync_possible and not last \
                     else contextlib.nullcontext(), step_context(model, config, ids):
-                loss = loss_of(model, ids, loss_fn) / config.grad_accum
-                (scaler.scale(loss) if scaler else loss).backward()
-        if scaler:
-            scaler.step(optimizer)
-            scaler.update()
-        else:
-            optimizer.step()
-        precompute_float8_scales(model, config)  # FP8 all-gather: next step's weight scales, one all-reduce
-        optimizer.zero_grad(set_to_none=True)
+                with phase("forward"):  # phase: a range only under --torch-profile's profiler
+                    loss = loss_of(model, ids, loss_fn) / config.grad_accum
+                with phase("backward"):
+                    (scaler.scale(loss) if scaler else loss).backward()
+        with phase("optimizer"):
+            if scaler:
+                scaler.step(optimizer)
+                scaler.update()
+            else:
+                optimizer.step()
+            precompute_float8_scales(model, config)  # FP8 all-gather: next step's weight scales, one all-reduce
+            optimizer.zero_grad(set_to_none=True)
         loss = loss.full_tensor() if hasattr(loss, "full_tensor") else loss  # loss parallel: a replicated DTensor
         last_loss[0] = loss.detach().float().item() * config.grad_accum
 
@@ -423,6 +427,8 @@ def run(job: dict) -> None:
             cpu_times.append(time.process_time() - c0)
     times = _reduce_max(times, device)
     measured = {"wall_step_s": statistics.median(times), "loss": last_loss[0]}
+    if job.get("torch_profile"):  # one more step under torch.profiler, its trace beside the result
+        profile_step(step, job["torch_profile"], device, record=rank == 0)
     if device.type == "cpu":
         # A CPU host is usually shared (CI, a laptop): other processes inflate wall time by tens of percent
         # from one run to the next. The CPU time of the rank's process (all its threads: compute and gloo)

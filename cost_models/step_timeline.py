@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from . import tensor_parallel
 from .profile import Profile
-from .specs import ClusterSpec, FsdpConfig, ModelSpec, Sharding, TrainingSpec
+from .specs import ClusterSpec, FsdpConfig, ModelSpec, Sharding, SpecError, TrainingSpec
 from .step_time import TimeBreakdown, estimate_step_time, root_memory_bytes_per_token
 from .units import DTYPE_BYTES
 
@@ -91,6 +91,8 @@ def step_timeline(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec
     """Every span of one optimizer step as estimate_step_time prices it (config: as evaluate runs it)."""
     terms: dict = {}
     t = estimate_step_time(model, cluster, training, config, profile, terms)
+    if "kinds" not in terms:  # pp > 1: cost_models/pipeline_time.py walks the stages instead
+        raise SpecError("timeline", f"pipeline plans (pp {config.pp}) are not drawn yet; the timeline draws pp = 1")
     local = tensor_parallel.local_model(model, config)
     L, nd, accum = local.n_layers, local.n_dense_layers, config.grad_accum
     tp_t, cp_t, a2a = terms["tp"], terms["cp"], terms["a2a_s"]
@@ -193,6 +195,26 @@ def step_timeline(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec
     lanes.wait(end - lanes.now)
     lanes.compute("optimizer step (CPU)" if config.offload else "optimizer step", "optimizer", t.optimizer_s)
     return StepTimeline(tuple(lanes.spans), t, reduce_name)
+
+
+def phase_seconds(tl: StepTimeline) -> dict[str, float]:
+    """{"forward", "backward", "optimizer"} seconds of the predicted step, cut as the runner's profiled phases are
+    (calibration/profile_step.py): a micro-step's forward from its start (its first all-gather) to its first
+    backward compute, its backward from there to its last reduction, summed over micro-steps; the optimizer step.
+    Overheads, the overlap slowdown and offload copies are in none of them."""
+    seconds = {"forward": 0.0, "backward": 0.0, "optimizer": 0.0}
+    micro: dict[int, list[Span]] = {}
+    for s in tl.spans:
+        if s.phase == "optimizer":
+            seconds["optimizer"] += s.dur_s
+        elif "micro_batch" in s.args and s.phase != "overhead":
+            micro.setdefault(s.args["micro_batch"], []).append(s)
+    for spans in micro.values():
+        start, end = min(s.start_s for s in spans), max(s.end_s for s in spans)
+        cut = min(s.start_s for s in spans if s.track == COMPUTE and s.phase in ("backward", "recompute"))
+        seconds["forward"] += cut - start
+        seconds["backward"] += end - cut
+    return seconds
 
 
 def _root_compute(local: ModelSpec, config: FsdpConfig, terms: dict):

@@ -74,6 +74,7 @@ def calibration_text(report: CalibrationReport) -> str:
             lines.append(f"#{i}: {v.measured.memory_note}")
     if failed:
         lines.append("")
+    lines += _phase_lines(report)
     if report.fit is not None:
         f = report.fit
         p = report.profile
@@ -111,6 +112,40 @@ def calibration_text(report: CalibrationReport) -> str:
     if report.best is not None:
         lines += ["", recommendation_text(report.best)]
     return "\n".join(lines)
+
+
+def _phase_lines(report: CalibrationReport) -> list[str]:
+    """Predicted against measured per phase for the runs with a torch.profiler trace (calibrate --torch-profile):
+    the trace's marked forward / backward / optimizer ranges against the same cut of the predicted timeline
+    (cost_models.step_timeline.phase_seconds) with the profile the fit left (or the one given)."""
+    from calibration.fit import specs_from_setup
+    from cost_models.step_timeline import phase_seconds, step_timeline
+
+    from .calibrating.step_profile import PHASES, read_phase_seconds, trace_path
+
+    rows, traces = [], []
+    for i, v in enumerate(report.runs, 1):
+        path = trace_path(Path(report.request.out_dir) / "runs" / v.record.run_id)
+        measured = read_phase_seconds(path) if v.measured is not None and v.after is not None else {}
+        if not measured or v.after.config.pp > 1:
+            continue
+        spec, _, training, _ = specs_from_setup(v.record.setup)
+        predicted = phase_seconds(step_timeline(spec, report.cluster, training, v.after.config, report.profile))
+        pred_total, meas_total = sum(predicted.values()), sum(measured.values())
+        rows.append([i, describe(v.config, compact=True)] + [
+            f"{predicted[p]:.3f}/{measured[p]:.3f} {100 * predicted[p] / pred_total:.0f}%/"
+            f"{100 * measured[p] / meas_total:.0f}%" if p in measured else "-" for p in PHASES]
+            + [f"x{meas_total / v.measured.wall_step_s:.1f}" if v.measured.wall_step_s else "-"])
+        traces.append(f"  #{i}: {path}")
+    if not rows:
+        return []
+    by = "the fitted profile" if report.fit is not None else "the starting profile"
+    return [f"Per phase: predicted ({by}) / measured s, then each one's share of the step. Measured:",
+            "one more step under torch.profiler, wall clock, which the profiler's cost per op and a shared host",
+            "slow (last column: its phases against the timed steps' median wall time; shares compare better):",
+            tabulate(rows, headers=["#", "config", *PHASES, "profiled/timed"], tablefmt="simple",
+                     disable_numparse=True),
+            "torch.profiler traces (open in ui.perfetto.dev):", *traces, ""]
 
 
 def calibration_json(report: CalibrationReport) -> str:

@@ -21,6 +21,7 @@ from ..errors import PlannerError
 from ..search import SearchSpace, describe, search
 from .host import ROOT, cpu_cluster, cpu_fingerprint, live_fingerprint, probe_host, runner_env
 from .multinode import node_commands
+from . import step_profile
 from .progress import Progress
 from .request import (CalibrationReport, CalibrationRequest, RunView, Target, nodes_and_per_node, resolve_target,
                       training_spec)
@@ -255,7 +256,8 @@ def _job(request: CalibrationRequest, out: Path, target: Target, config: FsdpCon
            "lora_rank": setup.training["lora_rank"], "steps": setup.steps, "warmup": setup.warmup,
            "device": setup.device, "emulate_world_size": request.emulate_world_size,
            "result_path": str(run_dir / "result.json"), "error_dir": str(run_dir / "errors"),
-           "fault": fault, "measure_comm": True, "seed": 0}
+           "fault": fault, "measure_comm": True, "seed": 0,
+           "torch_profile": str(step_profile.trace_path(run_dir)) if request.torch_profile else None}
     path = out / "jobs" / f"{rid}.json"
     store.write_atomic(path, json.dumps(job, indent=1) + "\n")
     return job, path

@@ -55,6 +55,7 @@ class CalibrationRequest:
     launch: bool = True                  # multi-node: False prints the per-node commands
     rdzv_endpoint: str | None = None     # HOST:PORT of node 0 (multi-node)
     node_rank: int = 0
+    torch_profile: bool = False          # a torch.profiler trace of one more step per run, beside its result
     fault: dict | None = None            # testing: {"run": i, "rank": r, "step": s, "kind": exit|hang|oom|raise}
 
 

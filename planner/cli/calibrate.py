@@ -88,6 +88,8 @@ def register(app) -> None:
         launch: Annotated[bool, typer.Option("--launch", help="Multi-node: run this node's part (else print)")] = False,
         rdzv_endpoint: Annotated[Optional[str], typer.Option("--rdzv-endpoint", help="HOST:PORT of node 0")] = None,
         node_rank: Annotated[int, typer.Option("--node-rank", help="This node's rank (with --launch)")] = 0,
+        torch_profile: Annotated[bool, typer.Option("--torch-profile", help="Save a torch.profiler trace (Chrome "
+                                                    "JSON) of one more step per run beside its result")] = False,
         emit: Annotated[Optional[CalibrateEmit], typer.Option("--emit", help="Print a SLURM batch script instead")] = None,
         output_format: FormatOpt = Format.table,
         fault: Annotated[Optional[str], typer.Option("--fault", hidden=True, help="Testing: RUN:RANK:KIND[:STEP]")] = None,
@@ -133,7 +135,7 @@ def register(app) -> None:
             optimizer=optimizer, finetune=finetune, lora_rank=lora_rank, precisions=precision, attention=attention,
             top=top or 3, config=config, steps=steps, warmup=warmup, fsdp_version=fsdp_version, layers=layers, emulate_world_size=emulate_world_size,
             profile=profile, force_profile=force_profile, fit=fit, resume=resume, timeout_s=timeout, launch=launch,
-            rdzv_endpoint=rdzv_endpoint, node_rank=node_rank, fault=_fault(fault))
+            rdzv_endpoint=rdzv_endpoint, node_rank=node_rank, torch_profile=torch_profile, fault=_fault(fault))
         if emit is CalibrateEmit.slurm:
             argv = sys.argv[1:]
             if argv and argv[0] == "calibrate":

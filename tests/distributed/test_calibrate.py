@@ -59,7 +59,7 @@ def lines(path: Path) -> list[dict]:
 @pytest.fixture(scope="module")
 def calibration(tmp_path_factory):
     out = tmp_path_factory.mktemp("calib")
-    first = cli(*COMMON, "--top", "3", "--out", str(out), "--fault", "1:1:exit:1")
+    first = cli(*COMMON, "--top", "3", "--out", str(out), "--fault", "1:1:exit:1", "--torch-profile")
     before = (out / "results.jsonl").read_text()
     resumed = cli(*COMMON, "--top", "3", "--out", str(out), "--resume")
     unmeasured = tmp_path_factory.mktemp("unmeasured")
@@ -147,6 +147,40 @@ def test_lora_run_measures_adapters_only_and_matches_the_prediction(calibration)
     # adapter matmuls per step cost per-op overhead more than FLOPs (predicted 25-30% low while writing
     # this). A factor of 2 either way still catches a LoRA step priced like nothing or like several steps.
     assert 1 / 2 < p["step_s"] / m["step_s"] < 2
+
+
+def test_torch_profile_saves_a_trace_of_each_candidate_and_the_report_sets_phases_side_by_side(calibration):
+    """--torch-profile: each measured run's folder holds a torch.profiler Chrome trace of one more step. It parses
+    and holds that step: the runner's forward / backward ranges once per micro-step and one optimizer range, AdamW's
+    step, the blocks' matmuls, FSDP2's collectives per block (by hand: 4 blocks; FULL_SHARD gathers each block in
+    forward and again in backward and reduce-scatters it once, per micro-step). The crashed run left none."""
+    from planner.calibrating.step_profile import phase_seconds, trace_path
+
+    records = lines(calibration["out"] / "results.jsonl")
+    traced = 0
+    for r in records:
+        path = trace_path(calibration["out"] / "runs" / r["run_id"])
+        if r["error"]:
+            assert not path.exists()  # rank 1 died in warm-up, before the profiled step
+            continue
+        events = [e for e in json.loads(path.read_text())["traceEvents"] if e.get("ph") == "X"]
+        count = {}
+        for e in events:
+            count[e["name"]] = count.get(e["name"], 0) + 1
+        config, accum = r["setup"]["config"], r["setup"]["config"]["grad_accum"]
+        assert count["calibration.forward"] == count["calibration.backward"] == accum
+        assert count["calibration.optimizer"] == count["Optimizer.step#AdamW.step"] == 1
+        assert count.get("aten::mm", 0) + count.get("aten::addmm", 0) > 0
+        if config["sharding"] == "FULL_SHARD":
+            assert [count[f"FSDP::all_gather (layers.{i})"] for i in range(4)] == [2 * accum] * 4
+            assert [count[f"FSDP::post_backward_reduce (layers.{i})"] for i in range(4)] == [accum] * 4
+        phases = phase_seconds(json.loads(path.read_text()))
+        assert set(phases) == {"forward", "backward", "optimizer"} and min(phases.values()) > 0
+        traced += 1
+    assert traced == 2
+    text = calibration["first"].stdout
+    assert "Per phase: predicted (the fitted profile) / measured s" in text
+    assert text.count("torch_profile.json") == 2
 
 
 def runner_job(tmp_path, **overrides) -> dict:
