@@ -10,6 +10,8 @@ import sys
 import jsonschema
 import pytest
 
+from cost_models.profile import DEFAULT_PROFILE
+from cost_models.step_timeline import phase_seconds, step_timeline
 from planner.api import estimate
 from planner.timeline import trace_events
 
@@ -119,6 +121,22 @@ def test_events_per_unit_and_micro_batch():
     fsdp = _tracks(_traced("fsdp")[1])
     forward_end = next(e for _, e, n in fsdp["compute"] if n == "forward block 31")
     assert sum(e <= forward_end for _, e, _ in fsdp["FSDP all-gather"]) == 33
+
+@pytest.mark.parametrize("name", ["fsdp", "accum4-full-ac"])
+def test_phases_cut_the_predicted_step_as_the_profiler_does(name):
+    """calibrate --torch-profile's report: forward (from a micro-step's first all-gather to its first backward
+    compute) and backward (to its last reduction) hold all compute and every exposed wait; the optimizer its step."""
+    c = estimate(**PLANS[name])
+    t = c.time
+    phases = phase_seconds(step_timeline(c.model, c.cluster, c.training, c.config, DEFAULT_PROFILE))
+    assert phases["forward"] + phases["backward"] == pytest.approx(t.compute_s + t.exposed_comm_s, rel=1e-9)
+    assert phases["optimizer"] == pytest.approx(t.optimizer_s, rel=1e-12)
+    # by hand: forward is 1 of 3 FLOP units (backward 2), 1 of 4 with full AC's recompute in the backward; attention's
+    # backward (2.5 x its forward) pulls the share a little below that (27.4% and 22.2% when written)
+    share = phases["forward"] / (phases["forward"] + phases["backward"])
+    low, high = {"fsdp": (0.25, 1 / 3), "accum4-full-ac": (0.2, 0.25)}[name]
+    assert low < share < high
+
 
 CLI = [sys.executable, "-m", "planner.cli"]
 
