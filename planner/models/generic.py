@@ -63,7 +63,7 @@ def hf_config_object(cfg: dict, *, trust_remote_code: bool = False):
             raise UnsupportedModel("model_type", f"{model_type!r} is not a model type transformers "
                                              f"{transformers_version()} can build") from None
         raise PlannerError("model", f"config of model_type {model_type!r}: {_first_line(exc)}") from None
-    except (TypeError, KeyError, AttributeError) as exc:
+    except (TypeError, KeyError, AttributeError, OSError) as exc:  # OSError: a code file (auto_map) missing
         raise PlannerError("model", f"config of model_type {model_type!r}: {_first_line(exc)}") from None
 
 

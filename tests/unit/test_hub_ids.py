@@ -243,3 +243,16 @@ def test_calibrate_runs_a_hub_llama_as_transformers_builds_it(hub_cache):
     assert by_id.spec.n_params == 1_235_814_400 + 16 * 5120
     preset = resolve_target(CalibrationRequest(out_dir="unused", gpus=2, model="llama3.2-1b"))
     assert preset.source == "reference" and preset.hf_config is None and preset.spec.n_params == 1_235_814_400
+
+
+def test_a_remote_code_id_without_its_code_in_the_cache_is_one_line(hub_cache):
+    """config.json alone (what a download fetches) of an auto_map model: its code files are not there."""
+    pytest.importorskip("transformers")
+    auto_map = {"AutoConfig": "configuration_x.XConfig", "AutoModelForCausalLM": "modeling_x.XForCausalLM"}
+    write_snapshot(hub_cache, "org/custom", MAIN_SHA, {"model_type": "custom_x", "auto_map": auto_map})
+    with pytest.raises(PlannerError, match="pass --trust-remote-code"):
+        resolve_model("org/custom")
+    with pytest.raises(PlannerError) as err:
+        resolve_model("org/custom", trust_remote_code=True)
+    assert err.value.field == "model" and "\n" not in str(err.value)
+    assert "models--org--custom/snapshots" in str(err.value) and "configuration_x.py" in str(err.value)
