@@ -150,6 +150,7 @@ def test_explain_writes_the_timeline(tmp_path):
     jsonschema.validate(doc, SCHEMA)
     assert doc["otherData"]["step_s"] == pytest.approx(_traced("fsdp")[0].time.step_s, rel=1e-12)
     assert f"predicted step written to {out}" in r.stderr
+    assert json.loads(r.stdout)["time"]["step_s"] == doc["otherData"]["step_s"]  # stdout stays one JSON document
     bad = subprocess.run([*CLI, "explain", "--model", "llama3-8b", "--gpus", "16", "--micro-batch", "1",
                           "--timeline", str(tmp_path / "no" / "step.json")], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0 and "timeline" in bad.stderr, bad.stderr
