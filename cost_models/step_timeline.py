@@ -83,7 +83,7 @@ class _Lanes:
 def uncovered_s(span: Span, busy: list[tuple[float, float]]) -> float:
     """Seconds of `span` outside the sorted, disjoint `busy` intervals: a collective's exposed part."""
     covered = sum(max(0.0, min(span.end_s, e) - max(span.start_s, s)) for s, e in busy)
-    return span.dur_s - covered
+    return max(0.0, span.dur_s - covered)
 
 
 def step_timeline(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, config: FsdpConfig,
@@ -170,8 +170,7 @@ def step_timeline(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec
             rs_name = f"{reduce_name} block {i + 1}" if k > 0 else reduce_name
             rs_args = {} if k > 0 else {"note": _SLOT}
             if config.backward_prefetch:
-                start = lanes.now
-                end = lanes.comm(ALL_GATHER, ag_name, start, a_b, **ag_args)
+                end = lanes.comm(ALL_GATHER, ag_name, lanes.now, a_b, **ag_args)
                 end = lanes.comm(REDUCE, rs_name, end, rs, **rs_args)
                 window(lanes, i, True)
                 lanes.wait(end - lanes.now)

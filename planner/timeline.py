@@ -44,7 +44,7 @@ def timeline_document(tl: StepTimeline, title: str) -> dict:
     for s in sorted(tl.spans, key=lambda s: (tid[s.track], s.start_s)):
         args = dict(s.args)
         if s.track != COMPUTE:
-            args["exposed_us"] = uncovered_s(s, busy) * 1e6
+            args["exposed_us"] = round(uncovered_s(s, busy) * 1e6, 6)  # float noise of the sums off
         events.append({"ph": "X", "name": s.name, "cat": s.phase, "pid": PID, "tid": tid[s.track],
                        "ts": s.start_s * 1e6, "dur": s.dur_s * 1e6, "args": args})
     t = tl.time
