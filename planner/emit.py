@@ -295,7 +295,8 @@ def emit_fsdp2(config: FsdpConfig, model_spec: ModelSpec, cluster: ClusterSpec,
     ] + loop + ["return model"]
     return _render(config, model_spec, cluster, imports, body, training,
                    ([tech.PRECOMPUTE_NOTE] if config.fp8_all_gather else [])
-                   + meshed.fsdp2_notes(config, model_spec, cluster), meshed.fsdp2_module_level(config, cluster))
+                   + meshed.fsdp2_notes(config, model_spec, cluster),
+                   meshed.fsdp2_module_level(config, cluster, model_spec, training))
 
 
 def _moe_padding_fix(config: FsdpConfig, model_spec: ModelSpec, cluster: ClusterSpec) -> list[str]:

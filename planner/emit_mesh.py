@@ -18,8 +18,9 @@ Pure strings: no torch import.
 from __future__ import annotations
 
 from cost_models.mesh import Mesh, mesh_of
-from cost_models.specs import ClusterSpec, FsdpConfig, ModelSpec
+from cost_models.specs import ClusterSpec, FsdpConfig, ModelSpec, TrainingSpec
 
+from . import emit_pipeline as piped
 from .errors import PlannerError
 
 MAX_LINE = 100  # every emitted line of code at most this long (tests check it)
@@ -46,8 +47,7 @@ def refuse_mesh(config: FsdpConfig, dialect: str, instead: str) -> None:
 
 def refuse_fsdp2(config: FsdpConfig, model_spec: ModelSpec) -> None:
     """What the snippet's TP plan cannot apply, in one line (calibration/tensor_parallel.py refuses the same)."""
-    if config.pp > 1:
-        raise PlannerError("pp", f"pp={config.pp}: pipeline stages are not emitted yet; use pp 1")
+    piped.refuse_pipeline(config)
     if config.ep > 1 and config.tp > 1:
         raise PlannerError("ep", f"ep={config.ep} with tp={config.tp}: expert parallelism beside tensor parallelism is "
                                  "priced but not written as FSDP2 code (transformers slices the tokens over TP first); "
@@ -75,7 +75,7 @@ def fsdp2_imports(config: FsdpConfig) -> list[str]:
     if config.async_tp:
         lines += ["import torch._inductor.config",
                   "from torch.distributed._symmetric_memory import enable_symm_mem_for_group"]
-    return lines
+    return lines + piped.pipeline_imports(config)
 
 
 def _needs_step(config: FsdpConfig) -> bool:
@@ -83,8 +83,10 @@ def _needs_step(config: FsdpConfig) -> bool:
     return config.cp > 1 or (config.tp > 1 and config.sequence_parallel)
 
 
-def fsdp2_module_level(config: FsdpConfig, cluster: ClusterSpec) -> list[str]:
-    """The mesh's shape, the TP plan of one block and the micro-step, before apply_fsdp."""
+def fsdp2_module_level(config: FsdpConfig, cluster: ClusterSpec, model_spec: ModelSpec | None = None,
+                       training: TrainingSpec | None = None) -> list[str]:
+    """The mesh's shape, the TP plan of one block, the micro-step and the pipeline (model_spec: its stage split),
+    before apply_fsdp."""
     if not uses_mesh(config):
         return []
     mesh = mesh_of(config, cluster)
@@ -101,6 +103,8 @@ def fsdp2_module_level(config: FsdpConfig, cluster: ClusterSpec) -> list[str]:
         lines += ["", *_expert_parallel(mesh), ""]
     if _needs_step(config):
         lines += ["", *_micro_step(config), ""]
+    if config.pp > 1:
+        lines += ["", *piped.pipeline_module_level(config, model_spec, training), ""]
     return lines
 
 
@@ -235,7 +239,7 @@ def fsdp2_mesh_lines(config: FsdpConfig, cluster: ClusterSpec) -> tuple[list[str
         "if dist.get_world_size() != math.prod(MESH_SHAPE):",
         "    raise ValueError(f\"the plan's mesh {MESH_SHAPE} needs {math.prod(MESH_SHAPE)} ranks\")",
         "mesh = init_device_mesh(device_type, MESH_SHAPE, mesh_dim_names=MESH_DIMS)",
-    ]
+    ] if config.pp == 1 else ["mesh = device_mesh(device_type)  # one mesh for all stages (build_pipeline's)"]
     if config.cp > 1:
         lines.append("mesh[\"dp_shard\", \"cp\"]._flatten(\"dp_shard_cp\")  # FSDP shards over dp_shard x cp")
         shard = "dp_shard_cp"
@@ -275,6 +279,11 @@ def fsdp2_tp_lines(config: FsdpConfig, tied: bool = False) -> list[str]:
         ]
         if tied:
             lines.append("model.get_output_embeddings().weight = model.get_input_embeddings().weight  # re-tie")
+    elif config.pp > 1:  # a stage module: the head on the last stage only
+        lines = [line for line in lines if not line.startswith(("module_names", "embedding", "head ="))]
+        lines += ["if model.get_output_embeddings() is not None:  # the last stage: its logits gathered",
+                  "    parallelize_module(model.get_output_embeddings(), tp_mesh, ColwiseParallel(",
+                  "        output_layouts=Replicate()))"]
     else:
         lines.append("parallelize_module(model, tp_mesh, {head: ColwiseParallel(output_layouts=Replicate())})"
                      "  # gathered")
@@ -330,7 +339,7 @@ def _split_code(line: str, width: int) -> list[str]:
 
 
 def fsdp2_notes(config: FsdpConfig, model_spec: ModelSpec, cluster: ClusterSpec) -> list[str]:
-    notes = []
+    notes = piped.pipeline_notes(config)
     mesh: Mesh = mesh_of(config, cluster)
     if config.tp > 1:
         notes.append(f"TP plan: transformers' Llama names for {model_spec.block_class} (q/k/v, gate, up colwise; "

@@ -16,6 +16,10 @@ Then the numerics: the unsplit copy takes the same two AdamW steps on the whole 
 rank's sequences), and a third forward / backward on both sides compares the loss of each step and every
 gradient (full_tensor of the stage's shards against the copy's).
 
+A case with "emitted": {FsdpConfig fields} instead runs `--emit fsdp2`'s pipeline snippet for that config (exec-ed:
+its build_pipeline and pipeline_step, two AdamW steps) against the unsplit model; rank 0 prints {"case": i,
+"losses", "reference_losses", "max_line", "schedule"}.
+
 FSDP2's gradient reduce-scatter runs through worker_families.InPlaceReduceScatter (gloo's clones its input, NCCL
 does not), as in worker_mesh.py. Rank 0 prints one JSON line per case: {"case": i, "ranks": [{"rank", "pp_rank",
 "dp_rank", "stages", "peak_allocated_bytes", "peak_phase", "phases"}, ...] (every global rank), "losses": [3
@@ -61,7 +65,59 @@ def batch(vocab: int, rows: int, seq_len: int, dp_rank: int) -> torch.Tensor:
     return torch.randint(0, vocab, (rows, seq_len), generator=torch.Generator().manual_seed(1 + dp_rank))
 
 
+def reference_losses(reference: nn.Module, ids: torch.Tensor, steps: int) -> list[float]:
+    """The unsplit model's loss on `ids` at each of `steps` steps, AdamW (the trace's, foreach=False) between
+    them; the last step's gradients are left in place."""
+    optimizer = make_optimizer(reference.parameters(), "adamw")
+    losses = []
+    for step in range(steps):
+        loss = reference(input_ids=ids, labels=ids).loss
+        loss.backward()
+        losses.append(loss.item())
+        if step < steps - 1:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    return losses
+
+
+def run_emitted(case: dict, world: int) -> dict:
+    """`--emit fsdp2`'s pipeline snippet for this case's config, exec-ed and trained for two AdamW steps with its
+    own build_pipeline and pipeline_step, against the unsplit model on the same (every dp rank's) sequences."""
+    from cost_models.specs import ClusterSpec, TrainingSpec
+    from planner.emit import emit_fsdp2
+    from tests.distributed.worker_emit_mesh import GPU
+
+    hf_config, seq_len = case["hf_config"], case["seq_len"]
+    config = config_from_dict(case["emitted"])
+    cluster = ClusterSpec(gpu=GPU, n_gpus=world, gpus_per_node=world, internode_bytes_per_s=1e10)
+    code = emit_fsdp2(config, from_hf_config(dict(hf_config), name="tiny-pp"), cluster, TrainingSpec(seq_len=seq_len))
+    namespace: dict = {}
+    exec(compile(code, "<emitted fsdp2>", "exec"), namespace)
+    torch.manual_seed(0)
+    model = build_model(None, hf_config, device="cpu", dtype=torch.float32)
+    reference = copy.deepcopy(model)
+    schedule, modules, has_first, has_last = namespace["build_pipeline"](model, "cpu")
+    optimizer = make_optimizer([p for m in modules for p in m.parameters()], "adamw")
+    mesh = namespace["device_mesh"]("cpu")
+    dp_rank, dp = mesh["dp_shard"].get_local_rank(), mesh["dp_shard"].size()
+    rows = config.micro_batch * config.pp_microbatches
+    ids = batch(hf_config["vocab_size"], rows, seq_len, dp_rank)
+    losses = []
+    for _ in range(2):
+        loss = namespace["pipeline_step"](schedule, has_first, has_last, ids)
+        losses.append(loss.item() if loss is not None else 0.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    summed = torch.tensor(losses, dtype=torch.float64)
+    dist.all_reduce(summed)
+    everything = torch.cat([batch(hf_config["vocab_size"], rows, seq_len, d) for d in range(dp)])
+    return {"losses": (summed / dp).tolist(), "reference_losses": reference_losses(reference, everything, 2),
+            "max_line": max(map(len, code.splitlines())), "schedule": type(schedule).__name__}
+
+
 def run_case(case: dict, rank: int, world: int) -> dict:
+    if "emitted" in case:
+        return run_emitted(case, world)
     hf_config, seq_len = case["hf_config"], case["seq_len"]
     config = config_from_dict(case["config"])
     spec = from_hf_config(dict(hf_config), name="tiny-pp")
@@ -101,15 +157,7 @@ def run_case(case: dict, rank: int, world: int) -> dict:
 
     # the unsplit model on every dp rank's sequences: two AdamW steps, then the third's loss and gradients
     everything = torch.cat([batch(spec.vocab_size, rows, seq_len, d) for d in range(dp)])
-    ref_optimizer = make_optimizer(reference.parameters(), "adamw")
-    reference_losses = []
-    for step in range(3):
-        loss = reference(input_ids=everything, labels=everything).loss
-        loss.backward()
-        reference_losses.append(loss.item())
-        if step < 2:
-            ref_optimizer.step()
-            ref_optimizer.zero_grad(set_to_none=True)
+    expected_losses = reference_losses(reference, everything, 3)
     grad_error = max_grad = 0.0
     for module, fqns in zip(modules, names):
         for name, param in module.named_parameters():
@@ -127,7 +175,7 @@ def run_case(case: dict, rank: int, world: int) -> dict:
             "phases": {k: v.to_dict() for k, v in phases.items()}}
     ranks = [None] * world
     dist.all_gather_object(ranks, mine)
-    return {"ranks": ranks, "losses": (losses / dp).tolist(), "reference_losses": reference_losses,
+    return {"ranks": ranks, "losses": (losses / dp).tolist(), "reference_losses": expected_losses,
             "max_grad_error": errors[0].item(), "max_grad": errors[1].item()}
 
 

@@ -1,0 +1,186 @@
+"""Pipeline parallelism in --emit fsdp2: the stage split with torch.distributed.pipelining, as torchtitan's
+pipeline_llm builds it (cut the model into this pipeline rank's stages, TP / checkpointing / compile / FSDP on each
+stage, a PipelineStage each, then the schedule class), in transformers' llama-style names.
+
+What the snippet writes mirrors calibration/pipeline.py, the code the trace tier and calibration runs execute: the
+split of cost_models/pipeline.py (even blocks; the embedding on the first stage, the final norm, head and loss on
+the last; torch's loop / v placement), a Stage module holding the kept blocks with the rotary embedding on every
+stage, static stage shapes (microbatch x seq_len x hidden in the compute dtype, the logits last: no shape
+inference between ranks), the schedule with scale_grads=False and the loss divided by the microbatches (so a
+step's gradients are those of the local batch's mean loss), and FSDP2 with reshard_after_forward=False under PP
+(cost_models/fsdp_options.py, torchtitan's default). Pure strings: no torch import.
+"""
+
+from __future__ import annotations
+
+from cost_models.pipeline import stages
+from cost_models.specs import FsdpConfig, ModelSpec, TrainingSpec
+
+from .errors import PlannerError
+
+_DTYPES = {"fp32": "torch.float32", "bf16": "torch.bfloat16", "fp16": "torch.float16"}
+
+
+def refuse_pipeline(config: FsdpConfig) -> None:
+    """What the pipeline snippet does not write, in one line."""
+    if config.pp == 1:
+        return
+    for name, what in (("cp", "context"), ("ep", "expert")):
+        if getattr(config, name) > 1:
+            raise PlannerError(name, f"{name}={getattr(config, name)} with pp={config.pp}: {what} parallelism inside "
+                                     "pipeline stages is not written as FSDP2 code; use --emit torchtitan")
+    if config.tp > 1 and config.sequence_parallel:
+        raise PlannerError("sequence_parallel", f"tp={config.tp} with pp={config.pp}: sequence parallel sends "
+                                                "DTensor activations between stages, which the snippet does not "
+                                                "write; use --no-sequence-parallel, or --emit torchtitan")
+
+
+def pipeline_imports(config: FsdpConfig) -> list[str]:
+    if config.pp == 1:
+        return []
+    return ["import functools", "from torch.distributed.pipelining import PipelineStage",
+            f"from torch.distributed.pipelining.schedules import {config.pp_schedule.torch_class}"]
+
+
+def pipeline_module_level(config: FsdpConfig, model_spec: ModelSpec, training: TrainingSpec | None) -> list[str]:
+    """The split as constants, the mesh built once, the Stage module, the loss, build_pipeline and one step."""
+    if config.pp == 1:
+        return []
+    split = stages(model_spec, config)
+    of_rank = [[s.index for s in split if s.rank == r] for r in range(config.pp)]
+    placement = "v" if config.pp_schedule.v_shaped else "loop"
+    m, mb = config.pp_microbatches, config.micro_batch
+    seq_len = (training or TrainingSpec()).seq_len
+    return [
+        f"# The pipeline: {len(split)} stages on {config.pp} pipeline ranks, {config.pp_schedule.torch_class} over "
+        f"{m} microbatches of {mb} sequence{'s' if mb > 1 else ''} (the local batch: {m * mb} per step)",
+        *(f"#   stage {s.index} (pp rank {s.rank}): {s.describe()}" for s in split),
+        "STAGE_BLOCKS = [" + ", ".join(f"({s.first_block}, {s.n_blocks})" for s in split) + "]  # (first, count)",
+        f"STAGES_OF_RANK = {of_rank}  # pipeline rank -> its stages (torch's \"{placement}\" placement)",
+        f"N_MICROBATCHES = {m}",
+        f"MICROBATCH_SIZE = {mb}",
+        f"SEQ_LEN = {seq_len}  # every step's sequence length: the stages' shapes are static",
+        "",
+        "",
+        "@functools.cache",
+        "def device_mesh(device_type):",
+        "    \"\"\"The plan's mesh, built once: build_pipeline and every stage's apply_fsdp share it.\"\"\"",
+        "    if dist.get_world_size() != math.prod(MESH_SHAPE):",
+        "        raise ValueError(f\"the plan's mesh {MESH_SHAPE} needs {math.prod(MESH_SHAPE)} ranks\")",
+        "    return init_device_mesh(device_type, MESH_SHAPE, mesh_dim_names=MESH_DIMS)",
+        "",
+        "",
+        *_stage_class(),
+        "",
+        "",
+        "def next_token_loss(logits, input_ids):",
+        "    \"\"\"One microbatch's shifted cross-entropy over the microbatches: the schedule runs with",
+        "    scale_grads=False, so a step's gradients are those of the local batch's mean loss.\"\"\"",
+        "    labels = torch.nn.functional.pad(input_ids[:, 1:], (0, 1), value=-100)",
+        "    loss = torch.nn.functional.cross_entropy(",
+        "        logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100)",
+        "    return loss / N_MICROBATCHES",
+        "",
+        "",
+        *_build_pipeline(config),
+        "",
+        "",
+        "def pipeline_step(schedule, has_first, has_last, input_ids):",
+        "    \"\"\"Forward and backward of the local batch (N_MICROBATCHES x MICROBATCH_SIZE sequences of",
+        "    SEQ_LEN tokens) through the pipeline: the first stage's ranks feed the token ids, the last",
+        "    stage's take them as targets. Returns the batch's mean loss on the last stage's ranks, else",
+        "    None. Call optimizer.step() after it.\"\"\"",
+        "    losses = []",
+        "    targets = dict(target=input_ids, losses=losses) if has_last else {}",
+        "    schedule.step(*([input_ids] if has_first else []), **targets)",
+        "    return torch.stack(losses).sum() if has_last else None",
+    ]
+
+
+def _stage_class() -> list[str]:
+    return [
+        "class Stage(torch.nn.Module):",
+        "    \"\"\"One pipeline stage of a Hugging Face decoder (get_decoder()'s embed_tokens, layers, norm",
+        "    and lm_head): token ids into the first stage, hidden states elsewhere; logits out of the last.",
+        "    \"\"\"",
+        "",
+        "    def __init__(self, model, first, n_blocks, is_first, is_last):",
+        "        super().__init__()",
+        "        decoder = model.get_decoder()",
+        "        self.config = model.config",
+        "        self.embed_tokens = decoder.embed_tokens if is_first else None",
+        "        self.layers = torch.nn.ModuleDict(  # the blocks keep their index: layers.5, ...",
+        "            {str(i): decoder.layers[i] for i in range(first, first + n_blocks)})",
+        "        self.rotary_emb = decoder.rotary_emb  # every stage computes its own cos / sin",
+        "        self.norm = decoder.norm if is_last else None",
+        "        self.lm_head = model.get_output_embeddings() if is_last else None",
+        "",
+        "    def get_input_embeddings(self):",
+        "        return self.embed_tokens",
+        "",
+        "    def get_output_embeddings(self):",
+        "        return self.lm_head",
+        "",
+        "    def forward(self, x):",
+        "        from transformers.masking_utils import create_causal_mask",
+        "",
+        "        h = self.embed_tokens(x) if self.embed_tokens is not None else x",
+        "        positions = torch.arange(h.shape[1], device=h.device).unsqueeze(0)",
+        "        mask = create_causal_mask(config=self.config, inputs_embeds=h, attention_mask=None,",
+        "                                  cache=None, position_ids=positions)  # None with SDPA: causal",
+        "        rotary = self.rotary_emb(h, position_ids=positions)",
+        "        for layer in self.layers.values():",
+        "            h = layer(h, attention_mask=mask, position_embeddings=rotary, position_ids=positions)",
+        "        return self.lm_head(self.norm(h)) if self.lm_head is not None else h",
+    ]
+
+
+def _build_pipeline(config: FsdpConfig) -> list[str]:
+    dtype = _DTYPES[config.precision.compute_dtype]
+    looped = config.pp_schedule.looped
+    return [
+        "def build_pipeline(model, device=None):",
+        "    \"\"\"This rank's stages of `model` (the whole causal LM, the same weights on every rank), each",
+        "    given apply_fsdp (TP, checkpointing, compile, FSDP), a PipelineStage with static shapes, and",
+        "    the schedule over them. Returns (schedule, stage modules, has_first, has_last): optimize the",
+        "    stage modules' parameters, run each step through pipeline_step.\"\"\"",
+        "    if device is None:",
+        "        device = torch.device(\"cuda\", torch.cuda.current_device())",
+        "    device = torch.device(device)",
+        "    mesh = device_mesh(device.type)",
+        "    pp_rank = mesh[\"pp\"].get_local_rank()",
+        "    hidden, vocab = model.config.hidden_size, model.get_output_embeddings().out_features",
+        f"    dtype = {dtype}  # what the stages send each other: the compute dtype",
+        "    shape = (MICROBATCH_SIZE, SEQ_LEN)",
+        "    modules, pipeline_stages = [], []",
+        "    for index in STAGES_OF_RANK[pp_rank]:",
+        "        first, n_blocks = STAGE_BLOCKS[index]",
+        "        is_first, is_last = index == 0, index == len(STAGE_BLOCKS) - 1",
+        "        module = apply_fsdp(Stage(model, first, n_blocks, is_first, is_last), device)",
+        "        if is_first:",
+        "            x = torch.zeros(shape, dtype=torch.long, device=device)",
+        "        else:",
+        "            x = torch.empty(*shape, hidden, dtype=dtype, device=device, requires_grad=True)",
+        "        out = torch.empty(*shape, vocab if is_last else hidden, dtype=dtype, device=device,",
+        "                          requires_grad=not is_last)",
+        "        pipeline_stages.append(PipelineStage(",
+        "            module, index, len(STAGE_BLOCKS), device, input_args=(x,), output_args=(out,),",
+        "            group=mesh[\"pp\"].get_group()))",
+        "        modules.append(module)",
+        f"    schedule = {config.pp_schedule.torch_class}(",
+        f"        {'pipeline_stages' if looped else 'pipeline_stages[0]'}, n_microbatches=N_MICROBATCHES, "
+        "loss_fn=next_token_loss,",
+        "        scale_grads=False)",
+        "    mine = STAGES_OF_RANK[pp_rank]",
+        "    return schedule, modules, 0 in mine, len(STAGE_BLOCKS) - 1 in mine",
+    ]
+
+
+def pipeline_notes(config: FsdpConfig) -> list[str]:
+    if config.pp == 1:
+        return []
+    return [f"pipeline (pp {config.pp}, {config.pp_schedule.value}): schedule, stages, has_first, has_last = "
+            "build_pipeline(model, device); optimizer over the stages' parameters; each step: loss = "
+            "pipeline_step(schedule, has_first, has_last, input_ids) with the local batch (N_MICROBATCHES x "
+            "MICROBATCH_SIZE sequences, the same on every pipeline rank of a data-parallel rank), then "
+            "optimizer.step(). Every rank builds the whole model; the blocks of other stages are never used."]
