@@ -74,6 +74,7 @@ class MemoryEstimate:
     cpu_ram_capacity_bytes: int      # CPU RAM per node of the cluster (0 = unknown)
     notes: tuple[str, ...] = ()
     peak_moment: str = ""            # what runs at the peak: "loss backward", "backward of block 31", ...
+    pipeline_ranks: tuple = ()       # pp > 1: each pipeline rank's PipelineRankMemory (cost_models/pipeline_memory.py)
 
 
 @dataclass(frozen=True)
@@ -131,6 +132,10 @@ def _shard(n_bytes: float, d: int) -> int:
 
 def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, config: FsdpConfig,
                     profile: Profile) -> MemoryEstimate:
+    if config.pp > 1:  # per pipeline rank: its stages and its schedule's in-flight microbatches; the largest leads
+        from .pipeline_memory import pipeline_estimate
+
+        return pipeline_estimate(model, cluster, training, config, profile)
     # The mesh's per-rank view: a TP rank's slice of the model (tensor_parallel.local_model) on a CP rank's
     # s / cp tokens of each sequence (SDPA keeps nothing that grows with the keys' length).
     model = tensor_parallel.local_model(model, config)

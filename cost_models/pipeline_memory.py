@@ -1,0 +1,206 @@
+"""GPU memory of each pipeline rank: its stages' model states and the microbatches its schedule holds in flight.
+
+What torch.distributed.pipelining and FSDP2 do in one schedule step (torch 2.13 schedules.py / stage.py,
+torchtitan 0.3's FSDP policy under PP; checked against the trace tier, calibration/trace_pipeline.py,
+docs/accuracy.md):
+- model states: each stage's parameters (its blocks; the embedding on the first stage, the final norm and head on
+  the last) sharded over dp_shard x cp with their optimizer state; gradients set to None between steps;
+- reshard_after_forward=False and, for every microbatch but the last, no gradient sync and no reshard after
+  backward (PipelineStage.backward_maybe_with_nosync): from a stage's first forward to the step's end its
+  parameters stay gathered (compute dtype), and from its first backward on FSDP2 keeps the unsharded gradients
+  accumulated in the reduce dtype (FSDPParam.to_accumulated_grad_if_needed); they are reduce-scattered once,
+  when the schedule ends (perform_reduce_grad), then resharded;
+- activations: a microbatch's saved tensors live from its forward to its backward on that stage; the order
+  of forwards and backwards on each rank is torch's (cost_models/pipeline_orders.py), replayed action by action;
+  a non-last stage keeps its output in fwd_cache until that backward; receive buffers (activations into a
+  non-first stage, gradients into a non-last one) are made once per microbatch at the first step and kept;
+- the last stage keeps every microbatch's logits for the step's merged output (output_chunks), its loss's
+  log-softmax output until the loss backward, and computes the loss backward on three fp32 copies.
+The per-token pieces (a block's saved bytes, its backward working set, the final norm's, the loss's) are the
+single-microbatch ledger's (cost_models/activations.py), as cost_models/memory.py uses them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+
+from . import activations, tensor_parallel
+from .memory import MemoryBreakdown, ParamCounts
+from .pipeline import Stage, rank_stages
+from .pipeline_orders import orders
+from .specs import FsdpConfig, ModelSpec, Optimizer, Precision, TrainingSpec
+from .units import DTYPE_BYTES
+
+
+@dataclass(frozen=True)
+class PipelineRankMemory:
+    """One pipeline rank (its dp / tp coordinate 0) at its own peak."""
+
+    rank: int
+    stages: tuple[int, ...]
+    description: str                  # "stage 0: embedding + blocks 0-7"
+    peak_allocated_bytes: int
+    peak_reserved_bytes: int
+    breakdown: MemoryBreakdown
+    peak_moment: str                  # "backward of microbatch 3 on stage 0", "optimizer step", ...
+    phases: dict = field(default_factory=dict)   # "backward" (the schedule's peak) and "optimizer_step"
+
+
+@dataclass(frozen=True)
+class _StagePieces:
+    """Bytes of one stage: per-step states and per-microbatch activations."""
+
+    stage: Stage
+    params: int                # parameter count
+    head_params: int           # of which the final norm and head (last stage)
+    saved: int                 # one microbatch's saved tensors while in flight (incl. the kept output)
+    output: int                # the stage output fwd_cache keeps until backward (non-last stages)
+    logits: int                # last stage: one microbatch's logits, kept to the step's end (output_chunks)
+    loss_saved: int            # last stage: the log-softmax output kept until the loss backward
+    loss_peak: int             # last stage: the loss backward's fp32 gradients on top of loss_saved
+    block_acts: int            # the top block's backward: its working set above `saved` (the kept output freed)
+    block_grads: int           # and its in-flight gradients with the head's (compute dtype)
+    reserved_extra: int        # last stage: what the allocator strands above the loss backward's allocations
+
+
+def _stage_pieces(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, stage: Stage) -> _StagePieces:
+    c = DTYPE_BYTES[config.precision.compute_dtype]
+    s, mb = training.seq_len, config.micro_batch
+    tokens = mb * s
+    attn = config.attention
+    counts = ParamCounts.of(model, training)
+    head = (model.head_params + model.root_other_params) if stage.head else 0
+    params = stage.n_blocks * counts.block() + (model.embedding_params if stage.embedding else 0) + head
+    full = activations.block_bytes_per_token(model, c, attn, s, mb, 0)
+    ckpt = activations.checkpointed_block_bytes_per_token(model, c)
+    k = config.ac_every
+    n_ckpt = len([i for i in stage.blocks if k and i % k == 0])
+    per_token = n_ckpt * ckpt + (stage.n_blocks - n_ckpt) * full
+    if stage.head:
+        per_token += activations.root_bytes_per_token(model, c)
+    output = 0 if stage.head else tokens * model.hidden_size * c
+    saved = tokens * per_token + activations.shared_bytes(model, c, s) + output
+    v = model.vocab_size
+    logits = tokens * v * c if stage.head else 0
+    _, loss_total = activations.logits_bytes_per_token(model, c, config.loss_compiled)
+    loss_saved = tokens * 4 * v if stage.head else 0   # log_softmax's fp32 output, saved by the NLL
+    loss_peak = tokens * loss_total - loss_saved if stage.head else 0
+    # the top block's backward (recomputed when checkpointed), the larger of its MLP's and attention's moments
+    top = stage.first_block + stage.n_blocks - 1
+    this_extra = (0 if activations.input_saved_by_first_norm(model, c) else ckpt) + full - ckpt \
+        if k and top % k == 0 else 0
+    w_mlp = activations.mlp_backward_working_bytes_per_token(model, c)
+    w_attn = activations.attention_backward_working_bytes_per_token(model, c, attn, s)
+    freed = activations.attention_freed_before_backward_bytes_per_token(model, c, attention=attn, micro_batch=mb)
+    h, f = model.hidden_size, model.ffn_hidden_size
+    mlp_grad = min(counts.block(), h * f) * c
+    attn_grad = min(counts.block(), (3 if model.gated_mlp else 2) * h * f + model.q_dim * h) * c
+    at_mlp, at_attn = tokens * (this_extra + w_mlp), tokens * (this_extra - freed + w_attn)
+    block_acts, block_grads = (at_mlp, mlp_grad) if at_mlp + mlp_grad >= at_attn + attn_grad else (at_attn, attn_grad)
+    head_grad = head * c
+    return _StagePieces(stage, params, head, saved, output, logits, loss_saved, loss_peak,
+                        block_acts - output, block_grads + head_grad,
+                        tokens * activations.logits_reserved_extra_bytes_per_token(model, c, config.loss_compiled)
+                        if stage.head else 0)
+
+
+def _breakdown(**parts) -> MemoryBreakdown:
+    return MemoryBreakdown(**{k: int(v) for k, v in parts.items()})
+
+
+def rank_memory(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, d: int, rank: int,
+                profile) -> PipelineRankMemory:
+    """Pipeline rank `rank`'s peak (d: the FSDP shard group, dp_shard x cp): torch's order replayed."""
+    precision = config.precision
+    c, p = DTYPE_BYTES[precision.compute_dtype], DTYPE_BYTES[precision.param_dtype]
+    r = DTYPE_BYTES[config.gradient_reduce_dtype]
+    m = config.pp_microbatches
+    pieces = {st.index: _stage_pieces(model, training, config, st) for st in rank_stages(model, config, rank)}
+    total_params = sum(x.params for x in pieces.values())
+    opt_per_param = training.optimizer.state_bytes_per_param(precision.param_dtype)
+    sharded_params = math.ceil(total_params * p / d)
+    optimizer_state = math.ceil(total_params * opt_per_param / d)
+    step_temporaries = math.ceil(total_params * p / d) if training.optimizer is not Optimizer.SGD else 0
+    if precision is Precision.FP16:
+        step_temporaries += 4 * 1024
+    tokens_h = config.micro_batch * training.seq_len * model.hidden_size * c
+    # receive buffers, one per microbatch, kept from the first step on
+    buffers = sum(m * tokens_h * ((not x.stage.embedding) + (not x.stage.head)) for x in pieces.values())
+
+    gathered: set[int] = set()
+    backwards: dict[int, int] = {s: 0 for s in pieces}
+    in_flight: dict[int, set[int]] = {s: set() for s in pieces}
+    logits_kept = 0
+    best = (-1, "", MemoryBreakdown())
+    loss_moment = 0  # the loss backward's segments stay reserved once made (allocator.py), as in memory.py
+
+    def moment(name: str, acts_extra: int, grads_extra: int, logits_extra: int) -> int:
+        nonlocal best
+        acts = buffers + sum(pieces[s].saved * len(mbs) for s, mbs in in_flight.items())
+        loss = logits_kept + sum(pieces[s].loss_saved * len(mbs) for s, mbs in in_flight.items())
+        acc = sum(x.params * r for s, x in pieces.items() if backwards[s] > 0)
+        b = _breakdown(sharded_params=sharded_params, optimizer_state=optimizer_state,
+                       unsharded_params=sum(pieces[s].params * c for s in gathered),
+                       unsharded_grads=acc + grads_extra, activations=acts + acts_extra,
+                       logits_and_loss=loss + logits_extra)
+        if b.total_bytes > best[0]:
+            best = (b.total_bytes, name, b)
+        return b.total_bytes
+
+    for action in orders(config.pp_schedule, config.pp, config.pp_stages_per_rank, m)[rank]:
+        x = pieces[action.stage]
+        if action.kind == "F":
+            gathered.add(action.stage)
+            in_flight[action.stage].add(action.microbatch)
+            logits_kept += x.logits
+            continue
+        if action.kind == "W":
+            continue
+        where = f"microbatch {action.microbatch} on stage {action.stage}"
+        if x.stage.head:
+            loss_moment = max(loss_moment, moment(f"loss backward of {where}", 0, 0, x.loss_peak) + x.reserved_extra)
+        moment(f"backward of {where}", x.block_acts, x.block_grads,
+               -x.loss_saved if x.stage.head else 0)
+        in_flight[action.stage].discard(action.microbatch)
+        backwards[action.stage] += 1
+    backward = breakdown = best[2]
+    step = _breakdown(sharded_params=sharded_params, optimizer_state=optimizer_state,
+                      sharded_grads=math.ceil(total_params * p / d), optimizer_temporaries=step_temporaries)
+    peak_moment = best[1]
+    if step.total_bytes > breakdown.total_bytes:
+        breakdown, peak_moment = step, "optimizer step"
+    description = "; ".join(f"stage {s}: {x.stage.describe()}" for s, x in pieces.items())
+    return PipelineRankMemory(rank=rank, stages=tuple(pieces), description=description,
+                              peak_allocated_bytes=breakdown.total_bytes,
+                              peak_reserved_bytes=profile.reserved_bytes(max(breakdown.total_bytes, loss_moment)),
+                              breakdown=breakdown, peak_moment=peak_moment,
+                              phases={"backward": backward, "optimizer_step": step})
+
+
+def pipeline_ranks(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, d: int,
+                   profile) -> tuple[PipelineRankMemory, ...]:
+    """Every pipeline rank's memory (empty without PP)."""
+    if config.pp == 1:
+        return ()
+    return tuple(rank_memory(model, training, config, d, r, profile) for r in range(config.pp))
+
+
+def pipeline_estimate(model: ModelSpec, cluster, training: TrainingSpec, config: FsdpConfig, profile):
+    """estimate_memory under pp > 1: the largest rank's figures as the headline (torchtitan reports the maximum
+    across ranks), every rank in pipeline_ranks."""
+    from .memory import MemoryEstimate
+
+    model = tensor_parallel.local_model(model, config)  # a TP rank's slice (not traced under PP yet)
+    if config.cp > 1:
+        training = dataclasses.replace(training, seq_len=training.seq_len // config.cp)
+    ranks = pipeline_ranks(model, training, config, config.shard_group_size(cluster), profile)
+    top = max(ranks, key=lambda x: x.peak_allocated_bytes)
+    phase = "optimizer_step" if top.peak_moment == "optimizer step" else "backward"
+    notes = tuple(activations.quirks(model, config.attention, training.seq_len)) + (
+        f"pipeline rank {top.rank} ({top.description}) has the largest peak, at its {top.peak_moment}",)
+    return MemoryEstimate(breakdown=top.breakdown, peak_phase=phase, phases=dict(top.phases),
+                          peak_allocated_bytes=top.peak_allocated_bytes, peak_reserved_bytes=top.peak_reserved_bytes,
+                          cpu_bytes_per_node=0, cpu_ram_capacity_bytes=cluster.cpu_ram_bytes_per_node, notes=notes,
+                          peak_moment=f"{top.peak_moment} (pipeline rank {top.rank})", pipeline_ranks=ranks)
