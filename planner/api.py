@@ -95,9 +95,13 @@ class Candidate:
         return apply_fsdp2(module, self.config, _block_classes(self.model, module), mesh)
 
     def to_dict(self) -> dict:
+        from .report_pipeline import pipeline_dict, rank_memory_dicts
+
         m = self.memory
+        piped = self.config.pp > 1
         return {
             "config": self.config.to_dict(),
+            **({"pipeline": pipeline_dict(self.model, self.config, self.cluster)} if piped else {}),
             "fits": self.fits,
             "reasons": list(self.reasons),
             "memory": {
@@ -108,6 +112,7 @@ class Candidate:
                 "breakdown": m.breakdown.to_dict(),
                 "cpu_bytes_per_node": m.cpu_bytes_per_node,
                 "notes": list(m.notes),
+                **({"pipeline_ranks": rank_memory_dicts(m)} if piped else {}),
             },
             "time": {
                 "step_s": self.time.step_s,

@@ -192,6 +192,27 @@ def mesh_rules_broken(ctx: Context):
         yield Finding(r.code, ERROR, f"{r.reason}.", r.fix)
 
 
+def pipeline_split(ctx: Context):
+    """torchtitan splits the blocks its own way (module_fqns_per_model_part as written, or its
+    _generate_llm_fqn_per_model_part, which gives the extra blocks to the first stages); the estimate prices the
+    even split with the end stages one block fewer (cost_models/pipeline.py): a stage with more blocks holds more
+    parameters and activations, and the slowest stage paces the pipeline."""
+    settings, config = ctx.setup.pipeline, ctx.config
+    if settings is None or config.pp == 1:
+        return
+    from cost_models.pipeline import blocks_per_stage
+
+    theirs = settings.blocks_per_stage(ctx.model.n_layers)
+    ours = blocks_per_stage(ctx.model.n_layers, config.pp_stages)
+    if tuple(theirs) != ours:
+        yield Finding("pp-split-not-priced", WARNING,
+                      f"torchtitan runs {', '.join(map(str, theirs))} blocks on stages 0-{len(theirs) - 1}; the "
+                      f"estimate prices the even split {', '.join(map(str, ours))} (the most blocks on one stage: "
+                      f"{max(theirs)} against {max(ours)}).",
+                      "write the even split as parallelism.module_fqns_per_model_part (`fsdp-plan --emit "
+                      "torchtitan` with the same --pp and --pp-schedule writes it)")
+
+
 def tp_across_nodes(ctx: Context):
     """TP past the fast tier: every block's sequence-parallel all-gathers and reduce-scatters (2 + 2 forward,
     the same in backward) are exposed on the inter-node network, which is many times slower than NVLink."""
@@ -405,7 +426,7 @@ def checkpointing_outside_units(ctx: Context):
                   f"inside the units{every}), or FSDP2 (fsdp_config: {{version: 2}})")
 
 
-RULES = (cannot_run, mesh_rules_broken, tp_across_nodes, float8_support, reshard_group, compile_dynamic_shapes, selective_op_unexpressed,
+RULES = (cannot_run, mesh_rules_broken, pipeline_split, tp_across_nodes, float8_support, reshard_group, compile_dynamic_shapes, selective_op_unexpressed,
          checkpointing_outside_units, does_not_fit, fp16_scaler, lora_without_orig_params, lora_adapters_share_units, wrap_policy,
          hybrid_single_node, sync_module_states, forward_prefetch_dynamic, limit_all_gathers, fsdp2_removed_settings,
          reduce_in_low_precision, kv_cache_with_checkpointing, micro_batch_headroom, slower_than_plan)
@@ -475,9 +496,11 @@ def check(setup: UserSetup, model, gpus: int | None = None, *, gpus_per_node: in
     spec, cluster, training = resolve_inputs(model, gpus, gpus_per_node=gpus_per_node, seq_len=seq_len,
                                              **cluster_and_training)
     mb = micro_batch or setup.config.micro_batch
-    config = replace(setup.config, micro_batch=mb,
-                     grad_accum=grad_accum or (grad_accum_for(mb, cluster, training) if training.global_batch
-                                               else setup.config.grad_accum))
+    pipeline = setup.pipeline  # torchtitan's stages per rank from layers_per_stage need the model's blocks
+    staged = {"pp_stages_per_rank": pipeline.stages_per_rank(spec.n_layers)} if pipeline is not None else {}
+    config = replace(setup.config, micro_batch=mb, **staged,
+                     grad_accum=grad_accum or (grad_accum_for(mb, cluster, training, setup.config.model_parallel)
+                                               if training.global_batch else setup.config.grad_accum))
     setup = replace(setup, config=config)
     profile = profile or DEFAULT_PROFILE
     if all(r.priced for r in refusals(cluster, config)):

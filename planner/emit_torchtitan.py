@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from cost_models import fsdp_options
 from cost_models.mesh import mesh_of
+from cost_models.pipeline import stages
 from cost_models.specs import ClusterSpec, FsdpConfig, ModelSpec, Precision, TrainingSpec
 
 from .emit import RESHARD_NOTE, _comment, _summary, multi_node_note, torchrun_args
@@ -72,8 +73,6 @@ def _refusal(config: FsdpConfig, version: str) -> None:
     if config.precision is Precision.FP16:
         raise PlannerError("emit", "torchtitan has no fp16 mixed precision (training.mixed_precision_param: bfloat16 | "
                                    "float32); plan with --precision bf16 or fp32, or use --emit fsdp2")
-    if config.pp > 1:
-        raise PlannerError("pp", f"pp={config.pp}: pipeline stages are not emitted yet; use pp 1")
     if version == "0.2" and config.tp > 1 and not config.sequence_parallel:
         raise PlannerError("sequence_parallel", "torchtitan 0.2 always runs sequence parallel with TP (it has no "
                                                 "switch); plan with sequence parallel, or use --emit torchtitan (0.3: "
@@ -82,9 +81,12 @@ def _refusal(config: FsdpConfig, version: str) -> None:
 
 def _flag(name: str, value) -> str:
     """torchtitan's (tyro) flag form: --section.option=value; a boolean is --section.option / --section.no-option;
-    a subcommand (value None) is its own word."""
+    a subcommand (value None) is its own word; a list of lists of names (module_fqns_per_model_part) one word per
+    inner list, its names joined by commas (tyro's form: `--x a,b c` is [["a", "b"], ["c"]])."""
     if value is None:
         return name
+    if isinstance(value, list):
+        return " ".join([f"--{name}", *(",".join(names) for names in value)])
     if isinstance(value, bool):
         section, _, option = name.rpartition(".")
         return f"--{name}" if value else f"--{section}.no-{option}"
@@ -152,6 +154,42 @@ def _float8(config: FsdpConfig, model_spec: ModelSpec | None, version: str) -> t
     return [], notes
 
 
+def module_fqns_per_model_part(model_spec: ModelSpec, config: FsdpConfig, version: str) -> list[list[str]]:
+    """The plan's stages as torchtitan's module names (models/common/decoder.py: tok_embeddings, layers.<i>, norm,
+    lm_head; 0.2's llama3: output), stage by stage in the model's order."""
+    head = "lm_head" if version == "0.3" else "output"
+    return [(["tok_embeddings"] if s.embedding else []) + [f"layers.{b}" for b in s.blocks]
+            + (["norm", head] if s.head else []) for s in stages(model_spec, config)]
+
+
+def _pipeline_flags(config: FsdpConfig, model_spec: ModelSpec | None, version: str) -> tuple[list, list[str]]:
+    """(flags, notes) of pipeline parallelism: the degree always (a base config's own cannot stand); with pp > 1 the
+    schedule, the microbatch size and the stage split, which torchtitan would otherwise make its own way (its
+    first / last_stage_less_layers give the extra blocks to the first stages)."""
+    flags = [("parallelism.pipeline_parallel_degree", config.pp,
+              f"pipeline ranks (the outermost mesh dimension), {config.pp_stages} stages" if config.pp > 1 else "")]
+    if config.pp == 1:
+        return flags, []
+    v = config.pp_stages_per_rank
+    flags += [
+        ("parallelism.pipeline_parallel_schedule", config.pp_schedule.torchtitan_name,
+         f"torch's {config.pp_schedule.torch_class}" + (f", {v} stages per rank" if v > 1 else "")),
+        ("parallelism.pipeline_parallel_microbatch_size", config.micro_batch,
+         f"the local batch ({config.micro_batch * config.pp_microbatches} sequences) runs as {config.pp_microbatches} "
+         "microbatches in one schedule step"),
+    ]
+    if model_spec is not None:
+        flags.append(("parallelism.module_fqns_per_model_part", module_fqns_per_model_part(model_spec, config, version),
+                      "the plan's stages (" + "; ".join(s.describe() for s in stages(model_spec, config)[:2])
+                      + ("; ..." if config.pp_stages > 2 else "") + ")"))
+    if version == "0.3":
+        flags.append(("training.disable_cuda_graphs", True, "torchtitan 0.3 refuses CUDA graphs with pipeline "
+                                                            "parallelism (trainer.py _validate_cuda_graphs)"))
+    notes = ["under PP torchtitan keeps each stage's blocks gathered from forward to backward "
+             "(parallelize.py: reshard_after_forward = not pp_enabled), as the plan prices"]
+    return flags, notes
+
+
 def _mesh_flags(config: FsdpConfig, version: str) -> tuple[list, list[str]]:
     """(flags, notes) of tensor, context and expert parallelism (their degrees always, so a base config's own
     cannot stand)."""
@@ -198,10 +236,16 @@ def torchtitan_overrides(config: FsdpConfig, cluster: ClusterSpec, seq_len: int,
     ]
     mesh_flags, notes = _mesh_flags(config, version)
     flags += mesh_flags
+    pipeline_flags, pipeline_notes = _pipeline_flags(config, model_spec, version)
+    flags += pipeline_flags
+    notes += pipeline_notes
+    # with PP the local batch is the microbatches of one schedule step, and there is no accumulation on top
+    local = config.micro_batch * config.pp_microbatches
     flags += [
-        ("training.local_batch_size", config.micro_batch, "the plan's micro-batch per data-parallel rank"),
-        ("training.global_batch_size", config.micro_batch * mesh.data_parallel * config.grad_accum,
-         f"{config.grad_accum} gradient accumulation step(s)" if config.grad_accum > 1 else ""),
+        ("training.local_batch_size", local, "the plan's micro-batch per data-parallel rank" if config.pp == 1 else
+         f"sequences per data-parallel rank per step: {config.pp_microbatches} microbatches of {config.micro_batch}"),
+        ("training.global_batch_size", local * mesh.data_parallel * (config.grad_accum if config.pp == 1 else 1),
+         f"{config.grad_accum} gradient accumulation step(s)" if config.grad_accum > 1 and config.pp == 1 else ""),
         ("training.seq_len", seq_len, ""),
     ]
     if config.precision is Precision.BF16_PURE:

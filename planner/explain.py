@@ -16,6 +16,7 @@ from cost_models.units import DTYPE_BYTES, GiB
 from .api import Candidate
 from .explain_time import time_terms
 from .report import estimate_dict
+from .report_pipeline import batch_words, pipeline_ranks, schedule_words
 from .search import describe
 
 
@@ -40,7 +41,7 @@ def memory_terms(c: Candidate) -> list[tuple[str, str, str]]:
     opt = c.training.optimizer.state_bytes_per_param(cfg.precision.param_dtype)
     tokens = cfg.micro_batch * c.training.seq_len
     where = "CPU RAM (offloaded)" if cfg.offload else "GPU"
-    terms = [
+    terms = pipeline_memory_terms(c) + [
         ("peak moment", f"{c.memory.peak_moment} ({c.memory.peak_phase.replace('_', ' ')})",
          "the largest of the moments where FSDP2's schedule can peak (cost_models/memory.py)"),
         ("stored parameters", f"{trainable:,} trainable{padded} x {p} B + {frozen:,} frozen x {frozen_b} B / d={d} = "
@@ -104,12 +105,37 @@ def memory_terms(c: Candidate) -> list[tuple[str, str, str]]:
     return terms
 
 
+def pipeline_memory_terms(c: Candidate) -> list[tuple[str, str, str]]:
+    """With PP: the schedule and microbatches, then each pipeline rank's stages and peak (the largest is the
+    headline the other terms break down)."""
+    cfg = c.config
+    if cfg.pp == 1:
+        return []
+    from cost_models.pipeline import rank_stages
+
+    terms = [("pipeline", f"{schedule_words(cfg)}; {batch_words(cfg, c.cluster)}",
+              "torch.distributed.pipelining schedules; the even block split, the embedding on the first stage and "
+              "norm + head + loss on the last (cost_models/pipeline.py)")]
+    ranks = {r.rank: r for r in pipeline_ranks(c.memory)}
+    top = max(ranks.values(), key=lambda r: r.peak_reserved_bytes) if ranks else None
+    for rank in range(cfg.pp):
+        held = ", ".join(f"stage {s.index} ({s.describe()})" for s in rank_stages(c.model, cfg, rank))
+        r = ranks.get(rank)
+        memory = (f"; peak allocated {_gib(r.peak_allocated_bytes)}, reserved {_gib(r.peak_reserved_bytes)} at "
+                  f"{r.peak_moment}" + (" (the largest: the terms below are this rank's)" if r is top else "")
+                  if r is not None else "")
+        terms.append((f"pipeline rank {rank}", held + memory,
+                      "" if rank else "each rank's own stages, the activations in flight as its schedule orders them "
+                                      "(cost_models/pipeline_memory.py)"))
+    return terms
+
+
 def explain_text(c: Candidate, profile: Profile = DEFAULT_PROFILE) -> str:
     """The memory terms, then the time terms (`profile`: the one c was costed with)."""
     lines = [f"Why {describe(c.config)} for {c.model.name} on {c.cluster.n_gpus} x {c.cluster.gpu.id}:",
              "", "Memory per GPU:"]
     for term, formula, source in memory_terms(c):
-        lines += [f"  {term}: {formula}", f"      source: {source}"]
+        lines += [f"  {term}: {formula}"] + ([f"      source: {source}"] if source else [])
     lines += ["", "Time per optimizer step:"]
     for term, formula, source in time_terms(c, profile):
         lines += [f"  {term}: {formula}", f"      source: {source}"]

@@ -11,7 +11,8 @@ from tabulate import tabulate
 from cost_models.units import GiB
 
 from .api import Candidate, Plan
-from .search import technique_words
+from .report_pipeline import largest_rank, pipeline_lines, rank_memory_lines
+from .search import pipeline_words, technique_words
 
 
 def gib(n_bytes: float) -> str:
@@ -37,8 +38,8 @@ def _row(rank, c: Candidate) -> list:
 
 def mesh_words(config) -> str:
     """The degrees beside FSDP in a table cell: "tp 8, cp 2" (or "-")."""
-    return ", ".join(f"{name} {getattr(config, name)}" for name in ("tp", "cp", "ep", "pp")
-                     if getattr(config, name) > 1) or "-"
+    return ", ".join([f"{name} {getattr(config, name)}" for name in ("tp", "cp", "ep") if getattr(config, name) > 1]
+                     + pipeline_words(config, compact=True)) or "-"
 
 
 _HEADERS = ["#", "sharding", "mesh", "precision", "offload", "act. ckpt", "micro", "accum", "bwd prefetch", "techniques",
@@ -99,6 +100,9 @@ def plan_text(p: Plan, top: int, wide: bool = False) -> str:
         lines += [f"Top {min(top, len(p.candidates))} (ranked by tokens/s per GPU; peak = reserved incl. CUDA context):",
                   candidates_table(p.candidates, top, wide), ""]
         best = p.best
+        if best.config.pp > 1:
+            lines += [w for line in pipeline_lines(best.model, best.config, best.cluster, best.memory)
+                      for w in _wrap(line, 4)] + [""]
         if best.memory.notes:
             lines += [w for n in best.memory.notes for w in _wrap(f"note: {n}")] + [""]
     elif not p.misses:  # nothing was costed: the cause is in skipped / notes, never an empty table
@@ -141,9 +145,11 @@ def estimate_text(c: Candidate) -> str:
         f"{c.model.name} ({c.model.n_params / 1e9:.2f}B) on {c.cluster.n_gpus} x {c.cluster.gpu.id}: "
         + ", ".join(f"{k}={v}" for k, v in cfg.to_dict().items()),
         training_line(c.training),
+        *pipeline_lines(c.model, cfg, c.cluster),
         "",
-        f"Memory per GPU (GiB), peak in {m.peak_phase.replace('_', ' ')}:",
+        f"Memory per GPU (GiB){_of_largest_rank(m)}, peak in {m.peak_phase.replace('_', ' ')}:",
         tabulate(rows, tablefmt="simple", disable_numparse=True),
+        *rank_memory_lines(m),
     ]
     if m.cpu_bytes_per_node:
         lines.append(f"CPU RAM per node for offloaded state: {gib(m.cpu_bytes_per_node)} GiB")
@@ -152,6 +158,11 @@ def estimate_text(c: Candidate) -> str:
               "fits: yes" if c.fits else "fits: NO - " + "; ".join(c.reasons)]
     lines += [f"note: {n}" for n in m.notes]
     return "\n".join(lines)
+
+
+def _of_largest_rank(memory) -> str:
+    top = largest_rank(memory)
+    return f" of the largest pipeline rank (rank {top.rank})" if top is not None else ""
 
 
 def estimate_dict(c: Candidate, **extra) -> dict:

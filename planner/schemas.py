@@ -39,9 +39,10 @@ from pydantic import BaseModel, ConfigDict, Field
 from pydantic.json_schema import SkipJsonSchema
 
 from calibration.store import RunRecord
+from cost_models.schedules import Schedule
 from cost_models.specs import Attention, Precision, Sharding
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3  # 3: pipelines (issue 18): config.pp_schedule / pp_stages_per_rank, "pipeline", memory.pipeline_ranks, the time breakdown's pp terms
 
 Bytes = Annotated[int, Field(description="bytes per rank (GPU) unless said otherwise")]
 Seconds = Annotated[float, Field(description="seconds")]
@@ -103,6 +104,8 @@ class Config(_Out):
     async_tp: absent_or(Literal[True], "TP's collectives overlapped with the matmuls (torchtitan's async TP)")
     sequence_parallel: absent_or(Literal[False], "with tp > 1: no sequence parallel, logits gathered "
                                                  "(transformers' tp_plan); absent: sequence and loss parallel")
+    pp_schedule: absent_or(Literal[tuple(s.value for s in Schedule)], "with pp > 1: the pipeline schedule")
+    pp_stages_per_rank: absent_or(int, "with pp > 1: stages on each pipeline rank (V)")
 
 
 class MemoryBreakdown(_Out):
@@ -119,8 +122,20 @@ class MemoryBreakdown(_Out):
     collective_buffers: Bytes
 
 
+class PipelineRank(_Out):
+    """cost_models.memory.PipelineRankMemory: one pipeline rank's stages and peak."""
+
+    rank: int = Field(ge=0, description="the pipeline rank (pp mesh coordinate)")
+    stages: list[int] = Field(description="the stages it runs, in the model's order")
+    description: str = Field(description="its stages in words ('embedding + blocks 0-7')")
+    peak_allocated_bytes: Bytes
+    peak_reserved_bytes: Bytes
+    peak_moment: str
+    breakdown: MemoryBreakdown
+
+
 class Memory(_Out):
-    """The analytic per-rank memory estimate."""
+    """The analytic per-rank memory estimate (with PP: the largest pipeline rank's, each rank in pipeline_ranks)."""
 
     peak_allocated_bytes: Bytes = Field(description="bytes per rank: what torch.cuda.max_memory_allocated would show")
     peak_reserved_bytes: Bytes = Field(description="bytes per rank: allocated peak + fragmentation + CUDA context, "
@@ -130,6 +145,8 @@ class Memory(_Out):
     breakdown: MemoryBreakdown
     cpu_bytes_per_node: int = Field(description="bytes of CPU RAM per node the offloaded state needs")
     notes: list[str]
+    pipeline_ranks: absent_or(list[PipelineRank], "with pp > 1: every pipeline rank's memory (the headline "
+                                                  "figures are the largest one's)")
 
 
 class TimeBreakdown(_Out):
@@ -153,6 +170,10 @@ class TimeBreakdown(_Out):
                                                    "attention (of exposed_comm_s)")
     ep_comm_s: Seconds = Field(description="s: expert parallel's dispatch and combine all-to-alls (of total_comm_s "
                                            "and exposed_comm_s: priced exposed)")
+    pp_bubble_s: absent_or(float, "s: the pipeline schedule's bubble (ranks idle while it fills and drains)")
+    pp_imbalance_s: absent_or(float, "s: the slowest stage's extra (embedding, head and loss) over the others")
+    pp_comm_s: absent_or(float, "s: stage-to-stage sends of activations and gradients not hidden (of "
+                                "exposed_comm_s)")
 
 
 class Time(_Out):
@@ -209,7 +230,8 @@ class MpPolicy(_Out):
 
 class Mesh(_Out):
     shape: list[int] = Field(description="ranks per mesh dimension")
-    dim_names: list[Literal["dp_replicate", "dp_shard"]]
+    dim_names: list[Literal["pp", "dp_replicate", "dp_shard", "cp", "tp"]] = Field(
+        description="torchtitan's order, outermost first; the dims of size > 1 with a mesh (dp_shard always)")
 
 
 class FullyShardKwargs(_Out):
@@ -223,10 +245,33 @@ class FullyShardKwargs(_Out):
     mesh: Mesh
 
 
+class PipelineStage(_Out):
+    index: int = Field(ge=0, description="0 .. pp x V - 1, in the model's order")
+    rank: int = Field(ge=0, description="the pipeline rank that runs it")
+    first_block: int
+    n_blocks: int = Field(ge=1)
+    embedding: bool = Field(description="the token embedding is on this stage")
+    head: bool = Field(description="the final norm, the head and the loss are on this stage")
+    description: str
+
+
+class Pipeline(_Out):
+    """planner.report_pipeline.pipeline_dict: the schedule, the microbatches and the stage split."""
+
+    schedule: Literal[tuple(s.value for s in Schedule)]
+    torchtitan_schedule: str = Field(description="parallelism.pipeline_parallel_schedule")
+    stages_per_rank: int = Field(ge=1)
+    microbatches: int = Field(ge=1, description="microbatches of one schedule step (config.grad_accum)")
+    microbatch_size: int = Field(ge=1, description="sequences per microbatch (config.micro_batch)")
+    local_batch: int = Field(ge=1, description="sequences per data-parallel rank per step")
+    stages: list[PipelineStage]
+
+
 class Candidate(_Out):
     """api.Candidate.to_dict(): one costed configuration."""
 
     config: Config
+    pipeline: absent_or(Pipeline, "with pp > 1: the pipeline's schedule, microbatches and stage split")
     fits: bool
     reasons: list[str] = Field(description="why it does not fit (empty when it fits)")
     memory: Memory

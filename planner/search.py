@@ -35,7 +35,6 @@ from cost_models import moe
 from cost_models.evaluate import Evaluation, evaluate, unsupported_reasons
 from cost_models.mesh import mesh_of
 from cost_models.mesh_rules import cp_degrees, divisors, ep_degrees, mesh_refusals, tp_degrees
-from cost_models.pipeline import microbatch_refusal
 from cost_models.profile import Profile
 from cost_models.schedules import Schedule
 from cost_models.specs import (SELECTIVE_OP, Attention, ClusterSpec, FsdpConfig, ModelSpec, Precision, Sharding,
@@ -224,11 +223,23 @@ def describe(config: FsdpConfig, compact: bool = False) -> str:
 
 
 def mesh_parts(config: FsdpConfig) -> list[str]:
-    """The degrees beside FSDP in the words of the flags ("tp 8", "cp 2", "no sequence parallel")."""
-    parts = [f"{name} {getattr(config, name)}" for name in ("tp", "cp", "ep", "pp") if getattr(config, name) > 1]
+    """The degrees beside FSDP in the words of the flags ("tp 8", "cp 2", "no sequence parallel", "pp 8 1f1b ...")."""
+    parts = [f"{name} {getattr(config, name)}" for name in ("tp", "cp", "ep") if getattr(config, name) > 1]
     if config.tp > 1 and not config.sequence_parallel:
         parts.append("no sequence parallel")
-    return parts
+    return parts + pipeline_words(config)
+
+
+def pipeline_words(config: FsdpConfig, compact: bool = False) -> list[str]:
+    """"pp 8 interleaved-1f1b (2 stages per rank), 16 microbatches"; compact "pp 8 interleaved-1f1b x2" (none
+    without a pipeline)."""
+    if config.pp == 1:
+        return []
+    v = config.pp_stages_per_rank
+    if compact:
+        return [f"pp {config.pp} {config.pp_schedule.value}" + (f" x{v}" if v > 1 else "")]
+    return [f"pp {config.pp} {config.pp_schedule.value}" + (f" ({v} stages per rank)" if v > 1 else "")
+            + f", {config.pp_microbatches} microbatches"]
 
 
 def technique_words(config: FsdpConfig, compact: bool = False) -> list[str]:
@@ -315,23 +326,16 @@ def _cost_mesh(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, p
     """Every knob combination on one mesh (None: no micro-batch reaches the global batch on it)."""
     data_parallel = cluster.n_gpus // mesh.model_parallel
     pipe = mesh.pipeline
-    plans = microbatch_plans(training, data_parallel, space.micro_batches, pipe)
+    plans = microbatch_plans(training, data_parallel, space.micro_batches, pipe, space.pp_schedule is not None)
     if not plans:
         return None
 
-    def probe(sharding: Sharding = Sharding.FULL_SHARD, mb: int = 1, accum: int = 1) -> FsdpConfig:
-        """What the mesh rules and the schedule's microbatch rule read: the mesh, the strategy, the microbatches."""
+    def probe(sharding: Sharding, mb: int, accum: int) -> FsdpConfig:
+        """What the mesh rules read: the mesh, the strategy, a pipeline's microbatches."""
         return FsdpConfig(sharding=sharding, micro_batch=mb, grad_accum=accum, attention=space.attention, tp=mesh.tp,
                           cp=mesh.cp, ep=mesh.ep, pp=pipe.pp, pp_schedule=pipe.schedule,
                           pp_stages_per_rank=pipe.stages_per_rank, sequence_parallel=space.sequence_parallel)
 
-    if pipe.pp > 1:  # microbatch counts the schedule refuses (torch raises on them) are not costed, nor (unless
-        # the schedule is pinned) fewer than the stages: torchtitan warns of the bubble, interleaving gains nothing
-        least = 1 if space.pp_schedule is not None else pipe.stages
-        plans = [(mb, accum) for mb, accum in plans
-                 if accum >= least and microbatch_refusal(probe(mb=mb, accum=accum)) is None]
-        if not plans:
-            return None
     found = _Found()
     plain = mesh == MeshChoice()
     runs: dict[Sharding, bool] = {}
@@ -353,7 +357,7 @@ def _cost_mesh(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, p
     if pipe.pp > 1:
         mesh_shardings = tuple(s for s in mesh_shardings if s in PP_SHARDINGS)
     if not plain:  # a strategy the mesh rules refuse here costs nothing (once per strategy, not per knob)
-        mb, accum = plans[0] if plans else (1, 1)
+        mb, accum = plans[0]
         mesh_shardings = tuple(s for s in mesh_shardings if mesh_runs(probe(s, mb, accum)))
     # CPU offload is the way out for data parallelism alone; a mesh is the other way out, not combined with it
     offloads = space.offload if plain else (False,)

@@ -17,8 +17,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from cost_models.pipeline import microbatch_refusal
 from cost_models.schedules import Schedule
-from cost_models.specs import ModelSpec, Sharding, TrainingSpec
+from cost_models.specs import FsdpConfig, ModelSpec, Sharding, TrainingSpec
 
 # (schedule, stages per rank) the search tries
 PP_SCHEDULES = ((Schedule.ONE_F_ONE_B, 1), (Schedule.INTERLEAVED_1F1B, 2))
@@ -65,15 +66,22 @@ def pipelines(model: ModelSpec, pp: int, schedule: Schedule | None = None,
 
 
 def microbatch_plans(training: TrainingSpec, data_parallel: int, micro_batches: tuple[int, ...],
-                     pipeline: Pipeline) -> list[tuple[int, int]]:
+                     pipeline: Pipeline, pinned_schedule: bool = False) -> list[tuple[int, int]]:
     """(micro_batch, grad_accum) pairs to cost: without a pipeline the accumulation that reaches the global batch;
-    with one, grad_accum is the microbatch count m of one schedule step."""
+    with one, grad_accum is the microbatch count m of one schedule step, kept where the schedule takes it
+    (microbatch_refusal) and, unless the schedule is pinned, m >= the stages (torchtitan warns of the bubble
+    below that, and interleaving gains nothing)."""
     out = []
     for mb in micro_batches:
         accum = training.grad_accum_for(mb, data_parallel)
         if accum is None:
             continue
-        if pipeline.pp > 1 and training.global_batch is None:
-            accum = PP_MICROBATCHES_PER_STAGE * pipeline.stages
+        if pipeline.pp > 1:
+            if training.global_batch is None:
+                accum = PP_MICROBATCHES_PER_STAGE * pipeline.stages
+            config = FsdpConfig(micro_batch=mb, grad_accum=accum, pp=pipeline.pp, pp_schedule=pipeline.schedule,
+                                pp_stages_per_rank=pipeline.stages_per_rank)
+            if (not pinned_schedule and accum < pipeline.stages) or microbatch_refusal(config) is not None:
+                continue
         out.append((mb, accum))
     return out

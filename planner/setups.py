@@ -59,6 +59,7 @@ class UserSetup:
     checkpoint_regathers: bool = False      # the recompute all-gathers each checkpointed block again: a reentrant
     #                                         checkpoint around FSDP1 units (HF Trainer's own, use_reentrant: true)
     model: str | None = None                # the model the setup names (torchtitan 0.3's --module / --config)
+    pipeline: object = None                 # torchtitan's pipeline settings (setups_pipeline.PipelineSettings)
     notes: tuple[str, ...] = field(default=())
 
 

@@ -18,6 +18,7 @@ from cost_models.specs import SELECTIVE_OP, FsdpConfig, Precision, Sharding
 
 from .emit_torchtitan import preset_of
 from .errors import PlannerError
+from .setups_pipeline import torchtitan_pipeline
 from .setups import UserSetup, _bool, _int, _int_or_none, _strategy, _strip, accelerate_degrees
 
 # ---------------------------------------------------------------- Hugging Face TrainingArguments
@@ -218,7 +219,10 @@ _SUBCOMMAND = re.compile(r"(activation-checkpoint):([\w-]+)$")
 TORCHTITAN_BOOLS = ("compile.enable", "training.compile", "training.enable_cpu_offload",
                     "quantize.linear.float8.enable_fsdp_float8_all_gather", "float8.enable_fsdp_float8_all_gather",
                     "compile.enable_async_tensor_parallel", "parallelism.enable_async_tensor_parallel",
-                    "parallelism.enable_sequence_parallel", "parallelism.disable_loss_parallel")
+                    "parallelism.enable_sequence_parallel", "parallelism.disable_loss_parallel",
+                    "training.disable_cuda_graphs")
+# options whose value is a list of lists (tyro's form: one word per inner list, its items comma-joined)
+TORCHTITAN_LISTS = ("parallelism.module_fqns_per_model_part",)
 
 
 def _flatten(table: dict, prefix: str = "") -> dict:
@@ -264,6 +268,12 @@ def _parse_flags(text: str) -> dict:
         negated = f"{section}.{option[3:].replace('-', '_')}"
         if not eq and option[:3] in ("no-", "no_") and negated in TORCHTITAN_BOOLS:
             name, value = negated, False
+        elif name in TORCHTITAN_LISTS:  # --x a,b c or --x=a,b c: every word up to the next flag
+            words = [value] if eq else []
+            while i + 1 < len(tokens) and not tokens[i + 1].startswith("--") and not _SUBCOMMAND.match(tokens[i + 1]):
+                i += 1
+                words.append(tokens[i])
+            value = words
         elif not eq and (i + 1 == len(tokens) or tokens[i + 1].startswith("--")):
             value = True
         elif not eq:
@@ -349,12 +359,8 @@ def _torchtitan_checkpointing(settings: dict) -> int | str:
 
 
 def _torchtitan_mesh(settings: dict) -> dict:
-    """tp / cp / ep (pp must be 1), async TP (0.3: compile.enable_async_tensor_parallel; 0.2: under parallelism)
-    and sequence parallel (0.3's parallelism.enable_sequence_parallel; 0.2 always with TP)."""
-    pp = _positive_int(settings, "parallelism.pipeline_parallel_degree", 1)
-    if pp > 1:
-        raise PlannerError("parallelism.pipeline_parallel_degree", f"{pp}: pipeline parallelism is not planned yet "
-                                                                   "(fsdp-plan plans tp, cp and ep); set it to 1")
+    """tp / cp / ep (pp: setups_pipeline), async TP (0.3: compile.enable_async_tensor_parallel; 0.2: under
+    parallelism) and sequence parallel (0.3's parallelism.enable_sequence_parallel; 0.2 always with TP)."""
     async_key, async_value = _first(settings, "compile.enable_async_tensor_parallel",
                                     "parallelism.enable_async_tensor_parallel")
     if _bool("parallelism.disable_loss_parallel", settings.get("parallelism.disable_loss_parallel", False)):
@@ -398,6 +404,7 @@ def from_torchtitan(settings: dict, source: str = "torchtitan") -> UserSetup:
     precision = Precision.BF16_PURE if pure else Precision.BF16 if param == "bfloat16" else Precision.FP32
     micro_batch = _positive_int(settings, "training.local_batch_size" if "training.local_batch_size" in settings
                                 else "training.batch_size", 8)  # batch_size: before local_batch_size
+    pipeline = torchtitan_pipeline(settings, micro_batch)
     global_batch = _int(settings, "training.global_batch_size", -1)
     grad_accum = 1
     if global_batch > 0:
@@ -409,6 +416,13 @@ def from_torchtitan(settings: dict, source: str = "torchtitan") -> UserSetup:
         if rest or not grad_accum:
             raise PlannerError("training.global_batch_size", f"{global_batch} is not a multiple of local_batch_size x "
                                                              f"data-parallel degree = {micro_batch * replicas * shard}")
+        if pipeline.pp > 1 and grad_accum > 1:
+            raise PlannerError("training.global_batch_size", f"{grad_accum} schedule steps of accumulation on top of the "
+                                                             "pipeline are not priced by fsdp-plan; set it to "
+                                                             "local_batch_size x data-parallel degree = "
+                                                             f"{micro_batch * replicas * shard}")
+    if pipeline.pp > 1:  # the pipeline microbatch, and the local batch's microbatches as the accumulation
+        micro_batch, grad_accum = pipeline.microbatch_size, micro_batch // pipeline.microbatch_size
     compile_key, compile_value = _first(settings, "compile.enable", "training.compile")
     # compile.components (0.2, 0.3): torchtitan's default ["model", "loss"]; 0.1's training.compile was blocks only
     components = _list(settings.get("compile.components", ["model", "loss"])) if compile_key == "compile.enable" \
@@ -429,6 +443,8 @@ def from_torchtitan(settings: dict, source: str = "torchtitan") -> UserSetup:
         offload=_bool("training.enable_cpu_offload", settings.get("training.enable_cpu_offload", False)),
         ac_every=_torchtitan_checkpointing(settings), micro_batch=micro_batch, grad_accum=grad_accum,
         compile=compiles, compile_loss="loss" in components, float8=float8, fp8_all_gather=fp8_all_gather, **mesh,
+        pp=pipeline.pp, pp_schedule=pipeline.schedule,
+        pp_stages_per_rank=pipeline.stages_per_rank(0) if pipeline.parts else 0,  # else: the model's blocks (check)
     )
     seq_len = _positive_int(settings, "training.seq_len", 2048)
     hybrid = sharding.is_hybrid
@@ -437,8 +453,9 @@ def from_torchtitan(settings: dict, source: str = "torchtitan") -> UserSetup:
         # torchtitan builds on the meta device, then every rank initialises its shards alike (DTensor's RNG) or
         # loads them from a checkpoint: as if every rank built the same weights, nothing to broadcast
         use_orig_params=True, init="all",
-        n_processes=replicas * shard * config.cp * config.tp if shard >= 1 else None,
+        n_processes=replicas * shard * config.cp * config.tp * config.pp if shard >= 1 else None,
         n_machines=replicas if hybrid else None,  # HSDP: one replica per machine, so the shard group is a node
         use_cache=False,  # torchtitan's models keep no KV cache in training
         seq_len=seq_len, model=preset_of(settings.get("module"), settings.get("config")),
+        pipeline=pipeline if pipeline.pp > 1 else None,
     )

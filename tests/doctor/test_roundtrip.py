@@ -243,7 +243,7 @@ def test_check_cli_reads_torchtitan_flags(tmp_path):
     import json
     report = json.loads(ok.stdout)
     assert report["source"] == str(flags) and report["config"]["micro_batch"] == 2
-    flags.write_text("--parallelism.pipeline_parallel_degree=2\n")
+    flags.write_text("--parallelism.pipeline_parallel_degree=2\n--parallelism.pipeline_parallel_microbatch_size=3\n")
     bad = subprocess.run([*cli, str(flags), "--model", "llama3-8b"], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1
-    assert "parallelism.pipeline_parallel_degree" in bad.stderr
+    assert "parallelism.pipeline_parallel_microbatch_size" in bad.stderr

@@ -96,7 +96,8 @@ def test_torchtitan_flag_forms(tmp_path):
 
 
 @pytest.mark.parametrize("text, field, words", [
-    ("--parallelism.pipeline_parallel_degree=2", "parallelism.pipeline_parallel_degree", "not planned yet"),
+    ("--parallelism.pipeline_parallel_degree=2 --parallelism.pipeline_parallel_schedule=LoopedBFS",
+     "parallelism.pipeline_parallel_schedule", "not priced by fsdp-plan; choose one of: GPipe, 1F1B"),
     ("--module llama3 activation-checkpoint:memory-budget", "activation-checkpoint", "not priced"),
     ("--activation_checkpoint.mode=memory_budget", "activation_checkpoint.mode", "not priced"),
     ("--training.mixed_precision_param=float16", "training.mixed_precision_param", "bfloat16, float32"),

@@ -1,0 +1,168 @@
+"""The search's pipelines (issue 18, item 3): which pp / schedule / microbatch combinations are generated, counted by
+hand, and how the search walks them. Until mesh_rules lifts "pp-not-planned" the search costs no pipeline: the
+walk's tests drop that one refusal (the code needs only it gone) and check what would then be costed."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+
+from cost_models import mesh_rules
+from cost_models.pipeline import microbatch_refusal
+from cost_models.profile import DEFAULT_PROFILE
+from cost_models.schedules import Schedule
+from cost_models.specs import FsdpConfig, TrainingSpec
+from planner import search as search_module
+from planner.hardware import make_cluster
+from planner.models import load_preset
+from planner.search import MeshChoice, SearchSpace, pipeline_meshes, search
+from planner.search_pipeline import PP_MICROBATCHES_PER_STAGE, Pipeline, microbatch_plans, pipelines, pp_degrees
+
+I1F1B = Schedule.INTERLEAVED_1F1B
+
+
+@functools.cache
+def model(name: str):
+    return load_preset(name)
+
+
+def test_pp_degrees_are_powers_of_two_dividing_the_gpus_left_with_a_block_per_stage():
+    # llama3.1-405b: 126 blocks; 1,024 GPUs over tp 8 leave 128: 2 ... 64 (128 stages > 126 blocks)
+    assert pp_degrees(model("llama3.1-405b"), 1024 // 8) == [2, 4, 8, 16, 32, 64]
+    # llama3.1-8b: 32 blocks; 24 GPUs: 2, 4, 8 divide 24 (16 does not, 32 neither)
+    assert pp_degrees(model("llama3.1-8b"), 24) == [2, 4, 8]
+    assert pp_degrees(model("llama3.1-8b"), 1) == []
+    assert pp_degrees(model("llama3.1-8b"), 64, pinned=6) == [6]  # pinned: the mesh rules judge it
+    assert pp_degrees(model("llama3.1-8b"), 64, pinned=1) == []
+
+
+def test_schedules_tried_per_degree():
+    m = model("llama3.1-405b")  # 126 blocks
+    assert pipelines(m, 8) == [Pipeline(8), Pipeline(8, I1F1B, 2)]
+    assert pipelines(m, 64) == [Pipeline(64)]  # interleaved: 128 stages > 126 blocks
+    assert pipelines(m, 8, Schedule.GPIPE) == [Pipeline(8, Schedule.GPIPE, 1)]
+    assert pipelines(m, 8, I1F1B, 4) == [Pipeline(8, I1F1B, 4)]
+    assert pipelines(m, 8, Schedule.DUALPIPEV) == [Pipeline(8, Schedule.DUALPIPEV, 2)]
+    assert pipelines(m, 8, None, 2) == [Pipeline(8, I1F1B, 2)]  # a pinned V picks the schedule with it
+
+
+def test_pipeline_meshes_over_tp_8_on_1024_gpus():
+    # by hand: degrees 2, 4, 8, 16, 32 with both schedules (10) and 64 with 1F1B only: 11
+    m, cluster = model("llama3.1-405b"), make_cluster(1024, gpu="h100-80gb")
+    found = pipeline_meshes(m, cluster, SearchSpace(), MeshChoice(tp=8))
+    assert len(found) == 11 and found[-1] == Pipeline(64)
+    assert pipeline_meshes(m, cluster, SearchSpace(pp=1), MeshChoice(tp=8)) == []
+
+
+def test_microbatch_counts_with_a_global_batch():
+    # 16 GPUs, global batch 32, llama3.2-1b's 16 blocks; per (pp, schedule): dp = 16 / pp, the local batch 32 / dp,
+    # m = local / micro-batch; kept: m >= stages and what the schedule takes (interleaved: m a multiple of m // pp)
+    training = TrainingSpec(seq_len=2048, global_batch=32)
+    mbs = (1, 2, 4, 8, 16, 32, 64)
+    expected = {
+        Pipeline(2): [(1, 4), (2, 2)],              # dp 8, local 4: m 4, 2 (m 1 < 2 stages)
+        Pipeline(2, I1F1B, 2): [(1, 4)],            # 4 stages: m 4 only
+        Pipeline(4): [(1, 8), (2, 4)],              # dp 4, local 8
+        Pipeline(4, I1F1B, 2): [(1, 8)],            # 8 stages
+        Pipeline(8): [(1, 16), (2, 8)],             # dp 2, local 16
+        Pipeline(8, I1F1B, 2): [(1, 16)],           # 16 stages; 16 % (16 // 8) == 0
+        Pipeline(16): [(1, 32), (2, 16)],           # dp 1, local 32
+    }
+    for pipe, plans in expected.items():
+        assert microbatch_plans(training, 16 // pipe.pp, mbs, pipe) == plans, pipe
+    # pinned: every count the schedule takes; 1F1B still needs m >= stages (torch raises), GPipe does not
+    assert microbatch_plans(training, 8, mbs, Pipeline(2), pinned_schedule=True) == [(1, 4), (2, 2)]
+    assert microbatch_plans(training, 8, mbs, Pipeline(2, Schedule.GPIPE), pinned_schedule=True) == [
+        (1, 4), (2, 2), (4, 1)]
+    # interleaved on 4 ranks, local batch 6 (m 6: 6 // 4 = 1 round) and 3 (m 3, one round): both taken
+    six = TrainingSpec(seq_len=2048, global_batch=6)
+    assert microbatch_plans(six, 1, (1, 2), Pipeline(4, I1F1B, 2), pinned_schedule=True) == [(1, 6), (2, 3)]
+    # 10 microbatches on 4 ranks: 2 rounds of 5 -> taken; 9: 2 rounds, 9 % 2 -> refused (torch raises)
+    for m, ok in ((10, True), (9, False)):
+        config = FsdpConfig(micro_batch=1, grad_accum=m, pp=4, pp_schedule=I1F1B)
+        assert (microbatch_refusal(config) is None) is ok
+
+
+def test_microbatch_counts_without_a_global_batch_are_two_per_stage():
+    training = TrainingSpec(seq_len=2048)
+    assert PP_MICROBATCHES_PER_STAGE == 2
+    assert microbatch_plans(training, 8, (1, 2), Pipeline(4)) == [(1, 8), (2, 8)]
+    assert microbatch_plans(training, 8, (1,), Pipeline(4, I1F1B, 2)) == [(1, 16)]
+    assert microbatch_plans(training, 8, (1, 2), Pipeline()) == [(1, 1), (2, 1)]
+
+
+def test_search_costs_no_pipeline_while_pp_is_not_planned():
+    # the same candidates with PP left out and with it searched (refused by mesh_rules' pp-not-planned)
+    m, cluster = model("llama3.2-1b"), make_cluster(16, gpu="h100-80gb")
+    training = TrainingSpec(seq_len=2048, global_batch=32)
+    space = SearchSpace(tp=1, cp=1, compile=(False,), float8=(False,))
+    plain = search(m, cluster, training, DEFAULT_PROFILE, SearchSpace(tp=1, cp=1, compile=(False,),
+                                                                       float8=(False,), pp=1))
+    walked = search(m, cluster, training, DEFAULT_PROFILE, space)
+    assert walked.n_costed == plain.n_costed > 0
+    assert all(e.config.pp == 1 for e in walked.fitting + walked.misses)
+
+
+@pytest.fixture
+def pp_planned(monkeypatch):
+    """mesh_rules without its pp-not-planned refusal (TODO(issue 18): the lead removes it)."""
+    original = mesh_rules.mesh_refusals
+    monkeypatch.setattr(search_module, "mesh_refusals",
+                        lambda *a: [r for r in original(*a) if r.code != "pp-not-planned"])
+
+
+def test_search_walks_pipelines_once_pp_is_planned(pp_planned):
+    m, cluster = model("llama3.2-1b"), make_cluster(16, gpu="h100-80gb")
+    training = TrainingSpec(seq_len=2048, global_batch=32)
+    space = SearchSpace(tp=1, cp=1, compile=(False,), float8=(False,), ac_every=(0, 1))
+    result = search(m, cluster, training, DEFAULT_PROFILE, space)
+    piped = [e for e in result.fitting + result.misses if e.config.pp > 1]
+    assert piped  # pp 2 at least is costed for each schedule
+    allowed = {Pipeline(2), Pipeline(2, I1F1B, 2), Pipeline(4), Pipeline(4, I1F1B, 2), Pipeline(8),
+               Pipeline(8, I1F1B, 2), Pipeline(16)}
+    for e in piped:
+        c = e.config
+        pipe = Pipeline(c.pp, c.pp_schedule, c.pp_stages_per_rank)
+        assert pipe in allowed
+        # the microbatches the global batch gives: 32 sequences over 16 / pp data-parallel ranks
+        assert c.micro_batch * c.grad_accum * (16 // c.pp) == 32
+        assert c.grad_accum >= c.pp_stages and microbatch_refusal(c) is None
+        assert c.sharding.value in ("FULL_SHARD", "NO_SHARD")  # one node: no HYBRID; SHARD_GRAD_OP runs alike
+    # the walk goes up in degree only while the degree before fit faster (or nothing fit before)
+    for schedule, v in ((Schedule.ONE_F_ONE_B, 1), (I1F1B, 2)):
+        best = {}
+        for e in result.fitting:
+            c = e.config
+            if c.pp > 1 and (c.pp_schedule, c.pp_stages_per_rank) == (schedule, v):
+                best[c.pp] = max(best.get(c.pp, 0), e.time.tokens_per_s_per_gpu)
+        degrees = sorted(best)
+        for low, high in zip(degrees, degrees[1:]):
+            assert high == 2 * low
+        for low, high in zip(degrees[:-2], degrees[1:-1]):  # every degree but the last improved on the one before
+            assert best[high] > best[low]
+
+
+def test_pinned_pp_searches_that_pipeline_only(pp_planned):
+    m, cluster = model("llama3.2-1b"), make_cluster(16, gpu="h100-80gb")
+    training = TrainingSpec(seq_len=2048, global_batch=32)
+    space = SearchSpace(tp=1, cp=1, compile=(False,), float8=(False,), ac_every=(1,), pp=4, pp_schedule=Schedule.GPIPE)
+    result = search(m, cluster, training, DEFAULT_PROFILE, space)
+    configs = [e.config for e in result.fitting + result.misses]
+    assert configs and {(c.pp, c.pp_schedule, c.pp_stages_per_rank) for c in configs} == {(4, Schedule.GPIPE, 1)}
+    # GPipe pinned: every micro-batch whose count the global batch gives (dp 4, local 8): m 8, 4, 2, 1
+    assert {(c.micro_batch, c.grad_accum) for c in configs} <= {(1, 8), (2, 4), (4, 2), (8, 1)}
+
+
+def test_where_nothing_fits_the_walk_costs_every_degree(pp_planned):
+    # 3 GiB GPUs: llama3.2-1b fits nowhere (its 1.24B params' adamw state alone is 1.24e9 x 16 B / 16 = 1.2 GiB
+    # a rank, plus activations), so nothing fits before any degree and every one is tried: 1F1B 2, 4, 8, 16 and
+    # interleaved 2, 4, 8 (16 x 2 stages > 16 blocks)
+    m, cluster = model("llama3.2-1b"), make_cluster(16, gpu="h100-80gb", gpu_memory=3 * 2**30)
+    training = TrainingSpec(seq_len=2048, global_batch=32)
+    space = SearchSpace(tp=1, cp=1, compile=(False,), float8=(False,), ac_every=(0,))
+    result = search(m, cluster, training, DEFAULT_PROFILE, space)
+    assert not [e for e in result.fitting if e.config.pp == 1]
+    tried = {(e.config.pp, e.config.pp_schedule) for e in result.fitting + result.misses if e.config.pp > 1}
+    assert tried >= {(2, Schedule.ONE_F_ONE_B), (4, Schedule.ONE_F_ONE_B), (8, Schedule.ONE_F_ONE_B),
+                     (16, Schedule.ONE_F_ONE_B), (2, I1F1B), (4, I1F1B), (8, I1F1B)}
