@@ -123,10 +123,14 @@ def _ac_every_clause(config: FsdpConfig) -> str:
     return "" if config.ac_every <= 1 else f" if i % {config.ac_every} == 0"  # selective-op: every block
 
 
-def _wrapper_call(config: FsdpConfig, module: str) -> str:
-    """checkpoint_wrapper(...) of one block: non-reentrant, with the selective-op policy when planned."""
+def _wrapper_args(config: FsdpConfig, module: str) -> str:
+    """checkpoint_wrapper's arguments for one block: non-reentrant, with the selective-op policy when planned."""
     policy = ", context_fn=selective_op_context" if config.selective_op_ac else ""
-    return f"checkpoint_wrapper({module}, checkpoint_impl=CheckpointImpl.NO_REENTRANT{policy})"
+    return f"{module}, checkpoint_impl=CheckpointImpl.NO_REENTRANT{policy}"
+
+
+def _wrapper_call(config: FsdpConfig, module: str) -> str:
+    return f"checkpoint_wrapper({_wrapper_args(config, module)})"
 
 
 # ---------------------------------------------------------------- artifacts
@@ -161,7 +165,8 @@ def emit_fsdp1(config: FsdpConfig, model_spec: ModelSpec, cluster: ClusterSpec,
             f"checkpointed = {{block for i, block in enumerate(blocks){_ac_every_clause(config)}}}",
             "apply_activation_checkpointing(",
             "    model,",
-            f"    checkpoint_wrapper_fn=lambda m: {_wrapper_call(config, 'm')},",
+            "    checkpoint_wrapper_fn=lambda m: checkpoint_wrapper(",
+            f"        {_wrapper_args(config, 'm')}),",
             "    check_fn=lambda m: m in checkpointed,",
             ")",
         ]
@@ -181,7 +186,8 @@ def emit_fsdp1(config: FsdpConfig, model_spec: ModelSpec, cluster: ClusterSpec,
             "",
             "def lora_unit(m):  # a block, or a leaf whose weight trains: adapters apart from the frozen base",
             "    weight = getattr(m, \"weight\", None)",
-            "    return isinstance(m, block_class) or (not list(m.children()) and weight is not None and weight.requires_grad)",
+            "    leaf = not list(m.children())",
+            "    return isinstance(m, block_class) or (leaf and weight is not None and weight.requires_grad)",
             "",
         ]
     body = _preamble(config, "blocks", "[m for m in model.modules() if type(m).__name__ == BLOCK_CLASS]") + lora_unit + [
@@ -192,7 +198,8 @@ def emit_fsdp1(config: FsdpConfig, model_spec: ModelSpec, cluster: ClusterSpec,
         "model = FSDP(",
         "    model,",
         f"    sharding_strategy=ShardingStrategy.{strategy},{'  # ' + strategy_note if strategy_note else ''}",
-        f"    mixed_precision={mixed},{'  # buffers keep fp32' if options else ''}",
+        *([f"    mixed_precision={mixed},{'  # buffers keep fp32' if options else ''}"] if len(mixed) <= 72 else [
+            "    mixed_precision=MixedPrecision(  # buffers keep fp32", f"        {mixed.removeprefix('MixedPrecision(')},"]),
         f"    cpu_offload={'CPUOffload(offload_params=True)' if config.offload else 'None'},"
         f"{'  # params and grads on CPU; there is no optimizer-only offload' if config.offload else ''}",
         f"    backward_prefetch={prefetch},",
@@ -222,8 +229,8 @@ def emit_fsdp2(config: FsdpConfig, model_spec: ModelSpec, cluster: ClusterSpec,
         "from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard",
     ]
     if config.checkpoints:
-        imports.append("from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import "
-                       "CheckpointImpl, checkpoint_wrapper")
+        imports.append("from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (\n"
+                       "    CheckpointImpl, checkpoint_wrapper)")
     imports += tech.imports(config)
     imports += (["import math"] if meshed.uses_mesh(config) else []) + meshed.fsdp2_imports(config)
     world = "dist.get_world_size()"
@@ -231,12 +238,12 @@ def emit_fsdp2(config: FsdpConfig, model_spec: ModelSpec, cluster: ClusterSpec,
     if meshed.uses_mesh(config):
         pass  # the N-D mesh: emit_mesh.fsdp2_mesh_lines
     elif len(layout["shape"]) == 1:
-        mesh = f"init_device_mesh(device_type, ({world},), mesh_dim_names=(\"dp_shard\",))"
+        mesh = (f"init_device_mesh(device_type, ({world},), mesh_dim_names=(\"dp_shard\",))",)
         mesh_note = "shard over all ranks"
     else:
         shard = layout["shape"][1]
-        mesh = (f"init_device_mesh(device_type, ({world} // {shard}, {shard}), "
-                "mesh_dim_names=(\"dp_replicate\", \"dp_shard\"))")
+        mesh = (f"init_device_mesh(device_type, ({world} // {shard}, {shard}),",
+                "                        mesh_dim_names=(\"dp_replicate\", \"dp_shard\"))")
         mesh_note = ("NO_SHARD: shard groups of 1, every rank a replica (DDP)" if shard == 1
                      else "HSDP: shard inside a node, replicate across nodes")
     reshard = fsdp_options.fully_shard_options(config)["reshard_after_forward"]
@@ -263,19 +270,20 @@ def emit_fsdp2(config: FsdpConfig, model_spec: ModelSpec, cluster: ClusterSpec,
         loop += meshed.expert_unit_lines(config, cluster, unit_kwargs)
     elif config.expert_units:
         loop += ["    # MoE: each routed-experts module (the stacked expert tensors) its own unit, inside the block's",
-                 f"    for experts in [m for m in block.modules() if {fsdp_options.IS_EXPERTS_MODULE}]:",
+                 f"    for experts in [m for m in block.modules()",
+                 f"                    if {fsdp_options.IS_EXPERTS_MODULE}]:",
                  f"        fully_shard(experts, **{unit_kwargs})"]
     loop += [f"    fully_shard(block, **{unit_kwargs})",
              "fully_shard(model, **fsdp_kwargs)  # root: embeddings, final norm, head"]
     block_kwargs = [
-        f"block_kwargs = {{**fsdp_kwargs, \"reshard_after_forward\": {config.reshard_after_forward}}}  # blocks: after "
-        f"forward keep params sharded over groups of {config.reshard_after_forward} ranks,",
-        "# so backward all-gathers inside a group only (the root keeps its own: FSDP2 holds the root for backward)",
+        f"# blocks: after forward keep params sharded over groups of {config.reshard_after_forward} ranks, so backward",
+        "# all-gathers inside a group only (the root keeps its own: FSDP2 holds the root for backward)",
+        f"block_kwargs = {{**fsdp_kwargs, \"reshard_after_forward\": {config.reshard_after_forward}}}",
     ] if config.reshard_after_forward else []
     if meshed.uses_mesh(config):
         mesh_lines, dp_mesh = meshed.fsdp2_mesh_lines(config, cluster)
     else:
-        mesh_lines, dp_mesh = [f"mesh = {mesh}  # {mesh_note}"], "mesh"
+        mesh_lines, dp_mesh = [f"# {mesh_note}", f"mesh = {mesh[0]}", *mesh[1:]], "mesh"
     body = _preamble(config, "block_names",
                      "[n for n, m in model.named_modules() if type(m).__name__ == BLOCK_CLASS]") + [
         "device_type = \"cuda\" if device is None else torch.device(device).type",
@@ -308,7 +316,8 @@ def _moe_padding_fix(config: FsdpConfig, model_spec: ModelSpec, cluster: Cluster
     d = config.shard_group_size(cluster)
     placement = fsdp_options.DIM1_PLACEMENT.replace("% d", f"% {d}")
     lines = ["from torch.distributed.tensor import Shard",
-             f"fsdp_kwargs[\"shard_placement_fn\"] = lambda p: {placement}"]
+             f"fsdp_kwargs[\"shard_placement_fn\"] = lambda p: (",
+             f"    {placement})"]
     e = model_spec.moe.n_experts
     if config.expert_shard_dim:
         return [f"# MoE: {e} experts on a shard group of {d}: stacked experts sharded on dim 1 (no padding on dim 0)",
@@ -534,7 +543,8 @@ def emit_lightning(config: FsdpConfig, model_spec: ModelSpec, cluster: ClusterSp
         "    use_orig_params=True,",
         ")",
         f"trainer = Trainer(strategy=strategy, accelerator=\"gpu\", devices={cluster.gpus_per_node}, "
-        f"num_nodes={cluster.n_nodes}, precision=\"{precision}\", accumulate_grad_batches={config.grad_accum})",
+        f"num_nodes={cluster.n_nodes},",
+        f"                  precision=\"{precision}\", accumulate_grad_batches={config.grad_accum})",
         f"# DataLoader batch_size={config.micro_batch} per GPU",
     ]
     if config.checkpoints:
@@ -568,7 +578,13 @@ ARTIFACTS = ("fsdp1", "fsdp2", "accelerate", "accelerate-fsdp2", "lightning", "h
 
 
 def emit_artifact(kind: str, candidate) -> str:
-    """One of ARTIFACTS for a planner.api.Candidate."""
+    """One of ARTIFACTS for a planner.api.Candidate, folded to 100 columns (planner/emit_format.py)."""
+    from .emit_format import fold
+
+    return fold(_emit_artifact(kind, candidate))
+
+
+def _emit_artifact(kind: str, candidate) -> str:
     from . import emit_trainers as trainers  # it builds on this module's helpers
 
     config, spec, cluster = candidate.config, candidate.model, candidate.cluster
@@ -600,6 +616,10 @@ def emit_artifact(kind: str, candidate) -> str:
 def recommendation_text(candidate) -> str:
     """The recommended config as FSDP2 code plus the launch line; the other dialects are one flag away. A plan the
     FSDP2 snippet cannot write (EP beside TP, pinned by the user) is given as torchtitan flags, saying why."""
+    import textwrap
+
+    from .emit_format import LINE_WIDTH, fold
+
     others = " | ".join(a for a in ARTIFACTS if a != "fsdp2")
     try:
         code = emit_fsdp2(candidate.config, candidate.model, candidate.cluster, candidate.training)
@@ -607,4 +627,5 @@ def recommendation_text(candidate) -> str:
     except PlannerError as exc:
         code = emit_artifact("torchtitan", candidate)
         head = f"Recommended config (torchtitan: the FSDP2 snippet cannot write it, {exc}):"
-    return "\n".join([head, "", code, emit_torchrun(candidate.config, candidate.model, candidate.cluster)])
+    launch = emit_torchrun(candidate.config, candidate.model, candidate.cluster)
+    return "\n".join(textwrap.wrap(head, LINE_WIDTH, subsequent_indent="  ") + ["", fold(code), fold(launch)])

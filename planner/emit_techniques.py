@@ -72,7 +72,7 @@ def hf_compiled_loss_lines(config: FsdpConfig) -> list[str]:
         "",
         "",
         "def compute_loss_func(outputs, labels, num_items_in_batch=None):",
-        "    \"\"\"Trainer(..., compute_loss_func=compute_loss_func): the model's own loss, computed outside it.\"\"\"",
+        "    \"\"\"Trainer(..., compute_loss_func=compute_loss_func): the model's loss, outside it.\"\"\"",
         "    count = num_items_in_batch if num_items_in_batch is not None else (labels[:, 1:] != -100).sum()",
         "    return causal_lm_loss_sum(outputs.logits, labels) / count",
     ]
@@ -96,12 +96,14 @@ def float8_lines(config: FsdpConfig, names_expr: str, fp8_all_gather: bool) -> l
     return [
         "# Float8 linears (torchao, tensorwise dynamic scaling) inside the blocks, dims multiples of 16 (FP8 matmuls);",
         "# embeddings, head and norms stay in bf16. GPUs with FP8 tensor cores only (H100, H200, B200, ...).",
-        f"in_blocks = tuple(f\"{{n}}.\" for n in {names_expr})",
+        *([] if names_expr == "block_names" else [f"block_names = {names_expr}"]),
+        "in_blocks = tuple(f\"{n}.\" for n in block_names)",
         "convert_to_float8_training(",
         "    model,",
         f"    config=Float8LinearConfig(enable_fsdp_float8_all_gather={gather}",
-        "    module_filter_fn=lambda m, fqn: (isinstance(m, torch.nn.Linear) and fqn.startswith(in_blocks)",
-        "                                     and m.in_features % 16 == 0 and m.out_features % 16 == 0),",
+        "    module_filter_fn=lambda m, fqn: (",
+        "        isinstance(m, torch.nn.Linear) and fqn.startswith(in_blocks)",
+        "        and m.in_features % 16 == 0 and m.out_features % 16 == 0),",
         ")",
     ]
 

@@ -179,9 +179,10 @@ def emit_hf_trainer(config: FsdpConfig, model_spec: ModelSpec, cluster: ClusterS
         arguments.append("    torch_compile=True,  # each block compiled: ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION="
                          "true on the launch line (else the whole model)")
     if mesh is not None:
-        arguments.append(f"    parallelism_config=ParallelismConfig(dp_replicate_size={mesh.dp_replicate}, "
-                         f"dp_shard_size={mesh.dp_shard}, tp_size={mesh.tp}, cp_size={mesh.cp}),  # the plan's "
-                         f"mesh: {mesh.describe()}")
+        arguments += [f"    # the plan's mesh: {mesh.describe()}",
+                      f"    parallelism_config=ParallelismConfig(dp_replicate_size={mesh.dp_replicate}, "
+                      f"dp_shard_size={mesh.dp_shard},",
+                      f"                                         tp_size={mesh.tp}, cp_size={mesh.cp}),"]
     elif hsdp:
         arguments.append(f"    parallelism_config=ParallelismConfig(dp_replicate_size={replicas}, "
                          f"dp_shard_size={shard}),  # HSDP: shard inside a node, replicate across nodes")
