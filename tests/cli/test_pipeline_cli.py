@@ -383,3 +383,20 @@ def test_check_pipeline_settings_errors_name_the_key(tmp_path, text, field, word
     code, out, err = invoke(["check", str(path), "--model", "llama3.1-8b", "--gpu", "h100-80gb"], capsys)
     assert code == 2 and len(err.strip().splitlines()) == 1 and err.startswith(f"error: {field}: "), err
     assert words in err
+
+
+def test_plan_json_with_a_pinned_pipeline_validates(pp_planned, monkeypatch, capsys):
+    from planner import search as search_module
+    from planner.schemas import PlanOutput
+
+    monkeypatch.setattr(search_module, "mesh_refusals", _unrefused(mesh_rules.mesh_refusals))
+    code, out, err = invoke(["--model", "llama3.2-1b", "--gpus", "16", "--gpu", "h100-80gb", "--global-batch", "32",
+                             "--tp", "1", "--cp", "1", "--pp", "2", "--format", "json", "--top", "3"], capsys)
+    assert code == 0, err
+    data = json.loads(out)
+    PlanOutput.model_validate(data)
+    for c in data["candidates"]:
+        # 16 / 2 = 8 data-parallel ranks, 32 / 8 = 4 sequences a rank: micro-batch x microbatches = 4
+        assert c["config"]["pp"] == 2 and c["pipeline"]["local_batch"] == 4
+        assert c["pipeline"]["microbatch_size"] * c["pipeline"]["microbatches"] == 4
+        assert [s["n_blocks"] for s in c["pipeline"]["stages"]][:2] in ([8, 8], [4, 4])  # 16 blocks, 2 or 4 stages
