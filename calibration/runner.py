@@ -163,12 +163,15 @@ def apply_config(model: nn.Module, config: FsdpConfig, fsdp_version: int, classe
     return model
 
 
-def data_parallel_rank(rank: int, config: FsdpConfig) -> int:
-    """The data-parallel rank of global `rank` in torchtitan's dense mesh [dp_replicate, dp_shard, cp, tp] (tp
-    innermost, then cp): the tp x cp ranks of one model copy share their sequences (TP ranks compute on the same
-    tokens, CP ranks each take a slice of them), so the batch is drawn from this rank, not the global one. Expert
-    parallelism borrows data-parallel ranks and changes nothing here."""
-    return rank // (config.tp * config.cp * config.pp)
+def data_parallel_rank(rank: int, config: FsdpConfig, world: int | None = None) -> int:
+    """The data-parallel rank of global `rank` in torchtitan's mesh [pp, dp_replicate, dp_shard, cp, tp] (tp
+    innermost, then cp; pp outermost): the tp x cp ranks of one model copy share their sequences (TP ranks compute
+    on the same tokens, CP ranks each take a slice of them), and so do its pipeline ranks (the first stage's take
+    them as inputs, the last stage's as targets), so the batch is drawn from this rank, not the global one. Expert
+    parallelism borrows data-parallel ranks and changes nothing here. world: needed with pp > 1."""
+    if config.pp > 1:
+        rank %= world // config.pp  # the coordinates inside this pipeline rank's [dp_replicate, ..., tp] block
+    return rank // (config.tp * config.cp)
 
 
 def check_same_sequences(model: nn.Module, config: FsdpConfig, batches: list[torch.Tensor], device: torch.device) -> None:
@@ -371,7 +374,15 @@ def run(job: dict) -> None:
         from calibration.lora import add_lora
 
         model = add_lora(model, _model_spec(job["model"]["spec"]), job["lora_rank"], classes, config.precision)
-    model = apply_config(model, config, job["fsdp_version"], classes, world, gpus_per_node, device, lora)
+    pipeline = None
+    if config.pp > 1:  # this rank's stages and torch's schedule (calibration/runner_pipeline.py)
+        from calibration.runner_pipeline import PipelineRun
+
+        pipeline = PipelineRun(model, _model_spec(job["model"]["spec"]), config, classes, world, gpus_per_node,
+                               device, job["seq_len"])
+        model = pipeline.stages
+    else:
+        model = apply_config(model, config, job["fsdp_version"], classes, world, gpus_per_node, device, lora)
     optimizer = make_optimizer(job["optimizer"], [p for p in model.parameters() if p.requires_grad],
                                config.precision.value)
     scaler = grad_scaler_for(config, device=device.type)
@@ -380,7 +391,7 @@ def run(job: dict) -> None:
     vocab = job["model"]["spec"]["vocab_size"]
     seq = job["seq_len"]
     # every rank of a TP / CP group feeds the same sequences: the data-parallel rank decides the batch
-    gen = torch.Generator(device="cpu").manual_seed(1000 + data_parallel_rank(rank, config))
+    gen = torch.Generator(device="cpu").manual_seed(1000 + data_parallel_rank(rank, config, world))
     batches = [torch.randint(0, vocab, (config.micro_batch, seq), generator=gen).to(device)
                for _ in range(config.grad_accum)]
     check_same_sequences(model, config, batches, device)
@@ -388,6 +399,14 @@ def run(job: dict) -> None:
     last_loss = [float("nan")]
 
     def step(between_microsteps=None) -> None:
+        if pipeline is not None:  # one schedule step over all microbatches, then the optimizer
+            with phase("forward_backward"):
+                loss = pipeline.step(batches)
+            with phase("optimizer"):
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            last_loss[0] = float("nan") if loss is None else loss.float().item()
+            return
         for micro, ids in enumerate(batches):
             if micro and between_microsteps:
                 between_microsteps()
@@ -426,6 +445,8 @@ def run(job: dict) -> None:
             times.append(time.perf_counter() - t0)
             cpu_times.append(time.process_time() - c0)
     times = _reduce_max(times, device)
+    if pipeline is not None:  # the loss lives on the last stage's ranks
+        last_loss[0] = pipeline.mean_loss(None if math.isnan(last_loss[0]) else last_loss[0], device)
     measured = {"wall_step_s": statistics.median(times), "loss": last_loss[0]}
     if job.get("torch_profile"):  # one more step under torch.profiler, its trace beside the result
         profile_step(step, job["torch_profile"], device, record=rank == 0)
@@ -441,6 +462,8 @@ def run(job: dict) -> None:
         free, total = torch.cuda.mem_get_info(device)
         memory = [torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device),
                   (total - free) - torch.cuda.memory_reserved(device)]
+        if pipeline is not None:  # every pipeline rank's own peak (this rank's, before the max below)
+            measured["pipeline_ranks"] = pipeline.rank_peaks(memory[0], memory[1])
         memory = [int(x) for x in _reduce_max([float(x) for x in memory], device)]
         measured.update(peak_allocated_bytes=memory[0], peak_reserved_bytes=memory[1], non_torch_bytes=memory[2],
                         memory_source="cuda_allocator")
@@ -463,8 +486,14 @@ def run(job: dict) -> None:
             step(between)
         snap = tracker.snapshot()
         peak = int(_reduce_max([float(snap.peak_allocated_bytes)], device)[0])
-        measured.update(peak_allocated_bytes=peak, memory_source="memtrack",
-                        memory_breakdown={k: int(v) for k, v in snap.breakdown.items()}, peak_phase=snap.peak_phase)
+        breakdown, peak_phase = {k: int(v) for k, v in snap.breakdown.items()}, snap.peak_phase
+        if pipeline is not None:  # every pipeline rank's own peak; the headline is the largest rank's
+            ranks = measured["pipeline_ranks"] = pipeline.rank_peaks(peak_phase=peak_phase, breakdown=breakdown,
+                                                                     peak_allocated_bytes=snap.peak_allocated_bytes)
+            largest = max(ranks, key=lambda r: r["peak_allocated_bytes"])
+            breakdown, peak_phase = largest["memory_breakdown"], largest["peak_phase"]
+        measured.update(peak_allocated_bytes=peak, memory_source="memtrack", memory_breakdown=breakdown,
+                        peak_phase=peak_phase)
     # per GPU, as the cost model counts them: a TP group computes on one set of sequences, a CP group splits them
     tokens = config.micro_batch * seq * config.grad_accum / config.model_parallel
     measured["tokens_per_s_per_gpu"] = tokens / measured["step_s"]

@@ -89,8 +89,21 @@ class Predicted(_Strict):
     profile_source: str = ""
 
 
+class PipelineRankPeak(_Strict):
+    """One pipeline rank's measured peak with pp > 1: the largest of its data-parallel ranks' (the planner's
+    MemoryEstimate.pipeline_ranks, rank for rank)."""
+
+    pp_rank: int
+    stages: list[int]                       # the stage indices it runs (torch's loop / v placement)
+    peak_allocated_bytes: int
+    peak_reserved_bytes: int | None = None  # torch.cuda.max_memory_reserved (None on CPU)
+    peak_phase: str = "unknown"
+    memory_breakdown: dict[str, int] = Field(default_factory=dict)
+
+
 class Measured(_Strict):
-    """What a run measured. Times are the slowest rank's; memory the largest rank's."""
+    """What a run measured. Times are the slowest rank's; memory the largest rank's (pipeline_ranks: each
+    pipeline rank's, with pp > 1)."""
 
     step_s: float                           # median step after warm-up (slowest rank per step), on step_clock
     step_s_all: list[float]                 # every measured step
@@ -108,6 +121,16 @@ class Measured(_Strict):
     peak_phase: str = "unknown"
     exposed_comm_s: float | None = None     # from a profiled step (GPU); None where not measurable
     loss: float | None = None               # last loss, a sanity check (NaN shows up here)
+    pipeline_ranks: list[PipelineRankPeak] = Field(default_factory=list)  # pp > 1: one per pipeline rank, in order
+
+    @model_validator(mode="after")
+    def _largest_pipeline_rank(self):
+        if self.pipeline_ranks:
+            if [r.pp_rank for r in self.pipeline_ranks] != list(range(len(self.pipeline_ranks))):
+                raise ValueError("pipeline_ranks must list pipeline ranks 0, 1, ... in order")
+            if self.peak_allocated_bytes != max(r.peak_allocated_bytes for r in self.pipeline_ranks):
+                raise ValueError("peak_allocated_bytes must be the largest pipeline rank's")
+        return self
 
 
 class RunError(_Strict):

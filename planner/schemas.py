@@ -42,7 +42,7 @@ from calibration.store import RunRecord
 from cost_models.schedules import Schedule
 from cost_models.specs import Attention, Precision, Sharding
 
-SCHEMA_VERSION = 3  # 3: pipelines (issue 18): config.pp_schedule / pp_stages_per_rank, "pipeline", memory.pipeline_ranks, the time breakdown's pp terms
+SCHEMA_VERSION = 3  # 3: pipelines (issue 18): config.pp_schedule / pp_stages_per_rank, "pipeline", memory.pipeline_ranks, the time breakdown's pp terms, calibrate's measured.pipeline_ranks
 
 Bytes = Annotated[int, Field(description="bytes per rank (GPU) unless said otherwise")]
 Seconds = Annotated[float, Field(description="seconds")]

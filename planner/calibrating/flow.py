@@ -21,6 +21,7 @@ from ..errors import PlannerError
 from ..search import SearchSpace, describe, search
 from .host import ROOT, cpu_cluster, cpu_fingerprint, live_fingerprint, probe_host, runner_env
 from .multinode import node_commands
+from .pipelines import pipeline_refusal
 from . import step_profile
 from .progress import Progress
 from .request import (CalibrationReport, CalibrationRequest, RunView, Target, nodes_and_per_node, resolve_target,
@@ -71,7 +72,8 @@ def candidates(request: CalibrationRequest, target: Target, cluster: ClusterSpec
     if not result.fitting:
         raise PlannerError("model", f"no configuration of {target.name} fits {cluster.n_gpus} x {cluster.gpu.name}: "
                                     "nothing to calibrate (run `fsdp-plan` for the nearest misses)")
-    return [e.config for e in result.fitting[:request.top]]
+    runnable = [e.config for e in result.fitting if pipeline_refusal(request, target, e.config) is None]
+    return runnable[:request.top]
 
 
 def _check_runnable(request: CalibrationRequest, config: FsdpConfig) -> None:
@@ -88,6 +90,9 @@ def _check_mesh(request: CalibrationRequest, target: Target, cluster: ClusterSpe
     """The given configuration's mesh must be one the runner can apply here and the model and cluster allow: one
     line (PlannerError) otherwise."""
     _check_runnable(request, config)
+    refused = pipeline_refusal(request, target, config)
+    if refused:
+        raise PlannerError(*refused)
     from cost_models.mesh_rules import mesh_refusals
 
     refused = mesh_refusals(target.run_spec, cluster, training, config)
