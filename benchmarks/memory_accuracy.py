@@ -1,7 +1,7 @@
 """Accuracy of the analytic memory model against the trace tier, over a grid of configurations.
 
     python benchmarks/memory_accuracy.py [--jobs 2] [--quick] [--json out.json] [--finetune lora] [--families 2026] [--profile-too]
-                                         [--expert-units] [--mesh]
+                                         [--expert-units] [--mesh] [--pp]
 
 For every configuration: the analytic estimate (planner.api.estimate) and the trace (planner.tracing.trace:
 the real FSDP2 training step on fake tensors, rank 0 of the real world size) of the same model, cluster and
@@ -338,11 +338,11 @@ def _profile_path(report, hf_config: dict) -> dict:
     return {"profile_peak": priced, "profile_error": priced / report.traced.peak_allocated_bytes - 1}
 
 
-def run(rows: list[dict], jobs: int = 1) -> list[dict]:
+def run(rows: list[dict], jobs: int = 1, one=run_one) -> list[dict]:
     if jobs <= 1:
-        return [run_one(r) for r in rows]
+        return [one(r) for r in rows]
     with ProcessPoolExecutor(max_workers=jobs) as pool:
-        return list(pool.map(run_one, rows))
+        return list(pool.map(one, rows))
 
 
 def _mib(n: int) -> str:
@@ -423,7 +423,19 @@ def main(argv: list[str] | None = None) -> None:
                         help="with --mesh: only the rows with this degree > 1 (repeatable)")
     parser.add_argument("--expert-units", action="store_true",
                         help="MoE architectures' FULL_SHARD / HYBRID_SHARD rows only, with the experts as FSDP units")
+    parser.add_argument("--pp", action="store_true",
+                        help="the pipeline grid instead (benchmarks/memory_accuracy_pp.py: every pipeline rank)")
     args = parser.parse_args(argv)
+    if args.pp:
+        from benchmarks.memory_accuracy_pp import pp_grid, run_pp_one, summarize_pp
+
+        t0 = time.perf_counter()
+        results = run(pp_grid(), args.jobs, run_pp_one)
+        print(summarize_pp(results))
+        print(f"\n{len(results)} configurations in {time.perf_counter() - t0:.0f} s with {args.jobs} job(s)")
+        if args.json:
+            args.json.write_text(json.dumps(results, indent=1))
+        return
     rows = mesh_grid() if args.mesh else grid(GRIDS[args.families])
     if args.only:
         rows = [r for r in rows if any(r.get(k, 1) > 1 for k in args.only)]

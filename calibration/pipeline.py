@@ -53,6 +53,12 @@ class StageModule(nn.Module):
         self.rotary_emb = base.rotary_emb
         self.norm = base.norm if head else None
         self.lm_head = causal_lm.get_output_embeddings() if head else None
+        if head and self.lm_head.weight is base.embed_tokens.weight:
+            # tied embeddings: the last stage trains its own copy of the table (torchtitan's _split_module
+            # deep-copies the model per stage), also where one rank holds both ends (DualPipeV's rank 0)
+            import copy
+
+            self.lm_head = copy.deepcopy(self.lm_head)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from transformers.masking_utils import create_causal_mask

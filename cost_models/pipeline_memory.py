@@ -71,7 +71,9 @@ def _stage_pieces(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, 
     tokens = mb * s
     attn = config.attention
     counts = ParamCounts.of(model, training)
-    head = (model.head_params + model.root_other_params) if stage.head else 0
+    # tied embeddings: the last stage holds its own copy of the table (torchtitan's per-stage model copies)
+    head = ((model.head_params or (model.embedding_params if model.tied_embeddings else 0))
+            + model.root_other_params) if stage.head else 0
     params = stage.n_blocks * counts.block() + (model.embedding_params if stage.embedding else 0) + head
     full = activations.block_bytes_per_token(model, c, attn, s, mb, 0)
     ckpt = activations.checkpointed_block_bytes_per_token(model, c)
@@ -81,7 +83,9 @@ def _stage_pieces(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, 
     if stage.head:
         per_token += activations.root_bytes_per_token(model, c)
     output = 0 if stage.head else tokens * model.hidden_size * c
-    saved = tokens * per_token + activations.shared_bytes(model, c, s) + output
+    # the rotary tables are saved by the blocks' attention (a stage of the embedding or the head alone keeps none)
+    shared = activations.shared_bytes(model, c, s) if stage.n_blocks else 0
+    saved = tokens * per_token + shared + output
     v = model.vocab_size
     logits = tokens * v * c if stage.head else 0
     _, loss_total = activations.logits_bytes_per_token(model, c, config.loss_compiled)
@@ -99,6 +103,8 @@ def _stage_pieces(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, 
     attn_grad = min(counts.block(), (3 if model.gated_mlp else 2) * h * f + model.q_dim * h) * c
     at_mlp, at_attn = tokens * (this_extra + w_mlp), tokens * (this_extra - freed + w_attn)
     block_acts, block_grads = (at_mlp, mlp_grad) if at_mlp + mlp_grad >= at_attn + attn_grad else (at_attn, attn_grad)
+    if not stage.n_blocks:
+        block_acts = block_grads = 0
     head_grad = head * c
     return _StagePieces(stage, params, head, saved, output, logits, loss_saved, loss_peak,
                         block_acts - output, block_grads + head_grad,
@@ -132,6 +138,7 @@ def rank_memory(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, d:
     gathered: set[int] = set()
     backwards: dict[int, int] = {s: 0 for s in pieces}
     in_flight: dict[int, set[int]] = {s: set() for s in pieces}
+    most: dict[int, int] = {s: 0 for s in pieces}  # the most microbatches each stage holds at once
     logits_kept = 0
     best = (-1, "", MemoryBreakdown())
     loss_moment = 0  # the loss backward's segments stay reserved once made (allocator.py), as in memory.py
@@ -154,6 +161,7 @@ def rank_memory(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, d:
         if action.kind == "F":
             gathered.add(action.stage)
             in_flight[action.stage].add(action.microbatch)
+            most[action.stage] = max(most[action.stage], len(in_flight[action.stage]))
             logits_kept += x.logits
             continue
         if action.kind == "W":
@@ -171,7 +179,8 @@ def rank_memory(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, d:
     peak_moment = best[1]
     if step.total_bytes > breakdown.total_bytes:
         breakdown, peak_moment = step, "optimizer step"
-    description = "; ".join(f"stage {s}: {x.stage.describe()}" for s, x in pieces.items())
+    description = "; ".join(f"stage {s}: {x.stage.describe()}, up to {most[s]} microbatch{'es' if most[s] > 1 else ''} "
+                            "in flight" for s, x in pieces.items())
     return PipelineRankMemory(rank=rank, stages=tuple(pieces), description=description,
                               peak_allocated_bytes=breakdown.total_bytes,
                               peak_reserved_bytes=profile.reserved_bytes(max(breakdown.total_bytes, loss_moment)),
