@@ -249,7 +249,7 @@ class PipelineStage(_Out):
     index: int = Field(ge=0, description="0 .. pp x V - 1, in the model's order")
     rank: int = Field(ge=0, description="the pipeline rank that runs it")
     first_block: int
-    n_blocks: int = Field(ge=1)
+    n_blocks: int = Field(ge=0, description="0: the embedding or the head alone (an end stage)")
     embedding: bool = Field(description="the token embedding is on this stage")
     head: bool = Field(description="the final norm, the head and the loss are on this stage")
     description: str

@@ -1,7 +1,7 @@
 """Which pipelines the search tries (planner/search.py walks them): the degrees, schedules and microbatch counts.
 
-- pp: powers of two from 2 that divide the GPUs left by tp x cp and leave at least one block per stage (pp x V
-  stages for the n_layers blocks), or the pinned degree;
+- pp: powers of two from 2 that divide the GPUs left by tp x cp and that the model's blocks can be split over
+  (pp x V stages: cost_models/pipeline.stage_refusals), or the pinned degree;
 - the schedule: 1F1B (one stage per rank) and interleaved 1F1B with V = 2 stages per rank (torchtitan's default
   looped schedule, Narayanan et al. SC21: the bubble / V), or the pinned schedule and V;
 - the microbatches m: with a global batch, local batch / micro-batch (the micro-batch is the pipeline microbatch,
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cost_models.pipeline import microbatch_refusal
+from cost_models.pipeline import microbatch_refusal, stage_refusals
 from cost_models.schedules import Schedule
 from cost_models.specs import FsdpConfig, ModelSpec, Sharding, TrainingSpec
 
@@ -41,13 +41,18 @@ class Pipeline:
 NO_PIPELINE = Pipeline()
 
 
+def splits(model: ModelSpec, pp: int, schedule: Schedule = Schedule.ONE_F_ONE_B, stages_per_rank: int = 1) -> bool:
+    """Whether the model's blocks split over pp x V stages (the stage rules of cost_models/pipeline.py)."""
+    return not stage_refusals(model, FsdpConfig(pp=pp, pp_schedule=schedule, pp_stages_per_rank=stages_per_rank))
+
+
 def pp_degrees(model: ModelSpec, free_gpus: int, pinned: int | None = None) -> list[int]:
-    """Pipeline degrees >= 2 over `free_gpus` (the GPUs over tp x cp): powers of two dividing them, at most one per
-    block; the pinned degree alone when given (its rules are mesh_rules' to refuse)."""
+    """Pipeline degrees >= 2 over `free_gpus` (the GPUs over tp x cp): powers of two dividing them that split the
+    blocks; the pinned degree alone when given (its rules are mesh_rules' to refuse)."""
     if pinned is not None:
         return [pinned] if pinned > 1 else []
     out, p = [], 2
-    while p <= min(free_gpus, model.n_layers):
+    while p <= free_gpus and splits(model, p):
         if free_gpus % p == 0:
             out.append(p)
         p *= 2
@@ -57,12 +62,12 @@ def pp_degrees(model: ModelSpec, free_gpus: int, pinned: int | None = None) -> l
 def pipelines(model: ModelSpec, pp: int, schedule: Schedule | None = None,
               stages_per_rank: int | None = None) -> list[Pipeline]:
     """The schedules tried at degree pp: PP_SCHEDULES (or the pinned one, V its own default unless pinned), each
-    with at least one block per stage."""
+    where the blocks split over its stages."""
     if schedule is not None:
         choices = [(schedule, stages_per_rank or schedule.default_stages_per_rank)]
     else:
         choices = [(s, v) for s, v in PP_SCHEDULES if stages_per_rank in (None, v)]
-    return [Pipeline(pp, s, v) for s, v in choices if pp * v <= model.n_layers]
+    return [Pipeline(pp, s, v) for s, v in choices if splits(model, pp, s, v)]
 
 
 def microbatch_plans(training: TrainingSpec, data_parallel: int, micro_batches: tuple[int, ...],

@@ -4,6 +4,7 @@ walk's tests drop that one refusal (the code needs only it gone) and check what 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import pytest
@@ -27,10 +28,13 @@ def model(name: str):
     return load_preset(name)
 
 
-def test_pp_degrees_are_powers_of_two_dividing_the_gpus_left_with_a_block_per_stage():
-    # llama3.1-405b: 126 blocks; 1,024 GPUs over tp 8 leave 128: 2 ... 64 (128 stages > 126 blocks)
-    assert pp_degrees(model("llama3.1-405b"), 1024 // 8) == [2, 4, 8, 16, 32, 64]
-    # llama3.1-8b: 32 blocks; 24 GPUs: 2, 4, 8 divide 24 (16 does not, 32 neither)
+def test_pp_degrees_are_powers_of_two_dividing_the_gpus_left_that_split_the_blocks():
+    # llama3.1-405b: 126 blocks; 512 GPUs over tp 8 leave 64: 2 ... 64
+    assert pp_degrees(model("llama3.1-405b"), 512 // 8) == [2, 4, 8, 16, 32, 64]
+    # llama3.1-8b: 32 blocks, at most 34 stages (the end ones may hold the embedding / the head alone): 64 GPUs
+    # give 2 ... 32
+    assert pp_degrees(model("llama3.1-8b"), 64) == [2, 4, 8, 16, 32]
+    # 24 GPUs: 2, 4, 8 divide 24 (16 does not, 32 neither)
     assert pp_degrees(model("llama3.1-8b"), 24) == [2, 4, 8]
     assert pp_degrees(model("llama3.1-8b"), 1) == []
     assert pp_degrees(model("llama3.1-8b"), 64, pinned=6) == [6]  # pinned: the mesh rules judge it
@@ -40,19 +44,20 @@ def test_pp_degrees_are_powers_of_two_dividing_the_gpus_left_with_a_block_per_st
 def test_schedules_tried_per_degree():
     m = model("llama3.1-405b")  # 126 blocks
     assert pipelines(m, 8) == [Pipeline(8), Pipeline(8, I1F1B, 2)]
-    assert pipelines(m, 64) == [Pipeline(64)]  # interleaved: 128 stages > 126 blocks
+    assert pipelines(model("llama3.1-8b"), 32) == [Pipeline(32)]  # interleaved: 64 stages for 32 blocks
     assert pipelines(m, 8, Schedule.GPIPE) == [Pipeline(8, Schedule.GPIPE, 1)]
     assert pipelines(m, 8, I1F1B, 4) == [Pipeline(8, I1F1B, 4)]
     assert pipelines(m, 8, Schedule.DUALPIPEV) == [Pipeline(8, Schedule.DUALPIPEV, 2)]
     assert pipelines(m, 8, None, 2) == [Pipeline(8, I1F1B, 2)]  # a pinned V picks the schedule with it
 
 
-def test_pipeline_meshes_over_tp_8_on_1024_gpus():
-    # by hand: degrees 2, 4, 8, 16, 32 with both schedules (10) and 64 with 1F1B only: 11
-    m, cluster = model("llama3.1-405b"), make_cluster(1024, gpu="h100-80gb")
-    found = pipeline_meshes(m, cluster, SearchSpace(), MeshChoice(tp=8))
-    assert len(found) == 11 and found[-1] == Pipeline(64)
-    assert pipeline_meshes(m, cluster, SearchSpace(pp=1), MeshChoice(tp=8)) == []
+def test_pipeline_meshes_over_tp_2_on_128_gpus():
+    # llama3.1-8b (32 blocks), 128 / tp 2 = 64 GPUs: degrees 2, 4, 8, 16 with both schedules (8) and 32 with 1F1B
+    # only (interleaved: 64 stages): 9
+    m, cluster = model("llama3.1-8b"), make_cluster(128, gpu="h100-80gb")
+    found = pipeline_meshes(m, cluster, SearchSpace(), MeshChoice(tp=2))
+    assert len(found) == 9 and found[-1] == Pipeline(32) and found[0] == Pipeline(2)
+    assert pipeline_meshes(m, cluster, SearchSpace(pp=1), MeshChoice(tp=2)) == []
 
 
 def test_microbatch_counts_with_a_global_batch():
@@ -92,16 +97,18 @@ def test_microbatch_counts_without_a_global_batch_are_two_per_stage():
     assert microbatch_plans(training, 8, (1, 2), Pipeline()) == [(1, 1), (2, 1)]
 
 
-def test_search_costs_no_pipeline_while_pp_is_not_planned():
-    # the same candidates with PP left out and with it searched (refused by mesh_rules' pp-not-planned)
+def test_pipelines_only_add_to_the_meshes_without_them():
+    # pp 1 leaves PP out; searched, the candidates without a pipeline are the same ones (none while mesh_rules
+    # still refuses pp-not-planned, the pipelines after that)
     m, cluster = model("llama3.2-1b"), make_cluster(16, gpu="h100-80gb")
     training = TrainingSpec(seq_len=2048, global_batch=32)
     space = SearchSpace(tp=1, cp=1, compile=(False,), float8=(False,))
-    plain = search(m, cluster, training, DEFAULT_PROFILE, SearchSpace(tp=1, cp=1, compile=(False,),
-                                                                       float8=(False,), pp=1))
+    plain = search(m, cluster, training, DEFAULT_PROFILE, dataclasses.replace(space, pp=1))
     walked = search(m, cluster, training, DEFAULT_PROFILE, space)
-    assert walked.n_costed == plain.n_costed > 0
-    assert all(e.config.pp == 1 for e in walked.fitting + walked.misses)
+    assert all(e.config.pp == 1 for e in plain.fitting + plain.misses) and plain.n_costed > 0
+    flat = [e.config for e in walked.fitting + walked.misses if e.config.pp == 1]
+    assert sorted(map(repr, flat)) == sorted(repr(e.config) for e in plain.fitting + plain.misses)
+    assert walked.n_costed >= plain.n_costed
 
 
 @pytest.fixture
@@ -157,7 +164,7 @@ def test_pinned_pp_searches_that_pipeline_only(pp_planned):
 def test_where_nothing_fits_the_walk_costs_every_degree(pp_planned):
     # 3 GiB GPUs: llama3.2-1b fits nowhere (its 1.24B params' adamw state alone is 1.24e9 x 16 B / 16 = 1.2 GiB
     # a rank, plus activations), so nothing fits before any degree and every one is tried: 1F1B 2, 4, 8, 16 and
-    # interleaved 2, 4, 8 (16 x 2 stages > 16 blocks)
+    # interleaved 2, 4, 8 (16 x 2 = 32 stages for 16 blocks)
     m, cluster = model("llama3.2-1b"), make_cluster(16, gpu="h100-80gb", gpu_memory=3 * 2**30)
     training = TrainingSpec(seq_len=2048, global_batch=32)
     space = SearchSpace(tp=1, cp=1, compile=(False,), float8=(False,), ac_every=(0,))
