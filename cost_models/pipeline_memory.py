@@ -34,6 +34,9 @@ from .specs import FsdpConfig, ModelSpec, Optimizer, Precision, TrainingSpec
 from .units import DTYPE_BYTES
 
 
+SPLIT_BACKWARD = ("zero-bubble", "dualpipev")  # backward split into input (I) and weight (W) passes
+
+
 @dataclass(frozen=True)
 class PipelineRankMemory:
     """One pipeline rank (its dp / tp coordinate 0) at its own peak."""
@@ -63,6 +66,7 @@ class _StagePieces:
     block_acts: int            # the top block's backward: its working set above `saved` (the kept output freed)
     block_grads: int           # and its in-flight gradients with the head's (compute dtype)
     reserved_extra: int        # last stage: what the allocator strands above the loss backward's allocations
+    weight_inputs: int         # zero-bubble: the output gradients of the stage's linears, kept from I until W
 
 
 def _stage_pieces(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, stage: Stage) -> _StagePieces:
@@ -109,7 +113,8 @@ def _stage_pieces(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, 
     return _StagePieces(stage, params, head, saved, output, logits, loss_saved, loss_peak,
                         block_acts - output, block_grads + head_grad,
                         tokens * activations.logits_reserved_extra_bytes_per_token(model, c, config.loss_compiled)
-                        if stage.head else 0)
+                        if stage.head else 0,
+                        tokens * c * stage.n_blocks * (model.q_dim + 2 * model.kv_dim + 2 * h + 2 * f))
 
 
 def _breakdown(**parts) -> MemoryBreakdown:
@@ -138,6 +143,7 @@ def rank_memory(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, d:
     gathered: set[int] = set()
     backwards: dict[int, int] = {s: 0 for s in pieces}
     in_flight: dict[int, set[int]] = {s: set() for s in pieces}
+    waiting: dict[int, set[int]] = {s: set() for s in pieces}  # input pass done, weight pass not yet
     most: dict[int, int] = {s: 0 for s in pieces}  # the most microbatches each stage holds at once
     logits_kept = 0
     best = (-1, "", MemoryBreakdown())
@@ -145,8 +151,10 @@ def rank_memory(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, d:
 
     def moment(name: str, acts_extra: int, grads_extra: int, logits_extra: int) -> int:
         nonlocal best
-        acts = buffers + sum(pieces[s].saved * len(mbs) for s, mbs in in_flight.items())
-        loss = logits_kept + sum(pieces[s].loss_saved * len(mbs) for s, mbs in in_flight.items())
+        acts = buffers + sum(pieces[s].saved * len(mbs) + pieces[s].weight_inputs * len(waiting[s])
+                             for s, mbs in in_flight.items())
+        loss = logits_kept + sum(pieces[s].loss_saved * len(mbs - waiting[s]) + pieces[s].logits * len(waiting[s])
+                                 for s, mbs in in_flight.items())
         acc = sum(x.params * r for s, x in pieces.items() if backwards[s] > 0)
         b = _breakdown(sharded_params=sharded_params, optimizer_state=optimizer_state,
                        unsharded_params=sum(pieces[s].params * c for s in gathered),
@@ -164,14 +172,19 @@ def rank_memory(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, d:
             most[action.stage] = max(most[action.stage], len(in_flight[action.stage]))
             logits_kept += x.logits
             continue
-        if action.kind == "W":
+        if action.kind == "W":  # the weight pass: the microbatch's graph and its weight-gradient inputs go
+            in_flight[action.stage].discard(action.microbatch)
+            waiting[action.stage].discard(action.microbatch)
             continue
         where = f"microbatch {action.microbatch} on stage {action.stage}"
         if x.stage.head:
             loss_moment = max(loss_moment, moment(f"loss backward of {where}", 0, 0, x.loss_peak) + x.reserved_extra)
         moment(f"backward of {where}", x.block_acts, x.block_grads,
                -x.loss_saved if x.stage.head else 0)
-        in_flight[action.stage].discard(action.microbatch)
+        if action.kind == "I":  # zero-bubble's input pass keeps the graph for the weight pass (an approximation)
+            waiting[action.stage].add(action.microbatch)
+        else:
+            in_flight[action.stage].discard(action.microbatch)
         backwards[action.stage] += 1
     backward = breakdown = best[2]
     step = _breakdown(sharded_params=sharded_params, optimizer_state=optimizer_state,
@@ -208,7 +221,10 @@ def pipeline_estimate(model: ModelSpec, cluster, training: TrainingSpec, config:
     top = max(ranks, key=lambda x: x.peak_allocated_bytes)
     phase = "optimizer_step" if top.peak_moment == "optimizer step" else "backward"
     notes = tuple(activations.quirks(model, config.attention, training.seq_len)) + (
-        f"pipeline rank {top.rank} ({top.description}) has the largest peak, at its {top.peak_moment}",)
+        f"pipeline rank {top.rank} ({top.description}) has the largest peak, at its {top.peak_moment}",) + (
+        (f"{config.pp_schedule.value}: the split backward's held tensors are approximated (the input pass keeps "
+         "the microbatch's graph and its linears' output gradients until the weight pass); unchecked: the trace "
+         "runs it but differs by 9-44% (docs/accuracy.md)",) if config.pp_schedule.value in SPLIT_BACKWARD else ())
     return MemoryEstimate(breakdown=top.breakdown, peak_phase=phase, phases=dict(top.phases),
                           peak_allocated_bytes=top.peak_allocated_bytes, peak_reserved_bytes=top.peak_reserved_bytes,
                           cpu_bytes_per_node=0, cpu_ram_capacity_bytes=cluster.cpu_ram_bytes_per_node, notes=notes,
