@@ -480,7 +480,7 @@ def run(job: dict) -> None:
         tracker = MemoryTracker(model, optimizer, vocab_size=local_vocab_size(vocab, config.tp, config.sequence_parallel),
                                 device=device)
         between = getattr(tracker, "next_microstep", None) or _clear_module_stats(tracker)
-        with tracker:
+        with tracker, pipeline.tracked() if pipeline else contextlib.nullcontext():
             step(between)    # the tracker's own warm-up: it must see the state tensors being used
             tracker.reset()
             step(between)

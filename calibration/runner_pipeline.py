@@ -24,7 +24,7 @@ from cost_models.specs import FsdpConfig, ModelSpec
 
 from .apply import TORCH_DTYPES, apply_fsdp2, cast_for_precision
 from .pipeline import build_schedule, causal_lm_loss, split_stages, stage_indices
-from .trace_pipeline import make_pipeline_mesh
+from .trace_pipeline import leaf_inputs_untracked, make_pipeline_mesh
 
 PIPELINE_RUNS = "the calibration runner pipelines transformers models (base_model_pp_plan) with FSDP alone inside " \
                 "each stage (tp = cp = ep = 1), as the pipeline trace does"
@@ -72,6 +72,12 @@ class PipelineRun:
         targets = {"target": ids, "losses": losses} if self.last else {}
         self.schedule.step(*((ids,) if self.first else ()), **targets)
         return torch.stack(losses).sum().detach() if self.last else None
+
+    def tracked(self):
+        """What the step runs inside under calibration.memtrack: zero-bubble and DualPipeV's input-gradient pass
+        (autograd.grad on the stage inputs) beside the tracker's module hooks (trace_pipeline.leaf_inputs_untracked,
+        as the pipeline trace runs it)."""
+        return leaf_inputs_untracked()
 
     def mean_loss(self, loss: torch.Tensor | None, device: torch.device) -> float:
         """The last step's loss averaged over the last stage's ranks (one per data-parallel rank), on every rank."""
