@@ -33,6 +33,11 @@ steps. Each rank:
 5. rank 0 writes the result JSON atomically; a rank that fails writes error_dir/rank<r>.json (kind
    "oom" or "crash", the end of its traceback) and exits at once, so torchrun tears the job down.
 
+With pp > 1 (calibration/runner_pipeline.py) step 2 cuts this rank's pipeline stages instead (calibration/
+pipeline.py's split, FSDP2 per stage, torch's schedule), a step is one schedule step over the local batch's
+microbatches then the optimizer, the loss is averaged from the last stage's ranks and the result holds every
+pipeline rank's peak (measured.pipeline_ranks).
+
 With "emulate_world_size": N the process is rank 0 of an N-rank job on a fake process group: its
 kernels and memory are real (sharded 1/N), its collectives return at once, so the measured step has no
 communication; the planner adds communication from the cost model.
