@@ -67,6 +67,7 @@ class _StagePieces:
     block_grads: int           # and its in-flight gradients with the head's (compute dtype)
     reserved_extra: int        # last stage: what the allocator strands above the loss backward's allocations
     weight_inputs: int         # zero-bubble: the output gradients of the stage's linears, kept from I until W
+    block_params: int          # one block's parameters (an FSDP unit)
 
 
 def _stage_pieces(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, stage: Stage) -> _StagePieces:
@@ -114,7 +115,8 @@ def _stage_pieces(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, 
                         block_acts - output, block_grads + head_grad,
                         tokens * activations.logits_reserved_extra_bytes_per_token(model, c, config.loss_compiled)
                         if stage.head else 0,
-                        tokens * c * stage.n_blocks * (model.q_dim + 2 * model.kv_dim + 2 * h + 2 * f))
+                        tokens * c * stage.n_blocks * (model.q_dim + 2 * model.kv_dim + 2 * h + 2 * f),
+                        counts.block())
 
 
 def _breakdown(**parts) -> MemoryBreakdown:
@@ -143,26 +145,43 @@ def rank_memory(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, d:
     gathered: set[int] = set()
     backwards: dict[int, int] = {s: 0 for s in pieces}
     in_flight: dict[int, set[int]] = {s: set() for s in pieces}
+    reduced: set[int] = set()  # stages whose gradients are reduce-scattered (the step's end)
     waiting: dict[int, set[int]] = {s: set() for s in pieces}  # input pass done, weight pass not yet
     most: dict[int, int] = {s: 0 for s in pieces}  # the most microbatches each stage holds at once
     logits_kept = 0
     best = (-1, "", MemoryBreakdown())
     loss_moment = 0  # the loss backward's segments stay reserved once made (allocator.py), as in memory.py
 
-    def moment(name: str, acts_extra: int, grads_extra: int, logits_extra: int) -> int:
+    def moment(name: str, acts_extra: int, grads_extra: int, logits_extra: int, params_extra: int = 0,
+               buffers_extra: int = 0, sharded_extra: int = 0) -> int:
         nonlocal best
         acts = buffers + sum(pieces[s].saved * len(mbs) + pieces[s].weight_inputs * len(waiting[s])
                              for s, mbs in in_flight.items())
         loss = logits_kept + sum(pieces[s].loss_saved * len(mbs - waiting[s]) + pieces[s].logits * len(waiting[s])
                                  for s, mbs in in_flight.items())
-        acc = sum(x.params * r for s, x in pieces.items() if backwards[s] > 0)
+        acc = sum(x.params * r for s, x in pieces.items() if backwards[s] > 0 and s not in reduced)
         b = _breakdown(sharded_params=sharded_params, optimizer_state=optimizer_state,
-                       unsharded_params=sum(pieces[s].params * c for s in gathered),
+                       sharded_grads=sum(math.ceil(pieces[s].params * p / d) for s in reduced) + sharded_extra,
+                       unsharded_params=sum(pieces[s].params * c for s in gathered) + params_extra,
                        unsharded_grads=acc + grads_extra, activations=acts + acts_extra,
-                       logits_and_loss=loss + logits_extra)
+                       logits_and_loss=loss + logits_extra, collective_buffers=buffers_extra)
         if b.total_bytes > best[0]:
             best = (b.total_bytes, name, b)
         return b.total_bytes
+
+    def reduce(stage: int) -> None:
+        """perform_reduce_grad after the stage's last backward: each FSDP unit (the stage root's params first, then
+        the blocks) reshards, copies its accumulated gradients into the reduce-scatter input and gets its shard."""
+        x = pieces[stage]
+        root = x.params - x.stage.n_blocks * x.block_params
+        done = 0
+        for group in ([root] if root else []) + [x.block_params] * x.stage.n_blocks:
+            rs = group * r + math.ceil(group * r / d) if d > 1 else 0
+            moment(f"reduce-scatter of stage {stage}", 0, -done * r, 0, -(done + group) * c, rs,
+                   math.ceil(done * p / d))
+            done += group
+        gathered.discard(stage)
+        reduced.add(stage)
 
     for action in orders(config.pp_schedule, config.pp, config.pp_stages_per_rank, m)[rank]:
         x = pieces[action.stage]
@@ -175,6 +194,8 @@ def rank_memory(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, d:
         if action.kind == "W":  # the weight pass: the microbatch's graph and its weight-gradient inputs go
             in_flight[action.stage].discard(action.microbatch)
             waiting[action.stage].discard(action.microbatch)
+            if action.microbatch == m - 1:
+                reduce(action.stage)
             continue
         where = f"microbatch {action.microbatch} on stage {action.stage}"
         if x.stage.head:
@@ -186,6 +207,8 @@ def rank_memory(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, d:
         else:
             in_flight[action.stage].discard(action.microbatch)
         backwards[action.stage] += 1
+        if action.kind == "B" and action.microbatch == m - 1:
+            reduce(action.stage)
     backward = breakdown = best[2]
     step = _breakdown(sharded_params=sharded_params, optimizer_state=optimizer_state,
                       sharded_grads=math.ceil(total_params * p / d), optimizer_temporaries=step_temporaries)
