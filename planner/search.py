@@ -20,8 +20,9 @@ too, the other way out of memory):
   only on long chunks), 2 x cp dividing the sequence;
 - ep: for MoE, divisors of the experts that divide dp_shard x cp x tp;
 - pp: after each mesh without it, pipelines of growing degree (planner/search_pipeline.py: 1F1B and interleaved
-  1F1B, the microbatch count the global batch gives), walked while they fit better or faster than the degree
-  before: PP is kept where it wins, or where nothing fits without it;
+  1F1B, the microbatch count the global batch gives), walked past the degrees where nothing fits and those that
+  fit faster than the best before, to the first that fits no faster: PP is kept where it wins, or where nothing
+  fits without it;
 and the global batch a multiple of the data-parallel ranks (GPUs / tp x cp x pp) x micro-batch. Pinned degrees
 (SearchSpace.tp / cp / ep / pp) are searched alone.
 """
@@ -321,6 +322,16 @@ class _Found:
         return max((e.time.tokens_per_s_per_gpu for e in self.fitting), default=None)
 
 
+def _scout_space(space: SearchSpace, cluster: ClusterSpec) -> SearchSpace:
+    """The few knobs a pipeline degree is first judged by (the walk compares degrees on them): the first
+    precision, full activation checkpointing (the least activation memory), compile, Float8 and async TP where they
+    run, no reshard group; every micro-batch."""
+    return replace(space, precisions=space.precisions_for(cluster)[:1],
+                   ac_every=(1,) if 1 in space.ac_every else space.ac_every[:1],
+                   compile=(max(space.compile_for(cluster)),), float8=(max(space.float8),),
+                   reshard_to_node=(False,), async_tp=(max(space.async_tp),))
+
+
 def _cost_mesh(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, profile: Profile,
                space: SearchSpace, shardings: tuple[Sharding, ...], mesh: MeshChoice) -> _Found | None:
     """Every knob combination on one mesh (None: no micro-batch reaches the global batch on it)."""
@@ -389,42 +400,70 @@ def _cost_mesh(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, p
     return found
 
 
-def _better(found: _Found | None, before: float | None) -> bool:
-    """Whether the pipeline walk goes on past `found`: it fits faster than the degree before, or nothing fit
-    before (PP where nothing fits without it)."""
+@dataclass(frozen=True)
+class _Walk:
+    """Where a schedule's walk over pipeline degrees stands: the best tokens/s/GPU so far (the mesh without PP
+    included) and the last degree's least overshoot when nothing fit there."""
+    best: float | None = None
+    overshoot: float | None = None
+
+
+def _walk_on(found: _Found | None, walk: _Walk) -> tuple[bool, _Walk]:
+    """(whether the walk goes past this degree, where it then stands). Stopped at a degree that fits no faster
+    than the best so far: a larger pp halves the data-parallel ranks and grows the bubble. Where nothing fits, on
+    while the nearest miss comes closer: a larger pp leaves fewer blocks per rank (under PP a stage keeps its
+    blocks gathered from forward to backward), so memory falls with the degree until it does not."""
     best = found.best_tokens_per_s() if found is not None else None
-    return before is None or (best is not None and best > before)
+    if best is None:
+        least = min((overshoot(e)[0] for e in found.misses), default=None) if found is not None else None
+        closer = least is not None and (walk.overshoot is None or least < walk.overshoot)
+        return closer or (found is None and walk.overshoot is None), replace(walk, overshoot=least)
+    if walk.best is None or best > walk.best:
+        return True, _Walk(best)
+    return False, walk
 
 
 def search(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, profile: Profile,
            space: SearchSpace = SearchSpace()) -> SearchResult:
     """Cost the space. Each mesh without a pipeline, then its pipelines (pipeline_meshes) by growing degree for each
-    schedule, while a degree fits faster than the one before (or nothing fit before): a larger pp halves the
-    data-parallel ranks and grows the bubble, so past the best degree none is faster."""
+    schedule until a degree fits no faster than the best before it (_walk_on), each degree on the scout knobs
+    (_scout_space: a pipeline candidate prices every rank's schedule, 1-60 ms against 0.2 ms without PP); then the
+    whole knob space on the fastest scouted pipeline of each schedule where it beats the meshes without PP on the
+    same scout knobs."""
     found: list[_Found] = []
     skipped: list[str] = []
     shardings = space.shardings_for(cluster)
     if len(shardings) < len(space.shardings):
         skipped.append("HYBRID strategies: single node (or GPUs not divisible by GPUs per node), "
                        "where they equal FULL_SHARD / SHARD_GRAD_OP")
-    cost = lambda mesh: _cost_mesh(model, cluster, training, profile, space, shardings, mesh)  # noqa: E731
+    cost = lambda mesh, knobs=space: _cost_mesh(model, cluster, training, profile, knobs, shardings[:1] if  # noqa: E731
+                                                 knobs is not space else shardings, mesh)
+    scout = _scout_space(space, cluster)
+    scouted: dict[tuple, tuple[float, MeshChoice]] = {}  # per schedule: the fastest scouted pipeline
+    flat_scouts = 0.0  # the meshes without PP on the scout knobs: what a scouted pipeline must beat
     for mesh in mesh_choices(model, cluster, training, space):
         flat = cost(mesh)
         found.append(flat)
         if mesh.pipeline.pp > 1:
             continue  # pinned pp: mesh_choices gave the pipelines themselves
-        best_before: dict[tuple, float | None] = {}  # per schedule: the last degree's best tokens/s/GPU
+        if space.pp != 1:  # like with like (0.2 ms a candidate; counted once, with the mesh's own)
+            flat_scout = cost(mesh, scout)
+            flat_scouts = max(flat_scouts, (flat_scout.best_tokens_per_s() or 0.0) if flat_scout else 0.0)
+        walks: dict[tuple, _Walk] = {}  # per schedule
         stopped: set[tuple] = set()
         for pipe in pipeline_meshes(model, cluster, space, mesh):
             key = (pipe.schedule, pipe.stages_per_rank)
             if key in stopped:
                 continue
-            piped = cost(replace(mesh, pipeline=pipe))
+            piped = cost(replace(mesh, pipeline=pipe), scout)
             found.append(piped)
-            if _better(piped, best_before.get(key, flat.best_tokens_per_s() if flat is not None else None)):
-                best_before[key] = piped.best_tokens_per_s() if piped is not None else None
-            else:
+            best = piped.best_tokens_per_s() if piped is not None else None
+            if best is not None and best > scouted.get(key, (0.0, None))[0]:
+                scouted[key] = (best, replace(mesh, pipeline=pipe))
+            go_on, walks[key] = _walk_on(piped, walks.get(key, _Walk(flat.best_tokens_per_s() if flat else None)))
+            if not go_on:
                 stopped.add(key)
+    found += [cost(mesh) for best, mesh in scouted.values() if best > flat_scouts]
     costed = [f for f in found if f is not None]
     if not costed:
         skipped.append(f"every micro-batch: global batch {training.global_batch} is not a multiple of "
