@@ -47,7 +47,7 @@ def refuse_mesh(config: FsdpConfig, dialect: str, instead: str) -> None:
 
 def refuse_fsdp2(config: FsdpConfig, model_spec: ModelSpec) -> None:
     """What the snippet's TP plan cannot apply, in one line (calibration/tensor_parallel.py refuses the same)."""
-    piped.refuse_pipeline(config)
+    piped.refuse_pipeline(config, model_spec)
     if config.ep > 1 and config.tp > 1:
         raise PlannerError("ep", f"ep={config.ep} with tp={config.tp}: expert parallelism beside tensor parallelism is "
                                  "priced but not written as FSDP2 code (transformers slices the tokens over TP first); "

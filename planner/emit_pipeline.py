@@ -21,10 +21,14 @@ from .errors import PlannerError
 _DTYPES = {"fp32": "torch.float32", "bf16": "torch.bfloat16", "fp16": "torch.float16"}
 
 
-def refuse_pipeline(config: FsdpConfig) -> None:
+def refuse_pipeline(config: FsdpConfig, model_spec: ModelSpec) -> None:
     """What the pipeline snippet does not write, in one line."""
     if config.pp == 1:
         return
+    if model_spec.tied_embeddings:  # the first and last stages would each train their own copy of the one weight
+        raise PlannerError("pp", f"{model_spec.name} ties its embedding to the head: with pp={config.pp} the first "
+                                 "and last stages each hold that weight and the snippet does not sum their "
+                                 "gradients; untie it, or use --emit torchtitan")
     for name, what in (("cp", "context"), ("ep", "expert")):
         if getattr(config, name) > 1:
             raise PlannerError(name, f"{name}={getattr(config, name)} with pp={config.pp}: {what} parallelism inside "

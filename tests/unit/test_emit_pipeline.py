@@ -63,6 +63,14 @@ def test_what_the_pipeline_snippet_does_not_write_is_one_line(config, field):
     assert err.value.field == field and len(str(err.value).splitlines()) == 1 and "torchtitan" in str(err.value)
 
 
+def test_tied_embeddings_across_stages_are_one_line():
+    """Llama 3.2 1B ties its embedding to the head: the first and last stages would train two copies."""
+    with pytest.raises(PlannerError) as err:
+        emit_fsdp2(FsdpConfig(pp=2, grad_accum=4), load_preset("llama3.2-1b"), make_cluster(8))
+    assert err.value.field == "pp" and "ties its embedding" in str(err.value)
+    assert len(str(err.value).splitlines()) == 1
+
+
 def test_expert_parallel_inside_stages_is_one_line():
     with pytest.raises(PlannerError) as err:
         emit_fsdp2(FsdpConfig(pp=2, ep=2, grad_accum=4), load_preset("mixtral-8x7b"), make_cluster(16))
