@@ -455,7 +455,9 @@ def run(job: dict) -> None:
     measured = {"wall_step_s": statistics.median(times), "loss": last_loss[0]}
     if job.get("torch_profile"):  # one more step under torch.profiler, its trace beside the result
         profile_step(step, job["torch_profile"], device, record=rank == 0)
-    if device.type == "cpu":
+    # A pipeline's bubble is a rank waiting for its neighbours' stages: no CPU time, so a pipeline is timed by the
+    # wall clock, on a CPU too (where other processes on a shared host inflate it)
+    if device.type == "cpu" and pipeline is None:
         # A CPU host is usually shared (CI, a laptop): other processes inflate wall time by tens of percent
         # from one run to the next. The CPU time of the rank's process (all its threads: compute and gloo)
         # is what this step cost; it leaves out waits for a peer, which one core per rank keeps short.
