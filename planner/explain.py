@@ -27,6 +27,8 @@ def _gib(n: float) -> str:
 def memory_terms(c: Candidate) -> list[tuple[str, str, str]]:
     """(term, formula with numbers, source) for each category at the peak moment."""
     m, cfg, L = c.model, c.config, c.model.n_layers
+    if cfg.pp > 1:  # each rank holds its own stages: the whole-model formulas below do not apply
+        return pipeline_memory_terms(c) + _largest_rank_terms(c)
     b = c.memory.breakdown
     d = cfg.shard_group_size(c.cluster)
     p = DTYPE_BYTES[cfg.precision.param_dtype]
@@ -41,7 +43,7 @@ def memory_terms(c: Candidate) -> list[tuple[str, str, str]]:
     opt = c.training.optimizer.state_bytes_per_param(cfg.precision.param_dtype)
     tokens = cfg.micro_batch * c.training.seq_len
     where = "CPU RAM (offloaded)" if cfg.offload else "GPU"
-    terms = pipeline_memory_terms(c) + [
+    terms = [
         ("peak moment", f"{c.memory.peak_moment} ({c.memory.peak_phase.replace('_', ' ')})",
          "the largest of the moments where FSDP2's schedule can peak (cost_models/memory.py)"),
         ("stored parameters", f"{trainable:,} trainable{padded} x {p} B + {frozen:,} frozen x {frozen_b} B / d={d} = "
@@ -127,6 +129,24 @@ def pipeline_memory_terms(c: Candidate) -> list[tuple[str, str, str]]:
         terms.append((f"pipeline rank {rank}", held + memory,
                       "" if rank else "each rank's own stages, the activations in flight as its schedule orders them "
                                       "(cost_models/pipeline_memory.py)"))
+    return terms
+
+
+def _largest_rank_terms(c: Candidate) -> list[tuple[str, str, str]]:
+    """The headline rank's categories at its peak, and its reserved figure (the per-stage sums are
+    cost_models/pipeline_memory.py's: each stage's parameters, gradients and optimizer state over d, the
+    microbatches its schedule holds in flight)."""
+    m = c.memory
+    top = max(pipeline_ranks(m), key=lambda r: r.peak_reserved_bytes, default=None)
+    who = f"pipeline rank {top.rank}" if top is not None else "the largest pipeline rank"
+    source = "cost_models/pipeline_memory.py: the rank's stages replayed in torch's schedule order"
+    where = "" if who in m.peak_moment else f" on {who}"
+    terms = [("peak moment", f"{m.peak_moment} ({m.peak_phase.replace('_', ' ')}){where}", source)]
+    terms += [(name.replace("_", " "), f"{_gib(value)} on {who} at its peak", "") for name, value in
+              m.breakdown.to_dict().items() if value]
+    terms.append(("reserved", f"peak allocated {_gib(m.peak_allocated_bytes)} x (1 + fragmentation) + CUDA context = "
+                  f"{_gib(m.peak_reserved_bytes)} of {_gib(c.cluster.gpu.memory_bytes)} (the largest rank's, as "
+                  "torchtitan reports the maximum across ranks)", "cost_models/allocator.py"))
     return terms
 
 

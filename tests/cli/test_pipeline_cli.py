@@ -181,7 +181,12 @@ def test_explain_walks_each_pipeline_rank():
     assert "  pipeline rank 7: stage 7 (blocks 55-62), stage 15 (blocks 119-125 + norm + head + loss); peak allocated " \
            "67.00 GiB, reserved 71.00 GiB at backward of block 56" in text
     terms = [t["term"] for t in json.loads(explain_json(c, "flags"))["explanation"]["memory"]]
-    assert terms[:9] == ["pipeline"] + [f"pipeline rank {r}" for r in range(8)]
+    assert terms[:10] == ["pipeline"] + [f"pipeline rank {r}" for r in range(8)] + ["peak moment"]
+    # the whole-model formulas (all 126 blocks' parameters over d) do not describe a rank: its categories instead
+    assert "stored parameters" not in terms and terms[-1] == "reserved"
+    assert all(t in ("sharded params", "unsharded params", "sharded grads", "unsharded grads", "optimizer state",
+                     "activations", "logits and loss", "optimizer temporaries", "collective buffers")
+               for t in terms[10:-1])
 
 
 # ------------------------------------------------------------------------------------------------ emit
