@@ -1,0 +1,182 @@
+"""The presets' shipped block memory profiles (planner/catalog/block_profiles/, made by
+benchmarks/make_block_profiles.py) and the progress of long work (planner/progress.py).
+
+Shipped: every file validates and covers each dtype x attention x sequence length under the key the loader
+computes; each preset's bf16 profile at 4,096 tokens equals a new trace under the installed torch /
+transformers (one trace per preset, shared; skipped without transformers); the same `fsdp-plan estimate`
+JSON with transformers importable and without it, and no trace; the formula the planner falls back to
+against the profile on the preset's own shapes (the 2% rule and the recorded findings).
+Progress: nothing on a captured stderr, a line on a forced terminal, nothing under --format json.
+"""
+
+from __future__ import annotations
+
+import functools
+import io
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from planner.api import estimate
+from planner.models.block_profiles import (MAKE_COMMAND, PROFILED_DTYPES, SCHEMA_VERSION, SHIPPED_DIR,
+                                           SHIPPED_SEQ_LENS, ShippedProfiles, profile_difference,
+                                           shipped_key, shipped_presets, shipped_profile, shipped_seq_len,
+                                           trace_profile, with_block_profile)
+from planner.models.resolve import load_preset, preset_hf_config
+
+PRESETS = ("deepseek-v2-lite", "deepseek-v3", "gpt-oss-120b", "gpt-oss-20b")  # MLA and attention sinks
+FRESH_SEQ_LEN = 4096
+# Formula (the generic fused-projection recipe the planner used without transformers) over profile for the
+# activations of estimate(64 GPUs, micro-batch 1, seq 4096, bf16, no checkpointing, the first attention).
+# Findings, not tuned: none is within 2%; MLA and sinks have no formula (cost_models/activations.py
+# PROFILED_FAMILIES). DeepSeek's traced SDPA saves s x s fp32 probabilities (512 B per token per sequence
+# for V3's 128 heads): on CPU, q/k head dim 192 != v head dim 128 sends SDPA to the math path. Measured
+# 2026-12-02 under torch 2.13.0, transformers 5.24.0 (e.g. deepseek-v3: 169.0 GiB formula, 681.8 traced).
+FORMULA_OVER_PROFILE = {"deepseek-v2-lite": 0.4061, "deepseek-v3": 0.2479, "gpt-oss-120b": 0.9694,
+                        "gpt-oss-20b": 0.9702}
+
+
+def test_the_shipped_presets_are_the_profiled_families():
+    assert tuple(shipped_presets()) == PRESETS
+
+
+@functools.cache
+def _shipped_file(preset: str) -> ShippedProfiles:
+    return ShippedProfiles.model_validate_json((SHIPPED_DIR / f"{preset}.json").read_text(encoding="utf-8"))
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_shipped_file_covers_every_dtype_attention_and_length(preset):
+    shipped, spec, hf_config = _shipped_file(preset), load_preset(preset), preset_hf_config(preset)
+    assert shipped.preset == preset and shipped.made_by == MAKE_COMMAND
+    expected = {shipped_key(hf_config, d, a, s) for a in spec.attention_choices for d in PROFILED_DTYPES
+                for s in SHIPPED_SEQ_LENS}
+    assert {p.key for p in shipped.profiles} == expected
+    assert len(shipped.profiles) == len(spec.attention_choices) * len(PROFILED_DTYPES) * len(SHIPPED_SEQ_LENS)
+    for p in shipped.profiles:
+        assert p.schema_version == SCHEMA_VERSION and p.model_type == hf_config["model_type"]
+        assert p.torch_version != "none" and p.transformers_version != "none"
+        assert p.key == shipped_key(hf_config, p.compute_dtype, p.attention, p.seq_len)
+        assert shipped_profile(hf_config, p.compute_dtype, p.attention, p.seq_len)[0] == p
+
+
+def test_other_lengths_use_the_nearest_shipped_one():
+    # by ratio: the boundary between 2,048 and 4,096 is their geometric mean, 2,896.3
+    assert [shipped_seq_len(s) for s in (128, 1024, 1500, 2896, 2897, 6000, 131072)] == \
+        [1024, 1024, 2048, 2048, 4096, 8192, 16384]
+
+
+@functools.cache
+def _fresh_trace(preset: str):
+    """One new trace per preset (bf16, its first attention, 4,096 tokens) under the installed versions."""
+    spec, hf_config = load_preset(preset), preset_hf_config(preset)
+    attention = spec.attention_choices[0]
+    return trace_profile(spec, hf_config, "bf16", attention, FRESH_SEQ_LEN,
+                         shipped_key(hf_config, "bf16", attention, FRESH_SEQ_LEN))
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_shipped_profile_is_fresh(preset):
+    pytest.importorskip("transformers", reason="the freshness check traces the block: needs transformers")
+    fresh = _fresh_trace(preset)
+    shipped, _ = shipped_profile(preset_hf_config(preset), "bf16", fresh.attention, FRESH_SEQ_LEN)
+    difference = profile_difference(fresh, shipped)
+    assert difference is None, (f"{preset}: the shipped profile (torch {shipped.torch_version}, transformers "
+                                f"{shipped.transformers_version}) is stale under torch {fresh.torch_version}, "
+                                f"transformers {fresh.transformers_version}: {difference}; run {MAKE_COMMAND}")
+
+
+_CLI = "import sys\nif sys.argv[1] == 'block': sys.modules['transformers'] = None\nfrom planner.cli import main\n" \
+       "main(sys.argv[2:])"
+DEEPSEEK_ESTIMATE = ["estimate", "--model", "deepseek-v3", "--gpus", "256", "--gpu", "h100-80gb", "--seq-len", "4096",
+                     "--ep", "8", "--format", "json"]
+
+
+def _cli(tmp_path, mode: str, args: list[str]) -> subprocess.CompletedProcess:
+    env = {**os.environ, "FSDP_PLANNER_CACHE": str(tmp_path / f"cache-{mode}"), "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-c", _CLI, mode, *args], capture_output=True, text=True, env=env,
+                          timeout=300)
+
+
+def test_one_answer_with_and_without_transformers(tmp_path):
+    """`sys.modules['transformers'] = None` is what an install without transformers sees (find_spec None, the
+    import fails); an empty cache each: the shipped profile answers, nothing is traced or cached."""
+    with_tf, without_tf = _cli(tmp_path, "keep", DEEPSEEK_ESTIMATE), _cli(tmp_path, "block", DEEPSEEK_ESTIMATE)
+    assert with_tf.returncode == 0 and without_tf.returncode == 0, with_tf.stderr + without_tf.stderr
+    assert with_tf.stdout == without_tf.stdout and with_tf.stderr == without_tf.stderr == ""
+    model = json.loads(with_tf.stdout)["model"]
+    assert model["priced_by"] == "block memory profile"
+    assert model["activation_profile"].startswith("shipped block memory profile (2 dtype x attention, traced at "
+                                                  "seq 4096 with torch ")
+    assert not (tmp_path / "cache-keep" / "block-profiles").exists()  # a cold start: no trace, nothing cached
+
+
+def _activations_bytes(spec) -> int:
+    return estimate(spec, gpus=64, seq_len=FRESH_SEQ_LEN, micro_batch=1).memory.breakdown.activations
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_formula_against_profile_on_the_preset_shapes(preset):
+    spec, hf_config = load_preset(preset), preset_hf_config(preset)
+    profiled = with_block_profile(spec, hf_config, FRESH_SEQ_LEN, attentions=(spec.attention_choices[0],))
+    assert profiled.activation_profile.source.startswith("shipped")
+    ratio = _activations_bytes(spec) / _activations_bytes(profiled)
+    if preset in FORMULA_OVER_PROFILE:  # a recorded finding: the formula is not the answer here
+        assert ratio == pytest.approx(FORMULA_OVER_PROFILE[preset], rel=0.01)
+    else:
+        assert ratio == pytest.approx(1.0, rel=0.02)
+
+
+# progress (planner/progress.py) on the block profile of a model without a formula: a tiny Granite traces in seconds
+GRANITE = {"model_type": "granite", "hidden_size": 256, "intermediate_size": 704, "num_hidden_layers": 4,
+           "num_attention_heads": 8, "num_key_value_heads": 2, "vocab_size": 3000, "tie_word_embeddings": True,
+           "embedding_multiplier": 12.0, "residual_multiplier": 0.22, "attention_multiplier": 0.0078125,
+           "logits_scaling": 16.0}
+GRANITE_ESTIMATE = ["estimate", "--gpus", "2", "--seq-len", "256", "--attention", "sdpa"]
+
+
+def _profiles_made(cache) -> int:
+    """Block profiles in a cache directory (beside them: spec-<key>.json, the model's cached ModelSpec)."""
+    return sum(not p.name.startswith("spec-") for p in (cache / "block-profiles").glob("*.json"))
+
+
+def test_no_progress_on_a_captured_stderr(tmp_path):
+    pytest.importorskip("transformers")
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(GRANITE))
+    run = _cli(tmp_path, "keep", [*GRANITE_ESTIMATE, "--model", str(config)])
+    assert run.returncode == 0, run.stderr
+    assert _profiles_made(tmp_path / "cache-keep") == 2  # it traced (bf16, fp32)
+    assert run.stderr == ""
+
+
+@pytest.fixture
+def terminal(monkeypatch):
+    """stderr as a terminal: a rich Console forced to one, writing to a buffer."""
+    from rich.console import Console
+
+    import planner.progress
+
+    buffer = io.StringIO()
+    monkeypatch.setattr(planner.progress, "_console", lambda: Console(file=buffer, force_terminal=True, width=150))
+    yield buffer
+    planner.progress.quiet_for("table")
+
+
+@pytest.mark.parametrize("output_format", ["table", "json"])
+def test_progress_on_a_terminal_not_in_json(tmp_path, monkeypatch, terminal, output_format):
+    pytest.importorskip("transformers")
+    from planner.cli import main
+
+    monkeypatch.setenv("FSDP_PLANNER_CACHE", str(tmp_path / "cache"))
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(GRANITE))
+    main([*GRANITE_ESTIMATE, "--model", str(config), "--format", output_format])
+    assert _profiles_made(tmp_path / "cache") == 2  # traced in both
+    drawn = terminal.getvalue()  # the model is named after its directory
+    line = f"tracing a block of {tmp_path.name} for its memory profile (bf16, sdpa, seq 256)"
+    assert (line in drawn) is (output_format == "table"), drawn[-300:]
+    assert (drawn == "") is (output_format == "json")
