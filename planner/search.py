@@ -400,6 +400,26 @@ def _cost_mesh(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, p
     return found
 
 
+def _per_token_compute_s(found: _Found | None) -> float | None:
+    """The least compute (recompute left out) a token costs a GPU on this mesh, over every candidate costed."""
+    rates = [(e.time.compute_s - e.time.recompute_s) / (e.time.tokens_per_s_per_gpu * e.time.step_s)
+             for e in (found.fitting + found.misses if found is not None else []) if e.time.tokens_per_s_per_gpu > 0]
+    return min(rates, default=None)
+
+
+def _pipeline_ceiling(per_token_s: float | None, pipe: Pipeline, plans: list[tuple[int, int]]) -> float | None:
+    """tokens/s/GPU no candidate of this pipeline beats: the mesh's cheapest compute per token with nothing but
+    the textbook bubble on top, at the most microbatches its plans give (None: no bound). The same tokens on
+    fewer blocks per rank cost a GPU the same compute; communication, imbalance and sends only slow it further."""
+    if per_token_s is None or not plans or pipe.schedule not in (Schedule.GPIPE, Schedule.ONE_F_ONE_B,
+                                                                  Schedule.INTERLEAVED_1F1B):
+        return None
+    from cost_models.pipeline_time import textbook_bubble_fraction
+
+    m = max(accum for _, accum in plans)
+    return (1 - textbook_bubble_fraction(pipe.schedule, pipe.pp, pipe.stages_per_rank, m)) / per_token_s
+
+
 @dataclass(frozen=True)
 class _Walk:
     """Where a schedule's walk over pipeline degrees stands: the best tokens/s/GPU so far (the mesh without PP
@@ -426,7 +446,8 @@ def _walk_on(found: _Found | None, walk: _Walk) -> tuple[bool, _Walk]:
 def search(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, profile: Profile,
            space: SearchSpace = SearchSpace()) -> SearchResult:
     """Cost the space. Each mesh without a pipeline, then its pipelines (pipeline_meshes) by growing degree for each
-    schedule until a degree fits no faster than the best before it (_walk_on), each degree on the scout knobs
+    schedule until a degree fits no faster than the best before it (_walk_on) or cannot beat the fastest candidate
+    so far (_pipeline_ceiling: the mesh's own compute with the textbook bubble), each degree on the scout knobs
     (_scout_space: a pipeline candidate prices every rank's schedule, 1-60 ms against 0.2 ms without PP); then the
     whole knob space on the fastest scouted pipeline of each schedule where it beats the meshes without PP on the
     same scout knobs."""
@@ -440,10 +461,12 @@ def search(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, profi
                                                  knobs is not space else shardings, mesh)
     scout = _scout_space(space, cluster)
     scouted: dict[tuple, tuple[float, MeshChoice]] = {}  # per schedule: the fastest scouted pipeline
+    best_known = 0.0  # the fastest fitting candidate so far, tokens/s/GPU
     flat_scouts = 0.0  # the meshes without PP on the scout knobs: what a scouted pipeline must beat
     for mesh in mesh_choices(model, cluster, training, space):
         flat = cost(mesh)
         found.append(flat)
+        best_known = max(best_known, (flat.best_tokens_per_s() or 0.0) if flat else 0.0)
         if mesh.pipeline.pp > 1:
             continue  # pinned pp: mesh_choices gave the pipelines themselves
         if space.pp != 1:  # like with like (0.2 ms a candidate; counted once, with the mesh's own)
@@ -451,15 +474,23 @@ def search(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, profi
             flat_scouts = max(flat_scouts, (flat_scout.best_tokens_per_s() or 0.0) if flat_scout else 0.0)
         walks: dict[tuple, _Walk] = {}  # per schedule
         stopped: set[tuple] = set()
+        per_token_s = _per_token_compute_s(flat)
         for pipe in pipeline_meshes(model, cluster, space, mesh):
             key = (pipe.schedule, pipe.stages_per_rank)
             if key in stopped:
+                continue
+            plans = microbatch_plans(training, cluster.n_gpus // (mesh.model_parallel * pipe.pp), space.micro_batches,
+                                     pipe, space.pp_schedule is not None)
+            ceiling = _pipeline_ceiling(per_token_s, pipe, plans)
+            if ceiling is not None and ceiling <= best_known:
+                stopped.add(key)  # a larger degree: fewer microbatches or more stages, a larger bubble
                 continue
             piped = cost(replace(mesh, pipeline=pipe), scout)
             found.append(piped)
             best = piped.best_tokens_per_s() if piped is not None else None
             if best is not None and best > scouted.get(key, (0.0, None))[0]:
                 scouted[key] = (best, replace(mesh, pipeline=pipe))
+                best_known = max(best_known, best)
             go_on, walks[key] = _walk_on(piped, walks.get(key, _Walk(flat.best_tokens_per_s() if flat else None)))
             if not go_on:
                 stopped.add(key)

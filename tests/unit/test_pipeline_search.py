@@ -183,3 +183,16 @@ def test_where_nothing_fits_the_walk_goes_on_while_the_nearest_miss_comes_closer
             assert least[high] < least[low], (schedule, least)
         last = pipelines(m, degrees[-1] * 2, schedule)
         assert not last or len(degrees) < 2 or least[degrees[-1]] >= least[degrees[-2]], (schedule, least)
+
+
+def test_pipeline_ceiling_is_the_meshs_compute_with_the_textbook_bubble():
+    from planner.search import _pipeline_ceiling
+
+    # 1 ms of compute a token; 1F1B on 4 ranks, at most 12 microbatches: bubble 3 / (12 + 3) = 0.2 -> 800 tokens/s
+    plans = [(1, 12), (2, 6)]
+    assert _pipeline_ceiling(1e-3, Pipeline(4), plans) == pytest.approx(800)
+    # interleaved, 2 stages a rank: 3 / (2 x 12 + 3) = 1/9 -> 888.9
+    assert _pipeline_ceiling(1e-3, Pipeline(4, I1F1B, 2), plans) == pytest.approx(8000 / 9)
+    # no closed form (zero bubble, DualPipeV), nothing costed, no plan: no bound
+    assert _pipeline_ceiling(1e-3, Pipeline(4, Schedule.ZERO_BUBBLE, 2), plans) is None
+    assert _pipeline_ceiling(None, Pipeline(4), plans) is None and _pipeline_ceiling(1e-3, Pipeline(4), []) is None
