@@ -249,8 +249,7 @@ def trace_profile(spec: ModelSpec, hf_config: dict, compute_dtype: str, attentio
     from calibration.block_profile import profile_block  # torch, transformers
 
     try:
-        with progress(f"tracing a block of {spec.name} for its memory profile ({compute_dtype}, {attention}, "
-                      f"seq {seq_len})"):
+        with progress(f"block memory profile of {spec.name} ({compute_dtype}, {attention}, seq {seq_len})"):
             # a copy: transformers completes nested fields (rope_scaling) in place, which would move later keys
             terms, seconds = profile_block(copy.deepcopy(hf_config), block_class=spec.block_class,
                                            compute_dtype=compute_dtype, attention=attention, seq_len=seq_len,

@@ -177,6 +177,6 @@ def test_progress_on_a_terminal_not_in_json(tmp_path, monkeypatch, terminal, out
     main([*GRANITE_ESTIMATE, "--model", str(config), "--format", output_format])
     assert _profiles_made(tmp_path / "cache") == 2  # traced in both
     drawn = terminal.getvalue()  # the model is named after its directory
-    line = f"tracing a block of {tmp_path.name} for its memory profile (bf16, sdpa, seq 256)"
+    line = f"block memory profile of {tmp_path.name} (bf16, sdpa, seq 256)"
     assert (line in drawn) is (output_format == "table"), drawn[-300:]
     assert (drawn == "") is (output_format == "json")
