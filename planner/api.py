@@ -22,6 +22,7 @@ from .errors import PlannerError
 from .hardware import DEFAULT_GPU, make_cluster
 from .models import resolve_model
 from .search import SearchSpace, search, suggestions
+from .search_pipeline import PP_MICROBATCHES_PER_STAGE
 
 
 @dataclass
@@ -281,7 +282,8 @@ def estimate(model, gpus: int, *, gpu: str = DEFAULT_GPU, gpus_per_node: int | N
     beside FSDP over the rest (cost_models/mesh.py); with pp > 1, pp_schedule (gpipe, 1f1b - the default -,
     interleaved-1f1b, zero-bubble, dualpipev) and pp_stages_per_rank (looped schedules; None: 2), and micro_batch
     is the pipeline microbatch: the local batch (global batch / data-parallel ranks) is split into grad_accum
-    microbatches run in one schedule step (cost_models/pipeline.py); async_tp: TP's collectives overlapped (needs compile),
+    microbatches run in one schedule step (cost_models/pipeline.py; without a global batch or grad_accum, two per
+    stage, as the search takes them); async_tp: TP's collectives overlapped (needs compile),
     sequence_parallel False: TP as transformers' tp_plan runs it). What cannot run on the cluster, or a mesh the
     model does not allow, raises PlannerError (cost_models.feasibility, cost_models.mesh_rules)."""
     spec, cluster, training = resolve_inputs(
@@ -293,6 +295,9 @@ def estimate(model, gpus: int, *, gpu: str = DEFAULT_GPU, gpus_per_node: int | N
     if pp == 1 and (pp_schedule is not None or pp_stages_per_rank is not None):
         given = "pp_schedule" if pp_schedule is not None else "pp_stages_per_rank"
         raise PlannerError(given, "needs pipeline parallelism: give pp >= 2 (--pp N) with it, or leave it out")
+    if grad_accum is None and pp > 1 and training.global_batch is None:  # the search's choice without a global batch
+        schedule = parse_enum(Schedule, pp_schedule or Schedule.ONE_F_ONE_B, "pp_schedule")
+        grad_accum = PP_MICROBATCHES_PER_STAGE * pp * (pp_stages_per_rank or schedule.default_stages_per_rank)
     if grad_accum is None:
         grad_accum = grad_accum_for(micro_batch, cluster, training, tp * cp * pp)
     config = FsdpConfig(sharding=sharding, precision=precision, offload=offload,

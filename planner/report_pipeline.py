@@ -33,7 +33,7 @@ def batch_words(config: FsdpConfig, cluster: ClusterSpec) -> str:
 def schedule_words(config: FsdpConfig) -> str:
     """'pp 8 x 2 stages per rank = 16 stages, interleaved-1f1b (torch's ScheduleInterleaved1F1B)'."""
     v = config.pp_stages_per_rank
-    per_rank = f" x {v} stages per rank = {config.pp_stages} stages" if v > 1 else " stages"
+    per_rank = f" x {v} stages per rank = {config.pp_stages} stages" if v > 1 else f" ({config.pp} stages)"
     return (f"pp {config.pp}{per_rank}, {config.pp_schedule.value} (torch's {config.pp_schedule.torch_class}; "
             f"torchtitan's {config.pp_schedule.torchtitan_name})")
 

@@ -28,6 +28,8 @@ from planner.schemas import EstimateOutput
 DONE_WHEN = ["estimate", "--model", "llama3.1-405b", "--gpus", "512", "--gpu", "h100-96gb", "--tp", "8", "--pp", "8",
              "--pp-schedule", "interleaved-1f1b", "--micro-batch", "1", "--global-batch", "256",
              "--activation-checkpointing", "full", "--compile", "--float8", "--async-tp"]
+EST = ["estimate", "--model", "llama3.1-8b", "--gpus", "64", "--gpu", "h100-80gb"]
+PLAN = ["--model", "llama3.1-8b", "--gpus", "64", "--gpu", "h100-80gb"]
 PARSER = Path(__file__).parents[1] / "unit" / "torchtitan_parse.py"
 
 
@@ -52,6 +54,20 @@ def pp_planned(monkeypatch):
         monkeypatch.setattr(module, "mesh_refusals", _unrefused(mesh_rules.mesh_refusals))
 
 
+def test_without_a_global_batch_a_pipeline_runs_two_microbatches_per_stage(capsys, pp_planned):
+    # as the search takes them: 1F1B on 8 ranks -> 16 microbatches of 1; the global batch is then 16 x 64 / 8 = 128
+    code, out, err = invoke(EST + ["--pp", "8"], capsys)
+    assert code == 0, err
+    assert ("pipeline: pp 8 (8 stages), 1f1b (torch's Schedule1F1B; torchtitan's 1F1B); micro-batch 1 is the pipeline "
+            "microbatch: the local batch of 16 sequences (global batch 128 / 8 data-parallel ranks) runs as 16 "
+            "microbatches in one schedule step") in out.splitlines()
+    # interleaved, 2 stages a rank on 4 ranks: 2 x 8 = 16 microbatches; --grad-accum gives the count itself
+    code, out, _ = invoke(EST + ["--pp", "4", "--pp-schedule", "interleaved-1f1b", "--format", "json"], capsys)
+    assert json.loads(out)["pipeline"]["microbatches"] == 16
+    code, out, _ = invoke(EST + ["--pp", "4", "--grad-accum", "6", "--format", "json"], capsys)
+    assert json.loads(out)["pipeline"]["microbatches"] == 6
+
+
 @functools.cache
 def done_when() -> api.Candidate:
     original = api.mesh_refusals
@@ -66,8 +82,6 @@ def done_when() -> api.Candidate:
 
 # ------------------------------------------------------------------------------------------------ bad input
 
-EST = ["estimate", "--model", "llama3.1-8b", "--gpus", "64", "--gpu", "h100-80gb"]
-PLAN = ["--model", "llama3.1-8b", "--gpus", "64", "--gpu", "h100-80gb"]
 
 
 @pytest.mark.parametrize("argv, line", [
