@@ -119,6 +119,10 @@ def register(app) -> None:
             if "activation_checkpointing" in given:
                 given["ac_every"] = given.pop("activation_checkpointing")
             config = FsdpConfig(precision=(precision or ["fp32" if device == "cpu" else "bf16"])[0], **given)
+            if config.pp > 1 and grad_accum is None and not global_batch:  # as estimate and the search: 2 a stage
+                from planner.search_pipeline import PP_MICROBATCHES_PER_STAGE
+
+                config = dataclasses.replace(config, grad_accum=PP_MICROBATCHES_PER_STAGE * config.pp_stages)
             if config.grad_accum == 1 and global_batch and grad_accum is None:
                 world = emulate_world_size or gpus
                 if world % config.model_parallel:

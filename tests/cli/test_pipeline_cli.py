@@ -414,3 +414,22 @@ def test_plan_json_with_a_pinned_pipeline_validates(pp_planned, monkeypatch, cap
         assert c["config"]["pp"] == 2 and c["pipeline"]["local_batch"] == 4
         assert c["pipeline"]["microbatch_size"] * c["pipeline"]["microbatches"] == 4
         assert [s["n_blocks"] for s in c["pipeline"]["stages"]][:2] in ([8, 8], [4, 4])  # 16 blocks, 2 or 4 stages
+
+
+def test_calibrate_takes_the_pipeline_flags(monkeypatch, capsys):
+    import planner.calibrating as calibrating
+
+    seen = {}
+
+    def fake_calibrate(request):  # the runs themselves are the runner's (tests/distributed); here: what it is asked
+        seen["config"] = request.config
+        raise SystemExit(0)
+
+    monkeypatch.setattr(calibrating, "calibrate", fake_calibrate)
+    invoke(["calibrate", "--gpus", "4", "--model", "llama3.2-1b", "--device", "cpu", "--pp", "2",
+            "--pp-schedule", "gpipe", "--out", "unused"], capsys)
+    c = seen["config"]
+    assert (c.pp, c.pp_schedule.value, c.pp_stages_per_rank, c.grad_accum) == (2, "gpipe", 1, 4)  # 2 a stage
+    invoke(["calibrate", "--gpus", "4", "--model", "llama3.2-1b", "--device", "cpu", "--pp", "2", "--global-batch",
+            "8", "--out", "unused"], capsys)
+    assert seen["config"].grad_accum == 4  # 4 GPUs / pp 2 = 2 data-parallel ranks: 8 / 2 = 4 microbatches of 1
