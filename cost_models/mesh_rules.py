@@ -10,7 +10,7 @@ The estimate and the API raise the first refusal as one line naming the field an
   2 cp - 1 - i); ring attention runs SDPA's fused kernels, not eager attention;
 - ep: only for a model with routed experts, dividing them and dp_shard x cp x tp;
 - tp x cp x pp divides the GPUs (the rest is data parallelism);
-- pp: at least one block per stage, and the microbatches the schedule needs (cost_models/pipeline.py).
+- pp: a block in every stage but the end ones, and the microbatches the schedule needs (cost_models/pipeline.py).
 The model's own limits come first, so `--tp 3` on 32 heads names the heads, not the GPU count.
 """
 
@@ -69,9 +69,6 @@ def mesh_refusals(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec
     n = cluster.n_gpus
     tp, cp, ep, pp = config.tp, config.cp, config.ep, config.pp
     if pp != 1:
-        # TODO(issue 18): removed when memory and step time price the stages
-        out.append(Refusal("pp", "pp-not-planned", f"pp={pp}: pipeline parallelism is not planned yet",
-                           "use pp 1 (tensor, context and expert parallelism are planned)", priced=False))
         out.extend(pipeline_refusals(model, config))
     if tp > 1 and not tp_plannable(model, ep):
         why = ("tensor parallelism of routed experts is not planned: split them with --ep (TP then splits the "

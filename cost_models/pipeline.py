@@ -5,7 +5,9 @@ The split (printed with the candidate, emitted as torchtitan's module_fqns_per_m
 snippet's stage modules): the n_layers blocks divided as evenly as whole blocks allow over pp x V stages, the
 embedding on the first stage, the final norm, head and loss on the last. Where the blocks do not divide, the
 stages with one block fewer are the end ones first (0, S - 1, 1, S - 2, ...): the first and last also hold the
-embedding and the head (torchtitan's first/last_stage_less_layers does the same by default).
+embedding and the head (torchtitan's first/last_stage_less_layers does the same by default). With up to two
+stages more than blocks the end stages hold the embedding alone and the head alone (how the Llama 3 405B
+golden rows read the paper's one-layer chunks: tests/golden/test_pipeline_rows.py).
 
 Stage-to-rank placement is torch's generate_stage_to_rank_mapping: "loop" (stage s on rank s mod pp) for
 single-stage and interleaved schedules, "v" for DualPipeV (rank r holds stages r and 2 pp - 1 - r).
@@ -34,10 +36,11 @@ class Stage:
         return range(self.first_block, self.first_block + self.n_blocks)
 
     def describe(self) -> str:
-        """'embedding + blocks 0-7', 'blocks 8-15 + norm + head + loss'."""
+        """'embedding + blocks 0-7', 'blocks 8-15 + norm + head + loss', 'embedding' (no blocks)."""
         last = self.first_block + self.n_blocks - 1
-        parts = (["embedding"] if self.embedding else []) + [
-            f"blocks {self.first_block}-{last}" if self.n_blocks > 1 else f"block {self.first_block}"]
+        blocks = ([] if not self.n_blocks else
+                  [f"blocks {self.first_block}-{last}" if self.n_blocks > 1 else f"block {self.first_block}"])
+        parts = (["embedding"] if self.embedding else []) + blocks
         return " + ".join(parts + (["norm + head + loss"] if self.head else []))
 
 
@@ -74,11 +77,12 @@ def rank_stages(model: ModelSpec, config: FsdpConfig, rank: int) -> tuple[Stage,
 
 
 def stage_refusals(model: ModelSpec, config: FsdpConfig) -> list[Refusal]:
-    """What the model allows: at least one block per stage."""
-    if config.pp == 1 or config.pp_stages <= model.n_layers:
+    """What the model allows: a block in every stage but the end ones, which may hold the embedding or the head
+    alone (at most two stages more than blocks)."""
+    if config.pp == 1 or config.pp_stages <= model.n_layers + 2:
         return []
     v = config.pp_stages_per_rank
-    most = model.n_layers // v
+    most = (model.n_layers + 2) // v
     return [Refusal("pp", "pp-more-stages-than-blocks",
                     f"pp={config.pp} x {v} stage{'s' if v > 1 else ''} per rank = {config.pp_stages} stages for the "
                     f"{model.n_layers} blocks of {model.name}",

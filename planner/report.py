@@ -49,14 +49,17 @@ _HEADERS = ["#", "sharding", "mesh", "precision", "offload", "act. ckpt", "micro
 # The default view: at most this many columns; --wide shows every column (_HEADERS).
 NARROW_WIDTH = 100
 # The columns a reader needs first, most needed first: the narrow view drops from the end until the table fits.
-_NARROW = ["#", "tok/s/GPU", "peak GiB", "MFU", "sharding", "mesh", "act. ckpt", "micro", "accum", "step s",
-           "techniques", "precision", "offload", "activ. GiB", "states GiB", "gathered GiB", "logits GiB",
-           "bwd prefetch"]
+# What tells candidates apart (the configuration) comes before the memory breakdown, so two rows never look alike.
+_NARROW = ["#", "tok/s/GPU", "peak GiB", "MFU", "sharding", "mesh", "act. ckpt", "micro", "accum", "techniques",
+           "precision", "offload", "bwd prefetch", "step s", "activ. GiB", "states GiB", "gathered GiB", "logits GiB"]
 _KEPT = {"#", "tok/s/GPU", "peak GiB", "MFU", "step s"}  # shown even when every row has the same value
 
 
-def _table(rows: list[list], headers: list[str]) -> str:
-    return tabulate(rows, headers=headers, tablefmt="simple", disable_numparse=True)
+def _table(rows: list[list], headers: list[str], wrap: dict[str, int] | None = None) -> str:
+    """rows under headers; `wrap` folds the named columns' cells to at most that many characters a line."""
+    widths = [(wrap or {}).get(h) for h in headers]
+    return tabulate(rows, headers=headers, tablefmt="simple", disable_numparse=True,
+                    maxcolwidths=widths if any(widths) else None)
 
 
 def candidates_table(candidates: list[Candidate], top: int, wide: bool = False) -> str:
@@ -68,12 +71,15 @@ def candidates_table(candidates: list[Candidate], top: int, wide: bool = False) 
     index = {h: i for i, h in enumerate(_HEADERS)}
     same = [h for h in _NARROW if h not in _KEPT and len({row[index[h]] for row in rows}) == 1]
     shown = [h for h in _NARROW if h not in same]
-    dropped = []
+    dropped, wrap = [], {}
     while True:
         ordered = [h for h in _HEADERS if h in shown]
-        text = _table([[row[index[h]] for h in ordered] for row in rows], ordered)
+        text = _table([[row[index[h]] for h in ordered] for row in rows], ordered, wrap)
         if max(len(line) for line in text.splitlines()) <= NARROW_WIDTH or len(shown) <= len(_KEPT):
             break
+        if "techniques" in shown and not wrap:  # first fold the longest cells (a row on two lines), then drop
+            wrap = {"techniques": 20}
+            continue
         dropped.append(shown.pop())
     notes = ([f"every row: {', '.join(f'{h} {rows[0][index[h]]}' for h in _HEADERS if h in same)}"]
              if same else []) + ([f"not shown: {', '.join(dropped)} (--wide shows every column)"] if dropped else [])

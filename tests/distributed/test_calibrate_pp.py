@@ -9,9 +9,7 @@ the same configuration (calibration/trace_pipeline.py) within one sent activatio
 (test_torchrun_pp.py says why; the runner does not track the input ids the trace counts, 2,112 B), a finite loss
 near ln(256) and the tokens per GPU of a pipeline (a pipeline rank's tokens count once per copy: / pp).
 
-The lead lifts cost_models/mesh_rules.py's pp-not-planned once the stages are priced; until then the test takes
-that one refusal out of the flow's mesh check (nothing else of the flow, torchrun or torch is replaced). The
-CPU is not probed (DIR/host.json written first, as test_calibrate_mesh.py does). About 40 s on 2 shared cores.
+The CPU is not probed (DIR/host.json written first, as test_calibrate_mesh.py does). About 40 s on 2 shared cores.
 """
 
 from __future__ import annotations
@@ -32,7 +30,6 @@ CONFIG = {"pp": 2, "pp_schedule": "1f1b", "grad_accum": 4, "precision": "fp32"}
 
 @pytest.fixture(scope="module")
 def pp_calibration(tmp_path_factory):
-    from cost_models import mesh_rules
     from cost_models.specs import FsdpConfig
     from planner.calibrating import CalibrationRequest, calibrate
 
@@ -40,15 +37,9 @@ def pp_calibration(tmp_path_factory):
     (out / "host.json").write_text(json.dumps(host_probe()))
     model = out / "config.json"
     model.write_text(json.dumps({**TINY, "_name_or_path": "tiny-pp"}))
-    planned = mesh_rules.mesh_refusals
-    mp = pytest.MonkeyPatch()
-    mp.setattr(mesh_rules, "mesh_refusals", lambda *a, **k: [r for r in planned(*a, **k) if r.code != "pp-not-planned"])
-    try:
-        report = calibrate(CalibrationRequest(
-            out_dir=str(out), gpus=2, model=str(model), device="cpu", seq_len=SEQ_LEN, global_batch=4, steps=1,
-            warmup=1, timeout_s=240, config=FsdpConfig(**CONFIG), fit=False))
-    finally:
-        mp.undo()
+    report = calibrate(CalibrationRequest(
+        out_dir=str(out), gpus=2, model=str(model), device="cpu", seq_len=SEQ_LEN, global_batch=4, steps=1,
+        warmup=1, timeout_s=240, config=FsdpConfig(**CONFIG), fit=False))
     records = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     return {"out": out, "report": report, "records": records}
 

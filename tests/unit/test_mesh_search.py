@@ -125,9 +125,8 @@ BAD = [
      "(divisors: 1, 2, 4, 8)"),
     (["estimate", "--model", "llama3-8b", "--gpus", "8", "--async-tp"],
      "error: async_tp: needs tensor parallelism (tp >= 2)"),
-    (["--model", "llama3-8b", "--gpus", "8", "--pp", "2"],
-     "error: pp: pp=2: pipeline parallelism is not planned yet; use pp 1 (tensor, context and expert "
-     "parallelism are planned)"),
+    (["--model", "llama3-8b", "--gpus", "64", "--pp", "64"],  # 32 blocks + embedding-only and head-only ends
+     "error: pp: pp=64 x 1 stage per rank = 64 stages for the 32 blocks of llama3-8b; use pp <= 34"),
 ]
 
 

@@ -56,7 +56,17 @@ def test_schedule_shape_and_microbatch_rules():
 
 
 def test_more_stages_than_blocks_is_refused():
-    model = resolve_model("llama3-8b")
+    model = resolve_model("llama3-8b")  # 32 blocks: 34 stages at most (embedding-only and head-only ends)
     assert stage_refusals(model, FsdpConfig(pp=32, grad_accum=32)) == []
+    assert stage_refusals(model, FsdpConfig(pp=17, pp_schedule="interleaved-1f1b", grad_accum=34)) == []
     (refusal,) = stage_refusals(model, FsdpConfig(pp=32, pp_schedule="interleaved-1f1b", grad_accum=64))
-    assert refusal.field == "pp" and "64 stages" in refusal.reason and "pp <= 16" in refusal.fix
+    assert refusal.field == "pp" and "64 stages" in refusal.reason and "pp <= 17" in refusal.fix
+
+
+def test_two_stages_more_than_blocks_put_embedding_and_head_alone():
+    # Llama 3 405B as Meta ran it (Dubey et al. 2024, section 3.3.2): 126 blocks, pp 16 x V 8 = 128 stages
+    model = resolve_model("llama3.1-405b")
+    split = stages(model, FsdpConfig(pp=16, pp_schedule="interleaved-1f1b", pp_stages_per_rank=8, grad_accum=16))
+    assert [s.n_blocks for s in split] == [0] + [1] * 126 + [0]
+    assert split[0].describe() == "embedding" and split[-1].describe() == "norm + head + loss"
+    assert split[1].describe() == "block 0" and split[-2].describe() == "block 125"
