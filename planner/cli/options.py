@@ -70,7 +70,8 @@ PP_MICRO_BATCH = ("with --pp, --micro-batch is the pipeline microbatch: the loca
                   "schedule step")
 Pp = Annotated[Optional[int], typer.Option("--pp", help="Pipeline-parallel degree: the blocks split evenly into "
                                            "stages over N ranks (the outermost mesh dimension; embedding on the "
-                                           f"first stage, norm + head + loss on the last); {PP_MICRO_BATCH}")]
+                                           "first stage, norm + head + loss on the last; default 1, searched by the "
+                                           f"plan command with its schedule); {PP_MICRO_BATCH}")]
 PpSchedule = Annotated[Optional[str], typer.Option("--pp-schedule", help="With --pp: gpipe, 1f1b (default), "
                                                    "interleaved-1f1b, zero-bubble or dualpipev (torch.distributed."
                                                    "pipelining's ScheduleGPipe ... ScheduleDualPipeV)")]
