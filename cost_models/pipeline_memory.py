@@ -68,6 +68,7 @@ class _StagePieces:
     reserved_extra: int        # last stage: what the allocator strands above the loss backward's allocations
     weight_inputs: int         # zero-bubble: the output gradients of the stage's linears, kept from I until W
     block_params: int          # one block's parameters (an FSDP unit)
+    head_grad: int             # of block_grads, the head's (it waits for the stage root's post-backward)
 
 
 def _stage_pieces(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, stage: Stage) -> _StagePieces:
@@ -87,6 +88,8 @@ def _stage_pieces(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, 
     per_token = n_ckpt * ckpt + (stage.n_blocks - n_ckpt) * full
     if stage.head:
         per_token += activations.root_bytes_per_token(model, c)
+    if not stage.embedding and stage.n_blocks and k and stage.first_block % k == 0:
+        per_token -= model.hidden_size * c  # a checkpointed first block keeps its input: the receive buffer
     output = 0 if stage.head else tokens * model.hidden_size * c
     # the rotary tables are saved by the blocks' attention (a stage of the embedding or the head alone keeps none)
     shared = activations.shared_bytes(model, c, s) if stage.n_blocks else 0
@@ -116,7 +119,7 @@ def _stage_pieces(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, 
                         tokens * activations.logits_reserved_extra_bytes_per_token(model, c, config.loss_compiled)
                         if stage.head else 0,
                         tokens * c * stage.n_blocks * (model.q_dim + 2 * model.kv_dim + 2 * h + 2 * f),
-                        counts.block())
+                        counts.block(), head_grad)
 
 
 def _breakdown(**parts) -> MemoryBreakdown:
@@ -200,8 +203,20 @@ def rank_memory(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, d:
         where = f"microbatch {action.microbatch} on stage {action.stage}"
         if x.stage.head:
             loss_moment = max(loss_moment, moment(f"loss backward of {where}", 0, 0, x.loss_peak) + x.reserved_extra)
-        moment(f"backward of {where}", x.block_acts, x.block_grads,
+        # without a dtype change (no mixed precision) autograd adds a later microbatch's gradients into the kept
+        # ones in place; with one, the compute-dtype gradients wait beside the reduce-dtype sums until the unit's
+        # post-backward
+        in_place = backwards[action.stage] > 0 and r == c
+        moment(f"backward of {where}", x.block_acts, x.block_grads if not in_place else x.block_grads - x.head_grad,
                -x.loss_saved if x.stage.head else 0)
+        root = x.params - x.stage.n_blocks * x.block_params
+        if root:  # the stage root's post-backward, the microbatch's saved tensors gone (its input's gradient left)
+            # first microbatch with mixed precision: the root's compute-dtype gradients and their reduce-dtype copy
+            # (to_accumulated_grad_if_needed) beside the blocks' converted ones; later ones add in place
+            first = backwards[action.stage] == 0
+            grads = (x.params - root) * r + root * (c + r) if first and r != c else (0 if in_place else root * c)
+            moment(f"root post-backward of {where}", tokens_h - x.saved, grads,
+                   -x.loss_saved - x.logits if x.stage.head else 0)
         if action.kind == "I":  # zero-bubble's input pass keeps the graph for the weight pass (an approximation)
             waiting[action.stage].add(action.microbatch)
         else:
@@ -209,6 +224,8 @@ def rank_memory(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, d:
         backwards[action.stage] += 1
         if action.kind == "B" and action.microbatch == m - 1:
             reduce(action.stage)
+    if logits_kept:  # the last stage's step returns its microbatches' logits concatenated (a copy beside them)
+        moment("merge of the logits", 0, 0, logits_kept)
     backward = breakdown = best[2]
     step = _breakdown(sharded_params=sharded_params, optimizer_state=optimizer_state,
                       sharded_grads=math.ceil(total_params * p / d), optimizer_temporaries=step_temporaries)
