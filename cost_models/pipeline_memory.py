@@ -207,7 +207,7 @@ def rank_memory(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, d:
         # ones in place; with one, the compute-dtype gradients wait beside the reduce-dtype sums until the unit's
         # post-backward
         in_place = backwards[action.stage] > 0 and r == c
-        moment(f"backward of {where}", x.block_acts, x.block_grads if not in_place else x.block_grads - x.head_grad,
+        moment(f"backward of {where}", x.block_acts, 0 if in_place else x.block_grads,
                -x.loss_saved if x.stage.head else 0)
         root = x.params - x.stage.n_blocks * x.block_params
         if root:  # the stage root's post-backward, the microbatch's saved tensors gone (its input's gradient left)
