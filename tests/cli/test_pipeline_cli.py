@@ -21,7 +21,7 @@ from cost_models import mesh_rules
 from cost_models.memory import MemoryBreakdown
 from cost_models.pipeline_memory import PipelineRankMemory
 from planner import api, doctor
-from planner.cli import main
+from test_float_flags import invoke  # (exit code, stdout, stderr) of `fsdp-plan ARGV` (tests/cli is on sys.path)
 from planner.errors import PlannerError
 from planner.schemas import EstimateOutput
 
@@ -31,16 +31,6 @@ DONE_WHEN = ["estimate", "--model", "llama3.1-405b", "--gpus", "512", "--gpu", "
 EST = ["estimate", "--model", "llama3.1-8b", "--gpus", "64", "--gpu", "h100-80gb"]
 PLAN = ["--model", "llama3.1-8b", "--gpus", "64", "--gpu", "h100-80gb"]
 PARSER = Path(__file__).parents[1] / "unit" / "torchtitan_parse.py"
-
-
-def invoke(argv, capsys):
-    try:
-        main(argv)
-        code = 0
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def _unrefused(original):
