@@ -63,12 +63,11 @@ class _StagePieces:
     logits: int                # last stage: one microbatch's logits, kept to the step's end (output_chunks)
     loss_saved: int            # last stage: the log-softmax output kept until the loss backward
     loss_peak: int             # last stage: the loss backward's fp32 gradients on top of loss_saved
-    block_acts: int            # the top block's backward: its working set above `saved` (the kept output freed)
-    block_grads: int           # and its in-flight gradients with the head's (compute dtype)
+    blocks: tuple              # (activations relative to `saved`, in-flight gradients) at each block's backward, top first
     reserved_extra: int        # last stage: what the allocator strands above the loss backward's allocations
     weight_inputs: int         # zero-bubble: the output gradients of the stage's linears, kept from I until W
     block_params: int          # one block's parameters (an FSDP unit)
-    head_grad: int             # of block_grads, the head's (it waits for the stage root's post-backward)
+    head_grad: int             # the head's gradients (compute dtype), waiting for the stage root's post-backward
 
 
 def _stage_pieces(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, stage: Stage) -> _StagePieces:
@@ -84,38 +83,40 @@ def _stage_pieces(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, 
     full = activations.block_bytes_per_token(model, c, attn, s, mb, 0)
     ckpt = activations.checkpointed_block_bytes_per_token(model, c)
     k = config.ac_every
-    n_ckpt = len([i for i in stage.blocks if k and i % k == 0])
-    per_token = n_ckpt * ckpt + (stage.n_blocks - n_ckpt) * full
-    if stage.head:
-        per_token += activations.root_bytes_per_token(model, c)
-    if not stage.embedding and stage.n_blocks and k and stage.first_block % k == 0:
-        per_token -= model.hidden_size * c  # a checkpointed first block keeps its input: the receive buffer
-    output = 0 if stage.head else tokens * model.hidden_size * c
+    h, f = model.hidden_size, model.ffn_hidden_size
+    # per token, each block's saved tensors in the model's order; a non-first stage's checkpointed first block keeps
+    # its input, which is the receive buffer (counted with the buffers)
+    kept = [ckpt if k and i % k == 0 else full for i in stage.blocks]
+    if kept and not stage.embedding and k and stage.first_block % k == 0:
+        kept[0] -= h * c
+    root_saved = activations.root_bytes_per_token(model, c) if stage.head else 0
+    output = 0 if stage.head else tokens * h * c
     # the rotary tables are saved by the blocks' attention (a stage of the embedding or the head alone keeps none)
     shared = activations.shared_bytes(model, c, s) if stage.n_blocks else 0
-    saved = tokens * per_token + shared + output
+    saved = tokens * (sum(kept) + root_saved) + shared + output
     v = model.vocab_size
     logits = tokens * v * c if stage.head else 0
     _, loss_total = activations.logits_bytes_per_token(model, c, config.loss_compiled)
     loss_saved = tokens * 4 * v if stage.head else 0   # log_softmax's fp32 output, saved by the NLL
     loss_peak = tokens * loss_total - loss_saved if stage.head else 0
-    # the top block's backward (recomputed when checkpointed), the larger of its MLP's and attention's moments
-    top = stage.first_block + stage.n_blocks - 1
-    this_extra = (0 if activations.input_saved_by_first_norm(model, c) else ckpt) + full - ckpt \
-        if k and top % k == 0 else 0
+    # each block's backward, top first (memory.py's moments): the saved tensors of the blocks below it, its own
+    # (recomputed when checkpointed), the larger of its MLP's and attention's working sets with their gradients;
+    # relative to the microbatch's whole `saved` (the root's and the kept output are gone by then)
     w_mlp = activations.mlp_backward_working_bytes_per_token(model, c)
     w_attn = activations.attention_backward_working_bytes_per_token(model, c, attn, s)
     freed = activations.attention_freed_before_backward_bytes_per_token(model, c, attention=attn, micro_batch=mb)
-    h, f = model.hidden_size, model.ffn_hidden_size
     mlp_grad = min(counts.block(), h * f) * c
     attn_grad = min(counts.block(), (3 if model.gated_mlp else 2) * h * f + model.q_dim * h) * c
-    at_mlp, at_attn = tokens * (this_extra + w_mlp), tokens * (this_extra - freed + w_attn)
-    block_acts, block_grads = (at_mlp, mlp_grad) if at_mlp + mlp_grad >= at_attn + attn_grad else (at_attn, attn_grad)
-    if not stage.n_blocks:
-        block_acts = block_grads = 0
+    input_extra = 0 if activations.input_saved_by_first_norm(model, c) else ckpt
+    blocks = []
+    for j in reversed(range(stage.n_blocks)):
+        recomputed = bool(k) and (stage.first_block + j) % k == 0
+        this = full + (input_extra if j or stage.embedding else 0) if recomputed else kept[j]
+        base = tokens * (sum(kept[:j]) + this) + shared - saved
+        at_mlp, at_attn = (base + tokens * w_mlp, mlp_grad), (base + tokens * (w_attn - freed), attn_grad)
+        blocks.append(max(at_mlp, at_attn, key=sum))
     head_grad = head * c
-    return _StagePieces(stage, params, head, saved, output, logits, loss_saved, loss_peak,
-                        block_acts - output, block_grads + head_grad,
+    return _StagePieces(stage, params, head, saved, output, logits, loss_saved, loss_peak, tuple(blocks),
                         tokens * activations.logits_reserved_extra_bytes_per_token(model, c, config.loss_compiled)
                         if stage.head else 0,
                         tokens * c * stage.n_blocks * (model.q_dim + 2 * model.kv_dim + 2 * h + 2 * f),
@@ -207,13 +208,15 @@ def rank_memory(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, d:
         # ones in place; with one, the compute-dtype gradients wait beside the reduce-dtype sums until the unit's
         # post-backward
         in_place = backwards[action.stage] > 0 and r == c
-        moment(f"backward of {where}", x.block_acts, 0 if in_place else x.block_grads,
-               -x.loss_saved if x.stage.head else 0)
+        first = backwards[action.stage] == 0
+        for j, (acts, grads) in enumerate(x.blocks):  # j: blocks above, done (their gradients converted or kept)
+            done = j * x.block_params * r + x.head_grad if first else (0 if in_place else grads + x.head_grad)
+            moment(f"backward of {where}", acts, done + (grads if first else 0),
+                   -x.loss_saved if x.stage.head else 0)
         root = x.params - x.stage.n_blocks * x.block_params
         if root:  # the stage root's post-backward, the microbatch's saved tensors gone (its input's gradient left)
             # first microbatch with mixed precision: the root's compute-dtype gradients and their reduce-dtype copy
             # (to_accumulated_grad_if_needed) beside the blocks' converted ones; later ones add in place
-            first = backwards[action.stage] == 0
             grads = (x.params - root) * r + root * (c + r) if first and r != c else (0 if in_place else root * c)
             moment(f"root post-backward of {where}", tokens_h - x.saved, grads,
                    -x.loss_saved - x.logits if x.stage.head else 0)
