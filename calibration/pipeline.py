@@ -55,10 +55,14 @@ class StageModule(nn.Module):
         self.lm_head = causal_lm.get_output_embeddings() if head else None
         if head and self.lm_head.weight is base.embed_tokens.weight:
             # tied embeddings: the last stage trains its own copy of the table (torchtitan's _split_module
-            # deep-copies the model per stage), also where one rank holds both ends (DualPipeV's rank 0)
-            import copy
-
-            self.lm_head = copy.deepcopy(self.lm_head)
+            # deep-copies the model per stage), also where one rank holds both ends (DualPipeV's rank 0). A new
+            # Linear with the table's values: copy.deepcopy of a fake parameter reads its data pointer and crashed
+            # the interpreter ("corrupted double-linked list")
+            tied = self.lm_head
+            self.lm_head = nn.Linear(tied.in_features, tied.out_features, bias=tied.bias is not None,
+                                     device=tied.weight.device, dtype=tied.weight.dtype)
+            with torch.no_grad():
+                self.lm_head.weight.copy_(tied.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from transformers.masking_utils import create_causal_mask
