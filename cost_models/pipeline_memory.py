@@ -204,6 +204,8 @@ def rank_memory(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, d:
         where = f"microbatch {action.microbatch} on stage {action.stage}"
         if x.stage.head:
             loss_moment = max(loss_moment, moment(f"loss backward of {where}", 0, 0, x.loss_peak) + x.reserved_extra)
+            # the head's backward: the logits' gradient beside the head's new (compute-dtype) weight gradient
+            moment(f"head backward of {where}", 0, x.head_grad, x.logits - x.loss_saved)
         # without a dtype change (no mixed precision) autograd adds a later microbatch's gradients into the kept
         # ones in place; with one, the compute-dtype gradients wait beside the reduce-dtype sums until the unit's
         # post-backward
@@ -217,7 +219,8 @@ def rank_memory(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, d:
         if root:  # the stage root's post-backward, the microbatch's saved tensors gone (its input's gradient left)
             # first microbatch with mixed precision: the root's compute-dtype gradients and their reduce-dtype copy
             # (to_accumulated_grad_if_needed) beside the blocks' converted ones; later ones add in place
-            grads = (x.params - root) * r + root * (c + r) if first and r != c else (0 if in_place else root * c)
+            # later ones: the root's new compute-dtype gradients (waiting, or made whole before the in-place add)
+            grads = (x.params - root) * r + root * (c + r) if first and r != c else (0 if first else root * c)
             moment(f"root post-backward of {where}", tokens_h - x.saved, grads,
                    -x.loss_saved - x.logits if x.stage.head else 0)
         if action.kind == "I":  # zero-bubble's input pass keeps the graph for the weight pass (an approximation)
