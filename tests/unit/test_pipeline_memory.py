@@ -74,6 +74,12 @@ CACHED = [
     (("llama-8", "1f1b", 2, 0, 4, 4, 8, "FULL_SHARD", "bf16", 1, 2, 256), (74_178_964, 147_504_556)),
     (("llama-8", "gpipe", 2, 0, 4, 4, 8, "FULL_SHARD", "bf16", 0, 2, 256), (142_573_972, 274_848_184)),
     (("llama-8", "interleaved-1f1b", 2, 2, 4, 4, 8, "FULL_SHARD", "bf16", 0, 2, 256), (129_532_308, 185_456_044)),
+    (("llama-8", "gpipe", 8, 0, 4, 16, 8, "FULL_SHARD", "bf16-pure", 0, 2, 256),
+     (42_683_176,) + (33_491_748,) * 6 + (174_956_620,)),
+    # the preset, tied embeddings (the last stage trains its own copy of the table): the step-end reduce-scatter and
+    # the first microbatch's root post-backward set these peaks
+    (("llama3.2-1b", "1f1b", 2, 0, 2, 4, 8, "FULL_SHARD", "bf16", 0, 1, 512), (10_047_857_188, 10_501_556_788)),
+    (("llama3.2-1b", "interleaved-1f1b", 2, 2, 4, 8, 8, "FULL_SHARD", "bf16", 0, 1, 512), (8_197_095_972, 8_762_413_628)),
 ]
 KEYS = ("arch", "pp_schedule", "pp", "pp_stages_per_rank", "microbatches", "gpus", "gpus_per_node", "sharding",
         "precision", "ac_every", "micro_batch", "seq_len")
