@@ -232,7 +232,7 @@ def _check_pinned_mesh(spec: ModelSpec, cluster: ClusterSpec, training: Training
                         attention=space.attention, sequence_parallel=space.sequence_parallel,
                         pp_schedule=space.pp_schedule or Schedule.ONE_F_ONE_B,
                         pp_stages_per_rank=space.pp_stages_per_rank or 0)
-    refused = [r for r in sorted(mesh_refusals(spec, cluster, training, config), key=lambda r: r.code == "pp-not-planned")
+    refused = [r for r in mesh_refusals(spec, cluster, training, config)
                if (r.code != "ep-does-not-divide" or spec.moe is None or spec.moe.n_experts % config.ep)
                and r.field != "micro_batch"]
     if refused:
@@ -369,9 +369,7 @@ def estimate_config(spec: ModelSpec, cluster: ClusterSpec, training: TrainingSpe
                     profile: Profile | None = None) -> Candidate:
     """Cost an FsdpConfig; configurations that cannot run on the cluster at all, or on a mesh the model does not
     allow, raise PlannerError."""
-    # TODO(issue 18): drop the sort with mesh_rules' pp-not-planned; until then the stage and microbatch rules
-    # the input breaks name their own field first
-    refused = sorted(mesh_refusals(spec, cluster, training, config), key=lambda r: r.code == "pp-not-planned")
+    refused = mesh_refusals(spec, cluster, training, config)
     if refused:
         raise PlannerError(refused[0].field, f"{refused[0].reason}; {refused[0].fix}")
     error = cluster_rejects(cluster, config)

@@ -1,8 +1,7 @@
 """Pipeline parallelism on the command line (issue 18, items 1, 2, 4-6): the flags and their bad input, the stage
 split and the microbatches in the output, each pipeline rank's memory (text and JSON), --emit torchtitan parsed by
 torchtitan 0.3.0's own parser, the dialects that cannot express PP, and `fsdp-plan check` reading torchtitan's PP
-settings back. Until mesh_rules lifts "pp-not-planned" an estimate of pp > 1 is refused; the output tests drop that
-one refusal (the `pp_planned` fixture), as the code will run once it is gone."""
+settings back."""
 
 from __future__ import annotations
 
@@ -17,10 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from cost_models import mesh_rules
 from cost_models.memory import MemoryBreakdown
 from cost_models.pipeline_memory import PipelineRankMemory
-from planner import api, doctor
+from planner import api
 from test_float_flags import invoke  # (exit code, stdout, stderr) of `fsdp-plan ARGV` (tests/cli is on sys.path)
 from planner.errors import PlannerError
 from planner.schemas import EstimateOutput
@@ -33,18 +31,7 @@ PLAN = ["--model", "llama3.1-8b", "--gpus", "64", "--gpu", "h100-80gb"]
 PARSER = Path(__file__).parents[1] / "unit" / "torchtitan_parse.py"
 
 
-def _unrefused(original):
-    return lambda *a: [r for r in original(*a) if r.code != "pp-not-planned"]
-
-
-@pytest.fixture
-def pp_planned(monkeypatch):
-    """mesh_rules without its pp-not-planned refusal (TODO(issue 18): the lead removes it)."""
-    for module in (api, doctor):
-        monkeypatch.setattr(module, "mesh_refusals", _unrefused(mesh_rules.mesh_refusals))
-
-
-def test_without_a_global_batch_a_pipeline_runs_two_microbatches_per_stage(capsys, pp_planned):
+def test_without_a_global_batch_a_pipeline_runs_two_microbatches_per_stage(capsys):
     # as the search takes them: 1F1B on 8 ranks -> 16 microbatches of 1; the global batch is then 16 x 64 / 8 = 128
     code, out, err = invoke(EST + ["--pp", "8"], capsys)
     assert code == 0, err
@@ -60,14 +47,9 @@ def test_without_a_global_batch_a_pipeline_runs_two_microbatches_per_stage(capsy
 
 @functools.cache
 def done_when() -> api.Candidate:
-    original = api.mesh_refusals
-    api.mesh_refusals = _unrefused(mesh_rules.mesh_refusals)
-    try:
-        return api.estimate("llama3.1-405b", 512, gpu="h100-96gb", tp=8, pp=8, pp_schedule="interleaved-1f1b",
-                            micro_batch=1, global_batch=256, activation_checkpointing="full", compile=True,
-                            float8=True, async_tp=True)
-    finally:
-        api.mesh_refusals = original
+    return api.estimate("llama3.1-405b", 512, gpu="h100-96gb", tp=8, pp=8, pp_schedule="interleaved-1f1b",
+                        micro_batch=1, global_batch=256, activation_checkpointing="full", compile=True, float8=True,
+                        async_tp=True)
 
 
 # ------------------------------------------------------------------------------------------------ bad input
@@ -113,7 +95,7 @@ def test_help_says_the_micro_batch_is_the_pipeline_microbatch(capsys):
 
 # ------------------------------------------------------------------------------------------------ output
 
-def test_done_when_prints_the_stage_split_and_the_microbatches(pp_planned, capsys):
+def test_done_when_prints_the_stage_split_and_the_microbatches(capsys):
     code, out, err = invoke(DONE_WHEN, capsys)
     assert code == 0, err
     lines = out.splitlines()
@@ -208,12 +190,7 @@ def _torchtitan_03() -> str | None:
 
 
 def _planned(**kwargs) -> api.Candidate:
-    original = api.mesh_refusals
-    api.mesh_refusals = _unrefused(mesh_rules.mesh_refusals)
-    try:
-        return api.estimate(**kwargs)
-    finally:
-        api.mesh_refusals = original
+    return api.estimate(**kwargs)
 
 
 EMITTED = {  # plan -> what torchtitan must resolve
@@ -272,7 +249,7 @@ def test_torchtitan_split_of_the_interleaved_plan_by_hand(torchtitan_parsed):
     assert parts[7] == ["layers.28", "layers.29", "layers.30", "layers.31", "norm", "lm_head"]
 
 
-def test_check_reads_the_emitted_pipeline_back(torchtitan_parsed, tmp_path, pp_planned):
+def test_check_reads_the_emitted_pipeline_back(torchtitan_parsed, tmp_path):
     from planner.doctor import check
     from planner.setups import read_setup
 
@@ -287,7 +264,7 @@ def test_check_reads_the_emitted_pipeline_back(torchtitan_parsed, tmp_path, pp_p
     assert setup.n_processes == 64
     report = check(setup, "llama3.1-8b", gpu="h100-80gb")
     codes = {f.code for f in report.findings}
-    assert "pp-split-not-priced" not in codes and not codes & {"pp-too-few-microbatches", "pp-not-planned"}
+    assert "pp-split-not-priced" not in codes and "pp-too-few-microbatches" not in codes
 
 
 # ------------------------------------------------------------------------------------------------ other dialects
@@ -339,7 +316,7 @@ BASE = ("--module=llama3 --config=llama3_8b --parallelism.data_parallel_shard_de
         "--training.local_batch_size=8 ")
 
 
-def test_check_warns_of_torchtitans_own_split(tmp_path, pp_planned):
+def test_check_warns_of_torchtitans_own_split(tmp_path):
     # no module names: torchtitan's generator counts the embedding and the head as one block each: 34 over 4 stages
     # = 8 r 2, the two extra on stages 0 and 1, stage 0 and 3 one fewer -> 8, 9, 8, 7 against the even 8, 8, 8, 8
     r = _check_flags(tmp_path, BASE + "--parallelism.pipeline_parallel_degree=4 "
@@ -351,7 +328,7 @@ def test_check_warns_of_torchtitans_own_split(tmp_path, pp_planned):
                                                  "prices the even split 8, 8, 8, 8")
 
 
-def test_check_layers_per_stage_gives_the_stages_per_rank(tmp_path, pp_planned):
+def test_check_layers_per_stage_gives_the_stages_per_rank(tmp_path):
     # layers_per_stage 9: ceil((32 + 1 + 1) / 9) = 4 stages over pp 2 = 2 per rank (a looped schedule)
     r = _check_flags(tmp_path, BASE + "--parallelism.pipeline_parallel_degree=2 "
                                       "--parallelism.pipeline_parallel_schedule=Interleaved1F1B "
@@ -361,7 +338,7 @@ def test_check_layers_per_stage_gives_the_stages_per_rank(tmp_path, pp_planned):
         2, "interleaved-1f1b", 2, 1, 8)
 
 
-def test_check_audits_the_pipeline_by_the_same_rules(tmp_path, pp_planned):
+def test_check_audits_the_pipeline_by_the_same_rules(tmp_path):
     # local batch 8 in microbatches of 4: 2 microbatches for 1F1B's 4 stages (torch raises)
     r = _check_flags(tmp_path, BASE + "--parallelism.pipeline_parallel_degree=4 "
                                       "--parallelism.pipeline_parallel_microbatch_size=4")
@@ -389,11 +366,9 @@ def test_check_pipeline_settings_errors_name_the_key(tmp_path, text, field, word
     assert words in err
 
 
-def test_plan_json_with_a_pinned_pipeline_validates(pp_planned, monkeypatch, capsys):
-    from planner import search as search_module
+def test_plan_json_with_a_pinned_pipeline_validates(capsys):
     from planner.schemas import PlanOutput
 
-    monkeypatch.setattr(search_module, "mesh_refusals", _unrefused(mesh_rules.mesh_refusals))
     code, out, err = invoke(["--model", "llama3.2-1b", "--gpus", "16", "--gpu", "h100-80gb", "--global-batch", "32",
                              "--tp", "1", "--cp", "1", "--pp", "2", "--format", "json", "--top", "3"], capsys)
     assert code == 0, err

@@ -1,6 +1,5 @@
 """The search's pipelines (issue 18, item 3): which pp / schedule / microbatch combinations are generated, counted by
-hand, and how the search walks them. Until mesh_rules lifts "pp-not-planned" the search costs no pipeline: the
-walk's tests drop that one refusal (the code needs only it gone) and check what would then be costed."""
+hand, and how the search walks them."""
 
 from __future__ import annotations
 
@@ -9,12 +8,10 @@ import functools
 
 import pytest
 
-from cost_models import mesh_rules
 from cost_models.pipeline import microbatch_refusal
 from cost_models.profile import DEFAULT_PROFILE
 from cost_models.schedules import Schedule
 from cost_models.specs import FsdpConfig, TrainingSpec
-from planner import search as search_module
 from planner.hardware import make_cluster
 from planner.models import load_preset
 from planner.search import MeshChoice, SearchSpace, pipeline_meshes, search
@@ -98,8 +95,7 @@ def test_microbatch_counts_without_a_global_batch_are_two_per_stage():
 
 
 def test_pipelines_only_add_to_the_meshes_without_them():
-    # pp 1 leaves PP out; searched, the candidates without a pipeline are the same ones (none while mesh_rules
-    # still refuses pp-not-planned, the pipelines after that)
+    # pp 1 leaves PP out; searched, the candidates without a pipeline are the same ones, the pipelines after them
     m, cluster = model("llama3.2-1b"), make_cluster(16, gpu="h100-80gb")
     training = TrainingSpec(seq_len=2048, global_batch=32)
     space = SearchSpace(tp=1, cp=1, compile=(False,), float8=(False,))
@@ -111,15 +107,7 @@ def test_pipelines_only_add_to_the_meshes_without_them():
     assert walked.n_costed >= plain.n_costed
 
 
-@pytest.fixture
-def pp_planned(monkeypatch):
-    """mesh_rules without its pp-not-planned refusal (TODO(issue 18): the lead removes it)."""
-    original = mesh_rules.mesh_refusals
-    monkeypatch.setattr(search_module, "mesh_refusals",
-                        lambda *a: [r for r in original(*a) if r.code != "pp-not-planned"])
-
-
-def test_search_walks_pipelines_once_pp_is_planned(pp_planned):
+def test_search_walks_pipelines():
     m, cluster = model("llama3.2-1b"), make_cluster(16, gpu="h100-80gb")
     training = TrainingSpec(seq_len=2048, global_batch=32)
     space = SearchSpace(tp=1, cp=1, compile=(False,), float8=(False,), ac_every=(0, 1))
@@ -150,7 +138,7 @@ def test_search_walks_pipelines_once_pp_is_planned(pp_planned):
             assert best[high] > best[low]
 
 
-def test_pinned_pp_searches_that_pipeline_only(pp_planned):
+def test_pinned_pp_searches_that_pipeline_only():
     m, cluster = model("llama3.2-1b"), make_cluster(16, gpu="h100-80gb")
     training = TrainingSpec(seq_len=2048, global_batch=32)
     space = SearchSpace(tp=1, cp=1, compile=(False,), float8=(False,), ac_every=(1,), pp=4, pp_schedule=Schedule.GPIPE)
@@ -161,7 +149,7 @@ def test_pinned_pp_searches_that_pipeline_only(pp_planned):
     assert {(c.micro_batch, c.grad_accum) for c in configs} <= {(1, 8), (2, 4), (4, 2), (8, 1)}
 
 
-def test_where_nothing_fits_the_walk_goes_on_while_the_nearest_miss_comes_closer(pp_planned):
+def test_where_nothing_fits_the_walk_goes_on_while_the_nearest_miss_comes_closer():
     # 3 GiB GPUs: llama3.2-1b fits nowhere (its 1.24B params' adamw state alone is 1.24e9 x 16 B / 16 = 1.2 GiB
     # a rank, plus activations); each schedule's walk goes up from pp 2 while the least overshoot falls, and stops
     # at the first degree where it does not
