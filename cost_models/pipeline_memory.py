@@ -270,7 +270,13 @@ def pipeline_estimate(model: ModelSpec, cluster, training: TrainingSpec, config:
         f"pipeline rank {top.rank} ({top.description}) has the largest peak, at its {top.peak_moment}",) + (
         (f"{config.pp_schedule.value}: the split backward's held tensors are approximated (the input pass keeps "
          "the microbatch's graph and its linears' output gradients until the weight pass); unchecked: the trace "
-         "runs it but differs by 9-44% (docs/accuracy.md)",) if config.pp_schedule.value in SPLIT_BACKWARD else ())
+         "runs it but differs by 9-44% (docs/accuracy.md)",) if config.pp_schedule.value in SPLIT_BACKWARD else ()) + (
+        tuple(f"pp > 1 does not price {what} yet: priced as without it" for what, on in (
+            ("CPU offload", config.offload), ("selective-op checkpointing", config.selective_op_ac),
+            ("LoRA", training.finetune.value == "lora"), ("the experts' own activations (MoE)", model.moe is not None),
+            ("the FP8 all-gather", config.fp8_all_gather), ("the compiled loss", config.loss_compiled)) if on)
+        + (("TP / CP inside a stage: a TP rank's slice of the model on s / cp tokens, not traced",)
+           if config.tp > 1 or config.cp > 1 else ()))
     return MemoryEstimate(breakdown=top.breakdown, peak_phase=phase, phases=dict(top.phases),
                           peak_allocated_bytes=top.peak_allocated_bytes, peak_reserved_bytes=top.peak_reserved_bytes,
                           cpu_bytes_per_node=0, cpu_ram_capacity_bytes=cluster.cpu_ram_bytes_per_node, notes=notes,
