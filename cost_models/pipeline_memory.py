@@ -63,7 +63,8 @@ class _StagePieces:
     logits: int                # last stage: one microbatch's logits, kept to the step's end (output_chunks)
     loss_saved: int            # last stage: the log-softmax output kept until the loss backward
     loss_peak: int             # last stage: the loss backward's fp32 gradients on top of loss_saved
-    blocks: tuple              # (activations relative to `saved`, in-flight gradients) at each block's backward, top first
+    blocks: tuple              # each block's backward, top first: (activations relative to `saved`, in-flight gradients,
+    #                            activations at its post-backward)
     reserved_extra: int        # last stage: what the allocator strands above the loss backward's allocations
     weight_inputs: int         # zero-bubble: the output gradients of the stage's linears, kept from I until W
     block_params: int          # one block's parameters (an FSDP unit)
@@ -114,7 +115,10 @@ def _stage_pieces(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, 
         this = full + (input_extra if j or stage.embedding else 0) if recomputed else kept[j]
         base = tokens * (sum(kept[:j]) + this) + shared - saved
         at_mlp, at_attn = (base + tokens * w_mlp, mlp_grad), (base + tokens * (w_attn - freed), attn_grad)
-        blocks.append(max(at_mlp, at_attn, key=sum))
+        # its post-backward: the block's whole compute-dtype gradient (converted or added one parameter at a time)
+        # beside the saved tensors below and the gradient passed down
+        post = tokens * (sum(kept[:j]) + h * c) + shared - saved
+        blocks.append((*max(at_mlp, at_attn, key=sum), post))
     head_grad = head * c
     return _StagePieces(stage, params, head, saved, output, logits, loss_saved, loss_peak, tuple(blocks),
                         tokens * activations.logits_reserved_extra_bytes_per_token(model, c, config.loss_compiled)
@@ -211,10 +215,12 @@ def rank_memory(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, d:
         # post-backward
         in_place = backwards[action.stage] > 0 and r == c
         first = backwards[action.stage] == 0
-        for j, (acts, grads) in enumerate(x.blocks):  # j: blocks above, done (their gradients converted or kept)
-            done = j * x.block_params * r + x.head_grad if first else (0 if in_place else grads + x.head_grad)
-            moment(f"backward of {where}", acts, done + (grads if first else 0),
-                   -x.loss_saved if x.stage.head else 0)
+        for j, (acts, grads, post) in enumerate(x.blocks):  # j: blocks above, done (their gradients converted or kept)
+            done = j * x.block_params * r + x.head_grad if first else (0 if in_place else x.head_grad)
+            loss_gone = -x.loss_saved if x.stage.head else 0
+            moment(f"backward of {where}", acts, done + (0 if in_place else grads), loss_gone)
+            moment(f"post-backward of a block of {where}", post, done + (0 if in_place else x.block_params * c),
+                   loss_gone)
         root = x.params - x.stage.n_blocks * x.block_params
         if root:  # the stage root's post-backward, the microbatch's saved tensors gone (its input's gradient left)
             # first microbatch with mixed precision: the root's compute-dtype gradients and their reduce-dtype copy
