@@ -449,8 +449,7 @@ def search(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, profi
     schedule until a degree fits no faster than the best before it (_walk_on) or cannot beat the fastest candidate
     so far (_pipeline_ceiling: the mesh's own compute with the textbook bubble), each degree on the scout knobs
     (_scout_space: a pipeline candidate prices every rank's schedule, 1-60 ms against 0.2 ms without PP); then the
-    whole knob space on the fastest scouted pipeline of each schedule where it beats the meshes without PP on the
-    same scout knobs."""
+    whole knob space on the fastest scouted pipeline where it beats the meshes without PP on the same knobs."""
     found: list[_Found] = []
     skipped: list[str] = []
     shardings = space.shardings_for(cluster)
@@ -494,7 +493,9 @@ def search(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, profi
             go_on, walks[key] = _walk_on(piped, walks.get(key, _Walk(flat.best_tokens_per_s() if flat else None)))
             if not go_on:
                 stopped.add(key)
-    found += [cost(mesh) for best, mesh in scouted.values() if best > flat_scouts]
+    if scouted:  # the whole knob space on the fastest scouted pipeline, where it beats no PP on the same knobs
+        best, fastest = max(scouted.values(), key=lambda bm: bm[0])
+        found += [cost(fastest)] if best > flat_scouts else []
     costed = [f for f in found if f is not None]
     if not costed:
         skipped.append(f"every micro-batch: global batch {training.global_batch} is not a multiple of "
