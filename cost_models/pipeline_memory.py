@@ -152,30 +152,32 @@ def rank_memory(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, d:
 
     gathered: set[int] = set()
     backwards: dict[int, int] = {s: 0 for s in pieces}
-    in_flight: dict[int, set[int]] = {s: set() for s in pieces}
+    in_flight: dict[int, int] = {s: 0 for s in pieces}  # microbatches forwarded, not yet through their last pass
+    waiting: dict[int, int] = {s: 0 for s in pieces}    # of which input pass done, weight pass not yet
     reduced: set[int] = set()  # stages whose gradients are reduce-scattered (the step's end)
-    waiting: dict[int, set[int]] = {s: set() for s in pieces}  # input pass done, weight pass not yet
     most: dict[int, int] = {s: 0 for s in pieces}  # the most microbatches each stage holds at once
     logits_kept = 0
-    best = (-1, "", MemoryBreakdown())
+    best: list = [-1, None, None]  # total, (what, microbatch, stage), the breakdown's parts
     loss_moment = 0  # the loss backward's segments stay reserved once made (allocator.py), as in memory.py
 
-    def moment(name: str, acts_extra: int, grads_extra: int, logits_extra: int, params_extra: int = 0,
+    def moment(what: tuple, acts_extra: int, grads_extra: int, logits_extra: int, params_extra: int = 0,
                buffers_extra: int = 0, sharded_extra: int = 0) -> int:
-        nonlocal best
-        acts = buffers + sum(pieces[s].saved * len(mbs) + pieces[s].weight_inputs * len(waiting[s])
-                             for s, mbs in in_flight.items())
-        loss = logits_kept + sum(pieces[s].loss_saved * len(mbs - waiting[s]) + pieces[s].logits * len(waiting[s])
-                                 for s, mbs in in_flight.items())
-        acc = sum(x.params * r for s, x in pieces.items() if backwards[s] > 0 and s not in reduced)
-        b = _breakdown(sharded_params=sharded_params, optimizer_state=optimizer_state,
-                       sharded_grads=sum(math.ceil(pieces[s].params * p / d) for s in reduced) + sharded_extra,
-                       unsharded_params=sum(pieces[s].params * c for s in gathered) + params_extra,
-                       unsharded_grads=acc + grads_extra, activations=acts + acts_extra,
-                       logits_and_loss=loss + logits_extra, collective_buffers=buffers_extra)
-        if b.total_bytes > best[0]:
-            best = (b.total_bytes, name, b)
-        return b.total_bytes
+        acts, loss, acc, gathered_c, sharded = buffers, logits_kept, 0, 0, sharded_extra
+        for s, x in pieces.items():
+            acts += x.saved * in_flight[s] + x.weight_inputs * waiting[s]
+            loss += x.loss_saved * (in_flight[s] - waiting[s]) + x.logits * waiting[s]
+            if s in reduced:
+                sharded += math.ceil(x.params * p / d)
+            elif backwards[s]:
+                acc += x.params * r
+            if s in gathered:
+                gathered_c += x.params * c
+        parts = (sharded_params, optimizer_state, sharded, gathered_c + params_extra, acc + grads_extra,
+                 acts + acts_extra, loss + logits_extra, buffers_extra)
+        total = sum(parts)
+        if total > best[0]:
+            best[:] = [total, what, parts]
+        return total
 
     def reduce(stage: int) -> None:
         """perform_reduce_grad after the stage's last backward: each FSDP unit (the stage root's params first, then
@@ -185,59 +187,77 @@ def rank_memory(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, d:
         done = 0
         for group in ([root] if root else []) + [x.block_params] * x.stage.n_blocks:
             rs = group * r + math.ceil(group * r / d) if d > 1 else 0
-            moment(f"reduce-scatter of stage {stage}", 0, -done * r, 0, -(done + group) * c, rs,
-                   math.ceil(done * p / d))
+            moment(("reduce-scatter", None, stage), 0, -done * r, 0, -(done + group) * c, rs, math.ceil(done * p / d))
             done += group
         gathered.discard(stage)
         reduced.add(stage)
 
+    def block_moments(x: _StagePieces) -> dict:
+        """The stage's block moments that can be largest, by case (first backward / later / later in place): for
+        block j (j blocks above done) its backward and its post-backward (the block's whole compute-dtype
+        gradient); the base state is the same for every block of one backward, so the largest sum decides."""
+        out = {}
+        for case in ("first", "later", "in place"):
+            options = []
+            for j, (acts, grads, post) in enumerate(x.blocks):
+                done = j * x.block_params * r + x.head_grad if case == "first" else (
+                    0 if case == "in place" else x.head_grad)
+                held = 0 if case == "in place" else grads
+                whole = 0 if case == "in place" else x.block_params * c
+                options += [("backward", acts, done + held), ("post-backward of a block", post, done + whole)]
+            out[case] = [max((o for o in options if o[0] == kind), key=lambda o: o[1] + o[2])
+                         for kind in ("backward", "post-backward of a block") if options]
+        return out
+
+    cases = {s: block_moments(x) for s, x in pieces.items()}
     for action in orders(config.pp_schedule, config.pp, config.pp_stages_per_rank, m)[rank]:
-        x = pieces[action.stage]
+        stage, mb = action.stage, action.microbatch
+        x = pieces[stage]
         if action.kind == "F":
-            gathered.add(action.stage)
-            in_flight[action.stage].add(action.microbatch)
-            most[action.stage] = max(most[action.stage], len(in_flight[action.stage]))
+            gathered.add(stage)
+            in_flight[stage] += 1
+            most[stage] = max(most[stage], in_flight[stage])
             logits_kept += x.logits
             continue
         if action.kind == "W":  # the weight pass: the microbatch's graph and its weight-gradient inputs go
-            in_flight[action.stage].discard(action.microbatch)
-            waiting[action.stage].discard(action.microbatch)
-            if action.microbatch == m - 1:
-                reduce(action.stage)
+            in_flight[stage] -= 1
+            waiting[stage] -= 1
+            if mb == m - 1:
+                reduce(stage)
             continue
-        where = f"microbatch {action.microbatch} on stage {action.stage}"
+        loss_gone = -x.loss_saved if x.stage.head else 0
         if x.stage.head:
-            loss_moment = max(loss_moment, moment(f"loss backward of {where}", 0, 0, x.loss_peak) + x.reserved_extra)
+            loss_moment = max(loss_moment, moment(("loss backward", mb, stage), 0, 0, x.loss_peak) + x.reserved_extra)
             # the head's backward: the logits' gradient beside the head's new (compute-dtype) weight gradient
-            moment(f"head backward of {where}", 0, x.head_grad, x.logits - x.loss_saved)
+            moment(("head backward", mb, stage), 0, x.head_grad, x.logits - x.loss_saved)
         # without a dtype change (no mixed precision) autograd adds a later microbatch's gradients into the kept
         # ones in place; with one, the compute-dtype gradients wait beside the reduce-dtype sums until the unit's
         # post-backward
-        in_place = backwards[action.stage] > 0 and r == c
-        first = backwards[action.stage] == 0
-        for j, (acts, grads, post) in enumerate(x.blocks):  # j: blocks above, done (their gradients converted or kept)
-            done = j * x.block_params * r + x.head_grad if first else (0 if in_place else x.head_grad)
-            loss_gone = -x.loss_saved if x.stage.head else 0
-            moment(f"backward of {where}", acts, done + (0 if in_place else grads), loss_gone)
-            moment(f"post-backward of a block of {where}", post, done + (0 if in_place else x.block_params * c),
-                   loss_gone)
+        first = backwards[stage] == 0
+        for kind, acts, grads in cases[stage]["first" if first else "in place" if r == c else "later"]:
+            moment((kind, mb, stage), acts, grads, loss_gone)
         root = x.params - x.stage.n_blocks * x.block_params
         if root:  # the stage root's post-backward, the microbatch's saved tensors gone (its input's gradient left)
             # first microbatch with mixed precision: the root's compute-dtype gradients and their reduce-dtype copy
-            # (to_accumulated_grad_if_needed) beside the blocks' converted ones; later ones add in place
-            # later ones: the root's new compute-dtype gradients (waiting, or made whole before the in-place add)
+            # (to_accumulated_grad_if_needed) beside the blocks' converted ones; later ones: the root's new
+            # compute-dtype gradients (waiting, or made whole before the in-place add)
             grads = (x.params - root) * r + root * (c + r) if first and r != c else (0 if first else root * c)
-            moment(f"root post-backward of {where}", tokens_h - x.saved, grads,
+            moment(("root post-backward", mb, stage), tokens_h - x.saved, grads,
                    -x.loss_saved - x.logits if x.stage.head else 0)
         if action.kind == "I":  # zero-bubble's input pass keeps the graph for the weight pass (an approximation)
-            waiting[action.stage].add(action.microbatch)
+            waiting[stage] += 1
         else:
-            in_flight[action.stage].discard(action.microbatch)
-        backwards[action.stage] += 1
-        if action.kind == "B" and action.microbatch == m - 1:
-            reduce(action.stage)
+            in_flight[stage] -= 1
+        backwards[stage] += 1
+        if action.kind == "B" and mb == m - 1:
+            reduce(stage)
     if logits_kept:  # the last stage's step returns its microbatches' logits concatenated (a copy beside them)
-        moment("merge of the logits", 0, 0, logits_kept)
+        moment(("merge of the logits", None, None), 0, 0, logits_kept)
+    what, mb, stage = best[1]
+    names = ("sharded_params", "optimizer_state", "sharded_grads", "unsharded_params", "unsharded_grads",
+             "activations", "logits_and_loss", "collective_buffers")
+    best = (best[0], what + (f" of microbatch {mb} on stage {stage}" if mb is not None else
+                             f" of stage {stage}" if stage is not None else ""), _breakdown(**dict(zip(names, best[2]))))
     backward = breakdown = best[2]
     step = _breakdown(sharded_params=sharded_params, optimizer_state=optimizer_state,
                       sharded_grads=math.ceil(total_params * p / d), optimizer_temporaries=step_temporaries)
