@@ -21,7 +21,7 @@ from cost_models.pipeline_memory import PipelineRankMemory
 from planner import api
 from test_float_flags import invoke  # (exit code, stdout, stderr) of `fsdp-plan ARGV` (tests/cli is on sys.path)
 from planner.errors import PlannerError
-from planner.schemas import EstimateOutput
+from planner.schemas import EstimateOutput, ExplainOutput
 
 DONE_WHEN = ["estimate", "--model", "llama3.1-405b", "--gpus", "512", "--gpu", "h100-96gb", "--tp", "8", "--pp", "8",
              "--pp-schedule", "interleaved-1f1b", "--micro-batch", "1", "--global-batch", "256",
@@ -166,7 +166,9 @@ def test_explain_walks_each_pipeline_rank():
             "75.00 GiB at backward of block 24 (the largest: the terms below are this rank's)") in text
     assert "  pipeline rank 7: stage 7 (blocks 55-62), stage 15 (blocks 119-125 + norm + head + loss); peak allocated " \
            "67.00 GiB, reserved 71.00 GiB at backward of block 56" in text
-    terms = [t["term"] for t in json.loads(explain_json(c, "flags"))["explanation"]["memory"]]
+    data = json.loads(explain_json(c, "flags"))
+    ExplainOutput.model_validate(data)
+    terms = [t["term"] for t in data["explanation"]["memory"]]
     assert terms[:10] == ["pipeline"] + [f"pipeline rank {r}" for r in range(8)] + ["peak moment"]
     # the whole-model formulas (all 126 blocks' parameters over d) do not describe a rank: its categories instead
     assert "stored parameters" not in terms and terms[-1] == "reserved"
@@ -205,6 +207,12 @@ EMITTED = {  # plan -> what torchtitan must resolve
     "gpipe": (dict(model="llama3.1-8b", gpus=8, gpu="h100-80gb", pp=8, pp_schedule="gpipe", micro_batch=4,
                    global_batch=16),
               dict(pp=8, pp_schedule="GPipe", pp_microbatch_size=4, local_batch_size=16, global_batch_size=16)),
+    "zero-bubble": (dict(model="llama3.1-8b", gpus=16, gpu="h100-80gb", pp=4, pp_schedule="zero-bubble",
+                         micro_batch=1, global_batch=32),  # 16 / 4 = 4 ranks; 32 / 4 = 8 microbatches; 8 stages
+                    dict(pp=4, pp_schedule="InterleavedZeroBubble", pp_microbatch_size=1, local_batch_size=8)),
+    "dualpipev": (dict(model="llama3.1-8b", gpus=16, gpu="h100-80gb", pp=4, pp_schedule="dualpipev", micro_batch=1,
+                       global_batch=32),
+                  dict(pp=4, pp_schedule="DualPipeV", pp_microbatch_size=1, local_batch_size=8)),
 }
 
 
