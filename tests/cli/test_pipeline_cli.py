@@ -406,3 +406,26 @@ def test_calibrate_takes_the_pipeline_flags(monkeypatch, capsys):
     invoke(["calibrate", "--gpus", "4", "--model", "llama3.2-1b", "--device", "cpu", "--pp", "2", "--global-batch",
             "8", "--out", "unused"], capsys)
     assert seen["config"].grad_accum == 4  # 4 GPUs / pp 2 = 2 data-parallel ranks: 8 / 2 = 4 microbatches of 1
+
+
+def test_check_reads_a_toml_job_files_model_parts(tmp_path):
+    # torchtitan 0.2's TOML: 4 parts of 9, 7, 8 and 8 blocks over pp 2 -> 2 stages a rank (interleaved); the
+    # estimate prices 8, 8, 8, 8
+    from planner.doctor import check
+    from planner.setups import read_setup
+
+    counts, first, parts = (9, 7, 8, 8), 0, []
+    for i, n in enumerate(counts):
+        names = (["tok_embeddings"] if i == 0 else []) + [f"layers.{b}" for b in range(first, first + n)]
+        parts.append(names + (["norm", "output"] if i == len(counts) - 1 else []))
+        first += n
+    path = tmp_path / "llama3_8b.toml"
+    path.write_text("[parallelism]\ndata_parallel_shard_degree = 4\npipeline_parallel_degree = 2\n"
+                    'pipeline_parallel_schedule = "Interleaved1F1B"\n'
+                    f"module_fqns_per_model_part = {json.dumps(parts)}\n"
+                    "[training]\nlocal_batch_size = 8\n")
+    setup = read_setup(path)
+    assert (setup.config.pp, setup.config.pp_stages_per_rank, setup.config.grad_accum) == (2, 2, 8)
+    r = check(setup, "llama3.1-8b", gpu="h100-80gb")
+    split = [f for f in r.findings if f.code == "pp-split-not-priced"]
+    assert split and split[0].message.startswith("torchtitan runs 9, 7, 8, 8 blocks on stages 0-3")
