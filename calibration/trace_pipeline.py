@@ -130,9 +130,12 @@ def _check_pipeline(spec: ModelSpec, config: FsdpConfig, hf_config: dict | None)
 
 def trace_pipeline(spec: ModelSpec, config: FsdpConfig, *, n_gpus: int, gpus_per_node: int, seq_len: int,
                    optimizer: Optimizer | str = Optimizer.ADAMW, hf_config: dict | None = None,
-                   ranks: tuple[int, ...] | None = None) -> tuple[TraceResult, ...]:
+                   ranks: tuple[int, ...] | None = None,
+                   finetune: Finetune | str = Finetune.FULL) -> tuple[TraceResult, ...]:
     """One TraceResult per pipeline rank (or per rank in `ranks`), each its own fake world; see the module
     docstring."""
+    if Finetune(finetune) is not Finetune.FULL:
+        raise TraceUnsupported("the pipeline trace runs full fine-tuning only; LoRA under PP: use the estimate")
     training = TrainingSpec(seq_len=seq_len, optimizer=optimizer, finetune=Finetune.FULL)
     _check_supported(config, training)
     _check_pipeline(spec, config, hf_config)

@@ -111,11 +111,21 @@ def trace_candidate(candidate: Candidate, hf_config: dict | None, profile: Profi
                                     "implementation covers the llama family only; pass a preset or config.json")
     try:
         with progress(f"tracing {spec.name} on {candidate.cluster.n_gpus} fake ranks"):
-            traced = trace_memory(spec, candidate.config, n_gpus=candidate.cluster.n_gpus,
-                                  gpus_per_node=candidate.cluster.gpus_per_node, seq_len=candidate.training.seq_len,
-                                  optimizer=candidate.training.optimizer, hf_config=hf_config,
-                                  finetune=candidate.training.finetune, lora_rank=candidate.training.lora_rank,
-                                  routing_imbalance=candidate.training.routing_imbalance)
+            if candidate.config.pp > 1:  # a trace per pipeline rank; the largest leads, as the estimate's headline
+                from calibration.trace_pipeline import trace_pipeline
+
+                traced = max(trace_pipeline(spec, candidate.config, n_gpus=candidate.cluster.n_gpus,
+                                            gpus_per_node=candidate.cluster.gpus_per_node,
+                                            seq_len=candidate.training.seq_len, optimizer=candidate.training.optimizer,
+                                            hf_config=hf_config, finetune=candidate.training.finetune),
+                             key=lambda t: t.peak_allocated_bytes)
+            else:
+                traced = trace_memory(spec, candidate.config, n_gpus=candidate.cluster.n_gpus,
+                                      gpus_per_node=candidate.cluster.gpus_per_node,
+                                      seq_len=candidate.training.seq_len, optimizer=candidate.training.optimizer,
+                                      hf_config=hf_config, finetune=candidate.training.finetune,
+                                      lora_rank=candidate.training.lora_rank,
+                                      routing_imbalance=candidate.training.routing_imbalance)
     except TraceError as exc:
         raise PlannerError("trace", str(exc)) from None
     return TraceReport(candidate=candidate, traced=traced, profile=profile or DEFAULT_PROFILE)
