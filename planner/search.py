@@ -337,6 +337,8 @@ def _cost_mesh(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, p
     """Every knob combination on one mesh (None: no micro-batch reaches the global batch on it)."""
     data_parallel = cluster.n_gpus // mesh.model_parallel
     pipe = mesh.pipeline
+    if pipe.pp > 1:  # a stage keeps its blocks gathered from forward to backward: no reshard group to choose
+        space = replace(space, reshard_to_node=(False,))
     plans = microbatch_plans(training, data_parallel, space.micro_batches, pipe, space.pp_schedule is not None)
     if not plans:
         return None
