@@ -450,8 +450,8 @@ def search(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, profi
     """Cost the space. Each mesh without a pipeline, then its pipelines (pipeline_meshes) by growing degree for each
     schedule until a degree fits no faster than the best before it (_walk_on) or cannot beat the fastest candidate
     so far (_pipeline_ceiling: the mesh's own compute with the textbook bubble), each degree on the scout knobs
-    (_scout_space: a pipeline candidate prices every rank's schedule, 5-60 ms at pp 8-32 against 0.5 ms without); then the
-    whole knob space on the fastest scouted pipeline where it beats the meshes without PP on the same knobs."""
+    (_scout_space: a pipeline candidate prices every rank's schedule, 5-60 ms at pp 8-32 against 0.5 ms without);
+    then the whole knob space on the fastest scouted pipeline where it beats the meshes without PP on the same knobs."""
     found: list[_Found] = []
     skipped: list[str] = []
     shardings = space.shardings_for(cluster)
