@@ -91,3 +91,21 @@ def test_estimate_within_one_percent_of_the_trace_on_every_rank(row, traced):
     assert len(est) == len(traced)
     for rank, peak in zip(est, traced):
         assert rank.peak_allocated_bytes == pytest.approx(peak, rel=0.01), rank.rank
+
+
+@pytest.mark.parametrize("schedule, pp, v, m", [("interleaved-1f1b", 4, 2, 8), ("interleaved-1f1b", 2, 4, 4),
+                                                ("gpipe", 2, 1, 4)])
+def test_in_flight_microbatches_match_torchs_own_pipeline_order(schedule, pp, v, m):
+    """Counted from torch's pipeline_order (a fake group, tests/golden/test_pipeline_rows.torch_orders): forwards
+    minus backwards on each stage, at their most."""
+    from tests.golden.test_pipeline_rows import torch_orders
+
+    est = ranks(schedule, pp, m, pp * 2, pp_stages_per_rank=v)
+    for rank in est.pipeline_ranks:
+        theirs: dict[int, int] = {}
+        live: dict[int, int] = {}
+        for stage, kind, _ in torch_orders(schedule, pp, v, m)[rank.rank]:
+            live[stage] = live.get(stage, 0) + (1 if kind == "F" else -1 if kind == "B" else 0)
+            theirs[stage] = max(theirs.get(stage, 0), live[stage])
+        ours = [int(part.split("up to ")[1].split()[0]) for part in rank.description.split("; ")]
+        assert ours == [theirs[s] for s in rank.stages], rank.rank
