@@ -42,6 +42,7 @@ from cost_models.specs import (SELECTIVE_OP, Attention, ClusterSpec, FsdpConfig,
                                TrainingSpec)
 
 from .search_pipeline import NO_PIPELINE, PP_SHARDINGS, Pipeline, microbatch_plans, pipelines, pp_degrees
+from .search_walk import Walk, per_token_compute_s, pipeline_ceiling, scout_space, walk_on
 
 MICRO_BATCHES = (1, 2, 4, 8, 16, 32, 64)
 AC_CHOICES = (0, 4, 2, 1, SELECTIVE_OP)  # none, every 4th, every 2nd, every block, torchtitan's op-level policy
@@ -322,16 +323,6 @@ class _Found:
         return max((e.time.tokens_per_s_per_gpu for e in self.fitting), default=None)
 
 
-def _scout_space(space: SearchSpace, cluster: ClusterSpec) -> SearchSpace:
-    """The few knobs a pipeline degree is first judged by (the walk compares degrees on them): the first
-    precision, full activation checkpointing (the least activation memory), compile, Float8 and async TP where they
-    run, no reshard group; every micro-batch."""
-    return replace(space, precisions=space.precisions_for(cluster)[:1],
-                   ac_every=(1,) if 1 in space.ac_every else space.ac_every[:1],
-                   compile=(max(space.compile_for(cluster)),), float8=(max(space.float8),),
-                   reshard_to_node=(False,), async_tp=(max(space.async_tp),))
-
-
 def _cost_mesh(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, profile: Profile,
                space: SearchSpace, shardings: tuple[Sharding, ...], mesh: MeshChoice) -> _Found | None:
     """Every knob combination on one mesh (None: no micro-batch reaches the global batch on it)."""
@@ -402,55 +393,12 @@ def _cost_mesh(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, p
     return found
 
 
-def _per_token_compute_s(found: _Found | None) -> float | None:
-    """The least compute (recompute left out) a token costs a GPU on this mesh, over every candidate costed."""
-    rates = [(e.time.compute_s - e.time.recompute_s) / (e.time.tokens_per_s_per_gpu * e.time.step_s)
-             for e in (found.fitting + found.misses if found is not None else []) if e.time.tokens_per_s_per_gpu > 0]
-    return min(rates, default=None)
-
-
-def _pipeline_ceiling(per_token_s: float | None, pipe: Pipeline, plans: list[tuple[int, int]]) -> float | None:
-    """tokens/s/GPU no candidate of this pipeline beats: the mesh's cheapest compute per token with nothing but
-    the textbook bubble on top, at the most microbatches its plans give (None: no bound). The same tokens on
-    fewer blocks per rank cost a GPU the same compute; communication, imbalance and sends only slow it further."""
-    if per_token_s is None or not plans or pipe.schedule not in (Schedule.GPIPE, Schedule.ONE_F_ONE_B,
-                                                                  Schedule.INTERLEAVED_1F1B):
-        return None
-    from cost_models.pipeline_time import textbook_bubble_fraction
-
-    m = max(accum for _, accum in plans)
-    return (1 - textbook_bubble_fraction(pipe.schedule, pipe.pp, pipe.stages_per_rank, m)) / per_token_s
-
-
-@dataclass(frozen=True)
-class _Walk:
-    """Where a schedule's walk over pipeline degrees stands: the best tokens/s/GPU so far (the mesh without PP
-    included) and the last degree's least overshoot when nothing fit there."""
-    best: float | None = None
-    overshoot: float | None = None
-
-
-def _walk_on(found: _Found | None, walk: _Walk) -> tuple[bool, _Walk]:
-    """(whether the walk goes past this degree, where it then stands). Stopped at a degree that fits no faster
-    than the best so far: a larger pp halves the data-parallel ranks and grows the bubble. Where nothing fits, on
-    while the nearest miss comes closer: a larger pp leaves fewer blocks per rank (under PP a stage keeps its
-    blocks gathered from forward to backward), so memory falls with the degree until it does not."""
-    best = found.best_tokens_per_s() if found is not None else None
-    if best is None:
-        least = min((overshoot(e)[0] for e in found.misses), default=None) if found is not None else None
-        closer = least is not None and (walk.overshoot is None or least < walk.overshoot)
-        return closer or (found is None and walk.overshoot is None), replace(walk, overshoot=least)
-    if walk.best is None or best > walk.best:
-        return True, _Walk(best)
-    return False, walk
-
-
 def search(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, profile: Profile,
            space: SearchSpace = SearchSpace()) -> SearchResult:
     """Cost the space. Each mesh without a pipeline, then its pipelines (pipeline_meshes) by growing degree for each
-    schedule until a degree fits no faster than the best before it (_walk_on) or cannot beat the fastest candidate
-    so far (_pipeline_ceiling: the mesh's own compute with the textbook bubble), each degree on the scout knobs
-    (_scout_space: a pipeline candidate prices every rank's schedule, 5-60 ms at pp 8-32 against 0.5 ms without);
+    schedule until a degree fits no faster than the best before it (walk_on) or cannot beat the fastest candidate
+    so far (pipeline_ceiling: the mesh's own compute with the textbook bubble), each degree on the scout knobs
+    (scout_space: a pipeline candidate prices every rank's schedule, 5-60 ms at pp 8-32 against 0.5 ms without);
     then the whole knob space on the fastest scouted pipeline where it beats the meshes without PP on the same knobs."""
     found: list[_Found] = []
     skipped: list[str] = []
@@ -460,7 +408,7 @@ def search(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, profi
                        "where they equal FULL_SHARD / SHARD_GRAD_OP")
     cost = lambda mesh, knobs=space: _cost_mesh(model, cluster, training, profile, knobs, shardings[:1] if  # noqa: E731
                                                  knobs is not space else shardings, mesh)
-    scout = _scout_space(space, cluster)
+    scout = scout_space(space, cluster)
     scouted: dict[tuple, tuple[float, MeshChoice]] = {}  # per schedule: the fastest scouted pipeline
     best_known = 0.0  # the fastest fitting candidate so far, tokens/s/GPU
     flat_scouts = 0.0  # the meshes without PP on the scout knobs: what a scouted pipeline must beat
@@ -473,16 +421,16 @@ def search(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, profi
         if space.pp != 1:  # like with like (0.2 ms a candidate; counted once, with the mesh's own)
             flat_scout = cost(mesh, scout)
             flat_scouts = max(flat_scouts, (flat_scout.best_tokens_per_s() or 0.0) if flat_scout else 0.0)
-        walks: dict[tuple, _Walk] = {}  # per schedule
+        walks: dict[tuple, Walk] = {}  # per schedule
         stopped: set[tuple] = set()
-        per_token_s = _per_token_compute_s(flat)
+        per_token_s = per_token_compute_s(flat.fitting + flat.misses if flat is not None else [])
         for pipe in pipeline_meshes(model, cluster, space, mesh):
             key = (pipe.schedule, pipe.stages_per_rank)
             if key in stopped:
                 continue
             plans = microbatch_plans(training, cluster.n_gpus // (mesh.model_parallel * pipe.pp), space.micro_batches,
                                      pipe, space.pp_schedule is not None)
-            ceiling = _pipeline_ceiling(per_token_s, pipe, plans)
+            ceiling = pipeline_ceiling(per_token_s, pipe, plans)
             if ceiling is not None and ceiling <= best_known:
                 stopped.add(key)  # a larger degree: fewer microbatches or more stages, a larger bubble
                 continue
@@ -492,7 +440,9 @@ def search(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, profi
             if best is not None and best > scouted.get(key, (0.0, None))[0]:
                 scouted[key] = (best, replace(mesh, pipeline=pipe))
                 best_known = max(best_known, best)
-            go_on, walks[key] = _walk_on(piped, walks.get(key, _Walk(flat.best_tokens_per_s() if flat else None)))
+            least = min((overshoot(e)[0] for e in piped.misses), default=None) if piped is not None else None
+            go_on, walks[key] = walk_on(best, least, piped is not None,
+                                        walks.get(key, Walk(flat.best_tokens_per_s() if flat else None)))
             if not go_on:
                 stopped.add(key)
     if scouted:  # the whole knob space on the fastest scouted pipeline, where it beats no PP on the same knobs

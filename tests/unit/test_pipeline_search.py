@@ -174,13 +174,31 @@ def test_where_nothing_fits_the_walk_goes_on_while_the_nearest_miss_comes_closer
 
 
 def test_pipeline_ceiling_is_the_meshs_compute_with_the_textbook_bubble():
-    from planner.search import _pipeline_ceiling
+    from planner.search_walk import pipeline_ceiling
 
     # 1 ms of compute a token; 1F1B on 4 ranks, at most 12 microbatches: bubble 3 / (12 + 3) = 0.2 -> 800 tokens/s
     plans = [(1, 12), (2, 6)]
-    assert _pipeline_ceiling(1e-3, Pipeline(4), plans) == pytest.approx(800)
+    assert pipeline_ceiling(1e-3, Pipeline(4), plans) == pytest.approx(800)
     # interleaved, 2 stages a rank: 3 / (2 x 12 + 3) = 1/9 -> 888.9
-    assert _pipeline_ceiling(1e-3, Pipeline(4, I1F1B, 2), plans) == pytest.approx(8000 / 9)
+    assert pipeline_ceiling(1e-3, Pipeline(4, I1F1B, 2), plans) == pytest.approx(8000 / 9)
     # no closed form (zero bubble, DualPipeV), nothing costed, no plan: no bound
-    assert _pipeline_ceiling(1e-3, Pipeline(4, Schedule.ZERO_BUBBLE, 2), plans) is None
-    assert _pipeline_ceiling(None, Pipeline(4), plans) is None and _pipeline_ceiling(1e-3, Pipeline(4), []) is None
+    assert pipeline_ceiling(1e-3, Pipeline(4, Schedule.ZERO_BUBBLE, 2), plans) is None
+    assert pipeline_ceiling(None, Pipeline(4), plans) is None and pipeline_ceiling(1e-3, Pipeline(4), []) is None
+
+
+def test_walk_on_rules():
+    from planner.search_walk import Walk, walk_on
+
+    # fits faster than the best so far (the mesh without PP: 100): on, the best moves
+    assert walk_on(120.0, None, True, Walk(100.0)) == (True, Walk(120.0))
+    # fits, no faster: stop
+    assert walk_on(90.0, None, True, Walk(100.0)) == (False, Walk(100.0))
+    # nothing fits: on while the nearest miss comes closer (1.3 x the GPU, then 1.1), stop when it does not (1.2)
+    go, walk = walk_on(None, 1.3, True, Walk(100.0))
+    assert go and walk == Walk(100.0, 1.3)
+    go, walk = walk_on(None, 1.1, True, walk)
+    assert go and walk.overshoot == 1.1
+    assert walk_on(None, 1.2, True, walk)[0] is False
+    # no micro-batch plan at this degree (the global batch does not split): on, unless a miss was seen before
+    assert walk_on(None, None, False, Walk(100.0))[0] is True
+    assert walk_on(None, None, False, Walk(100.0, 1.1))[0] is False
