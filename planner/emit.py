@@ -46,7 +46,8 @@ def _summary(config: FsdpConfig, model_spec: ModelSpec, cluster: ClusterSpec) ->
         f"sharding {config.sharding.value}, precision {config.precision.value}"
         f"{f' (gradients reduced in {config.reduce_dtype})' if config.reduce_dtype else ''}, offload {offload}, "
         f"activation checkpointing {config.activation_checkpointing}, attention {config.attention.value}",
-        f"micro-batch {config.micro_batch} per GPU, gradient accumulation {config.grad_accum}",
+        f"micro-batch {config.micro_batch} per GPU, gradient accumulation {config.grad_accum}" if config.pp == 1 else
+        f"pipeline microbatch {config.micro_batch}, {config.pp_microbatches} microbatches per schedule step",
         *tech.summary_line(config),
         *mesh_summary(config, cluster),
     ]
