@@ -257,7 +257,7 @@ def trace_memory(spec: ModelSpec, config: FsdpConfig, *, n_gpus: int, gpus_per_n
 
 @contextmanager
 def cuda_kernel_choices():
-    """Run the two ops whose CPU kernels save different tensors than the CUDA ones a GPU run uses.
+    """Run the ops whose CPU kernels save different tensors than the CUDA ones a GPU run uses.
 
     - dropout: the CPU kernel multiplies by a mask kept in the input's dtype; CUDA's fused native_dropout
       keeps a one-byte bool mask. We call native_dropout, which is CUDA's choice on every device.
@@ -265,15 +265,21 @@ def cuda_kernel_choices():
       s^2 scores saved); CUDA's flash / memory-efficient kernels take dropout in the kernel and save the
       same q, k, v, output and logsumexp as without dropout (plus an RNG seed). We run it with
       dropout_p=0, which saves exactly those.
+    - scaled_dot_product_attention with a v head dim unlike q/k's (DeepSeek MLA): CPU takes the math path
+      again, CUDA the memory-efficient kernel; calibration.sdpa_kernels saves what the latter saves.
     Everything else (matmuls, norms, softmax, losses) saves the same tensors on both devices. The two
     functions are swapped on torch.nn.functional for the duration (models look them up at call time), so
     the choice also holds for activation checkpointing's recompute inside backward."""
     import torch.nn.functional as F
 
+    from .sdpa_kernels import sdpa_unequal_head_dims, takes_unequal_head_dims
+
     sdpa, dropout = F.scaled_dot_product_attention, F.dropout
 
-    def sdpa_cuda(query, key, value, attn_mask=None, dropout_p=0.0, *args, **kwargs):
-        return sdpa(query, key, value, attn_mask, 0.0, *args, **kwargs)
+    def sdpa_cuda(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **kwargs):
+        if takes_unequal_head_dims(query, key, value):
+            return sdpa_unequal_head_dims(query, key, value, attn_mask, is_causal, scale)
+        return sdpa(query, key, value, attn_mask, 0.0, is_causal, scale=scale, **kwargs)
 
     def dropout_cuda(input, p=0.5, training=True, inplace=False):
         if training and p > 0 and input.is_floating_point() and not inplace:

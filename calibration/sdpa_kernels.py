@@ -1,0 +1,83 @@
+"""SDPA with a value head dim unlike the query/key one, saving what CUDA's fused kernel saves.
+
+DeepSeek's latent attention (MLA) runs SDPA with q/k head dim 192 and v head dim 128. torch's CPU dispatcher
+(aten/src/ATen/native/transformers/sdp_utils_cpp.cpp, check_head_dim_size_cpp) sends unequal head dims to
+the math path, which upcasts to fp32 and saves the b x heads x s x s attention probabilities for backward.
+On CUDA the flash kernel refuses them too (check_head_dim_size_flash), but the memory-efficient one takes
+them (check_head_dim_size_mem_efficient: q and k equal, both dims a multiple of 8) and saves only
+q, k, v, the output, the logsumexp (fp32, b x heads x s) and an RNG seed/offset
+(derivatives.yaml, _scaled_dot_product_efficient_attention).
+
+`sdpa_unequal_head_dims` computes the same attention with the CPU flash kernel on v zero-padded to the q/k
+head dim (the padded output columns are zero; the first dv are the attention output), and saves exactly
+q, k, v, the output (dv wide) and the logsumexp - plus the mask when there is one, as the CUDA kernel
+saves its attn_bias. Backward pads v, the output and its gradient as temporaries (zero columns add nothing
+to softmax's rowsum(dO * O) nor to dO v^T) and slices the value gradient back. The output is laid out
+(b, s, heads, dv) as the CUDA kernels allocate it, so transformers' transpose(1, 2).contiguous() after
+SDPA is a view there as on a GPU.
+
+Measured against the math path in tests/unit/test_sdpa_kernels.py (values, gradients, saved bytes).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+_CPU_FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+_CPU_FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+_MEM_EFFICIENT_ALIGNMENT = 8  # CUDA mem-efficient attention: head dims a multiple of 8 (sdp_utils.cpp)
+
+
+def takes_unequal_head_dims(query, key, value) -> bool:
+    """Whether CUDA runs this call in the memory-efficient kernel while CPU would take the math path:
+    4-D tensors, q/k head dim equal and unlike v's, both multiples of 8, the same heads in q, k and v (the
+    memory-efficient kernel has no grouped-query support: with fewer k/v heads CUDA takes math too), not
+    DTensors (context parallel's ring dispatches the aten kernels itself)."""
+    from torch.distributed.tensor import DTensor
+
+    tensors = (query, key, value)
+    if any(isinstance(t, DTensor) for t in tensors) or any(t.dim() != 4 for t in tensors):
+        return False
+    dqk, dv = query.size(-1), value.size(-1)
+    return (key.size(-1) == dqk != dv and dqk % _MEM_EFFICIENT_ALIGNMENT == 0 and dv % _MEM_EFFICIENT_ALIGNMENT == 0
+            and query.size(1) == key.size(1) == value.size(1) and query.dtype in (torch.float32, torch.bfloat16,
+                                                                                 torch.float16))
+
+
+def _pad_to(t: torch.Tensor, width: int) -> torch.Tensor:
+    return F.pad(t, (0, width - t.size(-1)))
+
+
+class _UnequalHeadDimsAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, query, key, value, attn_mask, is_causal, scale):
+        dv = value.size(-1)
+        padded_out, logsumexp = _CPU_FLASH(query, key, _pad_to(value, query.size(-1)), 0.0, is_causal,
+                                           attn_mask=attn_mask, scale=scale)
+        # (b, s, heads, dv) storage, as CUDA's kernels allocate their output
+        out = padded_out[..., :dv].transpose(1, 2).contiguous().transpose(1, 2)
+        del padded_out
+        ctx.save_for_backward(query, key, value, out, logsumexp, attn_mask)
+        ctx.is_causal, ctx.scale = is_causal, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        query, key, value, out, logsumexp, attn_mask = ctx.saved_tensors
+        width = query.size(-1)
+        grad_query, grad_key, grad_value = _CPU_FLASH_BACKWARD(
+            _pad_to(grad_out, width), query, key, _pad_to(value, width), _pad_to(out, width), logsumexp, 0.0,
+            ctx.is_causal, attn_mask=attn_mask, scale=ctx.scale)
+        return grad_query, grad_key, grad_value[..., :value.size(-1)], None, None, None
+
+
+def sdpa_unequal_head_dims(query, key, value, attn_mask=None, is_causal=False, scale=None) -> torch.Tensor:
+    """scaled_dot_product_attention (dropout 0) for q/k head dim != v head dim, saving what CUDA saves.
+    A boolean mask becomes an additive one in the query's dtype first, as SDPA does on both devices
+    (attention.cpp, convert_boolean_attn_mask): the kernels take that."""
+    if attn_mask is not None and attn_mask.dtype == torch.bool:
+        attn_mask = torch.zeros_like(attn_mask, dtype=query.dtype).masked_fill_(~attn_mask, float("-inf"))
+    elif attn_mask is not None:
+        attn_mask = attn_mask.to(query.dtype)
+    return _UnequalHeadDimsAttention.apply(query, key, value, attn_mask, is_causal, scale)
