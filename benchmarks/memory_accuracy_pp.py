@@ -54,6 +54,11 @@ SETTINGS = [
     ("llama3.2-1b", "gpipe", 4, 0, 4, 8, 8, "FULL_SHARD", "bf16", 1, 1, 512),
     ("llama3.2-1b", "interleaved-1f1b", 2, 2, 4, 8, 8, "FULL_SHARD", "bf16", 0, 1, 512),
     ("llama3.2-1b", "1f1b", 4, 0, 8, 4, 8, "FULL_SHARD", "bf16-pure", 0, 1, 256),
+    # TP inside each stage (transformers' tp_plan: no sequence parallel; the 14th field: tp)
+    ("llama-8", "1f1b", 2, 0, 4, 8, 8, "FULL_SHARD", "bf16", 0, 2, 256, 2),
+    ("llama-8", "gpipe", 2, 0, 4, 8, 8, "FULL_SHARD", "bf16", 1, 2, 256, 2),
+    ("llama-16", "interleaved-1f1b", 2, 2, 4, 8, 8, "FULL_SHARD", "bf16", 0, 2, 256, 2),
+    ("llama-16", "1f1b", 4, 0, 8, 16, 8, "FULL_SHARD", "bf16", 0, 1, 256, 2),
     # the split-backward schedules (I / W): traced, the estimate does not price the weight-gradient pass yet
     ("llama-8", "zero-bubble", 2, 2, 4, 4, 8, "FULL_SHARD", "bf16", 0, 2, 256),
     ("llama-8", "dualpipev", 2, 2, 4, 4, 8, "FULL_SHARD", "bf16", 0, 2, 256),
@@ -63,7 +68,7 @@ SPLIT_BACKWARD = ("zero-bubble", "dualpipev")
 
 def pp_grid() -> list[dict]:
     keys = ("arch", "pp_schedule", "pp", "pp_stages_per_rank", "microbatches", "gpus", "gpus_per_node", "sharding",
-            "precision", "ac_every", "micro_batch", "seq_len")
+            "precision", "ac_every", "micro_batch", "seq_len", "tp")  # tp only where > 1 (the trace cache's keys)
     return [dict(zip(keys, row)) for row in SETTINGS]
 
 
@@ -80,7 +85,8 @@ def row_config(row: dict):
 
     return FsdpConfig(sharding=row["sharding"], precision=row["precision"], ac_every=row["ac_every"],
                       micro_batch=row["micro_batch"], grad_accum=row["microbatches"], pp=row["pp"],
-                      pp_schedule=row["pp_schedule"], pp_stages_per_rank=row["pp_stages_per_rank"])
+                      pp_schedule=row["pp_schedule"], pp_stages_per_rank=row["pp_stages_per_rank"],
+                      tp=row.get("tp", 1), sequence_parallel=row.get("tp", 1) == 1)
 
 
 def estimate_row(row: dict):
@@ -136,7 +142,7 @@ def summarize_pp(results: list[dict]) -> str:
     rows, errors, split = [], [], []
     for i, r in enumerate(results, 1):
         label = [i, r["arch"], r["pp_schedule"], f"{r['pp']}x{r['pp_stages_per_rank'] or '-'}", r["microbatches"],
-                 r["gpus"], r["sharding"], r["precision"], r["ac_every"], f"{r['micro_batch']}x{r['seq_len']}"]
+                 r["gpus"], r.get("tp", 1), r["sharding"], r["precision"], r["ac_every"], f"{r['micro_batch']}x{r['seq_len']}"]
         if "error" in r:
             rows.append(label + ["FAILED", r["error"][:60], "", ""])
             continue
@@ -146,8 +152,8 @@ def summarize_pp(results: list[dict]) -> str:
                              f"{worst['trace_peak'] / 2**20:.1f}", f"{worst['estimate_peak'] / 2**20:.1f}",
                              worst["estimate_moment"]])
     lines = ["Per configuration: error = (estimate - trace) / trace of each pipeline rank's peak allocated (rank 0 "
-             "first); the worst rank's MiB and the estimate's peak moment",
-             tabulate(rows, headers=["#", "arch", "schedule", "pp x V", "m", "gpus", "sharding", "precision", "ac",
+             "first); the worst rank's MiB and the estimate's peak moment (tp > 1: without sequence parallel)",
+             tabulate(rows, headers=["#", "arch", "schedule", "pp x V", "m", "gpus", "tp", "sharding", "precision", "ac",
                                      "mb x seq", "error per rank", "trace MiB", "estimate MiB", "estimated peak"],
                       tablefmt="simple", disable_numparse=True), ""]
     if errors:

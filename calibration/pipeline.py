@@ -79,6 +79,24 @@ class StageModule(nn.Module):
         return hidden
 
 
+def apply_stage_tensor_parallel(module: StageModule, tp_mesh, block_classes: set[type]) -> None:
+    """transformers' tp_plan on one stage (no sequence parallel, calibration/tensor_parallel.py's styles): each
+    block's linears column- / row-wise, the head column-wise with its output gathered, the embedding replicated.
+    Stage inputs and outputs stay whole (b, s, h) tensors, as the static metadata says."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+    from torch.distributed.tensor import Replicate
+
+    from .apply import _block_slots
+    from .tensor_parallel import block_plan, block_styles
+
+    plan = block_plan(module)
+    for parent, name in _block_slots(module, block_classes):
+        block = getattr(parent, name)
+        parallelize_module(block, tp_mesh, block_styles(block, plan, False))
+    if module.lm_head is not None:
+        parallelize_module(module, tp_mesh, {"lm_head": ColwiseParallel(output_layouts=Replicate())})
+
+
 def stage_indices(spec: ModelSpec, config: FsdpConfig, pp_rank: int) -> list[int]:
     """The stage indices pipeline rank pp_rank runs, in the model's order (torch's loop / v placement)."""
     return [s.index for s in rank_stages(spec, config, pp_rank)]

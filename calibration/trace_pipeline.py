@@ -29,6 +29,7 @@ a model without transformers' base_model_pp_plan (calibration.pipeline.PipelineS
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from contextlib import contextmanager
 
@@ -117,8 +118,11 @@ def make_pipeline_mesh(config: FsdpConfig, world_size: int, gpus_per_node: int, 
 def _check_pipeline(spec: ModelSpec, config: FsdpConfig, hf_config: dict | None) -> None:
     if config.pp < 2:
         raise TraceError("trace_pipeline needs pp >= 2; calibration.trace.trace_memory traces pp = 1")
-    if config.tp > 1 or config.cp > 1 or config.ep > 1:
-        raise TraceUnsupported("the pipeline trace runs FSDP inside each stage only (tp = cp = ep = 1)")
+    if config.cp > 1 or config.ep > 1 or (config.tp > 1 and config.sequence_parallel):
+        raise TraceUnsupported("the pipeline trace runs FSDP inside each stage, with tensor parallelism only as "
+                               "transformers' tp_plan (no sequence parallel); cp = ep = 1")
+    if config.tp > 1 and spec.tied_embeddings:
+        raise TraceUnsupported("tensor parallel without sequence parallel: tied embeddings are not supported")
     if hf_config is None:
         raise TraceUnsupported("the pipeline trace splits transformers models (base_model_pp_plan); pass hf_config")
     from cost_models.pipeline import pipeline_refusals
@@ -140,7 +144,7 @@ def trace_pipeline(spec: ModelSpec, config: FsdpConfig, *, n_gpus: int, gpus_per
     _check_supported(config, training)
     _check_pipeline(spec, config, hf_config)
     if n_gpus % (config.pp * config.tp * config.cp):
-        raise TraceError(f"pp={config.pp} does not divide the {n_gpus} GPUs")
+        raise TraceError(f"pp x tp = {config.pp * config.tp} does not divide the {n_gpus} GPUs")
     _require_transformers()
     import transformers
 
@@ -160,7 +164,7 @@ def _trace_rank(spec, config, training, n_gpus, gpus_per_node, seq_len, hf_confi
     from .apply import TORCH_DTYPES, apply_fsdp2
     from .build import build_model
     from .memtrack import MemoryTracker
-    from .pipeline import build_schedule, causal_lm_loss, split_stages, stage_indices
+    from .pipeline import apply_stage_tensor_parallel, build_schedule, causal_lm_loss, split_stages, stage_indices
     from .trace import _block_classes
 
     started = time.perf_counter()
@@ -181,7 +185,9 @@ def _trace_rank(spec, config, training, n_gpus, gpus_per_node, seq_len, hf_confi
             classes = _block_classes(model, spec)
             modules = split_stages(model, spec, config, pp_rank)
             for module in modules:
-                apply_fsdp2(module, config, classes, mesh)
+                if config.tp > 1:  # TP before FSDP (torchtitan's order); apply_fsdp2 then does the rest
+                    apply_stage_tensor_parallel(module, mesh["tp"], classes)
+                apply_fsdp2(module, dataclasses.replace(config, tp=1) if config.tp > 1 else config, classes, mesh)
             stages = nn.ModuleList(modules)
             opt = make_optimizer(stages.parameters(), training.optimizer)
             schedule = build_schedule(modules, indices, config, mesh.get_group("pp"), "cpu", causal_lm_loss,
