@@ -286,7 +286,7 @@ def pipeline_estimate(model: ModelSpec, cluster, training: TrainingSpec, config:
     across ranks), every rank in pipeline_ranks."""
     from .memory import MemoryEstimate
 
-    model = tensor_parallel.local_model(model, config)  # a TP rank's slice (not traced under PP yet)
+    model = tensor_parallel.local_model(model, config)  # a TP rank's slice
     if config.cp > 1:
         training = dataclasses.replace(training, seq_len=training.seq_len // config.cp)
     ranks = pipeline_ranks(model, training, config, config.shard_group_size(cluster), profile)
@@ -301,8 +301,9 @@ def pipeline_estimate(model: ModelSpec, cluster, training: TrainingSpec, config:
             ("CPU offload", config.offload), ("selective-op checkpointing", config.selective_op_ac),
             ("LoRA", training.finetune.value == "lora"), ("the experts' own activations (MoE)", model.moe is not None),
             ("the FP8 all-gather", config.fp8_all_gather), ("the compiled loss", config.loss_compiled)) if on)
-        + (("TP / CP inside a stage: a TP rank's slice of the model on s / cp tokens, not traced",)
-           if config.tp > 1 or config.cp > 1 else ()))
+        + (("TP with sequence parallel / CP inside a stage: a TP rank's slice of the model on s / cp tokens, not "
+            "traced (TP without sequence parallel is: docs/accuracy.md)",)
+           if config.cp > 1 or config.tp > 1 and config.sequence_parallel else ()))
     return MemoryEstimate(breakdown=top.breakdown, peak_phase=phase, phases=dict(top.phases),
                           peak_allocated_bytes=top.peak_allocated_bytes, peak_reserved_bytes=top.peak_reserved_bytes,
                           cpu_bytes_per_node=0, cpu_ram_capacity_bytes=cluster.cpu_ram_bytes_per_node, notes=notes,
