@@ -9,12 +9,12 @@ q, k, v, the output, the logsumexp (fp32, b x heads x s) and an RNG seed/offset
 (derivatives.yaml, _scaled_dot_product_efficient_attention).
 
 `sdpa_unequal_head_dims` computes the same attention with the CPU flash kernel on v zero-padded to the q/k
-head dim (the padded output columns are zero; the first dv are the attention output), and saves exactly
-q, k, v, the output (dv wide) and the logsumexp - plus the mask when there is one, as the CUDA kernel
-saves its attn_bias. Backward pads v, the output and its gradient as temporaries (zero columns add nothing
-to softmax's rowsum(dO * O) nor to dO v^T) and slices the value gradient back. The output is laid out
-(b, s, heads, dv) as the CUDA kernels allocate it, so transformers' transpose(1, 2).contiguous() after
-SDPA is a view there as on a GPU.
+head dim, one head at a time (the padded output columns are zero; the first dv are the attention output),
+and saves exactly q, k, v, the output (dv wide) and the logsumexp - plus the mask when there is one, as the
+CUDA kernel saves its attn_bias. Backward pads v, the output and its gradient as one head's temporaries (zero
+columns add nothing to softmax's rowsum(dO * O) nor to dO v^T) and slices the value gradient back. The
+output is laid out (b, s, heads, dv) as the CUDA kernels allocate it, so transformers' transpose(1, 2)
+.contiguous() after SDPA is a view there as on a GPU (CPU flash's (b, heads, s, d) output is copied there).
 
 Measured against the math path in tests/unit/test_sdpa_kernels.py (values, gradients, saved bytes).
 """
@@ -49,15 +49,28 @@ def _pad_to(t: torch.Tensor, width: int) -> torch.Tensor:
     return F.pad(t, (0, width - t.size(-1)))
 
 
+def _heads(mask, head: int):
+    """The mask of one head (a mask broadcast over heads is the same for each)."""
+    return mask[:, head:head + 1] if mask is not None and mask.dim() == 4 and mask.size(1) > 1 else mask
+
+
 class _UnequalHeadDimsAttention(torch.autograd.Function):
+    """One head at a time, into outputs allocated whole: the padded temporaries are one head's, so the
+    transients stay near CUDA's (its output and logsumexp forward; its three gradients backward)."""
+
     @staticmethod
     def forward(ctx, query, key, value, attn_mask, is_causal, scale):
+        b, heads, s, width = query.shape
         dv = value.size(-1)
-        padded_out, logsumexp = _CPU_FLASH(query, key, _pad_to(value, query.size(-1)), 0.0, is_causal,
-                                           attn_mask=attn_mask, scale=scale)
-        # (b, s, heads, dv) storage, as CUDA's kernels allocate their output
-        out = padded_out[..., :dv].transpose(1, 2).contiguous().transpose(1, 2)
-        del padded_out
+        out = query.new_empty(b, s, heads, dv).transpose(1, 2)  # (b, s, heads, dv) storage, as CUDA allocates
+        logsumexp = query.new_empty(b, heads, s, dtype=torch.float32)
+        for h in range(heads):
+            one = slice(h, h + 1)
+            padded_out, lse = _CPU_FLASH(query[:, one], key[:, one], _pad_to(value[:, one], width), 0.0, is_causal,
+                                         attn_mask=_heads(attn_mask, h), scale=scale)
+            out[:, one].copy_(padded_out[..., :dv])
+            logsumexp[:, one].copy_(lse)
+            del padded_out, lse
         ctx.save_for_backward(query, key, value, out, logsumexp, attn_mask)
         ctx.is_causal, ctx.scale = is_causal, scale
         return out
@@ -65,11 +78,18 @@ class _UnequalHeadDimsAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         query, key, value, out, logsumexp, attn_mask = ctx.saved_tensors
-        width = query.size(-1)
-        grad_query, grad_key, grad_value = _CPU_FLASH_BACKWARD(
-            _pad_to(grad_out, width), query, key, _pad_to(value, width), _pad_to(out, width), logsumexp, 0.0,
-            ctx.is_causal, attn_mask=attn_mask, scale=ctx.scale)
-        return grad_query, grad_key, grad_value[..., :value.size(-1)], None, None, None
+        width, dv = query.size(-1), value.size(-1)
+        grads = torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
+        for h in range(query.size(1)):
+            one = slice(h, h + 1)
+            head_grads = _CPU_FLASH_BACKWARD(
+                _pad_to(grad_out[:, one], width), query[:, one], key[:, one], _pad_to(value[:, one], width),
+                _pad_to(out[:, one], width), logsumexp[:, one], 0.0, ctx.is_causal, attn_mask=_heads(attn_mask, h),
+                scale=ctx.scale)
+            for whole, part in zip(grads, head_grads):
+                whole[:, one].copy_(part[..., :whole.size(-1)])
+            del head_grads
+        return *grads, None, None, None
 
 
 def sdpa_unequal_head_dims(query, key, value, attn_mask=None, is_causal=False, scale=None) -> torch.Tensor:
