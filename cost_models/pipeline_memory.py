@@ -87,11 +87,16 @@ def _stage_pieces(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, 
     h, f = model.hidden_size, model.ffn_hidden_size
     # per token, each block's saved tensors in the model's order; a non-first stage's checkpointed first block keeps
     # its input, which is the receive buffer (counted with the buffers)
+    root_saved = activations.root_bytes_per_token(model, c) if stage.head else 0
+    # TP with sequence parallel: the residual stream (each block's norms and input, the stage's output and the
+    # receive buffers) on s / tp tokens, by the rule the pp = 1 ledger is traced with (tensor_parallel.py)
+    sp = config.tp if tensor_parallel.sequence_parallel(config) else 1
+    if sp > 1:
+        full, ckpt, root_saved = tensor_parallel.sequence_parallel_saved_bytes(model, c, sp, full, ckpt, root_saved)
     kept = [ckpt if k and i % k == 0 else full for i in stage.blocks]
     if kept and not stage.embedding and k and stage.first_block % k == 0:
-        kept[0] -= h * c
-    root_saved = activations.root_bytes_per_token(model, c) if stage.head else 0
-    output = 0 if stage.head else tokens * h * c
+        kept[0] -= -(-h * c // sp)
+    output = 0 if stage.head else tokens * -(-h * c // sp)
     # the rotary tables are saved by the blocks' attention (a stage of the embedding or the head alone keeps none)
     shared = activations.shared_bytes(model, c, s) if stage.n_blocks else 0
     saved = tokens * (sum(kept) + root_saved) + shared + output
@@ -146,7 +151,8 @@ def rank_memory(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, d:
     step_temporaries = math.ceil(total_params * p / d) if training.optimizer is not Optimizer.SGD else 0
     if precision is Precision.FP16:
         step_temporaries += 4 * 1024
-    tokens_h = config.micro_batch * training.seq_len * model.hidden_size * c
+    sp = config.tp if tensor_parallel.sequence_parallel(config) else 1
+    tokens_h = config.micro_batch * training.seq_len * -(-model.hidden_size * c // sp)
     # receive buffers, one per microbatch, kept from the first step on
     buffers = sum(m * tokens_h * ((not x.stage.embedding) + (not x.stage.head)) for x in pieces.values())
 
@@ -301,8 +307,9 @@ def pipeline_estimate(model: ModelSpec, cluster, training: TrainingSpec, config:
             ("CPU offload", config.offload), ("selective-op checkpointing", config.selective_op_ac),
             ("LoRA", training.finetune.value == "lora"), ("the experts' own activations (MoE)", model.moe is not None),
             ("the FP8 all-gather", config.fp8_all_gather), ("the compiled loss", config.loss_compiled)) if on)
-        + (("TP with sequence parallel / CP inside a stage: a TP rank's slice of the model on s / cp tokens, not "
-            "traced (TP without sequence parallel is: docs/accuracy.md)",)
+        + (("TP with sequence parallel / CP inside a stage: a TP rank's slice of the model on s / cp tokens, the "
+            "residual stream on s / tp (the rule traced at pp = 1); not traced under PP (TP without sequence parallel "
+            "is: docs/accuracy.md)",)
            if config.cp > 1 or config.tp > 1 and config.sequence_parallel else ()))
     return MemoryEstimate(breakdown=top.breakdown, peak_phase=phase, phases=dict(top.phases),
                           peak_allocated_bytes=top.peak_allocated_bytes, peak_reserved_bytes=top.peak_reserved_bytes,
