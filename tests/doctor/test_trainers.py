@@ -137,6 +137,7 @@ def test_torchtitan_overrides_for_hsdp_with_every_2_checkpointing():
         "parallelism.data_parallel_replicate_degree": "2", "parallelism.data_parallel_shard_degree": "8",
         "parallelism.fsdp_reshard_after_forward": "never", "parallelism.tensor_parallel_degree": "1",
         "parallelism.context_parallel_degree": "1", "parallelism.expert_parallel_degree": "1",
+        "parallelism.pipeline_parallel_degree": "1",
         "training.local_batch_size": "2", "training.global_batch_size": str(2 * 16 * 4), "training.seq_len": "8192",
         "training.mixed_precision_param": "bfloat16", "training.mixed_precision_reduce": "float32",
         "training.enable_cpu_offload": "",
