@@ -30,6 +30,7 @@ from cost_models.specs import ClusterSpec, FsdpConfig, ModelSpec, Precision, Tra
 
 from .emit import RESHARD_NOTE, _comment, _summary, multi_node_note, torchrun_args
 from .errors import PlannerError
+from .torchtitan_split import split_flags
 
 TORCHTITAN_VERSIONS = {"0.3": "torchtitan 0.3 (0.3.0)", "0.2": "torchtitan 0.2 (0.2.0 - 0.2.2)"}
 DEFAULT_VERSION = "0.3"
@@ -182,9 +183,16 @@ def _pipeline_flags(config: FsdpConfig, model_spec: ModelSpec | None, version: s
          "microbatches in one schedule step"),
     ]
     if model_spec is not None:
-        flags.append(("parallelism.module_fqns_per_model_part", module_fqns_per_model_part(model_spec, config, version),
-                      "the plan's stages (" + "; ".join(s.describe() for s in stages(model_spec, config)[:2])
-                      + ("; ..." if config.pp_stages > 2 else "") + ")"))
+        split = stages(model_spec, config)
+        said = "the plan's stages (" + "; ".join(s.describe() for s in split[:2]) + ("; ..." if len(split) > 2 else "") + ")"
+        generated = split_flags(model_spec.n_layers, tuple(s.n_blocks for s in split), config.pp,
+                                config.pp_schedule.looped)
+        if generated is not None:  # torchtitan's own generator makes the split from two or three numbers
+            flags += [(f"parallelism.{name}", value, said if i == 0 else "")
+                      for i, (name, value) in enumerate(generated.items())]
+        else:
+            flags.append(("parallelism.module_fqns_per_model_part",
+                          module_fqns_per_model_part(model_spec, config, version), said))
     if version == "0.3":
         flags.append(("training.disable_cuda_graphs", True, "torchtitan 0.3 refuses CUDA graphs with pipeline "
                                                             "parallelism (trainer.py _validate_cuda_graphs)"))

@@ -78,3 +78,22 @@ def test_fold_moves_comments_and_breaks_commands():
     continued = "torchrun --a 1 \\\n    --b 2  # " + "note " * 25
     out = fold(continued).splitlines()
     assert out[:2] == ["torchrun --a 1 \\", "    --b 2"] and out[2].startswith("    # note")
+
+
+def test_narrow_rows_never_look_alike():
+    """llama3.1-405b on 1,024 H100s, global batch 512: the top rows differ only in their techniques (compile,
+    Float8, async TP), the longest cells: they fold onto a second line rather than leave the table."""
+    PLANS["405b"] = dict(model="llama3.1-405b", gpus=1024, gpu="h100-80gb", global_batch=512)
+    p = planned("405b")
+    table = report.candidates_table(p.candidates, 5)
+    body = table.splitlines()[2:]
+    rows, current = [], None
+    for line in body:
+        if line[:1].isdigit():
+            current = [line]
+            rows.append(current)
+        elif current is not None and line.startswith(" "):
+            current.append(line)
+    assert len(rows) == 5
+    assert len({" ".join(" ".join(r).split()[1:]) for r in rows}) == 5  # rows differ past their rank
+    assert max(len(line) for line in table.splitlines()) <= 100

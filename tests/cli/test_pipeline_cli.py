@@ -235,6 +235,36 @@ def torchtitan_parsed():
     return texts, dict(zip(EMITTED, json.loads(run.stdout.splitlines()[-1])))
 
 
+def torchtitan_parts(got: dict, n_layers: int) -> list[list[str]]:
+    """The stages torchtitan 0.3 builds from the parsed settings: module_fqns_per_model_part as written, else its own
+    generator (pipeline_parallel.py: _get_pipeline_metadata's stage count, _generate_llm_fqn_per_model_part)."""
+    import math
+
+    from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
+    from torchtitan.distributed.pipeline_parallel import _generate_llm_fqn_per_model_part
+
+    if got["module_fqns_per_model_part"]:
+        return got["module_fqns_per_model_part"]
+    first, last, per_stage = got["pp_first_stage_less_layers"], got["pp_last_stage_less_layers"], got["pp_layers_per_stage"]
+    single = issubclass(get_schedule_class(got["pp_schedule"]), PipelineScheduleSingle)
+    n_stages = (math.ceil((n_layers + first + last) / per_stage) if per_stage is not None
+                else got["pp"] * (1 if single else 2))
+    return _generate_llm_fqn_per_model_part(n_stages, n_layers, first, last)
+
+
+def _torchtitan_blocks(got: dict, n_layers: int) -> list[int]:
+    """Blocks per stage torchtitan runs from what it parsed: module_fqns_per_model_part as given, else its own
+    generator from the stage weights (planner/setups_pipeline.py mirrors it)."""
+    from planner.setups_pipeline import KEY, PipelineSettings, _schedule
+
+    if got["module_fqns_per_model_part"]:
+        return [sum(n.startswith("layers.") for n in p) for p in got["module_fqns_per_model_part"]]
+    settings = PipelineSettings(pp=got["pp"], schedule=_schedule({KEY.format("schedule"): got["pp_schedule"]}),
+                                layers_per_stage=got["pp_layers_per_stage"], first_less=got["pp_first_less"],
+                                last_less=got["pp_last_less"])
+    return list(settings.blocks_per_stage(n_layers))
+
+
 @pytest.mark.parametrize("name", list(EMITTED))
 def test_torchtitan_03_parses_the_pipeline_and_carries_the_schedule(torchtitan_parsed, name):
     _, parsed = torchtitan_parsed
@@ -242,19 +272,22 @@ def test_torchtitan_03_parses_the_pipeline_and_carries_the_schedule(torchtitan_p
     assert "error" not in got, got
     for key, value in EMITTED[name][1].items():
         assert got[key] == value, (key, got[key], value)
-    parts = got["module_fqns_per_model_part"]
     stages = _planned(**EMITTED[name][0]).to_dict()["pipeline"]["stages"]
-    assert len(parts) == len(stages) and parts[0][0] == "tok_embeddings" and parts[-1][-2:] == ["norm", "lm_head"]
-    assert [sum(n.startswith("layers.") for n in p) for p in parts] == [s["n_blocks"] for s in stages]
-    assert [n for p in parts for n in p if n.startswith("layers.")] == [f"layers.{i}" for i in range(32)]
+    assert _torchtitan_blocks(got, 32) == [s["n_blocks"] for s in stages]  # torchtitan runs the priced split
+    parts = got["module_fqns_per_model_part"]
+    if parts:  # named: every block once, in order, the embedding first and norm + head last
+        assert parts[0][0] == "tok_embeddings" and parts[-1][-2:] == ["norm", "lm_head"]
+        assert [n for p in parts for n in p if n.startswith("layers.")] == [f"layers.{i}" for i in range(32)]
 
 
 def test_torchtitan_split_of_the_interleaved_plan_by_hand(torchtitan_parsed):
     # 32 blocks over 4 x 2 = 8 stages: 4 each, embedding on stage 0, norm + head on stage 7
     _, parsed = torchtitan_parsed
+    assert _torchtitan_blocks(parsed["interleaved"], 32) == [4] * 8
     parts = parsed["interleaved"]["module_fqns_per_model_part"]
-    assert parts[0] == ["tok_embeddings", "layers.0", "layers.1", "layers.2", "layers.3"]
-    assert parts[7] == ["layers.28", "layers.29", "layers.30", "layers.31", "norm", "lm_head"]
+    if parts:
+        assert parts[0] == ["tok_embeddings", "layers.0", "layers.1", "layers.2", "layers.3"]
+        assert parts[7] == ["layers.28", "layers.29", "layers.30", "layers.31", "norm", "lm_head"]
 
 
 def test_check_reads_the_emitted_pipeline_back(torchtitan_parsed, tmp_path):
