@@ -260,8 +260,9 @@ def _torchtitan_blocks(got: dict, n_layers: int) -> list[int]:
     if got["module_fqns_per_model_part"]:
         return [sum(n.startswith("layers.") for n in p) for p in got["module_fqns_per_model_part"]]
     settings = PipelineSettings(pp=got["pp"], schedule=_schedule({KEY.format("schedule"): got["pp_schedule"]}),
-                                layers_per_stage=got["pp_layers_per_stage"], first_less=got["pp_first_less"],
-                                last_less=got["pp_last_less"])
+                                layers_per_stage=got.get("pp_layers_per_stage"),
+                                first_less=got.get("pp_first_stage_less_layers", 1),
+                                last_less=got.get("pp_last_stage_less_layers", 1))
     return list(settings.blocks_per_stage(n_layers))
 
 
