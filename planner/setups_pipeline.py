@@ -5,8 +5,8 @@ InterleavedZeroBubble, DualPipeV), _microbatch_size (the pipeline microbatch: tr
 the microbatches of one step), module_fqns_per_model_part (the stages' module names) or _layers_per_stage
 (torchtitan derives the stages from it), _first / _last_stage_less_layers. How torchtitan splits the blocks
 when the file names no modules is torchtitan's own _generate_llm_fqn_per_model_part
-(torchtitan/distributed/pipeline_parallel.py), mirrored in torchtitan_split; the estimate prices the even split
-(cost_models/pipeline.blocks_per_stage), and check says when the two differ.
+(torchtitan/distributed/pipeline_parallel.py), mirrored in planner/torchtitan_split.py; the estimate prices the
+even split (cost_models/pipeline.blocks_per_stage), and check says when the two differ.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from cost_models.schedules import Schedule
 
 from .errors import PlannerError
 from .setups import _int
+from .torchtitan_split import generated_blocks_per_stage
 
 KEY = "parallelism.pipeline_parallel_{}"
 FQNS = "parallelism.module_fqns_per_model_part"
@@ -55,23 +56,14 @@ class PipelineSettings:
         """The blocks of each stage as torchtitan runs them."""
         if self.parts:
             return tuple(sum(bool(_LAYER.match(name)) for name in part) for part in self.parts)
-        return torchtitan_split(self.stages(n_layers), n_layers, self.first_less, self.last_less)
-
-
-def torchtitan_split(n_stages: int, n_layers: int, input_weight: int = 1, output_weight: int = 1) -> tuple[int, ...]:
-    """Blocks per stage of torchtitan 0.3's _generate_llm_fqn_per_model_part: the embedding and the head count as
-    input_weight / output_weight blocks, L + both spread evenly with the extra ones on the first stages."""
-    if n_stages == 1:
-        return (n_layers,)
-    effective = n_layers + input_weight + output_weight
-    per, extra = divmod(effective, n_stages)
-    out, left = [], n_layers
-    for s in range(n_stages):
-        share = per + (s < extra) - (input_weight if s == 0 else output_weight if s == n_stages - 1 else 0)
-        take = max(0, min(share, left))
-        out.append(take)
-        left -= take
-    return tuple(out)
+        n = self.stages(n_layers)
+        blocks = generated_blocks_per_stage(n_layers, n, self.first_less, self.last_less)
+        if blocks is None:
+            raise PlannerError(KEY.format("layers_per_stage" if self.layers_per_stage else "degree"),
+                               f"torchtitan cannot split {n_layers} blocks over {n} stages with the embedding counted "
+                               f"as {self.first_less} and the head as {self.last_less} blocks (it raises); name the "
+                               f"modules ({FQNS}) or change the stages")
+        return blocks
 
 
 def _schedule(settings: dict) -> Schedule:
