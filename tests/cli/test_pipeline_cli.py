@@ -397,6 +397,9 @@ def test_check_audits_the_pipeline_by_the_same_rules(tmp_path):
      "parallelism.pipeline_parallel_schedule_csv", "CSV"),
     ("--parallelism.pipeline_parallel_degree=2 --parallelism.module_fqns_per_model_part a,b c,d e",
      "parallelism.module_fqns_per_model_part", "3 stages do not divide over pipeline_parallel_degree=2"),
+    # 32 blocks + 3 + 1 over 16 stages: 2 a stage, and the embedding weighs 3 (torchtitan raises)
+    ("--parallelism.pipeline_parallel_degree=16 --parallelism.pipeline_parallel_first_stage_less_layers=3",
+     "parallelism.pipeline_parallel_degree", "torchtitan cannot split 32 blocks over 16 stages"),
     ("--parallelism.pipeline_parallel_degree=2 --training.global_batch_size=64",
      "training.global_batch_size", "accumulation on top of the pipeline"),  # 64 / (8 x 4) = 2 schedule steps
 ])
