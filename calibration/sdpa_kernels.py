@@ -9,9 +9,9 @@ q, k, v, the output, the logsumexp (fp32, b x heads x s) and an RNG seed/offset
 (derivatives.yaml, _scaled_dot_product_efficient_attention).
 
 `sdpa_unequal_head_dims` computes the same attention with the CPU flash kernel on v zero-padded to the q/k
-head dim, one head at a time (the padded output columns are zero; the first dv are the attention output),
+head dim, a group of heads at a time (the padded output columns are zero; the first dv are the attention output),
 and saves exactly q, k, v, the output (dv wide) and the logsumexp - plus the mask when there is one, as the
-CUDA kernel saves its attn_bias. Backward pads v, the output and its gradient as one head's temporaries (zero
+CUDA kernel saves its attn_bias. Backward pads v, the output and its gradient as a group's temporaries (zero
 columns add nothing to softmax's rowsum(dO * O) nor to dO v^T) and slices the value gradient back. The
 output is laid out (b, s, heads, dv) as the CUDA kernels allocate it, so transformers' transpose(1, 2)
 .contiguous() after SDPA is a view there as on a GPU (CPU flash's (b, heads, s, d) output is copied there).
@@ -27,6 +27,9 @@ import torch.nn.functional as F
 _CPU_FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
 _CPU_FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
 _MEM_EFFICIENT_ALIGNMENT = 8  # CUDA mem-efficient attention: head dims a multiple of 8 (sdp_utils.cpp)
+# heads are run in this many groups: the padded temporaries are 1/8 of the whole (one head at a time made
+# deepseek-v3's profile 7x slower on fake tensors: 128 heads x a dozen ops per attention call)
+HEAD_GROUPS = 8
 
 
 def takes_unequal_head_dims(query, key, value) -> bool:
@@ -49,14 +52,19 @@ def _pad_to(t: torch.Tensor, width: int) -> torch.Tensor:
     return F.pad(t, (0, width - t.size(-1)))
 
 
-def _heads(mask, head: int):
-    """The mask of one head (a mask broadcast over heads is the same for each)."""
-    return mask[:, head:head + 1] if mask is not None and mask.dim() == 4 and mask.size(1) > 1 else mask
+def _head_groups(heads: int) -> list[slice]:
+    size = -(-heads // HEAD_GROUPS)
+    return [slice(start, min(start + size, heads)) for start in range(0, heads, size)]
+
+
+def _heads(mask, group: slice):
+    """The mask of a group of heads (a mask broadcast over heads is the same for each)."""
+    return mask[:, group] if mask is not None and mask.dim() == 4 and mask.size(1) > 1 else mask
 
 
 class _UnequalHeadDimsAttention(torch.autograd.Function):
-    """One head at a time, into outputs allocated whole: the padded temporaries are one head's, so the
-    transients stay near CUDA's (its output and logsumexp forward; its three gradients backward)."""
+    """A group of heads at a time, into outputs allocated whole: the padded temporaries are a group's, so
+    the transients stay near CUDA's (its output and logsumexp forward; its three gradients backward)."""
 
     @staticmethod
     def forward(ctx, query, key, value, attn_mask, is_causal, scale):
@@ -64,10 +72,9 @@ class _UnequalHeadDimsAttention(torch.autograd.Function):
         dv = value.size(-1)
         out = query.new_empty(b, s, heads, dv).transpose(1, 2)  # (b, s, heads, dv) storage, as CUDA allocates
         logsumexp = query.new_empty(b, heads, s, dtype=torch.float32)
-        for h in range(heads):
-            one = slice(h, h + 1)
+        for one in _head_groups(heads):
             padded_out, lse = _CPU_FLASH(query[:, one], key[:, one], _pad_to(value[:, one], width), 0.0, is_causal,
-                                         attn_mask=_heads(attn_mask, h), scale=scale)
+                                         attn_mask=_heads(attn_mask, one), scale=scale)
             out[:, one].copy_(padded_out[..., :dv])
             logsumexp[:, one].copy_(lse)
             del padded_out, lse
@@ -78,13 +85,12 @@ class _UnequalHeadDimsAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         query, key, value, out, logsumexp, attn_mask = ctx.saved_tensors
-        width, dv = query.size(-1), value.size(-1)
+        width = query.size(-1)
         grads = torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
-        for h in range(query.size(1)):
-            one = slice(h, h + 1)
+        for one in _head_groups(query.size(1)):
             head_grads = _CPU_FLASH_BACKWARD(
                 _pad_to(grad_out[:, one], width), query[:, one], key[:, one], _pad_to(value[:, one], width),
-                _pad_to(out[:, one], width), logsumexp[:, one], 0.0, ctx.is_causal, attn_mask=_heads(attn_mask, h),
+                _pad_to(out[:, one], width), logsumexp[:, one], 0.0, ctx.is_causal, attn_mask=_heads(attn_mask, one),
                 scale=ctx.scale)
             for whole, part in zip(grads, head_grads):
                 whole[:, one].copy_(part[..., :whole.size(-1)])

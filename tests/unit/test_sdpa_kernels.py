@@ -20,7 +20,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from calibration.sdpa_kernels import takes_unequal_head_dims
 from calibration.trace import cuda_kernel_choices
 
-B, HEADS, S, DQK, DV = 2, 3, 16, 24, 16  # small MLA-like shapes (DeepSeek: 192 / 128), multiples of 8
+# small MLA-like shapes (DeepSeek: 192 / 128), multiples of 8; 10 heads run in groups of 2 (HEAD_GROUPS 8)
+B, HEADS, S, DQK, DV = 2, 10, 16, 24, 16
 
 
 def _inputs(dtype=torch.float32, seed=0):
@@ -50,15 +51,17 @@ def _mask():
 
 
 @pytest.mark.parametrize("kwargs", [{"is_causal": True}, {"is_causal": False}, {"attn_mask": "bool"},
-                                    {"attn_mask": "float"}, {"is_causal": True, "scale": 0.3},
+                                    {"attn_mask": "float"}, {"attn_mask": "per-head"}, {"is_causal": True, "scale": 0.3},
                                     {"is_causal": True, "dropout_p": 0.1}],
-                         ids=["causal", "full", "bool-mask", "float-mask", "scale", "dropout-dropped"])
+                         ids=["causal", "full", "bool-mask", "float-mask", "per-head-mask", "scale", "dropout-dropped"])
 def test_outputs_and_gradients_equal_the_math_path(kwargs):
     kwargs = dict(kwargs)
     if kwargs.get("attn_mask") == "bool":
         kwargs["attn_mask"] = _mask()
     elif kwargs.get("attn_mask") == "float":
         kwargs["attn_mask"] = torch.zeros(S, S).masked_fill(~_mask(), float("-inf")) + 0.25 * torch.eye(S)
+    elif kwargs.get("attn_mask") == "per-head":  # (b, heads, s, s): each group of heads gets its own slice
+        kwargs["attn_mask"] = torch.randn(B, HEADS, S, S, generator=torch.Generator().manual_seed(2))
     reference_kwargs = {**kwargs, "dropout_p": 0.0}  # the swap runs dropout 0, as before (cuda_kernel_choices)
     for ours, reference in zip(_run(True, **kwargs), _run(False, **reference_kwargs)):
         assert ours.shape == reference.shape
@@ -87,7 +90,7 @@ def test_saved_bytes_are_q_k_v_out_and_logsumexp():
     qkv_out = 2 * B * HEADS * S * (DQK + DQK + DV + DV)  # bf16
     logsumexp = 4 * B * HEADS * S  # fp32, (b, heads, s)
     saved, _ = _saved_bytes(True, is_causal=True)
-    assert saved == qkv_out + logsumexp == 15_744
+    assert saved == qkv_out + logsumexp == 52_480
     mask = _mask()
     # + the mask, made additive in bf16 (2 s^2 bytes) as both devices' SDPA does: CUDA saves it as attn_bias
     assert _saved_bytes(True, attn_mask=mask)[0] == qkv_out + logsumexp + 2 * S * S
