@@ -306,7 +306,8 @@ def data_parallel_note(cluster: ClusterSpec, training: TrainingSpec, space: Sear
     found = (f"; the search found {describe_mesh(mesh.config, cluster)} "
              f"({mesh.time.tokens_per_s_per_gpu:,.0f} tokens/s/GPU)") if mesh is not None else ""
     return (f"data parallelism alone cannot use {n} GPUs with global batch {gb} ({gb} sequences): use at most "
-            f"{most} GPU{'s' if most > 1 else ''}, a global batch that is a multiple of {n}, or tensor / context parallelism{found}")
+            f"{most} GPU{'s' if most > 1 else ''}, a global batch that is a multiple of {n}, or tensor / context / "
+            f"pipeline parallelism{found}")
 
 
 def describe_mesh(config: FsdpConfig, cluster: ClusterSpec) -> str:

@@ -154,7 +154,7 @@ def test_nothing_costed_says_the_cause_not_an_empty_table():
     text = report.plan_text(p, 5)
     assert "Nearest misses" not in text and "No single change" not in text
     assert ("- data parallelism alone cannot use 8 GPUs with global batch 3 (3 sequences): use at most 3 GPUs, a "
-            "global batch that is a multiple of 8, or tensor / context parallelism") in " ".join(text.split())
+            "global batch that is a multiple of 8, or tensor / context / pipeline parallelism") in " ".join(text.split())
     assert any(line.startswith("  - data parallelism alone cannot use 8 GPUs") for line in text.splitlines())
     assert p.to_dict()["notes"] == p.notes
 
