@@ -326,7 +326,10 @@ class _Found:
 
 def _cost_mesh(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, profile: Profile,
                space: SearchSpace, shardings: tuple[Sharding, ...], mesh: MeshChoice) -> _Found | None:
-    """Every knob combination on one mesh (None: no micro-batch reaches the global batch on it)."""
+    """Every knob combination on one mesh (None: no micro-batch reaches the global batch on it, or the mesh does
+    not divide the GPUs: a pinned --pp beside a searched tp or cp)."""
+    if cluster.n_gpus % mesh.model_parallel:
+        return None
     data_parallel = cluster.n_gpus // mesh.model_parallel
     pipe = mesh.pipeline
     if pipe.pp > 1:  # a stage keeps its blocks gathered from forward to backward: no reshard group to choose

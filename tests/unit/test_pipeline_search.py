@@ -202,3 +202,13 @@ def test_walk_on_rules():
     # no micro-batch plan at this degree (the global batch does not split): on, unless a miss was seen before
     assert walk_on(None, None, False, Walk(100.0))[0] is True
     assert walk_on(None, None, False, Walk(100.0, 1.1))[0] is False
+
+
+def test_pinned_pp_beside_searched_tp_skips_meshes_that_do_not_divide_the_gpus():
+    """--pp 2 on 8 GPUs with tp searched: tp 8 x pp 2 = 16 ranks is not costed (it divided by zero before)."""
+    from planner.api import plan
+
+    p = plan("llama3-8b", 8, pp=2, global_batch=16)
+    assert p.n_costed > 0 and p.candidates
+    assert {c.config.tp for c in p.candidates} <= {1, 2, 4} and all(c.config.pp == 2 for c in p.candidates)
+    assert all(8 % (c.config.tp * c.config.pp) == 0 for c in p.candidates + p.misses)
