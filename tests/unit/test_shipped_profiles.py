@@ -32,10 +32,12 @@ FRESH_SEQ_LEN = 4096
 # Formula (the generic fused-projection recipe the planner used without transformers) over profile for the
 # activations of estimate(64 GPUs, micro-batch 1, seq 4096, bf16, no checkpointing, the first attention).
 # Findings, not tuned: none is within 2%; MLA and sinks have no formula (cost_models/activations.py
-# PROFILED_FAMILIES). DeepSeek's traced SDPA saves s x s fp32 probabilities (512 B per token per sequence
-# for V3's 128 heads): on CPU, q/k head dim 192 != v head dim 128 sends SDPA to the math path. Measured
-# 2026-12-02 under torch 2.13.0, transformers 5.24.0 (e.g. deepseek-v3: 169.0 GiB formula, 681.8 traced).
-FORMULA_OVER_PROFILE = {"deepseek-v2-lite": 0.4061, "deepseek-v3": 0.2479, "gpt-oss-120b": 0.9694,
+# PROFILED_FAMILIES). DeepSeek's traced SDPA saves what CUDA's memory-efficient kernel saves since
+# calibration/sdpa_kernels.py (before: CPU's math path, s x s fp32 probabilities, 0.4061 / 0.2479); the
+# formula stays ~5.6% low: it prices MLA's attention as Llama's at head dim h / heads (56 for V3), not its
+# low-rank q / kv projections nor its 192 / 128 head dims (the remainder is not decomposed). Measured
+# 2026-12-02 under torch 2.13.0, transformers 5.24.0 (e.g. deepseek-v3: 169.0 GiB formula, 179.0 traced).
+FORMULA_OVER_PROFILE = {"deepseek-v2-lite": 0.9423, "deepseek-v3": 0.9442, "gpt-oss-120b": 0.9694,
                         "gpt-oss-20b": 0.9702}
 
 
