@@ -1,5 +1,5 @@
 """Planner search speed: gpt-175b on 1,024 GPUs over the full candidate space, the device mesh included (tp and
-cp as planner/search.py enumerates them), target: < 1 s on 2 cores.
+cp as planner/search.py enumerates them), llama3.1-405b with tp, and with pipelines; target: < 1 s on 2 cores.
 
     python benchmarks/search_speed.py
 Prints the search time (best of 5), configurations costed, and candidates costed per second.
@@ -63,6 +63,19 @@ def main() -> None:
         timings.append(time.perf_counter() - t0)
     print(f"llama3.1-405b on 1024 x a100-80gb, meshes {', '.join(f'{m.tp}x{m.cp}x{m.ep}' for m in meshes)} "
           f"(tp x cp x ep): {result.n_costed} costed in {min(timings) * 1000:.1f} ms (best of 3; target < 1000 ms)")
+    # Pipelines: 405B on 512 H100s with a global batch of 256 sequences, where the search picks tp 4 x pp 8
+    h100 = make_cluster(512, gpu="h100-96gb")
+    piped = TrainingSpec(seq_len=2048, global_batch=256)
+    timings, cpu = [], []
+    for _ in range(3):
+        t0, c0 = time.perf_counter(), time.process_time()
+        result = search(llama, h100, piped, DEFAULT_PROFILE, SearchSpace())
+        timings.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
+    best = result.fitting[0].config if result.fitting else None
+    print(f"llama3.1-405b on 512 x h100-96gb, global batch 256 (pipelines searched): {result.n_costed} costed in "
+          f"{min(timings) * 1000:.1f} ms ({min(cpu) * 1000:.1f} ms CPU; best of 3); best: "
+          + (f"tp {best.tp} x pp {best.pp} {best.pp_schedule.value}" if best else "none"))
     t0 = time.perf_counter()
     from planner.api import plan
     plan("gpt-13b", gpus=8)
