@@ -6,7 +6,8 @@ TorchDispatchMode switched on inside one block only (its forward pre/post hooks,
 hooks). Each aten op the block dispatches is filed as
 - a matmul (aten.mm, addmm, bmm, baddbmm, _grouped_mm), forward only: (n, k, rows per token, count) -
   the backward's input- and weight-gradient products are priced from these, as for the formula families;
-- the attention kernel (the SDPA flash / efficient / cuDNN / CPU-flash forward): 4 B H S S_k D FLOPs, half
+- the attention kernel (the SDPA flash / efficient / cuDNN / CPU-flash forward): 2 B H S S_k (D + D_v)
+  FLOPs (D_v of calibration.sdpa_kernels' unequal-head-dims calls, whose own pads and copies are skipped), half
   of it with is_causal (the kernel skips the masked blocks); its backward is priced from the forward;
 - memory-bound: any other op that is not a view: the bytes of its tensor inputs (at most their storage:
   a broadcast table is read once) and outputs, in forward and in backward apart.
@@ -21,6 +22,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from cost_models.specs import TracedOperators
+
+from .sdpa_kernels import emulated_value_head_dim
 
 _aten = torch.ops.aten
 _MATMULS = {_aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten.baddbmm.default}
@@ -67,6 +70,9 @@ class _Counter(TorchDispatchMode):
 
     def _file(self, func, args, kwargs, out) -> None:
         name = func.overloadpacket.__name__
+        value_head_dim = emulated_value_head_dim()  # DeepSeek's MLA: CUDA's kernel on CPU (sdpa_kernels.py)
+        if value_head_dim is not None and func not in _ATTENTION:
+            return  # the emulation's pads and copies: no GPU kernel's
         if func in _MATMULS or func is _aten._grouped_mm.default:
             if self.recording == "forward":
                 self.matmuls.append(_matmul_shape(func, args))
@@ -75,7 +81,7 @@ class _Counter(TorchDispatchMode):
             a = _arguments(func, args, kwargs)
             q, k = a["query"], a["key"]
             b, h, s, d = q.shape
-            full = 4.0 * b * h * s * k.shape[-2] * d
+            full = 2.0 * b * h * s * k.shape[-2] * (d + (value_head_dim or d))  # q k^T, then p v
             self.attention_flops += full / 2 if a.get("is_causal") else full
             self.attention_reference += full
             return

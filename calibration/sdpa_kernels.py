@@ -30,6 +30,13 @@ _MEM_EFFICIENT_ALIGNMENT = 8  # CUDA mem-efficient attention: head dims a multip
 # heads are run in this many groups: the padded temporaries are 1/8 of the whole (one head at a time made
 # deepseek-v3's profile 7x slower on fake tensors: 128 heads x a dozen ops per attention call)
 HEAD_GROUPS = 8
+_emulating: list[int] = []  # the v head dim while the emulation runs (calibration.block_ops reads it)
+
+
+def emulated_value_head_dim() -> int | None:
+    """The real v head dim while an unequal-head-dims call runs, else None: its pads and copies are no GPU
+    kernel's, and its CPU flash calls see v padded to the q/k dim (calibration/block_ops.py)."""
+    return _emulating[-1] if _emulating else None
 
 
 def takes_unequal_head_dims(query, key, value) -> bool:
@@ -72,12 +79,16 @@ class _UnequalHeadDimsAttention(torch.autograd.Function):
         dv = value.size(-1)
         out = query.new_empty(b, s, heads, dv).transpose(1, 2)  # (b, s, heads, dv) storage, as CUDA allocates
         logsumexp = query.new_empty(b, heads, s, dtype=torch.float32)
-        for one in _head_groups(heads):
-            padded_out, lse = _CPU_FLASH(query[:, one], key[:, one], _pad_to(value[:, one], width), 0.0, is_causal,
-                                         attn_mask=_heads(attn_mask, one), scale=scale)
-            out[:, one].copy_(padded_out[..., :dv])
-            logsumexp[:, one].copy_(lse)
-            del padded_out, lse
+        _emulating.append(dv)
+        try:
+            for one in _head_groups(heads):
+                padded_out, lse = _CPU_FLASH(query[:, one], key[:, one], _pad_to(value[:, one], width), 0.0,
+                                             is_causal, attn_mask=_heads(attn_mask, one), scale=scale)
+                out[:, one].copy_(padded_out[..., :dv])
+                logsumexp[:, one].copy_(lse)
+                del padded_out, lse
+        finally:
+            _emulating.pop()
         ctx.save_for_backward(query, key, value, out, logsumexp, attn_mask)
         ctx.is_causal, ctx.scale = is_causal, scale
         return out
@@ -87,14 +98,18 @@ class _UnequalHeadDimsAttention(torch.autograd.Function):
         query, key, value, out, logsumexp, attn_mask = ctx.saved_tensors
         width = query.size(-1)
         grads = torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
-        for one in _head_groups(query.size(1)):
-            head_grads = _CPU_FLASH_BACKWARD(
-                _pad_to(grad_out[:, one], width), query[:, one], key[:, one], _pad_to(value[:, one], width),
-                _pad_to(out[:, one], width), logsumexp[:, one], 0.0, ctx.is_causal, attn_mask=_heads(attn_mask, one),
-                scale=ctx.scale)
-            for whole, part in zip(grads, head_grads):
-                whole[:, one].copy_(part[..., :whole.size(-1)])
-            del head_grads
+        _emulating.append(value.size(-1))
+        try:
+            for one in _head_groups(query.size(1)):
+                head_grads = _CPU_FLASH_BACKWARD(
+                    _pad_to(grad_out[:, one], width), query[:, one], key[:, one], _pad_to(value[:, one], width),
+                    _pad_to(out[:, one], width), logsumexp[:, one], 0.0, ctx.is_causal,
+                    attn_mask=_heads(attn_mask, one), scale=ctx.scale)
+                for whole, part in zip(grads, head_grads):
+                    whole[:, one].copy_(part[..., :whole.size(-1)])
+                del head_grads
+        finally:
+            _emulating.pop()
         return *grads, None, None, None
 
 

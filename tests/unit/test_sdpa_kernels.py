@@ -163,3 +163,21 @@ def test_a_traced_deepseek_block_saves_no_s_by_s_term():
     # a 221,668 -> 209,444 B per token (the math path's fp32 upcasts of q, k, v gone too), k 524,544 both
     assert abs(q) < 0.01  # bytes per token per key position
     assert saved[2] / 512 <= saved[0] / 128  # per token: no growth (the constant k spreads thinner)
+
+
+def test_the_operator_inventory_sees_one_attention_kernel():
+    """calibration.block_ops files the call as CUDA's kernel: 2 b H s s (Dqk + Dv) FLOPs, half of it causal
+    (20% less than 4 b H s s Dqk, what the padded v would give), and none of the emulation's pads and copies."""
+    from calibration.block_ops import _Counter
+
+    q, k, v = _inputs(torch.bfloat16)
+    counter = _Counter()
+    with cuda_kernel_choices(), counter:
+        counter.recording = "forward"
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        counter.recording = None
+        grad_out = torch.ones_like(out)
+        counter.recording = "backward"
+        out.backward(grad_out)
+    assert counter.attention_flops == 2 * B * HEADS * S * S * (DQK + DV) / 2 == 204_800
+    assert counter.memory["forward"] == 0 and counter.memory["backward"] == 0
