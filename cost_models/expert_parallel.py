@@ -75,7 +75,7 @@ class ExpertParallelView:
         """(gathered, shard) ParamCounts of the per-rank model: gathered counts the block's all-gather outputs
         (the rest padded at d, the experts at efsdp); shard counts are those whose / d is a rank's shard (the
         experts' efsdp shard scaled by d), which the ledger's model states divide by d."""
-        from .memory import ParamCounts
+        from .memory_types import ParamCounts
 
         gathered = ParamCounts.of(self.model, training, self.d)
         g_experts = moe.experts_gathered_elements(self.model, self.d)

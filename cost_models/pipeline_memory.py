@@ -27,7 +27,7 @@ import math
 from dataclasses import dataclass, field
 
 from . import activations, tensor_parallel
-from .memory import MemoryBreakdown, ParamCounts
+from .memory_types import MemoryBreakdown, MemoryEstimate, ParamCounts
 from .pipeline import Stage, rank_stages
 from .pipeline_orders import orders
 from .specs import FsdpConfig, ModelSpec, Optimizer, Precision, TrainingSpec
@@ -290,8 +290,6 @@ def pipeline_ranks(model: ModelSpec, training: TrainingSpec, config: FsdpConfig,
 def pipeline_estimate(model: ModelSpec, cluster, training: TrainingSpec, config: FsdpConfig, profile):
     """estimate_memory under pp > 1: the largest rank's figures as the headline (torchtitan reports the maximum
     across ranks), every rank in pipeline_ranks."""
-    from .memory import MemoryEstimate
-
     model = tensor_parallel.local_model(model, config)  # a TP rank's slice
     if config.cp > 1:
         training = dataclasses.replace(training, seq_len=training.seq_len // config.cp)

@@ -1,0 +1,88 @@
+"""What the memory ledgers return and count with: the breakdown by category, an estimate, and parameters split the
+way memory cares. Its own module so the ledgers (memory.py, expert_parallel.py, pipeline_memory.py) share them
+without importing one another."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+from . import moe
+from .specs import Finetune, ModelSpec, TrainingSpec
+
+
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    """Bytes per rank at the peak moment, by category."""
+
+    sharded_params: int = 0
+    unsharded_params: int = 0
+    sharded_grads: int = 0
+    unsharded_grads: int = 0
+    optimizer_state: int = 0
+    activations: int = 0
+    logits_and_loss: int = 0
+    optimizer_temporaries: int = 0
+    collective_buffers: int = 0
+
+    @property
+    def total_bytes(self) -> int:  # the fields spelled out: the search sums tens of thousands of these
+        return (self.sharded_params + self.unsharded_params + self.sharded_grads + self.unsharded_grads
+                + self.optimizer_state + self.activations + self.logits_and_loss + self.optimizer_temporaries
+                + self.collective_buffers)
+
+    def to_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    breakdown: MemoryBreakdown       # at the peak phase
+    peak_phase: str                  # "backward" or "optimizer_step"
+    phases: dict                     # phase name -> MemoryBreakdown, for both phases
+    peak_allocated_bytes: int        # what torch.cuda.max_memory_allocated would show
+    peak_reserved_bytes: int         # + fragmentation + CUDA context: compared with the GPU's memory
+    cpu_bytes_per_node: int          # CPU RAM the offloaded state needs on each node
+    cpu_ram_capacity_bytes: int      # CPU RAM per node of the cluster (0 = unknown)
+    notes: tuple[str, ...] = ()
+    peak_moment: str = ""            # what runs at the peak: "loss backward", "backward of block 31", ...
+    pipeline_ranks: tuple = ()       # pp > 1: each pipeline rank's PipelineRankMemory (cost_models/pipeline_memory.py)
+
+
+@dataclass(frozen=True)
+class ParamCounts:
+    """Parameters split the way memory cares: trainable (grads + optimizer) or frozen.
+
+    Blocks count as the model's repeated (for MoE: sparse) block; dense_delta corrects the totals for an
+    MoE model's leading dense blocks (their parameters minus as many sparse blocks')."""
+
+    trainable_block: int
+    frozen_block: int
+    trainable_root: int
+    frozen_root: int
+    trainable_dense_delta: int = 0
+    frozen_dense_delta: int = 0
+
+    @classmethod
+    def of(cls, model: ModelSpec, training: TrainingSpec, shard_group: int = 1, dim1: bool = False) -> "ParamCounts":
+        """shard_group d > 1: a sparse block's stacked expert tensors padded to a multiple of d rows, as FSDP2
+        shards, gathers and reduce-scatters them (cost_models/moe.py; dim1: the expert matrices sharded on dim 1,
+        unpadded); d = 1: the real counts."""
+        block = moe.block_gathered_elements(model, shard_group, dim1)
+        delta = model.n_dense_layers * (model.moe.dense_block_params - block) if model.n_dense_layers else 0
+        if training.finetune is Finetune.LORA:
+            lora = model.lora_params_per_block(training.lora_rank)
+            return cls(trainable_block=lora, frozen_block=block, trainable_root=0,
+                       frozen_root=model.root_params, frozen_dense_delta=delta)
+        return cls(block, 0, model.root_params, 0, trainable_dense_delta=delta)
+
+    def trainable(self, n_layers: int) -> int:
+        return n_layers * self.trainable_block + self.trainable_root + self.trainable_dense_delta
+
+    def frozen(self, n_layers: int) -> int:
+        return n_layers * self.frozen_block + self.frozen_root + self.frozen_dense_delta
+
+    def block(self) -> int:
+        return self.trainable_block + self.frozen_block
+
+    def root(self) -> int:
+        return self.trainable_root + self.frozen_root
