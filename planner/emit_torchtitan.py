@@ -28,7 +28,8 @@ from cost_models.mesh import mesh_of
 from cost_models.pipeline import stages
 from cost_models.specs import ClusterSpec, FsdpConfig, ModelSpec, Precision, TrainingSpec
 
-from .emit import RESHARD_NOTE, _comment, _summary, multi_node_note, torchrun_args
+from .emit_common import (RESHARD_NOTE, _comment, _expert_notes, _fsdp1_only_notes, _summary, multi_node_note,
+                          torchrun_args)
 from .errors import PlannerError
 from .torchtitan_split import split_flags
 
@@ -300,7 +301,6 @@ def emit_torchtitan(config: FsdpConfig, model_spec: ModelSpec, cluster: ClusterS
     """Override flags for a torchtitan run of the plan, one a line after the model's own config:
     0.3: `torchrun ... -m torchtitan.train --module M --config C $(grep -v '^#' FILE)`;
     0.2: `torchrun ... -m torchtitan.train --job.config_file MODEL.toml $(grep -v '^#' FILE)`."""
-    from .emit_trainers import _expert_notes, _fsdp1_only_notes
     from . import emit_techniques as tech
 
     version = _version(version)

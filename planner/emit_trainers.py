@@ -16,8 +16,8 @@ from cost_models.specs import ClusterSpec, FsdpConfig, ModelSpec, Precision, Tra
 
 from . import emit_mesh as meshed
 from . import emit_techniques as tech
-from .emit import (RDZV_PORT, RESHARD_NOTE, _comment, _fsdp1_strategy, _summary, multi_node_note, reshard_entry,
-                   torchrun_args, torchrun_command)
+from .emit_common import (RDZV_PORT, _comment, _expert_notes, _fsdp1_only_notes, _fsdp1_strategy, _summary,
+                          multi_node_note, reshard_entry, torchrun_args, torchrun_command)
 from .errors import PlannerError
 
 _TORCH_DTYPE = {"fp32": "torch.float32", "bf16": "torch.bfloat16", "fp16": "torch.float16"}
@@ -36,30 +36,6 @@ def _shard_layout(config: FsdpConfig, cluster: ClusterSpec) -> tuple[int, int]:
     """(replicas, shard group): the FSDP2 / torchtitan mesh of the plan (fsdp_options.mesh_layout)."""
     shape = fsdp_options.mesh_layout(config, cluster.n_gpus, cluster.gpus_per_node)["shape"]
     return (1, shape[0]) if len(shape) == 1 else (shape[0], shape[1])
-
-
-def _fsdp1_only_notes(config: FsdpConfig, fsdp1_form: str) -> list[str]:
-    """FSDP1 knobs of the plan that an FSDP2 dialect has no key for (FSDP2 prefetches and bounds its
-    all-gathers by itself)."""
-    knobs = [name for name, off_default in (("backward_prefetch=None", not config.backward_prefetch),
-                                            ("forward_prefetch=True", config.forward_prefetch),
-                                            ("limit_all_gathers=False", config.limit_all_gathers is False))
-             if off_default]
-    if not knobs:
-        return []
-    return [f"the plan's FSDP1 settings {', '.join(knobs)} have no FSDP2 form (FSDP2 always prefetches the next "
-            f"unit in backward and bounds its own all-gathers): {fsdp1_form} sets them"]
-
-
-def _expert_notes(config: FsdpConfig, dialect: str) -> list[str]:
-    notes = []
-    if config.expert_units:
-        notes.append(f"the plan wraps each block's routed experts as an FSDP unit of its own, which {dialect} cannot "
-                     "say: add that module's class to the units, or use --emit fsdp2")
-    if config.expert_shard_dim:
-        notes.append(f"the plan shards stacked MoE experts on dim 1 (shard_placement_fn), which {dialect} cannot set: "
-                     "FSDP2 pads them on dim 0 (--emit fsdp2 has it)")
-    return notes
 
 
 # ---------------------------------------------------------------- Hugging Face Trainer (transformers 5)
@@ -216,11 +192,6 @@ def emit_hf_trainer(config: FsdpConfig, model_spec: ModelSpec, cluster: ClusterS
         _comment([f"launch (Trainer builds the accelerator from these arguments; `accelerate launch` works too): "
                   f"{launch}"] + multi_node_note(cluster)),
     ]) + "\n"
-
-
-# ---------------------------------------------------------------- torchtitan (planner/emit_torchtitan.py)
-
-from .emit_torchtitan import TORCHTITAN_VERSIONS, emit_torchtitan, torchtitan_overrides  # noqa: E402,F401
 
 
 # ---------------------------------------------------------------- Kubeflow PyTorchJob

@@ -197,7 +197,7 @@ def _flags_as_toml(text: str) -> str:
     FsdpConfig(sharding="NO_SHARD", micro_batch=4),
 ])
 def test_torchtitan_round_trip(tmp_path, config, form):
-    from planner.emit_trainers import emit_torchtitan
+    from planner.emit_torchtitan import emit_torchtitan
     from cost_models.specs import TrainingSpec
 
     # 0.2's names (TOML job files are 0.2's form; 0.3's flags round-trip in tests/unit/test_emit_mesh.py)

@@ -1,0 +1,147 @@
+"""Pieces every emitter shares (planner/emit.py dispatches to the dialect modules, which import only this,
+never each other): the plan's summary comment, FSDP option spellings, the caveat notes and torchrun's
+arguments. Pure strings: no torch import.
+"""
+
+from __future__ import annotations
+
+from cost_models import fsdp_options
+from cost_models.mesh import mesh_of
+from cost_models.specs import ClusterSpec, FsdpConfig, ModelSpec, Precision, TrainingSpec
+
+from . import emit_techniques as tech
+
+RDZV_PORT = 29500
+# Why training turns a Hugging Face model's KV cache off (calibration.apply.disable_kv_cache does the same).
+_KV_CACHE_WHY = ("no KV cache in training: left on (HF's default), each checkpointed recompute appends to it "
+                 "until backward ends")
+
+
+# FSDP2's reshard_after_forward in words, for the comment beside it
+RESHARD_NOTE = {True: "free gathered params after forward (ZeRO-3)", False: "keep them for backward (ZeRO-2)"}
+
+
+def reshard_entry(config: FsdpConfig, key: str) -> tuple[str, bool, str]:
+    """FSDP2's reshard_after_forward for the plan as a (key, value, comment) config entry."""
+    reshard = fsdp_options.fully_shard_options(config)["reshard_after_forward"]
+    return key, reshard, RESHARD_NOTE[reshard]
+
+
+def _summary(config: FsdpConfig, model_spec: ModelSpec, cluster: ClusterSpec) -> list[str]:
+    """Comment lines naming the plan: model, cluster, every knob, and the batch it assumes."""
+    offload = "params+grads on CPU, optimizer step on CPU" if config.offload else "none"
+    return [
+        f"FSDP plan for {model_spec.name} on {cluster.n_gpus} x {cluster.gpu.name} "
+        f"({cluster.n_nodes} node(s) x {cluster.gpus_per_node})",
+        f"sharding {config.sharding.value}, precision {config.precision.value}"
+        f"{f' (gradients reduced in {config.reduce_dtype})' if config.reduce_dtype else ''}, offload {offload}, "
+        f"activation checkpointing {config.activation_checkpointing}, attention {config.attention.value}",
+        f"micro-batch {config.micro_batch} per GPU, gradient accumulation {config.grad_accum}" if config.pp == 1 else
+        f"pipeline microbatch {config.micro_batch}, {config.pp_microbatches} microbatches per schedule step",
+        *tech.summary_line(config),
+        *mesh_summary(config, cluster),
+    ]
+
+
+def mesh_summary(config: FsdpConfig, cluster: ClusterSpec) -> list[str]:
+    """The plan's device mesh in one line (none for data parallelism alone, so those plans emit as before)."""
+    if config.tp == config.cp == config.ep == config.pp == 1:
+        return []
+    mesh = mesh_of(config, cluster)
+    dims = " x ".join(f"{name} {size}" for name, size in mesh.used_dims())
+    experts = f"; experts on efsdp {mesh.efsdp} x ep {mesh.ep}" if mesh.ep > 1 else ""
+    tp = ("" if config.tp == 1 else ", TP with sequence parallel and loss parallel (torchtitan's)"
+          if config.sequence_parallel else ", TP as transformers' tp_plan (no sequence parallel)")
+    return [f"mesh {mesh.describe()}: {dims}{experts}{tp}"]
+
+
+def _comment(lines: list[str]) -> str:
+    return "\n".join(f"# {line}" for line in lines)
+
+
+def _mixed_dtypes(config: FsdpConfig) -> tuple[str, str] | None:
+    """(param_dtype, reduce_dtype) as torch expressions ("None" for a parameter dtype FSDP leaves alone), or
+    None when FSDP must not cast (fp32, bf16-pure, without a reduce_dtype of their own)."""
+    names = fsdp_options.mixed_precision_dtypes(config.precision, config.reduce_dtype)
+    if names is None:
+        return None
+    param = names["param_dtype"]
+    return ("None" if param is None else f"torch.{param}"), f"torch.{names['reduce_dtype']}"
+
+
+def _fsdp1_strategy(config: FsdpConfig, cluster: ClusterSpec) -> tuple[str, str]:
+    return fsdp_options.fsdp1_strategy(config, cluster.gpus_per_node)
+
+
+def _notes(config: FsdpConfig, training: TrainingSpec | None = None) -> list[str]:
+    """Caveats that change the training loop rather than the wrapping."""
+    notes = []
+    if config.precision is Precision.FP16:
+        notes.append("fp16 gradients underflow without loss scaling: use torch.distributed.fsdp.sharded_grad_scaler."
+                     "ShardedGradScaler (scaler.scale(loss).backward(); scaler.step(opt); scaler.update()). "
+                     "bf16 needs no scaler.")
+    if config.offload:
+        notes.append("offload: create the optimizer after wrapping; its step runs on the CPU (often the "
+                     "bottleneck), and CPU RAM per node must hold the params, grads and optimizer state.")
+    if training is not None and training.finetune.value == "lora":
+        notes.append("LoRA: apply the adapters (get_peft_model) before wrapping; the plan counts the frozen base in "
+                     "the compute dtype (from_pretrained(dtype=torch.bfloat16)) and peft's fp32 adapters. FSDP1 needs "
+                     "the adapters in units of their own (the fsdp1 snippet's CustomPolicy; HF Trainer does it for "
+                     "PEFT models; plain accelerate: auto_wrap_policy=peft.utils.other.fsdp_auto_wrap_policy(model)).")
+    if config.loss_compiled:
+        notes.append(tech.COMPILED_LOSS_NOTE)
+    if config.expert_units:
+        notes.append("expert units: the plan wraps each block's routed experts (the module holding the stacked expert "
+                     "tensors) as an FSDP2 unit of its own before the block, as --emit fsdp2 writes; for FSDP1 or "
+                     "accelerate add that module's class to the wrap policy's classes.")
+    return notes
+
+
+def torchrun_args(cluster: ClusterSpec, script: str = "train.py", *, nnodes: str | None = None,
+                  endpoint: str = f"$MASTER_ADDR:{RDZV_PORT}", rdzv_id: str = "fsdp-plan") -> list[str]:
+    """torchrun's arguments, one list for every launcher (torchrun, slurm, pytorchjob, hf-trainer): standalone on
+    one node, else one c10d rendezvous at `endpoint` for `nnodes` nodes (default: the cluster's count)."""
+    if nnodes is None and cluster.n_nodes == 1:
+        return ["--standalone", "--nproc_per_node", str(cluster.gpus_per_node), script]
+    return ["--nnodes", nnodes or str(cluster.n_nodes), "--nproc_per_node", str(cluster.gpus_per_node),
+            "--rdzv_backend", "c10d", "--rdzv_endpoint", endpoint, "--rdzv_id", rdzv_id, script]
+
+
+def torchrun_command(cluster: ClusterSpec, script: str = "train.py") -> str:
+    return " ".join(["torchrun", *torchrun_args(cluster, script)])
+
+
+def multi_node_note(cluster: ClusterSpec) -> list[str]:
+    if cluster.n_nodes == 1:
+        return []
+    return [f"run the same command on each of the {cluster.n_nodes} nodes; "
+            "MASTER_ADDR = the address of any one of them"]
+
+
+
+def _fsdp1_only_notes(config: FsdpConfig, fsdp1_form: str) -> list[str]:
+    """FSDP1 knobs of the plan that an FSDP2 dialect has no key for (FSDP2 prefetches and bounds its
+    all-gathers by itself)."""
+    knobs = [name for name, off_default in (("backward_prefetch=None", not config.backward_prefetch),
+                                            ("forward_prefetch=True", config.forward_prefetch),
+                                            ("limit_all_gathers=False", config.limit_all_gathers is False))
+             if off_default]
+    if not knobs:
+        return []
+    return [f"the plan's FSDP1 settings {', '.join(knobs)} have no FSDP2 form (FSDP2 always prefetches the next "
+            f"unit in backward and bounds its own all-gathers): {fsdp1_form} sets them"]
+
+
+def _expert_notes(config: FsdpConfig, dialect: str) -> list[str]:
+    notes = []
+    if config.expert_units:
+        notes.append(f"the plan wraps each block's routed experts as an FSDP unit of its own, which {dialect} cannot "
+                     "say: add that module's class to the units, or use --emit fsdp2")
+    if config.expert_shard_dim:
+        notes.append(f"the plan shards stacked MoE experts on dim 1 (shard_placement_fn), which {dialect} cannot set: "
+                     "FSDP2 pads them on dim 0 (--emit fsdp2 has it)")
+    return notes
+
+
+# ---------------------------------------------------------------- Hugging Face Trainer (transformers 5)
+
