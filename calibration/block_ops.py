@@ -8,7 +8,8 @@ hooks). Each aten op the block dispatches is filed as
   the backward's input- and weight-gradient products are priced from these, as for the formula families;
 - the attention kernel (the SDPA flash / efficient / cuDNN / CPU-flash forward): 2 B H S S_k (D + D_v)
   FLOPs (D_v of calibration.sdpa_kernels' unequal-head-dims calls, whose own pads and copies are skipped), half
-  of it with is_causal (the kernel skips the masked blocks); its backward is priced from the forward;
+  of it with is_causal (the kernel skips the masked blocks); its backward is priced from the forward; the
+  reference (the MFU convention, from which cost_models/operators.py reads S_k) stays 4 B H S S_k D;
 - memory-bound: any other op that is not a view: the bytes of its tensor inputs (at most their storage:
   a broadcast table is read once) and outputs, in forward and in backward apart.
 Everything per token of the traced micro-batch. What inductor would fuse is not known from an eager trace:
@@ -83,7 +84,7 @@ class _Counter(TorchDispatchMode):
             b, h, s, d = q.shape
             full = 2.0 * b * h * s * k.shape[-2] * (d + (value_head_dim or d))  # q k^T, then p v
             self.attention_flops += full / 2 if a.get("is_causal") else full
-            self.attention_reference += full
+            self.attention_reference += 4.0 * b * h * s * k.shape[-2] * d  # the MFU convention: 4 q_dim s_k
             return
         if name.startswith(_ATTENTION_BACKWARD_PREFIX) or name in _FREE or _is_view(func):
             return

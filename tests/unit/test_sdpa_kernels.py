@@ -51,7 +51,8 @@ def _mask():
 
 
 @pytest.mark.parametrize("kwargs", [{"is_causal": True}, {"is_causal": False}, {"attn_mask": "bool"},
-                                    {"attn_mask": "float"}, {"attn_mask": "per-head"}, {"is_causal": True, "scale": 0.3},
+                                    {"attn_mask": "float"}, {"attn_mask": "per-head"},
+                                    {"is_causal": True, "scale": 0.3},
                                     {"is_causal": True, "dropout_p": 0.1}],
                          ids=["causal", "full", "bool-mask", "float-mask", "per-head-mask", "scale", "dropout-dropped"])
 def test_outputs_and_gradients_equal_the_math_path(kwargs):
@@ -180,4 +181,6 @@ def test_the_operator_inventory_sees_one_attention_kernel():
         counter.recording = "backward"
         out.backward(grad_out)
     assert counter.attention_flops == 2 * B * HEADS * S * S * (DQK + DV) / 2 == 204_800
+    # the MFU reference, 4 q_dim s_k per token, from which cost_models/operators.py reads the traced s_k
+    assert counter.attention_reference == 4 * B * HEADS * S * S * DQK == 491_520
     assert counter.memory["forward"] == 0 and counter.memory["backward"] == 0
