@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from cost_models.schedules import Schedule
 
 from .errors import PlannerError
-from .setups import _int
+from .setups_common import _int
 from .torchtitan_split import generated_blocks_per_stage
 
 KEY = "parallelism.pipeline_parallel_{}"

@@ -19,7 +19,7 @@ from cost_models.specs import SELECTIVE_OP, FsdpConfig, Precision, Sharding
 from .emit_torchtitan import preset_of
 from .errors import PlannerError
 from .setups_pipeline import torchtitan_pipeline
-from .setups import UserSetup, _bool, _int, _int_or_none, _strategy, _strip, accelerate_degrees
+from .setups_common import UserSetup, _bool, _int, _int_or_none, _strategy, _strip, accelerate_degrees
 
 # ---------------------------------------------------------------- Hugging Face TrainingArguments
 

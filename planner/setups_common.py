@@ -1,0 +1,104 @@
+"""What every setup reader shares (planner/setups.py dispatches to the readers, which import this, never
+setups.py): the UserSetup record they return and the value readers that accept values the way people write
+them ("FULL_SHARD", "ShardingStrategy.FULL_SHARD", 1; true / "yes"; integers). Anything unreadable raises
+PlannerError naming the key.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from cost_models.specs import FsdpConfig, Sharding
+
+from .errors import PlannerError
+
+_STRATEGY_NUMBERS = {"1": "FULL_SHARD", "2": "SHARD_GRAD_OP", "3": "NO_SHARD", "4": "HYBRID_SHARD",
+                     "5": "HYBRID_SHARD_ZERO2"}
+
+
+@dataclass(frozen=True)
+class UserSetup:
+    config: FsdpConfig
+    fsdp_version: int = 1
+    source: str = "flags"
+    dialect: str = "flags"                  # what it was read from: flags | accelerate | kwargs | hf-trainer | torchtitan
+    explicit: frozenset = frozenset()       # keys the user wrote (FSDP argument names)
+    wrap: str = "block"                     # block | size | none | custom
+    use_orig_params: bool = False           # FSDP1's default
+    sync_module_states: bool = False
+    init: str = "all"                       # all ranks load | rank0 (cpu_ram_efficient_loading) | meta
+    grad_scaler: str | None = None          # sharded | plain | none | None (not stated)
+    reduce_dtype: str | None = None         # as written, when mixed precision is set
+    n_processes: int | None = None          # cluster size written in an accelerate config
+    n_machines: int | None = None
+    fsdp2_removed: tuple[str, ...] = ()     # FSDP1-only keys found in an FSDP2 config
+    use_cache: bool | None = None           # model.config.use_cache as the training runs (None: not stated)
+    compile_dynamic: bool = False           # torch.compile with dynamic shapes (dynamic=True, dynamo_use_dynamic)
+    unexpressed: tuple[str, ...] = ()       # settings asked for that the dialect cannot express (selective-op)
+    seq_len: int | None = None              # tokens per sequence, where the setup says (torchtitan's training.seq_len)
+    checkpoint_regathers: bool = False      # the recompute all-gathers each checkpointed block again: a reentrant
+    #                                         checkpoint around FSDP1 units (HF Trainer's own, use_reentrant: true)
+    model: str | None = None                # the model the setup names (torchtitan 0.3's --module / --config)
+    pipeline: object = None                 # torchtitan's pipeline settings (setups_pipeline.PipelineSettings)
+    notes: tuple[str, ...] = field(default=())
+
+
+def _strip(value) -> str:
+    text = str(value).strip()
+    for prefix in ("ShardingStrategy.", "BackwardPrefetch.", "torch.", "StateDictType."):
+        if text.startswith(prefix):
+            text = text[len(prefix):]
+    return text
+
+
+def _bool(key: str, value) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("true", "yes", "1", "on"):
+        return True
+    if text in ("false", "no", "0", "off", "none", "null", ""):
+        return False
+    raise PlannerError(key, f"expected true or false, got {value!r}")
+
+
+def _strategy(key: str, value) -> Sharding:
+    text = _strip(value).upper().lstrip("_")
+    text = _STRATEGY_NUMBERS.get(text, text)
+    try:
+        return Sharding(text)
+    except ValueError:
+        raise PlannerError(key, f"unknown sharding strategy {value!r}; choose one of: "
+                                f"{', '.join(s.value for s in Sharding)}") from None
+
+
+def accelerate_degrees(parallel: dict, prefix: str) -> dict:
+    """tp / cp of accelerate's ParallelismConfig (keys without their parallelism_config_ prefix) as FsdpConfig
+    fields: accelerate runs TP as transformers' tp_plan, so without sequence parallel. sp_size (DeepSpeed's
+    Ulysses) is not FSDP's and is refused."""
+    if _int(parallel, "sp_size", 1) > 1:
+        raise PlannerError(f"{prefix}sp_size", "DeepSpeed's sequence parallel (Ulysses) is not planned by fsdp-plan; "
+                                               "set it to 1 (context parallel: cp_size)")
+    tp, cp = _int(parallel, "tp_size", 1), _int(parallel, "cp_size", 1)
+    for key, value in (("tp_size", tp), ("cp_size", cp)):
+        if value < 1:
+            raise PlannerError(f"{prefix}{key}", f"must be >= 1, got {value}")
+    return {"tp": tp, "cp": cp, **({"sequence_parallel": False} if tp > 1 else {})}
+
+
+def _int_or_none(data: dict, key: str) -> int | None:
+    if data.get(key) is None:
+        return None
+    value = data[key]
+    try:
+        if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+            raise ValueError
+        return int(value)
+    except (TypeError, ValueError, OverflowError):
+        raise PlannerError(key, f"expected an integer, got {value!r}") from None
+
+
+def _int(data: dict, key: str, default: int) -> int:
+    """An integer field; missing or null: the default."""
+    value = _int_or_none(data, key)
+    return default if value is None else value
