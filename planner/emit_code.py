@@ -257,4 +257,3 @@ def _render(config, model_spec, cluster, imports: list[str], body: list[str],
     if meshed.uses_mesh(config):  # the mesh snippets: every line at most 100 characters
         lines = meshed.fit_lines(lines)
     return "\n".join(lines) + "\n"
-

@@ -144,4 +144,3 @@ def _expert_notes(config: FsdpConfig, dialect: str) -> list[str]:
 
 
 # ---------------------------------------------------------------- Hugging Face Trainer (transformers 5)
-

@@ -212,4 +212,3 @@ def emit_slurm(config: FsdpConfig, model_spec: ModelSpec, cluster: ClusterSpec, 
         " ".join(["srun torchrun", *torchrun_args(cluster, script, nnodes='"$SLURM_NNODES"',
                                                   endpoint=f'"$head_node:{RDZV_PORT}"', rdzv_id='"$SLURM_JOB_ID"')]),
     ]) + "\n"
-

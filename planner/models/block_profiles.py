@@ -31,10 +31,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
-import hashlib
-import json
 import math
-import os
 import time
 from pathlib import Path
 
@@ -44,7 +41,8 @@ from cost_models.specs import ActivationProfile, ActivationTerms, BackwardMoment
 from planner.errors import PlannerError
 from planner.progress import progress
 
-SCHEMA_VERSION = 5  # 2: dense-block terms; 3: terms nested; 4: specs hold MoE dense-layer indices, terms the checkpoint-held inputs; 5: the traced operator inventory
+from .spec_cache import SCHEMA_VERSION, _config_key, _versions, cache_dir
+
 PROFILED_DTYPES = ("bf16", "fp32")
 SHIPPED_DIR = Path(__file__).parent.parent / "catalog" / "block_profiles"
 SHIPPED_SEQ_LENS = (1024, 2048, 4096, 8192, 16384)  # the shipped profiles are traced at each
@@ -122,52 +120,6 @@ class ShippedProfiles(BaseModel):
     preset: str
     made_by: str
     profiles: list[BlockProfileFile]
-
-
-def cache_dir() -> Path:
-    root = os.environ.get("FSDP_PLANNER_CACHE") or Path.home() / ".cache" / "fsdp-planner"
-    return Path(root) / "block-profiles"
-
-
-def _versions() -> tuple[str, str]:
-    """torch and transformers versions from the installed metadata (no import: a cached run stays fast)."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("torch"), version("transformers")
-    except PackageNotFoundError:
-        return "none", "none"
-
-
-def _config_key(kind: str, hf_config: dict, versions: bool = True, **extra) -> str:
-    fields = {"kind": kind, "config": hf_config, "schema": SCHEMA_VERSION, **extra}
-    if versions:  # the cache's keys; a shipped profile's have none (it is the answer under any version)
-        fields["torch"], fields["transformers"] = _versions()
-    blob = json.dumps(fields, sort_keys=True, default=str)
-    return hashlib.sha256(blob.encode()).hexdigest()[:24]
-
-
-def cached_spec(hf_config: dict, name: str, make) -> ModelSpec:
-    """The ModelSpec transformers' meta build gives for this config (`make()`), cached like the profiles:
-    a later run neither imports torch nor builds the model."""
-    key = _config_key("spec", hf_config)
-    path = cache_dir() / f"spec-{key}.json"
-    from calibration.store import model_spec_from_dict  # pydantic, no torch
-
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-        if data.get("key") == key:  # a file that does not hold a valid spec is made again
-            return dataclasses.replace(model_spec_from_dict(data["spec"]), name=name)
-    except (OSError, ValueError, KeyError, TypeError):
-        pass
-    spec = make()
-    from calibration.store import write_atomic
-
-    try:
-        write_atomic(path, json.dumps({"key": key, "spec": dataclasses.asdict(spec)}, indent=1))
-    except OSError:
-        pass
-    return spec
 
 
 def profile_key(hf_config: dict, compute_dtype: str, attention: str, seq_len: int) -> str:

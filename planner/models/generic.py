@@ -1,6 +1,6 @@
 """Any causal LM transformers can build: the fallback for a model_type without a family reader.
 
-    spec = from_transformers(cfg_dict, name="granite-8b")
+    spec = resolve.from_transformers(cfg_dict, name="granite-8b")   # built here, read by resolve.from_module
 
 The model is built from its config on the meta device (no memory, no weights), and everything is read
 from what was built: exact parameter counts (module.py's split into blocks, embeddings, head and the rest),
@@ -102,23 +102,6 @@ def build_on_meta(config, *, trust_remote_code: bool = False):
     except (TypeError, KeyError, AttributeError, RuntimeError, ImportError) as exc:
         raise PlannerError("model", f"transformers {transformers_version()} cannot build model_type "
                                     f"{model_type!r}: {type(exc).__name__}: {_first_line(exc)}") from None
-
-
-def from_transformers(cfg: dict, name: str, *, trust_remote_code: bool = False) -> ModelSpec:
-    """ModelSpec of any causal LM transformers can build, read from the model built on meta (cached on disk
-    by config and versions: block_profiles.cached_spec)."""
-    from .block_profiles import cached_spec
-
-    if cfg.get("auto_map") and not trust_remote_code:
-        hf_config_object(cfg)  # raises the one-line refusal
-    return cached_spec(cfg, name, lambda: _read_built_model(cfg, name, trust_remote_code))
-
-
-def _read_built_model(cfg: dict, name: str, trust_remote_code: bool) -> ModelSpec:
-    from .module import from_module
-
-    config = hf_config_object(cfg, trust_remote_code=trust_remote_code)
-    return from_module(build_on_meta(config, trust_remote_code=trust_remote_code), name=name)
 
 
 def refine_from_module(spec: ModelSpec, model, blocks: list, cfg: dict) -> ModelSpec:

@@ -1,16 +1,13 @@
-"""ModelSpec from an nn.Module, reading only shapes (works on the meta device, allocates nothing)."""
+"""Reading an nn.Module's shapes (works on the meta device, allocates nothing): its repeated blocks, the parameter
+split, head and attention shapes. resolve.from_module makes the ModelSpec from them."""
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 
-from cost_models.specs import ModelSpec, SpecError
 from planner.errors import PlannerError
 
-from .families import BUILDERS
 from .config_reader import normalise_activation
-from .resolve import from_hf_config
 
 # ---------------------------------------------------------------------------------------------
 # nn.Module
@@ -22,56 +19,11 @@ def is_module(obj) -> bool:
     return torch is not None and isinstance(obj, torch.nn.Module)
 
 
-def block_classes_of(module) -> set[type]:
-    """The repeated block class(es) of a module: the FSDP auto-wrap units."""
-    return {type(block) for block in find_blocks(module, _hf_block_class_name(module))}
-
-
-def from_module(module, name: str | None = None) -> ModelSpec:
-    """ModelSpec from an nn.Module, reading only shapes (works on the meta device, allocates nothing).
-
-    A transformers model of a supported type takes its shape fields from its config; anything else
-    is inferred from the repeated block's nn.Linear / nn.Embedding layers (family "generic").
-    Parameter counts always come from the module itself.
-    """
-    name = name or type(module).__name__
-    blocks = find_blocks(module, _hf_block_class_name(module))
-    split = _measure_split(module, blocks)
-    hf_dict = hf_config_dict(module)
-    try:
-        if hf_dict is not None and hf_dict.get("model_type") in BUILDERS:
-            spec = from_hf_config(hf_dict, name=name)
-            if spec.n_dense_layers:  # blocks of two sizes (MoE): the config's split is exact, the mean is not
-                split = {k: v for k, v in split.items() if k not in ("block_params", "root_other_params")}
-            return dataclasses.replace(spec, **split)
-        spec = ModelSpec(name=name, family="generic", **_infer_shapes(module, blocks, hf_dict or {}), **split)
-        if hf_dict is not None:  # a transformers model without a family reader
-            from .generic import refine_from_module
-
-            spec = refine_from_module(spec, module, blocks, hf_dict)
-        return spec
-    except PlannerError:
-        raise
-    except SpecError as e:  # e.g. a module with no parameters in its blocks
-        raise PlannerError("model", f"cannot describe module {name!r}: {e}") from None
-
-
 def hf_config_dict(module) -> dict | None:
     """`module.config.to_dict()` for a transformers model (anything with such a config), else None."""
     to_dict = getattr(getattr(module, "config", None), "to_dict", None)
     data = to_dict() if callable(to_dict) else None
     return data if isinstance(data, dict) else None
-
-
-def _hf_block_class_name(module) -> str | None:
-    """The decoder-layer class name transformers uses for this module's model_type, if supported."""
-    hf_dict = hf_config_dict(module)
-    if hf_dict is None or hf_dict.get("model_type") not in BUILDERS:
-        return None
-    try:
-        return from_hf_config(hf_dict).block_class
-    except PlannerError:
-        return None
 
 
 def find_blocks(module, class_name: str | None = None) -> list:

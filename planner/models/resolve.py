@@ -1,10 +1,12 @@
 """Where a ModelSpec comes from: presets (planner/catalog/models.json), config.json files or
 directories, Hugging Face Hub ids (hub.py), Hugging Face config dicts, dispatched by model_type to the family
-readers (families.py); nn.Modules go to module.py. A string is a local config path if one exists, else a
+readers (families.py), else built on meta by transformers (generic.py); nn.Modules are read by their shapes
+(module.py) and, for a family we read, by their config. A string is a local config path if one exists, else a
 preset, else a hub id (org/name)."""
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import json
 from functools import lru_cache
@@ -16,6 +18,7 @@ from planner.errors import ModelNotFound, PlannerError, UnsupportedModel
 from . import hub
 from .config_reader import Cfg
 from .families import BUILDERS
+from .module import _infer_shapes, _measure_split, find_blocks, hf_config_dict, is_module
 
 CATALOG_PATH = Path(__file__).parent.parent / "catalog" / "models.json"
 
@@ -35,8 +38,6 @@ def resolve_model(model, *, trust_remote_code: bool = False) -> ModelSpec:
         return model
     if isinstance(model, dict):
         return from_hf_config(model, trust_remote_code=trust_remote_code)
-    from .module import from_module, is_module
-
     if is_module(model):
         return from_module(model)
     if names_preset(model):
@@ -150,14 +151,75 @@ def from_hf_config(cfg: dict, name: str | None = None, *, trust_remote_code: boo
         name = Path(str(cfg.get("_name_or_path") or model_type)).name or model_type
     builder = BUILDERS.get(model_type)
     if builder is None or cfg.get("auto_map"):
-        from .generic import from_transformers  # imports torch and transformers
-
         return from_transformers(cfg, name, trust_remote_code=trust_remote_code)
     fields = builder(Cfg(cfg, model_type))
     try:
         return ModelSpec(name=name, family=model_type, **fields)
     except SpecError as e:  # a size the config allows but the spec rejects (e.g. a zero)
         raise PlannerError("model", f"config of {name!r}: {e}") from None
+
+
+def from_transformers(cfg: dict, name: str, *, trust_remote_code: bool = False) -> ModelSpec:
+    """ModelSpec of any causal LM transformers can build, read from the model built on meta (cached on disk
+    by config and versions: spec_cache.cached_spec)."""
+    from .generic import hf_config_object
+    from .spec_cache import cached_spec
+
+    if cfg.get("auto_map") and not trust_remote_code:
+        hf_config_object(cfg)  # raises the one-line refusal
+    return cached_spec(cfg, name, lambda: _read_built_model(cfg, name, trust_remote_code))
+
+
+def _read_built_model(cfg: dict, name: str, trust_remote_code: bool) -> ModelSpec:
+    from .generic import build_on_meta, hf_config_object
+
+    config = hf_config_object(cfg, trust_remote_code=trust_remote_code)
+    return from_module(build_on_meta(config, trust_remote_code=trust_remote_code), name=name)
+
+
+def from_module(module, name: str | None = None) -> ModelSpec:
+    """ModelSpec from an nn.Module, reading only shapes (works on the meta device, allocates nothing).
+
+    A transformers model of a supported type takes its shape fields from its config; anything else
+    is inferred from the repeated block's nn.Linear / nn.Embedding layers (family "generic").
+    Parameter counts always come from the module itself.
+    """
+    name = name or type(module).__name__
+    blocks = find_blocks(module, _hf_block_class_name(module))
+    split = _measure_split(module, blocks)
+    hf_dict = hf_config_dict(module)
+    try:
+        if hf_dict is not None and hf_dict.get("model_type") in BUILDERS:
+            spec = from_hf_config(hf_dict, name=name)
+            if spec.n_dense_layers:  # blocks of two sizes (MoE): the config's split is exact, the mean is not
+                split = {k: v for k, v in split.items() if k not in ("block_params", "root_other_params")}
+            return dataclasses.replace(spec, **split)
+        spec = ModelSpec(name=name, family="generic", **_infer_shapes(module, blocks, hf_dict or {}), **split)
+        if hf_dict is not None:  # a transformers model without a family reader
+            from .generic import refine_from_module
+
+            spec = refine_from_module(spec, module, blocks, hf_dict)
+        return spec
+    except PlannerError:
+        raise
+    except SpecError as e:  # e.g. a module with no parameters in its blocks
+        raise PlannerError("model", f"cannot describe module {name!r}: {e}") from None
+
+
+def block_classes_of(module) -> set[type]:
+    """The repeated block class(es) of a module: the FSDP auto-wrap units."""
+    return {type(block) for block in find_blocks(module, _hf_block_class_name(module))}
+
+
+def _hf_block_class_name(module) -> str | None:
+    """The decoder-layer class name transformers uses for this module's model_type, if supported."""
+    hf_dict = hf_config_dict(module)
+    if hf_dict is None or hf_dict.get("model_type") not in BUILDERS:
+        return None
+    try:
+        return from_hf_config(hf_dict).block_class
+    except PlannerError:
+        return None
 
 
 def supported_model_types() -> list[str]:
@@ -196,4 +258,3 @@ def _name_from_path(path: Path) -> str:
     if path.is_dir():
         return path.resolve().name
     return path.resolve().parent.name if path.stem == "config" else path.stem
-
