@@ -130,7 +130,7 @@ def model_lines(spec) -> list[str]:
     active = f" ({spec.active_params / 1e9:.2f}B active)" if spec.moe is not None else ""
     lines = [f"{spec.name}: {spec.n_params / 1e9:.2f}B parameters{active}, {spec.n_layers} x {spec.block_class}"]
     if spec.activation_profile is not None:
-        lines.append(f"activations: {spec.activation_profile.source}")
+        lines += _wrap(f"activations: {spec.activation_profile.source}")
     return lines
 
 

@@ -14,6 +14,7 @@ PLANS = {
     "lora": dict(model="llama2-7b", gpus=8, finetune="lora"),
     "mesh": dict(model="llama3.1-70b", gpus=1024, gpu="h100-80gb", global_batch=512),
     "nothing-fits": dict(model="gpt-175b", gpus=8),
+    "mla": dict(model="deepseek-v3", gpus=256, gpu="h100-80gb", seq_len=4096),  # its shipped profile's line
 }
 
 
