@@ -15,7 +15,7 @@ torchtitan 0.3 (checked against 0.3.0's own ConfigManager.parse_args, tests/unit
   rowwise recipes only, without the FP8 all-gather; 0.2's --model.converters and --quantize.linear.float8.*
   are rejected.
 
-planner/setups_trainers.py reads both spellings back (`fsdp-plan check`); tests round-trip them. Pipelines:
+planner/setups_torchtitan.py reads both spellings back (`fsdp-plan check`); tests round-trip them. Pipelines:
 parallelism.pipeline_parallel_* and module_fqns_per_model_part in both (0.2's head is "output", 0.3's "lm_head";
 0.2.2's own ConfigManager resolved the 0.2 form of a pp 4 interleaved plan: 8 parts, microbatch 2, by hand), and
 0.3's training.disable_cuda_graphs, which 0.3 requires with PP.

@@ -3,7 +3,7 @@
 
 Each says every planned setting the trainer can hold, and names in a comment what it cannot (never a silent
 drop); a plan a trainer cannot run at all (fp16 under torchtitan) is refused with one PlannerError line.
-planner/setups_trainers.py reads the same dialects back (`fsdp-plan check`); tests round-trip them.
+planner/setups_trainers.py and setups_torchtitan.py read the same dialects back (`fsdp-plan check`); tests round-trip them.
 """
 
 from __future__ import annotations

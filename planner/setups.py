@@ -1,5 +1,6 @@
 """Read a user's existing FSDP setup: an accelerate config, or a JSON/YAML file of FSDP1 kwargs or FSDP2
-`fully_shard` arguments (Hugging Face TrainingArguments and torchtitan job settings: planner/setups_trainers.py).
+`fully_shard` arguments (Hugging Face TrainingArguments: planner/setups_trainers.py; torchtitan job settings:
+planner/setups_torchtitan.py).
 read_setup tells them apart by content. The result is an FsdpConfig (what the cost model prices) plus the settings
 the cost model does not price but the doctor checks (wrap policy, use_orig_params, init, scaler...).
 
@@ -14,6 +15,7 @@ from pathlib import Path
 
 from cost_models.specs import SELECTIVE_OP, FsdpConfig, Precision, Sharding
 
+from . import setups_torchtitan as torchtitan
 from . import setups_trainers as trainers
 from .errors import PlannerError
 from .setups_common import UserSetup, _bool, _int, _int_or_none, _strategy, _strip, accelerate_degrees
@@ -81,9 +83,9 @@ def read_setup(path) -> UserSetup:
     again (`fsdp_config` alone), else FSDP kwargs."""
     path = Path(path)
     text = _read(path)
-    settings = trainers.torchtitan_settings(text, path)
+    settings = torchtitan.torchtitan_settings(text, path)
     if settings is not None:
-        return trainers.from_torchtitan(settings, source=str(path))
+        return torchtitan.from_torchtitan(settings, source=str(path))
     data = _parse(path, text)
     if "distributed_type" not in data and trainers.is_hf_trainer(data):
         return trainers.from_hf_trainer(data, source=str(path))

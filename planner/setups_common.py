@@ -102,3 +102,10 @@ def _int(data: dict, key: str, default: int) -> int:
     """An integer field; missing or null: the default."""
     value = _int_or_none(data, key)
     return default if value is None else value
+
+
+def _positive_int(data: dict, key: str, default: int) -> int:
+    value = _int(data, key, default)
+    if value < 1:
+        raise PlannerError(key, f"must be >= 1, got {value}")
+    return value

@@ -1,4 +1,4 @@
-"""torchtitan's pipeline settings, read back for `fsdp-plan check` (planner/setups_trainers.from_torchtitan).
+"""torchtitan's pipeline settings, read back for `fsdp-plan check` (planner/setups_torchtitan.from_torchtitan).
 
 parallelism.pipeline_parallel_degree, _schedule (torchtitan's names: 1F1B, GPipe, Interleaved1F1B,
 InterleavedZeroBubble, DualPipeV), _microbatch_size (the pipeline microbatch: training.local_batch_size / it =

@@ -7,7 +7,8 @@ import pytest
 
 from planner.errors import PlannerError
 from planner.setups import read_setup
-from planner.setups_trainers import from_hf_trainer, from_torchtitan, torchtitan_settings
+from planner.setups_torchtitan import from_torchtitan, torchtitan_settings
+from planner.setups_trainers import from_hf_trainer
 
 
 # ---------------------------------------------------------------- reading TrainingArguments

@@ -22,7 +22,7 @@ from planner.errors import PlannerError
 from planner.hardware import make_cluster
 from planner.models import load_preset
 from planner.setups import read_setup
-from planner.setups_trainers import from_torchtitan, torchtitan_settings
+from planner.setups_torchtitan import from_torchtitan, torchtitan_settings
 
 LLAMA = load_preset("llama3-8b")
 DEEPSEEK = load_preset("deepseek-v3")
