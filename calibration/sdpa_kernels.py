@@ -14,9 +14,10 @@ and saves exactly q, k, v, the output (dv wide) and the logsumexp - plus the mas
 CUDA kernel saves its attn_bias. Backward pads v, the output and its gradient as a group's temporaries (zero
 columns add nothing to softmax's rowsum(dO * O) nor to dO v^T) and slices the value gradient back. The
 output is laid out (b, s, heads, dv) as the CUDA kernels allocate it, so transformers' transpose(1, 2)
-.contiguous() after SDPA is a view there as on a GPU (CPU flash's (b, heads, s, d) output is copied there).
+.contiguous() after SDPA is a view, as on a GPU.
 
-Measured against the math path in tests/unit/test_sdpa_kernels.py (values, gradients, saved bytes).
+Measured against the math path in tests/unit/test_sdpa_kernels.py (values, gradients, saved bytes); the CUDA
+side is read from torch's sources (sdp_utils.cpp, attention.cu), not run here (no GPU).
 """
 
 from __future__ import annotations
