@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import importlib
 from collections.abc import Callable
 
@@ -68,7 +69,7 @@ def hf_config_object(hf_config: dict):
     the dict's fields over the file's (a profile's or a small calibration run's layer count)."""
     from transformers import AutoConfig
 
-    fields = dict(hf_config)
+    fields = copy.deepcopy(hf_config)  # transformers rewrites nested fields (rope_scaling) in place
     model_type = fields.pop("model_type")
     if fields.pop("auto_map", None):
         return AutoConfig.from_pretrained(fields.pop("_name_or_path"), trust_remote_code=True, **fields)

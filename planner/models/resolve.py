@@ -6,6 +6,7 @@ preset, else a hub id (org/name)."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import json
@@ -60,7 +61,9 @@ def preset_hf_config(name: str) -> dict:
     key = _preset_key(name)
     if key is None:
         raise _unknown_preset(name)
-    return {k: v for k, v in _catalog()[key].items() if k not in _PRESET_META_KEYS}
+    # a deep copy: callers (transformers among them) may rewrite nested fields such as rope_scaling in place,
+    # which would change the cached catalog, and with it every later key made of the config
+    return copy.deepcopy({k: v for k, v in _catalog()[key].items() if k not in _PRESET_META_KEYS})
 
 
 def preset_source(name: str) -> str:

@@ -216,7 +216,7 @@ EMITTED = {  # plan -> what torchtitan must resolve
 }
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # once per run: xdist may interleave modules, which re-ran module fixtures
 def torchtitan_parsed():
     why = _torchtitan_03()
     if why:

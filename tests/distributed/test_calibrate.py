@@ -56,7 +56,7 @@ def lines(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # once per run: xdist may interleave modules, which re-ran module fixtures
 def calibration(tmp_path_factory):
     out = tmp_path_factory.mktemp("calib")
     first = cli(*COMMON, "--top", "3", "--out", str(out), "--fault", "1:1:exit:1", "--torch-profile")

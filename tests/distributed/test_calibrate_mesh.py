@@ -45,7 +45,7 @@ def host_probe() -> dict:
                             "torch_version": version("torch"), "nccl_version": None}}
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # once per run: xdist may interleave modules, which re-ran module fixtures
 def tp_calibration(tmp_path_factory):
     out = tmp_path_factory.mktemp("calib-tp")
     (out / "host.json").write_text(json.dumps(host_probe()))

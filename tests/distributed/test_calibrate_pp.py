@@ -28,7 +28,7 @@ pytestmark = pytest.mark.distributed
 CONFIG = {"pp": 2, "pp_schedule": "1f1b", "grad_accum": 4, "precision": "fp32"}
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # once per run: xdist may interleave modules, which re-ran module fixtures
 def pp_calibration(tmp_path_factory):
     from cost_models.specs import FsdpConfig
     from planner.calibrating import CalibrationRequest, calibrate

@@ -50,7 +50,7 @@ def _holder_pid(out: Path) -> int | None:
         return None
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # once per run: xdist may interleave modules, which re-ran module fixtures
 def raced(tmp_path_factory):
     """Two of the same calibration started at once on one folder, both ended: (folder, processes, stderrs)."""
     tmp_path = tmp_path_factory.mktemp("raced")

@@ -52,7 +52,8 @@ def apply_emitted(config: FsdpConfig, spec, world: int, model, shard_dim1: bool)
         assert fix in code, "the emitted code offers no padding fix"
         lines = code.splitlines()
         start = next(i for i, line in enumerate(lines) if line.strip() == fix)
-        lines[start:start + 2] = [line.replace("# ", "", 1) for line in lines[start:start + 2]]
+        # the import, then the shard_placement_fn lambda on two lines (folded at 100 columns)
+        lines[start:start + 3] = [line.replace("# ", "", 1) for line in lines[start:start + 3]]
         code = "\n".join(lines)
     namespace: dict = {}
     exec(compile(code, "<emit_fsdp2>", "exec"), namespace)

@@ -31,7 +31,7 @@ def test_counter_files_products_and_pointwise_bytes():
     assert counter.memory["forward"] == 2 * (8 * 32 * 2 + 8 * 32 * 2)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # once per run: xdist may interleave modules, which re-ran module fixtures
 def traced():
     terms, _ = profile_block(LLAMA, block_class="LlamaDecoderLayer", compute_dtype="bf16", attention="sdpa",
                              seq_len=128, hidden_size=256, vocab_size=512)

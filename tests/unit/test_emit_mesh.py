@@ -109,7 +109,7 @@ FLOAT8_FUNCTIONS = {"llama3.1-70b": ("llama3_70b_float8", "70B"), "deepseek-v3":
                     "qwen3-30b-a3b": ("qwen3_30b_a3b_float8", "30B-A3B")}
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # once per run: xdist may interleave modules, which re-ran module fixtures
 def parsed():
     why = _torchtitan_03()
     if why:

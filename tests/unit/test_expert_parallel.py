@@ -140,7 +140,7 @@ TRACED = {  # name: (hf config, gpus, estimate kwargs)
 }
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # once per run: xdist may interleave modules, which re-ran module fixtures
 def traced():
     pytest.importorskip("transformers")
     from planner.tracing import trace

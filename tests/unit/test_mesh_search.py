@@ -68,7 +68,7 @@ def test_tp_degrees_follow_heads_kv_heads_and_mlp():
     assert tp_degrees(load_preset("mixtral-8x7b")) == [1] and tp_degrees(load_preset("mixtral-8x7b"), ep=2)[:3] == [1, 2, 4]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # once per run: xdist may interleave modules, which re-ran module fixtures
 def long_context_plan():
     return plan("llama3.1-8b", 8, gpu="h100-96gb", seq_len=131072)
 

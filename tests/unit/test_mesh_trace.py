@@ -33,19 +33,19 @@ def _trace(gpus: int, **kwargs):
     return trace(dict(TINY), gpus, micro_batch=MB, seq_len=SEQ, **kwargs)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # once per run: xdist may interleave modules, which re-ran module fixtures
 def sp():
     """tp 2, sequence parallel + loss parallel (torchtitan's), FULL_SHARD over the other 4 ranks."""
     return _trace(8, tp=2)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # once per run: xdist may interleave modules, which re-ran module fixtures
 def no_sp():
     """tp 2, transformers' tp_plan: no sequence parallel, the head's logits gathered."""
     return _trace(8, tp=2, sequence_parallel=False)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # once per run: xdist may interleave modules, which re-ran module fixtures
 def fsdp_only():
     return _trace(8)
 
@@ -112,7 +112,7 @@ def test_sequence_parallel_shrinks_the_saved_activations(sp, no_sp):
     assert estimated == pytest.approx(traced, rel=0.02)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # once per run: xdist may interleave modules, which re-ran module fixtures
 def cp2():
     """Context parallel 2 (torch's ring attention on the CPU SDPA kernel, calibration/context_parallel.py),
     FSDP over dp_shard 4 x cp 2: each rank holds 2 x 256 of the 2 x 512 tokens."""

@@ -182,3 +182,16 @@ def test_progress_on_a_terminal_not_in_json(tmp_path, monkeypatch, terminal, out
     line = f"block memory profile of {tmp_path.name} (bf16, sdpa, seq 256)"
     assert (line in drawn) is (output_format == "table"), drawn[-300:]
     assert (drawn == "") is (output_format == "json")
+
+
+@pytest.mark.parametrize("preset", ["deepseek-v3", "gpt-oss-120b"])
+def test_building_the_transformers_config_leaves_the_preset_and_its_key_alone(preset):
+    """transformers rewrites rope_scaling in place; with shallow copies that changed the cached catalog, so every
+    later shipped key of the preset in the same process missed (the fresh-clone CI run at e6bc5b5 failed so)."""
+    pytest.importorskip("transformers")
+    from calibration.build import hf_config_object
+
+    before = preset_hf_config(preset)
+    key = shipped_key(before, "bf16", "sdpa", 4096)
+    hf_config_object(before)
+    assert preset_hf_config(preset) == before and shipped_key(preset_hf_config(preset), "bf16", "sdpa", 4096) == key
