@@ -38,6 +38,10 @@ pipeline.py's split, FSDP2 per stage, torch's schedule), a step is one schedule 
 microbatches then the optimizer, the loss is averaged from the last stage's ranks and the result holds every
 pipeline rank's peak (measured.pipeline_ranks).
 
+The steps live apart: building and applying in calibration/worker_model.py, the step's pieces (batch, context,
+optimizer, loss) in worker_step.py, the exposed communication in exposed_comm.py, --probe and the fingerprint in
+host_probe.py; this module runs them in order and reports.
+
 With "emulate_world_size": N the process is rank 0 of an N-rank job on a fake process group: its
 kernels and memory are real (sharded 1/N), its collectives return at once, so the measured step has no
 communication; the planner adds communication from the cost model.
@@ -58,260 +62,16 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
-from calibration.apply import (apply_fsdp1, apply_fsdp2, block_classes_for, cast_for_precision, grad_scaler_for,
-                               make_mesh, precompute_float8_scales)
-from calibration.build import build_model, load_factory
+from calibration.apply import grad_scaler_for, precompute_float8_scales
+from calibration.exposed_comm import profiled_exposed_comm_s
+from calibration.host_probe import fingerprint, probe
 from calibration.profile_step import phase, profile_step
-from calibration.reference import causal_lm_loss
-from calibration.store import cpu_name, model_spec_from_dict, write_atomic
-from cost_models.specs import FsdpConfig, ModelSpec, Sharding
-
-INIT_STD = 0.02
-
-
-# ------------------------------------------------------------------------------------------ building
-
-@contextlib.contextmanager
-def params_on_meta():
-    """Modules built inside get their parameters on the meta device, buffers stay real.
-
-    Rotary frequency tables and similar buffers are computed in __init__ and cannot be recomputed
-    after a plain `with torch.device("meta")`; parameters are re-initialised anyway. (accelerate's
-    init_empty_weights(include_buffers=False) does the same.) A parameter already on meta is kept as is,
-    so tied weights stay tied.
-    """
-    original = nn.Module.register_parameter
-
-    def register(module, name, param):
-        original(module, name, param)
-        if param is not None and param.device.type != "meta":
-            module._parameters[name] = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
-
-    nn.Module.register_parameter = register
-    try:
-        yield
-    finally:
-        nn.Module.register_parameter = original
-
-
-def _model_spec(data: dict) -> ModelSpec:
-    return model_spec_from_dict(data)  # nested MoeSpec / ActivationProfile too (MoE models crashed here)
-
-
-def build(job_model: dict, attention: str) -> nn.Module:
-    """The job's model, parameters on meta, at the job's depth."""
-    source = job_model["source"]
-    with params_on_meta():
-        if source == "factory":
-            kwargs = {"n_layers": job_model["n_layers"]} if job_model.get("n_layers") else {}
-            model = load_factory(job_model["factory"])(**kwargs)
-        elif source == "hf":
-            model = build_model(_model_spec(job_model["spec"]), hf_config=job_model["hf_config"], attention=attention,
-                                device="cpu")
-        else:
-            model = build_model(_model_spec(job_model["spec"]), attention=attention, device="cpu")
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"the model builder returned {type(model).__name__}, not an nn.Module")
-    return model
-
-
-def block_classes(model: nn.Module, name: str | None) -> set[type]:
-    classes = {type(m) for m in model.modules() if name and type(m).__name__ == name}
-    return classes or block_classes_for(model)
-
-
-@torch.no_grad()
-def init_module_params(module: nn.Module, buffers: dict[int, dict[str, torch.Tensor]]) -> None:
-    """Initialise `module`'s own parameters and restore its own buffers (not its children's)."""
-    from torch.distributed.tensor import DTensor
-
-    for name, p in module.named_parameters(recurse=False):
-        local = p.to_local() if isinstance(p, DTensor) else p
-        if p.ndim >= 2:
-            local.normal_(0.0, INIT_STD)
-        elif name.endswith("bias"):
-            local.zero_()
-        else:
-            local.fill_(1.0)  # norm weights
-    for name, value in buffers.get(id(module), {}).items():
-        current = module._buffers.get(name)
-        if current is not None:
-            current.copy_(value.to(current.device))
-
-
-def snapshot_buffers(model: nn.Module) -> dict[int, dict[str, torch.Tensor]]:
-    return {id(m): {n: b.detach().clone() for n, b in m._buffers.items() if b is not None and b.device.type != "meta"}
-            for m in model.modules()}
-
-
-def apply_config(model: nn.Module, config: FsdpConfig, fsdp_version: int, classes: set[type], world: int,
-                 gpus_per_node: int, device: torch.device, lora: bool = False) -> nn.Module:
-    """Apply FSDP as the emitted config does, then materialise the meta parameters on `device`.
-    lora: FSDP1 wraps the adapters in their own units (frozen and trainable params apart)."""
-    cast_for_precision(model, config)
-    buffers = snapshot_buffers(model)
-    if fsdp_version == 1:
-        def materialise(module: nn.Module) -> None:  # meta -> device, unit by unit, before sharding
-            module.to_empty(device=device, recurse=False)
-            init_module_params(module, buffers)
-
-        return apply_fsdp1(model, config, classes, param_init_fn=materialise, gpus_per_node=gpus_per_node,
-                           device_id=device, trainable_mixed=lora)
-    mesh = make_mesh(config, world, gpus_per_node, device.type)
-    apply_fsdp2(model, config, classes, mesh)
-    model.to_empty(device=device)
-    for module in model.modules():
-        init_module_params(module, buffers)
-    model._calibration_mesh = mesh  # the N-D mesh: context parallelism shards each step's inputs on its "cp" dim
-    return model
-
-
-def data_parallel_rank(rank: int, config: FsdpConfig, world: int | None = None) -> int:
-    """The data-parallel rank of global `rank` in torchtitan's mesh [pp, dp_replicate, dp_shard, cp, tp] (tp
-    innermost, then cp; pp outermost): the tp x cp ranks of one model copy share their sequences (TP ranks compute
-    on the same tokens, CP ranks each take a slice of them), and so do its pipeline ranks (the first stage's take
-    them as inputs, the last stage's as targets), so the batch is drawn from this rank, not the global one. Expert
-    parallelism borrows data-parallel ranks and changes nothing here. world: needed with pp > 1."""
-    if config.pp > 1:
-        rank %= world // config.pp  # the coordinates inside this pipeline rank's [dp_replicate, ..., tp] block
-    return rank // (config.tp * config.cp)
-
-
-def check_same_sequences(model: nn.Module, config: FsdpConfig, batches: list[torch.Tensor], device: torch.device) -> None:
-    """Raise unless every rank of each TP and CP group holds the same batches (a checksum's max and min over the
-    group agree): ranks of one model copy that fed different sequences would train on neither."""
-    mesh = getattr(model, "_calibration_mesh", None)
-    if mesh is None:
-        return
-    checksum = sum(int((b.long().flatten() * (torch.arange(b.numel(), device=b.device) % 997 + 1)).sum())
-                   for b in batches)
-    for name in ("tp", "cp"):
-        if getattr(config, name) > 1:
-            t = torch.tensor([checksum, -checksum], dtype=torch.int64, device=device)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=mesh[name].get_group())
-            if int(t[0]) != -int(t[1]):
-                raise RuntimeError(f"the ranks of a {name} group drew different batches (checksums {int(t[0])} vs "
-                                   f"{-int(t[1])}): a {name} group must feed the same sequences")
-
-
-CP_NEEDS_CUDA = ("cp: context parallelism's ring attention dispatches only CUDA SDPA kernels (torch's "
-                 "context_parallel has no CPU path, shared/reference/pitfalls.md): run --cp on CUDA GPUs, or --cp 1 "
-                 "on --device cpu")
-
-
-def step_context(model: nn.Module, config: FsdpConfig, ids: torch.Tensor):
-    """What a micro-step's forward and backward run inside: loss parallel with sequence-parallel TP (the
-    cross-entropy on vocab-sharded logits, calibration.tensor_parallel.loss_context), and with cp > 1 torch's
-    context_parallel on the mesh's "cp" dim, which shards the ids (the labels: labels = ids) on the sequence in
-    its load-balanced chunks in place, as torchtitan does around its train step, and puts the whole sequence back
-    on exit (the next step reuses the batch). Positions are each rank's local ones
-    (the reference model and Hugging Face's derive them from the local length): the same kernels and shapes,
-    so the same time and memory; the loss value is not the unsharded one."""
-    from calibration.tensor_parallel import loss_context
-
-    stack = contextlib.ExitStack()
-    stack.enter_context(loss_context(config.tp, config.sequence_parallel))
-    if config.cp > 1:
-        if ids.device.type != "cuda":
-            raise ValueError(CP_NEEDS_CUDA)
-        from torch.distributed.tensor.experimental import context_parallel
-
-        mesh = model._calibration_mesh
-        stack.enter_context(context_parallel(mesh["cp"], buffers=[ids], buffer_seq_dims=[1]))
-    return stack
-
-
-def make_optimizer(name: str, params, precision_name: str):
-    lr = 1e-4
-    if name in ("adamw", "adam"):
-        cls = torch.optim.AdamW if name == "adamw" else torch.optim.Adam
-        return cls(params, lr=lr)
-    if name == "sgd":
-        return torch.optim.SGD(params, lr=lr, momentum=0.9)
-    if name == "adamw-8bit":
-        try:
-            import bitsandbytes as bnb
-        except ImportError as exc:
-            raise RuntimeError("optimizer adamw-8bit needs bitsandbytes installed") from exc
-        return bnb.optim.AdamW8bit(params, lr=lr)
-    raise ValueError(f"unknown optimizer {name!r}")
-
-
-def loss_fn_for(config: FsdpConfig):
-    """The loss the plan prices: the model's own (Hugging Face computes it in the forward, from `labels`),
-    or with compile (config.loss_compiled) the cross-entropy compiled apart, one fused kernel each way
-    (torchtitan's compile.components "loss"); None: the model's own."""
-    return torch.compile(causal_lm_loss) if config.loss_compiled else None
-
-
-def loss_of(model, ids: torch.Tensor, loss_fn=None) -> torch.Tensor:
-    """The loss of one forward: `.loss` (Hugging Face, our reference), else `loss_fn` (or the eager
-    cross-entropy) of the logits. With a loss_fn the model is not given labels."""
-    try:
-        output = model(ids) if loss_fn is not None else model(ids, labels=ids)
-    except TypeError:
-        output = model(ids)  # a factory model without a labels argument
-    loss = getattr(output, "loss", None)
-    if loss is not None:
-        return loss
-    logits = output[0] if isinstance(output, (tuple, list)) else getattr(output, "logits", output)
-    return (loss_fn or causal_lm_loss)(logits, ids)
-
-
-# ------------------------------------------------------------------------------------------ measuring
-
-def union_length(intervals: list[tuple[float, float]]) -> float:
-    total, end = 0.0, -math.inf
-    for a, b in sorted(intervals):
-        if b <= end:
-            continue
-        total += b - max(a, end)
-        end = b
-    return total
-
-
-def exposed_time(comm: list[tuple[float, float]], compute: list[tuple[float, float]]) -> float:
-    """Length of the time covered by communication and by no compute kernel: |C| - |C ∩ K|."""
-    both = union_length(comm) + union_length(compute) - union_length(comm + compute)
-    return union_length(comm) - both
-
-
-def _is_comm_kernel(name: str) -> bool:
-    return name.lower().startswith("nccl")
-
-
-def profiled_exposed_comm_s(run_step) -> float | None:
-    """Exposed communication of one step from the CUDA kernel timeline (rank's own view)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    try:
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            run_step()
-            torch.cuda.synchronize()
-        comm, compute = [], []
-        for event in prof.events():
-            if getattr(event, "device_type", None) is None or "CUDA" not in str(event.device_type):
-                continue
-            interval = (event.time_range.start, event.time_range.end)
-            (comm if _is_comm_kernel(event.name) else compute).append(interval)
-        if not comm:
-            return 0.0
-        return exposed_time(comm, compute) / 1e6  # profiler times are microseconds
-    except Exception as exc:  # the profiler is best effort: never fail a run over it
-        print(f"calibration: exposed communication not measured ({exc})", file=sys.stderr)
-        return None
-
-
-def fingerprint(device: torch.device, devices_per_node: int, n_nodes: int) -> dict:
-    if device.type == "cuda":
-        nccl = torch.cuda.nccl.version()
-        return {"device_type": "cuda", "device_name": torch.cuda.get_device_name(device),
-                "devices_per_node": devices_per_node, "n_nodes": n_nodes, "torch_version": torch.__version__,
-                "nccl_version": ".".join(str(x) for x in nccl) if isinstance(nccl, tuple) else str(nccl)}
-    return {"device_type": "cpu", "device_name": cpu_name(), "devices_per_node": devices_per_node,
-            "n_nodes": n_nodes, "torch_version": torch.__version__, "nccl_version": None}
+from calibration.store import write_atomic
+from calibration.worker_model import _model_spec, apply_config, block_classes, build
+from calibration.worker_step import (CP_NEEDS_CUDA, check_same_sequences, data_parallel_rank, loss_fn_for, loss_of,
+                                     make_optimizer, step_context)
+from cost_models.specs import FsdpConfig, Sharding
 
 
 def _clear_module_stats(tracker):
@@ -530,77 +290,8 @@ def report_failure(job: dict, exc: BaseException) -> None:
         write_atomic(Path(error_dir) / f"rank{rank}.json", json.dumps(error))
 
 
-# ------------------------------------------------------------------------------------------ host probe
-
-def _rate(fn, min_s: float = 0.15) -> float:
-    """Calls per CPU second of fn (local work, one thread), best of 3 windows of at least min_s, after one
-    warm-up call. CPU time, like the runs' step times on a CPU: other processes do not slow it down."""
-    fn()
-    best = 0.0
-    for _ in range(3):
-        n, t0 = 0, time.process_time()
-        while True:
-            fn()
-            n += 1
-            elapsed = time.process_time() - t0
-            if elapsed >= min_s:
-                break
-        best = max(best, n / elapsed)
-    return best
 
 
-def _collective_rate(fn, count: int) -> float:
-    """Calls per second of a collective: every rank runs the same count (a time limit would let ranks
-    disagree on how many calls to make, and hang). Median of 3 windows after 2 warm-up calls."""
-    for _ in range(2):
-        fn()
-    rates = []
-    for _ in range(3):
-        dist.barrier()
-        t0 = time.perf_counter()
-        for _ in range(count):
-            fn()
-        rates.append(count / (time.perf_counter() - t0))
-    return statistics.median(rates)
-
-
-def probe(shape: tuple[int, int, int], block_bytes: int, out: str, dtypes: tuple[str, ...] = ("fp32",)) -> None:
-    """Measure this host as a 'GPU': matmul FLOP/s per dtype at the model's shape, copy bandwidth and
-    gloo bus bandwidth and latency, all ranks at once (the conditions of a run). About 3 s."""
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    m, k, n = shape
-    flops = dict.fromkeys(("fp32", "bf16", "fp16"), 0.0)  # 0: not measured (the planner skips that dtype)
-    for name in dtypes:
-        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[name]
-        a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
-        dist.barrier()
-        flops[name] = 2 * m * k * n * _rate(lambda: torch.mm(a, b))
-    big = 16 * 2**20  # 64 MiB fp32: beyond the caches
-    src, dst = torch.randn(big), torch.empty(big)
-    dist.barrier()
-    copy_bytes_per_s = 2 * 4 * big * _rate(lambda: dst.copy_(src))
-    per_rank = max(1, block_bytes // 4 // world)
-    shard, gathered = torch.randn(per_rank), torch.empty(per_rank * world)
-    gathers = _collective_rate(lambda: dist.all_gather_into_tensor(gathered, shard), count=5)
-    # One rank has no peer to measure: 1 GB/s stands in (loopback TCP order of magnitude); runs with one
-    # rank per host (emulation) do no real communication anyway.
-    bus = (world - 1) / world * gathered.numel() * 4 * gathers if world > 1 else 1e9
-    one = torch.zeros(1)
-    all_reduces = _collective_rate(lambda: dist.all_reduce(one), count=50)
-    hop_latency_s = 1.0 / all_reduces / max(1, 2 * (world - 1))
-    figures = torch.tensor([flops["fp32"], flops["bf16"], flops["fp16"], copy_bytes_per_s, bus, hop_latency_s],
-                           dtype=torch.float64)
-    dist.all_reduce(figures)  # mean over ranks
-    figures /= world
-    if rank == 0:
-        f = figures.tolist()
-        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        write_atomic(out, json.dumps({
-            "host": {"name": cpu_name(), "ranks": world, "peak_flops": {"fp32": f[0], "bf16": f[1], "fp16": f[2]},
-                     "hbm_bytes_per_s": f[3], "bus_bytes_per_s": f[4], "memory_bytes": int(ram // world)},
-            "hop_latency_s": f[5], "fingerprint": fingerprint(torch.device("cpu"), world, 1)}))
-    dist.destroy_process_group()
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -4,7 +4,7 @@ The stages are cut by calibration/pipeline.py (split_stages, build_schedule), th
 (calibration/trace_pipeline.py): torchtitan's mesh [pp, dp_replicate, dp_shard, cp, tp] (make_pipeline_mesh),
 this pipeline rank's StageModules of the transformers model, apply_fsdp2 on each (checkpointing, compile,
 fully_shard per block then the stage root, reshard_after_forward=False under PP) on the data-parallel sub-mesh,
-then the meta parameters materialised and initialised as runner.apply_config does for a whole model. One step is
+then the meta parameters materialised and initialised as worker_model.apply_config does for a whole model. One step is
 schedule.step over the local batch (config.pp_microbatches microbatches of micro_batch sequences) and the
 optimizer step; the loss handed to the schedule is the model's divided by the microbatches (build_schedule sets
 scale_grads=False, as torchtitan), so a step's gradients are those of the local batch's mean loss, as a run
@@ -25,6 +25,7 @@ from cost_models.specs import FsdpConfig, ModelSpec
 from .apply import TORCH_DTYPES, apply_fsdp2, cast_for_precision
 from .pipeline import build_schedule, causal_lm_loss, split_stages, stage_indices
 from .trace_pipeline import leaf_inputs_untracked, make_pipeline_mesh
+from .worker_model import init_module_params, snapshot_buffers
 
 PIPELINE_RUNS = "the calibration runner pipelines transformers models (base_model_pp_plan) with FSDP alone inside " \
                 "each stage (tp = cp = ep = 1), as the pipeline trace does"
@@ -38,8 +39,6 @@ class PipelineRun:
 
     def __init__(self, model: nn.Module, spec: ModelSpec, config: FsdpConfig, classes: set[type], world: int,
                  gpus_per_node: int, device: torch.device, seq_len: int):
-        from .runner import init_module_params, snapshot_buffers
-
         if config.tp * config.cp * config.ep > 1:
             raise ValueError(f"pp={config.pp}: {PIPELINE_RUNS}")
         self.config = config
@@ -56,7 +55,7 @@ class PipelineRun:
             for sub in module.modules():
                 init_module_params(sub, buffers)
         self.stages = nn.ModuleList(modules)
-        self.stages._calibration_mesh = self.mesh  # runner.check_same_sequences reads the mesh from here
+        self.stages._calibration_mesh = self.mesh  # worker_step.check_same_sequences reads the mesh from here
         n = config.pp_microbatches
         self.schedule = build_schedule(modules, self.indices, config, self.mesh.get_group("pp"), device,
                                        lambda logits, ids: causal_lm_loss(logits, ids) / n, seq_len=seq_len,

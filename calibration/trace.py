@@ -199,7 +199,7 @@ def _loss(model: nn.Module, ids: torch.Tensor, is_hf: bool, compiled: bool) -> t
     logits (calibration/fused_loss.py: the compiled kernel's memory, runnable on fake tensors)."""
     if compiled:  # as calibration runs it, with the fused loss standing for the compiled one
         from calibration.fused_loss import fused_causal_lm_loss
-        from calibration.runner import loss_of
+        from calibration.worker_step import loss_of
 
         return loss_of(model, ids, fused_causal_lm_loss)
     out = model(input_ids=ids, labels=ids) if is_hf else model(ids, labels=ids)

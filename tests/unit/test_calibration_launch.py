@@ -103,7 +103,7 @@ def test_torchrun_command_lines():
 
 
 def test_exposed_communication_is_comm_time_without_compute():
-    from calibration.runner import exposed_time, union_length
+    from calibration.exposed_comm import exposed_time, union_length
 
     assert union_length([(0, 2), (1, 3), (5, 6)]) == 4
     # comm 0-4 and 6-8, compute 1-2 and 3-7: exposed 0-1, 2-3, 7-8

@@ -1,6 +1,7 @@
-"""No import circles in planner/ or cost_models/ (issue 19 item 9): the modules form a graph that points one way,
-counting every import - module-level and inside functions (lazy), absolute and relative - since a lazy import
-hides a circle at import time but not from the reader. Read from the source with ast: nothing is imported."""
+"""No import circles in planner/, cost_models/ or calibration/ (issue 19 item 9): the modules form a graph that
+points one way, counting every import - module-level and inside functions (lazy), absolute and relative - since a
+lazy import hides a circle at import time but not from the reader. Read from the source with ast: nothing is
+imported."""
 
 from __future__ import annotations
 
@@ -114,3 +115,8 @@ def test_planner_has_no_import_circle():
 def test_cost_models_has_no_import_circle():
     found, edges = _cycles_of("cost_models")
     assert found == [], f"import circles in cost_models/:\n{found}\nedges inside them:\n{edges}"
+
+
+def test_calibration_has_no_import_circle():
+    found, edges = _cycles_of("calibration")
+    assert found == [], f"import circles in calibration/:\n{found}\nedges inside them:\n{edges}"
