@@ -1,0 +1,98 @@
+"""Where it is trained: GpuSpec (one accelerator and its usual server) and ClusterSpec (how many, how they
+connect). cost_models/specs.py re-exports them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .spec_values import SpecError, check_positive
+
+
+@dataclass(frozen=True)
+class GpuSpec:
+    """One accelerator and the usual server it comes in (planner/catalog/gpus.json, with sources).
+
+    The fields after `source` describe what the cost model does not read yet (the architecture, the
+    scale-up domain, the host link, the NICs; planner/hardware.py sizes nodes by default_gpus_per_node);
+    their defaults keep every older construction valid. Bandwidths are per GPU and direction unless per node.
+    """
+
+    id: str
+    name: str
+    memory_bytes: int
+    hbm_bytes_per_s: float
+    peak_flops: dict = field(default_factory=dict)  # dtype -> dense FLOP/s ("bf16", "fp16", "fp32", "fp8")
+    intra_node_bus_bytes_per_s: float = 0.0          # NCCL bus bandwidth inside a node
+    pcie_bytes_per_s: float = 25e9                   # host<->device, per direction, per GPU, as copies reach it
+    default_internode_gbit_per_s: float = 1600.0     # per node, all NICs together
+    default_cpu_ram_bytes_per_node: int = 0          # the usual server for this GPU; 0 = unknown
+    source: str = ""
+    architecture: str = ""                           # ampere, hopper, ada, blackwell, volta, cdna3, cdna4; "" = unknown
+    default_gpus_per_node: int = 8                   # GPUs in the usual server (GB200: a compute tray of 4)
+    scale_up_domain_gpus: int = 0                    # GPUs joined by NVLink / Infinity Fabric (HGX 8, NVL72 72);
+    #                                                  1 = none (PCIe only); 0 = unknown: taken as the node
+    scale_up_link: str = ""                          # e.g. "NVLink4 over NVSwitch"
+    scale_up_peak_bytes_per_s: float = 0.0           # datasheet peak of that link; 0 = none or unknown
+    host_link: str = ""                              # "PCIe Gen5 x16", "NVLink-C2C" (GH200, GB200)
+    host_link_peak_bytes_per_s: float = 0.0          # datasheet peak (pcie_bytes_per_s is what copies reach)
+    nics_per_node: int = 0                           # 0 = unknown
+    nic: str = ""                                    # e.g. "8 x 400 Gb/s NDR InfiniBand (ConnectX-7)"
+    matmul_efficiency: float = 0.0                   # best measured large bf16 GEMM / bf16 peak; 0 = unknown
+    attention_efficiency: float = 0.0                # SDPA flash kernel fwd+bwd / bf16 peak (long s, head dim 128); 0 = unknown
+
+    def __post_init__(self):
+        check_positive("gpu.memory_bytes", self.memory_bytes)
+        check_positive("gpu.hbm_bytes_per_s", self.hbm_bytes_per_s)
+        check_positive("gpu.intra_node_bus_bytes_per_s", self.intra_node_bus_bytes_per_s)
+        check_positive("gpu.pcie_bytes_per_s", self.pcie_bytes_per_s)
+        check_positive("gpu.default_gpus_per_node", self.default_gpus_per_node)
+        for name in ("scale_up_domain_gpus", "scale_up_peak_bytes_per_s", "host_link_peak_bytes_per_s",
+                     "nics_per_node", "matmul_efficiency", "attention_efficiency"):
+            check_positive(f"gpu.{name}", getattr(self, name), allow_zero=True)
+
+    def supports(self, dtype: str) -> bool:
+        return self.peak_flops.get(dtype, 0) > 0
+
+    def priced_peak_flops(self, dtype: str) -> float:
+        """The dense peak the step time prices `dtype` at: a dtype the GPU lacks runs emulated, at the fp32
+        rate (evaluate rejects it anyway)."""
+        return self.peak_flops.get(dtype) or self.peak_flops["fp32"]
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    gpu: GpuSpec
+    n_gpus: int
+    gpus_per_node: int
+    internode_bytes_per_s: float     # per node, shared by its GPUs
+    cpu_ram_bytes_per_node: int = 0  # 0 = unknown: offload RAM is reported, not checked
+    scale_up_domain_gpus: int = 0    # GPUs of this cluster in one NVLink / Infinity Fabric domain (a 72-GPU
+    #                                  GB200 NVL72 cluster: 72); 0 = the node. A process group inside it
+    #                                  runs on the fast tier (fast_tier_gpus)
+
+    def __post_init__(self):
+        check_positive("gpus", self.n_gpus)
+        check_positive("gpus_per_node", self.gpus_per_node)
+        check_positive("internode_gbps", self.internode_bytes_per_s)
+        check_positive("cpu_ram_per_node", self.cpu_ram_bytes_per_node, allow_zero=True)
+        check_positive("scale_up_domain_gpus", self.scale_up_domain_gpus, allow_zero=True)
+        if self.gpus_per_node > self.n_gpus:
+            raise SpecError("gpus_per_node", f"{self.gpus_per_node} is more than gpus={self.n_gpus}")
+        if self.scale_up_domain_gpus > self.n_gpus:
+            raise SpecError("scale_up_domain_gpus", f"{self.scale_up_domain_gpus} is more than gpus={self.n_gpus}")
+
+    @property
+    def n_nodes(self) -> int:
+        return -(-self.n_gpus // self.gpus_per_node)
+
+    @property
+    def scale_up_gpus(self) -> int:
+        """GPUs that share one scale-up domain here: the domain's size, else (0, unknown) the node's."""
+        return self.scale_up_domain_gpus or self.gpus_per_node
+
+    @property
+    def fast_tier_gpus(self) -> int:
+        """GPUs a process group can span on the intra-node tier (GpuSpec.intra_node_bus_bytes_per_s): the
+        node (PCIe parts too: their bus figure is PCIe's), or the larger scale-up domain (GB200 NVL72: 72
+        GPUs over NVLink across 18 trays of 4)."""
+        return max(self.gpus_per_node, self.scale_up_domain_gpus)

@@ -1,0 +1,135 @@
+"""The values every spec field is checked against: SpecError (the field and what is valid), the enums of the
+planner's vocabulary (sharding, precision, optimizer, attention, fine-tuning), activation checkpointing's
+spellings and the degree / positivity checks (cost_models/specs.py re-exports them)."""
+
+from __future__ import annotations
+
+from enum import Enum
+
+
+class SpecError(ValueError):
+    """A field holds a value the planner cannot use. `field` names it, the message says what is valid."""
+
+    def __init__(self, field_name: str, message: str):
+        super().__init__(f"{field_name}: {message}")
+        self.field = field_name
+
+
+def enum_choices(enum_cls) -> str:
+    return ", ".join(m.value for m in enum_cls)
+
+
+def parse_enum(enum_cls, value, field_name: str):
+    """Enum member from its value (case-insensitive), or SpecError listing the valid values."""
+    if isinstance(value, enum_cls):
+        return value
+    text = str(value).strip()
+    for member in enum_cls:
+        if member.value.lower() == text.lower() or member.name.lower() == text.lower().replace("-", "_"):
+            return member
+    raise SpecError(field_name, f"unknown value {value!r}; choose one of: {enum_choices(enum_cls)}")
+
+
+class Sharding(str, Enum):
+    FULL_SHARD = "FULL_SHARD"
+    SHARD_GRAD_OP = "SHARD_GRAD_OP"
+    NO_SHARD = "NO_SHARD"
+    HYBRID_SHARD = "HYBRID_SHARD"
+    HYBRID_SHARD_ZERO2 = "HYBRID_SHARD_ZERO2"
+
+    @property
+    def is_hybrid(self) -> bool:
+        return self in (Sharding.HYBRID_SHARD, Sharding.HYBRID_SHARD_ZERO2)
+
+    @property
+    def reshards_after_forward(self) -> bool:
+        """FULL_SHARD-like strategies free gathered params after each unit's forward (ZeRO-3)."""
+        return self in (Sharding.FULL_SHARD, Sharding.HYBRID_SHARD)
+
+
+class Precision(str, Enum):
+    FP32 = "fp32"            # everything fp32 (no TF32: PyTorch's default for matmuls)
+    BF16 = "bf16"            # fp32 master params, bf16 compute, fp32 gradient reduction
+    BF16_PURE = "bf16-pure"  # params, grads, optimizer state and reduction all bf16
+    FP16 = "fp16"            # fp32 master params, fp16 compute, fp32 reduction, ShardedGradScaler
+
+    @property
+    def compute_dtype(self) -> str:
+        return {"fp32": "fp32", "bf16": "bf16", "bf16-pure": "bf16", "fp16": "fp16"}[self.value]
+
+    @property
+    def param_dtype(self) -> str:
+        """dtype of the stored (sharded) parameters and their gradients."""
+        return "bf16" if self is Precision.BF16_PURE else "fp32"
+
+    @property
+    def reduce_dtype(self) -> str:
+        return "bf16" if self is Precision.BF16_PURE else "fp32"
+
+    @property
+    def mixed(self) -> bool:
+        """True when compute uses a cast copy of the stored params (FSDP MixedPrecision)."""
+        return self in (Precision.BF16, Precision.FP16)
+
+
+class Optimizer(str, Enum):
+    ADAMW = "adamw"
+    ADAM = "adam"
+    SGD = "sgd"               # with momentum
+    ADAMW_8BIT = "adamw-8bit"  # bitsandbytes-style: two 1-byte states per parameter
+
+    def state_bytes_per_param(self, param_dtype: str) -> float:
+        """Persistent optimizer state per trainable parameter (ZeRO paper, formulas.md)."""
+        width = 4 if param_dtype == "fp32" else 2
+        return {"adamw": 2 * width, "adam": 2 * width, "sgd": width, "adamw-8bit": 2}[self.value]
+
+
+class Attention(str, Enum):
+    SDPA = "sdpa"    # fused kernels: no s^2 score storage
+    EAGER = "eager"  # explicit softmax(QK^T): stores a*s^2 scores per sequence and layer
+
+
+class Finetune(str, Enum):
+    FULL = "full"
+    LORA = "lora"
+
+
+SELECTIVE_OP = "selective-op"  # torchtitan's op-level policy in every block (FsdpConfig.selective_op_ac)
+
+
+def parse_activation_checkpointing(value) -> int:
+    """'none' -> 0, 'full' -> 1, 'every-K' -> K (checkpoint one block in every K). 'selective-op' is not
+    a block count: FsdpConfig reads it into selective_op_ac."""
+    if isinstance(value, int):
+        if value < 0:
+            raise SpecError("activation_checkpointing", "must be none, full or every-K with K >= 1")
+        return value
+    text = str(value).strip().lower()
+    if text in ("none", "no", "off", "0"):
+        return 0
+    if text in ("full", "all", "1"):
+        return 1
+    if text.startswith("every-") and text[6:].isdigit() and int(text[6:]) >= 1:
+        return int(text[6:])
+    if text == SELECTIVE_OP:
+        raise SpecError("activation_checkpointing", f"{SELECTIVE_OP} is not a block count: FsdpConfig(ac_every="
+                        f"'{SELECTIVE_OP}') sets selective_op_ac")
+    raise SpecError("activation_checkpointing",
+                    f"unknown value {value!r}; choose one of: none, full, every-K (K >= 1), {SELECTIVE_OP}")
+
+
+def format_activation_checkpointing(ac_every: int, selective_op: bool = False) -> str:
+    if selective_op:
+        return SELECTIVE_OP
+    return {0: "none", 1: "full"}.get(ac_every, f"every-{ac_every}")
+
+
+def check_degree(field_name: str, value) -> None:
+    """A mesh degree (tp, cp, ep, pp, dp_shard, ...): an integer >= 1."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise SpecError(field_name, f"must be an integer >= 1, got {value!r}")
+
+
+def check_positive(field_name: str, value, allow_zero: bool = False) -> None:
+    if value is None or value < 0 or (value == 0 and not allow_zero):
+        raise SpecError(field_name, f"must be {'>= 0' if allow_zero else '> 0'}, got {value}")
