@@ -37,9 +37,13 @@ class MoeSpec:
     renormalise_top_k: bool = True    # the top-k routing weights are divided by their sum (Mixtral; norm_topk_prob)
     fp32_routing_weights: bool = False  # they stay fp32, so the weighted expert outputs are fp32 (Mixtral, DeepSeek)
     router_kind: str = "softmax"      # softmax (fp32, over all experts) then top-k | topk_softmax (gpt-oss: top-k
-    #                                   logits, then a compute-dtype softmax over those k)
+    #                                   logits, then a compute-dtype softmax over those k) | sigmoid (DeepSeek-V3)
     expert_activation: str = "swiglu"  # swiglu | clamped_swiglu (gpt-oss: clamp, x * sigmoid(alpha x), (up + 1) x glu)
     expert_bias: bool = False         # biased expert projections (gpt-oss): the sorted expert ids are kept for them
+    fp32_router_input: bool = False   # the router runs on an fp32 copy of its input (DeepSeek's routers)
+    router_groups: int = 0            # group-limited routing (DeepSeek n_group; 0 = none): a group's score is its
+    #                                   max (softmax) or top-2 sum (sigmoid), topk_group groups are kept
+    router_topk_groups: int = 0
 
     def __post_init__(self):
         for name in ("n_experts", "experts_per_token", "expert_ffn_size", "expert_params"):
@@ -52,7 +56,8 @@ class MoeSpec:
         if self.dense_layers and (len(set(self.dense_layers)) != self.n_dense_layers or min(self.dense_layers) < 0):
             raise SpecError("model.moe.dense_layers", f"{self.dense_layers!r} must be n_dense_layers="
                                                       f"{self.n_dense_layers} distinct indices >= 0")
-        for name, valid in (("router_kind", ("softmax", "topk_softmax")), ("expert_activation", ("swiglu", "clamped_swiglu"))):
+        for name, valid in (("router_kind", ("softmax", "topk_softmax", "sigmoid")),
+                            ("expert_activation", ("swiglu", "clamped_swiglu"))):
             if getattr(self, name) not in valid:
                 raise SpecError(f"model.moe.{name}", f"{getattr(self, name)!r}; choose one of: {', '.join(valid)}")
 
@@ -183,6 +188,11 @@ class ModelSpec:
     logit_softcap: bool = False      # tanh soft-capping of the logits (Gemma 2)
     moe: MoeSpec | None = None       # mixture-of-experts shape of the sparse blocks; None = dense
     attention_choices: tuple[str, ...] = ("sdpa", "eager")  # implementations the family runs (Gemma 2: eager only)
+    # DeepSeek's multi-head latent attention (kv_lora_rank > 0): head_dim is the q/k width, qk_nope + qk_rope
+    kv_lora_rank: int = 0            # kv_a_proj's latent width (0 = not MLA)
+    q_lora_rank: int = 0             # q_a_proj's rank (0 = a plain q_proj: V2-Lite)
+    qk_rope_head_dim: int = 0        # the rotated part of each q/k head
+    v_head_dim: int = 0              # each value head's width
     activation_profile: ActivationProfile | None = None     # traced per-block activations (families without a formula)
 
     def __post_init__(self):
