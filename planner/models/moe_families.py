@@ -104,10 +104,11 @@ MOE_FAMILIES: dict[str, MoeFamily] = {
     "deepseek_v3": MoeFamily(Family("DeepseekV3DecoderLayer", 4096), ("n_routed_experts", "num_local_experts"),
                              "moe_intermediate_size", shared="deepseek", shared_default=1,
                              dense_layers=first_k_dense(3), mla=True, renormalise_top_k=("norm_topk_prob", True),
-                             fp32_routing_weights=True),
+                             fp32_routing_weights=True, router_kind="sigmoid"),
     # Attention sinks need eager (or a kernel): transformers' GptOss has _supports_sdpa = False.
     "gpt_oss": MoeFamily(Family("GptOssDecoderLayer", 131072, qkv_bias=("attention_bias", True),
                                 o_bias=("attention_bias", True), head_dim=64, kv_heads=8, attention_sinks=True,
+                                norm="rmsnorm_fp32",  # (weight * x).to(dtype): the weight applied in fp32
                                 window=alternating(None, 2, 128), attention=eager_only),
                          ("num_local_experts", "num_experts"), "intermediate_size", router_bias=True,
                          expert_bias=True, renormalise_top_k=False, router_kind="topk_softmax",
@@ -139,6 +140,20 @@ def _mla_dims(c: Cfg) -> Dims:
     return Dims(c.size("hidden_size"), c.size("num_hidden_layers"), c.size("vocab_size"), n, n, head_dim)
 
 
+def _mla_fields(c: Cfg) -> tuple[dict, dict]:
+    """(ModelSpec, MoeSpec) fields: the latent attention's widths, and the DeepSeek router's - fp32 on an fp32
+    copy of its input, group-limited for V3 (n_group 8, topk_group 4 by default) and for V2's
+    topk_method group_limited_greedy."""
+    plain_q = "q_lora_rank" in c.data and c.data["q_lora_rank"] is None  # V2-Lite: a plain q_proj
+    widths = dict(kv_lora_rank=c.size("kv_lora_rank", default=512),
+                  q_lora_rank=0 if plain_q else c.size("q_lora_rank", default=1536),
+                  qk_rope_head_dim=c.size("qk_rope_head_dim", default=64), v_head_dim=c.size("v_head_dim", default=128))
+    grouped = c.model_type == "deepseek_v3" or c.data.get("topk_method") == "group_limited_greedy"
+    router = dict(fp32_router_input=True, router_groups=c.size("n_group", default=8) if grouped else 0,
+                  router_topk_groups=c.size("topk_group", default=4) if grouped else 0)
+    return widths, router
+
+
 def read_moe(c: Cfg) -> dict:
     """ModelSpec fields, MoeSpec included, of a mixture-of-experts family of the table."""
     fam = MOE_FAMILIES[c.model_type]
@@ -146,8 +161,11 @@ def read_moe(c: Cfg) -> dict:
     d = _mla_dims(c) if fam.mla else read_dims(c, att)
     h = d.hidden
     fields = common_fields(c, att, d)
+    router_fields = {}
     if fam.mla:
         attention, fields["lora_target_shapes"] = _mla(c, d)
+        mla_fields, router_fields = _mla_fields(c)
+        fields.update(mla_fields)
     else:
         attention = attention_params(c, att, d)
     n_experts = c.size(*fam.experts_keys)
@@ -180,7 +198,7 @@ def read_moe(c: Cfg) -> dict:
             first_sparse_layer=n_dense if fam.mla else 0,  # DeepSeek's first_k_dense_replace layers lead
             dense_layers=dense_layers,
             fp32_routing_weights=fam.fp32_routing_weights, router_kind=fam.router_kind,
-            expert_activation=fam.expert_activation, expert_bias=fam.expert_bias,
+            expert_activation=fam.expert_activation, expert_bias=fam.expert_bias, **router_fields,
             dense_block_params=frame + (mlp(h, dense_f, mlp_bias, gated=True) if n_dense else 0),
         )
     except SpecError as e:  # e.g. num_experts_per_tok > the experts
