@@ -20,7 +20,8 @@ one-element tensor around the ranks and reads it with .item(), which a fake tens
 cannot answer; every rank passes complete static metadata (build_schedule), so every rank of a real run votes
 STATIC, and the shim sets that outcome on each stage. The P2P sends and receives of activations and gradients
 themselves run on the fake group as no-ops into real (fake) buffers, so the receive buffers are counted as on a
-real run. Under the memory tracker: zero-bubble's autograd.grad on the stage inputs (leaf_inputs_untracked).
+real run. Under the memory tracker: its hooks on module inputs are left out (leaf_inputs_untracked: zero-bubble's
+autograd.grad refuses them, and they form a reference cycle no real run has).
 The tracker files the schedule's receive buffers and the stage inputs kept for backward as activations.
 
 Limits (TraceUnsupported): tensor / context / expert parallelism inside a stage, LoRA, offload and 8-bit Adam,
@@ -82,21 +83,23 @@ def static_vote():
 
 @contextmanager
 def leaf_inputs_untracked():
-    """Zero-bubble and DualPipeV run the input-gradient pass as torch.autograd.grad on the stage's inputs, and the
-    memory tracker's module tracker (torch.distributed._tools.mod_tracker) hooks every module's inputs with
-    register_multi_grad_hook, whose first call asks the engine about each input's node: for a leaf (the stage's
-    receive buffer) autograd.grad refuses that question ("A leaf node was passed to _will_engine_execute_node").
-    The hook only marks where a module's backward ends (bookkeeping of parent modules, no memory): leaves are left
-    out of it for the trace. Memory is unchanged: the tracker counts tensors, not hooks."""
+    """The memory tracker's module tracker (torch.distributed._tools.mod_tracker) hooks every module's inputs with
+    register_multi_grad_hook(mode="all") only to mark where a module's backward ends (bookkeeping of parent modules,
+    no memory); under pipelining those hooks are left out, for two reasons. (1) Zero-bubble and DualPipeV run the
+    input pass as torch.autograd.grad on the stage's inputs, and the hook's first call asks the engine about each
+    input's node, which autograd.grad refuses for a leaf (the receive buffer). (2) The hook's closure holds the
+    inputs' autograd nodes, which hold the hook: a reference cycle, so a graph kept with retain_graph=True (the
+    input pass, stage_backward_input) outlives the weight pass until Python's cycle collector runs, and the
+    figures depend on when it does. A run without the tracker has no such cycle (FSDP2 and pipelining register no
+    multi-grad hook): without these hooks the trace frees what torch frees, when it frees it, gc on or off."""
     from torch.distributed._tools import mod_tracker
 
     original = mod_tracker.register_multi_grad_hook
 
-    def non_leaf(tensors, fn, *args, **kwargs):
-        kept = [t for t in tensors if t.grad_fn is not None]
-        return original(kept, fn, *args, **kwargs) if kept else None
+    def outputs_only(tensors, fn, *args, mode="all", **kwargs):
+        return original(tensors, fn, *args, mode=mode, **kwargs) if mode == "any" else None
 
-    mod_tracker.register_multi_grad_hook = non_leaf
+    mod_tracker.register_multi_grad_hook = outputs_only
     try:
         yield
     finally:
