@@ -1,7 +1,7 @@
 """THE one code path that turns an FsdpConfig into FSDP.
 
 The Python API, calibration runs and traces all go through here, so what we measure is what we emit
-(planner/emit.py writes the same choices as text). Layout is torchtitan's: one FSDP unit per repeated
+(planner/emit/ writes the same choices as text). Layout is torchtitan's: one FSDP unit per repeated
 block plus the root.
 
 Conventions:
@@ -19,19 +19,14 @@ Conventions:
   the root on the data-parallel sub-mesh (dp_shard x cp flattened; HSDP with dp_replicate in front).
   Float8 and the FP8 all-gather are GPU-only (fp8 tensor cores).
 - Hugging Face models train with model.config.use_cache = False (disable_kv_cache says why).
+
+The pieces apart: the blocks (calibration/model_blocks.py), checkpointing (checkpointing.py), Float8 (float8.py).
 """
 
 from __future__ import annotations
 
-from collections import Counter, defaultdict
-
 import torch
 from torch import nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-    CheckpointImpl,
-    CheckpointWrapper,
-    checkpoint_wrapper,
-)
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import (
     BackwardPrefetch,
@@ -45,10 +40,13 @@ from torch.distributed.fsdp import (
 )
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.distributed.fsdp.wrap import CustomPolicy, ModuleWrapPolicy
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from cost_models import fsdp_options
 from cost_models.specs import FsdpConfig, Precision, Sharding
+
+from .checkpointing import apply_checkpointing
+from .float8 import convert_to_float8
+from .model_blocks import _block_slots, expert_modules
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -286,81 +284,7 @@ def apply_fsdp2(model: nn.Module, config: FsdpConfig, block_classes: set[type], 
     return model
 
 
-# ---------------------------------------------------------------- Float8 (torchao), GPU only
-
-FLOAT8_DIM_MULTIPLE = 16  # FP8 matmuls (torch._scaled_mm) need both dims of the weight divisible by 16
-
-
-def convert_to_float8(model: nn.Module, block_classes: set[type], config: FsdpConfig, device_type: str) -> int:
-    """torchao Float8 linears (tensorwise dynamic scaling) for the blocks' nn.Linear layers whose dims are
-    multiples of 16, as torchtitan converts them (its filter leaves the output head in high precision; here
-    everything outside the blocks stays). With fp8_all_gather FSDP2 all-gathers those weights in FP8.
-    Returns how many linears were converted. Raises on CPU and without torchao: a CUDA GPU with FP8
-    tensor cores (compute capability 8.9+: Ada, Hopper, Blackwell) is needed."""
-    if device_type != "cuda":
-        raise ValueError(f"float8: torchao Float8 linears run on CUDA GPUs with FP8 tensor cores; this run is on "
-                         f"{device_type} (drop float8, or run on an H100-class GPU)")
-    if torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 9):
-        raise ValueError(f"float8: {torch.cuda.get_device_name()} has no FP8 tensor cores (needs compute "
-                         "capability 8.9+: Ada, Hopper, Blackwell)")
-    try:
-        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
-    except ImportError:
-        raise ValueError("float8: needs torchao (pip install torchao) for its Float8 linears") from None
-    inside = {id(m) for parent, name in _block_slots(model, block_classes) for m in getattr(parent, name).modules()}
-    converted = []
-
-    def wanted(module: nn.Module, fqn: str) -> bool:
-        ok = (isinstance(module, nn.Linear) and id(module) in inside
-              and module.in_features % FLOAT8_DIM_MULTIPLE == 0 and module.out_features % FLOAT8_DIM_MULTIPLE == 0)
-        if ok:
-            converted.append(fqn)
-        return ok
-
-    convert_to_float8_training(model, config=Float8LinearConfig(enable_fsdp_float8_all_gather=config.fp8_all_gather),
-                               module_filter_fn=wanted)
-    return len(converted)
-
-
-def precompute_float8_scales(model: nn.Module, config: FsdpConfig) -> None:
-    """After each optimizer step with the FP8 all-gather: compute every Float8 weight's scale in one
-    all-reduce for all of them (torchao's precompute_float8_dynamic_scale_for_fsdp) instead of one per
-    weight inside each all-gather. No-op otherwise."""
-    if config.fp8_all_gather:
-        from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
-
-        precompute_float8_dynamic_scale_for_fsdp(model)
-
-
-def expert_modules(block: nn.Module) -> list[nn.Module]:
-    """The modules holding a block's stacked expert tensors (fsdp_options.IS_EXPERTS_MODULE)."""
-    return [m for m in block.modules() if any(p.ndim == 3 for p in m.parameters(recurse=False))]
-
-
 # ---------------------------------------------------------------- shared helpers
-
-def _block_slots(model: nn.Module, block_classes: set[type]) -> list[tuple[nn.Module, str]]:
-    """(parent, attribute) of each block in module order, looking through checkpoint wrappers and FSDP1
-    wrappers; blocks nested inside a block are not separate slots."""
-    classes = tuple(block_classes)
-    slots: list[tuple[nn.Module, str]] = []
-
-    def unwrap(module):
-        while isinstance(module, (CheckpointWrapper, FullyShardedDataParallel)):
-            module = module._checkpoint_wrapped_module if isinstance(module, CheckpointWrapper) \
-                else module._fsdp_wrapped_module
-        return module
-
-    def visit(parent):
-        for name, child in parent.named_children():
-            if isinstance(unwrap(child), classes):
-                slots.append((parent, name))
-            else:
-                visit(child)
-
-    visit(model)
-    return slots
-
 
 def disable_kv_cache(model: nn.Module) -> None:
     """Set `model.config.use_cache = False` when the model has a config with that attribute (Hugging Face).
@@ -373,86 +297,6 @@ def disable_kv_cache(model: nn.Module) -> None:
     config = getattr(model, "config", None)
     if hasattr(config, "use_cache"):
         config.use_cache = False
-
-
-def apply_checkpointing(model: nn.Module, block_classes: set[type], config: FsdpConfig) -> int:
-    """The config's activation checkpointing: every K-th block, or every block with the selective-op
-    policy; returns how many blocks were wrapped (0 without checkpointing)."""
-    if config.selective_op_ac:
-        return apply_activation_checkpointing(model, block_classes, 1, context_fn=selective_op_context)
-    return apply_activation_checkpointing(model, block_classes, config.ac_every) if config.ac_every else 0
-
-
-# torchtitan's selective op-level checkpointing (shared/reference/published.md): the outputs of these ops
-# are saved, except every second matmul; every other op (norms, activations, elementwise) is recomputed.
-# aten.mm is what nn.Linear dispatches to (2-D weights, bias-free); a biased linear dispatches to addmm,
-# counted as a matmul here too (torchtitan's models have no biases) so a q/k/v bias (Qwen2) changes nothing.
-_aten = torch.ops.aten
-SELECTIVE_OP_MATMULS = frozenset({_aten.mm.default, _aten.addmm.default})
-SELECTIVE_OP_SAVE = SELECTIVE_OP_MATMULS | {
-    _aten._scaled_dot_product_flash_attention.default,
-    _aten._scaled_dot_product_efficient_attention.default,
-    _aten._scaled_dot_product_cudnn_attention.default,
-    _aten._scaled_dot_product_flash_attention_for_cpu.default,  # SDPA's fused kernel on CPU
-    _aten.max.default,  # Float8's absmax: saved so the recompute need not scale again
-    torch.ops._c10d_functional.reduce_scatter_tensor.default,
-}
-
-
-def selective_op_context():
-    """context_fn of a non-reentrant checkpoint: torchtitan's policy, with the matmul count kept apart for
-    the forward and the recompute so both make the same choices (odd matmuls saved, even recomputed)."""
-    matmuls: defaultdict = defaultdict(int)
-
-    def policy(ctx, func, *args, **kwargs):
-        mode = "recompute" if ctx.is_recompute else "forward"
-        if func in SELECTIVE_OP_MATMULS:
-            matmuls[mode] += 1
-        save = func in SELECTIVE_OP_SAVE and not (func in SELECTIVE_OP_MATMULS and matmuls[mode] % 2 == 0)
-        return CheckpointPolicy.MUST_SAVE if save else CheckpointPolicy.PREFER_RECOMPUTE
-
-    return create_selective_checkpoint_contexts(policy)
-
-
-def apply_activation_checkpointing(model: nn.Module, block_classes: set[type], every: int, context_fn=None) -> int:
-    """Wrap blocks 0, K, 2K, ... in a non-reentrant checkpoint_wrapper; returns how many were wrapped.
-    context_fn: a selective checkpoint policy (selective_op_context), else the whole block is recomputed.
-
-    Non-reentrant: works with FSDP, frozen params and kwargs. Works before or after FSDP1 wrapping
-    (after, the wrapper sits inside the block's FSDP unit). Already-wrapped blocks are left alone.
-    """
-    if every < 1:
-        raise ValueError(f"every must be >= 1, got {every}")
-    extra = {"context_fn": context_fn} if context_fn is not None else {}
-    count = 0
-    for index, (parent, name) in enumerate(_block_slots(model, block_classes)):
-        if index % every:
-            continue
-        holder, attr = parent, name
-        # Under FSDP1 put the wrapper inside the unit: FSDP(CheckpointWrapper(block)).
-        while isinstance(getattr(holder, attr), FullyShardedDataParallel):
-            holder, attr = getattr(holder, attr), "_fsdp_wrapped_module"
-        if isinstance(getattr(holder, attr), CheckpointWrapper):
-            continue
-        setattr(holder, attr, checkpoint_wrapper(getattr(holder, attr), checkpoint_impl=CheckpointImpl.NO_REENTRANT,
-                                                 **extra))
-        count += 1
-    return count
-
-
-def block_classes_for(model: nn.Module) -> set[type]:
-    """Fallback detector of the repeated block: the class repeated most inside ModuleLists, weighted by
-    parameters (so a list of tiny modules loses to the list of decoder layers)."""
-    weight: Counter = Counter()
-    for module in model.modules():
-        if isinstance(module, nn.ModuleList):
-            for child in module:
-                weight[type(child)] += sum(p.numel() for p in child.parameters())
-    weight = Counter({cls: w for cls, w in weight.items() if w > 0})
-    if not weight:
-        raise ValueError(f"no nn.ModuleList of parameterised modules in {type(model).__name__}; "
-                         "name the block class explicitly")
-    return {weight.most_common(1)[0][0]}
 
 
 def cast_for_precision(model: nn.Module, config: FsdpConfig) -> nn.Module:

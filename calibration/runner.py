@@ -63,12 +63,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from calibration.apply import grad_scaler_for, precompute_float8_scales
+from calibration.apply import grad_scaler_for
 from calibration.exposed_comm import profiled_exposed_comm_s
+from calibration.float8 import precompute_float8_scales
 from calibration.host_probe import fingerprint, probe
+from calibration.model_blocks import block_classes
 from calibration.profile_step import phase, profile_step
 from calibration.store import write_atomic
-from calibration.worker_model import _model_spec, apply_config, block_classes, build
+from calibration.worker_model import _model_spec, apply_config, build
 from calibration.worker_step import (CP_NEEDS_CUDA, check_same_sequences, data_parallel_rank, loss_fn_for, loss_of,
                                      make_optimizer, step_context)
 from cost_models.specs import FsdpConfig, Sharding

@@ -161,7 +161,7 @@ def _block_classes(model: nn.Module, spec: ModelSpec) -> set[type]:
     classes = {type(m) for m in model.modules() if type(m).__name__ == spec.block_class}
     if classes:
         return classes
-    from .apply import block_classes_for
+    from .model_blocks import block_classes_for
 
     return block_classes_for(model)
 

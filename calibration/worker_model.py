@@ -8,7 +8,7 @@ import contextlib
 import torch
 from torch import nn
 
-from calibration.apply import apply_fsdp1, apply_fsdp2, block_classes_for, cast_for_precision, make_mesh
+from calibration.apply import apply_fsdp1, apply_fsdp2, cast_for_precision, make_mesh
 from calibration.build import build_model, load_factory
 from calibration.store import model_spec_from_dict
 from cost_models.specs import FsdpConfig, ModelSpec
@@ -58,11 +58,6 @@ def build(job_model: dict, attention: str) -> nn.Module:
     if not isinstance(model, nn.Module):
         raise TypeError(f"the model builder returned {type(model).__name__}, not an nn.Module")
     return model
-
-
-def block_classes(model: nn.Module, name: str | None) -> set[type]:
-    classes = {type(m) for m in model.modules() if name and type(m).__name__ == name}
-    return classes or block_classes_for(model)
 
 
 @torch.no_grad()

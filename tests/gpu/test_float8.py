@@ -33,7 +33,8 @@ def one_rank():
 def test_float8_linears_with_fp8_all_gather_train(one_rank, extra):
     from torchao.float8.float8_linear import Float8Linear
 
-    from calibration.apply import apply_fsdp2, make_mesh, precompute_float8_scales
+    from calibration.apply import apply_fsdp2, make_mesh
+    from calibration.float8 import precompute_float8_scales
     from calibration.reference import Block, build_reference, tiny_llama_spec
     from cost_models.specs import FsdpConfig
 

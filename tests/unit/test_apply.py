@@ -28,10 +28,8 @@ from torch.distributed.fsdp.wrap import CustomPolicy, ModuleWrapPolicy
 
 import calibration.apply as apply_mod
 from calibration.apply import (
-    apply_activation_checkpointing,
     apply_fsdp1,
     apply_fsdp2,
-    block_classes_for,
     cast_for_precision,
     fsdp1_kwargs,
     fsdp2_kwargs,
@@ -39,6 +37,8 @@ from calibration.apply import (
     make_mesh,
 )
 from calibration.build import build_model, load_factory
+from calibration.checkpointing import apply_activation_checkpointing
+from calibration.model_blocks import block_classes_for
 from calibration.reference import Block, build_reference, tiny_llama_spec
 from cost_models.specs import ClusterSpec, FsdpConfig, GpuSpec, Precision, Sharding, TrainingSpec
 from planner.emit import emit_accelerate, emit_fsdp1, emit_fsdp2, emit_torchrun

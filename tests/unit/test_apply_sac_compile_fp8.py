@@ -11,8 +11,9 @@ import torch.distributed as dist
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from calibration.apply import (apply_activation_checkpointing, apply_fsdp1, apply_fsdp2, fsdp2_kwargs, make_mesh,
-                               precompute_float8_scales, selective_op_context)
+from calibration.apply import apply_fsdp1, apply_fsdp2, fsdp2_kwargs, make_mesh
+from calibration.checkpointing import apply_activation_checkpointing, selective_op_context
+from calibration.float8 import precompute_float8_scales
 from calibration.reference import Block, build_reference, tiny_llama_spec
 from cost_models.specs import FsdpConfig
 from tests.unit.test_apply import fake_world  # noqa: F401 (the fixture: a fake 8-rank process group)

@@ -10,7 +10,7 @@ from unittest import mock
 import pytest
 import torch
 
-from calibration.apply import SELECTIVE_OP_SAVE
+from calibration.checkpointing import SELECTIVE_OP_SAVE
 from calibration.reference import Block
 from cost_models.specs import ClusterSpec, FsdpConfig, GpuSpec
 from planner.emit import (emit_accelerate, emit_fsdp1, emit_fsdp2, emit_lightning, emit_slurm, emit_torchrun)
