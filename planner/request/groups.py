@@ -1,0 +1,167 @@
+"""The request every command and API call is made of, in typed groups: the cluster, the training, the
+configuration with its mesh, and what the plan command searches. Each knob is declared here once (type,
+default, flag, help); planner/request/knobs.py reads the declarations for the API and the CLI."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from cost_models.specs import ClusterSpec, TrainingSpec
+from cost_models.units import parse_bytes
+
+from ..errors import PlannerError
+from ..hardware import DEFAULT_GPU, make_cluster
+from .knobs import knob
+
+PP_MICRO_BATCH = ("with --pp, --micro-batch is the pipeline microbatch: the local batch (global batch / "
+                  "data-parallel ranks) is split into local batch / micro-batch microbatches, all run in one "
+                  "schedule step")
+
+
+@dataclass(frozen=True)
+class ClusterRequest:
+    """The GPUs and their links; None: the GPU catalog's figure (planner/catalog/gpus)."""
+
+    gpus: int | None = knob(None, "--gpus", "-g", help="Number of GPUs")
+    gpus_per_node: int | None = knob(None, "--gpus-per-node", help="GPUs per node (default min(gpus, 8))")
+    gpu: str = knob(DEFAULT_GPU, "--gpu", help="GPU type (see `fsdp-plan gpus`)")
+    internode_gbps: float | None = knob(None, "--internode-gbps", help="Network per node, Gbit/s")
+    gpu_memory: str | int | None = knob(None, "--gpu-memory", help="Override GPU memory, e.g. 80GiB", cli_type=str)
+    intra_node_gb_per_s: float | None = knob(None, "--intra-node-gb-per-s",
+                                             help="Override intra-node bus bandwidth, GB/s")
+    pcie_gb_per_s: float | None = knob(None, "--pcie-gb-per-s", help="Override host<->device bandwidth, GB/s")
+    cpu_ram_per_node: str | int | None = knob(None, "--cpu-ram-per-node", cli_type=str,
+                                              help="CPU RAM per node, e.g. 1TiB (checks offload)")
+
+    def spec(self) -> ClusterSpec:
+        if self.gpus is None:
+            raise PlannerError("gpus", "missing: pass gpus=N (N >= 1)")
+        sizes = {}
+        for name in ("gpu_memory", "cpu_ram_per_node"):  # "80GiB" or bytes
+            value = getattr(self, name)
+            try:
+                sizes[name] = parse_bytes(value) if value is not None else None
+            except ValueError as exc:
+                raise PlannerError(name, str(exc)) from None
+        return make_cluster(self.gpus, gpu=self.gpu, gpus_per_node=self.gpus_per_node,
+                            internode_gbps=self.internode_gbps, intra_node_gb_per_s=self.intra_node_gb_per_s,
+                            pcie_gb_per_s=self.pcie_gb_per_s, gpu_memory=sizes["gpu_memory"],
+                            cpu_ram_per_node=sizes["cpu_ram_per_node"])
+
+
+@dataclass(frozen=True)
+class TrainingRequest:
+    seq_len: int = knob(2048, "--seq-len", help="Tokens per sequence")
+    global_batch: int | None = knob(None, "--global-batch", help="Sequences per optimizer step")
+    optimizer: str = knob("adamw", "--optimizer", help="adamw, adam, sgd, adamw-8bit")
+    finetune: str = knob("full", "--finetune", help="full or lora")
+    lora_rank: int = knob(16, "--lora-rank", help="LoRA rank")
+    routing_imbalance: float = knob(1.0, "--routing-imbalance", help="MoE with --ep: the busiest rank's routed "
+                                    "tokens over the mean (1 = balanced routing, the default)")
+
+    def spec(self) -> TrainingSpec:
+        return TrainingSpec(seq_len=self.seq_len, global_batch=self.global_batch, optimizer=self.optimizer,
+                            finetune=self.finetune, lora_rank=self.lora_rank,
+                            routing_imbalance=self.routing_imbalance)
+
+
+@dataclass(frozen=True)
+class MeshRequest:
+    """The device mesh beside FSDP (torchtitan's degrees). None: not pinned - the plan searches it, one
+    configuration takes 1 (async_tp: searched / off)."""
+
+    tp: int | None = knob(None, "--tp", help="Tensor-parallel degree (heads and MLP split over N GPUs of a node; "
+                          "default 1, searched by the plan command)")
+    cp: int | None = knob(None, "--cp", help="Context-parallel degree (each sequence split over N GPUs, ring "
+                          "attention; default 1, searched by the plan command)")
+    ep: int | None = knob(None, "--ep", help="Expert-parallel degree (MoE: experts split over N GPUs; default 1, "
+                          "searched by the plan command)")
+    pp: int | None = knob(None, "--pp", help="Pipeline-parallel degree: the blocks split evenly into stages over N "
+                          "ranks (the outermost mesh dimension; embedding on the first stage, norm + head + loss on "
+                          f"the last; default 1, searched by the plan command with its schedule); {PP_MICRO_BATCH}")
+    pp_schedule: str | None = knob(None, "--pp-schedule", help="With --pp: gpipe, 1f1b (default), "
+                                   "interleaved-1f1b, zero-bubble or dualpipev (torch.distributed.pipelining's "
+                                   "ScheduleGPipe ... ScheduleDualPipeV)")
+    pp_stages_per_rank: int | None = knob(None, "--pp-stages-per-rank", help="With --pp and a looped schedule "
+                                          "(interleaved-1f1b, zero-bubble, dualpipev): stages V on each pipeline "
+                                          "rank (default 2)")
+    async_tp: bool | None = knob(None, "--async-tp/--no-async-tp", help="Overlap TP's all-gathers and "
+                                 "reduce-scatters with the matmuls (torchtitan; needs --compile)")
+    sequence_parallel: bool = knob(True, "--sequence-parallel/--no-sequence-parallel", help="With --tp: norms and "
+                                   "residuals split over the sequence, loss parallel (torchtitan); "
+                                   "--no-sequence-parallel: transformers' tp_plan (accelerate, HF Trainer), the "
+                                   "logits gathered")
+
+    def __post_init__(self):
+        for name in ("tp", "cp", "ep", "pp"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise PlannerError(name, f"must be an integer >= 1, got {value}")
+
+    def degrees(self, default=None) -> dict:
+        """The pinned degrees as keyword arguments, the rest `default` (None: left out, searched)."""
+        return {n: v if v is not None else default for n in ("tp", "cp", "ep", "pp")
+                if (v := getattr(self, n)) is not None or default is not None}
+
+
+@dataclass(frozen=True)
+class ConfigRequest:
+    """One explicit configuration (the estimate command's); attention None: the model's first choice."""
+
+    attention: str | None = knob(None, "--attention", help="sdpa (fused) or eager; default: sdpa, or eager for "
+                                 "models that do not run sdpa (Gemma 2, gpt-oss)")
+    sharding: str = knob("FULL_SHARD", "--sharding", help="FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD, "
+                         "HYBRID_SHARD_ZERO2")
+    precision: str = knob("bf16", "--precision", help="fp32, bf16, bf16-pure, fp16")
+    activation_checkpointing: str = knob("none", "--activation-checkpointing", help="none, full, every-K, "
+                                         "selective-op (torchtitan's op-level policy in every block)")
+    micro_batch: int = knob(1, "--micro-batch", help=f"Sequences per GPU per micro-step; {PP_MICRO_BATCH}")
+    grad_accum: int | None = knob(None, "--grad-accum", help="Micro-steps per optimizer step (with --pp: the "
+                                  "microbatches of one schedule step)")
+    offload: bool = knob(False, "--offload/--no-offload", help="CPU offload of params, grads, optimizer")
+    backward_prefetch: bool = knob(True, "--backward-prefetch/--no-backward-prefetch")
+    forward_prefetch: bool = knob(False)  # API only: FSDP1's forward_prefetch
+    limit_all_gathers: bool = knob(True, "--limit-all-gathers/--no-limit-all-gathers")
+    expert_shard_dim: int = knob(0, "--expert-shard-dim", help="MoE, FSDP2: 0 shards stacked experts on dim 0 "
+                                 "(padded to the shard group), 1 on dim 1")
+    expert_units: bool = knob(False, "--expert-units/--no-expert-units", help="MoE: wrap each block's routed "
+                              "experts as their own FSDP unit")
+    reduce_dtype: str | None = knob(None, "--reduce-dtype", help="gradient reduction dtype: fp32 or bf16 "
+                                    "(default: the precision's)")
+    compile: bool = knob(False, "--compile/--no-compile", help="torch.compile each block (torchtitan style, "
+                         "before fully_shard)")
+    float8: bool = knob(False, "--float8/--no-float8", help="torchao Float8 linears in the blocks (GPUs with FP8 "
+                        "tensor cores, bf16 compute)")
+    fp8_all_gather: bool = knob(False, "--fp8-all-gather/--no-fp8-all-gather", help="with --float8, FSDP2 "
+                                "all-gathers the Float8 weights in FP8")
+    reshard_after_forward: int = knob(0, "--reshard-after-forward", help="FSDP2: after forward keep block params "
+                                      "sharded over N ranks (a divisor of the shard group, e.g. a node); 0: the "
+                                      "strategy's own")
+    mesh: MeshRequest = field(default_factory=MeshRequest)
+
+
+@dataclass(frozen=True)
+class SearchRequest:
+    """What the plan command searches beyond the mesh; None: every choice (reduce_dtypes: each precision's)."""
+
+    precisions: list[str] | None = knob(None, "--precision", help="Precisions to search (repeatable)")
+    reduce_dtypes: list[str] | None = knob(None, "--reduce-dtype", help="Gradient reduction dtypes to search, "
+                                           "fp32 | bf16 (repeatable; default: each precision's own)")
+
+
+@dataclass(frozen=True)
+class Request:
+    """Everything a command is asked: the model, then the groups."""
+
+    model: object = knob(None, "--model", "-m", help="Preset name, HF config.json, or a directory holding one",
+                         cli_type=str)
+    trust_remote_code: bool = knob(False, "--trust-remote-code", help="Build a config.json whose auto_map names "
+                                   "custom modelling code (runs that code)")
+    cluster: ClusterRequest = field(default_factory=ClusterRequest)
+    training: TrainingRequest = field(default_factory=TrainingRequest)
+    config: ConfigRequest = field(default_factory=ConfigRequest)
+    search: SearchRequest = field(default_factory=SearchRequest)
+
+    @property
+    def mesh(self) -> MeshRequest:
+        return self.config.mesh
