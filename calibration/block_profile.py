@@ -100,7 +100,7 @@ def _measure(model, blocks: list, n_dense: int, vocab_size: int, micro_batch: in
     """For one (micro_batch, seq_len) forward + backward, (saved, backward) of the sparse (or only) blocks
     and of the leading dense ones (None without): saved = mean bytes a block saves, backward = its
     backward's moments as (activation, gradient) bytes above what was live at its pre-backward."""
-    from .trace import cuda_kernel_choices
+    from .gpu_run_choices import cuda_kernel_choices
 
     ids = torch.randint(0, vocab_size, (micro_batch, seq_len))
     tracker = MemoryTracker(model, vocab_size=vocab_size)
@@ -181,7 +181,7 @@ def profile_block(hf_config: dict, *, block_class: str, compute_dtype: str, atte
 
     from .apply import TORCH_DTYPES
     from .block_ops import count_block_operators
-    from .trace import _grouped_mm_shapes_any_dtype, _real_run_masking, cuda_kernel_choices
+    from .gpu_run_choices import _grouped_mm_shapes_any_dtype, _real_run_masking, cuda_kernel_choices
 
     started = time.perf_counter()
     n_layers = profiled_layers(hf_config, n_dense_layers)

@@ -40,9 +40,11 @@ from torch import nn
 
 from cost_models.specs import Finetune, FsdpConfig, ModelSpec, Optimizer, TrainingSpec
 
-from .trace import (TraceError, TraceResult, TraceUnsupported, _check_supported, _dtensors_under_fake_mode,
-                    _forget_dtensor_placements, _real_run_masking, _replace_temporaries, _require_transformers,
-                    _untraceable, cuda_kernel_choices, foreach_temporary_bytes, make_optimizer)
+from .fake_world import _dtensors_under_fake_mode, _forget_dtensor_placements
+from .gpu_run_choices import _real_run_masking, cuda_kernel_choices
+from .trace_limits import _check_supported, _require_transformers
+from .trace_optimizer import _replace_temporaries, foreach_temporary_bytes, make_optimizer
+from .trace_result import TraceError, TraceResult, TraceUnsupported, _untraceable
 
 
 @contextmanager
@@ -168,7 +170,7 @@ def _trace_rank(spec, config, training, n_gpus, gpus_per_node, seq_len, hf_confi
     from .build import build_model
     from .memtrack import MemoryTracker
     from .pipeline import apply_stage_tensor_parallel, build_schedule, causal_lm_loss, split_stages, stage_indices
-    from .trace import _block_classes
+    from .model_blocks import block_classes
 
     started = time.perf_counter()
     dp_ranks = n_gpus // config.pp
@@ -185,7 +187,7 @@ def _trace_rank(spec, config, training, n_gpus, gpus_per_node, seq_len, hf_confi
                 raise _untraceable(f"building {spec.name}", exc) from exc
             model.train()
             model.config.use_cache = False
-            classes = _block_classes(model, spec)
+            classes = block_classes(model, spec.block_class)
             modules = split_stages(model, spec, config, pp_rank)
             for module in modules:
                 if config.tp > 1:  # TP before FSDP (torchtitan's order); apply_fsdp2 then does the rest

@@ -1,5 +1,5 @@
 """SDPA with unequal q/k and v head dims (DeepSeek MLA) under the trace's kernel choices
-(calibration/sdpa_kernels.py via calibration.trace.cuda_kernel_choices).
+(calibration/sdpa_kernels.py via calibration.gpu_run_choices.cuda_kernel_choices).
 
 Against torch's math path (what CPU runs without the swap, the reference): outputs and gradients to 1e-5 in
 fp32, causal and with a mask. Saved bytes of one call, by saved_tensors_hooks: exactly q + k + v + out +
@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from calibration.sdpa_kernels import takes_unequal_head_dims
-from calibration.trace import cuda_kernel_choices
+from calibration.gpu_run_choices import cuda_kernel_choices
 
 # small MLA-like shapes (DeepSeek: 192 / 128), multiples of 8; 10 heads run in groups of 2 (HEAD_GROUPS 8)
 B, HEADS, S, DQK, DV = 2, 10, 16, 24, 16
@@ -134,7 +134,7 @@ def _deepseek_v2_lite_saved_bytes(seq_lens: tuple[int, ...]) -> tuple[float, ...
 
     from calibration.block_profile import _blocks, _measure, _reduced_config, profiled_layers
     from calibration.build import build_model
-    from calibration.trace import _grouped_mm_shapes_any_dtype, _real_run_masking
+    from calibration.gpu_run_choices import _grouped_mm_shapes_any_dtype, _real_run_masking
     from planner.models.resolve import load_preset, preset_hf_config
 
     spec, hf_config = load_preset("deepseek-v2-lite"), preset_hf_config("deepseek-v2-lite")
