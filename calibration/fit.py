@@ -45,7 +45,7 @@ from cost_models.profile import Profile
 from cost_models.specs import ClusterSpec, FsdpConfig, GpuSpec, ModelSpec, TrainingSpec
 from cost_models.step_time import TimeBreakdown, estimate_step_time
 
-from .store import model_spec_from_dict
+from .spec_dicts import model_spec_from_dict
 
 PRIOR_WEIGHT = 1e-3
 IDENTIFIED_LOG_ERROR = 0.1   # a coefficient known to about +-10% counts as identified by the runs

@@ -10,7 +10,7 @@ from torch import nn
 
 from calibration.apply import apply_fsdp1, apply_fsdp2, cast_for_precision, make_mesh
 from calibration.build import build_model, load_factory
-from calibration.store import model_spec_from_dict
+from calibration.spec_dicts import model_spec_from_dict
 from cost_models.specs import FsdpConfig, ModelSpec
 
 INIT_STD = 0.02
