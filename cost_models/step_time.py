@@ -14,179 +14,30 @@ micro-batches leave the all-gathers exposed (communication_note says why and wha
 leading dense blocks are priced with their own sizes, each paired with blocks of its kind for the
 overlap. Compute runs per operator class (kernel_time.py), and slows by profile.overlap_slowdown for each
 second of communication it hides. Ignored: stragglers, data loading.
+
+The pieces apart: TimeBreakdown (time_breakdown.py), the priced parts (step_parts.py: tiers, blocks, root, mesh,
+optimizer) and a pipeline rank's step (pipeline_step.py).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields, replace
+from dataclasses import replace
 
-from . import comm, context_parallel, expert_parallel, moe, operators, pipeline_time, tensor_parallel
+from . import comm, expert_parallel, moe, operators, pipeline_time, tensor_parallel
 from .compute import mfu_flops_per_token, model_flops_per_token, recompute_flops_per_token
-from .kernel_time import BlockTime, Rates, eager_attention_ops, price_block
+from .kernel_time import Rates
 from .memory import ParamCounts
+from .pipeline_step import _pipeline_step
 from .profile import Profile
-from .specs import Attention, ClusterSpec, FsdpConfig, ModelSpec, Sharding, TrainingSpec
+from .specs import ClusterSpec, FsdpConfig, ModelSpec, Sharding, TrainingSpec
+from .step_parts import (_block_times, _mesh_times, _optimizer_times, _shard_tiers, mesh_tiers, priced_block_ops,
+                         root_memory_bytes_per_token)
+from .time_breakdown import TimeBreakdown
 from .units import DTYPE_BYTES
 
-
-@dataclass(frozen=True)
-class TimeBreakdown:
-    compute_s: float             # all micro-steps, recompute included: matmul + attention + memory-bound
-    recompute_s: float           # the part of compute_s spent re-running checkpointed forwards
-    matmul_s: float              # of compute_s without recompute: the matmuls (block linears, experts, head)
-    attention_s: float           # ... the attention kernels (eager: the score products)
-    memory_bound_s: float        # ... norms, activations, rotary, residuals, loss, casts, FSDP's copies
-    exposed_comm_s: float        # communication not hidden behind compute
-    overlap_slowdown_s: float    # compute slowed by the NCCL kernels running beside it
-    total_comm_s: float          # all collective time, hidden or not (for information)
-    offload_copy_s: float        # CPU offload host<->device copies
-    optimizer_s: float           # the optimizer step (GPU, or CPU with offload)
-    overhead_s: float            # fixed per micro-step cost
-    step_s: float
-    tokens_per_s_per_gpu: float
-    mfu: float                   # model FLOPs (torchtitan's count, no recompute) / (step time * peak)
-    hfu: float                   # executed FLOPs (recompute included) / (step time * peak)
-    # the mesh's collectives, of total_comm_s and exposed_comm_s (FSDP's are the rest): tensor parallel's
-    # all-gathers / reduce-scatters (all-reduces without sequence parallel), context parallel's ring exchanges
-    tp_comm_s: float = 0.0
-    tp_exposed_comm_s: float = 0.0
-    cp_comm_s: float = 0.0
-    cp_exposed_comm_s: float = 0.0
-    # expert parallelism's dispatch and combine all-to-alls (forward, backward, recompute), on the critical path
-    ep_comm_s: float = 0.0
-    # pipeline parallelism (cost_models/pipeline_time.py; 0 without): with pp > 1 compute_s and the mesh's exposed
-    # collectives are the mean pipeline rank's, and the step adds the schedule's warm-up and cool-down (bubble),
-    # the slowest rank's excess over the mean (imbalance: the first and last stages' embedding, head and loss) and
-    # the exposed stage-to-stage sends of activations and gradients (pp_comm_s, of exposed_comm_s)
-    pp_bubble_s: float = 0.0
-    pp_imbalance_s: float = 0.0
-    pp_comm_s: float = 0.0
-
-    def to_dict(self) -> dict:
-        """Every field; the pipeline's only with a pipeline (the output schemas leave them out without one)."""
-        pipeline = ("pp_bubble_s", "pp_imbalance_s", "pp_comm_s")
-        piped = any(getattr(self, name) for name in pipeline)
-        return {f.name: getattr(self, f.name) for f in fields(self) if piped or f.name not in pipeline}
-
-
-def _shard_tiers(config: FsdpConfig, cluster: ClusterSpec, profile: Profile):
-    """(shard-group tier, replicate-group tier) for the configuration's process groups. The mesh puts tp innermost
-    (cost_models/mesh.py): FSDP's dp_shard x cp ranks are tp apart, so the group spans d x tp consecutive ranks,
-    and the tp groups of a node cross the network at once (each GPU has its NIC share)."""
-    d = config.shard_group_size(cluster)
-    tp = config.tp
-    # a group inside the scale-up domain (the node, or GB200's 72-GPU NVLink domain) stays on the fast tier
-    shard = comm.Tier.for_group(cluster, profile, spans_nodes=d > 1 and d * tp > cluster.fast_tier_gpus,
-                                groups_sharing_nics=min(tp, cluster.gpus_per_node))
-    replicate = comm.Tier.for_group(cluster, profile, spans_nodes=cluster.n_gpus > cluster.fast_tier_gpus,
-                                    groups_sharing_nics=min(d * tp, cluster.gpus_per_node))
-    return shard, replicate
-
-
-def mesh_tiers(config: FsdpConfig, cluster: ClusterSpec, profile: Profile) -> tuple[comm.Tier, comm.Tier]:
-    """(TP group tier, CP group tier): a TP group is tp consecutive ranks; a CP group cp ranks tp apart (cp x tp
-    consecutive ranks), the tp CP groups of those ranks crossing the network at once when it spans nodes. TP's
-    collectives run at profile.tp_comm_efficiency of the tier's alpha-beta rate, bandwidth and per-hop latency
-    alike (1.0 unless calibration fitted it)."""
-    tp, cp = config.tp, config.cp
-    tp_tier = comm.Tier.for_group(cluster, profile, spans_nodes=tp > cluster.fast_tier_gpus)
-    tp_tier = replace(tp_tier, bus_bytes_per_s=tp_tier.bus_bytes_per_s * profile.tp_comm_efficiency,
-                      latency_s=tp_tier.latency_s / profile.tp_comm_efficiency)
-    cp_tier = comm.Tier.for_group(cluster, profile, spans_nodes=cp * tp > cluster.fast_tier_gpus,
-                                  groups_sharing_nics=min(tp, cluster.gpus_per_node))
-    return tp_tier, cp_tier
-
-
-def root_memory_bytes_per_token(model: ModelSpec, config: FsdpConfig, c: int) -> tuple[tuple[str, float, float], ...]:
-    """(name, forward, backward) bytes per token of the root's memory-bound chains as the step prices them:
-    per-block compile leaves the final norm and the embedding eager; the loss is fused when it is compiled."""
-    _, ops = operators.root_ops(model, c)
-    fused = {op.name: op.name == "loss" and config.loss_compiled for op in ops}
-    # sequence parallel: the final norm runs on s / tp tokens (the loss on vocab / tp is in the local model)
-    share = {op.name: 1 / config.tp if op.name == "final norm" and config.sequence_parallel else 1.0 for op in ops}
-    return tuple((op.name, share[op.name] * op.bytes(fused[op.name], False), share[op.name] * op.bytes(fused[op.name], True))
-                 for op in ops)
-
-
-def priced_block_ops(spec: ModelSpec, training: TrainingSpec, config: FsdpConfig, c: int):
-    """(BlockOps, eager attention's products and score traffic or None) of one block as the step prices it:
-    Float8's casts among the memory-bound ops; a traced inventory already holds eager attention's work."""
-    ops = operators.block_ops(spec, c, training.seq_len, training.adapter_rank, config.attention.value)
-    if config.tp > 1 and config.sequence_parallel:  # norms, residuals, dropout on s / tp tokens
-        ops = tensor_parallel.sequence_parallel_ops(ops, config.tp)
-    if config.ep > 1 and spec.moe is not None:  # a rank's E / ep experts on the rows it receives
-        ops = expert_parallel.expert_parallel_ops(ops, spec, config.ep, training.routing_imbalance, config.tp)
-    if config.float8:
-        ops = replace(ops, memory_ops=ops.memory_ops + (operators.float8_cast_op(ops.matmuls, c),))
-    eager = eager_attention_ops(ops, spec.n_heads, c) if config.attention is Attention.EAGER and not ops.traced else None
-    return ops, eager
-
-
-def _block_times(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, rates: Rates, c: int,
-                 tokens: int) -> tuple[BlockTime, BlockTime | None, float, float]:
-    """(sparse-or-only block, dense block of an MoE model or None, recompute s of the average block (both
-    kinds), per-micro-step weight-cast s): every block's forward, backward and recompute on `tokens`."""
-    recompute = "selective-op" if config.selective_op_ac else ("full" if config.ac_every else "")
-    n_ckpt = model.n_layers if config.selective_op_ac else (math.ceil(model.n_layers / config.ac_every)
-                                                            if config.ac_every else 0)
-
-    def price(spec: ModelSpec) -> tuple[BlockTime, BlockTime, float]:
-        ops, eager = priced_block_ops(spec, training, config, c)
-        kw = dict(eager_attention=eager, compiled=config.compile, float8=config.float8)
-        casts = rates.memory_s(operators.weight_cast_bytes(ops.matmuls, c, config.fp8_all_gather)) if config.float8 else 0.0
-        return price_block(ops, rates, tokens, **kw), price_block(ops, rates, tokens, recompute=recompute, **kw), casts
-
-    plain, ckpt, casts = price(model)
-    dense_spec = moe.dense_block_spec(model)
-    dense = price(dense_spec) if dense_spec is not None else None
-    recompute_s = n_ckpt * ckpt.recompute_s / model.n_layers if recompute else 0.0
-    if dense is not None and recompute:
-        nd = model.n_dense_layers
-        recompute_s += n_ckpt * nd * (dense[1].recompute_s - ckpt.recompute_s) / model.n_layers ** 2
-    weight_casts = (model.n_layers - model.n_dense_layers) * casts + (model.n_dense_layers * dense[2] if dense else 0.0)
-    return plain, dense[0] if dense else None, recompute_s, weight_casts
-
-
-_NO_TP, _NO_CP = tensor_parallel.TpTime(), context_parallel.CpTime()
-
-
-def _optimizer_times(trainable_shard: float, trainable: int, frozen: int, d: int, accum: int, gathers: int, gpu,
-                     training: TrainingSpec, config: FsdpConfig, profile: Profile) -> tuple[float, float]:
-    """(offload copies, optimizer step) seconds of a rank holding trainable_shard parameters (d x its shard of
-    `trainable` and `frozen` elements); CPU offload copies each unit's shard in `gathers` times per micro-step."""
-    precision = config.precision
-    p, c = DTYPE_BYTES[precision.param_dtype], DTYPE_BYTES[precision.compute_dtype]
-    stored_shard_bytes = (trainable * p + frozen * (c if precision.mixed else p)) / d
-    opt_bytes = training.optimizer.state_bytes_per_param(precision.param_dtype)
-    if config.offload:
-        copy_bytes = accum * (gathers * stored_shard_bytes + trainable_shard * p)
-        return (copy_bytes / (gpu.pcie_bytes_per_s * profile.pcie_efficiency),
-                trainable_shard / profile.cpu_optimizer_params_per_s)
-    # read/write params and states, read grads
-    touched = trainable_shard * (2 * p + p + 2 * opt_bytes)
-    return 0.0, touched / (gpu.hbm_bytes_per_s * profile.optimizer_hbm_efficiency)
-
-
-def _mesh_times(full_model: ModelSpec, model: ModelSpec, training: TrainingSpec, config: FsdpConfig,
-                cluster: ClusterSpec, profile: Profile, rates: Rates, c: int, tokens: int, head, block: BlockTime):
-    """(TP's, CP's) seconds per micro-batch: TP's collectives per block and at the root, CP's ring per attention
-    call (model: a TP rank's slice; block: its priced block, whose attention the ring hides behind)."""
-    if config.tp == 1 and config.cp == 1:
-        return _NO_TP, _NO_CP
-    L = model.n_layers
-    tp_tier, cp_tier = mesh_tiers(config, cluster, profile)
-    ckpt_share = 1.0 if config.selective_op_ac else (math.ceil(L / config.ac_every) / L if config.ac_every else 0.0)
-    products = {}  # async TP: each product's forward seconds, what a collective can hide behind
-    if config.async_tp:
-        block_ops_local, _ = priced_block_ops(model, training, config, c)
-        products = {m.name: rates.matmul_forward_s(m, tokens, config.float8) for m in block_ops_local.matmuls}
-        if head is not None:
-            products[head.name] = rates.matmul_forward_s(head, tokens)
-    tp_t = tensor_parallel.step_seconds(full_model, config, tokens, c, tp_tier, rates, products, ckpt_share)
-    cp_t = context_parallel.ring_seconds(model, config, tokens, c, cp_tier, block.attention_forward_s,
-                                         block.attention_backward_s, 0.0 if config.selective_op_ac else ckpt_share)
-    return tp_t, cp_t
+__all__ = ["estimate_step_time", "TimeBreakdown", "mesh_tiers", "priced_block_ops", "root_memory_bytes_per_token",
+           "_shard_tiers"]  # the last four and TimeBreakdown live in step_parts.py / time_breakdown.py
 
 
 def estimate_step_time(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, config: FsdpConfig,
@@ -388,43 +239,3 @@ def estimate_step_time(model: ModelSpec, cluster: ClusterSpec, training: Trainin
         cp_exposed_comm_s=cp_exposed,
         ep_comm_s=ep_comm,
     )
-
-
-def _pipeline_step(model, full_model, cluster, training, config, profile, blocks, root, per_mb: dict, tp_mb, cp_mb,
-                   ep_mb: float, fsdp_copy_s: float, counts, shard_counts, d: int, tokens: int, c: int, peak: float,
-                   flops_mb: float, terms: dict | None = None) -> TimeBreakdown:
-    """A pipeline rank's step (cost_models/pipeline_time.py): the compute classes and the mesh's collectives are
-    the mean rank's (the whole model's per microbatch x m / pp), the step the schedule's critical path. per_mb,
-    tp_mb, cp_mb ((all, exposed) s), ep_mb: the whole model's seconds for one microbatch."""
-    pp, m = config.pp, config.pp_microbatches
-    passes = pipeline_time.stage_passes(model, config, blocks, root)
-    p2p_s = pipeline_time.p2p_seconds(model, config, cluster, profile, tokens, c)
-    pipe = pipeline_time.pipeline_time(model, config, passes, p2p_s)
-    if terms is not None:  # what explain shows of the walk
-        terms.update(pipeline_passes=passes, pipeline_p2p_s=p2p_s, pipeline=pipe)
-    share = m / pp
-    compute = share * per_mb["compute_s"] + fsdp_copy_s / pp  # FSDP2's copies once per step (gathered all step)
-    mesh_exposed = share * (tp_mb[1] + cp_mb[1] + ep_mb)
-    fsdp_total = sum(s.gather_s + s.reduce_s for s in passes) / pp
-    total_comm = share * (tp_mb[0] + cp_mb[0] + ep_mb) + fsdp_total + pipe.p2p_total_s
-    exposed = mesh_exposed + pipe.fsdp_exposed_s + pipe.p2p_exposed_s
-    trainable, frozen = pipeline_time.largest_rank_params(model, config, counts)
-    shard_trainable, _ = pipeline_time.largest_rank_params(model, config, shard_counts)
-    offload_copy_s, optimizer_s = _optimizer_times(shard_trainable / d, trainable, frozen, d, 1, 1, cluster.gpu,
-                                                   training, config, profile)
-    overhead_s = m * profile.microstep_overhead_s
-    overlap_slowdown_s = profile.overlap_slowdown * max(0.0, min(total_comm - exposed, compute))
-    step_s = compute + exposed + pipe.bubble_s + pipe.imbalance_s + overlap_slowdown_s + offload_copy_s \
-        + optimizer_s + overhead_s
-    full_tokens = m * config.micro_batch * training.seq_len / config.model_parallel
-    return TimeBreakdown(
-        compute_s=compute, recompute_s=share * per_mb["recompute_s"], matmul_s=share * per_mb["matmul_s"],
-        attention_s=share * per_mb["attention_s"], memory_bound_s=share * per_mb["memory_bound_s"] + fsdp_copy_s / pp,
-        exposed_comm_s=exposed, overlap_slowdown_s=overlap_slowdown_s, total_comm_s=total_comm,
-        offload_copy_s=offload_copy_s, optimizer_s=optimizer_s, overhead_s=overhead_s, step_s=step_s,
-        tokens_per_s_per_gpu=m * tokens / config.tp / pp / step_s,
-        mfu=full_tokens * mfu_flops_per_token(full_model, training) / (step_s * peak),
-        hfu=share * flops_mb / (step_s * peak),
-        tp_comm_s=share * tp_mb[0], tp_exposed_comm_s=share * tp_mb[1], cp_comm_s=share * cp_mb[0],
-        cp_exposed_comm_s=share * cp_mb[1], ep_comm_s=share * ep_mb,
-        pp_bubble_s=pipe.bubble_s, pp_imbalance_s=pipe.imbalance_s, pp_comm_s=pipe.p2p_exposed_s)
