@@ -25,7 +25,9 @@ micro-batch; h hidden, q = heads x head_dim, kv = kv heads x head_dim, f FFN wid
   into the o-projection's input (c*q); Llama-style models repeat k and v per query head (3*c*q in all).
   Attention dropout (p > 0) keeps a 1-byte mask and the dropped probabilities (1 + c), which replace
   the fp32 softmax's cast copy. Score soft-capping (Gemma 2) saves the tanh output (c).
-- Sliding windows shorter than the sequence, SDPA: each windowed layer saves an (s, s) mask, and k and v
+- Attention of its own kind: DeepSeek's latent attention and router (activations_mla.py), gpt-oss's
+  sinks (activations_sinks.py).
+- Sliding windows no longer than the sequence, SDPA: each windowed layer saves an (s, s) mask, and k and v
   repeated per query head (transformers' repeat_kv when a mask is passed); alternating families (Gemma
   2/3, gpt-oss) pay this in their windowed layers only, averaged over the blocks.
 - MLP: SwiGLU saves gate, act(gate), up and their product (4*c*f, fused or not); native GELU/SiLU its
@@ -58,9 +60,9 @@ allocator's 512-byte rounding. The trace tier (`fsdp-plan trace`) measures the e
 
 from __future__ import annotations
 
-import functools
-
-from . import allocator, moe, operators
+from . import activations_mla, activations_sinks, moe, operators
+from .loss_memory import (_loss_bytes, forward_logits_bytes_per_token, logits_bytes_per_token,  # noqa: F401
+                          logits_reserved_extra_bytes_per_token, loss_events)
 from .specs import Attention, ModelSpec
 
 # Llama-like families of the table (planner/models/family_table.py, moe_families.py): separate q/k/v
@@ -73,9 +75,11 @@ _FP32_SOFTMAX_FAMILIES = {"llama", "mistral", "qwen2", "phi3", "gpt_neox", "falc
 _SEPARATE_QKV_FAMILIES = {"llama", "mistral", "qwen2", "generic", *_TABLE_FAMILIES}
 # Fused qkv projection with rotary through a cat: rotated copies, and a copy of the attention output.
 _FUSED_ROTARY_FAMILIES = {"gpt_neox", "phi3", "falcon"}
-# Families whose attention has no formula here yet (DeepSeek's multi-head latent attention, gpt-oss's sinks):
-# where transformers is installed their activations come from a traced block memory profile
-# (planner/models/block_profiles.py), as for families without a reader.
+# Families a traced block profile prices in preference to their formula (activations_mla.py, activations_sinks.py:
+# within 0.1% of the shipped profiles on the presets' own shapes, tests/unit/test_shipped_profiles.py) where
+# one is shipped (the presets) or transformers is installed to trace it (planner/models/block_profiles.py): the
+# profile also carries the block's traced operator inventory (step time) and its checkpoint-held inputs (rotary
+# tables, masks), which the formula does not count for them; the formula prices a config.json without either.
 PROFILED_FAMILIES = {"deepseek_v2", "deepseek_v3", "gpt_oss"}
 # Families with ALiBi position bias: SDPA gets a float mask, so fused kernels may not be used.
 ALIBI_FAMILIES = {"bloom", "mpt"}
@@ -127,6 +131,12 @@ def _qk_norm_bytes(model: ModelSpec, c: int, lora: bool = False) -> int:
     return _norm_bytes(model, c, lora, width=model.q_dim) + _norm_bytes(model, c, lora, width=model.kv_dim) + stats
 
 
+def _window_masks(model: ModelSpec, seq_len: int) -> bool:
+    """Whether transformers hands SDPA a sliding-window mask: from a window as long as the sequence on
+    (masking_utils skips it only while kv_length < the window)."""
+    return 0 < model.sliding_window <= seq_len
+
+
 def _windowed_layers(model: ModelSpec) -> tuple[int, int]:
     """(layers with the sliding window, n_layers): alternating families window only some layers."""
     return model.n_layers - model.full_attention_layers, model.n_layers
@@ -161,6 +171,11 @@ def _probs_bytes(model: ModelSpec, c: int, seq_len: int) -> int:
 def _attention_bytes(model: ModelSpec, c: int, attention: Attention, seq_len: int, micro_batch: int = 1,
                      lora: bool = False) -> int:
     """Saved bytes per token of self-attention, excluding its (normed) input (lora: frozen q/k norms)."""
+    if activations_mla.is_latent(model):  # DeepSeek's latent attention (activations_mla.py)
+        return activations_mla.latent_attention_bytes(model, c, attention, seq_len, micro_batch,
+                                                      lambda width: _norm_bytes(model, c, lora, width))
+    if activations_sinks.has_sinks(model) and attention is Attention.EAGER:  # gpt-oss (activations_sinks.py)
+        return activations_sinks.sink_attention_bytes(model, c, seq_len)
     q, kv = model.q_dim, model.kv_dim
     eager = _uses_s2_attention(model, attention)
     if model.family in _SEPARATE_QKV_FAMILIES:
@@ -179,8 +194,8 @@ def _attention_bytes(model: ModelSpec, c: int, attention: Attention, seq_len: in
     out = c * q + LOGSUMEXP_BYTES * model.n_heads
     if model.family in _FUSED_ROTARY_FAMILIES:
         out += c * q                                     # the output, copied into (b, s, heads x d)
-    if 0 < model.sliding_window < seq_len:
-        # A window shorter than the sequence makes transformers hand SDPA an (s, s) mask, which each
+    if _window_masks(model, seq_len):
+        # A window no longer than the sequence makes transformers hand SDPA an (s, s) mask, which each
         # windowed layer saves in the compute dtype; with a mask transformers repeats k and v per query
         # head (repeat_kv; a view when there is one kv head), and SDPA saves the repeated copies.
         windowed, n_layers = _windowed_layers(model)
@@ -195,7 +210,8 @@ def _mlp_bytes(model: ModelSpec, c: int, lora: bool = False) -> int:
     """Saved bytes per token of the MLP, excluding its (normed) input. Under LoRA the MLP is frozen:
     fc2 does not save its input."""
     if model.moe is not None:
-        return moe.mlp_bytes_per_token(model, c, lora)  # router and routed token rows (cost_models/moe.py)
+        # router and routed token rows (cost_models/moe.py), DeepSeek's router's own (activations_mla.py)
+        return moe.mlp_bytes_per_token(model, c, lora) + activations_mla.router_extra_bytes(model, c)
     f = model.ffn_hidden_size
     fc2_input = 0 if lora else c * f
     if model.gated_mlp:
@@ -282,76 +298,16 @@ def eager_mask_bytes(model: ModelSpec, compute_bytes: int, seq_len: int, micro_b
                      attention: Attention) -> int:
     """Eager attention gets a materialised (b, 1, s, s) causal mask in the compute dtype - two when local and
     global layers alternate (Gemma 2/3, gpt-oss: a sliding and a full mask). SDPA gets one only for a
-    window shorter than the sequence: a boolean (s, s), expanded over the batch. The masks die with the
+    window no longer than the sequence: a boolean (s, s), expanded over the batch. The masks die with the
     forward unless activation checkpointing keeps them as inputs of every checkpointed block's recompute:
     count them only then."""
-    windowed = 0 < model.sliding_window < seq_len
+    windowed = _window_masks(model, seq_len)
     if not _uses_s2_attention(model, attention):
         return seq_len * seq_len if windowed else 0
     if model.family in ALIBI_FAMILIES:
         return 0
     masks = 2 if model.sliding_window and 0 < model.full_attention_layers < model.n_layers else 1
     return masks * micro_batch * seq_len * seq_len * compute_bytes
-
-
-def loss_events(compute_bytes: int, compiled: bool) -> tuple[tuple, tuple]:
-    """The loss's tensors of V elements per token, in order: (forward, backward) events (bytes per logit
-    element; allocator.py).
-
-    Eager (Hugging Face's ForCausalLMLoss, torchtitan's cross_entropy_loss): the head writes the logits
-    (c), `.float()` copies them to fp32 unless they are, log_softmax writes (and saves) its fp32 output,
-    the copy and the logits are freed (the training loop drops the model output before backward:
-    Trainer's training_step, torchtitan's `del pred`). Backward: the NLL's gradient (4), log_softmax's
-    (4) beside its saved output, then the cast back to c. Compiled (torch.compile of the loss, one
-    inductor kernel each way, read from the generated code): forward saves the c logits and per-row
-    statistics, backward writes the c gradient."""
-    c = compute_bytes
-    if compiled:
-        return (("alloc", "logits", c),), (("alloc", "grad", c), ("free", "logits", c), ("free", "grad", c))
-    cast = c != 4
-    forward = (("alloc", "logits", c), *((("alloc", "fp32 copy", 4),) if cast else ()), ("alloc", "log_softmax", 4),
-               *((("free", "fp32 copy", 4),) if cast else ()), ("free", "logits", c))
-    backward = (("alloc", "nll grad", 4), ("alloc", "log_softmax grad", 4), ("free", "nll grad", 4),
-                ("free", "log_softmax", 4), *((("alloc", "grad", c),) if cast else ()),
-                ("free", "log_softmax grad", 4), *((("free", "grad", c),) if cast else ()))
-    return forward, backward
-
-
-@functools.lru_cache(maxsize=None)
-def _loss_bytes(compute_bytes: int, compiled: bool) -> tuple[int, int, int]:
-    """(forward peak, peak allocated, peak reserved) bytes per logit element of the loss."""
-    forward, backward = loss_events(compute_bytes, compiled)
-    forward_peak, _ = allocator.reserved_peak(forward)
-    peak, reserved = allocator.reserved_peak(forward + backward)
-    return int(forward_peak), int(peak), int(reserved)
-
-
-def logits_bytes_per_token(model: ModelSpec, compute_bytes: int, compiled: bool = False) -> tuple[int, int]:
-    """(kept, peak) bytes per token of the logits and the loss (loss_events).
-
-    kept: what of it stays alive through the blocks' backward: nothing once the training loop drops the
-    model output before backward; a loop that keeps `outputs` alive adds c*V. peak: eager, at the
-    log-softmax backward, its saved output, the gradient arriving from the NLL loss and the gradient it
-    produces: three fp32 copies, 12*V; compiled, the saved logits and their gradient, 2c*V. Logit
-    soft-capping (Gemma 2: cap * tanh(logits / cap), inside the model) keeps the tanh output (c*V) until
-    its backward.
-    """
-    v = model.vocab_size
-    return 0, _loss_bytes(compute_bytes, compiled)[1] * v + (compute_bytes * v if model.logit_softcap else 0)
-
-
-def logits_reserved_extra_bytes_per_token(model: ModelSpec, compute_bytes: int, compiled: bool = False) -> int:
-    """Bytes per token the caching allocator holds reserved above the loss's allocated peak: eager bf16, the
-    logits' c-byte segment, freed before the fp32 requests of backward and too small for them (2*V)."""
-    _, peak, reserved = _loss_bytes(compute_bytes, compiled)
-    return (reserved - peak) * model.vocab_size
-
-
-def forward_logits_bytes_per_token(model: ModelSpec, compute_bytes: int, compiled: bool = False) -> int:
-    """At the end of forward: the logits, their fp32 upcast (a copy unless already fp32) and log_softmax's
-    output (compiled: the logits alone); with logit soft-capping, the saved tanh output too."""
-    v, c = model.vocab_size, compute_bytes
-    return _loss_bytes(c, compiled)[0] * v + (c * v if model.logit_softcap else 0)
 
 
 def mlp_backward_working_bytes_per_token(model: ModelSpec, compute_bytes: int, lora: bool = False) -> int:
@@ -432,8 +388,8 @@ def _eager_freed_before_softmax_backward(model: ModelSpec, c: int, micro_batch: 
 def quirks(model: ModelSpec, attention: Attention, seq_len: int = 0) -> list[str]:
     """Where the formulas are known to be rough for this model: say so and point to the trace tier."""
     notes = []
-    if attention is Attention.SDPA and 0 < model.sliding_window < seq_len:
-        notes.append(f"sliding window {model.sliding_window} < sequence {seq_len}: SDPA gets an s x s mask that "
+    if attention is Attention.SDPA and _window_masks(model, seq_len):
+        notes.append(f"sliding window {model.sliding_window} <= sequence {seq_len}: SDPA gets an s x s mask that "
                      "each layer saves (counted) and a masked backward whose working set is only approximated; "
                      "verify with `fsdp-plan trace`")
     if model.activation in PYTHON_OP_ACTIVATIONS:
@@ -451,6 +407,7 @@ def quirks(model: ModelSpec, attention: Attention, seq_len: int = 0) -> list[str
                      "tensor by tensor against the trace tier); verify with `fsdp-plan trace`")
     if model.family in PROFILED_FAMILIES and model.priced_by == "formula":
         what = "latent attention (MLA)" if model.family != "gpt_oss" else "attention with sinks"
-        notes.append(f"{model.family}'s {what} is priced with the generic fused-projection recipe (install "
-                     "transformers to price it from a traced block memory profile); verify with `fsdp-plan trace`")
+        notes.append(f"{model.family}'s {what} is priced by its formula, not a traced block memory profile "
+                     "(install transformers for one: it adds the block's traced operators to the step time); "
+                     "verify with `fsdp-plan trace`")
     return notes

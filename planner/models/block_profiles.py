@@ -250,8 +250,11 @@ def with_block_profile(spec: ModelSpec, hf_config: dict, seq_len: int,
 
 def needs_block_profile(spec: ModelSpec, hf_config: dict | None) -> bool:
     """A model read from transformers' build (no family reader) gets its activations from a profile, and so
-    does a family whose attention has no formula (activations.PROFILED_FAMILIES) when its profile is shipped
-    (a preset) or transformers is installed to trace it (without: the formula, whose note says to verify)."""
+    does a family of activations.PROFILED_FAMILIES (MLA, sinks) when its profile is shipped (a preset) or
+    transformers is installed to trace it. Those families have formulas now, within 0.1% of the shipped
+    profiles (tests/unit/test_shipped_profiles.py), but the profile stays preferred: it also carries the
+    block's traced operator inventory for the step time and its checkpoint-held inputs; without either the
+    formula prices them, and its note says to verify."""
     from importlib.util import find_spec
 
     from cost_models.activations import PROFILED_FAMILIES

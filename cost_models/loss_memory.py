@@ -1,0 +1,69 @@
+"""The loss's activation memory: the logits, their fp32 copy and log-softmax, forward and backward, per token
+(moved from activations.py, which re-exports these names; allocator.py replays the events)."""
+
+from __future__ import annotations
+
+import functools
+
+from . import allocator
+from .specs import ModelSpec
+
+
+def loss_events(compute_bytes: int, compiled: bool) -> tuple[tuple, tuple]:
+    """The loss's tensors of V elements per token, in order: (forward, backward) events (bytes per logit
+    element; allocator.py).
+
+    Eager (Hugging Face's ForCausalLMLoss, torchtitan's cross_entropy_loss): the head writes the logits
+    (c), `.float()` copies them to fp32 unless they are, log_softmax writes (and saves) its fp32 output,
+    the copy and the logits are freed (the training loop drops the model output before backward:
+    Trainer's training_step, torchtitan's `del pred`). Backward: the NLL's gradient (4), log_softmax's
+    (4) beside its saved output, then the cast back to c. Compiled (torch.compile of the loss, one
+    inductor kernel each way, read from the generated code): forward saves the c logits and per-row
+    statistics, backward writes the c gradient."""
+    c = compute_bytes
+    if compiled:
+        return (("alloc", "logits", c),), (("alloc", "grad", c), ("free", "logits", c), ("free", "grad", c))
+    cast = c != 4
+    forward = (("alloc", "logits", c), *((("alloc", "fp32 copy", 4),) if cast else ()), ("alloc", "log_softmax", 4),
+               *((("free", "fp32 copy", 4),) if cast else ()), ("free", "logits", c))
+    backward = (("alloc", "nll grad", 4), ("alloc", "log_softmax grad", 4), ("free", "nll grad", 4),
+                ("free", "log_softmax", 4), *((("alloc", "grad", c),) if cast else ()),
+                ("free", "log_softmax grad", 4), *((("free", "grad", c),) if cast else ()))
+    return forward, backward
+
+
+@functools.lru_cache(maxsize=None)
+def _loss_bytes(compute_bytes: int, compiled: bool) -> tuple[int, int, int]:
+    """(forward peak, peak allocated, peak reserved) bytes per logit element of the loss."""
+    forward, backward = loss_events(compute_bytes, compiled)
+    forward_peak, _ = allocator.reserved_peak(forward)
+    peak, reserved = allocator.reserved_peak(forward + backward)
+    return int(forward_peak), int(peak), int(reserved)
+
+
+def logits_bytes_per_token(model: ModelSpec, compute_bytes: int, compiled: bool = False) -> tuple[int, int]:
+    """(kept, peak) bytes per token of the logits and the loss (loss_events).
+
+    kept: what of it stays alive through the blocks' backward: nothing once the training loop drops the
+    model output before backward; a loop that keeps `outputs` alive adds c*V. peak: eager, at the
+    log-softmax backward, its saved output, the gradient arriving from the NLL loss and the gradient it
+    produces: three fp32 copies, 12*V; compiled, the saved logits and their gradient, 2c*V. Logit
+    soft-capping (Gemma 2: cap * tanh(logits / cap), inside the model) keeps the tanh output (c*V) until
+    its backward.
+    """
+    v = model.vocab_size
+    return 0, _loss_bytes(compute_bytes, compiled)[1] * v + (compute_bytes * v if model.logit_softcap else 0)
+
+
+def logits_reserved_extra_bytes_per_token(model: ModelSpec, compute_bytes: int, compiled: bool = False) -> int:
+    """Bytes per token the caching allocator holds reserved above the loss's allocated peak: eager bf16, the
+    logits' c-byte segment, freed before the fp32 requests of backward and too small for them (2*V)."""
+    _, peak, reserved = _loss_bytes(compute_bytes, compiled)
+    return (reserved - peak) * model.vocab_size
+
+
+def forward_logits_bytes_per_token(model: ModelSpec, compute_bytes: int, compiled: bool = False) -> int:
+    """At the end of forward: the logits, their fp32 upcast (a copy unless already fp32) and log_softmax's
+    output (compiled: the logits alone); with logit soft-capping, the saved tanh output too."""
+    v, c = model.vocab_size, compute_bytes
+    return _loss_bytes(c, compiled)[0] * v + (c * v if model.logit_softcap else 0)
