@@ -1,5 +1,5 @@
 """Planner search speed: gpt-175b on 1,024 GPUs over the full candidate space, the device mesh included (tp and
-cp as planner/search.py enumerates them), llama3.1-405b with tp, and with pipelines; target: < 1 s on 2 cores.
+cp as planner/search/ enumerates them), llama3.1-405b with tp, and with pipelines; target: < 1 s on 2 cores.
 
     python benchmarks/search_speed.py
 Prints the search time (best of 5), configurations costed, and candidates costed per second.

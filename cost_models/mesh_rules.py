@@ -1,7 +1,7 @@
 """Which mesh degrees a model, a cluster and a sequence allow: the one table of mesh rules.
 
 The estimate and the API raise the first refusal as one line naming the field and what would be valid
-(planner.api); the search only enumerates degrees that pass (planner/search.py, `valid_degrees`). Rules:
+(planner.api); the search only enumerates degrees that pass (planner/search/, `valid_degrees`). Rules:
 - tp only for models the TP plan splits (TP_PLAN_FAMILIES; MoE models beside EP);
 - tp divides the attention heads, and the KV heads divide by tp or tp by them (then each rank keeps one KV
   head, replicated as the TP plan does), and tp divides the MLP width;

@@ -22,7 +22,7 @@ from .errors import PlannerError
 from .hardware import DEFAULT_GPU, make_cluster
 from .models import resolve_model
 from .search import SearchSpace, search, suggestions
-from .search_pipeline import PP_MICROBATCHES_PER_STAGE
+from planner.search.pipeline import PP_MICROBATCHES_PER_STAGE
 
 
 @dataclass
@@ -96,7 +96,7 @@ class Candidate:
         return apply_fsdp2(module, self.config, _block_classes(self.model, module), mesh)
 
     def to_dict(self) -> dict:
-        from .report_pipeline import pipeline_dict, rank_memory_dicts
+        from planner.reports.table_pipeline import pipeline_dict, rank_memory_dicts
 
         m = self.memory
         piped = self.config.pp > 1

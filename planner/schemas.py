@@ -1,6 +1,6 @@
 """The JSON Schemas of every `--format json` output: pydantic models that describe, field by field, what
-planner/report.py, planner/tracing.py, planner/doctor.py, planner/report_calibration.py and
-planner/explain.py write.
+planner/reports/table.py, planner/tracing.py, planner/doctor/, planner/reports/table_calibration.py and
+planner/reports/explain.py write.
 
     fsdp-plan schema plan                  # print one (plan, estimate, trace, calibrate, check, explain)
     python -m planner.schemas docs/schemas # write docs/schemas/NAME.schema.json (tests/cli/test_schemas.py
@@ -256,7 +256,7 @@ class PipelineStage(_Out):
 
 
 class Pipeline(_Out):
-    """planner.report_pipeline.pipeline_dict: the schedule, the microbatches and the stage split."""
+    """planner.reports.table_pipeline.pipeline_dict: the schedule, the microbatches and the stage split."""
 
     schedule: Literal[tuple(s.value for s in Schedule)]
     torchtitan_schedule: str = Field(description="parallelism.pipeline_parallel_schedule")

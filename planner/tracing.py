@@ -20,7 +20,7 @@ from cost_models.units import GiB
 from .api import Candidate, Plan, estimate
 from .errors import PlannerError
 from .progress import progress
-from .report import training_line
+from planner.reports.table import training_line
 
 INSTALL_HINT = "the trace tier needs transformers for Hugging Face models: pip install 'fsdp-planner[trace]'"
 
@@ -265,7 +265,7 @@ def verified_plan_json(plan: Plan, top: int, verifications: list[Verification]) 
 
 
 def verified_plan_text(plan: Plan, top: int, verifications: list[Verification], wide: bool = False) -> str:
-    from .report import plan_text
+    from planner.reports.table import plan_text
 
     shown = max(top, max((v.rank for v in verifications), default=0))
     text = plan_text(plan, shown, wide)

@@ -27,7 +27,7 @@ The package, one job per module:
     progress.py    the progress line / bar on stderr
     multinode.py   the text a multi-node calibration prints: per-node commands, the SLURM script
 
-The report's text and JSON are in planner/report_calibration.py, beside the other report code.
+The report's text and JSON are in planner/reports/table_calibration.py, beside the other report code.
 """
 
 from .flow import calibrate

@@ -6,7 +6,7 @@
     fsdp-plan calibrate --factory my_pkg.models:build --gpus 2 --device cpu --out calib-cpu
     fsdp-plan calibrate --model llama3-8b --gpus 8 --sharding FULL_SHARD --tp 2 --out calib-tp  # one mesh config
 
-Only forwards flags to planner.calibrating.calibrate and prints its report (planner.report_calibration).
+Only forwards flags to planner.calibrating.calibrate and prints its report (planner.reports.table_calibration).
 """
 
 from __future__ import annotations
@@ -100,7 +100,7 @@ def register(app) -> None:
         from cost_models.specs import FsdpConfig
         from planner.calibrating import CalibrationRequest, calibrate, slurm_script
         from planner.errors import PlannerError
-        from planner.report_calibration import calibration_json, calibration_text
+        from planner.reports.table_calibration import calibration_json, calibration_text
 
         if gpus is None:
             raise PlannerError("gpus", "missing: pass --gpus N (ranks per run; 1 with --emulate-world-size)")
@@ -120,7 +120,7 @@ def register(app) -> None:
                 given["ac_every"] = given.pop("activation_checkpointing")
             config = FsdpConfig(precision=(precision or ["fp32" if device == "cpu" else "bf16"])[0], **given)
             if config.pp > 1 and grad_accum is None and not global_batch:  # as estimate and the search: 2 a stage
-                from planner.search_pipeline import PP_MICROBATCHES_PER_STAGE
+                from planner.search.pipeline import PP_MICROBATCHES_PER_STAGE
 
                 config = dataclasses.replace(config, grad_accum=PP_MICROBATCHES_PER_STAGE * config.pp_stages)
             if config.grad_accum == 1 and global_batch and grad_accum is None:

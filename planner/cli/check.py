@@ -42,10 +42,10 @@ def register(app) -> None:
         output_format: FormatOpt = Format.table,
     ):
         """Check an existing FSDP config (file or flags): estimate, then findings with fixes."""
-        from planner import report
+        from planner.reports import table as report
         from planner.doctor import check
         from planner.errors import PlannerError
-        from planner.setups import UserSetup, read_setup
+        from planner.doctor.readers import UserSetup, read_setup
         from cost_models.specs import FsdpConfig
 
         setup = read_setup(config) if config is not None else None

@@ -8,7 +8,7 @@ from planner.cli.options import Format, config_command
 
 
 def _estimate(model, args: dict, config: dict, output_format: Format) -> None:
-    from planner import report
+    from planner.reports import table as report
     from planner.api import estimate
 
     c = estimate(model, **config, **args)

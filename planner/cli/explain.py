@@ -57,7 +57,7 @@ def register(app) -> None:
         explain that configuration instead (flags not given: `fsdp-plan estimate`'s defaults)."""
         from planner.api import estimate, plan
         from planner.errors import PlannerError
-        from planner.explain import explain_json, explain_text
+        from planner.reports.explain import explain_json, explain_text
 
         args = cluster_and_training(model, gpus, gpus_per_node, gpu, internode_gbps, gpu_memory, intra_node_gb_per_s,
                                     pcie_gb_per_s, cpu_ram_per_node, seq_len, global_batch, optimizer, finetune,
@@ -83,7 +83,7 @@ def register(app) -> None:
             if not shown[0].fits:
                 typer.echo("\nthis config does not fit: " + "; ".join(shown[0].reasons))
         if plot is not None:
-            from planner.plot import plot_step_budget
+            from planner.reports.plot import plot_step_budget
 
             drawn = plot_step_budget(shown, plot)
             if output_format is Format.json:
@@ -91,7 +91,7 @@ def register(app) -> None:
             else:
                 typer.echo(f"\nstep budget drawn to {drawn}")
         if timeline is not None:
-            from planner.timeline import write_timeline
+            from planner.reports.timeline import write_timeline
 
             try:
                 written = write_timeline(shown[0], timeline)

@@ -46,7 +46,7 @@ def main_plan(
     """Rank every FSDP configuration that fits, the device mesh included; print the best as ready-to-use code."""
     if ctx.invoked_subcommand is not None:
         return
-    from planner import report
+    from planner.reports import table as report
     from planner.api import plan
     from planner.emit import emit_artifact, recommendation_text
 
@@ -61,7 +61,7 @@ def main_plan(
     p = plan(model, precisions=precision, attention=attention, profile=fitted, reduce_dtypes=reduce_dtype,
              **mesh_degrees(tp, cp, ep, pp), **pipeline_args(pp_schedule, pp_stages_per_rank), async_tp=async_tp, sequence_parallel=sequence_parallel, **args)
     if plot is not None:
-        from planner.plot import plot_candidates
+        from planner.reports.plot import plot_candidates
 
         plot_candidates((p.candidates or p.misses)[:top], plot, p.cluster.gpu.memory_bytes)
     if verify_top and emit is None:

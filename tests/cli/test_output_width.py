@@ -5,7 +5,7 @@ import functools
 
 import pytest
 
-from planner import report
+from planner.reports import table as report
 from planner.api import plan
 
 PLANS = {
@@ -66,7 +66,7 @@ def test_every_dialect_fits_100_columns(name):
 
 
 def test_fold_moves_comments_and_breaks_commands():
-    from planner.emit_format import fold
+    from planner.emit.format import fold
 
     code = "    x = compute(a, b)  # " + "why " * 30
     folded = fold(code).splitlines()

@@ -122,7 +122,7 @@ def _with_ranks(c: api.Candidate) -> api.Candidate:
 
 
 def test_each_pipeline_rank_memory_in_text_and_json():
-    from planner import report
+    from planner.reports import table as report
 
     c = _with_ranks(done_when())
     text = report.estimate_text(c).splitlines()
@@ -143,7 +143,7 @@ def test_each_pipeline_rank_memory_in_text_and_json():
 def test_the_estimates_headline_is_its_largest_rank():
     # the PP-memory engineer's per-rank figures (cost_models/pipeline_memory.py): the headline is the largest rank's,
     # as torchtitan reports the maximum across ranks, and the text marks that rank
-    from planner import report
+    from planner.reports import table as report
 
     c = done_when()
     ranks = c.memory.pipeline_ranks
@@ -158,7 +158,7 @@ def test_the_estimates_headline_is_its_largest_rank():
 
 
 def test_explain_walks_each_pipeline_rank():
-    from planner.explain import explain_json, explain_text
+    from planner.reports.explain import explain_json, explain_text
 
     c = _with_ranks(done_when())
     text = explain_text(c).splitlines()
@@ -254,8 +254,8 @@ def torchtitan_parts(got: dict, n_layers: int) -> list[list[str]]:
 
 def _torchtitan_blocks(got: dict, n_layers: int) -> list[int]:
     """Blocks per stage torchtitan runs from what it parsed: module_fqns_per_model_part as given, else its own
-    generator from the stage weights (planner/setups_pipeline.py mirrors it)."""
-    from planner.setups_pipeline import KEY, PipelineSettings, _schedule
+    generator from the stage weights (planner/doctor/readers/pipeline.py mirrors it)."""
+    from planner.doctor.readers.pipeline import KEY, PipelineSettings, _schedule
 
     if got["module_fqns_per_model_part"]:
         return [sum(n.startswith("layers.") for n in p) for p in got["module_fqns_per_model_part"]]
@@ -293,7 +293,7 @@ def test_torchtitan_split_of_the_interleaved_plan_by_hand(torchtitan_parsed):
 
 def test_check_reads_the_emitted_pipeline_back(torchtitan_parsed, tmp_path):
     from planner.doctor import check
-    from planner.setups import read_setup
+    from planner.doctor.readers import read_setup
 
     texts, _ = torchtitan_parsed
     plan, _ = EMITTED["interleaved"]
@@ -347,7 +347,7 @@ def test_recommendation_falls_back_to_torchtitan_when_fsdp2_cannot_write_it():
 
 def _check_flags(tmp_path, text: str, **kwargs):
     from planner.doctor import check
-    from planner.setups import read_setup
+    from planner.doctor.readers import read_setup
 
     path = tmp_path / "overrides.txt"
     path.write_text(text)
@@ -449,7 +449,7 @@ def test_check_reads_a_toml_job_files_model_parts(tmp_path):
     # torchtitan 0.2's TOML: 4 parts of 9, 7, 8 and 8 blocks over pp 2 -> 2 stages a rank (interleaved); the
     # estimate prices 8, 8, 8, 8
     from planner.doctor import check
-    from planner.setups import read_setup
+    from planner.doctor.readers import read_setup
 
     counts, first, parts = (9, 7, 8, 8), 0, []
     for i, n in enumerate(counts):

@@ -135,7 +135,7 @@ def test_calibrate_report_with_runs_and_a_fit_validates():
     tests/distributed/'s business; here the records are built by hand and rendered by the real writer)."""
     from calibration import store
     from planner.api import estimate
-    from planner.report_calibration import calibration_json
+    from planner.reports.table_calibration import calibration_json
 
     setup = store.RunSetup(model={}, full_n_layers=32, gpu={"id": "a100-80gb"}, n_gpus=8, gpus_per_node=8,
                            internode_bytes_per_s=25e9, training={}, config={"sharding": "FULL_SHARD"},

@@ -1,4 +1,4 @@
-"""What planner/setups_trainers.py and the doctor's checkpointing-outside-fsdp-units finding rest on, measured
+"""What planner/doctor/readers/trainers.py and the doctor's checkpointing-outside-fsdp-units finding rest on, measured
 with real FSDP under torchrun (2 ranks, gloo, CPU; ~15 s on 2 busy cores): Hugging Face Trainer's own activation
 checkpointing wraps each block's call from outside its FSDP unit. Reentrant, under FSDP1, the recompute runs the
 unit's pre-forward hook before its pre-backward one, so each checkpointed block is all-gathered once more (the

@@ -6,7 +6,7 @@
 Each case builds the model with random weights through calibration.build.build_model (the builder the
 trace and calibration runs use), with `experts` routed experts per layer (3 on 2 ranks: FSDP2 pads the
 stacked expert tensors to 2 rows per rank), and wraps it with calibration.apply.apply_fsdp2 or, with
-"emitted": true, with the code planner/emit.py writes; "shard_dim1": true uncomments the emitted
+"emitted": true, with the code planner/emit/ writes; "shard_dim1": true uncomments the emitted
 shard_placement_fn fix (stacked experts sharded on dim 1, no padding). Rank 0 prints one JSON line per
 case: {"case": i, "experts": E, "config": {...}, "losses": [...], "gate_up_shards": [each rank's shard shape of
 gate_up_proj], "shard_dim": 0 ...}, the loss averaged over ranks.
@@ -43,7 +43,7 @@ def tiny_mixtral(n_experts: int) -> dict:
 
 
 def apply_emitted(config: FsdpConfig, spec, world: int, model, shard_dim1: bool):
-    """Run the FSDP2 code planner/emit.py writes (with its padding fix uncommented when asked)."""
+    """Run the FSDP2 code planner/emit/ writes (with its padding fix uncommented when asked)."""
     gpu = GpuSpec(id="cpu", name="CPU", memory_bytes=GiB, hbm_bytes_per_s=1e11, intra_node_bus_bytes_per_s=1e10)
     cluster = ClusterSpec(gpu=gpu, n_gpus=world, gpus_per_node=world, internode_bytes_per_s=1e9)
     code = emit_fsdp2(config, spec, cluster, TrainingSpec())

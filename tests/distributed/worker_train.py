@@ -4,7 +4,7 @@
         --fsdp-version 1 --config '{"sharding": "FULL_SHARD", "precision": "fp32"}' [--fsdp-version 2 --config ...]
 
 Each (--fsdp-version, --config) pair is a case; --config is FsdpConfig.to_dict() JSON (any subset) plus
-optional "gpus_per_node" (HYBRID meshes), "emitted": true (run the snippet planner/emit.py writes
+optional "gpus_per_node" (HYBRID meshes), "emitted": true (run the snippet planner/emit/ writes
 instead of calibration.apply) and "lora": r (peft adapters of rank r through calibration.lora, the base
 frozen). All cases share one process group to keep CI time low. Rank 0 prints one JSON line per case:
 {"case": i, "fsdp_version": v, "config": {...}, "losses": [...], "checkpointed_blocks": n,
@@ -90,7 +90,7 @@ def _local(p: torch.Tensor) -> torch.Tensor:
 
 
 def apply_emitted(fsdp_version: int, config: FsdpConfig, world: int, gpus_per_node: int, model, lora: bool = False):
-    """Run the code planner/emit.py writes for users, to prove it trains like calibration.apply."""
+    """Run the code planner/emit/ writes for users, to prove it trains like calibration.apply."""
     gpu = GpuSpec(id="cpu", name="CPU", memory_bytes=GiB, hbm_bytes_per_s=1e11, intra_node_bus_bytes_per_s=1e10)
     cluster = ClusterSpec(gpu=gpu, n_gpus=world, gpus_per_node=gpus_per_node, internode_bytes_per_s=1e9)
     emit = emit_fsdp1 if fsdp_version == 1 else emit_fsdp2

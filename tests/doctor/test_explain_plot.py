@@ -8,7 +8,7 @@ import pytest
 
 from planner import plan
 from planner.errors import PlannerError
-from planner.explain import explain_text
+from planner.reports.explain import explain_text
 
 
 def test_explain_terms_are_hand_checkable():
@@ -53,7 +53,7 @@ def test_explain_cli_and_nothing_fits():
 @pytest.mark.parametrize("suffix", [".png", ".svg"])
 def test_plot_files(tmp_path, suffix):
     pytest.importorskip("matplotlib")
-    from planner.plot import plot_candidates
+    from planner.reports.plot import plot_candidates
 
     p = plan("llama2-7b", gpus=8)
     out = plot_candidates(p.candidates[:3], tmp_path / f"plan{suffix}", p.cluster.gpu.memory_bytes)
@@ -66,7 +66,7 @@ def test_plot_files(tmp_path, suffix):
 
 
 def test_plot_rejects_other_formats(tmp_path):
-    from planner.plot import plot_candidates
+    from planner.reports.plot import plot_candidates
 
     with pytest.raises(PlannerError, match="plot: .*png or .svg"):
         plot_candidates([], tmp_path / "plan.pdf", 1)
@@ -85,7 +85,7 @@ def test_plot_flag_on_main_command(tmp_path):
 
 def _class_seconds(text: str) -> dict[str, float]:
     """The seconds each budget term of the explain text starts with."""
-    from planner.explain_time import BUDGET
+    from planner.reports.explain_time import BUDGET
 
     out = {}
     for _, name in BUDGET:
@@ -157,7 +157,7 @@ def test_compile_shrinks_the_memory_bound_term():
 @pytest.mark.parametrize("suffix", [".png", ".svg"])
 def test_step_budget_plot(tmp_path, suffix):
     pytest.importorskip("matplotlib")
-    from planner.plot import plot_step_budget
+    from planner.reports.plot import plot_step_budget
 
     p = plan("llama3-8b", gpus=8, gpu="h100-80gb", seq_len=8192)
     out = plot_step_budget(p.candidates[:3], tmp_path / f"budget{suffix}")
@@ -173,7 +173,7 @@ def test_step_budget_plot(tmp_path, suffix):
 
 def test_budget_bars_are_time_per_token():
     # candidates at micro-batch 1 and 2 hold different tokens per step: each bar's length is 1e6 / tokens/s
-    from planner.plot import _budget_bars
+    from planner.reports.plot import _budget_bars
 
     p = plan("llama3-8b", gpus=8, gpu="h100-80gb", seq_len=8192)
     picks = [next(c for c in p.candidates if c.config.micro_batch == mb) for mb in (1, 2)]
@@ -196,7 +196,7 @@ def test_budget_bars_are_time_per_token():
 
 
 def test_plot_without_matplotlib_is_a_clear_error(tmp_path, monkeypatch):
-    from planner.plot import plot_step_budget
+    from planner.reports.plot import plot_step_budget
 
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` now raises ImportError
     with pytest.raises(PlannerError, match="needs matplotlib: pip install"):

@@ -3,7 +3,7 @@
 import pytest
 
 from planner.doctor import check
-from planner.setups import UserSetup, from_accelerate, from_kwargs
+from planner.doctor.readers import UserSetup, from_accelerate, from_kwargs
 
 GOOD = {"auto_wrap_policy": "ModuleWrapPolicy", "mixed_precision": {"param_dtype": "bfloat16",
                                                                      "reduce_dtype": "float32"},
@@ -165,7 +165,7 @@ def test_lora_adapters_sharing_units_is_advice_for_accelerate_configs():
     from cost_models.specs import TrainingSpec
     from planner.api import estimate
     from planner.emit import emit_accelerate
-    from planner.setups import from_accelerate
+    from planner.doctor.readers import from_accelerate
     import yaml
 
     c = estimate("llama2-7b", 8, finetune="lora")

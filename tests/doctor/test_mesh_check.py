@@ -12,10 +12,10 @@ import pytest
 from cost_models.specs import FsdpConfig, TrainingSpec
 from planner.doctor import check
 from planner.emit import emit_accelerate
-from planner.emit_torchtitan import emit_torchtitan
+from planner.emit.torchtitan.job import emit_torchtitan
 from planner.hardware import make_cluster
 from planner.models import load_preset
-from planner.setups import read_setup
+from planner.doctor.readers import read_setup
 
 LLAMA = load_preset("llama3-8b")
 
@@ -84,7 +84,7 @@ def test_ep_on_a_dense_model_is_an_error(tmp_path):
 
 
 def test_check_json_carries_the_mesh(tmp_path):
-    from planner import report
+    from planner.reports import table as report
 
     path = tmp_path / "accelerate.yaml"
     path.write_text(ACCELERATE_CP3)

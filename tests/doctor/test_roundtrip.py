@@ -14,7 +14,7 @@ from planner.doctor import check
 from planner.emit import emit_accelerate
 from planner.hardware import make_cluster
 from planner.models import load_preset
-from planner.setups import from_accelerate, read_setup
+from planner.doctor.readers import from_accelerate, read_setup
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "configs"
 SPEC = load_preset("llama2-7b")
@@ -155,7 +155,7 @@ def hf_arguments_file(args, path: Path) -> Path:
     FsdpConfig(sharding="NO_SHARD", micro_batch=4),
 ])
 def test_hf_trainer_round_trip(tmp_path, training_arguments, config, version):
-    from planner.emit_trainers import emit_hf_trainer
+    from planner.emit.trainers import emit_hf_trainer
 
     args = training_arguments(emit_hf_trainer(config, SPEC, TWO_NODES, fsdp_version=version))
     back = read_setup(hf_arguments_file(args, tmp_path / ("args.yaml" if version == 1 else "args.json")))
@@ -197,7 +197,7 @@ def _flags_as_toml(text: str) -> str:
     FsdpConfig(sharding="NO_SHARD", micro_batch=4),
 ])
 def test_torchtitan_round_trip(tmp_path, config, form):
-    from planner.emit_torchtitan import emit_torchtitan
+    from planner.emit.torchtitan.job import emit_torchtitan
     from cost_models.specs import TrainingSpec
 
     # 0.2's names (TOML job files are 0.2's form; 0.3's flags round-trip in tests/unit/test_emit_mesh.py)

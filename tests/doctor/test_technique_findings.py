@@ -9,7 +9,7 @@ from planner.doctor import check, kv_cache_extra_bytes
 from planner.emit import emit_accelerate
 from planner.hardware import make_cluster
 from planner.models import load_preset
-from planner.setups import from_accelerate, from_kwargs
+from planner.doctor.readers import from_accelerate, from_kwargs
 from tests.doctor.test_findings import GOOD
 
 FSDP2 = {"reshard_after_forward": True, "mp_policy": GOOD["mixed_precision"]}

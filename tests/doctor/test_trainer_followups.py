@@ -7,9 +7,9 @@ import json
 from pathlib import Path
 
 from planner.doctor import check
-from planner.setups import read_setup
-from planner.setups_torchtitan import from_torchtitan, torchtitan_settings
-from planner.setups_trainers import from_hf_trainer
+from planner.doctor.readers import read_setup
+from planner.doctor.readers.torchtitan import from_torchtitan, torchtitan_settings
+from planner.doctor.readers.trainers import from_hf_trainer
 from tests.cli.test_check_inputs import invoke
 
 

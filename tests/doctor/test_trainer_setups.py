@@ -6,9 +6,9 @@ from pathlib import Path
 import pytest
 
 from planner.errors import PlannerError
-from planner.setups import read_setup
-from planner.setups_torchtitan import from_torchtitan, torchtitan_settings
-from planner.setups_trainers import from_hf_trainer
+from planner.doctor.readers import read_setup
+from planner.doctor.readers.torchtitan import from_torchtitan, torchtitan_settings
+from planner.doctor.readers.trainers import from_hf_trainer
 
 
 # ---------------------------------------------------------------- reading TrainingArguments

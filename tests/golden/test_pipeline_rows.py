@@ -37,7 +37,7 @@ from cost_models.pipeline_orders import orders
 from cost_models.pipeline_time import StagePass, textbook_bubble_fraction, walk
 from cost_models.profile import DEFAULT_PROFILE
 from cost_models.schedules import Schedule
-from planner.explain_time import BUDGET
+from planner.reports.explain_time import BUDGET
 
 TOLERANCE = 0.10
 
@@ -194,7 +194,7 @@ def test_llama3_budget_adds_up_and_names_its_pipeline_terms():
 def test_explain_walks_the_pipeline_terms():
     from cost_models.specs import TrainingSpec
     from planner.api import Candidate
-    from planner.explain_time import time_terms
+    from planner.reports.explain_time import time_terms
 
     model, cluster, config, e = llama3_405b(8192, 1, 8192)
     terms = {name: text for name, text, _ in time_terms(Candidate(e, model, cluster, TrainingSpec(seq_len=8192)))}

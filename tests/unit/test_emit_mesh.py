@@ -17,12 +17,12 @@ from pathlib import Path
 import pytest
 
 from cost_models.specs import FsdpConfig, TrainingSpec
-from planner.emit_torchtitan import emit_torchtitan
+from planner.emit.torchtitan.job import emit_torchtitan
 from planner.errors import PlannerError
 from planner.hardware import make_cluster
 from planner.models import load_preset
-from planner.setups import read_setup
-from planner.setups_torchtitan import from_torchtitan, torchtitan_settings
+from planner.doctor.readers import read_setup
+from planner.doctor.readers.torchtitan import from_torchtitan, torchtitan_settings
 
 LLAMA = load_preset("llama3-8b")
 DEEPSEEK = load_preset("deepseek-v3")
@@ -325,7 +325,7 @@ def test_accelerate_fsdp2_mesh_is_a_parallelism_config_accelerate_launch_resolve
     import yaml
 
     from planner.emit import emit_accelerate
-    from planner.setups import from_accelerate
+    from planner.doctor.readers import from_accelerate
 
     text = emit_accelerate(TP_CP, LLAMA, TWO_NODES, fsdp_version=2)
     data = yaml.safe_load(text)
@@ -342,8 +342,8 @@ def test_accelerate_fsdp2_mesh_is_a_parallelism_config_accelerate_launch_resolve
 
 
 def test_hf_trainer_mesh_is_the_plans_parallelism_config(tmp_path, training_arguments):
-    from planner.emit_trainers import emit_hf_trainer
-    from planner.setups_trainers import from_hf_trainer
+    from planner.emit.trainers import emit_hf_trainer
+    from planner.doctor.readers.trainers import from_hf_trainer
 
     text = emit_hf_trainer(TP_CP, LLAMA, TWO_NODES)
     assert "ParallelismConfig(dp_replicate_size=1, dp_shard_size=4, tp_size=2, cp_size=2)" in " ".join(text.split())

@@ -167,7 +167,7 @@ def test_compiled_loss_note_is_the_models_own_loss():
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from planner import emit_techniques as tech
+    from planner.emit.code import techniques as tech
 
     expression = tech.COMPILED_LOSS_NOTE.split("loss_fn = torch.compile(")[1].rsplit("), applied", 1)[0]
     loss_fn = eval(expression, {"torch": torch})

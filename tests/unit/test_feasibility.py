@@ -16,7 +16,7 @@ from planner.doctor import check
 from planner.errors import PlannerError
 from planner.hardware import make_cluster
 from planner.models import load_preset
-from planner.setups import UserSetup
+from planner.doctor.readers import UserSetup
 
 SPEC = load_preset("gpt-1.3b")
 TRAINING = TrainingSpec(seq_len=1024)

@@ -146,7 +146,7 @@ def test_mesh_refusals_name_every_broken_rule():
 
 
 def test_nothing_costed_says_the_cause_not_an_empty_table():
-    from planner import report
+    from planner.reports import table as report
 
     # 3 sequences on 8 GPUs with the mesh pinned to data parallelism: no micro-batch places whole sequences
     p = plan("llama3-8b", 8, global_batch=3, tp=1, cp=1)
@@ -160,7 +160,7 @@ def test_nothing_costed_says_the_cause_not_an_empty_table():
 
 
 def test_explain_prices_a_mesh_ranks_matmuls_and_attention():
-    from planner.explain import explain_text
+    from planner.reports.explain import explain_text
 
     # llama3-8b, tp 4 x cp 2 at 16k: a rank's q is 32 / 4 heads x 128 = 1,024 wide on 16,384 / 2 = 8,192 tokens;
     # the loss-parallel head 128,256 / 4 = 32,064 wide; its queries still see all 16,384 keys (8,192 causal)
@@ -185,7 +185,7 @@ def test_routing_imbalance_is_settable_and_stated(capsys):
 
 
 def test_explain_names_the_expert_all_to_alls():
-    from planner.explain import explain_text
+    from planner.reports.explain import explain_text
 
     c = estimate("mixtral-8x7b", 16, gpu="h100-80gb", ep=8, activation_checkpointing="full")
     assert c.time.ep_comm_s > 0

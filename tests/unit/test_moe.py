@@ -18,7 +18,7 @@ from cost_models.specs import Attention, FsdpConfig, TrainingSpec
 from planner import estimate
 from planner.emit import emit_fsdp2
 from planner.errors import PlannerError
-from planner.explain import explain_text
+from planner.reports.explain import explain_text
 from planner.models import from_hf_config, resolve_model
 
 BF16, F32 = 2, 4

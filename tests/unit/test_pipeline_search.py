@@ -15,7 +15,7 @@ from cost_models.specs import FsdpConfig, TrainingSpec
 from planner.hardware import make_cluster
 from planner.models import load_preset
 from planner.search import MeshChoice, SearchSpace, pipeline_meshes, search
-from planner.search_pipeline import PP_MICROBATCHES_PER_STAGE, Pipeline, microbatch_plans, pipelines, pp_degrees
+from planner.search.pipeline import PP_MICROBATCHES_PER_STAGE, Pipeline, microbatch_plans, pipelines, pp_degrees
 
 I1F1B = Schedule.INTERLEAVED_1F1B
 
@@ -174,7 +174,7 @@ def test_where_nothing_fits_the_walk_goes_on_while_the_nearest_miss_comes_closer
 
 
 def test_pipeline_ceiling_is_the_meshs_compute_with_the_textbook_bubble():
-    from planner.search_walk import pipeline_ceiling
+    from planner.search.walk import pipeline_ceiling
 
     # 1 ms of compute a token; 1F1B on 4 ranks, at most 12 microbatches: bubble 3 / (12 + 3) = 0.2 -> 800 tokens/s
     plans = [(1, 12), (2, 6)]
@@ -187,7 +187,7 @@ def test_pipeline_ceiling_is_the_meshs_compute_with_the_textbook_bubble():
 
 
 def test_walk_on_rules():
-    from planner.search_walk import Walk, walk_on
+    from planner.search.walk import Walk, walk_on
 
     # fits faster than the best so far (the mesh without PP: 100): on, the best moves
     assert walk_on(120.0, None, True, Walk(100.0)) == (True, Walk(120.0))

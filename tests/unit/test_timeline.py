@@ -1,4 +1,4 @@
-"""`fsdp-plan explain --timeline`: the predicted step as a Chrome trace (planner/timeline.py). The file holds the
+"""`fsdp-plan explain --timeline`: the predicted step as a Chrome trace (planner/reports/timeline.py). The file holds the
 fields Perfetto reads (the Trace Event Format's X and M events), and what the trace shows adds up to the estimate:
 the compute track's busy time plus the communication no compute hides is the estimate's step_s."""
 
@@ -13,7 +13,7 @@ import pytest
 from cost_models.profile import DEFAULT_PROFILE
 from cost_models.step_timeline import phase_seconds, step_timeline
 from planner.api import estimate
-from planner.timeline import trace_events
+from planner.reports.timeline import trace_events
 
 # The Trace Event Format (docs.google.com/document/d/1CvAClvFfyA5R-PhYUmn5OOQtYMH4h6I0nSsKchNAySU): complete events
 # ("X": name, ts and dur in microseconds, pid, tid) and the metadata events that name the tracks ("M").

@@ -1,9 +1,9 @@
-"""planner/torchtitan_split.py against torchtitan 0.3's own stage generator."""
+"""planner/emit/torchtitan/split.py against torchtitan 0.3's own stage generator."""
 
 import pytest
 
 from cost_models.pipeline import blocks_per_stage
-from planner.torchtitan_split import generated_blocks_per_stage, split_flags
+from planner.emit.torchtitan.split import generated_blocks_per_stage, split_flags
 
 pp = pytest.importorskip("torchtitan.distributed.pipeline_parallel")
 

@@ -1,4 +1,4 @@
-"""Pieces every emitter shares (planner/emit.py dispatches to the dialect modules, which import only this,
+"""Pieces every emitter shares (planner/emit/ dispatches to the dialect modules, which import only this,
 never each other): the plan's summary comment, FSDP option spellings, the caveat notes and torchrun's
 arguments. Pure strings: no torch import.
 """
@@ -9,7 +9,7 @@ from cost_models import fsdp_options
 from cost_models.mesh import mesh_of
 from cost_models.specs import ClusterSpec, FsdpConfig, ModelSpec, Precision, TrainingSpec
 
-from . import emit_techniques as tech
+from planner.emit.code import techniques as tech
 
 RDZV_PORT = 29500
 # Why training turns a Hugging Face model's KV cache off (calibration.apply.disable_kv_cache does the same).

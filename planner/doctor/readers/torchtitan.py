@@ -1,6 +1,6 @@
 """Read torchtitan job settings back for `fsdp-plan check`: a TOML job file (0.1 / 0.2 names) or a list of
 --section.option flags (0.3's --module / --config and the activation-checkpoint:X subcommand too). The mirror of
-planner/emit_torchtitan.py: what it emits reads back as the plan's FsdpConfig (tests/doctor/test_roundtrip.py).
+planner/emit/torchtitan/job.py: what it emits reads back as the plan's FsdpConfig (tests/doctor/test_roundtrip.py).
 
 Defaults are torchtitan's own (an absent activation_checkpoint.mode is selective every-2, local batch 8), so a file
 is priced as it would run. A value torchtitan would refuse, or a setting fsdp-plan cannot price, raises one
@@ -15,10 +15,10 @@ from pathlib import Path
 
 from cost_models.specs import SELECTIVE_OP, FsdpConfig, Precision, Sharding
 
-from .emit_torchtitan import preset_of
-from .errors import PlannerError
-from .setups_common import UserSetup, _bool, _int, _positive_int
-from .setups_pipeline import torchtitan_pipeline
+from planner.emit.torchtitan.job import preset_of
+from planner.errors import PlannerError
+from planner.doctor.readers.common import UserSetup, _bool, _int, _positive_int
+from planner.doctor.readers.pipeline import torchtitan_pipeline
 
 _FLAG = re.compile(r"--[A-Za-z_][\w-]*\.[\w.-]+")
 # torchtitan 0.3: the config function (--module M --config C) and a component chosen by a subcommand
@@ -169,7 +169,7 @@ def _torchtitan_checkpointing(settings: dict) -> int | str:
 
 
 def _torchtitan_mesh(settings: dict) -> dict:
-    """tp / cp / ep (pp: setups_pipeline), async TP (0.3: compile.enable_async_tensor_parallel; 0.2: under
+    """tp / cp / ep (pp: pipeline.py), async TP (0.3: compile.enable_async_tensor_parallel; 0.2: under
     parallelism) and sequence parallel (0.3's parallelism.enable_sequence_parallel; 0.2 always with TP)."""
     async_key, async_value = _first(settings, "compile.enable_async_tensor_parallel",
                                     "parallelism.enable_async_tensor_parallel")

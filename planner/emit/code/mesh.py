@@ -20,8 +20,8 @@ from __future__ import annotations
 from cost_models.mesh import Mesh, mesh_of
 from cost_models.specs import ClusterSpec, FsdpConfig, ModelSpec, TrainingSpec
 
-from . import emit_pipeline as piped
-from .errors import PlannerError
+from planner.emit.code import pipeline as piped
+from planner.errors import PlannerError
 
 MAX_LINE = 100  # every emitted line of code at most this long (tests check it)
 

@@ -1,5 +1,5 @@
-"""What every setup reader shares (planner/setups.py dispatches to the readers, which import this, never
-setups.py): the UserSetup record they return and the value readers that accept values the way people write
+"""What every setup reader shares (planner/doctor/readers/ dispatches to the readers, which import this, never
+its __init__.py): the UserSetup record they return and the value readers that accept values the way people write
 them ("FULL_SHARD", "ShardingStrategy.FULL_SHARD", 1; true / "yes"; integers). Anything unreadable raises
 PlannerError naming the key.
 """
@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from cost_models.specs import FsdpConfig, Sharding
 
-from .errors import PlannerError
+from planner.errors import PlannerError
 
 _STRATEGY_NUMBERS = {"1": "FULL_SHARD", "2": "SHARD_GRAD_OP", "3": "NO_SHARD", "4": "HYBRID_SHARD",
                      "5": "HYBRID_SHARD_ZERO2"}
@@ -39,7 +39,7 @@ class UserSetup:
     checkpoint_regathers: bool = False      # the recompute all-gathers each checkpointed block again: a reentrant
     #                                         checkpoint around FSDP1 units (HF Trainer's own, use_reentrant: true)
     model: str | None = None                # the model the setup names (torchtitan 0.3's --module / --config)
-    pipeline: object = None                 # torchtitan's pipeline settings (setups_pipeline.PipelineSettings)
+    pipeline: object = None                 # torchtitan's pipeline settings (pipeline.PipelineSettings)
     notes: tuple[str, ...] = field(default=())
 
 

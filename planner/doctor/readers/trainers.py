@@ -1,5 +1,5 @@
 """Read Hugging Face TrainingArguments back for `fsdp-plan check` (JSON/YAML with `fsdp`, `fsdp_config`, the batch
-and precision keys; torchtitan's settings: planner/setups_torchtitan.py). The mirror of planner/emit_trainers.py:
+and precision keys; torchtitan's settings: planner/doctor/readers/torchtitan.py). The mirror of planner/emit/trainers.py:
 what it emits reads back as the plan's FsdpConfig (tests/doctor/test_roundtrip.py).
 
 Defaults are the Trainer's own (an absent per_device_train_batch_size is HF's 8), so a file is priced as it would
@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from cost_models.specs import SELECTIVE_OP, FsdpConfig, Precision, Sharding
 
-from .errors import PlannerError
-from .setups_common import UserSetup, _bool, _int, _int_or_none, _positive_int, _strategy, _strip, accelerate_degrees
+from planner.errors import PlannerError
+from planner.doctor.readers.common import UserSetup, _bool, _int, _int_or_none, _positive_int, _strategy, _strip, accelerate_degrees
 
 # ---------------------------------------------------------------- Hugging Face TrainingArguments
 

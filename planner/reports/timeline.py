@@ -17,8 +17,8 @@ from pathlib import Path
 from cost_models.profile import DEFAULT_PROFILE, Profile
 from cost_models.step_timeline import COMPUTE, REDUCE, TRACKS, StepTimeline, step_timeline, uncovered_s
 
-from .api import Candidate
-from .search import describe
+from planner.api import Candidate
+from planner.search import describe
 
 PID = 1
 

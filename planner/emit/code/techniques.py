@@ -1,4 +1,4 @@
-"""The text planner/emit.py writes for selective op-level checkpointing, per-block torch.compile, Float8
+"""The text planner/emit/ writes for selective op-level checkpointing, per-block torch.compile, Float8
 linears with the FP8 all-gather and an int reshard_after_forward: the code where a dialect can say it,
 and a comment where it cannot. Each mirrors calibration/apply.py (tests run both and compare).
 """
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from cost_models.specs import FsdpConfig
 
-from .search import technique_words
+from planner.search import technique_words
 
 # torchtitan's selective op-level checkpointing as module-level code of a snippet: the same ops and counting
 # as calibration.apply.selective_op_context (a test compares the two op by op).

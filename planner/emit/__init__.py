@@ -1,16 +1,16 @@
 """Text artifacts for a chosen plan, one dispatcher over the dialect modules: FSDP1 and FSDP2 code
-(planner/emit_code.py), the launchers' - accelerate, Lightning, torchrun, slurm - (planner/emit_launchers.py),
-the trainers' - HF Trainer, PyTorchJob - (planner/emit_trainers.py) and torchtitan's (planner/emit_torchtitan.py).
-The dialects share planner/emit_common.py and never import this module. Pure strings (no torch import).
+(planner/emit/code/fsdp.py), the launchers' - accelerate, Lightning, torchrun, slurm - (planner/emit/launchers.py),
+the trainers' - HF Trainer, PyTorchJob - (planner/emit/trainers.py) and torchtitan's (planner/emit/torchtitan/job.py).
+The dialects share planner/emit/common.py and never import this module. Pure strings (no torch import).
 """
 
 from __future__ import annotations
 
-from . import emit_trainers as trainers
-from .emit_code import emit_fsdp1, emit_fsdp2
-from .emit_launchers import emit_accelerate, emit_lightning, emit_slurm, emit_torchrun
-from .emit_torchtitan import emit_torchtitan
-from .errors import PlannerError
+from planner.emit import trainers
+from planner.emit.code.fsdp import emit_fsdp1, emit_fsdp2
+from planner.emit.launchers import emit_accelerate, emit_lightning, emit_slurm, emit_torchrun
+from planner.emit.torchtitan.job import emit_torchtitan
+from planner.errors import PlannerError
 
 __all__ = ["ARTIFACTS", "emit_artifact", "recommendation_text", "emit_fsdp1", "emit_fsdp2", "emit_accelerate",
            "emit_lightning", "emit_slurm", "emit_torchrun", "emit_torchtitan"]
@@ -20,8 +20,8 @@ ARTIFACTS = ("fsdp1", "fsdp2", "accelerate", "accelerate-fsdp2", "lightning", "h
 
 
 def emit_artifact(kind: str, candidate) -> str:
-    """One of ARTIFACTS for a planner.api.Candidate, folded to 100 columns (planner/emit_format.py)."""
-    from .emit_format import fold
+    """One of ARTIFACTS for a planner.api.Candidate, folded to 100 columns (planner/emit/format.py)."""
+    from planner.emit.format import fold
 
     return fold(_emit_artifact(kind, candidate))
 
@@ -58,7 +58,7 @@ def recommendation_text(candidate) -> str:
     FSDP2 snippet cannot write (EP beside TP, pinned by the user) is given as torchtitan flags, saying why."""
     import textwrap
 
-    from .emit_format import LINE_WIDTH, fold
+    from planner.emit.format import LINE_WIDTH, fold
 
     others = " | ".join(a for a in ARTIFACTS if a != "fsdp2")
     try:

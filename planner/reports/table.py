@@ -1,5 +1,5 @@
 """Tables and text for people, JSON for scripts. The only place that formats units (with its sibling
-report_calibration.py, a calibration's report)."""
+table_calibration.py, a calibration's report)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from tabulate import tabulate
 
 from cost_models.units import GiB
 
-from .api import Candidate, Plan
-from .report_pipeline import largest_rank, pipeline_lines, rank_memory_lines
-from .search import pipeline_words, technique_words
+from planner.api import Candidate, Plan
+from planner.reports.table_pipeline import largest_rank, pipeline_lines, rank_memory_lines
+from planner.search import pipeline_words, technique_words
 
 
 def gib(n_bytes: float) -> str:

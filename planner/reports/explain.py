@@ -13,11 +13,11 @@ from cost_models.memory import ParamCounts, traced_block_terms
 from cost_models.profile import DEFAULT_PROFILE, Profile
 from cost_models.units import DTYPE_BYTES, GiB
 
-from .api import Candidate
-from .explain_time import time_terms
-from .report import estimate_dict
-from .report_pipeline import batch_words, pipeline_ranks, schedule_words
-from .search import describe
+from planner.api import Candidate
+from planner.reports.explain_time import time_terms
+from planner.reports.table import estimate_dict
+from planner.reports.table_pipeline import batch_words, pipeline_ranks, schedule_words
+from planner.search import describe
 
 
 def _gib(n: float) -> str:

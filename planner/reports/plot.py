@@ -15,8 +15,8 @@ from pathlib import Path
 
 from cost_models.units import GiB
 
-from .errors import PlannerError
-from .explain_time import BUDGET
+from planner.errors import PlannerError
+from planner.reports.explain_time import BUDGET
 
 MEMORY_CATEGORIES = ("sharded_params", "sharded_grads", "optimizer_state", "optimizer_temporaries",
                      "unsharded_params", "unsharded_grads", "collective_buffers", "activations", "logits_and_loss")

@@ -15,7 +15,7 @@ torchtitan 0.3 (checked against 0.3.0's own ConfigManager.parse_args, tests/unit
   rowwise recipes only, without the FP8 all-gather; 0.2's --model.converters and --quantize.linear.float8.*
   are rejected.
 
-planner/setups_torchtitan.py reads both spellings back (`fsdp-plan check`); tests round-trip them. Pipelines:
+planner/doctor/readers/torchtitan.py reads both spellings back (`fsdp-plan check`); tests round-trip them. Pipelines:
 parallelism.pipeline_parallel_* and module_fqns_per_model_part in both (0.2's head is "output", 0.3's "lm_head";
 0.2.2's own ConfigManager resolved the 0.2 form of a pp 4 interleaved plan: 8 parts, microbatch 2, by hand), and
 0.3's training.disable_cuda_graphs, which 0.3 requires with PP.
@@ -28,10 +28,10 @@ from cost_models.mesh import mesh_of
 from cost_models.pipeline import stages
 from cost_models.specs import ClusterSpec, FsdpConfig, ModelSpec, Precision, TrainingSpec
 
-from .emit_common import (RESHARD_NOTE, _comment, _expert_notes, _fsdp1_only_notes, _summary, multi_node_note,
+from planner.emit.common import (RESHARD_NOTE, _comment, _expert_notes, _fsdp1_only_notes, _summary, multi_node_note,
                           torchrun_args)
-from .errors import PlannerError
-from .torchtitan_split import split_flags
+from planner.errors import PlannerError
+from planner.emit.torchtitan.split import split_flags
 
 TORCHTITAN_VERSIONS = {"0.3": "torchtitan 0.3 (0.3.0)", "0.2": "torchtitan 0.2 (0.2.0 - 0.2.2)"}
 DEFAULT_VERSION = "0.3"
@@ -301,7 +301,7 @@ def emit_torchtitan(config: FsdpConfig, model_spec: ModelSpec, cluster: ClusterS
     """Override flags for a torchtitan run of the plan, one a line after the model's own config:
     0.3: `torchrun ... -m torchtitan.train --module M --config C $(grep -v '^#' FILE)`;
     0.2: `torchrun ... -m torchtitan.train --job.config_file MODEL.toml $(grep -v '^#' FILE)`."""
-    from . import emit_techniques as tech
+    from planner.emit.code import techniques as tech
 
     version = _version(version)
     if training is not None and training.finetune.value == "lora":

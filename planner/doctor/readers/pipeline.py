@@ -1,11 +1,11 @@
-"""torchtitan's pipeline settings, read back for `fsdp-plan check` (planner/setups_torchtitan.from_torchtitan).
+"""torchtitan's pipeline settings, read back for `fsdp-plan check` (planner/doctor/readers/torchtitan.py, from_torchtitan).
 
 parallelism.pipeline_parallel_degree, _schedule (torchtitan's names: 1F1B, GPipe, Interleaved1F1B,
 InterleavedZeroBubble, DualPipeV), _microbatch_size (the pipeline microbatch: training.local_batch_size / it =
 the microbatches of one step), module_fqns_per_model_part (the stages' module names) or _layers_per_stage
 (torchtitan derives the stages from it), _first / _last_stage_less_layers. How torchtitan splits the blocks
 when the file names no modules is torchtitan's own _generate_llm_fqn_per_model_part
-(torchtitan/distributed/pipeline_parallel.py), mirrored in planner/torchtitan_split.py; the estimate prices the
+(torchtitan/distributed/pipeline_parallel.py), mirrored in planner/emit/torchtitan/split.py; the estimate prices the
 even split (cost_models/pipeline.blocks_per_stage), and check says when the two differ.
 """
 
@@ -17,9 +17,9 @@ from dataclasses import dataclass
 
 from cost_models.schedules import Schedule
 
-from .errors import PlannerError
-from .setups_common import _int
-from .torchtitan_split import generated_blocks_per_stage
+from planner.errors import PlannerError
+from planner.doctor.readers.common import _int
+from planner.emit.torchtitan.split import generated_blocks_per_stage
 
 KEY = "parallelism.pipeline_parallel_{}"
 FQNS = "parallelism.module_fqns_per_model_part"

@@ -1,9 +1,9 @@
 """The plan in the words of the trainers and schedulers people launch with: Hugging Face Trainer arguments
-(transformers 5), torchtitan overrides (planner/emit_torchtitan.py), a Kubeflow PyTorchJob manifest.
+(transformers 5), torchtitan overrides (planner/emit/torchtitan/job.py), a Kubeflow PyTorchJob manifest.
 
 Each says every planned setting the trainer can hold, and names in a comment what it cannot (never a silent
 drop); a plan a trainer cannot run at all (fp16 under torchtitan) is refused with one PlannerError line.
-planner/setups_trainers.py and setups_torchtitan.py read the same dialects back (`fsdp-plan check`); tests round-trip them.
+planner/doctor/readers/trainers.py and torchtitan.py read the same dialects back (`fsdp-plan check`); tests round-trip them.
 """
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ import re
 from cost_models import fsdp_options
 from cost_models.specs import ClusterSpec, FsdpConfig, ModelSpec, Precision, TrainingSpec
 
-from . import emit_mesh as meshed
-from . import emit_techniques as tech
-from .emit_common import (RDZV_PORT, _comment, _expert_notes, _fsdp1_only_notes, _fsdp1_strategy, _summary,
+from planner.emit.code import mesh as meshed
+from planner.emit.code import techniques as tech
+from planner.emit.common import (RDZV_PORT, _comment, _expert_notes, _fsdp1_only_notes, _fsdp1_strategy, _summary,
                           multi_node_note, reshard_entry, torchrun_args, torchrun_command)
-from .errors import PlannerError
+from planner.errors import PlannerError
 
 _TORCH_DTYPE = {"fp32": "torch.float32", "bf16": "torch.bfloat16", "fp16": "torch.float16"}
 # transformers prefers FSDP's own checkpointing (fsdp_config) over its activation_checkpointing argument: that one

@@ -19,7 +19,7 @@ too, the other way out of memory):
 - cp: sequences of at least MIN_CP_TOKENS tokens per rank (ring attention's exchanges hide behind the attention
   only on long chunks), 2 x cp dividing the sequence;
 - ep: for MoE, divisors of the experts that divide dp_shard x cp x tp;
-- pp: after each mesh without it, pipelines of growing degree (planner/search_pipeline.py: 1F1B and interleaved
+- pp: after each mesh without it, pipelines of growing degree (planner/search/pipeline.py: 1F1B and interleaved
   1F1B, the microbatch count the global batch gives), walked past the degrees where nothing fits and those that
   fit faster than the best before, to the first that fits no faster: PP is kept where it wins, or where nothing
   fits without it;
@@ -41,8 +41,8 @@ from cost_models.schedules import Schedule
 from cost_models.specs import (SELECTIVE_OP, Attention, ClusterSpec, FsdpConfig, ModelSpec, Precision, Sharding,
                                TrainingSpec)
 
-from .search_pipeline import NO_PIPELINE, PP_SHARDINGS, Pipeline, microbatch_plans, pipelines, pp_degrees
-from .search_walk import Walk, per_token_compute_s, pipeline_ceiling, scout_space, walk_on
+from planner.search.pipeline import NO_PIPELINE, PP_SHARDINGS, Pipeline, microbatch_plans, pipelines, pp_degrees
+from planner.search.walk import Walk, per_token_compute_s, pipeline_ceiling, scout_space, walk_on
 
 MICRO_BATCHES = (1, 2, 4, 8, 16, 32, 64)
 AC_CHOICES = (0, 4, 2, 1, SELECTIVE_OP)  # none, every 4th, every 2nd, every block, torchtitan's op-level policy
@@ -78,7 +78,7 @@ class SearchSpace:
     ep: int | None = None
     async_tp: tuple[bool, ...] = (False, True)   # with tp, compile and sequence parallel
     sequence_parallel: bool = True               # False: transformers' tp_plan (the user's --no-sequence-parallel)
-    # pipelines (planner/search_pipeline.py): pp None walks the degrees, 1 leaves PP out, N pins it; a pinned
+    # pipelines (planner/search/pipeline.py): pp None walks the degrees, 1 leaves PP out, N pins it; a pinned
     # schedule / stages per rank narrows the schedules tried
     pp: int | None = None
     pp_schedule: Schedule | None = None

@@ -1,4 +1,4 @@
-"""Which pipelines the search tries (planner/search.py walks them): the degrees, schedules and microbatch counts.
+"""Which pipelines the search tries (planner/search/ walks them): the degrees, schedules and microbatch counts.
 
 - pp: powers of two from 2 that divide the GPUs left by tp x cp and that the model's blocks can be split over
   (pp x V stages: cost_models/pipeline.stage_refusals), or the pinned degree;

@@ -1,4 +1,4 @@
-"""FSDP1 and FSDP2 code snippets for a plan (dispatched by planner/emit.py). Every choice mirrors
+"""FSDP1 and FSDP2 code snippets for a plan (dispatched by planner/emit/). Every choice mirrors
 calibration/apply.py, the code path we measure: one FSDP unit per repeated block plus the root, mixed precision
 per Precision, activation checkpointing on blocks 0, K, 2K, ... The snippets define `apply_fsdp(model,
 device=None)` and look the block class up by name, so they paste into any script that has built `model` and
@@ -10,9 +10,9 @@ from __future__ import annotations
 from cost_models import fsdp_options, moe
 from cost_models.specs import ClusterSpec, FsdpConfig, ModelSpec, Precision, TrainingSpec
 
-from . import emit_mesh as meshed
-from . import emit_techniques as tech
-from .emit_common import _KV_CACHE_WHY, RESHARD_NOTE, _comment, _fsdp1_strategy, _mixed_dtypes, _notes, _summary
+from planner.emit.code import mesh as meshed
+from planner.emit.code import techniques as tech
+from planner.emit.common import _KV_CACHE_WHY, RESHARD_NOTE, _comment, _fsdp1_strategy, _mixed_dtypes, _notes, _summary
 
 
 def _preamble(config: FsdpConfig, blocks_var: str, blocks_expr: str) -> list[str]:
@@ -126,7 +126,7 @@ def emit_fsdp1(config: FsdpConfig, model_spec: ModelSpec, cluster: ClusterSpec,
 def emit_fsdp2(config: FsdpConfig, model_spec: ModelSpec, cluster: ClusterSpec,
                training: TrainingSpec | None = None) -> str:
     """Python snippet applying FSDP2 fully_shard torchtitan-style: each block, then the root; with a mesh, TP
-    before it on the N-D DeviceMesh (planner/emit_mesh.py)."""
+    before it on the N-D DeviceMesh (planner/emit/code/mesh.py)."""
     meshed.refuse_fsdp2(config, model_spec)
     dtypes = _mixed_dtypes(config)
     imports = [
@@ -143,7 +143,7 @@ def emit_fsdp2(config: FsdpConfig, model_spec: ModelSpec, cluster: ClusterSpec,
     world = "dist.get_world_size()"
     layout = fsdp_options.mesh_layout(config, cluster.n_gpus, cluster.gpus_per_node)
     if meshed.uses_mesh(config):
-        pass  # the N-D mesh: emit_mesh.fsdp2_mesh_lines
+        pass  # the N-D mesh: mesh.fsdp2_mesh_lines
     elif len(layout["shape"]) == 1:
         mesh = (f"init_device_mesh(device_type, ({world},), mesh_dim_names=(\"dp_shard\",))",)
         mesh_note = "shard over all ranks"

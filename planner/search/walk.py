@@ -1,4 +1,4 @@
-"""How the search walks pipeline degrees (planner/search.py): the scout knobs a degree is first costed on, the
+"""How the search walks pipeline degrees (planner/search/): the scout knobs a degree is first costed on, the
 ceiling no pipeline of a mesh can beat, and when the walk goes on to the next degree."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from dataclasses import dataclass, replace
 
 from cost_models.schedules import Schedule
 
-from .search_pipeline import Pipeline
+from planner.search.pipeline import Pipeline
 
 
 def scout_space(space, cluster):

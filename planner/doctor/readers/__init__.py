@@ -1,6 +1,6 @@
 """Read a user's existing FSDP setup: an accelerate config, or a JSON/YAML file of FSDP1 kwargs or FSDP2
-`fully_shard` arguments (Hugging Face TrainingArguments: planner/setups_trainers.py; torchtitan job settings:
-planner/setups_torchtitan.py).
+`fully_shard` arguments (Hugging Face TrainingArguments: planner/doctor/readers/trainers.py; torchtitan job settings:
+planner/doctor/readers/torchtitan.py).
 read_setup tells them apart by content. The result is an FsdpConfig (what the cost model prices) plus the settings
 the cost model does not price but the doctor checks (wrap policy, use_orig_params, init, scaler...).
 
@@ -15,10 +15,10 @@ from pathlib import Path
 
 from cost_models.specs import SELECTIVE_OP, FsdpConfig, Precision, Sharding
 
-from . import setups_torchtitan as torchtitan
-from . import setups_trainers as trainers
-from .errors import PlannerError
-from .setups_common import UserSetup, _bool, _int, _int_or_none, _strategy, _strip, accelerate_degrees
+from planner.doctor.readers import torchtitan
+from planner.doctor.readers import trainers
+from planner.errors import PlannerError
+from planner.doctor.readers.common import UserSetup, _bool, _int, _int_or_none, _strategy, _strip, accelerate_degrees
 
 _DTYPES = {"float32": "fp32", "fp32": "fp32", "float": "fp32", "bfloat16": "bf16", "bf16": "bf16",
            "float16": "fp16", "fp16": "fp16", "half": "fp16"}
@@ -261,7 +261,7 @@ def from_kwargs(data: dict, source: str = "kwargs") -> UserSetup:
 def model_use_cache(model) -> bool | None:
     """use_cache of the model being checked: the key of a config.json (path) or HF config dict, or an
     nn.Module's model.config.use_cache; None when the model does not say (presets, other modules)."""
-    from .models import hf_config_of
+    from planner.models import hf_config_of
 
     hf = hf_config_of(model)
     value = hf.get("use_cache") if hf is not None else getattr(getattr(model, "config", None), "use_cache", None)

@@ -1,5 +1,5 @@
 """A calibration report for people (tables of predicted against measured, the fit, the re-ranking) and
-for scripts (JSON). Beside planner/report.py, whose unit formatting and training line it shares."""
+for scripts (JSON). Beside planner/reports/table.py, whose unit formatting and training line it shares."""
 
 from __future__ import annotations
 
@@ -11,11 +11,11 @@ from tabulate import tabulate
 
 from cost_models.units import GiB, MiB
 
-from .report import training_line
-from .search import describe
+from planner.reports.table import training_line
+from planner.search import describe
 
 if TYPE_CHECKING:
-    from .calibrating import CalibrationReport
+    from planner.calibrating import CalibrationReport
 
 
 def _bytes(n: float | None) -> str:
@@ -31,7 +31,7 @@ def _pct(predicted: float | None, measured: float | None) -> str:
 
 
 def calibration_text(report: CalibrationReport) -> str:
-    from .emit import recommendation_text
+    from planner.emit import recommendation_text
 
     c = report.cluster
     t = report.target
@@ -121,7 +121,7 @@ def _phase_lines(report: CalibrationReport) -> list[str]:
     from calibration.fit import specs_from_setup
     from cost_models.step_timeline import phase_seconds, step_timeline
 
-    from .calibrating.step_profile import PHASES, read_phase_seconds, trace_path
+    from planner.calibrating.step_profile import PHASES, read_phase_seconds, trace_path
 
     rows, traces = [], []
     for i, v in enumerate(report.runs, 1):

@@ -17,9 +17,9 @@ from cost_models.profile import DEFAULT_PROFILE, Profile
 from cost_models.specs import ClusterSpec, Finetune, FsdpConfig, ModelSpec, Precision, TrainingSpec
 from cost_models.units import DTYPE_BYTES, GiB
 
-from .api import Candidate, Plan
-from .search import describe, technique_words
-from .setups import FSDP2_REMOVED, UserSetup, model_use_cache
+from planner.api import Candidate, Plan
+from planner.search import describe, technique_words
+from planner.doctor.readers import FSDP2_REMOVED, UserSetup, model_use_cache
 
 ERROR, WARNING, ADVICE = "error", "warning", "advice"
 SEVERITY_ORDER = {ERROR: 0, WARNING: 1, ADVICE: 2}
@@ -483,8 +483,8 @@ def check(setup: UserSetup, model, gpus: int | None = None, *, gpus_per_node: in
     """Estimate the user's setup on the cluster and run every rule. Cluster size defaults to the one the
     accelerate config names (num_processes, num_machines); seq_len to the setup's own (torchtitan's
     training.seq_len), else 2048."""
-    from .api import estimate_config, grad_accum_for, plan_for, resolve_inputs
-    from .errors import PlannerError
+    from planner.api import estimate_config, grad_accum_for, plan_for, resolve_inputs
+    from planner.errors import PlannerError
 
     if gpus is None:
         if setup.n_processes is None:

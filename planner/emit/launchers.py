@@ -1,4 +1,4 @@
-"""The launchers' dialects of a plan (dispatched by planner/emit.py): an accelerate (1.x) config, a Lightning
+"""The launchers' dialects of a plan (dispatched by planner/emit/): an accelerate (1.x) config, a Lightning
 Trainer with FSDPStrategy, a torchrun command, a slurm sbatch script. Pure strings: no torch import.
 """
 
@@ -7,9 +7,9 @@ from __future__ import annotations
 from cost_models import fsdp_options
 from cost_models.specs import ClusterSpec, FsdpConfig, ModelSpec, Precision, TrainingSpec
 
-from . import emit_mesh as meshed
-from . import emit_techniques as tech
-from .emit_common import (_KV_CACHE_WHY, RDZV_PORT, _comment, _fsdp1_strategy, _mixed_dtypes, _notes, _summary,
+from planner.emit.code import mesh as meshed
+from planner.emit.code import techniques as tech
+from planner.emit.common import (_KV_CACHE_WHY, RDZV_PORT, _comment, _fsdp1_strategy, _mixed_dtypes, _notes, _summary,
                           multi_node_note, reshard_entry, torchrun_args, torchrun_command)
 
 _ACCELERATE_MIXED = {Precision.FP32: "no", Precision.BF16: "bf16", Precision.FP16: "fp16", Precision.BF16_PURE: "no"}
@@ -19,7 +19,7 @@ _YAML_WORDS = {"no", "yes", "on", "off", "true", "false", "null", "y", "n"}
 def emit_accelerate(config: FsdpConfig, model_spec: ModelSpec, cluster: ClusterSpec,
                     training: TrainingSpec | None = None, fsdp_version: int = 1) -> str:
     """accelerate (1.x) config YAML, FSDP1 or FSDP2 form, loadable by `accelerate launch --config_file`; a mesh
-    (FSDP2 only) as accelerate's parallelism_config (emit_mesh.accelerate_mesh)."""
+    (FSDP2 only) as accelerate's parallelism_config (mesh.accelerate_mesh)."""
     if fsdp_version == 1:
         meshed.refuse_mesh(config, "accelerate's FSDP1 config", "--emit accelerate-fsdp2 (ParallelismConfig)")
     mesh = meshed.accelerate_mesh(config, cluster, "accelerate")

@@ -16,7 +16,7 @@ from __future__ import annotations
 from cost_models.pipeline import stages
 from cost_models.specs import FsdpConfig, ModelSpec, TrainingSpec
 
-from .errors import PlannerError
+from planner.errors import PlannerError
 
 _DTYPES = {"fp32": "torch.float32", "bf16": "torch.bfloat16", "fp16": "torch.float16"}
 
