@@ -3,7 +3,8 @@
 The full grid (10 configurations per family) is `benchmarks/memory_accuracy.py --families 2026 --arch qwen3
 --arch gemma2 --arch gemma3 --arch olmo2 --arch phi2 --arch starcoder2`: median 0.03%, max 1.25% over 60
 configurations. Here: one CI-sized configuration per family, each exercising its quirk, within 3% of the
-trace; and the formula pieces by hand.
+trace; the formula pieces by hand; and one block of each family's preset against a traced block memory
+profile on the preset's own shapes (recorded, one of them traced again), within 2%.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import pytest
 from cost_models import activations as A
 from cost_models.specs import Attention
 from planner.models import from_hf_config
+from planner.models.resolve import load_preset, preset_hf_config
 
 TOLERANCE = 0.03  # the issue's target; the grid's worst row is 1.25%
 _DIMS = dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
@@ -95,3 +97,44 @@ def test_phi_attention_dropout_is_its_own_key():
     phi = from_hf_config(CONFIGS["phi"])  # resid_pdrop 0.1, attention_dropout 0
     assert phi.dropout and phi.attention_dropout is False
     assert from_hf_config({**CONFIGS["phi"], "attention_dropout": 0.1}).attention_dropout
+
+
+# -- the formulas against a traced block memory profile of the presets, on their own shapes (issue 19 item 5) ----
+
+# (preset, attention, seq_len, a, q): one block's saved bytes per token = a + q x seq_len in a traced profile (bf16,
+# the preset's first attention), made by `python benchmarks/formula_vs_profile.py PRESET...` on 2026-12-02 (torch
+# 2.13.0, transformers 5.24.0, ~1 min a preset). Mistral and StarCoder2 window at 4,096 = the sequence: their
+# profile's q is the mask's (the fit's shorter point has none); the formula counted it only for longer sequences
+# until then (0.9074 / 0.8586 of the profile).
+TRACED_BLOCKS = [
+    ("llama3.2-1b", "sdpa", 4096, 108680.0, 0.0), ("llama3-8b", "sdpa", 4096, 200840.0, 0.0),
+    ("mistral-7b", "sdpa", 4096, 180360.0, 10.0), ("qwen2.5-7b", "sdpa", 4096, 225400.0, 0.0),
+    ("qwen3-8b", "sdpa", 4096, 215336.0, 0.0), ("gemma3-12b", "sdpa", 4096, 341850.7, 1.667),
+    ("gemma2-9b", "eager", 4096, 276496.0, 128.0), ("olmo2-7b", "sdpa", 4096, 268432.0, 0.0),
+    ("phi-2", "sdpa", 4096, 143492.0, 0.0), ("phi-4", "sdpa", 4096, 274088.0, 0.0),
+    ("starcoder2-15b", "sdpa", 4096, 155848.0, 15.0), ("mixtral-8x7b", "sdpa", 4096, 348412.0, 0.0),
+    ("qwen2-moe-a2.7b", "sdpa", 4096, 176578.0, 0.0), ("qwen3-30b-a3b", "sdpa", 4096, 194636.0, 0.0),
+]
+PROFILE_TOLERANCE = 0.02  # the issue's 2% rule; measured at most 0.005% (8 B per token: the norms' statistics)
+
+
+@pytest.mark.parametrize("preset, attention, seq_len, a, q", TRACED_BLOCKS, ids=[t[0] for t in TRACED_BLOCKS])
+def test_formula_against_the_traced_profile_of_the_preset(preset, attention, seq_len, a, q):
+    spec = load_preset(preset)
+    assert spec.attention_choices[0] == attention and spec.priced_by == "formula"
+    formula = A.block_bytes_per_token(spec, 2, Attention(attention), seq_len)
+    assert formula == pytest.approx(a + q * seq_len, rel=PROFILE_TOLERANCE)
+
+
+def test_one_recorded_profile_traced_again():
+    """llama3.2-1b's recorded a, traced again at 256 tokens (SDPA keeps nothing that grows with the keys: the same
+    per-token bytes as at 4,096, and a trace of seconds)."""
+    pytest.importorskip("transformers")
+    from planner.models.block_profiles import profile_key, trace_profile
+
+    spec, hf_config = load_preset("llama3.2-1b"), preset_hf_config("llama3.2-1b")
+    terms = trace_profile(spec, hf_config, "bf16", "sdpa", 256,
+                          profile_key(hf_config, "bf16", "sdpa", 256)).terms.activation_terms()
+    recorded = next(t for t in TRACED_BLOCKS if t[0] == "llama3.2-1b")
+    assert terms.saved_per_token == pytest.approx(recorded[3], rel=1e-6)
+    assert terms.saved_per_token_per_seq == pytest.approx(recorded[4], abs=1e-6)
