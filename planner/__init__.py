@@ -11,6 +11,8 @@ Importing this package does not import torch.
 
 from .api import Candidate, Plan, estimate, plan
 from .errors import PlannerError
+from .request import ClusterRequest, ConfigRequest, MeshRequest, SearchRequest, TrainingRequest
 from .tracing import trace
 
-__all__ = ["plan", "estimate", "trace", "Plan", "Candidate", "PlannerError"]
+__all__ = ["plan", "estimate", "trace", "Plan", "Candidate", "PlannerError", "ClusterRequest", "TrainingRequest",
+           "ConfigRequest", "MeshRequest", "SearchRequest"]

@@ -6,6 +6,7 @@ objects (Candidate.fsdp_kwargs, Candidate.apply_fully_shard).
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 
 from cost_models import fsdp_options
@@ -16,11 +17,10 @@ from cost_models.profile import DEFAULT_PROFILE, Profile
 from cost_models.schedules import Schedule
 from cost_models.specs import (Attention, ClusterSpec, Finetune, FsdpConfig, ModelSpec, Precision, Sharding,
                                REDUCE_DTYPES, SpecError, TrainingSpec, parse_enum)
-from cost_models.units import parse_bytes
 
 from .errors import PlannerError
-from .hardware import DEFAULT_GPU, make_cluster
 from .models import resolve_model
+from .request import Request, api_signature, build_request, knob_names
 from .search import SearchSpace, search, suggestions
 from planner.search.pipeline import PP_MICROBATCHES_PER_STAGE
 
@@ -166,56 +166,41 @@ class Plan:
         }
 
 
-def _training(seq_len, global_batch, optimizer, finetune, lora_rank, routing_imbalance=1.0) -> TrainingSpec:
-    return TrainingSpec(seq_len=seq_len, global_batch=global_batch, optimizer=optimizer, finetune=finetune,
-                        lora_rank=lora_rank, routing_imbalance=routing_imbalance)
+PLAN_KNOBS = tuple(n for n in knob_names("", "cluster", "training", "config.mesh", "search") if n != "model")
+PLAN_KNOBS = PLAN_KNOBS[:PLAN_KNOBS.index("tp")] + ("attention",) + PLAN_KNOBS[PLAN_KNOBS.index("tp"):]
+ESTIMATE_KNOBS = tuple(n for n in knob_names("", "cluster", "training", "config", "config.mesh") if n != "model")
+RESOLVE_KNOBS = tuple(n for n in knob_names("", "cluster", "training") if n != "model") + ("attention",)
 
 
-def _cluster(gpus, gpu, gpus_per_node, internode_gbps, gpu_memory, intra_node_gb_per_s, pcie_gb_per_s,
-             cpu_ram_per_node) -> ClusterSpec:
-    try:
-        memory = parse_bytes(gpu_memory) if gpu_memory is not None else None
-        ram = parse_bytes(cpu_ram_per_node) if cpu_ram_per_node is not None else None
-    except ValueError as exc:
-        raise PlannerError("gpu_memory" if gpu_memory is not None else "cpu_ram_per_node", str(exc)) from None
-    return make_cluster(gpus, gpu=gpu, gpus_per_node=gpus_per_node, internode_gbps=internode_gbps,
-                        gpu_memory=memory, intra_node_gb_per_s=intra_node_gb_per_s, pcie_gb_per_s=pcie_gb_per_s,
-                        cpu_ram_per_node=ram)
+def plan(model, gpus: int | None = None, *, profile: Profile | None = None, space: SearchSpace | None = None,
+         **knobs) -> Plan:
+    """Search every candidate configuration and rank those that fit by throughput. Keywords: the knobs of
+    planner.request's ClusterRequest, TrainingRequest, SearchRequest and MeshRequest by name, attention, or
+    those groups whole (cluster=, training=, search=, mesh=). attention None: the model's first choice (sdpa,
+    or eager for families that refuse it); reduce_dtypes: gradient reduction dtypes to search (None: each
+    precision's own); tp / cp / ep / pp pin a mesh degree (None: searched; pp 1 leaves pipelines out),
+    pp_schedule / pp_stages_per_rank pin the pipeline's schedule (None: 1F1B and interleaved 1F1B with 2 stages
+    per rank; the microbatch count follows from the global batch); async_tp True / False pins TP's overlap
+    (None: searched where compile and TP run); sequence_parallel False plans TP as transformers' tp_plan runs
+    it; routing_imbalance: MoE under EP, the busiest rank's routed rows over the mean (1: balanced)."""
+    return plan_request(build_request(model, gpus, valid=PLAN_KNOBS, **knobs), profile, space)
 
 
-def plan(model, gpus: int, *, gpu: str = DEFAULT_GPU, gpus_per_node: int | None = None,
-         internode_gbps: float | None = None, gpu_memory: str | int | None = None,
-         intra_node_gb_per_s: float | None = None, pcie_gb_per_s: float | None = None,
-         cpu_ram_per_node: str | int | None = None, seq_len: int = 2048, global_batch: int | None = None,
-         optimizer: str = "adamw", finetune: str = "full", lora_rank: int = 16,
-         precisions: list[str] | None = None, attention: str | None = None, profile: Profile | None = None,
-         space: SearchSpace | None = None, trust_remote_code: bool = False,
-         reduce_dtypes: list[str] | None = None, tp: int | None = None, cp: int | None = None,
-         ep: int | None = None, pp: int | None = None, pp_schedule: str | None = None,
-         pp_stages_per_rank: int | None = None, async_tp: bool | None = None,
-         sequence_parallel: bool = True, routing_imbalance: float = 1.0) -> Plan:
-    """Search every candidate configuration and rank those that fit by throughput. attention None: the
-    model's first choice (sdpa, or eager for families that refuse it); reduce_dtypes: gradient reduction
-    dtypes to search (None: each precision's own); tp / cp / ep / pp pin a mesh degree (None: searched; pp 1
-    leaves pipelines out), pp_schedule / pp_stages_per_rank pin the pipeline's schedule (None: 1F1B and
-    interleaved 1F1B with 2 stages per rank; the microbatch count follows from the global batch); async_tp True / False pins TP's overlap (None: searched where compile and TP run); sequence_parallel
-    False plans TP as transformers' tp_plan runs it; routing_imbalance: MoE under EP, the busiest rank's routed
-    rows over the mean (1: balanced)."""
-    spec, cluster, training = resolve_inputs(
-        model, gpus, gpu=gpu, gpus_per_node=gpus_per_node, internode_gbps=internode_gbps, gpu_memory=gpu_memory,
-        intra_node_gb_per_s=intra_node_gb_per_s, pcie_gb_per_s=pcie_gb_per_s, cpu_ram_per_node=cpu_ram_per_node,
-        seq_len=seq_len, global_batch=global_batch, optimizer=optimizer, finetune=finetune, lora_rank=lora_rank,
-        attention=space.attention.value if space else attention, trust_remote_code=trust_remote_code,
-        routing_imbalance=routing_imbalance)
+def plan_request(request: Request, profile: Profile | None = None, space: SearchSpace | None = None) -> Plan:
+    """plan() for a built Request."""
+    mesh, search_request = request.mesh, request.search
+    attention = space.attention.value if space else request.config.attention
+    spec, cluster, training = resolve_request(request, attention)
     if space is None:
+        precisions, reduce_dtypes = search_request.precisions, search_request.reduce_dtypes
         space = SearchSpace(
             precisions=tuple(parse_enum(Precision, p, "precision") for p in precisions) if precisions else None,
             attention=parse_enum(Attention, model_attention(spec, attention), "attention"),
             reduce_dtypes=tuple(_reduce_dtype(r) for r in reduce_dtypes) if reduce_dtypes else (None,),
-            tp=tp, cp=cp, ep=ep, async_tp=(False, True) if async_tp is None else (async_tp,),
-            sequence_parallel=sequence_parallel, pp=pp,
-            pp_schedule=parse_enum(Schedule, pp_schedule, "pp_schedule") if pp_schedule is not None else None,
-            pp_stages_per_rank=pp_stages_per_rank)
+            tp=mesh.tp, cp=mesh.cp, ep=mesh.ep, async_tp=(False, True) if mesh.async_tp is None else (mesh.async_tp,),
+            sequence_parallel=mesh.sequence_parallel, pp=mesh.pp,
+            pp_schedule=parse_enum(Schedule, mesh.pp_schedule, "pp_schedule") if mesh.pp_schedule is not None
+            else None, pp_stages_per_rank=mesh.pp_stages_per_rank)
         _check_pinned_mesh(spec, cluster, training, space)
     return plan_for(spec, cluster, training, profile, space)
 
@@ -257,59 +242,52 @@ def plan_for(spec: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, prof
                 skipped=result.skipped, notes=result.notes)
 
 
-def estimate(model, gpus: int, *, gpu: str = DEFAULT_GPU, gpus_per_node: int | None = None,
-             internode_gbps: float | None = None, gpu_memory: str | int | None = None,
-             intra_node_gb_per_s: float | None = None, pcie_gb_per_s: float | None = None,
-             cpu_ram_per_node: str | int | None = None, seq_len: int = 2048, global_batch: int | None = None,
-             optimizer: str = "adamw", finetune: str = "full", lora_rank: int = 16,
-             sharding: str = "FULL_SHARD", precision: str = "bf16", activation_checkpointing: str = "none",
-             micro_batch: int = 1, grad_accum: int | None = None, attention: str | None = None,
-             offload: bool = False, backward_prefetch: bool = True, forward_prefetch: bool = False,
-             limit_all_gathers: bool = True, profile: Profile | None = None,
-             trust_remote_code: bool = False, expert_shard_dim: int = 0, expert_units: bool = False,
-             reduce_dtype: str | None = None, compile: bool = False, float8: bool = False,
-             fp8_all_gather: bool = False, reshard_after_forward: int = 0, tp: int = 1, cp: int = 1, ep: int = 1,
-             pp: int = 1, pp_schedule: str | None = None, pp_stages_per_rank: int | None = None,
-             async_tp: bool = False, sequence_parallel: bool = True,
-             routing_imbalance: float = 1.0) -> Candidate:
-    """Cost one explicit configuration (attention None: the model's first choice; expert_shard_dim=1: FSDP2
-    shards stacked MoE expert matrices on dim 1, unpadded; expert_units: MoE experts as their own units;
-    reduce_dtype fp32 | bf16: the gradient reduction's dtype, None: the precision's; activation_checkpointing
-    "selective-op": torchtitan's op-level policy in every block; compile: torch.compile per block; float8:
-    torchao Float8 linears, fp8_all_gather: FSDP2 gathers them in FP8; reshard_after_forward N: FSDP2 keeps
-    block params sharded over N ranks after forward, 0: the strategy's own, as is N equal to the shard group,
-    which FSDP2 reads as True; tp / cp / ep / pp: the device mesh's tensor, context, expert and pipeline degrees
-    beside FSDP over the rest (cost_models/mesh.py); with pp > 1, pp_schedule (gpipe, 1f1b - the default -,
-    interleaved-1f1b, zero-bubble, dualpipev) and pp_stages_per_rank (looped schedules; None: 2), and micro_batch
-    is the pipeline microbatch: the local batch (global batch / data-parallel ranks) is split into grad_accum
-    microbatches run in one schedule step (cost_models/pipeline.py; without a global batch or grad_accum, two per
-    stage, as the search takes them); async_tp: TP's collectives overlapped (needs compile),
-    sequence_parallel False: TP as transformers' tp_plan runs it). What cannot run on the cluster, or a mesh the
-    model does not allow, raises PlannerError (cost_models.feasibility, cost_models.mesh_rules)."""
-    spec, cluster, training = resolve_inputs(
-        model, gpus, gpu=gpu, gpus_per_node=gpus_per_node, internode_gbps=internode_gbps, gpu_memory=gpu_memory,
-        intra_node_gb_per_s=intra_node_gb_per_s, pcie_gb_per_s=pcie_gb_per_s, cpu_ram_per_node=cpu_ram_per_node,
-        seq_len=seq_len, global_batch=global_batch, optimizer=optimizer, finetune=finetune, lora_rank=lora_rank,
-        attention=attention, trust_remote_code=trust_remote_code, routing_imbalance=routing_imbalance)
-    attention = model_attention(spec, attention)
-    if pp == 1 and (pp_schedule is not None or pp_stages_per_rank is not None):
-        given = "pp_schedule" if pp_schedule is not None else "pp_stages_per_rank"
+def estimate(model, gpus: int | None = None, *, profile: Profile | None = None, **knobs) -> Candidate:
+    """Cost one explicit configuration. Keywords: the knobs of planner.request's ClusterRequest,
+    TrainingRequest, ConfigRequest and MeshRequest by name, or those groups whole (cluster=, training=,
+    config=, mesh=). attention None: the model's first choice; expert_shard_dim=1: FSDP2 shards stacked MoE
+    expert matrices on dim 1, unpadded; expert_units: MoE experts as their own units; reduce_dtype fp32 | bf16:
+    the gradient reduction's dtype, None: the precision's; activation_checkpointing "selective-op": torchtitan's
+    op-level policy in every block; compile: torch.compile per block; float8: torchao Float8 linears,
+    fp8_all_gather: FSDP2 gathers them in FP8; reshard_after_forward N: FSDP2 keeps block params sharded over N
+    ranks after forward, 0: the strategy's own, as is N equal to the shard group, which FSDP2 reads as True;
+    tp / cp / ep / pp: the device mesh's tensor, context, expert and pipeline degrees beside FSDP over the rest
+    (cost_models/mesh.py; None: 1); with pp > 1, pp_schedule (gpipe, 1f1b - the default -, interleaved-1f1b,
+    zero-bubble, dualpipev) and pp_stages_per_rank (looped schedules; None: 2), and micro_batch is the pipeline
+    microbatch: the local batch (global batch / data-parallel ranks) is split into grad_accum microbatches run in
+    one schedule step (cost_models/pipeline.py; without a global batch or grad_accum, two per stage, as the
+    search takes them); async_tp: TP's collectives overlapped (needs compile; None: off), sequence_parallel
+    False: TP as transformers' tp_plan runs it. What cannot run on the cluster, or a mesh the model does not
+    allow, raises PlannerError (cost_models.feasibility, cost_models.mesh_rules)."""
+    return estimate_request(build_request(model, gpus, valid=ESTIMATE_KNOBS, **knobs), profile)
+
+
+def estimate_request(request: Request, profile: Profile | None = None) -> Candidate:
+    """estimate() for a built Request."""
+    c, mesh = request.config, request.mesh
+    spec, cluster, training = resolve_request(request, c.attention)
+    attention = model_attention(spec, c.attention)
+    tp, cp, ep, pp = (mesh.degrees(default=1)[n] for n in ("tp", "cp", "ep", "pp"))
+    if pp == 1 and (mesh.pp_schedule is not None or mesh.pp_stages_per_rank is not None):
+        given = "pp_schedule" if mesh.pp_schedule is not None else "pp_stages_per_rank"
         raise PlannerError(given, "needs pipeline parallelism: give pp >= 2 (--pp N) with it, or leave it out")
+    grad_accum = c.grad_accum
     if grad_accum is None and pp > 1 and training.global_batch is None:  # the search's choice without a global batch
-        schedule = parse_enum(Schedule, pp_schedule or Schedule.ONE_F_ONE_B, "pp_schedule")
-        grad_accum = PP_MICROBATCHES_PER_STAGE * pp * (pp_stages_per_rank or schedule.default_stages_per_rank)
+        schedule = parse_enum(Schedule, mesh.pp_schedule or Schedule.ONE_F_ONE_B, "pp_schedule")
+        grad_accum = PP_MICROBATCHES_PER_STAGE * pp * (mesh.pp_stages_per_rank or schedule.default_stages_per_rank)
     if grad_accum is None:
-        grad_accum = grad_accum_for(micro_batch, cluster, training, tp * cp * pp)
-    config = FsdpConfig(sharding=sharding, precision=precision, offload=offload,
-                        ac_every=activation_checkpointing, micro_batch=micro_batch, grad_accum=grad_accum,
-                        attention=attention, backward_prefetch=backward_prefetch,
-                        forward_prefetch=forward_prefetch, limit_all_gathers=limit_all_gathers,
-                        expert_shard_dim=expert_shard_dim, expert_units=expert_units, reduce_dtype=reduce_dtype,
-                        compile=compile, float8=float8, fp8_all_gather=fp8_all_gather,
-                        reshard_after_forward=reshard_after_forward, tp=tp, cp=cp, ep=ep, pp=pp, async_tp=async_tp,
-                        sequence_parallel=sequence_parallel, pp_schedule=pp_schedule or Schedule.ONE_F_ONE_B,
-                        pp_stages_per_rank=pp_stages_per_rank or 0)
-    if expert_units and spec.moe is None:
+        grad_accum = grad_accum_for(c.micro_batch, cluster, training, tp * cp * pp)
+    config = FsdpConfig(sharding=c.sharding, precision=c.precision, offload=c.offload,
+                        ac_every=c.activation_checkpointing, micro_batch=c.micro_batch, grad_accum=grad_accum,
+                        attention=attention, backward_prefetch=c.backward_prefetch,
+                        forward_prefetch=c.forward_prefetch, limit_all_gathers=c.limit_all_gathers,
+                        expert_shard_dim=c.expert_shard_dim, expert_units=c.expert_units, reduce_dtype=c.reduce_dtype,
+                        compile=c.compile, float8=c.float8, fp8_all_gather=c.fp8_all_gather,
+                        reshard_after_forward=c.reshard_after_forward, tp=tp, cp=cp, ep=ep, pp=pp,
+                        async_tp=bool(mesh.async_tp), sequence_parallel=mesh.sequence_parallel,
+                        pp_schedule=mesh.pp_schedule or Schedule.ONE_F_ONE_B,
+                        pp_stages_per_rank=mesh.pp_stages_per_rank or 0)
+    if c.expert_units and spec.moe is None:
         raise PlannerError("expert_units", f"{spec.name} has no routed experts (a dense model): drop --expert-units")
     return estimate_config(spec, cluster, training, config, profile)
 
@@ -326,20 +304,20 @@ def grad_accum_for(micro_batch: int, cluster: ClusterSpec, training: TrainingSpe
     return accum
 
 
-def resolve_inputs(model, gpus: int, *, gpu: str = DEFAULT_GPU, gpus_per_node: int | None = None,
-                   internode_gbps: float | None = None, gpu_memory: str | int | None = None,
-                   intra_node_gb_per_s: float | None = None, pcie_gb_per_s: float | None = None,
-                   cpu_ram_per_node: str | int | None = None, seq_len: int = 2048, global_batch: int | None = None,
-                   optimizer: str = "adamw", finetune: str = "full", lora_rank: int = 16,
-                   attention: str | None = None, trust_remote_code: bool = False,
-                   routing_imbalance: float = 1.0) -> tuple[ModelSpec, ClusterSpec, TrainingSpec]:
-    """The specs behind every command: model, cluster and training from API/CLI arguments. A model without
-    an activation formula gets its traced block memory profile here (for `attention`, default: every
-    implementation it runs)."""
-    spec = model if isinstance(model, ModelSpec) else resolve_model(model, trust_remote_code=trust_remote_code)
-    cluster = _cluster(gpus, gpu, gpus_per_node, internode_gbps, gpu_memory, intra_node_gb_per_s, pcie_gb_per_s,
-                       cpu_ram_per_node)
-    training = _training(seq_len, global_batch, optimizer, finetune, lora_rank, routing_imbalance)
+def resolve_inputs(model, gpus: int | None = None, **knobs) -> tuple[ModelSpec, ClusterSpec, TrainingSpec]:
+    """The specs behind every command from API/CLI keywords (the cluster's and the training's knobs, attention,
+    trust_remote_code; or cluster= / training= groups): resolve_request of their Request."""
+    request = build_request(model, gpus, valid=RESOLVE_KNOBS, **knobs)
+    return resolve_request(request, request.config.attention)
+
+
+def resolve_request(request: Request, attention: str | None = None) -> tuple[ModelSpec, ClusterSpec, TrainingSpec]:
+    """Model, cluster and training specs of a request. A model without an activation formula gets its traced
+    block memory profile here (for `attention`, default: every implementation it runs)."""
+    model = request.model
+    spec = model if isinstance(model, ModelSpec) else resolve_model(model, trust_remote_code=request.trust_remote_code)
+    cluster = request.cluster.spec()
+    training = request.training.spec()
     if training.finetune is Finetune.FULL and not isinstance(model, ModelSpec):
         from .models import hf_config_of
         from .models.block_profiles import needs_block_profile, with_block_profile
@@ -387,5 +365,18 @@ def cluster_rejects(cluster: ClusterSpec, config: FsdpConfig) -> PlannerError | 
     first = next((r for r in refused if not r.priced), refused[0])
     return PlannerError(first.field, f"{first.reason}; {first.fix}")
 
+
+
+def _signatures() -> None:
+    """help(plan) / help(estimate) list every knob with its type and default (planner.request)."""
+    P = inspect.Parameter
+    head = [P("model", P.POSITIONAL_OR_KEYWORD), P("gpus", P.POSITIONAL_OR_KEYWORD, default=None, annotation=int | None)]
+    profile = P("profile", P.KEYWORD_ONLY, default=None, annotation=Profile | None)
+    space = P("space", P.KEYWORD_ONLY, default=None, annotation=SearchSpace | None)
+    plan.__signature__ = api_signature(head, PLAN_KNOBS, [profile, space]).replace(return_annotation=Plan)
+    estimate.__signature__ = api_signature(head, ESTIMATE_KNOBS, [profile]).replace(return_annotation=Candidate)
+
+
+_signatures()
 
 __all__ = ["plan", "estimate", "Plan", "Candidate", "Sharding", "SpecError"]

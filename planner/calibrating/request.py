@@ -16,47 +16,76 @@ from cost_models.profile import Profile
 from cost_models.specs import ClusterSpec, FsdpConfig, ModelSpec, TrainingSpec
 
 from ..errors import PlannerError
+from ..request import ClusterRequest, TrainingRequest, knob
 
 _LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers")
+_CLUSTER = ("gpus", "gpus_per_node", "gpu", "internode_gbps", "gpu_memory", "intra_node_gb_per_s", "pcie_gb_per_s",
+            "cpu_ram_per_node")
+_TRAINING = ("seq_len", "global_batch", "optimizer", "finetune", "lora_rank", "routing_imbalance")
 
 
 @dataclass
 class CalibrationRequest:
-    """One calibration. Field names are the CLI flags (--top -> top)."""
+    """One calibration: the cluster and training groups of planner.request (given whole or by their knobs'
+    names, CalibrationRequest(out_dir, gpus=8, seq_len=512): request.gpus reads request.cluster.gpus), and the
+    calibration's own knobs, declared here with their flags (planner/cli/calibrate.py generates its options)."""
 
-    out_dir: str
-    gpus: int
-    model: str | None = None             # preset, config.json, or a directory holding one
-    factory: str | None = None           # "pkg.module:function" returning the nn.Module (called with n_layers=L)
-    device: str = "cuda"                 # cuda | cpu
-    gpu: str = "a100-80gb"               # catalog id of the GPUs (cuda)
-    gpus_per_node: int | None = None
-    nodes: int | None = None
-    internode_gbps: float | None = None
-    seq_len: int = 2048
-    global_batch: int | None = None
-    optimizer: str = "adamw"
-    finetune: str = "full"               # full | lora (peft adapters on the attention projections)
-    lora_rank: int = 16
-    precisions: list[str] | None = None
+    out_dir: str = knob("calibration", "--out", help="Directory for results.jsonl, profile.json, logs")
+    cluster: ClusterRequest = field(default_factory=ClusterRequest)
+    training: TrainingRequest = field(default_factory=TrainingRequest)
+    model: str | None = None             # preset, config.json, or a directory holding one (Request's --model)
+    factory: str | None = knob(None, "--factory", help="pkg.module:function building the nn.Module (called with "
+                               "n_layers=L under --layers)")
+    device: str = knob("cuda", "--device", help="cuda (NCCL) or cpu (gloo, one thread per rank)")
+    nodes: int | None = knob(None, "--nodes", help="Nodes (multi-node: with --rdzv-endpoint)")
+    precisions: list[str] | None = None  # SearchRequest's --precision
     attention: str | None = None         # None: the model's first choice (sdpa, or eager where it refuses sdpa)
-    top: int = 3
+    top: int = knob(3, "--top", help="Run the K best planned candidates (default 3)")
     config: FsdpConfig | None = None     # run exactly this configuration instead of the top K
-    steps: int = 10
-    warmup: int = 3
-    fsdp_version: int = 2
-    layers: int | None = None            # run a depth-reduced copy, extrapolate per block
-    emulate_world_size: int | None = None
-    profile: str | None = None           # predict with this profile.json
-    force_profile: bool = False
-    fit: bool = True
-    resume: bool = False
-    timeout_s: float | None = None       # per run; default from the predicted step time
-    launch: bool = True                  # multi-node: False prints the per-node commands
-    rdzv_endpoint: str | None = None     # HOST:PORT of node 0 (multi-node)
-    node_rank: int = 0
-    torch_profile: bool = False          # a torch.profiler trace of one more step per run, beside its result
+    steps: int = knob(10, "--steps", help="Timed steps per run")
+    warmup: int = knob(3, "--warmup", help="Untimed steps first")
+    fsdp_version: int = knob(2, "--fsdp-version", help="1 (FullyShardedDataParallel) or 2 (fully_shard)")
+    layers: int | None = knob(None, "--layers", help="Run L blocks, extrapolate per block")  # extrapolated per block
+    emulate_world_size: int | None = knob(None, "--emulate-world-size", help="One device runs rank 0 of an N-rank "
+                                          "job (fake process group)")
+    profile: str | None = knob(None, "--profile", help="Predict with this profile.json")
+    force_profile: bool = knob(False, "--force-profile", help="Use a profile from another cluster")
+    fit: bool = knob(True, "--fit/--no-fit", help="Refit the profile from the measured runs")
+    resume: bool = knob(False, "--resume", help="Skip runs already in DIR/results.jsonl")
+    timeout_s: float | None = knob(None, "--timeout", help="Seconds per run before its process group is killed "
+                                   "(default: 600 + 10x the predicted steps)")
+    launch: bool = knob(True, "--launch", help="Multi-node: run this node's part (else print)")  # False: print them
+    rdzv_endpoint: str | None = knob(None, "--rdzv-endpoint", help="HOST:PORT of node 0")
+    node_rank: int = knob(0, "--node-rank", help="This node's rank (with --launch)")
+    torch_profile: bool = knob(False, "--torch-profile", help="Save a torch.profiler trace (Chrome JSON) of one "
+                               "more step per run beside its result")
     fault: dict | None = None            # testing: {"run": i, "rank": r, "step": s, "kind": exit|hang|oom|raise}
+
+    def __getattr__(self, name: str):
+        """The groups' knobs by name (request.gpus, request.seq_len)."""
+        group = "cluster" if name in _CLUSTER else "training" if name in _TRAINING else None
+        if group is None or group not in self.__dict__:
+            raise AttributeError(name)
+        return getattr(self.__dict__[group], name)
+
+
+def _routed_init(generated):
+    """CalibrationRequest(out_dir, gpus=8, seq_len=512, ...): the groups' knobs routed into them, over the
+    groups given whole (cluster=, training=)."""
+
+    def __init__(self, out_dir: str = "calibration", gpus: int | None = None, **kwargs):
+        cluster = {k: kwargs.pop(k) for k in _CLUSTER if k in kwargs}
+        training = {k: kwargs.pop(k) for k in _TRAINING if k in kwargs}
+        if gpus is not None:
+            cluster["gpus"] = gpus
+        generated(self, out_dir, cluster=replace(kwargs.pop("cluster", None) or ClusterRequest(), **cluster),
+                  training=replace(kwargs.pop("training", None) or TrainingRequest(), **training), **kwargs)
+
+    __init__.__doc__ = _routed_init.__doc__
+    return __init__
+
+
+CalibrationRequest.__init__ = _routed_init(CalibrationRequest.__init__)
 
 
 @dataclass
@@ -171,8 +200,7 @@ def _factory_spec(factory: str) -> ModelSpec:
 
 
 def training_spec(request: CalibrationRequest) -> TrainingSpec:
-    return TrainingSpec(seq_len=request.seq_len, global_batch=request.global_batch, optimizer=request.optimizer,
-                        finetune=request.finetune, lora_rank=request.lora_rank)
+    return request.training.spec()
 
 
 def nodes_and_per_node(request: CalibrationRequest) -> tuple[int, int]:

@@ -7,11 +7,11 @@ import typer
 from planner.cli.options import Format, config_command
 
 
-def _estimate(model, args: dict, config: dict, output_format: Format) -> None:
+def _estimate(knobs: dict, output_format: Format) -> None:
     from planner.reports import table as report
     from planner.api import estimate
 
-    c = estimate(model, **config, **args)
+    c = estimate(**knobs)
     typer.echo(report.estimate_json(c) if output_format is Format.json else report.estimate_text(c))
 
 

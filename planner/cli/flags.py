@@ -48,9 +48,9 @@ def _base_type(t):
     return t
 
 
-def knob_option(name: str, how: As = As()) -> inspect.Parameter:
-    """The typer parameter of one knob."""
-    k = knob_table(Request)[name]
+def knob_option(name: str, how: As = As(), request=Request) -> inspect.Parameter:
+    """The typer parameter of one knob of `request` (a request class: Request, CalibrationRequest)."""
+    k = {**knob_table(Request), **knob_table(request)}[name]
     default = k.default if how.default is _KEEP else how.default
     base = k.flag.cli_type or _base_type(k.type)
     hint = Optional[base] if default is None else base
@@ -62,14 +62,15 @@ def knob_option(name: str, how: As = As()) -> inspect.Parameter:
                              annotation=Annotated[hint, option])
 
 
-def own_option(name: str, hint, default, *decls: str, **option) -> inspect.Parameter:
-    """A command's own option (not a request knob: --top, --format, --out ...)."""
-    return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default,
-                             annotation=Annotated[hint, typer.Option(*decls, **option)])
+def param(name: str, hint, default) -> inspect.Parameter:
+    """A command's own option (not a request knob: --top, --format, --out ...): hint is its
+    Annotated[type, typer.Option(...)]."""
+    return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=hint)
 
 
-def options(*names: str, **how: As) -> list[inspect.Parameter]:
-    return [knob_option(n, how.get(n, As())) for n in names]
+def options(*names: str, request=Request, **how: As) -> list[inspect.Parameter]:
+    """The typer parameters of these knobs, in this order; `how`: the command's own wording of some."""
+    return [knob_option(n, how.get(n, As()), request) for n in names]
 
 
 def command(params: list[inspect.Parameter], body: Callable[..., object], doc: str) -> Callable:

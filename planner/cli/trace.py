@@ -12,12 +12,12 @@ import typer
 from planner.cli.options import Format, config_command
 
 
-def _trace(model, args: dict, config: dict, output_format: Format) -> None:
+def _trace(knobs: dict, output_format: Format) -> None:
     import json
 
     from planner.tracing import report_text, trace
 
-    r = trace(model, **config, **args)
+    r = trace(**knobs)
     typer.echo(json.dumps(r.to_dict(), indent=2) if output_format is Format.json else report_text(r))
 
 

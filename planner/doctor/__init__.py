@@ -483,7 +483,8 @@ def check(setup: UserSetup, model, gpus: int | None = None, *, gpus_per_node: in
     """Estimate the user's setup on the cluster and run every rule. Cluster size defaults to the one the
     accelerate config names (num_processes, num_machines); seq_len to the setup's own (torchtitan's
     training.seq_len), else 2048."""
-    from planner.api import estimate_config, grad_accum_for, plan_for, resolve_inputs
+    from planner.api import RESOLVE_KNOBS, estimate_config, grad_accum_for, plan_for, resolve_request
+    from planner.request import build_request
     from planner.errors import PlannerError
 
     if gpus is None:
@@ -493,8 +494,9 @@ def check(setup: UserSetup, model, gpus: int | None = None, *, gpus_per_node: in
     if gpus_per_node is None and setup.n_machines:
         gpus_per_node = max(1, gpus // setup.n_machines)
     seq_len = seq_len or setup.seq_len or 2048
-    spec, cluster, training = resolve_inputs(model, gpus, gpus_per_node=gpus_per_node, seq_len=seq_len,
-                                             **cluster_and_training)
+    request = build_request(model, gpus, valid=RESOLVE_KNOBS, gpus_per_node=gpus_per_node, seq_len=seq_len,
+                            **cluster_and_training)  # the request estimate() and plan() build
+    spec, cluster, training = resolve_request(request)
     mb = micro_batch or setup.config.micro_batch
     pipeline = setup.pipeline  # torchtitan's stages per rank from layers_per_stage need the model's blocks
     staged = {"pp_stages_per_rank": pipeline.stages_per_rank(spec.n_layers)} if pipeline is not None else {}

@@ -76,3 +76,95 @@ def test_groups_are_frozen_values():
         ClusterRequest(gpus=8).gpus = 16
     assert MeshRequest(tp=2, pp=4).degrees() == {"tp": 2, "pp": 4}
     assert MeshRequest(tp=2).degrees(default=1) == {"tp": 2, "cp": 1, "ep": 1, "pp": 1}
+
+
+# --- the CLI and the API read the declarations -------------------------------------------------------------
+
+def _cli_commands():
+    import typer
+
+    from planner.cli import app
+
+    group = typer.main.get_command(app)
+    return {"plan": group, **group.commands}
+
+
+def _knob_tables():
+    from planner.calibrating import CalibrationRequest
+
+    return {**knob_table(Request), **knob_table(CalibrationRequest)}
+
+
+def test_every_flag_of_every_command_is_one_field():
+    knobs, requests = _knob_tables(), knob_table(Request)
+    spelled: dict[str, set[str]] = {}
+    from_request, own = {}, {}
+    for name, cmd in _cli_commands().items():
+        options = [p for p in cmd.params if p.param_type_name == "option"]  # typer vendors its click
+        from_request[name] = sum(p.name in requests for p in options)
+        own[name] = {p.name for p in options if p.name not in knobs}
+        for p in options:
+            for flag in p.opts + p.secondary_opts:
+                spelled.setdefault(flag, set()).add(p.name)
+            if p.name in knobs:  # a knob's option: its declared flags, never a command's own spelling
+                decls = [d for decl in knobs[p.name].flag.decls for d in decl.split("/")]
+                assert sorted(p.opts + p.secondary_opts) == sorted(decls), (name, p.name)
+    # one flag, one field: only the search's lists share a flag with the one configuration's value
+    shared = {flag: names for flag, names in spelled.items() if len(names) > 1}
+    assert shared == {"--precision": {"precision", "precisions"}, "--reduce-dtype": {"reduce_dtype", "reduce_dtypes"}}
+    # by hand: estimate 9 cluster (with --model) + 5 training + attention + 15 config + 8 mesh + routing +
+    # trust_remote_code = 40; plan 9 + 5 + attention + 2 search + 8 mesh + routing + trust = 27; explain 9 + 5 +
+    # attention + 9 config + 8 mesh = 32; calibrate 5 cluster + 5 training + attention + precisions + 7 config +
+    # 7 mesh = 26 (and its own 19 from CalibrationRequest); check 9 + 5 + 6 config = 20
+    assert from_request == {"plan": 27, "estimate": 40, "trace": 40, "explain": 32, "calibrate": 26, "check": 20,
+                            "models": 0, "gpus": 0, "schema": 0}
+    assert own["calibrate"] == {"emit", "output_format", "fault"}  # the rest are CalibrationRequest's knobs
+    assert own["estimate"] == {"output_format"} and own["check"] == {"dynamic_control_flow", "output_format"}
+
+
+def test_a_knobs_default_is_the_apis_and_the_clis():
+    import inspect
+
+    from planner.api import estimate, plan
+
+    # the CLI's off switch for async_tp is the API's None (off for one configuration, searched by the plan)
+    for command, api, own in (("estimate", estimate, {"async_tp": False}), ("plan", plan, {})):
+        signature = inspect.signature(api).parameters
+        cli = {p.name: p.default for p in _cli_commands()[command].params if p.name in signature}
+        assert len(cli) == (41 if command == "estimate" else 28)  # the knobs, --profile; the model is positional
+        for name, default in cli.items():
+            if name != "model":
+                assert default == own.get(name, signature[name].default), (command, name)
+    assert str(inspect.signature(plan)).startswith("(model, gpus: int | None = None, *, trust_remote_code: bool "
+                                                   "= False, gpus_per_node: int | None = None, gpu: str = "
+                                                   "'a100-80gb',")
+
+
+def test_the_api_takes_knobs_or_groups_alike():
+    from planner.api import estimate, plan
+
+    flat = estimate("llama3-8b", 16, gpu="h100-80gb", micro_batch=2, tp=2, seq_len=4096)
+    grouped = estimate("llama3-8b", cluster=ClusterRequest(gpus=16, gpu="h100-80gb"),
+                       training=TrainingRequest(seq_len=4096),
+                       config=ConfigRequest(micro_batch=2, mesh=MeshRequest(tp=2)))
+    assert (grouped.config.tp, grouped.config.micro_batch, grouped.config.grad_accum) == (2, 2, 1)
+    assert grouped.time.step_s == pytest.approx(flat.time.step_s, rel=0)
+    assert grouped.memory.peak_reserved_bytes == flat.memory.peak_reserved_bytes
+    with pytest.raises(PlannerError, match="^sharding: unknown argument; valid: trust_remote_code, gpus, "):
+        plan("llama3-8b", gpus=16, sharding="NO_SHARD")  # one configuration's knob: estimate's, not the search's
+    with pytest.raises(PlannerError, match="^precisions: unknown argument"):
+        estimate("llama3-8b", 16, precisions=["bf16"])
+
+
+def test_calibration_requests_embed_the_groups():
+    from planner.calibrating import CalibrationRequest
+    from planner.calibrating.request import training_spec
+
+    r = CalibrationRequest("out", 8, seq_len=512, gpu="h100-80gb", steps=4)
+    assert (r.cluster.gpus, r.gpus, r.gpu, r.training.seq_len, r.seq_len, r.steps) == (8, 8, "h100-80gb", 512, 512, 4)
+    assert training_spec(r).seq_len == 512 and training_spec(r).optimizer == "adamw"
+    same = CalibrationRequest("out", cluster=ClusterRequest(gpus=8, gpu="h100-80gb"),
+                              training=TrainingRequest(seq_len=512), steps=4)
+    assert same == r
+    with pytest.raises(AttributeError):
+        r.sharding  # noqa: B018 (not a calibration knob)
