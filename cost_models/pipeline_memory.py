@@ -16,6 +16,10 @@ docs/accuracy.md):
   non-first stage, gradients into a non-last one) are made once per microbatch at the first step and kept;
 - the last stage keeps every microbatch's logits for the step's merged output (output_chunks), its loss's
   log-softmax output until the loss backward, and computes the loss backward on three fp32 copies.
+- split backward (zero-bubble, DualPipeV; torch's _backward.py): a non-first stage's input pass (I) keeps the
+  microbatch's whole graph and the output gradient of each linear and norm weight until its weight pass (W); W
+  leaves the stage's compute-dtype weight gradients in param.grad until the stage's next pass's post-backward adds
+  them into the reduce-dtype sums; the first stage skips I and runs its whole backward at W.
 The per-token pieces (a block's saved bytes, its backward working set, the final norm's, the loss's) are the
 single-microbatch ledger's (cost_models/activations.py), as cost_models/memory.py uses them.
 """
@@ -66,7 +70,8 @@ class _StagePieces:
     blocks: tuple              # each block's backward, top first: (activations relative to `saved`, in-flight gradients,
     #                            activations at its post-backward)
     reserved_extra: int        # last stage: what the allocator strands above the loss backward's allocations
-    weight_inputs: int         # zero-bubble: the output gradients of the stage's linears, kept from I until W
+    weight_inputs: int         # split backward: the output gradients at the stage's linears and norm weights, I to W
+    input_pass: tuple          # split backward: each block's input-pass moment (top first), relative to the held state
     block_params: int          # one block's parameters (an FSDP unit)
     head_grad: int             # the head's gradients (compute dtype), waiting for the stage root's post-backward
 
@@ -125,10 +130,25 @@ def _stage_pieces(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, 
         post = tokens * (sum(kept[:j]) + h * c) + shared - saved
         blocks.append((*max(at_mlp, at_attn, key=sum), post))
     head_grad = head * c
+    # split backward, input pass (stage_backward_input: autograd.grad to the stage input with retain_graph=True):
+    # nothing saved is freed, and a pre-hook on each linear's mm and each norm's weight product keeps the gradient
+    # of its output for the weight pass: per block q, k, v, o, gate, up, down and the two norms (c (q + 2 kv + 4 h
+    # + 2 f) per token, 12 h at Llama's shapes; counted in the trace's param_groups). The first stage skips the
+    # pass (torch runs its whole backward at W), so it keeps none.
+    weight_inputs = 0 if stage.embedding else tokens * c * (model.q_dim + 2 * model.kv_dim + 4 * h + 2 * f)
+    head_inputs = tokens * c * h if stage.head and not stage.embedding else 0  # the final norm's (the head's: logits)
+    # block j's input-pass moment (j blocks above done, their gradients kept): its MLP's working set with fc2's input
+    # still saved, its attention's beside the MLP half's kept gradients (norm 2, down, gate, up), or - the largest at
+    # Llama's shapes - its first norm's backward, every gradient of the block kept but that norm's own, beside the
+    # RMSNorm's fp32 chain (four h-sized fp32 gradients, and the upcast incoming one under a 16-bit compute dtype:
+    # 5 x 4 h per token in the trace's timeline, llama-8 zero-bubble bf16)
+    norm_chain = 4 * h * (4 + (c < 4))
+    input_pass = tuple(max(j * weight_inputs + tokens * max(w_mlp + c * f, w_attn + c * (2 * h + 2 * f)),
+                           (j + 1) * weight_inputs + tokens * (norm_chain - c * h))
+                       for j in range(stage.n_blocks))
     return _StagePieces(stage, params, head, saved, output, logits, loss_saved, loss_peak, tuple(blocks),
                         tokens * activations.logits_reserved_extra_bytes_per_token(model, c, config.loss_compiled)
-                        if stage.head else 0,
-                        tokens * c * stage.n_blocks * (model.q_dim + 2 * model.kv_dim + 2 * h + 2 * f),
+                        if stage.head else 0, weight_inputs * stage.n_blocks + head_inputs, input_pass,
                         counts.block(), head_grad)
 
 
@@ -160,6 +180,7 @@ def rank_memory(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, d:
     backwards: dict[int, int] = {s: 0 for s in pieces}
     in_flight: dict[int, int] = {s: 0 for s in pieces}  # microbatches forwarded, not yet through their last pass
     waiting: dict[int, int] = {s: 0 for s in pieces}    # of which input pass done, weight pass not yet
+    pending: dict[int, int] = {s: 0 for s in pieces}    # a weight pass's gradients in param.grad (compute dtype)
     reduced: set[int] = set()  # stages whose gradients are reduce-scattered (the step's end)
     most: dict[int, int] = {s: 0 for s in pieces}  # the most microbatches each stage holds at once
     logits_kept = 0
@@ -176,6 +197,7 @@ def rank_memory(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, d:
                 sharded += math.ceil(x.params * p / d)
             elif backwards[s]:
                 acc += x.params * r
+            acc += pending[s]
             if s in gathered:
                 gathered_c += x.params * c
         parts = (sharded_params, optimizer_state, sharded, gathered_c + params_extra, acc + grads_extra,
@@ -189,14 +211,39 @@ def rank_memory(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, d:
         """perform_reduce_grad after the stage's last backward: each FSDP unit (the stage root's params first, then
         the blocks) reshards, copies its accumulated gradients into the reduce-scatter input and gets its shard."""
         x = pieces[stage]
+        convert(stage)
         root = x.params - x.stage.n_blocks * x.block_params
         done = 0
-        for group in ([root] if root else []) + [x.block_params] * x.stage.n_blocks:
-            rs = group * r + math.ceil(group * r / d) if d > 1 else 0
-            moment(("reduce-scatter", None, stage), 0, -done * r, 0, -(done + group) * c, rs, math.ceil(done * p / d))
+        for i, group in enumerate(([root] if root else []) + [x.block_params] * x.stage.n_blocks):
+            rs_in, rs_out = (group * r, math.ceil(group * r / d)) if d > 1 else (0, 0)
+            shards = math.ceil(done * p / d)
+            # foreach_reduce copies a block unit's gradients into the reduce-scatter input and frees them (unsharded_grads
+            # .clear()) before it allocates the output; the previous unit's input is dropped before this one's is
+            # made. The stage root's gradients, reduced first, are still there when its output is allocated (the
+            # trace's timeline, llama3.2-1b's 1,051 MB embedding gradient, beside its input and output)
+            kept = group if root and i == 0 else 0
+            for gone in (done, done + group - kept):
+                moment(("reduce-scatter", None, stage), 0, -gone * r, 0, -(done + group) * c,
+                       rs_in + (rs_out if gone > done or kept else 0), shards)
             done += group
         gathered.discard(stage)
         reduced.add(stage)
+
+    def convert(stage: int) -> None:
+        """FSDP2's post-backward of the stage's next pass (or of the step-end reduce) adds a weight pass's
+        compute-dtype gradients into the reduce-dtype sums (creating them the first time) and frees them."""
+        if pending[stage]:
+            pending[stage] = 0
+            backwards[stage] = max(backwards[stage], 1)
+
+    def input_pass(x: _StagePieces, mb: int) -> None:
+        """A non-first stage's input pass: block by block (top first) its moment over everything held, each unit's
+        post-backward converting the last weight pass's gradients once the unit is done."""
+        had, fresh, unit = pending[x.stage.index], backwards[x.stage.index] == 0, x.block_params
+        for j, acts in enumerate(x.input_pass):
+            converted = -min(had, j * unit * c) + (j * unit * r if had and fresh else 0)
+            moment(("input pass", mb, x.stage.index), acts, converted, x.logits if x.stage.head else 0)
+        convert(x.stage.index)
 
     def block_moments(x: _StagePieces) -> dict:
         """The stage's block moments that can be largest, by case (first backward / later / later in place): for
@@ -225,12 +272,27 @@ def rank_memory(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, d:
             most[stage] = max(most[stage], in_flight[stage])
             logits_kept += x.logits
             continue
-        if action.kind == "W":  # the weight pass: the microbatch's graph and its weight-gradient inputs go
+        if action.kind == "I" and x.stage.embedding:  # torch skips the first stage's input pass: its W is a B
+            waiting[stage] += 1
+            continue
+        if action.kind == "W" and not x.stage.embedding:
+            # stage_backward_weight: the microbatch's graph and kept output gradients go, the stage's weight gradients
+            # stay in param.grad (compute dtype; a second W adds into them) until its next pass's post-backward (no
+            # FSDP hook runs in W)
             in_flight[stage] -= 1
             waiting[stage] -= 1
+            pending[stage] = x.params * c
             if mb == m - 1:
                 reduce(stage)
             continue
+        if action.kind == "I":
+            if x.stage.head:  # the loss backward; its saved log-softmax output stays until the pass ends (detach_)
+                loss_moment = max(loss_moment, moment(("loss backward", mb, stage), 0, 0, x.loss_peak)
+                                  + x.reserved_extra)
+            input_pass(x, mb)
+            waiting[stage] += 1
+            continue
+        convert(stage)
         loss_gone = -x.loss_saved if x.stage.head else 0
         if x.stage.head:
             loss_moment = max(loss_moment, moment(("loss backward", mb, stage), 0, 0, x.loss_peak) + x.reserved_extra)
@@ -250,12 +312,11 @@ def rank_memory(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, d:
             grads = (x.params - root) * r + root * (c + r) if first and r != c else (0 if first else root * c)
             moment(("root post-backward", mb, stage), tokens_h - x.saved, grads,
                    -x.loss_saved - x.logits if x.stage.head else 0)
-        if action.kind == "I":  # zero-bubble's input pass keeps the graph for the weight pass (an approximation)
-            waiting[stage] += 1
-        else:
-            in_flight[stage] -= 1
+        if action.kind == "W":  # the first stage's weight pass: its whole backward
+            waiting[stage] -= 1
+        in_flight[stage] -= 1
         backwards[stage] += 1
-        if action.kind == "B" and mb == m - 1:
+        if mb == m - 1:
             reduce(stage)
     if logits_kept:  # the last stage's step returns its microbatches' logits concatenated (a copy beside them)
         moment(("merge of the logits", None, None), 0, 0, logits_kept)
@@ -298,9 +359,9 @@ def pipeline_estimate(model: ModelSpec, cluster, training: TrainingSpec, config:
     phase = "optimizer_step" if top.peak_moment == "optimizer step" else "backward"
     notes = tuple(activations.quirks(model, config.attention, training.seq_len)) + (
         f"pipeline rank {top.rank} ({top.description}) has the largest peak, at its {top.peak_moment}",) + (
-        (f"{config.pp_schedule.value}: the split backward's held tensors are approximated (the input pass keeps "
-         "the microbatch's graph and its linears' output gradients until the weight pass); unchecked: the trace "
-         "runs it but differs by 9-44% (docs/accuracy.md)",) if config.pp_schedule.value in SPLIT_BACKWARD else ()) + (
+        (f"{config.pp_schedule.value}: the split backward priced as torch runs it (the input pass keeps the graph and "
+         "the output gradients of the linears and norms until the weight pass; checked on one pp 2 configuration, "
+         "docs/accuracy.md)",) if config.pp_schedule.value in SPLIT_BACKWARD else ()) + (
         tuple(f"pp > 1 does not price {what} yet: priced as without it" for what, on in (
             ("CPU offload", config.offload), ("selective-op checkpointing", config.selective_op_ac),
             ("LoRA", training.finetune.value == "lora"), ("the experts' own activations (MoE)", model.moe is not None),
