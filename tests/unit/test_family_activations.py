@@ -138,3 +138,17 @@ def test_one_recorded_profile_traced_again():
     recorded = next(t for t in TRACED_BLOCKS if t[0] == "llama3.2-1b")
     assert terms.saved_per_token == pytest.approx(recorded[3], rel=1e-6)
     assert terms.saved_per_token_per_seq == pytest.approx(recorded[4], abs=1e-6)
+
+
+def test_a_window_as_long_as_the_sequence_masks():
+    """transformers hands SDPA a window mask from kv_length >= window on (masking_utils), so a 2-layer Mistral at
+    512 tokens with window 512 saves the (s, s) mask and the repeated k and v per layer; the formula counted them
+    only for a longer sequence: -5.07% here then, -0.03% now."""
+    pytest.importorskip("transformers")
+    from planner.tracing import trace
+
+    cfg = {"model_type": "mistral", "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 1000, "sliding_window": 512}
+    r = trace(cfg, gpus=2, precision="bf16", seq_len=512)
+    assert abs(r.relative_error) < 0.005, r.difference()
+    assert A.quirks(r.candidate.model, Attention.SDPA, 512)[0].startswith("sliding window 512 <= sequence 512")
