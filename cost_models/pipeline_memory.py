@@ -67,8 +67,8 @@ class _StagePieces:
     logits: int                # last stage: one microbatch's logits, kept to the step's end (output_chunks)
     loss_saved: int            # last stage: the log-softmax output kept until the loss backward
     loss_peak: int             # last stage: the loss backward's fp32 gradients on top of loss_saved
-    blocks: tuple              # each block's backward, top first: (activations relative to `saved`, in-flight gradients,
-    #                            activations at its post-backward)
+    blocks: tuple              # each block's backward, top first: its largest (activations relative to `saved`, in-flight
+    #                            gradients), the same without a dtype change (in place), activations at its post-backward
     reserved_extra: int        # last stage: what the allocator strands above the loss backward's allocations
     weight_inputs: int         # split backward: the output gradients at the stage's linears and norm weights, I to W
     input_pass: tuple          # split backward: each block's input-pass moment (top first), relative to the held state
@@ -125,10 +125,14 @@ def _stage_pieces(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, 
         this = full + (input_extra if j or stage.embedding else 0) if recomputed else kept[j]
         base = tokens * (sum(kept[:j]) + this) + shared - saved
         at_mlp, at_attn = (base + tokens * w_mlp, mlp_grad), (base + tokens * (w_attn - freed), attn_grad)
+        # without a dtype change AccumulateGrad adds into the kept gradients in place, but autograd makes each weight's
+        # gradient whole first: the MLP's moment is fc2's (h x f) beside the incoming gradient and fc2's input's (the
+        # activation's factors' gradients come after); the attention's as in the other cases, without one
+        in_place = max((base + tokens * c * (h + f), mlp_grad), (at_attn[0], 0), key=sum)
         # its post-backward: the block's whole compute-dtype gradient (converted or added one parameter at a time)
         # beside the saved tensors below and the gradient passed down
         post = tokens * (sum(kept[:j]) + h * c) + shared - saved
-        blocks.append((*max(at_mlp, at_attn, key=sum), post))
+        blocks.append((max(at_mlp, at_attn, key=sum), in_place, post))
     head_grad = head * c
     # split backward, input pass (stage_backward_input: autograd.grad to the stage input with retain_graph=True):
     # nothing saved is freed, and a pre-hook on each linear's mm and each norm's weight product keeps the gradient
@@ -252,10 +256,11 @@ def rank_memory(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, d:
         out = {}
         for case in ("first", "later", "in place"):
             options = []
-            for j, (acts, grads, post) in enumerate(x.blocks):
+            for j, (largest, in_place, post) in enumerate(x.blocks):
+                acts, grads = in_place if case == "in place" else largest
                 done = j * x.block_params * r + x.head_grad if case == "first" else (
                     0 if case == "in place" else x.head_grad)
-                held = 0 if case == "in place" else grads
+                held = grads
                 whole = 0 if case == "in place" else x.block_params * c
                 options += [("backward", acts, done + held), ("post-backward of a block", post, done + whole)]
             out[case] = [max((o for o in options if o[0] == kind), key=lambda o: o[1] + o[2])
