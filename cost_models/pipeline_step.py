@@ -18,9 +18,9 @@ def _pipeline_step(model, full_model, cluster, training, config, profile, blocks
     pp, m = config.pp, config.pp_microbatches
     passes = pipeline_time.stage_passes(model, config, blocks, root)
     p2p_s = pipeline_time.p2p_seconds(model, config, cluster, profile, tokens, c)
-    pipe = pipeline_time.pipeline_time(model, config, passes, p2p_s)
+    pipe = pipeline_time.pipeline_time(model, config, passes, p2p_s, record=terms is not None)
     if terms is not None:  # what explain shows of the walk
-        terms.update(pipeline_passes=passes, pipeline_p2p_s=p2p_s, pipeline=pipe)
+        terms.update(pipeline_passes=passes, pipeline_p2p_s=p2p_s, pipeline=pipe, fsdp_copy_s=fsdp_copy_s)
     share = m / pp
     compute = share * per_mb["compute_s"] + fsdp_copy_s / pp  # FSDP2's copies once per step (gathered all step)
     mesh_exposed = share * (tp_mb[1] + cp_mb[1] + ep_mb)

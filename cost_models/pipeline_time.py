@@ -33,6 +33,7 @@ rule above already prices), stragglers, the optimizer's cross-rank gradient-norm
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from . import comm
 from .pipeline import stage_rank, stages
@@ -54,16 +55,43 @@ class StagePass:
     reduce_s: float = 0.0      # reduce-scatters (and HSDP all-reduce) after its last backward
 
 
+class Pass(NamedTuple):
+    """One action as the walk ran it (cost_models/pipeline_timeline.py draws them)."""
+
+    rank: int
+    stage: int
+    kind: str          # F, B, I, W
+    microbatch: int
+    start_s: float
+    end_s: float
+
+
+class Send(NamedTuple):
+    """A stage-to-stage transfer between ranks that a pass waited for: activations forward (kind F), input
+    gradients backward (B, I)."""
+
+    src_stage: int
+    dst_stage: int
+    kind: str          # the receiving pass's
+    microbatch: int
+    start_s: float     # posted: the sender's pass ended (GPipe / 1F1B: and the receiver's previous pass)
+    end_s: float       # arrived, p2p_s later
+
+
 @dataclass(frozen=True)
 class Walk:
     step_s: float                       # the schedule's makespan
     rank_busy_s: tuple[float, ...]      # each rank's compute time in the step
     rank_first_start_s: tuple[float, ...]
     stage_last_backward_s: tuple[float, ...]  # when each stage's last backward (or W) ends
+    passes: tuple[Pass, ...] = ()       # every action, as run: the spans a timeline draws
+    sends: tuple[Send, ...] = ()
 
 
-def walk(schedule: Schedule, pp: int, v: int, m: int, passes: tuple[StagePass, ...], p2p_s: float) -> Walk:
-    """Event simulation of one schedule step (module docstring)."""
+def walk(schedule: Schedule, pp: int, v: int, m: int, passes: tuple[StagePass, ...], p2p_s: float,
+         record: bool = False) -> Walk:
+    """Event simulation of one schedule step (module docstring); record: keep every pass and send (a timeline's
+    spans; off in the search, where they would only cost time)."""
     n_stages = len(passes)
     rank_of = [stage_rank(s, pp, schedule) for s in range(n_stages)]
     todo = orders(schedule, pp, v, m)
@@ -73,6 +101,8 @@ def walk(schedule: Schedule, pp: int, v: int, m: int, passes: tuple[StagePass, .
     busy = [0.0] * pp
     last_bwd = [0.0] * n_stages
     at = [0] * pp
+    ran: list[Pass] = []
+    sends: list[Send] = []
 
     # GPipe and 1F1B (torch's PipelineScheduleSingle) post a receive after the rank's previous compute, behind its
     # sends on NCCL's stream: the transfer starts when both the sender's and the receiver's previous passes end.
@@ -105,8 +135,14 @@ def walk(schedule: Schedule, pp: int, v: int, m: int, passes: tuple[StagePass, .
                     break
                 p = passes[stage]
                 dur = {"F": p.forward_s, "B": p.backward_s, "I": p.backward_s - p.weight_s, "W": p.weight_s}[kind]
+                if record:
+                    src = stage - 1 if kind == "F" else stage + 1  # whose output this pass waited for
+                    if kind != "W" and 0 <= src < n_stages and rank_of[src] != r:
+                        sends.append(Send(src, stage, kind, mb, t - p2p_s, t))
                 start = max(free[r], t)
                 free[r] = end = start + dur
+                if record:
+                    ran.append(Pass(r, stage, kind, mb, start, end))
                 first[r] = start if first[r] is None else first[r]
                 busy[r] += dur
                 done[(stage, kind, mb)] = end
@@ -119,7 +155,7 @@ def walk(schedule: Schedule, pp: int, v: int, m: int, passes: tuple[StagePass, .
                 progressed = True
         if not progressed:
             raise RuntimeError(f"{schedule.value} order deadlocks (pp {pp}, V {v}, m {m})")
-    return Walk(max(free), tuple(busy), tuple(f or 0.0 for f in first), tuple(last_bwd))
+    return Walk(max(free), tuple(busy), tuple(f or 0.0 for f in first), tuple(last_bwd), tuple(ran), tuple(sends))
 
 
 @dataclass(frozen=True)
@@ -133,14 +169,21 @@ class PipelineTime:
     mean_rank_s: float    # per microbatch, the mean rank's stage work
     slowest_rank: int
     rank_busy_s: tuple[float, ...]
+    # what cost_models/pipeline_timeline.py draws: the timed walk (its passes and sends, when recorded), the
+    # all-gathers' delay before the schedule starts (of fsdp_exposed_s), each stage's reduce-scatters' start
+    gather_exposed_s: float = 0.0
+    walk: Walk | None = None
+    reduce_start_s: tuple[float, ...] = ()
 
 
-def pipeline_time(model: ModelSpec, config: FsdpConfig, passes: tuple[StagePass, ...], p2p_s: float) -> PipelineTime:
-    """Price one schedule step of config's pipeline from its stages' passes (one per stage, model order)."""
+def pipeline_time(model: ModelSpec, config: FsdpConfig, passes: tuple[StagePass, ...], p2p_s: float,
+                  record: bool = False) -> PipelineTime:
+    """Price one schedule step of config's pipeline from its stages' passes (one per stage, model order); record:
+    keep the timed walk's passes and sends in .walk (what cost_models/pipeline_timeline.py draws)."""
     pp, v, m = config.pp, config.pp_stages_per_rank, config.pp_microbatches
     layout = stages(model, config)
     schedule = config.pp_schedule
-    timed = walk(schedule, pp, v, m, passes, p2p_s)
+    timed = walk(schedule, pp, v, m, passes, p2p_s, record)
     bare = walk(schedule, pp, v, m, passes, 0.0) if p2p_s else timed
     per_rank = [0.0] * pp
     for s in layout:
@@ -155,10 +198,12 @@ def pipeline_time(model: ModelSpec, config: FsdpConfig, passes: tuple[StagePass,
         exposed = head.first_gather_exposed_s if r == 0 else max(0.0, head.gather_s - timed.rank_first_start_s[r])
         gather_delay = max(gather_delay, exposed)
     end = timed.step_s
+    reduce_start = [0.0] * len(passes)
     for r in range(pp):
         stream = 0.0
         for s in sorted((s for s in layout if s.rank == r), key=lambda s: timed.stage_last_backward_s[s.index]):
-            stream = max(stream, timed.stage_last_backward_s[s.index]) + passes[s.index].reduce_s
+            reduce_start[s.index] = max(stream, timed.stage_last_backward_s[s.index])
+            stream = reduce_start[s.index] + passes[s.index].reduce_s
         end = max(end, stream)
     reduce_delay = end - timed.step_s
     transfers = 2 * m * (pp * v - 1) * p2p_s  # each boundary: activations forward, gradients backward
@@ -172,6 +217,9 @@ def pipeline_time(model: ModelSpec, config: FsdpConfig, passes: tuple[StagePass,
         mean_rank_s=mean,
         slowest_rank=slowest,
         rank_busy_s=timed.rank_busy_s,
+        gather_exposed_s=gather_delay,
+        walk=timed,
+        reduce_start_s=tuple(reduce_start),
     )
 
 

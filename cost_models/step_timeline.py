@@ -37,6 +37,7 @@ class Span:
     start_s: float
     dur_s: float
     args: dict = field(default_factory=dict)
+    rank: int = 0        # the pipeline rank whose streams run it (0 without PP)
 
     @property
     def end_s(self) -> float:
@@ -48,6 +49,8 @@ class StepTimeline:
     spans: tuple[Span, ...]
     time: TimeBreakdown
     reduce_name: str     # what the reduction track runs: reduce-scatter, + replica all-reduce (HSDP), all-reduce
+    ranks: tuple[dict, ...] = ()  # PP: per pipeline rank, its stages, busy_s and bubble_s
+    notes: dict = field(default_factory=dict)  # what the drawing folds or simplifies, for the file's metadata
 
     @property
     def end_s(self) -> float:
@@ -92,7 +95,7 @@ def step_timeline(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec
     terms: dict = {}
     t = estimate_step_time(model, cluster, training, config, profile, terms)
     if "kinds" not in terms:  # pp > 1: cost_models/pipeline_time.py walks the stages instead
-        raise SpecError("timeline", f"pipeline plans (pp {config.pp}) are not drawn yet; the timeline draws pp = 1")
+        raise SpecError("timeline", f"pp {config.pp}: cost_models/pipeline_timeline.py draws pipeline plans")
     local = tensor_parallel.local_model(model, config)
     L, nd, accum = local.n_layers, local.n_dense_layers, config.grad_accum
     tp_t, cp_t, a2a = terms["tp"], terms["cp"], terms["a2a_s"]
@@ -132,8 +135,7 @@ def step_timeline(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec
         return start
 
     root_f, root_b = _root_compute(local, config, terms)
-    reduce_name = ("all-reduce" if config.sharding is Sharding.NO_SHARD else "reduce-scatter + replica all-reduce"
-                   if config.replicate_group_size(cluster) > 1 else "reduce-scatter")
+    reduce_name = reduction_name(config, cluster)
     lanes = _Lanes()
     for m in range(accum):
         lanes.micro_batch = m
@@ -194,6 +196,13 @@ def step_timeline(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec
     lanes.wait(end - lanes.now)
     lanes.compute("optimizer step (CPU)" if config.offload else "optimizer step", "optimizer", t.optimizer_s)
     return StepTimeline(tuple(lanes.spans), t, reduce_name)
+
+
+def reduction_name(config: FsdpConfig, cluster: ClusterSpec) -> str:
+    """What FSDP's gradient reduction runs: reduce-scatter, with HSDP's replica all-reduce, or NO_SHARD's all-reduce."""
+    if config.sharding is Sharding.NO_SHARD:
+        return "all-reduce"
+    return "reduce-scatter + replica all-reduce" if config.replicate_group_size(cluster) > 1 else "reduce-scatter"
 
 
 def phase_seconds(tl: StepTimeline) -> dict[str, float]:

@@ -10,7 +10,9 @@ import sys
 import jsonschema
 import pytest
 
+from cost_models.pipeline_orders import orders
 from cost_models.profile import DEFAULT_PROFILE
+from cost_models.step_time import estimate_step_time
 from cost_models.step_timeline import phase_seconds, step_timeline
 from planner.api import estimate
 from planner.reports.timeline import trace_events
@@ -29,7 +31,8 @@ SCHEMA = {
                             "args": {"type": "object"}}},
             {"type": "object", "required": ["ph", "name", "pid", "tid", "args"],
              "properties": {"ph": {"const": "M"}, "pid": {"type": "integer"}, "tid": {"type": "integer"},
-                            "name": {"enum": ["process_name", "thread_name", "thread_sort_index"]},
+                            "name": {"enum": ["process_name", "process_labels", "process_sort_index",
+                                              "thread_name", "thread_sort_index"]},
                             "args": {"type": "object", "minProperties": 1}}},
         ]}},
     },
@@ -144,6 +147,99 @@ def test_phases_cut_the_predicted_step_as_the_profiler_does(name):
     share = phases["forward"] / (phases["forward"] + phases["backward"])
     low, high = {"fsdp": (0.25, 1 / 3), "accum4-full-ac": (0.2, 0.25)}[name]
     assert low < share < high
+
+
+# pipeline plans (issue 18): llama3-8b's 32 blocks over 4 ranks, dp 4 (zero bubble: dp 2 x tp 2), micro-batch 1
+PP_PLANS = {
+    "1f1b": dict(model="llama3-8b", gpus=16, pp=4, pp_schedule="1f1b", micro_batch=1, global_batch=32),
+    "interleaved-v2": dict(model="llama3-8b", gpus=16, pp=4, pp_schedule="interleaved-1f1b", pp_stages_per_rank=2,
+                           micro_batch=1, global_batch=32),
+    "zero-bubble-v2-tp2": dict(model="llama3-8b", gpus=16, pp=4, pp_schedule="zero-bubble", pp_stages_per_rank=2,
+                               tp=2, micro_batch=1, global_batch=32),
+}
+ACTIONS = ("F", "B", "I", "W")
+
+
+@functools.cache
+def _pp_traced(name: str):
+    c = estimate(**PP_PLANS[name])
+    terms: dict = {}
+    estimate_step_time(c.model, c.cluster, c.training, c.config, DEFAULT_PROFILE, terms)
+    return c, terms["pipeline"], json.loads(json.dumps(trace_events(c)))
+
+
+def _rank_tracks(doc) -> dict[int, dict[str, list[tuple[float, float, str]]]]:
+    """pid (pipeline rank + 1) -> its tracks as _tracks gives them."""
+    names = {(e["pid"], e["tid"]): e["args"]["name"] for e in doc["traceEvents"]
+             if e["ph"] == "M" and e["name"] == "thread_name"}
+    ranks: dict[int, dict[str, list]] = {}
+    for e in doc["traceEvents"]:
+        if e["ph"] == "X":
+            track = ranks.setdefault(e["pid"], {}).setdefault(names[(e["pid"], e["tid"])], [])
+            track.append((e["ts"], e["ts"] + e["dur"], e["name"]))
+    return {pid: {k: sorted(v) for k, v in tracks.items()} for pid, tracks in ranks.items()}
+
+
+@pytest.mark.parametrize("name", list(PP_PLANS))
+def test_pipeline_timeline_draws_the_priced_walk(name):
+    """One process per pipeline rank: its actions as torch orders them (cost_models/pipeline_orders.py), their
+    seconds the walk's busy time, its last span at the priced step_s (schedule, exposed FSDP, tail)."""
+    c, pipe, doc = _pp_traced(name)
+    jsonschema.validate(doc, SCHEMA)
+    cfg, step_us = c.config, c.time.step_s * 1e6
+    m, v = cfg.pp_microbatches, cfg.pp_stages_per_rank
+    ranks = _rank_tracks(doc)
+    assert sorted(ranks) == [1, 2, 3, 4]
+    per_action = 3 if cfg.pp_schedule.value == "zero-bubble" else 2
+    for pid, tracks in ranks.items():
+        compute = tracks["compute"]
+        actions = [n for _, _, n in compute if n.split()[0] in ACTIONS]
+        assert len(actions) == per_action * m * v
+        drawn = [(int(n.split()[1][1:]), n.split()[0], int(n.split()[2][2:])) for n in actions]
+        assert drawn == list(orders(cfg.pp_schedule, cfg.pp, v, m)[pid - 1])  # start order = torch's order
+        busy_us = sum(e - s for s, e, n in compute if n.split()[0] in ACTIONS)
+        assert busy_us == pytest.approx(pipe.rank_busy_s[pid - 1] * 1e6, rel=1e-9)
+        for (_, end, a), (start, _, b) in zip(compute, compute[1:]):  # one stream: never two passes at once
+            assert start >= end - 1e-6, (pid, a, b)
+        assert max(e for track in tracks.values() for _, e, _ in track) == pytest.approx(step_us, rel=1e-6)
+        assert compute[-1][2] == "optimizer step" and compute[-1][1] == pytest.approx(step_us, rel=1e-6)
+    info = doc["otherData"]["ranks"]
+    assert [r["busy_s"] + r["bubble_s"] for r in info] == pytest.approx([pipe.walk.step_s] * 4, rel=1e-12)
+    assert "folded" in doc["otherData"]["notes"]["mesh"]
+
+
+def test_pipeline_sends_by_hand():
+    """Loop placement, every boundary between ranks: each of the p V - 1 boundaries carries m activations forward
+    and m gradients back, drawn once on the sender's p2p track and once on the receiver's; every transfer lasts the
+    priced p2p_s and ends no later than the pass that waited for it starts."""
+    c, pipe, doc = _pp_traced("interleaved-v2")
+    cfg = c.config
+    m, n_stages = cfg.pp_microbatches, cfg.pp * cfg.pp_stages_per_rank
+    ranks = _rank_tracks(doc)
+    for verb, track in (("send", "p2p send"), ("recv", "p2p recv")):
+        drawn = [x for tracks in ranks.values() for x in tracks[track]]
+        assert len(drawn) == 2 * m * (n_stages - 1) == 2 * 8 * 7
+        assert all(n.startswith(verb) for _, _, n in drawn)
+        p2p_us = doc["otherData"]["notes"]["p2p_s"] * 1e6
+        assert [e - s for s, e, _ in drawn] == pytest.approx([p2p_us] * len(drawn), rel=1e-6)
+    starts = {n: s for tracks in ranks.values() for s, _, n in tracks["compute"]}
+    for s, e, n in (x for tracks in ranks.values() for x in tracks["p2p recv"]):
+        what, src, _, dst, mb = n.split()[1:]
+        kind = "F" if what == "activations" else "B"
+        assert starts[f"{kind} {dst} {mb}"] >= e - 1e-6, n
+
+
+def test_405b_pipeline_timeline_is_small():
+    """The issue's 405B plan (pp 8, V 2, 32 microbatches): 2 m V actions per rank, 2 m (p V - 1) transfers drawn
+    twice, one all-gather and one reduce-scatter per stage, a 4-span tail per rank; well under 20 MB."""
+    c = estimate(model="llama3.1-405b", gpus=512, gpu="h100-96gb", tp=8, pp=8, pp_schedule="interleaved-1f1b",
+                 micro_batch=1, global_batch=256, activation_checkpointing="full", compile=True, float8=True,
+                 async_tp=True)
+    text = json.dumps(trace_events(c))
+    spans = [e for e in json.loads(text)["traceEvents"] if e["ph"] == "X"]
+    assert len(spans) == 8 * 2 * 32 * 2 + 2 * 2 * 32 * 15 + 16 + 16 + 8 * 4 == 3008
+    assert len(text) < 2e6
+    assert max(e["ts"] + e["dur"] for e in spans) == pytest.approx(c.time.step_s * 1e6, rel=1e-6)
 
 
 CLI = [sys.executable, "-m", "planner.cli"]
