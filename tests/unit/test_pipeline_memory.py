@@ -80,6 +80,16 @@ CACHED = [
     # the first microbatch's root post-backward set these peaks
     (("llama3.2-1b", "1f1b", 2, 0, 2, 4, 8, "FULL_SHARD", "bf16", 0, 1, 512), (10_047_857_188, 10_501_556_788)),
     (("llama3.2-1b", "interleaved-1f1b", 2, 2, 4, 8, 8, "FULL_SHARD", "bf16", 0, 1, 512), (8_197_095_972, 8_762_413_628)),
+    # the step-end reduce-scatter of block units (grads freed before the output is made) and, without a dtype change,
+    # fc2's weight gradient made whole before its in-place add
+    (("llama3.2-1b", "gpipe", 4, 0, 4, 8, 8, "FULL_SHARD", "bf16", 1, 1, 512),
+     (7_132_627_348, 3_110_703_504, 3_110_703_504, 7_965_120_976)),
+    (("llama3.2-1b", "1f1b", 4, 0, 8, 4, 8, "FULL_SHARD", "bf16-pure", 0, 1, 256),
+     (5_932_589_460, 2_825_658_768, 2_713_256_336, 6_301_955_516)),
+    # the split backward: the trace without the memory tracker's module-input hooks (no reference cycle: the same
+    # bytes with Python's cycle collector on and off)
+    (("llama-8", "zero-bubble", 2, 2, 4, 4, 8, "FULL_SHARD", "bf16", 0, 2, 256), (125_904_276, 211_568_048)),
+    (("llama-8", "dualpipev", 2, 2, 4, 4, 8, "FULL_SHARD", "bf16", 0, 2, 256), (213_464_492, 105_218_448)),
 ]
 KEYS = ("arch", "pp_schedule", "pp", "pp_stages_per_rank", "microbatches", "gpus", "gpus_per_node", "sharding",
         "precision", "ac_every", "micro_batch", "seq_len")
@@ -109,3 +119,18 @@ def test_in_flight_microbatches_match_torchs_own_pipeline_order(schedule, pp, v,
             theirs[stage] = max(theirs.get(stage, 0), live[stage])
         ours = [int(part.split("up to ")[1].split()[0]) for part in rank.description.split("; ")]
         assert ours == [theirs[s] for s in rank.stages], rank.rank
+
+
+def test_input_pass_keeps_the_output_gradient_of_each_linear_and_norm():
+    """Zero-bubble's I pass on a non-first stage keeps, per block and token, the gradient at q (256), k, v (128
+    each), o, down (256 each), gate, up (768 each) and both norms' weight products (256 each): 3,072 bf16 elements,
+    6,144 B. Stage 2 of llama-8 pp 2 V 2 (blocks 4-5) over 2 x 256 tokens: 6,291,456 B, the 18 tensors the trace's
+    param_groups hold for that microbatch (stage.backward_state after I, this row's trace). The first stage skips
+    I (torch runs its whole backward at W): none."""
+    from cost_models.pipeline import rank_stages
+    from cost_models.pipeline_memory import _stage_pieces
+
+    spec, _, training = specs(4)
+    cfg = FsdpConfig(pp=2, pp_schedule="zero-bubble", pp_stages_per_rank=2, micro_batch=2, grad_accum=4)
+    held = {st.index: _stage_pieces(spec, training, cfg, st).weight_inputs for st in rank_stages(spec, cfg, 0)}
+    assert held == {0: 0, 2: 6_291_456}
