@@ -59,11 +59,10 @@ SETTINGS = [
     ("llama-8", "gpipe", 2, 0, 4, 8, 8, "FULL_SHARD", "bf16", 1, 2, 256, 2),
     ("llama-16", "interleaved-1f1b", 2, 2, 4, 8, 8, "FULL_SHARD", "bf16", 0, 2, 256, 2),
     ("llama-16", "1f1b", 4, 0, 8, 16, 8, "FULL_SHARD", "bf16", 0, 1, 256, 2),
-    # the split-backward schedules (I / W): traced, the estimate does not price the weight-gradient pass yet
+    # the split-backward schedules (I / W)
     ("llama-8", "zero-bubble", 2, 2, 4, 4, 8, "FULL_SHARD", "bf16", 0, 2, 256),
     ("llama-8", "dualpipev", 2, 2, 4, 4, 8, "FULL_SHARD", "bf16", 0, 2, 256),
 ]
-SPLIT_BACKWARD = ("zero-bubble", "dualpipev")
 
 
 def pp_grid() -> list[dict]:
@@ -139,7 +138,7 @@ def run_pp_one(row: dict) -> dict:
 def summarize_pp(results: list[dict]) -> str:
     from tabulate import tabulate
 
-    rows, errors, split = [], [], []
+    rows, by_schedule = [], {}
     for i, r in enumerate(results, 1):
         label = [i, r["arch"], r["pp_schedule"], f"{r['pp']}x{r['pp_stages_per_rank'] or '-'}", r["microbatches"],
                  r["gpus"], r.get("tp", 1), r["sharding"], r["precision"], r["ac_every"], f"{r['micro_batch']}x{r['seq_len']}"]
@@ -147,7 +146,7 @@ def summarize_pp(results: list[dict]) -> str:
             rows.append(label + ["FAILED", r["error"][:60], "", ""])
             continue
         worst = max(r["ranks"], key=lambda x: abs(x["relative_error"]))
-        (split if r["pp_schedule"] in SPLIT_BACKWARD else errors).extend(abs(x["relative_error"]) for x in r["ranks"])
+        by_schedule.setdefault(r["pp_schedule"], []).append([abs(x["relative_error"]) for x in r["ranks"]])
         rows.append(label + [" ".join(f"{100 * x['relative_error']:+.2f}%" for x in r["ranks"]),
                              f"{worst['trace_peak'] / 2**20:.1f}", f"{worst['estimate_peak'] / 2**20:.1f}",
                              worst["estimate_moment"]])
@@ -156,9 +155,10 @@ def summarize_pp(results: list[dict]) -> str:
              tabulate(rows, headers=["#", "arch", "schedule", "pp x V", "m", "gpus", "tp", "sharding", "precision", "ac",
                                      "mb x seq", "error per rank", "trace MiB", "estimate MiB", "estimated peak"],
                       tablefmt="simple", disable_numparse=True), ""]
-    if errors:
-        lines.append(f"GPipe / 1F1B / interleaved 1F1B: {len(errors)} pipeline ranks, |error| median "
-                     f"{100 * statistics.median(errors):.2f}%, max {100 * max(errors):.2f}% (bar: every rank within 1%)")
-    if split:
-        lines.append(f"zero-bubble / DualPipeV (not priced yet): {len(split)} ranks, |error| max {100 * max(split):.1f}%")
+    every = [ranks for configs in by_schedule.values() for ranks in configs]
+    for schedule, configs in [*by_schedule.items(), ("all", every)] if every else ():
+        errors = [e for ranks in configs for e in ranks]
+        lines.append(f"{schedule}: {len(configs)} configurations, {len(errors)} pipeline ranks, |error| median "
+                     f"{100 * statistics.median(errors):.2f}%, max {100 * max(errors):.2f}%; "
+                     f"{sum(max(ranks) <= 0.01 for ranks in configs)} of {len(configs)} with every rank within 1%")
     return "\n".join(lines)
