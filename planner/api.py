@@ -170,6 +170,7 @@ PLAN_KNOBS = tuple(n for n in knob_names("", "cluster", "training", "config.mesh
 PLAN_KNOBS = PLAN_KNOBS[:PLAN_KNOBS.index("tp")] + ("attention",) + PLAN_KNOBS[PLAN_KNOBS.index("tp"):]
 ESTIMATE_KNOBS = tuple(n for n in knob_names("", "cluster", "training", "config", "config.mesh") if n != "model")
 RESOLVE_KNOBS = tuple(n for n in knob_names("", "cluster", "training") if n != "model") + ("attention",)
+PLAN_GROUPS, ESTIMATE_GROUPS = ("cluster", "training", "mesh", "search"), ("cluster", "training", "config", "mesh")
 
 
 def plan(model, gpus: int | None = None, *, profile: Profile | None = None, space: SearchSpace | None = None,
@@ -183,7 +184,8 @@ def plan(model, gpus: int | None = None, *, profile: Profile | None = None, spac
     per rank; the microbatch count follows from the global batch); async_tp True / False pins TP's overlap
     (None: searched where compile and TP run); sequence_parallel False plans TP as transformers' tp_plan runs
     it; routing_imbalance: MoE under EP, the busiest rank's routed rows over the mean (1: balanced)."""
-    return plan_request(build_request(model, gpus, valid=PLAN_KNOBS, **knobs), profile, space)
+    return plan_request(build_request(model, gpus, valid=PLAN_KNOBS, valid_groups=PLAN_GROUPS, **knobs), profile,
+                        space)
 
 
 def plan_request(request: Request, profile: Profile | None = None, space: SearchSpace | None = None) -> Plan:
@@ -259,7 +261,8 @@ def estimate(model, gpus: int | None = None, *, profile: Profile | None = None, 
     search takes them); async_tp: TP's collectives overlapped (needs compile; None: off), sequence_parallel
     False: TP as transformers' tp_plan runs it. What cannot run on the cluster, or a mesh the model does not
     allow, raises PlannerError (cost_models.feasibility, cost_models.mesh_rules)."""
-    return estimate_request(build_request(model, gpus, valid=ESTIMATE_KNOBS, **knobs), profile)
+    return estimate_request(build_request(model, gpus, valid=ESTIMATE_KNOBS, valid_groups=ESTIMATE_GROUPS, **knobs),
+                            profile)
 
 
 def estimate_request(request: Request, profile: Profile | None = None) -> Candidate:
@@ -307,7 +310,7 @@ def grad_accum_for(micro_batch: int, cluster: ClusterSpec, training: TrainingSpe
 def resolve_inputs(model, gpus: int | None = None, **knobs) -> tuple[ModelSpec, ClusterSpec, TrainingSpec]:
     """The specs behind every command from API/CLI keywords (the cluster's and the training's knobs, attention,
     trust_remote_code; or cluster= / training= groups): resolve_request of their Request."""
-    request = build_request(model, gpus, valid=RESOLVE_KNOBS, **knobs)
+    request = build_request(model, gpus, valid=RESOLVE_KNOBS, valid_groups=("cluster", "training"), **knobs)
     return resolve_request(request, request.config.attention)
 
 
@@ -370,11 +373,13 @@ def cluster_rejects(cluster: ClusterSpec, config: FsdpConfig) -> PlannerError | 
 def _signatures() -> None:
     """help(plan) / help(estimate) list every knob with its type and default (planner.request)."""
     P = inspect.Parameter
-    head = [P("model", P.POSITIONAL_OR_KEYWORD), P("gpus", P.POSITIONAL_OR_KEYWORD, default=None, annotation=int | None)]
+    head = [P("model", P.POSITIONAL_OR_KEYWORD),
+            P("gpus", P.POSITIONAL_OR_KEYWORD, default=None, annotation=int | None)]
     profile = P("profile", P.KEYWORD_ONLY, default=None, annotation=Profile | None)
     space = P("space", P.KEYWORD_ONLY, default=None, annotation=SearchSpace | None)
-    plan.__signature__ = api_signature(head, PLAN_KNOBS, [profile, space]).replace(return_annotation=Plan)
-    estimate.__signature__ = api_signature(head, ESTIMATE_KNOBS, [profile]).replace(return_annotation=Candidate)
+    plan.__signature__ = api_signature(head, PLAN_KNOBS, [profile, space], PLAN_GROUPS).replace(return_annotation=Plan)
+    estimate.__signature__ = api_signature(head, ESTIMATE_KNOBS, [profile], ESTIMATE_GROUPS).replace(
+        return_annotation=Candidate)
 
 
 _signatures()

@@ -20,16 +20,17 @@ def knob_names(*groups: str) -> tuple[str, ...]:
     return tuple(k.name for k in knob_table(Request).values() if k.group in groups)
 
 
-def build_request(model=None, gpus=None, *, valid: tuple[str, ...] | None = None, **kwargs) -> Request:
+def build_request(model=None, gpus=None, *, valid: tuple[str, ...] | None = None,
+                  valid_groups: tuple[str, ...] = tuple(GROUP_TYPES), **kwargs) -> Request:
     """The Request of an API call: `kwargs` holds knobs by name and whole groups (cluster=, training=,
     config=, mesh=, search=); a knob given beside its group replaces the group's value. `valid`: the knob names
-    this call takes (None: every knob)."""
+    this call takes (None: every knob), `valid_groups` the groups."""
     table = knob_table(Request)
-    groups = {name: kwargs.pop(name) for name in list(kwargs) if name in GROUP_TYPES}
+    groups = {name: kwargs.pop(name) for name in list(kwargs) if name in valid_groups}
     for name in kwargs:
-        if name not in table or (valid is not None and name not in valid):
-            names = ", ".join(valid if valid is not None else table)
-            raise PlannerError(name, f"unknown argument; valid: {names}, {', '.join(GROUP_TYPES)}")
+        if name not in table or name == "model" or (valid is not None and name not in valid):
+            names = ", ".join(valid if valid is not None else [n for n in table if n != "model"])
+            raise PlannerError(name, f"unknown argument; valid: {names}, {', '.join(valid_groups)}")
     for name, value in groups.items():
         if value is not None and not isinstance(value, GROUP_TYPES[name]):
             raise PlannerError(name, f"expected a {GROUP_TYPES[name].__name__}, got {type(value).__name__}")
@@ -65,14 +66,12 @@ def flat(request: Request, names: tuple[str, ...]) -> dict:
 
 
 def api_signature(head: list[inspect.Parameter], names: tuple[str, ...], tail: list[inspect.Parameter] = (),
-                  defaults: dict | None = None) -> inspect.Signature:
+                  groups: tuple[str, ...] = tuple(GROUP_TYPES)) -> inspect.Signature:
     """A readable signature for help(): the function's own parameters, then every knob it takes as a
-    keyword with its declared type and default (`defaults` where this function's differ, e.g. estimate's tp=1),
-    then the groups."""
+    keyword with its declared type and default, then its own keywords (`tail`) and the groups it takes."""
     table = knob_table(Request)
-    defaults = defaults or {}
-    knobs = [inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, default=defaults.get(n, table[n].default),
+    knobs = [inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, default=table[n].default,
                                annotation=table[n].type) for n in names if n not in ("gpus",)]
-    groups = [inspect.Parameter(g, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=t | None)
-              for g, t in GROUP_TYPES.items()]
+    groups = [inspect.Parameter(g, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=GROUP_TYPES[g] | None)
+              for g in groups]
     return inspect.Signature([*head, *knobs, *tail, *groups])

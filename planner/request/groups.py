@@ -155,12 +155,12 @@ class Request:
 
     model: object = knob(None, "--model", "-m", help="Preset name, HF config.json, or a directory holding one",
                          cli_type=str)
-    trust_remote_code: bool = knob(False, "--trust-remote-code", help="Build a config.json whose auto_map names "
-                                   "custom modelling code (runs that code)")
     cluster: ClusterRequest = field(default_factory=ClusterRequest)
     training: TrainingRequest = field(default_factory=TrainingRequest)
     config: ConfigRequest = field(default_factory=ConfigRequest)
     search: SearchRequest = field(default_factory=SearchRequest)
+    trust_remote_code: bool = knob(False, "--trust-remote-code", help="Build a config.json whose auto_map names "
+                                   "custom modelling code (runs that code)")
 
     @property
     def mesh(self) -> MeshRequest:

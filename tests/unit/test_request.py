@@ -9,8 +9,8 @@ import pytest
 
 from cost_models.units import GiB
 from planner.errors import PlannerError
-from planner.request import (ClusterRequest, ConfigRequest, MeshRequest, Request, TrainingRequest, build_request,
-                             knob_names, knob_table)
+from planner.request import (ClusterRequest, ConfigRequest, MeshRequest, Request, SearchRequest, TrainingRequest,
+                             build_request, knob_names, knob_table)
 
 
 def test_every_knob_is_declared_once_in_one_group():
@@ -135,9 +135,11 @@ def test_a_knobs_default_is_the_apis_and_the_clis():
         for name, default in cli.items():
             if name != "model":
                 assert default == own.get(name, signature[name].default), (command, name)
-    assert str(inspect.signature(plan)).startswith("(model, gpus: int | None = None, *, trust_remote_code: bool "
-                                                   "= False, gpus_per_node: int | None = None, gpu: str = "
-                                                   "'a100-80gb',")
+    shown = str(inspect.signature(plan))  # help(plan)
+    assert shown.startswith("(model, gpus: int | None = None, *, gpus_per_node: int | None = None, gpu: str = "
+                            "'a100-80gb', internode_gbps: float | None = None,")
+    assert shown.endswith("search: planner.request.groups.SearchRequest | None = None) -> planner.api.Plan")
+    assert "config:" not in shown and "sharding:" not in shown  # the search's, not one configuration's
 
 
 def test_the_api_takes_knobs_or_groups_alike():
@@ -150,10 +152,12 @@ def test_the_api_takes_knobs_or_groups_alike():
     assert (grouped.config.tp, grouped.config.micro_batch, grouped.config.grad_accum) == (2, 2, 1)
     assert grouped.time.step_s == pytest.approx(flat.time.step_s, rel=0)
     assert grouped.memory.peak_reserved_bytes == flat.memory.peak_reserved_bytes
-    with pytest.raises(PlannerError, match="^sharding: unknown argument; valid: trust_remote_code, gpus, "):
+    with pytest.raises(PlannerError, match="^sharding: unknown argument; valid: gpus, gpus_per_node, "):
         plan("llama3-8b", gpus=16, sharding="NO_SHARD")  # one configuration's knob: estimate's, not the search's
     with pytest.raises(PlannerError, match="^precisions: unknown argument"):
         estimate("llama3-8b", 16, precisions=["bf16"])
+    with pytest.raises(PlannerError, match="^search: unknown argument; valid: .*, cluster, training, config, mesh$"):
+        estimate("llama3-8b", 16, search=SearchRequest(precisions=["bf16"]))
 
 
 def test_calibration_requests_embed_the_groups():
