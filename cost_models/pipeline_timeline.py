@@ -4,7 +4,8 @@ A rendering of the walk that prices the step (cost_models/pipeline_time.py's `wa
 estimate_step_time with its passes and sends recorded), not a second simulation. Per rank: the compute stream
 runs the schedule's actions as the walk ran them ("F s3 mb5", "B ...", zero-bubble's and DualPipeV's split
 backward as "I" and "W"); the p2p streams carry each cross-rank transfer a pass waited for (posted when the
-sender's pass ended - GPipe / 1F1B: and the receiver's previous pass - arrived p2p_s later); FSDP's collectives
+sender's pass ended - GPipe / 1F1B: and the receiver's previous pass - arrived p2p_s later; transfers that overlap
+on one rank, as DualPipeV's from both neighbours, on a second lane); FSDP's collectives
 run once per step (PipelineStage syncs gradients only after a stage's last backward). Then the step's tail, the
 same on every rank: what cost_models/pipeline_step.py adds to the schedule's critical path (the overlap
 slowdown, FSDP2's copies, the micro-steps' overhead, offload copies, the optimizer step).
@@ -17,6 +18,8 @@ classes) and the largest (optimizer), drawn on each.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 from .pipeline import stages
 from .profile import Profile
@@ -64,13 +67,15 @@ def pipeline_timeline(model: ModelSpec, cluster: ClusterSpec, training: Training
     for a in timed.passes:
         spans.append(Span(COMPUTE, f"{a.kind} s{a.stage} mb{a.microbatch}", PHASES[a.kind], shift + a.start_s,
                           a.end_s - a.start_s, {"stage": a.stage, "microbatch": a.microbatch}, a.rank))
+    p2p: list[Span] = []
     for s in timed.sends:
         what = "activations" if s.kind == "F" else "gradients"
         name = f"{what} s{s.src_stage} -> s{s.dst_stage} mb{s.microbatch}"
         args = {"microbatch": s.microbatch, "from_stage": s.src_stage, "to_stage": s.dst_stage}
         for track, rank, verb in ((P2P_SEND, rank_of[s.src_stage], "send"), (P2P_RECV, rank_of[s.dst_stage], "recv")):
-            spans.append(Span(track, f"{verb} {name}", "communication", shift + s.start_s, s.end_s - s.start_s,
-                              args, rank))
+            p2p.append(Span(track, f"{verb} {name}", "communication", shift + s.start_s, s.end_s - s.start_s,
+                            args, rank))
+    spans += _lanes(p2p)
     for st in layout:
         reduce_s = passes[st.index].reduce_s
         if reduce_s > 0:
@@ -85,6 +90,18 @@ def pipeline_timeline(model: ModelSpec, cluster: ClusterSpec, training: Training
     notes = {"schedule": config.pp_schedule.value, "pp": config.pp, "stages_per_rank": config.pp_stages_per_rank,
              "microbatches": config.pp_microbatches, "p2p_s": terms["pipeline_p2p_s"], **NOTES}
     return StepTimeline(tuple(spans), t, reduce_name, ranks, notes)
+
+
+def _lanes(spans: list[Span]) -> list[Span]:
+    """Transfers of one rank's stream that overlap in time (DualPipeV receives from both neighbours at once) on
+    lanes "p2p recv", "p2p recv #2", ...: a trace viewer stacks a track's slices only when they nest."""
+    out, ends = [], {}  # (rank, track) -> each lane's last end
+    for s in sorted(spans, key=lambda s: (s.rank, s.track, s.start_s)):
+        lanes = ends.setdefault((s.rank, s.track), [])
+        lane = next((i for i, end in enumerate(lanes) if end <= s.start_s), len(lanes))
+        lanes[lane:lane + 1] = [s.end_s]
+        out.append(replace(s, track=s.track if lane == 0 else f"{s.track} #{lane + 1}"))
+    return out
 
 
 def _tail(t, copies_s: float, config: FsdpConfig, start_s: float, rank: int) -> list[Span]:

@@ -156,6 +156,7 @@ PP_PLANS = {
                            micro_batch=1, global_batch=32),
     "zero-bubble-v2-tp2": dict(model="llama3-8b", gpus=16, pp=4, pp_schedule="zero-bubble", pp_stages_per_rank=2,
                                tp=2, micro_batch=1, global_batch=32),
+    "dualpipev": dict(model="llama3-8b", gpus=16, pp=4, pp_schedule="dualpipev", micro_batch=1, global_batch=64),
 }
 ACTIONS = ("F", "B", "I", "W")
 
@@ -190,17 +191,21 @@ def test_pipeline_timeline_draws_the_priced_walk(name):
     m, v = cfg.pp_microbatches, cfg.pp_stages_per_rank
     ranks = _rank_tracks(doc)
     assert sorted(ranks) == [1, 2, 3, 4]
-    per_action = 3 if cfg.pp_schedule.value == "zero-bubble" else 2
     for pid, tracks in ranks.items():
         compute = tracks["compute"]
         actions = [n for _, _, n in compute if n.split()[0] in ACTIONS]
-        assert len(actions) == per_action * m * v
+        kinds = {k: sum(n.startswith(k + " ") for n in actions) for k in ACTIONS}
+        if name == "dualpipev":  # a forward per stage and microbatch, a backward whole (B) or split (I then W)
+            assert kinds["F"] == kinds["B"] + kinds["I"] == m * v and kinds["W"] == kinds["I"] > 0
+        else:  # 2 m V actions, 3 m V with zero bubble's split backward
+            assert len(actions) == (3 if name.startswith("zero-bubble") else 2) * m * v
         drawn = [(int(n.split()[1][1:]), n.split()[0], int(n.split()[2][2:])) for n in actions]
         assert drawn == list(orders(cfg.pp_schedule, cfg.pp, v, m)[pid - 1])  # start order = torch's order
         busy_us = sum(e - s for s, e, n in compute if n.split()[0] in ACTIONS)
         assert busy_us == pytest.approx(pipe.rank_busy_s[pid - 1] * 1e6, rel=1e-9)
-        for (_, end, a), (start, _, b) in zip(compute, compute[1:]):  # one stream: never two passes at once
-            assert start >= end - 1e-6, (pid, a, b)
+        for track, events in tracks.items():  # compute: one stream; p2p: overlapping transfers on lanes
+            for (_, end, a), (start, _, b) in zip(events, events[1:]):
+                assert start >= end - 1e-6, (pid, track, a, b)
         assert max(e for track in tracks.values() for _, e, _ in track) == pytest.approx(step_us, rel=1e-6)
         assert compute[-1][2] == "optimizer step" and compute[-1][1] == pytest.approx(step_us, rel=1e-6)
     info = doc["otherData"]["ranks"]
@@ -217,13 +222,13 @@ def test_pipeline_sends_by_hand():
     m, n_stages = cfg.pp_microbatches, cfg.pp * cfg.pp_stages_per_rank
     ranks = _rank_tracks(doc)
     for verb, track in (("send", "p2p send"), ("recv", "p2p recv")):
-        drawn = [x for tracks in ranks.values() for x in tracks[track]]
+        drawn = [x for tracks in ranks.values() for k, v in tracks.items() if k.startswith(track) for x in v]
         assert len(drawn) == 2 * m * (n_stages - 1) == 2 * 8 * 7
         assert all(n.startswith(verb) for _, _, n in drawn)
         p2p_us = doc["otherData"]["notes"]["p2p_s"] * 1e6
         assert [e - s for s, e, _ in drawn] == pytest.approx([p2p_us] * len(drawn), rel=1e-6)
     starts = {n: s for tracks in ranks.values() for s, _, n in tracks["compute"]}
-    for s, e, n in (x for tracks in ranks.values() for x in tracks["p2p recv"]):
+    for s, e, n in (x for tracks in ranks.values() for k, v in tracks.items() if k.startswith("p2p recv") for x in v):
         what, src, _, dst, mb = n.split()[1:]
         kind = "F" if what == "activations" else "B"
         assert starts[f"{kind} {dst} {mb}"] >= e - 1e-6, n
