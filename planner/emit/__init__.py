@@ -1,15 +1,15 @@
-"""Text artifacts for a chosen plan, one dispatcher over the dialect modules: FSDP1 and FSDP2 code
-(planner/emit/code/fsdp.py), the launchers' - accelerate, Lightning, torchrun, slurm - (planner/emit/launchers.py),
-the trainers' - HF Trainer, PyTorchJob - (planner/emit/trainers.py) and torchtitan's (planner/emit/torchtitan/job.py).
-The dialects share planner/emit/common.py and never import this module. Pure strings (no torch import).
+"""Text artifacts for a chosen plan, one dispatcher over the dialect families: FSDP1 and FSDP2 code (code/), the
+trainers' - HF Trainer, accelerate, Lightning - (trainers.py), torchtitan's (torchtitan/) and the launchers' -
+torchrun, slurm, PyTorchJob - (launchers.py). The dialects share common.py and format.py and never import this
+module. Pure strings (no torch import).
 """
 
 from __future__ import annotations
 
-from planner.emit import trainers
 from planner.emit.code.fsdp import emit_fsdp1, emit_fsdp2
-from planner.emit.launchers import emit_accelerate, emit_lightning, emit_slurm, emit_torchrun
+from planner.emit.launchers import emit_pytorchjob, emit_slurm, emit_torchrun
 from planner.emit.torchtitan.job import emit_torchtitan
+from planner.emit.trainers import emit_accelerate, emit_hf_trainer, emit_lightning
 from planner.errors import PlannerError
 
 __all__ = ["ARTIFACTS", "emit_artifact", "recommendation_text", "emit_fsdp1", "emit_fsdp2", "emit_accelerate",
@@ -30,12 +30,12 @@ def _emit_artifact(kind: str, candidate) -> str:
     config, spec, cluster = candidate.config, candidate.model, candidate.cluster
     if kind in ("hf-trainer", "hf-trainer-fsdp1"):
         version = 2 if kind == "hf-trainer" else 1
-        return trainers.emit_hf_trainer(config, spec, cluster, candidate.training, fsdp_version=version)
+        return emit_hf_trainer(config, spec, cluster, candidate.training, fsdp_version=version)
     if kind in ("torchtitan", "torchtitan-0.2"):  # 0.3's names (the current release), or 0.2's
         return emit_torchtitan(config, spec, cluster, candidate.training,
                                version="0.2" if kind == "torchtitan-0.2" else "0.3")
     if kind == "pytorchjob":
-        return trainers.emit_pytorchjob(config, spec, cluster)
+        return emit_pytorchjob(config, spec, cluster)
     if kind == "fsdp1":
         return emit_fsdp1(config, spec, cluster, candidate.training)
     if kind == "fsdp2":
@@ -58,7 +58,8 @@ def recommendation_text(candidate) -> str:
     FSDP2 snippet cannot write (EP beside TP, pinned by the user) is given as torchtitan flags, saying why."""
     import textwrap
 
-    from planner.emit.format import LINE_WIDTH, fold
+    from planner.emit.format import fold
+    from planner.line_width import LINE_WIDTH
 
     others = " | ".join(a for a in ARTIFACTS if a != "fsdp2")
     try:

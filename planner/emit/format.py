@@ -14,7 +14,8 @@ from __future__ import annotations
 import re
 import textwrap
 
-LINE_WIDTH = 100
+from planner.line_width import LINE_WIDTH
+
 _TRAILING_COMMENT = re.compile(r"^(?P<code>\S.*?|\s+\S.*?)  # (?P<comment>.*)$")
 _SHELL_COMMANDS = ("torchrun ", "srun ", "accelerate launch ", "python -m torch.distributed.run ")
 
@@ -62,3 +63,45 @@ def fold(text: str) -> str:
             continue
         out.extend(_shell_lines(line) if stripped.startswith(_SHELL_COMMANDS) else [line])
     return "\n".join(out)
+
+
+def fit_lines(lines: list[str], width: int = LINE_WIDTH) -> list[str]:
+    """Every line at most `width` characters: a long comment wrapped, a long trailing comment moved above its
+    code (same indentation). Code itself is written short enough."""
+    out = []
+    for line in (part for text in lines for part in text.split("\n")):
+        if len(line) <= width:
+            out.append(line)
+            continue
+        indent = line[:len(line) - len(line.lstrip())]
+        if line.startswith("from ") and " import " in line and "(" not in line:
+            module, _, names = line.partition(" import ")
+            out += [f"{module} import (", f"    {names})"]
+            continue
+        code, sep, comment = line.partition("  # ")
+        if line.lstrip().startswith("#"):
+            code, comment = "", line.lstrip()[1:].strip()
+        elif not sep:
+            out += _split_code(line, width)
+            continue
+        out += textwrap.wrap(comment, width, initial_indent=indent + "# ", subsequent_indent=indent + "# ",
+                             break_long_words=False, break_on_hyphens=False)
+        if code:
+            out += _split_code(code, width)
+    return out
+
+
+def _split_code(line: str, width: int) -> list[str]:
+    """A code line past `width` broken after its first opening bracket (Python continues inside brackets)."""
+    if len(line) <= width:
+        return [line]
+    indent = line[:len(line) - len(line.lstrip())]
+    at = min((i for i in (line.find("("), line.find("[")) if i >= 0), default=-1)
+    if at < 0 or at + 1 >= len(line.rstrip()):
+        return [line]
+    head, tail = line[:at + 1], indent + "        " + line[at + 1:].lstrip()
+    if len(tail) > width and '"' not in tail and "'" not in tail:  # inside the brackets any space may break
+        cut = tail.rfind(" ", len(indent) + 9, width)
+        if cut > 0:
+            return [head, tail[:cut], indent + "        " + tail[cut + 1:]]
+    return [head, tail]

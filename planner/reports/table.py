@@ -11,6 +11,7 @@ from tabulate import tabulate
 from cost_models.units import GiB
 
 from planner.api import Candidate, Plan
+from planner.line_width import LINE_WIDTH
 from planner.reports.table_pipeline import largest_rank, pipeline_lines, rank_memory_lines
 from planner.search import pipeline_words, technique_words
 
@@ -46,8 +47,7 @@ _HEADERS = ["#", "sharding", "mesh", "precision", "offload", "act. ckpt", "micro
             "peak GiB", "states GiB", "gathered GiB", "activ. GiB", "logits GiB", "step s", "tok/s/GPU", "MFU"]
 
 
-# The default view: at most this many columns; --wide shows every column (_HEADERS).
-NARROW_WIDTH = 100
+# The default view fits LINE_WIDTH columns; --wide shows every column (_HEADERS).
 # The columns a reader needs first, most needed first: the narrow view drops from the end until the table fits.
 # What tells candidates apart (the configuration) comes before the memory breakdown, so two rows never look alike.
 _NARROW = ["#", "tok/s/GPU", "peak GiB", "MFU", "sharding", "mesh", "act. ckpt", "micro", "accum", "techniques",
@@ -64,7 +64,7 @@ def _table(rows: list[list], headers: list[str], wrap: dict[str, int] | None = N
 
 def candidates_table(candidates: list[Candidate], top: int, wide: bool = False) -> str:
     """The candidates as a table. Narrow (the default): a column whose value is the same in every row moves to one
-    "every row:" line under the table, and the least needed columns go until the table fits NARROW_WIDTH."""
+    "every row:" line under the table, and the least needed columns go until the table fits LINE_WIDTH."""
     rows = [_row(i + 1, c) for i, c in enumerate(candidates[:top])]
     if wide:
         return _table(rows, _HEADERS)
@@ -75,7 +75,7 @@ def candidates_table(candidates: list[Candidate], top: int, wide: bool = False) 
     while True:
         ordered = [h for h in _HEADERS if h in shown]
         text = _table([[row[index[h]] for h in ordered] for row in rows], ordered, wrap)
-        if max(len(line) for line in text.splitlines()) <= NARROW_WIDTH or len(shown) <= len(_KEPT):
+        if max(len(line) for line in text.splitlines()) <= LINE_WIDTH or len(shown) <= len(_KEPT):
             break
         if "techniques" in shown and not wrap:  # first fold the longest cells (a row on two lines), then drop
             wrap = {"techniques": 20}
@@ -87,8 +87,8 @@ def candidates_table(candidates: list[Candidate], top: int, wide: bool = False) 
 
 
 def _wrap(text: str, indent: int = 2) -> list[str]:
-    """A line of prose folded to NARROW_WIDTH, later lines indented (long words such as paths are not broken)."""
-    return textwrap.wrap(text, NARROW_WIDTH, subsequent_indent=" " * indent, break_long_words=False,
+    """A line of prose folded to LINE_WIDTH, later lines indented (long words such as paths are not broken)."""
+    return textwrap.wrap(text, LINE_WIDTH, subsequent_indent=" " * indent, break_long_words=False,
                          break_on_hyphens=False) if text else []
 
 

@@ -5,8 +5,9 @@ import functools
 
 import pytest
 
-from planner.reports import table as report
 from planner.api import plan
+from planner.line_width import LINE_WIDTH
+from planner.reports import table as report
 
 PLANS = {
     "dense": dict(model="gpt-13b", gpus=8),
@@ -28,7 +29,7 @@ def planned(name: str):
 def test_default_plan_view_fits_100_columns(name):
     text = report.plan_text(planned(name), 5)
     widths = [len(line) for line in text.splitlines()]
-    assert max(widths) <= report.NARROW_WIDTH, [line for line in text.splitlines() if len(line) > 100]
+    assert max(widths) <= LINE_WIDTH, [line for line in text.splitlines() if len(line) > 100]
     assert "tok/s/GPU" in text and "peak GiB" in text  # the figures a reader needs first are never dropped
 
 

@@ -13,8 +13,9 @@ import yaml
 from cost_models.specs import FsdpConfig, TrainingSpec
 from planner import plan
 from planner.emit import ARTIFACTS, emit_artifact, emit_torchrun
+from planner.emit.launchers import emit_pytorchjob
 from planner.emit.torchtitan.job import emit_torchtitan
-from planner.emit.trainers import emit_hf_trainer, emit_pytorchjob
+from planner.emit.trainers import emit_hf_trainer
 from planner.errors import PlannerError
 from planner.hardware import make_cluster
 from planner.models import load_preset

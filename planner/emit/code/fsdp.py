@@ -13,6 +13,7 @@ from cost_models.specs import ClusterSpec, FsdpConfig, ModelSpec, Precision, Tra
 from planner.emit.code import mesh as meshed
 from planner.emit.code import techniques as tech
 from planner.emit.common import _KV_CACHE_WHY, RESHARD_NOTE, _comment, _fsdp1_strategy, _mixed_dtypes, _notes, _summary
+from planner.emit.format import fit_lines
 
 
 def _preamble(config: FsdpConfig, blocks_var: str, blocks_expr: str) -> list[str]:
@@ -255,5 +256,5 @@ def _render(config, model_spec, cluster, imports: list[str], body: list[str],
         *([""] + [_comment(notes)] if notes else []),
     ]
     if meshed.uses_mesh(config):  # the mesh snippets: every line at most 100 characters
-        lines = meshed.fit_lines(lines)
+        lines = fit_lines(lines)
     return "\n".join(lines) + "\n"

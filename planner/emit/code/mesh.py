@@ -23,9 +23,6 @@ from cost_models.specs import ClusterSpec, FsdpConfig, ModelSpec, TrainingSpec
 from planner.emit.code import pipeline as piped
 from planner.errors import PlannerError
 
-MAX_LINE = 100  # every emitted line of code at most this long (tests check it)
-
-
 def uses_mesh(config: FsdpConfig) -> bool:
     return not (config.tp == config.cp == config.ep == config.pp == 1)
 
@@ -292,50 +289,6 @@ def fsdp2_tp_lines(config: FsdpConfig, tied: bool = False) -> list[str]:
                   "torch._inductor.config._micro_pipeline_tp = True",
                   "enable_symm_mem_for_group(tp_mesh.get_group().group_name)"]
     return lines
-
-
-def fit_lines(lines: list[str], width: int = MAX_LINE) -> list[str]:
-    """Every line at most `width` characters: a long comment wrapped, a long trailing comment moved above its
-    code (same indentation). Code itself is written short enough."""
-    import textwrap
-
-    out = []
-    for line in (part for text in lines for part in text.split("\n")):
-        if len(line) <= width:
-            out.append(line)
-            continue
-        indent = line[:len(line) - len(line.lstrip())]
-        if line.startswith("from ") and " import " in line and "(" not in line:
-            module, _, names = line.partition(" import ")
-            out += [f"{module} import (", f"    {names})"]
-            continue
-        code, sep, comment = line.partition("  # ")
-        if line.lstrip().startswith("#"):
-            code, comment = "", line.lstrip()[1:].strip()
-        elif not sep:
-            out += _split_code(line, width)
-            continue
-        out += textwrap.wrap(comment, width, initial_indent=indent + "# ", subsequent_indent=indent + "# ",
-                             break_long_words=False, break_on_hyphens=False)
-        if code:
-            out += _split_code(code, width)
-    return out
-
-
-def _split_code(line: str, width: int) -> list[str]:
-    """A code line past `width` broken after its first opening bracket (Python continues inside brackets)."""
-    if len(line) <= width:
-        return [line]
-    indent = line[:len(line) - len(line.lstrip())]
-    at = min((i for i in (line.find("("), line.find("[")) if i >= 0), default=-1)
-    if at < 0 or at + 1 >= len(line.rstrip()):
-        return [line]
-    head, tail = line[:at + 1], indent + "        " + line[at + 1:].lstrip()
-    if len(tail) > width and '"' not in tail and "'" not in tail:  # inside the brackets any space may break
-        cut = tail.rfind(" ", len(indent) + 9, width)
-        if cut > 0:
-            return [head, tail[:cut], indent + "        " + tail[cut + 1:]]
-    return [head, tail]
 
 
 def fsdp2_notes(config: FsdpConfig, model_spec: ModelSpec, cluster: ClusterSpec) -> list[str]:

@@ -29,7 +29,7 @@ from cost_models.pipeline import stages
 from cost_models.specs import ClusterSpec, FsdpConfig, ModelSpec, Precision, TrainingSpec
 
 from planner.emit.common import (RESHARD_NOTE, _comment, _expert_notes, _fsdp1_only_notes, _summary, multi_node_note,
-                          torchrun_args)
+                                 torchrun_args)
 from planner.errors import PlannerError
 from planner.emit.torchtitan.split import split_flags
 
