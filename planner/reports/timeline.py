@@ -43,7 +43,7 @@ def timeline_document(tl: StepTimeline, title: str) -> dict:
     for info in ranks:
         r, pid = info["rank"], PID + info["rank"]
         spans = [s for s in tl.spans if s.rank == r]
-        used = [track for track in ORDER if any(s.track == track for s in spans)]
+        used = sorted({s.track for s in spans}, key=_track_order)
         tid = {track: i + 1 for i, track in enumerate(used)}
         if tl.ranks:
             stages = ", ".join(map(str, info["stages"]))
@@ -74,6 +74,11 @@ def timeline_document(tl: StepTimeline, title: str) -> dict:
         other.update(title=title, pp_bubble_s=t.pp_bubble_s, pp_imbalance_s=t.pp_imbalance_s,
                      pp_comm_s=t.pp_comm_s, ranks=list(tl.ranks), notes=tl.notes)
     return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": other}
+
+
+def _track_order(track: str) -> tuple[int, str]:
+    """ORDER's place; a stream's extra lanes ("p2p recv #2") after it."""
+    return ORDER.index(track.partition(" #")[0]), track
 
 
 def write_timeline(c: Candidate, path: str, profile: Profile = DEFAULT_PROFILE) -> Path:
