@@ -48,7 +48,8 @@ def timeline_document(tl: StepTimeline, title: str) -> dict:
         if tl.ranks:
             stages = ", ".join(map(str, info["stages"]))
             events += [{"ph": "M", "name": "process_name", "pid": pid, "tid": 0,
-                        "args": {"name": f"pipeline rank {r}: stages {stages}"}},
+                        "args": {"name": f"pipeline rank {r}: stages {stages}", "busy_s": info["busy_s"],
+                                 "bubble_s": info["bubble_s"]}},
                        {"ph": "M", "name": "process_sort_index", "pid": pid, "tid": 0, "args": {"sort_index": r}},
                        {"ph": "M", "name": "process_labels", "pid": pid, "tid": 0,
                         "args": {"labels": f"busy {info['busy_s']:.4f} s, bubble {info['bubble_s']:.4f} s"}}]

@@ -210,6 +210,9 @@ def test_pipeline_timeline_draws_the_priced_walk(name):
         assert compute[-1][2] == "optimizer step" and compute[-1][1] == pytest.approx(step_us, rel=1e-6)
     info = doc["otherData"]["ranks"]
     assert [r["busy_s"] + r["bubble_s"] for r in info] == pytest.approx([pipe.walk.step_s] * 4, rel=1e-12)
+    processes = [e["args"] for e in doc["traceEvents"] if e["ph"] == "M" and e["name"] == "process_name"]
+    assert [a["busy_s"] for a in processes] == pytest.approx(list(pipe.rank_busy_s), rel=1e-12)
+    assert [a["bubble_s"] for a in processes] == [r["bubble_s"] for r in info]
     assert "folded" in doc["otherData"]["notes"]["mesh"]
 
 
