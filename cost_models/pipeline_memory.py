@@ -119,12 +119,21 @@ def _stage_pieces(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, 
     mlp_grad = min(counts.block(), h * f) * c
     attn_grad = min(counts.block(), (3 if model.gated_mlp else 2) * h * f + model.q_dim * h) * c
     input_extra = 0 if activations.input_saved_by_first_norm(model, c) else ckpt
+    # RMSNorm's fp32 backward chain: four h-sized fp32 gradients, and the upcast incoming one under a 16-bit compute
+    # dtype (5 x 4 h per token in the trace's timelines)
+    norm_chain, rms = 4 * h * (4 + (c < 4)), model.norm == "rmsnorm" and not model.parallel_block
+    mlp_grads = min(counts.block(), (3 if model.gated_mlp else 2) * h * f) * c
     blocks = []
     for j in reversed(range(stage.n_blocks)):
         recomputed = bool(k) and (stage.first_block + j) % k == 0
         this = full + (input_extra if j or stage.embedding else 0) if recomputed else kept[j]
         base = tokens * (sum(kept[:j]) + this) + shared - saved
         at_mlp, at_attn = (base + tokens * w_mlp, mlp_grad), (base + tokens * (w_attn - freed), attn_grad)
+        # RMSNorm's backward between the two (post_attention_layernorm): the MLP's saved tensors and the norm's output
+        # gone, its own (fp32 upcast, normalised input) still there, beside its fp32 chain and the MLP's weight
+        # gradients (5 x 4 h per token in the trace's timeline, llama-16 tp 2: larger than the MLP's and attention's
+        # moments where TP splits f and the heads but not h)
+        at_norm = (base + tokens * (norm_chain - (freed - 4 * h - c * h)), mlp_grads) if rms else (0, 0)
         # without a dtype change AccumulateGrad adds into the kept gradients in place, but autograd makes each weight's
         # gradient whole first: the MLP's moment is fc2's (h x f) beside the incoming gradient and fc2's input's (the
         # activation's factors' gradients come after); the attention's as in the other cases, without one
@@ -132,7 +141,7 @@ def _stage_pieces(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, 
         # its post-backward: the block's whole compute-dtype gradient (converted or added one parameter at a time)
         # beside the saved tensors below and the gradient passed down
         post = tokens * (sum(kept[:j]) + h * c) + shared - saved
-        blocks.append((max(at_mlp, at_attn, key=sum), in_place, post))
+        blocks.append((max(at_mlp, at_attn, at_norm, key=sum), max(in_place, (at_norm[0], 0), key=sum), post))
     head_grad = head * c
     # split backward, input pass (stage_backward_input: autograd.grad to the stage input with retain_graph=True):
     # nothing saved is freed, and a pre-hook on each linear's mm and each norm's weight product keeps the gradient
@@ -144,9 +153,7 @@ def _stage_pieces(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, 
     # block j's input-pass moment (j blocks above done, their gradients kept): its MLP's working set with fc2's input
     # still saved, its attention's beside the MLP half's kept gradients (norm 2, down, gate, up), or - the largest at
     # Llama's shapes - its first norm's backward, every gradient of the block kept but that norm's own, beside the
-    # RMSNorm's fp32 chain (four h-sized fp32 gradients, and the upcast incoming one under a 16-bit compute dtype:
-    # 5 x 4 h per token in the trace's timeline, llama-8 zero-bubble bf16)
-    norm_chain = 4 * h * (4 + (c < 4))
+    # RMSNorm's fp32 chain (the trace's timeline, llama-8 zero-bubble bf16)
     input_pass = tuple(max(j * weight_inputs + tokens * max(w_mlp + c * f, w_attn + c * (2 * h + 2 * f)),
                            (j + 1) * weight_inputs + tokens * (norm_chain - c * h))
                        for j in range(stage.n_blocks))
