@@ -30,10 +30,10 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
-from . import activations, tensor_parallel
+from . import activations, pipeline_techniques, tensor_parallel
 from .memory_types import MemoryBreakdown, MemoryEstimate, ParamCounts
 from .pipeline import Stage, rank_stages
-from .pipeline_orders import orders
+from .pipeline_orders import active_stages, orders
 from .specs import FsdpConfig, ModelSpec, Optimizer, Precision, TrainingSpec
 from .units import DTYPE_BYTES
 
@@ -87,8 +87,9 @@ def _stage_pieces(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, 
             + model.root_other_params) if stage.head else 0
     params = stage.n_blocks * counts.block() + (model.embedding_params if stage.embedding else 0) + head
     full = activations.block_bytes_per_token(model, c, attn, s, mb, 0)
-    ckpt = activations.checkpointed_block_bytes_per_token(model, c)
-    k = config.ac_every
+    # selective-op: every block checkpointed, keeping the policy's saved outputs too (pipeline_techniques.py)
+    k, ckpt = pipeline_techniques.checkpoint_policy(model, c, config, s, config.ac_every,
+                                                    activations.checkpointed_block_bytes_per_token(model, c))
     h, f = model.hidden_size, model.ffn_hidden_size
     # per token, each block's saved tensors in the model's order; a non-first stage's checkpointed first block keeps
     # its input, which is the receive buffer (counted with the buffers)
@@ -117,7 +118,8 @@ def _stage_pieces(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, 
     w_attn = activations.attention_backward_working_bytes_per_token(model, c, attn, s)
     freed = activations.attention_freed_before_backward_bytes_per_token(model, c, attention=attn, micro_batch=mb)
     mlp_grad = min(counts.block(), h * f) * c
-    attn_grad = min(counts.block(), (3 if model.gated_mlp else 2) * h * f + model.q_dim * h) * c
+    attn_grad = pipeline_techniques.attention_grad_bytes(  # MoE: every expert's, as memory.py counts them
+        model, c, counts.block(), min(counts.block(), (3 if model.gated_mlp else 2) * h * f + model.q_dim * h) * c)
     input_extra = 0 if activations.input_saved_by_first_norm(model, c) else ckpt
     # RMSNorm's fp32 backward chain: four h-sized fp32 gradients, and the upcast incoming one under a 16-bit compute
     # dtype (5 x 4 h per token in the trace's timelines)
@@ -128,7 +130,10 @@ def _stage_pieces(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, 
         recomputed = bool(k) and (stage.first_block + j) % k == 0
         this = full + (input_extra if j or stage.embedding else 0) if recomputed else kept[j]
         base = tokens * (sum(kept[:j]) + this) + shared - saved
-        at_mlp, at_attn = (base + tokens * w_mlp, mlp_grad), (base + tokens * (w_attn - freed), attn_grad)
+        at_attn = (base + tokens * (w_attn - freed), attn_grad)
+        # MoE: the MoE MLP's own moments (moe.backward_moments) in place of fc2's
+        at_mlp = pipeline_techniques.mlp_moment(model, c, tokens, s, counts.block(), recomputed, base,
+                                                (base + tokens * w_mlp, mlp_grad))
         # RMSNorm's backward between the two (post_attention_layernorm): the MLP's saved tensors and the norm's output
         # gone, its own (fp32 upcast, normalised input) still there, beside its fp32 chain and the MLP's weight
         # gradients (5 x 4 h per token in the trace's timeline, llama-16 tp 2: larger than the MLP's and attention's
@@ -275,9 +280,13 @@ def rank_memory(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, d:
         return out
 
     cases = {s: block_moments(x) for s, x in pieces.items()}
-    for action in orders(config.pp_schedule, config.pp, config.pp_stages_per_rank, m)[rank]:
+    actions = orders(config.pp_schedule, config.pp, config.pp_stages_per_rank, m)[rank]
+    for i, action in enumerate(actions):
         stage, mb = action.stage, action.microbatch
         x = pieces[stage]
+        if len(pieces) > 1:  # a multi-stage schedule's runtime keeps the next stages gathered, and only those
+            gathered.clear()
+            gathered.update(active_stages(actions[i:]))
         if action.kind == "F":
             gathered.add(stage)
             in_flight[stage] += 1

@@ -151,3 +151,19 @@ def _dualpipev(rank: int, pp: int, m: int) -> list[Action]:
     for _ in range(rank + 1):
         add_weight()
     return out
+
+
+MAX_ACTIVE_STAGES = 3  # torch's _add_unshard_reshard default (schedules.py): the stages a rank keeps unsharded
+
+
+def active_stages(actions) -> set[int]:
+    """The stages torch's multi-stage runtime keeps unsharded before the first of `actions`: the next
+    MAX_ACTIVE_STAGES distinct stages to compute (_add_unshard_reshard reshards the others, and unshards these ahead
+    of their use, which the estimate does not price). Matters with more than three stages a rank."""
+    out: list[int] = []
+    for action in actions:
+        if action.stage not in out:
+            out.append(action.stage)
+            if len(out) == MAX_ACTIVE_STAGES:
+                break
+    return set(out)
