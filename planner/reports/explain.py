@@ -17,7 +17,7 @@ from planner.api import Candidate
 from planner.reports.explain_time import time_terms
 from planner.reports.table import estimate_dict
 from planner.reports.table_pipeline import batch_words, pipeline_ranks, schedule_words
-from planner.search import describe
+from planner.search.words import describe
 
 
 def _gib(n: float) -> str:

@@ -13,7 +13,7 @@ from cost_models.units import GiB
 from planner.api import Candidate, Plan
 from planner.line_width import LINE_WIDTH
 from planner.reports.table_pipeline import largest_rank, pipeline_lines, rank_memory_lines
-from planner.search import pipeline_words, technique_words
+from planner.search.words import pipeline_words, technique_words
 
 
 def gib(n_bytes: float) -> str:

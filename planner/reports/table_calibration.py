@@ -12,7 +12,7 @@ from tabulate import tabulate
 from cost_models.units import GiB, MiB
 
 from planner.reports.table import training_line
-from planner.search import describe
+from planner.search.words import describe
 
 if TYPE_CHECKING:
     from planner.calibrating import CalibrationReport

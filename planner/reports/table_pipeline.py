@@ -74,7 +74,7 @@ def pipeline_lines(model: ModelSpec, config: FsdpConfig, cluster: ClusterSpec, m
 
 
 def pipeline_dict(model: ModelSpec, config: FsdpConfig, cluster: ClusterSpec) -> dict:
-    """Candidate JSON's "pipeline" (planner.schemas.Pipeline)."""
+    """Candidate JSON's "pipeline" (planner.schemas.fsdp_arguments.Pipeline)."""
     return {
         "schedule": config.pp_schedule.value,
         "torchtitan_schedule": config.pp_schedule.torchtitan_name,
@@ -89,7 +89,7 @@ def pipeline_dict(model: ModelSpec, config: FsdpConfig, cluster: ClusterSpec) ->
 
 
 def rank_memory_dicts(memory) -> list[dict]:
-    """Memory JSON's "pipeline_ranks" (planner.schemas.PipelineRank)."""
+    """Memory JSON's "pipeline_ranks" (planner.schemas.budget.PipelineRank)."""
     return [{"rank": r.rank, "stages": list(r.stages), "description": r.description,
              "peak_allocated_bytes": r.peak_allocated_bytes, "peak_reserved_bytes": r.peak_reserved_bytes,
              "peak_moment": r.peak_moment, "breakdown": r.breakdown.to_dict()} for r in pipeline_ranks(memory)]

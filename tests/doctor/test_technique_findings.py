@@ -5,7 +5,8 @@ import pytest
 import yaml
 
 from cost_models.specs import FsdpConfig
-from planner.doctor import check, kv_cache_extra_bytes
+from planner.doctor import check
+from planner.doctor.rules_cost import kv_cache_extra_bytes
 from planner.emit import emit_accelerate
 from planner.hardware import make_cluster
 from planner.models import load_preset

@@ -264,7 +264,7 @@ def test_apply_path_turns_the_kv_cache_off_measured(gloo_rank):
     """SHARD_GRAD_OP, fp32, every block checkpointed, micro-batch 4 x 256 tokens (about 5 s): with the
     cache forced back on, each recompute appends its keys and values to a live cache, held to the end
     of backward; the apply path's own peak is the cache-off peak."""
-    from planner.doctor import kv_cache_extra_bytes
+    from planner.doctor.rules_cost import kv_cache_extra_bytes
     from planner.models import from_hf_config
 
     config, seq_len = FsdpConfig(sharding="SHARD_GRAD_OP", precision="fp32", ac_every=1, micro_batch=4), 256

@@ -8,7 +8,7 @@ from calibration.fit import Sample, fit_profile, predicted_step_s, step_time
 from cost_models.profile import DEFAULT_PROFILE
 from cost_models.specs import ClusterSpec, FsdpConfig, GpuSpec, TrainingSpec
 from planner.models import load_preset
-from planner.search import describe
+from planner.search.words import describe
 
 GPU = GpuSpec(id="test", name="test", memory_bytes=80 * 2**30, hbm_bytes_per_s=2e12,
               peak_flops={"bf16": 300e12, "fp32": 20e12}, intra_node_bus_bytes_per_s=100e9)

@@ -11,7 +11,8 @@ from cost_models.profile import DEFAULT_PROFILE
 from cost_models.specs import FsdpConfig, Precision, Sharding, TrainingSpec
 from planner.hardware import make_cluster
 from planner.models import load_preset
-from planner.search import SearchSpace, _distinct, describe, search, suggestions
+from planner.search import SearchSpace, _distinct, search, suggestions
+from planner.search.words import describe
 
 SPEC = load_preset("llama3-8b")
 TRAINING = TrainingSpec(seq_len=4096)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from cost_models.specs import FsdpConfig
 
-from planner.search import technique_words
+from planner.search.words import technique_words
 
 # torchtitan's selective op-level checkpointing as module-level code of a snippet: the same ops and counting
 # as calibration.apply.selective_op_context (a test compares the two op by op).

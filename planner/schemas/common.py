@@ -1,0 +1,75 @@
+"""What every output schema shares: the version, the units (bytes, seconds), the strict base model (no extra
+keys) and the two blocks each command writes first, the model's summary and the configuration."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic.json_schema import SkipJsonSchema
+
+from cost_models.schedules import Schedule
+from cost_models.specs import Attention, Precision, Sharding
+
+SCHEMA_VERSION = 3  # 3: pipelines (issue 18): config.pp_schedule / pp_stages_per_rank, "pipeline", memory.pipeline_ranks, the time breakdown's pp terms, calibrate's measured.pipeline_ranks
+
+Bytes = Annotated[int, Field(description="bytes per rank (GPU) unless said otherwise")]
+Seconds = Annotated[float, Field(description="seconds")]
+TorchDtype = Literal["float32", "bfloat16", "float16"]
+
+
+def _no_default(schema: dict) -> None:
+    schema.pop("default", None)
+
+
+def absent_or(tp, description: str):
+    """A key the writer leaves out rather than writing null: optional in the schema, never null."""
+    return Annotated[Union[tp, SkipJsonSchema[None]], Field(default=None, description=description,
+                                                            json_schema_extra=_no_default)]
+
+
+class _Out(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ModelSummary(_Out):
+    """ModelSpec.summary_dict(): the model as the outputs name it."""
+
+    name: str
+    n_params: int = Field(description="parameters, all of them (routed experts included)")
+    active_params: absent_or(int, "parameters one token's forward uses (mixture-of-experts models only)")
+    priced_by: Literal["formula", "block memory profile"] = Field(
+        description="which activation model prices it: the family's formulas or a traced block profile")
+    activation_profile: absent_or(str, "where the traced block memory profile comes from (when there is one)")
+
+
+class Config(_Out):
+    """FsdpConfig.to_dict(): the configuration. Keys that are off by default are absent, not false."""
+
+    sharding: Literal[tuple(s.value for s in Sharding)]
+    precision: Literal[tuple(p.value for p in Precision)]
+    offload: bool = Field(description="parameters, gradients and optimizer state offloaded to CPU")
+    activation_checkpointing: str = Field(description='"none", "full", "every-K" or "selective-op"')
+    micro_batch: int = Field(description="sequences per GPU per micro-step")
+    grad_accum: int = Field(description="micro-steps per optimizer step")
+    attention: Literal[tuple(a.value for a in Attention)]
+    backward_prefetch: bool
+    forward_prefetch: bool
+    limit_all_gathers: bool
+    expert_shard_dim: absent_or(Literal[1], "stacked expert weights sharded on dim 1 (absent: dim 0)")
+    expert_units: absent_or(Literal[True], "each block's experts are their own FSDP unit")
+    reduce_dtype: absent_or(Literal["fp32", "bf16"], "gradient reduction dtype (absent: the precision's own)")
+    compile: absent_or(Literal[True], "torch.compile each block")
+    compile_loss: absent_or(Literal[False], "with compile: the loss is left eager (absent: compiled too)")
+    float8: absent_or(Literal[True], "torchao Float8 linears")
+    fp8_all_gather: absent_or(Literal[True], "Float8 weights all-gathered in FP8")
+    reshard_after_forward: absent_or(int, "blocks reshard to a group of this many ranks after forward")
+    tp: int = Field(ge=1, description="tensor-parallel degree (1: none)")
+    cp: int = Field(ge=1, description="context-parallel degree (1: none)")
+    ep: int = Field(ge=1, description="expert-parallel degree (1: none)")
+    pp: int = Field(ge=1, description="pipeline-parallel degree (1: none)")
+    async_tp: absent_or(Literal[True], "TP's collectives overlapped with the matmuls (torchtitan's async TP)")
+    sequence_parallel: absent_or(Literal[False], "with tp > 1: no sequence parallel, logits gathered "
+                                                 "(transformers' tp_plan); absent: sequence and loss parallel")
+    pp_schedule: absent_or(Literal[tuple(s.value for s in Schedule)], "with pp > 1: the pipeline schedule")
+    pp_stages_per_rank: absent_or(int, "with pp > 1: stages on each pipeline rank (V)")

@@ -1,0 +1,114 @@
+"""The candidate space the search walks: its knobs (SearchSpace, the micro-batches and checkpointing choices) and
+the meshes - (tp, cp, ep) and the pipelines over each - the model and the cluster allow."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from cost_models.mesh_rules import cp_degrees, ep_degrees, tp_degrees
+from cost_models.schedules import Schedule
+from cost_models.specs import SELECTIVE_OP, Attention, ClusterSpec, ModelSpec, Precision, Sharding, TrainingSpec
+
+from planner.search.pipeline import NO_PIPELINE, Pipeline, pipelines, pp_degrees
+
+MICRO_BATCHES = (1, 2, 4, 8, 16, 32, 64)
+AC_CHOICES = (0, 4, 2, 1, SELECTIVE_OP)  # none, every 4th, every 2nd, every block, torchtitan's op-level policy
+FLOAT8_PRECISIONS = (Precision.BF16, Precision.BF16_PURE)  # torchao's Float8 linears as torchtitan runs them
+FP8_ALL_GATHER_SHARDINGS = (Sharding.FULL_SHARD, Sharding.HYBRID_SHARD)  # gather every step in forward and backward
+MIN_CP_TOKENS = 4096  # tokens per CP rank the search goes down to (Llama 3's 131k runs: CP 16, 8k per rank)
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    shardings: tuple[Sharding, ...] = tuple(Sharding)
+    precisions: tuple[Precision, ...] | None = None  # None: bf16, or fp16 where the GPU has no bf16
+    offload: tuple[bool, ...] = (False, True)
+    ac_every: tuple[int | str, ...] = AC_CHOICES
+    micro_batches: tuple[int, ...] = MICRO_BATCHES
+    backward_prefetch: tuple[bool, ...] = (True, False)
+    limit_all_gathers: tuple[bool, ...] = (True, False)
+    attention: Attention = Attention.SDPA
+    expert_shard_dims: tuple[int, ...] = (0, 1)  # MoE: 1 only where it removes padding (moe.dim1_shardable)
+    expert_units: tuple[bool, ...] = (False, True)  # MoE: experts as their own unit where blocks are re-gathered
+    # gradient reduction dtypes (None: each precision's own); a numerics choice like the precision: only the
+    # user's (`--reduce-dtype`), not searched by default
+    reduce_dtypes: tuple[str | None, ...] = (None,)
+    # torch.compile per block; None: (False, True) on GPUs, (False,) on calibrate's CPU "device" (id "cpu"),
+    # where inductor takes ~15 s per run and its CPU kernels say nothing about a GPU's
+    compile: tuple[bool, ...] | None = None
+    float8: tuple[bool, ...] = (False, True)  # only where the GPU has FP8 tensor cores and compute is bf16
+    fp8_all_gather: tuple[bool, ...] = (True,)  # with float8 under FP8_ALL_GATHER_SHARDINGS (elsewhere: False)
+    reshard_to_node: tuple[bool, ...] = (False, True)  # FULL_SHARD over several nodes: reshard_after_forward = node
+    # the mesh: None searches the degrees the model and cluster allow; an int pins one
+    tp: int | None = None
+    cp: int | None = None
+    ep: int | None = None
+    async_tp: tuple[bool, ...] = (False, True)   # with tp, compile and sequence parallel
+    sequence_parallel: bool = True               # False: transformers' tp_plan (the user's --no-sequence-parallel)
+    # pipelines (planner/search/pipeline.py): pp None walks the degrees, 1 leaves PP out, N pins it; a pinned
+    # schedule / stages per rank narrows the schedules tried
+    pp: int | None = None
+    pp_schedule: Schedule | None = None
+    pp_stages_per_rank: int | None = None
+
+    def compile_for(self, cluster: ClusterSpec) -> tuple[bool, ...]:
+        if self.compile is not None:
+            return self.compile
+        return (False,) if cluster.gpu.id == "cpu" else (False, True)
+
+    def precisions_for(self, cluster: ClusterSpec) -> tuple[Precision, ...]:
+        if self.precisions is not None:
+            return self.precisions
+        return (Precision.BF16,) if cluster.gpu.supports("bf16") else (Precision.FP16,)
+
+    def shardings_for(self, cluster: ClusterSpec) -> tuple[Sharding, ...]:
+        """HYBRID on one node is FULL_SHARD under another name; NO_SHARD-like choices need >1 GPU to differ."""
+        out = []
+        for s in self.shardings:
+            if s.is_hybrid and (cluster.n_nodes == 1 or cluster.n_gpus % cluster.gpus_per_node):
+                continue
+            out.append(s)
+        return tuple(out)
+
+
+@dataclass(frozen=True)
+class MeshChoice:
+    tp: int = 1
+    cp: int = 1
+    ep: int = 1
+    pipeline: Pipeline = NO_PIPELINE
+
+    @property
+    def model_parallel(self) -> int:
+        return self.tp * self.cp * self.pipeline.pp
+
+
+def mesh_choices(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
+                 space: SearchSpace) -> list[MeshChoice]:
+    """The (tp, cp, ep) the search tries without a pipeline, data parallelism alone first (pp pinned: with it).
+    ep is checked against each strategy's dp_shard in the search (mesh_refusals, once per mesh and strategy);
+    the pipelines over each are pipeline_meshes'."""
+    n = cluster.n_gpus
+    tps = [space.tp] if space.tp else [t for t in tp_degrees(model) if n % t == 0 and t <= cluster.fast_tier_gpus]
+    cps = [space.cp] if space.cp else [c for c in cp_degrees(training.seq_len, n)
+                                      if c == 1 or training.seq_len // c >= MIN_CP_TOKENS]
+    eps = [space.ep] if space.ep else [e for e in ep_degrees(model, n) if e == 1 or e & (e - 1) == 0]
+    # EP beside TP is priced (estimate --tp --ep) but not applied by the trace tier nor written as FSDP2 code, and
+    # its memory is unchecked against a trace: searched only when the user pins both
+    both = space.tp is not None and space.ep is not None
+    out = [MeshChoice(t, c, e) for t in tps for c in cps for e in eps
+           if n % (t * c) == 0 and (both or t == 1 or e == 1)]
+    out = sorted(out, key=lambda m: (m.tp * m.cp * m.ep, m.tp, m.cp))
+    if space.pp is not None and space.pp > 1:  # pinned: every mesh with that pipeline, and no mesh without it
+        return [replace(m, pipeline=p) for m in out for p in pipeline_meshes(model, cluster, space, m)]
+    return out
+
+
+def pipeline_meshes(model: ModelSpec, cluster: ClusterSpec, space: SearchSpace, mesh: MeshChoice) -> list[Pipeline]:
+    """The pipelines over `mesh`'s tp x cp (x ep) the search may walk, by degree then schedule (PP_SCHEDULES'
+    order); none when the space leaves PP out."""
+    if space.pp == 1:
+        return []
+    free = cluster.n_gpus // (mesh.tp * mesh.cp)
+    return [p for pp in pp_degrees(model, free, space.pp)
+            for p in pipelines(model, pp, space.pp_schedule, space.pp_stages_per_rank)]
