@@ -90,9 +90,13 @@ CACHED = [
     # bytes with Python's cycle collector on and off)
     (("llama-8", "zero-bubble", 2, 2, 4, 4, 8, "FULL_SHARD", "bf16", 0, 2, 256), (125_904_276, 211_568_048)),
     (("llama-8", "dualpipev", 2, 2, 4, 4, 8, "FULL_SHARD", "bf16", 0, 2, 256), (213_464_492, 105_218_448)),
+    # four stages a rank: the runtime keeps three unsharded; tp 2 (no sequence parallel): RMSNorm's backward moment
+    (("llama-8", "interleaved-1f1b", 2, 4, 4, 4, 8, "FULL_SHARD", "bf16", 1, 2, 256), (79_893_908, 153_151_916)),
+    (("llama-16", "1f1b", 4, 0, 8, 16, 8, "FULL_SHARD", "bf16", 0, 1, 256, 2),
+     (122_810_516, 84_590_736, 72_249_488, 114_059_196)),
 ]
 KEYS = ("arch", "pp_schedule", "pp", "pp_stages_per_rank", "microbatches", "gpus", "gpus_per_node", "sharding",
-        "precision", "ac_every", "micro_batch", "seq_len")
+        "precision", "ac_every", "micro_batch", "seq_len", "tp")  # tp only where > 1
 
 
 @pytest.mark.parametrize("row, traced", CACHED, ids=lambda v: "-".join(map(str, v[1:5])) if len(v) > 2 else "")
