@@ -125,4 +125,8 @@ def mesh_refusals(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec
                            "is not planned (PEFT adapters on DTensor shards and stages)",
                            "use tp = cp = ep = pp = 1 with LoRA",
                            priced=False))
+    if pp > 1 and config.offload:  # no pipeline trace or run prices it (calibration/trace_pipeline.py refuses offload)
+        out.append(Refusal("offload", "pipeline-with-offload", "CPU offload with pipeline parallelism is not priced "
+                           "(no pipeline trace or run measures FSDP2's CPUOffloadPolicy per stage under a schedule)",
+                           "use pp 1 with offload, or no offload with pp", priced=False))
     return out

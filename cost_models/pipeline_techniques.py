@@ -1,0 +1,44 @@
+"""The techniques a pipeline stage's ledger (cost_models/pipeline_memory.py) prices the way the pp = 1 ledger
+(cost_models/memory.py) does, per microbatch and per stage, with the pp = 1 path's own functions.
+
+- MoE: a sparse block's saved tensors (router, routed rows) are already in activations.block_bytes_per_token; what a
+  stage's block backward adds is the MoE MLP's own moments (cost_models/moe.py backward_moments: un-permuting, the
+  experts' activation backward, the up projection's with every routed expert's weight gradient, the second norm's),
+  where a dense MLP has one (fc2's). The attention's moment then holds the whole MoE MLP's gradients.
+- selective-op checkpointing (torchtitan's op-level policy): every block checkpointed, keeping its input and the
+  policy's saved outputs (activations.selective_op_held_bytes_per_token) between its forward and its backward.
+Not priced here (refused or noted by the caller): CPU offload (cost_models/mesh_rules.py refuses it with pp > 1),
+LoRA (refused with a mesh), the FP8 all-gather and the compiled loss (see pipeline_estimate's notes).
+"""
+
+from __future__ import annotations
+
+from . import activations, moe
+from .specs import FsdpConfig, ModelSpec
+
+
+def checkpoint_policy(model: ModelSpec, c: int, config: FsdpConfig, seq_len: int, ac_every: int,
+                      ckpt_bytes_per_token: int) -> tuple[int, int]:
+    """(checkpoint every k-th block, what a checkpointed block keeps per token): selective-op checkpoints every
+    block and keeps the policy's saved outputs besides its input (memory.py's K = 1 and ckpt)."""
+    if not config.selective_op_ac:
+        return ac_every, ckpt_bytes_per_token
+    return 1, activations.selective_op_held_bytes_per_token(model, c, config.attention, seq_len)
+
+
+def mlp_moment(model: ModelSpec, c: int, tokens: int, seq_len: int, block_params: int, recomputed: bool,
+               base_bytes: int, dense: tuple[int, int]) -> tuple[int, int]:
+    """A block's MLP backward at its largest: (activation bytes relative to the stage's held state, weight-gradient
+    bytes of the block alive then). dense: the dense MLP's moment, returned for a dense model."""
+    if model.moe is None:
+        return dense
+    return max(((base_bytes + round(m.activation_bytes(tokens, seq_len)), min(m.grad_bytes, block_params * c))
+                for m in moe.backward_moments(model, c, recomputed=recomputed)), key=sum)
+
+
+def attention_grad_bytes(model: ModelSpec, c: int, block_params: int, dense: int) -> int:
+    """The block's weight gradients at its attention's backward: the whole MLP's (a MoE MLP's every expert, router
+    and shared expert, as memory.py counts them) and the o-projection's."""
+    if model.moe is None:
+        return dense
+    return min(block_params, moe.mlp_param_elements(model) + model.q_dim * model.hidden_size) * c
