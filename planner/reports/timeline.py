@@ -21,7 +21,7 @@ from cost_models.profile import DEFAULT_PROFILE, Profile
 from cost_models.step_timeline import COMPUTE, REDUCE, TRACKS, StepTimeline, step_timeline, uncovered_s
 
 from planner.api import Candidate
-from planner.search import describe
+from planner.search.words import describe
 
 PID = 1
 ORDER = TRACKS[:1] + (P2P_SEND, P2P_RECV) + TRACKS[1:]  # a rank's compute, then its sends, then its collectives
