@@ -61,6 +61,7 @@ allocator's 512-byte rounding. The trace tier (`fsdp-plan trace`) measures the e
 from __future__ import annotations
 
 from . import activations_mla, activations_sinks, moe, operators
+from .operators import window_masks
 from .loss_memory import (_loss_bytes, forward_logits_bytes_per_token, logits_bytes_per_token,  # noqa: F401
                           logits_reserved_extra_bytes_per_token, loss_events)
 from .specs import Attention, ModelSpec
@@ -131,12 +132,6 @@ def _qk_norm_bytes(model: ModelSpec, c: int, lora: bool = False) -> int:
     return _norm_bytes(model, c, lora, width=model.q_dim) + _norm_bytes(model, c, lora, width=model.kv_dim) + stats
 
 
-def _window_masks(model: ModelSpec, seq_len: int) -> bool:
-    """Whether transformers hands SDPA a sliding-window mask: from a window as long as the sequence on
-    (masking_utils skips it only while kv_length < the window)."""
-    return 0 < model.sliding_window <= seq_len
-
-
 def _windowed_layers(model: ModelSpec) -> tuple[int, int]:
     """(layers with the sliding window, n_layers): alternating families window only some layers."""
     return model.n_layers - model.full_attention_layers, model.n_layers
@@ -194,7 +189,7 @@ def _attention_bytes(model: ModelSpec, c: int, attention: Attention, seq_len: in
     out = c * q + LOGSUMEXP_BYTES * model.n_heads
     if model.family in _FUSED_ROTARY_FAMILIES:
         out += c * q                                     # the output, copied into (b, s, heads x d)
-    if _window_masks(model, seq_len):
+    if window_masks(model, seq_len):
         # A window no longer than the sequence makes transformers hand SDPA an (s, s) mask, which each
         # windowed layer saves in the compute dtype; with a mask transformers repeats k and v per query
         # head (repeat_kv; a view when there is one kv head), and SDPA saves the repeated copies.
@@ -301,7 +296,7 @@ def eager_mask_bytes(model: ModelSpec, compute_bytes: int, seq_len: int, micro_b
     window no longer than the sequence: a boolean (s, s), expanded over the batch. The masks die with the
     forward unless activation checkpointing keeps them as inputs of every checkpointed block's recompute:
     count them only then."""
-    windowed = _window_masks(model, seq_len)
+    windowed = window_masks(model, seq_len)
     if not _uses_s2_attention(model, attention):
         return seq_len * seq_len if windowed else 0
     if model.family in ALIBI_FAMILIES:
@@ -388,7 +383,7 @@ def _eager_freed_before_softmax_backward(model: ModelSpec, c: int, micro_batch: 
 def quirks(model: ModelSpec, attention: Attention, seq_len: int = 0) -> list[str]:
     """Where the formulas are known to be rough for this model: say so and point to the trace tier."""
     notes = []
-    if attention is Attention.SDPA and _window_masks(model, seq_len):
+    if attention is Attention.SDPA and window_masks(model, seq_len):
         notes.append(f"sliding window {model.sliding_window} <= sequence {seq_len}: SDPA gets an s x s mask that "
                      "each layer saves (counted) and a masked backward whose working set is only approximated; "
                      "verify with `fsdp-plan trace`")

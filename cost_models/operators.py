@@ -174,13 +174,19 @@ def _fit_to_params(model: ModelSpec, matmuls: list[Matmul]) -> list[Matmul]:
     return matmuls
 
 
+def window_masks(model: ModelSpec, seq_len: int) -> bool:
+    """Whether transformers hands SDPA a sliding-window mask: from a window as long as the sequence on
+    (masking_utils skips it only while kv_length < the window)."""
+    return 0 < model.sliding_window <= seq_len
+
+
 def attention_forward_flops(model: ModelSpec, seq_len: int) -> tuple[float, float]:
     """(executed, reference) forward FLOPs per token of QK^T and PV: reference 4 * q_dim * s (torchtitan's
     MFU count); a causal kernel computes about half (the blocks above the diagonal skipped). A sliding
-    window shorter than the sequence makes transformers hand SDPA an explicit (s, s) mask, and a masked
+    window no longer than the sequence makes transformers hand SDPA an explicit (s, s) mask, and a masked
     kernel computes every block: all s keys (the traced Gemma 3 block does)."""
     reference = 4.0 * model.q_dim * seq_len
-    if not model.causal or 0 < model.sliding_window < seq_len:
+    if not model.causal or window_masks(model, seq_len):
         return reference, reference
     return reference / 2, reference
 

@@ -51,6 +51,16 @@ def test_attention_kernel_time_by_hand():
     assert RATES.attention_rate(4096, 64) / RATES.attention_rate(4096, 128) == pytest.approx(0.8636, abs=1e-4)
 
 
+def test_a_window_as_long_as_the_sequence_masks_the_kernel():
+    # transformers skips the sliding-window mask only while kv_length < the window (masking_utils), so at a window
+    # equal to the sequence SDPA gets an explicit mask and computes all s keys. Traced 2026-12-02 (a gemma3_text block
+    # as test_block_ops' at 128 tokens, calibration.block_profile.profile_block): attention_flops_per_token 131,072 =
+    # 4 x 256 x 128 at window 128, 65,536 (the causal half) at window 129. The formula read window < s before.
+    for window, executed in ((4096, 4 * Q * 4096), (4097, 4 * Q * 2048), (2048, 4 * Q * 4096)):
+        ops = operators.block_ops(dataclasses.replace(LLAMA, sliding_window=window), 2, seq_len=4096)
+        assert ops.attention_flops_per_token == executed and ops.attention_reference_flops == 4 * Q * 4096
+
+
 def test_block_memory_bound_bytes_eager_and_compiled():
     ops = operators.block_ops(LLAMA, 2, seq_len=4096)
     c = 2
