@@ -120,7 +120,8 @@ def _stage_pieces(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, 
     mlp_grad = min(counts.block(), h * f) * c
     attn_grad = pipeline_techniques.attention_grad_bytes(  # MoE: every expert's, as memory.py counts them
         model, c, counts.block(), min(counts.block(), (3 if model.gated_mlp else 2) * h * f + model.q_dim * h) * c)
-    input_extra = 0 if activations.input_saved_by_first_norm(model, c) else ckpt
+    input_extra = 0 if activations.input_saved_by_first_norm(model, c) else (  # selective-op: the input only
+        pipeline_techniques.recompute_input_bytes_per_token(model, c, config, ckpt))
     # RMSNorm's fp32 backward chain: four h-sized fp32 gradients, and the upcast incoming one under a 16-bit compute
     # dtype (5 x 4 h per token in the trace's timelines)
     norm_chain, rms = 4 * h * (4 + (c < 4)), model.norm == "rmsnorm" and not model.parallel_block
