@@ -38,8 +38,27 @@ LLAMA = {"model_type": "llama", "hidden_size": 256, "intermediate_size": 704, "n
          "num_attention_heads": 8, "num_key_value_heads": 2, "vocab_size": 3000}
 
 
-@pytest.fixture(autouse=True)
-def _own_cache(tmp_path, monkeypatch):
+# Profiles are cached in the test session's FSDP_PLANNER_CACHE (tests/conftest.py), so each (config, dtype,
+# attention, seq_len) is traced once per run. The tests whose claim is about the cache itself get a directory
+# of their own: Granite's at seq 256 (made, then read by the caching, CLI and no-torch tests: one trace, not
+# three), the remote-code Llama's (so the refusal without the flag meets no cached spec), an empty one.
+@pytest.fixture(scope="module")
+def _module_caches(tmp_path_factory):
+    return {name: tmp_path_factory.mktemp(f"{name}-cache") for name in ("granite", "remote-code")}
+
+
+@pytest.fixture
+def granite_cache(_module_caches, monkeypatch):
+    monkeypatch.setenv("FSDP_PLANNER_CACHE", str(_module_caches["granite"]))
+
+
+@pytest.fixture
+def remote_cache(_module_caches, monkeypatch):
+    monkeypatch.setenv("FSDP_PLANNER_CACHE", str(_module_caches["remote-code"]))
+
+
+@pytest.fixture
+def empty_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("FSDP_PLANNER_CACHE", str(tmp_path / "cache"))
 
 
@@ -129,7 +148,7 @@ def test_generic_estimate_matches_the_trace():
     assert abs(report.relative_error) < 0.01, report.relative_error
 
 
-def test_profile_and_spec_are_cached(tmp_path):
+def test_profile_and_spec_are_cached(granite_cache):
     first = estimate(dict(GRANITE), 4, seq_len=256)
     files = sorted(p.name for p in cache_dir().iterdir())
     assert len(files) == 3  # the spec and two profiles (bf16, fp32) for sdpa
@@ -159,7 +178,7 @@ def test_unknown_model_type_names_the_transformers_version():
         from_hf_config({"model_type": "not-a-model", "hidden_size": 8})
 
 
-def test_cli_refuses_remote_code_in_one_line_and_writes_nothing(tmp_path):
+def test_cli_refuses_remote_code_in_one_line_and_writes_nothing(tmp_path, empty_cache):
     path = tmp_path / "config.json"
     path.write_text(json.dumps({**LLAMA, "auto_map": {"AutoModelForCausalLM": "modeling_x.XForCausalLM"}}))
     r = subprocess.run([sys.executable, "-m", "planner.cli", "--model", str(path), "--gpus", "8"],
@@ -170,16 +189,17 @@ def test_cli_refuses_remote_code_in_one_line_and_writes_nothing(tmp_path):
     assert not cache_dir().exists()
 
 
-def test_cli_says_which_path_priced_the_model(tmp_path):
+def test_cli_says_which_path_priced_the_model(tmp_path, granite_cache):
     path = tmp_path / "config.json"
     path.write_text(json.dumps(GRANITE))
     r = subprocess.run([sys.executable, "-m", "planner.cli", "--model", str(path), "--gpus", "4", "--seq-len", "256"],
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
+    # the profile test_profile_and_spec_are_cached made: "cached in <dir> (first made in X s)"
     assert "activations: traced block memory profile" in r.stdout and "made in" in r.stdout
 
 
-def test_a_cached_generic_model_plans_without_importing_torch(tmp_path):
+def test_a_cached_generic_model_plans_without_importing_torch(tmp_path, granite_cache):
     """After the first profile the search is as fast as for a preset: no torch, no transformers, no build."""
     path = tmp_path / "config.json"
     path.write_text(json.dumps(GRANITE))
@@ -206,7 +226,7 @@ def _remote_code_dir(tmp_path):
     return d
 
 
-def test_remote_code_runs_with_the_flag_and_is_priced_like_its_llama(tmp_path):
+def test_remote_code_runs_with_the_flag_and_is_priced_like_its_llama(tmp_path, remote_cache):
     d = _remote_code_dir(tmp_path)
     with pytest.raises(PlannerError, match="--trust-remote-code"):
         estimate(str(d), 4, seq_len=256)
@@ -218,7 +238,7 @@ def test_remote_code_runs_with_the_flag_and_is_priced_like_its_llama(tmp_path):
     assert remote.memory.peak_allocated_bytes == pytest.approx(llama.memory.peak_allocated_bytes, rel=0.01)
 
 
-def test_the_trace_tier_builds_remote_code_with_the_flag(tmp_path):
+def test_the_trace_tier_builds_remote_code_with_the_flag(tmp_path, remote_cache):
     """calibration.build takes the model class from the model's directory, as the profile does."""
     from planner.tracing import trace
 
