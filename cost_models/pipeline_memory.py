@@ -385,9 +385,9 @@ def pipeline_estimate(model: ModelSpec, cluster, training: TrainingSpec, config:
          "the output gradients of the linears and norms until the weight pass; checked on one pp 2 configuration, "
          "docs/accuracy.md)",) if config.pp_schedule.value in SPLIT_BACKWARD else ()) + (
         tuple(f"pp > 1 does not price {what} yet: priced as without it" for what, on in (
-            ("CPU offload", config.offload), ("selective-op checkpointing", config.selective_op_ac),
-            ("LoRA", training.finetune.value == "lora"), ("the experts' own activations (MoE)", model.moe is not None),
+            ("CPU offload", config.offload), ("LoRA", training.finetune.value == "lora"),
             ("the FP8 all-gather", config.fp8_all_gather), ("the compiled loss", config.loss_compiled)) if on)
+        + pipeline_techniques.moe_notes(model, config, config.shard_group_size(cluster))
         + (("TP with sequence parallel / CP inside a stage: a TP rank's slice of the model on s / cp tokens, the "
             "residual stream on s / tp (the rule traced at pp = 1); not traced under PP (TP without sequence parallel "
             "is: docs/accuracy.md)",)

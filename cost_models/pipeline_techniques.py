@@ -49,3 +49,18 @@ def recompute_input_bytes_per_token(model: ModelSpec, c: int, config: FsdpConfig
     selective-op the policy's cached outputs are handed back to the recompute as its own tensors, so only the input
     is extra (the pipeline trace, llama-8 GPipe pp2 m4: counting the cache twice priced stage 0 +1.50%)."""
     return c * model.hidden_size if config.selective_op_ac else ckpt_bytes_per_token
+
+
+def moe_notes(model: ModelSpec, config: FsdpConfig, d: int) -> tuple[str, ...]:
+    """What a stage's MoE pricing leaves out, said in the estimate (the pp = 1 ledger counts both)."""
+    if model.moe is None:
+        return ()
+    notes = []
+    if model.n_dense_layers:
+        notes.append(f"pp > 1 prices {model.name}'s {model.n_dense_layers} dense blocks as sparse ones (their "
+                     "parameters, saved tensors and moments): an over-estimate of the stages that hold them")
+    if d > 1 and model.moe.n_experts % d and not config.expert_shard_dim:
+        notes.append(f"pp > 1 does not count FSDP2's dim-0 padding of the stacked experts ({model.moe.n_experts} "
+                     f"experts on a shard group of {d}): an under-estimate; shard them on dim 1 (expert_shard_dim=1) "
+                     "or use a shard group that divides the experts")
+    return tuple(notes)
