@@ -282,12 +282,13 @@ def rank_memory(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, d:
 
     cases = {s: block_moments(x) for s, x in pieces.items()}
     actions = orders(config.pp_schedule, config.pp, config.pp_stages_per_rank, m)[rank]
+    kept_ahead = active_stages(actions) if len(pieces) > 1 else []
     for i, action in enumerate(actions):
         stage, mb = action.stage, action.microbatch
         x = pieces[stage]
         if len(pieces) > 1:  # a multi-stage schedule's runtime keeps the next stages gathered, and only those
             gathered.clear()
-            gathered.update(active_stages(actions[i:]))
+            gathered.update(kept_ahead[i])
         if action.kind == "F":
             gathered.add(stage)
             in_flight[stage] += 1
