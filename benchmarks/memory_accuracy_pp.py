@@ -62,6 +62,8 @@ SETTINGS = [
     # the split-backward schedules (I / W)
     ("llama-8", "zero-bubble", 2, 2, 4, 4, 8, "FULL_SHARD", "bf16", 0, 2, 256),
     ("llama-8", "dualpipev", 2, 2, 4, 4, 8, "FULL_SHARD", "bf16", 0, 2, 256),
+    ("llama-8", "zero-bubble", 2, 2, 4, 4, 8, "FULL_SHARD", "bf16", 1, 2, 256),
+    ("llama-8", "dualpipev", 2, 2, 8, 4, 8, "FULL_SHARD", "fp32", 0, 1, 256),
 ]
 
 

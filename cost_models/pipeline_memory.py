@@ -108,9 +108,9 @@ def _stage_pieces(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, 
     saved = tokens * (sum(kept) + root_saved) + shared + output
     v = model.vocab_size
     logits = tokens * v * c if stage.head else 0
-    _, loss_total = activations.logits_bytes_per_token(model, c, config.loss_compiled)
-    loss_saved = tokens * 4 * v if stage.head else 0   # log_softmax's fp32 output, saved by the NLL
-    loss_peak = tokens * loss_total - loss_saved if stage.head else 0
+    # eager: log_softmax's fp32 output saved by the NLL, then its fp32 gradients; compiled: the logits' gradient alone
+    loss_saved, loss_peak = (pipeline_techniques.loss_bytes(model, c, tokens, config.loss_compiled) if stage.head
+                             else (0, 0))
     # each block's backward, top first (memory.py's moments): the saved tensors of the blocks below it, its own
     # (recomputed when checkpointed), the larger of its MLP's and attention's working sets with their gradients;
     # relative to the microbatch's whole `saved` (the root's and the kept output are gone by then)
@@ -383,11 +383,12 @@ def pipeline_estimate(model: ModelSpec, cluster, training: TrainingSpec, config:
     notes = tuple(activations.quirks(model, config.attention, training.seq_len)) + (
         f"pipeline rank {top.rank} ({top.description}) has the largest peak, at its {top.peak_moment}",) + (
         (f"{config.pp_schedule.value}: the split backward priced as torch runs it (the input pass keeps the graph and "
-         "the output gradients of the linears and norms until the weight pass; checked on one pp 2 configuration, "
-         "docs/accuracy.md)",) if config.pp_schedule.value in SPLIT_BACKWARD else ()) + (
+         "the output gradients of the linears and norms until the weight pass; checked on pp 2 without checkpointing"
+         + ("; W's recomputes of each checkpointed block, one per parameter group, are not: up to 1.9x in the trace"
+            if config.ac_every else "") + ", docs/accuracy.md)",) if config.pp_schedule.value in SPLIT_BACKWARD else ()) + (
         tuple(f"pp > 1 does not price {what} yet: priced as without it" for what, on in (
             ("CPU offload", config.offload), ("LoRA", training.finetune.value == "lora"),
-            ("the FP8 all-gather", config.fp8_all_gather), ("the compiled loss", config.loss_compiled)) if on)
+            ("the FP8 all-gather", config.fp8_all_gather),) if on)
         + pipeline_techniques.moe_notes(model, config, config.shard_group_size(cluster))
         + (("TP with sequence parallel / CP inside a stage: a TP rank's slice of the model on s / cp tokens, the "
             "residual stream on s / tp (the rule traced at pp = 1); not traced under PP (TP without sequence parallel "
