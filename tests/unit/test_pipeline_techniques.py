@@ -1,6 +1,6 @@
-"""Techniques under pipeline parallelism (issue 18; cost_models/pipeline_techniques.py): MoE experts' backward moments
-and selective-op checkpointing priced per stage, checked against cached peaks of the pipeline trace; CPU offload
-refused with pp > 1.
+"""Techniques under pipeline parallelism (issue 18; cost_models/pipeline_techniques.py): MoE experts' backward
+moments, selective-op checkpointing and the compiled loss priced per stage, checked against cached peaks of the
+pipeline trace; CPU offload refused with pp > 1.
 
 The cached figures are calibration.trace_pipeline.trace_pipeline's peak allocated bytes per pipeline rank (torch 2.13,
 transformers 5.24, fake tensors at the real world size; 35-70 s a trace, so the tests read the figures). Each was
@@ -67,6 +67,23 @@ def test_known_gaps_stay_where_they_are(row, selective, traced, tolerance):
     assert max(map(abs, errors)) < tolerance, [f"{100 * e:+.2f}%" for e in errors]
 
 
+# the compiled loss (compile=True: FsdpConfig.loss_compiled): traced with calibration/fused_loss.py's fused
+# cross-entropy standing for the compiled kernel, as the pp = 1 trace does (calibration/trace.py _loss; the pipeline
+# trace's loss_fn, calibration.pipeline.causal_lm_loss, replaced by fused_causal_lm_loss for the run, blocks eager).
+# Before loss_bytes: +2.64% and +27.97% on the last stage (log_softmax's fp32 output priced as saved).
+COMPILED_LOSS = [
+    (("llama-8", "1f1b", 2, 4, 4, 2, 256), (114_368_916, 134_280_620)),
+    (("llama-8", "gpipe", 2, 4, 4, 2, 256), (142_573_972, 189_102_020)),
+]
+
+
+@pytest.mark.parametrize("row, traced", COMPILED_LOSS)
+def test_compiled_loss_stage_peaks_match_the_trace(row, traced):
+    ranks = estimate(*row, compile=True).pipeline_ranks
+    errors = [r.peak_allocated_bytes / t - 1 for r, t in zip(ranks, traced)]
+    assert max(map(abs, errors)) < 0.01, [f"{100 * e:+.2f}%" for e in errors]
+
+
 @pytest.mark.parametrize("row, selective, traced", CACHED)
 def test_stage_peaks_match_the_pipeline_trace(row, selective, traced):
     ranks = estimate(*row, selective_op_ac=selective).pipeline_ranks
@@ -86,8 +103,8 @@ def test_moe_block_backward_holds_the_stacked_experts_gradient():
     assert ranks[0].breakdown.unsharded_grads == (2000 * 256 + 4 * 3_312_128) * 4 + 8 * 256 * 512 * 2
 
 
-def test_notes_no_longer_say_moe_and_selective_op_are_unpriced():
-    notes = estimate("mixtral-blocks", "1f1b", 2, 4, 4, 1, 128, selective_op_ac=True).notes
+def test_notes_no_longer_say_moe_selective_op_or_the_compiled_loss_are_unpriced():
+    notes = estimate("mixtral-blocks", "1f1b", 2, 4, 4, 1, 128, selective_op_ac=True, compile=True).notes
     assert not [n for n in notes if "does not price" in n]
 
 
