@@ -67,8 +67,8 @@ class _StagePieces:
     logits: int                # last stage: one microbatch's logits, kept to the step's end (output_chunks)
     loss_saved: int            # last stage: the log-softmax output kept until the loss backward
     loss_peak: int             # last stage: the loss backward's fp32 gradients on top of loss_saved
-    blocks: tuple              # each block's backward, top first: its largest (activations relative to `saved`, in-flight
-    #                            gradients), the same without a dtype change (in place), activations at its post-backward
+    blocks: tuple              # each block's backward, top first: its largest (activations relative to `saved`,
+    #                            in-flight gradients), the same in place (no dtype change), its post-backward
     reserved_extra: int        # last stage: what the allocator strands above the loss backward's allocations
     weight_inputs: int         # split backward: the output gradients at the stage's linears and norm weights, I to W
     input_pass: tuple          # split backward: each block's input-pass moment (top first), relative to the held state
@@ -209,6 +209,8 @@ def rank_memory(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, d:
         acts, loss, acc, gathered_c, sharded = buffers, logits_kept, 0, 0, sharded_extra
         for s, x in pieces.items():
             acts += x.saved * in_flight[s] + x.weight_inputs * waiting[s]
+            if s + 1 in pieces:  # V-shape: this output is the next stage's input (set_local_fwd_input), no copy
+                acts -= x.output * (in_flight[s] - (what[2] == s and what[0] != "input pass"))
             loss += x.loss_saved * (in_flight[s] - waiting[s]) + x.logits * waiting[s]
             if s in reduced:
                 sharded += math.ceil(x.params * p / d)
@@ -234,10 +236,9 @@ def rank_memory(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, d:
         for i, group in enumerate(([root] if root else []) + [x.block_params] * x.stage.n_blocks):
             rs_in, rs_out = (group * r, math.ceil(group * r / d)) if d > 1 else (0, 0)
             shards = math.ceil(done * p / d)
-            # foreach_reduce copies a block unit's gradients into the reduce-scatter input and frees them (unsharded_grads
-            # .clear()) before it allocates the output; the previous unit's input is dropped before this one's is
-            # made. The stage root's gradients, reduced first, are still there when its output is allocated (the
-            # trace's timeline, llama3.2-1b's 1,051 MB embedding gradient, beside its input and output)
+            # foreach_reduce copies a block unit's gradients into the reduce-scatter input and frees them before it
+            # allocates the output (the previous unit's input dropped first); the stage root's, reduced first, are still
+            # there then (the trace's timeline: llama3.2-1b's 1,051 MB embedding gradient beside its input and output)
             kept = group if root and i == 0 else 0
             for gone in (done, done + group - kept):
                 moment(("reduce-scatter", None, stage), 0, -gone * r, 0, -(done + group) * c,
@@ -247,8 +248,7 @@ def rank_memory(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, d:
         reduced.add(stage)
 
     def convert(stage: int) -> None:
-        """FSDP2's post-backward of the stage's next pass (or of the step-end reduce) adds a weight pass's
-        compute-dtype gradients into the reduce-dtype sums (creating them the first time) and frees them."""
+        """The stage's next pass's post-backwards (or the reduce) add a W's gradients into the reduce-dtype sums."""
         if pending[stage]:
             pending[stage] = 0
             backwards[stage] = max(backwards[stage], 1)
