@@ -130,8 +130,8 @@ def test_context_parallel_trace(cp2, fsdp_only):
     assert abs(cp2.relative_error) <= TOLERANCE, cp2.difference()
 
 
-def test_mesh_the_trace_does_not_run():
-    spec = _trace(8).candidate.model
+def test_mesh_the_trace_does_not_run(fsdp_only):
+    spec = fsdp_only.candidate.model  # the fixture's trace, not a second one of the same configuration
     with pytest.raises(TraceUnsupported, match="sdpa"):
         trace_memory(spec, FsdpConfig(cp=2, attention="eager"), n_gpus=8, gpus_per_node=8, seq_len=SEQ,
                      hf_config=dict(TINY))
