@@ -206,7 +206,27 @@ def _cli(*args):
     return result.exit_code, result.stdout, ""
 
 
-def test_cli_trace_json_and_table(tmp_path):
+@pytest.fixture
+def one_trace_per_configuration(monkeypatch):
+    """The CLI tests render one traced configuration twice (JSON, then table): the second run reads the first's
+    trace (a trace depends only on its arguments: frozen specs, keyed by their value repr)."""
+    import calibration.trace
+
+    real, traced = calibration.trace.trace_memory, {}
+
+    def shared(spec, config, **kwargs):
+        key = repr((spec, config, sorted(kwargs.items())))
+        if " at 0x" in key:  # an argument without a value repr: not shared
+            return real(spec, config, **kwargs)
+        if key not in traced:
+            traced[key] = real(spec, config, **kwargs)
+        return traced[key]
+
+    monkeypatch.setattr(calibration.trace, "trace_memory", shared)
+    return traced
+
+
+def test_cli_trace_json_and_table(tmp_path, one_trace_per_configuration):
     cfg = tmp_path / "config.json"
     cfg.write_text(json.dumps(TINY["llama"]))
     code, stdout, err = _cli("trace", "--model", str(cfg), "--gpus", "4", "--seq-len", "128", "--format", "json")
@@ -216,11 +236,12 @@ def test_cli_trace_json_and_table(tmp_path):
     assert d["memory"]["breakdown"]["sharded_params"] > 0
     code, stdout, err = _cli("trace", "--model", str(cfg), "--gpus", "4", "--seq-len", "128")
     assert code == 0 and "estimate - trace" in stdout and "fits (traced): yes" in stdout
+    assert len(one_trace_per_configuration) == 1  # the table rendered the trace the JSON run made
     code, _, err = _cli("trace", "--model", str(cfg), "--gpus", "4", "--offload")
     assert code == 2 and err.startswith("error: trace:") and "offload" in err
 
 
-def test_cli_verify_top_marks_candidates(tmp_path):
+def test_cli_verify_top_marks_candidates(tmp_path, one_trace_per_configuration):
     cfg = tmp_path / "config.json"
     cfg.write_text(json.dumps(TINY["llama"]))
     code, stdout, err = _cli("--model", str(cfg), "--gpus", "2", "--seq-len", "128", "--top", "2",
@@ -234,6 +255,7 @@ def test_cli_verify_top_marks_candidates(tmp_path):
     code, stdout, err = _cli("--model", str(cfg), "--gpus", "2", "--seq-len", "128", "--top", "1",
                              "--verify-top", "1")
     assert code == 0 and "confirmed" in stdout
+    assert len(one_trace_per_configuration) == 1  # the table verified the candidate the JSON run traced
 
 
 def test_import_planner_tracing_does_not_import_torch():
