@@ -22,10 +22,11 @@ def test_lightning_snippet_imports_the_block_class(preset):
     (gemma3_text lives in transformers.models.gemma3)."""
     from planner.emit import emit_lightning
 
-    # A spec: no block profile to trace. Lightning's FSDPStrategy holds no mesh (a TP / CP / EP pick is refused
-    # in one line), so the search is pinned to FSDP alone (tp = cp = ep = 1) and the snippet is the best
-    # FSDP-only pick: a MoE preset plans in ~3 s instead of ~48 s (the mesh search prices ~36,000 candidates).
-    p = plan(load_preset(preset), 64, gpu="h100-80gb", seq_len=1024, tp=1, cp=1, ep=1)
+    # A spec: no block profile to trace. Lightning's FSDPStrategy holds no mesh (a TP / CP / EP / PP pick is
+    # refused in one line), so the search is pinned to FSDP alone (tp = cp = ep = pp = 1) and the snippet is the
+    # best FSDP-only pick: a MoE preset prices ~4,000 candidates (~3 s on 2 busy cores), not ~16,000 with pp
+    # 1-8 nor ~36,000 with the whole mesh.
+    p = plan(load_preset(preset), 64, gpu="h100-80gb", seq_len=1024, tp=1, cp=1, ep=1, pp=1)
     best = p.best or p.misses[0]
     config = dataclasses.replace(best.config, tp=1, cp=1, ep=1, async_tp=False, sequence_parallel=True)
     code = emit_lightning(config, p.model, p.cluster)
