@@ -132,9 +132,9 @@ def test_input_pass_keeps_the_output_gradient_of_each_linear_and_norm():
     param_groups hold for that microbatch (stage.backward_state after I, this row's trace). The first stage skips
     I (torch runs its whole backward at W): none."""
     from cost_models.pipeline import rank_stages
-    from cost_models.pipeline_memory import _stage_pieces
+    from cost_models.pipeline_stage_pieces import stage_pieces
 
     spec, _, training = specs(4)
     cfg = FsdpConfig(pp=2, pp_schedule="zero-bubble", pp_stages_per_rank=2, micro_batch=2, grad_accum=4)
-    held = {st.index: _stage_pieces(spec, training, cfg, st).weight_inputs for st in rank_stages(spec, cfg, 0)}
+    held = {st.index: stage_pieces(spec, training, cfg, st).weight_inputs for st in rank_stages(spec, cfg, 0)}
     assert held == {0: 0, 2: 6_291_456}

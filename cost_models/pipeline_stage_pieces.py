@@ -1,0 +1,131 @@
+"""One pipeline stage's bytes, priced once per stage: its parameters and a microbatch's saved tensors, output,
+logits and loss, each block's backward moments, and the split backward's held output gradients.
+
+What torch and FSDP2 do with them over a schedule step, and why each piece is what it is, is in
+cost_models/pipeline_memory.py (the replay); the per-token pieces are the single-microbatch ledger's
+(cost_models/activations.py), as cost_models/memory.py uses them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from . import activations, pipeline_techniques, tensor_parallel
+from .memory_types import ParamCounts
+from .pipeline import Stage
+from .specs import FsdpConfig, ModelSpec, TrainingSpec
+from .units import DTYPE_BYTES
+
+
+@dataclass(frozen=True)
+class StagePieces:
+    """Bytes of one stage: per-step states and per-microbatch activations."""
+
+    stage: Stage
+    params: int                # parameter count
+    head_params: int           # of which the final norm and head (last stage)
+    saved: int                 # one microbatch's saved tensors while in flight (incl. the kept output)
+    output: int                # the stage output fwd_cache keeps until backward (non-last stages)
+    logits: int                # last stage: one microbatch's logits, kept to the step's end (output_chunks)
+    loss_saved: int            # last stage: the log-softmax output kept until the loss backward
+    loss_peak: int             # last stage: the loss backward's fp32 gradients on top of loss_saved
+    blocks: tuple              # each block's backward, top first: its largest (activations relative to `saved`,
+    #                            in-flight gradients), the same in place (no dtype change), its post-backward
+    reserved_extra: int        # last stage: what the allocator strands above the loss backward's allocations
+    weight_inputs: int         # split backward: the output gradients at the stage's linears and norm weights, I to W
+    input_pass: tuple          # split backward: each block's input-pass moment (top first), relative to the held state
+    block_params: int          # one block's parameters (an FSDP unit)
+    head_grad: int             # the head's gradients (compute dtype), waiting for the stage root's post-backward
+
+
+def stage_pieces(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, stage: Stage) -> StagePieces:
+    c = DTYPE_BYTES[config.precision.compute_dtype]
+    s, mb = training.seq_len, config.micro_batch
+    tokens = mb * s
+    attn = config.attention
+    counts = ParamCounts.of(model, training)
+    # tied embeddings: the last stage holds its own copy of the table (torchtitan's per-stage model copies)
+    head = ((model.head_params or (model.embedding_params if model.tied_embeddings else 0))
+            + model.root_other_params) if stage.head else 0
+    params = stage.n_blocks * counts.block() + (model.embedding_params if stage.embedding else 0) + head
+    full = activations.block_bytes_per_token(model, c, attn, s, mb, 0)
+    # selective-op: every block checkpointed, keeping the policy's saved outputs too (pipeline_techniques.py)
+    k, ckpt = pipeline_techniques.checkpoint_policy(model, c, config, s, config.ac_every,
+                                                    activations.checkpointed_block_bytes_per_token(model, c))
+    h, f = model.hidden_size, model.ffn_hidden_size
+    # per token, each block's saved tensors in the model's order; a non-first stage's checkpointed first block keeps
+    # its input, which is the receive buffer (counted with the buffers)
+    root_saved = activations.root_bytes_per_token(model, c) if stage.head else 0
+    # TP with sequence parallel: the residual stream (each block's norms and input, the stage's output and the
+    # receive buffers) on s / tp tokens, by the rule the pp = 1 ledger is traced with (tensor_parallel.py)
+    sp = config.tp if tensor_parallel.sequence_parallel(config) else 1
+    if sp > 1:
+        full, ckpt, root_saved = tensor_parallel.sequence_parallel_saved_bytes(model, c, sp, full, ckpt, root_saved)
+    kept = [ckpt if k and i % k == 0 else full for i in stage.blocks]
+    if kept and not stage.embedding and k and stage.first_block % k == 0:
+        kept[0] -= -(-h * c // sp)
+    output = 0 if stage.head else tokens * -(-h * c // sp)
+    # the rotary tables are saved by the blocks' attention (a stage of the embedding or the head alone keeps none)
+    shared = activations.shared_bytes(model, c, s) if stage.n_blocks else 0
+    saved = tokens * (sum(kept) + root_saved) + shared + output
+    v = model.vocab_size
+    logits = tokens * v * c if stage.head else 0
+    # eager: log_softmax's fp32 output saved by the NLL, then its fp32 gradients; compiled: the logits' gradient alone
+    loss_saved, loss_peak = (pipeline_techniques.loss_bytes(model, c, tokens, config.loss_compiled) if stage.head
+                             else (0, 0))
+    # each block's backward, top first (memory.py's moments): the saved tensors of the blocks below it, its own
+    # (recomputed when checkpointed), the larger of its MLP's and attention's working sets with their gradients;
+    # relative to the microbatch's whole `saved` (the root's and the kept output are gone by then)
+    w_mlp = activations.mlp_backward_working_bytes_per_token(model, c)
+    w_attn = activations.attention_backward_working_bytes_per_token(model, c, attn, s)
+    freed = activations.attention_freed_before_backward_bytes_per_token(model, c, attention=attn, micro_batch=mb)
+    mlp_grad = min(counts.block(), h * f) * c
+    attn_grad = pipeline_techniques.attention_grad_bytes(  # MoE: every expert's, as memory.py counts them
+        model, c, counts.block(), min(counts.block(), (3 if model.gated_mlp else 2) * h * f + model.q_dim * h) * c)
+    input_extra = 0 if activations.input_saved_by_first_norm(model, c) else (  # selective-op: the input only
+        pipeline_techniques.recompute_input_bytes_per_token(model, c, config, ckpt))
+    # RMSNorm's fp32 backward chain: four h-sized fp32 gradients, and the upcast incoming one under a 16-bit compute
+    # dtype (5 x 4 h per token in the trace's timelines)
+    norm_chain, rms = 4 * h * (4 + (c < 4)), model.norm == "rmsnorm" and not model.parallel_block
+    mlp_grads = min(counts.block(), (3 if model.gated_mlp else 2) * h * f) * c
+    blocks = []
+    for j in reversed(range(stage.n_blocks)):
+        recomputed = bool(k) and (stage.first_block + j) % k == 0
+        this = full + (input_extra if j or stage.embedding else 0) if recomputed else kept[j]
+        base = tokens * (sum(kept[:j]) + this) + shared - saved
+        at_attn = (base + tokens * (w_attn - freed), attn_grad)
+        # MoE: the MoE MLP's own moments (moe.backward_moments) in place of fc2's
+        at_mlp = pipeline_techniques.mlp_moment(model, c, tokens, s, counts.block(), recomputed, base,
+                                                (base + tokens * w_mlp, mlp_grad))
+        # RMSNorm's backward between the two (post_attention_layernorm): the MLP's saved tensors and the norm's output
+        # gone, its own (fp32 upcast, normalised input) still there, beside its fp32 chain and the MLP's weight
+        # gradients (5 x 4 h per token in the trace's timeline, llama-16 tp 2: larger than the MLP's and attention's
+        # moments where TP splits f and the heads but not h)
+        at_norm = (base + tokens * (norm_chain - (freed - 4 * h - c * h)), mlp_grads) if rms else (0, 0)
+        # without a dtype change AccumulateGrad adds into the kept gradients in place, but autograd makes each weight's
+        # gradient whole first: the MLP's moment is fc2's (h x f) beside the incoming gradient and fc2's input's (the
+        # activation's factors' gradients come after); the attention's as in the other cases, without one
+        in_place = max((base + tokens * c * (h + f), mlp_grad), (at_attn[0], 0), key=sum)
+        # its post-backward: the block's whole compute-dtype gradient (converted or added one parameter at a time)
+        # beside the saved tensors below and the gradient passed down
+        post = tokens * (sum(kept[:j]) + h * c) + shared - saved
+        blocks.append((max(at_mlp, at_attn, at_norm, key=sum), max(in_place, (at_norm[0], 0), key=sum), post))
+    head_grad = head * c
+    # split backward, input pass (stage_backward_input: autograd.grad to the stage input with retain_graph=True):
+    # nothing saved is freed, and a pre-hook on each linear's mm and each norm's weight product keeps the gradient
+    # of its output for the weight pass: per block q, k, v, o, gate, up, down and the two norms (c (q + 2 kv + 4 h
+    # + 2 f) per token, 12 h at Llama's shapes; counted in the trace's param_groups). The first stage skips the
+    # pass (torch runs its whole backward at W), so it keeps none.
+    weight_inputs = 0 if stage.embedding else tokens * c * (model.q_dim + 2 * model.kv_dim + 4 * h + 2 * f)
+    head_inputs = tokens * c * h if stage.head and not stage.embedding else 0  # the final norm's (the head's: logits)
+    # block j's input-pass moment (j blocks above done, their gradients kept): its MLP's working set with fc2's input
+    # still saved, its attention's beside the MLP half's kept gradients (norm 2, down, gate, up), or - the largest at
+    # Llama's shapes - its first norm's backward, every gradient of the block kept but that norm's own, beside the
+    # RMSNorm's fp32 chain (the trace's timeline, llama-8 zero-bubble bf16)
+    input_pass = tuple(max(j * weight_inputs + tokens * max(w_mlp + c * f, w_attn + c * (2 * h + 2 * f)),
+                           (j + 1) * weight_inputs + tokens * (norm_chain - c * h))
+                       for j in range(stage.n_blocks))
+    return StagePieces(stage, params, head, saved, output, logits, loss_saved, loss_peak, tuple(blocks),
+                        tokens * activations.logits_reserved_extra_bytes_per_token(model, c, config.loss_compiled)
+                        if stage.head else 0, weight_inputs * stage.n_blocks + head_inputs, input_pass,
+                        counts.block(), head_grad)
