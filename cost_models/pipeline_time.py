@@ -33,6 +33,7 @@ rule above already prices), stragglers, the optimizer's cross-rank gradient-norm
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import NamedTuple
 
 from . import comm
@@ -88,40 +89,31 @@ class Walk:
     sends: tuple[Send, ...] = ()
 
 
-def walk(schedule: Schedule, pp: int, v: int, m: int, passes: tuple[StagePass, ...], p2p_s: float,
-         record: bool = False) -> Walk:
-    """Event simulation of one schedule step (module docstring); record: keep every pass and send (a timeline's
-    spans; off in the search, where they would only cost time)."""
-    n_stages = len(passes)
+_KINDS = ("F", "B", "I", "W")
+
+
+@lru_cache(maxsize=64)
+def _walk_plan(schedule: Schedule, pp: int, v: int, m: int, n_stages: int) -> tuple[tuple, ...]:
+    """Every action of one step in an order that runs each after the pass it waits for (the ranks in turn, each
+    as far as its inputs allow), with what walk() reads of it, precomputed once per shape (the search walks the
+    same shape for every candidate): (rank, stage, kind index in _KINDS, microbatch, the index in this order of
+    the pass it waits for or -1 (the first stage's forward), whether that pass ran on another rank, is the rank's
+    first action, ends a backward (B or W)). The times follow from these dependencies alone, whatever the order."""
     rank_of = [stage_rank(s, pp, schedule) for s in range(n_stages)]
     todo = orders(schedule, pp, v, m)
-    done: dict[tuple[int, str, int], float] = {}
-    free = [0.0] * pp
-    first = [None] * pp
-    busy = [0.0] * pp
-    last_bwd = [0.0] * n_stages
+    done: dict[tuple[int, str, int], int] = {}
     at = [0] * pp
-    ran: list[Pass] = []
-    sends: list[Send] = []
+    plan: list[tuple] = []
 
-    # GPipe and 1F1B (torch's PipelineScheduleSingle) post a receive after the rank's previous compute, behind its
-    # sends on NCCL's stream: the transfer starts when both the sender's and the receiver's previous passes end.
-    # The multi-stage runtime posts receives ahead (where the sender's send is), so only the sender's end counts.
-    late = schedule in (Schedule.GPIPE, Schedule.ONE_F_ONE_B)
-
-    def arrival(sent: float | None, src: int, dst: int) -> float | None:
-        if sent is None or rank_of[src] == rank_of[dst]:
-            return sent
-        return (max(sent, free[rank_of[dst]]) if late else sent) + p2p_s
-
-    def ready(stage: int, kind: str, mb: int) -> float | None:
+    def waits_for(stage: int, kind: str, mb: int) -> tuple[int, int] | None:
+        """(index of the pass this action waits for, that pass's stage), None: not run yet."""
         if kind == "F":
-            return 0.0 if stage == 0 else arrival(done.get((stage - 1, "F", mb)), stage - 1, stage)
+            return (-1, stage) if stage == 0 else _ran(done.get((stage - 1, "F", mb)), stage - 1)
         if kind == "W":
-            return done.get((stage, "I", mb))
+            return _ran(done.get((stage, "I", mb)), stage)
         if stage == n_stages - 1:
-            return done.get((stage, "F", mb))
-        return arrival(done.get((stage + 1, "G", mb)), stage + 1, stage)  # the next stage's input gradient (B or I)
+            return _ran(done.get((stage, "F", mb)), stage)
+        return _ran(done.get((stage + 1, "G", mb)), stage + 1)  # the next stage's input gradient (B or I)
 
     remaining = sum(len(a) for a in todo.values())
     while remaining:
@@ -130,32 +122,64 @@ def walk(schedule: Schedule, pp: int, v: int, m: int, passes: tuple[StagePass, .
             acts = todo[r]
             while at[r] < len(acts):
                 stage, kind, mb = acts[at[r]]
-                t = ready(stage, kind, mb)
-                if t is None:
+                dep = waits_for(stage, kind, mb)
+                if dep is None:
                     break
-                p = passes[stage]
-                dur = {"F": p.forward_s, "B": p.backward_s, "I": p.backward_s - p.weight_s, "W": p.weight_s}[kind]
-                if record:
-                    src = stage - 1 if kind == "F" else stage + 1  # whose output this pass waited for
-                    if kind != "W" and 0 <= src < n_stages and rank_of[src] != r:
-                        sends.append(Send(src, stage, kind, mb, t - p2p_s, t))
-                start = max(free[r], t)
-                free[r] = end = start + dur
-                if record:
-                    ran.append(Pass(r, stage, kind, mb, start, end))
-                first[r] = start if first[r] is None else first[r]
-                busy[r] += dur
-                done[(stage, kind, mb)] = end
+                i = len(plan)
+                plan.append((r, stage, _KINDS.index(kind), mb, dep[0], dep[0] >= 0 and rank_of[dep[1]] != r,
+                             at[r] == 0, kind in ("B", "W")))
+                done[(stage, kind, mb)] = i
                 if kind in ("B", "I"):
-                    done[(stage, "G", mb)] = end
-                if kind in ("B", "W"):
-                    last_bwd[stage] = max(last_bwd[stage], end)
+                    done[(stage, "G", mb)] = i
                 at[r] += 1
                 remaining -= 1
                 progressed = True
         if not progressed:
             raise RuntimeError(f"{schedule.value} order deadlocks (pp {pp}, V {v}, m {m})")
-    return Walk(max(free), tuple(busy), tuple(f or 0.0 for f in first), tuple(last_bwd), tuple(ran), tuple(sends))
+    return tuple(plan)
+
+
+def _ran(index: int | None, stage: int) -> tuple[int, int] | None:
+    return None if index is None else (index, stage)
+
+
+def walk(schedule: Schedule, pp: int, v: int, m: int, passes: tuple[StagePass, ...], p2p_s: float,
+         record: bool = False) -> Walk:
+    """Event simulation of one schedule step (module docstring); record: keep every pass and send (a timeline's
+    spans; off in the search, where they would only cost time)."""
+    n_stages = len(passes)
+    plan = _walk_plan(schedule, pp, v, m, n_stages)
+    # seconds per stage and kind, as _KINDS orders them
+    durations = [(p.forward_s, p.backward_s, p.backward_s - p.weight_s, p.weight_s) for p in passes]
+    end_s = [0.0] * len(plan)
+    free = [0.0] * pp
+    first = [0.0] * pp
+    busy = [0.0] * pp
+    last_bwd = [0.0] * n_stages
+    ran: list[Pass] = []
+    sends: list[Send] = []
+    # GPipe and 1F1B (torch's PipelineScheduleSingle) post a receive after the rank's previous compute, behind its
+    # sends on NCCL's stream: the transfer starts when both the sender's and the receiver's previous passes end.
+    # The multi-stage runtime posts receives ahead (where the sender's send is), so only the sender's end counts.
+    late = schedule in (Schedule.GPIPE, Schedule.ONE_F_ONE_B)
+    for i, (r, stage, kind, mb, dep, cross, opens, backward) in enumerate(plan):
+        t = end_s[dep] if dep >= 0 else 0.0
+        if cross:
+            t = (max(t, free[r]) if late else t) + p2p_s
+            if record:
+                sends.append(Send(stage - 1 if kind == 0 else stage + 1, stage, _KINDS[kind], mb, t - p2p_s, t))
+        dur = durations[stage][kind]
+        start = max(free[r], t)
+        free[r] = end = start + dur
+        end_s[i] = end
+        if record:
+            ran.append(Pass(r, stage, _KINDS[kind], mb, start, end))
+        if opens:
+            first[r] = start
+        busy[r] += dur
+        if backward and end > last_bwd[stage]:
+            last_bwd[stage] = end
+    return Walk(max(free), tuple(busy), tuple(first), tuple(last_bwd), tuple(ran), tuple(sends))
 
 
 @dataclass(frozen=True)
