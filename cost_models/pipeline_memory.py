@@ -105,7 +105,7 @@ def rank_memory(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, d:
                 acc += x.params * r
             acc += pending[s]
             if s in gathered:
-                gathered_c += x.params * c
+                gathered_c += x.gathered
         parts = (sharded_params, optimizer_state, sharded, gathered_c + params_extra, acc + grads_extra,
                  acts + acts_extra, loss + logits_extra, buffers_extra)
         total = sum(parts)
@@ -119,8 +119,9 @@ def rank_memory(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, d:
         x = pieces[stage]
         convert(stage)
         root = x.params - x.stage.n_blocks * x.block_params
-        done = 0
+        done = done_c = 0  # parameters reduced so far, and their gathered bytes (resharded)
         for i, group in enumerate(([root] if root else []) + [x.block_params] * x.stage.n_blocks):
+            done_c += x.root_gathered if root and i == 0 else x.block_gathered
             rs_in, rs_out = (group * r, math.ceil(group * r / d)) if d > 1 else (0, 0)
             shards = math.ceil(done * p / d)
             # foreach_reduce copies a block unit's gradients into the reduce-scatter input and frees them before it
@@ -128,7 +129,7 @@ def rank_memory(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, d:
             # there then (the trace's timeline: llama3.2-1b's 1,051 MB embedding gradient beside its input and output)
             kept = group if root and i == 0 else 0
             for gone in (done, done + group - kept):
-                moment(("reduce-scatter", None, stage), 0, -gone * r, 0, -(done + group) * c,
+                moment(("reduce-scatter", None, stage), 0, -gone * r, 0, -done_c,
                        rs_in + (rs_out if gone > done or kept else 0), shards)
             done += group
         gathered.discard(stage)
@@ -274,8 +275,7 @@ def pipeline_estimate(model: ModelSpec, cluster, training: TrainingSpec, config:
          + ("; W's recomputes of each checkpointed block, one per parameter group, are not: up to 1.9x in the trace"
             if config.ac_every else "") + ", docs/accuracy.md)",) if config.pp_schedule.value in SPLIT_BACKWARD else ()) + (
         tuple(f"pp > 1 does not price {what} yet: priced as without it" for what, on in (
-            ("CPU offload", config.offload), ("LoRA", training.finetune.value == "lora"),
-            ("the FP8 all-gather", config.fp8_all_gather),) if on)
+            ("CPU offload", config.offload), ("LoRA", training.finetune.value == "lora")) if on)
         + pipeline_techniques.moe_notes(model, config, config.shard_group_size(cluster))
         + (("TP with sequence parallel / CP inside a stage: a TP rank's slice of the model on s / cp tokens, the "
             "residual stream on s / tp (the rule traced at pp = 1); not traced under PP (TP without sequence parallel "

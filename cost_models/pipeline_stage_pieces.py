@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from . import activations, pipeline_techniques, tensor_parallel
+from . import activations, operators, pipeline_techniques, tensor_parallel
 from .memory_types import ParamCounts
 from .pipeline import Stage
 from .specs import FsdpConfig, ModelSpec, TrainingSpec
@@ -36,6 +36,14 @@ class StagePieces:
     input_pass: tuple          # split backward: each block's input-pass moment (top first), relative to the held state
     block_params: int          # one block's parameters (an FSDP unit)
     head_grad: int             # the head's gradients (compute dtype), waiting for the stage root's post-backward
+    root_gathered: int         # the stage root's unsharded parameters (embedding, final norm, head: compute dtype)
+    block_gathered: int        # one block's all-gather output: its parameters in the compute dtype, the Float8
+    #                            linears' weights at 1 byte under the FP8 all-gather (the pp = 1 rule, memory.py)
+
+    @property
+    def gathered(self) -> int:
+        """The stage's unsharded parameters while it keeps them gathered (reshard_after_forward=False)."""
+        return self.root_gathered + self.stage.n_blocks * self.block_gathered
 
 
 def stage_pieces(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, stage: Stage) -> StagePieces:
@@ -128,4 +136,6 @@ def stage_pieces(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, s
     return StagePieces(stage, params, head, saved, output, logits, loss_saved, loss_peak, tuple(blocks),
                         tokens * activations.logits_reserved_extra_bytes_per_token(model, c, config.loss_compiled)
                         if stage.head else 0, weight_inputs * stage.n_blocks + head_inputs, input_pass,
-                        counts.block(), head_grad)
+                        counts.block(), head_grad, (params - stage.n_blocks * counts.block()) * c,
+                        counts.block() * c - (operators.fp8_all_gather_saving_bytes(model, c, s)
+                                              if config.fp8_all_gather else 0))

@@ -138,3 +138,21 @@ def test_input_pass_keeps_the_output_gradient_of_each_linear_and_norm():
     cfg = FsdpConfig(pp=2, pp_schedule="zero-bubble", pp_stages_per_rank=2, micro_batch=2, grad_accum=4)
     held = {st.index: stage_pieces(spec, training, cfg, st).weight_inputs for st in rank_stages(spec, cfg, 0)}
     assert held == {0: 0, 2: 6_291_456}
+
+
+def test_fp8_all_gather_keeps_each_stage_s_float8_weights_at_one_byte():
+    """FSDP2's FP8 all-gather under PP, by hand (calibration/float8.py refuses to trace Float8 on CPU): a llama-8
+    block's Float8 linears are q, o 256 x 256, k, v 256 x 128, gate / up / down 256 x 768 = 786,432 weights, kept
+    gathered at 1 byte instead of bf16's 2 (its two norms, 512, stay bf16): 787,456 B a block. Stage 0 = embedding
+    8000 x 256 x 2 + 4 blocks = 7,245,824 B; stage 1 = norm + head (256 + 2,048,000) x 2 + 4 blocks = 7,246,336 B,
+    3,145,728 B (4 x 786,432) under the bf16 figures at each rank's peak; the pp = 1 rule's saving per block
+    (operators.fp8_all_gather_saving_bytes, what memory.py takes off each gathered block) is the same 786,432."""
+    from cost_models import operators
+
+    spec, _, _ = specs(4)
+    assert operators.fp8_all_gather_saving_bytes(spec, 2, 256) == 786_432
+    plain, fp8 = ranks("1f1b", 2, 4, 4), ranks("1f1b", 2, 4, 4, float8=True, fp8_all_gather=True)
+    assert [r.breakdown.unsharded_params for r in fp8.pipeline_ranks] == [7_245_824, 7_246_336]
+    assert [a.peak_allocated_bytes - b.peak_allocated_bytes
+            for a, b in zip(plain.pipeline_ranks, fp8.pipeline_ranks)] == [3_145_728, 3_145_728]
+    assert not any("FP8" in note for note in fp8.notes)
