@@ -38,11 +38,12 @@ def unsupported_reasons(cluster: ClusterSpec, config: FsdpConfig) -> list[str]:
 
 
 def evaluate(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, config: FsdpConfig,
-             profile: Profile) -> Evaluation:
+             profile: Profile, memory: MemoryEstimate | None = None) -> Evaluation:
     """Price `config` as FSDP runs it (feasibility.as_run: a reshard group equal to the shard group is the
-    strategy's own resharding), with the reasons it cannot run or does not fit."""
+    strategy's own resharding), with the reasons it cannot run or does not fit; memory: its estimate where the
+    caller has it (planner/search/memo.py: priced once across knobs the memory does not read)."""
     config = as_run(config, cluster)
-    memory = estimate_memory(model, cluster, training, config, profile)
+    memory = estimate_memory(model, cluster, training, config, profile) if memory is None else memory
     time = estimate_step_time(model, cluster, training, config, profile)
     reasons = unsupported_reasons(cluster, config)
     capacity = cluster.gpu.memory_bytes

@@ -38,6 +38,7 @@ from cost_models.mesh_rules import mesh_refusals
 from cost_models.profile import Profile
 from cost_models.specs import ClusterSpec, FsdpConfig, ModelSpec, Sharding, TrainingSpec
 
+from planner.search.memo import Costing
 from planner.search.pipeline import PP_SHARDINGS, microbatch_plans
 from planner.search.walk import Walk, per_token_compute_s, pipeline_ceiling, scout_space, walk_on
 from planner.search.space import (FLOAT8_PRECISIONS, FP8_ALL_GATHER_SHARDINGS, MeshChoice, SearchSpace, mesh_choices,
@@ -107,7 +108,7 @@ class _Found:
         return max((e.time.tokens_per_s_per_gpu for e in self.fitting), default=None)
 
 
-def _cost_mesh(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, profile: Profile,
+def _cost_mesh(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, costing: Costing,
                space: SearchSpace, shardings: tuple[Sharding, ...], mesh: MeshChoice) -> _Found | None:
     """Every knob combination on one mesh (None: no micro-batch reaches the global batch on it, or the mesh does
     not divide the GPUs: a pinned --pp beside a searched tp or cp)."""
@@ -170,7 +171,7 @@ def _cost_mesh(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, p
                                 async_tp=async_tp, sequence_parallel=space.sequence_parallel)
             if unsupported_reasons(cluster, config):
                 break
-            e = evaluate(model, cluster, training, config, profile)
+            e = costing.evaluate(config)
             found.n_costed += 1
             if e.fits:
                 found.fitting.append(e)
@@ -193,7 +194,8 @@ def search(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, profi
     if len(shardings) < len(space.shardings):
         skipped.append("HYBRID strategies: single node (or GPUs not divisible by GPUs per node), "
                        "where they equal FULL_SHARD / SHARD_GRAD_OP")
-    cost = lambda mesh, knobs=space: _cost_mesh(model, cluster, training, profile, knobs, shardings[:1] if  # noqa: E731
+    costing = Costing(model, cluster, training, profile)  # each configuration priced once (planner/search/memo.py)
+    cost = lambda mesh, knobs=space: _cost_mesh(model, cluster, training, costing, knobs, shardings[:1] if  # noqa: E731
                                                  knobs is not space else shardings, mesh)
     scout = scout_space(space, cluster)
     scouted: dict[tuple, tuple[float, MeshChoice]] = {}  # per schedule: the fastest scouted pipeline

@@ -1,0 +1,34 @@
+"""planner/search/memo.py: a search prices each configuration once, and a pipeline's memory once across the knobs
+the memory estimate does not read (Float8 linears, async TP); the evaluations equal evaluate()'s to the byte."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+from cost_models.evaluate import evaluate
+from cost_models.profile import DEFAULT_PROFILE
+from cost_models.schedules import Schedule
+from cost_models.specs import FsdpConfig, TrainingSpec
+from planner.hardware import make_cluster
+from planner.models import load_preset
+from planner.search.memo import MEMORY_FREE_FIELDS, Costing
+
+
+def test_pipeline_memory_is_priced_once_across_float8_and_async_tp_and_equals_evaluate():
+    model, cluster = load_preset("llama3-8b"), make_cluster(16, gpu="h100-80gb")
+    training = TrainingSpec(seq_len=2048, global_batch=32)
+    base = FsdpConfig(micro_batch=1, grad_accum=8, tp=2, pp=4, pp_schedule=Schedule.INTERLEAVED_1F1B,
+                      pp_stages_per_rank=2, compile=True, sequence_parallel=True, ac_every=2)
+    costing = Costing(model, cluster, training, DEFAULT_PROFILE)
+    configs = [dataclasses.replace(base, float8=f8, async_tp=a) for f8, a in itertools.product((False, True), repeat=2)]
+    for config in configs + configs:  # the second round: the same Evaluation objects, nothing priced again
+        memo = costing.evaluate(config)
+        assert memo == evaluate(model, cluster, training, config, DEFAULT_PROFILE)
+    assert len(costing.evaluations) == 4 and len(costing.memories) == 1
+    # the knobs change the step (Float8's faster matmuls, async TP's hidden collectives), not the memory
+    steps = {costing.evaluations[c].time.step_s for c in configs}
+    assert len(steps) == 4
+    peaks = {costing.evaluations[c].memory.peak_reserved_bytes for c in configs}
+    assert len(peaks) == 1 and peaks.pop() > 10 * 2**30
+    assert MEMORY_FREE_FIELDS == {"float8", "async_tp"}
