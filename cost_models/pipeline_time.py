@@ -147,10 +147,27 @@ def walk(schedule: Schedule, pp: int, v: int, m: int, passes: tuple[StagePass, .
          record: bool = False) -> Walk:
     """Event simulation of one schedule step (module docstring); record: keep every pass and send (a timeline's
     spans; off in the search, where they would only cost time)."""
-    n_stages = len(passes)
+    compute_s = tuple((p.forward_s, p.backward_s, p.weight_s) for p in passes)  # all the walk reads of a stage
+    if record:
+        return _walk(schedule, pp, v, m, compute_s, p2p_s, True)
+    return _walk_unrecorded(schedule, pp, v, m, compute_s, p2p_s)
+
+
+@lru_cache(maxsize=1024)
+def _walk_unrecorded(schedule: Schedule, pp: int, v: int, m: int, compute_s: tuple[tuple[float, float, float], ...],
+                     p2p_s: float) -> Walk:
+    """walk() without its spans, once per shape and stage seconds: the search's candidates that differ in FSDP
+    knobs alone (the strategy, the reduce dtype: each stage's collectives, which the walk does not read) walk
+    the same step."""
+    return _walk(schedule, pp, v, m, compute_s, p2p_s, False)
+
+
+def _walk(schedule: Schedule, pp: int, v: int, m: int, compute_s: tuple[tuple[float, float, float], ...],
+          p2p_s: float, record: bool) -> Walk:
+    """walk() from each stage's (forward, backward, weight-gradient) seconds."""
+    n_stages = len(compute_s)
     plan = _walk_plan(schedule, pp, v, m, n_stages)
-    # seconds per stage and kind, as _KINDS orders them
-    durations = [(p.forward_s, p.backward_s, p.backward_s - p.weight_s, p.weight_s) for p in passes]
+    durations = [(f, b, b - w, w) for f, b, w in compute_s]  # seconds per stage and kind, as _KINDS orders them
     end_s = [0.0] * len(plan)
     free = [0.0] * pp
     first = [0.0] * pp
