@@ -3,6 +3,14 @@ cp as planner/search/ enumerates them), llama3.1-405b with tp, and with pipeline
 
     python benchmarks/search_speed.py
 Prints the search time (best of 5), configurations costed, and candidates costed per second.
+
+The pipelines line (llama3.1-405b on 512 H100-96, global batch 256: 794 costed, 248 of them pipelines, 124 on the
+fastest scouted tp 8 x pp 16 interleaved V 2 with 64 microbatches), CPU time (time.process_time) on 2 busy cores,
+first search of a process / best of 3: 4.9-5.3 s / 4.5-5.3 s at e5f5702; 2.1-3.1 s / 1.9-2.3 s after the walk's
+dependencies were precomputed per shape (pipeline_time._walk_plan: 6.2 -> 1.1 ms a pp 16 x V 2 x m 64 walk), the
+unrecorded walk cached on its stage seconds, and each configuration's evaluation and a pipeline's memory priced
+once per search across Float8 and async TP (planner/search/memo.py: 248 -> 182 pipeline memory estimates). What
+is left is that memory: each rank's replay (cost_models/pipeline_memory.rank_memory, ~85% of the line).
 """
 
 from __future__ import annotations
@@ -63,7 +71,7 @@ def main() -> None:
         timings.append(time.perf_counter() - t0)
     print(f"llama3.1-405b on 1024 x a100-80gb, meshes {', '.join(f'{m.tp}x{m.cp}x{m.ep}' for m in meshes)} "
           f"(tp x cp x ep): {result.n_costed} costed in {min(timings) * 1000:.1f} ms (best of 3; target < 1000 ms)")
-    # Pipelines: 405B on 512 H100s with a global batch of 256 sequences, where the search picks tp 4 x pp 8
+    # Pipelines: 405B on 512 H100s with a global batch of 256 sequences, where the search picks tp 8 x pp 16
     h100 = make_cluster(512, gpu="h100-96gb")
     piped = TrainingSpec(seq_len=2048, global_batch=256)
     timings, cpu = [], []
