@@ -179,14 +179,16 @@ def _walk(schedule: Schedule, pp: int, v: int, m: int, compute_s: tuple[tuple[fl
     # sends on NCCL's stream: the transfer starts when both the sender's and the receiver's previous passes end.
     # The multi-stage runtime posts receives ahead (where the sender's send is), so only the sender's end counts.
     late = schedule in (Schedule.GPIPE, Schedule.ONE_F_ONE_B)
+    # `b if b > a else a` is max(a, b) to the bit (ties and NaN alike), without the call
     for i, (r, stage, kind, mb, dep, cross, opens, backward) in enumerate(plan):
         t = end_s[dep] if dep >= 0 else 0.0
+        idle = free[r]
         if cross:
-            t = (max(t, free[r]) if late else t) + p2p_s
+            t = ((idle if idle > t else t) if late else t) + p2p_s
             if record:
                 sends.append(Send(stage - 1 if kind == 0 else stage + 1, stage, _KINDS[kind], mb, t - p2p_s, t))
         dur = durations[stage][kind]
-        start = max(free[r], t)
+        start = t if t > idle else idle
         free[r] = end = start + dur
         end_s[i] = end
         if record:
