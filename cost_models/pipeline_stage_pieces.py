@@ -70,7 +70,9 @@ def stage_pieces(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, s
     if sp > 1:
         full, ckpt, root_saved = tensor_parallel.sequence_parallel_saved_bytes(model, c, sp, full, ckpt, root_saved)
     kept = [ckpt if k and i % k == 0 else full for i in stage.blocks]
-    if kept and not stage.embedding and k and stage.first_block % k == 0:
+    # so does a first block whose first norm saves the block input itself (fp32 RMSNorm: no upcast copy; LayerNorm)
+    if kept and not stage.embedding and (k and stage.first_block % k == 0
+                                         or activations.input_saved_by_first_norm(model, c)):
         kept[0] -= -(-h * c // sp)
     output = 0 if stage.head else tokens * -(-h * c // sp)
     # the rotary tables are saved by the blocks' attention (a stage of the embedding or the head alone keeps none)

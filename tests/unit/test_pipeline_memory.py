@@ -90,6 +90,10 @@ CACHED = [
     # bytes with Python's cycle collector on and off)
     (("llama-8", "zero-bubble", 2, 2, 4, 4, 8, "FULL_SHARD", "bf16", 0, 2, 256), (125_904_276, 211_568_048)),
     (("llama-8", "dualpipev", 2, 2, 4, 4, 8, "FULL_SHARD", "bf16", 0, 2, 256), (213_464_492, 105_218_448)),
+    # fp32: the first norm saves the block input itself, the receive buffer (or, on DualPipeV's rank pp - 1, the
+    # adjacent stage's output): counted once (before +0.48% on GPipe's rank 1, +1.41% on DualPipeV's)
+    (("llama-8", "gpipe", 2, 0, 8, 2, 8, "FULL_SHARD", "fp32", 0, 1, 256), (267_108_756, 414_329_360)),
+    (("llama-8", "dualpipev", 2, 2, 8, 4, 8, "FULL_SHARD", "fp32", 0, 1, 256), (236_958_648, 109_027_728)),
     # four stages a rank: the runtime keeps three unsharded; tp 2 (no sequence parallel): RMSNorm's backward moment
     (("llama-8", "interleaved-1f1b", 2, 4, 4, 4, 8, "FULL_SHARD", "bf16", 1, 2, 256), (79_893_908, 153_151_916)),
     (("llama-16", "1f1b", 4, 0, 8, 16, 8, "FULL_SHARD", "bf16", 0, 1, 256, 2),
