@@ -90,10 +90,13 @@ def rank_memory(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, d:
     logits_kept = 0
     best: list = [-1, None, None]  # total, (what, microbatch, stage), the breakdown's parts
     loss_moment = 0  # the loss backward's segments stay reserved once made (allocator.py), as in memory.py
+    # Schedule1F1B keeps the last backward's send ops (bwd_sends, holding the input gradient) in a local until the
+    # next backward is done: from a non-first stage's first backward to the step's end one input gradient is alive
+    sent = [0]
 
     def moment(what: tuple, acts_extra: int, grads_extra: int, logits_extra: int, params_extra: int = 0,
                buffers_extra: int = 0, sharded_extra: int = 0) -> int:
-        acts, loss, acc, gathered_c, sharded = buffers, logits_kept, 0, 0, sharded_extra
+        acts, loss, acc, gathered_c, sharded = buffers + sent[0], logits_kept, 0, 0, sharded_extra
         for s, x in pieces.items():
             acts += x.saved * in_flight[s] + x.weight_inputs * waiting[s]
             if s + 1 in pieces:  # V-shape: this output is the next stage's input (set_local_fwd_input), no copy
@@ -229,6 +232,9 @@ def rank_memory(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, d:
         backwards[stage] += 1
         if mb == m - 1:
             reduce(stage)
+        if config.pp_schedule.value == "1f1b" and not x.stage.embedding:
+            sent[0] = tokens_h
+    sent[0] = 0  # waited and dropped when the schedule returns
     if logits_kept:  # the last stage's step returns its microbatches' logits concatenated (a copy beside them)
         moment(("merge of the logits", None, None), 0, 0, logits_kept)
     what, mb, stage = best[1]

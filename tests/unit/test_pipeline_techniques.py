@@ -52,19 +52,10 @@ CACHED = [
     (("qwen3-moe-blocks", "1f1b", 2, 4, 4, 4, 512), False, (509_751_092, 419_453_516)),
     (("llama-8", "gpipe", 2, 4, 4, 2, 256), True, (94_652_820, 208_730_552)),
     (("mixtral-blocks", "1f1b", 2, 4, 4, 2, 256), True, (185_444_660, 191_266_092)),
+    # selective-op, 1F1B pp4 m8: -0.44 / -1.35 / -1.49 / -0.18% until Schedule1F1B's held send of the last input
+    # gradient (bwd_sends) was priced, -0.44 / -0.73 / -0.80 / -0.02% since
+    (("llama-8", "1f1b", 4, 8, 8, 2, 256), True, (69_263_692, 41_982_280, 37_966_152, 165_350_772)),
 ]
-# selective-op, 1F1B pp4 m8: the middle stages' traces hold 0.57 MB more than priced (-1.35 / -1.49%), cause not yet
-# found (the first and last stages -0.44 / -0.18%); asserted at the gap, not hidden (docs/accuracy.md)
-GAPS = [
-    (("llama-8", "1f1b", 4, 8, 8, 2, 256), True, (69_263_692, 41_982_280, 37_966_152, 165_350_772), 0.016),
-]
-
-
-@pytest.mark.parametrize("row, selective, traced, tolerance", GAPS)
-def test_known_gaps_stay_where_they_are(row, selective, traced, tolerance):
-    ranks = estimate(*row, selective_op_ac=selective).pipeline_ranks
-    errors = [r.peak_allocated_bytes / t - 1 for r, t in zip(ranks, traced)]
-    assert max(map(abs, errors)) < tolerance, [f"{100 * e:+.2f}%" for e in errors]
 
 
 # the compiled loss (compile=True: FsdpConfig.loss_compiled): traced with calibration/fused_loss.py's fused
