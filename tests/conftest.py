@@ -95,20 +95,40 @@ def _planner_cache(tmp_path_factory):
 
 
 TORCHRUN_GROUP = "torchrun"
+# Files whose tests start torchrun: tests/distributed/, and these beside it (each test there marked `distributed`).
+TORCHRUN_FILES = ("tests/cli/test_calibrate_cli.py",)
 
 
-@pytest.hookimpl(tryfirst=True)
+def work_unit(nodeid: str) -> str:
+    """The README's test command runs `-n 2 --dist loadgroup` (pytest-xdist): each test file is one unit of work
+    (its module fixtures and caches built once, on one worker), and every file that starts torchrun is one unit, so
+    two 2-rank gloo jobs never share the 2 cores while timing-sensitive kill / resume checks run."""
+    path = nodeid.split("::", 1)[0]
+    return TORCHRUN_GROUP if path.startswith("tests/distributed/") or path in TORCHRUN_FILES else path
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """loadgroup by work_unit. xdist 3.8's own loadgroup reads `xdist_group` marks by appending "@group" to
+    item._nodeid on the workers, which pytest 9 no longer reads (Node.nodeid comes from item._id): every test was
+    scheduled alone, so a module's fixtures were built on both workers (test_calibrate's 125 s calibration twice,
+    measured 2026-12-02) and torchrun jobs overlapped. This scheduler groups on the controller from the node ids."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class WorkUnitScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return work_unit(nodeid)
+
+    return WorkUnitScheduling(config, log)
+
+
 def pytest_collection_modifyitems(config, items):
-    """The README's test command runs `-n 2 --dist loadgroup` (pytest-xdist): each test file is one unit of
-    work (its module fixtures built once, on one worker), and every test that starts torchrun (tests/distributed/
-    and tests marked `distributed`) is one unit, so two 2-rank gloo jobs never share the 2 cores while
-    timing-sensitive kill / resume checks run. tryfirst: xdist reads the marks in its own hook."""
+    """A test marked `distributed` outside the torchrun files would escape the torchrun unit: refuse it."""
     for item in items:
-        if item.get_closest_marker("xdist_group"):
-            continue
-        path = item.path.relative_to(config.rootpath).as_posix()
-        distributed = path.startswith("tests/distributed/") or item.get_closest_marker("distributed")
-        item.add_marker(pytest.mark.xdist_group(TORCHRUN_GROUP if distributed else path))
+        if item.get_closest_marker("distributed") and work_unit(item.nodeid) != TORCHRUN_GROUP:
+            raise pytest.UsageError(f"{item.nodeid} is marked distributed: add its file to TORCHRUN_FILES "
+                                    "(tests/conftest.py) so that it runs in the torchrun unit")
 
 
 # The planner's searches, shared within tests/doctor and tests/cli: `check` plans the model on the cluster
