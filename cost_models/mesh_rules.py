@@ -129,4 +129,12 @@ def mesh_refusals(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec
         out.append(Refusal("offload", "pipeline-with-offload", "CPU offload with pipeline parallelism is not priced "
                            "(no pipeline trace or run measures FSDP2's CPUOffloadPolicy per stage under a schedule)",
                            "use pp 1 with offload, or no offload with pp", priced=False))
+    if pp > 1 and config.pp_schedule.split_backward and config.checkpoints:
+        # the pipeline trace (docs/accuracy.md, grid #29): W runs one autograd call per parameter group and each keeps
+        # a recompute of its checkpointed block; what each call frees is not derived, so the estimate is up to 47% low
+        out.append(Refusal("activation_checkpointing", "split-backward-with-checkpointing",
+                           f"{config.pp_schedule.value} with activation checkpointing is not priced (its weight pass "
+                           "recomputes each checkpointed block once per parameter group: up to 1.9x the memory in "
+                           "the pipeline trace)", "use activation checkpointing none with it, or 1f1b / "
+                           "interleaved-1f1b; `fsdp-plan trace` measures it exactly", priced=False))
     return out

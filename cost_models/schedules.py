@@ -41,5 +41,11 @@ class Schedule(str, Enum):
         return self is Schedule.DUALPIPEV
 
     @property
+    def split_backward(self) -> bool:
+        """The backward split into an input pass (I) and a weight pass (W) run later (torch's
+        stage_backward_input / stage_backward_weight)."""
+        return self in (Schedule.ZERO_BUBBLE, Schedule.DUALPIPEV)
+
+    @property
     def default_stages_per_rank(self) -> int:
         return 2 if self.looped else 1

@@ -153,7 +153,10 @@ def _cost_mesh(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, c
         mesh_shardings = tuple(s for s in mesh_shardings if mesh_runs(probe(s, mb, accum)))
     # CPU offload is the way out for data parallelism alone; a mesh is the other way out, not combined with it
     offloads = space.offload if plain else (False,)
-    knobs = itertools.product(mesh_shardings, space.precisions_for(cluster), offloads, space.ac_every,
+    # a split backward with checkpointing is not priced (mesh_rules): only without it
+    ac_choices = tuple(a for a in space.ac_every if not a) if pipe.schedule.split_backward and pipe.pp > 1 \
+        else space.ac_every
+    knobs = itertools.product(mesh_shardings, space.precisions_for(cluster), offloads, ac_choices,
                               prefetches, limits, space.reduce_dtypes)
     for (sharding, precision, offload, ac, prefetch, limit, reduce, dim, units, compile_, float8, fp8_all_gather,
          reshard, async_tp) in _with_techniques(_with_expert_options(knobs, model, cluster, space, mesh),

@@ -77,6 +77,11 @@ def done_when() -> api.Candidate:
     (PLAN + ["--pp-stages-per-rank", "2"], "error: pp_stages_per_rank: pins the pipeline's schedule: give pp >= 2"),
     (["explain"] + EST[1:] + ["--pp", "8", "--pp-schedule", "gpipe", "--pp-stages-per-rank", "2"],
      "error: pp_stages_per_rank: 2 needs a looped schedule"),
+    # a split backward with checkpointing is up to 47% above the estimate in the pipeline trace (grid #29): refused
+    (EST + ["--pp", "4", "--pp-schedule", "zero-bubble", "--activation-checkpointing", "full"],
+     "error: activation_checkpointing: zero-bubble with activation checkpointing is not priced"),
+    (EST + ["--pp", "4", "--pp-schedule", "dualpipev", "--activation-checkpointing", "selective-op"],
+     "error: activation_checkpointing: dualpipev with activation checkpointing is not priced"),
 ])
 def test_bad_pipeline_input_is_one_line_exit_2(argv, line, capsys):
     code, out, err = invoke(argv, capsys)
