@@ -39,7 +39,6 @@ from .specs import FsdpConfig, ModelSpec, Optimizer, Precision, TrainingSpec
 from .units import DTYPE_BYTES
 
 
-SPLIT_BACKWARD = ("zero-bubble", "dualpipev")  # backward split into input (I) and weight (W) passes
 
 
 @dataclass(frozen=True)
@@ -279,7 +278,7 @@ def pipeline_estimate(model: ModelSpec, cluster, training: TrainingSpec, config:
         (f"{config.pp_schedule.value}: the split backward priced as torch runs it (the input pass keeps the graph and "
          "the output gradients of the linears and norms until the weight pass; checked on pp 2 without checkpointing"
          + ("; W's recomputes of each checkpointed block, one per parameter group, are not: up to 1.9x in the trace"
-            if config.ac_every else "") + ", docs/accuracy.md)",) if config.pp_schedule.value in SPLIT_BACKWARD else ()) + (
+            if config.ac_every else "") + ", docs/accuracy.md)",) if config.pp_schedule.split_backward else ()) + (
         tuple(f"pp > 1 does not price {what} yet: priced as without it" for what, on in (
             ("CPU offload", config.offload), ("LoRA", training.finetune.value == "lora")) if on)
         + pipeline_techniques.moe_notes(model, config, config.shard_group_size(cluster))
