@@ -1,4 +1,5 @@
-"""The progress of a calibration on stderr: one line per event, or a ticking bar on a terminal."""
+"""The progress of a calibration on stderr: a ticking bar with the time left on a terminal only (piped or captured,
+as CI sees it, no bar), and one line per finished run either way (its outcome: the run's log, not progress)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import time
 
 
 class Progress:
-    """One line per event on stderr; on a terminal, a bar that ticks every second with the time left."""
+    """On a terminal, a bar that ticks every second with the time left while a run runs; one line per finished run
+    ("run i/n: candidate: outcome") and per note on any stream."""
 
     def __init__(self, total: int, stream=None):
         self.total, self.done = total, 0
@@ -38,8 +40,6 @@ class Progress:
             self._stop.clear()
             self._thread = threading.Thread(target=self._tick, daemon=True)
             self._thread.start()
-        else:
-            print(self._line(), file=self.stream, flush=True)
 
     def _tick(self) -> None:
         while not self._stop.wait(1.0):
@@ -51,9 +51,9 @@ class Progress:
             self._thread.join()
             print("\r" + " " * 100 + "\r", end="", file=self.stream)
         self.durations.append(time.monotonic() - self.started)
+        print(f"run {self.done + 1}/{self.total}: {self.label}: {message}", file=self.stream, flush=True)
         self.done += 1
         self.label = ""
-        print(f"  {message}", file=self.stream, flush=True)
 
     def note(self, message: str) -> None:
         print(message, file=self.stream, flush=True)

@@ -109,3 +109,34 @@ def test_exposed_communication_is_comm_time_without_compute():
     # comm 0-4 and 6-8, compute 1-2 and 3-7: exposed 0-1, 2-3, 7-8
     assert exposed_time([(0, 4), (6, 8)], [(1, 2), (3, 7)]) == 3
     assert exposed_time([(0, 1)], []) == 1 and exposed_time([], [(0, 1)]) == 0
+
+
+def test_calibration_progress_draws_no_bar_when_piped():
+    """Piped or captured stderr (CI, `2> log`): no bar and no time-left line, only each finished run's outcome,
+    named; on a terminal the bar ticks while the run runs and the same line stays when it ends."""
+    import io
+
+    from planner.calibrating.progress import Progress
+
+    piped = io.StringIO()
+    progress = Progress(2, piped)
+    progress.start("FULL_SHARD bf16 mb 2", expected_s=5.0)
+    assert piped.getvalue() == ""
+    progress.end("ok: step 0.123 s")
+    progress.start("SHARD_GRAD_OP bf16 mb 2", expected_s=5.0)
+    progress.end("CRASH (rank 1): died")
+    assert piped.getvalue().splitlines() == ["run 1/2: FULL_SHARD bf16 mb 2: ok: step 0.123 s",
+                                             "run 2/2: SHARD_GRAD_OP bf16 mb 2: CRASH (rank 1): died"]
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    terminal = Terminal()
+    progress = Progress(1, terminal)
+    progress.start("FULL_SHARD bf16 mb 2", expected_s=5.0)
+    time.sleep(1.2)  # one tick of the bar
+    progress.end("ok: step 0.1 s")
+    drawn = terminal.getvalue()
+    assert "run 1/1: FULL_SHARD bf16 mb 2, " in drawn and "s left" in drawn
+    assert drawn.endswith("run 1/1: FULL_SHARD bf16 mb 2: ok: step 0.1 s\n")
