@@ -27,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from . import activations, context_parallel, expert_parallel, moe, operators, tensor_parallel
+from . import activation_notes, activations, context_parallel, expert_parallel, moe, operators, tensor_parallel
 from .memory_types import MemoryBreakdown, MemoryEstimate, ParamCounts
 from .profile import Profile
 from .specs import ActivationTerms, ClusterSpec, FsdpConfig, ModelSpec, Optimizer, Precision, Sharding, TrainingSpec
@@ -360,7 +360,7 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
         peak_reserved_bytes=peak_reserved,
         cpu_bytes_per_node=cpu_per_rank * cluster.gpus_per_node,
         cpu_ram_capacity_bytes=cluster.cpu_ram_bytes_per_node,
-        notes=tuple(activations.quirks(model, config.attention, training.seq_len))
+        notes=tuple(activation_notes.quirks(model, config.attention, training.seq_len))
         + tuple(n for n in [None if config.expert_shard_dim or ep_view else moe.padding_note(model, d, c)] if n)
         + (ep_view.notes() if ep_view is not None else ()),
         peak_moment=peak_moment,

@@ -30,7 +30,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
-from . import activations, pipeline_techniques, tensor_parallel
+from . import activation_notes, activations, pipeline_techniques, tensor_parallel
 from .memory_types import MemoryBreakdown, MemoryEstimate
 from .pipeline import rank_stages
 from .pipeline_orders import active_stages, orders
@@ -273,7 +273,7 @@ def pipeline_estimate(model: ModelSpec, cluster, training: TrainingSpec, config:
     ranks = pipeline_ranks(model, training, config, config.shard_group_size(cluster), profile)
     top = max(ranks, key=lambda x: x.peak_allocated_bytes)
     phase = "optimizer_step" if top.peak_moment == "optimizer step" else "backward"
-    notes = tuple(activations.quirks(model, config.attention, training.seq_len)) + (
+    notes = tuple(activation_notes.quirks(model, config.attention, training.seq_len)) + (
         f"pipeline rank {top.rank} ({top.description}) has the largest peak, at its {top.peak_moment}",) + (
         (f"{config.pp_schedule.value}: the split backward priced as torch runs it (the input pass keeps the graph and "
          "the output gradients of the linears and norms until the weight pass; checked on pp 2 without checkpointing"

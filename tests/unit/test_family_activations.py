@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 
+from cost_models import activation_notes
 from cost_models import activations as A
 from cost_models.specs import Attention
 from planner.models import from_hf_config
@@ -151,4 +152,5 @@ def test_a_window_as_long_as_the_sequence_masks():
            "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 1000, "sliding_window": 512}
     r = trace(cfg, gpus=2, precision="bf16", seq_len=512)
     assert abs(r.relative_error) < 0.005, r.difference()
-    assert A.quirks(r.candidate.model, Attention.SDPA, 512)[0].startswith("sliding window 512 <= sequence 512")
+    notes = activation_notes.quirks(r.candidate.model, Attention.SDPA, 512)
+    assert notes[0].startswith("sliding window 512 <= sequence 512")
