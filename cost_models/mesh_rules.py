@@ -63,6 +63,13 @@ def ep_degrees(model: ModelSpec, ranks: int) -> list[int]:
     return [e for e in divisors(model.moe.n_experts) if ranks % e == 0]
 
 
+def checkpointing_priced(pp: int, schedule) -> bool:
+    """Whether activation checkpointing is priced on this pipeline: not under a split backward (zero-bubble,
+    DualPipeV), whose weight pass recomputes each checkpointed block once per parameter group (docs/accuracy.md,
+    grid #29); mesh_refusals refuses it and the search leaves it out."""
+    return pp == 1 or not schedule.split_backward
+
+
 def mesh_refusals(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, config: FsdpConfig) -> list[Refusal]:
     """Every mesh rule `config` breaks here, in the table's order (empty: the mesh is valid)."""
     out: list[Refusal] = []
@@ -129,7 +136,7 @@ def mesh_refusals(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec
         out.append(Refusal("offload", "pipeline-with-offload", "CPU offload with pipeline parallelism is not priced "
                            "(no pipeline trace or run measures FSDP2's CPUOffloadPolicy per stage under a schedule)",
                            "use pp 1 with offload, or no offload with pp", priced=False))
-    if pp > 1 and config.pp_schedule.split_backward and config.checkpoints:
+    if config.checkpoints and not checkpointing_priced(pp, config.pp_schedule):
         # the pipeline trace (docs/accuracy.md, grid #29): W runs one autograd call per parameter group and each keeps
         # a recompute of its checkpointed block; what each call frees is not derived, so the estimate is up to 47% low
         out.append(Refusal("activation_checkpointing", "split-backward-with-checkpointing",

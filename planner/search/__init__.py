@@ -34,7 +34,7 @@ from dataclasses import dataclass, field, replace
 
 from cost_models import moe
 from cost_models.evaluate import Evaluation, evaluate, unsupported_reasons
-from cost_models.mesh_rules import mesh_refusals
+from cost_models.mesh_rules import checkpointing_priced, mesh_refusals
 from cost_models.profile import Profile
 from cost_models.specs import ClusterSpec, FsdpConfig, ModelSpec, Sharding, TrainingSpec
 
@@ -153,9 +153,8 @@ def _cost_mesh(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, c
         mesh_shardings = tuple(s for s in mesh_shardings if mesh_runs(probe(s, mb, accum)))
     # CPU offload is the way out for data parallelism alone; a mesh is the other way out, not combined with it
     offloads = space.offload if plain else (False,)
-    # a split backward with checkpointing is not priced (mesh_rules): only without it
-    ac_choices = tuple(a for a in space.ac_every if not a) if pipe.schedule.split_backward and pipe.pp > 1 \
-        else space.ac_every
+    ac_choices = space.ac_every if checkpointing_priced(pipe.pp, pipe.schedule) else \
+        tuple(a for a in space.ac_every if not a)
     knobs = itertools.product(mesh_shardings, space.precisions_for(cluster), offloads, ac_choices,
                               prefetches, limits, space.reduce_dtypes)
     for (sharding, precision, offload, ac, prefetch, limit, reduce, dim, units, compile_, float8, fp8_all_gather,
