@@ -104,7 +104,7 @@ def test_loss_decreases(param):
     assert len(losses) == 8
     assert all(loss == loss and loss < 10 for loss in losses), losses  # finite, no NaN
     if "lora" in CASES[version][index]:
-        # 28,672 adapter weights learn slower than the whole model: the loss falls by ~7% in 8 steps
+        # 14,336 adapter weights learn slower than the whole model: the loss falls by ~7.7% in 8 steps
         assert losses[-1] < 0.95 * losses[0], losses
         # only the adapters (lora_A, lora_B of q, k, v, o in 4 blocks) got gradients; the base never moved
         assert result["grads"] == {"trainable": 32, "frozen": 0} and not result["frozen_moved"]

@@ -9,8 +9,9 @@ calibration.apply (make_mesh, apply_fsdp2: the one code path the trace runs), an
 with calibration.trace.measure_training_steps (the trace's measuring loop, loss parallel included). Rank 0
 prints one JSON line per case: {"case": i, "peak_allocated_bytes": n, "peak_phase": ..., "phases": {...}}.
 
-FSDP2's gradient reduce-scatter runs through worker_families.InPlaceReduceScatter (gloo's clones its input,
-NCCL does not) unless the case says "gloo_reduce_scatter": true; test_torchrun_mesh.py names gloo's copies.
+FSDP2's collectives run through worker_families.like_nccl: the gradient reduce-scatter in place (gloo's clones its
+input, NCCL does not) unless the case says "gloo_reduce_scatter": true, and every all-gather settled (gloo's worker
+thread frees its buffer late, at random); test_torchrun_mesh.py names gloo's copies.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from calibration.build import build_model
 from calibration.trace import make_optimizer, measure_training_steps
 from planner.models import block_classes_of
 from tests.distributed.cases import config_from_dict, serve_cli
-from tests.distributed.worker_families import InPlaceReduceScatter
+from tests.distributed.worker_families import SettledAllGather, like_nccl
 
 
 def tp_gradient_check(case: dict) -> dict:
@@ -82,10 +83,12 @@ def run_case(case: dict, rank: int, world: int) -> dict:
     model.config.use_cache = False
     mesh = make_mesh(config, world, world, "cpu")
     apply_fsdp2(model, config, classes, mesh)
-    if not case.get("gloo_reduce_scatter"):  # FSDP2's gradient reduce-scatter without gloo's clone
+    if case.get("gloo_reduce_scatter"):  # gloo's own reduce-scatter (its clone), the all-gather settled
         for module in model.modules():
             if isinstance(module, FSDPModule):
-                module.set_custom_reduce_scatter(InPlaceReduceScatter())
+                module.set_custom_all_gather(SettledAllGather())
+    else:
+        like_nccl(model)
     optimizer = make_optimizer(model.parameters(), case.get("optimizer", "adamw"))
     # a TP or CP group sees the same tokens: with dp_shard = 1 every rank takes the same ids (CP shards them)
     ids = torch.randint(0, hf_config["vocab_size"], (config.micro_batch, case["seq_len"]),

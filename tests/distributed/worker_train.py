@@ -31,7 +31,9 @@ from tests.distributed.cases import config_from_dict, learnable_batch, serve
 STEPS = 8
 SEQ_LEN = 32
 LR = 3e-3
-LORA_LR = 3e-2  # adapters start at B = 0 and train a few thousand weights: a LoRA-sized step
+LORA_LR = 1e-2  # adapters start at B = 0 and train a few thousand weights: a LoRA-sized step. At 3e-2 the bf16
+# cases spiked at step 5 on CPUs with AMX-BF16 (oneDNN's AMX kernels round differently): 8-step loss ratio 0.978
+# with AMX, 0.927 with ONEDNN_MAX_CPU_ISA=AVX2; at 1e-2 it is 0.923 on both (measured 2026-12-02)
 PERIOD = 8
 
 
