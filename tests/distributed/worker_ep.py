@@ -14,7 +14,8 @@ calibration.trace.measure_training_steps (the trace's measuring loop). Rank 0 pr
 gloo's own buffer copies, which NCCL does not make: its reduce_scatter_tensor all-reduces a clone of the input
 (tests/distributed/worker_families.py), swapped as there for an in-place all-reduce (InPlaceReduceScatter) on
 every FSDP unit - the dense units over dp_shard and, with efsdp > 1, the experts' units - so the measured peak is
-the NCCL run's; "gloo_reduce_scatter": true keeps gloo's clone, to name what it costs. gloo's all_to_all_single
+the NCCL run's (worker_families.like_nccl, which also settles the all-gathers); "gloo_reduce_scatter": true keeps
+gloo's clone, to name what it costs. gloo's all_to_all_single
 (the dispatch and combine) writes into the output tensor the functional collective allocates: no copy of its own.
 """
 
@@ -30,7 +31,7 @@ from calibration.build import build_model
 from calibration.trace import make_optimizer, measure_training_steps
 from planner.models import block_classes_of
 from tests.distributed.cases import config_from_dict, serve_cli
-from tests.distributed.worker_families import InPlaceReduceScatter
+from tests.distributed.worker_families import InPlaceReduceScatter, like_nccl
 
 
 def _record_split_sizes(model) -> list:
@@ -70,10 +71,8 @@ def run_case(case: dict, rank: int, world: int) -> dict:
     model.train()
     model.config.use_cache = False
     apply_fsdp2(model, config, classes, make_mesh(config, world, world, "cpu"))
-    if not case.get("gloo_reduce_scatter"):  # FSDP2's gradient reduce-scatters without gloo's clone
-        for module in model.modules():
-            if isinstance(module, FSDPModule):
-                module.set_custom_reduce_scatter(_RecordingReduceScatter())
+    # FSDP2's gradient reduce-scatters without gloo's clone (unless the case measures it), all-gathers settled
+    like_nccl(model, reduce_scatter=None if case.get("gloo_reduce_scatter") else _RecordingReduceScatter)
     experts = next(m for m in model.modules() if hasattr(m, "gate_up_proj"))
     local = list(experts.gate_up_proj.to_local().shape)
     seen = _record_split_sizes(model)

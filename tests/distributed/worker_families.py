@@ -84,13 +84,15 @@ def _storage_use_count(tensor: torch.Tensor) -> int:
     return torch._C._storage_Use_Count(tensor.untyped_storage()._cdata)
 
 
-def like_nccl(model) -> None:
-    """FSDP2's collectives on gloo, made to hold memory as NCCL's do: the reduce-scatter without gloo's copy
-    (InPlaceReduceScatter), the all-gather without gloo's late free (SettledAllGather)."""
+def like_nccl(model, reduce_scatter: type[DefaultReduceScatter] | None = InPlaceReduceScatter) -> None:
+    """FSDP2's collectives on gloo in every unit of `model`, made to hold memory as NCCL's do: the all-gather
+    without gloo's late free (SettledAllGather) and the gradient reduce-scatter without gloo's copy
+    (`reduce_scatter`: InPlaceReduceScatter or a subclass; None keeps gloo's own, to measure its copy)."""
     for module in model.modules():
         if isinstance(module, FSDPModule):
-            module.set_custom_reduce_scatter(InPlaceReduceScatter())
             module.set_custom_all_gather(SettledAllGather())
+            if reduce_scatter is not None:
+                module.set_custom_reduce_scatter(reduce_scatter())
 
 
 def run_case(case: dict, rank: int, world: int) -> dict:

@@ -19,14 +19,13 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import FSDPModule
 
 from calibration.apply import TORCH_DTYPES, apply_fsdp2, make_mesh
 from calibration.build import build_model
 from calibration.trace import make_optimizer, measure_training_steps
 from planner.models import block_classes_of
 from tests.distributed.cases import config_from_dict, serve_cli
-from tests.distributed.worker_families import SettledAllGather, like_nccl
+from tests.distributed.worker_families import InPlaceReduceScatter, like_nccl
 
 
 def tp_gradient_check(case: dict) -> dict:
@@ -83,12 +82,7 @@ def run_case(case: dict, rank: int, world: int) -> dict:
     model.config.use_cache = False
     mesh = make_mesh(config, world, world, "cpu")
     apply_fsdp2(model, config, classes, mesh)
-    if case.get("gloo_reduce_scatter"):  # gloo's own reduce-scatter (its clone), the all-gather settled
-        for module in model.modules():
-            if isinstance(module, FSDPModule):
-                module.set_custom_all_gather(SettledAllGather())
-    else:
-        like_nccl(model)
+    like_nccl(model, reduce_scatter=None if case.get("gloo_reduce_scatter") else InPlaceReduceScatter)
     optimizer = make_optimizer(model.parameters(), case.get("optimizer", "adamw"))
     # a TP or CP group sees the same tokens: with dp_shard = 1 every rank takes the same ids (CP shards them)
     ids = torch.randint(0, hf_config["vocab_size"], (config.micro_batch, case["seq_len"]),

@@ -20,8 +20,8 @@ A case with "emitted": {FsdpConfig fields} instead runs `--emit fsdp2`'s pipelin
 its build_pipeline and pipeline_step, two AdamW steps) against the unsplit model; rank 0 prints {"case": i,
 "losses", "reference_losses", "max_line", "schedule"}.
 
-FSDP2's gradient reduce-scatter runs through worker_families.InPlaceReduceScatter (gloo's clones its input, NCCL
-does not), as in worker_mesh.py. Rank 0 prints one JSON line per case: {"case": i, "ranks": [{"rank", "pp_rank",
+FSDP2's collectives run through worker_families.like_nccl (the gradient reduce-scatter in place: gloo's clones its
+input, NCCL does not; the all-gathers settled), as in worker_mesh.py. Rank 0 prints one JSON line per case: {"case": i, "ranks": [{"rank", "pp_rank",
 "dp_rank", "stages", "peak_allocated_bytes", "peak_phase", "phases"}, ...] (every global rank), "losses": [3
 steps], "reference_losses": [...], "max_grad_error": x, "max_grad": y}.
 """
@@ -33,7 +33,6 @@ import copy
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from calibration.apply import TORCH_DTYPES, apply_fsdp2
@@ -44,7 +43,7 @@ from calibration.trace import make_optimizer
 from calibration.trace_pipeline import _measured_steps, leaf_inputs_untracked, make_pipeline_mesh
 from planner.models import block_classes_of, from_hf_config
 from tests.distributed.cases import config_from_dict, serve_cli
-from tests.distributed.worker_families import InPlaceReduceScatter
+from tests.distributed.worker_families import like_nccl
 
 
 class RecordingSchedule:
@@ -138,8 +137,7 @@ def run_case(case: dict, rank: int, world: int) -> dict:
     names = [{n: model_names[id(p)] for n, p in m.named_parameters()} for m in modules]
     for module in modules:
         apply_fsdp2(module, config, classes, mesh)
-    for unit in (u for m in modules for u in m.modules() if isinstance(u, FSDPModule)):
-        unit.set_custom_reduce_scatter(InPlaceReduceScatter())
+        like_nccl(module)
     m = config.pp_microbatches
     schedule = RecordingSchedule(build_schedule(
         modules, indices, config, mesh.get_group("pp"), "cpu", lambda logits, ids: causal_lm_loss(logits, ids) / m,
