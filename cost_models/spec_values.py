@@ -1,5 +1,5 @@
 """The values every spec field is checked against: SpecError (the field and what is valid), the enums of the
-planner's vocabulary (sharding, precision, optimizer, attention, fine-tuning), activation checkpointing's
+planner's vocabulary (sharding, precision, optimizer, attention, fine-tuning, kernels), activation checkpointing's
 spellings and the degree / positivity checks (cost_models/specs.py re-exports them)."""
 
 from __future__ import annotations
@@ -92,6 +92,24 @@ class Attention(str, Enum):
 class Finetune(str, Enum):
     FULL = "full"
     LORA = "lora"
+
+
+class Kernel(str, Enum):
+    """The kernel of a memory-bound op class (RMSNorm, RoPE, SwiGLU; cost_models/kernels.py prices each)."""
+
+    EAGER = "eager"  # the model's own PyTorch ops (transformers' modelling code); fused by inductor under compile
+    LIGER = "liger"  # Liger Kernel 0.8.5: LigerRMSNorm, liger_rotary_pos_emb, LigerSwiGLUMLP (Triton)
+    TE = "te"        # Transformer Engine 2.x: te.RMSNorm, fused RoPE (apply_rotary_pos_emb fused=True), te.ops.SwiGLU
+
+
+class LossKernel(str, Enum):
+    """The loss's implementation (cost_models/kernels.py): the model's own cross-entropy (fp32 upcast, or one
+    inductor kernel with compile_loss), torchtitan 0.3's ChunkedLossWrapper, or Liger's fused linear
+    cross-entropy (the head's matmul and the loss in chunks, the logits never whole)."""
+
+    EAGER = "eager"
+    CHUNKED = "chunked"
+    LIGER = "liger"
 
 
 SELECTIVE_OP = "selective-op"  # torchtitan's op-level policy in every block (FsdpConfig.selective_op_ac)

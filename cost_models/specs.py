@@ -16,16 +16,17 @@ from dataclasses import dataclass
 from .cluster_spec import ClusterSpec, GpuSpec
 from .model_spec import ActivationProfile, ActivationTerms, BackwardMoment, ModelSpec, MoeSpec, TracedOperators
 from .schedules import Schedule
-from .spec_values import (SELECTIVE_OP, Attention, Finetune, Optimizer, Precision, Sharding, SpecError, check_degree,
-                          check_positive, enum_choices, format_activation_checkpointing, parse_activation_checkpointing,
-                          parse_enum)
+from .spec_values import (SELECTIVE_OP, Attention, Finetune, Kernel, LossKernel, Optimizer, Precision, Sharding,
+                          SpecError, check_degree, check_positive, enum_choices, format_activation_checkpointing,
+                          parse_activation_checkpointing, parse_enum)
 
 __all__ = [  # this module's own names and the re-exported ones (see the docstring)
     "TrainingSpec", "FsdpConfig", "REDUCE_DTYPES",
     "ClusterSpec", "GpuSpec",
     "ActivationProfile", "ActivationTerms", "BackwardMoment", "ModelSpec", "MoeSpec", "TracedOperators",
-    "SELECTIVE_OP", "Attention", "Finetune", "Optimizer", "Precision", "Sharding", "SpecError", "check_degree",
-    "check_positive", "enum_choices", "format_activation_checkpointing", "parse_activation_checkpointing", "parse_enum",
+    "SELECTIVE_OP", "Attention", "Finetune", "Kernel", "LossKernel", "Optimizer", "Precision", "Sharding", "SpecError",
+    "check_degree", "check_positive", "enum_choices", "format_activation_checkpointing", "parse_activation_checkpointing",
+    "parse_enum",
 ]
 
 
@@ -99,6 +100,12 @@ class FsdpConfig:
     compile: bool = False             # torch.compile of each block (torchtitan compiles per block)
     compile_loss: bool = True         # with compile, the loss too (torchtitan's compile.components default
     #                                   ["model", "loss"]): one fused cross-entropy kernel, no fp32 logits
+    # The kernel of each op class (cost_models/kernels.py): the model's own ops (fused under compile), Liger
+    # Kernel's or Transformer Engine's; the loss: the model's own, torchtitan's chunked or Liger's fused linear one.
+    norm_kernel: Kernel = Kernel.EAGER
+    rope_kernel: Kernel = Kernel.EAGER
+    swiglu_kernel: Kernel = Kernel.EAGER
+    loss_kernel: LossKernel = LossKernel.EAGER
     float8: bool = False              # torchao Float8 linears (dynamic tensorwise scaling) on FP8 tensor cores
     fp8_all_gather: bool = False      # with float8, FSDP2 all-gathers the Float8 linears' weights in FP8 (1 byte)
     reshard_after_forward: int = 0    # FSDP2 int: after forward keep params sharded over this many ranks (a
@@ -129,6 +136,9 @@ class FsdpConfig:
         object.__setattr__(self, "ac_every", parse_activation_checkpointing(self.ac_every))
         check_positive("micro_batch", self.micro_batch)
         check_positive("grad_accum", self.grad_accum)
+        for name in ("norm_kernel", "rope_kernel", "swiglu_kernel"):
+            object.__setattr__(self, name, parse_enum(Kernel, getattr(self, name), name))
+        object.__setattr__(self, "loss_kernel", parse_enum(LossKernel, self.loss_kernel, "loss_kernel"))
         if not self.compile:  # compile_loss means nothing without compile: one spelling, so configs compare equal
             object.__setattr__(self, "compile_loss", True)
         if self.expert_shard_dim not in (0, 1):
@@ -208,8 +218,9 @@ class FsdpConfig:
 
     @property
     def loss_compiled(self) -> bool:
-        """The cross-entropy runs compiled (fused; activations.loss_events)."""
-        return self.compile and self.compile_loss
+        """The model's own cross-entropy runs compiled (fused; activations.loss_events); a loss kernel
+        (loss_kernel chunked / liger) is priced by cost_models/kernels.py instead."""
+        return self.compile and self.compile_loss and self.loss_kernel is LossKernel.EAGER
 
     @property
     def checkpoints(self) -> bool:
@@ -262,6 +273,8 @@ class FsdpConfig:
             **({"reduce_dtype": self.reduce_dtype} if self.reduce_dtype else {}),
             **({"compile": True} if self.compile else {}),
             **({"compile_loss": False} if self.compile and not self.compile_loss else {}),
+            **{name: kernel.value for name in ("norm_kernel", "rope_kernel", "swiglu_kernel", "loss_kernel")
+               if (kernel := getattr(self, name)).value != "eager"},
             **({"float8": True} if self.float8 else {}),
             **({"fp8_all_gather": True} if self.fp8_all_gather else {}),
             **({"reshard_after_forward": self.reshard_after_forward} if self.reshard_after_forward else {}),

@@ -13,6 +13,7 @@ from ..errors import PlannerError
 from ..hardware import DEFAULT_GPU, make_cluster
 from .knobs import knob
 
+COMPILE_SCOPES = ("blocks", "blocks+loss")  # FsdpConfig.compile_loss False / True
 PP_MICRO_BATCH = ("with --pp, --micro-batch is the pipeline microbatch: the local batch (global batch / "
                   "data-parallel ranks) is split into local batch / micro-batch microbatches, all run in one "
                   "schedule step")
@@ -130,6 +131,25 @@ class ConfigRequest:
                                     "(default: the precision's)")
     compile: bool = knob(False, "--compile/--no-compile", help="torch.compile each block (torchtitan style, "
                          "before fully_shard)")
+    compile_scope: str | None = knob(None, "--compile-scope", help="With --compile: blocks (the loss left eager: "
+                                     "HF regional compilation, torchtitan before 2025) or blocks+loss (default: "
+                                     "torchtitan 0.3's compile.components = [model, loss])")
+    liger: bool = knob(False, "--liger/--no-liger", help="Liger Kernel 0.8.5 as HF Trainer's use_liger_kernel "
+                       "applies it: RMSNorm, RoPE, SwiGLU and fused linear cross-entropy (a --*-kernel flag "
+                       "overrides one of them)")
+    norm_kernel: str | None = knob(None, "--norm-kernel", help="RMSNorm kernel: eager (the model's own ops), "
+                                   "liger (Liger Kernel 0.8.5 LigerRMSNorm) or te (Transformer Engine 2.x "
+                                   "te.RMSNorm); default eager, liger with --liger")
+    rope_kernel: str | None = knob(None, "--rope-kernel", help="RoPE kernel: eager, liger (Liger Kernel 0.8.5 "
+                                   "liger_rotary_pos_emb) or te (Transformer Engine 2.x fused RoPE); default "
+                                   "eager, liger with --liger")
+    swiglu_kernel: str | None = knob(None, "--swiglu-kernel", help="SwiGLU kernel: eager, liger (Liger Kernel "
+                                     "0.8.5 LigerSwiGLUMLP) or te (Transformer Engine 2.x te.ops.SwiGLU); "
+                                     "default eager, liger with --liger")
+    loss_kernel: str | None = knob(None, "--loss-kernel", help="Loss: eager (the model's cross-entropy, fp32 "
+                                   "upcast; compiled with --compile), chunked (torchtitan 0.3 "
+                                   "ChunkedLossWrapper, 8 chunks) or liger (Liger Kernel 0.8.5 fused linear "
+                                   "cross-entropy); default eager, liger with --liger")
     float8: bool = knob(False, "--float8/--no-float8", help="torchao Float8 linears in the blocks (GPUs with FP8 "
                         "tensor cores, bf16 compute)")
     fp8_all_gather: bool = knob(False, "--fp8-all-gather/--no-fp8-all-gather", help="with --float8, FSDP2 "
@@ -138,6 +158,19 @@ class ConfigRequest:
                                       "sharded over N ranks (a divisor of the shard group, e.g. a node); 0: the "
                                       "strategy's own")
     mesh: MeshRequest = field(default_factory=MeshRequest)
+
+    def kernels(self) -> dict:
+        """FsdpConfig's kernel fields and compile_loss from --liger, the --*-kernel flags and --compile-scope
+        (--liger: the four kernels HF's use_liger_kernel applies to a Llama-like model, each flag overriding
+        its own)."""
+        default = "liger" if self.liger else "eager"
+        out = {name: getattr(self, name) or default
+               for name in ("norm_kernel", "rope_kernel", "swiglu_kernel", "loss_kernel")}
+        if self.compile_scope is not None and self.compile_scope not in COMPILE_SCOPES:
+            raise PlannerError("compile_scope", f"{self.compile_scope!r}; choose one of: {', '.join(COMPILE_SCOPES)}")
+        if self.compile_scope is not None and not self.compile:
+            raise PlannerError("compile_scope", "scopes torch.compile: give --compile with it, or leave it out")
+        return {**out, "compile_loss": self.compile_scope != "blocks"}
 
 
 @dataclass(frozen=True)

@@ -9,9 +9,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from pydantic.json_schema import SkipJsonSchema
 
 from cost_models.schedules import Schedule
-from cost_models.specs import Attention, Precision, Sharding
+from cost_models.specs import Attention, Kernel, LossKernel, Precision, Sharding
 
-SCHEMA_VERSION = 3  # 3: pipelines (issue 18): config.pp_schedule / pp_stages_per_rank, "pipeline", memory.pipeline_ranks, the time breakdown's pp terms, calibrate's measured.pipeline_ranks
+SCHEMA_VERSION = 4  # 4: trainers and kernels (issue 26): config.norm_kernel / rope_kernel / swiglu_kernel / loss_kernel; 3: pipelines (issue 18): config.pp_schedule / pp_stages_per_rank, "pipeline", memory.pipeline_ranks, the time breakdown's pp terms, calibrate's measured.pipeline_ranks
 
 Bytes = Annotated[int, Field(description="bytes per rank (GPU) unless said otherwise")]
 Seconds = Annotated[float, Field(description="seconds")]
@@ -43,6 +43,9 @@ class ModelSummary(_Out):
     activation_profile: absent_or(str, "where the traced block memory profile comes from (when there is one)")
 
 
+_KERNELS = Literal[tuple(k.value for k in Kernel if k is not Kernel.EAGER)]  # FsdpConfig.to_dict leaves eager out
+
+
 class Config(_Out):
     """FsdpConfig.to_dict(): the configuration. Keys that are off by default are absent, not false."""
 
@@ -61,6 +64,12 @@ class Config(_Out):
     reduce_dtype: absent_or(Literal["fp32", "bf16"], "gradient reduction dtype (absent: the precision's own)")
     compile: absent_or(Literal[True], "torch.compile each block")
     compile_loss: absent_or(Literal[False], "with compile: the loss is left eager (absent: compiled too)")
+    norm_kernel: absent_or(_KERNELS, "RMSNorm kernel: Liger's or Transformer Engine's (absent: eager)")
+    rope_kernel: absent_or(_KERNELS, "RoPE kernel: Liger's or Transformer Engine's (absent: eager)")
+    swiglu_kernel: absent_or(_KERNELS, "SwiGLU kernel: Liger's or Transformer Engine's (absent: eager)")
+    loss_kernel: absent_or(Literal[tuple(k.value for k in LossKernel if k is not LossKernel.EAGER)],
+                           "loss: torchtitan's chunked cross-entropy or Liger's fused linear cross-entropy (absent: "
+                           "the model's own)")
     float8: absent_or(Literal[True], "torchao Float8 linears")
     fp8_all_gather: absent_or(Literal[True], "Float8 weights all-gathered in FP8")
     reshard_after_forward: absent_or(int, "blocks reshard to a group of this many ranks after forward")
