@@ -15,6 +15,13 @@ modules (no copy: torchtitan's _split_module deep-copies a meta model; on fake o
 are simply never tracked or trained): the kept blocks under their original index (`layers.5`, torchtitan's FQNs),
 and on every stage the rotary embedding, whose cos / sin each stage computes for itself as the HF model does once.
 
+With TP and sequence parallel (apply_stage_tensor_parallel, torchtitan's apply_tp inside pipeline_llm) the stages
+send their local sequence shard, a plain (micro_batch, seq_len / tp, hidden) tensor, as torchtitan's do: each
+StageModule wraps what it receives into the Shard(1) DTensor on the tp sub-mesh that its blocks take (they keep
+the residual stream a DTensor, so Hugging Face code reading the sequence length sees the global one) and unwraps
+what it sends; the last stage returns the vocab-sharded logits, for loss parallel's cross-entropy
+(tensor_parallel.loss_context around the schedule). `--emit fsdp2` writes the same (planner/emit/code/pipeline.py).
+
 The schedule is torch.distributed.pipelining's class for config.pp_schedule (cost_models/schedules.py), with
 scale_grads=False as torchtitan builds it (its loss is already divided by the microbatches). Every PipelineStage
 gets static input / output metadata (microbatch x seq_len x hidden in the compute dtype, the logits last), so
@@ -53,6 +60,7 @@ class StageModule(nn.Module):
         self.rotary_emb = base.rotary_emb
         self.norm = base.norm if head else None
         self.lm_head = causal_lm.get_output_embeddings() if head else None
+        self.sequence_mesh = None  # sequence parallel: the tp sub-mesh (apply_stage_tensor_parallel sets it)
         if head and self.lm_head.weight is base.embed_tokens.weight:
             # tied embeddings: the last stage trains its own copy of the table (torchtitan's _split_module
             # deep-copies the model per stage), also where one rank holds both ends (DualPipeV's rank 0). A new
@@ -68,6 +76,10 @@ class StageModule(nn.Module):
         from transformers.masking_utils import create_causal_mask
 
         hidden = self.embed_tokens(x) if self.embed_tokens is not None else x
+        if self.sequence_mesh is not None and self.embed_tokens is None:  # a local (mb, s / tp, h) shard
+            from torch.distributed.tensor import DTensor, Shard
+
+            hidden = DTensor.from_local(hidden, self.sequence_mesh, [Shard(1)], run_check=False)
         positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
         mask = create_causal_mask(config=self.config, inputs_embeds=hidden, attention_mask=None, cache=None,
                                   position_ids=positions)
@@ -75,25 +87,33 @@ class StageModule(nn.Module):
         for layer in self.layers.values():
             hidden = layer(hidden, attention_mask=mask, position_embeddings=rotary, position_ids=positions)
         if self.lm_head is not None:
-            hidden = self.lm_head(self.norm(hidden))
-        return hidden
+            return self.lm_head(self.norm(hidden))
+        return hidden.to_local() if self.sequence_mesh is not None else hidden  # what PipelineStage sends
 
 
-def apply_stage_tensor_parallel(module: StageModule, tp_mesh, block_classes: set[type]) -> None:
-    """transformers' tp_plan on one stage (no sequence parallel, calibration/tensor_parallel.py's styles): each
-    block's linears column- / row-wise, the head column-wise with its output gathered, the embedding replicated.
-    Stage inputs and outputs stay whole (b, s, h) tensors, as the static metadata says."""
+def apply_stage_tensor_parallel(module: StageModule, tp_mesh, block_classes: set[type],
+                                sequence_parallel: bool = False) -> None:
+    """TP on one stage with calibration/tensor_parallel.py's styles. Without sequence parallel, transformers'
+    tp_plan: each block's linears column- / row-wise, the head column-wise with its output gathered, the embedding
+    replicated; stage inputs and outputs stay whole (b, s, h) tensors. With it, torchtitan's plan on the stage's
+    pieces (sequence_parallel_root) and local (b, s / tp, h) shards between stages (the module docstring)."""
     from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
     from torch.distributed.tensor import Replicate
 
     from .apply import _block_slots
-    from .tensor_parallel import block_plan, block_styles
+    from .tensor_parallel import block_plan, block_styles, sequence_parallel_root
 
     plan = block_plan(module)
     for parent, name in _block_slots(module, block_classes):
         block = getattr(parent, name)
-        parallelize_module(block, tp_mesh, block_styles(block, plan, False))
-    if module.lm_head is not None:
+        parallelize_module(block, tp_mesh, block_styles(block, plan, sequence_parallel))
+    if sequence_parallel:
+        head = module.lm_head is not None
+        parallelize_module(module, tp_mesh, sequence_parallel_root(
+            "embed_tokens" if module.embed_tokens is not None else None, ["norm"] if head else [],
+            "lm_head" if head else None))
+        module.sequence_mesh = tp_mesh
+    elif module.lm_head is not None:
         parallelize_module(module, tp_mesh, {"lm_head": ColwiseParallel(output_layouts=Replicate())})
 
 
@@ -123,10 +143,11 @@ def _schedule_class(schedule: Schedule):
 
 def build_schedule(stage_modules: list[nn.Module], stage_indices: list[int], config: FsdpConfig, pp_group,
                    device: torch.device | str, loss_fn, *, seq_len: int, hidden_size: int, vocab_size: int,
-                   dtype: torch.dtype):
+                   dtype: torch.dtype, sequence_shards: int = 1):
     """torch's schedule for config.pp_schedule over this rank's stages (PipelineStage each, static metadata:
-    (micro_batch, seq_len, hidden) activations in `dtype`, token ids into the first stage, (micro_batch,
-    seq_len, vocab) logits out of the last). n_microbatches = config.pp_microbatches."""
+    (micro_batch, seq_len / sequence_shards, hidden) activations in `dtype` - sequence_shards = tp under
+    sequence parallel, else 1 -, token ids into the first stage, (micro_batch, seq_len, vocab) logits out of the
+    last). n_microbatches = config.pp_microbatches."""
     from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining.schedules import PipelineScheduleMulti
 
@@ -135,10 +156,11 @@ def build_schedule(stage_modules: list[nn.Module], stage_indices: list[int], con
     stages = []
     for module, index in zip(stage_modules, stage_indices):
         ids = torch.zeros(mb, seq_len, dtype=torch.long, device=device)
-        hidden_in = torch.empty(mb, seq_len, hidden_size, dtype=dtype, device=device, requires_grad=True)
+        hidden_in = torch.empty(mb, seq_len // sequence_shards, hidden_size, dtype=dtype, device=device,
+                                requires_grad=True)
         last = index == n_stages - 1
-        out = torch.empty(mb, seq_len, vocab_size if last else hidden_size, dtype=dtype, device=device,
-                          requires_grad=not last)
+        out = torch.empty(mb, seq_len if last else seq_len // sequence_shards, vocab_size if last else hidden_size,
+                          dtype=dtype, device=device, requires_grad=not last)
         stages.append(PipelineStage(module, index, n_stages, torch.device(device),
                                     input_args=(ids if index == 0 else hidden_in,), output_args=(out,),
                                     group=pp_group))

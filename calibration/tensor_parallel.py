@@ -170,20 +170,32 @@ def root_styles(model: nn.Module, blocks_parent: str, sequence_parallel: bool) -
     tied = head.weight is embedding.weight
     styles: dict = {}
     if sequence_parallel:
-        styles[names[id(embedding)]] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1),
-                                                       use_local_output=False)
         parent = model.get_submodule(blocks_parent) if blocks_parent else model
         prefix = f"{blocks_parent}." if blocks_parent else ""
-        for name, child in parent.named_children():
-            if _is_norm(child):  # the final norm, beside the blocks
-                styles[prefix + name] = SequenceParallel()
-        styles[names[id(head)]] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1),
-                                                  use_local_output=False)
+        norms = [prefix + name for name, child in parent.named_children() if _is_norm(child)]  # beside the blocks
+        styles = sequence_parallel_root(names[id(embedding)], norms, names[id(head)])
     else:
         if tied:
             raise ValueError("tensor parallel without sequence parallel: tied embeddings (transformers' plan keeps "
                              "the embedding replicated and splits the head column-wise) are not supported")
         styles[names[id(head)]] = ColwiseParallel(output_layouts=Replicate())   # colwise_gather_output
+    return styles
+
+
+def sequence_parallel_root(embedding: str | None, norms: list[str], head: str | None) -> dict:
+    """torchtitan's root styles under sequence parallel, for the pieces a module holds (a pipeline stage: the
+    embedding on the first, the final norm and the head on the last): the embedding row-wise over the vocabulary
+    with its output on sequence shards, the norms SequenceParallel, the head column-wise with vocab-sharded
+    logits (loss parallel), every output a DTensor."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+
+    styles: dict = {}
+    if embedding is not None:
+        styles[embedding] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1), use_local_output=False)
+    styles.update({name: SequenceParallel() for name in norms})
+    if head is not None:
+        styles[head] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)
     return styles
 
 

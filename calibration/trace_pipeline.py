@@ -24,7 +24,10 @@ real run. Under the memory tracker: its hooks on module inputs are left out (lea
 autograd.grad refuses them, and they form a reference cycle no real run has).
 The tracker files the schedule's receive buffers and the stage inputs kept for backward as activations.
 
-Limits (TraceUnsupported): tensor / context / expert parallelism inside a stage, LoRA, offload and 8-bit Adam,
+Tensor parallelism inside a stage runs as calibration.pipeline.apply_stage_tensor_parallel applies it (transformers'
+tp_plan, or torchtitan's with sequence parallel: local (mb, s / tp, h) shards between stages, loss parallel).
+
+Limits (TraceUnsupported): context / expert parallelism inside a stage, LoRA, offload and 8-bit Adam,
 a model without transformers' base_model_pp_plan (calibration.pipeline.PipelineSplitError).
 """
 
@@ -38,12 +41,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from cost_models.specs import Finetune, FsdpConfig, ModelSpec, Optimizer, TrainingSpec
+from cost_models.specs import Finetune, FsdpConfig, ModelSpec, Optimizer, OptimizerImpl, TrainingSpec
 
 from .fake_world import _dtensors_under_fake_mode, _forget_dtensor_placements
 from .gpu_run_choices import _real_run_masking, cuda_kernel_choices
 from .trace_limits import _check_supported, _require_transformers
-from .trace_optimizer import _replace_temporaries, foreach_temporary_bytes, make_optimizer
+from .trace_optimizer import make_optimizer, step_window
 from .trace_result import TraceError, TraceResult, TraceUnsupported, _untraceable
 
 
@@ -123,10 +126,9 @@ def make_pipeline_mesh(config: FsdpConfig, world_size: int, gpus_per_node: int, 
 def _check_pipeline(spec: ModelSpec, config: FsdpConfig, hf_config: dict | None) -> None:
     if config.pp < 2:
         raise TraceError("trace_pipeline needs pp >= 2; calibration.trace.trace_memory traces pp = 1")
-    if config.cp > 1 or config.ep > 1 or (config.tp > 1 and config.sequence_parallel):
-        raise TraceUnsupported("the pipeline trace runs FSDP inside each stage, with tensor parallelism only as "
-                               "transformers' tp_plan (no sequence parallel); cp = ep = 1")
-    if config.tp > 1 and spec.tied_embeddings:
+    if config.cp > 1 or config.ep > 1:
+        raise TraceUnsupported("the pipeline trace runs FSDP and tensor parallelism inside each stage; cp = ep = 1")
+    if config.tp > 1 and not config.sequence_parallel and spec.tied_embeddings:
         raise TraceUnsupported("tensor parallel without sequence parallel: tied embeddings are not supported")
     if hf_config is None:
         raise TraceUnsupported("the pipeline trace splits transformers models (base_model_pp_plan); pass hf_config")
@@ -140,12 +142,13 @@ def _check_pipeline(spec: ModelSpec, config: FsdpConfig, hf_config: dict | None)
 def trace_pipeline(spec: ModelSpec, config: FsdpConfig, *, n_gpus: int, gpus_per_node: int, seq_len: int,
                    optimizer: Optimizer | str = Optimizer.ADAMW, hf_config: dict | None = None,
                    ranks: tuple[int, ...] | None = None,
-                   finetune: Finetune | str = Finetune.FULL) -> tuple[TraceResult, ...]:
+                   finetune: Finetune | str = Finetune.FULL,
+                   optimizer_impl: OptimizerImpl | str = OptimizerImpl.FOREACH) -> tuple[TraceResult, ...]:
     """One TraceResult per pipeline rank (or per rank in `ranks`), each its own fake world; see the module
-    docstring."""
+    docstring. optimizer_impl: whose step window is reported (trace_optimizer.step_window)."""
     if Finetune(finetune) is not Finetune.FULL:
         raise TraceUnsupported("the pipeline trace runs full fine-tuning only; LoRA under PP: use the estimate")
-    training = TrainingSpec(seq_len=seq_len, optimizer=optimizer, finetune=Finetune.FULL)
+    training = TrainingSpec(seq_len=seq_len, optimizer=optimizer, finetune=Finetune.FULL, optimizer_impl=optimizer_impl)
     _check_supported(config, training)
     _check_pipeline(spec, config, hf_config)
     if n_gpus % (config.pp * config.tp * config.cp):
@@ -171,6 +174,7 @@ def _trace_rank(spec, config, training, n_gpus, gpus_per_node, seq_len, hf_confi
     from .memtrack import MemoryTracker
     from .pipeline import apply_stage_tensor_parallel, build_schedule, causal_lm_loss, split_stages, stage_indices
     from .model_blocks import block_classes
+    from .tensor_parallel import local_vocab_size, loss_context
 
     started = time.perf_counter()
     dp_ranks = n_gpus // config.pp
@@ -191,18 +195,21 @@ def _trace_rank(spec, config, training, n_gpus, gpus_per_node, seq_len, hf_confi
             modules = split_stages(model, spec, config, pp_rank)
             for module in modules:
                 if config.tp > 1:  # TP before FSDP (torchtitan's order); apply_fsdp2 then does the rest
-                    apply_stage_tensor_parallel(module, mesh["tp"], classes)
+                    apply_stage_tensor_parallel(module, mesh["tp"], classes, config.sequence_parallel)
                 apply_fsdp2(module, dataclasses.replace(config, tp=1) if config.tp > 1 else config, classes, mesh)
             stages = nn.ModuleList(modules)
             opt = make_optimizer(stages.parameters(), training.optimizer)
             schedule = build_schedule(modules, indices, config, mesh.get_group("pp"), "cpu", causal_lm_loss,
                                       seq_len=seq_len, hidden_size=spec.hidden_size, vocab_size=spec.vocab_size,
-                                      dtype=TORCH_DTYPES[config.precision.compute_dtype])
+                                      dtype=TORCH_DTYPES[config.precision.compute_dtype],
+                                      sequence_shards=config.tp if config.sequence_parallel else 1)
             ids = torch.randint(0, spec.vocab_size, (config.micro_batch * config.pp_microbatches, seq_len))
-            tracker = MemoryTracker(stages, opt, vocab_size=spec.vocab_size if spec.vocab_size != seq_len else None)
+            vocab = local_vocab_size(spec.vocab_size, config.tp, config.sequence_parallel)  # a TP rank's logits
+            tracker = MemoryTracker(stages, opt, vocab_size=vocab if vocab != seq_len else None)
             tracker.track_inputs(ids)
             try:
-                phases = _measured_steps(schedule, opt, ids, tracker, first, last)
+                with loss_context(config.tp, config.sequence_parallel):
+                    phases = _measured_steps(schedule, opt, ids, tracker, first, last, training.optimizer_impl)
             except Exception as exc:  # noqa: BLE001
                 raise _untraceable(f"the {config.pp_schedule.value} schedule of {spec.name}", exc) from exc
     peak = max(phases.values(), key=lambda s: s.peak_allocated_bytes)
@@ -213,8 +220,8 @@ def _trace_rank(spec, config, training, n_gpus, gpus_per_node, seq_len, hf_confi
                        seconds=time.perf_counter() - started, notes=notes, attention=config.attention.value)
 
 
-def _measured_steps(schedule, optimizer, ids, tracker, first: bool, last: bool) -> dict:
-    """The second of two steps: its schedule window and its optimizer window (foreach temporaries)."""
+def _measured_steps(schedule, optimizer, ids, tracker, first: bool, last: bool, impl) -> dict:
+    """The second of two steps: its schedule window and its optimizer window (`impl`'s temporaries)."""
     def run_schedule():
         with cuda_kernel_choices():
             schedule.step(*((ids,) if first else ()), **({"target": ids, "losses": []} if last else {}))
@@ -228,9 +235,9 @@ def _measured_steps(schedule, optimizer, ids, tracker, first: bool, last: bool) 
         schedule_window = tracker.snapshot()
         tracker.reset()
         optimizer.step()
-        step_window = _replace_temporaries(tracker.snapshot(), foreach_temporary_bytes(optimizer))
+        step = step_window(tracker.snapshot(), optimizer, impl)
         optimizer.zero_grad(set_to_none=True)
-    return {"forward_backward": schedule_window, "optimizer_step": step_window}
+    return {"forward_backward": schedule_window, "optimizer_step": step}
 
 
 __all__ = ["trace_pipeline", "static_vote", "make_pipeline_mesh"]

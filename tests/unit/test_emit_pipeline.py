@@ -53,14 +53,15 @@ def test_the_snippet_writes_the_plans_split_and_schedule_in_short_lines(config, 
         assert f"#   stage {s.index} (pp rank {s.rank}): {s.describe()}" in code
 
 
-@pytest.mark.parametrize("config, field", [
-    (FsdpConfig(pp=2, cp=2, grad_accum=4), "cp"),
-    (FsdpConfig(pp=2, tp=2, grad_accum=4), "sequence_parallel"),
+@pytest.mark.parametrize("config, field, seq_len, words", [
+    (FsdpConfig(pp=2, cp=2, grad_accum=4), "cp", 4096, "torchtitan"),
+    # sequence parallel between stages: static shards of seq_len / tp tokens
+    (FsdpConfig(pp=2, tp=4, grad_accum=4), "sequence_parallel", 4098, "seq_len=4098 with tp=4"),
 ])
-def test_what_the_pipeline_snippet_does_not_write_is_one_line(config, field):
+def test_what_the_pipeline_snippet_does_not_write_is_one_line(config, field, seq_len, words):
     with pytest.raises(PlannerError) as err:
-        emit_fsdp2(config, LLAMA, make_cluster(16))
-    assert err.value.field == field and len(str(err.value).splitlines()) == 1 and "torchtitan" in str(err.value)
+        emit_fsdp2(config, LLAMA, make_cluster(16), TrainingSpec(seq_len=seq_len))
+    assert err.value.field == field and len(str(err.value).splitlines()) == 1 and words in str(err.value)
 
 
 def test_tied_embeddings_across_stages_are_one_line():
@@ -87,9 +88,12 @@ def fake_rank():
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
+    from calibration.fake_world import _forget_dtensor_placements
+
     yield lambda world, rank: dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
     if dist.is_initialized():
         dist.destroy_process_group()
+    _forget_dtensor_placements()  # DTensor's caches hold the dead world's groups (fake_world.py says why)
 
 
 @pytest.mark.parametrize("rank", [0, 3])
@@ -122,3 +126,39 @@ def test_build_pipeline_cuts_this_ranks_stage_and_shards_it(fake_rank, rank):
     assert q.to_local().shape == (64 // 2, 64)
     assert type(schedule).__name__ == "Schedule1F1B" and schedule._n_microbatches == 4
     assert schedule._stage.stage_index == (0 if rank == 0 else 1) and schedule._stage.submod is stage
+
+
+@pytest.mark.parametrize("rank", [0, 3])
+def test_sequence_parallel_stages_send_local_sequence_shards(fake_rank, rank):
+    """pp 2 x tp 2 with sequence parallel (torchtitan's plan, loss parallel) on 4 fake ranks, seq_len 32: the stages
+    exchange plain [1, 32 / 2, 64] tensors (PipelineStage's static metadata and what the first stage returns); the
+    last stage takes such a shard and returns the vocab-sharded logits, a DTensor [1, 32, 128] on tp with 128 / 2
+    columns a rank; the embedding and the head are split over the vocabulary, the norms replicated."""
+    import torch
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from planner.models import from_module
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**TINY, attn_implementation="sdpa"))
+    config = FsdpConfig(pp=2, tp=2, pp_schedule="1f1b", grad_accum=4, precision="fp32")
+    code = emit_fsdp2(config, from_module(model, name="tiny"), make_cluster(4), TrainingSpec(seq_len=32))
+    assert "with loss_parallel():" in code and max(len(line) for line in code.splitlines()) <= 100
+    fake_rank(4, rank)
+    ns = _exec(code)
+    schedule, (stage,), has_first, has_last = ns["build_pipeline"](model, "cpu")
+    assert stage.sequence_mesh.mesh_dim_names == ("tp",) and stage.sequence_mesh.size() == 2
+    meta = schedule._stage._user_meta
+    if rank == 0:
+        assert [m.shape for m in meta.outputs] == [(1, 16, 64)]
+        assert stage.embed_tokens.weight.placements[-1] == Shard(0)  # vocab rows: 128 / 2 a rank
+        assert stage.embed_tokens.weight.to_local().shape == (64, 64)
+        out = stage(torch.zeros(1, 32, dtype=torch.long))
+        assert not isinstance(out, DTensor) and out.shape == (1, 16, 64)
+    else:
+        assert [m.shape for m in meta.inputs] == [(1, 16, 64)]
+        assert stage.lm_head.weight.placements[-1] == Shard(0) and stage.norm.weight.placements[-1] == Replicate()
+        out = stage(torch.randn(1, 16, 64))
+        assert isinstance(out, DTensor) and out.shape == (1, 32, 128) and out.placements == (Shard(2),)
+        assert out.to_local().shape == (1, 32, 64)

@@ -76,8 +76,9 @@ def fsdp2_imports(config: FsdpConfig) -> list[str]:
 
 
 def _needs_step(config: FsdpConfig) -> bool:
-    """The step itself changes: context parallel shards the inputs, loss parallel takes vocab-sharded logits."""
-    return config.cp > 1 or (config.tp > 1 and config.sequence_parallel)
+    """The step itself changes: context parallel shards the inputs, loss parallel takes vocab-sharded logits (a
+    pipeline steps through its own pipeline_step, which enters loss_parallel itself)."""
+    return config.pp == 1 and (config.cp > 1 or (config.tp > 1 and config.sequence_parallel))
 
 
 def fsdp2_module_level(config: FsdpConfig, cluster: ClusterSpec, model_spec: ModelSpec | None = None,
@@ -262,7 +263,21 @@ def fsdp2_tp_lines(config: FsdpConfig, tied: bool = False) -> list[str]:
         "embedding = module_names[model.get_input_embeddings()]",
         "head = module_names[model.get_output_embeddings()]",
     ]
-    if config.sequence_parallel:
+    if config.sequence_parallel and config.pp > 1:  # a stage module: its own pieces of the root
+        lines = [line for line in lines if not line.startswith(("module_names", "embedding", "head ="))]
+        lines += [
+            "root_plan = {}  # the embedding on the first stage; the final norm and the head on the last",
+            "if model.get_input_embeddings() is not None:",
+            "    root_plan[\"embed_tokens\"] = RowwiseParallel(",
+            "        input_layouts=Replicate(), output_layouts=Shard(1), use_local_output=False)",
+            "if model.get_output_embeddings() is not None:",
+            "    root_plan[\"norm\"] = SequenceParallel()",
+            "    root_plan[\"lm_head\"] = ColwiseParallel(  # vocab-sharded logits: loss parallel",
+            "        input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)",
+            "parallelize_module(model, tp_mesh, root_plan)",
+            "model.sequence_mesh = tp_mesh  # the stage sends / receives local shards [mb, s / tp, hidden]",
+        ]
+    elif config.sequence_parallel:
         lines += [
             "blocks_parent = block_names[0].rpartition(\".\")[0].rpartition(\".\")[0]  # \"model\" in HF models",
             "final_norm = f\"{blocks_parent}.norm\" if blocks_parent else \"norm\"",

@@ -8,7 +8,15 @@ the last; torch's loop / v placement), a Stage module holding the kept blocks wi
 stage, static stage shapes (microbatch x seq_len x hidden in the compute dtype, the logits last: no shape
 inference between ranks), the schedule with scale_grads=False and the loss divided by the microbatches (so a
 step's gradients are those of the local batch's mean loss), and FSDP2 with reshard_after_forward=False under PP
-(cost_models/fsdp_options.py, torchtitan's default). Pure strings: no torch import.
+(cost_models/fsdp_options.py, torchtitan's default).
+
+With TP and sequence parallel (torchtitan's pipeline_llm + apply_tp): the stages send their local sequence shard, a
+plain tensor of the static shape [microbatch, seq_len / tp, hidden] (torchtitan's blocks keep use_local_output=True
+between modules); each Stage wraps what it receives into the Shard(1) DTensor on the tp sub-mesh that the blocks
+under the emitted plan take (they keep the residual stream a DTensor, so Hugging Face code that reads the
+sequence length sees the global one), and unwraps what it sends. The first stage takes the token ids; the last
+returns the vocab-sharded logits, and pipeline_step runs the schedule under loss_parallel(). Pure strings: no torch
+import.
 """
 
 from __future__ import annotations
@@ -33,17 +41,19 @@ def refuse_pipeline(config: FsdpConfig, model_spec: ModelSpec) -> None:
         if getattr(config, name) > 1:
             raise PlannerError(name, f"{name}={getattr(config, name)} with pp={config.pp}: {what} parallelism inside "
                                      "pipeline stages is not written as FSDP2 code; use --emit torchtitan")
-    if config.tp > 1 and config.sequence_parallel:
-        raise PlannerError("sequence_parallel", f"tp={config.tp} with pp={config.pp}: sequence parallel sends "
-                                                "DTensor activations between stages, which the snippet does not "
-                                                "write; use --no-sequence-parallel, or --emit torchtitan")
+
+
+def sequence_shards(config: FsdpConfig) -> int:
+    """How many pieces a stage's activations are cut into along the sequence: tp under sequence parallel."""
+    return config.tp if config.pp > 1 and config.tp > 1 and config.sequence_parallel else 1
 
 
 def pipeline_imports(config: FsdpConfig) -> list[str]:
     if config.pp == 1:
         return []
     return ["import functools", "from torch.distributed.pipelining import PipelineStage",
-            f"from torch.distributed.pipelining.schedules import {config.pp_schedule.torch_class}"]
+            f"from torch.distributed.pipelining.schedules import {config.pp_schedule.torch_class}",
+            *(["from torch.distributed.tensor import DTensor"] if sequence_shards(config) > 1 else [])]
 
 
 def pipeline_module_level(config: FsdpConfig, model_spec: ModelSpec, training: TrainingSpec | None) -> list[str]:
@@ -55,6 +65,10 @@ def pipeline_module_level(config: FsdpConfig, model_spec: ModelSpec, training: T
     placement = "v" if config.pp_schedule.v_shaped else "loop"
     m, mb = config.pp_microbatches, config.micro_batch
     seq_len = (training or TrainingSpec()).seq_len
+    if sequence_shards(config) > 1 and seq_len % config.tp:
+        raise PlannerError("sequence_parallel", f"seq_len={seq_len} with tp={config.tp} and pp={config.pp}: the "
+                                                "stages send static sequence shards of seq_len / tp tokens; choose "
+                                                "a seq_len that tp divides, or --no-sequence-parallel")
     return [
         f"# The pipeline: {len(split)} stages on {config.pp} pipeline ranks, {config.pp_schedule.torch_class} over "
         f"{m} microbatches of {mb} sequence{'s' if mb > 1 else ''} (the local batch: {m * mb} per step)",
@@ -74,7 +88,7 @@ def pipeline_module_level(config: FsdpConfig, model_spec: ModelSpec, training: T
         "    return init_device_mesh(device_type, MESH_SHAPE, mesh_dim_names=MESH_DIMS)",
         "",
         "",
-        *_stage_class(),
+        *_stage_class(sequence_shards(config) > 1),
         "",
         "",
         "def next_token_loss(logits, input_ids):",
@@ -96,12 +110,31 @@ def pipeline_module_level(config: FsdpConfig, model_spec: ModelSpec, training: T
         "    None. Call optimizer.step() after it.\"\"\"",
         "    losses = []",
         "    targets = dict(target=input_ids, losses=losses) if has_last else {}",
-        "    schedule.step(*([input_ids] if has_first else []), **targets)",
-        "    return torch.stack(losses).sum() if has_last else None",
+        *([
+            "    schedule.step(*([input_ids] if has_first else []), **targets)",
+            "    return torch.stack(losses).sum() if has_last else None",
+        ] if sequence_shards(config) == 1 else [
+            "    with loss_parallel():  # the cross-entropy on the last stage's vocab-sharded logits",
+            "        schedule.step(*([input_ids] if has_first else []), **targets)",
+            "    return torch.stack([loss.full_tensor() for loss in losses]).sum() if has_last else None",
+        ]),
     ]
 
 
-def _stage_class() -> list[str]:
+def _stage_class(sequence_parallel: bool) -> list[str]:
+    """The Stage module; with sequence parallel it receives and sends local sequence shards (the module
+    docstring) and holds the tp sub-mesh they are shards over (apply_fsdp sets sequence_mesh)."""
+    wrap_in = [
+        "        if self.sequence_mesh is not None and self.embed_tokens is None:  # [mb, s / tp, hidden]",
+        "            h = DTensor.from_local(h, self.sequence_mesh, [Shard(1)], run_check=False)",
+    ] if sequence_parallel else []
+    head = [
+        "        if self.lm_head is not None:",
+        "            return self.lm_head(self.norm(h))  # vocab-sharded logits: loss parallel",
+        "        return h.to_local() if self.sequence_mesh is not None else h  # what PipelineStage sends",
+    ] if sequence_parallel else [
+        "        return self.lm_head(self.norm(h)) if self.lm_head is not None else h",
+    ]
     return [
         "class Stage(torch.nn.Module):",
         "    \"\"\"One pipeline stage of a Hugging Face decoder (get_decoder()'s embed_tokens, layers, norm",
@@ -118,6 +151,8 @@ def _stage_class() -> list[str]:
         "        self.rotary_emb = decoder.rotary_emb  # every stage computes its own cos / sin",
         "        self.norm = decoder.norm if is_last else None",
         "        self.lm_head = model.get_output_embeddings() if is_last else None",
+        *(["        self.sequence_mesh = None  # sequence parallel: the tp sub-mesh (apply_fsdp sets it)"]
+          if sequence_parallel else []),
         "",
         "    def get_input_embeddings(self):",
         "        return self.embed_tokens",
@@ -129,19 +164,21 @@ def _stage_class() -> list[str]:
         "        from transformers.masking_utils import create_causal_mask",
         "",
         "        h = self.embed_tokens(x) if self.embed_tokens is not None else x",
+        *wrap_in,
         "        positions = torch.arange(h.shape[1], device=h.device).unsqueeze(0)",
         "        mask = create_causal_mask(config=self.config, inputs_embeds=h, attention_mask=None,",
         "                                  cache=None, position_ids=positions)  # None with SDPA: causal",
         "        rotary = self.rotary_emb(h, position_ids=positions)",
         "        for layer in self.layers.values():",
         "            h = layer(h, attention_mask=mask, position_embeddings=rotary, position_ids=positions)",
-        "        return self.lm_head(self.norm(h)) if self.lm_head is not None else h",
+        *head,
     ]
 
 
 def _build_pipeline(config: FsdpConfig) -> list[str]:
     dtype = _DTYPES[config.precision.compute_dtype]
     looped = config.pp_schedule.looped
+    between = "local" if sequence_shards(config) > 1 else "shape"  # the activations' shape between stages
     return [
         "def build_pipeline(model, device=None):",
         "    \"\"\"This rank's stages of `model` (the whole causal LM, the same weights on every rank), each",
@@ -156,6 +193,8 @@ def _build_pipeline(config: FsdpConfig) -> list[str]:
         "    hidden, vocab = model.config.hidden_size, model.get_output_embeddings().out_features",
         f"    dtype = {dtype}  # what the stages send each other: the compute dtype",
         "    shape = (MICROBATCH_SIZE, SEQ_LEN)",
+        *(["    local = (MICROBATCH_SIZE, SEQ_LEN // mesh[\"tp\"].size())  # a stage sends its sequence shard"]
+          if sequence_shards(config) > 1 else []),
         "    modules, pipeline_stages = [], []",
         "    for index in STAGES_OF_RANK[pp_rank]:",
         "        first, n_blocks = STAGE_BLOCKS[index]",
@@ -164,9 +203,14 @@ def _build_pipeline(config: FsdpConfig) -> list[str]:
         "        if is_first:",
         "            x = torch.zeros(shape, dtype=torch.long, device=device)",
         "        else:",
-        "            x = torch.empty(*shape, hidden, dtype=dtype, device=device, requires_grad=True)",
-        "        out = torch.empty(*shape, vocab if is_last else hidden, dtype=dtype, device=device,",
-        "                          requires_grad=not is_last)",
+        f"            x = torch.empty(*{between}, hidden, dtype=dtype, device=device, requires_grad=True)",
+        *([
+            "        out = torch.empty(*shape, vocab if is_last else hidden, dtype=dtype, device=device,",
+            "                          requires_grad=not is_last)",
+        ] if between == "shape" else [
+            "        out = torch.empty(*(shape if is_last else local), vocab if is_last else hidden,",
+            "                          dtype=dtype, device=device, requires_grad=not is_last)",
+        ]),
         "        pipeline_stages.append(PipelineStage(",
         "            module, index, len(STAGE_BLOCKS), device, input_args=(x,), output_args=(out,),",
         "            group=mesh[\"pp\"].get_group()))",

@@ -1,0 +1,40 @@
+"""Issue 26 item 4, the named command: `fsdp-plan --model llama3.1-70b --gpus 64 --gpu h100-80gb --tp 8 --emit fsdp2`
+plans PP 2 with TP 8 and sequence parallel (the search's pick when this was written: pp 2 x dp_shard 4 x tp 8,
+interleaved 1F1B) and now prints it as FSDP2 code instead of exiting 2: parallelize_module on a 3-D
+init_device_mesh (pp, dp_shard, tp), the stages sending local sequence shards of SEQ_LEN / 8 tokens and stepping
+under loss_parallel. One plan search (about 3 s); the snippet is compiled, not run (it imports torchao for the
+plan's Float8); tests/distributed/test_emit_pp_sp_torchrun.py runs the same code paths for real on a tiny model."""
+
+from __future__ import annotations
+
+import ast
+import math
+
+from test_float_flags import invoke  # (exit code, stdout, stderr) of `fsdp-plan ARGV` (tests/cli is on sys.path)
+
+ISSUE_COMMAND = ["--model", "llama3.1-70b", "--gpus", "64", "--gpu", "h100-80gb", "--tp", "8", "--emit", "fsdp2"]
+
+
+def _constant(code: str, name: str):
+    tree = ast.parse(code)
+    (value,) = [node.value for node in tree.body if isinstance(node, ast.Assign)
+                and any(getattr(t, "id", None) == name for t in node.targets)]
+    return ast.literal_eval(value)
+
+
+def test_the_issue_command_writes_the_pipeline_with_sequence_parallel(capsys):
+    code, out, err = invoke(ISSUE_COMMAND, capsys)
+    assert code == 0, err
+    compile(out, "<emitted fsdp2>", "exec")  # valid Python
+    dims, shape = _constant(out, "MESH_DIMS"), _constant(out, "MESH_SHAPE")
+    assert len(dims) >= 2 and {"pp", "tp"} <= set(dims)
+    assert dict(zip(dims, shape))["tp"] == 8 and dict(zip(dims, shape))["pp"] >= 2
+    assert math.prod(shape) == 64
+    assert "init_device_mesh(device_type, MESH_SHAPE, mesh_dim_names=MESH_DIMS)" in out
+    assert "parallelize_module(model.get_submodule(name), tp_mesh, block_tp_plan())" in out
+    assert '"input_layernorm": SequenceParallel(),' in out  # torchtitan's plan: sequence parallel
+    # between stages: local shards of SEQ_LEN / tp tokens, wrapped into Shard(1) DTensors on the tp mesh
+    assert 'local = (MICROBATCH_SIZE, SEQ_LEN // mesh["tp"].size())' in out
+    assert "h = DTensor.from_local(h, self.sequence_mesh, [Shard(1)], run_check=False)" in out
+    assert "with loss_parallel():" in out
+    assert max(len(line) for line in out.splitlines()) <= 100
