@@ -88,7 +88,11 @@ class StageModule(nn.Module):
             hidden = layer(hidden, attention_mask=mask, position_embeddings=rotary, position_ids=positions)
         if self.lm_head is not None:
             return self.lm_head(self.norm(hidden))
-        return hidden.to_local() if self.sequence_mesh is not None else hidden  # what PipelineStage sends
+        if self.sequence_mesh is None:
+            return hidden
+        # the local shard PipelineStage sends: a copy, not to_local()'s view (the split backward of zero-bubble and
+        # DualPipeV detaches the stage output in place, which a view refuses); the DTensor's own storage is freed
+        return hidden.to_local().clone()
 
 
 def apply_stage_tensor_parallel(module: StageModule, tp_mesh, block_classes: set[type],

@@ -7,7 +7,9 @@ runs on each side).
   of the first step to 1e-6. fp32 on both sides: the only differences are the order of TP's reductions (when
   written: losses 5.545745 / 5.414977 / 5.476388 on both sides, within 5e-7; gradients within 2.3e-8 of gradients
   up to 0.058). At lr 0.5 a gradient off by any factor (counted once per TP rank, or missing on a stage) moves
-  the next loss by far more than 1e-5.
+  the next loss by far more than 1e-5. The same for DualPipeV (4 stages, pp rank 0 holding the first and the
+  last; its split backward detaches each stage output in place, which to_local()'s view refused before the
+  Stage returned a copy): the same losses and gradients when written.
 - the trace tier's code path (calibration.pipeline with sequence parallel, as trace_pipeline runs it) on real
   tensors: every rank's peak against its pipeline rank's trace (pp_checks.check_against_trace: the trace's, plus at
   most one sent activation that gloo keeps, within the real runs' jitter; states to the byte), and the loss and
@@ -16,7 +18,7 @@ runs on each side).
   losses within 5e-7, gradients within 1.3e-8. The estimate of the same configuration: 1,620,992 / 1,523,456 B,
   -3.60% / -2.42% of the trace (cost_models prices PP + SP; not changed here).
 
-One 4-rank launch (about 50 s on 2 shared cores), then two ~5 s traces.
+One 4-rank launch (about 75 s on 2 shared cores), then two ~5 s traces.
 """
 
 from __future__ import annotations
@@ -35,7 +37,9 @@ pytestmark = pytest.mark.distributed
 WORKER = Path(__file__).with_name("worker_pp_sp.py")
 CONFIG = {"pp": 2, "tp": 2, "precision": "fp32", "pp_schedule": "1f1b", "grad_accum": 4}  # sequence parallel: default
 CASES = [{"hf_config": TINY, "config": CONFIG, "seq_len": SEQ_LEN, "emitted": True},
-         {"hf_config": TINY, "config": CONFIG, "seq_len": SEQ_LEN}]
+         {"hf_config": TINY, "config": CONFIG, "seq_len": SEQ_LEN},
+         # DualPipeV: pp rank 0 holds the first and the last stage, and the split backward detaches stage outputs
+         {"hf_config": TINY, "config": {**CONFIG, "pp_schedule": "dualpipev"}, "seq_len": SEQ_LEN, "emitted": True}]
 
 
 @functools.cache
@@ -43,9 +47,10 @@ def launch() -> tuple[dict, ...]:
     return run_cases(WORKER, CASES, TIMEOUT_S, nproc=4)
 
 
-def test_emitted_pipeline_with_sequence_parallel_trains_like_the_unsplit_model():
-    result = launch()[0]
-    assert result["schedule"] == "Schedule1F1B" and result["max_line"] <= 100
+@pytest.mark.parametrize("index, schedule", [(0, "Schedule1F1B"), (2, "ScheduleDualPipeV")])
+def test_emitted_pipeline_with_sequence_parallel_trains_like_the_unsplit_model(index, schedule):
+    result = launch()[index]
+    assert result["schedule"] == schedule and result["max_line"] <= 100
     assert result["losses"] == pytest.approx(result["reference_losses"], abs=1e-5)
     assert result["max_grad_error"] <= 1e-6 and result["max_grad"] > 1e-3, result
     assert result["losses"][-1] < result["losses"][0]  # it trains

@@ -131,7 +131,11 @@ def _stage_class(sequence_parallel: bool) -> list[str]:
     head = [
         "        if self.lm_head is not None:",
         "            return self.lm_head(self.norm(h))  # vocab-sharded logits: loss parallel",
-        "        return h.to_local() if self.sequence_mesh is not None else h  # what PipelineStage sends",
+        "        if self.sequence_mesh is None:",
+        "            return h",
+        "        # the local shard PipelineStage sends: a copy, not to_local()'s view (zero-bubble's",
+        "        # split backward detaches the stage output in place, which a view refuses)",
+        "        return h.to_local().clone()",
     ] if sequence_parallel else [
         "        return self.lm_head(self.norm(h)) if self.lm_head is not None else h",
     ]
