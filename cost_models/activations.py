@@ -64,7 +64,8 @@ from . import activations_mla, activations_sinks, moe, operators
 from .operators import window_masks
 from .loss_memory import (_loss_bytes, forward_logits_bytes_per_token, logits_bytes_per_token,  # noqa: F401
                           logits_reserved_extra_bytes_per_token, loss_events)
-from .specs import Attention, ModelSpec
+from .kernels import EAGER as EAGER_KERNELS, Kernels
+from .specs import Attention, Kernel, ModelSpec
 
 # Llama-like families of the table (planner/models/family_table.py, moe_families.py): separate q/k/v
 # projections, rotary, fp32 softmax in eager; their norms, q/k norms and soft-capping are ModelSpec fields.
@@ -92,12 +93,14 @@ _FP32_ROTARY_FAMILIES = {"olmo2"}
 LOGSUMEXP_BYTES = 4  # fp32 per head and token, saved by the fused attention kernels
 
 
-def _norm_bytes(model: ModelSpec, c: int, lora: bool = False, width: int = 0) -> int:
+def _norm_bytes(model: ModelSpec, c: int, lora: bool = False, width: int = 0, fused: bool = False) -> int:
     """Saved bytes per token of one norm (over `width`, default the hidden size), without its output: for
     RMSNorm the fp32 upcast and the normalised tensor the weight multiplies - cast back to c, or fp32 for
     rmsnorm_fp32 (Gemma's (1 + w), OLMo 2) - only the upcast when the weight is frozen; for LayerNorm and
-    fused RMSNorm kernels the input."""
+    fused RMSNorm kernels (fused: Liger's, TE's; kernels.py) the input."""
     w = width or model.hidden_size
+    if fused:
+        return c * w
     if model.norm == "rmsnorm":
         return 4 * w + (0 if lora else c * w)
     if model.norm == "rmsnorm_fp32":
@@ -105,11 +108,11 @@ def _norm_bytes(model: ModelSpec, c: int, lora: bool = False, width: int = 0) ->
     return c * w
 
 
-def _norms_bytes(model: ModelSpec, c: int, lora: bool = False) -> int:
+def _norms_bytes(model: ModelSpec, c: int, lora: bool = False, fused: bool = False) -> int:
     """Both norms of a block with the outputs the linear layers save (under LoRA only the attention
     norm's, which the q/k/v adapters read)."""
     h = model.hidden_size
-    norm = _norm_bytes(model, c, lora)
+    norm = _norm_bytes(model, c, lora, fused=fused)
     if model.parallel_block and model.family == "falcon":
         return norm + c * h                            # one norm feeds attention and MLP
     if model.parallel_block:
@@ -201,7 +204,7 @@ def _attention_bytes(model: ModelSpec, c: int, attention: Attention, seq_len: in
     return qkv + out
 
 
-def _mlp_bytes(model: ModelSpec, c: int, lora: bool = False) -> int:
+def _mlp_bytes(model: ModelSpec, c: int, lora: bool = False, fused_swiglu: bool = False) -> int:
     """Saved bytes per token of the MLP, excluding its (normed) input. Under LoRA the MLP is frozen:
     fc2 does not save its input."""
     if model.moe is not None:
@@ -210,7 +213,7 @@ def _mlp_bytes(model: ModelSpec, c: int, lora: bool = False) -> int:
     f = model.ffn_hidden_size
     fc2_input = 0 if lora else c * f
     if model.gated_mlp:
-        return 3 * c * f + fc2_input   # gate, act(gate), up (+ act * up)
+        return (2 if fused_swiglu else 3) * c * f + fc2_input   # gate, act(gate) but Liger / TE, up (+ act * up)
     if model.activation in PYTHON_OP_ACTIVATIONS:
         return 4 * c * f + fc2_input   # fc1 output, x^3 term, tanh, product (+ fc2 input)
     if model.activation == "relu":
@@ -224,12 +227,12 @@ def lora_adapter_bytes(model: ModelSpec, c: int, lora_rank: int) -> int:
 
 
 def block_bytes_per_token(model: ModelSpec, compute_bytes: int, attention: Attention, seq_len: int,
-                          micro_batch: int = 1, lora_rank: int = 0) -> int:
+                          micro_batch: int = 1, lora_rank: int = 0, kernels: Kernels = EAGER_KERNELS) -> int:
     """Bytes one block saves for backward per token of the micro-batch (lora_rank > 0: LoRA fine-tuning)."""
     c, lora = compute_bytes, lora_rank > 0
-    saved = _norms_bytes(model, c, lora)
+    saved = _norms_bytes(model, c, lora, kernels.fused_norm)
     saved += _attention_bytes(model, c, attention, seq_len, micro_batch, lora)
-    saved += _mlp_bytes(model, c, lora) + lora_adapter_bytes(model, c, lora_rank)
+    saved += _mlp_bytes(model, c, lora, kernels.fused_swiglu) + lora_adapter_bytes(model, c, lora_rank)
     if model.dropout:
         saved += 2 * model.hidden_size  # residual dropout masks after attention and MLP (1 byte each)
     return saved
@@ -253,29 +256,30 @@ def selective_op_held_bytes_per_token(model: ModelSpec, compute_bytes: int, atte
     return round(saved)
 
 
-def input_saved_by_first_norm(model: ModelSpec, compute_bytes: int) -> bool:
+def input_saved_by_first_norm(model: ModelSpec, compute_bytes: int, fused_norm: bool = False) -> bool:
     """Whether the block's first norm saves the block input itself (LayerNorm; RMSNorm in fp32, where the
     upcast is a no-op), or the block starts with its attention (post-norms, OLMo 2): then a recomputed
     checkpointed block's saved input is that same tensor."""
-    return model.norm not in ("rmsnorm", "rmsnorm_fp32") or compute_bytes == 4 or model.norm_layout == "post"
+    return (fused_norm or model.norm not in ("rmsnorm", "rmsnorm_fp32") or compute_bytes == 4
+            or model.norm_layout == "post")
 
 
-def root_bytes_per_token(model: ModelSpec, compute_bytes: int, lora: bool = False) -> int:
+def root_bytes_per_token(model: ModelSpec, compute_bytes: int, lora: bool = False, fused_norm: bool = False) -> int:
     """Final norm, the output head's input (not with a frozen head: LoRA), the labels (int64) and the
     embedding dropout mask."""
     c, h = compute_bytes, model.hidden_size
-    saved = _norm_bytes(model, c, lora) + (0 if lora else c * h) + 8
+    saved = _norm_bytes(model, c, lora, fused=fused_norm) + (0 if lora else c * h) + 8
     if model.dropout and not lora:
         saved += h
     return saved
 
 
-def first_block_lora_savings(model: ModelSpec, compute_bytes: int) -> int:
+def first_block_lora_savings(model: ModelSpec, compute_bytes: int, fused_norm: bool = False) -> int:
     """Under LoRA the first block's input needs no gradient (frozen embeddings), so its first norm saves
     nothing, nor does a parallel block's MLP branch (it reads the block input, not the attention's
     output): bytes per token the first block saves less than block_bytes_per_token says (unless
     checkpointed). A post-norm block (OLMo 2) has no norm before its attention: nothing to save."""
-    savings = _norm_bytes(model, compute_bytes, lora=True) if model.norm_layout != "post" else 0
+    savings = _norm_bytes(model, compute_bytes, lora=True, fused=fused_norm) if model.norm_layout != "post" else 0
     if model.parallel_block:
         savings += _mlp_bytes(model, compute_bytes, lora=True)
     return savings
@@ -305,7 +309,8 @@ def eager_mask_bytes(model: ModelSpec, compute_bytes: int, seq_len: int, micro_b
     return masks * micro_batch * seq_len * seq_len * compute_bytes
 
 
-def mlp_backward_working_bytes_per_token(model: ModelSpec, compute_bytes: int, lora: bool = False) -> int:
+def mlp_backward_working_bytes_per_token(model: ModelSpec, compute_bytes: int, lora: bool = False,
+                                         kernels: Kernels = EAGER_KERNELS) -> int:
     """Bytes the MLP's backward holds above the block's saved tensors: the incoming gradient (c*h) and
     the gradients of fc2's input and of the activation's factors, minus fc2's freed input (which a
     frozen fc2, LoRA, never saved)."""
@@ -313,6 +318,8 @@ def mlp_backward_working_bytes_per_token(model: ModelSpec, compute_bytes: int, l
         return moe.mlp_backward_working_bytes_per_token(model, compute_bytes, lora)
     c, h, f = compute_bytes, model.hidden_size, model.ffn_hidden_size
     freed = 0 if lora else c * f
+    if model.gated_mlp and kernels.swiglu is Kernel.LIGER:
+        return c * h + c * f              # fc2's input gradient; Liger writes da, db into the saved gate, up
     if model.gated_mlp:
         return c * h + 3 * c * f - freed
     if model.activation in PYTHON_OP_ACTIVATIONS:
@@ -343,7 +350,8 @@ def attention_backward_working_bytes_per_token(model: ModelSpec, compute_bytes: 
 
 
 def attention_freed_before_backward_bytes_per_token(model: ModelSpec, compute_bytes: int, lora: bool = False,
-                                                    attention: Attention = Attention.SDPA, micro_batch: int = 1) -> int:
+                                                    attention: Attention = Attention.SDPA, micro_batch: int = 1,
+                                                    kernels: Kernels = EAGER_KERNELS) -> int:
     """What a block has freed when its attention backward peaks: the MLP branch runs its backward first
     (its ops were recorded last), freeing the MLP's saved tensors and the second norm's (a parallel
     block's second norm shares its input with the first: only its output goes; under LoRA the MLP norm's
@@ -351,14 +359,15 @@ def attention_freed_before_backward_bytes_per_token(model: ModelSpec, compute_by
     P @ V's backward: see _eager_freed_before_softmax_backward."""
     c, h = compute_bytes, model.hidden_size
     norm_out = 0 if lora else c * h
+    mlp, norm = _mlp_bytes(model, c, lora, kernels.fused_swiglu), _norm_bytes(model, c, lora, fused=kernels.fused_norm)
     if model.parallel_block:
-        freed = _mlp_bytes(model, c, lora) + (norm_out if model.family != "falcon" else 0)
+        freed = mlp + (norm_out if model.family != "falcon" else 0)
     else:
-        freed = _mlp_bytes(model, c, lora) + _norm_bytes(model, c, lora) + norm_out + (h if model.dropout else 0)
+        freed = mlp + norm + norm_out + (h if model.dropout else 0)
         if model.norm_layout in ("sandwich", "post"):
-            freed += _norm_bytes(model, c, lora)  # the norm after the attention, whose backward came first
+            freed += norm  # the norm after the attention, whose backward came first
         if model.norm_layout == "sandwich":
-            freed += _norm_bytes(model, c, lora)  # ... and the one after the MLP
+            freed += norm  # ... and the one after the MLP
     if attention is Attention.EAGER:
         freed += _eager_freed_before_softmax_backward(model, c, micro_batch)
     return freed

@@ -28,6 +28,7 @@ import dataclasses
 import math
 
 from . import activation_notes, activations, context_parallel, expert_parallel, moe, operators, tensor_parallel
+from . import kernels
 from .memory_types import MemoryBreakdown, MemoryEstimate, ParamCounts
 from .profile import Profile
 from .specs import ActivationTerms, ClusterSpec, FsdpConfig, ModelSpec, Optimizer, Precision, Sharding, TrainingSpec
@@ -105,8 +106,8 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
     # --- activations, per token of the micro-batch ----------------------------------------------------
     tokens = config.micro_batch * training.seq_len
     attn = config.attention
-    lora_rank = training.adapter_rank
-    full = activations.block_bytes_per_token(model, c, attn, training.seq_len, config.micro_batch, lora_rank)
+    lora_rank, kern = training.adapter_rank, kernels.memory_kernels(config)  # Liger / TE kernels (kernels.py)
+    full = activations.block_bytes_per_token(model, c, attn, training.seq_len, config.micro_batch, lora_rank, kern)
     traced = traced_block_terms(model, precision, attn) if not lora_rank else None
     if traced is not None:
         full = round(traced.saved_bytes_per_token(training.seq_len))
@@ -115,7 +116,7 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
     ckpt = activations.checkpointed_block_bytes_per_token(model, c)
     if config.selective_op_ac:  # every block checkpointed, keeping its input and the policy's saved outputs
         ckpt = activations.selective_op_held_bytes_per_token(model, c, attn, training.seq_len, lora_rank)
-    root_saved = activations.root_bytes_per_token(model, c, lora=bool(lora_rank))
+    root_saved = activations.root_bytes_per_token(model, c, lora=bool(lora_rank), fused_norm=kern.fused_norm)
     if tensor_parallel.sequence_parallel(config) and traced is None:  # the residual stream on s / tp tokens
         full, ckpt, root_saved = tensor_parallel.sequence_parallel_saved_bytes(
             model, c, config.tp, full, ckpt, root_saved, lora=bool(lora_rank), selective_op=config.selective_op_ac)
@@ -132,14 +133,14 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
         return bool(K) and i % K == 0
 
     # LoRA without checkpointing: block 0's first norm saves nothing (its input needs no gradient).
-    first_less = activations.first_block_lora_savings(model, c) if lora_rank and not K else 0
+    first_less = activations.first_block_lora_savings(model, c, kern.fused_norm) if lora_rank and not K else 0
 
     # MoE models' leading dense blocks (n_dense_layers): their own saved bytes, gathered bytes and sharded
     # gradient in what lies below / has been done at a moment and at its own moment.
     nd = model.n_dense_layers
     dense = moe.dense_block_spec(model)
     full_dense = activations.block_bytes_per_token(dense, c, attn, training.seq_len, config.micro_batch,
-                                                   lora_rank) if dense else full
+                                                   lora_rank, kern) if dense else full
     traced_dense = traced.dense if traced is not None and nd else None
     if traced_dense is not None:
         full_dense = round(traced_dense.saved_bytes_per_token(training.seq_len))
@@ -213,11 +214,11 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
     _, logits_peak = activations.logits_bytes_per_token(model, c, config.loss_compiled)
     if tensor_parallel.sequence_parallel(config) and not config.loss_compiled:  # loss parallel, vocab / tp
         logits_peak = tensor_parallel.loss_parallel_peak_bytes_per_token(model)
-    w_mlp = activations.mlp_backward_working_bytes_per_token(model, c, lora=bool(lora_rank))
+    w_mlp = activations.mlp_backward_working_bytes_per_token(model, c, lora=bool(lora_rank), kernels=kern)
     w_attn = activations.attention_backward_working_bytes_per_token(model, c, attn, training.seq_len)
     w_attn += context_parallel.ring_working_bytes_per_token(model, config.cp, c)  # CP: the ring's transients
     freed_attn = activations.attention_freed_before_backward_bytes_per_token(model, c, lora=bool(lora_rank),
-                                                                             attention=attn,
+                                                                             attention=attn, kernels=kern,
                                                                              micro_batch=config.micro_batch)
     h, f = model.hidden_size, model.ffn_hidden_size
     # Gradients accumulated when the MLP's backward peaks (fc2's weight) and when the attention's does
@@ -232,7 +233,7 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
             mlp_moments = {ck: ep_view.backward_moments(c, recomputed=ck) for ck in (False, True)}
             attn_grad = min(real.trainable_block, moe.mlp_param_elements(model) + model.q_dim * h
                             - model.moe.routed_params + ep_view.local_experts * model.moe.expert_params) * c
-    ckpt_input_extra = 0 if activations.input_saved_by_first_norm(model, c) else ckpt
+    ckpt_input_extra = 0 if activations.input_saved_by_first_norm(model, c, kern.fused_norm) else ckpt
     head_grad = (model.head_params or (model.embedding_params if model.tied_embeddings else 0)) + model.root_other_params
     head_grad = min(head_grad, counts.trainable_root) * c
 
@@ -246,7 +247,7 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
         unsharded_params=root_c + (gathered_below(L) if keeps_gathered else 0) + partial_below(L),
         collective_buffers=prefetch_below(L),
         activations=tokens * (saved_below(L) + root_saved) + shared,
-        logits_and_loss=tokens * logits_peak,
+        logits_and_loss=kernels.loss_peak_bytes(model, c, config, kern, tokens, tokens * logits_peak),
     )
     if config.loss_compiled and not keeps_gathered and d > 1:
         # A compiled loss runs outside the model (on its logits): the root's FSDP2 post-forward has
@@ -262,7 +263,8 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
         # last block's experts', larger than the block the loss backward prefetches.
         moments["loss in forward"] = dataclasses.replace(
             moments["loss backward"], collective_buffers=experts_c,
-            logits_and_loss=tokens * activations.forward_logits_bytes_per_token(model, c, config.loss_compiled))
+            logits_and_loss=kernels.loss_forward_bytes(model, c, kern, tokens, tokens * activations.forward_logits_bytes_per_token(
+                model, c, config.loss_compiled)))
     # Within blocks of one kind (checkpointed or not) a block's moment is linear in its index: the saved
     # tensors below it shrink going down while the sharded gradients of the blocks done grow. The extremes
     # of each kind, and the neighbours where the prefetch / reduce-scatter buffers start or stop, suffice.
@@ -348,8 +350,8 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
     peak_allocated = breakdown.total_bytes
     # The loss's segments stay reserved once made (allocator.py): with its allocator-stranded bytes the loss
     # backward can set the reserved peak even where another moment allocates more.
-    loss_reserved = moments["loss backward"].total_bytes + tokens * activations.logits_reserved_extra_bytes_per_token(
-        model, c, config.loss_compiled)
+    loss_reserved = moments["loss backward"].total_bytes + kernels.loss_reserved_extra_bytes(
+        model, c, config, kern, tokens, tokens * activations.logits_reserved_extra_bytes_per_token(model, c, config.loss_compiled))
     peak_reserved = profile.reserved_bytes(max(peak_allocated, loss_reserved))
     cpu_per_rank = (sharded_params + sharded_grads + optimizer_state + step_temporaries) if config.offload else 0
     return MemoryEstimate(

@@ -82,6 +82,7 @@ class MemoryOp:
     backward_bytes: float
     fused_forward_bytes: float
     fused_backward_bytes: float
+    kind: str = ""  # the op class a kernel knob replaces: norm, rope, swiglu, loss (cost_models/kernels.py)
 
     def bytes(self, compiled: bool, backward: bool) -> float:
         if compiled:
@@ -109,15 +110,16 @@ class BlockOps:
         return tuple(linear[1::2]) + tuple(m for m in self.matmuls if m not in linear)
 
 
-def _elementwise(name: str, elements: float, fwd: float, bwd: float, fused_fwd: float, fused_bwd: float) -> MemoryOp:
-    return MemoryOp(name, elements * fwd, elements * bwd, elements * fused_fwd, elements * fused_bwd)
+def _elementwise(name: str, elements: float, fwd: float, bwd: float, fused_fwd: float, fused_bwd: float,
+                 kind: str = "") -> MemoryOp:
+    return MemoryOp(name, elements * fwd, elements * bwd, elements * fused_fwd, elements * fused_bwd, kind)
 
 
 def norm_op(model: ModelSpec, c: int, width: int, name: str) -> MemoryOp:
     if model.norm in ("rmsnorm", "rmsnorm_fp32"):
         extra = (8, 16) if model.norm == "rmsnorm_fp32" else (0, 0)
-        return _elementwise(name, width, 28 + 4 * c + extra[0], 80 + 6 * c + extra[1], 2 * c, 4 * c)
-    return _elementwise(name, width, 2 * c, 4 * c, 2 * c, 4 * c)
+        return _elementwise(name, width, 28 + 4 * c + extra[0], 80 + 6 * c + extra[1], 2 * c, 4 * c, "norm")
+    return _elementwise(name, width, 2 * c, 4 * c, 2 * c, 4 * c, "norm")
 
 
 def _n_norms(model: ModelSpec) -> int:
@@ -234,8 +236,8 @@ def _formula_block_ops(model: ModelSpec, c: int, seq_len: int, lora_rank: int = 
     if model.qk_norm:
         ops.append(norm_op(model, c, q + kv, "q/k norms"))
     if model.family not in ("gpt2", "bert", "opt", "bloom", "mpt"):  # rotary
-        ops.append(_elementwise("rotary", q + kv, 12 * c, 15 * c, 2 * c, 2 * c))
-        ops.append(_elementwise("q/k gradient copies", q + kv, 0, 2 * c, 0, 0))  # back to (b, s, heads x d)
+        ops.append(_elementwise("rotary", q + kv, 12 * c, 15 * c, 2 * c, 2 * c, "rope"))
+        ops.append(_elementwise("q/k gradient copies", q + kv, 0, 2 * c, 0, 0, "rope"))  # back to (b, s, heads x d)
     ops.append(_elementwise("attention output copy", q, 2 * c, 2 * c, 2 * c, 2 * c))
     ops.append(_elementwise("residual adds", 2 * h, 3 * c, 3 * c, 2 * c, 2 * c))
     readers = (2 if len(_attention_matmuls(model)) > 2 else 0) + (1 if model.gated_mlp and model.moe is None else 0)
@@ -257,8 +259,9 @@ def _formula_block_ops(model: ModelSpec, c: int, seq_len: int, lora_rank: int = 
 
 
 def _mlp_activation_op(model: ModelSpec, c: int, width: int, rows: float, name: str = "MLP activation") -> MemoryOp:
-    if model.gated_mlp:
-        return _elementwise(name, width * rows, 5 * c, 9 * c, 3 * c, 5 * c)
+    if model.gated_mlp:  # Liger's / TE's SwiGLU replace dense and shared MLPs, not routed experts (kernels.py)
+        routed = model.moe is not None and name == "MLP activation"
+        return _elementwise(name, width * rows, 5 * c, 9 * c, 3 * c, 5 * c, "" if routed else "swiglu")
     if model.activation in ("gelu_new", "gelu_pytorch_tanh_python", "quick_gelu"):
         return _elementwise(name, width * rows, 20 * c, 30 * c, 2 * c, 3 * c)
     return _elementwise(name, width * rows, 2 * c, 3 * c, 2 * c, 3 * c)
@@ -270,7 +273,7 @@ def root_ops(model: ModelSpec, c: int) -> tuple[Matmul | None, tuple[MemoryOp, .
     head = Matmul("output head", v, h, float8=False) if (model.head_params or model.tied_embeddings) else None
     ops = (norm_op(model, c, h, "final norm"),
            _elementwise("embedding", h, 2 * c, 2 * c, 2 * c, 2 * c),
-           _elementwise("loss", v, c + 16, 20 + c, c, 2 * c))
+           _elementwise("loss", v, c + 16, 20 + c, c, 2 * c, "loss"))
     return head, ops
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
-from . import comm, context_parallel, expert_parallel, moe, operators, tensor_parallel
+from . import comm, context_parallel, expert_parallel, kernels, moe, operators, tensor_parallel
 from .kernel_time import BlockTime, Rates, eager_attention_ops, price_block
 from .profile import Profile
 from .specs import Attention, ClusterSpec, FsdpConfig, ModelSpec, TrainingSpec
@@ -44,19 +44,19 @@ def mesh_tiers(config: FsdpConfig, cluster: ClusterSpec, profile: Profile) -> tu
 
 def root_memory_bytes_per_token(model: ModelSpec, config: FsdpConfig, c: int) -> tuple[tuple[str, float, float], ...]:
     """(name, forward, backward) bytes per token of the root's memory-bound chains as the step prices them:
-    per-block compile leaves the final norm and the embedding eager; the loss is fused when it is compiled."""
+    per-block compile leaves the final norm and the embedding eager; the loss is fused when it is compiled; a
+    norm or loss kernel prices its own (kernels.root_op_bytes)."""
     _, ops = operators.root_ops(model, c)
-    fused = {op.name: op.name == "loss" and config.loss_compiled for op in ops}
     # sequence parallel: the final norm runs on s / tp tokens (the loss on vocab / tp is in the local model)
     share = {op.name: 1 / config.tp if op.name == "final norm" and config.sequence_parallel else 1.0 for op in ops}
-    return tuple((op.name, share[op.name] * op.bytes(fused[op.name], False), share[op.name] * op.bytes(fused[op.name], True))
-                 for op in ops)
+    return tuple((op.name, *(share[op.name] * b for b in kernels.root_op_bytes(op, model, config, c))) for op in ops)
 
 
 def priced_block_ops(spec: ModelSpec, training: TrainingSpec, config: FsdpConfig, c: int):
     """(BlockOps, eager attention's products and score traffic or None) of one block as the step prices it:
     Float8's casts among the memory-bound ops; a traced inventory already holds eager attention's work."""
     ops = operators.block_ops(spec, c, training.seq_len, training.adapter_rank, config.attention.value)
+    ops = kernels.kernel_block_ops(ops, kernels.Kernels.of(config))  # Liger / TE kernels: one kernel each way
     if config.tp > 1 and config.sequence_parallel:  # norms, residuals, dropout on s / tp tokens
         ops = tensor_parallel.sequence_parallel_ops(ops, config.tp)
     if config.ep > 1 and spec.moe is not None:  # a rank's E / ep experts on the rows it receives
