@@ -64,12 +64,37 @@ def test_what_the_pipeline_snippet_does_not_write_is_one_line(config, field, seq
     assert err.value.field == field and len(str(err.value).splitlines()) == 1 and words in str(err.value)
 
 
-def test_tied_embeddings_across_stages_are_one_line():
-    """Llama 3.2 1B ties its embedding to the head: the first and last stages would train two copies."""
-    with pytest.raises(PlannerError) as err:
-        emit_fsdp2(FsdpConfig(pp=2, grad_accum=4), load_preset("llama3.2-1b"), make_cluster(8))
-    assert err.value.field == "pp" and "ties its embedding" in str(err.value)
-    assert len(str(err.value).splitlines()) == 1
+@pytest.mark.parametrize("schedule, pairs", [("1f1b", [0, 1]), ("dualpipev", None)])
+def test_tied_embeddings_across_stages_train_a_copy_whose_gradient_is_summed(fake_rank, schedule, pairs):
+    """A tiny Llama that ties its embedding to the head, pp 2 on 2 fake ranks (rank 0): the last stage's head is a
+    Linear of its own holding the embedding's values; pipeline_step sums the two copies' gradients - over the pair of
+    ranks {0, 1} when the ends sit on two ranks (1F1B), on the rank itself when one holds both (DualPipeV's rank 0
+    holds stages 0 and 3). tests/distributed/test_emit_pp_sp_torchrun.py trains both against the unsplit model."""
+    import torch
+    import torch.distributed as dist
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from planner.models import from_module
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**{**TINY, "tie_word_embeddings": True}, attn_implementation="sdpa"))
+    spec = from_module(model, name="tiny-tied")
+    assert spec.tied_embeddings
+    config = FsdpConfig(pp=2, pp_schedule=schedule, grad_accum=4, precision="fp32")
+    code = emit_fsdp2(config, spec, make_cluster(2), TrainingSpec(seq_len=32))
+    assert "    tie_gradients(schedule)  # the embedding's and the head's copies: one gradient" in code
+    fake_rank(2, 0)
+    ns = _exec(code)
+    schedule_, modules, has_first, has_last = ns["build_pipeline"](model, "cpu")
+    stage_modules, group = schedule_.tied
+    assert stage_modules is modules
+    if pairs is None:
+        assert group is None and (has_first, has_last) == (True, True)
+        head = modules[-1].lm_head
+        assert head is not model.lm_head and head.weight is not modules[0].embed_tokens.weight
+        assert torch.equal(head.weight.full_tensor(), modules[0].embed_tokens.weight.full_tensor())
+    else:
+        assert dist.get_process_group_ranks(group) == pairs and (has_first, has_last) == (True, False)
 
 
 def test_expert_parallel_inside_stages_is_one_line():

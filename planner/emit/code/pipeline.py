@@ -15,8 +15,11 @@ plain tensor of the static shape [microbatch, seq_len / tp, hidden] (torchtitan'
 between modules); each Stage wraps what it receives into the Shard(1) DTensor on the tp sub-mesh that the blocks
 under the emitted plan take (they keep the residual stream a DTensor, so Hugging Face code that reads the
 sequence length sees the global one), and unwraps what it sends. The first stage takes the token ids; the last
-returns the vocab-sharded logits, and pipeline_step runs the schedule under loss_parallel(). Pure strings: no torch
-import.
+returns the vocab-sharded logits, and pipeline_step runs the schedule under loss_parallel().
+
+Tied embeddings: the last stage's head is a copy of the embedding (as calibration/pipeline.py's StageModule, what the
+trace and the estimate price), and pipeline_step sums the two copies' gradients after each step (_tied_lines), so
+they take the same optimizer step and stay one weight. Pure strings: no torch import.
 """
 
 from __future__ import annotations
@@ -33,10 +36,6 @@ def refuse_pipeline(config: FsdpConfig, model_spec: ModelSpec) -> None:
     """What the pipeline snippet does not write, in one line."""
     if config.pp == 1:
         return
-    if model_spec.tied_embeddings:  # the first and last stages would each train their own copy of the one weight
-        raise PlannerError("pp", f"{model_spec.name} ties its embedding to the head: with pp={config.pp} the first "
-                                 "and last stages each hold that weight and the snippet does not sum their "
-                                 "gradients; untie it, or use --emit torchtitan")
     for name, what in (("cp", "context"), ("ep", "expert")):
         if getattr(config, name) > 1:
             raise PlannerError(name, f"{name}={getattr(config, name)} with pp={config.pp}: {what} parallelism inside "
@@ -88,7 +87,7 @@ def pipeline_module_level(config: FsdpConfig, model_spec: ModelSpec, training: T
         "    return init_device_mesh(device_type, MESH_SHAPE, mesh_dim_names=MESH_DIMS)",
         "",
         "",
-        *_stage_class(sequence_shards(config) > 1),
+        *_stage_class(sequence_shards(config) > 1, model_spec.tied_embeddings),
         "",
         "",
         "def next_token_loss(logits, input_ids):",
@@ -100,9 +99,10 @@ def pipeline_module_level(config: FsdpConfig, model_spec: ModelSpec, training: T
         "    return loss / N_MICROBATCHES",
         "",
         "",
-        *_build_pipeline(config),
+        *_build_pipeline(config, model_spec.tied_embeddings),
         "",
         "",
+        *(_tied_lines() if model_spec.tied_embeddings else []),
         "def pipeline_step(schedule, has_first, has_last, input_ids):",
         "    \"\"\"Forward and backward of the local batch (N_MICROBATCHES x MICROBATCH_SIZE sequences of",
         "    SEQ_LEN tokens) through the pipeline: the first stage's ranks feed the token ids, the last",
@@ -112,16 +112,64 @@ def pipeline_module_level(config: FsdpConfig, model_spec: ModelSpec, training: T
         "    targets = dict(target=input_ids, losses=losses) if has_last else {}",
         *([
             "    schedule.step(*([input_ids] if has_first else []), **targets)",
-            "    return torch.stack(losses).sum() if has_last else None",
         ] if sequence_shards(config) == 1 else [
             "    with loss_parallel():  # the cross-entropy on the last stage's vocab-sharded logits",
             "        schedule.step(*([input_ids] if has_first else []), **targets)",
-            "    return torch.stack([loss.full_tensor() for loss in losses]).sum() if has_last else None",
         ]),
+        *(["    tie_gradients(schedule)  # the embedding's and the head's copies: one gradient"]
+          if model_spec.tied_embeddings else []),
+        "    return torch.stack(losses).sum() if has_last else None" if sequence_shards(config) == 1 else
+        "    return torch.stack([loss.full_tensor() for loss in losses]).sum() if has_last else None",
     ]
 
 
-def _stage_class(sequence_parallel: bool) -> list[str]:
+def _tied_lines() -> list[str]:
+    """Tied embeddings across stages: the last stage trains a copy of the embedding as its head (the Stage);
+    after each step the two copies' gradients are summed - the tied weight's gradient - so both take the same
+    optimizer step and stay equal (Megatron-LM's embedding group). The pair of ranks holding the first and the
+    last stage for each data / tensor-parallel coordinate sums them in one all-reduce (their shards line up:
+    both [vocab, hidden], sharded alike); a rank holding both (the V placement) adds them itself."""
+    return [
+        "def tied_group(mesh):",
+        "    \"\"\"The process group of this rank and its partner holding the other end (first or last",
+        "    stage) at the same data / tensor-parallel coordinates; None when one rank holds both ends.",
+        "    Every rank creates every pair's group, in one order (new_group is collective).\"\"\"",
+        "    last = next(r for r, mine in enumerate(STAGES_OF_RANK) if len(STAGE_BLOCKS) - 1 in mine)",
+        "    if last == 0:",
+        "        return None",
+        "    ranks = mesh.mesh.reshape(len(STAGES_OF_RANK), -1)  # [pp rank, other coordinates]: global ranks",
+        "    mine = None",
+        "    for first_rank, last_rank in zip(ranks[0].tolist(), ranks[last].tolist()):",
+        "        group = dist.new_group([first_rank, last_rank])",
+        "        if dist.get_rank() in (first_rank, last_rank):",
+        "            mine = group",
+        "    return mine",
+        "",
+        "",
+        "def tie_gradients(schedule):",
+        "    \"\"\"The tied weight's gradient on both of its copies (the embedding on the first stage, the head",
+        "    on the last): their sum, so both take the same optimizer step and stay equal.\"\"\"",
+        "    from torch.distributed.tensor import DTensor",
+        "",
+        "    if schedule.tied is None:  # the model passed unties them",
+        "        return",
+        "    modules, group = schedule.tied",
+        "    grads = [m.get_input_embeddings().weight.grad for m in modules",
+        "             if m.get_input_embeddings() is not None]",
+        "    grads += [m.get_output_embeddings().weight.grad for m in modules",
+        "              if m.get_output_embeddings() is not None]",
+        "    local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]  # shards alike",
+        "    if len(local) == 2:  # one rank holds both ends",
+        "        local[0].add_(local[1])",
+        "        local[1].copy_(local[0])",
+        "    elif local:",
+        "        dist.all_reduce(local[0], group=group)",
+        "",
+        "",
+    ]
+
+
+def _stage_class(sequence_parallel: bool, tied: bool) -> list[str]:
     """The Stage module; with sequence parallel it receives and sends local sequence shards (the module
     docstring) and holds the tp sub-mesh they are shards over (apply_fsdp sets sequence_mesh)."""
     wrap_in = [
@@ -145,7 +193,8 @@ def _stage_class(sequence_parallel: bool) -> list[str]:
         "    and lm_head): token ids into the first stage, hidden states elsewhere; logits out of the last.",
         "    \"\"\"",
         "",
-        "    def __init__(self, model, first, n_blocks, is_first, is_last):",
+        "    def __init__(self, model, first, n_blocks, is_first, is_last"
+        + (", copy_head=False):" if tied else "):"),
         "        super().__init__()",
         "        decoder = model.get_decoder()",
         "        self.config = model.config",
@@ -155,6 +204,15 @@ def _stage_class(sequence_parallel: bool) -> list[str]:
         "        self.rotary_emb = decoder.rotary_emb  # every stage computes its own cos / sin",
         "        self.norm = decoder.norm if is_last else None",
         "        self.lm_head = model.get_output_embeddings() if is_last else None",
+        *([
+            "        if is_last and copy_head:  # tied embeddings: the head trains a copy of its own, its",
+            "            # gradient summed with the embedding's after each step (tie_gradients): one weight",
+            "            tied = self.lm_head",
+            "            self.lm_head = torch.nn.Linear(tied.in_features, tied.out_features, bias=False,",
+            "                                           device=tied.weight.device, dtype=tied.weight.dtype)",
+            "            with torch.no_grad():",
+            "                self.lm_head.weight.copy_(tied.weight)",
+        ] if tied else []),
         *(["        self.sequence_mesh = None  # sequence parallel: the tp sub-mesh (apply_fsdp sets it)"]
           if sequence_parallel else []),
         "",
@@ -179,7 +237,7 @@ def _stage_class(sequence_parallel: bool) -> list[str]:
     ]
 
 
-def _build_pipeline(config: FsdpConfig) -> list[str]:
+def _build_pipeline(config: FsdpConfig, tied: bool) -> list[str]:
     dtype = _DTYPES[config.precision.compute_dtype]
     looped = config.pp_schedule.looped
     between = "local" if sequence_shards(config) > 1 else "shape"  # the activations' shape between stages
@@ -199,11 +257,19 @@ def _build_pipeline(config: FsdpConfig) -> list[str]:
         "    shape = (MICROBATCH_SIZE, SEQ_LEN)",
         *(["    local = (MICROBATCH_SIZE, SEQ_LEN // mesh[\"tp\"].size())  # a stage sends its sequence shard"]
           if sequence_shards(config) > 1 else []),
+        *(["    # one weight for the embedding and the head? (asked before FSDP gives each stage its own)",
+           "    tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight"]
+          if tied else []),
         "    modules, pipeline_stages = [], []",
         "    for index in STAGES_OF_RANK[pp_rank]:",
         "        first, n_blocks = STAGE_BLOCKS[index]",
         "        is_first, is_last = index == 0, index == len(STAGE_BLOCKS) - 1",
-        "        module = apply_fsdp(Stage(model, first, n_blocks, is_first, is_last), device)",
+        *([
+            "        module = apply_fsdp(Stage(model, first, n_blocks, is_first, is_last), device)",
+        ] if not tied else [
+            "        stage = Stage(model, first, n_blocks, is_first, is_last, copy_head=tied)",
+            "        module = apply_fsdp(stage, device)",
+        ]),
         "        if is_first:",
         "            x = torch.zeros(shape, dtype=torch.long, device=device)",
         "        else:",
@@ -223,6 +289,7 @@ def _build_pipeline(config: FsdpConfig) -> list[str]:
         f"        {'pipeline_stages' if looped else 'pipeline_stages[0]'}, n_microbatches=N_MICROBATCHES, "
         "loss_fn=next_token_loss,",
         "        scale_grads=False)",
+        *(["    schedule.tied = (modules, tied_group(mesh)) if tied else None  # for tie_gradients"] if tied else []),
         "    mine = STAGES_OF_RANK[pp_rank]",
         "    return schedule, modules, 0 in mine, len(STAGE_BLOCKS) - 1 in mine",
     ]
