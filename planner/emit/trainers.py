@@ -15,6 +15,7 @@ from cost_models.specs import ClusterSpec, FsdpConfig, ModelSpec, Precision, Tra
 
 from planner.emit.code import mesh as meshed
 from planner.emit.code import techniques as tech
+from planner.emit.kernels import hf_kernel_notes, hf_liger_arguments
 from planner.emit.common import (_KV_CACHE_WHY, RDZV_PORT, _comment, _expert_notes, _fsdp1_only_notes,
                                  _fsdp1_strategy, _mixed_dtypes, _notes, _summary, multi_node_note, reshard_entry,
                                  torchrun_command)
@@ -161,12 +162,14 @@ def emit_hf_trainer(config: FsdpConfig, model_spec: ModelSpec, cluster: ClusterS
     elif hsdp:
         arguments.append(f"    parallelism_config=ParallelismConfig(dp_replicate_size={replicas}, "
                          f"dp_shard_size={shard}),  # HSDP: shard inside a node, replicate across nodes")
+    arguments += hf_liger_arguments(config)  # the plan's Liger kernels (planner/emit/kernels.py)
     arguments += ["    fsdp=True,", "    fsdp_config={"]
     arguments += [f"        {json.dumps(key)}: {_py(value)},{'  # ' + note if note else ''}"
                   for key, value, note in _hf_fsdp_config(config, model_spec, cluster, version)]
     arguments += ["    },", ")"]
     notes = ([version_note] if version_note else []) + reduce_notes + _hf_technique_notes(config, version)
     notes += meshed.accelerate_notes(config)
+    notes += hf_kernel_notes(config)
     notes += _expert_notes(config, "fsdp_config")
     if version == 2:
         notes += _fsdp1_only_notes(config, "--emit hf-trainer-fsdp1")

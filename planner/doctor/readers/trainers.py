@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from cost_models.specs import SELECTIVE_OP, FsdpConfig, Precision, Sharding
 
+from planner.emit.kernels import from_hf_liger
 from planner.errors import PlannerError
 from planner.doctor.readers.common import UserSetup, _bool, _int, _int_or_none, _positive_int, _strategy, _strip, accelerate_degrees
 
@@ -174,6 +175,7 @@ def from_hf_trainer(data: dict, source: str = "TrainingArguments") -> UserSetup:
         grad_accum=_positive_int(data, "gradient_accumulation_steps", 1),
         backward_prefetch=prefetch, forward_prefetch=forward_prefetch, limit_all_gathers=limit, compile=compiles,
         compile_loss=False,  # the model's own loss, in its forward: eager (a compute_loss_func is code, not an argument)
+        **from_hf_liger(data),  # use_liger_kernel / liger_kernel_config (planner/emit/kernels.py)
         **mesh,
     )
     return UserSetup(

@@ -1,0 +1,71 @@
+"""The plan's kernels (FsdpConfig.norm_kernel / rope_kernel / swiglu_kernel / loss_kernel, cost_models/kernels.py) in
+Hugging Face TrainingArguments, and back: use_liger_kernel applies Liger Kernel's patches to the model
+(transformers/integrations/liger.py apply_liger_kernel -> liger_kernel.transformers._apply_liger_kernel_to_instance),
+liger_kernel_config passes them their switches - for a Llama-like model rope, rms_norm, swiglu and
+fused_linear_cross_entropy default on, cross_entropy off (apply_liger_kernel_to_llama, liger-kernel 0.8.5).
+Transformer Engine's kernels and torchtitan's chunked loss have no TrainingArguments setting: the artifact says so
+in a comment."""
+
+from __future__ import annotations
+
+from cost_models.specs import FsdpConfig, Kernel, LossKernel
+
+from planner.errors import PlannerError
+
+# liger_kernel_config's switch -> the FsdpConfig field it sets (liger on / eager off)
+LIGER_SWITCHES = {"rope": "rope_kernel", "rms_norm": "norm_kernel", "swiglu": "swiglu_kernel",
+                  "fused_linear_cross_entropy": "loss_kernel"}
+_LIGER_DEFAULTS = {"rope": True, "rms_norm": True, "swiglu": True, "fused_linear_cross_entropy": True,
+                   "cross_entropy": False}
+
+
+def _liger(config: FsdpConfig, field_name: str) -> bool:
+    return getattr(config, field_name).value == "liger"
+
+
+def hf_liger_arguments(config: FsdpConfig) -> list[str]:
+    """TrainingArguments lines for the plan's Liger kernels ([] without any); liger_kernel_config when only some."""
+    switches = {key: _liger(config, name) for key, name in LIGER_SWITCHES.items()}
+    if not any(switches.values()):
+        return []
+    lines = ["    use_liger_kernel=True,  # Liger Kernel 0.8.5 (pip install liger-kernel==0.8.5), as planned"]
+    if not all(switches.values()):
+        pairs = ", ".join(f'"{key}": {on}' for key, on in {**switches, "cross_entropy": False}.items())
+        lines.append(f"    liger_kernel_config={{{pairs}}},")
+    return lines
+
+
+def hf_kernel_notes(config: FsdpConfig) -> list[str]:
+    """What TrainingArguments cannot set of the plan's kernels."""
+    te = [name.removesuffix("_kernel") for name in ("norm_kernel", "rope_kernel", "swiglu_kernel")
+          if getattr(config, name) is Kernel.TE]
+    notes = []
+    if te:
+        notes.append(f"Transformer Engine kernels ({', '.join(te)}): TrainingArguments has no such setting; swap the "
+                     "model's modules for te.RMSNorm / fused RoPE / te.ops.SwiGLU before Trainer(...), as planned")
+    if config.loss_kernel is LossKernel.CHUNKED:
+        notes.append("chunked loss (torchtitan's ChunkedLossWrapper, 8 chunks): TrainingArguments has no such "
+                     "setting; pass the equivalent as Trainer(compute_loss_func=...) on the model's hidden states")
+    return notes
+
+
+def from_hf_liger(data: dict) -> dict:
+    """FsdpConfig's kernel fields from TrainingArguments' use_liger_kernel / liger_kernel_config ({} without Liger);
+    PlannerError on a switch the planner does not price (Liger's unfused cross_entropy) or does not know."""
+    on = data.get("use_liger_kernel", False)
+    if not isinstance(on, bool):
+        raise PlannerError("use_liger_kernel", f"expected true or false, got {on!r}")
+    if not on:
+        return {}
+    given = data.get("liger_kernel_config") or {}
+    if not isinstance(given, dict):
+        raise PlannerError("liger_kernel_config", f"must be a mapping of switches, got {given!r}")
+    unknown = sorted(set(given) - set(_LIGER_DEFAULTS))
+    if unknown:
+        raise PlannerError(f"liger_kernel_config.{unknown[0]}", f"not a switch fsdp-plan prices; choose among: "
+                                                               f"{', '.join(_LIGER_DEFAULTS)}")
+    switches = {**_LIGER_DEFAULTS, **given}
+    if switches["cross_entropy"]:
+        raise PlannerError("liger_kernel_config.cross_entropy", "Liger's unfused cross-entropy is not priced; use "
+                                                                "fused_linear_cross_entropy (the default)")
+    return {name: "liger" if switches[key] else "eager" for key, name in LIGER_SWITCHES.items()}
