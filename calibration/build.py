@@ -112,10 +112,15 @@ def hf_model_class(config) -> type:
 
 
 def hf_attention(cls: type, requested: str) -> str:
-    """The attention implementation `cls` runs for `requested`: SDPA where the family supports it
-    (transformers' `_supports_sdpa`), else eager, which every family has."""
+    """The attention implementation `cls` runs for `requested`: SDPA or FlexAttention where the family supports
+    it (transformers' `_supports_sdpa`, `_supports_flex_attn`), else eager, which every family has. Flex runs as
+    a GPU run compiles it (calibration/flex_kernel.py: its saved tensors, on CPU and fake tensors)."""
     if requested == "sdpa" and not getattr(cls, "_supports_sdpa", False):
         return "eager"
+    if requested == "flex":
+        from .flex_kernel import use_flex
+
+        return use_flex() if getattr(cls, "_supports_flex_attn", False) else "eager"
     return requested
 
 

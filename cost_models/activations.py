@@ -60,7 +60,7 @@ allocator's 512-byte rounding. The trace tier (`fsdp-plan trace`) measures the e
 
 from __future__ import annotations
 
-from . import activations_mla, activations_sinks, moe, operators
+from . import activations_mla, activations_sinks, attention_flex, moe, operators
 from .operators import window_masks
 from .loss_memory import (_loss_bytes, forward_logits_bytes_per_token, logits_bytes_per_token,  # noqa: F401
                           logits_reserved_extra_bytes_per_token, loss_events)
@@ -172,8 +172,8 @@ def _attention_bytes(model: ModelSpec, c: int, attention: Attention, seq_len: in
     if activations_mla.is_latent(model):  # DeepSeek's latent attention (activations_mla.py)
         return activations_mla.latent_attention_bytes(model, c, attention, seq_len, micro_batch,
                                                       lambda width: _norm_bytes(model, c, lora, width))
-    if activations_sinks.has_sinks(model) and attention is Attention.EAGER:  # gpt-oss (activations_sinks.py)
-        return activations_sinks.sink_attention_bytes(model, c, seq_len)
+    if activations_sinks.has_sinks(model) and attention is not Attention.SDPA:  # gpt-oss (activations_sinks.py)
+        return activations_sinks.sink_attention_bytes(model, c, seq_len, attention)
     q, kv = model.q_dim, model.kv_dim
     eager = _uses_s2_attention(model, attention)
     if model.family in _SEPARATE_QKV_FAMILIES:
@@ -301,6 +301,9 @@ def eager_mask_bytes(model: ModelSpec, compute_bytes: int, seq_len: int, micro_b
     forward unless activation checkpointing keeps them as inputs of every checkpointed block's recompute:
     count them only then."""
     windowed = window_masks(model, seq_len)
+    if attention is Attention.FLEX:  # a BlockMask per mask kind (attention_flex.py), not an (s, s) tensor
+        masks = 2 if model.sliding_window and 0 < model.full_attention_layers < model.n_layers else 1
+        return masks * attention_flex.block_mask_bytes(seq_len, micro_batch)
     if not _uses_s2_attention(model, attention):
         return seq_len * seq_len if windowed else 0
     if model.family in ALIBI_FAMILIES:

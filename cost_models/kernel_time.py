@@ -12,8 +12,10 @@
   128: FlashAttention-2 reaches ~0.6 of A100's peak and ~0.35 of H100's, which it runs without Hopper's
   wgmma/TMA - FlashAttention-2 and -3 papers) x s / (s + s0) (short sequences: fewer key blocks per query
   block) x a head-dim factor (d / (d + 24), 1 at d = 128, ~0.86 at 64). Backward: 2.5x the forward's
-  FLOPs (it recomputes the scores), as the FlashAttention papers count. Eager attention: its four score
-  products as matmuls (k = head_dim or s) over all s keys, and the score traffic as memory-bound bytes.
+  FLOPs (it recomputes the scores), as the FlashAttention papers count. FlexAttention: the kv blocks its block
+  mask visits, at ~0.90 / 0.85 of the flash kernel's forward / backward rate (attention_flex.py). Eager
+  attention: its four score products as matmuls (k = head_dim or s) over all s keys, and the score traffic
+  as memory-bound bytes.
 - Memory-bound: bytes at HBM bandwidth x profile.memory_bound_efficiency (streaming kernels reach
   ~80-90%, hardware.md).
 Ignored: wave quantisation, L2 reuse, kernel launch gaps (profile.microstep_overhead_s covers the host).
@@ -133,8 +135,9 @@ def price_block(ops: BlockOps, rates: Rates, tokens: int, *, eager_attention: tu
         memory_ops = memory_ops + (traffic,)
     else:
         rate = rates.attention_rate(ops.seq_len, ops.head_dim)
-        att_f = ops.attention_flops_per_token * tokens / rate
-        att_b = 2.5 * att_f
+        forward_speed, backward_speed = ops.attention_speed  # FlexAttention: fractions of the flash kernel's
+        att_f = ops.attention_flops_per_token * tokens / (rate * forward_speed)
+        att_b = 2.5 * (ops.attention_flops_per_token * tokens / (rate * backward_speed))
     mem_f = rates.memory_s(tokens * sum(op.bytes(compiled, backward=False) for op in memory_ops))
     mem_b = rates.memory_s(tokens * sum(op.bytes(compiled, backward=True) for op in memory_ops))
     if recompute == "full":

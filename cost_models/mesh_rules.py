@@ -103,9 +103,10 @@ def mesh_refusals(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec
                                f"cp={cp}: load-balanced ring attention splits each sequence into 2 x cp = {2 * cp} "
                                f"chunks, and seq_len={training.seq_len} is not a multiple of {2 * cp}",
                                f"choose one of: {_list(v for v in valid if n % v == 0)}", priced=False))
-        if config.attention is Attention.EAGER:
+        if config.attention is not Attention.SDPA:  # FlexAttention's context parallel is not priced
             out.append(Refusal("attention", "cp-needs-sdpa", "context parallelism's ring attention runs SDPA's fused "
-                               "kernels, not eager attention", "use --attention sdpa, or cp 1", priced=False))
+                               f"kernels, not {config.attention.value} attention", "use --attention sdpa, or cp 1",
+                               priced=False))
     if ep > 1:
         if model.moe is None:
             out.append(Refusal("ep", "ep-on-dense-model", f"ep={ep}: {model.name} has no routed experts (a dense "

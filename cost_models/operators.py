@@ -46,6 +46,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from functools import lru_cache
 
+from . import activations_sinks, attention_flex
 from . import moe as moe_model
 from .specs import ModelSpec
 
@@ -101,6 +102,7 @@ class BlockOps:
     head_dim: int
     seq_len: int
     traced: bool = False                # counted from a traced block (eager attention's products included)
+    attention_speed: tuple[float, float] = (1.0, 1.0)  # (forward, backward) of the flash kernel's rate (flex)
 
     def selective_op_recomputed(self) -> tuple[Matmul, ...]:
         """torchtitan's policy as calibration.apply runs it: of the linear products of a forward (aten.mm, and
@@ -198,9 +200,16 @@ def block_ops(model: ModelSpec, c: int, seq_len: int, lora_rank: int = 0, attent
     """The (sparse, for MoE) block's operators; moe.dense_block_spec(model) gives the dense blocks'. A model
     priced by a traced block memory profile takes the operators counted in that trace (full fine-tuning;
     LoRA's frozen products are priced from the structure)."""
-    formula = _formula_block_ops(model, c, seq_len, lora_rank)
+    formula = _formula_block_ops(model, c, seq_len, lora_rank, attention)
     traced = _traced(model, c, attention) if not lora_rank else None
-    return formula if traced is None else _from_trace(formula, traced, model, seq_len)
+    if traced is None:
+        return formula
+    ops = _from_trace(formula, traced, model, seq_len)
+    if attention == "flex":  # the kernel's work is its block mask's, which a fake-tensor trace cannot read
+        ops = replace(ops, attention_flops_per_token=formula.attention_flops_per_token,
+                      attention_reference_flops=formula.attention_reference_flops,
+                      attention_speed=formula.attention_speed)
+    return ops
 
 
 def _traced(model: ModelSpec, c: int, attention: str):
@@ -225,7 +234,8 @@ def _from_trace(formula: BlockOps, traced, model: ModelSpec, seq_len: int) -> Bl
                     (memory,), formula.head_dim, seq_len, traced=True)
 
 
-def _formula_block_ops(model: ModelSpec, c: int, seq_len: int, lora_rank: int = 0) -> BlockOps:
+def _formula_block_ops(model: ModelSpec, c: int, seq_len: int, lora_rank: int = 0,
+                       attention: str = "sdpa") -> BlockOps:
     h, q, kv, f = model.hidden_size, model.q_dim, model.kv_dim, model.ffn_hidden_size
     matmuls = _fit_to_params(model, _attention_matmuls(model) + _mlp_matmuls(model))
     if lora_rank:
@@ -254,8 +264,26 @@ def _formula_block_ops(model: ModelSpec, c: int, seq_len: int, lora_rank: int = 
         ops.append(_elementwise("router softmax/top-k", m.n_experts, 12, 12, 8, 8))
     if model.dropout:
         ops.append(_elementwise("dropout", 2 * h, 2 * c + 1, 2 * c + 1, 1, 1))
+    if attention == "flex":
+        return _flex_block_ops(model, c, seq_len,
+                               BlockOps(tuple(matmuls), 0.0, 0.0, tuple(ops), model.head_dim, seq_len))
     executed, reference = attention_forward_flops(model, seq_len)
     return BlockOps(tuple(matmuls), executed, reference, tuple(ops), model.head_dim, seq_len)
+
+
+def _flex_block_ops(model: ModelSpec, c: int, seq_len: int, ops: BlockOps) -> BlockOps:
+    """FlexAttention (attention_flex.py): the kv blocks its block mask visits (a sliding window's band, not all s
+    keys), at its fractions of the flash kernel's rate; gpt-oss' sinks renormalise the output afterwards
+    (activations_sinks.py): read out, write it (2c), and about twice that backward, fused under compile."""
+    windowed = model.n_layers - model.full_attention_layers if window_masks(model, seq_len) else 0
+    executed = attention_flex.forward_flops_per_token(model.q_dim, seq_len, windowed, model.n_layers,
+                                                      model.sliding_window)
+    memory = ops.memory_ops
+    if activations_sinks.has_sinks(model):
+        memory += (_elementwise("sink renormalisation", model.q_dim, 2 * c, 4 * c, 2 * c, 3 * c),)
+    return replace(ops, attention_flops_per_token=executed, attention_reference_flops=4.0 * model.q_dim * seq_len,
+                   memory_ops=memory,
+                   attention_speed=(attention_flex.FORWARD_SPEED, attention_flex.BACKWARD_SPEED))
 
 
 def _mlp_activation_op(model: ModelSpec, c: int, width: int, rows: float, name: str = "MLP activation") -> MemoryOp:

@@ -87,6 +87,7 @@ class Optimizer(str, Enum):
 class Attention(str, Enum):
     SDPA = "sdpa"    # fused kernels: no s^2 score storage
     EAGER = "eager"  # explicit softmax(QK^T): stores a*s^2 scores per sequence and layer
+    FLEX = "flex"    # torch.nn.attention.flex_attention, compiled: q, k, v, out, logsumexp saved; block-sparse masks
 
 
 class Finetune(str, Enum):

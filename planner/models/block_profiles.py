@@ -44,6 +44,9 @@ from planner.progress import progress
 from .spec_cache import SCHEMA_VERSION, _config_key, _versions, cache_dir
 
 PROFILED_DTYPES = ("bf16", "fp32")
+# The attention implementations a block trace runs (calibration/block_profile.py); the others are priced by the
+# formulas (cost_models/attention_flex.py for flex).
+TRACED_ATTENTIONS = ("sdpa", "eager", "flex")
 SHIPPED_DIR = Path(__file__).parent.parent / "catalog" / "block_profiles"
 SHIPPED_SEQ_LENS = (1024, 2048, 4096, 8192, 16384)  # the shipped profiles are traced at each
 MAKE_COMMAND = "python benchmarks/make_block_profiles.py"
@@ -223,7 +226,10 @@ def with_block_profile(spec: ModelSpec, hf_config: dict, seq_len: int,
     """spec with activation_profile set for every profiled dtype x attention (default: all the model runs)."""
     started = time.perf_counter()
     entries, origins, first_seconds = [], [], 0.0
-    for attention in attentions or spec.attention_choices:
+    attentions = tuple(a for a in attentions or spec.attention_choices if a in TRACED_ATTENTIONS)
+    if not attentions:
+        return spec
+    for attention in attentions:
         for dtype in PROFILED_DTYPES:
             try:
                 profile, origin = load_or_profile(spec, hf_config, dtype, attention, seq_len)

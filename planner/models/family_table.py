@@ -105,6 +105,19 @@ def eager_if_softcapped(c: Cfg) -> tuple[str, ...]:
     return ("eager",) if c.data.get("attn_logit_softcapping") is not None else ("sdpa", "eager")
 
 
+def flex_or_eager(c: Cfg) -> tuple[str, ...]:
+    """gpt-oss' sinks: transformers runs them in FlexAttention (integrations/flex_attention.py: the sinks applied
+    through the logsumexp; _supports_flex_attn = True) or eager, never SDPA; flex first: no s x s scores."""
+    return ("flex", "eager")
+
+
+def preferred_attention(choices: tuple[str, ...], runnable=None) -> str | None:
+    """The attention to price for a model whose implementations are `choices` (ModelSpec.attention_choices, in
+    order of preference) under a trainer that runs `runnable` (None: any): the first the trainer runs, None if
+    it runs none of them."""
+    return next((a for a in choices if runnable is None or a in runnable), None)
+
+
 # ---------------------------------------------------------------------------------------------
 # The table
 # ---------------------------------------------------------------------------------------------

@@ -29,7 +29,7 @@ from cost_models.specs import MoeSpec, SpecError
 from planner.errors import PlannerError
 
 from .config_reader import Cfg, linear, mlp
-from .family_table import (Dims, Family, Flag, alternating, attention_params, common_fields, eager_only,
+from .family_table import (Dims, Family, Flag, alternating, attention_params, common_fields, flex_or_eager,
                            norm_params, qwen_window, read_dims, read_flag, window_if_set)
 
 
@@ -105,11 +105,11 @@ MOE_FAMILIES: dict[str, MoeFamily] = {
                              "moe_intermediate_size", shared="deepseek", shared_default=1,
                              dense_layers=first_k_dense(3), mla=True, renormalise_top_k=("norm_topk_prob", True),
                              fp32_routing_weights=True, router_kind="sigmoid"),
-    # Attention sinks need eager (or a kernel): transformers' GptOss has _supports_sdpa = False.
+    # Attention sinks run in FlexAttention or eager: transformers' GptOss has _supports_sdpa = False.
     "gpt_oss": MoeFamily(Family("GptOssDecoderLayer", 131072, qkv_bias=("attention_bias", True),
                                 o_bias=("attention_bias", True), head_dim=64, kv_heads=8, attention_sinks=True,
                                 norm="rmsnorm_fp32",  # (weight * x).to(dtype): the weight applied in fp32
-                                window=alternating(None, 2, 128), attention=eager_only),
+                                window=alternating(None, 2, 128), attention=flex_or_eager),
                          ("num_local_experts", "num_experts"), "intermediate_size", router_bias=True,
                          expert_bias=True, renormalise_top_k=False, router_kind="topk_softmax",
                          expert_activation="clamped_swiglu"),

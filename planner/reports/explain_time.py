@@ -128,7 +128,11 @@ def _attention(c, rates: Rates, profile: Profile) -> str:
     kernel = gpu.attention_efficiency or profile.default_attention_efficiency
     rate = rates.attention_rate(s, ops.head_dim)
     why = "the causal kernel skips the masked blocks" if m.causal else "not causal: every key"
-    return (head + f"(1 forward + 2.5 backward) x {ops.attention_flops_per_token / 1e6:,.1f} MFLOP per token "
+    passes = "(1 forward + 2.5 backward)"
+    if cfg.attention is Attention.FLEX:  # cost_models/attention_flex.py
+        why = "FlexAttention visits its block mask's kv blocks: causal, a sliding window's band, layers averaged"
+        passes = f"(1 / {ops.attention_speed[0]:g} forward + 2.5 / {ops.attention_speed[1]:g} backward)"
+    return (head + f"{passes} x {ops.attention_flops_per_token / 1e6:,.1f} MFLOP per token "
             f"(4 x q_dim {m.q_dim} x {keys:g} keys per query of s = {s}: {why}) x {tokens:,} tokens / {_tf(rate)}; "
             f"rate = {_peak(c) / 1e12:g} TFLOP/s peak x {kernel:g} flash-kernel efficiency ({gpu.id} catalog) x "
             f"{profile.attention_efficiency:g} (profile) x s / (s + {rates.attention_half_seq:g}) = "
@@ -213,7 +217,9 @@ def time_terms(c, profile: Profile = DEFAULT_PROFILE) -> list[tuple[str, str, st
         ("attention", _attention(c, rates, profile),
          "eager attention: its score products over all keys (cost_models/kernel_time.py)"
          if cfg.attention is Attention.EAGER else "FlashAttention-2 and -3 papers: kernel efficiency, causal work, "
-         "backward 2.5x the forward, sequence and head-dim factors (cost_models/kernel_time.py)"),
+         "backward 2.5x the forward, sequence and head-dim factors (cost_models/kernel_time.py)"
+         + ("; FlexAttention at 90% / 85% of FlashAttention-2 forward / backward (PyTorch FlexAttention blog, "
+            "Aug 2024; cost_models/attention_flex.py)" if cfg.attention is Attention.FLEX else "")),
         ("memory-bound", _memory_bound(c, rates, profile),
          "memory-bound efficiency fitted with the matmul fraction to torchtitan's published runs "
          "(benchmarks/throughput_accuracy.py --fit; one streaming kernel reaches 80-90% of HBM, hardware.md); bytes "

@@ -109,8 +109,8 @@ class MeshRequest:
 class ConfigRequest:
     """One explicit configuration (the estimate command's); attention None: the model's first choice."""
 
-    attention: str | None = knob(None, "--attention", help="sdpa (fused) or eager; default: sdpa, or eager for "
-                                 "models that do not run sdpa (Gemma 2, gpt-oss)")
+    attention: str | None = knob(None, "--attention", help="sdpa (fused), eager or flex (FlexAttention, compiled); "
+                                 "default: the model's first: sdpa, flex for gpt-oss (sinks), eager for Gemma 2")
     sharding: str = knob("FULL_SHARD", "--sharding", help="FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD, "
                          "HYBRID_SHARD_ZERO2")
     precision: str = knob("bf16", "--precision", help="fp32, bf16, bf16-pure, fp16")

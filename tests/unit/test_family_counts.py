@@ -175,7 +175,7 @@ def test_family_quirk_fields():
     assert phi.qk_norm == "" and from_hf_config(FAMILY_CONFIGS["phi-gqa-qk-layernorm-tied"]).qk_norm == "head"
     assert from_hf_config(FAMILY_CONFIGS["starcoder2"]).sliding_window == 16
     oss = from_hf_config(FAMILY_CONFIGS["gpt_oss"])
-    assert oss.attention_choices == ("eager",) and (oss.sliding_window, oss.full_attention_layers) == (16, 1)
+    assert oss.attention_choices == ("flex", "eager") and (oss.sliding_window, oss.full_attention_layers) == (16, 1)
     ds = from_hf_config(FAMILY_CONFIGS["deepseek_v3"])
     assert (ds.n_heads, ds.n_kv_heads, ds.head_dim) == (4, 4, 12)  # qk_nope + qk_rope per head
     assert ds.lora_target_shapes == ((40, 20), (20, 48), (40, 20), (16, 56), (24, 40))
