@@ -4,10 +4,11 @@ Hugging Face TrainingArguments, and back: use_liger_kernel applies Liger Kernel'
 liger_kernel_config passes them their switches - for a Llama-like model rope, rms_norm, swiglu and
 fused_linear_cross_entropy default on, cross_entropy off (apply_liger_kernel_to_llama, liger-kernel 0.8.5).
 Transformer Engine's kernels and torchtitan's chunked loss have no TrainingArguments setting: the artifact says so
-in a comment."""
+in a comment. torchtitan 0.3's chunked loss is loss.num_chunks in its job (torchtitan_kernel_flags, and back)."""
 
 from __future__ import annotations
 
+from cost_models.kernels import TORCHTITAN_LOSS_CHUNKS
 from cost_models.specs import FsdpConfig, Kernel, LossKernel
 
 from planner.errors import PlannerError
@@ -69,3 +70,37 @@ def from_hf_liger(data: dict) -> dict:
         raise PlannerError("liger_kernel_config.cross_entropy", "Liger's unfused cross-entropy is not priced; use "
                                                                 "fused_linear_cross_entropy (the default)")
     return {name: "liger" if switches[key] else "eager" for key, name in LIGER_SWITCHES.items()}
+
+
+def torchtitan_kernel_flags(config: FsdpConfig, version: str) -> tuple[list, list[str]]:
+    """((name, value, comment) flags, notes) for the plan's kernels in a torchtitan job: 0.3's ChunkedLossWrapper
+    (torchtitan/components/loss.py; the llama3 configs' own loss) takes loss.num_chunks; torchtitan's models run
+    their own norms, RoPE and SwiGLU and have no Liger or TE switch."""
+    flags, notes = [], []
+    if config.loss_kernel is LossKernel.CHUNKED and version == "0.3":
+        flags.append(("loss.num_chunks", TORCHTITAN_LOSS_CHUNKS, "ChunkedLossWrapper: lm_head and the loss in 8 "
+                                                                 "sequence chunks, as planned"))
+    elif config.loss_kernel is LossKernel.CHUNKED:
+        notes.append(f"chunked loss: torchtitan {version} has no ChunkedLossWrapper (0.3 has): its loss holds the "
+                     "whole logits, more memory than planned")
+    elif config.loss_kernel is LossKernel.LIGER:
+        notes.append("Liger's fused linear cross-entropy: torchtitan has no such loss; 0.3's chunked loss "
+                     "(--loss-kernel chunked) is its own way to keep the logits out of memory")
+    other = [name.removesuffix("_kernel") for name in ("norm_kernel", "rope_kernel", "swiglu_kernel")
+             if getattr(config, name) is not Kernel.EAGER]
+    if other:
+        notes.append(f"{', '.join(other)} kernels (Liger / Transformer Engine): torchtitan's models run their own "
+                     "ops (compiled with compile.enable); the plan priced the kernels")
+    return flags, notes
+
+
+def from_torchtitan_loss(settings: dict) -> dict:
+    """FsdpConfig's loss_kernel from a torchtitan job's loss.num_chunks ({} without it); PlannerError on a chunk
+    count the planner does not price."""
+    if "loss.num_chunks" not in settings:
+        return {}
+    value = settings["loss.num_chunks"]
+    if str(value).strip() != str(TORCHTITAN_LOSS_CHUNKS):
+        raise PlannerError("loss.num_chunks", f"{value!r}; fsdp-plan prices ChunkedLossWrapper's default of "
+                                              f"{TORCHTITAN_LOSS_CHUNKS} chunks")
+    return {"loss_kernel": "chunked"}

@@ -57,3 +57,36 @@ def test_a_liger_setting_the_planner_cannot_price_is_one_line(data, line):
         from_hf_liger(data)
     assert str(err.value) == line
     assert from_hf_liger({"use_liger_kernel": False, "liger_kernel_config": {"rope": False}}) == {}
+
+
+@pytest.mark.parametrize("config", [FsdpConfig(loss_kernel="chunked"), FsdpConfig(loss_kernel="chunked", compile=True)])
+def test_torchtitan_chunked_loss_round_trips_and_parses_in_torchtitan(tmp_path, config):
+    from cost_models.specs import TrainingSpec
+    from planner.emit.torchtitan.job import emit_torchtitan
+    from tests.unit.test_emit_mesh import _torchtitan_03, parse_with_torchtitan
+
+    text = emit_torchtitan(config, load_preset("llama3-8b"), NODE, TrainingSpec(seq_len=4096), version="0.3")
+    assert "--loss.num_chunks=8" in text.splitlines()
+    path = tmp_path / "overrides.txt"
+    path.write_text(text)
+    assert read_setup(path).config == config
+    why = _torchtitan_03()
+    if why:
+        pytest.skip(why)
+    flags = [line for line in text.splitlines() if line.startswith("--") and not line.startswith(("--module",
+                                                                                                 "--config"))]
+    (parsed,) = parse_with_torchtitan([["llama3", "llama3_8b", flags]])
+    assert (parsed.get("loss"), parsed.get("loss_chunks"), parsed["components"]) == (
+        "ChunkedLossWrapper", 8, ["model", "loss"])
+
+
+def test_torchtitan_says_what_it_cannot_run_and_refuses_other_chunk_counts():
+    from planner.emit.kernels import from_torchtitan_loss, torchtitan_kernel_flags
+
+    flags, notes = torchtitan_kernel_flags(FsdpConfig(norm_kernel="te", loss_kernel="liger"), "0.3")
+    assert flags == [] and len(notes) == 2 and notes[1].startswith("norm kernels (Liger / Transformer Engine)")
+    assert torchtitan_kernel_flags(FsdpConfig(loss_kernel="chunked"), "0.2")[1][0].startswith(
+        "chunked loss: torchtitan 0.2 has no ChunkedLossWrapper")
+    with pytest.raises(PlannerError, match="^loss.num_chunks: '4'; fsdp-plan prices ChunkedLossWrapper's default of "
+                                           "8 chunks$"):
+        from_torchtitan_loss({"loss.num_chunks": "4"})

@@ -61,6 +61,7 @@ def resolved(c) -> dict:
         "local_batch_size": c.training.local_batch_size, "global_batch_size": c.training.global_batch_size,
         "seq_len": c.training.seq_len, "dtype": c.training.dtype,
         "mixed_precision_param": c.training.mixed_precision_param, "offload": c.training.enable_cpu_offload,
+        "loss": type(c.loss).__qualname__.split(".")[0], "loss_chunks": getattr(c.loss, "num_chunks", None),
     }
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from cost_models.specs import SELECTIVE_OP, FsdpConfig, Precision, Sharding
 
+from planner.emit.kernels import from_torchtitan_loss
 from planner.emit.torchtitan.job import preset_of
 from planner.errors import PlannerError
 from planner.doctor.readers.common import UserSetup, _bool, _int, _positive_int
@@ -253,6 +254,7 @@ def from_torchtitan(settings: dict, source: str = "torchtitan") -> UserSetup:
         offload=_bool("training.enable_cpu_offload", settings.get("training.enable_cpu_offload", False)),
         ac_every=_torchtitan_checkpointing(settings), micro_batch=micro_batch, grad_accum=grad_accum,
         compile=compiles, compile_loss="loss" in components, float8=float8, fp8_all_gather=fp8_all_gather, **mesh,
+        **from_torchtitan_loss(settings),  # loss.num_chunks: 0.3's chunked loss (planner/emit/kernels.py)
         pp=pipeline.pp, pp_schedule=pipeline.schedule,
         pp_stages_per_rank=pipeline.stages_per_rank(0) if pipeline.parts else 0,  # else: the model's blocks (check)
     )

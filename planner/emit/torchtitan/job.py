@@ -31,6 +31,7 @@ from cost_models.specs import ClusterSpec, FsdpConfig, ModelSpec, Precision, Tra
 from planner.emit.common import (RESHARD_NOTE, _comment, _expert_notes, _fsdp1_only_notes, _summary, multi_node_note,
                                  torchrun_args)
 from planner.errors import PlannerError
+from planner.emit.kernels import torchtitan_kernel_flags
 from planner.emit.torchtitan.split import split_flags
 
 TORCHTITAN_VERSIONS = {"0.3": "torchtitan 0.3 (0.3.0)", "0.2": "torchtitan 0.2 (0.2.0 - 0.2.2)"}
@@ -278,6 +279,8 @@ def torchtitan_overrides(config: FsdpConfig, cluster: ClusterSpec, seq_len: int,
         flags.append(("compile.components", "model,loss" if config.compile_loss else "model",
                       "the blocks and the loss (fused cross-entropy: no fp32 copy of the logits)" if config.compile_loss
                       else "the blocks only: the loss stays eager, as planned"))
+    kernel_flags, kernel_notes = torchtitan_kernel_flags(config, version)  # loss.num_chunks (planner/emit/kernels.py)
+    flags, notes = flags + kernel_flags, notes + kernel_notes
     float8_flags, float8_notes = _float8(config, model_spec, version)
     flags += float8_flags
     notes += float8_notes
