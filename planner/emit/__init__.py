@@ -66,7 +66,13 @@ def recommendation_text(candidate) -> str:
         code = emit_fsdp2(candidate.config, candidate.model, candidate.cluster, candidate.training)
         head = f"Recommended config (FSDP2; --emit {others} for the other forms):"
     except PlannerError as exc:
-        code = emit_artifact("torchtitan", candidate)
-        head = f"Recommended config (torchtitan: the FSDP2 snippet cannot write it, {exc}):"
+        try:
+            code = emit_artifact("torchtitan", candidate)
+            head = f"Recommended config (torchtitan: the FSDP2 snippet cannot write it, {exc}):"
+        except PlannerError as titan:  # e.g. fp16 with context parallel inside pipeline stages: say both, no code
+            code = ""
+            head = (f"Recommended config: neither the FSDP2 snippet ({exc}) nor torchtitan ({titan}) writes it; "
+                    "the plan above is priced as it stands:")
     launch = emit_torchrun(candidate.config, candidate.model, candidate.cluster)
-    return "\n".join(textwrap.wrap(head, LINE_WIDTH, subsequent_indent="  ") + ["", fold(code), fold(launch)])
+    return "\n".join(textwrap.wrap(head, LINE_WIDTH, subsequent_indent="  ") + ["", *([fold(code)] if code else []),
+                                                                             fold(launch)])

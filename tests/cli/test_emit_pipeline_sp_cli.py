@@ -38,3 +38,18 @@ def test_the_issue_command_writes_the_pipeline_with_sequence_parallel(capsys):
     assert "h = DTensor.from_local(h, self.sequence_mesh, [Shard(1)], run_check=False)" in out
     assert "with loss_parallel():" in out
     assert max(len(line) for line in out.splitlines()) <= 100
+
+
+def test_a_plan_no_dialect_writes_is_said_in_one_line_not_an_error(capsys):
+    """The search picks context parallel inside pipeline stages in fp16 for llama3.1-70b at 65,536 tokens on 256
+    V100s (no bf16 there; cp 8 x pp 4 when written, 7.6 s of search): the FSDP2 snippet does not write CP inside
+    stages and torchtitan has no fp16, so the plan command printed its table, then exited 2 on the torchtitan
+    fallback ("use --emit fsdp2"). Now it exits 0 and its recommendation says that neither writes it and why. The
+    same mesh pinned on a small model here (0.8 s): llama3.2-1b, 16 V100s, cp 2 x pp 2."""
+    code, out, err = invoke(["--model", "llama3.2-1b", "--gpus", "16", "--gpu", "v100-32gb", "--seq-len", "8192",
+                             "--pp", "2", "--cp", "2", "--tp", "1"], capsys)
+    assert code == 0, err
+    head = out[out.index("Recommended config"):].split("\n\n")[0]
+    assert head.startswith("Recommended config: neither the FSDP2 snippet (cp: cp=2 with pp=2")
+    assert "nor torchtitan (emit: torchtitan has no fp16" in " ".join(line.strip() for line in head.splitlines())
+    assert "torchrun" in out[out.index("Recommended config"):]  # the launch line still follows
