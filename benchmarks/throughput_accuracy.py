@@ -21,6 +21,11 @@ The pipeline rows (PP_ROWS, issue 18): Llama 3 405B pretraining (Dubey et al. 20
 TFLOP/s per GPU = MFU x 989, every input stated in tests/golden/test_pipeline_rows.py (h100-80gb, TP 8 x PP 16,
 interleaved 1F1B with the paper's one-layer chunks: V = 8, no checkpointing, 16M tokens per batch, micro-batch 1).
 They are costed through cost_models.evaluate (the mesh rules still refuse pp > 1 and block-less end stages).
+
+The expert-parallel rows (AUTOMODEL_ROWS, issue 26): NVIDIA NeMo Automodel's Qwen3-30B-A3B and GPT-OSS 20B on
+8 x H100 80 GB, FSDP 8 x EP 8, through the public API with the automodel trainer and one setting for both
+(AUTOMODEL_SETTING: bf16 params and Adam states, fp32 reduce, full checkpointing, DeepEP, round-robin routing, TE
+RMSNorm, the MoE parallelizer's SHARD_GRAD_OP; tests/golden/test_automodel_rows.py says why each).
 """
 
 from __future__ import annotations
@@ -149,6 +154,36 @@ def pipeline_table() -> tuple[list[list[str]], list[float]]:
     return table, errors
 
 
+AUTOMODEL = "NeMo Automodel DGX-H100 (Oct 2025)"
+AUTOMODEL_SETTING = dict(trainer="automodel", gpu="h100-80gb", seq_len=4096, ep=8, precision="bf16-pure",
+                         reduce_dtype="fp32", activation_checkpointing="full", sharding="SHARD_GRAD_OP",
+                         moe_dispatch="deepep", routing="round-robin", norm_kernel="te")
+AUTOMODEL_GRAD_ACCUM = 16
+# model, local batch, attention (TE attention priced as SDPA's flash kernel; GPT-OSS: FlexAttention), tokens/s/GPU
+AUTOMODEL_ROWS = [("qwen3-30b-a3b", 4, "sdpa", 12040), ("gpt-oss-20b", 2, "flex", 13058)]
+
+
+def predict_automodel(model: str, local_batch: int, attention: str):
+    """An Automodel row in its published setting (8 GPUs, global batch = local batch x 16 x 8)."""
+    from planner import estimate
+
+    return estimate(model, 8, micro_batch=local_batch, global_batch=local_batch * AUTOMODEL_GRAD_ACCUM * 8,
+                    attention=attention, **AUTOMODEL_SETTING)
+
+
+def automodel_table() -> tuple[list[list[str]], list[float]]:
+    """The Automodel rows' table lines and errors."""
+    table, errors = [], []
+    for model, local_batch, attention, published in AUTOMODEL_ROWS:
+        c = predict_automodel(model, local_batch, attention)
+        t = c.time
+        errors.append(t.tokens_per_s_per_gpu / published - 1)
+        table.append([AUTOMODEL, model, f"{local_batch} x 4,096", f"{published:,}", f"{t.tokens_per_s_per_gpu:,.0f}",
+                      f"{100 * errors[-1]:+.1f}%", f"{t.step_s:.2f}", f"{t.memory_bound_s:.2f}", f"{t.ep_comm_s:.2f}",
+                      f"{c.memory.peak_reserved_bytes / 2**30:.1f}"])
+    return table, errors
+
+
 def predict(row: Row, profile: Profile = DEFAULT_PROFILE):
     """The published setting: FSDP2 FULL_SHARD, bf16 with fp32 reduction, its checkpointing and options."""
     model = replace(load_preset(row.model), norm="fused_rmsnorm", name=f"{row.model} (torchtitan)")
@@ -217,6 +252,11 @@ def main(argv: list[str] | None = None) -> None:
                                       "error", "bubble", "imbalance", "sends exposed"]))
     print(f"MAPE over the {len(pp_errors)} pipeline rows: {100 * statistics.mean(map(abs, pp_errors)):.1f}% "
           f"(max {100 * max(map(abs, pp_errors)):.1f}%)")
+    am_table, am_errors = automodel_table()
+    print("\nexpert-parallel rows (FSDP 8 x EP 8, DeepEP, round-robin routing, bf16 params and Adam states, full AC):")
+    print(tabulate(am_table, headers=["source", "model", "mb x seq", "tok/s/GPU", "predicted", "error", "step s",
+                                      "memory-bound s", "EP comm s", "predicted GiB"]))
+    print(f"MAPE over the {len(am_errors)} expert-parallel rows: {100 * statistics.mean(map(abs, am_errors)):.1f}%")
     for source, technique, tps, why in NOT_PRICED:
         print(f"not priced: {source}, {technique}: {tps:,} tokens/s/GPU ({why})")
     if args.json:

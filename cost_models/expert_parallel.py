@@ -35,16 +35,51 @@ still counts every token's routed rows on each TP rank (an overestimate by up to
 EP with tp > 1 is not traced yet, so that term is unchecked).
 Ignored: the per-expert counts' all-to-all (E int64 per layer) and its host sync, capacity factors / token
 dropping (none in transformers' path).
+
+DeepEP (FsdpConfig.moe_dispatch "deepep": NeMo Automodel 0.7's GroupedExpertsDeepEP through Megatron's
+MoEFlexTokenDispatcher, nemo_automodel/components/moe/experts.py and moe/megatron/token_dispatcher.py):
+- sends a token once per destination rank, whatever number of that rank's experts it picked (DeepEP's dispatch
+  layout: is_token_in_rank), and combine returns one row per (token, rank), the rank's experts' outputs already
+  summed: ranks_per_token rows of h each way instead of k. Learned routing, uniform over the experts:
+  ep (1 - C(E - E/ep, k) / C(E, k)) ranks (the hypergeometric chance a rank holds none of the k); Automodel's
+  FakeBalancedGate (TrainingSpec.routing round-robin) gives token t the experts (t k + j) mod E, consecutive, so
+  a token reaches one rank whenever k divides E / ep (Qwen3-30B-A3B and GPT-OSS 20B at ep 8).
+- time: DeepEP's README ("Normal kernels with NVLink and RDMA forwarding", H800, 8 EP ranks in a node, DeepSeek-V3
+  pretraining shapes: 4,096 tokens, hidden 7,168, top-8) measures 153 GB/s dispatch and 158 GB/s combine of NVLink
+  bottleneck bandwidth, on NVLink whose datasheet peak is 200 GB/s per direction (README: ~160 GB/s reachable);
+  priced as those fractions (0.765, 0.79) of the GPU's scale-up peak per direction (H100 SXM: 450 GB/s -> 344 and
+  356 GB/s). Across nodes (ep beyond the scale-up domain) the NCCL tier prices the deduplicated bytes (DeepEP's
+  internode kernels forward over RDMA then NVLink: not modelled further).
+- memory-bound work: Megatron's fused permute (moe_permute_fusion=True: one kernel reads each received copy and
+  writes the k rows sorted by expert) and unpermute (reads the k rows, writes one per copy), forward and again
+  in backward with the gradients: 2c h (k + ranks_per_token) per token each way, in place of the eager gather /
+  weighting / scatter-add; the experts' SwiGLU is Megatron's WeightedSwiGLUFunction (torch.compile'd, the
+  routing weight folded in): priced at the fused bytes. gpt-oss' clamped SwiGLU (swiglu_oai_deepep, eager) keeps
+  the model's own pricing.
+- memory: DeepEP's NVLink buffer, cudaMalloc'd outside PyTorch's caching allocator (reserved, not allocated):
+  channels (dispatcher_num_sms / 2 = 10) x NVLink ranks x 256 receive slots (Buffer.get_dispatch_config /
+  get_combine_config for <= 8 ranks) x (the token's hidden bytes + its metadata: 128 top-k int64 indices, 128 fp32
+  weights and 128 fp32 scales), DeepEP's Config.get_nvl_buffer_size_hint (csrc/config.hpp) as Automodel's
+  fused_a2a.get_buffer sizes it. DeepEP does not install here (its build needs CUDA): the sizing is read from its
+  source, not checked against an allocation. The saved tensors are priced as transformers' EP path saves them.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 from . import moe
-from .specs import BackwardMoment, ClusterSpec, FsdpConfig, ModelSpec
+from .specs import BackwardMoment, ClusterSpec, FsdpConfig, ModelSpec, MoeDispatch, Routing
 
 INDEX_BYTES = moe.INDEX_BYTES
+# DeepEP README, intranode normal kernels on H800 (8 EP ranks): 153 GB/s dispatch, 158 GB/s combine of NVLink
+# bottleneck bandwidth, over the link's datasheet 200 GB/s per direction
+DEEPEP_DISPATCH_OF_PEAK = 153 / 200
+DEEPEP_COMBINE_OF_PEAK = 158 / 200
+DEEPEP_CHANNELS = 10              # Automodel's dispatcher_num_sms 20 / 2 SMs per channel
+DEEPEP_RECV_SLOTS = 256           # num_max_nvl_chunked_recv_tokens of DeepEP's configs for <= 8 ranks
+DEEPEP_SLOT_METADATA_BYTES = 128 * 8 + 128 * 4 + 128 * 4  # top-k indices (int64), weights and scales (fp32)
 
 
 @dataclass(frozen=True)
@@ -56,6 +91,8 @@ class ExpertParallelView:
     efsdp: int             # ranks FSDP shards this rank's experts over
     d: int                 # ranks FSDP shards the rest over (dp_shard x cp)
     imbalance: float       # the busiest rank's routed rows over the mean (TrainingSpec.routing_imbalance)
+    dispatch: MoeDispatch = MoeDispatch.ALL_TO_ALL
+    routing: Routing = Routing.LEARNED
 
     @property
     def local_experts(self) -> int:
@@ -121,23 +158,118 @@ class ExpertParallelView:
         """Rows the busiest rank's experts compute per token of its micro-batch: k x imbalance."""
         return self.model.moe.experts_per_token * self.imbalance
 
-    def all_to_all_bytes_per_token(self, c: int) -> int:
-        """Bytes one rank sends and receives in one dispatch (or combine) all-to-all, per token: k rows of h."""
-        return self.model.moe.experts_per_token * self.model.hidden_size * c
+    def ranks_per_token(self) -> float:
+        """EP ranks a token's k experts sit on, on average (module docstring): round-robin exactly, learned routing
+        as uniform draws without replacement."""
+        return ranks_per_token(self.model.moe.n_experts, self.model.moe.experts_per_token, self.ep, self.routing)
+
+    def rows_sent_per_token(self) -> float:
+        """Rows of h a token travels as in one dispatch (or combine): k, or DeepEP's one per destination rank."""
+        if self.dispatch is MoeDispatch.DEEPEP:
+            return self.ranks_per_token()
+        return self.model.moe.experts_per_token
+
+    def all_to_all_bytes_per_token(self, c: int) -> float:
+        """Bytes one rank sends and receives in one dispatch (or combine), per token: its rows of h."""
+        return self.rows_sent_per_token() * self.model.hidden_size * c
+
+    def outside_allocator_bytes(self, c: int) -> int:
+        """DeepEP's NVLink buffer (module docstring), allocated outside PyTorch's caching allocator; 0 without."""
+        if self.dispatch is not MoeDispatch.DEEPEP:
+            return 0
+        hidden_bytes = self.model.hidden_size * max(c, 2)
+        nvl_ranks = min(self.ep, 8)
+        return DEEPEP_CHANNELS * nvl_ranks * DEEPEP_RECV_SLOTS * (hidden_bytes + DEEPEP_SLOT_METADATA_BYTES)
 
     def notes(self) -> tuple[str, ...]:
         m = self.model
         rows = moe.rows_per_rank(self.local_experts, self.efsdp) if self.efsdp > 1 else self.local_experts
         out = [f"expert parallelism {self.ep}: {self.local_experts} of {m.moe.n_experts} experts per rank, sharded "
                f"by FSDP over efsdp = {self.efsdp} ranks ({rows} expert row(s) per rank); routing priced "
-               + ("balanced (routing_imbalance 1.0)" if self.imbalance == 1 else
-                  f"with the busiest rank receiving {self.imbalance:g}x the mean rows (routing_imbalance)")]
+               + ("round-robin (Automodel's FakeBalancedGate: balanced, no gate matmul)"
+                  if self.routing is Routing.ROUND_ROBIN else "balanced (routing_imbalance 1.0)" if self.imbalance == 1
+                  else f"with the busiest rank receiving {self.imbalance:g}x the mean rows (routing_imbalance)")]
+        if self.dispatch is MoeDispatch.DEEPEP:
+            out.append(f"DeepEP dispatch / combine: each token sent once per destination rank "
+                       f"({self.ranks_per_token():.2f} of {self.ep} on average, not {m.moe.experts_per_token} "
+                       "rows), at DeepEP's published NVLink bandwidth; its saved tensors priced as transformers' EP "
+                       "path saves them")
         if self.efsdp > 1 and self.local_experts % self.efsdp:
             out.append(f"{self.local_experts} experts per EP rank on an efsdp group of {self.efsdp}: FSDP2 pads "
                        f"their stacked tensors to {self.efsdp * rows} rows (counted; transformers' EP shards them on "
                        "dim 0, torchtitan on dim 1 when efsdp x ep exceeds the experts: expert_shard_dim is not "
                        "applied with EP here); a larger ep, or HYBRID_SHARD's smaller efsdp, removes it")
         return tuple(out)
+
+
+def ranks_per_token(n_experts: int, k: int, ep: int, routing: Routing = Routing.LEARNED) -> float:
+    """Mean number of EP ranks (E / ep consecutive experts each) holding at least one of a token's k experts.
+    Round-robin (Automodel's FakeBalancedGate): token t takes experts (t k + j) mod E, averaged exactly over the
+    E / gcd(k, E) distinct starts. Learned: k experts drawn uniformly without replacement, ep (1 - C(E - E/ep, k) /
+    C(E, k)) (a stated simplification: real routers are neither uniform nor independent across tokens)."""
+    per_rank = n_experts // ep
+    if routing is Routing.ROUND_ROBIN:
+        starts = [(t * k) % n_experts for t in range(n_experts // math.gcd(k, n_experts))]
+        return sum(len({((s + j) % n_experts) // per_rank for j in range(k)}) for s in starts) / len(starts)
+    return ep * (1 - math.comb(n_experts - per_rank, k) / math.comb(n_experts, k))
+
+
+def _formula_op(model: ModelSpec, c: int, seq_len: int, name: str):
+    """The structural formula's memory op `name` for a block whose priced inventory is traced (operators.py)."""
+    from . import operators
+
+    formula = operators.block_ops(replace(model, activation_profile=None), c, seq_len)
+    return next(o for o in formula.memory_ops if o.name == name)
+
+
+def _traced_swap(ops, out, into=None):
+    """A traced inventory's one pointwise op less the formula's op `out`, plus the op `into` (None: nothing): the
+    trace has no names to swap by, so the formula's bytes for that chain stand in for the traced ones."""
+    keys = ("forward_bytes", "backward_bytes", "fused_forward_bytes", "fused_backward_bytes")
+    traced = ops.memory_ops[0]
+    changed = replace(traced, **{k: max(0.0, getattr(traced, k) - getattr(out, k) + (getattr(into, k) if into else 0))
+                                 for k in keys})
+    return replace(ops, memory_ops=(changed,) + ops.memory_ops[1:])
+
+
+def routing_ops(ops, model: ModelSpec, routing: Routing, c: int = 2):
+    """A sparse block's operators under its router: Automodel's FakeBalancedGate (round-robin) runs no gate matmul
+    (E x h) and no softmax / top-k (it writes constant weights 1 / k and arithmetic indices). A traced inventory
+    loses its E x h product and the formula's softmax / top-k bytes."""
+    if routing is not Routing.ROUND_ROBIN:
+        return ops
+    E, h = model.moe.n_experts, model.hidden_size
+    if ops.traced:
+        kept = tuple(m for m in ops.matmuls if not (m.n == E and m.k == h and m.count == 1))
+        return replace(_traced_swap(ops, _formula_op(model, c, ops.seq_len, "router softmax/top-k")), matmuls=kept)
+    return replace(ops, matmuls=tuple(m for m in ops.matmuls if m.name != "router"),
+                   memory_ops=tuple(o for o in ops.memory_ops if o.name != "router softmax/top-k"))
+
+
+def deepep_ops(ops, model: ModelSpec, c: int, rows_per_token: float):
+    """DeepEP's path through Megatron's flex dispatcher (module docstring): the fused permute / unpermute in place
+    of the eager routing chain, 2c h (k + rows_per_token) per token each way; a gated SwiGLU expert activation at
+    its fused bytes (WeightedSwiGLUFunction). A traced inventory swaps the formula's routing chain for the permute
+    and keeps its traced expert activation (gpt-oss' swiglu_oai runs eager in Automodel too)."""
+    m = model.moe
+    h, k = model.hidden_size, m.experts_per_token
+    permute = 2 * c * h * (k + rows_per_token)
+    if ops.traced:
+        from .operators import MemoryOp
+
+        deepep = MemoryOp("DeepEP permute / unpermute", permute, permute, permute, permute)
+        return _traced_swap(ops, _formula_op(model, c, ops.seq_len, "expert routing"), deepep)
+    fused_swiglu = model.gated_mlp and m.expert_activation != "clamped_swiglu"
+
+    def one(o):
+        if o.name == "expert routing":
+            return replace(o, name="DeepEP permute / unpermute", forward_bytes=permute, backward_bytes=permute,
+                           fused_forward_bytes=permute, fused_backward_bytes=permute)
+        if o.name == "MLP activation" and fused_swiglu:
+            return replace(o, forward_bytes=o.fused_forward_bytes, backward_bytes=o.fused_backward_bytes)
+        return o
+
+    return replace(ops, memory_ops=tuple(one(o) for o in ops.memory_ops))
 
 
 def expert_parallel_ops(ops, model: ModelSpec, ep: int, imbalance: float = 1.0, tp: int = 1):
@@ -182,7 +314,13 @@ def all_to_all_seconds(view: ExpertParallelView, cluster: ClusterSpec, profile, 
     from .comm import all_to_all_s
 
     message = tokens * view.all_to_all_bytes_per_token(c) * view.imbalance
-    return all_to_all_s(message, view.ep, ep_tier(view, cluster, profile))
+    tier = ep_tier(view, cluster, profile)
+    peak = cluster.gpu.scale_up_peak_bytes_per_s
+    if view.dispatch is MoeDispatch.DEEPEP and peak and view.ep <= cluster.fast_tier_gpus:
+        # DeepEP's intranode kernels: the mean of dispatch and combine (the step prices them in pairs)
+        rate = peak * (DEEPEP_DISPATCH_OF_PEAK + DEEPEP_COMBINE_OF_PEAK) / 2 * profile.ep_comm_efficiency
+        tier = replace(tier, bus_bytes_per_s=rate)
+    return all_to_all_s(message, view.ep, tier)
 
 
 def expert_fsdp_seconds(view: ExpertParallelView, cluster: ClusterSpec, profile, gather_bytes: float,
@@ -215,8 +353,9 @@ def view(model: ModelSpec, config: FsdpConfig, cluster: ClusterSpec, training) -
     local = replace(model, block_params=model.block_params - others,
                     moe=replace(mo, stacked_expert_tensors=local_rows))
     return ExpertParallelView(model=local, ep=ep, efsdp=mesh.efsdp, d=mesh.fsdp,
-                              imbalance=float(getattr(training, "routing_imbalance", 1.0)))
+                              imbalance=float(getattr(training, "routing_imbalance", 1.0)),
+                              dispatch=config.moe_dispatch, routing=getattr(training, "routing", Routing.LEARNED))
 
 
 __all__ = ["ExpertParallelView", "view", "expert_parallel_ops", "ep_tier", "all_to_all_seconds",
-           "expert_fsdp_seconds"]
+           "expert_fsdp_seconds", "ranks_per_token", "routing_ops", "deepep_ops"]

@@ -352,7 +352,8 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
     # backward can set the reserved peak even where another moment allocates more.
     loss_reserved = moments["loss backward"].total_bytes + kernels.loss_reserved_extra_bytes(
         model, c, config, kern, tokens, tokens * activations.logits_reserved_extra_bytes_per_token(model, c, config.loss_compiled))
-    peak_reserved = profile.reserved_bytes(max(peak_allocated, loss_reserved))
+    peak_reserved = profile.reserved_bytes(max(peak_allocated, loss_reserved)) + (
+        ep_view.outside_allocator_bytes(c) if ep_view is not None else 0)  # DeepEP's NVLink buffer
     cpu_per_rank = (sharded_params + sharded_grads + optimizer_state + step_temporaries) if config.offload else 0
     return MemoryEstimate(
         breakdown=breakdown,

@@ -113,6 +113,24 @@ class LossKernel(str, Enum):
     LIGER = "liger"
 
 
+class MoeDispatch(str, Enum):
+    """How a sparse block's tokens reach the expert-parallel ranks (cost_models/expert_parallel.py prices each):
+    NCCL all-to-all of every routed row (transformers' AllToAllEP, torchtitan), or DeepEP's normal-mode dispatch
+    / combine kernels, which send a token once per destination rank, as NeMo Automodel's GroupedExpertsDeepEP
+    runs them (Megatron's flex token dispatcher: fused permute / unpermute, the weighted SwiGLU)."""
+
+    ALL_TO_ALL = "all-to-all"
+    DEEPEP = "deepep"
+
+
+class Routing(str, Enum):
+    """The router of an MoE model: learned (a gate matmul, softmax / sigmoid, top-k), or NeMo Automodel's
+    FakeBalancedGate (benchmark runs: token t takes experts (t k + j) mod E, weights 1 / k; no matmul, balanced)."""
+
+    LEARNED = "learned"
+    ROUND_ROBIN = "round-robin"
+
+
 SELECTIVE_OP = "selective-op"  # torchtitan's op-level policy in every block (FsdpConfig.selective_op_ac)
 
 

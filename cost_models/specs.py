@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from .cluster_spec import ClusterSpec, GpuSpec
 from .model_spec import ActivationProfile, ActivationTerms, BackwardMoment, ModelSpec, MoeSpec, TracedOperators
 from .schedules import Schedule
+from .spec_values import MoeDispatch, Routing
 from .spec_values import (SELECTIVE_OP, Attention, Finetune, Kernel, LossKernel, Optimizer, Precision, Sharding,
                           SpecError, check_degree, check_positive, enum_choices, format_activation_checkpointing,
                           parse_activation_checkpointing, parse_enum)
@@ -23,6 +24,7 @@ from .spec_values import (SELECTIVE_OP, Attention, Finetune, Kernel, LossKernel,
 __all__ = [  # this module's own names and the re-exported ones (see the docstring)
     "TrainingSpec", "FsdpConfig", "REDUCE_DTYPES",
     "ClusterSpec", "GpuSpec",
+    "MoeDispatch", "Routing",
     "ActivationProfile", "ActivationTerms", "BackwardMoment", "ModelSpec", "MoeSpec", "TracedOperators",
     "SELECTIVE_OP", "Attention", "Finetune", "Kernel", "LossKernel", "Optimizer", "Precision", "Sharding", "SpecError",
     "check_degree", "check_positive", "enum_choices", "format_activation_checkpointing", "parse_activation_checkpointing",
@@ -40,9 +42,15 @@ class TrainingSpec:
     # expert parallelism: the busiest rank's routed rows over the mean (1 = balanced routing, what is priced by
     # default); it scales that rank's grouped-GEMM rows, their saved activations and the all-to-all it waits on
     routing_imbalance: float = 1.0
+    # the router: learned, or Automodel's FakeBalancedGate (round-robin: balanced, no gate matmul; expert_parallel.py)
+    routing: Routing = Routing.LEARNED
 
     def __post_init__(self):
         check_positive("seq_len", self.seq_len)
+        object.__setattr__(self, "routing", parse_enum(Routing, self.routing, "routing"))
+        if self.routing is Routing.ROUND_ROBIN and self.routing_imbalance != 1:
+            raise SpecError("routing_imbalance", "round-robin routing is balanced by construction: leave "
+                                                 "routing_imbalance at 1")
         if not isinstance(self.routing_imbalance, (int, float)) or self.routing_imbalance < 1:
             raise SpecError("routing_imbalance", f"must be >= 1 (the busiest rank's rows over the mean), got "
                                                  f"{self.routing_imbalance!r}")
@@ -106,6 +114,8 @@ class FsdpConfig:
     rope_kernel: Kernel = Kernel.EAGER
     swiglu_kernel: Kernel = Kernel.EAGER
     loss_kernel: LossKernel = LossKernel.EAGER
+    # MoE under EP: NCCL all-to-all of every routed row, or DeepEP's dispatch / combine (cost_models/expert_parallel.py)
+    moe_dispatch: MoeDispatch = MoeDispatch.ALL_TO_ALL
     float8: bool = False              # torchao Float8 linears (dynamic tensorwise scaling) on FP8 tensor cores
     fp8_all_gather: bool = False      # with float8, FSDP2 all-gathers the Float8 linears' weights in FP8 (1 byte)
     reshard_after_forward: int = 0    # FSDP2 int: after forward keep params sharded over this many ranks (a
@@ -139,6 +149,7 @@ class FsdpConfig:
         for name in ("norm_kernel", "rope_kernel", "swiglu_kernel"):
             object.__setattr__(self, name, parse_enum(Kernel, getattr(self, name), name))
         object.__setattr__(self, "loss_kernel", parse_enum(LossKernel, self.loss_kernel, "loss_kernel"))
+        object.__setattr__(self, "moe_dispatch", parse_enum(MoeDispatch, self.moe_dispatch, "moe_dispatch"))
         if not self.compile:  # compile_loss means nothing without compile: one spelling, so configs compare equal
             object.__setattr__(self, "compile_loss", True)
         if self.expert_shard_dim not in (0, 1):
@@ -160,6 +171,8 @@ class FsdpConfig:
             check_degree(name, getattr(self, name))
         if self.ep > 1:  # expert parallelism puts each rank's experts in a unit of their own (on the efsdp mesh)
             object.__setattr__(self, "expert_units", True)
+        if self.ep == 1:  # nothing is dispatched without EP: one spelling, so configs compare equal
+            object.__setattr__(self, "moe_dispatch", MoeDispatch.ALL_TO_ALL)
         if self.tp == 1:  # sequence parallel means nothing without TP: one spelling, so configs compare equal
             object.__setattr__(self, "sequence_parallel", True)
         if self.async_tp and self.tp == 1:
@@ -275,6 +288,7 @@ class FsdpConfig:
             **({"compile_loss": False} if self.compile and not self.compile_loss else {}),
             **{name: kernel.value for name in ("norm_kernel", "rope_kernel", "swiglu_kernel", "loss_kernel")
                if (kernel := getattr(self, name)).value != "eager"},
+            **({"moe_dispatch": self.moe_dispatch.value} if self.moe_dispatch is not MoeDispatch.ALL_TO_ALL else {}),
             **({"float8": True} if self.float8 else {}),
             **({"fp8_all_gather": True} if self.fp8_all_gather else {}),
             **({"reshard_after_forward": self.reshard_after_forward} if self.reshard_after_forward else {}),

@@ -10,7 +10,7 @@ from dataclasses import replace
 from . import comm, context_parallel, expert_parallel, kernels, moe, operators, tensor_parallel
 from .kernel_time import BlockTime, Rates, eager_attention_ops, price_block
 from .profile import Profile
-from .specs import Attention, ClusterSpec, FsdpConfig, ModelSpec, TrainingSpec
+from .specs import Attention, ClusterSpec, FsdpConfig, ModelSpec, MoeDispatch, TrainingSpec
 from .units import DTYPE_BYTES
 
 
@@ -59,8 +59,14 @@ def priced_block_ops(spec: ModelSpec, training: TrainingSpec, config: FsdpConfig
     ops = kernels.kernel_block_ops(ops, kernels.Kernels.of(config))  # Liger / TE kernels: one kernel each way
     if config.tp > 1 and config.sequence_parallel:  # norms, residuals, dropout on s / tp tokens
         ops = tensor_parallel.sequence_parallel_ops(ops, config.tp)
+    if spec.moe is not None:  # Automodel's round-robin gate runs no router
+        ops = expert_parallel.routing_ops(ops, spec, training.routing, c)
     if config.ep > 1 and spec.moe is not None:  # a rank's E / ep experts on the rows it receives
         ops = expert_parallel.expert_parallel_ops(ops, spec, config.ep, training.routing_imbalance, config.tp)
+        if config.moe_dispatch is MoeDispatch.DEEPEP:  # DeepEP's fused permute, Megatron's weighted SwiGLU
+            rows = expert_parallel.ranks_per_token(spec.moe.n_experts, spec.moe.experts_per_token, config.ep,
+                                                   training.routing)
+            ops = expert_parallel.deepep_ops(ops, spec, c, rows)
     if config.float8:
         ops = replace(ops, memory_ops=ops.memory_ops + (operators.float8_cast_op(ops.matmuls, c),))
     eager = eager_attention_ops(ops, spec.n_heads, c) if config.attention is Attention.EAGER and not ops.traced else None

@@ -285,6 +285,7 @@ def estimate_request(request: Request, profile: Profile | None = None) -> Candid
                         attention=attention, backward_prefetch=c.backward_prefetch,
                         forward_prefetch=c.forward_prefetch, limit_all_gathers=c.limit_all_gathers,
                         expert_shard_dim=c.expert_shard_dim, expert_units=c.expert_units, reduce_dtype=c.reduce_dtype,
+                        moe_dispatch=c.moe_dispatch or "all-to-all",
                         compile=c.compile, **c.kernels(), float8=c.float8, fp8_all_gather=c.fp8_all_gather,
                         reshard_after_forward=c.reshard_after_forward, tp=tp, cp=cp, ep=ep, pp=pp,
                         async_tp=bool(mesh.async_tp), sequence_parallel=mesh.sequence_parallel,

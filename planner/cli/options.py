@@ -33,7 +33,8 @@ CLUSTER = ("model", "gpus", "gpus_per_node", "gpu", "internode_gbps", "gpu_memor
 TRAINING = ("seq_len", "global_batch", "optimizer", "finetune", "lora_rank")
 MESH = ("tp", "cp", "ep", "pp", "pp_schedule", "pp_stages_per_rank")
 CONFIG = ("sharding", "precision", "activation_checkpointing", "micro_batch", "grad_accum", "offload",
-          "backward_prefetch", "limit_all_gathers", "expert_shard_dim", "expert_units", "reduce_dtype", "compile",
+          "backward_prefetch", "limit_all_gathers", "expert_shard_dim", "expert_units", "reduce_dtype", "moe_dispatch",
+          "compile",
           "compile_scope", "liger", "norm_kernel", "rope_kernel", "swiglu_kernel", "loss_kernel", "float8",
           "fp8_all_gather", "reshard_after_forward")
 
@@ -65,7 +66,7 @@ def config_command(app, name: str, help_text: str, run: ConfigRunner, takes_prof
     explicit configuration). `run(knobs, output_format)`: knobs are planner.api.estimate's keywords; with
     takes_profile they also hold `profile` (the --profile file's Profile, or None)."""
     params = [*options(*CLUSTER, *TRAINING, "attention", *CONFIG, *MESH, "async_tp", "sequence_parallel",
-                       "routing_imbalance", async_tp=As(default=False)),
+                       "routing_imbalance", "routing", async_tp=As(default=False)),
               param("output_format", FormatOpt, Format.table), param("profile", ProfileOpt, None),
               param("force_profile", ForceProfile, False), *options("trust_remote_code")]
 

@@ -95,8 +95,9 @@ def check(setup: UserSetup, model, gpus: int | None = None, *, gpus_per_node: in
     if gpus_per_node is None and setup.n_machines:
         gpus_per_node = max(1, gpus // setup.n_machines)
     seq_len = seq_len or setup.seq_len or 2048
+    fixed = {k: v for k, v in setup.training if k not in cluster_and_training}  # what the file says (Automodel)
     request = build_request(model, gpus, valid=RESOLVE_KNOBS, gpus_per_node=gpus_per_node, seq_len=seq_len,
-                            **cluster_and_training)  # the request estimate() and plan() build
+                            **fixed, **cluster_and_training)  # the request estimate() and plan() build
     spec, cluster, training = resolve_request(request)
     mb = micro_batch or setup.config.micro_batch
     pipeline = setup.pipeline  # torchtitan's stages per rank from layers_per_stage need the model's blocks

@@ -59,11 +59,13 @@ class TrainingRequest:
     lora_rank: int = knob(16, "--lora-rank", help="LoRA rank")
     routing_imbalance: float = knob(1.0, "--routing-imbalance", help="MoE with --ep: the busiest rank's routed "
                                     "tokens over the mean (1 = balanced routing, the default)")
+    routing: str = knob("learned", "--routing", help="MoE router: learned (the model's gate), or round-robin (NeMo "
+                        "Automodel's FakeBalancedGate of its benchmark runs: balanced, no gate matmul)")
 
     def spec(self) -> TrainingSpec:
         return TrainingSpec(seq_len=self.seq_len, global_batch=self.global_batch, optimizer=self.optimizer,
                             finetune=self.finetune, lora_rank=self.lora_rank,
-                            routing_imbalance=self.routing_imbalance)
+                            routing_imbalance=self.routing_imbalance, routing=self.routing)
 
 
 @dataclass(frozen=True)
@@ -129,6 +131,9 @@ class ConfigRequest:
                               "experts as their own FSDP unit")
     reduce_dtype: str | None = knob(None, "--reduce-dtype", help="gradient reduction dtype: fp32 or bf16 "
                                     "(default: the precision's)")
+    moe_dispatch: str | None = knob(None, "--moe-dispatch", help="MoE with --ep: all-to-all (NCCL, every routed "
+                                    "row) or deepep (DeepEP's dispatch / combine, one row per destination rank, as "
+                                    "NeMo Automodel runs it); default: the trainer's, else all-to-all")
     compile: bool = knob(False, "--compile/--no-compile", help="torch.compile each block (torchtitan style, "
                          "before fully_shard)")
     compile_scope: str | None = knob(None, "--compile-scope", help="With --compile: blocks (the loss left eager: "

@@ -70,6 +70,7 @@ class Config(_Out):
     loss_kernel: absent_or(Literal[tuple(k.value for k in LossKernel if k is not LossKernel.EAGER)],
                            "loss: torchtitan's chunked cross-entropy or Liger's fused linear cross-entropy (absent: "
                            "the model's own)")
+    moe_dispatch: absent_or(Literal["deepep"], "MoE under EP: DeepEP's dispatch / combine (absent: NCCL all-to-all)")
     float8: absent_or(Literal[True], "torchao Float8 linears")
     fp8_all_gather: absent_or(Literal[True], "Float8 weights all-gathered in FP8")
     reshard_after_forward: absent_or(int, "blocks reshard to a group of this many ranks after forward")

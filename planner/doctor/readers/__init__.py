@@ -15,7 +15,7 @@ from pathlib import Path
 
 from cost_models.specs import SELECTIVE_OP, FsdpConfig, Precision, Sharding
 
-from planner.doctor.readers import torchtitan
+from planner.doctor.readers import automodel, torchtitan
 from planner.doctor.readers import trainers
 from planner.errors import PlannerError
 from planner.doctor.readers.common import UserSetup, _bool, _int, _int_or_none, _strategy, _strip, accelerate_degrees
@@ -87,6 +87,8 @@ def read_setup(path) -> UserSetup:
     if settings is not None:
         return torchtitan.from_torchtitan(settings, source=str(path))
     data = _parse(path, text)
+    if automodel.is_automodel(data):  # a NeMo Automodel recipe YAML
+        return automodel.from_automodel(data, source=str(path))
     if "distributed_type" not in data and trainers.is_hf_trainer(data):
         return trainers.from_hf_trainer(data, source=str(path))
     if "fsdp_config" in data or "distributed_type" in data:

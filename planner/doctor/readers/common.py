@@ -40,6 +40,7 @@ class UserSetup:
     #                                         checkpoint around FSDP1 units (HF Trainer's own, use_reentrant: true)
     model: str | None = None                # the model the setup names (torchtitan 0.3's --module / --config)
     pipeline: object = None                 # torchtitan's pipeline settings (pipeline.PipelineSettings)
+    training: tuple = ()                    # (request knob, value) pairs the file fixes (Automodel: routing, optimizer)
     notes: tuple[str, ...] = field(default=())
 
 
