@@ -6,6 +6,7 @@ module. Pure strings (no torch import).
 
 from __future__ import annotations
 
+from planner.emit.automodel import emit_automodel
 from planner.emit.code.fsdp import emit_fsdp1, emit_fsdp2
 from planner.emit.launchers import emit_pytorchjob, emit_slurm, emit_torchrun
 from planner.emit.torchtitan.job import emit_torchtitan
@@ -13,10 +14,10 @@ from planner.emit.trainers import emit_accelerate, emit_hf_trainer, emit_lightni
 from planner.errors import PlannerError
 
 __all__ = ["ARTIFACTS", "emit_artifact", "recommendation_text", "emit_fsdp1", "emit_fsdp2", "emit_accelerate",
-           "emit_lightning", "emit_slurm", "emit_torchrun", "emit_torchtitan"]
+           "emit_lightning", "emit_slurm", "emit_torchrun", "emit_torchtitan", "emit_automodel"]
 
 ARTIFACTS = ("fsdp1", "fsdp2", "accelerate", "accelerate-fsdp2", "lightning", "hf-trainer", "hf-trainer-fsdp1",
-             "torchtitan", "torchtitan-0.2", "torchrun", "slurm", "pytorchjob")
+             "torchtitan", "torchtitan-0.2", "automodel", "torchrun", "slurm", "pytorchjob")
 
 
 def emit_artifact(kind: str, candidate) -> str:
@@ -34,6 +35,8 @@ def _emit_artifact(kind: str, candidate) -> str:
     if kind in ("torchtitan", "torchtitan-0.2"):  # 0.3's names (the current release), or 0.2's
         return emit_torchtitan(config, spec, cluster, candidate.training,
                                version="0.2" if kind == "torchtitan-0.2" else "0.3")
+    if kind == "automodel":  # NeMo Automodel 0.7.0's recipe YAML
+        return emit_automodel(config, spec, cluster, candidate.training)
     if kind == "pytorchjob":
         return emit_pytorchjob(config, spec, cluster)
     if kind == "fsdp1":
