@@ -96,3 +96,12 @@ def test_bad_input_is_one_line():
     with pytest.raises(SpecError, match="moe_dispatch: unknown value 'nvshmem'"):
         FsdpConfig(ep=8, moe_dispatch="nvshmem")
     assert math.isclose(expert_parallel.DEEPEP_DISPATCH_OF_PEAK * 200, 153)
+
+
+def test_bf16_params_and_bf16_adam_states():
+    """Automodel's rows build the model in bf16 (no fp32 master) with an fp32 reduce: precision bf16-pure with
+    reduce_dtype fp32 keeps 2 B parameters and two 2 B Adam states per parameter, each rank 1/8 of the 30,532,122,624
+    (16 whole experts of 128 and 1/8 of the rest): 7.63 GB of parameters, 15.27 GB of states (explain's ledger)."""
+    m = row("deepep").memory.breakdown
+    assert m.sharded_params == 30_532_122_624 // 8 * 2
+    assert m.optimizer_state == 30_532_122_624 // 8 * 4
