@@ -15,13 +15,12 @@ from pathlib import Path
 
 from cost_models.specs import SELECTIVE_OP, FsdpConfig, Precision, Sharding
 
-from planner.doctor.readers import automodel, torchtitan
+from planner.doctor.readers import automodel, python_code, torchtitan
 from planner.doctor.readers import trainers
 from planner.errors import PlannerError
-from planner.doctor.readers.common import UserSetup, _bool, _int, _int_or_none, _strategy, _strip, accelerate_degrees
+from planner.doctor.readers.common import (UserSetup, _bool, _dtype, _int, _int_or_none, _strategy, _strip,
+                                          accelerate_degrees)
 
-_DTYPES = {"float32": "fp32", "fp32": "fp32", "float": "fp32", "bfloat16": "bf16", "bf16": "bf16",
-           "float16": "fp16", "fp16": "fp16", "half": "fp16"}
 # FSDP1 arguments that FSDP2's fully_shard no longer has, and what replaced them.
 FSDP2_REMOVED = {
     "sharding_strategy": "reshard_after_forward (True = FULL_SHARD, False = SHARD_GRAD_OP) and a 2-D mesh for HSDP",
@@ -36,13 +35,6 @@ FSDP2_REMOVED = {
     "sync_module_states": "loading a full state dict with set_model_state_dict(..., broadcast_from_rank0=True)",
 }
 
-
-
-def _dtype(key: str, value) -> str:
-    text = _strip(value).lower()
-    if text not in _DTYPES:
-        raise PlannerError(key, f"unknown dtype {value!r}; choose one of: float32, bfloat16, float16")
-    return _DTYPES[text]
 
 
 def _precision_from_dtypes(param_dtype: str | None, reduce_dtype: str | None, model_dtype: str = "fp32") -> Precision:
@@ -78,11 +70,14 @@ def _parse(path: Path, text: str) -> dict:
 
 
 def read_setup(path) -> UserSetup:
-    """By content: torchtitan settings (a .toml job file, or --section.option flags), an accelerate config (has
+    """By content: Python code (a .py file, or text calling fully_shard / FSDP / FSDPStrategy: python_code.py),
+    torchtitan settings (a .toml job file, or --section.option flags), an accelerate config (has
     `distributed_type`), HF TrainingArguments (`fsdp`, per_device_train_batch_size, ...), an accelerate config
     again (`fsdp_config` alone), else FSDP kwargs."""
     path = Path(path)
     text = _read(path)
+    if python_code.is_python_code(text, path.suffix):  # --emit fsdp2 / fsdp1 / lightning code, read with ast
+        return python_code.from_python(text, source=str(path))
     settings = torchtitan.torchtitan_settings(text, path)
     if settings is not None:
         return torchtitan.from_torchtitan(settings, source=str(path))

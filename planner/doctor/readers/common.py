@@ -12,6 +12,8 @@ from cost_models.specs import FsdpConfig, Sharding
 
 from planner.errors import PlannerError
 
+_DTYPES = {"float32": "fp32", "fp32": "fp32", "float": "fp32", "bfloat16": "bf16", "bf16": "bf16",
+           "float16": "fp16", "fp16": "fp16", "half": "fp16"}
 _STRATEGY_NUMBERS = {"1": "FULL_SHARD", "2": "SHARD_GRAD_OP", "3": "NO_SHARD", "4": "HYBRID_SHARD",
                      "5": "HYBRID_SHARD_ZERO2"}
 
@@ -22,6 +24,7 @@ class UserSetup:
     fsdp_version: int = 1
     source: str = "flags"
     dialect: str = "flags"                  # what it was read from: flags | accelerate | kwargs | hf-trainer | torchtitan
+    #                                         | fsdp2-code | fsdp1-code | lightning (python_code.py)
     explicit: frozenset = frozenset()       # keys the user wrote (FSDP argument names)
     wrap: str = "block"                     # block | size | none | custom
     use_orig_params: bool = False           # FSDP1's default
@@ -50,6 +53,14 @@ def _strip(value) -> str:
         if text.startswith(prefix):
             text = text[len(prefix):]
     return text
+
+
+def _dtype(key: str, value) -> str:
+    """A dtype as people write it ("torch.bfloat16", "bf16", "half") -> fp32 | bf16 | fp16."""
+    text = _strip(value).lower()
+    if text not in _DTYPES:
+        raise PlannerError(key, f"unknown dtype {value!r}; choose one of: float32, bfloat16, float16")
+    return _DTYPES[text]
 
 
 def _bool(key: str, value) -> bool:

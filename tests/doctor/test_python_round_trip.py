@@ -1,0 +1,204 @@
+"""The planner's Python artifacts read back (planner/doctor/readers/python_code.py, with `ast`, never run): each
+explicit FsdpConfig emitted as --emit fsdp2 / fsdp1 / lightning code (folded as the CLI prints it) reads back as the
+FsdpConfig it was written from, field by field; what a form cannot say reads as what that form runs (Lightning
+checkpoints every block), and what no snippet says (the micro-batch and accumulation of a loop without a
+pipeline: the training script's) reads as 1, for --micro-batch / --grad-accum to set. A construct the reader does
+not know is one PlannerError line naming it."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from cost_models.specs import FsdpConfig, TrainingSpec
+from planner.doctor.readers import read_setup
+from planner.emit import emit_fsdp1, emit_fsdp2, emit_lightning
+from planner.emit.format import fold
+from planner.errors import PlannerError
+from planner.hardware import make_cluster
+from planner.models import load_preset
+
+LLAMA, MOE = load_preset("llama3-8b"), load_preset("mixtral-8x7b")
+CLUSTER = make_cluster(16, gpus_per_node=8)
+TRAINING = TrainingSpec(seq_len=4096)
+SNIPPET = fold(emit_fsdp2(FsdpConfig(ac_every=1), LLAMA, CLUSTER, TRAINING))  # edited below into others' forms
+
+
+def written(emit, config, tmp_path, spec=LLAMA, training=TRAINING, name="train.py"):
+    path = tmp_path / name
+    path.write_text(fold(emit(config, spec, CLUSTER, training)))
+    return read_setup(path)
+
+
+def assert_same(back: FsdpConfig, emitted: FsdpConfig) -> None:
+    diff = {f.name: (getattr(back, f.name), getattr(emitted, f.name)) for f in dataclasses.fields(FsdpConfig)
+            if getattr(back, f.name) != getattr(emitted, f.name)}
+    assert not diff, "read back != emitted, field: (read, emitted): " + "; ".join(f"{k}: {v}" for k, v in diff.items())
+
+
+def outside_the_loop(config: FsdpConfig) -> FsdpConfig:
+    """Without a pipeline the snippet's micro-batch and accumulation are the loop's: read as 1."""
+    return config if config.pp > 1 else dataclasses.replace(config, micro_batch=1, grad_accum=1)
+
+
+FSDP2 = {
+    "hsdp": FsdpConfig(sharding="HYBRID_SHARD", micro_batch=2),
+    "hsdp-zero2-offload-fp16": FsdpConfig(sharding="HYBRID_SHARD_ZERO2", offload=True, precision="fp16"),
+    "no-shard-bf16-pure": FsdpConfig(sharding="NO_SHARD", precision="bf16-pure", grad_accum=4),
+    "zero2-reduce-bf16": FsdpConfig(sharding="SHARD_GRAD_OP", reduce_dtype="bf16"),
+    "fp32-reduce-bf16": FsdpConfig(precision="fp32", reduce_dtype="bf16"),
+    "every-3-compile-with-loss": FsdpConfig(ac_every=3, compile=True, compile_loss=True),
+    "compile-blocks-only": FsdpConfig(ac_every=1, compile=True, compile_loss=False),
+    "selective-float8-fp8-gather-int-reshard": FsdpConfig(ac_every="selective-op", float8=True, fp8_all_gather=True,
+                                                          reshard_after_forward=4),
+    "float8-bf16-gather": FsdpConfig(float8=True, fp8_all_gather=False),
+    "tp-sequence-parallel": FsdpConfig(tp=2, ac_every=1, compile=True),
+    "tp-without-sequence-parallel": FsdpConfig(tp=2, sequence_parallel=False),
+    "async-tp": FsdpConfig(tp=4, compile=True, async_tp=True),
+    "cp-hsdp": FsdpConfig(cp=2, sharding="HYBRID_SHARD"),
+    "tp-cp": FsdpConfig(tp=2, cp=2, ac_every=2),
+    "pp-1f1b-tp-sp": FsdpConfig(pp=2, tp=2, micro_batch=2, grad_accum=4),
+    "pp-interleaved-tp": FsdpConfig(pp=2, tp=2, sequence_parallel=False, pp_schedule="interleaved-1f1b", grad_accum=8),
+    "pp-gpipe-checkpointed": FsdpConfig(pp=4, pp_schedule="gpipe", grad_accum=8, ac_every=1),
+    "pp-dualpipev": FsdpConfig(pp=2, pp_schedule="dualpipev", grad_accum=8),
+}
+OTHER_MODELS = {
+    "ep": (MOE, FsdpConfig(ep=2, ac_every=1)),
+    "ep-hsdp-cp": (MOE, FsdpConfig(sharding="HYBRID_SHARD", cp=2, ep=4)),
+    "expert-units": (MOE, FsdpConfig(expert_units=True)),
+    "expert-units-dim-1": (MOE, FsdpConfig(expert_units=True, expert_shard_dim=1)),
+    "pp-tied-embeddings": (load_preset("llama3.2-1b"), FsdpConfig(pp=2, tp=2, grad_accum=4)),
+}
+
+
+@pytest.mark.parametrize("name", FSDP2)
+def test_fsdp2_code_reads_back_as_the_config_it_was_emitted_from(tmp_path, name):
+    config = FSDP2[name]
+    back = written(emit_fsdp2, config, tmp_path)
+    assert back.dialect == "fsdp2-code" and back.fsdp_version == 2 and back.wrap == "block"
+    assert_same(back.config, outside_the_loop(config))
+    if config.model_parallel > 1:  # MESH_SHAPE: the ranks are the snippet's
+        assert back.n_processes == 16
+    if config.pp > 1:
+        assert back.seq_len == 4096
+
+
+@pytest.mark.parametrize("name", OTHER_MODELS)
+def test_fsdp2_moe_and_tied_code_reads_back(tmp_path, name):
+    spec, config = OTHER_MODELS[name]
+    assert_same(written(emit_fsdp2, config, tmp_path, spec=spec).config, outside_the_loop(config))
+
+
+LIGER_LINE = "    apply_liger_kernel_to_llama({})  # Liger Kernel's patches, before wrapping\n"
+
+
+@pytest.mark.parametrize("switches, kernels", [
+    ("", dict(norm_kernel="liger", rope_kernel="liger", swiglu_kernel="liger", loss_kernel="liger")),
+    ("rope=False, fused_linear_cross_entropy=False", dict(norm_kernel="liger", swiglu_kernel="liger")),
+])
+def test_liger_patches_in_a_users_script_read_as_the_kernels(tmp_path, switches, kernels):
+    """No emitter writes them in code yet; a script that calls Liger's patch reads as its switches (defaults:
+    liger-kernel 0.8.5's, planner/emit/kernels.py)."""
+    text = SNIPPET.replace("import torch\n", "import torch\nfrom liger_kernel.transformers import "
+                                             "apply_liger_kernel_to_llama\n", 1)
+    text = text.replace("    block_names = [", LIGER_LINE.format(switches) + "    block_names = [", 1)
+    path = tmp_path / "train.py"
+    path.write_text(text)
+    assert_same(read_setup(path).config, FsdpConfig(ac_every=1, **kernels))
+    path.write_text(text.replace(f"_llama({switches})", "_llama(cross_entropy=True, fused_linear_cross_entropy=False)"))
+    with pytest.raises(PlannerError) as error:
+        read_setup(path)
+    assert error.value.field == "liger_kernel_config.cross_entropy"
+
+
+FSDP1 = {
+    "full-shard": FsdpConfig(micro_batch=4),
+    "hsdp-zero2-offload-fp16": FsdpConfig(sharding="HYBRID_SHARD_ZERO2", offload=True, precision="fp16"),
+    "no-shard-bf16-pure": FsdpConfig(sharding="NO_SHARD", precision="bf16-pure"),
+    "fp32-reduce-bf16": FsdpConfig(precision="fp32", reduce_dtype="bf16"),
+    "fsdp1-switches": FsdpConfig(sharding="SHARD_GRAD_OP", backward_prefetch=False, forward_prefetch=True,
+                                 limit_all_gathers=False),
+    "every-4-compile": FsdpConfig(ac_every=4, compile=True, compile_loss=False),
+    "selective-float8-compile-loss": FsdpConfig(ac_every="selective-op", float8=True, compile=True),
+}
+
+
+@pytest.mark.parametrize("name", FSDP1)
+def test_fsdp1_code_reads_back_as_the_config_it_was_emitted_from(tmp_path, name):
+    config = FSDP1[name]
+    back = written(emit_fsdp1, config, tmp_path)
+    assert back.dialect == "fsdp1-code" and back.fsdp_version == 1 and back.wrap == "block"
+    assert back.use_orig_params is True and back.sync_module_states is False
+    assert_same(back.config, outside_the_loop(config))
+
+
+def test_fsdp1_says_what_fsdp1_runs_for_fsdp2_only_options(tmp_path):
+    """FP8 all-gather and an int reshard are FSDP2's: the FSDP1 snippet (and its reading) gathers in bf16 over the
+    whole group, as its notes say."""
+    config = FsdpConfig(float8=True, fp8_all_gather=True, reshard_after_forward=8)
+    back = written(emit_fsdp1, config, tmp_path)
+    assert_same(back.config, FsdpConfig(float8=True))
+
+
+def test_fsdp1_lora_units_read_as_lora(tmp_path):
+    back = written(emit_fsdp1, FsdpConfig(), tmp_path, training=TrainingSpec(seq_len=4096, finetune="lora"))
+    assert dict(back.training)["finetune"] == "lora"
+
+
+LIGHTNING = {
+    "full-shard-every-block": (FsdpConfig(ac_every=1, grad_accum=4), FsdpConfig(ac_every=1, grad_accum=4)),
+    "hsdp-zero2-offload-fp16": (FsdpConfig(sharding="HYBRID_SHARD_ZERO2", offload=True, precision="fp16"), None),
+    "bf16-true": (FsdpConfig(sharding="NO_SHARD", precision="bf16-pure"), None),
+    "fp32": (FsdpConfig(precision="fp32", sharding="SHARD_GRAD_OP"), None),
+    "fsdp1-switches": (FsdpConfig(backward_prefetch=False, forward_prefetch=True, limit_all_gathers=False), None),
+    "compile-in-configure-model": (FsdpConfig(compile=True, compile_loss=False), None),
+    # what Lightning runs where the plan asked for more (its comments say so): every block checkpointed
+    "every-3-runs-every-block": (FsdpConfig(ac_every=3), FsdpConfig(ac_every=1)),
+    "selective-runs-every-block": (FsdpConfig(ac_every="selective-op"), FsdpConfig(ac_every=1)),
+}
+
+
+@pytest.mark.parametrize("name", LIGHTNING)
+def test_lightning_code_reads_back(tmp_path, name):
+    config, runs = LIGHTNING[name]
+    back = written(emit_lightning, config, tmp_path)
+    assert back.dialect == "lightning" and (back.n_processes, back.n_machines) == (16, 2)
+    assert_same(back.config, dataclasses.replace(runs or config, micro_batch=1))  # DataLoader's batch_size
+
+
+@pytest.mark.parametrize("emit", [emit_fsdp2, emit_fsdp1, emit_lightning])
+@pytest.mark.parametrize("optimizer, impl", [("adamw", "fused"), ("adamw", "for-loop"), ("adam", "foreach"),
+                                             ("sgd", "fused"), ("adamw-8bit", "fused")])
+def test_the_optimizer_reads_back(tmp_path, emit, optimizer, impl):
+    training = TrainingSpec(seq_len=4096, optimizer=optimizer, optimizer_impl=impl)
+    back = written(emit, FsdpConfig(), tmp_path, training=training)
+    assert dict(back.training) == {"optimizer": optimizer, "optimizer_impl": impl}
+
+
+def test_text_without_the_py_suffix_is_read_as_code(tmp_path):
+    assert written(emit_fsdp2, FsdpConfig(tp=2), tmp_path, name="snippet.txt").config.tp == 2
+
+
+@pytest.mark.parametrize("edit, field", [
+    (("    fully_shard(model, **fsdp_kwargs)", "    model.set_modules_to_forward_prefetch([])\n"
+      "    fully_shard(model, **fsdp_kwargs)"), "set_modules_to_forward_prefetch"),
+    (("import torch\n", "import torch\nfrom torch.distributed.fsdp import register_fsdp_forward_method\n"),
+     "register_fsdp_forward_method"),
+    (("CheckpointImpl.NO_REENTRANT", "CheckpointImpl.REENTRANT"), "checkpoint_impl"),
+    (("checkpoint_impl=CheckpointImpl.NO_REENTRANT", "checkpoint_impl=CheckpointImpl.NO_REENTRANT, "
+      "context_fn=my_policy"), "context_fn"),
+    (("mp_policy=MixedPrecisionPolicy(", "mp_policy=MixedPrecisionPolicy(output_dtype=torch.float32, "),
+     "mp_policy.output_dtype"),
+    (("fully_shard(model, **fsdp_kwargs)", "fully_shard(model, **fsdp_kwargs, ignored_params=set())"),
+     "fully_shard.ignored_params"),
+    (("reshard_after_forward=True", "reshard_after_forward=flag"), "reshard_after_forward"),
+    (("foreach=True)", "foreach=True, amsgrad=True)\n    return torch.optim.Adagrad(params)"), "optimizer"),
+])
+def test_a_construct_it_does_not_read_is_one_line_naming_it(tmp_path, edit, field):
+    assert edit[0] in SNIPPET
+    path = tmp_path / "train.py"
+    path.write_text(SNIPPET.replace(*edit))
+    with pytest.raises(PlannerError) as error:
+        read_setup(path)
+    assert error.value.field == field and "\n" not in str(error.value)
