@@ -94,3 +94,21 @@ def test_the_trainer_line_builds_as_written_on_a_gpu():
     trainer = built["trainer"]
     assert isinstance(trainer.strategy, FSDPStrategy) and trainer.strategy is built["strategy"]
     assert (trainer.precision, trainer.accumulate_grad_batches) == ("bf16-mixed", config.grad_accum)
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "32-true"])
+def test_without_mixed_precision_it_reads_what_lightning_derives_from_the_trainers_precision(tmp_path, precision):
+    """No MixedPrecision on the strategy: Lightning's FSDPPrecision builds one from the Trainer's string
+    (bf16-mixed: params, reduction and buffers in bf16); the reading prices that reduction dtype."""
+    from lightning.fabric.plugins.precision.fsdp import FSDPPrecision
+
+    text, _ = artifact("full-checkpointed-accumulating")
+    line = next(line for line in text.splitlines() if line.strip().startswith("mixed_precision="))
+    text = text.replace(line + "\n", "").replace('precision="bf16-mixed"', f'precision="{precision}"')
+    path = tmp_path / "lightning_plan.py"
+    path.write_text(text)
+    back = read_setup(path).config
+    derived = FSDPPrecision(precision).mixed_precision_config
+    by_name = {torch.float32: "fp32", torch.bfloat16: "bf16"}
+    assert (back.precision.compute_dtype, back.gradient_reduce_dtype) == (by_name[derived.param_dtype],
+                                                                           by_name[derived.reduce_dtype])

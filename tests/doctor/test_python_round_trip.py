@@ -176,6 +176,19 @@ def test_the_optimizer_reads_back(tmp_path, emit, optimizer, impl):
     assert dict(back.training) == {"optimizer": optimizer, "optimizer_impl": impl}
 
 
+@pytest.mark.parametrize("scaler, read", [("", None), ("ShardedGradScaler()", "sharded"),
+                                           ("torch.amp.GradScaler(\"cuda\")", "plain")])
+def test_the_fp16_scaler_is_read_from_the_code(tmp_path, scaler, read):
+    """The emitted fp16 snippet only says (a note) to scale the loss: not stated; a script that builds one says."""
+    text = fold(emit_fsdp2(FsdpConfig(precision="fp16"), LLAMA, CLUSTER, TRAINING))
+    if scaler:
+        text = text.replace("import torch\n", "import torch\nfrom torch.distributed.fsdp.sharded_grad_scaler import "
+                                               "ShardedGradScaler\n", 1) + f"\nscaler = {scaler}\n"
+    path = tmp_path / "train.py"
+    path.write_text(text)
+    assert read_setup(path).grad_scaler == read
+
+
 def test_text_without_the_py_suffix_is_read_as_code(tmp_path):
     assert written(emit_fsdp2, FsdpConfig(tp=2), tmp_path, name="snippet.txt").config.tp == 2
 
@@ -202,3 +215,15 @@ def test_a_construct_it_does_not_read_is_one_line_naming_it(tmp_path, edit, fiel
     with pytest.raises(PlannerError) as error:
         read_setup(path)
     assert error.value.field == field and "\n" not in str(error.value)
+
+
+def test_fsdp_plan_check_exits_2_with_the_line(tmp_path, capsys):
+    from planner.cli import main
+
+    path = tmp_path / "train.py"
+    path.write_text(SNIPPET.replace("CheckpointImpl.NO_REENTRANT", "CheckpointImpl.REENTRANT"))
+    with pytest.raises(SystemExit) as exited:
+        main(["check", str(path), "--model", "llama3-8b", "--gpus", "16"])
+    err = capsys.readouterr().err.strip()
+    assert exited.value.code == 2 and err.startswith("error: checkpoint_impl: CheckpointImpl.REENTRANT")
+    assert len(err.splitlines()) == 1

@@ -71,6 +71,7 @@ def from_fsdp2(s: Snippet) -> UserSetup:
         n_processes=math.prod(sizes) if all(isinstance(n, int) for n in sizes) else None,
         n_machines=dims["dp_replicate"] if hybrid else None,  # HSDP: a replica per machine, the shard group a node
         use_cache=_use_cache(s), seq_len=s.constants.get("SEQ_LEN") if config.pp > 1 else None,
+        grad_scaler=shared.grad_scaler(s),
         training=shared.optimizer(s, offload))
 
 
@@ -215,6 +216,7 @@ def from_fsdp1(s: Snippet) -> UserSetup:
         config=config, fsdp_version=1, source=s.source, dialect="fsdp1-code", explicit=frozenset(call.kwargs),
         wrap=wrap, use_orig_params=bool(kw.get("use_orig_params", False)),
         sync_module_states=bool(kw.get("sync_module_states", False)), use_cache=_use_cache(s),
+        grad_scaler=shared.grad_scaler(s),
         training=shared.optimizer(s, offload) + ((("finetune", "lora"),) if lora else ()))
 
 

@@ -142,6 +142,13 @@ def backward_prefetch(value) -> bool:
     return value is not None
 
 
+def grad_scaler(snippet: Snippet) -> str | None:
+    """sharded (ShardedGradScaler) | plain (torch's GradScaler) | None: the snippet builds none (the loop's)."""
+    if called(snippet, "ShardedGradScaler"):
+        return "sharded"
+    return "plain" if any(c.short == "GradScaler" for c in snippet.calls) else None
+
+
 # ---------------------------------------------------------------- techniques
 
 def checkpointing(snippet: Snippet, wrappers: list[CallSite], every: int) -> int | str:
