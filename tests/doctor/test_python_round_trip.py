@@ -217,6 +217,21 @@ def test_a_construct_it_does_not_read_is_one_line_naming_it(tmp_path, edit, fiel
     assert error.value.field == field and "\n" not in str(error.value)
 
 
+@pytest.mark.parametrize("edit, field", [
+    (("STAGE_BLOCKS = [(0, 16), (16, 16)]", "STAGE_BLOCKS = [(0, 14), (14, 18)]"), "STAGE_BLOCKS"),
+    (("STAGES_OF_RANK = [[0], [1]]", "STAGES_OF_RANK = [[1], [0]]"), "STAGES_OF_RANK"),
+    (("N_MICROBATCHES = 4", "N_MICROBATCHES = 0"), "N_MICROBATCHES"),
+])
+def test_a_pipeline_split_it_does_not_price_is_one_line(tmp_path, edit, field):
+    text = fold(emit_fsdp2(FSDP2["pp-1f1b-tp-sp"], LLAMA, CLUSTER, TRAINING))
+    assert edit[0] in text
+    path = tmp_path / "train.py"
+    path.write_text(text.replace(*edit))
+    with pytest.raises(PlannerError) as error:
+        read_setup(path)
+    assert error.value.field == field
+
+
 def test_fsdp_plan_check_exits_2_with_the_line(tmp_path, capsys):
     from planner.cli import main
 
@@ -227,3 +242,29 @@ def test_fsdp_plan_check_exits_2_with_the_line(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert exited.value.code == 2 and err.startswith("error: checkpoint_impl: CheckpointImpl.REENTRANT")
     assert len(err.splitlines()) == 1
+
+
+USERS_SCRIPT = '''
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+
+def shard(net):
+    mesh = init_device_mesh("cuda", (2, 8), mesh_dim_names=("dp_replicate", "dp_shard"))
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for layer in net.model.layers:
+        fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
+    fully_shard(net, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
+    return torch.optim.AdamW(net.parameters(), lr=3e-4, fused=True)
+'''
+
+
+def test_a_script_written_by_hand_in_the_same_constructs(tmp_path):
+    """Not the emitter's names: the root is the fully_shard outside the loop, the policy passed by name."""
+    path = tmp_path / "train.py"
+    path.write_text(USERS_SCRIPT)
+    back = read_setup(path)
+    assert_same(back.config, FsdpConfig(sharding="HYBRID_SHARD_ZERO2"))
+    assert (back.n_processes, back.n_machines) == (16, 2)
+    assert dict(back.training) == {"optimizer": "adamw", "optimizer_impl": "fused"}

@@ -26,6 +26,7 @@ class CallSite:
     node: ast.Call
     kwargs: dict = field(default_factory=dict)
     every: int = 0
+    looped: bool = False  # inside a for / while loop of its function
 
     @property
     def short(self) -> str:
@@ -66,6 +67,7 @@ class Snippet:
         self.calls: list[CallSite] = []
         self.attr_assigns: dict[str, ast.AST] = {}
         self.imports: dict[str, str] = {}  # name as bound -> "module.name"
+        self.bound: dict[str, ast.Call] = {}  # a name bound to a call's result, where the walk has reached
         self.every_of: dict[str, int] = {}  # a comprehension's name -> K of its `if i % K == 0` (0: none)
         for node in self.tree.body:
             if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
@@ -87,35 +89,36 @@ class Snippet:
                 for target in targets:
                     if isinstance(target, ast.Attribute) and dotted(target):
                         self.attr_assigns[dotted(target)] = node.value
-        self._walk(self.tree.body, {}, 0)
+        self._walk(self.tree.body, {}, 0, False)
 
     # ------------------------------------------------------------ calls, in order, with the dicts as they stand
 
-    def _walk(self, body: list, env: dict, every: int) -> None:
+    def _walk(self, body: list, env: dict, every: int, looped: bool) -> None:
         for stmt in body:
             if isinstance(stmt, ast.FunctionDef):
-                self._walk(stmt.body, dict(env), 0)
+                self._walk(stmt.body, dict(env), 0, False)
                 continue
             if isinstance(stmt, ast.If):
                 k = _every_k(stmt.test)
-                self._calls_in(stmt.test, env, every)
-                self._walk(stmt.body, env, k or every)
-                self._walk(stmt.orelse, env, every)
+                self._calls_in(stmt.test, env, every, looped)
+                self._walk(stmt.body, env, k or every, looped)
+                self._walk(stmt.orelse, env, every, looped)
                 continue
             if isinstance(stmt, (ast.For, ast.While, ast.With, ast.Try)):
                 for part in ("iter", "test", "items"):
                     for node in _as_list(getattr(stmt, part, None)):
-                        self._calls_in(node, env, every)
-                self._walk(stmt.body, env, every)
+                        self._calls_in(node, env, every, looped)
+                inner = looped or isinstance(stmt, (ast.For, ast.While))
+                self._walk(stmt.body, env, every, inner)
                 for part in ("orelse", "finalbody"):
-                    self._walk(getattr(stmt, part, []), env, every)
+                    self._walk(getattr(stmt, part, []), env, every, looped)
                 for handler in getattr(stmt, "handlers", []):
-                    self._walk(handler.body, env, every)
+                    self._walk(handler.body, env, every, looped)
                 continue
             if isinstance(stmt, ast.ClassDef):
-                self._walk(stmt.body, {}, 0)
+                self._walk(stmt.body, {}, 0, False)
                 continue
-            self._calls_in(stmt, env, every)
+            self._calls_in(stmt, env, every, looped)
             if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1:
                 target = stmt.targets[0]
                 if isinstance(target, ast.Name) and isinstance(stmt.value, (ast.SetComp, ast.ListComp)):
@@ -124,14 +127,16 @@ class Snippet:
                                                      if (k := _every_k(test))), 0)
                 elif isinstance(target, ast.Name) and _is_dict(stmt.value):
                     env[target.id] = self._dict_of(stmt.value, env)
+                elif isinstance(target, ast.Name) and isinstance(stmt.value, ast.Call):
+                    self.bound[target.id] = stmt.value  # mp = MixedPrecisionPolicy(...): read where it is passed
                 elif (isinstance(target, ast.Subscript) and isinstance(target.value, ast.Name)
                       and target.value.id in env and isinstance(target.slice, ast.Constant)):
                     env[target.value.id] = {**env[target.value.id], target.slice.value: stmt.value}
 
-    def _calls_in(self, node, env: dict, every: int) -> None:
+    def _calls_in(self, node, env: dict, every: int, looped: bool) -> None:
         for sub in ast.walk(node):
             if isinstance(sub, ast.Call) and (name := dotted(sub.func)):
-                self.calls.append(CallSite(name, sub, self._kwargs_of(sub, env), every))
+                self.calls.append(CallSite(name, sub, self._kwargs_of(sub, env), every, looped))
 
     def _kwargs_of(self, call: ast.Call, env: dict) -> dict:
         out = {}
@@ -139,7 +144,7 @@ class Snippet:
             if kw.arg is None:
                 out.update(self._spread(kw.value, env))
             else:
-                out[kw.arg] = kw.value
+                out[kw.arg] = self.bound.get(kw.value.id, kw.value) if isinstance(kw.value, ast.Name) else kw.value
         return out
 
     def _spread(self, node, env: dict) -> dict:

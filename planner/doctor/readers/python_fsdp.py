@@ -18,6 +18,7 @@ import math
 import re
 
 from cost_models import fsdp_options
+from cost_models.pipeline import blocks_per_stage, stage_rank
 from cost_models.schedules import Schedule
 from cost_models.specs import FsdpConfig, Sharding
 
@@ -37,13 +38,13 @@ def from_fsdp2(s: Snippet) -> UserSetup:
     shards = shared.calls(s, "fully_shard")
     for call in shards:
         shared.only(call, FULLY_SHARD_ARGS, "fully_shard")
-    roots = [c for c in shards if c.arg_name() == "model"]
+    roots = [c for c in shards if not c.looped]  # the root: fully_shard(model) after the blocks' loop
     if not roots:
-        raise PlannerError("fully_shard", "no fully_shard(model, ...): fsdp-plan check reads the root unit "
-                                          "(embeddings, final norm, head) from the call on `model`")
+        raise PlannerError("fully_shard", "no fully_shard(model, ...) outside the blocks' loop: fsdp-plan check "
+                                          "reads the root unit (embeddings, final norm, head) from it")
     root = roots[-1]
-    experts = [c for c in shards if c.arg_name() == "experts"]
-    blocks = [c for c in shards if c is not root and c not in experts and c not in roots]
+    experts = [c for c in shards if c.looped and c.arg_name() == "experts"]
+    blocks = [c for c in shards if c.looped and c not in experts]
     unit = blocks[-1] if blocks else root
     reshard, group = _reshard(s, unit)
     dims = mesh_dims(s)
@@ -165,8 +166,25 @@ def _pipeline(s: Snippet, pp: int) -> dict:
             or len({len(stages) for stages in of_rank}) != 1):
         raise PlannerError("STAGES_OF_RANK", f"{of_rank!r}: give each of the {pp} pipeline ranks the same number "
                                              "of stages")
+    _priced_split(s.constants["STAGE_BLOCKS"], of_rank, pp, schedules[0])
     return {"pp": pp, "pp_schedule": schedules[0], "pp_stages_per_rank": len(of_rank[0]),
             "micro_batch": s.constants["MICROBATCH_SIZE"], "grad_accum": s.constants["N_MICROBATCHES"]}
+
+
+def _priced_split(blocks, of_rank: list, pp: int, schedule: Schedule) -> None:
+    """STAGE_BLOCKS and STAGES_OF_RANK are the split the estimate prices (cost_models/pipeline.py: the blocks as even
+    as they go, the end stages one fewer first; torch's loop or v placement), else one line."""
+    pairs = blocks if isinstance(blocks, list) and all(isinstance(b, tuple) and len(b) == 2 for b in blocks) else None
+    if pairs is None or [first for first, _ in pairs] != [sum(n for _, n in pairs[:i]) for i in range(len(pairs))]:
+        raise PlannerError("STAGE_BLOCKS", f"{blocks!r}: give each stage's (first block, count), in order from 0")
+    counts = tuple(n for _, n in pairs)
+    even = blocks_per_stage(sum(counts), len(counts))
+    if counts != even:
+        raise PlannerError("STAGE_BLOCKS", f"{', '.join(map(str, counts))} blocks per stage is not the split "
+                                           f"fsdp-plan prices ({', '.join(map(str, even))}); write that split")
+    placed = [[i for i in range(len(counts)) if stage_rank(i, pp, schedule) == r] for r in range(pp)]
+    if of_rank != placed:
+        raise PlannerError("STAGES_OF_RANK", f"{of_rank!r}: {schedule.torch_class} places the stages as {placed!r}")
 
 
 def _placement(root) -> int:
