@@ -104,3 +104,26 @@ def from_torchtitan_loss(settings: dict) -> dict:
         raise PlannerError("loss.num_chunks", f"{value!r}; fsdp-plan prices ChunkedLossWrapper's default of "
                                               f"{TORCHTITAN_LOSS_CHUNKS} chunks")
     return {"loss_kernel": "chunked"}
+
+
+# the model families liger_kernel.transformers has an apply_liger_kernel_to_<family> for (0.8.5, text models)
+LIGER_FAMILIES = ("llama", "mistral", "mixtral", "gemma", "gemma2", "gemma3_text", "qwen2", "qwen3", "qwen3_moe",
+                  "phi3", "olmo2", "olmo3", "granite", "glm4", "gpt_oss", "deepseek_v2", "deepseek_v3")
+
+
+def code_liger_lines(config: FsdpConfig, family: str) -> list[str]:
+    """Module-level code for the snippets (--emit fsdp2 / fsdp1): apply_kernels(model), Liger's patch of the model
+    instance with the plan's switches, to call before apply_fsdp (it swaps the norms' and MLPs' modules and the
+    forward's loss); [] without Liger kernels."""
+    switches = {key: _liger(config, name) for key, name in LIGER_SWITCHES.items()}
+    if not any(switches.values()):
+        return []
+    if family not in LIGER_FAMILIES:
+        return [f"# Liger kernels: liger-kernel 0.8.5 has no apply_liger_kernel_to_{family}; the plan priced them", ""]
+    args = ", ".join(f"{key}={on}" for key, on in {**switches, "cross_entropy": False}.items())
+    return [f"from liger_kernel.transformers import apply_liger_kernel_to_{family}  # liger-kernel 0.8.5, as planned",
+            "", "",
+            "def apply_kernels(model):",
+            "    \"\"\"The plan's Liger kernels: call before apply_fsdp (they swap modules FSDP then wraps).\"\"\"",
+            f"    apply_liger_kernel_to_{family}(",
+            f"        {args}, model=model)", ""]

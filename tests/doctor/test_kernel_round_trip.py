@@ -90,3 +90,14 @@ def test_torchtitan_says_what_it_cannot_run_and_refuses_other_chunk_counts():
     with pytest.raises(PlannerError, match="^loss.num_chunks: '4'; fsdp-plan prices ChunkedLossWrapper's default of "
                                            "8 chunks$"):
         from_torchtitan_loss({"loss.num_chunks": "4"})
+
+
+def test_the_fsdp2_snippet_applies_the_planned_liger_kernels():
+    from planner.emit.code.fsdp import emit_fsdp2
+
+    text = emit_fsdp2(FsdpConfig(**{**ALL, "loss_kernel": "eager"}), load_preset("llama3-8b"), NODE)
+    compile(text, "fsdp2 snippet", "exec")
+    assert "from liger_kernel.transformers import apply_liger_kernel_to_llama  # liger-kernel 0.8.5, as planned" in text
+    assert ("        rope=True, rms_norm=True, swiglu=True, fused_linear_cross_entropy=False, cross_entropy=False, "
+            "model=model)") in text
+    assert "apply_liger_kernel" not in emit_fsdp2(FsdpConfig(), load_preset("llama3-8b"), NODE)

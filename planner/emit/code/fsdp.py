@@ -14,6 +14,7 @@ from planner.emit.code import mesh as meshed
 from planner.emit.code import techniques as tech
 from planner.emit.common import _KV_CACHE_WHY, RESHARD_NOTE, _comment, _fsdp1_strategy, _mixed_dtypes, _notes, _summary
 from planner.emit.format import fit_lines
+from planner.emit.kernels import code_liger_lines
 
 
 def _preamble(config: FsdpConfig, blocks_var: str, blocks_expr: str) -> list[str]:
@@ -250,6 +251,7 @@ def _render(config, model_spec, cluster, imports: list[str], body: list[str],
         "",
         *tech.module_level(config),
         *module_level,
+        *code_liger_lines(config, model_spec.family),  # the plan's Liger kernels (planner/emit/kernels.py)
         "",
         "def apply_fsdp(model, device=None):",
         *(f"    {line}" if line else "" for line in body),
