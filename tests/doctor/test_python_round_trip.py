@@ -62,6 +62,8 @@ FSDP2 = {
     "pp-interleaved-tp": FsdpConfig(pp=2, tp=2, sequence_parallel=False, pp_schedule="interleaved-1f1b", grad_accum=8),
     "pp-gpipe-checkpointed": FsdpConfig(pp=4, pp_schedule="gpipe", grad_accum=8, ac_every=1),
     "pp-dualpipev": FsdpConfig(pp=2, pp_schedule="dualpipev", grad_accum=8),
+    "liger-kernels": FsdpConfig(norm_kernel="liger", rope_kernel="liger", swiglu_kernel="liger", loss_kernel="liger"),
+    "liger-norm-swiglu-pp": FsdpConfig(norm_kernel="liger", swiglu_kernel="liger", pp=2, tp=2, grad_accum=4),
 }
 OTHER_MODELS = {
     "ep": (MOE, FsdpConfig(ep=2, ac_every=1)),
@@ -98,8 +100,8 @@ LIGER_LINE = "    apply_liger_kernel_to_llama({})  # Liger Kernel's patches, bef
     ("rope=False, fused_linear_cross_entropy=False", dict(norm_kernel="liger", swiglu_kernel="liger")),
 ])
 def test_liger_patches_in_a_users_script_read_as_the_kernels(tmp_path, switches, kernels):
-    """No emitter writes them in code yet; a script that calls Liger's patch reads as its switches (defaults:
-    liger-kernel 0.8.5's, planner/emit/kernels.py)."""
+    """A script that calls Liger's patch its own way (no model=, switches left to their defaults: liger-kernel
+    0.8.5's, planner/emit/kernels.py) reads as its switches."""
     text = SNIPPET.replace("import torch\n", "import torch\nfrom liger_kernel.transformers import "
                                              "apply_liger_kernel_to_llama\n", 1)
     text = text.replace("    block_names = [", LIGER_LINE.format(switches) + "    block_names = [", 1)
@@ -121,6 +123,7 @@ FSDP1 = {
                                  limit_all_gathers=False),
     "every-4-compile": FsdpConfig(ac_every=4, compile=True, compile_loss=False),
     "selective-float8-compile-loss": FsdpConfig(ac_every="selective-op", float8=True, compile=True),
+    "liger-kernels": FsdpConfig(norm_kernel="liger", rope_kernel="liger", loss_kernel="liger"),
 }
 
 

@@ -211,7 +211,8 @@ def liger(snippet: Snippet) -> dict:
     out = {}
     for call in snippet.calls:
         if call.short.startswith("apply_liger_kernel_to_"):
-            switches = {key: snippet.value(node, f"{call.short}.{key}") for key, node in call.kwargs.items()}
+            switches = {key: snippet.value(node, f"{call.short}.{key}") for key, node in call.kwargs.items()
+                        if key != "model"}  # model=: the instance patched (--emit's apply_kernels)
             out.update(from_hf_liger({"use_liger_kernel": True, "liger_kernel_config": switches}))
     return out
 
