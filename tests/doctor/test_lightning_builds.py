@@ -19,6 +19,7 @@ import torch
 
 from cost_models import fsdp_options
 from cost_models.specs import FsdpConfig, TrainingSpec
+from planner import plan
 from planner.doctor.readers import read_setup
 from planner.emit import emit_artifact, emit_lightning
 from planner.emit.format import fold
@@ -39,10 +40,8 @@ CONFIGS = {
 
 
 def artifact(name: str) -> tuple[str, FsdpConfig]:
-    if name == "planned":  # the lightning trainer's own pick (tests/doctor/test_trainer_round_trip.py)
-        from tests.doctor.test_trainer_round_trip import picked
-
-        best = picked("lightning")
+    if name == "planned":  # the lightning trainer's own pick, as tests/doctor/test_trainer_round_trip.py plans it
+        best = plan("llama3-8b", gpus=16, gpu="h100-80gb", seq_len=4096, trainer="lightning").best
         return fold(emit_artifact("lightning", best)), best.config
     return fold(emit_lightning(CONFIGS[name], LLAMA, CLUSTER, TRAINING)), CONFIGS[name]
 
