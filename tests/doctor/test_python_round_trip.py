@@ -235,6 +235,15 @@ def test_a_pipeline_split_it_does_not_price_is_one_line(tmp_path, edit, field):
     assert error.value.field == field
 
 
+def test_expert_parallel_reads_its_token_movement(tmp_path):
+    text = fold(emit_fsdp2(FsdpConfig(ep=2), MOE, CLUSTER, TRAINING))
+    path = tmp_path / "train.py"
+    path.write_text(text.replace('ep_implementation="all_to_all"', 'ep_implementation="deepep"'))
+    with pytest.raises(PlannerError) as error:
+        read_setup(path)
+    assert error.value.field == "ep_implementation"
+
+
 def test_fsdp_plan_check_exits_2_with_the_line(tmp_path, capsys):
     from planner.cli import main
 

@@ -141,6 +141,11 @@ def _mesh_fields(s: Snippet, dims: dict) -> dict:
                                  or not all(_count(n) for n in ep_shape)):
         raise PlannerError("EP_MESH_SHAPE", f"{ep_shape!r}: give (dp_replicate, efsdp, ep, 1); expert tensor "
                                             "parallelism is not planned by fsdp-plan")
+    for call in shared.calls(s, "apply_expert_parallelism"):  # transformers' token movement: its all-to-all
+        how = call.kwargs.get("ep_implementation")
+        if how is None or s.value(how, "ep_implementation") != "all_to_all":
+            raise PlannerError("ep_implementation", "fsdp-plan reads transformers' expert parallel with "
+                                                    "ep_implementation=\"all_to_all\" (moe_dispatch all-to-all)")
     micro_tp = s.attr_assigns.get("torch._inductor.config._micro_pipeline_tp")
     return {"tp": tp, "cp": cp, "ep": ep_shape[2] if ep_shape else 1,
             "sequence_parallel": shared.called(s, "SequenceParallel") or tp == 1,
