@@ -188,3 +188,16 @@ def loss_reserved_extra_bytes(model: ModelSpec, c: int, config: FsdpConfig, kern
         return 0
     chunk = tokens // TORCHTITAN_LOSS_CHUNKS
     return chunk * loss_memory.logits_reserved_extra_bytes_per_token(model, c, config.compile and config.compile_loss)
+
+
+def head_seconds(rates, head, tokens: int, config: FsdpConfig, model: ModelSpec) -> float:
+    """The output head's three products (logits, the input's and the weight's gradients; 2 x tokens x V x h FLOPs
+    each) as the loss runs them: on all the micro-batch's rows at once, or chunk by chunk - Liger's fused linear
+    cross-entropy on liger_chunk_rows rows (torch.mm / addmm per chunk, fused_linear_cross_entropy_forward),
+    torchtitan's chunked loss on T / 8 - at the same FLOPs, each chunk's product at the shape factor of its rows
+    (kernel_time.Rates.matmul_forward_s): nothing recomputed, the skinnier products slower."""
+    rows = {LossKernel.LIGER: liger_chunk_rows(tokens, model),
+            LossKernel.CHUNKED: tokens // TORCHTITAN_LOSS_CHUNKS}.get(config.loss_kernel, tokens) or tokens
+    if rows == tokens:
+        return 3 * rates.matmul_forward_s(head, tokens)
+    return 3 * rates.matmul_forward_s(head, rows) * tokens / rows

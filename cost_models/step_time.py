@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
-from . import comm, expert_parallel, moe, operators, pipeline_time, tensor_parallel
+from . import comm, expert_parallel, kernels, moe, operators, pipeline_time, tensor_parallel
 from .compute import mfu_flops_per_token, model_flops_per_token, recompute_flops_per_token
 from .kernel_time import Rates
 from .memory import ParamCounts
@@ -75,7 +75,7 @@ def estimate_step_time(model: ModelSpec, cluster: ClusterSpec, training: Trainin
     head, _ = operators.root_ops(model, c)
     if head is not None and config.tp > 1 and not config.sequence_parallel:  # colwise: vocab / tp, then gathered
         head = replace(head, n=max(1, head.n // config.tp))
-    head_s = 3 * rates.matmul_forward_s(head, tokens) if head is not None else 0.0
+    head_s = kernels.head_seconds(rates, head, tokens, config, model) if head is not None else 0.0  # loss kernels
     root_memory_s = rates.memory_s(tokens * sum(f + b for _, f, b in root_memory_bytes_per_token(model, config, c)))
     # FSDP2's copies around its collectives: each all-gather's output split into the unsharded parameters
     # (read + write c), each reduce-scatter's input packed (and cast) from the gradients (c + r)

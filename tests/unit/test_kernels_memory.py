@@ -172,3 +172,21 @@ def test_llama3_8b_block_with_liger_kernels_by_hand():
               for b in (False, True)]
     qkv = spec.q_dim + spec.kv_dim
     assert saving == [2 * 32 * h + 20 * qkv + 4 * f, 2 * 84 * h + 30 * qkv + 8 * f]
+
+
+def test_loss_kernels_run_the_head_products_in_chunks_at_their_shape():
+    from cost_models.kernel_time import Rates
+    from cost_models.specs import FsdpConfig
+
+    spec = resolve_model("llama3-8b")
+    head, _ = operators.root_ops(spec, 2)
+    rates = Rates(matmul_flops_per_s=1e15, float8_flops_per_s=0.0, attention_flops_per_s=1e15,
+                  memory_bytes_per_s=1e12, half_dim=64.0, attention_half_seq=512.0)
+    eager = kernels.head_seconds(rates, head, 4096, FsdpConfig(), spec)
+    assert eager == pytest.approx(3 * 2 * 4096 * spec.vocab_size * spec.hidden_size / 1e15
+                                  / (4096 / 4160 * spec.vocab_size / (spec.vocab_size + 64) * 4096 / 4160))
+    # Liger: 128-row chunks (next_power_of_2(4096 / 32)), torchtitan: 512; the same FLOPs, rows / (rows + 64)
+    liger = kernels.head_seconds(rates, head, 4096, FsdpConfig(loss_kernel="liger"), spec)
+    chunked = kernels.head_seconds(rates, head, 4096, FsdpConfig(loss_kernel="chunked"), spec)
+    assert liger / eager == pytest.approx((4096 / 4160) / (128 / 192), rel=1e-12)    # 1.477
+    assert chunked / eager == pytest.approx((4096 / 4160) / (512 / 576), rel=1e-12)  # 1.108
