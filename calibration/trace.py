@@ -33,10 +33,11 @@ take. tests/distributed/test_trace_families.py checks the result against real CP
 configs of today's families, to the byte when it was written.
 
 foreach=False because the tracker mis-accounts foreach kernels on DTensors (pitfalls.md). The
-multi-tensor (foreach) step that training actually runs by default differs from the for-loop one only in
-its temporaries: Adam/AdamW's foreach step holds sqrt(exp_avg_sq) for every local parameter shard at
-once, i.e. one more copy of the sharded trainable parameters in the state dtype; SGD's updates in place.
-The traced optimizer-step phase replaces the for-loop temporaries with that figure.
+implementation priced (optimizer_impl: foreach, fused, for-loop; cost_models/optimizer_step.py) differs from the
+for-loop step only in its temporaries: Adam/AdamW's foreach step holds sqrt(exp_avg_sq) for every local parameter
+shard at once, i.e. one more copy of the sharded trainable parameters in the state dtype; the fused step
+(torch._fused_adamw_) none; SGD's updates in place. The traced optimizer-step phase replaces the for-loop
+temporaries with the priced implementation's (trace_optimizer.step_window); a for-loop plan keeps them.
 
 LoRA fine-tuning adds peft adapters through calibration.lora (frozen base in the compute dtype, adapters
 in the parameter dtype), as calibration runs do.
@@ -56,14 +57,14 @@ import time
 import torch
 from torch import nn
 
-from cost_models.specs import Finetune, FsdpConfig, ModelSpec, Optimizer, Sharding, TrainingSpec
+from cost_models.specs import Finetune, FsdpConfig, ModelSpec, Optimizer, OptimizerImpl, Sharding, TrainingSpec
 
 from .fake_world import _dtensors_under_fake_mode, _FakeWorld, _meta_to_fake
 from .gpu_run_choices import _grouped_mm_shapes_any_dtype, _real_run_masking, cuda_kernel_choices
 from .memtrack import BREAKDOWN_KEYS, MemorySnapshot, MemoryTracker
 from .model_blocks import block_classes
 from .trace_limits import _check_mesh, _check_supported, _require_transformers
-from .trace_optimizer import _replace_temporaries, foreach_temporary_bytes, make_optimizer
+from .trace_optimizer import foreach_temporary_bytes, make_optimizer, step_window
 from .trace_result import TraceError, TraceResult, TraceUnsupported, UntraceableModel, _untraceable
 
 
@@ -82,13 +83,14 @@ def _loss(model: nn.Module, ids: torch.Tensor, is_hf: bool, compiled: bool) -> t
 def trace_memory(spec: ModelSpec, config: FsdpConfig, *, n_gpus: int, gpus_per_node: int, seq_len: int,
                  optimizer: Optimizer | str = Optimizer.ADAMW, hf_config: dict | None = None,
                  finetune: Finetune | str = Finetune.FULL, lora_rank: int = 16,
-                 routing_imbalance: float = 1.0) -> TraceResult:
+                 routing_imbalance: float = 1.0,
+                 optimizer_impl: OptimizerImpl | str = OptimizerImpl.FOREACH) -> TraceResult:
     """Run two FSDP2 training steps of `spec` under FakeTensorMode on rank 0 of `n_gpus`; see the module
     docstring. hf_config (a config.json dict with model_type) builds the transformers model; without
     it the reference Llama is built from `spec`. routing_imbalance (EP): rank 0's experts receive that many
-    times the balanced rows (calibration/expert_parallel.py)."""
+    times the balanced rows (calibration/expert_parallel.py). optimizer_impl: whose step window is reported."""
     training = TrainingSpec(seq_len=seq_len, optimizer=optimizer, finetune=finetune, lora_rank=lora_rank,
-                            routing_imbalance=routing_imbalance)
+                            routing_imbalance=routing_imbalance, optimizer_impl=optimizer_impl)
     _check_supported(config, training)
     _check_mesh(spec, config, n_gpus)
     if n_gpus < 1 or gpus_per_node < 1:
@@ -111,6 +113,9 @@ def trace_memory(spec: ModelSpec, config: FsdpConfig, *, n_gpus: int, gpus_per_n
     finally:
         if is_hf:
             transformers.logging.set_verbosity(verbosity)
+
+
+FOR_LOOP = OptimizerImpl.FOR_LOOP
 
 
 def _trace(spec, config, training, n_gpus, gpus_per_node, seq_len, hf_config, started) -> TraceResult:
@@ -159,14 +164,16 @@ def _trace(spec, config, training, n_gpus, gpus_per_node, seq_len, hf_config, st
             ids = torch.randint(0, spec.vocab_size, (config.micro_batch, seq_len))
             try:
                 phases = measure_training_steps(model, opt, ids, config, vocab_size=spec.vocab_size, is_hf=is_hf,
-                                                mesh=mesh)
+                                                mesh=mesh, optimizer_impl=training.optimizer_impl)
             except Exception as exc:  # noqa: BLE001
                 raise _untraceable(f"the training step of {spec.name}", exc) from exc
     if attention != config.attention.value:
         notes.append(f"{name} does not run {config.attention.value} attention: traced with {attention}")
-    if training.optimizer in (Optimizer.ADAM, Optimizer.ADAMW):
-        notes.append("optimizer traced with foreach=False; the foreach step's temporaries (one more copy of the "
-                     "sharded trainable params, in their dtype) are added analytically")
+    if training.optimizer in (Optimizer.ADAM, Optimizer.ADAMW) and training.optimizer_impl is not FOR_LOOP:
+        notes.append("optimizer traced with foreach=False; " + (
+            "the foreach step's temporaries (one more copy of the sharded trainable params, in their dtype) are "
+            "added analytically" if training.optimizer_impl is OptimizerImpl.FOREACH else
+            "the fused step (torch._fused_adamw_, in place) allocates no temporaries: the for-loop's are removed"))
     if spec.vocab_size == seq_len:
         notes.append("vocab size equals sequence length: logits are counted under activations")
     peak = max(phases.values(), key=lambda s: s.peak_allocated_bytes)
@@ -177,13 +184,14 @@ def _trace(spec, config, training, n_gpus, gpus_per_node, seq_len, hf_config, st
 
 
 def measure_training_steps(model: nn.Module, optimizer: torch.optim.Optimizer, ids: torch.Tensor, config: FsdpConfig,
-                           *, vocab_size: int, is_hf: bool, mesh=None) -> dict[str, MemorySnapshot]:
+                           *, vocab_size: int, is_hf: bool, mesh=None,
+                           optimizer_impl: OptimizerImpl | str = OptimizerImpl.FOREACH) -> dict[str, MemorySnapshot]:
     """Two training steps of an FSDP2-wrapped `model` on `ids` (labels = ids) under calibration.memtrack:
     the second step's "forward_backward" window (min(grad_accum, 2) micro-steps) and its "optimizer_step"
-    window, the latter with the for-loop step's temporaries replaced by the foreach step's (see the module
-    docstring; `optimizer` must be a foreach=False one). Fake or real tensors alike: the trace runs it
-    under FakeTensorMode, tests/distributed runs it on gloo ranks to check the trace against real memory.
-    Tensors whose last dimension is the vocabulary (a TP rank's vocab / tp with loss parallel) count as
+    window of `optimizer_impl`: measured when `optimizer` runs it, else from a foreach=False step with its
+    temporaries replaced (trace_optimizer.step_window; see the module docstring). Fake or real tensors alike:
+    the trace runs it under FakeTensorMode, tests/distributed runs it on gloo ranks to check the trace against
+    real memory. Tensors whose last dimension is the vocabulary (a TP rank's vocab / tp with loss parallel) count as
     logits_and_loss, unless it equals the sequence length. With tensor parallelism the step runs inside
     loss_parallel() when the config has sequence parallel (calibration/tensor_parallel.loss_context)."""
     from contextlib import ExitStack
@@ -196,7 +204,7 @@ def measure_training_steps(model: nn.Module, optimizer: torch.optim.Optimizer, i
         _shard_context_parallel_inputs(cp, ids, config, mesh)
         tracker = MemoryTracker(model, optimizer, vocab_size=vocab_size if vocab_size != seq_len else None)
         tracker.track_inputs(ids)
-        return _measured_steps(model, optimizer, ids, config, tracker, is_hf)
+        return _measured_steps(model, optimizer, ids, config, tracker, is_hf, optimizer_impl)
 
 
 def _shard_context_parallel_inputs(stack, ids: torch.Tensor, config: FsdpConfig, mesh) -> None:
@@ -219,7 +227,7 @@ def _shard_context_parallel_inputs(stack, ids: torch.Tensor, config: FsdpConfig,
     stack.enter_context(cpu_ring_attention())
 
 
-def _measured_steps(model, optimizer, ids, config, tracker, is_hf) -> dict[str, MemorySnapshot]:
+def _measured_steps(model, optimizer, ids, config, tracker, is_hf, optimizer_impl) -> dict[str, MemorySnapshot]:
     from .tensor_parallel import loss_context
 
     phases = {}
@@ -240,7 +248,7 @@ def _measured_steps(model, optimizer, ids, config, tracker, is_hf) -> dict[str, 
                 tracker.reset()
             optimizer.step()
             if step == 1:
-                phases["optimizer_step"] = _replace_temporaries(tracker.snapshot(), foreach_temporary_bytes(optimizer))
+                phases["optimizer_step"] = step_window(tracker.snapshot(), optimizer, optimizer_impl)
             optimizer.zero_grad(set_to_none=True)
     return phases
 

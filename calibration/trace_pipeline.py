@@ -41,12 +41,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from cost_models.specs import Finetune, FsdpConfig, ModelSpec, Optimizer, TrainingSpec
+from cost_models.specs import Finetune, FsdpConfig, ModelSpec, Optimizer, OptimizerImpl, TrainingSpec
 
 from .fake_world import _dtensors_under_fake_mode, _forget_dtensor_placements
 from .gpu_run_choices import _real_run_masking, cuda_kernel_choices
 from .trace_limits import _check_supported, _require_transformers
-from .trace_optimizer import _replace_temporaries, foreach_temporary_bytes, make_optimizer
+from .trace_optimizer import make_optimizer, step_window
 from .trace_result import TraceError, TraceResult, TraceUnsupported, _untraceable
 
 
@@ -142,12 +142,13 @@ def _check_pipeline(spec: ModelSpec, config: FsdpConfig, hf_config: dict | None)
 def trace_pipeline(spec: ModelSpec, config: FsdpConfig, *, n_gpus: int, gpus_per_node: int, seq_len: int,
                    optimizer: Optimizer | str = Optimizer.ADAMW, hf_config: dict | None = None,
                    ranks: tuple[int, ...] | None = None,
-                   finetune: Finetune | str = Finetune.FULL) -> tuple[TraceResult, ...]:
+                   finetune: Finetune | str = Finetune.FULL,
+                   optimizer_impl: OptimizerImpl | str = OptimizerImpl.FOREACH) -> tuple[TraceResult, ...]:
     """One TraceResult per pipeline rank (or per rank in `ranks`), each its own fake world; see the module
-    docstring."""
+    docstring. optimizer_impl: whose step window is reported (trace_optimizer.step_window)."""
     if Finetune(finetune) is not Finetune.FULL:
         raise TraceUnsupported("the pipeline trace runs full fine-tuning only; LoRA under PP: use the estimate")
-    training = TrainingSpec(seq_len=seq_len, optimizer=optimizer, finetune=Finetune.FULL)
+    training = TrainingSpec(seq_len=seq_len, optimizer=optimizer, finetune=Finetune.FULL, optimizer_impl=optimizer_impl)
     _check_supported(config, training)
     _check_pipeline(spec, config, hf_config)
     if n_gpus % (config.pp * config.tp * config.cp):
@@ -208,7 +209,7 @@ def _trace_rank(spec, config, training, n_gpus, gpus_per_node, seq_len, hf_confi
             tracker.track_inputs(ids)
             try:
                 with loss_context(config.tp, config.sequence_parallel):
-                    phases = _measured_steps(schedule, opt, ids, tracker, first, last)
+                    phases = _measured_steps(schedule, opt, ids, tracker, first, last, training.optimizer_impl)
             except Exception as exc:  # noqa: BLE001
                 raise _untraceable(f"the {config.pp_schedule.value} schedule of {spec.name}", exc) from exc
     peak = max(phases.values(), key=lambda s: s.peak_allocated_bytes)
@@ -219,8 +220,8 @@ def _trace_rank(spec, config, training, n_gpus, gpus_per_node, seq_len, hf_confi
                        seconds=time.perf_counter() - started, notes=notes, attention=config.attention.value)
 
 
-def _measured_steps(schedule, optimizer, ids, tracker, first: bool, last: bool) -> dict:
-    """The second of two steps: its schedule window and its optimizer window (foreach temporaries)."""
+def _measured_steps(schedule, optimizer, ids, tracker, first: bool, last: bool, impl) -> dict:
+    """The second of two steps: its schedule window and its optimizer window (`impl`'s temporaries)."""
     def run_schedule():
         with cuda_kernel_choices():
             schedule.step(*((ids,) if first else ()), **({"target": ids, "losses": []} if last else {}))
@@ -234,9 +235,9 @@ def _measured_steps(schedule, optimizer, ids, tracker, first: bool, last: bool) 
         schedule_window = tracker.snapshot()
         tracker.reset()
         optimizer.step()
-        step_window = _replace_temporaries(tracker.snapshot(), foreach_temporary_bytes(optimizer))
+        step = step_window(tracker.snapshot(), optimizer, impl)
         optimizer.zero_grad(set_to_none=True)
-    return {"forward_backward": schedule_window, "optimizer_step": step_window}
+    return {"forward_backward": schedule_window, "optimizer_step": step}
 
 
 __all__ = ["trace_pipeline", "static_vote", "make_pipeline_mesh"]

@@ -14,7 +14,8 @@ tier, docs/accuracy.md) decides what else is alive, moment by moment:
   blocks processed and the highest checkpointed one are the candidates (with checkpointing the last
   ones can peak: each block done adds its sharded gradient, each block below saves only its input);
 - end of backward: the root's gradients and their reduce-scatter, with every block's sharded gradient;
-- optimizer step: stored params, gradients, optimizer state and the foreach step's temporaries.
+- optimizer step: stored params, gradients, optimizer state and the step's temporaries (optimizer_step.py:
+  foreach, fused or for-loop).
 SHARD_GRAD_OP-like strategies keep every block gathered from forward until its backward (no prefetch).
 A shard group of one rank (NO_SHARD) still copies params out to unsharded tensors but needs no
 collective buffers.
@@ -27,11 +28,12 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from . import activation_notes, activations, context_parallel, expert_parallel, moe, operators, tensor_parallel
+from . import (activation_notes, activations, context_parallel, expert_parallel, moe, operators, optimizer_step,
+               tensor_parallel)
 from . import kernels
 from .memory_types import MemoryBreakdown, MemoryEstimate, ParamCounts
 from .profile import Profile
-from .specs import ActivationTerms, ClusterSpec, FsdpConfig, ModelSpec, Optimizer, Precision, Sharding, TrainingSpec
+from .specs import ActivationTerms, ClusterSpec, FsdpConfig, ModelSpec, Precision, Sharding, TrainingSpec
 from .units import DTYPE_BYTES
 
 # Blocks whose compute-dtype params are gathered at once in FULL_SHARD: the one in compute and the
@@ -88,10 +90,8 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
     sharded_params = _shard(trainable * p + frozen * frozen_p, d)
     sharded_grads = _shard(trainable * p, d)
     optimizer_state = _shard(trainable * opt_per_param, d)
-    # foreach Adam/AdamW makes a list as large as one state (sqrt of exp_avg_sq), SGD updates in place.
-    step_temporaries = _shard(trainable * p, d) if training.optimizer is not Optimizer.SGD else 0
-    if precision is Precision.FP16:
-        step_temporaries += 4 * 1024  # ShardedGradScaler: found-inf flags and the scale, per device
+    # what the step allocates on top, by optimizer and implementation (foreach: one state's worth; fused: none)
+    step_temporaries = optimizer_step.step_temporary_bytes(model, training, precision, d, trainable)
     block_sharded_grad = _shard(shard_counts.trainable_block * p, d)
     accumulated = sharded_grads if config.grad_accum > 1 else 0  # earlier micro-steps' sharded grads
 

@@ -30,12 +30,12 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
-from . import activation_notes, activations, pipeline_techniques, tensor_parallel
+from . import activation_notes, activations, optimizer_step, pipeline_techniques, tensor_parallel
 from .memory_types import MemoryBreakdown, MemoryEstimate
 from .pipeline import rank_stages
 from .pipeline_orders import active_stages, orders
 from .pipeline_stage_pieces import StagePieces, stage_pieces
-from .specs import FsdpConfig, ModelSpec, Optimizer, Precision, TrainingSpec
+from .specs import FsdpConfig, ModelSpec, TrainingSpec
 from .units import DTYPE_BYTES
 
 
@@ -71,9 +71,9 @@ def rank_memory(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, d:
     opt_per_param = training.optimizer.state_bytes_per_param(precision.param_dtype)
     sharded_params = math.ceil(total_params * p / d)
     optimizer_state = math.ceil(total_params * opt_per_param / d)
-    step_temporaries = math.ceil(total_params * p / d) if training.optimizer is not Optimizer.SGD else 0
-    if precision is Precision.FP16:
-        step_temporaries += 4 * 1024
+    step_temporaries = optimizer_step.step_temporary_bytes(
+        model, training, precision, d, total_params, embedding=any(x.stage.embedding for x in pieces.values()),
+        head=any(x.stage.head for x in pieces.values()))
     sp = config.tp if tensor_parallel.sequence_parallel(config) else 1
     tokens_h = config.micro_batch * training.seq_len * -(-model.hidden_size * c // sp)
     # receive buffers, one per microbatch, kept from the first step on

@@ -84,6 +84,18 @@ class Optimizer(str, Enum):
         return {"adamw": 2 * width, "adam": 2 * width, "sgd": width, "adamw-8bit": 2}[self.value]
 
 
+class OptimizerImpl(str, Enum):
+    """How torch.optim runs the step (the foreach= / fused= keywords; cost_models/optimizer_step.py prices each):
+    foreach (one multi-tensor kernel per op over every parameter: torch's default on CUDA), fused (one kernel
+    for the whole update, torch._fused_adamw_ / _fused_sgd_: HF Trainer's and torchtitan 0.3's default) or
+    for-loop (foreach=False: parameter by parameter; torch's default for CPU tensors, hence for a CPU-offloaded
+    step). adamw-8bit runs bitsandbytes' own per-parameter kernel whatever is asked: it is spelled fused."""
+
+    FOREACH = "foreach"
+    FUSED = "fused"
+    FOR_LOOP = "for-loop"
+
+
 class Attention(str, Enum):
     SDPA = "sdpa"    # fused kernels: no s^2 score storage
     EAGER = "eager"  # explicit softmax(QK^T): stores a*s^2 scores per sequence and layer

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from .cluster_spec import ClusterSpec, GpuSpec
 from .model_spec import ActivationProfile, ActivationTerms, BackwardMoment, ModelSpec, MoeSpec, TracedOperators
 from .schedules import Schedule
+from .spec_values import OptimizerImpl
 from .spec_values import MoeDispatch, Routing
 from .spec_values import (SELECTIVE_OP, Attention, Finetune, Kernel, LossKernel, Optimizer, Precision, Sharding,
                           SpecError, check_degree, check_positive, enum_choices, format_activation_checkpointing,
@@ -23,7 +24,7 @@ from .spec_values import (SELECTIVE_OP, Attention, Finetune, Kernel, LossKernel,
 
 __all__ = [  # this module's own names and the re-exported ones (see the docstring)
     "TrainingSpec", "FsdpConfig", "REDUCE_DTYPES",
-    "ClusterSpec", "GpuSpec",
+    "ClusterSpec", "GpuSpec", "OptimizerImpl",
     "MoeDispatch", "Routing",
     "ActivationProfile", "ActivationTerms", "BackwardMoment", "ModelSpec", "MoeSpec", "TracedOperators",
     "SELECTIVE_OP", "Attention", "Finetune", "Kernel", "LossKernel", "Optimizer", "Precision", "Sharding", "SpecError",
@@ -37,6 +38,9 @@ class TrainingSpec:
     seq_len: int = 2048
     global_batch: int | None = None   # sequences per optimizer step; None = micro-batch x GPUs x accumulation
     optimizer: Optimizer = Optimizer.ADAMW
+    # how torch runs the step (cost_models/optimizer_step.py): foreach, fused or for-loop; adamw-8bit is always
+    # fused (bitsandbytes' kernel): one spelling, so specs compare equal
+    optimizer_impl: OptimizerImpl = OptimizerImpl.FOREACH
     finetune: Finetune = Finetune.FULL
     lora_rank: int = 16
     # expert parallelism: the busiest rank's routed rows over the mean (1 = balanced routing, what is priced by
@@ -58,7 +62,20 @@ class TrainingSpec:
             check_positive("global_batch", self.global_batch)
         check_positive("lora_rank", self.lora_rank)
         object.__setattr__(self, "optimizer", parse_enum(Optimizer, self.optimizer, "optimizer"))
+        impl = parse_enum(OptimizerImpl, self.optimizer_impl, "optimizer_impl")
+        object.__setattr__(self, "optimizer_impl", OptimizerImpl.FUSED if self.optimizer is Optimizer.ADAMW_8BIT
+                           else impl)
         object.__setattr__(self, "finetune", parse_enum(Finetune, self.finetune, "finetune"))
+
+    def to_dict(self) -> dict:
+        """The training as the outputs name it (the JSON's "training"); keys at their defaults left out where
+        marked in planner/schemas/common.py's Training."""
+        return {"seq_len": self.seq_len,
+                **({"global_batch": self.global_batch} if self.global_batch is not None else {}),
+                "optimizer": self.optimizer.value, "optimizer_impl": self.optimizer_impl.value,
+                "finetune": self.finetune.value,
+                **({"lora_rank": self.lora_rank} if self.finetune is Finetune.LORA else {}),
+                **({"routing_imbalance": self.routing_imbalance} if self.routing_imbalance != 1 else {})}
 
     @property
     def adapter_rank(self) -> int:

@@ -101,6 +101,7 @@ class Candidate:
         m = self.memory
         piped = self.config.pp > 1
         return {
+            "training": self.training.to_dict(),
             "config": self.config.to_dict(),
             **({"pipeline": pipeline_dict(self.model, self.config, self.cluster)} if piped else {}),
             "fits": self.fits,

@@ -117,7 +117,8 @@ def trace_candidate(candidate: Candidate, hf_config: dict | None, profile: Profi
                 traced = max(trace_pipeline(spec, candidate.config, n_gpus=candidate.cluster.n_gpus,
                                             gpus_per_node=candidate.cluster.gpus_per_node,
                                             seq_len=candidate.training.seq_len, optimizer=candidate.training.optimizer,
-                                            hf_config=hf_config, finetune=candidate.training.finetune),
+                                            hf_config=hf_config, finetune=candidate.training.finetune,
+                                            optimizer_impl=candidate.training.optimizer_impl),
                              key=lambda t: t.peak_allocated_bytes)
             else:
                 traced = trace_memory(spec, candidate.config, n_gpus=candidate.cluster.n_gpus,
@@ -125,7 +126,8 @@ def trace_candidate(candidate: Candidate, hf_config: dict | None, profile: Profi
                                       seq_len=candidate.training.seq_len, optimizer=candidate.training.optimizer,
                                       hf_config=hf_config, finetune=candidate.training.finetune,
                                       lora_rank=candidate.training.lora_rank,
-                                      routing_imbalance=candidate.training.routing_imbalance)
+                                      routing_imbalance=candidate.training.routing_imbalance,
+                                      optimizer_impl=candidate.training.optimizer_impl)
     except TraceError as exc:
         raise PlannerError("trace", str(exc)) from None
     return TraceReport(candidate=candidate, traced=traced, profile=profile or DEFAULT_PROFILE)

@@ -26,6 +26,10 @@ _OWN = {
     "sharding": As(default=None, help="Without a file: the strategy"),
     "precision": As(default=None, help="Without a file: fp32, bf16, bf16-pure, fp16"),
     "activation_checkpointing": As(default=None, help=None), "offload": As(help=None),
+    "optimizer": As(default=None, help="adamw, adam, sgd, adamw-8bit [default: the file's (HF optim, torchtitan "
+                                       "optimizer.name), else adamw]"),
+    "optimizer_impl": As(default=None, help="foreach, fused or for-loop [default: the file's (HF optim, torchtitan "
+                                            "optimizer.implementation), else the trainer's]"),
 }
 
 
@@ -66,6 +70,7 @@ def check_cmd(config: str | None, model: str | None, gpus: int | None, micro_bat
         setup = UserSetup(config=FsdpConfig(sharding=sharding or "FULL_SHARD", precision=precision or "bf16",
                                             ac_every=activation_checkpointing or "none", offload=offload),
                           source="flags")
+    knobs = {k: v for k, v in knobs.items() if v is not None}  # unset: the file's (UserSetup.training), else default
     r = check(setup, model, gpus, micro_batch=micro_batch, grad_accum=grad_accum,
               dynamic_control_flow=dynamic_control_flow, **knobs)
     typer.echo(report.check_json(r) if output_format is Format.json else report.check_text(r))

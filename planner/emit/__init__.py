@@ -48,7 +48,7 @@ def _emit_artifact(kind: str, candidate) -> str:
     if kind == "accelerate-fsdp2":
         return emit_accelerate(config, spec, cluster, candidate.training, fsdp_version=2)
     if kind == "lightning":
-        return emit_lightning(config, spec, cluster)
+        return emit_lightning(config, spec, cluster, candidate.training)
     if kind == "torchrun":
         return emit_torchrun(config, spec, cluster)
     if kind == "slurm":

@@ -13,6 +13,7 @@ import json
 from cost_models import fsdp_options
 from cost_models.specs import ClusterSpec, FsdpConfig, ModelSpec, Precision, TrainingSpec
 
+from planner.emit import optimizer
 from planner.emit.code import mesh as meshed
 from planner.emit.code import techniques as tech
 from planner.emit.kernels import hf_kernel_notes, hf_liger_arguments
@@ -114,6 +115,12 @@ def _hf_reduce_policy(config: FsdpConfig, version: int) -> tuple[list[str], list
             "}"], []
 
 
+def optim_lines(training: TrainingSpec | None, offload: bool) -> list[str]:
+    """TrainingArguments' optim (and optim_args) for the priced optimizer (planner/emit/optimizer.py)."""
+    name, args, note = optimizer.hf_optim(training, offload)
+    return [f"    optim={_py(name)},  # {note}"] + ([f"    optim_args={_py(args)},"] if args else [])
+
+
 def _hf_technique_notes(config: FsdpConfig, version: int) -> list[str]:
     notes = []
     if config.float8:
@@ -150,6 +157,7 @@ def emit_hf_trainer(config: FsdpConfig, model_spec: ModelSpec, cluster: ClusterS
         f"    gradient_accumulation_steps={config.grad_accum},",
         *_hf_precision(config),
         f"    activation_checkpointing=False,  # off: {HF_AC_NOTE}; fsdp_config's is FSDP's own",
+        *optim_lines(training, config.offload),
     ]
     if config.compile:
         arguments.append("    torch_compile=True,  # each block compiled: ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION="
@@ -275,7 +283,7 @@ def emit_accelerate(config: FsdpConfig, model_spec: ModelSpec, cluster: ClusterS
         ], ""))
     top += tech.accelerate_dynamo(config) + tech.accelerate_fp8(config, fsdp_version)
     header = _summary(config, model_spec, cluster) + _notes(config, training) + tech.accelerate_unexpressed(
-        config, fsdp_version) + meshed.accelerate_notes(config)
+        config, fsdp_version) + meshed.accelerate_notes(config) + [optimizer.script_note(training)]
     if cluster.n_nodes > 1:
         header.append("multi-node: pass --main_process_ip <address of machine_rank 0> to accelerate launch")
     if config.limit_all_gathers is False:
@@ -336,7 +344,8 @@ def _hf_module(model_type: str) -> str:
     return _HF_MODULES.get(model_type, model_type)
 
 
-def emit_lightning(config: FsdpConfig, model_spec: ModelSpec, cluster: ClusterSpec) -> str:
+def emit_lightning(config: FsdpConfig, model_spec: ModelSpec, cluster: ClusterSpec,
+                   training: TrainingSpec | None = None) -> str:
     """Lightning Trainer with FSDPStrategy (Lightning's FSDP1 integration), same choices as emit_fsdp1."""
     meshed.refuse_mesh(config, "Lightning's FSDPStrategy (FSDP1)", "--emit fsdp2 (in Lightning: ModelParallelStrategy "
                        "with that code in configure_model) or torchtitan")
@@ -374,4 +383,5 @@ def emit_lightning(config: FsdpConfig, model_spec: ModelSpec, cluster: ClusterSp
     if config.checkpoints:
         lines.append(f"# in the LightningModule: model.config.use_cache = False; {_KV_CACHE_WHY}")
     lines += [f"# {note}" for note in tech.lightning_unexpressed(config)]
+    lines.append(f"# in configure_optimizers: {optimizer.script_note(training)}")
     return "\n".join(lines) + "\n"

@@ -54,6 +54,10 @@ def memory_terms(c: Candidate) -> list[tuple[str, str, str]]:
         ("optimizer state", f"{trainable:,} x {opt:g} B ({c.training.optimizer.value}) / {d} = "
          f"{_gib(math.ceil(trainable * opt / d))} on {where}",
          "Adam/AdamW keep two states per parameter (m, v); SGD one; 8-bit Adam two 1-byte states"),
+        ("optimizer step temporaries", f"{c.training.optimizer.value}, {c.training.optimizer_impl.value} step = "
+         f"{_gib(c.memory.phases['optimizer_step'].optimizer_temporaries)} on {where}",
+         "torch/optim/adam.py: foreach's _foreach_sqrt(exp_avg_sqs) list, one state's worth; fused kernels in place; "
+         "for-loop two copies of one parameter; SGD in place (cost_models/optimizer_step.py)"),
         ("sharded gradients", f"{trainable:,} x {p} B / {d} = {_gib(math.ceil(trainable * p / d))} once complete; "
          f"at the peak {_gib(b.sharded_grads)} (the units already reduced)",
          "FSDP reduce-scatters each unit's gradient after its backward"),

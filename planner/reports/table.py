@@ -135,8 +135,9 @@ def model_lines(spec) -> list[str]:
 
 
 def training_line(training) -> str:
-    """"training: seq 2048, adamw, lora fine-tuning (rank 16), global batch 64"."""
-    return (f"training: seq {training.seq_len}, {training.optimizer.value}, {training.finetune.value} fine-tuning"
+    """"training: seq 2048, adamw (fused step), lora fine-tuning (rank 16), global batch 64"."""
+    return (f"training: seq {training.seq_len}, {training.optimizer.value} ({training.optimizer_impl.value} step), "
+            f"{training.finetune.value} fine-tuning"
             + (f" (rank {training.lora_rank})" if training.finetune.value == "lora" else "")
             + (f", global batch {training.global_batch}" if training.global_batch else ""))
 

@@ -55,6 +55,11 @@ class TrainingRequest:
     seq_len: int = knob(2048, "--seq-len", help="Tokens per sequence")
     global_batch: int | None = knob(None, "--global-batch", help="Sequences per optimizer step")
     optimizer: str = knob("adamw", "--optimizer", help="adamw, adam, sgd, adamw-8bit")
+    optimizer_impl: str | None = knob(None, "--optimizer-impl", help="How torch runs the optimizer step: foreach "
+                                      "(one more fp32 copy of the local shard at the step), fused (none; HF "
+                                      "Trainer's adamw_torch_fused, torchtitan 0.3's default) or for-loop "
+                                      "(foreach=False: two copies of one parameter). Default: the trainer's "
+                                      "(foreach)")
     finetune: str = knob("full", "--finetune", help="full or lora")
     lora_rank: int = knob(16, "--lora-rank", help="LoRA rank")
     routing_imbalance: float = knob(1.0, "--routing-imbalance", help="MoE with --ep: the busiest rank's routed "
@@ -64,7 +69,8 @@ class TrainingRequest:
 
     def spec(self) -> TrainingSpec:
         return TrainingSpec(seq_len=self.seq_len, global_batch=self.global_batch, optimizer=self.optimizer,
-                            finetune=self.finetune, lora_rank=self.lora_rank,
+                            optimizer_impl=self.optimizer_impl or "foreach", finetune=self.finetune,
+                            lora_rank=self.lora_rank,
                             routing_imbalance=self.routing_imbalance, routing=self.routing)
 
 

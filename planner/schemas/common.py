@@ -9,6 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from pydantic.json_schema import SkipJsonSchema
 
 from cost_models.schedules import Schedule
+from cost_models.spec_values import Finetune, Optimizer, OptimizerImpl
 from cost_models.specs import Attention, Kernel, LossKernel, Precision, Sharding
 
 SCHEMA_VERSION = 4  # 4: trainers and kernels (issue 26): config.norm_kernel / rope_kernel / swiglu_kernel / loss_kernel; 3: pipelines (issue 18): config.pp_schedule / pp_stages_per_rank, "pipeline", memory.pipeline_ranks, the time breakdown's pp terms, calibrate's measured.pipeline_ranks
@@ -44,6 +45,22 @@ class ModelSummary(_Out):
 
 
 _KERNELS = Literal[tuple(k.value for k in Kernel if k is not Kernel.EAGER)]  # FsdpConfig.to_dict leaves eager out
+
+
+class Training(_Out):
+    """TrainingSpec.to_dict(): what is trained on, with which optimizer and how its step runs."""
+
+    seq_len: int = Field(description="tokens per sequence")
+    global_batch: absent_or(int, "sequences per optimizer step (absent: micro-batch x data-parallel ranks x "
+                                 "accumulation)")
+    optimizer: Literal[tuple(o.value for o in Optimizer)]
+    optimizer_impl: Literal[tuple(i.value for i in OptimizerImpl)] = Field(
+        description="how torch runs the step (cost_models/optimizer_step.py): foreach (one more copy of the local "
+                    "shard in the state dtype at the step), fused (none) or for-loop (two copies of one parameter); "
+                    "adamw-8bit: fused (bitsandbytes' kernel)")
+    finetune: Literal[tuple(f.value for f in Finetune)]
+    lora_rank: absent_or(int, "LoRA adapters' rank (LoRA only)")
+    routing_imbalance: absent_or(float, "MoE with EP: the busiest rank's routed rows over the mean (absent: 1)")
 
 
 class Config(_Out):

@@ -19,12 +19,12 @@ def test_every_knob_is_declared_once_in_one_group():
     for k in table.values():
         groups.setdefault(k.group, []).append(k.name)
     assert len(groups["cluster"]) == 8 and groups["cluster"][:3] == ["gpus", "gpus_per_node", "gpu"]
-    assert groups["training"] == ["seq_len", "global_batch", "optimizer", "finetune", "lora_rank",
+    assert groups["training"] == ["seq_len", "global_batch", "optimizer", "optimizer_impl", "finetune", "lora_rank",
                                   "routing_imbalance", "routing"]
     assert groups["config.mesh"] == ["tp", "cp", "ep", "pp", "pp_schedule", "pp_stages_per_rank", "async_tp",
                                      "sequence_parallel"]
     assert groups["search"] == ["precisions", "reduce_dtypes"]
-    assert len(groups["config"]) == 24 and len(table) == 51
+    assert len(groups["config"]) == 24 and len(table) == 52
     # the flag of a knob is its name in kebab case, so a flag names one field per command
     for k in table.values():
         if k.flag.decls:
@@ -112,11 +112,11 @@ def test_every_flag_of_every_command_is_one_field():
     # one flag, one field: only the search's lists share a flag with the one configuration's value
     shared = {flag: names for flag, names in spelled.items() if len(names) > 1}
     assert shared == {"--precision": {"precision", "precisions"}, "--reduce-dtype": {"reduce_dtype", "reduce_dtypes"}}
-    # by hand: estimate 9 cluster (with --model) + 5 training + attention + 22 config + 8 mesh + routing x 2 +
-    # trust_remote_code = 48; plan 9 + 5 + attention + 2 search + 8 mesh + routing x 2 + trust = 28; explain 9 + 5 +
-    # attention + 9 config + 8 mesh = 32; calibrate 5 cluster + 5 training + attention + precisions + 7 config +
-    # 7 mesh = 26 (and its own 19 from CalibrationRequest); check 9 + 5 + 6 config = 20
-    assert from_request == {"plan": 28, "estimate": 48, "trace": 48, "explain": 32, "calibrate": 26, "check": 20,
+    # by hand: estimate 9 cluster (with --model) + 6 training + attention + 22 config + 8 mesh + routing x 2 +
+    # trust_remote_code = 49; plan 9 + 6 + attention + 2 search + 8 mesh + routing x 2 + trust = 29; explain 9 + 6 +
+    # attention + 9 config + 8 mesh = 33; calibrate 5 cluster + 6 training + attention + precisions + 7 config +
+    # 7 mesh = 27 (and its own 19 from CalibrationRequest); check 9 + 6 + 6 config = 21
+    assert from_request == {"plan": 29, "estimate": 49, "trace": 49, "explain": 33, "calibrate": 27, "check": 21,
                             "models": 0, "gpus": 0, "schema": 0}
     assert own["calibrate"] == {"emit", "output_format", "fault"}  # the rest are CalibrationRequest's knobs
     assert own["estimate"] == {"output_format"} and own["check"] == {"dynamic_control_flow", "output_format"}
@@ -131,7 +131,7 @@ def test_a_knobs_default_is_the_apis_and_the_clis():
     for command, api, own in (("estimate", estimate, {"async_tp": False}), ("plan", plan, {})):
         signature = inspect.signature(api).parameters
         cli = {p.name: p.default for p in _cli_commands()[command].params if p.name in signature}
-        assert len(cli) == (49 if command == "estimate" else 29)  # the knobs, --profile; the model is positional
+        assert len(cli) == (50 if command == "estimate" else 30)  # the knobs, --profile; the model is positional
         for name, default in cli.items():
             if name != "model":
                 assert default == own.get(name, signature[name].default), (command, name)

@@ -62,6 +62,7 @@ def resolved(c) -> dict:
         "seq_len": c.training.seq_len, "dtype": c.training.dtype,
         "mixed_precision_param": c.training.mixed_precision_param, "offload": c.training.enable_cpu_offload,
         "loss": type(c.loss).__qualname__.split(".")[0], "loss_chunks": getattr(c.loss, "num_chunks", None),
+        "optimizer_impl": c.optimizer.implementation,
     }
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 from cost_models.specs import SELECTIVE_OP, FsdpConfig, Precision, Sharding
 
 from planner.emit.kernels import from_torchtitan_loss
+from planner.emit import optimizer
 from planner.emit.torchtitan.job import preset_of
 from planner.errors import PlannerError
 from planner.doctor.readers.common import UserSetup, _bool, _int, _positive_int
@@ -270,4 +271,5 @@ def from_torchtitan(settings: dict, source: str = "torchtitan") -> UserSetup:
         use_cache=False,  # torchtitan's models keep no KV cache in training
         seq_len=seq_len, model=preset_of(settings.get("module"), settings.get("config")),
         pipeline=pipeline if pipeline.pp > 1 else None,
+        training=optimizer.from_torchtitan(settings),  # optimizer.implementation (default fused), name
     )

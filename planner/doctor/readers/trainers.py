@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from cost_models.specs import SELECTIVE_OP, FsdpConfig, Precision, Sharding
 
+from planner.emit.optimizer import from_hf_optim
 from planner.emit.kernels import from_hf_liger
 from planner.errors import PlannerError
 from planner.doctor.readers.common import UserSetup, _bool, _int, _int_or_none, _positive_int, _strategy, _strip, accelerate_degrees
@@ -178,6 +179,7 @@ def from_hf_trainer(data: dict, source: str = "TrainingArguments") -> UserSetup:
         **from_hf_liger(data),  # use_liger_kernel / liger_kernel_config (planner/emit/kernels.py)
         **mesh,
     )
+    optim, optim_notes = from_hf_optim(data, config.offload)
     return UserSetup(
         config=config, fsdp_version=version, source=source, dialect="hf-trainer",
         explicit=frozenset(str(k).removeprefix("fsdp_") for k in data.get("fsdp_config") or {}),
@@ -192,6 +194,7 @@ def from_hf_trainer(data: dict, source: str = "TrainingArguments") -> UserSetup:
         n_machines=replicas if replicas > 1 else None,
         use_cache=_bool("use_cache", data.get("use_cache", False)),  # TrainingArguments' default: off
         unexpressed=(SELECTIVE_OP,) if ac_every == SELECTIVE_OP else (),
-        notes=(ac_note,) if ac_note else (), checkpoint_regathers=regathers,
+        notes=((ac_note,) if ac_note else ()) + optim_notes, checkpoint_regathers=regathers,
+        training=optim,  # the optimizer `optim` runs (planner/emit/optimizer.py)
     )
 

@@ -14,6 +14,7 @@ from planner.emit.code import mesh as meshed
 from planner.emit.code import techniques as tech
 from planner.emit.common import _KV_CACHE_WHY, RESHARD_NOTE, _comment, _fsdp1_strategy, _mixed_dtypes, _notes, _summary
 from planner.emit.format import fit_lines
+from planner.emit.optimizer import optimizer_lines
 from planner.emit.kernels import code_liger_lines
 
 
@@ -256,6 +257,9 @@ def _render(config, model_spec, cluster, imports: list[str], body: list[str],
         "def apply_fsdp(model, device=None):",
         *(f"    {line}" if line else "" for line in body),
         *([""] + [_comment(notes)] if notes else []),
+        "",
+        "",
+        *optimizer_lines(training),
     ]
     if meshed.uses_mesh(config):  # the mesh snippets: every line at most 100 characters
         lines = fit_lines(lines)

@@ -31,6 +31,7 @@ from cost_models.specs import ClusterSpec, FsdpConfig, ModelSpec, Precision, Tra
 from planner.emit.common import (RESHARD_NOTE, _comment, _expert_notes, _fsdp1_only_notes, _summary, multi_node_note,
                                  torchrun_args)
 from planner.errors import PlannerError
+from planner.emit.optimizer import torchtitan_optimizer
 from planner.emit.kernels import torchtitan_kernel_flags
 from planner.emit.torchtitan.split import split_flags
 
@@ -231,9 +232,11 @@ def _mesh_flags(config: FsdpConfig, version: str) -> tuple[list, list[str]]:
 
 
 def torchtitan_overrides(config: FsdpConfig, cluster: ClusterSpec, seq_len: int, version: str = DEFAULT_VERSION,
-                         model_spec: ModelSpec | None = None) -> tuple[list, list[str]]:
+                         model_spec: ModelSpec | None = None,
+                         training: TrainingSpec | None = None) -> tuple[list, list[str]]:
     """((name, value, comment) flags, notes on what torchtitan cannot say) for the plan, in `version`'s names;
-    in 0.3 the last entry is the activation-checkpoint subcommand (value None)."""
+    in 0.3 the last entry is the activation-checkpoint subcommand (value None). The optimizer: `training`'s
+    (planner/emit/optimizer.py)."""
     version = _version(version)
     _refusal(config, version)
     mesh = mesh_of(config, cluster)
@@ -272,6 +275,9 @@ def torchtitan_overrides(config: FsdpConfig, cluster: ClusterSpec, seq_len: int,
                      "(mixed_precision_reduce has no other value): twice the gradient traffic of the plan")
     flags.append(("training.enable_cpu_offload", config.offload,
                   "params, grads and optimizer step on CPU" if config.offload else ""))
+    optimizer_flags, optimizer_notes = torchtitan_optimizer(training, version)
+    flags += optimizer_flags
+    notes += optimizer_notes
     checkpointing, ac_notes = _checkpointing(config, version)
     notes += ac_notes
     flags.append(("compile.enable", config.compile, "torchtitan compiles each block" if config.compile else ""))
@@ -309,7 +315,8 @@ def emit_torchtitan(config: FsdpConfig, model_spec: ModelSpec, cluster: ClusterS
     version = _version(version)
     if training is not None and training.finetune.value == "lora":
         raise PlannerError("emit", "torchtitan trains full models (no LoRA); use --emit hf-trainer or fsdp2")
-    flags, notes = torchtitan_overrides(config, cluster, training.seq_len if training else 2048, version, model_spec)
+    flags, notes = torchtitan_overrides(config, cluster, training.seq_len if training else 2048, version, model_spec,
+                                        training)
     notes += tech.reshard_group_note(config, "fsdp_reshard_after_forward (default | always | never) cannot say")
     notes += _fsdp1_only_notes(config, "an FSDP1 dialect (--emit fsdp1)") + _expert_notes(config, "torchtitan")
     launch = " ".join(["torchrun", *torchrun_args(cluster, script)])
