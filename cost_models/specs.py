@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from .cluster_spec import ClusterSpec, GpuSpec
 from .model_spec import ActivationProfile, ActivationTerms, BackwardMoment, ModelSpec, MoeSpec, TracedOperators
 from .schedules import Schedule
-from .spec_values import OptimizerImpl
 from .spec_values import MoeDispatch, Routing
+from .spec_values import OptimizerImpl
 from .spec_values import (SELECTIVE_OP, Attention, Finetune, Kernel, LossKernel, Optimizer, Precision, Sharding,
                           SpecError, check_degree, check_positive, enum_choices, format_activation_checkpointing,
                           parse_activation_checkpointing, parse_enum)

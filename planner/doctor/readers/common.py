@@ -44,7 +44,6 @@ class UserSetup:
     model: str | None = None                # the model the setup names (torchtitan 0.3's --module / --config)
     pipeline: object = None                 # torchtitan's pipeline settings (pipeline.PipelineSettings)
     training: tuple = ()                    # (request knob, value) pairs the file fixes (Automodel: routing, optimizer)
-    training: tuple = ()                    # (request knob, value) pairs the file fixes (Automodel: routing, optimizer)
     notes: tuple[str, ...] = field(default=())
 
 
