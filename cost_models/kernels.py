@@ -36,7 +36,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from . import loss_memory
+from . import loss_memory, operators
 from .operators import BlockOps, MemoryOp
 from .specs import FsdpConfig, Kernel, LossKernel, ModelSpec
 
@@ -201,3 +201,30 @@ def head_seconds(rates, head, tokens: int, config: FsdpConfig, model: ModelSpec)
     if rows == tokens:
         return 3 * rates.matmul_forward_s(head, tokens)
     return 3 * rates.matmul_forward_s(head, rows) * tokens / rows
+
+
+_OP_OF = {"norm_kernel": ("norm", "RMSNorm"), "rope_kernel": ("rope", "rotary embedding"),
+          "swiglu_kernel": ("swiglu", "SwiGLU MLP")}
+
+
+def kernel_refusal(model: ModelSpec, config: FsdpConfig) -> tuple[str, str] | None:
+    """(field, reason) for a kernel the model has no op for; None when every chosen kernel applies. An MoE model's
+    routed experts keep their own kernels (priced eager) beside a SwiGLU kernel; a model priced by a traced block
+    profile keeps its traced (eager) block bytes and time: the kernels change its root (final norm, loss) only."""
+    chosen = [name for name in ("norm_kernel", "rope_kernel", "swiglu_kernel", "loss_kernel")
+              if getattr(config, name).value != "eager"]
+    if not chosen:
+        return None
+    kinds = {op.kind for op in operators.block_ops(model, 2, 2048).memory_ops}
+    for name in chosen:
+        if name == "loss_kernel":
+            if operators.root_ops(model, 2)[0] is None:
+                return name, f"{model.name} has no output head for a fused or chunked loss: use eager"
+            continue
+        kind, what = _OP_OF[name]
+        missing = {"norm": model.norm not in ("rmsnorm", "rmsnorm_fp32"),
+                   "rope": kind not in kinds and model.activation_profile is None, "swiglu": not model.gated_mlp}[kind]
+        if missing:
+            return name, f"{model.name} has no {what}: the {getattr(config, name).value} kernel replaces none of its " \
+                         "ops; use eager"
+    return None

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from cost_models import fsdp_options
 from cost_models.evaluate import Evaluation, evaluate
 from cost_models.feasibility import refusals
+from cost_models.kernels import kernel_refusal
 from cost_models.mesh_rules import mesh_refusals
 from cost_models.profile import DEFAULT_PROFILE, Profile
 from cost_models.schedules import Schedule
@@ -294,6 +295,8 @@ def estimate_request(request: Request, profile: Profile | None = None) -> Candid
                         pp_stages_per_rank=mesh.pp_stages_per_rank or 0)
     if c.expert_units and spec.moe is None:
         raise PlannerError("expert_units", f"{spec.name} has no routed experts (a dense model): drop --expert-units")
+    if (kernel_refused := kernel_refusal(spec, config)) is not None:  # a kernel for an op the model lacks
+        raise PlannerError(*kernel_refused)
     return estimate_config(spec, cluster, training, config, profile)
 
 

@@ -69,3 +69,16 @@ def test_a_loss_kernel_is_not_the_models_compiled_loss():
     assert not FsdpConfig(compile=True, loss_kernel="chunked").loss_compiled
     with pytest.raises(SpecError, match="^swiglu_kernel: unknown value 'fused'; choose one of: eager, liger, te$"):
         FsdpConfig(swiglu_kernel="fused")
+
+
+@pytest.mark.parametrize("flag,line", [
+    ("--swiglu-kernel", "error: swiglu_kernel: gpt-125m has no SwiGLU MLP: the liger kernel replaces none of its ops; "
+                        "use eager\n"),
+    ("--norm-kernel", "error: norm_kernel: gpt-125m has no RMSNorm: the liger kernel replaces none of its ops; use "
+                      "eager\n"),
+    ("--rope-kernel", "error: rope_kernel: gpt-125m has no rotary embedding: the liger kernel replaces none of its "
+                      "ops; use eager\n"),
+])
+def test_a_kernel_for_an_op_the_model_lacks_is_one_line(flag, line, capsys):
+    code, out, err = invoke(["estimate", "--model", "gpt-125m", "--gpus", "8", flag, "liger"], capsys)
+    assert (code, out, err) == (2, "", line)
