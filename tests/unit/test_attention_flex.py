@@ -279,3 +279,16 @@ def test_small_gpt_oss_flex_estimate_against_the_trace_tier():
     assert est.peak_allocated_bytes == pytest.approx(traced.peak_allocated_bytes, rel=0.015)
     for key in ("sharded_params", "unsharded_params", "collective_buffers"):
         assert est.breakdown.to_dict()[key] == traced.breakdown[key], key
+
+
+def test_preferred_attention_for_a_trainer():
+    """The first of a model's attention choices the trainer runs (planner/models/family_table.py)."""
+    from planner.models.family_table import preferred_attention
+    from planner.models.resolve import load_preset
+
+    choices = load_preset("gpt-oss-20b").attention_choices
+    assert choices == ("flex", "eager")
+    assert preferred_attention(choices) == "flex"
+    assert preferred_attention(choices, {"sdpa", "eager"}) == "eager"   # a trainer without FlexAttention
+    assert preferred_attention(choices, {"sdpa"}) is None
+    assert preferred_attention(load_preset("llama3-8b").attention_choices, {"flex", "sdpa"}) == "sdpa"
