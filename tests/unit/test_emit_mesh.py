@@ -230,10 +230,13 @@ def fake_group():
         dist.init_process_group("fake", rank=0, world_size=world, store=FakeStore())
 
     yield start
-    import torch.distributed as dist
+    from calibration.fake_world import _forget_dtensor_placements
 
     if dist.is_initialized():
         dist.destroy_process_group()
+    # DTensor's caches hold this world's meshes and groups: a later fake world of the same mesh shape in this process
+    # (the pipeline trace of test_emit_pp_sp_torchrun, run after this file on one worker) redistributed through them
+    _forget_dtensor_placements()
 
 
 MESH_PLANS = [  # (config, cluster): the snippet's MESH_SHAPE / MESH_DIMS must be the plan's mesh
