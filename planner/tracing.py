@@ -109,6 +109,11 @@ def trace_candidate(candidate: Candidate, hf_config: dict | None, profile: Profi
     if hf_config is None and spec.family != "llama":
         raise PlannerError("model", f"{spec.name}: no Hugging Face config to build it from and the reference "
                                     "implementation covers the llama family only; pass a preset or config.json")
+    kernel = next((k for k in ("norm_kernel", "rope_kernel", "swiglu_kernel", "loss_kernel")
+                   if getattr(candidate.config, k).value != "eager"), None)
+    if kernel is not None:  # tests/unit/test_kernels_memory.py checks the kernels against CPU runs instead
+        raise PlannerError(kernel, "the trace runs the model's own eager ops, not Liger / Transformer Engine kernels "
+                                   "or torchtitan's chunked loss: trace with eager kernels")
     try:
         with progress(f"tracing {spec.name} on {candidate.cluster.n_gpus} fake ranks"):
             if candidate.config.pp > 1:  # a trace per pipeline rank; the largest leads, as the estimate's headline

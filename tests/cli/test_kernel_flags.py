@@ -37,10 +37,12 @@ def test_liger_sets_the_four_kernels_and_a_flag_overrides_its_own(capsys):
     config = json.loads(out)["config"]
     assert (config.get("norm_kernel"), config["rope_kernel"], config["swiglu_kernel"], config["loss_kernel"]) == (
         None, "liger", "liger", "liger")
-    code, out, err = invoke([*BASE, "--rope-kernel", "te", "--loss-kernel", "chunked", "--format", "json"], capsys)
+    code, out, err = invoke([*BASE, "--rope-kernel", "liger", "--loss-kernel", "liger", "--format", "json"], capsys)
     assert code == 0, err
     config = json.loads(out)["config"]
-    assert (config.get("norm_kernel"), config["rope_kernel"], config["loss_kernel"]) == (None, "te", "chunked")
+    assert (config.get("norm_kernel"), config["rope_kernel"], config["loss_kernel"]) == (None, "liger", "liger")
+    spelled = FsdpConfig(rope_kernel="te", loss_kernel="chunked").to_dict()
+    assert (spelled["rope_kernel"], spelled["loss_kernel"], "norm_kernel" in spelled) == ("te", "chunked", False)
 
 
 @pytest.mark.parametrize("flag,value,line", [
@@ -82,3 +84,10 @@ def test_a_loss_kernel_is_not_the_models_compiled_loss():
 def test_a_kernel_for_an_op_the_model_lacks_is_one_line(flag, line, capsys):
     code, out, err = invoke(["estimate", "--model", "gpt-125m", "--gpus", "8", flag, "liger"], capsys)
     assert (code, out, err) == (2, "", line)
+
+
+def test_the_trace_refuses_kernels_it_does_not_run(capsys):
+    code, out, err = invoke(["trace", "--model", "llama3-8b", "--gpus", "8", "--liger"], capsys)
+    assert (code, out, err) == (2, "", "error: norm_kernel: the trace runs the model's own eager ops, not Liger / "
+                                       "Transformer Engine kernels or torchtitan's chunked loss: trace with eager "
+                                       "kernels\n")
