@@ -151,7 +151,7 @@ def run(job: dict) -> None:
     else:
         model = apply_config(model, config, job["fsdp_version"], classes, world, gpus_per_node, device, lora)
     optimizer = make_optimizer(job["optimizer"], [p for p in model.parameters() if p.requires_grad],
-                               config.precision.value)
+                               config.precision.value, job.get("optimizer_impl", "foreach"))  # older jobs: foreach
     scaler = grad_scaler_for(config, device=device.type)
     loss_fn = loss_fn_for(config)
 

@@ -68,13 +68,17 @@ def step_context(model: nn.Module, config: FsdpConfig, ids: torch.Tensor):
     return stack
 
 
-def make_optimizer(name: str, params, precision_name: str):
+def make_optimizer(name: str, params, precision_name: str, impl: str = "foreach"):
+    """The job's optimizer, stepping with the implementation the plan priced (TrainingSpec.optimizer_impl: foreach,
+    fused or for-loop, said explicitly: torch's own default is for-loop on CPU tensors); bitsandbytes' 8-bit AdamW
+    has its own kernel."""
     lr = 1e-4
+    how = {"fused": True} if impl == "fused" else {"foreach": impl == "foreach"}
     if name in ("adamw", "adam"):
         cls = torch.optim.AdamW if name == "adamw" else torch.optim.Adam
-        return cls(params, lr=lr)
+        return cls(params, lr=lr, **how)
     if name == "sgd":
-        return torch.optim.SGD(params, lr=lr, momentum=0.9)
+        return torch.optim.SGD(params, lr=lr, momentum=0.9, **how)
     if name == "adamw-8bit":
         try:
             import bitsandbytes as bnb
