@@ -84,6 +84,18 @@ class Optimizer(str, Enum):
         return {"adamw": 2 * width, "adam": 2 * width, "sgd": width, "adamw-8bit": 2}[self.value]
 
 
+class OptimizerImpl(str, Enum):
+    """How torch.optim runs the step (the foreach= / fused= keywords; cost_models/optimizer_step.py prices each):
+    foreach (one multi-tensor kernel per op over every parameter: torch's default on CUDA), fused (one kernel
+    for the whole update, torch._fused_adamw_ / _fused_sgd_: HF Trainer's and torchtitan 0.3's default) or
+    for-loop (foreach=False: parameter by parameter; torch's default for CPU tensors, hence for a CPU-offloaded
+    step). adamw-8bit runs bitsandbytes' own per-parameter kernel whatever is asked: it is spelled fused."""
+
+    FOREACH = "foreach"
+    FUSED = "fused"
+    FOR_LOOP = "for-loop"
+
+
 class Attention(str, Enum):
     SDPA = "sdpa"    # fused kernels: no s^2 score storage
     EAGER = "eager"  # explicit softmax(QK^T): stores a*s^2 scores per sequence and layer
@@ -111,6 +123,24 @@ class LossKernel(str, Enum):
     EAGER = "eager"
     CHUNKED = "chunked"
     LIGER = "liger"
+
+
+class MoeDispatch(str, Enum):
+    """How a sparse block's tokens reach the expert-parallel ranks (cost_models/expert_parallel.py prices each):
+    NCCL all-to-all of every routed row (transformers' AllToAllEP, torchtitan), or DeepEP's normal-mode dispatch
+    / combine kernels, which send a token once per destination rank, as NeMo Automodel's GroupedExpertsDeepEP
+    runs them (Megatron's flex token dispatcher: fused permute / unpermute, the weighted SwiGLU)."""
+
+    ALL_TO_ALL = "all-to-all"
+    DEEPEP = "deepep"
+
+
+class Routing(str, Enum):
+    """The router of an MoE model: learned (a gate matmul, softmax / sigmoid, top-k), or NeMo Automodel's
+    FakeBalancedGate (benchmark runs: token t takes experts (t k + j) mod E, weights 1 / k; no matmul, balanced)."""
+
+    LEARNED = "learned"
+    ROUND_ROBIN = "round-robin"
 
 
 SELECTIVE_OP = "selective-op"  # torchtitan's op-level policy in every block (FsdpConfig.selective_op_ac)

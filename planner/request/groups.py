@@ -55,15 +55,23 @@ class TrainingRequest:
     seq_len: int = knob(2048, "--seq-len", help="Tokens per sequence")
     global_batch: int | None = knob(None, "--global-batch", help="Sequences per optimizer step")
     optimizer: str = knob("adamw", "--optimizer", help="adamw, adam, sgd, adamw-8bit")
+    optimizer_impl: str | None = knob(None, "--optimizer-impl", help="How torch runs the optimizer step: foreach "
+                                      "(one more fp32 copy of the local shard at the step), fused (none; HF "
+                                      "Trainer's adamw_torch_fused, torchtitan 0.3's default) or for-loop "
+                                      "(foreach=False: two copies of one parameter). Default: the trainer's "
+                                      "(foreach)")
     finetune: str = knob("full", "--finetune", help="full or lora")
     lora_rank: int = knob(16, "--lora-rank", help="LoRA rank")
     routing_imbalance: float = knob(1.0, "--routing-imbalance", help="MoE with --ep: the busiest rank's routed "
                                     "tokens over the mean (1 = balanced routing, the default)")
+    routing: str = knob("learned", "--routing", help="MoE router: learned (the model's gate), or round-robin (NeMo "
+                        "Automodel's FakeBalancedGate of its benchmark runs: balanced, no gate matmul)")
 
     def spec(self) -> TrainingSpec:
         return TrainingSpec(seq_len=self.seq_len, global_batch=self.global_batch, optimizer=self.optimizer,
-                            finetune=self.finetune, lora_rank=self.lora_rank,
-                            routing_imbalance=self.routing_imbalance)
+                            optimizer_impl=self.optimizer_impl or "foreach", finetune=self.finetune,
+                            lora_rank=self.lora_rank,
+                            routing_imbalance=self.routing_imbalance, routing=self.routing)
 
 
 @dataclass(frozen=True)
@@ -129,6 +137,9 @@ class ConfigRequest:
                               "experts as their own FSDP unit")
     reduce_dtype: str | None = knob(None, "--reduce-dtype", help="gradient reduction dtype: fp32 or bf16 "
                                     "(default: the precision's)")
+    moe_dispatch: str | None = knob(None, "--moe-dispatch", help="MoE with --ep: all-to-all (NCCL, every routed "
+                                    "row) or deepep (DeepEP's dispatch / combine, one row per destination rank, as "
+                                    "NeMo Automodel runs it); default: the trainer's, else all-to-all")
     compile: bool = knob(False, "--compile/--no-compile", help="torch.compile each block (torchtitan style, "
                          "before fully_shard)")
     compile_scope: str | None = knob(None, "--compile-scope", help="With --compile: blocks (the loss left eager: "
