@@ -178,6 +178,8 @@ def _attention_bytes(model: ModelSpec, c: int, attention: Attention, seq_len: in
     eager = _uses_s2_attention(model, attention)
     if model.family in _SEPARATE_QKV_FAMILIES:
         qkv = 3 * c * q if eager else c * (q + 2 * kv)   # eager repeats k and v per query head
+        if attention is Attention.FLEX and model.n_heads & (model.n_heads - 1):
+            qkv = 3 * c * q  # transformers' flex path repeats k and v unless the heads are a power of two
     elif model.family in _FUSED_ROTARY_FAMILIES:
         qkv = c * (q + 2 * kv) + c * (q + kv)            # fused projection + rotated q and k
         if eager and (micro_batch > 1 or kv < q):
@@ -192,7 +194,7 @@ def _attention_bytes(model: ModelSpec, c: int, attention: Attention, seq_len: in
     out = c * q + LOGSUMEXP_BYTES * model.n_heads
     if model.family in _FUSED_ROTARY_FAMILIES:
         out += c * q                                     # the output, copied into (b, s, heads x d)
-    if window_masks(model, seq_len):
+    if window_masks(model, seq_len) and attention is not Attention.FLEX:  # flex: a BlockMask (eager_mask_bytes)
         # A window no longer than the sequence makes transformers hand SDPA an (s, s) mask, which each
         # windowed layer saves in the compute dtype; with a mask transformers repeats k and v per query
         # head (repeat_kv; a view when there is one kv head), and SDPA saves the repeated copies.

@@ -148,6 +148,9 @@ class Family:
     softcap: tuple[float | None, float | None] | None = None  # defaults of (attn_, final_)logit_softcapping
     window: Callable[[Cfg, int], tuple[int, int]] = no_window
     attention: Callable[[Cfg], tuple[str, ...]] = any_attention
+    # with a sliding window and no attention dropout (transformers' flex path refuses it), FlexAttention comes last
+    # (_supports_flex_attn; separate q/k/v projections, which cost_models/attention_flex.py is checked on)
+    flex_windows: bool = False
     dropout: tuple[tuple[str, float], ...] = (("attention_dropout", 0.0),)  # keys read, with defaults
     activation_renames: tuple[tuple[str, str], ...] = ()  # what __post_init__ rewrites (Gemma: gelu -> tanh)
 
@@ -162,22 +165,22 @@ _GEMMA = dict(norm="rmsnorm_fp32", tied=True, head_dim=256, activation=("hidden_
 FAMILIES: dict[str, Family] = {
     "llama": Family("LlamaDecoderLayer", 2048, qkv_bias=_ATTENTION_BIAS, o_bias=_ATTENTION_BIAS,
                     mlp_bias=("mlp_bias", False)),
-    "mistral": Family("MistralDecoderLayer", 4096 * 32, kv_heads=8, window=mistral_window),
-    "qwen2": Family("Qwen2DecoderLayer", 32768, qkv_bias=True, kv_heads=32, window=qwen_window),
+    "mistral": Family("MistralDecoderLayer", 4096 * 32, kv_heads=8, window=mistral_window, flex_windows=True),
+    "qwen2": Family("Qwen2DecoderLayer", 32768, qkv_bias=True, kv_heads=32, window=qwen_window, flex_windows=True),
     # Phi-3 declares resid_pdrop/embd_pdrop but its transformers module only applies attention dropout.
     "phi3": Family("Phi3DecoderLayer", 4096, fused_projections=True, window=window_if_set),
     "qwen3": Family("Qwen3DecoderLayer", 32768, qkv_bias=_ATTENTION_BIAS, o_bias=_ATTENTION_BIAS, qk_norm="head",
-                    head_dim=128, kv_heads=32, window=qwen_window),
+                    head_dim=128, kv_heads=32, window=qwen_window, flex_windows=True),
     "gemma": Family("GemmaDecoderLayer", 8192, qkv_bias=_ATTENTION_BIAS, o_bias=_ATTENTION_BIAS, kv_heads=16,
                     **{**_GEMMA, "activation": ("hidden_act", "gelu_pytorch_tanh")},
                     activation_renames=(("gelu", "gelu_pytorch_tanh"),)),
     "gemma2": Family("Gemma2DecoderLayer", 8192, qkv_bias=_ATTENTION_BIAS, o_bias=_ATTENTION_BIAS, kv_heads=4,
                      norm_layout="sandwich", softcap=(50.0, 30.0), window=alternating(None, 2, 4096),
-                     attention=eager_only, **_GEMMA),
+                     attention=eager_only, flex_windows=True, **_GEMMA),
     "gemma3_text": Family("Gemma3DecoderLayer", 131072, qkv_bias=_ATTENTION_BIAS, o_bias=_ATTENTION_BIAS,
                           kv_heads=4, norm_layout="sandwich", qk_norm="head", softcap=(None, None),
                           window=alternating("sliding_window_pattern", 6, 4096), attention=eager_if_softcapped,
-                          **_GEMMA),
+                          flex_windows=True, **_GEMMA),
     "olmo2": Family("Olmo2DecoderLayer", 2048, qkv_bias=_ATTENTION_BIAS, o_bias=_ATTENTION_BIAS,
                     norm="rmsnorm_fp32", norm_layout="post", qk_norm="full"),
     "phi": Family("PhiDecoderLayer", 2048, qkv_bias=True, o_bias=True, mlp_bias=True, norm="layernorm",
@@ -187,7 +190,7 @@ FAMILIES: dict[str, Family] = {
     "starcoder2": Family("Starcoder2DecoderLayer", 4096, qkv_bias=("use_bias", True), o_bias=("use_bias", True),
                          mlp_bias=("use_bias", True), norm="layernorm", gated_mlp=False,
                          activation=("hidden_act", "gelu_pytorch_tanh"), tied=True, kv_heads=2,
-                         window=window_if_set,
+                         window=window_if_set, flex_windows=True,
                          dropout=(("residual_dropout", 0.0), ("embedding_dropout", 0.0), ("attention_dropout", 0.0))),
 }
 
@@ -262,6 +265,10 @@ def common_fields(c: Cfg, fam: Family, d: Dims) -> dict:
     tied = c.flag("tie_word_embeddings", fam.tied)
     window, full_layers = fam.window(c, d.n_layers)
     attn_softcap = logit_softcap = False
+    attention_dropout = c.any_dropout(**{k: p for k, p in fam.dropout if k == "attention_dropout"})
+    choices = fam.attention(c)
+    if fam.flex_windows and window and not attention_dropout and "flex" not in choices:
+        choices += ("flex",)
     if fam.softcap is not None:
         attn_softcap = c.data.get("attn_logit_softcapping", fam.softcap[0]) is not None
         logit_softcap = c.data.get("final_logit_softcapping", fam.softcap[1]) is not None
@@ -276,10 +283,10 @@ def common_fields(c: Cfg, fam: Family, d: Dims) -> dict:
         qk_norm=fam.qk_norm if fam.qk_norm and read_flag(c, fam.qk_norm_flag) else "",
         parallel_block=fam.norm_layout == "parallel", activation=activation_of(c, fam), tied_embeddings=tied,
         dropout=c.any_dropout(**dict(fam.dropout)), lora_target_shapes=attention_lora_shapes(fam, d),
-        attention_dropout=c.any_dropout(**{k: p for k, p in fam.dropout if k == "attention_dropout"}),
+        attention_dropout=attention_dropout,
         max_seq_len=c.size("max_position_embeddings", default=fam.max_positions),
         sliding_window=window, full_attention_layers=full_layers if window else 0,
-        attn_softcap=attn_softcap, logit_softcap=logit_softcap, attention_choices=fam.attention(c),
+        attn_softcap=attn_softcap, logit_softcap=logit_softcap, attention_choices=choices,
     )
 
 

@@ -292,3 +292,75 @@ def test_preferred_attention_for_a_trainer():
     assert preferred_attention(choices, {"sdpa", "eager"}) == "eager"   # a trainer without FlexAttention
     assert preferred_attention(choices, {"sdpa"}) is None
     assert preferred_attention(load_preset("llama3-8b").attention_choices, {"flex", "sdpa"}) == "sdpa"
+
+
+_WINDOWED = {  # small configs of the sliding-window families that offer flex (family_table.Family.flex_windows)
+    "mistral": dict(model_type="mistral", num_attention_heads=8, num_key_value_heads=2, sliding_window=32),
+    "mistral-6-heads": dict(model_type="mistral", num_attention_heads=6, num_key_value_heads=2, sliding_window=32),
+    "gemma2": dict(model_type="gemma2", num_attention_heads=8, num_key_value_heads=4, head_dim=16,
+                   sliding_window=32, query_pre_attn_scalar=16),
+    "gemma3_text": dict(model_type="gemma3_text", num_attention_heads=8, num_key_value_heads=2, head_dim=16,
+                        sliding_window=32, sliding_window_pattern=2, layer_types=["sliding_attention",
+                                                                                   "full_attention"]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_WINDOWED))
+def test_real_cpu_step_of_sliding_window_families_with_flex(name):
+    """Each family's transformers model (fp32, 2 layers, b 2 x 96) with the flex implementation: the loss and
+    gradients of eager (Gemma 2's soft-capping through the score_mod), and each layer's attention saving what
+    activations prices for flex - SDPA's set without the window's (s, s) mask and repeated k / v (its BlockMask
+    instead), k / v repeated when the heads are no power of two - exactly."""
+    pytest.importorskip("transformers")
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from calibration.flex_kernel import use_flex
+    from cost_models.activations import _attention_bytes
+    from planner.models import from_hf_config
+
+    hf = {"vocab_size": 256, "hidden_size": 96, "intermediate_size": 128, "num_hidden_layers": 2,
+          "max_position_embeddings": 512, "use_cache": False, "bos_token_id": 0, "eos_token_id": 0,
+          "pad_token_id": 0, **_WINDOWED[name]}
+    spec = from_hf_config(hf)
+    assert spec.attention_choices[-1] == "flex"
+    fields = {k: v for k, v in hf.items() if k != "model_type"}
+    torch.manual_seed(0)
+    eager = AutoModelForCausalLM.from_config(AutoConfig.for_model(hf["model_type"], **fields),
+                                             attn_implementation="eager")
+    flex = AutoModelForCausalLM.from_config(AutoConfig.for_model(hf["model_type"], **fields),
+                                            attn_implementation=use_flex())
+    flex.load_state_dict(eager.state_dict())
+    batch, seq = 2, 96
+    ids = torch.randint(0, 256, (batch, seq))
+    skip = {p.untyped_storage().data_ptr() for p in flex.parameters()}
+    saved, per_layer = {}, []
+
+    def pack(t):
+        # per token only: Gemma 3's q / k norms save their (1 + w) in fp32 (head_dim each, per layer), and on CPU
+        # the score_mod's example trace (create_fw_bw_graph) saves 0-dim scalars of its own
+        if t.dim() >= 2:
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    def before(module, args, kwargs):
+        saved.clear()
+        skip.add((args[0] if args else kwargs["hidden_states"]).untyped_storage().data_ptr())
+        skip.update(t.untyped_storage().data_ptr() for t in kwargs["position_embeddings"])
+
+    hooks = [h for layer in flex.model.layers for h in (
+        layer.self_attn.register_forward_pre_hook(before, with_kwargs=True),
+        layer.self_attn.register_forward_hook(lambda *_: per_layer.append(
+            sum(n for ptr, n in saved.items() if ptr not in skip))))]
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = flex(input_ids=ids, labels=ids).loss
+    for handle in hooks:
+        handle.remove()
+    reference = eager(input_ids=ids, labels=ids).loss
+    loss.backward(), reference.backward()
+    assert loss.item() == pytest.approx(reference.item(), rel=1e-5)
+    grads = dict(eager.named_parameters())
+    for key, p in flex.named_parameters():
+        assert torch.allclose(p.grad, grads[key].grad, rtol=1e-3, atol=1e-6), key
+    expected = batch * seq * _attention_bytes(spec, 4, Attention.FLEX, seq, batch) + \
+        attention_flex.block_mask_bytes(seq, batch)
+    assert per_layer == [expected] * 2

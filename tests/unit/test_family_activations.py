@@ -72,7 +72,7 @@ def test_qk_norms_and_fp32_norms_by_hand():
 def test_gemma2_softcaps_and_sandwich_norms_by_hand():
     c, s = 2, 1024
     g = from_hf_config(CONFIGS["gemma2"])
-    assert g.attention_choices == ("eager",) and g.attn_softcap and g.logit_softcap
+    assert g.attention_choices == ("eager", "flex") and g.attn_softcap and g.logit_softcap
     # eager probabilities per head and key: fp32 softmax, its cast back, the tanh output
     probs = 4 * s * (4 + c + c)
     # 4 fp32-weight norms + 2 pre-norm outputs; q, repeated k and v; P @ V's copy; the probabilities; MLP

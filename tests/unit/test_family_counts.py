@@ -155,16 +155,18 @@ def test_moe_shapes_match_the_stacked_expert_tensors(key):
 
 def test_family_quirk_fields():
     gemma2 = from_hf_config(FAMILY_CONFIGS["gemma2"])
-    assert gemma2.attention_choices == ("eager",)          # Gemma2PreTrainedModel: _supports_sdpa = False
+    # Gemma2PreTrainedModel: _supports_sdpa = False; flex (_supports_flex_attn) last for its window
+    assert gemma2.attention_choices == ("eager", "flex")
     assert (gemma2.attn_softcap, gemma2.logit_softcap) == (True, True)  # Gemma2Config's defaults 50 / 30
     assert (gemma2.sliding_window, gemma2.full_attention_layers) == (4096, 1)  # layers 0, 2 local; 1 global
     assert (gemma2.norm, gemma2.norm_layout, gemma2.tied_embeddings) == ("rmsnorm_fp32", "sandwich", True)
     assert gemma2.activation == "gelu_tanh"
     gemma3 = from_hf_config(FAMILY_CONFIGS["gemma3_text"])
-    assert gemma3.attention_choices == ("sdpa", "eager") and not gemma3.attn_softcap and not gemma3.logit_softcap
+    assert gemma3.attention_choices == ("sdpa", "eager", "flex") and not gemma3.attn_softcap
+    assert not gemma3.logit_softcap
     assert (gemma3.sliding_window, gemma3.full_attention_layers, gemma3.qk_norm) == (8, 1, "head")
     capped = from_hf_config(FAMILY_CONFIGS["gemma3_text-softcap-default-headdim"])
-    assert capped.attention_choices == ("eager",) and capped.head_dim == 256
+    assert capped.attention_choices == ("eager", "flex") and capped.head_dim == 256
     assert from_hf_config(FAMILY_CONFIGS["gemma"]).activation == "gelu_tanh"  # GemmaConfig rewrites "gelu"
     olmo2 = from_hf_config(FAMILY_CONFIGS["olmo2"])
     assert (olmo2.norm_layout, olmo2.qk_norm, olmo2.norm) == ("post", "full", "rmsnorm_fp32")
