@@ -113,8 +113,9 @@ def hf_model_class(config) -> type:
 
 def hf_attention(cls: type, requested: str) -> str:
     """The attention implementation `cls` runs for `requested`: SDPA or FlexAttention where the family supports
-    it (transformers' `_supports_sdpa`, `_supports_flex_attn`), else eager, which every family has. Flex runs as
-    a GPU run compiles it (calibration/flex_kernel.py: its saved tensors, on CPU and fake tensors)."""
+    it (transformers' `_supports_sdpa`, `_supports_flex_attn`), else eager, which every family has. Flex is
+    calibration/flex_kernel.py's: transformers' own compiled kernel on a GPU, and on CPU and fake tensors a kernel
+    that saves what that one saves."""
     if requested == "sdpa" and not getattr(cls, "_supports_sdpa", False):
         return "eager"
     if requested == "flex":

@@ -116,8 +116,15 @@ def _repeat_kv(hidden, n_rep: int):
 
 def flex_attention_forward(module, query, key, value, attention_mask, scaling=None, softcap=None, s_aux=None,
                            position_bias=None, **kwargs):
-    """transformers' flex_attention_forward (training), the kernel above in place of the compiled one."""
+    """transformers' flex_attention_forward (training), the kernel above in place of the compiled one; on a GPU
+    (a calibration run) transformers' own, with the compiled kernel."""
     from torch.nn.attention.flex_attention import BlockMask
+
+    if query.device.type == "cuda":
+        from transformers.integrations.flex_attention import flex_attention_forward as compiled_forward
+
+        return compiled_forward(module, query, key, value, attention_mask, scaling=scaling, softcap=softcap,
+                                s_aux=s_aux, position_bias=position_bias, **kwargs)
 
     if kwargs.get("dropout", 0.0) > 0:
         raise ValueError("`flex_attention` does not support `dropout`")
