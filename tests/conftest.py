@@ -81,6 +81,48 @@ def load_accelerate():
     return _load_accelerate
 
 
+def _attention_saved_bytes(model, run):
+    """(run()'s result, the bytes each layer's self_attn saved for backward while it ran): unique storages through
+    saved_tensors_hooks, the attention's inputs (normed hidden states, rotary tables) and the parameters aside,
+    per-token tensors only (dim >= 2: no per-layer constants such as Gemma 3's fp32 (1 + w) norm weights, nor the
+    0-dim scalars torch's score_mod example trace saves on CPU)."""
+    import torch
+
+    skip = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved, per_layer = {}, []
+
+    def pack(t):
+        if t.dim() >= 2:
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    def before(_module, args, kwargs):
+        saved.clear()
+        skip.add((args[0] if args else kwargs["hidden_states"]).untyped_storage().data_ptr())
+        skip.update(t.untyped_storage().data_ptr() for t in kwargs["position_embeddings"])
+
+    def after(*_):
+        per_layer.append(sum(n for ptr, n in saved.items() if ptr not in skip))
+
+    hooks = []
+    for layer in model.model.layers:
+        hooks += [layer.self_attn.register_forward_pre_hook(before, with_kwargs=True),
+                  layer.self_attn.register_forward_hook(after)]
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            result = run()
+    finally:
+        for handle in hooks:
+            handle.remove()
+    return result, per_layer
+
+
+@pytest.fixture
+def attention_saved_bytes():
+    """_attention_saved_bytes as a function (model, run) -> (run(), bytes per layer)."""
+    return _attention_saved_bytes
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _planner_cache(tmp_path_factory):
     """Block profiles and specs of generic models are cached under a test-session directory, not ~/.cache.

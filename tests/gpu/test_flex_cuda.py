@@ -13,7 +13,7 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none on this machine)")]
 
 
-def test_gpt_oss_flex_on_cuda_matches_eager_and_saves_the_formula():
+def test_gpt_oss_flex_on_cuda_matches_eager_and_saves_the_formula(attention_saved_bytes):
     pytest.importorskip("transformers")
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -36,27 +36,7 @@ def test_gpt_oss_flex_on_cuda_matches_eager_and_saves_the_formula():
     flex.load_state_dict(eager.state_dict())
     batch, seq = 2, 1024
     ids = torch.randint(0, 512, (batch, seq), device="cuda")
-    skip = {p.untyped_storage().data_ptr() for p in flex.parameters()}
-    saved, per_layer = {}, []
-
-    def pack(t):
-        if t.dim() >= 2:
-            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    def before(module, args, kwargs):
-        saved.clear()
-        skip.add((args[0] if args else kwargs["hidden_states"]).untyped_storage().data_ptr())
-        skip.update(t.untyped_storage().data_ptr() for t in kwargs["position_embeddings"])
-
-    hooks = [h for layer in flex.model.layers for h in (
-        layer.self_attn.register_forward_pre_hook(before, with_kwargs=True),
-        layer.self_attn.register_forward_hook(lambda *_: per_layer.append(
-            sum(n for ptr, n in saved.items() if ptr not in skip))))]
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = flex(input_ids=ids, labels=ids).loss
-    for handle in hooks:
-        handle.remove()
+    loss, per_layer = attention_saved_bytes(flex, lambda: flex(input_ids=ids, labels=ids).loss)
     reference = eager(input_ids=ids, labels=ids).loss
     loss.backward(), reference.backward()
     assert loss.item() == pytest.approx(reference.item(), rel=2e-2)  # bf16 kernels

@@ -130,7 +130,7 @@ TINY = dict(model_type="gpt_oss", vocab_size=256, hidden_size=64, intermediate_s
             use_cache=False, bos_token_id=0, eos_token_id=0, pad_token_id=0)
 
 
-def test_real_cpu_step_of_a_small_gpt_oss_with_flex():
+def test_real_cpu_step_of_a_small_gpt_oss_with_flex(attention_saved_bytes):
     """transformers' GptOssForCausalLM in fp32 with the flex implementation: the loss and gradients of eager to
     fp32 rounding, an AdamW step, and each layer's attention saving what activations_sinks prices for flex
     (q, k, v, out, logsumexp; the sinks' logsumexp, its input and exp; the o-projection's input) plus its mask."""
@@ -150,28 +150,7 @@ def test_real_cpu_step_of_a_small_gpt_oss_with_flex():
     flex.load_state_dict(eager.state_dict())
     batch, seq = 2, 96
     ids = torch.randint(0, TINY["vocab_size"], (batch, seq))
-    saved, per_layer = {}, []
-
-    def pack(t):
-        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    def before(module, args, kwargs):
-        saved.clear()
-        # what the attention reads but does not make: its normed input, the rotary tables
-        ctx.add(args[0].untyped_storage().data_ptr() if args else kwargs["hidden_states"].untyped_storage().data_ptr())
-        ctx.update(t.untyped_storage().data_ptr() for t in kwargs["position_embeddings"])
-
-    def after(module, args, kwargs, out):
-        per_layer.append(sum(n for ptr, n in saved.items() if ptr not in ctx))
-
-    ctx = {p.untyped_storage().data_ptr() for p in flex.parameters()}  # the linears save their weights (views)
-    hooks = [(layer.self_attn.register_forward_pre_hook(before, with_kwargs=True),
-              layer.self_attn.register_forward_hook(after, with_kwargs=True)) for layer in flex.model.layers]
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = flex(input_ids=ids, labels=ids).loss
-    for pre, post in hooks:
-        pre.remove(), post.remove()
+    loss, per_layer = attention_saved_bytes(flex, lambda: flex(input_ids=ids, labels=ids).loss)
     reference = eager(input_ids=ids, labels=ids).loss
     loss.backward(), reference.backward()
     assert loss.item() == pytest.approx(reference.item(), rel=1e-6)
@@ -307,7 +286,7 @@ _WINDOWED = {  # small configs of the sliding-window families that offer flex (f
 
 
 @pytest.mark.parametrize("name", sorted(_WINDOWED))
-def test_real_cpu_step_of_sliding_window_families_with_flex(name):
+def test_real_cpu_step_of_sliding_window_families_with_flex(name, attention_saved_bytes):
     """Each family's transformers model (fp32, 2 layers, b 2 x 96) with the flex implementation: the loss and
     gradients of eager (Gemma 2's soft-capping through the score_mod), and each layer's attention saving what
     activations prices for flex - SDPA's set without the window's (s, s) mask and repeated k / v (its BlockMask
@@ -333,29 +312,7 @@ def test_real_cpu_step_of_sliding_window_families_with_flex(name):
     flex.load_state_dict(eager.state_dict())
     batch, seq = 2, 96
     ids = torch.randint(0, 256, (batch, seq))
-    skip = {p.untyped_storage().data_ptr() for p in flex.parameters()}
-    saved, per_layer = {}, []
-
-    def pack(t):
-        # per token only: Gemma 3's q / k norms save their (1 + w) in fp32 (head_dim each, per layer), and on CPU
-        # the score_mod's example trace (create_fw_bw_graph) saves 0-dim scalars of its own
-        if t.dim() >= 2:
-            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    def before(module, args, kwargs):
-        saved.clear()
-        skip.add((args[0] if args else kwargs["hidden_states"]).untyped_storage().data_ptr())
-        skip.update(t.untyped_storage().data_ptr() for t in kwargs["position_embeddings"])
-
-    hooks = [h for layer in flex.model.layers for h in (
-        layer.self_attn.register_forward_pre_hook(before, with_kwargs=True),
-        layer.self_attn.register_forward_hook(lambda *_: per_layer.append(
-            sum(n for ptr, n in saved.items() if ptr not in skip))))]
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = flex(input_ids=ids, labels=ids).loss
-    for handle in hooks:
-        handle.remove()
+    loss, per_layer = attention_saved_bytes(flex, lambda: flex(input_ids=ids, labels=ids).loss)
     reference = eager(input_ids=ids, labels=ids).loss
     loss.backward(), reference.backward()
     assert loss.item() == pytest.approx(reference.item(), rel=1e-5)
