@@ -75,7 +75,8 @@ class TrainingSpec:
                 "optimizer": self.optimizer.value, "optimizer_impl": self.optimizer_impl.value,
                 "finetune": self.finetune.value,
                 **({"lora_rank": self.lora_rank} if self.finetune is Finetune.LORA else {}),
-                **({"routing_imbalance": self.routing_imbalance} if self.routing_imbalance != 1 else {})}
+                **({"routing_imbalance": self.routing_imbalance} if self.routing_imbalance != 1 else {}),
+                **({"routing": self.routing.value} if self.routing is not Routing.LEARNED else {})}
 
     @property
     def adapter_rank(self) -> int:

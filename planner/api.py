@@ -7,7 +7,7 @@ objects (Candidate.fsdp_kwargs, Candidate.apply_fully_shard).
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from cost_models import fsdp_options
 from cost_models.evaluate import Evaluation, evaluate
@@ -20,10 +20,12 @@ from cost_models.specs import (Attention, ClusterSpec, Finetune, FsdpConfig, Mod
                                REDUCE_DTYPES, SpecError, TrainingSpec, parse_enum)
 
 from .errors import PlannerError
-from .models import resolve_model
 from .request import Request, api_signature, build_request, knob_names
 from .search import SearchSpace, search, suggestions
+from .request.resolve import RESOLVE_KNOBS, model_attention, resolve_inputs, resolve_request
+from .trainers import DEFAULT_TRAINER, kernel_sets, narrow_space, refusal, trainer_named, with_trainer_defaults
 from planner.search.pipeline import PP_MICROBATCHES_PER_STAGE
+from planner.trainers.table import LIGER_KNOBS
 
 
 @dataclass
@@ -34,6 +36,7 @@ class Candidate:
     model: ModelSpec
     cluster: ClusterSpec
     training: TrainingSpec
+    trainer: str = DEFAULT_TRAINER  # planner.trainers: the trainer that runs it (its artifact is the plan's)
 
     @property
     def config(self) -> FsdpConfig:
@@ -102,6 +105,7 @@ class Candidate:
         m = self.memory
         piped = self.config.pp > 1
         return {
+            "trainer": self.trainer,
             "training": self.training.to_dict(),
             "config": self.config.to_dict(),
             **({"pipeline": pipeline_dict(self.model, self.config, self.cluster)} if piped else {}),
@@ -150,6 +154,7 @@ class Plan:
     n_costed: int = 0
     skipped: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)          # about the space searched (data parallelism's limit)
+    trainer: str = DEFAULT_TRAINER                            # the trainer searched for (planner.trainers)
 
     @property
     def best(self) -> Candidate | None:
@@ -169,9 +174,9 @@ class Plan:
 
 
 PLAN_KNOBS = tuple(n for n in knob_names("", "cluster", "training", "config.mesh", "search") if n != "model")
-PLAN_KNOBS = PLAN_KNOBS[:PLAN_KNOBS.index("tp")] + ("attention",) + PLAN_KNOBS[PLAN_KNOBS.index("tp"):]
+PLAN_KNOBS = (PLAN_KNOBS[:PLAN_KNOBS.index("tp")] + ("attention", "liger", *LIGER_KNOBS)
+              + PLAN_KNOBS[PLAN_KNOBS.index("tp"):])
 ESTIMATE_KNOBS = tuple(n for n in knob_names("", "cluster", "training", "config", "config.mesh") if n != "model")
-RESOLVE_KNOBS = tuple(n for n in knob_names("", "cluster", "training") if n != "model") + ("attention",)
 PLAN_GROUPS, ESTIMATE_GROUPS = ("cluster", "training", "mesh", "search"), ("cluster", "training", "config", "mesh")
 
 
@@ -191,7 +196,12 @@ def plan(model, gpus: int | None = None, *, profile: Profile | None = None, spac
 
 
 def plan_request(request: Request, profile: Profile | None = None, space: SearchSpace | None = None) -> Plan:
-    """plan() for a built Request."""
+    """plan() for a built Request: the search bounded by the request's trainer (planner/trainers; a space given
+    whole is narrowed only when the trainer is named) and priced with its defaults."""
+    trainer = trainer_named(request.trainer)
+    pinned = request.config.liger is not None or any(getattr(request.config, k, None) is not None
+                                                     for k in LIGER_KNOBS)
+    request = with_trainer_defaults(request, trainer)
     mesh, search_request = request.mesh, request.search
     attention = space.attention.value if space else request.config.attention
     spec, cluster, training = resolve_request(request, attention)
@@ -204,9 +214,13 @@ def plan_request(request: Request, profile: Profile | None = None, space: Search
             tp=mesh.tp, cp=mesh.cp, ep=mesh.ep, async_tp=(False, True) if mesh.async_tp is None else (mesh.async_tp,),
             sequence_parallel=mesh.sequence_parallel, pp=mesh.pp,
             pp_schedule=parse_enum(Schedule, mesh.pp_schedule, "pp_schedule") if mesh.pp_schedule is not None
-            else None, pp_stages_per_rank=mesh.pp_stages_per_rank)
+            else None, pp_stages_per_rank=mesh.pp_stages_per_rank,
+            kernel_sets=kernel_sets(request, trainer, pinned, spec.family))
+        space = narrow_space(space, trainer)
         _check_pinned_mesh(spec, cluster, training, space)
-    return plan_for(spec, cluster, training, profile, space)
+    elif request.trainer is not None:
+        space = narrow_space(space, trainer)
+    return plan_for(spec, cluster, training, profile, space, trainer.id)
 
 
 def _check_pinned_mesh(spec: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, space: SearchSpace) -> None:
@@ -235,15 +249,15 @@ def _reduce_dtype(name: str) -> str:
 
 
 def plan_for(spec: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, profile: Profile | None = None,
-             space: SearchSpace | None = None) -> Plan:
-    """Search and rank for resolved specs."""
+             space: SearchSpace | None = None, trainer: str = DEFAULT_TRAINER) -> Plan:
+    """Search and rank for resolved specs (`space` already bounded by `trainer`)."""
     profile = profile or DEFAULT_PROFILE
     result = search(spec, cluster, training, profile, space or SearchSpace())
-    wrap = lambda e: Candidate(e, spec, cluster, training)  # noqa: E731
+    wrap = lambda e: Candidate(e, spec, cluster, training, trainer)  # noqa: E731
     tips = suggestions(spec, cluster, training, profile, result.misses[0]) if not result.fitting and result.misses else []
     return Plan(model=spec, cluster=cluster, training=training, candidates=[wrap(e) for e in result.fitting],
                 misses=[wrap(e) for e in result.misses], suggestions=tips, n_costed=result.n_costed,
-                skipped=result.skipped, notes=result.notes)
+                skipped=result.skipped, notes=result.notes, trainer=trainer)
 
 
 def estimate(model, gpus: int | None = None, *, profile: Profile | None = None, **knobs) -> Candidate:
@@ -268,7 +282,10 @@ def estimate(model, gpus: int | None = None, *, profile: Profile | None = None, 
 
 
 def estimate_request(request: Request, profile: Profile | None = None) -> Candidate:
-    """estimate() for a built Request."""
+    """estimate() for a built Request, priced with its trainer's defaults; a configuration the trainer cannot run
+    is one PlannerError line (planner/trainers)."""
+    trainer = trainer_named(request.trainer)
+    request = with_trainer_defaults(request, trainer)
     c, mesh = request.config, request.mesh
     spec, cluster, training = resolve_request(request, c.attention)
     attention = model_attention(spec, c.attention)
@@ -297,7 +314,10 @@ def estimate_request(request: Request, profile: Profile | None = None) -> Candid
         raise PlannerError("expert_units", f"{spec.name} has no routed experts (a dense model): drop --expert-units")
     if (kernel_refused := kernel_refusal(spec, config)) is not None:  # a kernel for an op the model lacks
         raise PlannerError(*kernel_refused)
-    return estimate_config(spec, cluster, training, config, profile)
+    refused = refusal(trainer, config, training, spec.family)
+    if refused is not None:
+        raise refused
+    return replace(estimate_config(spec, cluster, training, config, profile), trainer=trainer.id)
 
 
 def grad_accum_for(micro_batch: int, cluster: ClusterSpec, training: TrainingSpec, model_parallel: int = 1) -> int:
@@ -310,45 +330,6 @@ def grad_accum_for(micro_batch: int, cluster: ClusterSpec, training: TrainingSpe
         raise PlannerError("global_batch", f"{training.global_batch} is not a multiple of micro_batch x {ranks} "
                                            f"= {micro_batch * data_parallel}")
     return accum
-
-
-def resolve_inputs(model, gpus: int | None = None, **knobs) -> tuple[ModelSpec, ClusterSpec, TrainingSpec]:
-    """The specs behind every command from API/CLI keywords (the cluster's and the training's knobs, attention,
-    trust_remote_code; or cluster= / training= groups): resolve_request of their Request."""
-    request = build_request(model, gpus, valid=RESOLVE_KNOBS, valid_groups=("cluster", "training"), **knobs)
-    return resolve_request(request, request.config.attention)
-
-
-def resolve_request(request: Request, attention: str | None = None) -> tuple[ModelSpec, ClusterSpec, TrainingSpec]:
-    """Model, cluster and training specs of a request. A model without an activation formula gets its traced
-    block memory profile here (for `attention`, default: every implementation it runs)."""
-    model = request.model
-    spec = model if isinstance(model, ModelSpec) else resolve_model(model, trust_remote_code=request.trust_remote_code)
-    cluster = request.cluster.spec()
-    training = request.training.spec()
-    if training.finetune is Finetune.FULL and not isinstance(model, ModelSpec):
-        from .models import hf_config_of
-        from .models.block_profiles import needs_block_profile, with_block_profile
-
-        from .models.module import hf_config_dict
-
-        hf_config = hf_config_dict(model) or hf_config_of(model)  # a transformers module's config, or the file's
-        if needs_block_profile(spec, hf_config):
-            spec = with_block_profile(spec, hf_config, training.seq_len,
-                                      attentions=(model_attention(spec, attention),))
-    return spec, cluster, training
-
-
-def model_attention(spec: ModelSpec, attention: str | None) -> str:
-    """The attention implementation to price: the one asked for, if the model runs it, else (None) the
-    model's first choice."""
-    if attention is None:
-        return spec.attention_choices[0]
-    value = parse_enum(Attention, attention, "attention").value
-    if value not in spec.attention_choices:
-        raise PlannerError("attention", f"{spec.name} does not run {value} attention in transformers; choose one "
-                                        f"of: {', '.join(spec.attention_choices)}")
-    return value
 
 
 def estimate_config(spec: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, config: FsdpConfig,

@@ -19,6 +19,7 @@ from cost_models.specs import Attention, ClusterSpec, FsdpConfig, ModelSpec, Pre
 from ..api import model_attention
 from ..errors import PlannerError
 from ..search import SearchSpace, describe, search
+from ..trainers import narrow_space, trainer_named
 from .host import ROOT, cpu_cluster, cpu_fingerprint, live_fingerprint, probe_host, runner_env
 from .multinode import node_commands
 from .pipelines import pipeline_refusal
@@ -54,9 +55,10 @@ def _space(request: CalibrationRequest, spec: ModelSpec) -> SearchSpace:
         kwargs["cp"] = 1  # CP_NEEDS_CUDA
     if request.device == "cpu":
         kwargs["offload"] = (False,)  # "offload to the CPU" from a CPU measures nothing
-    return SearchSpace(precisions=tuple(parse_enum(Precision, p, "precision") for p in precisions) if precisions else None,
-                       attention=parse_enum(Attention, model_attention(spec, request.attention), "attention"),
-                       **kwargs)
+    space = SearchSpace(precisions=tuple(parse_enum(Precision, p, "precision") for p in precisions) if precisions
+                        else None, attention=parse_enum(Attention, model_attention(spec, request.attention), "attention"),
+                        **kwargs)  # then what the runner, the planner's own FSDP code, runs (calibration/apply.py)
+    return narrow_space(space, trainer_named("fsdp1" if request.fsdp_version == 1 else "fsdp2"))
 
 
 def candidates(request: CalibrationRequest, target: Target, cluster: ClusterSpec, training: TrainingSpec,

@@ -14,8 +14,10 @@ from planner.cli.options import CLUSTER, TRAINING, As, Format, FormatOpt, comman
 CONFIG_HELP = ("The setup to check, told apart by content: an accelerate config (YAML); FSDP1 "
                "FullyShardedDataParallel kwargs or FSDP2 fully_shard arguments (JSON/YAML); Hugging Face "
                "TrainingArguments (JSON/YAML with fsdp, fsdp_config); a torchtitan 0.2 job file (.toml) or a "
-               "flag list (a text file: 0.3's --module/--config, --section.option flags, activation-checkpoint:X). "
-               "Mesh degrees (tp, cp, ep) are read too. Without it: the --sharding/--precision/... flags")
+               "flag list (a text file: 0.3's --module/--config, --section.option flags, activation-checkpoint:X); "
+               "a NeMo Automodel recipe (YAML); the planner's own Python code (--emit fsdp2 / fsdp1 / lightning, "
+               "read without running it). Mesh degrees (tp, cp, ep, pp) are read too, and the file's trainer prices "
+               "it. Without it: the --sharding/--precision/... flags")
 # check's wording of the knobs it reads beside a setup file; None: the file's (seq_len: torchtitan's
 # training.seq_len, else 2048)
 _OWN = {

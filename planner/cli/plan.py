@@ -18,7 +18,8 @@ ASYNC_TP = As(help="Pin TP's overlap of its collectives with the matmuls (defaul
 def _params() -> list[inspect.Parameter]:
     return [
         inspect.Parameter("ctx", inspect.Parameter.KEYWORD_ONLY, annotation=typer.Context),
-        *options(*CLUSTER, *TRAINING, "attention", "precisions", "reduce_dtypes"),
+        *options(*CLUSTER, *TRAINING, "attention", "liger", "norm_kernel", "rope_kernel", "swiglu_kernel",
+                 "loss_kernel", "precisions", "reduce_dtypes"),
         param("top", Annotated[int, typer.Option("--top", help="Candidates to show")], 5),
         param("wide", Annotated[bool, typer.Option("--wide", help="Every column of the table (default: the ones "
                                                                   "that fit 100 columns)")], False),
@@ -33,7 +34,7 @@ def _params() -> list[inspect.Parameter]:
                                                             "matplotlib)")], None),
         *options(*MESH, "async_tp", "sequence_parallel", "routing_imbalance", "routing", async_tp=ASYNC_TP),
         param("profile", ProfileOpt, None), param("force_profile", ForceProfile, False),
-        *options("trust_remote_code"),
+        *options("trainer", "trust_remote_code"),
     ]
 
 
@@ -45,8 +46,10 @@ def main_plan(ctx: typer.Context, top: int, wide: bool, output_format: Format, e
     from planner.reports import table as report
     from planner.api import plan
     from planner.emit import emit_artifact, recommendation_text
+    from planner.trainers import resolve_trainer
 
     require_model_and_gpus(knobs)
+    knobs["trainer"] = resolve_trainer(knobs.get("trainer"), emit.value if emit is not None else None).id
     if top < 1:
         raise SpecError("top", f"must be >= 1, got {top}")
     if verify_top < 0:

@@ -85,6 +85,7 @@ def check(setup: UserSetup, model, gpus: int | None = None, *, gpus_per_node: in
     accelerate config names (num_processes, num_machines); seq_len to the setup's own (torchtitan's
     training.seq_len), else 2048."""
     from planner.api import RESOLVE_KNOBS, estimate_config, grad_accum_for, plan_for, resolve_request
+    from planner.trainers import search_space, trainer_named, with_trainer_defaults
     from planner.request import build_request
     from planner.errors import PlannerError
 
@@ -95,9 +96,11 @@ def check(setup: UserSetup, model, gpus: int | None = None, *, gpus_per_node: in
     if gpus_per_node is None and setup.n_machines:
         gpus_per_node = max(1, gpus // setup.n_machines)
     seq_len = seq_len or setup.seq_len or 2048
+    trainer = trainer_named(trainer_of_setup(setup))  # the file's dialect names the trainer that runs it
     fixed = {k: v for k, v in setup.training if k not in cluster_and_training}  # what the file says (Automodel)
-    request = build_request(model, gpus, valid=RESOLVE_KNOBS, gpus_per_node=gpus_per_node, seq_len=seq_len,
-                            **fixed, **cluster_and_training)  # the request estimate() and plan() build
+    request = with_trainer_defaults(build_request(model, gpus, valid=RESOLVE_KNOBS, gpus_per_node=gpus_per_node,
+                                                  seq_len=seq_len, trainer=trainer.id, **fixed, **cluster_and_training),
+                                    trainer)
     spec, cluster, training = resolve_request(request)
     mb = micro_batch or setup.config.micro_batch
     pipeline = setup.pipeline  # torchtitan's stages per rank from layers_per_stage need the model's blocks
@@ -110,15 +113,39 @@ def check(setup: UserSetup, model, gpus: int | None = None, *, gpus_per_node: in
     if all(r.priced for r in refusals(cluster, config)):
         # priced even when it cannot run (rejected, with the reasons) so the report shows what it would need;
         # cannot_run explains
-        candidate = Candidate(evaluate(spec, cluster, training, config, profile), spec, cluster, training)
+        candidate = Candidate(evaluate(spec, cluster, training, config, profile), spec, cluster, training, trainer.id)
     else:
-        candidate = estimate_config(spec, cluster, training, config, profile)  # raises cluster_rejects' error
-    best = plan_for(spec, cluster, training, profile)
+        candidate = replace(estimate_config(spec, cluster, training, config, profile),  # raises cluster_rejects'
+                            trainer=trainer.id)
+    best = plan_for(spec, cluster, training, profile, search_space(trainer), trainer.id)  # what the trainer could run
     extra = unwrapped_extra_bytes(setup, candidate)
     candidate = _as_one_unit(candidate, extra, profile)
     findings = diagnose(setup, candidate, best, unwrapped_extra=extra, dynamic_control_flow=dynamic_control_flow,
                         profile=profile, model_use_cache=model_use_cache(model))
     return CheckReport(setup=setup, candidate=candidate, findings=findings, plan=best)
+
+
+CODE_TRAINERS = {"fsdp2-code": "fsdp2", "fsdp1-code": "fsdp1", "lightning": "lightning"}  # dialect -> trainer
+
+
+def trainer_of_setup(setup: UserSetup) -> str:
+    """The trainer whose file was read (planner/trainers): accelerate and HF Trainer files by their FSDP version,
+    torchtitan's by its spellings (0.3's config function / checkpointing subcommand), FSDP kwargs by FSDP1 or
+    fully_shard names; flags: the planner's FSDP2 code."""
+    from planner.doctor.readers.torchtitan import is_torchtitan_03
+    from planner.trainers import DEFAULT_TRAINER
+
+    if setup.dialect == "hf-trainer":
+        return "hf" if setup.fsdp_version == 2 else "hf-fsdp1"
+    if setup.dialect == "accelerate":
+        return "accelerate-fsdp2" if setup.fsdp_version == 2 else "accelerate"
+    if setup.dialect == "automodel":
+        return "automodel"
+    if setup.dialect == "torchtitan":
+        return "torchtitan" if is_torchtitan_03(dict.fromkeys(setup.explicit)) else "torchtitan-0.2"
+    if setup.dialect in CODE_TRAINERS:  # the planner's own snippets, read by planner/doctor/readers/python_code.py
+        return CODE_TRAINERS[setup.dialect]
+    return "fsdp1" if setup.dialect == "kwargs" and setup.fsdp_version == 1 else DEFAULT_TRAINER
 
 
 def _as_one_unit(candidate: Candidate, extra_bytes: int, profile: Profile) -> Candidate:

@@ -57,25 +57,33 @@ def _emit_artifact(kind: str, candidate) -> str:
 
 
 def recommendation_text(candidate) -> str:
-    """The recommended config as FSDP2 code plus the launch line; the other dialects are one flag away. A plan the
-    FSDP2 snippet cannot write (EP beside TP, pinned by the user) is given as torchtitan flags, saying why."""
+    """The recommended config in its trainer's own form (planner/trainers: FSDP2 code by default) plus the launch
+    line; the trainer's other forms are one flag away. The search proposes only what the trainer's form writes
+    (planner/trainers); should it still refuse, an FSDP2 plan is given as torchtitan flags, saying why, and any
+    other is said in one line with the plan left as priced."""
     import textwrap
 
     from planner.emit.format import fold
     from planner.line_width import LINE_WIDTH
+    from planner.trainers import trainer_named
 
-    others = " | ".join(a for a in ARTIFACTS if a != "fsdp2")
+    trainer = trainer_named(candidate.trainer)
+    own = trainer.own_artifact
+    others = " | ".join(a for a in (ARTIFACTS if own == "fsdp2" else trainer.artifacts) if a != own)
     try:
-        code = emit_fsdp2(candidate.config, candidate.model, candidate.cluster, candidate.training)
-        head = f"Recommended config (FSDP2; --emit {others} for the other forms):"
+        code = _emit_artifact(own, candidate)
+        head = (f"Recommended config (FSDP2; --emit {others} for the other forms):" if own == "fsdp2" else
+                f"Recommended config ({trainer.title}, --emit {own}; --emit {others} for the other forms):")
     except PlannerError as exc:
-        try:
-            code = emit_artifact("torchtitan", candidate)
-            head = f"Recommended config (torchtitan: the FSDP2 snippet cannot write it, {exc}):"
-        except PlannerError as titan:  # e.g. fp16 with context parallel inside pipeline stages: say both, no code
-            code = ""
-            head = (f"Recommended config: neither the FSDP2 snippet ({exc}) nor torchtitan ({titan}) writes it; "
-                    "the plan above is priced as it stands:")
+        code, head = "", (f"Recommended config: --emit {own} cannot write it ({exc}); the plan above is priced as it "
+                          "stands:")
+        if own == "fsdp2":
+            try:
+                code = emit_artifact("torchtitan", candidate)
+                head = f"Recommended config (torchtitan: the FSDP2 snippet cannot write it, {exc}):"
+            except PlannerError as titan:  # e.g. fp16 with context parallel inside pipeline stages: say both, no code
+                head = (f"Recommended config: neither the FSDP2 snippet ({exc}) nor torchtitan ({titan}) writes it; "
+                        "the plan above is priced as it stands:")
     launch = emit_torchrun(candidate.config, candidate.model, candidate.cluster)
     return "\n".join(textwrap.wrap(head, LINE_WIDTH, subsequent_indent="  ") + ["", *([fold(code)] if code else []),
                                                                              fold(launch)])

@@ -80,6 +80,10 @@ def torchtitan_kernel_flags(config: FsdpConfig, version: str) -> tuple[list, lis
     if config.loss_kernel is LossKernel.CHUNKED and version == "0.3":
         flags.append(("loss.num_chunks", TORCHTITAN_LOSS_CHUNKS, "ChunkedLossWrapper: lm_head and the loss in 8 "
                                                                  "sequence chunks, as planned"))
+    elif version == "0.3" and config.loss_kernel is LossKernel.EAGER:
+        notes.append("the plan priced the model's plain cross-entropy; every torchtitan 0.3 model config takes "
+                     "ChunkedLossWrapper (no flag selects another loss): less memory than planned (--trainer "
+                     "torchtitan plans it chunked)")
     elif config.loss_kernel is LossKernel.CHUNKED:
         notes.append(f"chunked loss: torchtitan {version} has no ChunkedLossWrapper (0.3 has): its loss holds the "
                      "whole logits, more memory than planned")
@@ -120,10 +124,11 @@ def code_liger_lines(config: FsdpConfig, family: str) -> list[str]:
         return []
     if family not in LIGER_FAMILIES:
         return [f"# Liger kernels: liger-kernel 0.8.5 has no apply_liger_kernel_to_{family}; the plan priced them", ""]
-    args = ", ".join(f"{key}={on}" for key, on in {**switches, "cross_entropy": False}.items())
+    args = [f"{key}={on}" for key, on in {**switches, "cross_entropy": False}.items()]
     return [f"from liger_kernel.transformers import apply_liger_kernel_to_{family}  # liger-kernel 0.8.5, as planned",
             "", "",
             "def apply_kernels(model):",
             "    \"\"\"The plan's Liger kernels: call before apply_fsdp (they swap modules FSDP then wraps).\"\"\"",
             f"    apply_liger_kernel_to_{family}(",
-            f"        {args}, model=model)", ""]
+            f"        {', '.join(args[:3])},",  # the block's kernels, then the loss's: 100 columns
+            f"        {', '.join(args[3:])}, model=model)", ""]

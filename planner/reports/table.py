@@ -99,6 +99,7 @@ def plan_text(p: Plan, top: int, wide: bool = False) -> str:
         f"cluster: {c0.n_gpus} x {c0.gpu.name} ({gib(c0.gpu.memory_bytes)} GiB), {c0.gpus_per_node} per node, "
         f"{c0.internode_bytes_per_s * 8 / 1e9:.0f} Gbit/s between nodes",
         training_line(p.training),
+        trainer_line(p.trainer),
         f"costed {p.n_costed} configurations: {len(p.candidates)} fit, {len(p.misses)} nearest misses",
         "",
     ]
@@ -132,6 +133,13 @@ def model_lines(spec) -> list[str]:
     if spec.activation_profile is not None:
         lines += _wrap(f"activations: {spec.activation_profile.source}")
     return lines
+
+
+def trainer_line(trainer_id: str) -> str:
+    """"trainer: torchtitan 0.3 (the search proposes what it runs, priced with its defaults)"."""
+    from planner.trainers import trainer_named
+
+    return f"trainer: {trainer_named(trainer_id).title} (searched and priced as it runs; --trainer to change)"
 
 
 def training_line(training) -> str:

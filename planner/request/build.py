@@ -47,7 +47,7 @@ def build_request(model=None, gpus=None, *, valid: tuple[str, ...] | None = None
     mesh = part("config.mesh", groups.get("mesh") or (groups.get("config") or ConfigRequest()).mesh)
     config = dataclasses.replace(part("config", groups.get("config") or ConfigRequest()), mesh=mesh)
     top = by_group.get("", {})
-    return Request(model=model, trust_remote_code=top.get("trust_remote_code", False),
+    return Request(model=model, trust_remote_code=top.get("trust_remote_code", False), trainer=top.get("trainer"),
                    cluster=part("cluster", groups.get("cluster") or ClusterRequest()),
                    training=part("training", groups.get("training") or TrainingRequest()),
                    config=config, search=part("search", groups.get("search") or SearchRequest()))

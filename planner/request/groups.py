@@ -96,10 +96,11 @@ class MeshRequest:
                                           "rank (default 2)")
     async_tp: bool | None = knob(None, "--async-tp/--no-async-tp", help="Overlap TP's all-gathers and "
                                  "reduce-scatters with the matmuls (torchtitan; needs --compile)")
-    sequence_parallel: bool = knob(True, "--sequence-parallel/--no-sequence-parallel", help="With --tp: norms and "
-                                   "residuals split over the sequence, loss parallel (torchtitan); "
-                                   "--no-sequence-parallel: transformers' tp_plan (accelerate, HF Trainer), the "
-                                   "logits gathered")
+    sequence_parallel: bool | None = knob(None, "--sequence-parallel/--no-sequence-parallel", help="With --tp: "
+                                          "norms and residuals split over the sequence, loss parallel (torchtitan); "
+                                          "--no-sequence-parallel: transformers' tp_plan (accelerate, HF Trainer), "
+                                          "the logits gathered (default: the trainer's; sequence parallel where it "
+                                          "runs both)")
 
     def __post_init__(self):
         for name in ("tp", "cp", "ep", "pp"):
@@ -145,9 +146,10 @@ class ConfigRequest:
     compile_scope: str | None = knob(None, "--compile-scope", help="With --compile: blocks (the loss left eager: "
                                      "HF regional compilation, torchtitan before 2025) or blocks+loss (default: "
                                      "torchtitan 0.3's compile.components = [model, loss])")
-    liger: bool = knob(False, "--liger/--no-liger", help="Liger Kernel 0.8.5 as HF Trainer's use_liger_kernel "
-                       "applies it: RMSNorm, RoPE, SwiGLU and fused linear cross-entropy (a --*-kernel flag "
-                       "overrides one of them)")
+    liger: bool | None = knob(None, "--liger/--no-liger", help="Liger Kernel 0.8.5 as HF Trainer's "
+                              "use_liger_kernel applies it: RMSNorm, RoPE, SwiGLU and fused linear cross-entropy (a "
+                              "--*-kernel flag overrides one of them); default: off for estimate, searched on and off "
+                              "by the plan where the trainer runs it")
     norm_kernel: str | None = knob(None, "--norm-kernel", help="RMSNorm kernel: eager (the model's own ops), "
                                    "liger (Liger Kernel 0.8.5 LigerRMSNorm) or te (Transformer Engine 2.x "
                                    "te.RMSNorm); default eager, liger with --liger")
@@ -203,6 +205,11 @@ class Request:
     training: TrainingRequest = field(default_factory=TrainingRequest)
     config: ConfigRequest = field(default_factory=ConfigRequest)
     search: SearchRequest = field(default_factory=SearchRequest)
+    trainer: str | None = knob(None, "--trainer", help="The trainer that runs the plan: fsdp2 (the planner's "
+                               "fully_shard code), fsdp1, hf (HF Trainer / accelerate FSDP2), hf-fsdp1, lightning, "
+                               "torchtitan (0.3), torchtitan-0.2; the search proposes only what it can run, priced "
+                               "with its defaults (optimizer implementation, kernels). Default: the --emit dialect's "
+                               "trainer, else fsdp2")
     trust_remote_code: bool = knob(False, "--trust-remote-code", help="Build a config.json whose auto_map names "
                                    "custom modelling code (runs that code)")
 

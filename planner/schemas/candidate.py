@@ -8,6 +8,7 @@ from typing import Literal
 from pydantic import Field
 
 from planner.schemas.common import Config, ModelSummary, Training, _Out, absent_or
+from planner.trainers import TRAINERS
 from planner.schemas.budget import Memory, Time
 from planner.schemas.fsdp_arguments import FsdpKwargs, FullyShardKwargs, Pipeline
 
@@ -15,6 +16,9 @@ from planner.schemas.fsdp_arguments import FsdpKwargs, FullyShardKwargs, Pipelin
 class Candidate(_Out):
     """api.Candidate.to_dict(): one costed configuration."""
 
+    trainer: Literal[tuple(TRAINERS)] = Field(description="the trainer that runs it (`--trainer`, planner/trainers): "
+                                                          "the search proposed only what it runs, priced with its "
+                                                          "defaults")
     training: Training
     config: Config
     pipeline: absent_or(Pipeline, "with pp > 1: the pipeline's schedule, microbatches and stage split")

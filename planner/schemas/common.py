@@ -61,6 +61,7 @@ class Training(_Out):
     finetune: Literal[tuple(f.value for f in Finetune)]
     lora_rank: absent_or(int, "LoRA adapters' rank (LoRA only)")
     routing_imbalance: absent_or(float, "MoE with EP: the busiest rank's routed rows over the mean (absent: 1)")
+    routing: absent_or(Literal["round-robin"], "MoE router: NeMo Automodel's FakeBalancedGate (absent: learned)")
 
 
 class Config(_Out):

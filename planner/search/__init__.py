@@ -151,6 +151,8 @@ def _cost_mesh(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, c
     if not plain:  # a strategy the mesh rules refuse here costs nothing (once per strategy, not per knob)
         mb, accum = plans[0]
         mesh_shardings = tuple(s for s in mesh_shardings if mesh_runs(probe(s, mb, accum)))
+    # Liger under TP or PP is left out (planner/trainers.refusal: a stage calls the head itself, SP DTensors unchecked)
+    kernel_sets = tuple(k for k in space.kernel_sets if mesh.tp == pipe.pp == 1 or "liger" not in dict(k).values())
     # CPU offload is the way out for data parallelism alone; a mesh is the other way out, not combined with it
     offloads = space.offload if plain else (False,)
     ac_choices = space.ac_every if checkpointing_priced(pipe.pp, pipe.schedule) else \
@@ -162,24 +164,26 @@ def _cost_mesh(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, c
                                                 cluster, space, mesh):
         if offload and sharding is Sharding.NO_SHARD:
             continue  # FSDP offloads shards; with nothing sharded DDP-style offload is not offered
-        for mb, accum in plans:
-            config = FsdpConfig(sharding=sharding, precision=precision, offload=offload, ac_every=ac,
-                                micro_batch=mb, grad_accum=accum, attention=space.attention,
-                                backward_prefetch=prefetch, limit_all_gathers=limit, expert_shard_dim=dim,
-                                expert_units=units, reduce_dtype=None if reduce == precision.reduce_dtype else reduce,
-                                compile=compile_, float8=float8, fp8_all_gather=fp8_all_gather,
-                                reshard_after_forward=reshard, tp=mesh.tp, cp=mesh.cp, ep=mesh.ep, pp=pipe.pp,
-                                pp_schedule=pipe.schedule, pp_stages_per_rank=pipe.stages_per_rank,
-                                async_tp=async_tp, sequence_parallel=space.sequence_parallel)
-            if unsupported_reasons(cluster, config):
-                break
-            e = costing.evaluate(config)
-            found.n_costed += 1
-            if e.fits:
-                found.fitting.append(e)
-            else:
-                found.misses.append(e)
-                break  # larger micro-batches need more memory
+        for kernels in kernel_sets:
+            for mb, accum in plans:
+                config = FsdpConfig(sharding=sharding, precision=precision, offload=offload, ac_every=ac,
+                                    micro_batch=mb, grad_accum=accum, attention=space.attention,
+                                    backward_prefetch=prefetch, limit_all_gathers=limit, expert_shard_dim=dim,
+                                    expert_units=units, reduce_dtype=None if reduce == precision.reduce_dtype
+                                    else reduce, compile=compile_, compile_loss=space.compile_loss, float8=float8,
+                                    fp8_all_gather=fp8_all_gather,
+                                    reshard_after_forward=reshard, tp=mesh.tp, cp=mesh.cp, ep=mesh.ep, pp=pipe.pp,
+                                    pp_schedule=pipe.schedule, pp_stages_per_rank=pipe.stages_per_rank,
+                                    async_tp=async_tp, sequence_parallel=space.sequence_parallel, **dict(kernels))
+                if unsupported_reasons(cluster, config):
+                    break
+                e = costing.evaluate(config)
+                found.n_costed += 1
+                if e.fits:
+                    found.fitting.append(e)
+                else:
+                    found.misses.append(e)
+                    break  # larger micro-batches need more memory
     return found
 
 

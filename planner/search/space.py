@@ -36,6 +36,17 @@ class SearchSpace:
     # torch.compile per block; None: (False, True) on GPUs, (False,) on calibrate's CPU "device" (id "cpu"),
     # where inductor takes ~15 s per run and its CPU kernels say nothing about a GPU's
     compile: tuple[bool, ...] | None = None
+    compile_loss: bool = True  # with compile, the loss compiled too (the trainer's compile scope: planner/trainers)
+    # the kernels priced, each a set of FsdpConfig (field, value) pairs (planner/trainers.kernel_sets); (): the
+    # model's own ops
+    kernel_sets: tuple[tuple[tuple[str, str], ...], ...] = ((),)
+    # pairs of mesh axes the trainer cannot combine above 1 (planner/trainers: the FSDP2 snippet writes neither CP nor
+    # EP inside pipeline stages, nor EP beside TP)
+    mesh_exclusions: tuple[tuple[str, str], ...] = ()
+    trainer_precisions: tuple[Precision, ...] = tuple(Precision)  # what the trainer runs (planner/trainers)
+
+    def excludes(self, **degrees: int) -> bool:
+        return any(degrees.get(a, 1) > 1 and degrees.get(b, 1) > 1 for a, b in self.mesh_exclusions)
     float8: tuple[bool, ...] = (False, True)  # only where the GPU has FP8 tensor cores and compute is bf16
     fp8_all_gather: tuple[bool, ...] = (True,)  # with float8 under FP8_ALL_GATHER_SHARDINGS (elsewhere: False)
     reshard_to_node: tuple[bool, ...] = (False, True)  # FULL_SHARD over several nodes: reshard_after_forward = node
@@ -57,9 +68,12 @@ class SearchSpace:
         return (False,) if cluster.gpu.id == "cpu" else (False, True)
 
     def precisions_for(self, cluster: ClusterSpec) -> tuple[Precision, ...]:
+        """The precisions asked for, else bf16 (fp16 where the GPU has no bf16), within what the trainer runs (fp32
+        where it runs neither)."""
         if self.precisions is not None:
             return self.precisions
-        return (Precision.BF16,) if cluster.gpu.supports("bf16") else (Precision.FP16,)
+        chosen = (Precision.BF16,) if cluster.gpu.supports("bf16") else (Precision.FP16,)
+        return tuple(p for p in chosen if p in self.trainer_precisions) or (Precision.FP32,)
 
     def shardings_for(self, cluster: ClusterSpec) -> tuple[Sharding, ...]:
         """HYBRID on one node is FULL_SHARD under another name; NO_SHARD-like choices need >1 GPU to differ."""
@@ -97,7 +111,7 @@ def mesh_choices(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
     # its memory is unchecked against a trace: searched only when the user pins both
     both = space.tp is not None and space.ep is not None
     out = [MeshChoice(t, c, e) for t in tps for c in cps for e in eps
-           if n % (t * c) == 0 and (both or t == 1 or e == 1)]
+           if n % (t * c) == 0 and (both or t == 1 or e == 1) and not space.excludes(tp=t, cp=c, ep=e)]
     out = sorted(out, key=lambda m: (m.tp * m.cp * m.ep, m.tp, m.cp))
     if space.pp is not None and space.pp > 1:  # pinned: every mesh with that pipeline, and no mesh without it
         return [replace(m, pipeline=p) for m in out for p in pipeline_meshes(model, cluster, space, m)]
@@ -107,7 +121,7 @@ def mesh_choices(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
 def pipeline_meshes(model: ModelSpec, cluster: ClusterSpec, space: SearchSpace, mesh: MeshChoice) -> list[Pipeline]:
     """The pipelines over `mesh`'s tp x cp (x ep) the search may walk, by degree then schedule (PP_SCHEDULES'
     order); none when the space leaves PP out."""
-    if space.pp == 1:
+    if space.pp == 1 or space.excludes(tp=mesh.tp, cp=mesh.cp, ep=mesh.ep, pp=2):
         return []
     free = cluster.n_gpus // (mesh.tp * mesh.cp)
     return [p for pp in pp_degrees(model, free, space.pp)

@@ -9,7 +9,7 @@ import dataclasses
 from cost_models.specs import Finetune, FsdpConfig, TrainingSpec
 
 from planner.errors import PlannerError
-from planner.trainers.table import DEFAULT_TRAINER, LAUNCHERS, TRAINERS, Trainer
+from planner.trainers.table import DEFAULT_TRAINER, KERNEL_DEFAULTS, LAUNCHERS, LIGER_KNOBS, TRAINERS, Trainer
 
 
 def trainer_named(name: str | None) -> Trainer:
@@ -43,6 +43,13 @@ def resolve_trainer(trainer: str | None, artifact: str | None = None) -> Trainer
     return chosen
 
 
+def model_for(trainer: Trainer, spec):
+    """The model as the trainer's own implementation runs it (torchtitan's models: their RMSNorm)."""
+    if trainer.norm is None or spec.norm != "rmsnorm":
+        return spec
+    return dataclasses.replace(spec, norm=trainer.norm)
+
+
 def with_trainer_defaults(request, trainer: Trainer):
     """The request with every knob it leaves None that the trainer has a default for filled in (the optimizer's
     implementation, kernels, sequence parallel with TP)."""
@@ -53,6 +60,9 @@ def with_trainer_defaults(request, trainer: Trainer):
     defaults = {"sequence_parallel": trainer.sequence_parallel[0], **trainer.defaults}
     if request.config.compile and trainer.compile_scopes:  # the scope it compiles when told to compile
         defaults["compile_scope"] = trainer.compile_scopes[0]
+    for name in KERNEL_DEFAULTS:  # its kernels, but --liger's four where the user switched Liger on
+        if not (name in LIGER_KNOBS and getattr(request.config, "liger", False)):
+            defaults[name] = trainer.kernel_choices(name)[0]
     for name, value in defaults.items():
         if name not in table:  # a knob this version of the request does not have
             continue
@@ -67,6 +77,33 @@ def with_trainer_defaults(request, trainer: Trainer):
             updated = dataclasses.replace(holder, **{part: updated})
         request = updated
     return request
+
+
+def search_space(trainer: Trainer, **fields):
+    """The search's whole space (planner.search.SearchSpace with `fields`) narrowed to the trainer."""
+    from planner.search import SearchSpace
+
+    return narrow_space(SearchSpace(**{"sequence_parallel": trainer.sequence_parallel[0], **fields}), trainer)
+
+
+def kernel_sets(request, trainer: Trainer, pinned: bool, family: str) -> tuple[tuple[tuple[str, str], ...], ...]:
+    """The kernel choices the search prices (FsdpConfig fields): the request's (its trainer's defaults filled in),
+    and, where the trainer runs Liger Kernel on the model's family and the user pinned no kernel, Liger's four
+    kernels too."""
+    from planner.emit.kernels import LIGER_FAMILIES
+
+    from dataclasses import fields
+
+    from cost_models.specs import FsdpConfig
+
+    names = {f.name for f in fields(FsdpConfig)}
+    base = {k: v for k, v in request.config.kernels().items() if k in LIGER_KNOBS}
+    base.update({k: getattr(request.config, k) for k in KERNEL_DEFAULTS
+                 if k in names and k not in base and getattr(request.config, k, None) is not None})
+    sets = [tuple(sorted(base.items()))]
+    if trainer.liger() and family in LIGER_FAMILIES and not pinned:
+        sets.append(tuple(sorted({**base, **dict.fromkeys(LIGER_KNOBS, "liger")}.items())))
+    return tuple(dict.fromkeys(sets))
 
 
 def narrow_space(space, trainer: Trainer):
@@ -99,18 +136,52 @@ def narrow_space(space, trainer: Trainer):
         changes["reshard_to_node"] = (False,)
     if not trainer.async_tp:
         changes["async_tp"] = (False,)
-    return dataclasses.replace(space, **changes)
+    pinned = {d: getattr(space, d) or 1 for d in ("tp", "cp", "ep", "pp")}
+    for a, b in trainer.mesh_exclusions:
+        if pinned[a] > 1 and pinned[b] > 1:
+            raise _combination(trainer, a, b)
+    if space.precisions is not None:
+        changes["precisions"] = tuple(p for p in space.precisions if p in trainer.precisions)
+        if not changes["precisions"]:
+            raise PlannerError("precision", f"{trainer.title} runs {', '.join(p.value for p in trainer.precisions)}; "
+                                            "choose one of them")
+    return dataclasses.replace(space, mesh_exclusions=trainer.mesh_exclusions, trainer_precisions=trainer.precisions,
+                               **changes)
 
 
-def refusal(trainer: Trainer, config: FsdpConfig, training: TrainingSpec) -> PlannerError | None:
-    """Why the trainer cannot run `config` as priced (its field, the reason, what to do), or None."""
+def _combination(trainer: Trainer, a: str, b: str) -> PlannerError:
+    able = [t.id for t in TRAINERS.values() if {a, b} <= set(t.mesh_dims) and (a, b) not in t.mesh_exclusions]
+    return PlannerError(b, f"{trainer.title} cannot write {a} beside {b} (priced, not written as its code); choose "
+                           f"a --trainer that has it: {', '.join(able)}")
+
+
+def refusal(trainer: Trainer, config: FsdpConfig, training: TrainingSpec, family: str | None = None
+            ) -> PlannerError | None:
+    """Why the trainer cannot run `config` as priced (its field, the reason, what to do), or None; `family`: the
+    model's (Liger Kernel patches only the families it knows)."""
+    from planner.emit.kernels import LIGER_FAMILIES
+
     name = trainer.title
+    liger = [k for k in LIGER_KNOBS if getattr(getattr(config, k), "value", None) == "liger"]
+    if liger and family is not None and family not in LIGER_FAMILIES:
+        return PlannerError(liger[0], f"liger-kernel 0.8.5 has no apply_liger_kernel_to_{family}; its families: "
+                                      f"{', '.join(LIGER_FAMILIES)}")
     for dim in ("tp", "cp", "ep", "pp"):
         if getattr(config, dim) > 1 and dim not in trainer.mesh_dims:
             return PlannerError(dim, f"{name} has no {dim} axis (it runs {_axes(trainer)}); choose --{dim} 1 or "
                                      f"another --trainer ({', '.join(_with_axis(dim))})")
+    for a, b in trainer.mesh_exclusions:
+        if getattr(config, a) > 1 and getattr(config, b) > 1:
+            return _combination(trainer, a, b)
+    if liger and (config.pp > 1 or config.tp > 1):
+        return PlannerError(liger[0], f"Liger kernels with {'pp' if config.pp > 1 else 'tp'} > 1: a pipeline stage "
+                                      "calls the head itself (no fused linear cross-entropy) and Liger's RMSNorm on "
+                                      "sequence-parallel DTensors is unchecked; without them, or tp = pp = 1")
     if config.tp > 1 and config.sequence_parallel not in trainer.sequence_parallel:
         return PlannerError("sequence_parallel", f"{name} runs TP {_sp_words(trainer)}")
+    if config.precision not in trainer.precisions:
+        return PlannerError("precision", f"{name} runs {', '.join(p.value for p in trainer.precisions)}, not "
+                                         f"{config.precision.value}")
     if config.sharding not in trainer.shardings:
         return PlannerError("sharding", f"{name} cannot run {config.sharding.value}; choose one of: "
                                         f"{', '.join(s.value for s in trainer.shardings)}")
@@ -118,27 +189,38 @@ def refusal(trainer: Trainer, config: FsdpConfig, training: TrainingSpec) -> Pla
     if word not in trainer.checkpointing:
         return PlannerError("activation_checkpointing", f"{name} cannot checkpoint {config.activation_checkpointing}"
                                                         f"; choose one of: {', '.join(trainer.checkpointing)}")
-    switches = (
-        ("offload", config.offload and not trainer.offload, "has no CPU offload"),
-        ("backward_prefetch", not config.backward_prefetch and not trainer.fsdp1_knobs,
-         "always prefetches in backward (FSDP2)"),
-        ("limit_all_gathers", not config.limit_all_gathers and not trainer.fsdp1_knobs,
-         "bounds its all-gathers itself (FSDP2): no rate-limiter switch"),
-        ("compile", config.compile and not trainer.compile_scopes, "does not compile"),
-        ("compile_scope", config.compile and config.compile_loss and not trainer.can_compile_loss(),
-         "compiles the blocks only (its loss stays eager): use --compile-scope blocks"),
-        ("float8", config.float8 and not trainer.float8,
-         "has no tensorwise Float8 recipe (the one the cost model prices)"),
-        ("fp8_all_gather", config.fp8_all_gather and not trainer.fp8_all_gather, "cannot all-gather Float8 in FP8"),
-        ("reshard_after_forward", bool(config.reshard_after_forward) and not trainer.reshard_int,
-         "takes reshard_after_forward as a bool (no rank group)"),
-        ("async_tp", config.async_tp and not trainer.async_tp, "has no async TP"),
-        ("finetune", training.finetune is Finetune.LORA and not trainer.lora, "trains full models only (no LoRA)"),
-    )
-    for field_name, refused, why in switches:
-        if refused:
-            return PlannerError(field_name, f"{name} {why}; choose another --trainer or drop the setting")
+    for knob in KERNEL_DEFAULTS:
+        holder = training if knob == "routing" else config
+        value = getattr(getattr(holder, knob, None), "value", None)
+        if value is not None and value not in trainer.kernel_choices(knob):
+            able = [t.id for t in TRAINERS.values() if value in t.kernel_choices(knob)]
+            return PlannerError(knob, f"{name} runs {' or '.join(trainer.kernel_choices(knob))}, not {value}"
+                                      + (f"; choose a --trainer that has it: {', '.join(able)}" if able else ""))
+    for field_name, refuses, why in _SWITCHES:
+        if refuses(trainer, config, training):
+            able = [t.id for t in TRAINERS.values() if not refuses(t, config, training)]
+            return PlannerError(field_name, f"{name} {why}; drop the setting, or choose a --trainer that has it: "
+                                            f"{', '.join(able)}")
     return None
+
+
+# (field, refuses(trainer, config, training), why): the switches a trainer may lack
+_SWITCHES = (
+    ("offload", lambda t, c, _: c.offload and not t.offload, "has no CPU offload"),
+    ("backward_prefetch", lambda t, c, _: not c.backward_prefetch and not t.fsdp1_knobs,
+     "always prefetches in backward (FSDP2)"),
+    ("limit_all_gathers", lambda t, c, _: not c.limit_all_gathers and not t.fsdp1_knobs,
+     "bounds its all-gathers itself (FSDP2): no rate-limiter switch"),
+    ("compile", lambda t, c, _: c.compile and not t.compile_scopes, "does not compile"),
+    ("compile_scope", lambda t, c, _: c.compile and c.compile_loss and not t.can_compile_loss(),
+     "compiles the blocks only (its loss stays eager): use --compile-scope blocks"),
+    ("float8", lambda t, c, _: c.float8 and not t.float8, "has no tensorwise Float8 recipe (the one priced)"),
+    ("fp8_all_gather", lambda t, c, _: c.fp8_all_gather and not t.fp8_all_gather, "cannot all-gather Float8 in FP8"),
+    ("reshard_after_forward", lambda t, c, _: bool(c.reshard_after_forward) and not t.reshard_int,
+     "takes reshard_after_forward as a bool (no rank group)"),
+    ("async_tp", lambda t, c, _: c.async_tp and not t.async_tp, "has no async TP"),
+    ("finetune", lambda t, _, tr: tr.finetune is Finetune.LORA and not t.lora, "trains full models only (no LoRA)"),
+)
 
 
 def _checkpointing_word(ac) -> str:

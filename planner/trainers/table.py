@@ -14,13 +14,22 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
-from cost_models.specs import Sharding
+from cost_models.specs import Precision, Sharding
 
 ALL_SHARDINGS = tuple(Sharding)
+# torchtitan's training.mixed_precision_param is bfloat16 | float32 (and training.dtype bfloat16: bf16-pure): no fp16
+NO_FP16 = tuple(p for p in Precision if p is not Precision.FP16)
 FSDP2_SHARDINGS = ALL_SHARDINGS  # fully_shard: reshard True / False, a 2-D mesh for HYBRID, a shard group of 1
+# accelerate's FSDP2 refuses a shard group of 1 (ParallelismConfig: "use DDP"): no NO_SHARD
+HF_FSDP2_SHARDINGS = tuple(s for s in ALL_SHARDINGS if s is not Sharding.NO_SHARD)
 MESH_DIMS = ("tp", "cp", "ep", "pp")
 CHECKPOINTING = ("none", "full", "every-k", "selective-op")
 LAUNCHERS = ("torchrun", "slurm", "pytorchjob")  # launch lines: they run any trainer's script
+# what a trainer runs unless its entry says more: the model's own ops (cost_models.spec_values Kernel, LossKernel,
+# MoeDispatch, Routing)
+KERNEL_DEFAULTS = {"norm_kernel": ("eager",), "rope_kernel": ("eager",), "swiglu_kernel": ("eager",),
+                   "loss_kernel": ("eager",), "moe_dispatch": ("all-to-all",), "routing": ("learned",)}
+LIGER_KNOBS = ("norm_kernel", "rope_kernel", "swiglu_kernel", "loss_kernel")
 
 
 @dataclass(frozen=True)
@@ -55,7 +64,19 @@ class Trainer:
     fp8_all_gather: bool = False
     async_tp: bool = False
     lora: bool = True
+    mesh_exclusions: tuple[tuple[str, str], ...] = ()  # axes it cannot combine above 1
+    precisions: tuple[Precision, ...] = tuple(Precision)
+    norm: str | None = None  # the blocks' RMSNorm as its own model runs it (ModelSpec.norm); None: the model's
     defaults: MappingProxyType = field(default_factory=lambda: MappingProxyType({}))
+    # kernel knob -> the values it runs, its default first (absent: KERNEL_DEFAULTS' one value)
+    kernels: MappingProxyType = field(default_factory=lambda: MappingProxyType({}))
+
+    def kernel_choices(self, name: str) -> tuple[str, ...]:
+        return self.kernels.get(name, KERNEL_DEFAULTS[name])
+
+    def liger(self) -> bool:
+        """Runs Liger Kernel's four kernels at once (HF's use_liger_kernel): the search tries them on and off."""
+        return all("liger" in self.kernel_choices(k) for k in LIGER_KNOBS)
 
     @property
     def own_artifact(self) -> str:
@@ -69,12 +90,20 @@ def _defaults(**values) -> MappingProxyType:
     return MappingProxyType(values)
 
 
+# transformers' models patched by Liger Kernel 0.8.5 (liger_kernel.transformers.apply_liger_kernel_to_<family>:
+# RMSNorm, RoPE, SwiGLU, fused linear cross-entropy), as HF Trainer's use_liger_kernel applies them
+LIGER = MappingProxyType({k: ("eager", "liger") for k in LIGER_KNOBS})
+
+
 TRAINERS: dict[str, Trainer] = {t.id: t for t in (
     Trainer(
         id="fsdp2", title="the planner's FSDP2 code",
         source="planner/emit/code/fsdp.py, mesh.py, pipeline.py (the code calibration/apply.py runs)",
         artifacts=("fsdp2", *LAUNCHERS), mesh_dims=MESH_DIMS, reshard_int=True, float8=True, fp8_all_gather=True,
-        async_tp=True,
+        async_tp=True, kernels=LIGER,
+        # planner/emit/code/mesh.py refuse_fsdp2, pipeline.py refuse_pipeline: CP or EP inside pipeline stages and EP
+        # beside TP are priced but not written as FSDP2 code
+        mesh_exclusions=(("cp", "pp"), ("ep", "pp"), ("ep", "tp")),
         # torch.optim.AdamW() with neither foreach nor fused: foreach on CUDA tensors (torch/optim/optimizer.py
         # _default_to_fused_or_foreach)
         defaults=_defaults(optimizer_impl="foreach")),
@@ -82,46 +111,67 @@ TRAINERS: dict[str, Trainer] = {t.id: t for t in (
         id="fsdp1", title="the planner's FSDP1 code",
         source="planner/emit/code/fsdp.py emit_fsdp1",
         artifacts=("fsdp1", *LAUNCHERS), fsdp_version=1, sequence_parallel=(True,), fsdp1_knobs=True, float8=True,
+        kernels=LIGER,
         defaults=_defaults(optimizer_impl="foreach")),
     Trainer(
         # transformers 5 Trainer on accelerate's FSDP2 plugin: fsdp_config keys (training_args.py), accelerate's
         # ParallelismConfig (dp_replicate, dp_shard, tp, cp: no ep, no pp), TP as transformers' tp_plan (no
         # sequence parallel), activation_checkpointing a bool (every block), reshard_after_forward a bool,
-        # regional compilation of the blocks (the model's loss stays eager), the torchao Float8 recipe
-        # (tensorwise, FP8 all-gather on under FSDP2); optim defaults to adamw_torch_fused (OptimizerNames)
-        id="hf", title="HF Trainer / accelerate FSDP2",
-        source="transformers 5 training_args.py (fsdp_config, optim), accelerate 1.x utils/dataclasses.py",
-        artifacts=("hf-trainer", "accelerate-fsdp2", *LAUNCHERS), mesh_dims=("tp", "cp"), sequence_parallel=(False,),
-        shardings=tuple(s for s in ALL_SHARDINGS if s is not Sharding.NO_SHARD),  # no shard group of 1 in FSDP2
-        checkpointing=("none", "full"), compile_scopes=("blocks",), float8=True, fp8_all_gather=True,
+        # regional compilation of the blocks (the model's loss stays eager); no Float8 argument (TrainingArguments
+        # has none: torchao's conversion would be code of one's own, which check cannot read back); optim
+        # defaults to adamw_torch_fused (OptimizerNames, torch >= 2.8)
+        id="hf", title="HF Trainer FSDP2",
+        source="transformers 5 training_args.py (fsdp_config, optim, use_liger_kernel), accelerate 1.x",
+        artifacts=("hf-trainer", *LAUNCHERS), mesh_dims=("tp", "cp"), sequence_parallel=(False,),
+        shardings=HF_FSDP2_SHARDINGS, checkpointing=("none", "full"), compile_scopes=("blocks",), kernels=LIGER,
         defaults=_defaults(optimizer_impl="fused")),
     Trainer(
-        id="hf-fsdp1", title="HF Trainer / accelerate FSDP1",
-        source="transformers/training_args.py (fsdp_config version 1), accelerate FSDP1 plugin",
-        artifacts=("hf-trainer-fsdp1", "accelerate", *LAUNCHERS), fsdp_version=1, sequence_parallel=(True,),
-        checkpointing=("none", "full"), fsdp1_knobs=True, compile_scopes=("blocks",), float8=True,
+        id="hf-fsdp1", title="HF Trainer FSDP1",
+        source="transformers 5 training_args.py (fsdp_config version 1, optim, use_liger_kernel)",
+        artifacts=("hf-trainer-fsdp1", *LAUNCHERS), fsdp_version=1, sequence_parallel=(True,),
+        checkpointing=("none", "full"), fsdp1_knobs=True, compile_scopes=("blocks",), kernels=LIGER,
         defaults=_defaults(optimizer_impl="fused")),
+    Trainer(
+        # accelerate 1.x launched on one's own training loop: the config file holds the FSDP plugin, the mesh
+        # (ParallelismConfig), regional compilation and the torchao Float8 recipe (fp8_config, backend AO: tensorwise,
+        # FP8 all-gather under FSDP2), but no kernel and no optimizer: the loop's own (torch.optim.AdamW: foreach)
+        id="accelerate-fsdp2", title="accelerate FSDP2 (your training loop)",
+        source="accelerate 1.x utils/dataclasses.py (FullyShardedDataParallelPlugin, ParallelismConfig, fp8)",
+        artifacts=("accelerate-fsdp2", *LAUNCHERS), mesh_dims=("tp", "cp"), sequence_parallel=(False,),
+        shardings=HF_FSDP2_SHARDINGS, checkpointing=("none", "full"), compile_scopes=("blocks",), float8=True,
+        fp8_all_gather=True, defaults=_defaults(optimizer_impl="foreach")),
+    Trainer(
+        id="accelerate", title="accelerate FSDP1 (your training loop)",
+        source="accelerate 1.x FSDP1 plugin (fsdp_sharding_strategy, fsdp_backward_prefetch, ...)",
+        artifacts=("accelerate", *LAUNCHERS), fsdp_version=1, sequence_parallel=(True,),
+        checkpointing=("none", "full"), fsdp1_knobs=True, compile_scopes=("blocks",), float8=True,
+        defaults=_defaults(optimizer_impl="foreach")),
     Trainer(
         # Lightning 2.x FSDPStrategy wraps FSDP1: activation_checkpointing_policy={Block} checkpoints every block,
-        # compile and Float8 in configure_model (notes the emitter writes); configure_optimizers is the user's,
-        # torch's default implementation (foreach on CUDA)
+        # compile in configure_model (a note the emitter writes; Float8 would be torchao code of one's own there,
+        # not priced); configure_optimizers is the user's, torch's default implementation (foreach on CUDA)
         id="lightning", title="Lightning FSDPStrategy (FSDP1)",
         source="lightning/pytorch/strategies/fsdp.py FSDPStrategy",
         artifacts=("lightning", *LAUNCHERS), fsdp_version=1, sequence_parallel=(True,), checkpointing=("none", "full"),
-        fsdp1_knobs=True, compile_scopes=("blocks",), float8=True,
-        defaults=_defaults(optimizer_impl="foreach")),
+        fsdp1_knobs=True, compile_scopes=("blocks",), defaults=_defaults(optimizer_impl="foreach")),
     Trainer(
         # torchtitan 0.3.0 (installed): parallelism.fsdp_reshard_after_forward default | always | never (no int);
         # activation-checkpoint:none | full | selective (per op; no every-K-th block); compile.components
         # ["model", "loss"] by default; Float8LinearConverter recipes "rowwise" | "rowwise_with_gw_hp" only, no FP8
         # all-gather (components/quantization/float8.py), which the cost model does not price: left out;
-        # [optimizer] implementation defaults to "fused" (components/optimizer/optimizer.py); full models only
+        # [optimizer] implementation defaults to "fused" (components/optimizer/optimizer.py); full models only.
+        # Its own models norm with torch.nn.RMSNorm (models/common/nn_modules.py RMSNorm), one fused kernel on
+        # CUDA in torch 2.13 (aten._fused_rms_norm): priced as ModelSpec norm "fused_rmsnorm". Every model config of
+        # 0.3 (models/*/config_registry.py: llama3, qwen3, deepseek_v3, gpt_oss, ...) takes ChunkedLossWrapper (8
+        # chunks, components/loss.py); plain CrossEntropyLoss only in a debug config, no flag: the loss is chunked
         id="torchtitan", title="torchtitan 0.3",
         source="torchtitan 0.3.0: config/configs.py, components/optimizer/optimizer.py, components/quantization/"
                "float8.py, distributed/activation_checkpoint.py",
         artifacts=("torchtitan", *LAUNCHERS), model_impl="torchtitan", mesh_dims=MESH_DIMS,
         checkpointing=("none", "full", "selective-op"), compile_scopes=("blocks+loss", "blocks"), async_tp=True,
-        lora=False, defaults=_defaults(optimizer_impl="fused")),
+        precisions=NO_FP16,
+        lora=False, norm="fused_rmsnorm", kernels=_defaults(loss_kernel=("chunked",)),
+        defaults=_defaults(optimizer_impl="fused")),
     Trainer(
         # torchtitan 0.2: JobConfig TOML / --section.option flags; selective_ac_option "op" or K; Float8 tensorwise
         # with enable_fsdp_float8_all_gather; sequence parallel always on with TP; optimizer.implementation "fused"
@@ -129,7 +179,24 @@ TRAINERS: dict[str, Trainer] = {t.id: t for t in (
         source="torchtitan 0.2 config/job_config.py (as planner/emit/torchtitan/job.py writes it)",
         artifacts=("torchtitan-0.2", *LAUNCHERS), model_impl="torchtitan", mesh_dims=MESH_DIMS,
         sequence_parallel=(True,), compile_scopes=("blocks+loss", "blocks"), float8=True, fp8_all_gather=True,
+        precisions=NO_FP16,
         async_tp=True, lora=False, defaults=_defaults(optimizer_impl="fused")),
+    Trainer(
+        # NVIDIA NeMo Automodel 0.7.0 (planner/emit/automodel.py reads its recipe keys from the source): FSDP2 over
+        # dp_replicate x dp_shard with tp / cp / ep (no pp in the recipes priced), activation_checkpointing a bool,
+        # enable_compile per decoder layer (the loss eager), no torchao Float8 recipe, no NO_SHARD; model.backend
+        # rms_norm torch_fp32 (default) | te, RoPE eager (0.7.0 forces rope_fusion off), dispatcher deepep for MoE
+        # under EP (its "torch" dispatcher all-gathers tokens: not priced; all-to-all stays the value of ep 1),
+        # fake_balanced_gate = round-robin routing; torch.optim.AdamW's default step (foreach)
+        id="automodel", title="NeMo Automodel 0.7",
+        source="nemo_automodel 0.7.0: recipes/_dist_utils.py, components/distributed/config.py, "
+               "components/models/common/utils.py BackendConfig",
+        artifacts=("automodel", *LAUNCHERS), mesh_dims=("tp", "cp", "ep"),
+        shardings=tuple(s for s in ALL_SHARDINGS if s is not Sharding.NO_SHARD), checkpointing=("none", "full"),
+        compile_scopes=("blocks",), lora=False, precisions=NO_FP16,  # fp16: not priced for it (no loss scaler)
+        kernels=_defaults(norm_kernel=("eager", "te"), moe_dispatch=("deepep", "all-to-all"),
+                          routing=("learned", "round-robin")),
+        defaults=_defaults(optimizer_impl="foreach")),
 )}
 
 DEFAULT_TRAINER = "fsdp2"

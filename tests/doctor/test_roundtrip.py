@@ -42,20 +42,16 @@ def test_accelerate_round_trip(tmp_path, load_accelerate, config, version):
 
 
 def test_planner_pick_round_trips_through_check_with_no_findings(tmp_path):
-    p = plan("llama2-7b", gpus=16, seq_len=4096)
+    # planned for accelerate's FSDP1 (the trainer the accelerate config belongs to: its compile scope is the
+    # blocks), so what check reads back is the plan that was priced
+    p = plan("llama2-7b", gpus=16, seq_len=4096, trainer="accelerate")
     path = tmp_path / "accelerate.yaml"
     path.write_text(emit_accelerate(p.best.config, p.model, p.cluster, p.training))
     r = check(read_setup(path), "llama2-7b", micro_batch=p.best.config.micro_batch, seq_len=4096)
     assert r.candidate.cluster.n_gpus == 16 and r.candidate.cluster.gpus_per_node == 8
-    assert r.candidate.config.sharding is p.best.config.sharding
-    # accelerate compiles the blocks (regional compilation); the model's loss stays eager, as check reads it
-    # (the emitted config's note says how to compile the loss, which the plan's pick counts)
-    from dataclasses import replace
-    from planner.api import estimate_config
-    as_read = estimate_config(p.model, p.cluster, p.training, replace(p.best.config, compile_loss=False))
-    assert r.candidate.config.compile_loss is False
-    assert r.candidate.time.tokens_per_s_per_gpu == pytest.approx(as_read.time.tokens_per_s_per_gpu, rel=1e-9)
-    assert r.candidate.memory.peak_reserved_bytes == as_read.memory.peak_reserved_bytes
+    assert r.candidate.config == p.best.config and r.candidate.trainer == "accelerate"
+    assert r.candidate.time.tokens_per_s_per_gpu == pytest.approx(p.best.time.tokens_per_s_per_gpu, rel=1e-9)
+    assert r.candidate.memory.peak_reserved_bytes == p.best.memory.peak_reserved_bytes
     assert not [f for f in r.findings if f.severity != "advice"], r.findings
 
 
@@ -214,21 +210,17 @@ def test_torchtitan_round_trip(tmp_path, config, form):
 def test_planner_pick_round_trips_through_the_trainers_with_no_findings(tmp_path, training_arguments, kind):
     from planner.emit import emit_artifact
 
-    p = plan("llama2-7b", gpus=16, seq_len=4096)
+    # planned for the trainer the file belongs to (HF Trainer compiles the blocks only, its loss stays eager;
+    # torchtitan's compile.components carries the compiled loss): read back, it is the plan that was priced
+    p = plan("llama2-7b", gpus=16, seq_len=4096, trainer={"hf-trainer": "hf", "torchtitan": "torchtitan"}[kind])
     text = emit_artifact(kind, p.best)
     path = hf_arguments_file(training_arguments(text), tmp_path / "args.json") if kind == "hf-trainer" else \
         tmp_path / "overrides.txt"
     if kind == "torchtitan":
         path.write_text(text)
     r = check(read_setup(path), "llama2-7b", 16, seq_len=4096)
-    # torchtitan's compile.components carries the compiled loss; TrainingArguments cannot (the snippet's
-    # compute_loss_func is code): read back, its loss is eager
-    from dataclasses import replace
-    from planner.api import estimate_config
-    expected = p.best if kind == "torchtitan" or not p.best.config.compile else estimate_config(
-        p.model, p.cluster, p.training, replace(p.best.config, compile_loss=False))
-    assert r.candidate.config == expected.config
-    assert r.candidate.time.tokens_per_s_per_gpu == pytest.approx(expected.time.tokens_per_s_per_gpu, rel=1e-9)
+    assert r.candidate.config == p.best.config
+    assert r.candidate.time.tokens_per_s_per_gpu == pytest.approx(p.best.time.tokens_per_s_per_gpu, rel=1e-9)
     assert not [f for f in r.findings if f.severity != "advice"], r.findings
 
 

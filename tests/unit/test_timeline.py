@@ -46,7 +46,8 @@ PLANS = {
     "mixtral-ep8-full-ac": dict(model="mixtral-8x7b", gpus=16, ep=8, activation_checkpointing="full"),
     # the other branches: CP's ring beside TP, HSDP without backward prefetch, NO_SHARD's no_sync micro-steps
     "cp2-tp2": dict(model="llama3-8b", gpus=16, cp=2, tp=2),
-    "hsdp-no-prefetch": dict(model="llama3-8b", gpus=16, sharding="HYBRID_SHARD", backward_prefetch=False),
+    "hsdp-no-prefetch": dict(model="llama3-8b", gpus=16, sharding="HYBRID_SHARD", backward_prefetch=False,
+                             trainer="fsdp1"),  # the prefetch switch is FSDP1's
     "no-shard-accum3": dict(model="llama3.2-1b", gpus=16, sharding="NO_SHARD", grad_accum=3),
 }
 TRACKS = {"cp2-tp2": {"TP", "CP ring"}, "mixtral-ep8-full-ac": {"EP all-to-all"}, "tp2": {"TP"},

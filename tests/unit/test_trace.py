@@ -244,8 +244,10 @@ def test_cli_trace_json_and_table(tmp_path, one_trace_per_configuration):
 def test_cli_verify_top_marks_candidates(tmp_path, one_trace_per_configuration):
     cfg = tmp_path / "config.json"
     cfg.write_text(json.dumps(TINY["llama"]))
+    # --no-liger: the trace tier runs the model's own ops (Liger's kernels are GPU-only Triton), so the search is
+    # kept to what it can trace
     code, stdout, err = _cli("--model", str(cfg), "--gpus", "2", "--seq-len", "128", "--top", "2",
-                             "--verify-top", "1", "--format", "json")
+                             "--verify-top", "1", "--format", "json", "--no-liger")
     assert code == 0, err
     d = json.loads(stdout)
     first = d["candidates"][0]["verification"]
@@ -253,7 +255,7 @@ def test_cli_verify_top_marks_candidates(tmp_path, one_trace_per_configuration):
     assert abs(first["analytic_vs_trace"]) <= TOLERANCE
     assert "verification" not in d["candidates"][1]
     code, stdout, err = _cli("--model", str(cfg), "--gpus", "2", "--seq-len", "128", "--top", "1",
-                             "--verify-top", "1")
+                             "--verify-top", "1", "--no-liger")
     assert code == 0 and "confirmed" in stdout
     assert len(one_trace_per_configuration) == 1  # the table verified the candidate the JSON run traced
 

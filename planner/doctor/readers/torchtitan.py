@@ -255,7 +255,9 @@ def from_torchtitan(settings: dict, source: str = "torchtitan") -> UserSetup:
         offload=_bool("training.enable_cpu_offload", settings.get("training.enable_cpu_offload", False)),
         ac_every=_torchtitan_checkpointing(settings), micro_batch=micro_batch, grad_accum=grad_accum,
         compile=compiles, compile_loss="loss" in components, float8=float8, fp8_all_gather=fp8_all_gather, **mesh,
-        **from_torchtitan_loss(settings),  # loss.num_chunks: 0.3's chunked loss (planner/emit/kernels.py)
+        # loss.num_chunks: 0.3's chunked loss (planner/emit/kernels.py); without it a 0.3 job still runs its config
+        # function's loss, which every 0.3 model config sets to ChunkedLossWrapper (models/*/config_registry.py)
+        **(from_torchtitan_loss(settings) or ({"loss_kernel": "chunked"} if is_torchtitan_03(settings) else {})),
         pp=pipeline.pp, pp_schedule=pipeline.schedule,
         pp_stages_per_rank=pipeline.stages_per_rank(0) if pipeline.parts else 0,  # else: the model's blocks (check)
     )

@@ -41,10 +41,6 @@ def _wrapper_args(config: FsdpConfig, module: str) -> str:
     return f"{module}, checkpoint_impl=CheckpointImpl.NO_REENTRANT{policy}"
 
 
-def _wrapper_call(config: FsdpConfig, module: str) -> str:
-    return f"checkpoint_wrapper({_wrapper_args(config, module)})"
-
-
 def emit_fsdp1(config: FsdpConfig, model_spec: ModelSpec, cluster: ClusterSpec,
                training: TrainingSpec | None = None) -> str:
     """Python snippet wrapping a model with FSDP1 FullyShardedDataParallel.
@@ -166,7 +162,7 @@ def emit_fsdp2(config: FsdpConfig, model_spec: ModelSpec, cluster: ClusterSpec,
             "    parent = model.get_submodule(parent_name)",
             "    block = getattr(parent, attr)"]
     if config.checkpoints:
-        wrap = [f"block = {_wrapper_call(config, 'block')}",
+        wrap = ["block = checkpoint_wrapper(", f"    {_wrapper_args(config, 'block')})",
                 "setattr(parent, attr, block)  # shard the wrapper: recompute stays inside the unit"]
         note = f"# activation checkpointing ({config.activation_checkpointing}), non-reentrant"
         if config.ac_every <= 1:

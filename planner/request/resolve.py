@@ -1,0 +1,54 @@
+"""A request's specs: the model (its traced block memory profile where it needs one, as its trainer's own
+implementation runs it), the cluster and the training; and the attention implementation a model is priced with."""
+
+from __future__ import annotations
+
+from cost_models.specs import Attention, ClusterSpec, Finetune, ModelSpec, TrainingSpec, parse_enum
+
+from ..errors import PlannerError
+from ..models import resolve_model
+from ..trainers import model_for, trainer_named
+from .build import build_request, knob_names
+from .groups import Request
+
+RESOLVE_KNOBS = tuple(n for n in knob_names("", "cluster", "training") if n != "model") + ("attention",)
+
+
+def resolve_inputs(model, gpus: int | None = None, **knobs) -> tuple[ModelSpec, ClusterSpec, TrainingSpec]:
+    """The specs behind every command from API/CLI keywords (the cluster's and the training's knobs, attention,
+    trust_remote_code; or cluster= / training= groups): resolve_request of their Request."""
+    request = build_request(model, gpus, valid=RESOLVE_KNOBS, valid_groups=("cluster", "training"), **knobs)
+    return resolve_request(request, request.config.attention)
+
+
+def resolve_request(request: Request, attention: str | None = None) -> tuple[ModelSpec, ClusterSpec, TrainingSpec]:
+    """Model, cluster and training specs of a request. A model without an activation formula gets its traced
+    block memory profile here (for `attention`, default: every implementation it runs)."""
+    model = request.model
+    spec = model if isinstance(model, ModelSpec) else resolve_model(model, trust_remote_code=request.trust_remote_code)
+    spec = model_for(trainer_named(request.trainer), spec)  # the trainer's own implementation of it
+    cluster = request.cluster.spec()
+    training = request.training.spec()
+    if training.finetune is Finetune.FULL and not isinstance(model, ModelSpec):
+        from ..models import hf_config_of
+        from ..models.block_profiles import needs_block_profile, with_block_profile
+
+        from ..models.module import hf_config_dict
+
+        hf_config = hf_config_dict(model) or hf_config_of(model)  # a transformers module's config, or the file's
+        if needs_block_profile(spec, hf_config):
+            spec = with_block_profile(spec, hf_config, training.seq_len,
+                                      attentions=(model_attention(spec, attention),))
+    return spec, cluster, training
+
+
+def model_attention(spec: ModelSpec, attention: str | None) -> str:
+    """The attention implementation to price: the one asked for, if the model runs it, else (None) the
+    model's first choice."""
+    if attention is None:
+        return spec.attention_choices[0]
+    value = parse_enum(Attention, attention, "attention").value
+    if value not in spec.attention_choices:
+        raise PlannerError("attention", f"{spec.name} does not run {value} attention in transformers; choose one "
+                                        f"of: {', '.join(spec.attention_choices)}")
+    return value

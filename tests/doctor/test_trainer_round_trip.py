@@ -1,0 +1,62 @@
+"""What is emitted is what was priced (issue 26 item 3): for each trainer, the search's pick is emitted as that
+trainer's file, built or parsed by the trainer's own tool where it has one (transformers' TrainingArguments,
+accelerate's config loader), read back by `fsdp-plan check`, and priced again: the same trainer, and the JSON
+`config`, `memory` and `time` equal to the plan's."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+
+from planner import plan
+from planner.doctor import check
+from planner.doctor.readers import read_setup
+from planner.emit import emit_artifact
+from tests.doctor.test_roundtrip import hf_arguments_file
+
+MODEL, GPUS, GPU, SEQ = "llama3-8b", 16, "h100-80gb", 4096
+
+
+@functools.cache
+def picked(trainer: str, gpu: str = GPU):
+    """The trainer's best plan: two nodes (HYBRID strategies and resharding to the node are in the space)."""
+    return plan(MODEL, gpus=GPUS, gpu=gpu, seq_len=SEQ, trainer=trainer).best
+
+
+def written(artifact: str, text: str, tmp_path, training_arguments, load_accelerate):
+    """The artifact as the file a user keeps: HF's TrainingArguments built by transformers and saved as JSON,
+    accelerate's YAML loaded by accelerate itself first, torchtitan's override flags as written."""
+    if artifact.startswith("hf-trainer"):
+        return hf_arguments_file(training_arguments(text), tmp_path / "args.json")
+    if artifact.startswith("accelerate"):
+        load_accelerate(tmp_path, text, ["--main_process_ip", "10.0.0.1"])  # accelerate accepts it
+        path = tmp_path / "accelerate.yaml"
+    elif artifact in ("fsdp2", "fsdp1", "lightning"):  # code: read with ast (planner/doctor/readers/python_code.py)
+        compile(text, "train.py", "exec")  # Python's own parser takes it
+        path = tmp_path / "train.py"
+    else:
+        path = tmp_path / "overrides.txt"
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.parametrize("trainer, artifact, gpu", [
+    ("hf", "hf-trainer", GPU), ("hf-fsdp1", "hf-trainer-fsdp1", GPU),
+    # accelerate's launcher refuses an fp8 config where torchao is not installed (here): planned on A100s, no FP8
+    ("accelerate-fsdp2", "accelerate-fsdp2", "a100-80gb"), ("accelerate", "accelerate", "a100-80gb"),
+    ("torchtitan", "torchtitan", GPU), ("torchtitan-0.2", "torchtitan-0.2", GPU),
+    ("fsdp2", "fsdp2", GPU), ("fsdp1", "fsdp1", GPU), ("lightning", "lightning", GPU),
+])
+def test_the_emitted_file_reads_back_as_the_plan_that_was_priced(tmp_path, training_arguments, load_accelerate,
+                                                                  trainer, artifact, gpu):
+    best = picked(trainer, gpu)
+    path = written(artifact, emit_artifact(artifact, best), tmp_path, training_arguments, load_accelerate)
+    config = best.config  # accelerate's YAML holds no batch: the micro-batch is the training script's
+    r = check(read_setup(path), MODEL, GPUS, gpu=gpu, seq_len=SEQ, micro_batch=config.micro_batch,
+              grad_accum=config.grad_accum)
+    back, priced = r.candidate.to_dict(), best.to_dict()
+    assert back["trainer"] == priced["trainer"] == trainer
+    assert back["config"] == priced["config"]
+    assert back["memory"] == priced["memory"]
+    assert back["time"] == priced["time"]
