@@ -29,6 +29,7 @@ steps], "reference_losses": [...], "max_grad_error": x, "max_grad": y}.
 from __future__ import annotations
 
 import copy
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -41,6 +42,7 @@ from calibration.memtrack import MemoryTracker
 from calibration.pipeline import build_schedule, causal_lm_loss, split_stages, stage_indices
 from calibration.trace import make_optimizer
 from calibration.trace_pipeline import _measured_steps, leaf_inputs_untracked, make_pipeline_mesh
+from cost_models.specs import ClusterSpec, FsdpConfig, TrainingSpec
 from planner.models import block_classes_of, from_hf_config
 from tests.distributed.cases import config_from_dict, serve_cli
 from tests.distributed.worker_families import like_nccl
@@ -79,15 +81,25 @@ def reference_losses(reference: nn.Module, ids: torch.Tensor, steps: int) -> lis
     return losses
 
 
-def run_emitted(case: dict, world: int) -> dict:
-    """`--emit fsdp2`'s pipeline snippet for this case's config, exec-ed and trained for two AdamW steps with its
-    own build_pipeline and pipeline_step, against the unsplit model on the same (every dp rank's) sequences."""
-    from cost_models.specs import ClusterSpec, TrainingSpec
+class EmittedPipeline(NamedTuple):
+    config: FsdpConfig
+    code: str
+    namespace: dict
+    reference: nn.Module
+    schedule: object
+    modules: list
+    has_first: bool
+    has_last: bool
+
+
+def emitted_pipeline(case: dict, world: int) -> EmittedPipeline:
+    """`--emit fsdp2`'s snippet for the case's config (its "emitted" fields, else its "config"), exec-ed, and its
+    build_pipeline run on the tiny model (seed 0, fp32), beside an unsplit copy."""
     from planner.emit import emit_fsdp2
     from tests.distributed.worker_emit_mesh import GPU
 
     hf_config, seq_len = case["hf_config"], case["seq_len"]
-    config = config_from_dict(case["emitted"])
+    config = config_from_dict(case["emitted"] if isinstance(case.get("emitted"), dict) else case["config"])
     cluster = ClusterSpec(gpu=GPU, n_gpus=world, gpus_per_node=world, internode_bytes_per_s=1e10)
     code = emit_fsdp2(config, from_hf_config(dict(hf_config), name="tiny-pp"), cluster, TrainingSpec(seq_len=seq_len))
     namespace: dict = {}
@@ -95,7 +107,14 @@ def run_emitted(case: dict, world: int) -> dict:
     torch.manual_seed(0)
     model = build_model(None, hf_config, device="cpu", dtype=torch.float32)
     reference = copy.deepcopy(model)
-    schedule, modules, has_first, has_last = namespace["build_pipeline"](model, "cpu")
+    return EmittedPipeline(config, code, namespace, reference, *namespace["build_pipeline"](model, "cpu"))
+
+
+def run_emitted(case: dict, world: int) -> dict:
+    """`--emit fsdp2`'s pipeline snippet for this case's config, exec-ed and trained for two AdamW steps with its
+    own build_pipeline and pipeline_step, against the unsplit model on the same (every dp rank's) sequences."""
+    config, code, namespace, reference, schedule, modules, has_first, has_last = emitted_pipeline(case, world)
+    hf_config, seq_len = case["hf_config"], case["seq_len"]
     optimizer = make_optimizer([p for m in modules for p in m.parameters()], "adamw")
     mesh = namespace["device_mesh"]("cpu")
     dp_rank, dp = mesh["dp_shard"].get_local_rank(), mesh["dp_shard"].size()
@@ -150,7 +169,7 @@ def run_case(case: dict, rank: int, world: int) -> dict:
     tracker = MemoryTracker(stages, optimizer, vocab_size=spec.vocab_size)
     tracker.track_inputs(ids)
     with leaf_inputs_untracked():  # zero-bubble / DualPipeV's autograd.grad under the tracker, as in the trace
-        phases = _measured_steps(schedule, optimizer, ids, tracker, first, last)
+        phases = _measured_steps(schedule, optimizer, ids, tracker, first, last, TrainingSpec().optimizer_impl)
     peak = max(phases.values(), key=lambda s: s.peak_allocated_bytes)
     schedule.step(*((ids,) if first else ()), **({"target": ids} if last else {}))  # step 3: gradients only
 

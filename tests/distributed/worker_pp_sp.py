@@ -40,7 +40,7 @@ from cost_models.specs import TrainingSpec
 from planner.models import block_classes_of, from_hf_config
 from tests.distributed.cases import config_from_dict, serve_cli
 from tests.distributed.worker_families import like_nccl
-from tests.distributed.worker_pp import RecordingSchedule, batch, reference_losses
+from tests.distributed.worker_pp import RecordingSchedule, batch, emitted_pipeline, reference_losses
 
 SGD_STEPS, SGD_LR = 3, 0.5
 
@@ -63,20 +63,8 @@ def _stage_names(modules, model_names) -> list[dict]:
 
 
 def run_emitted(case: dict, world: int) -> dict:
-    from cost_models.specs import ClusterSpec
-    from planner.emit import emit_fsdp2
-    from tests.distributed.worker_emit_mesh import GPU
-
+    config, code, namespace, reference, schedule, modules, has_first, has_last = emitted_pipeline(case, world)
     hf_config, seq_len = case["hf_config"], case["seq_len"]
-    config = config_from_dict(case["config"])
-    cluster = ClusterSpec(gpu=GPU, n_gpus=world, gpus_per_node=world, internode_bytes_per_s=1e10)
-    code = emit_fsdp2(config, from_hf_config(dict(hf_config), name="tiny-pp"), cluster, TrainingSpec(seq_len=seq_len))
-    namespace: dict = {}
-    exec(compile(code, "<emitted fsdp2>", "exec"), namespace)
-    torch.manual_seed(0)
-    model = build_model(None, hf_config, device="cpu", dtype=torch.float32)
-    reference = copy.deepcopy(model)
-    schedule, modules, has_first, has_last = namespace["build_pipeline"](model, "cpu")
     names = [{n: _decoder_name(n) for n, _ in m.named_parameters()} for m in modules]
     optimizers = [torch.optim.SGD([p for m in modules for p in m.parameters()], lr=SGD_LR),
                   torch.optim.SGD(reference.parameters(), lr=SGD_LR)]

@@ -98,6 +98,6 @@ def test_the_fsdp2_snippet_applies_the_planned_liger_kernels():
     text = emit_fsdp2(FsdpConfig(**{**ALL, "loss_kernel": "eager"}), load_preset("llama3-8b"), NODE)
     compile(text, "fsdp2 snippet", "exec")
     assert "from liger_kernel.transformers import apply_liger_kernel_to_llama  # liger-kernel 0.8.5, as planned" in text
-    assert ("        rope=True, rms_norm=True, swiglu=True, fused_linear_cross_entropy=False, cross_entropy=False, "
-            "model=model)") in text
+    assert ("    apply_liger_kernel_to_llama(\n        rope=True, rms_norm=True, swiglu=True,\n"
+            "        fused_linear_cross_entropy=False, cross_entropy=False, model=model)") in text
     assert "apply_liger_kernel" not in emit_fsdp2(FsdpConfig(), load_preset("llama3-8b"), NODE)

@@ -162,8 +162,11 @@ def emit_fsdp2(config: FsdpConfig, model_spec: ModelSpec, cluster: ClusterSpec,
             "    parent = model.get_submodule(parent_name)",
             "    block = getattr(parent, attr)"]
     if config.checkpoints:
-        wrap = ["block = checkpoint_wrapper(", f"    {_wrapper_args(config, 'block')})",
-                "setattr(parent, attr, block)  # shard the wrapper: recompute stays inside the unit"]
+        indent = 4 if config.ac_every <= 1 else 8
+        one_line = f"block = checkpoint_wrapper({_wrapper_args(config, 'block')})"
+        wrap = ([one_line] if indent + len(one_line) <= 100 else  # the selective-op policy: two lines
+                ["block = checkpoint_wrapper(", f"    {_wrapper_args(config, 'block')})"])
+        wrap += ["setattr(parent, attr, block)  # shard the wrapper: recompute stays inside the unit"]
         note = f"# activation checkpointing ({config.activation_checkpointing}), non-reentrant"
         if config.ac_every <= 1:
             loop += [f"    {note}"] + [f"    {line}" for line in wrap]
