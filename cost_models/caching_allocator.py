@@ -1,0 +1,254 @@
+"""Reserved bytes from a replay of PyTorch's CUDA caching allocator over an ordered allocation sequence.
+
+    result = replay([("alloc", "a", 3_000_000), ("alloc", "b", 700, "side"), ("free", "a")])
+    result.peak_allocated_bytes, result.peak_reserved_bytes, result.segments_at_peak
+
+The rules are those of c10/cuda/CUDACachingAllocator.cpp (PyTorch 2.13; the constants live in
+c10/core/AllocatorConfig.h, shipped with torch under torch/include):
+- round_size: every request is rounded up to a multiple of kMinBlockSize (512 B);
+- get_pool: requests <= kSmallSize (1 MiB) come from the small pool, others from the large pool; each pool
+  is per stream (blocks carry the stream they were made on and get_free_block only looks at that stream's);
+- get_free_block: best fit, the smallest cached free block that holds the request, ties by address
+  (BlockComparatorSize orders by stream, size, address). With max_split_size set, a request below it never
+  takes a block at or above it, and a request at or above it takes only a block smaller than request +
+  kLargeBuffer;
+- get_allocation_size / alloc_block: without a fitting block, a new segment (cudaMalloc) of kSmallBuffer
+  (2 MiB) for a small request, kLargeBuffer (20 MiB) for a large one below kMinLargeAlloc (10 MiB), else the
+  request rounded up to kRoundLarge (2 MiB);
+- should_split: the block is split and the remainder cached when it is >= kMinBlockSize (small pool) or
+  > kSmallSize and the request is below max_split_size (large pool); an unsplit block is allocated whole
+  (torch's allocated_bytes counts block sizes);
+- free_block / try_merge_blocks: a freed block merges with its free neighbours, which are only ever blocks
+  of the same segment; segments are never merged, and never released before empty_cache() (not modelled),
+  so reserved never falls.
+- expandable_segments (ExpandableSegment): one segment per stream and pool, a virtual range mapped page by
+  page, the page kSmallBuffer (2 MiB) in the small pool and kLargeBuffer (20 MiB) in the large one
+  (find_expandable_block's segment_size). A request no cached block holds maps just enough pages behind the
+  free block at the segment's end; splits keep any remainder >= kMinBlockSize. Reserved = mapped pages.
+
+Not modelled: garbage_collection_threshold (it acts only under set_per_process_memory_fraction, releasing
+whole cached segments, oldest first, once reserved passes threshold x the allowed memory:
+garbage_collect_cached_blocks), the release of cached segments on an OOM (release_cached_blocks),
+roundup_power2_divisions, record_stream delays and CUDA graph pools. New segments take increasing addresses
+(cudaMalloc's are arbitrary): the address only breaks ties between free blocks of one size.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from .units import MiB
+
+K_MIN_BLOCK_BYTES = 512                   # kMinBlockSize
+K_SMALL_SIZE_BYTES = 1 * MiB              # kSmallSize: largest small-pool request
+K_SMALL_BUFFER_BYTES = 2 * MiB            # kSmallBuffer: small-pool segment (and expandable page)
+K_MIN_LARGE_ALLOC_BYTES = 10 * MiB        # kMinLargeAlloc: large requests below it share 20 MiB segments
+K_ROUND_LARGE_BYTES = 2 * MiB             # kRoundLarge
+K_LARGE_BUFFER_BYTES = 20 * MiB           # kLargeBuffer
+
+
+@dataclass(frozen=True)
+class AllocatorSettings:
+    """PYTORCH_CUDA_ALLOC_CONF's knobs that change reserved bytes (None: unset, torch's default SIZE_MAX)."""
+
+    max_split_size_bytes: int | None = None
+    expandable_segments: bool = False
+
+    @classmethod
+    def parse(cls, conf: str) -> "AllocatorSettings":
+        """From a PYTORCH_CUDA_ALLOC_CONF string, e.g. "max_split_size_mb:128,expandable_segments:True"."""
+        known = ("max_split_size_mb", "expandable_segments", "garbage_collection_threshold", "roundup_power2_divisions",
+                 "max_non_split_rounding_mb", "release_lock_on_cudamalloc", "pinned_use_cuda_host_register",
+                 "pinned_num_register_threads", "pinned_use_background_threads")
+        items = dict(re.findall(r"([A-Za-z_][A-Za-z0-9_]*)\s*:\s*([^,\]]*)", conf))   # roundup's [64:8,...] lists skipped
+        for key in items:
+            if key not in known:
+                raise ValueError(f"PYTORCH_CUDA_ALLOC_CONF key {key!r}; choose one of {', '.join(known)}")
+        values = {}
+        if "max_split_size_mb" in items:
+            values["max_split_size_bytes"] = int(items["max_split_size_mb"]) * MiB
+        if "expandable_segments" in items:
+            values["expandable_segments"] = items["expandable_segments"].strip().lower() == "true"
+        return cls(**values)
+
+
+def round_size(size_bytes: int) -> int:
+    """round_size: up to a multiple of kMinBlockSize."""
+    return max(K_MIN_BLOCK_BYTES, -(-size_bytes // K_MIN_BLOCK_BYTES) * K_MIN_BLOCK_BYTES)
+
+
+def allocation_size(size_bytes: int) -> int:
+    """get_allocation_size: the segment cudaMalloc'd for a rounded request no cached block holds."""
+    if size_bytes <= K_SMALL_SIZE_BYTES:
+        return K_SMALL_BUFFER_BYTES
+    if size_bytes < K_MIN_LARGE_ALLOC_BYTES:
+        return K_LARGE_BUFFER_BYTES
+    return -(-size_bytes // K_ROUND_LARGE_BYTES) * K_ROUND_LARGE_BYTES
+
+
+class _Block:
+    __slots__ = ("segment", "offset", "size", "free")
+
+    def __init__(self, segment: "_Segment", offset: int, size: int, free: bool):
+        self.segment, self.offset, self.size, self.free = segment, offset, size, free
+
+
+class _Segment:
+    def __init__(self, stream, small: bool, address: int, size: int):   # address: creation order << 50
+        self.stream, self.small, self.address, self.size = stream, small, address, size
+        self.blocks = [_Block(self, 0, size, True)]   # in address order, covering [0, size)
+
+
+@dataclass(frozen=True)
+class SegmentState:
+    """One segment when reserved reached its peak: its stream, pool, size and the bytes allocated in it."""
+
+    stream: object
+    pool: str                 # "small" or "large"
+    size_bytes: int
+    allocated_bytes: int
+    largest_free_bytes: int
+
+
+@dataclass(frozen=True)
+class ReplayResult:
+    peak_allocated_bytes: int         # torch.cuda.max_memory_allocated: allocated block sizes
+    peak_requested_bytes: int         # the requests themselves (the tensors' bytes)
+    peak_reserved_bytes: int          # torch.cuda.max_memory_reserved: segments (mapped pages)
+    segments_at_peak: tuple[SegmentState, ...]
+
+
+class CachingAllocator:
+    """The allocator's state: malloc(key, size, stream) and free(key); statistics in bytes."""
+
+    def __init__(self, settings: AllocatorSettings = AllocatorSettings()):
+        self.settings = settings
+        self.segments: list[_Segment] = []
+        self._pools: dict[tuple, list[_Segment]] = {}   # (stream, small): get_pool's per-stream pools
+        self._expandable: dict[tuple, _Segment] = {}   # (stream, small) -> its one segment
+        self._live: dict[object, tuple[_Block, int]] = {}
+        self.allocated_bytes = self.requested_bytes = self.reserved_bytes = 0
+        self.peak_allocated_bytes = self.peak_requested_bytes = 0
+        self.segments_at_peak: tuple[SegmentState, ...] = ()
+
+    def malloc(self, key, size_bytes: int, stream=0) -> None:
+        if key in self._live:
+            raise ValueError(f"allocation {key!r} is already live; free it first")
+        if size_bytes <= 0:   # torch allocates nothing for an empty tensor
+            return
+        size = round_size(size_bytes)
+        small = size <= K_SMALL_SIZE_BYTES
+        reserved_before = self.reserved_bytes
+        block = self._best_fit(stream, small, size) or self._new_block(stream, small, size)
+        if self._should_split(block, size):
+            rest = _Block(block.segment, block.offset + size, block.size - size, True)
+            blocks = block.segment.blocks
+            blocks.insert(blocks.index(block) + 1, rest)
+            block.size = size
+        block.free = False
+        self._live[key] = (block, size_bytes)
+        self.allocated_bytes += block.size
+        self.requested_bytes += size_bytes
+        self.peak_allocated_bytes = max(self.peak_allocated_bytes, self.allocated_bytes)
+        self.peak_requested_bytes = max(self.peak_requested_bytes, self.requested_bytes)
+        if self.reserved_bytes > reserved_before:   # reserved only grows: this is its peak so far
+            self.segments_at_peak = self._states()
+
+    def free(self, key) -> None:
+        entry = self._live.pop(key, None)
+        if entry is None:
+            return   # an empty tensor's free, or a storage made before recording began
+        block, size_bytes = entry
+        self.allocated_bytes -= block.size
+        self.requested_bytes -= size_bytes
+        block.free = True
+        blocks = block.segment.blocks
+        i = blocks.index(block)
+        if i + 1 < len(blocks) and blocks[i + 1].free:          # try_merge_blocks with the next block
+            block.size += blocks.pop(i + 1).size
+        if i > 0 and blocks[i - 1].free:                          # and with the previous one
+            blocks[i - 1].size += blocks.pop(i).size
+
+    def _max_split(self) -> int | None:
+        return self.settings.max_split_size_bytes
+
+    def _usable(self, block: _Block, size: int) -> bool:
+        """get_free_block's oversize rules under max_split_size."""
+        limit = self._max_split()
+        if limit is None:
+            return True
+        if size < limit:
+            return block.size < limit
+        return block.size < size + K_LARGE_BUFFER_BYTES
+
+    def _best_fit(self, stream, small: bool, size: int) -> _Block | None:
+        best = None
+        for seg in self._pools.get((stream, small), ()):
+            for b in seg.blocks:
+                if (b.free and b.size >= size and self._usable(b, size)
+                        and (best is None or (b.size, seg.address + b.offset)
+                             < (best.size, best.segment.address + best.offset))):
+                    best = b
+        return best
+
+    def _should_split(self, block: _Block, size: int) -> bool:
+        remaining = block.size - size
+        if block.segment.small or self.settings.expandable_segments:
+            return remaining >= K_MIN_BLOCK_BYTES
+        limit = self._max_split()
+        return (limit is None or size < limit) and remaining > K_SMALL_SIZE_BYTES
+
+    def _new_block(self, stream, small: bool, size: int) -> _Block:
+        if self.settings.expandable_segments:
+            block = self._expand(stream, small, size)
+        else:
+            seg = self._add_segment(stream, small, allocation_size(size))
+            self.reserved_bytes += seg.size
+            block = seg.blocks[0]
+        return block
+
+    def _add_segment(self, stream, small: bool, size: int) -> _Segment:
+        seg = _Segment(stream, small, len(self.segments) << 50, size)
+        self.segments.append(seg)
+        self._pools.setdefault((stream, small), []).append(seg)
+        return seg
+
+    def _expand(self, stream, small: bool, size: int) -> _Block:
+        """Map pages behind the segment's free tail until it holds `size` (find_expandable_block, map_block)."""
+        page = K_SMALL_BUFFER_BYTES if small else K_LARGE_BUFFER_BYTES
+        seg = self._expandable.get((stream, small))
+        if seg is None:
+            seg = self._expandable[(stream, small)] = self._add_segment(stream, small, 0)
+            seg.blocks = []
+        tail = seg.blocks[-1] if seg.blocks and seg.blocks[-1].free else None
+        have = tail.size if tail else 0
+        grow = -(-(size - have) // page) * page
+        seg.size += grow
+        self.reserved_bytes += grow
+        if tail is None:
+            tail = _Block(seg, seg.size - grow, 0, True)
+            seg.blocks.append(tail)
+        tail.size += grow
+        return tail
+
+    def _states(self) -> tuple[SegmentState, ...]:
+        return tuple(SegmentState(s.stream, "small" if s.small else "large", s.size,
+                                  sum(b.size for b in s.blocks if not b.free),
+                                  max((b.size for b in s.blocks if b.free), default=0)) for s in self.segments)
+
+
+def replay(events, settings: AllocatorSettings = AllocatorSettings()) -> ReplayResult:
+    """Replay ordered events: ("alloc", key, size_bytes[, stream]) and ("free", key, ...) (extra fields of a
+    free are ignored). The stream defaults to 0, the default stream."""
+    allocator = CachingAllocator(settings)
+    for event in events:
+        kind = event[0]
+        if kind == "alloc":
+            allocator.malloc(event[1], event[2], event[3] if len(event) > 3 else 0)
+        elif kind == "free":
+            allocator.free(event[1])
+        else:
+            raise ValueError(f"event kind {kind!r}; choose alloc or free")
+    return ReplayResult(allocator.peak_allocated_bytes, allocator.peak_requested_bytes, allocator.reserved_bytes,
+                        allocator.segments_at_peak)
