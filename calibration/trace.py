@@ -57,8 +57,10 @@ import time
 import torch
 from torch import nn
 
+from cost_models import caching_allocator
 from cost_models.specs import Finetune, FsdpConfig, ModelSpec, Optimizer, OptimizerImpl, Sharding, TrainingSpec
 
+from .alloc_sequence import record_allocations
 from .fake_world import _dtensors_under_fake_mode, _FakeWorld, _meta_to_fake
 from .gpu_run_choices import _grouped_mm_shapes_any_dtype, _real_run_masking, cuda_kernel_choices
 from .memtrack import BREAKDOWN_KEYS, MemorySnapshot, MemoryTracker
@@ -162,9 +164,11 @@ def _trace(spec, config, training, n_gpus, gpus_per_node, seq_len, hf_config, st
             apply_fsdp2(model, config, classes, mesh)
             opt = make_optimizer(model.parameters(), training.optimizer)
             ids = torch.randint(0, spec.vocab_size, (config.micro_batch, seq_len))
+            allocations = []
             try:
                 phases = measure_training_steps(model, opt, ids, config, vocab_size=spec.vocab_size, is_hf=is_hf,
-                                                mesh=mesh, optimizer_impl=training.optimizer_impl)
+                                                mesh=mesh, optimizer_impl=training.optimizer_impl,
+                                                allocations=allocations)
             except Exception as exc:  # noqa: BLE001
                 raise _untraceable(f"the training step of {spec.name}", exc) from exc
     if attention != config.attention.value:
@@ -180,12 +184,14 @@ def _trace(spec, config, training, n_gpus, gpus_per_node, seq_len, hf_config, st
     return TraceResult(peak_allocated_bytes=peak.peak_allocated_bytes, breakdown=dict(peak.breakdown),
                        peak_phase=peak.peak_phase, phases=phases, world_size=n_gpus, shard_group_size=shard,
                        builder="transformers" if is_hf else "reference", seconds=time.perf_counter() - started,
-                       notes=tuple(notes), attention=attention, experts=experts)
+                       notes=tuple(notes), attention=attention, experts=experts,
+                       allocator=caching_allocator.replay(allocations))
 
 
 def measure_training_steps(model: nn.Module, optimizer: torch.optim.Optimizer, ids: torch.Tensor, config: FsdpConfig,
                            *, vocab_size: int, is_hf: bool, mesh=None,
-                           optimizer_impl: OptimizerImpl | str = OptimizerImpl.FOREACH) -> dict[str, MemorySnapshot]:
+                           optimizer_impl: OptimizerImpl | str = OptimizerImpl.FOREACH,
+                           allocations: list | None = None) -> dict[str, MemorySnapshot]:
     """Two training steps of an FSDP2-wrapped `model` on `ids` (labels = ids) under calibration.memtrack:
     the second step's "forward_backward" window (min(grad_accum, 2) micro-steps) and its "optimizer_step"
     window of `optimizer_impl`: measured when `optimizer` runs it, else from a foreach=False step with its
@@ -193,7 +199,8 @@ def measure_training_steps(model: nn.Module, optimizer: torch.optim.Optimizer, i
     the trace runs it under FakeTensorMode, tests/distributed runs it on gloo ranks to check the trace against
     real memory. Tensors whose last dimension is the vocabulary (a TP rank's vocab / tp with loss parallel) count as
     logits_and_loss, unless it equals the sequence length. With tensor parallelism the step runs inside
-    loss_parallel() when the config has sequence parallel (calibration/tensor_parallel.loss_context)."""
+    loss_parallel() when the config has sequence parallel (calibration/tensor_parallel.loss_context).
+    allocations: a list to fill with both steps' ordered allocations and frees (calibration/alloc_sequence.py)."""
     from contextlib import ExitStack
 
     from .tensor_parallel import local_vocab_size
@@ -203,6 +210,8 @@ def measure_training_steps(model: nn.Module, optimizer: torch.optim.Optimizer, i
     with ExitStack() as cp:
         _shard_context_parallel_inputs(cp, ids, config, mesh)
         tracker = MemoryTracker(model, optimizer, vocab_size=vocab_size if vocab_size != seq_len else None)
+        if allocations is not None:
+            record_allocations(tracker, allocations)
         tracker.track_inputs(ids)
         return _measured_steps(model, optimizer, ids, config, tracker, is_hf, optimizer_impl)
 

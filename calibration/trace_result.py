@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from cost_models.caching_allocator import ReplayResult
+
 from .memtrack import MemorySnapshot
 
 
@@ -35,6 +37,7 @@ class TraceResult:
     notes: tuple[str, ...] = ()
     attention: str = ""                       # the implementation traced (eager where a family refuses sdpa)
     experts: str | None = None                # mixture-of-experts kernel ("grouped_mm"); None: no experts
+    allocator: ReplayResult | None = None     # both steps' allocations replayed (cost_models/caching_allocator.py)
 
     def to_dict(self) -> dict:
         return {
@@ -49,6 +52,10 @@ class TraceResult:
             "experts": self.experts,
             "seconds": round(self.seconds, 2),
             "notes": list(self.notes),
+            "allocator": None if self.allocator is None else {
+                "peak_allocated_bytes": self.allocator.peak_allocated_bytes,
+                "peak_reserved_bytes": self.allocator.peak_reserved_bytes,
+                "segments": len(self.allocator.segments_at_peak)},
         }
 
 

@@ -22,6 +22,7 @@ from .errors import PlannerError
 from .progress import progress
 from planner.reports.table import training_line
 
+RESERVED_FROM = ("replay", "flat")
 INSTALL_HINT = "the trace tier needs transformers for Hugging Face models: pip install 'fsdp-planner[trace]'"
 
 
@@ -32,11 +33,32 @@ class TraceReport:
     candidate: Candidate        # the analytic estimate (config, cluster, time)
     traced: object              # calibration.trace.TraceResult
     profile: Profile
+    # "replay": the traced allocations replayed through the caching allocator model, + the CUDA context;
+    # "flat": the traced allocated peak x (1 + fragmentation) + the CUDA context, as the estimate adds
+    reserved_from: str = "replay"
+
+    def __post_init__(self):
+        _check_reserved_from(self.reserved_from)
+
+    @property
+    def flat_reserved_bytes(self) -> int:
+        """Traced allocated peak plus the same fragmentation and CUDA context the estimate adds."""
+        return self.profile.reserved_bytes(self.traced.peak_allocated_bytes)
+
+    @property
+    def replay_reserved_bytes(self) -> int | None:
+        """The replay's peak reserved (cost_models/caching_allocator.py) + the CUDA context; None where the trace
+        recorded no allocation sequence (pipeline traces)."""
+        replayed = getattr(self.traced, "allocator", None)
+        return None if replayed is None else replayed.peak_reserved_bytes + self.profile.cuda_context_bytes
+
+    @property
+    def reserved_source(self) -> str:
+        return "replay" if self.reserved_from == "replay" and self.replay_reserved_bytes is not None else "flat"
 
     @property
     def peak_reserved_bytes(self) -> int:
-        """Traced allocated peak plus the same fragmentation and CUDA context the estimate adds."""
-        return self.profile.reserved_bytes(self.traced.peak_allocated_bytes)
+        return self.replay_reserved_bytes if self.reserved_source == "replay" else self.flat_reserved_bytes
 
     @property
     def fits(self) -> bool:
@@ -77,6 +99,8 @@ class TraceReport:
             "memory": {
                 "peak_allocated_bytes": traced.peak_allocated_bytes,
                 "peak_reserved_bytes": self.peak_reserved_bytes,
+                "peak_reserved_flat_bytes": self.flat_reserved_bytes,
+                "reserved_from": self.reserved_source,
                 "peak_phase": traced.peak_phase,
                 "breakdown": dict(traced.breakdown),
                 "cpu_bytes_per_node": 0,
@@ -93,6 +117,11 @@ class TraceReport:
         }
 
 
+def _check_reserved_from(reserved_from: str) -> None:
+    if reserved_from not in RESERVED_FROM:
+        raise PlannerError("reserved_from", f"{reserved_from!r}; choose {' or '.join(RESERVED_FROM)}")
+
+
 def _hf_config(model) -> dict | None:
     from .models import hf_config_of
 
@@ -101,8 +130,10 @@ def _hf_config(model) -> dict | None:
     return hf_config_of(model)
 
 
-def trace_candidate(candidate: Candidate, hf_config: dict | None, profile: Profile | None = None) -> TraceReport:
-    """Trace the configuration of an analytic Candidate (same model, cluster, training)."""
+def trace_candidate(candidate: Candidate, hf_config: dict | None, profile: Profile | None = None,
+                    reserved_from: str = "replay") -> TraceReport:
+    """Trace the configuration of an analytic Candidate (same model, cluster, training); reserved_from:
+    TraceReport's."""
     from calibration.trace import TraceError, trace_memory
 
     spec = candidate.model
@@ -135,7 +166,8 @@ def trace_candidate(candidate: Candidate, hf_config: dict | None, profile: Profi
                                       optimizer_impl=candidate.training.optimizer_impl)
     except TraceError as exc:
         raise PlannerError("trace", str(exc)) from None
-    return TraceReport(candidate=candidate, traced=traced, profile=profile or DEFAULT_PROFILE)
+    return TraceReport(candidate=candidate, traced=traced, profile=profile or DEFAULT_PROFILE,
+                       reserved_from=reserved_from)
 
 
 def require_trace_dependencies(hf_config: dict | None) -> None:
@@ -151,15 +183,17 @@ def require_trace_dependencies(hf_config: dict | None) -> None:
             raise PlannerError("trace", INSTALL_HINT) from None
 
 
-def trace(model, gpus: int, *, profile: Profile | None = None, **kwargs) -> TraceReport:
-    """Trace one explicit configuration; arguments are exactly those of planner.api.estimate."""
+def trace(model, gpus: int, *, profile: Profile | None = None, reserved_from: str = "replay", **kwargs) -> TraceReport:
+    """Trace one explicit configuration; arguments are those of planner.api.estimate, and reserved_from
+    (TraceReport's: "replay" or "flat")."""
     if _is_module(model):
         raise PlannerError("model", "the trace tier builds the model itself: pass a preset name, a config.json "
                                     "or its dict, not an nn.Module")
+    _check_reserved_from(reserved_from)
     hf_config = _hf_config(model)
     require_trace_dependencies(hf_config)
     candidate = estimate(model, gpus, profile=profile, **kwargs)
-    return trace_candidate(candidate, hf_config, profile)
+    return trace_candidate(candidate, hf_config, profile, reserved_from)
 
 
 def _is_module(obj) -> bool:
@@ -239,7 +273,9 @@ def report_text(r: TraceReport) -> str:
     rows.append(["peak allocated", f"{traced.peak_allocated_bytes / GiB:.2f}", f"{est.peak_allocated_bytes / GiB:.2f}",
                  f"{(est.peak_allocated_bytes - traced.peak_allocated_bytes) / GiB:+.2f} "
                  f"({100 * r.relative_error:+.1f}%)"])
-    rows.append(["peak reserved (+context, fragmentation)", f"{r.peak_reserved_bytes / GiB:.2f}",
+    if r.replay_reserved_bytes is not None:
+        rows.append(["peak reserved (allocator replay + context)", f"{r.replay_reserved_bytes / GiB:.2f}", "", ""])
+    rows.append(["peak reserved (+context, fragmentation)", f"{r.flat_reserved_bytes / GiB:.2f}",
                  f"{est.peak_reserved_bytes / GiB:.2f}", ""])
     lines = [
         f"{c.model.name} ({c.model.n_params / 1e9:.2f}B) on {c.cluster.n_gpus} x {c.cluster.gpu.id}, traced as rank 0 "

@@ -24,6 +24,14 @@ class Snapshot(_Out):
     breakdown: TracedBreakdown
 
 
+class AllocatorReplay(_Out):
+    """Both traced steps' allocations replayed through cost_models/caching_allocator.py (no CUDA context)."""
+
+    peak_allocated_bytes: Bytes = Field(description="torch.cuda.max_memory_allocated: allocated block sizes")
+    peak_reserved_bytes: Bytes = Field(description="torch.cuda.max_memory_reserved: the segments cudaMalloc'd")
+    segments: int = Field(description="segments at the reserved peak")
+
+
 class TraceDetails(_Out):
     """calibration.trace.TraceResult.to_dict() less what `memory` holds."""
 
@@ -34,12 +42,16 @@ class TraceDetails(_Out):
     attention: str = Field(description="the attention implementation traced")
     experts: str | None = Field(description='mixture-of-experts kernel ("grouped_mm"); null: no experts')
     seconds: Seconds = Field(description="s the trace took")
+    allocator: AllocatorReplay | None = Field(description="null: no allocation sequence recorded (pipeline traces)")
 
 
 class TracedMemory(_Out):
     peak_allocated_bytes: Bytes
-    peak_reserved_bytes: Bytes = Field(description="bytes per rank: traced peak + the estimate's fragmentation "
-                                                   "and CUDA context")
+    peak_reserved_bytes: Bytes = Field(description="bytes per rank: the allocator replay's peak reserved + the "
+                                                   "CUDA context (reserved_from replay), else peak_reserved_flat_bytes")
+    peak_reserved_flat_bytes: Bytes = Field(description="bytes per rank: traced peak + the estimate's fragmentation "
+                                                        "and CUDA context")
+    reserved_from: Literal["replay", "flat"]
     peak_phase: str = Field(description='"forward", "backward" or "optimizer_step"')
     breakdown: TracedBreakdown
     cpu_bytes_per_node: Literal[0] = Field(description="the trace tier runs no offload")
