@@ -230,8 +230,8 @@ class Verification:
 
 
 def verify_top(plan: Plan, k: int, model_arg, profile: Profile | None = None) -> list[Verification]:
-    """Trace the top k candidates of a plan; each is confirmed when its traced peak (with the same
-    reserved-memory allowance as the estimate) fits the GPU. A candidate the trace tier cannot run
+    """Trace the top k candidates of a plan; each is confirmed when its traced peak reserved (TraceReport's
+    peak_reserved_bytes) fits the GPU. A candidate the trace tier cannot run
     (offload, LoRA, an untraceable model) is marked "not traced" with the reason."""
     hf_config = _hf_config(model_arg)
     require_trace_dependencies(hf_config)
@@ -315,4 +315,5 @@ def verified_plan_text(plan: Plan, top: int, verifications: list[Verification], 
     if not plan.candidates:
         return text + "\n\nNothing fits: no candidate to verify with the trace tier."
     return (text + f"\n\nTrace tier check of the top {len(verifications)} (real FSDP2 step on fake tensors; "
-            "confirmed = traced peak + context + fragmentation fits the GPU):\n" + verification_table(verifications))
+            "confirmed = the traced step's peak reserved, its allocations replayed through the caching allocator, + "
+            "context fits the GPU):\n" + verification_table(verifications))

@@ -1,6 +1,11 @@
 """Hand-worked sequences through the caching allocator model (cost_models/caching_allocator.py): each expected
 figure follows from the c10/cuda/CUDACachingAllocator.cpp rules cited there, arithmetic in the comments.
-Exact: the rules are integer arithmetic, so the tolerance is zero bytes."""
+Exact: the rules are integer arithmetic, so the tolerance is zero bytes.
+
+No CPU truth exists beside these: torch's CPU allocator does not cache, and torch ships no simulation of the CUDA
+one (torch/cuda/_memory_viz.py renders recorded snapshots; its _profile_to_snapshot files a profile's
+allocations into one segment per device; MemoryViz.js replays the segment_alloc events a GPU recorded).
+Where a GPU is lent, torch.cuda.memory._snapshot() of a real step is the check (issue 27)."""
 
 import pytest
 
