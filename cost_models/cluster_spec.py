@@ -39,6 +39,9 @@ class GpuSpec:
     nic: str = ""                                    # e.g. "8 x 400 Gb/s NDR InfiniBand (ConnectX-7)"
     matmul_efficiency: float = 0.0                   # best measured large bf16 GEMM / bf16 peak; 0 = unknown
     attention_efficiency: float = 0.0                # SDPA flash kernel fwd+bwd / bf16 peak (long s, head dim 128); 0 = unknown
+    # (kernel, fwd+bwd speed over FlashAttention-2) of the other fused-attention kernels the part runs
+    # (cost_models/attention_kernels.py; Hopper: cudnn, fa3); flash2 is always there
+    attention_kernel_speeds: tuple[tuple[str, float], ...] = ()
 
     def __post_init__(self):
         check_positive("gpu.memory_bytes", self.memory_bytes)
@@ -49,6 +52,15 @@ class GpuSpec:
         for name in ("scale_up_domain_gpus", "scale_up_peak_bytes_per_s", "host_link_peak_bytes_per_s",
                      "nics_per_node", "matmul_efficiency", "attention_efficiency"):
             check_positive(f"gpu.{name}", getattr(self, name), allow_zero=True)
+
+    def attention_kernels(self) -> tuple[str, ...]:
+        """The fused-attention kernels priced on this part (FsdpConfig.attention_kernel values)."""
+        return ("flash2", *(name for name, _ in self.attention_kernel_speeds))
+
+    def attention_speed(self, kernel: str) -> float:
+        """A fused-attention kernel's fwd+bwd speed over FlashAttention-2 here (1 for flash2, and for a kernel the
+        part lacks, which cost_models/feasibility.py refuses)."""
+        return dict(self.attention_kernel_speeds).get(kernel, 1.0)
 
     def supports(self, dtype: str) -> bool:
         return self.peak_flops.get(dtype, 0) > 0

@@ -71,8 +71,20 @@ def _hybrid_whole_nodes(config: FsdpConfig, cluster: ClusterSpec) -> Refusal | N
                    f"a multiple of {cluster.gpus_per_node} GPUs, or FULL_SHARD", priced=False)
 
 
+def _attention_kernel(config: FsdpConfig, cluster: ClusterSpec) -> Refusal | None:
+    """flash-attention 3 and Transformer Engine's cuDNN fused attention as priced are Hopper kernels (wgmma, TMA:
+    cost_models/attention_kernels.py); the catalog lists the kernels of each architecture."""
+    kernel, gpu = config.attention_kernel.value, cluster.gpu
+    if kernel in gpu.attention_kernels():
+        return None
+    return Refusal("attention_kernel", "attention-kernel-not-on-gpu",
+                   f"{kernel} attention is priced on Hopper GPUs only (wgmma / TMA kernels); {gpu.id} "
+                   f"({gpu.architecture or 'unknown architecture'}) runs {', '.join(gpu.attention_kernels())}",
+                   f"choose attention_kernel {' or '.join(gpu.attention_kernels())}, or a Hopper GPU")
+
+
 RULES: tuple[Callable[[FsdpConfig, ClusterSpec], Refusal | None], ...] = (
-    _compute_dtype, _float8_tensor_cores, _reshard_group, _hybrid_whole_nodes)
+    _compute_dtype, _float8_tensor_cores, _reshard_group, _hybrid_whole_nodes, _attention_kernel)
 
 
 def refusals(cluster: ClusterSpec, config: FsdpConfig) -> list[Refusal]:

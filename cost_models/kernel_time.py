@@ -7,7 +7,8 @@
   expert's few rows, a 768-wide model) run far below peak; x0 = profile.matmul_half_dim. The backward's
   two products (input gradient, weight gradient) have the same three dimensions: twice the forward
   (once for a frozen weight). Float8 linears run on the FP8 peak at the same fractions.
-- Attention (SDPA flash kernel): forward FLOPs as executed (causal: half of 4 q_dim s) at peak x the GPU's
+- Attention (SDPA flash kernel; another attention_kernel at its speed over it, attention_kernels.py): forward
+  FLOPs as executed (causal: half of 4 q_dim s) at peak x the GPU's
   attention-kernel efficiency (catalog `attention_efficiency`, fwd+bwd at long sequences and head dim
   128: FlashAttention-2 reaches ~0.6 of A100's peak and ~0.35 of H100's, which it runs without Hopper's
   wgmma/TMA - FlashAttention-2 and -3 papers) x s / (s + s0) (short sequences: fewer key blocks per query
@@ -45,11 +46,15 @@ class Rates:
     attention_half_seq: float
 
     @classmethod
-    def of(cls, gpu: GpuSpec, dtype: str, profile: Profile) -> "Rates":
+    def of(cls, gpu: GpuSpec, dtype: str, profile: Profile, attention_kernel: str = "flash2") -> "Rates":
+        """attention_kernel: the fused attention's kernel (FsdpConfig.attention_kernel), at its speed over
+        FlashAttention-2 on this GPU (cost_models/attention_kernels.py)."""
         peak = gpu.priced_peak_flops(dtype)
         achieved = profile.efficiency(dtype)   # what training products reach of the best large GEMM
         large = (gpu.matmul_efficiency or profile.default_gpu_matmul_efficiency) * achieved
         attention = (gpu.attention_efficiency or profile.default_attention_efficiency) * profile.attention_efficiency
+        if attention_kernel != "flash2":
+            attention *= gpu.attention_speed(attention_kernel)
         return cls(matmul_flops_per_s=peak * large,
                    float8_flops_per_s=gpu.peak_flops.get("fp8", 0.0) * large,
                    attention_flops_per_s=peak * attention,

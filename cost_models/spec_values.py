@@ -102,6 +102,15 @@ class Attention(str, Enum):
     FLEX = "flex"    # torch.nn.attention.flex_attention, compiled: q, k, v, out, logsumexp saved; block-sparse masks
 
 
+class AttentionKernel(str, Enum):
+    """The kernel behind fused (SDPA-style) attention; its time is priced per GPU architecture
+    (cost_models/attention_kernels.py, planner/catalog/gpus.json attention_kernels). The same saved set each."""
+
+    FLASH2 = "flash2"  # PyTorch SDPA's flash backend (FlashAttention-2): what torch picks first on A100 / H100
+    CUDNN = "cudnn"    # Transformer Engine's cuDNN fused attention (NeMo Automodel's attn: te), Hopper wgmma/TMA
+    FA3 = "fa3"        # flash-attention 3 (Hopper only: wgmma, TMA, warp specialisation)
+
+
 class Finetune(str, Enum):
     FULL = "full"
     LORA = "lora"

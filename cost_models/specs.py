@@ -18,7 +18,8 @@ from .model_spec import ActivationProfile, ActivationTerms, BackwardMoment, Mode
 from .schedules import Schedule
 from .spec_values import MoeDispatch, Routing
 from .spec_values import OptimizerImpl
-from .spec_values import (SELECTIVE_OP, Attention, Finetune, Kernel, LossKernel, Optimizer, Precision, Sharding,
+from .spec_values import (SELECTIVE_OP, Attention, AttentionKernel, Finetune, Kernel, LossKernel, Optimizer,
+                          Precision, Sharding,
                           SpecError, check_degree, check_positive, enum_choices, format_activation_checkpointing,
                           parse_activation_checkpointing, parse_enum)
 
@@ -27,7 +28,8 @@ __all__ = [  # this module's own names and the re-exported ones (see the docstri
     "ClusterSpec", "GpuSpec", "OptimizerImpl",
     "MoeDispatch", "Routing",
     "ActivationProfile", "ActivationTerms", "BackwardMoment", "ModelSpec", "MoeSpec", "TracedOperators",
-    "SELECTIVE_OP", "Attention", "Finetune", "Kernel", "LossKernel", "Optimizer", "Precision", "Sharding", "SpecError",
+    "SELECTIVE_OP", "Attention", "AttentionKernel", "Finetune", "Kernel", "LossKernel", "Optimizer", "Precision",
+    "Sharding", "SpecError",
     "check_degree", "check_positive", "enum_choices", "format_activation_checkpointing", "parse_activation_checkpointing",
     "parse_enum",
 ]
@@ -111,6 +113,8 @@ class FsdpConfig:
     micro_batch: int = 1
     grad_accum: int = 1
     attention: Attention = Attention.SDPA
+    # the fused attention's kernel (sdpa only; flex and eager run their own): FlashAttention-2, TE's cuDNN, FA3
+    attention_kernel: AttentionKernel = AttentionKernel.FLASH2
     backward_prefetch: bool = True    # BackwardPrefetch.BACKWARD_PRE (FSDP2 always prefetches)
     forward_prefetch: bool = False
     limit_all_gathers: bool = True    # FSDP1 rate limiter: at most two all-gathers in flight
@@ -161,6 +165,10 @@ class FsdpConfig:
         object.__setattr__(self, "sharding", parse_enum(Sharding, self.sharding, "sharding"))
         object.__setattr__(self, "precision", parse_enum(Precision, self.precision, "precision"))
         object.__setattr__(self, "attention", parse_enum(Attention, self.attention, "attention"))
+        object.__setattr__(self, "attention_kernel", parse_enum(AttentionKernel, self.attention_kernel,
+                                                                "attention_kernel"))
+        if self.attention is not Attention.SDPA:  # flex / eager run their own kernel: one spelling, configs equal
+            object.__setattr__(self, "attention_kernel", AttentionKernel.FLASH2)
         object.__setattr__(self, "ac_every", parse_activation_checkpointing(self.ac_every))
         check_positive("micro_batch", self.micro_batch)
         check_positive("grad_accum", self.grad_accum)
@@ -296,6 +304,8 @@ class FsdpConfig:
             "micro_batch": self.micro_batch,
             "grad_accum": self.grad_accum,
             "attention": self.attention.value,
+            **({"attention_kernel": self.attention_kernel.value}
+               if self.attention_kernel is not AttentionKernel.FLASH2 else {}),
             "backward_prefetch": self.backward_prefetch,
             "forward_prefetch": self.forward_prefetch,
             "limit_all_gathers": self.limit_all_gathers,

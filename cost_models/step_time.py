@@ -48,7 +48,7 @@ def estimate_step_time(model: ModelSpec, cluster: ClusterSpec, training: Trainin
     precision = config.precision
     dtype = precision.compute_dtype
     peak = gpu.priced_peak_flops(dtype)
-    rates = Rates.of(gpu, dtype, profile)
+    rates = Rates.of(gpu, dtype, profile, config.attention_kernel.value)
     c = DTYPE_BYTES[dtype]
     p = DTYPE_BYTES[precision.param_dtype]
     r = DTYPE_BYTES[config.gradient_reduce_dtype]

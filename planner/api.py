@@ -22,7 +22,8 @@ from cost_models.specs import (Attention, ClusterSpec, Finetune, FsdpConfig, Mod
 from .errors import PlannerError
 from .request import Request, api_signature, build_request, knob_names
 from .search import SearchSpace, search, suggestions
-from .request.resolve import RESOLVE_KNOBS, model_attention, resolve_inputs, resolve_request
+from .request.resolve import (RESOLVE_KNOBS, fused_attention_kernel, model_attention, resolve_inputs,
+                              resolve_request)
 from .trainers import DEFAULT_TRAINER, kernel_sets, narrow_space, refusal, trainer_named, with_trainer_defaults
 from planner.search.pipeline import PP_MICROBATCHES_PER_STAGE
 from planner.trainers.table import LIGER_KNOBS
@@ -174,7 +175,7 @@ class Plan:
 
 
 PLAN_KNOBS = tuple(n for n in knob_names("", "cluster", "training", "config.mesh", "search") if n != "model")
-PLAN_KNOBS = (PLAN_KNOBS[:PLAN_KNOBS.index("tp")] + ("attention", "liger", *LIGER_KNOBS)
+PLAN_KNOBS = (PLAN_KNOBS[:PLAN_KNOBS.index("tp")] + ("attention", "attention_kernel", "liger", *LIGER_KNOBS)
               + PLAN_KNOBS[PLAN_KNOBS.index("tp"):])
 ESTIMATE_KNOBS = tuple(n for n in knob_names("", "cluster", "training", "config", "config.mesh") if n != "model")
 PLAN_GROUPS, ESTIMATE_GROUPS = ("cluster", "training", "mesh", "search"), ("cluster", "training", "config", "mesh")
@@ -201,10 +202,12 @@ def plan_request(request: Request, profile: Profile | None = None, space: Search
     trainer = trainer_named(request.trainer)
     pinned = request.config.liger is not None or any(getattr(request.config, k, None) is not None
                                                      for k in LIGER_KNOBS)
+    pinned_attention_kernel = request.config.attention_kernel
     request = with_trainer_defaults(request, trainer)
     mesh, search_request = request.mesh, request.search
     attention = space.attention.value if space else request.config.attention
     spec, cluster, training = resolve_request(request, attention)
+    request = fused_attention_kernel(request, pinned_attention_kernel, model_attention(spec, attention), cluster.gpu)
     if space is None:
         precisions, reduce_dtypes = search_request.precisions, search_request.reduce_dtypes
         space = SearchSpace(
@@ -285,10 +288,12 @@ def estimate_request(request: Request, profile: Profile | None = None) -> Candid
     """estimate() for a built Request, priced with its trainer's defaults; a configuration the trainer cannot run
     is one PlannerError line (planner/trainers)."""
     trainer = trainer_named(request.trainer)
+    pinned_attention_kernel = request.config.attention_kernel
     request = with_trainer_defaults(request, trainer)
+    spec, cluster, training = resolve_request(request, request.config.attention)
+    attention = model_attention(spec, request.config.attention)
+    request = fused_attention_kernel(request, pinned_attention_kernel, attention, cluster.gpu)
     c, mesh = request.config, request.mesh
-    spec, cluster, training = resolve_request(request, c.attention)
-    attention = model_attention(spec, c.attention)
     tp, cp, ep, pp = (mesh.degrees(default=1)[n] for n in ("tp", "cp", "ep", "pp"))
     if pp == 1 and (mesh.pp_schedule is not None or mesh.pp_stages_per_rank is not None):
         given = "pp_schedule" if mesh.pp_schedule is not None else "pp_stages_per_rank"
@@ -301,7 +306,8 @@ def estimate_request(request: Request, profile: Profile | None = None) -> Candid
         grad_accum = grad_accum_for(c.micro_batch, cluster, training, tp * cp * pp)
     config = FsdpConfig(sharding=c.sharding, precision=c.precision, offload=c.offload,
                         ac_every=c.activation_checkpointing, micro_batch=c.micro_batch, grad_accum=grad_accum,
-                        attention=attention, backward_prefetch=c.backward_prefetch,
+                        attention=attention, attention_kernel=c.attention_kernel,
+                        backward_prefetch=c.backward_prefetch,
                         forward_prefetch=c.forward_prefetch, limit_all_gathers=c.limit_all_gathers,
                         expert_shard_dim=c.expert_shard_dim, expert_units=c.expert_units, reduce_dtype=c.reduce_dtype,
                         moe_dispatch=c.moe_dispatch or "all-to-all",

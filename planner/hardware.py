@@ -9,6 +9,7 @@ from dataclasses import replace
 from functools import lru_cache
 from pathlib import Path
 
+from cost_models.attention_kernels import architecture_speeds
 from cost_models.specs import ClusterSpec, GpuSpec
 from cost_models.units import GB, GiB, MiB, TB, TFLOP, gbit_per_s_to_bytes_per_s
 
@@ -20,7 +21,8 @@ DEFAULT_GPU = "a100-80gb"
 
 @lru_cache(maxsize=1)
 def gpu_catalog() -> dict[str, GpuSpec]:
-    entries = json.loads(_CATALOG.read_text())["gpus"]
+    catalog = json.loads(_CATALOG.read_text())
+    entries, kernels = catalog["gpus"], catalog["attention_kernels"]
     return {
         e["id"]: GpuSpec(
             id=e["id"],
@@ -44,6 +46,7 @@ def gpu_catalog() -> dict[str, GpuSpec]:
             nic=e["nic"],
             matmul_efficiency=e.get("matmul_efficiency", 0.0),
             attention_efficiency=e.get("attention_efficiency", 0.0),
+            attention_kernel_speeds=architecture_speeds(kernels.get(e["architecture"], {})),
         )
         for e in entries
     }

@@ -35,8 +35,8 @@ MESH = ("tp", "cp", "ep", "pp", "pp_schedule", "pp_stages_per_rank")
 CONFIG = ("sharding", "precision", "activation_checkpointing", "micro_batch", "grad_accum", "offload",
           "backward_prefetch", "limit_all_gathers", "expert_shard_dim", "expert_units", "reduce_dtype", "moe_dispatch",
           "compile",
-          "compile_scope", "liger", "norm_kernel", "rope_kernel", "swiglu_kernel", "loss_kernel", "float8",
-          "fp8_all_gather", "reshard_after_forward")
+          "compile_scope", "attention_kernel", "liger", "norm_kernel", "rope_kernel", "swiglu_kernel", "loss_kernel",
+          "float8", "fp8_all_gather", "reshard_after_forward")
 
 
 def load_profile_flag(path: str | None, gpu: str, force: bool):

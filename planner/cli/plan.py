@@ -18,8 +18,8 @@ ASYNC_TP = As(help="Pin TP's overlap of its collectives with the matmuls (defaul
 def _params() -> list[inspect.Parameter]:
     return [
         inspect.Parameter("ctx", inspect.Parameter.KEYWORD_ONLY, annotation=typer.Context),
-        *options(*CLUSTER, *TRAINING, "attention", "liger", "norm_kernel", "rope_kernel", "swiglu_kernel",
-                 "loss_kernel", "precisions", "reduce_dtypes"),
+        *options(*CLUSTER, *TRAINING, "attention", "attention_kernel", "liger", "norm_kernel", "rope_kernel",
+                 "swiglu_kernel", "loss_kernel", "precisions", "reduce_dtypes"),
         param("top", Annotated[int, typer.Option("--top", help="Candidates to show")], 5),
         param("wide", Annotated[bool, typer.Option("--wide", help="Every column of the table (default: the ones "
                                                                   "that fit 100 columns)")], False),

@@ -108,6 +108,9 @@ def check(setup: UserSetup, model, gpus: int | None = None, *, gpus_per_node: in
     config = replace(setup.config, micro_batch=mb, **staged,
                      grad_accum=grad_accum or (grad_accum_for(mb, cluster, training, setup.config.model_parallel)
                                                if training.global_batch else setup.config.grad_accum))
+    if setup.dialect == "automodel" and config.attention_kernel.value not in cluster.gpu.attention_kernels():
+        config = replace(config, attention_kernel="flash2")  # its TE attention off Hopper: priced as flash2, as the
+        #                                                      API prices the automodel trainer's default there
     setup = replace(setup, config=config)
     profile = profile or DEFAULT_PROFILE
     if all(r.priced for r in refusals(cluster, config)):

@@ -10,8 +10,9 @@ BackendConfig, components/training/step_scheduler.py, _transformers/auto_model.p
   param_dtype / reduce_dtype), offload_policy, enable_compile (each decoder layer compiled; the loss is not),
   reshard_after_forward; its `moe` sub-section (MoEParallelizerConfig) holds reshard_after_forward for the MoE
   parallelizer's blocks (default false: ZeRO-2-like), read only when ep_size > 1.
-- model.backend: rms_norm torch_fp32 (Automodel's default, the HF-style fp32 upcast) | te, attn sdpa | flex |
-  eager (te / cudnn read back as SDPA's fused kernel), dispatcher deepep (DeepEP) with experts torch_mm
+- model.backend: rms_norm torch_fp32 (Automodel's default, the HF-style fp32 upcast) | te, attn te (Transformer
+  Engine's DotProductAttention: attention sdpa with attention_kernel cudnn) | sdpa (PyTorch SDPA: flash2) | flex |
+  eager (cudnn reads back as te, fa4 as sdpa), dispatcher deepep (DeepEP) with experts torch_mm
   (torch._grouped_mm), fake_balanced_gate (round-robin routing), rope_fusion (0.7.0 forces it off:
   BackendConfig.__post_init__, issue #3027, so RoPE runs eager whatever the file says).
 - model.torch_dtype: the dtype the parameters live in (bfloat16: bf16 Adam states, the bf16-pure precision).
@@ -26,8 +27,8 @@ from __future__ import annotations
 import json
 import re
 
-from cost_models.specs import (ClusterSpec, FsdpConfig, Kernel, LossKernel, ModelSpec, MoeDispatch, Precision,
-                               Routing, Sharding, TrainingSpec)
+from cost_models.specs import (Attention, ClusterSpec, FsdpConfig, Kernel, LossKernel, ModelSpec, MoeDispatch,
+                               Precision, Routing, Sharding, TrainingSpec)
 
 from cost_models.mesh import mesh_of
 
@@ -42,6 +43,7 @@ HUB_IDS = {"qwen3-30b-a3b": "Qwen/Qwen3-30B-A3B", "qwen3-235b-a22b": "Qwen/Qwen3
            "deepseek-v3": "deepseek-ai/DeepSeek-V3", "mixtral-8x7b": "mistralai/Mixtral-8x7B-v0.1",
            "llama3-8b": "meta-llama/Meta-Llama-3-8B", "llama3.1-8b": "meta-llama/Llama-3.1-8B"}
 ATTENTION = {"sdpa": "sdpa", "flex": "flex", "eager": "eager"}
+ATTENTION_KERNEL = {"flash2": "sdpa", "cudnn": "te"}  # attention sdpa's kernel -> model.backend.attn
 DTYPE = {"fp32": "float32", "bf16": "bfloat16"}
 OPTIMIZER = {"adamw": "torch.optim.AdamW", "adam": "torch.optim.Adam", "sgd": "torch.optim.SGD"}
 
@@ -86,6 +88,8 @@ def _refuse(config: FsdpConfig, model: ModelSpec) -> None:
                                                                     "experts: see moe_dispatch): choose eager"),
         ("loss_kernel", config.loss_kernel is not LossKernel.EAGER, "the recipe's MaskedCrossEntropy is the "
                                                                     "model's plain cross-entropy: choose eager"),
+        ("attention_kernel", config.attention_kernel.value not in ATTENTION_KERNEL,
+         "Automodel's fused attention backends are te (cuDNN) and sdpa (flash2): choose cudnn or flash2"),
         ("moe_dispatch", model.moe is not None and config.ep > 1 and config.moe_dispatch is not MoeDispatch.DEEPEP,
          "Automodel's torch dispatcher all-gathers the tokens (not priced): choose deepep"),
     ]
@@ -155,7 +159,8 @@ def emit_automodel(config: FsdpConfig, model: ModelSpec, cluster: ClusterSpec,
         distributed.append(("moe", [("reshard_after_forward", reshard, "the MoE parallelizer's blocks")]))
     te_norm = config.norm_kernel is Kernel.TE
     backend = [("_target_", "nemo_automodel.components.models.common.BackendConfig"),
-               ("attn", ATTENTION[config.attention.value]),
+               ("attn", ATTENTION_KERNEL[config.attention_kernel.value] if config.attention is Attention.SDPA
+                else ATTENTION[config.attention.value]),
                ("linear", "te" if te_norm else "torch", "the same GEMMs either way"),
                ("rms_norm", "te" if te_norm else "torch_fp32"),
                ("rope_fusion", False, f"{VERSION} forces it off (issue #3027): RoPE runs eager")]

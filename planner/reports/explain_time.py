@@ -126,6 +126,11 @@ def _attention(c, rates: Rates, profile: Profile) -> str:
     keys = ops.attention_flops_per_token / (4 * m.q_dim)
     gpu = c.cluster.gpu
     kernel = gpu.attention_efficiency or profile.default_attention_efficiency
+    if cfg.attention_kernel.value != "flash2":  # cost_models/attention_kernels.py
+        kernel_words = (f" x {gpu.attention_speed(cfg.attention_kernel.value):.3f} ({cfg.attention_kernel.value}'s "
+                        "speed over it: FlashAttention-3 paper figures)")
+    else:
+        kernel_words = ""
     rate = rates.attention_rate(s, ops.head_dim)
     why = "the causal kernel skips the masked blocks" if m.causal else "not causal: every key"
     passes = "(1 forward + 2.5 backward)"
@@ -134,7 +139,8 @@ def _attention(c, rates: Rates, profile: Profile) -> str:
         passes = f"(1 / {ops.attention_speed[0]:g} forward + 2.5 / {ops.attention_speed[1]:g} backward)"
     return (head + f"{passes} x {ops.attention_flops_per_token / 1e6:,.1f} MFLOP per token "
             f"(4 x q_dim {m.q_dim} x {keys:g} keys per query of s = {s}: {why}) x {tokens:,} tokens / {_tf(rate)}; "
-            f"rate = {_peak(c) / 1e12:g} TFLOP/s peak x {kernel:g} flash-kernel efficiency ({gpu.id} catalog) x "
+            f"rate = {_peak(c) / 1e12:g} TFLOP/s peak x {kernel:g} flash-kernel efficiency ({gpu.id} catalog)"
+            f"{kernel_words} x "
             f"{profile.attention_efficiency:g} (profile) x s / (s + {rates.attention_half_seq:g}) = "
             f"{s / (s + rates.attention_half_seq):.3f} x head-dim factor "
             f"{rate / (rates.attention_flops_per_s * s / (s + rates.attention_half_seq)):.3f} "
@@ -194,7 +200,7 @@ def time_terms(c, profile: Profile = DEFAULT_PROFILE) -> list[tuple[str, str, st
     `profile`: the one c was costed with (the formulas' coefficients; the seconds are c.time's)."""
     m, cfg, t = c.model, c.config, c.time
     dtype = cfg.precision.compute_dtype
-    rates = Rates.of(c.cluster.gpu, dtype, profile)
+    rates = Rates.of(c.cluster.gpu, dtype, profile, cfg.attention_kernel.value)
     flops, re = model_flops_per_token(m, c.training), recompute_flops_per_token(m, c.training, cfg)
     d = cfg.shard_group_size(c.cluster)
     per_rank = ParamCounts.of(m, c.training, d, bool(cfg.expert_shard_dim)).trainable(m.n_layers) / d

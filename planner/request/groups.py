@@ -120,6 +120,11 @@ class ConfigRequest:
 
     attention: str | None = knob(None, "--attention", help="sdpa (fused), eager or flex (FlexAttention, compiled); "
                                  "default: the model's first: sdpa, flex for gpt-oss (sinks), eager for Gemma 2")
+    attention_kernel: str | None = knob(None, "--attention-kernel", help="The fused (sdpa) attention's kernel: "
+                                        "flash2 (PyTorch SDPA's FlashAttention-2), cudnn (Transformer Engine's "
+                                        "cuDNN fused attention) or fa3 (flash-attention 3); cudnn and fa3 on Hopper "
+                                        "GPUs only. Default: the trainer's (automodel: cudnn where the GPU has it), "
+                                        "else flash2")
     sharding: str = knob("FULL_SHARD", "--sharding", help="FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD, "
                          "HYBRID_SHARD_ZERO2")
     precision: str = knob("bf16", "--precision", help="fp32, bf16, bf16-pure, fp16")

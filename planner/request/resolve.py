@@ -1,9 +1,12 @@
 """A request's specs: the model (its traced block memory profile where it needs one, as its trainer's own
-implementation runs it), the cluster and the training; and the attention implementation a model is priced with."""
+implementation runs it), the cluster and the training; and the attention implementation (and the fused
+attention's kernel) a model is priced with."""
 
 from __future__ import annotations
 
-from cost_models.specs import Attention, ClusterSpec, Finetune, ModelSpec, TrainingSpec, parse_enum
+from dataclasses import replace
+
+from cost_models.specs import Attention, AttentionKernel, ClusterSpec, Finetune, ModelSpec, TrainingSpec, parse_enum
 
 from ..errors import PlannerError
 from ..models import resolve_model
@@ -40,6 +43,20 @@ def resolve_request(request: Request, attention: str | None = None) -> tuple[Mod
             spec = with_block_profile(spec, hf_config, training.seq_len,
                                       attentions=(model_attention(spec, attention),))
     return spec, cluster, training
+
+
+def fused_attention_kernel(request: Request, pinned: str | None, attention: str, gpu) -> Request:
+    """The request with the fused attention's kernel it is priced with: the one the user pinned (refused in one
+    line with flex or eager attention, which run their own; a GPU without it is refused by
+    cost_models/feasibility.py), else the trainer's default where the GPU has it (Transformer Engine's cuDNN
+    attention: Hopper), else flash2."""
+    value = parse_enum(AttentionKernel, request.config.attention_kernel or "flash2", "attention_kernel").value
+    if pinned is not None and value != "flash2" and attention != "sdpa":
+        raise PlannerError("attention_kernel", f"{value} is a fused SDPA kernel and {attention} attention runs its "
+                                               "own: give --attention sdpa, or leave --attention-kernel out")
+    if pinned is None and value not in gpu.attention_kernels():
+        value = "flash2"
+    return replace(request, config=replace(request.config, attention_kernel=value))
 
 
 def model_attention(spec: ModelSpec, attention: str | None) -> str:

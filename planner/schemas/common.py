@@ -10,9 +10,9 @@ from pydantic.json_schema import SkipJsonSchema
 
 from cost_models.schedules import Schedule
 from cost_models.spec_values import Finetune, Optimizer, OptimizerImpl
-from cost_models.specs import Attention, Kernel, LossKernel, Precision, Sharding
+from cost_models.specs import Attention, AttentionKernel, Kernel, LossKernel, Precision, Sharding
 
-SCHEMA_VERSION = 4  # 4: trainers and kernels (issue 26): config.norm_kernel / rope_kernel / swiglu_kernel / loss_kernel; 3: pipelines (issue 18): config.pp_schedule / pp_stages_per_rank, "pipeline", memory.pipeline_ranks, the time breakdown's pp terms, calibrate's measured.pipeline_ranks
+SCHEMA_VERSION = 4  # 4: trainers and kernels (issue 26): config.norm_kernel / rope_kernel / swiglu_kernel / loss_kernel / attention_kernel; 3: pipelines (issue 18): config.pp_schedule / pp_stages_per_rank, "pipeline", memory.pipeline_ranks, the time breakdown's pp terms, calibrate's measured.pipeline_ranks
 
 Bytes = Annotated[int, Field(description="bytes per rank (GPU) unless said otherwise")]
 Seconds = Annotated[float, Field(description="seconds")]
@@ -74,6 +74,9 @@ class Config(_Out):
     micro_batch: int = Field(description="sequences per GPU per micro-step")
     grad_accum: int = Field(description="micro-steps per optimizer step")
     attention: Literal[tuple(a.value for a in Attention)]
+    attention_kernel: absent_or(Literal[tuple(k.value for k in AttentionKernel if k is not AttentionKernel.FLASH2)],
+                                "the fused (sdpa) attention's kernel: Transformer Engine's cuDNN fused attention or "
+                                "flash-attention 3 (absent: PyTorch SDPA's FlashAttention-2)")
     backward_prefetch: bool
     forward_prefetch: bool
     limit_all_gathers: bool

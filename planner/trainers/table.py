@@ -28,7 +28,10 @@ LAUNCHERS = ("torchrun", "slurm", "pytorchjob")  # launch lines: they run any tr
 # what a trainer runs unless its entry says more: the model's own ops (cost_models.spec_values Kernel, LossKernel,
 # MoeDispatch, Routing)
 KERNEL_DEFAULTS = {"norm_kernel": ("eager",), "rope_kernel": ("eager",), "swiglu_kernel": ("eager",),
-                   "loss_kernel": ("eager",), "moe_dispatch": ("all-to-all",), "routing": ("learned",)}
+                   "loss_kernel": ("eager",), "moe_dispatch": ("all-to-all",), "routing": ("learned",),
+                   # SDPA's kernel: PyTorch picks FlashAttention-2 first on A100 / H100 (torch 2.13
+                   # sdp_utils priority: flash, efficient, math, cuDNN); torchtitan 0.3 puts cuDNN first on sm100 only
+                   "attention_kernel": ("flash2",)}
 LIGER_KNOBS = ("norm_kernel", "rope_kernel", "swiglu_kernel", "loss_kernel")
 
 
@@ -194,8 +197,10 @@ TRAINERS: dict[str, Trainer] = {t.id: t for t in (
         artifacts=("automodel", *LAUNCHERS), mesh_dims=("tp", "cp", "ep"),
         shardings=tuple(s for s in ALL_SHARDINGS if s is not Sharding.NO_SHARD), checkpointing=("none", "full"),
         compile_scopes=("blocks",), lora=False, precisions=NO_FP16,  # fp16: not priced for it (no loss scaler)
+        # model.backend.attn te (the published MoE runs): Transformer Engine's DotProductAttention, cuDNN fused
+        # attention on Hopper (attention_kernel cudnn; elsewhere priced as flash2), sdpa: PyTorch SDPA's flash2
         kernels=_defaults(norm_kernel=("eager", "te"), moe_dispatch=("deepep", "all-to-all"),
-                          routing=("learned", "round-robin")),
+                          routing=("learned", "round-robin"), attention_kernel=("cudnn", "flash2")),
         defaults=_defaults(optimizer_impl="foreach")),
 )}
 

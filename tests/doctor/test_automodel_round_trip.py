@@ -30,6 +30,8 @@ CASES = {
     "qwen3 ep8 deepep": ("qwen3-30b-a3b", 8, QWEN),
     "gpt-oss flex fused adam": ("gpt-oss-20b", 8, {**QWEN, "micro_batch": 2, "global_batch": 256,
                                                    "attention": "flex", "optimizer_impl": "fused"}),
+    # attn sdpa (PyTorch SDPA's FlashAttention-2) instead of the trainer's TE (cuDNN) attention
+    "qwen3 sdpa flash2": ("qwen3-30b-a3b", 8, {**QWEN, "attention_kernel": "flash2"}),
     "llama hsdp fp32 master": ("llama3-8b", 16, dict(trainer="automodel", gpu="h100-80gb", seq_len=2048,
                                                      micro_batch=2, sharding="HYBRID_SHARD", precision="bf16",
                                                      global_batch=64, activation_checkpointing="none")),
@@ -108,6 +110,37 @@ def test_qwen_recipe_says_the_published_setting():
     assert (backend["dispatcher"], backend["fake_balanced_gate"], backend["rms_norm"]) == ("deepep", True, "te")
 
 
+@pytest.mark.parametrize("case, gpu, attn, kernel", [
+    ("qwen3 ep8 deepep", "h100-80gb", "te", "cudnn"),     # the trainer's default: TE's cuDNN attention on Hopper
+    ("qwen3 sdpa flash2", "h100-80gb", "sdpa", None),     # pinned flash2: PyTorch SDPA (JSON leaves flash2 out)
+    ("llama hsdp fp32 master", "a100-80gb", "sdpa", None),  # Ampere: the default falls back to flash2
+    ("gpt-oss flex fused adam", "h100-80gb", "flex", None),  # FlexAttention runs its own kernel
+])
+def test_attention_backend_is_the_priced_kernel(tmp_path, case, gpu, attn, kernel):
+    """model.backend.attn says the attention kernel the plan priced (te = cudnn, sdpa = flash2), and reads back as
+    it; on an A100 the automodel trainer's TE default is priced as flash2 (no Hopper kernel figures there)."""
+    model, gpus, knobs = CASES[case]
+    c = estimate(model, gpus, **{**knobs, "gpu": gpu})
+    text = emit_artifact("automodel", c)
+    assert yaml.safe_load(text)["model"]["backend"]["attn"] == attn
+    assert json.loads(report.estimate_json(c))["config"].get("attention_kernel") == kernel
+    path = tmp_path / "recipe.yaml"
+    path.write_text(text)
+    r = check(read_setup(path), model, gpus, gpu=gpu)
+    assert r.candidate.config == c.config and r.candidate.time.step_s == c.time.step_s
+
+
+def test_te_attention_checked_on_an_a100_is_flash2(tmp_path):
+    """A recipe saying attn: te, checked for an A100, is priced as flash2 (as the API prices the trainer's default
+    there), not refused: Transformer Engine runs there, only the Hopper kernels' figures do not apply."""
+    _, text = _emitted("qwen3 ep8 deepep")
+    assert "attn: te" in text
+    path = tmp_path / "recipe.yaml"
+    path.write_text(text)
+    r = check(read_setup(path), "qwen3-30b-a3b", 8, gpu="a100-80gb")
+    assert r.candidate.config.attention_kernel.value == "flash2"
+
+
 def test_loads_in_automodels_own_loader(tmp_path):
     """The `automodel recipe.yaml` CLI's own steps (cli/app.py: load_yaml, resolve_recipe_name), then the typed
     configs its recipe builds from the sections (parse_distributed_section, BackendConfig, StepSchedulerConfig).
@@ -143,6 +176,7 @@ def test_loads_in_automodels_own_loader(tmp_path):
     (dict(ep=8, moe_dispatch="all-to-all"), "moe_dispatch"),
     (dict(rope_kernel="te"), "rope_kernel"),
     (dict(sharding="NO_SHARD"), "sharding"),
+    (dict(attention_kernel="fa3"), "attention_kernel"),
 ])
 def test_what_the_recipe_cannot_hold_is_one_line(fields, knob):
     """Priced by the cost model directly (a trainer would refuse some of these before the emitter sees them)."""

@@ -30,6 +30,9 @@ CASES = [  # (config, cluster, field, finding code)
      "reshard-after-forward-not-a-divisor"),  # above the group: FSDP2 raises too
     (FsdpConfig(sharding="HYBRID_SHARD"), make_cluster(12, gpu="h100-80gb", gpus_per_node=8), "gpus_per_node",
      "hybrid-needs-whole-nodes"),
+    # the Hopper attention kernels (cost_models/attention_kernels.py): Ampere has FlashAttention-2 only
+    (FsdpConfig(attention_kernel="fa3"), make_cluster(8, gpu="a100-80gb"), "attention_kernel",
+     "attention-kernel-not-on-gpu"),
 ]
 
 
@@ -44,7 +47,7 @@ def test_every_reader_refuses_alike(config, cluster, field, code):
     with pytest.raises(PlannerError):
         estimate(SPEC, cluster.n_gpus, gpu=cluster.gpu.id, gpus_per_node=cluster.gpus_per_node, seq_len=1024,
                  sharding=config.sharding.value, precision=config.precision.value, float8=config.float8,
-                 reshard_after_forward=config.reshard_after_forward)
+                 reshard_after_forward=config.reshard_after_forward, attention_kernel=config.attention_kernel.value)
     setup = UserSetup(config=config, fsdp_version=2)
     if not refusal.priced:  # nothing to show a price for: bad input, as the API says it
         with pytest.raises(PlannerError, match=field):

@@ -17,6 +17,10 @@ _DTYPES = {"bfloat16": "bf16", "bf16": "bf16", "float32": "fp32", "fp32": "fp32"
            "float16": "fp16", "fp16": "fp16", "half": "fp16"}
 _ATTENTION = {"sdpa": "sdpa", "te": "sdpa", "cudnn": "sdpa", "fa4": "sdpa", "flex": "flex", "eager": "eager",
               "torch": "eager"}  # TE / cuDNN / FA4: a fused flash-style kernel, priced as SDPA's
+# the SDPA-style backends' kernels (FsdpConfig.attention_kernel): Transformer Engine's DotProductAttention runs
+# cuDNN fused attention on Hopper (priced as flash2 elsewhere: planner.doctor.check); FA4 (a Blackwell kernel):
+# no figure, priced as PyTorch SDPA's flash2
+_ATTENTION_KERNEL = {"te": "cudnn", "cudnn": "cudnn"}
 _OPTIMIZERS = {"torch.optim.AdamW": "adamw", "torch.optim.Adam": "adam", "torch.optim.SGD": "sgd", "adamw": "adamw",
                "adam": "adam", "sgd": "sgd"}
 
@@ -112,7 +116,8 @@ def from_automodel(data: dict, source: str = "automodel recipe") -> UserSetup:
         offload=distributed.get("offload_policy") not in (None, False),
         ac_every=_checkpointing(distributed.get("activation_checkpointing", False)),
         micro_batch=_int(steps, "local_batch_size", 1),
-        attention=_ATTENTION[_choice("model.backend.attn", backend.get("attn", "sdpa"), tuple(_ATTENTION))],
+        attention=_ATTENTION[attn := _choice("model.backend.attn", backend.get("attn", "sdpa"), tuple(_ATTENTION))],
+        attention_kernel=_ATTENTION_KERNEL.get(attn, "flash2"),
         compile=compiles, compile_loss=False, norm_kernel="te" if norm == "te" else "eager",
         moe_dispatch="deepep" if sizes["ep"] > 1 else "all-to-all",
         sequence_parallel=_bool("distributed.sequence_parallel", distributed.get("sequence_parallel", False)),
