@@ -41,8 +41,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from cost_models import caching_allocator
 from cost_models.specs import Finetune, FsdpConfig, ModelSpec, Optimizer, OptimizerImpl, TrainingSpec
 
+from .alloc_sequence import record_allocations
 from .fake_world import _dtensors_under_fake_mode, _forget_dtensor_placements
 from .gpu_run_choices import _real_run_masking, cuda_kernel_choices
 from .trace_limits import _check_supported, _require_transformers
@@ -206,6 +208,7 @@ def _trace_rank(spec, config, training, n_gpus, gpus_per_node, seq_len, hf_confi
             ids = torch.randint(0, spec.vocab_size, (config.micro_batch * config.pp_microbatches, seq_len))
             vocab = local_vocab_size(spec.vocab_size, config.tp, config.sequence_parallel)  # a TP rank's logits
             tracker = MemoryTracker(stages, opt, vocab_size=vocab if vocab != seq_len else None)
+            allocations = record_allocations(tracker)
             tracker.track_inputs(ids)
             try:
                 with loss_context(config.tp, config.sequence_parallel):
@@ -217,7 +220,8 @@ def _trace_rank(spec, config, training, n_gpus, gpus_per_node, seq_len, hf_confi
     return TraceResult(peak_allocated_bytes=peak.peak_allocated_bytes, breakdown=dict(peak.breakdown),
                        peak_phase=peak.peak_phase, phases=phases, world_size=n_gpus,
                        shard_group_size=shard, builder="transformers",
-                       seconds=time.perf_counter() - started, notes=notes, attention=config.attention.value)
+                       seconds=time.perf_counter() - started, notes=notes, attention=config.attention.value,
+                       allocator=caching_allocator.replay(allocations))
 
 
 def _measured_steps(schedule, optimizer, ids, tracker, first: bool, last: bool, impl) -> dict:

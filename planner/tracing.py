@@ -48,7 +48,7 @@ class TraceReport:
     @property
     def replay_reserved_bytes(self) -> int | None:
         """The replay's peak reserved (cost_models/caching_allocator.py) + the CUDA context; None where the trace
-        recorded no allocation sequence (pipeline traces)."""
+        recorded no allocation sequence."""
         replayed = getattr(self.traced, "allocator", None)
         return None if replayed is None else replayed.peak_reserved_bytes + self.profile.cuda_context_bytes
 

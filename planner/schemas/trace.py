@@ -42,7 +42,7 @@ class TraceDetails(_Out):
     attention: str = Field(description="the attention implementation traced")
     experts: str | None = Field(description='mixture-of-experts kernel ("grouped_mm"); null: no experts')
     seconds: Seconds = Field(description="s the trace took")
-    allocator: AllocatorReplay | None = Field(description="null: no allocation sequence recorded (pipeline traces)")
+    allocator: AllocatorReplay | None = Field(description="null: no allocation sequence recorded")
 
 
 class TracedMemory(_Out):
