@@ -21,7 +21,8 @@ Saved for backward (c = compute-dtype bytes, per token; h hidden, f FFN width):
   k are SDPA's saved inputs in every case.
 - Loss: liger_loss_bytes and chunked_loss_bytes below.
 The routed experts of an MoE block keep their own kernels (Liger's SwiGLU module replaces dense and shared
-MLPs only); a model priced by a traced block profile keeps its traced bytes.
+MLPs only); a model priced by a traced block profile keeps its traced bytes, but for its RMSNorms, whose eager
+chains the time swaps for the kernel's (kernel_block_ops; its saved bytes stay the trace's).
 
 Time: a Liger or TE kernel is one kernel each way, reading its inputs and writing its outputs once: the
 op's fused bytes (operators.py), whether the block is compiled or not.
@@ -80,12 +81,24 @@ def _fused(op: MemoryOp) -> MemoryOp:
 
 
 def kernel_block_ops(ops: BlockOps, kernels: Kernels) -> BlockOps:
-    """A block's memory-bound ops with the chosen kernels' bytes (their fused bytes; a traced inventory keeps
-    its traced bytes)."""
+    """A block's memory-bound ops with the chosen kernels' bytes (their fused bytes). A traced inventory: the
+    chains identified in it (BlockOps.traced_identified, its RMSNorms) leave the traced bytes for the kernel's;
+    the rest keeps its traced bytes (operators._identified says why)."""
     kinds = kernels.fused_kinds
-    if not kinds or ops.traced:
+    if not kinds:
         return ops
-    return replace(ops, memory_ops=tuple(_fused(op) if op.kind in kinds else op for op in ops.memory_ops))
+    if not ops.traced:
+        return replace(ops, memory_ops=tuple(_fused(op) if op.kind in kinds else op for op in ops.memory_ops))
+    swapped = [op for op in ops.traced_identified if op.kind in kinds]
+    if not swapped:
+        return ops
+    (chain,) = ops.memory_ops  # operators._from_trace: one traced chain
+    forward = chain.forward_bytes - sum(op.forward_bytes - op.fused_forward_bytes for op in swapped)
+    backward = chain.backward_bytes - sum(op.backward_bytes - op.fused_backward_bytes for op in swapped)
+    kernel = replace(chain, forward_bytes=forward, backward_bytes=backward,
+                     fused_forward_bytes=min(chain.fused_forward_bytes, forward),
+                     fused_backward_bytes=min(chain.fused_backward_bytes, backward))
+    return replace(ops, memory_ops=(kernel,))
 
 
 def root_op_bytes(op: MemoryOp, model: ModelSpec, config: FsdpConfig, c: int) -> tuple[float, float]:
@@ -210,7 +223,8 @@ _OP_OF = {"norm_kernel": ("norm", "RMSNorm"), "rope_kernel": ("rope", "rotary em
 def kernel_refusal(model: ModelSpec, config: FsdpConfig) -> tuple[str, str] | None:
     """(field, reason) for a kernel the model has no op for; None when every chosen kernel applies. An MoE model's
     routed experts keep their own kernels (priced eager) beside a SwiGLU kernel; a model priced by a traced block
-    profile keeps its traced (eager) block bytes and time: the kernels change its root (final norm, loss) only."""
+    profile keeps its traced (eager) block bytes, and its time but for the RMSNorms (kernel_block_ops): the other
+    kernels change its root (final norm, loss) only."""
     chosen = [name for name in ("norm_kernel", "rope_kernel", "swiglu_kernel", "loss_kernel")
               if getattr(config, name).value != "eager"]
     if not chosen:

@@ -103,6 +103,9 @@ class BlockOps:
     seq_len: int
     traced: bool = False                # counted from a traced block (eager attention's products included)
     attention_speed: tuple[float, float] = (1.0, 1.0)  # (forward, backward) of the flash kernel's rate (flex)
+    # a traced inventory: the eager chains identified inside its traced bytes by op class, as the formula prices
+    # them (transformers' RMSNorm modules), so a kernel knob can swap them (cost_models/kernels.py)
+    traced_identified: tuple[MemoryOp, ...] = ()
 
     def selective_op_recomputed(self) -> tuple[Matmul, ...]:
         """torchtitan's policy as calibration.apply runs it: of the linear products of a forward (aten.mm, and
@@ -231,7 +234,19 @@ def _from_trace(formula: BlockOps, traced, model: ModelSpec, seq_len: int) -> Bl
                       traced.memory_backward_bytes_per_token, min(fused_fwd, traced.memory_forward_bytes_per_token),
                       min(fused_bwd, traced.memory_backward_bytes_per_token))
     return BlockOps(matmuls, traced.attention_flops_per_token * scale, traced.attention_reference_flops * scale,
-                    (memory,), formula.head_dim, seq_len, traced=True)
+                    (memory,), formula.head_dim, seq_len, traced=True, traced_identified=_identified(formula, model))
+
+
+def _identified(formula: BlockOps, model: ModelSpec) -> tuple[MemoryOp, ...]:
+    """The formula's ops a traced block is known to run as eager chains of the same bytes: its RMSNorms, which
+    every traced family takes from transformers' RMSNorm code (norm_op's bytes against the counter of
+    calibration/block_ops.py on the module alone: Llama's 36 / 92 B per element exactly, GPT-OSS's fp32-weight
+    norm 40.1 / 104.2 counted against rmsnorm_fp32's 44 / 108, tests/unit/test_traced_kernels.py). Not identified:
+    RoPE (its bytes depend on each family's rotary code and layout) and SwiGLU (a traced MoE's routed experts keep
+    their own kernels; GPT-OSS's is a clamped variant), which keep their traced bytes."""
+    if model.norm not in ("rmsnorm", "rmsnorm_fp32"):
+        return ()
+    return tuple(op for op in formula.memory_ops if op.kind == "norm")
 
 
 def _formula_block_ops(model: ModelSpec, c: int, seq_len: int, lora_rank: int = 0,
