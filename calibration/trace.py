@@ -185,7 +185,7 @@ def _trace(spec, config, training, n_gpus, gpus_per_node, seq_len, hf_config, st
                        peak_phase=peak.peak_phase, phases=phases, world_size=n_gpus, shard_group_size=shard,
                        builder="transformers" if is_hf else "reference", seconds=time.perf_counter() - started,
                        notes=tuple(notes), attention=attention, experts=experts,
-                       allocator=caching_allocator.replay(allocations))
+                       allocator=caching_allocator.replay(allocations), allocation_events=tuple(allocations))
 
 
 def measure_training_steps(model: nn.Module, optimizer: torch.optim.Optimizer, ids: torch.Tensor, config: FsdpConfig,

@@ -221,7 +221,7 @@ def _trace_rank(spec, config, training, n_gpus, gpus_per_node, seq_len, hf_confi
                        peak_phase=peak.peak_phase, phases=phases, world_size=n_gpus,
                        shard_group_size=shard, builder="transformers",
                        seconds=time.perf_counter() - started, notes=notes, attention=config.attention.value,
-                       allocator=caching_allocator.replay(allocations))
+                       allocator=caching_allocator.replay(allocations), allocation_events=tuple(allocations))
 
 
 def _measured_steps(schedule, optimizer, ids, tracker, first: bool, last: bool, impl) -> dict:

@@ -3,9 +3,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from cost_models.caching_allocator import ReplayResult
+from cost_models.caching_allocator import AllocatorSettings, ReplayResult, replay
 
 from .memtrack import MemorySnapshot
 
@@ -38,6 +38,13 @@ class TraceResult:
     attention: str = ""                       # the implementation traced (eager where a family refuses sdpa)
     experts: str | None = None                # mixture-of-experts kernel ("grouped_mm"); None: no experts
     allocator: ReplayResult | None = None     # both steps' allocations replayed (cost_models/caching_allocator.py)
+    allocation_events: tuple = field(default=(), repr=False, compare=False)  # what was replayed (alloc_sequence.py)
+
+    def replay(self, settings: AllocatorSettings | None = None) -> ReplayResult | None:
+        """The step's allocations replayed under other allocator settings (None: torch's defaults, `allocator`)."""
+        if settings is None or settings == AllocatorSettings() or not self.allocation_events:
+            return self.allocator
+        return replay(self.allocation_events, settings)
 
     def to_dict(self) -> dict:
         return {

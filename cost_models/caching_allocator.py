@@ -61,13 +61,19 @@ class AllocatorSettings:
         known = ("max_split_size_mb", "expandable_segments", "garbage_collection_threshold", "roundup_power2_divisions",
                  "max_non_split_rounding_mb", "release_lock_on_cudamalloc", "pinned_use_cuda_host_register",
                  "pinned_num_register_threads", "pinned_use_background_threads")
-        items = dict(re.findall(r"([A-Za-z_][A-Za-z0-9_]*)\s*:\s*([^,\]]*)", conf))   # roundup's [64:8,...] lists skipped
+        # key:value pairs; roundup_power2_divisions' [64:8,...] list yields no key (its keys are numbers)
+        items = dict(re.findall(r"([A-Za-z_][A-Za-z0-9_]*)\s*:\s*([^,\]]*)", conf))
         for key in items:
             if key not in known:
                 raise ValueError(f"PYTORCH_CUDA_ALLOC_CONF key {key!r}; choose one of {', '.join(known)}")
         values = {}
         if "max_split_size_mb" in items:
-            values["max_split_size_bytes"] = int(items["max_split_size_mb"]) * MiB
+            mb = items["max_split_size_mb"].strip()
+            # torch's parser (parseMaxSplitSize) refuses sizes up to kLargeBuffer
+            if not mb.isdigit() or int(mb) * MiB <= K_LARGE_BUFFER_BYTES:
+                raise ValueError(f"max_split_size_mb {mb!r}; choose a whole number of MiB more than "
+                                 f"{K_LARGE_BUFFER_BYTES // MiB} (kLargeBuffer)")
+            values["max_split_size_bytes"] = int(mb) * MiB
         if "expandable_segments" in items:
             values["expandable_segments"] = items["expandable_segments"].strip().lower() == "true"
         return cls(**values)

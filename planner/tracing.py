@@ -36,9 +36,11 @@ class TraceReport:
     # "replay": the traced allocations replayed through the caching allocator model, + the CUDA context;
     # "flat": the traced allocated peak x (1 + fragmentation) + the CUDA context, as the estimate adds
     reserved_from: str = "replay"
+    alloc_conf: str = ""        # PYTORCH_CUDA_ALLOC_CONF the replay follows (max_split_size_mb, expandable_segments)
 
     def __post_init__(self):
         _check_reserved_from(self.reserved_from)
+        self._replayed = self.traced.replay(_allocator_settings(self.alloc_conf))
 
     @property
     def flat_reserved_bytes(self) -> int:
@@ -49,8 +51,7 @@ class TraceReport:
     def replay_reserved_bytes(self) -> int | None:
         """The replay's peak reserved (cost_models/caching_allocator.py) + the CUDA context; None where the trace
         recorded no allocation sequence."""
-        replayed = getattr(self.traced, "allocator", None)
-        return None if replayed is None else replayed.peak_reserved_bytes + self.profile.cuda_context_bytes
+        return None if self._replayed is None else self._replayed.peak_reserved_bytes + self.profile.cuda_context_bytes
 
     @property
     def reserved_source(self) -> str:
@@ -122,6 +123,15 @@ def _check_reserved_from(reserved_from: str) -> None:
         raise PlannerError("reserved_from", f"{reserved_from!r}; choose {' or '.join(RESERVED_FROM)}")
 
 
+def _allocator_settings(alloc_conf: str):
+    from cost_models.caching_allocator import AllocatorSettings
+
+    try:
+        return AllocatorSettings.parse(alloc_conf)
+    except ValueError as exc:
+        raise PlannerError("alloc_conf", str(exc)) from None
+
+
 def _hf_config(model) -> dict | None:
     from .models import hf_config_of
 
@@ -131,9 +141,9 @@ def _hf_config(model) -> dict | None:
 
 
 def trace_candidate(candidate: Candidate, hf_config: dict | None, profile: Profile | None = None,
-                    reserved_from: str = "replay") -> TraceReport:
-    """Trace the configuration of an analytic Candidate (same model, cluster, training); reserved_from:
-    TraceReport's."""
+                    reserved_from: str = "replay", alloc_conf: str = "") -> TraceReport:
+    """Trace the configuration of an analytic Candidate (same model, cluster, training); reserved_from and
+    alloc_conf: TraceReport's."""
     from calibration.trace import TraceError, trace_memory
 
     spec = candidate.model
@@ -167,7 +177,7 @@ def trace_candidate(candidate: Candidate, hf_config: dict | None, profile: Profi
     except TraceError as exc:
         raise PlannerError("trace", str(exc)) from None
     return TraceReport(candidate=candidate, traced=traced, profile=profile or DEFAULT_PROFILE,
-                       reserved_from=reserved_from)
+                       reserved_from=reserved_from, alloc_conf=alloc_conf)
 
 
 def require_trace_dependencies(hf_config: dict | None) -> None:
@@ -183,17 +193,19 @@ def require_trace_dependencies(hf_config: dict | None) -> None:
             raise PlannerError("trace", INSTALL_HINT) from None
 
 
-def trace(model, gpus: int, *, profile: Profile | None = None, reserved_from: str = "replay", **kwargs) -> TraceReport:
-    """Trace one explicit configuration; arguments are those of planner.api.estimate, and reserved_from
-    (TraceReport's: "replay" or "flat")."""
+def trace(model, gpus: int, *, profile: Profile | None = None, reserved_from: str = "replay", alloc_conf: str = "",
+          **kwargs) -> TraceReport:
+    """Trace one explicit configuration; arguments are those of planner.api.estimate, and TraceReport's
+    reserved_from ("replay" or "flat") and alloc_conf (e.g. "expandable_segments:True")."""
     if _is_module(model):
         raise PlannerError("model", "the trace tier builds the model itself: pass a preset name, a config.json "
                                     "or its dict, not an nn.Module")
     _check_reserved_from(reserved_from)
+    _allocator_settings(alloc_conf)
     hf_config = _hf_config(model)
     require_trace_dependencies(hf_config)
     candidate = estimate(model, gpus, profile=profile, **kwargs)
-    return trace_candidate(candidate, hf_config, profile, reserved_from)
+    return trace_candidate(candidate, hf_config, profile, reserved_from, alloc_conf)
 
 
 def _is_module(obj) -> bool:

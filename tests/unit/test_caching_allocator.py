@@ -120,3 +120,5 @@ def test_settings_from_alloc_conf():
     assert s == AllocatorSettings(max_split_size_bytes=128 * MiB, expandable_segments=True)
     with pytest.raises(ValueError, match="max_split_size_mb"):
         AllocatorSettings.parse("max_split_mb:128")
+    with pytest.raises(ValueError, match="more than 20"):   # torch refuses max_split_size_mb <= kLargeBuffer
+        AllocatorSettings.parse("max_split_size_mb:20")

@@ -20,7 +20,7 @@ from calibration.reference import tiny_llama_spec  # noqa: E402
 from calibration.trace import TraceUnsupported, UntraceableModel, trace_memory  # noqa: E402
 from cost_models.specs import FsdpConfig  # noqa: E402
 from planner.errors import PlannerError  # noqa: E402
-from planner.tracing import trace  # noqa: E402
+from planner.tracing import TraceReport, trace  # noqa: E402
 
 F32 = 4
 # Tolerance of the golden grid: the full benchmark's maximum error was 1.9% (docs/accuracy.md); these
@@ -176,6 +176,12 @@ def test_reserved_from_the_allocator_replay_of_the_traced_step():
     assert (d["reserved_from"], d["peak_reserved_flat_bytes"]) == ("replay", flat.peak_reserved_bytes)
     with pytest.raises(PlannerError, match="reserved_from"):
         trace(dict(TINY[arch]), gpus, reserved_from="constant", **kwargs)
+    # the same allocations under PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True: 104 MiB measured at this commit
+    # (each stream's large pool maps 20 MiB pages, more than the 90 MiB of segments for this tiny model)
+    expandable = TraceReport(r.candidate, r.traced, r.profile, alloc_conf="expandable_segments:True")
+    assert expandable.replay_reserved_bytes - r.profile.cuda_context_bytes == 104 * MiB
+    with pytest.raises(PlannerError, match="alloc_conf"):
+        TraceReport(r.candidate, r.traced, r.profile, alloc_conf="expandable:True")
 
 
 def test_unsupported_and_untraceable_are_errors_not_crashes(monkeypatch):
