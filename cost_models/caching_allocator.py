@@ -125,6 +125,15 @@ class ReplayResult:
     segments_at_peak: tuple[SegmentState, ...]
 
 
+def pool_totals(segments) -> dict[tuple, tuple[int, int, int]]:
+    """(stream, pool) -> (segments, reserved bytes, allocated bytes) over SegmentStates."""
+    totals: dict[tuple, tuple[int, int, int]] = {}
+    for s in segments:
+        n, size, used = totals.get((s.stream, s.pool), (0, 0, 0))
+        totals[(s.stream, s.pool)] = (n + 1, size + s.size_bytes, used + s.allocated_bytes)
+    return totals
+
+
 class CachingAllocator:
     """The allocator's state: malloc(key, size, stream) and free(key); statistics in bytes."""
 

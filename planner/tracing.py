@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from cost_models.evaluate import gpu_memory_reason
 from cost_models.profile import DEFAULT_PROFILE, Profile
 from cost_models.specs import ModelSpec
-from cost_models.units import GiB
+from cost_models.units import GiB, MiB
 
 from .api import Candidate, Plan, estimate
 from .errors import PlannerError
@@ -40,7 +40,7 @@ class TraceReport:
 
     def __post_init__(self):
         _check_reserved_from(self.reserved_from)
-        self._replayed = self.traced.replay(_allocator_settings(self.alloc_conf))
+        self.replayed = self.traced.replay(_allocator_settings(self.alloc_conf))
 
     @property
     def flat_reserved_bytes(self) -> int:
@@ -51,7 +51,7 @@ class TraceReport:
     def replay_reserved_bytes(self) -> int | None:
         """The replay's peak reserved (cost_models/caching_allocator.py) + the CUDA context; None where the trace
         recorded no allocation sequence."""
-        return None if self._replayed is None else self._replayed.peak_reserved_bytes + self.profile.cuda_context_bytes
+        return None if self.replayed is None else self.replayed.peak_reserved_bytes + self.profile.cuda_context_bytes
 
     @property
     def reserved_source(self) -> str:
@@ -302,6 +302,14 @@ def report_text(r: TraceReport) -> str:
         "",
         "fits (traced): yes" if r.fits else "fits (traced): NO - " + r.to_dict()["reasons"][0],
     ]
+    if r.replayed is not None:
+        from cost_models.caching_allocator import pool_totals
+
+        pools = pool_totals(r.replayed.segments_at_peak)
+        by_pool = "; ".join(f"{'default' if stream == 0 else stream} {pool}: {n}, {size / MiB:.0f} / {used / MiB:.0f}"
+                            for (stream, pool), (n, size, used) in pools.items())
+        lines.append(f"allocator replay at its reserved peak (stream pool: segments, reserved / allocated MiB): "
+                     f"{by_pool}")
     lines += [f"note: {n}" for n in (*traced.notes, *est.notes)]
     return "\n".join(lines)
 

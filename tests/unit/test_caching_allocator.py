@@ -10,7 +10,7 @@ Where a GPU is lent, torch.cuda.memory._snapshot() of a real step is the check (
 import pytest
 
 from cost_models import allocator
-from cost_models.caching_allocator import AllocatorSettings, replay
+from cost_models.caching_allocator import AllocatorSettings, pool_totals, replay
 from cost_models.units import KiB, MiB
 
 
@@ -102,6 +102,7 @@ def test_streams_have_their_own_pools():
     segments = replay(other).segments_at_peak
     assert [(s.stream, s.size_bytes, s.allocated_bytes) for s in segments] == [(0, 12 * MiB, 0),
                                                                                ("side", 12 * MiB, 12 * MiB)]
+    assert pool_totals(segments) == {(0, "large"): (1, 12 * MiB, 0), ("side", "large"): (1, 12 * MiB, 12 * MiB)}
 
 
 def test_the_loss_sequence_is_one_replay():

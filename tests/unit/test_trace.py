@@ -264,6 +264,7 @@ def test_cli_trace_json_and_table(tmp_path, one_trace_per_configuration):
     assert d["memory"]["breakdown"]["sharded_params"] > 0
     code, stdout, err = _cli("trace", "--model", str(cfg), "--gpus", "4", "--seq-len", "128")
     assert code == 0 and "estimate - trace" in stdout and "fits (traced): yes" in stdout
+    assert "peak reserved (allocator replay + context)" in stdout and "allocator replay at its reserved peak" in stdout
     assert len(one_trace_per_configuration) == 1  # the table rendered the trace the JSON run made
     code, _, err = _cli("trace", "--model", str(cfg), "--gpus", "4", "--offload")
     assert code == 2 and err.startswith("error: trace:") and "offload" in err
