@@ -25,10 +25,11 @@ from planner.doctor.rules_mesh import cannot_run, mesh_rules_broken, pipeline_sp
 from planner.doctor.rules_cost import (does_not_fit, micro_batch_headroom, slower_than_plan,
                                        kv_cache_with_checkpointing, reduce_in_low_precision)
 from planner.doctor.rules_techniques import (float8_support, reshard_group, compile_dynamic_shapes,
-                                             selective_op_unexpressed, checkpointing_outside_units)
+                                             selective_op_unexpressed, checkpointing_outside_units, attention_unset)
 
 RULES = (cannot_run, mesh_rules_broken, pipeline_split, tp_across_nodes, float8_support, reshard_group, compile_dynamic_shapes, selective_op_unexpressed,
-         checkpointing_outside_units, does_not_fit, fp16_scaler, lora_without_orig_params, lora_adapters_share_units, wrap_policy,
+         attention_unset, checkpointing_outside_units, does_not_fit, fp16_scaler, lora_without_orig_params,
+         lora_adapters_share_units, wrap_policy,
          hybrid_single_node, sync_module_states, forward_prefetch_dynamic, limit_all_gathers, fsdp2_removed_settings,
          reduce_in_low_precision, kv_cache_with_checkpointing, micro_batch_headroom, slower_than_plan)
 
@@ -84,7 +85,7 @@ def check(setup: UserSetup, model, gpus: int | None = None, *, gpus_per_node: in
     """Estimate the user's setup on the cluster and run every rule. Cluster size defaults to the one the
     accelerate config names (num_processes, num_machines); seq_len to the setup's own (torchtitan's
     training.seq_len), else 2048."""
-    from planner.api import RESOLVE_KNOBS, estimate_config, grad_accum_for, plan_for, resolve_request
+    from planner.api import RESOLVE_KNOBS, estimate_config, grad_accum_for, plan_for
     from planner.trainers import search_space, trainer_named, with_trainer_defaults
     from planner.request import build_request
     from planner.errors import PlannerError
@@ -101,11 +102,11 @@ def check(setup: UserSetup, model, gpus: int | None = None, *, gpus_per_node: in
     request = with_trainer_defaults(build_request(model, gpus, valid=RESOLVE_KNOBS, gpus_per_node=gpus_per_node,
                                                   seq_len=seq_len, trainer=trainer.id, **fixed, **cluster_and_training),
                                     trainer)
-    spec, cluster, training = resolve_request(request)
+    spec, cluster, training, attention = _with_attention(request, setup)
     mb = micro_batch or setup.config.micro_batch
     pipeline = setup.pipeline  # torchtitan's stages per rank from layers_per_stage need the model's blocks
     staged = {"pp_stages_per_rank": pipeline.stages_per_rank(spec.n_layers)} if pipeline is not None else {}
-    config = replace(setup.config, micro_batch=mb, **staged,
+    config = replace(setup.config, micro_batch=mb, **staged, **attention,
                      grad_accum=grad_accum or (grad_accum_for(mb, cluster, training, setup.config.model_parallel)
                                                if training.global_batch else setup.config.grad_accum))
     if setup.dialect == "automodel" and config.attention_kernel.value not in cluster.gpu.attention_kernels():
@@ -126,6 +127,26 @@ def check(setup: UserSetup, model, gpus: int | None = None, *, gpus_per_node: in
     findings = diagnose(setup, candidate, best, unwrapped_extra=extra, dynamic_control_flow=dynamic_control_flow,
                         profile=profile, model_use_cache=model_use_cache(model))
     return CheckReport(setup=setup, candidate=candidate, findings=findings, plan=best)
+
+
+def _with_attention(request, setup: UserSetup) -> tuple:
+    """(spec, cluster, training, {"attention": ...} or {}): the specs with the attention the setup runs (its block
+    profile, where the model needs one, traced for it): the one the file sets, or transformers' default where it
+    sets none (planner/emit/attention.py; rules_techniques.attention_unset says so); a setup whose reader or
+    trainer fixes it (flags, kwargs, torchtitan, Automodel): as before."""
+    from planner.api import model_attention, resolve_request
+    from planner.emit.attention import transformers_default
+
+    stated = setup.config.attention.value if setup.attention_from in ("code", "comment") else None
+    spec, cluster, training = resolve_request(request, stated)
+    if stated is not None:
+        model_attention(spec, stated)  # one line where the model does not run it (gpt-oss: no SDPA)
+    if setup.attention_from != "unstated":
+        return spec, cluster, training, {}
+    default = transformers_default(spec.attention_choices)
+    if default != spec.attention_choices[0]:  # profiled for the first choice: again for the default
+        spec, cluster, training = resolve_request(request, default)
+    return spec, cluster, training, {"attention": default}
 
 
 CODE_TRAINERS = {"fsdp2-code": "fsdp2", "fsdp1-code": "fsdp1", "lightning": "lightning"}  # dialect -> trainer

@@ -1,6 +1,6 @@
 """The doctor's rules on the techniques that change the model code: Float8 without FP8 tensor cores, the int
-reshard group, compile with dynamic shapes, selective op-level checkpointing a dialect cannot say, and
-checkpointing outside the FSDP units."""
+reshard group, compile with dynamic shapes, selective op-level checkpointing a dialect cannot say, an attention
+implementation a file does not set, and checkpointing outside the FSDP units."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from cost_models.specs import Precision
 from cost_models.units import DTYPE_BYTES, GiB
 
 from planner.doctor.findings import ADVICE, ERROR, WARNING, Context, Finding
+from planner.emit.attention import HF_NAMES, transformers_default
 
 
 def float8_support(ctx: Context):
@@ -49,6 +50,28 @@ def compile_dynamic_shapes(ctx: Context):
                       "dynamic by themselves.",
                       "dynamic=False (accelerate: dynamo_use_dynamic: false) with sequences padded or packed to a "
                       "fixed length")
+
+
+def attention_unset(ctx: Context):
+    """The attention transformers runs where the file does not set it (priced: its default), or sets it only in a
+    comment its tool ignores (accelerate's YAML: the comment's is priced); said where the model then runs another
+    one than the planner would price (gpt-oss: eager instead of flex)."""
+    setup, choices = ctx.setup, ctx.model.attention_choices
+    default, priced = transformers_default(choices), ctx.config.attention.value
+    if setup.attention_from == "unstated" and default != choices[0]:
+        name = HF_NAMES[choices[0]]
+        yield Finding("attention-not-set", WARNING,
+                      f"The file does not set the attention implementation, so transformers runs its default for "
+                      f"{ctx.model.name}, {default} (SDPA only where a model supports it), and that is priced here; "
+                      f"the planner prices {choices[0]}.",
+                      f"model.set_attn_implementation(\"{name}\") before wrapping (or from_pretrained(..., "
+                      f"attn_implementation=\"{name}\")); --emit fsdp2 / fsdp1 / lightning write it")
+    if setup.attention_from == "comment" and priced != default:
+        name = HF_NAMES[priced]
+        yield Finding("attention-only-in-a-comment", WARNING,
+                      f"An accelerate config has no attention key: its comment's {name} is priced, but only the "
+                      f"training script applies it; loaded without it, {ctx.model.name} runs {default}.",
+                      f"from_pretrained(..., attn_implementation=\"{name}\") in the training script")
 
 
 # Dialects that cannot say "selective-op" (their checkpointing switch is a bool), in their own words: (what the

@@ -13,7 +13,7 @@ import json
 from cost_models import fsdp_options
 from cost_models.specs import ClusterSpec, FsdpConfig, ModelSpec, Precision, TrainingSpec
 
-from planner.emit import optimizer
+from planner.emit import attention, optimizer
 from planner.emit.code import mesh as meshed
 from planner.emit.code import techniques as tech
 from planner.emit.kernels import hf_kernel_notes, hf_liger_arguments
@@ -198,6 +198,7 @@ def emit_hf_trainer(config: FsdpConfig, model_spec: ModelSpec, cluster: ClusterS
         *arguments,
         *reduce_lines,
         *loss_lines,
+        *attention.hf_trainer_lines(config),
         *([_comment(notes)] if notes else []),
         _comment([f"launch (Trainer builds the accelerator from these arguments; `accelerate launch` works too): "
                   f"{launch}"] + multi_node_note(cluster)),
@@ -282,7 +283,8 @@ def emit_accelerate(config: FsdpConfig, model_spec: ModelSpec, cluster: ClusterS
             ("parallelism_config_dp_shard_size", layout["shape"][1], "shard group"),
         ], ""))
     top += tech.accelerate_dynamo(config) + tech.accelerate_fp8(config, fsdp_version)
-    header = _summary(config, model_spec, cluster) + _notes(config, training) + tech.accelerate_unexpressed(
+    header = _summary(config, model_spec, cluster) + [attention.yaml_comment(config)] + _notes(config, training) + \
+        tech.accelerate_unexpressed(
         config, fsdp_version) + meshed.accelerate_notes(config) + [optimizer.script_note(training)]
     if cluster.n_nodes > 1:
         header.append("multi-node: pass --main_process_ip <address of machine_rank 0> to accelerate launch")
@@ -362,6 +364,7 @@ def emit_lightning(config: FsdpConfig, model_spec: ModelSpec, cluster: ClusterSp
         f"from transformers.models.{_hf_module(model_spec.family)} import modeling_{_hf_module(model_spec.family)} "
         "as modeling" if model_spec.family not in ("generic",) else "# import your block class here",
         "",
+        *attention.lightning_lines(config),
         f"Block = modeling.{model_spec.block_class}  # the repeated block: one FSDP unit each",
         "strategy = FSDPStrategy(",
         f"    sharding_strategy=ShardingStrategy.{strategy},{'  # ' + strategy_note if strategy_note else ''}",

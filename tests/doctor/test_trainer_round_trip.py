@@ -1,11 +1,13 @@
 """What is emitted is what was priced (issue 26 item 3): for each trainer, the search's pick is emitted as that
 trainer's file, built or parsed by the trainer's own tool where it has one (transformers' TrainingArguments,
 accelerate's config loader), read back by `fsdp-plan check`, and priced again: the same trainer, and the JSON
-`config`, `memory` and `time` equal to the plan's."""
+`config`, `memory` and `time` equal to the plan's. The attention too (planner/emit/attention.py): a flex plan of
+gpt-oss-20b (transformers' default for it is eager) and a pinned eager plan of a llama read back as planned."""
 
 from __future__ import annotations
 
 import functools
+import json
 
 import pytest
 
@@ -19,16 +21,21 @@ MODEL, GPUS, GPU, SEQ = "llama3-8b", 16, "h100-80gb", 4096
 
 
 @functools.cache
-def picked(trainer: str, gpu: str = GPU):
+def picked(trainer: str, gpu: str = GPU, model: str = MODEL, attention: str | None = None):
     """The trainer's best plan: two nodes (HYBRID strategies and resharding to the node are in the space)."""
-    return plan(MODEL, gpus=GPUS, gpu=gpu, seq_len=SEQ, trainer=trainer).best
+    return plan(model, gpus=GPUS, gpu=gpu, seq_len=SEQ, trainer=trainer, attention=attention).best
 
 
-def written(artifact: str, text: str, tmp_path, training_arguments, load_accelerate):
-    """The artifact as the file a user keeps: HF's TrainingArguments built by transformers and saved as JSON,
-    accelerate's YAML loaded by accelerate itself first, torchtitan's override flags as written."""
+def written(artifact: str, text: str, tmp_path, hf_snippet, load_accelerate):
+    """The artifact as the file a user keeps: HF's TrainingArguments built by transformers and saved as JSON, with
+    the snippet's model_init_kwargs beside them as TRL's SFTConfig saves them; accelerate's YAML loaded by
+    accelerate itself first; torchtitan's override flags as written."""
     if artifact.startswith("hf-trainer"):
-        return hf_arguments_file(training_arguments(text), tmp_path / "args.json")
+        namespace = hf_snippet(text)
+        path = hf_arguments_file(namespace["args"], tmp_path / "args.json")
+        data = {**json.loads(path.read_text()), "model_init_kwargs": namespace["model_init_kwargs"]}
+        path.write_text(json.dumps(data))
+        return path
     if artifact.startswith("accelerate"):
         load_accelerate(tmp_path, text, ["--main_process_ip", "10.0.0.1"])  # accelerate accepts it
         path = tmp_path / "accelerate.yaml"
@@ -48,15 +55,40 @@ def written(artifact: str, text: str, tmp_path, training_arguments, load_acceler
     ("torchtitan", "torchtitan", GPU), ("torchtitan-0.2", "torchtitan-0.2", GPU),
     ("fsdp2", "fsdp2", GPU), ("fsdp1", "fsdp1", GPU), ("lightning", "lightning", GPU),
 ])
-def test_the_emitted_file_reads_back_as_the_plan_that_was_priced(tmp_path, training_arguments, load_accelerate,
+def test_the_emitted_file_reads_back_as_the_plan_that_was_priced(tmp_path, hf_snippet, load_accelerate,
                                                                   trainer, artifact, gpu):
-    best = picked(trainer, gpu)
-    path = written(artifact, emit_artifact(artifact, best), tmp_path, training_arguments, load_accelerate)
+    assert_read_back(picked(trainer, gpu), trainer, artifact, gpu, tmp_path, hf_snippet, load_accelerate)
+
+
+def assert_read_back(best, trainer, artifact, gpu, tmp_path, hf_snippet, load_accelerate, model=MODEL):
+    path = written(artifact, emit_artifact(artifact, best), tmp_path, hf_snippet, load_accelerate)
     config = best.config  # accelerate's YAML holds no batch: the micro-batch is the training script's
-    r = check(read_setup(path), MODEL, GPUS, gpu=gpu, seq_len=SEQ, micro_batch=config.micro_batch,
+    r = check(read_setup(path), model, GPUS, gpu=gpu, seq_len=SEQ, micro_batch=config.micro_batch,
               grad_accum=config.grad_accum)
     back, priced = r.candidate.to_dict(), best.to_dict()
     assert back["trainer"] == priced["trainer"] == trainer
     assert back["config"] == priced["config"]
     assert back["memory"] == priced["memory"]
     assert back["time"] == priced["time"]
+    return r
+
+
+# The dialects that write the attention (planner/emit/attention.py): code (fsdp2, fsdp1, lightning), model_init_kwargs
+# (hf-trainer), a comment accelerate ignores (accelerate: check says so). accelerate on A100s: no FP8, as above.
+ATTENTION_DIALECTS = [("hf", "hf-trainer", GPU), ("hf-fsdp1", "hf-trainer-fsdp1", GPU),
+                      ("accelerate-fsdp2", "accelerate-fsdp2", "a100-80gb"), ("accelerate", "accelerate", "a100-80gb"),
+                      ("fsdp2", "fsdp2", GPU), ("fsdp1", "fsdp1", GPU), ("lightning", "lightning", GPU)]
+
+
+@pytest.mark.parametrize("model, attention", [("gpt-oss-20b", None), (MODEL, "eager")])
+@pytest.mark.parametrize("trainer, artifact, gpu", ATTENTION_DIALECTS)
+def test_the_planned_attention_reads_back(tmp_path, hf_snippet, load_accelerate, model, attention, trainer,
+                                          artifact, gpu):
+    """gpt-oss-20b's first choice is flex (transformers' default for it, eager, has s x s scores); llama's eager
+    pinned. Only accelerate's comment draws a finding: the training script must apply it."""
+    best = picked(trainer, gpu, model, attention)
+    assert best.config.attention.value == (attention or "flex")
+    r = assert_read_back(best, trainer, artifact, gpu, tmp_path, hf_snippet, load_accelerate, model)
+    assert r.setup.attention_from == ("comment" if artifact.startswith("accelerate") else "code")
+    said = [f.code for f in r.findings if f.code.startswith("attention-")]
+    assert said == (["attention-only-in-a-comment"] if artifact.startswith("accelerate") else [])

@@ -11,12 +11,14 @@ Values are accepted the way people write them: "FULL_SHARD", "ShardingStrategy.F
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 from cost_models.specs import SELECTIVE_OP, FsdpConfig, Precision, Sharding
 
 from planner.doctor.readers import automodel, python_code, torchtitan
 from planner.doctor.readers import trainers
+from planner.emit import attention
 from planner.errors import PlannerError
 from planner.doctor.readers.common import (UserSetup, _bool, _dtype, _int, _int_or_none, _strategy, _strip,
                                           accelerate_degrees)
@@ -87,12 +89,16 @@ def read_setup(path) -> UserSetup:
     if "distributed_type" not in data and trainers.is_hf_trainer(data):
         return trainers.from_hf_trainer(data, source=str(path))
     if "fsdp_config" in data or "distributed_type" in data:
-        return from_accelerate(data, source=str(path))
+        return from_accelerate(data, source=str(path), text=text)
     return from_kwargs(data, source=str(path))
 
 
-def from_accelerate(data: dict, source: str = "accelerate config") -> UserSetup:
-    """accelerate's YAML: top-level mixed_precision/num_processes/num_machines, FSDP keys under fsdp_config."""
+def from_accelerate(data: dict, source: str = "accelerate config", text: str = "") -> UserSetup:
+    """accelerate's YAML: top-level mixed_precision/num_processes/num_machines, FSDP keys under fsdp_config. The
+    attention has no key (the training script loads the model): it is read from the comment line --emit accelerate
+    writes (`# attn_implementation: flex_attention ...`, planner/emit/attention.py), so the round trip prices what
+    was planned, and check says the script must set it (rules_techniques.attention_unset); no such line: unstated,
+    priced as transformers' default."""
     if str(data.get("distributed_type", "FSDP")).upper() != "FSDP":
         raise PlannerError("distributed_type", f"{data.get('distributed_type')!r} is not FSDP; "
                                                "fsdp-plan check reads FSDP configs")
@@ -148,6 +154,9 @@ def from_accelerate(data: dict, source: str = "accelerate config") -> UserSetup:
         # loss: inside a Hugging Face model's forward, which regional compilation leaves eager
         **mesh,
     )
+    commented = attention.read_yaml_comment(text)
+    if commented is not None:
+        config = replace(config, attention=commented)
     wrap = {"TRANSFORMER_BASED_WRAP": "block", "SIZE_BASED_WRAP": "size", "NO_WRAP": "none"}.get(
         str(fsdp.get("fsdp_auto_wrap_policy", "NO_WRAP")).upper(), "custom")
     keys = {k.removeprefix("fsdp_") for k in fsdp}
@@ -164,6 +173,7 @@ def from_accelerate(data: dict, source: str = "accelerate config") -> UserSetup:
         n_machines=_int_or_none(data, "num_machines"), fsdp2_removed=removed,
         compile_dynamic=compiles and _bool("dynamo_config.dynamo_use_dynamic", dynamo.get("dynamo_use_dynamic", False)),
         unexpressed=(SELECTIVE_OP,) if selective else (),
+        attention_from="unstated" if commented is None else "comment",
     )
 
 

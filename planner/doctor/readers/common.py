@@ -44,6 +44,10 @@ class UserSetup:
     model: str | None = None                # the model the setup names (torchtitan 0.3's --module / --config)
     pipeline: object = None                 # torchtitan's pipeline settings (pipeline.PipelineSettings)
     training: tuple = ()                    # (request knob, value) pairs the file fixes (Automodel: routing, optimizer)
+    attention_from: str = "config"          # where config.attention comes from: config (the reader's, or its trainer's
+    #                                         own: flags, kwargs, torchtitan, Automodel) | code (the file sets
+    #                                         attn_implementation) | comment (accelerate's YAML: a comment accelerate
+    #                                         ignores) | unstated (check prices transformers' default for the model)
     notes: tuple[str, ...] = field(default=())
 
 

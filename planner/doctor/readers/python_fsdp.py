@@ -57,12 +57,13 @@ def from_fsdp2(s: Snippet) -> UserSetup:
     compiled, compile_loss = shared.compiles(s)
     float8, gather = shared.float8(s, fsdp2=True)
     mesh = _mesh_fields(s, dims)
+    attention, attention_from = shared.attention(s)
     config = FsdpConfig(
         sharding=_sharding(dims, reshard or pipeline.get("pp", 1) > 1), precision=precision, reduce_dtype=reduce,
         offload=offload, ac_every=shared.checkpointing(s, wrappers, max((c.every for c in wrappers), default=0)),
         compile=compiled, compile_loss=compile_loss, float8=float8, fp8_all_gather=gather,
         reshard_after_forward=group, expert_units=bool(experts), expert_shard_dim=_placement(root),
-        **mesh, **pipeline, **shared.liger(s))
+        **mesh, **pipeline, **shared.liger(s), **attention)
     sizes = list(dims.values())
     hybrid = config.sharding.is_hybrid and isinstance(dims.get("dp_replicate"), int)
     return UserSetup(
@@ -72,7 +73,7 @@ def from_fsdp2(s: Snippet) -> UserSetup:
         n_processes=math.prod(sizes) if all(isinstance(n, int) for n in sizes) else None,
         n_machines=dims["dp_replicate"] if hybrid else None,  # HSDP: a replica per machine, the shard group a node
         use_cache=_use_cache(s), seq_len=s.constants.get("SEQ_LEN") if config.pp > 1 else None,
-        grad_scaler=shared.grad_scaler(s),
+        grad_scaler=shared.grad_scaler(s), attention_from=attention_from,
         training=shared.optimizer(s, offload))
 
 
@@ -227,6 +228,7 @@ def from_fsdp1(s: Snippet) -> UserSetup:
     wrap, lora = _wrap_policy(call.kwargs.get("auto_wrap_policy"))
     compiled, compile_loss = shared.compiles(s)
     float8, _ = shared.float8(s, fsdp2=False)
+    attention, attention_from = shared.attention(s)
     config = FsdpConfig(
         sharding=_strategy("sharding_strategy", kw.get("sharding_strategy", "FULL_SHARD")), precision=precision,
         reduce_dtype=reduce, offload=offload,
@@ -234,12 +236,12 @@ def from_fsdp1(s: Snippet) -> UserSetup:
         backward_prefetch=shared.backward_prefetch(kw.get("backward_prefetch", "BackwardPrefetch.BACKWARD_PRE")),
         forward_prefetch=bool(kw.get("forward_prefetch", False)),
         limit_all_gathers=bool(kw.get("limit_all_gathers", True)), compile=compiled, compile_loss=compile_loss,
-        float8=float8, **shared.liger(s))
+        float8=float8, **shared.liger(s), **attention)
     return UserSetup(
         config=config, fsdp_version=1, source=s.source, dialect="fsdp1-code", explicit=frozenset(call.kwargs),
         wrap=wrap, use_orig_params=bool(kw.get("use_orig_params", False)),
         sync_module_states=bool(kw.get("sync_module_states", False)), use_cache=_use_cache(s),
-        grad_scaler=shared.grad_scaler(s),
+        grad_scaler=shared.grad_scaler(s), attention_from=attention_from,
         training=shared.optimizer(s, offload) + ((("finetune", "lora"),) if lora else ()))
 
 

@@ -49,13 +49,15 @@ def from_lightning(s: Snippet) -> UserSetup:
     prefetch = shared.backward_prefetch(kw.get("backward_prefetch", "BackwardPrefetch.BACKWARD_PRE"))  # FSDP's
     compiled = s.says(_note(compile=True))  # configure_model: block.compile() (the loss: the module's own, eager)
     float8 = s.says(_note(float8=True))
+    attention, attention_from = shared.attention(s)  # emit_lightning's set_attention(model)
     config = FsdpConfig(
         sharding=_strategy("sharding_strategy", kw.get("sharding_strategy", "FULL_SHARD")), precision=precision,
         reduce_dtype=reduce, offload=offload, ac_every=_checkpointing(strategy.kwargs.get(
             "activation_checkpointing_policy")), backward_prefetch=prefetch,
         forward_prefetch=bool(kw.get("forward_prefetch", False)), limit_all_gathers=bool(kw.get("limit_all_gathers",
                                                                                                  True)),
-        compile=compiled, compile_loss=False, float8=float8, grad_accum=trainer.get("accumulate_grad_batches", 1))
+        compile=compiled, compile_loss=False, float8=float8, grad_accum=trainer.get("accumulate_grad_batches", 1),
+        **attention)
     devices, nodes = trainer.get("devices"), trainer.get("num_nodes", 1)
     return UserSetup(
         config=config, fsdp_version=1, source=s.source, dialect="lightning", explicit=frozenset(strategy.kwargs),
@@ -66,6 +68,7 @@ def from_lightning(s: Snippet) -> UserSetup:
         n_machines=nodes if isinstance(nodes, int) else None,
         grad_scaler="sharded" if precision is Precision.FP16 else None,  # Lightning's FSDPPrecision scales fp16
         use_cache=False if s.says("in the LightningModule: model.config.use_cache = False") else None,
+        attention_from=attention_from,
         training=_optimizer(s, offload))
 
 

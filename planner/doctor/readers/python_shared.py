@@ -14,6 +14,7 @@ from cost_models.specs import REDUCE_DTYPES, Precision
 
 from planner.doctor.readers.common import _dtype
 from planner.doctor.readers.python_ast import CallSite, Snippet, dotted
+from planner.emit import attention as attn
 from planner.emit.code import techniques as tech
 from planner.emit.kernels import from_hf_liger
 from planner.emit.optimizer import torch_default_impl
@@ -218,6 +219,21 @@ def liger(snippet: Snippet) -> dict:
 
 
 OPTIMIZERS = {"AdamW": "adamw", "Adam": "adam", "SGD": "sgd", "AdamW8bit": "adamw-8bit"}
+
+
+def attention(s: Snippet) -> tuple[dict, str]:
+    """({"attention": the planner's name} or {}, UserSetup.attention_from) of the last set_attn_implementation(...)
+    or attn_implementation=... (from_pretrained / from_config, **model_init_kwargs) the snippet writes; none:
+    ({}, "unstated"), for check to price transformers' default (planner/emit/attention.py)."""
+    node = None
+    for call in s.calls:
+        if call.short == "set_attn_implementation" and call.node.args:
+            node = call.node.args[0]
+        elif "attn_implementation" in call.kwargs:
+            node = call.kwargs["attn_implementation"]
+    if node is None:
+        return {}, "unstated"
+    return {"attention": attn.from_hf_name(s.value(node, "attn_implementation"), "attn_implementation")}, "code"
 
 
 def optimizer(snippet: Snippet, offload: bool) -> tuple:

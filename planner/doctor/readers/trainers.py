@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from cost_models.specs import SELECTIVE_OP, FsdpConfig, Precision, Sharding
 
+from planner.emit import attention as attn
 from planner.emit.optimizer import from_hf_optim
 from planner.emit.kernels import from_hf_liger
 from planner.errors import PlannerError
@@ -129,6 +130,20 @@ def _hf_checkpointing(data: dict, fsdp: dict) -> tuple[int | str, bool]:
     return every, reentrant
 
 
+def _hf_attention(data: dict) -> tuple[dict, str]:
+    """({"attention": ...} or {}, UserSetup.attention_from): TrainingArguments has no attention field; a file
+    parsed with it can carry attn_implementation beside it (TRL's ModelConfig, a script's ModelArguments) or in
+    model_init_kwargs (TRL's SFTConfig / GRPOConfig, --emit hf-trainer's dict). Neither: unstated."""
+    kwargs = data.get(attn.KWARGS) or {}
+    if not isinstance(kwargs, dict):
+        raise PlannerError(attn.KWARGS, "must be a mapping like {attn_implementation: flex_attention}")
+    for key, value in ((f"{attn.KWARGS}.attn_implementation", kwargs.get("attn_implementation")),
+                       ("attn_implementation", data.get("attn_implementation"))):
+        if value is not None:
+            return {"attention": attn.from_hf_name(value, key)}, "code"
+    return {}, "unstated"
+
+
 def from_hf_trainer(data: dict, source: str = "TrainingArguments") -> UserSetup:
     """TrainingArguments as JSON/YAML (HfArgumentParser's files, TrainingArguments.to_dict()): `fsdp` (True, or the
     deprecated strategy words), `fsdp_config`, `parallelism_config` (HSDP), per_device_train_batch_size,
@@ -169,6 +184,7 @@ def from_hf_trainer(data: dict, source: str = "TrainingArguments") -> UserSetup:
     rank0 = _bool("fsdp_config.cpu_ram_efficient_loading", fsdp.get("cpu_ram_efficient_loading", False))
     compiles = _bool("torch_compile", data.get("torch_compile", False)) or any(
         data.get(k) is not None for k in ("torch_compile_backend", "torch_compile_mode"))
+    attention, attention_from = _hf_attention(data)
     config = FsdpConfig(
         sharding=sharding, precision=precision,
         offload=_bool("fsdp_config.cpu_offload", fsdp.get("cpu_offload", False)), ac_every=ac_every,
@@ -177,7 +193,7 @@ def from_hf_trainer(data: dict, source: str = "TrainingArguments") -> UserSetup:
         backward_prefetch=prefetch, forward_prefetch=forward_prefetch, limit_all_gathers=limit, compile=compiles,
         compile_loss=False,  # the model's own loss, in its forward: eager (a compute_loss_func is code, not an argument)
         **from_hf_liger(data),  # use_liger_kernel / liger_kernel_config (planner/emit/kernels.py)
-        **mesh,
+        **mesh, **attention,
     )
     optim, optim_notes = from_hf_optim(data, config.offload)
     return UserSetup(
@@ -196,5 +212,6 @@ def from_hf_trainer(data: dict, source: str = "TrainingArguments") -> UserSetup:
         unexpressed=(SELECTIVE_OP,) if ac_every == SELECTIVE_OP else (),
         notes=((ac_note,) if ac_note else ()) + optim_notes, checkpoint_regathers=regathers,
         training=optim,  # the optimizer `optim` runs (planner/emit/optimizer.py)
+        attention_from=attention_from,
     )
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 from cost_models import fsdp_options, moe
 from cost_models.specs import ClusterSpec, FsdpConfig, ModelSpec, Precision, TrainingSpec
 
+from planner.emit import attention
 from planner.emit.code import mesh as meshed
 from planner.emit.code import techniques as tech
 from planner.emit.common import _KV_CACHE_WHY, RESHARD_NOTE, _comment, _fsdp1_strategy, _mixed_dtypes, _notes, _summary
@@ -19,13 +20,15 @@ from planner.emit.kernels import code_liger_lines
 
 
 def _preamble(config: FsdpConfig, blocks_var: str, blocks_expr: str) -> list[str]:
-    """Body lines shared by both snippets: find the blocks (fail loudly on a wrong name), cast for bf16-pure."""
+    """Body lines shared by both snippets: find the blocks (fail loudly on a wrong name), no KV cache, the planned
+    attention (planner/emit/attention.py), cast for bf16-pure."""
     lines = [f"{blocks_var} = {blocks_expr}",
              f"if not {blocks_var}:",
              "    raise ValueError(f\"no {BLOCK_CLASS} in the model: check the block class name\")",
              f"# {_KV_CACHE_WHY[0].upper()}{_KV_CACHE_WHY[1:]}",
              "if hasattr(getattr(model, \"config\", None), \"use_cache\"):  # a Hugging Face model",
-             "    model.config.use_cache = False"]
+             "    model.config.use_cache = False",
+             *attention.set_lines()]
     if config.precision is Precision.BF16_PURE:
         lines.append("model.to(torch.bfloat16)  # bf16-pure: params, grads, optimizer state and reductions in bf16")
     return lines
@@ -248,6 +251,7 @@ def _render(config, model_spec, cluster, imports: list[str], body: list[str],
         *imports,
         "",
         f"BLOCK_CLASS = {model_spec.block_class!r}  # the repeated block: one FSDP unit each",
+        attention.constant_line(config),
         "",
         *tech.module_level(config),
         *module_level,
