@@ -25,7 +25,8 @@ They are costed through cost_models.evaluate (the mesh rules still refuse pp > 1
 The expert-parallel rows (AUTOMODEL_ROWS, issue 26): NVIDIA NeMo Automodel's Qwen3-30B-A3B and GPT-OSS 20B on
 8 x H100 80 GB, FSDP 8 x EP 8, through the public API with the automodel trainer and one setting for both
 (AUTOMODEL_SETTING: bf16 params and Adam states, fp32 reduce, full checkpointing, DeepEP, round-robin routing, TE
-RMSNorm, the MoE parallelizer's SHARD_GRAD_OP; tests/golden/test_automodel_rows.py says why each).
+RMSNorm, the MoE parallelizer's SHARD_GRAD_OP; the trainer's TE attention, attention_kernel cudnn on Hopper;
+tests/golden/test_automodel_rows.py says why each).
 """
 
 from __future__ import annotations
