@@ -12,15 +12,17 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from cost_models.specs import FsdpConfig
+from cost_models.specs import FsdpConfig, TrainingSpec
 from planner import estimate
 from planner.doctor import check
 from planner.doctor.readers import read_setup
-from planner.emit import emit_fsdp2
+from planner.emit import emit_fsdp2, emit_lightning
+from planner.emit.trainers import emit_hf_trainer
 from planner.emit.format import fold
 from planner.errors import PlannerError
 from planner.hardware import make_cluster
 from planner.models import from_hf_config
+from tests.unit.test_emit_pipeline import TINY as PIPELINE_LLAMA, fake_rank  # noqa: F401 (a fixture)
 
 # gpt-oss as tests/unit/test_attention_flex.py builds it; the 4-block Llama of tests/unit/test_apply.py
 GPT_OSS = dict(model_type="gpt_oss", vocab_size=256, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
@@ -81,6 +83,49 @@ def test_the_fsdp2_snippet_sets_eager_on_llama_and_trains(gloo_rank):
     out.loss.backward()
     assert [tuple(a.shape) for a in out.attentions] == [(2, 4, 64, 64)] * 4
     assert out.loss.item() == pytest.approx(reference(input_ids=ids, labels=ids).loss.item(), rel=1e-6)
+
+
+def test_the_pipeline_snippet_sets_it_on_the_model_its_stages_share(fake_rank):
+    """pp 2 x tp 2 on 4 fake ranks (tests/unit/test_emit_pipeline.py's tiny Llama, built with SDPA): apply_fsdp gets
+    a Stage, not the Hugging Face model, so build_pipeline sets it on the causal LM, whose config its blocks
+    share: rank 0's stage runs eager."""
+    pytest.importorskip("transformers")
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from planner.models import from_module
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**PIPELINE_LLAMA, attn_implementation="sdpa"))
+    config = FsdpConfig(pp=2, tp=2, sequence_parallel=False, grad_accum=4, precision="fp32", attention="eager")
+    code = fold(emit_fsdp2(config, from_module(model, name="tiny"), make_cluster(4), TrainingSpec(seq_len=32)))
+    fake_rank(4, 0)
+    namespace: dict = {}
+    exec(compile(code, "<emitted fsdp2>", "exec"), namespace)
+    _, (stage,), _, _ = namespace["build_pipeline"](model, "cpu")
+    assert model.config._attn_implementation == "eager"
+    assert [block.self_attn.config._attn_implementation for block in stage.layers.values()] == ["eager"] * 2
+
+
+def test_the_hf_and_lightning_forms_set_it_through_transformers(hf_snippet):
+    """hf-trainer's model_init_kwargs given to from_config, and the Lightning snippet's set_attention(model) (its
+    constant and function run alone: the Trainer needs GPUs), turn a tiny gpt-oss from eager to flex_attention."""
+    import ast
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    spec, config = from_hf_config(GPT_OSS), FsdpConfig(attention="flex")
+    kwargs = hf_snippet(emit_hf_trainer(config, spec, ONE_CPU))["model_init_kwargs"]
+    built = AutoModelForCausalLM.from_config(AutoConfig.for_model(**GPT_OSS), **kwargs)
+    assert built.config._attn_implementation == "flex_attention"
+    tree = ast.parse(fold(emit_lightning(config, spec, ONE_CPU)))
+    wanted = [n for n in tree.body if (isinstance(n, ast.FunctionDef) and n.name == "set_attention")
+              or (isinstance(n, ast.Assign) and ast.unparse(n.targets[0]) == "ATTN_IMPLEMENTATION")]
+    namespace: dict = {}
+    exec(compile(ast.Module(body=wanted, type_ignores=[]), "<lightning>", "exec"), namespace)
+    model = _model(GPT_OSS)
+    assert model.config._attn_implementation == "eager"
+    namespace["set_attention"](model)
+    assert model.config._attn_implementation == "flex_attention"
 
 
 HF_ARGS = {"fsdp": True, "fsdp_config": {"version": 2}, "per_device_train_batch_size": 1, "bf16": True}

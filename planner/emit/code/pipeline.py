@@ -27,6 +27,7 @@ from __future__ import annotations
 from cost_models.pipeline import stages
 from cost_models.specs import FsdpConfig, ModelSpec, TrainingSpec
 
+from planner.emit import attention
 from planner.errors import PlannerError
 
 _DTYPES = {"fp32": "torch.float32", "bf16": "torch.bfloat16", "fp16": "torch.float16"}
@@ -250,6 +251,7 @@ def _build_pipeline(config: FsdpConfig, tied: bool) -> list[str]:
         "    if device is None:",
         "        device = torch.device(\"cuda\", torch.cuda.current_device())",
         "    device = torch.device(device)",
+        *(f"    {line}" for line in attention.set_lines()),  # on the causal LM: its stages share its config
         "    mesh = device_mesh(device.type)",
         "    pp_rank = mesh[\"pp\"].get_local_rank()",
         "    hidden, vocab = model.config.hidden_size, model.get_output_embeddings().out_features",
