@@ -91,28 +91,60 @@ def rank_memory(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, d:
     loss_moment = 0  # the loss backward's segments stay reserved once made (allocator.py), as in memory.py
     # Schedule1F1B keeps the last backward's send ops (bwd_sends, holding the input gradient) in a local until the
     # next backward is done: from a non-first stage's first backward to the step's end one input gradient is alive
-    sent = [0]
+    sent = 0
+    fixed = sharded_params + optimizer_state
+    # what the state holds, by category, kept up to date by each change below rather than summed again at each moment
+    # (a rank's replay prices ~400 moments): activations, logits and loss, the reduced stages' gradient shards,
+    # gradients (unsharded or waiting), gathered parameters
+    held = [buffers, 0, 0, 0, 0]
+    # V-shape: a stage's output is the next stage's input (set_local_fwd_input), no copy
+    chained = {s: x.output for s, x in pieces.items() if s + 1 in pieces}
+
+    def fly(stage: int, n: int) -> None:
+        """n microbatches more (or fewer) in flight on the stage."""
+        x = pieces[stage]
+        in_flight[stage] += n
+        held[0] += n * (x.saved - chained.get(stage, 0))
+        held[1] += n * x.loss_saved
+
+    def wait(stage: int, n: int) -> None:
+        """n microbatches more (or fewer) between their input pass and their weight pass."""
+        x = pieces[stage]
+        waiting[stage] += n
+        held[0] += n * x.weight_inputs
+        held[1] += n * (x.logits - x.loss_saved)
+
+    def set_pending(stage: int, grads: int) -> None:
+        held[3] += grads - pending[stage]
+        pending[stage] = grads
+
+    def backward_done(stage: int) -> None:
+        """From its first backward on, a stage (until reduced) holds its reduce-dtype gradient sums."""
+        if not backwards[stage] and stage not in reduced:
+            held[3] += pieces[stage].params * r
+        backwards[stage] += 1
+
+    def gather(stages) -> None:
+        for s in stages:
+            if s not in gathered:
+                gathered.add(s)
+                held[4] += pieces[s].gathered
+
+    def reshard(stage: int) -> None:
+        if stage in gathered:
+            gathered.discard(stage)
+            held[4] -= pieces[stage].gathered
 
     def moment(what: tuple, acts_extra: int, grads_extra: int, logits_extra: int, params_extra: int = 0,
                buffers_extra: int = 0, sharded_extra: int = 0) -> int:
-        acts, loss, acc, gathered_c, sharded = buffers + sent[0], logits_kept, 0, 0, sharded_extra
-        for s, x in pieces.items():
-            acts += x.saved * in_flight[s] + x.weight_inputs * waiting[s]
-            if s + 1 in pieces:  # V-shape: this output is the next stage's input (set_local_fwd_input), no copy
-                acts -= x.output * (in_flight[s] - (what[2] == s and what[0] != "input pass"))
-            loss += x.loss_saved * (in_flight[s] - waiting[s]) + x.logits * waiting[s]
-            if s in reduced:
-                sharded += math.ceil(x.params * p / d)
-            elif backwards[s]:
-                acc += x.params * r
-            acc += pending[s]
-            if s in gathered:
-                gathered_c += x.gathered
-        parts = (sharded_params, optimizer_state, sharded, gathered_c + params_extra, acc + grads_extra,
-                 acts + acts_extra, loss + logits_extra, buffers_extra)
-        total = sum(parts)
+        acts, loss, sharded, acc, gathered_c = held
+        if what[0] != "input pass":  # the running stage's own output is not yet the next stage's input
+            acts += chained.get(what[2], 0)
+        total = (fixed + sharded + sharded_extra + gathered_c + params_extra + acc + grads_extra + acts + acts_extra
+                 + loss + logits_extra + buffers_extra)
         if total > best[0]:
-            best[:] = [total, what, parts]
+            best[:] = [total, what, (sharded_params, optimizer_state, sharded + sharded_extra, gathered_c + params_extra,
+                                     acc + grads_extra, acts + acts_extra, loss + logits_extra, buffers_extra)]
         return total
 
     def reduce(stage: int) -> None:
@@ -134,14 +166,18 @@ def rank_memory(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, d:
                 moment(("reduce-scatter", None, stage), 0, -gone * r, 0, -done_c,
                        rs_in + (rs_out if gone > done or kept else 0), shards)
             done += group
-        gathered.discard(stage)
+        reshard(stage)
+        if backwards[stage]:
+            held[3] -= x.params * r
         reduced.add(stage)
+        held[2] += math.ceil(x.params * p / d)
 
     def convert(stage: int) -> None:
         """The stage's next pass's post-backwards (or the reduce) add a W's gradients into the reduce-dtype sums."""
         if pending[stage]:
-            pending[stage] = 0
-            backwards[stage] = max(backwards[stage], 1)
+            set_pending(stage, 0)
+            if not backwards[stage]:
+                backward_done(stage)
 
     def input_pass(x: StagePieces, mb: int) -> None:
         """A non-first stage's input pass: block by block (top first) its moment over everything held, each unit's
@@ -170,42 +206,11 @@ def rank_memory(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, d:
                          for kind in ("backward", "post-backward of a block") if options]
         return out
 
-    cases = {s: block_moments(x) for s, x in pieces.items()}
-    actions = orders(config.pp_schedule, config.pp, config.pp_stages_per_rank, m)[rank]
-    kept_ahead = active_stages(actions) if len(pieces) > 1 else []
-    for i, action in enumerate(actions):
-        stage, mb = action.stage, action.microbatch
-        x = pieces[stage]
-        if len(pieces) > 1:  # a multi-stage schedule's runtime keeps the next stages gathered, and only those
-            gathered.clear()
-            gathered.update(kept_ahead[i])
-        if action.kind == "F":
-            gathered.add(stage)
-            in_flight[stage] += 1
-            most[stage] = max(most[stage], in_flight[stage])
-            logits_kept += x.logits
-            continue
-        if action.kind == "I" and x.stage.embedding:  # torch skips the first stage's input pass: its W is a B
-            waiting[stage] += 1
-            continue
-        if action.kind == "W" and not x.stage.embedding:
-            # stage_backward_weight: the microbatch's graph and kept output gradients go, the stage's weight gradients
-            # stay in param.grad (compute dtype; a second W adds into them) until its next pass's post-backward (no
-            # FSDP hook runs in W)
-            in_flight[stage] -= 1
-            waiting[stage] -= 1
-            pending[stage] = x.params * c
-            if mb == m - 1:
-                reduce(stage)
-            continue
-        if action.kind == "I":
-            if x.stage.head:  # the loss backward; its saved log-softmax output stays until the pass ends (detach_)
-                loss_moment = max(loss_moment, moment(("loss backward", mb, stage), 0, 0, x.loss_peak)
-                                  + x.reserved_extra)
-            input_pass(x, mb)
-            waiting[stage] += 1
-            continue
-        convert(stage)
+    def backward_moments(x: StagePieces, mb: int, first: bool) -> None:
+        """A stage's backward (B, or the first stage's W): the loss's and the head's on the last stage, its blocks',
+        its root's post-backward."""
+        nonlocal loss_moment
+        stage = x.stage.index
         loss_gone = -x.loss_saved if x.stage.head else 0
         if x.stage.head:
             loss_moment = max(loss_moment, moment(("loss backward", mb, stage), 0, 0, x.loss_peak) + x.reserved_extra)
@@ -214,7 +219,6 @@ def rank_memory(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, d:
         # without a dtype change (no mixed precision) autograd adds a later microbatch's gradients into the kept
         # ones in place; with one, the compute-dtype gradients wait beside the reduce-dtype sums until the unit's
         # post-backward
-        first = backwards[stage] == 0
         for kind, acts, grads in cases[stage]["first" if first else "in place" if r == c else "later"]:
             moment((kind, mb, stage), acts, grads, loss_gone)
         root = x.params - x.stage.n_blocks * x.block_params
@@ -225,15 +229,74 @@ def rank_memory(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, d:
             grads = (x.params - root) * r + root * (c + r) if first and r != c else (0 if first else root * c)
             moment(("root post-backward", mb, stage), tokens_h - x.saved, grads,
                    -x.loss_saved - x.logits if x.stage.head else 0)
-        if action.kind == "W":  # the first stage's weight pass: its whole backward
-            waiting[stage] -= 1
-        in_flight[stage] -= 1
-        backwards[stage] += 1
+
+    priced: set = set()
+
+    def repeats(*key) -> bool:
+        """Whether a pass of this kind already ran on this very state: its moments would total the same again, and a
+        moment becomes the peak only above every earlier one (1F1B's steady state repeats each pass m - pp times)."""
+        key += tuple(held)
+        if key in priced:
+            return True
+        priced.add(key)
+        return False
+
+    cases = {s: block_moments(x) for s, x in pieces.items()}
+    actions = orders(config.pp_schedule, config.pp, config.pp_stages_per_rank, m)[rank]
+    kept_ahead = active_stages(config.pp_schedule, config.pp, config.pp_stages_per_rank, m, rank) \
+        if len(pieces) > 1 else ()
+    sends = config.pp_schedule.value == "1f1b"
+    for i, (stage, kind, mb) in enumerate(actions):
+        x = pieces[stage]
+        # a multi-stage schedule's runtime keeps the next stages gathered, and only those
+        if kept_ahead and gathered != kept_ahead[i]:
+            for s in gathered - kept_ahead[i]:
+                reshard(s)
+            gather(kept_ahead[i])
+        if kind == "F":
+            gather((stage,))
+            fly(stage, 1)
+            most[stage] = max(most[stage], in_flight[stage])
+            logits_kept += x.logits
+            held[1] += x.logits
+            continue
+        if kind == "I" and x.stage.embedding:  # torch skips the first stage's input pass: its W is a B
+            wait(stage, 1)
+            continue
+        if kind == "W" and not x.stage.embedding:
+            # stage_backward_weight: the microbatch's graph and kept output gradients go, the stage's weight gradients
+            # stay in param.grad (compute dtype; a second W adds into them) until its next pass's post-backward (no
+            # FSDP hook runs in W)
+            fly(stage, -1)
+            wait(stage, -1)
+            set_pending(stage, x.params * c)
+            if mb == m - 1:
+                reduce(stage)
+            continue
+        if kind == "I":
+            if repeats("I", stage, pending[stage], backwards[stage] == 0):
+                convert(stage)
+            else:
+                if x.stage.head:  # the loss backward; its saved log-softmax output stays until the pass ends (detach_)
+                    loss_moment = max(loss_moment, moment(("loss backward", mb, stage), 0, 0, x.loss_peak)
+                                      + x.reserved_extra)
+                input_pass(x, mb)
+            wait(stage, 1)
+            continue
+        convert(stage)
+        first = backwards[stage] == 0
+        if not repeats(kind, stage, first):
+            backward_moments(x, mb, first)
+        if kind == "W":  # the first stage's weight pass: its whole backward
+            wait(stage, -1)
+        fly(stage, -1)
+        backward_done(stage)
         if mb == m - 1:
             reduce(stage)
-        if config.pp_schedule.value == "1f1b" and not x.stage.embedding:
-            sent[0] = tokens_h
-    sent[0] = 0  # waited and dropped when the schedule returns
+        if sends and not x.stage.embedding:
+            held[0] += tokens_h - sent
+            sent = tokens_h
+    held[0] -= sent  # waited and dropped when the schedule returns
     if logits_kept:  # the last stage's step returns its microbatches' logits concatenated (a copy beside them)
         moment(("merge of the logits", None, None), 0, 0, logits_kept)
     what, mb, stage = best[1]

@@ -156,15 +156,18 @@ def _dualpipev(rank: int, pp: int, m: int) -> list[Action]:
 MAX_ACTIVE_STAGES = 3  # torch's _add_unshard_reshard default (schedules.py): the stages a rank keeps unsharded
 
 
-def active_stages(actions) -> list[set[int]]:
-    """Before each of a rank's `actions`, the stages torch's multi-stage runtime keeps unsharded: the next
-    MAX_ACTIVE_STAGES distinct stages to compute from that action on (_add_unshard_reshard reshards the others, and
-    unshards these ahead of their use, which the estimate does not price). Matters with more than three stages a
-    rank. One pass from the end (a rank of V = 2 never sees three distinct stages, so a forward scan per action
-    would read the whole rest of the order: 0.23 s of a 405B pp 16 candidate's 0.73 s)."""
+@lru_cache(maxsize=1024)
+def active_stages(schedule: Schedule, pp: int, stages_per_rank: int, microbatches: int,
+                  rank: int) -> tuple[frozenset[int], ...]:
+    """Before each of rank `rank`'s actions (orders()), the stages torch's multi-stage runtime keeps unsharded: the
+    next MAX_ACTIVE_STAGES distinct stages to compute from that action on (_add_unshard_reshard reshards the others,
+    and unshards these ahead of their use, which the estimate does not price). Matters with more than three stages
+    a rank. One pass from the end (a rank of V = 2 never sees three distinct stages, so a forward scan per action
+    would read the whole rest of the order: 0.23 s of a 405B pp 16 candidate's 0.73 s), cached per schedule shape
+    like orders() (a search replays each shape for many configurations)."""
     ahead: list[int] = []  # the next distinct stages, nearest first
-    out: list[set[int]] = []
-    for action in reversed(actions):
+    out: list[frozenset[int]] = []
+    for action in reversed(orders(schedule, pp, stages_per_rank, microbatches)[rank]):
         ahead = [action.stage] + [s for s in ahead if s != action.stage][:MAX_ACTIVE_STAGES - 1]
-        out.append(set(ahead))
-    return out[::-1]
+        out.append(frozenset(ahead))
+    return tuple(out[::-1])
