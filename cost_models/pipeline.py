@@ -16,6 +16,7 @@ single-stage and interleaved schedules, "v" for DualPipeV (rank r holds stages r
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 from .feasibility import Refusal
 from .schedules import Schedule
@@ -62,11 +63,16 @@ def stage_rank(stage: int, pp: int, schedule: Schedule) -> int:
 
 def stages(model: ModelSpec, config: FsdpConfig) -> tuple[Stage, ...]:
     """Every stage of the candidate's pipeline, in the model's order (one stage holding everything with pp 1)."""
-    n_stages = config.pp_stages
-    counts = blocks_per_stage(model.n_layers, n_stages)
+    return _stages(model.n_layers, config.pp_stages, config.pp, config.pp_schedule)
+
+
+@lru_cache(maxsize=1024)
+def _stages(n_layers: int, n_stages: int, pp: int, schedule: Schedule) -> tuple[Stage, ...]:
+    """stages() by what it reads, cached: a pipeline candidate's memory asks each rank's (the search, thousands)."""
+    counts = blocks_per_stage(n_layers, n_stages)
     out, first = [], 0
     for s, n in enumerate(counts):
-        out.append(Stage(s, stage_rank(s, config.pp, config.pp_schedule), first, n, s == 0, s == n_stages - 1))
+        out.append(Stage(s, stage_rank(s, pp, schedule), first, n, s == 0, s == n_stages - 1))
         first += n
     return tuple(out)
 

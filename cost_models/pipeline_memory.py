@@ -193,7 +193,7 @@ def rank_memory(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, d:
         block j (j blocks above done) its backward and its post-backward (the block's whole compute-dtype
         gradient); the base state is the same for every block of one backward, so the largest sum decides."""
         out = {}
-        for case in ("first", "later", "in place"):
+        for case in ("first", "in place" if r == c else "later"):  # the later backwards' case by the dtypes
             options = []
             for j, (largest, in_place, post) in enumerate(x.blocks):
                 acts, grads = in_place if case == "in place" else largest
@@ -256,7 +256,8 @@ def rank_memory(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, d:
         if kind == "F":
             gather((stage,))
             fly(stage, 1)
-            most[stage] = max(most[stage], in_flight[stage])
+            if in_flight[stage] > most[stage]:
+                most[stage] = in_flight[stage]
             logits_kept += x.logits
             held[1] += x.logits
             continue
