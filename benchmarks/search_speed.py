@@ -11,6 +11,16 @@ dependencies were precomputed per shape (pipeline_time._walk_plan: 6.2 -> 1.1 ms
 unrecorded walk cached on its stage seconds, and each configuration's evaluation and a pipeline's memory priced
 once per search across Float8 and async TP (planner/search/memo.py: 248 -> 182 pipeline memory estimates). What
 is left is that memory: each rank's replay (cost_models/pipeline_memory.rank_memory, ~85% of the line).
+
+Issue 27 item 6, at c6d1449 (results byte-identical: every fitting candidate and miss of the three searches dumped to
+JSON and compared): the replay keeps what the state holds as running sums instead of summing the rank's stages at
+each of its ~400 moments, skips a pass that runs again on the same state (1F1B's steady state), and caches the stage
+layout and the active stages per schedule shape; the 297 pipeline estimates of the three searches 4.04 -> 1.32 s.
+CPU best of 5 (time.process_time around search(), 2 cores shared with other jobs, load 3-4), before / after: gpt-175b
+1.91 / 1.09 s, llama3.1-405b over the TP meshes 4.36 / 2.77 s, the pipelines line 1.62 / 1.14 s. This script's own
+figures in the same hour (wall, best of 5 / 3 / 3): 2,790 / 4,653 / 1,758 ms before, 1,457 / 3,556 / 1,645 ms after.
+Still above 1 s: of the TP line (2.8 s) the data-parallel candidates' memory ledger (3,091 calls, ~0.7 s) and step
+time (~0.9 s) take as much as the 116 pipeline candidates' memory (~0.9 s; stage_pieces and the per-action replay).
 """
 
 from __future__ import annotations

@@ -95,7 +95,7 @@ def rank_memory(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, d:
     fixed = sharded_params + optimizer_state
     # what the state holds, by category, kept up to date by each change below rather than summed again at each moment
     # (a rank's replay prices ~400 moments): activations, logits and loss, the reduced stages' gradient shards,
-    # gradients (unsharded or waiting), gathered parameters
+    # gradients (unsharded or waiting), gathered parameters; integers, so the same bytes as the sums at each moment
     held = [buffers, 0, 0, 0, 0]
     # V-shape: a stage's output is the next stage's input (set_local_fwd_input), no copy
     chained = {s: x.output for s, x in pieces.items() if s + 1 in pieces}
@@ -143,8 +143,9 @@ def rank_memory(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, d:
         total = (fixed + sharded + sharded_extra + gathered_c + params_extra + acc + grads_extra + acts + acts_extra
                  + loss + logits_extra + buffers_extra)
         if total > best[0]:
-            best[:] = [total, what, (sharded_params, optimizer_state, sharded + sharded_extra, gathered_c + params_extra,
-                                     acc + grads_extra, acts + acts_extra, loss + logits_extra, buffers_extra)]
+            best[:] = [total, what, (sharded_params, optimizer_state, sharded + sharded_extra,
+                                     gathered_c + params_extra, acc + grads_extra, acts + acts_extra,
+                                     loss + logits_extra, buffers_extra)]
         return total
 
     def reduce(stage: int) -> None:
@@ -230,11 +231,11 @@ def rank_memory(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, d:
             moment(("root post-backward", mb, stage), tokens_h - x.saved, grads,
                    -x.loss_saved - x.logits if x.stage.head else 0)
 
-    priced: set = set()
+    priced: set = set()  # (pass, stage, its own state) + held, of the passes priced
 
     def repeats(*key) -> bool:
         """Whether a pass of this kind already ran on this very state: its moments would total the same again, and a
-        moment becomes the peak only above every earlier one (1F1B's steady state repeats each pass m - pp times)."""
+        moment becomes the peak only above every earlier one (1F1B's steady state repeats its passes)."""
         key += tuple(held)
         if key in priced:
             return True
