@@ -139,6 +139,8 @@ def _with_attention(request, setup: UserSetup) -> tuple:
 
     stated = setup.config.attention.value if setup.attention_from in ("code", "comment") else None
     spec, cluster, training = resolve_request(request, stated)
+    if setup.source == "flags":  # no file, no --attention: what the planner runs (gpt-oss: flex, never SDPA)
+        return spec, cluster, training, {"attention": spec.attention_choices[0]}
     if stated is not None:
         model_attention(spec, stated)  # one line where the model does not run it (gpt-oss: no SDPA)
     if setup.attention_from != "unstated":

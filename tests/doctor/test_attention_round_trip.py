@@ -161,3 +161,18 @@ def test_a_gpt_oss_file_without_the_attention_is_priced_as_eager_and_says_so(tmp
     said = [f for f in r.findings if f.code.startswith("attention-")]
     assert [f.code for f in said] == ["attention-not-set"]
     assert 'set_attn_implementation("flex_attention")' in said[0].fix
+
+
+def test_check_from_flags_prices_the_attention_the_planner_runs():
+    """No file, no --attention: gpt-oss is priced with flex (it has no SDPA), as its estimate is (memory bytes equal);
+    a llama keeps sdpa."""
+    from planner.doctor.readers import UserSetup
+
+    flags = UserSetup(config=FsdpConfig(sharding="FULL_SHARD", precision="bf16"), source="flags")
+    r = check(flags, "gpt-oss-20b", 8, gpu="h100-80gb", seq_len=4096)
+    assert r.candidate.config.attention.value == "flex"
+    priced = estimate("gpt-oss-20b", 8, gpu="h100-80gb", seq_len=4096, micro_batch=1, sharding="FULL_SHARD",
+                      precision="bf16", activation_checkpointing="none")
+    assert priced.config.attention.value == "flex"
+    assert r.candidate.memory.peak_allocated_bytes == priced.memory.peak_allocated_bytes
+    assert check(flags, "llama3-8b", 8, gpu="h100-80gb").candidate.config.attention.value == "sdpa"
