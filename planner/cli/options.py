@@ -4,6 +4,7 @@ exactly estimate's flags."""
 
 from __future__ import annotations
 
+import inspect
 from enum import Enum
 from typing import Annotated, Callable, Optional
 
@@ -61,14 +62,16 @@ def require_model_and_gpus(knobs: dict) -> None:
 ConfigRunner = Callable[[dict, Format], None]
 
 
-def config_command(app, name: str, help_text: str, run: ConfigRunner, takes_profile: bool = False) -> None:
+def config_command(app, name: str, help_text: str, run: ConfigRunner, takes_profile: bool = False,
+                   own: tuple[inspect.Parameter, ...] = ()) -> None:
     """Register a command that takes exactly `fsdp-plan estimate`'s flags (model, cluster, training and one
-    explicit configuration). `run(knobs, output_format)`: knobs are planner.api.estimate's keywords; with
-    takes_profile they also hold `profile` (the --profile file's Profile, or None)."""
+    explicit configuration), plus `own` options of the command. `run(knobs, output_format)`: knobs are
+    planner.api.estimate's keywords and the own options' values; with takes_profile they also hold `profile` (the
+    --profile file's Profile, or None)."""
     params = [*options(*CLUSTER, *TRAINING, "attention", *CONFIG, *MESH, "async_tp", "sequence_parallel",
                        "routing_imbalance", "routing", async_tp=As(default=False)),
               param("output_format", FormatOpt, Format.table), param("profile", ProfileOpt, None),
-              param("force_profile", ForceProfile, False), *options("trainer", "trust_remote_code")]
+              param("force_profile", ForceProfile, False), *options("trainer", "trust_remote_code"), *own]
 
     def body(output_format: Format, profile: str | None, force_profile: bool, **knobs):
         from planner.request import build_request
@@ -77,10 +80,11 @@ def config_command(app, name: str, help_text: str, run: ConfigRunner, takes_prof
             from planner.errors import PlannerError
 
             raise PlannerError("profile", f"`fsdp-plan {name}` does not use a profile")
+        values = {p.name: knobs.pop(p.name) for p in own}
         require_model_and_gpus(knobs)
         build_request(**knobs)  # bad degrees before the profile file is read
         if takes_profile:
             knobs["profile"] = load_profile_flag(profile, knobs["gpu"], force_profile)
-        run(knobs, output_format)
+        run({**knobs, **values}, output_format)
 
     app.command(name)(command(params, body, help_text))

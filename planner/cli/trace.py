@@ -9,7 +9,14 @@ from __future__ import annotations
 
 import typer
 
-from planner.cli.options import Format, config_command
+from typing import Annotated
+
+from planner.cli.options import Format, config_command, param
+
+# PyTorch's caching-allocator settings (PYTORCH_CUDA_ALLOC_CONF's syntax) the trace's reserved replay runs under
+AllocConf = Annotated[str, typer.Option("--alloc-conf", help="PYTORCH_CUDA_ALLOC_CONF the run will set, e.g. "
+                                        "expandable_segments:True or max_split_size_mb:512: the reserved peak is "
+                                        "replayed under it (cost_models/caching_allocator.py)")]
 
 
 def _trace(knobs: dict, output_format: Format) -> None:
@@ -24,4 +31,4 @@ def _trace(knobs: dict, output_format: Format) -> None:
 def register(app) -> None:
     """Add the trace command to the typer app."""
     config_command(app, "trace", "Run the real FSDP2 training step on fake tensors (no GPU, no memory) and compare "
-                   "its per-rank memory with the estimate.", _trace)
+                   "its per-rank memory with the estimate.", _trace, own=(param("alloc_conf", AllocConf, ""),))

@@ -184,6 +184,29 @@ def test_reserved_from_the_allocator_replay_of_the_traced_step():
         TraceReport(r.candidate, r.traced, r.profile, alloc_conf="expandable:True")
 
 
+def test_the_cli_replays_under_alloc_conf(tmp_path, capsys):
+    """`fsdp-plan trace --alloc-conf`: the same 104 MiB of expandable segments as the API (above); a key torch does
+    not know is one line naming the field, exit 2."""
+    import json
+
+    from cost_models.units import MiB
+    from planner.cli import main
+
+    arch, gpus, kwargs = GOLDEN[0]
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(TINY[arch]))
+    flags = ["trace", "--model", str(path), "--gpus", str(gpus), "--sharding", kwargs["sharding"], "--precision",
+             kwargs["precision"], "--micro-batch", str(kwargs["micro_batch"]), "--seq-len", str(kwargs["seq_len"])]
+    main([*flags, "--alloc-conf", "expandable_segments:True", "--format", "json"])
+    memory = json.loads(capsys.readouterr().out)["memory"]
+    assert memory["peak_reserved_bytes"] == 104 * MiB + int(0.75 * 2**30)  # + the default CUDA context
+    with pytest.raises(SystemExit) as exit_:
+        main([*flags, "--alloc-conf", "expandable:True"])
+    err = capsys.readouterr().err.strip()
+    assert exit_.value.code == 2 and err.startswith("error: alloc_conf: PYTORCH_CUDA_ALLOC_CONF key 'expandable'")
+    assert len(err.splitlines()) == 1
+
+
 def test_unsupported_and_untraceable_are_errors_not_crashes(monkeypatch):
     with pytest.raises(TraceUnsupported, match="CPU offload"):
         trace_memory(tiny_llama_spec(), FsdpConfig(offload=True), n_gpus=2, gpus_per_node=2, seq_len=8)
