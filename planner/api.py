@@ -24,7 +24,8 @@ from .request import Request, api_signature, build_request, knob_names
 from .search import SearchSpace, search, suggestions
 from .request.resolve import (RESOLVE_KNOBS, fused_attention_kernel, model_attention, resolve_inputs,
                               resolve_request)
-from .trainers import DEFAULT_TRAINER, kernel_sets, narrow_space, refusal, trainer_named, with_trainer_defaults
+from .trainers import (DEFAULT_TRAINER, TRAINERS, kernel_sets, narrow_space, refusal, trainer_named,
+                       with_trainer_defaults)
 from planner.search.pipeline import PP_MICROBATCHES_PER_STAGE
 from planner.trainers.table import LIGER_KNOBS
 
@@ -208,6 +209,8 @@ def plan_request(request: Request, profile: Profile | None = None, space: Search
     attention = space.attention.value if space else request.config.attention
     spec, cluster, training = resolve_request(request, attention)
     request = fused_attention_kernel(request, pinned_attention_kernel, model_attention(spec, attention), cluster.gpu)
+    if pinned_attention_kernel is not None:
+        _check_pinned_attention_kernel(trainer, request.config.attention_kernel, cluster)
     if space is None:
         precisions, reduce_dtypes = search_request.precisions, search_request.reduce_dtypes
         space = SearchSpace(
@@ -224,6 +227,19 @@ def plan_request(request: Request, profile: Profile | None = None, space: Search
     elif request.trainer is not None:
         space = narrow_space(space, trainer)
     return plan_for(spec, cluster, training, profile, space, trainer.id)
+
+
+def _check_pinned_attention_kernel(trainer, kernel: str, cluster: ClusterSpec) -> None:
+    """A pinned attention kernel the trainer cannot express or the GPU does not have is one line (PlannerError), as
+    estimate says it, not an empty plan."""
+    runs = trainer.kernel_choices("attention_kernel")
+    if kernel not in runs:
+        able = ", ".join(t.id for t in TRAINERS.values() if kernel in t.kernel_choices("attention_kernel"))
+        raise PlannerError("attention_kernel", f"{trainer.title} runs {' or '.join(runs)}, not {kernel}; choose a "
+                                               f"--trainer that has it: {able}")
+    refused = [r for r in refusals(cluster, FsdpConfig(attention_kernel=kernel)) if r.field == "attention_kernel"]
+    if refused:
+        raise PlannerError("attention_kernel", f"{refused[0].reason}; {refused[0].fix}")
 
 
 def _check_pinned_mesh(spec: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, space: SearchSpace) -> None:

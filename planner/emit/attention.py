@@ -16,21 +16,30 @@ from planner.errors import PlannerError
 
 # FsdpConfig.attention -> transformers' attn_implementation (modeling_utils.py: "sdpa", "eager", "flex_attention")
 HF_NAMES = {"sdpa": "sdpa", "eager": "eager", "flex": "flex_attention"}
+# the fused attention on flash-attention 3's Hopper kernels (attention_kernel fa3): transformers runs them as its
+# own implementation (modeling_utils.py ALL_ATTENTION_FUNCTIONS "flash_attention_3", the flash_attn_3 package)
+FA3_NAME = "flash_attention_3"
 CONSTANT = "ATTN_IMPLEMENTATION"
 KWARGS = "model_init_kwargs"  # TRL's SFTConfig / GRPOConfig name for from_pretrained's keyword arguments
 YAML_KEY = "attn_implementation:"  # the accelerate YAML's comment line (accelerate has no attention key)
 
 
 def hf_name(config) -> str:
+    if config.attention.value == "sdpa" and config.attention_kernel.value == "fa3":
+        return FA3_NAME
     return HF_NAMES[config.attention.value]
 
 
-def from_hf_name(name, key: str) -> str:
-    """The planner's attention of a transformers attn_implementation; PlannerError naming `key` otherwise."""
+def from_hf_name(name, key: str) -> dict:
+    """The FsdpConfig fields of a transformers attn_implementation (attention, and flash-attention 3's kernel);
+    PlannerError naming `key` otherwise."""
+    if name == FA3_NAME:
+        return {"attention": "sdpa", "attention_kernel": "fa3"}
     planned = {hf: ours for ours, hf in HF_NAMES.items()}.get(name)
     if planned is None:
-        raise PlannerError(key, f"{name!r} is not priced by fsdp-plan; choose one of: {', '.join(HF_NAMES.values())}")
-    return planned
+        raise PlannerError(key, f"{name!r} is not priced by fsdp-plan; choose one of: "
+                                f"{', '.join((*HF_NAMES.values(), FA3_NAME))}")
+    return {"attention": planned}
 
 
 def transformers_default(choices: tuple[str, ...]) -> str:
@@ -73,8 +82,8 @@ def yaml_comment(config) -> str:
             f"with from_pretrained(..., attn_implementation=\"{name}\"))")
 
 
-def read_yaml_comment(text: str) -> str | None:
-    """The planner's attention from yaml_comment's line, None where the file has none."""
+def read_yaml_comment(text: str) -> dict | None:
+    """The FsdpConfig fields (from_hf_name) of yaml_comment's line, None where the file has none."""
     for line in text.splitlines():
         body = line.strip().removeprefix("#").strip()
         if line.lstrip().startswith("#") and body.startswith(YAML_KEY):

@@ -96,6 +96,10 @@ def _defaults(**values) -> MappingProxyType:
 # transformers' models patched by Liger Kernel 0.8.5 (liger_kernel.transformers.apply_liger_kernel_to_<family>:
 # RMSNorm, RoPE, SwiGLU, fused linear cross-entropy), as HF Trainer's use_liger_kernel applies them
 LIGER = MappingProxyType({k: ("eager", "liger") for k in LIGER_KNOBS})
+# transformers' own models run flash-attention 3 when asked (attn_implementation "flash_attention_3", which every
+# dialect on them writes: planner/emit/attention.py); pinned only, never searched (the first, flash2, is priced)
+HF_ATTENTION = MappingProxyType({"attention_kernel": ("flash2", "fa3")})
+HF_KERNELS = MappingProxyType({**LIGER, **HF_ATTENTION})
 
 
 TRAINERS: dict[str, Trainer] = {t.id: t for t in (
@@ -103,7 +107,7 @@ TRAINERS: dict[str, Trainer] = {t.id: t for t in (
         id="fsdp2", title="the planner's FSDP2 code",
         source="planner/emit/code/fsdp.py, mesh.py, pipeline.py (the code calibration/apply.py runs)",
         artifacts=("fsdp2", *LAUNCHERS), mesh_dims=MESH_DIMS, reshard_int=True, float8=True, fp8_all_gather=True,
-        async_tp=True, kernels=LIGER,
+        async_tp=True, kernels=HF_KERNELS,
         # planner/emit/code/mesh.py refuse_fsdp2, pipeline.py refuse_pipeline: CP or EP inside pipeline stages and EP
         # beside TP are priced but not written as FSDP2 code
         mesh_exclusions=(("cp", "pp"), ("ep", "pp"), ("ep", "tp")),
@@ -114,7 +118,7 @@ TRAINERS: dict[str, Trainer] = {t.id: t for t in (
         id="fsdp1", title="the planner's FSDP1 code",
         source="planner/emit/code/fsdp.py emit_fsdp1",
         artifacts=("fsdp1", *LAUNCHERS), fsdp_version=1, sequence_parallel=(True,), fsdp1_knobs=True, float8=True,
-        kernels=LIGER,
+        kernels=HF_KERNELS,
         defaults=_defaults(optimizer_impl="foreach")),
     Trainer(
         # transformers 5 Trainer on accelerate's FSDP2 plugin: fsdp_config keys (training_args.py), accelerate's
@@ -126,13 +130,13 @@ TRAINERS: dict[str, Trainer] = {t.id: t for t in (
         id="hf", title="HF Trainer FSDP2",
         source="transformers 5 training_args.py (fsdp_config, optim, use_liger_kernel), accelerate 1.x",
         artifacts=("hf-trainer", *LAUNCHERS), mesh_dims=("tp", "cp"), sequence_parallel=(False,),
-        shardings=HF_FSDP2_SHARDINGS, checkpointing=("none", "full"), compile_scopes=("blocks",), kernels=LIGER,
+        shardings=HF_FSDP2_SHARDINGS, checkpointing=("none", "full"), compile_scopes=("blocks",), kernels=HF_KERNELS,
         defaults=_defaults(optimizer_impl="fused")),
     Trainer(
         id="hf-fsdp1", title="HF Trainer FSDP1",
         source="transformers 5 training_args.py (fsdp_config version 1, optim, use_liger_kernel)",
         artifacts=("hf-trainer-fsdp1", *LAUNCHERS), fsdp_version=1, sequence_parallel=(True,),
-        checkpointing=("none", "full"), fsdp1_knobs=True, compile_scopes=("blocks",), kernels=LIGER,
+        checkpointing=("none", "full"), fsdp1_knobs=True, compile_scopes=("blocks",), kernels=HF_KERNELS,
         defaults=_defaults(optimizer_impl="fused")),
     Trainer(
         # accelerate 1.x launched on one's own training loop: the config file holds the FSDP plugin, the mesh
@@ -142,13 +146,13 @@ TRAINERS: dict[str, Trainer] = {t.id: t for t in (
         source="accelerate 1.x utils/dataclasses.py (FullyShardedDataParallelPlugin, ParallelismConfig, fp8)",
         artifacts=("accelerate-fsdp2", *LAUNCHERS), mesh_dims=("tp", "cp"), sequence_parallel=(False,),
         shardings=HF_FSDP2_SHARDINGS, checkpointing=("none", "full"), compile_scopes=("blocks",), float8=True,
-        fp8_all_gather=True, defaults=_defaults(optimizer_impl="foreach")),
+        fp8_all_gather=True, kernels=HF_ATTENTION, defaults=_defaults(optimizer_impl="foreach")),
     Trainer(
         id="accelerate", title="accelerate FSDP1 (your training loop)",
         source="accelerate 1.x FSDP1 plugin (fsdp_sharding_strategy, fsdp_backward_prefetch, ...)",
         artifacts=("accelerate", *LAUNCHERS), fsdp_version=1, sequence_parallel=(True,),
         checkpointing=("none", "full"), fsdp1_knobs=True, compile_scopes=("blocks",), float8=True,
-        defaults=_defaults(optimizer_impl="foreach")),
+        kernels=HF_ATTENTION, defaults=_defaults(optimizer_impl="foreach")),
     Trainer(
         # Lightning 2.x FSDPStrategy wraps FSDP1: activation_checkpointing_policy={Block} checkpoints every block,
         # compile in configure_model (a note the emitter writes; Float8 would be torchao code of one's own there,
@@ -156,7 +160,8 @@ TRAINERS: dict[str, Trainer] = {t.id: t for t in (
         id="lightning", title="Lightning FSDPStrategy (FSDP1)",
         source="lightning/pytorch/strategies/fsdp.py FSDPStrategy",
         artifacts=("lightning", *LAUNCHERS), fsdp_version=1, sequence_parallel=(True,), checkpointing=("none", "full"),
-        fsdp1_knobs=True, compile_scopes=("blocks",), defaults=_defaults(optimizer_impl="foreach")),
+        fsdp1_knobs=True, compile_scopes=("blocks",), kernels=HF_ATTENTION,
+        defaults=_defaults(optimizer_impl="foreach")),
     Trainer(
         # torchtitan 0.3.0 (installed): parallelism.fsdp_reshard_after_forward default | always | never (no int);
         # activation-checkpoint:none | full | selective (per op; no every-K-th block); compile.components

@@ -92,3 +92,18 @@ def test_the_planned_attention_reads_back(tmp_path, hf_snippet, load_accelerate,
     assert r.setup.attention_from == ("comment" if artifact.startswith("accelerate") else "code")
     said = [f.code for f in r.findings if f.code.startswith("attention-")]
     assert said == (["attention-only-in-a-comment"] if artifact.startswith("accelerate") else [])
+
+
+@pytest.mark.parametrize("trainer, artifact", [("hf", "hf-trainer"), ("fsdp2", "fsdp2")])
+def test_flash_attention_3_pinned_reads_back(tmp_path, hf_snippet, load_accelerate, trainer, artifact):
+    """--attention-kernel fa3 (Hopper) on transformers' models: the file asks transformers for "flash_attention_3"
+    and reads back as sdpa attention on the fa3 kernel, priced the same (a 1.73x attention speed over flash2,
+    cost_models/attention_kernels.py: the plan's step is faster than the default's)."""
+    best = plan(MODEL, gpus=GPUS, gpu=GPU, seq_len=SEQ, trainer=trainer, attention_kernel="fa3").best
+    assert (best.config.attention.value, best.config.attention_kernel.value) == ("sdpa", "fa3")
+    text = emit_artifact(artifact, best)
+    assert '"flash_attention_3"' in text
+    assert_read_back(best, trainer, artifact, GPU, tmp_path, hf_snippet, load_accelerate)
+    default = picked(trainer)
+    assert default.config.attention_kernel.value == "flash2"
+    assert best.time.attention_s < default.time.attention_s * best.config.micro_batch / default.config.micro_batch

@@ -85,11 +85,25 @@ def test_flex_and_eager_run_their_own_kernel():
      "error: attention_kernel: cudnn is a fused SDPA kernel and eager attention runs its own: give --attention "
      "sdpa, or leave --attention-kernel out\n"),
     (["--gpu", "h100-80gb", "--attention-kernel", "cudnn"],
-     "error: attention_kernel: the planner's FSDP2 code runs flash2, not cudnn; choose a --trainer that has it: "
-     "automodel\n"),
+     "error: attention_kernel: the planner's FSDP2 code runs flash2 or fa3, not cudnn; choose a --trainer that has "
+     "it: automodel\n"),
+    (["--gpu", "h100-80gb", "--attention-kernel", "fa3", "--trainer", "torchtitan"],
+     "error: attention_kernel: torchtitan 0.3 runs flash2, not fa3; choose a --trainer that has it: fsdp2, fsdp1, "
+     "hf, hf-fsdp1, accelerate-fsdp2, accelerate, lightning\n"),
     (["--gpu", "h100-80gb", "--attention-kernel", "flash3"],
      "error: attention_kernel: unknown value 'flash3'; choose one of: flash2, cudnn, fa3\n"),
 ])
 def test_a_kernel_that_cannot_run_is_one_line(flags, line, capsys):
     code, out, err = invoke(["estimate", "--model", "llama3-8b", "--gpus", "8", *flags], capsys)
     assert (code, out, err) == (2, "", line)
+
+
+@pytest.mark.parametrize("flags, field_and_start", [
+    (["--gpu", "a100-80gb", "--attention-kernel", "fa3"], "attention_kernel: fa3 attention is priced on Hopper"),
+    (["--gpu", "h100-80gb", "--attention-kernel", "fa3", "--emit", "torchtitan"],
+     "attention_kernel: torchtitan 0.3 runs flash2, not fa3"),
+])
+def test_the_plan_refuses_a_pinned_kernel_in_one_line_too(flags, field_and_start, capsys):
+    """As estimate: not an empty plan whose reasons name something else."""
+    code, out, err = invoke(["--model", "llama3-8b", "--gpus", "8", *flags], capsys)
+    assert (code, out) == (2, "") and err.startswith(f"error: {field_and_start}") and len(err.splitlines()) == 1

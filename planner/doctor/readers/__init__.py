@@ -156,7 +156,7 @@ def from_accelerate(data: dict, source: str = "accelerate config", text: str = "
     )
     commented = attention.read_yaml_comment(text)
     if commented is not None:
-        config = replace(config, attention=commented)
+        config = replace(config, **commented)
     wrap = {"TRANSFORMER_BASED_WRAP": "block", "SIZE_BASED_WRAP": "size", "NO_WRAP": "none"}.get(
         str(fsdp.get("fsdp_auto_wrap_policy", "NO_WRAP")).upper(), "custom")
     keys = {k.removeprefix("fsdp_") for k in fsdp}

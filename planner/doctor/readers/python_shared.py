@@ -233,7 +233,7 @@ def attention(s: Snippet) -> tuple[dict, str]:
             node = call.kwargs["attn_implementation"]
     if node is None:
         return {}, "unstated"
-    return {"attention": attn.from_hf_name(s.value(node, "attn_implementation"), "attn_implementation")}, "code"
+    return attn.from_hf_name(s.value(node, "attn_implementation"), "attn_implementation"), "code"
 
 
 def optimizer(snippet: Snippet, offload: bool) -> tuple:

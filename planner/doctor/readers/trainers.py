@@ -140,7 +140,7 @@ def _hf_attention(data: dict) -> tuple[dict, str]:
     for key, value in ((f"{attn.KWARGS}.attn_implementation", kwargs.get("attn_implementation")),
                        ("attn_implementation", data.get("attn_implementation"))):
         if value is not None:
-            return {"attention": attn.from_hf_name(value, key)}, "code"
+            return attn.from_hf_name(value, key), "code"
     return {}, "unstated"
 
 
