@@ -24,7 +24,7 @@ from .request import Request, api_signature, build_request, knob_names
 from .search import SearchSpace, search, suggestions
 from .request.resolve import (RESOLVE_KNOBS, fused_attention_kernel, model_attention, resolve_inputs,
                               resolve_request)
-from .trainers import (DEFAULT_TRAINER, TRAINERS, kernel_sets, narrow_space, refusal, trainer_named,
+from .trainers import (DEFAULT_TRAINER, kernel_sets, narrow_space, refusal, trainer_kernel_refusal, trainer_named,
                        with_trainer_defaults)
 from planner.search.pipeline import PP_MICROBATCHES_PER_STAGE
 from planner.trainers.table import LIGER_KNOBS
@@ -232,11 +232,9 @@ def plan_request(request: Request, profile: Profile | None = None, space: Search
 def _check_pinned_attention_kernel(trainer, kernel: str, cluster: ClusterSpec) -> None:
     """A pinned attention kernel the trainer cannot express or the GPU does not have is one line (PlannerError), as
     estimate says it, not an empty plan."""
-    runs = trainer.kernel_choices("attention_kernel")
-    if kernel not in runs:
-        able = ", ".join(t.id for t in TRAINERS.values() if kernel in t.kernel_choices("attention_kernel"))
-        raise PlannerError("attention_kernel", f"{trainer.title} runs {' or '.join(runs)}, not {kernel}; choose a "
-                                               f"--trainer that has it: {able}")
+    error = trainer_kernel_refusal(trainer, "attention_kernel", kernel)
+    if error is not None:
+        raise error
     refused = [r for r in refusals(cluster, FsdpConfig(attention_kernel=kernel)) if r.field == "attention_kernel"]
     if refused:
         raise PlannerError("attention_kernel", f"{refused[0].reason}; {refused[0].fix}")

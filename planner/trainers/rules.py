@@ -106,6 +106,15 @@ def kernel_sets(request, trainer: Trainer, pinned: bool, family: str) -> tuple[t
     return tuple(dict.fromkeys(sets))
 
 
+def trainer_kernel_refusal(trainer: Trainer, knob: str, value: str | None) -> PlannerError | None:
+    """One line where the trainer cannot run `value` for kernel knob `knob` (KERNEL_DEFAULTS' names); None else."""
+    if value is None or value in trainer.kernel_choices(knob):
+        return None
+    able = [t.id for t in TRAINERS.values() if value in t.kernel_choices(knob)]
+    return PlannerError(knob, f"{trainer.title} runs {' or '.join(trainer.kernel_choices(knob))}, not {value}"
+                              + (f"; choose a --trainer that has it: {', '.join(able)}" if able else ""))
+
+
 def narrow_space(space, trainer: Trainer):
     """The search space without what the trainer cannot run; a pinned mesh degree it has no axis for is one
     line."""
@@ -191,11 +200,9 @@ def refusal(trainer: Trainer, config: FsdpConfig, training: TrainingSpec, family
                                                         f"; choose one of: {', '.join(trainer.checkpointing)}")
     for knob in KERNEL_DEFAULTS:
         holder = training if knob == "routing" else config
-        value = getattr(getattr(holder, knob, None), "value", None)
-        if value is not None and value not in trainer.kernel_choices(knob):
-            able = [t.id for t in TRAINERS.values() if value in t.kernel_choices(knob)]
-            return PlannerError(knob, f"{name} runs {' or '.join(trainer.kernel_choices(knob))}, not {value}"
-                                      + (f"; choose a --trainer that has it: {', '.join(able)}" if able else ""))
+        error = trainer_kernel_refusal(trainer, knob, getattr(getattr(holder, knob, None), "value", None))
+        if error is not None:
+            return error
     for field_name, refuses, why in _SWITCHES:
         if refuses(trainer, config, training):
             able = [t.id for t in TRAINERS.values() if not refuses(t, config, training)]
