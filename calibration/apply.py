@@ -299,6 +299,14 @@ def disable_kv_cache(model: nn.Module) -> None:
         config.use_cache = False
 
 
+def set_attention(model: nn.Module, attn_implementation: str) -> None:
+    """Run the attention a plan priced on a Hugging Face model (transformers' name: "sdpa", "eager",
+    "flex_attention", "flash_attention_3"), whatever its loader picked; another nn.Module is left alone. As the
+    emitted snippets do (planner/emit/attention.py says why: gpt-oss loaded without it runs eager)."""
+    if hasattr(model, "set_attn_implementation"):
+        model.set_attn_implementation(attn_implementation)
+
+
 def cast_for_precision(model: nn.Module, config: FsdpConfig) -> nn.Module:
     """bf16-pure stores everything in bf16: cast the model before wrapping. Other precisions: unchanged."""
     if config.precision is Precision.BF16_PURE:

@@ -62,7 +62,7 @@ class Candidate:
 
     def fsdp1_options(self) -> dict:
         return fsdp_options.fsdp1_options(self.config, self.model.block_class, self.cluster.gpus_per_node,
-                                          lora=self.training.finetune is Finetune.LORA)
+                                          lora=self.training.finetune.adapters)
 
     def fully_shard_options(self) -> dict:
         opts = fsdp_options.fully_shard_options(self.config)
@@ -79,27 +79,37 @@ class Candidate:
         """Keyword arguments for FullyShardedDataParallel(module, **kwargs): real torch objects.
 
         The wrap policy uses the block class detected in `module` when given, else the class named by the
-        model spec (looked up among the module's submodules). Also turns a Hugging Face module's KV cache off
-        for training (calibration.apply.disable_kv_cache says why).
+        model spec (looked up among the module's submodules). Also sets a Hugging Face module's attention to the
+        one priced and turns its KV cache off for training (calibration.apply's set_attention, disable_kv_cache).
         """
         from calibration.apply import disable_kv_cache, fsdp1_kwargs
 
         classes = _block_classes(self.model, module)
+        self._prepare_hf(module)
         disable_kv_cache(module)
         return fsdp1_kwargs(self.config, classes,
                             gpus_per_node=self.cluster.gpus_per_node, device_id=device_id,
-                            trainable_mixed=self.training.finetune is Finetune.LORA)
+                            trainable_mixed=self.training.finetune.adapters)
 
     def apply_fully_shard(self, module, mesh=None):
-        """Apply FSDP2 to `module` unit by unit (blocks, then root) as the emitted code does."""
+        """Apply FSDP2 to `module` unit by unit (blocks, then root) as the emitted code does, on the attention
+        priced."""
         from calibration.apply import apply_fsdp2, make_mesh
 
+        self._prepare_hf(module)
         if mesh is None:
             import torch
 
             device_type = "cuda" if torch.cuda.is_available() else "cpu"
             mesh = make_mesh(self.config, self.cluster.n_gpus, self.cluster.gpus_per_node, device_type)
         return apply_fsdp2(module, self.config, _block_classes(self.model, module), mesh)
+
+    def _prepare_hf(self, module) -> None:
+        from calibration.apply import set_attention
+        from planner.emit.attention import hf_name
+
+        if module is not None:
+            set_attention(module, hf_name(self.config))
 
     def to_dict(self) -> dict:
         from planner.reports.table_pipeline import pipeline_dict, rank_memory_dicts

@@ -289,8 +289,13 @@ def test_fsdp1_apply_and_api_kwargs_turn_the_kv_cache_off(gloo_rank):
                           device_id=torch.device("cpu"))
     assert wrapped.config.use_cache is False
     model = _kv_llama()
-    estimate(KV_LLAMA, 1, activation_checkpointing="full").fsdp_kwargs(model)
+    assert model.config._attn_implementation == "sdpa"  # what transformers picks for a llama
+    estimate(KV_LLAMA, 1, activation_checkpointing="full", attention="eager").fsdp_kwargs(model)
     assert model.config.use_cache is False
+    assert model.config._attn_implementation == "eager"  # the attention priced, as the emitted snippets set it
+    model = _kv_llama()
+    estimate(KV_LLAMA, 1, attention="eager").apply_fully_shard(model)
+    assert model.config._attn_implementation == "eager"
     plain = build_reference(SPEC)  # no config: left alone
     apply_mod.disable_kv_cache(plain)
     assert not hasattr(plain, "config")
