@@ -88,6 +88,7 @@ def check(setup: UserSetup, model, gpus: int | None = None, *, gpus_per_node: in
     from planner.api import RESOLVE_KNOBS, estimate_config, grad_accum_for, plan_for
     from planner.trainers import search_space, trainer_named, with_trainer_defaults
     from planner.request import build_request
+    from planner.request.resolve import default_kernel_on
     from planner.errors import PlannerError
 
     if gpus is None:
@@ -109,9 +110,8 @@ def check(setup: UserSetup, model, gpus: int | None = None, *, gpus_per_node: in
     config = replace(setup.config, micro_batch=mb, **staged, **attention,
                      grad_accum=grad_accum or (grad_accum_for(mb, cluster, training, setup.config.model_parallel)
                                                if training.global_batch else setup.config.grad_accum))
-    if setup.dialect == "automodel" and config.attention_kernel.value not in cluster.gpu.attention_kernels():
-        config = replace(config, attention_kernel="flash2")  # its TE attention off Hopper: priced as flash2, as the
-        #                                                      API prices the automodel trainer's default there
+    if setup.dialect == "automodel":  # its TE attention is its default, not a pin: off Hopper, flash2 as the API
+        config = replace(config, attention_kernel=default_kernel_on(config.attention_kernel.value, cluster.gpu))
     setup = replace(setup, config=config)
     profile = profile or DEFAULT_PROFILE
     if all(r.priced for r in refusals(cluster, config)):

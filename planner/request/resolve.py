@@ -54,9 +54,15 @@ def fused_attention_kernel(request: Request, pinned: str | None, attention: str,
     if pinned is not None and value != "flash2" and attention != "sdpa":
         raise PlannerError("attention_kernel", f"{value} is a fused SDPA kernel and {attention} attention runs its "
                                                "own: give --attention sdpa, or leave --attention-kernel out")
-    if pinned is None and value not in gpu.attention_kernels():
-        value = "flash2"
+    if pinned is None:
+        value = default_kernel_on(value, gpu)
     return replace(request, config=replace(request.config, attention_kernel=value))
+
+
+def default_kernel_on(kernel: str, gpu) -> str:
+    """A trainer's default fused attention kernel where the GPU has it, else flash2 (Transformer Engine's cuDNN
+    attention off Hopper): what an unpinned kernel is priced as, by the planner and by check."""
+    return kernel if kernel in gpu.attention_kernels() else "flash2"
 
 
 def model_attention(spec: ModelSpec, attention: str | None) -> str:
