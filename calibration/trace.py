@@ -129,7 +129,7 @@ def _trace(spec, config, training, n_gpus, gpus_per_node, seq_len, hf_config, st
     is_hf = hf_config is not None
     shard = _shard_group(config, n_gpus, gpus_per_node)
     notes = []
-    lora = training.finetune is Finetune.LORA
+    lora = training.finetune.adapters
     with _FakeWorld(n_gpus), _dtensors_under_fake_mode():
         mesh = make_mesh(config, n_gpus, gpus_per_node, "cpu")  # outside FakeTensorMode (pitfalls.md)
         # LoRA: built on meta, where peft can add its adapters (it cannot move fake tensors) and the frozen

@@ -34,7 +34,7 @@ def _check_mesh(spec: ModelSpec, config: FsdpConfig, n_gpus: int) -> None:
 
 
 def _check_supported(config: FsdpConfig, training: TrainingSpec) -> None:
-    if training.finetune is Finetune.LORA:
+    if training.finetune.adapters:
         try:
             import peft  # noqa: F401
         except ImportError:

@@ -28,7 +28,7 @@ def attention_flops_per_token_per_layer(model: ModelSpec, seq_len: int) -> float
 
 
 def _training_flops(params: float, model: ModelSpec, training: TrainingSpec) -> float:
-    if training.finetune is Finetune.LORA:
+    if training.finetune.adapters:
         lora = model.n_layers * model.lora_params_per_block(training.lora_rank)
         matmul = 4 * params + 6 * lora  # frozen weights: forward 2 + input-gradient 2; adapters train (6)
     else:

@@ -28,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from . import (activation_notes, activations, context_parallel, expert_parallel, moe, operators, optimizer_step,
+from . import (activation_notes, activations, context_parallel, expert_parallel, moe, operators, optimizer_step, qlora,
                tensor_parallel)
 from . import kernels
 from .memory_types import MemoryBreakdown, MemoryEstimate, ParamCounts
@@ -86,8 +86,14 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
     opt_per_param = training.optimizer.state_bytes_per_param(precision.param_dtype)
     gpu_states = 0 if config.offload else 1
 
+    # QLoRA (qlora.py): each block's linears packed in 4 bits, sharded and gathered so; their QuantState on
+    # every rank (on the GPU even with offload); the linear in flight dequantized in each block's backward
+    quantized = qlora.quantized_per_block(model) if training.quantized else 0
+    quant_state = qlora.replicated_bytes(model, training.double_quant) if quantized else 0
+    dequantized = qlora.dequantized_bytes(model, c, training.double_quant) if quantized else 0
+
     # --- model states, sharded over d (on the CPU with offload) -------------------------------------
-    sharded_params = _shard(trainable * p + frozen * frozen_p, d)
+    sharded_params = _shard(trainable * p + frozen * frozen_p - L * qlora.saving_bytes(quantized, frozen_p), d)
     sharded_grads = _shard(trainable * p, d)
     optimizer_state = _shard(trainable * opt_per_param, d)
     # what the step allocates on top, by optimizer and implementation (foreach: one state's worth; fused: none)
@@ -96,7 +102,7 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
     accumulated = sharded_grads if config.grad_accum > 1 else 0  # earlier micro-steps' sharded grads
 
     # --- gathered params and collective buffers ------------------------------------------------------
-    block_c, root_c = counts.block() * c, counts.root() * c
+    block_c, root_c = counts.block() * c - qlora.saving_bytes(quantized, c), counts.root() * c
     if config.fp8_all_gather:  # FSDP2 gathers the Float8 linears' weights in FP8: 1 byte each, not c
         block_c -= operators.fp8_all_gather_saving_bytes(model, c, training.seq_len)
     keeps_gathered = config.sharding in (Sharding.SHARD_GRAD_OP, Sharding.HYBRID_SHARD_ZERO2)
@@ -238,7 +244,8 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
     head_grad = min(head_grad, counts.trainable_root) * c
 
     def states(sharded_grad_bytes: int) -> dict:
-        return dict(sharded_params=gpu_states * sharded_params, optimizer_state=gpu_states * optimizer_state,
+        return dict(sharded_params=gpu_states * sharded_params + quant_state,
+                    optimizer_state=gpu_states * optimizer_state,
                     sharded_grads=gpu_states * (accumulated + sharded_grad_bytes))
 
     moments: dict[str, MemoryBreakdown] = {}
@@ -312,7 +319,7 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
             + partial_below(i) + params_adjust,
             collective_buffers=prefetch_below(i) + reduce_scatter_above(i) + buffers_adjust,
             unsharded_grads=head_grad + block_grads,
-            activations=block_acts + shared,
+            activations=block_acts + shared + dequantized,
         )
     if config.expert_shard_dim and d > 1 and model.moe is not None and not keeps_gathered and ep_view is None:
         # FSDP2 copies a dim-1 shard's all-gather out through a temporary as large as the tensor (chunk-cat
@@ -338,7 +345,7 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
     peak_moment = max(moments, key=lambda k: moments[k].total_bytes)
     backward = moments[peak_moment]
     step = MemoryBreakdown(
-        sharded_params=gpu_states * sharded_params,
+        sharded_params=gpu_states * sharded_params + quant_state,
         sharded_grads=gpu_states * sharded_grads,
         optimizer_state=gpu_states * optimizer_state,
         optimizer_temporaries=gpu_states * step_temporaries,

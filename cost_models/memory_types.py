@@ -69,7 +69,7 @@ class ParamCounts:
         unpadded); d = 1: the real counts."""
         block = moe.block_gathered_elements(model, shard_group, dim1)
         delta = model.n_dense_layers * (model.moe.dense_block_params - block) if model.n_dense_layers else 0
-        if training.finetune is Finetune.LORA:
+        if training.finetune.adapters:
             lora = model.lora_params_per_block(training.lora_rank)
             return cls(trainable_block=lora, frozen_block=block, trainable_root=0,
                        frozen_root=model.root_params, frozen_dense_delta=delta)

@@ -128,7 +128,7 @@ def mesh_refusals(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec
         out.append(Refusal(field, "mesh-does-not-divide-gpus",
                            f"tp x cp x pp = {tp} x {cp} x {pp} = {product} does not divide gpus={n}",
                            f"choose degrees whose product divides {n} (divisors: {_list(valid)})", priced=False))
-    if (tp > 1 or cp > 1 or ep > 1 or pp > 1) and training.finetune is Finetune.LORA:
+    if (tp > 1 or cp > 1 or ep > 1 or pp > 1) and training.finetune.adapters:
         out.append(Refusal("finetune", "mesh-with-lora", "LoRA with tensor, context, expert or pipeline parallelism "
                            "is not planned (PEFT adapters on DTensor shards and stages)",
                            "use tp = cp = ep = pp = 1 with LoRA",

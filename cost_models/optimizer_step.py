@@ -52,7 +52,7 @@ def trainable_tensor_elements(model: ModelSpec, training: TrainingSpec, embeddin
     the embedding, one block's matrices (the other blocks repeat them), the head; LoRA: one block's adapters
     (lora_A r x in, lora_B out x r per target). A block's two norms follow its MLP and the final norm precedes the
     head (Llama's order); biases are left out. embedding / head False: a pipeline stage without them."""
-    if training.finetune is Finetune.LORA:
+    if training.finetune.adapters:
         r = training.lora_rank
         return [n for i, o in model.lora_target_shapes for n in (r * i, o * r)]
     h = model.hidden_size

@@ -114,6 +114,25 @@ class AttentionKernel(str, Enum):
 class Finetune(str, Enum):
     FULL = "full"
     LORA = "lora"
+    QLORA = "qlora"  # LoRA on a bitsandbytes 4-bit base (Dettmers et al. 2023; cost_models/qlora.py prices it)
+
+    @property
+    def adapters(self) -> bool:
+        """Only LoRA adapters train (the base is frozen): lora and qlora."""
+        return self is not Finetune.FULL
+
+
+class QuantType(str, Enum):
+    """bitsandbytes' 4-bit data types (BitsAndBytesConfig bnb_4bit_quant_type): NormalFloat4 or plain FP4."""
+
+    NF4 = "nf4"
+    FP4 = "fp4"
+
+
+# bnb_4bit_quant_storage: the dtype the packed 4-bit bytes are stored as. FSDP flattens / all-gathers every
+# parameter of a unit in one dtype, so it must be the compute dtype's (accelerate issue 3983: uint8 under FSDP2
+# trains with loss 0 and a NaN gradient norm); uint8 is bitsandbytes' own default.
+QUANT_STORAGE_DTYPES = ("bf16", "fp16", "fp32", "uint8")
 
 
 class Kernel(str, Enum):

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from .cluster_spec import ClusterSpec, GpuSpec
 from .model_spec import ActivationProfile, ActivationTerms, BackwardMoment, ModelSpec, MoeSpec, TracedOperators
 from .schedules import Schedule
-from .spec_values import MoeDispatch, Routing
+from .spec_values import QUANT_STORAGE_DTYPES, MoeDispatch, QuantType, Routing
 from .spec_values import OptimizerImpl
 from .spec_values import (SELECTIVE_OP, Attention, AttentionKernel, Finetune, Kernel, LossKernel, Optimizer,
                           Precision, Sharding,
@@ -26,7 +26,7 @@ from .spec_values import (SELECTIVE_OP, Attention, AttentionKernel, Finetune, Ke
 __all__ = [  # this module's own names and the re-exported ones (see the docstring)
     "TrainingSpec", "FsdpConfig", "REDUCE_DTYPES",
     "ClusterSpec", "GpuSpec", "OptimizerImpl",
-    "MoeDispatch", "Routing",
+    "MoeDispatch", "Routing", "QuantType", "QUANT_STORAGE_DTYPES",
     "ActivationProfile", "ActivationTerms", "BackwardMoment", "ModelSpec", "MoeSpec", "TracedOperators",
     "SELECTIVE_OP", "Attention", "AttentionKernel", "Finetune", "Kernel", "LossKernel", "Optimizer", "Precision",
     "Sharding", "SpecError",
@@ -45,6 +45,11 @@ class TrainingSpec:
     optimizer_impl: OptimizerImpl = OptimizerImpl.FOREACH
     finetune: Finetune = Finetune.FULL
     lora_rank: int = 16
+    # QLoRA's base (finetune qlora; cost_models/qlora.py): bitsandbytes' 4-bit type, double quantization of the
+    # absmax (on: 0.127 bits a weight, off: 0.5) and bnb_4bit_quant_storage (the compute dtype's under FSDP)
+    quant: QuantType = QuantType.NF4
+    double_quant: bool = True
+    quant_storage: str = "bf16"
     # expert parallelism: the busiest rank's routed rows over the mean (1 = balanced routing, what is priced by
     # default); it scales that rank's grouped-GEMM rows, their saved activations and the all-to-all it waits on
     routing_imbalance: float = 1.0
@@ -68,6 +73,17 @@ class TrainingSpec:
         object.__setattr__(self, "optimizer_impl", OptimizerImpl.FUSED if self.optimizer is Optimizer.ADAMW_8BIT
                            else impl)
         object.__setattr__(self, "finetune", parse_enum(Finetune, self.finetune, "finetune"))
+        object.__setattr__(self, "quant", parse_enum(QuantType, self.quant, "quant"))
+        if self.quant_storage not in QUANT_STORAGE_DTYPES:
+            raise SpecError("quant_storage", f"unknown value {self.quant_storage!r}; choose one of: "
+                                             f"{', '.join(QUANT_STORAGE_DTYPES)}")
+        if not isinstance(self.double_quant, bool):
+            raise SpecError("double_quant", f"must be true or false, got {self.double_quant!r}")
+
+    @property
+    def quantized(self) -> bool:
+        """The frozen base's linears are bitsandbytes 4-bit (QLoRA)."""
+        return self.finetune is Finetune.QLORA
 
     def to_dict(self) -> dict:
         """The training as the outputs name it (the JSON's "training"); keys at their defaults left out where
@@ -76,14 +92,16 @@ class TrainingSpec:
                 **({"global_batch": self.global_batch} if self.global_batch is not None else {}),
                 "optimizer": self.optimizer.value, "optimizer_impl": self.optimizer_impl.value,
                 "finetune": self.finetune.value,
-                **({"lora_rank": self.lora_rank} if self.finetune is Finetune.LORA else {}),
+                **({"lora_rank": self.lora_rank} if self.finetune.adapters else {}),
+                **({"quant": self.quant.value, "double_quant": self.double_quant, "quant_storage": self.quant_storage}
+                   if self.quantized else {}),
                 **({"routing_imbalance": self.routing_imbalance} if self.routing_imbalance != 1 else {}),
                 **({"routing": self.routing.value} if self.routing is not Routing.LEARNED else {})}
 
     @property
     def adapter_rank(self) -> int:
-        """The LoRA rank when fine-tuning with LoRA, else 0 (what the activation formulas take)."""
-        return self.lora_rank if self.finetune is Finetune.LORA else 0
+        """The LoRA rank when fine-tuning with LoRA or QLoRA, else 0 (what the activation formulas take)."""
+        return self.lora_rank if self.finetune.adapters else 0
 
     def grad_accum_for(self, micro_batch: int, data_parallel: int) -> int | None:
         """Micro-steps that reach the global batch (1 without one); None when micro_batch x the data-parallel

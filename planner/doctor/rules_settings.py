@@ -26,7 +26,7 @@ def fp16_scaler(ctx: Context):
 
 
 def lora_without_orig_params(ctx: Context):
-    if ctx.training.finetune is Finetune.LORA and ctx.setup.fsdp_version == 1 and not ctx.setup.use_orig_params:
+    if ctx.training.finetune.adapters and ctx.setup.fsdp_version == 1 and not ctx.setup.use_orig_params:
         yield Finding("lora-without-use-orig-params", ERROR,
                       "LoRA mixes frozen and trainable parameters in the same FSDP1 unit; without "
                       "use_orig_params=True FSDP1 flattens them into one FlatParameter, which must be uniformly "
@@ -38,7 +38,7 @@ def lora_adapters_share_units(ctx: Context):
     """FSDP1 + LoRA wrapped per block only: each block's unit flattens its frozen weights and its adapters
     into one FlatParameter, which needs one dtype and gets one gradient (calibration.apply's
     trainable_mixed and the emitted FSDP1 snippet wrap the adapters apart)."""
-    if not (ctx.training.finetune is Finetune.LORA and ctx.setup.fsdp_version == 1 and ctx.setup.use_orig_params
+    if not (ctx.training.finetune.adapters and ctx.setup.fsdp_version == 1 and ctx.setup.use_orig_params
             and ctx.setup.wrap == "block"):
         return
     frozen_block = ctx.model.block_params * ctx.model.n_layers

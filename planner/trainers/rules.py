@@ -226,7 +226,7 @@ _SWITCHES = (
     ("reshard_after_forward", lambda t, c, _: bool(c.reshard_after_forward) and not t.reshard_int,
      "takes reshard_after_forward as a bool (no rank group)"),
     ("async_tp", lambda t, c, _: c.async_tp and not t.async_tp, "has no async TP"),
-    ("finetune", lambda t, _, tr: tr.finetune is Finetune.LORA and not t.lora, "trains full models only (no LoRA)"),
+    ("finetune", lambda t, _, tr: tr.finetune.adapters and not t.lora, "trains full models only (no LoRA)"),
 )
 
 

@@ -1,0 +1,94 @@
+"""QLoRA's frozen base: bitsandbytes 4-bit linears (Dettmers et al. 2023, "QLoRA: Efficient Finetuning of
+Quantized LLMs", arXiv:2305.14314), as FSDP holds, gathers and runs them. Pure sizing functions (bytes, counts).
+
+What bitsandbytes 0.50 stores for each block linear of n = in x out weights (Params4bit, checked against real
+tensors in tests/distributed/test_torchrun_qlora.py):
+- the packed weights: two 4-bit codes a byte, n / 2 bytes, viewed as bnb_4bit_quant_storage (a (n/2/width, 1)
+  tensor: the FSDP parameter, sharded and all-gathered like any other);
+- its QuantState, an attribute of the module and not a parameter, so FSDP neither shards nor gathers it: every
+  rank holds all of it. absmax, one per block of 64 weights: fp32 (4 B: 0.5 bits a weight), or with double
+  quantization 8-bit (1 B) plus an fp32 absmax per 256 of those blocks and an fp32 offset (0.127 bits a weight:
+  8/64 + 32/(64 x 256), the paper's section 3); the 16-entry fp32 4-bit code table, and with double quantization
+  the 256-entry fp32 8-bit table of the second state.
+Layers left unquantized (transformers' BitsAndBytesConfig skips the embeddings and lm_head; norms and biases
+are no Linear) stay in the compute dtype.
+
+In each linear's forward and backward (bitsandbytes' MatMul4Bit: dequantize_4bit, then a compute-dtype matmul;
+the backward dequantizes again for the input gradient) the whole weight exists dequantized, one linear at a
+time, and with double quantization the fp32 absmax first (n / 64 x 4 B). Only dense blocks whose weights are
+those of ModelSpec.lora_target_shapes (attention) and the MLP: an MoE's stacked experts are no nn.Linear.
+Ignored: per-tensor padding of n / 2 to the storage width (n is even and a multiple of 64 for every preset).
+"""
+
+from __future__ import annotations
+
+from .model_spec import ModelSpec
+
+BLOCKSIZE = 64          # weights per absmax (BitsAndBytesConfig's 4-bit blocksize; bnb Params4bit default)
+NESTED_BLOCKSIZE = 256  # absmax values per fp32 second-level scale under double quantization
+CODE_ENTRIES = 16       # fp32 values of the nf4 / fp4 code table (one per QuantState)
+NESTED_CODE_ENTRIES = 256  # fp32 values of the 8-bit dynamic map of the nested state
+FP32_BYTES = 4
+
+
+def linear_shapes(model: ModelSpec) -> tuple[tuple[int, int], ...]:
+    """(in, out) of every linear of one block that bitsandbytes quantizes: the attention projections
+    (lora_target_shapes: q, k, v, o) and the MLP's (gate, up, down; or fc1, fc2)."""
+    h, f = model.hidden_size, model.ffn_hidden_size
+    mlp = ((h, f), (h, f), (f, h)) if model.gated_mlp else ((h, f), (f, h))
+    return tuple(model.lora_target_shapes) + mlp
+
+
+def quantized_per_block(model: ModelSpec) -> int:
+    """Weights of one block stored in 4 bits."""
+    return sum(i * o for i, o in linear_shapes(model))
+
+
+def unsupported_reason(model: ModelSpec) -> str | None:
+    """Why QLoRA cannot be priced for this model, or None."""
+    if model.moe is not None or model.kv_lora_rank:
+        return "QLoRA is priced for dense blocks (the MoE's stacked experts and MLA's projections are no " \
+               "bitsandbytes Linear4bit)"
+    if not model.lora_target_shapes or quantized_per_block(model) > model.block_params:
+        return "the model spec does not name its block linears (lora_target_shapes)"
+    return None
+
+
+def packed_bytes(n_weights: int) -> int:
+    """Two 4-bit codes a byte."""
+    return n_weights // 2
+
+
+def quant_state_bytes(n_weights: int, double_quant: bool) -> int:
+    """One linear's QuantState: absmax per 64 weights (fp32, or 8-bit with an fp32 scale per 256 blocks and an
+    fp32 offset) and the code tables."""
+    blocks = -(-n_weights // BLOCKSIZE)
+    if not double_quant:
+        return blocks * FP32_BYTES + CODE_ENTRIES * FP32_BYTES
+    nested = -(-blocks // NESTED_BLOCKSIZE)
+    return blocks + (nested + 1 + CODE_ENTRIES + NESTED_CODE_ENTRIES) * FP32_BYTES
+
+
+def replicated_bytes(model: ModelSpec, double_quant: bool) -> int:
+    """Every block linear's QuantState: on every rank, neither sharded nor gathered by FSDP."""
+    return model.n_layers * sum(quant_state_bytes(i * o, double_quant) for i, o in linear_shapes(model))
+
+
+def saving_bytes(n_quantized: int, dense_bytes: int) -> int:
+    """Bytes saved by storing n_quantized weights packed rather than at dense_bytes each."""
+    return n_quantized * dense_bytes - packed_bytes(n_quantized)
+
+
+def dequantized_bytes(model: ModelSpec, compute_bytes: int, double_quant: bool) -> int:
+    """The largest linear in flight dequantized: its weight in the compute dtype, and with double quantization
+    its fp32 absmax dequantized first (bitsandbytes' gemm_4bit default / dequantize_4bit)."""
+    n = max(i * o for i, o in linear_shapes(model))
+    return n * compute_bytes + (-(-n // BLOCKSIZE) * FP32_BYTES if double_quant else 0)
+
+
+def dequantize_bytes_moved_per_block(model: ModelSpec, compute_bytes: int, double_quant: bool) -> int:
+    """HBM traffic of dequantizing one block's linears once: read the packed weights and absmax, write the
+    weights in the compute dtype (memory-bound: a few integer ops a weight)."""
+    n = quantized_per_block(model)
+    absmax = sum(quant_state_bytes(i * o, double_quant) for i, o in linear_shapes(model))
+    return packed_bytes(n) + absmax + n * compute_bytes

@@ -1,0 +1,87 @@
+"""torchrun worker: one QLoRA training step of a tiny transformers Llama (bitsandbytes 4-bit base, peft adapters)
+under FSDP2 or FSDP1 on CPU / gloo, measured by calibration.memtrack as the cost model's ledger is.
+
+    torchrun --standalone --nproc_per_node=2 tests/distributed/worker_qlora.py \
+        --case '{"out": DIR, "fsdp_version": 2, "hidden": 256, "layers": 2, "seq": 256, "double_quant": true}' ...
+
+Each case: rank 0 saves the tiny checkpoint, every rank loads it quantized (calibration.qlora.load_qlora), wraps
+it with calibration.apply (FULL_SHARD, bf16), runs a warm-up step and one measured step. Rank 0 prints one JSON
+line per case: the peak and breakdown on each rank, the bytes of the QuantStates on each rank (what the tracker
+cannot see: no parameter, made before it), the packed parameters' nbytes and the losses.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+VOCAB = 512
+MICRO_BATCH = 2
+LORA_RANK = 8
+
+
+def spec_of(case: dict):
+    from calibration.reference import tiny_llama_spec
+
+    h = case["hidden"]
+    return tiny_llama_spec(hidden_size=h, n_heads=4, n_kv_heads=2, head_dim=h // 4, ffn_hidden_size=2 * h,
+                           vocab_size=VOCAB, n_layers=case["layers"])
+
+
+def run_case(case: dict, rank: int, world: int) -> dict:
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    from calibration.apply import apply_fsdp1, apply_fsdp2, make_mesh
+    from calibration.memtrack import MemoryTracker
+    from calibration.qlora import load_qlora, quant_state_bytes
+    from cost_models.specs import FsdpConfig, TrainingSpec
+
+    spec = spec_of(case)
+    path = os.path.join(case["out"], f"tiny-{case['hidden']}-{case['layers']}")
+    if rank == 0 and not os.path.exists(os.path.join(path, "config.json")):
+        config = LlamaConfig(hidden_size=spec.hidden_size, intermediate_size=spec.ffn_hidden_size,
+                             num_hidden_layers=spec.n_layers, num_attention_heads=spec.n_heads,
+                             num_key_value_heads=spec.n_kv_heads, vocab_size=VOCAB, max_position_embeddings=4096,
+                             tie_word_embeddings=False)
+        torch.manual_seed(0)
+        LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(path)
+    dist.barrier()
+    training = TrainingSpec(seq_len=case["seq"], finetune="qlora", lora_rank=LORA_RANK,
+                            double_quant=case.get("double_quant", True), quant=case.get("quant", "nf4"))
+    fsdp = FsdpConfig(sharding="FULL_SHARD", precision="bf16", micro_batch=MICRO_BATCH)
+    model = load_qlora(path, spec, training, fsdp.precision)
+    packed = sum(p.nbytes for p in model.parameters() if type(p).__name__ == "Params4bit")
+    state = quant_state_bytes(model)
+    if case["fsdp_version"] == 2:
+        apply_fsdp2(model, fsdp, {LlamaDecoderLayer}, make_mesh(fsdp, world, world, "cpu"))
+    else:
+        model = apply_fsdp1(model, fsdp, {LlamaDecoderLayer}, gpus_per_node=world, device_id=torch.device("cpu"),
+                            trainable_mixed=True)
+    state_after = quant_state_bytes(model)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    torch.manual_seed(rank)
+    ids = torch.randint(0, VOCAB, (MICRO_BATCH, case["seq"]))
+    tracker = MemoryTracker(model, optimizer, vocab_size=VOCAB)
+    losses = []
+    with tracker:
+        for i in range(2):
+            if i:
+                tracker.reset()
+            optimizer.zero_grad(set_to_none=True)
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            optimizer.step()
+            losses.append(loss.item())
+    snap = tracker.snapshot().to_dict()
+    gathered = [None] * world
+    dist.all_gather_object(gathered, {"snapshot": snap, "quant_state_bytes": state_after, "losses": losses})
+    return {"packed_param_bytes": packed, "quant_state_bytes_before": state, "ranks": gathered}
+
+
+if __name__ == "__main__":
+    from tests.distributed.cases import serve_cli
+
+    serve_cli(run_case)

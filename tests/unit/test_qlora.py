@@ -1,0 +1,45 @@
+"""cost_models/qlora.py's sizes against the QLoRA paper (Dettmers et al. 2023, section 3: double quantization
+costs 8/64 + 32/(64 x 256) = 0.127 bits a weight, single 32/64 = 0.5) and against bitsandbytes' own
+quantize_4bit on CPU (skipped without bitsandbytes); and the spec fields' one-line refusals."""
+
+from __future__ import annotations
+
+import pytest
+
+from cost_models import qlora
+from cost_models.specs import SpecError, TrainingSpec
+
+N = 8192 * 28672  # Llama 3.1 70B's gate_proj (in x out)
+
+
+def test_double_quantization_costs_0127_bits_per_weight():
+    tables = (1 + qlora.CODE_ENTRIES + qlora.NESTED_CODE_ENTRIES) * 4  # offset and code tables: per tensor
+    bits = (qlora.quant_state_bytes(N, True) - tables) * 8 / N
+    assert bits == pytest.approx(8 / 64 + 32 / (64 * 256), rel=1e-9)
+    assert round(bits, 3) == 0.127
+    single = (qlora.quant_state_bytes(N, False) - qlora.CODE_ENTRIES * 4) * 8 / N
+    assert single == 0.5
+    assert qlora.packed_bytes(N) * 8 / N == 4
+
+
+def test_sizes_equal_bitsandbytes_quantize_4bit():
+    torch = pytest.importorskip("torch")
+    F = pytest.importorskip("bitsandbytes.functional", reason="pip install --no-deps bitsandbytes==0.50.2")
+    for out_f, in_f in ((256, 512), (1024, 384)):
+        w = torch.randn(out_f, in_f, dtype=torch.bfloat16)
+        for dq in (False, True):
+            packed, state = F.quantize_4bit(w, blocksize=64, compress_statistics=dq, quant_type="nf4",
+                                            quant_storage=torch.bfloat16)
+            assert packed.nbytes == qlora.packed_bytes(w.numel())
+            tensors = [state.absmax, state.code] + ([state.offset, state.state2.absmax, state.state2.code]
+                                                    if dq else [])
+            assert sum(t.nbytes for t in tensors) == qlora.quant_state_bytes(w.numel(), dq)
+
+
+@pytest.mark.parametrize("field, value, words", [("quant", "int4", "choose one of: nf4, fp4"),
+                                                 ("quant_storage", "int8", "choose one of: bf16, fp16, fp32, uint8"),
+                                                 ("double_quant", "yes", "true or false")])
+def test_bad_quantization_values_name_the_field_and_choices(field, value, words):
+    with pytest.raises(SpecError) as err:
+        TrainingSpec(finetune="qlora", **{field: value})
+    assert err.value.field == field and words in str(err.value)
