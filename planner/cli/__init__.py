@@ -12,6 +12,7 @@ so `fsdp-plan --model ... --gpus ...` starts fast.
     check.py       fsdp-plan check           price an existing setup, list what is wrong with it
     explain.py     fsdp-plan explain         the memory and time budget, term by term
     schema.py      fsdp-plan schema NAME     the JSON Schema of a --format json output
+    rl.py          fsdp-plan rl estimate     a verl GRPO job's memory, phase by phase
 """
 
 from __future__ import annotations
@@ -27,10 +28,10 @@ app = typer.Typer(add_completion=False, no_args_is_help=False, pretty_exceptions
                   rich_markup_mode=None,
                   help="Plan PyTorch FSDP configurations: memory, step time, and the config to use.")
 
-from planner.cli import calibrate, catalog, check, estimate, explain, plan, schema, trace  # noqa: E402
+from planner.cli import calibrate, catalog, check, estimate, explain, plan, rl, schema, trace  # noqa: E402
 
 # Registration order is the order `fsdp-plan --help` lists the commands in.
-for _command in (plan, estimate, catalog, trace, calibrate, check, explain, schema):
+for _command in (plan, estimate, catalog, trace, calibrate, check, explain, schema, rl):
     _command.register(app)
 
 

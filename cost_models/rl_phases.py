@@ -1,0 +1,266 @@
+"""GPU memory per phase of a verl GRPO step (FSDP workers with the rollout engine in the same process), in verl's
+order: init, rollout, weight_sync, log_prob, ref_log_prob, update, optimizer_step, checkpoint. Each phase is what
+is resident (actor params / Adam states / reference, the engine awake or asleep) plus the transient peak of its
+work; the job's peak is the largest phase.
+
+Sources (shared/reference/rl.md; verl of 2025, workers/fsdp_workers.py and sharding_manager/fsdp_vllm.py):
+- the actor's update is the repo's FSDP ledger (memory.estimate_memory) on the packed micro-batch (micro_batch 1 of
+  the micro-batch's tokens per GPU), loaded whole on the GPU (verl loads offloaded params and optimizer before
+  update_actor and offloads them after); its loss is verl's log-prob path, not the ledger's cross-entropy:
+  verl_logits_bytes. The first step has no Adam states in the backward (torch creates them lazily in the step,
+  beside the foreach temporaries: optimizer_step.py); a later step keeps them, and they stay on the GPU into the
+  next rollout unless offloaded (verl PR 1349).
+- the engine (rollout_engine.py) is built after the actor and the reference (ray_trainer.init_workers: "create
+  rollout at the end so that vllm can have a better estimation of kv cache memory"): its KV budget sees what is
+  resident then, never Adam's states. Asleep (level 1 or 2) it frees weights and KV; its CUDA-graph pool stays.
+- weight sync: the actor's shard loaded, the engine's weights awake (0.8-era verl: wake_up() wakes the KV cache
+  too; later: weights first, KV after), and one gathered tensor at a time (full_tensor()): the largest one.
+Ignored: Ulysses' all-to-all buffers, the attention's workspaces, gradients after the update (freed: verl's
+zero_grad / offload), the critic (PPO) and a reward model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from . import activations
+from .cluster_spec import ClusterSpec
+from .feasibility import Refusal
+from .memory import estimate_memory
+from .memory_types import MemoryBreakdown
+from .model_spec import ModelSpec
+from .profile import Profile
+from .rl_batch import BatchPlan
+from .rollout_engine import EngineMemory, EngineSettings, engine_memory
+from .spec_values import Attention, Finetune, LossKernel, Precision, Sharding, SpecError, parse_enum
+from .specs import FsdpConfig, TrainingSpec
+from .units import DTYPE_BYTES
+
+PHASES = ("init", "rollout", "weight_sync", "log_prob", "ref_log_prob", "update", "optimizer_step", "checkpoint")
+ACTOR_DTYPES = {"fp32": Precision.BF16, "bf16": Precision.BF16_PURE}  # stored dtype -> FSDP mixed precision
+STRATEGIES = ("fsdp", "fsdp2")
+ENTROPY_CHUNK_ROWS = 2048  # verl's entropy_from_logits_with_chunking default chunk
+
+
+@dataclass(frozen=True)
+class RlSettings:
+    """The FSDP side's knobs as verl names them (actor_rollout_ref.actor.* / ref.* / model.*)."""
+
+    strategy: str = "fsdp"             # actor.strategy: fsdp (FSDP1) | fsdp2 (the ledger prices both as FSDP2)
+    actor_dtype: str = "fp32"          # fsdp_config.model_dtype: fp32 master weights (2025 default) or bf16
+    finetune: Finetune = Finetune.FULL
+    lora_rank: int = 32                # model.lora_rank, target_modules all-linear
+    param_offload: bool = False
+    optimizer_offload: bool = False
+    ref_param_offload: bool = True     # FSDP1's reference: CPUOffload(offload_params=True)
+    gradient_checkpointing: bool = True
+    entropy: bool = True               # entropy computed in log-prob / update (entropy_coeff != 0 or logged)
+    entropy_chunking: bool = False     # actor.entropy_from_logits_with_chunking
+    fsdp_size: int = -1                # fsdp_config.fsdp_size: -1 all GPUs, 1 each GPU holds the whole actor
+    sleep_level: int = 1               # vLLM sleep mode: 1 weights to host, 2 discarded
+    use_shm: bool = False              # model.use_shm: the checkpoint copied to /dev/shm
+
+    def __post_init__(self):
+        if self.strategy not in STRATEGIES:
+            raise SpecError("strategy", f"unknown value {self.strategy!r}; choose one of: {', '.join(STRATEGIES)}")
+        if self.actor_dtype not in ACTOR_DTYPES:
+            raise SpecError("actor_dtype", f"unknown value {self.actor_dtype!r}; choose one of: fp32, bf16")
+        object.__setattr__(self, "finetune", parse_enum(Finetune, self.finetune, "finetune"))
+        if self.finetune is Finetune.QLORA:
+            raise SpecError("finetune", "qlora is not a verl mode; choose one of: full, lora")
+        if self.sleep_level not in (1, 2):
+            raise SpecError("sleep_level", f"must be 1 or 2, got {self.sleep_level}")
+        if self.fsdp_size == 0 or self.fsdp_size < -1:
+            raise SpecError("fsdp_size", f"must be -1 (all GPUs) or >= 1, got {self.fsdp_size}")
+
+    @property
+    def lora(self) -> bool:
+        return self.finetune is Finetune.LORA
+
+
+@dataclass(frozen=True)
+class Phase:
+    name: str
+    gpu_bytes: dict          # term -> bytes on one GPU at the phase's peak
+    reserved_bytes: int      # what the GPU must hold: torch's terms with fragmentation and context, the engine's
+    offloaded: tuple[str, ...] = ()
+    note: str = ""
+
+    @property
+    def allocated_bytes(self) -> int:
+        return sum(self.gpu_bytes.values())
+
+
+@dataclass(frozen=True)
+class ActorStates:
+    """The actor's per-GPU model states (the ledger's optimizer step) and its update's peak."""
+
+    params_bytes: int
+    grads_bytes: int
+    optimizer_bytes: int
+    step_temporary_bytes: int
+    update_first: MemoryBreakdown    # the backward's peak at the first step (no Adam states yet)
+    update_steady: MemoryBreakdown
+    largest_tensor_bytes: int        # one gathered parameter (the embedding or head) in the actor's dtype
+    unit_gather_bytes: int           # root + two blocks gathered in compute dtype (forward-only phases)
+
+
+def all_linear_lora(model: ModelSpec) -> ModelSpec:
+    """LoRA on every linear of a block (PEFT's target_modules="all-linear", verl's examples): q, k, v, o and the
+    MLP's gate / up / down. The repo's presets list the attention's only."""
+    h, f = model.hidden_size, model.ffn_hidden_size
+    mlp = ((h, f), (h, f), (f, h)) if model.gated_mlp else ((h, f), (f, h))
+    attention = ((h, model.q_dim), (h, model.kv_dim), (h, model.kv_dim), (model.q_dim, h))
+    return dataclasses.replace(model, lora_target_shapes=attention + mlp)
+
+
+def verl_logits_bytes(model: ModelSpec, tokens: int, c: int, settings: RlSettings) -> int:
+    """verl's dp_actor._forward_micro_batch on remove-padded tokens: the logits [tokens, vocab] in compute dtype
+    (transformers' lm_head, no upcast); log-probs by flash-attn's cross_entropy_loss (inplace_backward: the
+    logits' gradient overwrites them); the entropy (torch_functional.entropy_from_logits) adds softmax's output and
+    the product pd * logits, two more vocab-sized tensors (rl.md), or with chunking three fp32 chunks of
+    ENTROPY_CHUNK_ROWS rows. The same bytes with or without grad: under grad softmax's output is saved and the
+    product is the transient; under no_grad both are transients alive together."""
+    v = model.vocab_size
+    logits = tokens * v * c
+    if not settings.entropy:
+        return logits
+    if settings.entropy_chunking:
+        return logits + 3 * min(tokens, ENTROPY_CHUNK_ROWS) * v * 4
+    return logits + 2 * tokens * v * c
+
+
+def actor_config(settings: RlSettings, n_gpus: int, checkpointing: bool, grad_accum: int) -> FsdpConfig:
+    """The FsdpConfig verl's actor runs: FULL_SHARD over the GPUs (fsdp_size -1), NO_SHARD for fsdp_size 1, else
+    HYBRID over fsdp_size; fp32 master weights with bf16 compute (or bf16 throughout); the loss priced apart."""
+    size = n_gpus if settings.fsdp_size == -1 else settings.fsdp_size
+    sharding = Sharding.FULL_SHARD if size >= n_gpus else Sharding.NO_SHARD if size == 1 else Sharding.HYBRID_SHARD
+    return FsdpConfig(sharding=sharding, precision=ACTOR_DTYPES[settings.actor_dtype], ac_every=int(checkpointing),
+                      micro_batch=1, grad_accum=grad_accum, attention=Attention.SDPA, loss_kernel=LossKernel.LIGER)
+
+
+def actor_states(model: ModelSpec, cluster: ClusterSpec, settings: RlSettings, batch: BatchPlan,
+                 profile: Profile) -> ActorStates:
+    """The ledger's update at the packed micro-batch, with verl's log-prob loss in place of the cross-entropy."""
+    size = cluster.n_gpus if settings.fsdp_size == -1 else settings.fsdp_size
+    shard_cluster = dataclasses.replace(cluster, gpus_per_node=min(size, cluster.n_gpus)) \
+        if 1 < size < cluster.n_gpus else cluster
+    accum = max(batch.micro_batches_per_mini, 2 if batch.mini_batch_seqs_per_rank > 1 else 1)
+    config = actor_config(settings, cluster.n_gpus, settings.gradient_checkpointing, accum)
+    tokens = batch.update_tokens_per_gpu
+    training = TrainingSpec(seq_len=tokens, finetune=settings.finetune, lora_rank=settings.lora_rank)
+    est = estimate_memory(model, shard_cluster, training, config, profile)
+    step = est.phases["optimizer_step"]
+    body = est.phases["backward"]
+    c = DTYPE_BYTES[config.precision.compute_dtype]
+    # the loss moment: every block's saved tensors (checkpointed: its input), the root's, the root gathered and
+    # the verl logits path; earlier micro-batches' gradients when accumulating
+    per_block = (activations.checkpointed_block_bytes_per_token(model, c) if settings.gradient_checkpointing else
+                 activations.block_bytes_per_token(model, c, Attention.SDPA, tokens, 1, training.adapter_rank))
+    saved = tokens * (model.n_layers * per_block + activations.root_bytes_per_token(model, c, lora=settings.lora))
+    loss = MemoryBreakdown(sharded_params=step.sharded_params, optimizer_state=step.optimizer_state,
+                           sharded_grads=step.sharded_grads if accum > 1 else 0,
+                           unsharded_params=model.root_params * c, activations=saved,
+                           logits_and_loss=verl_logits_bytes(model, tokens, c, settings))
+    steady = max(body, loss, key=lambda b: b.total_bytes)
+    first = dataclasses.replace(steady, optimizer_state=0)
+    p = DTYPE_BYTES[config.precision.param_dtype]
+    largest = max(model.embedding_params, model.head_params) * p
+    return ActorStates(params_bytes=step.sharded_params, grads_bytes=step.sharded_grads,
+                       optimizer_bytes=step.optimizer_state, step_temporary_bytes=step.optimizer_temporaries,
+                       update_first=first, update_steady=steady, largest_tensor_bytes=largest,
+                       unit_gather_bytes=(model.root_params + 2 * model.block_params) * c)
+
+
+def forward_only_bytes(model: ModelSpec, tokens: int, c: int, settings: RlSettings) -> dict:
+    """A log-prob forward under no_grad on `tokens` tokens per GPU: one block's working set (bounded by what it
+    would save for backward), the residual stream in and out, and verl's logits path."""
+    block = activations.block_bytes_per_token(model, c, Attention.SDPA, tokens, 1)
+    return {"forward activations": tokens * (block + 2 * c * model.hidden_size),
+            "logits and entropy": verl_logits_bytes(model, tokens, c, settings)}
+
+
+def reference_bytes(model: ModelSpec, cluster: ClusterSpec, settings: RlSettings) -> int:
+    """The reference's bf16 shard on one GPU (LoRA: none, the actor without its adapter is the reference)."""
+    if settings.lora:
+        return 0
+    return -(-model.n_params * 2 // cluster.n_gpus)
+
+
+@dataclass(frozen=True)
+class RlMemory:
+    phases: tuple[Phase, ...]
+    engine: EngineMemory
+    actor: ActorStates
+    refusals: tuple[Refusal, ...]
+
+    @property
+    def peak(self) -> Phase:
+        return max(self.phases, key=lambda p: p.reserved_bytes)
+
+
+def _offloaded(settings: RlSettings, actor_loaded: bool, adam_loaded: bool, engine_asleep: bool) -> tuple:
+    """What sits on the host (or is discarded) during a phase."""
+    return tuple(name for name, away in (
+        ("actor params", settings.param_offload and not actor_loaded),
+        ("Adam states", settings.optimizer_offload and not adam_loaded),
+        ("reference", settings.ref_param_offload and not settings.lora),
+        (f"engine asleep (level {settings.sleep_level})", engine_asleep)) if away)
+
+
+def _phase(name: str, torch_terms: dict, engine_terms: dict, profile: Profile, offloaded=(), note="") -> Phase:
+    """Torch's tensors take the allocator's fragmentation and the CUDA context; the engine's (vLLM's CuMem pool,
+    CUDA graphs) are added as they are."""
+    terms = {k: v for k, v in {**torch_terms, **engine_terms}.items() if v}
+    reserved = profile.reserved_bytes(sum(torch_terms.values())) + sum(engine_terms.values())
+    return Phase(name, terms, reserved, tuple(offloaded), note)
+
+
+def rl_phases(model: ModelSpec, cluster: ClusterSpec, settings: RlSettings, engine: EngineSettings,
+              batch: BatchPlan, profile: Profile) -> RlMemory:
+    """Every phase of a GRPO step on one GPU (see the module docstring)."""
+    actor_model = all_linear_lora(model) if settings.lora else model
+    actor = actor_states(actor_model, cluster, settings, batch, profile)
+    c = 2  # bf16 compute (the actor's mixed precision, the reference, the engine)
+    ref = reference_bytes(model, cluster, settings)
+    ref_resident = 0 if settings.ref_param_offload else ref
+    params_resident = 0 if settings.param_offload else actor.params_bytes
+    adam_resident = 0 if settings.optimizer_offload else actor.optimizer_bytes
+    e = engine_memory(model, engine, cluster.gpu.memory_bytes, params_resident + ref_resident,
+                      profile.cuda_context_bytes)
+    graphs = {"engine CUDA graphs": e.cuda_graph_bytes}
+    awake = {"engine weights": e.weights_bytes, "engine KV cache": e.kv_bytes,
+             "engine activations": e.activation_peak_bytes, **graphs}
+    sync_engine = {"engine weights": e.weights_bytes, **graphs,
+                   **({"engine KV cache": e.kv_bytes} if engine.version == "0.8" else {})}
+    held = {"actor params": params_resident, "reference": ref_resident}
+    fwd = forward_only_bytes(model, batch.log_prob_tokens_per_gpu, c, settings)
+    gathered = {"gathered units": actor.unit_gather_bytes}
+    ref_actor = {"actor params": actor.params_bytes} if settings.lora else {"actor params": params_resident}
+    update = {"reference": ref_resident, **actor.update_steady.to_dict()}
+    first = {"reference": ref_resident, **actor.update_first.to_dict()}
+    update, label = (update, "steady step") if sum(update.values()) >= sum(first.values()) else (first, "first step")
+    step = {"reference": ref_resident, "actor params": actor.params_bytes, "actor grads": actor.grads_bytes,
+            "Adam states": actor.optimizer_bytes, "step temporaries": actor.step_temporary_bytes}
+    # (name, torch terms, engine terms, actor loaded, Adam loaded, engine asleep, note)
+    rows = [
+        ("init", held, awake, False, False, False, "the engine sizes its KV cache beside what is resident"),
+        ("rollout", {**held, "Adam states": adam_resident}, awake, False, False, False,
+         "from step 2: Adam's states resident unless offloaded (the KV budget never saw them)"),
+        ("weight_sync", {"actor params": actor.params_bytes, "reference": ref_resident, "Adam states": adam_resident,
+                         "gathered tensor": actor.largest_tensor_bytes}, sync_engine, True, False, False,
+         "one parameter gathered at a time into the engine"),
+        ("log_prob", {"actor params": actor.params_bytes, **gathered, "reference": ref_resident,
+                      "Adam states": adam_resident, **fwd}, graphs, True, False, True, "forward only"),
+        ("ref_log_prob", {**ref_actor, "reference": ref_resident, **gathered, "Adam states": adam_resident, **fwd},
+         graphs, settings.lora, False, True, "LoRA: the actor without its adapter" if settings.lora else ""),
+        ("update", update, graphs, True, True, True, f"{label}; Adam's states in the backward from step 2"),
+        ("optimizer_step", step, graphs, True, True, True,
+         "the first step creates Adam's states beside the foreach temporaries"),
+        ("checkpoint", {"actor params": actor.params_bytes, "Adam states": adam_resident, "reference": ref_resident},
+         graphs, True, False, True, ""),
+    ]
+    phases = tuple(_phase(name, torch, eng, profile, _offloaded(settings, loaded, adam, asleep), note)
+                   for name, torch, eng, loaded, adam, asleep, note in rows)
+    return RlMemory(phases=phases, engine=e, actor=actor, refusals=batch.refusals + e.refusals)

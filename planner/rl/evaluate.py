@@ -1,0 +1,91 @@
+"""One verl GRPO configuration priced: the request's specs, the batch plan, the engine, every phase's GPU memory and
+the host RAM per node, with whether (and why not) it runs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from cost_models.cluster_spec import ClusterSpec
+from cost_models.evaluate import gpu_memory_reason
+from cost_models.model_spec import ModelSpec
+from cost_models.profile import DEFAULT_PROFILE, Profile
+from cost_models.rl_batch import BatchPlan, RlBatch, batch_plan
+from cost_models.rl_host import HostRam, host_ram_per_node
+from cost_models.rl_phases import RlMemory, RlSettings, rl_phases
+from cost_models.rollout_engine import EngineSettings
+from cost_models.units import GiB
+
+from ..errors import PlannerError
+from ..models import resolve_model
+from .request import RlRequest, rl_request
+
+
+@dataclass(frozen=True)
+class RlEstimate:
+    request: RlRequest
+    model: ModelSpec
+    cluster: ClusterSpec
+    batch: BatchPlan
+    engine_settings: EngineSettings
+    memory: RlMemory
+    host: HostRam
+    reasons: tuple[str, ...]
+
+    @property
+    def fits(self) -> bool:
+        return not self.reasons
+
+
+def specs_of(r: RlRequest, model: ModelSpec) -> tuple[RlBatch, EngineSettings, RlSettings]:
+    """The cost models' inputs from the request (their constructors check the values: SpecError names the field)."""
+    batch = RlBatch(train_batch_size=r.train_batch, rollout_n=r.rollout_n,
+                    ppo_mini_batch_size=r.ppo_mini_batch_size or r.train_batch, max_prompt_length=r.prompt_len,
+                    max_response_length=r.response_len, ppo_micro_batch_size_per_gpu=r.ppo_micro_batch_size_per_gpu,
+                    log_prob_micro_batch_size_per_gpu=r.log_prob_micro_batch_size_per_gpu
+                    or r.ppo_micro_batch_size_per_gpu,
+                    use_dynamic_bsz=r.use_dynamic_bsz, ppo_max_token_len_per_gpu=r.ppo_max_token_len_per_gpu,
+                    log_prob_max_token_len_per_gpu=r.log_prob_max_token_len_per_gpu or r.ppo_max_token_len_per_gpu,
+                    ulysses_sequence_parallel_size=r.ulysses_sequence_parallel_size,
+                    use_remove_padding=r.use_remove_padding, mean_prompt_length=r.mean_prompt_len,
+                    mean_response_length=r.mean_response_len)
+    engine = EngineSettings(engine=r.engine, version=r.engine_version, gpu_memory_utilization=r.gpu_memory_utilization,
+                            tp=r.rollout_tp, max_model_len=r.prompt_len + r.response_len, max_num_seqs=r.max_num_seqs,
+                            max_num_batched_tokens=r.max_num_batched_tokens, enforce_eager=r.enforce_eager)
+    settings = RlSettings(strategy=r.strategy, actor_dtype=r.actor_dtype, finetune=r.finetune, lora_rank=r.lora_rank,
+                          param_offload=r.param_offload, optimizer_offload=r.optimizer_offload,
+                          ref_param_offload=r.ref_param_offload, gradient_checkpointing=r.gradient_checkpointing,
+                          entropy=r.entropy, entropy_chunking=r.entropy_chunking, fsdp_size=r.fsdp_size,
+                          sleep_level=r.sleep_level, use_shm=r.use_shm)
+    return batch, engine, settings
+
+
+def evaluate_rl(request: RlRequest, profile: Profile | None = None, model: ModelSpec | None = None) -> RlEstimate:
+    """Price one configuration; `model`: its spec where the caller resolved it already (the search)."""
+    profile = profile or DEFAULT_PROFILE
+    if request.model is None and model is None:
+        raise PlannerError("model", "missing: pass --model with a preset name (see `fsdp-plan models`) or a "
+                                    "config.json path")
+    spec = model or resolve_model(request.model)
+    cluster = request.cluster.spec()
+    batch, engine, settings = specs_of(request, spec)
+    plan = batch_plan(batch, cluster.n_gpus, spec.n_heads, spec.n_kv_heads, engine.tp)
+    memory = rl_phases(spec, cluster, settings, engine, plan, profile)
+    host = host_ram_per_node(spec, cluster, settings, memory.actor, memory.engine)
+    reasons = [f"{r.field}: {r.reason}; {r.fix}" for r in memory.refusals]
+    capacity = cluster.gpu.memory_bytes
+    for phase in memory.phases:
+        if phase.reserved_bytes > capacity:
+            largest = max(phase.gpu_bytes.items(), key=lambda kv: kv[1])
+            reasons.append(gpu_memory_reason(phase.reserved_bytes, capacity, f"in {phase.name}; largest: "
+                                             f"{largest[0]} {largest[1] / GiB:.1f} GiB"))
+    ram = cluster.cpu_ram_bytes_per_node
+    if ram and host.peak_bytes > ram:
+        reasons.append(f"host RAM: needs {host.peak_bytes / GiB:.0f} GiB per node > {ram / GiB:.0f} GiB "
+                       f"(--cpu-ram-per-node)")
+    return RlEstimate(request=request, model=spec, cluster=cluster, batch=plan, engine_settings=engine,
+                      memory=memory, host=host, reasons=tuple(reasons))
+
+
+def rl_estimate(model, gpus: int | None = None, *, profile: Profile | None = None, **knobs) -> RlEstimate:
+    """The Python API of `fsdp-plan rl estimate`: knobs by their verl names (planner/rl/request.py)."""
+    return evaluate_rl(rl_request(model, gpus, **knobs), profile)

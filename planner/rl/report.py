@@ -1,0 +1,92 @@
+"""`fsdp-plan rl estimate`'s outputs: the phase table and host RAM as text, and the JSON dict that
+planner/schemas/rl.py describes."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+
+from tabulate import tabulate
+
+from cost_models.units import GiB
+from planner.line_width import LINE_WIDTH
+
+from .evaluate import RlEstimate
+
+# What the figures rest on beyond the engines' and verl's own code (said in every output).
+ESTIMATES = ("engine profile-run activations and CUDA-graph pool (rollout_engine.py)",
+             "log-prob forward working set: one block's saved bytes as its bound (rl_phases.py)",
+             "mean lengths under remove-padding: as given, else the maxima")
+
+
+def gib(n: int) -> str:
+    return f"{n / GiB:.2f}"
+
+
+def rl_dict(e: RlEstimate) -> dict:
+    peak = e.memory.peak
+    eng, s = e.memory.engine, e.engine_settings
+    return {
+        "model": e.model.summary_dict(),
+        "gpus": e.cluster.n_gpus, "gpu": e.cluster.gpu.id,
+        "fits": e.fits, "reasons": list(e.reasons),
+        "memory": {
+            "peak_reserved_bytes": peak.reserved_bytes, "peak_phase": peak.name,
+            "cpu_bytes_per_node": e.host.peak_bytes,
+            "cpu_ram_capacity_bytes": e.cluster.cpu_ram_bytes_per_node,
+            "capacity_bytes": e.cluster.gpu.memory_bytes,
+            "phases": [{"name": p.name, "reserved_bytes": p.reserved_bytes, "allocated_bytes": p.allocated_bytes,
+                        "gpu_bytes": dict(p.gpu_bytes), "offloaded": list(p.offloaded), "note": p.note}
+                       for p in e.memory.phases],
+            "host": {"terms": dict(e.host.terms), "checkpoint_staging_bytes": e.host.checkpoint_staging_bytes},
+        },
+        "engine": {"engine": s.engine.value, "version": s.version, "gpu_memory_utilization": s.gpu_memory_utilization,
+                   "tp": s.tp, "weights_bytes": eng.weights_bytes, "kv_bytes": eng.kv_bytes,
+                   "kv_blocks": eng.kv_blocks, "kv_tokens": eng.kv_tokens,
+                   "max_concurrent_seqs": eng.max_concurrent_seqs, "cuda_graph_bytes": eng.cuda_graph_bytes,
+                   "activation_peak_bytes": eng.activation_peak_bytes},
+        "batch": {"data_parallel": e.batch.data_parallel, "sequences_per_step": e.batch.sequences_per_step,
+                  "mini_batch_seqs_per_rank": e.batch.mini_batch_seqs_per_rank,
+                  "micro_batches_per_mini": e.batch.micro_batches_per_mini,
+                  "update_tokens_per_gpu": e.batch.update_tokens_per_gpu,
+                  "log_prob_tokens_per_gpu": e.batch.log_prob_tokens_per_gpu},
+        "estimates": list(ESTIMATES),
+    }
+
+
+def rl_json(e: RlEstimate) -> str:
+    return json.dumps(rl_dict(e), indent=2)
+
+
+def rl_text(e: RlEstimate) -> str:
+    r, eng, b = e.request, e.memory.engine, e.batch
+    peak = e.memory.peak
+    rows = [[p.name + (" *" if p is peak else ""), gib(p.reserved_bytes),
+             ", ".join(f"{k.replace('_', ' ')} {gib(v)}" for k, v in p.gpu_bytes.items()), ", ".join(p.offloaded)]
+            for p in e.memory.phases]
+    host = [[k, gib(v)] for k, v in e.host.terms.items()]
+    host += [["checkpoint staging", gib(e.host.checkpoint_staging_bytes)], ["peak (at a save)", gib(e.host.peak_bytes)]]
+    head = [
+        f"{e.model.name} ({e.model.n_params / 1e9:.2f}B) GRPO on {e.cluster.n_gpus} x {e.cluster.gpu.id}: "
+        f"{r.strategy} actor {r.actor_dtype} ({r.finetune}), {r.engine} {r.engine_version} TP {r.rollout_tp} at "
+        f"{r.gpu_memory_utilization}",
+        f"batch: {b.sequences_per_step} sequences per step, {b.mini_batch_seqs_per_rank} per rank per mini-batch; "
+        f"update micro-batch {b.update_tokens_per_gpu:,} tokens per GPU, log-prob {b.log_prob_tokens_per_gpu:,}",
+        f"engine: weights {gib(eng.weights_bytes)} GiB, KV cache {gib(eng.kv_bytes)} GiB ({eng.kv_tokens:,} tokens, "
+        f"{eng.max_concurrent_seqs} sequences of {r.prompt_len + r.response_len} at once)",
+    ]
+    lines = [
+        *(textwrap.fill(line, LINE_WIDTH, subsequent_indent="  ") for line in head),
+        "",
+        f"Memory per GPU by phase (GiB reserved; * the peak, of {gib(e.cluster.gpu.memory_bytes)}):",
+        tabulate(rows, headers=["phase", "reserved", "resident and transient", "off the GPU"], tablefmt="simple",
+                 disable_numparse=True, maxcolwidths=[None, None, 50, 20]),
+        "",
+        "Host RAM per node (GiB):",
+        tabulate(host, tablefmt="simple", disable_numparse=True),
+        "",
+    ]
+    verdict = "fits: yes" if e.fits else "fits: NO - " + "; ".join(e.reasons)
+    lines += [textwrap.fill(t, LINE_WIDTH, subsequent_indent="  ") for t in (verdict, "estimates: "
+                                                                               + "; ".join(ESTIMATES))]
+    return "\n".join(lines)

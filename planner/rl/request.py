@@ -1,0 +1,87 @@
+"""What `fsdp-plan rl estimate` is asked: one verl GRPO configuration, each knob declared once (planner/request's
+knob(): type, default, flag, help) with verl's own name (actor_rollout_ref.* / data.*, dashes for dots)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from planner.request.groups import ClusterRequest
+from planner.request.knobs import knob, knob_table
+
+from ..errors import PlannerError
+
+
+@dataclass(frozen=True)
+class RlRequest:
+    model: object = knob(None, "--model", "-m", help="Preset name, HF config.json, or a directory holding one",
+                         cli_type=str)
+    cluster: ClusterRequest = field(default_factory=ClusterRequest)
+    # data.* and the batch (verl's names)
+    prompt_len: int = knob(1024, "--prompt-len", help="data.max_prompt_length, tokens")
+    response_len: int = knob(1024, "--response-len", help="data.max_response_length, tokens")
+    mean_prompt_len: int | None = knob(None, "--mean-prompt-len", help="The data's mean prompt length (with "
+                                       "remove-padding the forward holds real lengths; default: the maximum)")
+    mean_response_len: int | None = knob(None, "--mean-response-len", help="The mean response length (default: "
+                                         "the maximum)")
+    train_batch: int = knob(256, "--train-batch", help="data.train_batch_size: prompts per step")
+    rollout_n: int = knob(8, "--rollout-n", help="rollout.n: responses per prompt")
+    ppo_mini_batch_size: int | None = knob(None, "--ppo-mini-batch-size", help="actor.ppo_mini_batch_size, prompts "
+                                           "(default: the train batch)")
+    ppo_micro_batch_size_per_gpu: int = knob(4, "--ppo-micro-batch-size-per-gpu", help="Sequences per update "
+                                             "micro-batch per GPU")
+    log_prob_micro_batch_size_per_gpu: int | None = knob(None, "--log-prob-micro-batch-size-per-gpu",
+                                                         help="Sequences per log-prob micro-batch (default: the "
+                                                         "update's)")
+    use_dynamic_bsz: bool = knob(False, "--use-dynamic-bsz/--no-use-dynamic-bsz", help="Pack micro-batches to a "
+                                 "token budget")
+    ppo_max_token_len_per_gpu: int = knob(16384, "--ppo-max-token-len-per-gpu", help="Update token budget per GPU "
+                                          "(x the Ulysses degree per micro-batch)")
+    log_prob_max_token_len_per_gpu: int | None = knob(None, "--log-prob-max-token-len-per-gpu", help="Log-prob "
+                                                      "token budget (default: the update's)")
+    ulysses_sequence_parallel_size: int = knob(1, "--ulysses-sequence-parallel-size", help="Ulysses degree")
+    use_remove_padding: bool = knob(True, "--use-remove-padding/--no-use-remove-padding", help="Pack real lengths")
+    # the actor (actor_rollout_ref.actor.* / model.*)
+    strategy: str = knob("fsdp", "--strategy", help="actor.strategy: fsdp (FSDP1) or fsdp2")
+    actor_dtype: str = knob("fp32", "--actor-dtype", help="fsdp_config.model_dtype: fp32 (verl's 2025 default) or "
+                            "bf16")
+    finetune: str = knob("full", "--finetune", help="full or lora (all-linear)")
+    lora_rank: int = knob(32, "--lora-rank", help="model.lora_rank")
+    param_offload: bool = knob(False, "--param-offload/--no-param-offload", help="Actor params on the host "
+                               "between phases")
+    optimizer_offload: bool = knob(False, "--optimizer-offload/--no-optimizer-offload", help="Adam states on the "
+                                   "host between updates")
+    ref_param_offload: bool = knob(True, "--ref-param-offload/--no-ref-param-offload", help="The reference on the "
+                                   "host (FSDP CPUOffload)")
+    gradient_checkpointing: bool = knob(True, "--gradient-checkpointing/--no-gradient-checkpointing",
+                                        help="model.enable_gradient_checkpointing")
+    entropy: bool = knob(True, "--entropy/--no-entropy", help="The entropy computed in log-prob and update")
+    entropy_chunking: bool = knob(False, "--entropy-chunking/--no-entropy-chunking",
+                                  help="actor.entropy_from_logits_with_chunking")
+    fsdp_size: int = knob(-1, "--fsdp-size", help="fsdp_config.fsdp_size: -1 all GPUs, 1 no sharding")
+    use_shm: bool = knob(False, "--use-shm/--no-use-shm", help="model.use_shm: the model copied to /dev/shm")
+    # the rollout engine (actor_rollout_ref.rollout.*)
+    engine: str = knob("vllm", "--engine", help="rollout.name: vllm or sglang")
+    engine_version: str = knob("current", "--engine-version", help="vllm: 0.8 (0.8.x) or current (>= 0.10); "
+                               "sglang: current")
+    gpu_memory_utilization: float = knob(0.5, "--gpu-memory-utilization", help="vLLM: of total memory; SGLang: "
+                                         "of free memory at start")
+    rollout_tp: int = knob(2, "--rollout-tp", help="rollout.tensor_model_parallel_size")
+    max_num_seqs: int = knob(256, "--max-num-seqs", help="rollout.max_num_seqs")
+    max_num_batched_tokens: int = knob(8192, "--max-num-batched-tokens", help="rollout.max_num_batched_tokens")
+    enforce_eager: bool = knob(False, "--enforce-eager/--no-enforce-eager", help="No CUDA graphs")
+    sleep_level: int = knob(1, "--sleep-level", help="vLLM sleep mode: 1 weights to host, 2 discarded")
+
+
+RL_KNOBS = tuple(knob_table(RlRequest))
+
+
+def rl_request(model=None, gpus=None, **knobs) -> RlRequest:
+    """An RlRequest from knobs by name (the cluster's routed to its group); an unknown name is one line."""
+    table = knob_table(RlRequest)
+    for name in knobs:
+        if name not in table or name == "model":
+            raise PlannerError(name, f"unknown argument; valid: {', '.join(n for n in table if n != 'model')}")
+    cluster = {n: v for n, v in knobs.items() if table[n].group == "cluster"}
+    top = {n: v for n, v in knobs.items() if table[n].group == ""}
+    return RlRequest(model=model, cluster=dataclasses.replace(ClusterRequest(), **cluster, gpus=gpus), **top)

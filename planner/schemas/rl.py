@@ -1,0 +1,77 @@
+"""`fsdp-plan rl estimate --format json` (planner/rl/report.py rl_dict): a verl GRPO configuration's memory phase by
+phase, its engine, its batch and whether it runs."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from cost_models.rl_phases import PHASES
+from planner.schemas.common import Bytes, ModelSummary, _Out
+
+
+class RlPhase(_Out):
+    """cost_models.rl_phases.Phase: one phase's peak on one GPU."""
+
+    name: Literal[PHASES]
+    reserved_bytes: Bytes = Field(description="what the GPU must hold: torch's terms with fragmentation and the "
+                                              "CUDA context, plus the engine's")
+    allocated_bytes: Bytes = Field(description="the sum of gpu_bytes")
+    gpu_bytes: dict[str, Bytes] = Field(description="term -> bytes resident or transient at the phase's peak")
+    offloaded: list[str] = Field(description="what is on the host or discarded (the engine asleep) meanwhile")
+    note: str
+
+
+class RlHost(_Out):
+    terms: dict[str, int] = Field(description="term -> bytes per node held on the host between phases")
+    checkpoint_staging_bytes: int = Field(description="bytes per node a checkpoint save stages on top")
+
+
+class RlMemory(_Out):
+    peak_reserved_bytes: Bytes = Field(description="the worst phase's reserved bytes")
+    peak_phase: Literal[PHASES]
+    cpu_bytes_per_node: int = Field(description="host RAM per node at its peak (a checkpoint save)")
+    cpu_ram_capacity_bytes: int = Field(description="--cpu-ram-per-node (0: unknown, not checked)")
+    capacity_bytes: Bytes = Field(description="the GPU's memory")
+    phases: list[RlPhase] = Field(description="in verl's order")
+    host: RlHost
+
+
+class RlEngine(_Out):
+    """cost_models.rollout_engine.EngineMemory with its settings."""
+
+    engine: Literal["vllm", "sglang"]
+    version: str
+    gpu_memory_utilization: float
+    tp: int
+    weights_bytes: Bytes
+    kv_bytes: Bytes
+    kv_blocks: int = Field(description="vLLM blocks of block_size tokens (SGLang: tokens)")
+    kv_tokens: int
+    max_concurrent_seqs: int = Field(description="sequences of prompt + response the KV cache holds at once")
+    cuda_graph_bytes: Bytes
+    activation_peak_bytes: Bytes
+
+
+class RlBatch(_Out):
+    """cost_models.rl_batch.BatchPlan."""
+
+    data_parallel: int
+    sequences_per_step: int
+    mini_batch_seqs_per_rank: int
+    micro_batches_per_mini: int = Field(description="0 with dynamic batches (as the packing falls out)")
+    update_tokens_per_gpu: int
+    log_prob_tokens_per_gpu: int
+
+
+class RlEstimateOutput(_Out):
+    model: ModelSummary
+    gpus: int
+    gpu: str
+    fits: bool
+    reasons: list[str]
+    memory: RlMemory
+    engine: RlEngine
+    batch: RlBatch
+    estimates: list[str] = Field(description="which figures are estimates rather than the engines' or verl's code")
