@@ -1,0 +1,58 @@
+"""`fsdp-plan rl estimate`: the table, the JSON against its schema (planner/schemas/rl.py) and bad input in one
+line with exit code 2. One CLI run per output (subprocess, as the other CLI tests)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from planner.line_width import LINE_WIDTH
+from planner.schemas.rl import RlEstimateOutput
+
+CLI = [sys.executable, "-m", "planner.cli"]
+JOB = ["rl", "estimate", "--model", "qwen2.5-7b", "--gpus", "8", "--gpu", "h100-80gb", "--prompt-len", "1024",
+       "--response-len", "4096", "--rollout-n", "8", "--train-batch", "256"]
+
+
+def run(*args):
+    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def as_json():
+    r = run(*JOB, "--format", "json")
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+def test_json_follows_its_schema_and_names_the_peak(as_json):
+    RlEstimateOutput.model_validate(as_json)
+    m = as_json["memory"]
+    assert [p["name"] for p in m["phases"]] == ["init", "rollout", "weight_sync", "log_prob", "ref_log_prob",
+                                                "update", "optimizer_step", "checkpoint"]
+    worst = max(m["phases"], key=lambda p: p["reserved_bytes"])
+    assert (m["peak_phase"], m["peak_reserved_bytes"]) == (worst["name"], worst["reserved_bytes"])
+    # the rollout holds Adam's fp32 states (7,615,616,512 x 8 B / 8 GPUs) beside the engine: the worst phase here
+    assert m["peak_phase"] == "rollout" and m["phases"][1]["gpu_bytes"]["Adam states"] == 7_615_616_512
+    # level-1 weight backup: 7,615,616,512 x 2 B / TP 2 x 8 GPUs
+    assert m["host"]["terms"]["engine weight backup (sleep level 1)"] == 60_924_932_096
+    assert as_json["fits"] is True
+
+
+def test_table_fits_the_terminal():
+    r = run(*JOB)
+    assert r.returncode == 0, r.stderr
+    assert "rollout *" in r.stdout and "Host RAM per node (GiB):" in r.stdout and "fits: yes" in r.stdout
+    assert max(len(line) for line in r.stdout.splitlines()) <= LINE_WIDTH
+
+
+@pytest.mark.parametrize("flag, value, message", [
+    ("--engine", "tgi", "error: engine: unknown value 'tgi'; choose one of: vllm, sglang"),
+    ("--engine-version", "0.9", "error: engine_version: '0.9' for vllm; choose one of: 0.8, current"),
+    ("--strategy", "ddp", "error: strategy: unknown value 'ddp'; choose one of: fsdp, fsdp2"),
+    ("--gpu-memory-utilization", "1.2", "error: gpu_memory_utilization: must be in (0, 1], got 1.2"),
+])
+def test_bad_input_is_one_line_exit_2(flag, value, message):
+    r = run(*JOB, flag, value)
+    assert r.returncode == 2 and r.stderr.strip() == message and r.stdout == ""

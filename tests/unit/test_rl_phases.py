@@ -1,0 +1,95 @@
+"""GPU memory per phase of a verl GRPO step (cost_models/rl_phases.py) and host RAM per node (rl_host.py): each
+figure worked by hand from the configs (planner/catalog/models.json): Qwen2.5-7B 7,615,616,512 parameters, hidden
+3584, vocab 152064; Qwen3-8B hidden 4096, KV dim 1024, FFN 12288, vocab 151936, 36 layers."""
+
+import pytest
+
+from cost_models.profile import DEFAULT_PROFILE
+from cost_models.rl_batch import RlBatch, batch_plan
+from cost_models.rl_host import host_ram_per_node
+from cost_models.rl_phases import PHASES, RlSettings, all_linear_lora, rl_phases, verl_logits_bytes
+from cost_models.rollout_engine import EngineSettings
+from cost_models.specs import SpecError
+from planner.hardware import make_cluster
+from planner.models import resolve_model
+
+P7 = 7_615_616_512
+
+
+@pytest.fixture(scope="module")
+def qwen7():
+    return resolve_model("qwen2.5-7b")
+
+
+@pytest.fixture(scope="module")
+def job(qwen7):
+    """Qwen2.5-7B, full fine-tuning, fp32 actor on 8 x H100, vLLM current TP 2 at 0.5, nothing offloaded but the
+    reference; mean lengths 300 + 500 so the micro-batch (4 x 800 = 3,200 tokens) is small."""
+    cluster = make_cluster(8, gpu="h100-80gb")
+    batch = RlBatch(train_batch_size=64, rollout_n=8, ppo_mini_batch_size=32, max_prompt_length=1024,
+                    max_response_length=1024, ppo_micro_batch_size_per_gpu=4, log_prob_micro_batch_size_per_gpu=4,
+                    mean_prompt_length=300, mean_response_length=500)
+    plan = batch_plan(batch, 8, qwen7.n_heads, qwen7.n_kv_heads, 2)
+    settings = RlSettings()
+    engine = EngineSettings(gpu_memory_utilization=0.5, tp=2, max_model_len=2048)
+    memory = rl_phases(qwen7, cluster, settings, engine, plan, DEFAULT_PROFILE)
+    return cluster, settings, memory
+
+
+def test_verl_logits_path():
+    m = resolve_model("qwen3-8b")
+    logits = 16_384 * 151_936 * 2                 # 4,978,638,848 B: [tokens, vocab] in bf16
+    assert verl_logits_bytes(m, 16_384, 2, RlSettings(entropy=False)) == logits
+    assert verl_logits_bytes(m, 16_384, 2, RlSettings()) == 3 * logits    # + softmax's output + pd * logits
+    # chunked entropy: three fp32 chunks of 2048 rows instead (3 x 2048 x 151,936 x 4 = 3,733,979,136)
+    assert verl_logits_bytes(m, 16_384, 2, RlSettings(entropy_chunking=True)) == logits + 3_733_979_136
+
+
+def test_all_linear_lora_adds_the_mlp():
+    m = all_linear_lora(resolve_model("qwen3-8b"))
+    # rank 32 x (q 4096+4096, k 4096+1024, v 4096+1024, o 4096+4096, gate 4096+12288, up 4096+12288,
+    # down 12288+4096) = 32 x 75,776 = 2,424,832 per block
+    assert m.lora_params_per_block(32) == 2_424_832
+
+
+def test_actor_states_fp32_full(job):
+    _, _, memory = job
+    a = memory.actor
+    assert a.params_bytes == P7 * 4 // 8              # fp32 shard over 8 GPUs: 3,807,808,256
+    assert a.optimizer_bytes == 2 * a.params_bytes    # Adam's two fp32 states
+    assert a.step_temporary_bytes == a.params_bytes   # foreach: one more fp32 copy (optimizer_step.py)
+    assert a.largest_tensor_bytes == 152_064 * 3_584 * 4   # the fp32 embedding, gathered at the weight sync
+    # the first step's backward has no Adam states yet (created lazily in the step)
+    assert a.update_steady.total_bytes - a.update_first.total_bytes == a.optimizer_bytes
+
+
+def test_phases_in_verls_order_and_adam_beside_the_engine(job):
+    _, _, memory = job
+    assert tuple(p.name for p in memory.phases) == PHASES
+    init, rollout = memory.phases[0], memory.phases[1]
+    # the KV budget was sized without Adam's states; from step 2 they sit beside it (verl PR 1349): the rollout
+    # holds 2 x 3,807,808,256 B more, times the profile's 5% fragmentation
+    adam = memory.actor.optimizer_bytes
+    assert rollout.gpu_bytes["Adam states"] == adam
+    assert abs(rollout.reserved_bytes - init.reserved_bytes - adam * 1.05) <= 1   # int() rounding of each
+    assert "engine KV cache" not in memory.phases[2].gpu_bytes   # current vLLM wakes the KV after the sync
+    assert "engine asleep (level 1)" in memory.phases[3].offloaded
+
+
+def test_host_ram_per_node(job, qwen7):
+    cluster, settings, memory = job
+    host = host_ram_per_node(qwen7, cluster, settings, memory.actor, memory.engine)
+    # level-1 backup: bf16 weights / TP 2 on each of 8 GPUs = 7,615,616,512 x 2 / 2 x 8 = 60,924,932,096 B
+    assert host.terms["engine weight backup (sleep level 1)"] == 60_924_932_096
+    # the reference's bf16 shard (1,903,904,128 B) on each of 8 GPUs
+    assert host.terms["reference (offloaded)"] == 15_231_233_024
+    # a save stages each rank's fp32 params and Adam shards: (3,807,808,256 + 7,615,616,512) x 8
+    assert host.checkpoint_staging_bytes == 91_387_398_144
+    assert host.peak_bytes == 60_924_932_096 + 15_231_233_024 + 91_387_398_144
+
+
+def test_bad_settings_name_the_field():
+    with pytest.raises(SpecError, match="strategy: unknown value 'megatron'; choose one of: fsdp, fsdp2"):
+        RlSettings(strategy="megatron")
+    with pytest.raises(SpecError, match="finetune: qlora is not a verl mode; choose one of: full, lora"):
+        RlSettings(finetune="qlora")
