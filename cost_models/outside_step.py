@@ -1,0 +1,170 @@
+"""Memory outside the training step: loading, checkpoint save and resume, per rank and per node.
+
+Each way returns an OutsideBytes: the host RAM of rank 0 (which loads or gathers a full state dict in some ways) and
+of every other rank, and the GPU transient the way adds on top of the resident sharded states. Sources (torch 2.13,
+read in its code):
+- every rank loads (`from_pretrained` / `torch.load` on each rank before wrapping): the full model in host RAM on
+  each rank. FSDP2 `set_model_state_dict(full_state_dict=True)` (`_distribute_state_dict`) moves each tensor to the
+  device and keeps a new local shard of it (distribute_tensor) until load_state_dict copies them in: a shard of the
+  model beside the params (measured on CPU: docs/accuracy.md). FSDP1 moves a unit to the device and flattens it
+  (flat_param.py flatten_tensors: torch.cat beside the originals): two copies of the largest unit.
+- rank 0 loads and broadcasts: FSDP1 `sync_module_states=True` (HF `cpu_ram_efficient_loading`: the other ranks
+  build on meta) broadcasts unit by unit on the GPU; FSDP2 `set_model_state_dict(full_state_dict=True,
+  broadcast_from_rank0=True)` (torch/distributed/_state_dict_utils.py `_broadcast_state_dict`: "Broadcast every
+  tensor to avoid OOM") one tensor at a time, each rank keeping its slice.
+- meta-device init + DCP load of a sharded checkpoint: FileSystemReader `torch.load`s one storage item (a rank's
+  slice of one tensor) and copies it into place: one item in flight.
+- DCP save: FileSystemWriter's `_OverlappingCpuLoader` copies GPU tensors to host up to per_thread_copy_ahead
+  (10 MB, one thread) ahead of the writer, a whole item at a time; CPU tensors are written where they are.
+- async DCP (`async_save`): DefaultStager copies the rank's whole state dict (its shard of params and optimizer
+  state) to host first; torchtitan's async_with_pinned_mem keeps that copy pinned between saves.
+- FULL_STATE_DICT with offload_to_cpu + rank0_only (FSDP1) / get_model_state_dict(full_state_dict, cpu_offload)
+  (FSDP2): rank 0 ends with the whole state dict in host RAM; the device gathers one tensor (FSDP2) or one unit
+  (FSDP1, whose root unit - embedding and head - stays gathered while its children are saved) at a time; the
+  consolidated optimizer state (FSDP.optim_state_dict) adds its full size on rank 0. Gathered over gloo (CPU runs)
+  each gather holds two copies (all_gather's output list and the tensor built from it; measured); NCCL's
+  all_gather_into_tensor writes one (GPU-only, not measured here).
+- HF `save_pretrained` of that full state dict: safetensors 0.8 `save_file` writes from the tensors' pointers
+  (`_flatten_as_ptr`, no bytes copy): rank 0's gathered params only.
+Ignored: the OS page cache of checkpoint files (reclaimable), pickled metadata, Python objects per key.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from enum import Enum
+
+from .specs import Finetune, ModelSpec, TrainingSpec
+from .units import DTYPE_BYTES
+
+DCP_COPY_AHEAD_BYTES = 10_000_000  # FileSystemWriter(per_thread_copy_ahead=10_000_000), thread_count=1
+
+
+class LoadWay(str, Enum):
+    EVERY_RANK = "every-rank"            # each rank reads the whole checkpoint
+    RANK0_BROADCAST = "rank0-broadcast"  # sync_module_states / cpu_ram_efficient_loading / broadcast_from_rank0
+    META_DCP = "meta-dcp"                # meta-device init, then dcp.load of a sharded checkpoint
+
+
+class SaveWay(str, Enum):
+    DCP = "dcp"                          # dcp.save: each rank writes its shard
+    DCP_ASYNC = "dcp-async"              # dcp.async_save: the shard staged to host, written in the background
+    FULL_RANK0 = "full-state-dict"       # FULL_STATE_DICT, offload_to_cpu + rank0_only: rank 0 holds all of it
+    SAVE_PRETRAINED = "save-pretrained"  # HF save_pretrained of rank 0's full state dict (params only)
+
+
+@dataclass(frozen=True)
+class StateSizes:
+    """What the ways move, in bytes: the whole model's params as stored, its optimizer state, the largest tensor
+    and the largest FSDP unit (a block, or the root with embedding and head), over `ranks` ranks that share one
+    copy of the state (FSDP's shard group x tp x pp)."""
+
+    params_bytes: int
+    optimizer_bytes: int
+    largest_tensor_bytes: int
+    largest_unit_bytes: int
+    ranks: int
+
+    def shard(self, n_bytes: int) -> int:
+        return math.ceil(n_bytes / self.ranks)
+
+    @property
+    def state_bytes(self) -> int:
+        return self.params_bytes + self.optimizer_bytes
+
+    @classmethod
+    def of(cls, model: ModelSpec, training: TrainingSpec, param_dtype: str, ranks: int,
+           frozen_dtype: str | None = None) -> "StateSizes":
+        """LoRA: the base stored in frozen_dtype (the compute dtype under mixed precision), adapters in
+        param_dtype; only the adapters carry optimizer state. Matrices: embedding, head, q / o, the MLP's."""
+        p = DTYPE_BYTES[param_dtype]
+        f = DTYPE_BYTES[frozen_dtype or param_dtype]
+        h = model.hidden_size
+        largest = max(model.embedding_params, model.head_params, model.q_dim * h, model.ffn_hidden_size * h)
+        opt = training.optimizer.state_bytes_per_param(param_dtype)
+        if training.finetune is Finetune.LORA:
+            adapters_block = model.lora_params_per_block(training.lora_rank)
+            adapters = model.n_layers * adapters_block
+            unit = max(model.block_params * f + adapters_block * p, model.root_params * f)
+            return cls(model.n_params * f + adapters * p, round(adapters * opt), largest * f, unit, ranks)
+        return cls(model.n_params * p, round(model.n_params * opt), largest * p,
+                   max(model.block_params, model.root_params) * p, ranks)
+
+
+@dataclass(frozen=True)
+class OutsideBytes:
+    """Host RAM of rank 0 and of each other rank, and the transient on each GPU, of one way."""
+
+    rank0_host_bytes: int
+    rank_host_bytes: int
+    gpu_bytes: int
+
+    def node_bytes(self, ranks_per_node: int) -> int:
+        """The busiest node's host RAM: rank 0's node."""
+        return self.rank0_host_bytes + (ranks_per_node - 1) * self.rank_host_bytes
+
+
+def _gathered_bytes(sizes: StateSizes, fsdp2: bool) -> int:
+    """What one step of a full gather or broadcast holds unsharded: a tensor (FSDP2) or a unit (FSDP1)."""
+    return sizes.largest_tensor_bytes if fsdp2 else sizes.largest_unit_bytes
+
+
+def load_bytes(way: LoadWay, sizes: StateSizes, fsdp2: bool = True, on_gpu: bool = True,
+               optimizer: bool = False) -> OutsideBytes:
+    """Loading the params (optimizer: with the optimizer state, a resume). on_gpu False: a CPU run (gloo), where
+    the device's transients are host memory and moving a tensor to the device copies nothing."""
+    full = sizes.state_bytes if optimizer else sizes.params_bytes
+    one = _gathered_bytes(sizes, fsdp2)
+    if way is LoadWay.META_DCP:  # one storage item: a rank's slice of a tensor
+        item = sizes.shard(sizes.largest_tensor_bytes)
+        return OutsideBytes(item, item, 0)
+    if way is LoadWay.EVERY_RANK:
+        # FSDP2: the new local shards (and one full tensor moved over); FSDP1: a unit and its flat copy
+        device = sizes.shard(full) + one if fsdp2 else 2 * one
+        if on_gpu:
+            return OutsideBytes(full, full, device)
+        return OutsideBytes(full + device - one, full + device - one, 0)
+    # rank 0 reads; the others receive each tensor (FSDP1: each unit, flattened) and keep their slice
+    device = one if fsdp2 else 2 * one
+    return OutsideBytes(full, 0, device) if on_gpu else OutsideBytes(full, device, 0)
+
+
+def save_bytes(way: SaveWay, sizes: StateSizes, fsdp2: bool = True, on_gpu: bool = True) -> OutsideBytes:
+    """One checkpoint save of params and optimizer state (save_pretrained: params only). on_gpu False: a CPU run
+    (gloo), where the state is host memory already and a gather's device copy is a host allocation."""
+    shard = sizes.shard(sizes.state_bytes)
+    if way is SaveWay.DCP:
+        staged = min(shard, DCP_COPY_AHEAD_BYTES + sizes.shard(sizes.largest_tensor_bytes)) if on_gpu else 0
+        return OutsideBytes(staged, staged, 0)
+    if way is SaveWay.DCP_ASYNC:
+        return OutsideBytes(shard, shard, 0)
+    full = sizes.params_bytes if way is SaveWay.SAVE_PRETRAINED else sizes.state_bytes
+    one = _gathered_bytes(sizes, fsdp2)
+    if on_gpu:  # FSDP1's offload_to_cpu copies the gathered unit to host before cloning it into the state dict
+        return OutsideBytes(full + (0 if fsdp2 else one), 0, one)
+    return OutsideBytes(full + one, 2 * one, 0)  # gloo: two copies per gather; rank 0 keeps one of them
+
+
+def first_step_reserved_bytes(activation_bytes: list[int], state_bytes: list[int],
+                              temporary_bytes: list[int]) -> tuple[int, int]:
+    """(reserved after step 1, reserved after step 2) of a step whose forward allocates activation_bytes (freed by
+    the end of its backward), whose first optimizer step creates state_bytes (Adam's exp_avg and exp_avg_sq per
+    parameter shard, created lazily in _init_group before the foreach update) and then allocates and frees the
+    foreach temporaries. Replayed through the caching allocator model (caching_allocator.py): a state tensor takes
+    a cached block of the forward's segments only where one is large enough (best fit, no merging across
+    segments); what it takes, the second forward must find in new segments. The allocated peak of both steps is the
+    same; the reserved one can grow at step 1 (states in new segments) or at step 2 (activations displaced)."""
+    from .caching_allocator import replay
+
+    def step(tag: str) -> list:
+        acts = [("alloc", f"{tag}a{i}", n) for i, n in enumerate(activation_bytes)]
+        temps = [("alloc", f"{tag}t{i}", n) for i, n in enumerate(temporary_bytes)]
+        return (acts + [("free", f"{tag}a{i}") for i in range(len(activation_bytes))] + temps
+                + [("free", f"{tag}t{i}") for i in range(len(temporary_bytes))])
+
+    first = step("1")
+    n_acts = 2 * len(activation_bytes)
+    first[n_acts:n_acts] = [("alloc", f"s{i}", n) for i, n in enumerate(state_bytes)]
+    after_first = replay(first).peak_reserved_bytes
+    return after_first, replay(first + step("2")).peak_reserved_bytes

@@ -1,0 +1,155 @@
+"""torchrun worker: each rank's host-RAM peak of the ways to save, load and resume a sharded model, for real.
+
+    torchrun --standalone --nproc_per_node=2 tests/distributed/worker_outside_step.py \
+        --case '{"shape": {"n_layers": 2, "hidden_size": 256, "ffn_hidden_size": 1024, "vocab_size": 4096}}'
+
+Each case builds calibration.reference's Llama at the shape (fp32), applies FSDP2 (calibration.apply.apply_fsdp2)
+and AdamW with its states (one step on zero gradients), then runs each way and measures, per rank, the resident
+set's high-water mark over the way minus the resident set before it (/proc/self/status VmHWM, reset by writing 5 to
+/proc/self/clear_refs; freed memory trimmed before each way with malloc_trim, and a fixed mmap threshold, set with
+mallopt, returns every large tensor's pages when it is freed). An FSDP1 copy of the model measures FULL_STATE_DICT with
+offload_to_cpu + rank0_only. Rank 0 prints one JSON line per case: {"case": i, "ways": {way: [rank 0's bytes,
+rank 1's bytes]}}.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import re
+import tempfile
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                     get_optimizer_state_dict, set_model_state_dict)
+
+from calibration.apply import apply_fsdp2, make_mesh
+from calibration.reference import Block, build_reference, tiny_llama_spec
+from cost_models.specs import FsdpConfig
+from tests.distributed.cases import serve_cli
+
+_LIBC = ctypes.CDLL("libc.so.6")
+# M_MMAP_THRESHOLD (-3, malloc.h) fixed at its 128 KiB default: glibc otherwise raises it to the size of a freed
+# mmapped block, and the next tensors of that size come from the heap, where freed pages stay resident.
+_LIBC.mallopt(-3, 128 * 1024)
+
+
+def spec(shape: dict):
+    h = shape["hidden_size"]
+    return tiny_llama_spec(n_heads=8, n_kv_heads=2, head_dim=h // 8, **shape)
+
+
+def _status_bytes(field: str) -> int:
+    kib = re.search(rf"{field}:\s+(\d+) kB", open("/proc/self/status").read()).group(1)
+    return int(kib) * 1024
+
+
+def measure(fn) -> tuple[int, object]:
+    """(VmHWM over fn - VmRSS before it, fn's result); the result is dropped after the measurement by the caller."""
+    gc.collect()  # the previous way's tensors (async save's staged copy sits in a reference cycle)
+    _LIBC.malloc_trim(0)
+    dist.barrier()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets VmHWM to the current RSS (Linux >= 4.0, proc(5))
+    before = _status_bytes("VmRSS")
+    result = fn()
+    peak = _status_bytes("VmHWM") - before
+    dist.barrier()
+    return peak, result
+
+
+def _gather(value: int) -> list[int]:
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
+
+
+def build(shape: dict):
+    torch.manual_seed(0)
+    model = build_reference(spec(shape))
+    return model
+
+
+def run_case(case: dict, rank: int, world: int) -> dict:
+    config = FsdpConfig(precision="fp32")
+    gc.collect()
+    baseline = _status_bytes("VmRSS")  # torch imported, the process group up, no model yet
+    model = build(case["shape"])
+    apply_fsdp2(model, config, {Block}, make_mesh(config, world, world, "cpu"))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    optimizer.step()  # Adam's states exist from here on
+    full_options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    ways: dict[str, list[int]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = _shared_dir(tmp)
+
+        def state():
+            return {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
+
+        ways["dcp save"] = measure(lambda: dcp.save(state(), checkpoint_id=f"{tmp}/dcp"))[0]
+        ways["dcp async save"] = measure(lambda: dcp.async_save(state(), checkpoint_id=f"{tmp}/async").result())[0]
+
+        def full():
+            return (get_model_state_dict(model, options=full_options),
+                    get_optimizer_state_dict(model, optimizer, options=full_options))
+
+        ways["full state dict save (fsdp2)"], held = measure(full)
+        if rank == 0:
+            torch.save(held[0], f"{tmp}/full.pt")
+        del held
+        dist.barrier()
+        ways["fsdp2 params only full state dict"] = measure(lambda: get_model_state_dict(model, options=full_options))[0]
+
+        def every_rank():
+            sd = torch.load(f"{tmp}/full.pt", weights_only=True)
+            set_model_state_dict(model, sd, options=StateDictOptions(full_state_dict=True))
+            return sd
+
+        ways["load every rank"] = measure(every_rank)[0]
+
+        def rank0_broadcast():
+            sd = torch.load(f"{tmp}/full.pt", weights_only=True) if rank == 0 else {}
+            set_model_state_dict(model, sd, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+            return sd
+
+        ways["load rank0 broadcast"] = measure(rank0_broadcast)[0]
+
+        def dcp_load():
+            sd = {"model": get_model_state_dict(model)}
+            dcp.load(sd, checkpoint_id=f"{tmp}/dcp")
+            set_model_state_dict(model, sd["model"])
+
+        ways["load dcp"] = measure(dcp_load)[0]
+        ways["fsdp1 full state dict save"] = _fsdp1_full_save(case["shape"], rank, world)
+    return {"ways": {name: _gather(value) for name, value in ways.items()}, "baseline": _gather(baseline)}
+
+
+def _shared_dir(tmp: str) -> str:
+    """Rank 0's temporary directory, for every rank (DCP writes one checkpoint folder from all ranks)."""
+    out = [tmp]
+    dist.broadcast_object_list(out, src=0)
+    return out[0]
+
+
+def _fsdp1_full_save(shape: dict, rank: int, world: int) -> int:
+    """FSDP1 (a block per unit, the root with embedding and head) state_dict() under FULL_STATE_DICT with
+    rank0_only. offload_to_cpu=False: the flat parameters are host memory already on CPU (offload_to_cpu=True on
+    CPU tensors segfaults in torch 2.13's clone of the offloaded views, seen here)."""
+    from torch.distributed.fsdp import FullStateDictConfig, FullyShardedDataParallel as FSDP, StateDictType
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    model = FSDP(build(shape), auto_wrap_policy=ModuleWrapPolicy({Block}), device_id=torch.device("cpu"),
+                 use_orig_params=True)
+    with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT,
+                              FullStateDictConfig(offload_to_cpu=False, rank0_only=True)):
+        peak = measure(model.state_dict)[0]
+    del model
+    return peak
+
+
+if __name__ == "__main__":
+    serve_cli(run_case)

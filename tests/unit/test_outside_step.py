@@ -1,0 +1,93 @@
+"""cost_models/outside_step.py by hand: each way's host RAM per rank and node and its GPU transient, on sizes small
+enough to add up in one's head, and the first optimizer step's reserved bytes through the allocator model."""
+
+from __future__ import annotations
+
+import pytest
+
+from calibration.reference import tiny_llama_spec
+from cost_models.outside_step import (DCP_COPY_AHEAD_BYTES, LoadWay, OutsideBytes, SaveWay, StateSizes,
+                                      first_step_reserved_bytes, load_bytes, save_bytes)
+from cost_models.specs import TrainingSpec
+from cost_models.units import GiB, MiB
+
+# A 1 GiB model (fp32 params), Adam's 2 GiB of state, 8 ranks: 384 MiB of state per rank. Largest tensor 64 MiB
+# (the embedding), largest unit 128 MiB (the root: embedding + head).
+SIZES = StateSizes(params_bytes=GiB, optimizer_bytes=2 * GiB, largest_tensor_bytes=64 * MiB,
+                   largest_unit_bytes=128 * MiB, ranks=8)
+
+
+def test_state_sizes_of_a_model_count_params_adam_and_the_largest_tensor():
+    # tiny llama (hidden 64, 4 heads of 16, ffn 128, vocab 256, 2 blocks, untied): 16,384 embedding elements
+    model = tiny_llama_spec()
+    sizes = StateSizes.of(model, TrainingSpec(), "fp32", ranks=2)
+    assert sizes.params_bytes == 4 * model.n_params
+    assert sizes.optimizer_bytes == 8 * model.n_params          # AdamW: exp_avg + exp_avg_sq in fp32
+    assert sizes.largest_tensor_bytes == 4 * 256 * 64           # the embedding (= the head) 16,384 x 4 B
+    # a block (36,992 elements: q, k, v, o, gate, up, down, 2 norms) outweighs the root (32,832: embedding, head, norm)
+    assert (model.block_params, model.root_params) == (36_992, 32_832)
+    assert sizes.largest_unit_bytes == 4 * 36_992
+    lora = StateSizes.of(model, TrainingSpec(finetune="lora", lora_rank=4), "fp32", 2, frozen_dtype="bf16")
+    adapters = model.n_layers * model.lora_params_per_block(4)
+    assert lora.params_bytes == 2 * model.n_params + 4 * adapters and lora.optimizer_bytes == 8 * adapters
+
+
+@pytest.mark.parametrize("way, fsdp2, expected", [
+    # every rank reads 1 GiB; FSDP2 keeps new local shards (128 MiB) and one full tensor (64 MiB) on the GPU
+    (LoadWay.EVERY_RANK, True, OutsideBytes(GiB, GiB, 128 * MiB + 64 * MiB)),
+    # FSDP1: a unit and its flattened copy
+    (LoadWay.EVERY_RANK, False, OutsideBytes(GiB, GiB, 256 * MiB)),
+    (LoadWay.RANK0_BROADCAST, True, OutsideBytes(GiB, 0, 64 * MiB)),
+    (LoadWay.RANK0_BROADCAST, False, OutsideBytes(GiB, 0, 256 * MiB)),
+    (LoadWay.META_DCP, True, OutsideBytes(8 * MiB, 8 * MiB, 0)),  # one item: a rank's 1/8 of the embedding
+])
+def test_load_ways(way, fsdp2, expected):
+    assert load_bytes(way, SIZES, fsdp2) == expected
+
+
+def test_every_rank_loading_costs_a_node_eight_models_and_rank0_loading_one():
+    assert load_bytes(LoadWay.EVERY_RANK, SIZES).node_bytes(8) == 8 * GiB
+    assert load_bytes(LoadWay.RANK0_BROADCAST, SIZES).node_bytes(8) == GiB
+
+
+def test_resume_reads_the_optimizer_state_too():
+    assert load_bytes(LoadWay.RANK0_BROADCAST, SIZES, optimizer=True).rank0_host_bytes == 3 * GiB
+    assert load_bytes(LoadWay.META_DCP, SIZES, optimizer=True) == OutsideBytes(8 * MiB, 8 * MiB, 0)
+
+
+@pytest.mark.parametrize("way, fsdp2, expected", [
+    # the writer copies 10 MB ahead plus the item it is on (8 MiB)
+    (SaveWay.DCP, True, OutsideBytes(DCP_COPY_AHEAD_BYTES + 8 * MiB, DCP_COPY_AHEAD_BYTES + 8 * MiB, 0)),
+    (SaveWay.DCP_ASYNC, True, OutsideBytes(384 * MiB, 384 * MiB, 0)),        # 3 GiB / 8 staged on every rank
+    (SaveWay.FULL_RANK0, True, OutsideBytes(3 * GiB, 0, 64 * MiB)),          # params + Adam on rank 0
+    (SaveWay.FULL_RANK0, False, OutsideBytes(3 * GiB + 128 * MiB, 0, 128 * MiB)),  # + offload_to_cpu's unit copy
+    (SaveWay.SAVE_PRETRAINED, True, OutsideBytes(GiB, 0, 64 * MiB)),
+])
+def test_save_ways(way, fsdp2, expected):
+    assert save_bytes(way, SIZES, fsdp2) == expected
+
+
+def test_async_save_stages_the_whole_state_of_a_node():
+    assert save_bytes(SaveWay.DCP_ASYNC, SIZES).node_bytes(8) == 3 * GiB
+
+
+def test_on_a_cpu_run_the_gather_is_host_memory_twice_over_gloo():
+    assert save_bytes(SaveWay.FULL_RANK0, SIZES, on_gpu=False) == OutsideBytes(3 * GiB + 64 * MiB, 128 * MiB, 0)
+    assert save_bytes(SaveWay.DCP, SIZES, on_gpu=False) == OutsideBytes(0, 0, 0)
+    assert load_bytes(LoadWay.EVERY_RANK, SIZES, on_gpu=False) == OutsideBytes(GiB + 128 * MiB, GiB + 128 * MiB, 0)
+
+
+def test_first_step_states_take_the_forwards_segments_and_the_second_forward_needs_new_ones():
+    # forward: two 100 MiB activations (segments of 100 MiB each, kRoundLarge); step 1 creates two 100 MiB states,
+    # which take those cached segments whole; the 100 MiB temporary needs a third segment: 300 MiB after step 1.
+    # Step 2's forward finds the temporary's segment only: one more 100 MiB segment, 400 MiB. A steady step
+    # (states first) would reserve 300 MiB.
+    step1, step2 = first_step_reserved_bytes([100 * MiB, 100 * MiB], [100 * MiB, 100 * MiB], [100 * MiB])
+    assert (step1, step2) == (300 * MiB, 400 * MiB)
+
+
+def test_first_step_states_too_large_for_the_forwards_segments_grow_step_one():
+    # 40 MiB activations cannot hold a 60 MiB state: both states get new segments (120 MiB) beside the 80 MiB
+    # cached, and the 60 MiB temporary a third; step 2's activations reuse the forward's segments.
+    step1, step2 = first_step_reserved_bytes([40 * MiB, 40 * MiB], [60 * MiB, 60 * MiB], [60 * MiB])
+    assert (step1, step2) == (260 * MiB, 260 * MiB)
