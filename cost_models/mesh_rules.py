@@ -10,12 +10,14 @@ The estimate and the API raise the first refusal as one line naming the field an
   2 cp - 1 - i); ring attention runs SDPA's fused kernels, not eager attention;
 - ep: only for a model with routed experts, dividing them and dp_shard x cp x tp;
 - tp x cp x pp divides the GPUs (the rest is data parallelism);
-- pp: a block in every stage but the end ones, and the microbatches the schedule needs (cost_models/pipeline.py).
+- pp: a block in every stage but the end ones, and the microbatches the schedule needs (cost_models/pipeline.py);
+- QLoRA: a dense model whose block linears are named, no Float8 (cost_models/qlora.refusals).
 The model's own limits come first, so `--tp 3` on 32 heads names the heads, not the GPU count.
 """
 
 from __future__ import annotations
 
+from . import qlora
 from .feasibility import Refusal
 from .pipeline import pipeline_refusals
 from .specs import Attention, ClusterSpec, Finetune, FsdpConfig, ModelSpec, TrainingSpec
@@ -133,6 +135,7 @@ def mesh_refusals(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec
                            "is not planned (PEFT adapters on DTensor shards and stages)",
                            "use tp = cp = ep = pp = 1 with LoRA",
                            priced=False))
+    out.extend(qlora.refusals(model, training, config))
     if pp > 1 and config.offload:  # no pipeline trace or run prices it (calibration/trace_pipeline.py refuses offload)
         out.append(Refusal("offload", "pipeline-with-offload", "CPU offload with pipeline parallelism is not priced "
                            "(no pipeline trace or run measures FSDP2's CPUOffloadPolicy per stage under a schedule)",

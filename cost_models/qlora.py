@@ -92,3 +92,22 @@ def dequantize_bytes_moved_per_block(model: ModelSpec, compute_bytes: int, doubl
     n = quantized_per_block(model)
     absmax = sum(quant_state_bytes(i * o, double_quant) for i, o in linear_shapes(model))
     return packed_bytes(n) + absmax + n * compute_bytes
+
+
+def refusals(model: ModelSpec, training, config) -> list:
+    """What QLoRA cannot run here (cost_models/mesh_rules.mesh_refusals lists them with the mesh's): a model
+    whose blocks are not priced, Float8 linears (bitsandbytes' Linear4bit is no nn.Linear torchao converts)."""
+    from .feasibility import Refusal
+
+    if not training.quantized:
+        return []
+    out = []
+    why = unsupported_reason(model)
+    if why is not None:
+        out.append(Refusal("finetune", "qlora-model-not-priced", f"{model.name}: {why}", "use --finetune lora",
+                           priced=False))
+    if config.float8 or config.fp8_all_gather:
+        out.append(Refusal("float8", "qlora-with-float8", "Float8 linears with a 4-bit base: the frozen linears are "
+                           "bitsandbytes Linear4bit, which torchao's Float8 conversion does not take",
+                           "drop --float8 with --finetune qlora", priced=False))
+    return out

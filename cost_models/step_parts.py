@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
-from . import comm, context_parallel, expert_parallel, kernels, moe, operators, tensor_parallel
+from . import comm, context_parallel, expert_parallel, kernels, moe, operators, qlora, tensor_parallel
 from .kernel_time import BlockTime, Rates, eager_attention_ops, price_block
 from .profile import Profile
 from .specs import Attention, ClusterSpec, FsdpConfig, ModelSpec, MoeDispatch, TrainingSpec
@@ -95,6 +95,9 @@ def _block_times(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, r
         nd = model.n_dense_layers
         recompute_s += n_ckpt * nd * (dense[1].recompute_s - ckpt.recompute_s) / model.n_layers ** 2
     weight_casts = (model.n_layers - model.n_dense_layers) * casts + (model.n_dense_layers * dense[2] if dense else 0.0)
+    if training.quantized:  # QLoRA: each linear dequantized in the forward, the backward and a recompute (qlora.py)
+        dequantize = rates.memory_s(qlora.dequantize_bytes_moved_per_block(model, c, training.double_quant))
+        weight_casts += (2 * model.n_layers + n_ckpt) * dequantize
     return plain, dense[0] if dense else None, recompute_s, weight_casts
 
 

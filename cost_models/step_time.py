@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
-from . import comm, expert_parallel, kernels, moe, operators, pipeline_time, tensor_parallel
+from . import comm, expert_parallel, kernels, moe, operators, pipeline_time, qlora, tensor_parallel
 from .compute import mfu_flops_per_token, model_flops_per_token, recompute_flops_per_token
 from .kernel_time import Rates
 from .memory import ParamCounts
@@ -80,8 +80,10 @@ def estimate_step_time(model: ModelSpec, cluster: ClusterSpec, training: Trainin
     # FSDP2's copies around its collectives: each all-gather's output split into the unsharded parameters
     # (read + write c), each reduce-scatter's input packed (and cast) from the gradients (c + r)
     gathers = 2 if config.sharding.reshards_after_forward and config.pp == 1 else 1  # PP keeps them gathered
-    gathered_elements = counts.block() * L + dense_delta * nd + counts.root()
-    fsdp_copy_s = rates.memory_s(gathers * gathered_elements * 2 * c + counts.trainable(L) * (c + r)) if d > 1 else 0.0
+    # QLoRA's blocks gather their linears packed (qlora.py): n / 2 bytes, not n x c
+    packing_saving = qlora.saving_bytes(qlora.quantized_per_block(model), c) if training.quantized else 0
+    gathered_bytes = (counts.block() * L + dense_delta * nd + counts.root()) * c - L * packing_saving
+    fsdp_copy_s = rates.memory_s(gathers * gathered_bytes * 2 + counts.trainable(L) * (c + r)) if d > 1 else 0.0
     matmul_s = head_s + sum(n * (b.matmul_forward_s + b.matmul_backward_s) for n, b in blocks)
     attention_s = sum(n * (b.attention_forward_s + b.attention_backward_s) for n, b in blocks)
     # --- the mesh's collectives per micro-batch: TP's per block and at the root, CP's ring per attention call -----
@@ -125,7 +127,8 @@ def estimate_step_time(model: ModelSpec, cluster: ClusterSpec, training: Trainin
     gathers_in_backward = config.sharding in (Sharding.FULL_SHARD, Sharding.HYBRID_SHARD)
     # FSDP2's FP8 all-gather moves the Float8 linears' weights in 1 byte
     fp8_saving = operators.fp8_all_gather_saving_bytes(model, c, training.seq_len) if config.fp8_all_gather else 0
-    ag, rs = collectives(counts.block() * c - fp8_saving, counts.trainable_block * r)
+    gather_saving = fp8_saving + packing_saving  # (never both: QLoRA refuses Float8, qlora.refusals)
+    ag, rs = collectives(counts.block() * c - gather_saving, counts.trainable_block * r)
     experts = moe.experts_gathered_elements(model, d, bool(config.expert_shard_dim)) if config.expert_units else 0
     if ep_view is not None:  # EP: the experts are a unit of their own, on the efsdp mesh
         experts = ep_view.experts_gathered_elements()
@@ -141,7 +144,7 @@ def estimate_step_time(model: ModelSpec, cluster: ClusterSpec, training: Trainin
     if config.reshard_after_forward and gathers_in_backward and sync_every_microstep and ag > 0:
         n_partial = config.reshard_after_forward
         tier = comm.Tier.for_group(cluster, profile, spans_nodes=n_partial > cluster.fast_tier_gpus)
-        block_bytes = counts.block() * c - fp8_saving
+        block_bytes = counts.block() * c - gather_saving
         bwd_gather = comm.all_gather_s(block_bytes, n_partial, tier) / comm.all_gather_s(block_bytes, d, shard_tier)
     # Blocks by kind: (count, forward all-gather s, backward all-gather s, reduction s, forward s, backward s)
     kinds = [(L - model.n_dense_layers, ag, ag * bwd_gather, rs, block_fwd_s, block_bwd_s)]

@@ -60,8 +60,15 @@ class TrainingRequest:
                                       "Trainer's adamw_torch_fused, torchtitan 0.3's default) or for-loop "
                                       "(foreach=False: two copies of one parameter). Default: the trainer's "
                                       "(foreach)")
-    finetune: str = knob("full", "--finetune", help="full or lora")
+    finetune: str = knob("full", "--finetune", help="full, lora, or qlora (LoRA on a bitsandbytes 4-bit base)")
     lora_rank: int = knob(16, "--lora-rank", help="LoRA rank")
+    quant: str = knob("nf4", "--quant", help="With --finetune qlora: the 4-bit type, nf4 or fp4 "
+                      "(bnb_4bit_quant_type)")
+    double_quant: bool = knob(True, "--double-quant/--no-double-quant", help="With --finetune qlora: quantize the "
+                              "absmax too (bnb_4bit_use_double_quant: 0.127 bits a weight, else 0.5)")
+    quant_storage: str = knob("bf16", "--quant-storage", help="With --finetune qlora: the dtype the packed weights "
+                              "are stored as (bnb_4bit_quant_storage): bf16, fp16, fp32 or uint8; FSDP needs the "
+                              "compute dtype's")
     routing_imbalance: float = knob(1.0, "--routing-imbalance", help="MoE with --ep: the busiest rank's routed "
                                     "tokens over the mean (1 = balanced routing, the default)")
     routing: str = knob("learned", "--routing", help="MoE router: learned (the model's gate), or round-robin (NeMo "
@@ -70,7 +77,8 @@ class TrainingRequest:
     def spec(self) -> TrainingSpec:
         return TrainingSpec(seq_len=self.seq_len, global_batch=self.global_batch, optimizer=self.optimizer,
                             optimizer_impl=self.optimizer_impl or "foreach", finetune=self.finetune,
-                            lora_rank=self.lora_rank,
+                            lora_rank=self.lora_rank, quant=self.quant, double_quant=self.double_quant,
+                            quant_storage=self.quant_storage,
                             routing_imbalance=self.routing_imbalance, routing=self.routing)
 
 

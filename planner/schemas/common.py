@@ -9,7 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from pydantic.json_schema import SkipJsonSchema
 
 from cost_models.schedules import Schedule
-from cost_models.spec_values import Finetune, Optimizer, OptimizerImpl
+from cost_models.spec_values import QUANT_STORAGE_DTYPES, Finetune, Optimizer, OptimizerImpl, QuantType
 from cost_models.specs import Attention, AttentionKernel, Kernel, LossKernel, Precision, Sharding
 
 SCHEMA_VERSION = 4  # 4: trainers and kernels (issue 26): config.norm_kernel / rope_kernel / swiglu_kernel / loss_kernel / attention_kernel, candidate.trainer; the trace's reserved from the allocator replay (issue 27): peak_reserved_flat_bytes, reserved_from, trace.allocator; 3: pipelines (issue 18): config.pp_schedule / pp_stages_per_rank, "pipeline", memory.pipeline_ranks, the time breakdown's pp terms, calibrate's measured.pipeline_ranks
@@ -59,7 +59,11 @@ class Training(_Out):
                     "shard in the state dtype at the step), fused (none) or for-loop (two copies of one parameter); "
                     "adamw-8bit: fused (bitsandbytes' kernel)")
     finetune: Literal[tuple(f.value for f in Finetune)]
-    lora_rank: absent_or(int, "LoRA adapters' rank (LoRA only)")
+    lora_rank: absent_or(int, "LoRA adapters' rank (LoRA and QLoRA only)")
+    quant: absent_or(Literal[tuple(q.value for q in QuantType)], "QLoRA only: bitsandbytes' 4-bit type")
+    double_quant: absent_or(bool, "QLoRA only: the absmax quantized too (0.127 bits a weight, else 0.5)")
+    quant_storage: absent_or(Literal[QUANT_STORAGE_DTYPES], "QLoRA only: bnb_4bit_quant_storage, the dtype the "
+                                                            "packed weights are stored, sharded and gathered as")
     routing_imbalance: absent_or(float, "MoE with EP: the busiest rank's routed rows over the mean (absent: 1)")
     routing: absent_or(Literal["round-robin"], "MoE router: NeMo Automodel's FakeBalancedGate (absent: learned)")
 

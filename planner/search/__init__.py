@@ -196,6 +196,8 @@ def search(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, profi
     then the whole knob space on the fastest scouted pipeline where it beats the meshes without PP on the same knobs."""
     found: list[_Found] = []
     skipped: list[str] = []
+    if training.quantized:  # QLoRA's 4-bit linears take no Float8 (cost_models/qlora.refusals)
+        space = replace(space, float8=(False,), fp8_all_gather=(False,))
     shardings = space.shardings_for(cluster)
     if len(shardings) < len(space.shardings):
         skipped.append("HYBRID strategies: single node (or GPUs not divisible by GPUs per node), "

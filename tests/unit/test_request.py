@@ -20,11 +20,11 @@ def test_every_knob_is_declared_once_in_one_group():
         groups.setdefault(k.group, []).append(k.name)
     assert len(groups["cluster"]) == 8 and groups["cluster"][:3] == ["gpus", "gpus_per_node", "gpu"]
     assert groups["training"] == ["seq_len", "global_batch", "optimizer", "optimizer_impl", "finetune", "lora_rank",
-                                  "routing_imbalance", "routing"]
+                                  "quant", "double_quant", "quant_storage", "routing_imbalance", "routing"]
     assert groups["config.mesh"] == ["tp", "cp", "ep", "pp", "pp_schedule", "pp_stages_per_rank", "async_tp",
                                      "sequence_parallel"]
     assert groups["search"] == ["precisions", "reduce_dtypes"]
-    assert len(groups["config"]) == 25 and len(table) == 54  # 54: the trainer (planner/trainers) at the top
+    assert len(groups["config"]) == 25 and len(table) == 57  # 57: the trainer (planner/trainers) at the top
     # the flag of a knob is its name in kebab case, so a flag names one field per command
     for k in table.values():
         if k.flag.decls:
@@ -112,12 +112,12 @@ def test_every_flag_of_every_command_is_one_field():
     # one flag, one field: only the search's lists share a flag with the one configuration's value
     shared = {flag: names for flag, names in spelled.items() if len(names) > 1}
     assert shared == {"--precision": {"precision", "precisions"}, "--reduce-dtype": {"reduce_dtype", "reduce_dtypes"}}
-    # by hand: estimate 9 cluster (with --model) + 6 training + attention + 23 config + 8 mesh + routing x 2 +
-    # trainer + trust_remote_code = 51; plan 9 + 6 + attention + attention_kernel + liger + 4 kernels + 2 search + 8
-    # mesh + routing x 2 + trainer + trust = 36; explain 9 + 6 +
-    # attention + 9 config + 8 mesh = 33; calibrate 5 cluster + 6 training + attention + precisions + 7 config +
-    # 7 mesh = 27 (and its own 19 from CalibrationRequest); check 9 + 6 + 6 config = 21
-    assert from_request == {"plan": 36, "estimate": 51, "trace": 51, "explain": 33, "calibrate": 27, "check": 21,
+    # by hand: estimate 9 cluster (with --model) + 9 training + attention + 23 config + 8 mesh + routing x 2 +
+    # trainer + trust_remote_code = 54; plan 9 + 9 + attention + attention_kernel + liger + 4 kernels + 2 search + 8
+    # mesh + routing x 2 + trainer + trust = 39; explain 9 + 9 +
+    # attention + 9 config + 8 mesh = 36; calibrate 5 cluster + 9 training + attention + precisions + 7 config +
+    # 7 mesh = 30 (and its own 19 from CalibrationRequest); check 9 + 9 + 6 config = 24
+    assert from_request == {"plan": 39, "estimate": 54, "trace": 54, "explain": 36, "calibrate": 30, "check": 24,
                             "models": 0, "gpus": 0, "schema": 0}
     assert own["calibrate"] == {"emit", "output_format", "fault"}  # the rest are CalibrationRequest's knobs
     assert own["estimate"] == {"output_format"} and own["check"] == {"dynamic_control_flow", "output_format"}
@@ -132,7 +132,7 @@ def test_a_knobs_default_is_the_apis_and_the_clis():
     for command, api, own in (("estimate", estimate, {"async_tp": False}), ("plan", plan, {})):
         signature = inspect.signature(api).parameters
         cli = {p.name: p.default for p in _cli_commands()[command].params if p.name in signature}
-        assert len(cli) == (52 if command == "estimate" else 37)  # the knobs, --profile; the model is positional
+        assert len(cli) == (55 if command == "estimate" else 40)  # the knobs, --profile; the model is positional
         for name, default in cli.items():
             if name != "model":
                 assert default == own.get(name, signature[name].default), (command, name)
