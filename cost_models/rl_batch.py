@@ -138,7 +138,9 @@ def batch_plan(b: RlBatch, n_gpus: int, heads: int, kv_heads: int, rollout_tp: i
     update = _micro_tokens(b.use_dynamic_bsz, micro, b.ppo_max_token_len_per_gpu, max(mini, 1), b, sp)
     log_prob = _micro_tokens(b.use_dynamic_bsz, b.log_prob_micro_batch_size_per_gpu,
                              b.log_prob_max_token_len_per_gpu, step_seqs, b, sp)
-    micro_count = 0 if b.use_dynamic_bsz else max(mini, 1) // micro  # dynamic: as the packing falls out
+    # dynamic: rearrange_micro_batches' count, ceil(the rank's mini-batch tokens / (budget x sp))
+    micro_count = (-(-max(mini, 1) * b.seq_tokens // (b.ppo_max_token_len_per_gpu * sp)) if b.use_dynamic_bsz
+                   else max(mini, 1) // micro)
     return BatchPlan(data_parallel=dp, sequences_per_step=seqs,
                      mini_batches_per_step=max(1, b.train_batch_size // b.ppo_mini_batch_size),
                      mini_batch_seqs_per_rank=mini, micro_batches_per_mini=micro_count,

@@ -28,7 +28,7 @@ from . import activations
 from .cluster_spec import ClusterSpec
 from .feasibility import Refusal
 from .memory import estimate_memory
-from .memory_types import MemoryBreakdown
+from .memory_types import MemoryBreakdown, ParamCounts
 from .model_spec import ModelSpec
 from .profile import Profile
 from .rl_batch import BatchPlan
@@ -146,22 +146,35 @@ def actor_states(model: ModelSpec, cluster: ClusterSpec, settings: RlSettings, b
     size = cluster.n_gpus if settings.fsdp_size == -1 else settings.fsdp_size
     shard_cluster = dataclasses.replace(cluster, gpus_per_node=min(size, cluster.n_gpus)) \
         if 1 < size < cluster.n_gpus else cluster
-    accum = max(batch.micro_batches_per_mini, 2 if batch.mini_batch_seqs_per_rank > 1 else 1)
-    config = actor_config(settings, cluster.n_gpus, settings.gradient_checkpointing, accum)
+    # verl accumulates gradients over the mini-batch's micro-batches; FSDP adds each block's reduce-scattered
+    # gradient into the shard in place (FSDP2 foreach_reduce: `sharded_param.grad._local_tensor += new_sharded_grad`,
+    # FSDP1 _accumulate_sharded_gradient): from the second micro-batch on the whole sharded gradient is resident
+    # and nothing more. The ledger is run without accumulation and the shard put in its place.
+    accumulating = batch.micro_batches_per_mini > 1
+    config = actor_config(settings, cluster.n_gpus, settings.gradient_checkpointing, 1)
     tokens = batch.update_tokens_per_gpu
     training = TrainingSpec(seq_len=tokens, finetune=settings.finetune, lora_rank=settings.lora_rank)
     est = estimate_memory(model, shard_cluster, training, config, profile)
     step = est.phases["optimizer_step"]
     body = est.phases["backward"]
+    if accumulating:
+        body = dataclasses.replace(body, sharded_grads=step.sharded_grads)
+    if settings.lora and config.precision.mixed:
+        # verl builds the actor in its model_dtype (fp32 by default) and PEFT keeps the base in it: the frozen
+        # shard is stored in fp32, where the ledger keeps a frozen base in the compute dtype
+        frozen = ParamCounts.of(model, training).frozen(model.n_layers)
+        extra = -(-frozen * (4 - DTYPE_BYTES[config.precision.compute_dtype]) // size)
+        body, step = (dataclasses.replace(b, sharded_params=b.sharded_params + extra) for b in (body, step))
     c = DTYPE_BYTES[config.precision.compute_dtype]
-    # the loss moment: every block's saved tensors (checkpointed: its input), the root's, the root gathered and
-    # the verl logits path; earlier micro-batches' gradients when accumulating
+    # the loss moment: every block's saved tensors (checkpointed: its input), the root's, the root gathered, the
+    # last block's all-gather prefetched for its backward, and the verl logits path
     per_block = (activations.checkpointed_block_bytes_per_token(model, c) if settings.gradient_checkpointing else
                  activations.block_bytes_per_token(model, c, Attention.SDPA, tokens, 1, training.adapter_rank))
     saved = tokens * (model.n_layers * per_block + activations.root_bytes_per_token(model, c, lora=settings.lora))
     loss = MemoryBreakdown(sharded_params=step.sharded_params, optimizer_state=step.optimizer_state,
-                           sharded_grads=step.sharded_grads if accum > 1 else 0,
+                           sharded_grads=step.sharded_grads if accumulating else 0,
                            unsharded_params=model.root_params * c, activations=saved,
+                           collective_buffers=model.block_params * c if size > 1 else 0,
                            logits_and_loss=verl_logits_bytes(model, tokens, c, settings))
     steady = max(body, loss, key=lambda b: b.total_bytes)
     first = dataclasses.replace(steady, optimizer_state=0)

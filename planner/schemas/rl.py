@@ -60,7 +60,8 @@ class RlBatch(_Out):
     data_parallel: int
     sequences_per_step: int
     mini_batch_seqs_per_rank: int
-    micro_batches_per_mini: int = Field(description="0 with dynamic batches (as the packing falls out)")
+    micro_batches_per_mini: int = Field(description="with dynamic batches: ceil(tokens / (budget x Ulysses)), "
+                                                    "verl's rearrange_micro_batches count")
     update_tokens_per_gpu: int
     log_prob_tokens_per_gpu: int
 

@@ -35,7 +35,9 @@ def test_dynamic_budget_is_per_gpu_times_ulysses():
     b = RlBatch(train_batch_size=64, rollout_n=4, ppo_mini_batch_size=32, max_prompt_length=512,
                 max_response_length=1024, use_dynamic_bsz=True, ppo_max_token_len_per_gpu=16_384,
                 ulysses_sequence_parallel_size=2)
-    assert batch_plan(b, 4, 28, 4, 2).update_tokens_per_gpu == 16_384
+    p = batch_plan(b, 4, 28, 4, 2)
+    assert p.update_tokens_per_gpu == 16_384
+    assert p.micro_batches_per_mini == 3   # verl's count: ceil(98,304 / 32,768)
     # a rank holding only 4 x 1,536 = 6,144 tokens packs them all: 3,072 per GPU
     small = RlBatch(train_batch_size=2, rollout_n=4, ppo_mini_batch_size=2, max_prompt_length=512,
                     max_response_length=1024, use_dynamic_bsz=True, ulysses_sequence_parallel_size=2)
