@@ -13,7 +13,7 @@ import json
 from cost_models import fsdp_options
 from cost_models.specs import ClusterSpec, FsdpConfig, ModelSpec, Precision, TrainingSpec
 
-from planner.emit import attention, optimizer
+from planner.emit import attention, optimizer, qlora
 from planner.emit.code import mesh as meshed
 from planner.emit.code import techniques as tech
 from planner.emit.kernels import hf_kernel_notes, hf_liger_arguments
@@ -181,7 +181,7 @@ def emit_hf_trainer(config: FsdpConfig, model_spec: ModelSpec, cluster: ClusterS
     notes += _expert_notes(config, "fsdp_config")
     if version == 2:
         notes += _fsdp1_only_notes(config, "--emit hf-trainer-fsdp1")
-    if training is not None and training.finetune.value == "lora":
+    if training is not None and training.finetune.adapters:
         notes.append("LoRA: apply the adapters (get_peft_model) before Trainer(...); the Trainer wraps PEFT adapters "
                      "in FSDP units of their own by itself")
     if config.offload:
@@ -199,6 +199,7 @@ def emit_hf_trainer(config: FsdpConfig, model_spec: ModelSpec, cluster: ClusterS
         *reduce_lines,
         *loss_lines,
         *attention.hf_trainer_lines(config),
+        *(qlora.python_lines(training, config) if qlora.applies(training, model_spec) else []),
         *([_comment(notes)] if notes else []),
         _comment([f"launch (Trainer builds the accelerator from these arguments; `accelerate launch` works too): "
                   f"{launch}"] + multi_node_note(cluster)),
@@ -286,6 +287,8 @@ def emit_accelerate(config: FsdpConfig, model_spec: ModelSpec, cluster: ClusterS
     header = _summary(config, model_spec, cluster) + [attention.yaml_comment(config)] + _notes(config, training) + \
         tech.accelerate_unexpressed(
         config, fsdp_version) + meshed.accelerate_notes(config) + [optimizer.script_note(training)]
+    if qlora.applies(training, model_spec):
+        header += qlora.yaml_notes(training, config)
     if cluster.n_nodes > 1:
         header.append("multi-node: pass --main_process_ip <address of machine_rank 0> to accelerate launch")
     if config.limit_all_gathers is False:

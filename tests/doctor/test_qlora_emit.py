@@ -1,0 +1,44 @@
+"""QLoRA through HF Trainer and accelerate (issue 29 item 1): --emit hf-trainer writes bnb_config and lora_config,
+which transformers and peft construct here with the plan's values (storage dtype = compute dtype, FSDP's
+cpu_ram_efficient_loading; FSDP1 with use_orig_params); accelerate's YAML loads, the loading code in its header."""
+
+import pytest
+import torch
+
+from cost_models.specs import FsdpConfig, TrainingSpec
+from planner.emit.trainers import emit_accelerate, emit_hf_trainer
+from planner.hardware import make_cluster
+from planner.models import load_preset
+
+SPEC = load_preset("llama3.1-70b")
+PAIR = make_cluster(2, gpu="rtx4090-24gb")
+QLORA = TrainingSpec(finetune="qlora", lora_rank=64, quant="nf4", double_quant=True)
+
+
+@pytest.mark.parametrize("fsdp_version", [2, 1])
+def test_hf_trainer_builds_the_planned_bitsandbytes_and_lora_configs(hf_snippet, fsdp_version):
+    pytest.importorskip("peft")
+    config = FsdpConfig(offload=True, ac_every=1, micro_batch=2)
+    ns = hf_snippet(emit_hf_trainer(config, SPEC, PAIR, QLORA, fsdp_version=fsdp_version))
+    bnb, lora, args = ns["bnb_config"], ns["lora_config"], ns["args"]
+    assert bnb.load_in_4bit and bnb.bnb_4bit_quant_type == "nf4" and bnb.bnb_4bit_use_double_quant
+    assert bnb.bnb_4bit_quant_storage == bnb.bnb_4bit_compute_dtype == torch.bfloat16
+    assert lora.r == 64 and lora.lora_alpha == 128 and set(lora.target_modules) == {"q_proj", "k_proj", "v_proj",
+                                                                                     "o_proj"}
+    assert args.fsdp_config["cpu_ram_efficient_loading"] in (True, "true")
+    if fsdp_version == 1:
+        assert args.fsdp_config["use_orig_params"] in (True, "true")
+
+
+def test_fp16_and_fp4_without_double_quant(hf_snippet):
+    training = TrainingSpec(finetune="qlora", quant="fp4", double_quant=False, quant_storage="fp16")
+    bnb = hf_snippet(emit_hf_trainer(FsdpConfig(precision="fp16"), SPEC, PAIR, training))["bnb_config"]
+    assert bnb.bnb_4bit_quant_type == "fp4" and not bnb.bnb_4bit_use_double_quant
+    assert bnb.bnb_4bit_quant_storage == bnb.bnb_4bit_compute_dtype == torch.float16
+
+
+def test_accelerate_yaml_loads_and_names_the_loading(tmp_path, load_accelerate):
+    text = emit_accelerate(FsdpConfig(offload=True, ac_every=1), SPEC, PAIR, QLORA, fsdp_version=2)
+    assert "bnb_4bit_quant_storage=torch.bfloat16" in text and "bnb_4bit_quant_type=\"nf4\"" in text
+    assert "fsdp_cpu_ram_efficient_loading: true" in text
+    load_accelerate(tmp_path, text)  # accelerate's own loader and launch-time resolution accept it
