@@ -131,30 +131,45 @@ def verl_logits_bytes(model: ModelSpec, tokens: int, c: int, settings: RlSetting
     return logits + 2 * tokens * v * c
 
 
-def actor_config(settings: RlSettings, n_gpus: int, checkpointing: bool, grad_accum: int) -> FsdpConfig:
-    """The FsdpConfig verl's actor runs: FULL_SHARD over the GPUs (fsdp_size -1), NO_SHARD for fsdp_size 1, else
-    HYBRID over fsdp_size; fp32 master weights with bf16 compute (or bf16 throughout); the loss priced apart."""
-    size = n_gpus if settings.fsdp_size == -1 else settings.fsdp_size
-    sharding = Sharding.FULL_SHARD if size >= n_gpus else Sharding.NO_SHARD if size == 1 else Sharding.HYBRID_SHARD
-    return FsdpConfig(sharding=sharding, precision=ACTOR_DTYPES[settings.actor_dtype], ac_every=int(checkpointing),
-                      micro_batch=1, grad_accum=grad_accum, attention=Attention.SDPA, loss_kernel=LossKernel.LIGER)
+@dataclass(frozen=True)
+class ActorRun:
+    """What the FSDP models price for verl's actor: the model as trained (all-linear LoRA adapters), the cluster
+    its shard group sees (HYBRID over fsdp_size: a node of fsdp_size GPUs), the FsdpConfig and the packed
+    micro-batch (micro_batch 1 of the micro-batch's tokens per GPU)."""
+
+    model: ModelSpec
+    cluster: ClusterSpec
+    config: FsdpConfig
+    training: TrainingSpec
+    shard_ranks: int
 
 
-def actor_states(model: ModelSpec, cluster: ClusterSpec, settings: RlSettings, batch: BatchPlan,
-                 profile: Profile) -> ActorStates:
+def actor_run(model: ModelSpec, cluster: ClusterSpec, settings: RlSettings, batch: BatchPlan) -> ActorRun:
+    """FULL_SHARD over the GPUs (fsdp_size -1), NO_SHARD for fsdp_size 1, else HYBRID over fsdp_size; fp32 master
+    weights with bf16 compute (or bf16 throughout); the loss priced apart (verl_logits_bytes)."""
+    size = cluster.n_gpus if settings.fsdp_size == -1 else min(settings.fsdp_size, cluster.n_gpus)
+    sharding = Sharding.FULL_SHARD if size == cluster.n_gpus else Sharding.NO_SHARD if size == 1 \
+        else Sharding.HYBRID_SHARD
+    config = FsdpConfig(sharding=sharding, precision=ACTOR_DTYPES[settings.actor_dtype],
+                        ac_every=int(settings.gradient_checkpointing), micro_batch=1, grad_accum=1,
+                        attention=Attention.SDPA, loss_kernel=LossKernel.LIGER)
+    return ActorRun(model=all_linear_lora(model) if settings.lora else model,
+                    cluster=dataclasses.replace(cluster, gpus_per_node=size) if 1 < size < cluster.n_gpus else cluster,
+                    config=config, training=TrainingSpec(seq_len=batch.update_tokens_per_gpu,
+                                                         finetune=settings.finetune, lora_rank=settings.lora_rank),
+                    shard_ranks=size)
+
+
+def actor_states(run: ActorRun, settings: RlSettings, batch: BatchPlan, profile: Profile) -> ActorStates:
     """The ledger's update at the packed micro-batch, with verl's log-prob loss in place of the cross-entropy."""
-    size = cluster.n_gpus if settings.fsdp_size == -1 else settings.fsdp_size
-    shard_cluster = dataclasses.replace(cluster, gpus_per_node=min(size, cluster.n_gpus)) \
-        if 1 < size < cluster.n_gpus else cluster
+    model, config, training, size = run.model, run.config, run.training, run.shard_ranks
     # verl accumulates gradients over the mini-batch's micro-batches; FSDP adds each block's reduce-scattered
     # gradient into the shard in place (FSDP2 foreach_reduce: `sharded_param.grad._local_tensor += new_sharded_grad`,
     # FSDP1 _accumulate_sharded_gradient): from the second micro-batch on the whole sharded gradient is resident
     # and nothing more. The ledger is run without accumulation and the shard put in its place.
     accumulating = batch.micro_batches_per_mini > 1
-    config = actor_config(settings, cluster.n_gpus, settings.gradient_checkpointing, 1)
-    tokens = batch.update_tokens_per_gpu
-    training = TrainingSpec(seq_len=tokens, finetune=settings.finetune, lora_rank=settings.lora_rank)
-    est = estimate_memory(model, shard_cluster, training, config, profile)
+    tokens = training.seq_len
+    est = estimate_memory(model, run.cluster, training, config, profile)
     step = est.phases["optimizer_step"]
     body = est.phases["backward"]
     if accumulating:
@@ -233,8 +248,7 @@ def _phase(name: str, torch_terms: dict, engine_terms: dict, profile: Profile, o
 def rl_phases(model: ModelSpec, cluster: ClusterSpec, settings: RlSettings, engine: EngineSettings,
               batch: BatchPlan, profile: Profile) -> RlMemory:
     """Every phase of a GRPO step on one GPU (see the module docstring)."""
-    actor_model = all_linear_lora(model) if settings.lora else model
-    actor = actor_states(actor_model, cluster, settings, batch, profile)
+    actor = actor_states(actor_run(model, cluster, settings, batch), settings, batch, profile)
     c = 2  # bf16 compute (the actor's mixed precision, the reference, the engine)
     ref = reference_bytes(model, cluster, settings)
     ref_resident = 0 if settings.ref_param_offload else ref

@@ -12,6 +12,7 @@ from cost_models.profile import DEFAULT_PROFILE, Profile
 from cost_models.rl_batch import BatchPlan, RlBatch, batch_plan
 from cost_models.rl_host import HostRam, host_ram_per_node
 from cost_models.rl_phases import RlMemory, RlSettings, rl_phases
+from cost_models.rl_time import RlTime, rl_step_time
 from cost_models.rollout_engine import EngineSettings
 from cost_models.units import GiB
 
@@ -29,6 +30,7 @@ class RlEstimate:
     engine_settings: EngineSettings
     memory: RlMemory
     host: HostRam
+    time: RlTime
     reasons: tuple[str, ...]
 
     @property
@@ -71,6 +73,10 @@ def evaluate_rl(request: RlRequest, profile: Profile | None = None, model: Model
     plan = batch_plan(batch, cluster.n_gpus, spec.n_heads, spec.n_kv_heads, engine.tp)
     memory = rl_phases(spec, cluster, settings, engine, plan, profile)
     host = host_ram_per_node(spec, cluster, settings, memory.actor, memory.engine)
+    time = rl_step_time(spec, cluster, settings, engine, memory.engine, plan, memory.actor,
+                        batch.mean_prompt_length or batch.max_prompt_length,
+                        batch.mean_response_length or batch.max_response_length, profile,
+                        batch.ulysses_sequence_parallel_size)
     reasons = [f"{r.field}: {r.reason}; {r.fix}" for r in memory.refusals]
     capacity = cluster.gpu.memory_bytes
     for phase in memory.phases:
@@ -83,7 +89,7 @@ def evaluate_rl(request: RlRequest, profile: Profile | None = None, model: Model
         reasons.append(f"host RAM: needs {host.peak_bytes / GiB:.0f} GiB per node > {ram / GiB:.0f} GiB "
                        f"(--cpu-ram-per-node)")
     return RlEstimate(request=request, model=spec, cluster=cluster, batch=plan, engine_settings=engine,
-                      memory=memory, host=host, reasons=tuple(reasons))
+                      memory=memory, host=host, time=time, reasons=tuple(reasons))
 
 
 def rl_estimate(model, gpus: int | None = None, *, profile: Profile | None = None, **knobs) -> RlEstimate:

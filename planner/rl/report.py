@@ -12,9 +12,12 @@ from cost_models.units import GiB
 from planner.line_width import LINE_WIDTH
 
 from .evaluate import RlEstimate
+from .search import RlPlan
 
 # What the figures rest on beyond the engines' and verl's own code (said in every output).
 ESTIMATES = ("engine profile-run activations and CUDA-graph pool (rollout_engine.py)",
+             "every step time: a decode roofline, the FSDP step model at the micro-batch, bytes over links "
+             "(rl_time.py)",
              "log-prob forward working set: one block's saved bytes as its bound (rl_phases.py)",
              "mean lengths under remove-padding: as given, else the maxima")
 
@@ -50,6 +53,7 @@ def rl_dict(e: RlEstimate) -> dict:
                   "micro_batches_per_mini": e.batch.micro_batches_per_mini,
                   "update_tokens_per_gpu": e.batch.update_tokens_per_gpu,
                   "log_prob_tokens_per_gpu": e.batch.log_prob_tokens_per_gpu},
+        "time": e.time.to_dict(),
         "estimates": list(ESTIMATES),
     }
 
@@ -82,6 +86,9 @@ def rl_text(e: RlEstimate) -> str:
         tabulate(rows, headers=["phase", "reserved", "resident and transient", "off the GPU"], tablefmt="simple",
                  disable_numparse=True, maxcolwidths=[None, None, 50, 20]),
         "",
+        textwrap.fill("Step time (s, estimates): " + ", ".join(f"{k.removesuffix('_s').replace('_', ' ')} {v:.0f}"
+                                                                for k, v in e.time.to_dict().items()), LINE_WIDTH),
+        "",
         "Host RAM per node (GiB):",
         tabulate(host, tablefmt="simple", disable_numparse=True),
         "",
@@ -90,3 +97,29 @@ def rl_text(e: RlEstimate) -> str:
     lines += [textwrap.fill(t, LINE_WIDTH, subsequent_indent="  ") for t in (verdict, "estimates: "
                                                                                + "; ".join(ESTIMATES))]
     return "\n".join(lines)
+
+
+def _knobs(e: RlEstimate) -> list:
+    r = e.request
+    micro = "dynamic" if r.use_dynamic_bsz else str(r.ppo_micro_batch_size_per_gpu)
+    offload = "+".join(n for n, on in (("param", r.param_offload), ("opt", r.optimizer_offload)) if on) or "-"
+    return [offload, micro, f"{r.gpu_memory_utilization}", str(r.rollout_tp)]
+
+
+def rl_plan_text(p: RlPlan) -> str:
+    shown = p.ranked or p.misses
+    rows = [[i + 1, *_knobs(e), e.memory.peak.name, gib(e.memory.peak.reserved_bytes), f"{e.time.step_s:.0f}",
+             f"{e.time.generation_s:.0f}", f"{e.time.log_prob_s:.0f}", f"{e.time.update_s:.0f}",
+             f"{e.time.weight_sync_s + e.time.offload_s:.0f}"] for i, e in enumerate(shown)]
+    title = (f"{len(p.ranked)} fastest of the configurations that fit ({p.searched} searched), by estimated step "
+             "time (s):" if p.ranked else f"Nothing fits ({p.searched} searched); the smallest peaks:")
+    # seconds: the step and its parts (generation, log-probs, update, weight sync + offload copies)
+    table = tabulate(rows, headers=["#", "offload", "micro", "util", "TP", "peak in", "GiB", "step", "gen", "logp",
+                                    "upd", "sync"], tablefmt="simple", disable_numparse=True)
+    lines = [textwrap.fill(title, LINE_WIDTH), table, "", "Best:" if p.ranked else "Nearest miss:", rl_text(shown[0])]
+    return "\n".join(lines)
+
+
+def rl_plan_json(p: RlPlan) -> str:
+    return json.dumps({"searched": p.searched, "fits": bool(p.ranked),
+                       "candidates": [rl_dict(e) for e in p.ranked or p.misses]}, indent=2)

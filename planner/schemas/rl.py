@@ -66,6 +66,17 @@ class RlBatch(_Out):
     log_prob_tokens_per_gpu: int
 
 
+class RlTime(_Out):
+    """cost_models.rl_time.RlTime: one step's estimated seconds by part."""
+
+    generation_s: float
+    log_prob_s: float
+    update_s: float
+    weight_sync_s: float
+    offload_s: float
+    step_s: float
+
+
 class RlEstimateOutput(_Out):
     model: ModelSummary
     gpus: int
@@ -75,4 +86,13 @@ class RlEstimateOutput(_Out):
     memory: RlMemory
     engine: RlEngine
     batch: RlBatch
+    time: RlTime
     estimates: list[str] = Field(description="which figures are estimates rather than the engines' or verl's code")
+
+
+class RlPlanOutput(_Out):
+    """`fsdp-plan rl --format json`: the ranked configurations (the nearest misses when nothing fits)."""
+
+    searched: int
+    fits: bool
+    candidates: list[RlEstimateOutput] = Field(description="fastest first; when nothing fits, smallest peak first")

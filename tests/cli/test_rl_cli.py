@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from planner.line_width import LINE_WIDTH
-from planner.schemas.rl import RlEstimateOutput
+from planner.schemas.rl import RlEstimateOutput, RlPlanOutput
 
 CLI = [sys.executable, "-m", "planner.cli"]
 JOB = ["rl", "estimate", "--model", "qwen2.5-7b", "--gpus", "8", "--gpu", "h100-80gb", "--prompt-len", "1024",
@@ -38,6 +38,20 @@ def test_json_follows_its_schema_and_names_the_peak(as_json):
     # level-1 weight backup: 7,615,616,512 x 2 B / TP 2 x 8 GPUs
     assert m["host"]["terms"]["engine weight backup (sleep level 1)"] == 60_924_932_096
     assert as_json["fits"] is True
+
+
+def test_rl_ranks_what_fits_by_step_time():
+    """The issue's "done when" command: a ranked table of configurations that fit, then the best one's phases."""
+    r = run("rl", *JOB[2:], "--format", "json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    RlPlanOutput.model_validate(out)
+    steps = [c["time"]["step_s"] for c in out["candidates"]]
+    assert out["fits"] and all(c["fits"] for c in out["candidates"]) and steps == sorted(steps)
+    assert out["searched"] == 2 * 2 * 5 * 5 * 3   # offloads, micro-batches, utilizations, TP 1 / 2 / 4 (28 heads)
+    table = run("rl", *JOB[2:])
+    assert table.returncode == 0 and "by estimated step time" in table.stdout and "Best:" in table.stdout
+    assert max(len(line) for line in table.stdout.splitlines()) <= LINE_WIDTH
 
 
 def test_table_fits_the_terminal():

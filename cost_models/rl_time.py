@@ -1,0 +1,92 @@
+"""Time of one verl GRPO step, split into generation, log-probs, update, weight sync and offload transfers. Every
+part is an estimate (a roofline or the FSDP step-time model at the micro-batch), meant to rank configurations of
+one job against each other, not to predict a wall clock:
+
+- generation: a decode roofline per engine replica (rollout TP GPUs): each decode step reads the weights on a GPU
+  and the KV cache of the sequences running (HBM-bound), sequences run in waves of the KV capacity (or
+  max_num_seqs); prefill at the bf16 peak x the GPU's measured matmul efficiency. Ignored: preemption, the
+  sampler, the scheduler's gaps, the unequal lengths that leave the last wave's tail;
+- update: the FSDP step-time model (step_time.py) of one micro-batch, times the micro-batches of a step, plus one
+  optimizer step per mini-batch;
+- log-probs (old and reference): the update's forward, a third of its compute without recompute, per token;
+- weight sync: every actor parameter all-gathered over the shard group in its stored dtype (intra-node bus);
+- offload: the host<->device bytes each step moves: actor params in and out for log-prob, update and sync; Adam's
+  states in and out for the update; the offloaded reference streamed in once; sleep level 1's weight backup
+  out and back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+from .cluster_spec import ClusterSpec
+from .model_spec import ModelSpec
+from .profile import Profile
+from .rl_batch import BatchPlan
+from .rl_phases import ActorStates, RlSettings, actor_run, reference_bytes
+from .rollout_engine import EngineMemory, EngineSettings, KvShape
+from .step_time import estimate_step_time
+
+PASSES_PER_STEP = 3   # actor params loaded for compute_log_prob, update_actor and the weight sync
+
+
+@dataclass(frozen=True)
+class RlTime:
+    generation_s: float
+    log_prob_s: float
+    update_s: float
+    weight_sync_s: float
+    offload_s: float
+
+    @property
+    def step_s(self) -> float:
+        return self.generation_s + self.log_prob_s + self.update_s + self.weight_sync_s + self.offload_s
+
+    def to_dict(self) -> dict:
+        return {**dataclasses.asdict(self), "step_s": self.step_s}
+
+
+def generation_s(model: ModelSpec, cluster: ClusterSpec, s: EngineSettings, e: EngineMemory, seqs_per_replica: int,
+                 prompt_tokens: int, response_tokens: int) -> float:
+    gpu = cluster.gpu
+    running = max(1, min(e.max_concurrent_seqs, seqs_per_replica))
+    waves = math.ceil(seqs_per_replica / running)
+    kv_token_bytes = KvShape.of(model).token_bytes_per_layer(s.tp, s.kv_dtype_bytes) * model.n_layers
+    context = prompt_tokens + response_tokens / 2   # the mean context a decode step reads
+    decode = waves * response_tokens * (e.weights_bytes + running * context * kv_token_bytes) / gpu.hbm_bytes_per_s
+    flops = 2 * model.active_params / s.tp * seqs_per_replica * prompt_tokens
+    prefill = flops / (gpu.priced_peak_flops("bf16") * (gpu.matmul_efficiency or 0.8))
+    return decode + prefill
+
+
+def rl_step_time(model: ModelSpec, cluster: ClusterSpec, settings: RlSettings, engine: EngineSettings,
+                 e: EngineMemory, batch: BatchPlan, actor: ActorStates, prompt_tokens: int, response_tokens: int,
+                 profile: Profile, sp: int) -> RlTime:
+    """prompt / response tokens: the means the engine generates; sp: the Ulysses degree."""
+    run = actor_run(model, cluster, settings, batch)
+    # priced as the sequences it packs (flash-attention's varlen kernel attends within each): micro-batches of
+    # whole sequences of their mean length (over sp with Ulysses), per token
+    tokens = batch.update_tokens_per_gpu
+    seq = max(1, min(tokens, (prompt_tokens + response_tokens) // sp))
+    seqs = max(1, round(tokens / seq))
+    micro = estimate_step_time(run.model, run.cluster, dataclasses.replace(run.training, seq_len=seq),
+                               dataclasses.replace(run.config, micro_batch=seqs), profile)
+    per_token = (micro.step_s - micro.optimizer_s) / (seqs * seq)
+    per_step = max(1, batch.micro_batches_per_mini) * batch.mini_batches_per_step
+    update = per_step * tokens * per_token + batch.mini_batches_per_step * micro.optimizer_s
+    forward_per_token = (micro.compute_s - micro.recompute_s) / 3 / (seqs * seq)
+    rank_tokens = batch.step_seqs_per_rank * (prompt_tokens + response_tokens) / sp
+    log_prob = 2 * forward_per_token * rank_tokens
+    d = run.shard_ranks
+    bus = cluster.gpu.intra_node_bus_bytes_per_s
+    sync = actor.params_bytes * (d - 1) / bus if d > 1 else actor.params_bytes / cluster.gpu.hbm_bytes_per_s
+    moved = (2 * PASSES_PER_STEP * actor.params_bytes * settings.param_offload
+             + 2 * actor.optimizer_bytes * settings.optimizer_offload
+             + reference_bytes(model, cluster, settings) * settings.ref_param_offload
+             + 2 * e.weights_bytes * (settings.sleep_level == 1))
+    return RlTime(generation_s=generation_s(model, cluster, engine, e, batch.rollout_seqs_per_replica, prompt_tokens,
+                                            response_tokens),
+                  log_prob_s=log_prob, update_s=update, weight_sync_s=sync,
+                  offload_s=moved / cluster.gpu.pcie_bytes_per_s)

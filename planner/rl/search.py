@@ -1,0 +1,48 @@
+"""`fsdp-plan rl`: a small search over the knobs verl users tune for a GRPO job - actor param / optimizer offload,
+the update's micro-batch, the engine's gpu_memory_utilization and rollout TP - each configuration priced by
+evaluate_rl, ranked by the estimated step time (cost_models/rl_time.py) among those that fit."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from dataclasses import dataclass
+
+from cost_models.profile import Profile
+
+from ..models import resolve_model
+from .evaluate import RlEstimate, evaluate_rl
+from .request import RlRequest
+
+MICRO_BATCHES = (1, 2, 4, 8, 16)
+UTILIZATIONS = (0.3, 0.4, 0.5, 0.6, 0.7)
+TPS = (1, 2, 4, 8)
+
+
+@dataclass(frozen=True)
+class RlPlan:
+    request: RlRequest
+    ranked: tuple[RlEstimate, ...]   # those that fit, fastest first
+    misses: tuple[RlEstimate, ...]   # the nearest that do not (smallest peak first), when nothing fits
+    searched: int
+
+
+def search_space(request: RlRequest, n_gpus: int, heads: int) -> list[dict]:
+    """The knob values to try: every combination of offloads, micro-batch (static batches), utilization and a
+    rollout TP that divides the GPUs and the heads."""
+    tps = [t for t in TPS if n_gpus % t == 0 and heads % t == 0 and t <= n_gpus]
+    micros = [None] if request.use_dynamic_bsz else list(MICRO_BATCHES)
+    return [dict(param_offload=p, optimizer_offload=o, gpu_memory_utilization=u, rollout_tp=t,
+                 **({"ppo_micro_batch_size_per_gpu": m, "log_prob_micro_batch_size_per_gpu": m} if m else {}))
+            for p, o, m, u, t in itertools.product((False, True), (False, True), micros, UTILIZATIONS, tps)]
+
+
+def plan_rl(request: RlRequest, profile: Profile | None = None, top: int = 10) -> RlPlan:
+    """Price the search space (the request fixes everything else); rank what fits by step time."""
+    model = resolve_model(request.model)
+    cluster = request.cluster.spec()
+    space = search_space(request, cluster.n_gpus, model.n_heads)
+    priced = [evaluate_rl(dataclasses.replace(request, **knobs), profile, model=model) for knobs in space]
+    fits = sorted((e for e in priced if e.fits), key=lambda e: (round(e.time.step_s, 1), e.memory.peak.reserved_bytes))
+    misses = () if fits else tuple(sorted(priced, key=lambda e: e.memory.peak.reserved_bytes)[:top])
+    return RlPlan(request=request, ranked=tuple(fits[:top]), misses=misses, searched=len(space))
