@@ -24,6 +24,7 @@ from planner.doctor.rules_settings import (fp16_scaler, lora_without_orig_params
 from planner.doctor.rules_mesh import cannot_run, mesh_rules_broken, pipeline_split, tp_across_nodes
 from planner.doctor.rules_cost import (does_not_fit, micro_batch_headroom, slower_than_plan,
                                        kv_cache_with_checkpointing, reduce_in_low_precision)
+from planner.doctor.rules_qlora import RULES as QLORA_RULES
 from planner.doctor.rules_techniques import (float8_support, reshard_group, compile_dynamic_shapes,
                                              selective_op_unexpressed, checkpointing_outside_units, attention_unset)
 
@@ -31,7 +32,7 @@ RULES = (cannot_run, mesh_rules_broken, pipeline_split, tp_across_nodes, float8_
          attention_unset, checkpointing_outside_units, does_not_fit, fp16_scaler, lora_without_orig_params,
          lora_adapters_share_units, wrap_policy,
          hybrid_single_node, sync_module_states, forward_prefetch_dynamic, limit_all_gathers, fsdp2_removed_settings,
-         reduce_in_low_precision, kv_cache_with_checkpointing, micro_batch_headroom, slower_than_plan)
+         reduce_in_low_precision, kv_cache_with_checkpointing, micro_batch_headroom, slower_than_plan, *QLORA_RULES)
 
 
 def unwrapped_extra_bytes(setup: UserSetup, candidate: Candidate) -> int:

@@ -44,6 +44,7 @@ class UserSetup:
     model: str | None = None                # the model the setup names (torchtitan 0.3's --module / --config)
     pipeline: object = None                 # torchtitan's pipeline settings (pipeline.PipelineSettings)
     training: tuple = ()                    # (request knob, value) pairs the file fixes (Automodel: routing, optimizer)
+    qlora: object = None                    # a Python file's QLoRA loading (python_qlora.QloraSetup), else None
     attention_from: str = "config"          # where config.attention comes from: config (the reader's, or its trainer's
     #                                         own: flags, kwargs, torchtitan, Automodel) | code (the file sets
     #                                         attn_implementation) | comment (accelerate's YAML: a comment accelerate

@@ -12,8 +12,9 @@ accelerate config; a pipeline's MICROBATCH_SIZE and N_MICROBATCHES are code and 
 from __future__ import annotations
 
 import ast
+import dataclasses
 
-from planner.doctor.readers import python_fsdp, python_lightning
+from planner.doctor.readers import python_fsdp, python_lightning, python_qlora
 from planner.doctor.readers.python_ast import Snippet, dotted
 from planner.doctor.readers.python_shared import WRAPPERS, called, check_vocabulary
 from planner.errors import PlannerError
@@ -36,10 +37,15 @@ def from_python(text: str, source: str = "python"):
     snippet = Snippet(text, source)
     check_vocabulary(snippet)
     if called(snippet, "FSDPStrategy"):
-        return python_lightning.from_lightning(snippet)
-    if called(snippet, "fully_shard"):
-        return python_fsdp.from_fsdp2(snippet)
-    if called(snippet, "FullyShardedDataParallel"):
-        return python_fsdp.from_fsdp1(snippet)
+        setup = python_lightning.from_lightning(snippet)
+    elif called(snippet, "fully_shard"):
+        setup = python_fsdp.from_fsdp2(snippet)
+    elif called(snippet, "FullyShardedDataParallel"):
+        setup = python_fsdp.from_fsdp1(snippet)
+    else:
+        setup = None
+    if setup is not None:  # a QLoRA base the script loads (BitsAndBytesConfig): for rules_qlora
+        qlora, knobs = python_qlora.read_qlora(snippet)
+        return dataclasses.replace(setup, qlora=qlora, training=setup.training + knobs) if qlora else setup
     raise PlannerError("config", f"{source} calls none of fully_shard, FullyShardedDataParallel (FSDP), "
                                  "FSDPStrategy: fsdp-plan check reads the code of --emit fsdp2, fsdp1 or lightning")

@@ -32,7 +32,8 @@ KNOWN = frozenset({
     "precompute_float8_dynamic_scale_for_fsdp", "Replicate", "Shard", "DTensor", "ColwiseParallel", "RowwiseParallel",
     "SequenceParallel", "PrepareModuleInput", "parallelize_module", "loss_parallel", "context_parallel",
     "apply_expert_parallelism", "enable_symm_mem_for_group", "PipelineStage", "Trainer", "FSDPStrategy",
-    "ShardedGradScaler", *(s.torch_class for s in Schedule)})
+    "ShardedGradScaler", "StateDictOptions", "set_model_state_dict",  # (loading: read for QLoRA, python_qlora.py)
+    *(s.torch_class for s in Schedule)})
 # FSDP2 calls that change what is gathered when: not priced, so not read
 UNREAD_METHODS = ("set_modules_to_forward_prefetch", "set_modules_to_backward_prefetch", "set_reshard_after_backward",
                   "set_reshard_after_forward", "set_unshard_in_backward")

@@ -1,0 +1,68 @@
+"""QLoRA in a user's Python script, for `fsdp-plan check`'s rules (planner/doctor/rules_qlora.py): transformers'
+BitsAndBytesConfig(...) (its 4-bit type, double quantization, storage and compute dtypes), the dtype the model is
+loaded in (from_pretrained(dtype= / torch_dtype=)), peft's get_peft_model (autocast_adapter_dtype: fp32 adapters by
+default), transformers' gradient checkpointing (gradient_checkpointing_enable / gradient_checkpointing=True;
+reentrant unless gradient_checkpointing_kwargs says use_reentrant False) and its input-grad hook
+(enable_input_require_grads, or peft's prepare_model_for_kbit_training which calls it), and whether the ranks
+load the checkpoint once: a meta device (torch.device("meta"), device_map "meta", accelerate's
+init_empty_weights) or rank 0's state dict broadcast (StateDictOptions(broadcast_from_rank0=True))."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from planner.doctor.readers.python_ast import Snippet
+
+DTYPES = {"torch.bfloat16": "bf16", "torch.float16": "fp16", "torch.float32": "fp32", "torch.uint8": "uint8",
+          "torch.half": "fp16", "torch.float": "fp32", "bfloat16": "bf16", "float16": "fp16", "float32": "fp32",
+          "uint8": "uint8"}
+
+
+@dataclass(frozen=True)
+class QloraSetup:
+    quant_storage: str = "uint8"        # bitsandbytes' default when the script does not set it
+    compute_dtype: str = "fp32"         # BitsAndBytesConfig's default bnb_4bit_compute_dtype
+    base_dtype: str | None = None       # from_pretrained(dtype=...): the unquantized layers
+    adapter_dtype: str | None = None    # peft: fp32 (autocast_adapter_dtype, its default) or the base's
+    checkpointing: bool = False         # transformers' reentrant gradient checkpointing
+    input_grads_hook: bool = False
+    rank0_loading: bool = False         # meta-device init or rank 0's weights broadcast
+
+
+def read_qlora(snippet: Snippet) -> tuple[QloraSetup | None, tuple]:
+    """(what the rules read, the training knobs the file fixes), or (None, ()) without BitsAndBytesConfig."""
+    configs = [c for c in snippet.named("BitsAndBytesConfig") if _value(snippet, c.kwargs.get("load_in_4bit"))]
+    if not configs:
+        return None, ()
+    kw = configs[0].kwargs
+    dtype = lambda key, default: DTYPES.get(str(_value(snippet, kw.get(key))), default)  # noqa: E731
+    setup = QloraSetup(quant_storage=dtype("bnb_4bit_quant_storage", "uint8"),
+                       compute_dtype=dtype("bnb_4bit_compute_dtype", "fp32"))
+    for load in snippet.named("from_pretrained"):
+        value = load.kwargs.get("dtype", load.kwargs.get("torch_dtype"))
+        if value is not None:
+            setup = replace(setup, base_dtype=DTYPES.get(str(_value(snippet, value))))
+    peft = snippet.named("get_peft_model")
+    if peft:
+        autocast = _value(snippet, peft[0].kwargs.get("autocast_adapter_dtype"))
+        setup = replace(setup, adapter_dtype=setup.base_dtype if autocast is False else "fp32")
+    checkpointing = bool(snippet.named("gradient_checkpointing_enable")) or any(
+        _value(snippet, c.kwargs.get("gradient_checkpointing")) is True for c in snippet.calls)
+    reentrant = not any((_value(snippet, c.kwargs.get("gradient_checkpointing_kwargs")) or {}).get("use_reentrant")
+                        is False for c in snippet.calls if "gradient_checkpointing_kwargs" in c.kwargs)
+    meta = any(c.short == "device" and c.node.args and _value(snippet, c.node.args[0]) == "meta"
+               for c in snippet.calls) or any(_value(snippet, c.kwargs.get("device_map")) == "meta"
+                                              for c in snippet.named("from_pretrained", "from_config"))
+    broadcast = any(_value(snippet, c.kwargs.get("broadcast_from_rank0")) is True
+                    for c in snippet.named("StateDictOptions"))
+    setup = replace(setup, checkpointing=checkpointing and reentrant,
+                    input_grads_hook=bool(snippet.named("enable_input_require_grads", "prepare_model_for_kbit_training")),
+                    rank0_loading=meta or broadcast or bool(snippet.named("init_empty_weights")))
+    training = (("finetune", "qlora"), ("quant_storage", setup.quant_storage),
+                ("quant", str(_value(snippet, kw.get("bnb_4bit_quant_type")) or "fp4")),
+                ("double_quant", bool(_value(snippet, kw.get("bnb_4bit_use_double_quant")))))
+    return setup, training
+
+
+def _value(snippet: Snippet, node):
+    return None if node is None else snippet.value(node, "BitsAndBytesConfig")
