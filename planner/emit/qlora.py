@@ -38,7 +38,8 @@ def python_lines(training: TrainingSpec, config: FsdpConfig) -> list[str]:
         f"    bnb_4bit_compute_dtype=torch.{compute},",
         f"    bnb_4bit_quant_storage=torch.{storage},  # the compute dtype: FSDP gathers it with the rest",
         ")",
-        f"lora_config = LoraConfig(r={r}, lora_alpha={2 * r}, lora_dropout=0.0, bias=\"none\", task_type=\"CAUSAL_LM\",",
+        f"lora_config = LoraConfig(r={r}, lora_alpha={2 * r}, lora_dropout=0.0, bias=\"none\", "
+        "task_type=\"CAUSAL_LM\",",
         f"                         target_modules={list(TARGET_MODULES)!r})",
     ]
 

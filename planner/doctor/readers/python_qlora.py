@@ -56,7 +56,8 @@ def read_qlora(snippet: Snippet) -> tuple[QloraSetup | None, tuple]:
     broadcast = any(_value(snippet, c.kwargs.get("broadcast_from_rank0")) is True
                     for c in snippet.named("StateDictOptions"))
     setup = replace(setup, checkpointing=checkpointing and reentrant,
-                    input_grads_hook=bool(snippet.named("enable_input_require_grads", "prepare_model_for_kbit_training")),
+                    input_grads_hook=bool(snippet.named("enable_input_require_grads",
+                                                        "prepare_model_for_kbit_training")),
                     rank0_loading=meta or broadcast or bool(snippet.named("init_empty_weights")))
     training = (("finetune", "qlora"), ("quant_storage", setup.quant_storage),
                 ("quant", str(_value(snippet, kw.get("bnb_4bit_quant_type")) or "fp4")),
