@@ -34,6 +34,10 @@ def _check_mesh(spec: ModelSpec, config: FsdpConfig, n_gpus: int) -> None:
 
 
 def _check_supported(config: FsdpConfig, training: TrainingSpec) -> None:
+    if training.quantized:  # it would trace an unquantized LoRA base: 4x the bytes of the 4-bit one
+        raise TraceUnsupported("the trace tier builds no bitsandbytes 4-bit base (Params4bit quantizes real weights "
+                               "when loaded; fake tensors hold none): QLoRA's memory is the analytic estimate's, "
+                               "checked against real CPU runs (tests/distributed/test_torchrun_qlora.py)")
     if training.finetune.adapters:
         try:
             import peft  # noqa: F401

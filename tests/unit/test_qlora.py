@@ -43,3 +43,21 @@ def test_bad_quantization_values_name_the_field_and_choices(field, value, words)
     with pytest.raises(SpecError) as err:
         TrainingSpec(finetune="qlora", **{field: value})
     assert err.value.field == field and words in str(err.value)
+
+
+def test_cli_refuses_a_bad_quant_value_in_one_line_with_exit_2():
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "planner.cli", "estimate", "--model", "llama3-8b", "--gpus", "2",
+                        "--finetune", "qlora", "--quant-storage", "int8"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2
+    assert r.stderr.strip() == "error: quant_storage: unknown value 'int8'; choose one of: bf16, fp16, fp32, uint8"
+
+
+def test_trace_refuses_qlora_rather_than_tracing_an_unquantized_base():
+    from calibration.trace_limits import TraceUnsupported, _check_supported
+    from cost_models.specs import FsdpConfig
+
+    with pytest.raises(TraceUnsupported, match="builds no bitsandbytes 4-bit base"):
+        _check_supported(FsdpConfig(), TrainingSpec(finetune="qlora"))
