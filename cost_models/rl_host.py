@@ -41,7 +41,8 @@ class HostRam:
 
 
 def host_ram_per_node(model: ModelSpec, cluster: ClusterSpec, settings: RlSettings, actor: ActorStates,
-                      engine: EngineMemory) -> HostRam:
+                      engine: EngineMemory, critic: ActorStates | None = None) -> HostRam:
+    """`critic`: PPO's (rl_critic.py), its offloads and its checkpoint staged like the actor's."""
     gpus = cluster.gpus_per_node
     terms = {
         "actor params (offloaded)": actor.params_bytes * gpus if settings.param_offload else 0,
@@ -50,5 +51,10 @@ def host_ram_per_node(model: ModelSpec, cluster: ClusterSpec, settings: RlSettin
         "engine weight backup (sleep level 1)": engine.weights_bytes * gpus if settings.sleep_level == 1 else 0,
         "model copy in /dev/shm": model.n_params * 2 if settings.use_shm else 0,
     }
-    staging = (actor.params_bytes + actor.optimizer_bytes) * gpus
+    staged = [actor]
+    if critic is not None:
+        terms["critic params (offloaded)"] = critic.params_bytes * gpus * settings.critic_param_offload
+        terms["critic Adam states (offloaded)"] = critic.optimizer_bytes * gpus * settings.critic_optimizer_offload
+        staged.append(critic)
+    staging = sum(s.params_bytes + s.optimizer_bytes for s in staged) * gpus
     return HostRam(terms={k: v for k, v in terms.items() if v}, checkpoint_staging_bytes=staging)

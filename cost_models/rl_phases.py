@@ -1,4 +1,4 @@
-"""GPU memory per phase of a verl GRPO step (FSDP workers with the rollout engine in the same process), in verl's
+"""GPU memory per phase of a verl GRPO / PPO step (FSDP workers with the rollout engine in the same process), in verl's
 order: init, rollout, weight_sync, log_prob, ref_log_prob, update, optimizer_step, checkpoint. Each phase is what
 is resident (actor params / Adam states / reference, the engine awake or asleep) plus the transient peak of its
 work; the job's peak is the largest phase.
@@ -16,7 +16,8 @@ Sources (shared/reference/rl.md; verl of 2025, workers/fsdp_workers.py and shard
 - weight sync: the actor's shard loaded, the engine's weights awake (0.8-era verl: wake_up() wakes the KV cache
   too; later: weights first, KV after), and one gathered tensor at a time (full_tensor()): the largest one.
 Ignored: Ulysses' all-to-all buffers, the attention's workspaces, gradients after the update (freed: verl's
-zero_grad / offload), the critic (PPO) and a reward model.
+zero_grad / offload), a reward model. PPO's critic (rl_critic.py) adds its phases, critic_values and critic_update,
+and its resident states and process to every other.
 """
 
 from __future__ import annotations
@@ -37,7 +38,9 @@ from .spec_values import Attention, Finetune, LossKernel, Precision, Sharding, S
 from .specs import FsdpConfig, TrainingSpec
 from .units import DTYPE_BYTES
 
-PHASES = ("init", "rollout", "weight_sync", "log_prob", "ref_log_prob", "update", "optimizer_step", "checkpoint")
+PHASES = ("init", "rollout", "weight_sync", "log_prob", "ref_log_prob", "critic_values", "critic_update", "update",
+          "optimizer_step", "checkpoint")   # the critic's two: PPO only
+ALGORITHMS = ("grpo", "ppo")
 ACTOR_DTYPES = {"fp32": Precision.BF16, "bf16": Precision.BF16_PURE}  # stored dtype -> FSDP mixed precision
 STRATEGIES = ("fsdp", "fsdp2")
 ENTROPY_CHUNK_ROWS = 2048  # verl's entropy_from_logits_with_chunking default chunk
@@ -60,6 +63,9 @@ class RlSettings:
     fsdp_size: int = -1                # fsdp_config.fsdp_size: -1 all GPUs, 1 each GPU holds the whole actor
     sleep_level: int = 1               # vLLM sleep mode: 1 weights to host, 2 discarded
     use_shm: bool = False              # model.use_shm: the checkpoint copied to /dev/shm
+    algorithm: str = "grpo"            # algorithm.adv_estimator: grpo (no critic) | ppo (gae: a critic)
+    critic_param_offload: bool = False     # critic.model.fsdp_config.param_offload
+    critic_optimizer_offload: bool = False
 
     def __post_init__(self):
         if self.strategy not in STRATEGIES:
@@ -69,6 +75,8 @@ class RlSettings:
         object.__setattr__(self, "finetune", parse_enum(Finetune, self.finetune, "finetune"))
         if self.finetune is Finetune.QLORA:
             raise SpecError("finetune", "qlora is not a verl mode; choose one of: full, lora")
+        if self.algorithm not in ALGORITHMS:
+            raise SpecError("algorithm", f"unknown value {self.algorithm!r}; choose one of: {', '.join(ALGORITHMS)}")
         if self.sleep_level not in (1, 2):
             raise SpecError("sleep_level", f"must be 1 or 2, got {self.sleep_level}")
         if self.fsdp_size == 0 or self.fsdp_size < -1:
@@ -77,6 +85,10 @@ class RlSettings:
     @property
     def lora(self) -> bool:
         return self.finetune is Finetune.LORA
+
+    @property
+    def ppo(self) -> bool:
+        return self.algorithm == "ppo"
 
 
 @dataclass(frozen=True)
@@ -222,18 +234,22 @@ class RlMemory:
     engine: EngineMemory
     actor: ActorStates
     refusals: tuple[Refusal, ...]
+    critic: ActorStates | None = None   # PPO
 
     @property
     def peak(self) -> Phase:
         return max(self.phases, key=lambda p: p.reserved_bytes)
 
 
-def _offloaded(settings: RlSettings, actor_loaded: bool, adam_loaded: bool, engine_asleep: bool) -> tuple:
+def _offloaded(settings: RlSettings, actor_loaded: bool, adam_loaded: bool, engine_asleep: bool,
+               critic_loaded: bool = False) -> tuple:
     """What sits on the host (or is discarded) during a phase."""
     return tuple(name for name, away in (
         ("actor params", settings.param_offload and not actor_loaded),
         ("Adam states", settings.optimizer_offload and not adam_loaded),
         ("reference", settings.ref_param_offload and not settings.lora),
+        ("critic params", settings.ppo and settings.critic_param_offload and not critic_loaded),
+        ("critic Adam states", settings.ppo and settings.critic_optimizer_offload and not critic_loaded),
         (f"engine asleep (level {settings.sleep_level})", engine_asleep)) if away)
 
 
@@ -245,23 +261,38 @@ def _phase(name: str, torch_terms: dict, engine_terms: dict, profile: Profile, o
     return Phase(name, terms, reserved, tuple(offloaded), note)
 
 
+def critic_terms(critic: ActorStates | None, settings: RlSettings, profile: Profile) -> tuple[dict, dict, dict]:
+    """PPO's critic (its own worker process, verl's CriticWorker) beside every phase: its params and, from step 2,
+    Adam's states unless offloaded (torch terms), and its process's CUDA context (outside this allocator);
+    at init, the params only. GRPO: nothing."""
+    if critic is None:
+        return {}, {}, {}
+    params = 0 if settings.critic_param_offload else critic.params_bytes
+    adam = 0 if settings.critic_optimizer_offload else critic.optimizer_bytes
+    return ({"critic params": params}, {"critic params": params, "critic Adam states": adam},
+            {"critic CUDA context": profile.cuda_context_bytes})
+
+
 def rl_phases(model: ModelSpec, cluster: ClusterSpec, settings: RlSettings, engine: EngineSettings,
-              batch: BatchPlan, profile: Profile) -> RlMemory:
-    """Every phase of a GRPO step on one GPU (see the module docstring)."""
+              batch: BatchPlan, profile: Profile, critic: ActorStates | None = None) -> RlMemory:
+    """Every phase of a GRPO step on one GPU (see the module docstring); `critic`: PPO's (rl_critic.py)."""
     actor = actor_states(actor_run(model, cluster, settings, batch), settings, batch, profile)
     c = 2  # bf16 compute (the actor's mixed precision, the reference, the engine)
     ref = reference_bytes(model, cluster, settings)
     ref_resident = 0 if settings.ref_param_offload else ref
     params_resident = 0 if settings.param_offload else actor.params_bytes
     adam_resident = 0 if settings.optimizer_offload else actor.optimizer_bytes
-    e = engine_memory(model, engine, cluster.gpu.memory_bytes, params_resident + ref_resident,
+    critic_init, critic_held, critic_outside = critic_terms(critic, settings, profile)
+    e = engine_memory(model, engine, cluster.gpu.memory_bytes,
+                      params_resident + ref_resident + sum(critic_init.values()) + sum(critic_outside.values()),
                       profile.cuda_context_bytes)
-    graphs = {"engine CUDA graphs": e.cuda_graph_bytes}
+    graphs = {"engine CUDA graphs": e.cuda_graph_bytes, **critic_outside}
     awake = {"engine weights": e.weights_bytes, "engine KV cache": e.kv_bytes,
              "engine activations": e.activation_peak_bytes, **graphs}
     sync_engine = {"engine weights": e.weights_bytes, **graphs,
                    **({"engine KV cache": e.kv_bytes} if engine.version == "0.8" else {})}
     held = {"actor params": params_resident, "reference": ref_resident}
+    resident = {**held, "Adam states": adam_resident}
     fwd = forward_only_bytes(model, batch.log_prob_tokens_per_gpu, c, settings)
     gathered = {"gathered units": actor.unit_gather_bytes}
     ref_actor = {"actor params": actor.params_bytes} if settings.lora else {"actor params": params_resident}
@@ -272,22 +303,44 @@ def rl_phases(model: ModelSpec, cluster: ClusterSpec, settings: RlSettings, engi
             "Adam states": actor.optimizer_bytes, "step temporaries": actor.step_temporary_bytes}
     # (name, torch terms, engine terms, actor loaded, Adam loaded, engine asleep, note)
     rows = [
-        ("init", held, awake, False, False, False, "the engine sizes its KV cache beside what is resident"),
-        ("rollout", {**held, "Adam states": adam_resident}, awake, False, False, False,
+        ("init", {**held, **critic_init}, awake, False, False, False,
+         "the engine sizes its KV cache beside what is resident"),
+        ("rollout", {**resident, **critic_held}, awake, False, False, False,
          "from step 2: Adam's states resident unless offloaded (the KV budget never saw them)"),
         ("weight_sync", {"actor params": actor.params_bytes, "reference": ref_resident, "Adam states": adam_resident,
-                         "gathered tensor": actor.largest_tensor_bytes}, sync_engine, True, False, False,
-         "one parameter gathered at a time into the engine"),
+                         "gathered tensor": actor.largest_tensor_bytes, **critic_held}, sync_engine, True, False,
+         False, "one parameter gathered at a time into the engine"),
         ("log_prob", {"actor params": actor.params_bytes, **gathered, "reference": ref_resident,
-                      "Adam states": adam_resident, **fwd}, graphs, True, False, True, "forward only"),
-        ("ref_log_prob", {**ref_actor, "reference": ref_resident, **gathered, "Adam states": adam_resident, **fwd},
-         graphs, settings.lora, False, True, "LoRA: the actor without its adapter" if settings.lora else ""),
-        ("update", update, graphs, True, True, True, f"{label}; Adam's states in the backward from step 2"),
-        ("optimizer_step", step, graphs, True, True, True,
+                      "Adam states": adam_resident, **fwd, **critic_held}, graphs, True, False, True, "forward only"),
+        ("ref_log_prob", {**ref_actor, "reference": ref_resident, **gathered, "Adam states": adam_resident, **fwd,
+                          **critic_held}, graphs, settings.lora, False, True,
+         "LoRA: the actor without its adapter" if settings.lora else ""),
+        *critic_rows(critic, resident, critic_held, fwd, graphs),
+        ("update", {**update, **critic_held}, graphs, True, True, True,
+         f"{label}; Adam's states in the backward from step 2"),
+        ("optimizer_step", {**step, **critic_held}, graphs, True, True, True,
          "the first step creates Adam's states beside the foreach temporaries"),
-        ("checkpoint", {"actor params": actor.params_bytes, "Adam states": adam_resident, "reference": ref_resident},
-         graphs, True, False, True, ""),
+        ("checkpoint", {"actor params": actor.params_bytes, "Adam states": adam_resident, "reference": ref_resident,
+                        **critic_held}, graphs, True, False, True, ""),
     ]
-    phases = tuple(_phase(name, torch, eng, profile, _offloaded(settings, loaded, adam, asleep), note)
+    phases = tuple(_phase(name, torch, eng, profile,
+                          _offloaded(settings, loaded, adam, asleep, critic_loaded=name.startswith("critic")), note)
                    for name, torch, eng, loaded, adam, asleep, note in rows)
-    return RlMemory(phases=phases, engine=e, actor=actor, refusals=batch.refusals + e.refusals)
+    return RlMemory(phases=phases, engine=e, actor=actor, refusals=batch.refusals + e.refusals, critic=critic)
+
+
+def critic_rows(critic: ActorStates | None, resident: dict, critic_held: dict, fwd: dict, graphs: dict) -> list:
+    """PPO's compute_values (the critic's forward: a value per token, no vocabulary) and update_critic (its ledger
+    update, or its optimizer step where larger), the critic loaded whole, the actor as between phases."""
+    if critic is None:
+        return []
+    values = {**resident, "critic params": critic.params_bytes, "critic gathered units": critic.unit_gather_bytes,
+              "critic Adam states": critic_held["critic Adam states"],
+              "forward activations": fwd["forward activations"]}
+    backward = {f"critic {k.replace('_', ' ')}": v for k, v in critic.update_steady.to_dict().items()}
+    step = {"critic params": critic.params_bytes, "critic grads": critic.grads_bytes,
+            "critic Adam states": critic.optimizer_bytes, "critic step temporaries": critic.step_temporary_bytes}
+    update = max(backward, step, key=lambda t: sum(t.values()))
+    return [("critic_values", values, graphs, False, False, True, "PPO: the critic's forward"),
+            ("critic_update", {**resident, **update}, graphs, False, False, True,
+             "PPO: the critic's backward or optimizer step, whichever is larger")]

@@ -39,10 +39,12 @@ class RlTime:
     update_s: float
     weight_sync_s: float
     offload_s: float
+    critic_s: float = 0.0   # PPO: the critic's values and update (the actor's body, no vocabulary head)
 
     @property
     def step_s(self) -> float:
-        return self.generation_s + self.log_prob_s + self.update_s + self.weight_sync_s + self.offload_s
+        return self.generation_s + self.log_prob_s + self.update_s + self.weight_sync_s + self.offload_s \
+            + self.critic_s
 
     def to_dict(self) -> dict:
         return {**dataclasses.asdict(self), "step_s": self.step_s}
@@ -63,8 +65,9 @@ def generation_s(model: ModelSpec, cluster: ClusterSpec, s: EngineSettings, e: E
 
 def rl_step_time(model: ModelSpec, cluster: ClusterSpec, settings: RlSettings, engine: EngineSettings,
                  e: EngineMemory, batch: BatchPlan, actor: ActorStates, prompt_tokens: int, response_tokens: int,
-                 profile: Profile, sp: int) -> RlTime:
-    """prompt / response tokens: the means the engine generates; sp: the Ulysses degree."""
+                 profile: Profile, sp: int, with_critic: bool = False) -> RlTime:
+    """prompt / response tokens: the means the engine generates; sp: the Ulysses degree; with_critic: PPO's
+    critic priced as the actor's update plus one forward (its values), its head's FLOPs left out."""
     run = actor_run(model, cluster, settings, batch)
     # priced as the sequences it packs (flash-attention's varlen kernel attends within each): micro-batches of
     # whole sequences of their mean length (over sp with Ulysses), per token
@@ -89,4 +92,5 @@ def rl_step_time(model: ModelSpec, cluster: ClusterSpec, settings: RlSettings, e
     return RlTime(generation_s=generation_s(model, cluster, engine, e, batch.rollout_seqs_per_replica, prompt_tokens,
                                             response_tokens),
                   log_prob_s=log_prob, update_s=update, weight_sync_s=sync,
-                  offload_s=moved / cluster.gpu.pcie_bytes_per_s)
+                  offload_s=moved / cluster.gpu.pcie_bytes_per_s,
+                  critic_s=(update + log_prob / 2) if with_critic else 0.0)

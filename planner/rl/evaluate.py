@@ -10,6 +10,7 @@ from cost_models.evaluate import gpu_memory_reason
 from cost_models.model_spec import ModelSpec
 from cost_models.profile import DEFAULT_PROFILE, Profile
 from cost_models.rl_batch import BatchPlan, RlBatch, batch_plan
+from cost_models.rl_critic import critic_states
 from cost_models.rl_host import HostRam, host_ram_per_node
 from cost_models.rl_phases import RlMemory, RlSettings, rl_phases
 from cost_models.rl_time import RlTime, rl_step_time
@@ -57,7 +58,9 @@ def specs_of(r: RlRequest, model: ModelSpec) -> tuple[RlBatch, EngineSettings, R
                           param_offload=r.param_offload, optimizer_offload=r.optimizer_offload,
                           ref_param_offload=r.ref_param_offload, gradient_checkpointing=r.gradient_checkpointing,
                           entropy=r.entropy, entropy_chunking=r.entropy_chunking, fsdp_size=r.fsdp_size,
-                          sleep_level=r.sleep_level, use_shm=r.use_shm)
+                          sleep_level=r.sleep_level, use_shm=r.use_shm, algorithm=r.algorithm,
+                          critic_param_offload=r.critic_param_offload,
+                          critic_optimizer_offload=r.critic_optimizer_offload)
     return batch, engine, settings
 
 
@@ -71,12 +74,13 @@ def evaluate_rl(request: RlRequest, profile: Profile | None = None, model: Model
     cluster = request.cluster.spec()
     batch, engine, settings = specs_of(request, spec)
     plan = batch_plan(batch, cluster.n_gpus, spec.n_heads, spec.n_kv_heads, engine.tp)
-    memory = rl_phases(spec, cluster, settings, engine, plan, profile)
-    host = host_ram_per_node(spec, cluster, settings, memory.actor, memory.engine)
+    critic = critic_states(spec, cluster, settings, plan, profile) if settings.ppo else None
+    memory = rl_phases(spec, cluster, settings, engine, plan, profile, critic)
+    host = host_ram_per_node(spec, cluster, settings, memory.actor, memory.engine, critic)
     time = rl_step_time(spec, cluster, settings, engine, memory.engine, plan, memory.actor,
                         batch.mean_prompt_length or batch.max_prompt_length,
                         batch.mean_response_length or batch.max_response_length, profile,
-                        batch.ulysses_sequence_parallel_size)
+                        batch.ulysses_sequence_parallel_size, with_critic=settings.ppo)
     reasons = [f"{r.field}: {r.reason}; {r.fix}" for r in memory.refusals]
     capacity = cluster.gpu.memory_bytes
     for phase in memory.phases:

@@ -71,7 +71,7 @@ def rl_text(e: RlEstimate) -> str:
     host = [[k, gib(v)] for k, v in e.host.terms.items()]
     host += [["checkpoint staging", gib(e.host.checkpoint_staging_bytes)], ["peak (at a save)", gib(e.host.peak_bytes)]]
     head = [
-        f"{e.model.name} ({e.model.n_params / 1e9:.2f}B) GRPO on {e.cluster.n_gpus} x {e.cluster.gpu.id}: "
+        f"{e.model.name} ({e.model.n_params / 1e9:.2f}B) {r.algorithm.upper()} on {e.cluster.n_gpus} x {e.cluster.gpu.id}: "
         f"{r.strategy} actor {r.actor_dtype} ({r.finetune}), {r.engine} {r.engine_version} TP {r.rollout_tp} at "
         f"{r.gpu_memory_utilization}",
         f"batch: {b.sequences_per_step} sequences per step, {b.mini_batch_seqs_per_rank} per rank per mini-batch; "

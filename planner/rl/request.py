@@ -41,6 +41,8 @@ class RlRequest:
                                                       "token budget (default: the update's)")
     ulysses_sequence_parallel_size: int = knob(1, "--ulysses-sequence-parallel-size", help="Ulysses degree")
     use_remove_padding: bool = knob(True, "--use-remove-padding/--no-use-remove-padding", help="Pack real lengths")
+    algorithm: str = knob("grpo", "--algorithm", help="algorithm.adv_estimator: grpo (no critic) or ppo (gae: a "
+                          "critic, the actor's model with a value head, in its own worker)")
     # the actor (actor_rollout_ref.actor.* / model.*)
     strategy: str = knob("fsdp", "--strategy", help="actor.strategy: fsdp (FSDP1) or fsdp2")
     actor_dtype: str = knob("fp32", "--actor-dtype", help="fsdp_config.model_dtype: fp32 (verl's 2025 default) or "
@@ -59,6 +61,10 @@ class RlRequest:
     entropy_chunking: bool = knob(False, "--entropy-chunking/--no-entropy-chunking",
                                   help="actor.entropy_from_logits_with_chunking")
     fsdp_size: int = knob(-1, "--fsdp-size", help="fsdp_config.fsdp_size: -1 all GPUs, 1 no sharding")
+    critic_param_offload: bool = knob(False, "--critic-param-offload/--no-critic-param-offload", help="PPO: "
+                                      "critic.model.fsdp_config.param_offload")
+    critic_optimizer_offload: bool = knob(False, "--critic-optimizer-offload/--no-critic-optimizer-offload",
+                                          help="PPO: critic.model.fsdp_config.optimizer_offload")
     use_shm: bool = knob(False, "--use-shm/--no-use-shm", help="model.use_shm: the model copied to /dev/shm")
     # the rollout engine (actor_rollout_ref.rollout.*)
     engine: str = knob("vllm", "--engine", help="rollout.name: vllm or sglang")

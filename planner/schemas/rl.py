@@ -74,6 +74,7 @@ class RlTime(_Out):
     update_s: float
     weight_sync_s: float
     offload_s: float
+    critic_s: float = Field(description="PPO's critic (values and update); 0 for GRPO")
     step_s: float
 
 

@@ -6,6 +6,7 @@ import pytest
 
 from cost_models.profile import DEFAULT_PROFILE
 from cost_models.rl_batch import RlBatch, batch_plan
+from cost_models.rl_critic import critic_states
 from cost_models.rl_host import host_ram_per_node
 from cost_models.rl_phases import PHASES, RlSettings, all_linear_lora, rl_phases, verl_logits_bytes
 from cost_models.rollout_engine import EngineSettings
@@ -65,7 +66,7 @@ def test_actor_states_fp32_full(job):
 
 def test_phases_in_verls_order_and_adam_beside_the_engine(job):
     _, _, memory = job
-    assert tuple(p.name for p in memory.phases) == PHASES
+    assert tuple(p.name for p in memory.phases) == tuple(n for n in PHASES if not n.startswith("critic"))  # GRPO
     init, rollout = memory.phases[0], memory.phases[1]
     # the KV budget was sized without Adam's states; from step 2 they sit beside it (verl PR 1349): the rollout
     # holds 2 x 3,807,808,256 B more, times the profile's 5% fragmentation
@@ -93,3 +94,24 @@ def test_bad_settings_name_the_field():
         RlSettings(strategy="megatron")
     with pytest.raises(SpecError, match="finetune: qlora is not a verl mode; choose one of: full, lora"):
         RlSettings(finetune="qlora")
+
+
+def test_ppo_critic_beside_every_phase(qwen7):
+    """PPO: the critic (the actor's model with a Linear(3584, 1) value head: 7,615,616,512 - 152,064 x 3,584 +
+    3,585 = 7,070,622,721 parameters) in fp32 over 8 GPUs, in its own process (one more CUDA context)."""
+    cluster = make_cluster(8, gpu="h100-80gb")
+    batch = RlBatch(train_batch_size=64, rollout_n=8, ppo_mini_batch_size=32, max_prompt_length=1024,
+                    max_response_length=1024, ppo_micro_batch_size_per_gpu=4, mean_prompt_length=300,
+                    mean_response_length=500)
+    plan = batch_plan(batch, 8, qwen7.n_heads, qwen7.n_kv_heads, 2)
+    settings = RlSettings(algorithm="ppo")
+    critic = critic_states(qwen7, cluster, settings, plan, DEFAULT_PROFILE)
+    # fp32 over 8 GPUs: ceil(7,070,622,721 x 4 / 8); Adam's 8 B a parameter / 8 GPUs
+    assert (critic.params_bytes, critic.optimizer_bytes) == (3_535_311_361, 7_070_622_721)
+    engine = EngineSettings(gpu_memory_utilization=0.5, tp=2, max_model_len=2048)
+    ppo = rl_phases(qwen7, cluster, settings, engine, plan, DEFAULT_PROFILE, critic)
+    assert tuple(p.name for p in ppo.phases) == PHASES
+    rollout = ppo.phases[1].gpu_bytes
+    assert (rollout["critic params"], rollout["critic Adam states"]) == (critic.params_bytes, critic.optimizer_bytes)
+    assert rollout["critic CUDA context"] == DEFAULT_PROFILE.cuda_context_bytes
+    assert "logits and entropy" not in ppo.phases[5].gpu_bytes   # the critic's values: no vocabulary

@@ -1,0 +1,33 @@
+"""PPO's critic in verl (workers/fsdp_workers.py CriticWorker): the actor's model with a value head
+(AutoModelForTokenClassification, num_labels 1: a Linear(hidden, 1) with its bias in place of the vocabulary
+head), trained in full by its own FSDP worker process on the same GPUs, with its own param / optimizer offload.
+Its memory is the actor's rules on that model (rl_phases.actor_states): the ledger's update at the same packed
+micro-batch (critic.ppo_micro_batch_size_per_gpu taken equal to the actor's), no vocabulary-sized logits, no
+entropy. Ignored: a reward model, a LoRA critic."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from .cluster_spec import ClusterSpec
+from .model_spec import ModelSpec
+from .profile import Profile
+from .rl_batch import BatchPlan
+from .rl_phases import ActorStates, RlSettings, actor_run, actor_states
+from .spec_values import Finetune
+
+
+def value_model(model: ModelSpec) -> ModelSpec:
+    """The critic: the same blocks and embedding, a (hidden -> 1) value head with bias, untied."""
+    h = model.hidden_size
+    return dataclasses.replace(model, name=f"{model.name} (critic)", head_params=h + 1, vocab_size=1,
+                               tied_embeddings=False)
+
+
+def critic_states(model: ModelSpec, cluster: ClusterSpec, settings: RlSettings, batch: BatchPlan,
+                  profile: Profile) -> ActorStates:
+    critic_settings = dataclasses.replace(settings, finetune=Finetune.FULL, entropy=False, entropy_chunking=False,
+                                          param_offload=settings.critic_param_offload,
+                                          optimizer_offload=settings.critic_optimizer_offload)
+    critic = value_model(model)
+    return actor_states(actor_run(critic, cluster, critic_settings, batch), critic_settings, batch, profile)
