@@ -61,3 +61,31 @@ def test_trace_refuses_qlora_rather_than_tracing_an_unquantized_base():
 
     with pytest.raises(TraceUnsupported, match="builds no bitsandbytes 4-bit base"):
         _check_supported(FsdpConfig(), TrainingSpec(finetune="qlora"))
+
+
+def test_step_time_adds_each_blocks_dequantization_forward_backward_and_recompute():
+    """One GPU (no collectives, no FSDP copies): QLoRA's memory-bound time is LoRA's plus (2 L + checkpointed
+    blocks) dequantizations of a block, each reading the packed weights and absmax and writing bf16 weights.
+    Llama 3 8B's block: 4096^2 x 2 + 4096 x 1024 x 2 + 3 x 4096 x 14336 = 218,103,808 weights; moved
+    n / 2 + n x 2 + absmax (n / 64 B + n / 16384 x 4 B + 7 x 273 x 4 B) = 109,051,904 + 436,207,616 +
+    3,407,872 + 53,248 + 7,644 = 548,728,284 B."""
+    from cost_models.kernel_time import Rates
+    from cost_models.profile import DEFAULT_PROFILE
+    from cost_models.specs import FsdpConfig
+    from cost_models.step_time import estimate_step_time
+    from planner.hardware import make_cluster
+    from planner.models import load_preset
+
+    spec, cluster = load_preset("llama3-8b"), make_cluster(1, gpu="h100-80gb")
+    n = 218_103_808
+    assert qlora.quantized_per_block(spec) == n
+    moved = qlora.dequantize_bytes_moved_per_block(spec, 2, double_quant=True)
+    assert moved == n // 2 + 2 * n + n // 64 + n // 16384 * 4 + 7 * 273 * 4 == 548_728_284
+    rates = Rates.of(cluster.gpu, "bf16", DEFAULT_PROFILE, "flash2")
+    for ac_every, checkpointed in ((0, 0), (1, 32), (4, 8)):
+        config = FsdpConfig(sharding="NO_SHARD", ac_every=ac_every, micro_batch=2)
+        times = [estimate_step_time(spec, cluster, TrainingSpec(seq_len=1024, finetune=f), config, DEFAULT_PROFILE)
+                 for f in ("lora", "qlora")]
+        extra = (2 * spec.n_layers + checkpointed) * rates.memory_s(moved)
+        assert times[1].memory_bound_s - times[0].memory_bound_s == pytest.approx(extra, rel=1e-9)
+        assert times[1].matmul_s == times[0].matmul_s
