@@ -97,3 +97,33 @@ def test_fsdp1_block_units_with_fp32_adapters_and_without_use_orig_params(tmp_pa
     assert findings(tmp_path, same, full) == {}
     found = findings(tmp_path, same, full.replace("use_orig_params=True", "use_orig_params=False"))
     assert set(found) == {"qlora-without-use-orig-params"}
+
+
+def test_trl_arguments_with_a_quantization_config(tmp_path, hf_snippet):
+    """--emit hf-trainer's TrainingArguments and BitsAndBytesConfig, saved as TRL's SFTConfig saves them
+    (model_init_kwargs: quantization_config = BitsAndBytesConfig.to_dict(), dtype): the storage read back; with
+    bitsandbytes' uint8 default the finding; cpu_ram_efficient_loading counts as loading once."""
+    import json
+
+    from cost_models.specs import FsdpConfig, TrainingSpec
+    from planner.emit.trainers import emit_hf_trainer
+    from planner.hardware import make_cluster
+    from planner.models import load_preset
+
+    ns = hf_snippet(emit_hf_trainer(FsdpConfig(offload=True, ac_every=1), load_preset("llama3.1-70b"),
+                                    make_cluster(2, gpu="rtx4090-24gb"), TrainingSpec(finetune="qlora")))
+    data = ns["args"].to_dict()
+
+    def checked(quantization: dict) -> dict:
+        path = tmp_path / "sft_config.json"
+        path.write_text(json.dumps({**data, "model_init_kwargs": {"quantization_config": quantization,
+                                                                    "dtype": "bfloat16"}}))
+        setup = read_setup(path)
+        report = check(setup, "llama3.1-70b", 2, gpu="rtx4090-24gb")
+        assert report.candidate.training.quantized and setup.qlora.rank0_loading  # cpu_ram_efficient_loading
+        return {f.code for f in report.findings if f.code in QLORA_CODES}
+
+    good = ns["bnb_config"].to_dict()
+    assert good["bnb_4bit_quant_storage"] == "bfloat16"
+    assert checked(good) == set()  # the emitted arguments set cpu_ram_efficient_loading: rank 0 loads
+    assert checked({**good, "bnb_4bit_quant_storage": "uint8"}) == {"qlora-integer-quant-storage"}

@@ -9,7 +9,7 @@ init_empty_weights) or rank 0's state dict broadcast (StateDictOptions(broadcast
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from planner.doctor.readers.python_ast import Snippet
 
@@ -29,23 +29,35 @@ class QloraSetup:
     rank0_loading: bool = False         # meta-device init or rank 0's weights broadcast
 
 
+def from_quantization_config(values: dict, **found) -> tuple[QloraSetup, tuple]:
+    """(what the rules read, the training knobs it fixes) from BitsAndBytesConfig's keyword arguments as values
+    (dtypes as "torch.bfloat16" or transformers' serialised "bfloat16"; bitsandbytes' defaults where absent), and
+    what else the reader found (QloraSetup's other fields)."""
+    dtype = lambda key, default: DTYPES.get(str(values.get(key)), default)  # noqa: E731
+    setup = QloraSetup(quant_storage=dtype("bnb_4bit_quant_storage", "uint8"),
+                       compute_dtype=dtype("bnb_4bit_compute_dtype", "fp32"), **found)
+    training = (("finetune", "qlora"), ("quant_storage", setup.quant_storage),
+                ("quant", str(values.get("bnb_4bit_quant_type") or "fp4")),  # BitsAndBytesConfig's defaults
+                ("double_quant", bool(values.get("bnb_4bit_use_double_quant"))))
+    return setup, training
+
+
 def read_qlora(snippet: Snippet) -> tuple[QloraSetup | None, tuple]:
-    """(what the rules read, the training knobs the file fixes), or (None, ()) without BitsAndBytesConfig."""
+    """From a script: (what the rules read, the training knobs it fixes), or (None, ()) without
+    BitsAndBytesConfig(load_in_4bit=True)."""
     configs = [c for c in snippet.named("BitsAndBytesConfig") if _value(snippet, c.kwargs.get("load_in_4bit"))]
     if not configs:
         return None, ()
-    kw = configs[0].kwargs
-    dtype = lambda key, default: DTYPES.get(str(_value(snippet, kw.get(key))), default)  # noqa: E731
-    setup = QloraSetup(quant_storage=dtype("bnb_4bit_quant_storage", "uint8"),
-                       compute_dtype=dtype("bnb_4bit_compute_dtype", "fp32"))
+    values = {key: _value(snippet, node) for key, node in configs[0].kwargs.items()}
+    base = None
     for load in snippet.named("from_pretrained"):
         value = load.kwargs.get("dtype", load.kwargs.get("torch_dtype"))
         if value is not None:
-            setup = replace(setup, base_dtype=DTYPES.get(str(_value(snippet, value))))
+            base = DTYPES.get(str(_value(snippet, value)))
     peft = snippet.named("get_peft_model")
-    if peft:
-        autocast = _value(snippet, peft[0].kwargs.get("autocast_adapter_dtype"))
-        setup = replace(setup, adapter_dtype=setup.base_dtype if autocast is False else "fp32")
+    adapters = None
+    if peft:  # peft's autocast_adapter_dtype (default True) makes the adapters fp32 over a bf16 / fp16 base
+        adapters = base if _value(snippet, peft[0].kwargs.get("autocast_adapter_dtype")) is False else "fp32"
     checkpointing = bool(snippet.named("gradient_checkpointing_enable")) or any(
         _value(snippet, c.kwargs.get("gradient_checkpointing")) is True for c in snippet.calls)
     reentrant = not any((_value(snippet, c.kwargs.get("gradient_checkpointing_kwargs")) or {}).get("use_reentrant")
@@ -55,14 +67,20 @@ def read_qlora(snippet: Snippet) -> tuple[QloraSetup | None, tuple]:
                                               for c in snippet.named("from_pretrained", "from_config"))
     broadcast = any(_value(snippet, c.kwargs.get("broadcast_from_rank0")) is True
                     for c in snippet.named("StateDictOptions"))
-    setup = replace(setup, checkpointing=checkpointing and reentrant,
-                    input_grads_hook=bool(snippet.named("enable_input_require_grads",
-                                                        "prepare_model_for_kbit_training")),
-                    rank0_loading=meta or broadcast or bool(snippet.named("init_empty_weights")))
-    training = (("finetune", "qlora"), ("quant_storage", setup.quant_storage),
-                ("quant", str(_value(snippet, kw.get("bnb_4bit_quant_type")) or "fp4")),
-                ("double_quant", bool(_value(snippet, kw.get("bnb_4bit_use_double_quant")))))
-    return setup, training
+    return from_quantization_config(
+        values, base_dtype=base, adapter_dtype=adapters, checkpointing=checkpointing and reentrant,
+        input_grads_hook=bool(snippet.named("enable_input_require_grads", "prepare_model_for_kbit_training")),
+        rank0_loading=meta or broadcast or bool(snippet.named("init_empty_weights")))
+
+
+def from_model_init_kwargs(kwargs: dict, rank0_loading: bool) -> tuple[QloraSetup | None, tuple]:
+    """From TRL's SFTConfig / GRPOConfig model_init_kwargs: its quantization_config (BitsAndBytesConfig.to_dict())
+    and dtype. The script's adapters and checkpointing hook are not in the arguments: left unjudged."""
+    config = kwargs.get("quantization_config")
+    if not isinstance(config, dict) or not config.get("load_in_4bit"):
+        return None, ()
+    base = DTYPES.get(str(kwargs.get("dtype", kwargs.get("torch_dtype"))))
+    return from_quantization_config(config, base_dtype=base, rank0_loading=rank0_loading)
 
 
 def _value(snippet: Snippet, node):

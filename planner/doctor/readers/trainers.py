@@ -16,6 +16,7 @@ from planner.emit.optimizer import from_hf_optim
 from planner.emit.kernels import from_hf_liger
 from planner.errors import PlannerError
 from planner.doctor.readers.common import UserSetup, _bool, _int, _int_or_none, _positive_int, _strategy, _strip, accelerate_degrees
+from planner.doctor.readers import python_qlora
 
 # ---------------------------------------------------------------- Hugging Face TrainingArguments
 
@@ -196,6 +197,7 @@ def from_hf_trainer(data: dict, source: str = "TrainingArguments") -> UserSetup:
         **mesh, **attention,
     )
     optim, optim_notes = from_hf_optim(data, config.offload)
+    qlora, qlora_knobs = python_qlora.from_model_init_kwargs(data.get(attn.KWARGS) or {}, rank0)
     return UserSetup(
         config=config, fsdp_version=version, source=source, dialect="hf-trainer",
         explicit=frozenset(str(k).removeprefix("fsdp_") for k in data.get("fsdp_config") or {}),
@@ -205,13 +207,15 @@ def from_hf_trainer(data: dict, source: str = "TrainingArguments") -> UserSetup:
         sync_module_states=rank0 if version == 2 else _bool("fsdp_config.sync_module_states",
                                                             fsdp.get("sync_module_states", True)),
         init="rank0" if rank0 else "all",
+        state_dict_type=_strip(fsdp.get("state_dict_type", "FULL_STATE_DICT" if version == 1 else
+                                        "SHARDED_STATE_DICT")).upper(),  # accelerate's defaults
         grad_scaler="sharded" if fp16 else None,  # accelerate adds the ShardedGradScaler for fp16
         n_processes=replicas * shard * config.tp * config.cp if shard else None,
         n_machines=replicas if replicas > 1 else None,
         use_cache=_bool("use_cache", data.get("use_cache", False)),  # TrainingArguments' default: off
         unexpressed=(SELECTIVE_OP,) if ac_every == SELECTIVE_OP else (),
         notes=((ac_note,) if ac_note else ()) + optim_notes, checkpoint_regathers=regathers,
-        training=optim,  # the optimizer `optim` runs (planner/emit/optimizer.py)
-        attention_from=attention_from,
+        training=optim + qlora_knobs,  # the optimizer `optim` runs (planner/emit/optimizer.py); QLoRA's base
+        qlora=qlora, attention_from=attention_from,
     )
 
