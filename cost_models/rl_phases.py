@@ -60,6 +60,7 @@ class RlSettings:
     gradient_checkpointing: bool = True
     entropy: bool = True               # entropy computed in log-prob / update (entropy_coeff != 0 or logged)
     entropy_chunking: bool = False     # actor.entropy_from_logits_with_chunking
+    entropy_compile: bool = True       # actor.use_torch_compile: entropy_from_logits compiled (verl's default)
     fsdp_size: int = -1                # fsdp_config.fsdp_size: -1 all GPUs, 1 each GPU holds the whole actor
     sleep_level: int = 1               # vLLM sleep mode: 1 weights to host, 2 discarded
     use_shm: bool = False              # model.use_shm: the checkpoint copied to /dev/shm
@@ -127,20 +128,32 @@ def all_linear_lora(model: ModelSpec) -> ModelSpec:
     return dataclasses.replace(model, lora_target_shapes=attention + mlp)
 
 
-def verl_logits_bytes(model: ModelSpec, tokens: int, c: int, settings: RlSettings) -> int:
+# [tokens, vocab] tensors of the compute dtype alive at the entropy path's peak, traced with torch 2.13's eager
+# autograd on fake tensors (tests/unit/test_rl_logits_trace.py): the logits and verl's entropy_from_logits
+# (softmax, logsumexp, pd * logits) under no_grad; with grad, through its backward (a log-softmax beside it adds
+# nothing to the peak).
+ENTROPY_TENSORS_NO_GRAD = 3
+ENTROPY_TENSORS_EAGER_GRAD = 7
+# verl compiles entropy_from_logits by default (actor.use_torch_compile): AOTAutograd saves the logits and
+# recomputes the rest; the backward holds them, their gradient and one working tensor. An estimate (inductor does
+# not run on fake tensors).
+ENTROPY_TENSORS_COMPILED_GRAD = 3
+
+
+def verl_logits_bytes(model: ModelSpec, tokens: int, c: int, settings: RlSettings, grad: bool = True) -> int:
     """verl's dp_actor._forward_micro_batch on remove-padded tokens: the logits [tokens, vocab] in compute dtype
-    (transformers' lm_head, no upcast); log-probs by flash-attn's cross_entropy_loss (inplace_backward: the
-    logits' gradient overwrites them); the entropy (torch_functional.entropy_from_logits) adds softmax's output and
-    the product pd * logits, two more vocab-sized tensors (rl.md), or with chunking three fp32 chunks of
-    ENTROPY_CHUNK_ROWS rows. The same bytes with or without grad: under grad softmax's output is saved and the
-    product is the transient; under no_grad both are transients alive together."""
+    (transformers' lm_head, no upcast); log-probs by flash-attn's cross_entropy_loss (its gradient in place);
+    the entropy (verl torch_functional.entropy_from_logits) as traced or compiled (ENTROPY_TENSORS_*), or with
+    chunking (entropy_from_logits_with_chunking) three fp32 chunks of ENTROPY_CHUNK_ROWS rows beside the logits."""
     v = model.vocab_size
     logits = tokens * v * c
     if not settings.entropy:
         return logits
     if settings.entropy_chunking:
         return logits + 3 * min(tokens, ENTROPY_CHUNK_ROWS) * v * 4
-    return logits + 2 * tokens * v * c
+    if not grad:
+        return ENTROPY_TENSORS_NO_GRAD * logits
+    return (ENTROPY_TENSORS_COMPILED_GRAD if settings.entropy_compile else ENTROPY_TENSORS_EAGER_GRAD) * logits
 
 
 @dataclass(frozen=True)
@@ -218,7 +231,7 @@ def forward_only_bytes(model: ModelSpec, tokens: int, c: int, settings: RlSettin
     would save for backward), the residual stream in and out, and verl's logits path."""
     block = activations.block_bytes_per_token(model, c, Attention.SDPA, tokens, 1)
     return {"forward activations": tokens * (block + 2 * c * model.hidden_size),
-            "logits and entropy": verl_logits_bytes(model, tokens, c, settings)}
+            "logits and entropy": verl_logits_bytes(model, tokens, c, settings, grad=False)}
 
 
 def reference_bytes(model: ModelSpec, cluster: ClusterSpec, settings: RlSettings) -> int:

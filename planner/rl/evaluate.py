@@ -57,7 +57,8 @@ def specs_of(r: RlRequest, model: ModelSpec) -> tuple[RlBatch, EngineSettings, R
     settings = RlSettings(strategy=r.strategy, actor_dtype=r.actor_dtype, finetune=r.finetune, lora_rank=r.lora_rank,
                           param_offload=r.param_offload, optimizer_offload=r.optimizer_offload,
                           ref_param_offload=r.ref_param_offload, gradient_checkpointing=r.gradient_checkpointing,
-                          entropy=r.entropy, entropy_chunking=r.entropy_chunking, fsdp_size=r.fsdp_size,
+                          entropy=r.entropy, entropy_chunking=r.entropy_chunking,
+                          entropy_compile=r.use_torch_compile, fsdp_size=r.fsdp_size,
                           sleep_level=r.sleep_level, use_shm=r.use_shm, algorithm=r.algorithm,
                           critic_param_offload=r.critic_param_offload,
                           critic_optimizer_offload=r.critic_optimizer_offload)

@@ -60,6 +60,8 @@ class RlRequest:
     entropy: bool = knob(True, "--entropy/--no-entropy", help="The entropy computed in log-prob and update")
     entropy_chunking: bool = knob(False, "--entropy-chunking/--no-entropy-chunking",
                                   help="actor.entropy_from_logits_with_chunking")
+    use_torch_compile: bool = knob(True, "--use-torch-compile/--no-use-torch-compile", help="actor.use_torch_compile: "
+                                   "the entropy compiled (eager holds 7 [tokens, vocab] tensors at its backward)")
     fsdp_size: int = knob(-1, "--fsdp-size", help="fsdp_config.fsdp_size: -1 all GPUs, 1 no sharding")
     critic_param_offload: bool = knob(False, "--critic-param-offload/--no-critic-param-offload", help="PPO: "
                                       "critic.model.fsdp_config.param_offload")

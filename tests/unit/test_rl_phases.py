@@ -41,7 +41,8 @@ def test_verl_logits_path():
     m = resolve_model("qwen3-8b")
     logits = 16_384 * 151_936 * 2                 # 4,978,638,848 B: [tokens, vocab] in bf16
     assert verl_logits_bytes(m, 16_384, 2, RlSettings(entropy=False)) == logits
-    assert verl_logits_bytes(m, 16_384, 2, RlSettings()) == 3 * logits    # + softmax's output + pd * logits
+    assert verl_logits_bytes(m, 16_384, 2, RlSettings()) == 3 * logits    # compiled entropy (verl's default)
+    assert verl_logits_bytes(m, 16_384, 2, RlSettings(entropy_compile=False)) == 7 * logits   # eager, traced
     # chunked entropy: three fp32 chunks of 2048 rows instead (3 x 2048 x 151,936 x 4 = 3,733,979,136)
     assert verl_logits_bytes(m, 16_384, 2, RlSettings(entropy_chunking=True)) == logits + 3_733_979_136
 
