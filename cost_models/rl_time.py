@@ -12,7 +12,7 @@ one job against each other, not to predict a wall clock:
 - weight sync: every actor parameter all-gathered over the shard group in its stored dtype (intra-node bus);
 - offload: the host<->device bytes each step moves: actor params in and out for log-prob, update and sync; Adam's
   states in and out for the update; the offloaded reference streamed in once; sleep level 1's weight backup
-  out and back.
+  out and back; PPO's critic likewise for its values and update.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from .rollout_engine import EngineMemory, EngineSettings, KvShape
 from .step_time import estimate_step_time
 
 PASSES_PER_STEP = 3   # actor params loaded for compute_log_prob, update_actor and the weight sync
+CRITIC_PASSES_PER_STEP = 2   # critic params loaded for compute_values and update_critic
 
 
 @dataclass(frozen=True)
@@ -65,9 +66,10 @@ def generation_s(model: ModelSpec, cluster: ClusterSpec, s: EngineSettings, e: E
 
 def rl_step_time(model: ModelSpec, cluster: ClusterSpec, settings: RlSettings, engine: EngineSettings,
                  e: EngineMemory, batch: BatchPlan, actor: ActorStates, prompt_tokens: int, response_tokens: int,
-                 profile: Profile, sp: int, with_critic: bool = False) -> RlTime:
-    """prompt / response tokens: the means the engine generates; sp: the Ulysses degree; with_critic: PPO's
-    critic priced as the actor's update plus one forward (its values), its head's FLOPs left out."""
+                 profile: Profile, sp: int, critic: ActorStates | None = None) -> RlTime:
+    """prompt / response tokens: the means the engine generates; sp: the Ulysses degree; critic: PPO's, priced as
+    the actor's update plus one forward (its values), its head's FLOPs left out, and its offload copies (params in
+    and out for compute_values and update_critic, Adam's states for the update)."""
     run = actor_run(model, cluster, settings, batch)
     # priced as the sequences it packs (flash-attention's varlen kernel attends within each): micro-batches of
     # whole sequences of their mean length (over sp with Ulysses), per token
@@ -89,8 +91,11 @@ def rl_step_time(model: ModelSpec, cluster: ClusterSpec, settings: RlSettings, e
              + 2 * actor.optimizer_bytes * settings.optimizer_offload
              + reference_bytes(model, cluster, settings) * settings.ref_param_offload
              + 2 * e.weights_bytes * (settings.sleep_level == 1))
+    if critic is not None:
+        moved += (2 * CRITIC_PASSES_PER_STEP * critic.params_bytes * settings.critic_param_offload
+                  + 2 * critic.optimizer_bytes * settings.critic_optimizer_offload)
     return RlTime(generation_s=generation_s(model, cluster, engine, e, batch.rollout_seqs_per_replica, prompt_tokens,
                                             response_tokens),
                   log_prob_s=log_prob, update_s=update, weight_sync_s=sync,
                   offload_s=moved / cluster.gpu.pcie_bytes_per_s,
-                  critic_s=(update + log_prob / 2) if with_critic else 0.0)
+                  critic_s=(update + log_prob / 2) if critic is not None else 0.0)

@@ -81,7 +81,7 @@ def evaluate_rl(request: RlRequest, profile: Profile | None = None, model: Model
     time = rl_step_time(spec, cluster, settings, engine, memory.engine, plan, memory.actor,
                         batch.mean_prompt_length or batch.max_prompt_length,
                         batch.mean_response_length or batch.max_response_length, profile,
-                        batch.ulysses_sequence_parallel_size, with_critic=settings.ppo)
+                        batch.ulysses_sequence_parallel_size, critic=critic)
     reasons = [f"{r.field}: {r.reason}; {r.fix}" for r in memory.refusals]
     capacity = cluster.gpu.memory_bytes
     for phase in memory.phases:

@@ -1,6 +1,6 @@
-"""`fsdp-plan rl`: a small search over the knobs verl users tune for a GRPO job - actor param / optimizer offload,
-the update's micro-batch, the engine's gpu_memory_utilization and rollout TP - each configuration priced by
-evaluate_rl, ranked by the estimated step time (cost_models/rl_time.py) among those that fit."""
+"""`fsdp-plan rl`: a small search over the knobs verl users tune for a GRPO / PPO job - actor (and critic) param /
+optimizer offload, the update's micro-batch, the engine's gpu_memory_utilization and rollout TP - each configuration
+priced by evaluate_rl, ranked by the estimated step time (cost_models/rl_time.py) among those that fit."""
 
 from __future__ import annotations
 
@@ -28,13 +28,16 @@ class RlPlan:
 
 
 def search_space(request: RlRequest, n_gpus: int, heads: int) -> list[dict]:
-    """The knob values to try: every combination of offloads, micro-batch (static batches), utilization and a
-    rollout TP that divides the GPUs and the heads."""
+    """The knob values to try: every combination of offloads (PPO: the critic's too), micro-batch (static
+    batches), utilization and a rollout TP that divides the GPUs and the heads."""
     tps = [t for t in TPS if n_gpus % t == 0 and heads % t == 0 and t <= n_gpus]
     micros = [None] if request.use_dynamic_bsz else list(MICRO_BATCHES)
+    critic = list(itertools.product((False, True), (False, True))) if request.algorithm == "ppo" else [None]
     return [dict(param_offload=p, optimizer_offload=o, gpu_memory_utilization=u, rollout_tp=t,
-                 **({"ppo_micro_batch_size_per_gpu": m, "log_prob_micro_batch_size_per_gpu": m} if m else {}))
-            for p, o, m, u, t in itertools.product((False, True), (False, True), micros, UTILIZATIONS, tps)]
+                 **({"ppo_micro_batch_size_per_gpu": m, "log_prob_micro_batch_size_per_gpu": m} if m else {}),
+                 **({"critic_param_offload": c[0], "critic_optimizer_offload": c[1]} if c else {}))
+            for p, o, c, m, u, t in itertools.product((False, True), (False, True), critic, micros, UTILIZATIONS,
+                                                      tps)]
 
 
 def plan_rl(request: RlRequest, profile: Profile | None = None, top: int = 10) -> RlPlan:

@@ -34,3 +34,13 @@ def test_offload_bytes_by_hand():
     moved = 6 * 3_807_808_256 + 2 * 7_615_616_512 + 1_903_904_128 + 2 * P7
     assert moved == 55_213_219_712
     assert e.time.offload_s == pytest.approx(moved / 50e9, rel=1e-12)
+
+
+def test_critic_offload_bytes_by_hand():
+    on = rl_estimate("qwen2.5-7b", 8, gpu="h100-80gb", algorithm="ppo", critic_param_offload=True,
+                     critic_optimizer_offload=True)
+    off = rl_estimate("qwen2.5-7b", 8, gpu="h100-80gb", algorithm="ppo")
+    # the critic's fp32 shard (3,535,311,361 B) in and out for its values and its update; Adam (7,070,622,721 B)
+    # in and out: 4 x 3,535,311,361 + 2 x 7,070,622,721 = 28,282,490,886 B at 50 GB/s
+    assert on.time.offload_s - off.time.offload_s == pytest.approx(28_282_490_886 / 50e9, rel=1e-9)
+    assert off.time.critic_s > 0 and rl_estimate("qwen2.5-7b", 8, gpu="h100-80gb").time.critic_s == 0
