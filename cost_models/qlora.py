@@ -96,7 +96,8 @@ def dequantize_bytes_moved_per_block(model: ModelSpec, compute_bytes: int, doubl
 
 def refusals(model: ModelSpec, training, config) -> list:
     """What QLoRA cannot run here (cost_models/mesh_rules.mesh_refusals lists them with the mesh's): a model
-    whose blocks are not priced, Float8 linears (bitsandbytes' Linear4bit is no nn.Linear torchao converts)."""
+    whose blocks are not priced, packed weights stored in another dtype than the compute dtype (FSDP flattens,
+    casts and gathers them with the rest), Float8 linears (torchao does not convert bitsandbytes' Linear4bit)."""
     from .feasibility import Refusal
 
     if not training.quantized:
@@ -106,8 +107,27 @@ def refusals(model: ModelSpec, training, config) -> list:
     if why is not None:
         out.append(Refusal("finetune", "qlora-model-not-priced", f"{model.name}: {why}", "use --finetune lora",
                            priced=False))
+    if training.quant_storage == "uint8":
+        out.append(Refusal("quant_storage", "qlora-integer-quant-storage", "uint8 quant storage under FSDP: the "
+                           "packed weights are flattened and gathered with the unit's bf16 / fp32 parameters, and "
+                           "FSDP2 trains with loss 0 and a NaN gradient norm (accelerate issue 3983)",
+                           f"use --quant-storage {config.precision.compute_dtype} (the compute dtype)", priced=False))
+    elif training.quant_storage != config.precision.compute_dtype:
+        out.append(Refusal("quant_storage", "qlora-storage-not-compute-dtype", f"quant storage "
+                           f"{training.quant_storage} under {config.precision.value} precision: FSDP casts or "
+                           f"flattens the packed weights with the {config.precision.compute_dtype} parameters, which "
+                           "corrupts their 4-bit codes or fails", f"use --quant-storage "
+                           f"{config.precision.compute_dtype}, or a precision computing in {training.quant_storage}",
+                           priced=False))
     if config.float8 or config.fp8_all_gather:
         out.append(Refusal("float8", "qlora-with-float8", "Float8 linears with a 4-bit base: the frozen linears are "
                            "bitsandbytes Linear4bit, which torchao's Float8 conversion does not take",
                            "drop --float8 with --finetune qlora", priced=False))
     return out
+
+
+def stored_base_bytes(model: ModelSpec, dense_bytes: int) -> int:
+    """The whole frozen base as stored: the block linears packed, the rest (embeddings, head, norms) at dense_bytes
+    each, without the QuantStates (replicated_bytes). What a QLoRA model's loading, offload or checkpoint of the
+    base holds, in place of n_params x dense_bytes."""
+    return model.n_params * dense_bytes - model.n_layers * saving_bytes(quantized_per_block(model), dense_bytes)

@@ -264,8 +264,8 @@ def _check_pinned_mesh(spec: ModelSpec, cluster: ClusterSpec, training: Training
                         pp_stages_per_rank=space.pp_stages_per_rank or 0)
     refused = [r for r in mesh_refusals(spec, cluster, training, config)
                if (r.code != "ep-does-not-divide" or spec.moe is None or spec.moe.n_experts % config.ep)
-               and r.field != "micro_batch"]
-    if refused:
+               and r.field != "micro_batch" and r.code != "qlora-storage-not-compute-dtype"]  # the search's
+    if refused:                                                            # precisions follow the storage
         raise PlannerError(refused[0].field, f"{refused[0].reason}; {refused[0].fix}")
 
 

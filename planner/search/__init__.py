@@ -36,7 +36,7 @@ from cost_models import moe
 from cost_models.evaluate import Evaluation, evaluate, unsupported_reasons
 from cost_models.mesh_rules import checkpointing_priced, mesh_refusals
 from cost_models.profile import Profile
-from cost_models.specs import ClusterSpec, FsdpConfig, ModelSpec, Sharding, TrainingSpec
+from cost_models.specs import ClusterSpec, FsdpConfig, ModelSpec, Precision, Sharding, TrainingSpec
 
 from planner.search.memo import Costing
 from planner.search.pipeline import PP_SHARDINGS, microbatch_plans
@@ -196,8 +196,11 @@ def search(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, profi
     then the whole knob space on the fastest scouted pipeline where it beats the meshes without PP on the same knobs."""
     found: list[_Found] = []
     skipped: list[str] = []
-    if training.quantized:  # QLoRA's 4-bit linears take no Float8 (cost_models/qlora.refusals)
-        space = replace(space, float8=(False,), fp8_all_gather=(False,))
+    if training.quantized:  # QLoRA's 4-bit linears take no Float8; FSDP needs them stored in the compute dtype
+        storage = training.quant_storage     # (cost_models/qlora.refusals): the precisions that compute in it
+        matching = tuple(p for p in space.precisions_for(cluster) if p.compute_dtype == storage) or tuple(
+            p for p in (Precision.BF16, Precision.FP16, Precision.FP32) if p.compute_dtype == storage)
+        space = replace(space, float8=(False,), fp8_all_gather=(False,), precisions=matching or None)
     shardings = space.shardings_for(cluster)
     if len(shardings) < len(space.shardings):
         skipped.append("HYBRID strategies: single node (or GPUs not divisible by GPUs per node), "

@@ -89,3 +89,34 @@ def test_step_time_adds_each_blocks_dequantization_forward_backward_and_recomput
         extra = (2 * spec.n_layers + checkpointed) * rates.memory_s(moved)
         assert times[1].memory_bound_s - times[0].memory_bound_s == pytest.approx(extra, rel=1e-9)
         assert times[1].matmul_s == times[0].matmul_s
+
+
+def test_storage_must_be_the_compute_dtype_and_the_plan_follows_it():
+    from planner import estimate, plan
+    from planner.errors import PlannerError
+
+    with pytest.raises(PlannerError) as err:
+        estimate("llama3-8b", 2, finetune="qlora", quant_storage="fp16", precision="bf16")
+    assert err.value.field == "quant_storage" and "use --quant-storage bf16" in str(err.value)
+    with pytest.raises(PlannerError, match="accelerate issue 3983"):
+        plan("llama3-8b", 2, finetune="qlora", quant_storage="uint8")
+    best = plan("llama3-8b", 2, gpu="a100-80gb", finetune="qlora", quant_storage="fp16").best
+    assert best.config.precision.compute_dtype == "fp16"
+
+
+def test_unpriced_models_and_float8_are_refused_in_one_line():
+    from planner import estimate
+    from planner.errors import PlannerError
+
+    with pytest.raises(PlannerError, match="QLoRA is priced for dense blocks"):
+        estimate("mixtral-8x7b", 8, finetune="qlora")
+    with pytest.raises(PlannerError, match="Float8 linears with a 4-bit base"):
+        estimate("llama3-8b", 2, gpu="h100-80gb", finetune="qlora", float8=True)
+
+
+def test_stored_base_of_llama2_70b():
+    """68,976,648,192 parameters, 68,451,041,280 of them in 80 blocks' linears: bf16 rest + packed linears
+    = (68,976,648,192 - 68,451,041,280) x 2 + 68,451,041,280 / 2 = 1,051,213,824 + 34,225,520,640 B."""
+    from planner.models import load_preset
+
+    assert qlora.stored_base_bytes(load_preset("llama2-70b"), 2) == 1_051_213_824 + 34_225_520_640
