@@ -86,3 +86,13 @@ def test_case_3_between_micro_batches_and_update_peak():
     low, high = (e.memory.actor.update_steady.total_bytes / GiB for e in (plain, with_entropy))
     assert low < 31.5 < high
     assert low == pytest.approx(31.5, rel=0.2) and high == pytest.approx(31.5, rel=0.2)
+
+
+@pytest.mark.parametrize("preset, card, tol", [
+    ("qwen2-7b", 7.62e9, 0.002),       # Qwen2-7B model card: 7.62B (ours 7,615,616,512)
+    ("qwen2.5-14b", 14.7e9, 0.005),    # Qwen2.5-14B model card: 14.7B (ours 14,770,033,664)
+])
+def test_case_presets_match_their_cards(preset, card, tol):
+    from planner.models import resolve_model
+
+    assert resolve_model(preset).n_params == pytest.approx(card, rel=tol)
