@@ -3,7 +3,7 @@ offload and optimizers it does not run, and Hugging Face models without transfor
 
 from __future__ import annotations
 
-from cost_models.specs import Finetune, FsdpConfig, ModelSpec, Optimizer, TrainingSpec
+from cost_models.specs import FsdpConfig, ModelSpec, Optimizer, TrainingSpec
 
 from .trace_result import TraceError, TraceUnsupported
 

@@ -19,7 +19,7 @@ import math
 
 from .moe import active_block_params
 from .operators import block_ops
-from .specs import Finetune, FsdpConfig, ModelSpec, TrainingSpec
+from .specs import FsdpConfig, ModelSpec, TrainingSpec
 
 
 def attention_flops_per_token_per_layer(model: ModelSpec, seq_len: int) -> float:

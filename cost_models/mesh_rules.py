@@ -20,7 +20,7 @@ from __future__ import annotations
 from . import qlora
 from .feasibility import Refusal
 from .pipeline import pipeline_refusals
-from .specs import Attention, ClusterSpec, Finetune, FsdpConfig, ModelSpec, TrainingSpec
+from .specs import Attention, ClusterSpec, FsdpConfig, ModelSpec, TrainingSpec
 
 
 def divisors(n: int) -> list[int]:

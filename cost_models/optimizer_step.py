@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import math
 
-from .spec_values import Finetune, Optimizer, OptimizerImpl, Precision
+from .spec_values import Optimizer, OptimizerImpl, Precision
 from .specs import ModelSpec, TrainingSpec
 from .units import DTYPE_BYTES
 

@@ -5,7 +5,7 @@ FSDP2 removed. Each rule takes the Context and returns zero or more Findings (pl
 from __future__ import annotations
 
 
-from cost_models.specs import Finetune, Precision
+from cost_models.specs import Precision
 from cost_models.units import DTYPE_BYTES, GiB
 
 from planner.doctor.readers import FSDP2_REMOVED

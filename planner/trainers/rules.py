@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from cost_models.specs import Finetune, FsdpConfig, TrainingSpec
+from cost_models.specs import FsdpConfig, TrainingSpec
 
 from planner.errors import PlannerError
 from planner.trainers.table import DEFAULT_TRAINER, KERNEL_DEFAULTS, LAUNCHERS, LIGER_KNOBS, TRAINERS, Trainer
