@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from .feasibility import as_run, refusals
+from .host_ram import host_ram, host_ram_reason
 from .memory import MemoryEstimate, estimate_memory
 from .profile import Profile
 from .specs import ClusterSpec, FsdpConfig, ModelSpec, TrainingSpec
@@ -54,8 +56,13 @@ def evaluate(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, con
                                          f"peak in {memory.peak_phase.replace('_', ' ')}; largest: {largest[0]} "
                                          f"{largest[1] / GiB:.1f} GiB"))
     ram = cluster.cpu_ram_bytes_per_node
+    if memory.host_ram is None:  # host RAM per node: processes, offloaded state, loading and checkpoints
+        memory = dataclasses.replace(memory, host_ram=host_ram(model, cluster, training, config,
+                                                               memory.cpu_bytes_per_node))
     if config.offload and ram and memory.cpu_bytes_per_node > ram:
         reasons.append(f"CPU offload needs {memory.cpu_bytes_per_node / GiB:.0f} GiB of CPU RAM per node "
                        f"> {ram / GiB:.0f} GiB")
+    elif host_ram_reason(memory.host_ram, ram):
+        reasons.append(host_ram_reason(memory.host_ram, ram))
     return Evaluation(config=config, fits=not reasons, reasons=tuple(reasons), memory=memory, time=time,
                       capacity_bytes=capacity)

@@ -46,6 +46,7 @@ class MemoryEstimate:
     notes: tuple[str, ...] = ()
     peak_moment: str = ""            # what runs at the peak: "loss backward", "backward of block 31", ...
     pipeline_ranks: tuple = ()       # pp > 1: each pipeline rank's PipelineRankMemory (cost_models/pipeline_memory.py)
+    host_ram: object = None          # HostRam (cost_models/host_ram.py): host RAM per node; set by evaluate()
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,8 @@ read in its code):
   broadcast_from_rank0=True)` (torch/distributed/_state_dict_utils.py `_broadcast_state_dict`: "Broadcast every
   tensor to avoid OOM") one tensor at a time, each rank keeping its slice.
 - meta-device init + DCP load of a sharded checkpoint: FileSystemReader `torch.load`s one storage item (a rank's
-  slice of one tensor) and copies it into place: one item in flight.
+  slice of one tensor) and copies it into place: one item in flight for the params; for the optimizer state two
+  (measured at two sizes on CPU, not traced to a line of torch's code: both of a parameter's Adam states, likely).
 - DCP save: FileSystemWriter's `_OverlappingCpuLoader` copies GPU tensors to host up to per_thread_copy_ahead
   (10 MB, one thread) ahead of the writer, a whole item at a time; CPU tensors are written where they are.
 - async DCP (`async_save`): DefaultStager copies the rank's whole state dict (its shard of params and optimizer
@@ -116,9 +117,9 @@ def load_bytes(way: LoadWay, sizes: StateSizes, fsdp2: bool = True, on_gpu: bool
     the device's transients are host memory and moving a tensor to the device copies nothing."""
     full = sizes.state_bytes if optimizer else sizes.params_bytes
     one = _gathered_bytes(sizes, fsdp2)
-    if way is LoadWay.META_DCP:  # one storage item: a rank's slice of a tensor
-        item = sizes.shard(sizes.largest_tensor_bytes)
-        return OutsideBytes(item, item, 0)
+    if way is LoadWay.META_DCP:  # a storage item (a rank's slice of a tensor) in flight; the optimizer's state: two
+        items = (2 if optimizer else 1) * sizes.shard(sizes.largest_tensor_bytes)  # (measured, docs/accuracy.md)
+        return OutsideBytes(items, items, 0)
     if way is LoadWay.EVERY_RANK:
         # FSDP2: the new local shards (and one full tensor moved over); FSDP1: a unit and its flat copy
         device = sizes.shard(full) + one if fsdp2 else 2 * one

@@ -16,6 +16,7 @@ from cost_models.profile import DEFAULT_PROFILE, Profile
 from cost_models.units import DTYPE_BYTES
 
 from planner.api import Candidate, Plan
+from planner.doctor.host_ways import full_state_dict_save, with_setup_ways
 from planner.doctor.readers import UserSetup, model_use_cache
 from planner.doctor.findings import ERROR, SEVERITY_ORDER, Context, Finding, _techniques
 from planner.doctor.rules_settings import (fp16_scaler, lora_without_orig_params, lora_adapters_share_units,
@@ -32,7 +33,8 @@ RULES = (cannot_run, mesh_rules_broken, pipeline_split, tp_across_nodes, float8_
          attention_unset, checkpointing_outside_units, does_not_fit, fp16_scaler, lora_without_orig_params,
          lora_adapters_share_units, wrap_policy,
          hybrid_single_node, sync_module_states, forward_prefetch_dynamic, limit_all_gathers, fsdp2_removed_settings,
-         reduce_in_low_precision, kv_cache_with_checkpointing, micro_batch_headroom, slower_than_plan, *QLORA_RULES)
+         reduce_in_low_precision, kv_cache_with_checkpointing, micro_batch_headroom, slower_than_plan, *QLORA_RULES,
+         full_state_dict_save)
 
 
 def unwrapped_extra_bytes(setup: UserSetup, candidate: Candidate) -> int:
@@ -124,7 +126,7 @@ def check(setup: UserSetup, model, gpus: int | None = None, *, gpus_per_node: in
                             trainer=trainer.id)
     best = plan_for(spec, cluster, training, profile, search_space(trainer), trainer.id)  # what the trainer could run
     extra = unwrapped_extra_bytes(setup, candidate)
-    candidate = _as_one_unit(candidate, extra, profile)
+    candidate = with_setup_ways(_as_one_unit(candidate, extra, profile), setup, profile)  # its load / save ways
     findings = diagnose(setup, candidate, best, unwrapped_extra=extra, dynamic_control_flow=dynamic_control_flow,
                         profile=profile, model_use_cache=model_use_cache(model))
     return CheckReport(setup=setup, candidate=candidate, findings=findings, plan=best)

@@ -13,6 +13,7 @@ from cost_models.units import DTYPE_BYTES, GiB
 
 from planner.search.words import describe, technique_words
 from planner.doctor.findings import ADVICE, ERROR, WARNING, Context, Finding, _techniques
+from planner.doctor.host_ways import HOST_RAM_FIX
 
 
 def does_not_fit(ctx: Context):
@@ -20,9 +21,11 @@ def does_not_fit(ctx: Context):
     for reason in ctx.candidate.reasons:
         if reason in refused or "no auto-wrap" in reason:
             continue  # reported by cannot_run / wrap_policy
-        code = "cpu-ram-does-not-fit" if "CPU RAM" in reason else "gpu-memory-does-not-fit"
-        fix = ("more nodes (offloaded state per node shrinks with the shard group), or no offload with more GPUs"
-               if code == "cpu-ram-does-not-fit" else _fit_fix(ctx))
+        code = "cpu-ram-does-not-fit" if "CPU RAM" in reason else \
+            "host-ram-does-not-fit" if "host RAM" in reason else "gpu-memory-does-not-fit"
+        fix = {"cpu-ram-does-not-fit": "more nodes (offloaded state per node shrinks with the shard group), or no "
+                                       "offload with more GPUs",
+               "host-ram-does-not-fit": HOST_RAM_FIX}.get(code) or _fit_fix(ctx)
         yield Finding(code, ERROR, f"Out of memory: {reason}.", fix)
 
 

@@ -34,6 +34,7 @@ def _row(rank, c: Candidate) -> list:
         gib(c.memory.peak_reserved_bytes), gib(_model_state_bytes(c)),
         gib(b.unsharded_params + b.unsharded_grads + b.collective_buffers), gib(b.activations),
         gib(b.logits_and_loss), f"{t.step_s:.3f}", f"{t.tokens_per_s_per_gpu:,.0f}", f"{100 * t.mfu:.1f}%",
+        gib(c.memory.host_ram.peak_bytes) if c.memory.host_ram is not None else "-",
     ]
 
 
@@ -44,14 +45,15 @@ def mesh_words(config) -> str:
 
 
 _HEADERS = ["#", "sharding", "mesh", "precision", "offload", "act. ckpt", "micro", "accum", "bwd prefetch", "techniques",
-            "peak GiB", "states GiB", "gathered GiB", "activ. GiB", "logits GiB", "step s", "tok/s/GPU", "MFU"]
+            "peak GiB", "states GiB", "gathered GiB", "activ. GiB", "logits GiB", "step s", "tok/s/GPU", "MFU", "host GiB/node"]
 
 
 # The default view fits LINE_WIDTH columns; --wide shows every column (_HEADERS).
 # The columns a reader needs first, most needed first: the narrow view drops from the end until the table fits.
 # What tells candidates apart (the configuration) comes before the memory breakdown, so two rows never look alike.
 _NARROW = ["#", "tok/s/GPU", "peak GiB", "MFU", "sharding", "mesh", "act. ckpt", "micro", "accum", "techniques",
-           "precision", "offload", "bwd prefetch", "step s", "activ. GiB", "states GiB", "gathered GiB", "logits GiB"]
+           "precision", "offload", "bwd prefetch", "step s", "host GiB/node", "activ. GiB", "states GiB", "gathered GiB",
+           "logits GiB"]
 _KEPT = {"#", "tok/s/GPU", "peak GiB", "MFU", "step s"}  # shown even when every row has the same value
 
 
@@ -110,6 +112,7 @@ def plan_text(p: Plan, top: int, wide: bool = False) -> str:
         if best.config.pp > 1:
             lines += [w for line in pipeline_lines(best.model, best.config, best.cluster, best.memory)
                       for w in _wrap(line, 4)] + [""]
+        lines += [w for line in host_ram_lines(best.memory) for w in _wrap(line, 4)] + [""]
         if best.memory.notes:
             lines += [w for n in best.memory.notes for w in _wrap(f"note: {n}")] + [""]
     elif not p.misses:  # nothing was costed: the cause is in skipped / notes, never an empty table
@@ -168,11 +171,26 @@ def estimate_text(c: Candidate) -> str:
     ]
     if m.cpu_bytes_per_node:
         lines.append(f"CPU RAM per node for offloaded state: {gib(m.cpu_bytes_per_node)} GiB")
+    lines += [w for line in host_ram_lines(m) for w in _wrap(line, 4)]
     lines += ["", "Step time (s):", tabulate(trows, tablefmt="simple", disable_numparse=True),
               f"tokens/s per GPU: {t.tokens_per_s_per_gpu:,.0f}   MFU: {100 * t.mfu:.1f}%", "",
               "fits: yes" if c.fits else "fits: NO - " + "; ".join(c.reasons)]
     lines += [f"note: {n}" for n in m.notes]
     return "\n".join(lines)
+
+
+def host_ram_lines(memory) -> list[str]:
+    """Host RAM per node (rank 0's) by what holds it, against the node's RAM, and the load / save ways with why."""
+    h = memory.host_ram
+    if h is None:
+        return []
+    capacity = memory.cpu_ram_capacity_bytes
+    of = f" of {gib(capacity)} GiB" if capacity else ""
+    return [f"Host RAM per node: {gib(h.peak_bytes)} GiB{of} at its peak = processes {gib(h.process_bytes)} + the "
+            f"largest of loading {gib(h.load_bytes)}, offloaded state {gib(h.offloaded_bytes)} + checkpoint save "
+            f"{gib(h.save_bytes)} or + resume {gib(h.resume_bytes)}"
+            + (f"; the save adds {gib(h.save_gpu_bytes)} GiB per GPU" if h.save_gpu_bytes else ""),
+            f"Load and checkpoint ways: {h.why}"]
 
 
 def _of_largest_rank(memory) -> str:

@@ -4,6 +4,8 @@ ranks, the step time's terms."""
 from __future__ import annotations
 
 
+from typing import Literal
+
 from pydantic import Field
 
 from planner.schemas.common import Bytes, Seconds, _Out, absent_or
@@ -35,6 +37,26 @@ class PipelineRank(_Out):
     breakdown: MemoryBreakdown
 
 
+class HostRam(_Out):
+    """cost_models.host_ram.HostRam: host RAM per node (rank 0's, the busiest), by what holds it."""
+
+    peak_bytes: Bytes = Field(description="bytes per node: processes + the largest of load, offloaded state + "
+                                          "checkpoint save, offloaded state + resume; compared with "
+                                          "--cpu-ram-per-node")
+    process_bytes: Bytes = Field(description="bytes per node: the ranks' processes (torch and the process group; "
+                                             "a floor: CUDA's host pages and dataloader workers not counted)")
+    offloaded_bytes: Bytes = Field(description="bytes per node: CPU offload's params, grads and optimizer state")
+    load_bytes: Bytes = Field(description="bytes per node while the pretrained weights are read (load_way)")
+    checkpoint_save_bytes: Bytes = Field(description="bytes per node during one checkpoint save (save_way)")
+    resume_bytes: Bytes = Field(description="bytes per node while a checkpoint is read back (resume_way)")
+    save_gpu_bytes: Bytes = Field(description="bytes per GPU the save adds on the device (a full gather's unit or "
+                                              "tensor; 0 with DCP)")
+    load_way: Literal["every-rank", "rank0-broadcast", "meta-dcp"]
+    save_way: Literal["dcp", "dcp-async", "full-state-dict", "save-pretrained"]
+    resume_way: Literal["every-rank", "rank0-broadcast", "meta-dcp"]
+    why: str = Field(description="why these ways, with what the others would take")
+
+
 class Memory(_Out):
     """The analytic per-rank memory estimate (with PP: the largest pipeline rank's, each rank in pipeline_ranks)."""
 
@@ -45,6 +67,8 @@ class Memory(_Out):
     peak_moment: str = Field(description='what runs at the peak: "loss backward", "backward of block 31", ...')
     breakdown: MemoryBreakdown
     cpu_bytes_per_node: int = Field(description="bytes of CPU RAM per node the offloaded state needs")
+    host_ram: absent_or(HostRam, "host RAM per node, loading and checkpoints included (the estimate's; the trace "
+                                 "tier leaves it out)")
     notes: list[str]
     pipeline_ranks: absent_or(list[PipelineRank], "with pp > 1: every pipeline rank's memory (the headline "
                                                   "figures are the largest one's)")

@@ -48,9 +48,11 @@ def _distinct(ranked: list[Evaluation]) -> list[Evaluation]:
 
 
 def overshoot(e: Evaluation) -> tuple[float, float]:
-    """How far a candidate is from fitting: the larger, then the sum, of GPU memory and CPU RAM needed
+    """How far a candidate is from fitting: the larger, then the sum, of GPU memory and host RAM needed
     over available."""
     ratios = [e.memory.peak_reserved_bytes / e.capacity_bytes]
-    if e.config.offload and e.memory.cpu_ram_capacity_bytes:
-        ratios.append(e.memory.cpu_bytes_per_node / e.memory.cpu_ram_capacity_bytes)
+    host = e.memory.host_ram  # host RAM per node, the offloaded state included (cost_models/host_ram.py)
+    if e.memory.cpu_ram_capacity_bytes and (host is not None or e.config.offload):
+        need = host.peak_bytes if host is not None else e.memory.cpu_bytes_per_node
+        ratios.append(need / e.memory.cpu_ram_capacity_bytes)
     return max(ratios), sum(ratios)

@@ -125,7 +125,10 @@ def run_case(case: dict, rank: int, world: int) -> dict:
 
         ways["load dcp"] = measure(dcp_load)[0]
         ways["fsdp1 full state dict save"] = _fsdp1_full_save(case["shape"], rank, world)
-    return {"ways": {name: _gather(value) for name, value in ways.items()}, "baseline": _gather(baseline)}
+        emitted, restored = _emitted_ways(case["shape"], f"{tmp}/full.pt", f"{tmp}/emitted", rank, world)
+        ways.update(emitted)
+    return {"ways": {name: _gather(value) for name, value in ways.items()}, "baseline": _gather(baseline),
+            "emitted_restores": all(_gather(restored))}
 
 
 def _shared_dir(tmp: str) -> str:
@@ -149,6 +152,33 @@ def _fsdp1_full_save(shape: dict, rank: int, world: int) -> int:
         peak = measure(model.state_dict)[0]
     del model
     return peak
+
+
+def _emitted_ways(shape: dict, full_path: str, path: str, rank: int, world: int) -> tuple[dict, bool]:
+    """The plan's `--emit fsdp2` snippet run as written: apply_fsdp, make_optimizer, then its load_pretrained (rank 0
+    passes the full state dict), save_checkpoint and load_checkpoint; whether the resume restores the saved params."""
+    from planner.emit import emit_fsdp2
+    from planner.hardware import make_cluster
+
+    namespace: dict = {}
+    exec(compile(emit_fsdp2(FsdpConfig(precision="fp32"), spec(shape), make_cluster(world)), "<emitted>", "exec"),
+         namespace)
+    model = namespace["apply_fsdp"](build(shape), device="cpu")
+    optimizer = namespace["make_optimizer"](model)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    ways = {}
+    ways["emitted load_pretrained"] = measure(lambda: namespace["load_pretrained"](
+        model, torch.load(full_path, weights_only=True) if rank == 0 else None))[0]
+    ways["emitted save_checkpoint"] = measure(lambda: namespace["save_checkpoint"](model, optimizer, path))[0]
+    saved = [p.detach().to_local().clone() for p in model.parameters()]
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    ways["emitted load_checkpoint"] = measure(lambda: namespace["load_checkpoint"](model, optimizer, path))[0]
+    restored = all(torch.equal(a, p.detach().to_local()) for a, p in zip(saved, model.parameters()))
+    return ways, restored
 
 
 if __name__ == "__main__":

@@ -168,6 +168,9 @@ def from_accelerate(data: dict, source: str = "accelerate config", text: str = "
         use_orig_params=True if version == 2 else _bool("fsdp_use_orig_params", fsdp.get("fsdp_use_orig_params", False)),
         sync_module_states=_bool("fsdp_sync_module_states", fsdp.get("fsdp_sync_module_states", False)),
         init="rank0" if rank0 else "all",
+        # accelerate's default: FULL_STATE_DICT under FSDP1, SHARDED_STATE_DICT under FSDP2 (FullyShardedDataParallelPlugin)
+        state_dict_type=_strip(fsdp.get("fsdp_state_dict_type", "FULL_STATE_DICT" if version == 1 else
+                                        "SHARDED_STATE_DICT")).upper(),
         grad_scaler="sharded" if precision is Precision.FP16 else None,  # accelerate adds it for fp16
         reduce_dtype=None, n_processes=_int_or_none(data, "num_processes"),
         n_machines=_int_or_none(data, "num_machines"), fsdp2_removed=removed,

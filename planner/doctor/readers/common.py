@@ -30,6 +30,8 @@ class UserSetup:
     use_orig_params: bool = False           # FSDP1's default
     sync_module_states: bool = False
     init: str = "all"                       # all ranks load | rank0 (cpu_ram_efficient_loading) | meta
+    state_dict_type: str | None = None      # how checkpoints are saved: FULL_STATE_DICT | SHARDED_STATE_DICT | ...
+    #                                         (None: not stated; priced as the plan's sharded DCP save)
     grad_scaler: str | None = None          # sharded | plain | none | None (not stated)
     reduce_dtype: str | None = None         # as written, when mixed precision is set
     n_processes: int | None = None          # cluster size written in an accelerate config

@@ -24,6 +24,7 @@ from cost_models.specs import FsdpConfig, Sharding
 
 from planner.doctor.readers import python_shared as shared
 from planner.doctor.readers.common import UserSetup, _strategy
+from planner.doctor.readers.python_checkpoint import checkpoint_fields
 from planner.doctor.readers.python_ast import WORLD, Snippet, dotted
 from planner.errors import PlannerError
 
@@ -69,7 +70,7 @@ def from_fsdp2(s: Snippet) -> UserSetup:
     return UserSetup(
         config=config, fsdp_version=2, source=s.source, dialect="fsdp2-code",
         explicit=frozenset(k for c in shards for k in c.kwargs), wrap="block" if blocks else "none",
-        use_orig_params=True, init="all",  # FSDP2 keeps the parameters; every rank builds the same weights
+        use_orig_params=True, **checkpoint_fields(s),  # every rank loads unless rank 0's weights are broadcast
         n_processes=math.prod(sizes) if all(isinstance(n, int) for n in sizes) else None,
         n_machines=dims["dp_replicate"] if hybrid else None,  # HSDP: a replica per machine, the shard group a node
         use_cache=_use_cache(s), seq_len=s.constants.get("SEQ_LEN") if config.pp > 1 else None,

@@ -33,6 +33,9 @@ KNOWN = frozenset({
     "SequenceParallel", "PrepareModuleInput", "parallelize_module", "loss_parallel", "context_parallel",
     "apply_expert_parallelism", "enable_symm_mem_for_group", "PipelineStage", "Trainer", "FSDPStrategy",
     "ShardedGradScaler", "StateDictOptions", "set_model_state_dict",  # (loading: read for QLoRA, python_qlora.py)
+    # checkpoints: how the code loads and saves (python_checkpoint.py), priced in host RAM
+    "checkpoint", "save", "async_save", "load", "get_state_dict", "set_state_dict", "get_model_state_dict",
+    "get_optimizer_state_dict", "set_optimizer_state_dict",
     *(s.torch_class for s in Schedule)})
 # FSDP2 calls that change what is gathered when: not priced, so not read
 UNREAD_METHODS = ("set_modules_to_forward_prefetch", "set_modules_to_backward_prefetch", "set_reshard_after_backward",

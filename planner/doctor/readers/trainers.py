@@ -207,6 +207,8 @@ def from_hf_trainer(data: dict, source: str = "TrainingArguments") -> UserSetup:
         sync_module_states=rank0 if version == 2 else _bool("fsdp_config.sync_module_states",
                                                             fsdp.get("sync_module_states", True)),
         init="rank0" if rank0 else "all",
+        state_dict_type=_strip(fsdp.get("state_dict_type", "FULL_STATE_DICT" if version == 1 else
+                                        "SHARDED_STATE_DICT")).upper(),  # accelerate's defaults
         grad_scaler="sharded" if fp16 else None,  # accelerate adds the ShardedGradScaler for fp16
         n_processes=replicas * shard * config.tp * config.cp if shard else None,
         n_machines=replicas if replicas > 1 else None,

@@ -11,6 +11,7 @@ from cost_models import fsdp_options, moe
 from cost_models.specs import ClusterSpec, FsdpConfig, ModelSpec, Precision, TrainingSpec
 
 from planner.emit import attention
+from planner.emit.code.checkpoint import CHECKPOINT_IMPORTS, checkpoint_code
 from planner.emit.code import mesh as meshed
 from planner.emit.code import techniques as tech
 from planner.emit.common import _KV_CACHE_WHY, RESHARD_NOTE, _comment, _fsdp1_strategy, _mixed_dtypes, _notes, _summary
@@ -136,6 +137,7 @@ def emit_fsdp2(config: FsdpConfig, model_spec: ModelSpec, cluster: ClusterSpec,
         "import torch.distributed as dist",
         "from torch.distributed.device_mesh import init_device_mesh",
         "from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard",
+        *CHECKPOINT_IMPORTS,
     ]
     if config.checkpoints:
         imports.append("from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (\n"
@@ -216,7 +218,7 @@ def emit_fsdp2(config: FsdpConfig, model_spec: ModelSpec, cluster: ClusterSpec,
     return _render(config, model_spec, cluster, imports, body, training,
                    ([tech.PRECOMPUTE_NOTE] if config.fp8_all_gather else [])
                    + meshed.fsdp2_notes(config, model_spec, cluster),
-                   meshed.fsdp2_module_level(config, cluster, model_spec, training))
+                   meshed.fsdp2_module_level(config, cluster, model_spec, training)) + checkpoint_code()
 
 
 def _moe_padding_fix(config: FsdpConfig, model_spec: ModelSpec, cluster: ClusterSpec) -> list[str]:

@@ -1,0 +1,97 @@
+"""Host RAM per node, by what holds it: the ranks' processes, the offloaded state, and the largest of loading,
+checkpoint save and resume (cost_models/outside_step.py), for the ways the plan's trainer loads and saves.
+
+The ways are chosen once for every candidate: rank 0 reads the pretrained weights and broadcasts them (what every
+emitted dialect writes: cpu_ram_efficient_loading + sync_module_states, FSDP2's broadcast_from_rank0), and each
+rank saves and resumes its own shard with DCP (SHARDED_STATE_DICT). The node figure is rank 0's node, the busiest.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .outside_step import LoadWay, SaveWay, StateSizes, load_bytes, save_bytes
+from .specs import ClusterSpec, FsdpConfig, ModelSpec, TrainingSpec
+from .units import GiB
+
+# One rank's process with torch imported and its process group up, no model: 282 MB measured on CPU (gloo,
+# docs/accuracy.md "Memory outside the step"). A CUDA process adds the CUDA context's host pages and any dataloader
+# workers add their own: not counted (no GPU to measure them on), so this is a floor.
+PROCESS_BYTES_PER_RANK = 282_000_000
+
+
+SAVE_WORDS = {SaveWay.DCP: "each rank writes its shard", SaveWay.DCP_ASYNC: "each rank stages its shard to host",
+              SaveWay.FULL_RANK0: "rank 0 gathers the whole state", SaveWay.SAVE_PRETRAINED: "rank 0 gathers the params"}
+
+
+@dataclass(frozen=True)
+class HostRam:
+    """Bytes of host RAM on the busiest node, by what holds them, and the ways that set them."""
+
+    load_way: LoadWay
+    save_way: SaveWay
+    resume_way: LoadWay
+    why: str
+    process_bytes: int      # the ranks' processes
+    offloaded_bytes: int    # CPU offload's params, grads and optimizer state (0 without offload), from the first step
+    load_bytes: int         # reading the pretrained weights
+    save_bytes: int         # one checkpoint save
+    resume_bytes: int       # reading a checkpoint back, optimizer included
+    save_gpu_bytes: int     # the save's transient on each GPU (a full gather's unit or tensor; 0 with DCP)
+
+    @property
+    def peak_bytes(self) -> int:
+        """The phases run one at a time beside the processes; a save and a resume beside the offloaded state. Loading
+        comes before it: the offloaded params' shards replace the loaded copies unit by unit as FSDP wraps, and the
+        grads and optimizer state do not exist yet (with rank 0's broadcast, its full copy and the shards can meet:
+        up to one more copy of the params, not counted)."""
+        return self.process_bytes + max(self.load_bytes, self.offloaded_bytes + self.save_bytes,
+                                        self.offloaded_bytes + self.resume_bytes)
+
+    def to_dict(self) -> dict:
+        return {"peak_bytes": self.peak_bytes, "process_bytes": self.process_bytes,
+                "offloaded_bytes": self.offloaded_bytes, "load_bytes": self.load_bytes,
+                "checkpoint_save_bytes": self.save_bytes, "resume_bytes": self.resume_bytes,
+                "save_gpu_bytes": self.save_gpu_bytes, "load_way": self.load_way.value,
+                "save_way": self.save_way.value, "resume_way": self.resume_way.value, "why": self.why}
+
+
+def state_sizes(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, config: FsdpConfig) -> StateSizes:
+    """The checkpoint's sizes for this configuration: one copy of the state over the ranks that share it (the
+    GPUs over the replicas: shard group x tp x pp), LoRA's base in the compute dtype under mixed precision."""
+    precision = config.precision
+    frozen = precision.compute_dtype if precision.mixed else precision.param_dtype
+    ranks = max(1, cluster.n_gpus // config.replicate_group_size(cluster))
+    return StateSizes.of(model, training, precision.param_dtype, ranks, frozen)
+
+
+def host_ram(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, config: FsdpConfig,
+             offloaded_bytes: int, fsdp2: bool = True, load_way: LoadWay = LoadWay.RANK0_BROADCAST,
+             save_way: SaveWay = SaveWay.DCP, resume_way: LoadWay = LoadWay.META_DCP) -> HostRam:
+    """Host RAM per node for these ways (the defaults: the plan's); offloaded_bytes per node (memory.py)."""
+    sizes = state_sizes(model, cluster, training, config)
+    n = cluster.gpus_per_node
+    on_gpu = not config.offload  # offloaded state is host memory already: DCP writes it where it is
+    load = load_bytes(load_way, sizes, fsdp2).node_bytes(n)
+    save = save_bytes(save_way, sizes, fsdp2, on_gpu)
+    resume = load_bytes(resume_way, sizes, fsdp2, optimizer=True).node_bytes(n)
+    alternatives = {w: load_bytes(w, sizes, fsdp2).node_bytes(n) for w in (LoadWay.EVERY_RANK, LoadWay.RANK0_BROADCAST)}
+    saves = {w: save_bytes(w, sizes, fsdp2, on_gpu).node_bytes(n) for w in SaveWay if w is not SaveWay.SAVE_PRETRAINED}
+    why = (f"load {load_way.value}: {load / GiB:.1f} GiB on rank 0's node ("
+           + ", ".join(f"{w.value}: {b / GiB:.1f}" for w, b in alternatives.items() if w is not load_way)
+           + f"); save {save_way.value}, {SAVE_WORDS[save_way]}: {save.node_bytes(n) / GiB:.1f} GiB ("
+           + ", ".join(f"{w.value}: {b / GiB:.1f}" for w, b in saves.items() if w is not save_way)
+           + f"); resume {resume_way.value}")
+    return HostRam(load_way, save_way, resume_way, why, process_bytes=n * PROCESS_BYTES_PER_RANK,
+                   offloaded_bytes=offloaded_bytes, load_bytes=load, save_bytes=save.node_bytes(n),
+                   resume_bytes=resume, save_gpu_bytes=save.gpu_bytes)
+
+
+def host_ram_reason(host: HostRam, capacity_bytes: int) -> str:
+    """Why a candidate does not fit in host RAM ('' when it fits or the capacity is unknown)."""
+    if not capacity_bytes or host.peak_bytes <= capacity_bytes:
+        return ""
+    phase = max((host.load_bytes, "loading"), (host.offloaded_bytes + host.save_bytes, "offloaded state + save"),
+                (host.offloaded_bytes + host.resume_bytes, "offloaded state + resume"))
+    return (f"needs {host.peak_bytes / GiB:.0f} GiB of host RAM per node > {capacity_bytes / GiB:.0f} GiB "
+            f"({phase[1]} {phase[0] / GiB:.0f} GiB, processes {host.process_bytes / GiB:.1f} GiB)")

@@ -1,0 +1,62 @@
+"""check prices host RAM with the ways the user's files load and save (cost_models/host_ram.py): every rank
+loading (no cpu_ram_efficient_loading / sync_module_states), a FULL_STATE_DICT save gathered on rank 0 (accelerate's
+default under FSDP1), and adds the save's GPU transient (the gathered unit or tensor beside the sharded states)
+where it passes the step's peak."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from cost_models.evaluate import gpu_memory_reason
+from cost_models.host_ram import host_ram, host_ram_reason
+from cost_models.outside_step import LoadWay, SaveWay
+from cost_models.units import GiB
+
+HOST_RAM_FIX = ("load on rank 0 only (cpu_ram_efficient_loading + sync_module_states) and save each rank's shard "
+                "(state_dict_type SHARDED_STATE_DICT: DCP)")
+
+# UserSetup.init -> how the weights are read: meta-device ranks receive rank 0's weights by sync_module_states
+LOAD_WAYS = {"all": LoadWay.EVERY_RANK, "rank0": LoadWay.RANK0_BROADCAST, "meta": LoadWay.RANK0_BROADCAST}
+# UserSetup.state_dict_type -> the save; unstated: the plan's sharded DCP save
+SAVE_WAYS = {"FULL_STATE_DICT": SaveWay.FULL_RANK0, "SHARDED_STATE_DICT": SaveWay.DCP, "LOCAL_STATE_DICT": SaveWay.DCP}
+
+
+def with_setup_ways(candidate, setup, profile):
+    """The candidate with host RAM priced for the setup's load and save ways, and its reasons updated."""
+    e, m = candidate.evaluation, candidate.memory
+    load_way = LOAD_WAYS.get(setup.init, LoadWay.EVERY_RANK)
+    save_way = SAVE_WAYS.get(setup.state_dict_type or "", SaveWay.DCP)
+    # a full checkpoint is read back whole (accelerate's load_fsdp_model / load_fsdp_optimizer: by every rank of
+    # an FSDP1 model, by rank 0 with broadcast_from_rank0 under FSDP2), a sharded one with DCP
+    full_resume = LoadWay.RANK0_BROADCAST if setup.fsdp_version == 2 else LoadWay.EVERY_RANK
+    resume_way = full_resume if save_way is SaveWay.FULL_RANK0 else LoadWay.META_DCP
+    host = host_ram(candidate.model, candidate.cluster, candidate.training, candidate.config, m.cpu_bytes_per_node,
+                    fsdp2=setup.fsdp_version == 2, load_way=load_way, save_way=save_way, resume_way=resume_way)
+    reasons = [r for r in e.reasons if "of host RAM per node" not in r]
+    if not any("CPU offload needs" in r for r in reasons) and host_ram_reason(host, m.cpu_ram_capacity_bytes):
+        reasons.append(host_ram_reason(host, m.cpu_ram_capacity_bytes))
+    notes = m.notes
+    step = m.phases["optimizer_step"]
+    save_peak = step.sharded_params + step.sharded_grads + step.optimizer_state + host.save_gpu_bytes
+    if host.save_gpu_bytes and save_peak > m.peak_allocated_bytes:  # the save, not the step, sets the GPU peak
+        notes += (f"the {host.save_way.value} save gathers {host.save_gpu_bytes / GiB:.1f} GiB per GPU beside the "
+                  f"sharded states: {save_peak / GiB:.1f} GiB allocated, above the step's peak",)
+        reserved = profile.reserved_bytes(save_peak)
+        if reserved > e.capacity_bytes:
+            reasons.append(gpu_memory_reason(reserved, e.capacity_bytes, f"peak in the {host.save_way.value} save"))
+    memory = replace(m, host_ram=host, notes=notes)
+    return replace(candidate, evaluation=replace(e, memory=memory, fits=not reasons, reasons=tuple(reasons)))
+
+
+def full_state_dict_save(ctx):
+    """A FULL_STATE_DICT save gathers the whole state on rank 0's host at every checkpoint."""
+    from planner.doctor.findings import WARNING, Finding
+
+    host = ctx.candidate.memory.host_ram
+    if host is None or host.save_way is not SaveWay.FULL_RANK0:
+        return
+    yield Finding("full-state-dict-save", WARNING,
+                  f"FULL_STATE_DICT gathers the params and optimizer state on rank 0 at every save: "
+                  f"{host.save_bytes / GiB:.1f} GiB of host RAM on its node"
+                  + (f" and {host.save_gpu_bytes / GiB:.1f} GiB per GPU" if host.save_gpu_bytes else ""),
+                  "state_dict_type SHARDED_STATE_DICT: each rank writes its own shard (DCP), nothing gathered")
