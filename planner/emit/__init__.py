@@ -6,6 +6,7 @@ module. Pure strings (no torch import).
 
 from __future__ import annotations
 
+from planner.emit import qlora
 from planner.emit.automodel import emit_automodel
 from planner.emit.code.fsdp import emit_fsdp1, emit_fsdp2
 from planner.emit.launchers import emit_pytorchjob, emit_slurm, emit_torchrun
@@ -39,10 +40,11 @@ def _emit_artifact(kind: str, candidate) -> str:
         return emit_automodel(config, spec, cluster, candidate.training)
     if kind == "pytorchjob":
         return emit_pytorchjob(config, spec, cluster)
-    if kind == "fsdp1":
-        return emit_fsdp1(config, spec, cluster, candidate.training)
-    if kind == "fsdp2":
-        return emit_fsdp2(config, spec, cluster, candidate.training)
+    if kind in ("fsdp1", "fsdp2"):  # QLoRA: then how to load the 4-bit base (BitsAndBytesConfig, LoraConfig)
+        emit = emit_fsdp1 if kind == "fsdp1" else emit_fsdp2
+        loading = qlora.python_lines(candidate.training, config) if qlora.applies(candidate.training, spec) else []
+        code = emit(config, spec, cluster, candidate.training)
+        return code.rstrip("\n") + "\n\n\n" + "\n".join(loading) + "\n" if loading else code
     if kind == "accelerate":
         return emit_accelerate(config, spec, cluster, candidate.training)
     if kind == "accelerate-fsdp2":

@@ -22,11 +22,11 @@ def python_lines(training: TrainingSpec, config: FsdpConfig) -> list[str]:
     storage = TORCH_NAMES[training.quant_storage]
     r = training.lora_rank
     return [
-        "# QLoRA (the plan's 4-bit base): load with AutoModelForCausalLM.from_pretrained(name, quantization_config="
-        "bnb_config,",
-        f"# dtype=torch.{compute}), then model = peft.get_peft_model(model, lora_config) before Trainer(...);",
-        "# with gradient checkpointing call model.enable_input_require_grads() first (the frozen embeddings give the",
-        "# checkpointed blocks inputs without grad: no gradient reaches the adapters)",
+        "# QLoRA (the plan's 4-bit base): load the model with",
+        f"#   AutoModelForCausalLM.from_pretrained(name, quantization_config=bnb_config, dtype=torch.{compute})",
+        "# then model = peft.get_peft_model(model, lora_config), before wrapping it or training it.",
+        "# With reentrant gradient checkpointing call model.enable_input_require_grads() first: the frozen",
+        "# embeddings give the checkpointed blocks inputs without grad, and no gradient reaches the adapters.",
         "import torch",
         "from peft import LoraConfig",
         "from transformers import BitsAndBytesConfig",

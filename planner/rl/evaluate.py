@@ -19,6 +19,7 @@ from cost_models.units import GiB
 
 from ..errors import PlannerError
 from ..models import resolve_model
+from .findings import findings
 from .request import RlRequest, rl_request
 
 
@@ -33,6 +34,7 @@ class RlEstimate:
     host: HostRam
     time: RlTime
     reasons: tuple[str, ...]
+    notes: tuple[str, ...] = ()    # planner/rl/findings.py
 
     @property
     def fits(self) -> bool:
@@ -94,7 +96,8 @@ def evaluate_rl(request: RlRequest, profile: Profile | None = None, model: Model
         reasons.append(f"host RAM: needs {host.peak_bytes / GiB:.0f} GiB per node > {ram / GiB:.0f} GiB "
                        f"(--cpu-ram-per-node)")
     return RlEstimate(request=request, model=spec, cluster=cluster, batch=plan, engine_settings=engine,
-                      memory=memory, host=host, time=time, reasons=tuple(reasons))
+                      memory=memory, host=host, time=time, reasons=tuple(reasons),
+                      notes=findings(settings, engine, memory, plan.rollout_seqs_per_replica, capacity))
 
 
 def rl_estimate(model, gpus: int | None = None, *, profile: Profile | None = None, **knobs) -> RlEstimate:

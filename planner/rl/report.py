@@ -32,7 +32,7 @@ def rl_dict(e: RlEstimate) -> dict:
     return {
         "model": e.model.summary_dict(),
         "gpus": e.cluster.n_gpus, "gpu": e.cluster.gpu.id,
-        "fits": e.fits, "reasons": list(e.reasons),
+        "fits": e.fits, "reasons": list(e.reasons), "notes": list(e.notes),
         "memory": {
             "peak_reserved_bytes": peak.reserved_bytes, "peak_phase": peak.name,
             "cpu_bytes_per_node": e.host.peak_bytes,
@@ -71,8 +71,8 @@ def rl_text(e: RlEstimate) -> str:
     host = [[k, gib(v)] for k, v in e.host.terms.items()]
     host += [["checkpoint staging", gib(e.host.checkpoint_staging_bytes)], ["peak (at a save)", gib(e.host.peak_bytes)]]
     head = [
-        f"{e.model.name} ({e.model.n_params / 1e9:.2f}B) {r.algorithm.upper()} on {e.cluster.n_gpus} x {e.cluster.gpu.id}: "
-        f"{r.strategy} actor {r.actor_dtype} ({r.finetune}), {r.engine} {r.engine_version} TP {r.rollout_tp} at "
+        f"{e.model.name} ({e.model.n_params / 1e9:.2f}B) {r.algorithm.upper()} on {e.cluster.n_gpus} x "
+        f"{e.cluster.gpu.id}: {r.strategy} actor {r.actor_dtype} ({r.finetune}), {r.engine} {r.engine_version} TP {r.rollout_tp} at "
         f"{r.gpu_memory_utilization}",
         f"batch: {b.sequences_per_step} sequences per step, {b.mini_batch_seqs_per_rank} per rank per mini-batch; "
         f"update micro-batch {b.update_tokens_per_gpu:,} tokens per GPU, log-prob {b.log_prob_tokens_per_gpu:,}",
@@ -94,8 +94,8 @@ def rl_text(e: RlEstimate) -> str:
         "",
     ]
     verdict = "fits: yes" if e.fits else "fits: NO - " + "; ".join(e.reasons)
-    lines += [textwrap.fill(t, LINE_WIDTH, subsequent_indent="  ") for t in (verdict, "estimates: "
-                                                                               + "; ".join(ESTIMATES))]
+    lines += [textwrap.fill(t, LINE_WIDTH, subsequent_indent="  ") for t in (
+        verdict, *(f"note: {n}" for n in e.notes), "estimates: " + "; ".join(ESTIMATES))]
     return "\n".join(lines)
 
 

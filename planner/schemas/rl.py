@@ -84,6 +84,7 @@ class RlEstimateOutput(_Out):
     gpu: str
     fits: bool
     reasons: list[str]
+    notes: list[str] = Field(description="findings beyond the verdict, each with the knob that changes it")
     memory: RlMemory
     engine: RlEngine
     batch: RlBatch

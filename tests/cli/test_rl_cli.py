@@ -38,6 +38,11 @@ def test_json_follows_its_schema_and_names_the_peak(as_json):
     # level-1 weight backup: 7,615,616,512 x 2 B / TP 2 x 8 GPUs
     assert m["host"]["terms"]["engine weight backup (sleep level 1)"] == 60_924_932_096
     assert as_json["fits"] is True
+    # current vLLM: 0.5 x 81,559 MiB = 42,760,527,872 B - weights 7,615,616,512 - profile run 932,184,064 =
+    # 34,212,727,296 B // 16,384 // 28 = 74,577 blocks; 5,120 tokens = 320 blocks: 233 sequences (< max_num_seqs 256)
+    assert as_json["engine"]["kv_blocks"] == 74_577 and as_json["engine"]["max_concurrent_seqs"] == 233
+    notes = " ".join(as_json["notes"])
+    assert "holds 233 sequences of 5120 tokens" in notes and "verl PR 1349" in notes
 
 
 def test_rl_ranks_what_fits_by_step_time():

@@ -42,3 +42,21 @@ def test_accelerate_yaml_loads_and_names_the_loading(tmp_path, load_accelerate):
     assert "bnb_4bit_quant_storage=torch.bfloat16" in text and "bnb_4bit_quant_type=\"nf4\"" in text
     assert "fsdp_cpu_ram_efficient_loading: true" in text
     load_accelerate(tmp_path, text)  # accelerate's own loader and launch-time resolution accept it
+
+
+@pytest.mark.parametrize("kind", ["fsdp2", "fsdp1"])
+def test_fsdp_snippets_end_with_the_loading_they_were_planned_with(kind):
+    """The planner's own FSDP code (the default trainer's artifact) runs as Python and defines the same
+    bnb_config / lora_config after its wrapping code."""
+    pytest.importorskip("peft")
+    from planner import estimate
+    from planner.emit import emit_artifact
+
+    candidate = estimate("llama3-8b", 2, gpu="a100-80gb", finetune="qlora", lora_rank=32, quant="fp4",
+                         double_quant=False)
+    ns: dict = {}
+    exec(compile(emit_artifact(kind, candidate), f"<{kind}>", "exec"), ns)
+    bnb, lora = ns["bnb_config"], ns["lora_config"]
+    assert bnb.bnb_4bit_quant_type == "fp4" and not bnb.bnb_4bit_use_double_quant
+    assert bnb.bnb_4bit_quant_storage == bnb.bnb_4bit_compute_dtype == torch.bfloat16 and lora.r == 32
+    assert callable(ns["apply_fsdp"])
