@@ -150,6 +150,8 @@ def training_line(training) -> str:
     return (f"training: seq {training.seq_len}, {training.optimizer.value} ({training.optimizer_impl.value} step), "
             f"{training.finetune.value} fine-tuning"
             + (f" (rank {training.lora_rank})" if training.finetune.value == "lora" else "")
+            + (f" (rank {training.lora_rank}, {training.quant.value}{', double quant' if training.double_quant else ''}"
+               f", {training.quant_storage} storage)" if training.quantized else "")
             + (f", global batch {training.global_batch}" if training.global_batch else ""))
 
 
