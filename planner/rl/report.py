@@ -72,8 +72,8 @@ def rl_text(e: RlEstimate) -> str:
     host += [["checkpoint staging", gib(e.host.checkpoint_staging_bytes)], ["peak (at a save)", gib(e.host.peak_bytes)]]
     head = [
         f"{e.model.name} ({e.model.n_params / 1e9:.2f}B) {r.algorithm.upper()} on {e.cluster.n_gpus} x "
-        f"{e.cluster.gpu.id}: {r.strategy} actor {r.actor_dtype} ({r.finetune}), {r.engine} {r.engine_version} TP {r.rollout_tp} at "
-        f"{r.gpu_memory_utilization}",
+        f"{e.cluster.gpu.id}: {r.strategy} actor {r.actor_dtype} ({r.finetune}), {r.engine} {r.engine_version} "
+        f"TP {r.rollout_tp} at {r.gpu_memory_utilization}",
         f"batch: {b.sequences_per_step} sequences per step, {b.mini_batch_seqs_per_rank} per rank per mini-batch; "
         f"update micro-batch {b.update_tokens_per_gpu:,} tokens per GPU, log-prob {b.log_prob_tokens_per_gpu:,}",
         f"engine: weights {gib(eng.weights_bytes)} GiB, KV cache {gib(eng.kv_bytes)} GiB ({eng.kv_tokens:,} tokens, "
