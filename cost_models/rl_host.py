@@ -1,7 +1,9 @@
-"""Host RAM per node of a verl GRPO job with FSDP workers and a co-located engine (shared/reference/rl.md):
-what each offload puts on the host, the engine's level-1 weight backup, the /dev/shm model copy and the
+"""Host RAM per node of a verl GRPO / PPO job with FSDP workers and a co-located engine (shared/reference/rl.md):
+what each offload puts on the host, the engine's level-1 weight backup, the /dev/shm model copy, loading and the
 checkpoint's staging, summed over the node's GPUs.
 
+- the workers' processes: one per GPU (the actor / rollout / reference worker; PPO: a critic worker too), each at
+  least host_ram.PROCESS_BYTES_PER_RANK (a floor: vLLM's and CUDA's host pages come on top);
 - actor param / optimizer offload (verl fsdp_utils offload_fsdp_model_to_cpu / offload_fsdp_optimizer): the
   rank's shard moves to the host between phases (moved, not copied: it is on one side at a time);
 - the reference (FSDP1 CPUOffload(offload_params=True)): its bf16 shard stays on the host;
@@ -9,10 +11,12 @@ checkpoint's staging, summed over the node's GPUs.
   bf16 weights backed up to pinned host memory on every GPU, i.e. the model x GPUs per node / rollout TP; level 2
   discards them;
 - model.use_shm: the checkpoint copied once per node to /dev/shm (its bf16 size);
+- loading (verl builds the actor on rank 0 and broadcasts it: sync_module_states): rank 0 holds the whole actor
+  in its dtype, before anything is offloaded (outside_step.load_bytes, RANK0_BROADCAST);
 - checkpoint save (verl FSDPCheckpointManager.save_checkpoint: a sharded state dict with offload_to_cpu, then
-  torch.save per rank): each rank's params and optimizer shards staged on the host at once, on top of the rest.
-Ignored: each worker process's own RSS (CUDA and torch libraries, Ray), the page cache, the dataloader.
-The plain-training counterpart (loading, DCP / full-state-dict saves) is cost_models/outside_step.py.
+  torch.save per rank): each rank's params and optimizer shards staged on the host at once, on top of the
+  resident terms (outside_step.save_bytes, DCP_ASYNC: "the shard staged to host").
+Ignored: the page cache, the dataloader, Ray's object store.
 """
 
 from __future__ import annotations
@@ -20,14 +24,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .cluster_spec import ClusterSpec
+from .host_ram import PROCESS_BYTES_PER_RANK
 from .model_spec import ModelSpec
+from .outside_step import LoadWay, SaveWay, StateSizes, load_bytes, save_bytes
 from .rl_phases import ActorStates, RlSettings, reference_bytes
 from .rollout_engine import EngineMemory
 
 
 @dataclass(frozen=True)
 class HostRam:
-    terms: dict                 # name -> bytes per node (resident between phases)
+    terms: dict                 # name -> bytes per node held between phases
+    process_bytes: int          # the workers' processes (a floor)
+    load_bytes: int             # loading the actor on rank 0's node, before the terms exist
     checkpoint_staging_bytes: int
 
     @property
@@ -36,14 +44,21 @@ class HostRam:
 
     @property
     def peak_bytes(self) -> int:
-        """At a checkpoint save: the resident terms and the staging together."""
-        return self.resident_bytes + self.checkpoint_staging_bytes
+        """The processes with the larger of loading and a checkpoint save beside the resident terms."""
+        return self.process_bytes + max(self.load_bytes, self.resident_bytes + self.checkpoint_staging_bytes)
+
+
+def _sizes(states: ActorStates, ranks: int) -> StateSizes:
+    """outside_step's sizes from a worker's per-rank shards (their whole = shard x ranks)."""
+    return StateSizes(params_bytes=states.params_bytes * ranks, optimizer_bytes=states.optimizer_bytes * ranks,
+                      largest_tensor_bytes=states.largest_tensor_bytes, largest_unit_bytes=states.unit_gather_bytes,
+                      ranks=ranks)
 
 
 def host_ram_per_node(model: ModelSpec, cluster: ClusterSpec, settings: RlSettings, actor: ActorStates,
                       engine: EngineMemory, critic: ActorStates | None = None) -> HostRam:
-    """`critic`: PPO's (rl_critic.py), its offloads and its checkpoint staged like the actor's."""
-    gpus = cluster.gpus_per_node
+    """`critic`: PPO's (rl_critic.py), its process, offloads and checkpoint like the actor's."""
+    gpus, ranks = cluster.gpus_per_node, cluster.n_gpus
     terms = {
         "actor params (offloaded)": actor.params_bytes * gpus if settings.param_offload else 0,
         "Adam states (offloaded)": actor.optimizer_bytes * gpus if settings.optimizer_offload else 0,
@@ -51,10 +66,13 @@ def host_ram_per_node(model: ModelSpec, cluster: ClusterSpec, settings: RlSettin
         "engine weight backup (sleep level 1)": engine.weights_bytes * gpus if settings.sleep_level == 1 else 0,
         "model copy in /dev/shm": model.n_params * 2 if settings.use_shm else 0,
     }
-    staged = [actor]
+    workers = [actor]
     if critic is not None:
         terms["critic params (offloaded)"] = critic.params_bytes * gpus * settings.critic_param_offload
         terms["critic Adam states (offloaded)"] = critic.optimizer_bytes * gpus * settings.critic_optimizer_offload
-        staged.append(critic)
-    staging = sum(s.params_bytes + s.optimizer_bytes for s in staged) * gpus
-    return HostRam(terms={k: v for k, v in terms.items() if v}, checkpoint_staging_bytes=staging)
+        workers.append(critic)
+    staging = sum(save_bytes(SaveWay.DCP_ASYNC, _sizes(w, ranks)).node_bytes(gpus) for w in workers)
+    load = max(load_bytes(LoadWay.RANK0_BROADCAST, _sizes(w, ranks), fsdp2=settings.strategy == "fsdp2")
+               .node_bytes(gpus) for w in workers)
+    return HostRam(terms={k: v for k, v in terms.items() if v}, process_bytes=PROCESS_BYTES_PER_RANK * gpus
+                   * len(workers), load_bytes=load, checkpoint_staging_bytes=staging)

@@ -41,7 +41,8 @@ def rl_dict(e: RlEstimate) -> dict:
             "phases": [{"name": p.name, "reserved_bytes": p.reserved_bytes, "allocated_bytes": p.allocated_bytes,
                         "gpu_bytes": dict(p.gpu_bytes), "offloaded": list(p.offloaded), "note": p.note}
                        for p in e.memory.phases],
-            "host": {"terms": dict(e.host.terms), "checkpoint_staging_bytes": e.host.checkpoint_staging_bytes},
+            "host": {"terms": dict(e.host.terms), "process_bytes": e.host.process_bytes,
+                     "load_bytes": e.host.load_bytes, "checkpoint_staging_bytes": e.host.checkpoint_staging_bytes},
         },
         "engine": {"engine": s.engine.value, "version": s.version, "gpu_memory_utilization": s.gpu_memory_utilization,
                    "tp": s.tp, "weights_bytes": eng.weights_bytes, "kv_bytes": eng.kv_bytes,
@@ -69,7 +70,9 @@ def rl_text(e: RlEstimate) -> str:
              ", ".join(f"{k.replace('_', ' ')} {gib(v)}" for k, v in p.gpu_bytes.items()), ", ".join(p.offloaded)]
             for p in e.memory.phases]
     host = [[k, gib(v)] for k, v in e.host.terms.items()]
-    host += [["checkpoint staging", gib(e.host.checkpoint_staging_bytes)], ["peak (at a save)", gib(e.host.peak_bytes)]]
+    host += [["workers' processes (a floor)", gib(e.host.process_bytes)],
+             ["loading (rank 0 builds the actor)", gib(e.host.load_bytes)],
+             ["checkpoint staging", gib(e.host.checkpoint_staging_bytes)], ["peak", gib(e.host.peak_bytes)]]
     head = [
         f"{e.model.name} ({e.model.n_params / 1e9:.2f}B) {r.algorithm.upper()} on {e.cluster.n_gpus} x "
         f"{e.cluster.gpu.id}: {r.strategy} actor {r.actor_dtype} ({r.finetune}), {r.engine} {r.engine_version} "

@@ -24,14 +24,18 @@ class RlPhase(_Out):
 
 
 class RlHost(_Out):
+    """cost_models.rl_host.HostRam: peak = process_bytes + max(load_bytes, sum(terms) + checkpoint_staging_bytes)."""
+
     terms: dict[str, int] = Field(description="term -> bytes per node held on the host between phases")
+    process_bytes: int = Field(description="the workers' processes per node (a floor)")
+    load_bytes: int = Field(description="rank 0's node loading the actor, before anything is offloaded")
     checkpoint_staging_bytes: int = Field(description="bytes per node a checkpoint save stages on top")
 
 
 class RlMemory(_Out):
     peak_reserved_bytes: Bytes = Field(description="the worst phase's reserved bytes")
     peak_phase: Literal[PHASES]
-    cpu_bytes_per_node: int = Field(description="host RAM per node at its peak (a checkpoint save)")
+    cpu_bytes_per_node: int = Field(description="host RAM per node at its peak (host.* says which)")
     cpu_ram_capacity_bytes: int = Field(description="--cpu-ram-per-node (0: unknown, not checked)")
     capacity_bytes: Bytes = Field(description="the GPU's memory")
     phases: list[RlPhase] = Field(description="in verl's order")
