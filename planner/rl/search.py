@@ -15,6 +15,7 @@ from .evaluate import RlEstimate, evaluate_rl
 from .request import RlRequest
 
 MICRO_BATCHES = (1, 2, 4, 8, 16)
+TOKEN_BUDGETS = (8192, 16384, 32768)   # dynamic batches: ppo_ (and log_prob_) max_token_len_per_gpu
 UTILIZATIONS = (0.3, 0.4, 0.5, 0.6, 0.7)
 TPS = (1, 2, 4, 8)
 
@@ -28,16 +29,19 @@ class RlPlan:
 
 
 def search_space(request: RlRequest, n_gpus: int, heads: int) -> list[dict]:
-    """The knob values to try: every combination of offloads (PPO: the critic's too), micro-batch (static
-    batches), utilization and a rollout TP that divides the GPUs and the heads."""
+    """The knob values to try: every combination of offloads (PPO: the critic's too), the micro-batch (static
+    batches) or the token budget (dynamic ones, those holding one whole sequence), utilization and a rollout TP
+    that divides the GPUs and the heads. The Ulysses degree stays the request's."""
     tps = [t for t in TPS if n_gpus % t == 0 and heads % t == 0 and t <= n_gpus]
-    micros = [None] if request.use_dynamic_bsz else list(MICRO_BATCHES)
-    critic = list(itertools.product((False, True), (False, True))) if request.algorithm == "ppo" else [None]
-    return [dict(param_offload=p, optimizer_offload=o, gpu_memory_utilization=u, rollout_tp=t,
-                 **({"ppo_micro_batch_size_per_gpu": m, "log_prob_micro_batch_size_per_gpu": m} if m else {}),
-                 **({"critic_param_offload": c[0], "critic_optimizer_offload": c[1]} if c else {}))
-            for p, o, c, m, u, t in itertools.product((False, True), (False, True), critic, micros, UTILIZATIONS,
-                                                      tps)]
+    longest = (request.prompt_len + request.response_len) / request.ulysses_sequence_parallel_size
+    batches = ([{"ppo_max_token_len_per_gpu": b, "log_prob_max_token_len_per_gpu": b} for b in TOKEN_BUDGETS
+                if b >= longest] if request.use_dynamic_bsz else
+               [{"ppo_micro_batch_size_per_gpu": m, "log_prob_micro_batch_size_per_gpu": m} for m in MICRO_BATCHES])
+    critic = ([{"critic_param_offload": a, "critic_optimizer_offload": b}
+               for a, b in itertools.product((False, True), (False, True))] if request.algorithm == "ppo" else [{}])
+    return [dict(param_offload=p, optimizer_offload=o, gpu_memory_utilization=u, rollout_tp=t, **c, **m)
+            for p, o, c, m, u, t in itertools.product((False, True), (False, True), critic, batches or [{}],
+                                                      UTILIZATIONS, tps)]
 
 
 def plan_rl(request: RlRequest, profile: Profile | None = None, top: int = 10) -> RlPlan:
