@@ -36,6 +36,7 @@ import math
 from dataclasses import dataclass
 from enum import Enum
 
+from . import qlora
 from .specs import Finetune, ModelSpec, TrainingSpec
 from .units import DTYPE_BYTES
 
@@ -78,17 +79,24 @@ class StateSizes:
     def of(cls, model: ModelSpec, training: TrainingSpec, param_dtype: str, ranks: int,
            frozen_dtype: str | None = None) -> "StateSizes":
         """LoRA: the base stored in frozen_dtype (the compute dtype under mixed precision), adapters in
-        param_dtype; only the adapters carry optimizer state. Matrices: embedding, head, q / o, the MLP's."""
+        param_dtype; only the adapters carry optimizer state. QLoRA: the base's block linears packed as
+        cost_models/qlora.py stores them (loading quantizes shard by shard: one checkpoint file's bf16 weights in
+        flight, not counted). Matrices: embedding, head, q / o, the MLP's."""
         p = DTYPE_BYTES[param_dtype]
         f = DTYPE_BYTES[frozen_dtype or param_dtype]
         h = model.hidden_size
         largest = max(model.embedding_params, model.head_params, model.q_dim * h, model.ffn_hidden_size * h)
         opt = training.optimizer.state_bytes_per_param(param_dtype)
-        if training.finetune is Finetune.LORA:
+        if training.finetune.adapters:
             adapters_block = model.lora_params_per_block(training.lora_rank)
             adapters = model.n_layers * adapters_block
-            unit = max(model.block_params * f + adapters_block * p, model.root_params * f)
-            return cls(model.n_params * f + adapters * p, round(adapters * opt), largest * f, unit, ranks)
+            base, block = model.n_params * f, model.block_params * f
+            if training.finetune is Finetune.QLORA:  # block linears packed 4-bit + their QuantStates (qlora.py)
+                base = qlora.stored_base_bytes(model, f) + qlora.replicated_bytes(model, training.double_quant)
+                block -= qlora.saving_bytes(qlora.quantized_per_block(model), f)
+                largest = max(model.embedding_params, model.head_params)  # left unquantized, in the compute dtype
+            unit = max(block + adapters_block * p, model.root_params * f)
+            return cls(base + adapters * p, round(adapters * opt), largest * f, unit, ranks)
         return cls(model.n_params * p, round(model.n_params * opt), largest * p,
                    max(model.block_params, model.root_params) * p, ranks)
 

@@ -92,3 +92,27 @@ def test_first_step_states_too_large_for_the_forwards_segments_grow_step_one():
     # cached, and the 60 MiB temporary a third; step 2's activations reuse the forward's segments.
     step1, step2 = first_step_reserved_bytes([40 * MiB, 40 * MiB], [60 * MiB, 60 * MiB], [60 * MiB])
     assert (step1, step2) == (260 * MiB, 260 * MiB)
+
+
+def test_qlora_sizes_pack_the_block_linears():
+    # tiny llama, 2 blocks: 36,864 quantized weights a block (q 4,096, k 2,048, v 2,048, o 4,096, gate / up / down
+    # 8,192 each) packed to 18,432 B instead of 73,728 B in bf16; the base 106,816 x 2 B - 2 x 55,296 = 103,040 B.
+    # QuantStates with double quantization: 64 / 32 / 32 / 64 / 128 x 3 absmax bytes a block plus 1,096 B of fp32
+    # (offset, one nested scale, 16 + 256 code entries) per linear: 8,248 B a block, 16,496 B. Adapters (rank 4 on
+    # q, k, v, o: 512 + 384 + 384 + 512 a block) 3,584 in fp32: 14,336 B; Adam 2 x 14,336.
+    sizes = StateSizes.of(tiny_llama_spec(), TrainingSpec(finetune="qlora", lora_rank=4), "fp32", 2, "bf16")
+    assert sizes.params_bytes == 103_040 + 16_496 + 14_336
+    assert sizes.optimizer_bytes == 2 * 14_336
+    assert sizes.largest_tensor_bytes == 2 * 256 * 64  # the embedding, left in bf16
+
+
+def test_host_peak_takes_loading_alone_and_saves_beside_the_offloaded_state():
+    from cost_models.host_ram import HostRam, host_ram_reason
+
+    host = HostRam(LoadWay.RANK0_BROADCAST, SaveWay.DCP, LoadWay.META_DCP, "", process_bytes=GiB,
+                   offloaded_bytes=10 * GiB, load_bytes=12 * GiB, save_bytes=3 * GiB, resume_bytes=MiB,
+                   save_gpu_bytes=0)
+    assert host.peak_bytes == GiB + 13 * GiB  # offloaded + save (13) passes loading alone (12)
+    assert host_ram_reason(host, 14 * GiB) == ""
+    assert host_ram_reason(host, 12 * GiB) == ("needs 14 GiB of host RAM per node > 12 GiB (offloaded state + save "
+                                               "13 GiB, processes 1.0 GiB)")
