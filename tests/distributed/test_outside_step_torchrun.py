@@ -3,12 +3,12 @@ calibration.reference's Llama (fp32, FSDP2, AdamW with its states) measures each
 way, at two sizes; cost_models/outside_step.py's formulas (on_gpu=False: the CPU run's placement) against it.
 
 When this was written (docs/accuracy.md, "Memory outside the step"), every way at both sizes matched within 2.6 MB
-per rank; the largest excess is sync DCP's, 1.7-2.6 MB at both sizes alike (its save plans and metadata pickled:
-nothing that grows with the model), the others within 0.8 MB. The tolerance is 3 MB per figure, and 1 MB on the
-difference between the two sizes (where the constant cancels); a wrong term moves a figure by a tensor (4-13 MB),
-a shard (8-36 MB) or the model (16-72 MB).
+per rank over three runs; the largest excess is sync DCP's, 0.8-2.6 MB at both sizes (its save plans and metadata
+pickled: nothing that grows with the model), the others within 1.3 MB. The tolerance is 3 MB per figure, and 2 MB
+on the growth between the two sizes, where what is the same at both cancels but not what varies from run to run
+(seen up to 1.0 MB); a wrong term moves a figure by a tensor (4-13 MB), a shard (8-36 MB) or the model (16-72 MB).
 
-One torchrun launch, two cases (~25 s on 2 busy cores).
+One torchrun launch, two cases (~30 s on 2 busy cores).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ WORKER = Path(__file__).with_name("worker_outside_step.py")
 SHAPES = ({"n_layers": 2, "hidden_size": 256, "ffn_hidden_size": 1024, "vocab_size": 4096},
           {"n_layers": 6, "hidden_size": 256, "ffn_hidden_size": 1024, "vocab_size": 12288})
 TOLERANCE_BYTES = 3_000_000
-DIFFERENCE_TOLERANCE_BYTES = 1_000_000
+DIFFERENCE_TOLERANCE_BYTES = 2_000_000
 
 
 def formulas(shape: dict) -> dict:
