@@ -90,7 +90,8 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
     # every rank (on the GPU even with offload); the linear in flight dequantized in each block's backward
     quantized = qlora.quantized_per_block(model) if training.quantized else 0
     quant_state = qlora.replicated_bytes(model, training.double_quant) if quantized else 0
-    dequantized = qlora.dequantized_bytes(model, c, training.double_quant) if quantized else 0
+    dequantized_mlp = qlora.dequantized_mlp_bytes(model, c) if quantized else 0
+    dequantized_attention = qlora.dequantized_attention_bytes(model, c) if quantized else 0
 
     # --- model states, sharded over d (on the CPU with offload) -------------------------------------
     sharded_params = _shard(trainable * p + frozen * frozen_p - L * qlora.saving_bytes(quantized, frozen_p), d)
@@ -99,7 +100,10 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
     # what the step allocates on top, by optimizer and implementation (foreach: one state's worth; fused: none)
     step_temporaries = optimizer_step.step_temporary_bytes(model, training, precision, d, trainable)
     block_sharded_grad = _shard(shard_counts.trainable_block * p, d)
-    accumulated = sharded_grads if config.grad_accum > 1 else 0  # earlier micro-steps' sharded grads
+    # earlier micro-steps' sharded grads: the whole shard, into which FSDP adds each unit's new reduce-scattered
+    # shard in place (FSDP2 FSDPParam: sharded_param.grad._local_tensor += new_sharded_grad; the new one is the
+    # reduce-scatter's output, freed after the add), so the blocks done in this micro-step add nothing
+    accumulated = sharded_grads if config.grad_accum > 1 else 0
 
     # --- gathered params and collective buffers ------------------------------------------------------
     block_c, root_c = counts.block() * c - qlora.saving_bytes(quantized, c), counts.root() * c
@@ -246,7 +250,7 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
     def states(sharded_grad_bytes: int) -> dict:
         return dict(sharded_params=gpu_states * sharded_params + quant_state,
                     optimizer_state=gpu_states * optimizer_state,
-                    sharded_grads=gpu_states * (accumulated + sharded_grad_bytes))
+                    sharded_grads=gpu_states * (accumulated or sharded_grad_bytes))
 
     moments: dict[str, MemoryBreakdown] = {}
     moments["loss backward"] = MemoryBreakdown(
@@ -311,6 +315,10 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
         else:
             at_mlp = tokens * (below + this + w_mlp)
             at_attn = tokens * (below + this - freed_attn + w_attn)
+            if quantized:  # bitsandbytes' backward: a weight dequantized beside the gradients (qlora.py)
+                at_mlp = max(at_mlp, tokens * (below + this + qlora.mlp_dequantized_working_bytes_per_token(model, c))
+                             + dequantized_mlp)
+                at_attn += dequantized_attention
             mlp_first = at_mlp >= at_attn
             block_acts, block_grads = (at_mlp, mlp_grad) if mlp_first else (at_attn, attn_grad)
         moments[f"backward of block {i}" + (" (recomputed)" if is_ckpt(i) else "")] = MemoryBreakdown(
@@ -319,7 +327,7 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
             + partial_below(i) + params_adjust,
             collective_buffers=prefetch_below(i) + reduce_scatter_above(i) + buffers_adjust,
             unsharded_grads=head_grad + block_grads,
-            activations=block_acts + shared + dequantized,
+            activations=block_acts + shared,
         )
     if config.expert_shard_dim and d > 1 and model.moe is not None and not keeps_gathered and ep_view is None:
         # FSDP2 copies a dim-1 shard's all-gather out through a temporary as large as the tensor (chunk-cat
