@@ -15,7 +15,9 @@ are no Linear) stay in the compute dtype.
 
 In each linear's forward and backward (bitsandbytes' MatMul4Bit: dequantize_4bit, then a compute-dtype matmul;
 the backward dequantizes again for the input gradient) the whole weight exists dequantized, one linear at a
-time, and with double quantization the fp32 absmax first (n / 64 x 4 B). Only dense blocks whose weights are
+time, beside the matmul's input and output: in the backward, the MLP's output projection with the incoming
+and the input gradient (below the MLP's own peak when 2 x tokens > h), the attention's q / o projection on
+top of the attention backward's working set. Only dense blocks whose weights are
 those of ModelSpec.lora_target_shapes (attention) and the MLP: an MoE's stacked experts are no nn.Linear.
 Ignored: per-tensor padding of n / 2 to the storage width (n is even and a multiple of 64 for every preset).
 """
@@ -79,11 +81,23 @@ def saving_bytes(n_quantized: int, dense_bytes: int) -> int:
     return n_quantized * dense_bytes - packed_bytes(n_quantized)
 
 
-def dequantized_bytes(model: ModelSpec, compute_bytes: int, double_quant: bool) -> int:
-    """The largest linear in flight dequantized: its weight in the compute dtype, and with double quantization
-    its fp32 absmax dequantized first (bitsandbytes' gemm_4bit default / dequantize_4bit)."""
-    n = max(i * o for i, o in linear_shapes(model))
-    return n * compute_bytes + (-(-n // BLOCKSIZE) * FP32_BYTES if double_quant else 0)
+def dequantized_mlp_bytes(model: ModelSpec, compute_bytes: int) -> int:
+    """The MLP's output projection (down_proj / fc2) dequantized in its backward: h x f weights in the compute
+    dtype. The absmax dequantized before it (fp32, n / 64 x 4 B) is freed before the matmul's output exists."""
+    return model.hidden_size * model.ffn_hidden_size * compute_bytes
+
+
+def mlp_dequantized_working_bytes_per_token(model: ModelSpec, compute_bytes: int) -> int:
+    """What the MLP's backward holds per token beside that weight: its incoming gradient (h) and the input
+    gradient the matmul writes (f). Measured (2 ranks, h 1024, f 2048, 256 tokens a rank): the peak is this
+    moment of the last block, to 3 kB (tests/distributed/test_torchrun_qlora.py)."""
+    return compute_bytes * (model.hidden_size + model.ffn_hidden_size)
+
+
+def dequantized_attention_bytes(model: ModelSpec, compute_bytes: int) -> int:
+    """The largest attention projection dequantized in its backward (q or o: q_dim x h), on top of the
+    attention backward's working set (the q, k, v gradients and the input gradient)."""
+    return max(i * o for i, o in model.lora_target_shapes) * compute_bytes
 
 
 def dequantize_bytes_moved_per_block(model: ModelSpec, compute_bytes: int, double_quant: bool) -> int:
