@@ -188,17 +188,14 @@ def actor_run(model: ModelSpec, cluster: ClusterSpec, settings: RlSettings, batc
 def actor_states(run: ActorRun, settings: RlSettings, batch: BatchPlan, profile: Profile) -> ActorStates:
     """The ledger's update at the packed micro-batch, with verl's log-prob loss in place of the cross-entropy."""
     model, config, training, size = run.model, run.config, run.training, run.shard_ranks
-    # verl accumulates gradients over the mini-batch's micro-batches; FSDP adds each block's reduce-scattered
-    # gradient into the shard in place (FSDP2 foreach_reduce: `sharded_param.grad._local_tensor += new_sharded_grad`,
-    # FSDP1 _accumulate_sharded_gradient): from the second micro-batch on the whole sharded gradient is resident
-    # and nothing more. The ledger is run without accumulation and the shard put in its place.
+    # verl accumulates gradients over the mini-batch's micro-batches: from the second micro-batch on the whole
+    # sharded gradient is resident (the ledger's grad_accum > 1: FSDP adds each new shard in place)
     accumulating = batch.micro_batches_per_mini > 1
     tokens = training.seq_len
-    est = estimate_memory(model, run.cluster, training, config, profile)
+    est = estimate_memory(model, run.cluster, training, dataclasses.replace(config, grad_accum=1 + accumulating),
+                          profile)
     step = est.phases["optimizer_step"]
     body = est.phases["backward"]
-    if accumulating:
-        body = dataclasses.replace(body, sharded_grads=step.sharded_grads)
     if settings.lora and config.precision.mixed:
         # verl builds the actor in its model_dtype (fp32 by default) and PEFT keeps the base in it: the frozen
         # shard is stored in fp32, where the ledger keeps a frozen base in the compute dtype
