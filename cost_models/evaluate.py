@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from .feasibility import as_run, refusals
-from .host_ram import host_ram, host_ram_reason
+from .host_ram import Ways, host_ram, host_ram_reason
 from .memory import MemoryEstimate, estimate_memory
 from .profile import Profile
 from .specs import ClusterSpec, FsdpConfig, ModelSpec, TrainingSpec
@@ -40,10 +40,11 @@ def unsupported_reasons(cluster: ClusterSpec, config: FsdpConfig) -> list[str]:
 
 
 def evaluate(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, config: FsdpConfig,
-             profile: Profile, memory: MemoryEstimate | None = None) -> Evaluation:
+             profile: Profile, memory: MemoryEstimate | None = None, ways: Ways | None = None) -> Evaluation:
     """Price `config` as FSDP runs it (feasibility.as_run: a reshard group equal to the shard group is the
     strategy's own resharding), with the reasons it cannot run or does not fit; memory: its estimate where the
-    caller has it (planner/search/memo.py: priced once across knobs the memory does not read)."""
+    caller has it (planner/search/memo.py: priced once across knobs the memory does not read); ways: how the
+    trainer loads and saves (host_ram.Ways; default: rank 0 loads, DCP saves)."""
     config = as_run(config, cluster)
     memory = estimate_memory(model, cluster, training, config, profile) if memory is None else memory
     time = estimate_step_time(model, cluster, training, config, profile)
@@ -58,7 +59,7 @@ def evaluate(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, con
     ram = cluster.cpu_ram_bytes_per_node
     if memory.host_ram is None:  # host RAM per node: processes, offloaded state, loading and checkpoints
         memory = dataclasses.replace(memory, host_ram=host_ram(model, cluster, training, config,
-                                                               memory.cpu_bytes_per_node))
+                                                               memory.cpu_bytes_per_node, ways or Ways()))
     if config.offload and ram and memory.cpu_bytes_per_node > ram:
         reasons.append(f"CPU offload needs {memory.cpu_bytes_per_node / GiB:.0f} GiB of CPU RAM per node "
                        f"> {ram / GiB:.0f} GiB")

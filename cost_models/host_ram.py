@@ -20,8 +20,19 @@ from .units import GiB
 PROCESS_BYTES_PER_RANK = 282_000_000
 
 
+@dataclass(frozen=True)
+class Ways:
+    """How a trainer (or a user's file) loads the weights, saves and resumes, under FSDP2 or FSDP1."""
+
+    load: LoadWay = LoadWay.RANK0_BROADCAST
+    save: SaveWay = SaveWay.DCP
+    resume: LoadWay = LoadWay.META_DCP
+    fsdp2: bool = True
+
+
 SAVE_WORDS = {SaveWay.DCP: "each rank writes its shard", SaveWay.DCP_ASYNC: "each rank stages its shard to host",
-              SaveWay.FULL_RANK0: "rank 0 gathers the whole state", SaveWay.SAVE_PRETRAINED: "rank 0 gathers the params"}
+              SaveWay.FULL_RANK0: "rank 0 gathers the whole state",
+              SaveWay.SAVE_PRETRAINED: "rank 0 gathers the params"}
 
 
 @dataclass(frozen=True)
@@ -66,21 +77,25 @@ def state_sizes(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, 
 
 
 def host_ram(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, config: FsdpConfig,
-             offloaded_bytes: int, fsdp2: bool = True, load_way: LoadWay = LoadWay.RANK0_BROADCAST,
-             save_way: SaveWay = SaveWay.DCP, resume_way: LoadWay = LoadWay.META_DCP) -> HostRam:
-    """Host RAM per node for these ways (the defaults: the plan's); offloaded_bytes per node (memory.py)."""
+             offloaded_bytes: int, ways: Ways = Ways()) -> HostRam:
+    """Host RAM per node for these ways (the defaults: rank 0 loads, DCP saves and resumes); offloaded_bytes per
+    node (memory.py)."""
+    load_way, save_way, resume_way, fsdp2 = ways.load, ways.save, ways.resume, ways.fsdp2
     sizes = state_sizes(model, cluster, training, config)
     n = cluster.gpus_per_node
-    on_gpu = not config.offload  # offloaded state is host memory already: DCP writes it where it is
+    offloaded = config.offload  # offloaded state is host memory already: DCP writes it where it is
     load = load_bytes(load_way, sizes, fsdp2).node_bytes(n)
-    save = save_bytes(save_way, sizes, fsdp2, on_gpu)
+    save = save_bytes(save_way, sizes, fsdp2, offloaded=offloaded)
     resume = load_bytes(resume_way, sizes, fsdp2, optimizer=True).node_bytes(n)
-    alternatives = {w: load_bytes(w, sizes, fsdp2).node_bytes(n) for w in (LoadWay.EVERY_RANK, LoadWay.RANK0_BROADCAST)}
-    saves = {w: save_bytes(w, sizes, fsdp2, on_gpu).node_bytes(n) for w in SaveWay if w is not SaveWay.SAVE_PRETRAINED}
+    # the other ways in the figures that tell them apart, the same under FSDP1 and FSDP2: what every rank reading
+    # puts on a node, what a full state dict puts on rank 0, what async DCP stages on a node
+    others = {LoadWay.EVERY_RANK: n * sizes.params_bytes, LoadWay.RANK0_BROADCAST: sizes.params_bytes}
+    saves = {SaveWay.DCP: save.node_bytes(n) if save_way is SaveWay.DCP else None,
+             SaveWay.FULL_RANK0: sizes.state_bytes, SaveWay.DCP_ASYNC: n * sizes.shard(sizes.state_bytes)}
     why = (f"load {load_way.value}: {load / GiB:.1f} GiB on rank 0's node ("
-           + ", ".join(f"{w.value}: {b / GiB:.1f}" for w, b in alternatives.items() if w is not load_way)
+           + ", ".join(f"{w.value}: {b / GiB:.1f}" for w, b in others.items() if w is not load_way)
            + f"); save {save_way.value}, {SAVE_WORDS[save_way]}: {save.node_bytes(n) / GiB:.1f} GiB ("
-           + ", ".join(f"{w.value}: {b / GiB:.1f}" for w, b in saves.items() if w is not save_way)
+           + ", ".join(f"{w.value}: {b / GiB:.1f}" for w, b in saves.items() if w is not save_way and b is not None)
            + f"); resume {resume_way.value}")
     return HostRam(load_way, save_way, resume_way, why, process_bytes=n * PROCESS_BYTES_PER_RANK,
                    offloaded_bytes=offloaded_bytes, load_bytes=load, save_bytes=save.node_bytes(n),

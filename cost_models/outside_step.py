@@ -139,12 +139,15 @@ def load_bytes(way: LoadWay, sizes: StateSizes, fsdp2: bool = True, on_gpu: bool
     return OutsideBytes(full, 0, device) if on_gpu else OutsideBytes(full, device, 0)
 
 
-def save_bytes(way: SaveWay, sizes: StateSizes, fsdp2: bool = True, on_gpu: bool = True) -> OutsideBytes:
+def save_bytes(way: SaveWay, sizes: StateSizes, fsdp2: bool = True, on_gpu: bool = True,
+               offloaded: bool = False) -> OutsideBytes:
     """One checkpoint save of params and optimizer state (save_pretrained: params only). on_gpu False: a CPU run
-    (gloo), where the state is host memory already and a gather's device copy is a host allocation."""
+    (gloo), where the state is host memory already and a gather's device copy is a host allocation. offloaded: the
+    state sits in host RAM (CPU offload) on a GPU run: DCP writes it in place; a full gather still runs on the GPU."""
     shard = sizes.shard(sizes.state_bytes)
     if way is SaveWay.DCP:
-        staged = min(shard, DCP_COPY_AHEAD_BYTES + sizes.shard(sizes.largest_tensor_bytes)) if on_gpu else 0
+        in_place = offloaded or not on_gpu
+        staged = 0 if in_place else min(shard, DCP_COPY_AHEAD_BYTES + sizes.shard(sizes.largest_tensor_bytes))
         return OutsideBytes(staged, staged, 0)
     if way is SaveWay.DCP_ASYNC:
         return OutsideBytes(shard, shard, 0)

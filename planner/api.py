@@ -347,7 +347,7 @@ def estimate_request(request: Request, profile: Profile | None = None) -> Candid
     refused = refusal(trainer, config, training, spec.family)
     if refused is not None:
         raise refused
-    return replace(estimate_config(spec, cluster, training, config, profile), trainer=trainer.id)
+    return replace(estimate_config(spec, cluster, training, config, profile, trainer.host_ways()), trainer=trainer.id)
 
 
 def grad_accum_for(micro_batch: int, cluster: ClusterSpec, training: TrainingSpec, model_parallel: int = 1) -> int:
@@ -363,16 +363,16 @@ def grad_accum_for(micro_batch: int, cluster: ClusterSpec, training: TrainingSpe
 
 
 def estimate_config(spec: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, config: FsdpConfig,
-                    profile: Profile | None = None) -> Candidate:
-    """Cost an FsdpConfig; configurations that cannot run on the cluster at all, or on a mesh the model does not
-    allow, raise PlannerError."""
+                    profile: Profile | None = None, ways=None) -> Candidate:
+    """Cost an FsdpConfig (PlannerError where it cannot run on the cluster or the model's mesh); ways: host_ram.Ways."""
     refused = mesh_refusals(spec, cluster, training, config)
     if refused:
         raise PlannerError(refused[0].field, f"{refused[0].reason}; {refused[0].fix}")
     error = cluster_rejects(cluster, config)
     if error is not None:
         raise error
-    return Candidate(evaluate(spec, cluster, training, config, profile or DEFAULT_PROFILE), spec, cluster, training)
+    return Candidate(evaluate(spec, cluster, training, config, profile or DEFAULT_PROFILE, None, ways), spec, cluster,
+                     training)
 
 
 def cluster_rejects(cluster: ClusterSpec, config: FsdpConfig) -> PlannerError | None:

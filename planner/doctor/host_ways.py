@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from cost_models.evaluate import gpu_memory_reason
-from cost_models.host_ram import host_ram, host_ram_reason
+from cost_models.host_ram import Ways, host_ram, host_ram_reason
 from cost_models.outside_step import LoadWay, SaveWay
 from cost_models.units import GiB
 
@@ -16,7 +16,8 @@ HOST_RAM_FIX = ("load on rank 0 only (cpu_ram_efficient_loading + sync_module_st
                 "(state_dict_type SHARDED_STATE_DICT: DCP)")
 
 # UserSetup.init -> how the weights are read: meta-device ranks receive rank 0's weights by sync_module_states
-LOAD_WAYS = {"all": LoadWay.EVERY_RANK, "rank0": LoadWay.RANK0_BROADCAST, "meta": LoadWay.RANK0_BROADCAST}
+LOAD_WAYS = {"all": LoadWay.EVERY_RANK, "rank0": LoadWay.RANK0_BROADCAST, "meta": LoadWay.RANK0_BROADCAST,
+             "dcp": LoadWay.META_DCP}  # dcp: meta-device init, then a sharded checkpoint (torchtitan)
 # UserSetup.state_dict_type -> the save; unstated: the plan's sharded DCP save
 SAVE_WAYS = {"FULL_STATE_DICT": SaveWay.FULL_RANK0, "SHARDED_STATE_DICT": SaveWay.DCP, "LOCAL_STATE_DICT": SaveWay.DCP}
 
@@ -31,7 +32,7 @@ def with_setup_ways(candidate, setup, profile):
     full_resume = LoadWay.RANK0_BROADCAST if setup.fsdp_version == 2 else LoadWay.EVERY_RANK
     resume_way = full_resume if save_way is SaveWay.FULL_RANK0 else LoadWay.META_DCP
     host = host_ram(candidate.model, candidate.cluster, candidate.training, candidate.config, m.cpu_bytes_per_node,
-                    fsdp2=setup.fsdp_version == 2, load_way=load_way, save_way=save_way, resume_way=resume_way)
+                    Ways(load_way, save_way, resume_way, fsdp2=setup.fsdp_version == 2))
     reasons = [r for r in e.reasons if "of host RAM per node" not in r]
     if not any("CPU offload needs" in r for r in reasons) and host_ram_reason(host, m.cpu_ram_capacity_bytes):
         reasons.append(host_ram_reason(host, m.cpu_ram_capacity_bytes))

@@ -380,6 +380,7 @@ def emit_lightning(config: FsdpConfig, model_spec: ModelSpec, cluster: ClusterSp
         f"    forward_prefetch={config.forward_prefetch},",
         f"    limit_all_gathers={config.limit_all_gathers},  # rate limiter, not message merging",
         "    use_orig_params=True,",
+        "    state_dict_type=\"sharded\",  # each rank saves its shard (DCP): no full state dict on rank 0",
         ")",
         f"trainer = Trainer(strategy=strategy, accelerator=\"gpu\", devices={cluster.gpus_per_node}, "
         f"num_nodes={cluster.n_nodes},",

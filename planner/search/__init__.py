@@ -205,7 +205,7 @@ def search(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, profi
     if len(shardings) < len(space.shardings):
         skipped.append("HYBRID strategies: single node (or GPUs not divisible by GPUs per node), "
                        "where they equal FULL_SHARD / SHARD_GRAD_OP")
-    costing = Costing(model, cluster, training, profile)  # each configuration priced once (planner/search/memo.py)
+    costing = Costing(model, cluster, training, profile, ways=space.host_ways)  # each configuration priced once
     cost = lambda mesh, knobs=space: _cost_mesh(model, cluster, training, costing, knobs, shardings[:1] if  # noqa: E731
                                                  knobs is not space else shardings, mesh)
     scout = scout_space(space, cluster)

@@ -37,6 +37,7 @@ class Costing:
     profile: Profile
     evaluations: dict[FsdpConfig, Evaluation] = field(default_factory=dict)
     memories: dict[tuple, MemoryEstimate] = field(default_factory=dict)
+    ways: object = None  # cost_models/host_ram.Ways: how the trainer loads and saves
 
     def evaluate(self, config: FsdpConfig) -> Evaluation:
         e = self.evaluations.get(config)
@@ -50,5 +51,5 @@ class Costing:
                     memory = self.memories[key] = estimate_memory(self.model, self.cluster, self.training, run,
                                                                   self.profile)
             e = self.evaluations[config] = evaluate(self.model, self.cluster, self.training, config, self.profile,
-                                                    memory=memory)
+                                                    memory=memory, ways=self.ways)
         return e

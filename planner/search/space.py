@@ -44,6 +44,7 @@ class SearchSpace:
     # EP inside pipeline stages, nor EP beside TP)
     mesh_exclusions: tuple[tuple[str, str], ...] = ()
     trainer_precisions: tuple[Precision, ...] = tuple(Precision)  # what the trainer runs (planner/trainers)
+    host_ways: object = None  # how the trainer loads and saves (cost_models/host_ram.Ways); None: rank 0, DCP
 
     def excludes(self, **degrees: int) -> bool:
         return any(degrees.get(a, 1) > 1 and degrees.get(b, 1) > 1 for a, b in self.mesh_exclusions)

@@ -128,6 +128,7 @@ def narrow_space(space, trainer: Trainer):
         raise PlannerError("sequence_parallel", f"{trainer.title} runs TP {_sp_words(trainer)}")
     keep = lambda values, allowed: tuple(v for v in values if v in allowed)  # noqa: E731
     changes.update(
+        host_ways=trainer.host_ways(),
         shardings=keep(space.shardings, trainer.shardings),
         ac_every=tuple(a for a in space.ac_every if _checkpointing_word(a) in trainer.checkpointing),
         compile_loss=trainer.compile_scopes[0] == "blocks+loss" if trainer.compile_scopes else True)

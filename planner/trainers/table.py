@@ -71,8 +71,19 @@ class Trainer:
     precisions: tuple[Precision, ...] = tuple(Precision)
     norm: str | None = None  # the blocks' RMSNorm as its own model runs it (ModelSpec.norm); None: the model's
     defaults: MappingProxyType = field(default_factory=lambda: MappingProxyType({}))
+    # how its artifact loads the weights and saves checkpoints (cost_models/outside_step.py ways): rank 0 reads and
+    # broadcasts (cpu_ram_efficient_loading / broadcast_from_rank0), each rank saves its shard with DCP
+    load_way: str = "rank0-broadcast"
+    save_way: str = "dcp"
     # kernel knob -> the values it runs, its default first (absent: KERNEL_DEFAULTS' one value)
     kernels: MappingProxyType = field(default_factory=lambda: MappingProxyType({}))
+
+    def host_ways(self):
+        """cost_models.host_ram.Ways: what the host RAM is priced with."""
+        from cost_models.host_ram import Ways
+        from cost_models.outside_step import LoadWay, SaveWay
+
+        return Ways(LoadWay(self.load_way), SaveWay(self.save_way), fsdp2=self.fsdp_version == 2)
 
     def kernel_choices(self, name: str) -> tuple[str, ...]:
         return self.kernels.get(name, KERNEL_DEFAULTS[name])
@@ -118,6 +129,7 @@ TRAINERS: dict[str, Trainer] = {t.id: t for t in (
         id="fsdp1", title="the planner's FSDP1 code",
         source="planner/emit/code/fsdp.py emit_fsdp1",
         artifacts=("fsdp1", *LAUNCHERS), fsdp_version=1, sequence_parallel=(True,), fsdp1_knobs=True, float8=True,
+        load_way="every-rank",  # the snippet wraps the model every rank built
         kernels=HF_KERNELS,
         defaults=_defaults(optimizer_impl="foreach")),
     Trainer(
@@ -160,6 +172,7 @@ TRAINERS: dict[str, Trainer] = {t.id: t for t in (
         id="lightning", title="Lightning FSDPStrategy (FSDP1)",
         source="lightning/pytorch/strategies/fsdp.py FSDPStrategy",
         artifacts=("lightning", *LAUNCHERS), fsdp_version=1, sequence_parallel=(True,), checkpointing=("none", "full"),
+        load_way="every-rank",  # FSDPStrategy as emitted (no sync_module_states): every rank builds the model
         fsdp1_knobs=True, compile_scopes=("blocks",), kernels=HF_ATTENTION,
         defaults=_defaults(optimizer_impl="foreach")),
     Trainer(
@@ -179,7 +192,7 @@ TRAINERS: dict[str, Trainer] = {t.id: t for t in (
         checkpointing=("none", "full", "selective-op"), compile_scopes=("blocks+loss", "blocks"), async_tp=True,
         precisions=NO_FP16,
         lora=False, norm="fused_rmsnorm", kernels=_defaults(loss_kernel=("chunked",)),
-        defaults=_defaults(optimizer_impl="fused")),
+        defaults=_defaults(optimizer_impl="fused"), load_way="meta-dcp"),  # meta init, then its checkpoint (DCP)
     Trainer(
         # torchtitan 0.2: JobConfig TOML / --section.option flags; selective_ac_option "op" or K; Float8 tensorwise
         # with enable_fsdp_float8_all_gather; sequence parallel always on with TP; optimizer.implementation "fused"
@@ -188,7 +201,7 @@ TRAINERS: dict[str, Trainer] = {t.id: t for t in (
         artifacts=("torchtitan-0.2", *LAUNCHERS), model_impl="torchtitan", mesh_dims=MESH_DIMS,
         sequence_parallel=(True,), compile_scopes=("blocks+loss", "blocks"), float8=True, fp8_all_gather=True,
         precisions=NO_FP16,
-        async_tp=True, lora=False, defaults=_defaults(optimizer_impl="fused")),
+        async_tp=True, lora=False, defaults=_defaults(optimizer_impl="fused"), load_way="meta-dcp"),
     Trainer(
         # NVIDIA NeMo Automodel 0.7.0 (planner/emit/automodel.py reads its recipe keys from the source): FSDP2 over
         # dp_replicate x dp_shard with tp / cp / ep (no pp in the recipes priced), activation_checkpointing a bool,

@@ -110,3 +110,17 @@ def test_the_emitted_fsdp2_snippet_reads_back_with_the_plans_ways(tmp_path, caps
     assert (host["load_way"], host["save_way"], host["resume_way"]) == ("rank0-broadcast", "dcp", "meta-dcp")
     assert host["peak_bytes"] == HOST["peak_bytes"]
     assert "missing-sync-module-states" not in {f["code"] for f in report["findings"]}
+
+
+def test_the_trainer_sets_the_ways_its_artifact_loads_and_saves(capsys):
+    """torchtitan builds on meta and reads its checkpoint with DCP: each rank one item of the embedding at a time,
+    8 x 262,668,288 B on the node, not rank 0's 32 GB; Lightning's FSDPStrategy as emitted has every rank build the
+    model (8 x 32,121,044,992 B) and saves sharded."""
+    ways = {}
+    for trainer in ("torchtitan", "lightning"):
+        code, out, err = invoke(["estimate", *BASE, "--trainer", trainer, "--format", "json"], capsys)
+        assert code == 0, err
+        ways[trainer] = json.loads(out)["memory"]["host_ram"]
+    assert (ways["torchtitan"]["load_way"], ways["torchtitan"]["load_bytes"]) == ("meta-dcp", 8 * 262_668_288)
+    assert (ways["lightning"]["load_way"], ways["lightning"]["load_bytes"]) == ("every-rank", 256_968_359_936)
+    assert ways["lightning"]["save_way"] == "dcp"

@@ -116,3 +116,8 @@ def test_host_peak_takes_loading_alone_and_saves_beside_the_offloaded_state():
     assert host_ram_reason(host, 14 * GiB) == ""
     assert host_ram_reason(host, 12 * GiB) == ("needs 14 GiB of host RAM per node > 12 GiB (offloaded state + save "
                                                "13 GiB, processes 1.0 GiB)")
+
+
+def test_offloaded_state_is_written_in_place_but_a_full_gather_still_runs_on_the_gpu():
+    assert save_bytes(SaveWay.DCP, SIZES, offloaded=True) == OutsideBytes(0, 0, 0)
+    assert save_bytes(SaveWay.FULL_RANK0, SIZES, offloaded=True) == OutsideBytes(3 * GiB, 0, 64 * MiB)

@@ -29,7 +29,8 @@ class UserSetup:
     wrap: str = "block"                     # block | size | none | custom
     use_orig_params: bool = False           # FSDP1's default
     sync_module_states: bool = False
-    init: str = "all"                       # all ranks load | rank0 (cpu_ram_efficient_loading) | meta
+    init: str = "all"                       # all ranks load | rank0 (cpu_ram_efficient_loading) | meta | dcp (meta
+    #                                         init, then each rank reads its shard: torchtitan)
     state_dict_type: str | None = None      # how checkpoints are saved: FULL_STATE_DICT | SHARDED_STATE_DICT | ...
     #                                         (None: not stated; priced as the plan's sharded DCP save)
     grad_scaler: str | None = None          # sharded | plain | none | None (not stated)

@@ -43,7 +43,7 @@ def from_lightning(s: Snippet) -> UserSetup:
     trainer = _trainer(s)
     kw = {k: s.value(v, k) for k, v in strategy.kwargs.items()
           if k in ("sharding_strategy", "backward_prefetch", "forward_prefetch", "limit_all_gathers",
-                   "use_orig_params", "sync_module_states")}
+                   "use_orig_params", "sync_module_states", "state_dict_type")}
     precision, reduce = _precision(s, strategy.kwargs.get("mixed_precision"), trainer.get("precision", "32-true"))
     offload = shared.cpu_offload(s, strategy.kwargs.get("cpu_offload"))
     prefetch = shared.backward_prefetch(kw.get("backward_prefetch", "BackwardPrefetch.BACKWARD_PRE"))  # FSDP's
@@ -64,6 +64,8 @@ def from_lightning(s: Snippet) -> UserSetup:
         wrap="block" if strategy.kwargs.get("auto_wrap_policy") is not None else "none",
         use_orig_params=bool(kw.get("use_orig_params", True)),  # Lightning's FSDPStrategy sets it by default
         sync_module_states=bool(kw.get("sync_module_states", False)),
+        # Lightning's checkpoints: "full" (its default, gathered on rank 0) or "sharded" (DCP)
+        state_dict_type="SHARDED_STATE_DICT" if kw.get("state_dict_type") == "sharded" else "FULL_STATE_DICT",
         n_processes=devices * nodes if isinstance(devices, int) and isinstance(nodes, int) else None,
         n_machines=nodes if isinstance(nodes, int) else None,
         grad_scaler="sharded" if precision is Precision.FP16 else None,  # Lightning's FSDPPrecision scales fp16

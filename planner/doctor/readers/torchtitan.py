@@ -266,8 +266,8 @@ def from_torchtitan(settings: dict, source: str = "torchtitan") -> UserSetup:
     return UserSetup(
         config=config, fsdp_version=2, source=source, dialect="torchtitan", explicit=frozenset(settings), wrap="block",
         # torchtitan builds on the meta device, then every rank initialises its shards alike (DTensor's RNG) or
-        # loads them from a checkpoint: as if every rank built the same weights, nothing to broadcast
-        use_orig_params=True, init="all",
+        # loads them from a checkpoint (DCP): nothing to broadcast, no full copy in host RAM
+        use_orig_params=True, init="dcp",
         n_processes=replicas * shard * config.cp * config.tp * config.pp if shard >= 1 else None,
         n_machines=replicas if hybrid else None,  # HSDP: one replica per machine, so the shard group is a node
         use_cache=False,  # torchtitan's models keep no KV cache in training
