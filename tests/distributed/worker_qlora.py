@@ -27,7 +27,7 @@ def spec_of(case: dict):
 
     h = case["hidden"]
     return tiny_llama_spec(hidden_size=h, n_heads=4, n_kv_heads=2, head_dim=h // 4, ffn_hidden_size=2 * h,
-                           vocab_size=VOCAB, n_layers=case["layers"])
+                           vocab_size=case.get("vocab", VOCAB), n_layers=case["layers"])
 
 
 def run_case(case: dict, rank: int, world: int) -> dict:
@@ -40,18 +40,18 @@ def run_case(case: dict, rank: int, world: int) -> dict:
     from cost_models.specs import FsdpConfig, TrainingSpec
 
     spec = spec_of(case)
-    path = os.path.join(case["out"], f"tiny-{case['hidden']}-{case['layers']}")
+    path = os.path.join(case["out"], f"tiny-{case['hidden']}-{case['layers']}-{spec.vocab_size}")
     if rank == 0 and not os.path.exists(os.path.join(path, "config.json")):
         config = LlamaConfig(hidden_size=spec.hidden_size, intermediate_size=spec.ffn_hidden_size,
                              num_hidden_layers=spec.n_layers, num_attention_heads=spec.n_heads,
-                             num_key_value_heads=spec.n_kv_heads, vocab_size=VOCAB, max_position_embeddings=4096,
-                             tie_word_embeddings=False)
+                             num_key_value_heads=spec.n_kv_heads, vocab_size=spec.vocab_size,
+                             max_position_embeddings=4096, tie_word_embeddings=False)
         torch.manual_seed(0)
         LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(path)
     dist.barrier()
     training = TrainingSpec(seq_len=case["seq"], finetune="qlora", lora_rank=LORA_RANK,
                             double_quant=case.get("double_quant", True), quant=case.get("quant", "nf4"))
-    fsdp = FsdpConfig(sharding="FULL_SHARD", precision="bf16", micro_batch=MICRO_BATCH)
+    fsdp = FsdpConfig(sharding="FULL_SHARD", precision="bf16", micro_batch=MICRO_BATCH, ac_every=case.get("ac", 0))
     model = load_qlora(path, spec, training, fsdp.precision)
     packed = sum(p.nbytes for p in model.parameters() if type(p).__name__ == "Params4bit")
     state = quant_state_bytes(model)
@@ -63,8 +63,8 @@ def run_case(case: dict, rank: int, world: int) -> dict:
     state_after = quant_state_bytes(model)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     torch.manual_seed(rank)
-    ids = torch.randint(0, VOCAB, (MICRO_BATCH, case["seq"]))
-    tracker = MemoryTracker(model, optimizer, vocab_size=VOCAB)
+    ids = torch.randint(0, spec.vocab_size, (MICRO_BATCH, case["seq"]))
+    tracker = MemoryTracker(model, optimizer, vocab_size=spec.vocab_size)
     losses = []
     with tracker:
         for i in range(2):
