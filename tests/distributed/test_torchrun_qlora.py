@@ -16,8 +16,8 @@ dequantize path wins. Measured when written (2 layers, vocabulary 512, micro-bat
   beside the incoming and the input gradient, +0.36%); FSDP1 7,692,576 against 6,932,440 (h 256, 128 tokens,
   -9.9%: FSDP1's units of one adapter each, which the FSDP2-shaped ledger does not follow; the house's FSDP1
   bound is 20%, tests/distributed/test_calibrate.py).
-Avoided: a vocabulary equal to h (h 512, V 512 measured 5% over the ledger at the loss, V 1024 0.02%: the
-tracker files h-wide tensors as logits then) and h 384 (head_dim 96: 4% over at the loss, not investigated).
+Avoided, not investigated: a vocabulary equal to h (h 512, V 512: the real loss moment 5% above the ledger, V
+1024: 0.02%; the tracker then files h-wide tensors as logits) and h 384 (head_dim 96: 4% above at the loss).
 One torchrun launch of three cases, ~80 s on 2 busy cores.
 """
 
