@@ -10,17 +10,22 @@ from typing import Annotated, Optional
 import typer
 
 from planner.cli.options import CLUSTER, TRAINING, As, Format, FormatOpt, command, options, param
+from planner.rl.request import RlRequest
 
 CONFIG_HELP = ("The setup to check, told apart by content: an accelerate config (YAML); FSDP1 "
                "FullyShardedDataParallel kwargs or FSDP2 fully_shard arguments (JSON/YAML); Hugging Face "
                "TrainingArguments (JSON/YAML with fsdp, fsdp_config); a torchtitan 0.2 job file (.toml) or a "
                "flag list (a text file: 0.3's --module/--config, --section.option flags, activation-checkpoint:X); "
                "a NeMo Automodel recipe (YAML); the planner's own Python code (--emit fsdp2 / fsdp1 / lightning, "
-               "read without running it). Mesh degrees (tp, cp, ep, pp) are read too, and the file's trainer prices "
+               "read without running it); an RL job: a verl launch script (python3 -m verl.trainer.main_ppo "
+               "key=value ...), overrides or YAML, or a TRL GRPOConfig (YAML / JSON), priced phase by phase as "
+               "`fsdp-plan rl estimate`. Mesh degrees (tp, cp, ep, pp) are read too, and the file's trainer prices "
                "it. Without it: the --sharding/--precision/... flags")
 # check's wording of the knobs it reads beside a setup file; None: the file's (seq_len: torchtitan's
 # training.seq_len, else 2048)
 _OWN = {
+    "gpu": As(default=None, help="GPU type (see `fsdp-plan gpus`) [default: the file's (an RL file's fsdp-plan "
+                                 "line), else a100-80gb]"),
     "seq_len": As(default=None, help="Tokens per sequence [default: the file's (torchtitan training.seq_len), else "
                                      "2048]"),
     "micro_batch": As(default=None, help="Sequences per GPU per micro-step"),
@@ -43,6 +48,9 @@ def _params():
         param("dynamic_control_flow", Annotated[bool, typer.Option(
             "--dynamic-control-flow", help="The model's forward has data-dependent control flow (MoE routing, "
                                            "...)")], False),
+        *options("mean_prompt_len", "mean_response_len", "engine_version", request=RlRequest,
+                 engine_version=As(default=None, help="RL files: vllm 0.8 or current [default: the file's, else "
+                                                      "current]")),
         param("output_format", FormatOpt, Format.table),
     ]
 
@@ -58,8 +66,15 @@ def check_cmd(config: str | None, model: str | None, gpus: int | None, micro_bat
     from planner.reports import table as report
     from planner.doctor import check
     from planner.errors import PlannerError
-    from planner.doctor.readers import UserSetup, read_setup
+    from planner.doctor.readers import UserSetup, read_rl_setup, read_setup
 
+    rl = read_rl_setup(config) if config is not None else None
+    if rl is not None:  # a verl / TRL GRPO job: planner/rl
+        from planner.cli.rl import check_rl
+
+        return check_rl(rl, model, gpus, output_format, **knobs)
+    for name in ("mean_prompt_len", "mean_response_len", "engine_version"):
+        knobs.pop(name)
     setup = read_setup(config) if config is not None else None
     model = model or (setup.model if setup is not None else None)  # torchtitan 0.3's --module / --config
     if model is None:

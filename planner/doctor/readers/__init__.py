@@ -16,7 +16,7 @@ from pathlib import Path
 
 from cost_models.specs import SELECTIVE_OP, FsdpConfig, Precision, Sharding
 
-from planner.doctor.readers import automodel, python_code, torchtitan
+from planner.doctor.readers import automodel, python_code, torchtitan, trl_grpo, verl
 from planner.doctor.readers import trainers
 from planner.emit import attention
 from planner.errors import PlannerError
@@ -69,6 +69,23 @@ def _parse(path: Path, text: str) -> dict:
     if not isinstance(data, dict):
         raise PlannerError("config", f"{path} must hold a mapping of settings, got {type(data).__name__}")
     return data
+
+
+def read_rl_setup(path):
+    """An RL job - a verl launch script, overrides or YAML (verl.py), a TRL GRPOConfig (trl_grpo.py) - as an
+    RlSetup, else None (read_setup's kinds; an unreadable file is read_setup's to report)."""
+    path = Path(path)
+    text = _read(path)
+    if path.suffix in (".py", ".toml"):
+        return None
+    if path.suffix not in (".yaml", ".yml", ".json"):
+        return verl.from_verl_script(text, str(path)) if verl.is_verl_script(text) else None
+    docs = trl_grpo.documents(path, text)
+    if docs and verl.is_verl_yaml(docs[0]):
+        return verl.from_verl_yaml(docs[0], str(path), text)
+    if docs and trl_grpo.is_trl_grpo(docs[0]):
+        return trl_grpo.from_trl_grpo(docs, str(path), text)
+    return None
 
 
 def read_setup(path) -> UserSetup:

@@ -1,0 +1,98 @@
+"""Read a TRL GRPOConfig (YAML / JSON, TRL 1.16's field names, trl/trainer/grpo_config.py) with vLLM colocated,
+and the accelerate config after it where --emit trl wrote one (a second YAML document): the batch back in verl's
+terms (planner/emit/trl.py writes the other direction), the actor's FSDP version and offload from accelerate's
+keys, the `# fsdp-plan:` line for what neither has a key for."""
+
+from __future__ import annotations
+
+import json
+
+from planner.emit.rl_flags import read_planner_flags, typed
+from planner.emit.trl import DTYPES
+from planner.errors import PlannerError
+
+from .rl_setup import RlSetup
+
+_MARKERS = ("num_generations", "vllm_mode", "max_completion_length", "steps_per_generation")
+
+
+def documents(path, text: str) -> list:
+    """The file's mappings (YAML: every document; JSON: one); unreadable: [] (read_setup says why)."""
+    try:
+        if path.suffix == ".json":
+            docs = [json.loads(text)]
+        else:
+            import yaml
+
+            docs = list(yaml.safe_load_all(text))
+    except Exception:  # yaml.YAMLError / JSONDecodeError: not ours to report
+        return []
+    return docs if docs and all(isinstance(d, dict) for d in docs) else []
+
+
+def is_trl_grpo(data: dict) -> bool:
+    return any(k in data for k in _MARKERS)
+
+
+def _get(d: dict, key: str, field: str, default=None):
+    return typed(field, d[key], key) if d.get(key) is not None else default
+
+
+def from_trl_grpo(docs: list, source: str, text: str = "") -> RlSetup:
+    g = docs[0]
+    if not g.get("use_vllm", False):
+        raise PlannerError("use_vllm", "false: check prices generation in a vLLM engine on the training GPUs; valid: "
+                                       "true with vllm_mode colocate")
+    mode = str(g.get("vllm_mode", "colocate" if "vllm_mode" not in g else g["vllm_mode"]))
+    if mode != "colocate":
+        raise PlannerError("vllm_mode", f"{mode!r}: a vLLM server runs on other GPUs, outside what check prices; "
+                                        "valid: colocate")
+    flags = read_planner_flags(text)
+    model = flags.pop("model", None)
+    notes = ["priced with verl's phase model (log-probs, update, weight sync) for TRL's GRPOTrainer"]
+    gpus, per_node = _cluster(docs[1] if len(docs) > 1 else {}, flags)
+    micro = _get(g, "per_device_train_batch_size", "ppo_micro_batch_size_per_gpu", 8)   # TrainingArguments' default
+    accum = _get(g, "gradient_accumulation_steps", "ppo_micro_batch_size_per_gpu", 1)
+    n = _get(g, "num_generations", "rollout_n", 8)
+    if g.get("generation_batch_size") is not None:
+        per_generation = typed("train_batch", g["generation_batch_size"], "generation_batch_size") // (micro * gpus)
+    else:
+        per_generation = _get(g, "steps_per_generation", "train_batch", accum)
+    response = _get(g, "max_completion_length", "response_len", 256)
+    knobs = {"rollout_n": n, "ppo_micro_batch_size_per_gpu": micro, "response_len": response,
+             "train_batch": per_generation * micro * gpus // n, "ppo_mini_batch_size": accum * micro * gpus // n,
+             "gpu_memory_utilization": _get(g, "vllm_gpu_memory_utilization", "gpu_memory_utilization", 0.3),
+             "rollout_tp": _get(g, "vllm_tensor_parallel_size", "rollout_tp", 1),
+             "gradient_checkpointing": _get(g, "gradient_checkpointing", "gradient_checkpointing", False),
+             "gpus": gpus, "gpus_per_node": per_node, "algorithm": "grpo", "engine": "vllm"}
+    if g.get("vllm_max_model_length") is not None:
+        knobs["prompt_len"] = typed("prompt_len", g["vllm_max_model_length"], "vllm_max_model_length") - response
+    elif g.get("max_prompt_length") is not None:   # TRL before 1.0
+        knobs["prompt_len"] = _get(g, "max_prompt_length", "prompt_len")
+    dtype = str((g.get("model_init_kwargs") or {}).get("dtype", "auto")).removeprefix("torch.")
+    by_name = {v: k for k, v in DTYPES.items()} | {"fp32": "fp32", "bf16": "bf16"}
+    if dtype not in by_name:
+        notes.append(f"model_init_kwargs.dtype {dtype}: the checkpoint's dtype, priced as bf16")
+    knobs["actor_dtype"] = by_name.get(dtype, "bf16")
+    if not g.get("vllm_enable_sleep_mode", False):
+        notes.append("vllm_enable_sleep_mode is off: the engine's weights and KV cache stay on the GPU while the "
+                     "actor trains, which this estimate does not price (it sleeps the engine); set it true")
+    knobs.update(_accelerate(docs[1]) if len(docs) > 1 else {})
+    return RlSetup(knobs={**knobs, **flags}, source=source, dialect="trl-grpo", model=model,
+                   model_path=g.get("model_name_or_path"), model_key="model_name_or_path", notes=tuple(notes))
+
+
+def _cluster(accelerate: dict, flags: dict) -> tuple[int, int | None]:
+    """GPUs from accelerate's num_processes / num_machines, else the fsdp-plan line's --gpus, else 1."""
+    if "num_processes" in accelerate:
+        gpus = typed("gpus", accelerate["num_processes"], "num_processes")
+        machines = typed("gpus", accelerate.get("num_machines", 1), "num_machines")
+        return gpus, gpus // machines
+    return flags.pop("gpus", 1), flags.pop("gpus_per_node", None)
+
+
+def _accelerate(a: dict) -> dict:
+    fsdp = a.get("fsdp_config") or {}
+    offload = typed("param_offload", fsdp.get("fsdp_offload_params", False), "fsdp_config.fsdp_offload_params")
+    version = typed("fsdp_size", fsdp.get("fsdp_version", 1), "fsdp_config.fsdp_version")
+    return {"strategy": "fsdp2" if version == 2 else "fsdp", "param_offload": offload, "optimizer_offload": offload}

@@ -1,0 +1,165 @@
+"""Read a verl job as users write it: a launch script (`python3 -m verl.trainer.main_ppo key=value ...`, line
+continuations, `$VAR` / `${VAR:-default}` resolved where the script sets them), a bare list of Hydra overrides, or
+a verl YAML (nested keys, as ppo_trainer.yaml). The keys are verl 0.9's (planner/emit/verl.py owns the mapping,
+both directions); the `# fsdp-plan:` line --emit verl writes adds what verl has no key for."""
+
+from __future__ import annotations
+
+import re
+import shlex
+
+from planner.emit import verl as keys
+from planner.emit.rl_flags import read_planner_flags, typed
+from planner.errors import PlannerError
+
+from .rl_setup import RlSetup
+from .torchtitan import _flatten   # nested keys to dotted ones
+
+A = keys.A
+_COMMAND = "verl.trainer.main_ppo"
+_STOP = {"|", "||", "&&", ";", "&"}
+_VAR = re.compile(r"\$\{(\w+)(?::?-([^}]*))?\}|\$(\w+)")
+_ASSIGN = re.compile(r"^\s*(?:export\s+)?([A-Za-z_]\w*)=(.*)$")
+_OVERRIDE = re.compile(r"^\+{0,2}(?:actor_rollout_ref|data|trainer|algorithm|critic)\.[\w.]+=", re.M)
+
+
+def is_verl_script(text: str) -> bool:
+    return _COMMAND in text or bool(_OVERRIDE.search(text))
+
+
+def is_verl_yaml(data: dict) -> bool:
+    return isinstance(data.get("actor_rollout_ref"), dict)
+
+
+def _expand(value: str, env: dict) -> str:
+    def sub(m):
+        name = m.group(1) or m.group(3)
+        if name in env:
+            return env[name]
+        return m.group(2) if m.group(2) is not None else m.group(0)   # unset: the default, else left as written
+    return _VAR.sub(sub, value)
+
+
+def script_overrides(text: str) -> dict[str, str]:
+    """key -> value as the shell would pass it to main_ppo (the last one wins, as in Hydra)."""
+    joined = re.sub(r"\\\n", " ", text)
+    env, tokens = {}, None
+    for line in joined.splitlines():
+        if _COMMAND in line:
+            tokens = shlex.split(line.split(_COMMAND, 1)[1], comments=True)
+            break
+        m = _ASSIGN.match(line)
+        if m and not line.lstrip().startswith("#"):
+            words = shlex.split(m.group(2), comments=True)
+            env[m.group(1)] = _expand(words[0] if words else "", env)
+    if tokens is None:  # a bare list of overrides
+        tokens = shlex.split(joined, comments=True)
+    out = {}
+    for token in tokens:
+        if token in _STOP or token.startswith((">", "1>", "2>")):
+            break
+        if "=" in token and not token.startswith(("-", "~")):
+            key, value = token.split("=", 1)
+            out[key.lstrip("+")] = _expand(value, env)
+    return out
+
+
+def from_verl_script(text: str, source: str) -> RlSetup:
+    dialect = "verl-script" if _COMMAND in text else "verl-overrides"
+    return from_overrides(script_overrides(text), source, dialect, text)
+
+
+def from_verl_yaml(data: dict, source: str, text: str = "") -> RlSetup:
+    return from_overrides(_flatten(data), source, "verl-yaml", text)
+
+
+def _value(o: dict, key: str, field: str):
+    value = o[key]
+    if isinstance(value, str) and "$" in value:
+        raise PlannerError(key, f"{value!r} refers to a variable the script does not set: set it in the script "
+                                "or write the value")
+    return typed(field, value, key)
+
+
+def _first(o: dict, *names: str):
+    return next((n for n in names if n in o and o[n] is not None and str(o[n]).lower() not in ("null", "none")),
+                None)
+
+
+def from_overrides(o: dict, source: str, dialect: str, text: str = "") -> RlSetup:
+    """The request knobs of verl overrides (key -> value), with what the reader assumed."""
+    knobs, notes = {}, []
+    for key, field in {**keys.KEYS, **keys.CRITIC_KEYS}.items():
+        if key in o:
+            knobs[field] = _value(o, key, field)
+    for key in (A + "actor.fsdp_config.ulysses_sequence_parallel_size",):  # verl 0.9's own place for it
+        if key in o and "ulysses_sequence_parallel_size" not in knobs:
+            knobs["ulysses_sequence_parallel_size"] = _value(o, key, "ulysses_sequence_parallel_size")
+    adv = str(o.get("algorithm.adv_estimator", "gae")).strip("'\"")
+    knobs["algorithm"] = "ppo" if adv == "gae" else "grpo"
+    if adv not in ("gae", "grpo"):
+        notes.append(f"algorithm.adv_estimator={adv}: priced as GRPO (no critic)")
+    if A + "actor.ppo_mini_batch_size" in o:
+        knobs["ppo_mini_batch_size"] = _value(o, A + "actor.ppo_mini_batch_size", "ppo_mini_batch_size")
+    if A + "actor.fsdp_config.model_dtype" in o:
+        dtype = str(o[A + "actor.fsdp_config.model_dtype"]).strip("'\"").lower()
+        dtypes = {"fp32": "fp32", "float32": "fp32", "bf16": "bf16", "bfloat16": "bf16"}
+        if dtype not in dtypes:
+            raise PlannerError(A + "actor.fsdp_config.model_dtype", f"unknown value {dtype!r}; choose one of: fp32, "
+                                                                    "bf16")
+        knobs["actor_dtype"] = dtypes[dtype]
+    rank = _value(o, A + "model.lora_rank", "lora_rank") if A + "model.lora_rank" in o else 0
+    knobs["finetune"] = "lora" if rank > 0 else "full"
+    if rank > 0:
+        knobs["lora_rank"] = rank
+    _batches(o, knobs)
+    _entropy(o, knobs, notes)
+    gpus_per_node = _value(o, "trainer.n_gpus_per_node", "gpus_per_node") if "trainer.n_gpus_per_node" in o else 8
+    nnodes = _value(o, "trainer.nnodes", "gpus") if "trainer.nnodes" in o else 1
+    knobs.update(gpus=gpus_per_node * nnodes, gpus_per_node=gpus_per_node)
+    flags = read_planner_flags(text)
+    model = flags.pop("model", None)
+    path = o.get(A + "model.path")
+    if isinstance(path, str) and "$" in path:
+        path = None if model else _value(o, A + "model.path", "model")   # unresolved: one line naming the key
+    return RlSetup(knobs={**knobs, **flags}, source=source, dialect=dialect, model=model, model_path=path,
+                   model_key=A + "model.path", notes=tuple(notes))
+
+
+def _batches(o: dict, knobs: dict) -> None:
+    """Static micro-batches or dynamic token budgets; the log-prob ones from the rollout's keys (else the ref's).
+    verl's global ppo_micro_batch_size (deprecated) is divided by the data-parallel ranks, as fsdp_workers does."""
+    if A + "actor.ppo_micro_batch_size_per_gpu" in o:
+        knobs["ppo_micro_batch_size_per_gpu"] = _value(o, A + "actor.ppo_micro_batch_size_per_gpu",
+                                                       "ppo_micro_batch_size_per_gpu")
+    elif _first(o, A + "actor.ppo_micro_batch_size"):
+        gpus = int(o.get("trainer.n_gpus_per_node", 8)) * int(o.get("trainer.nnodes", 1))
+        sp = knobs.get("ulysses_sequence_parallel_size", 1)
+        knobs["ppo_micro_batch_size_per_gpu"] = max(1, int(o[A + "actor.ppo_micro_batch_size"]) // (gpus // sp))
+    key = _first(o, A + "rollout.log_prob_micro_batch_size_per_gpu", A + "ref.log_prob_micro_batch_size_per_gpu")
+    if key:
+        knobs["log_prob_micro_batch_size_per_gpu"] = _value(o, key, "log_prob_micro_batch_size_per_gpu")
+    if A + "actor.ppo_max_token_len_per_gpu" in o:
+        knobs["ppo_max_token_len_per_gpu"] = _value(o, A + "actor.ppo_max_token_len_per_gpu",
+                                                    "ppo_max_token_len_per_gpu")
+    key = _first(o, A + "rollout.log_prob_max_token_len_per_gpu", A + "ref.log_prob_max_token_len_per_gpu")
+    if key:
+        knobs["log_prob_max_token_len_per_gpu"] = _value(o, key, "log_prob_max_token_len_per_gpu")
+
+
+def _entropy(o: dict, knobs: dict, notes: list) -> None:
+    """verl 0.9 computes the update's entropy when actor.calculate_entropy or entropy_coeff != 0
+    (ray_trainer._update_actor); the log-prob pass always does. Neither key written: priced with it, as verl's
+    2025 default (entropy_coeff 0.001) ran it."""
+    calc, coeff = A + "actor.calculate_entropy", A + "actor.entropy_coeff"
+    if calc not in o and coeff not in o:
+        notes.append("the update is priced with the entropy (verl 0.9 skips it unless actor.calculate_entropy or "
+                     "entropy_coeff != 0; verl 2025 ran it): write actor.calculate_entropy=False to price without")
+        return
+    on = calc in o and typed("entropy", o[calc], calc)
+    if coeff in o:
+        try:
+            on = on or float(str(o[coeff]).strip("'\"")) != 0.0
+        except ValueError:
+            raise PlannerError(coeff, f"{o[coeff]!r} is not a number") from None
+    knobs["entropy"] = on

@@ -1,0 +1,93 @@
+"""`--emit trl`: an RL configuration as TRL 1.16's GRPOConfig (YAML, `trl grpo --config` / GRPOConfig(**yaml))
+for vLLM colocated in the trainer processes, and the accelerate FSDP2 config that shards the actor
+(planner/emit/trainers.emit_accelerate), as two YAML documents. The batch in TRL's terms (trl/trainer/
+grpo_config.py __post_init__): per_device_train_batch_size completions per micro-step, gradient_accumulation_steps
+micro-steps per optimizer step (verl's mini-batch), steps_per_generation micro-steps per generation (verl's
+train batch); what TRL has no key for rides in the `# fsdp-plan:` line (planner/emit/rl_flags.py)."""
+
+from __future__ import annotations
+
+import textwrap
+
+import yaml
+
+from cost_models.units import GiB
+from planner.emit.rl_flags import MARK, planner_flags
+from planner.errors import PlannerError
+from planner.line_width import LINE_WIDTH
+
+# request fields neither GRPOConfig nor accelerate's config holds
+COMMENTED = ("gpu", "gpu_memory", "cpu_ram_per_node", "internode_gbps", "intra_node_gb_per_s", "pcie_gb_per_s",
+             "engine_version", "sleep_level", "mean_prompt_len", "mean_response_len", "finetune", "lora_rank",
+             "entropy", "entropy_chunking", "use_torch_compile", "use_remove_padding", "ref_param_offload",
+             "max_num_seqs", "max_num_batched_tokens", "enforce_eager", "fsdp_size", "use_shm")
+DTYPES = {"fp32": "float32", "bf16": "bfloat16"}   # model_init_kwargs.dtype, as transformers names them
+KL_BETA = 0.001   # a KL term, so that TRL loads the reference the plan prices (verl's kl_loss_coef in its examples)
+
+
+def refuse(r) -> None:
+    """What TRL's GRPOTrainer cannot run, one line each (grpo_config.py: no sequence parallelism, GRPO only)."""
+    if r.algorithm != "grpo":
+        raise PlannerError("algorithm", f"{r.algorithm}: TRL's GRPOTrainer runs GRPO only; valid: grpo "
+                                        "(--emit verl writes PPO)")
+    if r.engine != "vllm":
+        raise PlannerError("engine", f"{r.engine}: TRL generates with vLLM; valid: vllm")
+    if r.ulysses_sequence_parallel_size != 1:
+        raise PlannerError("ulysses_sequence_parallel_size", "TRL's GRPOTrainer has no sequence parallelism "
+                                                             "(grpo_config.py refuses sp_size > 1); valid: 1")
+    if r.use_dynamic_bsz:
+        raise PlannerError("use_dynamic_bsz", "TRL packs no token budgets: valid: --no-use-dynamic-bsz")
+
+
+def grpo_config(e) -> dict:
+    """GRPOConfig's fields for the estimate (its batch plan gives the micro-steps)."""
+    r, b = e.request, e.batch
+    per_generation = r.train_batch * r.rollout_n // (b.data_parallel * r.ppo_micro_batch_size_per_gpu)
+    return {
+        "output_dir": f"grpo-{e.model.name}",
+        "use_vllm": True, "vllm_mode": "colocate",
+        "vllm_gpu_memory_utilization": r.gpu_memory_utilization,
+        "vllm_tensor_parallel_size": r.rollout_tp,
+        "vllm_max_model_length": r.prompt_len + r.response_len,
+        "vllm_enable_sleep_mode": True,   # the engine asleep while the actor trains, as the plan prices it
+        "num_generations": r.rollout_n,
+        "per_device_train_batch_size": r.ppo_micro_batch_size_per_gpu,
+        "gradient_accumulation_steps": b.micro_batches_per_mini,
+        "steps_per_generation": per_generation,
+        "max_completion_length": r.response_len,
+        "gradient_checkpointing": r.gradient_checkpointing,
+        "bf16": True,
+        "model_init_kwargs": {"dtype": DTYPES[r.actor_dtype]},
+        "beta": KL_BETA,
+    }
+
+
+def _fsdp(e):
+    from cost_models.specs import FsdpConfig
+
+    r = e.request
+    # mixed bf16 over an fp32 actor, else pure bf16; TRL's gradient_checkpointing recomputes, not accelerate's
+    return FsdpConfig(sharding="FULL_SHARD", precision="bf16" if r.actor_dtype == "fp32" else "bf16-pure",
+                      offload=r.param_offload, ac_every=0)
+
+
+def emit_trl(e) -> str:
+    from planner.emit.trainers import emit_accelerate
+
+    r = e.request
+    refuse(r)
+    if r.param_offload != r.optimizer_offload:
+        raise PlannerError("optimizer_offload", "accelerate's fsdp_offload_params offloads params and optimizer "
+                                                "together: set --param-offload and --optimizer-offload alike")
+    notes = [f"TRL GRPO for {e.model.name} on {e.cluster.n_gpus} x {e.cluster.gpu.id}, vLLM colocated, priced by "
+             f"fsdp-plan: peak {e.memory.peak.reserved_bytes / GiB:.1f} GiB per GPU in {e.memory.peak.name}",
+             "two files: the first document is the GRPOConfig (trl grpo --config, or GRPOConfig(**it)), the second "
+             "accelerate's (accelerate launch --config_file)"]
+    if r.finetune == "lora":
+        notes.append(f"LoRA: pass peft_config=LoraConfig(r={r.lora_rank}, target_modules='all-linear') to "
+                     "GRPOTrainer")
+    comment = "\n".join(f"# {line}" for n in notes for line in textwrap.wrap(n, LINE_WIDTH - 2))
+    flags = planner_flags(r, COMMENTED)
+    grpo = yaml.safe_dump(grpo_config(e), sort_keys=False, width=LINE_WIDTH)
+    accelerate = emit_accelerate(_fsdp(e), e.model, e.cluster, fsdp_version=2)
+    return f"{comment}\n# {MARK} {flags}\n{grpo}---\n{accelerate}"

@@ -1,0 +1,115 @@
+"""`--emit verl`: an RL configuration as verl's launch script, `python3 -m verl.trainer.main_ppo` with one Hydra
+override per knob the plan priced, under verl 0.9's key names (verl/trainer/config/ppo_trainer.yaml and the
+actor / ref / rollout / critic / model YAMLs it composes). What verl has no key for (the GPU type, the vLLM
+version, sleep level, mean lengths) rides in a `# fsdp-plan:` comment line of the planner's own flags, which
+`fsdp-plan check` reads back (planner/doctor/readers/verl.py), so the round trip prices what was planned.
+
+This module owns both directions of the mapping: KEYS (verl key <-> request field) and the comment's flags."""
+
+from __future__ import annotations
+
+import shlex
+import textwrap
+
+from cost_models.units import GiB
+from planner.emit.common import _comment
+from planner.emit.rl_flags import MARK, planner_flags
+from planner.line_width import LINE_WIDTH
+
+A = "actor_rollout_ref."
+# verl keys that carry one request field as it is (the rest: overrides() below, by rule)
+KEYS = {
+    "data.train_batch_size": "train_batch",
+    "data.max_prompt_length": "prompt_len",
+    "data.max_response_length": "response_len",
+    A + "actor.strategy": "strategy",
+    A + "actor.use_dynamic_bsz": "use_dynamic_bsz",
+    A + "actor.ulysses_sequence_parallel_size": "ulysses_sequence_parallel_size",  # copied into fsdp_config
+    #                                            and read by the ref (verl workers/config/actor.py, dp_ref.yaml)
+    A + "actor.fsdp_config.param_offload": "param_offload",
+    A + "actor.fsdp_config.optimizer_offload": "optimizer_offload",
+    A + "actor.fsdp_config.fsdp_size": "fsdp_size",
+    A + "actor.use_torch_compile": "use_torch_compile",
+    A + "actor.entropy_from_logits_with_chunking": "entropy_chunking",
+    A + "ref.fsdp_config.param_offload": "ref_param_offload",
+    A + "model.enable_gradient_checkpointing": "gradient_checkpointing",
+    A + "model.use_remove_padding": "use_remove_padding",
+    A + "model.use_shm": "use_shm",
+    A + "rollout.name": "engine",
+    A + "rollout.tensor_model_parallel_size": "rollout_tp",
+    A + "rollout.gpu_memory_utilization": "gpu_memory_utilization",
+    A + "rollout.n": "rollout_n",
+    A + "rollout.max_num_seqs": "max_num_seqs",
+    A + "rollout.max_num_batched_tokens": "max_num_batched_tokens",
+    A + "rollout.enforce_eager": "enforce_eager",
+}
+# PPO's critic (verl 0.9 dp_critic.yaml: its FSDP engine config under critic.fsdp)
+CRITIC_KEYS = {"critic.fsdp.param_offload": "critic_param_offload",
+               "critic.fsdp.optimizer_offload": "critic_optimizer_offload"}
+# request fields verl has no key for: written as the planner's flags in the comment line
+COMMENTED = ("gpu", "gpu_memory", "cpu_ram_per_node", "internode_gbps", "intra_node_gb_per_s", "pcie_gb_per_s",
+             "engine_version", "sleep_level", "mean_prompt_len", "mean_response_len")
+ADV_ESTIMATORS = {"grpo": "grpo", "ppo": "gae"}   # algorithm.adv_estimator (verl core_algos.AdvantageEstimator)
+
+
+def hydra_value(value) -> str:
+    """As verl's example scripts write values (Hydra's override grammar reads True / False)."""
+    return str(value)
+
+
+def overrides(r, model_path: str) -> list[tuple[str, object]]:
+    """Every priced knob as (verl key, value), in the order of verl's examples."""
+    mini = r.ppo_mini_batch_size or r.train_batch
+    out = [("algorithm.adv_estimator", ADV_ESTIMATORS[r.algorithm]), (A + "model.path", model_path)]
+    out += [(k, getattr(r, f)) for k, f in KEYS.items()]
+    out += [(A + "actor.ppo_mini_batch_size", mini), (A + "actor.fsdp_config.model_dtype", r.actor_dtype),
+            # a reference exists only with a KL term (verl ray_trainer: use_kl_loss or use_kl_in_reward); the
+            # plan prices one, as verl's GRPO examples run (kl_loss_coef 0.001, low_var_kl)
+            (A + "actor.use_kl_loss", True),
+            # verl 0.9 computes the update's entropy only when asked (ray_trainer._update_actor)
+            (A + "actor.calculate_entropy", r.entropy),
+            (A + "model.lora_rank", r.lora_rank if r.finetune == "lora" else 0)]
+    if r.finetune == "lora":
+        out.append((A + "model.target_modules", "all-linear"))
+    if r.use_dynamic_bsz:
+        budget = r.log_prob_max_token_len_per_gpu or r.ppo_max_token_len_per_gpu
+        out += [(A + "actor.ppo_max_token_len_per_gpu", r.ppo_max_token_len_per_gpu),
+                (A + "rollout.log_prob_max_token_len_per_gpu", budget),
+                (A + "ref.log_prob_max_token_len_per_gpu", budget)]
+    else:
+        micro = r.log_prob_micro_batch_size_per_gpu or r.ppo_micro_batch_size_per_gpu
+        out += [(A + "actor.ppo_micro_batch_size_per_gpu", r.ppo_micro_batch_size_per_gpu),
+                (A + "rollout.log_prob_micro_batch_size_per_gpu", micro),
+                (A + "ref.log_prob_micro_batch_size_per_gpu", micro)]
+    if r.algorithm == "ppo":  # the critic: the actor's model, batch and strategy (cost_models/rl_critic.py)
+        out += [("critic.model.path", model_path), ("critic.strategy", r.strategy),
+                ("critic.model.enable_gradient_checkpointing", r.gradient_checkpointing),
+                ("critic.model.use_remove_padding", r.use_remove_padding)]
+        out += [(k, getattr(r, f)) for k, f in CRITIC_KEYS.items()]
+        out.append(("critic.ppo_max_token_len_per_gpu", r.ppo_max_token_len_per_gpu) if r.use_dynamic_bsz else
+                   ("critic.ppo_micro_batch_size_per_gpu", r.ppo_micro_batch_size_per_gpu))
+    c = r.cluster
+    per_node = c.gpus_per_node or min(c.gpus, 8)
+    out += [("trainer.n_gpus_per_node", per_node), ("trainer.nnodes", c.gpus // per_node)]
+    return out
+
+
+def emit_verl(estimate) -> str:
+    """The launch script for an RlEstimate (planner/rl/evaluate.py)."""
+    r, m = estimate.request, estimate.model
+    notes = [
+        f"verl GRPO/PPO launch for {m.name} on {estimate.cluster.n_gpus} x {estimate.cluster.gpu.id}, priced by "
+        f"fsdp-plan: peak {estimate.memory.peak.reserved_bytes / GiB:.1f} GiB per GPU in "
+        f"{estimate.memory.peak.name}",
+        "verl 0.9 keys (verl/trainer/config/ppo_trainer.yaml); data.train_files / val_files are verl's GSM8K "
+        "defaults: add yours, with the reward",
+        "MODEL_PATH is the planner's model name: set your checkpoint's path or Hub id (check reads the model from "
+        "the fsdp-plan line below)", *([] if estimate.fits else ["does NOT fit: " + "; ".join(estimate.reasons)])]
+    wrapped = [part for n in notes for part in textwrap.wrap(n, LINE_WIDTH - 2)]
+    lines = ["#!/usr/bin/env bash", _comment(wrapped), f"# {MARK} {planner_flags(r, COMMENTED)}",
+             "set -euo pipefail", "", f"MODEL_PATH={shlex.quote(str(r.model))}", "",
+             "python3 -m verl.trainer.main_ppo \\"]
+    for key, value in overrides(r, "$MODEL_PATH"):
+        lines.append(f"    {key}={hydra_value(value)} \\")
+    lines.append('    "$@"')
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,170 @@
+"""`fsdp-plan check` of RL jobs: a verl launch script (and its overrides / YAML forms), a TRL GRPOConfig. Round
+trips: `rl estimate --emit verl|trl` read back by check prices the same phases, byte for byte; verl's own example
+script of rl.md golden case 1 reads and fits; bad input is one line naming the key, exit 2."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from cost_models.units import GiB
+from planner.doctor.readers import read_rl_setup
+from planner.emit.trl import emit_trl
+from planner.emit.verl import emit_verl
+from planner.rl import rl_estimate
+from planner.rl.report import rl_dict
+from planner.schemas.rl import RlEstimateOutput
+
+CLI = [sys.executable, "-m", "planner.cli", "check"]
+CASE_1 = dict(gpu="h100-80gb", prompt_len=1024, response_len=1024, train_batch=1024, ppo_mini_batch_size=256,
+              ppo_micro_batch_size_per_gpu=16, rollout_n=5, param_offload=True, optimizer_offload=True,
+              rollout_tp=2, gpu_memory_utilization=0.6, engine_version="0.8", enforce_eager=True, max_num_seqs=1024,
+              mean_prompt_len=100, mean_response_len=300)
+
+# verl's examples/tuning/7b/qwen2-7b_grpo_2_h800_fsdp_vllm.sh (April 2025; shared/reference/rl.md case 1): its keys
+# and values as the script has them, the shell variables included
+VERL_EXAMPLE = r"""set -x
+
+gsm8k_train_path=$HOME/data/rlhf/gsm8k/train.parquet
+gsm8k_test_path=$HOME/data/rlhf/math/test.parquet
+model_path=Qwen/Qwen2-7B-Instruct
+
+train_files="['$gsm8k_train_path']"
+test_files="['$gsm8k_test_path']"
+
+python3 -m verl.trainer.main_ppo \
+    algorithm.adv_estimator=grpo \
+    data.train_files="$train_files" \
+    data.val_files="$test_files" \
+    data.train_batch_size=1024 \
+    data.max_prompt_length=1024 \
+    data.max_response_length=1024 \
+    data.filter_overlong_prompts=True \
+    data.truncation='error' \
+    actor_rollout_ref.model.path=$model_path \
+    actor_rollout_ref.actor.optim.lr=1e-6 \
+    actor_rollout_ref.model.use_remove_padding=True \
+    actor_rollout_ref.actor.ppo_mini_batch_size=256 \
+    actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16 \
+    actor_rollout_ref.actor.use_kl_loss=True \
+    actor_rollout_ref.actor.kl_loss_coef=0.001 \
+    actor_rollout_ref.actor.kl_loss_type=low_var_kl \
+    actor_rollout_ref.model.enable_gradient_checkpointing=True \
+    actor_rollout_ref.actor.fsdp_config.param_offload=True \
+    actor_rollout_ref.actor.fsdp_config.optimizer_offload=True \
+    actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=16 \
+    actor_rollout_ref.rollout.tensor_model_parallel_size=2 \
+    actor_rollout_ref.rollout.name=vllm \
+    actor_rollout_ref.rollout.gpu_memory_utilization=0.6 \
+    actor_rollout_ref.rollout.n=5 \
+    actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=16 \
+    actor_rollout_ref.ref.fsdp_config.param_offload=True \
+    algorithm.use_kl_in_reward=False \
+    trainer.critic_warmup=0 \
+    trainer.logger=['console','wandb'] \
+    trainer.project_name='verl_grpo_example_gsm8k' \
+    trainer.experiment_name='qwen2_7b_function_rm' \
+    trainer.n_gpus_per_node=2 \
+    trainer.nnodes=1 \
+    trainer.save_freq=-1 \
+    trainer.test_freq=5 \
+    trainer.total_epochs=15 $@
+"""
+
+
+def run(*args):
+    return subprocess.run([*CLI, *map(str, args)], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
+
+
+def same_memory(checked: dict, estimate) -> None:
+    RlEstimateOutput.model_validate(checked)
+    planned = rl_dict(estimate)["memory"]
+    for key in ("peak_reserved_bytes", "peak_phase", "cpu_bytes_per_node", "phases"):
+        assert checked["memory"][key] == planned[key], key
+
+
+@pytest.mark.parametrize("emit, name", [(emit_verl, "job.sh"), (emit_trl, "grpo.yaml")])
+def test_emit_then_check_prices_the_same_phases(tmp_path, emit, name):
+    """Case 1 (peak: the optimizer step, 75.2 GiB; tests/golden/test_rl_cases.py) written by --emit and read back:
+    every phase's bytes equal, host RAM too."""
+    e = rl_estimate("qwen2-7b", 2, **CASE_1)
+    (tmp_path / name).write_text(emit(e))
+    r = run(tmp_path / name, "--format", "json")
+    assert r.returncode == 0, r.stderr
+    same_memory(json.loads(r.stdout), e)
+
+
+def test_verls_own_example_reads_and_fits(tmp_path):
+    """Golden case 1 as verl ships it. The model path is a Hub id not on this machine: --model names the preset;
+    the script cannot say the vLLM version (0.8.2) nor GSM8K's lengths: given as flags. verl 0.9's defaults fill
+    the rest (max_num_seqs 256, CUDA graphs on): the peak is the optimizer step, 75.2 GiB as in the golden case plus
+    the engine's CUDA-graph pool (0.5 GiB, an estimate: rollout_engine.py), which stays through the engine's sleep."""
+    (tmp_path / "run.sh").write_text(VERL_EXAMPLE)
+    r = run(tmp_path / "run.sh", "--model", "qwen2-7b", "--gpu", "h100-80gb", "--engine-version", "0.8",
+            "--mean-prompt-len", 100, "--mean-response-len", 300, "--format", "json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["fits"] and out["memory"]["peak_phase"] == "optimizer_step"
+    assert out["memory"]["peak_reserved_bytes"] / GiB == pytest.approx(75.2 + 0.5, abs=0.1)
+    same_memory(out, rl_estimate("qwen2-7b", 2, **{**CASE_1, "enforce_eager": False, "max_num_seqs": 256}))
+    assert any("priced with the entropy" in n for n in out["notes"])   # neither entropy key in the script
+
+
+def test_the_example_without_model_names_the_key(tmp_path):
+    (tmp_path / "run.sh").write_text(VERL_EXAMPLE)
+    r = run(tmp_path / "run.sh")
+    assert r.returncode == 2
+    assert "actor_rollout_ref.model.path" in r.stderr and "--model" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_an_unset_variable_names_its_key(tmp_path):
+    (tmp_path / "run.sh").write_text(VERL_EXAMPLE.replace("rollout.n=5", "rollout.n=$N"))
+    r = run(tmp_path / "run.sh", "--model", "qwen2-7b")
+    assert r.returncode == 2
+    assert "actor_rollout_ref.rollout.n" in r.stderr and "$N" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_overrides_yaml_and_script_read_alike(tmp_path):
+    """The same job as a bare override list and as verl's nested YAML: the same knobs as the script (by hand:
+    256 x 5 / 2 GPUs = 640 sequences a rank per mini-batch, 16 a micro-batch)."""
+    script = tmp_path / "run.sh"
+    script.write_text(VERL_EXAMPLE)
+    bare = tmp_path / "overrides.txt"
+    bare.write_text("\n".join(line.strip(" \\") for line in VERL_EXAMPLE.splitlines() if line.startswith("    "))
+                    .replace("$model_path", "Qwen/Qwen2-7B-Instruct").replace(" $@", ""))
+    nested = {"algorithm": {"adv_estimator": "grpo"}, "data": {"train_batch_size": 1024, "max_prompt_length": 1024,
+                                                               "max_response_length": 1024},
+              "actor_rollout_ref": {"model": {"path": "Qwen/Qwen2-7B-Instruct", "use_remove_padding": True,
+                                              "enable_gradient_checkpointing": True},
+                                    "actor": {"ppo_mini_batch_size": 256, "ppo_micro_batch_size_per_gpu": 16,
+                                              "fsdp_config": {"param_offload": True, "optimizer_offload": True}},
+                                    "rollout": {"log_prob_micro_batch_size_per_gpu": 16, "name": "vllm",
+                                                "tensor_model_parallel_size": 2, "gpu_memory_utilization": 0.6,
+                                                "n": 5},
+                                    "ref": {"fsdp_config": {"param_offload": True}}},
+              "trainer": {"n_gpus_per_node": 2, "nnodes": 1}}
+    as_yaml = tmp_path / "job.yaml"
+    as_yaml.write_text(json.dumps(nested))   # JSON is YAML
+    read = [read_rl_setup(p) for p in (script, bare, as_yaml)]
+    assert [s.dialect for s in read] == ["verl-script", "verl-overrides", "verl-yaml"]
+    assert read[0].knobs == read[1].knobs == read[2].knobs
+    assert read[0].model_path == "Qwen/Qwen2-7B-Instruct"
+    k = read[0].knobs
+    assert (k["train_batch"], k["ppo_mini_batch_size"], k["ppo_micro_batch_size_per_gpu"], k["rollout_n"]) == (
+        1024, 256, 16, 5)
+    assert (k["gpus"], k["rollout_tp"], k["gpu_memory_utilization"], k["param_offload"]) == (2, 2, 0.6, True)
+
+
+def test_verls_micro_batch_assert_is_a_finding(tmp_path):
+    """verl asserts the normalized mini-batch (256 x 5 / 2 = 640) divisible by the micro-batch: 48 does not
+    (640 = 13 x 48 + 16); check says so and exits 1."""
+    (tmp_path / "run.sh").write_text(VERL_EXAMPLE.replace("ppo_micro_batch_size_per_gpu=16",
+                                                          "ppo_micro_batch_size_per_gpu=48"))
+    r = run(tmp_path / "run.sh", "--model", "qwen2-7b", "--format", "json")
+    assert r.returncode == 1
+    assert any(reason.startswith("ppo_micro_batch_size_per_gpu") for reason in json.loads(r.stdout)["reasons"])
