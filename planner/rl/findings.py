@@ -27,7 +27,34 @@ def findings(settings: RlSettings, engine: EngineSettings, memory: RlMemory, seq
     if ref:
         out.append(f"the reference's bf16 shard ({ref / GiB:.1f} GiB) stays on the GPU through every phase: "
                    "--ref-param-offload moves it to the host")
+    out += _engine_room(engine, memory, phases, capacity_bytes)
     if settings.actor_dtype == "fp32" and memory.peak.reserved_bytes > capacity_bytes:
         out.append("the actor is stored in fp32 (verl's 2025 default model_dtype): --actor-dtype bf16 halves its "
                    "params, gradients and Adam's states")
     return tuple(out)
+
+
+def _engine_room(engine: EngineSettings, memory: RlMemory, phases: dict, capacity_bytes: int) -> list[str]:
+    """vLLM: a phase with the engine awake over the GPU - its utilization leaves the trainer's tensors no room; the
+    KV cache shrinks byte for byte with the utilization (rollout_engine.py), so lowering it by the excess over the
+    total fits. SGLang the other way: its fraction is of the memory free at start (after the actor's resident
+    params), so a resident actor shrinks its pool rather than overflowing: said with the pool it gets."""
+    name = engine.engine.value
+    if name == "sglang":
+        actor = phases["init"].gpu_bytes.get("actor params", 0)
+        if actor:
+            kv = memory.engine.kv_bytes
+            return [f"SGLang's mem_fraction_static ({engine.gpu_memory_utilization}) is of the memory free at start, "
+                    f"after the actor's resident {actor / GiB:.1f} GiB: its KV pool gets {kv / GiB:.1f} GiB; "
+                    "--param-offload (fsdp_config.param_offload) or a higher --gpu-memory-utilization gives it more"]
+        return []
+    over = [p for p in memory.phases if p.reserved_bytes > capacity_bytes
+            and p.gpu_bytes.get("engine KV cache", 0) > p.reserved_bytes - capacity_bytes]
+    if not over:
+        return []
+    worst = max(over, key=lambda p: p.reserved_bytes)
+    excess = worst.reserved_bytes - capacity_bytes
+    fits = int((engine.gpu_memory_utilization - excess / capacity_bytes) * 100) / 100
+    return [f"gpu_memory_utilization {engine.gpu_memory_utilization} leaves the trainer no room in {worst.name}: "
+            f"{worst.reserved_bytes / GiB:.1f} GiB > {capacity_bytes / GiB:.1f}; the KV cache shrinks with it byte "
+            f"for byte: --gpu-memory-utilization {fits} (rollout.gpu_memory_utilization) or --param-offload"]

@@ -168,3 +168,15 @@ def test_verls_micro_batch_assert_is_a_finding(tmp_path):
     r = run(tmp_path / "run.sh", "--model", "qwen2-7b", "--format", "json")
     assert r.returncode == 1
     assert any(reason.startswith("ppo_micro_batch_size_per_gpu") for reason in json.loads(r.stdout)["reasons"])
+
+
+def test_a_utilization_that_leaves_the_trainer_no_room_names_the_one_that_fits():
+    """Case 1 at gpu_memory_utilization 0.9 (vLLM 0.8): the weight sync holds the fp32 actor (14.19 GiB) beside the
+    engine's 62.1 GiB KV cache, 93,383,685,990 B > 85,520,809,984 B. The KV cache shrinks byte for byte with the
+    utilization (0.06 less: 88,252,544,870 B), so 0.9 - 7.86 / 85.52 = 0.808: 0.80, which fits."""
+    e = rl_estimate("qwen2-7b", 2, **{**CASE_1, "gpu_memory_utilization": 0.9})
+    assert not e.fits and e.memory.phases[2].reserved_bytes == 93_383_685_990
+    note = next(n for n in e.notes if n.startswith("gpu_memory_utilization 0.9"))
+    assert "in weight_sync" in note and "--gpu-memory-utilization 0.8 " in note
+    assert rl_estimate("qwen2-7b", 2, **{**CASE_1, "gpu_memory_utilization": 0.8}).fits
+    assert not rl_estimate("qwen2-7b", 2, **{**CASE_1, "gpu_memory_utilization": 0.81}).fits
