@@ -8,6 +8,7 @@ rank saves and resumes its own shard with DCP (SHARDED_STATE_DICT). The node fig
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from .outside_step import LoadWay, SaveWay, StateSizes, load_bytes, save_bytes
@@ -18,6 +19,7 @@ from .units import GiB
 # docs/accuracy.md "Memory outside the step"). A CUDA process adds the CUDA context's host pages and any dataloader
 # workers add their own: not counted (no GPU to measure them on), so this is a floor.
 PROCESS_BYTES_PER_RANK = 282_000_000
+PRETRAINED_DTYPE = "bf16"  # what published checkpoints hold (Llama, Qwen, Mistral, DeepSeek's non-FP8 releases)
 
 
 @dataclass(frozen=True)
@@ -73,7 +75,11 @@ def state_sizes(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, 
     precision = config.precision
     frozen = precision.compute_dtype if precision.mixed else precision.param_dtype
     ranks = max(1, cluster.n_gpus // config.replicate_group_size(cluster))
-    return StateSizes.of(model, training, precision.param_dtype, ranks, frozen)
+    sizes = StateSizes.of(model, training, precision.param_dtype, ranks, frozen)
+    # the pretrained weights are read as published (bf16; transformers 5 loads dtype="auto") and cast to the fp32
+    # masters shard by shard: a full fine-tune's load is its bf16 model (adapters' bases are counted so already)
+    pretrained = StateSizes.of(model, training, PRETRAINED_DTYPE, ranks, frozen).params_bytes
+    return dataclasses.replace(sizes, pretrained_bytes=min(pretrained, sizes.params_bytes))
 
 
 def host_ram(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, config: FsdpConfig,
@@ -89,7 +95,8 @@ def host_ram(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, con
     resume = load_bytes(resume_way, sizes, fsdp2, optimizer=True).node_bytes(n)
     # the other ways in the figures that tell them apart, the same under FSDP1 and FSDP2: what every rank reading
     # puts on a node, what a full state dict puts on rank 0, what async DCP stages on a node
-    others = {LoadWay.EVERY_RANK: n * sizes.params_bytes, LoadWay.RANK0_BROADCAST: sizes.params_bytes}
+    weights = sizes.pretrained_bytes or sizes.params_bytes
+    others = {LoadWay.EVERY_RANK: n * weights, LoadWay.RANK0_BROADCAST: weights}
     saves = {SaveWay.DCP: save.node_bytes(n) if save_way is SaveWay.DCP else None,
              SaveWay.FULL_RANK0: sizes.state_bytes, SaveWay.DCP_ASYNC: n * sizes.shard(sizes.state_bytes)}
     why = (f"load {load_way.value}: {load / GiB:.1f} GiB on rank 0's node ("

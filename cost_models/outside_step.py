@@ -67,6 +67,7 @@ class StateSizes:
     largest_tensor_bytes: int
     largest_unit_bytes: int
     ranks: int
+    pretrained_bytes: int = 0  # the pretrained weights as read (their file's dtype); 0: params_bytes
 
     def shard(self, n_bytes: int) -> int:
         return math.ceil(n_bytes / self.ranks)
@@ -81,11 +82,13 @@ class StateSizes:
         """LoRA: the base stored in frozen_dtype (the compute dtype under mixed precision), adapters in
         param_dtype; only the adapters carry optimizer state. QLoRA: the base's block linears packed as
         cost_models/qlora.py stores them (loading quantizes shard by shard: one checkpoint file's bf16 weights in
-        flight, not counted). Matrices: embedding, head, q / o, the MLP's."""
+        flight, not counted). Matrices: embedding, head, q / o, the MLP's, an MoE's stacked experts."""
         p = DTYPE_BYTES[param_dtype]
         f = DTYPE_BYTES[frozen_dtype or param_dtype]
         h = model.hidden_size
         largest = max(model.embedding_params, model.head_params, model.q_dim * h, model.ffn_hidden_size * h)
+        if model.moe is not None and model.moe.stacked_expert_tensors:  # one tensor holds every routed expert's
+            largest = max(largest, *(rows * per_row for rows, per_row in model.moe.stacked_expert_tensors))
         opt = training.optimizer.state_bytes_per_param(param_dtype)
         if training.finetune.adapters:
             adapters_block = model.lora_params_per_block(training.lora_rank)
@@ -123,7 +126,7 @@ def load_bytes(way: LoadWay, sizes: StateSizes, fsdp2: bool = True, on_gpu: bool
                optimizer: bool = False) -> OutsideBytes:
     """Loading the params (optimizer: with the optimizer state, a resume). on_gpu False: a CPU run (gloo), where
     the device's transients are host memory and moving a tensor to the device copies nothing."""
-    full = sizes.state_bytes if optimizer else sizes.params_bytes
+    full = sizes.state_bytes if optimizer else sizes.pretrained_bytes or sizes.params_bytes
     one = _gathered_bytes(sizes, fsdp2)
     if way is LoadWay.META_DCP:  # a storage item (a rank's slice of a tensor) in flight; the optimizer's state: two
         items = (2 if optimizer else 1) * sizes.shard(sizes.largest_tensor_bytes)  # (measured, docs/accuracy.md)

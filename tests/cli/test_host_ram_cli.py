@@ -2,10 +2,11 @@
 the ways chosen with why, and --cpu-ram-per-node rejecting a candidate whose host peak does not fit.
 
 Llama 3.1 8B (8,030,261,248 params; embedding 128,256 x 4,096) on one node of 8 H100s, bf16 with fp32 params:
-- loading, rank 0 reads and broadcasts: 8,030,261,248 x 4 B = 32,121,044,992 B on rank 0's node;
+- loading, rank 0 reads the published bf16 weights and broadcasts them: 8,030,261,248 x 2 B = 16,060,522,496 B on
+  rank 0's node;
 - save, DCP: 8 ranks x (10 MB copy-ahead + an eighth of the fp32 embedding, 262,668,288 B) = 2,181,346,304 B;
 - resume, DCP: 8 x 2 items of 262,668,288 B = 4,202,692,608 B;
-- processes: 8 x 282 MB = 2,256,000,000 B; the peak: processes + loading = 34,377,044,992 B (32.0 GiB).
+- processes: 8 x 282 MB = 2,256,000,000 B; the peak: processes + loading = 18,316,522,496 B (17.1 GiB).
 """
 
 import json
@@ -13,8 +14,8 @@ import json
 from tests.cli.test_float_flags import invoke
 
 BASE = ["--model", "llama3.1-8b", "--gpus", "8", "--gpu", "h100-80gb"]
-HOST = {"load_bytes": 32_121_044_992, "checkpoint_save_bytes": 2_181_346_304, "resume_bytes": 4_202_692_608,
-        "process_bytes": 2_256_000_000, "offloaded_bytes": 0, "peak_bytes": 34_377_044_992, "save_gpu_bytes": 0,
+HOST = {"load_bytes": 16_060_522_496, "checkpoint_save_bytes": 2_181_346_304, "resume_bytes": 4_202_692_608,
+        "process_bytes": 2_256_000_000, "offloaded_bytes": 0, "peak_bytes": 18_316_522_496, "save_gpu_bytes": 0,
         "load_way": "rank0-broadcast", "save_way": "dcp", "resume_way": "meta-dcp"}
 
 
@@ -23,40 +24,40 @@ def test_estimate_json_carries_host_ram_per_node_by_phase(capsys):
     assert code == 0, err
     host = json.loads(out)["memory"]["host_ram"]
     assert {k: host[k] for k in HOST} == HOST
-    assert "(every-rank: 239.3)" in host["why"]  # 8 x 32.1 GB: what rank-0 loading saves
+    assert "(every-rank: 119.7)" in host["why"]  # 8 x 16.1 GB: what rank-0 loading saves
 
 
 def test_estimate_text_shows_the_host_breakdown_against_the_nodes_ram(capsys):
     code, out, err = invoke(["estimate", *BASE], capsys)
     assert code == 0, err
     text = " ".join(out.split())  # the lines are folded to the terminal width
-    assert ("Host RAM per node: 32.0 GiB of 2048.0 GiB at its peak = processes 2.1 + the largest of loading 29.9, "
+    assert ("Host RAM per node: 17.1 GiB of 2048.0 GiB at its peak = processes 2.1 + the largest of loading 15.0, "
             "offloaded state 0.0 + checkpoint save 2.0 or + resume 3.9") in text
-    assert "Load and checkpoint ways: load rank0-broadcast: 29.9 GiB on rank 0's node" in text
+    assert "Load and checkpoint ways: load rank0-broadcast: 15.0 GiB on rank 0's node" in text
 
 
 def test_a_node_without_the_ram_to_load_rejects_the_candidate(capsys):
-    code, out, err = invoke(["estimate", *BASE, "--cpu-ram-per-node", "24GiB", "--format", "json"], capsys)
+    code, out, err = invoke(["estimate", *BASE, "--cpu-ram-per-node", "16GiB", "--format", "json"], capsys)
     assert code == 0, err
     result = json.loads(out)
     assert not result["fits"]
-    assert "needs 32 GiB of host RAM per node > 24 GiB (loading 30 GiB, processes 2.1 GiB)" in result["reasons"]
+    assert "needs 17 GiB of host RAM per node > 16 GiB (loading 15 GiB, processes 2.1 GiB)" in result["reasons"]
 
 
 def test_plan_shows_host_ram_per_node_and_its_json_each_candidates(capsys):
     code, out, err = invoke([*BASE, "--top", "2"], capsys)
     assert code == 0, err
-    assert "host GiB/node 32.0" in " ".join(out.split())
-    assert "Host RAM per node: 32.0 GiB of 2048.0 GiB" in out
+    assert "host GiB/node 17.1" in " ".join(out.split())
+    assert "Host RAM per node: 17.1 GiB of 2048.0 GiB" in out
     code, out, err = invoke([*BASE, "--top", "2", "--format", "json"], capsys)
     assert code == 0, err
     assert all(c["memory"]["host_ram"]["peak_bytes"] == HOST["peak_bytes"] for c in json.loads(out)["candidates"])
 
 
 def test_plan_on_a_node_too_small_to_load_fits_nothing_and_says_why(capsys):
-    code, out, err = invoke([*BASE, "--cpu-ram-per-node", "24GiB", "--top", "1"], capsys)
+    code, out, err = invoke([*BASE, "--cpu-ram-per-node", "16GiB", "--top", "1"], capsys)
     assert code == 0, err
-    assert "Nothing fits" in out and "GiB of host RAM per node > 24 GiB" in " ".join(out.split())
+    assert "Nothing fits" in out and "GiB of host RAM per node > 16 GiB" in " ".join(out.split())
 
 
 # accelerate's FSDP1 defaults: every rank loads (no cpu_ram_efficient_loading), FULL_STATE_DICT saves and resumes
@@ -72,10 +73,11 @@ fsdp_config:
   fsdp_sharding_strategy: FULL_SHARD
   fsdp_use_orig_params: true
 """
-# every rank loads 32,121,044,992 B: 8 x = 256,968,359,936 B; the save gathers params + Adam (3 x 32,121,044,992)
+# every rank loads the bf16 weights, 16,060,522,496 B: 8 x = 128,484,179,968 B; the save gathers fp32 params + Adam
+# (3 x 32,121,044,992)
 # and offload_to_cpu's copy of the root unit (embedding + head + norm, 1,050,677,248 x 4 B = 4,202,708,992 B, also
 # the GPU transient) on rank 0; resume: every rank of an FSDP1 model reads params + Adam, 8 x 96,363,134,976 B.
-CHECKED = {"load_bytes": 256_968_359_936, "checkpoint_save_bytes": 100_565_843_968, "save_gpu_bytes": 4_202_708_992,
+CHECKED = {"load_bytes": 128_484_179_968, "checkpoint_save_bytes": 100_565_843_968, "save_gpu_bytes": 4_202_708_992,
            "resume_bytes": 770_905_079_808, "peak_bytes": 773_161_079_808, "load_way": "every-rank",
            "save_way": "full-state-dict", "resume_way": "every-rank"}
 
@@ -114,13 +116,13 @@ def test_the_emitted_fsdp2_snippet_reads_back_with_the_plans_ways(tmp_path, caps
 
 def test_the_trainer_sets_the_ways_its_artifact_loads_and_saves(capsys):
     """torchtitan builds on meta and reads its checkpoint with DCP: each rank one item of the embedding at a time,
-    8 x 262,668,288 B on the node, not rank 0's 32 GB; Lightning's FSDPStrategy as emitted has every rank build the
-    model (8 x 32,121,044,992 B) and saves sharded."""
+    8 x 262,668,288 B on the node, not rank 0's 16 GB; Lightning's FSDPStrategy as emitted has every rank load the
+    model (8 x 16,060,522,496 B) and saves sharded."""
     ways = {}
     for trainer in ("torchtitan", "lightning"):
         code, out, err = invoke(["estimate", *BASE, "--trainer", trainer, "--format", "json"], capsys)
         assert code == 0, err
         ways[trainer] = json.loads(out)["memory"]["host_ram"]
     assert (ways["torchtitan"]["load_way"], ways["torchtitan"]["load_bytes"]) == ("meta-dcp", 8 * 262_668_288)
-    assert (ways["lightning"]["load_way"], ways["lightning"]["load_bytes"]) == ("every-rank", 256_968_359_936)
+    assert (ways["lightning"]["load_way"], ways["lightning"]["load_bytes"]) == ("every-rank", 128_484_179_968)
     assert ways["lightning"]["save_way"] == "dcp"
