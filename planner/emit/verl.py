@@ -49,6 +49,11 @@ CRITIC_KEYS = {"critic.fsdp.param_offload": "critic_param_offload",
 # request fields verl has no key for: written as the planner's flags in the comment line
 COMMENTED = ("gpu", "gpu_memory", "cpu_ram_per_node", "internode_gbps", "intra_node_gb_per_s", "pcie_gb_per_s",
              "engine_version", "sleep_level", "mean_prompt_len", "mean_response_len")
+# verl 0.9's defaults (verl/trainer/config/_generated_ppo_trainer.yaml) where they differ from the request's: a
+# script that leaves a key out runs verl's value, and check prices that
+VERL_DEFAULTS = {"data.max_prompt_length": 512, "data.max_response_length": 512, "data.train_batch_size": 1024,
+                 A + "rollout.n": 1, A + "actor.ppo_mini_batch_size": 256, A + "ref.fsdp_config.param_offload": False,
+                 "algorithm.adv_estimator": "gae"}
 ADV_ESTIMATORS = {"grpo": "grpo", "ppo": "gae"}   # algorithm.adv_estimator (verl core_algos.AdvantageEstimator)
 
 

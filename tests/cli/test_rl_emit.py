@@ -89,3 +89,24 @@ def test_trl_grpo_config_accepted_by_trl():
     assert (config.num_generations, config.max_completion_length, config.vllm_max_model_length) == (5, 1024, 2048)
     fsdp = accelerate["fsdp_config"]
     assert (fsdp["fsdp_version"], fsdp["fsdp_offload_params"], accelerate["num_processes"]) == (2, True, 2)
+
+
+def _cli(*args):
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "planner.cli", *args], capture_output=True, text=True, timeout=120)
+
+
+def test_rl_emits_the_best_configuration_and_refuses_what_trl_cannot_run():
+    """`fsdp-plan rl --emit verl` prints the best configuration's script alone (its rank-1 offloads and utilization
+    as overrides); TRL has no PPO: one line naming the field, exit 2."""
+    job = ["--model", "qwen2.5-7b", "--gpus", "8", "--gpu", "h100-80gb", "--prompt-len", "1024", "--response-len",
+           "4096", "--rollout-n", "8", "--train-batch", "256"]
+    r = _cli("rl", *job, "--emit", "verl")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("#!/usr/bin/env bash") and "python3 -m verl.trainer.main_ppo \\" in r.stdout
+    assert "    actor_rollout_ref.rollout.gpu_memory_utilization=" in r.stdout
+    r = _cli("rl", "estimate", *job, "--algorithm", "ppo", "--emit", "trl")
+    assert r.returncode == 2
+    assert "algorithm" in r.stderr and "grpo" in r.stderr and len(r.stderr.strip().splitlines()) == 1

@@ -86,11 +86,23 @@ def same_memory(checked: dict, estimate) -> None:
         assert checked["memory"][key] == planned[key], key
 
 
-@pytest.mark.parametrize("emit, name", [(emit_verl, "job.sh"), (emit_trl, "grpo.yaml")])
-def test_emit_then_check_prices_the_same_phases(tmp_path, emit, name):
-    """Case 1 (peak: the optimizer step, 75.2 GiB; tests/golden/test_rl_cases.py) written by --emit and read back:
-    every phase's bytes equal, host RAM too."""
-    e = rl_estimate("qwen2-7b", 2, **CASE_1)
+# PPO (a critic) with a LoRA FSDP2 bf16 actor, dynamic batches, Ulysses 2, SGLang, 2 nodes; and TRL with LoRA
+PPO = dict(gpu="h100-80gb", gpus_per_node=8, prompt_len=1024, response_len=2048, train_batch=256, rollout_n=4,
+           algorithm="ppo", strategy="fsdp2", actor_dtype="bf16", finetune="lora", lora_rank=64,
+           use_dynamic_bsz=True, ppo_max_token_len_per_gpu=16384, ulysses_sequence_parallel_size=2,
+           critic_param_offload=True, engine="sglang", cpu_ram_per_node="1TiB")
+TRL_LORA = dict(CASE_1, finetune="lora", lora_rank=16, actor_dtype="bf16", param_offload=False,
+                optimizer_offload=False, gradient_checkpointing=False, entropy=False)
+
+
+@pytest.mark.parametrize("emit, name, model, gpus, knobs", [
+    (emit_verl, "job.sh", "qwen2-7b", 2, CASE_1), (emit_trl, "grpo.yaml", "qwen2-7b", 2, CASE_1),
+    (emit_verl, "ppo.sh", "qwen2.5-7b", 16, PPO), (emit_trl, "lora.yaml", "qwen2-7b", 2, TRL_LORA)],
+    ids=["verl-case-1", "trl-case-1", "verl-ppo-lora", "trl-lora"])
+def test_emit_then_check_prices_the_same_phases(tmp_path, emit, name, model, gpus, knobs):
+    """Written by --emit and read back: every phase's bytes equal, the peak and host RAM too (case 1's peak: the
+    optimizer step, 75.2 GiB; tests/golden/test_rl_cases.py)."""
+    e = rl_estimate(model, gpus, **knobs)
     (tmp_path / name).write_text(emit(e))
     r = run(tmp_path / name, "--format", "json")
     assert r.returncode == 0, r.stderr
@@ -180,3 +192,19 @@ def test_a_utilization_that_leaves_the_trainer_no_room_names_the_one_that_fits()
     assert "in weight_sync" in note and "--gpu-memory-utilization 0.8 " in note
     assert rl_estimate("qwen2-7b", 2, **{**CASE_1, "gpu_memory_utilization": 0.8}).fits
     assert not rl_estimate("qwen2-7b", 2, **{**CASE_1, "gpu_memory_utilization": 0.81}).fits
+
+
+def test_keys_left_out_take_verls_defaults(tmp_path):
+    """verl 0.9's _generated_ppo_trainer.yaml: prompts and responses 512, train batch 1024, n 1, mini-batch 256, the
+    reference not offloaded, adv_estimator gae (PPO: a critic). Without a micro-batch verl asserts: one line."""
+    from planner.errors import PlannerError
+
+    path = tmp_path / "o.txt"
+    path.write_text("actor_rollout_ref.rollout.name=vllm actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4")
+    k = read_rl_setup(path).knobs
+    assert (k["prompt_len"], k["response_len"], k["train_batch"], k["rollout_n"], k["ppo_mini_batch_size"]) == (
+        512, 512, 1024, 1, 256)
+    assert (k["ref_param_offload"], k["algorithm"], k["gpus"]) == (False, "ppo", 8)
+    path.write_text("actor_rollout_ref.rollout.name=vllm")
+    with pytest.raises(PlannerError, match="actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu"):
+        read_rl_setup(path)

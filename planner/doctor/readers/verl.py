@@ -87,7 +87,10 @@ def _first(o: dict, *names: str):
 
 
 def from_overrides(o: dict, source: str, dialect: str, text: str = "") -> RlSetup:
-    """The request knobs of verl overrides (key -> value), with what the reader assumed."""
+    """The request knobs of verl overrides (key -> value) over verl's defaults, with what the reader assumed."""
+    o = {**keys.VERL_DEFAULTS, **o}
+    if A + "rollout.name" not in o:   # '???' in verl's rollout.yaml: Hydra refuses to start without it
+        raise PlannerError(A + "rollout.name", "missing: verl requires it; valid: vllm, sglang")
     knobs, notes = {}, []
     for key, field in {**keys.KEYS, **keys.CRITIC_KEYS}.items():
         if key in o:
@@ -95,7 +98,7 @@ def from_overrides(o: dict, source: str, dialect: str, text: str = "") -> RlSetu
     for key in (A + "actor.fsdp_config.ulysses_sequence_parallel_size",):  # verl 0.9's own place for it
         if key in o and "ulysses_sequence_parallel_size" not in knobs:
             knobs["ulysses_sequence_parallel_size"] = _value(o, key, "ulysses_sequence_parallel_size")
-    adv = str(o.get("algorithm.adv_estimator", "gae")).strip("'\"")
+    adv = str(o["algorithm.adv_estimator"]).strip("'\"")
     knobs["algorithm"] = "ppo" if adv == "gae" else "grpo"
     if adv not in ("gae", "grpo"):
         notes.append(f"algorithm.adv_estimator={adv}: priced as GRPO (no critic)")
@@ -136,6 +139,10 @@ def _batches(o: dict, knobs: dict) -> None:
         gpus = int(o.get("trainer.n_gpus_per_node", 8)) * int(o.get("trainer.nnodes", 1))
         sp = knobs.get("ulysses_sequence_parallel_size", 1)
         knobs["ppo_micro_batch_size_per_gpu"] = max(1, int(o[A + "actor.ppo_micro_batch_size"]) // (gpus // sp))
+    elif not knobs.get("use_dynamic_bsz"):   # verl workers/config/actor.py asserts one of them
+        raise PlannerError(A + "actor.ppo_micro_batch_size_per_gpu", "missing: verl requires it (or the "
+                                                                     "deprecated ppo_micro_batch_size) unless "
+                                                                     "actor.use_dynamic_bsz=True")
     key = _first(o, A + "rollout.log_prob_micro_batch_size_per_gpu", A + "ref.log_prob_micro_batch_size_per_gpu")
     if key:
         knobs["log_prob_micro_batch_size_per_gpu"] = _value(o, key, "log_prob_micro_batch_size_per_gpu")
