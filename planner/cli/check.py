@@ -68,7 +68,7 @@ def check_cmd(config: str | None, model: str | None, gpus: int | None, micro_bat
     from planner.errors import PlannerError
     from planner.doctor.readers import UserSetup, read_rl_setup, read_setup
 
-    rl = read_rl_setup(config) if config is not None else None
+    rl = read_rl_setup(config, gpus) if config is not None else None
     if rl is not None:  # a verl / TRL GRPO job: planner/rl
         from planner.cli.rl import check_rl
 

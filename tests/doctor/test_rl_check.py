@@ -208,3 +208,21 @@ def test_keys_left_out_take_verls_defaults(tmp_path):
     path.write_text("actor_rollout_ref.rollout.name=vllm")
     with pytest.raises(PlannerError, match="actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu"):
         read_rl_setup(path)
+
+
+def test_a_grpo_config_alone_needs_the_gpu_count(tmp_path):
+    """TRL counts its batch per process: case 1's GRPOConfig as JSON (no accelerate document, no fsdp-plan line)
+    reads back to 160 x 16 x 2 / 5 = 1,024 prompts a step and 40 x 16 x 2 / 5 = 256 a mini-batch only once --gpus
+    says 2; without it, one line naming gpus."""
+    import yaml
+
+    from planner.errors import PlannerError
+
+    grpo = next(yaml.safe_load_all(emit_trl(rl_estimate("qwen2-7b", 2, **CASE_1))))
+    path = tmp_path / "grpo.json"
+    path.write_text(json.dumps(grpo))
+    with pytest.raises(PlannerError, match="gpus"):
+        read_rl_setup(path)
+    k = read_rl_setup(path, gpus=2).knobs
+    assert (k["train_batch"], k["ppo_mini_batch_size"], k["rollout_n"], k["prompt_len"]) == (1024, 256, 5, 1024)
+    assert (k["actor_dtype"], k["gradient_checkpointing"], k["gpu_memory_utilization"]) == ("fp32", True, 0.6)

@@ -71,9 +71,10 @@ def _parse(path: Path, text: str) -> dict:
     return data
 
 
-def read_rl_setup(path):
+def read_rl_setup(path, gpus: int | None = None):
     """An RL job - a verl launch script, overrides or YAML (verl.py), a TRL GRPOConfig (trl_grpo.py) - as an
-    RlSetup, else None (read_setup's kinds; an unreadable file is read_setup's to report)."""
+    RlSetup, else None (read_setup's kinds; an unreadable file is read_setup's to report). `gpus`: the command
+    line's, which TRL's per-process batch needs."""
     path = Path(path)
     text = _read(path)
     if path.suffix in (".py", ".toml"):
@@ -84,7 +85,7 @@ def read_rl_setup(path):
     if docs and verl.is_verl_yaml(docs[0]):
         return verl.from_verl_yaml(docs[0], str(path), text)
     if docs and trl_grpo.is_trl_grpo(docs[0]):
-        return trl_grpo.from_trl_grpo(docs, str(path), text)
+        return trl_grpo.from_trl_grpo(docs, str(path), text, gpus)
     return None
 
 

@@ -38,19 +38,25 @@ def _get(d: dict, key: str, field: str, default=None):
     return typed(field, d[key], key) if d.get(key) is not None else default
 
 
-def from_trl_grpo(docs: list, source: str, text: str = "") -> RlSetup:
+def from_trl_grpo(docs: list, source: str, text: str = "", gpus: int | None = None) -> RlSetup:
+    """`gpus`: check's --gpus, over accelerate's num_processes and the fsdp-plan line (TRL counts its batch per
+    process, so the prompts per step follow the GPU count)."""
     g = docs[0]
     if not g.get("use_vllm", False):
         raise PlannerError("use_vllm", "false: check prices generation in a vLLM engine on the training GPUs; valid: "
                                        "true with vllm_mode colocate")
-    mode = str(g.get("vllm_mode", "colocate" if "vllm_mode" not in g else g["vllm_mode"]))
+    mode = str(g.get("vllm_mode") or "colocate")   # TRL 1.16's default
     if mode != "colocate":
         raise PlannerError("vllm_mode", f"{mode!r}: a vLLM server runs on other GPUs, outside what check prices; "
                                         "valid: colocate")
     flags = read_planner_flags(text)
     model = flags.pop("model", None)
     notes = ["priced with verl's phase model (log-probs, update, weight sync) for TRL's GRPOTrainer"]
-    gpus, per_node = _cluster(docs[1] if len(docs) > 1 else {}, flags)
+    read, per_node = _cluster(docs[1] if len(docs) > 1 else {}, flags)
+    gpus, per_node = (gpus, None) if gpus is not None else (read, per_node)
+    if gpus is None:
+        raise PlannerError("gpus", "missing: a GRPOConfig does not say how many processes run it; pass --gpus (or "
+                                   "give accelerate's config as a second YAML document)")
     micro = _get(g, "per_device_train_batch_size", "ppo_micro_batch_size_per_gpu", 8)   # TrainingArguments' default
     accum = _get(g, "gradient_accumulation_steps", "ppo_micro_batch_size_per_gpu", 1)
     n = _get(g, "num_generations", "rollout_n", 8)
@@ -58,12 +64,14 @@ def from_trl_grpo(docs: list, source: str, text: str = "") -> RlSetup:
         per_generation = typed("train_batch", g["generation_batch_size"], "generation_batch_size") // (micro * gpus)
     else:
         per_generation = _get(g, "steps_per_generation", "train_batch", accum)
-    response = _get(g, "max_completion_length", "response_len", 256)
+    response = _get(g, "max_completion_length", "response_len", 512)   # GRPOConfig's defaults (grpo_config.py)
     knobs = {"rollout_n": n, "ppo_micro_batch_size_per_gpu": micro, "response_len": response,
              "train_batch": per_generation * micro * gpus // n, "ppo_mini_batch_size": accum * micro * gpus // n,
              "gpu_memory_utilization": _get(g, "vllm_gpu_memory_utilization", "gpu_memory_utilization", 0.3),
              "rollout_tp": _get(g, "vllm_tensor_parallel_size", "rollout_tp", 1),
-             "gradient_checkpointing": _get(g, "gradient_checkpointing", "gradient_checkpointing", False),
+             # transformers 5's new name first; GRPOConfig checkpoints by default
+             "gradient_checkpointing": _get(g, "activation_checkpointing", "gradient_checkpointing",
+                                            _get(g, "gradient_checkpointing", "gradient_checkpointing", True)),
              "gpus": gpus, "gpus_per_node": per_node, "algorithm": "grpo", "engine": "vllm"}
     if g.get("vllm_max_model_length") is not None:
         knobs["prompt_len"] = typed("prompt_len", g["vllm_max_model_length"], "vllm_max_model_length") - response
@@ -83,12 +91,12 @@ def from_trl_grpo(docs: list, source: str, text: str = "") -> RlSetup:
 
 
 def _cluster(accelerate: dict, flags: dict) -> tuple[int, int | None]:
-    """GPUs from accelerate's num_processes / num_machines, else the fsdp-plan line's --gpus, else 1."""
+    """GPUs from accelerate's num_processes / num_machines, else the fsdp-plan line's --gpus, else None."""
     if "num_processes" in accelerate:
         gpus = typed("gpus", accelerate["num_processes"], "num_processes")
         machines = typed("gpus", accelerate.get("num_machines", 1), "num_machines")
         return gpus, gpus // machines
-    return flags.pop("gpus", 1), flags.pop("gpus_per_node", None)
+    return flags.pop("gpus", None), flags.pop("gpus_per_node", None)   # None: check asks for --gpus
 
 
 def _accelerate(a: dict) -> dict:
