@@ -70,6 +70,7 @@ def check_rl(setup, model: str | None, gpus: int | None, output_format: Format, 
     the command line's cluster flags and mean lengths over them; exit 1 when it does not fit."""
     import dataclasses
 
+    from cost_models.spec_values import SpecError
     from planner.errors import PlannerError
     from planner.models import resolve_model
     from planner.rl.evaluate import evaluate_rl
@@ -89,9 +90,14 @@ def check_rl(setup, model: str | None, gpus: int | None, output_format: Format, 
         except PlannerError:
             raise PlannerError(setup.model_key, f"{setup.model_path!r} is not on this machine: pass --model with a "
                                                 "preset name or its config.json") from None
-    request = rl_request(None, knobs.pop("gpus"), **knobs)
-    e = evaluate_rl(dataclasses.replace(request, model=model if isinstance(model, str) else model.name),
-                    model=None if isinstance(model, str) else model)
+    try:
+        request = rl_request(None, knobs.pop("gpus"), **knobs)
+        e = evaluate_rl(dataclasses.replace(request, model=model if isinstance(model, str) else model.name),
+                        model=None if isinstance(model, str) else model)
+    except SpecError as exc:   # a value the cost models refuse: named by the file's key
+        if exc.field not in setup.keys:
+            raise
+        raise PlannerError(setup.keys[exc.field], str(exc).removeprefix(f"{exc.field}: ")) from None
     e = dataclasses.replace(e, notes=(*setup.notes, *e.notes))
     typer.echo(rl_json(e) if output_format is Format.json else f"{setup.dialect}: {setup.source}\n{rl_text(e)}")
     if not e.fits:

@@ -226,3 +226,11 @@ def test_a_grpo_config_alone_needs_the_gpu_count(tmp_path):
     k = read_rl_setup(path, gpus=2).knobs
     assert (k["train_batch"], k["ppo_mini_batch_size"], k["rollout_n"], k["prompt_len"]) == (1024, 256, 5, 1024)
     assert (k["actor_dtype"], k["gradient_checkpointing"], k["gpu_memory_utilization"]) == ("fp32", True, 0.6)
+
+
+def test_a_value_verl_cannot_take_is_named_by_its_key(tmp_path):
+    """rollout.name hf: the cost model's one line (vllm, sglang), named by verl's key, exit 2."""
+    (tmp_path / "run.sh").write_text(VERL_EXAMPLE.replace("rollout.name=vllm", "rollout.name=hf"))
+    r = run(tmp_path / "run.sh", "--model", "qwen2-7b")
+    assert r.returncode == 2
+    assert r.stderr.strip() == "error: actor_rollout_ref.rollout.name: unknown value 'hf'; choose one of: vllm, sglang"

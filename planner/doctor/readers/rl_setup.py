@@ -3,7 +3,7 @@ request's field names (planner/rl/request.py), with the model it names and what 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -15,3 +15,4 @@ class RlSetup:
     model_path: str | None = None    # what the file loads (verl's model.path, TRL's model_name_or_path)
     model_key: str = "model"     # the key that names it, for the message when it is not on this machine
     notes: tuple[str, ...] = ()  # what the reader assumed, said beside the estimate
+    keys: dict = field(default_factory=dict)   # request field -> the file's key, to name it in an error

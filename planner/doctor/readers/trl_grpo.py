@@ -13,6 +13,10 @@ from planner.errors import PlannerError
 
 from .rl_setup import RlSetup
 
+# request field -> GRPOConfig's key, to name it in an error
+KEYS = {"rollout_n": "num_generations", "ppo_micro_batch_size_per_gpu": "per_device_train_batch_size",
+        "gpu_memory_utilization": "vllm_gpu_memory_utilization", "rollout_tp": "vllm_tensor_parallel_size",
+        "response_len": "max_completion_length", "prompt_len": "vllm_max_model_length"}
 _MARKERS = ("num_generations", "vllm_mode", "max_completion_length", "steps_per_generation")
 
 
@@ -87,7 +91,8 @@ def from_trl_grpo(docs: list, source: str, text: str = "", gpus: int | None = No
                      "actor trains, which this estimate does not price (it sleeps the engine); set it true")
     knobs.update(_accelerate(docs[1]) if len(docs) > 1 else {})
     return RlSetup(knobs={**knobs, **flags}, source=source, dialect="trl-grpo", model=model,
-                   model_path=g.get("model_name_or_path"), model_key="model_name_or_path", notes=tuple(notes))
+                   model_path=g.get("model_name_or_path"), model_key="model_name_or_path", notes=tuple(notes),
+                   keys=KEYS)
 
 
 def _cluster(accelerate: dict, flags: dict) -> tuple[int, int | None]:

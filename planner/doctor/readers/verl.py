@@ -125,8 +125,11 @@ def from_overrides(o: dict, source: str, dialect: str, text: str = "") -> RlSetu
     path = o.get(A + "model.path")
     if isinstance(path, str) and "$" in path:
         path = None if model else _value(o, A + "model.path", "model")   # unresolved: one line naming the key
+    named = {f: k for k, f in {**keys.KEYS, **keys.CRITIC_KEYS}.items()} | {
+        "algorithm": "algorithm.adv_estimator", "actor_dtype": A + "actor.fsdp_config.model_dtype",
+        "ppo_mini_batch_size": A + "actor.ppo_mini_batch_size", "lora_rank": A + "model.lora_rank"}
     return RlSetup(knobs={**knobs, **flags}, source=source, dialect=dialect, model=model, model_path=path,
-                   model_key=A + "model.path", notes=tuple(notes))
+                   model_key=A + "model.path", notes=tuple(notes), keys=named)
 
 
 def _batches(o: dict, knobs: dict) -> None:
