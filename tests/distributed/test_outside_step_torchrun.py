@@ -8,7 +8,7 @@ pickled: nothing that grows with the model), the others within 1.3 MB. The toler
 on the growth between the two sizes, where what is the same at both cancels but not what varies from run to run
 (seen up to 1.0 MB); a wrong term moves a figure by a tensor (4-13 MB), a shard (8-36 MB) or the model (16-72 MB).
 
-One torchrun launch, two cases (~30 s on 2 busy cores).
+One torchrun launch, two cases (~22 s on 2 busy cores).
 """
 
 from __future__ import annotations
