@@ -116,9 +116,10 @@ def test_every_flag_of_every_command_is_one_field():
     # trainer + trust_remote_code = 54; plan 9 + 9 + attention + attention_kernel + liger + 4 kernels + 2 search + 8
     # mesh + routing x 2 + trainer + trust = 39; explain 9 + 9 +
     # attention + 9 config + 8 mesh = 36; calibrate 5 cluster + 9 training + attention + precisions + 7 config +
-    # 7 mesh = 30 (and its own 19 from CalibrationRequest); check 9 + 9 + 6 config = 24
+    # 7 mesh = 30 (and its own 19 from CalibrationRequest); check 9 + 9 + 6 config = 24; rl 9 cluster + finetune +
+    # lora_rank = 11 (the rest are verl's knobs, planner/rl/request.py)
     assert from_request == {"plan": 39, "estimate": 54, "trace": 54, "explain": 36, "calibrate": 30, "check": 24,
-                            "models": 0, "gpus": 0, "schema": 0}
+                            "models": 0, "gpus": 0, "schema": 0, "rl": 11}
     assert own["calibrate"] == {"emit", "output_format", "fault"}  # the rest are CalibrationRequest's knobs
     assert own["estimate"] == {"output_format"} and own["check"] == {"dynamic_control_flow", "output_format"}
 
