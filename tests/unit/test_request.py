@@ -91,8 +91,9 @@ def _cli_commands():
 
 def _knob_tables():
     from planner.calibrating import CalibrationRequest
+    from planner.rl.request import RlRequest   # rl's knobs, and check's for RL files (mean lengths, engine version)
 
-    return {**knob_table(Request), **knob_table(CalibrationRequest)}
+    return {**knob_table(Request), **knob_table(CalibrationRequest), **knob_table(RlRequest)}
 
 
 def test_every_flag_of_every_command_is_one_field():
