@@ -19,13 +19,13 @@ from cost_models.schedules import Schedule
 from cost_models.specs import (Attention, ClusterSpec, Finetune, FsdpConfig, ModelSpec, Precision, Sharding,
                                REDUCE_DTYPES, SpecError, TrainingSpec, parse_enum)
 
+from . import pinned
 from .errors import PlannerError
 from .request import Request, api_signature, build_request, knob_names
 from .search import SearchSpace, search, suggestions
 from .request.resolve import (RESOLVE_KNOBS, fused_attention_kernel, model_attention, resolve_inputs,
                               resolve_request)
-from .trainers import (DEFAULT_TRAINER, kernel_sets, narrow_space, refusal, trainer_kernel_refusal, trainer_named,
-                       with_trainer_defaults)
+from .trainers import DEFAULT_TRAINER, kernel_sets, narrow_space, refusal, trainer_named, with_trainer_defaults
 from planner.search.pipeline import PP_MICROBATCHES_PER_STAGE
 from planner.trainers.table import LIGER_KNOBS
 
@@ -211,8 +211,8 @@ def plan_request(request: Request, profile: Profile | None = None, space: Search
     """plan() for a built Request: the search bounded by the request's trainer (planner/trainers; a space given
     whole is narrowed only when the trainer is named) and priced with its defaults."""
     trainer = trainer_named(request.trainer)
-    pinned = request.config.liger is not None or any(getattr(request.config, k, None) is not None
-                                                     for k in LIGER_KNOBS)
+    kernels_pinned = request.config.liger is not None or any(getattr(request.config, k, None) is not None
+                                                             for k in LIGER_KNOBS)
     pinned_attention_kernel = request.config.attention_kernel
     request = with_trainer_defaults(request, trainer)
     mesh, search_request = request.mesh, request.search
@@ -220,7 +220,7 @@ def plan_request(request: Request, profile: Profile | None = None, space: Search
     spec, cluster, training = resolve_request(request, attention)
     request = fused_attention_kernel(request, pinned_attention_kernel, model_attention(spec, attention), cluster.gpu)
     if pinned_attention_kernel is not None:
-        _check_pinned_attention_kernel(trainer, request.config.attention_kernel, cluster)
+        pinned.check_attention_kernel(trainer, request.config.attention_kernel, cluster)
     if space is None:
         precisions, reduce_dtypes = search_request.precisions, search_request.reduce_dtypes
         space = SearchSpace(
@@ -231,42 +231,12 @@ def plan_request(request: Request, profile: Profile | None = None, space: Search
             sequence_parallel=mesh.sequence_parallel, pp=mesh.pp,
             pp_schedule=parse_enum(Schedule, mesh.pp_schedule, "pp_schedule") if mesh.pp_schedule is not None
             else None, pp_stages_per_rank=mesh.pp_stages_per_rank,
-            kernel_sets=kernel_sets(request, trainer, pinned, spec.family))
+            kernel_sets=kernel_sets(request, trainer, kernels_pinned, spec.family))
         space = narrow_space(space, trainer)
-        _check_pinned_mesh(spec, cluster, training, space)
+        pinned.check_mesh(spec, cluster, training, space)
     elif request.trainer is not None:
         space = narrow_space(space, trainer)
     return plan_for(spec, cluster, training, profile, space, trainer.id)
-
-
-def _check_pinned_attention_kernel(trainer, kernel: str, cluster: ClusterSpec) -> None:
-    """A pinned attention kernel the trainer cannot express or the GPU does not have is one line (PlannerError), as
-    estimate says it, not an empty plan."""
-    error = trainer_kernel_refusal(trainer, "attention_kernel", kernel)
-    if error is not None:
-        raise error
-    refused = [r for r in refusals(cluster, FsdpConfig(attention_kernel=kernel)) if r.field == "attention_kernel"]
-    if refused:
-        raise PlannerError("attention_kernel", f"{refused[0].reason}; {refused[0].fix}")
-
-
-def _check_pinned_mesh(spec: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, space: SearchSpace) -> None:
-    """A pinned degree the model or cluster does not allow is one line (PlannerError), not an empty plan. The
-    microbatch count is the search's to choose (from the micro-batch), so its rules are not checked here."""
-    pipelined = space.pp is not None and space.pp > 1
-    if not pipelined and (space.pp_schedule is not None or space.pp_stages_per_rank is not None):
-        given = "pp_schedule" if space.pp_schedule is not None else "pp_stages_per_rank"
-        raise PlannerError(given, "pins the pipeline's schedule: give pp >= 2 (--pp N) with it, or leave it out "
-                                  "(the search tries 1f1b and interleaved-1f1b with 2 stages per rank)")
-    config = FsdpConfig(tp=space.tp or 1, cp=space.cp or 1, pp=space.pp or 1, ep=space.ep or 1,
-                        attention=space.attention, sequence_parallel=space.sequence_parallel,
-                        pp_schedule=space.pp_schedule or Schedule.ONE_F_ONE_B,
-                        pp_stages_per_rank=space.pp_stages_per_rank or 0)
-    refused = [r for r in mesh_refusals(spec, cluster, training, config)
-               if (r.code != "ep-does-not-divide" or spec.moe is None or spec.moe.n_experts % config.ep)
-               and r.field != "micro_batch" and r.code != "qlora-storage-not-compute-dtype"]  # the search's
-    if refused:                                                            # precisions follow the storage
-        raise PlannerError(refused[0].field, f"{refused[0].reason}; {refused[0].fix}")
 
 
 def _reduce_dtype(name: str) -> str:

@@ -142,10 +142,6 @@ def calibrate(request: CalibrationRequest, progress_stream=None) -> CalibrationR
     training = training_spec(request)  # validates seq_len, optimizer, finetune before anything is written
     if request.config is not None:  # what the runner cannot apply here, before the CPU is probed
         _check_runnable(request, request.config)
-    if training.quantized:  # the runner builds the reference / HF model unquantized: it would measure plain LoRA
-        raise PlannerError("finetune", "calibrate runs full and lora, not qlora (its runs build no bitsandbytes "
-                                       "4-bit base); QLoRA's memory is the estimate's, checked against real CPU runs "
-                                       "in tests/distributed/test_torchrun_qlora.py")
     if request.finetune == "lora":
         import importlib.util
 

@@ -201,7 +201,13 @@ def _factory_spec(factory: str) -> ModelSpec:
 
 
 def training_spec(request: CalibrationRequest) -> TrainingSpec:
-    return request.training.spec()
+    """The runs' training, validated (seq_len, optimizer, finetune) before anything is written."""
+    training = request.training.spec()
+    if training.quantized:  # the runner builds the reference / HF model unquantized: it would measure plain LoRA
+        raise PlannerError("finetune", "calibrate runs full and lora, not qlora (its runs build no bitsandbytes "
+                                       "4-bit base); QLoRA's memory is the estimate's, checked against real CPU runs "
+                                       "in tests/distributed/test_torchrun_qlora.py")
+    return training
 
 
 def nodes_and_per_node(request: CalibrationRequest) -> tuple[int, int]:

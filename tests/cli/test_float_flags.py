@@ -24,12 +24,16 @@ BASE = {
     "check": ["check", "--model", "gpt-125m", "--gpus", "8", "--sharding", "FULL_SHARD", "--precision", "bf16"],
     "explain": ["explain", "--model", "gpt-125m", "--gpus", "8"],
     "calibrate": ["calibrate", "--model", "gpt-125m", "--gpus", "8", "--emit", "slurm"],  # prints, runs nothing
+    "rl": ["rl", "--model", "qwen2.5-7b", "--gpus", "8"],
+    "rl estimate": ["rl", "estimate", "--model", "qwen2.5-7b", "--gpus", "8"],
 }
 
 
 def _float_flags():
     group = typer.main.get_command(app)
     commands = [(None, group)] + [(name, cmd) for name, cmd in group.commands.items()]
+    commands += [(f"{name} {sub}", subcommand) for name, cmd in group.commands.items()  # fsdp-plan rl estimate
+                 for sub, subcommand in getattr(cmd, "commands", {}).items()]
     return [(name, param.opts[0]) for name, cmd in commands for param in cmd.params
             if getattr(getattr(param, "type_descriptor", None), "annotation", None) is float]
 
@@ -51,12 +55,13 @@ def invoke(argv, capsys):
 def test_the_walk_finds_every_known_float_flag():
     assert set(FLOAT_FLAGS) >= {(None, "--internode-gbps"), ("estimate", "--pcie-gb-per-s"),
                                 ("check", "--intra-node-gb-per-s"), ("explain", "--internode-gbps"),
-                                ("trace", "--internode-gbps"), ("calibrate", "--timeout")}
+                                ("trace", "--internode-gbps"), ("calibrate", "--timeout"),
+                                ("rl", "--gpu-memory-utilization"), ("rl estimate", "--gpu-memory-utilization")}
     assert {name for name, _ in FLOAT_FLAGS} <= set(BASE)
 
 
 @pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
-@pytest.mark.parametrize("command,flag", FLOAT_FLAGS, ids=[f"{c or 'plan'}{f}" for c, f in FLOAT_FLAGS])
+@pytest.mark.parametrize("command,flag", FLOAT_FLAGS, ids=[f"{c or 'plan'}{f}".replace(" ", "-") for c, f in FLOAT_FLAGS])
 def test_non_finite_value_is_one_line_naming_the_flag(command, flag, value, capsys):
     code, out, err = invoke([*BASE[command], flag, value], capsys)
     assert code == 2, (out, err)
