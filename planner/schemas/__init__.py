@@ -2,7 +2,8 @@
 planner/reports/table.py, planner/tracing.py, planner/doctor/, planner/reports/table_calibration.py and
 planner/reports/explain.py write.
 
-    fsdp-plan schema plan                  # print one (plan, estimate, trace, calibrate, check, explain)
+    fsdp-plan schema plan                  # print one (plan, estimate, trace, calibrate, check, explain, rl,
+                                           # rl-estimate)
     python -m planner.schemas docs/schemas # write docs/schemas/NAME.schema.json (tests/cli/test_schemas.py
                                            # fails when those files are stale)
 
@@ -13,7 +14,7 @@ the schemas, fails as soon as a writer adds, drops or renames a field without th
 Shipped: the schemas are generated at runtime from these models (the package holds the models, not copies
 of the JSON); docs/schemas/ holds the same text for readers without the package.
 
-Versioning: SCHEMA_VERSION names the shape of all six outputs together and sits in each schema's `$id`
+Versioning: SCHEMA_VERSION names the shape of all the outputs together and sits in each schema's `$id`
 (urn:fsdp-planner:schema:NAME:vN) and `x-schema-version`. The schemas are closed, so any change to an
 output's shape - a field added, removed, renamed or retyped - bumps it, and docs/schemas/ is regenerated in
 the same commit. The outputs themselves carry no version field (scripts depend on their shape as it is).
@@ -40,9 +41,12 @@ from planner.schemas.candidate import CheckOutput, EstimateOutput, PlanOutput
 from planner.schemas.trace import TraceOutput
 from planner.schemas.explain import ExplainOutput
 from planner.schemas.calibrate import CalibrateOutput
+from planner.schemas.rl import RlEstimateOutput, RlPlanOutput
 
+# "rl-estimate" is also what `fsdp-plan check` writes for a verl script or a TRL GRPOConfig
 OUTPUTS: dict[str, type[BaseModel]] = {"plan": PlanOutput, "estimate": EstimateOutput, "trace": TraceOutput,
-                                       "calibrate": CalibrateOutput, "check": CheckOutput, "explain": ExplainOutput}
+                                       "calibrate": CalibrateOutput, "check": CheckOutput, "explain": ExplainOutput,
+                                       "rl": RlPlanOutput, "rl-estimate": RlEstimateOutput}
 
 
 def json_schema(name: str) -> dict:

@@ -185,7 +185,8 @@ def test_schema_command_prints_a_valid_versioned_schema(name, capsys):
 def test_schema_bad_name_is_one_line_and_exit_2(capsys):
     code, out, err = invoke(["schema", "nope"], capsys)
     assert code == 2 and out == ""
-    assert err == "error: schema: no schema for 'nope'; choose one of: plan, estimate, trace, calibrate, check, explain\n"
+    assert err == ("error: schema: no schema for 'nope'; choose one of: plan, estimate, trace, calibrate, check, "
+                   "explain, rl, rl-estimate\n")
 
 
 @pytest.mark.parametrize("name", list(OUTPUTS))
