@@ -219,7 +219,9 @@ TRAINERS: dict[str, Trainer] = {t.id: t for t in (
         # attention on Hopper (attention_kernel cudnn; elsewhere priced as flash2), sdpa: PyTorch SDPA's flash2
         kernels=_defaults(norm_kernel=("eager", "te"), moe_dispatch=("deepep", "all-to-all"),
                           routing=("learned", "round-robin"), attention_kernel=("cudnn", "flash2")),
-        defaults=_defaults(optimizer_impl="foreach")),
+        # the base checkpoint read in parallel into the meta-initialised, sharded model (components/checkpoint/
+        # checkpointing.py load_base_model -> DCP with its HuggingFaceStorageReader); saved with DCP
+        defaults=_defaults(optimizer_impl="foreach"), load_way="meta-dcp"),
 )}
 
 DEFAULT_TRAINER = "fsdp2"

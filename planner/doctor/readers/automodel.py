@@ -137,7 +137,7 @@ def from_automodel(data: dict, source: str = "automodel recipe") -> UserSetup:
     global_batch = _int(steps, "global_batch_size", 0) or None
     return UserSetup(
         config=config, fsdp_version=2, source=source, dialect="automodel", explicit=frozenset(keys), wrap="block",
-        use_orig_params=True, init="all", reduce_dtype=reduce_dtype,
+        use_orig_params=True, init="dcp", reduce_dtype=reduce_dtype,  # load_base_model: DCP into the meta model
         seq_len=_int(dataset, "seq_len", 0) or None,
         model=str(model.get("pretrained_model_name_or_path") or (model.get("config") or {}).get(
             "pretrained_model_name_or_path") or "") or None,
