@@ -127,3 +127,37 @@ def test_trl_arguments_with_a_quantization_config(tmp_path, hf_snippet):
     assert good["bnb_4bit_quant_storage"] == "bfloat16"
     assert checked(good) == set()  # the emitted arguments set cpu_ram_efficient_loading: rank 0 loads
     assert checked({**good, "bnb_4bit_quant_storage": "uint8"}) == {"qlora-integer-quant-storage"}
+
+
+def test_the_emitted_fsdp2_snippet_reads_back_as_the_qlora_plan(tmp_path):
+    """`fsdp-plan ... --finetune qlora --emit fsdp2` then `fsdp-plan check` of that file: the CLI's finetune flag
+    used to default to full and override the file's BitsAndBytesConfig (70B priced as full fine-tuning: CPU offload
+    1,314 GiB per node), and the snippet's torch.device(device) stopped the reader. Now the file's qlora is priced:
+    the same GPU peak as the plan's at the same micro-batch (the snippet writes it only in a comment)."""
+    import json
+
+    from planner.cli import main
+
+    args = ["--model", "llama3.1-70b", "--gpus", "2", "--gpu", "rtx4090-24gb"]
+    path = tmp_path / "train.py"
+
+    def run(argv):
+        import contextlib
+        import io
+
+        out, code = io.StringIO(), 0
+        with contextlib.redirect_stdout(out):
+            try:
+                main(argv)
+            except SystemExit as exc:
+                code = exc.code
+        assert code in (0, None), out.getvalue()[-2000:]
+        return out.getvalue()
+
+    plan = json.loads(run([*args, "--finetune", "qlora", "--format", "json"]))["candidates"][0]
+    path.write_text(run([*args, "--finetune", "qlora", "--emit", "fsdp2"]))
+    checked = json.loads(run(["check", str(path), *args, "--micro-batch", str(plan["config"]["micro_batch"]),
+                              "--format", "json"]))
+    assert checked["training"]["finetune"] == "qlora" and checked["training"]["quant"] == "nf4"
+    assert checked["memory"]["peak_reserved_bytes"] == plan["memory"]["peak_reserved_bytes"]
+    assert not any(f["code"].startswith("qlora-") for f in checked["findings"])

@@ -9,6 +9,8 @@ init_empty_weights) or rank 0's state dict broadcast (StateDictOptions(broadcast
 
 from __future__ import annotations
 
+import ast
+
 from dataclasses import dataclass
 
 from planner.doctor.readers.python_ast import Snippet
@@ -62,8 +64,9 @@ def read_qlora(snippet: Snippet) -> tuple[QloraSetup | None, tuple]:
         _value(snippet, c.kwargs.get("gradient_checkpointing")) is True for c in snippet.calls)
     reentrant = not any((_value(snippet, c.kwargs.get("gradient_checkpointing_kwargs")) or {}).get("use_reentrant")
                         is False for c in snippet.calls if "gradient_checkpointing_kwargs" in c.kwargs)
-    meta = any(c.short == "device" and c.node.args and _value(snippet, c.node.args[0]) == "meta"
-               for c in snippet.calls) or any(_value(snippet, c.kwargs.get("device_map")) == "meta"
+    # torch.device("meta"): a literal only (the emitted snippet's torch.device(device) is a variable, not meta)
+    meta = any(c.short == "device" and c.node.args and isinstance(c.node.args[0], ast.Constant)
+               and c.node.args[0].value == "meta" for c in snippet.calls) or any(_value(snippet, c.kwargs.get("device_map")) == "meta"
                                               for c in snippet.named("from_pretrained", "from_config"))
     broadcast = any(_value(snippet, c.kwargs.get("broadcast_from_rank0")) is True
                     for c in snippet.named("StateDictOptions"))
