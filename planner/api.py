@@ -232,10 +232,10 @@ def plan_request(request: Request, profile: Profile | None = None, space: Search
             pp_schedule=parse_enum(Schedule, mesh.pp_schedule, "pp_schedule") if mesh.pp_schedule is not None
             else None, pp_stages_per_rank=mesh.pp_stages_per_rank,
             kernel_sets=kernel_sets(request, trainer, kernels_pinned, spec.family))
-        space = narrow_space(space, trainer)
+        space = narrow_space(space, trainer, training)
         pinned.check_mesh(spec, cluster, training, space)
     elif request.trainer is not None:
-        space = narrow_space(space, trainer)
+        space = narrow_space(space, trainer, training)
     return plan_for(spec, cluster, training, profile, space, trainer.id)
 
 

@@ -124,7 +124,8 @@ def check(setup: UserSetup, model, gpus: int | None = None, *, gpus_per_node: in
     else:
         candidate = replace(estimate_config(spec, cluster, training, config, profile),  # raises cluster_rejects'
                             trainer=trainer.id)
-    best = plan_for(spec, cluster, training, profile, search_space(trainer), trainer.id)  # what the trainer could run
+    # what the trainer could run
+    best = plan_for(spec, cluster, training, profile, search_space(trainer, training), trainer.id)
     extra = unwrapped_extra_bytes(setup, candidate)
     candidate = with_setup_ways(_as_one_unit(candidate, extra, profile), setup, profile)  # its load / save ways
     findings = diagnose(setup, candidate, best, unwrapped_extra=extra, dynamic_control_flow=dynamic_control_flow,
@@ -168,8 +169,8 @@ def trainer_of_setup(setup: UserSetup) -> str:
         return "hf" if setup.fsdp_version == 2 else "hf-fsdp1"
     if setup.dialect == "accelerate":
         return "accelerate-fsdp2" if setup.fsdp_version == 2 else "accelerate"
-    if setup.dialect == "automodel":
-        return "automodel"
+    if setup.dialect in ("automodel", "axolotl"):  # one trainer each
+        return setup.dialect
     if setup.dialect == "torchtitan":
         return "torchtitan" if is_torchtitan_03(dict.fromkeys(setup.explicit)) else "torchtitan-0.2"
     if setup.dialect in CODE_TRAINERS:  # the planner's own snippets, read by planner/doctor/readers/python_code.py

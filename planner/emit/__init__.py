@@ -1,13 +1,14 @@
 """Text artifacts for a chosen plan, one dispatcher over the dialect families: FSDP1 and FSDP2 code (code/), the
-trainers' - HF Trainer, accelerate, Lightning - (trainers.py), torchtitan's (torchtitan/) and the launchers' -
-torchrun, slurm, PyTorchJob - (launchers.py). The dialects share common.py and format.py and never import this
-module. Pure strings (no torch import).
+trainers' - HF Trainer, accelerate, Lightning - (trainers.py), torchtitan's (torchtitan/), NeMo Automodel's
+(automodel.py), axolotl's (axolotl.py) and the launchers' - torchrun, slurm, PyTorchJob - (launchers.py). The
+dialects share common.py and format.py and never import this module. Pure strings (no torch import).
 """
 
 from __future__ import annotations
 
 from planner.emit import qlora
 from planner.emit.automodel import emit_automodel
+from planner.emit.axolotl import emit_axolotl
 from planner.emit.code.fsdp import emit_fsdp1, emit_fsdp2
 from planner.emit.launchers import emit_pytorchjob, emit_slurm, emit_torchrun
 from planner.emit.torchtitan.job import emit_torchtitan
@@ -15,10 +16,10 @@ from planner.emit.trainers import emit_accelerate, emit_hf_trainer, emit_lightni
 from planner.errors import PlannerError
 
 __all__ = ["ARTIFACTS", "emit_artifact", "recommendation_text", "emit_fsdp1", "emit_fsdp2", "emit_accelerate",
-           "emit_lightning", "emit_slurm", "emit_torchrun", "emit_torchtitan", "emit_automodel"]
+           "emit_lightning", "emit_slurm", "emit_torchrun", "emit_torchtitan", "emit_automodel", "emit_axolotl"]
 
 ARTIFACTS = ("fsdp1", "fsdp2", "accelerate", "accelerate-fsdp2", "lightning", "hf-trainer", "hf-trainer-fsdp1",
-             "torchtitan", "torchtitan-0.2", "automodel", "torchrun", "slurm", "pytorchjob")
+             "torchtitan", "torchtitan-0.2", "automodel", "axolotl", "torchrun", "slurm", "pytorchjob")
 
 
 def emit_artifact(kind: str, candidate) -> str:
@@ -38,6 +39,8 @@ def _emit_artifact(kind: str, candidate) -> str:
                                version="0.2" if kind == "torchtitan-0.2" else "0.3")
     if kind == "automodel":  # NeMo Automodel 0.7.0's recipe YAML
         return emit_automodel(config, spec, cluster, candidate.training)
+    if kind == "axolotl":  # axolotl 0.21.0's config YAML
+        return emit_axolotl(config, spec, cluster, candidate.training)
     if kind == "pytorchjob":
         return emit_pytorchjob(config, spec, cluster)
     if kind in ("fsdp1", "fsdp2"):  # QLoRA: then how to load the 4-bit base (BitsAndBytesConfig, LoraConfig)

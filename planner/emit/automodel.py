@@ -24,43 +24,20 @@ recipe, Liger / TE SwiGLU / TE RoPE kernels, chunked or Liger losses, fp16, PP, 
 
 from __future__ import annotations
 
-import json
-import re
-
 from cost_models.specs import (Attention, ClusterSpec, FsdpConfig, Kernel, LossKernel, ModelSpec, MoeDispatch,
                                Precision, Routing, Sharding, TrainingSpec)
 
 from cost_models.mesh import mesh_of
 
-from planner.emit.common import _comment, _summary
+from planner.emit.common import _comment, _summary, hub_id, yaml_lines
 from planner.errors import PlannerError
 
 VERSION = "0.7.0"
 RECIPE = "TrainFinetuneRecipeForNextTokenPrediction"
-# Hub ids of the presets whose catalog source names none in its first words (planner/catalog/models.json)
-HUB_IDS = {"qwen3-30b-a3b": "Qwen/Qwen3-30B-A3B", "qwen3-235b-a22b": "Qwen/Qwen3-235B-A22B",
-           "gpt-oss-20b": "openai/gpt-oss-20b", "gpt-oss-120b": "openai/gpt-oss-120b",
-           "deepseek-v3": "deepseek-ai/DeepSeek-V3", "mixtral-8x7b": "mistralai/Mixtral-8x7B-v0.1",
-           "llama3-8b": "meta-llama/Meta-Llama-3-8B", "llama3.1-8b": "meta-llama/Llama-3.1-8B"}
 ATTENTION = {"sdpa": "sdpa", "flex": "flex", "eager": "eager"}
 ATTENTION_KERNEL = {"flash2": "sdpa", "cudnn": "te"}  # attention sdpa's kernel -> model.backend.attn
 DTYPE = {"fp32": "float32", "bf16": "bfloat16"}
 OPTIMIZER = {"adamw": "torch.optim.AdamW", "adam": "torch.optim.Adam", "sgd": "torch.optim.SGD"}
-
-
-def hub_id(model: ModelSpec) -> str:
-    """The model's Hugging Face id: the table above, else the first word of its catalog source when it reads like
-    one ("Org/Name config.json: ..."), else its name (a path or id the user gave)."""
-    name = model.name.split(" ")[0]
-    if name in HUB_IDS:
-        return HUB_IDS[name]
-    try:
-        from planner.models import preset_source
-
-        first = preset_source(name).split(" ")[0]
-    except Exception:  # not a preset: a config.json path or a Hub id, used as given
-        return name
-    return first if re.fullmatch(r"[\w.-]+/[\w.-]+", first) else name
 
 
 def _refuse(config: FsdpConfig, model: ModelSpec) -> None:
@@ -96,35 +73,6 @@ def _refuse(config: FsdpConfig, model: ModelSpec) -> None:
     for knob, refused, why in refusals:
         if refused:
             raise PlannerError(knob, why)
-
-
-def _y(value) -> str:
-    """A YAML scalar: null / true / false, numbers, strings quoted where YAML would read them otherwise."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, float):  # YAML 1.1 (PyYAML) reads 1e-05 as text: the mantissa needs its point
-        mantissa, e, exponent = repr(value).partition("e")
-        return f"{mantissa}{'' if '.' in mantissa or not e else '.0'}{e}{exponent}"
-    if isinstance(value, int):
-        return repr(value)
-    text = str(value)
-    return text if re.fullmatch(r"[A-Za-z_][\w./-]*", text) and text not in ("null", "true", "false") else \
-        json.dumps(text)
-
-
-def _lines(entries, indent: int = 0) -> list[str]:
-    """(key, value or nested entries, comment) -> YAML lines."""
-    out = []
-    for key, value, *comment in entries:
-        note = f"  # {comment[0]}" if comment and comment[0] else ""
-        if isinstance(value, list):
-            out.append(f"{' ' * indent}{key}:{note}")
-            out.extend(_lines(value, indent + 2))
-        else:
-            out.append(f"{' ' * indent}{key}: {_y(value)}{note}")
-    return out
 
 
 def emit_automodel(config: FsdpConfig, model: ModelSpec, cluster: ClusterSpec,
@@ -197,7 +145,7 @@ def emit_automodel(config: FsdpConfig, model: ModelSpec, cluster: ClusterSpec,
     ]
     head = [f"NeMo Automodel {VERSION} recipe, run with: automodel recipe.yaml --nproc-per-node "
             f"{cluster.gpus_per_node}", *_summary(config, model, cluster)]
-    return _comment(head) + "\n" + "\n".join(_lines(body)) + "\n"
+    return _comment(head) + "\n" + "\n".join(yaml_lines(body)) + "\n"
 
 
 __all__ = ["emit_automodel", "hub_id", "VERSION"]

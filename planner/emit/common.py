@@ -5,6 +5,9 @@ arguments. Pure strings: no torch import.
 
 from __future__ import annotations
 
+import json
+import re
+
 from cost_models import fsdp_options
 from cost_models.mesh import mesh_of
 from cost_models.specs import ClusterSpec, FsdpConfig, ModelSpec, Precision, TrainingSpec
@@ -144,3 +147,64 @@ def _expert_notes(config: FsdpConfig, dialect: str) -> list[str]:
 
 
 # ---------------------------------------------------------------- Hugging Face Trainer (transformers 5)
+
+
+# Hub ids of the presets whose catalog source names none in its first words (planner/catalog/models.json)
+HUB_IDS = {"qwen3-30b-a3b": "Qwen/Qwen3-30B-A3B", "qwen3-235b-a22b": "Qwen/Qwen3-235B-A22B",
+           "gpt-oss-20b": "openai/gpt-oss-20b", "gpt-oss-120b": "openai/gpt-oss-120b",
+           "deepseek-v3": "deepseek-ai/DeepSeek-V3", "mixtral-8x7b": "mistralai/Mixtral-8x7B-v0.1",
+           "llama3-8b": "meta-llama/Meta-Llama-3-8B", "llama3.1-8b": "meta-llama/Llama-3.1-8B"}
+
+
+def hub_id(model: ModelSpec) -> str:
+    """The model's Hugging Face id (the YAML dialects' base model): the table above, else the first word of its
+    catalog source when it reads like one ("Org/Name config.json: ..."), else its name (a path or id the user
+    gave)."""
+    name = model.name.split(" ")[0]
+    if name in HUB_IDS:
+        return HUB_IDS[name]
+    try:
+        from planner.models import preset_source
+
+        first = preset_source(name).split(" ")[0]
+    except Exception:  # not a preset: a config.json path or a Hub id, used as given
+        return name
+    return first if re.fullmatch(r"[\w.-]+/[\w.-]+", first) else name
+
+
+# words YAML 1.1 (PyYAML) reads as booleans or null when bare
+YAML_11_WORDS = ("null", "true", "false", "yes", "no", "on", "off", "y", "n")
+
+
+def yaml_scalar(value) -> str:
+    """A YAML value: null / true / false, numbers, strings quoted where YAML would read them otherwise; a tuple as a
+    flow sequence, a dict as a flow mapping."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float):  # YAML 1.1 (PyYAML) reads 1e-05 as text: the mantissa needs its point
+        mantissa, e, exponent = repr(value).partition("e")
+        return f"{mantissa}{'' if '.' in mantissa or not e else '.0'}{e}{exponent}"
+    if isinstance(value, int):
+        return repr(value)
+    if isinstance(value, tuple):
+        return "[" + ", ".join(yaml_scalar(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k}: {yaml_scalar(v)}" for k, v in value.items()) + "}"
+    text = str(value)
+    plain = re.fullmatch(r"[A-Za-z_][\w./-]*", text) and text.lower() not in YAML_11_WORDS
+    return text if plain else json.dumps(text)
+
+
+def yaml_lines(entries, indent: int = 0) -> list[str]:
+    """(key, value or nested entries as a list, comment) -> YAML lines."""
+    out = []
+    for key, value, *comment in entries:
+        note = f"  # {comment[0]}" if comment and comment[0] else ""
+        if isinstance(value, list):
+            out.append(f"{' ' * indent}{key}:{note}")
+            out.extend(yaml_lines(value, indent + 2))
+        else:
+            out.append(f"{' ' * indent}{key}: {yaml_scalar(value)}{note}")
+    return out

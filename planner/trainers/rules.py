@@ -79,11 +79,13 @@ def with_trainer_defaults(request, trainer: Trainer):
     return request
 
 
-def search_space(trainer: Trainer, **fields):
-    """The search's whole space (planner.search.SearchSpace with `fields`) narrowed to the trainer."""
+def search_space(trainer: Trainer, training: TrainingSpec | None = None, **fields):
+    """The search's whole space (planner.search.SearchSpace with `fields`) narrowed to the trainer (and what it runs
+    for `training`)."""
     from planner.search import SearchSpace
 
-    return narrow_space(SearchSpace(**{"sequence_parallel": trainer.sequence_parallel[0], **fields}), trainer)
+    return narrow_space(SearchSpace(**{"sequence_parallel": trainer.sequence_parallel[0], **fields}), trainer,
+                        training)
 
 
 def kernel_sets(request, trainer: Trainer, pinned: bool, family: str) -> tuple[tuple[tuple[str, str], ...], ...]:
@@ -115,9 +117,9 @@ def trainer_kernel_refusal(trainer: Trainer, knob: str, value: str | None) -> Pl
                               + (f"; choose a --trainer that has it: {', '.join(able)}" if able else ""))
 
 
-def narrow_space(space, trainer: Trainer):
-    """The search space without what the trainer cannot run; a pinned mesh degree it has no axis for is one
-    line."""
+def narrow_space(space, trainer: Trainer, training: TrainingSpec | None = None):
+    """The search space without what the trainer cannot run (for `training`: a QLoRA base); a pinned mesh degree it
+    has no axis for is one line."""
     for name in ("tp", "cp", "ep", "pp"):
         pinned = getattr(space, name)
         if pinned is not None and pinned > 1 and name not in trainer.mesh_dims:
@@ -129,7 +131,8 @@ def narrow_space(space, trainer: Trainer):
     keep = lambda values, allowed: tuple(v for v in values if v in allowed)  # noqa: E731
     changes.update(
         host_ways=trainer.host_ways(),
-        shardings=keep(space.shardings, trainer.shardings),
+        shardings=tuple(s for s in keep(space.shardings, trainer.shardings)
+                        if not (s.is_hybrid and _qlora_replicas_refused(trainer, training))),
         ac_every=tuple(a for a in space.ac_every if _checkpointing_word(a) in trainer.checkpointing),
         compile_loss=trainer.compile_scopes[0] == "blocks+loss" if trainer.compile_scopes else True)
     if not trainer.offload:
@@ -228,7 +231,13 @@ _SWITCHES = (
      "takes reshard_after_forward as a bool (no rank group)"),
     ("async_tp", lambda t, c, _: c.async_tp and not t.async_tp, "has no async TP"),
     ("finetune", lambda t, _, tr: tr.finetune.adapters and not t.lora, "trains full models only (no LoRA)"),
+    ("sharding", lambda t, c, tr: c.sharding.is_hybrid and _qlora_replicas_refused(t, tr),
+     "loads a 4-bit (QLoRA) base on a one-dimensional mesh only (no HSDP replicas)"),
 )
+
+
+def _qlora_replicas_refused(trainer: Trainer, training: TrainingSpec | None) -> bool:
+    return training is not None and training.quantized and not trainer.qlora_replicas
 
 
 def _checkpointing_word(ac) -> str:

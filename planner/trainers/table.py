@@ -67,6 +67,7 @@ class Trainer:
     fp8_all_gather: bool = False
     async_tp: bool = False
     lora: bool = True
+    qlora_replicas: bool = True  # loads a 4-bit (QLoRA) base under HSDP replicas too
     mesh_exclusions: tuple[tuple[str, str], ...] = ()  # axes it cannot combine above 1
     precisions: tuple[Precision, ...] = tuple(Precision)
     norm: str | None = None  # the blocks' RMSNorm as its own model runs it (ModelSpec.norm); None: the model's
@@ -175,6 +176,23 @@ TRAINERS: dict[str, Trainer] = {t.id: t for t in (
         load_way="every-rank",  # FSDPStrategy as emitted (no sync_module_states): every rank builds the model
         fsdp1_knobs=True, compile_scopes=("blocks",), kernels=HF_ATTENTION,
         defaults=_defaults(optimizer_impl="foreach")),
+    Trainer(
+        # axolotl 0.21.0: transformers' Trainer on accelerate's FSDP2 plugin, configured by one YAML (utils/schemas/:
+        # config.py, fsdp.py, peft.py, training.py). FSDP1 is removed (validation.py check_fsdp_version);
+        # dp_replicate_size / dp_shard_size give HSDP (no shard group of 1, as accelerate's FSDP2); its TP is
+        # DeepSpeed's AutoTP only and its context parallel ring-flash-attn's (not priced): no mesh axis;
+        # fsdp_config.activation_checkpointing a bool (every block); torch_compile compiles the whole model (not the
+        # regional compile priced) and Liger comes as a plugin: neither is proposed; bf16 loads the model in bf16 and
+        # accelerate upcasts the trainable params to fp32 (fsdp_utils.py fsdp2_prepare_model), so no bf16-pure;
+        # optimizer defaults to adamw_torch_fused (training.py); flash-attention 3 by attn_implementation
+        id="axolotl", title="axolotl 0.21 (FSDP2)",
+        source="axolotl 0.21.0 utils/schemas/ (config.py, fsdp.py, peft.py, training.py), loaders/model.py",
+        artifacts=("axolotl", *LAUNCHERS), sequence_parallel=(False,), shardings=HF_FSDP2_SHARDINGS,
+        checkpointing=("none", "full"), compile_scopes=(), kernels=HF_ATTENTION,
+        precisions=(Precision.FP32, Precision.BF16, Precision.FP16), defaults=_defaults(optimizer_impl="fused"),
+        # QLoRA: rank 0 stages the NF4 base through the CPU on a one-dimensional mesh only (validation.py: "CPU-staged
+        # NF4 requires a one-dimensional sharding mesh; dp_replicate_size must be 1"), else every rank loads it
+        qlora_replicas=False),
     Trainer(
         # torchtitan 0.3.0 (installed): parallelism.fsdp_reshard_after_forward default | always | never (no int);
         # activation-checkpoint:none | full | selective (per op; no every-K-th block); compile.components

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from cost_models.specs import SELECTIVE_OP, FsdpConfig, Precision, Sharding
 
-from planner.doctor.readers import automodel, python_code, torchtitan, trl_grpo, verl
+from planner.doctor.readers import automodel, axolotl, python_code, torchtitan, trl_grpo, verl
 from planner.doctor.readers import trainers
 from planner.emit import attention
 from planner.errors import PlannerError
@@ -91,9 +91,9 @@ def read_rl_setup(path, gpus: int | None = None):
 
 def read_setup(path) -> UserSetup:
     """By content: Python code (a .py file, or text calling fully_shard / FSDP / FSDPStrategy: python_code.py),
-    torchtitan settings (a .toml job file, or --section.option flags), an accelerate config (has
-    `distributed_type`), HF TrainingArguments (`fsdp`, per_device_train_batch_size, ...), an accelerate config
-    again (`fsdp_config` alone), else FSDP kwargs."""
+    torchtitan settings (a .toml job file, or --section.option flags), a NeMo Automodel recipe, an axolotl config
+    (base_model), an accelerate config (has `distributed_type`), HF TrainingArguments (`fsdp`,
+    per_device_train_batch_size, ...), an accelerate config again (`fsdp_config` alone), else FSDP kwargs."""
     path = Path(path)
     text = _read(path)
     if python_code.is_python_code(text, path.suffix):  # --emit fsdp2 / fsdp1 / lightning code, read with ast
@@ -104,6 +104,8 @@ def read_setup(path) -> UserSetup:
     data = _parse(path, text)
     if automodel.is_automodel(data):  # a NeMo Automodel recipe YAML
         return automodel.from_automodel(data, source=str(path))
+    if axolotl.is_axolotl(data):  # an axolotl config YAML (before TrainingArguments: it has their batch keys too)
+        return axolotl.from_axolotl(data, source=str(path))
     if "distributed_type" not in data and trainers.is_hf_trainer(data):
         return trainers.from_hf_trainer(data, source=str(path))
     if "fsdp_config" in data or "distributed_type" in data:

@@ -24,7 +24,7 @@ class UserSetup:
     fsdp_version: int = 1
     source: str = "flags"
     dialect: str = "flags"                  # what it was read from: flags | accelerate | kwargs | hf-trainer | torchtitan
-    #                                         | fsdp2-code | fsdp1-code | lightning (python_code.py)
+    #                                         | automodel | axolotl | fsdp2-code | fsdp1-code | lightning (python_code.py)
     explicit: frozenset = frozenset()       # keys the user wrote (FSDP argument names)
     wrap: str = "block"                     # block | size | none | custom
     use_orig_params: bool = False           # FSDP1's default

@@ -13,11 +13,11 @@ import ast
 
 from dataclasses import dataclass
 
+from planner.doctor.readers.common import _DTYPES
 from planner.doctor.readers.python_ast import Snippet
 
-DTYPES = {"torch.bfloat16": "bf16", "torch.float16": "fp16", "torch.float32": "fp32", "torch.uint8": "uint8",
-          "torch.half": "fp16", "torch.float": "fp32", "bfloat16": "bf16", "float16": "fp16", "float32": "fp32",
-          "uint8": "uint8"}
+# the readers' dtype names with and without torch's prefix, and bitsandbytes' integer storage
+DTYPES = {prefix + name: short for name, short in {**_DTYPES, "uint8": "uint8"}.items() for prefix in ("", "torch.")}
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,164 @@
+"""--emit axolotl (issue 29): the plan as an axolotl 0.21 config, for full, LoRA and QLoRA fine-tuning. axolotl's own
+validate_config takes each emitted file and keeps the plan's values (tests/doctor/axolotl_validate.py, in a process
+of its own); `fsdp-plan check` reads it back (planner/doctor/readers/axolotl.py) as the plan that was priced: the same
+trainer, config, memory (the GPU peak and host RAM) and time. A config written the way axolotl's examples write it
+is priced with axolotl's defaults, and its QLoRA pitfalls are found."""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from planner import plan
+from planner.doctor import check
+from planner.doctor.readers import read_setup
+from planner.emit import emit_artifact
+from planner.errors import PlannerError
+
+MODEL, GPUS, GPU, SEQ = "llama3-8b", 16, "h100-80gb", 4096
+FINETUNES = ("full", "lora", "qlora")
+VALIDATOR = Path(__file__).with_name("axolotl_validate.py")
+
+
+@functools.cache
+def picked(finetune: str):
+    """The axolotl trainer's best plan on two nodes (full: FULL_SHARD; LoRA: HSDP 2 x 8; QLoRA: SHARD_GRAD_OP, as
+    axolotl loads a 4-bit base on a one-dimensional mesh only)."""
+    return plan(MODEL, gpus=GPUS, gpu=GPU, seq_len=SEQ, trainer="axolotl", finetune=finetune).best
+
+
+@pytest.fixture(scope="module")
+def validated() -> dict:
+    """finetune -> the keys axolotl's validate_config kept, one subprocess for the three (~25 s: axolotl's imports)."""
+    if importlib.util.find_spec("axolotl") is None:
+        pytest.skip("axolotl is not installed: pip install --no-deps --ignore-requires-python axolotl==0.21.0 "
+                    "addict==2.4.0")
+    texts = [emit_artifact("axolotl", picked(f)) for f in FINETUNES]
+    r = subprocess.run([sys.executable, str(VALIDATOR)], input=json.dumps(texts), capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return dict(zip(FINETUNES, json.loads(r.stdout.strip().splitlines()[-1])))
+
+
+@pytest.mark.parametrize("finetune", FINETUNES)
+def test_axolotl_validates_the_emitted_config_with_the_plans_values(validated, finetune):
+    got, best = validated[finetune], picked(finetune)
+    assert "error" not in got, got
+    config = best.config
+    assert (got["micro_batch_size"], got["gradient_accumulation_steps"], got["sequence_len"]) == (
+        config.micro_batch, config.grad_accum, SEQ) == (2, 1, 4096)
+    assert (got["bf16"], got["attn_implementation"], got["optimizer"]) == (True, "sdpa", "adamw_torch_fused")
+    assert got["fsdp_version"] == got["fsdp_config"]["fsdp_version"] == 2
+    reshard = {"full": True, "lora": False, "qlora": False}[finetune]  # FULL_SHARD, HYBRID_SHARD_ZERO2, SHARD_GRAD_OP
+    assert got["fsdp_config"]["reshard_after_forward"] is reshard
+    assert got["fsdp_config"]["transformer_layer_cls_to_wrap"] == "LlamaDecoderLayer"
+    assert got["dp_replicate_size"] == (2 if finetune == "lora" else None)  # HSDP: a replica per node
+    if finetune == "full":
+        assert got["adapter"] is None and got["lora_r"] is None
+        return
+    assert (got["adapter"], got["lora_r"], got["lora_alpha"]) == (finetune, 16, 32)
+    assert got["lora_target_modules"] == ["q_proj", "k_proj", "v_proj", "o_proj"]
+    if finetune == "qlora":
+        assert got["load_in_4bit"] is True and got["qlora_sharded_model_loading"] is True  # rank 0 stages NF4
+        assert got["bnb_config_kwargs"] == {"bnb_4bit_quant_type": "nf4", "bnb_4bit_use_double_quant": True,
+                                            "bnb_4bit_quant_storage": "bfloat16"}
+
+
+@pytest.mark.parametrize("finetune", FINETUNES)
+def test_the_emitted_config_reads_back_as_the_plan_that_was_priced(tmp_path, finetune):
+    best = picked(finetune)
+    path = tmp_path / "config.yaml"
+    path.write_text(emit_artifact("axolotl", best))
+    setup = read_setup(path)
+    assert setup.dialect == "axolotl" and setup.seq_len == SEQ
+    r = check(setup, MODEL, GPUS, gpu=GPU)  # the micro-batch, sequence and fine-tuning: the file's
+    back, priced = r.candidate.to_dict(), best.to_dict()
+    assert back["trainer"] == priced["trainer"] == "axolotl"
+    for key in ("config", "training", "memory", "time"):  # memory: the GPU peak and the host RAM
+        assert back[key] == priced[key], key
+    assert back["training"]["finetune"] == finetune
+    assert not [f.code for f in r.findings if f.code.startswith("qlora-")]
+
+
+EXAMPLE = """
+base_model: NousResearch/Meta-Llama-3.1-8B
+load_in_4bit: true
+adapter: qlora
+lora_r: 8
+lora_target_linear: true
+datasets:
+  - path: tatsu-lab/alpaca
+    type: alpaca
+learning_rate: 0.0002
+bf16: auto
+gradient_checkpointing: true
+fsdp_config:
+  fsdp_offload_params: true
+  fsdp_cpu_ram_efficient_loading: true
+  fsdp_transformer_layer_cls_to_wrap: LlamaDecoderLayer
+  fsdp_state_dict_type: FULL_STATE_DICT
+"""
+
+
+def _checked(tmp_path, text: str):
+    path = tmp_path / "qlora.yaml"
+    path.write_text(text)
+    return check(read_setup(path), "llama3.1-8b", 8, gpu="h100-80gb")
+
+
+def test_an_example_config_is_priced_with_axolotls_defaults(tmp_path):
+    """axolotl's defaults where the file is silent: micro-batch 1, sequence_len 512, FSDP2 resharding after forward;
+    its BitsAndBytesConfig (nf4, double quantization, bf16 storage); lora_r 8 as written; the FULL_STATE_DICT
+    save gathered on rank 0 is found."""
+    r = _checked(tmp_path, EXAMPLE)
+    c, t = r.candidate.config, r.candidate.training
+    assert (c.micro_batch, c.sharding.value, c.offload, c.ac_every, c.precision.value) == (
+        1, "FULL_SHARD", True, 1, "bf16")
+    assert (t.seq_len, t.finetune.value, t.lora_rank, t.quant.value, t.double_quant, t.quant_storage) == (
+        512, "qlora", 8, "nf4", True, "bf16")
+    codes = {f.code for f in r.findings}
+    assert "full-state-dict-save" in codes and not {c for c in codes if c.startswith("qlora-")}
+    assert any("attention projections" in note for note in r.setup.notes)  # lora_target_linear: priced on q, k, v, o
+
+
+@pytest.mark.parametrize("edit, code", [
+    # axolotl stores the 4-bit base in bf16 whatever the precision: fp16 training gathers two dtypes
+    (("bf16: auto", "fp16: true"), "qlora-storage-not-compute-dtype"),
+    (("learning_rate", "bnb_config_kwargs: {bnb_4bit_quant_storage: uint8}\nlearning_rate"),
+     "qlora-integer-quant-storage"),
+    (("  fsdp_cpu_ram_efficient_loading: true\n", ""), "qlora-every-rank-loads"),
+])
+def test_the_qlora_pitfalls_in_an_axolotl_config(tmp_path, edit, code):
+    found = {f.code for f in _checked(tmp_path, EXAMPLE.replace(*edit)).findings if f.code.startswith("qlora-")}
+    assert found == {code}
+
+
+@pytest.mark.parametrize("edit, words", [
+    (("fsdp_config:", "fsdp_version: 1\nfsdp_config:"), "fsdp_version: 1: axolotl 0.21 runs FSDP2 only"),
+    (("adapter: qlora", "adapter: ia3"), "adapter: unknown value 'ia3'; choose one of: lora, qlora"),
+    (("gradient_checkpointing: true", "gradient_checkpointing: offload"), "gradient_checkpointing: offload: "),
+])
+def test_bad_input_is_one_line_with_exit_2(tmp_path, edit, words):
+    path = tmp_path / "bad.yaml"
+    path.write_text(EXAMPLE.replace(*edit))
+    r = subprocess.run([sys.executable, "-m", "planner.cli", "check", str(path), "--model", "llama3.1-8b", "--gpus",
+                        "8"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert words in r.stderr
+
+
+def test_qlora_over_hsdp_replicas_is_refused_in_one_line():
+    """axolotl stages a 4-bit base through rank 0's CPU on a one-dimensional mesh only: QLoRA under HSDP is left out
+    of its search (the pick above is SHARD_GRAD_OP) and refused when pinned."""
+    from planner import estimate
+
+    with pytest.raises(PlannerError) as err:
+        estimate(MODEL, gpus=GPUS, gpu=GPU, trainer="axolotl", finetune="qlora", sharding="HYBRID_SHARD")
+    assert str(err.value).startswith("sharding: ") and "\n" not in str(err.value)
+    assert picked("qlora").config.sharding.value == "SHARD_GRAD_OP"
