@@ -20,6 +20,22 @@ head-dim shapes beyond the flash kernel's factors (kernel_time.Rates.attention_r
 from __future__ import annotations
 
 FLOPS_BACKWARD_OVER_FORWARD = 2.5  # the FlashAttention papers' count: the backward recomputes the scores
+# what the output's layout copy is called among a block's memory-bound ops (cost_models/operators.py)
+OUTPUT_COPY = "attention output copy"
+
+
+def without_layout_copy(ops, kernel: str, attention: str):
+    """A block's operators (operators.BlockOps) as the kernel's layout leaves them. Transformer Engine's
+    DotProductAttention (cudnn) reads q, k, v and writes its output in bshd, the layout the projections give and
+    o_proj reads (nemo_automodel 0.7.0 components/models/qwen3_moe/layers.py: qkv_format "bshd", out.flatten(2), a
+    view): no transpose copy of the output. PyTorch SDPA and FlexAttention return (b, heads, s, d), which
+    transformers' attention and Automodel's postprocess_output_for_attn copy back (transpose(1, 2).contiguous()).
+    A traced inventory keeps its bytes (no op to swap by name)."""
+    if kernel != "cudnn" or attention != "sdpa" or ops.traced:
+        return ops
+    from dataclasses import replace
+
+    return replace(ops, memory_ops=tuple(op for op in ops.memory_ops if op.name != OUTPUT_COPY))
 
 
 def flash2_backward_efficiency(flash2_efficiency: float, flash2_forward_efficiency: float) -> float:

@@ -54,8 +54,8 @@ MoEFlexTokenDispatcher, nemo_automodel/components/moe/experts.py and moe/megatro
   writes the k rows sorted by expert) and unpermute (reads the k rows, writes one per copy), forward and again
   in backward with the gradients: 2c h (k + ranks_per_token) per token each way, in place of the eager gather /
   weighting / scatter-add; the experts' SwiGLU is Megatron's WeightedSwiGLUFunction (torch.compile'd, the
-  routing weight folded in): priced at the fused bytes. gpt-oss' clamped SwiGLU (swiglu_oai_deepep, eager) keeps
-  the model's own pricing.
+  routing weight folded in), gpt-oss' clamped one swiglu_oai_deepep (@torch.compile(fullgraph=True), experts.py
+  get_expert_activation_for_deepep): both priced at the fused bytes.
 - memory: DeepEP's NVLink buffer, cudaMalloc'd outside PyTorch's caching allocator (reserved, not allocated):
   channels (dispatcher_num_sms / 2 = 10) x NVLink ranks x 256 receive slots (Buffer.get_dispatch_config /
   get_combine_config for <= 8 ranks) x (the token's hidden bytes + its metadata: 128 top-k int64 indices, 128 fp32
@@ -249,8 +249,8 @@ def routing_ops(ops, model: ModelSpec, routing: Routing, c: int = 2):
 def deepep_ops(ops, model: ModelSpec, c: int, rows_per_token: float):
     """DeepEP's path through Megatron's flex dispatcher (module docstring): the fused permute / unpermute in place
     of the eager routing chain, 2c h (k + rows_per_token) per token each way; a gated SwiGLU expert activation at
-    its fused bytes (WeightedSwiGLUFunction). A traced inventory swaps the formula's routing chain for the permute
-    and keeps its traced expert activation (gpt-oss' swiglu_oai runs eager in Automodel too)."""
+    its fused bytes (WeightedSwiGLUFunction, or gpt-oss' compiled swiglu_oai_deepep). A traced inventory swaps the
+    formula's routing chain for the permute and keeps its traced expert activation (no op to swap by name)."""
     m = model.moe
     h, k = model.hidden_size, m.experts_per_token
     permute = 2 * c * h * (k + rows_per_token)
@@ -259,7 +259,7 @@ def deepep_ops(ops, model: ModelSpec, c: int, rows_per_token: float):
 
         deepep = MemoryOp("DeepEP permute / unpermute", permute, permute, permute, permute)
         return _traced_swap(ops, _formula_op(model, c, ops.seq_len, "expert routing"), deepep)
-    fused_swiglu = model.gated_mlp and m.expert_activation != "clamped_swiglu"
+    fused_swiglu = model.gated_mlp
 
     def one(o):
         if o.name == "expert routing":

@@ -76,10 +76,6 @@ class Kernels:
 EAGER = Kernels()
 
 
-def _fused(op: MemoryOp) -> MemoryOp:
-    return replace(op, forward_bytes=op.fused_forward_bytes, backward_bytes=op.fused_backward_bytes)
-
-
 def kernel_block_ops(ops: BlockOps, kernels: Kernels) -> BlockOps:
     """A block's memory-bound ops with the chosen kernels' bytes (their fused bytes). A traced inventory: the
     chains identified in it (BlockOps.traced_identified, its RMSNorms) leave the traced bytes for the kernel's;
@@ -88,7 +84,7 @@ def kernel_block_ops(ops: BlockOps, kernels: Kernels) -> BlockOps:
     if not kinds:
         return ops
     if not ops.traced:
-        return replace(ops, memory_ops=tuple(_fused(op) if op.kind in kinds else op for op in ops.memory_ops))
+        return replace(ops, memory_ops=tuple(operators.fused(op) if op.kind in kinds else op for op in ops.memory_ops))
     swapped = [op for op in ops.traced_identified if op.kind in kinds]
     if not swapped:
         return ops

@@ -4,7 +4,7 @@ cost_models/specs.py re-exports them."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .spec_values import Attention, SpecError, check_positive, enum_choices
 
@@ -146,6 +146,10 @@ class ActivationProfile:
                 return terms
         return None
 
+    def without_operators(self) -> "ActivationProfile":
+        """The same memory terms without the traced operator inventory (the step time then prices the structure)."""
+        return replace(self, terms=tuple((d, a, replace(t, operators=None)) for d, a, t in self.terms))
+
 
 @dataclass(frozen=True)
 class ModelSpec:
@@ -173,6 +177,8 @@ class ModelSpec:
     norm: str = "layernorm"          # layernorm | rmsnorm (eager, fp32 upcast) | fused_rmsnorm | rmsnorm_fp32
     #                                  (the weight applied in fp32 too: Gemma's (1 + w), OLMo 2)
     norm_layout: str = "pre"         # pre | sandwich (norms before and after each sublayer: Gemma 2/3) | post (OLMo 2)
+    rope: str = "eager"              # eager (the family's own ops) | fused (one kernel each way: TE's fused RoPE,
+    #                                  a compiled or Triton rotation, as a trainer's own model runs it)
     qk_norm: str = ""                # "" | head (q, k normed over head_dim: Qwen3, Gemma 3) | full (q_dim, kv_dim: OLMo 2)
     activation: str = "gelu"         # silu | gelu | gelu_new | relu | gelu_tanh
     parallel_block: bool = False     # attention and MLP read the same normed input (GPT-J/NeoX/Falcon)
@@ -209,6 +215,8 @@ class ModelSpec:
         if self.moe is not None and self.moe.dense_layers and max(self.moe.dense_layers) >= self.n_layers:
             raise SpecError("model.moe.dense_layers", f"{self.moe.dense_layers!r} has an index >= "
                                                       f"n_layers={self.n_layers}")
+        if self.rope not in ("eager", "fused"):
+            raise SpecError("model.rope", f"{self.rope!r}; choose one of: eager, fused")
         unknown = set(self.attention_choices) - {a.value for a in Attention}
         if not self.attention_choices or unknown:
             raise SpecError("model.attention_choices", f"{self.attention_choices!r}; choose from: {enum_choices(Attention)}")

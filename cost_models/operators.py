@@ -46,7 +46,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from functools import lru_cache
 
-from . import activations_sinks, attention_flex
+from . import activations_sinks, attention_flex, attention_kernels
 from . import moe as moe_model
 from .specs import ModelSpec
 
@@ -118,6 +118,11 @@ class BlockOps:
 def _elementwise(name: str, elements: float, fwd: float, bwd: float, fused_fwd: float, fused_bwd: float,
                  kind: str = "") -> MemoryOp:
     return MemoryOp(name, elements * fwd, elements * bwd, elements * fused_fwd, elements * fused_bwd, kind)
+
+
+def fused(op: MemoryOp) -> MemoryOp:
+    """The op run as one kernel each way: its fused bytes, compiled or not."""
+    return replace(op, forward_bytes=op.fused_forward_bytes, backward_bytes=op.fused_backward_bytes)
 
 
 def norm_op(model: ModelSpec, c: int, width: int, name: str) -> MemoryOp:
@@ -261,9 +266,10 @@ def _formula_block_ops(model: ModelSpec, c: int, seq_len: int, lora_rank: int = 
     if model.qk_norm:
         ops.append(norm_op(model, c, q + kv, "q/k norms"))
     if model.family not in ("gpt2", "bert", "opt", "bloom", "mpt"):  # rotary
-        ops.append(_elementwise("rotary", q + kv, 12 * c, 15 * c, 2 * c, 2 * c, "rope"))
-        ops.append(_elementwise("q/k gradient copies", q + kv, 0, 2 * c, 0, 0, "rope"))  # back to (b, s, heads x d)
-    ops.append(_elementwise("attention output copy", q, 2 * c, 2 * c, 2 * c, 2 * c))
+        rope = [_elementwise("rotary", q + kv, 12 * c, 15 * c, 2 * c, 2 * c, "rope"),
+                _elementwise("q/k gradient copies", q + kv, 0, 2 * c, 0, 0, "rope")]  # back to (b, s, heads x d)
+        ops += [fused(op) for op in rope] if model.rope == "fused" else rope
+    ops.append(_elementwise(attention_kernels.OUTPUT_COPY, q, 2 * c, 2 * c, 2 * c, 2 * c))
     ops.append(_elementwise("residual adds", 2 * h, 3 * c, 3 * c, 2 * c, 2 * c))
     readers = (2 if len(_attention_matmuls(model)) > 2 else 0) + (1 if model.gated_mlp and model.moe is None else 0)
     ops.append(_elementwise("gradient sums", readers * h, 0, 3 * c, 0, c))

@@ -7,7 +7,8 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
-from . import comm, context_parallel, expert_parallel, kernels, moe, operators, qlora, tensor_parallel
+from . import (attention_kernels, comm, context_parallel, expert_parallel, kernels, moe, operators, qlora,
+               tensor_parallel)
 from .kernel_time import BlockTime, Rates, eager_attention_ops, price_block
 from .profile import Profile
 from .specs import Attention, ClusterSpec, FsdpConfig, ModelSpec, MoeDispatch, TrainingSpec
@@ -57,6 +58,7 @@ def priced_block_ops(spec: ModelSpec, training: TrainingSpec, config: FsdpConfig
     Float8's casts among the memory-bound ops; a traced inventory already holds eager attention's work."""
     ops = operators.block_ops(spec, c, training.seq_len, training.adapter_rank, config.attention.value)
     ops = kernels.kernel_block_ops(ops, kernels.Kernels.of(config))  # Liger / TE kernels: one kernel each way
+    ops = attention_kernels.without_layout_copy(ops, config.attention_kernel.value, config.attention.value)
     if config.tp > 1 and config.sequence_parallel:  # norms, residuals, dropout on s / tp tokens
         ops = tensor_parallel.sequence_parallel_ops(ops, config.tp)
     if spec.moe is not None:  # Automodel's round-robin gate runs no router

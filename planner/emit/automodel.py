@@ -14,7 +14,8 @@ BackendConfig, components/training/step_scheduler.py, _transformers/auto_model.p
   Engine's DotProductAttention: attention sdpa with attention_kernel cudnn) | sdpa (PyTorch SDPA: flash2) | flex |
   eager (cudnn reads back as te, fa4 as sdpa), dispatcher deepep (DeepEP) with experts torch_mm
   (torch._grouped_mm), fake_balanced_gate (round-robin routing), rope_fusion (0.7.0 forces it off:
-  BackendConfig.__post_init__, issue #3027, so RoPE runs eager whatever the file says).
+  BackendConfig.__post_init__, issue #3027, whatever the file says; its own models - Trainer.own_models - then
+  rotate in a compiled kernel, the rest in transformers' eager ops).
 - model.torch_dtype: the dtype the parameters live in (bfloat16: bf16 Adam states, the bf16-pure precision).
 What the dialect cannot say is refused in one PlannerError line naming the knob: no every-K-th or op-level
 checkpointing (Automodel checkpoints every block or selects by its own policy), no compiled loss, no torchao Float8
@@ -111,7 +112,7 @@ def emit_automodel(config: FsdpConfig, model: ModelSpec, cluster: ClusterSpec,
                 else ATTENTION[config.attention.value]),
                ("linear", "te" if te_norm else "torch", "the same GEMMs either way"),
                ("rms_norm", "te" if te_norm else "torch_fp32"),
-               ("rope_fusion", False, f"{VERSION} forces it off (issue #3027): RoPE runs eager")]
+               ("rope_fusion", False, f"{VERSION} forces it off (issue #3027): its own models rotate compiled")]
     if model.moe is not None:
         deepep = config.moe_dispatch is MoeDispatch.DEEPEP
         backend += [("experts", "torch_mm", "torch._grouped_mm"),

@@ -29,7 +29,6 @@ def resolve_request(request: Request, attention: str | None = None) -> tuple[Mod
     block memory profile here (for `attention`, default: every implementation it runs)."""
     model = request.model
     spec = model if isinstance(model, ModelSpec) else resolve_model(model, trust_remote_code=request.trust_remote_code)
-    spec = model_for(trainer_named(request.trainer), spec)  # the trainer's own implementation of it
     cluster = request.cluster.spec()
     training = request.training.spec()
     if training.finetune is Finetune.FULL and not isinstance(model, ModelSpec):
@@ -42,7 +41,7 @@ def resolve_request(request: Request, attention: str | None = None) -> tuple[Mod
         if needs_block_profile(spec, hf_config):
             spec = with_block_profile(spec, hf_config, training.seq_len,
                                       attentions=(model_attention(spec, attention),))
-    return spec, cluster, training
+    return model_for(trainer_named(request.trainer), spec), cluster, training  # the trainer's own implementation
 
 
 def fused_attention_kernel(request: Request, pinned: str | None, attention: str, gpu) -> Request:

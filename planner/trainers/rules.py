@@ -44,10 +44,17 @@ def resolve_trainer(trainer: str | None, artifact: str | None = None) -> Trainer
 
 
 def model_for(trainer: Trainer, spec):
-    """The model as the trainer's own implementation runs it (torchtitan's models: their RMSNorm)."""
-    if trainer.norm is None or spec.norm != "rmsnorm":
-        return spec
-    return dataclasses.replace(spec, norm=trainer.norm)
+    """The model as the trainer's own implementation runs it: torchtitan's models their RMSNorm; a model type the
+    trainer implements itself (Trainer.own_models) its fused RoPE, and it keeps its traced block memory profile,
+    whose saved bytes the formulas match, but not the traced transformers block's operators: its step is priced
+    from the structure."""
+    if trainer.norm is not None and spec.norm == "rmsnorm":
+        spec = dataclasses.replace(spec, norm=trainer.norm)
+    if spec.family in trainer.own_models:
+        profile = spec.activation_profile
+        spec = dataclasses.replace(spec, rope="fused",
+                                   activation_profile=profile.without_operators() if profile is not None else None)
+    return spec
 
 
 def with_trainer_defaults(request, trainer: Trainer):

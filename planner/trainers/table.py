@@ -71,6 +71,9 @@ class Trainer:
     mesh_exclusions: tuple[tuple[str, str], ...] = ()  # axes it cannot combine above 1
     precisions: tuple[Precision, ...] = tuple(Precision)
     norm: str | None = None  # the blocks' RMSNorm as its own model runs it (ModelSpec.norm); None: the model's
+    # HF model types it runs with its own modelling code, not transformers': priced with a fused RoPE (ModelSpec.rope)
+    # and from the structure (cost_models/operators.py), not from a traced transformers block's operator inventory
+    own_models: tuple[str, ...] = ()
     defaults: MappingProxyType = field(default_factory=lambda: MappingProxyType({}))
     # how its artifact loads the weights and saves checkpoints (cost_models/outside_step.py ways): rank 0 reads and
     # broadcasts (cpu_ram_efficient_loading / broadcast_from_rank0), each rank saves its shard with DCP
@@ -224,7 +227,7 @@ TRAINERS: dict[str, Trainer] = {t.id: t for t in (
         # NVIDIA NeMo Automodel 0.7.0 (planner/emit/automodel.py reads its recipe keys from the source): FSDP2 over
         # dp_replicate x dp_shard with tp / cp / ep (no pp in the recipes priced), activation_checkpointing a bool,
         # enable_compile per decoder layer (the loss eager), no torchao Float8 recipe, no NO_SHARD; model.backend
-        # rms_norm torch_fp32 (default) | te, RoPE eager (0.7.0 forces rope_fusion off), dispatcher deepep for MoE
+        # rms_norm torch_fp32 (default) | te, RoPE as its model runs it (own_models), dispatcher deepep for MoE
         # under EP (its "torch" dispatcher all-gathers tokens: not priced; all-to-all stays the value of ep 1),
         # fake_balanced_gate = round-robin routing; torch.optim.AdamW's default step (foreach)
         id="automodel", title="NeMo Automodel 0.7",
@@ -239,7 +242,14 @@ TRAINERS: dict[str, Trainer] = {t.id: t for t in (
                           routing=("learned", "round-robin"), attention_kernel=("cudnn", "flash2")),
         # the base checkpoint read in parallel into the meta-initialised, sharded model (components/checkpoint/
         # checkpointing.py load_base_model -> DCP with its HuggingFaceStorageReader); saved with DCP
-        defaults=_defaults(optimizer_impl="foreach"), load_way="meta-dcp"),
+        defaults=_defaults(optimizer_impl="foreach"), load_way="meta-dcp",
+        # its own modelling of these (_transformers/registry.py maps the architecture to components/models/<type>/
+        # model.py: TE linears, its attention backends, GroupedExperts(DeepEP) with torch._grouped_mm). Their RoPE
+        # is one kernel each way: TE's FusedRoPEFunc where rope_fusion is on (BackendConfig's HAVE_TE default, the
+        # Oct 2025 runs); 0.7.0 forces it off (issue #3027), and apply_rotary_emb_qk then rotates q and k in
+        # _compiled_apply_rotary_emb_qk, torch.compile'd on CUDA (gpt_oss/rope_utils.py; deepseek_v3 rotates in
+        # common/rope_triton.py's Triton _FusedRope)
+        own_models=("deepseek_v3", "gpt_oss", "qwen3_moe")),
 )}
 
 DEFAULT_TRAINER = "fsdp2"
