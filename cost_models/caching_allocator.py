@@ -36,6 +36,7 @@ roundup_power2_divisions, record_stream delays and CUDA graph pools. New segment
 from __future__ import annotations
 
 import re
+from bisect import bisect_left, insort
 from dataclasses import dataclass
 
 from .units import MiB
@@ -94,10 +95,11 @@ def allocation_size(size_bytes: int) -> int:
 
 
 class _Block:
-    __slots__ = ("segment", "offset", "size", "free")
+    __slots__ = ("segment", "offset", "size", "free", "key")
 
     def __init__(self, segment: "_Segment", offset: int, size: int, free: bool):
         self.segment, self.offset, self.size, self.free = segment, offset, size, free
+        self.key = None   # (size, address) while listed among its pool's free blocks
 
 
 class _Segment:
@@ -137,12 +139,15 @@ def pool_totals(segments) -> dict[tuple, tuple[int, int, int]]:
 class CachingAllocator:
     """The allocator's state: malloc(key, size, stream) and free(key); statistics in bytes."""
 
-    def __init__(self, settings: AllocatorSettings = AllocatorSettings()):
-        self.settings = settings
+    def __init__(self, settings: AllocatorSettings = AllocatorSettings(), snapshots: bool = True):
+        self.settings, self.snapshots = settings, snapshots   # snapshots: keep segments_at_peak
         self.segments: list[_Segment] = []
         self._pools: dict[tuple, list[_Segment]] = {}   # (stream, small): get_pool's per-stream pools
         self._expandable: dict[tuple, _Segment] = {}   # (stream, small) -> its one segment
         self._live: dict[object, tuple[_Block, int]] = {}
+        # each pool's free blocks as sorted (size, address, block): BlockComparatorSize's order, so best fit is a
+        # bisection (a linear scan took 60% of a 405B pipeline rank's replay)
+        self._free: dict[tuple, list] = {}
         self.allocated_bytes = self.requested_bytes = self.reserved_bytes = 0
         self.peak_allocated_bytes = self.peak_requested_bytes = 0
         self.segments_at_peak: tuple[SegmentState, ...] = ()
@@ -156,18 +161,20 @@ class CachingAllocator:
         small = size <= K_SMALL_SIZE_BYTES
         reserved_before = self.reserved_bytes
         block = self._best_fit(stream, small, size) or self._new_block(stream, small, size)
+        self._unlist(block)
         if self._should_split(block, size):
             rest = _Block(block.segment, block.offset + size, block.size - size, True)
             blocks = block.segment.blocks
             blocks.insert(blocks.index(block) + 1, rest)
             block.size = size
+            self._list(rest)
         block.free = False
         self._live[key] = (block, size_bytes)
         self.allocated_bytes += block.size
         self.requested_bytes += size_bytes
         self.peak_allocated_bytes = max(self.peak_allocated_bytes, self.allocated_bytes)
         self.peak_requested_bytes = max(self.peak_requested_bytes, self.requested_bytes)
-        if self.reserved_bytes > reserved_before:   # reserved only grows: this is its peak so far
+        if self.snapshots and self.reserved_bytes > reserved_before:   # reserved only grows: its peak so far
             self.segments_at_peak = self._states()
 
     def free(self, key) -> None:
@@ -181,9 +188,24 @@ class CachingAllocator:
         blocks = block.segment.blocks
         i = blocks.index(block)
         if i + 1 < len(blocks) and blocks[i + 1].free:          # try_merge_blocks with the next block
+            self._unlist(blocks[i + 1])
             block.size += blocks.pop(i + 1).size
         if i > 0 and blocks[i - 1].free:                          # and with the previous one
+            self._unlist(blocks[i - 1])
             blocks[i - 1].size += blocks.pop(i).size
+            block = blocks[i - 1]
+        self._list(block)
+
+    def _list(self, block: _Block) -> None:
+        seg = block.segment
+        block.key = (block.size, seg.address + block.offset)
+        insort(self._free.setdefault((seg.stream, seg.small), []), (*block.key, block))
+
+    def _unlist(self, block: _Block) -> None:
+        if block.key is not None:
+            entries = self._free[(block.segment.stream, block.segment.small)]
+            del entries[bisect_left(entries, block.key)]
+            block.key = None
 
     def _max_split(self) -> int | None:
         return self.settings.max_split_size_bytes
@@ -198,14 +220,12 @@ class CachingAllocator:
         return block.size < size + K_LARGE_BUFFER_BYTES
 
     def _best_fit(self, stream, small: bool, size: int) -> _Block | None:
-        best = None
-        for seg in self._pools.get((stream, small), ()):
-            for b in seg.blocks:
-                if (b.free and b.size >= size and self._usable(b, size)
-                        and (best is None or (b.size, seg.address + b.offset)
-                             < (best.size, best.segment.address + best.offset))):
-                    best = b
-        return best
+        """The smallest free block that holds `size`, ties by address, that max_split_size lets it take."""
+        entries = self._free.get((stream, small), [])
+        for i in range(bisect_left(entries, (size,)), len(entries)):
+            if self._usable(entries[i][2], size):
+                return entries[i][2]
+        return None
 
     def _should_split(self, block: _Block, size: int) -> bool:
         remaining = block.size - size
@@ -237,6 +257,8 @@ class CachingAllocator:
             seg = self._expandable[(stream, small)] = self._add_segment(stream, small, 0)
             seg.blocks = []
         tail = seg.blocks[-1] if seg.blocks and seg.blocks[-1].free else None
+        if tail is not None:
+            self._unlist(tail)
         have = tail.size if tail else 0
         grow = -(-(size - have) // page) * page
         seg.size += grow
@@ -253,10 +275,11 @@ class CachingAllocator:
                                   max((b.size for b in s.blocks if b.free), default=0)) for s in self.segments)
 
 
-def replay(events, settings: AllocatorSettings = AllocatorSettings()) -> ReplayResult:
+def replay(events, settings: AllocatorSettings = AllocatorSettings(), snapshots: bool = True) -> ReplayResult:
     """Replay ordered events: ("alloc", key, size_bytes[, stream]) and ("free", key, ...) (extra fields of a
-    free are ignored). The stream defaults to 0, the default stream."""
-    allocator = CachingAllocator(settings)
+    free are ignored). The stream defaults to 0, the default stream. snapshots False: segments_at_peak left
+    empty (its copies at each new segment took half of a 405B pipeline rank's replay)."""
+    allocator = CachingAllocator(settings, snapshots)
     for event in events:
         kind = event[0]
         if kind == "alloc":
