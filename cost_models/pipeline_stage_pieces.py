@@ -39,6 +39,10 @@ class StagePieces:
     root_gathered: int         # the stage root's unsharded parameters (embedding, final norm, head: compute dtype)
     block_gathered: int        # one block's all-gather output: its parameters in the compute dtype, the Float8
     #                            linears' weights at 1 byte under the FP8 all-gather (the pp = 1 rule, memory.py)
+    kept: tuple = ()           # per token, what each block keeps from its forward to its backward (model order)
+    block_full: int = 0        # per token, a block's tensors saved without checkpointing (made again in recompute)
+    checkpointed: tuple = ()   # per block (model order): whether it is checkpointed (recomputed in backward)
+    working: tuple = ()        # per block (model order): its backward's largest working set above its own tensors
 
     @property
     def gathered(self) -> int:
@@ -67,8 +71,9 @@ def stage_pieces(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, s
     # TP with sequence parallel: the residual stream (each block's norms and input, the stage's output and the
     # receive buffers) on s / tp tokens, by the rule the pp = 1 ledger is traced with (tensor_parallel.py)
     sp = config.tp if tensor_parallel.sequence_parallel(config) else 1
-    if sp > 1:
-        full, ckpt, root_saved = tensor_parallel.sequence_parallel_saved_bytes(model, c, sp, full, ckpt, root_saved)
+    if sp > 1:  # the root's residual-stream share only where the root is (it made a stage without one negative)
+        full, ckpt, root_sp = tensor_parallel.sequence_parallel_saved_bytes(model, c, sp, full, ckpt, root_saved)
+        root_saved = root_sp if stage.head else 0
     kept = [ckpt if k and i % k == 0 else full for i in stage.blocks]
     # so does a first block whose first norm saves the block input itself (fp32 RMSNorm: no upcast copy; LayerNorm)
     if kept and not stage.embedding and (k and stage.first_block % k == 0
@@ -98,7 +103,7 @@ def stage_pieces(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, s
     # dtype (5 x 4 h per token in the trace's timelines)
     norm_chain, rms = 4 * h * (4 + (c < 4)), model.norm == "rmsnorm" and not model.parallel_block
     mlp_grads = min(counts.block(), (3 if model.gated_mlp else 2) * h * f) * c
-    blocks = []
+    blocks, working = [], []
     for j in reversed(range(stage.n_blocks)):
         recomputed = bool(k) and (stage.first_block + j) % k == 0
         this = full + (input_extra if j or stage.embedding else 0) if recomputed else kept[j]
@@ -120,6 +125,7 @@ def stage_pieces(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, s
         # beside the saved tensors below and the gradient passed down
         post = tokens * (sum(kept[:j]) + h * c) + shared - saved
         blocks.append((max(at_mlp, at_attn, at_norm, key=sum), max(in_place, (at_norm[0], 0), key=sum), post))
+        working.insert(0, blocks[-1][0][0] - base)
     head_grad = head * c
     # split backward, input pass (stage_backward_input: autograd.grad to the stage input with retain_graph=True):
     # nothing saved is freed, and a pre-hook on each linear's mm and each norm's weight product keeps the gradient
@@ -140,4 +146,5 @@ def stage_pieces(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, s
                         if stage.head else 0, weight_inputs * stage.n_blocks + head_inputs, input_pass,
                         counts.block(), head_grad, (params - stage.n_blocks * counts.block()) * c,
                         counts.block() * c - (operators.fp8_all_gather_saving_bytes(model, c, s)
-                                              if config.fp8_all_gather else 0))
+                                              if config.fp8_all_gather else 0),
+                        tuple(kept), full, tuple(bool(k) and i % k == 0 for i in stage.blocks), tuple(working))
