@@ -19,7 +19,8 @@ HOST_RAM_FIX = ("load on rank 0 only (cpu_ram_efficient_loading + sync_module_st
 LOAD_WAYS = {"all": LoadWay.EVERY_RANK, "rank0": LoadWay.RANK0_BROADCAST, "meta": LoadWay.RANK0_BROADCAST,
              "dcp": LoadWay.META_DCP}  # dcp: meta-device init, then a sharded checkpoint (torchtitan)
 # UserSetup.state_dict_type -> the save; unstated: the plan's sharded DCP save
-SAVE_WAYS = {"FULL_STATE_DICT": SaveWay.FULL_RANK0, "SHARDED_STATE_DICT": SaveWay.DCP, "LOCAL_STATE_DICT": SaveWay.DCP}
+SAVE_WAYS = {"FULL_STATE_DICT": SaveWay.FULL_RANK0, "SHARDED_STATE_DICT": SaveWay.DCP, "LOCAL_STATE_DICT": SaveWay.DCP,
+             "ASYNC_SHARDED_STATE_DICT": SaveWay.DCP_ASYNC}  # torchtitan's checkpoint.async_mode async*
 
 
 def with_setup_ways(candidate, setup, profile):

@@ -141,6 +141,7 @@ def test_torchtitan_03_parses_every_emitted_override_set(parsed, name):
     want = PLANS[name][4]
     assert {key: got[key] for key in want} == want
     assert got["pp"] == 1 and got["mixed_precision_param"] == "bfloat16"
+    assert got["checkpoint"] == [True, "checkpoint", 500, "disabled"]  # each rank's shard with DCP, as priced
 
 
 def test_torchtitan_03_rejects_the_0_2_spellings_the_old_emitter_wrote(parsed):
@@ -202,6 +203,22 @@ def test_torchtitan_round_trip_emit_then_check_gives_the_plan_back(tmp_path, nam
     # 0.3 runs its config function's loss, ChunkedLossWrapper, whatever was priced (the job's notes say so)
     assert setup.config == (replace(config, loss_kernel="chunked") if version == "0.3" else config)
     assert setup.n_processes == cluster.n_gpus
+    assert (setup.init, setup.state_dict_type) == ("dcp", "SHARDED_STATE_DICT")  # the trainer's meta-dcp / dcp ways
+
+
+@pytest.mark.parametrize("mode, way", [("disabled", "dcp"), ("async_with_pinned_mem", "dcp-async")])
+def test_torchtitan_checkpoint_flags_price_the_save(tmp_path, mode, way):
+    """The emitted [checkpoint] flags save each rank's shard with DCP, which check prices as the plan does: each of
+    the node's 8 ranks copies one item ahead of the writer, its slice of the largest tensor (the fp32 embedding,
+    128,256 x 4,096 x 4 B / 8) plus the 10 MB copy-ahead; an async mode stages the rank's whole shard to host first:
+    fp32 params and Adam's two states, 12 B x 8,030,261,248 parameters / 8, on each of the 8 ranks."""
+    from planner.doctor import check
+
+    path = tmp_path / "overrides.txt"
+    path.write_text(_emitted("plain").replace("--checkpoint.async_mode=disabled", f"--checkpoint.async_mode={mode}"))
+    host = check(read_setup(path), "llama3-8b", 8, gpu="h100-80gb").candidate.memory.host_ram
+    assert host.save_way.value == way
+    assert host.save_bytes == (8 * (128_256 * 4_096 * 4 // 8 + 10_000_000) if way == "dcp" else 12 * 8_030_261_248)
 
 
 def test_torchtitan_every_2_reads_back_as_what_0_3_runs():

@@ -63,6 +63,7 @@ def resolved(c) -> dict:
         "mixed_precision_param": c.training.mixed_precision_param, "offload": c.training.enable_cpu_offload,
         "loss": type(c.loss).__qualname__.split(".")[0], "loss_chunks": getattr(c.loss, "num_chunks", None),
         "optimizer_impl": c.optimizer.implementation,
+        "checkpoint": [c.checkpoint.enable, c.checkpoint.folder, c.checkpoint.interval, c.checkpoint.async_mode],
     }
 
 

@@ -32,7 +32,7 @@ TORCHTITAN_BOOLS = ("compile.enable", "training.compile", "training.enable_cpu_o
                     "quantize.linear.float8.enable_fsdp_float8_all_gather", "float8.enable_fsdp_float8_all_gather",
                     "compile.enable_async_tensor_parallel", "parallelism.enable_async_tensor_parallel",
                     "parallelism.enable_sequence_parallel", "parallelism.disable_loss_parallel",
-                    "training.disable_cuda_graphs")
+                    "training.disable_cuda_graphs", "checkpoint.enable")
 # options whose value is a list of lists (tyro's form: one word per inner list, its items comma-joined)
 TORCHTITAN_LISTS = ("parallelism.module_fqns_per_model_part",)
 
@@ -134,6 +134,16 @@ def _list(value) -> list[str]:
 
 
 SUBCOMMAND_CHECKPOINTING = {"selective": SELECTIVE_OP, "full": 1, "none": 0}
+# checkpoint.async_mode (0.2 and 0.3) -> UserSetup.state_dict_type: DCP, or DCP staging a host copy first
+ASYNC_MODES = {"disabled": "SHARDED_STATE_DICT", "async": "ASYNC_SHARDED_STATE_DICT",
+               "async_with_pinned_mem": "ASYNC_SHARDED_STATE_DICT"}
+
+
+def _save(settings: dict) -> str | None:
+    """How checkpoint.* saves (None: checkpointing off, priced as the plan's DCP save)."""
+    if not _bool("checkpoint.enable", settings.get("checkpoint.enable", False)):
+        return None
+    return ASYNC_MODES[_choice(settings, "checkpoint.async_mode", tuple(ASYNC_MODES), "disabled")]
 
 
 def is_torchtitan_03(settings: dict) -> bool:
@@ -267,7 +277,7 @@ def from_torchtitan(settings: dict, source: str = "torchtitan") -> UserSetup:
         config=config, fsdp_version=2, source=source, dialect="torchtitan", explicit=frozenset(settings), wrap="block",
         # torchtitan builds on the meta device, then every rank initialises its shards alike (DTensor's RNG) or
         # loads them from a checkpoint (DCP): nothing to broadcast, no full copy in host RAM
-        use_orig_params=True, init="dcp",
+        use_orig_params=True, init="dcp", state_dict_type=_save(settings),
         n_processes=replicas * shard * config.cp * config.tp * config.pp if shard >= 1 else None,
         n_machines=replicas if hybrid else None,  # HSDP: one replica per machine, so the shard group is a node
         use_cache=False,  # torchtitan's models keep no KV cache in training

@@ -1,17 +1,25 @@
-"""The FSDP2 snippet's loading and checkpoint functions, written the way the plan prices them
-(cost_models/host_ram.py): rank 0 reads the pretrained weights and broadcasts them, each rank keeping its slice;
-each rank saves and resumes its own shard with DCP. Run for real in tests/distributed/test_outside_step_torchrun.py.
+"""The code snippets' loading and checkpoint functions, written the way the plan prices them for their trainer
+(planner/trainers/table.py load_way / save_way, cost_models/outside_step.py):
+- FSDP2 (--emit fsdp2): rank 0 reads the pretrained weights and broadcasts them, each rank keeping its slice
+  (load_pretrained); each rank saves and resumes its own shard with DCP.
+- FSDP1 (--emit fsdp1): every rank builds the model with its weights before apply_fsdp (the every-rank way, no
+  loading function); each rank saves and resumes its own shard with DCP too: torch.distributed.checkpoint.state_dict's
+  get_state_dict gives an FSDP1 model's SHARDED_STATE_DICT, as it gives FSDP2's DTensors.
+Both run for real in tests/distributed/test_outside_step_torchrun.py.
 """
 
 from __future__ import annotations
 
-CHECKPOINT_IMPORTS = [
-    "import torch.distributed.checkpoint as dcp",
+DCP_IMPORT = "import torch.distributed.checkpoint as dcp"
+CHECKPOINT_IMPORTS = [  # FSDP2: the broadcast load, the DCP save and resume
+    DCP_IMPORT,
     "from torch.distributed.checkpoint.state_dict import (",
     "    StateDictOptions, get_state_dict, set_model_state_dict, set_state_dict)",
 ]
+FSDP1_CHECKPOINT_IMPORTS = [DCP_IMPORT, "from torch.distributed.checkpoint.state_dict import get_state_dict, "
+                                        "set_state_dict"]
 
-CHECKPOINT_FUNCTIONS = [
+LOAD_PRETRAINED = [
     "def load_pretrained(model, full_state_dict=None):",
     "    \"\"\"After apply_fsdp (other ranks may build on meta, then model.to_empty(device=...)): rank 0",
     "    passes the full state dict it read (torch.load / safetensors), the others None; each tensor is",
@@ -20,6 +28,8 @@ CHECKPOINT_FUNCTIONS = [
     "    set_model_state_dict(model, full_state_dict or {}, options=options)",
     "",
     "",
+]
+SAVE_AND_RESUME = [
     "def save_checkpoint(model, optimizer, path):",
     "    \"\"\"Each rank writes its shard of the params and optimizer state (DCP): no gather on rank 0.\"\"\"",
     "    model_state, optimizer_state = get_state_dict(model, optimizer)",
@@ -36,6 +46,7 @@ CHECKPOINT_FUNCTIONS = [
 ]
 
 
-def checkpoint_code() -> str:
-    """The functions as text, to follow the snippet's make_optimizer."""
-    return "\n\n" + "\n".join(CHECKPOINT_FUNCTIONS) + "\n"
+def checkpoint_code(load_pretrained: bool = True) -> str:
+    """The functions as text, to follow the snippet's make_optimizer (FSDP1: without load_pretrained, every rank
+    loads)."""
+    return "\n\n" + "\n".join((LOAD_PRETRAINED if load_pretrained else []) + SAVE_AND_RESUME) + "\n"

@@ -11,7 +11,7 @@ from cost_models import fsdp_options, moe
 from cost_models.specs import ClusterSpec, FsdpConfig, ModelSpec, Precision, TrainingSpec
 
 from planner.emit import attention
-from planner.emit.code.checkpoint import CHECKPOINT_IMPORTS, checkpoint_code
+from planner.emit.code.checkpoint import CHECKPOINT_IMPORTS, FSDP1_CHECKPOINT_IMPORTS, checkpoint_code
 from planner.emit.code import mesh as meshed
 from planner.emit.code import techniques as tech
 from planner.emit.common import _KV_CACHE_WHY, RESHARD_NOTE, _comment, _fsdp1_strategy, _mixed_dtypes, _notes, _summary
@@ -65,6 +65,7 @@ def emit_fsdp1(config: FsdpConfig, model_spec: ModelSpec, cluster: ClusterSpec,
         "from torch.distributed.fsdp import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy",
         "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP",
         "from torch.distributed.fsdp.wrap import CustomPolicy" if lora else "from torch.distributed.fsdp.wrap import ModuleWrapPolicy",
+        *FSDP1_CHECKPOINT_IMPORTS,
     ]
     ac = []
     if config.checkpoints:
@@ -123,7 +124,8 @@ def emit_fsdp1(config: FsdpConfig, model_spec: ModelSpec, cluster: ClusterSpec,
         "    device_id=device,",
         ")",
     ] + ac + ["return model"]
-    return _render(config, model_spec, cluster, imports, body, training, tech.fsdp1_unexpressed(config))
+    return _render(config, model_spec, cluster, imports, body, training,
+                   tech.fsdp1_unexpressed(config)) + checkpoint_code(load_pretrained=False)
 
 
 def emit_fsdp2(config: FsdpConfig, model_spec: ModelSpec, cluster: ClusterSpec,

@@ -54,6 +54,17 @@ PRESET_OF_CONFIG = {("llama3", "llama3_8b"): "llama3.1-8b", ("llama3", "llama3_7
                     ("qwen3", "qwen3_30b_a3b"): "qwen3-30b-a3b", ("deepseek_v3", "deepseek_v3_671b"): "deepseek-v3",
                     ("gpt_oss", "gpt_oss_20b"): "gpt-oss-20b", ("gpt_oss", "gpt_oss_120b"): "gpt-oss-120b"}
 FLOAT8_MODULE = "fsdp_plan_float8"  # the module name the 0.3 Float8 config function is saved under
+# Checkpoints the way the torchtitan trainers are priced (planner/trainers/table.py: save dcp, load meta-dcp;
+# cost_models/outside_step.py): each rank writes its shard with DCP, synchronously. The same [checkpoint] names in
+# 0.2 (config/job_config.py Checkpoint) and 0.3 (components/checkpointer/dcp.py CheckpointManager.Config).
+CHECKPOINT_FLAGS = [
+    ("checkpoint.enable", True, "checkpoints: each rank saves its shard with DCP, as priced; to start from pretrained "
+     "weights add --checkpoint.initial_load_path=<HF dir> --checkpoint.initial_load_in_hf (read into the meta-built, "
+     "sharded model: each rank its slice)"),
+    ("checkpoint.folder", "checkpoint", ""),
+    ("checkpoint.interval", 500, "steps between saves"),
+    ("checkpoint.async_mode", "disabled", "synchronous DCP, as priced (async modes stage a host copy of the shard)"),
+]
 
 
 def _version(version: str) -> str:
@@ -276,7 +287,7 @@ def torchtitan_overrides(config: FsdpConfig, cluster: ClusterSpec, seq_len: int,
     flags.append(("training.enable_cpu_offload", config.offload,
                   "params, grads and optimizer step on CPU" if config.offload else ""))
     optimizer_flags, optimizer_notes = torchtitan_optimizer(training, version)
-    flags += optimizer_flags
+    flags += optimizer_flags + CHECKPOINT_FLAGS
     notes += optimizer_notes
     checkpointing, ac_notes = _checkpointing(config, version)
     notes += ac_notes
