@@ -329,12 +329,17 @@ def pipeline_ranks(model: ModelSpec, training: TrainingSpec, config: FsdpConfig,
     return tuple(rank_memory(model, training, config, d, r, profile) for r in range(config.pp))
 
 
+def rank_inputs(model: ModelSpec, training: TrainingSpec, config: FsdpConfig) -> tuple[ModelSpec, TrainingSpec]:
+    """What one pipeline rank runs: a TP rank's slice of the model on s / cp tokens."""
+    if config.cp > 1:
+        training = dataclasses.replace(training, seq_len=training.seq_len // config.cp)
+    return tensor_parallel.local_model(model, config), training
+
+
 def pipeline_estimate(model: ModelSpec, cluster, training: TrainingSpec, config: FsdpConfig, profile):
     """estimate_memory under pp > 1: the largest rank's figures as the headline (torchtitan reports the maximum
     across ranks), every rank in pipeline_ranks."""
-    model = tensor_parallel.local_model(model, config)  # a TP rank's slice
-    if config.cp > 1:
-        training = dataclasses.replace(training, seq_len=training.seq_len // config.cp)
+    model, training = rank_inputs(model, training, config)
     ranks = pipeline_ranks(model, training, config, config.shard_group_size(cluster), profile)
     top = max(ranks, key=lambda x: x.peak_allocated_bytes)
     phase = "optimizer_step" if top.peak_moment == "optimizer step" else "backward"

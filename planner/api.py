@@ -14,6 +14,7 @@ from cost_models.evaluate import Evaluation, evaluate
 from cost_models.feasibility import refusals
 from cost_models.kernels import kernel_refusal
 from cost_models.mesh_rules import mesh_refusals
+from cost_models.pipeline_allocations import replayed_reserved
 from cost_models.profile import DEFAULT_PROFILE, Profile
 from cost_models.schedules import Schedule
 from cost_models.specs import (Attention, ClusterSpec, Finetune, FsdpConfig, ModelSpec, Precision, Sharding,
@@ -341,8 +342,12 @@ def estimate_config(spec: ModelSpec, cluster: ClusterSpec, training: TrainingSpe
     error = cluster_rejects(cluster, config)
     if error is not None:
         raise error
-    return Candidate(evaluate(spec, cluster, training, config, profile or DEFAULT_PROFILE, None, ways), spec, cluster,
-                     training)
+    profile = profile or DEFAULT_PROFILE
+    evaluation = evaluate(spec, cluster, training, config, profile, None, ways)
+    if config.pp > 1:  # the reported estimate's reserved from a replay of its allocations (not in the search: slow)
+        evaluation = replace(evaluation, memory=replayed_reserved(evaluation.memory, spec, cluster, training, config,
+                                                                  profile))
+    return Candidate(evaluation, spec, cluster, training)
 
 
 def cluster_rejects(cluster: ClusterSpec, config: FsdpConfig) -> PlannerError | None:

@@ -1,0 +1,323 @@
+"""A pipeline rank's ordered allocations and frees over two training steps, for the caching allocator replay.
+
+    result = replay_rank(model, training, config, d, rank)        # caching_allocator.ReplayResult
+    result.peak_reserved_bytes                                     # + the CUDA context = the rank's reserved peak
+    replayed_reserved(memory, model, cluster, training, config, profile)   # a pipeline MemoryEstimate, replayed
+
+Elsewhere the estimate's reserved is allocated x (1 + fragmentation). Under PP the trace's replay reserves 1.29-1.42
+x its allocated peak (docs/accuracy.md, "At full size, pipelines"): microbatches' saved inputs and each backward's
+recompute working set are freed in another order than they were made, and the large pool keeps segments later
+requests do not fit. The walk follows torch's order of actions (pipeline_orders, as pipeline_memory.rank_memory
+does) and writes, at the granularity the trace's events show (calibration/alloc_sequence.py, Llama shapes):
+- one tensor per parameter (q, k, v, o, gate, up, down, two norms; what a block has beyond them as one more): the
+  sharded parameters and the optimizer's states (kept), the unsharded parameters (FSDP2's copy-out, from a
+  stage's first forward to its reduce; reshard_after_forward=False under PP) beside the all-gather output on the
+  copy-in stream, each backward's compute-dtype weight gradients and the reduce-dtype sums they are added into;
+- per microbatch and block, what its forward keeps (a checkpointed block: its input, its other tensors made and
+  freed), in backward its recompute, its largest working set and the gradient passed down; the stage output in
+  fwd_cache until its backward; the receive buffers (made at the first step, kept); on the last stage the logits
+  (to the step's end, then merged) and the loss's tensors (loss_memory.loss_events);
+- the reduce-scatter input (default stream) and output (the reduce-scatter stream, the sharded gradient until the
+  optimizer step), unit by unit; the optimizer's foreach temporaries, one per parameter shard.
+Sizes are the ledger's (StagePieces), activations cut into tensors of the model's widths (f, q, kv, h in the
+compute dtype). Coarser variants checked against the traces (docs/accuracy.md): activations as one tensor per
+block do about as well; parameters as one tensor per FSDP unit miss by up to 9%.
+
+Not modelled: the split backward's I / W passes (priced as one backward at W), the op order inside a block (its
+tensors are made in one sweep and freed in one), prefetching across stages, the CUDA context (added by the caller).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from . import loss_memory, optimizer_step, pipeline_memory, tensor_parallel
+from .caching_allocator import AllocatorSettings, ReplayResult, replay
+from .memory_types import MemoryEstimate
+from .pipeline import rank_stages
+from .pipeline_orders import active_stages, orders
+from .pipeline_stage_pieces import stage_pieces
+from .specs import FsdpConfig, ModelSpec, TrainingSpec
+from .units import DTYPE_BYTES, GiB
+
+ALL_GATHER_STREAM, REDUCE_SCATTER_STREAM = "all_gather_copy_in", "reduce_scatter"  # alloc_sequence.py's names
+
+
+def param_tensors(model: ModelSpec, block_params: int) -> list[int]:
+    """A block's parameter tensors (elements): a Llama block's linears and norms, the rest (biases, experts) as one
+    more; scaled to the block's count where the shapes overshoot it (TP slices, MoE counted otherwise)."""
+    h, f, q, kv = model.hidden_size, model.ffn_hidden_size, model.q_dim, model.kv_dim
+    shapes = [q * h, kv * h, kv * h, q * h] + [h * f] * (3 if model.gated_mlp else 2) + [h, h]
+    total = sum(shapes)
+    if total > block_params:
+        shapes = [max(1, x * block_params // total) for x in shapes]
+    rest = block_params - sum(shapes)
+    return shapes + ([rest] if rest > 0 else [])
+
+
+def cut(per_token_bytes: int, widths: list[int]) -> list[int]:
+    """Per-token bytes as tensors: each width (bytes per token) while it fits, then the remainder as one."""
+    out, left = [], per_token_bytes
+    for w in widths:
+        if 0 < w <= left:
+            out.append(w)
+            left -= w
+    return out + ([left] if left > 0 else [])
+
+
+def replay_rank(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, d: int, rank: int,
+                settings: AllocatorSettings = AllocatorSettings()) -> ReplayResult:
+    """Pipeline rank `rank`'s two training steps (d: the FSDP shard group) replayed under `settings`."""
+    return replay(rank_events(model, training, config, d, rank), settings, snapshots=False)
+
+
+def rank_events(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, d: int, rank: int,
+                steps: int = 2) -> list[tuple]:
+    """Pipeline rank `rank`'s allocations and frees over `steps` training steps (d: the FSDP shard group)."""
+    walk = _RankWalk(model, training, config, d, rank)
+    for step in range(steps):
+        walk.step(first=step == 0)
+    return walk.events
+
+
+class _RankWalk:
+    """One pipeline rank's schedule (pipeline_orders.orders), action by action, written as allocations and frees."""
+
+    def __init__(self, model: ModelSpec, training: TrainingSpec, config: FsdpConfig, d: int, rank: int):
+        self.model, self.training, self.config, self.d, self.rank = model, training, config, d, rank
+        self.c, self.p = DTYPE_BYTES[config.precision.compute_dtype], DTYPE_BYTES[config.precision.param_dtype]
+        self.r = DTYPE_BYTES[config.gradient_reduce_dtype]
+        self.m = config.pp_microbatches
+        self.pieces = {st.index: stage_pieces(model, training, config, st) for st in rank_stages(model, config, rank)}
+        self.units = {s: self._units(x) for s, x in self.pieces.items()}
+        h, f, q, kv, c = model.hidden_size, model.ffn_hidden_size, model.q_dim, model.kv_dim, self.c
+        self.tokens = config.micro_batch * training.seq_len
+        self.widths = [x * c for x in [f] * (3 if model.gated_mlp else 2) + [q, kv, kv, q, h, h]]
+        sp = config.tp if tensor_parallel.sequence_parallel(config) else 1
+        self.hs = -(-h * c // sp)  # the residual stream per token (sequence parallel: on s / tp tokens)
+        self.loss_events = loss_memory.loss_events(c, config.loss_compiled)
+        self.events: list[tuple] = []
+        self.gathered: set[int] = set()
+        self.accumulated: dict[int, set] = {s: set() for s in self.pieces}  # units holding reduce-dtype sums
+        for s, units in self.units.items():  # model states, kept: sharded parameters; receive buffers (first step)
+            for u, unit in enumerate(units):
+                for i, n in enumerate(unit):
+                    self.alloc(("param", s, u, i), math.ceil(n * self.p / d))
+        for s, x in self.pieces.items():
+            for mb in range(self.m):
+                for end in (("in",) if not x.stage.embedding else ()) + (("grad_in",) if not x.stage.head else ()):
+                    self.alloc(("recv", s, end, mb), self.tokens * self.hs)
+
+    def alloc(self, key, size_bytes: int, stream=0) -> None:
+        self.events.append(("alloc", key, int(size_bytes), stream))
+
+    def free(self, key) -> None:
+        self.events.append(("free", key))
+
+    def transient(self, key, sizes, stream=0) -> None:
+        for i, size in enumerate(sizes):
+            self.alloc((key, i), size, stream)
+        for i in range(len(sizes)):
+            self.free((key, i))
+
+    def tensors(self, per_token_bytes: int) -> list[int]:
+        return [self.tokens * w for w in cut(per_token_bytes, self.widths)]
+
+    def _units(self, x) -> list[list[int]]:
+        """The stage's FSDP units' parameter tensors: the root's (embedding, final norm, head) first, then blocks."""
+        root = x.params - x.stage.n_blocks * x.block_params
+        return ([[root]] if root else []) + [param_tensors(self.model, x.block_params)] * x.stage.n_blocks
+
+    def unsharded(self, s: int, u: int) -> list[int]:
+        """A unit's unsharded parameters in bytes: its all-gather output (StagePieces: the compute dtype, Float8
+        linears' weights at 1 byte under the FP8 all-gather) over its tensors by their sizes."""
+        x, unit = self.pieces[s], self.units[s][u]
+        total = x.root_gathered if u == 0 and len(self.units[s]) > x.stage.n_blocks else x.block_gathered
+        return [total * n // sum(unit) for n in unit]
+
+    def gather(self, stages) -> None:
+        """Per unit: the all-gather input (default stream), its output on the copy-in stream, the copy-out into each
+        parameter. One stage: a unit's output goes once the next unit's parameters are copied out (the trace's
+        order); a multi-stage rank unshards the stages ahead at once (active_stages), their outputs held until used."""
+        todo = [(s, u) for s in sorted(stages) if s not in self.gathered for u in range(len(self.units[s]))]
+        self.gathered.update(stages)
+        held = len(stages) > 1
+        for n, (s, u) in enumerate(todo):
+            self.alloc(("all_gather_in", s, u), math.ceil(sum(self.unsharded(s, u)) / self.d))
+            self.alloc(("all_gather", s, u), sum(self.unsharded(s, u)), ALL_GATHER_STREAM)
+            self.free(("all_gather_in", s, u))
+            if not held:
+                for i, size in enumerate(self.unsharded(s, u)):
+                    self.alloc(("unsharded", s, u, i), size)
+                if n:
+                    self.free(("all_gather", *todo[n - 1]))
+        for s, u in todo:
+            for i, size in enumerate(self.unsharded(s, u) if held else ()):
+                self.alloc(("unsharded", s, u, i), size)
+            self.free(("all_gather", s, u))
+
+    def reshard(self, s: int) -> None:
+        if s in self.gathered:
+            self.gathered.discard(s)
+            for u, unit in enumerate(self.units[s]):
+                for i in range(len(unit)):
+                    self.free(("unsharded", s, u, i))
+
+    def reduce(self, s: int) -> None:
+        """perform_reduce_grad, unit by unit: the reduce-scatter input (default stream) takes the summed gradients,
+        its output (the reduce-scatter stream) is the sharded gradient until the optimizer step."""
+        for u, unit in enumerate(self.units[s]):
+            self.alloc(("rs_in", s, u), sum(unit) * self.r)
+            for i in range(len(unit)):
+                self.free(("acc", s, u, i))
+            self.alloc(("sharded_grad", s, u), math.ceil(sum(unit) * self.r / self.d) if self.d > 1 else 0,
+                       REDUCE_SCATTER_STREAM)
+            self.free(("rs_in", s, u))
+        self.accumulated[s].clear()
+        self.reshard(s)
+
+    def weight_grads(self, s: int, u: int) -> None:
+        """A unit's backward leaves compute-dtype gradients; its post-backward adds them into the reduce-dtype sums
+        (made at the stage's first backward)."""
+        unit = self.units[s][u]
+        for i, n in enumerate(unit):
+            self.alloc(("wgrad", s, u, i), n * self.c)
+        if u not in self.accumulated[s]:
+            for i, n in enumerate(unit):
+                self.alloc(("acc", s, u, i), n * self.r)
+            self.accumulated[s].add(u)
+        for i in range(len(unit)):
+            self.free(("wgrad", s, u, i))
+
+    def loss(self, events, s: int, mb: int) -> None:
+        """The loss's tensors (loss_memory.loss_events, V elements per token); the logits stay in output_chunks."""
+        for kind, name, size in events:
+            if name == "logits" and kind == "free":
+                continue
+            key = ("logits", s, mb) if name == "logits" else ("loss", name, s, mb)
+            if kind == "alloc":
+                self.alloc(key, self.tokens * self.model.vocab_size * size)
+            else:
+                self.free(key)
+
+    def forward_pass(self, x, mb: int) -> None:
+        """A microbatch's forward on a stage: each block's input kept (checkpointed: its other tensors made and freed),
+        or all it saves; the stage output in fwd_cache; the root's saved tensors and the loss on the last stage."""
+        s = x.stage.index
+        for j, per_token in enumerate(x.kept):
+            for t, size in enumerate(self.tensors(per_token)):
+                self.alloc(("saved", s, mb, j, t), size)
+            if x.checkpointed[j]:
+                self.transient(("forward", s, mb, j), self.tensors(x.block_full))
+        # the rotary tables, and on the last stage the final norm's saved tensors and the labels
+        self.alloc(("rest", s, mb), x.saved - self.tokens * sum(x.kept) - x.output)
+        self.alloc(("output", s, mb), x.output)
+        if x.stage.head:
+            self.loss(self.loss_events[0], s, mb)
+
+    def backward_pass(self, x, mb: int) -> None:
+        """Its backward: the loss's, then top block first its recompute (checkpointed), its largest working set
+        (StagePieces.working), its weight gradients and the gradient passed down; its saved tensors freed as it ends."""
+        s = x.stage.index
+        self.free(("output", s, mb))
+        if x.stage.head:
+            self.loss(self.loss_events[1], s, mb)
+        self.free(("rest", s, mb))
+        root = 1 if len(self.units[s]) > x.stage.n_blocks else 0
+        grad_in = ("grad_in", s, mb, x.stage.n_blocks)
+        self.alloc(grad_in, self.tokens * self.hs)
+        for j in reversed(range(x.stage.n_blocks)):
+            recomputed = self.tensors(x.block_full) if x.checkpointed[j] else ()
+            for t, size in enumerate(recomputed):
+                self.alloc(("recompute", s, mb, j, t), size)
+            self.transient(("backward", s, mb, j), self.tensors(max(0, x.working[j]) // self.tokens))
+            self.weight_grads(s, root + j)
+            for t in range(len(recomputed)):
+                self.free(("recompute", s, mb, j, t))
+            for t in range(len(self.tensors(x.kept[j]))):
+                self.free(("saved", s, mb, j, t))
+            self.alloc(("grad_in", s, mb, j), self.tokens * self.hs)
+            self.free(grad_in)
+            grad_in = ("grad_in", s, mb, j)
+        if root:
+            self.weight_grads(s, 0)
+        self.free(grad_in)
+
+    def step(self, first: bool) -> None:
+        """One schedule step (torch's order; a multi-stage rank keeps the stages ahead gathered), the merge of the
+        logits, then the optimizer step: its states made at the first, foreach temporaries, gradients dropped."""
+        config, m = self.config, self.m
+        actions = orders(config.pp_schedule, config.pp, config.pp_stages_per_rank, m)[self.rank]
+        kept_ahead = active_stages(config.pp_schedule, config.pp, config.pp_stages_per_rank, m, self.rank) \
+            if len(self.pieces) > 1 else ()
+        for i, (s, kind, mb) in enumerate(actions):
+            if kept_ahead and self.gathered != kept_ahead[i]:
+                for other in sorted(self.gathered - kept_ahead[i]):
+                    self.reshard(other)
+                self.gather(kept_ahead[i])
+            if kind == "F":
+                self.gather((s,))
+                self.forward_pass(self.pieces[s], mb)
+            elif kind != "I":  # B, or W (split backward: the whole backward priced at W)
+                self.backward_pass(self.pieces[s], mb)
+                if mb == m - 1:
+                    self.reduce(s)
+        for s, x in self.pieces.items():  # the last stage's step returns its logits merged (a copy beside them)
+            if x.stage.head:
+                self.alloc(("merged", s), m * x.logits)
+                for mb in range(m):
+                    self.free(("logits", s, mb))
+                self.free(("merged", s))
+        pieces, training = self.pieces.values(), self.training
+        total = sum(x.params for x in pieces)
+        per_param = training.optimizer.state_bytes_per_param(config.precision.param_dtype)
+        n_states = 2 if per_param >= 2 * self.p else 1  # AdamW's exp_avg and exp_avg_sq, each a tensor
+        shards = [(s, u, i, n) for s, units in self.units.items() for u, unit in enumerate(units)
+                  for i, n in enumerate(unit)]
+        if first:
+            for s, u, i, n in shards:
+                for k in range(n_states):
+                    self.alloc(("state", s, u, i, k), math.ceil(n * per_param / n_states / self.d))
+        temporaries = optimizer_step.step_temporary_bytes(
+            self.model, training, config.precision, self.d, total, embedding=any(x.stage.embedding for x in pieces),
+            head=any(x.stage.head for x in pieces))
+        # foreach ops make one temporary per parameter shard: the step's temporaries in proportion to the shards
+        self.transient(("optimizer", first), [temporaries * n // total for *_, n in shards])
+        for s, units in self.units.items():
+            for u in range(len(units)):
+                self.free(("sharded_grad", s, u))
+            self.accumulated[s].clear()
+
+
+def replayed_reserved(memory: MemoryEstimate, model: ModelSpec, cluster, training: TrainingSpec, config: FsdpConfig,
+                      profile, settings: AllocatorSettings = AllocatorSettings()) -> MemoryEstimate:
+    """A pipeline estimate (pipeline_memory.pipeline_estimate) with each rank's reserved peak from its replay, plus
+    the CUDA context, in place of allocated x (1 + fragmentation): never below the rank's allocated peak. Run for
+    the candidates reported, not inside the search (a 405B pp 8 estimate replays 8 ranks: ~2 s).
+
+    Whether it fits stays the flat rule's (evaluate.py), on purpose: under memory pressure c10's allocator does
+    not fail where the replay would map a new segment - malloc first frees cached blocks of the pool
+    (release_available_cached_blocks), then every unused segment (release_cached_blocks, as empty_cache), and
+    retries cudaMalloc before raising OutOfMemoryError (c10/cuda/CUDACachingAllocator.cpp). So the replay is
+    the reserved figure a run shows with room to spare, and above the GPU's memory a warning (slower steps from
+    cudaFree / cudaMalloc), not a refusal."""
+    if not memory.pipeline_ranks:
+        return memory
+    local, training = pipeline_memory.rank_inputs(model, training, config)
+    d = config.shard_group_size(cluster)
+    ranks = tuple(dataclasses.replace(r, peak_reserved_bytes=profile.cuda_context_bytes + max(
+        r.peak_allocated_bytes, replay_rank(local, training, config, d, r.rank, settings).peak_reserved_bytes))
+        for r in memory.pipeline_ranks)
+    top = max(ranks, key=lambda r: r.peak_reserved_bytes)
+    conf = "expandable_segments:True" if settings.expandable_segments else "PyTorch's default allocator settings"
+    notes = (f"reserved {top.peak_reserved_bytes / GiB:.1f} GiB (pipeline rank {top.rank}): each rank's allocations "
+             f"replayed through the caching allocator model under {conf}, + the CUDA context; the flat rule (allocated "
+             f"x {1 + profile.fragmentation:.2f} + context, {memory.peak_reserved_bytes / GiB:.1f} GiB) decides whether "
+             "it fits, as the allocator frees its cached segments and retries before an out-of-memory error",)
+    capacity = cluster.gpu.memory_bytes
+    if top.peak_reserved_bytes > capacity:
+        notes += (f"warning: the replay's reserved {top.peak_reserved_bytes / GiB:.1f} GiB > the GPU's "
+                  f"{capacity / GiB:.1f} GiB: expect the allocator to free cached segments and retry (slower steps)",)
+    return dataclasses.replace(memory, peak_reserved_bytes=top.peak_reserved_bytes, pipeline_ranks=ranks,
+                               notes=memory.notes + notes)
