@@ -129,7 +129,7 @@ def run_case(case: dict, rank: int, world: int) -> dict:
         emitted, restored = _emitted_ways(case["shape"], f"{tmp}/full.pt", f"{tmp}/emitted", rank, world)
         ways.update(emitted)
         restored_fsdp1 = _emitted_fsdp1_restores(case["shape"], f"{tmp}/emitted_fsdp1", world) if case.get(
-            "fsdp1") else True  # one size is enough for a restore (3.5 s of the launch on 2 busy cores)
+            "fsdp1") else True  # one size is enough for a restore (3.5-6.4 s of the launch on 2 busy cores)
     return {"ways": {name: _gather(value) for name, value in ways.items()}, "baseline": _gather(baseline),
             "emitted_restores": all(_gather(restored)), "emitted_fsdp1_restores": all(_gather(restored_fsdp1))}
 
