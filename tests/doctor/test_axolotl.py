@@ -162,3 +162,35 @@ def test_qlora_over_hsdp_replicas_is_refused_in_one_line():
         estimate(MODEL, gpus=GPUS, gpu=GPU, trainer="axolotl", finetune="qlora", sharding="HYBRID_SHARD")
     assert str(err.value).startswith("sharding: ") and "\n" not in str(err.value)
     assert picked("qlora").config.sharding.value == "SHARD_GRAD_OP"
+
+
+def test_the_cli_round_trip_of_a_qlora_plan(tmp_path):
+    """`fsdp-plan --trainer axolotl --finetune qlora` then `--emit axolotl` and `fsdp-plan check` of that file, as a
+    user runs them: llama3.1-70b on 2 x RTX 4090 reads back as the plan (20,311,986,019 B reserved per GPU when
+    written, under the card's 24 GB), with no finding."""
+    import contextlib
+    import io
+
+    from planner.cli import main
+
+    args = ["--model", "llama3.1-70b", "--gpus", "2", "--gpu", "rtx4090-24gb"]
+
+    def run(argv):
+        out, code = io.StringIO(), 0
+        with contextlib.redirect_stdout(out):
+            try:
+                main(argv)
+            except SystemExit as exc:
+                code = exc.code
+        assert code in (0, None), out.getvalue()[-2000:]
+        return out.getvalue()
+
+    planned = json.loads(run([*args, "--trainer", "axolotl", "--finetune", "qlora", "--format", "json"]))
+    path = tmp_path / "config.yaml"
+    path.write_text(run([*args, "--finetune", "qlora", "--emit", "axolotl"]))
+    checked = json.loads(run(["check", str(path), *args, "--format", "json"]))
+    best = planned["candidates"][0]
+    for key in ("trainer", "config", "training", "memory", "time"):
+        assert checked[key] == best[key], key
+    assert checked["memory"]["peak_reserved_bytes"] < 24 * 10**9  # the RTX 4090's 24 GB
+    assert checked["findings"] == []
