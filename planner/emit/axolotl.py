@@ -37,6 +37,8 @@ def _refuse(config: FsdpConfig, training: TrainingSpec) -> None:
         ("reduce_dtype", config.gradient_reduce_dtype != config.precision.reduce_dtype,
          f"axolotl reduces gradients in the precision's own dtype ({config.precision.reduce_dtype}), not "
          f"{config.gradient_reduce_dtype}: leave --reduce-dtype out"),
+        ("quant", training.quantized and training.quant.value != "nf4", "axolotl stages a 4-bit base through the "
+         "CPU as nf4 only (validation.py: \"CPU-staged NF4 requires bnb_4bit_quant_type: nf4\"): choose --quant nf4"),
         ("sharding", training.quantized and config.sharding.is_hybrid, "axolotl stages a 4-bit base through the "
          "CPU on a one-dimensional mesh only (validation.py: \"CPU-staged NF4 requires a one-dimensional sharding "
          "mesh\"): choose FULL_SHARD or SHARD_GRAD_OP"),
@@ -71,8 +73,8 @@ def _finetune(training: TrainingSpec) -> list:
 def _precision(config: FsdpConfig) -> list:
     if config.precision is Precision.BF16:
         return [("bf16", True, "loaded in bf16; accelerate upcasts the trainable params to fp32 masters")]
-    if config.precision is Precision.FP16:
-        return [("fp16", True, "fp32 masters, gradient scaler")]
+    if config.precision is Precision.FP16:  # bf16 off: its default, auto, is bf16 on a GPU that has it
+        return [("bf16", False), ("fp16", True, "fp32 masters, gradient scaler")]
     return [("bf16", False, "fp32 throughout")]
 
 

@@ -17,9 +17,13 @@ import pytest
 
 from planner import plan
 from planner.doctor import check
+from cost_models.specs import FsdpConfig, TrainingSpec
 from planner.doctor.readers import read_setup
 from planner.emit import emit_artifact
+from planner.emit.axolotl import emit_axolotl
 from planner.errors import PlannerError
+from planner.hardware import make_cluster
+from planner.models import load_preset
 
 MODEL, GPUS, GPU, SEQ = "llama3-8b", 16, "h100-80gb", 4096
 FINETUNES = ("full", "lora", "qlora")
@@ -33,17 +37,55 @@ def picked(finetune: str):
     return plan(MODEL, gpus=GPUS, gpu=GPU, seq_len=SEQ, trainer="axolotl", finetune=finetune).best
 
 
+# the settings the picks above leave out, each written and read back: fp16 with offload, checkpointing and SGD under
+# LoRA on one node; fp32 full fine-tuning over HSDP 2 x 8 with eager attention
+VARIANTS = {
+    "fp16-offload-ac-sgd-lora": (FsdpConfig(precision="fp16", offload=True, ac_every=1, micro_batch=4, grad_accum=8),
+                                 8, TrainingSpec(finetune="lora", optimizer="sgd")),
+    "fp32-hsdp-eager": (FsdpConfig(precision="fp32", sharding="HYBRID_SHARD", attention="eager"), 16, TrainingSpec()),
+}
+
+
+def variant_text(name: str) -> str:
+    config, gpus, training = VARIANTS[name]
+    return emit_axolotl(config, load_preset(MODEL), make_cluster(gpus), training)
+
+
 @pytest.fixture(scope="module")
 def validated() -> dict:
-    """finetune -> the keys axolotl's validate_config kept, one subprocess for the three (~25 s: axolotl's imports)."""
+    """finetune or variant -> the keys axolotl's validate_config kept, one subprocess for all (~25 s: axolotl's
+    imports)."""
     if importlib.util.find_spec("axolotl") is None:
         pytest.skip("axolotl is not installed: pip install --no-deps --ignore-requires-python axolotl==0.21.0 "
                     "addict==2.4.0")
-    texts = [emit_artifact("axolotl", picked(f)) for f in FINETUNES]
+    texts = [emit_artifact("axolotl", picked(f)) for f in FINETUNES] + [variant_text(v) for v in VARIANTS]
     r = subprocess.run([sys.executable, str(VALIDATOR)], input=json.dumps(texts), capture_output=True, text=True,
                        timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
-    return dict(zip(FINETUNES, json.loads(r.stdout.strip().splitlines()[-1])))
+    return dict(zip((*FINETUNES, *VARIANTS), json.loads(r.stdout.strip().splitlines()[-1])))
+
+
+def test_the_other_settings_validate_and_read_back(validated, tmp_path):
+    lora = validated["fp16-offload-ac-sgd-lora"]
+    assert "error" not in lora, lora
+    assert (lora["bf16"], lora["fp16"], lora["optimizer"], lora["optim_args"]) == (False, True, "sgd", "momentum=0.9")
+    assert (lora["micro_batch_size"], lora["gradient_accumulation_steps"]) == (4, 8)
+    assert lora["fsdp_config"]["offload_params"] is lora["fsdp_config"]["activation_checkpointing"] is True
+    full = validated["fp32-hsdp-eager"]
+    assert "error" not in full, full
+    assert (full["bf16"], full["fp16"], full["attn_implementation"]) == (False, None, "eager")
+    assert (full["dp_replicate_size"], full["dp_shard_size"], full["fsdp_config"]["reshard_after_forward"]) == (
+        2, 8, True)
+    for name, (config, _, training) in VARIANTS.items():
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(variant_text(name))
+        setup = read_setup(path)
+        back = setup.config
+        assert (back.sharding, back.precision, back.offload, back.ac_every, back.micro_batch, back.grad_accum,
+                back.attention) == (config.sharding, config.precision, config.offload, config.ac_every,
+                                    config.micro_batch, config.grad_accum, config.attention), name
+        knobs = dict(setup.training)
+        assert (knobs["finetune"], knobs["optimizer"]) == (training.finetune.value, training.optimizer.value), name
 
 
 @pytest.mark.parametrize("finetune", FINETUNES)
@@ -162,6 +204,16 @@ def test_qlora_over_hsdp_replicas_is_refused_in_one_line():
         estimate(MODEL, gpus=GPUS, gpu=GPU, trainer="axolotl", finetune="qlora", sharding="HYBRID_SHARD")
     assert str(err.value).startswith("sharding: ") and "\n" not in str(err.value)
     assert picked("qlora").config.sharding.value == "SHARD_GRAD_OP"
+
+
+@pytest.mark.parametrize("training, field", [
+    (TrainingSpec(finetune="qlora", quant="fp4"), "quant"),  # axolotl stages nf4 only
+    (TrainingSpec(optimizer="adamw-8bit"), "optimizer"),     # bitsandbytes' 8-bit AdamW: refused under FSDP2
+])
+def test_what_axolotl_refuses_is_one_line(training, field):
+    with pytest.raises(PlannerError) as err:
+        emit_axolotl(FsdpConfig(), load_preset(MODEL), make_cluster(8), training)
+    assert str(err.value).startswith(f"{field}: ") and "\n" not in str(err.value)
 
 
 def test_the_cli_round_trip_of_a_qlora_plan(tmp_path):

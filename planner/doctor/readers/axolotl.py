@@ -1,6 +1,6 @@
 """Read an axolotl 0.21 config YAML back for `fsdp-plan check` (the mirror of planner/emit/axolotl.py, whose docstring
 names the keys and the axolotl source they come from). Defaults are axolotl's own, so a file is priced as it would
-run: micro_batch_size 1, gradient_accumulation_steps 1, sequence_len 512, optimizer adamw_torch_fused
+run: micro_batch_size 1, gradient_accumulation_steps 1, sequence_len 512, bf16 auto, optimizer adamw_torch_fused
 (utils/schemas/training.py, config.py), reshard_after_forward true (FSDP2's), state_dict_type SHARDED_STATE_DICT
 (accelerate's FSDP2 default), and QLoRA's BitsAndBytesConfig as loaders/model.py builds it before
 bnb_config_kwargs: nf4, double quantization, storage bfloat16, compute in the model's dtype. A value the cost model
@@ -57,8 +57,11 @@ def _fsdp(data: dict) -> dict:
 
 
 def _precision(data: dict) -> Precision:
-    bf16 = str(data.get("bf16", False)).lower() == "auto" or _bool("bf16", data.get("bf16", False))
-    fp16 = _bool("fp16", data.get("fp16", False))
+    """bf16 / fp16 as axolotl resolves them (utils/config/__init__.py resolve_dtype): bf16 defaults to auto, bf16
+    where the GPU has it (priced so), unless fp16 is set."""
+    fp16 = _bool("fp16", data.get("fp16") or False)
+    raw = data.get("bf16", "auto")
+    bf16 = not fp16 if str(raw).lower() == "auto" else _bool("bf16", raw)
     if bf16 and fp16:
         raise PlannerError("bf16", "bf16 and fp16 are both true; choose one")
     return Precision.BF16 if bf16 else Precision.FP16 if fp16 else Precision.FP32
