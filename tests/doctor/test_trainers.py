@@ -143,6 +143,9 @@ def test_torchtitan_overrides_for_hsdp_with_every_2_checkpointing():
         "training.local_batch_size": "2", "training.global_batch_size": str(2 * 16 * 4), "training.seq_len": "8192",
         "training.mixed_precision_param": "bfloat16", "training.mixed_precision_reduce": "float32",
         "training.enable_cpu_offload": "", "optimizer.name": "AdamW", "optimizer.implementation": "foreach",
+        # checkpoints as the trainer is priced: each rank's shard with DCP, synchronously (0.2.2's [checkpoint])
+        "checkpoint.enable": "", "checkpoint.folder": "checkpoint", "checkpoint.interval": "500",
+        "checkpoint.async_mode": "disabled",
         "activation_checkpoint.mode": "selective", "activation_checkpoint.selective_ac_option": "2",
         "compile.no-enable": "",
     }
