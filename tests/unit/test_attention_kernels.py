@@ -89,7 +89,7 @@ def test_flex_and_eager_run_their_own_kernel():
      "it: automodel\n"),
     (["--gpu", "h100-80gb", "--attention-kernel", "fa3", "--trainer", "torchtitan"],
      "error: attention_kernel: torchtitan 0.3 runs flash2, not fa3; choose a --trainer that has it: fsdp2, fsdp1, "
-     "hf, hf-fsdp1, accelerate-fsdp2, accelerate, lightning\n"),
+     "hf, hf-fsdp1, accelerate-fsdp2, accelerate, lightning, axolotl\n"),
     (["--gpu", "h100-80gb", "--attention-kernel", "flash3"],
      "error: attention_kernel: unknown value 'flash3'; choose one of: flash2, cudnn, fa3\n"),
 ])
