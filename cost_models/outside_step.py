@@ -15,6 +15,9 @@ read in its code):
 - meta-device init + DCP load of a sharded checkpoint: FileSystemReader `torch.load`s one storage item (a rank's
   slice of one tensor) and copies it into place: one item in flight for the params; for the optimizer state two
   (measured at two sizes on CPU, not traced to a line of torch's code: both of a parameter's Adam states, likely).
+- FSDP1's DCP save and resume through torch.distributed.checkpoint.state_dict (get_state_dict / set_state_dict, what
+  --emit fsdp1 writes; Lightning's and accelerate's sharded FSDP1 saves run the same hooks): a copy of the rank's
+  shard, not the live tensors as FSDP2's DTensors are (_fsdp1_dcp has the mechanism, line by line).
 - DCP save: FileSystemWriter's `_OverlappingCpuLoader` copies GPU tensors to host up to per_thread_copy_ahead
   (10 MB, one thread) ahead of the writer, a whole item at a time; CPU tensors are written where they are.
 - async DCP (`async_save`): DefaultStager copies the rank's whole state dict (its shard of params and optimizer
@@ -68,6 +71,8 @@ class StateSizes:
     largest_unit_bytes: int
     ranks: int
     pretrained_bytes: int = 0  # the pretrained weights as read (their file's dtype); 0: params_bytes
+    root_unit_bytes: int = 0   # FSDP1's root unit (embedding, head, final norm); 0: largest_unit_bytes
+    block_unit_bytes: int = 0  # one block's unit; 0: largest_unit_bytes
 
     def shard(self, n_bytes: int) -> int:
         return math.ceil(n_bytes / self.ranks)
@@ -75,6 +80,12 @@ class StateSizes:
     @property
     def state_bytes(self) -> int:
         return self.params_bytes + self.optimizer_bytes
+
+    @property
+    def largest_tensor_state_bytes(self) -> int:
+        """The largest tensor's optimizer states (Adam's two, SGD's one: torch's states are zeros_like the param, in
+        its dtype). Exact for a full fine-tune; under adapters, where the largest tensor is frozen, an overestimate."""
+        return round(self.largest_tensor_bytes * self.optimizer_bytes / self.params_bytes)
 
     @classmethod
     def of(cls, model: ModelSpec, training: TrainingSpec, param_dtype: str, ranks: int,
@@ -98,10 +109,12 @@ class StateSizes:
                 base = qlora.stored_base_bytes(model, f) + qlora.replicated_bytes(model, training.double_quant)
                 block -= qlora.saving_bytes(qlora.quantized_per_block(model), f)
                 largest = max(model.embedding_params, model.head_params)  # left unquantized, in the compute dtype
-            unit = max(block + adapters_block * p, model.root_params * f)
-            return cls(base + adapters * p, round(adapters * opt), largest * f, unit, ranks)
-        return cls(model.n_params * p, round(model.n_params * opt), largest * p,
-                   max(model.block_params, model.root_params) * p, ranks)
+            block, root = block + adapters_block * p, model.root_params * f
+            return cls(base + adapters * p, round(adapters * opt), largest * f, max(block, root), ranks,
+                       root_unit_bytes=root, block_unit_bytes=block)
+        block, root = model.block_params * p, model.root_params * p
+        return cls(model.n_params * p, round(model.n_params * opt), largest * p, max(block, root), ranks,
+                   root_unit_bytes=root, block_unit_bytes=block)
 
 
 @dataclass(frozen=True)
@@ -122,6 +135,39 @@ def _gathered_bytes(sizes: StateSizes, fsdp2: bool) -> int:
     return sizes.largest_tensor_bytes if fsdp2 else sizes.largest_unit_bytes
 
 
+def _fsdp1_dcp(sizes: StateSizes, saving: bool, optimizer: bool, on_gpu: bool) -> tuple[int, int, int]:
+    """FSDP1's DCP save (saving) or load through torch 2.13's get_state_dict / set_state_dict: (what stays held,
+    rank 0's transient above it, every other rank's), on the device on a GPU run. Read in torch/distributed:
+    - get_state_dict runs FSDP1's SHARDED_STATE_DICT hooks (checkpoint/state_dict.py _verify_options: cpu_offload
+      False by default, so nothing moves to host): fsdp/_state_dict_utils.py _sharded_post_state_dict_hook chunks
+      each unsharded param and _shard_utils.py _create_chunk_sharded_tensor keeps `chunks[rank].clone()`; the
+      optimizer's (_optim_utils.py _allgather_orig_param_states) all-gathers each state of a unit into one
+      `gathered_tensor` of the unit's padded size on the compute device and keeps each param's chunk, cloned
+      (_ext_chunk_tensor). Held: a copy of the rank's shard of params and states; transient: one state of the
+      largest unit (the root, embedding and head, in a Llama), two on gloo (all_gather's extra copy, measured).
+      dcp.save then writes these device tensors as it writes FSDP2's (the copy-ahead, priced by the caller).
+    - set_state_dict's model part (_sharded_pre_load_state_dict_hook) all-gathers each param of a unit whole into
+      the state dict and unshards the unit's flat param (_enter_unshard_params_ctx, writeback) to copy them in; the
+      root's stay until its post-load hook, while each block does the same: 2 x root + 2 x block, each gather one
+      copy more on gloo. Its optimizer part (_shard_orig_param_state) gathers every state of a param whole
+      (_gather_state_dict) and clones this rank's slice: the new shard of the states beside the largest tensor's
+      states; on gloo a rank that does not hold the last tensor's slice (rank 0 of 2: the head is rank 1's) also
+      holds all_gather's copy of the last state. The caller's copy of the loaded shard stays until it returns.
+    Ignored: the padding of flat params, the chunks' torch.cat of a unit's local states (not seen on gloo)."""
+    copies = 2 if on_gpu else 3
+    root, block = sizes.root_unit_bytes or sizes.largest_unit_bytes, sizes.block_unit_bytes or sizes.largest_unit_bytes
+    held = sizes.shard(sizes.state_bytes if optimizer or saving else sizes.params_bytes)
+    gather = (copies - 1) * sizes.largest_unit_bytes if optimizer or saving else 0
+    if saving:
+        return held, gather, gather
+    model = max(copies * root, 2 * root + copies * block)
+    if not optimizer:
+        return held, model, model
+    states = sizes.shard(sizes.optimizer_bytes) + sizes.largest_tensor_state_bytes
+    rank0 = states + (0 if on_gpu else sizes.largest_tensor_bytes)
+    return held, max(gather, model, rank0), max(gather, model, states)
+
+
 def load_bytes(way: LoadWay, sizes: StateSizes, fsdp2: bool = True, on_gpu: bool = True,
                optimizer: bool = False) -> OutsideBytes:
     """Loading the params (optimizer: with the optimizer state, a resume). on_gpu False: a CPU run (gloo), where
@@ -130,7 +176,12 @@ def load_bytes(way: LoadWay, sizes: StateSizes, fsdp2: bool = True, on_gpu: bool
     one = _gathered_bytes(sizes, fsdp2)
     if way is LoadWay.META_DCP:  # a storage item (a rank's slice of a tensor) in flight; the optimizer's state: two
         items = (2 if optimizer else 1) * sizes.shard(sizes.largest_tensor_bytes)  # (measured, docs/accuracy.md)
-        return OutsideBytes(items, items, 0)
+        if fsdp2:
+            return OutsideBytes(items, items, 0)
+        held, rank0, rank = _fsdp1_dcp(sizes, saving=False, optimizer=optimizer, on_gpu=on_gpu)
+        if on_gpu:  # FileSystemReader reads items to host and copies them into the device tensors
+            return OutsideBytes(items, items, held + max(rank0, rank))
+        return OutsideBytes(held + max(rank0, items), held + max(rank, items), 0)
     if way is LoadWay.EVERY_RANK:
         # FSDP2: the new local shards (and one full tensor moved over); FSDP1: a unit and its flat copy
         device = sizes.shard(full) + one if fsdp2 else 2 * one
@@ -149,6 +200,12 @@ def save_bytes(way: SaveWay, sizes: StateSizes, fsdp2: bool = True, on_gpu: bool
     state sits in host RAM (CPU offload) on a GPU run: DCP writes it in place; a full gather still runs on the GPU."""
     shard = sizes.shard(sizes.state_bytes)
     if way is SaveWay.DCP:
+        if not fsdp2:  # the copy get_state_dict makes is a device tensor even under CPU offload (FSDP1 unshards)
+            held, gather, _ = _fsdp1_dcp(sizes, saving=True, optimizer=True, on_gpu=on_gpu)
+            if not on_gpu:
+                return OutsideBytes(held + gather, held + gather, 0)
+            staged = min(held, DCP_COPY_AHEAD_BYTES + sizes.shard(sizes.largest_tensor_bytes))
+            return OutsideBytes(staged, staged, held + gather)
         in_place = offloaded or not on_gpu
         staged = 0 if in_place else min(shard, DCP_COPY_AHEAD_BYTES + sizes.shard(sizes.largest_tensor_bytes))
         return OutsideBytes(staged, staged, 0)

@@ -20,7 +20,8 @@ LOAD_WAYS = {"all": LoadWay.EVERY_RANK, "rank0": LoadWay.RANK0_BROADCAST, "meta"
              "dcp": LoadWay.META_DCP}  # dcp: meta-device init, then a sharded checkpoint (torchtitan)
 # UserSetup.state_dict_type -> the save; unstated: the plan's sharded DCP save
 SAVE_WAYS = {"FULL_STATE_DICT": SaveWay.FULL_RANK0, "SHARDED_STATE_DICT": SaveWay.DCP, "LOCAL_STATE_DICT": SaveWay.DCP,
-             "ASYNC_SHARDED_STATE_DICT": SaveWay.DCP_ASYNC}  # torchtitan's checkpoint.async_mode async*
+             "ASYNC_SHARDED_STATE_DICT": SaveWay.DCP_ASYNC,  # torchtitan's checkpoint.async_mode async*
+             "SAVE_PRETRAINED": SaveWay.SAVE_PRETRAINED}  # a script's model.save_pretrained / trainer.save_model
 
 
 def with_setup_ways(candidate, setup, profile):
@@ -29,9 +30,11 @@ def with_setup_ways(candidate, setup, profile):
     load_way = LOAD_WAYS.get(setup.init, LoadWay.EVERY_RANK)
     save_way = SAVE_WAYS.get(setup.state_dict_type or "", SaveWay.DCP)
     # a full checkpoint is read back whole (accelerate's load_fsdp_model / load_fsdp_optimizer: by every rank of
-    # an FSDP1 model, by rank 0 with broadcast_from_rank0 under FSDP2), a sharded one with DCP
+    # an FSDP1 model, by rank 0 with broadcast_from_rank0 under FSDP2), a sharded one with DCP; save_pretrained's
+    # too (priced with the optimizer state, which it does not save: a bound)
     full_resume = LoadWay.RANK0_BROADCAST if setup.fsdp_version == 2 else LoadWay.EVERY_RANK
-    resume_way = full_resume if save_way is SaveWay.FULL_RANK0 else LoadWay.META_DCP
+    full = save_way in (SaveWay.FULL_RANK0, SaveWay.SAVE_PRETRAINED)
+    resume_way = full_resume if full else LoadWay.META_DCP
     host = host_ram(candidate.model, candidate.cluster, candidate.training, candidate.config, m.cpu_bytes_per_node,
                     Ways(load_way, save_way, resume_way, fsdp2=setup.fsdp_version == 2))
     reasons = [r for r in e.reasons if "of host RAM per node" not in r]
@@ -41,7 +44,7 @@ def with_setup_ways(candidate, setup, profile):
     step = m.phases["optimizer_step"]
     save_peak = step.sharded_params + step.sharded_grads + step.optimizer_state + host.save_gpu_bytes
     if host.save_gpu_bytes and save_peak > m.peak_allocated_bytes:  # the save, not the step, sets the GPU peak
-        notes += (f"the {host.save_way.value} save gathers {host.save_gpu_bytes / GiB:.1f} GiB per GPU beside the "
+        notes += (f"the {host.save_way.value} save holds {host.save_gpu_bytes / GiB:.1f} GiB per GPU beside the "
                   f"sharded states: {save_peak / GiB:.1f} GiB allocated, above the step's peak",)
         reserved = profile.reserved_bytes(save_peak)
         if reserved > e.capacity_bytes:

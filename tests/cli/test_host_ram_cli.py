@@ -126,3 +126,48 @@ def test_the_trainer_sets_the_ways_its_artifact_loads_and_saves(capsys):
     assert (ways["torchtitan"]["load_way"], ways["torchtitan"]["load_bytes"]) == ("meta-dcp", 8 * 262_668_288)
     assert (ways["lightning"]["load_way"], ways["lightning"]["load_bytes"]) == ("every-rank", 128_484_179_968)
     assert ways["lightning"]["save_way"] == "dcp"
+
+
+# A user's script (issue 29): transformers' model, FSDP2 by hand, and HF's save at the end
+SAVE_PRETRAINED_SCRIPT = """import torch
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from transformers import AutoModelForCausalLM
+
+model = AutoModelForCausalLM.from_pretrained("meta-llama/Llama-3.1-8B")
+mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+for block in model.model.layers:
+    fully_shard(block, mp_policy=mp)
+fully_shard(model, mp_policy=mp)
+optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+# ... the training loop ...
+model.save_pretrained("out")
+"""
+
+
+def test_check_prices_a_scripts_save_pretrained_as_rank_0s_gathered_params(tmp_path, capsys):
+    """save_pretrained gathers the fp32 params on rank 0: 4 x 8,030,261,248 = 32,121,044,992 B on its node, one
+    tensor at a time on the GPU under FSDP2 (the fp32 embedding, 128,256 x 4,096 x 4 = 2,101,346,304 B); read back
+    whole (rank 0 + broadcast under FSDP2)."""
+    path = tmp_path / "train.py"
+    path.write_text(SAVE_PRETRAINED_SCRIPT)
+    code, out, err = invoke(["check", str(path), *BASE, "--format", "json"], capsys)
+    assert code == 0, err
+    host = json.loads(out)["memory"]["host_ram"]
+    assert (host["save_way"], host["resume_way"]) == ("save-pretrained", "rank0-broadcast")
+    assert (host["checkpoint_save_bytes"], host["save_gpu_bytes"]) == (32_121_044_992, 2_101_346_304)
+
+
+def test_a_scripts_hf_save_sets_the_save_way_and_a_gather_outranks_dcp():
+    from planner.doctor.readers.python_ast import Snippet
+    from planner.doctor.readers.python_checkpoint import checkpoint_fields
+
+    def save_of(code: str) -> str | None:
+        snippet = Snippet("import torch.distributed.checkpoint as dcp\n" + code, "t.py")
+        return checkpoint_fields(snippet)["state_dict_type"]
+
+    assert save_of("trainer.save_model()\n") == "SAVE_PRETRAINED"
+    assert save_of("accelerator.unwrap_model(model).save_pretrained('out')\n") == "SAVE_PRETRAINED"
+    assert save_of("dcp.save(state, checkpoint_id='ck')\n") == "SHARDED_STATE_DICT"
+    # periodic DCP checkpoints and a final save_pretrained: rank 0's gather sets the host peak
+    assert save_of("dcp.save(state, checkpoint_id='ck')\nmodel.save_pretrained('out')\n") == "SAVE_PRETRAINED"
+    assert save_of("x = 1\n") is None

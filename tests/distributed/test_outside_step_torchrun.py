@@ -8,7 +8,11 @@ pickled: nothing that grows with the model), the others within 1.3 MB. The toler
 on the growth between the two sizes, where what is the same at both cancels but not what varies from run to run
 (seen up to 1.0 MB); a wrong term moves a figure by a tensor (4-13 MB), a shard (8-36 MB) or the model (16-72 MB).
 
-One torchrun launch, two cases (~22 s on 2 busy cores; --emit fsdp1's restore adds ~6 s).
+--emit fsdp1's save and resume (FSDP1's get_state_dict / set_state_dict), added later: 41.1 / 123.4 MB saving at the two
+sizes (formula 40.8 / 122.3), resuming 53.3-53.5 / 52.5-52.7 and 159.4 / 148.9-149.0 MB on ranks 0 / 1 (formula 52.6 /
+52.2 and 157.7 / 147.5) over two runs.
+
+One torchrun launch, two cases (~22 s on 2 busy cores; --emit fsdp1's save and resume at both sizes add ~8 s).
 """
 
 from __future__ import annotations
@@ -61,25 +65,31 @@ def formulas(shape: dict) -> dict:
         "emitted load_pretrained": load_bytes(LoadWay.RANK0_BROADCAST, sizes, on_gpu=False),
         "emitted save_checkpoint": save_bytes(SaveWay.DCP, sizes, on_gpu=False),
         "emitted load_checkpoint": load_bytes(LoadWay.META_DCP, sizes, on_gpu=False, optimizer=True),
+        # --emit fsdp1's: get_state_dict's copy of the shard, the unit / tensors it gathers (outside_step._fsdp1_dcp)
+        "emitted fsdp1 save_checkpoint": save_bytes(SaveWay.DCP, sizes, fsdp2=False, on_gpu=False),
+        "emitted fsdp1 load_checkpoint": load_bytes(LoadWay.META_DCP, sizes, fsdp2=False, on_gpu=False, optimizer=True),
     }
 
 
 @functools.cache
 def runs() -> tuple[dict, ...]:
-    # --emit fsdp1's functions last, after every measured way: what they leave in the heap can be reused by a later
-    # way's tensors and lower its reading (seen once: rank 0's full state dict 12.9 MB under the formula)
+    # --emit fsdp1's functions at every size in the last case, after every measured way: what they leave in the heap
+    # can be reused by a later way's tensors and lower its reading (seen once: rank 0's full state dict 12.9 MB under
+    # the formula)
     last = len(SHAPES) - 1
-    return run_cases(WORKER, [{"shape": s, "fsdp1": i == last} for i, s in enumerate(SHAPES)], timeout_s=300)
+    return run_cases(WORKER, [{"shape": s, "fsdp1": SHAPES if i == last else []} for i, s in enumerate(SHAPES)],
+                     timeout_s=300)
 
 
 def measured() -> tuple[dict, ...]:
-    return tuple(r["ways"] for r in runs())
+    """Each size's ways, --emit fsdp1's among them (measured in the last case)."""
+    return tuple({**r["ways"], **fsdp1["ways"]} for r, fsdp1 in zip(runs(), runs()[-1]["fsdp1"]))
 
 
 def test_the_emitted_checkpoint_functions_restore_what_they_saved():
-    """The snippet's load_checkpoint brings back every rank's params as save_checkpoint wrote them: --emit fsdp2's at
-    both sizes, --emit fsdp1's (the same DCP functions over FSDP1's sharded state dict) at the second."""
-    assert all(r["emitted_restores"] and r["emitted_fsdp1_restores"] for r in runs())
+    """The snippet's load_checkpoint brings back every rank's params as save_checkpoint wrote them: --emit fsdp2's and
+    --emit fsdp1's (the same DCP functions over FSDP1's sharded state dict) at both sizes."""
+    assert all(r["emitted_restores"] for r in runs()) and all(f["restores"] for f in runs()[-1]["fsdp1"])
 
 
 WAYS = tuple(formulas(SHAPES[0]))
@@ -116,3 +126,18 @@ def test_the_ways_differ_as_the_formulas_say():
     assert spec(SHAPES[1]).n_params == 11_996_416
     assert large["full state dict save (fsdp2)"].rank0_host_bytes == 3 * 4 * 11_996_416 + 4 * 12288 * 256
     assert large["dcp save"].rank0_host_bytes == 0
+
+
+def test_fsdp1s_dcp_save_and_resume_add_up_by_hand():
+    """--emit fsdp1 at the larger size, each rank: the save holds get_state_dict's copy of its shard (71,981,568 B:
+    half of 3 x 47,985,664) beside the root unit's state gathered, twice over gloo (2 x 25,166,848: embedding, head,
+    norm in fp32). The resume holds that copy while its optimizer part keeps the new shard of Adam's states
+    (47,985,664 B) beside the embedding's two states gathered (2 x 12,582,912), and on rank 0 all_gather's copy of the
+    head's last state (12,582,912); rank 1's peak is the model part: the root's params gathered and unsharded
+    (2 x 25,166,848) beside its gather copy (25,166,848)."""
+    large = formulas(SHAPES[1])
+    shard = 3 * 47_985_664 // 2
+    assert large["emitted fsdp1 save_checkpoint"].rank0_host_bytes == shard + 2 * 25_166_848
+    resume = large["emitted fsdp1 load_checkpoint"]
+    assert resume.rank0_host_bytes == shard + 47_985_664 + 3 * 12_582_912
+    assert resume.rank_host_bytes == shard + 3 * 25_166_848

@@ -8,8 +8,9 @@ and AdamW with its states (one step on zero gradients), then runs each way and m
 set's high-water mark over the way minus the resident set before it (/proc/self/status VmHWM, reset by writing 5 to
 /proc/self/clear_refs; freed memory trimmed before each way with malloc_trim, and a fixed mmap threshold, set with
 mallopt, returns every large tensor's pages when it is freed). An FSDP1 copy of the model measures FULL_STATE_DICT with
-offload_to_cpu + rank0_only. A case with "fsdp1": true also runs --emit fsdp1's checkpoint functions (restored or
-not). Rank 0 prints one JSON line per case: {"case": i, "ways": {way: [rank 0's bytes, rank 1's bytes]}, ...}.
+offload_to_cpu + rank0_only. A case with "fsdp1": [shape, ...] also runs --emit fsdp1's checkpoint functions at
+each shape (their peaks, restored or not), after its other ways. Rank 0 prints one JSON line per case:
+{"case": i, "ways": {way: [rank 0's bytes, rank 1's bytes]}, "fsdp1": [{"ways": ..., "restores": bool}], ...}.
 """
 
 from __future__ import annotations
@@ -128,10 +129,14 @@ def run_case(case: dict, rank: int, world: int) -> dict:
         ways["fsdp1 full state dict save"] = _fsdp1_full_save(case["shape"], rank, world)
         emitted, restored = _emitted_ways(case["shape"], f"{tmp}/full.pt", f"{tmp}/emitted", rank, world)
         ways.update(emitted)
-        restored_fsdp1 = _emitted_fsdp1_restores(case["shape"], f"{tmp}/emitted_fsdp1", world) if case.get(
-            "fsdp1") else True  # one size is enough for a restore (3.5-6.4 s of the launch on 2 busy cores)
+        # after every measured way (what they leave in the heap would lower a later way's reading): each size in
+        # case["fsdp1"], its save and resume measured, in one case
+        fsdp1 = [_emitted_fsdp1_ways(shape, f"{tmp}/emitted_fsdp1_{i}", world) for i, shape in
+                 enumerate(case.get("fsdp1", ()))]
     return {"ways": {name: _gather(value) for name, value in ways.items()}, "baseline": _gather(baseline),
-            "emitted_restores": all(_gather(restored)), "emitted_fsdp1_restores": all(_gather(restored_fsdp1))}
+            "emitted_restores": all(_gather(restored)),
+            "fsdp1": [{"ways": {name: _gather(value) for name, value in measured.items()},
+                       "restores": all(_gather(restored))} for measured, restored in fsdp1]}
 
 
 def _shared_dir(tmp: str) -> str:
@@ -184,12 +189,10 @@ def _emitted_ways(shape: dict, full_path: str, path: str, rank: int, world: int)
     return ways, restored
 
 
-def _emitted_fsdp1_restores(shape: dict, path: str, world: int) -> bool:
+def _emitted_fsdp1_ways(shape: dict, path: str, world: int) -> tuple[dict, bool]:
     """The plan's `--emit fsdp1` snippet run as written (every rank built the model: no loading function): apply_fsdp,
-    make_optimizer, save_checkpoint, then load_checkpoint over changed params: whether the resume restores the saved
-    ones. Its host RAM is not asserted: FSDP1's get_state_dict clones the rank's shard of params and optimizer state
-    and gathers a unit's optimizer state whole (torch/distributed/fsdp/_optim_utils.py _allgather_orig_param_states,
-    _shard_orig_param_state), where cost_models/outside_step.py prices FSDP2's in-place DCP save."""
+    make_optimizer, save_checkpoint, then load_checkpoint over changed params: each one's host peak per rank, and
+    whether the resume restores the saved params."""
     from planner.emit import emit_fsdp1
     from planner.hardware import make_cluster
 
@@ -201,13 +204,13 @@ def _emitted_fsdp1_restores(shape: dict, path: str, world: int) -> bool:
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
     optimizer.step()
-    namespace["save_checkpoint"](model, optimizer, path)
+    ways = {"emitted fsdp1 save_checkpoint": measure(lambda: namespace["save_checkpoint"](model, optimizer, path))[0]}
     saved = [p.detach().clone() for p in model.parameters()]
     with torch.no_grad():
         for p in model.parameters():
             p.add_(1.0)
-    namespace["load_checkpoint"](model, optimizer, path)
-    return all(torch.equal(a, p.detach()) for a, p in zip(saved, model.parameters()))
+    ways["emitted fsdp1 load_checkpoint"] = measure(lambda: namespace["load_checkpoint"](model, optimizer, path))[0]
+    return ways, all(torch.equal(a, p.detach()) for a, p in zip(saved, model.parameters()))
 
 
 if __name__ == "__main__":

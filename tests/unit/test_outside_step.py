@@ -121,3 +121,20 @@ def test_host_peak_takes_loading_alone_and_saves_beside_the_offloaded_state():
 def test_offloaded_state_is_written_in_place_but_a_full_gather_still_runs_on_the_gpu():
     assert save_bytes(SaveWay.DCP, SIZES, offloaded=True) == OutsideBytes(0, 0, 0)
     assert save_bytes(SaveWay.FULL_RANK0, SIZES, offloaded=True) == OutsideBytes(3 * GiB, 0, 64 * MiB)
+
+
+def test_fsdp1s_dcp_save_copies_the_shard_on_the_gpu_and_gathers_a_units_state():
+    # get_state_dict's copy of the rank's 384 MiB of state on the device, beside one Adam state of the 128 MiB unit
+    # (NCCL writes the all-gather in place); DCP's writer stages it to host as it stages FSDP2's shard
+    assert save_bytes(SaveWay.DCP, SIZES, fsdp2=False) == OutsideBytes(
+        DCP_COPY_AHEAD_BYTES + 8 * MiB, DCP_COPY_AHEAD_BYTES + 8 * MiB, 384 * MiB + 128 * MiB)
+    # CPU offload does not move it: FSDP1 chunks the unsharded (device) param
+    assert save_bytes(SaveWay.DCP, SIZES, fsdp2=False, offloaded=True).gpu_bytes == 512 * MiB
+
+
+def test_fsdp1s_dcp_resume_holds_the_copy_and_gathers_root_and_block():
+    # the 384 MiB copy, then the model part: the root's params gathered and unsharded (2 x 128 MiB) beside a
+    # block's (2 x 128 MiB here: SIZES has one unit size) = 512 MiB, above the optimizer part (256 MiB of new
+    # states + the 64 MiB embedding's two states); host: DCP's two items in flight (2 x 8 MiB)
+    assert load_bytes(LoadWay.META_DCP, SIZES, fsdp2=False, optimizer=True) == OutsideBytes(
+        16 * MiB, 16 * MiB, 384 * MiB + 512 * MiB)

@@ -32,7 +32,8 @@ class UserSetup:
     init: str = "all"                       # all ranks load | rank0 (cpu_ram_efficient_loading) | meta | dcp (meta
     #                                         init, then each rank reads its shard: torchtitan)
     state_dict_type: str | None = None      # how checkpoints are saved: FULL_STATE_DICT | SHARDED_STATE_DICT |
-    #                                         ASYNC_SHARDED_STATE_DICT (torchtitan's async DCP) | ...
+    #                                         ASYNC_SHARDED_STATE_DICT (torchtitan's async DCP) | SAVE_PRETRAINED
+    #                                         (HF save_pretrained / save_model in a script) | ...
     #                                         (None: not stated; priced as the plan's sharded DCP save)
     grad_scaler: str | None = None          # sharded | plain | none | None (not stated)
     reduce_dtype: str | None = None         # as written, when mixed precision is set
