@@ -20,13 +20,8 @@ before and after.
 
 from __future__ import annotations
 
-import dataclasses
-
 from tabulate import tabulate
 
-from cost_models.caching_allocator import AllocatorSettings
-from cost_models.pipeline_allocations import replayed_reserved
-from cost_models.profile import DEFAULT_PROFILE
 from planner import estimate
 
 TITAN_DEC_2024 = dict(trainer="torchtitan-0.2", precision="bf16", compile=True, compile_scope="blocks", float8=True,
@@ -47,14 +42,12 @@ ROWS = [
 ]
 
 
-def expandable_gib(c) -> str:
-    """A pipeline row's reserved replayed under expandable_segments:True (torchtitan's run_train.sh sets it; the
-    estimate replays under PyTorch's defaults, which the planner's launch lines run)."""
-    if c.config.pp == 1:
+def defaults_gib(model: str, gpus: int, knobs: dict) -> str:
+    """A pipeline row's reserved replayed under PyTorch's default allocator settings (alloc_conf ""); the row itself
+    runs under its trainer's, expandable_segments:True for torchtitan (its run_train.sh sets it)."""
+    if knobs.get("pp", 1) == 1:
         return ""
-    memory = replayed_reserved(dataclasses.replace(c.memory, peak_reserved_bytes=0), c.model, c.cluster, c.training,
-                               c.config, DEFAULT_PROFILE, AllocatorSettings(expandable_segments=True))
-    return f"{memory.peak_reserved_bytes / 2**30:.1f}"
+    return f"{estimate(model, gpus, alloc_conf='', **knobs).memory.peak_reserved_bytes / 2**30:.1f}"
 
 
 def main() -> None:
@@ -64,9 +57,9 @@ def main() -> None:
         predicted_tps, predicted_gib = c.time.tokens_per_s_per_gpu, c.memory.peak_reserved_bytes / 2**30
         table.append([label, f"{gpus} x {knobs['gpu']}", f"{tokens_per_s:,.0f}", f"{predicted_tps:,.0f}",
                       f"{100 * (predicted_tps / tokens_per_s - 1):+.1f}%", f"{reserved_gib:.1f}", f"{predicted_gib:.1f}",
-                      f"{100 * (predicted_gib / reserved_gib - 1):+.1f}%", expandable_gib(c)])
+                      f"{100 * (predicted_gib / reserved_gib - 1):+.1f}%", defaults_gib(model, gpus, knobs)])
     print(tabulate(table, headers=["published run", "GPUs", "tok/s/GPU", "predicted", "error", "reserved GiB",
-                                   "predicted GiB", "error", "expandable GiB"]))
+                                   "predicted GiB", "error", "PyTorch defaults GiB"]))
 
 
 if __name__ == "__main__":

@@ -79,6 +79,12 @@ class AllocatorSettings:
             values["expandable_segments"] = items["expandable_segments"].strip().lower() == "true"
         return cls(**values)
 
+    def conf(self) -> str:
+        """As PYTORCH_CUDA_ALLOC_CONF writes it ("" for the defaults): the knobs the replay follows."""
+        items = ([f"max_split_size_mb:{self.max_split_size_bytes // MiB}"] if self.max_split_size_bytes else []) + (
+            ["expandable_segments:True"] if self.expandable_segments else [])
+        return ",".join(items)
+
 
 def round_size(size_bytes: int) -> int:
     """round_size: up to a multiple of kMinBlockSize."""
@@ -134,6 +140,17 @@ def pool_totals(segments) -> dict[tuple, tuple[int, int, int]]:
         n, size, used = totals.get((s.stream, s.pool), (0, 0, 0))
         totals[(s.stream, s.pool)] = (n + 1, size + s.size_bytes, used + s.allocated_bytes)
     return totals
+
+
+def pool_words(segments) -> list[str]:
+    """Each (stream, pool)'s segments in words: count, reserved / allocated MiB, the largest free block (the
+    largest request it could take without a new segment)."""
+    largest: dict[tuple, int] = {}
+    for s in segments:
+        largest[(s.stream, s.pool)] = max(largest.get((s.stream, s.pool), 0), s.largest_free_bytes)
+    return [f"{'default' if stream == 0 else stream} stream {pool} pool: {n} segment{'s' * (n != 1)}, "
+            f"{size / MiB:,.0f} MiB reserved / {used / MiB:,.0f} allocated, largest free block "
+            f"{largest[(stream, pool)] / MiB:,.1f} MiB" for (stream, pool), (n, size, used) in pool_totals(segments).items()]
 
 
 class CachingAllocator:

@@ -67,9 +67,19 @@ def cut(per_token_bytes: int, widths: list[int]) -> list[int]:
 
 
 def replay_rank(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, d: int, rank: int,
-                settings: AllocatorSettings = AllocatorSettings()) -> ReplayResult:
-    """Pipeline rank `rank`'s two training steps (d: the FSDP shard group) replayed under `settings`."""
-    return replay(rank_events(model, training, config, d, rank), settings, snapshots=False)
+                settings: AllocatorSettings = AllocatorSettings(), snapshots: bool = False) -> ReplayResult:
+    """Pipeline rank `rank`'s two training steps (d: the FSDP shard group) replayed under `settings`
+    (snapshots: keep the segments at the reserved peak)."""
+    return replay(rank_events(model, training, config, d, rank), settings, snapshots=snapshots)
+
+
+def rank_replay(model: ModelSpec, cluster, training: TrainingSpec, config: FsdpConfig, rank: int,
+                settings: AllocatorSettings | None = None, snapshots: bool = True) -> ReplayResult:
+    """Pipeline rank `rank`'s replay as replayed_reserved runs it, from the whole model's specs (settings None:
+    the config's alloc_conf); with its segments at the reserved peak unless snapshots is False."""
+    local, training = pipeline_memory.rank_inputs(model, training, config)
+    settings = config.allocator_settings if settings is None else settings
+    return replay_rank(local, training, config, config.shard_group_size(cluster), rank, settings, snapshots)
 
 
 def rank_events(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, d: int, rank: int,
@@ -291,10 +301,11 @@ class _RankWalk:
 
 
 def replayed_reserved(memory: MemoryEstimate, model: ModelSpec, cluster, training: TrainingSpec, config: FsdpConfig,
-                      profile, settings: AllocatorSettings = AllocatorSettings()) -> MemoryEstimate:
+                      profile, settings: AllocatorSettings | None = None) -> MemoryEstimate:
     """A pipeline estimate (pipeline_memory.pipeline_estimate) with each rank's reserved peak from its replay, plus
     the CUDA context, in place of allocated x (1 + fragmentation): never below the rank's allocated peak. Run for
-    the candidates reported, not inside the search (a 405B pp 8 estimate replays 8 ranks: ~2 s).
+    the candidates reported, not inside the search (a 405B pp 8 estimate replays 8 ranks: ~2 s). settings None:
+    the config's own (its alloc_conf, PYTORCH_CUDA_ALLOC_CONF).
 
     Whether it fits stays the flat rule's (evaluate.py), on purpose: under memory pressure c10's allocator does
     not fail where the replay would map a new segment - malloc first frees cached blocks of the pool
@@ -304,13 +315,13 @@ def replayed_reserved(memory: MemoryEstimate, model: ModelSpec, cluster, trainin
     cudaFree / cudaMalloc), not a refusal."""
     if not memory.pipeline_ranks:
         return memory
-    local, training = pipeline_memory.rank_inputs(model, training, config)
-    d = config.shard_group_size(cluster)
+    settings = config.allocator_settings if settings is None else settings
     ranks = tuple(dataclasses.replace(r, peak_reserved_bytes=profile.cuda_context_bytes + max(
-        r.peak_allocated_bytes, replay_rank(local, training, config, d, r.rank, settings).peak_reserved_bytes))
-        for r in memory.pipeline_ranks)
+        r.peak_allocated_bytes, rank_replay(model, cluster, training, config, r.rank, settings, False)
+        .peak_reserved_bytes)) for r in memory.pipeline_ranks)
     top = max(ranks, key=lambda r: r.peak_reserved_bytes)
-    conf = "expandable_segments:True" if settings.expandable_segments else "PyTorch's default allocator settings"
+    conf = (f"PYTORCH_CUDA_ALLOC_CONF={settings.conf()}" if settings != AllocatorSettings()
+            else "PyTorch's default allocator settings")
     notes = (f"reserved {top.peak_reserved_bytes / GiB:.1f} GiB (pipeline rank {top.rank}): each rank's allocations "
              f"replayed through the caching allocator model under {conf}, + the CUDA context; the flat rule (allocated "
              f"x {1 + profile.fragmentation:.2f} + context, {memory.peak_reserved_bytes / GiB:.1f} GiB) decides whether "

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .caching_allocator import AllocatorSettings
 from .cluster_spec import ClusterSpec, GpuSpec
 from .model_spec import ActivationProfile, ActivationTerms, BackwardMoment, ModelSpec, MoeSpec, TracedOperators
 from .schedules import Schedule
@@ -175,6 +176,9 @@ class FsdpConfig:
     # is split into grad_accum microbatches of micro_batch sequences, all run by one schedule step.
     pp_schedule: Schedule = Schedule.ONE_F_ONE_B
     pp_stages_per_rank: int = 0       # V stages on each pipeline rank; 0: the schedule's own (1, looped ones 2)
+    # PYTORCH_CUDA_ALLOC_CONF the run sets ("": PyTorch's defaults); the pipeline replay follows it
+    # (caching_allocator.AllocatorSettings), the launchers export it
+    alloc_conf: str = ""
 
     def __post_init__(self):
         if isinstance(self.ac_every, str) and self.ac_every.strip().lower() == SELECTIVE_OP:
@@ -228,6 +232,8 @@ class FsdpConfig:
                                         "sequence_parallel")
         object.__setattr__(self, "pp_schedule", parse_enum(Schedule, self.pp_schedule, "pp_schedule"))
         self._check_pipeline()
+        if self.alloc_conf:
+            self.allocator_settings  # noqa: B018 - refuses a bad PYTORCH_CUDA_ALLOC_CONF on construction
         if self.cp > 1 and self.sharding is Sharding.NO_SHARD:
             raise SpecError("cp", "FSDP2 shards over dp_shard x cp even without data parallelism: with cp > 1 "
                                   "choose FULL_SHARD, SHARD_GRAD_OP or a HYBRID_SHARD strategy, not NO_SHARD")
@@ -253,6 +259,14 @@ class FsdpConfig:
                                                   "one stage per rank")
         if schedule.v_shaped and v != 2:
             raise SpecError("pp_stages_per_rank", f"{schedule.value} runs exactly 2 stages per rank (a V), got {v}")
+
+    @property
+    def allocator_settings(self) -> AllocatorSettings:
+        """The caching allocator's settings alloc_conf sets (SpecError naming alloc_conf where it cannot)."""
+        try:
+            return AllocatorSettings.parse(self.alloc_conf)
+        except ValueError as exc:
+            raise SpecError("alloc_conf", str(exc)) from None
 
     @property
     def pp_stages(self) -> int:
@@ -343,4 +357,5 @@ class FsdpConfig:
             **({"sequence_parallel": False} if self.tp > 1 and not self.sequence_parallel else {}),
             **({"pp_schedule": self.pp_schedule.value, "pp_stages_per_rank": self.pp_stages_per_rank}
                if self.pp > 1 else {}),
+            **({"alloc_conf": self.alloc_conf} if self.alloc_conf else {}),
         }

@@ -168,10 +168,22 @@ class Plan:
     skipped: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)          # about the space searched (data parallelism's limit)
     trainer: str = DEFAULT_TRAINER                            # the trainer searched for (planner.trainers)
+    profile: Profile = DEFAULT_PROFILE                        # what it was priced with
+    replayed: int = 0                                         # the first candidates with estimate()'s reserved
 
     @property
     def best(self) -> Candidate | None:
         return self.candidates[0] if self.candidates else None
+
+    def replay_top(self, top: int) -> None:
+        """Give the first `top` candidates the reserved memory estimate() reports for their configs (a pipeline's
+        allocator replay under its alloc_conf), as the CLI does for the rows it prints; ranking and fits stay the
+        search's."""
+        for i in range(self.replayed, min(top, len(self.candidates))):
+            c = self.candidates[i]
+            self.candidates[i] = replace(c, evaluation=replayed(c.evaluation, c.model, c.cluster, c.training,
+                                                                self.profile))
+        self.replayed = max(self.replayed, min(top, len(self.candidates)))
 
     def to_dict(self, top: int | None = None) -> dict:
         shown = self.candidates[:top] if top else self.candidates
@@ -237,7 +249,7 @@ def plan_request(request: Request, profile: Profile | None = None, space: Search
         pinned.check_mesh(spec, cluster, training, space)
     elif request.trainer is not None:
         space = narrow_space(space, trainer, training)
-    return plan_for(spec, cluster, training, profile, space, trainer.id)
+    return plan_for(spec, cluster, training, profile, space, trainer.id, request.alloc_conf or "")
 
 
 def _reduce_dtype(name: str) -> str:
@@ -247,15 +259,19 @@ def _reduce_dtype(name: str) -> str:
 
 
 def plan_for(spec: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, profile: Profile | None = None,
-             space: SearchSpace | None = None, trainer: str = DEFAULT_TRAINER) -> Plan:
-    """Search and rank for resolved specs (`space` already bounded by `trainer`)."""
+             space: SearchSpace | None = None, trainer: str = DEFAULT_TRAINER, alloc_conf: str = "") -> Plan:
+    """Search and rank for resolved specs (`space` already bounded by `trainer`); alloc_conf: the
+    PYTORCH_CUDA_ALLOC_CONF every candidate runs under. Reserved memory is the search's flat figure, which ranks
+    and decides fits; Plan.replay_top gives the rows one shows estimate()'s (a pipeline's replay: ~0.25 s a
+    gpt-13b pp 2 candidate, ~2.4 s a 405B pp 8 one, so not for every candidate)."""
     profile = profile or DEFAULT_PROFILE
     result = search(spec, cluster, training, profile, space or SearchSpace())
-    wrap = lambda e: Candidate(e, spec, cluster, training, trainer)  # noqa: E731
+    conf = (lambda e: replace(e, config=replace(e.config, alloc_conf=alloc_conf))) if alloc_conf else (lambda e: e)
+    wrap = lambda e: Candidate(conf(e), spec, cluster, training, trainer)  # noqa: E731
     tips = suggestions(spec, cluster, training, profile, result.misses[0]) if not result.fitting and result.misses else []
     return Plan(model=spec, cluster=cluster, training=training, candidates=[wrap(e) for e in result.fitting],
                 misses=[wrap(e) for e in result.misses], suggestions=tips, n_costed=result.n_costed,
-                skipped=result.skipped, notes=result.notes, trainer=trainer)
+                skipped=result.skipped, notes=result.notes, trainer=trainer, profile=profile)
 
 
 def estimate(model, gpus: int | None = None, *, profile: Profile | None = None, **knobs) -> Candidate:
@@ -310,7 +326,7 @@ def estimate_request(request: Request, profile: Profile | None = None) -> Candid
                         reshard_after_forward=c.reshard_after_forward, tp=tp, cp=cp, ep=ep, pp=pp,
                         async_tp=bool(mesh.async_tp), sequence_parallel=mesh.sequence_parallel,
                         pp_schedule=mesh.pp_schedule or Schedule.ONE_F_ONE_B,
-                        pp_stages_per_rank=mesh.pp_stages_per_rank or 0)
+                        pp_stages_per_rank=mesh.pp_stages_per_rank or 0, alloc_conf=request.alloc_conf or "")
     if c.expert_units and spec.moe is None:
         raise PlannerError("expert_units", f"{spec.name} has no routed experts (a dense model): drop --expert-units")
     if (kernel_refused := kernel_refusal(spec, config)) is not None:  # a kernel for an op the model lacks
@@ -344,10 +360,17 @@ def estimate_config(spec: ModelSpec, cluster: ClusterSpec, training: TrainingSpe
         raise error
     profile = profile or DEFAULT_PROFILE
     evaluation = evaluate(spec, cluster, training, config, profile, None, ways)
-    if config.pp > 1:  # the reported estimate's reserved from a replay of its allocations (not in the search: slow)
-        evaluation = replace(evaluation, memory=replayed_reserved(evaluation.memory, spec, cluster, training, config,
-                                                                  profile))
-    return Candidate(evaluation, spec, cluster, training)
+    return Candidate(replayed(evaluation, spec, cluster, training, profile), spec, cluster, training)
+
+
+def replayed(evaluation: Evaluation, spec: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
+             profile: Profile) -> Evaluation:
+    """A reported pipeline estimate's reserved from a replay of its allocations under its alloc_conf
+    (cost_models/pipeline_allocations.py; not in the search: slow); other estimates as they are."""
+    if evaluation.config.pp == 1:
+        return evaluation
+    return replace(evaluation, memory=replayed_reserved(evaluation.memory, spec, cluster, training, evaluation.config,
+                                                        profile))
 
 
 def cluster_rejects(cluster: ClusterSpec, config: FsdpConfig) -> PlannerError | None:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from cost_models.evaluate import gpu_memory_reason
 from cost_models.profile import DEFAULT_PROFILE, Profile
 from cost_models.specs import ModelSpec
-from cost_models.units import GiB, MiB
+from cost_models.units import GiB
 
 from .api import Candidate, Plan, estimate
 from .errors import PlannerError
@@ -141,9 +141,9 @@ def _hf_config(model) -> dict | None:
 
 
 def trace_candidate(candidate: Candidate, hf_config: dict | None, profile: Profile | None = None,
-                    reserved_from: str = "replay", alloc_conf: str = "") -> TraceReport:
-    """Trace the configuration of an analytic Candidate (same model, cluster, training); reserved_from and
-    alloc_conf: TraceReport's."""
+                    reserved_from: str = "replay") -> TraceReport:
+    """Trace the configuration of an analytic Candidate (same model, cluster, training); reserved_from:
+    TraceReport's; the replay runs under the candidate's alloc_conf."""
     from calibration.trace import TraceError, trace_memory
 
     spec = candidate.model
@@ -177,7 +177,7 @@ def trace_candidate(candidate: Candidate, hf_config: dict | None, profile: Profi
     except TraceError as exc:
         raise PlannerError("trace", str(exc)) from None
     return TraceReport(candidate=candidate, traced=traced, profile=profile or DEFAULT_PROFILE,
-                       reserved_from=reserved_from, alloc_conf=alloc_conf)
+                       reserved_from=reserved_from, alloc_conf=candidate.config.alloc_conf)
 
 
 def require_trace_dependencies(hf_config: dict | None) -> None:
@@ -193,19 +193,19 @@ def require_trace_dependencies(hf_config: dict | None) -> None:
             raise PlannerError("trace", INSTALL_HINT) from None
 
 
-def trace(model, gpus: int, *, profile: Profile | None = None, reserved_from: str = "replay", alloc_conf: str = "",
+def trace(model, gpus: int, *, profile: Profile | None = None, reserved_from: str = "replay",
           **kwargs) -> TraceReport:
-    """Trace one explicit configuration; arguments are those of planner.api.estimate, and TraceReport's
-    reserved_from ("replay" or "flat") and alloc_conf (e.g. "expandable_segments:True")."""
+    """Trace one explicit configuration; arguments are those of planner.api.estimate (alloc_conf, e.g.
+    "expandable_segments:True", the allocator settings the reserved replay runs under), and TraceReport's
+    reserved_from ("replay" or "flat")."""
     if _is_module(model):
         raise PlannerError("model", "the trace tier builds the model itself: pass a preset name, a config.json "
                                     "or its dict, not an nn.Module")
     _check_reserved_from(reserved_from)
-    _allocator_settings(alloc_conf)
     hf_config = _hf_config(model)
     require_trace_dependencies(hf_config)
     candidate = estimate(model, gpus, profile=profile, **kwargs)
-    return trace_candidate(candidate, hf_config, profile, reserved_from, alloc_conf)
+    return trace_candidate(candidate, hf_config, profile, reserved_from)
 
 
 def _is_module(obj) -> bool:
@@ -303,13 +303,9 @@ def report_text(r: TraceReport) -> str:
         "fits (traced): yes" if r.fits else "fits (traced): NO - " + r.to_dict()["reasons"][0],
     ]
     if r.replayed is not None:
-        from cost_models.caching_allocator import pool_totals
+        from cost_models.caching_allocator import pool_words
 
-        pools = pool_totals(r.replayed.segments_at_peak)
-        by_pool = "; ".join(f"{'default' if stream == 0 else stream} {pool}: {n}, {size / MiB:.0f} / {used / MiB:.0f}"
-                            for (stream, pool), (n, size, used) in pools.items())
-        lines.append(f"allocator replay at its reserved peak (stream pool: segments, reserved / allocated MiB): "
-                     f"{by_pool}")
+        lines.append(f"allocator replay at its reserved peak: {'; '.join(pool_words(r.replayed.segments_at_peak))}")
     lines += [f"note: {n}" for n in (*traced.notes, *est.notes)]
     return "\n".join(lines)
 

@@ -50,7 +50,7 @@ def _params():
     return [
         param("config", Annotated[Optional[str], typer.Argument(help=CONFIG_HELP)], None),
         *options(*CLUSTER, *TRAINING, "micro_batch", "grad_accum", "sharding", "precision",
-                 "activation_checkpointing", "offload", **_OWN),
+                 "activation_checkpointing", "offload", "alloc_conf", **_OWN),
         param("dynamic_control_flow", Annotated[bool, typer.Option(
             "--dynamic-control-flow", help="The model's forward has data-dependent control flow (MoE routing, "
                                            "...)")], False),

@@ -26,7 +26,7 @@ _GIVEN = {name: As(default=None, help=f"config: {text}") for name, text in {**CO
 
 def _params():
     return [
-        *options(*CLUSTER, *TRAINING, "attention", *CONFIG_FLAGS, *MESH, *MESH_FLAGS, **_GIVEN),
+        *options(*CLUSTER, *TRAINING, "attention", *CONFIG_FLAGS, *MESH, *MESH_FLAGS, "alloc_conf", **_GIVEN),
         param("plot", Annotated[Optional[str], typer.Option("--plot", help="Draw the step budget by operator class "
                                                             "to FILE.png or FILE.svg (the pick and the next 4, or "
                                                             "the given config; needs matplotlib)")], None),
@@ -56,6 +56,7 @@ def explain_cmd(plot: str | None, timeline: str | None, output_format: Format, *
             model, gpus, gpu = knobs["model"], knobs["gpus"], knobs["gpu"]
             raise PlannerError("model", f"nothing fits {p.model.name} on {gpus} x {gpu}; run `fsdp-plan --model "
                                         f"{model} --gpus {gpus}` for the nearest misses and what would fit")
+        p.replay_top(1)  # the pick explained with estimate's reserved (a pipeline's allocator replay)
         shown = p.candidates[:5]
     if output_format is Format.json:  # stdout stays one JSON document: the plot's path goes to stderr
         typer.echo(explain_json(shown[0], "flags" if given else "plan"))

@@ -34,7 +34,7 @@ def _params() -> list[inspect.Parameter]:
                                                             "matplotlib)")], None),
         *options(*MESH, "async_tp", "sequence_parallel", "routing_imbalance", "routing", async_tp=ASYNC_TP),
         param("profile", ProfileOpt, None), param("force_profile", ForceProfile, False),
-        *options("trainer", "trust_remote_code"),
+        *options("trainer", "alloc_conf", "trust_remote_code"),
     ]
 
 
@@ -56,6 +56,7 @@ def main_plan(ctx: typer.Context, top: int, wide: bool, output_format: Format, e
         raise SpecError("verify_top", f"must be >= 0, got {verify_top}")
     fitted = load_profile_flag(profile, knobs["gpu"], force_profile)
     p = plan(profile=fitted, **knobs)
+    p.replay_top(1 if emit is not None else top)  # the rows printed (or emitted) get estimate's reserved memory
     if plot is not None:
         from planner.reports.plot import plot_candidates
 

@@ -9,14 +9,7 @@ from __future__ import annotations
 
 import typer
 
-from typing import Annotated
-
-from planner.cli.options import Format, config_command, param
-
-# PyTorch's caching-allocator settings (PYTORCH_CUDA_ALLOC_CONF's syntax) the trace's reserved replay runs under
-AllocConf = Annotated[str, typer.Option("--alloc-conf", help="PYTORCH_CUDA_ALLOC_CONF the run will set, e.g. "
-                                        "expandable_segments:True or max_split_size_mb:512: the reserved peak is "
-                                        "replayed under it (cost_models/caching_allocator.py)")]
+from planner.cli.options import Format, config_command
 
 
 def _trace(knobs: dict, output_format: Format) -> None:
@@ -31,4 +24,5 @@ def _trace(knobs: dict, output_format: Format) -> None:
 def register(app) -> None:
     """Add the trace command to the typer app."""
     config_command(app, "trace", "Run the real FSDP2 training step on fake tensors (no GPU, no memory) and compare "
-                   "its per-rank memory with the estimate.", _trace, own=(param("alloc_conf", AllocConf, ""),))
+                   "its per-rank memory with the estimate (--alloc-conf: the reserved peak replayed under it).",
+                   _trace)

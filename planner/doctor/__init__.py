@@ -88,7 +88,7 @@ def check(setup: UserSetup, model, gpus: int | None = None, *, gpus_per_node: in
     """Estimate the user's setup on the cluster and run every rule. Cluster size defaults to the one the
     accelerate config names (num_processes, num_machines); seq_len to the setup's own (torchtitan's
     training.seq_len), else 2048."""
-    from planner.api import RESOLVE_KNOBS, estimate_config, grad_accum_for, plan_for
+    from planner.api import RESOLVE_KNOBS, estimate_config, grad_accum_for, plan_for, replayed
     from planner.trainers import search_space, trainer_named, with_trainer_defaults
     from planner.request import build_request
     from planner.request.resolve import default_kernel_on
@@ -110,7 +110,11 @@ def check(setup: UserSetup, model, gpus: int | None = None, *, gpus_per_node: in
     mb = micro_batch or setup.config.micro_batch
     pipeline = setup.pipeline  # torchtitan's stages per rank from layers_per_stage need the model's blocks
     staged = {"pp_stages_per_rank": pipeline.stages_per_rank(spec.n_layers)} if pipeline is not None else {}
-    config = replace(setup.config, micro_batch=mb, **staged, **attention,
+    # PYTORCH_CUDA_ALLOC_CONF: the flag's, else the setup's (no reader finds it in a launch script yet), else the
+    # trainer's default (torchtitan's run_train.sh); the pipeline replay runs under it
+    alloc_conf = (setup.config.alloc_conf if "alloc_conf" not in cluster_and_training and setup.config.alloc_conf
+                  else request.alloc_conf or "")
+    config = replace(setup.config, micro_batch=mb, **staged, **attention, alloc_conf=alloc_conf,
                      grad_accum=grad_accum or (grad_accum_for(mb, cluster, training, setup.config.model_parallel)
                                                if training.global_batch else setup.config.grad_accum))
     if setup.dialect == "automodel":  # its TE attention is its default, not a pin: off Hopper, flash2 as the API
@@ -120,12 +124,13 @@ def check(setup: UserSetup, model, gpus: int | None = None, *, gpus_per_node: in
     if all(r.priced for r in refusals(cluster, config)):
         # priced even when it cannot run (rejected, with the reasons) so the report shows what it would need;
         # cannot_run explains
-        candidate = Candidate(evaluate(spec, cluster, training, config, profile), spec, cluster, training, trainer.id)
+        candidate = Candidate(replayed(evaluate(spec, cluster, training, config, profile), spec, cluster, training,
+                                       profile), spec, cluster, training, trainer.id)
     else:
         candidate = replace(estimate_config(spec, cluster, training, config, profile),  # raises cluster_rejects'
                             trainer=trainer.id)
     # what the trainer could run
-    best = plan_for(spec, cluster, training, profile, search_space(trainer, training), trainer.id)
+    best = plan_for(spec, cluster, training, profile, search_space(trainer, training), trainer.id, alloc_conf)
     extra = unwrapped_extra_bytes(setup, candidate)
     candidate = with_setup_ways(_as_one_unit(candidate, extra, profile), setup, profile)  # its load / save ways
     findings = diagnose(setup, candidate, best, unwrapped_extra=extra, dynamic_control_flow=dynamic_control_flow,

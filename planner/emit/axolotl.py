@@ -114,7 +114,7 @@ def emit_axolotl(config: FsdpConfig, model: ModelSpec, cluster: ClusterSpec,
         ("fsdp_config", fsdp),
         ("output_dir", "./outputs"),
     ]
-    launch = torchrun_command(cluster, "-m axolotl.cli.train config.yaml")
+    launch = torchrun_command(cluster, "-m axolotl.cli.train config.yaml", config.alloc_conf)
     head = [f"axolotl {VERSION} config, run with: {launch}", *multi_node_note(cluster),
             *_summary(config, model, cluster)]
     return _comment(head) + "\n" + "\n".join(yaml_lines(body)) + "\n"

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 
 from cost_models import fsdp_options
 from cost_models.mesh import mesh_of
@@ -15,6 +16,7 @@ from cost_models.specs import ClusterSpec, FsdpConfig, ModelSpec, Precision, Tra
 from planner.emit.code import techniques as tech
 
 RDZV_PORT = 29500
+ALLOC_CONF_VAR = "PYTORCH_CUDA_ALLOC_CONF"
 # Why training turns a Hugging Face model's KV cache off (calibration.apply.disable_kv_cache does the same).
 _KV_CACHE_WHY = ("no KV cache in training: left on (HF's default), each checkpointed recompute appends to it "
                  "until backward ends")
@@ -110,8 +112,15 @@ def torchrun_args(cluster: ClusterSpec, script: str = "train.py", *, nnodes: str
             "--rdzv_backend", "c10d", "--rdzv_endpoint", endpoint, "--rdzv_id", rdzv_id, script]
 
 
-def torchrun_command(cluster: ClusterSpec, script: str = "train.py") -> str:
-    return " ".join(["torchrun", *torchrun_args(cluster, script)])
+def torchrun_command(cluster: ClusterSpec, script: str = "train.py", alloc_conf: str = "") -> str:
+    """The torchrun line; alloc_conf: PYTORCH_CUDA_ALLOC_CONF set for it (left out when PyTorch's default)."""
+    return " ".join([*alloc_env(alloc_conf), "torchrun", *torchrun_args(cluster, script)])
+
+
+def alloc_env(alloc_conf: str) -> list[str]:
+    """PYTORCH_CUDA_ALLOC_CONF as a shell assignment, [] for PyTorch's default (""): torchrun's workers inherit
+    it, and c10's allocator reads it once, at its first CUDA allocation."""
+    return [f"{ALLOC_CONF_VAR}={shlex.quote(alloc_conf)}"] if alloc_conf else []
 
 
 def multi_node_note(cluster: ClusterSpec) -> list[str]:

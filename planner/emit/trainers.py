@@ -145,7 +145,7 @@ def emit_hf_trainer(config: FsdpConfig, model_spec: ModelSpec, cluster: ClusterS
     replicas, shard = _shard_layout(config, cluster)
     hsdp = version == 2 and replicas > 1
     reduce_lines, reduce_notes = _hf_reduce_policy(config, version)
-    launch = torchrun_command(cluster, script)
+    launch = torchrun_command(cluster, script, config.alloc_conf)
     if config.compile:
         launch = "ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION=true " + launch
     loss_lines = tech.hf_compiled_loss_lines(config)

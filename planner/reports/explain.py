@@ -24,11 +24,12 @@ def _gib(n: float) -> str:
     return f"{n / GiB:.2f} GiB"
 
 
-def memory_terms(c: Candidate) -> list[tuple[str, str, str]]:
-    """(term, formula with numbers, source) for each category at the peak moment."""
+def memory_terms(c: Candidate, profile: Profile = DEFAULT_PROFILE) -> list[tuple[str, str, str]]:
+    """(term, formula with numbers, source) for each category at the peak moment, then the reserved memory: the
+    allocator's (a pipeline's replayed segments) and what lies outside it (`profile`: the one c was costed with)."""
     m, cfg, L = c.model, c.config, c.model.n_layers
     if cfg.pp > 1:  # each rank holds its own stages: the whole-model formulas below do not apply
-        return pipeline_memory_terms(c) + _largest_rank_terms(c)
+        return pipeline_memory_terms(c) + _largest_rank_terms(c, profile) + outside_allocator_terms(profile)
     b = c.memory.breakdown
     d = cfg.shard_group_size(c.cluster)
     p = DTYPE_BYTES[cfg.precision.param_dtype]
@@ -108,7 +109,14 @@ def memory_terms(c: Candidate) -> list[tuple[str, str, str]]:
                   f"{_gib(c.cluster.gpu.memory_bytes)}",
                   "hardware.md: context 0.5-1 GB; FSDP paper section 7 on allocator fragmentation; "
                   "cost_models/allocator.py"))
-    return terms
+    return terms + outside_allocator_terms(profile)
+
+
+def outside_allocator_terms(profile: Profile) -> list[tuple[str, str, str]]:
+    """The memory on the GPU that PyTorch's caching allocator does not hold, term by term (today one)."""
+    return [("outside the allocator", f"CUDA context and library workspaces (cuBLAS, NCCL) "
+             f"{_gib(profile.cuda_context_bytes)}, in the reserved figure above",
+             "the profile's cuda_context_bytes (cost_models/profile.py); hardware.md: 0.5-1 GB")]
 
 
 def pipeline_memory_terms(c: Candidate) -> list[tuple[str, str, str]]:
@@ -136,7 +144,7 @@ def pipeline_memory_terms(c: Candidate) -> list[tuple[str, str, str]]:
     return terms
 
 
-def _largest_rank_terms(c: Candidate) -> list[tuple[str, str, str]]:
+def _largest_rank_terms(c: Candidate, profile: Profile) -> list[tuple[str, str, str]]:
     """The headline rank's categories at its peak, and its reserved figure (the per-stage sums are
     cost_models/pipeline_memory.py's: each stage's parameters, gradients and optimizer state over d, the
     microbatches its schedule holds in flight)."""
@@ -148,9 +156,29 @@ def _largest_rank_terms(c: Candidate) -> list[tuple[str, str, str]]:
     terms = [("peak moment", f"{m.peak_moment} ({m.peak_phase.replace('_', ' ')}){where}", source)]
     terms += [(name.replace("_", " "), f"{_gib(value)} on {who} at its peak", "") for name, value in
               m.breakdown.to_dict().items() if value]
-    terms.append(("reserved", f"peak allocated {_gib(m.peak_allocated_bytes)} x (1 + fragmentation) + CUDA context = "
-                  f"{_gib(m.peak_reserved_bytes)} of {_gib(c.cluster.gpu.memory_bytes)} (the largest rank's, as "
-                  "torchtitan reports the maximum across ranks)", "cost_models/allocator.py"))
+    replayed = _replay_terms(c, top, profile) if top is not None else []
+    return terms + (replayed or [
+        ("reserved", f"peak allocated {_gib(m.peak_allocated_bytes)} x (1 + fragmentation) + CUDA context = "
+         f"{_gib(m.peak_reserved_bytes)} of {_gib(c.cluster.gpu.memory_bytes)} (the largest rank's, as "
+         "torchtitan reports the maximum across ranks)", "cost_models/allocator.py")])
+
+
+def _replay_terms(c: Candidate, top, profile: Profile) -> list[tuple[str, str, str]]:
+    """The headline rank's reserved from its allocator replay, and the replay's segments at its reserved peak by
+    stream and pool; [] where the candidate's reserved is not the replay's (the search's flat figure)."""
+    from cost_models.caching_allocator import pool_words
+    from cost_models.pipeline_allocations import rank_replay
+
+    replay = rank_replay(c.model, c.cluster, c.training, c.config, top.rank)
+    if profile.cuda_context_bytes + max(top.peak_allocated_bytes, replay.peak_reserved_bytes) != top.peak_reserved_bytes:
+        return []
+    conf = f"PYTORCH_CUDA_ALLOC_CONF={c.config.alloc_conf}" if c.config.alloc_conf else "PyTorch's default settings"
+    terms = [("reserved", f"the rank's allocations over two steps replayed through the caching allocator under "
+              f"{conf}: peak reserved {_gib(replay.peak_reserved_bytes)} (allocated blocks at their peak "
+              f"{_gib(replay.peak_allocated_bytes)}) + CUDA context = {_gib(top.peak_reserved_bytes)} of "
+              f"{_gib(c.cluster.gpu.memory_bytes)} (the largest rank's, as torchtitan reports the maximum)",
+              "cost_models/pipeline_allocations.py (the walk), caching_allocator.py (c10's CUDACachingAllocator)")]
+    terms += [("segments at the reserved peak", words, "") for words in pool_words(replay.segments_at_peak)]
     return terms
 
 
@@ -158,7 +186,7 @@ def explain_text(c: Candidate, profile: Profile = DEFAULT_PROFILE) -> str:
     """The memory terms, then the time terms (`profile`: the one c was costed with)."""
     lines = [f"Why {describe(c.config)} for {c.model.name} on {c.cluster.n_gpus} x {c.cluster.gpu.id}:",
              "", "Memory per GPU:"]
-    for term, formula, source in memory_terms(c):
+    for term, formula, source in memory_terms(c, profile):
         lines += [f"  {term}: {formula}"] + ([f"      source: {source}"] if source else [])
     lines += ["", "Time per optimizer step:"]
     for term, formula, source in time_terms(c, profile):
@@ -176,5 +204,5 @@ def explain_json(c: Candidate, chosen_by: str, profile: Profile = DEFAULT_PROFIL
         return [{"term": term, "formula": formula, "source": source} for term, formula, source in terms]
 
     return json.dumps({**estimate_dict(c, chosen_by=chosen_by),
-                       "explanation": {"memory": rows(memory_terms(c)), "time": rows(time_terms(c, profile))}},
+                       "explanation": {"memory": rows(memory_terms(c, profile)), "time": rows(time_terms(c, profile))}},
                       indent=2)

@@ -48,6 +48,7 @@ def build_request(model=None, gpus=None, *, valid: tuple[str, ...] | None = None
     config = dataclasses.replace(part("config", groups.get("config") or ConfigRequest()), mesh=mesh)
     top = by_group.get("", {})
     return Request(model=model, trust_remote_code=top.get("trust_remote_code", False), trainer=top.get("trainer"),
+                   alloc_conf=top.get("alloc_conf"),
                    cluster=part("cluster", groups.get("cluster") or ClusterRequest()),
                    training=part("training", groups.get("training") or TrainingRequest()),
                    config=config, search=part("search", groups.get("search") or SearchRequest()))

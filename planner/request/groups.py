@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from cost_models.caching_allocator import AllocatorSettings
 from cost_models.specs import ClusterSpec, TrainingSpec
 from cost_models.units import parse_bytes
 
@@ -223,8 +224,20 @@ class Request:
                                "torchtitan (0.3), torchtitan-0.2; the search proposes only what it can run, priced "
                                "with its defaults (optimizer implementation, kernels). Default: the --emit dialect's "
                                "trainer, else fsdp2")
+    alloc_conf: str | None = knob(None, "--alloc-conf", help="PYTORCH_CUDA_ALLOC_CONF the run sets, e.g. "
+                                  "expandable_segments:True or max_split_size_mb:512 (keys as torch's "
+                                  "CUDACachingAllocator reads them): a pipeline's reserved memory is replayed under "
+                                  "it and the launchers export it. Default: the trainer's (torchtitan's run_train.sh "
+                                  "sets expandable_segments:True), else PyTorch's (\"\")")
     trust_remote_code: bool = knob(False, "--trust-remote-code", help="Build a config.json whose auto_map names "
                                    "custom modelling code (runs that code)")
+
+    def __post_init__(self):
+        if self.alloc_conf:  # a bad PYTORCH_CUDA_ALLOC_CONF before any search or file is read
+            try:
+                AllocatorSettings.parse(self.alloc_conf)
+            except ValueError as exc:
+                raise PlannerError("alloc_conf", str(exc)) from None
 
     @property
     def mesh(self) -> MeshRequest:

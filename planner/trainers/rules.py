@@ -64,7 +64,7 @@ def with_trainer_defaults(request, trainer: Trainer):
     from planner.request.groups import Request
 
     table = knob_table(Request)
-    defaults = {"sequence_parallel": trainer.sequence_parallel[0], **trainer.defaults}
+    defaults = {"sequence_parallel": trainer.sequence_parallel[0], "alloc_conf": "", **trainer.defaults}
     if request.config.compile and trainer.compile_scopes:  # the scope it compiles when told to compile
         defaults["compile_scope"] = trainer.compile_scopes[0]
     for name in KERNEL_DEFAULTS:  # its kernels, but --liger's four where the user switched Liger on

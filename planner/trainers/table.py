@@ -33,6 +33,9 @@ KERNEL_DEFAULTS = {"norm_kernel": ("eager",), "rope_kernel": ("eager",), "swiglu
                    # sdp_utils priority: flash, efficient, math, cuDNN); torchtitan 0.3 puts cuDNN first on sm100 only
                    "attention_kernel": ("flash2",)}
 LIGER_KNOBS = ("norm_kernel", "rope_kernel", "swiglu_kernel", "loss_kernel")
+# PYTORCH_CUDA_ALLOC_CONF: torchtitan's launcher (run_train.sh at the repository's root, 0.2 and 0.3) starts torchrun
+# with PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True"; every other trainer leaves PyTorch's default ("")
+TORCHTITAN_ALLOC_CONF = "expandable_segments:True"
 
 
 @dataclass(frozen=True)
@@ -213,7 +216,8 @@ TRAINERS: dict[str, Trainer] = {t.id: t for t in (
         checkpointing=("none", "full", "selective-op"), compile_scopes=("blocks+loss", "blocks"), async_tp=True,
         precisions=NO_FP16,
         lora=False, norm="fused_rmsnorm", kernels=_defaults(loss_kernel=("chunked",)),
-        defaults=_defaults(optimizer_impl="fused"), load_way="meta-dcp"),  # meta init, then its checkpoint (DCP)
+        defaults=_defaults(optimizer_impl="fused", alloc_conf=TORCHTITAN_ALLOC_CONF),
+        load_way="meta-dcp"),  # meta init, then its checkpoint (DCP)
     Trainer(
         # torchtitan 0.2: JobConfig TOML / --section.option flags; selective_ac_option "op" or K; Float8 tensorwise
         # with enable_fsdp_float8_all_gather; sequence parallel always on with TP; optimizer.implementation "fused"
@@ -222,7 +226,8 @@ TRAINERS: dict[str, Trainer] = {t.id: t for t in (
         artifacts=("torchtitan-0.2", *LAUNCHERS), model_impl="torchtitan", mesh_dims=MESH_DIMS,
         sequence_parallel=(True,), compile_scopes=("blocks+loss", "blocks"), float8=True, fp8_all_gather=True,
         precisions=NO_FP16,
-        async_tp=True, lora=False, defaults=_defaults(optimizer_impl="fused"), load_way="meta-dcp"),
+        async_tp=True, lora=False, defaults=_defaults(optimizer_impl="fused", alloc_conf=TORCHTITAN_ALLOC_CONF),
+        load_way="meta-dcp"),
     Trainer(
         # NVIDIA NeMo Automodel 0.7.0 (planner/emit/automodel.py reads its recipe keys from the source): FSDP2 over
         # dp_replicate x dp_shard with tp / cp / ep (no pp in the recipes priced), activation_checkpointing a bool,

@@ -24,7 +24,8 @@ def test_every_knob_is_declared_once_in_one_group():
     assert groups["config.mesh"] == ["tp", "cp", "ep", "pp", "pp_schedule", "pp_stages_per_rank", "async_tp",
                                      "sequence_parallel"]
     assert groups["search"] == ["precisions", "reduce_dtypes"]
-    assert len(groups["config"]) == 25 and len(table) == 57  # 57: the trainer (planner/trainers) at the top
+    # 58: the trainer (planner/trainers) and alloc_conf (PYTORCH_CUDA_ALLOC_CONF) at the top
+    assert len(groups["config"]) == 25 and len(table) == 58
     # the flag of a knob is its name in kebab case, so a flag names one field per command
     for k in table.values():
         if k.flag.decls:
@@ -114,12 +115,13 @@ def test_every_flag_of_every_command_is_one_field():
     shared = {flag: names for flag, names in spelled.items() if len(names) > 1}
     assert shared == {"--precision": {"precision", "precisions"}, "--reduce-dtype": {"reduce_dtype", "reduce_dtypes"}}
     # by hand: estimate 9 cluster (with --model) + 9 training + attention + 23 config + 8 mesh + routing x 2 +
-    # trainer + trust_remote_code = 54; plan 9 + 9 + attention + attention_kernel + liger + 4 kernels + 2 search + 8
-    # mesh + routing x 2 + trainer + trust = 39; explain 9 + 9 +
-    # attention + 9 config + 8 mesh = 36; calibrate 5 cluster + 9 training + attention + precisions + 7 config +
-    # 7 mesh = 30 (and its own 19 from CalibrationRequest); check 9 + 9 + 6 config = 24; rl 9 cluster + finetune +
+    # trainer + alloc_conf + trust_remote_code = 55; plan 9 + 9 + attention + attention_kernel + liger + 4 kernels +
+    # 2 search + 8 mesh + routing x 2 + trainer + alloc_conf + trust = 40; explain 9 + 9 +
+    # attention + 9 config + 8 mesh + alloc_conf = 37; calibrate 5 cluster + 9 training + attention + precisions + 7
+    # config + 7 mesh = 30 (and its own 19 from CalibrationRequest); check 9 + 9 + 6 config + alloc_conf = 25; trace
+    # estimate's 55 (its --alloc-conf, once its own option, is the knob); rl 9 cluster + finetune +
     # lora_rank = 11 (the rest are verl's knobs, planner/rl/request.py)
-    assert from_request == {"plan": 39, "estimate": 54, "trace": 54, "explain": 36, "calibrate": 30, "check": 24,
+    assert from_request == {"plan": 40, "estimate": 55, "trace": 55, "explain": 37, "calibrate": 30, "check": 25,
                             "models": 0, "gpus": 0, "schema": 0, "rl": 11}
     assert own["calibrate"] == {"emit", "output_format", "fault"}  # the rest are CalibrationRequest's knobs
     assert own["estimate"] == {"output_format"} and own["check"] == {"dynamic_control_flow", "output_format"}
@@ -134,7 +136,7 @@ def test_a_knobs_default_is_the_apis_and_the_clis():
     for command, api, own in (("estimate", estimate, {"async_tp": False}), ("plan", plan, {})):
         signature = inspect.signature(api).parameters
         cli = {p.name: p.default for p in _cli_commands()[command].params if p.name in signature}
-        assert len(cli) == (55 if command == "estimate" else 40)  # the knobs, --profile; the model is positional
+        assert len(cli) == (56 if command == "estimate" else 41)  # the knobs, --profile; the model is positional
         for name, default in cli.items():
             if name != "model":
                 assert default == own.get(name, signature[name].default), (command, name)
