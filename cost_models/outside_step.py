@@ -200,12 +200,14 @@ def save_bytes(way: SaveWay, sizes: StateSizes, fsdp2: bool = True, on_gpu: bool
     state sits in host RAM (CPU offload) on a GPU run: DCP writes it in place; a full gather still runs on the GPU."""
     shard = sizes.shard(sizes.state_bytes)
     if way is SaveWay.DCP:
-        if not fsdp2:  # the copy get_state_dict makes is a device tensor even under CPU offload (FSDP1 unshards)
+        if not fsdp2:
             held, gather, _ = _fsdp1_dcp(sizes, saving=True, optimizer=True, on_gpu=on_gpu)
             if not on_gpu:
                 return OutsideBytes(held + gather, held + gather, 0)
-            staged = min(held, DCP_COPY_AHEAD_BYTES + sizes.shard(sizes.largest_tensor_bytes))
-            return OutsideBytes(staged, staged, held + gather)
+            # get_state_dict(..., StateDictOptions(cpu_offload=True)), as the fsdp1 snippet saves: each cloned
+            # chunk moves to host as it is made (ShardedStateDictConfig(offload_to_cpu=True)); the device keeps
+            # the gather of one unit's state. dcp.save writes the host copies in place.
+            return OutsideBytes(held, held, gather)
         in_place = offloaded or not on_gpu
         staged = 0 if in_place else min(shard, DCP_COPY_AHEAD_BYTES + sizes.shard(sizes.largest_tensor_bytes))
         return OutsideBytes(staged, staged, 0)

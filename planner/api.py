@@ -260,10 +260,9 @@ def _reduce_dtype(name: str) -> str:
 
 def plan_for(spec: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, profile: Profile | None = None,
              space: SearchSpace | None = None, trainer: str = DEFAULT_TRAINER, alloc_conf: str = "") -> Plan:
-    """Search and rank for resolved specs (`space` already bounded by `trainer`); alloc_conf: the
-    PYTORCH_CUDA_ALLOC_CONF every candidate runs under. Reserved memory is the search's flat figure, which ranks
-    and decides fits; Plan.replay_top gives the rows one shows estimate()'s (a pipeline's replay: ~0.25 s a
-    gpt-13b pp 2 candidate, ~2.4 s a 405B pp 8 one, so not for every candidate)."""
+    """Search and rank for resolved specs (`space` bounded by `trainer`) under PYTORCH_CUDA_ALLOC_CONF alloc_conf.
+    Reserved is the search's flat figure (it ranks, decides fits); Plan.replay_top gives shown rows estimate()'s
+    (a pipeline's replay: ~0.25 s a gpt-13b pp 2 candidate, ~2.4 s a 405B pp 8 one: not every candidate)."""
     profile = profile or DEFAULT_PROFILE
     result = search(spec, cluster, training, profile, space or SearchSpace())
     conf = (lambda e: replace(e, config=replace(e.config, alloc_conf=alloc_conf))) if alloc_conf else (lambda e: e)

@@ -109,6 +109,8 @@ def test_torchtitan_emit_then_check_prices_the_plans_mesh_with_no_mesh_findings(
     r = check(setup, "llama3-8b")
     # 0.3 runs its model configs' chunked loss (ChunkedLossWrapper) whatever was priced; the job's notes say so
     expected = replace(config, loss_kernel="chunked") if version == "0.3" else config
+    # the job sets no PYTORCH_CUDA_ALLOC_CONF: torchtitan's run_train.sh exports expandable segments, its default
+    expected = replace(expected, alloc_conf="expandable_segments:True")
     assert r.candidate.config == expected and r.candidate.cluster.n_gpus == gpus
     assert r.candidate.training.seq_len == seq_len
     mesh_codes = {"tp-across-nodes", "cp-does-not-divide-sequence", "ep-on-dense-model", "tp-does-not-divide-heads",

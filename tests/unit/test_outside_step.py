@@ -123,13 +123,12 @@ def test_offloaded_state_is_written_in_place_but_a_full_gather_still_runs_on_the
     assert save_bytes(SaveWay.FULL_RANK0, SIZES, offloaded=True) == OutsideBytes(3 * GiB, 0, 64 * MiB)
 
 
-def test_fsdp1s_dcp_save_copies_the_shard_on_the_gpu_and_gathers_a_units_state():
-    # get_state_dict's copy of the rank's 384 MiB of state on the device, beside one Adam state of the 128 MiB unit
-    # (NCCL writes the all-gather in place); DCP's writer stages it to host as it stages FSDP2's shard
-    assert save_bytes(SaveWay.DCP, SIZES, fsdp2=False) == OutsideBytes(
-        DCP_COPY_AHEAD_BYTES + 8 * MiB, DCP_COPY_AHEAD_BYTES + 8 * MiB, 384 * MiB + 128 * MiB)
-    # CPU offload does not move it: FSDP1 chunks the unsharded (device) param
-    assert save_bytes(SaveWay.DCP, SIZES, fsdp2=False, offloaded=True).gpu_bytes == 512 * MiB
+def test_fsdp1s_dcp_save_copies_the_shard_to_host_and_gathers_a_units_state_on_the_gpu():
+    # get_state_dict(cpu_offload=True), as the fsdp1 snippet saves: the copy of the rank's 384 MiB of state in host
+    # RAM, each chunk moved as it is made; on the device one Adam state of the 128 MiB unit (NCCL gathers in place)
+    assert save_bytes(SaveWay.DCP, SIZES, fsdp2=False) == OutsideBytes(384 * MiB, 384 * MiB, 128 * MiB)
+    # CPU offload changes nothing: FSDP1 chunks the unsharded (device) param either way
+    assert save_bytes(SaveWay.DCP, SIZES, fsdp2=False, offloaded=True) == OutsideBytes(384 * MiB, 384 * MiB, 128 * MiB)
 
 
 def test_fsdp1s_dcp_resume_holds_the_copy_and_gathers_root_and_block():

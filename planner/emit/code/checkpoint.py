@@ -4,7 +4,10 @@
   (load_pretrained); each rank saves and resumes its own shard with DCP.
 - FSDP1 (--emit fsdp1): every rank builds the model with its weights before apply_fsdp (the every-rank way, no
   loading function); each rank saves and resumes its own shard with DCP too: torch.distributed.checkpoint.state_dict's
-  get_state_dict gives an FSDP1 model's SHARDED_STATE_DICT, as it gives FSDP2's DTensors.
+  get_state_dict gives an FSDP1 model's SHARDED_STATE_DICT, as it gives FSDP2's DTensors. The save asks for
+  cpu_offload=True: FSDP1's state dict hooks clone the rank's chunk of every param and optimizer state, on the GPU
+  by default (a second copy of the sharded state beside the live one: 99.5 GiB per GPU for llama2-70b on 8); with
+  it each chunk moves to host as it is made (cost_models/outside_step.py prices the save so).
 Both run for real in tests/distributed/test_outside_step_torchrun.py.
 """
 
@@ -16,8 +19,8 @@ CHECKPOINT_IMPORTS = [  # FSDP2: the broadcast load, the DCP save and resume
     "from torch.distributed.checkpoint.state_dict import (",
     "    StateDictOptions, get_state_dict, set_model_state_dict, set_state_dict)",
 ]
-FSDP1_CHECKPOINT_IMPORTS = [DCP_IMPORT, "from torch.distributed.checkpoint.state_dict import get_state_dict, "
-                                        "set_state_dict"]
+FSDP1_CHECKPOINT_IMPORTS = [DCP_IMPORT, "from torch.distributed.checkpoint.state_dict import (",
+                            "    StateDictOptions, get_state_dict, set_state_dict)"]
 
 LOAD_PRETRAINED = [
     "def load_pretrained(model, full_state_dict=None):",
@@ -46,7 +49,14 @@ SAVE_AND_RESUME = [
 ]
 
 
-def checkpoint_code(load_pretrained: bool = True) -> str:
+FSDP1_SAVE_LINE = ("    model_state, optimizer_state = get_state_dict(model, optimizer, "
+                   "options=StateDictOptions(cpu_offload=True))")
+
+
+def checkpoint_code(load_pretrained: bool = True, fsdp1: bool = False) -> str:
     """The functions as text, to follow the snippet's make_optimizer (FSDP1: without load_pretrained, every rank
-    loads)."""
-    return "\n\n" + "\n".join((LOAD_PRETRAINED if load_pretrained else []) + SAVE_AND_RESUME) + "\n"
+    loads, and the save's copies go to host)."""
+    save = list(SAVE_AND_RESUME)
+    if fsdp1:
+        save[2] = FSDP1_SAVE_LINE
+    return "\n\n" + "\n".join((LOAD_PRETRAINED if load_pretrained else []) + save) + "\n"

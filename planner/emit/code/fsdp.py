@@ -125,7 +125,7 @@ def emit_fsdp1(config: FsdpConfig, model_spec: ModelSpec, cluster: ClusterSpec,
         ")",
     ] + ac + ["return model"]
     return _render(config, model_spec, cluster, imports, body, training,
-                   tech.fsdp1_unexpressed(config)) + checkpoint_code(load_pretrained=False)
+                   tech.fsdp1_unexpressed(config)) + checkpoint_code(load_pretrained=False, fsdp1=True)
 
 
 def emit_fsdp2(config: FsdpConfig, model_spec: ModelSpec, cluster: ClusterSpec,
