@@ -52,6 +52,16 @@ def cli(*args: str, timeout: float = 400) -> subprocess.CompletedProcess:
     return proc
 
 
+def probed(out: Path, into: Path) -> Path:
+    """`into` with the first calibration's CPU probe (host.json, probe.json) in it: a later calibration there
+    reuses it as `--out DIR` reuses its own (planner/calibrating/host.probe_host), instead of ~10 s of torchrun
+    probing the same CPU again (CI time; the probe itself is checked by the first calibration)."""
+    into.mkdir(parents=True, exist_ok=True)
+    for name in ("host.json", "probe.json"):
+        (into / name).write_bytes((out / name).read_bytes())
+    return into
+
+
 def lines(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
@@ -62,11 +72,12 @@ def calibration(tmp_path_factory):
     first = cli(*COMMON, "--top", "3", "--out", str(out), "--fault", "1:1:exit:1", "--torch-profile")
     before = (out / "results.jsonl").read_text()
     resumed = cli(*COMMON, "--top", "3", "--out", str(out), "--resume")
-    unmeasured = tmp_path_factory.mktemp("unmeasured")
+    unmeasured = probed(out, tmp_path_factory.mktemp("unmeasured"))
     check = cli(*COMMON, "--out", str(unmeasured), "--profile", str(out / "profile.json"), "--no-fit",
                 "--sharding", "FULL_SHARD", "--micro-batch", "4", "--activation-checkpointing", "every-2",
                 "--format", "json")
-    lora = cli(*COMMON, "--out", str(tmp_path_factory.mktemp("lora")), "--profile", str(out / "profile.json"),
+    lora_out = probed(out, tmp_path_factory.mktemp("lora"))
+    lora = cli(*COMMON, "--out", str(lora_out), "--profile", str(out / "profile.json"),
                "--no-fit", "--finetune", "lora", "--lora-rank", "8", "--sharding", "FULL_SHARD", "--micro-batch", "4",
                "--format", "json")
     return {"out": out, "first": first, "before": before, "resumed": resumed, "unmeasured": unmeasured,
@@ -263,12 +274,13 @@ def test_fsdp1_lora_run_materialises_base_and_adapters(tmp_path):
     assert abs(m["peak_allocated_bytes"] - predicted) / m["peak_allocated_bytes"] < MEMORY_TOLERANCE
 
 
-def test_ctrl_c_kills_the_run_in_flight_and_says_how_to_resume(tmp_path):
+def test_ctrl_c_kills_the_run_in_flight_and_says_how_to_resume(tmp_path, calibration):
     """SIGINT while a rank hangs: exit 130 with one line naming results.jsonl and --resume, and no rank of
     the killed torchrun job left running."""
     import signal
     import time
 
+    probed(calibration["out"], tmp_path)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     # SIGINT as a terminal delivers it: a suite started in the background (`.ci/run &`) has SIGINT ignored,
     # which children inherit and Python then never turns into KeyboardInterrupt
