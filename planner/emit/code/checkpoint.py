@@ -49,8 +49,8 @@ SAVE_AND_RESUME = [
 ]
 
 
-FSDP1_SAVE_LINE = ("    model_state, optimizer_state = get_state_dict(model, optimizer, "
-                   "options=StateDictOptions(cpu_offload=True))")
+FSDP1_SAVE_LINES = ["    options = StateDictOptions(cpu_offload=True)  # FSDP1 clones each chunk: to host, not the GPU",
+                    "    model_state, optimizer_state = get_state_dict(model, optimizer, options=options)"]
 
 
 def checkpoint_code(load_pretrained: bool = True, fsdp1: bool = False) -> str:
@@ -58,5 +58,5 @@ def checkpoint_code(load_pretrained: bool = True, fsdp1: bool = False) -> str:
     loads, and the save's copies go to host)."""
     save = list(SAVE_AND_RESUME)
     if fsdp1:
-        save[2] = FSDP1_SAVE_LINE
+        save[2:3] = FSDP1_SAVE_LINES
     return "\n\n" + "\n".join((LOAD_PRETRAINED if load_pretrained else []) + save) + "\n"
