@@ -220,22 +220,9 @@ def test_the_cli_round_trip_of_a_qlora_plan(tmp_path):
     """`fsdp-plan --trainer axolotl --finetune qlora` then `--emit axolotl` and `fsdp-plan check` of that file, as a
     user runs them: llama3.1-70b on 2 x RTX 4090 reads back as the plan (20,311,986,019 B reserved per GPU when
     written, under the card's 24 GB), with no finding."""
-    import contextlib
-    import io
-
-    from planner.cli import main
+    from tests.doctor.cli_run import run_cli as run
 
     args = ["--model", "llama3.1-70b", "--gpus", "2", "--gpu", "rtx4090-24gb"]
-
-    def run(argv):
-        out, code = io.StringIO(), 0
-        with contextlib.redirect_stdout(out):
-            try:
-                main(argv)
-            except SystemExit as exc:
-                code = exc.code
-        assert code in (0, None), out.getvalue()[-2000:]
-        return out.getvalue()
 
     planned = json.loads(run([*args, "--trainer", "axolotl", "--finetune", "qlora", "--format", "json"]))
     path = tmp_path / "config.yaml"

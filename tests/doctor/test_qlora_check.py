@@ -136,23 +136,10 @@ def test_the_emitted_fsdp2_snippet_reads_back_as_the_qlora_plan(tmp_path):
     the same GPU peak as the plan's at the same micro-batch (the snippet writes it only in a comment)."""
     import json
 
-    from planner.cli import main
+    from tests.doctor.cli_run import run_cli as run
 
     args = ["--model", "llama3.1-70b", "--gpus", "2", "--gpu", "rtx4090-24gb"]
     path = tmp_path / "train.py"
-
-    def run(argv):
-        import contextlib
-        import io
-
-        out, code = io.StringIO(), 0
-        with contextlib.redirect_stdout(out):
-            try:
-                main(argv)
-            except SystemExit as exc:
-                code = exc.code
-        assert code in (0, None), out.getvalue()[-2000:]
-        return out.getvalue()
 
     plan = json.loads(run([*args, "--finetune", "qlora", "--format", "json"]))["candidates"][0]
     path.write_text(run([*args, "--finetune", "qlora", "--emit", "fsdp2"]))
