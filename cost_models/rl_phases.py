@@ -284,9 +284,11 @@ def critic_terms(critic: ActorStates | None, settings: RlSettings, profile: Prof
 
 
 def rl_phases(model: ModelSpec, cluster: ClusterSpec, settings: RlSettings, engine: EngineSettings,
-              batch: BatchPlan, profile: Profile, critic: ActorStates | None = None) -> RlMemory:
-    """Every phase of a GRPO step on one GPU (see the module docstring); `critic`: PPO's (rl_critic.py)."""
-    actor = actor_states(actor_run(model, cluster, settings, batch), settings, batch, profile)
+              batch: BatchPlan, profile: Profile, critic: ActorStates | None = None,
+              actor: ActorStates | None = None) -> RlMemory:
+    """Every phase of a GRPO step on one GPU (see the module docstring); `critic`: PPO's (rl_critic.py); `actor`:
+    the actor's states where the caller priced them already (a search: planner/rl/search.py)."""
+    actor = actor or actor_states(actor_run(model, cluster, settings, batch), settings, batch, profile)
     c = 2  # bf16 compute (the actor's mixed precision, the reference, the engine)
     ref = reference_bytes(model, cluster, settings)
     ref_resident = 0 if settings.ref_param_offload else ref

@@ -8,7 +8,14 @@ one job against each other, not to predict a wall clock:
   sampler, the scheduler's gaps, the unequal lengths that leave the last wave's tail;
 - update: the FSDP step-time model (step_time.py) of one micro-batch, times the micro-batches of a step, plus one
   optimizer step per mini-batch;
-- log-probs (old and reference): the update's forward, a third of its compute without recompute, per token;
+- log-probs (old and reference): the forward of a log-prob micro-batch (its own micro-batch or token budget, priced
+  as the update's is), a third of its compute without recompute, per token;
+- Ulysses (sp > 1; verl models/transformers/monkey_patch.py _ulysses_flash_attention_forward): the micro-step is
+  priced on sequences of L / sp tokens; each GPU in fact attends heads / sp over the whole L, the full length's
+  attention FLOPs per local token (sp x those at L / sp), and runs four all-to-alls a layer (q, k, v before the
+  attention, KV heads repeated to sp where fewer; the output after) forward, four backward, four more in a
+  checkpointed block's recompute, on the critical path over the Ulysses group's tier (ulysses_s). Ignored: the
+  attention kernel's higher rate at the full length, position_ids' all-gather;
 - weight sync: every actor parameter all-gathered over the shard group in its stored dtype (intra-node bus);
 - offload: the host<->device bytes each step moves: actor params in and out for log-prob, update and sync; Adam's
   states in and out for the update; the offloaded reference streamed in once; sleep level 1's weight backup
@@ -21,16 +28,18 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+from . import comm
 from .cluster_spec import ClusterSpec
 from .model_spec import ModelSpec
 from .profile import Profile
 from .rl_batch import BatchPlan
 from .rl_phases import ActorStates, RlSettings, actor_run, reference_bytes
 from .rollout_engine import EngineMemory, EngineSettings, KvShape
-from .step_time import estimate_step_time
+from .step_time import TimeBreakdown, estimate_step_time
 
 PASSES_PER_STEP = 3   # actor params loaded for compute_log_prob, update_actor and the weight sync
 CRITIC_PASSES_PER_STEP = 2   # critic params loaded for compute_values and update_critic
+ATTENTION_FORWARD_SHARE = 1 / 3.5   # kernel_time.price_block: flash-attention's backward at 2.5 x its forward
 
 
 @dataclass(frozen=True)
@@ -64,26 +73,69 @@ def generation_s(model: ModelSpec, cluster: ClusterSpec, s: EngineSettings, e: E
     return decode + prefill
 
 
-def rl_step_time(model: ModelSpec, cluster: ClusterSpec, settings: RlSettings, engine: EngineSettings,
-                 e: EngineMemory, batch: BatchPlan, actor: ActorStates, prompt_tokens: int, response_tokens: int,
-                 profile: Profile, sp: int, critic: ActorStates | None = None) -> RlTime:
-    """prompt / response tokens: the means the engine generates; sp: the Ulysses degree; critic: PPO's, priced as
-    the actor's update plus one forward (its values), its head's FLOPs left out, and its offload copies (params in
-    and out for compute_values and update_critic, Adam's states for the update)."""
+def ulysses_s(model: ModelSpec, cluster: ClusterSpec, profile: Profile, micro: TimeBreakdown, tokens: int, sp: int,
+              checkpointed: bool, forward_only: bool = False) -> float:
+    """Seconds Ulysses adds to one micro-step of `tokens` tokens per GPU priced at L / sp (module docstring): the
+    attention's (sp - 1) x its priced seconds (forward only: its forward share; a checkpointed block recomputes
+    the forward) and the all-to-alls of q, k, v and the output, tokens x their widths x 2 B each."""
+    if sp <= 1:
+        return 0.0
+    kv = model.n_kv_heads * max(sp // model.n_kv_heads, 1) * model.head_dim   # verl's repeat_kv up to sp heads
+    tier = comm.Tier.for_group(cluster, profile, spans_nodes=sp > cluster.fast_tier_gpus)
+    a2a = sum(comm.all_to_all_s(tokens * w * 2, sp, tier) for w in (model.q_dim, kv, kv, model.q_dim))
+    f = ATTENTION_FORWARD_SHARE
+    passes, attention = (1, f) if forward_only else (2 + checkpointed, 1 + f * checkpointed)
+    return (sp - 1) * micro.attention_s * attention + model.n_layers * passes * a2a
+
+
+def micro_step(model: ModelSpec, cluster: ClusterSpec, settings: RlSettings, batch: BatchPlan, tokens: int,
+               mean_len: int, profile: Profile, sp: int, memo: dict | None = None) -> tuple[TimeBreakdown, int]:
+    """The FSDP step model on one micro-batch of `tokens` tokens per GPU, priced as the sequences it packs
+    (flash-attention's varlen kernel attends within each): whole sequences of their mean length (over sp with
+    Ulysses); with the tokens as priced (whole sequences). memo: one search's cache (one model, cluster and
+    profile), keyed by the step's inputs."""
     run = actor_run(model, cluster, settings, batch)
-    # priced as the sequences it packs (flash-attention's varlen kernel attends within each): micro-batches of
-    # whole sequences of their mean length (over sp with Ulysses), per token
-    tokens = batch.update_tokens_per_gpu
-    seq = max(1, min(tokens, (prompt_tokens + response_tokens) // sp))
+    seq = max(1, min(tokens, mean_len // sp))
     seqs = max(1, round(tokens / seq))
-    micro = estimate_step_time(run.model, run.cluster, dataclasses.replace(run.training, seq_len=seq),
-                               dataclasses.replace(run.config, micro_batch=seqs), profile)
-    per_token = (micro.step_s - micro.optimizer_s) / (seqs * seq)
+    key = (run.config, run.training, seq, seqs)
+    if memo is not None and key in memo:
+        return memo[key]
+    step = estimate_step_time(run.model, run.cluster, dataclasses.replace(run.training, seq_len=seq),
+                              dataclasses.replace(run.config, micro_batch=seqs), profile), seqs * seq
+    if memo is not None:
+        memo[key] = step
+    return step
+
+
+def train_seconds(model: ModelSpec, cluster: ClusterSpec, settings: RlSettings, batch: BatchPlan, prompt_tokens: int,
+                  response_tokens: int, profile: Profile, sp: int, memo: dict | None = None) -> tuple[float, float]:
+    """(update, log-probs) seconds of a step: the update's micro-steps and one optimizer step per mini-batch; the
+    old and reference log-probs, each the forward of the rank's tokens at the log-prob micro-batch."""
+    length, gc = prompt_tokens + response_tokens, settings.gradient_checkpointing
+    tokens = batch.update_tokens_per_gpu
+    micro, seqs_x_seq = micro_step(model, cluster, settings, batch, tokens, length, profile, sp, memo)
+    per_token = (micro.step_s - micro.optimizer_s + ulysses_s(model, cluster, profile, micro, seqs_x_seq, sp, gc)) \
+        / seqs_x_seq
     per_step = max(1, batch.micro_batches_per_mini) * batch.mini_batches_per_step
     update = per_step * tokens * per_token + batch.mini_batches_per_step * micro.optimizer_s
-    forward_per_token = (micro.compute_s - micro.recompute_s) / 3 / (seqs * seq)
-    rank_tokens = batch.step_seqs_per_rank * (prompt_tokens + response_tokens) / sp
-    log_prob = 2 * forward_per_token * rank_tokens
+    lp_tokens = batch.log_prob_tokens_per_gpu
+    fwd, fwd_tokens = (micro, seqs_x_seq) if lp_tokens == tokens else micro_step(
+        model, cluster, settings, batch, lp_tokens, length, profile, sp, memo)
+    forward_per_token = ((fwd.compute_s - fwd.recompute_s) / 3
+                         + ulysses_s(model, cluster, profile, fwd, fwd_tokens, sp, gc, forward_only=True)) / fwd_tokens
+    rank_tokens = batch.step_seqs_per_rank * length / sp
+    return update, 2 * forward_per_token * rank_tokens
+
+
+def rl_step_time(model: ModelSpec, cluster: ClusterSpec, settings: RlSettings, engine: EngineSettings,
+                 e: EngineMemory, batch: BatchPlan, actor: ActorStates, prompt_tokens: int, response_tokens: int,
+                 profile: Profile, sp: int, critic: ActorStates | None = None, memo: dict | None = None) -> RlTime:
+    """prompt / response tokens: the means the engine generates; sp: the Ulysses degree; critic: PPO's, priced as
+    the actor's update plus one forward (its values), its head's FLOPs left out, and its offload copies (params in
+    and out for compute_values and update_critic, Adam's states for the update); memo: micro_step's."""
+    run = actor_run(model, cluster, settings, batch)
+    update, log_prob = train_seconds(model, cluster, settings, batch, prompt_tokens, response_tokens, profile, sp,
+                                     memo)
     d = run.shard_ranks
     bus = cluster.gpu.intra_node_bus_bytes_per_s
     sync = actor.params_bytes * (d - 1) / bus if d > 1 else actor.params_bytes / cluster.gpu.hbm_bytes_per_s
@@ -98,4 +150,9 @@ def rl_step_time(model: ModelSpec, cluster: ClusterSpec, settings: RlSettings, e
                                             response_tokens),
                   log_prob_s=log_prob, update_s=update, weight_sync_s=sync,
                   offload_s=moved / cluster.gpu.pcie_bytes_per_s,
-                  critic_s=(update + log_prob / 2) if critic is not None else 0.0)
+                  critic_s=critic_seconds(update, log_prob) if critic is not None else 0.0)
+
+
+def critic_seconds(update_s: float, log_prob_s: float) -> float:
+    """PPO's critic: the actor's update and one forward (half the two log-prob passes), its head left out."""
+    return update_s + log_prob_s / 2

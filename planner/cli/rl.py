@@ -112,8 +112,10 @@ def register(app) -> None:
               param("emit", EmitOpt, None)]
     context = inspect.Parameter("ctx", inspect.Parameter.KEYWORD_ONLY, annotation=typer.Context)
     rl_app.callback()(command([context, *shared, param("top", TopOpt, 5)], _plan,
-                              "Rank verl GRPO configurations (offloads, micro-batch, gpu_memory_utilization, "
-                              "rollout TP) by estimated step time among those that fit; then `rl estimate` one."))
+                              "Rank verl GRPO configurations (actor dtype, offloads, checkpointing, entropy "
+                              "chunking, Ulysses, update and log-prob micro-batches, rollout TP, "
+                              "gpu_memory_utilization, max_num_seqs) by estimated step time among those that fit; "
+                              "then `rl estimate` one."))
     rl_app.command("estimate")(command(shared, _estimate, "Price one verl GRPO configuration: every phase's GPU "
                                                           "memory, the engine's KV cache, host RAM per node."))
     app.add_typer(rl_app, name="rl")

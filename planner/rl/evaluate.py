@@ -3,6 +3,7 @@ the host RAM per node, with whether (and why not) it runs."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from cost_models.cluster_spec import ClusterSpec
@@ -12,8 +13,8 @@ from cost_models.profile import DEFAULT_PROFILE, Profile
 from cost_models.rl_batch import BatchPlan, RlBatch, batch_plan
 from cost_models.rl_critic import critic_states
 from cost_models.rl_host import HostRam, host_ram_per_node
-from cost_models.rl_phases import RlMemory, RlSettings, rl_phases
-from cost_models.rl_time import RlTime, rl_step_time
+from cost_models.rl_phases import RlMemory, RlSettings, actor_run, actor_states, rl_phases
+from cost_models.rl_time import RlTime, critic_seconds, rl_step_time, train_seconds
 from cost_models.rollout_engine import EngineSettings
 from cost_models.units import GiB
 
@@ -67,8 +68,27 @@ def specs_of(r: RlRequest, model: ModelSpec) -> tuple[RlBatch, EngineSettings, R
     return batch, engine, settings
 
 
-def evaluate_rl(request: RlRequest, profile: Profile | None = None, model: ModelSpec | None = None) -> RlEstimate:
-    """Price one configuration; `model`: its spec where the caller resolved it already (the search)."""
+# What the actor's (and critic's) states do not depend on: where they sit between phases (rl_phases.py)
+PLACEMENT = dict(param_offload=False, optimizer_offload=False, ref_param_offload=False, critic_param_offload=False,
+                 critic_optimizer_offload=False)
+
+
+def _memoized(memo: dict | None, worker: str, settings: RlSettings, plan: BatchPlan, states):
+    """A search's worker states priced once per dtype, checkpointing, entropy and update micro-batch (not per
+    offload or engine choice): memo keyed by the settings less their placement and the micro-batch's shape."""
+    if memo is None:
+        return states()
+    key = (worker, dataclasses.replace(settings, **PLACEMENT), plan.update_tokens_per_gpu,
+           plan.micro_batches_per_mini > 1)
+    if key not in memo:
+        memo[key] = states()
+    return memo[key]
+
+
+def evaluate_rl(request: RlRequest, profile: Profile | None = None, model: ModelSpec | None = None,
+                memo: dict | None = None) -> RlEstimate:
+    """Price one configuration; `model`: its spec where the caller resolved it already, `memo`: a cache of the
+    micro-steps' prices one search shares (cost_models/rl_time.py micro_step)."""
     profile = profile or DEFAULT_PROFILE
     if request.model is None and model is None:
         raise PlannerError("model", "missing: pass --model with a preset name (see `fsdp-plan models`) or a "
@@ -77,13 +97,16 @@ def evaluate_rl(request: RlRequest, profile: Profile | None = None, model: Model
     cluster = request.cluster.spec()
     batch, engine, settings = specs_of(request, spec)
     plan = batch_plan(batch, cluster.n_gpus, spec.n_heads, spec.n_kv_heads, engine.tp)
-    critic = critic_states(spec, cluster, settings, plan, profile) if settings.ppo else None
-    memory = rl_phases(spec, cluster, settings, engine, plan, profile, critic)
+    states = _memoized(memo, "actor", settings, plan,
+                       lambda: actor_states(actor_run(spec, cluster, settings, plan), settings, plan, profile))
+    critic = _memoized(memo, "critic", settings, plan,
+                       lambda: critic_states(spec, cluster, settings, plan, profile)) if settings.ppo else None
+    memory = rl_phases(spec, cluster, settings, engine, plan, profile, critic, actor=states)
     host = host_ram_per_node(spec, cluster, settings, memory.actor, memory.engine, critic)
     time = rl_step_time(spec, cluster, settings, engine, memory.engine, plan, memory.actor,
                         batch.mean_prompt_length or batch.max_prompt_length,
                         batch.mean_response_length or batch.max_response_length, profile,
-                        batch.ulysses_sequence_parallel_size, critic=critic)
+                        batch.ulysses_sequence_parallel_size, critic=critic, memo=memo)
     reasons = [f"{r.field}: {r.reason}; {r.fix}" for r in memory.refusals]
     capacity = cluster.gpu.memory_bytes
     for phase in memory.phases:
@@ -98,6 +121,20 @@ def evaluate_rl(request: RlRequest, profile: Profile | None = None, model: Model
     return RlEstimate(request=request, model=spec, cluster=cluster, batch=plan, engine_settings=engine,
                       memory=memory, host=host, time=time, reasons=tuple(reasons),
                       notes=findings(settings, engine, memory, plan.rollout_seqs_per_replica, capacity))
+
+
+def train_time_s(request: RlRequest, model: ModelSpec, profile: Profile | None = None, memo: dict | None = None
+                 ) -> float:
+    """What the actor's knobs change in the step time (the search's g, planner/rl/search.py): the update, the
+    log-probs and PPO's critic, in seconds, as evaluate_rl prices them."""
+    batch, _, settings = specs_of(request, model)
+    cluster = request.cluster.spec()
+    plan = batch_plan(batch, cluster.n_gpus, model.n_heads, model.n_kv_heads, 1)
+    update, log_prob = train_seconds(model, cluster, settings, plan,
+                                     batch.mean_prompt_length or batch.max_prompt_length,
+                                     batch.mean_response_length or batch.max_response_length,
+                                     profile or DEFAULT_PROFILE, batch.ulysses_sequence_parallel_size, memo)
+    return update + log_prob + (critic_seconds(update, log_prob) if settings.ppo else 0.0)
 
 
 def rl_estimate(model, gpus: int | None = None, *, profile: Profile | None = None, **knobs) -> RlEstimate:

@@ -19,7 +19,24 @@ ESTIMATES = ("engine profile-run activations and CUDA-graph pool (rollout_engine
              "every step time: a decode roofline, the FSDP step model at the micro-batch, bytes over links "
              "(rl_time.py)",
              "log-prob forward working set: one block's saved bytes as its bound (rl_phases.py)",
+             "Ulysses: the attention at the whole length and its all-to-alls (rl_time.py); its buffers not counted",
              "mean lengths under remove-padding: as given, else the maxima")
+
+
+# the request's fields the search sets (planner/rl/search.py spaces), in the JSON's "knobs"
+SEARCHED = ("actor_dtype", "param_offload", "optimizer_offload", "ref_param_offload", "critic_param_offload",
+            "critic_optimizer_offload", "gradient_checkpointing", "entropy_chunking", "ulysses_sequence_parallel_size",
+            "use_dynamic_bsz", "ppo_micro_batch_size_per_gpu", "log_prob_micro_batch_size_per_gpu",
+            "ppo_max_token_len_per_gpu", "log_prob_max_token_len_per_gpu", "rollout_tp", "gpu_memory_utilization",
+            "max_num_seqs")
+
+
+def knobs_dict(r) -> dict:
+    """The searched knobs' values as priced (a log-prob micro-batch or budget left unset is the update's)."""
+    out = {k: getattr(r, k) for k in SEARCHED}
+    out["log_prob_micro_batch_size_per_gpu"] = r.log_prob_micro_batch_size_per_gpu or r.ppo_micro_batch_size_per_gpu
+    out["log_prob_max_token_len_per_gpu"] = r.log_prob_max_token_len_per_gpu or r.ppo_max_token_len_per_gpu
+    return out
 
 
 def gib(n: int) -> str:
@@ -55,6 +72,7 @@ def rl_dict(e: RlEstimate) -> dict:
                   "update_tokens_per_gpu": e.batch.update_tokens_per_gpu,
                   "log_prob_tokens_per_gpu": e.batch.log_prob_tokens_per_gpu},
         "time": e.time.to_dict(),
+        "knobs": knobs_dict(e.request),
         "estimates": list(ESTIMATES),
     }
 
@@ -77,6 +95,7 @@ def rl_text(e: RlEstimate) -> str:
         f"{e.model.name} ({e.model.n_params / 1e9:.2f}B) {r.algorithm.upper()} on {e.cluster.n_gpus} x "
         f"{e.cluster.gpu.id}: {r.strategy} actor {r.actor_dtype} ({r.finetune}), {r.engine} {r.engine_version} "
         f"TP {r.rollout_tp} at {r.gpu_memory_utilization}",
+        knob_words(r),
         f"batch: {b.sequences_per_step} sequences per step, {b.mini_batch_seqs_per_rank} per rank per mini-batch; "
         f"update micro-batch {b.update_tokens_per_gpu:,} tokens per GPU, log-prob {b.log_prob_tokens_per_gpu:,}",
         f"engine: weights {gib(eng.weights_bytes)} GiB, KV cache {gib(eng.kv_bytes)} GiB ({eng.kv_tokens:,} tokens, "
@@ -102,27 +121,93 @@ def rl_text(e: RlEstimate) -> str:
     return "\n".join(lines)
 
 
-def _knobs(e: RlEstimate) -> list:
+def knob_words(r) -> str:
+    """Every knob the search sets, as a sentence (the best plan's description)."""
+    def on(flag: bool) -> str:
+        return "on" if flag else "off"
+    batch = (f"token budget per GPU: update {r.ppo_max_token_len_per_gpu:,}, log-prob "
+             f"{(r.log_prob_max_token_len_per_gpu or r.ppo_max_token_len_per_gpu):,}" if r.use_dynamic_bsz else
+             f"sequences per GPU a micro-batch: update {r.ppo_micro_batch_size_per_gpu}, log-prob "
+             f"{r.log_prob_micro_batch_size_per_gpu or r.ppo_micro_batch_size_per_gpu}")
+    critic = (f", critic param offload {on(r.critic_param_offload)}, critic optimizer offload "
+              f"{on(r.critic_optimizer_offload)}" if r.algorithm == "ppo" else "")
+    return (f"knobs: actor {r.actor_dtype}, param offload {on(r.param_offload)}, optimizer offload "
+            f"{on(r.optimizer_offload)}, reference offload {on(r.ref_param_offload)}{critic}, gradient checkpointing "
+            f"{on(r.gradient_checkpointing)}, entropy chunking {on(r.entropy_chunking)}, Ulysses "
+            f"{r.ulysses_sequence_parallel_size}, {batch}; rollout TP {r.rollout_tp}, gpu_memory_utilization "
+            f"{r.gpu_memory_utilization}, max_num_seqs {r.max_num_seqs}, max_num_batched_tokens "
+            f"{r.max_num_batched_tokens}")
+
+
+def _budget(tokens: int) -> str:
+    return f"{tokens // 1024}k" if tokens % 1024 == 0 else str(tokens)
+
+
+def _knobs(e: RlEstimate) -> dict:
+    """A ranked row's knobs by column (LEGEND says what each holds)."""
     r = e.request
-    micro = "dynamic" if r.use_dynamic_bsz else str(r.ppo_micro_batch_size_per_gpu)
-    offload = "+".join(n for n, on in (("param", r.param_offload), ("opt", r.optimizer_offload)) if on) or "-"
-    return [offload, micro, f"{r.gpu_memory_utilization}", str(r.rollout_tp)]
+    offload = "".join(c for c, on in (("p", r.param_offload), ("o", r.optimizer_offload),
+                                       ("r", r.ref_param_offload and r.finetune == "full"),
+                                       ("P", r.critic_param_offload and r.algorithm == "ppo"),
+                                       ("O", r.critic_optimizer_offload and r.algorithm == "ppo")) if on) or "-"
+    k = knobs_dict(r)
+    micro = (f"{_budget(k['ppo_max_token_len_per_gpu'])}/{_budget(k['log_prob_max_token_len_per_gpu'])}"
+             if r.use_dynamic_bsz else
+             f"{k['ppo_micro_batch_size_per_gpu']}/{k['log_prob_micro_batch_size_per_gpu']}")
+    ckpt = "+".join(n for n, on in (("gc", r.gradient_checkpointing), ("ec", r.entropy_chunking)) if on) or "-"
+    return {"dtype": r.actor_dtype, "offload": offload, "ckpt": ckpt, "sp": str(r.ulysses_sequence_parallel_size),
+            "micro": micro, "TP": str(r.rollout_tp), "util": f"{r.gpu_memory_utilization}",
+            "seqs": str(r.max_num_seqs)}
+
+
+LEGEND = ("offload: p actor params, o Adam states, r reference, P / O the critic's; ckpt: gc gradient "
+          "checkpointing, ec entropy chunking; sp: Ulysses degree; micro: update / log-prob sequences per GPU "
+          "(dynamic batches: token budgets); TP: rollout TP; util: gpu_memory_utilization; seqs: max_num_seqs; "
+          "peak: GiB reserved; seconds (estimates): gen generation, logp log-probs, upd the update (PPO: and the "
+          "critic), sync weight sync and offload copies")
+
+
+def _times(e: RlEstimate) -> dict:
+    t = e.time
+    return {"peak": gib(e.memory.peak.reserved_bytes), "step": f"{t.step_s:.0f}", "gen": f"{t.generation_s:.0f}",
+            "logp": f"{t.log_prob_s:.0f}", "upd": f"{t.update_s + t.critic_s:.0f}",
+            "sync": f"{t.weight_sync_s + t.offload_s:.0f}"}
+
+
+def ranked_table(shown: list[RlEstimate]) -> tuple[str, str]:
+    """The rows' knobs and seconds; a knob with one value in every row moves to an "every row:" line."""
+    rows = [{"#": str(i + 1), **_knobs(e), **_times(e)} for i, e in enumerate(shown)]
+    knobs = list(_knobs(shown[0]))
+    same = [k for k in knobs if len({row[k] for row in rows}) == 1] if len(rows) > 1 else []
+    headers = [h for h in rows[0] if h not in same]
+    table = tabulate([[row[h] for h in headers] for row in rows], headers=headers, tablefmt="simple",
+                     disable_numparse=True)
+    return table, ("every row: " + ", ".join(f"{k} {rows[0][k]}" for k in same)) if same else ""
 
 
 def rl_plan_text(p: RlPlan) -> str:
-    shown = p.ranked or p.misses
-    rows = [[i + 1, *_knobs(e), e.memory.peak.name, gib(e.memory.peak.reserved_bytes), f"{e.time.step_s:.0f}",
-             f"{e.time.generation_s:.0f}", f"{e.time.log_prob_s:.0f}", f"{e.time.update_s:.0f}",
-             f"{e.time.weight_sync_s + e.time.offload_s:.0f}"] for i, e in enumerate(shown)]
-    title = (f"{len(p.ranked)} fastest of the configurations that fit ({p.searched} searched), by estimated step "
-             "time (s):" if p.ranked else f"Nothing fits ({p.searched} searched); the smallest peaks:")
-    # seconds: the step and its parts (generation, log-probs, update, weight sync + offload copies)
-    table = tabulate(rows, headers=["#", "offload", "micro", "util", "TP", "peak in", "GiB", "step", "gen", "logp",
-                                    "upd", "sync"], tablefmt="simple", disable_numparse=True)
-    lines = [textwrap.fill(title, LINE_WIDTH), table, "", "Best:" if p.ranked else "Nearest miss:", rl_text(shown[0])]
+    from .search import NOT_SEARCHED
+
+    shown = list(p.ranked or p.misses)
+    title = (f"The fastest configuration of each dtype and offload choice that fits ({p.searched:,} configurations "
+             f"in the space, {p.priced:,} priced), by estimated step time (s):" if p.ranked else
+             f"Nothing fits ({p.searched:,} configurations in the space, {p.priced:,} priced); the smallest peaks:")
+    table, every = ranked_table(shown)
+    notes = [every, LEGEND, "not searched: " + "; ".join(f"{k}: {why}" for k, why in NOT_SEARCHED.items())]
+    lines = [textwrap.fill(title, LINE_WIDTH), table,
+             *(textwrap.fill(n, LINE_WIDTH, subsequent_indent="  ") for n in notes if n),
+             "", "Best:" if p.ranked else "Nearest miss:", rl_text(shown[0])]
+    if shown[0].request.actor_dtype != p.request.actor_dtype:
+        lines.insert(-1, textwrap.fill(
+            f"note: the actor stored in {shown[0].request.actor_dtype}, not the request's {p.request.actor_dtype} "
+            "(fsdp_config.model_dtype): bf16 keeps no fp32 master weights; the search prices its memory and time, "
+            "not what it does to training", LINE_WIDTH, subsequent_indent="  "))
     return "\n".join(lines)
 
 
 def rl_plan_json(p: RlPlan) -> str:
-    return json.dumps({"searched": p.searched, "fits": bool(p.ranked),
+    from .search import NOT_SEARCHED
+
+    return json.dumps({"searched": p.searched, "priced": p.priced, "fits": bool(p.ranked),
+                       "not_searched": NOT_SEARCHED,
                        "candidates": [rl_dict(e) for e in p.ranked or p.misses]}, indent=2)

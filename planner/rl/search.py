@@ -1,6 +1,26 @@
-"""`fsdp-plan rl`: a small search over the knobs verl users tune for a GRPO / PPO job - actor (and critic) param /
-optimizer offload, the update's micro-batch, the engine's gpu_memory_utilization and rollout TP - each configuration
-priced by evaluate_rl, ranked by the estimated step time (cost_models/rl_time.py) among those that fit."""
+"""`fsdp-plan rl`: a search over the knobs verl users tune for a GRPO / PPO job, each configuration priced by
+evaluate_rl and ranked by its estimated step time (cost_models/rl_time.py), then its peak, among those that fit.
+
+The knobs fall in three groups by what they change in the cost models:
+- shared (S): the actor's dtype and its param / optimizer offload, the reference's offload (full fine-tuning: a
+  LoRA actor is its own reference) and PPO's critic offloads - they change every phase and the offload copies;
+- engine (E): rollout TP, gpu_memory_utilization, max_num_seqs - they change only the phases with the engine
+  awake (init, rollout, weight_sync: ENGINE_PHASES), the engine's refusals, host RAM and the generation time;
+- actor (A): gradient checkpointing, the Ulysses degree (dividing the heads and the GPUs; the KV heads divided
+  by it or dividing it, verl's repeat_kv), the update's micro-batch (or token budget) and the log-prob's apart
+  (forward only: it takes more), and entropy chunking - they change only the other phases (the engine asleep),
+  the batch refusals and the update / log-prob time.
+Given S, a configuration fits when its engine side and its actor side each fit, and its step time is f(S, E) +
+g(S's dtype, A) (rl_time.py: generation + weight sync + offload copies; update + log-probs + critic). So the best
+configuration of each S is the best E with the best A, found without their product (plan_rl): every E priced
+at one A, every A's time read once per dtype, then the A in time order until one fits. tests/unit/
+test_rl_search.py checks it against the whole product (exhaustive) on a small case.
+
+Entropy chunking changes memory, not time (its loop's cost is not priced): it is the request's unless the actor
+side does not fit without it (with_chunking_if_needed). The actor's dtype is searched for its memory and time only:
+bf16 keeps no fp32 master weights, which the output says when the best differs from the request. Not searched, and
+why: NOT_SEARCHED, said in the output.
+"""
 
 from __future__ import annotations
 
@@ -8,48 +28,205 @@ import dataclasses
 import itertools
 from dataclasses import dataclass
 
+from cost_models.model_spec import ModelSpec
 from cost_models.profile import Profile
 
 from ..models import resolve_model
-from .evaluate import RlEstimate, evaluate_rl
+from .evaluate import RlEstimate, evaluate_rl, train_time_s
 from .request import RlRequest
 
+DTYPES = ("fp32", "bf16")
 MICRO_BATCHES = (1, 2, 4, 8, 16)
-TOKEN_BUDGETS = (8192, 16384, 32768)   # dynamic batches: ppo_ (and log_prob_) max_token_len_per_gpu
+LOG_PROB_MICRO_BATCHES = (1, 2, 4, 8, 16, 32)    # forward only: it can take more than the update
+TOKEN_BUDGETS = (8192, 16384, 32768)             # dynamic batches: ppo_max_token_len_per_gpu
+LOG_PROB_TOKEN_BUDGETS = (8192, 16384, 32768, 65536)   # log_prob_max_token_len_per_gpu
+ULYSSES = (1, 2, 4, 8)
 UTILIZATIONS = (0.3, 0.4, 0.5, 0.6, 0.7)
 TPS = (1, 2, 4, 8)
+MAX_NUM_SEQS = (256, 512, 1024)
+ENGINE_PHASES = ("init", "rollout", "weight_sync")
+NOT_SEARCHED = {
+    "strategy": "FSDP1 and FSDP2 price alike on the GPU and in time (the actor's ledger prices both as FSDP2; only "
+                "loading's host RAM differs), so the request's is kept",
+    "max_num_batched_tokens": "only its profile run's activations are priced (prefill time is a FLOP roofline), so "
+                              "a search would only ever lower it; the request's is kept",
+    "use_dynamic_bsz": "with every sequence at its mean length a budget of B tokens prices as a micro-batch of "
+                       "B / length sequences; the request's mode is kept, its budgets or micro-batches searched",
+}
 
 
 @dataclass(frozen=True)
 class RlPlan:
     request: RlRequest
-    ranked: tuple[RlEstimate, ...]   # those that fit, fastest first
+    ranked: tuple[RlEstimate, ...]   # the best of each shared choice (S) that fits, fastest first
     misses: tuple[RlEstimate, ...]   # the nearest that do not (smallest peak first), when nothing fits
-    searched: int
+    searched: int                    # configurations in the space (the product of every knob's values)
+    priced: int = 0                  # configurations evaluate_rl priced to find the best
 
 
-def search_space(request: RlRequest, n_gpus: int, heads: int) -> list[dict]:
-    """The knob values to try: every combination of offloads (PPO: the critic's too), the micro-batch (static
-    batches) or the token budget (dynamic ones, those holding one whole sequence), utilization and a rollout TP
-    that divides the GPUs and the heads. The Ulysses degree stays the request's."""
-    tps = [t for t in TPS if n_gpus % t == 0 and heads % t == 0 and t <= n_gpus]
-    longest = (request.prompt_len + request.response_len) / request.ulysses_sequence_parallel_size
-    batches = ([{"ppo_max_token_len_per_gpu": b, "log_prob_max_token_len_per_gpu": b} for b in TOKEN_BUDGETS
-                if b >= longest] if request.use_dynamic_bsz else
-               [{"ppo_micro_batch_size_per_gpu": m, "log_prob_micro_batch_size_per_gpu": m} for m in MICRO_BATCHES])
-    critic = ([{"critic_param_offload": a, "critic_optimizer_offload": b}
-               for a, b in itertools.product((False, True), (False, True))] if request.algorithm == "ppo" else [{}])
-    return [dict(param_offload=p, optimizer_offload=o, gpu_memory_utilization=u, rollout_tp=t, **c, **m)
-            for p, o, c, m, u, t in itertools.product((False, True), (False, True), critic, batches or [{}],
-                                                      UTILIZATIONS, tps)]
+def key(e: RlEstimate) -> tuple:
+    """The ranking: step time, then the peak."""
+    return e.time.step_s, e.memory.peak.reserved_bytes
+
+
+def side_fits(e: RlEstimate, engine_side: bool) -> bool:
+    """The engine side (ENGINE_PHASES, the engine's refusals, rollout TP, host RAM) or the actor side (the other
+    phases, the batch's refusals): a configuration fits when both do (evaluate_rl's reasons, split)."""
+    cap = e.cluster.gpu.memory_bytes
+    if any(p.reserved_bytes > cap for p in e.memory.phases if (p.name in ENGINE_PHASES) == engine_side):
+        return False
+    tp_refusal = any(r.field == "rollout_tp" for r in e.batch.refusals)
+    if not engine_side:
+        return not any(r.field != "rollout_tp" for r in e.batch.refusals)
+    ram = e.cluster.cpu_ram_bytes_per_node
+    return not (e.memory.engine.refusals or tp_refusal or (ram and e.host.peak_bytes > ram))
+
+
+def _divides_mini(request: RlRequest, n_gpus: int, sp: int, micro: int) -> bool:
+    """verl asserts the normalised mini-batch (prompts x n // (GPUs / Ulysses)) divisible by the micro-batch."""
+    mini = (request.ppo_mini_batch_size or request.train_batch) * request.rollout_n // max(1, n_gpus // sp)
+    return mini > 0 and mini % micro == 0
+
+
+def spaces(request: RlRequest, model: ModelSpec, n_gpus: int) -> tuple[list[dict], list[dict], list[dict]]:
+    """(shared, engine, actor) knob values. Pruned by construction: what verl or vLLM refuse (a TP or Ulysses
+    degree not dividing the GPUs and heads, a micro-batch not dividing the mini-batch, a budget shorter than one
+    sequence / Ulysses) and max_num_seqs above a replica's sequences (the same speed, a larger sampler)."""
+    heads, kv = model.n_heads, model.n_kv_heads
+    shared = [dict(actor_dtype=d, param_offload=p, optimizer_offload=o)
+              for d, p, o in itertools.product(DTYPES, (False, True), (False, True))]
+    if request.finetune == "full":
+        shared = [dict(s, ref_param_offload=r) for s in shared for r in (False, True)]
+    if request.algorithm == "ppo":
+        shared = [dict(s, critic_param_offload=a, critic_optimizer_offload=b) for s in shared
+                  for a, b in itertools.product((False, True), (False, True))]
+    seqs = request.train_batch * request.rollout_n
+    engine = []
+    for tp in (t for t in TPS if n_gpus % t == 0 and heads % t == 0):
+        per_replica = -(-seqs // (n_gpus // tp))
+        wanted = [m for m in MAX_NUM_SEQS if m < per_replica] + [next((m for m in MAX_NUM_SEQS if m >= per_replica),
+                                                                      MAX_NUM_SEQS[-1])]
+        engine += [dict(rollout_tp=tp, max_num_seqs=m, gpu_memory_utilization=u)
+                   for m in dict.fromkeys(wanted) for u in UTILIZATIONS]
+    longest = request.prompt_len + request.response_len
+    actor = []
+    for sp in (s for s in ULYSSES if n_gpus % s == 0 and heads % s == 0 and (kv % s == 0 or s % kv == 0)):
+        if request.use_dynamic_bsz:
+            batches = [dict(ppo_max_token_len_per_gpu=b, log_prob_max_token_len_per_gpu=lb) for b in TOKEN_BUDGETS
+                       if b * sp >= longest for lb in LOG_PROB_TOKEN_BUDGETS if lb * sp >= longest]
+        else:
+            batches = [dict(ppo_micro_batch_size_per_gpu=m, log_prob_micro_batch_size_per_gpu=lm)
+                       for m in MICRO_BATCHES if _divides_mini(request, n_gpus, sp, m) for lm in LOG_PROB_MICRO_BATCHES]
+        actor += [dict(gradient_checkpointing=gc, ulysses_sequence_parallel_size=sp, **b)
+                  for gc in (True, False) for b in batches]
+    return shared, engine, actor
+
+
+def search_space(request: RlRequest, model: ModelSpec, n_gpus: int) -> list[dict]:
+    """Every configuration of the space (the product the exhaustive search prices)."""
+    shared, engine, actor = spaces(request, model, n_gpus)
+    return [{**s, **e, **a} for s, e, a in itertools.product(shared, engine, actor)]
+
+
+def with_chunking_if_needed(price, request: RlRequest, knobs: dict) -> RlEstimate:
+    """Priced with the request's entropy chunking; where the actor side does not fit and the entropy is computed
+    unchunked, priced again with chunking (verl's entropy_from_logits_with_chunking: the same time, less memory)."""
+    e = price(knobs)
+    if side_fits(e, engine_side=False) or not request.entropy or request.entropy_chunking:
+        return e
+    return price({**knobs, "entropy_chunking": True})
+
+
+def _pricer(request: RlRequest, profile: Profile | None, model: ModelSpec, memo: dict):
+    """evaluate_rl on the request with some knobs changed, counted, sharing one memo."""
+    count = [0]
+
+    def price(knobs: dict) -> RlEstimate:
+        count[0] += 1
+        return evaluate_rl(dataclasses.replace(request, **knobs), profile, model=model, memo=memo)
+    return price, count
+
+
+def exhaustive(request: RlRequest, profile: Profile | None = None) -> list[RlEstimate]:
+    """Every configuration of the space priced (entropy chunking by its rule): the reference the pruned search is
+    checked against (tests/unit/test_rl_search.py)."""
+    model = resolve_model(request.model)
+    price, _ = _pricer(request, profile, model, {})
+    return [with_chunking_if_needed(price, request, k)
+            for k in search_space(request, model, request.cluster.spec().n_gpus)]
 
 
 def plan_rl(request: RlRequest, profile: Profile | None = None, top: int = 10) -> RlPlan:
-    """Price the search space (the request fixes everything else); rank what fits by step time."""
+    """The best configuration of each shared choice S that fits, ranked (the module docstring says why it is the
+    product's best). Per S: the engine choices priced at the first actor choice, rising utilizations of each TP
+    and max_num_seqs until one fits at full speed (its KV cache runs every sequence it may: more only adds
+    memory) or the engine side is over the GPU (more only adds memory); the best by (f, engine-side peak). Then
+    the actor choices in the order of their seconds (train_time_s, read once per dtype), each priced with S and
+    that engine choice until one fits; one that did not fit with more offloaded (same dtype) is not priced."""
     model = resolve_model(request.model)
-    cluster = request.cluster.spec()
-    space = search_space(request, cluster.n_gpus, model.n_heads)
-    priced = [evaluate_rl(dataclasses.replace(request, **knobs), profile, model=model) for knobs in space]
-    fits = sorted((e for e in priced if e.fits), key=lambda e: (round(e.time.step_s, 1), e.memory.peak.reserved_bytes))
-    misses = () if fits else tuple(sorted(priced, key=lambda e: e.memory.peak.reserved_bytes)[:top])
-    return RlPlan(request=request, ranked=tuple(fits[:top]), misses=misses, searched=len(space))
+    n_gpus = request.cluster.spec().n_gpus
+    shared, engines, actors = spaces(request, model, n_gpus)
+    memo: dict = {}
+    price, count = _pricer(request, profile, model, memo)
+    order = {d: sorted(range(len(actors)), key=lambda i: (train_time_s(dataclasses.replace(
+        request, **{"actor_dtype": d, **actors[i]}), model, profile, memo), i)) for d in DTYPES}
+    priced: list[RlEstimate] = []
+    failed: list[tuple[dict, set]] = []   # (S, the actor choices whose actor side did not fit with it)
+    best = []
+    for s in sorted(shared, key=lambda s: -sum(v for k, v in s.items() if k != "actor_dtype")) if actors else []:
+        by_engine = _engine_side(price, s, engines, actors[0])
+        priced += [e for _, e in by_engine]
+        fitting = [(i, e) for i, e in by_engine if side_fits(e, engine_side=True)]
+        if not fitting:
+            continue
+        chosen = engines[min(fitting, key=lambda ie: (_f(ie[1]), _peak(ie[1], True), ie[0]))[0]]
+        known = set().union(*(f for t, f in failed if _offloads_more(t, s)))
+        failing = set()
+        for i in order[s["actor_dtype"]]:
+            if i in known:
+                continue
+            e = with_chunking_if_needed(price, request, {**s, **chosen, **actors[i]})
+            if e.fits:
+                best.append(e)
+                break
+            priced.append(e)
+            failing.add(i)
+        failed.append((s, failing))
+    ranked = sorted(best, key=key)
+    misses = () if ranked else tuple(sorted(priced, key=lambda e: e.memory.peak.reserved_bytes)[:top])
+    space = len(shared) * len(engines) * len(actors)
+    return RlPlan(request=request, ranked=tuple(ranked[:top]), misses=misses, searched=space, priced=count[0])
+
+
+def _offloads_more(t: dict, s: dict) -> bool:
+    """t offloads all that s does (the same dtype): every actor-side phase of t holds at most what s's holds."""
+    return t["actor_dtype"] == s["actor_dtype"] and all(t[k] >= v for k, v in s.items() if k != "actor_dtype")
+
+
+def _engine_side(price, s: dict, engines: list[dict], actor: dict) -> list[tuple[int, RlEstimate]]:
+    """(index, estimate) of the engine choices worth pricing for S: each TP and max_num_seqs by rising
+    utilization (spaces() lists them so), stopping after one that fits with every sequence it may run at once
+    (more: the same speed, more memory) or one whose engine phases are over the GPU or that vLLM refuses to start
+    (more: over still)."""
+    out, stop = [], None
+    for i, e in enumerate(engines):
+        group = (e["rollout_tp"], e["max_num_seqs"])
+        if group == stop:
+            continue
+        est = price({**s, **e, **actor})
+        out.append((i, est))
+        over = _peak(est, True) > est.cluster.gpu.memory_bytes or any(
+            r.code == "engine-start" for r in est.memory.engine.refusals)
+        wanted = min(e["max_num_seqs"], est.batch.rollout_seqs_per_replica)
+        if over or (side_fits(est, True) and est.memory.engine.max_concurrent_seqs >= wanted):
+            stop = group
+    return out
+
+
+def _f(e: RlEstimate) -> float:
+    """The engine side's seconds: generation, weight sync, offload copies."""
+    return e.time.generation_s + e.time.weight_sync_s + e.time.offload_s
+
+
+def _peak(e: RlEstimate, engine_side: bool) -> int:
+    return max(p.reserved_bytes for p in e.memory.phases if (p.name in ENGINE_PHASES) == engine_side)

@@ -93,12 +93,17 @@ class RlEstimateOutput(_Out):
     engine: RlEngine
     batch: RlBatch
     time: RlTime
+    knobs: dict[str, bool | int | float | str] = Field(description="the knobs the search sets, by the request's "
+                                                       "names (verl's: planner/emit/verl.py KEYS)")
     estimates: list[str] = Field(description="which figures are estimates rather than the engines' or verl's code")
 
 
 class RlPlanOutput(_Out):
     """`fsdp-plan rl --format json`: the ranked configurations (the nearest misses when nothing fits)."""
 
-    searched: int
+    searched: int = Field(description="configurations in the space: the product of every searched knob's values")
+    priced: int = Field(description="configurations priced to find each shared choice's best (planner/rl/search.py)")
     fits: bool
-    candidates: list[RlEstimateOutput] = Field(description="fastest first; when nothing fits, smallest peak first")
+    not_searched: dict[str, str] = Field(description="knobs kept at the request's value, each with why")
+    candidates: list[RlEstimateOutput] = Field(description="the best of each dtype and offload choice, fastest "
+                                               "first; when nothing fits, smallest peak first")

@@ -53,9 +53,17 @@ def test_rl_ranks_what_fits_by_step_time():
     RlPlanOutput.model_validate(out)
     steps = [c["time"]["step_s"] for c in out["candidates"]]
     assert out["fits"] and all(c["fits"] for c in out["candidates"]) and steps == sorted(steps)
-    assert out["searched"] == 2 * 2 * 5 * 5 * 3   # offloads, micro-batches, utilizations, TP 1 / 2 / 4 (28 heads)
+    # shared 16 x engine 30 x actor 180 (tests/unit/test_rl_search.py, by hand); a few hundred priced
+    assert out["searched"] == 86_400 and out["priced"] < 1000 and set(out["not_searched"]) == {
+        "strategy", "max_num_batched_tokens", "use_dynamic_bsz"}
+    best = out["candidates"][0]["knobs"]
+    # the log-prob forward takes a larger micro-batch than the update, its logits then chunked to fit
+    # (tests/unit/test_rl_search.py: 74.7 GB unchunked at 16 sequences)
+    assert best["log_prob_micro_batch_size_per_gpu"] > best["ppo_micro_batch_size_per_gpu"]
+    assert best["entropy_chunking"] and best["max_num_seqs"] in (256, 512, 1024)
     table = run("rl", *JOB[2:])
     assert table.returncode == 0 and "by estimated step time" in table.stdout and "Best:" in table.stdout
+    assert "every row: " in table.stdout and "knobs: actor " in table.stdout and "not searched: " in table.stdout
     assert max(len(line) for line in table.stdout.splitlines()) <= LINE_WIDTH
 
 

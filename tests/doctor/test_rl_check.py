@@ -16,6 +16,7 @@ from planner.emit.verl import emit_verl
 from planner.rl import rl_estimate
 from planner.rl.report import rl_dict
 from planner.schemas.rl import RlEstimateOutput
+from tests.doctor.cli_run import run_cli
 
 CLI = [sys.executable, "-m", "planner.cli", "check"]
 CASE_1 = dict(gpu="h100-80gb", prompt_len=1024, response_len=1024, train_batch=1024, ppo_mini_batch_size=256,
@@ -107,6 +108,22 @@ def test_emit_then_check_prices_the_same_phases(tmp_path, emit, name, model, gpu
     r = run(tmp_path / name, "--format", "json")
     assert r.returncode == 0, r.stderr
     same_memory(json.loads(r.stdout), e)
+
+
+def test_the_searchs_best_emitted_then_checked_prices_the_same(tmp_path):
+    """`fsdp-plan rl --emit verl` writes the best configuration of the issue's job on 8 x H100 (its dtype, offloads,
+    checkpointing, entropy chunking, Ulysses degree, both micro-batches, TP, utilization and max_num_seqs as
+    searched); check reads every searched knob back and prices the same phases and the same step time, exactly."""
+    from planner.rl.request import rl_request
+    from planner.rl.search import plan_rl
+
+    best = plan_rl(rl_request("qwen2.5-7b", 8, gpu="h100-80gb", prompt_len=1024, response_len=4096, rollout_n=8,
+                              train_batch=256), top=1).ranked[0]
+    (tmp_path / "best.sh").write_text(emit_verl(best))
+    checked = json.loads(run_cli(["check", str(tmp_path / "best.sh"), "--format", "json"]))
+    same_memory(checked, best)
+    planned = rl_dict(best)
+    assert checked["knobs"] == planned["knobs"] and checked["time"] == planned["time"]
 
 
 def test_verls_own_example_reads_and_fits(tmp_path):

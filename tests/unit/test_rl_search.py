@@ -1,15 +1,108 @@
-"""The RL search's space (planner/rl/search.py), counted by hand."""
+"""The RL search (planner/rl/search.py): its space counted by hand, verl's Ulysses rule, and the pruned search
+against the whole product on a small case."""
 
+import dataclasses
+
+import pytest
+
+import planner.rl.search as search
+from planner.models import resolve_model
 from planner.rl.request import rl_request
-from planner.rl.search import search_space
+
+JOB = dict(gpu="h100-80gb", prompt_len=1024, response_len=4096, rollout_n=8, train_batch=256)
 
 
-def test_space_sizes():
-    # static: 2 param x 2 optimizer offloads x 5 micro-batches x 5 utilizations x TP 1/2/4 (28 heads, 8 GPUs)
-    assert len(search_space(rl_request("qwen2.5-7b", 8), 8, 28)) == 300
-    # dynamic, 1024 + 8192 tokens: the budgets holding one sequence (16k, 32k) instead; TP 1/2/4/8 (32 heads)
-    dynamic = search_space(rl_request("qwen3-8b", 8, use_dynamic_bsz=True, prompt_len=1024, response_len=8192), 8, 32)
-    assert len(dynamic) == 2 * 2 * 2 * 5 * 4
-    assert {k["ppo_max_token_len_per_gpu"] for k in dynamic} == {16384, 32768}
-    # PPO: the critic's two offloads too
-    assert len(search_space(rl_request("qwen2.5-7b", 8, algorithm="ppo"), 8, 28)) == 4 * 300
+@pytest.fixture(scope="module")
+def qwen7():
+    return resolve_model("qwen2.5-7b")
+
+
+def test_space_sizes(qwen7):
+    """The issue's job (Qwen2.5-7B: 28 heads, 4 KV heads; 8 GPUs; 2,048 sequences a step): shared 2 dtypes x 2 x 2
+    offloads x 2 reference offloads = 16; engine: TP 1 / 2 / 4 (8 does not divide 28 heads) with 256 / 512 / 1,024
+    sequences a replica, so max_num_seqs {256}, {256, 512}, {256, 512, 1024}: 6 x 5 utilizations = 30; actor:
+    Ulysses 1 / 2 / 4 x checkpointing on / off x 5 micro-batches (all divide 256 x sp) x 6 log-prob ones = 180."""
+    shared, engine, actor = search.spaces(rl_request("qwen2.5-7b", 8, **JOB), qwen7, 8)
+    assert (len(shared), len(engine), len(actor)) == (16, 30, 180)
+    assert {e["max_num_seqs"] for e in engine if e["rollout_tp"] == 2} == {256, 512}
+    # LoRA: no reference to offload; PPO: the critic's two offloads
+    assert len(search.spaces(rl_request("qwen2.5-7b", 8, **JOB, finetune="lora"), qwen7, 8)[0]) == 8
+    assert len(search.spaces(rl_request("qwen2.5-7b", 8, **JOB, algorithm="ppo"), qwen7, 8)[0]) == 64
+    # dynamic, 1024 + 8192 tokens: a budget x sp holds one sequence of 9,216: sp 1 -> 16k, 32k; sp 2 and 4 -> all 3;
+    # log-prob budgets likewise, 64k too (sp 1: 3 of 4, sp 2 / 4: 4)
+    dynamic = search.spaces(rl_request("qwen2.5-7b", 8, **{**JOB, "response_len": 8192}, use_dynamic_bsz=True),
+                            qwen7, 8)[2]
+    assert len(dynamic) == 2 * (2 * 3 + 3 * 4 + 3 * 4)
+    assert {a["ppo_max_token_len_per_gpu"] for a in dynamic if a["ulysses_sequence_parallel_size"] == 1} == {
+        16384, 32768}
+
+
+def test_ulysses_degrees_follow_verls_rule(qwen7):
+    """verl monkey_patch.apply_monkey_patch asserts heads % sp == 0 and (kv % sp == 0 or sp % kv == 0) (it repeats
+    the KV heads up to sp); and sp divides the GPUs. 24 heads, 6 KV heads: 1, 2 (4 and 8 divide 24, but neither
+    divides 6 nor 6 them); 2 KV heads: 1, 2, 4, 8 (KV heads repeated to 4 and 8)."""
+    def degrees(heads, kv):
+        model = dataclasses.replace(qwen7, n_heads=heads, n_kv_heads=kv)
+        return sorted({a["ulysses_sequence_parallel_size"] for a in search.spaces(
+            rl_request("qwen2.5-7b", 8, **JOB), model, 8)[2]})
+    assert degrees(24, 6) == [1, 2]
+    assert degrees(24, 2) == [1, 2, 4, 8]
+
+
+def test_pruned_search_finds_the_exhaustive_best(monkeypatch):
+    """Qwen2.5-7B GRPO on 2 x H100 (fp32 states 15 + 30 GB a GPU: offloads matter), a space cut to 1,536
+    configurations: for every shared choice the pruned search's best has the step time and peak of the whole
+    product's best, pricing a tenth of it. The best needs entropy chunking, so the chunking rule is exercised."""
+    for name, values in dict(UTILIZATIONS=(0.3, 0.6), MICRO_BATCHES=(1, 16), LOG_PROB_MICRO_BATCHES=(2, 32),
+                             MAX_NUM_SEQS=(64, 256)).items():
+        monkeypatch.setattr(search, name, values)
+    request = rl_request("qwen2.5-7b", 2, gpu="h100-80gb", prompt_len=1024, response_len=2048, rollout_n=4,
+                         train_batch=32)
+    plan = search.plan_rl(request, top=100)
+    everything = search.exhaustive(request)
+    assert plan.searched == len(everything) == 1536 and plan.priced < 200
+    shared = list(search.spaces(request, resolve_model("qwen2.5-7b"), 2)[0][0])
+
+    def choice(e):
+        return tuple(getattr(e.request, k) for k in shared)
+    exhaustive = {}
+    for e in everything:
+        if e.fits and (choice(e) not in exhaustive or search.key(e) < search.key(exhaustive[choice(e)])):
+            exhaustive[choice(e)] = e
+    assert {choice(e): search.key(e) for e in plan.ranked} == {c: search.key(e) for c, e in exhaustive.items()}
+    assert len(plan.ranked) == 12 and plan.ranked[0].request.entropy_chunking
+
+
+BEST = dict(JOB, actor_dtype="bf16", ref_param_offload=False, gradient_checkpointing=False, rollout_tp=4,
+            gpu_memory_utilization=0.5, max_num_seqs=512)
+
+
+def test_entropy_chunking_is_what_fits_the_larger_log_prob_micro_batch():
+    """The issue's job with 16 sequences a log-prob micro-batch (16 x 5,120 = 81,920 tokens a GPU), the search's pick
+    for it: unchunked, the logits and the no-grad entropy hold 3 x 81,920 x 152,064 x 2 B = 74,742,497,280 B (over
+    the GPU); chunked (verl entropy_from_logits_with_chunking), the logits and three fp32 chunks of 2,048 rows:
+    24,914,165,760 + 3 x 2,048 x 152,064 x 4 = 28,651,290,624 B, and it fits."""
+    from planner.rl import rl_estimate
+
+    knobs = dict(BEST, ppo_micro_batch_size_per_gpu=1, log_prob_micro_batch_size_per_gpu=16)
+    plain, chunked = (rl_estimate("qwen2.5-7b", 8, entropy_chunking=c, **knobs) for c in (False, True))
+    assert [p.memory.phases[3].gpu_bytes["logits and entropy"] for p in (plain, chunked)] == [74_742_497_280,
+                                                                                             28_651_290_624]
+    assert not plain.fits and "in log_prob" in plain.reasons[0] and chunked.fits
+    assert plain.time.step_s == chunked.time.step_s   # memory only: chunking's loop is not priced
+
+
+def test_ulysses_is_what_fits_the_update_without_checkpointing():
+    """No gradient checkpointing, 4 sequences an update micro-batch: Ulysses splits the micro-batch's 4 x 5,120
+    tokens over sp GPUs (20,480 / 10,240 / 5,120 a GPU) and every saved activation with them (per token the same):
+    the update needs 150 GiB at sp 1, 84 at sp 2 and fits at sp 4; the time pays the attention over the whole
+    length and the all-to-alls (rl_time.ulysses_s), so the update is slower as sp grows."""
+    from planner.rl import rl_estimate
+
+    runs = [rl_estimate("qwen2.5-7b", 8, ulysses_sequence_parallel_size=sp, ppo_micro_batch_size_per_gpu=4,
+                        log_prob_micro_batch_size_per_gpu=4, entropy_chunking=True, **BEST) for sp in (1, 2, 4)]
+    assert [e.batch.update_tokens_per_gpu for e in runs] == [20_480, 10_240, 5_120]
+    saved = [e.memory.phases[5].gpu_bytes["activations"] for e in runs]
+    assert saved[0] == 2 * saved[1] == 4 * saved[2]
+    assert [e.fits for e in runs] == [False, False, True]
+    assert runs[0].time.update_s < runs[1].time.update_s < runs[2].time.update_s

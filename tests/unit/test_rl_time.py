@@ -44,3 +44,39 @@ def test_critic_offload_bytes_by_hand():
     # in and out: 4 x 3,535,311,361 + 2 x 7,070,622,721 = 28,282,490,886 B at 50 GB/s
     assert on.time.offload_s - off.time.offload_s == pytest.approx(28_282_490_886 / 50e9, rel=1e-9)
     assert off.time.critic_s > 0 and rl_estimate("qwen2.5-7b", 8, gpu="h100-80gb").time.critic_s == 0
+
+
+def test_ulysses_all_to_alls_by_hand():
+    """verl's Ulysses attention (monkey_patch._ulysses_flash_attention_forward): q, k, v and the output all-to-all'd
+    over sp GPUs, 4 a layer forward, 4 backward, 4 in a checkpointed block's recompute. Qwen2.5-7B (28 layers, q
+    3,584 wide, KV 4 heads x 128 = 512), 5,120 tokens a GPU at sp 4, the H100's NVLink tier (370 GB/s, 5 us, the
+    catalog and the default profile): per layer and pass 4 x 5 us + 3/4 x 5,120 x (3,584 + 512 + 512 + 3,584) x 2 B
+    / 370e9 = 190.04 us; x 28 x 3 passes = 15.963 ms. At sp 8 verl repeats the 4 KV heads to 8 (1,024 wide)."""
+    from types import SimpleNamespace
+
+    from cost_models.profile import DEFAULT_PROFILE
+    from cost_models.rl_time import ulysses_s
+
+    model, cluster = resolve_model("qwen2.5-7b"), make_cluster(8, gpu="h100-80gb")
+    no_attention = SimpleNamespace(attention_s=0.0)
+    assert ulysses_s(model, cluster, DEFAULT_PROFILE, no_attention, 5120, 4, True) == pytest.approx(
+        28 * 3 * (4 * 5e-6 + 0.75 * 5120 * 8192 * 2 / 370e9), rel=1e-9)
+    assert ulysses_s(model, cluster, DEFAULT_PROFILE, no_attention, 5120, 4, True) == pytest.approx(0.015963, rel=1e-4)
+    assert ulysses_s(model, cluster, DEFAULT_PROFILE, no_attention, 5120, 8, False, forward_only=True) == \
+        pytest.approx(28 * (4 * 5e-6 + 7 / 8 * 5120 * (2 * 3584 + 2 * 1024) * 2 / 370e9), rel=1e-9)
+    # the attention: sp - 1 more of it (forward only: flash's forward, 1 / 3.5 of forward + backward), no transfers
+    one_second = SimpleNamespace(attention_s=1.0)
+    assert ulysses_s(model, cluster, DEFAULT_PROFILE, one_second, 0, 4, False, forward_only=True) == pytest.approx(
+        3 / 3.5 + 28 * 4 * 5e-6, rel=1e-9)
+    assert ulysses_s(model, cluster, DEFAULT_PROFILE, one_second, 0, 1, True) == 0.0
+
+
+def test_log_probs_priced_at_their_own_micro_batch():
+    """The log-prob micro-batch apart from the update's: 1 / 16 prices the log-probs as 16 / 16 does and the update as
+    1 / 1 does; the larger forward is faster per token (FSDP's per-micro-batch costs spread over more tokens)."""
+    job = dict(gpu="h100-80gb", prompt_len=1024, response_len=4096, rollout_n=8, train_batch=256, rollout_tp=4)
+    split, big, small = (rl_estimate("qwen2.5-7b", 8, ppo_micro_batch_size_per_gpu=u,
+                                     log_prob_micro_batch_size_per_gpu=lp, **job)
+                         for u, lp in ((1, 16), (16, 16), (1, 1)))
+    assert split.time.log_prob_s == big.time.log_prob_s and split.time.update_s == small.time.update_s
+    assert split.time.log_prob_s < small.time.log_prob_s
