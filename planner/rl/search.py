@@ -166,6 +166,7 @@ def plan_rl(request: RlRequest, profile: Profile | None = None, top: int = 10) -
     model = resolve_model(request.model)
     n_gpus = request.cluster.spec().n_gpus
     shared, engines, actors = spaces(request, model, n_gpus)
+    actors = actors or [{}]   # none verl takes (a mini-batch of 0 sequences a rank): the request's, to say why
     memo: dict = {}
     price, count = _pricer(request, profile, model, memo)
     order = {d: sorted(range(len(actors)), key=lambda i: (train_time_s(dataclasses.replace(
@@ -173,7 +174,7 @@ def plan_rl(request: RlRequest, profile: Profile | None = None, top: int = 10) -
     priced: list[RlEstimate] = []
     failed: list[tuple[dict, set]] = []   # (S, the actor choices whose actor side did not fit with it)
     best = []
-    for s in sorted(shared, key=lambda s: -sum(v for k, v in s.items() if k != "actor_dtype")) if actors else []:
+    for s in sorted(shared, key=lambda s: -sum(v for k, v in s.items() if k != "actor_dtype")):
         by_engine = _engine_side(price, s, engines, actors[0])
         priced += [e for _, e in by_engine]
         fitting = [(i, e) for i, e in by_engine if side_fits(e, engine_side=True)]

@@ -106,3 +106,12 @@ def test_ulysses_is_what_fits_the_update_without_checkpointing():
     assert saved[0] == 2 * saved[1] == 4 * saved[2]
     assert [e.fits for e in runs] == [False, False, True]
     assert runs[0].time.update_s < runs[1].time.update_s < runs[2].time.update_s
+
+
+def test_a_batch_verl_refuses_is_still_priced_to_say_why():
+    """1 prompt x 1 response on 8 GPUs: verl's normalised mini-batch is 1 // 8 = 0 sequences, so no micro-batch
+    divides it; the search prices the request's own batch (16 shared x 15 engine choices: TP 1 / 2 / 4 with
+    max_num_seqs 256, 5 utilizations) and the nearest miss names verl's assert."""
+    plan = search.plan_rl(rl_request("qwen2.5-7b", 8, gpu="h100-80gb", train_batch=1, rollout_n=1))
+    assert not plan.ranked and plan.searched == 16 * 15
+    assert plan.misses[0].reasons[0].startswith("train_batch: real_train_batch_size (1) must be divisible")
