@@ -14,10 +14,11 @@ from cost_models.profile import Profile
 from cost_models.specs import GpuSpec, SpecError
 
 SCHEMA_VERSION = 1
-PROFILE_SCHEMA_VERSION = 3
+PROFILE_SCHEMA_VERSION = 4
 # profile files this fsdp-plan reads: 2 lacks the mesh's rates (tp / ep_comm_efficiency), which were priced at 1.0
-# when it was fitted, so it reads with them at 1.0
-PROFILE_SCHEMA_VERSIONS_READ = (2, 3)
+# when it was fitted, so it reads with them at 1.0; 2 and 3 always hold a cuda_context_bytes (measured, or the old
+# flat 0.75 GiB default), read as a measured figure that replaces the context and NCCL terms
+PROFILE_SCHEMA_VERSIONS_READ = (2, 3, 4)
 RESULTS_FILE = "results.jsonl"
 PROFILE_FILE = "profile.json"
 
@@ -207,7 +208,7 @@ class Coefficients(_Strict):
     intra_node_latency_s: float
     inter_node_latency_s: float
     microstep_overhead_s: float
-    cuda_context_bytes: int
+    cuda_context_bytes: int | None   # schema 4: null = not measured, priced term by term (outside_allocator.py)
     fragmentation: float
     optimizer_hbm_efficiency: float
     cpu_optimizer_params_per_s: float
@@ -227,6 +228,7 @@ class Coefficients(_Strict):
     def of(cls, profile: Profile) -> "Coefficients":
         data = asdict(profile)
         data.pop("source")
+        data.pop("outside_allocator")  # a run's --outside-allocator overrides, not a fitted coefficient
         return cls(**data)
 
 
@@ -243,7 +245,8 @@ class FitSummary(_Strict):
 class ProfileFile(_Strict):
     # 2: the operator-level step time (compute_efficiency is relative to the GPU's large-GEMM rate)
     # 3: the mesh's collective rates (Coefficients.tp_comm_efficiency, ep_comm_efficiency); 2 still reads
-    schema_version: Literal[2, 3] = PROFILE_SCHEMA_VERSION
+    # 4: cuda_context_bytes may be null (not measured: the memory outside the allocator priced term by term)
+    schema_version: Literal[2, 3, 4] = PROFILE_SCHEMA_VERSION
     kind: Literal["fsdp-plan-profile"] = "fsdp-plan-profile"
     created: str
     fingerprint: Fingerprint

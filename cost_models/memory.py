@@ -20,7 +20,7 @@ SHARD_GRAD_OP-like strategies keep every block gathered from forward until its b
 A shard group of one rank (NO_SHARD) still copies params out to unsharded tensors but needs no
 collective buffers.
 Ignored: per-parameter padding to a multiple of d (at most d-1 rows per tensor), allocator rounding to
-512 bytes; reserved adds the profile's fragmentation and the CUDA context.
+512 bytes; reserved adds the profile's fragmentation and the memory outside the allocator (outside_allocator.py).
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from . import (activation_notes, activations, context_parallel, expert_parallel,
                tensor_parallel)
 from . import kernels
 from .memory_types import MemoryBreakdown, MemoryEstimate, ParamCounts
+from .outside_allocator import outside_allocator_terms
 from .profile import Profile
 from .specs import ActivationTerms, ClusterSpec, FsdpConfig, ModelSpec, Precision, Sharding, TrainingSpec
 from .units import DTYPE_BYTES
@@ -63,6 +64,7 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
         return pipeline_estimate(model, cluster, training, config, profile)
     # The mesh's per-rank view: a TP rank's slice of the model (tensor_parallel.local_model) on a CP rank's
     # s / cp tokens of each sequence (SDPA keeps nothing that grows with the keys' length).
+    full_model = model
     model = tensor_parallel.local_model(model, config)
     ep_view = expert_parallel.view(model, config, cluster, training)  # EP: E / ep experts, FSDP over efsdp
     if ep_view is not None:
@@ -367,8 +369,9 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
     # backward can set the reserved peak even where another moment allocates more.
     loss_reserved = moments["loss backward"].total_bytes + kernels.loss_reserved_extra_bytes(
         model, c, config, kern, tokens, tokens * activations.logits_reserved_extra_bytes_per_token(model, c, config.loss_compiled))
-    peak_reserved = profile.reserved_bytes(max(peak_allocated, loss_reserved)) + (
-        ep_view.outside_allocator_bytes(c) if ep_view is not None else 0)  # DeepEP's NVLink buffer
+    outside = outside_allocator_terms(cluster, config, profile, full_model, training,
+                                      ep_view.outside_allocator_bytes(c) if ep_view is not None else 0)
+    peak_reserved = profile.reserved_bytes(max(peak_allocated, loss_reserved), sum(t.bytes for t in outside))
     cpu_per_rank = (sharded_params + sharded_grads + optimizer_state + step_temporaries) if config.offload else 0
     return MemoryEstimate(
         breakdown=breakdown,
@@ -382,4 +385,5 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
         + tuple(n for n in [None if config.expert_shard_dim or ep_view else moe.padding_note(model, d, c)] if n)
         + (ep_view.notes() if ep_view is not None else ()),
         peak_moment=peak_moment,
+        outside_allocator=outside,
     )

@@ -40,13 +40,25 @@ class MemoryEstimate:
     peak_phase: str                  # "backward" or "optimizer_step"
     phases: dict                     # phase name -> MemoryBreakdown, for both phases
     peak_allocated_bytes: int        # what torch.cuda.max_memory_allocated would show
-    peak_reserved_bytes: int         # + fragmentation + CUDA context: compared with the GPU's memory
+    peak_reserved_bytes: int         # the allocator's reserved + outside_allocator: compared with the GPU's memory
     cpu_bytes_per_node: int          # CPU RAM the offloaded state needs on each node
     cpu_ram_capacity_bytes: int      # CPU RAM per node of the cluster (0 = unknown)
     notes: tuple[str, ...] = ()
     peak_moment: str = ""            # what runs at the peak: "loss backward", "backward of block 31", ...
     pipeline_ranks: tuple = ()       # pp > 1: each pipeline rank's PipelineRankMemory (cost_models/pipeline_memory.py)
     host_ram: object = None          # HostRam (cost_models/host_ram.py): host RAM per node; set by evaluate()
+    # the memory outside the caching allocator, term by term (outside_allocator.OutsideTerm), in peak_reserved_bytes
+    outside_allocator: tuple = ()
+
+    @property
+    def outside_allocator_bytes(self) -> int:
+        return sum(t.bytes for t in self.outside_allocator)
+
+    @property
+    def allocator_reserved_bytes(self) -> int:
+        """The caching allocator's reserved peak alone: what torch.cuda.max_memory_reserved shows, and what a
+        published "reserved" figure (torchtitan's) is compared with; peak_reserved_bytes adds what lies outside."""
+        return self.peak_reserved_bytes - self.outside_allocator_bytes
 
 
 @dataclass(frozen=True)

@@ -303,7 +303,7 @@ class _RankWalk:
 def replayed_reserved(memory: MemoryEstimate, model: ModelSpec, cluster, training: TrainingSpec, config: FsdpConfig,
                       profile, settings: AllocatorSettings | None = None) -> MemoryEstimate:
     """A pipeline estimate (pipeline_memory.pipeline_estimate) with each rank's reserved peak from its replay, plus
-    the CUDA context, in place of allocated x (1 + fragmentation): never below the rank's allocated peak. Run for
+    the memory outside the allocator (memory.outside_allocator), in place of allocated x (1 + fragmentation): never below the rank's allocated peak. Run for
     the candidates reported, not inside the search (a 405B pp 8 estimate replays 8 ranks: ~2 s). settings None:
     the config's own (its alloc_conf, PYTORCH_CUDA_ALLOC_CONF).
 
@@ -316,15 +316,15 @@ def replayed_reserved(memory: MemoryEstimate, model: ModelSpec, cluster, trainin
     if not memory.pipeline_ranks:
         return memory
     settings = config.allocator_settings if settings is None else settings
-    ranks = tuple(dataclasses.replace(r, peak_reserved_bytes=profile.cuda_context_bytes + max(
+    ranks = tuple(dataclasses.replace(r, peak_reserved_bytes=memory.outside_allocator_bytes + max(
         r.peak_allocated_bytes, rank_replay(model, cluster, training, config, r.rank, settings, False)
         .peak_reserved_bytes)) for r in memory.pipeline_ranks)
     top = max(ranks, key=lambda r: r.peak_reserved_bytes)
     conf = (f"PYTORCH_CUDA_ALLOC_CONF={settings.conf()}" if settings != AllocatorSettings()
             else "PyTorch's default allocator settings")
     notes = (f"reserved {top.peak_reserved_bytes / GiB:.1f} GiB (pipeline rank {top.rank}): each rank's allocations "
-             f"replayed through the caching allocator model under {conf}, + the CUDA context; the flat rule (allocated "
-             f"x {1 + profile.fragmentation:.2f} + context, {memory.peak_reserved_bytes / GiB:.1f} GiB) decides whether "
+             f"replayed through the caching allocator model under {conf}, + {memory.outside_allocator_bytes / GiB:.2f} GiB "
+             f"outside the allocator; the flat rule (allocated x {1 + profile.fragmentation:.2f} + outside, {memory.peak_reserved_bytes / GiB:.1f} GiB) decides whether "
              "it fits, as the allocator frees its cached segments and retries before an out-of-memory error",)
     capacity = cluster.gpu.memory_bytes
     if top.peak_reserved_bytes > capacity:

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 
 from . import activation_notes, activations, optimizer_step, pipeline_techniques, tensor_parallel
 from .memory_types import MemoryBreakdown, MemoryEstimate
+from .outside_allocator import outside_allocator_terms
 from .pipeline import rank_stages
 from .pipeline_orders import active_stages, orders
 from .pipeline_stage_pieces import StagePieces, stage_pieces
@@ -60,8 +61,9 @@ def _breakdown(**parts) -> MemoryBreakdown:
 
 
 def rank_memory(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, d: int, rank: int,
-                profile) -> PipelineRankMemory:
-    """Pipeline rank `rank`'s peak (d: the FSDP shard group, dp_shard x cp): torch's order replayed."""
+                profile, outside_bytes: int) -> PipelineRankMemory:
+    """Pipeline rank `rank`'s peak (d: the FSDP shard group, dp_shard x cp): torch's order replayed; its reserved
+    adds `outside_bytes` (outside_allocator.py: the busiest rank's, every rank priced with it)."""
     precision = config.precision
     c, p = DTYPE_BYTES[precision.compute_dtype], DTYPE_BYTES[precision.param_dtype]
     r = DTYPE_BYTES[config.gradient_reduce_dtype]
@@ -316,17 +318,18 @@ def rank_memory(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, d:
                             "in flight" for s, x in pieces.items())
     return PipelineRankMemory(rank=rank, stages=tuple(pieces), description=description,
                               peak_allocated_bytes=breakdown.total_bytes,
-                              peak_reserved_bytes=profile.reserved_bytes(max(breakdown.total_bytes, loss_moment)),
+                              peak_reserved_bytes=profile.reserved_bytes(max(breakdown.total_bytes, loss_moment),
+                                                                         outside_bytes),
                               breakdown=breakdown, peak_moment=peak_moment,
                               phases={"backward": backward, "optimizer_step": step})
 
 
 def pipeline_ranks(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, d: int,
-                   profile) -> tuple[PipelineRankMemory, ...]:
+                   profile, outside_bytes: int) -> tuple[PipelineRankMemory, ...]:
     """Every pipeline rank's memory (empty without PP)."""
     if config.pp == 1:
         return ()
-    return tuple(rank_memory(model, training, config, d, r, profile) for r in range(config.pp))
+    return tuple(rank_memory(model, training, config, d, r, profile, outside_bytes) for r in range(config.pp))
 
 
 def rank_inputs(model: ModelSpec, training: TrainingSpec, config: FsdpConfig) -> tuple[ModelSpec, TrainingSpec]:
@@ -336,11 +339,32 @@ def rank_inputs(model: ModelSpec, training: TrainingSpec, config: FsdpConfig) ->
     return tensor_parallel.local_model(model, config), training
 
 
+def pipeline_outside_terms(model: ModelSpec, cluster, training: TrainingSpec, config: FsdpConfig, profile) -> tuple:
+    """The memory outside the allocator of a pipeline configuration (outside_allocator.py; async TP's workspace on
+    a CP rank's s / cp tokens)."""
+    if config.cp > 1:
+        training = dataclasses.replace(training, seq_len=training.seq_len // config.cp)
+    return outside_allocator_terms(cluster, config, profile, model, training)
+
+
+def with_outside_terms(memory: MemoryEstimate, terms: tuple) -> MemoryEstimate:
+    """`memory` with these outside-the-allocator terms in place of its own: every reserved figure shifted by the
+    difference (the search's memo reuses a pipeline's rank replays across Float8 and async TP, which change only
+    these terms)."""
+    delta = sum(t.bytes for t in terms) - memory.outside_allocator_bytes
+    ranks = tuple(dataclasses.replace(r, peak_reserved_bytes=r.peak_reserved_bytes + delta)
+                  for r in memory.pipeline_ranks)
+    return dataclasses.replace(memory, peak_reserved_bytes=memory.peak_reserved_bytes + delta, pipeline_ranks=ranks,
+                               outside_allocator=tuple(terms))
+
+
 def pipeline_estimate(model: ModelSpec, cluster, training: TrainingSpec, config: FsdpConfig, profile):
     """estimate_memory under pp > 1: the largest rank's figures as the headline (torchtitan reports the maximum
     across ranks), every rank in pipeline_ranks."""
+    outside = pipeline_outside_terms(model, cluster, training, config, profile)
     model, training = rank_inputs(model, training, config)
-    ranks = pipeline_ranks(model, training, config, config.shard_group_size(cluster), profile)
+    ranks = pipeline_ranks(model, training, config, config.shard_group_size(cluster), profile,
+                           sum(t.bytes for t in outside))
     top = max(ranks, key=lambda x: x.peak_allocated_bytes)
     phase = "optimizer_step" if top.peak_moment == "optimizer step" else "backward"
     notes = tuple(activation_notes.quirks(model, config.attention, training.seq_len)) + (
@@ -359,4 +383,5 @@ def pipeline_estimate(model: ModelSpec, cluster, training: TrainingSpec, config:
     return MemoryEstimate(breakdown=top.breakdown, peak_phase=phase, phases=dict(top.phases),
                           peak_allocated_bytes=top.peak_allocated_bytes, peak_reserved_bytes=top.peak_reserved_bytes,
                           cpu_bytes_per_node=0, cpu_ram_capacity_bytes=cluster.cpu_ram_bytes_per_node, notes=notes,
-                          peak_moment=f"{top.peak_moment} (pipeline rank {top.rank})", pipeline_ranks=ranks)
+                          peak_moment=f"{top.peak_moment} (pipeline rank {top.rank})", pipeline_ranks=ranks,
+                          outside_allocator=outside)

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from .units import GiB
-
 
 def _default_compute_efficiency() -> dict:
     # The fraction of the GPU's best large-GEMM rate (catalog matmul_efficiency x peak) that a training
@@ -41,8 +39,12 @@ class Profile:
     inter_node_latency_s: float = 15e-6
     # Fixed host-side cost per micro-step: kernel launches and hooks, data loading.
     microstep_overhead_s: float = 0.01
-    # Memory outside PyTorch's allocator: CUDA context and library workspaces (0.5-1 GB, hardware.md).
-    cuda_context_bytes: int = int(0.75 * GiB)
+    # Memory outside PyTorch's allocator: None prices it term by term for each configuration (the CUDA context per
+    # architecture, NCCL's communicators, symmetric memory, ...: cost_models/outside_allocator.py); an int is a
+    # measured figure (calibration: device memory used outside the allocator), which replaces the context and NCCL
+    # terms. outside_allocator: (term or NCCL variable, value) overrides (outside_allocator.parse_overrides).
+    cuda_context_bytes: int | None = None
+    outside_allocator: tuple = ()
     # Caching-allocator reserved / allocated - 1 at the peak (fragmentation, FSDP paper section 7).
     fragmentation: float = 0.05
     # Fraction of HBM bandwidth the elementwise optimizer step achieves.
@@ -77,9 +79,10 @@ class Profile:
     overlap_slowdown: float = 0.1
     source: str = "defaults (published measurements)"
 
-    def reserved_bytes(self, allocated_bytes: int) -> int:
-        """What the GPU must hold for an allocated peak: the allocator's fragmentation and the CUDA context."""
-        return int(allocated_bytes * (1 + self.fragmentation)) + self.cuda_context_bytes
+    def reserved_bytes(self, allocated_bytes: int, outside_bytes: int) -> int:
+        """What the GPU must hold for an allocated peak: the allocator's segments (allocated x (1 + fragmentation),
+        what torch.cuda.max_memory_reserved shows) + the memory outside the allocator (outside_allocator.py)."""
+        return int(allocated_bytes * (1 + self.fragmentation)) + outside_bytes
 
     def efficiency(self, dtype: str) -> float:
         return self.compute_efficiency.get(dtype, self.compute_efficiency["bf16"])

@@ -31,6 +31,7 @@ from .feasibility import Refusal
 from .memory import estimate_memory
 from .memory_types import MemoryBreakdown, ParamCounts
 from .model_spec import ModelSpec
+from .outside_allocator import outside_allocator_terms
 from .profile import Profile
 from .rl_batch import BatchPlan
 from .rollout_engine import EngineMemory, EngineSettings, engine_memory
@@ -263,15 +264,17 @@ def _offloaded(settings: RlSettings, actor_loaded: bool, adam_loaded: bool, engi
         (f"engine asleep (level {settings.sleep_level})", engine_asleep)) if away)
 
 
-def _phase(name: str, torch_terms: dict, engine_terms: dict, profile: Profile, offloaded=(), note="") -> Phase:
-    """Torch's tensors take the allocator's fragmentation and the CUDA context; the engine's (vLLM's CuMem pool,
-    CUDA graphs) are added as they are."""
+def _phase(name: str, torch_terms: dict, engine_terms: dict, profile: Profile, outside_bytes: int, offloaded=(),
+           note="") -> Phase:
+    """Torch's tensors take the allocator's fragmentation, plus the actor process's memory outside the allocator
+    (outside_allocator.py: its CUDA context and communicators); the engine's (vLLM's CuMem pool, CUDA graphs) are
+    added as they are."""
     terms = {k: v for k, v in {**torch_terms, **engine_terms}.items() if v}
-    reserved = profile.reserved_bytes(sum(torch_terms.values())) + sum(engine_terms.values())
+    reserved = profile.reserved_bytes(sum(torch_terms.values()), outside_bytes) + sum(engine_terms.values())
     return Phase(name, terms, reserved, tuple(offloaded), note)
 
 
-def critic_terms(critic: ActorStates | None, settings: RlSettings, profile: Profile) -> tuple[dict, dict, dict]:
+def critic_terms(critic: ActorStates | None, settings: RlSettings, outside_bytes: int) -> tuple[dict, dict, dict]:
     """PPO's critic (its own worker process, verl's CriticWorker) beside every phase: its params and, from step 2,
     Adam's states unless offloaded (torch terms), and its process's CUDA context (outside this allocator);
     at init, the params only. GRPO: nothing."""
@@ -280,7 +283,7 @@ def critic_terms(critic: ActorStates | None, settings: RlSettings, profile: Prof
     params = 0 if settings.critic_param_offload else critic.params_bytes
     adam = 0 if settings.critic_optimizer_offload else critic.optimizer_bytes
     return ({"critic params": params}, {"critic params": params, "critic Adam states": adam},
-            {"critic CUDA context": profile.cuda_context_bytes})
+            {"critic CUDA context": outside_bytes})
 
 
 def rl_phases(model: ModelSpec, cluster: ClusterSpec, settings: RlSettings, engine: EngineSettings,
@@ -288,16 +291,20 @@ def rl_phases(model: ModelSpec, cluster: ClusterSpec, settings: RlSettings, engi
               actor: ActorStates | None = None) -> RlMemory:
     """Every phase of a GRPO step on one GPU (see the module docstring); `critic`: PPO's (rl_critic.py); `actor`:
     the actor's states where the caller priced them already (a search: planner/rl/search.py)."""
-    actor = actor or actor_states(actor_run(model, cluster, settings, batch), settings, batch, profile)
+    run = actor_run(model, cluster, settings, batch)
+    actor = actor or actor_states(run, settings, batch, profile)
+    # the actor's (and a critic process's) memory outside torch's allocator: its context and its FSDP communicator
+    # (the engine's own communicators, vLLM TP, not counted)
+    outside = sum(t.bytes for t in outside_allocator_terms(run.cluster, run.config, profile))
     c = 2  # bf16 compute (the actor's mixed precision, the reference, the engine)
     ref = reference_bytes(model, cluster, settings)
     ref_resident = 0 if settings.ref_param_offload else ref
     params_resident = 0 if settings.param_offload else actor.params_bytes
     adam_resident = 0 if settings.optimizer_offload else actor.optimizer_bytes
-    critic_init, critic_held, critic_outside = critic_terms(critic, settings, profile)
+    critic_init, critic_held, critic_outside = critic_terms(critic, settings, outside)
     e = engine_memory(model, engine, cluster.gpu.memory_bytes,
                       params_resident + ref_resident + sum(critic_init.values()) + sum(critic_outside.values()),
-                      profile.cuda_context_bytes)
+                      outside)
     graphs = {"engine CUDA graphs": e.cuda_graph_bytes, **critic_outside}
     awake = {"engine weights": e.weights_bytes, "engine KV cache": e.kv_bytes,
              "engine activations": e.activation_peak_bytes, **graphs}
@@ -335,7 +342,7 @@ def rl_phases(model: ModelSpec, cluster: ClusterSpec, settings: RlSettings, engi
         ("checkpoint", {"actor params": actor.params_bytes, "Adam states": adam_resident, "reference": ref_resident,
                         **critic_held}, graphs, True, False, True, ""),
     ]
-    phases = tuple(_phase(name, torch, eng, profile,
+    phases = tuple(_phase(name, torch, eng, profile, outside,
                           _offloaded(settings, loaded, adam, asleep, critic_loaded=name.startswith("critic")), note)
                    for name, torch, eng, loaded, adam, asleep, note in rows)
     return RlMemory(phases=phases, engine=e, actor=actor, refusals=batch.refusals + e.refusals, critic=critic)

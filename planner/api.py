@@ -127,6 +127,7 @@ class Candidate:
             "memory": {
                 "peak_allocated_bytes": m.peak_allocated_bytes,
                 "peak_reserved_bytes": m.peak_reserved_bytes,
+                "outside_allocator_bytes": m.outside_allocator_bytes,
                 "peak_phase": m.peak_phase,
                 "peak_moment": m.peak_moment,
                 "breakdown": m.breakdown.to_dict(),
@@ -249,7 +250,7 @@ def plan_request(request: Request, profile: Profile | None = None, space: Search
         pinned.check_mesh(spec, cluster, training, space)
     elif request.trainer is not None:
         space = narrow_space(space, trainer, training)
-    return plan_for(spec, cluster, training, profile, space, trainer.id, request.alloc_conf or "")
+    return plan_for(spec, cluster, training, request.profile(profile), space, trainer.id, request.alloc_conf or "")
 
 
 def _reduce_dtype(name: str) -> str:
@@ -333,7 +334,8 @@ def estimate_request(request: Request, profile: Profile | None = None) -> Candid
     refused = refusal(trainer, config, training, spec.family)
     if refused is not None:
         raise refused
-    return replace(estimate_config(spec, cluster, training, config, profile, trainer.host_ways()), trainer=trainer.id)
+    return replace(estimate_config(spec, cluster, training, config, request.profile(profile), trainer.host_ways()),
+                   trainer=trainer.id)
 
 
 def grad_accum_for(micro_batch: int, cluster: ClusterSpec, training: TrainingSpec, model_parallel: int = 1) -> int:

@@ -33,8 +33,9 @@ class TraceReport:
     candidate: Candidate        # the analytic estimate (config, cluster, time)
     traced: object              # calibration.trace.TraceResult
     profile: Profile
-    # "replay": the traced allocations replayed through the caching allocator model, + the CUDA context;
-    # "flat": the traced allocated peak x (1 + fragmentation) + the CUDA context, as the estimate adds
+    # "replay": the traced allocations replayed through the caching allocator model, + the memory outside the
+    # allocator (the estimate's terms, cost_models/outside_allocator.py);
+    # "flat": the traced allocated peak x (1 + fragmentation) + the same outside terms, as the estimate adds
     reserved_from: str = "replay"
     alloc_conf: str = ""        # PYTORCH_CUDA_ALLOC_CONF the replay follows (max_split_size_mb, expandable_segments)
 
@@ -44,14 +45,19 @@ class TraceReport:
 
     @property
     def flat_reserved_bytes(self) -> int:
-        """Traced allocated peak plus the same fragmentation and CUDA context the estimate adds."""
-        return self.profile.reserved_bytes(self.traced.peak_allocated_bytes)
+        """Traced allocated peak plus the same fragmentation and memory outside the allocator the estimate adds."""
+        return self.profile.reserved_bytes(self.traced.peak_allocated_bytes, self.outside_allocator_bytes)
+
+    @property
+    def outside_allocator_bytes(self) -> int:
+        """The estimate's memory outside the caching allocator (a trace records the allocator's tensors only)."""
+        return self.candidate.memory.outside_allocator_bytes
 
     @property
     def replay_reserved_bytes(self) -> int | None:
-        """The replay's peak reserved (cost_models/caching_allocator.py) + the CUDA context; None where the trace
-        recorded no allocation sequence."""
-        return None if self.replayed is None else self.replayed.peak_reserved_bytes + self.profile.cuda_context_bytes
+        """The replay's peak reserved (cost_models/caching_allocator.py) + the memory outside the allocator; None
+        where the trace recorded no allocation sequence."""
+        return None if self.replayed is None else self.replayed.peak_reserved_bytes + self.outside_allocator_bytes
 
     @property
     def reserved_source(self) -> str:
@@ -101,6 +107,7 @@ class TraceReport:
                 "peak_allocated_bytes": traced.peak_allocated_bytes,
                 "peak_reserved_bytes": self.peak_reserved_bytes,
                 "peak_reserved_flat_bytes": self.flat_reserved_bytes,
+                "outside_allocator_bytes": self.outside_allocator_bytes,
                 "reserved_from": self.reserved_source,
                 "peak_phase": traced.peak_phase,
                 "breakdown": dict(traced.breakdown),

@@ -72,7 +72,8 @@ def config_command(app, name: str, help_text: str, run: ConfigRunner, takes_prof
     params = [*options(*CLUSTER, *TRAINING, "attention", *CONFIG, *MESH, "async_tp", "sequence_parallel",
                        "routing_imbalance", "routing", async_tp=As(default=False)),
               param("output_format", FormatOpt, Format.table), param("profile", ProfileOpt, None),
-              param("force_profile", ForceProfile, False), *options("trainer", "alloc_conf", "trust_remote_code"), *own]
+              param("force_profile", ForceProfile, False),
+              *options("trainer", "alloc_conf", "outside_allocator", "trust_remote_code"), *own]
 
     def body(output_format: Format, profile: str | None, force_profile: bool, **knobs):
         from planner.request import build_request

@@ -34,7 +34,7 @@ def _params() -> list[inspect.Parameter]:
                                                             "matplotlib)")], None),
         *options(*MESH, "async_tp", "sequence_parallel", "routing_imbalance", "routing", async_tp=ASYNC_TP),
         param("profile", ProfileOpt, None), param("force_profile", ForceProfile, False),
-        *options("trainer", "alloc_conf", "trust_remote_code"),
+        *options("trainer", "alloc_conf", "outside_allocator", "trust_remote_code"),
     ]
 
 

@@ -193,7 +193,7 @@ def _as_one_unit(candidate: Candidate, extra_bytes: int, profile: Profile) -> Ca
     phase, breakdown = max(phases.items(), key=lambda kv: kv[1].total_bytes)
     allocated = breakdown.total_bytes
     memory = replace(m, breakdown=breakdown, peak_phase=phase, phases=phases, peak_allocated_bytes=allocated,
-                     peak_reserved_bytes=profile.reserved_bytes(allocated),
+                     peak_reserved_bytes=profile.reserved_bytes(allocated, m.outside_allocator_bytes),
                      notes=m.notes + ("no auto-wrap policy: the whole model is one unit, gathered at once",))
     reasons = [r for r in e.reasons if "GiB per GPU" not in r]
     if memory.peak_reserved_bytes > e.capacity_bytes:

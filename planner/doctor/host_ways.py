@@ -46,7 +46,7 @@ def with_setup_ways(candidate, setup, profile):
     if host.save_gpu_bytes and save_peak > m.peak_allocated_bytes:  # the save, not the step, sets the GPU peak
         notes += (f"the {host.save_way.value} save holds {host.save_gpu_bytes / GiB:.1f} GiB per GPU beside the "
                   f"sharded states: {save_peak / GiB:.1f} GiB allocated, above the step's peak",)
-        reserved = profile.reserved_bytes(save_peak)
+        reserved = profile.reserved_bytes(save_peak, m.outside_allocator_bytes)
         if reserved > e.capacity_bytes:
             reasons.append(gpu_memory_reason(reserved, e.capacity_bytes, f"peak in the {host.save_way.value} save"))
     memory = replace(m, host_ram=host, notes=notes)

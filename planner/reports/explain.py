@@ -29,7 +29,7 @@ def memory_terms(c: Candidate, profile: Profile = DEFAULT_PROFILE) -> list[tuple
     allocator's (a pipeline's replayed segments) and what lies outside it (`profile`: the one c was costed with)."""
     m, cfg, L = c.model, c.config, c.model.n_layers
     if cfg.pp > 1:  # each rank holds its own stages: the whole-model formulas below do not apply
-        return pipeline_memory_terms(c) + _largest_rank_terms(c, profile) + outside_allocator_terms(profile)
+        return pipeline_memory_terms(c) + _largest_rank_terms(c, profile) + outside_allocator_terms(c)
     b = c.memory.breakdown
     d = cfg.shard_group_size(c.cluster)
     p = DTYPE_BYTES[cfg.precision.param_dtype]
@@ -105,18 +105,25 @@ def memory_terms(c: Candidate, profile: Profile = DEFAULT_PROFILE) -> list[tuple
     stranded_text = (f" (at least the loss backward's allocation + {_gib(tokens * stranded)} of segments the caching "
                      "allocator cannot reuse)" if stranded else "")
     terms.append(("reserved", f"peak allocated {_gib(c.memory.peak_allocated_bytes)}{stranded_text} x (1 + "
-                  f"fragmentation) + CUDA context = {_gib(c.memory.peak_reserved_bytes)} of "
-                  f"{_gib(c.cluster.gpu.memory_bytes)}",
-                  "hardware.md: context 0.5-1 GB; FSDP paper section 7 on allocator fragmentation; "
-                  "cost_models/allocator.py"))
-    return terms + outside_allocator_terms(profile)
+                  f"fragmentation) = {_gib(c.memory.allocator_reserved_bytes)} in the caching allocator (what "
+                  f"torch.cuda.max_memory_reserved shows) + {_gib(c.memory.outside_allocator_bytes)} outside it = "
+                  f"{_gib(c.memory.peak_reserved_bytes)} of {_gib(c.cluster.gpu.memory_bytes)}",
+                  "FSDP paper section 7 on allocator fragmentation; cost_models/allocator.py; the terms below"))
+    return terms + outside_allocator_terms(c)
 
 
-def outside_allocator_terms(profile: Profile) -> list[tuple[str, str, str]]:
-    """The memory on the GPU that PyTorch's caching allocator does not hold, term by term (today one)."""
-    return [("outside the allocator", f"CUDA context and library workspaces (cuBLAS, NCCL) "
-             f"{_gib(profile.cuda_context_bytes)}, in the reserved figure above",
-             "the profile's cuda_context_bytes (cost_models/profile.py); hardware.md: 0.5-1 GB")]
+def outside_allocator_terms(c: Candidate) -> list[tuple[str, str, str]]:
+    """The memory on the GPU that PyTorch's caching allocator does not hold, term by term with its source
+    (cost_models/outside_allocator.py; each overridable with --outside-allocator TERM=GiB), then what is inside."""
+    m = c.memory
+    rows = [(f"outside the allocator: {t.name}", f"{_gib(t.bytes)}: {t.detail}", t.source) for t in m.outside_allocator]
+    return rows + [
+        ("outside the allocator, total", f"{_gib(m.outside_allocator_bytes)}, in the reserved figure above (fits "
+         "compares allocator + outside with the GPU's memory)", ""),
+        ("inside the allocator, not counted again", "cuBLAS / cuBLASLt workspaces (one per handle and stream), "
+         "Float8's scaled-matmul workspace and Inductor's buffers are caching-allocator blocks",
+         "torch include/ATen/cuda/CUDAContextLight.h (WorkspaceMapWithMutex holds at::DataPtr); "
+         "torch/testing/_internal/common_utils.py clears them before reading memory_allocated")]
 
 
 def pipeline_memory_terms(c: Candidate) -> list[tuple[str, str, str]]:
@@ -158,7 +165,7 @@ def _largest_rank_terms(c: Candidate, profile: Profile) -> list[tuple[str, str, 
               m.breakdown.to_dict().items() if value]
     replayed = _replay_terms(c, top, profile) if top is not None else []
     return terms + (replayed or [
-        ("reserved", f"peak allocated {_gib(m.peak_allocated_bytes)} x (1 + fragmentation) + CUDA context = "
+        ("reserved", f"peak allocated {_gib(m.peak_allocated_bytes)} x (1 + fragmentation) + outside the allocator = "
          f"{_gib(m.peak_reserved_bytes)} of {_gib(c.cluster.gpu.memory_bytes)} (the largest rank's, as "
          "torchtitan reports the maximum across ranks)", "cost_models/allocator.py")])
 
@@ -170,12 +177,13 @@ def _replay_terms(c: Candidate, top, profile: Profile) -> list[tuple[str, str, s
     from cost_models.pipeline_allocations import rank_replay
 
     replay = rank_replay(c.model, c.cluster, c.training, c.config, top.rank)
-    if profile.cuda_context_bytes + max(top.peak_allocated_bytes, replay.peak_reserved_bytes) != top.peak_reserved_bytes:
+    outside = c.memory.outside_allocator_bytes
+    if outside + max(top.peak_allocated_bytes, replay.peak_reserved_bytes) != top.peak_reserved_bytes:
         return []
     conf = f"PYTORCH_CUDA_ALLOC_CONF={c.config.alloc_conf}" if c.config.alloc_conf else "PyTorch's default settings"
     terms = [("reserved", f"the rank's allocations over two steps replayed through the caching allocator under "
               f"{conf}: peak reserved {_gib(replay.peak_reserved_bytes)} (allocated blocks at their peak "
-              f"{_gib(replay.peak_allocated_bytes)}) + CUDA context = {_gib(top.peak_reserved_bytes)} of "
+              f"{_gib(replay.peak_allocated_bytes)}) + outside the allocator = {_gib(top.peak_reserved_bytes)} of "
               f"{_gib(c.cluster.gpu.memory_bytes)} (the largest rank's, as torchtitan reports the maximum)",
               "cost_models/pipeline_allocations.py (the walk), caching_allocator.py (c10's CUDACachingAllocator)")]
     terms += [("segments at the reserved peak", words, "") for words in pool_words(replay.segments_at_peak)]

@@ -49,6 +49,7 @@ def build_request(model=None, gpus=None, *, valid: tuple[str, ...] | None = None
     top = by_group.get("", {})
     return Request(model=model, trust_remote_code=top.get("trust_remote_code", False), trainer=top.get("trainer"),
                    alloc_conf=top.get("alloc_conf"),
+                   outside_allocator=top.get("outside_allocator"),
                    cluster=part("cluster", groups.get("cluster") or ClusterRequest()),
                    training=part("training", groups.get("training") or TrainingRequest()),
                    config=config, search=part("search", groups.get("search") or SearchRequest()))

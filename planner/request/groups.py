@@ -7,7 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from cost_models.caching_allocator import AllocatorSettings
-from cost_models.specs import ClusterSpec, TrainingSpec
+from cost_models.outside_allocator import parse_overrides
+from cost_models.specs import ClusterSpec, SpecError, TrainingSpec
 from cost_models.units import parse_bytes
 
 from ..errors import PlannerError
@@ -231,6 +232,12 @@ class Request:
                                   "sets expandable_segments:True), else PyTorch's (\"\")")
     trust_remote_code: bool = knob(False, "--trust-remote-code", help="Build a config.json whose auto_map names "
                                    "custom modelling code (runs that code)")
+    outside_allocator: list[str] | None = knob(None, "--outside-allocator", help="Override a term of the memory "
+                                               "outside PyTorch's allocator (repeatable): TERM=GiB with TERM one of "
+                                               "cuda_context, nccl, nvls, pp_p2p, symmetric_memory, deepep, float8, "
+                                               "compile (e.g. cuda_context=0.6, nccl=512MiB), or an NCCL variable as "
+                                               "the run sets it (NCCL_BUFFSIZE=8388608, NCCL_NVLS_ENABLE=0); "
+                                               "`fsdp-plan explain` lists the terms")
 
     def __post_init__(self):
         if self.alloc_conf:  # a bad PYTORCH_CUDA_ALLOC_CONF before any search or file is read
@@ -238,6 +245,21 @@ class Request:
                 AllocatorSettings.parse(self.alloc_conf)
             except ValueError as exc:
                 raise PlannerError("alloc_conf", str(exc)) from None
+        if self.outside_allocator:  # one line naming the field and the valid terms (outside_allocator.py)
+            try:
+                parse_overrides(self.outside_allocator)
+            except SpecError as exc:
+                raise PlannerError("outside_allocator", str(exc).partition(": ")[2]) from None
+
+    def profile(self, profile):
+        """`profile` (None: the defaults) with this request's --outside-allocator overrides."""
+        from cost_models.profile import DEFAULT_PROFILE
+
+        profile = profile or DEFAULT_PROFILE
+        if not self.outside_allocator:
+            return profile
+        overrides = profile.outside_allocator + parse_overrides(self.outside_allocator)   # later keys win
+        return profile.with_updates(outside_allocator=overrides)
 
     @property
     def mesh(self) -> MeshRequest:

@@ -61,8 +61,13 @@ class Memory(_Out):
     """The analytic per-rank memory estimate (with PP: the largest pipeline rank's, each rank in pipeline_ranks)."""
 
     peak_allocated_bytes: Bytes = Field(description="bytes per rank: what torch.cuda.max_memory_allocated would show")
-    peak_reserved_bytes: Bytes = Field(description="bytes per rank: allocated peak + fragmentation + CUDA context, "
-                                                   "compared with the GPU's memory")
+    peak_reserved_bytes: Bytes = Field(description="bytes per rank: the caching allocator's reserved (allocated peak + "
+                                                   "fragmentation) + outside_allocator_bytes, compared with the GPU's "
+                                                   "memory")
+    outside_allocator_bytes: Bytes = Field(description="bytes per rank outside PyTorch's caching allocator (CUDA "
+                                                       "context, NCCL communicators, symmetric memory, DeepEP); "
+                                                       "peak_reserved_bytes minus this is what "
+                                                       "torch.cuda.max_memory_reserved shows")
     peak_phase: str = Field(description='phase of the peak: "backward" or "optimizer_step"')
     peak_moment: str = Field(description='what runs at the peak: "loss backward", "backward of block 31", ...')
     breakdown: MemoryBreakdown

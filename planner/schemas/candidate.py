@@ -39,7 +39,8 @@ class EstimateOutput(Candidate):
 class Verification(_Out):
     """tracing.Verification.to_dict(): the trace tier's check of a planned candidate (--verify-top)."""
 
-    confirmed: bool = Field(description="the traced peak reserved (allocator replay + CUDA context) fits the GPU")
+    confirmed: bool = Field(description="the traced peak reserved (allocator replay + the memory outside the allocator) fits "
+                                        "the GPU")
     traced_peak_allocated_bytes: int | None = Field(description="bytes per rank; null: not traced")
     traced_peak_reserved_bytes: int | None = Field(description="bytes per rank; null: not traced")
     analytic_vs_trace: float | None = Field(description="(estimate - trace) / trace of the allocated peak")

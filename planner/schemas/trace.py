@@ -47,10 +47,13 @@ class TraceDetails(_Out):
 
 class TracedMemory(_Out):
     peak_allocated_bytes: Bytes
-    peak_reserved_bytes: Bytes = Field(description="bytes per rank: the allocator replay's peak reserved + the "
-                                                   "CUDA context (reserved_from replay), else peak_reserved_flat_bytes")
+    peak_reserved_bytes: Bytes = Field(description="bytes per rank: the allocator replay's peak reserved + "
+                                                   "outside_allocator_bytes (reserved_from replay), else "
+                                                   "peak_reserved_flat_bytes")
     peak_reserved_flat_bytes: Bytes = Field(description="bytes per rank: traced peak + the estimate's fragmentation "
-                                                        "and CUDA context")
+                                                        "+ outside_allocator_bytes")
+    outside_allocator_bytes: Bytes = Field(description="bytes per rank outside PyTorch's caching allocator, the "
+                                                       "estimate's (a trace records the allocator's tensors only)")
     reserved_from: Literal["replay", "flat"]
     peak_phase: str = Field(description='"forward", "backward" or "optimizer_step"')
     breakdown: TracedBreakdown

@@ -10,7 +10,9 @@ from cost_models.units import GiB, MiB
 from planner.api import estimate, plan
 
 SETUP = dict(gpus=4, pp=2, tp=1, cp=1, global_batch=8, seq_len=1024)
-CONTEXT_BYTES = int(0.75 * GiB)  # the default profile's CUDA context (cost_models/profile.py)
+# outside the allocator (cost_models/outside_allocator.py) on 4 x A100 at pp 2: Ampere's context, the FSDP group's and
+# the world's communicators (24 ring channels of NCCL's LL + LL128 + Simple buffers each), one pipeline neighbour
+OUTSIDE_BYTES = int(0.45 * GiB) + 2 * 24 * (524_288 + 4_915_200 + 4_194_304) + 2 * 4 * MiB   # 953,994,444
 
 
 @pytest.fixture(scope="module")
@@ -31,16 +33,17 @@ def _estimate_of(c, **extra):
 
 def test_plan_shows_estimates_reserved_under_torchtitans_alloc_conf(piped):
     # torchtitan's run_train.sh exports expandable_segments:True: its candidates carry it, and the top one's
-    # reserved is estimate()'s for the same config - the replay of its largest rank + the CUDA context. Measured
-    # at this commit: FULL_SHARD bf16 compiled 1F1B, micro-batch 2 x 2 microbatches; rank 1 replays to
-    # 16,905,142,272 B reserved (14,731,091,968 allocated in blocks) + 805,306,368 = 17,710,448,640 B, where the
-    # search's flat figure was 16,833,364,377 B.
+    # reserved is estimate()'s for the same config - the replay of its largest rank + what lies outside the
+    # allocator. Measured at this commit: FULL_SHARD bf16 compiled 1F1B, micro-batch 2 x 2 microbatches; rank 1
+    # replays to 16,905,142,272 B reserved (14,731,091,968 allocated in blocks) + 953,994,444 = 17,859,136,716 B,
+    # where the search's flat figure was 16,028,058,009 + 953,994,444 B.
     best = piped.best
     assert best.config.alloc_conf == "expandable_segments:True" and best.config.pp == 2
-    assert best.memory.peak_reserved_bytes == _estimate_of(best).memory.peak_reserved_bytes == 17_710_448_640
+    assert best.memory.outside_allocator_bytes == OUTSIDE_BYTES
+    assert best.memory.peak_reserved_bytes == _estimate_of(best).memory.peak_reserved_bytes == 17_859_136_716
     rank1 = rank_replay(best.model, best.cluster, best.training, best.config, 1)
-    assert rank1.peak_reserved_bytes + CONTEXT_BYTES == 17_710_448_640
-    assert piped.flat[0] == 16_833_364_377   # the search's flat figure for the same row, before the replay
+    assert rank1.peak_reserved_bytes == best.memory.allocator_reserved_bytes == 17_859_136_716 - OUTSIDE_BYTES
+    assert piped.flat[0] == 16_028_058_009 + OUTSIDE_BYTES   # the search's flat figure for that row, before the replay
     assert piped.replayed == 5   # the rest keep the search's figure; ranking is the search's
 
 
@@ -53,7 +56,8 @@ def test_the_cli_prints_estimates_reserved(capsys):
           "--seq-len", "1024", "--trainer", "torchtitan", "--top", "1", "--format", "json"])
     top = json.loads(capsys.readouterr().out)["candidates"][0]
     assert top["config"]["alloc_conf"] == "expandable_segments:True"
-    assert top["memory"]["peak_reserved_bytes"] == 17_710_448_640
+    assert top["memory"]["peak_reserved_bytes"] == 17_859_136_716
+    assert top["memory"]["peak_reserved_bytes"] - top["memory"]["outside_allocator_bytes"] == 16_905_142_272
 
 
 def test_pytorchs_default_for_other_trainers_and_a_bad_value_is_one_line(capsys):
@@ -73,14 +77,15 @@ def test_the_knob_changes_the_replay(piped):
     # the top config's reserved under each setting, measured at this commit: PyTorch's defaults 18,907,922,432 B
     # (segments stranded between microbatches), max_split_size_mb:64 24,006,098,944 (blocks of 64 MiB and more
     # are never split, so they serve one request each), expandable segments 17,710,448,640 (above); each the
-    # largest rank's replay + the context
-    figures = {"": 18_907_922_432, "max_split_size_mb:64": 24_006_098_944, "expandable_segments:True": 17_710_448_640}
+    # largest rank's replay + 805,306,368 (the flat context then; OUTSIDE_BYTES now)
+    figures = {conf: old - 805_306_368 + OUTSIDE_BYTES for conf, old in (
+        ("", 18_907_922_432), ("max_split_size_mb:64", 24_006_098_944), ("expandable_segments:True", 17_710_448_640))}
     for conf, reserved_bytes in figures.items():
         c = _estimate_of(piped.best, alloc_conf=conf)
         top = max(rank_replay(c.model, c.cluster, c.training, c.config, r, snapshots=False).peak_reserved_bytes
                   for r in range(2))
         assert (c.config.alloc_conf, c.memory.peak_reserved_bytes) == (conf, reserved_bytes)
-        assert reserved_bytes == top + CONTEXT_BYTES
+        assert reserved_bytes == top + OUTSIDE_BYTES
 
 
 def test_launchers_export_it(piped):
@@ -117,6 +122,7 @@ def test_explain_shows_the_segments_at_the_peak(piped):
     lines = [line for line in text.splitlines() if line.startswith("  segments at the reserved peak: ")]
     assert [line.split(": ", 1)[1] for line in lines] == pool_words(rank1.segments_at_peak)
     assert "under PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True: peak reserved 15.74 GiB" in text
-    assert "outside the allocator: CUDA context and library workspaces (cuBLAS, NCCL) 0.75 GiB" in text
-    flat = explain_text(estimate("gpt-125m", gpus=8))   # no pipeline: the flat rule, the same outside term
-    assert "segments at the reserved peak" not in flat and "outside the allocator: CUDA context" in flat
+    assert "outside the allocator: cuda_context: 0.45 GiB: ampere architecture" in text
+    assert "outside the allocator: pp_p2p: 0.01 GiB: 1 pipeline neighbour(s)" in text
+    flat = explain_text(estimate("gpt-125m", gpus=8))   # no pipeline: the flat rule, the same outside terms
+    assert "segments at the reserved peak" not in flat and "outside the allocator: cuda_context" in flat

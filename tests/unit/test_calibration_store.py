@@ -151,7 +151,8 @@ def test_profile_round_trip_gives_the_same_coefficients(tmp_path):
 
 
 def test_coefficients_mirror_every_profile_field():
-    profile_fields = {f.name for f in dataclasses.fields(Profile)} - {"source"}
+    # outside_allocator: a run's --outside-allocator overrides, not stored with the fitted coefficients
+    profile_fields = {f.name for f in dataclasses.fields(Profile)} - {"source", "outside_allocator"}
     assert set(store.Coefficients.model_fields) == profile_fields
 
 
@@ -183,7 +184,7 @@ def test_bad_profile_files_fail_with_the_reason(tmp_path):
     data = json.loads(profile_file().model_dump_json())
     # a profile fitted before the operator-level step time (its compute efficiency meant a fraction of peak)
     path.write_text(json.dumps({**data, "schema_version": 1}))
-    with pytest.raises(store.StoreError, match="schema_version 1; this fsdp-plan reads 2 or 3: calibrate again"):
+    with pytest.raises(store.StoreError, match="schema_version 1; this fsdp-plan reads 2 or 3 or 4: calibrate again"):
         store.load_profile(path)
     data["coefficients"]["fragmentation"] = "lots"
     path.write_text(json.dumps(data))
@@ -195,7 +196,7 @@ def test_schema_2_profiles_read_with_the_mesh_rates_at_their_default(tmp_path):
     # written before the mesh's rates existed: priced at the tier's rate then, so read with 1.0
     path = tmp_path / "v2.json"
     data = json.loads(profile_file().model_dump_json())
-    assert data["schema_version"] == 3 and data["coefficients"]["tp_comm_efficiency"] == 1.0
+    assert data["schema_version"] == 4 and data["coefficients"]["tp_comm_efficiency"] == 1.0
     for name in ("tp_comm_efficiency", "ep_comm_efficiency"):
         del data["coefficients"][name]
     path.write_text(json.dumps({**data, "schema_version": 2}))

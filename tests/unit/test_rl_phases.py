@@ -4,13 +4,14 @@ figure worked by hand from the configs (planner/catalog/models.json): Qwen2.5-7B
 
 import pytest
 
+from cost_models.outside_allocator import outside_allocator_terms
 from cost_models.profile import DEFAULT_PROFILE
 from cost_models.rl_batch import RlBatch, batch_plan
 from cost_models.rl_critic import critic_states
 from cost_models.rl_host import host_ram_per_node
 from cost_models.rl_phases import PHASES, RlSettings, all_linear_lora, rl_phases, verl_logits_bytes
 from cost_models.rollout_engine import EngineSettings
-from cost_models.specs import SpecError
+from cost_models.specs import FsdpConfig, SpecError
 from planner.hardware import make_cluster
 from planner.models import resolve_model
 
@@ -116,5 +117,7 @@ def test_ppo_critic_beside_every_phase(qwen7):
     assert tuple(p.name for p in ppo.phases) == PHASES
     rollout = ppo.phases[1].gpu_bytes
     assert (rollout["critic params"], rollout["critic Adam states"]) == (critic.params_bytes, critic.optimizer_bytes)
-    assert rollout["critic CUDA context"] == DEFAULT_PROFILE.cuda_context_bytes
+    # the critic's process: its own context and FSDP communicator over the 8 GPUs (outside_allocator.py), as the actor's
+    outside = outside_allocator_terms(cluster, FsdpConfig(), DEFAULT_PROFILE)
+    assert rollout["critic CUDA context"] == sum(t.bytes for t in outside)
     assert "logits and entropy" not in ppo.phases[5].gpu_bytes   # the critic's values: no vocabulary

@@ -26,9 +26,12 @@ def test_pipeline_memory_is_priced_once_across_float8_and_async_tp_and_equals_ev
         memo = costing.evaluate(config)
         assert memo == evaluate(model, cluster, training, config, DEFAULT_PROFILE)
     assert len(costing.evaluations) == 4 and len(costing.memories) == 1
-    # the knobs change the step (Float8's faster matmuls, async TP's hidden collectives), not the memory
+    # the knobs change the step (Float8's faster matmuls, async TP's hidden collectives), not the allocator's memory;
+    # async TP adds its symmetric-memory workspace outside it: 2 x b 1 x s/tp 1,024 x h 4,096 x 2 B + the signal pad
     steps = {costing.evaluations[c].time.step_s for c in configs}
     assert len(steps) == 4
-    peaks = {costing.evaluations[c].memory.peak_reserved_bytes for c in configs}
+    peaks = {costing.evaluations[c].memory.allocator_reserved_bytes for c in configs}
     assert len(peaks) == 1 and peaks.pop() > 10 * 2**30
+    outside = {c.async_tp: costing.evaluations[c].memory.outside_allocator_bytes for c in configs}
+    assert outside[True] - outside[False] == 2 * 1024 * 4096 * 2 + 32 * 72 * 4 == 16_786_432
     assert MEMORY_FREE_FIELDS == {"float8", "async_tp"}
