@@ -36,6 +36,7 @@ peak_phase is where the peak happened: "forward", "backward" or "optimizer_step"
 from __future__ import annotations
 
 import copy
+import sys
 import warnings
 from dataclasses import dataclass, field
 from enum import Enum
@@ -84,6 +85,17 @@ _TO_BREAKDOWN = {
 }
 
 
+_DECOMPOSED: list = []
+
+
+def _decomposed_ops() -> list:
+    """Custom ops whose inner allocations the tracker counts: bitsandbytes' gemm_4bit (MatMul4Bit's forward), once
+    bitsandbytes is imported (it registers the op)."""
+    if not _DECOMPOSED and "bitsandbytes" in sys.modules:
+        _DECOMPOSED.append(torch.ops.bitsandbytes.gemm_4bit.default)
+    return _DECOMPOSED
+
+
 def _tracker_class(fsdp2: bool):
     """A subclass of the private tracker that records the phase of the peak and files logits apart."""
     from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
@@ -121,6 +133,17 @@ def _tracker_class(fsdp2: bool):
                     return inner(*args, **kwargs)
 
                 return repeatable
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in _decomposed_ops():
+                # A custom op's own allocations are invisible to a dispatch mode (it is popped while the op runs):
+                # run its kernel with the mode pushed again, so that bitsandbytes' gemm_4bit shows the weight it
+                # dequantizes for the matmul (cost_models/qlora.py) as a GPU's allocator would
+                keys = torch._C._dispatch_keys(args[0]) & torch._C._dispatch_keyset_full_after(
+                    torch._C.DispatchKey.Python)
+                with self:
+                    return func.redispatch(keys, *args, **(kwargs or {}))
+            return super().__torch_dispatch__(func, types, args, kwargs)
 
         def _update_snap(self, u_type, winfo, *args, **kwargs) -> None:
             super()._update_snap(u_type, winfo, *args, **kwargs)

@@ -89,10 +89,9 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
     gpu_states = 0 if config.offload else 1
 
     # QLoRA (qlora.py): each block's linears packed in 4 bits, sharded and gathered so; their QuantState on
-    # every rank (on the GPU even with offload); the linear in flight dequantized in each block's backward
+    # every rank (on the GPU even with offload); the linear in flight dequantized in its forward and backward
     quantized = qlora.quantized_per_block(model) if training.quantized else 0
     quant_state = qlora.replicated_bytes(model, training.double_quant) if quantized else 0
-    dequantized_mlp = qlora.dequantized_mlp_bytes(model, c) if quantized else 0
     dequantized_attention = qlora.dequantized_attention_bytes(model, c) if quantized else 0
 
     # --- model states, sharded over d (on the CPU with offload) -------------------------------------
@@ -317,9 +316,9 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
         else:
             at_mlp = tokens * (below + this + w_mlp)
             at_attn = tokens * (below + this - freed_attn + w_attn)
-            if quantized:  # bitsandbytes' backward: a weight dequantized beside the gradients (qlora.py)
-                at_mlp = max(at_mlp, tokens * (below + this + qlora.mlp_dequantized_working_bytes_per_token(model, c))
-                             + dequantized_mlp)
+            if quantized:  # bitsandbytes' backward: the output projection dequantized beside its gradients (qlora.py)
+                at_mlp = max(at_mlp, tokens * (below + this + h * c) + qlora.backward_in_flight_bytes(
+                    model.ffn_hidden_size, h, c, training.double_quant, tokens))
                 at_attn += dequantized_attention
             mlp_first = at_mlp >= at_attn
             block_acts, block_grads = (at_mlp, mlp_grad) if mlp_first else (at_attn, attn_grad)
@@ -330,6 +329,22 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
             collective_buffers=prefetch_below(i) + reduce_scatter_above(i) + buffers_adjust,
             unsharded_grads=head_grad + block_grads,
             activations=block_acts + shared,
+        )
+    if quantized:
+        # bitsandbytes' forward of the last block's MLP output projection (qlora.forward_in_flight_bytes): the block's
+        # saved tensors all made (a checkpointed block keeps fewer: an upper bound there), beside what no
+        # bitsandbytes linear saves but the forward still holds - the block's input (the model's loop keeps it until
+        # the block returns), the attention's residual sum (for the add after the MLP), the MLP's input and the
+        # projection's input - and FSDP2's all-gather output of the block (kept until the next all-gather or the
+        # root's post-forward, as in "loss in forward" above); its weight dequantized. Measured: -1.0% at h 1024
+        # (tests/distributed/test_torchrun_qlora.py), the forward being the step's peak there.
+        i = L - 1
+        moments[f"forward of block {i}'s MLP output projection"] = MemoryBreakdown(
+            **states(0),
+            unsharded_params=root_c + gathered(i) + (gathered_below(i) if keeps_gathered else 0) + partial_below(i),
+            collective_buffers=gathered(i) if d > 1 and not keeps_gathered else 0,
+            activations=tokens * (saved_below(i) + full - (first_less if i == 0 else 0) + c * (3 * h + f)) + shared
+            + qlora.forward_in_flight_bytes(f, h, c, training.double_quant, tokens),
         )
     if config.expert_shard_dim and d > 1 and model.moe is not None and not keeps_gathered and ep_view is None:
         # FSDP2 copies a dim-1 shard's all-gather out through a temporary as large as the tensor (chunk-cat
@@ -363,7 +378,7 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
     if step.total_bytes > backward.total_bytes:
         breakdown, phase, peak_moment = step, "optimizer_step", "optimizer step"
     else:
-        breakdown, phase = backward, "backward"
+        breakdown, phase = backward, "forward" if peak_moment.startswith("forward") else "backward"
     peak_allocated = breakdown.total_bytes
     # The loss's segments stay reserved once made (allocator.py): with its allocator-stranded bytes the loss
     # backward can set the reserved peak even where another moment allocates more.
@@ -376,7 +391,8 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
     return MemoryEstimate(
         breakdown=breakdown,
         peak_phase=phase,
-        phases={"backward": backward, "optimizer_step": step},
+        phases={"backward": backward, "optimizer_step": step,
+                **{"forward": m for k, m in moments.items() if k.startswith("forward")}},  # QLoRA's, above
         peak_allocated_bytes=peak_allocated,
         peak_reserved_bytes=peak_reserved,
         cpu_bytes_per_node=cpu_per_rank * cluster.gpus_per_node,

@@ -13,11 +13,21 @@ tensors in tests/distributed/test_torchrun_qlora.py):
 Layers left unquantized (transformers' BitsAndBytesConfig skips the embeddings and lm_head; norms and biases
 are no Linear) stay in the compute dtype.
 
-In each linear's forward and backward (bitsandbytes' MatMul4Bit: dequantize_4bit, then a compute-dtype matmul;
-the backward dequantizes again for the input gradient) the whole weight exists dequantized, one linear at a
-time, beside the matmul's input and output: in the backward, the MLP's output projection with the incoming
-and the input gradient (below the MLP's own peak when 2 x tokens > h), the attention's q / o projection on
-top of the attention backward's working set. Only dense blocks whose weights are
+In each linear's forward and backward the whole weight exists dequantized, one linear at a time, never saved
+(bitsandbytes 0.50.2, read in its code): autograd/_functions.py MatMul4Bit.forward runs gemm_4bit and keeps only
+`ctx.tensors = (None, B)`, the packed weight (the base needs no weight gradient, so not even the input is saved);
+gemm_4bit past the fused kernel's range (backends/cuda/ops.py: M > 1536 tokens, and at fewer where
+_gemm_4bit_use_custom_cuda says so; backends/default/ops.py _gemm_4bit_default_impl on CPU) is
+_dequant_linear_fallback: the nested absmax dequantized (fp32, n / 64 x 4 B) and offset into a second such tensor,
+the weight dequantized into an (out, in) tensor of the compute dtype, then F.linear; all three freed on return.
+MatMul4Bit.backward dequantizes again (functional.dequantize_4bit: the absmax dequantized and offset in place, freed
+on return, before the matmul writes the input gradient). So the forward holds weight + 2 absmax + output
+(forward_in_flight_bytes; the CPU default keeps one absmax: dequantize_blockwise's output dies at the add), the
+backward weight + max(absmax, input gradient) (backward_in_flight_bytes). In the ledger (memory.py): the MLP's output
+projection in the last block's backward, beside the incoming gradient (below the MLP's own peak when 2 x tokens >
+h), the attention's q / o projection on top of the attention backward's working set, and the last block's output
+projection in its forward (below its backward unless tokens < h / 16 with double quantization).
+Only dense blocks whose weights are
 those of ModelSpec.lora_target_shapes (attention) and the MLP: an MoE's stacked experts are no nn.Linear.
 Ignored: per-tensor padding of n / 2 to the storage width (n is even and a multiple of 64 for every preset).
 """
@@ -81,17 +91,24 @@ def saving_bytes(n_quantized: int, dense_bytes: int) -> int:
     return n_quantized * dense_bytes - packed_bytes(n_quantized)
 
 
-def dequantized_mlp_bytes(model: ModelSpec, compute_bytes: int) -> int:
-    """The MLP's output projection (down_proj / fc2) dequantized in its backward: h x f weights in the compute
-    dtype. The absmax dequantized before it (fp32, n / 64 x 4 B) is freed before the matmul's output exists."""
-    return model.hidden_size * model.ffn_hidden_size * compute_bytes
+def absmax_dequantized_bytes(n_weights: int, double_quant: bool) -> int:
+    """The nested absmax dequantized for one linear (fp32, one per 64 weights); none without double quantization."""
+    return -(-n_weights // BLOCKSIZE) * FP32_BYTES if double_quant else 0
 
 
-def mlp_dequantized_working_bytes_per_token(model: ModelSpec, compute_bytes: int) -> int:
-    """What the MLP's backward holds per token beside that weight: its incoming gradient (h) and the input
-    gradient the matmul writes (f). Measured (2 ranks, h 1024, f 2048, 256 tokens a rank): the peak is this
-    moment of the last block, to 3 kB (tests/distributed/test_torchrun_qlora.py)."""
-    return compute_bytes * (model.hidden_size + model.ffn_hidden_size)
+def forward_in_flight_bytes(n_in: int, n_out: int, compute_bytes: int, double_quant: bool, tokens: int) -> int:
+    """What one linear's forward allocates beside its input (bitsandbytes' _dequant_linear_fallback, see the module
+    docstring): the weight dequantized, the absmax dequantized and offset (two tensors) and the output. Where the
+    fused kernel runs instead (a few hundred tokens or less), only the output: an upper bound there."""
+    n = n_in * n_out
+    return n * compute_bytes + 2 * absmax_dequantized_bytes(n, double_quant) + tokens * n_out * compute_bytes
+
+
+def backward_in_flight_bytes(n_in: int, n_out: int, compute_bytes: int, double_quant: bool, tokens: int) -> int:
+    """What one linear's backward allocates beside its incoming gradient (MatMul4Bit.backward): the weight
+    dequantized, with first the absmax dequantized (freed on return) and then the input gradient the matmul writes."""
+    n = n_in * n_out
+    return n * compute_bytes + max(absmax_dequantized_bytes(n, double_quant), tokens * n_in * compute_bytes)
 
 
 def dequantized_attention_bytes(model: ModelSpec, compute_bytes: int) -> int:

@@ -6,7 +6,7 @@ under FSDP2 or FSDP1 on CPU / gloo, measured by calibration.memtrack as the cost
 
 Each case: rank 0 saves the tiny checkpoint, every rank loads it quantized (calibration.qlora.load_qlora), wraps
 it with calibration.apply (FULL_SHARD, bf16), runs a warm-up step and one measured step. Rank 0 prints one JSON
-line per case: the peak and breakdown on each rank, the bytes of the QuantStates on each rank (what the tracker
+line per case: the peak and breakdown on each rank (and of the measured step's forward), the bytes of the QuantStates on each rank (what the tracker
 cannot see: no parameter, made before it), the packed parameters' nbytes and the losses.
 """
 
@@ -72,12 +72,14 @@ def run_case(case: dict, rank: int, world: int) -> dict:
                 tracker.reset()
             optimizer.zero_grad(set_to_none=True)
             loss = model(input_ids=ids, labels=ids).loss
+            forward = tracker.snapshot().to_dict()  # the measured step's forward peak (the tracker sees gemm_4bit's)
             loss.backward()
             optimizer.step()
             losses.append(loss.item())
     snap = tracker.snapshot().to_dict()
     gathered = [None] * world
-    dist.all_gather_object(gathered, {"snapshot": snap, "quant_state_bytes": state_after, "losses": losses})
+    dist.all_gather_object(gathered, {"snapshot": snap, "forward": forward, "quant_state_bytes": state_after,
+                                  "losses": losses})
     return {"packed_param_bytes": packed, "quant_state_bytes_before": state, "ranks": gathered}
 
 

@@ -91,6 +91,44 @@ def test_step_time_adds_each_blocks_dequantization_forward_backward_and_recomput
         assert times[1].matmul_s == times[0].matmul_s
 
 
+
+@pytest.mark.parametrize("n_in, n_out, double_quant, tokens", [(512, 1024, True, 64), (512, 1024, False, 64),
+                                                                (1024, 384, True, 32), (2048, 2048, True, 16)])
+def test_dequantized_weight_in_flight_measured_on_a_bitsandbytes_linear(n_in, n_out, double_quant, tokens):
+    """One Linear4bit (bf16 compute and storage, nf4), forward and backward on CPU under calibration.memtrack (which
+    counts gemm_4bit's own allocations): above the input, the forward holds the dequantized weight, the absmax and
+    the output, and keeps only the output (MatMul4Bit saves the packed weight alone); the backward holds the weight
+    dequantized again and the input gradient. Exact to the byte; on CPU bitsandbytes' default gemm_4bit keeps one
+    dequantized absmax where CUDA's fallback keeps two (qlora.py), and at 16 tokens the absmax (2048 x 2048 / 64
+    x 4 B = 262,144) outweighs the input gradient (16 x 2048 x 2 = 65,536)."""
+    torch = pytest.importorskip("torch")
+    bnb = pytest.importorskip("bitsandbytes", reason="pip install --no-deps bitsandbytes==0.50.2")
+    from calibration.memtrack import MemoryTracker
+
+    torch.manual_seed(0)
+    linear = bnb.nn.Linear4bit(n_in, n_out, bias=False, compute_dtype=torch.bfloat16, quant_type="nf4",
+                               compress_statistics=double_quant, quant_storage=torch.bfloat16)
+    linear.weight = bnb.nn.Params4bit(torch.randn(n_out, n_in, dtype=torch.bfloat16), requires_grad=False,
+                                      compress_statistics=double_quant, quant_type="nf4",
+                                      quant_storage=torch.bfloat16)._quantize("cpu")
+    module = torch.nn.Sequential(linear)
+    x = torch.randn(tokens, n_in, dtype=torch.bfloat16, requires_grad=True)
+    with MemoryTracker(module) as tracker:
+        tracker.track_inputs(x)
+        before = tracker.current_bytes()
+        y = module(x)
+        kept, forward = tracker.current_bytes() - before, tracker.snapshot().peak_allocated_bytes - before
+        grad = torch.ones_like(y)
+        y.backward(grad)  # its peak is above the forward's (it holds the output and its gradient besides)
+        backward = tracker.snapshot().peak_allocated_bytes - before - kept - grad.nbytes
+    n, c = n_in * n_out, 2
+    one_absmax = qlora.absmax_dequantized_bytes(n, double_quant)
+    assert one_absmax == (n // 64 * 4 if double_quant else 0)
+    assert kept == tokens * n_out * c
+    assert forward == qlora.forward_in_flight_bytes(n_in, n_out, c, double_quant, tokens) - one_absmax
+    assert backward == qlora.backward_in_flight_bytes(n_in, n_out, c, double_quant, tokens)
+    assert backward == n * c + max(one_absmax, tokens * n_in * c)
+
 def test_storage_must_be_the_compute_dtype_and_the_plan_follows_it():
     from planner import estimate, plan
     from planner.errors import PlannerError
