@@ -2,8 +2,9 @@
 
 For families without a formula (cost_models/operators.py prices the others from their structure), the
 block memory profile's model (calibration/block_profile.py) runs one more forward and backward with a
-TorchDispatchMode switched on inside one block only (its forward pre/post hooks, its backward pre/post
-hooks). Each aten op the block dispatches is filed as
+TorchDispatchMode per counted block, switched on inside that block only (its forward pre/post hooks, its
+backward pre/post hooks): a steady-state block and an MoE's leading dense one in the same run. Each aten op
+the block dispatches is filed as
 - a matmul (aten.mm, addmm, bmm, baddbmm, _grouped_mm), forward only: (n, k, rows per token, count) -
   the backward's input- and weight-gradient products are priced from these, as for the formula families;
 - the attention kernel (the SDPA flash / efficient / cuDNN / CPU-flash forward): 2 B H S S_k (D + D_v)
@@ -17,6 +18,8 @@ the compiled bytes stay the formula's (operators.py).
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -111,25 +114,35 @@ def _matmul_shape(func, args) -> tuple[int, int, int, int]:
     return int(b.shape[-1]), int(b.shape[0]), int(a.shape[0]), 1
 
 
-def count_block_operators(model, block, vocab_size: int, micro_batch: int, seq_len: int) -> TracedOperators:
+def count_block_operators(model, blocks: list, vocab_size: int, micro_batch: int,
+                          seq_len: int) -> list[TracedOperators]:
     """Run one forward + backward of `model` (already under FakeTensorMode and the trace tier's kernel
-    choices) and count `block`'s operators per token (module docstring)."""
+    choices) and count each of `blocks`' operators per token (module docstring): a counter per block, stacked
+    (each sees every op; it files those its block dispatches)."""
     tokens = micro_batch * seq_len
-    counter = _Counter()
+    counters = [_Counter() for _ in blocks]
 
-    def start(mode):
+    def start(counter, mode):
         def hook(*_):
             counter.recording = mode
         return hook
 
-    def stop(*_):
-        counter.recording = None
+    def stopper(counter):
+        def stop(*_):
+            counter.recording = None
+        return stop
 
-    handles = [block.register_forward_pre_hook(start("forward")), block.register_forward_hook(stop),
-               block.register_full_backward_pre_hook(start("backward")), block.register_full_backward_hook(stop)]
+    handles = []
+    for block, counter in zip(blocks, counters):
+        handles += [block.register_forward_pre_hook(start(counter, "forward")),
+                    block.register_forward_hook(stopper(counter)),
+                    block.register_full_backward_pre_hook(start(counter, "backward")),
+                    block.register_full_backward_hook(stopper(counter))]
     ids = torch.randint(0, vocab_size, (micro_batch, seq_len))
     try:
-        with counter:
+        with contextlib.ExitStack() as modes:
+            for counter in counters:
+                modes.enter_context(counter)
             out = model(input_ids=ids, labels=ids)
             out.loss.backward()
             del out
@@ -138,9 +151,9 @@ def count_block_operators(model, block, vocab_size: int, micro_batch: int, seq_l
             handle.remove()
         for p in model.parameters():
             p.grad = None
-    return TracedOperators(
+    return [TracedOperators(
         matmuls=tuple((n, k, rows / tokens, count) for n, k, rows, count in counter.matmuls),
         attention_flops_per_token=counter.attention_flops / tokens,
         attention_reference_flops=counter.attention_reference / tokens,
         memory_forward_bytes_per_token=counter.memory["forward"] / tokens,
-        memory_backward_bytes_per_token=counter.memory["backward"] / tokens)
+        memory_backward_bytes_per_token=counter.memory["backward"] / tokens) for counter in counters]

@@ -22,13 +22,17 @@ position; the moments that can be the peak for 1-128 sequences are kept. Saved b
 the profiled blocks (a layer pattern repeats). Leading dense blocks (DeepSeek) have no steady state: their
 saved bytes are the sparse ones plus the difference of what each kind adds by its own post-forward.
 The blocks' other inputs (masks, rotary tables, positions), which a checkpointed block keeps for its
-recompute, are summed per storage from their forward pre-hooks at four points (a forward each) and fitted
-as s(a + a'b) + s^2(q + q'b): ActivationTerms.checkpoint_held. One more forward and backward counts a
-steady-state block's operators for the step time (calibration/block_ops.py): ActivationTerms.operators.
+recompute, are summed per storage from their forward pre-hooks at four points (the three runs above and
+a no-grad forward at (2, s/2)) and fitted as s(a + a'b) + s^2(q + q'b): ActivationTerms.checkpoint_held.
+One more forward and backward counts a steady-state block's operators for the step time, a dense one's in
+the same run (calibration/block_ops.py): ActivationTerms.operators. Not in a tracked run: the counting's
+full backward hooks move the tracker's backward moments (DeepSeek's, measured); the pre-hooks recording
+the held inputs add no tensor, and read the tracked runs (the figures of a forward each, to the byte).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 
@@ -96,17 +100,19 @@ def _blocks(model, block_class: str) -> list:
 
 
 def _measure(model, blocks: list, n_dense: int, vocab_size: int, micro_batch: int, seq_len: int,
-             incoming_bytes: int):
+             incoming_bytes: int, during=contextlib.nullcontext()):
     """For one (micro_batch, seq_len) forward + backward, (saved, backward) of the sparse (or only) blocks
     and of the leading dense ones (None without): saved = mean bytes a block saves, backward = its
-    backward's moments as (activation, gradient) bytes above what was live at its pre-backward."""
+    backward's moments as (activation, gradient) bytes above what was live at its pre-backward. `during`
+    is entered around the forward and backward, inside the tracker: what else reads the same run (the
+    blocks' other inputs) and saves a run of its own."""
     from .gpu_run_choices import cuda_kernel_choices
 
     ids = torch.randint(0, vocab_size, (micro_batch, seq_len))
     tracker = MemoryTracker(model, vocab_size=vocab_size)
     tracker.watch_backward(blocks)
     with tracker:
-        with cuda_kernel_choices():
+        with cuda_kernel_choices(), during:
             out = model(input_ids=ids, labels=ids)
             out.loss.backward()
             del out
@@ -141,12 +147,12 @@ def _measure(model, blocks: list, n_dense: int, vocab_size: int, micro_batch: in
     return result, (dense_saved, [backward_of(j) for j in range(n_dense)])
 
 
-def _held_by_checkpointing(model, blocks: list, vocab_size: int, micro_batch: int, seq_len: int) -> int:
-    """Bytes of the blocks' inputs besides their hidden states (masks, rotary tables, positions), each
-    storage once: what checkpointed blocks keep alive for their recompute. A forward suffices."""
+@contextlib.contextmanager
+def _held_by_checkpointing(blocks: list, storages: dict[int, int]):
+    """Records into `storages` (storage -> bytes) the blocks' inputs besides their hidden states (masks, rotary
+    tables, positions), each storage once, in the forwards run inside: what checkpointed blocks keep alive
+    for their recompute."""
     from torch.utils._pytree import tree_leaves
-
-    storages: dict[int, int] = {}
 
     def record(_module, args, kwargs):
         hidden = args[0] if args else kwargs.get("hidden_states")
@@ -157,12 +163,10 @@ def _held_by_checkpointing(model, blocks: list, vocab_size: int, micro_batch: in
 
     handles = [block.register_forward_pre_hook(record, with_kwargs=True) for block in blocks]
     try:
-        with torch.no_grad():
-            model(input_ids=torch.randint(0, vocab_size, (micro_batch, seq_len)))
+        yield storages
     finally:
         for handle in handles:
             handle.remove()
-    return sum(storages.values())
 
 
 def _fit_held(points: list[tuple[int, int]], held: list[int]) -> tuple[float, float, float, float]:
@@ -197,16 +201,24 @@ def profile_block(hf_config: dict, *, block_class: str, compute_dtype: str, atte
         if len(blocks) - n_dense_layers < 3:
             raise ValueError(f"need 3 sparse {block_class} blocks in the profiled model, found "
                              f"{len(blocks) - n_dense_layers}")
-        sparse, dense = [], []
+        # The three forward + backward runs also record the blocks' other inputs (the checkpoint-held fit's
+        # first three points; a no-grad forward gives its fourth).
+        sparse, dense, held = [], [], []
         for b, s in points:
-            of_sparse, of_dense = _measure(model, blocks, n_dense_layers, vocab_size, b, s, c * hidden_size * b * s)
+            storages: dict[int, int] = {}
+            of_sparse, of_dense = _measure(model, blocks, n_dense_layers, vocab_size, b, s, c * hidden_size * b * s,
+                                           _held_by_checkpointing(blocks, storages))
             sparse.append(of_sparse)
             dense.append(of_dense)
+            held.append(sum(storages.values()))
         held_points = [*points, (2, points[0][1])]
-        held = _fit_held(held_points, [_held_by_checkpointing(model, blocks, vocab_size, b, s) for b, s in held_points])
+        storages = {}
+        with _held_by_checkpointing(blocks, storages), torch.no_grad():
+            model(input_ids=torch.randint(0, vocab_size, held_points[-1]))
+        held = _fit_held(held_points, [*held, sum(storages.values())])
         with cuda_kernel_choices():  # the step-time inventory of a steady-state block (and of a dense one)
-            operators = count_block_operators(model, blocks[max(n_dense_layers, 1)], vocab_size, 1, long_s)
-            dense_operators = count_block_operators(model, blocks[0], vocab_size, 1, long_s) if n_dense_layers else None
+            counted = [blocks[max(n_dense_layers, 1)]] + ([blocks[0]] if n_dense_layers else [])
+            operators, dense_operators = [*count_block_operators(model, counted, vocab_size, 1, long_s), None][:2]
     tokens = [b * s for b, s in points]
     seqs = [s for _, s in points]
     terms = dataclasses.replace(_terms(tokens, seqs, sparse, long_s), checkpoint_held=held, operators=operators)
