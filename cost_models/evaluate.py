@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from .feasibility import as_run, refusals
-from .host_ram import Ways, host_ram, host_ram_reason
+from .host_ram import Ways, gpu_outside_step_bytes, host_ram, host_ram_reason
 from .memory import MemoryEstimate, estimate_memory
 from .profile import Profile
 from .specs import ClusterSpec, FsdpConfig, ModelSpec, TrainingSpec
@@ -32,6 +32,21 @@ class Evaluation:
 def gpu_memory_reason(reserved_bytes: int, capacity_bytes: int, detail: str, prefix: str = "") -> str:
     """The reason a candidate does not fit in GPU memory (the doctor and the trace tier word it alike)."""
     return f"{prefix}needs {reserved_bytes / GiB:.1f} GiB per GPU > {capacity_bytes / GiB:.1f} GiB ({detail})"
+
+
+def outside_step_gpu(memory: MemoryEstimate, profile: Profile, capacity_bytes: int) -> tuple[tuple, list[str]]:
+    """(notes, reasons) of the moments outside the step (load, save, resume: host_ram.gpu_outside_step_bytes) whose
+    allocated bytes pass the step's peak: a note each, and the reason it does not fit where its reserved bytes
+    pass the GPU's. plan, estimate (evaluate) and check (planner/doctor/host_ways.py) all price them here."""
+    notes, reasons = (), []
+    for moment, allocated in gpu_outside_step_bytes(memory.host_ram, memory.phases["optimizer_step"]).items():
+        if allocated <= memory.peak_allocated_bytes:
+            continue
+        notes += (f"the {moment} holds {allocated / GiB:.1f} GiB allocated per GPU, above the step's peak",)
+        reserved = profile.reserved_bytes(allocated, memory.outside_allocator_bytes)
+        if reserved > capacity_bytes:
+            reasons.append(gpu_memory_reason(reserved, capacity_bytes, f"peak in the {moment}"))
+    return notes, reasons
 
 
 def unsupported_reasons(cluster: ClusterSpec, config: FsdpConfig) -> list[str]:
@@ -60,6 +75,10 @@ def evaluate(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, con
     if memory.host_ram is None:  # host RAM per node: processes, offloaded state, loading and checkpoints
         memory = dataclasses.replace(memory, host_ram=host_ram(model, cluster, training, config,
                                                                memory.cpu_bytes_per_node, ways or Ways()))
+    outside_notes, outside_reasons = outside_step_gpu(memory, profile, capacity)
+    if outside_notes:
+        memory = dataclasses.replace(memory, notes=memory.notes + outside_notes)
+    reasons += outside_reasons
     if config.offload and ram and memory.cpu_bytes_per_node > ram:
         reasons.append(f"CPU offload needs {memory.cpu_bytes_per_node / GiB:.0f} GiB of CPU RAM per node "
                        f"> {ram / GiB:.0f} GiB")

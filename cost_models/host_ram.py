@@ -51,6 +51,8 @@ class HostRam:
     save_bytes: int         # one checkpoint save
     resume_bytes: int       # reading a checkpoint back, optimizer included
     save_gpu_bytes: int     # the save's transient on each GPU (a full gather's unit or tensor; 0 with DCP)
+    load_gpu_bytes: int = 0     # loading's transient on each GPU (a broadcast tensor or unit, new local shards)
+    resume_gpu_bytes: int = 0   # the resume's transient on each GPU (FSDP1's DCP: a copy of the shard and a gather)
 
     @property
     def peak_bytes(self) -> int:
@@ -106,7 +108,38 @@ def host_ram(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, con
            + f"); resume {resume_way.value}")
     return HostRam(load_way, save_way, resume_way, why, process_bytes=n * PROCESS_BYTES_PER_RANK,
                    offloaded_bytes=offloaded_bytes, load_bytes=load, save_bytes=save.node_bytes(n),
-                   resume_bytes=resume, save_gpu_bytes=save.gpu_bytes)
+                   resume_bytes=resume, save_gpu_bytes=save.gpu_bytes,
+                   load_gpu_bytes=load_bytes(load_way, sizes, fsdp2).gpu_bytes,
+                   resume_gpu_bytes=load_bytes(resume_way, sizes, fsdp2, optimizer=True).gpu_bytes)
+
+
+def gpu_outside_step_bytes(host: HostRam, step) -> dict[str, int]:
+    """Bytes allocated on each GPU at the moments outside the step whose way adds a device transient
+    (outside_step.py), beside what is resident then (step: the ledger's optimizer_step phase, memory.py): loading
+    beside the sharded params (nothing trained yet); a save beside the sharded params, grads and optimizer state; a
+    resume beside the sharded params and optimizer state (torch's _init_optim_state makes the states and drops the
+    grads before they are loaded into). The first optimizer step's allocated peak is that phase itself, in every
+    estimate's peak already. Keys: "rank0-broadcast load", "dcp save", ..."""
+    moments = {f"{host.load_way.value} load": (host.load_gpu_bytes, step.sharded_params),
+               f"{host.save_way.value} save": (host.save_gpu_bytes,
+                                               step.sharded_params + step.sharded_grads + step.optimizer_state),
+               f"{host.resume_way.value} resume": (host.resume_gpu_bytes, step.sharded_params + step.optimizer_state)}
+    return {name: resident + transient for name, (transient, resident) in moments.items() if transient}
+
+
+def host_ram_fix(host: HostRam | None) -> str:
+    """What lowers host RAM, for the ways in use: rank 0 loading and DCP saves only where the ways are not those."""
+    fixes = []
+    if host is None or host.load_way is LoadWay.EVERY_RANK:
+        fixes.append("load on rank 0 only (cpu_ram_efficient_loading + sync_module_states)")
+    if host is None or host.save_way in (SaveWay.FULL_RANK0, SaveWay.SAVE_PRETRAINED):
+        fixes.append("save each rank's shard (state_dict_type SHARDED_STATE_DICT: DCP)")
+    elif host.save_way is SaveWay.DCP_ASYNC:
+        fixes.append("save synchronously (async DCP stages each rank's shard to host)")
+    if fixes:
+        return " and ".join(fixes)
+    return ("more nodes (fewer ranks' shards and offloaded state on each), or no CPU offload: it already loads on "
+            "rank 0 and saves each rank's shard with DCP")
 
 
 def host_ram_reason(host: HostRam, capacity_bytes: int) -> str:

@@ -1,19 +1,16 @@
 """check prices host RAM with the ways the user's files load and save (cost_models/host_ram.py): every rank
 loading (no cpu_ram_efficient_loading / sync_module_states), a FULL_STATE_DICT save gathered on rank 0 (accelerate's
-default under FSDP1), and adds the save's GPU transient (the gathered unit or tensor beside the sharded states)
-where it passes the step's peak."""
+default under FSDP1), and the GPU transients of those ways (the gathered unit or tensor of a save, FSDP1's copy of
+the shard in a DCP resume) where they pass the step's peak."""
 
 from __future__ import annotations
 
 from dataclasses import replace
 
-from cost_models.evaluate import gpu_memory_reason
+from cost_models.evaluate import outside_step_gpu
 from cost_models.host_ram import Ways, host_ram, host_ram_reason
 from cost_models.outside_step import LoadWay, SaveWay
 from cost_models.units import GiB
-
-HOST_RAM_FIX = ("load on rank 0 only (cpu_ram_efficient_loading + sync_module_states) and save each rank's shard "
-                "(state_dict_type SHARDED_STATE_DICT: DCP)")
 
 # UserSetup.init -> how the weights are read: meta-device ranks receive rank 0's weights by sync_module_states
 LOAD_WAYS = {"all": LoadWay.EVERY_RANK, "rank0": LoadWay.RANK0_BROADCAST, "meta": LoadWay.RANK0_BROADCAST,
@@ -40,16 +37,12 @@ def with_setup_ways(candidate, setup, profile):
     reasons = [r for r in e.reasons if "of host RAM per node" not in r]
     if not any("CPU offload needs" in r for r in reasons) and host_ram_reason(host, m.cpu_ram_capacity_bytes):
         reasons.append(host_ram_reason(host, m.cpu_ram_capacity_bytes))
-    notes = m.notes
-    step = m.phases["optimizer_step"]
-    save_peak = step.sharded_params + step.sharded_grads + step.optimizer_state + host.save_gpu_bytes
-    if host.save_gpu_bytes and save_peak > m.peak_allocated_bytes:  # the save, not the step, sets the GPU peak
-        notes += (f"the {host.save_way.value} save holds {host.save_gpu_bytes / GiB:.1f} GiB per GPU beside the "
-                  f"sharded states: {save_peak / GiB:.1f} GiB allocated, above the step's peak",)
-        reserved = profile.reserved_bytes(save_peak, m.outside_allocator_bytes)
-        if reserved > e.capacity_bytes:
-            reasons.append(gpu_memory_reason(reserved, e.capacity_bytes, f"peak in the {host.save_way.value} save"))
-    memory = replace(m, host_ram=host, notes=notes)
+    # the GPU at the setup's load, save and resume (cost_models/evaluate.outside_step_gpu), not the default ways'
+    reasons = [r for r in reasons if "peak in the " not in r]
+    memory = replace(m, host_ram=host, notes=tuple(n for n in m.notes if "above the step's peak" not in n))
+    notes, gpu_reasons = outside_step_gpu(memory, profile, e.capacity_bytes)
+    reasons += gpu_reasons
+    memory = replace(memory, notes=memory.notes + notes)
     return replace(candidate, evaluation=replace(e, memory=memory, fits=not reasons, reasons=tuple(reasons)))
 
 

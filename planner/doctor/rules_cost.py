@@ -8,12 +8,12 @@ from dataclasses import replace
 
 from cost_models.evaluate import evaluate
 from cost_models.feasibility import refusals
+from cost_models.host_ram import host_ram_fix
 from cost_models.specs import FsdpConfig, ModelSpec
 from cost_models.units import DTYPE_BYTES, GiB
 
 from planner.search.words import describe, technique_words
 from planner.doctor.findings import ADVICE, ERROR, WARNING, Context, Finding, _techniques
-from planner.doctor.host_ways import HOST_RAM_FIX
 
 
 def does_not_fit(ctx: Context):
@@ -25,7 +25,7 @@ def does_not_fit(ctx: Context):
             "host-ram-does-not-fit" if "host RAM" in reason else "gpu-memory-does-not-fit"
         fix = {"cpu-ram-does-not-fit": "more nodes (offloaded state per node shrinks with the shard group), or no "
                                        "offload with more GPUs",
-               "host-ram-does-not-fit": HOST_RAM_FIX}.get(code) or _fit_fix(ctx)
+               "host-ram-does-not-fit": host_ram_fix(ctx.candidate.memory.host_ram)}.get(code) or _fit_fix(ctx)
         yield Finding(code, ERROR, f"Out of memory: {reason}.", fix)
 
 

@@ -171,3 +171,41 @@ def test_a_scripts_hf_save_sets_the_save_way_and_a_gather_outranks_dcp():
     # periodic DCP checkpoints and a final save_pretrained: rank 0's gather sets the host peak
     assert save_of("dcp.save(state, checkpoint_id='ck')\nmodel.save_pretrained('out')\n") == "SAVE_PRETRAINED"
     assert save_of("x = 1\n") is None
+
+
+# --trainer fsdp1's ways (every rank loads; DCP save and resume through get_state_dict / set_state_dict), and the
+# same ways read back from accelerate's FSDP1 config with SHARDED_STATE_DICT
+FSDP1_8B = ["--model", "llama3.1-8b", "--gpus", "8", "--gpu", "rtx4090-24gb", "--activation-checkpointing", "full",
+            "--micro-batch", "1", "--seq-len", "2048"]
+RESUME_REASON = "needs 36.0 GiB per GPU > 24.0 GiB (peak in the meta-dcp resume)"
+
+
+def test_an_fsdp1_resume_sets_the_gpu_peak_in_estimate_check_and_plan(tmp_path, capsys):
+    """Llama 3.1 8B, full fine-tuning, 8 x RTX 4090: the step peaks at 20.3 GiB allocated, FSDP1's DCP resume at
+    36,323,737,600 B = the fp32 params' and Adam's shards (4,015,130,624 + 8,030,261,248 B) + its transient
+    (outside_step._fsdp1_dcp: a copy of that shard, 12,045,391,872 B, and the new Adam shard with the embedding's
+    two states, 8,030,261,248 + 4,202,692,608 B): 33.8 GiB, 36.0 reserved > 24 GiB. estimate and check refuse it
+    alike, and the search with them."""
+    code, out, err = invoke(["estimate", *FSDP1_8B, "--trainer", "fsdp1", "--format", "json"], capsys)
+    assert code == 0, err
+    estimated = json.loads(out)
+    assert (estimated["fits"], estimated["reasons"]) == (False, [RESUME_REASON])
+    assert "the meta-dcp resume holds 33.8 GiB allocated per GPU, above the step's peak" in estimated["memory"]["notes"]
+    path = tmp_path / "accelerate.yaml"
+    path.write_text(ACCELERATE_FSDP1 + "  fsdp_state_dict_type: SHARDED_STATE_DICT\n"
+                    "  fsdp_activation_checkpointing: true\n")
+    code, out, err = invoke(["check", str(path), *FSDP1_8B[:2], *FSDP1_8B[4:6], *FSDP1_8B[8:], "--format", "json"],
+                            capsys)
+    assert code == 1, err  # an error found
+    checked = json.loads(out)
+    assert (checked["fits"], checked["reasons"]) == (False, [RESUME_REASON])
+    assert checked["memory"]["peak_allocated_bytes"] == estimated["memory"]["peak_allocated_bytes"]
+    from cost_models.host_ram import gpu_outside_step_bytes
+    from planner import plan
+
+    # the search prices it too: on 8 of them no configuration's resume fits (CPU offload moves the states, not the
+    # resume's copy and gathers: 22.6 GiB); on 16 the pick (CPU offload) holds its resume below its step's peak
+    assert plan("llama3.1-8b", 8, gpu="rtx4090-24gb", trainer="fsdp1").best is None
+    best = plan("llama3.1-8b", 16, gpu="rtx4090-24gb", trainer="fsdp1").best
+    moments = gpu_outside_step_bytes(best.memory.host_ram, best.memory.phases["optimizer_step"])
+    assert best.fits and moments["meta-dcp resume"] < best.memory.peak_allocated_bytes

@@ -137,3 +137,34 @@ def test_fsdp1s_dcp_resume_holds_the_copy_and_gathers_root_and_block():
     # states + the 64 MiB embedding's two states); host: DCP's two items in flight (2 x 8 MiB)
     assert load_bytes(LoadWay.META_DCP, SIZES, fsdp2=False, optimizer=True) == OutsideBytes(
         16 * MiB, 16 * MiB, 384 * MiB + 512 * MiB)
+
+
+def test_the_gpu_at_load_save_and_resume_beside_what_is_resident_then():
+    """gpu_outside_step_bytes: loading beside the sharded params, a save beside params + grads + optimizer state,
+    a resume beside params + optimizer state (no grads); a way without a device transient adds no moment."""
+    from cost_models.host_ram import HostRam, gpu_outside_step_bytes
+    from cost_models.memory_types import MemoryBreakdown
+
+    step = MemoryBreakdown(sharded_params=GiB, sharded_grads=GiB, optimizer_state=2 * GiB)
+    host = HostRam(LoadWay.EVERY_RANK, SaveWay.DCP, LoadWay.META_DCP, "", process_bytes=0, offloaded_bytes=0,
+                   load_bytes=0, save_bytes=0, resume_bytes=0, save_gpu_bytes=128 * MiB, load_gpu_bytes=256 * MiB,
+                   resume_gpu_bytes=896 * MiB)
+    assert gpu_outside_step_bytes(host, step) == {"every-rank load": GiB + 256 * MiB, "dcp save": 4 * GiB + 128 * MiB,
+                                                  "meta-dcp resume": 3 * GiB + 896 * MiB}
+    assert gpu_outside_step_bytes(HostRam(LoadWay.META_DCP, SaveWay.DCP, LoadWay.META_DCP, "", 0, 0, 0, 0, 0, 0),
+                                  step) == {}
+
+
+def test_the_host_ram_fix_suggests_only_the_ways_not_in_use():
+    from cost_models.host_ram import HostRam, host_ram_fix
+
+    def fix(load, save):
+        return host_ram_fix(HostRam(load, save, LoadWay.META_DCP, "", 0, 0, 0, 0, 0, 0))
+
+    assert fix(LoadWay.EVERY_RANK, SaveWay.FULL_RANK0) == ("load on rank 0 only (cpu_ram_efficient_loading + "
+                                                           "sync_module_states) and save each rank's shard "
+                                                           "(state_dict_type SHARDED_STATE_DICT: DCP)")
+    assert "DCP" not in fix(LoadWay.EVERY_RANK, SaveWay.DCP) and "rank 0" in fix(LoadWay.EVERY_RANK, SaveWay.DCP)
+    assert fix(LoadWay.RANK0_BROADCAST, SaveWay.DCP_ASYNC).startswith("save synchronously")
+    assert fix(LoadWay.RANK0_BROADCAST, SaveWay.DCP).startswith("more nodes")
+    assert "load on rank 0 only" not in fix(LoadWay.META_DCP, SaveWay.SAVE_PRETRAINED)
