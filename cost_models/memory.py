@@ -330,14 +330,26 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
             unsharded_grads=head_grad + block_grads,
             activations=block_acts + shared,
         )
-    if quantized:
+        if quantized and is_ckpt(i):
+            # a checkpointed block's recompute of its MLP output projection (the forward moment below, in the
+            # backward): the block's saved tensors remade, the residual sum, the MLP's and the projection's inputs
+            # and the incoming gradient, its weight dequantized; the gradients and buffers of its backward moment
+            moments[f"recompute of block {i}'s MLP output projection"] = MemoryBreakdown(
+                **states(grads_done(i)),
+                unsharded_params=root_c + gathered(i) + (gathered_below(i) if keeps_gathered else 0) + partial_below(i),
+                collective_buffers=prefetch_below(i) + reduce_scatter_above(i),
+                unsharded_grads=head_grad,
+                activations=tokens * (below + this + c * (3 * h + f)) + shared
+                + qlora.forward_in_flight_bytes(f, h, c, training.double_quant, tokens),
+            )
+    if quantized and not is_ckpt(L - 1):
         # bitsandbytes' forward of the last block's MLP output projection (qlora.forward_in_flight_bytes): the block's
-        # saved tensors all made (a checkpointed block keeps fewer: an upper bound there), beside what no
-        # bitsandbytes linear saves but the forward still holds - the block's input (the model's loop keeps it until
-        # the block returns), the attention's residual sum (for the add after the MLP), the MLP's input and the
-        # projection's input - and FSDP2's all-gather output of the block (kept until the next all-gather or the
-        # root's post-forward, as in "loss in forward" above); its weight dequantized. Measured: -1.0% at h 1024
-        # (tests/distributed/test_torchrun_qlora.py), the forward being the step's peak there.
+        # saved tensors all made, beside what no bitsandbytes linear saves but the forward still holds - the
+        # block's input (the model's loop keeps it until the block returns), the attention's residual sum (for the
+        # add after the MLP), the MLP's input and the projection's input - and FSDP2's all-gather output of the
+        # block (kept until the next all-gather or the root's post-forward, as in "loss in forward" above); its
+        # weight dequantized. Measured: -1.0% at h 1024 (tests/distributed/test_torchrun_qlora.py), the forward
+        # being the step's peak there. A checkpointed last block's forward keeps less: its recompute, above, leads.
         i = L - 1
         moments[f"forward of block {i}'s MLP output projection"] = MemoryBreakdown(
             **states(0),
