@@ -5,11 +5,9 @@ from __future__ import annotations
 
 import functools
 import json
-from pathlib import Path
 
 import pytest
 
-WORKER = Path(__file__).with_name("worker_pp.py")
 TIMEOUT_S = 300
 REAL_RUN_JITTER_BYTES = 65_536      # one real run's peak against a fixed figure, by hash seed (test_torchrun_ep)
 SEQ_LEN, HIDDEN = 64, 64

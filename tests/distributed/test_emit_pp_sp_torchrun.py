@@ -22,23 +22,20 @@ runs on each side).
   losses within 5e-7, gradients within 1.3e-8. The estimate of the same configuration: 1,620,992 / 1,523,456 B,
   -3.60% / -2.42% of the trace (cost_models prices PP + SP; not changed here).
 
-One 4-rank launch (about 100 s on 2 shared cores), then two ~5 s traces.
+The shared 4-rank launch (cases.shared, with test_torchrun_pp_dp.py's cases; about 100 s of it on 2 shared cores),
+then two ~5 s traces.
 """
 
 from __future__ import annotations
 
-import functools
-from pathlib import Path
-
 import pytest
 
-from tests.distributed.cases import run_cases
+from tests.distributed.cases import shared
 from tests.distributed.pp_checks import SEQ_LEN, TIMEOUT_S, TINY, check_against_trace, check_numerics
 
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.distributed
 
-WORKER = Path(__file__).with_name("worker_pp_sp.py")
 CONFIG = {"pp": 2, "tp": 2, "precision": "fp32", "pp_schedule": "1f1b", "grad_accum": 4}  # sequence parallel: default
 CASES = [{"hf_config": TINY, "config": CONFIG, "seq_len": SEQ_LEN, "emitted": True},
          {"hf_config": TINY, "config": CONFIG, "seq_len": SEQ_LEN},
@@ -51,9 +48,7 @@ CASES += [{"hf_config": TIED, "config": {**CONFIG, "pp_schedule": schedule}, "se
           for schedule in ("1f1b", "dualpipev")]
 
 
-@functools.cache
-def launch() -> tuple[dict, ...]:
-    return run_cases(WORKER, CASES, TIMEOUT_S, nproc=4)
+launch = shared(__file__, "worker_pp_sp", CASES, TIMEOUT_S, nproc=4)
 
 
 @pytest.mark.parametrize("index, schedule", [(0, "Schedule1F1B"), (2, "ScheduleDualPipeV"), (3, "Schedule1F1B"),

@@ -1,6 +1,6 @@
 """What planner/doctor/readers/trainers.py and the doctor's checkpointing-outside-fsdp-units finding rest on, measured
-with real FSDP under torchrun (2 ranks, gloo, CPU; ~15 s on 2 busy cores): Hugging Face Trainer's own activation
-checkpointing wraps each block's call from outside its FSDP unit. Reentrant, under FSDP1, the recompute runs the
+with real FSDP under torchrun (2 ranks, gloo, CPU; in the shared launch, cases.shared: 0.5 CPU s of it): Hugging
+Face Trainer's own activation checkpointing wraps each block's call from outside its FSDP unit. Reentrant, under FSDP1, the recompute runs the
 unit's pre-forward hook before its pre-backward one, so each checkpointed block is all-gathered once more (the
 "redundant AllGather" transformers warns of, huggingface/transformers#30404). Non-reentrant (transformers 5's
 default) FSDP1 gathers at pre-backward, before the recompute, which then finds the block gathered; FSDP2 does not
@@ -8,26 +8,22 @@ reshard in a forward run inside backward (FSDPParamGroup.post_forward: `if not i
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
+import itertools
 
 import pytest
 
+from tests.distributed.cases import shared
+
 pytestmark = pytest.mark.distributed
 
-ROOT = Path(__file__).resolve().parents[2]
-WORKER = Path(__file__).with_name("worker_hf_checkpointing.py")
+CASES = [{"fsdp": version, "checkpointed": checkpointed, "reentrant": reentrant}
+         for version, checkpointed, reentrant in itertools.product((1, 2), (False, True), (False, True))
+         if checkpointed or not reentrant]
+launch = shared(__file__, "worker_hf_checkpointing", CASES, timeout_s=180)
 
 
 def test_only_reentrant_checkpointing_around_fsdp1_units_gathers_again():
-    args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(WORKER)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    rows = launch()
     counts = {(r["fsdp"], r["checkpointed"], r["reentrant"]): r["all_gathers"] for r in rows}
     n_blocks = rows[0]["blocks"]
     for version in (1, 2):

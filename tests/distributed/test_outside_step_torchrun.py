@@ -12,24 +12,22 @@ on the growth between the two sizes, where what is the same at both cancels but 
 sizes (formula 40.8 / 122.3), resuming 53.3-53.5 / 52.5-52.7 and 159.4 / 148.9-149.0 MB on ranks 0 / 1 (formula 52.6 /
 52.2 and 157.7 / 147.5) over two runs.
 
-One torchrun launch, two cases (~22 s on 2 busy cores; --emit fsdp1's save and resume at both sizes add ~8 s).
+Two cases of the shared 2-rank torchrun launch (cases.shared), run first: each way reads the process's resident
+set, which no other case's heap has grown then (~21 CPU s of it, both ranks, --emit fsdp1's save and resume at both
+sizes included; measured 2026-12-06).
 """
 
 from __future__ import annotations
-
-import functools
-from pathlib import Path
 
 import pytest
 
 from cost_models.outside_step import LoadWay, SaveWay, StateSizes, load_bytes, save_bytes
 from cost_models.specs import TrainingSpec
-from tests.distributed.cases import run_cases
+from tests.distributed.cases import shared
 from tests.distributed.worker_outside_step import spec
 
 pytestmark = pytest.mark.distributed
 
-WORKER = Path(__file__).with_name("worker_outside_step.py")
 # the second size has 3x the blocks and 3x the vocabulary: the model, its shards and the largest tensor all grow
 SHAPES = ({"n_layers": 2, "hidden_size": 256, "ffn_hidden_size": 1024, "vocab_size": 4096},
           {"n_layers": 6, "hidden_size": 256, "ffn_hidden_size": 1024, "vocab_size": 12288})
@@ -71,14 +69,12 @@ def formulas(shape: dict) -> dict:
     }
 
 
-@functools.cache
-def runs() -> tuple[dict, ...]:
-    # --emit fsdp1's functions at every size in the last case, after every measured way: what they leave in the heap
-    # can be reused by a later way's tensors and lower its reading (seen once: rank 0's full state dict 12.9 MB under
-    # the formula)
-    last = len(SHAPES) - 1
-    return run_cases(WORKER, [{"shape": s, "fsdp1": SHAPES if i == last else []} for i, s in enumerate(SHAPES)],
-                     timeout_s=300)
+# --emit fsdp1's functions at every size in the last case, after every measured way: what they leave in the heap can
+# be reused by a later way's tensors and lower its reading (seen once: rank 0's full state dict 12.9 MB under the
+# formula)
+runs = shared(__file__, "worker_outside_step",
+              [{"shape": s, "fsdp1": SHAPES if i == len(SHAPES) - 1 else []} for i, s in enumerate(SHAPES)],
+              timeout_s=300, first=True)
 
 
 def measured() -> tuple[dict, ...]:

@@ -1,7 +1,7 @@
 """Expert parallelism for real: a tiny transformers Mixtral under EP 2 + FSDP2 by torchrun (2 ranks, gloo, CPU),
 against the trace tier of the same configuration (fake tensors, fake process group of 2).
 
-One launch runs every case (tests/distributed/worker_ep.py). Both sides go through calibration.apply.apply_fsdp2 and
+Every case runs in the shared 2-rank launch (tests/distributed/worker_ep.py; cases.shared). Both sides go through calibration.apply.apply_fsdp2 and
 calibration/expert_parallel.py: transformers' ep_plan and AllToAllEP, balanced routing, the experts fully_shard-ed
 over efsdp = 2 / 2 = 1 and the rest over dp_shard = 2. The real run reads its all-to-all split sizes back from the
 routed counts (AllToAllEP's own dispatch), the trace computes them in Python; every op runs on CPU on both sides,
@@ -13,16 +13,14 @@ input (a unit's gradients in the reduce dtype), which NCCL does not make (worker
 from __future__ import annotations
 
 import functools
-from pathlib import Path
 
 import pytest
 
-from tests.distributed.cases import run_cases
+from tests.distributed.cases import shared
 
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.distributed
 
-WORKER = Path(__file__).with_name("worker_ep.py")
 TIMEOUT_S = 240
 REAL_RUN_JITTER_BYTES = 2 * 65_536
 SEQ_LEN = 64
@@ -38,9 +36,7 @@ CASES = [
 ]
 
 
-@functools.cache
-def launch() -> tuple[dict, ...]:
-    return run_cases(WORKER, CASES, TIMEOUT_S)
+launch = shared(__file__, "worker_ep", CASES, TIMEOUT_S)
 
 
 @functools.cache

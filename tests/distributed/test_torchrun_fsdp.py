@@ -1,6 +1,6 @@
 """Real FSDP training under torchrun (2 ranks, gloo, CPU) through calibration.apply, the code path the
-planner emits. One torchrun launch for both FSDP versions' cases, in one process group (a second launch
-cost ~10 s of start-up and `import torch` on two ranks).
+planner emits. Both FSDP versions' cases run in the shared 2-rank torchrun launch (cases.shared: one process
+group for the torchrun unit's plain workers; a launch of its own costs ~8 CPU s of start-up and `import torch`).
 
 Checks per case: the loss falls below 0.7x its first value in 8 AdamW steps (LoRA: 0.95x, with only the
 adapters getting gradients and the frozen base unchanged). Across cases: every fp32
@@ -19,21 +19,14 @@ bf16 works on CPU/gloo (FSDP1 MixedPrecision, FSDP2 MixedPrecisionPolicy, bf16-p
 
 from __future__ import annotations
 
-import functools
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
+
+from tests.distributed.cases import shared
 
 pytestmark = pytest.mark.distributed
 
-ROOT = Path(__file__).resolve().parents[2]
-WORKER = Path(__file__).with_name("worker_train.py")
-TIMEOUT_S = 300  # the launch takes ~45 s on 2 busy cores (~15 s of it FSDP2's compiled case); a hang must not
-# stall CI
+TIMEOUT_S = 300  # the cases take ~34 CPU s, both ranks (measured 2026-12-06; ~15 s wall of it FSDP2's compiled case
+# on 2 busy cores); a hang must not stall CI
 
 CASES = {
     1: [
@@ -75,17 +68,8 @@ def _ids(param):
     return "-".join([f"fsdp{version}", case["sharding"], case["precision"], *extras])
 
 
-@functools.cache
-def _launch_all() -> tuple[dict, ...]:
-    args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(WORKER)]
-    for version, index in PARAMS:
-        args += ["--fsdp-version", str(version), "--config", json.dumps(CASES[version][index])]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
-    assert proc.returncode == 0, f"torchrun failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    results = tuple(json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{"))
-    assert len(results) == len(PARAMS), proc.stdout
-    return results
+_launch_all = shared(__file__, "worker_train", [{"fsdp_version": v, "config": CASES[v][i]} for v, i in PARAMS],
+                     TIMEOUT_S)
 
 
 def launch(version: int) -> tuple[dict, ...]:

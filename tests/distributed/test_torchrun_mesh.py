@@ -23,25 +23,19 @@ reduce-scatter's concatenated chunks) are the same on gloo, NCCL and the fake gr
 ProcessGroupGloo is C++-internal, outside the tracker on both sides. What the run shows is that nothing of
 (2) appears as a tensor the trace does not also have.
 
-One torchrun launch for all cases, then one ~1 s trace per case: about a minute in all on 2 shared cores.
+The cases run in the shared 2-rank torchrun launch (cases.shared), then one ~1 s trace per case: about a minute
+in all on 2 shared cores.
 """
 
 from __future__ import annotations
 
-import functools
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
+
+from tests.distributed.cases import shared
 
 pytestmark = pytest.mark.distributed
 pytest.importorskip("transformers")
 
-ROOT = Path(__file__).resolve().parents[2]
-WORKER = Path(__file__).with_name("worker_mesh.py")
 TIMEOUT_S = 300
 # The real run's peak jitters by tens of kB from run to run on these tiny models (once -0.39%, 48 KiB more
 # activations in the tp 2 fp32 seq 64 case, under a loaded machine; 0.0% on reruns): the order its tensors are
@@ -78,17 +72,8 @@ def _id(case: dict) -> str:
     return "-".join(f"{k}={v}" for k, v in {**case["config"], "seq": case["seq_len"]}.items())
 
 
-@functools.cache
-def real_runs() -> tuple[dict, ...]:
-    args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(WORKER)]
-    for case in CASES + [GLOO_CASE, GRADIENT_CASE]:
-        args += ["--case", json.dumps({"hf_config": TINY, **case})]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "TRANSFORMERS_VERBOSITY": "error"}
-    proc = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
-    assert proc.returncode == 0, f"torchrun failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    results = tuple(json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{"))
-    assert len(results) == len(CASES) + 2, proc.stdout
-    return results
+real_runs = shared(__file__, "worker_mesh",
+                   [{"hf_config": TINY, **case} for case in CASES + [GLOO_CASE, GRADIENT_CASE]], TIMEOUT_S)
 
 
 def trace_case(case: dict):

@@ -1,6 +1,6 @@
 """A tiny transformers Mixtral (grouped_mm experts) trained under FSDP2 by torchrun: 2 ranks, gloo, CPU.
 
-One launch runs every case in one process group (tests/distributed/worker_moe.py). Checks: the loss
+Every case runs in the shared 2-rank launch (tests/distributed/worker_moe.py; cases.shared). Checks: the loss
 falls below 0.7x its first value in 8 AdamW steps; with 3 experts on 2 ranks FSDP2 pads the stacked
 expert tensors on dim 0 (rank 0 holds 2 rows of the 3: the layout cost_models/moe.py prices), and the
 emitted FSDP2 code with its shard_placement_fn fix uncommented, or a plan with expert_shard_dim=1 (applied
@@ -11,17 +11,13 @@ every fp32 case follows the same loss trajectory (layout and padding change memo
 
 from __future__ import annotations
 
-import functools
-from pathlib import Path
-
 import pytest
 
-from tests.distributed.cases import run_cases
+from tests.distributed.cases import shared
 
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.distributed
 
-WORKER = Path(__file__).with_name("worker_moe.py")
 TIMEOUT_S = 180
 
 CASES = [
@@ -39,9 +35,7 @@ CASES = [
 ]
 
 
-@functools.cache
-def launch() -> tuple[dict, ...]:
-    return run_cases(WORKER, CASES, TIMEOUT_S)
+launch = shared(__file__, "worker_moe", CASES, TIMEOUT_S)
 
 
 @pytest.mark.parametrize("index", range(len(CASES)))

@@ -12,33 +12,32 @@ and each window within 340 B (Adam's 21 fp32 step counters and the token ids, wh
 halves each figure (measured as well: 1,639,680 / 0 / 524,544 B). The tolerance, 0.1% of the window, is far below
 what a wrong implementation would move it: the foreach copy is 25% of the fused window, the for-loop's 8%.
 
-One torchrun launch (~30 s on 2 busy cores), then three traces (~3 s each).
+The cases run in the shared 2-rank torchrun launch (cases.shared; ~4 CPU s of it, both ranks, measured 2026-12-06),
+then three traces (~3 s each).
 """
 
 from __future__ import annotations
 
-import functools
-from pathlib import Path
-
 import pytest
 
 from cost_models.specs import FsdpConfig, TrainingSpec
-from tests.distributed.cases import run_cases
+from tests.distributed.cases import shared
 from tests.distributed.worker_optimizer import spec
 
 pytestmark = pytest.mark.distributed
 
-WORKER = Path(__file__).with_name("worker_optimizer.py")
 IMPLS = ("foreach", "fused", "for-loop")
 CONFIG = {"precision": "fp32"}
 SEQ_LEN = 32
 TOLERANCE = 0.001
 
 
-@functools.cache
+launch = shared(__file__, "worker_optimizer", [{"impl": impl, "config": CONFIG, "seq_len": SEQ_LEN} for impl in IMPLS],
+                timeout_s=300)
+
+
 def real() -> dict:
-    cases = [{"impl": impl, "config": CONFIG, "seq_len": SEQ_LEN} for impl in IMPLS]
-    return {r["impl"]: r for r in run_cases(WORKER, cases, timeout_s=300)}
+    return {r["impl"]: r for r in launch()}
 
 
 def estimated(impl: str):

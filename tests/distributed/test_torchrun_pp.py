@@ -18,17 +18,16 @@ gradients up to 0.041).
 
 And `--emit fsdp2`'s pipeline snippet, exec-ed on the same 2 ranks, trains two steps like the unsplit model.
 
-One torchrun launch for all three cases (about 45 s on 2 shared cores), then one ~5-10 s trace per case.
+The three cases run in the shared 2-rank torchrun launch (cases.shared; about 45 s of it on 2 shared cores), then
+one ~5-10 s trace per case.
 """
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 
-from tests.distributed.cases import run_cases
-from tests.distributed.pp_checks import TIMEOUT_S, WORKER, cases, check_against_trace, check_numerics
+from tests.distributed.cases import shared
+from tests.distributed.pp_checks import TIMEOUT_S, cases, check_against_trace, check_numerics
 
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.distributed
@@ -38,9 +37,7 @@ CASES = cases(grad_accum=4)  # 4 microbatches of 1 x 64 tokens: 1F1B reaches its
 EMITTED = {**CASES[1], "emitted": {**CASES[1]["config"], "activation_checkpointing": "full"}}
 
 
-@functools.cache
-def launch() -> tuple[dict, ...]:
-    return run_cases(WORKER, CASES + [EMITTED], TIMEOUT_S)
+launch = shared(__file__, "worker_pp", CASES + [EMITTED], TIMEOUT_S)
 
 
 @pytest.mark.parametrize("index", range(len(CASES)), ids=[c["config"]["pp_schedule"] for c in CASES])

@@ -6,17 +6,16 @@ in both schedules (2,205,324 B on the first stage's ranks; 2,534,696 / 2,245,404
 1F1B), losses within 8e-7, gradients within 1.3e-8. The same launch runs `--emit fsdp2`'s snippet for pp 2 x
 tp 2 (TP inside each stage) for two steps against the unsplit model.
 
-One 4-rank torchrun launch (about 55 s on 2 shared cores), then one ~10 s trace per case.
+The shared 4-rank torchrun launch (cases.shared, with test_emit_pp_sp_torchrun.py's cases; about 55 s of it on 2
+shared cores), then one ~10 s trace per case.
 """
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 
-from tests.distributed.cases import run_cases
-from tests.distributed.pp_checks import TIMEOUT_S, WORKER, cases, check_against_trace, check_numerics
+from tests.distributed.cases import shared
+from tests.distributed.pp_checks import TIMEOUT_S, cases, check_against_trace, check_numerics
 
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.distributed
@@ -26,9 +25,7 @@ CASES = cases(grad_accum=2)  # 2 microbatches per data-parallel rank
 EMITTED = {**CASES[0], "emitted": {**CASES[0]["config"], "tp": 2, "sequence_parallel": False}}
 
 
-@functools.cache
-def launch() -> tuple[dict, ...]:
-    return run_cases(WORKER, CASES + [EMITTED], TIMEOUT_S, nproc=4)
+launch = shared(__file__, "worker_pp", CASES + [EMITTED], TIMEOUT_S, nproc=4)
 
 
 @pytest.mark.parametrize("index", range(len(CASES)), ids=[c["config"]["pp_schedule"] for c in CASES])

@@ -19,14 +19,13 @@ dequantize path wins. Measured when written (2 layers, vocabulary 512, micro-bat
   bound is 20%, tests/distributed/test_calibrate.py).
 Avoided, not investigated: a vocabulary equal to h (h 512, V 512: the real loss moment 5% above the ledger, V
 1024: 0.02%; the tracker then files h-wide tensors as logits) and h 384 (head_dim 96: 4% above at the loss).
-One torchrun launch of three cases, ~80 s on 2 busy cores.
+Three cases of the shared 2-rank torchrun launch (cases.shared): ~10 CPU s of it, both ranks (measured 2026-12-06).
 """
 
 from __future__ import annotations
 
 import functools
 import math
-from pathlib import Path
 
 import pytest
 
@@ -34,14 +33,13 @@ from cost_models import qlora
 from cost_models.memory import estimate_memory
 from cost_models.profile import Profile
 from cost_models.specs import ClusterSpec, FsdpConfig, GpuSpec, TrainingSpec
-from tests.distributed.cases import run_cases
+from tests.distributed.cases import shared
 from tests.distributed.worker_qlora import LORA_RANK, MICRO_BATCH, spec_of
 
 pytestmark = pytest.mark.distributed
 bnb = pytest.importorskip("bitsandbytes", reason="QLoRA runs need bitsandbytes: pip install --no-deps "
                                                   "bitsandbytes==0.50.2")
 
-WORKER = Path(__file__).with_name("worker_qlora.py")
 CASES = ({"fsdp_version": 2, "hidden": 256, "layers": 2, "seq": 256, "double_quant": True},
          {"fsdp_version": 2, "hidden": 1024, "layers": 2, "seq": 64, "double_quant": False, "quant": "fp4"},
          {"fsdp_version": 1, "hidden": 256, "layers": 2, "seq": 128, "double_quant": True})
@@ -49,10 +47,12 @@ FSDP2_TOLERANCE = 0.015  # measured -0.07% and -1.02%; a dequantized weight miss
 FSDP1_TOLERANCE = 0.20  # the house's FSDP1 bound (test_calibrate.MEMORY_TOLERANCE); measured -9.9%
 
 
+launch = shared(__file__, "worker_qlora", CASES, timeout_s=600)
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> tuple[dict, ...]:
-    out = str(tmp_path_factory.mktemp("qlora"))
-    return run_cases(WORKER, [{**case, "out": out} for case in CASES], timeout_s=600)
+def runs() -> tuple[dict, ...]:
+    return launch()
 
 
 @functools.cache

@@ -11,28 +11,20 @@ on the same cases at 128 tokens: tracing without the trace tier's packed-sequenc
 (calibration.trace._real_run_masking) puts the SDPA families 1.7-4.3% above their real runs, the
 materialised s x s mask of every layer.
 
-One torchrun launch for all cases (~35 s on 2 idle cores), then one trace per case (~2 s each): about a
-minute in all, two when other processes share the cores.
+The cases run in the shared 2-rank torchrun launch (cases.shared; ~14 CPU s of it, both ranks, measured
+2026-12-06), then one trace per case (~2 s each).
 """
 
 from __future__ import annotations
-
-import functools
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 pytestmark = pytest.mark.distributed
 pytest.importorskip("transformers")
 
+from tests.distributed.cases import shared  # noqa: E402
 from tests.distributed.hf_families import FAMILIES, MOE  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[2]
-WORKER = Path(__file__).with_name("worker_families.py")
 TIMEOUT_S = 300
 TOLERANCE = 0.01
 
@@ -50,16 +42,12 @@ def _id(case: dict) -> str:
     return "-".join([case["family"], *(str(v) for v in case["config"].values()), str(case["seq_len"])])
 
 
-@functools.cache
+_real_runs = shared(__file__, "worker_families", CASES, TIMEOUT_S)
+
+
 def real_runs() -> tuple[dict, ...]:
-    args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(WORKER)]
-    for case in CASES:
-        args += ["--case", json.dumps(case)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "TRANSFORMERS_VERBOSITY": "error"}
-    proc = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
-    assert proc.returncode == 0, f"torchrun failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    results = tuple(json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{"))
-    assert [r["family"] for r in results] == [c["family"] for c in CASES], proc.stdout
+    results = _real_runs()
+    assert [r["family"] for r in results] == [c["family"] for c in CASES]
     return results
 
 

@@ -11,16 +11,14 @@ logits. Rank 0 prints one JSON line per case: {"case": i, "parallel": [losses], 
 
 from __future__ import annotations
 
-import argparse
 import copy
-import json
 
 import torch
-import torch.distributed as dist
 
 from cost_models.specs import ClusterSpec, FsdpConfig, GpuSpec
 from planner.emit import emit_fsdp2
 from planner.models import load_preset
+from tests.distributed.cases import serve_cli
 
 STEPS, SEQ_LEN, BATCH, LR = 3, 16, 2, 0.5
 GPU = GpuSpec(id="cpu", name="CPU", memory_bytes=2**34, hbm_bytes_per_s=1e11, peak_flops={"fp32": 1e12},
@@ -40,7 +38,7 @@ def next_token_loss(logits, labels):
     return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100)
 
 
-def run_case(config: FsdpConfig, world: int) -> dict:
+def train_both(config: FsdpConfig, world: int) -> dict:
     reference = tiny_llama()
     reference.config.use_cache = False
     model = copy.deepcopy(reference)
@@ -74,18 +72,9 @@ def run_case(config: FsdpConfig, world: int) -> dict:
     return losses
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--case", action="append", required=True)
-    args = parser.parse_args()
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    for i, case in enumerate(args.case):
-        losses = run_case(FsdpConfig(**json.loads(case)), world)
-        if rank == 0:
-            print(json.dumps({"case": i, **losses}), flush=True)
-    dist.destroy_process_group()
+def run_case(case: dict, rank: int, world: int) -> dict:
+    return train_both(FsdpConfig(**case), world)
 
 
 if __name__ == "__main__":
-    main()
+    serve_cli(run_case)

@@ -16,9 +16,6 @@ prints one JSON line per case: {"case": i, "family": ..., "peak_allocated_bytes"
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
 import time
 
 import torch
@@ -31,6 +28,7 @@ from calibration.apply import TORCH_DTYPES, apply_fsdp2, make_mesh
 from calibration.build import build_model, model_kernels
 from calibration.trace import make_optimizer, measure_training_steps
 from planner.models import block_classes_of
+from tests.distributed.cases import serve_cli
 from tests.distributed.hf_families import FAMILIES
 from tests.distributed.worker_train import config_from_dict
 
@@ -118,22 +116,5 @@ def run_case(case: dict, rank: int, world: int) -> dict:
             "attention": attention, "experts": experts}
 
 
-def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--case", action="append", required=True, help="JSON: family, config, seq_len")
-    args = parser.parse_args()
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    try:
-        for i, text in enumerate(args.case):
-            result = run_case(json.loads(text), rank, world)
-            if rank == 0:
-                print(json.dumps({"case": i, **result}), flush=True)
-            dist.barrier()
-    finally:
-        dist.destroy_process_group()
-
-
 if __name__ == "__main__":
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    main()
+    serve_cli(run_case)

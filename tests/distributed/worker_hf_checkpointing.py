@@ -1,15 +1,14 @@
 """torchrun worker (2 ranks, gloo, CPU): how many all-gathers one forward + backward issues when each block is
 checkpointed from outside its FSDP unit, as Hugging Face Trainer's own activation checkpointing does
 (torch.utils.checkpoint around the wrapped block's call), for FSDP1 and FSDP2, reentrant or not, and without
-checkpointing. Prints one JSON line per case on rank 0: {"fsdp", "reentrant", "checkpointed", "all_gathers", "blocks"}."""
-
-import itertools
-import json
+checkpointing. A case is {"fsdp", "checkpointed", "reentrant"}; rank 0 prints one JSON line per case:
+{"fsdp", "reentrant", "checkpointed", "all_gathers", "blocks"}."""
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.utils.checkpoint import checkpoint
+
+from tests.distributed.cases import serve_cli
 
 N_BLOCKS = 3
 
@@ -61,17 +60,10 @@ def count_all_gathers(version: int, checkpointed: bool, reentrant: bool) -> int:
     return calls[0]
 
 
-def main():
-    dist.init_process_group("gloo")
-    for version, checkpointed, reentrant in itertools.product((1, 2), (False, True), (False, True)):
-        if not checkpointed and reentrant:
-            continue
-        n = count_all_gathers(version, checkpointed, reentrant)
-        if dist.get_rank() == 0:
-            print(json.dumps({"fsdp": version, "checkpointed": checkpointed, "reentrant": reentrant,
-                              "all_gathers": n, "blocks": N_BLOCKS}), flush=True)
-    dist.destroy_process_group()
+def run_case(case: dict, rank: int, world: int) -> dict:
+    n = count_all_gathers(case["fsdp"], case["checkpointed"], case["reentrant"])
+    return {**case, "all_gathers": n, "blocks": N_BLOCKS}
 
 
 if __name__ == "__main__":
-    main()
+    serve_cli(run_case)

@@ -14,10 +14,6 @@ gate_up_proj], "shard_dim": 0 ...}, the loss averaged over ranks.
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-
 import torch
 import torch.distributed as dist
 
@@ -27,7 +23,7 @@ from cost_models.specs import ClusterSpec, FsdpConfig, GpuSpec, TrainingSpec
 from cost_models.units import GiB
 from planner.emit import emit_fsdp2
 from planner.models import block_classes_of, from_hf_config
-from tests.distributed.cases import config_from_dict, learnable_batch, serve
+from tests.distributed.cases import config_from_dict, learnable_batch, serve_cli
 
 STEPS = 8
 SEQ_LEN = 32
@@ -94,12 +90,5 @@ def run_case(case: dict, rank: int, world: int) -> dict:
             "experts_are_units": isinstance(experts, FSDPModule)}
 
 
-def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--case", action="append", required=True, help="JSON: experts, config, emitted, shard_dim1")
-    serve([json.loads(text) for text in parser.parse_args().case], run_case)
-
-
 if __name__ == "__main__":
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    main()
+    serve_cli(run_case)

@@ -2,9 +2,10 @@
 under FSDP2 or FSDP1 on CPU / gloo, measured by calibration.memtrack as the cost model's ledger is.
 
     torchrun --standalone --nproc_per_node=2 tests/distributed/worker_qlora.py \
-        --case '{"out": DIR, "fsdp_version": 2, "hidden": 256, "layers": 2, "seq": 256, "double_quant": true}' ...
+        --case '{"fsdp_version": 2, "hidden": 256, "layers": 2, "seq": 256, "double_quant": true}' ...
 
-Each case: rank 0 saves the tiny checkpoint, every rank loads it quantized (calibration.qlora.load_qlora), wraps
+Each case: rank 0 saves the tiny checkpoint (under the case's "out" folder, else a temporary one removed at exit),
+every rank loads it quantized (calibration.qlora.load_qlora), wraps
 it with calibration.apply (FULL_SHARD, bf16), runs a warm-up step and one measured step. Rank 0 prints one JSON
 line per case: the peak and breakdown on each rank (and of the measured step's forward), the bytes of the QuantStates on each rank (what the tracker
 cannot see: no parameter, made before it), the packed parameters' nbytes and the losses.
@@ -12,7 +13,10 @@ cannot see: no parameter, made before it), the packed parameters' nbytes and the
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 
 import torch
 import torch.distributed as dist
@@ -30,6 +34,22 @@ def spec_of(case: dict):
                            vocab_size=case.get("vocab", VOCAB), n_layers=case["layers"])
 
 
+_OUT: list[str] = []
+
+
+def _out(case: dict, rank: int) -> str:
+    """The case's "out", else one temporary folder for the process group (rank 0's, removed when it exits)."""
+    if "out" in case:
+        return case["out"]
+    if not _OUT:
+        made = [tempfile.mkdtemp(prefix="qlora-") if rank == 0 else None]
+        dist.broadcast_object_list(made, src=0)
+        if rank == 0:
+            atexit.register(shutil.rmtree, made[0], True)
+        _OUT.append(made[0])
+    return _OUT[0]
+
+
 def run_case(case: dict, rank: int, world: int) -> dict:
     from transformers import LlamaConfig, LlamaForCausalLM
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
@@ -40,7 +60,7 @@ def run_case(case: dict, rank: int, world: int) -> dict:
     from cost_models.specs import FsdpConfig, TrainingSpec
 
     spec = spec_of(case)
-    path = os.path.join(case["out"], f"tiny-{case['hidden']}-{case['layers']}-{spec.vocab_size}")
+    path = os.path.join(_out(case, rank), f"tiny-{case['hidden']}-{case['layers']}-{spec.vocab_size}")
     if rank == 0 and not os.path.exists(os.path.join(path, "config.json")):
         config = LlamaConfig(hidden_size=spec.hidden_size, intermediate_size=spec.ffn_hidden_size,
                              num_hidden_layers=spec.n_layers, num_attention_heads=spec.n_heads,

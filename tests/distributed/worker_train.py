@@ -1,21 +1,17 @@
 """torchrun worker: train the tiny reference Llama under FSDP on CPU/gloo, one case after another.
 
     torchrun --standalone --nproc_per_node=2 tests/distributed/worker_train.py \
-        --fsdp-version 1 --config '{"sharding": "FULL_SHARD", "precision": "fp32"}' [--fsdp-version 2 --config ...]
+        --case '{"fsdp_version": 1, "config": {"sharding": "FULL_SHARD", "precision": "fp32"}}' [--case ...]
 
-Each (--fsdp-version, --config) pair is a case; --config is FsdpConfig.to_dict() JSON (any subset) plus
-optional "gpus_per_node" (HYBRID meshes), "emitted": true (run the snippet planner/emit/ writes
-instead of calibration.apply) and "lora": r (peft adapters of rank r through calibration.lora, the base
-frozen). All cases share one process group to keep CI time low. Rank 0 prints one JSON line per case:
+A case's "config" is FsdpConfig.to_dict() JSON (any subset) plus optional "gpus_per_node" (HYBRID meshes),
+"emitted": true (run the snippet planner/emit/ writes instead of calibration.apply) and "lora": r (peft adapters
+of rank r through calibration.lora, the base frozen). All cases share one process group to keep CI time low (the
+tests run them in the shared launch, cases.shared). Rank 0 prints one JSON line per case:
 {"case": i, "fsdp_version": v, "config": {...}, "losses": [...], "checkpointed_blocks": n,
 "frozen_moved": bool, "grads": {"trainable": n, "frozen": n}, "compiled_blocks": n}, the loss averaged over ranks.
 """
 
 from __future__ import annotations
-
-import argparse
-import json
-import os
 
 import torch
 import torch.distributed as dist
@@ -26,7 +22,7 @@ from calibration.reference import Block, build_reference, tiny_llama_spec
 from cost_models.specs import ClusterSpec, FsdpConfig, GpuSpec, TrainingSpec
 from cost_models.units import GiB
 from planner.emit import emit_fsdp1, emit_fsdp2
-from tests.distributed.cases import config_from_dict, learnable_batch, serve
+from tests.distributed.cases import config_from_dict, learnable_batch, serve_cli
 
 STEPS = 8
 SEQ_LEN = 32
@@ -37,7 +33,7 @@ LORA_LR = 1e-2  # adapters start at B = 0 and train a few thousand weights: a Lo
 PERIOD = 8
 
 
-def run_case(fsdp_version: int, data: dict, rank: int, world: int) -> tuple[list[float], int, dict]:
+def train(fsdp_version: int, data: dict, rank: int, world: int) -> tuple[list[float], int, dict]:
     data = dict(data)
     gpus_per_node = data.pop("gpus_per_node", world)
     emitted = data.pop("emitted", False)
@@ -103,23 +99,11 @@ def apply_emitted(fsdp_version: int, config: FsdpConfig, world: int, gpus_per_no
     return namespace["apply_fsdp"](model, device=torch.device("cpu"))
 
 
-def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--fsdp-version", type=int, action="append", required=True, choices=(1, 2))
-    parser.add_argument("--config", action="append", required=True, help="FsdpConfig JSON")
-    args = parser.parse_args()
-    if len(args.fsdp_version) != len(args.config):
-        parser.error("give one --config per --fsdp-version")
-
-    def one(case, rank, world):
-        version, data = case
-        losses, checkpointed, state = run_case(version, data, rank, world)
-        return {"fsdp_version": version, "config": data, "losses": losses, "checkpointed_blocks": checkpointed,
-                **state}
-
-    serve([(version, json.loads(text)) for version, text in zip(args.fsdp_version, args.config)], one)
+def run_case(case: dict, rank: int, world: int) -> dict:
+    version, data = case["fsdp_version"], case["config"]
+    losses, checkpointed, state = train(version, data, rank, world)
+    return {"fsdp_version": version, "config": data, "losses": losses, "checkpointed_blocks": checkpointed, **state}
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    main()
+    serve_cli(run_case)
