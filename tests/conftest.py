@@ -138,7 +138,7 @@ def _planner_cache(tmp_path_factory):
 
 TORCHRUN_GROUP = "torchrun"
 # Files whose tests start torchrun: tests/distributed/, and these beside it (each test there marked `distributed`).
-TORCHRUN_FILES = ("tests/cli/test_calibrate_cli.py",)
+TORCHRUN_FILES: tuple[str, ...] = ()
 
 
 def work_unit(nodeid: str) -> str:

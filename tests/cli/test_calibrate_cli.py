@@ -1,13 +1,11 @@
 """--profile on plan/estimate, and the calibrate command's paths that launch nothing (multi-node printing,
-SLURM script, refusals), plus one real run (a relative --out). The runs themselves are tested in
-tests/distributed/test_calibrate.py."""
+SLURM script, refusals). The runs themselves are tested in tests/distributed/ (test_calibrate.py; a relative --out
+in test_calibration_lock.py)."""
 
 import dataclasses
 import json
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -136,29 +134,3 @@ def test_lora_bad_rank_and_missing_peft_are_one_line_errors_before_anything_is_w
     with pytest.raises(PlannerError, match=r"finetune: LoRA runs add peft adapters: pip install 'fsdp-planner\[lora\]'"):
         calibrate(CalibrationRequest(out_dir=str(out), gpus=8, model="llama2-7b", finetune="lora"))
     assert not out.exists()
-
-
-@pytest.mark.distributed
-def test_relative_out_is_the_directory_under_the_users_cwd_and_resume_skips_a_torn_line(tmp_path):
-    """`--out runs` as in the README: the probe and the run (started with cwd at the checkout) write where the
-    user ran from. Before, the probe wrote ROOT/runs/probe.json and the CPU measurement "failed (crash): exit
-    code 0". One process (an emulated 2-rank job), one config, no fit: ~25 s, and a resume that
-    runs nothing: ~10 s."""
-    root = Path(__file__).resolve().parents[2]
-    args = [*CLI, "calibrate", "--factory", "tests.distributed.calib_models:small_llama", "--gpus", "1",
-            "--emulate-world-size", "2", "--device", "cpu", "--seq-len", "128", "--global-batch", "4", "--steps", "2",
-            "--warmup", "1", "--timeout", "120", "--sharding", "FULL_SHARD", "--no-fit", "--out", "runs"]
-    env = {**os.environ, "PYTHONPATH": str(root)}
-    r = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
-    records = store.read_records(tmp_path / "runs" / store.RESULTS_FILE)
-    assert len(records) == 1 and records[0].error is None and records[0].measured.step_s > 0
-    assert (tmp_path / "runs" / "host.json").exists()
-    # a hard kill mid-write leaves a torn last line: --resume keeps the run, reports the line and drops it
-    results = tmp_path / "runs" / store.RESULTS_FILE
-    with open(results, "a") as f:
-        f.write('{"schema_version": 1, "run_id": "tor')
-    again = subprocess.run([*args, "--resume"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-    assert again.returncode == 0, again.stderr[-3000:]
-    assert f"note: {results}:2: skipped a torn last line (36 bytes;" in again.stdout
-    assert store.read_results(results) == (records, None)

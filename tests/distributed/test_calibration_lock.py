@@ -2,10 +2,14 @@
 the whole run. Two started at once on one folder: the second exits 2 with one line naming the folder and the
 first's pid, and results.jsonl holds the first's run alone (before the lock, both ran: two host.json
 probes, both runs appended). A holder killed with SIGKILL leaves the folder free: --resume takes it over.
+The two started at once are given `--out runs` as in the README, from their own working directory: the probe
+and the run (started with cwd at the checkout) write where the user ran from (before, the probe wrote
+ROOT/runs/probe.json and the CPU measurement "failed (crash): exit code 0"); and a torn last line there (a hard
+kill mid-write) is reported and dropped by --resume, which keeps the run.
 
-The cheapest real calibration: the tiny Llama as rank 0 of an emulated 2-rank job (one process, no torchrun),
-one configuration, no fit (as tests/cli/test_calibrate_cli.py's relative --out run): five calibrate
-processes (two refused at once), one CPU probe, two whole runs and one killed mid-run. 36 s of CPU for both
+The cheapest real calibration: the tiny Llama as rank 0 of an emulated 2-rank job (one process, no torchrun
+but the CPU probe's one rank), one configuration, no fit: six calibrate processes (two refused at once, one
+resume that runs nothing), one CPU probe, two whole runs and one killed mid-run. ~45 s of CPU for the three
 tests (140 s wall on the 2 cores at load 8)."""
 
 from __future__ import annotations
@@ -33,9 +37,9 @@ ARGS = [sys.executable, "-m", "planner.cli", "calibrate", "--factory", "tests.di
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
 
 
-def _start(out: Path, log: Path, *extra: str) -> subprocess.Popen:
+def _start(out: Path, log: Path, *extra: str, cwd: Path = ROOT) -> subprocess.Popen:
     # a file, not a pipe nobody reads while it runs; its own session, so its group can be killed whole
-    return subprocess.Popen([*ARGS, "--out", str(out), *extra], cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL,
+    return subprocess.Popen([*ARGS, "--out", str(out), *extra], cwd=cwd, env=ENV, stdout=subprocess.DEVNULL,
                             stderr=open(log, "wb"), start_new_session=True)
 
 
@@ -52,11 +56,12 @@ def _holder_pid(out: Path) -> int | None:
 
 @pytest.fixture(scope="session")  # once per run: xdist may interleave modules, which re-ran module fixtures
 def raced(tmp_path_factory):
-    """Two of the same calibration started at once on one folder, both ended: (folder, processes, stderrs)."""
+    """Two of the same calibration started at once on one folder (`--out runs` from tmp_path), both ended:
+    (folder, processes, stderrs)."""
     tmp_path = tmp_path_factory.mktemp("raced")
     out = tmp_path / "runs"
     logs = [tmp_path / "a.stderr", tmp_path / "b.stderr"]
-    procs = [_start(out, logs[0]), _start(out, logs[1])]
+    procs = [_start(Path("runs"), log, cwd=tmp_path) for log in logs]
     try:
         for p in procs:
             p.wait(timeout=300)
@@ -80,6 +85,7 @@ def test_two_calibrations_at_once_on_one_folder_the_second_exits_2(raced):
     assert len(records) == 1 and records[0].error is None and records[0].measured.step_s > 0
     assert [p.name for p in (out / "runs").iterdir()] == [records[0].run_id]
     assert errs[winner].count("measuring the CPU") == 1 and "measuring the CPU" not in errs[loser]
+    assert (out / "host.json").exists()  # the probe wrote under the user's cwd, as the run did
     assert _holder_pid(out) == procs[winner].pid  # the file stays; its flock went with the process
 
 
@@ -114,3 +120,19 @@ def test_a_killed_holders_folder_is_free_and_resume_takes_it_over(raced, tmp_pat
     assert _holder_pid(out) == resumed.pid
     records = store.read_records(out / store.RESULTS_FILE)
     assert len(records) == 1 and records[0].error is None and records[0].measured.step_s > 0
+
+
+def test_resume_in_a_relative_out_skips_a_torn_line(raced, tmp_path):
+    """A hard kill mid-write leaves a torn last line: --resume (`--out runs` from the user's cwd, here a copy of
+    the raced folder) keeps the run, reports the line and drops it, and runs nothing."""
+    out = tmp_path / "runs"
+    shutil.copytree(raced[0], out)
+    results = out / store.RESULTS_FILE
+    records = store.read_records(results)
+    with open(results, "a") as f:
+        f.write('{"schema_version": 1, "run_id": "tor')
+    again = subprocess.run([*ARGS, "--out", "runs", "--resume"], cwd=tmp_path, env=ENV, capture_output=True,
+                           text=True, timeout=300)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"note: {results}:2: skipped a torn last line (36 bytes;" in again.stdout
+    assert store.read_results(results) == (records, None)
