@@ -79,7 +79,12 @@ def fsdp1_kwargs(config: FsdpConfig, block_classes: set[type], *, gpus_per_node:
     if not block_classes:
         raise ValueError("block_classes is empty: FSDP would make the whole model one unit")
     per_node = gpus_per_node or 1
-    if config.sharding.is_hybrid:
+    device_mesh = {}
+    if config.sharding.is_hybrid and config.shard_group_gpus:  # shard groups other than a node: FSDP1's 2-D mesh
+        world = torch.distributed.get_world_size()
+        device_mesh = {"device_mesh": make_mesh(config, world, gpus_per_node or config.shard_group_gpus,
+                                                _fsdp1_device_type(device_id))}
+    elif config.sharding.is_hybrid:
         per_node = _fsdp1_devices_per_node(device_id)
         if gpus_per_node is not None and per_node != gpus_per_node:
             raise ValueError(f"{config.sharding.value}: FSDP1 shards within the {per_node} local devices "
@@ -103,6 +108,7 @@ def fsdp1_kwargs(config: FsdpConfig, block_classes: set[type], *, gpus_per_node:
         "use_orig_params": True,       # LoRA/frozen params and torch.compile need it
         "sync_module_states": False,   # every rank builds the same weights; True broadcasts rank 0's
         "device_id": device_id,
+        **device_mesh,  # (dp_replicate, dp_shard): HYBRID's replicate and shard groups
     }
 
 
@@ -160,11 +166,12 @@ def make_mesh(config: FsdpConfig, world_size: int, gpus_per_node: int, device_ty
     """Data parallelism only: 1-D ("dp_shard",) for FULL_SHARD/SHARD_GRAD_OP; 2-D ("dp_replicate", "dp_shard")
     otherwise. With tp or cp > 1: the N-D mesh of dense_mesh_dims (make_dense_mesh).
 
-    HYBRID shards inside a node: (world / gpus_per_node, gpus_per_node). NO_SHARD is (world, 1): every
+    HYBRID shards inside a node: (world / gpus_per_node, gpus_per_node), or over shard_group_gpus. NO_SHARD is (world, 1): every
     rank holds a full replica and gradients are all-reduced, i.e. DDP through FSDP2.
     """
-    if config.sharding.is_hybrid and world_size % gpus_per_node:
-        raise ValueError(f"world size {world_size} is not a multiple of gpus_per_node={gpus_per_node}")
+    group = config.shard_group_gpus or gpus_per_node
+    if config.sharding.is_hybrid and world_size % group:
+        raise ValueError(f"world size {world_size} is not a multiple of the shard group's {group} GPUs")
     if config.tp > 1 or config.cp > 1:
         return make_dense_mesh(config, world_size, gpus_per_node, device_type)
     layout = fsdp_options.mesh_layout(config, world_size, gpus_per_node)
@@ -179,7 +186,7 @@ FSDP_DIM = "dp_shard_cp"  # torchtitan's name for dp_shard x cp flattened: the a
 def dense_mesh_dims(config: FsdpConfig, world_size: int, gpus_per_node: int) -> dict[str, int]:
     """{dim: size} in DENSE_MESH_DIMS order: tp and cp as configured, the data-parallel ranks left split as
     FsdpConfig.dp_shard_size does (cost_models/mesh.py: FULL_SHARD-like over all of them, HYBRID inside a
-    node, NO_SHARD replicated)."""
+    node or shard_group_gpus, NO_SHARD replicated)."""
     model_parallel = config.tp * config.cp * config.pp
     if world_size % model_parallel:
         raise ValueError(f"world size {world_size} is not a multiple of tp x cp x pp = {model_parallel}")
@@ -187,7 +194,7 @@ def dense_mesh_dims(config: FsdpConfig, world_size: int, gpus_per_node: int) -> 
     if config.sharding is Sharding.NO_SHARD:
         dp_shard = 1
     elif config.sharding.is_hybrid:
-        dp_shard = max(1, min(dp, gpus_per_node // (config.tp * config.cp)))
+        dp_shard = config.dp_degrees(world_size, gpus_per_node)[1]
     else:
         dp_shard = dp
     if dp % dp_shard:

@@ -97,8 +97,9 @@ def trace_memory(spec: ModelSpec, config: FsdpConfig, *, n_gpus: int, gpus_per_n
     _check_mesh(spec, config, n_gpus)
     if n_gpus < 1 or gpus_per_node < 1:
         raise TraceError(f"need gpus >= 1 and gpus_per_node >= 1, got {n_gpus} and {gpus_per_node}")
-    if config.sharding.is_hybrid and n_gpus % gpus_per_node:
-        raise TraceError(f"{config.sharding.value} needs gpus ({n_gpus}) divisible by gpus_per_node ({gpus_per_node})")
+    if config.sharding.is_hybrid and n_gpus % (config.shard_group_gpus or gpus_per_node):
+        raise TraceError(f"{config.sharding.value} needs gpus ({n_gpus}) divisible by the shard group's "
+                         f"{config.shard_group_gpus or gpus_per_node} GPUs")
     started = time.perf_counter()
     is_hf = hf_config is not None
     if is_hf:
@@ -271,7 +272,7 @@ def _shard_group(config: FsdpConfig, n_gpus: int, gpus_per_node: int) -> int:
         return dims["dp_shard"] * dims["cp"]
     if config.sharding is Sharding.NO_SHARD:
         return 1
-    return gpus_per_node if config.sharding.is_hybrid else n_gpus
+    return config.dp_degrees(n_gpus, gpus_per_node)[1] if config.sharding.is_hybrid else n_gpus
 
 
 __all__ = ["TraceResult", "TraceError", "TraceUnsupported", "UntraceableModel", "trace_memory",

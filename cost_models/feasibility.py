@@ -63,12 +63,30 @@ def _reshard_group(config: FsdpConfig, cluster: ClusterSpec) -> Refusal | None:
 
 
 def _hybrid_whole_nodes(config: FsdpConfig, cluster: ClusterSpec) -> Refusal | None:
-    if not config.sharding.is_hybrid or cluster.n_gpus % cluster.gpus_per_node == 0:
+    if not config.sharding.is_hybrid:
+        return None
+    if config.shard_group_gpus:
+        return _hybrid_shard_group(config, cluster)
+    if cluster.n_gpus % cluster.gpus_per_node == 0:
         return None
     return Refusal("gpus_per_node", "hybrid-needs-whole-nodes",
                    f"{config.sharding.value} needs gpus ({cluster.n_gpus}) divisible by gpus_per_node "
                    f"({cluster.gpus_per_node})",
                    f"a multiple of {cluster.gpus_per_node} GPUs, or FULL_SHARD", priced=False)
+
+
+def _hybrid_shard_group(config: FsdpConfig, cluster: ClusterSpec) -> Refusal | None:
+    """A shard group of shard_group_gpus GPUs: whole groups in each pipeline stage's GPUs (the mesh is [pp,
+    dp_replicate, dp_shard, cp, tp]), and a part of a node or whole nodes (a group straddling a node boundary
+    would put some of its ring on the network and some on NVLink, which the tiers do not price)."""
+    g, node, stage = config.shard_group_gpus, cluster.gpus_per_node, cluster.n_gpus // config.pp
+    if stage % g == 0 and (node % g == 0 or g % node == 0):
+        return None
+    return Refusal("shard_group_gpus", "shard-group-not-a-divisor",
+                   f"a shard group of {g} GPUs does not split {stage} GPUs{' per pipeline stage' if config.pp > 1 else ''}"
+                   f" into whole groups of part of a {node}-GPU node or of whole nodes",
+                   f"choose a divisor of {stage} that divides {node} or is a multiple of it (0: one node)",
+                   priced=False)
 
 
 def _attention_kernel(config: FsdpConfig, cluster: ClusterSpec) -> Refusal | None:
@@ -97,5 +115,13 @@ def as_run(config: FsdpConfig, cluster: ClusterSpec) -> FsdpConfig:
     resharding (_get_post_forward_mesh_info: `elif reshard_after_forward == shard_mesh_size:
     reshard_after_forward = True`), so it is priced and emitted as plain FULL_SHARD / HYBRID_SHARD."""
     if config.reshard_after_forward and config.reshard_after_forward == config.shard_group_size(cluster):
-        return replace(config, reshard_after_forward=0)
+        config = replace(config, reshard_after_forward=0)
+    return node_shard_group(config, cluster)
+
+
+def node_shard_group(config: FsdpConfig, cluster: ClusterSpec) -> FsdpConfig:
+    """shard_group_gpus of one node is the default's (0): one spelling, so a plan and its file read back compare
+    equal."""
+    if config.shard_group_gpus and config.shard_group_gpus == cluster.gpus_per_node:
+        return replace(config, shard_group_gpus=0)
     return config

@@ -48,7 +48,7 @@ def fsdp1_strategy(config: FsdpConfig, gpus_per_node: int) -> tuple[str, str]:
     drops the cross-node all-reduce (replicas silently diverge; seen on CPU/gloo), so NO_SHARD over all
     ranks is used: the same layout with gradients synchronised.
     """
-    if config.sharding.is_hybrid and gpus_per_node == 1:
+    if config.sharding.is_hybrid and gpus_per_node == 1 and not config.shard_group_gpus:
         return "NO_SHARD", "HYBRID with 1 GPU per node is NO_SHARD (FSDP1 would skip the cross-node all-reduce)"
     if config.sharding is Sharding.HYBRID_SHARD_ZERO2:
         return "_HYBRID_SHARD_ZERO2", "ZeRO-2 inside a node, replicas across nodes (torch keeps the name private)"
@@ -93,8 +93,8 @@ def mesh_layout(config: FsdpConfig, n_gpus: int, gpus_per_node: int) -> dict:
     if config.model_parallel > 1:
         used = mesh_for(config, n_gpus, gpus_per_node, ep=1).used_dims()  # the dense mesh (experts: their view)
         return {"shape": [size for _, size in used], "dim_names": [name for name, _ in used]}
-    if config.sharding.is_hybrid:
-        return {"shape": [n_gpus // gpus_per_node, gpus_per_node], "dim_names": ["dp_replicate", "dp_shard"]}
+    if config.sharding.is_hybrid:  # shard groups of a node, or of shard_group_gpus
+        return {"shape": list(config.dp_degrees(n_gpus, gpus_per_node)), "dim_names": ["dp_replicate", "dp_shard"]}
     if config.sharding is Sharding.NO_SHARD:
         return {"shape": [n_gpus, 1], "dim_names": ["dp_replicate", "dp_shard"]}
     return {"shape": [n_gpus], "dim_names": ["dp_shard"]}

@@ -168,6 +168,9 @@ class FsdpConfig:
     cp: int = 1
     ep: int = 1
     pp: int = 1
+    # HYBRID strategies: GPUs of one shard group, the tp x cp ranks inside it (dp_shard x cp x tp of the mesh): a
+    # divisor of a node or a multiple of nodes; 0: one node (torchtitan's data_parallel_shard_degree x cp x tp)
+    shard_group_gpus: int = 0
     async_tp: bool = False            # torchtitan's async TP: TP collectives overlapped with the matmuls (compile)
     sequence_parallel: bool = True    # with tp: norms and residuals on s/tp tokens, loss parallel (torchtitan);
     #                                   False: transformers' tp_plan (accelerate, HF Trainer): activations
@@ -217,6 +220,7 @@ class FsdpConfig:
                             "(a divisor of the shard group), or 0 for the strategy's own")
         for name in ("tp", "cp", "ep", "pp"):
             check_degree(name, getattr(self, name))
+        self._check_shard_group()
         if self.ep > 1:  # expert parallelism puts each rank's experts in a unit of their own (on the efsdp mesh)
             object.__setattr__(self, "expert_units", True)
         if self.ep == 1:  # nothing is dispatched without EP: one spelling, so configs compare equal
@@ -240,6 +244,18 @@ class FsdpConfig:
         if self.reshard_after_forward and self.sharding not in (Sharding.FULL_SHARD, Sharding.HYBRID_SHARD):
             raise SpecError("reshard_after_forward", f"an int group needs FULL_SHARD or HYBRID_SHARD, not "
                             f"{self.sharding.value} (which keeps params gathered after forward)")
+
+    def _check_shard_group(self) -> None:
+        g = self.shard_group_gpus
+        if not isinstance(g, int) or isinstance(g, bool) or g < 0:
+            raise SpecError("shard_group_gpus", f"must be an integer >= 1 (0: one node), got {g!r}")
+        if g and not self.sharding.is_hybrid:
+            raise SpecError("shard_group_gpus", f"sizes HSDP's shard group: choose HYBRID_SHARD or HYBRID_SHARD_ZERO2, "
+                                                f"not {self.sharding.value} (which shards over every data-parallel rank "
+                                                "or none), or leave it out")
+        if g % (self.tp * self.cp):
+            raise SpecError("shard_group_gpus", f"{g} is not a multiple of tp x cp = {self.tp * self.cp} (a shard group "
+                                                "holds whole TP and CP groups)")
 
     def _check_pipeline(self) -> None:
         """The schedule's own shape (torch.distributed.pipelining.schedules raises on each of these); the rules
@@ -309,11 +325,13 @@ class FsdpConfig:
 
     def dp_degrees(self, n_gpus: int, gpus_per_node: int) -> tuple[int, int]:
         """(dp_replicate, dp_shard): FULL_SHARD-like strategies shard over all data-parallel ranks, HYBRID ones
-        over those of a node (the node's GPUs over tp x cp), NO_SHARD over none; the rest replicates."""
+        over those of a shard group (shard_group_gpus, else a node: its GPUs over tp x cp), NO_SHARD over none; the
+        rest replicates."""
         dp = max(1, n_gpus // self.model_parallel)
         if self.sharding is Sharding.NO_SHARD:
             return dp, 1
-        shard = max(1, min(dp, gpus_per_node // (self.tp * self.cp))) if self.sharding.is_hybrid else dp
+        group_gpus = self.shard_group_gpus or gpus_per_node
+        shard = max(1, min(dp, group_gpus // (self.tp * self.cp))) if self.sharding.is_hybrid else dp
         return dp // shard, shard
 
     def dp_shard_size(self, cluster: ClusterSpec) -> int:
@@ -353,6 +371,7 @@ class FsdpConfig:
             **({"fp8_all_gather": True} if self.fp8_all_gather else {}),
             **({"reshard_after_forward": self.reshard_after_forward} if self.reshard_after_forward else {}),
             "tp": self.tp, "cp": self.cp, "ep": self.ep, "pp": self.pp,
+            **({"shard_group_gpus": self.shard_group_gpus} if self.shard_group_gpus else {}),
             **({"async_tp": True} if self.async_tp else {}),
             **({"sequence_parallel": False} if self.tp > 1 and not self.sequence_parallel else {}),
             **({"pp_schedule": self.pp_schedule.value, "pp_stages_per_rank": self.pp_stages_per_rank}

@@ -242,7 +242,8 @@ def plan_request(request: Request, profile: Profile | None = None, space: Search
             attention=parse_enum(Attention, model_attention(spec, attention), "attention"),
             reduce_dtypes=tuple(_reduce_dtype(r) for r in reduce_dtypes) if reduce_dtypes else (None,),
             tp=mesh.tp, cp=mesh.cp, ep=mesh.ep, async_tp=(False, True) if mesh.async_tp is None else (mesh.async_tp,),
-            sequence_parallel=mesh.sequence_parallel, pp=mesh.pp,
+            sequence_parallel=mesh.sequence_parallel, pp=mesh.pp, shard_group_gpus=mesh.shard_group_gpus and (
+                mesh.shard_group_gpus,),
             pp_schedule=parse_enum(Schedule, mesh.pp_schedule, "pp_schedule") if mesh.pp_schedule is not None
             else None, pp_stages_per_rank=mesh.pp_stages_per_rank,
             kernel_sets=kernel_sets(request, trainer, kernels_pinned, spec.family))
@@ -317,8 +318,7 @@ def estimate_request(request: Request, profile: Profile | None = None) -> Candid
         grad_accum = grad_accum_for(c.micro_batch, cluster, training, tp * cp * pp)
     config = FsdpConfig(sharding=c.sharding, precision=c.precision, offload=c.offload,
                         ac_every=c.activation_checkpointing, micro_batch=c.micro_batch, grad_accum=grad_accum,
-                        attention=attention, attention_kernel=c.attention_kernel,
-                        backward_prefetch=c.backward_prefetch,
+                        attention=attention, attention_kernel=c.attention_kernel, backward_prefetch=c.backward_prefetch,
                         forward_prefetch=c.forward_prefetch, limit_all_gathers=c.limit_all_gathers,
                         expert_shard_dim=c.expert_shard_dim, expert_units=c.expert_units, reduce_dtype=c.reduce_dtype,
                         moe_dispatch=c.moe_dispatch or "all-to-all",
@@ -326,7 +326,9 @@ def estimate_request(request: Request, profile: Profile | None = None) -> Candid
                         reshard_after_forward=c.reshard_after_forward, tp=tp, cp=cp, ep=ep, pp=pp,
                         async_tp=bool(mesh.async_tp), sequence_parallel=mesh.sequence_parallel,
                         pp_schedule=mesh.pp_schedule or Schedule.ONE_F_ONE_B,
-                        pp_stages_per_rank=mesh.pp_stages_per_rank or 0, alloc_conf=request.alloc_conf or "")
+                        pp_stages_per_rank=mesh.pp_stages_per_rank or 0, alloc_conf=request.alloc_conf or "",
+                        shard_group_gpus=0 if mesh.shard_group_gpus in (None, cluster.gpus_per_node)
+                        else mesh.shard_group_gpus)
     if c.expert_units and spec.moe is None:
         raise PlannerError("expert_units", f"{spec.name} has no routed experts (a dense model): drop --expert-units")
     if (kernel_refused := kernel_refusal(spec, config)) is not None:  # a kernel for an op the model lacks
@@ -377,12 +379,10 @@ def replayed(evaluation: Evaluation, spec: ModelSpec, cluster: ClusterSpec, trai
 def cluster_rejects(cluster: ClusterSpec, config: FsdpConfig) -> PlannerError | None:
     """Why `config` cannot run on `cluster` at all (cost_models.feasibility: its field, the reason and what is
     valid), or None; of several, one the cost model cannot price first."""
-    refused = refusals(cluster, config)
-    if not refused:
+    if not (refused := refusals(cluster, config)):
         return None
     first = next((r for r in refused if not r.priced), refused[0])
     return PlannerError(first.field, f"{first.reason}; {first.fix}")
-
 
 
 def _signatures() -> None:

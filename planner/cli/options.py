@@ -69,8 +69,8 @@ def config_command(app, name: str, help_text: str, run: ConfigRunner, takes_prof
     explicit configuration), plus `own` options of the command. `run(knobs, output_format)`: knobs are
     planner.api.estimate's keywords and the own options' values; with takes_profile they also hold `profile` (the
     --profile file's Profile, or None)."""
-    params = [*options(*CLUSTER, *TRAINING, "attention", *CONFIG, *MESH, "async_tp", "sequence_parallel",
-                       "routing_imbalance", "routing", async_tp=As(default=False)),
+    params = [*options(*CLUSTER, *TRAINING, "attention", *CONFIG, *MESH, "shard_group_gpus", "async_tp",
+                       "sequence_parallel", "routing_imbalance", "routing", async_tp=As(default=False)),
               param("output_format", FormatOpt, Format.table), param("profile", ProfileOpt, None),
               param("force_profile", ForceProfile, False),
               *options("trainer", "alloc_conf", "outside_allocator", "trust_remote_code"), *own]

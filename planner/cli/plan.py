@@ -32,7 +32,8 @@ def _params() -> list[inspect.Parameter]:
         param("plot", Annotated[Optional[str], typer.Option("--plot", help="Draw the top candidates' memory and "
                                                             "step time to FILE.png or FILE.svg (needs "
                                                             "matplotlib)")], None),
-        *options(*MESH, "async_tp", "sequence_parallel", "routing_imbalance", "routing", async_tp=ASYNC_TP),
+        *options(*MESH, "shard_group_gpus", "async_tp", "sequence_parallel", "routing_imbalance", "routing",
+                 async_tp=ASYNC_TP),
         param("profile", ProfileOpt, None), param("force_profile", ForceProfile, False),
         *options("trainer", "alloc_conf", "outside_allocator", "trust_remote_code"),
     ]

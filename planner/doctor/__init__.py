@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from cost_models.evaluate import evaluate, gpu_memory_reason
-from cost_models.feasibility import refusals
+from cost_models.feasibility import node_shard_group, refusals
 from cost_models.profile import DEFAULT_PROFILE, Profile
 from cost_models.units import DTYPE_BYTES
 
@@ -117,6 +117,7 @@ def check(setup: UserSetup, model, gpus: int | None = None, *, gpus_per_node: in
     config = replace(setup.config, micro_batch=mb, **staged, **attention, alloc_conf=alloc_conf,
                      grad_accum=grad_accum or (grad_accum_for(mb, cluster, training, setup.config.model_parallel)
                                                if training.global_batch else setup.config.grad_accum))
+    config = node_shard_group(config, cluster)  # a shard group of one node is the default's
     if setup.dialect == "automodel":  # its TE attention is its default, not a pin: off Hopper, flash2 as the API
         config = replace(config, attention_kernel=default_kernel_on(config.attention_kernel.value, cluster.gpu))
     setup = replace(setup, config=config)

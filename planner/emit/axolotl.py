@@ -19,7 +19,7 @@ from cost_models.mesh import mesh_of
 from cost_models.specs import ClusterSpec, FsdpConfig, ModelSpec, Optimizer, Precision, TrainingSpec
 
 from planner.emit import attention, optimizer, qlora
-from planner.emit.common import (_comment, _summary, hub_id, multi_node_note, reshard_entry, torchrun_command,
+from planner.emit.common import (_comment, _summary, hsdp_note, hub_id, multi_node_note, reshard_entry, torchrun_command,
                                  yaml_lines)
 from planner.errors import PlannerError
 
@@ -108,7 +108,7 @@ def emit_axolotl(config: FsdpConfig, model: ModelSpec, cluster: ClusterSpec,
         *_precision(config),
         ("attn_implementation", attention.hf_name(config), "the attention the plan priced"),
         ("gradient_checkpointing", False, "off: fsdp_config's activation_checkpointing is FSDP's own"),
-        *([("dp_replicate_size", mesh.dp_replicate, "HSDP: replicas across nodes"),
+        *([("dp_replicate_size", mesh.dp_replicate, hsdp_note(config)),
            ("dp_shard_size", mesh.dp_shard, "the shard group")] if mesh.dp_replicate > 1 else []),
         ("fsdp_version", 2),
         ("fsdp_config", fsdp),

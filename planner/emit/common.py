@@ -26,6 +26,13 @@ _KV_CACHE_WHY = ("no KV cache in training: left on (HF's default), each checkpoi
 RESHARD_NOTE = {True: "free gathered params after forward (ZeRO-3)", False: "keep them for backward (ZeRO-2)"}
 
 
+def hsdp_note(config: FsdpConfig) -> str:
+    """The words beside HSDP's replicate degree: replicas across nodes, or of the plan's shard group."""
+    if not config.shard_group_gpus:
+        return "HSDP: replicas across nodes"
+    return f"HSDP: replicas of shard groups of {config.shard_group_gpus} GPUs"
+
+
 def reshard_entry(config: FsdpConfig, key: str) -> tuple[str, bool, str]:
     """FSDP2's reshard_after_forward for the plan as a (key, value, comment) config entry."""
     reshard = fsdp_options.fully_shard_options(config)["reshard_after_forward"]

@@ -17,7 +17,7 @@ from planner.emit import attention, optimizer, qlora
 from planner.emit.code import mesh as meshed
 from planner.emit.code import techniques as tech
 from planner.emit.kernels import hf_kernel_notes, hf_liger_arguments
-from planner.emit.common import (_KV_CACHE_WHY, RDZV_PORT, _comment, _expert_notes, _fsdp1_only_notes,
+from planner.emit.common import (_KV_CACHE_WHY, RDZV_PORT, _comment, hsdp_note, _expert_notes, _fsdp1_only_notes,
                                  _fsdp1_strategy, _mixed_dtypes, _notes, _summary, multi_node_note, reshard_entry,
                                  torchrun_command)
 
@@ -169,7 +169,7 @@ def emit_hf_trainer(config: FsdpConfig, model_spec: ModelSpec, cluster: ClusterS
                       f"                                         tp_size={mesh.tp}, cp_size={mesh.cp}),"]
     elif hsdp:
         arguments.append(f"    parallelism_config=ParallelismConfig(dp_replicate_size={replicas}, "
-                         f"dp_shard_size={shard}),  # HSDP: shard inside a node, replicate across nodes")
+                         f"dp_shard_size={shard}),  # {hsdp_note(config)}")
     arguments += hf_liger_arguments(config)  # the plan's Liger kernels (planner/emit/kernels.py)
     arguments += ["    fsdp=True,", "    fsdp_config={"]
     arguments += [f"        {json.dumps(key)}: {_py(value)},{'  # ' + note if note else ''}"
@@ -280,7 +280,7 @@ def emit_accelerate(config: FsdpConfig, model_spec: ModelSpec, cluster: ClusterS
         ], ""))
     elif fsdp_version == 2 and len(layout["shape"]) == 2:
         top.insert(-2, ("parallelism_config", [
-            ("parallelism_config_dp_replicate_size", layout["shape"][0], "replicas (HSDP across nodes)"),
+            ("parallelism_config_dp_replicate_size", layout["shape"][0], hsdp_note(config)),
             ("parallelism_config_dp_shard_size", layout["shape"][1], "shard group"),
         ], ""))
     top += tech.accelerate_dynamo(config) + tech.accelerate_fp8(config, fsdp_version)

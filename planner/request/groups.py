@@ -111,12 +111,18 @@ class MeshRequest:
                                           "--no-sequence-parallel: transformers' tp_plan (accelerate, HF Trainer), "
                                           "the logits gathered (default: the trainer's; sequence parallel where it "
                                           "runs both)")
+    shard_group_gpus: int | None = knob(None, "--shard-group-gpus", help="HYBRID_SHARD*: GPUs of one shard group "
+                                        "(dp_shard x cp x tp), a divisor of a node or a multiple of nodes; default "
+                                        "one node, the plan command also searching multiples of nodes")
 
     def __post_init__(self):
         for name in ("tp", "cp", "ep", "pp"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise PlannerError(name, f"must be an integer >= 1, got {value}")
+        if self.shard_group_gpus is not None and self.shard_group_gpus < 1:
+            raise PlannerError("shard_group_gpus", f"must be an integer >= 1 (GPUs of one HSDP shard group), got "
+                                                   f"{self.shard_group_gpus}")
 
     def degrees(self, default=None) -> dict:
         """The pinned degrees as keyword arguments, the rest `default` (None: left out, searched)."""

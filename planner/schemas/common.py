@@ -12,7 +12,7 @@ from cost_models.schedules import Schedule
 from cost_models.spec_values import QUANT_STORAGE_DTYPES, Finetune, Optimizer, OptimizerImpl, QuantType
 from cost_models.specs import Attention, AttentionKernel, Kernel, LossKernel, Precision, Sharding
 
-SCHEMA_VERSION = 7  # 7: memory.outside_allocator_bytes (issue 27: the memory outside the caching allocator, term by term); 6: config.alloc_conf (PYTORCH_CUDA_ALLOC_CONF, issue 27); 5: host RAM per node (issue 29): memory.host_ram; QLoRA's training fields; the rl and rl-estimate outputs (issue 28); 4: trainers and kernels (issue 26): config.norm_kernel / rope_kernel / swiglu_kernel / loss_kernel / attention_kernel, candidate.trainer; the trace's reserved from the allocator replay (issue 27): peak_reserved_flat_bytes, reserved_from, trace.allocator; 3: pipelines (issue 18): config.pp_schedule / pp_stages_per_rank, "pipeline", memory.pipeline_ranks, the time breakdown's pp terms, calibrate's measured.pipeline_ranks
+SCHEMA_VERSION = 8  # 8: config.shard_group_gpus (HSDP's shard group in GPUs, issue 26); 7: memory.outside_allocator_bytes (issue 27: the memory outside the caching allocator, term by term); 6: config.alloc_conf (PYTORCH_CUDA_ALLOC_CONF, issue 27); 5: host RAM per node (issue 29): memory.host_ram; QLoRA's training fields; the rl and rl-estimate outputs (issue 28); 4: trainers and kernels (issue 26): config.norm_kernel / rope_kernel / swiglu_kernel / loss_kernel / attention_kernel, candidate.trainer; the trace's reserved from the allocator replay (issue 27): peak_reserved_flat_bytes, reserved_from, trace.allocator; 3: pipelines (issue 18): config.pp_schedule / pp_stages_per_rank, "pipeline", memory.pipeline_ranks, the time breakdown's pp terms, calibrate's measured.pipeline_ranks
 
 Bytes = Annotated[int, Field(description="bytes per rank (GPU) unless said otherwise")]
 Seconds = Annotated[float, Field(description="seconds")]
@@ -103,6 +103,7 @@ class Config(_Out):
     cp: int = Field(ge=1, description="context-parallel degree (1: none)")
     ep: int = Field(ge=1, description="expert-parallel degree (1: none)")
     pp: int = Field(ge=1, description="pipeline-parallel degree (1: none)")
+    shard_group_gpus: absent_or(int, "HYBRID strategies: GPUs of one shard group, dp_shard x cp x tp (absent: a node)")
     async_tp: absent_or(Literal[True], "TP's collectives overlapped with the matmuls (torchtitan's async TP)")
     sequence_parallel: absent_or(Literal[False], "with tp > 1: no sequence parallel, logits gathered "
                                                  "(transformers' tp_plan); absent: sequence and loss parallel")

@@ -105,7 +105,9 @@ class _Found:
     n_costed: int = 0
 
     def best_tokens_per_s(self) -> float | None:
-        return max((e.time.tokens_per_s_per_gpu for e in self.fitting), default=None)
+        """The fastest fitting, as the pipeline walk weighs degrees: over the node's shard group (a pipeline's HYBRID
+        shards over the node: like with like, SearchSpace.shard_groups_for)."""
+        return max((e.time.tokens_per_s_per_gpu for e in self.fitting if not e.config.shard_group_gpus), default=None)
 
 
 def _cost_mesh(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, costing: Costing,
@@ -157,6 +159,10 @@ def _cost_mesh(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, c
     offloads = space.offload if plain else (False,)
     ac_choices = space.ac_every if checkpointing_priced(pipe.pp, pipe.schedule) else \
         tuple(a for a in space.ac_every if not a)
+    sizes = space.shard_groups_for(cluster, mesh.model_parallel, pipe.pp)
+    walked = {s: _worth_walking(costing, replace(probe(s, *plans[0]), precision=space.precisions_for(cluster)[0]),
+                                sizes, found, mesh_shardings) if space.shard_group_gpus is None else sizes
+              for s in mesh_shardings if s.is_hybrid}
     knobs = itertools.product(mesh_shardings, space.precisions_for(cluster), offloads, ac_choices,
                               prefetches, limits, space.reduce_dtypes)
     for (sharding, precision, offload, ac, prefetch, limit, reduce, dim, units, compile_, float8, fp8_all_gather,
@@ -165,26 +171,61 @@ def _cost_mesh(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, c
         if offload and sharding is Sharding.NO_SHARD:
             continue  # FSDP offloads shards; with nothing sharded DDP-style offload is not offered
         for kernels in kernel_sets:
-            for mb, accum in plans:
-                config = FsdpConfig(sharding=sharding, precision=precision, offload=offload, ac_every=ac,
-                                    micro_batch=mb, grad_accum=accum, attention=space.attention,
-                                    backward_prefetch=prefetch, limit_all_gathers=limit, expert_shard_dim=dim,
-                                    expert_units=units, reduce_dtype=None if reduce == precision.reduce_dtype
-                                    else reduce, compile=compile_, compile_loss=space.compile_loss, float8=float8,
-                                    fp8_all_gather=fp8_all_gather,
-                                    reshard_after_forward=reshard, tp=mesh.tp, cp=mesh.cp, ep=mesh.ep, pp=pipe.pp,
-                                    pp_schedule=pipe.schedule, pp_stages_per_rank=pipe.stages_per_rank,
-                                    async_tp=async_tp, sequence_parallel=space.sequence_parallel, **dict(kernels))
-                if unsupported_reasons(cluster, config):
+            def priced(group: int, mb: int, accum: int) -> FsdpConfig:
+                return FsdpConfig(sharding=sharding, precision=precision, offload=offload, ac_every=ac, micro_batch=mb,
+                                  grad_accum=accum, attention=space.attention, backward_prefetch=prefetch,
+                                  limit_all_gathers=limit, expert_shard_dim=dim, expert_units=units,
+                                  reduce_dtype=None if reduce == precision.reduce_dtype else reduce, compile=compile_,
+                                  compile_loss=space.compile_loss, float8=float8, fp8_all_gather=fp8_all_gather,
+                                  reshard_after_forward=reshard, tp=mesh.tp, cp=mesh.cp, ep=mesh.ep, pp=pipe.pp,
+                                  pp_schedule=pipe.schedule, pp_stages_per_rank=pipe.stages_per_rank,
+                                  async_tp=async_tp, sequence_parallel=space.sequence_parallel, shard_group_gpus=group,
+                                  **dict(kernels))
+
+            # HYBRID: the node's shard group, then the larger ones worth walking (_worth_walking: the fastest, then
+            # each holding less and running slower), those past the fastest from the first micro-batch the group
+            # before missed, and none once the largest misses too (memory falls as the group grows)
+            groups, first = walked.get(sharding, (0,)), 0
+            for j, group in enumerate(groups):
+                start = first if j >= 2 else 0
+                if 1 <= j < len(groups) - 1 and not (peek := costing.evaluate(priced(groups[-1], *plans[start]))).fits:
+                    found.n_costed += 1
+                    found.misses.append(peek)
                     break
-                e = costing.evaluate(config)
-                found.n_costed += 1
-                if e.fits:
-                    found.fitting.append(e)
+                for i, (mb, accum) in enumerate(plans[start:], start):
+                    config = priced(group, mb, accum)
+                    if unsupported_reasons(cluster, config):
+                        break
+                    e = costing.evaluate(config)
+                    found.n_costed += 1
+                    if e.fits:
+                        found.fitting.append(e)
+                    else:
+                        found.misses.append(e)
+                        first = i
+                        break  # larger micro-batches need more memory
                 else:
-                    found.misses.append(e)
-                    break  # larger micro-batches need more memory
+                    if j >= 1:
+                        break  # every micro-batch fits: the larger groups hold less but run no faster
     return found
+
+
+def _worth_walking(costing: Costing, probe: FsdpConfig, groups: tuple[int, ...], found: _Found,
+                   shardings: tuple[Sharding, ...]) -> tuple[int, ...]:
+    """HYBRID's shard groups worth walking on a mesh: the node's (0), and each larger one that the probe (the mesh's
+    first micro-batch, no checkpointing, no offload) does not show dominated - no less memory and no faster than
+    another group's or than the same knobs sharded over every rank (FULL_SHARD / SHARD_GRAD_OP, searched anyway) -
+    as a larger group's gathers cross nodes and the all-reduce over fewer replicas shrinks, whatever the other knobs."""
+    if len(groups) == 1:
+        return groups
+    plain = Sharding.FULL_SHARD if probe.sharding.reshards_after_forward else Sharding.SHARD_GRAD_OP
+    points = {g: costing.evaluate(replace(probe, shard_group_gpus=g)) for g in groups}
+    rivals = [*points.values(), *([costing.evaluate(replace(probe, sharding=plain))] if plain in shardings else [])]
+    found.n_costed += len(rivals)
+    key = lambda e: (e.memory.peak_reserved_bytes, -e.time.tokens_per_s_per_gpu)  # noqa: E731 - lower is better
+    dominated = lambda e: any(r is not e and all(a <= b for a, b in zip(key(r), key(e))) and key(r) != key(e)  # noqa: E731
+                              for r in rivals)
+    return tuple(g for g in groups if g == 0 or not dominated(points[g]))
 
 
 def search(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, profile: Profile,

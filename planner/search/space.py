@@ -51,6 +51,9 @@ class SearchSpace:
     float8: tuple[bool, ...] = (False, True)  # only where the GPU has FP8 tensor cores and compute is bf16
     fp8_all_gather: tuple[bool, ...] = (True,)  # with float8 under FP8_ALL_GATHER_SHARDINGS (elsewhere: False)
     reshard_to_node: tuple[bool, ...] = (False, True)  # FULL_SHARD over several nodes: reshard_after_forward = node
+    # HYBRID's shard group in GPUs (FsdpConfig.shard_group_gpus): None searches a node and every multiple of nodes
+    # that divides a pipeline stage's GPUs (below all of them: that is FULL_SHARD); (0,): a node only; (N,) pins N
+    shard_group_gpus: tuple[int, ...] | None = None
     # the mesh: None searches the degrees the model and cluster allow; an int pins one
     tp: int | None = None
     cp: int | None = None
@@ -77,13 +80,26 @@ class SearchSpace:
         return tuple(p for p in chosen if p in self.trainer_precisions) or (Precision.FP32,)
 
     def shardings_for(self, cluster: ClusterSpec) -> tuple[Sharding, ...]:
-        """HYBRID on one node is FULL_SHARD under another name; NO_SHARD-like choices need >1 GPU to differ."""
-        out = []
+        """HYBRID on one node is FULL_SHARD under another name (unless a smaller shard group is pinned); NO_SHARD-like
+        choices need >1 GPU to differ."""
+        out, pinned = [], any(self.shard_group_gpus or ())  # a pinned group: HYBRID inside one node too
         for s in self.shardings:
-            if s.is_hybrid and (cluster.n_nodes == 1 or cluster.n_gpus % cluster.gpus_per_node):
+            if s.is_hybrid and not pinned and (cluster.n_nodes == 1 or cluster.n_gpus % cluster.gpus_per_node):
                 continue
             out.append(s)
         return tuple(out)
+
+    def shard_groups_for(self, cluster: ClusterSpec, model_parallel: int, pp: int) -> tuple[int, ...]:
+        """HYBRID's shard groups (shard_group_gpus) on a mesh of model_parallel = tp x cp x pp: 0 (a node), then 2,
+        3, ... nodes where they divide the GPUs, hold whole tp x cp groups and leave two replicas or more (without a
+        pipeline; a pinned group is tried on pipelines too)."""
+        if self.shard_group_gpus is not None:  # pinned: a node's GPUs are the default's 0
+            return tuple(0 if g == cluster.gpus_per_node else g for g in self.shard_group_gpus)
+        if pp > 1:  # a pipeline candidate prices every rank's schedule (5-60 ms): the node's group only
+            return (0,)
+        node, stage, inner = cluster.gpus_per_node, cluster.n_gpus // pp, model_parallel // pp
+        return (0,) + tuple(k * node for k in range(2, stage // node // 2 + 1)
+                            if stage % (k * node) == 0 and (k * node) % inner == 0)
 
 
 @dataclass(frozen=True)

@@ -42,6 +42,8 @@ def describe(config: FsdpConfig, compact: bool = False) -> str:
 def mesh_parts(config: FsdpConfig) -> list[str]:
     """The degrees beside FSDP in the words of the flags ("tp 8", "cp 2", "no sequence parallel", "pp 8 1f1b ...")."""
     parts = [f"{name} {getattr(config, name)}" for name in ("tp", "cp", "ep") if getattr(config, name) > 1]
+    if config.shard_group_gpus:
+        parts.append(f"shard groups of {config.shard_group_gpus} GPUs")
     if config.tp > 1 and not config.sequence_parallel:
         parts.append("no sequence parallel")
     return parts + pipeline_words(config)

@@ -156,6 +156,10 @@ def narrow_space(space, trainer: Trainer, training: TrainingSpec | None = None):
         changes["reshard_to_node"] = (False,)
     if not trainer.async_tp:
         changes["async_tp"] = (False,)
+    if not trainer.shard_groups:
+        if any(space.shard_group_gpus or ()):
+            raise _no_shard_groups(trainer)
+        changes["shard_group_gpus"] = (0,)
     pinned = {d: getattr(space, d) or 1 for d in ("tp", "cp", "ep", "pp")}
     for a, b in trainer.mesh_exclusions:
         if pinned[a] > 1 and pinned[b] > 1:
@@ -167,6 +171,12 @@ def narrow_space(space, trainer: Trainer, training: TrainingSpec | None = None):
                                             "choose one of them")
     return dataclasses.replace(space, mesh_exclusions=trainer.mesh_exclusions, trainer_precisions=trainer.precisions,
                                **changes)
+
+
+def _no_shard_groups(trainer: Trainer) -> PlannerError:
+    able = [t.id for t in TRAINERS.values() if t.shard_groups]
+    return PlannerError("shard_group_gpus", f"{trainer.title} shards HYBRID over one node only (no shard-group size);"
+                                            f" leave it out, or choose a --trainer that has it: {', '.join(able)}")
 
 
 def _combination(trainer: Trainer, a: str, b: str) -> PlannerError:
@@ -214,6 +224,8 @@ def refusal(trainer: Trainer, config: FsdpConfig, training: TrainingSpec, family
         error = trainer_kernel_refusal(trainer, knob, getattr(getattr(holder, knob, None), "value", None))
         if error is not None:
             return error
+    if config.shard_group_gpus and not trainer.shard_groups:
+        return _no_shard_groups(trainer)
     for field_name, refuses, why in _SWITCHES:
         if refuses(trainer, config, training):
             able = [t.id for t in TRAINERS.values() if not refuses(t, config, training)]

@@ -47,7 +47,8 @@ class Trainer:
     runs (True: torchtitan's norms on sequence shards and loss parallel; False: transformers' tp_plan, logits
     gathered). checkpointing: of CHECKPOINTING ("every-k": one block in K, K >= 2). fsdp1_knobs: FSDP1's
     backward-prefetch and rate-limiter switches can be turned off. reshard_int: FSDP2's int
-    reshard_after_forward. compile_scopes: "blocks" (each block compiled, the loss eager) and / or
+    reshard_after_forward. shard_groups: HYBRID's shard group of other than one node (its mesh's dp_shard).
+    compile_scopes: "blocks" (each block compiled, the loss eager) and / or
     "blocks+loss"; the first is what it does when told to compile. float8: torchao's tensorwise Float8 linears
     (the recipe the cost model prices); fp8_all_gather: FSDP2 gathering them in FP8. defaults: request knob ->
     the trainer's own value, used where the user gives none (the optimizer's implementation, kernels)."""
@@ -65,6 +66,7 @@ class Trainer:
     offload: bool = True
     fsdp1_knobs: bool = False
     reshard_int: bool = False
+    shard_groups: bool = False  # HYBRID's shard group sized apart from the node (FsdpConfig.shard_group_gpus)
     compile_scopes: tuple[str, ...] = ("blocks", "blocks+loss")
     float8: bool = False
     fp8_all_gather: bool = False
@@ -125,7 +127,7 @@ TRAINERS: dict[str, Trainer] = {t.id: t for t in (
         id="fsdp2", title="the planner's FSDP2 code",
         source="planner/emit/code/fsdp.py, mesh.py, pipeline.py (the code calibration/apply.py runs)",
         artifacts=("fsdp2", *LAUNCHERS), mesh_dims=MESH_DIMS, reshard_int=True, float8=True, fp8_all_gather=True,
-        async_tp=True, kernels=HF_KERNELS,
+        async_tp=True, kernels=HF_KERNELS, shard_groups=True,  # init_device_mesh's (dp_replicate, dp_shard)
         # planner/emit/code/mesh.py refuse_fsdp2, pipeline.py refuse_pipeline: CP or EP inside pipeline stages and EP
         # beside TP are priced but not written as FSDP2 code
         mesh_exclusions=(("cp", "pp"), ("ep", "pp"), ("ep", "tp")),
@@ -136,6 +138,7 @@ TRAINERS: dict[str, Trainer] = {t.id: t for t in (
         id="fsdp1", title="the planner's FSDP1 code",
         source="planner/emit/code/fsdp.py emit_fsdp1",
         artifacts=("fsdp1", *LAUNCHERS), fsdp_version=1, sequence_parallel=(True,), fsdp1_knobs=True, float8=True,
+        shard_groups=True,  # FullyShardedDataParallel's 2-D device_mesh for HYBRID_SHARD
         load_way="every-rank",  # the snippet wraps the model every rank built
         kernels=HF_KERNELS,
         defaults=_defaults(optimizer_impl="foreach")),
@@ -150,6 +153,7 @@ TRAINERS: dict[str, Trainer] = {t.id: t for t in (
         source="transformers 5 training_args.py (fsdp_config, optim, use_liger_kernel), accelerate 1.x",
         artifacts=("hf-trainer", *LAUNCHERS), mesh_dims=("tp", "cp"), sequence_parallel=(False,),
         shardings=HF_FSDP2_SHARDINGS, checkpointing=("none", "full"), compile_scopes=("blocks",), kernels=HF_KERNELS,
+        shard_groups=True,  # ParallelismConfig's dp_replicate_size / dp_shard_size
         defaults=_defaults(optimizer_impl="fused")),
     Trainer(
         id="hf-fsdp1", title="HF Trainer FSDP1",
@@ -165,7 +169,8 @@ TRAINERS: dict[str, Trainer] = {t.id: t for t in (
         source="accelerate 1.x utils/dataclasses.py (FullyShardedDataParallelPlugin, ParallelismConfig, fp8)",
         artifacts=("accelerate-fsdp2", *LAUNCHERS), mesh_dims=("tp", "cp"), sequence_parallel=(False,),
         shardings=HF_FSDP2_SHARDINGS, checkpointing=("none", "full"), compile_scopes=("blocks",), float8=True,
-        fp8_all_gather=True, kernels=HF_ATTENTION, defaults=_defaults(optimizer_impl="foreach")),
+        fp8_all_gather=True, kernels=HF_ATTENTION, defaults=_defaults(optimizer_impl="foreach"),
+        shard_groups=True),  # parallelism_config_dp_replicate_size / dp_shard_size
     Trainer(
         id="accelerate", title="accelerate FSDP1 (your training loop)",
         source="accelerate 1.x FSDP1 plugin (fsdp_sharding_strategy, fsdp_backward_prefetch, ...)",
@@ -196,6 +201,7 @@ TRAINERS: dict[str, Trainer] = {t.id: t for t in (
         artifacts=("axolotl", *LAUNCHERS), sequence_parallel=(False,), shardings=HF_FSDP2_SHARDINGS,
         checkpointing=("none", "full"), compile_scopes=(), kernels=HF_ATTENTION,
         precisions=(Precision.FP32, Precision.BF16, Precision.FP16), defaults=_defaults(optimizer_impl="fused"),
+        shard_groups=True,  # dp_replicate_size / dp_shard_size
         # QLoRA: rank 0 stages the NF4 base through the CPU on a one-dimensional mesh only (validation.py: "CPU-staged
         # NF4 requires a one-dimensional sharding mesh; dp_replicate_size must be 1"), else every rank loads it
         qlora_replicas=False),
@@ -214,7 +220,7 @@ TRAINERS: dict[str, Trainer] = {t.id: t for t in (
                "float8.py, distributed/activation_checkpoint.py",
         artifacts=("torchtitan", *LAUNCHERS), model_impl="torchtitan", mesh_dims=MESH_DIMS,
         checkpointing=("none", "full", "selective-op"), compile_scopes=("blocks+loss", "blocks"), async_tp=True,
-        precisions=NO_FP16,
+        precisions=NO_FP16, shard_groups=True,  # data_parallel_replicate_degree / data_parallel_shard_degree
         lora=False, norm="fused_rmsnorm", kernels=_defaults(loss_kernel=("chunked",)),
         defaults=_defaults(optimizer_impl="fused", alloc_conf=TORCHTITAN_ALLOC_CONF),
         load_way="meta-dcp"),  # meta init, then its checkpoint (DCP)
@@ -225,7 +231,7 @@ TRAINERS: dict[str, Trainer] = {t.id: t for t in (
         source="torchtitan 0.2 config/job_config.py (as planner/emit/torchtitan/job.py writes it)",
         artifacts=("torchtitan-0.2", *LAUNCHERS), model_impl="torchtitan", mesh_dims=MESH_DIMS,
         sequence_parallel=(True,), compile_scopes=("blocks+loss", "blocks"), float8=True, fp8_all_gather=True,
-        precisions=NO_FP16,
+        precisions=NO_FP16, shard_groups=True,
         async_tp=True, lora=False, defaults=_defaults(optimizer_impl="fused", alloc_conf=TORCHTITAN_ALLOC_CONF),
         load_way="meta-dcp"),
     Trainer(
@@ -241,6 +247,7 @@ TRAINERS: dict[str, Trainer] = {t.id: t for t in (
         artifacts=("automodel", *LAUNCHERS), mesh_dims=("tp", "cp", "ep"),
         shardings=tuple(s for s in ALL_SHARDINGS if s is not Sharding.NO_SHARD), checkpointing=("none", "full"),
         compile_scopes=("blocks",), lora=False, precisions=NO_FP16,  # fp16: not priced for it (no loss scaler)
+        shard_groups=True,  # distributed.dp_size / dp_replicate_size
         # model.backend.attn te (the published MoE runs): Transformer Engine's DotProductAttention, cuDNN fused
         # attention on Hopper (attention_kernel cudnn; elsewhere priced as flash2), sdpa: PyTorch SDPA's flash2
         kernels=_defaults(norm_kernel=("eager", "te"), moe_dispatch=("deepep", "all-to-all"),

@@ -11,6 +11,7 @@ import dataclasses
 
 import pytest
 
+from cost_models.feasibility import node_shard_group
 from cost_models.specs import FsdpConfig, TrainingSpec
 from planner.doctor.readers import read_setup
 from planner.emit import emit_fsdp1, emit_fsdp2, emit_lightning
@@ -32,6 +33,7 @@ def written(emit, config, tmp_path, spec=LLAMA, training=TRAINING, name="train.p
 
 
 def assert_same(back: FsdpConfig, emitted: FsdpConfig) -> None:
+    back = node_shard_group(back, CLUSTER)  # the mesh's shard group in GPUs, a node's as check reads it
     diff = {f.name: (getattr(back, f.name), getattr(emitted, f.name)) for f in dataclasses.fields(FsdpConfig)
             if getattr(back, f.name) != getattr(emitted, f.name)}
     assert not diff, "read back != emitted, field: (read, emitted): " + "; ".join(f"{k}: {v}" for k, v in diff.items())
@@ -57,6 +59,8 @@ FSDP2 = {
     "tp-without-sequence-parallel": FsdpConfig(tp=2, sequence_parallel=False),
     "async-tp": FsdpConfig(tp=4, compile=True, async_tp=True),
     "cp-hsdp": FsdpConfig(cp=2, sharding="HYBRID_SHARD"),
+    "hsdp-shard-group-of-4": FsdpConfig(sharding="HYBRID_SHARD", shard_group_gpus=4),
+    "tp-hsdp-shard-group-of-4": FsdpConfig(sharding="HYBRID_SHARD_ZERO2", tp=2, shard_group_gpus=4),
     "tp-cp": FsdpConfig(tp=2, cp=2, ac_every=2),
     "pp-1f1b-tp-sp": FsdpConfig(pp=2, tp=2, micro_batch=2, grad_accum=4),
     "pp-interleaved-tp": FsdpConfig(pp=2, tp=2, sequence_parallel=False, pp_schedule="interleaved-1f1b", grad_accum=8),
@@ -117,6 +121,7 @@ def test_liger_patches_in_a_users_script_read_as_the_kernels(tmp_path, switches,
 FSDP1 = {
     "full-shard": FsdpConfig(micro_batch=4),
     "hsdp-zero2-offload-fp16": FsdpConfig(sharding="HYBRID_SHARD_ZERO2", offload=True, precision="fp16"),
+    "hsdp-shard-group-of-2": FsdpConfig(sharding="HYBRID_SHARD", shard_group_gpus=2),  # its 2-D device_mesh
     "no-shard-bf16-pure": FsdpConfig(sharding="NO_SHARD", precision="bf16-pure"),
     "fp32-reduce-bf16": FsdpConfig(precision="fp32", reduce_dtype="bf16"),
     "fsdp1-switches": FsdpConfig(sharding="SHARD_GRAD_OP", backward_prefetch=False, forward_prefetch=True,
@@ -278,5 +283,6 @@ def test_a_script_written_by_hand_in_the_same_constructs(tmp_path):
     path.write_text(USERS_SCRIPT)
     back = read_setup(path)
     assert_same(back.config, FsdpConfig(sharding="HYBRID_SHARD_ZERO2"))
-    assert (back.n_processes, back.n_machines) == (16, 2)
+    # the mesh says the shard group (8 GPUs), not the node: check takes that from --gpus-per-node (default 8)
+    assert (back.n_processes, back.n_machines, back.config.shard_group_gpus) == (16, None, 8)
     assert dict(back.training) == {"optimizer": "adamw", "optimizer_impl": "fused"}

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from cost_models.feasibility import node_shard_group
 from cost_models.specs import FsdpConfig
 from planner import plan
 from planner.doctor import check
@@ -162,7 +163,9 @@ def test_hf_trainer_round_trip(tmp_path, training_arguments, config, version):
     if expected_version == 2:  # FSDP2 always prefetches in backward and has no forward_prefetch flag
         config = FsdpConfig(**{**config.__dict__, "backward_prefetch": True, "forward_prefetch": False})
     # the compiled loss is the snippet's compute_loss_func (code), not an argument: read back, the loss is eager
-    assert back.config == FsdpConfig(**{**config.__dict__, "compile_loss": not config.compile})
+    # the shard group read as written (8 GPUs), one node's as check prices it
+    expected = FsdpConfig(**{**config.__dict__, "compile_loss": not config.compile})
+    assert node_shard_group(back.config, TWO_NODES) == expected
     assert (back.dialect, back.fsdp_version, back.wrap, back.init) == ("hf-trainer", expected_version, "block", "rank0")
     assert back.sync_module_states  # rank 0 loads; FSDP1's sync_module_states / FSDP2's broadcast share it
     assert back.n_processes == (16 if config.sharding.is_hybrid and expected_version == 2 else None)
@@ -204,9 +207,10 @@ def test_torchtitan_round_trip(tmp_path, config, form):
     path = tmp_path / ("overrides.txt" if form == "flags" else "job.toml")
     path.write_text(text if form == "flags" else _flags_as_toml(text))
     back = read_setup(path)
-    assert back.config == config
+    assert node_shard_group(back.config, TWO_NODES) == config
     assert (back.dialect, back.fsdp_version, back.seq_len, back.n_processes) == ("torchtitan", 2, 4096, 16)
-    assert back.n_machines == (2 if config.sharding.is_hybrid else None)  # HSDP: the shard group is a node
+    # HSDP: the shard group's GPUs as written (a node's here), the node from the cluster, not from the replicas
+    assert (back.n_machines, back.config.shard_group_gpus) == (None, 8 if config.sharding.is_hybrid else 0)
 
 
 @pytest.mark.parametrize("kind", ["hf-trainer", "torchtitan"])

@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from planner import plan
+from planner import estimate, plan
 from planner.doctor import check
 from planner.doctor.readers import read_setup
 from planner.emit import emit_artifact
@@ -60,10 +60,10 @@ def test_the_emitted_file_reads_back_as_the_plan_that_was_priced(tmp_path, hf_sn
     assert_read_back(picked(trainer, gpu), trainer, artifact, gpu, tmp_path, hf_snippet, load_accelerate)
 
 
-def assert_read_back(best, trainer, artifact, gpu, tmp_path, hf_snippet, load_accelerate, model=MODEL):
+def assert_read_back(best, trainer, artifact, gpu, tmp_path, hf_snippet, load_accelerate, model=MODEL, gpus=GPUS):
     path = written(artifact, emit_artifact(artifact, best), tmp_path, hf_snippet, load_accelerate)
     config = best.config  # accelerate's YAML holds no batch: the micro-batch is the training script's
-    r = check(read_setup(path), model, GPUS, gpu=gpu, seq_len=SEQ, micro_batch=config.micro_batch,
+    r = check(read_setup(path), model, gpus, gpu=gpu, seq_len=SEQ, micro_batch=config.micro_batch,
               grad_accum=config.grad_accum)
     back, priced = r.candidate.to_dict(), best.to_dict()
     assert back["trainer"] == priced["trainer"] == trainer
@@ -71,6 +71,21 @@ def assert_read_back(best, trainer, artifact, gpu, tmp_path, hf_snippet, load_ac
     assert back["memory"] == priced["memory"]
     assert back["time"] == priced["time"]
     return r
+
+
+@pytest.mark.parametrize("trainer, artifact, gpus, group", [
+    ("fsdp2", "fsdp2", 32, 16), ("torchtitan", "torchtitan", 32, 16), ("hf", "hf-trainer", 32, 16),
+    ("fsdp1", "fsdp1", 8, 2),
+])
+def test_an_hsdp_shard_group_reads_back(tmp_path, hf_snippet, load_accelerate, trainer, artifact, gpus, group):
+    """HSDP over shard groups other than the node (8 GPUs): two nodes' 16 GPUs (mesh (2, 16)), or 2 GPUs of one
+    node (mesh (4, 2)), written as init_device_mesh / FSDP1's device_mesh / data_parallel_shard_degree /
+    ParallelismConfig's dp_shard_size and priced again as the same shard group, not as nodes of the group's size."""
+    best = estimate(MODEL, gpus, gpu=GPU, seq_len=SEQ, trainer=trainer, sharding="HYBRID_SHARD",
+                    shard_group_gpus=group)
+    assert best.config.dp_degrees(gpus, 8) == (gpus // group, group)
+    r = assert_read_back(best, trainer, artifact, GPU, tmp_path, hf_snippet, load_accelerate, gpus=gpus)
+    assert (r.candidate.config.shard_group_gpus, r.candidate.cluster.gpus_per_node) == (group, 8)
 
 
 # The dialects that write the attention (planner/emit/attention.py): code (fsdp2, fsdp1, lightning), model_init_kwargs

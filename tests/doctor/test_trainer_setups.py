@@ -82,7 +82,8 @@ def test_torchtitan_toml_job_file_with_the_0_1_spellings(tmp_path):
     s = read_setup(path)
     c = s.config
     assert (c.sharding.value, c.ac_every, c.micro_batch, c.grad_accum) == ("HYBRID_SHARD", 1, 1, 4)  # 64 / (1 x 16)
-    assert (c.compile, c.float8, c.fp8_all_gather, s.n_processes, s.n_machines) == (True, True, True, 16, 2)
+    assert (c.compile, c.float8, c.fp8_all_gather, s.n_processes, s.n_machines, c.shard_group_gpus) == (
+        True, True, True, 16, None, 8)  # the shard group as written; the node size is check's --gpus-per-node
 
 
 def test_torchtitan_flag_forms(tmp_path):

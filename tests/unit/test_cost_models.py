@@ -70,6 +70,42 @@ def test_hybrid_shards_within_node_only():
     assert fs.phases["optimizer_step"].optimizer_state == math.ceil(4200 * 8 / 8)
 
 
+def test_hsdp_shard_group_of_gpus_shards_as_fsdp_at_that_size():
+    """shard_group_gpus: HSDP's model states are FSDP's at a world of the shard group, whatever the node (a
+    group of two 4-GPU nodes on 16 GPUs shards like FULL_SHARD on 8; a group of 2 on one node like FULL_SHARD
+    on 2), the default (0) a node's. The trace tier agrees: tests/unit/test_trace.py (HSDP 2 x 4 traced)."""
+    two_nodes = mem(FsdpConfig(sharding="HYBRID_SHARD", precision="fp32", shard_group_gpus=8), n=16, per_node=4)
+    assert two_nodes.phases["optimizer_step"] == mem(FsdpConfig(precision="fp32"), n=8, per_node=4).phases[
+        "optimizer_step"]
+    assert two_nodes.phases["optimizer_step"].optimizer_state == 4200 * 8 // 8
+    part = mem(FsdpConfig(sharding="HYBRID_SHARD", precision="fp32", shard_group_gpus=2), n=4, per_node=4)
+    assert part.phases["optimizer_step"].optimizer_state == 4200 * 8 // 2
+    node = mem(FsdpConfig(sharding="HYBRID_SHARD", precision="fp32"), n=16, per_node=4)
+    assert node.phases["optimizer_step"].optimizer_state == 4200 * 8 // 4
+
+
+def test_hsdp_shard_group_collectives_by_hand():
+    """Each step's collectives of HYBRID_SHARD in fp32 (4 B gathered and reduced per param, 4,200 params; two
+    gathers per block, forward and backward, the root's one; one reduce-scatter, then the replicas' all-reduce of
+    the shard), no
+    latency: on 16 GPUs of 4 per node (NVLink 200 GB/s, 100 GB/s of network per node), a shard group of 8 spans two
+    nodes: its ring runs on the network at the node's 100 GB/s; the 2 replicas' all-reduce of 1/8 of the bytes
+    crosses nodes in 4 rings at once (one per GPU of a node), 25 GB/s each. A node's group (4) gathers on NVLink
+    and all-reduces 1/4 over 4 replicas; a group of 2 inside a 4-GPU node all-reduces on NVLink too."""
+    prof = Profile(intra_node_comm_efficiency=1.0, inter_node_comm_efficiency=1.0, intra_node_latency_s=0.0,
+                   inter_node_latency_s=0.0)
+    m, gathered = 4200 * 4, (2 * 4000 + 200) * 4  # the root gathered once: FSDP2 keeps it for backward
+
+    def total_comm_s(n, per_node, group):
+        config = FsdpConfig(sharding="HYBRID_SHARD", precision="fp32", shard_group_gpus=group)
+        return estimate_step_time(TOY, cluster(n, per_node), TrainingSpec(seq_len=1), config, prof).total_comm_s
+
+    ring = lambda n, message, bw: (n - 1) / n * message / bw  # noqa: E731 - all-gather / reduce-scatter
+    assert total_comm_s(16, 4, 8) == pytest.approx(ring(8, gathered + m, 100e9) + 2 * ring(2, m / 8, 25e9))
+    assert total_comm_s(16, 4, 0) == pytest.approx(ring(4, gathered + m, 200e9) + 2 * ring(4, m / 4, 25e9))
+    assert total_comm_s(4, 4, 2) == pytest.approx(ring(2, gathered + m, 200e9) + 2 * ring(2, m / 2, 200e9))
+
+
 def test_offload_moves_states_to_cpu_ram_per_node():
     m = mem(FsdpConfig(precision="bf16", offload=True))
     assert m.breakdown.sharded_params == m.breakdown.optimizer_state == 0

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from cost_models.feasibility import node_shard_group
 from cost_models.specs import FsdpConfig, TrainingSpec
 from planner.emit.torchtitan.job import emit_torchtitan
 from planner.errors import PlannerError
@@ -64,6 +65,9 @@ PLANS = {
                           LLAMA, TWO_NODES, 8192,
                           dict(dp_replicate=2, dp_shard=8, reshard="default", ac="SelectiveAC",
                                global_batch_size=2 * 16 * 4)),
+    # HSDP over shard groups of two nodes (16 GPUs: dp_shard 8 x tp 2), not the node: 4 replicas on 64 GPUs
+    "hsdp-groups-of-two-nodes": (FsdpConfig(sharding="HYBRID_SHARD", shard_group_gpus=16, tp=2), LLAMA,
+                                 make_cluster(64), 2048, dict(dp_replicate=4, dp_shard=8, tp=2, reshard="default")),
     "tp2-cp4-async": (FsdpConfig(tp=2, cp=4, compile=True, async_tp=True, ac_every=1), LLAMA, TWO_NODES, 131072,
                       dict(dp_replicate=1, dp_shard=2, tp=2, cp=4, async_tp=True, sequence_parallel=True,
                            global_batch_size=2, seq_len=131072)),
@@ -201,7 +205,8 @@ def test_torchtitan_round_trip_emit_then_check_gives_the_plan_back(tmp_path, nam
     setup = read_setup(path)
     assert setup.dialect == "torchtitan" and setup.seq_len == seq_len
     # 0.3 runs its config function's loss, ChunkedLossWrapper, whatever was priced (the job's notes say so)
-    assert setup.config == (replace(config, loss_kernel="chunked") if version == "0.3" else config)
+    read = node_shard_group(setup.config, cluster)  # the shard group's GPUs as written: a node's is the default's
+    assert read == (replace(config, loss_kernel="chunked") if version == "0.3" else config)
     assert setup.n_processes == cluster.n_gpus
     assert (setup.init, setup.state_dict_type) == ("dcp", "SHARDED_STATE_DICT")  # the trainer's meta-dcp / dcp ways
 

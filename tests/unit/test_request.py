@@ -22,10 +22,10 @@ def test_every_knob_is_declared_once_in_one_group():
     assert groups["training"] == ["seq_len", "global_batch", "optimizer", "optimizer_impl", "finetune", "lora_rank",
                                   "quant", "double_quant", "quant_storage", "routing_imbalance", "routing"]
     assert groups["config.mesh"] == ["tp", "cp", "ep", "pp", "pp_schedule", "pp_stages_per_rank", "async_tp",
-                                     "sequence_parallel"]
+                                     "sequence_parallel", "shard_group_gpus"]
     assert groups["search"] == ["precisions", "reduce_dtypes"]
-    # 58: the trainer (planner/trainers) and alloc_conf (PYTORCH_CUDA_ALLOC_CONF) at the top
-    assert len(groups["config"]) == 25 and len(table) == 58
+    # 60: the trainer (planner/trainers), alloc_conf (PYTORCH_CUDA_ALLOC_CONF) and outside_allocator at the top
+    assert len(groups["config"]) == 25 and len(table) == 60
     # the flag of a knob is its name in kebab case, so a flag names one field per command
     for k in table.values():
         if k.flag.decls:
@@ -121,7 +121,7 @@ def test_every_flag_of_every_command_is_one_field():
     # config + 7 mesh = 30 (and its own 19 from CalibrationRequest); check 9 + 9 + 6 config + alloc_conf = 25; trace
     # estimate's 55 (its --alloc-conf, once its own option, is the knob); rl 9 cluster + finetune +
     # lora_rank = 11 (the rest are verl's knobs, planner/rl/request.py)
-    assert from_request == {"plan": 40, "estimate": 55, "trace": 55, "explain": 37, "calibrate": 30, "check": 25,
+    assert from_request == {"plan": 42, "estimate": 57, "trace": 57, "explain": 38, "calibrate": 30, "check": 25,
                             "models": 0, "gpus": 0, "schema": 0, "rl": 11}
     assert own["calibrate"] == {"emit", "output_format", "fault"}  # the rest are CalibrationRequest's knobs
     assert own["estimate"] == {"output_format"} and own["check"] == {"dynamic_control_flow", "output_format"}
@@ -136,7 +136,7 @@ def test_a_knobs_default_is_the_apis_and_the_clis():
     for command, api, own in (("estimate", estimate, {"async_tp": False}), ("plan", plan, {})):
         signature = inspect.signature(api).parameters
         cli = {p.name: p.default for p in _cli_commands()[command].params if p.name in signature}
-        assert len(cli) == (56 if command == "estimate" else 41)  # the knobs, --profile; the model is positional
+        assert len(cli) == (58 if command == "estimate" else 43)  # the knobs, --profile; the model is positional
         for name, default in cli.items():
             if name != "model":
                 assert default == own.get(name, signature[name].default), (command, name)

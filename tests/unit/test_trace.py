@@ -18,7 +18,10 @@ pytest.importorskip("transformers")
 
 from calibration.reference import tiny_llama_spec  # noqa: E402
 from calibration.trace import TraceUnsupported, UntraceableModel, trace_memory  # noqa: E402
-from cost_models.specs import FsdpConfig  # noqa: E402
+from cost_models.memory import estimate_memory  # noqa: E402
+from cost_models.profile import DEFAULT_PROFILE  # noqa: E402
+from cost_models.specs import FsdpConfig, TrainingSpec  # noqa: E402
+from planner.hardware import make_cluster  # noqa: E402
 from planner.errors import PlannerError  # noqa: E402
 from planner.tracing import TraceReport, trace  # noqa: E402
 
@@ -29,11 +32,14 @@ TOLERANCE = 0.03
 
 
 def test_traced_model_states_equal_the_hand_count():
-    """Reference Llama, 4 ranks, fp32 FULL_SHARD, AdamW: every weight's dim 0 divides by 4 (no padding)."""
+    """Reference Llama, fp32, AdamW, sharded over 4 ranks: every weight's dim 0 divides by 4 (no padding). Run as
+    HSDP on one 8-GPU node with shard groups of 4 GPUs (shard_group_gpus; mesh (2, 4)): FSDP at a world of 4 for
+    every sharded state, as the estimate prices it."""
     spec = tiny_llama_spec()  # 2 blocks of 36,992 params + root 32,832 (embedding, head, final norm)
     n_params = 2 * 36_992 + 32_832
     assert spec.n_params == n_params
-    r = trace_memory(spec, FsdpConfig(precision="fp32"), n_gpus=4, gpus_per_node=4, seq_len=32)
+    hsdp = FsdpConfig(precision="fp32", sharding="HYBRID_SHARD", shard_group_gpus=4)
+    r = trace_memory(spec, hsdp, n_gpus=8, gpus_per_node=8, seq_len=32)
     step = r.phases["optimizer_step"].breakdown
     shard = n_params * F32 // 4                       # 26,704 bytes per rank
     assert step["sharded_params"] == shard
@@ -46,7 +52,11 @@ def test_traced_model_states_equal_the_hand_count():
     assert model_states == 4 * shard + n_tensors * F32 == 427_348
     # nothing else is alive during the step but the token ids (int64, 1 x 32)
     assert r.phases["optimizer_step"].peak_allocated_bytes == model_states + shard + 32 * 8
-    assert r.builder == "reference" and r.world_size == 4 and r.shard_group_size == 4
+    assert r.builder == "reference" and r.world_size == 8 and r.shard_group_size == 4
+    estimated = estimate_memory(spec, make_cluster(8, gpus_per_node=8), TrainingSpec(seq_len=32), hsdp,
+                                DEFAULT_PROFILE).phases["optimizer_step"]
+    assert (estimated.sharded_params, estimated.sharded_grads, estimated.optimizer_state) == (
+        step["sharded_params"], step["sharded_grads"], step["optimizer_state"] - n_tensors * F32)  # no step counters
 
 
 # Scaled-down configs of the benchmark's architectures (2 layers), quick to trace.

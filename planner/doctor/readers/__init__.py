@@ -21,7 +21,7 @@ from planner.doctor.readers import trainers
 from planner.emit import attention
 from planner.errors import PlannerError
 from planner.doctor.readers.common import (UserSetup, _bool, _dtype, _int, _int_or_none, _strategy, _strip,
-                                          accelerate_degrees)
+                                          accelerate_degrees, hsdp_fields)
 
 # FSDP1 arguments that FSDP2's fully_shard no longer has, and what replaced them.
 FSDP2_REMOVED = {
@@ -156,6 +156,8 @@ def from_accelerate(data: dict, source: str = "accelerate config", text: str = "
             sharding = Sharding.HYBRID_SHARD if reshard else Sharding.HYBRID_SHARD_ZERO2
         else:
             sharding = Sharding.FULL_SHARD if reshard else Sharding.SHARD_GRAD_OP
+        mesh.update(hsdp_fields(sharding, replicas, _int_or_none(parallel, "parallelism_config_dp_shard_size"),
+                                mesh["cp"], mesh["tp"])[0])
     else:
         raw = fsdp.get("fsdp_sharding_strategy", fsdp.get("fsdp_reshard_after_forward", "FULL_SHARD"))
         sharding = _strategy("fsdp_sharding_strategy", raw)

@@ -8,9 +8,11 @@ machines Automodel's MoE recipes run on). A value the cost model cannot price ra
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from cost_models.specs import FsdpConfig, Precision, Sharding
 
-from planner.doctor.readers.common import UserSetup, _bool, _int
+from planner.doctor.readers.common import UserSetup, _bool, _int, _int_or_none, hsdp_fields
 from planner.errors import PlannerError
 
 _DTYPES = {"bfloat16": "bf16", "bf16": "bf16", "float32": "fp32", "fp32": "fp32", "float": "fp32", "auto": "bf16",
@@ -122,6 +124,9 @@ def from_automodel(data: dict, source: str = "automodel recipe") -> UserSetup:
         moe_dispatch="deepep" if sizes["ep"] > 1 else "all-to-all",
         sequence_parallel=_bool("distributed.sequence_parallel", distributed.get("sequence_parallel", False)),
         **sizes)
+    dp = _int_or_none(distributed, "dp_size")  # dp_replicate x dp_shard (null: the ranks left)
+    config = replace(config, **hsdp_fields(sharding, replicas, dp // replicas if dp else None, config.cp,
+                                           config.tp)[0])
     optimizer = _section(data, "optimizer")
     target = str(optimizer.get("_target_", "torch.optim.AdamW"))
     training = {"routing": "round-robin" if _bool("model.backend.fake_balanced_gate",

@@ -9,10 +9,12 @@ cannot price, or that axolotl refuses, raises one PlannerError naming the key.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from cost_models.specs import FsdpConfig, Precision, Sharding
 
 from planner.doctor.readers import python_qlora
-from planner.doctor.readers.common import UserSetup, _bool, _int, _int_or_none, _positive_int, _strip
+from planner.doctor.readers.common import UserSetup, _bool, _int, _int_or_none, _positive_int, _strip, hsdp_fields
 from planner.emit import attention
 from planner.emit.optimizer import from_hf_optim
 from planner.emit.qlora import TARGET_MODULES
@@ -157,6 +159,8 @@ def from_axolotl(data: dict, source: str = "axolotl config") -> UserSetup:
         micro_batch=_positive_int(data, "micro_batch_size", 1),
         grad_accum=_positive_int(data, "gradient_accumulation_steps", 1),
         compile=False, compile_loss=False, sequence_parallel=False, **attention_fields)
+    group, machines = hsdp_fields(sharding, replicas, shard)
+    config = replace(config, **group)
     rank0 = _bool("fsdp_config.cpu_ram_efficient_loading", fsdp.get("cpu_ram_efficient_loading", False))
     optim, optim_notes = from_hf_optim({"optim": data.get("optimizer"), "optim_args": data.get("optim_args")}, offload)
     finetune, qlora, lora_notes = _finetune(data, precision, rank0, reentrant)
@@ -166,7 +170,7 @@ def from_axolotl(data: dict, source: str = "axolotl config") -> UserSetup:
         use_orig_params=True, sync_module_states=rank0, init="rank0" if rank0 else "all",
         state_dict_type=_strip(fsdp.get("state_dict_type", "SHARDED_STATE_DICT")).upper(),
         grad_scaler="sharded" if precision is Precision.FP16 else None,  # accelerate adds it for fp16
-        n_processes=replicas * shard if shard else None, n_machines=replicas if replicas > 1 else None,
+        n_processes=replicas * shard if shard else None, n_machines=machines,
         use_cache=False,  # transformers' Trainer turns the KV cache off in training
         seq_len=_positive_int(data, "sequence_len", 512), model=str(data.get("base_model") or "") or None,
         training=optim + finetune, qlora=qlora, attention_from=attention_from, notes=optim_notes + lora_notes,

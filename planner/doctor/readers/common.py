@@ -108,6 +108,17 @@ def accelerate_degrees(parallel: dict, prefix: str) -> dict:
     return {"tp": tp, "cp": cp, **({"sequence_parallel": False} if tp > 1 else {})}
 
 
+def hsdp_fields(sharding: Sharding, replicas, shard, cp: int = 1, tp: int = 1) -> tuple[dict, int | None]:
+    """({"shard_group_gpus": dp_shard x cp x tp} or {}, machines or None) of a read (dp_replicate, dp_shard) mesh:
+    HSDP's shard group as written (check reads a node's worth as the default, feasibility.node_shard_group); where
+    dp_shard is left to the ranks (None, or the world size), a replica per machine (the shard group a node)."""
+    if not sharding.is_hybrid or not isinstance(replicas, int) or replicas <= 1:
+        return {}, None
+    if not isinstance(shard, int):
+        return {}, replicas
+    return {"shard_group_gpus": shard * cp * tp}, None
+
+
 def _int_or_none(data: dict, key: str) -> int | None:
     if data.get(key) is None:
         return None

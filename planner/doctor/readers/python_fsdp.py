@@ -16,6 +16,7 @@ from __future__ import annotations
 import ast
 import math
 import re
+from dataclasses import replace
 
 from cost_models import fsdp_options
 from cost_models.pipeline import blocks_per_stage, stage_rank
@@ -23,7 +24,7 @@ from cost_models.schedules import Schedule
 from cost_models.specs import FsdpConfig, Sharding
 
 from planner.doctor.readers import python_shared as shared
-from planner.doctor.readers.common import UserSetup, _strategy
+from planner.doctor.readers.common import UserSetup, _strategy, hsdp_fields
 from planner.doctor.readers.python_checkpoint import checkpoint_fields
 from planner.doctor.readers.python_ast import WORLD, Snippet, dotted
 from planner.errors import PlannerError
@@ -31,7 +32,8 @@ from planner.errors import PlannerError
 FULLY_SHARD_ARGS = ("mesh", "reshard_after_forward", "mp_policy", "offload_policy", "shard_placement_fn")
 MESH_NAMES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 FSDP1_ARGS = ("sharding_strategy", "mixed_precision", "cpu_offload", "backward_prefetch", "forward_prefetch",
-              "limit_all_gathers", "auto_wrap_policy", "use_orig_params", "sync_module_states", "device_id")
+              "limit_all_gathers", "auto_wrap_policy", "use_orig_params", "sync_module_states", "device_id",
+              "device_mesh")
 PIPELINE_CONSTANTS = ("STAGE_BLOCKS", "STAGES_OF_RANK", "N_MICROBATCHES", "MICROBATCH_SIZE", "SEQ_LEN")
 
 
@@ -66,13 +68,16 @@ def from_fsdp2(s: Snippet) -> UserSetup:
         reshard_after_forward=group, expert_units=bool(experts), expert_shard_dim=_placement(root),
         **mesh, **pipeline, **shared.liger(s), **attention)
     sizes = list(dims.values())
-    hybrid = config.sharding.is_hybrid and isinstance(dims.get("dp_replicate"), int)
+    # HSDP: the shard group as written; where dp_shard is left to the world size, a replica per machine
+    group, machines = hsdp_fields(config.sharding, dims.get("dp_replicate") if _count(dims.get("dp_replicate"))
+                                  else 2, dims.get("dp_shard"), config.cp, config.tp)
+    config = replace(config, **group)
     return UserSetup(
         config=config, fsdp_version=2, source=s.source, dialect="fsdp2-code",
         explicit=frozenset(k for c in shards for k in c.kwargs), wrap="block" if blocks else "none",
         use_orig_params=True, **checkpoint_fields(s),  # every rank loads unless rank 0's weights are broadcast
         n_processes=math.prod(sizes) if all(isinstance(n, int) for n in sizes) else None,
-        n_machines=dims["dp_replicate"] if hybrid else None,  # HSDP: a replica per machine, the shard group a node
+        n_machines=machines if _count(dims.get("dp_replicate")) else None,
         use_cache=_use_cache(s), seq_len=s.constants.get("SEQ_LEN") if config.pp > 1 else None,
         grad_scaler=shared.grad_scaler(s), attention_from=attention_from,
         training=shared.optimizer(s, offload))
@@ -221,7 +226,8 @@ def from_fsdp1(s: Snippet) -> UserSetup:
     call = wrappers[0]
     shared.only(call, FSDP1_ARGS, "FullyShardedDataParallel")
     kw = {k: s.value(v, k) for k, v in call.kwargs.items() if k not in ("mixed_precision", "cpu_offload",
-                                                                         "auto_wrap_policy", "device_id")}
+                                                                         "auto_wrap_policy", "device_id",
+                                                                         "device_mesh")}
     precision, reduce = shared.precision_of(*shared.dtype_kwargs(s, call.kwargs.get("mixed_precision"),
                                                              "mixed_precision"), shared.stored_dtype(s),
                                           "mixed_precision")
@@ -238,6 +244,9 @@ def from_fsdp1(s: Snippet) -> UserSetup:
         forward_prefetch=bool(kw.get("forward_prefetch", False)),
         limit_all_gathers=bool(kw.get("limit_all_gathers", True)), compile=compiled, compile_loss=compile_loss,
         float8=float8, **shared.liger(s), **attention)
+    if "device_mesh" in call.kwargs:  # HYBRID_SHARD's (dp_replicate, dp_shard) init_device_mesh
+        dims = mesh_dims(s)
+        config = replace(config, **hsdp_fields(config.sharding, 2, dims.get("dp_shard"))[0])
     return UserSetup(
         config=config, fsdp_version=1, source=s.source, dialect="fsdp1-code", explicit=frozenset(call.kwargs),
         wrap=wrap, use_orig_params=bool(kw.get("use_orig_params", False)),

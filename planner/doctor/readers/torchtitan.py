@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 import shlex
 from pathlib import Path
+from dataclasses import replace
 
 from cost_models.specs import SELECTIVE_OP, FsdpConfig, Precision, Sharding
 
@@ -19,7 +20,7 @@ from planner.emit.kernels import from_torchtitan_loss
 from planner.emit import optimizer
 from planner.emit.torchtitan.job import preset_of
 from planner.errors import PlannerError
-from planner.doctor.readers.common import UserSetup, _bool, _int, _positive_int
+from planner.doctor.readers.common import UserSetup, _bool, _int, _positive_int, hsdp_fields
 from planner.doctor.readers.pipeline import torchtitan_pipeline
 
 _FLAG = re.compile(r"--[A-Za-z_][\w-]*\.[\w.-]+")
@@ -272,14 +273,15 @@ def from_torchtitan(settings: dict, source: str = "torchtitan") -> UserSetup:
         pp_stages_per_rank=pipeline.stages_per_rank(0) if pipeline.parts else 0,  # else: the model's blocks (check)
     )
     seq_len = _positive_int(settings, "training.seq_len", 2048)
-    hybrid = sharding.is_hybrid
+    group, machines = hsdp_fields(sharding, replicas, shard if shard >= 1 else None, config.cp, config.tp)
+    config = replace(config, **group)
     return UserSetup(
         config=config, fsdp_version=2, source=source, dialect="torchtitan", explicit=frozenset(settings), wrap="block",
         # torchtitan builds on the meta device, then every rank initialises its shards alike (DTensor's RNG) or
         # loads them from a checkpoint (DCP): nothing to broadcast, no full copy in host RAM
         use_orig_params=True, init="dcp", state_dict_type=_save(settings),
         n_processes=replicas * shard * config.cp * config.tp * config.pp if shard >= 1 else None,
-        n_machines=replicas if hybrid else None,  # HSDP: one replica per machine, so the shard group is a node
+        n_machines=machines,  # HSDP with data_parallel_shard_degree -1: one replica per machine
         use_cache=False,  # torchtitan's models keep no KV cache in training
         seq_len=seq_len, model=preset_of(settings.get("module"), settings.get("config")),
         pipeline=pipeline if pipeline.pp > 1 else None,

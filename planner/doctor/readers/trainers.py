@@ -9,13 +9,16 @@ trainer would refuse, or a setting fsdp-plan cannot price, raises one PlannerErr
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from cost_models.specs import SELECTIVE_OP, FsdpConfig, Precision, Sharding
 
 from planner.emit import attention as attn
 from planner.emit.optimizer import from_hf_optim
 from planner.emit.kernels import from_hf_liger
 from planner.errors import PlannerError
-from planner.doctor.readers.common import UserSetup, _bool, _int, _int_or_none, _positive_int, _strategy, _strip, accelerate_degrees
+from planner.doctor.readers.common import (UserSetup, _bool, _int, _int_or_none, _positive_int, _strategy, _strip,
+                                           accelerate_degrees, hsdp_fields)
 from planner.doctor.readers import python_qlora
 
 # ---------------------------------------------------------------- Hugging Face TrainingArguments
@@ -196,6 +199,8 @@ def from_hf_trainer(data: dict, source: str = "TrainingArguments") -> UserSetup:
         **from_hf_liger(data),  # use_liger_kernel / liger_kernel_config (planner/emit/kernels.py)
         **mesh, **attention,
     )
+    group, machines = hsdp_fields(sharding, replicas, shard, config.cp, config.tp)
+    config = replace(config, **group)
     optim, optim_notes = from_hf_optim(data, config.offload)
     qlora, qlora_knobs = python_qlora.from_model_init_kwargs(data.get(attn.KWARGS) or {}, rank0)
     return UserSetup(
@@ -211,7 +216,7 @@ def from_hf_trainer(data: dict, source: str = "TrainingArguments") -> UserSetup:
                                         "SHARDED_STATE_DICT")).upper(),  # accelerate's defaults
         grad_scaler="sharded" if fp16 else None,  # accelerate adds the ShardedGradScaler for fp16
         n_processes=replicas * shard * config.tp * config.cp if shard else None,
-        n_machines=replicas if replicas > 1 else None,
+        n_machines=machines,
         use_cache=_bool("use_cache", data.get("use_cache", False)),  # TrainingArguments' default: off
         unexpressed=(SELECTIVE_OP,) if ac_every == SELECTIVE_OP else (),
         notes=((ac_note,) if ac_note else ()) + optim_notes, checkpoint_regathers=regathers,

@@ -67,6 +67,9 @@ def emit_fsdp1(config: FsdpConfig, model_spec: ModelSpec, cluster: ClusterSpec,
         "from torch.distributed.fsdp.wrap import CustomPolicy" if lora else "from torch.distributed.fsdp.wrap import ModuleWrapPolicy",
         *FSDP1_CHECKPOINT_IMPORTS,
     ]
+    mesh = _fsdp1_mesh(config, cluster)
+    if mesh:
+        imports[1:1] = ["import torch.distributed as dist", "from torch.distributed.device_mesh import init_device_mesh"]
     ac = []
     if config.checkpoints:
         imports.append("from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (\n"
@@ -106,6 +109,7 @@ def emit_fsdp1(config: FsdpConfig, model_spec: ModelSpec, cluster: ClusterSpec,
                            fp8_all_gather=False),
         "if device is None:",
         "    device = torch.device(\"cuda\", torch.cuda.current_device())  # set from LOCAL_RANK beforehand",
+        *mesh,
         "model = FSDP(",
         "    model,",
         f"    sharding_strategy=ShardingStrategy.{strategy},{'  # ' + strategy_note if strategy_note else ''}",
@@ -122,10 +126,21 @@ def emit_fsdp1(config: FsdpConfig, model_spec: ModelSpec, cluster: ClusterSpec,
         "    use_orig_params=True,  # needed for LoRA/frozen params and torch.compile",
         "    sync_module_states=False,  # every rank builds identical weights; True broadcasts rank 0's (more traffic)",
         "    device_id=device,",
+        *(["    device_mesh=mesh,  # HYBRID_SHARD's replicate and shard groups"] if mesh else []),
         ")",
     ] + ac + ["return model"]
     return _render(config, model_spec, cluster, imports, body, training,
                    tech.fsdp1_unexpressed(config)) + checkpoint_code(load_pretrained=False, fsdp1=True)
+
+
+def _fsdp1_mesh(config: FsdpConfig, cluster: ClusterSpec) -> list[str]:
+    """HYBRID over a shard group other than a node (FSDP1 alone shards inside the node): its 2-D device_mesh."""
+    if not (config.sharding.is_hybrid and config.shard_group_gpus):
+        return []
+    shard = fsdp_options.mesh_layout(config, cluster.n_gpus, cluster.gpus_per_node)["shape"][1]
+    return [f"# HSDP: shard groups of {shard} ranks, the groups replicas of each other",
+            f"mesh = init_device_mesh(\"cuda\", (dist.get_world_size() // {shard}, {shard}),",
+            "                        mesh_dim_names=(\"dp_replicate\", \"dp_shard\"))"]
 
 
 def emit_fsdp2(config: FsdpConfig, model_spec: ModelSpec, cluster: ClusterSpec,
@@ -158,7 +173,8 @@ def emit_fsdp2(config: FsdpConfig, model_spec: ModelSpec, cluster: ClusterSpec,
         mesh = (f"init_device_mesh(device_type, ({world} // {shard}, {shard}),",
                 "                        mesh_dim_names=(\"dp_replicate\", \"dp_shard\"))")
         mesh_note = ("NO_SHARD: shard groups of 1, every rank a replica (DDP)" if shard == 1
-                     else "HSDP: shard inside a node, replicate across nodes")
+                     else "HSDP: shard inside a node, replicate across nodes" if not config.shard_group_gpus
+                     else f"HSDP: shard groups of {shard} ranks, the groups replicas of each other")
     reshard = fsdp_options.fully_shard_options(config)["reshard_after_forward"]
     mp = "MixedPrecisionPolicy()" if dtypes is None else \
         f"MixedPrecisionPolicy(param_dtype={dtypes[0]}, reduce_dtype={dtypes[1]})"

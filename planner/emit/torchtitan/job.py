@@ -28,8 +28,8 @@ from cost_models.mesh import mesh_of
 from cost_models.pipeline import stages
 from cost_models.specs import ClusterSpec, FsdpConfig, ModelSpec, Precision, TrainingSpec
 
-from planner.emit.common import (RESHARD_NOTE, _comment, _expert_notes, _fsdp1_only_notes, _summary, multi_node_note,
-                                 torchrun_command)
+from planner.emit.common import (RESHARD_NOTE, _comment, _expert_notes, _fsdp1_only_notes, _summary, hsdp_note,
+                                 multi_node_note, torchrun_command)
 from planner.errors import PlannerError
 from planner.emit.optimizer import torchtitan_optimizer
 from planner.emit.kernels import torchtitan_kernel_flags
@@ -254,7 +254,7 @@ def torchtitan_overrides(config: FsdpConfig, cluster: ClusterSpec, seq_len: int,
     replicas, shard = mesh.dp_replicate, mesh.dp_shard
     reshard = fsdp_options.fully_shard_options(config)["reshard_after_forward"]
     flags = [
-        ("parallelism.data_parallel_replicate_degree", replicas, "HSDP: replicas across nodes" if replicas > 1 and
+        ("parallelism.data_parallel_replicate_degree", replicas, hsdp_note(config) if replicas > 1 and
          shard > 1 else ("DDP: every rank a replica" if config.tp == 1 else "DDP: every TP group a replica")
          if shard == 1 and replicas > 1 and config.cp == 1 else ""),
         ("parallelism.data_parallel_shard_degree", shard, "the shard group" + (
