@@ -5,8 +5,9 @@
 For each configuration: the trace tier's peak allocated (planner.tracing.trace), the replay's peak allocated
 (512 B-rounded blocks) and peak reserved (cost_models/caching_allocator.py over the step's recorded
 allocations, calibration/alloc_sequence.py), their ratio, and the trace report's reserved both ways (replay +
-CUDA context, and the flat allocated x 1.05 + context it replaces). No GPU: these are the model's figures,
-not measurements of an allocator.
+CUDA context, and the flat allocated x 1.05 + context it replaces); then the estimate's allocator reserved (its own
+step replayed: cost_models/step_allocations.py) against the trace's replay, and the flat rule's. No GPU: these are
+the model's figures, not measurements of an allocator.
 """
 
 from __future__ import annotations
@@ -37,9 +38,21 @@ CONFIGS = [
 ]
 
 
+def _flat(r) -> int:
+    """The allocator's reserved by the flat rule (allocated x 1.05), as the estimate gave it before its replay."""
+    from cost_models.memory import estimate_memory
+
+    c = r.candidate
+    return estimate_memory(c.model, c.cluster, c.training, c.config, r.profile).allocator_reserved_bytes
+
+
+def _vs(estimated: int, traced: int) -> str:
+    return f"{estimated / GiB:.3f} ({100 * (estimated / traced - 1):+.1f}%)"
+
+
 def main() -> None:
     print(f"{'model':<12} gpus  {'config':<72} allocated  replay alloc  reserved  "
-          "reserved/allocated  report replay+ctx  report flat  (GiB)")
+          "reserved/allocated  report replay+ctx  report flat  estimate (error)  flat (error)  (GiB)")
     for name, cfg, gpus, kwargs in CONFIGS:
         started = time.perf_counter()
         r = trace(dict(cfg), gpus, **kwargs)
@@ -49,6 +62,8 @@ def main() -> None:
               f"{a.peak_allocated_bytes / GiB:>12.3f}  {a.peak_reserved_bytes / GiB:>8.3f}  "
               f"{a.peak_reserved_bytes / r.traced.peak_allocated_bytes:>18.3f}  "
               f"{r.replay_reserved_bytes / GiB:>17.3f}  {r.flat_reserved_bytes / GiB:>11.3f}  "
+              f"{_vs(r.candidate.memory.allocator_reserved_bytes, a.peak_reserved_bytes)}  "
+              f"{_vs(_flat(r), a.peak_reserved_bytes)}  "
               f"({time.perf_counter() - started:.0f} s)", flush=True)
 
 

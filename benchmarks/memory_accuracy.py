@@ -319,6 +319,14 @@ def run_one(row: dict) -> dict:
     extra = {}
     if row.get("profile_too"):
         extra = _profile_path(r, dict({**ARCHS, **ARCHS_2026}[row["arch"]]))
+    # reserved by the caching allocator alone: the trace's allocations replayed, the estimate's (its own replay where
+    # cost_models/step_allocations.py runs, else the flat rule) and the flat rule (allocated x 1.05) it replaces
+    from cost_models.memory import estimate_memory
+
+    c = r.candidate
+    flat = estimate_memory(c.model, c.cluster, c.training, c.config, r.profile).allocator_reserved_bytes
+    extra.update(trace_reserved=r.replayed.peak_reserved_bytes if r.replayed is not None else None,
+                 estimate_reserved=est.allocator_reserved_bytes, flat_reserved=flat)
     return {**row, **extra, "trace_peak": r.traced.peak_allocated_bytes, "estimate_peak": est.peak_allocated_bytes,
             "trace_phase": r.traced.peak_phase, "estimate_phase": est.peak_phase, "estimate_moment": est.peak_moment,
             "trace_breakdown": dict(r.traced.breakdown), "estimate_breakdown": est.breakdown.to_dict(),
@@ -357,6 +365,15 @@ def _mesh_label(row: dict) -> str:
     return "".join(f" {p}" for p in parts)
 
 
+def _reserved_columns(r: dict) -> list[str]:
+    """The allocator's reserved MiB: the trace's replay, the flat rule and the estimate, each error against the trace."""
+    trace = r.get("trace_reserved")
+    if not trace:
+        return ["", "", "", "", ""]
+    return [_mib(trace), _mib(r["flat_reserved"]), f"{100 * (r['flat_reserved'] / trace - 1):+.1f}%",
+            _mib(r["estimate_reserved"]), f"{100 * (r['estimate_reserved'] / trace - 1):+.1f}%"]
+
+
 def summarize(results: list[dict]) -> str:
     from tabulate import tabulate
 
@@ -365,12 +382,12 @@ def summarize(results: list[dict]) -> str:
              r["attention"],
              r["micro_batch"], r["seq_len"], f"{r['gpus']}/{r['gpus_per_node']}", _mib(r["trace_peak"]),
              _mib(r["estimate_peak"]), f"{100 * r['relative_error']:+.1f}%", r["trace_phase"], r["estimate_moment"]]
-            + ([f"{100 * r['profile_error']:+.1f}%"] if "profile_error" in r else [])
+            + _reserved_columns(r) + ([f"{100 * r['profile_error']:+.1f}%"] if "profile_error" in r else [])
             for i, r in enumerate(ok)]
     lines = ["Per configuration (MiB per rank; error = (estimate - trace) / trace of the peak allocated):",
              tabulate(rows, headers=["#", "arch", "sharding", "precision", "ckpt", "attn", "mb", "seq", "gpus/node",
                                      "trace", "estimate", "error", "trace peak in", "estimated peak moment",
-                                     "profile error"],
+                                     "reserved: trace", "flat", "error", "estimate", "error", "profile error"],
                       tablefmt="simple", disable_numparse=True), ""]
     keys = list(ok[0]["trace_breakdown"]) if ok else []
     cat_rows = []
@@ -390,6 +407,12 @@ def summarize(results: list[dict]) -> str:
                      f"(#{ok.index(worst) + 1} {worst['arch']}{_mesh_label(worst)} {worst['sharding']} "
                      f"{worst['precision']})")
         lines.append(f"phase of the peak agrees in {sum(r['trace_phase'] == r['estimate_phase'] for r in ok)} of {len(ok)}")
+        replayed = [r for r in ok if r.get("trace_reserved")]
+        for key, label in (("flat_reserved", "flat rule"), ("estimate_reserved", "estimate")):
+            gaps = [abs(r[key] / r["trace_reserved"] - 1) for r in replayed]
+            if gaps:
+                lines.append(f"allocator reserved, |{label} - trace's replay| / trace's replay over {len(gaps)}: "
+                             f"median {100 * statistics.median(gaps):.1f}%, max {100 * max(gaps):.1f}%")
         profiled = [r for r in ok if "profile_error" in r]
         if profiled:
             p_errors = [abs(r["profile_error"]) for r in profiled]

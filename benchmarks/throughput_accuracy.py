@@ -44,6 +44,7 @@ from cost_models.specs import FsdpConfig, TrainingSpec
 from planner.api import estimate_config
 from planner.hardware import make_cluster
 from planner.models import load_preset
+from planner.trainers.table import TORCHTITAN_ALLOC_CONF
 
 
 @dataclass(frozen=True)
@@ -186,10 +187,12 @@ def automodel_table() -> tuple[list[list[str]], list[float]]:
 
 
 def predict(row: Row, profile: Profile = DEFAULT_PROFILE):
-    """The published setting: FSDP2 FULL_SHARD, bf16 with fp32 reduction, its checkpointing and options."""
+    """The published setting: FSDP2 FULL_SHARD, bf16 with fp32 reduction, its checkpointing and options, under
+    torchtitan's allocator settings (its run_train.sh exports expandable_segments:True: the reserved replay's)."""
     model = replace(load_preset(row.model), norm="fused_rmsnorm", name=f"{row.model} (torchtitan)")
     config = FsdpConfig(sharding="FULL_SHARD", precision="bf16", ac_every=row.checkpointing,
                         micro_batch=row.micro_batch, compile_loss=row.compile_loss, tp=row.tp, cp=row.cp,
+                        alloc_conf=TORCHTITAN_ALLOC_CONF,
                         **{name: True for name in row.options})
     return estimate_config(model, make_cluster(row.gpus, row.gpu), TrainingSpec(seq_len=row.seq_len), config,
                            profile)

@@ -94,6 +94,8 @@ def rank_events(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, d:
 class _RankWalk:
     """One pipeline rank's schedule (pipeline_orders.orders), action by action, written as allocations and frees."""
 
+    keeps_logits = True   # the last stage's logits stay in output_chunks to the step's end, then are merged
+
     def __init__(self, model: ModelSpec, training: TrainingSpec, config: FsdpConfig, d: int, rank: int):
         self.model, self.training, self.config, self.d, self.rank = model, training, config, d, rank
         self.c, self.p = DTYPE_BYTES[config.precision.compute_dtype], DTYPE_BYTES[config.precision.param_dtype]
@@ -200,10 +202,25 @@ class _RankWalk:
         for i in range(len(unit)):
             self.free(("wgrad", s, u, i))
 
+    def root_units(self, s: int) -> int:
+        """1 where the stage has a root unit (embedding, final norm, head) before its blocks, else 0."""
+        return 1 if len(self.units[s]) > self.pieces[s].stage.n_blocks else 0
+
+    # FSDP2's hooks around each unit: none inside a pipeline stage, gathered whole for the step (step_allocations.py
+    # gives them a plain FSDP step's unshard / reshard)
+    def pre_forward(self, s: int, u: int) -> None:
+        pass
+
+    def post_forward(self, s: int, u: int) -> None:
+        pass
+
+    def pre_backward(self, s: int, u: int) -> None:
+        pass
+
     def loss(self, events, s: int, mb: int) -> None:
         """The loss's tensors (loss_memory.loss_events, V elements per token); the logits stay in output_chunks."""
         for kind, name, size in events:
-            if name == "logits" and kind == "free":
+            if name == "logits" and kind == "free" and self.keeps_logits:
                 continue
             key = ("logits", s, mb) if name == "logits" else ("loss", name, s, mb)
             if kind == "alloc":
@@ -215,11 +232,14 @@ class _RankWalk:
         """A microbatch's forward on a stage: each block's input kept (checkpointed: its other tensors made and freed),
         or all it saves; the stage output in fwd_cache; the root's saved tensors and the loss on the last stage."""
         s = x.stage.index
+        root = self.root_units(s)
         for j, per_token in enumerate(x.kept):
+            self.pre_forward(s, root + j)
             for t, size in enumerate(self.tensors(per_token)):
                 self.alloc(("saved", s, mb, j, t), size)
             if x.checkpointed[j]:
                 self.transient(("forward", s, mb, j), self.tensors(x.block_full))
+            self.post_forward(s, root + j)
         # the rotary tables, and on the last stage the final norm's saved tensors and the labels
         self.alloc(("rest", s, mb), x.saved - self.tokens * sum(x.kept) - x.output)
         self.alloc(("output", s, mb), x.output)
@@ -234,10 +254,11 @@ class _RankWalk:
         if x.stage.head:
             self.loss(self.loss_events[1], s, mb)
         self.free(("rest", s, mb))
-        root = 1 if len(self.units[s]) > x.stage.n_blocks else 0
+        root = self.root_units(s)
         grad_in = ("grad_in", s, mb, x.stage.n_blocks)
         self.alloc(grad_in, self.tokens * self.hs)
         for j in reversed(range(x.stage.n_blocks)):
+            self.pre_backward(s, root + j)
             recomputed = self.tensors(x.block_full) if x.checkpointed[j] else ()
             for t, size in enumerate(recomputed):
                 self.alloc(("recompute", s, mb, j, t), size)
@@ -279,7 +300,11 @@ class _RankWalk:
                 for mb in range(m):
                     self.free(("logits", s, mb))
                 self.free(("merged", s))
-        pieces, training = self.pieces.values(), self.training
+        self.optimizer_step(first)
+
+    def optimizer_step(self, first: bool) -> None:
+        """The optimizer step: its states made at the first, foreach temporaries, the sharded gradients dropped."""
+        config, pieces, training = self.config, self.pieces.values(), self.training
         total = sum(x.params for x in pieces)
         per_param = training.optimizer.state_bytes_per_param(config.precision.param_dtype)
         n_states = 2 if per_param >= 2 * self.p else 1  # AdamW's exp_avg and exp_avg_sq, each a tensor
@@ -303,9 +328,9 @@ class _RankWalk:
 def replayed_reserved(memory: MemoryEstimate, model: ModelSpec, cluster, training: TrainingSpec, config: FsdpConfig,
                       profile, settings: AllocatorSettings | None = None) -> MemoryEstimate:
     """A pipeline estimate (pipeline_memory.pipeline_estimate) with each rank's reserved peak from its replay, plus
-    the memory outside the allocator (memory.outside_allocator), in place of allocated x (1 + fragmentation): never below the rank's allocated peak. Run for
-    the candidates reported, not inside the search (a 405B pp 8 estimate replays 8 ranks: ~2 s). settings None:
-    the config's own (its alloc_conf, PYTORCH_CUDA_ALLOC_CONF).
+    the memory outside the allocator (memory.outside_allocator), in place of allocated x (1 + fragmentation): never
+    below the rank's allocated peak. Run for the candidates reported, not inside the search (a 405B pp 8 estimate
+    replays 8 ranks: ~2 s). settings None: the config's own (its alloc_conf, PYTORCH_CUDA_ALLOC_CONF).
 
     Whether it fits stays the flat rule's (evaluate.py), on purpose: under memory pressure c10's allocator does
     not fail where the replay would map a new segment - malloc first frees cached blocks of the pool
@@ -320,15 +345,25 @@ def replayed_reserved(memory: MemoryEstimate, model: ModelSpec, cluster, trainin
         r.peak_allocated_bytes, rank_replay(model, cluster, training, config, r.rank, settings, False)
         .peak_reserved_bytes)) for r in memory.pipeline_ranks)
     top = max(ranks, key=lambda r: r.peak_reserved_bytes)
-    conf = (f"PYTORCH_CUDA_ALLOC_CONF={settings.conf()}" if settings != AllocatorSettings()
-            else "PyTorch's default allocator settings")
-    notes = (f"reserved {top.peak_reserved_bytes / GiB:.1f} GiB (pipeline rank {top.rank}): each rank's allocations "
-             f"replayed through the caching allocator model under {conf}, + {memory.outside_allocator_bytes / GiB:.2f} GiB "
-             f"outside the allocator; the flat rule (allocated x {1 + profile.fragmentation:.2f} + outside, {memory.peak_reserved_bytes / GiB:.1f} GiB) decides whether "
-             "it fits, as the allocator frees its cached segments and retries before an out-of-memory error",)
-    capacity = cluster.gpu.memory_bytes
-    if top.peak_reserved_bytes > capacity:
-        notes += (f"warning: the replay's reserved {top.peak_reserved_bytes / GiB:.1f} GiB > the GPU's "
-                  f"{capacity / GiB:.1f} GiB: expect the allocator to free cached segments and retry (slower steps)",)
+    notes = replay_notes(memory, top.peak_reserved_bytes, f" (pipeline rank {top.rank}): each rank's allocations",
+                         settings, profile, cluster.gpu.memory_bytes)
     return dataclasses.replace(memory, peak_reserved_bytes=top.peak_reserved_bytes, pipeline_ranks=ranks,
                                notes=memory.notes + notes)
+
+
+def replay_notes(memory: MemoryEstimate, reserved_bytes: int, what: str, settings: AllocatorSettings, profile,
+                 capacity_bytes: int) -> tuple[str, ...]:
+    """The estimate's notes on a replayed reserved figure (what: whose allocations), and the warning where it passes
+    the GPU's memory while the flat rule (memory.peak_reserved_bytes) decides that it fits."""
+    conf = (f"PYTORCH_CUDA_ALLOC_CONF={settings.conf()}" if settings != AllocatorSettings()
+            else "PyTorch's default allocator settings")
+    flat = f"allocated x {1 + profile.fragmentation:.2f} + outside, {memory.peak_reserved_bytes / GiB:.1f} GiB"
+    notes = (f"reserved {reserved_bytes / GiB:.1f} GiB{what} replayed through the caching allocator model under "
+             f"{conf}, + {memory.outside_allocator_bytes / GiB:.2f} GiB outside the allocator; the flat rule "
+             f"({flat}) decides whether it fits, as the allocator frees its cached segments and retries before an "
+             "out-of-memory error",)
+    if reserved_bytes > capacity_bytes:
+        notes += (f"warning: the replay's reserved {reserved_bytes / GiB:.1f} GiB > the GPU's "
+                  f"{capacity_bytes / GiB:.1f} GiB: expect the allocator to free cached segments and retry "
+                  "(slower steps)",)
+    return notes

@@ -116,7 +116,9 @@ def stage_pieces(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, s
         # gone, its own (fp32 upcast, normalised input) still there, beside its fp32 chain and the MLP's weight
         # gradients (5 x 4 h per token in the trace's timeline, llama-16 tp 2: larger than the MLP's and attention's
         # moments where TP splits f and the heads but not h)
-        at_norm = (base + tokens * (norm_chain - (freed - 4 * h - c * h)), mlp_grads) if rms else (0, 0)
+        # (without it, the attention's moment again: a (0, 0) stand-in outranked the others on the blocks far below the
+        # top, whose moments are negative relative to `saved`, giving them a working set of all the blocks above)
+        at_norm = (base + tokens * (norm_chain - (freed - 4 * h - c * h)), mlp_grads) if rms else at_attn
         # without a dtype change AccumulateGrad adds into the kept gradients in place, but autograd makes each weight's
         # gradient whole first: the MLP's moment is fc2's (h x f) beside the incoming gradient and fc2's input's (the
         # activation's factors' gradients come after); the attention's as in the other cases, without one

@@ -15,6 +15,7 @@ from cost_models.feasibility import refusals
 from cost_models.kernels import kernel_refusal
 from cost_models.mesh_rules import mesh_refusals
 from cost_models.pipeline_allocations import replayed_reserved
+from cost_models.step_allocations import step_replayed_reserved
 from cost_models.profile import DEFAULT_PROFILE, Profile
 from cost_models.schedules import Schedule
 from cost_models.specs import (Attention, ClusterSpec, Finetune, FsdpConfig, ModelSpec, Precision, Sharding,
@@ -174,7 +175,12 @@ class Plan:
 
     @property
     def best(self) -> Candidate | None:
-        return self.candidates[0] if self.candidates else None
+        """The pick, with the reserved memory estimate() and check report for its config (replay_top(1): its allocator
+        replay, run once, on first use), so that plan == estimate == check for it."""
+        if not self.candidates:
+            return None
+        self.replay_top(1)
+        return self.candidates[0]
 
     def replay_top(self, top: int) -> None:
         """Give the first `top` candidates the reserved memory estimate() reports for their configs (a pipeline's
@@ -368,12 +374,11 @@ def estimate_config(spec: ModelSpec, cluster: ClusterSpec, training: TrainingSpe
 
 def replayed(evaluation: Evaluation, spec: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
              profile: Profile) -> Evaluation:
-    """A reported pipeline estimate's reserved from a replay of its allocations under its alloc_conf
-    (cost_models/pipeline_allocations.py; not in the search: slow); other estimates as they are."""
-    if evaluation.config.pp == 1:
-        return evaluation
-    return replace(evaluation, memory=replayed_reserved(evaluation.memory, spec, cluster, training, evaluation.config,
-                                                        profile))
+    """A reported estimate's reserved from a replay of its allocations under its alloc_conf (not in the search: slow):
+    each pipeline rank's (cost_models/pipeline_allocations.py), a plain step's (cost_models/step_allocations.py;
+    the configurations it leaves on the flat rule as they are)."""
+    replay = replayed_reserved if evaluation.config.pp > 1 else step_replayed_reserved
+    return replace(evaluation, memory=replay(evaluation.memory, spec, cluster, training, evaluation.config, profile))
 
 
 def cluster_rejects(cluster: ClusterSpec, config: FsdpConfig) -> PlannerError | None:

@@ -104,6 +104,8 @@ def memory_terms(c: Candidate, profile: Profile = DEFAULT_PROFILE) -> list[tuple
                   "Hugging Face's causal-LM loss upcasts the logits to fp32"))
     stranded_text = (f" (at least the loss backward's allocation + {_gib(tokens * stranded)} of segments the caching "
                      "allocator cannot reuse)" if stranded else "")
+    if replayed := _replay_terms(c, None, profile):  # the shown estimate's step replayed (step_allocations.py)
+        return terms + replayed + outside_allocator_terms(c)
     terms.append(("reserved", f"peak allocated {_gib(c.memory.peak_allocated_bytes)}{stranded_text} x (1 + "
                   f"fragmentation) = {_gib(c.memory.allocator_reserved_bytes)} in the caching allocator (what "
                   f"torch.cuda.max_memory_reserved shows) + {_gib(c.memory.outside_allocator_bytes)} outside it = "
@@ -171,21 +173,29 @@ def _largest_rank_terms(c: Candidate, profile: Profile) -> list[tuple[str, str, 
 
 
 def _replay_terms(c: Candidate, top, profile: Profile) -> list[tuple[str, str, str]]:
-    """The headline rank's reserved from its allocator replay, and the replay's segments at its reserved peak by
-    stream and pool; [] where the candidate's reserved is not the replay's (the search's flat figure)."""
+    """The headline rank's reserved from its allocator replay (top None: a pp = 1 step's), and the replay's segments
+    at its reserved peak by stream and pool; [] where the candidate's reserved is not the replay's (the search's
+    flat figure)."""
     from cost_models.caching_allocator import pool_words
     from cost_models.pipeline_allocations import rank_replay
+    from cost_models.step_allocations import replays, step_replay
 
-    replay = rank_replay(c.model, c.cluster, c.training, c.config, top.rank)
-    outside = c.memory.outside_allocator_bytes
-    if outside + max(top.peak_allocated_bytes, replay.peak_reserved_bytes) != top.peak_reserved_bytes:
+    if top is None and replays(c.model, c.training, c.config, c.config.shard_group_size(c.cluster)) is not None:
+        return []
+    replay = (step_replay(c.model, c.cluster, c.training, c.config) if top is None
+              else rank_replay(c.model, c.cluster, c.training, c.config, top.rank))
+    outside, held = c.memory.outside_allocator_bytes, top if top is not None else c.memory
+    if outside + max(held.peak_allocated_bytes, replay.peak_reserved_bytes) != held.peak_reserved_bytes:
         return []
     conf = f"PYTORCH_CUDA_ALLOC_CONF={c.config.alloc_conf}" if c.config.alloc_conf else "PyTorch's default settings"
-    terms = [("reserved", f"the rank's allocations over two steps replayed through the caching allocator under "
+    whose = ("the step's" if top is None else "the rank's", "" if top is None
+             else " (the largest rank's, as torchtitan reports the maximum)")
+    terms = [("reserved", f"{whose[0]} allocations over two steps replayed through the caching allocator under "
               f"{conf}: peak reserved {_gib(replay.peak_reserved_bytes)} (allocated blocks at their peak "
-              f"{_gib(replay.peak_allocated_bytes)}) + outside the allocator = {_gib(top.peak_reserved_bytes)} of "
-              f"{_gib(c.cluster.gpu.memory_bytes)} (the largest rank's, as torchtitan reports the maximum)",
-              "cost_models/pipeline_allocations.py (the walk), caching_allocator.py (c10's CUDACachingAllocator)")]
+              f"{_gib(replay.peak_allocated_bytes)}) + outside the allocator = {_gib(held.peak_reserved_bytes)} of "
+              f"{_gib(c.cluster.gpu.memory_bytes)}{whose[1]}",
+              f"cost_models/{'step' if top is None else 'pipeline'}_allocations.py (the walk), caching_allocator.py "
+              "(c10's CUDACachingAllocator)")]
     terms += [("segments at the reserved peak", words, "") for words in pool_words(replay.segments_at_peak)]
     return terms
 
