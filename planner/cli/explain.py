@@ -20,7 +20,8 @@ CONFIG_FLAGS = {
     "grad_accum": "micro-steps per optimizer step", "offload": "CPU offload", "compile": "torch.compile each block",
     "float8": "torchao Float8 linears", "fp8_all_gather": "with --float8, all-gather in FP8",
 }
-MESH_FLAGS = {"async_tp": "TP's collectives overlapped", "sequence_parallel": "with --tp: sequence and loss parallel"}
+MESH_FLAGS = {"async_tp": "TP's collectives overlapped", "sequence_parallel": "with --tp: sequence and loss parallel",
+              "shard_group_gpus": "HYBRID_SHARD*: GPUs of one shard group (default a node)"}
 _GIVEN = {name: As(default=None, help=f"config: {text}") for name, text in {**CONFIG_FLAGS, **MESH_FLAGS}.items()}
 
 

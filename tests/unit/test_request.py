@@ -121,7 +121,7 @@ def test_every_flag_of_every_command_is_one_field():
     # config + 7 mesh = 30 (and its own 19 from CalibrationRequest); check 9 + 9 + 6 config + alloc_conf = 25; trace
     # estimate's 55 (its --alloc-conf, once its own option, is the knob); rl 9 cluster + finetune +
     # lora_rank = 11 (the rest are verl's knobs, planner/rl/request.py)
-    assert from_request == {"plan": 42, "estimate": 57, "trace": 57, "explain": 38, "calibrate": 30, "check": 25,
+    assert from_request == {"plan": 42, "estimate": 57, "trace": 57, "explain": 39, "calibrate": 30, "check": 25,
                             "models": 0, "gpus": 0, "schema": 0, "rl": 11}
     assert own["calibrate"] == {"emit", "output_format", "fault"}  # the rest are CalibrationRequest's knobs
     assert own["estimate"] == {"output_format"} and own["check"] == {"dynamic_control_flow", "output_format"}
