@@ -36,13 +36,13 @@ peak_phase is where the peak happened: "forward", "backward" or "optimizer_step"
 from __future__ import annotations
 
 import copy
-import sys
 import warnings
 from dataclasses import dataclass, field
-from enum import Enum
 
 import torch
 from torch import nn
+
+from .memtrack_categories import TO_BREAKDOWN, category_enum, decomposed_ops
 
 BREAKDOWN_KEYS = ("sharded_params", "unsharded_params", "sharded_grads", "unsharded_grads", "optimizer_state",
                   "activations", "logits_and_loss", "optimizer_temporaries", "collective_buffers", "other")
@@ -61,41 +61,6 @@ class MemorySnapshot:
                 "breakdown": dict(self.breakdown)}
 
 
-# Extra category for logits-shaped tensors. The private trackers key their per-device dicts by their own
-# str-Enum members; ours repeats their values (equal as str, so their members find our keys) plus one.
-_LOGITS = "Logits and loss"
-
-
-def _category_enum(base):
-    members = {m.name: m.value for m in base}
-    members["LOGITS"] = _LOGITS
-    return Enum(f"{base.__name__}WithLogits", members, type=str)
-
-
-_TO_BREAKDOWN = {
-    "Sharded Param": "sharded_params", "Parameter": "sharded_params",
-    "Unsharded Param": "unsharded_params",
-    "Sharded Grad": "sharded_grads", "Gradient": "sharded_grads",
-    "Unsharded Grad": "unsharded_grads",
-    "OptState": "optimizer_state", "Optstate": "optimizer_state",
-    "Activation": "activations", "Temp": "activations",
-    _LOGITS: "logits_and_loss",
-    "All Gather": "collective_buffers", "Reduce Scatter": "collective_buffers",
-    "Buffer": "other", "Inputs": "other", "Other": "other",
-}
-
-
-_DECOMPOSED: list = []
-
-
-def _decomposed_ops() -> list:
-    """Custom ops whose inner allocations the tracker counts: bitsandbytes' gemm_4bit (MatMul4Bit's forward), once
-    bitsandbytes is imported (it registers the op)."""
-    if not _DECOMPOSED and "bitsandbytes" in sys.modules:
-        _DECOMPOSED.append(torch.ops.bitsandbytes.gemm_4bit.default)
-    return _DECOMPOSED
-
-
 def _tracker_class(fsdp2: bool):
     """A subclass of the private tracker that records the phase of the peak and files logits apart."""
     from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
@@ -106,7 +71,7 @@ def _tracker_class(fsdp2: bool):
         base, refs = FSDPMemTracker, _FSDPRefType
     else:
         base, refs = MemTracker, _MemRefType
-    categories = _category_enum(refs)
+    categories = category_enum(refs)
     transient = {refs.ACT.value, refs.TEMP.value}
 
     class _Tracker(base):
@@ -135,7 +100,7 @@ def _tracker_class(fsdp2: bool):
                 return repeatable
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func in _decomposed_ops():
+            if func in decomposed_ops():
                 # A custom op's own allocations are invisible to a dispatch mode (it is popped while the op runs):
                 # run its kernel with the mode pushed again, so that bitsandbytes' gemm_4bit shows the weight it
                 # dequantizes for the matmul (cost_models/qlora.py) as a GPU's allocator would
@@ -231,7 +196,7 @@ def _activations_and_grads(dev_snap: dict) -> tuple[int, int]:
     """(activation bytes, gradient bytes) of one device's snapshot."""
     acts = grads = 0
     for key, n_bytes in dev_snap.items():
-        category = _TO_BREAKDOWN.get(str(getattr(key, "value", key)))
+        category = TO_BREAKDOWN.get(str(getattr(key, "value", key)))
         if category == "activations":
             acts += n_bytes
         elif category in ("sharded_grads", "unsharded_grads"):
@@ -351,7 +316,7 @@ class MemoryTracker:
         for key, n_bytes in raw.items():
             if key == "Total":
                 continue
-            breakdown[_TO_BREAKDOWN.get(str(getattr(key, "value", key)), "other")] += n_bytes
+            breakdown[TO_BREAKDOWN.get(str(getattr(key, "value", key)), "other")] += n_bytes
         # The tracker files everything made during step() as optimizer state; the part above what the
         # optimizer keeps afterwards is the step's temporaries. (Optimizer state on another device, e.g.
         # Adam's CPU step counters, is not in this device's figure.)

@@ -28,29 +28,13 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from . import (activation_notes, activations, context_parallel, expert_parallel, moe, operators, optimizer_step, qlora,
-               tensor_parallel)
-from . import kernels
-from .memory_types import MemoryBreakdown, MemoryEstimate, ParamCounts
+from . import (activation_notes, activations, context_parallel, expert_parallel, kernels, moe, operators, optimizer_step,
+               qlora, tensor_parallel)
+from .memory_types import MemoryBreakdown, MemoryEstimate, ParamCounts, traced_block_terms
 from .outside_allocator import outside_allocator_terms
 from .profile import Profile
-from .specs import ActivationTerms, ClusterSpec, FsdpConfig, ModelSpec, Precision, Sharding, TrainingSpec
+from .specs import ClusterSpec, FsdpConfig, ModelSpec, Sharding, TrainingSpec
 from .units import DTYPE_BYTES
-
-# Blocks whose compute-dtype params are gathered at once in FULL_SHARD: the one in compute and the
-# prefetched next one (its all-gather output, counted as a collective buffer until copied out).
-UNITS_IN_FLIGHT = 2
-UNITS_IN_FLIGHT_UNLIMITED = 3  # limit_all_gathers=False (FSDP1) lets the CPU run one unit further ahead
-
-
-def traced_block_terms(model: ModelSpec, precision: Precision, attention) -> "ActivationTerms | None":
-    """The block memory profile's terms for this compute dtype and attention (fp16 reuses bf16's: same
-    widths), or None when the model is priced by the formulas."""
-    if model.activation_profile is None:
-        return None
-    dtype = "bf16" if precision.compute_dtype == "fp16" else precision.compute_dtype
-    return model.activation_profile.get(dtype, attention.value)
-
 
 def _shard(n_bytes: float, d: int) -> int:
     return math.ceil(n_bytes / d)
@@ -218,6 +202,10 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
     def partial_below(i: int) -> int:
         return _shard(gathered_below(i), partial_n) if partial_n else 0
 
+    def params_at(i: int) -> int:
+        """Gathered parameters at block i's moments: the root, block i, what stays gathered or partly so below."""
+        return root_c + gathered(i) + (gathered_below(i) if keeps_gathered else 0) + partial_below(i)
+
     def grads_done(i: int) -> int:
         """Sharded gradients of blocks i+1 .. L-1, reduce-scattered already."""
         return (L - 1 - i) * block_sharded_grad + (nd - n_dense_below(i + 1)) * dense_grad_delta
@@ -324,8 +312,7 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
             block_acts, block_grads = (at_mlp, mlp_grad) if mlp_first else (at_attn, attn_grad)
         moments[f"backward of block {i}" + (" (recomputed)" if is_ckpt(i) else "")] = MemoryBreakdown(
             **states(grads_done(i)),
-            unsharded_params=root_c + gathered(i) + (gathered_below(i) if keeps_gathered else 0)
-            + partial_below(i) + params_adjust,
+            unsharded_params=params_at(i) + params_adjust,
             collective_buffers=prefetch_below(i) + reduce_scatter_above(i) + buffers_adjust,
             unsharded_grads=head_grad + block_grads,
             activations=block_acts + shared,
@@ -336,26 +323,22 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
             # and the incoming gradient, its weight dequantized; the gradients and buffers of its backward moment
             moments[f"recompute of block {i}'s MLP output projection"] = MemoryBreakdown(
                 **states(grads_done(i)),
-                unsharded_params=root_c + gathered(i) + (gathered_below(i) if keeps_gathered else 0) + partial_below(i),
+                unsharded_params=params_at(i),
                 collective_buffers=prefetch_below(i) + reduce_scatter_above(i),
                 unsharded_grads=head_grad,
-                activations=tokens * (below + this + c * (3 * h + f)) + shared
+                activations=tokens * (below + this + qlora.forward_held_bytes_per_token(h, f, c)) + shared
                 + qlora.forward_in_flight_bytes(f, h, c, training.double_quant, tokens),
             )
     if quantized and not is_ckpt(L - 1):
-        # bitsandbytes' forward of the last block's MLP output projection (qlora.forward_in_flight_bytes): the block's
-        # saved tensors all made, beside what no bitsandbytes linear saves but the forward still holds - the
-        # block's input (the model's loop keeps it until the block returns), the attention's residual sum (for the
-        # add after the MLP), the MLP's input and the projection's input - and FSDP2's all-gather output of the
-        # block (kept until the next all-gather or the root's post-forward, as in "loss in forward" above); its
-        # weight dequantized. Measured: -1.0% at h 1024 (tests/distributed/test_torchrun_qlora.py), the forward
-        # being the step's peak there. A checkpointed last block's forward keeps less: its recompute, above, leads.
+        # bitsandbytes' forward of the last block's MLP output projection (qlora.forward_in_flight_bytes says what it
+        # holds); FSDP2's all-gather output of the block kept as in "loss in forward". A checkpointed last block's
+        # forward keeps less: its recompute, above, leads.
         i = L - 1
         moments[f"forward of block {i}'s MLP output projection"] = MemoryBreakdown(
             **states(0),
-            unsharded_params=root_c + gathered(i) + (gathered_below(i) if keeps_gathered else 0) + partial_below(i),
+            unsharded_params=params_at(i),
             collective_buffers=gathered(i) if d > 1 and not keeps_gathered else 0,
-            activations=tokens * (saved_below(i) + full - (first_less if i == 0 else 0) + c * (3 * h + f)) + shared
+            activations=tokens * (saved_below(i) + full - (first_less if i == 0 else 0) + qlora.forward_held_bytes_per_token(h, f, c)) + shared
             + qlora.forward_in_flight_bytes(f, h, c, training.double_quant, tokens),
         )
     if config.expert_shard_dim and d > 1 and model.moe is not None and not keeps_gathered and ep_view is None:

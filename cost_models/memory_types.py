@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from . import moe
-from .specs import Finetune, ModelSpec, TrainingSpec
+from .specs import ActivationTerms, Finetune, ModelSpec, Precision, TrainingSpec
 
 
 @dataclass(frozen=True)
@@ -99,3 +99,12 @@ class ParamCounts:
 
     def root(self) -> int:
         return self.trainable_root + self.frozen_root
+
+
+def traced_block_terms(model: ModelSpec, precision: Precision, attention) -> ActivationTerms | None:
+    """The block memory profile's terms for this compute dtype and attention (fp16 reuses bf16's: same
+    widths), or None when the model is priced by the formulas."""
+    if model.activation_profile is None:
+        return None
+    dtype = "bf16" if precision.compute_dtype == "fp16" else precision.compute_dtype
+    return model.activation_profile.get(dtype, attention.value)

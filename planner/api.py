@@ -11,7 +11,6 @@ from dataclasses import dataclass, field, replace
 
 from cost_models import fsdp_options
 from cost_models.evaluate import Evaluation, evaluate
-from cost_models.feasibility import refusals
 from cost_models.kernels import kernel_refusal
 from cost_models.mesh_rules import mesh_refusals
 from cost_models.pipeline_allocations import replayed_reserved
@@ -22,6 +21,7 @@ from cost_models.specs import (Attention, ClusterSpec, Finetune, FsdpConfig, Mod
                                REDUCE_DTYPES, SpecError, TrainingSpec, parse_enum)
 
 from . import pinned
+from .admission import cluster_rejects, grad_accum_for
 from .errors import PlannerError
 from .request import Request, api_signature, build_request, knob_names
 from .search import SearchSpace, search, suggestions
@@ -346,18 +346,6 @@ def estimate_request(request: Request, profile: Profile | None = None) -> Candid
                    trainer=trainer.id)
 
 
-def grad_accum_for(micro_batch: int, cluster: ClusterSpec, training: TrainingSpec, model_parallel: int = 1) -> int:
-    """Accumulation steps that reach the global batch (1 without one) on the data-parallel ranks (the GPUs over
-    tp x cp x pp = model_parallel); PlannerError when it cannot."""
-    data_parallel = max(1, cluster.n_gpus // model_parallel)
-    accum = training.grad_accum_for(micro_batch, data_parallel)
-    if accum is None:
-        ranks = "gpus" if model_parallel == 1 else f"data-parallel ranks ({cluster.n_gpus} GPUs / tp x cp x pp)"
-        raise PlannerError("global_batch", f"{training.global_batch} is not a multiple of micro_batch x {ranks} "
-                                           f"= {micro_batch * data_parallel}")
-    return accum
-
-
 def estimate_config(spec: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, config: FsdpConfig,
                     profile: Profile | None = None, ways=None) -> Candidate:
     """Cost an FsdpConfig (PlannerError where it cannot run on the cluster or the model's mesh); ways: host_ram.Ways."""
@@ -379,15 +367,6 @@ def replayed(evaluation: Evaluation, spec: ModelSpec, cluster: ClusterSpec, trai
     the configurations it leaves on the flat rule as they are)."""
     replay = replayed_reserved if evaluation.config.pp > 1 else step_replayed_reserved
     return replace(evaluation, memory=replay(evaluation.memory, spec, cluster, training, evaluation.config, profile))
-
-
-def cluster_rejects(cluster: ClusterSpec, config: FsdpConfig) -> PlannerError | None:
-    """Why `config` cannot run on `cluster` at all (cost_models.feasibility: its field, the reason and what is
-    valid), or None; of several, one the cost model cannot price first."""
-    if not (refused := refusals(cluster, config)):
-        return None
-    first = next((r for r in refused if not r.priced), refused[0])
-    return PlannerError(first.field, f"{first.reason}; {first.fix}")
 
 
 def _signatures() -> None:

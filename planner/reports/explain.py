@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 
 from cost_models import activations, moe
-from cost_models.memory import ParamCounts, traced_block_terms
+from cost_models.memory_types import ParamCounts, traced_block_terms
 from cost_models.profile import DEFAULT_PROFILE, Profile
 from cost_models.units import DTYPE_BYTES, GiB
 
