@@ -13,8 +13,10 @@ One calibration (module fixture), then checks on what it left behind:
 Plus a direct runner job under --emulate-world-size semantics (one process, fake process group) and one
 FSDP1 run (meta parameters materialised by param_init_fn).
 
-About 70-100 s on 2 cores (more when other processes share them): each torchrun job costs ~10 s of
-process start-up and `import torch`.
+About 150 CPU s (user + sys with its subprocesses, -n 0, measured 2026-12-06; 200-330 s wall on 2 shared
+cores): nine torchrun jobs (the probe, five runs, two FSDP1 runner jobs, the interrupted run) at ~8 CPU s of
+start-up each (torchrun's agent and two ranks importing torch), five calibrate processes at ~3.5 CPU s each before
+their jobs, and the emulated runner.
 """
 
 from __future__ import annotations
