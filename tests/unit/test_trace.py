@@ -275,24 +275,30 @@ def _cli(*args):
     return result.exit_code, result.stdout, ""
 
 
-@pytest.fixture
+# A trace depends only on its arguments (frozen specs, keyed by their value repr): within this module each
+# configuration is traced once (GOLDEN[0] serves the golden row, the allocator replay and its flat twin; the
+# CLI tests render one trace as JSON, then as a table).
+_TRACES: dict[str, object] = {}
+
+
+@pytest.fixture(autouse=True)
 def one_trace_per_configuration(monkeypatch):
-    """The CLI tests render one traced configuration twice (JSON, then table): the second run reads the first's
-    trace (a trace depends only on its arguments: frozen specs, keyed by their value repr)."""
+    """The configurations this test traced (each traced once in the module): the keys it asked for."""
     import calibration.trace
 
-    real, traced = calibration.trace.trace_memory, {}
+    real, asked = calibration.trace.trace_memory, set()
 
     def shared(spec, config, **kwargs):
         key = repr((spec, config, sorted(kwargs.items())))
         if " at 0x" in key:  # an argument without a value repr: not shared
             return real(spec, config, **kwargs)
-        if key not in traced:
-            traced[key] = real(spec, config, **kwargs)
-        return traced[key]
+        asked.add(key)
+        if key not in _TRACES:
+            _TRACES[key] = real(spec, config, **kwargs)
+        return _TRACES[key]
 
     monkeypatch.setattr(calibration.trace, "trace_memory", shared)
-    return traced
+    return asked
 
 
 def test_cli_trace_json_and_table(tmp_path, one_trace_per_configuration):
