@@ -30,6 +30,10 @@ class Ways:
     save: SaveWay = SaveWay.DCP
     resume: LoadWay = LoadWay.META_DCP
     fsdp2: bool = True
+    # FSDP1's DCP state dict of the save / of the resume made on host (StateDictOptions(cpu_offload=True),
+    # accelerate's offload_to_cpu=True), else on the GPU (get_state_dict's default): outside_step._fsdp1_dcp
+    save_state_dict_on_host: bool = True
+    resume_state_dict_on_host: bool = True
 
 
 SAVE_WORDS = {SaveWay.DCP: "each rank writes its shard", SaveWay.DCP_ASYNC: "each rank stages its shard to host",
@@ -52,7 +56,7 @@ class HostRam:
     resume_bytes: int       # reading a checkpoint back, optimizer included
     save_gpu_bytes: int     # the save's transient on each GPU (a full gather's unit or tensor; 0 with DCP)
     load_gpu_bytes: int = 0     # loading's transient on each GPU (a broadcast tensor or unit, new local shards)
-    resume_gpu_bytes: int = 0   # the resume's transient on each GPU (FSDP1's DCP: a copy of the shard and a gather)
+    resume_gpu_bytes: int = 0   # the resume's transient on each GPU (FSDP1's DCP: its gathers, the new states)
 
     @property
     def peak_bytes(self) -> int:
@@ -67,7 +71,8 @@ class HostRam:
         return {"peak_bytes": self.peak_bytes, "process_bytes": self.process_bytes,
                 "offloaded_bytes": self.offloaded_bytes, "load_bytes": self.load_bytes,
                 "checkpoint_save_bytes": self.save_bytes, "resume_bytes": self.resume_bytes,
-                "save_gpu_bytes": self.save_gpu_bytes, "load_way": self.load_way.value,
+                "save_gpu_bytes": self.save_gpu_bytes, "load_gpu_bytes": self.load_gpu_bytes,
+                "resume_gpu_bytes": self.resume_gpu_bytes, "load_way": self.load_way.value,
                 "save_way": self.save_way.value, "resume_way": self.resume_way.value, "why": self.why}
 
 
@@ -93,8 +98,9 @@ def host_ram(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, con
     n = cluster.gpus_per_node
     offloaded = config.offload  # offloaded state is host memory already: DCP writes it where it is
     load = load_bytes(load_way, sizes, fsdp2).node_bytes(n)
-    save = save_bytes(save_way, sizes, fsdp2, offloaded=offloaded)
-    resume = load_bytes(resume_way, sizes, fsdp2, optimizer=True).node_bytes(n)
+    save = save_bytes(save_way, sizes, fsdp2, offloaded=offloaded, host_state_dict=ways.save_state_dict_on_host)
+    resumed = load_bytes(resume_way, sizes, fsdp2, optimizer=True,
+                         host_state_dict=ways.resume_state_dict_on_host)
     # the other ways in the figures that tell them apart, the same under FSDP1 and FSDP2: what every rank reading
     # puts on a node, what a full state dict puts on rank 0, what async DCP stages on a node
     weights = sizes.pretrained_bytes or sizes.params_bytes
@@ -105,12 +111,14 @@ def host_ram(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, con
            + ", ".join(f"{w.value}: {b / GiB:.1f}" for w, b in others.items() if w is not load_way)
            + f"); save {save_way.value}, {SAVE_WORDS[save_way]}: {save.node_bytes(n) / GiB:.1f} GiB ("
            + ", ".join(f"{w.value}: {b / GiB:.1f}" for w, b in saves.items() if w is not save_way and b is not None)
-           + f"); resume {resume_way.value}")
+           + f"); resume {resume_way.value}"
+           + ("" if fsdp2 or resume_way is not LoadWay.META_DCP else
+              f" through a state dict on {'host' if ways.resume_state_dict_on_host else 'the GPU'}: "
+              f"{resumed.node_bytes(n) / GiB:.1f} GiB"))
     return HostRam(load_way, save_way, resume_way, why, process_bytes=n * PROCESS_BYTES_PER_RANK,
                    offloaded_bytes=offloaded_bytes, load_bytes=load, save_bytes=save.node_bytes(n),
-                   resume_bytes=resume, save_gpu_bytes=save.gpu_bytes,
-                   load_gpu_bytes=load_bytes(load_way, sizes, fsdp2).gpu_bytes,
-                   resume_gpu_bytes=load_bytes(resume_way, sizes, fsdp2, optimizer=True).gpu_bytes)
+                   resume_bytes=resumed.node_bytes(n), save_gpu_bytes=save.gpu_bytes,
+                   load_gpu_bytes=load_bytes(load_way, sizes, fsdp2).gpu_bytes, resume_gpu_bytes=resumed.gpu_bytes)
 
 
 def gpu_outside_step_bytes(host: HostRam, step) -> dict[str, int]:

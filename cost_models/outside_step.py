@@ -135,53 +135,95 @@ def _gathered_bytes(sizes: StateSizes, fsdp2: bool) -> int:
     return sizes.largest_tensor_bytes if fsdp2 else sizes.largest_unit_bytes
 
 
-def _fsdp1_dcp(sizes: StateSizes, saving: bool, optimizer: bool, on_gpu: bool) -> tuple[int, int, int]:
-    """FSDP1's DCP save (saving) or load through torch 2.13's get_state_dict / set_state_dict: (what stays held,
-    rank 0's transient above it, every other rank's), on the device on a GPU run. Read in torch/distributed:
-    - get_state_dict runs FSDP1's SHARDED_STATE_DICT hooks (checkpoint/state_dict.py _verify_options: cpu_offload
-      False by default, so nothing moves to host): fsdp/_state_dict_utils.py _sharded_post_state_dict_hook chunks
-      each unsharded param and _shard_utils.py _create_chunk_sharded_tensor keeps `chunks[rank].clone()`; the
+@dataclass(frozen=True)
+class Fsdp1Dcp:
+    """FSDP1's DCP save or resume through torch 2.13's get_state_dict / set_state_dict, term by term (bytes per rank):
+    held: get_state_dict's copy of the rank's shard (params and optimizer state; params only for a params-only load);
+    gather: one unit's state gathered whole beside it (get_state_dict's optimizer part); model: set_state_dict's model
+    part (the root's params gathered and unsharded beside a block's); states: its optimizer part (the new shard of the
+    states beside the largest tensor's states gathered whole); gloo_states: what gloo adds to `states` on rank 0."""
+
+    held: int
+    gather: int
+    model: int
+    states: int
+    gloo_states: int = 0
+
+
+def _fsdp1_dcp(sizes: StateSizes, saving: bool, optimizer: bool, on_gpu: bool) -> Fsdp1Dcp:
+    """FSDP1's DCP save (saving) or load through torch 2.13's get_state_dict / set_state_dict. Read in
+    torch/distributed:
+    - get_state_dict runs FSDP1's SHARDED_STATE_DICT hooks: fsdp/_state_dict_utils.py _sharded_post_state_dict_hook
+      chunks each unsharded param and _shard_utils.py _create_chunk_sharded_tensor keeps `chunks[rank].clone()`; the
       optimizer's (_optim_utils.py _allgather_orig_param_states) all-gathers each state of a unit into one
       `gathered_tensor` of the unit's padded size on the compute device and keeps each param's chunk, cloned
-      (_ext_chunk_tensor). Held: a copy of the rank's shard of params and states; transient: one state of the
-      largest unit (the root, embedding and head, in a Llama), two on gloo (all_gather's extra copy, measured).
-      dcp.save then writes these device tensors as it writes FSDP2's (the copy-ahead, priced by the caller).
-    - set_state_dict's model part (_sharded_pre_load_state_dict_hook) all-gathers each param of a unit whole into
-      the state dict and unshards the unit's flat param (_enter_unshard_params_ctx, writeback) to copy them in; the
-      root's stay until its post-load hook, while each block does the same: 2 x root + 2 x block, each gather one
-      copy more on gloo. Its optimizer part (_shard_orig_param_state) gathers every state of a param whole
-      (_gather_state_dict) and clones this rank's slice: the new shard of the states beside the largest tensor's
-      states; on gloo a rank that does not hold the last tensor's slice (rank 0 of 2: the head is rank 1's) also
-      holds all_gather's copy of the last state. The caller's copy of the loaded shard stays until it returns.
-    Ignored: the padding of flat params, the chunks' torch.cat of a unit's local states (not seen on gloo)."""
+      (_ext_chunk_tensor). Held: a copy of the rank's shard of params and states (on the compute device unless
+      StateDictOptions(cpu_offload=True): checkpoint/state_dict.py _verify_options passes it to
+      ShardedStateDictConfig / ShardedOptimStateDictConfig(offload_to_cpu), and each chunk moves to host as it is
+      made); transient: one state of the largest unit (the root, embedding and head, in a Llama) on the device, two
+      on gloo (all_gather's extra copy, measured). dcp.save then writes these tensors as it writes FSDP2's.
+    - set_state_dict's model part (_sharded_pre_load_state_dict_hook) moves each param's shard to the compute device
+      (`local_tensor.to(fsdp_state.compute_device)`), all-gathers it whole there into the state dict and unshards the
+      unit's flat param (_enter_unshard_params_ctx, writeback) to copy them in; the root's stay until its post-load
+      hook, while each block does the same: 2 x root + 2 x block, each gather one copy more on gloo. Its optimizer
+      part (_optim_utils.py _shard_orig_param_state) gathers every state of a param whole (_state_dict_utils.py
+      _gather_state_dict on the compute device, then `output_tensor.to(local_shard_device)`: back to where the loaded
+      shard is) and clones this rank's slice there: the new shard of the states beside the largest tensor's states;
+      on gloo a rank that does not hold the last tensor's slice (rank 0 of 2: the head is rank 1's) also holds
+      all_gather's copy of the last state. torch.optim.Optimizer.load_state_dict then casts each new state to its
+      param's device (_process_value_according_to_param_policy: `value.to(device=param.device)`, no copy where it
+      is there already) in a new dict, the old states freed only at its __setstate__. The caller's copy of the
+      loaded shard stays until it returns.
+    Ignored: the padding of flat params, the chunks' torch.cat of a unit's local states (not seen on gloo), the
+    device copy of one param's shard in flight (.to(compute_device) before its all-gather)."""
     copies = 2 if on_gpu else 3
     root, block = sizes.root_unit_bytes or sizes.largest_unit_bytes, sizes.block_unit_bytes or sizes.largest_unit_bytes
     held = sizes.shard(sizes.state_bytes if optimizer or saving else sizes.params_bytes)
     gather = (copies - 1) * sizes.largest_unit_bytes if optimizer or saving else 0
     if saving:
-        return held, gather, gather
+        return Fsdp1Dcp(held, gather, 0, 0)
     model = max(copies * root, 2 * root + copies * block)
     if not optimizer:
-        return held, model, model
+        return Fsdp1Dcp(held, gather, model, 0)
     states = sizes.shard(sizes.optimizer_bytes) + sizes.largest_tensor_state_bytes
-    rank0 = states + (0 if on_gpu else sizes.largest_tensor_bytes)
-    return held, max(gather, model, rank0), max(gather, model, states)
+    return Fsdp1Dcp(held, gather, model, states, 0 if on_gpu else sizes.largest_tensor_bytes)
+
+
+def _fsdp1_resume(sizes: StateSizes, optimizer: bool, on_gpu: bool, host_state_dict: bool,
+                  items: int) -> OutsideBytes:
+    """FSDP1's DCP resume (get_state_dict, dcp.load into it, set_state_dict; items: a reader's storage items in
+    flight on host). On a CPU run (gloo) every term is host memory. On a GPU run with the state dict on the device
+    (get_state_dict's default): its copy of the shard and every transient on the GPU. With
+    StateDictOptions(cpu_offload=True) (what --emit fsdp1 and accelerate's FSDP1 SHARDED_STATE_DICT, whose
+    ShardedStateDictConfig / ShardedOptimStateDictConfig default to offload_to_cpu=True, do): the copy of the shard
+    is host memory, and so are the new shard of the states and the gathered states moved back to it
+    (_gather_state_dict's `.to(local_shard_device)`); the GPU holds, one at a time, get_state_dict's gathered unit
+    state, set_state_dict's gathered and unsharded root and block, and the new shard of the states as
+    Optimizer.load_state_dict copies it in (beside the old, freed after). Ignored: one param's state gathered on the
+    device during the flatten (below the new shard of all of them)."""
+    t = _fsdp1_dcp(sizes, saving=False, optimizer=optimizer, on_gpu=on_gpu)
+    if not on_gpu:
+        return OutsideBytes(t.held + max(t.gather, t.model, t.states + t.gloo_states, items),
+                            t.held + max(t.gather, t.model, t.states, items), 0)
+    if not host_state_dict:  # FileSystemReader reads items to host and copies them into the device tensors
+        return OutsideBytes(items, items, t.held + max(t.gather, t.model, t.states))
+    host = t.held + max(items, t.states)
+    new_states = sizes.shard(sizes.optimizer_bytes) if optimizer else 0
+    return OutsideBytes(host, host, max(t.gather, t.model, new_states))
 
 
 def load_bytes(way: LoadWay, sizes: StateSizes, fsdp2: bool = True, on_gpu: bool = True,
-               optimizer: bool = False) -> OutsideBytes:
+               optimizer: bool = False, host_state_dict: bool = True) -> OutsideBytes:
     """Loading the params (optimizer: with the optimizer state, a resume). on_gpu False: a CPU run (gloo), where
-    the device's transients are host memory and moving a tensor to the device copies nothing."""
+    the device's transients are host memory and moving a tensor to the device copies nothing. host_state_dict:
+    FSDP1's DCP state dict made with StateDictOptions(cpu_offload=True) (_fsdp1_resume), else on the GPU."""
     full = sizes.state_bytes if optimizer else sizes.pretrained_bytes or sizes.params_bytes
     one = _gathered_bytes(sizes, fsdp2)
     if way is LoadWay.META_DCP:  # a storage item (a rank's slice of a tensor) in flight; the optimizer's state: two
         items = (2 if optimizer else 1) * sizes.shard(sizes.largest_tensor_bytes)  # (measured, docs/accuracy.md)
         if fsdp2:
             return OutsideBytes(items, items, 0)
-        held, rank0, rank = _fsdp1_dcp(sizes, saving=False, optimizer=optimizer, on_gpu=on_gpu)
-        if on_gpu:  # FileSystemReader reads items to host and copies them into the device tensors
-            return OutsideBytes(items, items, held + max(rank0, rank))
-        return OutsideBytes(held + max(rank0, items), held + max(rank, items), 0)
+        return _fsdp1_resume(sizes, optimizer, on_gpu, host_state_dict, items)
     if way is LoadWay.EVERY_RANK:
         # FSDP2: the new local shards (and one full tensor moved over); FSDP1: a unit and its flat copy
         device = sizes.shard(full) + one if fsdp2 else 2 * one
@@ -194,22 +236,25 @@ def load_bytes(way: LoadWay, sizes: StateSizes, fsdp2: bool = True, on_gpu: bool
 
 
 def save_bytes(way: SaveWay, sizes: StateSizes, fsdp2: bool = True, on_gpu: bool = True,
-               offloaded: bool = False) -> OutsideBytes:
+               offloaded: bool = False, host_state_dict: bool = True) -> OutsideBytes:
     """One checkpoint save of params and optimizer state (save_pretrained: params only). on_gpu False: a CPU run
     (gloo), where the state is host memory already and a gather's device copy is a host allocation. offloaded: the
-    state sits in host RAM (CPU offload) on a GPU run: DCP writes it in place; a full gather still runs on the GPU."""
+    state sits in host RAM (CPU offload) on a GPU run: DCP writes it in place; a full gather still runs on the GPU.
+    host_state_dict: FSDP1's DCP state dict made with StateDictOptions(cpu_offload=True), else on the GPU."""
     shard = sizes.shard(sizes.state_bytes)
     if way is SaveWay.DCP:
+        in_place = offloaded or not on_gpu
+        staged = 0 if in_place else min(shard, DCP_COPY_AHEAD_BYTES + sizes.shard(sizes.largest_tensor_bytes))
         if not fsdp2:
-            held, gather, _ = _fsdp1_dcp(sizes, saving=True, optimizer=True, on_gpu=on_gpu)
+            t = _fsdp1_dcp(sizes, saving=True, optimizer=True, on_gpu=on_gpu)
             if not on_gpu:
-                return OutsideBytes(held + gather, held + gather, 0)
+                return OutsideBytes(t.held + t.gather, t.held + t.gather, 0)
+            if not host_state_dict:  # the copy of the shard on the GPU, written through DCP's copy-ahead
+                return OutsideBytes(staged, staged, t.held + t.gather)
             # get_state_dict(..., StateDictOptions(cpu_offload=True)), as the fsdp1 snippet saves: each cloned
             # chunk moves to host as it is made (ShardedStateDictConfig(offload_to_cpu=True)); the device keeps
             # the gather of one unit's state. dcp.save writes the host copies in place.
-            return OutsideBytes(held, held, gather)
-        in_place = offloaded or not on_gpu
-        staged = 0 if in_place else min(shard, DCP_COPY_AHEAD_BYTES + sizes.shard(sizes.largest_tensor_bytes))
+            return OutsideBytes(t.held, t.held, t.gather)
         return OutsideBytes(staged, staged, 0)
     if way is SaveWay.DCP_ASYNC:
         return OutsideBytes(shard, shard, 0)

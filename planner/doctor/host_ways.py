@@ -33,7 +33,9 @@ def with_setup_ways(candidate, setup, profile):
     full = save_way in (SaveWay.FULL_RANK0, SaveWay.SAVE_PRETRAINED)
     resume_way = full_resume if full else LoadWay.META_DCP
     host = host_ram(candidate.model, candidate.cluster, candidate.training, candidate.config, m.cpu_bytes_per_node,
-                    Ways(load_way, save_way, resume_way, fsdp2=setup.fsdp_version == 2))
+                    Ways(load_way, save_way, resume_way, fsdp2=setup.fsdp_version == 2,
+                         save_state_dict_on_host=setup.save_state_dict_on_host,
+                         resume_state_dict_on_host=setup.resume_state_dict_on_host))
     reasons = [r for r in e.reasons if "of host RAM per node" not in r]
     if not any("CPU offload needs" in r for r in reasons) and host_ram_reason(host, m.cpu_ram_capacity_bytes):
         reasons.append(host_ram_reason(host, m.cpu_ram_capacity_bytes))

@@ -50,7 +50,11 @@ class HostRam(_Out):
     checkpoint_save_bytes: Bytes = Field(description="bytes per node during one checkpoint save (save_way)")
     resume_bytes: Bytes = Field(description="bytes per node while a checkpoint is read back (resume_way)")
     save_gpu_bytes: Bytes = Field(description="bytes per GPU the save adds on the device (a full gather's unit or "
-                                              "tensor; 0 with DCP)")
+                                              "tensor; FSDP1's DCP: a unit's state gathered; 0 with FSDP2's DCP)")
+    load_gpu_bytes: Bytes = Field(description="bytes per GPU loading the pretrained weights adds on the device (a "
+                                              "broadcast tensor or unit, new local shards), beside the sharded params")
+    resume_gpu_bytes: Bytes = Field(description="bytes per GPU a resume adds on the device beside the sharded params "
+                                                "and optimizer state (FSDP1's DCP: its gathers and the new states)")
     load_way: Literal["every-rank", "rank0-broadcast", "meta-dcp"]
     save_way: Literal["dcp", "dcp-async", "full-state-dict", "save-pretrained"]
     resume_way: Literal["every-rank", "rank0-broadcast", "meta-dcp"]

@@ -173,39 +173,65 @@ def test_a_scripts_hf_save_sets_the_save_way_and_a_gather_outranks_dcp():
     assert save_of("x = 1\n") is None
 
 
-# --trainer fsdp1's ways (every rank loads; DCP save and resume through get_state_dict / set_state_dict), and the
-# same ways read back from accelerate's FSDP1 config with SHARDED_STATE_DICT
+# --trainer fsdp1's ways (every rank loads; DCP save and resume through get_state_dict / set_state_dict, each state
+# dict made on host), and the same ways read back from accelerate's FSDP1 config with SHARDED_STATE_DICT (its
+# ShardedStateDictConfig / ShardedOptimStateDictConfig default to offload_to_cpu=True)
 FSDP1_8B = ["--model", "llama3.1-8b", "--gpus", "8", "--gpu", "rtx4090-24gb", "--activation-checkpointing", "full",
             "--micro-batch", "1", "--seq-len", "2048"]
 RESUME_REASON = "needs 36.0 GiB per GPU > 24.0 GiB (peak in the meta-dcp resume)"
+RESUME_NOTE = "the meta-dcp resume holds 20.7 GiB allocated per GPU, above the step's peak"
+# the resume through a host state dict: on the GPU the root's params (embedding, head, norm: 4,202,708,992 B in fp32)
+# gathered and unsharded beside a block's (872,448,000 B) = 10,150,313,984 B; on host, per rank, the copy of the
+# shard (12,045,391,872 B) beside the new Adam shard (8,030,261,248) and the embedding's two states (4,202,692,608):
+# 8 x 24,278,345,728 B on the node. Loading: two copies of the root unit (FSDP1 flattens it beside the originals).
+FSDP1_HOST = {"resume_gpu_bytes": 10_150_313_984, "resume_bytes": 194_226_765_824, "save_gpu_bytes": 4_202_708_992,
+              "load_gpu_bytes": 8_405_417_984}
 
 
-def test_an_fsdp1_resume_sets_the_gpu_peak_in_estimate_check_and_plan(tmp_path, capsys):
-    """Llama 3.1 8B, full fine-tuning, 8 x RTX 4090: the step peaks at 20.3 GiB allocated, FSDP1's DCP resume at
-    36,323,737,600 B = the fp32 params' and Adam's shards (4,015,130,624 + 8,030,261,248 B) + its transient
-    (outside_step._fsdp1_dcp: a copy of that shard, 12,045,391,872 B, and the new Adam shard with the embedding's
-    two states, 8,030,261,248 + 4,202,692,608 B): 33.8 GiB, 36.0 reserved > 24 GiB. estimate and check refuse it
-    alike, and the search with them."""
+def test_an_fsdp1_resume_through_a_host_state_dict_fits_in_estimate_check_and_plan(tmp_path, capsys):
+    """Llama 3.1 8B, full fine-tuning, 8 x RTX 4090: the step peaks at 20.3 GiB allocated; the resume through a host
+    state dict at 22,195,705,856 B = the fp32 params' and Adam's shards (4,015,130,624 + 8,030,261,248 B) +
+    10,150,313,984 (FSDP1_HOST): 20.7 GiB, above the step's peak (a note), within the GPU. estimate and check of
+    accelerate's config agree; the search finds configurations on 8 of them."""
     code, out, err = invoke(["estimate", *FSDP1_8B, "--trainer", "fsdp1", "--format", "json"], capsys)
     assert code == 0, err
     estimated = json.loads(out)
-    assert (estimated["fits"], estimated["reasons"]) == (False, [RESUME_REASON])
-    assert "the meta-dcp resume holds 33.8 GiB allocated per GPU, above the step's peak" in estimated["memory"]["notes"]
+    assert (estimated["fits"], estimated["reasons"]) == (True, [])
+    assert RESUME_NOTE in estimated["memory"]["notes"]
+    host = estimated["memory"]["host_ram"]
+    assert {k: host[k] for k in FSDP1_HOST} == FSDP1_HOST
+    assert "resume meta-dcp through a state dict on host: 180.9 GiB" in host["why"]
     path = tmp_path / "accelerate.yaml"
     path.write_text(ACCELERATE_FSDP1 + "  fsdp_state_dict_type: SHARDED_STATE_DICT\n"
                     "  fsdp_activation_checkpointing: true\n")
     code, out, err = invoke(["check", str(path), *FSDP1_8B[:2], *FSDP1_8B[4:6], *FSDP1_8B[8:], "--format", "json"],
                             capsys)
-    assert code == 1, err  # an error found
     checked = json.loads(out)
-    assert (checked["fits"], checked["reasons"]) == (False, [RESUME_REASON])
+    assert (checked["fits"], checked["reasons"]) == (True, []), err
+    assert {k: checked["memory"]["host_ram"][k] for k in FSDP1_HOST} == FSDP1_HOST
     assert checked["memory"]["peak_allocated_bytes"] == estimated["memory"]["peak_allocated_bytes"]
-    from cost_models.host_ram import gpu_outside_step_bytes
     from planner import plan
 
-    # the search prices it too: on 8 of them no configuration's resume fits (CPU offload moves the states, not the
-    # resume's copy and gathers: 22.6 GiB); on 16 the pick (CPU offload) holds its resume below its step's peak
-    assert plan("llama3.1-8b", 8, gpu="rtx4090-24gb", trainer="fsdp1").best is None
-    best = plan("llama3.1-8b", 16, gpu="rtx4090-24gb", trainer="fsdp1").best
-    moments = gpu_outside_step_bytes(best.memory.host_ram, best.memory.phases["optimizer_step"])
-    assert best.fits and moments["meta-dcp resume"] < best.memory.peak_allocated_bytes
+    assert plan("llama3.1-8b", 8, gpu="rtx4090-24gb", trainer="fsdp1").best.fits  # b88311c: nothing fitted
+
+
+def test_check_reads_whether_a_scripts_fsdp1_resume_gets_its_state_dict_on_host(tmp_path, capsys):
+    """--emit fsdp1's script reads back with both state dicts on host; the same script whose load_checkpoint calls
+    get_state_dict without cpu_offload (as --emit fsdp1 wrote it before) resumes on the GPU: the copy of the shard
+    and the new states there, 24,278,345,728 B (12,045,391,872 + 8,030,261,248 + 4,202,692,608) beside the
+    12,045,391,872 B resident: 33.8 GiB allocated, 36.0 reserved > 24 GiB, refused; its save keeps its cpu_offload."""
+    code, script, err = invoke([*FSDP1_8B[:6], "--trainer", "fsdp1", "--emit", "fsdp1"], capsys)
+    assert code == 0, err
+    load = "    model_state, optimizer_state = get_state_dict(model, optimizer, options=options)\n    state = {"
+    assert script.count("options = StateDictOptions(cpu_offload=True)") == 2 and script.count(load) == 1
+    checked = {}
+    for name, text in (("host", script), ("gpu", script.replace(load, load.replace(", options=options", "")))):
+        path = tmp_path / f"{name}.py"
+        path.write_text(text)
+        code, out, err = invoke(["check", str(path), *FSDP1_8B[:6], "--format", "json"], capsys)
+        checked[name] = json.loads(out)
+    assert checked["host"]["fits"] and {k: checked["host"]["memory"]["host_ram"][k] for k in FSDP1_HOST} == FSDP1_HOST
+    gpu = checked["gpu"]
+    assert (gpu["fits"], gpu["reasons"]) == (False, [RESUME_REASON])
+    assert (gpu["memory"]["host_ram"]["resume_gpu_bytes"], gpu["memory"]["host_ram"]["save_gpu_bytes"]) == (
+        24_278_345_728, 4_202_708_992)

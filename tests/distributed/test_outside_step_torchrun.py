@@ -10,7 +10,8 @@ on the growth between the two sizes, where what is the same at both cancels but 
 
 --emit fsdp1's save and resume (FSDP1's get_state_dict / set_state_dict), added later: 41.1 / 123.4 MB saving at the two
 sizes (formula 40.8 / 122.3), resuming 53.3-53.5 / 52.5-52.7 and 159.4 / 148.9-149.0 MB on ranks 0 / 1 (formula 52.6 /
-52.2 and 157.7 / 147.5) over two runs.
+52.2 and 157.7 / 147.5) over two runs. Its resume now asks get_state_dict for a host copy (cpu_offload=True): the
+same tensors on a CPU run, read in two parts (MEASURED below).
 
 Two cases of the shared 2-rank torchrun launch (cases.shared), run first: each way reads the process's resident
 set, which no other case's heap has grown then (~21 CPU s of it, both ranks, --emit fsdp1's save and resume at both
@@ -21,7 +22,7 @@ from __future__ import annotations
 
 import pytest
 
-from cost_models.outside_step import LoadWay, SaveWay, StateSizes, load_bytes, save_bytes
+from cost_models.outside_step import LoadWay, OutsideBytes, SaveWay, StateSizes, load_bytes, save_bytes
 from cost_models.specs import TrainingSpec
 from tests.distributed.cases import shared
 from tests.distributed.worker_outside_step import spec
@@ -50,6 +51,8 @@ def _agrees(way: str, rank: int, real: int, formula: int, tolerance: int) -> boo
 def formulas(shape: dict) -> dict:
     """way -> OutsideBytes as the worker names the ways."""
     sizes = StateSizes.of(spec(shape), TrainingSpec(), "fp32", ranks=2)
+    resume = load_bytes(LoadWay.META_DCP, sizes, fsdp2=False, on_gpu=False, optimizer=True)
+    held = sizes.shard(sizes.state_bytes)
     return {
         "dcp save": save_bytes(SaveWay.DCP, sizes, on_gpu=False),
         "dcp async save": save_bytes(SaveWay.DCP_ASYNC, sizes, on_gpu=False),
@@ -65,7 +68,12 @@ def formulas(shape: dict) -> dict:
         "emitted load_checkpoint": load_bytes(LoadWay.META_DCP, sizes, on_gpu=False, optimizer=True),
         # --emit fsdp1's: get_state_dict's copy of the shard, the unit / tensors it gathers (outside_step._fsdp1_dcp)
         "emitted fsdp1 save_checkpoint": save_bytes(SaveWay.DCP, sizes, fsdp2=False, on_gpu=False),
-        "emitted fsdp1 load_checkpoint": load_bytes(LoadWay.META_DCP, sizes, fsdp2=False, on_gpu=False, optimizer=True),
+        "emitted fsdp1 load_checkpoint": resume,
+        # its two parts: the host copy of the shard that dcp.load fills (get_state_dict with cpu_offload), and
+        # set_state_dict's peak above it (its gathers and the new states: what a GPU holds of the resume)
+        "emitted fsdp1 resume host state dict": OutsideBytes(held, held, 0),
+        "emitted fsdp1 resume set_state_dict": OutsideBytes(resume.rank0_host_bytes - held,
+                                                            resume.rank_host_bytes - held, 0),
     }
 
 
@@ -137,3 +145,20 @@ def test_fsdp1s_dcp_save_and_resume_add_up_by_hand():
     resume = large["emitted fsdp1 load_checkpoint"]
     assert resume.rank0_host_bytes == shard + 47_985_664 + 3 * 12_582_912
     assert resume.rank_host_bytes == shard + 3 * 25_166_848
+    assert large["emitted fsdp1 resume host state dict"].rank0_host_bytes == shard
+
+
+def test_fsdp1s_resume_on_a_gpu_moves_the_copy_to_host():
+    """The same resume on a GPU (cpu_offload=True, as --emit fsdp1 writes it): the host holds the copy of the shard
+    (71,981,568 B) and the new shard of Adam's states with the embedding's two states moved back to it (47,985,664 +
+    2 x 12,582,912); the GPU holds, one at a time, the root's params gathered and unsharded beside a block's
+    (2 x 25,166,848 + 2 x 3,803,136: 950,784 fp32 params a block), the new states as they are copied in
+    (47,985,664), get_state_dict's gathered root state (25,166,848). The terms are the CPU run's, measured above
+    (on gloo: three copies of each gather, rank 0's extra state)."""
+    sizes = StateSizes.of(spec(SHAPES[1]), TrainingSpec(), "fp32", ranks=2)
+    resume = load_bytes(LoadWay.META_DCP, sizes, fsdp2=False, optimizer=True)
+    shard = 3 * 47_985_664 // 2
+    assert resume.rank0_host_bytes == resume.rank_host_bytes == shard + 47_985_664 + 2 * 12_582_912
+    assert resume.gpu_bytes == max(2 * 25_166_848 + 2 * 3_803_136, 47_985_664) == 57_939_968
+    on_gpu = load_bytes(LoadWay.META_DCP, sizes, fsdp2=False, optimizer=True, host_state_dict=False)
+    assert on_gpu.gpu_bytes == shard + 47_985_664 + 2 * 12_582_912  # get_state_dict's default: all on the device

@@ -47,14 +47,17 @@ def _status_bytes(field: str) -> int:
     return int(kib) * 1024
 
 
-def measure(fn) -> tuple[int, object]:
-    """(VmHWM over fn - VmRSS before it, fn's result); the result is dropped after the measurement by the caller."""
+def measure(fn, marks: dict | None = None) -> tuple[int, object]:
+    """(VmHWM over fn - VmRSS before it, fn's result); the result is dropped after the measurement by the caller.
+    marks: gets "before", the VmRSS the peak is counted from."""
     gc.collect()  # the previous way's tensors (async save's staged copy sits in a reference cycle)
     _LIBC.malloc_trim(0)
     dist.barrier()
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # resets VmHWM to the current RSS (Linux >= 4.0, proc(5))
     before = _status_bytes("VmRSS")
+    if marks is not None:
+        marks["before"] = before
     result = fn()
     peak = _status_bytes("VmHWM") - before
     dist.barrier()
@@ -209,8 +212,33 @@ def _emitted_fsdp1_ways(shape: dict, path: str, world: int) -> tuple[dict, bool]
     with torch.no_grad():
         for p in model.parameters():
             p.add_(1.0)
-    ways["emitted fsdp1 load_checkpoint"] = measure(lambda: namespace["load_checkpoint"](model, optimizer, path))[0]
+    ways.update(_emitted_fsdp1_resume(namespace, model, optimizer, path))
     return ways, all(torch.equal(a, p.detach()) for a, p in zip(saved, model.parameters()))
+
+
+def _emitted_fsdp1_resume(namespace: dict, model, optimizer, path: str) -> dict:
+    """--emit fsdp1's load_checkpoint as written, its set_state_dict read apart (the snippet's name for it wrapped):
+    the whole resume's peak; what is resident when set_state_dict starts (get_state_dict's host copy of the shard,
+    filled by dcp.load: on a GPU, the host RAM it holds); set_state_dict's own peak above that (on a GPU, its
+    gathers and the new states, the copy-in: cost_models/outside_step.py _fsdp1_resume)."""
+    marks: dict = {}
+    set_state_dict = namespace["set_state_dict"]
+
+    def read_apart(*args, **kwargs):
+        marks["at set"], marks["peak before set"] = _status_bytes("VmRSS"), _status_bytes("VmHWM")
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # set_state_dict's high-water mark from here
+        set_state_dict(*args, **kwargs)
+
+    namespace["set_state_dict"] = read_apart
+    try:
+        peak = measure(lambda: namespace["load_checkpoint"](model, optimizer, path), marks)[0]
+    finally:
+        namespace["set_state_dict"] = set_state_dict
+    before, at_set = marks["before"], marks["at set"]
+    return {"emitted fsdp1 load_checkpoint": max(peak, marks["peak before set"] - before),
+            "emitted fsdp1 resume host state dict": at_set - before,
+            "emitted fsdp1 resume set_state_dict": peak + before - at_set}
 
 
 if __name__ == "__main__":

@@ -132,11 +132,24 @@ def test_fsdp1s_dcp_save_copies_the_shard_to_host_and_gathers_a_units_state_on_t
 
 
 def test_fsdp1s_dcp_resume_holds_the_copy_and_gathers_root_and_block():
-    # the 384 MiB copy, then the model part: the root's params gathered and unsharded (2 x 128 MiB) beside a
-    # block's (2 x 128 MiB here: SIZES has one unit size) = 512 MiB, above the optimizer part (256 MiB of new
-    # states + the 64 MiB embedding's two states); host: DCP's two items in flight (2 x 8 MiB)
-    assert load_bytes(LoadWay.META_DCP, SIZES, fsdp2=False, optimizer=True) == OutsideBytes(
+    # get_state_dict's default (a script without cpu_offload), all on the device: the 384 MiB copy, then the model
+    # part: the root's params gathered and unsharded (2 x 128 MiB) beside a block's (2 x 128 MiB here: SIZES has one
+    # unit size) = 512 MiB, above the optimizer part (256 MiB of new states + the 64 MiB embedding's two states,
+    # 128 MiB); host: DCP's two items in flight (2 x 8 MiB)
+    assert load_bytes(LoadWay.META_DCP, SIZES, fsdp2=False, optimizer=True, host_state_dict=False) == OutsideBytes(
         16 * MiB, 16 * MiB, 384 * MiB + 512 * MiB)
+
+
+def test_fsdp1s_dcp_resume_through_a_host_state_dict_keeps_the_copy_and_the_new_states_on_host():
+    # cpu_offload=True (--emit fsdp1, accelerate's SHARDED_STATE_DICT): host: the 384 MiB copy beside the new states
+    # (256 MiB) and the embedding's two states moved back to host (128 MiB); the GPU: the model part (512 MiB) above
+    # the new states copied in (256 MiB) and get_state_dict's gathered unit state (128 MiB)
+    assert load_bytes(LoadWay.META_DCP, SIZES, fsdp2=False, optimizer=True) == OutsideBytes(
+        768 * MiB, 768 * MiB, 512 * MiB)
+    # a save without cpu_offload: the copy on the device beside the gather, DCP's copy-ahead on host
+    staged = DCP_COPY_AHEAD_BYTES + 8 * MiB
+    assert save_bytes(SaveWay.DCP, SIZES, fsdp2=False, host_state_dict=False) == OutsideBytes(
+        staged, staged, 384 * MiB + 128 * MiB)
 
 
 def test_the_gpu_at_load_save_and_resume_beside_what_is_resident_then():

@@ -35,6 +35,11 @@ class UserSetup:
     #                                         ASYNC_SHARDED_STATE_DICT (torchtitan's async DCP) | SAVE_PRETRAINED
     #                                         (HF save_pretrained / save_model in a script) | ...
     #                                         (None: not stated; priced as the plan's sharded DCP save)
+    save_state_dict_on_host: bool = True    # FSDP1's sharded state dict of the save, and of the resume, offloaded
+    resume_state_dict_on_host: bool = True  # to host as it is made (accelerate's ShardedStateDictConfig(
+    #                                         offload_to_cpu=True) default, --emit fsdp1's StateDictOptions(
+    #                                         cpu_offload=True)); False: a script's get_state_dict without it (on the
+    #                                         GPU: cost_models/outside_step.py _fsdp1_dcp)
     grad_scaler: str | None = None          # sharded | plain | none | None (not stated)
     reduce_dtype: str | None = None         # as written, when mixed precision is set
     n_processes: int | None = None          # cluster size written in an accelerate config

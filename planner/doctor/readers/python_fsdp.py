@@ -233,6 +233,7 @@ def from_fsdp1(s: Snippet) -> UserSetup:
                                           "mixed_precision")
     offload = shared.cpu_offload(s, call.kwargs.get("cpu_offload"))
     wrap, lora = _wrap_policy(call.kwargs.get("auto_wrap_policy"))
+    saved = checkpoint_fields(s)  # its save and resume (FSDP1 loads by sync_module_states, read above)
     compiled, compile_loss = shared.compiles(s)
     float8, _ = shared.float8(s, fsdp2=False)
     attention, attention_from = shared.attention(s)
@@ -252,7 +253,8 @@ def from_fsdp1(s: Snippet) -> UserSetup:
         wrap=wrap, use_orig_params=bool(kw.get("use_orig_params", False)),
         sync_module_states=bool(kw.get("sync_module_states", False)), use_cache=_use_cache(s),
         grad_scaler=shared.grad_scaler(s), attention_from=attention_from,
-        training=shared.optimizer(s, offload) + ((("finetune", "lora"),) if lora else ()))
+        training=shared.optimizer(s, offload) + ((("finetune", "lora"),) if lora else ()),
+        **{k: saved[k] for k in ("state_dict_type", "save_state_dict_on_host", "resume_state_dict_on_host")})
 
 
 def _wrap_policy(node) -> tuple[str, bool]:
