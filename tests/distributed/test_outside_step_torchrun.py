@@ -12,8 +12,8 @@ on the growth between the two sizes, where what is the same at both cancels but 
 sizes (formula 40.8 / 122.3), resuming 53.3-53.5 / 52.5-52.7 and 159.4 / 148.9-149.0 MB on ranks 0 / 1 (formula 52.6 /
 52.2 and 157.7 / 147.5) over two runs. Its resume now asks get_state_dict for a host copy (cpu_offload=True): the
 same tensors on a CPU run, read in two parts: the host copy of the shard when set_state_dict starts, and
-set_state_dict's own peak above it (its gathers and copy-in: the GPU's part on a GPU), within 1.6 and 0.5 MB of the formulas
-over two runs (2026-12-06).
+set_state_dict's own peak above it (its gathers and copy-in: the GPU's part on a GPU), within 1.6 and 0.5 MB of
+the formulas over two runs (2026-12-06).
 
 Two cases of the shared 2-rank torchrun launch (cases.shared), run first: each way reads the process's resident
 set, which no other case's heap has grown then (~21 CPU s of it, both ranks, --emit fsdp1's save and resume at both
