@@ -1,4 +1,7 @@
-"""The `fsdp-plan` command: outputs scripts can read, and one-line errors with exit code 2."""
+"""The `fsdp-plan` command: outputs scripts can read, and one-line errors with exit code 2.
+
+In-process (tests/doctor/cli_run.py: planner.cli.main, the console entry point, its exit code and streams);
+the first test runs `python -m planner.cli` in a process of its own."""
 
 import json
 import subprocess
@@ -6,15 +9,17 @@ import sys
 
 import pytest
 
+from tests.doctor.cli_run import cli_process
+
 CLI = [sys.executable, "-m", "planner.cli"]
 
 
 def run(*args):
-    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=120)
+    return cli_process(list(args))
 
 
 def test_main_job_table_and_recommendation():
-    r = run("--model", "gpt-13b", "--gpus", "8")
+    r = subprocess.run([*CLI, "--model", "gpt-13b", "--gpus", "8"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert "gpt-13b" in r.stdout and "FULL_SHARD" in r.stdout and "tok/s/GPU" in r.stdout
     assert "fully_shard(" in r.stdout  # the recommended config as FSDP2 code

@@ -1,22 +1,20 @@
 """`fsdp-plan rl estimate`: the table, the JSON against its schema (planner/schemas/rl.py) and bad input in one
-line with exit code 2. One CLI run per output (subprocess, as the other CLI tests)."""
+line with exit code 2. One CLI run per output (in-process: tests/doctor/cli_run.py)."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 
 from planner.line_width import LINE_WIDTH
 from planner.schemas.rl import RlEstimateOutput, RlPlanOutput
+from tests.doctor.cli_run import cli_process
 
-CLI = [sys.executable, "-m", "planner.cli"]
 JOB = ["rl", "estimate", "--model", "qwen2.5-7b", "--gpus", "8", "--gpu", "h100-80gb", "--prompt-len", "1024",
        "--response-len", "4096", "--rollout-n", "8", "--train-batch", "256"]
 
 
 def run(*args):
-    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=120)
+    return cli_process(list(args))
 
 
 @pytest.fixture(scope="module")

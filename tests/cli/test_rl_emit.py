@@ -92,10 +92,9 @@ def test_trl_grpo_config_accepted_by_trl():
 
 
 def _cli(*args):
-    import subprocess
-    import sys
+    from tests.doctor.cli_run import cli_process
 
-    return subprocess.run([sys.executable, "-m", "planner.cli", *args], capture_output=True, text=True, timeout=120)
+    return cli_process(list(args))
 
 
 def test_rl_emits_the_best_configuration_and_refuses_what_trl_cannot_run():

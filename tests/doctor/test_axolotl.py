@@ -24,6 +24,7 @@ from planner.emit.axolotl import emit_axolotl
 from planner.errors import PlannerError
 from planner.hardware import make_cluster
 from planner.models import load_preset
+from tests.doctor.cli_run import cli_process
 
 MODEL, GPUS, GPU, SEQ = "llama3-8b", 16, "h100-80gb", 4096
 FINETUNES = ("full", "lora", "qlora")
@@ -189,8 +190,7 @@ def test_the_qlora_pitfalls_in_an_axolotl_config(tmp_path, edit, code):
 def test_bad_input_is_one_line_with_exit_2(tmp_path, edit, words):
     path = tmp_path / "bad.yaml"
     path.write_text(EXAMPLE.replace(*edit))
-    r = subprocess.run([sys.executable, "-m", "planner.cli", "check", str(path), "--model", "llama3.1-8b", "--gpus",
-                        "8"], capture_output=True, text=True, timeout=120)
+    r = cli_process(["check", str(path), "--model", "llama3.1-8b", "--gpus", "8"])
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert words in r.stderr
 

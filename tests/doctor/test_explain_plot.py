@@ -1,7 +1,6 @@
 """`fsdp-plan explain` shows checkable arithmetic; `--plot` draws the breakdown."""
 
 import re
-import subprocess
 import sys
 
 import pytest
@@ -9,6 +8,7 @@ import pytest
 from planner import plan
 from planner.errors import PlannerError
 from planner.reports.explain import explain_text
+from tests.doctor.cli_run import cli_process
 
 
 def test_explain_terms_are_hand_checkable():
@@ -43,10 +43,9 @@ def test_explain_lora_uses_the_lora_formulas():
 
 
 def test_explain_cli_and_nothing_fits():
-    cli = [sys.executable, "-m", "planner.cli", "explain"]
-    r = subprocess.run([*cli, "--model", "llama2-7b", "--gpus", "8"], capture_output=True, text=True, timeout=60)
+    r = cli_process(["explain", "--model", "llama2-7b", "--gpus", "8"])
     assert r.returncode == 0 and "Memory per GPU" in r.stdout and "Time per optimizer step" in r.stdout
-    r = subprocess.run([*cli, "--model", "gpt-175b", "--gpus", "1"], capture_output=True, text=True, timeout=60)
+    r = cli_process(["explain", "--model", "gpt-175b", "--gpus", "1"])
     assert r.returncode == 2 and "nothing fits" in r.stderr
 
 
@@ -75,8 +74,7 @@ def test_plot_rejects_other_formats(tmp_path):
 def test_plot_flag_on_main_command(tmp_path):
     pytest.importorskip("matplotlib")
     out = tmp_path / "plan.svg"
-    r = subprocess.run([sys.executable, "-m", "planner.cli", "--model", "llama2-7b", "--gpus", "8", "--top", "3",
-                        "--plot", str(out)], capture_output=True, text=True, timeout=60)
+    r = cli_process(["--model", "llama2-7b", "--gpus", "8", "--top", "3", "--plot", str(out)])
     assert r.returncode == 0, r.stderr
     assert out.stat().st_size > 5000 and b"GPU memory" in out.read_bytes()
 
@@ -207,10 +205,8 @@ def test_plot_without_matplotlib_is_a_clear_error(tmp_path, monkeypatch):
 def test_explain_cli_explains_a_given_config_and_plots_it(tmp_path):
     pytest.importorskip("matplotlib")
     out = tmp_path / "budget.png"
-    r = subprocess.run([sys.executable, "-m", "planner.cli", "explain", "--model", "llama3-8b", "--gpus", "8",
-                        "--gpu", "h100-80gb", "--micro-batch", "2", "--seq-len", "8192",
-                        "--activation-checkpointing", "selective-op", "--compile", "--plot", str(out)],
-                       capture_output=True, text=True, timeout=60)
+    r = cli_process(["explain", "--model", "llama3-8b", "--gpus", "8", "--gpu", "h100-80gb", "--micro-batch", "2",
+                     "--seq-len", "8192", "--activation-checkpointing", "selective-op", "--compile", "--plot", str(out)])
     assert r.returncode == 0, r.stderr
     assert "(selective-op)" in r.stdout and "(compiled: inductor" in r.stdout and "16,384 tokens" in r.stdout
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"drawn to {out}" in r.stdout

@@ -4,8 +4,7 @@ script of rl.md golden case 1 reads and fits; bad input is one line naming the k
 
 import json
 import os
-import subprocess
-import sys
+from unittest import mock
 
 import pytest
 
@@ -16,9 +15,8 @@ from planner.emit.verl import emit_verl
 from planner.rl import rl_estimate
 from planner.rl.report import rl_dict
 from planner.schemas.rl import RlEstimateOutput
-from tests.doctor.cli_run import run_cli
+from tests.doctor.cli_run import cli_process, run_cli
 
-CLI = [sys.executable, "-m", "planner.cli", "check"]
 CASE_1 = dict(gpu="h100-80gb", prompt_len=1024, response_len=1024, train_batch=1024, ppo_mini_batch_size=256,
               ppo_micro_batch_size_per_gpu=16, rollout_n=5, param_offload=True, optimizer_offload=True,
               rollout_tp=2, gpu_memory_utilization=0.6, engine_version="0.8", enforce_eager=True, max_num_seqs=1024,
@@ -76,8 +74,8 @@ python3 -m verl.trainer.main_ppo \
 
 
 def run(*args):
-    return subprocess.run([*CLI, *map(str, args)], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    with mock.patch.dict(os.environ, {"HF_HUB_OFFLINE": "1"}):
+        return cli_process(["check", *map(str, args)])
 
 
 def same_memory(checked: dict, estimate) -> None:

@@ -1,8 +1,6 @@
 """Emit -> read back: an accelerate config written by the planner, read by `check`, is the same config;
 and the seed article's own snippets get the findings its corrections call for."""
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,6 +14,7 @@ from planner.emit import emit_accelerate
 from planner.hardware import make_cluster
 from planner.models import load_preset
 from planner.doctor.readers import from_accelerate, read_setup
+from tests.doctor.cli_run import cli_process
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "configs"
 SPEC = load_preset("llama2-7b")
@@ -107,25 +106,21 @@ def test_seed_claim_200b_lora_on_8_gpus_only_with_short_sequences():
 
 
 def test_check_cli_exit_codes(tmp_path):
-    cli = [sys.executable, "-m", "planner.cli", "check"]
-    bad = subprocess.run([*cli, str(EXAMPLES / "seed_mixed_precision.yaml"), "--model", "gpt-13b", "--gpus", "8"],
-                         capture_output=True, text=True, timeout=60)
+    bad = cli_process(["check", str(EXAMPLES / "seed_mixed_precision.yaml"), "--model", "gpt-13b", "--gpus", "8"])
     assert bad.returncode == 1 and "[ERROR] fp16-without-sharded-scaler" in bad.stdout
     # at the planner's micro-batch (the file leaves it at 1, which the planner ranks 11% slower: a warning)
-    ok = subprocess.run([*cli, str(EXAMPLES / "seed_performance.yaml"), "--model", "gpt-13b", "--gpus", "8",
-                         "--micro-batch", "2", "--format", "json"], capture_output=True, text=True, timeout=60)
+    ok = cli_process(["check", str(EXAMPLES / "seed_performance.yaml"), "--model", "gpt-13b", "--gpus", "8",
+                      "--micro-batch", "2", "--format", "json"])
     assert ok.returncode == 0, ok.stderr
     import json
     assert {f["severity"] for f in json.loads(ok.stdout)["findings"]} == {"advice"}
     broken = tmp_path / "fsdp.yaml"
     broken.write_text("sharding_strategy: [unclosed")
-    r = subprocess.run([*cli, str(broken), "--model", "gpt-13b", "--gpus", "8"], capture_output=True, text=True,
-                       timeout=60)
+    r = cli_process(["check", str(broken), "--model", "gpt-13b", "--gpus", "8"])
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "config" in r.stderr
     typo = tmp_path / "typo.json"
     typo.write_text('{"sharding_strategy": "FULL_SHARDED"}')
-    r = subprocess.run([*cli, str(typo), "--model", "gpt-13b", "--gpus", "8"], capture_output=True, text=True,
-                       timeout=60)
+    r = cli_process(["check", str(typo), "--model", "gpt-13b", "--gpus", "8"])
     assert r.returncode == 2 and "sharding_strategy" in r.stderr and "FULL_SHARD" in r.stderr
 
 
@@ -232,17 +227,15 @@ def test_planner_pick_round_trips_through_the_trainers_with_no_findings(tmp_path
 
 
 def test_check_cli_reads_torchtitan_flags(tmp_path):
-    cli = [sys.executable, "-m", "planner.cli", "check"]
     flags = tmp_path / "overrides.txt"
     flags.write_text("--parallelism.data_parallel_shard_degree=8\n--activation_checkpoint.mode=full\n"
                      "--training.local_batch_size=2\n")
-    ok = subprocess.run([*cli, str(flags), "--model", "llama3-8b", "--format", "json"], capture_output=True,
-                        text=True, timeout=120)
+    ok = cli_process(["check", str(flags), "--model", "llama3-8b", "--format", "json"])
     assert ok.returncode in (0, 1), ok.stderr  # the file names the GPU count: no --gpus
     import json
     report = json.loads(ok.stdout)
     assert report["source"] == str(flags) and report["config"]["micro_batch"] == 2
     flags.write_text("--parallelism.pipeline_parallel_degree=2\n--parallelism.pipeline_parallel_microbatch_size=3\n")
-    bad = subprocess.run([*cli, str(flags), "--model", "llama3-8b"], capture_output=True, text=True, timeout=120)
+    bad = cli_process(["check", str(flags), "--model", "llama3-8b"])
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1
     assert "parallelism.pipeline_parallel_microbatch_size" in bad.stderr

@@ -10,8 +10,6 @@ the kernel runnable on CPU - against eager (loss and gradients) and its attentio
 from __future__ import annotations
 
 import math
-import subprocess
-import sys
 
 import pytest
 
@@ -180,8 +178,9 @@ def test_gpt_oss_prices_flex_by_default_and_sdpa_stays_refused():
 
 
 def test_sdpa_refusal_is_one_line_and_exit_2():
-    run = subprocess.run([sys.executable, "-m", "planner.cli", "estimate", "--model", "gpt-oss-120b", "--gpus", "8",
-                          "--attention", "sdpa"], capture_output=True, text=True, timeout=120)
+    from tests.doctor.cli_run import cli_process
+
+    run = cli_process(["estimate", "--model", "gpt-oss-120b", "--gpus", "8", "--attention", "sdpa"])
     assert run.returncode == 2 and run.stdout == ""
     assert run.stderr.strip().count("\n") == 0 and "flex, eager" in run.stderr
 

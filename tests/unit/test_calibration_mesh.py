@@ -3,17 +3,13 @@ candidates may take, which batch a rank draws, and the one-line refusals of what
 The runs themselves: tests/distributed/test_calibrate_mesh.py; the fit of the TP / EP rates:
 tests/unit/test_calibration_fit.py."""
 
-import subprocess
-import sys
-
 import pytest
 
 from cost_models.specs import FsdpConfig
 from planner.calibrating import CalibrationRequest
 from planner.calibrating.flow import _space
 from planner.models import load_preset
-
-CLI = [sys.executable, "-m", "planner.cli", "calibrate"]
+from tests.doctor.cli_run import cli_process
 
 
 def test_a_tp_or_cp_group_draws_one_batch_the_data_parallel_rank_decides():
@@ -48,8 +44,8 @@ def test_planned_candidates_may_take_tp_and_ep_and_cp_only_where_cuda_runs_it():
 ])
 def test_what_the_runner_cannot_apply_is_one_line_before_anything_runs(tmp_path, flags, line):
     out = tmp_path / "never"
-    r = subprocess.run([*CLI, "--model", "llama2-7b", "--gpus", "8", "--sharding", "FULL_SHARD", *flags,
-                        "--out", str(out)], capture_output=True, text=True, timeout=120)
+    r = cli_process(["calibrate", "--model", "llama2-7b", "--gpus", "8", "--sharding", "FULL_SHARD", *flags,
+                     "--out", str(out)])
     assert r.returncode == 2 and r.stderr.strip() == line, r.stderr
     assert not (out / "results.jsonl").exists() and not (out / "host.json").exists()
 

@@ -8,8 +8,6 @@ where a model card gives one; each discrepancy is explained where it is asserted
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 
@@ -17,6 +15,7 @@ from planner.errors import PlannerError
 from planner.models import from_hf_config, from_module, list_presets, load_preset, preset_hf_config, preset_source
 from planner.models.family_table import FAMILIES
 from planner.models.moe_families import MOE_FAMILIES
+from tests.doctor.cli_run import cli_process
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -300,8 +299,7 @@ def test_cli_names_the_missing_field_and_exits_2(tmp_path):
     cfg = {k: v for k, v in FAMILY_CONFIGS["qwen3_moe"].items() if k != "num_experts_per_tok"}
     path = tmp_path / "config.json"
     path.write_text(json.dumps(cfg))
-    r = subprocess.run([sys.executable, "-m", "planner.cli", "--model", str(path), "--gpus", "8"],
-                       capture_output=True, text=True)
+    r = cli_process(["--model", str(path), "--gpus", "8"])
     assert r.returncode == 2, r.stderr
     assert "num_experts_per_tok" in r.stderr and len(r.stderr.strip().splitlines()) == 1
 

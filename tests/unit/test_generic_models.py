@@ -23,6 +23,7 @@ from planner.api import estimate  # noqa: E402
 from planner.errors import PlannerError, UnsupportedModel  # noqa: E402
 from planner.models import from_hf_config  # noqa: E402
 from planner.models.block_profiles import cache_dir, with_block_profile  # noqa: E402
+from tests.doctor.cli_run import cli_process  # noqa: E402
 
 # Families transformers ships that have no reader here (the generic path prices them).
 GRANITE = {"model_type": "granite", "hidden_size": 256, "intermediate_size": 704, "num_hidden_layers": 4,
@@ -181,8 +182,7 @@ def test_unknown_model_type_names_the_transformers_version():
 def test_cli_refuses_remote_code_in_one_line_and_writes_nothing(tmp_path, empty_cache):
     path = tmp_path / "config.json"
     path.write_text(json.dumps({**LLAMA, "auto_map": {"AutoModelForCausalLM": "modeling_x.XForCausalLM"}}))
-    r = subprocess.run([sys.executable, "-m", "planner.cli", "--model", str(path), "--gpus", "8"],
-                       capture_output=True, text=True)
+    r = cli_process(["--model", str(path), "--gpus", "8"])
     assert r.returncode == 2
     assert len(r.stderr.strip().splitlines()) == 1 and "--trust-remote-code" in r.stderr
     assert "Traceback" not in r.stderr
@@ -192,8 +192,7 @@ def test_cli_refuses_remote_code_in_one_line_and_writes_nothing(tmp_path, empty_
 def test_cli_says_which_path_priced_the_model(tmp_path, granite_cache):
     path = tmp_path / "config.json"
     path.write_text(json.dumps(GRANITE))
-    r = subprocess.run([sys.executable, "-m", "planner.cli", "--model", str(path), "--gpus", "4", "--seq-len", "256"],
-                       capture_output=True, text=True)
+    r = cli_process(["--model", str(path), "--gpus", "4", "--seq-len", "256"])
     assert r.returncode == 0, r.stderr
     # the profile test_profile_and_spec_are_cached made: "cached in <dir> (first made in X s)"
     assert "activations: traced block memory profile" in r.stdout and "made in" in r.stdout

@@ -6,8 +6,6 @@ same formulas against real CPU steps and the trace, to the byte."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 
@@ -15,6 +13,7 @@ from cost_models.optimizer_step import GRAD_SCALER_BYTES, step_temporary_bytes
 from cost_models.specs import OptimizerImpl, Precision, SpecError, TrainingSpec
 from planner import estimate
 from planner.models import load_preset
+from tests.doctor.cli_run import cli_process
 
 LLAMA3_8B = 8_030_261_248                 # parameters (the preset's count)
 EMBEDDING = 128_256 * 4_096               # llama3-8b's embedding table, and its untied head: the largest tensors
@@ -56,8 +55,7 @@ def test_the_knob_parses_and_refuses_in_one_line():
     with pytest.raises(SpecError, match="optimizer_impl: unknown value 'triton'; choose one of: foreach, fused, "
                                         "for-loop"):
         TrainingSpec(optimizer_impl="triton")
-    r = subprocess.run([sys.executable, "-m", "planner.cli", "estimate", "--model", "llama3-8b", "--gpus", "8",
-                        "--optimizer-impl", "triton"], capture_output=True, text=True, timeout=120)
+    r = cli_process(["estimate", "--model", "llama3-8b", "--gpus", "8", "--optimizer-impl", "triton"])
     assert (r.returncode, r.stdout) == (2, "")
     assert r.stderr == "error: optimizer_impl: unknown value 'triton'; choose one of: foreach, fused, for-loop\n"
 
@@ -88,11 +86,10 @@ def test_pipeline_ranks_price_the_implementation():
 
 
 def test_outputs_name_the_implementation():
-    r = subprocess.run([sys.executable, "-m", "planner.cli", "estimate", "--model", "llama3-8b", "--gpus", "8",
-                        "--optimizer-impl", "for-loop", "--format", "json"], capture_output=True, text=True, timeout=120)
+    r = cli_process(["estimate", "--model", "llama3-8b", "--gpus", "8", "--optimizer-impl", "for-loop", "--format",
+                     "json"])
     assert r.returncode == 0, r.stderr
     d = json.loads(r.stdout)
     assert d["training"] == {"seq_len": 2048, "optimizer": "adamw", "optimizer_impl": "for-loop", "finetune": "full"}
-    text = subprocess.run([sys.executable, "-m", "planner.cli", "explain", "--model", "llama3-8b", "--gpus", "8",
-                           "--optimizer-impl", "fused"], capture_output=True, text=True, timeout=120).stdout
+    text = cli_process(["explain", "--model", "llama3-8b", "--gpus", "8", "--optimizer-impl", "fused"]).stdout
     assert "optimizer step temporaries: adamw, fused step = 0.00 GiB on GPU" in text

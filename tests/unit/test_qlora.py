@@ -46,11 +46,10 @@ def test_bad_quantization_values_name_the_field_and_choices(field, value, words)
 
 
 def test_cli_refuses_a_bad_quant_value_in_one_line_with_exit_2():
-    import subprocess
-    import sys
+    from tests.doctor.cli_run import cli_process
 
-    r = subprocess.run([sys.executable, "-m", "planner.cli", "estimate", "--model", "llama3-8b", "--gpus", "2",
-                        "--finetune", "qlora", "--quant-storage", "int8"], capture_output=True, text=True, timeout=120)
+    r = cli_process(["estimate", "--model", "llama3-8b", "--gpus", "2", "--finetune", "qlora", "--quant-storage",
+                     "int8"])
     assert r.returncode == 2
     assert r.stderr.strip() == "error: quant_storage: unknown value 'int8'; choose one of: bf16, fp16, fp32, uint8"
 

@@ -4,8 +4,6 @@ the compute track's busy time plus the communication no compute hides is the est
 
 import functools
 import json
-import subprocess
-import sys
 
 import jsonschema
 import pytest
@@ -251,19 +249,18 @@ def test_405b_pipeline_timeline_is_small():
     assert max(e["ts"] + e["dur"] for e in spans) == pytest.approx(c.time.step_s * 1e6, rel=1e-6)
 
 
-CLI = [sys.executable, "-m", "planner.cli"]
-
-
 def test_explain_writes_the_timeline(tmp_path):
+    from tests.doctor.cli_run import cli_process
+
     out = tmp_path / "step.json"
-    r = subprocess.run([*CLI, "explain", "--model", "llama3-8b", "--gpus", "16", "--micro-batch", "1", "--format",
-                        "json", "--timeline", str(out)], capture_output=True, text=True, timeout=120)
+    r = cli_process(["explain", "--model", "llama3-8b", "--gpus", "16", "--micro-batch", "1", "--format", "json",
+                     "--timeline", str(out)])
     assert r.returncode == 0, r.stderr
     doc = json.loads(out.read_text())
     jsonschema.validate(doc, SCHEMA)
     assert doc["otherData"]["step_s"] == pytest.approx(_traced("fsdp")[0].time.step_s, rel=1e-12)
     assert f"predicted step written to {out}" in r.stderr
     assert json.loads(r.stdout)["time"]["step_s"] == doc["otherData"]["step_s"]  # stdout stays one JSON document
-    bad = subprocess.run([*CLI, "explain", "--model", "llama3-8b", "--gpus", "16", "--micro-batch", "1",
-                          "--timeline", str(tmp_path / "no" / "step.json")], capture_output=True, text=True, timeout=120)
+    bad = cli_process(["explain", "--model", "llama3-8b", "--gpus", "16", "--micro-batch", "1",
+                       "--timeline", str(tmp_path / "no" / "step.json")])
     assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0 and "timeline" in bad.stderr, bad.stderr

@@ -109,11 +109,9 @@ def test_a_configuration_the_trainer_cannot_run_is_one_line(trainer, knobs, fiel
     (["--trainer", "megatron"], "trainer: unknown trainer 'megatron'; choose one of"),
 ])
 def test_the_cli_refuses_in_one_line_with_exit_2(args, words):
-    import subprocess
-    import sys
+    from tests.doctor.cli_run import cli_process
 
-    r = subprocess.run([sys.executable, "-m", "planner.cli", "--model", "llama3-8b", "--gpus", "8", *args],
-                       capture_output=True, text=True, timeout=120)
+    r = cli_process(["--model", "llama3-8b", "--gpus", "8", *args])
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert words in r.stderr
 
