@@ -214,14 +214,14 @@ def _row(attention: str, checkpointing: str):
 
 
 def test_gpt_oss_120b_memory_eager_and_flex():
-    """Eager (the only choice before) is unchanged: 147.17 GiB reserved, the recomputed block 0's backward the peak
+    """Eager (the only choice before) is unchanged: 147.44 GiB reserved (147.17 with the flat 0.75 GiB context before 1ef2248 priced the memory outside the allocator term by term), the recomputed block 0's backward the peak
     (25.26 GiB of activations: its s x s scores and their fp32 gradients). Flex: the optimizer step leads (143.56
     GiB: parameters, gradients and AdamW's bf16 states, the same under either attention). Without checkpointing
     every layer's saved bytes differ by eager's c H (s + 1) + 4 c q + 8 H less flex's c (3 q + 2 kv) + 4 H + 4 c H
     = 557,696 - 27,392 = 530,304 B a token (the shipped profiles' terms differ by the same), over 36 layers and
     16,384 tokens: 291.30 GiB of the activations."""
     eager, flex = _row("eager", "full"), _row("flex", "full")
-    assert eager.peak_reserved_bytes / GIB == pytest.approx(147.17, abs=0.01)
+    assert eager.peak_reserved_bytes / GIB == pytest.approx(147.44, abs=0.01)
     assert eager.breakdown.activations / GIB == pytest.approx(25.26, abs=0.01)
     assert eager.peak_moment == "backward of block 0 (recomputed)" and flex.peak_moment == "optimizer step"
     assert flex.peak_reserved_bytes / GIB == pytest.approx(143.56, abs=0.01)
