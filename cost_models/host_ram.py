@@ -97,7 +97,7 @@ def host_ram(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, con
     sizes = state_sizes(model, cluster, training, config)
     n = cluster.gpus_per_node
     offloaded = config.offload  # offloaded state is host memory already: DCP writes it where it is
-    load = load_bytes(load_way, sizes, fsdp2).node_bytes(n)
+    loaded = load_bytes(load_way, sizes, fsdp2)
     save = save_bytes(save_way, sizes, fsdp2, offloaded=offloaded, host_state_dict=ways.save_state_dict_on_host)
     resumed = load_bytes(resume_way, sizes, fsdp2, optimizer=True,
                          host_state_dict=ways.resume_state_dict_on_host)
@@ -107,7 +107,7 @@ def host_ram(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, con
     others = {LoadWay.EVERY_RANK: n * weights, LoadWay.RANK0_BROADCAST: weights}
     saves = {SaveWay.DCP: save.node_bytes(n) if save_way is SaveWay.DCP else None,
              SaveWay.FULL_RANK0: sizes.state_bytes, SaveWay.DCP_ASYNC: n * sizes.shard(sizes.state_bytes)}
-    why = (f"load {load_way.value}: {load / GiB:.1f} GiB on rank 0's node ("
+    why = (f"load {load_way.value}: {loaded.node_bytes(n) / GiB:.1f} GiB on rank 0's node ("
            + ", ".join(f"{w.value}: {b / GiB:.1f}" for w, b in others.items() if w is not load_way)
            + f"); save {save_way.value}, {SAVE_WORDS[save_way]}: {save.node_bytes(n) / GiB:.1f} GiB ("
            + ", ".join(f"{w.value}: {b / GiB:.1f}" for w, b in saves.items() if w is not save_way and b is not None)
@@ -116,9 +116,9 @@ def host_ram(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, con
               f" through a state dict on {'host' if ways.resume_state_dict_on_host else 'the GPU'}: "
               f"{resumed.node_bytes(n) / GiB:.1f} GiB"))
     return HostRam(load_way, save_way, resume_way, why, process_bytes=n * PROCESS_BYTES_PER_RANK,
-                   offloaded_bytes=offloaded_bytes, load_bytes=load, save_bytes=save.node_bytes(n),
+                   offloaded_bytes=offloaded_bytes, load_bytes=loaded.node_bytes(n), save_bytes=save.node_bytes(n),
                    resume_bytes=resumed.node_bytes(n), save_gpu_bytes=save.gpu_bytes,
-                   load_gpu_bytes=load_bytes(load_way, sizes, fsdp2).gpu_bytes, resume_gpu_bytes=resumed.gpu_bytes)
+                   load_gpu_bytes=loaded.gpu_bytes, resume_gpu_bytes=resumed.gpu_bytes)
 
 
 def gpu_outside_step_bytes(host: HostRam, step) -> dict[str, int]:

@@ -50,11 +50,12 @@ class Costing:
                 run = as_run(config, self.cluster)
                 key = memory_key(run)
                 memory = self.memories.get(key)
-                if memory is None:
+                if memory is None:  # priced for this run: its outside terms are its own
                     memory = self.memories[key] = estimate_memory(self.model, self.cluster, self.training, run,
                                                                   self.profile)
-                memory = with_outside_terms(memory, pipeline_outside_terms(self.model, self.cluster, self.training, run,
-                                                                           self.profile))
+                else:  # another run's (Float8, async TP): this one's outside terms in place of its
+                    memory = with_outside_terms(memory, pipeline_outside_terms(self.model, self.cluster, self.training,
+                                                                               run, self.profile))
             e = self.evaluations[config] = evaluate(self.model, self.cluster, self.training, config, self.profile,
                                                     memory=memory, ways=self.ways)
         return e

@@ -14,10 +14,9 @@ def scout_space(space, cluster):
     """The few knobs a pipeline degree is first judged by (the walk compares degrees on them): the first
     precision, compile, Float8 and async TP where they run, no reshard group, HYBRID over the node; every
     micro-batch and every activation checkpointing choice. Checkpointing stays whole because it is what a pipeline
-    trades: fewer blocks
-    per rank free the memory that lets a stage run without recompute, so judging degrees under full checkpointing
-    alone ranks them by the wrong step (llama3.1-70b on 1,024 A100, global batch 512: FSDP 128 x TP 8 at 321
-    tokens/s/GPU instead of FSDP 64 x TP 4 x PP 4 interleaved without checkpointing at 333). `space`: a
+    trades: fewer blocks per rank free the memory that lets a stage run without recompute, so judging degrees under
+    full checkpointing alone ranks them by the wrong step (llama3.1-70b on 1,024 A100, global batch 512: FSDP 128 x
+    TP 8 at 321 tokens/s/GPU instead of FSDP 64 x TP 4 x PP 4 interleaved without checkpointing at 333). `space`: a
     planner.search.SearchSpace."""
     return replace(space, precisions=space.precisions_for(cluster)[:1],
                    compile=(max(space.compile_for(cluster)),), float8=(max(space.float8),),
