@@ -5,6 +5,7 @@
     fsdp-plan calibrate ... --nodes 2 --rdzv-endpoint node0:29500 [--launch --node-rank N] [--emit slurm]
     fsdp-plan calibrate --factory my_pkg.models:build --gpus 2 --device cpu --out calib-cpu
     fsdp-plan calibrate --model llama3-8b --gpus 8 --sharding FULL_SHARD --tp 2 --out calib-tp  # one mesh config
+    fsdp-plan calibrate ... --gpus 8 --sharding HYBRID_SHARD --shard-group-gpus 4 --out calib-hsdp  # (2, 4) groups
 
 Only forwards flags to planner.calibrating.calibrate and prints its report (planner.reports.table_calibration);
 the flags are CalibrationRequest's knobs and the request's (planner/cli/flags.py).
@@ -53,7 +54,7 @@ def _params():
         *options("out_dir", "model", "factory", "gpus", "gpus_per_node", "nodes", "gpu", "internode_gbps", "device",
                  *TRAINING, "attention", "precisions", "top", request=CalibrationRequest, top=As(default=None),
                  precisions=As(help="Precisions to search (repeatable); one value with the config flags")),
-        *options(*_EXPLICIT, *MESH, "sequence_parallel", **_GIVEN),
+        *options(*_EXPLICIT, *MESH, "sequence_parallel", "shard_group_gpus", **_GIVEN),
         *options("steps", "warmup", "fsdp_version", "layers", "emulate_world_size", "profile", "force_profile", "fit",
                  "resume", "timeout_s", "launch", "rdzv_endpoint", "node_rank", "torch_profile",
                  request=CalibrationRequest, launch=As(default=False)),
@@ -73,7 +74,7 @@ def _one_config(knobs: dict, precisions, top, device, gpus, global_batch, emulat
     from planner.errors import PlannerError
     from planner.request import MeshRequest
 
-    mesh = {n: knobs.pop(n) for n in (*MESH, "sequence_parallel")}
+    mesh = {n: knobs.pop(n) for n in (*MESH, "sequence_parallel", "shard_group_gpus")}
     MeshRequest(**mesh)  # degrees >= 1
     explicit = {n: knobs.pop(n) for n in _EXPLICIT}
     given = {k: v for k, v in {**explicit, **mesh}.items() if v is not None}

@@ -227,8 +227,9 @@ class Request:
     config: ConfigRequest = field(default_factory=ConfigRequest)
     search: SearchRequest = field(default_factory=SearchRequest)
     trainer: str | None = knob(None, "--trainer", help="The trainer that runs the plan: fsdp2 (the planner's "
-                               "fully_shard code), fsdp1, hf (HF Trainer / accelerate FSDP2), hf-fsdp1, lightning, "
-                               "torchtitan (0.3), torchtitan-0.2; the search proposes only what it can run, priced "
+                               "fully_shard code), fsdp1, hf (HF Trainer FSDP2), hf-fsdp1, accelerate-fsdp2 and "
+                               "accelerate (FSDP1: your loop), lightning, axolotl, torchtitan (0.3), torchtitan-0.2, "
+                               "automodel (NeMo Automodel 0.7); the search proposes only what it can run, priced "
                                "with its defaults (optimizer implementation, kernels). Default: the --emit dialect's "
                                "trainer, else fsdp2")
     alloc_conf: str | None = knob(None, "--alloc-conf", help="PYTORCH_CUDA_ALLOC_CONF the run sets, e.g. "

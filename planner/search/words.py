@@ -62,7 +62,8 @@ def pipeline_words(config: FsdpConfig, compact: bool = False) -> list[str]:
 
 
 def technique_words(config: FsdpConfig, compact: bool = False) -> list[str]:
-    """compile, Float8 (+ FP8 all-gather) and the blocks' reshard group in words (none: an empty list)."""
+    """compile, Float8 (+ FP8 all-gather), the blocks' reshard group, async TP and the kernels in words (none: an
+    empty list)."""
     words = ("compile", "float8", " + fp8 all-gather", "reshard to {}", "async TP") if compact else (
         "torch.compile per block", "Float8 linears", " with FP8 all-gather", "blocks resharded to {} ranks after forward",
         "async TP")
@@ -73,6 +74,27 @@ def technique_words(config: FsdpConfig, compact: bool = False) -> list[str]:
         parts.append(words[3].format(config.reshard_after_forward))
     if config.async_tp:
         parts.append(words[4])
+    return parts + kernel_words(config, compact)
+
+
+# the op classes' kernels other than the model's own (FsdpConfig.*_kernel), as the flags name them
+_OPS = (("norm_kernel", "RMSNorm"), ("rope_kernel", "RoPE"), ("swiglu_kernel", "SwiGLU"), ("loss_kernel", "loss"))
+_OWNERS = {"liger": "Liger", "te": "TE", "chunked": "chunked"}
+_ATTENTION = {"cudnn": "cuDNN attention", "fa3": "flash-attention 3"}
+
+
+def kernel_words(config: FsdpConfig, compact: bool = False) -> list[str]:
+    """The kernels a config runs beside the model's own ops: "Liger kernels" when all four are Liger's (HF's
+    use_liger_kernel), else each op's ("TE RMSNorm", "chunked loss"); the fused attention's kernel but FlashAttention-2
+    (none: an empty list)."""
+    chosen = {op: getattr(config, name).value for name, op in _OPS if getattr(config, name).value != "eager"}
+    if len(chosen) == len(_OPS) and set(chosen.values()) == {"liger"}:
+        parts = ["liger" if compact else "Liger kernels"]
+    else:
+        parts = [f"{value if compact else _OWNERS[value]} {op}" for op, value in chosen.items()]
+    kernel = config.attention_kernel.value
+    if kernel in _ATTENTION:
+        parts.append(kernel if compact else _ATTENTION[kernel])
     return parts
 
 

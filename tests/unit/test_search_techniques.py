@@ -100,3 +100,18 @@ def test_the_old_space_is_still_one_setting_away(space):
     configs = _configs(make_cluster(16, gpu="h100-80gb"), replace(space, **{k: getattr(SMALL, k) for k in (
         "shardings", "offload", "backward_prefetch", "limit_all_gathers", "micro_batches")}))
     assert not any(c.compile or c.float8 or c.selective_op_ac or c.reshard_after_forward for c in configs)
+
+
+def test_the_kernels_a_config_runs_are_named_where_its_techniques_are():
+    """The table's techniques cell and the artifacts' summary line name the kernels the plan priced (a Liger plan
+    showed only "compile" while its snippet applied Liger)."""
+    from planner.search.words import technique_words
+
+    liger = FsdpConfig(compile=True, norm_kernel="liger", rope_kernel="liger", swiglu_kernel="liger",
+                       loss_kernel="liger")
+    assert technique_words(liger, compact=True) == ["compile", "liger"]
+    assert technique_words(liger) == ["torch.compile per block", "Liger kernels"]
+    mixed = FsdpConfig(norm_kernel="te", loss_kernel="chunked", attention_kernel="cudnn")
+    assert technique_words(mixed, compact=True) == ["te RMSNorm", "chunked loss", "cudnn"]
+    assert technique_words(mixed) == ["TE RMSNorm", "chunked loss", "cuDNN attention"]
+    assert technique_words(FsdpConfig()) == []  # the model's own ops and FlashAttention-2: nothing to add

@@ -138,3 +138,14 @@ def test_each_trainer_is_priced_with_its_own_defaults():
     titan = priced["torchtitan"]
     as_hf = estimate_config(priced["hf"].model, titan.cluster, titan.training, titan.config)
     assert titan.time.step_s < as_hf.time.step_s
+
+
+def test_the_trainer_flag_names_every_trainer():
+    """--trainer's help lists each trainer of the table (it listed 7 of 11: automodel, axolotl and accelerate missing)."""
+    from dataclasses import fields
+
+    from planner.request.groups import Request
+
+    text = next(f for f in fields(Request) if f.name == "trainer").metadata["flag"].help
+    missing = [t for t in TRAINERS if not re.search(rf"(?<![\w-]){re.escape(t)}(?![\w-])", text)]
+    assert not missing, missing
