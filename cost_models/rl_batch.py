@@ -68,11 +68,15 @@ class BatchPlan:
     mini_batches_per_step: int
     mini_batch_seqs_per_rank: int   # verl's normalised ppo_mini_batch_size
     micro_batches_per_mini: int
-    update_tokens_per_gpu: int      # one update micro-batch's tokens on one GPU (after Ulysses' split)
+    update_tokens_per_gpu: int      # one update micro-batch's tokens on one GPU (after Ulysses' split): its memory
     log_prob_tokens_per_gpu: int
     step_seqs_per_rank: int         # sequences per data-parallel rank per step (what log-probs run over)
     rollout_seqs_per_replica: int   # sequences one engine replica (rollout TP GPUs) generates
     refusals: tuple[Refusal, ...] = ()
+    # the tokens a micro-batch runs on average (its time): static, as held; dynamic, the rank's real tokens over
+    # rearrange_micro_batches' count (a balanced partition, not filled to the budget); 0: as held
+    update_run_tokens_per_gpu: int = 0
+    log_prob_run_tokens_per_gpu: int = 0
 
 
 def _ulysses_refusals(sp: int, n_gpus: int, heads: int, kv_heads: int) -> list[Refusal]:
@@ -138,11 +142,28 @@ def batch_plan(b: RlBatch, n_gpus: int, heads: int, kv_heads: int, rollout_tp: i
     update = _micro_tokens(b.use_dynamic_bsz, micro, b.ppo_max_token_len_per_gpu, max(mini, 1), b, sp)
     log_prob = _micro_tokens(b.use_dynamic_bsz, b.log_prob_micro_batch_size_per_gpu,
                              b.log_prob_max_token_len_per_gpu, step_seqs, b, sp)
-    # dynamic: rearrange_micro_batches' count, ceil(the rank's mini-batch tokens / (budget x sp))
-    micro_count = (-(-max(mini, 1) * b.seq_tokens // (b.ppo_max_token_len_per_gpu * sp)) if b.use_dynamic_bsz
+    micro_count = (_dynamic_count(max(mini, 1), b.seq_tokens, b.ppo_max_token_len_per_gpu * sp) if b.use_dynamic_bsz
                    else max(mini, 1) // micro)
+    run, lp_run = update, log_prob
+    if b.use_dynamic_bsz:
+        run = _balanced_tokens(max(mini, 1), b.seq_tokens, micro_count, sp)
+        lp_run = _balanced_tokens(step_seqs, b.seq_tokens, _dynamic_count(
+            step_seqs, b.seq_tokens, b.log_prob_max_token_len_per_gpu * sp), sp)
     return BatchPlan(data_parallel=dp, sequences_per_step=seqs,
                      mini_batches_per_step=max(1, b.train_batch_size // b.ppo_mini_batch_size),
                      mini_batch_seqs_per_rank=mini, micro_batches_per_mini=micro_count,
                      update_tokens_per_gpu=update, log_prob_tokens_per_gpu=log_prob, step_seqs_per_rank=step_seqs,
-                     rollout_seqs_per_replica=-(-seqs // max(1, n_gpus // rollout_tp)), refusals=tuple(refusals))
+                     rollout_seqs_per_replica=-(-seqs // max(1, n_gpus // rollout_tp)), refusals=tuple(refusals),
+                     update_run_tokens_per_gpu=run, log_prob_run_tokens_per_gpu=lp_run)
+
+
+def _dynamic_count(seqs: int, seq_tokens: int, budget: int) -> int:
+    """verl utils/seqlen_balancing.py rearrange_micro_batches (0.9.1): from ceil(total tokens / max_token_len)
+    micro-batches it adds one until the balanced partition of whole sequences keeps each within max_token_len; with
+    every sequence at its mean length (as the step time prices them) a micro-batch holds budget // length."""
+    return -(-seqs // max(1, budget // seq_tokens))
+
+
+def _balanced_tokens(seqs: int, seq_tokens: int, count: int, sp: int) -> int:
+    """A balanced micro-batch's tokens on one GPU: the rank's real tokens over the count, split by Ulysses."""
+    return -(-seqs * seq_tokens // (count * sp))

@@ -112,13 +112,14 @@ def train_seconds(model: ModelSpec, cluster: ClusterSpec, settings: RlSettings, 
     """(update, log-probs) seconds of a step: the update's micro-steps and one optimizer step per mini-batch; the
     old and reference log-probs, each the forward of the rank's tokens at the log-prob micro-batch."""
     length, gc = prompt_tokens + response_tokens, settings.gradient_checkpointing
-    tokens = batch.update_tokens_per_gpu
+    # what a micro-batch runs on average: dynamic batches are priced on their real tokens (BatchPlan), not the budget
+    tokens = batch.update_run_tokens_per_gpu or batch.update_tokens_per_gpu
     micro, seqs_x_seq = micro_step(model, cluster, settings, batch, tokens, length, profile, sp, memo)
     per_token = (micro.step_s - micro.optimizer_s + ulysses_s(model, cluster, profile, micro, seqs_x_seq, sp, gc)) \
         / seqs_x_seq
     per_step = max(1, batch.micro_batches_per_mini) * batch.mini_batches_per_step
     update = per_step * tokens * per_token + batch.mini_batches_per_step * micro.optimizer_s
-    lp_tokens = batch.log_prob_tokens_per_gpu
+    lp_tokens = batch.log_prob_run_tokens_per_gpu or batch.log_prob_tokens_per_gpu
     fwd, fwd_tokens = (micro, seqs_x_seq) if lp_tokens == tokens else micro_step(
         model, cluster, settings, batch, lp_tokens, length, profile, sp, memo)
     forward_per_token = ((fwd.compute_s - fwd.recompute_s) / 3

@@ -7,9 +7,10 @@ The knobs fall in three groups by what they change in the cost models:
 - engine (E): rollout TP, gpu_memory_utilization, max_num_seqs - they change only the phases with the engine
   awake (init, rollout, weight_sync: ENGINE_PHASES), the engine's refusals, host RAM and the generation time;
 - actor (A): gradient checkpointing, the Ulysses degree (dividing the heads and the GPUs; the KV heads divided
-  by it or dividing it, verl's repeat_kv), the update's micro-batch (or token budget) and the log-prob's apart
-  (forward only: it takes more), and entropy chunking - they change only the other phases (the engine asleep),
-  the batch refusals and the update / log-prob time.
+  by it or dividing it, verl's repeat_kv), static micro-batches or dynamic ones (use_dynamic_bsz: packed to a
+  token budget, held at the budget, run on the real tokens: cost_models/rl_batch.py), the update's and the
+  log-prob's apart (forward only: it takes more), and entropy chunking - they change only the other phases (the
+  engine asleep), the batch refusals and the update / log-prob time.
 Given S, a configuration fits when its engine side and its actor side each fit, and its step time is f(S, E) +
 g(S's dtype, A) (rl_time.py: generation + weight sync + offload copies; update + log-probs + critic). So the best
 configuration of each S is the best E with the best A, found without their product (plan_rl): every E priced
@@ -50,8 +51,6 @@ NOT_SEARCHED = {
                 "loading's host RAM differs), so the request's is kept",
     "max_num_batched_tokens": "only its profile run's activations are priced (prefill time is a FLOP roofline), so "
                               "a search would only ever lower it; the request's is kept",
-    "use_dynamic_bsz": "with every sequence at its mean length a budget of B tokens prices as a micro-batch of "
-                       "B / length sequences; the request's mode is kept, its budgets or micro-batches searched",
 }
 
 
@@ -83,7 +82,8 @@ def side_fits(e: RlEstimate, engine_side: bool) -> bool:
 
 
 def _divides_mini(request: RlRequest, n_gpus: int, sp: int, micro: int) -> bool:
-    """verl asserts the normalised mini-batch (prompts x n // (GPUs / Ulysses)) divisible by the micro-batch."""
+    """verl asserts the normalised mini-batch (prompts x n // (GPUs / Ulysses)) divisible by the micro-batch (1:
+    dynamic batches, which only need a mini-batch of at least one sequence)."""
     mini = (request.ppo_mini_batch_size or request.train_batch) * request.rollout_n // max(1, n_gpus // sp)
     return mini > 0 and mini % micro == 0
 
@@ -111,12 +111,12 @@ def spaces(request: RlRequest, model: ModelSpec, n_gpus: int) -> tuple[list[dict
     longest = request.prompt_len + request.response_len
     actor = []
     for sp in (s for s in ULYSSES if n_gpus % s == 0 and heads % s == 0 and (kv % s == 0 or s % kv == 0)):
-        if request.use_dynamic_bsz:
-            batches = [dict(ppo_max_token_len_per_gpu=b, log_prob_max_token_len_per_gpu=lb) for b in TOKEN_BUDGETS
-                       if b * sp >= longest for lb in LOG_PROB_TOKEN_BUDGETS if lb * sp >= longest]
-        else:
-            batches = [dict(ppo_micro_batch_size_per_gpu=m, log_prob_micro_batch_size_per_gpu=lm)
-                       for m in MICRO_BATCHES if _divides_mini(request, n_gpus, sp, m) for lm in LOG_PROB_MICRO_BATCHES]
+        batches = [dict(use_dynamic_bsz=False, ppo_micro_batch_size_per_gpu=m, log_prob_micro_batch_size_per_gpu=lm)
+                   for m in MICRO_BATCHES if _divides_mini(request, n_gpus, sp, m) for lm in LOG_PROB_MICRO_BATCHES]
+        if _divides_mini(request, n_gpus, sp, 1):
+            batches += [dict(use_dynamic_bsz=True, ppo_max_token_len_per_gpu=b, log_prob_max_token_len_per_gpu=lb)
+                        for b in TOKEN_BUDGETS if b * sp >= longest
+                        for lb in LOG_PROB_TOKEN_BUDGETS if lb * sp >= longest]
         actor += [dict(gradient_checkpointing=gc, ulysses_sequence_parallel_size=sp, **b)
                   for gc in (True, False) for b in batches]
     return shared, engine, actor

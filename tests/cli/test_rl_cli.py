@@ -51,13 +51,15 @@ def test_rl_ranks_what_fits_by_step_time():
     RlPlanOutput.model_validate(out)
     steps = [c["time"]["step_s"] for c in out["candidates"]]
     assert out["fits"] and all(c["fits"] for c in out["candidates"]) and steps == sorted(steps)
-    # shared 16 x engine 30 x actor 180 (tests/unit/test_rl_search.py, by hand); a few hundred priced
-    assert out["searched"] == 86_400 and out["priced"] < 1000 and set(out["not_searched"]) == {
-        "strategy", "max_num_batched_tokens", "use_dynamic_bsz"}
+    # shared 16 x engine 30 x actor 252 (tests/unit/test_rl_search.py, by hand); a few hundred priced
+    assert out["searched"] == 120_960 and out["priced"] < 1000 and set(out["not_searched"]) == {
+        "strategy", "max_num_batched_tokens"}
     best = out["candidates"][0]["knobs"]
-    # the log-prob forward takes a larger micro-batch than the update, its logits then chunked to fit
-    # (tests/unit/test_rl_search.py: 74.7 GB unchunked at 16 sequences)
-    assert best["log_prob_micro_batch_size_per_gpu"] > best["ppo_micro_batch_size_per_gpu"]
+    # the log-prob forward takes a larger micro-batch (or token budget) than the update, its logits then chunked to
+    # fit (tests/unit/test_rl_search.py: 74.7 GB unchunked at 16 sequences)
+    update, log_prob = (("ppo_max_token_len_per_gpu", "log_prob_max_token_len_per_gpu") if best["use_dynamic_bsz"] else
+                        ("ppo_micro_batch_size_per_gpu", "log_prob_micro_batch_size_per_gpu"))
+    assert best[log_prob] > best[update]
     assert best["entropy_chunking"] and best["max_num_seqs"] in (256, 512, 1024)
     table = run("rl", *JOB[2:])
     assert table.returncode == 0 and "by estimated step time" in table.stdout and "Best:" in table.stdout

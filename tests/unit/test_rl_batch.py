@@ -37,7 +37,12 @@ def test_dynamic_budget_is_per_gpu_times_ulysses():
                 ulysses_sequence_parallel_size=2)
     p = batch_plan(b, 4, 28, 4, 2)
     assert p.update_tokens_per_gpu == 16_384
-    assert p.micro_batches_per_mini == 3   # verl's count: ceil(98,304 / 32,768)
+    # verl 0.9.1's count (rearrange_micro_batches): from ceil(98,304 / 32,768) = 3 it adds micro-batches until each
+    # holds whole sequences within the budget: 32,768 // 1,536 = 21 sequences a micro-batch, ceil(64 / 21) = 4
+    assert p.micro_batches_per_mini == 4
+    # its time runs the real tokens, not the budget: 64 x 1,536 / 4 micro-batches / sp 2 = 12,288 per GPU; the
+    # log-prob's: 128 sequences a rank, 21 a micro-batch -> 7, 128 x 1,536 / 7 / 2 = 14,043.4 -> 14,044
+    assert (p.update_run_tokens_per_gpu, p.log_prob_run_tokens_per_gpu) == (12_288, 14_044)
     # a rank holding only 4 x 1,536 = 6,144 tokens packs them all: 3,072 per GPU
     small = RlBatch(train_batch_size=2, rollout_n=4, ppo_mini_batch_size=2, max_prompt_length=512,
                     max_response_length=1024, use_dynamic_bsz=True, ulysses_sequence_parallel_size=2)

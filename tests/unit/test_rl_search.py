@@ -21,17 +21,19 @@ def test_space_sizes(qwen7):
     """The issue's job (Qwen2.5-7B: 28 heads, 4 KV heads; 8 GPUs; 2,048 sequences a step): shared 2 dtypes x 2 x 2
     offloads x 2 reference offloads = 16; engine: TP 1 / 2 / 4 (8 does not divide 28 heads) with 256 / 512 / 1,024
     sequences a replica, so max_num_seqs {256}, {256, 512}, {256, 512, 1024}: 6 x 5 utilizations = 30; actor:
-    Ulysses 1 / 2 / 4 x checkpointing on / off x 5 micro-batches (all divide 256 x sp) x 6 log-prob ones = 180."""
+    Ulysses 1 / 2 / 4 x checkpointing on / off x (5 micro-batches (all divide 256 x sp) x 6 log-prob ones, or
+    dynamic batches: 3 token budgets x 4 log-prob ones, each x sp holding one sequence of 5,120) = 6 x 42 = 252."""
     shared, engine, actor = search.spaces(rl_request("qwen2.5-7b", 8, **JOB), qwen7, 8)
-    assert (len(shared), len(engine), len(actor)) == (16, 30, 180)
+    assert (len(shared), len(engine), len(actor)) == (16, 30, 252)
+    assert sum(a["use_dynamic_bsz"] for a in actor) == 72
     assert {e["max_num_seqs"] for e in engine if e["rollout_tp"] == 2} == {256, 512}
     # LoRA: no reference to offload; PPO: the critic's two offloads
     assert len(search.spaces(rl_request("qwen2.5-7b", 8, **JOB, finetune="lora"), qwen7, 8)[0]) == 8
     assert len(search.spaces(rl_request("qwen2.5-7b", 8, **JOB, algorithm="ppo"), qwen7, 8)[0]) == 64
     # dynamic, 1024 + 8192 tokens: a budget x sp holds one sequence of 9,216: sp 1 -> 16k, 32k; sp 2 and 4 -> all 3;
     # log-prob budgets likewise, 64k too (sp 1: 3 of 4, sp 2 / 4: 4)
-    dynamic = search.spaces(rl_request("qwen2.5-7b", 8, **{**JOB, "response_len": 8192}, use_dynamic_bsz=True),
-                            qwen7, 8)[2]
+    dynamic = [a for a in search.spaces(rl_request("qwen2.5-7b", 8, **{**JOB, "response_len": 8192}), qwen7, 8)[2]
+               if a["use_dynamic_bsz"]]
     assert len(dynamic) == 2 * (2 * 3 + 3 * 4 + 3 * 4)
     assert {a["ppo_max_token_len_per_gpu"] for a in dynamic if a["ulysses_sequence_parallel_size"] == 1} == {
         16384, 32768}
@@ -50,17 +52,19 @@ def test_ulysses_degrees_follow_verls_rule(qwen7):
 
 
 def test_pruned_search_finds_the_exhaustive_best(monkeypatch):
-    """Qwen2.5-7B GRPO on 2 x H100 (fp32 states 15 + 30 GB a GPU: offloads matter), a space cut to 1,536
+    """Qwen2.5-7B GRPO on 2 x H100 (fp32 states 15 + 30 GB a GPU: offloads matter), a space cut to 1,920
     configurations: for every shared choice the pruned search's best has the step time and peak of the whole
-    product's best, pricing a tenth of it. The best needs entropy chunking, so the chunking rule is exercised."""
+    product's best, pricing a tenth of it. The best needs entropy chunking, so the chunking rule is exercised; the
+    fp32 actor's bests take dynamic batches (8k tokens: 2 sequences of 3,072 a micro-batch, which static batches of
+    1 or 16 do not offer), so both batch modes are."""
     for name, values in dict(UTILIZATIONS=(0.3, 0.6), MICRO_BATCHES=(1, 16), LOG_PROB_MICRO_BATCHES=(2, 32),
-                             MAX_NUM_SEQS=(64, 256)).items():
+                             MAX_NUM_SEQS=(64, 256), TOKEN_BUDGETS=(8192,), LOG_PROB_TOKEN_BUDGETS=(32768,)).items():
         monkeypatch.setattr(search, name, values)
     request = rl_request("qwen2.5-7b", 2, gpu="h100-80gb", prompt_len=1024, response_len=2048, rollout_n=4,
                          train_batch=32)
     plan = search.plan_rl(request, top=100)
     everything = search.exhaustive(request)
-    assert plan.searched == len(everything) == 1536 and plan.priced < 200
+    assert plan.searched == len(everything) == 1920 and plan.priced < 200
     shared = list(search.spaces(request, resolve_model("qwen2.5-7b"), 2)[0][0])
 
     def choice(e):
@@ -71,6 +75,7 @@ def test_pruned_search_finds_the_exhaustive_best(monkeypatch):
             exhaustive[choice(e)] = e
     assert {choice(e): search.key(e) for e in plan.ranked} == {c: search.key(e) for c, e in exhaustive.items()}
     assert len(plan.ranked) == 12 and plan.ranked[0].request.entropy_chunking
+    assert {e.request.use_dynamic_bsz for e in plan.ranked} == {False, True}
 
 
 BEST = dict(JOB, actor_dtype="bf16", ref_param_offload=False, gradient_checkpointing=False, rollout_tp=4,

@@ -80,3 +80,18 @@ def test_log_probs_priced_at_their_own_micro_batch():
                          for u, lp in ((1, 16), (16, 16), (1, 1)))
     assert split.time.log_prob_s == big.time.log_prob_s and split.time.update_s == small.time.update_s
     assert split.time.log_prob_s < small.time.log_prob_s
+
+
+def test_dynamic_batches_run_their_real_tokens():
+    """verl packs whole sequences up to the budget (rearrange_micro_batches): at 5,120 tokens a sequence a budget of
+    15,359 holds 2 of them, so the step runs what static micro-batches of 2 run, to the second, while the memory is
+    priced at the budget (15,359 tokens a GPU, against 10,240). Priced at the budget instead (each of 86 micro-batches
+    full), the update would run 86 x 15,359 = 1,320,874 tokens a mini-batch for the 1,310,720 there are."""
+    job = dict(gpu="h100-80gb", prompt_len=1024, response_len=4096, rollout_n=8, train_batch=256, actor_dtype="bf16")
+    static = rl_estimate("qwen2.5-7b", 8, ppo_micro_batch_size_per_gpu=2, **job)
+    dynamic = rl_estimate("qwen2.5-7b", 8, use_dynamic_bsz=True, ppo_max_token_len_per_gpu=15_359, **job)
+    assert (dynamic.batch.micro_batches_per_mini, dynamic.batch.update_tokens_per_gpu) == (128, 15_359)
+    assert (static.batch.micro_batches_per_mini, static.batch.update_tokens_per_gpu) == (128, 10_240)
+    assert dynamic.time.update_s == pytest.approx(static.time.update_s, rel=1e-12)
+    assert dynamic.time.log_prob_s == pytest.approx(static.time.log_prob_s, rel=1e-12)
+    assert dynamic.memory.phases[5].gpu_bytes["activations"] > static.memory.phases[5].gpu_bytes["activations"]
