@@ -55,14 +55,15 @@ def unsupported_reasons(cluster: ClusterSpec, config: FsdpConfig) -> list[str]:
 
 
 def evaluate(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, config: FsdpConfig,
-             profile: Profile, memory: MemoryEstimate | None = None, ways: Ways | None = None) -> Evaluation:
+             profile: Profile, memory: MemoryEstimate | None = None, ways: Ways | None = None,
+             time: TimeBreakdown | None = None) -> Evaluation:
     """Price `config` as FSDP runs it (feasibility.as_run: a reshard group equal to the shard group is the
     strategy's own resharding), with the reasons it cannot run or does not fit; memory: its estimate where the
     caller has it (planner/search/memo.py: priced once across knobs the memory does not read); ways: how the
-    trainer loads and saves (host_ram.Ways; default: rank 0 loads, DCP saves)."""
+    trainer loads and saves (host_ram.Ways; default: rank 0 loads, DCP saves); time: the step time, likewise."""
     config = as_run(config, cluster)
     memory = estimate_memory(model, cluster, training, config, profile) if memory is None else memory
-    time = estimate_step_time(model, cluster, training, config, profile)
+    time = estimate_step_time(model, cluster, training, config, profile) if time is None else time
     reasons = unsupported_reasons(cluster, config)
     capacity = cluster.gpu.memory_bytes
     if memory.peak_reserved_bytes > capacity:

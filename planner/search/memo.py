@@ -7,26 +7,49 @@ V 2 against ~1 ms for its step time), and Float8 linears and async TP change onl
 step time alone, neither by the memory ledger (tests/unit/test_search_memo.py checks the estimates equal), only by
 the memory outside the allocator (async TP's symmetric-memory workspace; cost_models/outside_allocator.py), priced
 again for each configuration on the shared ranks. The FP8 all-gather stays in the key: the pipeline estimate's notes
-name it."""
+name it.
+
+Every configuration, pipeline or not, also shares what reads only part of it (issue 27 item 6: FSDP1's backward
+prefetch and rate limiter double the plain mesh's candidates, each costed whole before): the memory across backward
+prefetch (read by the step time alone, step_time.py / step_timeline.py: BACKWARD_PRE moves no bytes), the step time
+across the rate limiter (read by the memory ledger alone, memory.prefetch_below: it bounds the all-gathers in flight,
+not their seconds), the host RAM (host_ram.host_ram: the precision, the replicas, offload and the offloaded bytes)."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field, fields
 
 from cost_models.evaluate import Evaluation, evaluate
 from cost_models.feasibility import as_run
+from cost_models.host_ram import HostRam, Ways, host_ram
 from cost_models.memory import MemoryEstimate, estimate_memory
 from cost_models.pipeline_memory import pipeline_outside_terms, with_outside_terms
 from cost_models.profile import Profile
 from cost_models.specs import ClusterSpec, FsdpConfig, ModelSpec, TrainingSpec
+from cost_models.step_time import TimeBreakdown, estimate_step_time
 
 MEMORY_FREE_FIELDS = frozenset({"float8", "async_tp"})  # FsdpConfig fields the ledger never reads (outside terms do)
-_KEY_FIELDS = tuple(f.name for f in fields(FsdpConfig) if f.name not in MEMORY_FREE_FIELDS)
+LEDGER_FREE_FIELDS = frozenset({"backward_prefetch"})  # nor these, outside terms included
+TIME_FREE_FIELDS = frozenset({"limit_all_gathers"})   # FsdpConfig fields the step time never reads
+_KEY_FIELDS = tuple(f.name for f in fields(FsdpConfig) if f.name not in MEMORY_FREE_FIELDS | LEDGER_FREE_FIELDS)
+_ESTIMATE_FIELDS = tuple(f.name for f in fields(FsdpConfig) if f.name not in LEDGER_FREE_FIELDS)
+_TIME_FIELDS = tuple(f.name for f in fields(FsdpConfig) if f.name not in TIME_FREE_FIELDS)
 
 
 def memory_key(config: FsdpConfig) -> tuple:
-    """config's fields that the memory estimate reads (all but MEMORY_FREE_FIELDS)."""
+    """config's fields that a pipeline's rank replays read (all but MEMORY_FREE_FIELDS and LEDGER_FREE_FIELDS)."""
     return tuple(getattr(config, name) for name in _KEY_FIELDS)
+
+
+def estimate_key(config: FsdpConfig) -> tuple:
+    """config's fields that estimate_memory reads, the memory outside the allocator included."""
+    return tuple(getattr(config, name) for name in _ESTIMATE_FIELDS)
+
+
+def time_key(config: FsdpConfig) -> tuple:
+    """config's fields that estimate_step_time reads."""
+    return tuple(getattr(config, name) for name in _TIME_FIELDS)
 
 
 @dataclass
@@ -41,21 +64,42 @@ class Costing:
     evaluations: dict[FsdpConfig, Evaluation] = field(default_factory=dict)
     memories: dict[tuple, MemoryEstimate] = field(default_factory=dict)
     ways: object = None  # cost_models/host_ram.Ways: how the trainer loads and saves
+    estimates: dict[tuple, MemoryEstimate] = field(default_factory=dict)
+    times: dict[tuple, TimeBreakdown] = field(default_factory=dict)
+    hosts: dict[tuple, HostRam] = field(default_factory=dict)
 
     def evaluate(self, config: FsdpConfig) -> Evaluation:
         e = self.evaluations.get(config)
         if e is None:
-            memory = None
-            if config.pp > 1:
-                run = as_run(config, self.cluster)
-                key = memory_key(run)
-                memory = self.memories.get(key)
-                if memory is None:  # priced for this run: its outside terms are its own
-                    memory = self.memories[key] = estimate_memory(self.model, self.cluster, self.training, run,
-                                                                  self.profile)
-                else:  # another run's (Float8, async TP): this one's outside terms in place of its
-                    memory = with_outside_terms(memory, pipeline_outside_terms(self.model, self.cluster, self.training,
-                                                                               run, self.profile))
+            run = as_run(config, self.cluster)  # what evaluate() prices
+            memory = self._memory(run)
+            key = time_key(run)
+            time = self.times.get(key)
+            if time is None:
+                time = self.times[key] = estimate_step_time(self.model, self.cluster, self.training, run, self.profile)
+            key = (run.precision, run.replicate_group_size(self.cluster), run.offload, memory.cpu_bytes_per_node)
+            host = self.hosts.get(key)
+            if host is None:
+                host = self.hosts[key] = host_ram(self.model, self.cluster, self.training, run,
+                                                  memory.cpu_bytes_per_node, self.ways or Ways())
             e = self.evaluations[config] = evaluate(self.model, self.cluster, self.training, config, self.profile,
-                                                    memory=memory, ways=self.ways)
+                                                    memory=dataclasses.replace(memory, host_ram=host), ways=self.ways,
+                                                    time=time)
         return e
+
+    def _memory(self, run: FsdpConfig) -> MemoryEstimate:
+        """estimate_memory of this run (host RAM left out), priced once per estimate_key, a pipeline's rank replays once
+        per memory_key."""
+        key = estimate_key(run)
+        memory = self.estimates.get(key)
+        if memory is None and run.pp > 1:
+            shared = self.memories.get(memory_key(run))
+            if shared is not None:  # another run's (Float8, async TP): this one's outside terms in place of its
+                memory = with_outside_terms(shared, pipeline_outside_terms(self.model, self.cluster, self.training,
+                                                                           run, self.profile))
+        if memory is None:  # priced for this run: its outside terms are its own
+            memory = estimate_memory(self.model, self.cluster, self.training, run, self.profile)
+            if run.pp > 1:
+                self.memories[memory_key(run)] = memory
+        self.estimates[key] = memory
+        return memory

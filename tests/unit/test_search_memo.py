@@ -35,3 +35,21 @@ def test_pipeline_memory_is_priced_once_across_float8_and_async_tp_and_equals_ev
     outside = {c.async_tp: costing.evaluations[c].memory.outside_allocator_bytes for c in configs}
     assert outside[True] - outside[False] == 2 * 1024 * 4096 * 2 + 32 * 72 * 4 == 16_786_432
     assert MEMORY_FREE_FIELDS == {"float8", "async_tp"}
+
+
+def test_plain_mesh_shares_memory_across_backward_prefetch_and_time_across_the_rate_limiter():
+    """FSDP1's knobs: the backward prefetch changes only the step (exposed all-gathers), the rate limiter only the
+    memory (all-gathers in flight); each is priced once across the other and every evaluation equals evaluate()'s."""
+    model, cluster = load_preset("llama3-8b"), make_cluster(16, gpu="h100-80gb")
+    training = TrainingSpec(seq_len=2048)
+    costing = Costing(model, cluster, training, DEFAULT_PROFILE)
+    configs = [FsdpConfig(micro_batch=2, backward_prefetch=p, limit_all_gathers=lim)
+               for p, lim in itertools.product((False, True), repeat=2)]
+    for config in configs:
+        assert costing.evaluate(config) == evaluate(model, cluster, training, config, DEFAULT_PROFILE)
+    assert len(costing.evaluations) == 4 and len(costing.estimates) == 2 and len(costing.times) == 2
+    assert len(costing.hosts) == 1
+    steps = {c.backward_prefetch: costing.evaluations[c].time.step_s for c in configs}
+    assert steps[False] > steps[True]  # without prefetch the backward's all-gathers are exposed
+    peaks = {c.limit_all_gathers: costing.evaluations[c].memory.peak_allocated_bytes for c in configs}
+    assert peaks[False] > peaks[True]  # without the limiter a second block's all-gather is in flight
