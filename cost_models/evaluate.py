@@ -37,7 +37,7 @@ def gpu_memory_reason(reserved_bytes: int, capacity_bytes: int, detail: str, pre
 def outside_step_gpu(memory: MemoryEstimate, profile: Profile, capacity_bytes: int) -> tuple[tuple, list[str]]:
     """(notes, reasons) of the moments outside the step (load, save, resume: host_ram.gpu_outside_step_bytes) whose
     allocated bytes pass the step's peak: a note each, and the reason it does not fit where its reserved bytes
-    pass the GPU's. plan, estimate (evaluate) and check (planner/doctor/host_ways.py) all price them here."""
+    pass the GPU's: plan, estimate and check (with the ways its file loads and saves) all price them in evaluate."""
     notes, reasons = (), []
     for moment, allocated in gpu_outside_step_bytes(memory.host_ram, memory.phases["optimizer_step"]).items():
         if allocated <= memory.peak_allocated_bytes:
@@ -47,6 +47,15 @@ def outside_step_gpu(memory: MemoryEstimate, profile: Profile, capacity_bytes: i
         if reserved > capacity_bytes:
             reasons.append(gpu_memory_reason(reserved, capacity_bytes, f"peak in the {moment}"))
     return notes, reasons
+
+
+def step_peak_reason(memory: MemoryEstimate, capacity_bytes: int) -> str | None:
+    """The reason the step's peak does not fit in GPU memory (None where it fits): its phase and largest term."""
+    if memory.peak_reserved_bytes <= capacity_bytes:
+        return None
+    name, largest = max(memory.breakdown.to_dict().items(), key=lambda kv: kv[1])
+    return gpu_memory_reason(memory.peak_reserved_bytes, capacity_bytes,
+                             f"peak in {memory.peak_phase.replace('_', ' ')}; largest: {name} {largest / GiB:.1f} GiB")
 
 
 def unsupported_reasons(cluster: ClusterSpec, config: FsdpConfig) -> list[str]:
@@ -66,12 +75,8 @@ def evaluate(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, con
     time = estimate_step_time(model, cluster, training, config, profile) if time is None else time
     reasons = unsupported_reasons(cluster, config)
     capacity = cluster.gpu.memory_bytes
-    if memory.peak_reserved_bytes > capacity:
-        b = memory.breakdown
-        largest = max(b.to_dict().items(), key=lambda kv: kv[1])
-        reasons.append(gpu_memory_reason(memory.peak_reserved_bytes, capacity,
-                                         f"peak in {memory.peak_phase.replace('_', ' ')}; largest: {largest[0]} "
-                                         f"{largest[1] / GiB:.1f} GiB"))
+    if (peak := step_peak_reason(memory, capacity)) is not None:
+        reasons.append(peak)
     ram = cluster.cpu_ram_bytes_per_node
     if memory.host_ram is None:  # host RAM per node: processes, offloaded state, loading and checkpoints
         memory = dataclasses.replace(memory, host_ram=host_ram(model, cluster, training, config,

@@ -205,5 +205,5 @@ def step_replayed_reserved(memory: MemoryEstimate, model: ModelSpec, cluster, tr
     replayed = step_replay(model, cluster, training, config, settings, snapshots=False).peak_reserved_bytes
     reserved = memory.outside_allocator_bytes + max(memory.peak_allocated_bytes, replayed)
     notes = replay_notes(memory, reserved, ": the step's allocations", settings, profile, cluster.gpu.memory_bytes)
-    # first: notes added later (check's load / save ways, host_ways.py) then land after it on every path
+    # first: the estimate's own notes (evaluate's outside the step among them) follow it
     return dataclasses.replace(memory, peak_reserved_bytes=reserved, notes=notes + memory.notes)

@@ -349,15 +349,20 @@ def estimate_request(request: Request, profile: Profile | None = None) -> Candid
 def estimate_config(spec: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, config: FsdpConfig,
                     profile: Profile | None = None, ways=None) -> Candidate:
     """Cost an FsdpConfig (PlannerError where it cannot run on the cluster or the model's mesh); ways: host_ram.Ways."""
+    raise_refused(spec, cluster, training, config)
+    profile = profile or DEFAULT_PROFILE
+    evaluation = evaluate(spec, cluster, training, config, profile, None, ways)
+    return Candidate(replayed(evaluation, spec, cluster, training, profile), spec, cluster, training)
+
+
+def raise_refused(spec: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, config: FsdpConfig) -> None:
+    """A PlannerError where the configuration cannot run on the model's mesh or the cluster."""
     refused = mesh_refusals(spec, cluster, training, config)
     if refused:
         raise PlannerError(refused[0].field, f"{refused[0].reason}; {refused[0].fix}")
     error = cluster_rejects(cluster, config)
     if error is not None:
         raise error
-    profile = profile or DEFAULT_PROFILE
-    evaluation = evaluate(spec, cluster, training, config, profile, None, ways)
-    return Candidate(replayed(evaluation, spec, cluster, training, profile), spec, cluster, training)
 
 
 def replayed(evaluation: Evaluation, spec: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,

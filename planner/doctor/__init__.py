@@ -10,13 +10,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from cost_models.evaluate import evaluate, gpu_memory_reason
-from cost_models.feasibility import node_shard_group, refusals
+from cost_models.evaluate import evaluate
+from cost_models.feasibility import as_run, node_shard_group, refusals
+from cost_models.memory import MemoryEstimate, estimate_memory
 from cost_models.profile import DEFAULT_PROFILE, Profile
 from cost_models.units import DTYPE_BYTES
 
 from planner.api import Candidate, Plan
-from planner.doctor.host_ways import full_state_dict_save, with_setup_ways
+from planner.doctor.host_ways import full_state_dict_save, setup_ways
 from planner.doctor.readers import UserSetup, model_use_cache
 from planner.doctor.findings import ERROR, SEVERITY_ORDER, Context, Finding, _techniques
 from planner.doctor.rules_settings import (fp16_scaler, lora_without_orig_params, lora_adapters_share_units,
@@ -37,13 +38,12 @@ RULES = (cannot_run, mesh_rules_broken, pipeline_split, tp_across_nodes, float8_
          full_state_dict_save)
 
 
-def unwrapped_extra_bytes(setup: UserSetup, candidate: Candidate) -> int:
+def unwrapped_extra_bytes(setup: UserSetup, model, cluster, config, memory: MemoryEstimate) -> int:
     """Without a wrap policy the root is the only unit: the whole model is gathered in compute dtype."""
-    if setup.wrap != "none" or candidate.config.shard_group_size(candidate.cluster) == 1:
+    if setup.wrap != "none" or config.shard_group_size(cluster) == 1:
         return 0
-    c = DTYPE_BYTES[candidate.config.precision.compute_dtype]
-    gathered_now = candidate.memory.phases["backward"].unsharded_params
-    return max(0, candidate.model.n_params * c - gathered_now)
+    c = DTYPE_BYTES[config.precision.compute_dtype]
+    return max(0, model.n_params * c - memory.phases["backward"].unsharded_params)
 
 
 def diagnose(setup: UserSetup, candidate: Candidate, plan: Plan | None, *, unwrapped_extra: int = 0,
@@ -88,7 +88,7 @@ def check(setup: UserSetup, model, gpus: int | None = None, *, gpus_per_node: in
     """Estimate the user's setup on the cluster and run every rule. Cluster size defaults to the one the
     accelerate config names (num_processes, num_machines); seq_len to the setup's own (torchtitan's
     training.seq_len), else 2048."""
-    from planner.api import RESOLVE_KNOBS, estimate_config, grad_accum_for, plan_for, replayed
+    from planner.api import RESOLVE_KNOBS, grad_accum_for, plan_for, raise_refused, replayed
     from planner.trainers import search_space, trainer_named, with_trainer_defaults
     from planner.request import build_request
     from planner.request.resolve import default_kernel_on
@@ -122,18 +122,19 @@ def check(setup: UserSetup, model, gpus: int | None = None, *, gpus_per_node: in
         config = replace(config, attention_kernel=default_kernel_on(config.attention_kernel.value, cluster.gpu))
     setup = replace(setup, config=config)
     profile = profile or DEFAULT_PROFILE
-    if all(r.priced for r in refusals(cluster, config)):
-        # priced even when it cannot run (rejected, with the reasons) so the report shows what it would need;
-        # cannot_run explains
-        candidate = Candidate(replayed(evaluate(spec, cluster, training, config, profile), spec, cluster, training,
-                                       profile), spec, cluster, training, trainer.id)
-    else:
-        candidate = replace(estimate_config(spec, cluster, training, config, profile),  # raises cluster_rejects'
-                            trainer=trainer.id)
+    if not all(r.priced for r in refusals(cluster, config)):
+        raise_refused(spec, cluster, training, config)  # cluster_rejects' PlannerError
+    # priced even when it cannot run (rejected, with the reasons) so the report shows what it would need;
+    # cannot_run explains. As run: without a wrap policy, as one unit; with the ways its files load and save
+    memory = estimate_memory(spec, cluster, training, as_run(config, cluster), profile)
+    extra = unwrapped_extra_bytes(setup, spec, cluster, config, memory)
+    evaluation = evaluate(spec, cluster, training, config, profile, _as_one_unit(memory, extra, profile),
+                          setup_ways(setup))
+    if not extra:  # the step replay walks the per-block units: a root-only unit keeps the flat rule
+        evaluation = replayed(evaluation, spec, cluster, training, profile)
+    candidate = Candidate(evaluation, spec, cluster, training, trainer.id)
     # what the trainer could run
     best = plan_for(spec, cluster, training, profile, search_space(trainer, training), trainer.id, alloc_conf)
-    extra = unwrapped_extra_bytes(setup, candidate)
-    candidate = with_setup_ways(_as_one_unit(candidate, extra, profile), setup, profile)  # its load / save ways
     findings = diagnose(setup, candidate, best, unwrapped_extra=extra, dynamic_control_flow=dynamic_control_flow,
                         profile=profile, model_use_cache=model_use_cache(model))
     return CheckReport(setup=setup, candidate=candidate, findings=findings, plan=best)
@@ -184,21 +185,16 @@ def trainer_of_setup(setup: UserSetup) -> str:
     return "fsdp1" if setup.dialect == "kwargs" and setup.fsdp_version == 1 else DEFAULT_TRAINER
 
 
-def _as_one_unit(candidate: Candidate, extra_bytes: int, profile: Profile) -> Candidate:
-    """Without a wrap policy, the whole model is gathered at once: add it to the backward peak."""
+def _as_one_unit(memory: MemoryEstimate, extra_bytes: int, profile: Profile) -> MemoryEstimate:
+    """Without a wrap policy, the whole model is gathered at once: add it to the backward peak (reserved by the
+    flat rule)."""
     if not extra_bytes:
-        return candidate
-    e, m = candidate.evaluation, candidate.memory
-    backward = replace(m.phases["backward"], unsharded_params=m.phases["backward"].unsharded_params + extra_bytes)
-    phases = {**m.phases, "backward": backward}
+        return memory
+    backward = replace(memory.phases["backward"],
+                       unsharded_params=memory.phases["backward"].unsharded_params + extra_bytes)
+    phases = {**memory.phases, "backward": backward}
     phase, breakdown = max(phases.items(), key=lambda kv: kv[1].total_bytes)
     allocated = breakdown.total_bytes
-    memory = replace(m, breakdown=breakdown, peak_phase=phase, phases=phases, peak_allocated_bytes=allocated,
-                     peak_reserved_bytes=profile.reserved_bytes(allocated, m.outside_allocator_bytes),
-                     notes=m.notes + ("no auto-wrap policy: the whole model is one unit, gathered at once",))
-    reasons = [r for r in e.reasons if "GiB per GPU" not in r]
-    if memory.peak_reserved_bytes > e.capacity_bytes:
-        reasons.insert(0, gpu_memory_reason(memory.peak_reserved_bytes, e.capacity_bytes,
-                                            "no auto-wrap policy: the whole model is gathered at once"))
-    evaluation = replace(e, memory=memory, fits=not reasons, reasons=tuple(reasons))
-    return Candidate(evaluation, candidate.model, candidate.cluster, candidate.training)
+    return replace(memory, breakdown=breakdown, peak_phase=phase, phases=phases, peak_allocated_bytes=allocated,
+                   peak_reserved_bytes=profile.reserved_bytes(allocated, memory.outside_allocator_bytes),
+                   notes=memory.notes + ("no auto-wrap policy: the whole model is one unit, gathered at once",))

@@ -1,14 +1,11 @@
-"""check prices host RAM with the ways the user's files load and save (cost_models/host_ram.py): every rank
+"""The ways a user's files load and save, as cost_models/host_ram.Ways: check evaluates the setup with them (host
+RAM, and the GPU transients of those ways where they pass the step's peak: cost_models/evaluate.py) - every rank
 loading (no cpu_ram_efficient_loading / sync_module_states), a FULL_STATE_DICT save gathered on rank 0 (accelerate's
-default under FSDP1), and the GPU transients of those ways (the gathered unit or tensor of a save, FSDP1's copy of
-the shard in a DCP resume) where they pass the step's peak."""
+default under FSDP1), FSDP1's copy of the shard in a DCP resume."""
 
 from __future__ import annotations
 
-from dataclasses import replace
-
-from cost_models.evaluate import outside_step_gpu
-from cost_models.host_ram import Ways, host_ram, host_ram_reason
+from cost_models.host_ram import Ways
 from cost_models.outside_step import LoadWay, SaveWay
 from cost_models.units import GiB
 
@@ -21,9 +18,8 @@ SAVE_WAYS = {"FULL_STATE_DICT": SaveWay.FULL_RANK0, "SHARDED_STATE_DICT": SaveWa
              "SAVE_PRETRAINED": SaveWay.SAVE_PRETRAINED}  # a script's model.save_pretrained / trainer.save_model
 
 
-def with_setup_ways(candidate, setup, profile):
-    """The candidate with host RAM priced for the setup's load and save ways, and its reasons updated."""
-    e, m = candidate.evaluation, candidate.memory
+def setup_ways(setup) -> Ways:
+    """How the setup's files load the weights, save and resume (check prices host RAM and the GPU with them)."""
     load_way = LOAD_WAYS.get(setup.init, LoadWay.EVERY_RANK)
     save_way = SAVE_WAYS.get(setup.state_dict_type or "", SaveWay.DCP)
     # a full checkpoint is read back whole (accelerate's load_fsdp_model / load_fsdp_optimizer: by every rank of
@@ -31,21 +27,9 @@ def with_setup_ways(candidate, setup, profile):
     # too (priced with the optimizer state, which it does not save: a bound)
     full_resume = LoadWay.RANK0_BROADCAST if setup.fsdp_version == 2 else LoadWay.EVERY_RANK
     full = save_way in (SaveWay.FULL_RANK0, SaveWay.SAVE_PRETRAINED)
-    resume_way = full_resume if full else LoadWay.META_DCP
-    host = host_ram(candidate.model, candidate.cluster, candidate.training, candidate.config, m.cpu_bytes_per_node,
-                    Ways(load_way, save_way, resume_way, fsdp2=setup.fsdp_version == 2,
-                         save_state_dict_on_host=setup.save_state_dict_on_host,
-                         resume_state_dict_on_host=setup.resume_state_dict_on_host))
-    reasons = [r for r in e.reasons if "of host RAM per node" not in r]
-    if not any("CPU offload needs" in r for r in reasons) and host_ram_reason(host, m.cpu_ram_capacity_bytes):
-        reasons.append(host_ram_reason(host, m.cpu_ram_capacity_bytes))
-    # the GPU at the setup's load, save and resume (cost_models/evaluate.outside_step_gpu), not the default ways'
-    reasons = [r for r in reasons if "peak in the " not in r]
-    memory = replace(m, host_ram=host, notes=tuple(n for n in m.notes if "above the step's peak" not in n))
-    notes, gpu_reasons = outside_step_gpu(memory, profile, e.capacity_bytes)
-    reasons += gpu_reasons
-    memory = replace(memory, notes=memory.notes + notes)
-    return replace(candidate, evaluation=replace(e, memory=memory, fits=not reasons, reasons=tuple(reasons)))
+    return Ways(load_way, save_way, full_resume if full else LoadWay.META_DCP, fsdp2=setup.fsdp_version == 2,
+                save_state_dict_on_host=setup.save_state_dict_on_host,
+                resume_state_dict_on_host=setup.resume_state_dict_on_host)
 
 
 def full_state_dict_save(ctx):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from cost_models.evaluate import evaluate
+from cost_models.evaluate import evaluate, step_peak_reason
 from cost_models.feasibility import refusals
 from cost_models.host_ram import host_ram_fix
 from cost_models.specs import FsdpConfig, ModelSpec
@@ -18,8 +18,10 @@ from planner.doctor.findings import ADVICE, ERROR, WARNING, Context, Finding, _t
 
 def does_not_fit(ctx: Context):
     refused = {r.reason for r in refusals(ctx.cluster, ctx.candidate.config)}
+    if ctx.unwrapped_extra_bytes:  # the step's peak as one unit: wrap_policy reports it
+        refused.add(step_peak_reason(ctx.candidate.memory, ctx.candidate.evaluation.capacity_bytes))
     for reason in ctx.candidate.reasons:
-        if reason in refused or "no auto-wrap" in reason:
+        if reason in refused:
             continue  # reported by cannot_run / wrap_policy
         code = "cpu-ram-does-not-fit" if "CPU RAM" in reason else \
             "host-ram-does-not-fit" if "host RAM" in reason else "gpu-memory-does-not-fit"

@@ -74,6 +74,19 @@ def test_no_auto_wrap_policy_prices_one_unit():
     assert "no-auto-wrap-policy" not in codes(GOOD)
 
 
+def test_no_auto_wrap_policy_past_the_gpu_is_one_error_at_the_flat_rules_reserved():
+    """Llama 2 70B on 16 x 80 GB without a wrap policy: backward gathers the whole model in bf16 (68,976,648,192
+    params x 2 B = 137,953,296,384 B, its largest term); the step replay walks per-block units, so the reserved is
+    the flat rule's, allocated x 1.05 + the memory outside the allocator, far past the GPU: one error, the wrap
+    policy's (no second gpu-memory-does-not-fit for the same peak), and no replay note."""
+    r = check(from_kwargs({k: v for k, v in GOOD.items() if k != "auto_wrap_policy"}), "llama2-70b", 16)
+    m = r.candidate.memory
+    assert (m.peak_phase, m.breakdown.unsharded_params) == ("backward", 68_976_648_192 * 2)
+    assert m.peak_reserved_bytes == pytest.approx(m.peak_allocated_bytes * 1.05 + m.outside_allocator_bytes, abs=1)
+    assert [(f.code, f.severity) for f in r.findings if f.severity == "error"] == [("no-auto-wrap-policy", "error")]
+    assert len(r.candidate.reasons) == 1 and not [n for n in m.notes if "replayed" in n]
+
+
 def test_size_based_wrap_is_advice():
     assert codes({**GOOD, "auto_wrap_policy": "size_based_auto_wrap_policy"})["size-based-wrap"] == "advice"
     assert "size-based-wrap" not in codes(GOOD)
