@@ -137,9 +137,13 @@ def _fsdp1_mesh(config: FsdpConfig, cluster: ClusterSpec) -> list[str]:
     """HYBRID over a shard group other than a node (FSDP1 alone shards inside the node): its 2-D device_mesh."""
     if not (config.sharding.is_hybrid and config.shard_group_gpus):
         return []
-    shard = fsdp_options.mesh_layout(config, cluster.n_gpus, cluster.gpus_per_node)["shape"][1]
-    return [f"# HSDP: shard groups of {shard} ranks, the groups replicas of each other",
-            f"mesh = init_device_mesh(\"cuda\", (dist.get_world_size() // {shard}, {shard}),",
+    return _hsdp_mesh("\"cuda\"", fsdp_options.mesh_layout(config, cluster.n_gpus, cluster.gpus_per_node)["shape"][1])
+
+
+def _hsdp_mesh(device: str, shard: int, note: str = "") -> list[str]:
+    """The 2-D device mesh of HSDP (FSDP1's and FSDP2's): shard groups of `shard` ranks, replicas of each other."""
+    return [f"# {note or f'HSDP: shard groups of {shard} ranks, the groups replicas of each other'}",
+            f"mesh = init_device_mesh({device}, (dist.get_world_size() // {shard}, {shard}),",
             "                        mesh_dim_names=(\"dp_replicate\", \"dp_shard\"))"]
 
 
@@ -161,20 +165,18 @@ def emit_fsdp2(config: FsdpConfig, model_spec: ModelSpec, cluster: ClusterSpec,
                        "    CheckpointImpl, checkpoint_wrapper)")
     imports += tech.imports(config)
     imports += (["import math"] if meshed.uses_mesh(config) else []) + meshed.fsdp2_imports(config)
-    world = "dist.get_world_size()"
     layout = fsdp_options.mesh_layout(config, cluster.n_gpus, cluster.gpus_per_node)
     if meshed.uses_mesh(config):
-        pass  # the N-D mesh: mesh.fsdp2_mesh_lines
+        mesh_lines, dp_mesh = meshed.fsdp2_mesh_lines(config, cluster)
     elif len(layout["shape"]) == 1:
-        mesh = (f"init_device_mesh(device_type, ({world},), mesh_dim_names=(\"dp_shard\",))",)
-        mesh_note = "shard over all ranks"
+        mesh_lines, dp_mesh = ["# shard over all ranks", "mesh = init_device_mesh(device_type, "
+                               "(dist.get_world_size(),), mesh_dim_names=(\"dp_shard\",))"], "mesh"
     else:
         shard = layout["shape"][1]
-        mesh = (f"init_device_mesh(device_type, ({world} // {shard}, {shard}),",
-                "                        mesh_dim_names=(\"dp_replicate\", \"dp_shard\"))")
-        mesh_note = ("NO_SHARD: shard groups of 1, every rank a replica (DDP)" if shard == 1
-                     else "HSDP: shard inside a node, replicate across nodes" if not config.shard_group_gpus
-                     else f"HSDP: shard groups of {shard} ranks, the groups replicas of each other")
+        mesh_lines, dp_mesh = _hsdp_mesh("device_type", shard,
+                                         "NO_SHARD: shard groups of 1, every rank a replica (DDP)" if shard == 1
+                                         else "" if config.shard_group_gpus
+                                         else "HSDP: shard inside a node, replicate across nodes"), "mesh"
     reshard = fsdp_options.fully_shard_options(config)["reshard_after_forward"]
     mp = "MixedPrecisionPolicy()" if dtypes is None else \
         f"MixedPrecisionPolicy(param_dtype={dtypes[0]}, reduce_dtype={dtypes[1]})"
@@ -212,10 +214,6 @@ def emit_fsdp2(config: FsdpConfig, model_spec: ModelSpec, cluster: ClusterSpec,
         "# all-gathers inside a group only (the root keeps its own: FSDP2 holds the root for backward)",
         f"block_kwargs = {{**fsdp_kwargs, \"reshard_after_forward\": {config.reshard_after_forward}}}",
     ] if config.reshard_after_forward else []
-    if meshed.uses_mesh(config):
-        mesh_lines, dp_mesh = meshed.fsdp2_mesh_lines(config, cluster)
-    else:
-        mesh_lines, dp_mesh = [f"# {mesh_note}", f"mesh = {mesh[0]}", *mesh[1:]], "mesh"
     body = _preamble(config, "block_names",
                      "[n for n, m in model.named_modules() if type(m).__name__ == BLOCK_CLASS]") + [
         "device_type = \"cuda\" if device is None else torch.device(device).type",
