@@ -21,7 +21,7 @@ from planner.doctor.readers import trainers
 from planner.emit import attention
 from planner.errors import PlannerError
 from planner.doctor.readers.common import (UserSetup, _bool, _dtype, _int, _int_or_none, _strategy, _strip,
-                                          accelerate_degrees, hsdp_fields)
+                                          accelerate_degrees, fsdp2_sharding, hsdp_fields)
 
 # FSDP1 arguments that FSDP2's fully_shard no longer has, and what replaced them.
 FSDP2_REMOVED = {
@@ -152,10 +152,7 @@ def from_accelerate(data: dict, source: str = "accelerate config", text: str = "
         replicas = _int(parallel, "parallelism_config_dp_replicate_size", 1) or 1
         mesh = accelerate_degrees({k.removeprefix("parallelism_config_"): v for k, v in parallel.items()},
                                   "parallelism_config.parallelism_config_")
-        if replicas > 1:
-            sharding = Sharding.HYBRID_SHARD if reshard else Sharding.HYBRID_SHARD_ZERO2
-        else:
-            sharding = Sharding.FULL_SHARD if reshard else Sharding.SHARD_GRAD_OP
+        sharding = fsdp2_sharding(replicas > 1, reshard)
         mesh.update(hsdp_fields(sharding, replicas, _int_or_none(parallel, "parallelism_config_dp_shard_size"),
                                 mesh["cp"], mesh["tp"])[0])
     else:
@@ -244,10 +241,8 @@ def from_kwargs(data: dict, source: str = "kwargs") -> UserSetup:
         no_shard = bool(shape) and len(shape) == 2 and shape[1] == 1
         if no_shard:
             sharding = Sharding.NO_SHARD
-        elif hybrid:
-            sharding = Sharding.HYBRID_SHARD if reshard else Sharding.HYBRID_SHARD_ZERO2
         else:
-            sharding = Sharding.FULL_SHARD if reshard else Sharding.SHARD_GRAD_OP
+            sharding = fsdp2_sharding(hybrid, reshard)
         offload = data.get("offload_policy") not in (None, False, "null", "None")
         removed = tuple(k for k in FSDP2_REMOVED if k in data)
         wrap = "block"  # fully_shard is applied per module by the user's code

@@ -10,13 +10,12 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from cost_models.specs import FsdpConfig, Precision, Sharding
+from cost_models.specs import FsdpConfig, Precision
 
-from planner.doctor.readers.common import UserSetup, _bool, _int, _int_or_none, hsdp_fields
+from planner.doctor.readers.common import DTYPES, UserSetup, _bool, fsdp2_sharding, _int, _int_or_none, hsdp_fields
 from planner.errors import PlannerError
 
-_DTYPES = {"bfloat16": "bf16", "bf16": "bf16", "float32": "fp32", "fp32": "fp32", "float": "fp32", "auto": "bf16",
-           "float16": "fp16", "fp16": "fp16", "half": "fp16"}
+_DTYPES = {**DTYPES, "auto": "bf16"}  # auto: the checkpoint's dtype, priced as bf16 (host_ram.PRETRAINED_DTYPE)
 _ATTENTION = {"sdpa": "sdpa", "te": "sdpa", "cudnn": "sdpa", "fa4": "sdpa", "flex": "flex", "eager": "eager",
               "torch": "eager"}  # TE / cuDNN / FA4: a fused flash-style kernel, priced as SDPA's
 # the SDPA-style backends' kernels (FsdpConfig.attention_kernel): Transformer Engine's DotProductAttention runs
@@ -102,10 +101,7 @@ def from_automodel(data: dict, source: str = "automodel recipe") -> UserSetup:
     else:
         raw = distributed.get("reshard_after_forward")
         reshard = True if raw is None else _bool("distributed.reshard_after_forward", raw)
-    if replicas > 1:
-        sharding = Sharding.HYBRID_SHARD if reshard else Sharding.HYBRID_SHARD_ZERO2
-    else:
-        sharding = Sharding.FULL_SHARD if reshard else Sharding.SHARD_GRAD_OP
+    sharding = fsdp2_sharding(replicas > 1, reshard)
     precision, reduce_dtype = _precision(model, distributed)
     norm = _choice("model.backend.rms_norm", backend.get("rms_norm", "torch_fp32"), ("torch", "torch_fp32", "te"))
     dispatcher = _choice("model.backend.dispatcher", backend.get("dispatcher", "deepep"), ("deepep", "torch"))

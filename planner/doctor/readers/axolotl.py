@@ -11,10 +11,11 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from cost_models.specs import FsdpConfig, Precision, Sharding
+from cost_models.specs import FsdpConfig, Precision
 
 from planner.doctor.readers import python_qlora
-from planner.doctor.readers.common import UserSetup, _bool, _int, _int_or_none, _positive_int, _strip, hsdp_fields
+from planner.doctor.readers.common import (UserSetup, _bool, _int, _int_or_none, _positive_int, _strip, fsdp2_sharding,
+                                          hsdp_fields)
 from planner.emit import attention
 from planner.emit.optimizer import from_hf_optim
 from planner.emit.qlora import TARGET_MODULES
@@ -140,10 +141,7 @@ def from_axolotl(data: dict, source: str = "axolotl config") -> UserSetup:
             raise PlannerError(key, "axolotl's TP (DeepSpeed AutoTP) and ring-attention context parallel are not "
                                     "priced by fsdp-plan: set 1")
     reshard = _bool("fsdp_config.reshard_after_forward", fsdp.get("reshard_after_forward", True))
-    if replicas > 1:
-        sharding = Sharding.HYBRID_SHARD if reshard else Sharding.HYBRID_SHARD_ZERO2
-    else:
-        sharding = Sharding.FULL_SHARD if reshard else Sharding.SHARD_GRAD_OP
+    sharding = fsdp2_sharding(replicas > 1, reshard)
     policy = str(fsdp.get("auto_wrap_policy", "TRANSFORMER_BASED_WRAP")).upper()
     if policy not in WRAP:
         raise PlannerError("fsdp_config.auto_wrap_policy", f"unknown value {policy!r}; choose one of: "

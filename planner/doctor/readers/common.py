@@ -12,8 +12,10 @@ from cost_models.specs import FsdpConfig, Sharding
 
 from planner.errors import PlannerError
 
-_DTYPES = {"float32": "fp32", "fp32": "fp32", "float": "fp32", "bfloat16": "bf16", "bf16": "bf16",
-           "float16": "fp16", "fp16": "fp16", "half": "fp16"}
+# the dtype names a setup file spells (torch's without its prefix, and FsdpConfig's short ones) -> FsdpConfig's:
+# the readers' one table (automodel.py adds its "auto", python_qlora.py torch's prefix and bitsandbytes' uint8)
+DTYPES = {"float32": "fp32", "fp32": "fp32", "float": "fp32", "bfloat16": "bf16", "bf16": "bf16",
+          "float16": "fp16", "fp16": "fp16", "half": "fp16"}
 _STRATEGY_NUMBERS = {"1": "FULL_SHARD", "2": "SHARD_GRAD_OP", "3": "NO_SHARD", "4": "HYBRID_SHARD",
                      "5": "HYBRID_SHARD_ZERO2"}
 
@@ -73,9 +75,9 @@ def _strip(value) -> str:
 def _dtype(key: str, value) -> str:
     """A dtype as people write it ("torch.bfloat16", "bf16", "half") -> fp32 | bf16 | fp16."""
     text = _strip(value).lower()
-    if text not in _DTYPES:
+    if text not in DTYPES:
         raise PlannerError(key, f"unknown dtype {value!r}; choose one of: float32, bfloat16, float16")
-    return _DTYPES[text]
+    return DTYPES[text]
 
 
 def _bool(key: str, value) -> bool:
@@ -111,6 +113,13 @@ def accelerate_degrees(parallel: dict, prefix: str) -> dict:
         if value < 1:
             raise PlannerError(f"{prefix}{key}", f"must be >= 1, got {value}")
     return {"tp": tp, "cp": cp, **({"sequence_parallel": False} if tp > 1 else {})}
+
+
+def fsdp2_sharding(hybrid: bool, reshard: bool) -> Sharding:
+    """FSDP2's strategy from a read mesh: HSDP where it has replicas, resharding after forward or not."""
+    if hybrid:
+        return Sharding.HYBRID_SHARD if reshard else Sharding.HYBRID_SHARD_ZERO2
+    return Sharding.FULL_SHARD if reshard else Sharding.SHARD_GRAD_OP
 
 
 def hsdp_fields(sharding: Sharding, replicas, shard, cp: int = 1, tp: int = 1) -> tuple[dict, int | None]:

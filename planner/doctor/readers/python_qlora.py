@@ -13,11 +13,12 @@ import ast
 
 from dataclasses import dataclass
 
-from planner.doctor.readers.common import _DTYPES
+from planner.doctor.readers import common
 from planner.doctor.readers.python_ast import Snippet
 
 # the readers' dtype names with and without torch's prefix, and bitsandbytes' integer storage
-DTYPES = {prefix + name: short for name, short in {**_DTYPES, "uint8": "uint8"}.items() for prefix in ("", "torch.")}
+DTYPES = {prefix + name: short for name, short in {**common.DTYPES, "uint8": "uint8"}.items()
+          for prefix in ("", "torch.")}
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from planner.emit.kernels import from_torchtitan_loss
 from planner.emit import optimizer
 from planner.emit.torchtitan.job import preset_of
 from planner.errors import PlannerError
-from planner.doctor.readers.common import UserSetup, _bool, _int, _positive_int, hsdp_fields
+from planner.doctor.readers.common import UserSetup, _bool, _int, _positive_int, fsdp2_sharding, hsdp_fields
 from planner.doctor.readers.pipeline import torchtitan_pipeline
 
 _FLAG = re.compile(r"--[A-Za-z_][\w-]*\.[\w.-]+")
@@ -217,10 +217,8 @@ def from_torchtitan(settings: dict, source: str = "torchtitan") -> UserSetup:
                       "default") != "never"
     if shard == 1 and mesh["cp"] == 1 and (replicas > 1 or mesh["tp"] == 1):
         sharding = Sharding.NO_SHARD  # DDP over the replicas (FSDP2 shards over dp_shard x cp: nothing here)
-    elif replicas > 1:
-        sharding = Sharding.HYBRID_SHARD if reshard else Sharding.HYBRID_SHARD_ZERO2
     else:
-        sharding = Sharding.FULL_SHARD if reshard else Sharding.SHARD_GRAD_OP
+        sharding = fsdp2_sharding(replicas > 1, reshard)
     param = _choice(settings, "training.mixed_precision_param", ("bfloat16", "float32"), "bfloat16")
     _choice(settings, "training.mixed_precision_reduce", ("float32",), "float32")
     pure = _choice(settings, "training.dtype", ("bfloat16", "float32"), "float32") == "bfloat16"
