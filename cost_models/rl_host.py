@@ -33,6 +33,12 @@ from .rollout_engine import EngineMemory
 
 @dataclass(frozen=True)
 class HostRam:
+    """Its own composition, not host_ram.HostRam's (whose load and save terms it shares: outside_step.load_bytes /
+    save_bytes): named resident terms of several workers and the engine in place of one offloaded term, verl's ways
+    fixed (no Ways, no why), and no resume term - verl's load_checkpoint (workers/engine/fsdp/transformer_impl.py,
+    verl 0.9.1) moves offloaded params back to the GPU first and torch.loads each rank's shard files, the staging's
+    bytes (FSDPCheckpointManager.load_checkpoint), so the save's resident + staging bounds it."""
+
     terms: dict                 # name -> bytes per node held between phases
     process_bytes: int          # the workers' processes (a floor)
     load_bytes: int             # loading the actor on rank 0's node, before the terms exist
