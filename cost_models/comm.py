@@ -55,9 +55,22 @@ def all_reduce_s(message_bytes: float, n_ranks: int, tier: Tier) -> float:
 def all_to_all_s(message_bytes: float, n_ranks: int, tier: Tier) -> float:
     """Each rank sends message_bytes split evenly over the n ranks (itself included) and receives as much: it
     moves (n-1)/n * M off the rank, every peer's send and receive posted at once (NCCL's grouped send / recv,
-    one latency). nccl-tests' alltoall busbw is the same (n-1)/n convention. Ignored: across nodes, the share
-    of the peers inside the node travels NVLink, not the NIC (priced at the tier's bandwidth, an overestimate
-    of at most gpus_per_node / n)."""
+    one latency). nccl-tests' alltoall busbw is the same (n-1)/n convention. A group inside one scale-up
+    domain; across domains, spanning_all_to_all_s."""
     if n_ranks <= 1:
         return 0.0
     return tier.latency_s + (n_ranks - 1) / n_ranks * message_bytes / tier.bus_bytes_per_s
+
+
+def spanning_all_to_all_s(message_bytes: float, n_ranks: int, ranks_per_domain: int, fast: Tier,
+                          network: Tier) -> float:
+    """all_to_all_s over n consecutive ranks, ranks_per_domain of them in each scale-up domain (the node): NCCL's
+    grouped send / recv sends each peer's share on its own path at once, the (g-1)/n of the message bound for the
+    domain's peers over NVLink (P2P transport) and the (n-g)/n for the others over the network, so the slower of
+    the two sets the time (one network latency)."""
+    g = min(ranks_per_domain, n_ranks)
+    if g >= n_ranks:
+        return all_to_all_s(message_bytes, n_ranks, fast)
+    inside = (g - 1) / n_ranks * message_bytes / fast.bus_bytes_per_s
+    across = (n_ranks - g) / n_ranks * message_bytes / network.bus_bytes_per_s
+    return network.latency_s + max(inside, across)

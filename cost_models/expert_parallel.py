@@ -48,8 +48,8 @@ MoEFlexTokenDispatcher, nemo_automodel/components/moe/experts.py and moe/megatro
   pretraining shapes: 4,096 tokens, hidden 7,168, top-8) measures 153 GB/s dispatch and 158 GB/s combine of NVLink
   bottleneck bandwidth, on NVLink whose datasheet peak is 200 GB/s per direction (README: ~160 GB/s reachable);
   priced as those fractions (0.765, 0.79) of the GPU's scale-up peak per direction (H100 SXM: 450 GB/s -> 344 and
-  356 GB/s). Across nodes (ep beyond the scale-up domain) the NCCL tier prices the deduplicated bytes (DeepEP's
-  internode kernels forward over RDMA then NVLink: not modelled further).
+  356 GB/s). Across nodes (ep beyond the scale-up domain): RDMA once per remote node a token reaches, then NVLink
+  forwarding (deepep_spanning_seconds).
 - memory-bound work: Megatron's fused permute (moe_permute_fusion=True: one kernel reads each received copy and
   writes the k rows sorted by expert) and unpermute (reads the k rows, writes one per copy), forward and again
   in backward with the gradients: 2c h (k + ranks_per_token) per token each way, in place of the eager gather /
@@ -294,14 +294,15 @@ def expert_parallel_ops(ops, model: ModelSpec, ep: int, imbalance: float = 1.0, 
     return replace(ops, matmuls=matmuls, memory_ops=memory)
 
 
-def ep_tier(view: ExpertParallelView, cluster: ClusterSpec, profile):
+def ep_tier(view: ExpertParallelView, cluster: ClusterSpec, profile, spans: bool | None = None):
     """The network an EP group's all-to-all runs on: ep consecutive ranks (ep innermost in the expert view), the
     fast tier inside the scale-up domain; across nodes every GPU of a node exchanges at once, each with its share
-    of the node's network bandwidth. The all-to-alls run at profile.ep_comm_efficiency of its alpha-beta rate,
-    bandwidth and latency alike (1.0 unless calibration fitted it)."""
+    of the node's network bandwidth (`spans` False: the fast tier whatever the group). The all-to-alls run at
+    profile.ep_comm_efficiency of its alpha-beta rate, bandwidth and latency alike (1.0 unless calibration fitted
+    it)."""
     from .comm import Tier
 
-    spans = view.ep > cluster.fast_tier_gpus
+    spans = view.ep > cluster.fast_tier_gpus if spans is None else spans
     tier = Tier.for_group(cluster, profile, spans_nodes=spans,
                           groups_sharing_nics=min(cluster.gpus_per_node, view.ep) if spans else 1)
     return replace(tier, bus_bytes_per_s=tier.bus_bytes_per_s * profile.ep_comm_efficiency,
@@ -310,17 +311,42 @@ def ep_tier(view: ExpertParallelView, cluster: ClusterSpec, profile):
 
 def all_to_all_seconds(view: ExpertParallelView, cluster: ClusterSpec, profile, tokens: int, c: int) -> float:
     """Seconds of one dispatch (or combine) all-to-all of a sparse block for a micro-batch of `tokens`: k rows of
-    h per token, the busiest rank receiving (dispatch) and sending back (combine) imbalance x as many."""
-    from .comm import all_to_all_s
+    h per token, the busiest rank receiving (dispatch) and sending back (combine) imbalance x as many. A group
+    spanning scale-up domains sends its peers' shares over NVLink and the network at once
+    (comm.spanning_all_to_all_s); DeepEP's internode kernels send a token over RDMA once per remote domain its
+    experts reach and forward it there over NVLink (deepep_spanning_seconds)."""
+    from .comm import all_to_all_s, spanning_all_to_all_s
 
     message = tokens * view.all_to_all_bytes_per_token(c) * view.imbalance
-    tier = ep_tier(view, cluster, profile)
+    domain = cluster.fast_tier_gpus
+    fast = ep_tier(view, cluster, profile, spans=False)
     peak = cluster.gpu.scale_up_peak_bytes_per_s
-    if view.dispatch is MoeDispatch.DEEPEP and peak and view.ep <= cluster.fast_tier_gpus:
-        # DeepEP's intranode kernels: the mean of dispatch and combine (the step prices them in pairs)
+    if view.dispatch is MoeDispatch.DEEPEP and peak:
+        # DeepEP's NVLink kernels: the mean of dispatch and combine (the step prices them in pairs)
         rate = peak * (DEEPEP_DISPATCH_OF_PEAK + DEEPEP_COMBINE_OF_PEAK) / 2 * profile.ep_comm_efficiency
-        tier = replace(tier, bus_bytes_per_s=rate)
-    return all_to_all_s(message, view.ep, tier)
+        nvlink = replace(fast, bus_bytes_per_s=rate)
+        if view.ep <= domain:
+            return all_to_all_s(message, view.ep, nvlink)
+        return deepep_spanning_seconds(view, ep_tier(view, cluster, profile), nvlink, domain, tokens, c, message)
+    if view.ep <= domain:
+        return all_to_all_s(message, view.ep, fast)
+    return spanning_all_to_all_s(message, view.ep, domain, fast, ep_tier(view, cluster, profile))
+
+
+def deepep_spanning_seconds(view: ExpertParallelView, network, nvlink, domain: int, tokens: int, c: int,
+                            message: float) -> float:
+    """DeepEP's internode normal kernels (its README: "NVLink and RDMA forwarding"; csrc/kernels/internode.cu): a
+    token goes over RDMA once to each remote domain holding one of its experts (to the GPU of the same local
+    index), which forwards it over NVLink to the ranks there, the two stages pipelined by channel: the slower sets
+    the time. Remote domains per token: ranks_per_token over the ep / domain domains (E / (ep / domain) experts
+    each), less the own domain's share. Priced at the NCCL network tier's rate: DeepEP's internode bandwidths are
+    not cited here."""
+    domains = view.ep // domain
+    m = view.model.moe
+    remote = ranks_per_token(m.n_experts, m.experts_per_token, domains, view.routing) * (domains - 1) / domains
+    rdma_s = tokens * view.imbalance * remote * view.model.hidden_size * c / network.bus_bytes_per_s
+    nvlink_s = (view.ep - 1) / view.ep * message / nvlink.bus_bytes_per_s
+    return network.latency_s + max(rdma_s, nvlink_s)
 
 
 def expert_fsdp_seconds(view: ExpertParallelView, cluster: ClusterSpec, profile, gather_bytes: float,
@@ -358,4 +384,4 @@ def view(model: ModelSpec, config: FsdpConfig, cluster: ClusterSpec, training) -
 
 
 __all__ = ["ExpertParallelView", "view", "expert_parallel_ops", "ep_tier", "all_to_all_seconds",
-           "expert_fsdp_seconds", "ranks_per_token", "routing_ops", "deepep_ops"]
+           "deepep_spanning_seconds", "expert_fsdp_seconds", "ranks_per_token", "routing_ops", "deepep_ops"]

@@ -105,3 +105,20 @@ def test_bf16_params_and_bf16_adam_states():
     m = row("deepep").memory.breakdown
     assert m.sharded_params == 30_532_122_624 // 8 * 2
     assert m.optimizer_state == 30_532_122_624 // 8 * 4
+
+
+def test_deepep_across_nodes_sends_a_token_once_per_remote_node():
+    """ep 16 over 2 nodes of 8 H100s, learned routing, 16,384 tokens: a token reaches 2 (1 - C(64, 8) / C(128, 8))
+    = 1.99381 nodes, half of them remote on average: 0.99690 rows of 2,048 bf16 over RDMA at the network's 42.5 GB/s
+    per GPU (400 GB/s x 0.85 / 8) = 1.5741 ms; NVLink carries 15/16 of its 6.5965 ranks' rows at DeepEP's 349.9 GB/s
+    = 1.1862 ms; the slower, + 15 us. NCCL's all-to-all of the same 8 rows a token: 6.331 ms."""
+    cluster = make_cluster(16, "h100-80gb")
+    config = FsdpConfig(ep=16, micro_batch=4, moe_dispatch="deepep")
+    view = expert_parallel.view(QWEN, config, cluster, TrainingSpec(seq_len=4096))
+    nodes = 2 * (1 - math.comb(64, 8) / math.comb(128, 8))
+    rdma = 16384 * nodes / 2 * 2048 * 2 / 42.5e9
+    nvlink = 15 / 16 * 16384 * expert_parallel.ranks_per_token(128, 8, 16) * 2048 * 2 / (450e9 * 155.5 / 200)
+    assert rdma > nvlink
+    seconds = expert_parallel.all_to_all_seconds(view, cluster, DEFAULT_PROFILE, 16384, 2)
+    assert seconds == pytest.approx(rdma + 15e-6, rel=1e-9)
+    assert seconds == pytest.approx(1.5891e-3, rel=1e-3)

@@ -191,3 +191,24 @@ def test_experts_fsdp_over_efsdp_and_their_padding_note():
     ag, rs = expert_parallel.expert_fsdp_seconds(v, hsdp.cluster, _profile(), one * BF16, grads, 8, replicate)
     assert ag == 0.0 and rs == pytest.approx(comm.all_reduce_s(grads, 8, replicate))
     assert hsdp.time.step_s < full.time.step_s
+
+
+def test_an_ep_group_across_nodes_sends_its_node_peers_share_over_nvlink():
+    """ep 16 over 2 nodes of 8 H100s, 16,384 tokens x 8 rows x 2,048 x 2 B = 536,870,912 B per rank: 7/16 of it to
+    the node's peers at NCCL's 370 GB/s bus and 8/16 over the network at 400 GB/s x 0.85 / 8 GPUs = 42.5 GB/s, at
+    once: the network's 6.316 ms + 15 us latency (before, all 15/16 at the network's rate: 11.857 ms)."""
+    from cost_models.profile import DEFAULT_PROFILE
+    from cost_models.specs import FsdpConfig
+    from planner.hardware import make_cluster
+    from planner.models import load_preset
+
+    cluster = make_cluster(16, "h100-80gb")
+    config = FsdpConfig(ep=16, micro_batch=4)
+    v = expert_parallel.view(load_preset("qwen3-30b-a3b"), config, cluster, TrainingSpec(seq_len=4096))
+    seconds = expert_parallel.all_to_all_seconds(v, cluster, DEFAULT_PROFILE, 16384, BF16)
+    message = 536_870_912
+    assert seconds == pytest.approx(15e-6 + 8 / 16 * message / 42.5e9, rel=1e-9)  # 6.331 ms
+    assert 7 / 16 * message / 370e9 < 8 / 16 * message / 42.5e9  # the NVLink share hides behind the network's
+    fast = comm.Tier(370e9, 5e-6)  # inside one node the plain all-to-all: unchanged
+    assert comm.spanning_all_to_all_s(message, 8, 8, fast, comm.Tier(42.5e9, 15e-6)) == comm.all_to_all_s(
+        message, 8, fast)
