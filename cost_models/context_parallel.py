@@ -7,7 +7,8 @@ backward; shared/reference/parallelism.md):
 - Each CP rank holds b x s / cp tokens of every sequence, load-balanced for causal masking ("headtail": chunk i
   and 2 cp - 1 - i of 2 cp), so every rank computes 1 / cp of the causal attention: the diagonal step (its
   own two chunks, causal) and cp - 1 steps of half a chunk product each (the first half of the keys, or the
-  second half of the queries). The step time prices the attention kernel at the full sequence on s / cp tokens.
+  second half of the queries). The step time prices the attention's FLOPs at the full sequence on s / cp
+  tokens (the kernels' rate: below).
 - Forward: K and V (flattened, concatenated) travel the ring. With torchtitan's default rotate method
   ("allgather") one all-gather of the rank's K/V is issued before the diagonal step and waited for at the
   second: it hides behind 1 / cp of the attention. ("alltoall" sends one chunk per step; the same bytes.)
@@ -16,6 +17,14 @@ backward; shared/reference/parallelism.md):
   them): each hides behind the next step's backward, the last one is exposed.
 - Full activation checkpointing re-runs the forward ring in backward; torchtitan's selective op-level policy
   saves the flash kernels' outputs (no recomputed ring).
+- The kernel calls' shapes (`ring_kernel_seq_len`): the flash kernel's rate s / (s + s0) (kernel_time.Rates.
+  attention_rate) prices the fixed work of a query block (forward) or a key block (backward) spread over the
+  key (query) tiles it visits, s / 2 on average in one causal call of length s. With chunks of C = s / (2 cp)
+  tokens, rank cp - 1 visits C keys per query block at every forward step (the diagonal step: causal over 2 C;
+  steps i <= rank: the first half of the keys) and rank 0 C queries per key block at every backward step (the
+  diagonal; steps i > rank: the second half of the queries). The group meets every call (the forward's
+  all-gather, the backward's dK / dV permutes), so those ranks set the pace: the ring's kernels, forward,
+  backward and recomputed, run at the rate of one causal call of length 2 C = s / cp.
 - Merging: every step's output and logsumexp are cast to fp32 and merged into the running output
   (out - sigmoid(lse_step - lse) x (out - out_step), `_SDPAMerger`), the partial (second-half) updates
   rebuild the whole tensor with torch.cat; backward accumulates dQ and dK / dV in fp32 the same way. These
@@ -42,8 +51,13 @@ the CPU SDPA kernel (calibration/context_parallel.py; equal to a real gloo run t
 the mesh grid whose peak is a recomputed block's backward (llama2-mha cp 4 full AC, cp 8 every-2) were short
 by 4,108 and 4,132 bytes per token with 3 fp32 dK/dV buffers, -3.7% / -2.2%; with 4, -0.04% / -0.39%.
 
-Ignored: the per-row logsumexp tensors' traffic (heads per token, small beside heads x head_dim), the
-attention kernel's lower rate on chunks of s / cp (s / 2 cp) keys (the kernel is priced at the full s).
+Ignored: the per-row logsumexp tensors' traffic (heads per token, small beside heads x head_dim). The flash
+backward's work per call that does not grow with the keys (rowsum(dO x O), zeroing and casting its fp32 dQ
+accumulator: ~14 B per query element) is the kind of fixed work per block the s / (s + s0) rate spreads over
+the tiles, so the shorter calls' rate above holds it. K and V repeated per query head before SDPA
+(torchtitan's Llama 3 model through 0.1.0: `repeat_kv`, models/llama3/model/model.py) would make the ring move
+n_heads / n_kv_heads times the K/V bytes priced here (4x for Llama 3 8B): not priced, the model's K/V heads are
+(no trainer tells the cost model which attention inputs its model builds).
 """
 
 from __future__ import annotations
@@ -79,6 +93,13 @@ def local_kv_bytes(model: ModelSpec, tokens: int, c: int) -> float:
     """A rank's K and V for one attention call: b x s / cp tokens x (kv heads x head_dim) x 2 (model: a TP
     rank's, its KV heads)."""
     return 2.0 * tokens * model.kv_dim * c
+
+
+def ring_kernel_seq_len(seq_len: int, cp: int) -> int:
+    """The causal length whose one flash call runs at the rate of the ring's calls (module notes: chunks of
+    s / (2 cp) keys per query block forward, queries per key block backward, on the ranks that set the pace):
+    s / cp; the sequence without CP."""
+    return seq_len // cp
 
 
 def ring_merge_bytes(model: ModelSpec, tokens: int, cp: int, c: int) -> tuple[float, float]:

@@ -12,8 +12,9 @@
   attention-kernel efficiency (catalog `attention_efficiency`, fwd+bwd at long sequences and head dim
   128: FlashAttention-2 reaches ~0.6 of A100's peak and ~0.35 of H100's, which it runs without Hopper's
   wgmma/TMA - FlashAttention-2 and -3 papers) x s / (s + s0) (short sequences: fewer key blocks per query
-  block) x a head-dim factor (d / (d + 24), 1 at d = 128, ~0.86 at 64). Backward: 2.5x the forward's
-  FLOPs (it recomputes the scores), as the FlashAttention papers count. FlexAttention: the kv blocks its block
+  block; under CP the ring's calls, s / cp: context_parallel.py) x a head-dim factor (d / (d + 24), 1 at
+  d = 128, ~0.86 at 64). Backward: 2.5x the forward's FLOPs (it recomputes the scores), as the FlashAttention
+  papers count. FlexAttention: the kv blocks its block
   mask visits, at ~0.90 / 0.85 of the flash kernel's forward / backward rate (attention_flex.py). Eager
   attention: its four score products as matmuls (k = head_dim or s) over all s keys, and the score traffic
   as memory-bound bytes.
@@ -126,10 +127,13 @@ def eager_attention_ops(ops: BlockOps, n_heads: int, c: int) -> tuple[tuple[Matm
 
 @lru_cache(maxsize=4096)  # candidates of one search share blocks, rates and micro-batches
 def price_block(ops: BlockOps, rates: Rates, tokens: int, *, eager_attention: tuple | None = None,
-                compiled: bool = False, float8: bool = False, recompute: str = "") -> BlockTime:
+                compiled: bool = False, float8: bool = False, recompute: str = "",
+                kernel_seq_len: int = 0) -> BlockTime:
     """One micro-batch of `tokens` through a block. recompute: "" none, "full" (the whole forward again,
     activation checkpointing), "selective-op" (torchtitan's policy: every second matmul and every
-    memory-bound op; the attention kernel's output is saved)."""
+    memory-bound op; the attention kernel's output is saved). kernel_seq_len: the causal length whose one call
+    runs at the rate of the block's attention calls (CP's ring: context_parallel.ring_kernel_seq_len); 0: the
+    sequence, one call."""
     mm_f = sum(rates.matmul_forward_s(m, tokens, float8) for m in ops.matmuls)
     mm_b = sum(rates.matmul_backward_s(m, tokens, float8) for m in ops.matmuls)
     memory_ops = ops.memory_ops
@@ -139,7 +143,7 @@ def price_block(ops: BlockOps, rates: Rates, tokens: int, *, eager_attention: tu
         att_b = 2 * att_f
         memory_ops = memory_ops + (traffic,)
     else:
-        rate = rates.attention_rate(ops.seq_len, ops.head_dim)
+        rate = rates.attention_rate(kernel_seq_len or ops.seq_len, ops.head_dim)
         forward_speed, backward_speed = ops.attention_speed  # FlexAttention: fractions of the flash kernel's
         att_f = ops.attention_flops_per_token * tokens / (rate * forward_speed)
         att_b = 2.5 * (ops.attention_flops_per_token * tokens / (rate * backward_speed))

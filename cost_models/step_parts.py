@@ -85,7 +85,8 @@ def _block_times(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, r
 
     def price(spec: ModelSpec) -> tuple[BlockTime, BlockTime, float]:
         ops, eager = priced_block_ops(spec, training, config, c)
-        kw = dict(eager_attention=eager, compiled=config.compile, float8=config.float8)
+        kw = dict(eager_attention=eager, compiled=config.compile, float8=config.float8,
+                  kernel_seq_len=context_parallel.ring_kernel_seq_len(training.seq_len, config.cp))
         casts = rates.memory_s(operators.weight_cast_bytes(ops.matmuls, c, config.fp8_all_gather)) if config.float8 else 0.0
         return price_block(ops, rates, tokens, **kw), price_block(ops, rates, tokens, recompute=recompute, **kw), casts
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 
-from cost_models import moe, operators, tensor_parallel
+from cost_models import context_parallel, moe, operators, tensor_parallel
 from cost_models.compute import mfu_flops_per_token, model_flops_per_token, recompute_flops_per_token
 from cost_models.kernel_time import Rates
 from cost_models.memory import ParamCounts
@@ -131,7 +131,8 @@ def _attention(c, rates: Rates, profile: Profile) -> str:
                         "speed over it: FlashAttention-3 paper figures)")
     else:
         kernel_words = ""
-    rate = rates.attention_rate(s, ops.head_dim)
+    length = context_parallel.ring_kernel_seq_len(s, cfg.cp)  # CP: the ring's calls set the kernel's rate
+    rate = rates.attention_rate(length, ops.head_dim)
     why = "the causal kernel skips the masked blocks" if m.causal else "not causal: every key"
     passes = "(1 forward + 2.5 backward)"
     if cfg.attention is Attention.FLEX:  # cost_models/attention_flex.py
@@ -141,9 +142,11 @@ def _attention(c, rates: Rates, profile: Profile) -> str:
             f"(4 x q_dim {m.q_dim} x {keys:g} keys per query of s = {s}: {why}) x {tokens:,} tokens / {_tf(rate)}; "
             f"rate = {_peak(c) / 1e12:g} TFLOP/s peak x {kernel:g} flash-kernel efficiency ({gpu.id} catalog)"
             f"{kernel_words} x "
-            f"{profile.attention_efficiency:g} (profile) x s / (s + {rates.attention_half_seq:g}) = "
-            f"{s / (s + rates.attention_half_seq):.3f} x head-dim factor "
-            f"{rate / (rates.attention_flops_per_s * s / (s + rates.attention_half_seq)):.3f} "
+            f"{profile.attention_efficiency:g} (profile) x L / (L + {rates.attention_half_seq:g}) = "
+            f"{length / (length + rates.attention_half_seq):.3f} (L = {length}"
+            + (" = s / cp: ring attention's calls, cost_models/context_parallel.py" if cfg.cp > 1 else " = s")
+            + ") x head-dim factor "
+            f"{rate / (rates.attention_flops_per_s * length / (length + rates.attention_half_seq)):.3f} "
             f"(head_dim {ops.head_dim}: d / (d + 24), 1 at 128)")
 
 

@@ -175,6 +175,18 @@ def test_cp_step_time_prices_the_ring():
     assert t.cp_comm_s == pytest.approx(32 * (3 * gather + 2 * permute))
 
 
+def test_cp_ring_kernels_run_at_the_chunk_rate_by_hand():
+    # 8,192 tokens, cp 4: a rank's 2,048 queries attend over the causal 8,192 (2 x 4,096 x 8,192 = 67,108,864
+    # FLOP per token forward, as executed), but the ring's calls visit chunks of 1,024 keys (forward) or queries
+    # (backward) per block: the rate of one causal call of 2,048, 989 TFLOP/s x 0.30 x 2,048 / (2,048 + 384) =
+    # 249.85 TFLOP/s (one call of 8,192: x 8,192 / 8,576, 283.4). Per block 2,048 x 67,108,864 / 249.85e12 =
+    # 0.5501 ms forward; 32 blocks x 3.5 (forward + 2.5 backward) = 61.61 ms
+    assert context_parallel.ring_kernel_seq_len(8192, 4) == 2048
+    assert context_parallel.ring_kernel_seq_len(8192, 1) == 8192
+    t = estimate_step_time(MODEL, NODE, TrainingSpec(seq_len=8192), _config(cp=4), DEFAULT_PROFILE)
+    assert t.attention_s == pytest.approx(61.61e-3, rel=1e-3)
+
+
 def test_cp_merge_bytes_by_hand():
     # cp 2, per token: E = 4,096 output elements, K = 2,048 K/V elements, c = 2. Forward: upcast the diagonal
     # step (6 E); step 1 on rank 1 merges all rows (6 + 32) E, on rank 0 half the rows and a cat (19 + 8) E:
