@@ -2,7 +2,9 @@
 
 PyTorch's ring attention as torchtitan runs it (`torch.distributed.tensor.experimental.context_parallel`,
 torch/distributed/tensor/experimental/_context_parallel/_attention.py, `_templated_ring_attention` and its
-backward; shared/reference/parallelism.md):
+backward; shared/reference/parallelism.md). torch 2.6.0's torch/distributed/tensor/experimental/_attention.py, the
+release of torchtitan's December-2024 runs, has the same ring: the same load balancing, all-gather rotater and
+dK / dV all-to-all, line for line:
 
 - Each CP rank holds b x s / cp tokens of every sequence, load-balanced for causal masking ("headtail": chunk i
   and 2 cp - 1 - i of 2 cp), so every rank computes 1 / cp of the causal attention: the diagonal step (its
