@@ -170,9 +170,17 @@ class ActorRun:
     shard_ranks: int
 
 
-def actor_run(model: ModelSpec, cluster: ClusterSpec, settings: RlSettings, batch: BatchPlan) -> ActorRun:
+def actor_run(model: ModelSpec, cluster: ClusterSpec, settings: RlSettings, batch: BatchPlan,
+              memo: dict | None = None) -> ActorRun:
     """FULL_SHARD over the GPUs (fsdp_size -1), NO_SHARD for fsdp_size 1, else HYBRID over fsdp_size; fp32 master
-    weights with bf16 compute (or bf16 throughout); the loss priced apart (verl_logits_bytes)."""
+    weights with bf16 compute (or bf16 throughout); the loss priced apart (verl_logits_bytes). memo: a search's
+    cache for the actor (one model and cluster), keyed by what the run reads."""
+    if memo is not None:
+        key = ("actor_run", settings.finetune, settings.lora_rank, settings.actor_dtype,
+               settings.gradient_checkpointing, settings.fsdp_size, batch.update_tokens_per_gpu)
+        if key not in memo:
+            memo[key] = actor_run(model, cluster, settings, batch)
+        return memo[key]
     size = cluster.n_gpus if settings.fsdp_size == -1 else min(settings.fsdp_size, cluster.n_gpus)
     sharding = Sharding.FULL_SHARD if size == cluster.n_gpus else Sharding.NO_SHARD if size == 1 \
         else Sharding.HYBRID_SHARD
@@ -286,16 +294,27 @@ def critic_terms(critic: ActorStates | None, settings: RlSettings, outside_bytes
             {"critic CUDA context": outside_bytes})
 
 
+def _outside_bytes(run: ActorRun, profile: Profile, memo: dict | None) -> int:
+    """outside_allocator_terms of the actor's process, once per FSDP configuration in a search (memo)."""
+    key = ("outside", run.config, run.cluster.gpus_per_node)
+    if memo is not None and key in memo:
+        return memo[key]
+    outside = sum(t.bytes for t in outside_allocator_terms(run.cluster, run.config, profile))
+    if memo is not None:
+        memo[key] = outside
+    return outside
+
+
 def rl_phases(model: ModelSpec, cluster: ClusterSpec, settings: RlSettings, engine: EngineSettings,
               batch: BatchPlan, profile: Profile, critic: ActorStates | None = None,
-              actor: ActorStates | None = None) -> RlMemory:
+              actor: ActorStates | None = None, memo: dict | None = None) -> RlMemory:
     """Every phase of a GRPO step on one GPU (see the module docstring); `critic`: PPO's (rl_critic.py); `actor`:
-    the actor's states where the caller priced them already (a search: planner/rl/search.py)."""
-    run = actor_run(model, cluster, settings, batch)
+    the actor's states where the caller priced them already (a search: planner/rl/search.py); memo: actor_run's."""
+    run = actor_run(model, cluster, settings, batch, memo)
     actor = actor or actor_states(run, settings, batch, profile)
     # the actor's (and a critic process's) memory outside torch's allocator: its context and its FSDP communicator
     # (the engine's own communicators, vLLM TP, not counted)
-    outside = sum(t.bytes for t in outside_allocator_terms(run.cluster, run.config, profile))
+    outside = _outside_bytes(run, profile, memo)
     c = 2  # bf16 compute (the actor's mixed precision, the reference, the engine)
     ref = reference_bytes(model, cluster, settings)
     ref_resident = 0 if settings.ref_param_offload else ref

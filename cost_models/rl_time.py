@@ -4,8 +4,9 @@ one job against each other, not to predict a wall clock:
 
 - generation: a decode roofline per engine replica (rollout TP GPUs): each decode step reads the weights on a GPU
   and the KV cache of the sequences running (HBM-bound), sequences run in waves of the KV capacity (or
-  max_num_seqs); prefill at the bf16 peak x the GPU's measured matmul efficiency. Ignored: preemption, the
-  sampler, the scheduler's gaps, the unequal lengths that leave the last wave's tail;
+  max_num_seqs); prefill at the bf16 peak x the GPU's measured matmul efficiency, in vLLM's chunks of
+  max_num_batched_tokens each reading the weights at least. Ignored: preemption, the sampler, the scheduler's
+  gaps, the unequal lengths that leave the last wave's tail;
 - update: the FSDP step-time model (step_time.py) of one micro-batch, times the micro-batches of a step, plus one
   optimizer step per mini-batch;
 - log-probs (old and reference): the forward of a log-prob micro-batch (its own micro-batch or token budget, priced
@@ -34,7 +35,7 @@ from .model_spec import ModelSpec
 from .profile import Profile
 from .rl_batch import BatchPlan
 from .rl_phases import ActorStates, RlSettings, actor_run, reference_bytes
-from .rollout_engine import EngineMemory, EngineSettings, KvShape
+from .rollout_engine import Engine, EngineMemory, EngineSettings, KvShape
 from .step_time import TimeBreakdown, estimate_step_time
 
 PASSES_PER_STEP = 3   # actor params loaded for compute_log_prob, update_actor and the weight sync
@@ -67,10 +68,24 @@ def generation_s(model: ModelSpec, cluster: ClusterSpec, s: EngineSettings, e: E
     waves = math.ceil(seqs_per_replica / running)
     kv_token_bytes = KvShape.of(model).token_bytes_per_layer(s.tp, s.kv_dtype_bytes) * model.n_layers
     context = prompt_tokens + response_tokens / 2   # the mean context a decode step reads
-    decode = waves * response_tokens * (e.weights_bytes + running * context * kv_token_bytes) / gpu.hbm_bytes_per_s
-    flops = 2 * model.active_params / s.tp * seqs_per_replica * prompt_tokens
-    prefill = flops / (gpu.priced_peak_flops("bf16") * (gpu.matmul_efficiency or 0.8))
-    return decode + prefill
+    # each decode step reads the weights once for the sequences running; each sequence reads its own context at
+    # each of its steps (a last wave not full reads only its sequences')
+    decode = response_tokens * (waves * e.weights_bytes + seqs_per_replica * context * kv_token_bytes) \
+        / gpu.hbm_bytes_per_s
+    return decode + prefill_s(model, cluster, s, e, seqs_per_replica * prompt_tokens)
+
+
+def prefill_s(model: ModelSpec, cluster: ClusterSpec, s: EngineSettings, e: EngineMemory, tokens: int) -> float:
+    """A replica's prompts at the bf16 peak x the GPU's matmul efficiency, and no faster than its forward steps
+    each reading the weights: vLLM v1's scheduler (vllm/v1/core/sched/scheduler.py, token_budget =
+    max_num_scheduled_tokens) runs at most max_num_batched_tokens tokens a step, so chunked prefill takes
+    ceil(tokens / max_num_batched_tokens) steps (SGLang: its own chunk size, not priced)."""
+    gpu = cluster.gpu
+    flops = 2 * model.active_params / s.tp * tokens
+    compute = flops / (gpu.priced_peak_flops("bf16") * (gpu.matmul_efficiency or 0.8))
+    if s.engine is not Engine.VLLM:
+        return compute
+    return max(compute, math.ceil(tokens / s.max_num_batched_tokens) * e.weights_bytes / gpu.hbm_bytes_per_s)
 
 
 def ulysses_s(model: ModelSpec, cluster: ClusterSpec, profile: Profile, micro: TimeBreakdown, tokens: int, sp: int,
@@ -94,7 +109,7 @@ def micro_step(model: ModelSpec, cluster: ClusterSpec, settings: RlSettings, bat
     (flash-attention's varlen kernel attends within each): whole sequences of their mean length (over sp with
     Ulysses); with the tokens as priced (whole sequences). memo: one search's cache (one model, cluster and
     profile), keyed by the step's inputs."""
-    run = actor_run(model, cluster, settings, batch)
+    run = actor_run(model, cluster, settings, batch, memo)
     seq = max(1, min(tokens, mean_len // sp))
     seqs = max(1, round(tokens / seq))
     key = (run.config, run.training, seq, seqs)
@@ -110,7 +125,12 @@ def micro_step(model: ModelSpec, cluster: ClusterSpec, settings: RlSettings, bat
 def train_seconds(model: ModelSpec, cluster: ClusterSpec, settings: RlSettings, batch: BatchPlan, prompt_tokens: int,
                   response_tokens: int, profile: Profile, sp: int, memo: dict | None = None) -> tuple[float, float]:
     """(update, log-probs) seconds of a step: the update's micro-steps and one optimizer step per mini-batch; the
-    old and reference log-probs, each the forward of the rank's tokens at the log-prob micro-batch."""
+    old and reference log-probs, each the forward of the rank's tokens at the log-prob micro-batch. memo: a search's
+    cache (micro_step's), which holds the result too."""
+    key = ("train_seconds", settings.finetune, settings.lora_rank, settings.actor_dtype,
+           settings.gradient_checkpointing, settings.fsdp_size, batch, prompt_tokens, response_tokens, sp)
+    if memo is not None and key in memo:
+        return memo[key]
     length, gc = prompt_tokens + response_tokens, settings.gradient_checkpointing
     # what a micro-batch runs on average: dynamic batches are priced on their real tokens (BatchPlan), not the budget
     tokens = batch.update_run_tokens_per_gpu or batch.update_tokens_per_gpu
@@ -125,7 +145,10 @@ def train_seconds(model: ModelSpec, cluster: ClusterSpec, settings: RlSettings, 
     forward_per_token = ((fwd.compute_s - fwd.recompute_s) / 3
                          + ulysses_s(model, cluster, profile, fwd, fwd_tokens, sp, gc, forward_only=True)) / fwd_tokens
     rank_tokens = batch.step_seqs_per_rank * length / sp
-    return update, 2 * forward_per_token * rank_tokens
+    seconds = update, 2 * forward_per_token * rank_tokens
+    if memo is not None:
+        memo[key] = seconds
+    return seconds
 
 
 def rl_step_time(model: ModelSpec, cluster: ClusterSpec, settings: RlSettings, engine: EngineSettings,
@@ -134,7 +157,7 @@ def rl_step_time(model: ModelSpec, cluster: ClusterSpec, settings: RlSettings, e
     """prompt / response tokens: the means the engine generates; sp: the Ulysses degree; critic: PPO's, priced as
     the actor's update plus one forward (its values), its head's FLOPs left out, and its offload copies (params in
     and out for compute_values and update_critic, Adam's states for the update); memo: micro_step's."""
-    run = actor_run(model, cluster, settings, batch)
+    run = actor_run(model, cluster, settings, batch, memo)
     update, log_prob = train_seconds(model, cluster, settings, batch, prompt_tokens, response_tokens, profile, sp,
                                      memo)
     d = run.shard_ranks

@@ -194,6 +194,17 @@ def kv_fit_refusals(engine: Engine, kv_bytes: int, one_seq_bytes: int, max_model
     return []
 
 
+def scheduler_refusals(s: EngineSettings) -> list[Refusal]:
+    """vLLM's SchedulerConfig._verify_args (vllm/config.py in 0.8, vllm/config/scheduler.py since): each step
+    schedules at most max_num_batched_tokens tokens, one per running sequence at least, so it must be >=
+    max_num_seqs. (Below max_model_len is allowed: chunked prefill, on in vLLM v1 and in verl's rollout config.)"""
+    if s.engine is not Engine.VLLM or s.max_num_batched_tokens >= s.max_num_seqs:
+        return []
+    return [Refusal("max_num_batched_tokens", "engine-config", f"vLLM: max_num_batched_tokens "
+                    f"({s.max_num_batched_tokens}) must be greater than or equal to max_num_seqs ({s.max_num_seqs})",
+                    f"raise --max-num-batched-tokens to >= {s.max_num_seqs} or lower --max-num-seqs")]
+
+
 def engine_memory(model: ModelSpec, s: EngineSettings, total_bytes: int, resident_bytes: int,
                   non_torch_bytes: int) -> EngineMemory:
     """The engine on one GPU, started beside `resident_bytes` of the trainer's tensors (allocated by torch in the
@@ -218,6 +229,7 @@ def engine_memory(model: ModelSpec, s: EngineSettings, total_bytes: int, residen
     seq_pages = math.ceil(s.max_model_len / s.page_tokens)
     if not refusals:
         refusals += kv_fit_refusals(s.engine, kv, seq_pages * page * shape.layers, s.max_model_len)
+    refusals = scheduler_refusals(s) + refusals
     return EngineMemory(weights_bytes=weights, activation_peak_bytes=acts, cuda_graph_bytes=s.graph_bytes,
                         kv_bytes=kv, kv_blocks=blocks, page_bytes=page, kv_tokens=blocks * s.page_tokens,
                         max_concurrent_seqs=min(s.max_num_seqs, blocks // seq_pages), refusals=tuple(refusals))

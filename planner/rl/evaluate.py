@@ -98,10 +98,10 @@ def evaluate_rl(request: RlRequest, profile: Profile | None = None, model: Model
     batch, engine, settings = specs_of(request, spec)
     plan = batch_plan(batch, cluster.n_gpus, spec.n_heads, spec.n_kv_heads, engine.tp)
     states = _memoized(memo, "actor", settings, plan,
-                       lambda: actor_states(actor_run(spec, cluster, settings, plan), settings, plan, profile))
+                       lambda: actor_states(actor_run(spec, cluster, settings, plan, memo), settings, plan, profile))
     critic = _memoized(memo, "critic", settings, plan,
                        lambda: critic_states(spec, cluster, settings, plan, profile)) if settings.ppo else None
-    memory = rl_phases(spec, cluster, settings, engine, plan, profile, critic, actor=states)
+    memory = rl_phases(spec, cluster, settings, engine, plan, profile, critic, actor=states, memo=memo)
     host = host_ram_per_node(spec, cluster, settings, memory.actor, memory.engine, critic)
     time = rl_step_time(spec, cluster, settings, engine, memory.engine, plan, memory.actor,
                         batch.mean_prompt_length or batch.max_prompt_length,

@@ -28,7 +28,7 @@ SEARCHED = ("actor_dtype", "param_offload", "optimizer_offload", "ref_param_offl
             "critic_optimizer_offload", "gradient_checkpointing", "entropy_chunking", "ulysses_sequence_parallel_size",
             "use_dynamic_bsz", "ppo_micro_batch_size_per_gpu", "log_prob_micro_batch_size_per_gpu",
             "ppo_max_token_len_per_gpu", "log_prob_max_token_len_per_gpu", "rollout_tp", "gpu_memory_utilization",
-            "max_num_seqs")
+            "max_num_seqs", "max_num_batched_tokens")
 
 
 def knobs_dict(r) -> dict:
@@ -157,12 +157,13 @@ def _knobs(e: RlEstimate) -> dict:
     ckpt = "+".join(n for n, on in (("gc", r.gradient_checkpointing), ("ec", r.entropy_chunking)) if on) or "-"
     return {"dtype": r.actor_dtype, "offload": offload, "ckpt": ckpt, "sp": str(r.ulysses_sequence_parallel_size),
             "micro": micro, "TP": str(r.rollout_tp), "util": f"{r.gpu_memory_utilization}",
-            "seqs": str(r.max_num_seqs)}
+            "seqs": str(r.max_num_seqs), "chunk": _budget(r.max_num_batched_tokens)}
 
 
 LEGEND = ("offload: p actor params, o Adam states, r reference, P / O the critic's; ckpt: gc gradient "
           "checkpointing, ec entropy chunking; sp: Ulysses degree; micro: update / log-prob sequences per GPU "
           "(dynamic batches: token budgets); TP: rollout TP; util: gpu_memory_utilization; seqs: max_num_seqs; "
+          "chunk: max_num_batched_tokens; "
           "peak: GiB reserved; seconds (estimates): gen generation, logp log-probs, upd the update (PPO: and the "
           "critic), sync weight sync and offload copies")
 

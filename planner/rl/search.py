@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 from cost_models.model_spec import ModelSpec
 from cost_models.profile import Profile
+from cost_models.units import MiB
 
 from ..models import resolve_model
 from .evaluate import RlEstimate, evaluate_rl, train_time_s
@@ -45,12 +46,11 @@ ULYSSES = (1, 2, 4, 8)
 UTILIZATIONS = (0.3, 0.4, 0.5, 0.6, 0.7)
 TPS = (1, 2, 4, 8)
 MAX_NUM_SEQS = (256, 512, 1024)
+MAX_NUM_BATCHED_TOKENS = (2048, 4096, 8192, 16384)   # vLLM: >= max_num_seqs (rollout_engine.scheduler_refusals)
 ENGINE_PHASES = ("init", "rollout", "weight_sync")
 NOT_SEARCHED = {
     "strategy": "FSDP1 and FSDP2 price alike on the GPU and in time (the actor's ledger prices both as FSDP2; only "
                 "loading's host RAM differs), so the request's is kept",
-    "max_num_batched_tokens": "only its profile run's activations are priced (prefill time is a FLOP roofline), so "
-                              "a search would only ever lower it; the request's is kept",
 }
 
 
@@ -64,8 +64,9 @@ class RlPlan:
 
 
 def key(e: RlEstimate) -> tuple:
-    """The ranking: step time, then the peak."""
-    return e.time.step_s, e.memory.peak.reserved_bytes
+    """The ranking: step time, then the peak in whole MiB (below, KV-block rounding: a tie, which the earlier
+    choice - the request's max_num_batched_tokens - wins)."""
+    return e.time.step_s, -(-e.memory.peak.reserved_bytes // MiB)
 
 
 def side_fits(e: RlEstimate, engine_side: bool) -> bool:
@@ -106,8 +107,8 @@ def spaces(request: RlRequest, model: ModelSpec, n_gpus: int) -> tuple[list[dict
         per_replica = -(-seqs // (n_gpus // tp))
         wanted = [m for m in MAX_NUM_SEQS if m < per_replica] + [next((m for m in MAX_NUM_SEQS if m >= per_replica),
                                                                       MAX_NUM_SEQS[-1])]
-        engine += [dict(rollout_tp=tp, max_num_seqs=m, gpu_memory_utilization=u)
-                   for m in dict.fromkeys(wanted) for u in UTILIZATIONS]
+        engine += [dict(rollout_tp=tp, max_num_seqs=m, max_num_batched_tokens=b, gpu_memory_utilization=u)
+                   for m in dict.fromkeys(wanted) for b in _batched_tokens(request, m) for u in UTILIZATIONS]
     longest = request.prompt_len + request.response_len
     actor = []
     for sp in (s for s in ULYSSES if n_gpus % s == 0 and heads % s == 0 and (kv % s == 0 or s % kv == 0)):
@@ -120,6 +121,14 @@ def spaces(request: RlRequest, model: ModelSpec, n_gpus: int) -> tuple[list[dict
         actor += [dict(gradient_checkpointing=gc, ulysses_sequence_parallel_size=sp, **b)
                   for gc in (True, False) for b in batches]
     return shared, engine, actor
+
+
+def _batched_tokens(request: RlRequest, max_num_seqs: int) -> list[int]:
+    """vLLM's max_num_batched_tokens worth pricing: MAX_NUM_BATCHED_TOKENS and the request's, those vLLM takes with
+    max_num_seqs, the request's first (it wins ties). SGLang: the request's (its profile and chunks not priced)."""
+    if request.engine != "vllm":
+        return [request.max_num_batched_tokens]
+    return [b for b in dict.fromkeys((request.max_num_batched_tokens, *MAX_NUM_BATCHED_TOKENS)) if b >= max_num_seqs]
 
 
 def search_space(request: RlRequest, model: ModelSpec, n_gpus: int) -> list[dict]:
@@ -180,7 +189,7 @@ def plan_rl(request: RlRequest, profile: Profile | None = None, top: int = 10) -
         fitting = [(i, e) for i, e in by_engine if side_fits(e, engine_side=True)]
         if not fitting:
             continue
-        chosen = engines[min(fitting, key=lambda ie: (_f(ie[1]), _peak(ie[1], True), ie[0]))[0]]
+        chosen = engines[min(fitting, key=lambda ie: (_f(ie[1]), _peak_mib(ie[1], True), ie[0]))[0]]
         known = set().union(*(f for t, f in failed if _offloads_more(t, s)))
         failing = set()
         for i in order[s["actor_dtype"]]:
@@ -211,7 +220,7 @@ def _engine_side(price, s: dict, engines: list[dict], actor: dict) -> list[tuple
     (more: over still)."""
     out, stop = [], None
     for i, e in enumerate(engines):
-        group = (e["rollout_tp"], e["max_num_seqs"])
+        group = (e["rollout_tp"], e["max_num_seqs"], e["max_num_batched_tokens"])
         if group == stop:
             continue
         est = price({**s, **e, **actor})
@@ -231,3 +240,7 @@ def _f(e: RlEstimate) -> float:
 
 def _peak(e: RlEstimate, engine_side: bool) -> int:
     return max(p.reserved_bytes for p in e.memory.phases if (p.name in ENGINE_PHASES) == engine_side)
+
+
+def _peak_mib(e: RlEstimate, engine_side: bool) -> int:
+    return -(-_peak(e, engine_side) // MiB)

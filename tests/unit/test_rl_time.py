@@ -5,7 +5,7 @@ measured matmul efficiency of 0.8, 50 GB/s host copies."""
 import pytest
 
 from cost_models.rollout_engine import EngineMemory, EngineSettings
-from cost_models.rl_time import generation_s
+from cost_models.rl_time import generation_s, prefill_s
 from planner.hardware import make_cluster
 from planner.models import resolve_model
 from planner.rl import rl_estimate
@@ -95,3 +95,21 @@ def test_dynamic_batches_run_their_real_tokens():
     assert dynamic.time.update_s == pytest.approx(static.time.update_s, rel=1e-12)
     assert dynamic.time.log_prob_s == pytest.approx(static.time.log_prob_s, rel=1e-12)
     assert dynamic.memory.phases[5].gpu_bytes["activations"] > static.memory.phases[5].gpu_bytes["activations"]
+
+
+def test_prefill_chunks_and_the_last_wave_by_hand():
+    """vLLM runs at most max_num_batched_tokens a step, each step reading the weights: 100,000 prompt tokens in chunks
+    of 64 are 1,563 steps x 7,615,616,512 B / 3.35e12 = 3.5532 s, more than their FLOPs (0.9625 s); in chunks of
+    8,192, 13 steps (0.030 s), the FLOPs. Decode: 300 sequences at 256 at once are 2 waves reading the weights, but
+    only the 300 sequences' KV (not 2 x 256)."""
+    model, cluster = resolve_model("qwen2.5-7b"), make_cluster(8, gpu="h100-80gb")
+    e = EngineMemory(weights_bytes=P7, activation_peak_bytes=0, cuda_graph_bytes=0, kv_bytes=0, kv_blocks=0,
+                     page_bytes=0, kv_tokens=0, max_concurrent_seqs=256)
+    flops_s = P7 * 100_000 / (989e12 * 0.8)
+    for chunk, seconds in ((64, 1_563 * P7 / 3.35e12), (8192, flops_s)):
+        s = EngineSettings(tp=2, max_model_len=2048, max_num_seqs=64, max_num_batched_tokens=chunk)
+        assert prefill_s(model, cluster, s, e, 100_000) == pytest.approx(seconds, rel=1e-9)
+    assert 1_563 * P7 / 3.35e12 == pytest.approx(3.5532, abs=1e-4)
+    s = EngineSettings(tp=2, max_model_len=2048)
+    decode = 1000 * (2 * P7 + 300 * 1500 * 28_672) / 3.35e12
+    assert generation_s(model, cluster, s, e, 300, 1000, 1000) == pytest.approx(decode + 3 * flops_s, rel=1e-9)

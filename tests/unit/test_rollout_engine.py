@@ -79,6 +79,23 @@ def test_engine_memory_names_vllms_max_len_error(qwen):
     assert "max seq len (32768), (0.88 GiB KV cache is needed" in e.refusals[0].reason
 
 
+def test_max_num_batched_tokens_buys_kv_and_must_cover_max_num_seqs(qwen):
+    """The profile run's tokens come out of the KV budget (vLLM current: total x utilization - weights - profile
+    peak): 2,048 instead of 8,192 frees 6,144 x 37,888 x 2 B = 465,567,744 B, 1,014 more blocks of 16,384 B x 28
+    layers (465,567,744 // 458,752, to one block's rounding). Below max_num_seqs vLLM's SchedulerConfig refuses."""
+    def settings(b, seqs=256):
+        return EngineSettings(gpu_memory_utilization=0.6, tp=2, max_model_len=2048, max_num_seqs=seqs,
+                              max_num_batched_tokens=b)
+    small, large = (engine_memory(qwen, settings(b), 80 * GiB, 0, CONTEXT) for b in (2048, 8192))
+    assert large.activation_peak_bytes - small.activation_peak_bytes == 465_567_744
+    assert small.kv_blocks - large.kv_blocks in (1_014, 1_015)
+    refused = engine_memory(qwen, settings(128), 80 * GiB, 0, CONTEXT).refusals
+    assert [(r.field, r.code) for r in refused] == [("max_num_batched_tokens", "engine-config")]
+    assert "max_num_batched_tokens (128) must be greater than or equal to max_num_seqs (256)" in refused[0].reason
+    sglang = EngineSettings(engine="sglang", max_num_seqs=256, max_num_batched_tokens=128)
+    assert engine_memory(qwen, sglang, 80 * GiB, 0, CONTEXT).refusals == ()
+
+
 def test_engine_memory_sglang(qwen):
     s = EngineSettings(engine="sglang", gpu_memory_utilization=0.5, tp=2, max_model_len=2048)
     e = engine_memory(qwen, s, 80 * GiB, resident_bytes=0, non_torch_bytes=CONTEXT)
