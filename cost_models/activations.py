@@ -148,7 +148,7 @@ def _attention_dropout(model: ModelSpec) -> bool:
     return model.dropout if model.attention_dropout is None else model.attention_dropout
 
 
-def _uses_s2_attention(model: ModelSpec, attention: Attention) -> bool:
+def uses_s2_attention(model: ModelSpec, attention: Attention) -> bool:
     return attention is Attention.EAGER or model.family in ALIBI_FAMILIES
 
 
@@ -175,7 +175,7 @@ def _attention_bytes(model: ModelSpec, c: int, attention: Attention, seq_len: in
     if activations_sinks.has_sinks(model) and attention is not Attention.SDPA:  # gpt-oss (activations_sinks.py)
         return activations_sinks.sink_attention_bytes(model, c, seq_len, attention)
     q, kv = model.q_dim, model.kv_dim
-    eager = _uses_s2_attention(model, attention)
+    eager = uses_s2_attention(model, attention)
     if model.family in _SEPARATE_QKV_FAMILIES:
         qkv = 3 * c * q if eager else c * (q + 2 * kv)   # eager repeats k and v per query head
         if attention is Attention.FLEX and model.n_heads & (model.n_heads - 1):
@@ -253,7 +253,7 @@ def selective_op_held_bytes_per_token(model: ModelSpec, compute_bytes: int, atte
     logsumexp. Eager attention's batched products (aten.bmm) and softmax are not on the list: recomputed."""
     c = compute_bytes
     saved = c * model.hidden_size + c * operators.selective_op_saved_elements(model, seq_len, lora_rank)
-    if not _uses_s2_attention(model, attention):
+    if not uses_s2_attention(model, attention):
         saved += c * model.q_dim + LOGSUMEXP_BYTES * model.n_heads
     return round(saved)
 
@@ -306,7 +306,7 @@ def eager_mask_bytes(model: ModelSpec, compute_bytes: int, seq_len: int, micro_b
     if attention is Attention.FLEX:  # a BlockMask per mask kind (attention_flex.py), not an (s, s) tensor
         masks = 2 if model.sliding_window and 0 < model.full_attention_layers < model.n_layers else 1
         return masks * attention_flex.block_mask_bytes(seq_len, micro_batch)
-    if not _uses_s2_attention(model, attention):
+    if not uses_s2_attention(model, attention):
         return seq_len * seq_len if windowed else 0
     if model.family in ALIBI_FAMILIES:
         return 0
@@ -343,7 +343,7 @@ def attention_backward_working_bytes_per_token(model: ModelSpec, compute_bytes: 
     c = compute_bytes
     q, kv = model.q_dim, model.kv_dim
     grads = c * model.hidden_size + c * (q + 2 * kv)
-    if not _uses_s2_attention(model, attention):
+    if not uses_s2_attention(model, attention):
         return grads
     probs = model.n_heads * seq_len
     soft = _softmax_bytes(model, c)

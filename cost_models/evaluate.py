@@ -71,7 +71,9 @@ def evaluate(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, con
     caller has it (planner/search/memo.py: priced once across knobs the memory does not read); ways: how the
     trainer loads and saves (host_ram.Ways; default: rank 0 loads, DCP saves); time: the step time, likewise."""
     config = as_run(config, cluster)
-    memory = estimate_memory(model, cluster, training, config, profile) if memory is None else memory
+    if memory is None:
+        memory = estimate_memory(model, cluster, training, config, profile,
+                                 fsdp1_adapter_units=ways is not None and ways.fsdp1_adapter_units)
     time = estimate_step_time(model, cluster, training, config, profile) if time is None else time
     reasons = unsupported_reasons(cluster, config)
     capacity = cluster.gpu.memory_bytes

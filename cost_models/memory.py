@@ -17,6 +17,8 @@ tier, docs/accuracy.md) decides what else is alive, moment by moment:
 - optimizer step: stored params, gradients, optimizer state and the step's temporaries (optimizer_step.py:
   foreach, fused or for-loop).
 SHARD_GRAD_OP-like strategies keep every block gathered from forward until its backward (no prefetch).
+fsdp1_adapter_units: LoRA / QLoRA under FSDP1, each adapter a unit casting its inputs (the planner's FSDP1 code):
+what that changes is in fsdp1_adapters.py.
 A shard group of one rank (NO_SHARD) still copies params out to unsharded tensors but needs no
 collective buffers.
 Ignored: per-parameter padding to a multiple of d (at most d-1 rows per tensor), allocator rounding to
@@ -28,8 +30,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from . import (activation_notes, activations, context_parallel, expert_parallel, kernels, moe, operators, optimizer_step,
-               qlora, tensor_parallel)
+from . import (activation_notes, activations, context_parallel, expert_parallel, fsdp1_adapters, kernels, moe,
+               operators, optimizer_step, qlora, tensor_parallel)
 from .memory_types import MemoryBreakdown, MemoryEstimate, ParamCounts, traced_block_terms
 from .outside_allocator import outside_allocator_terms
 from .profile import Profile
@@ -41,7 +43,7 @@ def _shard(n_bytes: float, d: int) -> int:
 
 
 def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, config: FsdpConfig,
-                    profile: Profile) -> MemoryEstimate:
+                    profile: Profile, fsdp1_adapter_units: bool = False) -> MemoryEstimate:
     if config.pp > 1:  # per pipeline rank: its stages and its schedule's in-flight microbatches; the largest leads
         from .pipeline_memory import pipeline_estimate
 
@@ -76,7 +78,6 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
     # every rank (on the GPU even with offload); the linear in flight dequantized in its forward and backward
     quantized = qlora.quantized_per_block(model) if training.quantized else 0
     quant_state = qlora.replicated_bytes(model, training.double_quant) if quantized else 0
-    dequantized_attention = qlora.dequantized_attention_bytes(model, c) if quantized else 0
 
     # --- model states, sharded over d (on the CPU with offload) -------------------------------------
     sharded_params = _shard(trainable * p + frozen * frozen_p - L * qlora.saving_bytes(quantized, frozen_p), d)
@@ -92,6 +93,8 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
 
     # --- gathered params and collective buffers ------------------------------------------------------
     block_c, root_c = counts.block() * c - qlora.saving_bytes(quantized, c), counts.root() * c
+    adapter_units = fsdp1_adapter_units and training.adapter_rank > 0  # FSDP1: each adapter a unit of its own
+    block_c -= fsdp1_adapters.block_adapter_bytes(model, training.adapter_rank, c) if adapter_units else 0
     if config.fp8_all_gather:  # FSDP2 gathers the Float8 linears' weights in FP8: 1 byte each, not c
         block_c -= operators.fp8_all_gather_saving_bytes(model, c, training.seq_len)
     keeps_gathered = config.sharding in (Sharding.SHARD_GRAD_OP, Sharding.HYBRID_SHARD_ZERO2)
@@ -117,6 +120,9 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
             model, c, config.tp, full, ckpt, root_saved, lora=bool(lora_rank), selective_op=config.selective_op_ac)
     if config.cp > 1 and traced is None:  # ring attention's output and the o-projection's copy of it
         full += context_parallel.ring_saved_bytes_per_token(model, config.cp, c)
+    if adapter_units:  # each adapter's own copy of its input
+        full += fsdp1_adapters.saved_copies_bytes_per_token(model, c, precision.mixed,
+                                                            activations.uses_s2_attention(model, attn))
     K = 1 if config.selective_op_ac else config.ac_every
     shared = activations.shared_bytes(model, c, training.seq_len)
     if K and traced is not None:  # the blocks' other inputs (masks, rotary tables), kept for the recompute
@@ -216,12 +222,10 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
     w_mlp = activations.mlp_backward_working_bytes_per_token(model, c, lora=bool(lora_rank), kernels=kern)
     w_attn = activations.attention_backward_working_bytes_per_token(model, c, attn, training.seq_len)
     w_attn += context_parallel.ring_working_bytes_per_token(model, config.cp, c)  # CP: the ring's transients
-    freed_attn = activations.attention_freed_before_backward_bytes_per_token(model, c, lora=bool(lora_rank),
-                                                                             attention=attn, kernels=kern,
-                                                                             micro_batch=config.micro_batch)
+    freed_attn = activations.attention_freed_before_backward_bytes_per_token(
+        model, c, lora=bool(lora_rank), attention=attn, kernels=kern, micro_batch=config.micro_batch)
     h, f = model.hidden_size, model.ffn_hidden_size
-    # Gradients accumulated when the MLP's backward peaks (fc2's weight) and when the attention's does
-    # (the MLP's and the o-projection's).
+    # Gradients accumulated when the MLP's backward peaks (fc2's weight), and the attention's (the MLP's and o's)
     mlp_grad = min(real.trainable_block, h * f) * c
     attn_grad = min(real.trainable_block, (3 if model.gated_mlp else 2) * h * f + model.q_dim * h) * c
     mlp_moments = ()
@@ -237,8 +241,7 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
     head_grad = min(head_grad, counts.trainable_root) * c
 
     def states(sharded_grad_bytes: int) -> dict:
-        return dict(sharded_params=gpu_states * sharded_params + quant_state,
-                    optimizer_state=gpu_states * optimizer_state,
+        return dict(sharded_params=gpu_states * sharded_params + quant_state, optimizer_state=gpu_states * optimizer_state,
                     sharded_grads=gpu_states * (accumulated or sharded_grad_bytes))
 
     moments: dict[str, MemoryBreakdown] = {}
@@ -305,10 +308,13 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
             at_mlp = tokens * (below + this + w_mlp)
             at_attn = tokens * (below + this - freed_attn + w_attn)
             if quantized:  # bitsandbytes' backward: the output projection dequantized beside its gradients (qlora.py)
-                at_mlp = max(at_mlp, tokens * (below + this + h * c) + qlora.backward_in_flight_bytes(
-                    model.ffn_hidden_size, h, c, training.double_quant, tokens))
-                at_attn += dequantized_attention
+                in_flight = qlora.backward_in_flight_bytes(f, h, c, training.double_quant, tokens)
+                at_mlp = max(at_mlp, tokens * (below + this + h * c) + in_flight)
+                at_attn += qlora.dequantized_attention_bytes(model, c)
             mlp_first = at_mlp >= at_attn
+            if adapter_units:  # FSDP1: block i-1 prefetched by its first adapter's pre-backward, in the attention's
+                mlp_first = at_mlp + mlp_grad >= at_attn + attn_grad + prefetch_below(i)  # (fsdp1_adapters.py)
+                buffers_adjust = -prefetch_below(i) if mlp_first else 0
             block_acts, block_grads = (at_mlp, mlp_grad) if mlp_first else (at_attn, attn_grad)
         moments[f"backward of block {i}" + (" (recomputed)" if is_ckpt(i) else "")] = MemoryBreakdown(
             **states(grads_done(i)),
@@ -320,24 +326,24 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
         if quantized and is_ckpt(i):
             # a checkpointed block's recompute of its MLP output projection (the forward moment below, in the
             # backward): the block's saved tensors remade, the residual sum, the MLP's and the projection's inputs
-            # and the incoming gradient, its weight dequantized; the gradients and buffers of its backward moment
+            # and the incoming gradient, its weight dequantized; the gradients and buffers of its backward moment (under
+            # FSDP1's adapter units without the block below, prefetched later in the attention's backward)
             moments[f"recompute of block {i}'s MLP output projection"] = MemoryBreakdown(
-                **states(grads_done(i)),
-                unsharded_params=params_at(i),
-                collective_buffers=prefetch_below(i) + reduce_scatter_above(i),
+                **states(grads_done(i)), unsharded_params=params_at(i),
+                collective_buffers=(0 if adapter_units else prefetch_below(i)) + reduce_scatter_above(i),
                 unsharded_grads=head_grad,
                 activations=tokens * (below + this + qlora.forward_held_bytes_per_token(h, f, c)) + shared
                 + qlora.forward_in_flight_bytes(f, h, c, training.double_quant, tokens),
             )
     if quantized and not is_ckpt(L - 1):
         # bitsandbytes' forward of the last block's MLP output projection (qlora.forward_in_flight_bytes says what it
-        # holds); FSDP2's all-gather output of the block kept as in "loss in forward". A checkpointed last block's
-        # forward keeps less: its recompute, above, leads.
+        # holds); FSDP2's all-gather output of the block kept as in "loss in forward" (FSDP1 gathers into the unit's
+        # flat parameter: fsdp1_adapters.py). A checkpointed last block's forward keeps less: its recompute leads.
         i = L - 1
         moments[f"forward of block {i}'s MLP output projection"] = MemoryBreakdown(
             **states(0),
             unsharded_params=params_at(i),
-            collective_buffers=gathered(i) if d > 1 and not keeps_gathered else 0,
+            collective_buffers=gathered(i) if d > 1 and not keeps_gathered and not adapter_units else 0,
             activations=tokens * (saved_below(i) + full - (first_less if i == 0 else 0) + qlora.forward_held_bytes_per_token(h, f, c)) + shared
             + qlora.forward_in_flight_bytes(f, h, c, training.double_quant, tokens),
         )
@@ -383,18 +389,12 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
                                       ep_view.outside_allocator_bytes(c) if ep_view is not None else 0)
     peak_reserved = profile.reserved_bytes(max(peak_allocated, loss_reserved), sum(t.bytes for t in outside))
     cpu_per_rank = (sharded_params + sharded_grads + optimizer_state + step_temporaries) if config.offload else 0
-    return MemoryEstimate(
-        breakdown=breakdown,
-        peak_phase=phase,
+    return MemoryEstimate(breakdown=breakdown, peak_phase=phase,
         phases={"backward": backward, "optimizer_step": step,
                 **{"forward": m for k, m in moments.items() if k.startswith("forward")}},  # QLoRA's, above
-        peak_allocated_bytes=peak_allocated,
-        peak_reserved_bytes=peak_reserved,
-        cpu_bytes_per_node=cpu_per_rank * cluster.gpus_per_node,
-        cpu_ram_capacity_bytes=cluster.cpu_ram_bytes_per_node,
+        peak_allocated_bytes=peak_allocated, peak_reserved_bytes=peak_reserved,
+        cpu_bytes_per_node=cpu_per_rank * cluster.gpus_per_node, cpu_ram_capacity_bytes=cluster.cpu_ram_bytes_per_node,
         notes=tuple(activation_notes.quirks(model, config.attention, training.seq_len))
         + tuple(n for n in [None if config.expert_shard_dim or ep_view else moe.padding_note(model, d, c)] if n)
         + (ep_view.notes() if ep_view is not None else ()),
-        peak_moment=peak_moment,
-        outside_allocator=outside,
-    )
+        peak_moment=peak_moment, outside_allocator=outside)

@@ -73,6 +73,9 @@ class Trainer:
     async_tp: bool = False
     lora: bool = True
     qlora_replicas: bool = True  # loads a 4-bit (QLoRA) base under HSDP replicas too
+    # FSDP1 with each adapter linear a unit that casts its inputs, no autocast: each adapter saves its input's copy
+    # (cost_models/fsdp1_adapters.py); HF / accelerate / Lightning run the forward under autocast
+    fsdp1_adapter_units: bool = False
     mesh_exclusions: tuple[tuple[str, str], ...] = ()  # axes it cannot combine above 1
     precisions: tuple[Precision, ...] = tuple(Precision)
     norm: str | None = None  # the blocks' RMSNorm as its own model runs it (ModelSpec.norm); None: the model's
@@ -92,7 +95,8 @@ class Trainer:
         from cost_models.host_ram import Ways
         from cost_models.outside_step import LoadWay, SaveWay
 
-        return Ways(LoadWay(self.load_way), SaveWay(self.save_way), fsdp2=self.fsdp_version == 2)
+        return Ways(LoadWay(self.load_way), SaveWay(self.save_way), fsdp2=self.fsdp_version == 2,
+                    fsdp1_adapter_units=self.fsdp1_adapter_units)
 
     def kernel_choices(self, name: str) -> tuple[str, ...]:
         return self.kernels.get(name, KERNEL_DEFAULTS[name])
@@ -140,7 +144,7 @@ TRAINERS: dict[str, Trainer] = {t.id: t for t in (
         artifacts=("fsdp1", *LAUNCHERS), fsdp_version=1, sequence_parallel=(True,), fsdp1_knobs=True, float8=True,
         shard_groups=True,  # FullyShardedDataParallel's 2-D device_mesh for HYBRID_SHARD
         load_way="every-rank",  # the snippet wraps the model every rank built
-        kernels=HF_KERNELS,
+        kernels=HF_KERNELS, fsdp1_adapter_units=True,  # emit_fsdp1's CustomPolicy and cast_forward_inputs
         defaults=_defaults(optimizer_impl="foreach")),
     Trainer(
         # transformers 5 Trainer on accelerate's FSDP2 plugin: fsdp_config keys (training_args.py), accelerate's

@@ -1,0 +1,55 @@
+"""LoRA / QLoRA under FSDP1 with each adapter linear a unit of its own and its inputs cast by the unit, as the
+planner's FSDP1 code wraps them (planner/emit/code/fsdp.py emit_fsdp1: CustomPolicy, cast_forward_inputs, no
+autocast; calibration.apply.fsdp1_kwargs' trainable_mixed): what the FSDP2-shaped ledger (memory.py, the adapters
+inside their block's unit) does not hold. Pure sizing functions (bytes).
+
+- Each adapter saves its own copy of its input. peft 0.21's forward (tuners/lora/layer.py Linear.forward, always;
+  tuners/lora/bnb.py Linear4bit.forward, when autocast is off) casts x to lora_A.weight.dtype. Outside the adapter's
+  unit that weight is FSDP1's view into the sharded flat parameter (torch 2.13 fsdp/_flat_param.py
+  _use_sharded_views), in the parameter dtype: with fp32 masters x becomes an fp32 copy, which the unit's pre-forward
+  casts back to the compute dtype (fsdp/_runtime_utils.py _pre_forward, MixedPrecision(cast_forward_inputs=True):
+  fsdp_options.fsdp1_mixed_precision for LoRA), a new tensor that lora_A's linear saves for its weight gradient.
+  So q, k and v save three copies of the normed input where under FSDP2 they share it (the original, read by frozen
+  linears only, is freed), and o saves a copy of the attention output beside the one SDPA keeps (eager attention's
+  P @ V copy is kept by o's adapter alone: the copy replaces it). With adapters in the compute dtype (pure bf16,
+  fp32) nothing is cast.
+- The block's unit holds only its frozen weights: its all-gather (prefetched, and unsharded in its backward) leaves
+  the adapters out; each adapter is gathered on its own as its forward or backward reaches it, r x (in + out) values
+  at a time (not counted).
+- No all-gather output beside the unsharded block: FSDP1 all-gathers into the unit's padded unsharded flat parameter,
+  of which the original parameters are views (fsdp/_flat_param.py FlatParamHandle.unshard, _all_gather_flat_param),
+  where FSDP2 copies its all-gather output out into the parameters and frees it later (memory.py's forward moment).
+- The previous block is prefetched only in the attention's backward: FSDP1's BACKWARD_PRE prefetches the unit before
+  the current one in post-forward order (fsdp/_exec_order_utils.py get_handle_to_backward_prefetch): a block's own
+  pre-backward prefetches its last adapter, and its first adapter's (q's lora_A) the block below, when the q
+  projection's backward comes, after SDPA's. So the MLP's backward moment holds no prefetched block; the attention's
+  does (an upper bound: taken at the attention backward's peak).
+Measured: 2-rank gloo QLoRA, h 256, 128 tokens a sequence (tests/distributed/test_torchrun_qlora.py): the loss
+backward holds six more (2, 128, 256) bf16 tensors than FSDP2's, three a block, and the last block's all-gather
+28,672 B less (its adapters, 14,336 values in bf16); the ledger with both terms within 0.1% of the real peak.
+Not priced: HF Trainer's, accelerate's and Lightning's FSDP1 (autocast around the forward, the adapters' units as
+each wraps them), the fp32 copy alive while a unit casts it (tokens x in x 4 B, in the forward), FSDP1's
+per-parameter alignment padding.
+"""
+
+from __future__ import annotations
+
+from .model_spec import ModelSpec
+
+
+def saved_copies_bytes_per_token(model: ModelSpec, compute_bytes: int, mixed: bool, s2_attention: bool) -> int:
+    """What a block saves per token on top of the FSDP2-shaped LoRA ledger (activations.py: the attention norm's
+    output kept once for the q / k / v adapters; the o-projection's input, SDPA's saved output, or under eager
+    attention P @ V's copy): each adapter's own copy of its input, less the originals only adapters kept (the
+    normed input; eager's P @ V copy). mixed: adapters stored in another dtype than the compute dtype; s2_attention:
+    eager attention (activations.uses_s2_attention)."""
+    if not mixed or not model.lora_target_shapes:
+        return 0
+    copies = sum(n_in for n_in, _ in model.lora_target_shapes)
+    kept_by_adapters_only = model.hidden_size + (model.lora_target_shapes[-1][0] if s2_attention else 0)
+    return compute_bytes * (copies - kept_by_adapters_only)
+
+
+def block_adapter_bytes(model: ModelSpec, lora_rank: int, compute_bytes: int) -> int:
+    """A block's adapters in the compute dtype: what its unit's all-gather leaves out under FSDP1's adapter units."""
+    return model.lora_params_per_block(lora_rank) * compute_bytes
