@@ -103,7 +103,11 @@ def process_groups(cluster, config) -> tuple[_Group, ...]:
     (torchtitan's mesh: one per dimension and flattened dimension it uses; a 1-D mesh over the world reuses the
     default group), the default group's (DCP's save plans, barriers), one per pipeline neighbour (torch's
     ProcessGroupNCCL builds a 2-rank communicator per send/recv pair)."""
-    m = mesh_of(config, cluster)
+    return _mesh_groups(cluster, mesh_of(config, cluster))
+
+
+def _mesh_groups(cluster, m) -> tuple[_Group, ...]:
+    """process_groups of the mesh `m` (cost_models/mesh.Mesh)."""
     domain = cluster.gpu.scale_up_domain_gpus or cluster.gpus_per_node
     groups, inner = [], 1
     # the dense mesh innermost first: a group of `size` ranks `inner` apart spans inner x size consecutive ranks
@@ -142,8 +146,21 @@ def nccl_terms(cluster, config, overrides: dict | None = None) -> tuple[OutsideT
     and channel per peer; NVLS (NVSwitch Hopper / Blackwell, more than 2 GPUs in the group, NCCL_NVLS_ENABLE) maps
     NVLS_NCHANNELS x 2 (reduce and broadcast) x CHUNKSIZE x NCCL_STEPS per head, a head per rank of the group.
     Ignores: tree connections (all-reduce's tree algorithm, connected at its first use), the proxy's host memory,
-    the device work FIFOs (a few MiB)."""
-    o = overrides or {}
+    the device work FIFOs (a few MiB). Priced once per what it reads (a search asks for every candidate): the GPU's
+    fabric, the node, the mesh, the overrides."""
+    o, gpu, mesh = overrides or {}, cluster.gpu, mesh_of(config, cluster)
+    key = (gpu.id, gpu.architecture, gpu.scale_up_link, gpu.scale_up_domain_gpus, cluster.gpus_per_node, mesh,
+           tuple(sorted(o.items())))
+    if key not in _NCCL_TERMS:
+        _NCCL_TERMS[key] = _nccl_terms(cluster, mesh, o)
+    return _NCCL_TERMS[key]
+
+
+_NCCL_TERMS: dict[tuple, tuple] = {}
+
+
+def _nccl_terms(cluster, mesh, o: dict) -> tuple[OutsideTerm, OutsideTerm, OutsideTerm]:
+    """nccl_terms on the mesh `mesh` (cost_models/mesh.Mesh), o: the NCCL overrides."""
     gpu = cluster.gpu
     channels = _ring_channels(gpu)
     lo, hi = int(_nccl_value(o, "NCCL_MIN_NCHANNELS")), int(_nccl_value(o, "NCCL_MAX_NCHANNELS"))
@@ -155,7 +172,7 @@ def nccl_terms(cluster, config, overrides: dict | None = None) -> tuple[OutsideT
     nvls_head = (int(_nccl_value(o, "NCCL_NVLS_NCHANNELS")) * 2 * int(_nccl_value(o, "NCCL_NVLS_CHUNKSIZE"))
                  * NCCL_STEPS)
     rings, nvls, words, nvls_words = 0, 0, [], []
-    for g in process_groups(cluster, config):
+    for g in _mesh_groups(cluster, mesh):
         if g.p2p_peers:
             b = g.p2p_peers * per_peer * simple
             words.append(f"{g.name} ({g.size} ranks, all-to-all): {g.p2p_peers} peers x {per_peer} channels x Simple "
@@ -167,7 +184,7 @@ def nccl_terms(cluster, config, overrides: dict | None = None) -> tuple[OutsideT
                 nvls += g.size * nvls_head
                 nvls_words.append(f"{g.name}: {g.size} heads x {nvls_head / MiB:g} MiB")
         rings += b
-    peers = _pp_peers(config)
+    peers = _pp_peers(mesh)
     p2p = peers * per_peer * simple
     cite = ("NCCL src/init.cc DEFAULT_BUFFSIZE / DEFAULT_LL_BUFFSIZE / DEFAULT_LL128_BUFFSIZE (NCCL_BUFFSIZE, "
             "NCCL_LL_BUFFSIZE, NCCL_LL128_BUFFSIZE, NCCL_PROTO); ring channels a stated estimate "
@@ -188,10 +205,10 @@ def nccl_terms(cluster, config, overrides: dict | None = None) -> tuple[OutsideT
                         "(stated 2)"))
 
 
-def _pp_peers(config) -> int:
+def _pp_peers(mesh) -> int:
     """Pipeline neighbours of the busiest rank: the previous and the next stage (one at pp 2; looped schedules wrap
     the last rank to the first, so every rank has two)."""
-    return 0 if config.pp == 1 else min(2, config.pp - 1)
+    return 0 if mesh.pp == 1 else min(2, mesh.pp - 1)
 
 
 def symmetric_memory_bytes(model, training, config) -> int:

@@ -35,7 +35,7 @@ from .memory_types import MemoryBreakdown, MemoryEstimate
 from .outside_allocator import outside_allocator_terms
 from .pipeline import rank_stages
 from .pipeline_orders import active_stages, orders
-from .pipeline_stage_pieces import StagePieces, stage_pieces
+from .pipeline_stage_pieces import StagePieces, shaped_stage_pieces
 from .specs import FsdpConfig, ModelSpec, TrainingSpec
 from .units import DTYPE_BYTES
 
@@ -61,14 +61,17 @@ def _breakdown(**parts) -> MemoryBreakdown:
 
 
 def rank_memory(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, d: int, rank: int,
-                profile, outside_bytes: int) -> PipelineRankMemory:
+                profile, outside_bytes: int, shapes: dict | None = None) -> PipelineRankMemory:
     """Pipeline rank `rank`'s peak (d: the FSDP shard group, dp_shard x cp): torch's order replayed; its reserved
-    adds `outside_bytes` (outside_allocator.py: the busiest rank's, every rank priced with it)."""
+    adds `outside_bytes` (outside_allocator.py: the busiest rank's, every rank priced with it); shapes: the stage
+    pieces priced so far for this configuration (shaped_stage_pieces)."""
     precision = config.precision
     c, p = DTYPE_BYTES[precision.compute_dtype], DTYPE_BYTES[precision.param_dtype]
     r = DTYPE_BYTES[config.gradient_reduce_dtype]
     m = config.pp_microbatches
-    pieces = {st.index: stage_pieces(model, training, config, st) for st in rank_stages(model, config, rank)}
+    shapes = {} if shapes is None else shapes
+    pieces = {st.index: shaped_stage_pieces(model, training, config, st, shapes)
+              for st in rank_stages(model, config, rank)}
     total_params = sum(x.params for x in pieces.values())
     opt_per_param = training.optimizer.state_bytes_per_param(precision.param_dtype)
     sharded_params = math.ceil(total_params * p / d)
@@ -329,7 +332,8 @@ def pipeline_ranks(model: ModelSpec, training: TrainingSpec, config: FsdpConfig,
     """Every pipeline rank's memory (empty without PP)."""
     if config.pp == 1:
         return ()
-    return tuple(rank_memory(model, training, config, d, r, profile, outside_bytes) for r in range(config.pp))
+    shapes: dict = {}  # the ranks' stages share their pieces by shape
+    return tuple(rank_memory(model, training, config, d, r, profile, outside_bytes, shapes) for r in range(config.pp))
 
 
 def rank_inputs(model: ModelSpec, training: TrainingSpec, config: FsdpConfig) -> tuple[ModelSpec, TrainingSpec]:

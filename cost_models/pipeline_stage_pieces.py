@@ -8,7 +8,7 @@ cost_models/pipeline_memory.py (the replay); the per-token pieces are the single
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from . import activations, operators, pipeline_techniques, tensor_parallel
 from .memory_types import ParamCounts
@@ -48,6 +48,19 @@ class StagePieces:
     def gathered(self) -> int:
         """The stage's unsharded parameters while it keeps them gathered (reshard_after_forward=False)."""
         return self.root_gathered + self.stage.n_blocks * self.block_gathered
+
+
+def shaped_stage_pieces(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, stage: Stage,
+                        shapes: dict) -> StagePieces:
+    """stage_pieces, priced once per stage shape in `shapes` (a memo for one model, training and config): the pieces
+    read of the stage only its blocks' count, whether it holds the embedding and the head, and which of its blocks are
+    checkpointed (every k-th of the model: its first block modulo k); the stage itself put in."""
+    k = 1 if config.selective_op_ac else config.ac_every  # pipeline_techniques.checkpoint_policy's k
+    key = (stage.n_blocks, stage.embedding, stage.head, stage.first_block % k if k else 0)
+    pieces = shapes.get(key)
+    if pieces is None:
+        pieces = shapes[key] = stage_pieces(model, training, config, stage)
+    return pieces if pieces.stage == stage else replace(pieces, stage=stage)
 
 
 def stage_pieces(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, stage: Stage) -> StagePieces:

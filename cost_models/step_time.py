@@ -22,7 +22,7 @@ optimizer) and a pipeline rank's step (pipeline_step.py).
 from __future__ import annotations
 
 import math
-from dataclasses import replace
+from dataclasses import fields, replace
 
 from . import comm, expert_parallel, kernels, moe, operators, pipeline_time, qlora, tensor_parallel
 from .compute import mfu_flops_per_token, model_flops_per_token, recompute_flops_per_token
@@ -40,9 +40,33 @@ __all__ = ["estimate_step_time", "TimeBreakdown", "mesh_tiers", "priced_block_op
            "_shard_tiers"]  # the last four and TimeBreakdown live in step_parts.py / time_breakdown.py
 
 
+# FsdpConfig fields the blocks' and the mesh's seconds (_compute_parts) never read: FSDP's own knobs, which price
+# the collectives around the blocks, the offload and the optimizer step (step_parts._shard_tiers, _optimizer_times)
+FSDP_ONLY_FIELDS = frozenset({"sharding", "offload", "backward_prefetch", "forward_prefetch", "limit_all_gathers",
+                              "reshard_after_forward", "shard_group_gpus", "grad_accum", "reduce_dtype"})
+_PARTS_FIELDS = tuple(f.name for f in fields(FsdpConfig) if f.name not in FSDP_ONLY_FIELDS)
+
+
+def _compute_parts(full_model, model, training, config, cluster, profile, rates, c: int, tokens: int) -> tuple:
+    """What a micro-batch's compute costs, FSDP's knobs aside: the blocks' seconds (step_parts._block_times), the
+    head, the root's memory-bound seconds, the mesh's (TP, CP) seconds per micro-batch, the model's and the
+    recompute's FLOPs."""
+    block, dense_block, block_recompute_s, weight_casts_s = _block_times(model, training, config, rates, c, tokens)
+    head, _ = operators.root_ops(model, c)
+    if head is not None and config.tp > 1 and not config.sequence_parallel:  # colwise: vocab / tp, then gathered
+        head = replace(head, n=max(1, head.n // config.tp))
+    head_s = kernels.head_seconds(rates, head, tokens, config, model) if head is not None else 0.0  # loss kernels
+    root_memory_s = rates.memory_s(tokens * sum(f + b for _, f, b in root_memory_bytes_per_token(model, config, c)))
+    tp_t, cp_t = _mesh_times(full_model, model, training, config, cluster, profile, rates, c, tokens, head, block)
+    flops = model_flops_per_token(model, training) * tokens, recompute_flops_per_token(model, training, config) * tokens
+    return (block, dense_block, block_recompute_s, weight_casts_s, head, head_s, root_memory_s, tp_t, cp_t, *flops)
+
+
 def estimate_step_time(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, config: FsdpConfig,
-                       profile: Profile, terms: dict | None = None) -> TimeBreakdown:
-    """terms: a dict to receive the per-unit terms of one micro-step (cost_models/step_timeline.py draws them)."""
+                       profile: Profile, terms: dict | None = None, parts: dict | None = None) -> TimeBreakdown:
+    """terms: a dict to receive the per-unit terms of one micro-step (cost_models/step_timeline.py draws them); parts:
+    a memo of _compute_parts for this model, cluster, training and profile (a search's candidates share them across
+    FSDP_ONLY_FIELDS: planner/search/memo.py)."""
     full_model, model = model, tensor_parallel.local_model(model, config)  # a TP rank's slice of the model
     gpu = cluster.gpu
     precision = config.precision
@@ -66,17 +90,14 @@ def estimate_step_time(model: ModelSpec, cluster: ClusterSpec, training: Trainin
     tokens = config.micro_batch * training.seq_len // config.cp
 
     # --- compute per micro-step: every operator priced by its class (kernel_time.py) -------------------
-    model_flops = model_flops_per_token(model, training) * tokens
-    recompute_flops = recompute_flops_per_token(model, training, config) * tokens
-    block, dense_block, block_recompute_s, weight_casts_s = _block_times(model, training, config, rates, c, tokens)
+    parts, key = {} if parts is None else parts, tuple(getattr(config, name) for name in _PARTS_FIELDS)
+    if key not in parts:
+        parts[key] = _compute_parts(full_model, model, training, config, cluster, profile, rates, c, tokens)
+    (block, dense_block, block_recompute_s, weight_casts_s, head, head_s, root_memory_s, tp_t, cp_t, model_flops,
+     recompute_flops) = parts[key]
     nd = model.n_dense_layers
     dense_delta = (counts.trainable_dense_delta + counts.frozen_dense_delta) // nd if nd else 0  # per dense block
     blocks = [(L - nd, block)] + ([(nd, dense_block)] if dense_block is not None else [])
-    head, _ = operators.root_ops(model, c)
-    if head is not None and config.tp > 1 and not config.sequence_parallel:  # colwise: vocab / tp, then gathered
-        head = replace(head, n=max(1, head.n // config.tp))
-    head_s = kernels.head_seconds(rates, head, tokens, config, model) if head is not None else 0.0  # loss kernels
-    root_memory_s = rates.memory_s(tokens * sum(f + b for _, f, b in root_memory_bytes_per_token(model, config, c)))
     # FSDP2's copies around its collectives: each all-gather's output split into the unsharded parameters
     # (read + write c), each reduce-scatter's input packed (and cast) from the gradients (c + r)
     gathers = 2 if config.sharding.reshards_after_forward and config.pp == 1 else 1  # PP keeps them gathered
@@ -86,8 +107,7 @@ def estimate_step_time(model: ModelSpec, cluster: ClusterSpec, training: Trainin
     fsdp_copy_s = rates.memory_s(gathers * gathered_bytes * 2 + counts.trainable(L) * (c + r)) if d > 1 else 0.0
     matmul_s = head_s + sum(n * (b.matmul_forward_s + b.matmul_backward_s) for n, b in blocks)
     attention_s = sum(n * (b.attention_forward_s + b.attention_backward_s) for n, b in blocks)
-    # --- the mesh's collectives per micro-batch: TP's per block and at the root, CP's ring per attention call -----
-    tp_t, cp_t = _mesh_times(full_model, model, training, config, cluster, profile, rates, c, tokens, head, block)
+    # --- the mesh's collectives per micro-batch (_compute_parts): TP's per block and at the root, CP's ring -------
     mesh_copy_f = tp_t.block_copy_forward_s + rates.memory_s(cp_t.merge_forward_bytes)
     mesh_copy_b = tp_t.block_copy_backward_s + rates.memory_s(cp_t.merge_backward_bytes)
     memory_bound_s = root_memory_s + fsdp_copy_s + weight_casts_s + sum(

@@ -67,6 +67,7 @@ class Costing:
     estimates: dict[tuple, MemoryEstimate] = field(default_factory=dict)
     times: dict[tuple, TimeBreakdown] = field(default_factory=dict)
     hosts: dict[tuple, HostRam] = field(default_factory=dict)
+    step_parts: dict[tuple, tuple] = field(default_factory=dict)  # step_time._compute_parts, across FSDP's own knobs
 
     def evaluate(self, config: FsdpConfig) -> Evaluation:
         e = self.evaluations.get(config)
@@ -76,7 +77,8 @@ class Costing:
             key = time_key(run)
             time = self.times.get(key)
             if time is None:
-                time = self.times[key] = estimate_step_time(self.model, self.cluster, self.training, run, self.profile)
+                time = self.times[key] = estimate_step_time(self.model, self.cluster, self.training, run, self.profile,
+                                                            parts=self.step_parts)
             key = (run.precision, run.replicate_group_size(self.cluster), run.offload, memory.cpu_bytes_per_node)
             host = self.hosts.get(key)
             if host is None:

@@ -160,3 +160,19 @@ def test_fp8_all_gather_keeps_each_stage_s_float8_weights_at_one_byte():
     assert [a.peak_allocated_bytes - b.peak_allocated_bytes
             for a, b in zip(plain.pipeline_ranks, fp8.pipeline_ranks)] == [3_145_728, 3_145_728]
     assert not any("FP8" in note for note in fp8.notes)
+
+
+def test_stages_of_one_shape_share_their_pieces():
+    """A rank replay prices each stage shape once (shaped_stage_pieces): llama-8's 8 blocks over pp 4 x V 2 = 8
+    stages of one block, checkpointing every second block; the shapes are the first (embedding), the last (head) and
+    the middle ones by whether their block is checkpointed: 4, and every stage's pieces equal its own pricing."""
+    from cost_models.pipeline import stages
+    from cost_models.pipeline_stage_pieces import shaped_stage_pieces, stage_pieces
+
+    spec, _, training = specs(8)
+    cfg = FsdpConfig(pp=4, pp_schedule="interleaved-1f1b", pp_stages_per_rank=2, micro_batch=1, grad_accum=8,
+                     ac_every=2)
+    shapes: dict = {}
+    for st in stages(spec, cfg):
+        assert shaped_stage_pieces(spec, training, cfg, st, shapes) == stage_pieces(spec, training, cfg, st)
+    assert len(stages(spec, cfg)) == 8 and len(shapes) == 4

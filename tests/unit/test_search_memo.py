@@ -53,3 +53,10 @@ def test_plain_mesh_shares_memory_across_backward_prefetch_and_time_across_the_r
     assert steps[False] > steps[True]  # without prefetch the backward's all-gathers are exposed
     peaks = {c.limit_all_gathers: costing.evaluations[c].memory.peak_allocated_bytes for c in configs}
     assert peaks[False] > peaks[True]  # without the limiter a second block's all-gather is in flight
+    # FSDP's own knobs leave the blocks' compute alone (step_time.FSDP_ONLY_FIELDS): one priced compute part for
+    # every strategy and offload, each step still its own (SHARD_GRAD_OP gathers once, offload copies the shards)
+    others = [FsdpConfig(micro_batch=2, sharding=s, offload=o)
+              for s, o in (("SHARD_GRAD_OP", False), ("FULL_SHARD", True))]
+    for config in others:
+        assert costing.evaluate(config) == evaluate(model, cluster, training, config, DEFAULT_PROFILE)
+    assert len(costing.step_parts) == 1 and len({costing.evaluations[c].time.step_s for c in configs + others}) == 4
