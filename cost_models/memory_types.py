@@ -49,6 +49,26 @@ class MemoryEstimate:
     host_ram: object = None          # HostRam (cost_models/host_ram.py): host RAM per node; set by evaluate()
     # the memory outside the caching allocator, term by term (outside_allocator.OutsideTerm), in peak_reserved_bytes
     outside_allocator: tuple = ()
+    # reserved at the end of the first step, + outside_allocator_bytes: the step replay's first step alone
+    # (step_allocations.step_replayed_reserved; 0 where the flat rule prices the reserved)
+    first_step_reserved_bytes: int = 0
+
+    @property
+    def first_step_allocated_bytes(self) -> int:
+        """The first step's allocated peak. torch's optimizers make their state lazily, in the first step() (Adam:
+        torch/optim/adam.py _init_group, zeros_like for exp_avg and exp_avg_sq before the update): the first forward
+        and backward run without it, and its optimizer step holds it beside the gradients and the foreach
+        temporaries as every step does. So every moment but the step's lacks optimizer_state: at most the steady
+        peak, lower by the state where a backward or forward moment leads."""
+        step = self.phases.get("optimizer_step")
+        others = [m.total_bytes - m.optimizer_state for k, m in self.phases.items() if k != "optimizer_step"]
+        return max(others + [step.total_bytes if step is not None else 0])
+
+    def first_step_dict(self) -> dict:
+        """The first step against the steady one (the estimate's own peaks), for the JSON outputs."""
+        return {"peak_allocated_bytes": self.first_step_allocated_bytes,
+                "optimizer_state_bytes": self.phases["optimizer_step"].optimizer_state,
+                **({"peak_reserved_bytes": self.first_step_reserved_bytes} if self.first_step_reserved_bytes else {})}
 
     @property
     def outside_allocator_bytes(self) -> int:

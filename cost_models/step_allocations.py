@@ -58,9 +58,11 @@ def replays(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, d: int
 
 
 def replay_step(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, d: int,
-                settings: AllocatorSettings = AllocatorSettings(), snapshots: bool = False) -> ReplayResult:
-    """Two training steps of a pp = 1 rank (model: the rank's slice, training: its tokens; d: the shard group)."""
-    return replay(step_events(model, training, config, d), settings, snapshots=snapshots)
+                settings: AllocatorSettings = AllocatorSettings(), snapshots: bool = False,
+                steps: int = 2) -> ReplayResult:
+    """Two training steps of a pp = 1 rank (model: the rank's slice, training: its tokens; d: the shard group); steps
+    1: the first alone, its optimizer state made in its step."""
+    return replay(step_events(model, training, config, d, steps), settings, snapshots=snapshots)
 
 
 def step_events(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, d: int, steps: int = 2) -> list[tuple]:
@@ -71,11 +73,11 @@ def step_events(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, d:
 
 
 def step_replay(model: ModelSpec, cluster, training: TrainingSpec, config: FsdpConfig,
-                settings: AllocatorSettings | None = None, snapshots: bool = True) -> ReplayResult:
+                settings: AllocatorSettings | None = None, snapshots: bool = True, steps: int = 2) -> ReplayResult:
     """The replay step_replayed_reserved runs, from the whole model's specs (settings None: the config's)."""
     local, training = rank_inputs(model, training, config)
     settings = config.allocator_settings if settings is None else settings
-    return replay_step(local, training, config, config.shard_group_size(cluster), settings, snapshots)
+    return replay_step(local, training, config, config.shard_group_size(cluster), settings, snapshots, steps)
 
 
 class _StepWalk(_RankWalk):
@@ -204,6 +206,11 @@ def step_replayed_reserved(memory: MemoryEstimate, model: ModelSpec, cluster, tr
     settings = config.allocator_settings if settings is None else settings
     replayed = step_replay(model, cluster, training, config, settings, snapshots=False).peak_reserved_bytes
     reserved = memory.outside_allocator_bytes + max(memory.peak_allocated_bytes, replayed)
+    # the first step alone (its optimizer state made in its step, after the forward's segments are cached): what the
+    # second step's forward adds to it is the rest of the reserved peak
+    first = step_replay(model, cluster, training, config, settings, snapshots=False, steps=1).peak_reserved_bytes
+    first = memory.outside_allocator_bytes + max(memory.first_step_allocated_bytes, first)
     notes = replay_notes(memory, reserved, ": the step's allocations", settings, profile, cluster.gpu.memory_bytes)
     # first: the estimate's own notes (evaluate's outside the step among them) follow it
-    return dataclasses.replace(memory, peak_reserved_bytes=reserved, notes=notes + memory.notes)
+    return dataclasses.replace(memory, peak_reserved_bytes=reserved, notes=notes + memory.notes,
+                               first_step_reserved_bytes=first)

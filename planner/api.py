@@ -134,6 +134,7 @@ class Candidate:
                 "breakdown": m.breakdown.to_dict(),
                 "cpu_bytes_per_node": m.cpu_bytes_per_node,
                 "notes": list(m.notes), **({"host_ram": m.host_ram.to_dict()} if m.host_ram is not None else {}),
+                "first_step": m.first_step_dict(),
                 **({"pipeline_ranks": rank_memory_dicts(m)} if piped else {}),
             },
             "time": {

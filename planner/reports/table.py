@@ -112,7 +112,8 @@ def plan_text(p: Plan, top: int, wide: bool = False) -> str:
         if best.config.pp > 1:
             lines += [w for line in pipeline_lines(best.model, best.config, best.cluster, best.memory)
                       for w in _wrap(line, 4)] + [""]
-        lines += [w for line in host_ram_lines(best.memory) for w in _wrap(line, 4)] + [""]
+        outside = [first_step_line(best.memory), *host_ram_lines(best.memory)]
+        lines += [w for line in outside for w in _wrap(line, 4)] + [""]
         if best.memory.notes:
             lines += [w for n in best.memory.notes for w in _wrap(f"note: {n}")] + [""]
     elif not p.misses:  # nothing was costed: the cause is in skipped / notes, never an empty table
@@ -173,7 +174,7 @@ def estimate_text(c: Candidate) -> str:
     ]
     if m.cpu_bytes_per_node:
         lines.append(f"CPU RAM per node for offloaded state: {gib(m.cpu_bytes_per_node)} GiB")
-    lines += [w for line in host_ram_lines(m) for w in _wrap(line, 4)]
+    lines += [w for line in [first_step_line(m), *host_ram_lines(m)] for w in _wrap(line, 4)]
     lines += ["", "Step time (s):", tabulate(trows, tablefmt="simple", disable_numparse=True),
               f"tokens/s per GPU: {t.tokens_per_s_per_gpu:,.0f}   MFU: {100 * t.mfu:.1f}%", "",
               "fits: yes" if c.fits else "fits: NO - " + "; ".join(c.reasons)]
@@ -193,6 +194,21 @@ def host_ram_lines(memory) -> list[str]:
             f"{gib(h.save_bytes)} or + resume {gib(h.resume_bytes)}"
             + (f"; the save adds {gib(h.save_gpu_bytes)} GiB per GPU" if h.save_gpu_bytes else ""),
             f"Load and checkpoint ways: {h.why}"]
+
+
+def first_step_line(memory) -> str:
+    """The first step against the steady one: its optimizer state made in its optimizer step (torch's lazy
+    _init_group), so its forward and backward run without it (MemoryEstimate.first_step_allocated_bytes); the
+    reserved at its end where the step replay runs."""
+    reserved, state = memory.first_step_reserved_bytes, memory.phases["optimizer_step"].optimizer_state
+    if not state:
+        return (f"First step: as the steady one, {gib(memory.peak_allocated_bytes)} GiB allocated (no optimizer state "
+                "on the GPU)")
+    return (f"First step: {gib(memory.first_step_allocated_bytes)} GiB allocated at its peak (steady "
+            f"{gib(memory.peak_allocated_bytes)}): the optimizer state, {gib(state)} GiB, made in its optimizer step "
+            "beside the gradients and the step's temporaries"
+            + (f"; {gib(reserved)} GiB reserved at its end (steady {gib(memory.peak_reserved_bytes)})"
+               if reserved else ""))
 
 
 def _of_largest_rank(memory) -> str:

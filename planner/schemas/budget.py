@@ -61,6 +61,20 @@ class HostRam(_Out):
     why: str = Field(description="why these ways, with what the others would take")
 
 
+class FirstStep(_Out):
+    """The first training step against the steady one (MemoryEstimate.first_step_dict): torch's optimizers make their
+    state lazily, in the first step's optimizer step."""
+
+    peak_allocated_bytes: Bytes = Field(description="bytes per rank: the first step's allocated peak (its forward and "
+                                                    "backward without the optimizer state; at most the steady "
+                                                    "peak_allocated_bytes)")
+    optimizer_state_bytes: Bytes = Field(description="bytes per rank of optimizer state on the GPU, made in the first "
+                                                     "optimizer step beside the gradients and the step's temporaries")
+    peak_reserved_bytes: absent_or(int, "bytes per rank reserved at the end of the first step, + "
+                                        "outside_allocator_bytes (the step replay's first step alone; absent where "
+                                        "the flat rule prices the reserved)")
+
+
 class Memory(_Out):
     """The analytic per-rank memory estimate (with PP: the largest pipeline rank's, each rank in pipeline_ranks)."""
 
@@ -78,6 +92,8 @@ class Memory(_Out):
     cpu_bytes_per_node: int = Field(description="bytes of CPU RAM per node the offloaded state needs")
     host_ram: absent_or(HostRam, "host RAM per node, loading and checkpoints included (the estimate's; the trace "
                                  "tier leaves it out)")
+    first_step: absent_or(FirstStep, "the first step against the steady one (the estimate's; the trace tier leaves "
+                                     "it out)")
     notes: list[str]
     pipeline_ranks: absent_or(list[PipelineRank], "with pp > 1: every pipeline rank's memory (the headline "
                                                   "figures are the largest one's)")

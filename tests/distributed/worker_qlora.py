@@ -89,6 +89,7 @@ def run_case(case: dict, rank: int, world: int) -> dict:
     with tracker:
         for i in range(2):
             if i:
+                first = tracker.snapshot().to_dict()  # the first step: the optimizer state made in its step
                 tracker.reset()
             optimizer.zero_grad(set_to_none=True)
             loss = model(input_ids=ids, labels=ids).loss
@@ -98,8 +99,8 @@ def run_case(case: dict, rank: int, world: int) -> dict:
             losses.append(loss.item())
     snap = tracker.snapshot().to_dict()
     gathered = [None] * world
-    dist.all_gather_object(gathered, {"snapshot": snap, "forward": forward, "quant_state_bytes": state_after,
-                                  "losses": losses})
+    dist.all_gather_object(gathered, {"snapshot": snap, "forward": forward, "first": first,
+                                  "quant_state_bytes": state_after, "losses": losses})
     return {"packed_param_bytes": packed, "quant_state_bytes_before": state, "ranks": gathered}
 
 
