@@ -27,6 +27,8 @@ inside their block's unit) does not hold. Pure sizing functions (bytes).
 Measured: 2-rank gloo QLoRA, h 256, 128 tokens a sequence (tests/distributed/test_torchrun_qlora.py): the loss
 backward holds six more (2, 128, 256) bf16 tensors than FSDP2's, three a block, and the last block's all-gather
 28,672 B less (its adapters, 14,336 values in bf16); the ledger with both terms within 0.1% of the real peak.
+Plain LoRA (peft on calibration.reference's Llama, bf16 mixed, 2 x 128 tokens, one-off 2026-12-06): FSDP1's peak
+above FSDP2's by 757,760 B at h 256 and 1,515,520 B at h 512, these terms' figures to the byte.
 Not priced: HF Trainer's, accelerate's and Lightning's FSDP1 (autocast around the forward, the adapters' units as
 each wraps them), the fp32 copy alive while a unit casts it (tokens x in x 4 B, in the forward), FSDP1's
 per-parameter alignment padding.
