@@ -241,7 +241,7 @@ def rank_memory(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, d:
     def repeats(*key) -> bool:
         """Whether a pass of this kind already ran on this very state: its moments would total the same again, and a
         moment becomes the peak only above every earlier one (1F1B's steady state repeats its passes)."""
-        key += tuple(held)
+        key = (*key, *held)
         if key in priced:
             return True
         priced.add(key)
@@ -252,6 +252,9 @@ def rank_memory(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, d:
     kept_ahead = active_stages(config.pp_schedule, config.pp, config.pp_stages_per_rank, m, rank) \
         if len(pieces) > 1 else ()
     sends = config.pp_schedule.value == "1f1b"
+    # what an F adds (fly(stage, 1) and the logits it keeps), inlined in the hot path below (~4 actions per
+    # microbatch and stage on every rank)
+    flown = {s: (x.saved - chained.get(s, 0), x.loss_saved + x.logits) for s, x in pieces.items()}
     for i, (stage, kind, mb) in enumerate(actions):
         x = pieces[stage]
         # a multi-stage schedule's runtime keeps the next stages gathered, and only those
@@ -259,13 +262,16 @@ def rank_memory(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, d:
             for s in gathered - kept_ahead[i]:
                 reshard(s)
             gather(kept_ahead[i])
-        if kind == "F":
-            gather((stage,))
-            fly(stage, 1)
+        if kind == "F":  # gather((stage,)), fly(stage, 1), the logits kept
+            if stage not in gathered:
+                gather((stage,))
+            in_flight[stage] += 1
+            acts, kept = flown[stage]
+            held[0] += acts
+            held[1] += kept
             if in_flight[stage] > most[stage]:
                 most[stage] = in_flight[stage]
             logits_kept += x.logits
-            held[1] += x.logits
             continue
         if kind == "I" and x.stage.embedding:  # torch skips the first stage's input pass: its W is a B
             wait(stage, 1)
@@ -290,13 +296,16 @@ def rank_memory(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, d:
                 input_pass(x, mb)
             wait(stage, 1)
             continue
-        convert(stage)
+        if pending[stage]:
+            convert(stage)
         first = backwards[stage] == 0
         if not repeats(kind, stage, first):
             backward_moments(x, mb, first)
         if kind == "W":  # the first stage's weight pass: its whole backward
             wait(stage, -1)
-        fly(stage, -1)
+        in_flight[stage] -= 1  # fly(stage, -1)
+        held[0] -= flown[stage][0]
+        held[1] -= x.loss_saved
         backward_done(stage)
         if mb == m - 1:
             reduce(stage)

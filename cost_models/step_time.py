@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import fields, replace
+from operator import attrgetter
 
 from . import comm, expert_parallel, kernels, moe, operators, pipeline_time, qlora, tensor_parallel
 from .compute import mfu_flops_per_token, model_flops_per_token, recompute_flops_per_token
@@ -44,7 +45,7 @@ __all__ = ["estimate_step_time", "TimeBreakdown", "mesh_tiers", "priced_block_op
 # the collectives around the blocks, the offload and the optimizer step (step_parts._shard_tiers, _optimizer_times)
 FSDP_ONLY_FIELDS = frozenset({"sharding", "offload", "backward_prefetch", "forward_prefetch", "limit_all_gathers",
                               "reshard_after_forward", "shard_group_gpus", "grad_accum", "reduce_dtype"})
-_PARTS_FIELDS = tuple(f.name for f in fields(FsdpConfig) if f.name not in FSDP_ONLY_FIELDS)
+_PARTS_FIELDS = attrgetter(*(f.name for f in fields(FsdpConfig) if f.name not in FSDP_ONLY_FIELDS))
 
 
 def _compute_parts(full_model, model, training, config, cluster, profile, rates, c: int, tokens: int) -> tuple:
@@ -90,7 +91,7 @@ def estimate_step_time(model: ModelSpec, cluster: ClusterSpec, training: Trainin
     tokens = config.micro_batch * training.seq_len // config.cp
 
     # --- compute per micro-step: every operator priced by its class (kernel_time.py) -------------------
-    parts, key = {} if parts is None else parts, tuple(getattr(config, name) for name in _PARTS_FIELDS)
+    parts, key = {} if parts is None else parts, _PARTS_FIELDS(config)
     if key not in parts:
         parts[key] = _compute_parts(full_model, model, training, config, cluster, profile, rates, c, tokens)
     (block, dense_block, block_recompute_s, weight_casts_s, head, head_s, root_memory_s, tp_t, cp_t, model_flops,

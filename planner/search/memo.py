@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field, fields
+from operator import attrgetter
 
 from cost_models.evaluate import Evaluation, evaluate
 from cost_models.feasibility import as_run
@@ -32,24 +33,24 @@ from cost_models.step_time import TimeBreakdown, estimate_step_time
 MEMORY_FREE_FIELDS = frozenset({"float8", "async_tp"})  # FsdpConfig fields the ledger never reads (outside terms do)
 LEDGER_FREE_FIELDS = frozenset({"backward_prefetch"})  # nor these, outside terms included
 TIME_FREE_FIELDS = frozenset({"limit_all_gathers"})   # FsdpConfig fields the step time never reads
-_KEY_FIELDS = tuple(f.name for f in fields(FsdpConfig) if f.name not in MEMORY_FREE_FIELDS | LEDGER_FREE_FIELDS)
-_ESTIMATE_FIELDS = tuple(f.name for f in fields(FsdpConfig) if f.name not in LEDGER_FREE_FIELDS)
-_TIME_FIELDS = tuple(f.name for f in fields(FsdpConfig) if f.name not in TIME_FREE_FIELDS)
+_KEY_FIELDS = attrgetter(*(f.name for f in fields(FsdpConfig) if f.name not in MEMORY_FREE_FIELDS | LEDGER_FREE_FIELDS))
+_ESTIMATE_FIELDS = attrgetter(*(f.name for f in fields(FsdpConfig) if f.name not in LEDGER_FREE_FIELDS))
+_TIME_FIELDS = attrgetter(*(f.name for f in fields(FsdpConfig) if f.name not in TIME_FREE_FIELDS))
 
 
 def memory_key(config: FsdpConfig) -> tuple:
     """config's fields that a pipeline's rank replays read (all but MEMORY_FREE_FIELDS and LEDGER_FREE_FIELDS)."""
-    return tuple(getattr(config, name) for name in _KEY_FIELDS)
+    return _KEY_FIELDS(config)
 
 
 def estimate_key(config: FsdpConfig) -> tuple:
     """config's fields that estimate_memory reads, the memory outside the allocator included."""
-    return tuple(getattr(config, name) for name in _ESTIMATE_FIELDS)
+    return _ESTIMATE_FIELDS(config)
 
 
 def time_key(config: FsdpConfig) -> tuple:
     """config's fields that estimate_step_time reads."""
-    return tuple(getattr(config, name) for name in _TIME_FIELDS)
+    return _TIME_FIELDS(config)
 
 
 @dataclass
@@ -100,7 +101,8 @@ class Costing:
                 memory = with_outside_terms(shared, pipeline_outside_terms(self.model, self.cluster, self.training,
                                                                            run, self.profile))
         if memory is None:  # priced for this run: its outside terms are its own
-            memory = estimate_memory(self.model, self.cluster, self.training, run, self.profile)
+            memory = estimate_memory(self.model, self.cluster, self.training, run, self.profile,
+                                     fsdp1_adapter_units=self.ways is not None and self.ways.fsdp1_adapter_units)
             if run.pp > 1:
                 self.memories[memory_key(run)] = memory
         self.estimates[key] = memory
