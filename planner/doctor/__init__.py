@@ -126,10 +126,11 @@ def check(setup: UserSetup, model, gpus: int | None = None, *, gpus_per_node: in
         raise_refused(spec, cluster, training, config)  # cluster_rejects' PlannerError
     # priced even when it cannot run (rejected, with the reasons) so the report shows what it would need;
     # cannot_run explains. As run: without a wrap policy, as one unit; with the ways its files load and save
-    memory = estimate_memory(spec, cluster, training, as_run(config, cluster), profile)
+    ways = setup_ways(setup)
+    memory = estimate_memory(spec, cluster, training, as_run(config, cluster), profile,
+                             fsdp1_adapter_units=ways.fsdp1_adapter_units)
     extra = unwrapped_extra_bytes(setup, spec, cluster, config, memory)
-    evaluation = evaluate(spec, cluster, training, config, profile, _as_one_unit(memory, extra, profile),
-                          setup_ways(setup))
+    evaluation = evaluate(spec, cluster, training, config, profile, _as_one_unit(memory, extra, profile), ways)
     if not extra:  # the step replay walks the per-block units: a root-only unit keeps the flat rule
         evaluation = replayed(evaluation, spec, cluster, training, profile)
     candidate = Candidate(evaluation, spec, cluster, training, trainer.id)

@@ -29,7 +29,7 @@ def setup_ways(setup) -> Ways:
     full = save_way in (SaveWay.FULL_RANK0, SaveWay.SAVE_PRETRAINED)
     return Ways(load_way, save_way, full_resume if full else LoadWay.META_DCP, fsdp2=setup.fsdp_version == 2,
                 save_state_dict_on_host=setup.save_state_dict_on_host,
-                resume_state_dict_on_host=setup.resume_state_dict_on_host)
+                resume_state_dict_on_host=setup.resume_state_dict_on_host, fsdp1_adapter_units=setup.adapter_units)
 
 
 def full_state_dict_save(ctx):

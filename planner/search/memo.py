@@ -13,7 +13,9 @@ Every configuration, pipeline or not, also shares what reads only part of it (is
 prefetch and rate limiter double the plain mesh's candidates, each costed whole before): the memory across backward
 prefetch (read by the step time alone, step_time.py / step_timeline.py: BACKWARD_PRE moves no bytes), the step time
 across the rate limiter (read by the memory ledger alone, memory.prefetch_below: it bounds the all-gathers in flight,
-not their seconds), the host RAM (host_ram.host_ram: the precision, the replicas, offload and the offloaded bytes)."""
+not their seconds), the host RAM (host_ram.host_ram: the precision, the replicas, offload and the offloaded bytes);
+and the ledger without a pipeline shares Float8 and async TP as a pipeline's does where no DeepEP buffer (EP) is among
+its outside terms."""
 
 from __future__ import annotations
 
@@ -91,11 +93,13 @@ class Costing:
         return e
 
     def _memory(self, run: FsdpConfig) -> MemoryEstimate:
-        """estimate_memory of this run (host RAM left out), priced once per estimate_key, a pipeline's rank replays once
-        per memory_key."""
+        """estimate_memory of this run (host RAM left out), priced once per estimate_key, the ledger (a pipeline's rank
+        replays) once per memory_key."""
         key = estimate_key(run)
         memory = self.estimates.get(key)
-        if memory is None and run.pp > 1:
+        # without a pipeline, the outside terms are pipeline_outside_terms' too where no DeepEP buffer joins them (ep 1)
+        shares = run.pp > 1 or run.ep == 1
+        if memory is None and shares:
             shared = self.memories.get(memory_key(run))
             if shared is not None:  # another run's (Float8, async TP): this one's outside terms in place of its
                 memory = with_outside_terms(shared, pipeline_outside_terms(self.model, self.cluster, self.training,
@@ -103,7 +107,7 @@ class Costing:
         if memory is None:  # priced for this run: its outside terms are its own
             memory = estimate_memory(self.model, self.cluster, self.training, run, self.profile,
                                      fsdp1_adapter_units=self.ways is not None and self.ways.fsdp1_adapter_units)
-            if run.pp > 1:
+            if shares:
                 self.memories[memory_key(run)] = memory
         self.estimates[key] = memory
         return memory

@@ -122,3 +122,15 @@ def test_flash_attention_3_pinned_reads_back(tmp_path, hf_snippet, load_accelera
     default = picked(trainer)
     assert default.config.attention_kernel.value == "flash2"
     assert best.time.attention_s < default.time.attention_s * best.config.micro_batch / default.config.micro_batch
+
+
+def test_an_fsdp1_lora_plan_reads_back_with_its_adapter_units(tmp_path, hf_snippet, load_accelerate):
+    """--emit fsdp1 of a LoRA plan wraps each adapter as a unit casting its inputs (CustomPolicy(lora_unit)), which
+    the plan prices (cost_models/fsdp1_adapters.py: llama3-8b on 16 H100 at micro-batch 4, 67.6 GiB allocated
+    where FSDP2-shaped adapters gave 55.6); check reads the policy and prices the same (it priced 55.6)."""
+    best = plan(MODEL, gpus=GPUS, gpu=GPU, seq_len=SEQ, trainer="fsdp1", finetune="lora").best
+    path = written("fsdp1", emit_artifact("fsdp1", best), tmp_path, hf_snippet, load_accelerate)
+    r = check(read_setup(path), MODEL, GPUS, gpu=GPU, seq_len=SEQ, micro_batch=best.config.micro_batch,
+              grad_accum=best.config.grad_accum, finetune="lora")
+    assert r.setup.adapter_units and r.candidate.to_dict() == best.to_dict()
+    assert best.memory.peak_allocated_bytes == pytest.approx(67.6 * 2**30, rel=2e-3)

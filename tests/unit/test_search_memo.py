@@ -60,3 +60,19 @@ def test_plain_mesh_shares_memory_across_backward_prefetch_and_time_across_the_r
     for config in others:
         assert costing.evaluate(config) == evaluate(model, cluster, training, config, DEFAULT_PROFILE)
     assert len(costing.step_parts) == 1 and len({costing.evaluations[c].time.step_s for c in configs + others}) == 4
+
+
+def test_ledger_without_a_pipeline_is_priced_once_across_float8_and_async_tp():
+    """The same sharing without PP (no EP: no DeepEP buffer among the outside terms): one ledger, four evaluations
+    equal to evaluate()'s, async TP's symmetric-memory workspace (2 x b 1 x s/tp 1,024 x h 4,096 x 2 B + the signal
+    pad) the only difference in what the GPU must hold."""
+    model, cluster = load_preset("llama3-8b"), make_cluster(16, gpu="h100-80gb")
+    training = TrainingSpec(seq_len=2048)
+    costing = Costing(model, cluster, training, DEFAULT_PROFILE)
+    configs = [FsdpConfig(micro_batch=1, tp=2, compile=True, float8=f8, async_tp=a)
+               for f8, a in itertools.product((False, True), repeat=2)]
+    for config in configs:
+        assert costing.evaluate(config) == evaluate(model, cluster, training, config, DEFAULT_PROFILE)
+    assert len(costing.memories) == 1 and len(costing.estimates) == 4
+    reserved = {c.async_tp: costing.evaluations[c].memory.peak_reserved_bytes for c in configs if not c.float8}
+    assert reserved[True] - reserved[False] == 16_786_432

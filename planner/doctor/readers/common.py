@@ -30,6 +30,8 @@ class UserSetup:
     explicit: frozenset = frozenset()       # keys the user wrote (FSDP argument names)
     wrap: str = "block"                     # block | size | none | custom
     use_orig_params: bool = False           # FSDP1's default
+    adapter_units: bool = False             # FSDP1: each LoRA adapter a unit casting its inputs (--emit fsdp1's
+    #                                         CustomPolicy(lora_unit); cost_models/fsdp1_adapters.py)
     sync_module_states: bool = False
     init: str = "all"                       # all ranks load | rank0 (cpu_ram_efficient_loading) | meta | dcp (meta
     #                                         init, then each rank reads its shard: torchtitan)

@@ -250,7 +250,7 @@ def from_fsdp1(s: Snippet) -> UserSetup:
         config = replace(config, **hsdp_fields(config.sharding, 2, dims.get("dp_shard"))[0])
     return UserSetup(
         config=config, fsdp_version=1, source=s.source, dialect="fsdp1-code", explicit=frozenset(call.kwargs),
-        wrap=wrap, use_orig_params=bool(kw.get("use_orig_params", False)),
+        wrap=wrap, use_orig_params=bool(kw.get("use_orig_params", False)), adapter_units=lora,
         sync_module_states=bool(kw.get("sync_module_states", False)), use_cache=_use_cache(s),
         grad_scaler=shared.grad_scaler(s), attention_from=attention_from,
         training=shared.optimizer(s, offload) + ((("finetune", "lora"),) if lora else ()),
