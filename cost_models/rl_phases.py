@@ -14,7 +14,8 @@ Sources (shared/reference/rl.md; verl of 2025, workers/fsdp_workers.py and shard
   rollout at the end so that vllm can have a better estimation of kv cache memory"): its KV budget sees what is
   resident then, never Adam's states. Asleep (level 1 or 2) it frees weights and KV; its CUDA-graph pool stays.
 - weight sync: the actor's shard loaded, the engine's weights awake (0.8-era verl: wake_up() wakes the KV cache
-  too; later: weights first, KV after), and one gathered tensor at a time (full_tensor()): the largest one.
+  too; later: weights first, KV after), and one gathered tensor at a time (full_tensor()): the largest one;
+  FSDP1's state dict adds its copy of the shard and its walk over the units (rl_strategy.py).
 Ignored: Ulysses' all-to-all buffers, the attention's workspaces, gradients after the update (freed: verl's
 zero_grad / offload), a reward model. PPO's critic (rl_critic.py) adds its phases, critic_values and critic_update,
 and its resident states and process to every other.
@@ -34,6 +35,7 @@ from .model_spec import ModelSpec
 from .outside_allocator import outside_allocator_terms
 from .profile import Profile
 from .rl_batch import BatchPlan
+from .rl_strategy import forward_gathered_bytes, fsdp2_backward, loss_root_bytes, sync_moment, weight_sync_bytes
 from .rollout_engine import EngineMemory, EngineSettings, engine_memory
 from .spec_values import Attention, Finetune, LossKernel, Precision, Sharding, SpecError, parse_enum
 from .specs import FsdpConfig, TrainingSpec
@@ -44,6 +46,7 @@ PHASES = ("init", "rollout", "weight_sync", "log_prob", "ref_log_prob", "critic_
 ALGORITHMS = ("grpo", "ppo")
 ACTOR_DTYPES = {"fp32": Precision.BF16, "bf16": Precision.BF16_PURE}  # stored dtype -> FSDP mixed precision
 STRATEGIES = ("fsdp", "fsdp2")
+FRAMEWORKS = ("verl", "trl")
 ENTROPY_CHUNK_ROWS = 2048  # verl's entropy_from_logits_with_chunking default chunk
 
 
@@ -51,7 +54,8 @@ ENTROPY_CHUNK_ROWS = 2048  # verl's entropy_from_logits_with_chunking default ch
 class RlSettings:
     """The FSDP side's knobs as verl names them (actor_rollout_ref.actor.* / ref.* / model.*)."""
 
-    strategy: str = "fsdp"             # actor.strategy: fsdp (FSDP1) | fsdp2 (the ledger prices both as FSDP2)
+    strategy: str = "fsdp"             # actor.strategy: fsdp (FSDP1) | fsdp2 (how each wraps: rl_strategy.py)
+    framework: str = "verl"            # verl | trl (GRPOTrainer with accelerate's FSDP)
     actor_dtype: str = "fp32"          # fsdp_config.model_dtype: fp32 master weights (2025 default) or bf16
     finetune: Finetune = Finetune.FULL
     lora_rank: int = 32                # model.lora_rank, target_modules all-linear
@@ -72,6 +76,8 @@ class RlSettings:
     def __post_init__(self):
         if self.strategy not in STRATEGIES:
             raise SpecError("strategy", f"unknown value {self.strategy!r}; choose one of: {', '.join(STRATEGIES)}")
+        if self.framework not in FRAMEWORKS:
+            raise SpecError("framework", f"unknown value {self.framework!r}; choose one of: {', '.join(FRAMEWORKS)}")
         if self.actor_dtype not in ACTOR_DTYPES:
             raise SpecError("actor_dtype", f"unknown value {self.actor_dtype!r}; choose one of: fp32, bf16")
         object.__setattr__(self, "finetune", parse_enum(Finetune, self.finetune, "finetune"))
@@ -117,7 +123,8 @@ class ActorStates:
     update_first: MemoryBreakdown    # the backward's peak at the first step (no Adam states yet)
     update_steady: MemoryBreakdown
     largest_tensor_bytes: int        # one gathered parameter (the embedding or head) in the actor's dtype
-    unit_gather_bytes: int           # root + two blocks gathered in compute dtype (forward-only phases)
+    unit_gather_bytes: int           # the units a forward-only phase holds gathered (rl_strategy.py)
+    sync_bytes: tuple = ({}, {})     # the weight sync's transients: its state-dict walk's, its send's (rl_strategy.py)
 
 
 def all_linear_lora(model: ModelSpec) -> ModelSpec:
@@ -212,14 +219,16 @@ def actor_states(run: ActorRun, settings: RlSettings, batch: BatchPlan, profile:
         extra = -(-frozen * (4 - DTYPE_BYTES[config.precision.compute_dtype]) // size)
         body, step = (dataclasses.replace(b, sharded_params=b.sharded_params + extra) for b in (body, step))
     c = DTYPE_BYTES[config.precision.compute_dtype]
-    # the loss moment: every block's saved tensors (checkpointed: its input), the root's, the root gathered, the
-    # last block's all-gather prefetched for its backward, and the verl logits path
+    body = fsdp2_backward(body, est.peak_moment, model, settings, c, DTYPE_BYTES[config.gradient_reduce_dtype], size)
+    # the loss moment: every block's saved tensors (checkpointed: its input), the root's, the root gathered (as
+    # the strategy wraps it: rl_strategy.py), the last block's all-gather prefetched for its backward, and the
+    # verl logits path
     per_block = (activations.checkpointed_block_bytes_per_token(model, c) if settings.gradient_checkpointing else
                  activations.block_bytes_per_token(model, c, Attention.SDPA, tokens, 1, training.adapter_rank))
     saved = tokens * (model.n_layers * per_block + activations.root_bytes_per_token(model, c, lora=settings.lora))
     loss = MemoryBreakdown(sharded_params=step.sharded_params, optimizer_state=step.optimizer_state,
                            sharded_grads=step.sharded_grads if accumulating else 0,
-                           unsharded_params=model.root_params * c, activations=saved,
+                           unsharded_params=loss_root_bytes(model, settings, c), activations=saved,
                            collective_buffers=model.block_params * c if size > 1 else 0,
                            logits_and_loss=verl_logits_bytes(model, tokens, c, settings))
     steady = max(body, loss, key=lambda b: b.total_bytes)
@@ -229,7 +238,8 @@ def actor_states(run: ActorRun, settings: RlSettings, batch: BatchPlan, profile:
     return ActorStates(params_bytes=step.sharded_params, grads_bytes=step.sharded_grads,
                        optimizer_bytes=step.optimizer_state, step_temporary_bytes=step.optimizer_temporaries,
                        update_first=first, update_steady=steady, largest_tensor_bytes=largest,
-                       unit_gather_bytes=(model.root_params + 2 * model.block_params) * c)
+                       sync_bytes=weight_sync_bytes(model, settings, step.sharded_params, p, size),
+                       unit_gather_bytes=forward_gathered_bytes(model, settings, c))
 
 
 def forward_only_bytes(model: ModelSpec, tokens: int, c: int, settings: RlSettings) -> dict:
@@ -339,15 +349,19 @@ def rl_phases(model: ModelSpec, cluster: ClusterSpec, settings: RlSettings, engi
     update, label = (update, "steady step") if sum(update.values()) >= sum(first.values()) else (first, "first step")
     step = {"reference": ref_resident, "actor params": actor.params_bytes, "actor grads": actor.grads_bytes,
             "Adam states": actor.optimizer_bytes, "step temporaries": actor.step_temporary_bytes}
+    def reserved(torch_terms: dict, engine_terms: dict) -> int:
+        return profile.reserved_bytes(sum(torch_terms.values()), outside) + sum(engine_terms.values())
     # (name, torch terms, engine terms, actor loaded, Adam loaded, engine asleep, note)
     rows = [
         ("init", {**held, **critic_init}, awake, False, False, False,
          "the engine sizes its KV cache beside what is resident"),
         ("rollout", {**resident, **critic_held}, awake, False, False, False,
          "from step 2: Adam's states resident unless offloaded (the KV budget never saw them)"),
-        ("weight_sync", {"actor params": actor.params_bytes, "reference": ref_resident, "Adam states": adam_resident,
-                         "gathered tensor": actor.largest_tensor_bytes, **critic_held}, sync_engine, True, False,
-         False, "one parameter gathered at a time into the engine"),
+        ("weight_sync", *sync_moment(*actor.sync_bytes, {"actor params": actor.params_bytes, "reference": ref_resident,
+                                                         "Adam states": adam_resident, **critic_held},
+                                     graphs if engine.version == "0.8" else {"engine weights": e.weights_bytes,
+                                                                             **graphs}, sync_engine, reserved),
+         True, False, False, "one parameter gathered at a time into the engine"),
         ("log_prob", {"actor params": actor.params_bytes, **gathered, "reference": ref_resident,
                       "Adam states": adam_resident, **fwd, **critic_held}, graphs, True, False, True, "forward only"),
         ("ref_log_prob", {**ref_actor, "reference": ref_resident, **gathered, "Adam states": adam_resident, **fwd,

@@ -24,11 +24,11 @@ ESTIMATES = ("engine profile-run activations and CUDA-graph pool (rollout_engine
 
 
 # the request's fields the search sets (planner/rl/search.py spaces), in the JSON's "knobs"
-SEARCHED = ("actor_dtype", "param_offload", "optimizer_offload", "ref_param_offload", "critic_param_offload",
-            "critic_optimizer_offload", "gradient_checkpointing", "entropy_chunking", "ulysses_sequence_parallel_size",
-            "use_dynamic_bsz", "ppo_micro_batch_size_per_gpu", "log_prob_micro_batch_size_per_gpu",
-            "ppo_max_token_len_per_gpu", "log_prob_max_token_len_per_gpu", "rollout_tp", "gpu_memory_utilization",
-            "max_num_seqs", "max_num_batched_tokens")
+SEARCHED = ("strategy", "actor_dtype", "param_offload", "optimizer_offload", "ref_param_offload",
+            "critic_param_offload", "critic_optimizer_offload", "gradient_checkpointing", "entropy_chunking",
+            "ulysses_sequence_parallel_size", "use_dynamic_bsz", "ppo_micro_batch_size_per_gpu",
+            "log_prob_micro_batch_size_per_gpu", "ppo_max_token_len_per_gpu", "log_prob_max_token_len_per_gpu",
+            "rollout_tp", "gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens")
 
 
 def knobs_dict(r) -> dict:
@@ -194,10 +194,17 @@ def rl_plan_text(p: RlPlan) -> str:
              f"in the space, {p.priced:,} priced), by estimated step time (s):" if p.ranked else
              f"Nothing fits ({p.searched:,} configurations in the space, {p.priced:,} priced); the smallest peaks:")
     table, every = ranked_table(shown)
-    notes = [every, LEGEND, "not searched: " + "; ".join(f"{k}: {why}" for k, why in NOT_SEARCHED.items())]
+    notes = [every, LEGEND, NOT_SEARCHED and "not searched: " + "; ".join(f"{k}: {why}" for k, why in
+                                                                   NOT_SEARCHED.items())]
     lines = [textwrap.fill(title, LINE_WIDTH), table,
              *(textwrap.fill(n, LINE_WIDTH, subsequent_indent="  ") for n in notes if n),
              "", "Best:" if p.ranked else "Nearest miss:", rl_text(shown[0])]
+    if shown[0].request.strategy != p.request.strategy:
+        lines.insert(-1, textwrap.fill(
+            f"note: the actor wrapped with {shown[0].request.strategy}, not the request's {p.request.strategy} "
+            "(actor.strategy): FSDP2 holds at most FSDP1's memory in every phase and prices the same time (verl "
+            "wraps the embedding and head as their own units; FSDP1's weight sync keeps a copy of the shard)",
+            LINE_WIDTH, subsequent_indent="  "))
     if shown[0].request.actor_dtype != p.request.actor_dtype:
         lines.insert(-1, textwrap.fill(
             f"note: the actor stored in {shown[0].request.actor_dtype}, not the request's {p.request.actor_dtype} "

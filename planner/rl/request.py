@@ -44,6 +44,8 @@ class RlRequest:
     algorithm: str = knob("grpo", "--algorithm", help="algorithm.adv_estimator: grpo (no critic) or ppo (gae: a "
                           "critic, the actor's model with a value head, in its own worker)")
     # the actor (actor_rollout_ref.actor.* / model.*)
+    framework: str = knob("verl", "--framework", help="verl (its FSDP workers) or trl (GRPOTrainer, accelerate's "
+                          "FSDP): how the actor is wrapped and its weights synced")
     strategy: str = knob("fsdp", "--strategy", help="actor.strategy: fsdp (FSDP1) or fsdp2")
     actor_dtype: str = knob("fp32", "--actor-dtype", help="fsdp_config.model_dtype: fp32 (verl's 2025 default) or "
                             "bf16")

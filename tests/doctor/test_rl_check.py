@@ -91,16 +91,17 @@ PPO = dict(gpu="h100-80gb", gpus_per_node=8, prompt_len=1024, response_len=2048,
            use_dynamic_bsz=True, ppo_max_token_len_per_gpu=16384, ulysses_sequence_parallel_size=2,
            critic_param_offload=True, engine="sglang", cpu_ram_per_node="1TiB")
 TRL_LORA = dict(CASE_1, finetune="lora", lora_rank=16, actor_dtype="bf16", param_offload=False,
-                optimizer_offload=False, gradient_checkpointing=False, entropy=False)
+                optimizer_offload=False, gradient_checkpointing=False, entropy=False, framework="trl", strategy="fsdp2")
+TRL_CASE_1 = dict(CASE_1, framework="trl", strategy="fsdp2")   # --emit trl writes accelerate's FSDP2 (fsdp_version 2)
 
 
 @pytest.mark.parametrize("emit, name, model, gpus, knobs", [
-    (emit_verl, "job.sh", "qwen2-7b", 2, CASE_1), (emit_trl, "grpo.yaml", "qwen2-7b", 2, CASE_1),
+    (emit_verl, "job.sh", "qwen2-7b", 2, CASE_1), (emit_trl, "grpo.yaml", "qwen2-7b", 2, TRL_CASE_1),
     (emit_verl, "ppo.sh", "qwen2.5-7b", 16, PPO), (emit_trl, "lora.yaml", "qwen2-7b", 2, TRL_LORA)],
     ids=["verl-case-1", "trl-case-1", "verl-ppo-lora", "trl-lora"])
 def test_emit_then_check_prices_the_same_phases(tmp_path, emit, name, model, gpus, knobs):
     """Written by --emit and read back: every phase's bytes equal, the peak and host RAM too (case 1's peak: the
-    optimizer step, 75.2 GiB; tests/golden/test_rl_cases.py)."""
+    weight sync, 77.97 GiB; tests/golden/test_rl_cases.py)."""
     e = rl_estimate(model, gpus, **knobs)
     (tmp_path / name).write_text(emit(e))
     r = run(tmp_path / name, "--format", "json")
@@ -127,15 +128,17 @@ def test_the_searchs_best_emitted_then_checked_prices_the_same(tmp_path):
 def test_verls_own_example_reads_and_fits(tmp_path):
     """Golden case 1 as verl ships it. The model path is a Hub id not on this machine: --model names the preset;
     the script cannot say the vLLM version (0.8.2) nor GSM8K's lengths: given as flags. verl 0.9's defaults fill
-    the rest (max_num_seqs 256, CUDA graphs on): the peak is the optimizer step, 75.2 GiB as in the golden case plus
-    the engine's CUDA-graph pool (0.5 GiB, an estimate: rollout_engine.py), which stays through the engine's sleep."""
+    the rest (max_num_seqs 256, CUDA graphs on): the peak is the weight sync, 77.97 GiB as in the golden case (FSDP1's
+    state-dict copy beside the woken engine) plus the engine's CUDA-graph pool (0.5 GiB, an estimate:
+    rollout_engine.py) and what vLLM 0.8's KV cache gains from a profile-run sampler of 256 rows, not 1,024 (2 x 768
+    x 152,064 x 4 B = 0.87 GiB): 79.34 of 79.65 GiB."""
     (tmp_path / "run.sh").write_text(VERL_EXAMPLE)
     r = run(tmp_path / "run.sh", "--model", "qwen2-7b", "--gpu", "h100-80gb", "--engine-version", "0.8",
             "--mean-prompt-len", 100, "--mean-response-len", 300, "--format", "json")
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
-    assert out["fits"] and out["memory"]["peak_phase"] == "optimizer_step"
-    assert out["memory"]["peak_reserved_bytes"] / GiB == pytest.approx(75.2 + 0.5, abs=0.1)
+    assert out["fits"] and out["memory"]["peak_phase"] == "weight_sync"
+    assert out["memory"]["peak_reserved_bytes"] / GiB == pytest.approx(77.97 + 0.5 + 0.87, abs=0.01)
     same_memory(out, rl_estimate("qwen2-7b", 2, **{**CASE_1, "enforce_eager": False, "max_num_seqs": 256}))
     assert any("priced with the entropy" in n for n in out["notes"])   # neither entropy key in the script
 
@@ -198,17 +201,16 @@ def test_verls_micro_batch_assert_is_a_finding(tmp_path):
 
 
 def test_a_utilization_that_leaves_the_trainer_no_room_names_the_one_that_fits():
-    """Case 1 at gpu_memory_utilization 0.9 (vLLM 0.8): the weight sync holds the fp32 actor (14.19 GiB) beside the
-    engine's 62.1 GiB KV cache, 93,383,620,454 B > 85,520,809,984 B (vLLM 0.8 sizes the cache beside the memory outside
-    torch's allocator, so pricing that term by term moved the total by one 64 KiB rounding only). The KV cache shrinks
-    byte for byte with the utilization (0.06 less: 88,252,479,334 B), so 0.9 - 7.86 / 85.52 = 0.808: 0.80, which
-    fits."""
+    """Case 1 at gpu_memory_utilization 0.9 (vLLM 0.8): the weight sync holds the fp32 actor (14.19 GiB) and FSDP1's
+    state-dict copy of it (14.19 GiB, rl_strategy.py) beside the engine's 62.1 GiB KV cache, 109,376,415,129 B >
+    85,520,809,984 B. The KV cache shrinks byte for byte with the utilization (0.01 less: 855,113,728 B), so the note
+    names 0.62 (85,430,936,985 B), which fits, and 0.63 (86,286,050,713 B) does not."""
     e = rl_estimate("qwen2-7b", 2, **{**CASE_1, "gpu_memory_utilization": 0.9})
-    assert not e.fits and e.memory.phases[2].reserved_bytes == 93_383_620_454
+    assert not e.fits and e.memory.phases[2].reserved_bytes == 109_376_415_129
     note = next(n for n in e.notes if n.startswith("gpu_memory_utilization 0.9"))
-    assert "in weight_sync" in note and "--gpu-memory-utilization 0.8 " in note
-    assert rl_estimate("qwen2-7b", 2, **{**CASE_1, "gpu_memory_utilization": 0.8}).fits
-    assert not rl_estimate("qwen2-7b", 2, **{**CASE_1, "gpu_memory_utilization": 0.81}).fits
+    assert "in weight_sync" in note and "--gpu-memory-utilization 0.62 " in note
+    assert rl_estimate("qwen2-7b", 2, **{**CASE_1, "gpu_memory_utilization": 0.62}).fits
+    assert not rl_estimate("qwen2-7b", 2, **{**CASE_1, "gpu_memory_utilization": 0.63}).fits
 
 
 def test_keys_left_out_take_verls_defaults(tmp_path):

@@ -60,12 +60,13 @@ def test_ulysses_degrees_follow_verls_rule(qwen7):
 def test_pruned_search_finds_the_exhaustive_best(monkeypatch):
     """Qwen2.5-7B GRPO on 2 x H100 (fp32 states 15 + 30 GB a GPU: offloads matter), a space cut to 5,120
     configurations: for every shared choice the pruned search's best has the step time and peak of the whole
-    product's best, pricing a tenth of it. The best needs entropy chunking, so the chunking rule is exercised; the
-    fp32 actor's bests take dynamic batches (8k tokens: 2 sequences of 3,072 a micro-batch, which static batches of
-    1 or 16 do not offer), so both batch modes are. max_num_batched_tokens 64 (max_num_seqs 64 only) trades vLLM's
-    profile-run activations (more KV) against prefill chunks that read the weights more often than they compute."""
+    product's best, pricing a twentieth of it. The best needs entropy chunking, so the chunking rule is exercised;
+    the fp32 actor's best without offloads takes dynamic batches (16k tokens: 5 sequences of 3,072 a micro-batch,
+    which static batches of 1 or 16 do not offer), so both batch modes are. max_num_batched_tokens 64 (with
+    max_num_seqs 64 only) trades vLLM's profile-run activations (more KV) against prefill chunks that read the
+    weights more often than they compute."""
     for name, values in dict(UTILIZATIONS=(0.3, 0.6), MICRO_BATCHES=(1, 16), LOG_PROB_MICRO_BATCHES=(2, 32),
-                             MAX_NUM_SEQS=(64, 256), TOKEN_BUDGETS=(8192,), LOG_PROB_TOKEN_BUDGETS=(32768,),
+                             MAX_NUM_SEQS=(64, 256), TOKEN_BUDGETS=(16384,), LOG_PROB_TOKEN_BUDGETS=(32768,),
                              MAX_NUM_BATCHED_TOKENS=(64, 16384)).items():
         monkeypatch.setattr(search, name, values)
     request = rl_request("qwen2.5-7b", 2, gpu="h100-80gb", prompt_len=1024, response_len=2048, rollout_n=4,

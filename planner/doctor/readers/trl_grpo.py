@@ -90,7 +90,7 @@ def from_trl_grpo(docs: list, source: str, text: str = "", gpus: int | None = No
         notes.append("vllm_enable_sleep_mode is off: the engine's weights and KV cache stay on the GPU while the "
                      "actor trains, which this estimate does not price (it sleeps the engine); set it true")
     knobs.update(_accelerate(docs[1]) if len(docs) > 1 else {})
-    return RlSetup(knobs={**knobs, **flags}, source=source, dialect="trl-grpo", model=model,
+    return RlSetup(knobs={"framework": "trl", **knobs, **flags}, source=source, dialect="trl-grpo", model=model,
                    model_path=g.get("model_name_or_path"), model_key="model_name_or_path", notes=tuple(notes),
                    keys=KEYS)
 

@@ -1,0 +1,112 @@
+"""What verl's actor strategy changes on the GPU: FSDP1 (`strategy: fsdp`) or FSDP2 (`fsdp2`), as verl 0.9.1 wraps
+each (workers/engine/fsdp/transformer_impl.py _build_fsdp_module; utils/fsdp_utils.py):
+
+- FSDP1: FullyShardedDataParallel with auto_wrap_policy on the decoder-layer class (get_fsdp_wrap_policy,
+  use_orig_params False): one flat parameter per decoder layer and the root's flat parameter holding the
+  embedding, final norm and head, which FSDP1 does not reshard after forward (torch fsdp/_runtime_utils.py
+  _post_forward_reshard: "Do not free the root's parameters in the post-forward"), so it stays gathered from the
+  root's pre-forward to its post-backward. The repo's ledger (memory.estimate_memory: one unit per block plus a
+  root holding embedding and head) prices this layout.
+- FSDP2: fully_shard on each decoder layer, and on embed_tokens and lm_head apart when the embeddings are not tied
+  (apply_fsdp2 / _select_fsdp2_wrap_targets), then the root: the embedding resharded after its forward, the head
+  after its forward and again after its backward, whose post-backward reduce-scatters the head's gradient then
+  (not at the end of the backward, as the root's does).
+- The weight sync (get_per_tensor_param): FSDP2's state_dict() holds DTensor references and each tensor is
+  gathered in turn (full_tensor()); FSDP1's runs its SHARDED_STATE_DICT hooks (verl sets it for world size > 1):
+  torch fsdp/_state_dict_utils.py unshards each unit in turn in full precision (_flat_param.py
+  _force_full_precision under SUMMON_FULL_PARAMS), the root's until its children are done, and keeps a clone of
+  each parameter's local chunk (_create_chunk_sharded_tensor / _create_chunk_dtensor): a copy of the rank's shard
+  in the stored dtype, alive while the tensors are sent. (LoRA's adapter sync, collect_lora_params, not modelled.)
+
+TRL (1.16, framework trl): accelerate's FSDP2 (utils/fsdp_utils.py fsdp2_prepare_model) wraps the decoder layers
+and the model only, FSDP1's root layout; its weight sync (generation/vllm_generation.py) gathers FSDP2's parameters
+one at a time (full_tensor()) and FSDP1's units one at a time (summon_full_params(module, recurse=False), children
+first, in full precision), with no copy.
+
+So FSDP2 holds at most what FSDP1 holds in every phase (equal with tied embeddings, bar the weight sync's copy);
+the step time is priced alike (copy-in / copy-out and flat all-gathers not told apart).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from .memory_types import MemoryBreakdown
+from .model_spec import ModelSpec
+
+# `settings` below: rl_phases.RlSettings (its strategy, framework and lora), not imported (rl_phases imports this)
+
+
+def separate_head_units(model: ModelSpec, settings) -> bool:
+    """verl's FSDP2 with untied embeddings: embed_tokens and lm_head are units of their own."""
+    return (settings.strategy == "fsdp2" and settings.framework == "verl" and not model.tied_embeddings
+            and model.head_params > 0)
+
+
+def loss_root_bytes(model: ModelSpec, settings, c: int) -> int:
+    """The root's parameters gathered at the loss: FSDP1 the whole root; FSDP2 the root less the embedding (resharded
+    after its forward) - the head counted as gathered, an upper bound (its backward, just after, gathers it)."""
+    if separate_head_units(model, settings):
+        return (model.head_params + model.root_other_params) * c
+    return model.root_params * c
+
+
+def forward_gathered_bytes(model: ModelSpec, settings, c: int) -> int:
+    """A forward-only pass's gathered units: FSDP1 the root and two blocks (the running one and the one prefetched;
+    the rate limiter's two all-gathers); FSDP2 the root's own parameters and the largest of the embedding with the
+    first block prefetched, two blocks, or the head."""
+    blocks = 2 * model.block_params
+    if separate_head_units(model, settings):
+        return (model.root_other_params + max(model.embedding_params + model.block_params, blocks,
+                                              model.head_params)) * c
+    return (model.root_params + blocks) * c
+
+
+def fsdp2_backward(body: MemoryBreakdown, moment: str, model: ModelSpec, settings, c: int, r: int,
+                   d: int) -> MemoryBreakdown:
+    """The ledger's backward peak (FSDP1's root layout) for FSDP2's separate units, by the moment it is at
+    (MemoryEstimate.peak_moment): a block's backward holds neither the embedding nor the head gathered, nor the
+    head's unsharded gradient; during the last block's (d > 1) the head's reduce-scatter input is in flight, as a
+    block's is for the block below it (memory.py reduce_scatter_above). At the loss the embedding is resharded. Any
+    other moment (or an unnamed one) is left as FSDP1's: an upper bound."""
+    if not separate_head_units(model, settings):
+        return body
+    head_trainable = not settings.lora   # PEFT's all-linear leaves the output layer out
+    head_grad = model.head_params * c if head_trainable else 0
+    if moment.startswith("backward of block"):
+        last = moment.split()[3] == str(model.n_layers - 1)
+        rs = model.head_params * r if last and head_trainable and d > 1 else 0
+        return dataclasses.replace(body, unsharded_params=body.unsharded_params - model.embedding_params * c
+                                   - model.head_params * c, unsharded_grads=body.unsharded_grads - head_grad,
+                                   collective_buffers=body.collective_buffers + rs)
+    if moment == "loss backward":
+        return dataclasses.replace(body, unsharded_params=body.unsharded_params - model.embedding_params * c)
+    return body
+
+
+def weight_sync_bytes(model: ModelSpec, settings, params_bytes: int, p: int,
+                      shard_ranks: int) -> tuple[dict, dict]:
+    """The actor's transients in the weight sync beside its loaded shard, (the state-dict walk's, the send's), in the
+    stored dtype p. FSDP2 (or LoRA, or unsharded): no walk; the send gathers one tensor at a time, the largest
+    (embedding or head). verl's FSDP1 sharded: the walk holds the root unsharded beside its children's turns and a
+    parameter's full clone before its chunk is kept (tensor/placement_types.py _replicate_to_shard: the chunk
+    cloned, the whole freed) - the root with the largest tensor, or with a block and a clone no larger than it -
+    while the copy of the shard grows; the send keeps that copy beside the tensor gathered. TRL's FSDP1: one unit
+    at a time, the root or a block."""
+    largest = max(model.embedding_params, model.head_params) * p
+    if settings.strategy == "fsdp2" or settings.lora or shard_ranks <= 1:
+        return {}, {"gathered tensor": largest}
+    if settings.framework == "trl":
+        return {}, {"gathered units": max(model.root_params, model.block_params) * p}
+    walk = (model.root_params * p + max(largest, 2 * model.block_params * p))
+    copy = {"state-dict shard copy": params_bytes}
+    return {**copy, "gathered units": walk}, {**copy, "gathered tensor": largest}
+
+
+def sync_moment(walk: dict, send: dict, held: dict, walk_engine: dict, send_engine: dict, reserved) -> tuple:
+    """The weight sync's larger moment, (torch terms, engine terms): the walk (where there is one) beside the engine
+    as verl wakes it first (verl 0.9.1 engine_workers.py: the weights resumed before get_per_tensor_param; 2025's
+    FSDPVLLMShardingManager.__enter__: state_dict() before wake_up()), or the send; reserved(torch, engine): a
+    moment's GPU bytes."""
+    moments = [({**held, **send}, send_engine)] + ([({**held, **walk}, walk_engine)] if walk else [])
+    return max(moments, key=lambda m: reserved(*m))

@@ -1,0 +1,83 @@
+"""verl's actor strategy (cost_models/rl_strategy.py): FSDP1's root flat parameter and state-dict copy against FSDP2's
+separate embedding and head units, worked by hand from Qwen2.5-7B's config (embedding = head = 544,997,376
+parameters, final norm 3,584, a block 233,057,792, 28 blocks; 7,615,616,512 in all), and the claim the search rests
+on (planner/rl/search.py STRATEGY): FSDP2 never holds more, phase by phase, and prices the same time."""
+
+import pytest
+
+from cost_models.memory_types import MemoryBreakdown
+from cost_models.rl_phases import RlSettings
+from cost_models.rl_strategy import fsdp2_backward
+from planner.models import resolve_model
+from planner.rl import rl_estimate
+
+EMB, NORM, BLOCK = 544_997_376, 3_584, 233_057_792
+ROOT = 2 * EMB + NORM   # 1,089,998,336
+
+
+@pytest.fixture(scope="module")
+def by_strategy():
+    return {s: rl_estimate("qwen2.5-7b", 8, gpu="h100-80gb", strategy=s) for s in ("fsdp", "fsdp2")}
+
+
+def test_weight_sync_by_hand(by_strategy):
+    """The fp32 actor on 8 GPUs (a 3,807,808,256 B shard). FSDP1's SHARDED_STATE_DICT keeps a copy of the shard and
+    walks the units with the root unsharded: root 4 x 1,089,998,336 + the embedding's full clone 4 x 544,997,376 =
+    6,539,982,848 B (beside the engine's weights, which verl 0.9.1 wakes first); FSDP2 gathers one tensor at a time:
+    the embedding, 2,179,989,504 B. TRL's FSDP1 summons one unit at a time, no copy: the root, 4,359,993,344 B."""
+    fsdp1, fsdp2 = (by_strategy[s].memory.phases[2].gpu_bytes for s in ("fsdp", "fsdp2"))
+    assert (fsdp1["state-dict shard copy"], fsdp1["gathered units"]) == (3_807_808_256, 6_539_982_848)
+    assert ROOT * 4 + EMB * 4 == 6_539_982_848
+    assert fsdp2["gathered tensor"] == 2_179_989_504 and "state-dict shard copy" not in fsdp2
+    assert fsdp1["engine weights"] == fsdp2["engine weights"] == 7_615_616_512
+    trl = rl_estimate("qwen2.5-7b", 8, gpu="h100-80gb", framework="trl").memory.phases[2].gpu_bytes
+    assert trl["gathered units"] == ROOT * 4 == 4_359_993_344 and "state-dict shard copy" not in trl
+
+
+def test_forward_and_loss_hold_the_root_as_each_wraps_it(by_strategy):
+    """Forward only (log-probs): FSDP1 the root and two blocks, (1,089,998,336 + 2 x 233,057,792) x 2 B =
+    3,112,227,840; FSDP2 the norm and the largest of embedding + a block, two blocks, the head: (3,584 + 778,055,168)
+    x 2 = 1,556,117,504. At the update's loss: FSDP1 the root, 2,179,996,672; FSDP2 the head and norm, 1,090,001,920.
+    accelerate's FSDP2 (TRL) wraps the layers only: FSDP1's root."""
+    fsdp1, fsdp2 = by_strategy["fsdp"], by_strategy["fsdp2"]
+    assert [e.memory.phases[3].gpu_bytes["gathered units"] for e in (fsdp1, fsdp2)] == [3_112_227_840, 1_556_117_504]
+    assert [e.memory.actor.update_steady.unsharded_params for e in (fsdp1, fsdp2)] == [2_179_996_672, 1_090_001_920]
+    trl = rl_estimate("qwen2.5-7b", 8, gpu="h100-80gb", framework="trl", strategy="fsdp2")
+    assert trl.memory.phases[3].gpu_bytes["gathered units"] == 3_112_227_840
+
+
+def test_fsdp2_backward_moments_by_hand():
+    """The ledger's block moment holds the root gathered and the head's unsharded gradient (FSDP1's layout); FSDP2
+    holds neither: 2 x (544,997,376 + 544,997,376) B of params and 2 x 544,997,376 of gradient fewer. During the last
+    block's backward the head's fp32 reduce-scatter input (4 x 544,997,376) is in flight; at the loss only the
+    embedding is resharded; LoRA leaves the head frozen; tied embeddings keep one root unit."""
+    model = resolve_model("qwen2.5-7b")
+    body = MemoryBreakdown(unsharded_params=2_646_112_256, unsharded_grads=1_225_792_512, collective_buffers=10)
+    full, lora = RlSettings(strategy="fsdp2"), RlSettings(strategy="fsdp2", finetune="lora")
+    mid = fsdp2_backward(body, "backward of block 26 (recomputed)", model, full, 2, 4, 8)
+    assert (mid.unsharded_params, mid.unsharded_grads, mid.collective_buffers) == (
+        2_646_112_256 - 2_179_989_504, 1_225_792_512 - 1_089_994_752, 10)
+    last = fsdp2_backward(body, "backward of block 27", model, full, 2, 4, 8)
+    assert last.collective_buffers == 10 + 2_179_989_504 and last.unsharded_grads == mid.unsharded_grads
+    assert fsdp2_backward(body, "backward of block 27", model, lora, 2, 4, 8).collective_buffers == 10
+    assert fsdp2_backward(body, "loss backward", model, full, 2, 4, 8).unsharded_params == 2_646_112_256 - 1_089_994_752
+    assert fsdp2_backward(body, "optimizer step", model, full, 2, 4, 8) == body
+    assert fsdp2_backward(body, "backward of block 27", model, RlSettings(strategy="fsdp"), 2, 4, 8) == body
+    tied = resolve_model("llama3.2-1b")
+    assert tied.tied_embeddings and fsdp2_backward(body, "backward of block 3", tied, full, 2, 4, 8) == body
+
+
+@pytest.mark.parametrize("model, gpus, knobs", [
+    ("qwen2.5-7b", 8, dict(param_offload=True, engine_version="0.8")),
+    ("qwen2.5-7b", 8, dict(actor_dtype="bf16", entropy=False, ppo_micro_batch_size_per_gpu=8)),  # a block's peak
+    ("qwen2.5-7b", 2, dict(finetune="lora", use_dynamic_bsz=True, ulysses_sequence_parallel_size=2)),
+    ("qwen2.5-7b", 8, dict(algorithm="ppo", framework="trl")),
+    ("qwen3-8b", 8, dict(fsdp_size=1, engine="sglang")),
+    ("llama3.2-1b", 4, dict(gradient_checkpointing=False, ppo_micro_batch_size_per_gpu=1)),   # tied embeddings
+], ids=["fp32-offload-vllm08", "bf16-block-peak", "lora-dynamic-ulysses", "ppo-trl", "fsdp-size-1", "tied"])
+def test_fsdp2_never_holds_more_and_prices_the_same_time(model, gpus, knobs):
+    job = dict(gpu="h100-80gb", prompt_len=1024, response_len=4096, rollout_n=8, train_batch=64, **knobs)
+    fsdp1, fsdp2 = (rl_estimate(model, gpus, strategy=s, **job) for s in ("fsdp", "fsdp2"))
+    assert [p.name for p in fsdp1.memory.phases] == [p.name for p in fsdp2.memory.phases]
+    assert all(b.reserved_bytes <= a.reserved_bytes for a, b in zip(fsdp1.memory.phases, fsdp2.memory.phases))
+    assert fsdp2.time.step_s == fsdp1.time.step_s
