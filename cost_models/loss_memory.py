@@ -32,16 +32,44 @@ def loss_events(compute_bytes: int, compiled: bool) -> tuple[tuple, tuple]:
     return forward, backward
 
 
+def loss_parallel_events(compute_bytes: int) -> tuple[tuple, tuple]:
+    """Loss parallel's tensors (torch.distributed.tensor.parallel.loss, torch 2.13: torchtitan's loss under TP with
+    sequence parallel), per element of the rank's vocab / tp logits, in order (loss_events' format). Forward,
+    _log_softmax: the logits (c), `.float()`'s copy unless they are fp32, shifted = x - max, exp(shifted) freed once
+    summed, the result shifted - logsumexp (saved), then shifted and the copy freed. Backward,
+    _nll_loss_and_log_softmax_backward (it does log_softmax's backward too, to save an all-gather): grad_input =
+    zeros_like(x), exp(x), their sum (exp freed), its product with the incoming gradient (the sum freed),
+    grad_input and the saved result freed, then the cast back to c. Peak: four fp32 copies in backward
+    (tensor_parallel.LOSS_PARALLEL_FP32_COPIES), where the eager loss holds three; the trace of a pp 2 x tp 2 rank
+    holds these tensors in this order (docs/accuracy.md)."""
+    c = compute_bytes
+    cast = c != 4
+    forward = (("alloc", "logits", c), *((("alloc", "fp32 copy", 4),) if cast else ()), ("alloc", "shifted", 4),
+               ("alloc", "exp", 4), ("free", "exp", 4), ("alloc", "log_softmax", 4), ("free", "shifted", 4),
+               *((("free", "fp32 copy", 4),) if cast else ()), ("free", "logits", c))
+    backward = (("alloc", "grad_input", 4), ("alloc", "exp", 4), ("alloc", "sum", 4), ("free", "exp", 4),
+                ("alloc", "log_softmax grad", 4), ("free", "sum", 4), ("free", "grad_input", 4),
+                ("free", "log_softmax", 4), *((("alloc", "grad", c),) if cast else ()),
+                ("free", "log_softmax grad", 4), *((("free", "grad", c),) if cast else ()))
+    return forward, backward
+
+
+def events(compute_bytes: int, compiled: bool, parallel: bool = False) -> tuple[tuple, tuple]:
+    """The loss's events: loss parallel's (parallel, an eager loss on vocab / tp logits), else loss_events'."""
+    return loss_parallel_events(compute_bytes) if parallel and not compiled else loss_events(compute_bytes, compiled)
+
+
 @functools.lru_cache(maxsize=None)
-def _loss_bytes(compute_bytes: int, compiled: bool) -> tuple[int, int, int]:
-    """(forward peak, peak allocated, peak reserved) bytes per logit element of the loss."""
-    forward, backward = loss_events(compute_bytes, compiled)
+def _loss_bytes(compute_bytes: int, compiled: bool, parallel: bool = False) -> tuple[int, int, int]:
+    """(forward peak, peak allocated, peak reserved) bytes per logit element of the loss (parallel: loss parallel's)."""
+    forward, backward = events(compute_bytes, compiled, parallel)
     forward_peak, _ = allocator.reserved_peak(forward)
     peak, reserved = allocator.reserved_peak(forward + backward)
     return int(forward_peak), int(peak), int(reserved)
 
 
-def logits_bytes_per_token(model: ModelSpec, compute_bytes: int, compiled: bool = False) -> tuple[int, int]:
+def logits_bytes_per_token(model: ModelSpec, compute_bytes: int, compiled: bool = False,
+                           parallel: bool = False) -> tuple[int, int]:
     """(kept, peak) bytes per token of the logits and the loss (loss_events).
 
     kept: what of it stays alive through the blocks' backward: nothing once the training loop drops the
@@ -49,10 +77,10 @@ def logits_bytes_per_token(model: ModelSpec, compute_bytes: int, compiled: bool 
     log-softmax backward, its saved output, the gradient arriving from the NLL loss and the gradient it
     produces: three fp32 copies, 12*V; compiled, the saved logits and their gradient, 2c*V. Logit
     soft-capping (Gemma 2: cap * tanh(logits / cap), inside the model) keeps the tanh output (c*V) until
-    its backward.
+    its backward. parallel: loss parallel's events on the rank's vocab / tp (loss_parallel_events: four fp32 copies).
     """
     v = model.vocab_size
-    return 0, _loss_bytes(compute_bytes, compiled)[1] * v + (compute_bytes * v if model.logit_softcap else 0)
+    return 0, _loss_bytes(compute_bytes, compiled, parallel)[1] * v + (compute_bytes * v if model.logit_softcap else 0)
 
 
 def logits_reserved_extra_bytes_per_token(model: ModelSpec, compute_bytes: int, compiled: bool = False) -> int:

@@ -217,7 +217,7 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
         return (L - 1 - i) * block_sharded_grad + (nd - n_dense_below(i + 1)) * dense_grad_delta
 
     _, logits_peak = activations.logits_bytes_per_token(model, c, config.loss_compiled)
-    if tensor_parallel.sequence_parallel(config) and not config.loss_compiled:  # loss parallel, vocab / tp
+    if tensor_parallel.loss_parallel(config):  # loss parallel, vocab / tp
         logits_peak = tensor_parallel.loss_parallel_peak_bytes_per_token(model)
     w_mlp = activations.mlp_backward_working_bytes_per_token(model, c, lora=bool(lora_rank), kernels=kern)
     w_attn = activations.attention_backward_working_bytes_per_token(model, c, attn, training.seq_len)

@@ -16,7 +16,7 @@ does) and writes, at the granularity the trace's events show (calibration/alloc_
 - per microbatch and block, what its forward keeps (a checkpointed block: its input, its other tensors made and
   freed), in backward its recompute, its largest working set and the gradient passed down; the stage output in
   fwd_cache until its backward; the receive buffers (made at the first step, kept); on the last stage the logits
-  (to the step's end, then merged) and the loss's tensors (loss_memory.loss_events);
+  (to the step's end, then merged) and the loss's tensors (loss_memory.events: loss parallel's under TP);
 - the reduce-scatter input (default stream) and output (the reduce-scatter stream, the sharded gradient until the
   optimizer step), unit by unit; the optimizer's foreach temporaries, one per parameter shard.
 Sizes are the ledger's (StagePieces), activations cut into tensors of the model's widths (f, q, kv, h in the
@@ -108,7 +108,7 @@ class _RankWalk:
         self.widths = [x * c for x in [f] * (3 if model.gated_mlp else 2) + [q, kv, kv, q, h, h]]
         sp = config.tp if tensor_parallel.sequence_parallel(config) else 1
         self.hs = -(-h * c // sp)  # the residual stream per token (sequence parallel: on s / tp tokens)
-        self.loss_events = loss_memory.loss_events(c, config.loss_compiled)
+        self.loss_events = loss_memory.events(c, config.loss_compiled, tensor_parallel.loss_parallel(config))
         self.events: list[tuple] = []
         self.gathered: set[int] = set()
         self.accumulated: dict[int, set] = {s: set() for s in self.pieces}  # units holding reduce-dtype sums
@@ -218,7 +218,7 @@ class _RankWalk:
         pass
 
     def loss(self, events, s: int, mb: int) -> None:
-        """The loss's tensors (loss_memory.loss_events, V elements per token); the logits stay in output_chunks."""
+        """The loss's tensors (loss_memory.events, V elements per token); the logits stay in output_chunks."""
         for kind, name, size in events:
             if name == "logits" and kind == "free" and self.keeps_logits:
                 continue

@@ -98,8 +98,10 @@ def stage_pieces(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, s
     saved = tokens * (sum(kept) + root_saved) + shared + output
     v = model.vocab_size
     logits = tokens * v * c if stage.head else 0
-    # eager: log_softmax's fp32 output saved by the NLL, then its fp32 gradients; compiled: the logits' gradient alone
-    loss_saved, loss_peak = (pipeline_techniques.loss_bytes(model, c, tokens, config.loss_compiled) if stage.head
+    # eager: log_softmax's fp32 output saved by the NLL, then its fp32 gradients (loss parallel under TP: three beside
+    # the saved output, loss_memory.loss_parallel_events); compiled: the logits' gradient alone
+    loss_saved, loss_peak = (pipeline_techniques.loss_bytes(model, c, tokens, config.loss_compiled,
+                                                            tensor_parallel.loss_parallel(config)) if stage.head
                              else (0, 0))
     # each block's backward, top first (memory.py's moments): the saved tensors of the blocks below it, its own
     # (recomputed when checkpointed), the larger of its MLP's and attention's working sets with their gradients;

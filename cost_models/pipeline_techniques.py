@@ -66,13 +66,15 @@ def moe_notes(model: ModelSpec, config: FsdpConfig, d: int) -> tuple[str, ...]:
     return tuple(notes)
 
 
-def loss_bytes(model: ModelSpec, c: int, tokens: int, compiled: bool) -> tuple[int, int]:
+def loss_bytes(model: ModelSpec, c: int, tokens: int, compiled: bool, parallel: bool = False) -> tuple[int, int]:
     """One microbatch's loss on the last stage, beside its logits (kept in output_chunks, counted by the caller):
     (what stays saved from its forward to its backward, what its backward adds above that). Eager: log_softmax's fp32
-    output, then the NLL's and log_softmax's fp32 gradients (loss_memory.loss_events). Compiled (one kernel each way):
-    it saves the logits themselves - the stage output already counted - and a per-row statistic, and its backward
-    writes the logits' gradient in their dtype (loss_events' 2c per logit, less the logits)."""
-    _, total = activations.logits_bytes_per_token(model, c, compiled)
+    output, then the NLL's and log_softmax's fp32 gradients (loss_memory.loss_events); parallel (loss parallel under
+    TP, `model` the rank's vocab / tp): its backward's three fp32 tensors beside the saved output
+    (loss_memory.loss_parallel_events). Compiled (one kernel each way): it saves the logits themselves - the stage
+    output already counted - and a per-row statistic, and its backward writes the logits' gradient in their dtype
+    (loss_events' 2c per logit, less the logits)."""
+    _, total = activations.logits_bytes_per_token(model, c, compiled, parallel)
     if compiled:
         return 0, tokens * (total - c * model.vocab_size)
     saved = tokens * 4 * model.vocab_size

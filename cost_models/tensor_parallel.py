@@ -307,6 +307,11 @@ def sequence_parallel(config: FsdpConfig) -> bool:
     return config.tp > 1 and config.sequence_parallel
 
 
+def loss_parallel(config: FsdpConfig) -> bool:
+    """Whether the loss runs as loss parallel on vocab / tp logits (torchtitan's with sequence parallel), eager."""
+    return sequence_parallel(config) and not config.loss_compiled
+
+
 def residual_stream_bytes_per_token(model: ModelSpec, compute_bytes: int, lora: bool = False) -> int:
     """Saved bytes per token of a block that live on the residual stream: its norms (the fp32 upcast and
     the normalised tensor each RMSNorm saves; activations._norm_bytes) and the residual dropout masks. With

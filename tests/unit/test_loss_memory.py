@@ -6,7 +6,7 @@ import torch
 
 from calibration.fused_loss import fused_causal_lm_loss
 from calibration.reference import causal_lm_loss
-from cost_models import activations, allocator
+from cost_models import activations, allocator, tensor_parallel
 
 
 def test_best_fit_reuses_a_freed_block_only_when_it_fits():
@@ -27,6 +27,19 @@ def test_eager_bf16_loss_strands_the_logits_segment():
     assert activations._loss_bytes(2, False) == (10, 12, 14)
     assert activations._loss_bytes(4, False) == (8, 12, 12)   # fp32: no copy, nothing stranded
     assert activations._loss_bytes(2, True) == (2, 4, 4)      # compiled: saved logits + their gradient
+
+
+def test_loss_parallel_holds_four_fp32_copies_in_backward():
+    # By hand, bytes per element of the rank's vocab / tp logits (loss_memory.loss_parallel_events). Forward: logits
+    # 2, fp32 copy 4, shifted 4, exp 4 (peak 14, four segments), exp freed, the result (4) in exp's segment, shifted,
+    # copy and logits freed. Backward: zeros (4) and exp (4) take the copy's and shifted's segments, their sum (4)
+    # fits no free block (logits' is 2) -> a fifth segment; exp freed, the product (4) in its segment, the sum, the
+    # zeros and the saved result freed, the bf16 gradient (2) in the logits'. Allocated peak: saved + zeros + exp +
+    # sum = 16 (the eager loss: 12); reserved 2 + 4 x 4 = 18.
+    assert activations._loss_bytes(2, False, True) == (14, 16, 18)
+    assert activations._loss_bytes(4, False, True) == (12, 16, 16)   # fp32: no copy, nothing stranded
+    assert activations._loss_bytes(2, True, True) == activations._loss_bytes(2, True)   # compiled: the compiled loss
+    assert tensor_parallel.LOSS_PARALLEL_FP32_COPIES * 4 == activations._loss_bytes(2, False, True)[1]  # the ledger's
 
 
 def test_compiled_loss_saves_only_the_logits():
