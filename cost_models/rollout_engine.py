@@ -107,6 +107,7 @@ class EngineMemory:
     kv_tokens: int
     max_concurrent_seqs: int      # sequences of max_model_len the KV cache holds at once (<= max_num_seqs)
     refusals: tuple[Refusal, ...] = ()
+    available_bytes: int = 0      # what the rule left for the KV cache, before the blocks' floor
 
     @property
     def awake_bytes(self) -> int:
@@ -232,4 +233,5 @@ def engine_memory(model: ModelSpec, s: EngineSettings, total_bytes: int, residen
     refusals = scheduler_refusals(s) + refusals
     return EngineMemory(weights_bytes=weights, activation_peak_bytes=acts, cuda_graph_bytes=s.graph_bytes,
                         kv_bytes=kv, kv_blocks=blocks, page_bytes=page, kv_tokens=blocks * s.page_tokens,
-                        max_concurrent_seqs=min(s.max_num_seqs, blocks // seq_pages), refusals=tuple(refusals))
+                        max_concurrent_seqs=min(s.max_num_seqs, blocks // seq_pages), refusals=tuple(refusals),
+                        available_bytes=available)
