@@ -47,7 +47,10 @@ ULYSSES = (1, 2, 4, 8)
 UTILIZATIONS = (0.3, 0.4, 0.5, 0.6, 0.7)
 TPS = (1, 2, 4, 8)
 MAX_NUM_SEQS = (256, 512, 1024)
-MAX_NUM_BATCHED_TOKENS = (2048, 4096, 8192, 16384)   # vLLM: >= max_num_seqs (rollout_engine.scheduler_refusals)
+# vLLM's max_num_batched_tokens, >= max_num_seqs (rollout_engine.scheduler_refusals) and the request's: smaller
+# chunks leave the KV cache more (the profile run's activations); larger ones only less, prefill being
+# compute-bound (rl_time.prefill_s) in chunks above ~340 tokens on every GPU of the catalog (peak x efficiency / HBM)
+MAX_NUM_BATCHED_TOKENS = (2048, 4096, 8192)
 ENGINE_PHASES = ("init", "rollout", "weight_sync")
 # FSDP2 holds at most what FSDP1 holds in every phase and prices the same time (cost_models/rl_strategy.py: verl
 # wraps the embedding and head as their own units; FSDP1's weight sync keeps a copy of the shard), so every

@@ -21,18 +21,18 @@ def test_space_sizes(qwen7):
     """The issue's job (Qwen2.5-7B: 28 heads, 4 KV heads; 8 GPUs; 2,048 sequences a step): shared 2 dtypes x 2 x 2
     offloads x 2 reference offloads = 16; engine: TP 1 / 2 / 4 (8 does not divide 28 heads) with 256 / 512 / 1,024
     sequences a replica, so max_num_seqs {256}, {256, 512}, {256, 512, 1024}, each with max_num_batched_tokens 8,192
-    (the request's), 2,048, 4,096 and 16,384 (all >= max_num_seqs, as vLLM asks): 6 x 4 x 5 utilizations = 120; actor:
+    (the request's), 2,048 and 4,096 (all >= max_num_seqs, as vLLM asks): 6 x 3 x 5 utilizations = 90; actor:
     Ulysses 1 / 2 / 4 x checkpointing on / off x (5 micro-batches (all divide 256 x sp) x 6 log-prob ones, or
     dynamic batches: 3 token budgets x 4 log-prob ones, each x sp holding one sequence of 5,120) = 6 x 42 = 252."""
     shared, engine, actor = search.spaces(rl_request("qwen2.5-7b", 8, **JOB), qwen7, 8)
-    assert (len(shared), len(engine), len(actor)) == (16, 120, 252)
+    assert (len(shared), len(engine), len(actor)) == (16, 90, 252)
     assert sum(a["use_dynamic_bsz"] for a in actor) == 72
     assert {e["max_num_seqs"] for e in engine if e["rollout_tp"] == 2} == {256, 512}
     # vLLM refuses max_num_batched_tokens < max_num_seqs: with 1,024 sequences, 512 is not priced
     low = search.spaces(rl_request("qwen2.5-7b", 8, **JOB, max_num_batched_tokens=512), qwen7, 8)[1]
-    assert [e["max_num_batched_tokens"] for e in low if e["max_num_seqs"] == 1024][::5] == [2048, 4096, 8192, 16384]
+    assert [e["max_num_batched_tokens"] for e in low if e["max_num_seqs"] == 1024][::5] == [2048, 4096, 8192]
     assert [e["max_num_batched_tokens"] for e in low if e["max_num_seqs"] == 256 and e["rollout_tp"] == 1][::5] == [
-        512, 2048, 4096, 8192, 16384]
+        512, 2048, 4096, 8192]
     # LoRA: no reference to offload; PPO: the critic's two offloads
     assert len(search.spaces(rl_request("qwen2.5-7b", 8, **JOB, finetune="lora"), qwen7, 8)[0]) == 8
     assert len(search.spaces(rl_request("qwen2.5-7b", 8, **JOB, algorithm="ppo"), qwen7, 8)[0]) == 64
@@ -124,8 +124,8 @@ def test_ulysses_is_what_fits_the_update_without_checkpointing():
 
 def test_a_batch_verl_refuses_is_still_priced_to_say_why():
     """1 prompt x 1 response on 8 GPUs: verl's normalised mini-batch is 1 // 8 = 0 sequences, so no micro-batch
-    divides it; the search prices the request's own batch (16 shared x 60 engine choices: TP 1 / 2 / 4 with
-    max_num_seqs 256, 4 max_num_batched_tokens, 5 utilizations) and the nearest miss names verl's assert."""
+    divides it; the search prices the request's own batch (16 shared x 45 engine choices: TP 1 / 2 / 4 with
+    max_num_seqs 256, 3 max_num_batched_tokens, 5 utilizations) and the nearest miss names verl's assert."""
     plan = search.plan_rl(rl_request("qwen2.5-7b", 8, gpu="h100-80gb", train_batch=1, rollout_n=1))
-    assert not plan.ranked and plan.searched == 16 * 60
+    assert not plan.ranked and plan.searched == 16 * 45
     assert plan.misses[0].reasons[0].startswith("train_batch: real_train_batch_size (1) must be divisible")
