@@ -7,7 +7,7 @@ import pytest
 
 from cost_models.memory_types import MemoryBreakdown
 from cost_models.rl_phases import RlSettings
-from cost_models.rl_strategy import fsdp2_backward
+from cost_models.rl_strategy import fsdp2_backward, separate_head_units
 from planner.models import resolve_model
 from planner.rl import rl_estimate
 
@@ -81,3 +81,37 @@ def test_fsdp2_never_holds_more_and_prices_the_same_time(model, gpus, knobs):
     assert [p.name for p in fsdp1.memory.phases] == [p.name for p in fsdp2.memory.phases]
     assert all(b.reserved_bytes <= a.reserved_bytes for a, b in zip(fsdp1.memory.phases, fsdp2.memory.phases))
     assert fsdp2.time.step_s == fsdp1.time.step_s
+
+
+def test_verl_wraps_the_embedding_and_head_apart_when_untied():
+    """verl 0.9.1's own _select_fsdp2_wrap_targets (utils/fsdp_utils.py, compiled out of its file: importing verl
+    runs verl/__init__.py, which needs ray) on a 2-layer Qwen2 built on the meta device: the layers, embed_tokens and
+    lm_head untied; the layers alone tied. What separate_head_units says for Qwen2.5-7B (untied) and Llama 3.2 1B."""
+    import ast
+    import importlib.util
+    from pathlib import Path
+
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    spec = importlib.util.find_spec("verl")
+    if spec is None:
+        pytest.skip("verl not installed")
+    source = (Path(spec.origin).parent / "utils" / "fsdp_utils.py").read_text()
+    node = next(n for n in ast.parse(source).body if getattr(n, "name", "") == "_select_fsdp2_wrap_targets")
+    namespace = {"nn": torch.nn}
+    exec(compile(ast.Module(body=[node], type_ignores=[]), "verl/utils/fsdp_utils.py", "exec"), namespace)
+
+    def wrapped(tied: bool) -> set:
+        config = transformers.Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                          num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
+                                          tie_word_embeddings=tied)
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(config)
+        targets = namespace["_select_fsdp2_wrap_targets"](model, model._no_split_modules)
+        return {name for name, module in model.named_modules() if any(module is t for t in targets)}
+
+    layers = {"model.layers.0", "model.layers.1"}
+    assert wrapped(tied=False) == layers | {"model.embed_tokens", "lm_head"} and wrapped(tied=True) == layers
+    fsdp2 = RlSettings(strategy="fsdp2")
+    assert separate_head_units(resolve_model("qwen2.5-7b"), fsdp2)
+    assert not separate_head_units(resolve_model("llama3.2-1b"), fsdp2)
