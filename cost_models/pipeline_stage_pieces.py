@@ -133,7 +133,11 @@ def stage_pieces(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, s
         # moments where TP splits f and the heads but not h)
         # (without it, the attention's moment again: a (0, 0) stand-in outranked the others on the blocks far below the
         # top, whose moments are negative relative to `saved`, giving them a working set of all the blocks above)
-        at_norm = (base + tokens * (norm_chain - (freed - 4 * h - c * h)), mlp_grads) if rms else at_attn
+        # Under sequence parallel the norm runs on the rank's s / tp tokens (torchtitan's SequenceParallel norms,
+        # tensor_parallel.py): its chain and its own saved tensors / sp, what the MLP freed stays at full tokens.
+        # At 405B's widths with TP 8, full-token norm bytes made this the block's moment: +31% over the trace on a
+        # middle stage, +0.4% now (benchmarks/pipeline_replay_wide.py)
+        at_norm = (base + tokens * (norm_chain + 4 * h + c * h) // sp - tokens * freed, mlp_grads) if rms else at_attn
         # without a dtype change AccumulateGrad adds into the kept gradients in place, but autograd makes each weight's
         # gradient whole first: the MLP's moment is fc2's (h x f) beside the incoming gradient and fc2's input's (the
         # activation's factors' gradients come after); the attention's as in the other cases, without one
