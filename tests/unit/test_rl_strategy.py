@@ -115,3 +115,47 @@ def test_verl_wraps_the_embedding_and_head_apart_when_untied():
     fsdp2 = RlSettings(strategy="fsdp2")
     assert separate_head_units(resolve_model("qwen2.5-7b"), fsdp2)
     assert not separate_head_units(resolve_model("llama3.2-1b"), fsdp2)
+
+
+def test_fsdp1_state_dict_copies_the_shard_fsdp2_does_not():
+    """The weight sync's state_dict() as verl sets it up (FSDP1: SHARDED_STATE_DICT with a device mesh, so DTensor
+    values; FSDP2: fully_shard's DTensors), on a 2-layer Qwen2 in a fake 2-rank world on CPU (calibration/
+    fake_world.py): FSDP1's values are new storages holding exactly the rank's shard, the copy rl_strategy prices
+    (107,072 parameters x 4 B / 2 ranks = 214,144 B); FSDP2's are its sharded parameters themselves."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecision, ShardedStateDictConfig, \
+        StateDictType, fully_shard
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    from calibration.fake_world import _FakeWorld
+
+    def qwen2():
+        torch.manual_seed(0)
+        return transformers.AutoModelForCausalLM.from_config(transformers.Qwen2Config(
+            hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            vocab_size=256, tie_word_embeddings=False))
+
+    def storages(tensors) -> list:
+        return [t.to_local().untyped_storage() if hasattr(t, "to_local") else t.untyped_storage() for t in tensors]
+
+    with _FakeWorld(2):
+        mesh = init_device_mesh("cpu", (2,))
+        model = qwen2()
+        fsdp1 = FullyShardedDataParallel(model, auto_wrap_policy=ModuleWrapPolicy({type(model.model.layers[0])}),
+                                         device_mesh=mesh, device_id=torch.device("cpu"), use_orig_params=False,
+                                         mixed_precision=MixedPrecision(param_dtype=torch.bfloat16,
+                                                                        reduce_dtype=torch.float32))
+        FullyShardedDataParallel.set_state_dict_type(fsdp1, StateDictType.SHARDED_STATE_DICT,
+                                                     ShardedStateDictConfig())
+        params = {s.data_ptr() for s in storages(fsdp1.parameters())}
+        shard_bytes = sum(s.nbytes() for s in storages(fsdp1.parameters()))
+        held = storages(fsdp1.state_dict().values())
+        assert not any(s.data_ptr() in params for s in held) and sum(s.nbytes() for s in held) == shard_bytes
+        assert shard_bytes == 214_144
+        model = qwen2()
+        for unit in (*model.model.layers, model.model.embed_tokens, model.lm_head, model):
+            fully_shard(unit, mesh=mesh)
+        params = {s.data_ptr() for s in storages(model.parameters())}
+        assert all(s.data_ptr() in params for s in storages(model.state_dict().values()))
