@@ -118,10 +118,10 @@ def test_every_flag_of_every_command_is_one_field():
     # trainer + alloc_conf + trust_remote_code = 55; plan 9 + 9 + attention + attention_kernel + liger + 4 kernels +
     # 2 search + 8 mesh + routing x 2 + trainer + alloc_conf + trust = 40; explain 9 + 9 +
     # attention + 9 config + 8 mesh + alloc_conf = 37; calibrate 5 cluster + 9 training + attention + precisions + 7
-    # config + 7 mesh = 30 (and its own 19 from CalibrationRequest); check 9 + 9 + 6 config + alloc_conf = 25; trace
+    # config + 7 mesh + shard_group_gpus = 31 (and its own 19 from CalibrationRequest); check 9 + 9 + 6 config + alloc_conf = 25; trace
     # estimate's 55 (its --alloc-conf, once its own option, is the knob); rl 9 cluster + finetune +
     # lora_rank = 11 (the rest are verl's knobs, planner/rl/request.py)
-    assert from_request == {"plan": 42, "estimate": 57, "trace": 57, "explain": 39, "calibrate": 30, "check": 25,
+    assert from_request == {"plan": 42, "estimate": 57, "trace": 57, "explain": 39, "calibrate": 31, "check": 25,
                             "models": 0, "gpus": 0, "schema": 0, "rl": 11}
     assert own["calibrate"] == {"emit", "output_format", "fault"}  # the rest are CalibrationRequest's knobs
     assert own["estimate"] == {"output_format"} and own["check"] == {"dynamic_control_flow", "output_format"}
