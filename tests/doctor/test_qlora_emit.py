@@ -60,3 +60,21 @@ def test_fsdp_snippets_end_with_the_loading_they_were_planned_with(kind):
     assert bnb.bnb_4bit_quant_type == "fp4" and not bnb.bnb_4bit_use_double_quant
     assert bnb.bnb_4bit_quant_storage == bnb.bnb_4bit_compute_dtype == torch.bfloat16 and lora.r == 32
     assert callable(ns["apply_fsdp"])
+
+
+def test_fsdp1_qlora_wraps_each_adapter_as_planned(tmp_path):
+    """--emit fsdp1 of a QLoRA plan wraps each adapter as its own unit casting its inputs, as LoRA's (a bf16 base and
+    fp32 adapters cannot share one flat parameter; it wrote ModuleWrapPolicy before), and check reads back the plan."""
+    from planner import plan
+    from planner.doctor import check
+    from planner.doctor.readers import read_setup
+    from planner.emit import emit_artifact
+
+    best = plan("llama3-8b", gpus=8, gpu="h100-80gb", seq_len=4096, trainer="fsdp1", finetune="qlora").best
+    text = emit_artifact("fsdp1", best)
+    assert "CustomPolicy(lora_unit)" in text and "cast_forward_inputs" in text
+    path = tmp_path / "train.py"
+    path.write_text(text)
+    r = check(read_setup(path), "llama3-8b", 8, gpu="h100-80gb", seq_len=4096, micro_batch=best.config.micro_batch,
+              grad_accum=best.config.grad_accum, finetune="qlora")
+    assert r.setup.adapter_units and r.candidate.to_dict() == best.to_dict()

@@ -54,7 +54,7 @@ def emit_fsdp1(config: FsdpConfig, model_spec: ModelSpec, cluster: ClusterSpec,
     needs one dtype (a bf16 base and fp32 adapters cannot share it) and gets a gradient as a whole
     (frozen weights sharing it with adapters would get gradients too)."""
     meshed.refuse_mesh(config, "FSDP1 (FullyShardedDataParallel)", "--emit fsdp2 or torchtitan")
-    lora = training is not None and training.finetune.value == "lora"
+    lora = training is not None and training.finetune.adapters  # LoRA and QLoRA: adapters on a frozen base
     strategy, strategy_note = _fsdp1_strategy(config, cluster)
     options = fsdp_options.fsdp1_mixed_precision(config.precision, lora, config.reduce_dtype)
     mixed = "None" if options is None else "MixedPrecision(" + ", ".join(
