@@ -38,6 +38,7 @@ from __future__ import annotations
 import re
 from bisect import bisect_left, insort
 from dataclasses import dataclass
+from itertools import islice
 
 from .units import MiB
 
@@ -131,6 +132,7 @@ class ReplayResult:
     peak_requested_bytes: int         # the requests themselves (the tensors' bytes)
     peak_reserved_bytes: int          # torch.cuda.max_memory_reserved: segments (mapped pages)
     segments_at_peak: tuple[SegmentState, ...]
+    reserved_at_cuts: tuple[int, ...] = ()  # reserved after the first n events, for each n of replay's `cuts`
 
 
 def pool_totals(segments) -> dict[tuple, tuple[int, int, int]]:
@@ -292,11 +294,25 @@ class CachingAllocator:
                                   max((b.size for b in s.blocks if b.free), default=0)) for s in self.segments)
 
 
-def replay(events, settings: AllocatorSettings = AllocatorSettings(), snapshots: bool = True) -> ReplayResult:
+def replay(events, settings: AllocatorSettings = AllocatorSettings(), snapshots: bool = True,
+           cuts: tuple[int, ...] = ()) -> ReplayResult:
     """Replay ordered events: ("alloc", key, size_bytes[, stream]) and ("free", key, ...) (extra fields of a
     free are ignored). The stream defaults to 0, the default stream. snapshots False: segments_at_peak left
-    empty (its copies at each new segment took half of a 405B pipeline rank's replay)."""
+    empty (its copies at each new segment took half of a 405B pipeline rank's replay). cuts: ascending event
+    counts after which to read the reserved bytes (what a replay of that prefix alone ends with: the first of two
+    steps, say)."""
     allocator = CachingAllocator(settings, snapshots)
+    at_cuts, done, remaining = [], 0, iter(events)
+    for n in cuts:
+        _feed(allocator, islice(remaining, n - done))
+        at_cuts.append(allocator.reserved_bytes)
+        done = n
+    _feed(allocator, remaining)
+    return ReplayResult(allocator.peak_allocated_bytes, allocator.peak_requested_bytes, allocator.reserved_bytes,
+                        allocator.segments_at_peak, tuple(at_cuts))
+
+
+def _feed(allocator: CachingAllocator, events) -> None:
     for event in events:
         kind = event[0]
         if kind == "alloc":
@@ -305,5 +321,3 @@ def replay(events, settings: AllocatorSettings = AllocatorSettings(), snapshots:
             allocator.free(event[1])
         else:
             raise ValueError(f"event kind {kind!r}; choose alloc or free")
-    return ReplayResult(allocator.peak_allocated_bytes, allocator.peak_requested_bytes, allocator.reserved_bytes,
-                        allocator.segments_at_peak)

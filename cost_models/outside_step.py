@@ -285,5 +285,5 @@ def first_step_reserved_bytes(activation_bytes: list[int], state_bytes: list[int
     first = step("1")
     n_acts = 2 * len(activation_bytes)
     first[n_acts:n_acts] = [("alloc", f"s{i}", n) for i, n in enumerate(state_bytes)]
-    after_first = replay(first).peak_reserved_bytes
-    return after_first, replay(first + step("2")).peak_reserved_bytes
+    both = replay(first + step("2"), cuts=(len(first),))
+    return both.reserved_at_cuts[0], both.peak_reserved_bytes

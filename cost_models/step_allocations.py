@@ -58,26 +58,28 @@ def replays(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, d: int
 
 
 def replay_step(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, d: int,
-                settings: AllocatorSettings = AllocatorSettings(), snapshots: bool = False,
-                steps: int = 2) -> ReplayResult:
-    """Two training steps of a pp = 1 rank (model: the rank's slice, training: its tokens; d: the shard group); steps
-    1: the first alone, its optimizer state made in its step."""
-    return replay(step_events(model, training, config, d, steps), settings, snapshots=snapshots)
+                settings: AllocatorSettings = AllocatorSettings(), snapshots: bool = False) -> ReplayResult:
+    """Two training steps of a pp = 1 rank (model: the rank's slice, training: its tokens; d: the shard group);
+    reserved_at_cuts: at the first step's end (its optimizer state made in its step)."""
+    events, first = step_events(model, training, config, d)
+    return replay(events, settings, snapshots=snapshots, cuts=(first,))
 
 
-def step_events(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, d: int, steps: int = 2) -> list[tuple]:
+def step_events(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, d: int) -> tuple[list[tuple], int]:
+    """Two steps' events, and how many of them are the first step's."""
     walk = _StepWalk(model, training, config, d, 0)
-    for step in range(steps):
-        walk.step(first=step == 0)
-    return walk.events
+    walk.step(first=True)
+    first = len(walk.events)
+    walk.step(first=False)
+    return walk.events, first
 
 
 def step_replay(model: ModelSpec, cluster, training: TrainingSpec, config: FsdpConfig,
-                settings: AllocatorSettings | None = None, snapshots: bool = True, steps: int = 2) -> ReplayResult:
+                settings: AllocatorSettings | None = None, snapshots: bool = True) -> ReplayResult:
     """The replay step_replayed_reserved runs, from the whole model's specs (settings None: the config's)."""
     local, training = rank_inputs(model, training, config)
     settings = config.allocator_settings if settings is None else settings
-    return replay_step(local, training, config, config.shard_group_size(cluster), settings, snapshots, steps)
+    return replay_step(local, training, config, config.shard_group_size(cluster), settings, snapshots)
 
 
 class _StepWalk(_RankWalk):
@@ -204,12 +206,11 @@ def step_replayed_reserved(memory: MemoryEstimate, model: ModelSpec, cluster, tr
     if config.pp > 1 or replays(model, training, config, d) is not None:
         return memory
     settings = config.allocator_settings if settings is None else settings
-    replayed = step_replay(model, cluster, training, config, settings, snapshots=False).peak_reserved_bytes
-    reserved = memory.outside_allocator_bytes + max(memory.peak_allocated_bytes, replayed)
-    # the first step alone (its optimizer state made in its step, after the forward's segments are cached): what the
-    # second step's forward adds to it is the rest of the reserved peak
-    first = step_replay(model, cluster, training, config, settings, snapshots=False, steps=1).peak_reserved_bytes
-    first = memory.outside_allocator_bytes + max(memory.first_step_allocated_bytes, first)
+    replayed = step_replay(model, cluster, training, config, settings, snapshots=False)
+    reserved = memory.outside_allocator_bytes + max(memory.peak_allocated_bytes, replayed.peak_reserved_bytes)
+    # at the first step's end (its optimizer state made in its step, after the forward's segments are cached): what
+    # the second step's forward adds to it is the rest of the reserved peak
+    first = memory.outside_allocator_bytes + max(memory.first_step_allocated_bytes, replayed.reserved_at_cuts[0])
     notes = replay_notes(memory, reserved, ": the step's allocations", settings, profile, cluster.gpu.memory_bytes)
     # first: the estimate's own notes (evaluate's outside the step among them) follow it
     return dataclasses.replace(memory, peak_reserved_bytes=reserved, notes=notes + memory.notes,

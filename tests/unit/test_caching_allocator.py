@@ -123,3 +123,12 @@ def test_settings_from_alloc_conf():
         AllocatorSettings.parse("max_split_mb:128")
     with pytest.raises(ValueError, match="more than 20"):   # torch refuses max_split_size_mb <= kLargeBuffer
         AllocatorSettings.parse("max_split_size_mb:20")
+
+
+def test_a_cut_reads_what_the_prefix_alone_reserves():
+    """One replay, read after its first event: a 2 MiB request takes a 20 MiB segment (the large pool's below 10 MiB),
+    then a 30 MiB one its own 30 MiB segment; the cut equals the prefix's own replay."""
+    events = [("alloc", "a", 2 * MiB), ("alloc", "b", 30 * MiB), ("free", "a"), ("free", "b")]
+    both = replay(events, cuts=(1,))
+    assert both.reserved_at_cuts == (20 * MiB,) == (replay(events[:1]).peak_reserved_bytes,)
+    assert both.peak_reserved_bytes == 50 * MiB and replay(events).reserved_at_cuts == ()
