@@ -14,10 +14,9 @@
   wgmma/TMA - FlashAttention-2 and -3 papers) x s / (s + s0) (short sequences: fewer key blocks per query
   block; under CP the ring's calls, s / cp: context_parallel.py) x a head-dim factor (d / (d + 24), 1 at
   d = 128, ~0.86 at 64). Backward: 2.5x the forward's FLOPs (it recomputes the scores), as the FlashAttention
-  papers count. FlexAttention: the kv blocks its block
-  mask visits, at ~0.90 / 0.85 of the flash kernel's forward / backward rate (attention_flex.py). Eager
-  attention: its four score products as matmuls (k = head_dim or s) over all s keys, and the score traffic
-  as memory-bound bytes.
+  papers count. FlexAttention: the kv blocks its block mask visits, at ~0.90 / 0.85 of the flash kernel's
+  forward / backward rate (attention_flex.py). Eager attention: its four score products as matmuls (k =
+  head_dim or s) over all s keys, and the score traffic as memory-bound bytes.
 - Memory-bound: bytes at HBM bandwidth x profile.memory_bound_efficiency (streaming kernels reach
   ~80-90%, hardware.md).
 Ignored: wave quantisation, L2 reuse, kernel launch gaps (profile.microstep_overhead_s covers the host).
