@@ -10,7 +10,7 @@ first search of a process / best of 3: 4.9-5.3 s / 4.5-5.3 s at e5f5702; 2.1-3.1
 dependencies were precomputed per shape (pipeline_time._walk_plan: 6.2 -> 1.1 ms a pp 16 x V 2 x m 64 walk), the
 unrecorded walk cached on its stage seconds, and each configuration's evaluation and a pipeline's memory priced
 once per search across Float8 and async TP (planner/search/memo.py: 248 -> 182 pipeline memory estimates). What
-is left is that memory: each rank's replay (cost_models/pipeline_memory.rank_memory, ~85% of the line).
+is left is that memory: each rank's replay (cost_models/pipeline_rank_memory.rank_memory, ~85% of the line).
 
 Issue 27 item 6, at c6d1449 (results byte-identical: every fitting candidate and miss of the three searches dumped to
 JSON and compared): the replay keeps what the state holds as running sums instead of summing the rank's stages at

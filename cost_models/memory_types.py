@@ -45,7 +45,7 @@ class MemoryEstimate:
     cpu_ram_capacity_bytes: int      # CPU RAM per node of the cluster (0 = unknown)
     notes: tuple[str, ...] = ()
     peak_moment: str = ""            # what runs at the peak: "loss backward", "backward of block 31", ...
-    pipeline_ranks: tuple = ()       # pp > 1: each pipeline rank's PipelineRankMemory (cost_models/pipeline_memory.py)
+    pipeline_ranks: tuple = ()       # pp > 1: each rank's PipelineRankMemory (cost_models/pipeline_rank_memory.py)
     host_ram: object = None          # HostRam (cost_models/host_ram.py): host RAM per node; set by evaluate()
     # the memory outside the caching allocator, term by term (outside_allocator.OutsideTerm), in peak_reserved_bytes
     outside_allocator: tuple = ()

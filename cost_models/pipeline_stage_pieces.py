@@ -2,7 +2,7 @@
 logits and loss, each block's backward moments, and the split backward's held output gradients.
 
 What torch and FSDP2 do with them over a schedule step, and why each piece is what it is, is in
-cost_models/pipeline_memory.py (the replay); the per-token pieces are the single-microbatch ledger's
+cost_models/pipeline_rank_memory.py (the replay); the per-token pieces are the single-microbatch ledger's
 (cost_models/activations.py), as cost_models/memory.py uses them.
 """
 

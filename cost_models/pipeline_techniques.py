@@ -1,4 +1,4 @@
-"""The techniques a pipeline stage's ledger (cost_models/pipeline_memory.py) prices the way the pp = 1 ledger
+"""The techniques a pipeline stage's ledger (cost_models/pipeline_rank_memory.py) prices the way the pp = 1 ledger
 (cost_models/memory.py) does, per microbatch and per stage, with the pp = 1 path's own functions.
 
 - MoE: a sparse block's saved tensors (router, routed rows) are already in activations.block_bytes_per_token; what a
