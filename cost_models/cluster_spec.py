@@ -42,6 +42,8 @@ class GpuSpec:
     # (kernel, fwd+bwd speed over FlashAttention-2) of the other fused-attention kernels the part runs
     # (cost_models/attention_kernels.py; Hopper: cudnn, fa3); flash2 is always there
     attention_kernel_speeds: tuple[tuple[str, float], ...] = ()
+    tdp_w: float = 0.0                               # board power (datasheet TDP), watts; 0 = unknown
+    power_limit_w: float = 0.0                       # the cap it runs under (nvidia-smi -pl), watts; 0 = its TDP
 
     def __post_init__(self):
         check_positive("gpu.memory_bytes", self.memory_bytes)
@@ -52,6 +54,27 @@ class GpuSpec:
         for name in ("scale_up_domain_gpus", "scale_up_peak_bytes_per_s", "host_link_peak_bytes_per_s",
                      "nics_per_node", "matmul_efficiency", "attention_efficiency"):
             check_positive(f"gpu.{name}", getattr(self, name), allow_zero=True)
+        check_positive("gpu.tdp_w", self.tdp_w, allow_zero=True)
+        check_positive("power_limit_w", self.power_limit_w, allow_zero=True)
+        if self.power_limit_w and not self.power_limit_w <= self.tdp_w:
+            raise SpecError("power_limit_w", f"{self.power_limit_w:g} W: {self.id}'s TDP is "
+                                             f"{f'{self.tdp_w:g} W' if self.tdp_w else 'unknown'}")
+
+    @property
+    def clock_scale(self) -> float:
+        """The compute rate under power_limit_w over the rate at TDP: (limit / TDP)^(1/3), the sustained clock
+        if dynamic power ~ f V^2 with V ~ f (a stated estimate from physics, not a measurement; HBM and links
+        keep their rates). 1 without a limit."""
+        return (self.power_limit_w / self.tdp_w) ** (1 / 3) if self.power_limit_w else 1.0
+
+    def matmul_fraction(self, default: float) -> float:
+        """The large-GEMM rate over the bf16 peak priced here: the catalog's efficiency (`default`, the
+        profile's, where unmeasured) x clock_scale."""
+        return (self.matmul_efficiency or default) * self.clock_scale
+
+    def attention_fraction(self, default: float) -> float:
+        """The flash kernel's fwd+bwd rate over the bf16 peak priced here, as matmul_fraction."""
+        return (self.attention_efficiency or default) * self.clock_scale
 
     def attention_kernels(self) -> tuple[str, ...]:
         """The fused-attention kernels priced on this part (FsdpConfig.attention_kernel values)."""

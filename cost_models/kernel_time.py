@@ -51,8 +51,8 @@ class Rates:
         FlashAttention-2 on this GPU (cost_models/attention_kernels.py)."""
         peak = gpu.priced_peak_flops(dtype)
         achieved = profile.efficiency(dtype)   # what training products reach of the best large GEMM
-        large = (gpu.matmul_efficiency or profile.default_gpu_matmul_efficiency) * achieved
-        attention = (gpu.attention_efficiency or profile.default_attention_efficiency) * profile.attention_efficiency
+        large = gpu.matmul_fraction(profile.default_gpu_matmul_efficiency) * achieved  # x a power cap's clock
+        attention = gpu.attention_fraction(profile.default_attention_efficiency) * profile.attention_efficiency
         if attention_kernel != "flash2":
             attention *= gpu.attention_speed(attention_kernel)
         return cls(matmul_flops_per_s=peak * large,

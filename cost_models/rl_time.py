@@ -82,7 +82,7 @@ def prefill_s(model: ModelSpec, cluster: ClusterSpec, s: EngineSettings, e: Engi
     ceil(tokens / max_num_batched_tokens) steps (SGLang: its own chunk size, not priced)."""
     gpu = cluster.gpu
     flops = 2 * model.active_params / s.tp * tokens
-    compute = flops / (gpu.priced_peak_flops("bf16") * (gpu.matmul_efficiency or 0.8))
+    compute = flops / (gpu.priced_peak_flops("bf16") * gpu.matmul_fraction(0.8))
     if s.engine is not Engine.VLLM:
         return compute
     return max(compute, math.ceil(tokens / s.max_num_batched_tokens) * e.weights_bytes / gpu.hbm_bytes_per_s)

@@ -198,7 +198,9 @@ class Plan:
         return {
             "model": self.model.summary_dict(),
             "cluster": {"gpu": self.cluster.gpu.id, "gpus": self.cluster.n_gpus,
-                        "gpus_per_node": self.cluster.gpus_per_node},
+                        "gpus_per_node": self.cluster.gpus_per_node,
+                        **({"power_limit_w": gpu.power_limit_w, "tdp_w": gpu.tdp_w}
+                           if (gpu := self.cluster.gpu).power_limit_w else {})},
             "candidates": [c.to_dict() for c in shown] or [c.to_dict() for c in self.misses[:top or 5]],
             "suggestions": self.suggestions,
             "n_costed": self.n_costed,

@@ -47,6 +47,8 @@ def gpu_catalog() -> dict[str, GpuSpec]:
             matmul_efficiency=e.get("matmul_efficiency", 0.0),
             attention_efficiency=e.get("attention_efficiency", 0.0),
             attention_kernel_speeds=architecture_speeds(kernels.get(e["architecture"], {})),
+            tdp_w=float(e.get("tdp_w", 0)),
+            power_limit_w=float(e.get("power_limit_w", 0)),
         )
         for e in entries
     }
@@ -65,11 +67,14 @@ def get_gpu(gpu_id: str) -> GpuSpec:
 def make_cluster(gpus: int, gpu: str = DEFAULT_GPU, gpus_per_node: int | None = None,
                  internode_gbps: float | None = None, gpu_memory: int | None = None,
                  intra_node_gb_per_s: float | None = None, pcie_gb_per_s: float | None = None,
-                 cpu_ram_per_node: int | None = None, scale_up_domain_gpus: int | None = None) -> ClusterSpec:
+                 cpu_ram_per_node: int | None = None, scale_up_domain_gpus: int | None = None,
+                 power_limit_w: float | None = None) -> ClusterSpec:
     """A ClusterSpec from CLI-level values; every catalog figure can be overridden.
 
     Nodes default to the GPU's usual server (8, a GB200 compute tray 4, a GH200 superchip 1) and the
-    scale-up domain to the GPU's (HGX 8, GB200 NVL72 72), both capped at `gpus`."""
+    scale-up domain to the GPU's (HGX 8, GB200 NVL72 72), both capped at `gpus`. power_limit_w: the board
+    power cap the GPUs run under (None: the catalog's, h100-96gb 500 W, else the TDP); it scales the compute
+    rates by (cap / TDP)^(1/3) (GpuSpec.clock_scale)."""
     if gpus is None or gpus < 1:
         raise PlannerError("gpus", f"must be >= 1, got {gpus}")
     for name, value in (("internode_gbps", internode_gbps), ("intra_node_gb_per_s", intra_node_gb_per_s),
@@ -84,6 +89,8 @@ def make_cluster(gpus: int, gpu: str = DEFAULT_GPU, gpus_per_node: int | None = 
         overrides["intra_node_bus_bytes_per_s"] = intra_node_gb_per_s * GB
     if pcie_gb_per_s is not None:
         overrides["pcie_bytes_per_s"] = pcie_gb_per_s * GB
+    if power_limit_w is not None:
+        overrides["power_limit_w"] = checked_power_limit(spec, power_limit_w)
     if overrides:
         spec = replace(spec, **overrides)
     per_node = gpus_per_node if gpus_per_node is not None else min(gpus, spec.default_gpus_per_node)
@@ -98,3 +105,13 @@ def make_cluster(gpus: int, gpu: str = DEFAULT_GPU, gpus_per_node: int | None = 
                        internode_bytes_per_s=gbit_per_s_to_bytes_per_s(network),
                        cpu_ram_bytes_per_node=cpu_ram_per_node or spec.default_cpu_ram_bytes_per_node,
                        scale_up_domain_gpus=min(scale_up_domain_gpus or spec.scale_up_domain_gpus, gpus))
+
+
+def checked_power_limit(spec: GpuSpec, watts: float) -> float:
+    """`watts` as a power limit of `spec`: above 0 and at most its TDP (a cap above it does not speed it up)."""
+    if not spec.tdp_w:
+        raise PlannerError("power_limit_w", f"{spec.id} has no board power (TDP) in the catalog, so a power limit "
+                                            "cannot be priced; leave --power-limit-w out")
+    if not 0 < watts <= spec.tdp_w:  # NaN fails too
+        raise PlannerError("power_limit_w", f"must be watts > 0 and <= {spec.tdp_w:g} ({spec.id}'s TDP), got {watts}")
+    return float(watts)

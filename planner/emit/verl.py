@@ -48,7 +48,7 @@ CRITIC_KEYS = {"critic.fsdp.param_offload": "critic_param_offload",
                "critic.fsdp.optimizer_offload": "critic_optimizer_offload"}
 # request fields verl has no key for: written as the planner's flags in the comment line
 COMMENTED = ("gpu", "gpu_memory", "cpu_ram_per_node", "internode_gbps", "intra_node_gb_per_s", "pcie_gb_per_s",
-             "engine_version", "sleep_level", "mean_prompt_len", "mean_response_len")
+             "power_limit_w", "engine_version", "sleep_level", "mean_prompt_len", "mean_response_len")
 # verl 0.9's defaults (verl/trainer/config/_generated_ppo_trainer.yaml) where they differ from the request's: a
 # script that leaves a key out runs verl's value, and check prices that
 VERL_DEFAULTS = {"data.max_prompt_length": 512, "data.max_response_length": 512, "data.train_batch_size": 1024,

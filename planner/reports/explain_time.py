@@ -54,6 +54,14 @@ def _tf(flops_per_s: float) -> str:
     return f"{flops_per_s / 1e12:,.1f} TFLOP/s"
 
 
+def _power_cap(gpu) -> str:
+    """' x 0.894 clock under a 500 W cap of its 700 W TDP ((500 / 700)^(1/3))', or '' at TDP."""
+    if not gpu.power_limit_w:
+        return ""
+    return (f" x {gpu.clock_scale:.4f} clock under a {gpu.power_limit_w:g} W cap of its {gpu.tdp_w:g} W TDP "
+            f"(({gpu.power_limit_w:g} / {gpu.tdp_w:g})^(1/3))")
+
+
 def _peak(c) -> float:
     gpu = c.cluster.gpu
     return gpu.priced_peak_flops(c.config.precision.compute_dtype)
@@ -106,7 +114,8 @@ def _matmul(c, rates: Rates, profile: Profile) -> str:
             + (f" + {shapes([head])}" if head is not None else "")
             + f"] of m x n x k [shape factor], each 2mnk FLOPs x 3 passes (forward, input and weight gradients)"
             f"{frozen} / (rate x shape factor); rate = {peak / 1e12:g} TFLOP/s {dtype} peak x {large:g} large-GEMM "
-            f"efficiency ({gpu.id} catalog) x {profile.efficiency(dtype):g} training fraction (profile) = "
+            f"efficiency ({gpu.id} catalog){_power_cap(gpu)} x {profile.efficiency(dtype):g} training fraction "
+            f"(profile) = "
             f"{_tf(rates.matmul_flops_per_s)}{fp8}; shape factor = product over m, n, k of x / (x + "
             f"{rates.half_dim:g})")
 
@@ -141,6 +150,7 @@ def _attention(c, rates: Rates, profile: Profile) -> str:
     return (head + f"{passes} x {ops.attention_flops_per_token / 1e6:,.1f} MFLOP per token "
             f"(4 x q_dim {m.q_dim} x {keys:g} keys per query of s = {s}: {why}) x {tokens:,} tokens / {_tf(rate)}; "
             f"rate = {_peak(c) / 1e12:g} TFLOP/s peak x {kernel:g} flash-kernel efficiency ({gpu.id} catalog)"
+            f"{_power_cap(gpu)}"
             f"{kernel_words} x "
             f"{profile.attention_efficiency:g} (profile) x L / (L + {rates.attention_half_seq:g}) = "
             f"{length / (length + rates.attention_half_seq):.3f} (L = {length}"

@@ -94,11 +94,17 @@ def _wrap(text: str, indent: int = 2) -> list[str]:
                          break_on_hyphens=False) if text else []
 
 
+def power_cap(gpu) -> str:
+    """' at 750 W (TDP 1000 W)' for a power-capped GPU (--power-limit-w, or the catalog's), else ''."""
+    return f" at {gpu.power_limit_w:g} W (TDP {gpu.tdp_w:g} W)" if gpu.power_limit_w else ""
+
+
 def plan_text(p: Plan, top: int, wide: bool = False) -> str:
     c0 = p.cluster
     lines = [
         *model_lines(p.model),
-        f"cluster: {c0.n_gpus} x {c0.gpu.name} ({gib(c0.gpu.memory_bytes)} GiB), {c0.gpus_per_node} per node, "
+        f"cluster: {c0.n_gpus} x {c0.gpu.name} ({gib(c0.gpu.memory_bytes)} GiB){power_cap(c0.gpu)}, "
+        f"{c0.gpus_per_node} per node, "
         f"{c0.internode_bytes_per_s * 8 / 1e9:.0f} Gbit/s between nodes",
         training_line(p.training),
         trainer_line(p.trainer),
@@ -163,7 +169,8 @@ def estimate_text(c: Candidate) -> str:
                                                                gib(m.peak_reserved_bytes)]]
     trows = [[k, f"{v:.4f}"] for k, v in t.to_dict().items() if k.endswith("_s")]
     lines = [
-        f"{c.model.name} ({c.model.n_params / 1e9:.2f}B) on {c.cluster.n_gpus} x {c.cluster.gpu.id}: "
+        f"{c.model.name} ({c.model.n_params / 1e9:.2f}B) on {c.cluster.n_gpus} x {c.cluster.gpu.id}"
+        f"{power_cap(c.cluster.gpu)}: "
         + ", ".join(f"{k}={v}" for k, v in cfg.to_dict().items()),
         training_line(c.training),
         *pipeline_lines(c.model, cfg, c.cluster),

@@ -35,6 +35,10 @@ class ClusterRequest:
     pcie_gb_per_s: float | None = knob(None, "--pcie-gb-per-s", help="Override host<->device bandwidth, GB/s")
     cpu_ram_per_node: str | int | None = knob(None, "--cpu-ram-per-node", cli_type=str,
                                               help="CPU RAM per node, e.g. 1TiB (checks offload)")
+    power_limit_w: float | None = knob(None, "--power-limit-w", help="Board power cap the GPUs run under, watts "
+                                       "(nvidia-smi -pl; > 0 and at most the GPU's TDP): matmul and attention "
+                                       "rates x (cap / TDP)^(1/3). Default: the catalog's (h100-96gb 500 W), "
+                                       "else the TDP")
 
     def spec(self) -> ClusterSpec:
         if self.gpus is None:
@@ -49,7 +53,7 @@ class ClusterRequest:
         return make_cluster(self.gpus, gpu=self.gpu, gpus_per_node=self.gpus_per_node,
                             internode_gbps=self.internode_gbps, intra_node_gb_per_s=self.intra_node_gb_per_s,
                             pcie_gb_per_s=self.pcie_gb_per_s, gpu_memory=sizes["gpu_memory"],
-                            cpu_ram_per_node=sizes["cpu_ram_per_node"])
+                            cpu_ram_per_node=sizes["cpu_ram_per_node"], power_limit_w=self.power_limit_w)
 
 
 @dataclass(frozen=True)

@@ -55,6 +55,10 @@ class Cluster(_Out):
     gpu: str = Field(description="GPU id in the catalog (`fsdp-plan gpus`)")
     gpus: int
     gpus_per_node: int
+    power_limit_w: absent_or(float, "the board power cap the GPUs are priced under, watts (--power-limit-w, or the "
+                                    "catalog's: h100-96gb 500): matmul and attention at (cap / TDP)^(1/3) of their "
+                                    "rates (absent: at TDP)")
+    tdp_w: absent_or(float, "with power_limit_w: the GPU's board power (datasheet TDP), watts")
 
 
 class PlanOutput(_Out):
