@@ -1,12 +1,16 @@
 """`--emit verl` and `--emit trl` loaded by the frameworks' own config code: verl 0.9.1's Hydra config
 (verl/trainer/config/ppo_trainer.yaml composed with the script's overrides through Hydra's compose API; Hydra
-refuses a key the config does not have) and TRL 1.16's GRPOConfig. verl's dataclass validation
-(omega_conf_to_dataclass) is not run: importing verl.workers.config runs verl/__init__.py, which imports ray.
-Needs: pip install --no-deps verl==0.9.1 hydra-core==1.3.8 omegaconf==2.4.0 antlr4-python3-runtime==4.9.3 trl==1.16.0
-(skipped without them)."""
+refuses a key the config does not have), then verl's own startup validation of the composed config (main_ppo's
+utils.config.validate_config, and omega_conf_to_dataclass of the actor / ref / rollout / critic sections as
+engine_workers.init_model converts them), and TRL 1.16's GRPOConfig. `fsdp-plan check`'s verl inputs
+(tests/doctor/test_rl_check.py) go through the same validation here, so that verl is imported in one test file.
+Needs: the README's test install (verl 0.9.1 with ray 2.60.0 and tensordict 0.10.0, hydra-core 1.3.8, trl 1.16.0;
+skipped without them)."""
 
 import importlib.util
+import json
 import os
+import re
 import warnings
 
 import pytest
@@ -31,7 +35,7 @@ PPO = dict(gpu="h100-80gb", gpus_per_node=8, prompt_len=1024, response_len=2048,
 
 def _compose(overrides: list[str]):
     hydra = pytest.importorskip("hydra")
-    spec = importlib.util.find_spec("verl")   # not imported: verl/__init__.py needs ray
+    spec = importlib.util.find_spec("verl")   # its YAML only: the validation tests below import it
     if spec is None:
         pytest.skip("verl not installed")
     config_dir = os.path.join(spec.submodule_search_locations[0], "trainer", "config")
@@ -72,6 +76,163 @@ def test_hydra_refuses_a_key_verl_does_not_have():
 
     with pytest.raises(ConfigCompositionException):
         _compose(["actor_rollout_ref.actor.ppo_micro_batch_per_gpu=16"])
+
+
+def _verl_validation():
+    """verl's own startup checks. Importing verl runs verl/__init__.py: ray and tensordict (skipped without them)."""
+    pytest.importorskip("ray")
+    config = pytest.importorskip("verl.utils.config")
+    from verl.trainer.ppo.utils import need_critic, need_reference_policy
+
+    return config, need_reference_policy, need_critic
+
+
+def _validated(overrides: dict[str, str], *extra: str):
+    """Composed, then checked as main_ppo.main checks it before starting Ray: validate_config converts the actor
+    (and the critic, for PPO) with omega_conf_to_dataclass and runs their validate()."""
+    config, need_reference_policy, need_critic = _verl_validation()
+    composed = _compose([f"{k}={v}" for k, v in overrides.items()] + list(extra))
+    config.validate_config(composed, need_reference_policy(composed), need_critic(composed))
+    return composed
+
+
+def _ref(composed):
+    """The reference as engine_workers.init_model converts it: its log-prob keys renamed to the actor's first."""
+    from omegaconf import open_dict
+    from verl.utils.config import omega_conf_to_dataclass
+
+    ref = composed.actor_rollout_ref.ref
+    with open_dict(ref):
+        ref.ppo_mini_batch_size = composed.actor_rollout_ref.actor.ppo_mini_batch_size
+        ref.ppo_micro_batch_size = ref.pop("log_prob_micro_batch_size", None)
+        ref.ppo_micro_batch_size_per_gpu = ref.pop("log_prob_micro_batch_size_per_gpu", None)
+        ref.use_dynamic_bsz = ref.pop("log_prob_use_dynamic_bsz", False)
+        ref.ppo_max_token_len_per_gpu = ref.pop("log_prob_max_token_len_per_gpu", None)
+    return omega_conf_to_dataclass(ref)
+
+
+def _model_dir(tmp_path, model: str) -> str:
+    """The preset's config.json where verl's HFModelConfig (the critic's model) reads it: no Hub here."""
+    from planner.models.resolve import hf_config_of
+
+    (tmp_path / "config.json").write_text(json.dumps({**hf_config_of(model), "architectures": ["Qwen2ForCausalLM"]}))
+    return str(tmp_path)
+
+
+# what verl's dataclasses carry: the plan's knobs, by hand from CASE_1 / PPO and the planner's defaults for the rest
+# (PPO: rollout TP 2, utilization 0.5 for SGLang; the reference offloaded in both). actor: strategy, mini, micro,
+# dynamic, token budget, Ulysses, param / optimizer offload, dtype; rollout: name, TP, utilization, n, log-prob
+# micro, dynamic, budget; then the reference's param offload
+VERL_SEES = {"grpo-case-1": (("fsdp", 256, 16, False, 16384, 1, True, True, "fp32"),
+                             ("vllm", 2, 0.6, 5, 16, False, 16384), True),
+             "ppo-lora-dynamic-ulysses": (("fsdp2", 256, None, True, 16384, 2, False, False, "bf16"),
+                                          ("sglang", 2, 0.5, 4, None, True, 16384), True)}
+
+
+@pytest.mark.parametrize("model, gpus, knobs, case", [("qwen2-7b", 2, CASE_1, "grpo-case-1"),
+                                                      ("qwen2.5-7b", 16, PPO, "ppo-lora-dynamic-ulysses")])
+def test_verl_validates_the_script_and_its_dataclasses_carry_the_plan(tmp_path, monkeypatch, model, gpus, knobs,
+                                                                      case):
+    """The emitted overrides pass verl's validate_config; the actor, reference, rollout and (PPO) critic dataclasses
+    verl's workers build from them hold the planned values. The critic's HFModelConfig reads the model's
+    config.json (a local copy of the preset's) and loads no tokenizer (`+critic.model.load_tokenizer=False`: no
+    tokenizer files on this machine; the one key added)."""
+    omega_conf_to_dataclass = _verl_validation()[0].omega_conf_to_dataclass
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    script = emit_verl(rl_estimate(model, gpus, **knobs))
+    overrides = script_overrides(script.replace("MODEL_PATH=" + model, "MODEL_PATH=" + _model_dir(tmp_path, model)))
+    composed = _validated(overrides, "+critic.model.load_tokenizer=False")
+    actor = omega_conf_to_dataclass(composed.actor_rollout_ref.actor)
+    rollout = omega_conf_to_dataclass(composed.actor_rollout_ref.rollout)
+    assert type(actor).__name__ == "FSDPActorConfig" and type(rollout).__name__ == "RolloutConfig"
+    fsdp = actor.fsdp_config
+    assert (actor.strategy, actor.ppo_mini_batch_size, actor.ppo_micro_batch_size_per_gpu, actor.use_dynamic_bsz,
+            actor.ppo_max_token_len_per_gpu, actor.ulysses_sequence_parallel_size, fsdp.param_offload,
+            fsdp.optimizer_offload, fsdp.model_dtype) == VERL_SEES[case][0]
+    # FSDPActorConfig.__post_init__ hands the strategy and the Ulysses degree to the engine config the worker runs
+    assert (fsdp.strategy, fsdp.ulysses_sequence_parallel_size) == (actor.strategy,
+                                                                   actor.ulysses_sequence_parallel_size)
+    assert (rollout.name, rollout.tensor_model_parallel_size, rollout.gpu_memory_utilization, rollout.n,
+            rollout.log_prob_micro_batch_size_per_gpu, rollout.log_prob_use_dynamic_bsz,
+            rollout.log_prob_max_token_len_per_gpu) == VERL_SEES[case][1]
+    ref = _ref(composed)
+    assert (ref.fsdp_config.param_offload, ref.use_dynamic_bsz) == (VERL_SEES[case][2], actor.use_dynamic_bsz)
+    assert (ref.ppo_micro_batch_size_per_gpu, ref.ppo_max_token_len_per_gpu) == (
+        rollout.log_prob_micro_batch_size_per_gpu, rollout.log_prob_max_token_len_per_gpu)
+    if case == "ppo-lora-dynamic-ulysses":   # the critic: the actor's model (read: 28 heads), strategy and budget
+        critic = omega_conf_to_dataclass(composed.critic)
+        assert type(critic).__name__ == "FSDPCriticConfig"
+        assert (critic.strategy, critic.fsdp.param_offload, critic.fsdp.optimizer_offload, critic.use_dynamic_bsz,
+                critic.ppo_max_token_len_per_gpu) == ("fsdp2", True, False, True, 16384)
+        assert critic.model.hf_config.num_attention_heads == 28
+
+
+@pytest.mark.xfail(strict=True, reason="--emit verl leaves critic.ulysses_sequence_parallel_size at verl's 1 (its "
+                   "dp_critic.yaml), while cost_models/rl_critic.py prices the critic on the actor's batch plan")
+def test_verls_critic_runs_the_ulysses_degree_the_plan_prices(tmp_path, monkeypatch):
+    omega_conf_to_dataclass = _verl_validation()[0].omega_conf_to_dataclass
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    script = emit_verl(rl_estimate("qwen2.5-7b", 16, **PPO))
+    overrides = script_overrides(script.replace("MODEL_PATH=qwen2.5-7b", "MODEL_PATH=" + _model_dir(tmp_path,
+                                                                                                  "qwen2.5-7b")))
+    composed = _validated(overrides, "+critic.model.load_tokenizer=False")
+    assert omega_conf_to_dataclass(composed.critic).ulysses_sequence_parallel_size == 2
+
+
+@pytest.mark.parametrize("gpus, change, planner_reason, verl_error", [
+    (2, {"train_batch": 128}, "ppo_mini_batch_size: 256 > train batch 128",
+     "train_batch_size (128) must be >= actor.ppo_mini_batch_size (256)"),
+    (3, {"rollout_tp": 1}, "train_batch: real_train_batch_size (5120) must be divisible by minimal possible batch "
+     "size (3)", "real_train_batch_size (5120) must be divisible by minimal possible batch size (3)")],
+    ids=["mini-batch-over-train-batch", "batch-over-3-gpus"])
+def test_verl_refuses_what_the_planner_refuses(gpus, change, planner_reason, verl_error):
+    """Case 1 changed so that the planner refuses it (1,024 x 5 = 5,120 sequences over 3 GPUs; a mini-batch of 256
+    from 128 prompts): the script it still emits is refused by verl's validate_config, for the same reason."""
+    _verl_validation()
+    e = rl_estimate("qwen2-7b", gpus, **{**CASE_1, **change})
+    assert not e.fits and any(r.startswith(planner_reason) for r in e.reasons)
+    with pytest.raises((AssertionError, ValueError), match=re.escape(verl_error)):
+        _validated(script_overrides(emit_verl(e)))
+
+
+def _micro_batches(rows: int, micro: int) -> int:
+    """verl's own split of one rank's mini-batch (workers/engine/utils.prepare_micro_batches, static batches)."""
+    import torch
+    from tensordict import TensorDict
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.engine.utils import prepare_micro_batches
+
+    data = TensorDict({"input_ids": torch.zeros(rows, 1, dtype=torch.long)}, batch_size=[rows])
+    tu.assign_non_tensor(data, use_dynamic_bsz=False, micro_batch_size_per_gpu=micro)
+    return len(prepare_micro_batches(data)[0])
+
+
+def test_a_micro_batch_not_dividing_the_ranks_mini_batch_passes_validation_and_fails_verls_split():
+    """The check's finding (tests/doctor/test_rl_check.py, micro-batch 48): verl 0.9.1's validate_config checks
+    divisibility only for the deprecated global ppo_micro_batch_size, so it accepts 48; verl's split of a rank's
+    mini-batch, 256 x 5 / 2 GPUs = 640 sequences, refuses it at the first update. Case 1's 16: 40 micro-batches
+    (TRL's gradient_accumulation_steps for the same job)."""
+    _verl_validation()
+    e = rl_estimate("qwen2-7b", 2, **{**CASE_1, "ppo_micro_batch_size_per_gpu": 48})
+    assert any(r.startswith("ppo_micro_batch_size_per_gpu: normalized ppo_mini_batch_size 640") for r in e.reasons)
+    _validated(script_overrides(emit_verl(e)))
+    assert _micro_batches(640, 16) == 40
+    with pytest.raises(AssertionError, match="divisible by force_group_size \\* micro_batch_size_per_gpu"):
+        _micro_batches(640, 48)
+
+
+def test_checks_verl_inputs_pass_and_fail_verls_validation_alike():
+    """`fsdp-plan check`'s inputs (tests/doctor/test_rl_check.py): verl's own example script of case 1 (which check
+    reads and fits) passes verl's validation; an override list without a micro-batch (which check refuses, naming
+    actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu) fails FSDPActorConfig.__post_init__."""
+    from hydra.errors import InstantiationException
+
+    from tests.doctor.test_rl_check import VERL_EXAMPLE
+
+    _verl_validation()
+    assert _validated(script_overrides(VERL_EXAMPLE)).actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu == 16
+    with pytest.raises(InstantiationException, match="ppo_micro_batch_size_per_gpu' if use_dynamic_bsz is not"):
+        _validated({"actor_rollout_ref.rollout.name": "vllm"})
 
 
 def test_trl_grpo_config_accepted_by_trl():

@@ -192,7 +192,8 @@ def test_overrides_yaml_and_script_read_alike(tmp_path):
 
 def test_verls_micro_batch_assert_is_a_finding(tmp_path):
     """verl asserts the normalized mini-batch (256 x 5 / 2 = 640) divisible by the micro-batch: 48 does not
-    (640 = 13 x 48 + 16); check says so and exits 1."""
+    (640 = 13 x 48 + 16); check says so and exits 1. verl 0.9.1 asserts it in its split of the rank's mini-batch
+    (workers/engine/utils.prepare_micro_batches), not in validate_config: both run in tests/cli/test_rl_emit.py."""
     (tmp_path / "run.sh").write_text(VERL_EXAMPLE.replace("ppo_micro_batch_size_per_gpu=16",
                                                           "ppo_micro_batch_size_per_gpu=48"))
     r = run(tmp_path / "run.sh", "--model", "qwen2-7b", "--format", "json")
