@@ -79,8 +79,11 @@ class BatchPlan:
     log_prob_run_tokens_per_gpu: int = 0
 
 
-def _ulysses_refusals(sp: int, n_gpus: int, heads: int, kv_heads: int) -> list[Refusal]:
+def _ulysses_refusals(sp: int, n_gpus: int, heads: int, kv_heads: int, remove_padding: bool) -> list[Refusal]:
     out = []
+    if sp > 1 and not remove_padding:   # verl workers/engine/fsdp/transformer_impl.py raises ValueError at build
+        out.append(Refusal("use_remove_padding", "ulysses-remove-padding", f"Ulysses {sp} needs it (verl raises "
+                           "'you must enable use_remove_padding')", "set model.use_remove_padding=True"))
     if n_gpus % sp:
         out.append(Refusal("ulysses_sequence_parallel_size", "ulysses-gpus", f"{sp} does not divide the {n_gpus} GPUs",
                            "choose a divisor of the GPU count"))
@@ -113,7 +116,7 @@ def batch_plan(b: RlBatch, n_gpus: int, heads: int, kv_heads: int, rollout_tp: i
     """The per-rank batch of one step and the refusals verl (or vLLM, for the rollout TP) would raise."""
     sp = b.ulysses_sequence_parallel_size
     dp = max(1, n_gpus // sp)
-    refusals = _ulysses_refusals(sp, n_gpus, heads, kv_heads)
+    refusals = _ulysses_refusals(sp, n_gpus, heads, kv_heads, b.use_remove_padding)
     seqs = b.train_batch_size * b.rollout_n
     if seqs % n_gpus:
         refusals.append(Refusal("train_batch", "batch-gpus", f"real_train_batch_size ({seqs}) must be divisible by "

@@ -45,7 +45,9 @@ KEYS = {
 }
 # PPO's critic (verl 0.9 dp_critic.yaml: its FSDP engine config under critic.fsdp)
 CRITIC_KEYS = {"critic.fsdp.param_offload": "critic_param_offload",
-               "critic.fsdp.optimizer_offload": "critic_optimizer_offload"}
+               "critic.fsdp.optimizer_offload": "critic_optimizer_offload",
+               # verl's critic runs Ulysses 1 unless told (dp_critic.yaml): written always, the degree priced
+               "critic.ulysses_sequence_parallel_size": "critic_ulysses_sequence_parallel_size"}
 # request fields verl has no key for: written as the planner's flags in the comment line
 COMMENTED = ("gpu", "gpu_memory", "cpu_ram_per_node", "internode_gbps", "intra_node_gb_per_s", "pcie_gb_per_s",
              "power_limit_w", "engine_version", "sleep_level", "mean_prompt_len", "mean_response_len")
@@ -90,7 +92,9 @@ def overrides(r, model_path: str) -> list[tuple[str, object]]:
         out += [("critic.model.path", model_path), ("critic.strategy", r.strategy),
                 ("critic.model.enable_gradient_checkpointing", r.gradient_checkpointing),
                 ("critic.model.use_remove_padding", r.use_remove_padding)]
-        out += [(k, getattr(r, f)) for k, f in CRITIC_KEYS.items()]
+        out += [(k, getattr(r, f)) for k, f in CRITIC_KEYS.items() if getattr(r, f) is not None]
+        if r.critic_ulysses_sequence_parallel_size is None:
+            out.append(("critic.ulysses_sequence_parallel_size", r.ulysses_sequence_parallel_size))
         out.append(("critic.ppo_max_token_len_per_gpu", r.ppo_max_token_len_per_gpu) if r.use_dynamic_bsz else
                    ("critic.ppo_micro_batch_size_per_gpu", r.ppo_micro_batch_size_per_gpu))
     c = r.cluster

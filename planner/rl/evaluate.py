@@ -100,15 +100,17 @@ def evaluate_rl(request: RlRequest, profile: Profile | None = None, model: Model
     plan = batch_plan(batch, cluster.n_gpus, spec.n_heads, spec.n_kv_heads, engine.tp)
     states = _memoized(memo, "actor", settings, plan,
                        lambda: actor_states(actor_run(spec, cluster, settings, plan, memo), settings, plan, profile))
-    critic = _memoized(memo, "critic", settings, plan,
-                       lambda: critic_states(spec, cluster, settings, plan, profile)) if settings.ppo else None
+    critic_plan = _critic_plan(request, batch, plan, cluster, spec, engine)
+    critic = _memoized(memo, "critic", settings, critic_plan,
+                       lambda: critic_states(spec, cluster, settings, critic_plan, profile)) if settings.ppo else None
     memory = rl_phases(spec, cluster, settings, engine, plan, profile, critic, actor=states, memo=memo)
     host = host_ram_per_node(spec, cluster, settings, memory.actor, memory.engine, critic)
     time = rl_step_time(spec, cluster, settings, engine, memory.engine, plan, memory.actor,
                         batch.mean_prompt_length or batch.max_prompt_length,
                         batch.mean_response_length or batch.max_response_length, profile,
                         batch.ulysses_sequence_parallel_size, critic=critic, memo=memo)
-    reasons = [f"{r.field}: {r.reason}; {r.fix}" for r in memory.refusals]
+    refusals = memory.refusals + tuple(r for r in critic_plan.refusals if r not in plan.refusals)
+    reasons = [f"{r.field}: {r.reason}; {r.fix}" for r in refusals]
     capacity = cluster.gpu.memory_bytes
     for phase in memory.phases:
         if phase.reserved_bytes > capacity:
@@ -122,6 +124,23 @@ def evaluate_rl(request: RlRequest, profile: Profile | None = None, model: Model
     return RlEstimate(request=request, model=spec, cluster=cluster, batch=plan, engine_settings=engine,
                       memory=memory, host=host, time=time, reasons=tuple(reasons),
                       notes=findings(settings, engine, memory, plan.rollout_seqs_per_replica, capacity))
+
+
+def _critic_plan(r: RlRequest, batch: RlBatch, plan: BatchPlan, cluster: ClusterSpec, spec: ModelSpec,
+                 engine: EngineSettings) -> BatchPlan:
+    """PPO's critic batch plan: the actor's, at the critic's own Ulysses degree where it has one (verl's
+    critic.ulysses_sequence_parallel_size: its micro-batches split over that group, verl's checks on its heads).
+    Its refusals name the actor's field; the critic's step time stays the actor's (rl_time.critic_seconds)."""
+    sp = r.critic_ulysses_sequence_parallel_size
+    if r.algorithm != "ppo" or sp in (None, batch.ulysses_sequence_parallel_size):
+        return plan
+    if not isinstance(sp, int) or sp < 1:
+        raise PlannerError("critic_ulysses_sequence_parallel_size", f"{sp!r}: must be a positive integer")
+    own = batch_plan(dataclasses.replace(batch, ulysses_sequence_parallel_size=sp), cluster.n_gpus, spec.n_heads,
+                     spec.n_kv_heads, engine.tp)
+    return dataclasses.replace(own, refusals=tuple(dataclasses.replace(x, field="critic_" + x.field)
+                                                   if x.field == "ulysses_sequence_parallel_size" else x
+                                                   for x in own.refusals))
 
 
 def train_time_s(request: RlRequest, model: ModelSpec, profile: Profile | None = None, memo: dict | None = None

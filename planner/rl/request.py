@@ -69,6 +69,9 @@ class RlRequest:
                                       "critic.model.fsdp_config.param_offload")
     critic_optimizer_offload: bool = knob(False, "--critic-optimizer-offload/--no-critic-optimizer-offload",
                                           help="PPO: critic.model.fsdp_config.optimizer_offload")
+    critic_ulysses_sequence_parallel_size: int | None = knob(None, "--critic-ulysses-sequence-parallel-size",
+                                                             help="PPO: critic.ulysses_sequence_parallel_size "
+                                                             "(default: the actor's)")
     use_shm: bool = knob(False, "--use-shm/--no-use-shm", help="model.use_shm: the model copied to /dev/shm")
     # the rollout engine (actor_rollout_ref.rollout.*)
     engine: str = knob("vllm", "--engine", help="rollout.name: vllm or sglang")

@@ -167,9 +167,9 @@ def test_verl_validates_the_script_and_its_dataclasses_carry_the_plan(tmp_path, 
         assert critic.model.hf_config.num_attention_heads == 28
 
 
-@pytest.mark.xfail(strict=True, reason="--emit verl leaves critic.ulysses_sequence_parallel_size at verl's 1 (its "
-                   "dp_critic.yaml), while cost_models/rl_critic.py prices the critic on the actor's batch plan")
 def test_verls_critic_runs_the_ulysses_degree_the_plan_prices(tmp_path, monkeypatch):
+    """--emit verl writes the critic's Ulysses degree (verl's dp_critic.yaml defaults it to 1): the actor's 2 here,
+    the degree its batch plan was priced at."""
     omega_conf_to_dataclass = _verl_validation()[0].omega_conf_to_dataclass
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     script = emit_verl(rl_estimate("qwen2.5-7b", 16, **PPO))

@@ -225,6 +225,7 @@ def test_keys_left_out_take_verls_defaults(tmp_path):
     assert (k["prompt_len"], k["response_len"], k["train_batch"], k["rollout_n"], k["ppo_mini_batch_size"]) == (
         512, 512, 1024, 1, 256)
     assert (k["ref_param_offload"], k["algorithm"], k["gpus"]) == (False, "ppo", 8)
+    assert k["critic_ulysses_sequence_parallel_size"] == 1   # dp_critic.yaml's, whatever the actor runs
     path.write_text("actor_rollout_ref.rollout.name=vllm")
     with pytest.raises(PlannerError, match="actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu"):
         read_rl_setup(path)
@@ -254,3 +255,27 @@ def test_a_value_verl_cannot_take_is_named_by_its_key(tmp_path):
     r = run(tmp_path / "run.sh", "--model", "qwen2-7b")
     assert r.returncode == 2
     assert r.stderr.strip() == "error: actor_rollout_ref.rollout.name: unknown value 'hf'; choose one of: vllm, sglang"
+
+
+def test_a_critic_left_at_ulysses_1_is_priced_at_its_own_degree(tmp_path):
+    """The PPO script as --emit verl writes it, but the critic's Ulysses key dropped (verl runs its default 1 while
+    the actor runs 2): check prices the critic's update at 1 - each GPU holds a whole micro-batch's sequences, not
+    half - and every other phase as before: the critic's update at Ulysses 1 is the estimate asked for that degree,
+    and above the one at the actor's 2. (With dynamic batches, PPO's own setting, each GPU packs its token budget
+    whatever the degree: the same bytes.)"""
+    assert rl_estimate("qwen2.5-7b", 16, critic_ulysses_sequence_parallel_size=1, **PPO).memory.phases == \
+        rl_estimate("qwen2.5-7b", 16, **PPO).memory.phases
+    static = dict(PPO, use_dynamic_bsz=False, ppo_micro_batch_size_per_gpu=4)
+    e = rl_estimate("qwen2.5-7b", 16, **static)
+    script = emit_verl(e)
+    line = "    critic.ulysses_sequence_parallel_size=2 \\\n"
+    assert line in script
+    (tmp_path / "ppo.sh").write_text(script.replace(line, ""))
+    checked = {p["name"]: p["reserved_bytes"] for p in json.loads(run(tmp_path / "ppo.sh", "--format",
+                                                                          "json").stdout)["memory"]["phases"]}
+    own = {p.name: p.reserved_bytes for p in rl_estimate("qwen2.5-7b", 16, critic_ulysses_sequence_parallel_size=1,
+                                                         **static).memory.phases}
+    planned = {p.name: p.reserved_bytes for p in e.memory.phases}
+    assert checked == own and checked["critic_update"] > planned["critic_update"]
+    assert {n: b for n, b in checked.items() if n != "critic_update"} == {
+        n: b for n, b in planned.items() if n != "critic_update"}

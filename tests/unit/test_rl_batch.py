@@ -1,5 +1,7 @@
 """verl's batch arithmetic (cost_models/rl_batch.py), each figure worked by hand beside it."""
 
+import dataclasses
+
 import pytest
 
 from cost_models.rl_batch import RlBatch, batch_plan
@@ -63,6 +65,11 @@ def test_verls_asserts_become_refusals():
     refused = batch_plan(over, 8, 28, 4, 1).refusals
     assert [(r.field, r.code) for r in refused] == [("ppo_max_token_len_per_gpu", "token-budget")]
     assert "4096 < prompt + response 5120" in refused[0].reason
+    # verl's FSDP engine refuses Ulysses without remove-padding (workers/engine/fsdp/transformer_impl.py)
+    padded = dataclasses.replace(over, ulysses_sequence_parallel_size=2, use_remove_padding=False)
+    assert [(r.field, r.code) for r in batch_plan(padded, 8, 28, 4, 1).refusals][0] == (
+        "use_remove_padding", "ulysses-remove-padding")
+    assert not batch_plan(dataclasses.replace(padded, ulysses_sequence_parallel_size=1), 8, 28, 4, 1).refusals[1:]
 
 
 def test_bad_lengths_name_the_field():

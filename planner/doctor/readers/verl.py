@@ -100,6 +100,8 @@ def from_overrides(o: dict, source: str, dialect: str, text: str = "") -> RlSetu
             knobs["ulysses_sequence_parallel_size"] = _value(o, key, "ulysses_sequence_parallel_size")
     adv = str(o["algorithm.adv_estimator"]).strip("'\"")
     knobs["algorithm"] = "ppo" if adv == "gae" else "grpo"
+    if adv == "gae":  # the critic's own Ulysses degree: verl's default 1 (dp_critic.yaml) unless the script says
+        knobs.setdefault("critic_ulysses_sequence_parallel_size", 1)
     if adv not in ("gae", "grpo"):
         notes.append(f"algorithm.adv_estimator={adv}: priced as GRPO (no critic)")
     if A + "actor.ppo_mini_batch_size" in o:
