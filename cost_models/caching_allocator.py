@@ -39,6 +39,7 @@ import re
 from bisect import bisect_left, insort
 from dataclasses import dataclass
 from itertools import islice
+from operator import attrgetter
 
 from .units import MiB
 
@@ -101,12 +102,21 @@ def allocation_size(size_bytes: int) -> int:
     return -(-size_bytes // K_ROUND_LARGE_BYTES) * K_ROUND_LARGE_BYTES
 
 
+_OFFSET = attrgetter("offset")
+
+
 class _Block:
     __slots__ = ("segment", "offset", "size", "free", "key")
 
     def __init__(self, segment: "_Segment", offset: int, size: int, free: bool):
         self.segment, self.offset, self.size, self.free = segment, offset, size, free
         self.key = None   # (size, address) while listed among its pool's free blocks
+
+
+def _index(blocks: list[_Block], block: _Block) -> int:
+    """The block's place in its segment's blocks (address order): a bisection (list.index took a third of a 405B
+    pipeline rank's replay once TP blocks were written op by op)."""
+    return bisect_left(blocks, block.offset, key=_OFFSET)
 
 
 class _Segment:
@@ -184,7 +194,7 @@ class CachingAllocator:
         if self._should_split(block, size):
             rest = _Block(block.segment, block.offset + size, block.size - size, True)
             blocks = block.segment.blocks
-            blocks.insert(blocks.index(block) + 1, rest)
+            blocks.insert(_index(blocks, block) + 1, rest)
             block.size = size
             self._list(rest)
         block.free = False
@@ -205,7 +215,7 @@ class CachingAllocator:
         self.requested_bytes -= size_bytes
         block.free = True
         blocks = block.segment.blocks
-        i = blocks.index(block)
+        i = _index(blocks, block)
         if i + 1 < len(blocks) and blocks[i + 1].free:          # try_merge_blocks with the next block
             self._unlist(blocks[i + 1])
             block.size += blocks.pop(i + 1).size
