@@ -9,8 +9,10 @@ set's high-water mark over the way minus the resident set before it (/proc/self/
 /proc/self/clear_refs; freed memory trimmed before each way with malloc_trim, and a fixed mmap threshold, set with
 mallopt, returns every large tensor's pages when it is freed). An FSDP1 copy of the model measures FULL_STATE_DICT with
 offload_to_cpu + rank0_only. A case with "fsdp1": [shape, ...] also runs --emit fsdp1's checkpoint functions at
-each shape (their peaks, restored or not), after its other ways. Rank 0 prints one JSON line per case:
-{"case": i, "ways": {way: [rank 0's bytes, rank 1's bytes]}, "fsdp1": [{"ways": ..., "restores": bool}], ...}.
+each shape (their peaks, restored or not), after its other ways; one with "trace_dcp": true traces the Python
+objects of one more dcp.save last (tracemalloc's peak: its plans and metadata, which the formulas leave out). Rank 0
+prints one JSON line per case: {"case": i, "ways": {way: [each rank's bytes]}, "fsdp1": [{"ways": ..., "restores":
+bool}], "dcp_objects": [each rank's bytes] (traced cases), ...}.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import ctypes
 import gc
 import re
 import tempfile
+import tracemalloc
 
 import torch
 import torch.distributed as dist
@@ -136,7 +139,10 @@ def run_case(case: dict, rank: int, world: int) -> dict:
         # case["fsdp1"], its save and resume measured, in one case
         fsdp1 = [_emitted_fsdp1_ways(shape, f"{tmp}/emitted_fsdp1_{i}", world) for i, shape in
                  enumerate(case.get("fsdp1", ()))]
-    return {"ways": {name: _gather(value) for name, value in ways.items()}, "baseline": _gather(baseline),
+        traced = {}
+        if case.get("trace_dcp"):
+            traced["dcp_objects"] = _gather(_dcp_objects_bytes(state, f"{tmp}/traced"))
+    return {**traced, "ways": {name: _gather(value) for name, value in ways.items()}, "baseline": _gather(baseline),
             "emitted_restores": all(_gather(restored)),
             "fsdp1": [{"ways": {name: _gather(value) for name, value in measured.items()},
                        "restores": all(_gather(restored))} for measured, restored in fsdp1]}
@@ -147,6 +153,21 @@ def _shared_dir(tmp: str) -> str:
     out = [tmp]
     dist.broadcast_object_list(out, src=0)
     return out[0]
+
+
+def _dcp_objects_bytes(state, path: str) -> int:
+    """The Python objects' peak over one more dcp.save of `state()` (tracemalloc: its plans and global metadata,
+    which grow with the keys and the ranks; tensor storage is not traced). Traced apart from the measured ways:
+    tracing's own bookkeeping would add to their readings."""
+    gc.collect()
+    dist.barrier()
+    tracemalloc.start()
+    try:
+        dcp.save(state(), checkpoint_id=path)
+        return tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+        dist.barrier()
 
 
 def _fsdp1_full_save(shape: dict, rank: int, world: int) -> int:
