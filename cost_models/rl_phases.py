@@ -72,6 +72,7 @@ class RlSettings:
     algorithm: str = "grpo"            # algorithm.adv_estimator: grpo (no critic) | ppo (gae: a critic)
     critic_param_offload: bool = False     # critic.model.fsdp_config.param_offload
     critic_optimizer_offload: bool = False
+    layered_summon: bool = False       # rollout.layered_summon: FSDP1 LoRA's sync gathers one unit at a time
 
     def __post_init__(self):
         if self.strategy not in STRATEGIES:

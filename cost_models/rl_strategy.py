@@ -16,7 +16,11 @@ each (workers/engine/fsdp/transformer_impl.py _build_fsdp_module; utils/fsdp_uti
   torch fsdp/_state_dict_utils.py unshards each unit in turn in full precision (_flat_param.py
   _force_full_precision under SUMMON_FULL_PARAMS), the root's until its children are done, and keeps a clone of
   each parameter's local chunk (_create_chunk_sharded_tensor / _create_chunk_dtensor): a copy of the rank's shard
-  in the stored dtype, alive while the tensors are sent. (LoRA's adapter sync, collect_lora_params, not modelled.)
+  in the stored dtype, alive while the tensors are sent. LoRA (not merged, verl's default) sends the adapters
+  (engine_workers.py update_weights: get_per_tensor_param(base_sync_done=True) at every sync; utils/fsdp_utils.py
+  collect_lora_params): FSDP1 gathers them inside FSDP.summon_full_params(module) - every unit unsharded at once,
+  in full precision, beside the shard - or, with rollout.layered_summon, one unit at a time
+  (layered_summon_lora_params); FSDP2 gathers only the adapters (full_tensor()). The adapters go to the host.
 
 TRL (1.16, framework trl): accelerate's FSDP2 (utils/fsdp_utils.py fsdp2_prepare_model) wraps the decoder layers
 and the model only, FSDP1's root layout; its weight sync (generation/vllm_generation.py) gathers FSDP2's parameters
@@ -92,8 +96,12 @@ def weight_sync_bytes(model: ModelSpec, settings, params_bytes: int, p: int,
     parameter's full clone before its chunk is kept (tensor/placement_types.py _replicate_to_shard: the chunk
     cloned, the whole freed) - the root with the largest tensor, or with a block and a clone no larger than it -
     while the copy of the shard grows; the send keeps that copy beside the tensor gathered. TRL's FSDP1: one unit
-    at a time, the root or a block."""
+    at a time, the root or a block. verl's FSDP1 LoRA: the whole model summoned (layered_summon: its largest unit),
+    the adapters sent from the host."""
     largest = max(model.embedding_params, model.head_params) * p
+    if settings.lora and settings.strategy != "fsdp2" and settings.framework == "verl" and shard_ranks > 1:
+        held = max(model.root_params, model.block_params) if settings.layered_summon else model.n_params
+        return {"summoned params": held * p}, {}
     if settings.strategy == "fsdp2" or settings.lora or shard_ranks <= 1:
         return {}, {"gathered tensor": largest}
     if settings.framework == "trl":

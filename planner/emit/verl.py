@@ -42,6 +42,7 @@ KEYS = {
     A + "rollout.max_num_seqs": "max_num_seqs",
     A + "rollout.max_num_batched_tokens": "max_num_batched_tokens",
     A + "rollout.enforce_eager": "enforce_eager",
+    A + "rollout.layered_summon": "layered_summon",
 }
 # PPO's critic (verl 0.9 dp_critic.yaml: its FSDP engine config under critic.fsdp)
 CRITIC_KEYS = {"critic.fsdp.param_offload": "critic_param_offload",

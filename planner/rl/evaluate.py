@@ -65,7 +65,7 @@ def specs_of(r: RlRequest, model: ModelSpec) -> tuple[RlBatch, EngineSettings, R
                           entropy_compile=r.use_torch_compile, fsdp_size=r.fsdp_size,
                           sleep_level=r.sleep_level, use_shm=r.use_shm, algorithm=r.algorithm,
                           critic_param_offload=r.critic_param_offload,
-                          critic_optimizer_offload=r.critic_optimizer_offload)
+                          critic_optimizer_offload=r.critic_optimizer_offload, layered_summon=r.layered_summon)
     return batch, engine, settings
 
 

@@ -1,6 +1,6 @@
 """What a priced RL configuration should hear beyond fits / does not fit (issue 28's findings): the KV cache
 holding fewer sequences than max_num_seqs, Adam's states appearing after the engine sized its KV cache, a
-reference left on the GPU, an fp32 actor where memory is short. One line each, with the knob that changes it."""
+reference left on the GPU, FSDP1 LoRA's whole-model weight sync, an fp32 actor where memory is short. One line each, with the knob that changes it."""
 
 from __future__ import annotations
 
@@ -27,6 +27,11 @@ def findings(settings: RlSettings, engine: EngineSettings, memory: RlMemory, seq
     if ref:
         out.append(f"the reference's bf16 shard ({ref / GiB:.1f} GiB) stays on the GPU through every phase: "
                    "--ref-param-offload moves it to the host")
+    summoned = phases["weight_sync"].gpu_bytes.get("summoned params", 0)
+    if summoned and not settings.layered_summon and memory.peak.name == "weight_sync":
+        out.append(f"the LoRA weight sync under FSDP1 gathers the whole model at once ({summoned / GiB:.1f} GiB, "
+                   "verl's collect_lora_params): --layered-summon (rollout.layered_summon) gathers one unit at a "
+                   "time, or --strategy fsdp2 gathers only the adapters")
     out += _engine_room(engine, memory, phases, capacity_bytes)
     if settings.actor_dtype == "fp32" and memory.peak.reserved_bytes > capacity_bytes:
         out.append("the actor is stored in fp32 (verl's 2025 default model_dtype): --actor-dtype bf16 halves its "

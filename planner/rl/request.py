@@ -84,6 +84,8 @@ class RlRequest:
     max_num_batched_tokens: int = knob(8192, "--max-num-batched-tokens", help="rollout.max_num_batched_tokens")
     enforce_eager: bool = knob(False, "--enforce-eager/--no-enforce-eager", help="No CUDA graphs")
     sleep_level: int = knob(1, "--sleep-level", help="vLLM sleep mode: 1 weights to host, 2 discarded")
+    layered_summon: bool = knob(False, "--layered-summon/--no-layered-summon", help="rollout.layered_summon: FSDP1 "
+                                "LoRA's weight sync gathers one unit at a time, not the whole model")
 
 
 RL_KNOBS = tuple(knob_table(RlRequest))

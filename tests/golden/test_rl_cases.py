@@ -6,6 +6,8 @@ chat template) and ~300 response tokens: our estimate, not a measurement; each t
 depends on it.
 """
 
+import dataclasses
+
 import pytest
 
 from cost_models.units import GiB
@@ -24,16 +26,18 @@ def case_1(**lengths):
                        max_num_seqs=1024, max_num_batched_tokens=8192, **lengths)
 
 
-def case_2(prompts_per_gpu: int, **lengths):
+def case_2(prompts_per_gpu: int, layered_summon: bool = True, **lengths):
     """verl examples/tuning/14b/qwen2-14b_grpo-lora_2_h100_fsdp_vllm.sh (June 2025): train batch = mini-batch =
     prompts per GPU x 2 GPUs, micro-batch (update and log-prob) = prompts per GPU, Ulysses 2 (one data-parallel
-    rank), LoRA 32 all-linear, the actor fp32 (verl's default model_dtype)."""
+    rank), LoRA 32 all-linear, the actor fp32 (verl's default model_dtype). layered_summon is inferred, not read
+    from the script: without it verl's FSDP1 LoRA sync gathers the whole fp32 model at once (rl_strategy.py), which
+    no batch survives (test below), and the run fit at 58."""
     p = prompts_per_gpu
     return rl_estimate("qwen2.5-14b", 2, gpu="h100-80gb", prompt_len=512, response_len=1024, train_batch=2 * p,
                        ppo_mini_batch_size=2 * p, ppo_micro_batch_size_per_gpu=p, rollout_n=5, finetune="lora",
                        lora_rank=32, param_offload=True, optimizer_offload=True, ulysses_sequence_parallel_size=2,
                        rollout_tp=2, gpu_memory_utilization=0.25, engine_version="0.8", max_num_seqs=512,
-                       max_num_batched_tokens=1536, use_shm=True, **lengths)
+                       max_num_batched_tokens=1536, use_shm=True, layered_summon=layered_summon, **lengths)
 
 
 def case_3(entropy: bool):
@@ -75,6 +79,30 @@ def test_case_2_brackets_the_boundary():
     assert case_2(58, **GSM8K).fits
     assert not case_2(58).fits
     assert case_2(59, **GSM8K).memory.phases[5].reserved_bytes > case_2(58, **GSM8K).memory.phases[5].reserved_bytes
+
+
+def _settings():
+    from cost_models.rl_phases import RlSettings
+    return RlSettings(finetune="lora")
+
+
+def test_case_2_without_layered_summon_fails_at_the_weight_sync_at_any_batch():
+    """verl's FSDP1 LoRA sync (utils/fsdp_utils.py collect_lora_params) summons every unit at once in full precision:
+    Qwen2.5-14B's 14,770,033,664 params x 4 B = 55.0 GiB beside the rank's loaded fp32 shard (27.5 GiB) and the woken
+    engine's weights and KV cache - over 80 GB whatever the batch; layered_summon gathers a unit at a time."""
+    for p in (1, 58):
+        e = case_2(p, layered_summon=False, **GSM8K)
+        assert not e.fits and e.memory.peak.name == "weight_sync"
+        assert e.memory.phases[2].gpu_bytes["summoned params"] == 14_770_033_664 * 4
+        assert any("--layered-summon" in n for n in e.notes)
+    # one unit at a time: the root (embedding and head, 2 x 152,064 x 5,120, and the norm) in fp32, 5.8 GiB, below
+    # the engine's woken weights and KV cache, which then set the sync's peak
+    from cost_models.rl_strategy import weight_sync_bytes
+    layered = case_2(1, **GSM8K)
+    walk, _ = weight_sync_bytes(layered.model, dataclasses.replace(_settings(), layered_summon=True),
+                                layered.memory.actor.params_bytes, 4, 2)
+    assert walk == {"summoned params": 4 * (2 * 152_064 * 5_120 + 5_120)}
+    assert "summoned params" not in layered.memory.phases[2].gpu_bytes and layered.fits
 
 
 def test_case_3_between_micro_batches_and_update_peak():
