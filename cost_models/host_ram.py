@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from .fsdp1_adapters import AdapterUnits
 from .outside_step import LoadWay, SaveWay, StateSizes, load_bytes, save_bytes
 from .specs import ClusterSpec, FsdpConfig, ModelSpec, TrainingSpec
 from .units import GiB
@@ -34,9 +35,10 @@ class Ways:
     # accelerate's offload_to_cpu=True), else on the GPU (get_state_dict's default): outside_step._fsdp1_dcp
     save_state_dict_on_host: bool = True
     resume_state_dict_on_host: bool = True
-    # LoRA / QLoRA under FSDP1 with each adapter a unit casting its inputs (the planner's FSDP1 code): how the step
-    # runs rather than loads or saves, carried here as the trainer's: memory.estimate_memory's fsdp1_adapter_units
-    fsdp1_adapter_units: bool = False
+    # LoRA / QLoRA under FSDP1 with each adapter a unit of its own (fsdp1_adapters.AdapterUnits; None: inside its
+    # block's): how the step runs rather than loads or saves, carried here as the trainer's: memory.estimate_memory's
+    # fsdp1_adapter_units
+    fsdp1_adapter_units: AdapterUnits | None = None
 
 
 SAVE_WORDS = {SaveWay.DCP: "each rank writes its shard", SaveWay.DCP_ASYNC: "each rank stages its shard to host",

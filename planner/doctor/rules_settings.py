@@ -39,8 +39,8 @@ def lora_adapters_share_units(ctx: Context):
     into one FlatParameter, which needs one dtype and gets one gradient (calibration.apply's
     trainable_mixed and the emitted FSDP1 snippet wrap the adapters apart)."""
     if not (ctx.training.finetune.adapters and ctx.setup.fsdp_version == 1 and ctx.setup.use_orig_params
-            and ctx.setup.wrap == "block"):
-        return
+            and ctx.setup.wrap == "block") or ctx.setup.dialect == "hf-trainer":
+        return  # HF Trainer wraps a PEFT model's adapters apart itself (transformers update_fsdp_plugin_peft)
     frozen_block = ctx.model.block_params * ctx.model.n_layers
     d = ctx.config.shard_group_size(ctx.cluster)
     grad_bytes = frozen_block * DTYPE_BYTES[ctx.config.precision.param_dtype] / d

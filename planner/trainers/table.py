@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
+from cost_models.fsdp1_adapters import AdapterUnits
 from cost_models.specs import Precision, Sharding
 
 ALL_SHARDINGS = tuple(Sharding)
@@ -73,9 +74,10 @@ class Trainer:
     async_tp: bool = False
     lora: bool = True
     qlora_replicas: bool = True  # loads a 4-bit (QLoRA) base under HSDP replicas too
-    # FSDP1 with each adapter linear a unit that casts its inputs, no autocast: each adapter saves its input's copy
-    # (cost_models/fsdp1_adapters.py); HF / accelerate / Lightning run the forward under autocast
-    fsdp1_adapter_units: bool = False
+    # FSDP1 with each adapter linear a unit of its own (cost_models/fsdp1_adapters.py): CAST, the units cast their
+    # inputs (the planner's FSDP1 code); AUTOCAST, peft's wrap policy with the forward under autocast (HF Trainer,
+    # accelerate); None: the adapters inside their block's unit
+    fsdp1_adapter_units: AdapterUnits | None = None
     mesh_exclusions: tuple[tuple[str, str], ...] = ()  # axes it cannot combine above 1
     precisions: tuple[Precision, ...] = tuple(Precision)
     norm: str | None = None  # the blocks' RMSNorm as its own model runs it (ModelSpec.norm); None: the model's
@@ -144,7 +146,7 @@ TRAINERS: dict[str, Trainer] = {t.id: t for t in (
         artifacts=("fsdp1", *LAUNCHERS), fsdp_version=1, sequence_parallel=(True,), fsdp1_knobs=True, float8=True,
         shard_groups=True,  # FullyShardedDataParallel's 2-D device_mesh for HYBRID_SHARD
         load_way="every-rank",  # the snippet wraps the model every rank built
-        kernels=HF_KERNELS, fsdp1_adapter_units=True,  # emit_fsdp1's CustomPolicy and cast_forward_inputs
+        kernels=HF_KERNELS, fsdp1_adapter_units=AdapterUnits.CAST,  # emit_fsdp1's CustomPolicy, cast_forward_inputs
         defaults=_defaults(optimizer_impl="foreach")),
     Trainer(
         # transformers 5 Trainer on accelerate's FSDP2 plugin: fsdp_config keys (training_args.py), accelerate's
@@ -164,7 +166,9 @@ TRAINERS: dict[str, Trainer] = {t.id: t for t in (
         source="transformers 5 training_args.py (fsdp_config version 1, optim, use_liger_kernel)",
         artifacts=("hf-trainer-fsdp1", *LAUNCHERS), fsdp_version=1, sequence_parallel=(True,),
         checkpointing=("none", "full"), fsdp1_knobs=True, compile_scopes=("blocks",), kernels=HF_KERNELS,
-        defaults=_defaults(optimizer_impl="fused")),
+        # a PEFT model's adapters in units of their own (transformers 5 distributed/fsdp.py update_fsdp_plugin_peft:
+        # peft's fsdp_auto_wrap_policy), the forward under accelerate's autocast
+        fsdp1_adapter_units=AdapterUnits.AUTOCAST, defaults=_defaults(optimizer_impl="fused")),
     Trainer(
         # accelerate 1.x launched on one's own training loop: the config file holds the FSDP plugin, the mesh
         # (ParallelismConfig), regional compilation and the torchao Float8 recipe (fp8_config, backend AO: tensorwise,
@@ -180,7 +184,9 @@ TRAINERS: dict[str, Trainer] = {t.id: t for t in (
         source="accelerate 1.x FSDP1 plugin (fsdp_sharding_strategy, fsdp_backward_prefetch, ...)",
         artifacts=("accelerate", *LAUNCHERS), fsdp_version=1, sequence_parallel=(True,),
         checkpointing=("none", "full"), fsdp1_knobs=True, compile_scopes=("blocks",), float8=True,
-        kernels=HF_ATTENTION, defaults=_defaults(optimizer_impl="foreach")),
+        # LoRA: auto_wrap_policy=peft's fsdp_auto_wrap_policy (the emitted note: one dtype a flat parameter, a bf16
+        # base beside fp32 adapters needs it), the forward under the Accelerator's autocast
+        fsdp1_adapter_units=AdapterUnits.AUTOCAST, kernels=HF_ATTENTION, defaults=_defaults(optimizer_impl="foreach")),
     Trainer(
         # Lightning 2.x FSDPStrategy wraps FSDP1: activation_checkpointing_policy={Block} checkpoints every block,
         # compile in configure_model (a note the emitter writes; Float8 would be torchao code of one's own there,

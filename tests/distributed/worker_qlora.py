@@ -50,16 +50,10 @@ def _out(case: dict, rank: int) -> str:
     return _OUT[0]
 
 
-def run_case(case: dict, rank: int, world: int) -> dict:
+def tiny_checkpoint(case: dict, rank: int, spec) -> str:
+    """The case's tiny transformers Llama in bf16, saved once by rank 0 (every rank waits for it): its path."""
     from transformers import LlamaConfig, LlamaForCausalLM
-    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
-    from calibration.apply import apply_fsdp1, apply_fsdp2, make_mesh
-    from calibration.memtrack import MemoryTracker
-    from calibration.qlora import load_qlora, quant_state_bytes
-    from cost_models.specs import FsdpConfig, TrainingSpec
-
-    spec = spec_of(case)
     path = os.path.join(_out(case, rank), f"tiny-{case['hidden']}-{case['layers']}-{spec.vocab_size}")
     if rank == 0 and not os.path.exists(os.path.join(path, "config.json")):
         config = LlamaConfig(hidden_size=spec.hidden_size, intermediate_size=spec.ffn_hidden_size,
@@ -69,6 +63,43 @@ def run_case(case: dict, rank: int, world: int) -> dict:
         torch.manual_seed(0)
         LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(path)
     dist.barrier()
+    return path
+
+
+def measured_steps(model, spec, case: dict, rank: int) -> dict:
+    """A warm-up step and one measured step of `model` (AdamW over what trains) on a fixed batch per rank, under
+    calibration.memtrack: the warm-up's peak ("first": the optimizer state made in its step), the measured step's
+    forward peak (the tracker sees gemm_4bit's) and peak ("snapshot"), the losses."""
+    from calibration.memtrack import MemoryTracker
+
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    torch.manual_seed(rank)
+    ids = torch.randint(0, spec.vocab_size, (MICRO_BATCH, case["seq"]))
+    tracker = MemoryTracker(model, optimizer, vocab_size=spec.vocab_size)
+    losses = []
+    with tracker:
+        for i in range(2):
+            if i:
+                first = tracker.snapshot().to_dict()
+                tracker.reset()
+            optimizer.zero_grad(set_to_none=True)
+            loss = model(input_ids=ids, labels=ids).loss  # HF Trainer's compute_loss keeps the loss, not the outputs
+            forward = tracker.snapshot().to_dict()
+            loss.backward()
+            optimizer.step()
+            losses.append(loss.item())
+    return {"snapshot": tracker.snapshot().to_dict(), "forward": forward, "first": first, "losses": losses}
+
+
+def run_case(case: dict, rank: int, world: int) -> dict:
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    from calibration.apply import apply_fsdp1, apply_fsdp2, make_mesh
+    from calibration.qlora import load_qlora, quant_state_bytes
+    from cost_models.specs import FsdpConfig, TrainingSpec
+
+    spec = spec_of(case)
+    path = tiny_checkpoint(case, rank, spec)
     training = TrainingSpec(seq_len=case["seq"], finetune="qlora", lora_rank=LORA_RANK,
                             double_quant=case.get("double_quant", True), quant=case.get("quant", "nf4"))
     fsdp = FsdpConfig(sharding="FULL_SHARD", precision="bf16", micro_batch=MICRO_BATCH, ac_every=case.get("ac", 0))
@@ -81,26 +112,8 @@ def run_case(case: dict, rank: int, world: int) -> dict:
         model = apply_fsdp1(model, fsdp, {LlamaDecoderLayer}, gpus_per_node=world, device_id=torch.device("cpu"),
                             trainable_mixed=True)
     state_after = quant_state_bytes(model)
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
-    torch.manual_seed(rank)
-    ids = torch.randint(0, spec.vocab_size, (MICRO_BATCH, case["seq"]))
-    tracker = MemoryTracker(model, optimizer, vocab_size=spec.vocab_size)
-    losses = []
-    with tracker:
-        for i in range(2):
-            if i:
-                first = tracker.snapshot().to_dict()  # the first step: the optimizer state made in its step
-                tracker.reset()
-            optimizer.zero_grad(set_to_none=True)
-            loss = model(input_ids=ids, labels=ids).loss
-            forward = tracker.snapshot().to_dict()  # the measured step's forward peak (the tracker sees gemm_4bit's)
-            loss.backward()
-            optimizer.step()
-            losses.append(loss.item())
-    snap = tracker.snapshot().to_dict()
     gathered = [None] * world
-    dist.all_gather_object(gathered, {"snapshot": snap, "forward": forward, "first": first,
-                                  "quant_state_bytes": state_after, "losses": losses})
+    dist.all_gather_object(gathered, {**measured_steps(model, spec, case, rank), "quant_state_bytes": state_after})
     return {"packed_param_bytes": packed, "quant_state_bytes_before": state, "ranks": gathered}
 
 

@@ -60,6 +60,11 @@ def test_lora_adapters_sharing_block_units():
     assert "lora-adapters-share-units" not in codes(GOOD)  # full fine-tuning
     fsdp2 = {"reshard_after_forward": True, "mp_policy": GOOD["mixed_precision"]}
     assert "lora-adapters-share-units" not in codes(fsdp2, finetune="lora")  # FSDP2 shards per parameter
+    from planner.doctor.readers.trainers import from_hf_trainer
+
+    hf = from_hf_trainer({"fsdp": True, "bf16": True, "fsdp_config": {"version": 1}})  # per block, as accelerate's
+    assert hf.wrap == "block" and hf.adapter_units  # but the Trainer swaps in peft's policy for a PEFT model
+    assert "lora-adapters-share-units" not in {f.code for f in check(hf, "llama2-7b", 8, finetune="lora").findings}
 
 
 def test_no_auto_wrap_policy_prices_one_unit():

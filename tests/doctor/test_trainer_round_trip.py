@@ -11,6 +11,7 @@ import json
 
 import pytest
 
+from cost_models.fsdp1_adapters import AdapterUnits
 from planner import estimate, plan
 from planner.doctor import check
 from planner.doctor.readers import read_setup
@@ -124,13 +125,19 @@ def test_flash_attention_3_pinned_reads_back(tmp_path, hf_snippet, load_accelera
     assert best.time.attention_s < default.time.attention_s * best.config.micro_batch / default.config.micro_batch
 
 
-def test_an_fsdp1_lora_plan_reads_back_with_its_adapter_units(tmp_path, hf_snippet, load_accelerate):
-    """--emit fsdp1 of a LoRA plan wraps each adapter as a unit casting its inputs (CustomPolicy(lora_unit)), which
-    the plan prices (cost_models/fsdp1_adapters.py: llama3-8b on 16 H100 at micro-batch 4, 67.6 GiB allocated
-    where FSDP2-shaped adapters gave 55.6); check reads the policy and prices the same (it priced 55.6)."""
-    best = plan(MODEL, gpus=GPUS, gpu=GPU, seq_len=SEQ, trainer="fsdp1", finetune="lora").best
-    path = written("fsdp1", emit_artifact("fsdp1", best), tmp_path, hf_snippet, load_accelerate)
-    r = check(read_setup(path), MODEL, GPUS, gpu=GPU, seq_len=SEQ, micro_batch=best.config.micro_batch,
+@pytest.mark.parametrize("trainer, artifact, gpu, units", [
+    ("fsdp1", "fsdp1", GPU, AdapterUnits.CAST), ("hf-fsdp1", "hf-trainer-fsdp1", GPU, AdapterUnits.AUTOCAST),
+    ("accelerate", "accelerate", "a100-80gb", AdapterUnits.AUTOCAST)])
+def test_an_fsdp1_lora_plan_reads_back_with_its_adapter_units(tmp_path, hf_snippet, load_accelerate, trainer, artifact,
+                                                              gpu, units):
+    """--emit fsdp1 of a LoRA plan wraps each adapter as a unit casting its inputs (CustomPolicy(lora_unit)); HF
+    Trainer and accelerate wrap them as units too (peft's fsdp_auto_wrap_policy), under autocast. The plan prices
+    them (cost_models/fsdp1_adapters.py: llama3-8b on 16 H100 at micro-batch 4 under fsdp1, 67.6 GiB allocated
+    where FSDP2-shaped adapters gave 55.6); check reads the file and prices the same."""
+    best = plan(MODEL, gpus=GPUS, gpu=gpu, seq_len=SEQ, trainer=trainer, finetune="lora").best
+    path = written(artifact, emit_artifact(artifact, best), tmp_path, hf_snippet, load_accelerate)
+    r = check(read_setup(path), MODEL, GPUS, gpu=gpu, seq_len=SEQ, micro_batch=best.config.micro_batch,
               grad_accum=best.config.grad_accum, finetune="lora")
-    assert r.setup.adapter_units and r.candidate.to_dict() == best.to_dict()
-    assert best.memory.peak_allocated_bytes == pytest.approx(67.6 * 2**30, rel=2e-3)
+    assert r.setup.adapter_units is units and r.candidate.to_dict() == best.to_dict()
+    if trainer == "fsdp1":
+        assert best.memory.peak_allocated_bytes == pytest.approx(67.6 * 2**30, rel=2e-3)

@@ -1,5 +1,5 @@
-"""cost_models/fsdp1_adapters.py: FSDP1's units of one adapter each (the planner's FSDP1 code), by hand on the tiny
-QLoRA Llama of tests/distributed/test_torchrun_qlora.py (h 256, 4 heads of 64, 2 kv heads, ffn 512, V 512, 2 blocks,
+"""cost_models/fsdp1_adapters.py: FSDP1's units of one adapter each (the planner's FSDP1 code: CAST), by hand on the
+tiny QLoRA Llama of tests/distributed/test_torchrun_qlora.py (h 256, 4 heads of 64, 2 kv heads, ffn 512, V 512, 2 blocks,
 rank 8 on q, k, v, o; 2 ranks, micro-batch 2 x 128 tokens). At its loss backward a traced real FSDP1 step held six
 (2, 128, 256) bf16 tensors more than FSDP2's (each adapter's own input copy: 4 a block where FSDP2 keeps 1 shared by
 q / k / v and o's input shared with SDPA's output) and the last block's all-gather 28,672 B smaller (its adapters,
@@ -11,6 +11,7 @@ import dataclasses
 
 from calibration.reference import tiny_llama_spec
 from cost_models import fsdp1_adapters
+from cost_models.fsdp1_adapters import AdapterUnits
 from cost_models.memory import estimate_memory
 from cost_models.profile import Profile
 from cost_models.specs import ClusterSpec, FsdpConfig, GpuSpec, TrainingSpec
@@ -44,6 +45,18 @@ def test_ledger_adds_the_copies_and_leaves_the_adapters_out_of_the_prefetch():
             == estimate_memory(SPEC, cluster, training, pure, Profile()).breakdown.activations)
 
 
-def test_only_the_planners_fsdp1_code_runs_adapter_units_without_autocast():
-    assert TRAINERS["fsdp1"].host_ways().fsdp1_adapter_units
-    assert not any(TRAINERS[t].host_ways().fsdp1_adapter_units for t in ("fsdp2", "hf-fsdp1", "accelerate", "lightning"))
+def test_the_fsdp1_trainers_run_adapter_units_their_way():
+    """The planner's FSDP1 code casts in its units; HF Trainer's and accelerate's FSDP1 wrap a PEFT model's adapters
+    as units too (peft's fsdp_auto_wrap_policy) under autocast; Lightning's {Block} policy keeps them in the block."""
+    units = {t: TRAINERS[t].host_ways().fsdp1_adapter_units for t in ("fsdp1", "hf-fsdp1", "accelerate", "lightning",
+                                                                     "fsdp2", "hf")}
+    assert units == {"fsdp1": AdapterUnits.CAST, "hf-fsdp1": AdapterUnits.AUTOCAST,
+                     "accelerate": AdapterUnits.AUTOCAST, "lightning": None, "fsdp2": None, "hf": None}
+
+
+def test_bitsandbytes_layers_cast_nothing_under_autocast():
+    # peft's LoRA layer casts its input to the adapters' dtype always; its Linear4bit only where autocast is off
+    assert fsdp1_adapters.casts_inputs(AdapterUnits.AUTOCAST, quantized=False)
+    assert not fsdp1_adapters.casts_inputs(AdapterUnits.AUTOCAST, quantized=True)
+    assert fsdp1_adapters.casts_inputs(AdapterUnits.CAST, quantized=True)
+    assert fsdp1_adapters.casts_inputs(True, quantized=True)  # True: the planner's FSDP1 code, CAST

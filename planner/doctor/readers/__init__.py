@@ -14,6 +14,7 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
+from cost_models.fsdp1_adapters import AdapterUnits
 from cost_models.specs import SELECTIVE_OP, FsdpConfig, Precision, Sharding
 
 from planner.doctor.readers import automodel, axolotl, python_code, torchtitan, trl_grpo, verl
@@ -184,6 +185,7 @@ def from_accelerate(data: dict, source: str = "accelerate config", text: str = "
     rank0 = _bool("fsdp_cpu_ram_efficient_loading", fsdp.get("fsdp_cpu_ram_efficient_loading", False))
     return UserSetup(
         config=config, fsdp_version=version, source=source, dialect="accelerate", explicit=frozenset(keys), wrap=wrap,
+        adapter_units=AdapterUnits.AUTOCAST if version == 1 else None,  # LoRA: peft's wrap policy, autocast
         use_orig_params=True if version == 2 else _bool("fsdp_use_orig_params", fsdp.get("fsdp_use_orig_params", False)),
         sync_module_states=_bool("fsdp_sync_module_states", fsdp.get("fsdp_sync_module_states", False)),
         init="rank0" if rank0 else "all",

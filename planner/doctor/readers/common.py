@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from cost_models.fsdp1_adapters import AdapterUnits
 from cost_models.specs import FsdpConfig, Sharding
 
 from planner.errors import PlannerError
@@ -30,8 +31,9 @@ class UserSetup:
     explicit: frozenset = frozenset()       # keys the user wrote (FSDP argument names)
     wrap: str = "block"                     # block | size | none | custom
     use_orig_params: bool = False           # FSDP1's default
-    adapter_units: bool = False             # FSDP1: each LoRA adapter a unit casting its inputs (--emit fsdp1's
-    #                                         CustomPolicy(lora_unit); cost_models/fsdp1_adapters.py)
+    adapter_units: AdapterUnits | None = None  # FSDP1: each LoRA adapter a unit (cost_models/fsdp1_adapters.py):
+    #                                         CAST, --emit fsdp1's CustomPolicy(lora_unit); AUTOCAST, HF Trainer's and
+    #                                         accelerate's FSDP1 (peft's wrap policy, autocast)
     sync_module_states: bool = False
     init: str = "all"                       # all ranks load | rank0 (cpu_ram_efficient_loading) | meta | dcp (meta
     #                                         init, then each rank reads its shard: torchtitan)

@@ -21,6 +21,7 @@ from dataclasses import replace
 from cost_models import fsdp_options
 from cost_models.pipeline import blocks_per_stage, stage_rank
 from cost_models.schedules import Schedule
+from cost_models.fsdp1_adapters import AdapterUnits
 from cost_models.specs import FsdpConfig, Sharding
 
 from planner.doctor.readers import python_shared as shared
@@ -250,7 +251,8 @@ def from_fsdp1(s: Snippet) -> UserSetup:
         config = replace(config, **hsdp_fields(config.sharding, 2, dims.get("dp_shard"))[0])
     return UserSetup(
         config=config, fsdp_version=1, source=s.source, dialect="fsdp1-code", explicit=frozenset(call.kwargs),
-        wrap=wrap, use_orig_params=bool(kw.get("use_orig_params", False)), adapter_units=lora,
+        wrap=wrap, use_orig_params=bool(kw.get("use_orig_params", False)),
+        adapter_units=AdapterUnits.CAST if lora else None,
         sync_module_states=bool(kw.get("sync_module_states", False)), use_cache=_use_cache(s),
         grad_scaler=shared.grad_scaler(s), attention_from=attention_from,
         training=shared.optimizer(s, offload) + ((("finetune", "lora"),) if lora else ()),

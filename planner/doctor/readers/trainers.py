@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from cost_models.fsdp1_adapters import AdapterUnits
 from cost_models.specs import SELECTIVE_OP, FsdpConfig, Precision, Sharding
 
 from planner.emit import attention as attn
@@ -205,6 +206,8 @@ def from_hf_trainer(data: dict, source: str = "TrainingArguments") -> UserSetup:
     qlora, qlora_knobs = python_qlora.from_model_init_kwargs(data.get(attn.KWARGS) or {}, rank0)
     return UserSetup(
         config=config, fsdp_version=version, source=source, dialect="hf-trainer",
+        # FSDP1: a PEFT model's adapters in units of their own, under autocast (fsdp1_adapters.AdapterUnits)
+        adapter_units=AdapterUnits.AUTOCAST if version == 1 else None,
         explicit=frozenset(str(k).removeprefix("fsdp_") for k in data.get("fsdp_config") or {}),
         wrap=HF_WRAP[policy],
         use_orig_params=version == 2 or _bool("fsdp_config.use_orig_params", fsdp.get("use_orig_params", True)),

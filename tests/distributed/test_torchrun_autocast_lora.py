@@ -1,0 +1,89 @@
+"""LoRA under HF Trainer's / accelerate's FSDP1 for real: a tiny transformers Llama with peft adapters of rank 8 on
+q, k, v, o, wrapped as HF Trainer and accelerate wrap a PEFT model (peft's fsdp_auto_wrap_policy: each block and each
+adapter linear a unit; accelerate's MixedPrecision(bf16); the forward under torch.autocast(bf16), its outputs made
+fp32: worker_autocast_lora.py), one measured step on 2 gloo ranks, against the ledger as `fsdp-plan` prices the
+hf-fsdp1 and accelerate trainers (cost_models/fsdp1_adapters.py AdapterUnits.AUTOCAST).
+
+peft's LoRA layer casts the adapter's input to the fp32 adapter weight seen outside its unit (tuners/lora/layer.py
+Linear.forward); autocast casts that copy back to bf16 for lora_A's linear, which saves it: each adapter its own
+copy, as under the planner's FSDP1 code. Measured 2026-12-06, 2 x 128 tokens, the loss backward, per rank:
+- h 256, V 512: 9,427,912 B, the ledger 9,425,664 (-0.02%; FSDP2-shaped, as priced before: 8,986,368, -4.7%);
+- h 512, V 1024: 25,137,992 B, the ledger 25,099,776 (-0.15%; FSDP2-shaped: 26,582,528, +5.7%);
+- QLoRA, h 256, V 512 (needs bitsandbytes; peft's autocast check read as on a GPU): 6,876,104 B + the QuantStates
+  34,008 = 6,910,112, where peft's bitsandbytes layer casts nothing (tuners/lora/bnb.py: requires_conversion = not
+  torch.is_autocast_enabled()): 786,560 B below the same model's FSDP1 run under the planner's code (7,696,672,
+  test_torchrun_qlora.py), the six copies (786,432 B). The ledger adds the copies there unless memory_shape.py asks
+  fsdp1_adapters.casts_inputs (not yet: 7,690,200, +11.3%; without them 6,903,768, -0.09%): xfail until it does.
+Three cases of the shared 2-rank launch (cases.shared): this file alone took 24.5 CPU s with torchrun's start-up and
+pytest's, ~12 of them the cases, both ranks (measured 2026-12-06).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import math
+
+import pytest
+
+from cost_models import qlora
+from cost_models.memory import estimate_memory
+from cost_models.profile import Profile
+from cost_models.specs import ClusterSpec, FsdpConfig, GpuSpec, TrainingSpec
+from planner.trainers.table import TRAINERS
+from tests.distributed.cases import shared
+from tests.distributed.worker_qlora import LORA_RANK, MICRO_BATCH, spec_of
+
+pytestmark = pytest.mark.distributed
+
+PLAIN = ({"hidden": 256, "layers": 2, "seq": 128}, {"hidden": 512, "layers": 2, "seq": 128, "vocab": 1024})
+QLORA = ({"hidden": 256, "layers": 2, "seq": 128, "qlora": True},)
+CASES = PLAIN + (QLORA if importlib.util.find_spec("bitsandbytes") else ())
+# measured -0.02% and -0.15%; without each adapter's input copy -4.7%, with FSDP2's all-gather shape +5.7%
+TOLERANCE = 0.005
+UNITS = 1 + 2 + 2 * 4 * 2  # the root, 2 blocks, lora_A and lora_B of q, k, v, o in each
+
+launch = shared(__file__, "worker_autocast_lora", CASES, timeout_s=300)
+
+
+@pytest.fixture(scope="module")
+def runs() -> tuple[dict, ...]:
+    return launch()
+
+
+@functools.cache
+def predicted(i: int, trainer: str):
+    case = CASES[i]
+    gpu = GpuSpec(id="cpu", name="CPU", memory_bytes=2 ** 30, hbm_bytes_per_s=1e11, intra_node_bus_bytes_per_s=1e10)
+    cluster = ClusterSpec(gpu=gpu, n_gpus=2, gpus_per_node=2, internode_bytes_per_s=1e9)
+    training = TrainingSpec(seq_len=case["seq"], finetune="qlora" if case.get("qlora") else "lora", lora_rank=LORA_RANK)
+    return estimate_memory(spec_of(case), cluster, training, FsdpConfig(micro_batch=MICRO_BATCH), Profile(),
+                           fsdp1_adapter_units=TRAINERS[trainer].host_ways().fsdp1_adapter_units)
+
+
+def real_peak(i: int, rank: dict) -> int:
+    """The tracker's peak, with the QuantStates it cannot see (no parameters) for QLoRA."""
+    state = qlora.replicated_bytes(spec_of(CASES[i]), True) if CASES[i].get("qlora") else 0
+    return rank["snapshot"]["peak_allocated_bytes"] + state
+
+
+@pytest.mark.parametrize("trainer", ["hf-fsdp1", "accelerate"])
+@pytest.mark.parametrize("i", range(len(PLAIN)))
+def test_lora_peak_per_rank_matches_the_trainers_ledger(runs, i, trainer):
+    assert runs[i]["units"] == UNITS  # accelerate's wrapping: every adapter linear a unit of its own
+    for rank in runs[i]["ranks"]:
+        real, memory = real_peak(i, rank), predicted(i, trainer)
+        print(f"case {CASES[i]}: real {real} B, {trainer} ledger {memory.peak_allocated_bytes} B")
+        assert all(math.isfinite(loss) and 4 < loss < 8 for loss in rank["losses"])
+        assert abs(memory.peak_allocated_bytes - real) / real < TOLERANCE
+        assert rank["snapshot"]["peak_phase"] == memory.peak_phase == "backward"
+
+
+@pytest.mark.xfail(strict=True, reason="the ledger adds each adapter's input copy: memory_shape.py does not ask "
+                                       "fsdp1_adapters.casts_inputs yet (+11.3% here)")
+@pytest.mark.parametrize("i", range(len(PLAIN), len(CASES)))
+def test_qlora_under_autocast_saves_no_copies(runs, i):
+    for rank in runs[i]["ranks"]:
+        real, memory = real_peak(i, rank), predicted(i, "hf-fsdp1")
+        print(f"case {CASES[i]}: real {real} B, ledger {memory.peak_allocated_bytes} B")
+        assert abs(memory.peak_allocated_bytes - real) / real < TOLERANCE
