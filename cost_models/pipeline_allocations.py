@@ -24,7 +24,8 @@ compute dtype). Coarser variants checked against the traces (docs/accuracy.md): 
 block do about as well; parameters as one tensor per FSDP unit miss by up to 9%.
 
 Not modelled: the split backward's I / W passes (priced as one backward at W), the op order inside a block (its
-tensors are made in one sweep and freed in one), prefetching across stages, the CUDA context (added by the caller).
+tensors made in one sweep and freed in one; under TP with sequence parallel a checkpointed Llama block's are written
+op by op, tp_block_events.py), prefetching across stages, the CUDA context (added by the caller).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from .pipeline import rank_stages
 from .pipeline_orders import active_stages, orders
 from .pipeline_stage_pieces import stage_pieces
 from .specs import FsdpConfig, ModelSpec, TrainingSpec
+from .tp_block_events import BlockWidths, applies, backward_events, forward_events, keyed
 from .units import DTYPE_BYTES, GiB
 
 ALL_GATHER_STREAM, REDUCE_SCATTER_STREAM = "all_gather_copy_in", "reduce_scatter"  # alloc_sequence.py's names
@@ -109,6 +111,8 @@ class _RankWalk:
         sp = config.tp if tensor_parallel.sequence_parallel(config) else 1
         self.hs = -(-h * c // sp)  # the residual stream per token (sequence parallel: on s / tp tokens)
         self.loss_events = loss_memory.events(c, config.loss_compiled, tensor_parallel.loss_parallel(config))
+        # TP with sequence parallel: a checkpointed Llama block op by op (tp_block_events), not as one sweep
+        self.block = BlockWidths.of(model, config, self.tokens) if applies(model, config) else None
         self.events: list[tuple] = []
         self.gathered: set[int] = set()
         self.accumulated: dict[int, set] = {s: set() for s in self.pieces}  # units holding reduce-dtype sums
@@ -135,6 +139,14 @@ class _RankWalk:
 
     def tensors(self, per_token_bytes: int) -> list[int]:
         return [self.tokens * w for w in cut(per_token_bytes, self.widths)]
+
+    def templated(self, x, j: int) -> bool:
+        """Whether block j of stage x is written op by op (tp_block_events): checkpointed, keeping its input alone
+        (a residual-stream tensor; none where it is the stage's receive buffer)."""
+        return self.block is not None and x.checkpointed[j] and x.kept[j] in (0, self.hs)
+
+    def inputs(self, x, j: int) -> list[int]:  # what block j keeps to its backward (templated: its input, whole)
+        return [self.tokens * x.kept[j]] * bool(x.kept[j]) if self.templated(x, j) else self.tensors(x.kept[j])
 
     def _units(self, x) -> list[list[int]]:
         """The stage's FSDP units' parameter tensors: the root's (embedding, final norm, head) first, then blocks."""
@@ -189,18 +201,19 @@ class _RankWalk:
         self.accumulated[s].clear()
         self.reshard(s)
 
-    def weight_grads(self, s: int, u: int) -> None:
-        """A unit's backward leaves compute-dtype gradients; its post-backward adds them into the reduce-dtype sums
-        (made at the stage's first backward)."""
+    def weight_grads(self, s: int, u: int, made: bool = False) -> None:
+        """A unit's backward leaves compute-dtype gradients (made: already, by tp_block_events' products); its
+        post-backward adds them into the reduce-dtype sums (made at the stage's first backward: with `made` in the
+        trace's order, each sum beside its gradient, which goes at once)."""
         unit = self.units[s][u]
-        for i, n in enumerate(unit):
+        first = u not in self.accumulated[s]
+        self.accumulated[s].add(u)
+        for i, n in enumerate(unit if not made else ()):
             self.alloc(("wgrad", s, u, i), n * self.c)
-        if u not in self.accumulated[s]:
-            for i, n in enumerate(unit):
-                self.alloc(("acc", s, u, i), n * self.r)
-            self.accumulated[s].add(u)
-        for i in range(len(unit)):
-            self.free(("wgrad", s, u, i))
+        for i, n in enumerate(unit if first else ()):
+            self.alloc(("acc", s, u, i), n * self.r)
+            self.events += [("free", ("wgrad", s, u, i))] * made
+        self.events += [("free", ("wgrad", s, u, i)) for i in range(0 if made and first else len(unit))]
 
     def root_units(self, s: int) -> int:
         """1 where the stage has a root unit (embedding, final norm, head) before its blocks, else 0."""
@@ -233,16 +246,24 @@ class _RankWalk:
         or all it saves; the stage output in fwd_cache; the root's saved tensors and the loss on the last stage."""
         s = x.stage.index
         root = self.root_units(s)
-        for j, per_token in enumerate(x.kept):
+        out = None  # a templated block's output: the next block's kept input, or ("block_out", ...) until it is made
+        for j in range(len(x.kept)):
             self.pre_forward(s, root + j)
-            for t, size in enumerate(self.tensors(per_token)):
+            for t, size in enumerate(self.inputs(x, j) if out != ("saved", s, mb, j, 0) else ()):
                 self.alloc(("saved", s, mb, j, t), size)
-            if x.checkpointed[j]:
+            self.events += [("free", out)] * (out is not None and out[0] == "block_out")
+            out = None
+            if self.templated(x, j):
+                nxt = j + 1 < len(x.kept) and self.templated(x, j + 1) and x.kept[j + 1]
+                out = ("saved", s, mb, j + 1, 0) if nxt else ("block_out", s, mb)
+                self.events += keyed(forward_events(self.block), ("forward", s, mb, j), {"x": None, "out": out})
+            elif x.checkpointed[j]:
                 self.transient(("forward", s, mb, j), self.tensors(x.block_full))
             self.post_forward(s, root + j)
         # the rotary tables, and on the last stage the final norm's saved tensors and the labels
         self.alloc(("rest", s, mb), x.saved - self.tokens * sum(x.kept) - x.output)
         self.alloc(("output", s, mb), x.output)
+        self.events += [("free", out)] * (out is not None)
         if x.stage.head:
             self.loss(self.loss_events[0], s, mb)
 
@@ -259,6 +280,13 @@ class _RankWalk:
         self.alloc(grad_in, self.tokens * self.hs)
         for j in reversed(range(x.stage.n_blocks)):
             self.pre_backward(s, root + j)
+            if self.templated(x, j):  # its input freed in its first norm's backward, its output gradient before
+                names = {"dy": grad_in, "x": ("saved", s, mb, j, 0) if x.kept[j] else None, "dx": ("grad_in", s, mb, j)}
+                names |= {f"w{i}": ("wgrad", s, root + j, i) for i in range(9)}
+                self.events += keyed(backward_events(self.block), ("backward", s, mb, j), names)
+                self.weight_grads(s, root + j, made=True)
+                grad_in = ("grad_in", s, mb, j)
+                continue
             recomputed = self.tensors(x.block_full) if x.checkpointed[j] else ()
             for t, size in enumerate(recomputed):
                 self.alloc(("recompute", s, mb, j, t), size)
@@ -266,7 +294,7 @@ class _RankWalk:
             self.weight_grads(s, root + j)
             for t in range(len(recomputed)):
                 self.free(("recompute", s, mb, j, t))
-            for t in range(len(self.tensors(x.kept[j]))):
+            for t in range(len(self.inputs(x, j))):
                 self.free(("saved", s, mb, j, t))
             self.alloc(("grad_in", s, mb, j), self.tokens * self.hs)
             self.free(grad_in)
@@ -330,7 +358,8 @@ def replayed_reserved(memory: MemoryEstimate, model: ModelSpec, cluster, trainin
     """A pipeline estimate (pipeline_memory.pipeline_estimate) with each rank's reserved peak from its replay, plus
     the memory outside the allocator (memory.outside_allocator), in place of allocated x (1 + fragmentation): never
     below the rank's allocated peak. Run for the candidates reported, not inside the search (a 405B pp 8 estimate
-    replays 8 ranks: ~2 s). settings None: the config's own (its alloc_conf, PYTORCH_CUDA_ALLOC_CONF).
+    replays 8 ranks, their TP blocks op by op: ~2.5 s of CPU). settings None: the config's own (its alloc_conf,
+    PYTORCH_CUDA_ALLOC_CONF).
 
     Whether it fits stays the flat rule's (evaluate.py), on purpose: under memory pressure c10's allocator does
     not fail where the replay would map a new segment - malloc first frees cached blocks of the pool

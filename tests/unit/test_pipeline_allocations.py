@@ -110,9 +110,10 @@ def traced_last_rank_tp():
 def test_the_last_stage_under_tp_holds_loss_parallels_tensors(traced_last_rank_tp, name):
     """Loss parallel's backward holds four fp32 copies of the rank's vocab / tp logits (loss_memory.
     loss_parallel_events), a 2,048 x 8,000 x 4 B = 62.5 MiB tensor more than the eager loss's three. Measured at
-    this commit: allocated 1,291,444,224 B vs the trace's 1,296,609,792 (-0.4%; -5.4% with the eager loss's events),
+    c030d78: allocated 1,291,444,224 B vs the trace's 1,296,609,792 (-0.4%; -5.4% with the eager loss's events),
     reserved 1,778,384,896 / 1,637,875,712 vs 1,707,081,728 / 1,619,001,344 (defaults / expandable: +4.2% / +1.2%;
-    -4.2% / -1.4% before)."""
+    -4.2% / -1.4% before). With the blocks op by op (tp_block_events.py): allocated 1,292,230,656 (-0.3%), reserved
+    1,675,624,448 / 1,616,904,192 (-1.8% / -0.1%)."""
     spec, _, training = resolve_inputs(dict(ARCH), 8, gpus_per_node=8, seq_len=2048)
     local, local_training = rank_inputs(spec, training, TP_CONFIG)
     settings = SETTINGS[name]
@@ -131,8 +132,9 @@ WIDE_TP = FsdpConfig(precision="bf16", ac_every=1, micro_batch=1, grad_accum=4, 
 def test_a_middle_stage_at_405b_widths_under_tp_8_allocates_what_the_trace_does():
     """Llama 3.1 405B's widths, one block a stage, pp 4 x tp 8 (sequence parallel), 4 x 8,192 tokens, rank 1 (~5 s of
     CPU: fake tensors cost nothing). There the post-attention RMSNorm's backward is the block's moment; under sequence
-    parallel it runs on s / tp tokens. Measured at this commit: 9,593,552,896 B vs the trace's 9,698,817,536 (-1.1%);
-    with the norm's bytes at full tokens +11.1% (10,776,281,088)."""
+    parallel it runs on s / tp tokens. Measured at 25f986f: 9,593,552,896 B vs the trace's 9,698,817,536 (-1.1%);
+    with the norm's bytes at full tokens +11.1% (10,776,281,088). With the block op by op (tp_block_events.py):
+    9,660,604,416 (-0.4%)."""
     pytest.importorskip("transformers")
     from calibration.trace_pipeline import trace_pipeline
 
