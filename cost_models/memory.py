@@ -30,9 +30,9 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from . import (activation_notes, activations, context_parallel, expert_parallel, fsdp1_adapters, kernels, moe,
-               operators, optimizer_step, qlora, tensor_parallel)
-from .memory_types import MemoryBreakdown, MemoryEstimate, ParamCounts, traced_block_terms
+from . import activations, context_parallel, expert_parallel, kernels, moe, optimizer_step, qlora, tensor_parallel
+from .memory_shape import ledger_shape, shape_key
+from .memory_types import MemoryBreakdown, MemoryEstimate, ParamCounts
 from .outside_allocator import outside_allocator_terms
 from .profile import Profile
 from .specs import ClusterSpec, FsdpConfig, ModelSpec, Sharding, TrainingSpec
@@ -43,7 +43,11 @@ def _shard(n_bytes: float, d: int) -> int:
 
 
 def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, config: FsdpConfig,
-                    profile: Profile, fsdp1_adapter_units: bool = False) -> MemoryEstimate:
+                    profile: Profile, fsdp1_adapter_units: bool = False, shapes: dict | None = None,
+                    outside: tuple | None = None) -> MemoryEstimate:
+    """shapes: a memo of memory_shape.ledger_shape for this model, training and profile (a search's candidates share
+    them across FSDP's own knobs: planner/search/memo.py); outside: the memory outside the allocator where the caller
+    has it (outside_allocator_terms, without a DeepEP buffer)."""
     if config.pp > 1:  # per pipeline rank: its stages and its schedule's in-flight microbatches; the largest leads
         from .pipeline_memory import pipeline_estimate
 
@@ -57,32 +61,31 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
         model = ep_view.model
     if config.cp > 1:
         training = dataclasses.replace(training, seq_len=training.seq_len // config.cp)
+    key = shape_key(config, ep_view, fsdp1_adapter_units) if shapes is not None else None
+    s = shapes.get(key) if shapes is not None else None
+    if s is None:  # what the blocks save and work on, FSDP's knobs aside (memory_shape.py)
+        s = ledger_shape(model, training, config, ep_view, fsdp1_adapter_units)
+        if shapes is not None:
+            shapes[key] = s
     L = model.n_layers
     d = config.shard_group_size(cluster)
     precision = config.precision
-    c = DTYPE_BYTES[precision.compute_dtype]        # gathered params, activations, compute grads
-    p = DTYPE_BYTES[precision.param_dtype]          # stored params and their gradients
+    c, p, frozen_p = s.c, s.p, s.frozen_p
     r = DTYPE_BYTES[config.gradient_reduce_dtype]   # reduce-scatter / all-reduce buffers
-    frozen_p = c if precision.mixed else p          # frozen (LoRA base) weights are kept in compute dtype
     # MoE: stacked experts padded as FSDP2 pads them on dim 0 (the matrices unpadded when sharded on dim 1)
     counts = ParamCounts.of(model, training, d, dim1=bool(config.expert_shard_dim))
     shard_counts = counts  # what the model states divide by d (EP: the experts' efsdp shard, scaled to d)
     if ep_view is not None:
         counts, shard_counts = ep_view.param_counts(training)
-    real = ParamCounts.of(model, training)          # what autograd's gradients hold
+    real = s.real
     trainable, frozen = shard_counts.trainable(L), shard_counts.frozen(L)
-    opt_per_param = training.optimizer.state_bytes_per_param(precision.param_dtype)
     gpu_states = 0 if config.offload else 1
-
-    # QLoRA (qlora.py): each block's linears packed in 4 bits, sharded and gathered so; their QuantState on
-    # every rank (on the GPU even with offload); the linear in flight dequantized in its forward and backward
-    quantized = qlora.quantized_per_block(model) if training.quantized else 0
-    quant_state = qlora.replicated_bytes(model, training.double_quant) if quantized else 0
+    quantized, quant_state = s.quantized, s.quant_state  # QLoRA (qlora.py, memory_shape.py)
 
     # --- model states, sharded over d (on the CPU with offload) -------------------------------------
     sharded_params = _shard(trainable * p + frozen * frozen_p - L * qlora.saving_bytes(quantized, frozen_p), d)
     sharded_grads = _shard(trainable * p, d)
-    optimizer_state = _shard(trainable * opt_per_param, d)
+    optimizer_state = _shard(trainable * s.opt_per_param, d)
     # what the step allocates on top, by optimizer and implementation (foreach: one state's worth; fused: none)
     step_temporaries = optimizer_step.step_temporary_bytes(model, training, precision, d, trainable)
     block_sharded_grad = _shard(shard_counts.trainable_block * p, d)
@@ -93,70 +96,30 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
 
     # --- gathered params and collective buffers ------------------------------------------------------
     block_c, root_c = counts.block() * c - qlora.saving_bytes(quantized, c), counts.root() * c
-    adapter_units = fsdp1_adapter_units and training.adapter_rank > 0  # FSDP1: each adapter a unit of its own
-    block_c -= fsdp1_adapters.block_adapter_bytes(model, training.adapter_rank, c) if adapter_units else 0
+    adapter_units = s.adapter_units  # FSDP1: each adapter a unit of its own
+    block_c -= s.adapter_bytes if adapter_units else 0
     if config.fp8_all_gather:  # FSDP2 gathers the Float8 linears' weights in FP8: 1 byte each, not c
-        block_c -= operators.fp8_all_gather_saving_bytes(model, c, training.seq_len)
+        block_c -= s.fp8_saving
     keeps_gathered = config.sharding in (Sharding.SHARD_GRAD_OP, Sharding.HYBRID_SHARD_ZERO2)
     prefetches = not keeps_gathered and d > 1
     root_rs = counts.trainable_root * r if d > 1 else 0
 
-    # --- activations, per token of the micro-batch ----------------------------------------------------
-    tokens = config.micro_batch * training.seq_len
-    attn = config.attention
-    lora_rank, kern = training.adapter_rank, kernels.memory_kernels(config)  # Liger / TE kernels (kernels.py)
-    full = activations.block_bytes_per_token(model, c, attn, training.seq_len, config.micro_batch, lora_rank, kern)
-    traced = traced_block_terms(model, precision, attn) if not lora_rank else None
-    if traced is not None:
-        full = round(traced.saved_bytes_per_token(training.seq_len))
-    if ep_view is not None:  # the dispatch / combine's own saved tensors, the busiest rank's extra rows
-        full += round(ep_view.saved_delta_bytes_per_token(c))
-    ckpt = activations.checkpointed_block_bytes_per_token(model, c)
-    if config.selective_op_ac:  # every block checkpointed, keeping its input and the policy's saved outputs
-        ckpt = activations.selective_op_held_bytes_per_token(model, c, attn, training.seq_len, lora_rank)
-    root_saved = activations.root_bytes_per_token(model, c, lora=bool(lora_rank), fused_norm=kern.fused_norm)
-    if tensor_parallel.sequence_parallel(config) and traced is None:  # the residual stream on s / tp tokens
-        full, ckpt, root_saved = tensor_parallel.sequence_parallel_saved_bytes(
-            model, c, config.tp, full, ckpt, root_saved, lora=bool(lora_rank), selective_op=config.selective_op_ac)
-    if config.cp > 1 and traced is None:  # ring attention's output and the o-projection's copy of it
-        full += context_parallel.ring_saved_bytes_per_token(model, config.cp, c)
-    if adapter_units:  # each adapter's own copy of its input
-        full += fsdp1_adapters.saved_copies_bytes_per_token(model, c, precision.mixed,
-                                                            activations.uses_s2_attention(model, attn))
-    K = 1 if config.selective_op_ac else config.ac_every
-    shared = activations.shared_bytes(model, c, training.seq_len)
-    if K and traced is not None:  # the blocks' other inputs (masks, rotary tables), kept for the recompute
-        shared = round(traced.checkpoint_held_bytes(config.micro_batch, training.seq_len))
-    elif K:
-        shared += activations.eager_mask_bytes(model, c, training.seq_len, config.micro_batch, attn)
+    # --- activations, per token of the micro-batch (memory_shape.py) ----------------------------------
+    tokens, kern = s.tokens, s.kern
+    full, traced, ckpt, root_saved, K, shared, first_less = (s.full, s.traced, s.ckpt, s.root_saved, s.K, s.shared,
+                                                             s.first_less)
 
     def is_ckpt(i: int) -> bool:
         return bool(K) and i % K == 0
 
-    # LoRA without checkpointing: block 0's first norm saves nothing (its input needs no gradient).
-    first_less = activations.first_block_lora_savings(model, c, kern.fused_norm) if lora_rank and not K else 0
-
     # MoE models' leading dense blocks (n_dense_layers): their own saved bytes, gathered bytes and sharded
     # gradient in what lies below / has been done at a moment and at its own moment.
     nd = model.n_dense_layers
-    dense = moe.dense_block_spec(model)
-    full_dense = activations.block_bytes_per_token(dense, c, attn, training.seq_len, config.micro_batch,
-                                                   lora_rank, kern) if dense else full
-    traced_dense = traced.dense if traced is not None and nd else None
-    if traced_dense is not None:
-        full_dense = round(traced_dense.saved_bytes_per_token(training.seq_len))
-    elif traced is not None:
-        full_dense = full  # interleaved dense blocks (Llama 4): the profile's mean over the pattern covers them
+    full_dense, traced_dense = s.full_dense, s.traced_dense
     dense_delta = (counts.trainable_dense_delta + counts.frozen_dense_delta) // nd if nd else 0
     dense_grad_delta = (shard_counts.trainable_dense_delta // nd * p) // d if nd else 0
     dense_rs_delta = counts.trainable_dense_delta // nd * r if nd and d > 1 else 0
-
-    # Which blocks are dense: all leading (DeepSeek) or interleaved (Llama 4, Qwen's decoder_sparse_step).
-    dense_blocks = model.dense_block_indices()
-    leading = dense_blocks == frozenset(range(nd))
-    dense_prefix = [0]
-    for i in range(L if dense_blocks and not leading else 0):
-        dense_prefix.append(dense_prefix[-1] + (i in dense_blocks))
+    dense_blocks, leading, dense_prefix = s.dense_blocks, s.leading, s.dense_prefix
 
     def n_dense_below(i: int) -> int:
         """Dense blocks among blocks 0 .. i-1."""
@@ -216,27 +179,9 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
         """Sharded gradients of blocks i+1 .. L-1, reduce-scattered already."""
         return (L - 1 - i) * block_sharded_grad + (nd - n_dense_below(i + 1)) * dense_grad_delta
 
-    _, logits_peak = activations.logits_bytes_per_token(model, c, config.loss_compiled)
-    if tensor_parallel.loss_parallel(config):  # loss parallel, vocab / tp
-        logits_peak = tensor_parallel.loss_parallel_peak_bytes_per_token(model)
-    w_mlp = activations.mlp_backward_working_bytes_per_token(model, c, lora=bool(lora_rank), kernels=kern)
-    w_attn = activations.attention_backward_working_bytes_per_token(model, c, attn, training.seq_len)
-    w_attn += context_parallel.ring_working_bytes_per_token(model, config.cp, c)  # CP: the ring's transients
-    freed_attn = activations.attention_freed_before_backward_bytes_per_token(
-        model, c, lora=bool(lora_rank), attention=attn, kernels=kern, micro_batch=config.micro_batch)
+    w_mlp, w_attn, freed_attn = s.w_mlp, s.w_attn, s.freed_attn
     h, f = model.hidden_size, model.ffn_hidden_size
-    # Gradients accumulated when the MLP's backward peaks (fc2's weight), and the attention's (the MLP's and o's)
-    mlp_grad = min(real.trainable_block, h * f) * c
-    attn_grad = min(real.trainable_block, (3 if model.gated_mlp else 2) * h * f + model.q_dim * h) * c
-    mlp_moments = ()
-    if model.moe is not None:  # the MoE MLP's own moments (cost_models/moe.py); at the attention's, all its grads
-        mlp_moments = {ck: moe.backward_moments(model, c, lora=bool(lora_rank), recomputed=ck) for ck in (False, True)}
-        attn_grad = min(real.trainable_block, moe.mlp_param_elements(model) + model.q_dim * h) * c
-        if ep_view is not None:
-            mlp_moments = {ck: ep_view.backward_moments(c, recomputed=ck) for ck in (False, True)}
-            attn_grad = min(real.trainable_block, moe.mlp_param_elements(model) + model.q_dim * h
-                            - model.moe.routed_params + ep_view.local_experts * model.moe.expert_params) * c
-    ckpt_input_extra = 0 if activations.input_saved_by_first_norm(model, c, kern.fused_norm) else ckpt
+    mlp_grad, attn_grad, mlp_moments, ckpt_input_extra = s.mlp_grad, s.attn_grad, s.mlp_moments, s.ckpt_input_extra
     head_grad = (model.head_params or (model.embedding_params if model.tied_embeddings else 0)) + model.root_other_params
     head_grad = min(head_grad, counts.trainable_root) * c
 
@@ -250,7 +195,7 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
         unsharded_params=root_c + (gathered_below(L) if keeps_gathered else 0) + partial_below(L),
         collective_buffers=prefetch_below(L),
         activations=tokens * (saved_below(L) + root_saved) + shared,
-        logits_and_loss=kernels.loss_peak_bytes(model, c, config, kern, tokens, tokens * logits_peak),
+        logits_and_loss=s.loss_peak,
     )
     if config.loss_compiled and not keeps_gathered and d > 1:
         # A compiled loss runs outside the model (on its logits): the root's FSDP2 post-forward has
@@ -268,16 +213,7 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
             moments["loss backward"], collective_buffers=experts_c,
             logits_and_loss=kernels.loss_forward_bytes(model, c, kern, tokens, tokens * activations.forward_logits_bytes_per_token(
                 model, c, config.loss_compiled)))
-    # Within blocks of one kind (checkpointed or not) a block's moment is linear in its index: the saved
-    # tensors below it shrink going down while the sharded gradients of the blocks done grow. The extremes
-    # of each kind, and the neighbours where the prefetch / reduce-scatter buffers start or stop, suffice.
-    candidates = {i for i in (0, 1, L - 2, L - 1, K * ((L - 1) // K) if K else 0, nd - 1, nd) if 0 <= i < L}
-    if dense_blocks and not leading:  # interleaved: the extremes of each kind of block and of its neighbours
-        kinds: dict[tuple, list[int]] = {}
-        for i in range(L):
-            kinds.setdefault((is_ckpt(i), i in dense_blocks, i - 1 in dense_blocks, i + 1 in dense_blocks), []).append(i)
-        candidates |= {ends[0] for ends in kinds.values()} | {ends[-1] for ends in kinds.values()}
-    for i in sorted(candidates, reverse=True):
+    for i in s.candidates:  # the blocks whose moment can peak (memory_shape.py)
         # A checkpointed block re-runs its forward; its saved input stays (unless the first norm saves
         # that very tensor).
         traced_dense_block = traced_dense is not None and i in dense_blocks
@@ -352,7 +288,7 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
         # into the unsharded parameter): at a block's pre-backward its flat all-gather output, the temporary
         # and the unsharded block are alive at once, with the saved tensors of the blocks up to it.
         temp = moe.dim1_elements(model, d) * c
-        for i in sorted(candidates, reverse=True):
+        for i in s.candidates:
             moments[f"all-gather copy-out of block {i}"] = MemoryBreakdown(
                 **states(grads_done(i)),
                 unsharded_params=root_c + gathered(i),
@@ -383,10 +319,10 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
     peak_allocated = breakdown.total_bytes
     # The loss's segments stay reserved once made (allocator.py): with its allocator-stranded bytes the loss
     # backward can set the reserved peak even where another moment allocates more.
-    loss_reserved = moments["loss backward"].total_bytes + kernels.loss_reserved_extra_bytes(
-        model, c, config, kern, tokens, tokens * activations.logits_reserved_extra_bytes_per_token(model, c, config.loss_compiled))
-    outside = outside_allocator_terms(cluster, config, profile, full_model, training,
-                                      ep_view.outside_allocator_bytes(c) if ep_view is not None else 0)
+    loss_reserved = moments["loss backward"].total_bytes + s.loss_reserved_extra
+    if outside is None:
+        outside = outside_allocator_terms(cluster, config, profile, full_model, training,
+                                          ep_view.outside_allocator_bytes(c) if ep_view is not None else 0)
     peak_reserved = profile.reserved_bytes(max(peak_allocated, loss_reserved), sum(t.bytes for t in outside))
     cpu_per_rank = (sharded_params + sharded_grads + optimizer_state + step_temporaries) if config.offload else 0
     return MemoryEstimate(breakdown=breakdown, peak_phase=phase,
@@ -394,7 +330,7 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
                 **{"forward": m for k, m in moments.items() if k.startswith("forward")}},  # QLoRA's, above
         peak_allocated_bytes=peak_allocated, peak_reserved_bytes=peak_reserved,
         cpu_bytes_per_node=cpu_per_rank * cluster.gpus_per_node, cpu_ram_capacity_bytes=cluster.cpu_ram_bytes_per_node,
-        notes=tuple(activation_notes.quirks(model, config.attention, training.seq_len))
+        notes=s.quirks
         + tuple(n for n in [None if config.expert_shard_dim or ep_view else moe.padding_note(model, d, c)] if n)
         + (ep_view.notes() if ep_view is not None else ()),
         peak_moment=peak_moment, outside_allocator=outside)

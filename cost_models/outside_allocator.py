@@ -223,6 +223,13 @@ def symmetric_memory_bytes(model, training, config) -> int:
     return workspace + 32 * 72 * 4
 
 
+def outside_key(config) -> tuple:
+    """What outside_allocator_terms reads of config: the mesh (strategy, shard group, degrees), async TP's workspace
+    (micro-batch), the Float8 and compile words; a search prices the terms once per key (planner/search/memo.py)."""
+    return (config.sharding, config.shard_group_gpus, config.tp, config.cp, config.ep, config.pp, config.async_tp,
+            config.micro_batch, config.float8, config.compile)
+
+
 def outside_allocator_terms(cluster, config, profile, model=None, training=None,
                             deepep_bytes: int = 0) -> tuple[OutsideTerm, ...]:
     """Every term, in TERMS order, after the profile's measured context and its overrides (Profile.outside_allocator:

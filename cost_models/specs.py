@@ -114,6 +114,10 @@ class TrainingSpec:
 
 
 REDUCE_DTYPES = ("fp32", "bf16")
+# FsdpConfig fields of FSDP's own: what a candidate's blocks compute and save (step_time._compute_parts, memory_shape)
+# never reads them; they price the collectives, the model states and the optimizer step around the blocks
+FSDP_ONLY_FIELDS = frozenset({"sharding", "offload", "backward_prefetch", "forward_prefetch", "limit_all_gathers",
+                              "reshard_after_forward", "shard_group_gpus", "grad_accum", "reduce_dtype"})
 
 
 @dataclass(frozen=True)

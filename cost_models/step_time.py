@@ -31,7 +31,7 @@ from .kernel_time import Rates
 from .memory import ParamCounts
 from .pipeline_step import _pipeline_step
 from .profile import Profile
-from .specs import ClusterSpec, FsdpConfig, ModelSpec, Sharding, TrainingSpec
+from .specs import FSDP_ONLY_FIELDS, ClusterSpec, FsdpConfig, ModelSpec, Sharding, TrainingSpec
 from .step_parts import (_block_times, _mesh_times, _optimizer_times, _shard_tiers, mesh_tiers, priced_block_ops,
                          root_memory_bytes_per_token)
 from .time_breakdown import TimeBreakdown
@@ -41,10 +41,8 @@ __all__ = ["estimate_step_time", "TimeBreakdown", "mesh_tiers", "priced_block_op
            "_shard_tiers"]  # the last four and TimeBreakdown live in step_parts.py / time_breakdown.py
 
 
-# FsdpConfig fields the blocks' and the mesh's seconds (_compute_parts) never read: FSDP's own knobs, which price
-# the collectives around the blocks, the offload and the optimizer step (step_parts._shard_tiers, _optimizer_times)
-FSDP_ONLY_FIELDS = frozenset({"sharding", "offload", "backward_prefetch", "forward_prefetch", "limit_all_gathers",
-                              "reshard_after_forward", "shard_group_gpus", "grad_accum", "reduce_dtype"})
+# the blocks' and the mesh's seconds (_compute_parts) never read FSDP's own knobs (specs.FSDP_ONLY_FIELDS), which
+# price the collectives around the blocks, the offload and the optimizer step (step_parts._shard_tiers, _optimizer_times)
 _PARTS_FIELDS = attrgetter(*(f.name for f in fields(FsdpConfig) if f.name not in FSDP_ONLY_FIELDS))
 
 
@@ -73,9 +71,7 @@ def estimate_step_time(model: ModelSpec, cluster: ClusterSpec, training: Trainin
     precision = config.precision
     dtype = precision.compute_dtype
     peak = gpu.priced_peak_flops(dtype)
-    rates = Rates.of(gpu, dtype, profile, config.attention_kernel.value)
     c = DTYPE_BYTES[dtype]
-    p = DTYPE_BYTES[precision.param_dtype]
     r = DTYPE_BYTES[config.gradient_reduce_dtype]
     L = model.n_layers
     d = config.shard_group_size(cluster)
@@ -92,10 +88,12 @@ def estimate_step_time(model: ModelSpec, cluster: ClusterSpec, training: Trainin
 
     # --- compute per micro-step: every operator priced by its class (kernel_time.py) -------------------
     parts, key = {} if parts is None else parts, _PARTS_FIELDS(config)
-    if key not in parts:
-        parts[key] = _compute_parts(full_model, model, training, config, cluster, profile, rates, c, tokens)
-    (block, dense_block, block_recompute_s, weight_casts_s, head, head_s, root_memory_s, tp_t, cp_t, model_flops,
-     recompute_flops) = parts[key]
+    if key not in parts:  # the rates read the precision and the attention kernel, in the key
+        rates = Rates.of(gpu, dtype, profile, config.attention_kernel.value)
+        parts[key] = (rates, mfu_flops_per_token(full_model, training),
+                      *_compute_parts(full_model, model, training, config, cluster, profile, rates, c, tokens))
+    (rates, mfu_per_token, block, dense_block, block_recompute_s, weight_casts_s, head, head_s, root_memory_s, tp_t,
+     cp_t, model_flops, recompute_flops) = parts[key]
     nd = model.n_dense_layers
     dense_delta = (counts.trainable_dense_delta + counts.frozen_dense_delta) // nd if nd else 0  # per dense block
     blocks = [(L - nd, block)] + ([(nd, dense_block)] if dense_block is not None else [])
@@ -255,7 +253,7 @@ def estimate_step_time(model: ModelSpec, cluster: ClusterSpec, training: Trainin
         overhead_s=overhead_s,
         step_s=step_s,
         tokens_per_s_per_gpu=tokens_per_step / step_s,
-        mfu=full_tokens_per_step * mfu_flops_per_token(full_model, training) / (step_s * peak),
+        mfu=full_tokens_per_step * mfu_per_token / (step_s * peak),
         hfu=accum * (model_flops + recompute_flops) / (step_s * peak),
         tp_comm_s=tp_comm,
         tp_exposed_comm_s=tp_exposed,

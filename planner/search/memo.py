@@ -27,6 +27,7 @@ from cost_models.evaluate import Evaluation, evaluate
 from cost_models.feasibility import as_run
 from cost_models.host_ram import HostRam, Ways, host_ram
 from cost_models.memory import MemoryEstimate, estimate_memory
+from cost_models.outside_allocator import outside_key
 from cost_models.pipeline_memory import pipeline_outside_terms, with_outside_terms
 from cost_models.profile import Profile
 from cost_models.specs import ClusterSpec, FsdpConfig, ModelSpec, TrainingSpec
@@ -71,6 +72,8 @@ class Costing:
     times: dict[tuple, TimeBreakdown] = field(default_factory=dict)
     hosts: dict[tuple, HostRam] = field(default_factory=dict)
     step_parts: dict[tuple, tuple] = field(default_factory=dict)  # step_time._compute_parts, across FSDP's own knobs
+    shapes: dict[tuple, object] = field(default_factory=dict)  # memory_shape.ledger_shape, likewise
+    outsides: dict[tuple, tuple] = field(default_factory=dict)  # outside_allocator_terms by outside_key
 
     def evaluate(self, config: FsdpConfig) -> Evaluation:
         e = self.evaluations.get(config)
@@ -97,16 +100,24 @@ class Costing:
         replays) once per memory_key."""
         key = estimate_key(run)
         memory = self.estimates.get(key)
+        if memory is not None:
+            return memory
         # without a pipeline, the outside terms are pipeline_outside_terms' too where no DeepEP buffer joins them (ep 1)
         shares = run.pp > 1 or run.ep == 1
-        if memory is None and shares:
+        outside = None
+        if shares:  # priced once per what they read (outside_allocator.outside_key)
+            outside_at = outside_key(run)
+            outside = self.outsides.get(outside_at)
+            if outside is None:
+                outside = self.outsides[outside_at] = pipeline_outside_terms(self.model, self.cluster, self.training,
+                                                                             run, self.profile)
             shared = self.memories.get(memory_key(run))
             if shared is not None:  # another run's (Float8, async TP): this one's outside terms in place of its
-                memory = with_outside_terms(shared, pipeline_outside_terms(self.model, self.cluster, self.training,
-                                                                           run, self.profile))
+                memory = with_outside_terms(shared, outside)
         if memory is None:  # priced for this run: its outside terms are its own
             memory = estimate_memory(self.model, self.cluster, self.training, run, self.profile,
-                                     fsdp1_adapter_units=self.ways is not None and self.ways.fsdp1_adapter_units)
+                                     fsdp1_adapter_units=self.ways is not None and self.ways.fsdp1_adapter_units,
+                                     shapes=self.shapes, outside=outside)
             if shares:
                 self.memories[memory_key(run)] = memory
         self.estimates[key] = memory

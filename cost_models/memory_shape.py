@@ -1,0 +1,176 @@
+"""What the memory ledger (cost_models/memory.py) reads of a candidate's shape and not of FSDP's own knobs
+(specs.FSDP_ONLY_FIELDS: the strategy, its shard group, offload, prefetch, the rate limiter, resharding, gradient
+accumulation, the reduce dtype): a rank's model slice and tokens, the precision's widths, the activations each block
+saves per token with and without checkpointing, a block's backward working sets, the loss's bytes, the blocks whose
+moments can peak. A search holds ~6 candidates a shape (planner/search/memo.py prices it once per shape, as
+step_time._compute_parts prices the compute); every figure is what memory.py computed inline before."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from operator import attrgetter
+
+from . import (activation_notes, activations, context_parallel, fsdp1_adapters, kernels, moe, operators, qlora,
+               tensor_parallel)
+from .memory_types import ParamCounts, traced_block_terms
+from .specs import FSDP_ONLY_FIELDS, FsdpConfig, ModelSpec, TrainingSpec
+from .units import DTYPE_BYTES
+
+_SHAPE_FIELDS = attrgetter(*(f.name for f in fields(FsdpConfig) if f.name not in FSDP_ONLY_FIELDS))
+
+
+@dataclass(frozen=True)
+class LedgerShape:
+    c: int                      # compute dtype's bytes: gathered params, activations, compute grads
+    p: int                      # stored params and their gradients
+    frozen_p: int               # frozen (LoRA base) weights, kept in compute dtype under mixed precision
+    real: ParamCounts           # what autograd's gradients hold
+    opt_per_param: float
+    quantized: int              # QLoRA: a block's packed linears' elements (qlora.quantized_per_block)
+    quant_state: int
+    adapter_units: bool         # FSDP1: each adapter a unit of its own
+    adapter_bytes: int          # what a block's all-gather output holds less: its adapters as units of their own,
+    fp8_saving: int             # the Float8 linears' weights gathered in FP8
+    tokens: int
+    kern: kernels.Kernels
+    full: int                   # saved bytes per token of a block, not checkpointed
+    traced: object              # the block memory profile's terms (None: formulas)
+    ckpt: int                   # ... of a checkpointed block
+    root_saved: int
+    K: int                      # checkpoint every K blocks (selective op: 1)
+    shared: int
+    first_less: int
+    full_dense: int
+    traced_dense: object
+    dense_blocks: frozenset
+    leading: bool
+    dense_prefix: tuple
+    w_mlp: int
+    w_attn: int
+    freed_attn: int
+    mlp_grad: int
+    attn_grad: int
+    mlp_moments: object
+    ckpt_input_extra: int
+    loss_peak: int
+    loss_reserved_extra: int
+    candidates: tuple           # the blocks whose backward moments can peak, top first
+    quirks: tuple
+
+
+def shape_key(config: FsdpConfig, ep_view, fsdp1_adapter_units: bool) -> tuple:
+    """What ledger_shape reads of config, the EP view's shard groups and the FSDP1 adapter units (the model, training
+    and profile are the caller's memo's)."""
+    return _SHAPE_FIELDS(config), fsdp1_adapter_units, None if ep_view is None else (ep_view.efsdp, ep_view.d)
+
+
+def ledger_shape(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, ep_view,
+                 fsdp1_adapter_units: bool) -> LedgerShape:
+    """model: the rank's (TP slice, EP's experts), training: its s / cp tokens."""
+    L = model.n_layers
+    precision = config.precision
+    c = DTYPE_BYTES[precision.compute_dtype]
+    p = DTYPE_BYTES[precision.param_dtype]
+    # QLoRA (qlora.py): each block's linears packed in 4 bits, sharded and gathered so; their QuantState on
+    # every rank (on the GPU even with offload); the linear in flight dequantized in its forward and backward
+    quantized = qlora.quantized_per_block(model) if training.quantized else 0
+    adapter_units = fsdp1_adapter_units and training.adapter_rank > 0
+    adapter_bytes = fsdp1_adapters.block_adapter_bytes(model, training.adapter_rank, c) if adapter_units else 0
+    # FSDP2 gathers the Float8 linears' weights in FP8: 1 byte each, not c
+    fp8_saving = operators.fp8_all_gather_saving_bytes(model, c, training.seq_len) if config.fp8_all_gather else 0
+
+    # --- activations, per token of the micro-batch ----------------------------------------------------
+    tokens = config.micro_batch * training.seq_len
+    attn = config.attention
+    lora_rank, kern = training.adapter_rank, kernels.memory_kernels(config)  # Liger / TE kernels (kernels.py)
+    full = activations.block_bytes_per_token(model, c, attn, training.seq_len, config.micro_batch, lora_rank, kern)
+    traced = traced_block_terms(model, precision, attn) if not lora_rank else None
+    if traced is not None:
+        full = round(traced.saved_bytes_per_token(training.seq_len))
+    if ep_view is not None:  # the dispatch / combine's own saved tensors, the busiest rank's extra rows
+        full += round(ep_view.saved_delta_bytes_per_token(c))
+    ckpt = activations.checkpointed_block_bytes_per_token(model, c)
+    if config.selective_op_ac:  # every block checkpointed, keeping its input and the policy's saved outputs
+        ckpt = activations.selective_op_held_bytes_per_token(model, c, attn, training.seq_len, lora_rank)
+    root_saved = activations.root_bytes_per_token(model, c, lora=bool(lora_rank), fused_norm=kern.fused_norm)
+    if tensor_parallel.sequence_parallel(config) and traced is None:  # the residual stream on s / tp tokens
+        full, ckpt, root_saved = tensor_parallel.sequence_parallel_saved_bytes(
+            model, c, config.tp, full, ckpt, root_saved, lora=bool(lora_rank), selective_op=config.selective_op_ac)
+    if config.cp > 1 and traced is None:  # ring attention's output and the o-projection's copy of it
+        full += context_parallel.ring_saved_bytes_per_token(model, config.cp, c)
+    if adapter_units:  # each adapter's own copy of its input
+        full += fsdp1_adapters.saved_copies_bytes_per_token(model, c, precision.mixed,
+                                                            activations.uses_s2_attention(model, attn))
+    K = 1 if config.selective_op_ac else config.ac_every
+    shared = activations.shared_bytes(model, c, training.seq_len)
+    if K and traced is not None:  # the blocks' other inputs (masks, rotary tables), kept for the recompute
+        shared = round(traced.checkpoint_held_bytes(config.micro_batch, training.seq_len))
+    elif K:
+        shared += activations.eager_mask_bytes(model, c, training.seq_len, config.micro_batch, attn)
+    # LoRA without checkpointing: block 0's first norm saves nothing (its input needs no gradient).
+    first_less = activations.first_block_lora_savings(model, c, kern.fused_norm) if lora_rank and not K else 0
+
+    # MoE models' leading dense blocks (n_dense_layers): their own saved bytes at their own moment
+    nd = model.n_dense_layers
+    dense = moe.dense_block_spec(model)
+    full_dense = activations.block_bytes_per_token(dense, c, attn, training.seq_len, config.micro_batch,
+                                                   lora_rank, kern) if dense else full
+    traced_dense = traced.dense if traced is not None and nd else None
+    if traced_dense is not None:
+        full_dense = round(traced_dense.saved_bytes_per_token(training.seq_len))
+    elif traced is not None:
+        full_dense = full  # interleaved dense blocks (Llama 4): the profile's mean over the pattern covers them
+    # Which blocks are dense: all leading (DeepSeek) or interleaved (Llama 4, Qwen's decoder_sparse_step).
+    dense_blocks = model.dense_block_indices()
+    leading = dense_blocks == frozenset(range(nd))
+    dense_prefix = [0]
+    for i in range(L if dense_blocks and not leading else 0):
+        dense_prefix.append(dense_prefix[-1] + (i in dense_blocks))
+
+    _, logits_peak = activations.logits_bytes_per_token(model, c, config.loss_compiled)
+    if tensor_parallel.loss_parallel(config):  # loss parallel, vocab / tp
+        logits_peak = tensor_parallel.loss_parallel_peak_bytes_per_token(model)
+    w_mlp = activations.mlp_backward_working_bytes_per_token(model, c, lora=bool(lora_rank), kernels=kern)
+    w_attn = activations.attention_backward_working_bytes_per_token(model, c, attn, training.seq_len)
+    w_attn += context_parallel.ring_working_bytes_per_token(model, config.cp, c)  # CP: the ring's transients
+    freed_attn = activations.attention_freed_before_backward_bytes_per_token(
+        model, c, lora=bool(lora_rank), attention=attn, kernels=kern, micro_batch=config.micro_batch)
+    h, f = model.hidden_size, model.ffn_hidden_size
+    real = ParamCounts.of(model, training)
+    # Gradients accumulated when the MLP's backward peaks (fc2's weight), and the attention's (the MLP's and o's)
+    mlp_grad = min(real.trainable_block, h * f) * c
+    attn_grad = min(real.trainable_block, (3 if model.gated_mlp else 2) * h * f + model.q_dim * h) * c
+    mlp_moments = ()
+    if model.moe is not None:  # the MoE MLP's own moments (cost_models/moe.py); at the attention's, all its grads
+        mlp_moments = {ck: moe.backward_moments(model, c, lora=bool(lora_rank), recomputed=ck) for ck in (False, True)}
+        attn_grad = min(real.trainable_block, moe.mlp_param_elements(model) + model.q_dim * h) * c
+        if ep_view is not None:
+            mlp_moments = {ck: ep_view.backward_moments(c, recomputed=ck) for ck in (False, True)}
+            attn_grad = min(real.trainable_block, moe.mlp_param_elements(model) + model.q_dim * h
+                            - model.moe.routed_params + ep_view.local_experts * model.moe.expert_params) * c
+    ckpt_input_extra = 0 if activations.input_saved_by_first_norm(model, c, kern.fused_norm) else ckpt
+    # Within blocks of one kind (checkpointed or not) a block's moment is linear in its index: the saved
+    # tensors below it shrink going down while the sharded gradients of the blocks done grow. The extremes
+    # of each kind, and the neighbours where the prefetch / reduce-scatter buffers start or stop, suffice.
+    candidates = {i for i in (0, 1, L - 2, L - 1, K * ((L - 1) // K) if K else 0, nd - 1, nd) if 0 <= i < L}
+    if dense_blocks and not leading:  # interleaved: the extremes of each kind of block and of its neighbours
+        kinds: dict[tuple, list[int]] = {}
+        for i in range(L):
+            kinds.setdefault((bool(K) and i % K == 0, i in dense_blocks, i - 1 in dense_blocks, i + 1 in dense_blocks),
+                             []).append(i)
+        candidates |= {ends[0] for ends in kinds.values()} | {ends[-1] for ends in kinds.values()}
+    loss_peak = kernels.loss_peak_bytes(model, c, config, kern, tokens, tokens * logits_peak)
+    loss_reserved_extra = kernels.loss_reserved_extra_bytes(
+        model, c, config, kern, tokens, tokens * activations.logits_reserved_extra_bytes_per_token(
+            model, c, config.loss_compiled))
+    return LedgerShape(
+        c=c, p=p, frozen_p=c if precision.mixed else p, real=real,
+        opt_per_param=training.optimizer.state_bytes_per_param(precision.param_dtype), quantized=quantized,
+        quant_state=qlora.replicated_bytes(model, training.double_quant) if quantized else 0,
+        adapter_units=adapter_units, adapter_bytes=adapter_bytes, fp8_saving=fp8_saving, tokens=tokens, kern=kern,
+        full=full, traced=traced, ckpt=ckpt, root_saved=root_saved, K=K, shared=shared, first_less=first_less,
+        full_dense=full_dense, traced_dense=traced_dense, dense_blocks=dense_blocks, leading=leading,
+        dense_prefix=tuple(dense_prefix), w_mlp=w_mlp, w_attn=w_attn, freed_attn=freed_attn,
+        mlp_grad=mlp_grad, attn_grad=attn_grad, mlp_moments=mlp_moments, ckpt_input_extra=ckpt_input_extra,
+        loss_peak=loss_peak, loss_reserved_extra=loss_reserved_extra, candidates=tuple(sorted(candidates, reverse=True)),
+        quirks=tuple(activation_notes.quirks(model, config.attention, training.seq_len)))
