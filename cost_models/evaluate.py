@@ -63,34 +63,49 @@ def unsupported_reasons(cluster: ClusterSpec, config: FsdpConfig) -> list[str]:
     return [r.reason for r in refusals(cluster, config)]
 
 
-def evaluate(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, config: FsdpConfig,
-             profile: Profile, memory: MemoryEstimate | None = None, ways: Ways | None = None,
-             time: TimeBreakdown | None = None) -> Evaluation:
-    """Price `config` as FSDP runs it (feasibility.as_run: a reshard group equal to the shard group is the
-    strategy's own resharding), with the reasons it cannot run or does not fit; memory: its estimate where the
-    caller has it (planner/search/memo.py: priced once across knobs the memory does not read); ways: how the
-    trainer loads and saves (host_ram.Ways; default: rank 0 loads, DCP saves); time: the step time, likewise."""
-    config = as_run(config, cluster)
-    if memory is None:
-        memory = estimate_memory(model, cluster, training, config, profile,
-                                 fsdp1_adapter_units=ways is not None and ways.fsdp1_adapter_units)
-    time = estimate_step_time(model, cluster, training, config, profile) if time is None else time
-    reasons = unsupported_reasons(cluster, config)
-    capacity = cluster.gpu.memory_bytes
-    if (peak := step_peak_reason(memory, capacity)) is not None:
+def memory_verdict(memory: MemoryEstimate, profile: Profile, capacity_bytes: int, cpu_ram_bytes: int,
+                   offload: bool) -> tuple[MemoryEstimate, list[str]]:
+    """What the memory alone says of a candidate (its host RAM priced): the estimate with the notes of the moments
+    outside the step, and why it does not fit - the step's peak, those moments, the CPU RAM offload needs or the
+    host RAM per node. A search's candidates that differ only in what the memory does not read share it
+    (planner/search/memo.py)."""
+    reasons = []
+    if (peak := step_peak_reason(memory, capacity_bytes)) is not None:
         reasons.append(peak)
-    ram = cluster.cpu_ram_bytes_per_node
-    if memory.host_ram is None:  # host RAM per node: processes, offloaded state, loading and checkpoints
-        memory = dataclasses.replace(memory, host_ram=host_ram(model, cluster, training, config,
-                                                               memory.cpu_bytes_per_node, ways or Ways()))
-    outside_notes, outside_reasons = outside_step_gpu(memory, profile, capacity)
+    outside_notes, outside_reasons = outside_step_gpu(memory, profile, capacity_bytes)
     if outside_notes:
         memory = dataclasses.replace(memory, notes=memory.notes + outside_notes)
     reasons += outside_reasons
-    if config.offload and ram and memory.cpu_bytes_per_node > ram:
+    if offload and cpu_ram_bytes and memory.cpu_bytes_per_node > cpu_ram_bytes:
         reasons.append(f"CPU offload needs {memory.cpu_bytes_per_node / GiB:.0f} GiB of CPU RAM per node "
-                       f"> {ram / GiB:.0f} GiB")
-    elif host_ram_reason(memory.host_ram, ram):
-        reasons.append(host_ram_reason(memory.host_ram, ram))
+                       f"> {cpu_ram_bytes / GiB:.0f} GiB")
+    elif host_ram_reason(memory.host_ram, cpu_ram_bytes):
+        reasons.append(host_ram_reason(memory.host_ram, cpu_ram_bytes))
+    return memory, reasons
+
+
+def evaluate(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, config: FsdpConfig,
+             profile: Profile, memory: MemoryEstimate | None = None, ways: Ways | None = None,
+             time: TimeBreakdown | None = None, refused: tuple[str, ...] | None = None,
+             judged: tuple[MemoryEstimate, list[str]] | None = None) -> Evaluation:
+    """Price `config` as FSDP runs it (feasibility.as_run: a reshard group equal to the shard group is the
+    strategy's own resharding), with the reasons it cannot run or does not fit; memory: its estimate where the
+    caller has it (planner/search/memo.py: priced once across knobs the memory does not read); ways: how the
+    trainer loads and saves (host_ram.Ways; default: rank 0 loads, DCP saves); time: the step time, likewise; refused:
+    unsupported_reasons of the configuration FSDP runs, likewise; judged: memory_verdict of the memory, likewise."""
+    config = as_run(config, cluster)
+    capacity = cluster.gpu.memory_bytes
+    reasons = unsupported_reasons(cluster, config) if refused is None else list(refused)
+    if judged is None:
+        if memory is None:
+            memory = estimate_memory(model, cluster, training, config, profile,
+                                     fsdp1_adapter_units=ways is not None and ways.fsdp1_adapter_units)
+        if memory.host_ram is None:  # host RAM per node: processes, offloaded state, loading and checkpoints
+            memory = dataclasses.replace(memory, host_ram=host_ram(model, cluster, training, config,
+                                                                   memory.cpu_bytes_per_node, ways or Ways()))
+        judged = memory_verdict(memory, profile, capacity, cluster.cpu_ram_bytes_per_node, config.offload)
+    memory = judged[0]
+    reasons += judged[1]
+    time = estimate_step_time(model, cluster, training, config, profile) if time is None else time
     return Evaluation(config=config, fits=not reasons, reasons=tuple(reasons), memory=memory, time=time,
                       capacity_bytes=capacity)

@@ -61,19 +61,18 @@ def _compute_parts(full_model, model, training, config, cluster, profile, rates,
     return (block, dense_block, block_recompute_s, weight_casts_s, head, head_s, root_memory_s, tp_t, cp_t, *flops)
 
 
-def estimate_step_time(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, config: FsdpConfig,
-                       profile: Profile, terms: dict | None = None, parts: dict | None = None) -> TimeBreakdown:
-    """terms: a dict to receive the per-unit terms of one micro-step (cost_models/step_timeline.py draws them); parts:
-    a memo of _compute_parts for this model, cluster, training and profile (a search's candidates share them across
-    FSDP_ONLY_FIELDS: planner/search/memo.py)."""
-    full_model, model = model, tensor_parallel.local_model(model, config)  # a TP rank's slice of the model
-    gpu = cluster.gpu
-    precision = config.precision
-    dtype = precision.compute_dtype
-    peak = gpu.priced_peak_flops(dtype)
-    c = DTYPE_BYTES[dtype]
-    r = DTYPE_BYTES[config.gradient_reduce_dtype]
-    L = model.n_layers
+# what _fsdp_collectives reads of a configuration: the strategy and its shard group, the mesh (the rank's model slice,
+# EP's view), the dtypes, what a unit gathers (experts, Float8's FP8 all-gather) and the backward's reshard group
+_FSDP_FIELDS = attrgetter("sharding", "shard_group_gpus", "tp", "cp", "ep", "pp", "sequence_parallel", "precision",
+                          "reduce_dtype", "fp8_all_gather", "expert_shard_dim", "expert_units", "reshard_after_forward",
+                          "moe_dispatch")
+
+
+def _fsdp_collectives(model, cluster, training, config, profile, c: int, r: int) -> tuple:
+    """FSDP's side of a step, whatever the blocks compute: the shard and replica groups (d, replicas), what is gathered
+    and reduced (ParamCounts; EP's view), QLoRA's packing saving, the root's and a block's (all-gather, reduction)
+    seconds, the backward all-gather's share under a reshard group, an MoE model's dense blocks' seconds. model: a TP
+    rank's slice."""
     d = config.shard_group_size(cluster)
     n_replicas = config.replicate_group_size(cluster)
     # what is gathered and reduce-scattered (MoE: padded on dim 0, the expert matrices not when sharded on dim 1)
@@ -82,53 +81,8 @@ def estimate_step_time(model: ModelSpec, cluster: ClusterSpec, training: Trainin
     ep_view = expert_parallel.view(model, config, cluster, training)  # EP: E / ep experts per rank, over efsdp
     if ep_view is not None:
         counts, shard_counts = ep_view.param_counts(training)
-    # a CP rank's share of each sequence; its queries still attend over all s keys (load-balanced causal: the
-    # same FLOPs per token as the whole sequence), so the operators are priced at training.seq_len
-    tokens = config.micro_batch * training.seq_len // config.cp
-
-    # --- compute per micro-step: every operator priced by its class (kernel_time.py) -------------------
-    parts, key = {} if parts is None else parts, _PARTS_FIELDS(config)
-    if key not in parts:  # the rates read the precision and the attention kernel, in the key
-        rates = Rates.of(gpu, dtype, profile, config.attention_kernel.value)
-        parts[key] = (rates, mfu_flops_per_token(full_model, training),
-                      *_compute_parts(full_model, model, training, config, cluster, profile, rates, c, tokens))
-    (rates, mfu_per_token, block, dense_block, block_recompute_s, weight_casts_s, head, head_s, root_memory_s, tp_t,
-     cp_t, model_flops, recompute_flops) = parts[key]
-    nd = model.n_dense_layers
-    dense_delta = (counts.trainable_dense_delta + counts.frozen_dense_delta) // nd if nd else 0  # per dense block
-    blocks = [(L - nd, block)] + ([(nd, dense_block)] if dense_block is not None else [])
-    # FSDP2's copies around its collectives: each all-gather's output split into the unsharded parameters
-    # (read + write c), each reduce-scatter's input packed (and cast) from the gradients (c + r)
-    gathers = 2 if config.sharding.reshards_after_forward and config.pp == 1 else 1  # PP keeps them gathered
     # QLoRA's blocks gather their linears packed (qlora.py): n / 2 bytes, not n x c
     packing_saving = qlora.saving_bytes(qlora.quantized_per_block(model), c) if training.quantized else 0
-    gathered_bytes = (counts.block() * L + dense_delta * nd + counts.root()) * c - L * packing_saving
-    fsdp_copy_s = rates.memory_s(gathers * gathered_bytes * 2 + counts.trainable(L) * (c + r)) if d > 1 else 0.0
-    matmul_s = head_s + sum(n * (b.matmul_forward_s + b.matmul_backward_s) for n, b in blocks)
-    attention_s = sum(n * (b.attention_forward_s + b.attention_backward_s) for n, b in blocks)
-    # --- the mesh's collectives per micro-batch (_compute_parts): TP's per block and at the root, CP's ring -------
-    mesh_copy_f = tp_t.block_copy_forward_s + rates.memory_s(cp_t.merge_forward_bytes)
-    mesh_copy_b = tp_t.block_copy_backward_s + rates.memory_s(cp_t.merge_backward_bytes)
-    memory_bound_s = root_memory_s + fsdp_copy_s + weight_casts_s + sum(
-        n * (b.memory_forward_s + b.memory_backward_s) for n, b in blocks) + L * (mesh_copy_f + mesh_copy_b) \
-        + tp_t.root_copy_s
-    recompute_s = L * block_recompute_s
-    compute_s = matmul_s + attention_s + memory_bound_s + recompute_s
-    # a block's forward and backward as FSDP's prefetch sees them: its compute, then what TP and CP leave exposed
-    mesh_fwd_s = mesh_copy_f + tp_t.block_forward_exposed_s + cp_t.forward_exposed_s
-    mesh_bwd_s = mesh_copy_b + tp_t.block_backward_exposed_s + cp_t.backward_exposed_s
-    block_fwd_s = block.forward_s + mesh_fwd_s
-    block_bwd_s = block.backward_s - block.recompute_s + block_recompute_s + mesh_bwd_s
-    # EP: a sparse block's dispatch and combine all-to-alls, forward, backward and in a checkpointed block's
-    # recompute, between the router and the experts (nothing to overlap them with): in the block's windows
-    # (a TP group's ranks dispatch disjoint slices of the tokens they share: tokens / tp each)
-    a2a_s = expert_parallel.all_to_all_seconds(ep_view, cluster, profile, tokens // config.tp, c) if ep_view else 0.0
-    ckpt_blocks = L if config.selective_op_ac else (math.ceil(L / config.ac_every) if config.ac_every else 0)
-    block_fwd_s += 2 * a2a_s
-    block_bwd_s += 2 * a2a_s * (1 + ckpt_blocks / L)
-    ep_comm = config.grad_accum * (L - model.n_dense_layers) * 2 * a2a_s * (2 + ckpt_blocks / L)
-
-    # --- collectives per micro-step --------------------------------------------------------------------
     shard_tier, replicate_tier = _shard_tiers(config, cluster, profile)
     root_gather = counts.root() * c
     root_reduce = counts.trainable_root * r
@@ -165,11 +119,84 @@ def estimate_step_time(model: ModelSpec, cluster: ClusterSpec, training: Trainin
         tier = comm.Tier.for_group(cluster, profile, spans_nodes=n_partial > cluster.fast_tier_gpus)
         block_bytes = counts.block() * c - gather_saving
         bwd_gather = comm.all_gather_s(block_bytes, n_partial, tier) / comm.all_gather_s(block_bytes, d, shard_tier)
+    nd = model.n_dense_layers  # an MoE model's leading dense blocks: their own sizes
+    dense = collectives((counts.block() + (counts.trainable_dense_delta + counts.frozen_dense_delta) // nd) * c,
+                        (counts.trainable_block + counts.trainable_dense_delta // nd) * r) if nd else None
+    return d, n_replicas, counts, shard_counts, ep_view, packing_saving, root_ag, root_rs, ag, rs, bwd_gather, dense
+
+
+def estimate_step_time(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, config: FsdpConfig,
+                       profile: Profile, terms: dict | None = None, parts: dict | None = None,
+                       fsdp_parts: dict | None = None) -> TimeBreakdown:
+    """terms: a dict to receive the per-unit terms of one micro-step (cost_models/step_timeline.py draws them); parts:
+    a memo of _compute_parts for this model, cluster, training and profile (a search's candidates share them across
+    FSDP_ONLY_FIELDS: planner/search/memo.py); fsdp_parts: likewise of _fsdp_collectives (across the compute's
+    knobs)."""
+    full_model, model = model, tensor_parallel.local_model(model, config)  # a TP rank's slice of the model
+    gpu = cluster.gpu
+    precision = config.precision
+    dtype = precision.compute_dtype
+    peak = gpu.priced_peak_flops(dtype)
+    c = DTYPE_BYTES[dtype]
+    r = DTYPE_BYTES[config.gradient_reduce_dtype]
+    L = model.n_layers
+    # FSDP's collectives of a unit and what they move (_fsdp_collectives), priced once per what they read
+    fsdp_parts, key = {} if fsdp_parts is None else fsdp_parts, _FSDP_FIELDS(config)
+    if key not in fsdp_parts:
+        fsdp_parts[key] = _fsdp_collectives(model, cluster, training, config, profile, c, r)
+    (d, n_replicas, counts, shard_counts, ep_view, packing_saving, root_ag, root_rs, ag, rs, bwd_gather,
+     dense_collectives) = fsdp_parts[key]
+    # a CP rank's share of each sequence; its queries still attend over all s keys (load-balanced causal: the
+    # same FLOPs per token as the whole sequence), so the operators are priced at training.seq_len
+    tokens = config.micro_batch * training.seq_len // config.cp
+
+    # --- compute per micro-step: every operator priced by its class (kernel_time.py) -------------------
+    parts, key = {} if parts is None else parts, _PARTS_FIELDS(config)
+    if key not in parts:  # the rates read the precision and the attention kernel, in the key
+        rates = Rates.of(gpu, dtype, profile, config.attention_kernel.value)
+        parts[key] = (rates, mfu_flops_per_token(full_model, training),
+                      *_compute_parts(full_model, model, training, config, cluster, profile, rates, c, tokens))
+    (rates, mfu_per_token, block, dense_block, block_recompute_s, weight_casts_s, head, head_s, root_memory_s, tp_t,
+     cp_t, model_flops, recompute_flops) = parts[key]
+    nd = model.n_dense_layers
+    dense_delta = (counts.trainable_dense_delta + counts.frozen_dense_delta) // nd if nd else 0  # per dense block
+    blocks = [(L - nd, block)] + ([(nd, dense_block)] if dense_block is not None else [])
+    # FSDP2's copies around its collectives: each all-gather's output split into the unsharded parameters
+    # (read + write c), each reduce-scatter's input packed (and cast) from the gradients (c + r)
+    gathers = 2 if config.sharding.reshards_after_forward and config.pp == 1 else 1  # PP keeps them gathered
+    gathered_bytes = (counts.block() * L + dense_delta * nd + counts.root()) * c - L * packing_saving
+    fsdp_copy_s = rates.memory_s(gathers * gathered_bytes * 2 + counts.trainable(L) * (c + r)) if d > 1 else 0.0
+    matmul_s = head_s + sum(n * (b.matmul_forward_s + b.matmul_backward_s) for n, b in blocks)
+    attention_s = sum(n * (b.attention_forward_s + b.attention_backward_s) for n, b in blocks)
+    # --- the mesh's collectives per micro-batch (_compute_parts): TP's per block and at the root, CP's ring -------
+    mesh_copy_f = tp_t.block_copy_forward_s + rates.memory_s(cp_t.merge_forward_bytes)
+    mesh_copy_b = tp_t.block_copy_backward_s + rates.memory_s(cp_t.merge_backward_bytes)
+    memory_bound_s = root_memory_s + fsdp_copy_s + weight_casts_s + sum(
+        n * (b.memory_forward_s + b.memory_backward_s) for n, b in blocks) + L * (mesh_copy_f + mesh_copy_b) \
+        + tp_t.root_copy_s
+    recompute_s = L * block_recompute_s
+    compute_s = matmul_s + attention_s + memory_bound_s + recompute_s
+    # a block's forward and backward as FSDP's prefetch sees them: its compute, then what TP and CP leave exposed
+    mesh_fwd_s = mesh_copy_f + tp_t.block_forward_exposed_s + cp_t.forward_exposed_s
+    mesh_bwd_s = mesh_copy_b + tp_t.block_backward_exposed_s + cp_t.backward_exposed_s
+    block_fwd_s = block.forward_s + mesh_fwd_s
+    block_bwd_s = block.backward_s - block.recompute_s + block_recompute_s + mesh_bwd_s
+    # EP: a sparse block's dispatch and combine all-to-alls, forward, backward and in a checkpointed block's
+    # recompute, between the router and the experts (nothing to overlap them with): in the block's windows
+    # (a TP group's ranks dispatch disjoint slices of the tokens they share: tokens / tp each)
+    a2a_s = expert_parallel.all_to_all_seconds(ep_view, cluster, profile, tokens // config.tp, c) if ep_view else 0.0
+    ckpt_blocks = L if config.selective_op_ac else (math.ceil(L / config.ac_every) if config.ac_every else 0)
+    block_fwd_s += 2 * a2a_s
+    block_bwd_s += 2 * a2a_s * (1 + ckpt_blocks / L)
+    ep_comm = config.grad_accum * (L - model.n_dense_layers) * 2 * a2a_s * (2 + ckpt_blocks / L)
+
+    # --- collectives per micro-step (_fsdp_collectives) ------------------------------------------------
+    sync_every_microstep = config.sharding is not Sharding.NO_SHARD
+    gathers_in_backward = config.sharding in (Sharding.FULL_SHARD, Sharding.HYBRID_SHARD)
     # Blocks by kind: (count, forward all-gather s, backward all-gather s, reduction s, forward s, backward s)
     kinds = [(L - model.n_dense_layers, ag, ag * bwd_gather, rs, block_fwd_s, block_bwd_s)]
     if model.n_dense_layers:  # an MoE model's leading dense blocks: their own sizes and FLOPs
-        d_ag, d_rs = collectives((counts.block() + dense_delta) * c,
-                                 (counts.trainable_block + counts.trainable_dense_delta // nd) * r)
+        d_ag, d_rs = dense_collectives
         kinds.append((nd, d_ag, d_ag * bwd_gather, d_rs, dense_block.forward_s + mesh_fwd_s,
                       dense_block.backward_s - dense_block.recompute_s + block_recompute_s + mesh_bwd_s))
     first_ag, last_rs = kinds[-1][1], kinds[-1][3]

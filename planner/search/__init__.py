@@ -52,15 +52,17 @@ def _with_expert_options(knobs, model: ModelSpec, cluster: ClusterSpec, space: S
     at that strategy's shard group and sharding them on dim 1 removes it; without expert units, and with
     them for an MoE model under a strategy that gathers blocks again in backward (the backward prefetch
     then leaves the experts out, and they reshard after their own backward)."""
+    options: dict[Sharding, list[tuple[int, bool]]] = {}  # they read the strategy alone: once per strategy
     for knob in knobs:
-        sharding = FsdpConfig(sharding=knob[0], tp=mesh.tp, cp=mesh.cp, ep=mesh.ep)
-        d = sharding.shard_group_size(cluster)
-        regathers = d > 1 and sharding.sharding in (Sharding.FULL_SHARD, Sharding.HYBRID_SHARD)
-        for dim in space.expert_shard_dims:
-            if dim == 0 or (mesh.ep == 1 and moe.dim1_shardable(model, d)):
-                for units in space.expert_units:
-                    if not units or (model.moe is not None and regathers):
-                        yield (*knob, dim, units)
+        if knob[0] not in options:
+            sharding = FsdpConfig(sharding=knob[0], tp=mesh.tp, cp=mesh.cp, ep=mesh.ep)
+            d = sharding.shard_group_size(cluster)
+            regathers = d > 1 and sharding.sharding in (Sharding.FULL_SHARD, Sharding.HYBRID_SHARD)
+            options[knob[0]] = [(dim, units) for dim in space.expert_shard_dims
+                                if dim == 0 or (mesh.ep == 1 and moe.dim1_shardable(model, d))
+                                for units in space.expert_units if not units or (model.moe is not None and regathers)]
+        for dim, units in options[knob[0]]:
+            yield (*knob, dim, units)
 
 
 def _with_techniques(knobs, cluster: ClusterSpec, space: SearchSpace, mesh: MeshChoice):
@@ -196,7 +198,7 @@ def _cost_mesh(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, c
                     config = priced(group, mb, accum)
                     if unsupported_reasons(cluster, config):
                         break
-                    e = costing.evaluate(config)
+                    e = costing.evaluate(config, runs=True)
                     found.n_costed += 1
                     if e.fits:
                         found.fitting.append(e)

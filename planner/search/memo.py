@@ -23,7 +23,7 @@ import dataclasses
 from dataclasses import dataclass, field, fields
 from operator import attrgetter
 
-from cost_models.evaluate import Evaluation, evaluate
+from cost_models.evaluate import Evaluation, evaluate, memory_verdict
 from cost_models.feasibility import as_run
 from cost_models.host_ram import HostRam, Ways, host_ram
 from cost_models.memory import MemoryEstimate, estimate_memory
@@ -72,10 +72,14 @@ class Costing:
     times: dict[tuple, TimeBreakdown] = field(default_factory=dict)
     hosts: dict[tuple, HostRam] = field(default_factory=dict)
     step_parts: dict[tuple, tuple] = field(default_factory=dict)  # step_time._compute_parts, across FSDP's own knobs
+    fsdp_parts: dict[tuple, tuple] = field(default_factory=dict)  # step_time._fsdp_collectives, across the compute's
     shapes: dict[tuple, object] = field(default_factory=dict)  # memory_shape.ledger_shape, likewise
     outsides: dict[tuple, tuple] = field(default_factory=dict)  # outside_allocator_terms by outside_key
+    verdicts: dict[tuple, tuple] = field(default_factory=dict)  # evaluate.memory_verdict by memory and host RAM
 
-    def evaluate(self, config: FsdpConfig) -> Evaluation:
+    def evaluate(self, config: FsdpConfig, runs: bool = False) -> Evaluation:
+        """runs: the caller found nothing refusing config (cost_models.evaluate.unsupported_reasons), so where FSDP
+        runs it as it is (feasibility.as_run) evaluate() need not look again."""
         e = self.evaluations.get(config)
         if e is None:
             run = as_run(config, self.cluster)  # what evaluate() prices
@@ -84,15 +88,21 @@ class Costing:
             time = self.times.get(key)
             if time is None:
                 time = self.times[key] = estimate_step_time(self.model, self.cluster, self.training, run, self.profile,
-                                                            parts=self.step_parts)
+                                                            parts=self.step_parts, fsdp_parts=self.fsdp_parts)
             key = (run.precision, run.replicate_group_size(self.cluster), run.offload, memory.cpu_bytes_per_node)
             host = self.hosts.get(key)
             if host is None:
                 host = self.hosts[key] = host_ram(self.model, self.cluster, self.training, run,
                                                   memory.cpu_bytes_per_node, self.ways or Ways())
+            key = (id(memory), id(host), run.offload)  # both kept in this memo's dicts: their ids stay theirs
+            judged = self.verdicts.get(key)
+            if judged is None:
+                judged = self.verdicts[key] = memory_verdict(
+                    dataclasses.replace(memory, host_ram=host), self.profile, self.cluster.gpu.memory_bytes,
+                    self.cluster.cpu_ram_bytes_per_node, run.offload)
             e = self.evaluations[config] = evaluate(self.model, self.cluster, self.training, config, self.profile,
-                                                    memory=dataclasses.replace(memory, host_ram=host), ways=self.ways,
-                                                    time=time)
+                                                    ways=self.ways, time=time,
+                                                    refused=() if runs and run is config else None, judged=judged)
         return e
 
     def _memory(self, run: FsdpConfig) -> MemoryEstimate:
