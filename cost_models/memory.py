@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections import namedtuple
 
 from . import activations, context_parallel, expert_parallel, kernels, moe, optimizer_step, qlora, tensor_parallel
 from .memory_shape import ledger_shape, shape_key
@@ -37,6 +38,12 @@ from .outside_allocator import outside_allocator_terms
 from .profile import Profile
 from .specs import ClusterSpec, FsdpConfig, ModelSpec, Sharding, TrainingSpec
 from .units import DTYPE_BYTES
+
+# A moment's MemoryBreakdown, cheaper to make (a ledger weighs ~7 moments to keep one): its fields in its order, so a
+# moment's sum() is the breakdown's total_bytes and MemoryBreakdown(*moment) the breakdown
+_Moment = namedtuple("_Moment", [f.name for f in dataclasses.fields(MemoryBreakdown)],
+                     defaults=(0,) * len(dataclasses.fields(MemoryBreakdown)))
+
 
 def _shard(n_bytes: float, d: int) -> int:
     return math.ceil(n_bytes / d)
@@ -106,24 +113,17 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
 
     # --- activations, per token of the micro-batch (memory_shape.py) ----------------------------------
     tokens, kern = s.tokens, s.kern
-    full, traced, ckpt, root_saved, K, shared, first_less = (s.full, s.traced, s.ckpt, s.root_saved, s.K, s.shared,
-                                                             s.first_less)
-
-    def is_ckpt(i: int) -> bool:
-        return bool(K) and i % K == 0
+    full, traced, ckpt, root_saved, shared, first_less = s.full, s.traced, s.ckpt, s.root_saved, s.shared, s.first_less
+    is_ckpt, n_dense_below, saved_below = s.is_ckpt, s.n_dense_below, s.saved_below
 
     # MoE models' leading dense blocks (n_dense_layers): their own saved bytes, gathered bytes and sharded
     # gradient in what lies below / has been done at a moment and at its own moment.
     nd = model.n_dense_layers
-    full_dense, traced_dense = s.full_dense, s.traced_dense
+    traced_dense = s.traced_dense
     dense_delta = (counts.trainable_dense_delta + counts.frozen_dense_delta) // nd if nd else 0
     dense_grad_delta = (shard_counts.trainable_dense_delta // nd * p) // d if nd else 0
     dense_rs_delta = counts.trainable_dense_delta // nd * r if nd and d > 1 else 0
-    dense_blocks, leading, dense_prefix = s.dense_blocks, s.leading, s.dense_prefix
-
-    def n_dense_below(i: int) -> int:
-        """Dense blocks among blocks 0 .. i-1."""
-        return min(i, nd) if leading else dense_prefix[min(max(i, 0), L)]
+    dense_blocks = s.dense_blocks
 
     def gathered(i: int) -> int:
         """Bytes of block i's all-gather output (its unsharded parameters)."""
@@ -154,13 +154,6 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
             return 0
         return counts.trainable_block * r + (dense_rs_delta if i + 1 in dense_blocks else -experts_rs)
 
-    def saved_below(i: int) -> int:
-        n_ck = -(-i // K) if K else 0   # blocks 0, K, 2K, ... below i
-        dense_below = n_dense_below(i)
-        dense_full_below = dense_below - (-(-dense_below // K) if K else 0)
-        return (n_ck * ckpt + (i - n_ck) * full - (first_less if i > 0 else 0)
-                - dense_full_below * (full - full_dense))
-
     def gathered_below(i: int) -> int:
         return i * block_c + n_dense_below(i) * dense_delta * c
 
@@ -181,7 +174,7 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
 
     w_mlp, w_attn, freed_attn = s.w_mlp, s.w_attn, s.freed_attn
     h, f = model.hidden_size, model.ffn_hidden_size
-    mlp_grad, attn_grad, mlp_moments, ckpt_input_extra = s.mlp_grad, s.attn_grad, s.mlp_moments, s.ckpt_input_extra
+    mlp_grad, attn_grad, mlp_moments = s.mlp_grad, s.attn_grad, s.mlp_moments
     head_grad = (model.head_params or (model.embedding_params if model.tied_embeddings else 0)) + model.root_other_params
     head_grad = min(head_grad, counts.trainable_root) * c
 
@@ -189,8 +182,8 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
         return dict(sharded_params=gpu_states * sharded_params + quant_state, optimizer_state=gpu_states * optimizer_state,
                     sharded_grads=gpu_states * (accumulated or sharded_grad_bytes))
 
-    moments: dict[str, MemoryBreakdown] = {}
-    moments["loss backward"] = MemoryBreakdown(
+    moments: dict[str, _Moment] = {}
+    moments["loss backward"] = _Moment(
         **states(0),
         unsharded_params=root_c + (gathered_below(L) if keeps_gathered else 0) + partial_below(L),
         collective_buffers=prefetch_below(L),
@@ -202,25 +195,19 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
         # resharded it (reshard_after_forward is explicit, so the root's keep-gathered default is off), and
         # its pre-backward hook, on the logits, gathers it only once the loss's backward is done.
         loss_moment = moments["loss backward"]
-        moments["loss backward"] = dataclasses.replace(loss_moment, unsharded_params=loss_moment.unsharded_params
-                                                       - root_c, collective_buffers=0)
-        moments["head backward"] = dataclasses.replace(loss_moment, logits_and_loss=tokens * c * model.vocab_size)
+        moments["loss backward"] = loss_moment._replace(unsharded_params=loss_moment.unsharded_params - root_c,
+                                                        collective_buffers=0)
+        moments["head backward"] = loss_moment._replace(logits_and_loss=tokens * c * model.vocab_size)
     if experts_c and (prefetches or keeps_gathered and d > 1) and L - 1 not in dense_blocks:  # (ZeRO-2: deferred too)
         # The loss is computed inside the model's forward, before the root's post-forward frees the last
         # unit's all-gather output (FSDP2 defers that free for an implicit prefetch): with expert units, the
         # last block's experts', larger than the block the loss backward prefetches.
-        moments["loss in forward"] = dataclasses.replace(
-            moments["loss backward"], collective_buffers=experts_c,
+        moments["loss in forward"] = moments["loss backward"]._replace(
+            collective_buffers=experts_c,
             logits_and_loss=kernels.loss_forward_bytes(model, c, kern, tokens, tokens * activations.forward_logits_bytes_per_token(
                 model, c, config.loss_compiled)))
-    for i in s.candidates:  # the blocks whose moment can peak (memory_shape.py)
-        # A checkpointed block re-runs its forward; its saved input stays (unless the first norm saves
-        # that very tensor).
-        traced_dense_block = traced_dense is not None and i in dense_blocks
-        own_traced = traced_dense if traced_dense_block else traced
-        this = (full_dense if traced_dense_block else full) + (ckpt_input_extra if is_ckpt(i) else 0) \
-            - (first_less if i == 0 else 0)
-        below = saved_below(i)
+    for i, label, recomputed, below, this in s.blocks:  # the blocks whose moment can peak (memory_shape.py)
+        own_traced = traced_dense if traced_dense is not None and i in dense_blocks else traced
         params_adjust = buffers_adjust = 0
         if own_traced is not None:  # the traced block's own backward moments
             w_acts, w_grads = own_traced.backward_peak(tokens, training.seq_len)
@@ -239,7 +226,7 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
             block_acts, block_grads, params_adjust, buffers_adjust = max(
                 [(tokens * (below + this) + m.activation_bytes(tokens, training.seq_len),
                   min(m.grad_bytes, real.trainable_block * c), *(done if m.experts_done else (0, 0)))
-                 for m in mlp_moments[is_ckpt(i)]] + [(at_attn, attn_grad, *done)], key=sum)
+                 for m in mlp_moments[recomputed]] + [(at_attn, attn_grad, *done)], key=sum)
         else:
             at_mlp = tokens * (below + this + w_mlp)
             at_attn = tokens * (below + this - freed_attn + w_attn)
@@ -252,19 +239,19 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
                 mlp_first = at_mlp + mlp_grad >= at_attn + attn_grad + prefetch_below(i)  # (fsdp1_adapters.py)
                 buffers_adjust = -prefetch_below(i) if mlp_first else 0
             block_acts, block_grads = (at_mlp, mlp_grad) if mlp_first else (at_attn, attn_grad)
-        moments[f"backward of block {i}" + (" (recomputed)" if is_ckpt(i) else "")] = MemoryBreakdown(
+        moments[label] = _Moment(
             **states(grads_done(i)),
             unsharded_params=params_at(i) + params_adjust,
             collective_buffers=prefetch_below(i) + reduce_scatter_above(i) + buffers_adjust,
             unsharded_grads=head_grad + block_grads,
             activations=block_acts + shared,
         )
-        if quantized and is_ckpt(i):
+        if quantized and recomputed:
             # a checkpointed block's recompute of its MLP output projection (the forward moment below, in the
             # backward): the block's saved tensors remade, the residual sum, the MLP's and the projection's inputs
             # and the incoming gradient, its weight dequantized; the gradients and buffers of its backward moment (under
             # FSDP1's adapter units without the block below, prefetched later in the attention's backward)
-            moments[f"recompute of block {i}'s MLP output projection"] = MemoryBreakdown(
+            moments[f"recompute of block {i}'s MLP output projection"] = _Moment(
                 **states(grads_done(i)), unsharded_params=params_at(i),
                 collective_buffers=(0 if adapter_units else prefetch_below(i)) + reduce_scatter_above(i),
                 unsharded_grads=head_grad,
@@ -276,7 +263,7 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
         # holds); FSDP2's all-gather output of the block kept as in "loss in forward" (FSDP1 gathers into the unit's
         # flat parameter: fsdp1_adapters.py). A checkpointed last block's forward keeps less: its recompute leads.
         i = L - 1
-        moments[f"forward of block {i}'s MLP output projection"] = MemoryBreakdown(
+        moments[f"forward of block {i}'s MLP output projection"] = _Moment(
             **states(0),
             unsharded_params=params_at(i),
             collective_buffers=gathered(i) if d > 1 and not keeps_gathered and not adapter_units else 0,
@@ -288,8 +275,8 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
         # into the unsharded parameter): at a block's pre-backward its flat all-gather output, the temporary
         # and the unsharded block are alive at once, with the saved tensors of the blocks up to it.
         temp = moe.dim1_elements(model, d) * c
-        for i in s.candidates:
-            moments[f"all-gather copy-out of block {i}"] = MemoryBreakdown(
+        for i, *_ in s.blocks:
+            moments[f"all-gather copy-out of block {i}"] = _Moment(
                 **states(grads_done(i)),
                 unsharded_params=root_c + gathered(i),
                 collective_buffers=gathered(i) + reduce_scatter_above(i),
@@ -298,14 +285,14 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
             )
     # The root's post-backward reshards its parameters before it reduce-scatters their gradients (FSDP2's
     # FSDPParamGroup.post_backward): the gathered root is gone when its reduce-scatter input is built.
-    moments["end of backward"] = MemoryBreakdown(
+    moments["end of backward"] = _Moment(
         **states(grads_done(-1)),
         unsharded_params=root_c if d == 1 else 0,
         unsharded_grads=counts.trainable_root * c,
         collective_buffers=root_rs,
     )
-    peak_moment = max(moments, key=lambda k: moments[k].total_bytes)
-    backward = moments[peak_moment]
+    peak_moment = max(moments, key=lambda k: sum(moments[k]))
+    backward = MemoryBreakdown(*moments[peak_moment])
     step = MemoryBreakdown(
         sharded_params=gpu_states * sharded_params + quant_state,
         sharded_grads=gpu_states * sharded_grads,
@@ -319,7 +306,7 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
     peak_allocated = breakdown.total_bytes
     # The loss's segments stay reserved once made (allocator.py): with its allocator-stranded bytes the loss
     # backward can set the reserved peak even where another moment allocates more.
-    loss_reserved = moments["loss backward"].total_bytes + s.loss_reserved_extra
+    loss_reserved = sum(moments["loss backward"]) + s.loss_reserved_extra
     if outside is None:
         outside = outside_allocator_terms(cluster, config, profile, full_model, training,
                                           ep_view.outside_allocator_bytes(c) if ep_view is not None else 0)
@@ -327,7 +314,7 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
     cpu_per_rank = (sharded_params + sharded_grads + optimizer_state + step_temporaries) if config.offload else 0
     return MemoryEstimate(breakdown=breakdown, peak_phase=phase,
         phases={"backward": backward, "optimizer_step": step,
-                **{"forward": m for k, m in moments.items() if k.startswith("forward")}},  # QLoRA's, above
+                **{"forward": MemoryBreakdown(*m) for k, m in moments.items() if k.startswith("forward")}},  # QLoRA's
         peak_allocated_bytes=peak_allocated, peak_reserved_bytes=peak_reserved,
         cpu_bytes_per_node=cpu_per_rank * cluster.gpus_per_node, cpu_ram_capacity_bytes=cluster.cpu_ram_bytes_per_node,
         notes=s.quirks

@@ -7,6 +7,7 @@ step_time._compute_parts prices the compute); every figure is what memory.py com
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, fields
 from operator import attrgetter
 
@@ -54,8 +55,28 @@ class LedgerShape:
     ckpt_input_extra: int
     loss_peak: int
     loss_reserved_extra: int
-    candidates: tuple           # the blocks whose backward moments can peak, top first
+    # the blocks whose backward moments can peak, top first: (block, its moment's name, whether it is checkpointed,
+    # the saved bytes per token of the blocks below it, its own at its backward)
+    blocks: tuple
     quirks: tuple
+    n_layers: int
+    n_dense: int
+
+    def is_ckpt(self, i: int) -> bool:
+        return bool(self.K) and i % self.K == 0
+
+    def n_dense_below(self, i: int) -> int:
+        """Dense blocks among blocks 0 .. i-1."""
+        return min(i, self.n_dense) if self.leading else self.dense_prefix[min(max(i, 0), self.n_layers)]
+
+    def saved_below(self, i: int) -> int:
+        """Saved bytes per token of blocks 0 .. i-1 (checkpointed ones keep their input)."""
+        K = self.K
+        n_ck = -(-i // K) if K else 0   # blocks 0, K, 2K, ... below i
+        dense_below = self.n_dense_below(i)
+        dense_full_below = dense_below - (-(-dense_below // K) if K else 0)
+        return (n_ck * self.ckpt + (i - n_ck) * self.full - (self.first_less if i > 0 else 0)
+                - dense_full_below * (self.full - self.full_dense))
 
 
 def shape_key(config: FsdpConfig, ep_view, fsdp1_adapter_units: bool) -> tuple:
@@ -163,7 +184,7 @@ def ledger_shape(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, e
     loss_reserved_extra = kernels.loss_reserved_extra_bytes(
         model, c, config, kern, tokens, tokens * activations.logits_reserved_extra_bytes_per_token(
             model, c, config.loss_compiled))
-    return LedgerShape(
+    shape = LedgerShape(
         c=c, p=p, frozen_p=c if precision.mixed else p, real=real,
         opt_per_param=training.optimizer.state_bytes_per_param(precision.param_dtype), quantized=quantized,
         quant_state=qlora.replicated_bytes(model, training.double_quant) if quantized else 0,
@@ -172,5 +193,11 @@ def ledger_shape(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, e
         full_dense=full_dense, traced_dense=traced_dense, dense_blocks=dense_blocks, leading=leading,
         dense_prefix=tuple(dense_prefix), w_mlp=w_mlp, w_attn=w_attn, freed_attn=freed_attn,
         mlp_grad=mlp_grad, attn_grad=attn_grad, mlp_moments=mlp_moments, ckpt_input_extra=ckpt_input_extra,
-        loss_peak=loss_peak, loss_reserved_extra=loss_reserved_extra, candidates=tuple(sorted(candidates, reverse=True)),
-        quirks=tuple(activation_notes.quirks(model, config.attention, training.seq_len)))
+        loss_peak=loss_peak, loss_reserved_extra=loss_reserved_extra, blocks=(),
+        quirks=tuple(activation_notes.quirks(model, config.attention, training.seq_len)), n_layers=L, n_dense=nd)
+    # A checkpointed block re-runs its forward; its saved input stays (unless the first norm saves that very tensor).
+    blocks = tuple((i, f"backward of block {i}" + (" (recomputed)" if shape.is_ckpt(i) else ""), shape.is_ckpt(i),
+                    shape.saved_below(i), (full_dense if traced_dense is not None and i in dense_blocks else full)
+                    + (ckpt_input_extra if shape.is_ckpt(i) else 0) - (first_less if i == 0 else 0))
+                   for i in sorted(candidates, reverse=True))
+    return dataclasses.replace(shape, blocks=blocks)
