@@ -8,7 +8,8 @@ cost_models/pipeline_rank_memory.py (the replay); the per-token pieces are the s
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+import copy
+from dataclasses import dataclass
 
 from . import activations, operators, pipeline_techniques, tensor_parallel
 from .memory_types import ParamCounts
@@ -60,7 +61,12 @@ def shaped_stage_pieces(model: ModelSpec, training: TrainingSpec, config: FsdpCo
     pieces = shapes.get(key)
     if pieces is None:
         pieces = shapes[key] = stage_pieces(model, training, config, stage)
-    return pieces if pieces.stage == stage else replace(pieces, stage=stage)
+    if pieces.stage == stage:
+        return pieces
+    # the same pieces with the stage swapped: a copy (replace() would run __init__ over 20 fields again, for each rank)
+    pieces = copy.copy(pieces)
+    object.__setattr__(pieces, "stage", stage)
+    return pieces
 
 
 def stage_pieces(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, stage: Stage) -> StagePieces:
