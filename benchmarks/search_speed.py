@@ -33,6 +33,19 @@ TP meshes 2.5-3.2 / 1.58-1.7 s, the pipelines line 0.90-1.03 / 0.57-0.65 s. Left
 flat meshes' 4,400 candidates take ~1.1 s (~1,700 ledgers at ~0.15 ms, ~1,700 step times at ~0.1 ms, evaluate's
 checks and the configurations' construction ~0.1 ms each) and its pp 16 / 32 interleaved scouts ~0.4 s (15 estimates
 of 16-32 ranks x 256-512 actions each).
+
+Issue 27 item 6, third pass (fe33d6e -> this session's commits): the ledger's shape (cost_models/memory_shape.py: the
+activations per token, the working sets, the loss's bytes, the blocks whose moments can peak) priced once per shape
+(392 shapes for the TP line's 2,548 ledgers), its moments weighed as tuples; the outside terms once per
+outside_allocator.outside_key; FSDP's collectives in the step time once per what they read (step_time._fsdp_collectives);
+one memory verdict per estimate (evaluate.memory_verdict: FSDP1's prefetch pairs share it); the search's refusal check
+not made twice. Results byte-identical (every candidate and miss of the three searches; fsdp-plan --format json of 9
+plans). CPU best of 3, fe33d6e / now, alternate runs on the same 2 cores (load 1.2-1.4): gpt-175b 687-741 / 506-522 ms,
+llama3.1-405b TP meshes 1,469-1,605 / 1,179-1,215 ms (its flat meshes alone 958-1,002 / 676-684 ms), the pipelines
+line 593-646 / 523-556 ms. Still above 1 s: the TP line. Of its ~1.2 s the pipeline scouts' rank replays
+(cost_models/pipeline_rank_memory.rank_memory: 119 estimates, 1,092 ranks) take ~0.45 s, the flat meshes' 4,483
+evaluations ~0.6 s: ledgers ~0.15 s, step times ~0.17 s (their compute parts, 561 shapes, ~0.07 s), the search's own
+work ~0.27 s (~4,500 FsdpConfigs built at ~11 us each, the memo's keys and verdicts, refusals, the final sorts).
 """
 
 from __future__ import annotations
