@@ -39,8 +39,8 @@ Measured (AUTOCAST, 2026-12-06; tests/distributed/test_torchrun_autocast_lora.py
 as accelerate wraps it, 2 gloo ranks, 2 x 128 tokens, the loss backward): plain LoRA 9,427,912 B real against
 9,425,664 (h 256, V 512: -0.02%) and 25,137,992 against 25,099,776 (h 512, V 1024: -0.15%), where the FSDP2-shaped
 ledger gave -4.7% and +5.7%; QLoRA (h 256, peft's autocast check read as on a GPU) 6,910,112 with the QuantStates,
-786,560 B below the same model under CAST (the six copies, 786,432 B): 6,903,768 (-0.09%) without the copies, which
-memory_shape.py still adds until it asks casts_inputs (7,690,200, +11.3%).
+786,560 B below the same model under CAST (the six copies, 786,432 B): 6,903,768 (-0.09%), the copies left out
+where casts_inputs says (memory_shape.py; with them: 7,690,200, +11.3%).
 Not priced: Lightning's FSDPStrategy as emitted (auto_wrap_policy={Block}: the adapters inside their block's unit,
 which FSDP1 flattens only in one dtype, fsdp/_flat_param.py "uniform dtype": an fp32 model, FSDP2-shaped adapters),
 the fp32 copy alive while an adapter runs (tokens x in x 4 B, in the forward, under both ways: peft's local x holds

@@ -39,9 +39,10 @@ def loss_parallel_events(compute_bytes: int) -> tuple[tuple, tuple]:
     summed, the result shifted - logsumexp (saved), then shifted and the copy freed. Backward,
     _nll_loss_and_log_softmax_backward (it does log_softmax's backward too, to save an all-gather): grad_input =
     zeros_like(x), exp(x), their sum (exp freed), its product with the incoming gradient (the sum freed),
-    grad_input and the saved result freed, then the cast back to c. Peak: four fp32 copies in backward
-    (tensor_parallel.LOSS_PARALLEL_FP32_COPIES), where the eager loss holds three; the trace of a pp 2 x tp 2 rank
-    holds these tensors in this order (docs/accuracy.md)."""
+    grad_input and the saved result freed, then the cast back to c. Peak: four fp32 copies in backward, where the
+    eager loss holds three (both ledgers read it: logits_bytes_per_token(parallel=True)); the trace of a pp 2 x tp 2
+    rank holds these tensors in this order (docs/accuracy.md), and a pp 1 x tp 2 Gemma 2 trace the soft-cap's tanh
+    output beside them."""
     c = compute_bytes
     cast = c != 4
     forward = (("alloc", "logits", c), *((("alloc", "fp32 copy", 4),) if cast else ()), ("alloc", "shifted", 4),

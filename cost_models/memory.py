@@ -17,8 +17,9 @@ tier, docs/accuracy.md) decides what else is alive, moment by moment:
 - optimizer step: stored params, gradients, optimizer state and the step's temporaries (optimizer_step.py:
   foreach, fused or for-loop).
 SHARD_GRAD_OP-like strategies keep every block gathered from forward until its backward (no prefetch).
-fsdp1_adapter_units: LoRA / QLoRA under FSDP1, each adapter a unit casting its inputs (the planner's FSDP1 code):
-what that changes is in fsdp1_adapters.py.
+fsdp1_adapter_units: LoRA / QLoRA under FSDP1, each adapter a unit (True or AdapterUnits.CAST: the planner's FSDP1
+code, casting its inputs; AdapterUnits.AUTOCAST: HF Trainer's / accelerate's): what that changes is in
+fsdp1_adapters.py.
 A shard group of one rank (NO_SHARD) still copies params out to unsharded tensors but needs no
 collective buffers.
 Ignored: per-parameter padding to a multiple of d (at most d-1 rows per tensor), allocator rounding to
@@ -32,6 +33,7 @@ import math
 from collections import namedtuple
 
 from . import activations, context_parallel, expert_parallel, kernels, moe, optimizer_step, qlora, tensor_parallel
+from .fsdp1_adapters import AdapterUnits
 from .memory_shape import ledger_shape, shape_key
 from .memory_types import MemoryBreakdown, MemoryEstimate, ParamCounts
 from .outside_allocator import outside_allocator_terms
@@ -50,7 +52,7 @@ def _shard(n_bytes: float, d: int) -> int:
 
 
 def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, config: FsdpConfig,
-                    profile: Profile, fsdp1_adapter_units: bool = False, shapes: dict | None = None,
+                    profile: Profile, fsdp1_adapter_units: bool | AdapterUnits = False, shapes: dict | None = None,
                     outside: tuple | None = None) -> MemoryEstimate:
     """shapes: a memo of memory_shape.ledger_shape for this model, training and profile (a search's candidates share
     them across FSDP's own knobs: planner/search/memo.py); outside: the memory outside the allocator where the caller
@@ -175,11 +177,13 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
     w_mlp, w_attn, freed_attn = s.w_mlp, s.w_attn, s.freed_attn
     h, f = model.hidden_size, model.ffn_hidden_size
     mlp_grad, attn_grad, mlp_moments = s.mlp_grad, s.attn_grad, s.mlp_moments
-    head_grad = (model.head_params or (model.embedding_params if model.tied_embeddings else 0)) + model.root_other_params
+    head_grad = ((model.head_params or (model.embedding_params if model.tied_embeddings else 0))
+                 + model.root_other_params)
     head_grad = min(head_grad, counts.trainable_root) * c
 
     def states(sharded_grad_bytes: int) -> dict:
-        return dict(sharded_params=gpu_states * sharded_params + quant_state, optimizer_state=gpu_states * optimizer_state,
+        return dict(sharded_params=gpu_states * sharded_params + quant_state,
+                    optimizer_state=gpu_states * optimizer_state,
                     sharded_grads=gpu_states * (accumulated or sharded_grad_bytes))
 
     moments: dict[str, _Moment] = {}
@@ -204,8 +208,9 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
         # last block's experts', larger than the block the loss backward prefetches.
         moments["loss in forward"] = moments["loss backward"]._replace(
             collective_buffers=experts_c,
-            logits_and_loss=kernels.loss_forward_bytes(model, c, kern, tokens, tokens * activations.forward_logits_bytes_per_token(
-                model, c, config.loss_compiled)))
+            logits_and_loss=kernels.loss_forward_bytes(
+                model, c, kern, tokens,
+                tokens * activations.forward_logits_bytes_per_token(model, c, config.loss_compiled)))
     for i, label, recomputed, below, this in s.blocks:  # the blocks whose moment can peak (memory_shape.py)
         own_traced = traced_dense if traced_dense is not None and i in dense_blocks else traced
         params_adjust = buffers_adjust = 0
@@ -267,7 +272,8 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
             **states(0),
             unsharded_params=params_at(i),
             collective_buffers=gathered(i) if d > 1 and not keeps_gathered and not adapter_units else 0,
-            activations=tokens * (saved_below(i) + full - (first_less if i == 0 else 0) + qlora.forward_held_bytes_per_token(h, f, c)) + shared
+            activations=tokens * (saved_below(i) + full - (first_less if i == 0 else 0)
+                                  + qlora.forward_held_bytes_per_token(h, f, c)) + shared
             + qlora.forward_in_flight_bytes(f, h, c, training.double_quant, tokens),
         )
     if config.expert_shard_dim and d > 1 and model.moe is not None and not keeps_gathered and ep_view is None:

@@ -79,14 +79,14 @@ class LedgerShape:
                 - dense_full_below * (self.full - self.full_dense))
 
 
-def shape_key(config: FsdpConfig, ep_view, fsdp1_adapter_units: bool) -> tuple:
+def shape_key(config: FsdpConfig, ep_view, fsdp1_adapter_units: bool | fsdp1_adapters.AdapterUnits) -> tuple:
     """What ledger_shape reads of config, the EP view's shard groups and the FSDP1 adapter units (the model, training
     and profile are the caller's memo's)."""
     return _SHAPE_FIELDS(config), fsdp1_adapter_units, None if ep_view is None else (ep_view.efsdp, ep_view.d)
 
 
 def ledger_shape(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, ep_view,
-                 fsdp1_adapter_units: bool) -> LedgerShape:
+                 fsdp1_adapter_units: bool | fsdp1_adapters.AdapterUnits) -> LedgerShape:
     """model: the rank's (TP slice, EP's experts), training: its s / cp tokens."""
     L = model.n_layers
     precision = config.precision
@@ -119,8 +119,9 @@ def ledger_shape(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, e
             model, c, config.tp, full, ckpt, root_saved, lora=bool(lora_rank), selective_op=config.selective_op_ac)
     if config.cp > 1 and traced is None:  # ring attention's output and the o-projection's copy of it
         full += context_parallel.ring_saved_bytes_per_token(model, config.cp, c)
-    if adapter_units:  # each adapter's own copy of its input
-        full += fsdp1_adapters.saved_copies_bytes_per_token(model, c, precision.mixed,
+    if adapter_units:  # each adapter's own copy of its input (not bitsandbytes' under autocast: casts_inputs)
+        casts = precision.mixed and fsdp1_adapters.casts_inputs(fsdp1_adapter_units, training.quantized)
+        full += fsdp1_adapters.saved_copies_bytes_per_token(model, c, casts,
                                                             activations.uses_s2_attention(model, attn))
     K = 1 if config.selective_op_ac else config.ac_every
     shared = activations.shared_bytes(model, c, training.seq_len)
@@ -148,9 +149,9 @@ def ledger_shape(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, e
     for i in range(L if dense_blocks and not leading else 0):
         dense_prefix.append(dense_prefix[-1] + (i in dense_blocks))
 
-    _, logits_peak = activations.logits_bytes_per_token(model, c, config.loss_compiled)
-    if tensor_parallel.loss_parallel(config):  # loss parallel, vocab / tp
-        logits_peak = tensor_parallel.loss_parallel_peak_bytes_per_token(model)
+    # loss parallel (vocab / tp): its own events, as the pipeline ledger reads them (loss_memory.events)
+    _, logits_peak = activations.logits_bytes_per_token(model, c, config.loss_compiled,
+                                                        tensor_parallel.loss_parallel(config))
     w_mlp = activations.mlp_backward_working_bytes_per_token(model, c, lora=bool(lora_rank), kernels=kern)
     w_attn = activations.attention_backward_working_bytes_per_token(model, c, attn, training.seq_len)
     w_attn += context_parallel.ring_working_bytes_per_token(model, config.cp, c)  # CP: the ring's transients

@@ -354,18 +354,3 @@ def sequence_parallel_saved_bytes(model: ModelSpec, compute_bytes: int, tp: int,
 
 def _per_rank(bytes_per_token: int, tp: int) -> int:
     return -(-bytes_per_token // tp)
-
-
-# Loss parallel (torch.distributed.tensor.parallel.loss_parallel, torchtitan): its fused log-softmax + NLL
-# backward holds the saved log-softmax output, a zeroed gradient it scatters the -1s into, their sum with
-# exp(x), and the product with the incoming gradient: four fp32 copies of the rank's vocab / tp logits
-# (the unsharded loss holds three, activations.logits_bytes_per_token).
-LOSS_PARALLEL_FP32_COPIES = 4
-
-
-def loss_parallel_peak_bytes_per_token(model: ModelSpec) -> int:
-    """Bytes per token at loss parallel's backward (`model` is local_model's: vocab / tp), the pp = 1 ledger's. The
-    pipeline ledger reads the same peak from loss_memory.loss_parallel_events (tests/unit/test_loss_memory.py ties
-    the two) and adds logit soft-capping's saved tanh output, c * V / tp, as the unsharded loss does; this leaves it
-    out, so Gemma 2 under TP with sequence parallel is priced lower at pp = 1 (0.98 GiB at tp 2 on 4,096 tokens)."""
-    return LOSS_PARALLEL_FP32_COPIES * 4 * model.vocab_size

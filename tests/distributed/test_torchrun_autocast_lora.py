@@ -12,8 +12,8 @@ copy, as under the planner's FSDP1 code. Measured 2026-12-06, 2 x 128 tokens, th
 - QLoRA, h 256, V 512 (needs bitsandbytes; peft's autocast check read as on a GPU): 6,876,104 B + the QuantStates
   34,008 = 6,910,112, where peft's bitsandbytes layer casts nothing (tuners/lora/bnb.py: requires_conversion = not
   torch.is_autocast_enabled()): 786,560 B below the same model's FSDP1 run under the planner's code (7,696,672,
-  test_torchrun_qlora.py), the six copies (786,432 B). The ledger adds the copies there unless memory_shape.py asks
-  fsdp1_adapters.casts_inputs (not yet: 7,690,200, +11.3%; without them 6,903,768, -0.09%): xfail until it does.
+  test_torchrun_qlora.py), the six copies (786,432 B): the ledger 6,903,768 (-0.09%; with the copies, as memory_shape.py
+  added them before it asked fsdp1_adapters.casts_inputs: 7,690,200, +11.3%).
 Three cases of the shared 2-rank launch (cases.shared): this file alone took 24.5 CPU s with torchrun's start-up and
 pytest's, ~12 of them the cases, both ranks (measured 2026-12-06).
 """
@@ -79,8 +79,6 @@ def test_lora_peak_per_rank_matches_the_trainers_ledger(runs, i, trainer):
         assert rank["snapshot"]["peak_phase"] == memory.peak_phase == "backward"
 
 
-@pytest.mark.xfail(strict=True, reason="the ledger adds each adapter's input copy: memory_shape.py does not ask "
-                                       "fsdp1_adapters.casts_inputs yet (+11.3% here)")
 @pytest.mark.parametrize("i", range(len(PLAIN), len(CASES)))
 def test_qlora_under_autocast_saves_no_copies(runs, i):
     for rank in runs[i]["ranks"]:
