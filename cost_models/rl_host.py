@@ -16,6 +16,8 @@ checkpoint's staging, summed over the node's GPUs.
 - checkpoint save (verl FSDPCheckpointManager.save_checkpoint: a sharded state dict with offload_to_cpu, then
   torch.save per rank): each rank's params and optimizer shards staged on the host at once, on top of the
   resident terms (outside_step.save_bytes, DCP_ASYNC: "the shard staged to host").
+- a reward model (rl_reward.py): its engine asleep at level 1 between scorings, its bf16 weights backed up to
+  pinned host memory on every GPU, and its processes (one per GPU).
 Ignored: the page cache, the dataloader, Ray's object store.
 """
 
@@ -28,6 +30,7 @@ from .host_ram import PROCESS_BYTES_PER_RANK
 from .model_spec import ModelSpec
 from .outside_step import LoadWay, SaveWay, StateSizes, load_bytes, save_bytes
 from .rl_phases import ActorStates, RlSettings, reference_bytes
+from .rl_reward import RewardModel
 from .rollout_engine import EngineMemory
 
 
@@ -62,8 +65,10 @@ def _sizes(states: ActorStates, ranks: int) -> StateSizes:
 
 
 def host_ram_per_node(model: ModelSpec, cluster: ClusterSpec, settings: RlSettings, actor: ActorStates,
-                      engine: EngineMemory, critic: ActorStates | None = None) -> HostRam:
-    """`critic`: PPO's (rl_critic.py), its process, offloads and checkpoint like the actor's."""
+                      engine: EngineMemory, critic: ActorStates | None = None,
+                      reward: RewardModel | None = None) -> HostRam:
+    """`critic`: PPO's (rl_critic.py), its process, offloads and checkpoint like the actor's; `reward`: a reward
+    model's engine (its weight backup and processes)."""
     gpus, ranks = cluster.gpus_per_node, cluster.n_gpus
     terms = {
         "actor params (offloaded)": actor.params_bytes * gpus if settings.param_offload else 0,
@@ -77,8 +82,11 @@ def host_ram_per_node(model: ModelSpec, cluster: ClusterSpec, settings: RlSettin
         terms["critic params (offloaded)"] = critic.params_bytes * gpus * settings.critic_param_offload
         terms["critic Adam states (offloaded)"] = critic.optimizer_bytes * gpus * settings.critic_optimizer_offload
         workers.append(critic)
+    if reward is not None:
+        terms["reward weight backup (sleep level 1)"] = reward.memory.weights_bytes * gpus
     staging = sum(save_bytes(SaveWay.DCP_ASYNC, _sizes(w, ranks)).node_bytes(gpus) for w in workers)
     load = max(load_bytes(LoadWay.RANK0_BROADCAST, _sizes(w, ranks), fsdp2=settings.strategy == "fsdp2")
                .node_bytes(gpus) for w in workers)
+    processes = len(workers) + (reward is not None)
     return HostRam(terms={k: v for k, v in terms.items() if v}, process_bytes=PROCESS_BYTES_PER_RANK * gpus
-                   * len(workers), load_bytes=load, checkpoint_staging_bytes=staging)
+                   * processes, load_bytes=load, checkpoint_staging_bytes=staging)

@@ -1,7 +1,6 @@
 """GPU memory per phase of a verl GRPO / PPO step (FSDP workers with the rollout engine in the same process), in verl's
-order: init, rollout, weight_sync, log_prob, ref_log_prob, update, optimizer_step, checkpoint. Each phase is what
-is resident (actor params / Adam states / reference, the engine awake or asleep) plus the transient peak of its
-work; the job's peak is the largest phase.
+order (PHASES). Each phase is what is resident (actor params / Adam states / reference, the engine awake or asleep)
+plus the transient peak of its work; the job's peak is the largest phase.
 
 Sources (shared/reference/rl.md; verl of 2025, workers/fsdp_workers.py and sharding_manager/fsdp_vllm.py):
 - the actor's update is the repo's FSDP ledger (memory.estimate_memory) on the packed micro-batch (micro_batch 1 of
@@ -16,9 +15,8 @@ Sources (shared/reference/rl.md; verl of 2025, workers/fsdp_workers.py and shard
 - weight sync: the actor's shard loaded, the engine's weights awake (0.8-era verl: wake_up() wakes the KV cache
   too; later: weights first, KV after), and one gathered tensor at a time (full_tensor()): the largest one;
   FSDP1's state dict adds its copy of the shard and its walk over the units (rl_strategy.py).
-Ignored: Ulysses' all-to-all buffers, the attention's workspaces, gradients after the update (freed: verl's
-zero_grad / offload), a reward model. PPO's critic (rl_critic.py) adds its phases, critic_values and critic_update,
-and its resident states and process to every other.
+Ignored: Ulysses' all-to-all buffers, the attention's workspaces, gradients after the update (freed: verl's zero_grad
+/ offload). PPO's critic (rl_critic.py) adds critic_values / critic_update, a reward model (rl_reward.py) `reward`.
 """
 
 from __future__ import annotations
@@ -35,14 +33,15 @@ from .model_spec import ModelSpec
 from .outside_allocator import outside_allocator_terms
 from .profile import Profile
 from .rl_batch import BatchPlan
+from .rl_reward import RewardModel, RewardSettings, reward_engine, reward_row
 from .rl_strategy import forward_gathered_bytes, fsdp2_backward, loss_root_bytes, sync_moment, weight_sync_bytes
 from .rollout_engine import EngineMemory, EngineSettings, engine_memory
 from .spec_values import Attention, Finetune, LossKernel, Precision, Sharding, SpecError, parse_enum
 from .specs import FsdpConfig, TrainingSpec
 from .units import DTYPE_BYTES
 
-PHASES = ("init", "rollout", "weight_sync", "log_prob", "ref_log_prob", "critic_values", "critic_update", "update",
-          "optimizer_step", "checkpoint")   # the critic's two: PPO only
+PHASES = ("init", "rollout", "weight_sync", "reward", "log_prob", "ref_log_prob", "critic_values", "critic_update",
+          "update", "optimizer_step", "checkpoint")   # reward: with a reward model; the critic's two: PPO only
 ALGORITHMS = ("grpo", "ppo")
 ACTOR_DTYPES = {"fp32": Precision.BF16, "bf16": Precision.BF16_PURE}  # stored dtype -> FSDP mixed precision
 STRATEGIES = ("fsdp", "fsdp2")
@@ -265,6 +264,7 @@ class RlMemory:
     actor: ActorStates
     refusals: tuple[Refusal, ...]
     critic: ActorStates | None = None   # PPO
+    reward: RewardModel | None = None   # reward_model.enable
 
     @property
     def peak(self) -> Phase:
@@ -307,20 +307,19 @@ def critic_terms(critic: ActorStates | None, settings: RlSettings, outside_bytes
 
 def _outside_bytes(run: ActorRun, profile: Profile, memo: dict | None) -> int:
     """outside_allocator_terms of the actor's process, once per FSDP configuration in a search (memo)."""
-    key = ("outside", run.config, run.cluster.gpus_per_node)
-    if memo is not None and key in memo:
-        return memo[key]
-    outside = sum(t.bytes for t in outside_allocator_terms(run.cluster, run.config, profile))
-    if memo is not None:
-        memo[key] = outside
-    return outside
+    memo, key = {} if memo is None else memo, ("outside", run.config, run.cluster.gpus_per_node)
+    if key not in memo:
+        memo[key] = sum(t.bytes for t in outside_allocator_terms(run.cluster, run.config, profile))
+    return memo[key]
 
 
 def rl_phases(model: ModelSpec, cluster: ClusterSpec, settings: RlSettings, engine: EngineSettings,
               batch: BatchPlan, profile: Profile, critic: ActorStates | None = None,
-              actor: ActorStates | None = None, memo: dict | None = None) -> RlMemory:
+              actor: ActorStates | None = None, memo: dict | None = None,
+              reward: RewardSettings | None = None) -> RlMemory:
     """Every phase of a GRPO step on one GPU (see the module docstring); `critic`: PPO's (rl_critic.py); `actor`:
-    the actor's states where the caller priced them already (a search: planner/rl/search.py); memo: actor_run's."""
+    the actor's states where the caller priced them already (a search: planner/rl/search.py); memo: actor_run's;
+    `reward`: a reward model (rl_reward.py), started before the actor's engine."""
     run = actor_run(model, cluster, settings, batch, memo)
     actor = actor or actor_states(run, settings, batch, profile)
     # the actor's (and a critic process's) memory outside torch's allocator: its context and its FSDP communicator
@@ -332,10 +331,10 @@ def rl_phases(model: ModelSpec, cluster: ClusterSpec, settings: RlSettings, engi
     params_resident = 0 if settings.param_offload else actor.params_bytes
     adam_resident = 0 if settings.optimizer_offload else actor.optimizer_bytes
     critic_init, critic_held, critic_outside = critic_terms(critic, settings, outside)
-    e = engine_memory(model, engine, cluster.gpu.memory_bytes,
-                      params_resident + ref_resident + sum(critic_init.values()) + sum(critic_outside.values()),
-                      outside)
-    graphs = {"engine CUDA graphs": e.cuda_graph_bytes, **critic_outside}
+    at_init = params_resident + ref_resident + sum(critic_init.values()) + sum(critic_outside.values())
+    rm = reward and reward_engine(reward, engine, cluster.gpu.memory_bytes, at_init, outside)
+    e = engine_memory(model, engine, cluster.gpu.memory_bytes, at_init + (rm.context_bytes if rm else 0), outside)
+    graphs = {"engine CUDA graphs": e.cuda_graph_bytes, **critic_outside, **(rm.asleep() if rm else {})}
     awake = {"engine weights": e.weights_bytes, "engine KV cache": e.kv_bytes,
              "engine activations": e.activation_peak_bytes, **graphs}
     sync_engine = {"engine weights": e.weights_bytes, **graphs,
@@ -363,6 +362,7 @@ def rl_phases(model: ModelSpec, cluster: ClusterSpec, settings: RlSettings, engi
                                      graphs if engine.version == "0.8" else {"engine weights": e.weights_bytes,
                                                                              **graphs}, sync_engine, reserved),
          True, False, False, "one parameter gathered at a time into the engine"),
+        *reward_row(rm, {**resident, **critic_held}, graphs),
         ("log_prob", {"actor params": actor.params_bytes, **gathered, "reference": ref_resident,
                       "Adam states": adam_resident, **fwd, **critic_held}, graphs, True, False, True, "forward only"),
         ("ref_log_prob", {**ref_actor, "reference": ref_resident, **gathered, "Adam states": adam_resident, **fwd,
@@ -379,7 +379,8 @@ def rl_phases(model: ModelSpec, cluster: ClusterSpec, settings: RlSettings, engi
     phases = tuple(_phase(name, torch, eng, profile, outside,
                           _offloaded(settings, loaded, adam, asleep, critic_loaded=name.startswith("critic")), note)
                    for name, torch, eng, loaded, adam, asleep, note in rows)
-    return RlMemory(phases=phases, engine=e, actor=actor, refusals=batch.refusals + e.refusals, critic=critic)
+    return RlMemory(phases=phases, engine=e, actor=actor, refusals=batch.refusals + e.refusals + (rm.memory.refusals if rm else ()),
+                    critic=critic, reward=rm)
 
 
 def critic_rows(critic: ActorStates | None, resident: dict, critic_held: dict, fwd: dict, graphs: dict) -> list:

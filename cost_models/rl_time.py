@@ -20,7 +20,9 @@ one job against each other, not to predict a wall clock:
 - weight sync: every actor parameter all-gathered over the shard group in its stored dtype (intra-node bus);
 - offload: the host<->device bytes each step moves: actor params in and out for log-prob, update and sync; Adam's
   states in and out for the update; the offloaded reference streamed in once; sleep level 1's weight backup
-  out and back; PPO's critic likewise for its values and update.
+  out and back; PPO's critic likewise for its values and update;
+- a reward model (rl_reward.py): a prefill over each sequence on its engine's replicas (prefill_s), and its
+  weights back from the host and out again (woken at level 1 for compute_rm_score, then asleep).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from .model_spec import ModelSpec
 from .profile import Profile
 from .rl_batch import BatchPlan
 from .rl_phases import ActorStates, RlSettings, actor_run, reference_bytes
+from .rl_reward import RewardModel
 from .rollout_engine import Engine, EngineMemory, EngineSettings, KvShape
 from .step_time import TimeBreakdown, estimate_step_time
 
@@ -51,11 +54,12 @@ class RlTime:
     weight_sync_s: float
     offload_s: float
     critic_s: float = 0.0   # PPO: the critic's values and update (the actor's body, no vocabulary head)
+    reward_s: float = 0.0   # a reward model's scoring: its engine's prefill and wake / sleep copies
 
     @property
     def step_s(self) -> float:
         return self.generation_s + self.log_prob_s + self.update_s + self.weight_sync_s + self.offload_s \
-            + self.critic_s
+            + self.critic_s + self.reward_s
 
     def to_dict(self) -> dict:
         return {**dataclasses.asdict(self), "step_s": self.step_s}
@@ -180,3 +184,10 @@ def rl_step_time(model: ModelSpec, cluster: ClusterSpec, settings: RlSettings, e
 def critic_seconds(update_s: float, log_prob_s: float) -> float:
     """PPO's critic: the actor's update and one forward (half the two log-prob passes), its head left out."""
     return update_s + log_prob_s / 2
+
+
+def reward_seconds(cluster: ClusterSpec, rm: RewardModel, seqs_per_replica: int, seq_tokens: int) -> float:
+    """A reward model's compute_rm_score: each replica's sequences prefilled whole (one score each: no decode), and
+    its level-1 sleep's weights copied in and out over PCIe."""
+    return (prefill_s(rm.model, cluster, rm.settings, rm.memory, seqs_per_replica * seq_tokens)
+            + 2 * rm.memory.weights_bytes / cluster.gpu.pcie_bytes_per_s)

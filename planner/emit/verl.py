@@ -49,6 +49,11 @@ CRITIC_KEYS = {"critic.fsdp.param_offload": "critic_param_offload",
                "critic.fsdp.optimizer_offload": "critic_optimizer_offload",
                # verl's critic runs Ulysses 1 unless told (dp_critic.yaml): written always, the degree priced
                "critic.ulysses_sequence_parallel_size": "critic_ulysses_sequence_parallel_size"}
+# a reward model (verl 0.9.1: its own engine, reward.reward_model.*; the legacy reward_model.* keys are migrated
+# there by experimental/reward_loop migrate_legacy_reward_impl, and check reads both)
+RM = "reward.reward_model."
+REWARD_KEYS = {RM + "rollout.tensor_model_parallel_size": "reward_model_tp",
+               RM + "rollout.gpu_memory_utilization": "reward_model_gpu_memory_utilization"}
 # request fields verl has no key for: written as the planner's flags in the comment line
 COMMENTED = ("gpu", "gpu_memory", "cpu_ram_per_node", "internode_gbps", "intra_node_gb_per_s", "pcie_gb_per_s",
              "power_limit_w", "engine_version", "sleep_level", "mean_prompt_len", "mean_response_len")
@@ -98,6 +103,10 @@ def overrides(r, model_path: str) -> list[tuple[str, object]]:
             out.append(("critic.ulysses_sequence_parallel_size", r.ulysses_sequence_parallel_size))
         out.append(("critic.ppo_max_token_len_per_gpu", r.ppo_max_token_len_per_gpu) if r.use_dynamic_bsz else
                    ("critic.ppo_micro_batch_size_per_gpu", r.ppo_micro_batch_size_per_gpu))
+    if r.reward_model is not None:   # served by the actor's engine kind at the data's lengths (rl_reward.py)
+        out += [(RM + "enable", True), (RM + "model_path", r.reward_model), (RM + "rollout.name", r.engine),
+                *((k, getattr(r, f)) for k, f in REWARD_KEYS.items()),
+                (RM + "rollout.prompt_length", r.prompt_len), (RM + "rollout.response_length", r.response_len)]
     c = r.cluster
     per_node = c.gpus_per_node or min(c.gpus, 8)
     out += [("trainer.n_gpus_per_node", per_node), ("trainer.nnodes", c.gpus // per_node)]

@@ -14,7 +14,8 @@ from cost_models.rl_batch import BatchPlan, RlBatch, batch_plan
 from cost_models.rl_critic import critic_states
 from cost_models.rl_host import HostRam, host_ram_per_node
 from cost_models.rl_phases import RlMemory, RlSettings, actor_run, actor_states, rl_phases
-from cost_models.rl_time import RlTime, critic_seconds, rl_step_time, train_seconds
+from cost_models.rl_reward import RewardSettings
+from cost_models.rl_time import RlTime, critic_seconds, reward_seconds, rl_step_time, train_seconds
 from cost_models.rollout_engine import EngineSettings
 from cost_models.units import GiB
 
@@ -103,12 +104,17 @@ def evaluate_rl(request: RlRequest, profile: Profile | None = None, model: Model
     critic_plan = _critic_plan(request, batch, plan, cluster, spec, engine)
     critic = _memoized(memo, "critic", settings, critic_plan,
                        lambda: critic_states(spec, cluster, settings, critic_plan, profile)) if settings.ppo else None
-    memory = rl_phases(spec, cluster, settings, engine, plan, profile, critic, actor=states, memo=memo)
-    host = host_ram_per_node(spec, cluster, settings, memory.actor, memory.engine, critic)
-    time = rl_step_time(spec, cluster, settings, engine, memory.engine, plan, memory.actor,
-                        batch.mean_prompt_length or batch.max_prompt_length,
-                        batch.mean_response_length or batch.max_response_length, profile,
+    memory = rl_phases(spec, cluster, settings, engine, plan, profile, critic, actor=states, memo=memo,
+                       reward=reward_settings(request))
+    host = host_ram_per_node(spec, cluster, settings, memory.actor, memory.engine, critic, memory.reward)
+    prompt, response = (batch.mean_prompt_length or batch.max_prompt_length,
+                        batch.mean_response_length or batch.max_response_length)
+    time = rl_step_time(spec, cluster, settings, engine, memory.engine, plan, memory.actor, prompt, response, profile,
                         batch.ulysses_sequence_parallel_size, critic=critic, memo=memo)
+    if memory.reward is not None:
+        replicas = max(1, cluster.n_gpus // memory.reward.settings.tp)
+        seqs = -(-batch.train_batch_size * batch.rollout_n // replicas)
+        time = dataclasses.replace(time, reward_s=reward_seconds(cluster, memory.reward, seqs, prompt + response))
     refusals = memory.refusals + tuple(r for r in critic_plan.refusals if r not in plan.refusals)
     reasons = [f"{r.field}: {r.reason}; {r.fix}" for r in refusals]
     capacity = cluster.gpu.memory_bytes
@@ -124,6 +130,14 @@ def evaluate_rl(request: RlRequest, profile: Profile | None = None, model: Model
     return RlEstimate(request=request, model=spec, cluster=cluster, batch=plan, engine_settings=engine,
                       memory=memory, host=host, time=time, reasons=tuple(reasons),
                       notes=findings(settings, engine, memory, plan.rollout_seqs_per_replica, capacity))
+
+
+def reward_settings(r: RlRequest) -> RewardSettings | None:
+    """The reward model (reward_model.enable with reward_model.model.path), resolved as --model is."""
+    if r.reward_model is None:
+        return None
+    return RewardSettings(model=resolve_model(r.reward_model), tp=r.reward_model_tp,
+                          gpu_memory_utilization=r.reward_model_gpu_memory_utilization)
 
 
 def _critic_plan(r: RlRequest, batch: RlBatch, plan: BatchPlan, cluster: ClusterSpec, spec: ModelSpec,

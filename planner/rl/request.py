@@ -72,6 +72,12 @@ class RlRequest:
     critic_ulysses_sequence_parallel_size: int | None = knob(None, "--critic-ulysses-sequence-parallel-size",
                                                              help="PPO: critic.ulysses_sequence_parallel_size "
                                                              "(default: the actor's)")
+    reward_model: object = knob(None, "--reward-model", help="reward_model.model.path (reward_model.enable): a "
+                                "preset or config.json, served by its own engine on the same GPUs; default none",
+                                cli_type=str)
+    reward_model_tp: int = knob(2, "--reward-model-tp", help="reward_model.rollout.tensor_model_parallel_size")
+    reward_model_gpu_memory_utilization: float = knob(0.5, "--reward-model-gpu-memory-utilization",
+                                                      help="reward_model.rollout.gpu_memory_utilization")
     use_shm: bool = knob(False, "--use-shm/--no-use-shm", help="model.use_shm: the model copied to /dev/shm")
     # the rollout engine (actor_rollout_ref.rollout.*)
     engine: str = knob("vllm", "--engine", help="rollout.name: vllm or sglang")

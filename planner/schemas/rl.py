@@ -79,6 +79,8 @@ class RlTime(_Out):
     weight_sync_s: float
     offload_s: float
     critic_s: float = Field(description="PPO's critic (values and update); 0 for GRPO")
+    reward_s: float = Field(description="a reward model's scoring (its engine's prefill, wake and sleep); 0 without "
+                                        "one")
     step_s: float
 
 

@@ -279,3 +279,35 @@ def test_a_critic_left_at_ulysses_1_is_priced_at_its_own_degree(tmp_path):
     assert checked == own and checked["critic_update"] > planned["critic_update"]
     assert {n: b for n, b in checked.items() if n != "critic_update"} == {
         n: b for n, b in planned.items() if n != "critic_update"}
+
+
+REWARD = dict(gpu="h100-80gb", actor_dtype="bf16", prompt_len=1024, response_len=1024, train_batch=256,
+              rollout_n=8, reward_model="qwen2.5-7b", reward_model_gpu_memory_utilization=0.3)
+LEGACY_REWARD = """python3 -m verl.trainer.main_ppo algorithm.adv_estimator=grpo data.train_batch_size=256 \\
+    data.max_prompt_length=1024 data.max_response_length=1024 actor_rollout_ref.rollout.n=8 \\
+    actor_rollout_ref.rollout.name=vllm actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4 \\
+    actor_rollout_ref.actor.fsdp_config.model_dtype=bf16 trainer.n_gpus_per_node=8 \\
+    reward_model.enable=True reward_model.model.path=qwen2.5-7b reward_model.rollout.gpu_memory_utilization=0.3
+"""
+
+
+def test_a_reward_model_emitted_then_checked_prices_the_same(tmp_path):
+    """--reward-model through verl's reward.reward_model.* keys and back: the `reward` phase and every other, the
+    host RAM and the step time (its reward_s) equal."""
+    e = rl_estimate("qwen2.5-7b", 8, **REWARD)
+    assert e.memory.reward is not None and "reward" in {p.name for p in e.memory.phases}
+    (tmp_path / "rm.sh").write_text(emit_verl(e))
+    checked = json.loads(run_cli(["check", str(tmp_path / "rm.sh"), "--format", "json"]))
+    same_memory(checked, e)
+    assert checked["time"] == rl_dict(e)["time"] and checked["time"]["reward_s"] > 0
+
+
+def test_the_legacy_reward_model_keys_read_as_verl_migrates_them(tmp_path):
+    """reward_model.enable / model.path / rollout.* (what verl's migrate_legacy_reward_impl moves under reward.)
+    price the reward model as the current keys do; enabled without a path is one line naming the key."""
+    (tmp_path / "legacy.sh").write_text(LEGACY_REWARD)
+    setup = read_rl_setup(str(tmp_path / "legacy.sh"))
+    assert (setup.knobs["reward_model"], setup.knobs["reward_model_gpu_memory_utilization"]) == ("qwen2.5-7b", 0.3)
+    (tmp_path / "nopath.sh").write_text(LEGACY_REWARD.replace(" reward_model.model.path=qwen2.5-7b", ""))
+    r = run(tmp_path / "nopath.sh", "--model", "qwen2.5-7b")
+    assert r.returncode == 2 and r.stderr.strip().startswith("error: reward.reward_model.model_path: missing")

@@ -20,7 +20,7 @@ _COMMAND = "verl.trainer.main_ppo"
 _STOP = {"|", "||", "&&", ";", "&"}
 _VAR = re.compile(r"\$\{(\w+)(?::?-([^}]*))?\}|\$(\w+)")
 _ASSIGN = re.compile(r"^\s*(?:export\s+)?([A-Za-z_]\w*)=(.*)$")
-_OVERRIDE = re.compile(r"^\+{0,2}(?:actor_rollout_ref|data|trainer|algorithm|critic)\.[\w.]+=", re.M)
+_OVERRIDE = re.compile(r"^\+{0,2}(?:actor_rollout_ref|data|trainer|algorithm|critic|reward|reward_model)\.[\w.]+=", re.M)
 
 
 def is_verl_script(text: str) -> bool:
@@ -119,6 +119,7 @@ def from_overrides(o: dict, source: str, dialect: str, text: str = "") -> RlSetu
         knobs["lora_rank"] = rank
     _batches(o, knobs)
     _entropy(o, knobs, notes)
+    _reward(o, knobs)
     gpus_per_node = _value(o, "trainer.n_gpus_per_node", "gpus_per_node") if "trainer.n_gpus_per_node" in o else 8
     nnodes = _value(o, "trainer.nnodes", "gpus") if "trainer.nnodes" in o else 1
     knobs.update(gpus=gpus_per_node * nnodes, gpus_per_node=gpus_per_node)
@@ -129,9 +130,30 @@ def from_overrides(o: dict, source: str, dialect: str, text: str = "") -> RlSetu
         path = None if model else _value(o, A + "model.path", "model")   # unresolved: one line naming the key
     named = {f: k for k, f in {**keys.KEYS, **keys.CRITIC_KEYS}.items()} | {
         "algorithm": "algorithm.adv_estimator", "actor_dtype": A + "actor.fsdp_config.model_dtype",
-        "ppo_mini_batch_size": A + "actor.ppo_mini_batch_size", "lora_rank": A + "model.lora_rank"}
+        "ppo_mini_batch_size": A + "actor.ppo_mini_batch_size", "lora_rank": A + "model.lora_rank",
+        "reward_model": keys.RM + "model_path"}
     return RlSetup(knobs={**knobs, **flags}, source=source, dialect=dialect, model=model, model_path=path,
                    model_key=A + "model.path", notes=tuple(notes), keys=named)
+
+
+def _reward(o: dict, knobs: dict) -> None:
+    """A reward model: verl 0.9.1's reward.reward_model.* keys, or the legacy reward_model.* ones it migrates
+    (enable, model.path, rollout.*); the later spelling wins, as migrate_legacy_reward_impl writes it."""
+    def key(new: str, old: str):
+        return _first(o, keys.RM + new, "reward_model." + old)
+    enable = key("enable", "enable")
+    if enable is None or not _value(o, enable, "use_dynamic_bsz"):   # a bool, read as the flags' bools are
+        return
+    path = key("model_path", "model.path")
+    if path is None:
+        raise PlannerError(keys.RM + "model_path", "missing: reward_model.enable needs the reward model's path "
+                                                  "(a preset, config.json or cached Hub id)")
+    knobs["reward_model"] = str(_value(o, path, "reward_model")).strip("'\"")
+    for field, name in (("reward_model_tp", "tensor_model_parallel_size"),
+                        ("reward_model_gpu_memory_utilization", "gpu_memory_utilization")):
+        found = key("rollout." + name, "rollout." + name)
+        if found is not None:
+            knobs[field] = _value(o, found, field)
 
 
 def _batches(o: dict, knobs: dict) -> None:
