@@ -270,3 +270,35 @@ def test_rl_emits_the_best_configuration_and_refuses_what_trl_cannot_run():
     r = _cli("rl", "estimate", *job, "--algorithm", "ppo", "--emit", "trl")
     assert r.returncode == 2
     assert "algorithm" in r.stderr and "grpo" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_verl_validates_the_reward_model_keys_and_its_migration_reads_the_legacy_ones(tmp_path, monkeypatch):
+    """--reward-model's overrides (reward.reward_model.*) compose in verl 0.9.1's config, pass validate_config, and
+    convert to the RewardModelConfig RewardModelManager builds its engine from, with the plan's model, engine, TP,
+    utilization and lengths; the legacy reward_model.* keys that check also reads become the same config through
+    verl's own migrate_legacy_reward_impl."""
+    from hydra.errors import ConfigCompositionException
+
+    omega_conf_to_dataclass = _verl_validation()[0].omega_conf_to_dataclass
+    from verl.experimental.reward_loop import migrate_legacy_reward_impl
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    knobs = dict(CASE_1, reward_model="qwen2-7b", reward_model_gpu_memory_utilization=0.3)
+    overrides = script_overrides(emit_verl(rl_estimate("qwen2-7b", 2, **knobs)))
+    reward = {k: v for k, v in overrides.items() if "reward" in k}
+    assert len(reward) == 7
+    composed = _validated(overrides)
+    rm = omega_conf_to_dataclass(composed.reward.reward_model)
+    assert type(rm).__name__ == "RewardModelConfig"
+    assert (rm.enable, rm.model_path, rm.rollout.name, rm.rollout.tensor_model_parallel_size,
+            rm.rollout.gpu_memory_utilization, rm.rollout.prompt_length, rm.rollout.response_length) == (
+        True, "qwen2-7b", "vllm", 2, 0.3, 1024, 1024)
+    legacy = {k.replace("reward.reward_model.model_path", "reward_model.model.path")
+               .replace("reward.reward_model.", "reward_model."): v for k, v in reward.items()}
+    migrated = migrate_legacy_reward_impl(_compose([f"{k}={v}" for k, v in {**overrides, **legacy}.items()
+                                                    if not k.startswith("reward.")]))
+    assert migrated.reward.reward_model == composed.reward.reward_model
+    # the FSDP reward worker's knobs of older verl are not keys of 0.9.1: no reward micro-batch, no param offload
+    for gone in ("reward_model.micro_batch_size_per_gpu=4", "reward_model.model.fsdp_config.param_offload=True"):
+        with pytest.raises(ConfigCompositionException):
+            _compose([gone])
