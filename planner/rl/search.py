@@ -77,13 +77,14 @@ def key(e: RlEstimate) -> tuple:
 
 def side_fits(e: RlEstimate, engine_side: bool) -> bool:
     """The engine side (ENGINE_PHASES, the engine's refusals, rollout TP, host RAM) or the actor side (the other
-    phases, the batch's refusals): a configuration fits when both do (evaluate_rl's reasons, split)."""
+    phases, the batch's and a reward engine's refusals): a configuration fits when both do (evaluate_rl's reasons, split)."""
     cap = e.cluster.gpu.memory_bytes
     if any(p.reserved_bytes > cap for p in e.memory.phases if (p.name in ENGINE_PHASES) == engine_side):
         return False
     tp_refusal = any(r.field == "rollout_tp" for r in e.batch.refusals)
-    if not engine_side:
-        return not any(r.field != "rollout_tp" for r in e.batch.refusals)
+    if not engine_side:   # a reward engine's start sees the actor's resident states (rl_reward.py)
+        reward = e.memory.reward.memory.refusals if e.memory.reward else ()
+        return not reward and not any(r.field != "rollout_tp" for r in e.batch.refusals)
     ram = e.cluster.cpu_ram_bytes_per_node
     return not (e.memory.engine.refusals or tp_refusal or (ram and e.host.peak_bytes > ram))
 
