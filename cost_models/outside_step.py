@@ -30,7 +30,21 @@ read in its code):
   all_gather_into_tensor writes one (GPU-only, not measured here).
 - HF `save_pretrained` of that full state dict: safetensors 0.8 `save_file` writes from the tensors' pointers
   (`_flatten_as_ptr`, no bytes copy): rank 0's gathered params only.
-Ignored: the OS page cache of checkpoint files (reclaimable), pickled metadata, Python objects per key.
+- sync DCP's plans and metadata (dcp_plan_bytes): Python objects per state-dict key and per chunk (a key's slice on
+  one rank), on every rank's host even where the tensors are on the GPU. state_dict_saver._save_state_dict: each
+  rank's local plan (a WriteItem per key: MetadataIndex, TensorWriteData, ChunkStorageMetadata, TensorProperties)
+  is gathered, pickled, to the coordinator (_DistWrapper.reduce_scatter -> gather_object), which unpickles every
+  rank's, builds the global plan (DefaultSavePlanner.create_global_plan: a new WriteItem per chunk) and Metadata (a
+  TensorStorageMetadata per key, a ChunkStorageMetadata per chunk), gathers every rank's WriteResults (a
+  MetadataIndex and _StorageInfo per chunk, FileSystemWriter.finish's storage_data) and broadcasts the Metadata:
+  each rank unpickles the whole of it (broadcast_object: the received bytes copied twice, tobytes and a slice).
+  The peak is that broadcast on every rank (traced phase by phase): rank 0 pickling it beside every rank's plans,
+  the others unpickling it beside their own. Figures: tracemalloc peaks (CPython 3.11, torch 2.13) over one
+  dcp.save of calibration.reference Llamas with FSDP2 and AdamW, 2 / 6 / 18 blocks (96 / 240 / 672 keys) on 2, 4
+  and 8 gloo ranks (9 runs, docs/accuracy.md), split by least squares into bytes per chunk, per key and a fixed
+  part: a measurement of these object kinds, not fitted to the tests' rows. The others' within 4 % of each run;
+  rank 0's within 12 % but two runs (-20 %, +36 %: pickling's memo and buffer grow by doubling).
+Ignored: the OS page cache of checkpoint files (reclaimable).
 """
 
 from __future__ import annotations
@@ -44,6 +58,11 @@ from .specs import Finetune, ModelSpec, TrainingSpec
 from .units import DTYPE_BYTES
 
 DCP_COPY_AHEAD_BYTES = 10_000_000  # FileSystemWriter(per_thread_copy_ahead=10_000_000), thread_count=1
+# sync DCP's Python objects (module docstring): (per chunk, per key, fixed) bytes, rank 0 (the coordinator) and the
+# others; tracemalloc on CPython 3.11 / torch 2.13 (docs/accuracy.md, "Memory outside the step")
+DCP_OBJECT_BYTES_RANK0 = (2_996, 4_713, 303_402)
+DCP_OBJECT_BYTES_OTHERS = (2_115, 3_350, 136_588)
+PARAM_GROUP_KEYS = 12  # torch.optim.AdamW's param_groups entries, each a key DCP writes once (lr, betas, ...)
 
 
 class LoadWay(str, Enum):
@@ -73,6 +92,8 @@ class StateSizes:
     pretrained_bytes: int = 0  # the pretrained weights as read (their file's dtype); 0: params_bytes
     root_unit_bytes: int = 0   # FSDP1's root unit (embedding, head, final norm); 0: largest_unit_bytes
     block_unit_bytes: int = 0  # one block's unit; 0: largest_unit_bytes
+    sharded_keys: int = 0      # state-dict tensors sharded over the ranks (a chunk on each): params, their states
+    replicated_keys: int = 0   # keys written once (Adam's step per trained tensor, param_groups' entries)
 
     def shard(self, n_bytes: int) -> int:
         return math.ceil(n_bytes / self.ranks)
@@ -101,6 +122,7 @@ class StateSizes:
         if model.moe is not None and model.moe.stacked_expert_tensors:  # one tensor holds every routed expert's
             largest = max(largest, *(rows * per_row for rows, per_row in model.moe.stacked_expert_tensors))
         opt = training.optimizer.state_bytes_per_param(param_dtype)
+        keys = _state_keys(model, training)
         if training.finetune.adapters:
             adapters_block = model.lora_params_per_block(training.lora_rank)
             adapters = model.n_layers * adapters_block
@@ -111,10 +133,24 @@ class StateSizes:
                 largest = max(model.embedding_params, model.head_params)  # left unquantized, in the compute dtype
             block, root = block + adapters_block * p, model.root_params * f
             return cls(base + adapters * p, round(adapters * opt), largest * f, max(block, root), ranks,
-                       root_unit_bytes=root, block_unit_bytes=block)
+                       root_unit_bytes=root, block_unit_bytes=block, sharded_keys=keys[0], replicated_keys=keys[1])
         block, root = model.block_params * p, model.root_params * p
         return cls(model.n_params * p, round(model.n_params * opt), largest * p, max(block, root), ranks,
-                   root_unit_bytes=root, block_unit_bytes=block)
+                   root_unit_bytes=root, block_unit_bytes=block, sharded_keys=keys[0], replicated_keys=keys[1])
+
+
+def _state_keys(model: ModelSpec, training: TrainingSpec) -> tuple[int, int]:
+    """(sharded, replicated) keys of the model's and optimizer's state dict as DCP flattens them: each param tensor
+    (pipeline_allocations.param_tensors' per block; embedding, head, final norm) and each trained tensor's states
+    (Adam's two, SGD's momentum) sharded; Adam's `step` (a scalar tensor per trained tensor) and param_groups'
+    entries written once. Trained: every tensor, or LoRA's A and B of each target."""
+    from .pipeline_allocations import param_tensors  # lazy: a heavy module, needed for this count only
+
+    root = 1 + (model.head_params > 0) + (model.root_other_params > 0)
+    tensors = model.n_layers * len(param_tensors(model, model.block_params)) + root
+    trained = model.n_layers * 2 * len(model.lora_target_shapes) if training.finetune.adapters else tensors
+    adam = training.optimizer.name.startswith("ADAM")  # AdamW 8-bit counted as AdamW
+    return tensors + (2 if adam else 1) * trained, (trained if adam else 0) + PARAM_GROUP_KEYS
 
 
 @dataclass(frozen=True)
@@ -128,6 +164,17 @@ class OutsideBytes:
     def node_bytes(self, ranks_per_node: int) -> int:
         """The busiest node's host RAM: rank 0's node."""
         return self.rank0_host_bytes + (ranks_per_node - 1) * self.rank_host_bytes
+
+
+def dcp_plan_bytes(sizes: StateSizes) -> tuple[int, int]:
+    """(rank 0, each other rank): sync DCP's plans and metadata (module docstring), from the chunks (a sharded
+    key's slice on each rank, a replicated key's once) and keys of one save."""
+    keys = sizes.sharded_keys + sizes.replicated_keys
+    if not keys:
+        return 0, 0
+    chunks = sizes.sharded_keys * sizes.ranks + sizes.replicated_keys
+    return tuple(round(per_chunk * chunks + per_key * keys + fixed)
+                 for per_chunk, per_key, fixed in (DCP_OBJECT_BYTES_RANK0, DCP_OBJECT_BYTES_OTHERS))
 
 
 def _gathered_bytes(sizes: StateSizes, fsdp2: bool) -> int:
@@ -241,6 +288,20 @@ def save_bytes(way: SaveWay, sizes: StateSizes, fsdp2: bool = True, on_gpu: bool
     (gloo), where the state is host memory already and a gather's device copy is a host allocation. offloaded: the
     state sits in host RAM (CPU offload) on a GPU run: DCP writes it in place; a full gather still runs on the GPU.
     host_state_dict: FSDP1's DCP state dict made with StateDictOptions(cpu_offload=True), else on the GPU."""
+    if way in (SaveWay.DCP, SaveWay.DCP_ASYNC):  # both plan and gather the same objects (dcp_plan_bytes)
+        tensors = _dcp_tensor_bytes(way, sizes, fsdp2, on_gpu, offloaded, host_state_dict)
+        rank0, others = dcp_plan_bytes(sizes)
+        return OutsideBytes(tensors.rank0_host_bytes + rank0, tensors.rank_host_bytes + others, tensors.gpu_bytes)
+    full = sizes.params_bytes if way is SaveWay.SAVE_PRETRAINED else sizes.state_bytes
+    one = _gathered_bytes(sizes, fsdp2)
+    if on_gpu:  # FSDP1's offload_to_cpu copies the gathered unit to host before cloning it into the state dict
+        return OutsideBytes(full + (0 if fsdp2 else one), 0, one)
+    return OutsideBytes(full + one, 2 * one, 0)  # gloo: two copies per gather; rank 0 keeps one of them
+
+
+def _dcp_tensor_bytes(way: SaveWay, sizes: StateSizes, fsdp2: bool, on_gpu: bool, offloaded: bool,
+                      host_state_dict: bool) -> OutsideBytes:
+    """A DCP save's tensor copies (save_bytes' arguments)."""
     shard = sizes.shard(sizes.state_bytes)
     if way is SaveWay.DCP:
         in_place = offloaded or not on_gpu
@@ -256,13 +317,7 @@ def save_bytes(way: SaveWay, sizes: StateSizes, fsdp2: bool = True, on_gpu: bool
             # the gather of one unit's state. dcp.save writes the host copies in place.
             return OutsideBytes(t.held, t.held, t.gather)
         return OutsideBytes(staged, staged, 0)
-    if way is SaveWay.DCP_ASYNC:
-        return OutsideBytes(shard, shard, 0)
-    full = sizes.params_bytes if way is SaveWay.SAVE_PRETRAINED else sizes.state_bytes
-    one = _gathered_bytes(sizes, fsdp2)
-    if on_gpu:  # FSDP1's offload_to_cpu copies the gathered unit to host before cloning it into the state dict
-        return OutsideBytes(full + (0 if fsdp2 else one), 0, one)
-    return OutsideBytes(full + one, 2 * one, 0)  # gloo: two copies per gather; rank 0 keeps one of them
+    return OutsideBytes(shard, shard, 0)  # async: the staged shard
 
 
 def first_step_reserved_bytes(activation_bytes: list[int], state_bytes: list[int],

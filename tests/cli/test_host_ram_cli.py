@@ -4,7 +4,11 @@ the ways chosen with why, and --cpu-ram-per-node rejecting a candidate whose hos
 Llama 3.1 8B (8,030,261,248 params; embedding 128,256 x 4,096) on one node of 8 H100s, bf16 with fp32 params:
 - loading, rank 0 reads the published bf16 weights and broadcasts them: 8,030,261,248 x 2 B = 16,060,522,496 B on
   rank 0's node;
-- save, DCP: 8 ranks x (10 MB copy-ahead + an eighth of the fp32 embedding, 262,668,288 B) = 2,181,346,304 B;
+- save, DCP: 8 ranks x (10 MB copy-ahead + an eighth of the fp32 embedding, 262,668,288 B) = 2,181,346,304 B, and
+  DCP's plans and metadata (outside_step.dcp_plan_bytes): 291 tensors (32 x 9 + 3), 873 sharded keys (each tensor
+  and Adam's two states) and 303 written once (291 steps + 12 param_groups entries): 7,287 chunks, 1,176 keys;
+  rank 0 2,996 x 7,287 + 4,713 x 1,176 + 303,402 = 27,677,742 B, the others 2,115 x 7,287 + 3,350 x 1,176 +
+  136,588 = 19,488,193 B each: 164,095,093 B more, 2,345,441,397 B (2.2 GiB);
 - resume, DCP: 8 x 2 items of 262,668,288 B = 4,202,692,608 B;
 - processes: 8 x 282 MB = 2,256,000,000 B; the peak: processes + loading = 18,316,522,496 B (17.1 GiB).
 """
@@ -14,7 +18,7 @@ import json
 from tests.cli.test_float_flags import invoke
 
 BASE = ["--model", "llama3.1-8b", "--gpus", "8", "--gpu", "h100-80gb"]
-HOST = {"load_bytes": 16_060_522_496, "checkpoint_save_bytes": 2_181_346_304, "resume_bytes": 4_202_692_608,
+HOST = {"load_bytes": 16_060_522_496, "checkpoint_save_bytes": 2_345_441_397, "resume_bytes": 4_202_692_608,
         "process_bytes": 2_256_000_000, "offloaded_bytes": 0, "peak_bytes": 18_316_522_496, "save_gpu_bytes": 0,
         "load_way": "rank0-broadcast", "save_way": "dcp", "resume_way": "meta-dcp"}
 
@@ -32,7 +36,7 @@ def test_estimate_text_shows_the_host_breakdown_against_the_nodes_ram(capsys):
     assert code == 0, err
     text = " ".join(out.split())  # the lines are folded to the terminal width
     assert ("Host RAM per node: 17.1 GiB of 2048.0 GiB at its peak = processes 2.1 + the largest of loading 15.0, "
-            "offloaded state 0.0 + checkpoint save 2.0 or + resume 3.9") in text
+            "offloaded state 0.0 + checkpoint save 2.2 or + resume 3.9") in text
     assert "Load and checkpoint ways: load rank0-broadcast: 15.0 GiB on rank 0's node" in text
 
 
