@@ -1,7 +1,7 @@
 """PPO's critic in verl (workers/fsdp_workers.py CriticWorker): the actor's model with a value head
 (AutoModelForTokenClassification, num_labels 1: a Linear(hidden, 1) with its bias in place of the vocabulary
 head), trained in full by its own FSDP worker process on the same GPUs, with its own param / optimizer offload.
-Its memory is the actor's rules on that model (rl_phases.actor_states): the ledger's update at the same packed
+Its memory is the actor's rules on that model (rl_actor.actor_states): the ledger's update at the same packed
 micro-batch (critic.ppo_micro_batch_size_per_gpu taken equal to the actor's), no vocabulary-sized logits, no
 entropy. Ignored: a reward model, a LoRA critic."""
 
@@ -13,7 +13,8 @@ from .cluster_spec import ClusterSpec
 from .model_spec import ModelSpec
 from .profile import Profile
 from .rl_batch import BatchPlan
-from .rl_phases import ActorStates, RlSettings, actor_run, actor_states
+from .rl_actor import ActorStates, actor_run, actor_states
+from .rl_settings import RlSettings
 from .spec_values import Finetune
 
 

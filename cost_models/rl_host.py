@@ -29,7 +29,8 @@ from .cluster_spec import ClusterSpec
 from .host_ram import PROCESS_BYTES_PER_RANK
 from .model_spec import ModelSpec
 from .outside_step import LoadWay, SaveWay, StateSizes, load_bytes, save_bytes
-from .rl_phases import ActorStates, RlSettings, reference_bytes
+from .rl_actor import ActorStates, reference_bytes
+from .rl_settings import RlSettings
 from .rl_reward import RewardModel
 from .rollout_engine import EngineMemory
 

@@ -21,82 +21,22 @@ Ignored: Ulysses' all-to-all buffers, the attention's workspaces, gradients afte
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
-from . import activations
 from .cluster_spec import ClusterSpec
 from .feasibility import Refusal
-from .memory import estimate_memory
-from .memory_types import MemoryBreakdown, ParamCounts
 from .model_spec import ModelSpec
 from .outside_allocator import outside_allocator_terms
 from .profile import Profile
+from .rl_actor import ActorRun, ActorStates, actor_run, actor_states, forward_only_bytes, reference_bytes
 from .rl_batch import BatchPlan
 from .rl_reward import RewardModel, RewardSettings, reward_engine, reward_row
-from .rl_strategy import forward_gathered_bytes, fsdp2_backward, loss_root_bytes, sync_moment, weight_sync_bytes
+from .rl_settings import RlSettings
+from .rl_strategy import sync_moment
 from .rollout_engine import EngineMemory, EngineSettings, engine_memory
-from .spec_values import Attention, Finetune, LossKernel, Precision, Sharding, SpecError, parse_enum
-from .specs import FsdpConfig, TrainingSpec
-from .units import DTYPE_BYTES
 
 PHASES = ("init", "rollout", "weight_sync", "reward", "log_prob", "ref_log_prob", "critic_values", "critic_update",
           "update", "optimizer_step", "checkpoint")   # reward: with a reward model; the critic's two: PPO only
-ALGORITHMS = ("grpo", "ppo")
-ACTOR_DTYPES = {"fp32": Precision.BF16, "bf16": Precision.BF16_PURE}  # stored dtype -> FSDP mixed precision
-STRATEGIES = ("fsdp", "fsdp2")
-FRAMEWORKS = ("verl", "trl")
-ENTROPY_CHUNK_ROWS = 2048  # verl's entropy_from_logits_with_chunking default chunk
-
-
-@dataclass(frozen=True)
-class RlSettings:
-    """The FSDP side's knobs as verl names them (actor_rollout_ref.actor.* / ref.* / model.*)."""
-
-    strategy: str = "fsdp"             # actor.strategy: fsdp (FSDP1) | fsdp2 (how each wraps: rl_strategy.py)
-    framework: str = "verl"            # verl | trl (GRPOTrainer with accelerate's FSDP)
-    actor_dtype: str = "fp32"          # fsdp_config.model_dtype: fp32 master weights (2025 default) or bf16
-    finetune: Finetune = Finetune.FULL
-    lora_rank: int = 32                # model.lora_rank, target_modules all-linear
-    param_offload: bool = False
-    optimizer_offload: bool = False
-    ref_param_offload: bool = True     # FSDP1's reference: CPUOffload(offload_params=True)
-    gradient_checkpointing: bool = True
-    entropy: bool = True               # entropy computed in log-prob / update (entropy_coeff != 0 or logged)
-    entropy_chunking: bool = False     # actor.entropy_from_logits_with_chunking
-    entropy_compile: bool = True       # actor.use_torch_compile: entropy_from_logits compiled (verl's default)
-    fsdp_size: int = -1                # fsdp_config.fsdp_size: -1 all GPUs, 1 each GPU holds the whole actor
-    sleep_level: int = 1               # vLLM sleep mode: 1 weights to host, 2 discarded
-    use_shm: bool = False              # model.use_shm: the checkpoint copied to /dev/shm
-    algorithm: str = "grpo"            # algorithm.adv_estimator: grpo (no critic) | ppo (gae: a critic)
-    critic_param_offload: bool = False     # critic.model.fsdp_config.param_offload
-    critic_optimizer_offload: bool = False
-    layered_summon: bool = False       # rollout.layered_summon: FSDP1 LoRA's sync gathers one unit at a time
-
-    def __post_init__(self):
-        if self.strategy not in STRATEGIES:
-            raise SpecError("strategy", f"unknown value {self.strategy!r}; choose one of: {', '.join(STRATEGIES)}")
-        if self.framework not in FRAMEWORKS:
-            raise SpecError("framework", f"unknown value {self.framework!r}; choose one of: {', '.join(FRAMEWORKS)}")
-        if self.actor_dtype not in ACTOR_DTYPES:
-            raise SpecError("actor_dtype", f"unknown value {self.actor_dtype!r}; choose one of: fp32, bf16")
-        object.__setattr__(self, "finetune", parse_enum(Finetune, self.finetune, "finetune"))
-        if self.finetune is Finetune.QLORA:
-            raise SpecError("finetune", "qlora is not a verl mode; choose one of: full, lora")
-        if self.algorithm not in ALGORITHMS:
-            raise SpecError("algorithm", f"unknown value {self.algorithm!r}; choose one of: {', '.join(ALGORITHMS)}")
-        if self.sleep_level not in (1, 2):
-            raise SpecError("sleep_level", f"must be 1 or 2, got {self.sleep_level}")
-        if self.fsdp_size == 0 or self.fsdp_size < -1:
-            raise SpecError("fsdp_size", f"must be -1 (all GPUs) or >= 1, got {self.fsdp_size}")
-
-    @property
-    def lora(self) -> bool:
-        return self.finetune is Finetune.LORA
-
-    @property
-    def ppo(self) -> bool:
-        return self.algorithm == "ppo"
 
 
 @dataclass(frozen=True)
@@ -110,151 +50,6 @@ class Phase:
     @property
     def allocated_bytes(self) -> int:
         return sum(self.gpu_bytes.values())
-
-
-@dataclass(frozen=True)
-class ActorStates:
-    """The actor's per-GPU model states (the ledger's optimizer step) and its update's peak."""
-
-    params_bytes: int
-    grads_bytes: int
-    optimizer_bytes: int
-    step_temporary_bytes: int
-    update_first: MemoryBreakdown    # the backward's peak at the first step (no Adam states yet)
-    update_steady: MemoryBreakdown
-    largest_tensor_bytes: int        # one gathered parameter (the embedding or head) in the actor's dtype
-    unit_gather_bytes: int           # the units a forward-only phase holds gathered (rl_strategy.py)
-    sync_bytes: tuple = ({}, {})     # the weight sync's transients: its state-dict walk's, its send's (rl_strategy.py)
-
-
-def all_linear_lora(model: ModelSpec) -> ModelSpec:
-    """LoRA on every linear of a block (PEFT's target_modules="all-linear", verl's examples): q, k, v, o and the
-    MLP's gate / up / down. The repo's presets list the attention's only."""
-    h, f = model.hidden_size, model.ffn_hidden_size
-    mlp = ((h, f), (h, f), (f, h)) if model.gated_mlp else ((h, f), (f, h))
-    attention = ((h, model.q_dim), (h, model.kv_dim), (h, model.kv_dim), (model.q_dim, h))
-    return dataclasses.replace(model, lora_target_shapes=attention + mlp)
-
-
-# [tokens, vocab] tensors of the compute dtype alive at the entropy path's peak, traced with torch 2.13's eager
-# autograd on fake tensors (tests/unit/test_rl_logits_trace.py): the logits and verl's entropy_from_logits
-# (softmax, logsumexp, pd * logits) under no_grad; with grad, through its backward (a log-softmax beside it adds
-# nothing to the peak).
-ENTROPY_TENSORS_NO_GRAD = 3
-ENTROPY_TENSORS_EAGER_GRAD = 7
-# verl compiles entropy_from_logits by default (actor.use_torch_compile): AOTAutograd saves the logits and
-# recomputes the rest; the backward holds them, their gradient and one working tensor. An estimate (inductor does
-# not run on fake tensors).
-ENTROPY_TENSORS_COMPILED_GRAD = 3
-
-
-def verl_logits_bytes(model: ModelSpec, tokens: int, c: int, settings: RlSettings, grad: bool = True) -> int:
-    """verl's dp_actor._forward_micro_batch on remove-padded tokens: the logits [tokens, vocab] in compute dtype
-    (transformers' lm_head, no upcast); log-probs by flash-attn's cross_entropy_loss (its gradient in place);
-    the entropy (verl torch_functional.entropy_from_logits) as traced or compiled (ENTROPY_TENSORS_*), or with
-    chunking (entropy_from_logits_with_chunking) three fp32 chunks of ENTROPY_CHUNK_ROWS rows beside the logits."""
-    v = model.vocab_size
-    logits = tokens * v * c
-    if not settings.entropy:
-        return logits
-    if settings.entropy_chunking:
-        return logits + 3 * min(tokens, ENTROPY_CHUNK_ROWS) * v * 4
-    if not grad:
-        return ENTROPY_TENSORS_NO_GRAD * logits
-    return (ENTROPY_TENSORS_COMPILED_GRAD if settings.entropy_compile else ENTROPY_TENSORS_EAGER_GRAD) * logits
-
-
-@dataclass(frozen=True)
-class ActorRun:
-    """What the FSDP models price for verl's actor: the model as trained (all-linear LoRA adapters), the cluster
-    its shard group sees (HYBRID over fsdp_size: a node of fsdp_size GPUs), the FsdpConfig and the packed
-    micro-batch (micro_batch 1 of the micro-batch's tokens per GPU)."""
-
-    model: ModelSpec
-    cluster: ClusterSpec
-    config: FsdpConfig
-    training: TrainingSpec
-    shard_ranks: int
-
-
-def actor_run(model: ModelSpec, cluster: ClusterSpec, settings: RlSettings, batch: BatchPlan,
-              memo: dict | None = None) -> ActorRun:
-    """FULL_SHARD over the GPUs (fsdp_size -1), NO_SHARD for fsdp_size 1, else HYBRID over fsdp_size; fp32 master
-    weights with bf16 compute (or bf16 throughout); the loss priced apart (verl_logits_bytes). memo: a search's
-    cache for the actor (one model and cluster), keyed by what the run reads."""
-    if memo is not None:
-        key = ("actor_run", settings.finetune, settings.lora_rank, settings.actor_dtype,
-               settings.gradient_checkpointing, settings.fsdp_size, batch.update_tokens_per_gpu)
-        if key not in memo:
-            memo[key] = actor_run(model, cluster, settings, batch)
-        return memo[key]
-    size = cluster.n_gpus if settings.fsdp_size == -1 else min(settings.fsdp_size, cluster.n_gpus)
-    sharding = Sharding.FULL_SHARD if size == cluster.n_gpus else Sharding.NO_SHARD if size == 1 \
-        else Sharding.HYBRID_SHARD
-    config = FsdpConfig(sharding=sharding, precision=ACTOR_DTYPES[settings.actor_dtype],
-                        ac_every=int(settings.gradient_checkpointing), micro_batch=1, grad_accum=1,
-                        attention=Attention.SDPA, loss_kernel=LossKernel.LIGER)
-    return ActorRun(model=all_linear_lora(model) if settings.lora else model,
-                    cluster=dataclasses.replace(cluster, gpus_per_node=size) if 1 < size < cluster.n_gpus else cluster,
-                    config=config, training=TrainingSpec(seq_len=batch.update_tokens_per_gpu,
-                                                         finetune=settings.finetune, lora_rank=settings.lora_rank),
-                    shard_ranks=size)
-
-
-def actor_states(run: ActorRun, settings: RlSettings, batch: BatchPlan, profile: Profile) -> ActorStates:
-    """The ledger's update at the packed micro-batch, with verl's log-prob loss in place of the cross-entropy."""
-    model, config, training, size = run.model, run.config, run.training, run.shard_ranks
-    # verl accumulates gradients over the mini-batch's micro-batches: from the second micro-batch on the whole
-    # sharded gradient is resident (the ledger's grad_accum > 1: FSDP adds each new shard in place)
-    accumulating = batch.micro_batches_per_mini > 1
-    tokens = training.seq_len
-    est = estimate_memory(model, run.cluster, training, dataclasses.replace(config, grad_accum=1 + accumulating),
-                          profile)
-    step = est.phases["optimizer_step"]
-    body = est.phases["backward"]
-    if settings.lora and config.precision.mixed:
-        # verl builds the actor in its model_dtype (fp32 by default) and PEFT keeps the base in it: the frozen
-        # shard is stored in fp32, where the ledger keeps a frozen base in the compute dtype
-        frozen = ParamCounts.of(model, training).frozen(model.n_layers)
-        extra = -(-frozen * (4 - DTYPE_BYTES[config.precision.compute_dtype]) // size)
-        body, step = (dataclasses.replace(b, sharded_params=b.sharded_params + extra) for b in (body, step))
-    c = DTYPE_BYTES[config.precision.compute_dtype]
-    body = fsdp2_backward(body, est.peak_moment, model, settings, c, DTYPE_BYTES[config.gradient_reduce_dtype], size)
-    # the loss moment: every block's saved tensors (checkpointed: its input), the root's, the root gathered (as
-    # the strategy wraps it: rl_strategy.py), the last block's all-gather prefetched for its backward, and the
-    # verl logits path
-    per_block = (activations.checkpointed_block_bytes_per_token(model, c) if settings.gradient_checkpointing else
-                 activations.block_bytes_per_token(model, c, Attention.SDPA, tokens, 1, training.adapter_rank))
-    saved = tokens * (model.n_layers * per_block + activations.root_bytes_per_token(model, c, lora=settings.lora))
-    loss = MemoryBreakdown(sharded_params=step.sharded_params, optimizer_state=step.optimizer_state,
-                           sharded_grads=step.sharded_grads if accumulating else 0,
-                           unsharded_params=loss_root_bytes(model, settings, c), activations=saved,
-                           collective_buffers=model.block_params * c if size > 1 else 0,
-                           logits_and_loss=verl_logits_bytes(model, tokens, c, settings))
-    steady = max(body, loss, key=lambda b: b.total_bytes)
-    first = dataclasses.replace(steady, optimizer_state=0)
-    p = DTYPE_BYTES[config.precision.param_dtype]
-    largest = max(model.embedding_params, model.head_params) * p
-    return ActorStates(params_bytes=step.sharded_params, grads_bytes=step.sharded_grads,
-                       optimizer_bytes=step.optimizer_state, step_temporary_bytes=step.optimizer_temporaries,
-                       update_first=first, update_steady=steady, largest_tensor_bytes=largest,
-                       sync_bytes=weight_sync_bytes(model, settings, step.sharded_params, p, size),
-                       unit_gather_bytes=forward_gathered_bytes(model, settings, c))
-
-
-def forward_only_bytes(model: ModelSpec, tokens: int, c: int, settings: RlSettings) -> dict:
-    """A log-prob forward under no_grad on `tokens` tokens per GPU: one block's working set (bounded by what it
-    would save for backward), the residual stream in and out, and verl's logits path."""
-    block = activations.block_bytes_per_token(model, c, Attention.SDPA, tokens, 1)
-    return {"forward activations": tokens * (block + 2 * c * model.hidden_size),
-            "logits and entropy": verl_logits_bytes(model, tokens, c, settings, grad=False)}
-
-
-def reference_bytes(model: ModelSpec, cluster: ClusterSpec, settings: RlSettings) -> int:
-    """The reference's bf16 shard on one GPU (LoRA: none, the actor without its adapter is the reference)."""
-    if settings.lora:
-        return 0
-    return -(-model.n_params * 2 // cluster.n_gpus)
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,7 @@ import dataclasses
 from .memory_types import MemoryBreakdown
 from .model_spec import ModelSpec
 
-# `settings` below: rl_phases.RlSettings (its strategy, framework and lora), not imported (rl_phases imports this)
+# `settings` below: rl_settings.RlSettings (its strategy, framework and lora)
 
 
 def separate_head_units(model: ModelSpec, settings) -> bool:

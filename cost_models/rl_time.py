@@ -36,7 +36,8 @@ from .cluster_spec import ClusterSpec
 from .model_spec import ModelSpec
 from .profile import Profile
 from .rl_batch import BatchPlan
-from .rl_phases import ActorStates, RlSettings, actor_run, reference_bytes
+from .rl_actor import ActorStates, actor_run, reference_bytes
+from .rl_settings import RlSettings
 from .rl_reward import RewardModel
 from .rollout_engine import Engine, EngineMemory, EngineSettings, KvShape
 from .step_time import TimeBreakdown, estimate_step_time

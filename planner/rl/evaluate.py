@@ -13,7 +13,9 @@ from cost_models.profile import DEFAULT_PROFILE, Profile
 from cost_models.rl_batch import BatchPlan, RlBatch, batch_plan
 from cost_models.rl_critic import critic_states
 from cost_models.rl_host import HostRam, host_ram_per_node
-from cost_models.rl_phases import RlMemory, RlSettings, actor_run, actor_states, rl_phases
+from cost_models.rl_actor import actor_run, actor_states
+from cost_models.rl_phases import RlMemory, rl_phases
+from cost_models.rl_settings import RlSettings
 from cost_models.rl_reward import RewardSettings
 from cost_models.rl_time import RlTime, critic_seconds, reward_seconds, rl_step_time, train_seconds
 from cost_models.rollout_engine import EngineSettings

@@ -4,7 +4,8 @@ reference left on the GPU, FSDP1 LoRA's whole-model weight sync, an fp32 actor w
 
 from __future__ import annotations
 
-from cost_models.rl_phases import RlMemory, RlSettings
+from cost_models.rl_phases import RlMemory
+from cost_models.rl_settings import RlSettings
 from cost_models.rollout_engine import EngineSettings
 from cost_models.units import GiB
 

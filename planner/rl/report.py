@@ -18,7 +18,7 @@ from .search import RlPlan
 ESTIMATES = ("engine profile-run activations and CUDA-graph pool (rollout_engine.py)",
              "every step time: a decode roofline, the FSDP step model at the micro-batch, bytes over links "
              "(rl_time.py)",
-             "log-prob forward working set: one block's saved bytes as its bound (rl_phases.py)",
+             "log-prob forward working set: one block's saved bytes as its bound (rl_actor.py)",
              "Ulysses: the attention at the whole length and its all-to-alls (rl_time.py); its buffers not counted",
              "mean lengths under remove-padding: as given, else the maxima")
 

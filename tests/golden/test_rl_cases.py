@@ -82,7 +82,7 @@ def test_case_2_brackets_the_boundary():
 
 
 def _settings():
-    from cost_models.rl_phases import RlSettings
+    from cost_models.rl_settings import RlSettings
     return RlSettings(finetune="lora")
 
 

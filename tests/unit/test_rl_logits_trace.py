@@ -10,7 +10,8 @@ torch = pytest.importorskip("torch")
 from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
 from torch.distributed._tools.mem_tracker import MemTracker  # noqa: E402
 
-from cost_models.rl_phases import RlSettings, verl_logits_bytes  # noqa: E402
+from cost_models.rl_actor import verl_logits_bytes  # noqa: E402
+from cost_models.rl_settings import RlSettings  # noqa: E402
 from planner.models import resolve_model  # noqa: E402
 
 TOKENS, HIDDEN = 512, 64   # a narrow head: the [tokens, vocab] tensors dominate what is traced

@@ -9,7 +9,9 @@ from cost_models.profile import DEFAULT_PROFILE
 from cost_models.rl_batch import RlBatch, batch_plan
 from cost_models.rl_critic import critic_states
 from cost_models.rl_host import host_ram_per_node
-from cost_models.rl_phases import PHASES, RlSettings, all_linear_lora, rl_phases, verl_logits_bytes
+from cost_models.rl_actor import all_linear_lora, verl_logits_bytes
+from cost_models.rl_phases import PHASES, rl_phases
+from cost_models.rl_settings import RlSettings
 from cost_models.rollout_engine import EngineSettings
 from cost_models.specs import FsdpConfig, SpecError
 from planner.hardware import make_cluster

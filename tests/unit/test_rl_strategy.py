@@ -6,7 +6,7 @@ on (planner/rl/search.py STRATEGY): FSDP2 never holds more, phase by phase, and 
 import pytest
 
 from cost_models.memory_types import MemoryBreakdown
-from cost_models.rl_phases import RlSettings
+from cost_models.rl_settings import RlSettings
 from cost_models.rl_strategy import fsdp2_backward, separate_head_units
 from planner.models import resolve_model
 from planner.rl import rl_estimate
