@@ -36,6 +36,7 @@ class ActorStates:
     largest_tensor_bytes: int        # one gathered parameter (the embedding or head) in the actor's dtype
     unit_gather_bytes: int           # the units a forward-only phase holds gathered (rl_strategy.py)
     sync_bytes: tuple = ({}, {})     # the weight sync's transients: its state-dict walk's, its send's (rl_strategy.py)
+    on_host: bool = False            # CPUOffloadPolicy: params, grads, Adam states (the sizes above) on the host
 
 
 def all_linear_lora(model: ModelSpec) -> ModelSpec:
@@ -95,7 +96,7 @@ def actor_run(model: ModelSpec, cluster: ClusterSpec, settings: RlSettings, batc
     cache for the actor (one model and cluster), keyed by what the run reads."""
     if memo is not None:
         key = ("actor_run", settings.finetune, settings.lora_rank, settings.actor_dtype,
-               settings.gradient_checkpointing, settings.fsdp_size, batch.update_tokens_per_gpu)
+               settings.gradient_checkpointing, settings.fsdp_size, batch.update_tokens_per_gpu, settings.host_offload)
         if key not in memo:
             memo[key] = actor_run(model, cluster, settings, batch)
         return memo[key]
@@ -104,7 +105,7 @@ def actor_run(model: ModelSpec, cluster: ClusterSpec, settings: RlSettings, batc
         else Sharding.HYBRID_SHARD
     config = FsdpConfig(sharding=sharding, precision=ACTOR_DTYPES[settings.actor_dtype],
                         ac_every=int(settings.gradient_checkpointing), micro_batch=1, grad_accum=1,
-                        attention=Attention.SDPA, loss_kernel=LossKernel.LIGER)
+                        attention=Attention.SDPA, loss_kernel=LossKernel.LIGER, offload=settings.host_offload)
     return ActorRun(model=all_linear_lora(model) if settings.lora else model,
                     cluster=dataclasses.replace(cluster, gpus_per_node=size) if 1 < size < cluster.n_gpus else cluster,
                     config=config, training=TrainingSpec(seq_len=batch.update_tokens_per_gpu,
@@ -119,16 +120,21 @@ def actor_states(run: ActorRun, settings: RlSettings, batch: BatchPlan, profile:
     # sharded gradient is resident (the ledger's grad_accum > 1: FSDP adds each new shard in place)
     accumulating = batch.micro_batches_per_mini > 1
     tokens = training.seq_len
-    est = estimate_memory(model, run.cluster, training, dataclasses.replace(config, grad_accum=1 + accumulating),
-                          profile)
-    step = est.phases["optimizer_step"]
+    accum_config = dataclasses.replace(config, grad_accum=1 + accumulating)
+    est = estimate_memory(model, run.cluster, training, accum_config, profile)
     body = est.phases["backward"]
+    # CPU offload (FSDP2's CPUOffloadPolicy): the ledger keeps the model states off the GPU; their sizes, for the
+    # host and the copies, from the ledger without it
+    on_gpu = not config.offload
+    step = est.phases["optimizer_step"] if on_gpu else estimate_memory(
+        model, run.cluster, training, dataclasses.replace(accum_config, offload=False), profile).phases["optimizer_step"]
     if settings.lora and config.precision.mixed:
         # verl builds the actor in its model_dtype (fp32 by default) and PEFT keeps the base in it: the frozen
         # shard is stored in fp32, where the ledger keeps a frozen base in the compute dtype
         frozen = ParamCounts.of(model, training).frozen(model.n_layers)
         extra = -(-frozen * (4 - DTYPE_BYTES[config.precision.compute_dtype]) // size)
-        body, step = (dataclasses.replace(b, sharded_params=b.sharded_params + extra) for b in (body, step))
+        step = dataclasses.replace(step, sharded_params=step.sharded_params + extra)
+        body = dataclasses.replace(body, sharded_params=body.sharded_params + extra * on_gpu)
     c = DTYPE_BYTES[config.precision.compute_dtype]
     body = fsdp2_backward(body, est.peak_moment, model, settings, c, DTYPE_BYTES[config.gradient_reduce_dtype], size)
     # the loss moment: every block's saved tensors (checkpointed: its input), the root's, the root gathered (as
@@ -137,8 +143,8 @@ def actor_states(run: ActorRun, settings: RlSettings, batch: BatchPlan, profile:
     per_block = (activations.checkpointed_block_bytes_per_token(model, c) if settings.gradient_checkpointing else
                  activations.block_bytes_per_token(model, c, Attention.SDPA, tokens, 1, training.adapter_rank))
     saved = tokens * (model.n_layers * per_block + activations.root_bytes_per_token(model, c, lora=settings.lora))
-    loss = MemoryBreakdown(sharded_params=step.sharded_params, optimizer_state=step.optimizer_state,
-                           sharded_grads=step.sharded_grads if accumulating else 0,
+    loss = MemoryBreakdown(sharded_params=step.sharded_params * on_gpu, optimizer_state=step.optimizer_state * on_gpu,
+                           sharded_grads=step.sharded_grads * on_gpu if accumulating else 0,
                            unsharded_params=loss_root_bytes(model, settings, c), activations=saved,
                            collective_buffers=model.block_params * c if size > 1 else 0,
                            logits_and_loss=verl_logits_bytes(model, tokens, c, settings))
@@ -150,7 +156,7 @@ def actor_states(run: ActorRun, settings: RlSettings, batch: BatchPlan, profile:
                        optimizer_bytes=step.optimizer_state, step_temporary_bytes=step.optimizer_temporaries,
                        update_first=first, update_steady=steady, largest_tensor_bytes=largest,
                        sync_bytes=weight_sync_bytes(model, settings, step.sharded_params, p, size),
-                       unit_gather_bytes=forward_gathered_bytes(model, settings, c))
+                       unit_gather_bytes=forward_gathered_bytes(model, settings, c), on_host=not on_gpu)
 
 
 def forward_only_bytes(model: ModelSpec, tokens: int, c: int, settings: RlSettings) -> dict:

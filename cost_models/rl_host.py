@@ -6,6 +6,9 @@ checkpoint's staging, summed over the node's GPUs.
   least host_ram.PROCESS_BYTES_PER_RANK (a floor: vLLM's and CUDA's host pages come on top);
 - actor param / optimizer offload (verl fsdp_utils offload_fsdp_model_to_cpu / offload_fsdp_optimizer): the
   rank's shard moves to the host between phases (moved, not copied: it is on one side at a time);
+- FSDP2's CPUOffloadPolicy (fsdp_config.offload_policy, pin_memory=True): the actor's params, grads and Adam states
+  (and the CPU step's temporaries) on the host for the whole run; params and grads pinned (torch _fsdp_param.py,
+  _fsdp_collectives.py: the grads' non-blocking D2H copy), Adam's states made by the CPU step beside the params;
 - the reference (FSDP1 CPUOffload(offload_params=True)): its bf16 shard stays on the host;
 - vLLM sleep level 1 (vllm/device_allocator/cumem.py CuMemAllocator.sleep(offload_tags="weights")): the engine's
   bf16 weights backed up to pinned host memory on every GPU, i.e. the model x GPUs per node / rollout TP; level 2
@@ -74,6 +77,9 @@ def host_ram_per_node(model: ModelSpec, cluster: ClusterSpec, settings: RlSettin
     terms = {
         "actor params (offloaded)": actor.params_bytes * gpus if settings.param_offload else 0,
         "Adam states (offloaded)": actor.optimizer_bytes * gpus if settings.optimizer_offload else 0,
+        "actor params, grads, Adam states (CPUOffloadPolicy)": (actor.params_bytes + actor.grads_bytes
+                                                                + actor.optimizer_bytes) * gpus * actor.on_host,
+        "CPU optimizer step temporaries": actor.step_temporary_bytes * gpus * actor.on_host,
         "reference (offloaded)": reference_bytes(model, cluster, settings) * gpus if settings.ref_param_offload else 0,
         "engine weight backup (sleep level 1)": engine.weights_bytes * gpus if settings.sleep_level == 1 else 0,
         "model copy in /dev/shm": model.n_params * 2 if settings.use_shm else 0,

@@ -15,6 +15,8 @@ Sources (shared/reference/rl.md; verl of 2025, workers/fsdp_workers.py and shard
 - weight sync: the actor's shard loaded, the engine's weights awake (0.8-era verl: wake_up() wakes the KV cache
   too; later: weights first, KV after), and one gathered tensor at a time (full_tensor()): the largest one;
   FSDP1's state dict adds its copy of the shard and its walk over the units (rl_strategy.py).
+- FSDP2's CPUOffloadPolicy (settings.host_offload): the actor's params, grads and Adam states never on the GPU
+  (the ledger's CPU offload for the update; the other phases hold the gathered units only).
 Ignored: Ulysses' all-to-all buffers, the attention's workspaces, gradients after the update (freed: verl's zero_grad
 / offload). PPO's critic (rl_critic.py) adds critic_values / critic_update, a reward model (rl_reward.py) `reward`.
 """
@@ -71,6 +73,7 @@ def _offloaded(settings: RlSettings, actor_loaded: bool, adam_loaded: bool, engi
     """What sits on the host (or is discarded) during a phase."""
     return tuple(name for name, away in (
         ("actor params", settings.param_offload and not actor_loaded),
+        ("actor params, grads, Adam states (CPUOffloadPolicy)", settings.host_offload),
         ("Adam states", settings.optimizer_offload and not adam_loaded),
         ("reference", settings.ref_param_offload and not settings.lora),
         ("critic params", settings.ppo and settings.critic_param_offload and not critic_loaded),
@@ -123,8 +126,11 @@ def rl_phases(model: ModelSpec, cluster: ClusterSpec, settings: RlSettings, engi
     c = 2  # bf16 compute (the actor's mixed precision, the reference, the engine)
     ref = reference_bytes(model, cluster, settings)
     ref_resident = 0 if settings.ref_param_offload else ref
-    params_resident = 0 if settings.param_offload else actor.params_bytes
-    adam_resident = 0 if settings.optimizer_offload else actor.optimizer_bytes
+    # CPUOffloadPolicy: the model states never on the GPU; each unit's shard copied in for its all-gather (priced
+    # as the gathered units), the optimizer step on the CPU
+    loaded = 0 if actor.on_host else actor.params_bytes
+    params_resident = 0 if settings.param_offload else loaded
+    adam_resident = 0 if settings.optimizer_offload or actor.on_host else actor.optimizer_bytes
     critic_init, critic_held, critic_outside = critic_terms(critic, settings, outside)
     at_init = params_resident + ref_resident + sum(critic_init.values()) + sum(critic_outside.values())
     rm = reward and reward_engine(reward, engine, cluster.gpu.memory_bytes, at_init, outside)
@@ -138,12 +144,13 @@ def rl_phases(model: ModelSpec, cluster: ClusterSpec, settings: RlSettings, engi
     resident = {**held, "Adam states": adam_resident}
     fwd = forward_only_bytes(model, batch.log_prob_tokens_per_gpu, c, settings)
     gathered = {"gathered units": actor.unit_gather_bytes}
-    ref_actor = {"actor params": actor.params_bytes} if settings.lora else {"actor params": params_resident}
+    ref_actor = {"actor params": loaded} if settings.lora else {"actor params": params_resident}
     update = {"reference": ref_resident, **actor.update_steady.to_dict()}
     first = {"reference": ref_resident, **actor.update_first.to_dict()}
     update, label = (update, "steady step") if sum(update.values()) >= sum(first.values()) else (first, "first step")
-    step = {"reference": ref_resident, "actor params": actor.params_bytes, "actor grads": actor.grads_bytes,
-            "Adam states": actor.optimizer_bytes, "step temporaries": actor.step_temporary_bytes}
+    step = {"reference": ref_resident, **({} if actor.on_host else {
+        "actor params": actor.params_bytes, "actor grads": actor.grads_bytes, "Adam states": actor.optimizer_bytes,
+        "step temporaries": actor.step_temporary_bytes})}
     def reserved(torch_terms: dict, engine_terms: dict) -> int:
         return profile.reserved_bytes(sum(torch_terms.values()), outside) + sum(engine_terms.values())
     # (name, torch terms, engine terms, actor loaded, Adam loaded, engine asleep, note)
@@ -152,13 +159,13 @@ def rl_phases(model: ModelSpec, cluster: ClusterSpec, settings: RlSettings, engi
          "the engine sizes its KV cache beside what is resident"),
         ("rollout", {**resident, **critic_held}, awake, False, False, False,
          "from step 2: Adam's states resident unless offloaded (the KV budget never saw them)"),
-        ("weight_sync", *sync_moment(*actor.sync_bytes, {"actor params": actor.params_bytes, "reference": ref_resident,
+        ("weight_sync", *sync_moment(*actor.sync_bytes, {"actor params": loaded, "reference": ref_resident,
                                                          "Adam states": adam_resident, **critic_held},
                                      graphs if engine.version == "0.8" else {"engine weights": e.weights_bytes,
                                                                              **graphs}, sync_engine, reserved),
          True, False, False, "one parameter gathered at a time into the engine"),
         *reward_row(rm, {**resident, **critic_held}, graphs),
-        ("log_prob", {"actor params": actor.params_bytes, **gathered, "reference": ref_resident,
+        ("log_prob", {"actor params": loaded, **gathered, "reference": ref_resident,
                       "Adam states": adam_resident, **fwd, **critic_held}, graphs, True, False, True, "forward only"),
         ("ref_log_prob", {**ref_actor, "reference": ref_resident, **gathered, "Adam states": adam_resident, **fwd,
                           **critic_held}, graphs, settings.lora, False, True,
@@ -167,8 +174,9 @@ def rl_phases(model: ModelSpec, cluster: ClusterSpec, settings: RlSettings, engi
         ("update", {**update, **critic_held}, graphs, True, True, True,
          f"{label}; Adam's states in the backward from step 2"),
         ("optimizer_step", {**step, **critic_held}, graphs, True, True, True,
+         "CPUOffloadPolicy: the step runs on the CPU" if actor.on_host else
          "the first step creates Adam's states beside the foreach temporaries"),
-        ("checkpoint", {"actor params": actor.params_bytes, "Adam states": adam_resident, "reference": ref_resident,
+        ("checkpoint", {"actor params": loaded, "Adam states": adam_resident, "reference": ref_resident,
                         **critic_held}, graphs, True, False, True, ""),
     ]
     phases = tuple(_phase(name, torch, eng, profile, outside,

@@ -35,6 +35,7 @@ class RlSettings:
     critic_param_offload: bool = False     # critic.model.fsdp_config.param_offload
     critic_optimizer_offload: bool = False
     layered_summon: bool = False       # rollout.layered_summon: FSDP1 LoRA's sync gathers one unit at a time
+    offload_policy: bool = False       # fsdp_config.offload_policy: FSDP2's CPUOffloadPolicy (host_offload)
 
     def __post_init__(self):
         if self.strategy not in STRATEGIES:
@@ -52,6 +53,15 @@ class RlSettings:
             raise SpecError("sleep_level", f"must be 1 or 2, got {self.sleep_level}")
         if self.fsdp_size == 0 or self.fsdp_size < -1:
             raise SpecError("fsdp_size", f"must be -1 (all GPUs) or >= 1, got {self.fsdp_size}")
+        if self.host_offload:  # verl forces the manual offloads off (FSDPEngine._build_fsdp_module, fsdp2 branch)
+            object.__setattr__(self, "param_offload", False)
+            object.__setattr__(self, "optimizer_offload", False)
+
+    @property
+    def host_offload(self) -> bool:
+        """verl 0.9.1 reads offload_policy in its FSDP2 branch only (CPUOffloadPolicy(pin_memory=True): the actor's
+        params, grads and Adam states on the host, the optimizer step on the CPU); FSDP1's ignores it."""
+        return self.offload_policy and self.strategy == "fsdp2" and self.framework == "verl"
 
     @property
     def lora(self) -> bool:

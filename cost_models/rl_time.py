@@ -20,7 +20,9 @@ one job against each other, not to predict a wall clock:
 - weight sync: every actor parameter all-gathered over the shard group in its stored dtype (intra-node bus);
 - offload: the host<->device bytes each step moves: actor params in and out for log-prob, update and sync; Adam's
   states in and out for the update; the offloaded reference streamed in once; sleep level 1's weight backup
-  out and back; PPO's critic likewise for its values and update;
+  out and back; PPO's critic likewise for its values and update; FSDP2's CPUOffloadPolicy: the update's per-unit
+  H2D copies, gradient D2H copies and CPU Adam step as the step-time model prices CPU offload (the actor run's
+  FsdpConfig.offload), the old log-prob's per-micro-batch and the sync's shard copies here (host_policy_bytes);
 - a reward model (rl_reward.py): a prefill over each sequence on its engine's replicas (prefill_s), and its
   weights back from the host and out again (woken at level 1 for compute_rm_score, then asleep).
 """
@@ -133,7 +135,8 @@ def train_seconds(model: ModelSpec, cluster: ClusterSpec, settings: RlSettings, 
     old and reference log-probs, each the forward of the rank's tokens at the log-prob micro-batch. memo: a search's
     cache (micro_step's), which holds the result too."""
     key = ("train_seconds", settings.finetune, settings.lora_rank, settings.actor_dtype,
-           settings.gradient_checkpointing, settings.fsdp_size, batch, prompt_tokens, response_tokens, sp)
+           settings.gradient_checkpointing, settings.fsdp_size, settings.host_offload, batch, prompt_tokens,
+           response_tokens, sp)
     if memo is not None and key in memo:
         return memo[key]
     length, gc = prompt_tokens + response_tokens, settings.gradient_checkpointing
@@ -171,7 +174,8 @@ def rl_step_time(model: ModelSpec, cluster: ClusterSpec, settings: RlSettings, e
     moved = (2 * PASSES_PER_STEP * actor.params_bytes * settings.param_offload
              + 2 * actor.optimizer_bytes * settings.optimizer_offload
              + reference_bytes(model, cluster, settings) * settings.ref_param_offload
-             + 2 * e.weights_bytes * (settings.sleep_level == 1))
+             + 2 * e.weights_bytes * (settings.sleep_level == 1)
+             + host_policy_bytes(settings, batch, actor, prompt_tokens + response_tokens, sp))
     if critic is not None:
         moved += (2 * CRITIC_PASSES_PER_STEP * critic.params_bytes * settings.critic_param_offload
                   + 2 * critic.optimizer_bytes * settings.critic_optimizer_offload)
@@ -180,6 +184,17 @@ def rl_step_time(model: ModelSpec, cluster: ClusterSpec, settings: RlSettings, e
                   log_prob_s=log_prob, update_s=update, weight_sync_s=sync,
                   offload_s=moved / cluster.gpu.pcie_bytes_per_s,
                   critic_s=critic_seconds(update, log_prob) if critic is not None else 0.0)
+
+
+def host_policy_bytes(settings: RlSettings, batch: BatchPlan, actor: ActorStates, length: int, sp: int) -> int:
+    """CPUOffloadPolicy's copies outside the update (whose per-unit H2D copies, gradient D2H copies and CPU step
+    the step-time model prices: step_parts._optimizer_times): the shard copied in for every forward-only
+    micro-batch's all-gathers (the old log-probs; LoRA's reference is the actor too) and once for the weight sync."""
+    if not actor.on_host:
+        return 0
+    lp_tokens = batch.log_prob_run_tokens_per_gpu or batch.log_prob_tokens_per_gpu
+    micro_batches = -(-batch.step_seqs_per_rank * length // sp // max(1, lp_tokens))
+    return actor.params_bytes * (micro_batches * (1 + settings.lora) + 1)
 
 
 def critic_seconds(update_s: float, log_prob_s: float) -> float:

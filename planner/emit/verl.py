@@ -29,6 +29,7 @@ KEYS = {
     A + "actor.fsdp_config.param_offload": "param_offload",
     A + "actor.fsdp_config.optimizer_offload": "optimizer_offload",
     A + "actor.fsdp_config.fsdp_size": "fsdp_size",
+    A + "actor.fsdp_config.offload_policy": "offload_policy",   # read by verl's FSDP2 branch only
     A + "actor.use_torch_compile": "use_torch_compile",
     A + "actor.entropy_from_logits_with_chunking": "entropy_chunking",
     A + "ref.fsdp_config.param_offload": "ref_param_offload",

@@ -68,7 +68,8 @@ def specs_of(r: RlRequest, model: ModelSpec) -> tuple[RlBatch, EngineSettings, R
                           entropy_compile=r.use_torch_compile, fsdp_size=r.fsdp_size,
                           sleep_level=r.sleep_level, use_shm=r.use_shm, algorithm=r.algorithm,
                           critic_param_offload=r.critic_param_offload,
-                          critic_optimizer_offload=r.critic_optimizer_offload, layered_summon=r.layered_summon)
+                          critic_optimizer_offload=r.critic_optimizer_offload, layered_summon=r.layered_summon,
+                          offload_policy=r.offload_policy)
     return batch, engine, settings
 
 

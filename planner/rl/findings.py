@@ -33,11 +33,27 @@ def findings(settings: RlSettings, engine: EngineSettings, memory: RlMemory, seq
         out.append(f"the LoRA weight sync under FSDP1 gathers the whole model at once ({summoned / GiB:.1f} GiB, "
                    "verl's collect_lora_params): --layered-summon (rollout.layered_summon) gathers one unit at a "
                    "time, or --strategy fsdp2 gathers only the adapters")
+    out += _offload_policy(settings, memory)
     out += _engine_room(engine, memory, phases, capacity_bytes)
     if settings.actor_dtype == "fp32" and memory.peak.reserved_bytes > capacity_bytes:
         out.append("the actor is stored in fp32 (verl's 2025 default model_dtype): --actor-dtype bf16 halves its "
                    "params, gradients and Adam's states")
     return tuple(out)
+
+
+def _offload_policy(settings: RlSettings, memory: RlMemory) -> list[str]:
+    """fsdp_config.offload_policy: what CPUOffloadPolicy moves, or that verl does not read it (its FSDP1 branch)."""
+    a = memory.actor
+    if a.on_host:
+        held = a.params_bytes + a.grads_bytes + a.optimizer_bytes
+        return [f"offload_policy: FSDP2's CPUOffloadPolicy keeps the actor's params, grads and Adam states "
+                f"({held / GiB:.1f} GiB per GPU) in pinned host memory all run; each unit's shard is copied to the "
+                "GPU for its all-gather, gradients reduce-scattered then copied to the host, Adam steps on the CPU "
+                "(param_offload / optimizer_offload forced off, as verl does)"]
+    if settings.offload_policy and settings.framework == "verl":
+        return ["offload_policy is ignored under actor.strategy fsdp (verl 0.9.1 reads it in its FSDP2 branch "
+                "only): --strategy fsdp2 applies it"]
+    return []
 
 
 def _engine_room(engine: EngineSettings, memory: RlMemory, phases: dict, capacity_bytes: int) -> list[str]:

@@ -55,6 +55,9 @@ class RlRequest:
                                "between phases")
     optimizer_offload: bool = knob(False, "--optimizer-offload/--no-optimizer-offload", help="Adam states on the "
                                    "host between updates")
+    offload_policy: bool = knob(False, "--offload-policy/--no-offload-policy", help="fsdp_config.offload_policy: "
+                                "FSDP2's CPUOffloadPolicy, the actor's params, grads and Adam states on the host, "
+                                "the optimizer step on the CPU (verl ignores it under --strategy fsdp)")
     ref_param_offload: bool = knob(True, "--ref-param-offload/--no-ref-param-offload", help="The reference on the "
                                    "host (FSDP CPUOffload)")
     gradient_checkpointing: bool = knob(True, "--gradient-checkpointing/--no-gradient-checkpointing",

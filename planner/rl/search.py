@@ -57,7 +57,10 @@ ENGINE_PHASES = ("init", "rollout", "weight_sync")
 # configuration is priced with it; the output says so when the request asks for FSDP1 (tests/unit/test_rl_search.py
 # checks the claim phase by phase).
 STRATEGY = "fsdp2"
-NOT_SEARCHED: dict = {}
+NOT_SEARCHED: dict = {
+    "offload_policy": "the request's (FSDP2's CPUOffloadPolicy, --offload-policy): its CPU Adam step and per-unit "
+                      "PCIe copies rest on an uncalibrated CPU optimizer rate (profile.cpu_optimizer_params_per_s), "
+                      "and it moves both sides of the split (the engine's start and host RAM, the update)"}
 
 
 @dataclass(frozen=True)
@@ -101,8 +104,10 @@ def spaces(request: RlRequest, model: ModelSpec, n_gpus: int) -> tuple[list[dict
     degree not dividing the GPUs and heads, a micro-batch not dividing the mini-batch, a budget shorter than one
     sequence / Ulysses) and max_num_seqs above a replica's sequences (the same speed, a larger sampler)."""
     heads, kv = model.n_heads, model.n_kv_heads
+    # under CPUOffloadPolicy verl forces the manual offloads off (cost_models/rl_settings.py)
+    offloads = ((False, False),) if request.offload_policy else itertools.product((False, True), (False, True))
     shared = [dict(actor_dtype=d, param_offload=p, optimizer_offload=o)
-              for d, p, o in itertools.product(DTYPES, (False, True), (False, True))]
+              for d, (p, o) in itertools.product(DTYPES, list(offloads))]
     if request.finetune == "full":
         shared = [dict(s, ref_param_offload=r) for s in shared for r in (False, True)]
     if request.algorithm == "ppo":

@@ -31,6 +31,9 @@ PPO = dict(gpu="h100-80gb", gpus_per_node=8, prompt_len=1024, response_len=2048,
            algorithm="ppo", strategy="fsdp2", actor_dtype="bf16", finetune="lora", lora_rank=64,
            use_dynamic_bsz=True, ppo_max_token_len_per_gpu=16384, ulysses_sequence_parallel_size=2,
            critic_param_offload=True, engine="sglang")
+# FSDP2's CPUOffloadPolicy on the actor (fsdp_config.offload_policy)
+OFFLOAD_POLICY = dict(gpu="h100-80gb", prompt_len=1024, response_len=1024, train_batch=64, rollout_n=8,
+                      strategy="fsdp2", actor_dtype="bf16", offload_policy=True)
 
 
 def _compose(overrides: list[str]):
@@ -61,7 +64,7 @@ def test_verl_script_composes_in_verls_own_config(model, gpus, knobs):
         if default is not None:   # verl's YAML types: bool stays bool, 0.6 a float, 1024 an int
             assert type(got) is type(default), (key, got, default)
     if knobs is CASE_1:
-        assert len(overrides) == 35   # counted in the script by hand (rollout.layered_summon the 35th)
+        assert len(overrides) == 36   # counted in the script by hand (actor.fsdp_config.offload_policy the 36th)
         assert OmegaConf.select(composed, "actor_rollout_ref.actor.fsdp_config.param_offload") is True
         assert OmegaConf.select(composed, "actor_rollout_ref.rollout.gpu_memory_utilization") == 0.6
     else:   # the critic's keys are verl 0.9's (critic.fsdp.*), the nodes 16 / 8
@@ -126,11 +129,14 @@ def _model_dir(tmp_path, model: str) -> str:
 VERL_SEES = {"grpo-case-1": (("fsdp", 256, 16, False, 16384, 1, True, True, "fp32"),
                              ("vllm", 2, 0.6, 5, 16, False, 16384), True),
              "ppo-lora-dynamic-ulysses": (("fsdp2", 256, None, True, 16384, 2, False, False, "bf16"),
-                                          ("sglang", 2, 0.5, 4, None, True, 16384), True)}
+                                          ("sglang", 2, 0.5, 4, None, True, 16384), True),
+             "grpo-offload-policy": (("fsdp2", 64, 4, False, 16384, 1, False, False, "bf16"),
+                                     ("vllm", 2, 0.5, 8, 4, False, 16384), True)}
 
 
 @pytest.mark.parametrize("model, gpus, knobs, case", [("qwen2-7b", 2, CASE_1, "grpo-case-1"),
-                                                      ("qwen2.5-7b", 16, PPO, "ppo-lora-dynamic-ulysses")])
+                                                      ("qwen2.5-7b", 16, PPO, "ppo-lora-dynamic-ulysses"),
+                                                      ("qwen2.5-7b", 8, OFFLOAD_POLICY, "grpo-offload-policy")])
 def test_verl_validates_the_script_and_its_dataclasses_carry_the_plan(tmp_path, monkeypatch, model, gpus, knobs,
                                                                       case):
     """The emitted overrides pass verl's validate_config; the actor, reference, rollout and (PPO) critic dataclasses
@@ -149,6 +155,8 @@ def test_verl_validates_the_script_and_its_dataclasses_carry_the_plan(tmp_path, 
     assert (actor.strategy, actor.ppo_mini_batch_size, actor.ppo_micro_batch_size_per_gpu, actor.use_dynamic_bsz,
             actor.ppo_max_token_len_per_gpu, actor.ulysses_sequence_parallel_size, fsdp.param_offload,
             fsdp.optimizer_offload, fsdp.model_dtype) == VERL_SEES[case][0]
+    # verl's FSDP2 engine reads it (FSDPEngine._build_fsdp_module: CPUOffloadPolicy(pin_memory=True))
+    assert fsdp.offload_policy is knobs.get("offload_policy", False)
     # FSDPActorConfig.__post_init__ hands the strategy and the Ulysses degree to the engine config the worker runs
     assert (fsdp.strategy, fsdp.ulysses_sequence_parallel_size) == (actor.strategy,
                                                                    actor.ulysses_sequence_parallel_size)

@@ -93,12 +93,16 @@ PPO = dict(gpu="h100-80gb", gpus_per_node=8, prompt_len=1024, response_len=2048,
 TRL_LORA = dict(CASE_1, finetune="lora", lora_rank=16, actor_dtype="bf16", param_offload=False,
                 optimizer_offload=False, gradient_checkpointing=False, entropy=False, framework="trl", strategy="fsdp2")
 TRL_CASE_1 = dict(CASE_1, framework="trl", strategy="fsdp2")   # --emit trl writes accelerate's FSDP2 (fsdp_version 2)
+# FSDP2's CPUOffloadPolicy (fsdp_config.offload_policy): the actor's states on the host
+OFFLOAD_POLICY = dict(gpu="h100-80gb", prompt_len=1024, response_len=1024, train_batch=64, rollout_n=8,
+                      strategy="fsdp2", actor_dtype="bf16", offload_policy=True)
 
 
 @pytest.mark.parametrize("emit, name, model, gpus, knobs", [
     (emit_verl, "job.sh", "qwen2-7b", 2, CASE_1), (emit_trl, "grpo.yaml", "qwen2-7b", 2, TRL_CASE_1),
-    (emit_verl, "ppo.sh", "qwen2.5-7b", 16, PPO), (emit_trl, "lora.yaml", "qwen2-7b", 2, TRL_LORA)],
-    ids=["verl-case-1", "trl-case-1", "verl-ppo-lora", "trl-lora"])
+    (emit_verl, "ppo.sh", "qwen2.5-7b", 16, PPO), (emit_trl, "lora.yaml", "qwen2-7b", 2, TRL_LORA),
+    (emit_verl, "policy.sh", "qwen2.5-7b", 8, OFFLOAD_POLICY)],
+    ids=["verl-case-1", "trl-case-1", "verl-ppo-lora", "trl-lora", "verl-offload-policy"])
 def test_emit_then_check_prices_the_same_phases(tmp_path, emit, name, model, gpus, knobs):
     """Written by --emit and read back: every phase's bytes equal, the peak and host RAM too (case 1's peak: the
     weight sync, 77.97 GiB; tests/golden/test_rl_cases.py)."""
