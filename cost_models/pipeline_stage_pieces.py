@@ -51,13 +51,19 @@ class StagePieces:
         return self.root_gathered + self.stage.n_blocks * self.block_gathered
 
 
+def shape_key(config: FsdpConfig, stage: Stage) -> tuple:
+    """What of a stage its pieces read: its blocks' count, whether it holds the embedding and the head, and which of
+    its blocks are checkpointed (every k-th of the model: its first block modulo k)."""
+    k = 1 if config.selective_op_ac else config.ac_every  # pipeline_techniques.checkpoint_policy's k
+    return stage.n_blocks, stage.embedding, stage.head, stage.first_block % k if k else 0
+
+
 def shaped_stage_pieces(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, stage: Stage,
                         shapes: dict) -> StagePieces:
     """stage_pieces, priced once per stage shape in `shapes` (a memo for one model, training and config): the pieces
     read of the stage only its blocks' count, whether it holds the embedding and the head, and which of its blocks are
     checkpointed (every k-th of the model: its first block modulo k); the stage itself put in."""
-    k = 1 if config.selective_op_ac else config.ac_every  # pipeline_techniques.checkpoint_policy's k
-    key = (stage.n_blocks, stage.embedding, stage.head, stage.first_block % k if k else 0)
+    key = shape_key(config, stage)
     pieces = shapes.get(key)
     if pieces is None:
         pieces = shapes[key] = stage_pieces(model, training, config, stage)
