@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from . import activations
+from . import activations, rl_ulysses
 from .cluster_spec import ClusterSpec
 from .memory import estimate_memory
 from .memory_types import MemoryBreakdown, ParamCounts
@@ -142,7 +142,12 @@ def actor_states(run: ActorRun, settings: RlSettings, batch: BatchPlan, profile:
     # verl logits path
     per_block = (activations.checkpointed_block_bytes_per_token(model, c) if settings.gradient_checkpointing else
                  activations.block_bytes_per_token(model, c, Attention.SDPA, tokens, 1, training.adapter_rank))
+    # Ulysses: flash attention saves the repeated k, v (rl_ulysses.py): every layer's, or the recomputed block's
+    surplus = tokens * rl_ulysses.saved_surplus_bytes_per_token(model, c, batch.ulysses)
+    ckpt = settings.gradient_checkpointing
+    body = dataclasses.replace(body, activations=body.activations + surplus * (1 if ckpt else model.n_layers))
     saved = tokens * (model.n_layers * per_block + activations.root_bytes_per_token(model, c, lora=settings.lora))
+    saved += 0 if ckpt else model.n_layers * surplus
     loss = MemoryBreakdown(sharded_params=step.sharded_params * on_gpu, optimizer_state=step.optimizer_state * on_gpu,
                            sharded_grads=step.sharded_grads * on_gpu if accumulating else 0,
                            unsharded_params=loss_root_bytes(model, settings, c), activations=saved,
@@ -159,11 +164,13 @@ def actor_states(run: ActorRun, settings: RlSettings, batch: BatchPlan, profile:
                        unit_gather_bytes=forward_gathered_bytes(model, settings, c), on_host=not on_gpu)
 
 
-def forward_only_bytes(model: ModelSpec, tokens: int, c: int, settings: RlSettings) -> dict:
+def forward_only_bytes(model: ModelSpec, tokens: int, c: int, settings: RlSettings, sp: int = 1) -> dict:
     """A log-prob forward under no_grad on `tokens` tokens per GPU: one block's working set (bounded by what it
-    would save for backward), the residual stream in and out, and verl's logits path."""
-    block = activations.block_bytes_per_token(model, c, Attention.SDPA, tokens, 1)
-    return {"forward activations": tokens * (block + 2 * c * model.hidden_size),
+    would save for backward), the residual stream in and out, and verl's logits path; Ulysses (sp > 1): what its
+    attention's all-to-all moment adds over that bound (rl_ulysses.py)."""
+    bound = activations.block_bytes_per_token(model, c, Attention.SDPA, tokens, 1) + 2 * c * model.hidden_size
+    ulysses = rl_ulysses.forward_only_extra_bytes(model, tokens, c, sp, bound)
+    return {"forward activations": tokens * bound, **({"Ulysses all-to-all": ulysses} if ulysses else {}),
             "logits and entropy": verl_logits_bytes(model, tokens, c, settings, grad=False)}
 
 

@@ -77,6 +77,7 @@ class BatchPlan:
     # rearrange_micro_batches' count (a balanced partition, not filled to the budget); 0: as held
     update_run_tokens_per_gpu: int = 0
     log_prob_run_tokens_per_gpu: int = 0
+    ulysses: int = 1                # ulysses_sequence_parallel_size (rl_ulysses.py)
 
 
 def _ulysses_refusals(sp: int, n_gpus: int, heads: int, kv_heads: int, remove_padding: bool) -> list[Refusal]:
@@ -157,7 +158,7 @@ def batch_plan(b: RlBatch, n_gpus: int, heads: int, kv_heads: int, rollout_tp: i
                      mini_batch_seqs_per_rank=mini, micro_batches_per_mini=micro_count,
                      update_tokens_per_gpu=update, log_prob_tokens_per_gpu=log_prob, step_seqs_per_rank=step_seqs,
                      rollout_seqs_per_replica=-(-seqs // max(1, n_gpus // rollout_tp)), refusals=tuple(refusals),
-                     update_run_tokens_per_gpu=run, log_prob_run_tokens_per_gpu=lp_run)
+                     update_run_tokens_per_gpu=run, log_prob_run_tokens_per_gpu=lp_run, ulysses=sp)
 
 
 def _dynamic_count(seqs: int, seq_tokens: int, budget: int) -> int:

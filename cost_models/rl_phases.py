@@ -17,7 +17,9 @@ Sources (shared/reference/rl.md; verl of 2025, workers/fsdp_workers.py and shard
   FSDP1's state dict adds its copy of the shard and its walk over the units (rl_strategy.py).
 - FSDP2's CPUOffloadPolicy (settings.host_offload): the actor's params, grads and Adam states never on the GPU
   (the ledger's CPU offload for the update; the other phases hold the gathered units only).
-Ignored: Ulysses' all-to-all buffers, the attention's workspaces, gradients after the update (freed: verl's zero_grad
+- Ulysses (batch.ulysses > 1): its all-to-alls' moment in the log-prob forward where it exceeds the block's
+  bound, flash attention's repeated k, v in the update (rl_ulysses.py).
+Ignored: the attention's workspaces, gradients after the update (freed: verl's zero_grad
 / offload). PPO's critic (rl_critic.py) adds critic_values / critic_update, a reward model (rl_reward.py) `reward`.
 """
 
@@ -142,7 +144,7 @@ def rl_phases(model: ModelSpec, cluster: ClusterSpec, settings: RlSettings, engi
                    **({"engine KV cache": e.kv_bytes} if engine.version == "0.8" else {})}
     held = {"actor params": params_resident, "reference": ref_resident}
     resident = {**held, "Adam states": adam_resident}
-    fwd = forward_only_bytes(model, batch.log_prob_tokens_per_gpu, c, settings)
+    fwd = forward_only_bytes(model, batch.log_prob_tokens_per_gpu, c, settings, batch.ulysses)
     gathered = {"gathered units": actor.unit_gather_bytes}
     ref_actor = {"actor params": loaded} if settings.lora else {"actor params": params_resident}
     update = {"reference": ref_resident, **actor.update_steady.to_dict()}
