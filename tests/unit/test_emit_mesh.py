@@ -216,14 +216,22 @@ def test_torchtitan_checkpoint_flags_price_the_save(tmp_path, mode, way):
     """The emitted [checkpoint] flags save each rank's shard with DCP, which check prices as the plan does: each of
     the node's 8 ranks copies one item ahead of the writer, its slice of the largest tensor (the fp32 embedding,
     128,256 x 4,096 x 4 B / 8) plus the 10 MB copy-ahead; an async mode stages the rank's whole shard to host first:
-    fp32 params and Adam's two states, 12 B x 8,030,261,248 parameters / 8, on each of the 8 ranks."""
+    fp32 params and Adam's two states, 12 B x 8,030,261,248 parameters / 8, on each of the 8 ranks. Both hold DCP's
+    plans and metadata (outside_step.dcp_plan_bytes): 291 parameters' 873 sharded keys (each tensor and Adam's two
+    states) in 8 chunks each and 303 written once (291 steps, 12 settings), 7,287 chunks over 1,176 keys: rank 0
+    27,677,742 B and 19,488,193 B on each of the other 7 (the per-chunk, per-key and fixed bytes measured there)."""
+    from cost_models.outside_step import DCP_OBJECT_BYTES_OTHERS, DCP_OBJECT_BYTES_RANK0
     from planner.doctor import check
 
     path = tmp_path / "overrides.txt"
     path.write_text(_emitted("plain").replace("--checkpoint.async_mode=disabled", f"--checkpoint.async_mode={mode}"))
     host = check(read_setup(path), "llama3-8b", 8, gpu="h100-80gb").candidate.memory.host_ram
     assert host.save_way.value == way
-    assert host.save_bytes == (8 * (128_256 * 4_096 * 4 // 8 + 10_000_000) if way == "dcp" else 12 * 8_030_261_248)
+    rank0, others = (round(chunk * 7_287 + key * 1_176 + fixed) for chunk, key, fixed in (DCP_OBJECT_BYTES_RANK0,
+                                                                                          DCP_OBJECT_BYTES_OTHERS))
+    assert rank0 + 7 * others == 164_095_093
+    assert host.save_bytes == rank0 + 7 * others + (8 * (128_256 * 4_096 * 4 // 8 + 10_000_000) if way == "dcp"
+                                                    else 12 * 8_030_261_248)
 
 
 def test_torchtitan_every_2_reads_back_as_what_0_3_runs():
