@@ -96,13 +96,13 @@ def rank_memory(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, d:
     # by this configuration's bytes: the first largest is the peak
     order = replay(config.pp_schedule, config.pp, config.pp_stages_per_rank, m, rank,
                    tuple(stage_layout(x) for x in pieces.values()), r == c, d > 1)
-    values = [sharded_params, optimizer_state, buffers, tokens_h]
+    values = [np.array([sharded_params, optimizer_state, buffers, tokens_h], dtype=np.int64)]
     for st in stages_of:
         key = ("values", shape_key(config, st))
         if key not in shapes:
-            shapes[key] = stage_values(pieces[st.index], c, p, r, d)
-        values += shapes[key]
-    values = np.array(values, dtype=np.int64)
+            shapes[key] = np.array(stage_values(pieces[st.index], c, p, r, d), dtype=np.int64)
+        values.append(shapes[key])
+    values = np.concatenate(values)
     totals = order.totals @ values
     logits_kept = sum(n * pieces[s].logits for s, n in order.forwards.items())
     if not logits_kept:  # no merge of the logits off the last stage

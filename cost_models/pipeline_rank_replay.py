@@ -44,7 +44,7 @@ def block_moments(x, r: int, c: int) -> dict:
     state is the same for every block of one backward, so the largest sum decides."""
     out = {}
     for case in ("first", "in place" if r == c else "later"):  # the later backwards' case by the dtypes
-        options = []
+        best: dict = {}  # by kind: the first option of the largest sum
         for j, (largest, in_place, post) in enumerate(x.blocks):
             acts, grads = in_place if case == "in place" else largest
             if case == "first":
@@ -54,9 +54,11 @@ def block_moments(x, r: int, c: int) -> dict:
             else:
                 done = x.head_grad
             whole = 0 if case == "in place" else x.block_params * c
-            options += [("backward", acts, done + grads), ("post-backward of a block", post, done + whole)]
-        out[case] = [max((o for o in options if o[0] == kind), key=lambda o: o[1] + o[2])
-                     for kind in ("backward", "post-backward of a block") if options]
+            for option in (("backward", acts, done + grads), ("post-backward of a block", post, done + whole)):
+                top = best.get(option[0])
+                if top is None or option[1] + option[2] > top[1] + top[2]:
+                    best[option[0]] = option
+        out[case] = list(best.values())
     return out
 
 
@@ -102,11 +104,12 @@ class Replay:
 
     def parts(self, row: int, values) -> list[int]:
         """The row's bytes by part (pipeline_rank_memory._MOMENT_PARTS' order) at these values."""
-        out = [int(values[0]), int(values[1])] + [0] * 6
+        values = values.tolist()
+        out = [values[0], values[1]] + [0] * 6
         for (part, at), count in zip(self.slots, self.states[row]):
-            out[part] += count * int(values[at])
+            out[part] += count * values[at]
         for part, at, count in self.extras[row]:
-            out[part] += count * int(values[at])
+            out[part] += count * values[at]
         return out
 
 
