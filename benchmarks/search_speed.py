@@ -46,6 +46,19 @@ line 593-646 / 523-556 ms. Still above 1 s: the TP line. Of its ~1.2 s the pipel
 (cost_models/pipeline_rank_memory.rank_memory: 119 estimates, 1,092 ranks) take ~0.45 s, the flat meshes' 4,483
 evaluations ~0.6 s: ledgers ~0.15 s, step times ~0.17 s (their compute parts, 561 shapes, ~0.07 s), the search's own
 work ~0.27 s (~4,500 FsdpConfigs built at ~11 us each, the memo's keys and verdicts, refusals, the final sorts).
+
+Issue 27 item 6, fourth pass (4e37c03, 510fcb2): a pipeline rank's order replayed once per schedule shape over counts
+of its stages' pieces (cost_models/pipeline_rank_replay.py), each moment a row of coefficients; a configuration weighs
+the rows with its bytes (one int64 matrix product) and takes the first largest, as the in-order replay did. The TP
+line's 1,092 rank replays are 68 shapes; its 119 pipeline estimates 0.52-0.64 s -> 0.145-0.16 s (0.23-0.29 s in a
+process's first search, which builds the replays). Results byte-identical (every candidate and miss of the three
+searches, fsdp-plan --format json of 9 plans; every rank of 700 random pipeline configurations, 5 schedules, against
+the previous replay). CPU, before (4e37c03~1) / after, alternate runs on the same 2 cores, which ran slower
+than in the third pass (the before figures' TP line 1.34-1.72 s against 1.18-1.21 then): this script (load 0.9,
+best of 5 / 3 / 3) gpt-175b 598-641 / 435-437 ms, llama3.1-405b TP meshes 1,338-1,380 / 982-1,000 ms, the
+pipelines line 608-613 / 464-473 ms; the TP line alone, 6 searches a process, 3 processes each (load 1.0): first
+search 1,702-1,747 / 1,279-1,847 ms, best 1,350-1,584 / 952-988 ms. The TP line's flat meshes alone take 713-731 ms
+of it now, its pipeline scouts ~230 ms (their memory ~150 ms: the 340 stage shapes' pieces ~45 ms, ~90 us a rank).
 """
 
 from __future__ import annotations
