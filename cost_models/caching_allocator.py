@@ -39,7 +39,6 @@ import re
 from bisect import bisect_left, insort
 from dataclasses import dataclass
 from itertools import islice
-from operator import attrgetter
 
 from .units import MiB
 
@@ -88,11 +87,6 @@ class AllocatorSettings:
         return ",".join(items)
 
 
-def round_size(size_bytes: int) -> int:
-    """round_size: up to a multiple of kMinBlockSize."""
-    return max(K_MIN_BLOCK_BYTES, -(-size_bytes // K_MIN_BLOCK_BYTES) * K_MIN_BLOCK_BYTES)
-
-
 def allocation_size(size_bytes: int) -> int:
     """get_allocation_size: the segment cudaMalloc'd for a rounded request no cached block holds."""
     if size_bytes <= K_SMALL_SIZE_BYTES:
@@ -102,27 +96,71 @@ def allocation_size(size_bytes: int) -> int:
     return -(-size_bytes // K_ROUND_LARGE_BYTES) * K_ROUND_LARGE_BYTES
 
 
-_OFFSET = attrgetter("offset")
+_ADDRESS_BITS = 100   # a free block's key: size << _ADDRESS_BITS | address, ordered as (size, address) while
+#                       addresses (segment index << 50, + offset) stay below 2**100
 
 
 class _Block:
-    __slots__ = ("segment", "offset", "size", "free", "key")
+    """A block of a segment, linked to its neighbours in address order (c10's Block prev / next)."""
 
-    def __init__(self, segment: "_Segment", offset: int, size: int, free: bool):
-        self.segment, self.offset, self.size, self.free = segment, offset, size, free
-        self.key = None   # (size, address) while listed among its pool's free blocks
+    __slots__ = ("segment", "offset", "size", "free", "key", "prev", "next")
+
+    def __init__(self, segment: "_Segment", offset: int, size: int, prev: "_Block | None" = None,
+                 next: "_Block | None" = None):
+        self.segment, self.offset, self.size, self.free, self.prev, self.next = segment, offset, size, True, prev, next
+        self.key = 0   # size << _ADDRESS_BITS | address, set while listed among its pool's free blocks
+
+    def split(self, size: int) -> "_Block":
+        """Keep `size` bytes; the rest becomes a new free block behind it (returned)."""
+        rest = _Block(self.segment, self.offset + size, self.size - size, self, self.next)
+        if self.next is None:
+            self.segment.last = rest
+        else:
+            self.next.prev = rest
+        self.next, self.size = rest, size
+        return rest
+
+    def absorb_next(self) -> None:
+        """Merge the next block into this one (try_merge_blocks)."""
+        gone = self.next
+        self.size += gone.size
+        self.next = gone.next
+        if gone.next is None:
+            self.segment.last = self
+        else:
+            gone.next.prev = self
 
 
-def _index(blocks: list[_Block], block: _Block) -> int:
-    """The block's place in its segment's blocks (address order): a bisection (list.index took a third of a 405B
-    pipeline rank's replay once TP blocks were written op by op)."""
-    return bisect_left(blocks, block.offset, key=_OFFSET)
+class _Pool:
+    """One stream's small or large pool: its free blocks' keys sorted (BlockComparatorSize's order, so best fit is a
+    bisection; a linear scan took 60% of a 405B pipeline rank's replay), and each key's block."""
+
+    __slots__ = ("keys", "blocks")
+
+    def __init__(self):
+        self.keys: list[int] = []
+        self.blocks: dict[int, _Block] = {}
+
+    def add(self, block: _Block) -> None:
+        block.key = key = block.size << _ADDRESS_BITS | (block.segment.address + block.offset)
+        insort(self.keys, key)
+        self.blocks[key] = block
+
+    def remove(self, block: _Block) -> None:
+        del self.keys[bisect_left(self.keys, block.key)]
+        del self.blocks[block.key]
 
 
 class _Segment:
-    def __init__(self, stream, small: bool, address: int, size: int):   # address: creation order << 50
-        self.stream, self.small, self.address, self.size = stream, small, address, size
-        self.blocks = [_Block(self, 0, size, True)]   # in address order, covering [0, size)
+    def __init__(self, stream, small: bool, address: int, size: int, pool: _Pool):   # address: creation order << 50
+        self.stream, self.small, self.address, self.size, self.pool = stream, small, address, size, pool
+        self.first = self.last = _Block(self, 0, size) if size else None   # its blocks cover [0, size)
+
+    def blocks(self):
+        block = self.first
+        while block is not None:
+            yield block
+            block = block.next
 
 
 @dataclass(frozen=True)
@@ -170,39 +208,46 @@ class CachingAllocator:
 
     def __init__(self, settings: AllocatorSettings = AllocatorSettings(), snapshots: bool = True):
         self.settings, self.snapshots = settings, snapshots   # snapshots: keep segments_at_peak
+        self._max_split, self._expandable_segments = settings.max_split_size_bytes, settings.expandable_segments
         self.segments: list[_Segment] = []
-        self._pools: dict[tuple, list[_Segment]] = {}   # (stream, small): get_pool's per-stream pools
+        self._pools: dict[object, tuple[_Pool, _Pool]] = {}   # stream -> its (large, small): get_pool's pools
         self._expandable: dict[tuple, _Segment] = {}   # (stream, small) -> its one segment
         self._live: dict[object, tuple[_Block, int]] = {}
-        # each pool's free blocks as sorted (size, address, block): BlockComparatorSize's order, so best fit is a
-        # bisection (a linear scan took 60% of a 405B pipeline rank's replay)
-        self._free: dict[tuple, list] = {}
         self.allocated_bytes = self.requested_bytes = self.reserved_bytes = 0
         self.peak_allocated_bytes = self.peak_requested_bytes = 0
         self.segments_at_peak: tuple[SegmentState, ...] = ()
 
     def malloc(self, key, size_bytes: int, stream=0) -> None:
-        if key in self._live:
+        live = self._live
+        if key in live:
             raise ValueError(f"allocation {key!r} is already live; free it first")
         if size_bytes <= 0:   # torch allocates nothing for an empty tensor
             return
-        size = round_size(size_bytes)
+        size = (size_bytes + K_MIN_BLOCK_BYTES - 1) & -K_MIN_BLOCK_BYTES   # round_size (size_bytes >= 1)
         small = size <= K_SMALL_SIZE_BYTES
-        reserved_before = self.reserved_bytes
-        block = self._best_fit(stream, small, size) or self._new_block(stream, small, size)
-        self._unlist(block)
-        if self._should_split(block, size):
-            rest = _Block(block.segment, block.offset + size, block.size - size, True)
-            blocks = block.segment.blocks
-            blocks.insert(_index(blocks, block) + 1, rest)
-            block.size = size
-            self._list(rest)
+        pools = self._pools.get(stream) or self._pools.setdefault(stream, (_Pool(), _Pool()))
+        pool, limit, reserved_before = pools[small], self._max_split, self.reserved_bytes
+        # best fit: the smallest free block that holds `size`, ties by address. max_split_size's rules bound the
+        # block's size from above, so if the smallest such block breaks them every larger one does
+        keys = pool.keys
+        i = bisect_left(keys, size << _ADDRESS_BITS)
+        if i < len(keys) and (limit is None or keys[i] >> _ADDRESS_BITS < (
+                limit if size < limit else size + K_LARGE_BUFFER_BYTES)):
+            block = pool.blocks.pop(keys.pop(i))
+        else:
+            block = self._new_block(stream, small, size, pool)
+        remaining = block.size - size
+        if (remaining >= K_MIN_BLOCK_BYTES if small or self._expandable_segments   # should_split
+                else remaining > K_SMALL_SIZE_BYTES and (limit is None or size < limit)):
+            pool.add(block.split(size))
         block.free = False
-        self._live[key] = (block, size_bytes)
-        self.allocated_bytes += block.size
-        self.requested_bytes += size_bytes
-        self.peak_allocated_bytes = max(self.peak_allocated_bytes, self.allocated_bytes)
-        self.peak_requested_bytes = max(self.peak_requested_bytes, self.requested_bytes)
+        live[key] = (block, size_bytes)
+        allocated = self.allocated_bytes = self.allocated_bytes + block.size
+        requested = self.requested_bytes = self.requested_bytes + size_bytes
+        if allocated > self.peak_allocated_bytes:
+            self.peak_allocated_bytes = allocated
+        if requested > self.peak_requested_bytes:
+            self.peak_requested_bytes = requested
         if self.snapshots and self.reserved_bytes > reserved_before:   # reserved only grows: its peak so far
             self.segments_at_peak = self._states()
 
@@ -214,94 +259,56 @@ class CachingAllocator:
         self.allocated_bytes -= block.size
         self.requested_bytes -= size_bytes
         block.free = True
-        blocks = block.segment.blocks
-        i = _index(blocks, block)
-        if i + 1 < len(blocks) and blocks[i + 1].free:          # try_merge_blocks with the next block
-            self._unlist(blocks[i + 1])
-            block.size += blocks.pop(i + 1).size
-        if i > 0 and blocks[i - 1].free:                          # and with the previous one
-            self._unlist(blocks[i - 1])
-            blocks[i - 1].size += blocks.pop(i).size
-            block = blocks[i - 1]
-        self._list(block)
+        pool = block.segment.pool
+        after, before = block.next, block.prev
+        if after is not None and after.free:          # try_merge_blocks with the next block
+            pool.remove(after)
+            block.absorb_next()
+        if before is not None and before.free:        # and with the previous one
+            pool.remove(before)
+            before.absorb_next()
+            block = before
+        pool.add(block)
 
-    def _list(self, block: _Block) -> None:
-        seg = block.segment
-        block.key = (block.size, seg.address + block.offset)
-        insort(self._free.setdefault((seg.stream, seg.small), []), (*block.key, block))
+    def _new_block(self, stream, small: bool, size: int, pool: _Pool) -> _Block:
+        if self._expandable_segments:
+            return self._expand(stream, small, size, pool)
+        seg = self._add_segment(stream, small, allocation_size(size), pool)
+        self.reserved_bytes += seg.size
+        return seg.first
 
-    def _unlist(self, block: _Block) -> None:
-        if block.key is not None:
-            entries = self._free[(block.segment.stream, block.segment.small)]
-            del entries[bisect_left(entries, block.key)]
-            block.key = None
-
-    def _max_split(self) -> int | None:
-        return self.settings.max_split_size_bytes
-
-    def _usable(self, block: _Block, size: int) -> bool:
-        """get_free_block's oversize rules under max_split_size."""
-        limit = self._max_split()
-        if limit is None:
-            return True
-        if size < limit:
-            return block.size < limit
-        return block.size < size + K_LARGE_BUFFER_BYTES
-
-    def _best_fit(self, stream, small: bool, size: int) -> _Block | None:
-        """The smallest free block that holds `size`, ties by address, that max_split_size lets it take."""
-        entries = self._free.get((stream, small), [])
-        for i in range(bisect_left(entries, (size,)), len(entries)):
-            if self._usable(entries[i][2], size):
-                return entries[i][2]
-        return None
-
-    def _should_split(self, block: _Block, size: int) -> bool:
-        remaining = block.size - size
-        if block.segment.small or self.settings.expandable_segments:
-            return remaining >= K_MIN_BLOCK_BYTES
-        limit = self._max_split()
-        return (limit is None or size < limit) and remaining > K_SMALL_SIZE_BYTES
-
-    def _new_block(self, stream, small: bool, size: int) -> _Block:
-        if self.settings.expandable_segments:
-            block = self._expand(stream, small, size)
-        else:
-            seg = self._add_segment(stream, small, allocation_size(size))
-            self.reserved_bytes += seg.size
-            block = seg.blocks[0]
-        return block
-
-    def _add_segment(self, stream, small: bool, size: int) -> _Segment:
-        seg = _Segment(stream, small, len(self.segments) << 50, size)
+    def _add_segment(self, stream, small: bool, size: int, pool: _Pool) -> _Segment:
+        seg = _Segment(stream, small, len(self.segments) << 50, size, pool)
         self.segments.append(seg)
-        self._pools.setdefault((stream, small), []).append(seg)
         return seg
 
-    def _expand(self, stream, small: bool, size: int) -> _Block:
+    def _expand(self, stream, small: bool, size: int, pool: _Pool) -> _Block:
         """Map pages behind the segment's free tail until it holds `size` (find_expandable_block, map_block)."""
         page = K_SMALL_BUFFER_BYTES if small else K_LARGE_BUFFER_BYTES
         seg = self._expandable.get((stream, small))
         if seg is None:
-            seg = self._expandable[(stream, small)] = self._add_segment(stream, small, 0)
-            seg.blocks = []
-        tail = seg.blocks[-1] if seg.blocks and seg.blocks[-1].free else None
+            seg = self._expandable[(stream, small)] = self._add_segment(stream, small, 0, pool)
+        tail = seg.last if seg.last is not None and seg.last.free else None
         if tail is not None:
-            self._unlist(tail)
+            pool.remove(tail)
         have = tail.size if tail else 0
         grow = -(-(size - have) // page) * page
         seg.size += grow
         self.reserved_bytes += grow
         if tail is None:
-            tail = _Block(seg, seg.size - grow, 0, True)
-            seg.blocks.append(tail)
+            tail = _Block(seg, seg.size - grow, 0, seg.last)
+            if seg.last is None:
+                seg.first = tail
+            else:
+                seg.last.next = tail
+            seg.last = tail
         tail.size += grow
         return tail
 
     def _states(self) -> tuple[SegmentState, ...]:
         return tuple(SegmentState(s.stream, "small" if s.small else "large", s.size,
-                                  sum(b.size for b in s.blocks if not b.free),
-                                  max((b.size for b in s.blocks if b.free), default=0)) for s in self.segments)
+                                  sum(b.size for b in s.blocks() if not b.free),
+                                  max((b.size for b in s.blocks() if b.free), default=0)) for s in self.segments)
 
 
 def replay(events, settings: AllocatorSettings = AllocatorSettings(), snapshots: bool = True,
@@ -323,11 +330,12 @@ def replay(events, settings: AllocatorSettings = AllocatorSettings(), snapshots:
 
 
 def _feed(allocator: CachingAllocator, events) -> None:
+    malloc, free = allocator.malloc, allocator.free
     for event in events:
         kind = event[0]
         if kind == "alloc":
-            allocator.malloc(event[1], event[2], event[3] if len(event) > 3 else 0)
+            malloc(event[1], event[2], event[3] if len(event) > 3 else 0)
         elif kind == "free":
-            allocator.free(event[1])
+            free(event[1])
         else:
             raise ValueError(f"event kind {kind!r}; choose alloc or free")
