@@ -256,7 +256,7 @@ class _RankWalk:
             if self.templated(x, j):
                 nxt = j + 1 < len(x.kept) and self.templated(x, j + 1) and x.kept[j + 1]
                 out = ("saved", s, mb, j + 1, 0) if nxt else ("block_out", s, mb)
-                self.events += keyed(forward_events(self.block), ("forward", s, mb, j), {"x": None, "out": out})
+                self.events += keyed(forward_events(self.block), {"x": None, "out": out})
             elif x.checkpointed[j]:
                 self.transient(("forward", s, mb, j), self.tensors(x.block_full))
             self.post_forward(s, root + j)
@@ -283,7 +283,7 @@ class _RankWalk:
             if self.templated(x, j):  # its input freed in its first norm's backward, its output gradient before
                 names = {"dy": grad_in, "x": ("saved", s, mb, j, 0) if x.kept[j] else None, "dx": ("grad_in", s, mb, j)}
                 names |= {f"w{i}": ("wgrad", s, root + j, i) for i in range(9)}
-                self.events += keyed(backward_events(self.block), ("backward", s, mb, j), names)
+                self.events += keyed(backward_events(self.block), names)
                 self.weight_grads(s, root + j, made=True)
                 grad_in = ("grad_in", s, mb, j)
                 continue

@@ -34,7 +34,7 @@ compile and Float8 too).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cached_property, lru_cache
 
 from . import kernels, tensor_parallel
 from .spec_values import Attention
@@ -60,11 +60,41 @@ def applies(model: ModelSpec, config: FsdpConfig) -> bool:
             and DTYPE_BYTES[config.precision.compute_dtype] == 2)
 
 
-def keyed(events: tuple[tuple, ...], prefix, names: dict) -> list[tuple]:
-    """The events under a caller's keys: a name in `names` is the caller's tensor (None: not these events' to free),
-    the others the block's own, (prefix, name)."""
-    keys = {name: names.get(name, (prefix, name)) for _, name, *_ in events}
-    return [(e[0], keys[e[1]], *e[2:]) for e in events if keys[e[1]] is not None]
+class BlockEvents(tuple):
+    """A block's events, ("alloc", name, bytes) | ("free", name), in order."""
+
+    @cached_property
+    def template(self) -> tuple[tuple[tuple, ...], tuple[tuple, ...], frozenset, frozenset]:
+        """keyed's parts, built once: the events with the block's own tensors (made and freed inside them) under keys
+        every block shares, ("block", name); the places of the caller's tensors (freed unmade, or left made):
+        (index, kind, name, the event's rest); the caller's names; the block's own."""
+        made, live = set(), set()
+        for kind, name, *_ in self:
+            if kind == "alloc":
+                made.add(name), live.add(name)
+            else:
+                live.discard(name)
+        caller = frozenset({name for _, name, *_ in self if name not in made} | live)
+        own = tuple(e if e[1] in caller else (e[0], ("block", e[1]), *e[2:]) for e in self)
+        slots = tuple((i, e[0], e[1], e[2:]) for i, e in enumerate(self) if e[1] in caller)
+        return own, slots, caller, frozenset(made - caller)
+
+
+def keyed(events: BlockEvents, names: dict) -> list[tuple]:
+    """The events under a caller's keys: `names` maps each of the caller's tensors to its key (None: not these events'
+    to free). The block's own tensors share one key per name across blocks: each is freed before the events end, and
+    the walk writes one block's events at a time, so no two are ever live together."""
+    own, slots, caller, block_names = events.template
+    if not caller <= names.keys() or not block_names.isdisjoint(names):
+        raise ValueError(f"names {sorted(names)}: the caller's tensors are {sorted(caller)}")
+    out = list(own)
+    for i, kind, name, rest in reversed(slots):   # from the last: a dropped event leaves the earlier places as they are
+        key = names[name]
+        if key is None:
+            del out[i]
+        else:
+            out[i] = (kind, key, *rest)
+    return out
 
 
 @dataclass(frozen=True)
@@ -230,7 +260,7 @@ class _Events:
 
 
 @lru_cache(maxsize=16)
-def forward_events(w: BlockWidths) -> tuple[tuple, ...]:
+def forward_events(w: BlockWidths) -> BlockEvents:
     """A checkpointed block's forward under no_grad, from its input "x" (kept) to its output "out" (left made)."""
     e = _Events(w)
     e.attention(keep=False)
@@ -244,11 +274,11 @@ def forward_events(w: BlockWidths) -> tuple[tuple, ...]:
     e.drop("mul", "xm", "n2.out")
     e.make("out", "S")
     e.drop("down", "h1")
-    return tuple(e.events)
+    return BlockEvents(e.events)
 
 
 @lru_cache(maxsize=16)
-def backward_events(w: BlockWidths) -> tuple[tuple, ...]:
+def backward_events(w: BlockWidths) -> BlockEvents:
     """The block's backward from its output gradient "dy" (freed once the residual's sum is made) to its input's
     gradient "dx" (left made): the gradient's all-gather for down, the recompute, the MLP's, the norms' and the
     attention's backward; the block's input "x" freed in the first norm's backward; w0..w8 left made."""
@@ -295,4 +325,4 @@ def backward_events(w: BlockWidths) -> tuple[tuple, ...]:
     dn = e.norm_backward("n1.", "dn1", ("x",))
     e.make("dx", "S")
     e.drop("dh1", dn)
-    return tuple(e.events)
+    return BlockEvents(e.events)

@@ -16,7 +16,7 @@ from cost_models.caching_allocator import AllocatorSettings, replay
 from cost_models.pipeline_allocations import rank_events, replay_rank
 from cost_models.pipeline_memory import rank_inputs
 from cost_models.specs import FsdpConfig
-from cost_models.tp_block_events import BlockWidths, backward_events, forward_events
+from cost_models.tp_block_events import BlockWidths, backward_events, forward_events, keyed
 from cost_models.units import KiB, MiB
 from planner.api import resolve_inputs
 
@@ -84,6 +84,26 @@ def test_one_blocks_forward_by_hand():
     events = forward_events(WIDTHS)
     assert live_bytes(events)[-1] == 16 * MiB                   # "out", the next block's input
     assert max(live_bytes(events)) == 3 * 64 * MiB + 56 * MiB + 3 * 16 * MiB   # 296 MiB
+
+
+def test_keyed_events_take_the_callers_keys_and_share_the_blocks_own():
+    """keyed: the caller's tensors (dy and x freed unmade, dx and w0..w8 left made) under its keys, x's free dropped
+    (None); the block's own under ("block", name) in every block. Two blocks' backward one after the other replay as
+    with keys of their own, the second's peak (764.1 MiB alone, test_one_blocks_backward_by_hand, its dy unmade) beside
+    what the first leaves made: dx (the second's dy) 16 MiB, its weight gradients 2 x 16 + 2 x 4 + 3 x 112 MiB and
+    2 x 16 KiB."""
+    events = backward_events(WIDTHS)
+    names = {"dy": "dy", "x": None, "dx": "dx"} | {f"w{i}": ("wgrad", i) for i in range(9)}
+    out = keyed(events, names)
+    assert len(out) == len(events) - 1 and out.count(("free", "dy")) == 1 and ("free", "x") not in out
+    assert {e[1] for e in out if e[1][0] != "block"} == {"dy", "dx"} | {("wgrad", i) for i in range(9)}
+    with pytest.raises(ValueError, match="dx"):
+        keyed(events, {k: v for k, v in names.items() if k != "dx"})
+    second = keyed(events, names | {"dy": "dx", "dx": "dx2"} | {f"w{i}": ("wgrad2", i) for i in range(9)})
+    own = [(e[0], (j, e[1]), *e[2:]) if e[1][0] == "block" else e for j, run in enumerate((out, second)) for e in run]
+    assert replay(out + second) == replay(own)
+    assert replay(out + second).peak_requested_bytes == replay(out).peak_requested_bytes + 16 * MiB + (
+        2 * 16 + 2 * 4 + 3 * 112) * MiB + 2 * 16 * KiB
 
 
 def test_the_walk_makes_each_weight_gradient_once_a_backward():
