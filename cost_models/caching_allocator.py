@@ -283,7 +283,10 @@ class CachingAllocator:
         return seg
 
     def _expand(self, stream, small: bool, size: int, pool: _Pool) -> _Block:
-        """Map pages behind the segment's free tail until it holds `size` (find_expandable_block, map_block)."""
+        """Map pages behind the segment's free tail until it holds `size` (find_expandable_block, map_block). A tail
+        that holds it already (best fit refused it under max_split_size) is taken as it is, nothing mapped:
+        find_expandable_block returns the free block before the unmapped range, and try_allocate_expandable_block
+        maps only while the candidate is short of the request."""
         page = K_SMALL_BUFFER_BYTES if small else K_LARGE_BUFFER_BYTES
         seg = self._expandable.get((stream, small))
         if seg is None:
@@ -292,7 +295,7 @@ class CachingAllocator:
         if tail is not None:
             pool.remove(tail)
         have = tail.size if tail else 0
-        grow = -(-(size - have) // page) * page
+        grow = max(0, -(-(size - have) // page) * page)
         seg.size += grow
         self.reserved_bytes += grow
         if tail is None:

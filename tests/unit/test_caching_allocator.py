@@ -93,6 +93,16 @@ def test_expandable_segments_grow_one_segment_by_pages():
     assert _peaks(small, expandable_segments=True) == (2400 * KiB, 4 * MiB)
 
 
+def test_an_expandable_tail_refused_by_max_split_is_taken_without_mapping():
+    # expandable + max_split_size_mb:40: 100 MiB maps five 20 MiB pages; freed, the 100 MiB tail is oversize for a
+    # 2 MiB request (get_free_block: a request below max_split never takes a block at or above it), so it reaches
+    # try_allocate_expandable_block, whose find_expandable_block returns that free tail (before the unmapped
+    # range) and maps nothing while it holds the request: reserved stays 100 MiB (the model once shrank it to 20)
+    events = [("alloc", "a", 100 * MiB), ("free", "a"), ("alloc", "b", 2 * MiB)]
+    r = replay(events, AllocatorSettings(expandable_segments=True, max_split_size_bytes=40 * MiB))
+    assert (r.peak_reserved_bytes, r.peak_allocated_bytes) == (100 * MiB, 100 * MiB)
+
+
 def test_streams_have_their_own_pools():
     # a 12 MiB block freed on stream 0 is cached for stream 0 only: the same request on "side" makes a segment
     reuse = [("alloc", "a", 12 * MiB, 0), ("free", "a"), ("alloc", "b", 12 * MiB, 0)]
