@@ -161,10 +161,12 @@ def train_seconds(model: ModelSpec, cluster: ClusterSpec, settings: RlSettings, 
 
 def rl_step_time(model: ModelSpec, cluster: ClusterSpec, settings: RlSettings, engine: EngineSettings,
                  e: EngineMemory, batch: BatchPlan, actor: ActorStates, prompt_tokens: int, response_tokens: int,
-                 profile: Profile, sp: int, critic: ActorStates | None = None, memo: dict | None = None) -> RlTime:
+                 profile: Profile, sp: int, critic: ActorStates | None = None, memo: dict | None = None,
+                 reward: RewardModel | None = None) -> RlTime:
     """prompt / response tokens: the means the engine generates; sp: the Ulysses degree; critic: PPO's, priced as
     the actor's update plus one forward (its values), its head's FLOPs left out, and its offload copies (params in
-    and out for compute_values and update_critic, Adam's states for the update); memo: micro_step's."""
+    and out for compute_values and update_critic, Adam's states for the update); memo: micro_step's; reward: a
+    reward model's engine (reward_seconds over the step's sequences split across its replicas)."""
     run = actor_run(model, cluster, settings, batch, memo)
     update, log_prob = train_seconds(model, cluster, settings, batch, prompt_tokens, response_tokens, profile, sp,
                                      memo)
@@ -183,7 +185,10 @@ def rl_step_time(model: ModelSpec, cluster: ClusterSpec, settings: RlSettings, e
                                             response_tokens),
                   log_prob_s=log_prob, update_s=update, weight_sync_s=sync,
                   offload_s=moved / cluster.gpu.pcie_bytes_per_s,
-                  critic_s=critic_seconds(update, log_prob) if critic is not None else 0.0)
+                  critic_s=critic_seconds(update, log_prob) if critic is not None else 0.0,
+                  reward_s=0.0 if reward is None else reward_seconds(
+                      cluster, reward, -(-batch.sequences_per_step // max(1, cluster.n_gpus // reward.settings.tp)),
+                      prompt_tokens + response_tokens))
 
 
 def host_policy_bytes(settings: RlSettings, batch: BatchPlan, actor: ActorStates, length: int, sp: int) -> int:

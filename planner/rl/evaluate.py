@@ -17,7 +17,7 @@ from cost_models.rl_actor import actor_run, actor_states
 from cost_models.rl_phases import RlMemory, rl_phases
 from cost_models.rl_settings import RlSettings
 from cost_models.rl_reward import RewardSettings
-from cost_models.rl_time import RlTime, critic_seconds, reward_seconds, rl_step_time, train_seconds
+from cost_models.rl_time import RlTime, critic_seconds, rl_step_time, train_seconds
 from cost_models.rollout_engine import EngineSettings
 from cost_models.units import GiB
 
@@ -113,11 +113,7 @@ def evaluate_rl(request: RlRequest, profile: Profile | None = None, model: Model
     prompt, response = (batch.mean_prompt_length or batch.max_prompt_length,
                         batch.mean_response_length or batch.max_response_length)
     time = rl_step_time(spec, cluster, settings, engine, memory.engine, plan, memory.actor, prompt, response, profile,
-                        batch.ulysses_sequence_parallel_size, critic=critic, memo=memo)
-    if memory.reward is not None:
-        replicas = max(1, cluster.n_gpus // memory.reward.settings.tp)
-        seqs = -(-batch.train_batch_size * batch.rollout_n // replicas)
-        time = dataclasses.replace(time, reward_s=reward_seconds(cluster, memory.reward, seqs, prompt + response))
+                        batch.ulysses_sequence_parallel_size, critic=critic, memo=memo, reward=memory.reward)
     refusals = memory.refusals + tuple(r for r in critic_plan.refusals if r not in plan.refusals)
     reasons = [f"{r.field}: {r.reason}; {r.fix}" for r in refusals]
     capacity = cluster.gpu.memory_bytes
@@ -147,7 +143,8 @@ def _critic_plan(r: RlRequest, batch: RlBatch, plan: BatchPlan, cluster: Cluster
                  engine: EngineSettings) -> BatchPlan:
     """PPO's critic batch plan: the actor's, at the critic's own Ulysses degree where it has one (verl's
     critic.ulysses_sequence_parallel_size: its micro-batches split over that group, verl's checks on its heads).
-    Its refusals name the actor's field; the critic's step time stays the actor's (rl_time.critic_seconds)."""
+    Its Ulysses refusals name critic_ulysses_sequence_parallel_size; the critic's step time stays the actor's
+    (rl_time.critic_seconds)."""
     sp = r.critic_ulysses_sequence_parallel_size
     if r.algorithm != "ppo" or sp in (None, batch.ulysses_sequence_parallel_size):
         return plan
