@@ -18,11 +18,11 @@ from .rl_settings import RlSettings
 from .spec_values import Finetune
 
 
-def value_model(model: ModelSpec) -> ModelSpec:
-    """The critic: the same blocks and embedding, a (hidden -> 1) value head with bias, untied."""
-    h = model.hidden_size
-    return dataclasses.replace(model, name=f"{model.name} (critic)", head_params=h + 1, vocab_size=1,
-                               tied_embeddings=False)
+def value_model(model: ModelSpec, role: str = "critic", bias: bool = True) -> ModelSpec:
+    """The critic (or, bias-free, the reward model as served: rl_reward.py): the same blocks and embedding, a
+    (hidden -> 1) head in place of the vocabulary's, untied."""
+    return dataclasses.replace(model, name=f"{model.name} ({role})", head_params=model.hidden_size + bias,
+                               vocab_size=1, tied_embeddings=False)
 
 
 def critic_states(model: ModelSpec, cluster: ClusterSpec, settings: RlSettings, batch: BatchPlan,

@@ -23,6 +23,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from .model_spec import ModelSpec
+from .rl_critic import value_model
 from .rollout_engine import EngineMemory, EngineSettings, engine_memory
 from .spec_values import SpecError
 
@@ -41,12 +42,6 @@ class RewardSettings:
     model: ModelSpec
     tp: int = REWARD_TP
     gpu_memory_utilization: float = REWARD_GPU_MEMORY_UTILIZATION
-
-
-def score_model(model: ModelSpec) -> ModelSpec:
-    """The reward model as served: its blocks and embedding, a bias-free (hidden -> 1) score head, untied."""
-    return dataclasses.replace(model, name=f"{model.name} (reward)", head_params=model.hidden_size, vocab_size=1,
-                               tied_embeddings=False)
 
 
 @dataclass(frozen=True)
@@ -80,7 +75,7 @@ def reward_engine(r: RewardSettings, actor_engine: EngineSettings, total_bytes: 
                                 max_num_batched_tokens=REWARD_MAX_NUM_BATCHED_TOKENS)
     except SpecError as err:   # named as the request names it
         raise SpecError(f"reward_model_{err.field}", str(err).split(": ", 1)[1]) from None
-    rm = score_model(r.model)
+    rm = value_model(r.model, role="reward", bias=False)   # a bias-free score head
     e = engine_memory(rm, s, total_bytes, 0, resident_bytes + context_bytes)
     refusals = tuple(dataclasses.replace(x, field=f"reward_model_{x.field}", fix=x.fix.replace(
         "--gpu-memory-utilization", "--reward-model-gpu-memory-utilization")) for x in e.refusals)
