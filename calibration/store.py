@@ -198,6 +198,8 @@ def load_profile_file(path: str | Path) -> ProfileFile:
         for name in ("tp_comm_efficiency", "ep_comm_efficiency"):  # not in schema 2: a mesh field there is an error
             if name in data["coefficients"]:
                 raise StoreError("profile", f"{path}: coefficients.{name} is not a schema_version 2 field")
+    if data.get("schema_version") < 5 and isinstance(data.get("coefficients"), dict):
+        data["coefficients"].pop("cpu_optimizer_params_per_s", None)  # a flat rate no fit set (store_schema.py)
     try:
         return ProfileFile.model_validate(data)
     except ValidationError as exc:

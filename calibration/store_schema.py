@@ -14,11 +14,13 @@ from cost_models.profile import Profile
 from cost_models.specs import GpuSpec, SpecError
 
 SCHEMA_VERSION = 1
-PROFILE_SCHEMA_VERSION = 4
+PROFILE_SCHEMA_VERSION = 5
 # profile files this fsdp-plan reads: 2 lacks the mesh's rates (tp / ep_comm_efficiency), which were priced at 1.0
 # when it was fitted, so it reads with them at 1.0; 2 and 3 always hold a cuda_context_bytes (measured, or the old
-# flat 0.75 GiB default), read as a measured figure that replaces the context and NCCL terms
-PROFILE_SCHEMA_VERSIONS_READ = (2, 3, 4)
+# flat 0.75 GiB default), read as a measured figure that replaces the context and NCCL terms; 2 to 4 hold
+# cpu_optimizer_params_per_s, a flat CPU optimizer rate no fit set (the host's CPUs price it now: ClusterSpec.host_cpu),
+# dropped on reading, and lack host_memory_efficiency (its default)
+PROFILE_SCHEMA_VERSIONS_READ = (2, 3, 4, 5)
 RESULTS_FILE = "results.jsonl"
 PROFILE_FILE = "profile.json"
 
@@ -211,7 +213,6 @@ class Coefficients(_Strict):
     cuda_context_bytes: int | None   # schema 4: null = not measured, priced term by term (outside_allocator.py)
     fragmentation: float
     optimizer_hbm_efficiency: float
-    cpu_optimizer_params_per_s: float
     pcie_efficiency: float
     default_gpu_matmul_efficiency: float
     matmul_half_dim: float
@@ -223,6 +224,8 @@ class Coefficients(_Strict):
     # schema 3: the mesh's collective rates (absent from a schema-2 file: 1.0, the pricing it was fitted under)
     tp_comm_efficiency: float = 1.0
     ep_comm_efficiency: float = 1.0
+    # schema 5: the host memory bandwidth's share the CPU optimizer step reaches (cost_models/host_optimizer.py)
+    host_memory_efficiency: float = 0.8
 
     @classmethod
     def of(cls, profile: Profile) -> "Coefficients":
@@ -246,7 +249,8 @@ class ProfileFile(_Strict):
     # 2: the operator-level step time (compute_efficiency is relative to the GPU's large-GEMM rate)
     # 3: the mesh's collective rates (Coefficients.tp_comm_efficiency, ep_comm_efficiency); 2 still reads
     # 4: cuda_context_bytes may be null (not measured: the memory outside the allocator priced term by term)
-    schema_version: Literal[2, 3, 4] = PROFILE_SCHEMA_VERSION
+    # 5: host_memory_efficiency in place of cpu_optimizer_params_per_s (the CPU step from the host's CPUs)
+    schema_version: Literal[2, 3, 4, 5] = PROFILE_SCHEMA_VERSION
     kind: Literal["fsdp-plan-profile"] = "fsdp-plan-profile"
     created: str
     fingerprint: Fingerprint

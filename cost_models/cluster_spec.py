@@ -1,5 +1,5 @@
-"""Where it is trained: GpuSpec (one accelerator and its usual server) and ClusterSpec (how many, how they
-connect). cost_models/specs.py re-exports them."""
+"""Where it is trained: GpuSpec (one accelerator and its usual server), HostCpu (a node's CPUs, as the optimizer
+step on the host uses them) and ClusterSpec (how many, how they connect). cost_models/specs.py re-exports them."""
 
 from __future__ import annotations
 
@@ -94,6 +94,39 @@ class GpuSpec:
         return self.peak_flops.get(dtype) or self.peak_flops["fp32"]
 
 
+# The one-thread rate of the published H100 host (shared/reference/published.md, "FSDP2 CPU offload, the optimizer
+# step measured": 536.9M fp32 parameters stepped by a per-parameter AdamW on 1 thread in 1.93 s), as the bytes that
+# step moves: 12 passes of 4 B per parameter (cost_models/host_optimizer.py) -> 13.35 GB/s.
+PUBLISHED_H100_HOST_THREAD_BYTES_PER_S = 512 * 2 ** 20 * 12 * 4 / 1.93
+
+
+@dataclass(frozen=True)
+class HostCpu:
+    """A node's CPUs as the optimizer step on the host (CPU offload) uses them (cost_models/host_optimizer.py).
+
+    Defaults: a DGX H100 node. cores_per_node: 2 x 56-core Xeon Platinum 8480C (NVIDIA DGX H100 datasheet).
+    memory_bytes_per_s: the peak of 2 sockets x 8 DDR5-4800 channels x 8 B = 614.4 GB/s (Intel's 8480+ figures;
+    with two DIMMs a channel Sapphire Rapids runs 4400 MT/s, 563 GB/s: the datasheet's 2 TB in 32 DIMMs would be
+    that, not checked); the step reaches Profile.host_memory_efficiency of it. thread_bytes_per_s: the bytes one
+    thread's step streams per second (PUBLISHED_H100_HOST_THREAD_BYTES_PER_S, measured on an H100 node's host;
+    this 2-core CI machine's: benchmarks/cpu_optimizer_rate.py, docs/step_time.md). threads_per_rank: the intra-op
+    threads a rank steps with, OMP_NUM_THREADS (torchrun sets 1 unless the user does). ranks_per_node: the ranks
+    that step on the node's CPUs at once; 0: the cluster's gpus_per_node (a rank per GPU)."""
+
+    cores_per_node: int = 112
+    memory_bytes_per_s: float = 2 * 8 * 4800e6 * 8
+    thread_bytes_per_s: float = PUBLISHED_H100_HOST_THREAD_BYTES_PER_S
+    threads_per_rank: int = 1
+    ranks_per_node: int = 0
+
+    def __post_init__(self):
+        check_positive("host_cores_per_node", self.cores_per_node)
+        check_positive("host_memory_gb_per_s", self.memory_bytes_per_s)
+        check_positive("host_thread_gb_per_s", self.thread_bytes_per_s)
+        check_positive("omp_num_threads", self.threads_per_rank)
+        check_positive("host_cpu.ranks_per_node", self.ranks_per_node, allow_zero=True)
+
+
 @dataclass(frozen=True)
 class ClusterSpec:
     gpu: GpuSpec
@@ -104,6 +137,7 @@ class ClusterSpec:
     scale_up_domain_gpus: int = 0    # GPUs of this cluster in one NVLink / Infinity Fabric domain (a 72-GPU
     #                                  GB200 NVL72 cluster: 72); 0 = the node. A process group inside it
     #                                  runs on the fast tier (fast_tier_gpus)
+    host_cpu: HostCpu = HostCpu()    # the node's CPUs (the optimizer step on the host)
 
     def __post_init__(self):
         check_positive("gpus", self.n_gpus)

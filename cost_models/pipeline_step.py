@@ -29,7 +29,7 @@ def _pipeline_step(model, full_model, cluster, training, config, profile, blocks
     exposed = mesh_exposed + pipe.fsdp_exposed_s + pipe.p2p_exposed_s
     trainable, frozen = pipeline_time.largest_rank_params(model, config, counts)
     shard_trainable, _ = pipeline_time.largest_rank_params(model, config, shard_counts)
-    offload_copy_s, optimizer_s = _optimizer_times(shard_trainable / d, trainable, frozen, d, 1, 1, cluster.gpu,
+    offload_copy_s, optimizer_s = _optimizer_times(shard_trainable / d, trainable, frozen, d, 1, 1, cluster,
                                                    training, config, profile)
     overhead_s = m * profile.microstep_overhead_s
     overlap_slowdown_s = profile.overlap_slowdown * max(0.0, min(total_comm - exposed, compute))

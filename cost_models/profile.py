@@ -49,9 +49,10 @@ class Profile:
     fragmentation: float = 0.05
     # Fraction of HBM bandwidth the elementwise optimizer step achieves.
     optimizer_hbm_efficiency: float = 0.7
-    # Parameters per second one rank's CPU optimizer step updates (CPU offload); issue 74588 reports
-    # 3-10x slower steps with torch.optim.Adam on the CPU.
-    cpu_optimizer_params_per_s: float = 4e8
+    # Fraction of the host's peak memory bandwidth (ClusterSpec.host_cpu) the ranks' optimizer steps on the CPU
+    # reach together (CPU offload: cost_models/host_optimizer.py). 0.8 is a stated estimate (STREAM's triad on a
+    # two-socket server reaches ~75-85% of the DIMMs' peak); only steps with many threads per rank reach it.
+    host_memory_efficiency: float = 0.8
     # Achieved fraction of PCIe bandwidth for offload copies (pinned memory).
     pcie_efficiency: float = 0.8
     # --- the operator-level step time (kernel_time.py) ---

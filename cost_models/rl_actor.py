@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from . import activations, rl_ulysses
+from . import activations, host_optimizer, rl_ulysses
 from .cluster_spec import ClusterSpec
 from .memory import estimate_memory
 from .memory_types import MemoryBreakdown, ParamCounts
@@ -107,10 +107,17 @@ def actor_run(model: ModelSpec, cluster: ClusterSpec, settings: RlSettings, batc
                         ac_every=int(settings.gradient_checkpointing), micro_batch=1, grad_accum=1,
                         attention=Attention.SDPA, loss_kernel=LossKernel.LIGER, offload=settings.host_offload)
     return ActorRun(model=all_linear_lora(model) if settings.lora else model,
-                    cluster=dataclasses.replace(cluster, gpus_per_node=size) if 1 < size < cluster.n_gpus else cluster,
+                    cluster=_shard_group_nodes(cluster, size) if 1 < size < cluster.n_gpus else cluster,
                     config=config, training=TrainingSpec(seq_len=batch.update_tokens_per_gpu,
                                                          finetune=settings.finetune, lora_rank=settings.lora_rank),
                     shard_ranks=size)
+
+
+def _shard_group_nodes(cluster: ClusterSpec, size: int) -> ClusterSpec:
+    """HYBRID over fsdp_size: each shard group priced as a node of `size` GPUs (its collectives' tier), while every
+    rank of the real node still steps on that node's CPUs at once (host_optimizer.py, CPUOffloadPolicy)."""
+    return dataclasses.replace(cluster, gpus_per_node=size, host_cpu=dataclasses.replace(
+        cluster.host_cpu, ranks_per_node=host_optimizer.ranks_per_node(cluster)))
 
 
 def actor_states(run: ActorRun, settings: RlSettings, batch: BatchPlan, profile: Profile) -> ActorStates:

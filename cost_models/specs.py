@@ -5,8 +5,8 @@ optimizer, full or LoRA fine-tuning) and FsdpConfig (the FSDP knobs a candidate 
 SpecError naming the field and the valid choices; the CLI turns that into one line and exit code 2.
 
 TrainingSpec and FsdpConfig live here; the rest live in spec_values.py (SpecError, the enums, the field checks),
-model_spec.py (ModelSpec and its parts) and cluster_spec.py (GpuSpec, ClusterSpec), and are re-exported below so
-that `from cost_models.specs import X` keeps working for the ~120 modules and tests that import them.
+model_spec.py (ModelSpec and its parts) and cluster_spec.py (GpuSpec, HostCpu, ClusterSpec), and are re-exported below
+so that `from cost_models.specs import X` keeps working for the ~120 modules and tests that import them.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .caching_allocator import AllocatorSettings
-from .cluster_spec import ClusterSpec, GpuSpec
+from .cluster_spec import ClusterSpec, GpuSpec, HostCpu
 from .model_spec import ActivationProfile, ActivationTerms, BackwardMoment, ModelSpec, MoeSpec, TracedOperators
 from .schedules import Schedule
 from .spec_values import QUANT_STORAGE_DTYPES, MoeDispatch, QuantType, Routing
@@ -26,7 +26,7 @@ from .spec_values import (SELECTIVE_OP, Attention, AttentionKernel, Finetune, Ke
 
 __all__ = [  # this module's own names and the re-exported ones (see the docstring)
     "TrainingSpec", "FsdpConfig", "REDUCE_DTYPES",
-    "ClusterSpec", "GpuSpec", "OptimizerImpl",
+    "ClusterSpec", "GpuSpec", "HostCpu", "OptimizerImpl",
     "MoeDispatch", "Routing", "QuantType", "QUANT_STORAGE_DTYPES",
     "ActivationProfile", "ActivationTerms", "BackwardMoment", "ModelSpec", "MoeSpec", "TracedOperators",
     "SELECTIVE_OP", "Attention", "AttentionKernel", "Finetune", "Kernel", "LossKernel", "Optimizer", "Precision",

@@ -7,8 +7,8 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
-from . import (attention_kernels, comm, context_parallel, expert_parallel, kernels, moe, operators, qlora,
-               tensor_parallel)
+from . import (attention_kernels, comm, context_parallel, expert_parallel, host_optimizer, kernels, moe, operators,
+               qlora, tensor_parallel)
 from .kernel_time import BlockTime, Rates, eager_attention_ops, price_block
 from .profile import Profile
 from .specs import Attention, ClusterSpec, FsdpConfig, ModelSpec, MoeDispatch, TrainingSpec
@@ -107,18 +107,20 @@ def _block_times(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, r
 _NO_TP, _NO_CP = tensor_parallel.TpTime(), context_parallel.CpTime()
 
 
-def _optimizer_times(trainable_shard: float, trainable: int, frozen: int, d: int, accum: int, gathers: int, gpu,
-                     training: TrainingSpec, config: FsdpConfig, profile: Profile) -> tuple[float, float]:
+def _optimizer_times(trainable_shard: float, trainable: int, frozen: int, d: int, accum: int, gathers: int,
+                     cluster: ClusterSpec, training: TrainingSpec, config: FsdpConfig,
+                     profile: Profile) -> tuple[float, float]:
     """(offload copies, optimizer step) seconds of a rank holding trainable_shard parameters (d x its shard of
-    `trainable` and `frozen` elements); CPU offload copies each unit's shard in `gathers` times per micro-step."""
-    precision = config.precision
+    `trainable` and `frozen` elements); CPU offload copies each unit's shard in `gathers` times per micro-step and
+    steps on the host's CPUs (host_optimizer.py)."""
+    precision, gpu = config.precision, cluster.gpu
     p, c = DTYPE_BYTES[precision.param_dtype], DTYPE_BYTES[precision.compute_dtype]
     stored_shard_bytes = (trainable * p + frozen * (c if precision.mixed else p)) / d
     opt_bytes = training.optimizer.state_bytes_per_param(precision.param_dtype)
     if config.offload:
         copy_bytes = accum * (gathers * stored_shard_bytes + trainable_shard * p)
         return (copy_bytes / (gpu.pcie_bytes_per_s * profile.pcie_efficiency),
-                trainable_shard / profile.cpu_optimizer_params_per_s)
+                host_optimizer.step_seconds(trainable_shard, training, precision.param_dtype, cluster, profile))
     # read/write params and states, read grads
     touched = trainable_shard * (2 * p + p + 2 * opt_bytes)
     return 0.0, touched / (gpu.hbm_bytes_per_s * profile.optimizer_hbm_efficiency)

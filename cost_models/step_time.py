@@ -257,7 +257,7 @@ def estimate_step_time(model: ModelSpec, cluster: ClusterSpec, training: Trainin
     # --- CPU offload and optimizer step ---------------------------------------------------------------
     offload_copy_s, optimizer_s = _optimizer_times(shard_counts.trainable(L) / d, counts.trainable(L),
                                                    counts.frozen(L), d, accum, 2 if gathers_in_backward else 1,
-                                                   gpu, training, config, profile)
+                                                   cluster, training, config, profile)
 
     overhead_s = accum * profile.microstep_overhead_s
     compute_total = accum * compute_s

@@ -10,7 +10,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from cost_models.attention_kernels import architecture_speeds
-from cost_models.specs import ClusterSpec, GpuSpec
+from cost_models.specs import ClusterSpec, GpuSpec, HostCpu
 from cost_models.units import GB, GiB, MiB, TB, TFLOP, gbit_per_s_to_bytes_per_s
 
 from .errors import PlannerError
@@ -68,17 +68,21 @@ def make_cluster(gpus: int, gpu: str = DEFAULT_GPU, gpus_per_node: int | None = 
                  internode_gbps: float | None = None, gpu_memory: int | None = None,
                  intra_node_gb_per_s: float | None = None, pcie_gb_per_s: float | None = None,
                  cpu_ram_per_node: int | None = None, scale_up_domain_gpus: int | None = None,
-                 power_limit_w: float | None = None) -> ClusterSpec:
+                 power_limit_w: float | None = None, host_cores_per_node: int | None = None,
+                 host_memory_gb_per_s: float | None = None, host_thread_gb_per_s: float | None = None,
+                 omp_num_threads: int | None = None) -> ClusterSpec:
     """A ClusterSpec from CLI-level values; every catalog figure can be overridden.
 
     Nodes default to the GPU's usual server (8, a GB200 compute tray 4, a GH200 superchip 1) and the
     scale-up domain to the GPU's (HGX 8, GB200 NVL72 72), both capped at `gpus`. power_limit_w: the board
     power cap the GPUs run under (None: the catalog's, h100-96gb 500 W, else the TDP); it scales the compute
-    rates by (cap / TDP)^(1/3) (GpuSpec.clock_scale)."""
+    rates by (cap / TDP)^(1/3) (GpuSpec.clock_scale). host_*, omp_num_threads: the node's CPUs and the threads
+    a rank steps the optimizer with on them under CPU offload (HostCpu; None: its defaults, a DGX H100 node's)."""
     if gpus is None or gpus < 1:
         raise PlannerError("gpus", f"must be >= 1, got {gpus}")
     for name, value in (("internode_gbps", internode_gbps), ("intra_node_gb_per_s", intra_node_gb_per_s),
-                        ("pcie_gb_per_s", pcie_gb_per_s)):
+                        ("pcie_gb_per_s", pcie_gb_per_s), ("host_memory_gb_per_s", host_memory_gb_per_s),
+                        ("host_thread_gb_per_s", host_thread_gb_per_s)):
         if value is not None and not 0 < value < math.inf:  # NaN fails both comparisons
             raise PlannerError(name, f"must be a finite number > 0, got {value}")
     spec = get_gpu(gpu)
@@ -104,7 +108,18 @@ def make_cluster(gpus: int, gpu: str = DEFAULT_GPU, gpus_per_node: int | None = 
     return ClusterSpec(gpu=spec, n_gpus=gpus, gpus_per_node=per_node,
                        internode_bytes_per_s=gbit_per_s_to_bytes_per_s(network),
                        cpu_ram_bytes_per_node=cpu_ram_per_node or spec.default_cpu_ram_bytes_per_node,
-                       scale_up_domain_gpus=min(scale_up_domain_gpus or spec.scale_up_domain_gpus, gpus))
+                       scale_up_domain_gpus=min(scale_up_domain_gpus or spec.scale_up_domain_gpus, gpus),
+                       host_cpu=host_cpu(host_cores_per_node, host_memory_gb_per_s, host_thread_gb_per_s,
+                                         omp_num_threads))
+
+
+def host_cpu(cores_per_node: int | None, memory_gb_per_s: float | None, thread_gb_per_s: float | None,
+             omp_num_threads: int | None) -> HostCpu:
+    """HostCpu from the flags (GB/s = 1e9 B/s), None keeping its default."""
+    given = {"cores_per_node": cores_per_node, "threads_per_rank": omp_num_threads,
+             "memory_bytes_per_s": None if memory_gb_per_s is None else memory_gb_per_s * GB,
+             "thread_bytes_per_s": None if thread_gb_per_s is None else thread_gb_per_s * GB}
+    return HostCpu(**{k: v for k, v in given.items() if v is not None})  # a bad value: SpecError naming the flag
 
 
 def checked_power_limit(spec: GpuSpec, watts: float) -> float:

@@ -18,7 +18,8 @@ from planner.line_width import LINE_WIDTH
 
 # request fields neither GRPOConfig nor accelerate's config holds
 COMMENTED = ("gpu", "gpu_memory", "cpu_ram_per_node", "internode_gbps", "intra_node_gb_per_s", "pcie_gb_per_s",
-             "power_limit_w", "engine_version", "sleep_level", "mean_prompt_len", "mean_response_len", "finetune",
+             "power_limit_w", "host_cores_per_node", "host_memory_gb_per_s", "host_thread_gb_per_s", "omp_num_threads",
+             "engine_version", "sleep_level", "mean_prompt_len", "mean_response_len", "finetune",
              "lora_rank", "entropy", "entropy_chunking", "use_torch_compile", "use_remove_padding", "ref_param_offload",
              "max_num_seqs", "max_num_batched_tokens", "enforce_eager", "fsdp_size", "use_shm")
 DTYPES = {"fp32": "float32", "bf16": "bfloat16"}   # model_init_kwargs.dtype, as transformers names them

@@ -57,7 +57,8 @@ REWARD_KEYS = {RM + "rollout.tensor_model_parallel_size": "reward_model_tp",
                RM + "rollout.gpu_memory_utilization": "reward_model_gpu_memory_utilization"}
 # request fields verl has no key for: written as the planner's flags in the comment line
 COMMENTED = ("gpu", "gpu_memory", "cpu_ram_per_node", "internode_gbps", "intra_node_gb_per_s", "pcie_gb_per_s",
-             "power_limit_w", "engine_version", "sleep_level", "mean_prompt_len", "mean_response_len")
+             "power_limit_w", "host_cores_per_node", "host_memory_gb_per_s", "host_thread_gb_per_s", "omp_num_threads",
+             "engine_version", "sleep_level", "mean_prompt_len", "mean_response_len")
 # verl 0.9's defaults (verl/trainer/config/_generated_ppo_trainer.yaml) where they differ from the request's: a
 # script that leaves a key out runs verl's value, and check prices that
 VERL_DEFAULTS = {"data.max_prompt_length": 512, "data.max_response_length": 512, "data.train_batch_size": 1024,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 
-from cost_models import context_parallel, moe, operators, tensor_parallel
+from cost_models import context_parallel, host_optimizer, moe, operators, tensor_parallel
 from cost_models.compute import mfu_flops_per_token, model_flops_per_token, recompute_flops_per_token
 from cost_models.kernel_time import Rates
 from cost_models.memory import ParamCounts
@@ -208,6 +208,17 @@ def _recompute(c, rates: Rates) -> str:
     return f"{_seconds(c, 'recompute_s')}: no activation checkpointing"
 
 
+def _host_step(c, per_rank: float, profile: Profile) -> str:
+    """The CPU-offloaded optimizer step's formula with its numbers (host_optimizer.py)."""
+    host, ranks = c.cluster.host_cpu, host_optimizer.ranks_per_node(c.cluster)
+    moved = host_optimizer.bytes_per_param(c.training, c.config.precision.param_dtype)
+    return (f"{per_rank:,.0f} trainable params per rank x {moved:g} B ({c.training.optimizer_impl.value} "
+            f"{c.training.optimizer.value}) / {host_optimizer.rank_bytes_per_s(c.cluster, profile) / 1e9:.4g} GB/s = "
+            f"min(min({host.threads_per_rank} thread(s), {host.cores_per_node} cores / {ranks} ranks) x "
+            f"{host.thread_bytes_per_s / 1e9:.4g} GB/s, {host.memory_bytes_per_s / 1e9:g} GB/s host memory x "
+            f"{profile.host_memory_efficiency:g} / {ranks} ranks) on the CPU")
+
+
 def time_terms(c, profile: Profile = DEFAULT_PROFILE) -> list[tuple[str, str, str]]:
     """(term, formula with numbers, source): FLOPs per token, then one term per BUDGET class, then the step.
     `profile`: the one c was costed with (the formulas' coefficients; the seconds are c.time's)."""
@@ -263,11 +274,12 @@ def time_terms(c, profile: Profile = DEFAULT_PROFILE) -> list[tuple[str, str, st
          f"{c.cluster.gpu.pcie_bytes_per_s / 1e9:g} GB/s PCIe x {profile.pcie_efficiency:g}",
          "the catalog's PCIe rate (hardware.md)") if cfg.offload else None,
         ("optimizer step", f"{_seconds(c, 'optimizer_s')} = " + (
-            f"{per_rank:,.0f} trainable params per rank / {profile.cpu_optimizer_params_per_s:g} params/s on the CPU"
+            _host_step(c, per_rank, profile)
             if cfg.offload else f"{per_rank:,.0f} trainable params per rank x (2 x {p} + {p} + 2 x {opt:g}) B (read/"
             f"write the param and its states, read the gradient) / ({c.cluster.gpu.hbm_bytes_per_s / 1e12:g} TB/s "
             f"HBM x {profile.optimizer_hbm_efficiency:g})"),
-         "CPU Adam: PyTorch issue 74588" if cfg.offload else "memory-bound elementwise update"),
+         "the step streams through host memory (cost_models/host_optimizer.py: torch's passes per implementation; a "
+         "thread's rate measured on an H100 host, published.md)" if cfg.offload else "memory-bound elementwise update"),
         ("overhead", f"{_seconds(c, 'overhead_s')} = {cfg.grad_accum} micro-step(s) x "
          f"{profile.microstep_overhead_s:g} s (kernel launches, hooks, data loading)", "a stated estimate (profile)"),
         ("step", f"{t.step_s:.7g} s (the classes above) -> {t.tokens_per_s_per_gpu:,.0f} tokens/s per GPU; MFU = "

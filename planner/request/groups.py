@@ -39,6 +39,17 @@ class ClusterRequest:
                                        "(nvidia-smi -pl; > 0 and at most the GPU's TDP): matmul and attention "
                                        "rates x (cap / TDP)^(1/3). Default: the catalog's (h100-96gb 500 W), "
                                        "else the TDP")
+    # the node's CPUs, for the optimizer step on the host under CPU offload (cost_models/host_optimizer.py)
+    host_cores_per_node: int | None = knob(None, "--host-cores-per-node", help="CPU cores per node the ranks "
+                                           "share (physical, not SMT threads; default 112, a DGX H100's 2 x 56)")
+    host_memory_gb_per_s: float | None = knob(None, "--host-memory-gb-per-s", help="Host memory bandwidth per node, "
+                                              "peak GB/s (channels x MT/s x 8 B; default 614.4, a DGX H100's 2 "
+                                              "sockets x 8 DDR5-4800 channels)")
+    host_thread_gb_per_s: float | None = knob(None, "--host-thread-gb-per-s", help="GB/s one CPU thread's "
+                                              "optimizer step streams (default 13.35, measured on an H100 host: "
+                                              "docs/step_time.md)")
+    omp_num_threads: int | None = knob(None, "--omp-num-threads", help="Threads each rank's CPU optimizer step "
+                                       "runs (OMP_NUM_THREADS; default 1, torchrun's)")
 
     def spec(self) -> ClusterSpec:
         if self.gpus is None:
@@ -53,7 +64,10 @@ class ClusterRequest:
         return make_cluster(self.gpus, gpu=self.gpu, gpus_per_node=self.gpus_per_node,
                             internode_gbps=self.internode_gbps, intra_node_gb_per_s=self.intra_node_gb_per_s,
                             pcie_gb_per_s=self.pcie_gb_per_s, gpu_memory=sizes["gpu_memory"],
-                            cpu_ram_per_node=sizes["cpu_ram_per_node"], power_limit_w=self.power_limit_w)
+                            cpu_ram_per_node=sizes["cpu_ram_per_node"], power_limit_w=self.power_limit_w,
+                            host_cores_per_node=self.host_cores_per_node,
+                            host_memory_gb_per_s=self.host_memory_gb_per_s,
+                            host_thread_gb_per_s=self.host_thread_gb_per_s, omp_num_threads=self.omp_num_threads)
 
 
 @dataclass(frozen=True)

@@ -58,9 +58,10 @@ ENGINE_PHASES = ("init", "rollout", "weight_sync")
 # checks the claim phase by phase).
 STRATEGY = "fsdp2"
 NOT_SEARCHED: dict = {
-    "offload_policy": "the request's (FSDP2's CPUOffloadPolicy, --offload-policy): its CPU Adam step and per-unit "
-                      "PCIe copies rest on an uncalibrated CPU optimizer rate (profile.cpu_optimizer_params_per_s), "
-                      "and it moves both sides of the split (the engine's start and host RAM, the update)"}
+    "offload_policy": "the request's (FSDP2's CPUOffloadPolicy, --offload-policy): its CPU Adam step rests on the "
+                      "host's CPUs (--host-cores-per-node, --omp-num-threads; a thread's rate measured on one H100 "
+                      "host: cost_models/host_optimizer.py), and it moves both sides of the split (the engine's start "
+                      "and host RAM, the update)"}
 
 
 @dataclass(frozen=True)

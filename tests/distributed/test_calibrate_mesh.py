@@ -114,7 +114,7 @@ def test_memory_and_time_are_per_rank(tp_calibration):
 def test_one_tp_run_leaves_the_tp_rate_at_its_default(tp_calibration):
     out = tp_calibration["out"]
     profile = json.loads((out / "profile.json").read_text())
-    assert profile["schema_version"] == 4
+    assert profile["schema_version"] == 5
     assert profile["coefficients"]["tp_comm_efficiency"] == 1.0
     fit = tp_calibration["report"]["fit"]
     assert "tp_comm_efficiency" not in fit["fitted"]

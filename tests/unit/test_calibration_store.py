@@ -184,7 +184,7 @@ def test_bad_profile_files_fail_with_the_reason(tmp_path):
     data = json.loads(profile_file().model_dump_json())
     # a profile fitted before the operator-level step time (its compute efficiency meant a fraction of peak)
     path.write_text(json.dumps({**data, "schema_version": 1}))
-    with pytest.raises(store.StoreError, match="schema_version 1; this fsdp-plan reads 2 or 3 or 4: calibrate again"):
+    with pytest.raises(store.StoreError, match="schema_version 1; this fsdp-plan reads 2 or 3 or 4 or 5: calibrate again"):
         store.load_profile(path)
     data["coefficients"]["fragmentation"] = "lots"
     path.write_text(json.dumps(data))
@@ -196,12 +196,15 @@ def test_schema_2_profiles_read_with_the_mesh_rates_at_their_default(tmp_path):
     # written before the mesh's rates existed: priced at the tier's rate then, so read with 1.0
     path = tmp_path / "v2.json"
     data = json.loads(profile_file().model_dump_json())
-    assert data["schema_version"] == 4 and data["coefficients"]["tp_comm_efficiency"] == 1.0
-    for name in ("tp_comm_efficiency", "ep_comm_efficiency"):
+    assert data["schema_version"] == 5 and data["coefficients"]["tp_comm_efficiency"] == 1.0
+    for name in ("tp_comm_efficiency", "ep_comm_efficiency", "host_memory_efficiency"):
         del data["coefficients"][name]
+    # schemas 2 to 4 held a flat CPU optimizer rate no fit set: dropped (the host's CPUs price the step now)
+    data["coefficients"]["cpu_optimizer_params_per_s"] = 4e8
     path.write_text(json.dumps({**data, "schema_version": 2}))
     loaded = store.load_profile(path)
     assert loaded.tp_comm_efficiency == 1.0 and loaded.ep_comm_efficiency == 1.0
+    assert loaded.host_memory_efficiency == DEFAULT_PROFILE.host_memory_efficiency
     assert loaded.microstep_overhead_s == 0.02
     # a fitted rate survives the round trip in schema 3
     fitted = dataclasses.replace(DEFAULT_PROFILE, tp_comm_efficiency=0.62, ep_comm_efficiency=0.3)
