@@ -91,8 +91,9 @@ def evaluate(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, con
     """Price `config` as FSDP runs it (feasibility.as_run: a reshard group equal to the shard group is the
     strategy's own resharding), with the reasons it cannot run or does not fit; memory: its estimate where the
     caller has it (planner/search/memo.py: priced once across knobs the memory does not read); ways: how the
-    trainer loads and saves (host_ram.Ways; default: rank 0 loads, DCP saves); time: the step time, likewise; refused:
-    unsupported_reasons of the configuration FSDP runs, likewise; judged: memory_verdict of the memory, likewise."""
+    trainer loads and saves, and its FSDP API (host_ram.Ways; default: rank 0 loads, DCP saves, FSDP2); time: the
+    step time, likewise; refused: unsupported_reasons of the configuration FSDP runs, likewise; judged:
+    memory_verdict of the memory, likewise."""
     config = as_run(config, cluster)
     capacity = cluster.gpu.memory_bytes
     reasons = unsupported_reasons(cluster, config) if refused is None else list(refused)
@@ -106,6 +107,7 @@ def evaluate(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, con
         judged = memory_verdict(memory, profile, capacity, cluster.cpu_ram_bytes_per_node, config.offload)
     memory = judged[0]
     reasons += judged[1]
-    time = estimate_step_time(model, cluster, training, config, profile) if time is None else time
+    if time is None:  # under the trainer's FSDP API (its copies around the collectives: fsdp_copies.py)
+        time = estimate_step_time(model, cluster, training, config, profile, fsdp2=ways is None or ways.fsdp2)
     return Evaluation(config=config, fits=not reasons, reasons=tuple(reasons), memory=memory, time=time,
                       capacity_bytes=capacity)

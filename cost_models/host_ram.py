@@ -30,7 +30,7 @@ class Ways:
     load: LoadWay = LoadWay.RANK0_BROADCAST
     save: SaveWay = SaveWay.DCP
     resume: LoadWay = LoadWay.META_DCP
-    fsdp2: bool = True
+    fsdp2: bool = True  # FSDP2, else FSDP1: its step's copies too (evaluate: step_time's fsdp2)
     # FSDP1's DCP state dict of the save / of the resume made on host (StateDictOptions(cpu_offload=True),
     # accelerate's offload_to_cpu=True), else on the GPU (get_state_dict's default): outside_step._fsdp1_dcp
     save_state_dict_on_host: bool = True

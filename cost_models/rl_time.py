@@ -119,11 +119,12 @@ def micro_step(model: ModelSpec, cluster: ClusterSpec, settings: RlSettings, bat
     run = actor_run(model, cluster, settings, batch, memo)
     seq = max(1, min(tokens, mean_len // sp))
     seqs = max(1, round(tokens / seq))
-    key = (run.config, run.training, seq, seqs)
+    fsdp2 = settings.strategy == "fsdp2"  # the copies around the collectives differ by API (fsdp_copies.py)
+    key = (run.config, run.training, seq, seqs, fsdp2)
     if memo is not None and key in memo:
         return memo[key]
     step = estimate_step_time(run.model, run.cluster, dataclasses.replace(run.training, seq_len=seq),
-                              dataclasses.replace(run.config, micro_batch=seqs), profile), seqs * seq
+                              dataclasses.replace(run.config, micro_batch=seqs), profile, fsdp2=fsdp2), seqs * seq
     if memo is not None:
         memo[key] = step
     return step
@@ -134,7 +135,7 @@ def train_seconds(model: ModelSpec, cluster: ClusterSpec, settings: RlSettings, 
     """(update, log-probs) seconds of a step: the update's micro-steps and one optimizer step per mini-batch; the
     old and reference log-probs, each the forward of the rank's tokens at the log-prob micro-batch. memo: a search's
     cache (micro_step's), which holds the result too."""
-    key = ("train_seconds", settings.finetune, settings.lora_rank, settings.actor_dtype,
+    key = ("train_seconds", settings.strategy, settings.finetune, settings.lora_rank, settings.actor_dtype,
            settings.gradient_checkpointing, settings.fsdp_size, settings.host_offload, batch, prompt_tokens,
            response_tokens, sp)
     if memo is not None and key in memo:

@@ -25,7 +25,7 @@ import math
 from dataclasses import fields, replace
 from operator import attrgetter
 
-from . import comm, expert_parallel, kernels, moe, operators, pipeline_time, qlora, tensor_parallel
+from . import comm, expert_parallel, fsdp_copies, kernels, moe, operators, pipeline_time, qlora, tensor_parallel
 from .compute import mfu_flops_per_token, model_flops_per_token, recompute_flops_per_token
 from .kernel_time import Rates
 from .memory import ParamCounts
@@ -70,9 +70,9 @@ _FSDP_FIELDS = attrgetter("sharding", "shard_group_gpus", "tp", "cp", "ep", "pp"
 
 def _fsdp_collectives(model, cluster, training, config, profile, c: int, r: int) -> tuple:
     """FSDP's side of a step, whatever the blocks compute: the shard and replica groups (d, replicas), what is gathered
-    and reduced (ParamCounts; EP's view), QLoRA's packing saving, the root's and a block's (all-gather, reduction)
-    seconds, the backward all-gather's share under a reshard group, an MoE model's dense blocks' seconds. model: a TP
-    rank's slice."""
+    and reduced (ParamCounts; EP's view), a block's gather savings (QLoRA's packing, the FP8 all-gather's), the root's
+    and a block's (all-gather, reduction) seconds, the backward all-gather's share under a reshard group, an MoE
+    model's dense blocks' seconds. model: a TP rank's slice."""
     d = config.shard_group_size(cluster)
     n_replicas = config.replicate_group_size(cluster)
     # what is gathered and reduce-scattered (MoE: padded on dim 0, the expert matrices not when sharded on dim 1)
@@ -122,16 +122,18 @@ def _fsdp_collectives(model, cluster, training, config, profile, c: int, r: int)
     nd = model.n_dense_layers  # an MoE model's leading dense blocks: their own sizes
     dense = collectives((counts.block() + (counts.trainable_dense_delta + counts.frozen_dense_delta) // nd) * c,
                         (counts.trainable_block + counts.trainable_dense_delta // nd) * r) if nd else None
-    return d, n_replicas, counts, shard_counts, ep_view, packing_saving, root_ag, root_rs, ag, rs, bwd_gather, dense
+    return (d, n_replicas, counts, shard_counts, ep_view, (packing_saving, fp8_saving), root_ag, root_rs, ag, rs,
+            bwd_gather, dense)
 
 
 def estimate_step_time(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, config: FsdpConfig,
                        profile: Profile, terms: dict | None = None, parts: dict | None = None,
-                       fsdp_parts: dict | None = None) -> TimeBreakdown:
-    """terms: a dict to receive the per-unit terms of one micro-step (cost_models/step_timeline.py draws them); parts:
-    a memo of _compute_parts for this model, cluster, training and profile (a search's candidates share them across
-    FSDP_ONLY_FIELDS: planner/search/memo.py); fsdp_parts: likewise of _fsdp_collectives (across the compute's
-    knobs)."""
+                       fsdp_parts: dict | None = None, fsdp2: bool = True) -> TimeBreakdown:
+    """fsdp2: the trainer runs FSDP2 (fully_shard), else FSDP1 (FullyShardedDataParallel), whose copies around the
+    collectives differ (fsdp_copies.py); terms: a dict to receive the per-unit terms of one micro-step
+    (cost_models/step_timeline.py draws them); parts: a memo of _compute_parts for this model, cluster, training and
+    profile (a search's candidates share them across FSDP_ONLY_FIELDS: planner/search/memo.py); fsdp_parts: likewise
+    of _fsdp_collectives (across the compute's knobs)."""
     full_model, model = model, tensor_parallel.local_model(model, config)  # a TP rank's slice of the model
     gpu = cluster.gpu
     precision = config.precision
@@ -144,7 +146,7 @@ def estimate_step_time(model: ModelSpec, cluster: ClusterSpec, training: Trainin
     fsdp_parts, key = {} if fsdp_parts is None else fsdp_parts, _FSDP_FIELDS(config)
     if key not in fsdp_parts:
         fsdp_parts[key] = _fsdp_collectives(model, cluster, training, config, profile, c, r)
-    (d, n_replicas, counts, shard_counts, ep_view, packing_saving, root_ag, root_rs, ag, rs, bwd_gather,
+    (d, n_replicas, counts, shard_counts, ep_view, (packing_saving, fp8_saving), root_ag, root_rs, ag, rs, bwd_gather,
      dense_collectives) = fsdp_parts[key]
     # a CP rank's share of each sequence; its queries still attend over all s keys (load-balanced causal: the
     # same FLOPs per token as the whole sequence), so the operators are priced at training.seq_len
@@ -161,11 +163,21 @@ def estimate_step_time(model: ModelSpec, cluster: ClusterSpec, training: Trainin
     nd = model.n_dense_layers
     dense_delta = (counts.trainable_dense_delta + counts.frozen_dense_delta) // nd if nd else 0  # per dense block
     blocks = [(L - nd, block)] + ([(nd, dense_block)] if dense_block is not None else [])
-    # FSDP2's copies around its collectives: each all-gather's output split into the unsharded parameters
-    # (read + write c), each reduce-scatter's input packed (and cast) from the gradients (c + r)
-    gathers = 2 if config.sharding.reshards_after_forward and config.pp == 1 else 1  # PP keeps them gathered
-    gathered_bytes = (counts.block() * L + dense_delta * nd + counts.root()) * c - L * packing_saving
-    fsdp_copy_s = rates.memory_s(gathers * gathered_bytes * 2 + counts.trainable(L) * (c + r)) if d > 1 else 0.0
+    # FSDP's copies around its collectives, by API (fsdp_copies.py): the blocks gathered twice where they reshard
+    # after forward (PP keeps them gathered), the root once (neither API reshards it: as root_ag is priced)
+    gathers = 2 if config.sharding.reshards_after_forward and config.pp == 1 else 1
+    trained = counts.trainable(L) - counts.trainable_root  # the blocks' (dense ones' included)
+    block_gather = fsdp_copies.gather_copy_bytes(
+        fsdp2, precision, (counts.block() * L + dense_delta * nd) * c - L * (packing_saving + fp8_saving), trained,
+        trained * c - L * fp8_saving, d)
+    root_gather = fsdp_copies.gather_copy_bytes(fsdp2, precision, counts.root() * c, counts.trainable_root,
+                                                counts.trainable_root * c, d)
+    reduce = fsdp_copies.reduce_copy_bytes(fsdp2, precision, config.gradient_reduce_dtype, counts.trainable(L), d,
+                                           d * n_replicas)
+    # a sharded gradient kept across micro-steps (PP's accumulate unsharded and reduce once)
+    accumulated = (config.grad_accum - 1) / config.grad_accum if config.pp == 1 else 0.0
+    fsdp_copy_s = rates.memory_s(gathers * block_gather + root_gather + reduce + accumulated
+                                 * fsdp_copies.accumulate_bytes(precision, counts.trainable(L), d)) if d > 1 else 0.0
     matmul_s = head_s + sum(n * (b.matmul_forward_s + b.matmul_backward_s) for n, b in blocks)
     attention_s = sum(n * (b.attention_forward_s + b.attention_backward_s) for n, b in blocks)
     # --- the mesh's collectives per micro-batch (_compute_parts): TP's per block and at the root, CP's ring -------

@@ -90,10 +90,11 @@ def uncovered_s(span: Span, busy: list[tuple[float, float]]) -> float:
 
 
 def step_timeline(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, config: FsdpConfig,
-                  profile: Profile) -> StepTimeline:
-    """Every span of one optimizer step as estimate_step_time prices it (config: as evaluate runs it)."""
+                  profile: Profile, fsdp2: bool = True) -> StepTimeline:
+    """Every span of one optimizer step as estimate_step_time prices it (config: as evaluate runs it; fsdp2: the
+    trainer's FSDP API)."""
     terms: dict = {}
-    t = estimate_step_time(model, cluster, training, config, profile, terms)
+    t = estimate_step_time(model, cluster, training, config, profile, terms, fsdp2=fsdp2)
     if "kinds" not in terms:  # pp > 1: cost_models/pipeline_time.py walks the stages instead
         raise SpecError("timeline", f"pp {config.pp}: cost_models/pipeline_timeline.py draws pipeline plans")
     local = tensor_parallel.local_model(model, config)
@@ -227,7 +228,7 @@ def phase_seconds(tl: StepTimeline) -> dict[str, float]:
 
 def _root_compute(local: ModelSpec, config: FsdpConfig, terms: dict):
     """(forward, backward) named compute seconds of the root per micro-step: the head (one forward, two backward
-    products), the root's memory-bound chains by pass, FSDP2's copies, Float8's weight casts, TP's root copies."""
+    products), the root's memory-bound chains by pass, FSDP's copies, Float8's weight casts, TP's root copies."""
     chains = root_memory_bytes_per_token(local, config, DTYPE_BYTES[config.precision.compute_dtype])
     fwd_bytes, bwd_bytes = sum(f for _, f, _ in chains), sum(b for _, _, b in chains)
     share_f = fwd_bytes / (fwd_bytes + bwd_bytes) if fwd_bytes + bwd_bytes else 0.0
@@ -235,7 +236,7 @@ def _root_compute(local: ModelSpec, config: FsdpConfig, terms: dict):
     forward = [("head forward", terms["head_s"] / 3), ("root forward (embedding, final norm, loss)", mem * share_f)]
     backward = [("head backward", 2 * terms["head_s"] / 3), ("root backward (loss, final norm, embedding)",
                                                             mem * (1 - share_f)),
-                ("FSDP2 copy-in / copy-out, every unit", terms["fsdp_copy_s"]),
+                ("FSDP's copies around its collectives, every unit", terms["fsdp_copy_s"]),
                 ("Float8 weight casts, every block", terms["weight_casts_s"]),
                 ("TP root copies", terms["tp"].root_copy_s)]
     return forward, backward

@@ -19,6 +19,7 @@ from cost_models.profile import DEFAULT_PROFILE, Profile
 from cost_models.specs import Attention
 from cost_models.step_time import priced_block_ops, root_memory_bytes_per_token
 from cost_models.units import DTYPE_BYTES
+from planner.trainers.table import TRAINERS
 
 # (TimeBreakdown field, term) in the step's order: compute by operator class, then what is not compute.
 BUDGET = (("matmul_s", "matmul"), ("attention_s", "attention"), ("memory_bound_s", "memory-bound"),
@@ -180,8 +181,10 @@ def _memory_bound(c, rates: Rates, profile: Profile) -> str:
             if compiled else "eager kernels")
     return (f"{_seconds(c, 'memory_bound_s')} = {_steps(cfg)} x ([{blocks} + root {root_bytes:,.0f}"
             f" B per token (final norm, embedding eager; loss over {model.vocab_size:,} logits)] x {tokens:,} tokens "
-            f"({mode}) / {rates.memory_bytes_per_s / 1e12:.2f} TB/s = {per_token_s:.4f} s, + {rest:.4f} s of FSDP2's "
-            f"copy-in/out around each collective" + (" and the Float8 weights' casts" if cfg.float8 else "")
+            f"({mode}) / {rates.memory_bytes_per_s / 1e12:.2f} TB/s = {per_token_s:.4f} s, + {rest:.4f} s of "
+            + ("FSDP2's copy-in/out around each collective" if TRAINERS[c.trainer].fsdp_version == 2 else
+               "FSDP1's shard casts and its flat gradient's cat, cast and divisions (cost_models/fsdp_copies.py)")
+            + (" and the Float8 weights' casts" if cfg.float8 else "")
             + (", DTensor's reorder copies around sequence-parallel collectives" if cfg.tp > 1 and cfg.sequence_parallel
                else "") + (", the ring attention's fp32 merges" if cfg.cp > 1 else "")
             + (f" (a TP rank's slice of the model, tp {cfg.tp})" if cfg.tp > 1 else "")

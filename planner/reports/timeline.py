@@ -22,6 +22,7 @@ from cost_models.step_timeline import COMPUTE, REDUCE, TRACKS, StepTimeline, ste
 
 from planner.api import Candidate
 from planner.search.words import describe
+from planner.trainers.table import TRAINERS
 
 PID = 1
 ORDER = TRACKS[:1] + (P2P_SEND, P2P_RECV) + TRACKS[1:]  # a rank's compute, then its sends, then its collectives
@@ -29,8 +30,12 @@ ORDER = TRACKS[:1] + (P2P_SEND, P2P_RECV) + TRACKS[1:]  # a rank's compute, then
 
 def trace_events(c: Candidate, profile: Profile = DEFAULT_PROFILE) -> dict:
     """The trace-event document of c's predicted optimizer step (`profile`: the one c was costed with)."""
-    draw = pipeline_timeline if c.config.pp > 1 else step_timeline
-    return timeline_document(draw(c.model, c.cluster, c.training, c.config, profile),
+    if c.config.pp > 1:  # FSDP2 only (torchtitan)
+        drawn = pipeline_timeline(c.model, c.cluster, c.training, c.config, profile)
+    else:  # under c's trainer's FSDP API, as c.time was priced
+        drawn = step_timeline(c.model, c.cluster, c.training, c.config, profile,
+                              fsdp2=TRAINERS[c.trainer].fsdp_version == 2)
+    return timeline_document(drawn,
                              f"predicted step: {c.model.name}, {describe(c.config)}, {c.cluster.n_gpus} x "
                              f"{c.cluster.gpu.id}")
 

@@ -202,8 +202,9 @@ def rl_plan_text(p: RlPlan) -> str:
     if shown[0].request.strategy != p.request.strategy:
         lines.insert(-1, textwrap.fill(
             f"note: the actor wrapped with {shown[0].request.strategy}, not the request's {p.request.strategy} "
-            "(actor.strategy): FSDP2 holds at most FSDP1's memory in every phase and prices the same time (verl "
-            "wraps the embedding and head as their own units; FSDP1's weight sync keeps a copy of the shard)",
+            "(actor.strategy): FSDP2 holds at most FSDP1's memory in every phase (verl wraps the embedding and head "
+            "as their own units; FSDP1's weight sync keeps a copy of the shard); its copies around the collectives "
+            "make its update faster with an fp32 actor, slower with a bf16 one or LoRA",
             LINE_WIDTH, subsequent_indent="  "))
     if shown[0].request.actor_dtype != p.request.actor_dtype:
         lines.insert(-1, textwrap.fill(

@@ -20,8 +20,8 @@ test_rl_search.py checks it against the whole product (exhaustive) on a small ca
 Entropy chunking changes memory, not time (its loop's cost is not priced): it is the request's unless the actor
 side does not fit without it (with_chunking_if_needed). The actor's dtype is searched for its memory and time only:
 bf16 keeps no fp32 master weights, which the output says when the best differs from the request. The actor's
-strategy is FSDP2 in every configuration (STRATEGY: it dominates FSDP1), said likewise. Not searched, and why:
-NOT_SEARCHED, said in the output.
+strategy is FSDP2 in every configuration (STRATEGY: it never holds more than FSDP1), said likewise. Not searched,
+and why: NOT_SEARCHED, said in the output.
 """
 
 from __future__ import annotations
@@ -52,10 +52,11 @@ MAX_NUM_SEQS = (256, 512, 1024)
 # compute-bound (rl_time.prefill_s) in chunks above ~340 tokens on every GPU of the catalog (peak x efficiency / HBM)
 MAX_NUM_BATCHED_TOKENS = (2048, 4096, 8192)
 ENGINE_PHASES = ("init", "rollout", "weight_sync")
-# FSDP2 holds at most what FSDP1 holds in every phase and prices the same time (cost_models/rl_strategy.py: verl
-# wraps the embedding and head as their own units; FSDP1's weight sync keeps a copy of the shard), so every
-# configuration is priced with it; the output says so when the request asks for FSDP1 (tests/unit/test_rl_search.py
-# checks the claim phase by phase).
+# FSDP2 holds at most what FSDP1 holds in every phase (cost_models/rl_strategy.py: verl wraps the embedding and head
+# as their own units; FSDP1's weight sync keeps a copy of the shard), so every configuration is priced with it; the
+# output says so when the request asks for FSDP1 (tests/unit/test_rl_strategy.py checks the claim phase by phase).
+# Its step is not always the faster: the copies around the collectives (cost_models/fsdp_copies.py) favour FSDP1
+# with a bf16 actor or LoRA (the issue's job: 1.6% and 4.0% shorter steps), FSDP2 with an fp32 actor (1.9%).
 STRATEGY = "fsdp2"
 NOT_SEARCHED: dict = {
     "offload_policy": "the request's (FSDP2's CPUOffloadPolicy, --offload-policy): its CPU Adam step rests on the "
@@ -193,8 +194,8 @@ def plan_rl(request: RlRequest, profile: Profile | None = None, top: int = 10) -
     actors = actors or [{}]   # none verl takes (a mini-batch of 0 sequences a rank): the request's, to say why
     memo: dict = {}
     price, count = _pricer(request, profile, model, memo)
-    order = {d: sorted(range(len(actors)), key=lambda i: (train_time_s(dataclasses.replace(
-        request, **{"actor_dtype": d, **actors[i]}), model, profile, memo), i)) for d in DTYPES}
+    order = {d: sorted(range(len(actors)), key=lambda i: (train_time_s(dataclasses.replace(  # as price() wraps it
+        request, **{"strategy": STRATEGY, "actor_dtype": d, **actors[i]}), model, profile, memo), i)) for d in DTYPES}
     priced: list[RlEstimate] = []
     failed: list[tuple[dict, set]] = []   # (S, the actor choices whose actor side did not fit with it)
     best = []

@@ -67,7 +67,7 @@ class Costing:
     profile: Profile
     evaluations: dict[FsdpConfig, Evaluation] = field(default_factory=dict)
     memories: dict[tuple, MemoryEstimate] = field(default_factory=dict)
-    ways: object = None  # cost_models/host_ram.Ways: how the trainer loads and saves
+    ways: object = None  # cost_models/host_ram.Ways: how the trainer loads and saves, its FSDP API
     estimates: dict[tuple, MemoryEstimate] = field(default_factory=dict)
     times: dict[tuple, TimeBreakdown] = field(default_factory=dict)
     hosts: dict[tuple, HostRam] = field(default_factory=dict)
@@ -88,7 +88,8 @@ class Costing:
             time = self.times.get(key)
             if time is None:
                 time = self.times[key] = estimate_step_time(self.model, self.cluster, self.training, run, self.profile,
-                                                            parts=self.step_parts, fsdp_parts=self.fsdp_parts)
+                                                            parts=self.step_parts, fsdp_parts=self.fsdp_parts,
+                                                            fsdp2=self.ways is None or self.ways.fsdp2)
             key = (run.precision, run.replicate_group_size(self.cluster), run.offload, memory.cpu_bytes_per_node)
             host = self.hosts.get(key)
             if host is None:
