@@ -17,6 +17,7 @@ from .profile import Profile
 from .rl_batch import BatchPlan
 from .rl_settings import ACTOR_DTYPES, RlSettings
 from .rl_strategy import forward_gathered_bytes, fsdp2_backward, loss_root_bytes, weight_sync_bytes
+from .rl_trl_head import trl_head_bytes
 from .spec_values import Attention, LossKernel, Sharding
 from .specs import FsdpConfig, TrainingSpec
 from .units import DTYPE_BYTES
@@ -74,6 +75,15 @@ def verl_logits_bytes(model: ModelSpec, tokens: int, c: int, settings: RlSetting
     if not grad:
         return ENTROPY_TENSORS_NO_GRAD * logits
     return (ENTROPY_TENSORS_COMPILED_GRAD if settings.entropy_compile else ENTROPY_TENSORS_EAGER_GRAD) * logits
+
+
+def logits_bytes(model: ModelSpec, tokens: int, c: int, settings: RlSettings, batch: BatchPlan,
+                 grad: bool = True) -> int:
+    """The log-prob path's bytes on `tokens` tokens per GPU: verl's logits and entropy, or TRL's fused head on the
+    response tokens among them (rl_trl_head.py; the head trains unless LoRA leaves it frozen)."""
+    if settings.framework == "trl":
+        return trl_head_bytes(model, batch.scored_tokens(tokens), c, grad, head_trains=not settings.lora)
+    return verl_logits_bytes(model, tokens, c, settings, grad)
 
 
 @dataclass(frozen=True)
@@ -159,7 +169,7 @@ def actor_states(run: ActorRun, settings: RlSettings, batch: BatchPlan, profile:
                            sharded_grads=step.sharded_grads * on_gpu if accumulating else 0,
                            unsharded_params=loss_root_bytes(model, settings, c), activations=saved,
                            collective_buffers=model.block_params * c if size > 1 else 0,
-                           logits_and_loss=verl_logits_bytes(model, tokens, c, settings))
+                           logits_and_loss=logits_bytes(model, tokens, c, settings, batch))
     steady = max(body, loss, key=lambda b: b.total_bytes)
     first = dataclasses.replace(steady, optimizer_state=0)
     p = DTYPE_BYTES[config.precision.param_dtype]
@@ -171,18 +181,24 @@ def actor_states(run: ActorRun, settings: RlSettings, batch: BatchPlan, profile:
                        unit_gather_bytes=forward_gathered_bytes(model, settings, c), on_host=not on_gpu)
 
 
-def forward_only_bytes(model: ModelSpec, tokens: int, c: int, settings: RlSettings, sp: int = 1) -> dict:
+def forward_only_bytes(model: ModelSpec, tokens: int, c: int, settings: RlSettings, sp: int = 1,
+                       batch: BatchPlan | None = None) -> dict:
     """A log-prob forward under no_grad on `tokens` tokens per GPU: one block's working set (bounded by what it
-    would save for backward), the residual stream in and out, and verl's logits path; Ulysses (sp > 1): what its
-    attention's all-to-all moment adds over that bound (rl_ulysses.py)."""
+    would save for backward), the residual stream in and out, and verl's logits path (TRL: its fused head on the
+    batch's response tokens); Ulysses (sp > 1): what its attention's all-to-all moment adds over that bound
+    (rl_ulysses.py)."""
     bound = activations.block_bytes_per_token(model, c, Attention.SDPA, tokens, 1) + 2 * c * model.hidden_size
     ulysses = rl_ulysses.forward_only_extra_bytes(model, tokens, c, sp, bound)
-    return {"forward activations": tokens * bound, **({"Ulysses all-to-all": ulysses} if ulysses else {}),
-            "logits and entropy": verl_logits_bytes(model, tokens, c, settings, grad=False)}
+    head = ({"log-prob head (fused)": logits_bytes(model, tokens, c, settings, batch, grad=False)}
+            if settings.framework == "trl" else
+            {"logits and entropy": verl_logits_bytes(model, tokens, c, settings, grad=False)})
+    return {"forward activations": tokens * bound, **({"Ulysses all-to-all": ulysses} if ulysses else {}), **head}
 
 
 def reference_bytes(model: ModelSpec, cluster: ClusterSpec, settings: RlSettings) -> int:
-    """The reference's bf16 shard on one GPU (LoRA: none, the actor without its adapter is the reference)."""
-    if settings.lora:
+    """The reference's shard on one GPU: verl's in bf16; TRL's (only with beta != 0) in the actor's dtype, built
+    with its model_init_kwargs (grpo_trainer.py). LoRA: none, the actor without its adapter is the reference."""
+    if settings.lora or (settings.framework == "trl" and settings.beta == 0):
         return 0
-    return -(-model.n_params * 2 // cluster.n_gpus)
+    stored = DTYPE_BYTES[ACTOR_DTYPES[settings.actor_dtype].param_dtype] if settings.framework == "trl" else 2
+    return -(-model.n_params * stored // cluster.n_gpus)

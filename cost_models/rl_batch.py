@@ -55,10 +55,16 @@ class RlBatch:
     @property
     def seq_tokens(self) -> int:
         """Tokens one sequence occupies in the forward: the real mean with remove-padding, else the padded max."""
-        if not self.use_remove_padding:
-            return self.max_seq_len
-        return (self.mean_prompt_length or self.max_prompt_length) + (self.mean_response_length
-                                                                       or self.max_response_length)
+        return self.seq_prompt_tokens + self.seq_response_tokens
+
+    @property
+    def seq_prompt_tokens(self) -> int:
+        return self.mean_prompt_length or self.max_prompt_length if self.use_remove_padding else self.max_prompt_length
+
+    @property
+    def seq_response_tokens(self) -> int:
+        return (self.mean_response_length or self.max_response_length if self.use_remove_padding
+                else self.max_response_length)
 
 
 @dataclass(frozen=True)
@@ -78,6 +84,12 @@ class BatchPlan:
     update_run_tokens_per_gpu: int = 0
     log_prob_run_tokens_per_gpu: int = 0
     ulysses: int = 1                # ulysses_sequence_parallel_size (rl_ulysses.py)
+    seq_tokens: int = 0             # one sequence's tokens as the forward holds it (RlBatch.seq_tokens)
+    response_tokens: int = 0        # of which the response's: what TRL's fused head scores (rl_trl_head.py)
+
+    def scored_tokens(self, tokens: int) -> int:
+        """The response tokens among `tokens` of whole sequences (every token where unknown)."""
+        return tokens * self.response_tokens // self.seq_tokens if self.seq_tokens else tokens
 
 
 def _ulysses_refusals(sp: int, n_gpus: int, heads: int, kv_heads: int, remove_padding: bool) -> list[Refusal]:
@@ -158,7 +170,8 @@ def batch_plan(b: RlBatch, n_gpus: int, heads: int, kv_heads: int, rollout_tp: i
                      mini_batch_seqs_per_rank=mini, micro_batches_per_mini=micro_count,
                      update_tokens_per_gpu=update, log_prob_tokens_per_gpu=log_prob, step_seqs_per_rank=step_seqs,
                      rollout_seqs_per_replica=-(-seqs // max(1, n_gpus // rollout_tp)), refusals=tuple(refusals),
-                     update_run_tokens_per_gpu=run, log_prob_run_tokens_per_gpu=lp_run, ulysses=sp)
+                     update_run_tokens_per_gpu=run, log_prob_run_tokens_per_gpu=lp_run, ulysses=sp,
+                     seq_tokens=b.seq_tokens, response_tokens=b.seq_response_tokens)
 
 
 def _dynamic_count(seqs: int, seq_tokens: int, budget: int) -> int:

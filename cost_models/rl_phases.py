@@ -35,6 +35,7 @@ from .profile import Profile
 from .rl_actor import ActorRun, ActorStates, actor_run, actor_states, forward_only_bytes, reference_bytes
 from .rl_batch import BatchPlan
 from .rl_reward import RewardModel, RewardSettings, reward_engine, reward_row
+from .rl_schedule import Schedule, schedule_of
 from .rl_settings import RlSettings
 from .rl_strategy import sync_moment
 from .rollout_engine import EngineMemory, EngineSettings, engine_memory
@@ -126,6 +127,7 @@ def rl_phases(model: ModelSpec, cluster: ClusterSpec, settings: RlSettings, engi
     # (the engine's own communicators, vLLM TP, not counted)
     outside = _outside_bytes(run, profile, memo)
     c = 2  # bf16 compute (the actor's mixed precision, the reference, the engine)
+    sched = schedule_of(settings, engine.version, batch)
     ref = reference_bytes(model, cluster, settings)
     ref_resident = 0 if settings.ref_param_offload else ref
     # CPUOffloadPolicy: the model states never on the GPU; each unit's shard copied in for its all-gather (priced
@@ -134,17 +136,22 @@ def rl_phases(model: ModelSpec, cluster: ClusterSpec, settings: RlSettings, engi
     params_resident = 0 if settings.param_offload else loaded
     adam_resident = 0 if settings.optimizer_offload or actor.on_host else actor.optimizer_bytes
     critic_init, critic_held, critic_outside = critic_terms(critic, settings, outside)
-    at_init = params_resident + ref_resident + sum(critic_init.values()) + sum(critic_outside.values())
+    at_init = 0 if sched.engine_first else (params_resident + ref_resident + sum(critic_init.values())
+                                            + sum(critic_outside.values()))
     rm = reward and reward_engine(reward, engine, cluster.gpu.memory_bytes, at_init, outside)
     e = engine_memory(model, engine, cluster.gpu.memory_bytes, at_init + (rm.context_bytes if rm else 0), outside)
     graphs = {"engine CUDA graphs": e.cuda_graph_bytes, **critic_outside, **(rm.asleep() if rm else {})}
     awake = {"engine weights": e.weights_bytes, "engine KV cache": e.kv_bytes,
              "engine activations": e.activation_peak_bytes, **graphs}
     sync_engine = {"engine weights": e.weights_bytes, **graphs,
-                   **({"engine KV cache": e.kv_bytes} if engine.version == "0.8" else {})}
+                   **({"engine KV cache": e.kv_bytes} if sched.sync_wakes_kv else {})}
+    # outside generation: asleep, its CUDA-graph pool only; or (TRL without sleep mode) its weights and KV cache
+    idle = {"engine weights": e.weights_bytes, "engine KV cache": e.kv_bytes, **graphs} if sched.engine_idle \
+        else graphs
+    asleep = not sched.engine_idle
     held = {"actor params": params_resident, "reference": ref_resident}
     resident = {**held, "Adam states": adam_resident}
-    fwd = forward_only_bytes(model, batch.log_prob_tokens_per_gpu, c, settings, batch.ulysses)
+    fwd = forward_only_bytes(model, batch.log_prob_tokens_per_gpu, c, settings, batch.ulysses, batch)
     gathered = {"gathered units": actor.unit_gather_bytes}
     ref_actor = {"actor params": loaded} if settings.lora else {"actor params": params_resident}
     update = {"reference": ref_resident, **actor.update_steady.to_dict()}
@@ -157,7 +164,8 @@ def rl_phases(model: ModelSpec, cluster: ClusterSpec, settings: RlSettings, engi
         return profile.reserved_bytes(sum(torch_terms.values()), outside) + sum(engine_terms.values())
     # (name, torch terms, engine terms, actor loaded, Adam loaded, engine asleep, note)
     rows = [
-        ("init", {**held, **critic_init}, awake, False, False, False,
+        ("init", {} if sched.engine_first else {**held, **critic_init}, awake, False, False, False,
+         "the engine starts before the actor and reference are sharded onto the GPU" if sched.engine_first else
          "the engine sizes its KV cache beside what is resident"),
         ("rollout", {**resident, **critic_held}, awake, False, False, False,
          "from step 2: Adam's states resident unless offloaded (the KV budget never saw them)"),
@@ -166,26 +174,42 @@ def rl_phases(model: ModelSpec, cluster: ClusterSpec, settings: RlSettings, engi
                                      graphs if engine.version == "0.8" else {"engine weights": e.weights_bytes,
                                                                              **graphs}, sync_engine, reserved),
          True, False, False, "one parameter gathered at a time into the engine"),
-        *reward_row(rm, {**resident, **critic_held}, graphs),
+        *reward_row(rm, {**resident, **critic_held}, idle),
         ("log_prob", {"actor params": loaded, **gathered, "reference": ref_resident,
-                      "Adam states": adam_resident, **fwd, **critic_held}, graphs, True, False, True, "forward only"),
-        ("ref_log_prob", {**ref_actor, "reference": ref_resident, **gathered, "Adam states": adam_resident, **fwd,
-                          **critic_held}, graphs, settings.lora, False, True,
-         "LoRA: the actor without its adapter" if settings.lora else ""),
-        *critic_rows(critic, resident, critic_held, fwd, graphs),
-        ("update", {**update, **critic_held}, graphs, True, True, True,
+                      "Adam states": adam_resident, **fwd, **critic_held}, idle, True, False, asleep, "forward only"),
+        ("ref_log_prob", reference_pass(model, sched, {**ref_actor, "reference": ref_resident}, gathered,
+                                        adam_resident, fwd, critic_held, c), idle, settings.lora, False, asleep,
+         "LoRA: the actor without its adapter" if settings.lora else
+         "the reference one FSDP2 unit: gathered whole" if sched.whole_reference else ""),
+        *critic_rows(critic, resident, critic_held, fwd, idle),
+        ("update", {**update, **critic_held}, idle, True, True, asleep,
          f"{label}; Adam's states in the backward from step 2"),
-        ("optimizer_step", {**step, **critic_held}, graphs, True, True, True,
+        ("optimizer_step", {**step, **critic_held}, idle, True, True, asleep,
          "CPUOffloadPolicy: the step runs on the CPU" if actor.on_host else
          "the first step creates Adam's states beside the foreach temporaries"),
         ("checkpoint", {"actor params": loaded, "Adam states": adam_resident, "reference": ref_resident,
-                        **critic_held}, graphs, True, False, True, ""),
+                        **critic_held}, idle, True, False, asleep, ""),
     ]
+    if sched.phases is not None:   # the framework's own phases, in its order (rl_schedule.py)
+        rows = [row for name in sched.phases for row in rows if row[0] == name]
     phases = tuple(_phase(name, torch, eng, profile, outside,
                           _offloaded(settings, loaded, adam, asleep, critic_loaded=name.startswith("critic")), note)
                    for name, torch, eng, loaded, adam, asleep, note in rows)
     return RlMemory(phases=phases, engine=e, actor=actor, refusals=batch.refusals + e.refusals + (rm.memory.refusals if rm else ()),
                     critic=critic, reward=rm)
+
+
+def reference_pass(model: ModelSpec, sched: Schedule, held: dict, gathered: dict, adam: int, fwd: dict,
+                   critic_held: dict, c: int) -> dict:
+    """ref_log_prob's torch terms: the reference's units gathered as the actor's (verl, TRL's FSDP1, LoRA's actor
+    without its adapter); TRL's FSDP2 reference is one unit (rl_schedule.py): the whole model gathered in the
+    compute dtype through its forward, and at its all-gather's copy-out beside the gather's buffer as large - the
+    larger moment."""
+    if not sched.whole_reference:
+        return {**held, **gathered, "Adam states": adam, **fwd, **critic_held}
+    whole = {**held, "Adam states": adam, "reference gathered": model.n_params * c}
+    return max({**whole, **fwd}, {**whole, "reference all-gather buffer": model.n_params * c},
+               key=lambda terms: sum(terms.values()))
 
 
 def critic_rows(critic: ActorStates | None, resident: dict, critic_held: dict, fwd: dict, graphs: dict) -> list:

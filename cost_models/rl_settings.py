@@ -1,5 +1,6 @@
 """The FSDP side's knobs of a verl (or TRL) RL job as verl names them, checked on construction (SpecError names the
-field): what cost_models/rl_*.py read of the request."""
+field): what cost_models/rl_*.py read of the request. TRL's GRPOConfig keys that decide its passes (beta,
+num_iterations, the importance-sampling correction, sleep mode) by TRL's names; rl_schedule.py reads them."""
 
 from __future__ import annotations
 
@@ -36,6 +37,11 @@ class RlSettings:
     critic_optimizer_offload: bool = False
     layered_summon: bool = False       # rollout.layered_summon: FSDP1 LoRA's sync gathers one unit at a time
     offload_policy: bool = False       # fsdp_config.offload_policy: FSDP2's CPUOffloadPolicy (host_offload)
+    # TRL 1.16's GRPOConfig (trl/trainer/grpo_config.py defaults), read for framework trl only (rl_schedule.py)
+    beta: float = 0.0                  # KL coefficient: a reference (and its pass) only when != 0
+    num_iterations: int = 1            # updates per generation batch (GRPO's mu)
+    importance_sampling: bool = True   # vllm_importance_sampling_correction: the old log-probs always computed
+    sleep_mode: bool = False           # vllm_enable_sleep_mode: the engine asleep (level 2) outside generation
 
     def __post_init__(self):
         if self.strategy not in STRATEGIES:
@@ -53,15 +59,33 @@ class RlSettings:
             raise SpecError("sleep_level", f"must be 1 or 2, got {self.sleep_level}")
         if self.fsdp_size == 0 or self.fsdp_size < -1:
             raise SpecError("fsdp_size", f"must be -1 (all GPUs) or >= 1, got {self.fsdp_size}")
+        if self.num_iterations < 1:
+            raise SpecError("num_iterations", f"must be >= 1, got {self.num_iterations}")
+        if self.framework == "trl":
+            self._trl()
         if self.host_offload:  # verl forces the manual offloads off (FSDPEngine._build_fsdp_module, fsdp2 branch)
             object.__setattr__(self, "param_offload", False)
             object.__setattr__(self, "optimizer_offload", False)
 
+    def _trl(self) -> None:
+        """TRL's own rules: GRPO only; accelerate's fsdp_offload_params is FSDP's CPU offload of the actor and of the
+        reference alike (trl/models/utils.py prepare_fsdp passes the plugin's cpu_offload), params and optimizer
+        together; colocated vLLM sleeps at level 2 (trl/generation/vllm_generation.py llm.sleep(level=2))."""
+        if self.algorithm != "grpo":
+            raise SpecError("algorithm", f"{self.algorithm}: TRL's GRPOTrainer runs GRPO only; choose one of: grpo")
+        if self.param_offload != self.optimizer_offload:
+            raise SpecError("optimizer_offload", "accelerate's fsdp_offload_params offloads params and optimizer "
+                                                 "together: set param_offload and optimizer_offload alike")
+        policy = self.offload_policy or self.param_offload   # idempotent: a replace() keeps it
+        for name, value in (("offload_policy", policy), ("ref_param_offload", policy), ("sleep_level", 2)):
+            object.__setattr__(self, name, value)
+
     @property
     def host_offload(self) -> bool:
         """verl 0.9.1 reads offload_policy in its FSDP2 branch only (CPUOffloadPolicy(pin_memory=True): the actor's
-        params, grads and Adam states on the host, the optimizer step on the CPU); FSDP1's ignores it."""
-        return self.offload_policy and self.strategy == "fsdp2" and self.framework == "verl"
+        params, grads and Adam states on the host, the optimizer step on the CPU); FSDP1's ignores it. TRL: FSDP's
+        own CPU offload under either version (FSDP1's CPUOffload also steps on the CPU)."""
+        return self.offload_policy and (self.strategy == "fsdp2" or self.framework == "trl")
 
     @property
     def lora(self) -> bool:

@@ -10,7 +10,9 @@ one job against each other, not to predict a wall clock:
 - update: the FSDP step-time model (step_time.py) of one micro-batch, times the micro-batches of a step, plus one
   optimizer step per mini-batch;
 - log-probs (old and reference): the forward of a log-prob micro-batch (its own micro-batch or token budget, priced
-  as the update's is), a third of its compute without recompute, per token;
+  as the update's is), a third of its compute without recompute, per token; TRL (rl_schedule.py): the passes it
+  runs (the old log-probs, the reference's: 0 to 2), its update num_iterations times over a generation batch, its
+  forward and backward at the padded lengths (it pads to the generation batch's longest prompt and completion);
 - Ulysses (sp > 1; verl models/transformers/monkey_patch.py _ulysses_flash_attention_forward): the micro-step is
   priced on sequences of L / sp tokens; each GPU in fact attends heads / sp over the whole L, the full length's
   attention FLOPs per local token (sp x those at L / sp), and runs four all-to-alls a layer (q, k, v before the
@@ -41,6 +43,7 @@ from .rl_batch import BatchPlan
 from .rl_actor import ActorStates, actor_run, reference_bytes
 from .rl_settings import RlSettings
 from .rl_reward import RewardModel
+from .rl_schedule import schedule_of
 from .rollout_engine import Engine, EngineMemory, EngineSettings, KvShape
 from .step_time import TimeBreakdown, estimate_step_time
 
@@ -163,22 +166,26 @@ def train_seconds(model: ModelSpec, cluster: ClusterSpec, settings: RlSettings, 
 def rl_step_time(model: ModelSpec, cluster: ClusterSpec, settings: RlSettings, engine: EngineSettings,
                  e: EngineMemory, batch: BatchPlan, actor: ActorStates, prompt_tokens: int, response_tokens: int,
                  profile: Profile, sp: int, critic: ActorStates | None = None, memo: dict | None = None,
-                 reward: RewardModel | None = None) -> RlTime:
+                 reward: RewardModel | None = None, trained: tuple[int, int] | None = None) -> RlTime:
     """prompt / response tokens: the means the engine generates; sp: the Ulysses degree; critic: PPO's, priced as
     the actor's update plus one forward (its values), its head's FLOPs left out, and its offload copies (params in
     and out for compute_values and update_critic, Adam's states for the update); memo: micro_step's; reward: a
-    reward model's engine (reward_seconds over the step's sequences split across its replicas)."""
+    reward model's engine (reward_seconds over the step's sequences split across its replicas); trained: the
+    (prompt, response) lengths the trainer's passes run where not those generated (TRL pads to the maxima)."""
     run = actor_run(model, cluster, settings, batch, memo)
-    update, log_prob = train_seconds(model, cluster, settings, batch, prompt_tokens, response_tokens, profile, sp,
-                                     memo)
+    sched = schedule_of(settings, engine.version, batch)
+    update, log_prob = train_seconds(model, cluster, settings, batch, *(trained or (prompt_tokens, response_tokens)),
+                                     profile, sp, memo)
+    update, log_prob = update * sched.updates_per_generation, log_prob * sched.log_prob_passes / 2
     d = run.shard_ranks
     bus = cluster.gpu.intra_node_bus_bytes_per_s
     sync = actor.params_bytes * (d - 1) / bus if d > 1 else actor.params_bytes / cluster.gpu.hbm_bytes_per_s
     moved = (2 * PASSES_PER_STEP * actor.params_bytes * settings.param_offload
              + 2 * actor.optimizer_bytes * settings.optimizer_offload
-             + reference_bytes(model, cluster, settings) * settings.ref_param_offload
+             + reference_bytes(model, cluster, settings) * settings.ref_param_offload * (settings.framework == "verl")
              + 2 * e.weights_bytes * (settings.sleep_level == 1)
-             + host_policy_bytes(settings, batch, actor, prompt_tokens + response_tokens, sp))
+             + host_policy_bytes(settings, batch, actor, sum(trained or (prompt_tokens, response_tokens)), sp,
+                                 sched.log_prob_passes))
     if critic is not None:
         moved += (2 * CRITIC_PASSES_PER_STEP * critic.params_bytes * settings.critic_param_offload
                   + 2 * critic.optimizer_bytes * settings.critic_optimizer_offload)
@@ -192,15 +199,18 @@ def rl_step_time(model: ModelSpec, cluster: ClusterSpec, settings: RlSettings, e
                       prompt_tokens + response_tokens))
 
 
-def host_policy_bytes(settings: RlSettings, batch: BatchPlan, actor: ActorStates, length: int, sp: int) -> int:
+def host_policy_bytes(settings: RlSettings, batch: BatchPlan, actor: ActorStates, length: int, sp: int,
+                      passes: int = 2) -> int:
     """CPUOffloadPolicy's copies outside the update (whose per-unit H2D copies, gradient D2H copies and CPU step
     the step-time model prices: step_parts._optimizer_times): the shard copied in for every forward-only
-    micro-batch's all-gathers (the old log-probs; LoRA's reference is the actor too) and once for the weight sync."""
+    micro-batch's all-gathers (the old log-probs; LoRA's reference is the actor too) and once for the weight sync.
+    TRL: each of its `passes` (the reference offloaded with the actor, in its dtype: a shard as large)."""
     if not actor.on_host:
         return 0
     lp_tokens = batch.log_prob_run_tokens_per_gpu or batch.log_prob_tokens_per_gpu
     micro_batches = -(-batch.step_seqs_per_rank * length // sp // max(1, lp_tokens))
-    return actor.params_bytes * (micro_batches * (1 + settings.lora) + 1)
+    per_micro_batch = passes if settings.framework == "trl" else 1 + settings.lora
+    return actor.params_bytes * (micro_batches * per_micro_batch + 1)
 
 
 def critic_seconds(update_s: float, log_prob_s: float) -> float:

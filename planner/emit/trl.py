@@ -3,7 +3,10 @@ for vLLM colocated in the trainer processes, and the accelerate FSDP2 config tha
 (planner/emit/trainers.emit_accelerate), as two YAML documents. The batch in TRL's terms (trl/trainer/
 grpo_config.py __post_init__): per_device_train_batch_size completions per micro-step, gradient_accumulation_steps
 micro-steps per optimizer step (verl's mini-batch), steps_per_generation micro-steps per generation (verl's
-train batch); what TRL has no key for rides in the `# fsdp-plan:` line (planner/emit/rl_flags.py)."""
+train batch); what TRL has no key for rides in the `# fsdp-plan:` line (planner/emit/rl_flags.py). The keys
+that decide TRL's passes (beta, num_iterations, vllm_importance_sampling_correction, vllm_enable_sleep_mode:
+cost_models/rl_schedule.py) are written as priced: the request's, else TRL's defaults for a TRL estimate, and for a
+verl one what verl runs (a reference, the engine asleep)."""
 
 from __future__ import annotations
 
@@ -11,33 +14,35 @@ import textwrap
 
 import yaml
 
+from cost_models.rl_schedule import TRL_CANNOT
 from cost_models.units import GiB
 from planner.emit.rl_flags import MARK, planner_flags
 from planner.errors import PlannerError
 from planner.line_width import LINE_WIDTH
 
-# request fields neither GRPOConfig nor accelerate's config holds
+# request fields neither GRPOConfig nor accelerate's config holds (those TRL sets itself, rl_schedule.TRL_SETS, are not
+# written: a TRL estimate holds TRL's values, and a verl plan in TRL's terms runs them)
 COMMENTED = ("gpu", "gpu_memory", "cpu_ram_per_node", "internode_gbps", "intra_node_gb_per_s", "pcie_gb_per_s",
              "power_limit_w", "host_cores_per_node", "host_memory_gb_per_s", "host_thread_gb_per_s", "omp_num_threads",
-             "engine_version", "sleep_level", "mean_prompt_len", "mean_response_len", "finetune",
-             "lora_rank", "entropy", "entropy_chunking", "use_torch_compile", "use_remove_padding", "ref_param_offload",
-             "max_num_seqs", "max_num_batched_tokens", "enforce_eager", "fsdp_size", "use_shm")
+             "mean_prompt_len", "mean_response_len", "finetune", "lora_rank")
 DTYPES = {"fp32": "float32", "bf16": "bfloat16"}   # model_init_kwargs.dtype, as transformers names them
-KL_BETA = 0.001   # a KL term, so that TRL loads the reference the plan prices (verl's kl_loss_coef in its examples)
+KL_BETA = 0.001   # a verl plan's reference: a KL term, so that TRL loads it (verl's kl_loss_coef in its examples)
 
 
 def refuse(r) -> None:
-    """What TRL's GRPOTrainer cannot run, one line each (grpo_config.py: no sequence parallelism, GRPO only)."""
-    if r.algorithm != "grpo":
-        raise PlannerError("algorithm", f"{r.algorithm}: TRL's GRPOTrainer runs GRPO only; valid: grpo "
-                                        "(--emit verl writes PPO)")
-    if r.engine != "vllm":
-        raise PlannerError("engine", f"{r.engine}: TRL generates with vLLM; valid: vllm")
-    if r.ulysses_sequence_parallel_size != 1:
-        raise PlannerError("ulysses_sequence_parallel_size", "TRL's GRPOTrainer has no sequence parallelism "
-                                                             "(grpo_config.py refuses sp_size > 1); valid: 1")
-    if r.use_dynamic_bsz:
-        raise PlannerError("use_dynamic_bsz", "TRL packs no token budgets: valid: --no-use-dynamic-bsz")
+    """What TRL's GRPOTrainer cannot run, one line each (cost_models/rl_schedule.py TRL_CANNOT)."""
+    for name, (runs, why) in TRL_CANNOT.items():
+        if getattr(r, name) != runs:
+            raise PlannerError(name, f"{getattr(r, name)}: {why}; valid: {runs}")
+
+
+def priced_passes(r) -> dict:
+    """The GRPOConfig keys that decide TRL's passes, as the estimate priced them."""
+    trl = r.framework == "trl"
+    return {"beta": r.beta if r.beta is not None else 0.0 if trl else KL_BETA,
+            "num_iterations": r.num_iterations or 1,
+            "vllm_importance_sampling_correction": r.vllm_importance_sampling_correction is not False,
+            "vllm_enable_sleep_mode": r.vllm_enable_sleep_mode if r.vllm_enable_sleep_mode is not None else not trl}
 
 
 def grpo_config(e) -> dict:
@@ -50,7 +55,6 @@ def grpo_config(e) -> dict:
         "vllm_gpu_memory_utilization": r.gpu_memory_utilization,
         "vllm_tensor_parallel_size": r.rollout_tp,
         "vllm_max_model_length": r.prompt_len + r.response_len,
-        "vllm_enable_sleep_mode": True,   # the engine asleep while the actor trains, as the plan prices it
         "num_generations": r.rollout_n,
         "per_device_train_batch_size": r.ppo_micro_batch_size_per_gpu,
         "gradient_accumulation_steps": b.micro_batches_per_mini,
@@ -59,7 +63,7 @@ def grpo_config(e) -> dict:
         "gradient_checkpointing": r.gradient_checkpointing,
         "bf16": True,
         "model_init_kwargs": {"dtype": DTYPES[r.actor_dtype]},
-        "beta": KL_BETA,
+        **priced_passes(r),
     }
 
 
@@ -90,5 +94,7 @@ def emit_trl(e) -> str:
     comment = "\n".join(f"# {line}" for n in notes for line in textwrap.wrap(n, LINE_WIDTH - 2))
     flags = planner_flags(r, COMMENTED)
     grpo = yaml.safe_dump(grpo_config(e), sort_keys=False, width=LINE_WIDTH)
-    accelerate = emit_accelerate(_fsdp(e), e.model, e.cluster, fsdp_version=2)
+    # a TRL estimate's own FSDP version; a verl plan in TRL's terms: FSDP2 (it holds at most FSDP1's memory)
+    version = 1 if r.framework == "trl" and r.strategy == "fsdp" else 2
+    accelerate = emit_accelerate(_fsdp(e), e.model, e.cluster, fsdp_version=version)
     return f"{comment}\n# {MARK} {flags}\n{grpo}---\n{accelerate}"

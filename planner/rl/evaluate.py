@@ -17,12 +17,14 @@ from cost_models.rl_actor import actor_run, actor_states
 from cost_models.rl_phases import RlMemory, rl_phases
 from cost_models.rl_settings import RlSettings
 from cost_models.rl_reward import RewardSettings
+from cost_models.rl_schedule import TRL_ENGINE, TRL_SETS, trl_max_num_seqs
 from cost_models.rl_time import RlTime, critic_seconds, rl_step_time, train_seconds
 from cost_models.rollout_engine import EngineSettings
 from cost_models.units import GiB
 
 from ..errors import PlannerError
 from ..models import resolve_model
+from ..request.knobs import knob_table
 from .findings import findings
 from .request import RlRequest, rl_request
 
@@ -45,8 +47,17 @@ class RlEstimate:
         return not self.reasons
 
 
+TRL_KEYS = {"beta": "beta", "num_iterations": "num_iterations", "vllm_importance_sampling_correction":
+            "importance_sampling", "vllm_enable_sleep_mode": "sleep_mode"}   # request -> RlSettings (TRL's keys)
+
+
 def specs_of(r: RlRequest, model: ModelSpec) -> tuple[RlBatch, EngineSettings, RlSettings]:
     """The cost models' inputs from the request (their constructors check the values: SpecError names the field)."""
+    trl = r.framework == "trl"
+    if not trl:
+        for name in TRL_KEYS:
+            if getattr(r, name) is not None:
+                raise PlannerError(name, "a TRL GRPOConfig key: valid with --framework trl only")
     batch = RlBatch(train_batch_size=r.train_batch, rollout_n=r.rollout_n,
                     ppo_mini_batch_size=r.ppo_mini_batch_size or r.train_batch, max_prompt_length=r.prompt_len,
                     max_response_length=r.response_len, ppo_micro_batch_size_per_gpu=r.ppo_micro_batch_size_per_gpu,
@@ -55,7 +66,7 @@ def specs_of(r: RlRequest, model: ModelSpec) -> tuple[RlBatch, EngineSettings, R
                     use_dynamic_bsz=r.use_dynamic_bsz, ppo_max_token_len_per_gpu=r.ppo_max_token_len_per_gpu,
                     log_prob_max_token_len_per_gpu=r.log_prob_max_token_len_per_gpu or r.ppo_max_token_len_per_gpu,
                     ulysses_sequence_parallel_size=r.ulysses_sequence_parallel_size,
-                    use_remove_padding=r.use_remove_padding, mean_prompt_length=r.mean_prompt_len,
+                    use_remove_padding=r.use_remove_padding and not trl, mean_prompt_length=r.mean_prompt_len,
                     mean_response_length=r.mean_response_len)
     engine = EngineSettings(engine=r.engine, version=r.engine_version, gpu_memory_utilization=r.gpu_memory_utilization,
                             tp=r.rollout_tp, max_model_len=r.prompt_len + r.response_len, max_num_seqs=r.max_num_seqs,
@@ -69,8 +80,25 @@ def specs_of(r: RlRequest, model: ModelSpec) -> tuple[RlBatch, EngineSettings, R
                           sleep_level=r.sleep_level, use_shm=r.use_shm, algorithm=r.algorithm,
                           critic_param_offload=r.critic_param_offload,
                           critic_optimizer_offload=r.critic_optimizer_offload, layered_summon=r.layered_summon,
-                          offload_policy=r.offload_policy)
-    return batch, engine, settings
+                          offload_policy=r.offload_policy,
+                          **{key: getattr(r, name) for name, key in TRL_KEYS.items() if getattr(r, name) is not None})
+    return batch, _trl_engine(r, model, batch, engine) if trl else engine, settings
+
+
+def _trl_engine(r: RlRequest, model: ModelSpec, batch: RlBatch, engine: EngineSettings) -> EngineSettings:
+    """What TRL runs of the knobs it sets itself (cost_models/rl_schedule.py TRL_SETS): a request value TRL does not
+    run is one line naming the field; the engine as TRL builds it."""
+    plan = batch_plan(batch, r.cluster.spec().n_gpus, model.n_heads, model.n_kv_heads, engine.tp)
+    derived = {"max_num_seqs": trl_max_num_seqs(r.ppo_micro_batch_size_per_gpu, engine.tp, plan),
+               "log_prob_micro_batch_size_per_gpu": r.ppo_micro_batch_size_per_gpu,
+               "ref_param_offload": r.param_offload, "offload_policy": r.param_offload}
+    table = knob_table(RlRequest)
+    for name, (runs, why) in TRL_SETS.items():
+        value, runs = getattr(r, name), derived.get(name, runs)
+        if value != table[name].default and value != runs:
+            valid = f"{runs!r}, or leave it out" if runs is not None else "leave it out"
+            raise PlannerError(name, f"{value!r}: not what TRL runs ({why}); valid with --framework trl: {valid}")
+    return dataclasses.replace(engine, max_num_seqs=derived["max_num_seqs"], **TRL_ENGINE)
 
 
 # What the actor's (and critic's) states do not depend on: where they sit between phases (rl_phases.py)
@@ -112,10 +140,13 @@ def evaluate_rl(request: RlRequest, profile: Profile | None = None, model: Model
     host = host_ram_per_node(spec, cluster, settings, memory.actor, memory.engine, critic, memory.reward)
     prompt, response = (batch.mean_prompt_length or batch.max_prompt_length,
                         batch.mean_response_length or batch.max_response_length)
+    # TRL pads each micro-batch to the generation batch's longest prompt and completion: its passes at the maxima
+    trained = (batch.seq_prompt_tokens, batch.seq_response_tokens) if settings.framework == "trl" else None
     time = rl_step_time(spec, cluster, settings, engine, memory.engine, plan, memory.actor, prompt, response, profile,
-                        batch.ulysses_sequence_parallel_size, critic=critic, memo=memo, reward=memory.reward)
+                        batch.ulysses_sequence_parallel_size, critic=critic, memo=memo, reward=memory.reward,
+                        trained=trained)
     refusals = memory.refusals + tuple(r for r in critic_plan.refusals if r not in plan.refusals)
-    reasons = [f"{r.field}: {r.reason}; {r.fix}" for r in refusals]
+    reasons = [f"{r.field}: {r.reason}; {_trl_fix(r) if settings.framework == 'trl' else r.fix}" for r in refusals]
     capacity = cluster.gpu.memory_bytes
     for phase in memory.phases:
         if phase.reserved_bytes > capacity:
@@ -129,6 +160,15 @@ def evaluate_rl(request: RlRequest, profile: Profile | None = None, model: Model
     return RlEstimate(request=request, model=spec, cluster=cluster, batch=plan, engine_settings=engine,
                       memory=memory, host=host, time=time, reasons=tuple(reasons),
                       notes=findings(settings, engine, memory, plan.rollout_seqs_per_replica, capacity))
+
+
+def _trl_fix(refusal) -> str:
+    """A refusal's fix in TRL's terms where TRL sets the knob it names (vLLM's max_num_batched_tokens >= max_num_seqs:
+    TRL passes 4096 and its own max_num_seqs)."""
+    if refusal.field not in ("max_num_seqs", "max_num_batched_tokens"):
+        return refusal.fix
+    return (f"TRL sets both: max_num_batched_tokens {TRL_ENGINE['max_num_batched_tokens']}, max_num_seqs "
+            f"{TRL_SETS['max_num_seqs'][1]}: lower that product to <= {TRL_ENGINE['max_num_batched_tokens']}")
 
 
 def reward_settings(r: RlRequest) -> RewardSettings | None:

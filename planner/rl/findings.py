@@ -1,6 +1,8 @@
 """What a priced RL configuration should hear beyond fits / does not fit (issue 28's findings): the KV cache
 holding fewer sequences than max_num_seqs, Adam's states appearing after the engine sized its KV cache, a
-reference left on the GPU, FSDP1 LoRA's whole-model weight sync, an fp32 actor where memory is short. One line each, with the knob that changes it."""
+reference left on the GPU, FSDP1 LoRA's whole-model weight sync, an fp32 actor where memory is short; TRL's engine
+left awake and its reference gathered whole. One line each, with the knob that changes it (TRL: its GRPOConfig's
+or accelerate's key)."""
 
 from __future__ import annotations
 
@@ -14,20 +16,27 @@ def findings(settings: RlSettings, engine: EngineSettings, memory: RlMemory, seq
              capacity_bytes: int) -> tuple[str, ...]:
     out = []
     e, phases = memory.engine, {p.name: p for p in memory.phases}
+    trl = settings.framework == "trl"
     wanted = min(engine.max_num_seqs, seqs_per_replica)
     if 0 < e.max_concurrent_seqs < wanted:
         out.append(f"the KV cache holds {e.max_concurrent_seqs} sequences of {engine.max_model_len} tokens at once, "
                    f"fewer than the {wanted} a replica is asked to run: the engine queues or preempts the rest "
-                   "(slower); raise --gpu-memory-utilization or lower --max-num-seqs")
+                   "(slower); raise --gpu-memory-utilization or lower " + (
+                       "per_device_train_batch_size x steps_per_generation (TRL's max_num_seqs)" if trl else
+                       "--max-num-seqs"))
     adam = phases["rollout"].gpu_bytes.get("Adam states", 0)
     if adam and memory.peak.name == "rollout":
         out.append(f"Adam's states ({adam / GiB:.1f} GiB) are created at the first step, after the engine sized its "
-                   "KV cache: from step 2 the rollout holds them beside it (verl PR 1349); --optimizer-offload keeps "
-                   "them on the host")
+                   "KV cache: from step 2 the rollout holds them beside it " + (
+                       "(TRL builds the engine first); --param-offload --optimizer-offload (fsdp_offload_params) "
+                       "keeps them on the host" if trl else "(verl PR 1349); --optimizer-offload keeps them on "
+                       "the host"))
     ref = phases["rollout"].gpu_bytes.get("reference", 0)
     if ref:
-        out.append(f"the reference's bf16 shard ({ref / GiB:.1f} GiB) stays on the GPU through every phase: "
-                   "--ref-param-offload moves it to the host")
+        out.append(f"the reference's {'shard' if trl else 'bf16 shard'} ({ref / GiB:.1f} GiB) stays on the GPU "
+                   "through every phase: " + ("--beta 0 drops it, fsdp_offload_params moves it to the host with "
+                                              "the actor" if trl else "--ref-param-offload moves it to the host"))
+    out += _trl(settings, memory, phases) if trl else []
     summoned = phases["weight_sync"].gpu_bytes.get("summoned params", 0)
     if summoned and not settings.layered_summon and memory.peak.name == "weight_sync":
         out.append(f"the LoRA weight sync under FSDP1 gathers the whole model at once ({summoned / GiB:.1f} GiB, "
@@ -41,6 +50,23 @@ def findings(settings: RlSettings, engine: EngineSettings, memory: RlMemory, seq
     return tuple(out)
 
 
+def _trl(settings: RlSettings, memory: RlMemory, phases: dict) -> list[str]:
+    """TRL's own: its engine awake outside generation (vllm_enable_sleep_mode off, TRL's default) where the peak is
+    a training phase; its FSDP2 reference gathered whole (one unit) at the peak (cost_models/rl_schedule.py)."""
+    out, peak = [], memory.peak
+    idle = peak.gpu_bytes.get("engine KV cache", 0) + peak.gpu_bytes.get("engine weights", 0)
+    if not settings.sleep_mode and peak.name not in ("init", "rollout", "weight_sync") and idle:
+        out.append(f"vllm_enable_sleep_mode is off (TRL's default): the engine's weights and KV cache ({idle / GiB:.1f}"
+                   f" GiB) stay on the GPU through {peak.name}; --vllm-enable-sleep-mode frees them outside "
+                   "generation (level 2: the weights are sent again at each sync)")
+    whole = peak.gpu_bytes.get("reference gathered", 0)
+    if whole:
+        out.append(f"TRL shards the reference as one FSDP2 unit (prepare_fsdp): its forward gathers it whole "
+                   f"({whole / GiB:.1f} GiB, and the gather's buffer as much again while it copies out); "
+                   "--strategy fsdp (fsdp_version 1) wraps it by layer, --beta 0 drops it")
+    return out
+
+
 def _offload_policy(settings: RlSettings, memory: RlMemory) -> list[str]:
     """fsdp_config.offload_policy: what CPUOffloadPolicy moves, or that verl does not read it (its FSDP1 branch)."""
     a = memory.actor
@@ -49,7 +75,8 @@ def _offload_policy(settings: RlSettings, memory: RlMemory) -> list[str]:
         return [f"offload_policy: FSDP2's CPUOffloadPolicy keeps the actor's params, grads and Adam states "
                 f"({held / GiB:.1f} GiB per GPU) in pinned host memory all run; each unit's shard is copied to the "
                 "GPU for its all-gather, gradients reduce-scattered then copied to the host, Adam steps on the CPU "
-                "(param_offload / optimizer_offload forced off, as verl does)"]
+                + ("(accelerate's fsdp_offload_params: the reference too)" if settings.framework == "trl" else
+                   "(param_offload / optimizer_offload forced off, as verl does)")]
     if settings.offload_policy and settings.framework == "verl":
         return ["offload_policy is ignored under actor.strategy fsdp (verl 0.9.1 reads it in its FSDP2 branch "
                 "only): --strategy fsdp2 applies it"]

@@ -31,11 +31,16 @@ SEARCHED = ("strategy", "actor_dtype", "param_offload", "optimizer_offload", "re
             "rollout_tp", "gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens")
 
 
-def knobs_dict(r) -> dict:
-    """The searched knobs' values as priced (a log-prob micro-batch or budget left unset is the update's)."""
+def knobs_dict(r, engine=None) -> dict:
+    """The searched knobs' values as priced (a log-prob micro-batch or budget left unset is the update's; TRL: the
+    engine's knobs as TRL sets them, its reference offloaded with the actor)."""
     out = {k: getattr(r, k) for k in SEARCHED}
     out["log_prob_micro_batch_size_per_gpu"] = r.log_prob_micro_batch_size_per_gpu or r.ppo_micro_batch_size_per_gpu
     out["log_prob_max_token_len_per_gpu"] = r.log_prob_max_token_len_per_gpu or r.ppo_max_token_len_per_gpu
+    if engine is not None:
+        out.update(max_num_seqs=engine.max_num_seqs, max_num_batched_tokens=engine.max_num_batched_tokens)
+    if r.framework == "trl":
+        out["ref_param_offload"] = r.param_offload
     return out
 
 
@@ -72,7 +77,7 @@ def rl_dict(e: RlEstimate) -> dict:
                   "update_tokens_per_gpu": e.batch.update_tokens_per_gpu,
                   "log_prob_tokens_per_gpu": e.batch.log_prob_tokens_per_gpu},
         "time": e.time.to_dict(),
-        "knobs": knobs_dict(e.request),
+        "knobs": knobs_dict(e.request, e.engine_settings),
         "estimates": list(ESTIMATES),
     }
 
@@ -95,7 +100,7 @@ def rl_text(e: RlEstimate) -> str:
         f"{e.model.name} ({e.model.n_params / 1e9:.2f}B) {r.algorithm.upper()} on {e.cluster.n_gpus} x "
         f"{e.cluster.gpu.id}: {r.strategy} actor {r.actor_dtype} ({r.finetune}), {r.engine} {r.engine_version} "
         f"TP {r.rollout_tp} at {r.gpu_memory_utilization}",
-        knob_words(r),
+        trl_knob_words(e) if r.framework == "trl" else knob_words(r),
         f"batch: {b.sequences_per_step} sequences per step, {b.mini_batch_seqs_per_rank} per rank per mini-batch; "
         f"update micro-batch {b.update_tokens_per_gpu:,} tokens per GPU, log-prob {b.log_prob_tokens_per_gpu:,}",
         f"engine: weights {gib(eng.weights_bytes)} GiB, KV cache {gib(eng.kv_bytes)} GiB ({eng.kv_tokens:,} tokens, "
@@ -137,6 +142,23 @@ def knob_words(r) -> str:
             f"{r.ulysses_sequence_parallel_size}, {batch}; rollout TP {r.rollout_tp}, gpu_memory_utilization "
             f"{r.gpu_memory_utilization}, max_num_seqs {r.max_num_seqs}, max_num_batched_tokens "
             f"{r.max_num_batched_tokens}")
+
+
+def trl_knob_words(e: RlEstimate) -> str:
+    """A TRL job's knobs by GRPOConfig's and accelerate's names, TRL's defaults where the request leaves them."""
+    from cost_models.rl_schedule import trl_steps
+
+    r, s = e.request, e.engine_settings
+    accumulation, per_generation = trl_steps(e.batch)
+    on = {True: "on", False: "off"}
+    beta = 0.0 if r.beta is None else r.beta
+    return (f"knobs (TRL): per_device_train_batch_size {r.ppo_micro_batch_size_per_gpu}, gradient_accumulation_steps "
+            f"{accumulation}, steps_per_generation {per_generation}, num_iterations {r.num_iterations or 1}, beta "
+            f"{beta}, vllm_importance_sampling_correction {on[r.vllm_importance_sampling_correction is not False]}, "
+            f"vllm_enable_sleep_mode {on[bool(r.vllm_enable_sleep_mode)]}, fsdp_offload_params {on[r.param_offload]}, "
+            f"gradient_checkpointing {on[r.gradient_checkpointing]}; vllm_tensor_parallel_size {r.rollout_tp}, "
+            f"vllm_gpu_memory_utilization {r.gpu_memory_utilization} (TRL's max_num_seqs {s.max_num_seqs}, "
+            f"max_num_batched_tokens {s.max_num_batched_tokens})")
 
 
 def _budget(tokens: int) -> str:

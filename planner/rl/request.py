@@ -44,8 +44,8 @@ class RlRequest:
     algorithm: str = knob("grpo", "--algorithm", help="algorithm.adv_estimator: grpo (no critic) or ppo (gae: a "
                           "critic, the actor's model with a value head, in its own worker)")
     # the actor (actor_rollout_ref.actor.* / model.*)
-    framework: str = knob("verl", "--framework", help="verl (its FSDP workers) or trl (GRPOTrainer, accelerate's "
-                          "FSDP): how the actor is wrapped and its weights synced")
+    framework: str = knob("verl", "--framework", help="verl (its FSDP workers) or trl (TRL 1.16's GRPOTrainer, "
+                          "accelerate's FSDP): its phases, reference, engine and log-prob head")
     strategy: str = knob("fsdp", "--strategy", help="actor.strategy: fsdp (FSDP1) or fsdp2")
     actor_dtype: str = knob("fp32", "--actor-dtype", help="fsdp_config.model_dtype: fp32 (verl's 2025 default) or "
                             "bf16")
@@ -95,6 +95,17 @@ class RlRequest:
     sleep_level: int = knob(1, "--sleep-level", help="vLLM sleep mode: 1 weights to host, 2 discarded")
     layered_summon: bool = knob(False, "--layered-summon/--no-layered-summon", help="rollout.layered_summon: FSDP1 "
                                 "LoRA's weight sync gathers one unit at a time, not the whole model")
+    # TRL 1.16's GRPOConfig keys (--framework trl only; unset: TRL's defaults): cost_models/rl_schedule.py
+    beta: float | None = knob(None, "--beta", help="TRL: GRPOConfig.beta, the KL coefficient (default 0.0: no "
+                              "reference model and no reference pass)")
+    num_iterations: int | None = knob(None, "--num-iterations", help="TRL: GRPOConfig.num_iterations, updates per "
+                                      "generation batch (default 1)")
+    vllm_importance_sampling_correction: bool | None = knob(
+        None, "--vllm-importance-sampling-correction/--no-vllm-importance-sampling-correction",
+        help="TRL: the old log-prob pass runs whatever the batch (default on)")
+    vllm_enable_sleep_mode: bool | None = knob(None, "--vllm-enable-sleep-mode/--no-vllm-enable-sleep-mode",
+                                               help="TRL: the engine asleep (level 2) outside generation (default "
+                                               "off: its weights and KV cache stay on the GPU)")
 
 
 RL_KNOBS = tuple(knob_table(RlRequest))

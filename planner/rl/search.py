@@ -34,6 +34,7 @@ from cost_models.model_spec import ModelSpec
 from cost_models.profile import Profile
 from cost_models.units import MiB
 
+from ..errors import PlannerError
 from ..models import resolve_model
 from .evaluate import RlEstimate, evaluate_rl, train_time_s
 from .request import RlRequest
@@ -188,6 +189,10 @@ def plan_rl(request: RlRequest, profile: Profile | None = None, top: int = 10) -
     memory) or the engine side is over the GPU (more only adds memory); the best by (f, engine-side peak). Then
     the actor choices in the order of their seconds (train_time_s, read once per dtype), each priced with S and
     that engine choice until one fits; one that did not fit with more offloaded (same dtype) is not priced."""
+    if request.framework != "verl":   # the knobs and the engine side / actor side split are verl's
+        raise PlannerError("framework", f"{request.framework}: `fsdp-plan rl` searches verl's knobs; price a TRL "
+                                        "job with `fsdp-plan rl estimate --framework trl` or `fsdp-plan check`; "
+                                        "valid: verl")
     model = resolve_model(request.model)
     n_gpus = request.cluster.spec().n_gpus
     shared, engines, actors = spaces(request, model, n_gpus)

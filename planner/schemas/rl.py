@@ -1,5 +1,5 @@
-"""`fsdp-plan rl estimate --format json` (planner/rl/report.py rl_dict): a verl GRPO configuration's memory phase by
-phase, its engine, its batch and whether it runs."""
+"""`fsdp-plan rl estimate --format json` (planner/rl/report.py rl_dict): a verl (or TRL) GRPO configuration's memory
+phase by phase, its engine, its batch and whether it runs."""
 
 from __future__ import annotations
 
@@ -38,7 +38,8 @@ class RlMemory(_Out):
     cpu_bytes_per_node: int = Field(description="host RAM per node at its peak (host.* says which)")
     cpu_ram_capacity_bytes: int = Field(description="--cpu-ram-per-node (0: unknown, not checked)")
     capacity_bytes: Bytes = Field(description="the GPU's memory")
-    phases: list[RlPhase] = Field(description="in verl's order")
+    phases: list[RlPhase] = Field(description="in the framework's order (verl's, or TRL's own: the phases it runs, "
+                                              "cost_models/rl_schedule.py)")
     host: RlHost
 
 

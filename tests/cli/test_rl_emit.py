@@ -258,6 +258,28 @@ def test_trl_grpo_config_accepted_by_trl():
     assert (config.num_generations, config.max_completion_length, config.vllm_max_model_length) == (5, 1024, 2048)
     fsdp = accelerate["fsdp_config"]
     assert (fsdp["fsdp_version"], fsdp["fsdp_offload_params"], accelerate["num_processes"]) == (2, True, 2)
+    # a verl plan in TRL's terms keeps what verl runs: a reference (a KL term) and the engine asleep
+    assert (config.beta, config.num_iterations, config.vllm_importance_sampling_correction,
+            config.vllm_enable_sleep_mode) == (0.001, 1, True, True)
+
+
+def test_trl_estimates_passes_reach_grpo_config():
+    """A TRL estimate's GRPOConfig keys that decide its passes (cost_models/rl_schedule.py), as priced: TRL's defaults
+    where the request leaves them (no reference, the engine awake), else the request's; GRPOConfig takes them, and
+    its FSDP version follows --strategy."""
+    trl = pytest.importorskip("trl")
+    job = dict(gpu="h100-80gb", prompt_len=512, response_len=512, train_batch=64, rollout_n=8,
+               ppo_micro_batch_size_per_gpu=8, framework="trl")
+    grpo, accelerate = yaml.safe_load_all(emit_trl(rl_estimate("qwen2.5-7b", 8, **job)))
+    config = trl.GRPOConfig(**grpo, use_cpu=True)
+    assert (config.beta, config.num_iterations, config.vllm_importance_sampling_correction,
+            config.vllm_enable_sleep_mode, accelerate["fsdp_config"]["fsdp_version"]) == (0.0, 1, True, False, 1)
+    knobs = dict(job, beta=0.04, num_iterations=2, vllm_importance_sampling_correction=False,
+                 vllm_enable_sleep_mode=True, strategy="fsdp2")
+    grpo, accelerate = yaml.safe_load_all(emit_trl(rl_estimate("qwen2.5-7b", 8, **knobs)))
+    config = trl.GRPOConfig(**grpo, use_cpu=True)
+    assert (config.beta, config.num_iterations, config.vllm_importance_sampling_correction,
+            config.vllm_enable_sleep_mode, accelerate["fsdp_config"]["fsdp_version"]) == (0.04, 2, False, True, 2)
 
 
 def _cli(*args):

@@ -1,7 +1,8 @@
 """Read a TRL GRPOConfig (YAML / JSON, TRL 1.16's field names, trl/trainer/grpo_config.py) with vLLM colocated,
 and the accelerate config after it where --emit trl wrote one (a second YAML document): the batch back in verl's
 terms (planner/emit/trl.py writes the other direction), the actor's FSDP version and offload from accelerate's
-keys, the `# fsdp-plan:` line for what neither has a key for."""
+keys, the keys that decide TRL's passes (beta, num_iterations, vllm_importance_sampling_correction,
+vllm_enable_sleep_mode: TRL's defaults where left out), the `# fsdp-plan:` line for what neither has a key for."""
 
 from __future__ import annotations
 
@@ -17,6 +18,11 @@ from .rl_setup import RlSetup
 KEYS = {"rollout_n": "num_generations", "ppo_micro_batch_size_per_gpu": "per_device_train_batch_size",
         "gpu_memory_utilization": "vllm_gpu_memory_utilization", "rollout_tp": "vllm_tensor_parallel_size",
         "response_len": "max_completion_length", "prompt_len": "vllm_max_model_length"}
+# GRPOConfig's keys that decide TRL's passes (cost_models/rl_schedule.py; the request's names are TRL's), with TRL
+# 1.16's defaults
+PASSES = {"beta": 0.0, "num_iterations": 1, "vllm_importance_sampling_correction": True,
+          "vllm_enable_sleep_mode": False}
+KEYS.update({name: name for name in PASSES})
 _MARKERS = ("num_generations", "vllm_mode", "max_completion_length", "steps_per_generation")
 
 
@@ -55,7 +61,7 @@ def from_trl_grpo(docs: list, source: str, text: str = "", gpus: int | None = No
                                         "valid: colocate")
     flags = read_planner_flags(text)
     model = flags.pop("model", None)
-    notes = ["priced with verl's phase model (log-probs, update, weight sync) for TRL's GRPOTrainer"]
+    notes = []
     read, per_node = _cluster(docs[1] if len(docs) > 1 else {}, flags)
     gpus, per_node = (gpus, None) if gpus is not None else (read, per_node)
     if gpus is None:
@@ -81,14 +87,13 @@ def from_trl_grpo(docs: list, source: str, text: str = "", gpus: int | None = No
         knobs["prompt_len"] = typed("prompt_len", g["vllm_max_model_length"], "vllm_max_model_length") - response
     elif g.get("max_prompt_length") is not None:   # TRL before 1.0
         knobs["prompt_len"] = _get(g, "max_prompt_length", "prompt_len")
-    dtype = str((g.get("model_init_kwargs") or {}).get("dtype", "auto")).removeprefix("torch.")
+    # TRL 1.16 loads the model in fp32 when model_init_kwargs names no dtype (utils.py create_model_from_path)
+    dtype = str((g.get("model_init_kwargs") or {}).get("dtype", "float32")).removeprefix("torch.")
     by_name = {v: k for k, v in DTYPES.items()} | {"fp32": "fp32", "bf16": "bf16"}
     if dtype not in by_name:
         notes.append(f"model_init_kwargs.dtype {dtype}: the checkpoint's dtype, priced as bf16")
     knobs["actor_dtype"] = by_name.get(dtype, "bf16")
-    if not g.get("vllm_enable_sleep_mode", False):
-        notes.append("vllm_enable_sleep_mode is off: the engine's weights and KV cache stay on the GPU while the "
-                     "actor trains, which this estimate does not price (it sleeps the engine); set it true")
+    knobs.update({name: _get(g, name, name, default) for name, default in PASSES.items()})
     knobs.update(_accelerate(docs[1]) if len(docs) > 1 else {})
     return RlSetup(knobs={"framework": "trl", **knobs, **flags}, source=source, dialect="trl-grpo", model=model,
                    model_path=g.get("model_name_or_path"), model_key="model_name_or_path", notes=tuple(notes),
