@@ -80,7 +80,7 @@ def host_ram_per_node(model: ModelSpec, cluster: ClusterSpec, settings: RlSettin
         "actor params, grads, Adam states (CPUOffloadPolicy)": (actor.params_bytes + actor.grads_bytes
                                                                 + actor.optimizer_bytes) * gpus * actor.on_host,
         "CPU optimizer step temporaries": actor.step_temporary_bytes * gpus * actor.on_host,
-        "reference (offloaded)": reference_bytes(model, cluster, settings) * gpus if settings.ref_param_offload else 0,
+        "reference (offloaded)": reference_bytes(model, cluster, settings) * gpus if settings.reference_offloaded else 0,
         "engine weight backup (sleep level 1)": engine.weights_bytes * gpus if settings.sleep_level == 1 else 0,
         "model copy in /dev/shm": model.n_params * 2 if settings.use_shm else 0,
     }

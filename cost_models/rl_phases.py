@@ -78,7 +78,7 @@ def _offloaded(settings: RlSettings, actor_loaded: bool, adam_loaded: bool, engi
         ("actor params", settings.param_offload and not actor_loaded),
         ("actor params, grads, Adam states (CPUOffloadPolicy)", settings.host_offload),
         ("Adam states", settings.optimizer_offload and not adam_loaded),
-        ("reference", settings.ref_param_offload and not settings.lora),
+        ("reference", settings.reference_offloaded and not settings.lora),
         ("critic params", settings.ppo and settings.critic_param_offload and not critic_loaded),
         ("critic Adam states", settings.ppo and settings.critic_optimizer_offload and not critic_loaded),
         (f"engine asleep (level {settings.sleep_level})", engine_asleep)) if away)
@@ -129,7 +129,7 @@ def rl_phases(model: ModelSpec, cluster: ClusterSpec, settings: RlSettings, engi
     c = 2  # bf16 compute (the actor's mixed precision, the reference, the engine)
     sched = schedule_of(settings, engine.version, batch)
     ref = reference_bytes(model, cluster, settings)
-    ref_resident = 0 if settings.ref_param_offload else ref
+    ref_resident = 0 if settings.reference_offloaded else ref
     # CPUOffloadPolicy: the model states never on the GPU; each unit's shard copied in for its all-gather (priced
     # as the gathered units), the optimizer step on the CPU
     loaded = 0 if actor.on_host else actor.params_bytes

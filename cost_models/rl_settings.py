@@ -24,7 +24,7 @@ class RlSettings:
     lora_rank: int = 32                # model.lora_rank, target_modules all-linear
     param_offload: bool = False
     optimizer_offload: bool = False
-    ref_param_offload: bool = True     # FSDP1's reference: CPUOffload(offload_params=True)
+    ref_param_offload: bool = True     # ref.fsdp_config.param_offload: read by TRL's mapping only (reference_offloaded)
     gradient_checkpointing: bool = True
     entropy: bool = True               # entropy computed in log-prob / update (entropy_coeff != 0 or logged)
     entropy_chunking: bool = False     # actor.entropy_from_logits_with_chunking
@@ -86,6 +86,16 @@ class RlSettings:
         params, grads and Adam states on the host, the optimizer step on the CPU); FSDP1's ignores it. TRL: FSDP's
         own CPU offload under either version (FSDP1's CPUOffload also steps on the CPU)."""
         return self.offload_policy and (self.strategy == "fsdp2" or self.framework == "trl")
+
+    @property
+    def reference_offloaded(self) -> bool:
+        """Whether the reference's params live on the host. verl (0.9.1; 2025's fsdp_workers.py alike) builds the
+        reference forward_only (trainer/config/ref/dp_ref.yaml `forward_only: True`), and its FSDP engine then wraps
+        it with FSDP's own offload whatever ref.fsdp_config.param_offload says (workers/engine/fsdp/
+        transformer_impl.py _build_fsdp_module: FSDP1 CPUOffload(offload_params=True), FSDP2
+        CPUOffloadPolicy(pin_memory=True), the manual offload forced off): always. TRL: with the actor
+        (fsdp_offload_params, _trl)."""
+        return self.framework == "verl" or self.ref_param_offload
 
     @property
     def lora(self) -> bool:

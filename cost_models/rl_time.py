@@ -182,7 +182,7 @@ def rl_step_time(model: ModelSpec, cluster: ClusterSpec, settings: RlSettings, e
     sync = actor.params_bytes * (d - 1) / bus if d > 1 else actor.params_bytes / cluster.gpu.hbm_bytes_per_s
     moved = (2 * PASSES_PER_STEP * actor.params_bytes * settings.param_offload
              + 2 * actor.optimizer_bytes * settings.optimizer_offload
-             + reference_bytes(model, cluster, settings) * settings.ref_param_offload * (settings.framework == "verl")
+             + reference_bytes(model, cluster, settings) * settings.reference_offloaded * (settings.framework == "verl")
              + 2 * e.weights_bytes * (settings.sleep_level == 1)
              + host_policy_bytes(settings, batch, actor, sum(trained or (prompt_tokens, response_tokens)), sp,
                                  sched.log_prob_passes))

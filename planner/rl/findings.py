@@ -1,6 +1,6 @@
 """What a priced RL configuration should hear beyond fits / does not fit (issue 28's findings): the KV cache
-holding fewer sequences than max_num_seqs, Adam's states appearing after the engine sized its KV cache, a
-reference left on the GPU, FSDP1 LoRA's whole-model weight sync, an fp32 actor where memory is short; TRL's engine
+holding fewer sequences than max_num_seqs, Adam's states appearing after the engine sized its KV cache, TRL's
+reference left on the GPU (verl's ref param_offload=False, which verl ignores), FSDP1 LoRA's whole-model weight sync, an fp32 actor where memory is short; TRL's engine
 left awake and its reference gathered whole. One line each, with the knob that changes it (TRL: its GRPOConfig's
 or accelerate's key)."""
 
@@ -32,10 +32,13 @@ def findings(settings: RlSettings, engine: EngineSettings, memory: RlMemory, seq
                        "keeps them on the host" if trl else "(verl PR 1349); --optimizer-offload keeps them on "
                        "the host"))
     ref = phases["rollout"].gpu_bytes.get("reference", 0)
-    if ref:
-        out.append(f"the reference's {'shard' if trl else 'bf16 shard'} ({ref / GiB:.1f} GiB) stays on the GPU "
-                   "through every phase: " + ("--beta 0 drops it, fsdp_offload_params moves it to the host with "
-                                              "the actor" if trl else "--ref-param-offload moves it to the host"))
+    if ref:  # TRL's only: verl always offloads it (RlSettings.reference_offloaded)
+        out.append(f"the reference's shard ({ref / GiB:.1f} GiB) stays on the GPU through every phase: --beta 0 "
+                   "drops it, fsdp_offload_params moves it to the host with the actor")
+    if not (trl or settings.ref_param_offload or settings.lora):
+        out.append("ref.fsdp_config.param_offload=False is ignored: verl builds the reference forward_only "
+                   "(ref/dp_ref.yaml) and wraps it with FSDP's own CPU offload whatever it says; priced offloaded "
+                   "(its params copied to the GPU unit by unit in its log-prob pass)")
     out += _trl(settings, memory, phases) if trl else []
     summoned = phases["weight_sync"].gpu_bytes.get("summoned params", 0)
     if summoned and not settings.layered_summon and memory.peak.name == "weight_sync":

@@ -39,8 +39,8 @@ def knobs_dict(r, engine=None) -> dict:
     out["log_prob_max_token_len_per_gpu"] = r.log_prob_max_token_len_per_gpu or r.ppo_max_token_len_per_gpu
     if engine is not None:
         out.update(max_num_seqs=engine.max_num_seqs, max_num_batched_tokens=engine.max_num_batched_tokens)
-    if r.framework == "trl":
-        out["ref_param_offload"] = r.param_offload
+    # TRL offloads the reference with the actor; verl always (cost_models/rl_settings.py reference_offloaded)
+    out["ref_param_offload"] = r.param_offload if r.framework == "trl" else True
     return out
 
 
@@ -167,12 +167,11 @@ def _budget(tokens: int) -> str:
 
 def _knobs(e: RlEstimate) -> dict:
     """A ranked row's knobs by column (LEGEND says what each holds)."""
-    r = e.request
+    r, k = e.request, knobs_dict(e.request)
     offload = "".join(c for c, on in (("p", r.param_offload), ("o", r.optimizer_offload),
-                                       ("r", r.ref_param_offload and r.finetune == "full"),
+                                       ("r", k["ref_param_offload"] and r.finetune == "full"),
                                        ("P", r.critic_param_offload and r.algorithm == "ppo"),
                                        ("O", r.critic_optimizer_offload and r.algorithm == "ppo")) if on) or "-"
-    k = knobs_dict(r)
     micro = (f"{_budget(k['ppo_max_token_len_per_gpu'])}/{_budget(k['log_prob_max_token_len_per_gpu'])}"
              if r.use_dynamic_bsz else
              f"{k['ppo_micro_batch_size_per_gpu']}/{k['log_prob_micro_batch_size_per_gpu']}")

@@ -60,6 +60,8 @@ ENGINE_PHASES = ("init", "rollout", "weight_sync")
 # with a bf16 actor or LoRA (the issue's job: 1.6% and 4.0% shorter steps), FSDP2 with an fp32 actor (1.9%).
 STRATEGY = "fsdp2"
 NOT_SEARCHED: dict = {
+    "ref_param_offload": "verl offloads the reference whatever it says (FSDP's own CPU offload of a forward_only "
+                         "model: cost_models/rl_settings.py reference_offloaded)",
     "offload_policy": "the request's (FSDP2's CPUOffloadPolicy, --offload-policy): its CPU Adam step rests on the "
                       "host's CPUs (--host-cores-per-node, --omp-num-threads; a thread's rate measured on one H100 "
                       "host: cost_models/host_optimizer.py), and it moves both sides of the split (the engine's start "
@@ -111,8 +113,6 @@ def spaces(request: RlRequest, model: ModelSpec, n_gpus: int) -> tuple[list[dict
     offloads = ((False, False),) if request.offload_policy else itertools.product((False, True), (False, True))
     shared = [dict(actor_dtype=d, param_offload=p, optimizer_offload=o)
               for d, (p, o) in itertools.product(DTYPES, list(offloads))]
-    if request.finetune == "full":
-        shared = [dict(s, ref_param_offload=r) for s in shared for r in (False, True)]
     if request.algorithm == "ppo":
         shared = [dict(s, critic_param_offload=a, critic_optimizer_offload=b) for s in shared
                   for a, b in itertools.product((False, True), (False, True))]

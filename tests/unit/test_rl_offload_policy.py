@@ -73,3 +73,18 @@ def test_fsdp1_ignores_it_as_verl_does():
     assert [p.reserved_bytes for p in asked.memory.phases] == [p.reserved_bytes for p in plain.memory.phases]
     assert not asked.memory.actor.on_host and asked.time == plain.time
     assert any(n.startswith("offload_policy is ignored under actor.strategy fsdp") for n in asked.notes)
+
+
+def test_verls_reference_is_on_the_host_whatever_ref_param_offload_says(pair):
+    """verl builds the reference forward_only and wraps it with FSDP's own CPU offload (dp_ref.yaml,
+    transformer_impl.py _build_fsdp_module): param_offload=False is priced as verl runs it - the bf16 reference
+    (7,615,616,512 x 2 / 8 = 1,903,904,128 B a GPU) in host RAM, none on the GPU, its copies in the time - with a
+    note that verl ignores the setting."""
+    plain = pair[0]
+    asked = rl_estimate("qwen2.5-7b", 8, ref_param_offload=False, **JOB)
+    assert [p.reserved_bytes for p in asked.memory.phases] == [p.reserved_bytes for p in plain.memory.phases]
+    assert all("reference" not in p.gpu_bytes or p.gpu_bytes["reference"] == 0 for p in asked.memory.phases)
+    assert asked.host.terms["reference (offloaded)"] == SHARD * 8
+    assert asked.time.step_s == plain.time.step_s
+    assert any(n.startswith("ref.fsdp_config.param_offload=False is ignored") for n in asked.notes)
+    assert not any("param_offload=False is ignored" in n for n in plain.notes)

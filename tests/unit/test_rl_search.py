@@ -19,13 +19,13 @@ def qwen7():
 
 def test_space_sizes(qwen7):
     """The issue's job (Qwen2.5-7B: 28 heads, 4 KV heads; 8 GPUs; 2,048 sequences a step): shared 2 dtypes x 2 x 2
-    offloads x 2 reference offloads = 16; engine: TP 1 / 2 / 4 (8 does not divide 28 heads) with 256 / 512 / 1,024
+    offloads = 8 (no reference offload: verl offloads it whatever the knob says); engine: TP 1 / 2 / 4 (8 does not divide 28 heads) with 256 / 512 / 1,024
     sequences a replica, so max_num_seqs {256}, {256, 512}, {256, 512, 1024}, each with max_num_batched_tokens 8,192
     (the request's), 2,048 and 4,096 (all >= max_num_seqs, as vLLM asks): 6 x 3 x 5 utilizations = 90; actor:
     Ulysses 1 / 2 / 4 x checkpointing on / off x (5 micro-batches (all divide 256 x sp) x 6 log-prob ones, or
     dynamic batches: 3 token budgets x 4 log-prob ones, each x sp holding one sequence of 5,120) = 6 x 42 = 252."""
     shared, engine, actor = search.spaces(rl_request("qwen2.5-7b", 8, **JOB), qwen7, 8)
-    assert (len(shared), len(engine), len(actor)) == (16, 90, 252)
+    assert (len(shared), len(engine), len(actor)) == (8, 90, 252)
     assert sum(a["use_dynamic_bsz"] for a in actor) == 72
     assert {e["max_num_seqs"] for e in engine if e["rollout_tp"] == 2} == {256, 512}
     # vLLM refuses max_num_batched_tokens < max_num_seqs: with 1,024 sequences, 512 is not priced
@@ -33,9 +33,9 @@ def test_space_sizes(qwen7):
     assert [e["max_num_batched_tokens"] for e in low if e["max_num_seqs"] == 1024][::5] == [2048, 4096, 8192]
     assert [e["max_num_batched_tokens"] for e in low if e["max_num_seqs"] == 256 and e["rollout_tp"] == 1][::5] == [
         512, 2048, 4096, 8192]
-    # LoRA: no reference to offload; PPO: the critic's two offloads
+    # LoRA the same; PPO: the critic's two offloads
     assert len(search.spaces(rl_request("qwen2.5-7b", 8, **JOB, finetune="lora"), qwen7, 8)[0]) == 8
-    assert len(search.spaces(rl_request("qwen2.5-7b", 8, **JOB, algorithm="ppo"), qwen7, 8)[0]) == 64
+    assert len(search.spaces(rl_request("qwen2.5-7b", 8, **JOB, algorithm="ppo"), qwen7, 8)[0]) == 32
     # dynamic, 1024 + 8192 tokens: a budget x sp holds one sequence of 9,216: sp 1 -> 16k, 32k; sp 2 and 4 -> all 3;
     # log-prob budgets likewise, 64k too (sp 1: 3 of 4, sp 2 / 4: 4)
     dynamic = [a for a in search.spaces(rl_request("qwen2.5-7b", 8, **{**JOB, "response_len": 8192}), qwen7, 8)[2]
@@ -58,7 +58,7 @@ def test_ulysses_degrees_follow_verls_rule(qwen7):
 
 
 def test_pruned_search_finds_the_exhaustive_best(monkeypatch):
-    """Qwen2.5-7B GRPO on 2 x H100 (fp32 states 15 + 30 GB a GPU: offloads matter), a space cut to 5,120
+    """Qwen2.5-7B GRPO on 2 x H100 (fp32 states 15 + 30 GB a GPU: offloads matter), a space cut to 2,560
     configurations: for every shared choice the pruned search's best has the step time and peak of the whole
     product's best, pricing a twentieth of it. The best needs entropy chunking, so the chunking rule is exercised;
     the fp32 actor's best without offloads takes dynamic batches (16k tokens: 5 sequences of 3,072 a micro-batch,
@@ -73,7 +73,7 @@ def test_pruned_search_finds_the_exhaustive_best(monkeypatch):
                          train_batch=32)
     plan = search.plan_rl(request, top=100)
     everything = search.exhaustive(request)
-    assert plan.searched == len(everything) == 5120 and plan.priced < 300
+    assert plan.searched == len(everything) == 2560 and plan.priced < 300
     shared = list(search.spaces(request, resolve_model("qwen2.5-7b"), 2)[0][0])
 
     def choice(e):
@@ -83,11 +83,11 @@ def test_pruned_search_finds_the_exhaustive_best(monkeypatch):
         if e.fits and (choice(e) not in exhaustive or search.key(e) < search.key(exhaustive[choice(e)])):
             exhaustive[choice(e)] = e
     assert {choice(e): search.key(e) for e in plan.ranked} == {c: search.key(e) for c, e in exhaustive.items()}
-    assert len(plan.ranked) == 12 and plan.ranked[0].request.entropy_chunking
+    assert len(plan.ranked) == 8 and plan.ranked[0].request.entropy_chunking
     assert {e.request.use_dynamic_bsz for e in plan.ranked} == {False, True}
 
 
-BEST = dict(JOB, actor_dtype="bf16", ref_param_offload=False, gradient_checkpointing=False, rollout_tp=4,
+BEST = dict(JOB, actor_dtype="bf16", gradient_checkpointing=False, rollout_tp=4,
             gpu_memory_utilization=0.5, max_num_seqs=512)
 
 
@@ -124,8 +124,8 @@ def test_ulysses_is_what_fits_the_update_without_checkpointing():
 
 def test_a_batch_verl_refuses_is_still_priced_to_say_why():
     """1 prompt x 1 response on 8 GPUs: verl's normalised mini-batch is 1 // 8 = 0 sequences, so no micro-batch
-    divides it; the search prices the request's own batch (16 shared x 45 engine choices: TP 1 / 2 / 4 with
+    divides it; the search prices the request's own batch (8 shared x 45 engine choices: TP 1 / 2 / 4 with
     max_num_seqs 256, 3 max_num_batched_tokens, 5 utilizations) and the nearest miss names verl's assert."""
     plan = search.plan_rl(rl_request("qwen2.5-7b", 8, gpu="h100-80gb", train_batch=1, rollout_n=1))
-    assert not plan.ranked and plan.searched == 16 * 45
+    assert not plan.ranked and plan.searched == 8 * 45
     assert plan.misses[0].reasons[0].startswith("train_batch: real_train_batch_size (1) must be divisible")
