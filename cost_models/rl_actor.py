@@ -155,8 +155,9 @@ def actor_states(run: ActorRun, settings: RlSettings, batch: BatchPlan, profile:
     c = DTYPE_BYTES[config.precision.compute_dtype]
     body = fsdp2_backward(body, est.peak_moment, model, settings, c, DTYPE_BYTES[config.gradient_reduce_dtype], size)
     # the loss moment: every block's saved tensors (checkpointed: its input), the root's, the root gathered (as
-    # the strategy wraps it: rl_strategy.py), the last block's all-gather prefetched for its backward, and the
-    # verl logits path
+    # the strategy wraps it: rl_strategy.py), and the verl logits path or, once the logits' gradient is complete,
+    # that gradient and the last block's all-gather (the root's pre-backward prefetches it): verl's entropy backward
+    # peaks before it (FSDP1 traced with verl's own update: tests/distributed/test_torchrun_verl_actor.py)
     per_block = (activations.checkpointed_block_bytes_per_token(model, c) if settings.gradient_checkpointing else
                  activations.block_bytes_per_token(model, c, Attention.SDPA, tokens, 1, training.adapter_rank))
     # Ulysses: flash attention saves the repeated k, v (rl_ulysses.py): every layer's, or the recomputed block's
@@ -165,11 +166,13 @@ def actor_states(run: ActorRun, settings: RlSettings, batch: BatchPlan, profile:
     body = dataclasses.replace(body, activations=body.activations + surplus * (1 if ckpt else model.n_layers))
     saved = tokens * (model.n_layers * per_block + activations.root_bytes_per_token(model, c, lora=settings.lora))
     saved += 0 if ckpt else model.n_layers * surplus
+    head, block = logits_bytes(model, tokens, c, settings, batch), model.block_params * c if size > 1 else 0
+    if settings.framework == "verl":
+        head, block = max((head, 0), (tokens * model.vocab_size * c, block), key=sum)
     loss = MemoryBreakdown(sharded_params=step.sharded_params * on_gpu, optimizer_state=step.optimizer_state * on_gpu,
                            sharded_grads=step.sharded_grads * on_gpu if accumulating else 0,
                            unsharded_params=loss_root_bytes(model, settings, c), activations=saved,
-                           collective_buffers=model.block_params * c if size > 1 else 0,
-                           logits_and_loss=logits_bytes(model, tokens, c, settings, batch))
+                           collective_buffers=block, logits_and_loss=head)
     steady = max(body, loss, key=lambda b: b.total_bytes)
     first = dataclasses.replace(steady, optimizer_state=0)
     p = DTYPE_BYTES[config.precision.param_dtype]

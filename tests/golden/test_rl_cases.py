@@ -72,10 +72,12 @@ def test_case_2_brackets_the_boundary():
     """58 prompts per GPU ran, 59 failed (GSM8K). What we reproduce: 58 fits at GSM8K-like lengths, and fails at
     the padded maxima (512 + 1024), so the boundary lies inside the range of lengths; the update is the peak and
     grows with the batch. What we do NOT reproduce: at ~400-token sequences our model also fits 59 (update
-    ~51 GiB of 79.65); our first failing batch is 161 prompts per GPU with verl's compiled entropy (the default)
-    and 87 with the eager one (7 [tokens, vocab] tensors, traced: tests/unit/test_rl_logits_trace.py). Either
-    the real per-token memory of this LoRA + Ulysses path is larger still, or the lengths were longer, or the
-    59 run failed elsewhere; no constant is tuned to move it."""
+    50.66 GiB reserved of 79.65; 58: 50.38); our first failing batch is 164 prompts per GPU with verl's compiled
+    entropy (the default) and 88 with the eager one (7 [tokens, vocab] tensors). The per-token memory of this
+    LoRA + Ulysses + remove-padding update is not the gap: verl 0.9.1's own update on CPU ranks matches ours to
+    -0.09% a token with the eager entropy (tests/distributed/test_torchrun_verl_actor.py; the compiled entropy
+    measured at 3.06-3.10 [tokens, vocab] tensors against our 3, docs/rl.md). Either the lengths were longer, or
+    the 59 run failed elsewhere; no constant is tuned to move it."""
     assert case_2(58, **GSM8K).fits
     assert not case_2(58).fits
     assert case_2(59, **GSM8K).memory.phases[5].reserved_bytes > case_2(58, **GSM8K).memory.phases[5].reserved_bytes

@@ -1,0 +1,81 @@
+"""verl 0.9.1's own actor update measured on 2 gloo ranks (worker_verl_actor.py: FSDPEngineWithLMHead.train_batch
+with ppo_loss; LoRA 32 all-linear on an fp32 Qwen2, FSDP1 bf16 mixed precision, remove-padding, gradient
+checkpointing, Ulysses 2: golden case 2's path) against `fsdp-plan rl estimate` for the same model as a config.json
+(hidden 256, 2 layers, 4 heads / 2 KV heads, vocab 32,000: the head's [tokens, vocab] tensors weigh per token as
+they do at Qwen2.5-14B's scale), the entropy eager.
+
+Measured 2026-12-07, per rank, the update's peak in the entropy's backward, against ours:
+- 128 tokens a rank (2 sequences of 128, Ulysses 2): 127,941,296 B; ours 127,891,456 (-0.04%);
+- 256 tokens a rank: 185,597,904 B; ours 185,498,624 (-0.05%);
+- per token: 450,442 B measured, 450,056 ours (-0.09%): seven [tokens, vocab] bf16 tensors (448,000, the same in
+  both), then the checkpointed blocks' inputs, the final norm's fp32 input and the labels (2,056 ours); the rest
+  (~390 B a token here: the rotary cos / sin, 2 x head_dim x 2 B, and verl's int64 / fp32 per-token vectors) we
+  leave out.
+Before this check we also priced the last block's all-gather at this moment (+1,476,608 B, +1.2% / +0.8%); it is
+not in flight: FSDP's root pre-backward prefetches it once the logits' gradient is complete, after the entropy's
+backward (cost_models/rl_actor.py). Not in this file (docs/rl.md): 2 ranks without Ulysses (-0.05%), one rank
+(FSDP1 NO_SHARD frees its bf16 copy of the root after forward: ours is 32,768,512 B over), the compiled entropy
+(measured from the CPU allocator's events: 3.06-3.10 [tokens, vocab] tensors a token against our 3). The case takes
+~25 s of wall time on 2 busy cores (verl's import ~7 s a rank, the checkpoint and the engine's build ~8 s).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.distributed.cases import shared
+
+pytestmark = pytest.mark.distributed
+for module in ("verl", "peft", "tensordict"):
+    pytest.importorskip(module)
+
+MODEL = {"hidden": 256, "layers": 2, "heads": 4, "kv_heads": 2, "ffn": 704, "vocab": 32000}
+CASE = {**MODEL, "prompt": 32, "response": 96, "seqs": [2, 4], "sp": 2}
+
+launch = shared(__file__, "worker_verl_actor", [CASE], timeout_s=240)
+
+
+@pytest.fixture(scope="module")
+def measured() -> list[list[dict]]:
+    return launch()[0]["ranks"]
+
+
+@pytest.fixture(scope="module")
+def priced(tmp_path_factory) -> list:
+    from planner.rl import rl_estimate
+
+    path = tmp_path_factory.mktemp("verl_actor") / "config.json"
+    path.write_text(json.dumps({
+        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": MODEL["hidden"],
+        "intermediate_size": MODEL["ffn"], "num_hidden_layers": MODEL["layers"],
+        "num_attention_heads": MODEL["heads"], "num_key_value_heads": MODEL["kv_heads"],
+        "vocab_size": MODEL["vocab"], "tie_word_embeddings": False, "hidden_act": "silu"}))
+    # one mini-batch of `seqs` sequences a data-parallel rank (one with Ulysses 2), one micro-batch
+    return [rl_estimate(str(path), 2, gpu="h100-80gb", prompt_len=CASE["prompt"], response_len=CASE["response"],
+                        train_batch=seqs, ppo_mini_batch_size=seqs, rollout_n=1, ppo_micro_batch_size_per_gpu=seqs,
+                        finetune="lora", lora_rank=32, ulysses_sequence_parallel_size=CASE["sp"],
+                        use_torch_compile=False, rollout_tp=1).memory.actor.update_steady
+            for seqs in CASE["seqs"]]
+
+
+def test_update_peak_per_rank_matches_the_estimate(measured, priced):
+    for rows in measured:
+        for row, ours in zip(rows, priced):
+            print(f"{row['tokens']} tokens a rank: real {row['peak_allocated_bytes']} B, ours {ours.total_bytes} B")
+            assert row["peak_phase"] == "backward"
+            assert row["breakdown"]["logits_and_loss"] == ours.logits_and_loss == 7 * row["tokens"] * 32000 * 2
+            # no block's all-gather in flight yet (cost_models/rl_actor.py); the root's bf16 parameters gathered
+            assert row["breakdown"]["collective_buffers"] == ours.collective_buffers == 0
+            assert row["breakdown"]["sharded_params"] == ours.sharded_params + ours.unsharded_params
+            assert ours.total_bytes == pytest.approx(row["peak_allocated_bytes"], rel=0.002)
+
+
+def test_update_bytes_per_token_match_the_estimate(measured, priced):
+    for (small, large) in measured:
+        tokens = large["tokens"] - small["tokens"]
+        real = (large["peak_allocated_bytes"] - small["peak_allocated_bytes"]) / tokens
+        ours = (priced[1].total_bytes - priced[0].total_bytes) / tokens
+        print(f"bytes a token: real {real:.0f}, ours {ours:.0f}")
+        assert ours == pytest.approx(real, rel=0.003)
