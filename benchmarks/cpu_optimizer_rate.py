@@ -46,15 +46,17 @@ def copy_bytes_per_s(torch) -> float:
     return 2 * a.numel() * a.element_size() / best
 
 
-def timed_steps(optimizer, sync=lambda: None, repeats: int = 3) -> float:
+def timed_steps(optimizer, sync=lambda: None, repeats: int = 3) -> tuple[float, float]:
+    """(wall, CPU) seconds of the fastest step: the process's CPU time is what a one-thread step costs even while
+    other work on the machine deschedules it (a loaded CI machine); with 2 threads it counts OpenMP's spinning too."""
     optimizer.step()  # makes the state
-    best = math.inf
+    wall = cpu = math.inf
     for _ in range(repeats):
         sync()
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         optimizer.step()
-        best = min(best, time.perf_counter() - start)
-    return best
+        wall, cpu = min(wall, time.perf_counter() - start), min(cpu, time.process_time() - start_cpu)
+    return wall, cpu
 
 
 def single_process(tensors: int, numel: int) -> dict:
@@ -92,10 +94,16 @@ def worker(tensors: int, numel: int) -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
     fused, foreach = _default_to_fused_or_foreach(list(model.parameters()), False, False)
     local = [p.to_local() for p in model.parameters()]
-    seconds = timed_steps(optimizer, sync=dist.barrier)
+    wall, cpu = timed_steps(optimizer, sync=dist.barrier)
+    # the same step on plain tensors of the shards' sizes, both ranks at once: DTensor's dispatch apart from sharing
+    plain = [torch.nn.Parameter(t.detach().clone()) for t in local]
+    for p, q in zip(plain, model.parameters()):
+        p.grad = q.grad.to_local().clone()
+    plain_wall, plain_cpu = timed_steps(torch.optim.AdamW(plain, lr=1e-4, weight_decay=0.01), sync=dist.barrier)
+    del plain
     dist.barrier()
     copy = copy_bytes_per_s(torch)
-    figures = torch.tensor([seconds, copy], dtype=torch.float64)
+    figures = torch.tensor([wall, cpu, copy, plain_wall, plain_cpu], dtype=torch.float64)
     gathered = [torch.zeros_like(figures) for _ in range(world)]
     dist.all_gather(gathered, figures)
     if rank == 0:
@@ -104,8 +112,10 @@ def worker(tensors: int, numel: int) -> None:
                           "implementation": "fused" if fused else "foreach" if foreach else "for-loop",
                           "local_tensors": len(local), "local_numel": local[0].numel(),
                           "local_device": str(local[0].device), "params_per_rank": sum(t.numel() for t in local),
-                          "step_s": [g[0].item() for g in gathered], "copy_gb_per_s": [g[1].item() / 1e9
-                                                                                      for g in gathered]}))
+                          "step_s": [g[0].item() for g in gathered], "step_cpu_s": [g[1].item() for g in gathered],
+                          "copy_gb_per_s": [g[2].item() / 1e9 for g in gathered],
+                          "plain_step_s": [g[3].item() for g in gathered],
+                          "plain_step_cpu_s": [g[4].item() for g in gathered]}))
     dist.destroy_process_group()
 
 
@@ -126,24 +136,28 @@ def report(tensors: int, numel: int, one: dict, two: dict) -> None:
     from planner.hardware import get_gpu
 
     params = tensors * numel
-    print(f"one process, {tensors} x {numel:,} fp32 elements = {params:,} params (AdamW, the best of 3 steps):")
+    print(f"one process, {tensors} x {numel:,} fp32 elements = {params:,} params (AdamW, the best of 3 steps, "
+          "wall / CPU s):")
     for threads, row in one.items():
         print(f"  {threads} thread(s): copy {row['copy_gb_per_s']:.2f} GB/s; " + ", ".join(
-            f"{impl} {row[impl]:.3f} s ({params / row[impl]:.3g} params/s)" for impl in IMPLS))
+            f"{impl} {row[impl][0]:.3f} / {row[impl][1]:.3f} s" for impl in IMPLS))
     print(f"two ranks under torchrun (gloo, FSDP2 CPUOffloadPolicy, OMP_NUM_THREADS={two['omp_num_threads']}, "
           f"torch threads {two['threads']}): torch ran {two['implementation']} on {two['local_tensors']} local "
-          f"{two['local_device']} shards of {two['local_numel']:,}; step s per rank "
-          f"{', '.join(f'{s:.3f}' for s in two['step_s'])}; copy GB/s per rank at once "
+          f"{two['local_device']} shards of {two['local_numel']:,}; step wall / CPU s per rank "
+          f"{', '.join(f'{w:.3f} / {c:.3f}' for w, c in zip(two['step_s'], two['step_cpu_s']))} (plain tensors of "
+          f"the shards' sizes, at once: "
+          f"{', '.join(f'{w:.3f} / {c:.3f}' for w, c in zip(two['plain_step_s'], two['plain_step_cpu_s']))}); "
+          "copy GB/s per rank at once "
           f"{', '.join(f'{b:.2f}' for b in two['copy_gb_per_s'])}")
 
     def training(impl):
         return TrainingSpec(optimizer="adamw", optimizer_impl=impl)
 
-    loop_1 = one[1]["for-loop"]
+    loop_1 = one[1]["for-loop"][1]  # CPU seconds of one thread
     thread = params * host_optimizer.bytes_per_param(training("for-loop"), "fp32") / loop_1
     node = sum(two["copy_gb_per_s"]) * 1e9 / DEFAULT_PROFILE.host_memory_efficiency  # as the model's peak
     print(f"this machine's host facts: a thread streams {thread / 1e9:.2f} GB/s (for-loop, 48 B a param, one "
-          f"thread); memory {sum(two['copy_gb_per_s']):.2f} GB/s with both cores copying")
+          f"thread's CPU s); memory {sum(two['copy_gb_per_s']):.2f} GB/s with both cores copying")
 
     def predicted(impl, ranks, threads, n=params):
         cluster = ClusterSpec(gpu=get_gpu("h100-80gb"), n_gpus=ranks, gpus_per_node=ranks, internode_bytes_per_s=1e9,
@@ -151,8 +165,12 @@ def report(tensors: int, numel: int, one: dict, two: dict) -> None:
                                                threads_per_rank=threads))
         return host_optimizer.step_seconds(n, training(impl), "fp32", cluster, DEFAULT_PROFILE)
 
-    rows = [(f"1 rank, {t} thread(s), {impl}", predicted(impl, 1, t), one[t][impl]) for t in (1, 2) for impl in IMPLS]
-    rows.append((f"2 ranks x 1 thread, {two['implementation']} (torchrun)",
+    # one thread: against CPU seconds (robust to other load); two threads: wall seconds (OpenMP's spin counts as CPU)
+    rows = [(f"1 rank, 1 thread, {impl} (CPU s)", predicted(impl, 1, 1), one[1][impl][1]) for impl in IMPLS]
+    rows += [(f"1 rank, 2 threads, {impl} (wall s)", predicted(impl, 1, 2), one[2][impl][0]) for impl in IMPLS]
+    rows.append((f"2 ranks x 1 thread, {two['implementation']} (torchrun, CPU s)",
+                 predicted(two["implementation"], 2, 1, two["params_per_rank"]), max(two["step_cpu_s"])))
+    rows.append((f"2 ranks x 1 thread, {two['implementation']} (torchrun, wall s)",
                  predicted(two["implementation"], 2, 1, two["params_per_rank"]), max(two["step_s"])))
     for name, model_s, measured_s in rows:
         print(f"  {name}: model {model_s:.3f} s, measured {measured_s:.3f} s ({model_s / measured_s - 1:+.1%})")

@@ -19,13 +19,16 @@ decay; no amsgrad, maximize or capturable), in passes over an element of the sto
 - for-loop (_single_tensor_adam; torch's default for CPU tensors: _default_to_fused_or_foreach takes foreach only on
   _get_foreach_kernels_supported_devices, which has no "cpu"): the same ops parameter by parameter, so an op finds
   in cache much of what the one before it wrote. FOR_LOOP_MEMORY_SHARE of the counted passes reach memory: AdamW's
-  "about 12 passes over memory per element" of the published row, 12 of 20; never below the fused step's.
+  "about 12 passes over memory per element" of the published row, 12 of 20; never below the fused step's. Ignored:
+  that share rises toward foreach's 20 where a parameter's tensors (about 6 copies of its shard) outgrow the rank's
+  share of the cache (the row's 4 MiB tensors fit; FSDP1's flat parameters, a large model's FSDP2 shards may not).
 - fused (torch._fused_adamw_, ATen's CPU FusedAdamKernel): reads p, g, m, v and writes p, m, v once: 2p + g + 2 x
   the states' bytes (AdamW fp32: 28 B = 7 passes; adamw-8bit, bitsandbytes' kernel: 8 + 4 + 2 x 2 = 16 B).
 - SGD with momentum (torch/optim/sgd.py, weight_decay 0, no nesterov): buf.mul_(mu) 2, buf.add_(g) 3, p.add_(buf)
   3 = 8 passes (for-loop: the share, never below the fused 5).
-Measured on this 2-core machine (benchmarks/cpu_optimizer_rate.py, docs/step_time.md): for-loop / fused step time
-1.70 (counted: 12 / 7 = 1.71), foreach / for-loop 2.03 (counted 1.67).
+On this shared 2-core machine (benchmarks/cpu_optimizer_rate.py, docs/step_time.md) one thread's for-loop / fused
+time was 1.70 and 3.7 in two runs (counted: 12 / 7 = 1.71), foreach / for-loop 2.03 and 1.17 (counted 1.67): other
+work's load swings the figures up to 3x, so they neither confirm nor refute the counts.
 """
 
 from __future__ import annotations
