@@ -106,7 +106,8 @@ def actor_run(model: ModelSpec, cluster: ClusterSpec, settings: RlSettings, batc
     cache for the actor (one model and cluster), keyed by what the run reads."""
     if memo is not None:
         key = ("actor_run", settings.finetune, settings.lora_rank, settings.actor_dtype,
-               settings.gradient_checkpointing, settings.fsdp_size, batch.update_tokens_per_gpu, settings.host_offload)
+               settings.gradient_checkpointing, settings.fsdp_size, batch.update_tokens_per_gpu, settings.host_offload,
+               settings.optimizer_impl)
         if key not in memo:
             memo[key] = actor_run(model, cluster, settings, batch)
         return memo[key]
@@ -119,7 +120,8 @@ def actor_run(model: ModelSpec, cluster: ClusterSpec, settings: RlSettings, batc
     return ActorRun(model=all_linear_lora(model) if settings.lora else model,
                     cluster=_shard_group_nodes(cluster, size) if 1 < size < cluster.n_gpus else cluster,
                     config=config, training=TrainingSpec(seq_len=batch.update_tokens_per_gpu,
-                                                         finetune=settings.finetune, lora_rank=settings.lora_rank),
+                                                         finetune=settings.finetune, lora_rank=settings.lora_rank,
+                                                         optimizer_impl=settings.optimizer_impl),
                     shard_ranks=size)
 
 

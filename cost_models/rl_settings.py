@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .spec_values import Finetune, Precision, SpecError, parse_enum
+from .spec_values import Finetune, OptimizerImpl, Precision, SpecError, parse_enum
 
 ALGORITHMS = ("grpo", "ppo")
 ACTOR_DTYPES = {"fp32": Precision.BF16, "bf16": Precision.BF16_PURE}  # stored dtype -> FSDP mixed precision
@@ -96,6 +96,16 @@ class RlSettings:
         CPUOffloadPolicy(pin_memory=True), the manual offload forced off): always. TRL: with the actor
         (fsdp_offload_params, _trl)."""
         return self.framework == "verl" or self.ref_param_offload
+
+    @property
+    def optimizer_impl(self) -> OptimizerImpl:
+        """The AdamW step each framework runs. verl: torch.optim.AdamW with neither foreach= nor fused=
+        (workers/config/optimizer.py build_optimizer), so torch's default for where the states are: foreach on the
+        GPU, for-loop on CPUOffloadPolicy's host shards. TRL: TrainingArguments' default optim, adamw_torch_fused
+        (transformers 5 with torch >= 2.8; torch 2.13's fused AdamW runs on CPU tensors too)."""
+        if self.framework == "trl":
+            return OptimizerImpl.FUSED
+        return OptimizerImpl.torch_default(self.host_offload)
 
     @property
     def lora(self) -> bool:

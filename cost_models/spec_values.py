@@ -95,6 +95,12 @@ class OptimizerImpl(str, Enum):
     FUSED = "fused"
     FOR_LOOP = "for-loop"
 
+    @classmethod
+    def torch_default(cls, offload: bool) -> "OptimizerImpl":
+        """What torch.optim runs without foreach= / fused=: foreach on CUDA parameters, for-loop on CPU ones
+        (torch/optim/optimizer.py _default_to_fused_or_foreach)."""
+        return cls.FOR_LOOP if offload else cls.FOREACH
+
 
 class Attention(str, Enum):
     SDPA = "sdpa"    # fused kernels: no s^2 score storage

@@ -27,9 +27,7 @@ TORCHTITAN_IMPLEMENTATIONS = ("for-loop", "foreach", "fused")
 TORCHTITAN_NAMES = {"adamw": "AdamW", "adam": "Adam"}  # OptimizersContainer's factories (DistMuon aside)
 
 
-def torch_default_impl(offload: bool) -> OptimizerImpl:
-    """What torch.optim runs without foreach= / fused=: foreach on CUDA parameters, for-loop on CPU ones."""
-    return OptimizerImpl.FOR_LOOP if offload else OptimizerImpl.FOREACH
+torch_default_impl = OptimizerImpl.torch_default
 
 
 def hf_optim(training: TrainingSpec | None, offload: bool) -> tuple[str, str | None, str]:
