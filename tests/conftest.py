@@ -136,6 +136,27 @@ def _planner_cache(tmp_path_factory):
     os.environ["FSDP_PLANNER_CACHE"] = str(path)
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _click_command_built_once():
+    """An in-process `fsdp-plan` call (planner.cli.main, typer's CliRunner) builds the click command from the typer
+    app on every call (typer.main.get_command reads each command's signature): 0.16 s of a 0.17 s call that stops
+    at a bad flag (measured 2026-12-07, loaded machine), over the suite's hundreds of in-process calls. The app's
+    commands are registered once, at import, and click builds a fresh context per call, so each worker builds
+    the command once and every call parses with it."""
+    import typer.main
+
+    build, built = typer.main.get_command, {}
+
+    def built_once(typer_instance):
+        if typer_instance not in built:
+            built[typer_instance] = build(typer_instance)
+        return built[typer_instance]
+
+    typer.main.get_command = built_once
+    yield
+    typer.main.get_command = build
+
+
 TORCHRUN_GROUP = "torchrun"
 # Files whose tests start torchrun: tests/distributed/, and these beside it (each test there marked `distributed`).
 TORCHRUN_FILES: tuple[str, ...] = ()
@@ -196,9 +217,27 @@ def _shared_search(search):
     return shared
 
 
+# The allocator replay of a reported estimate's reserved memory (planner.api.replayed), shared the same way: a
+# pipeline's replays every rank (~5 s for the 405B pp 8 plan of tests/cli/test_pipeline_cli.py, which its CLI run
+# and its API tests both report). It depends only on its arguments (frozen, keyed by their value repr).
+_REPLAYS: dict[str, object] = {}
+
+
+def _shared_replay(replayed):
+    def shared(evaluation, spec, cluster, training, profile):
+        key = repr((evaluation, spec, cluster, training, profile))
+        if " at 0x" in key:
+            return replayed(evaluation, spec, cluster, training, profile)
+        if key not in _REPLAYS:
+            _REPLAYS[key] = replayed(evaluation, spec, cluster, training, profile)
+        return _REPLAYS[key]
+    return shared
+
+
 @pytest.fixture(autouse=True)
 def _share_searches(request, monkeypatch):
     if request.node.path.relative_to(request.config.rootpath).as_posix().startswith(SHARED_SEARCH_DIRS):
         import planner.api
 
         monkeypatch.setattr(planner.api, "search", _shared_search(planner.api.search))
+        monkeypatch.setattr(planner.api, "replayed", _shared_replay(planner.api.replayed))

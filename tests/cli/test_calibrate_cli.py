@@ -4,19 +4,18 @@ in test_calibration_lock.py)."""
 
 import dataclasses
 import json
-import subprocess
 import sys
 
 import pytest
 
 from calibration import store
 from cost_models.profile import DEFAULT_PROFILE
-
-CLI = [sys.executable, "-m", "planner.cli"]
+from tests.doctor.cli_run import cli_process
 
 
 def run(*args):
-    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=120)
+    """`fsdp-plan ARGS` in this process (tests/doctor/cli_run.py): what a subprocess would show, without its start."""
+    return cli_process(list(args))
 
 
 @pytest.fixture

@@ -2,10 +2,12 @@
 
 import math
 import os
+from unittest import mock
 
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
+import planner.api
 from cost_models.moe import padding_factor
 from cost_models.specs import Sharding
 from planner import estimate
@@ -41,6 +43,14 @@ configs = st.fixed_dictionaries({
 }).map(_runnable)
 
 
+def _allocated(**kw):
+    """estimate(**kw) without the allocator replay of its reserved memory (planner.api.replayed: ~90% of an
+    estimate's time over these configs), which leaves allocated bytes and the phases as they are: for the
+    properties that read those only. test_estimate_never_crashes_or_goes_negative reads reserved: it replays."""
+    with mock.patch.object(planner.api, "replayed", lambda evaluation, *_: evaluation):
+        return estimate(**kw)
+
+
 def _finite_non_negative(d):
     for k, v in d.items():
         if isinstance(v, dict):
@@ -68,12 +78,12 @@ def test_full_shard_memory_never_grows_with_more_gpus(kw, factor):
     # Mixture of experts: FSDP2 pads each stacked expert tensor to a multiple of the shard group, so a
     # group larger than the experts gathers (and holds) more; the property holds where padding does not grow.
     kw = {**kw, "sharding": "FULL_SHARD", "gpus": max(2, kw["gpus"])}
-    small_c = estimate(**kw)
+    small_c = _allocated(**kw)
     spec = small_c.model
     if spec.moe is not None:
         assume(padding_factor(spec, kw["gpus"] * factor) <= padding_factor(spec, kw["gpus"]))
     small = small_c.memory.peak_allocated_bytes
-    large = estimate(**{**kw, "gpus": kw["gpus"] * factor}).memory.peak_allocated_bytes
+    large = _allocated(**{**kw, "gpus": kw["gpus"] * factor}).memory.peak_allocated_bytes
     assert large <= small
 
 
@@ -86,7 +96,7 @@ def test_checkpointing_never_raises_activation_memory(kw):
     # forward: eager attention's (b, 1, s, s) mask, and a block's input next to its bf16 RMSNorm upcast -
     # visible when the peak is a late block's backward (sharded gradients dominating, tiny activations).
     def backward_peak(ac):
-        c = estimate(**{**kw, "activation_checkpointing": ac})
+        c = _allocated(**{**kw, "activation_checkpointing": ac})
         return c.memory.phases["backward"].total_bytes, c
 
     (none, c), (every3, _), (every2, _), (full, _) = (backward_peak(a) for a in ("none", "every-3", "every-2", "full"))

@@ -236,9 +236,14 @@ def test_pipeline_sends_by_hand():
         assert starts[f"{kind} {dst} {mb}"] >= e - 1e-6, n
 
 
-def test_405b_pipeline_timeline_is_small():
+def test_405b_pipeline_timeline_is_small(monkeypatch):
     """The issue's 405B plan (pp 8, V 2, 32 microbatches): 2 m V actions per rank, 2 m (p V - 1) transfers drawn
-    twice, one all-gather and one reduce-scatter per stage, a 4-span tail per rank; well under 20 MB."""
+    twice, one all-gather and one reduce-scatter per stage, a 4-span tail per rank; well under 20 MB. The timeline
+    reads the estimate's model, cluster, config and time, not its memory: the allocator replay of its reserved
+    memory (planner.api.replayed: 8 ranks op by op, ~10 s of the estimate's ~11) is left out."""
+    import planner.api
+
+    monkeypatch.setattr(planner.api, "replayed", lambda evaluation, *_: evaluation)
     c = estimate(model="llama3.1-405b", gpus=512, gpu="h100-96gb", tp=8, pp=8, pp_schedule="interleaved-1f1b",
                  micro_batch=1, global_batch=256, activation_checkpointing="full", compile=True, float8=True,
                  async_tp=True)
