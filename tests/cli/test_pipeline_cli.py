@@ -10,9 +10,6 @@ import functools
 import importlib.metadata
 import importlib.util
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
@@ -28,7 +25,6 @@ DONE_WHEN = ["estimate", "--model", "llama3.1-405b", "--gpus", "512", "--gpu", "
              "--activation-checkpointing", "full", "--compile", "--float8", "--async-tp"]
 EST = ["estimate", "--model", "llama3.1-8b", "--gpus", "64", "--gpu", "h100-80gb"]
 PLAN = ["--model", "llama3.1-8b", "--gpus", "64", "--gpu", "h100-80gb"]
-PARSER = Path(__file__).parents[1] / "unit" / "torchtitan_parse.py"
 
 
 def test_without_a_global_batch_a_pipeline_runs_two_microbatches_per_stage(capsys):
@@ -240,10 +236,9 @@ def torchtitan_parsed():
         words = _flag_words(text)
         module, config = words[0].split("=", 1)[1], words[1].split("=", 1)[1]
         sets.append(("llama3", config.removesuffix("_float8") if module == "fsdp_plan_float8" else config, words[2:]))
-    run = subprocess.run([sys.executable, str(PARSER)], input=json.dumps(sets), capture_output=True, text=True,
-                         timeout=600)
-    assert run.returncode == 0, run.stderr[-2000:]
-    return texts, dict(zip(EMITTED, json.loads(run.stdout.splitlines()[-1])))
+    from tests.unit.torchtitan_parse import parse
+
+    return texts, dict(zip(EMITTED, parse(sets)))
 
 
 def torchtitan_parts(got: dict, n_layers: int) -> list[list[str]]:

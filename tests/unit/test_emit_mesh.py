@@ -8,9 +8,6 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
-import json
-import subprocess
-import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -28,7 +25,6 @@ from planner.doctor.readers.torchtitan import from_torchtitan, torchtitan_settin
 LLAMA = load_preset("llama3-8b")
 DEEPSEEK = load_preset("deepseek-v3")
 ONE_NODE, TWO_NODES = make_cluster(8), make_cluster(16, gpus_per_node=8)
-PARSER = Path(__file__).with_name("torchtitan_parse.py")
 
 
 def flag_lines(text: str) -> list[str]:
@@ -47,11 +43,11 @@ def _torchtitan_03() -> str | None:
 
 
 def parse_with_torchtitan(sets: list[tuple[str, str, list[str]]]) -> list[dict]:
-    """Each (module, config, args) through torchtitan's ConfigManager.parse_args (tests/unit/torchtitan_parse.py)."""
-    run = subprocess.run([sys.executable, str(PARSER)], input=json.dumps(sets), capture_output=True, text=True,
-                         timeout=600)
-    assert run.returncode == 0, run.stderr[-2000:]
-    return json.loads(run.stdout.splitlines()[-1])
+    """Each (module, config, args) through torchtitan's ConfigManager.parse_args (tests/unit/torchtitan_parse.py,
+    in the parser process this test process keeps)."""
+    from tests.unit.torchtitan_parse import parse
+
+    return parse(sets)
 
 
 # (plan, model, cluster, seq_len) and what torchtitan must resolve from the emitted flags

@@ -1,8 +1,12 @@
 """Parse override sets with torchtitan 0.3's own ConfigManager.parse_args, in a process of its own (torchtitan's
 imports set allocator variables and warnings filters that must not leak into the test session).
 
-stdin: a JSON list of [module, config, [args...]]; stdout, last line: a JSON list, one entry per set, either
-{"error": "<tyro's message, last lines>"} or the resolved fields fsdp-plan plans.
+stdin: one request a line, a JSON list of [module, config, [args...]]; stdout: one line per request, REPLY and a
+JSON list, one entry per set, either {"error": "<tyro's message, last lines>"} or the resolved fields fsdp-plan
+plans. parse() is the tests' side: one process per test process (an xdist worker), started on the first request
+and kept for the others, so torchtitan's imports (~5 s of CPU: torch, the model modules) are paid once for every
+test file that parses (tests/unit/test_emit_mesh.py, tests/cli/test_pipeline_cli.py, tests/doctor/*_round_trip.py)
+rather than once per file.
 
 torchtitan 0.3.0 imports triton at module level for its async expert-parallel kernels
 (torchtitan/distributed/minimal_async_ep/kernels.py); a CPU torch has no triton, and parsing a config never runs
@@ -11,11 +15,17 @@ those kernels, so when triton is absent that one module is stood in by one that 
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import importlib.util
 import io
 import json
+import os
+import select
+import subprocess
 import sys
+import tempfile
+import time
 import types
 
 KERNELS = "torchtitan.distributed.minimal_async_ep.kernels"
@@ -91,12 +101,21 @@ def float8_function(code: str, name: str) -> dict:
             "model_compile_enabled": converter.model_compile_enabled}
 
 
+REPLY = "REPLY "  # a reply line's start: anything else a library prints on stdout is skipped
+
+
 def main() -> None:
     _stand_in_for_triton_kernels()
+    for request in sys.stdin:
+        if request.strip():
+            print(REPLY + json.dumps(parse_sets(json.loads(request))), flush=True)
+
+
+def parse_sets(sets: list) -> list:
     from torchtitan.config import ConfigManager
 
     out = []
-    for module, config, args in json.load(sys.stdin):
+    for module, config, args in sets:
         if module == FLOAT8_FUNCTION:
             out.append(float8_function(config, args[0]))
             continue
@@ -117,7 +136,58 @@ def main() -> None:
                     break
                 said.append(line)
             out.append({"error": "".join(said).replace(":", ": ", 1).replace(":  ", ": ")})
-    print(json.dumps(out))
+    return out
+
+
+class _Parser:
+    """This file run as a process of its own, kept for the test process's later requests."""
+
+    def __init__(self):
+        self.stderr = tempfile.TemporaryFile()
+        self.proc = subprocess.Popen([sys.executable, __file__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=self.stderr)
+        self.pending = b""
+        atexit.register(self.close)
+
+    def parse(self, sets: list, timeout_s: float) -> list:
+        self.proc.stdin.write(json.dumps(sets).encode() + b"\n")
+        self.proc.stdin.flush()
+        deadline = time.monotonic() + timeout_s
+        while True:
+            line, newline, rest = self.pending.partition(b"\n")
+            if newline:
+                self.pending = rest
+                if line.startswith(REPLY.encode()):
+                    return json.loads(line[len(REPLY):])
+                continue
+            ready = select.select([self.proc.stdout], [], [], max(0.0, deadline - time.monotonic()))[0]
+            chunk = os.read(self.proc.stdout.fileno(), 1 << 16) if ready else b""
+            if not chunk:  # timed out, or the parser exited
+                self.close()
+                self.stderr.seek(0)
+                raise AssertionError(f"torchtitan's parser {'timed out' if not ready else 'exited'}: "
+                                     f"{self.stderr.read().decode(errors='replace')[-2000:]}")
+            self.pending += chunk
+
+    def close(self):
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+_PARSER: list[_Parser] = []
+
+
+def parse(sets: list, timeout_s: float = 600) -> list[dict]:
+    """Each [module, config, [args...]] of `sets` through torchtitan's ConfigManager.parse_args, in the parser
+    process this test process keeps (started on the first call; a new one after a failure)."""
+    if not _PARSER or _PARSER[0].proc.poll() is not None:
+        _PARSER[:] = [_Parser()]
+    return _PARSER[0].parse([list(s) for s in sets], timeout_s)
 
 
 if __name__ == "__main__":
