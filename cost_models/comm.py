@@ -12,10 +12,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .quick_init import quick_init
 from .profile import Profile
 from .specs import ClusterSpec
 
 
+@quick_init
 @dataclass(frozen=True)
 class Tier:
     """The network a collective runs on: its bus bandwidth and per-hop latency."""

@@ -9,11 +9,13 @@ from .feasibility import as_run, refusals
 from .host_ram import Ways, gpu_outside_step_bytes, host_ram, host_ram_reason
 from .memory import MemoryEstimate, estimate_memory
 from .profile import Profile
+from .quick_init import quick_init, replaced
 from .specs import ClusterSpec, FsdpConfig, ModelSpec, TrainingSpec
 from .step_time import TimeBreakdown, estimate_step_time
 from .units import GiB
 
 
+@quick_init
 @dataclass(frozen=True)
 class Evaluation:
     config: FsdpConfig
@@ -74,7 +76,7 @@ def memory_verdict(memory: MemoryEstimate, profile: Profile, capacity_bytes: int
         reasons.append(peak)
     outside_notes, outside_reasons = outside_step_gpu(memory, profile, capacity_bytes)
     if outside_notes:
-        memory = dataclasses.replace(memory, notes=memory.notes + outside_notes)
+        memory = replaced(memory, notes=memory.notes + outside_notes)
     reasons += outside_reasons
     if offload and cpu_ram_bytes and memory.cpu_bytes_per_node > cpu_ram_bytes:
         reasons.append(f"CPU offload needs {memory.cpu_bytes_per_node / GiB:.0f} GiB of CPU RAM per node "

@@ -7,19 +7,20 @@ step_time._compute_parts prices the compute); every figure is what memory.py com
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, fields
 from operator import attrgetter
 
 from . import (activation_notes, activations, context_parallel, fsdp1_adapters, kernels, moe, operators, qlora,
                tensor_parallel)
 from .memory_types import ParamCounts, traced_block_terms
+from .quick_init import quick_init, replaced
 from .specs import FSDP_ONLY_FIELDS, FsdpConfig, ModelSpec, TrainingSpec
 from .units import DTYPE_BYTES
 
 _SHAPE_FIELDS = attrgetter(*(f.name for f in fields(FsdpConfig) if f.name not in FSDP_ONLY_FIELDS))
 
 
+@quick_init
 @dataclass(frozen=True)
 class LedgerShape:
     c: int                      # compute dtype's bytes: gathered params, activations, compute grads
@@ -201,4 +202,4 @@ def ledger_shape(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, e
                     shape.saved_below(i), (full_dense if traced_dense is not None and i in dense_blocks else full)
                     + (ckpt_input_extra if shape.is_ckpt(i) else 0) - (first_less if i == 0 else 0))
                    for i in sorted(candidates, reverse=True))
-    return dataclasses.replace(shape, blocks=blocks)
+    return replaced(shape, blocks=blocks)

@@ -7,9 +7,11 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from . import moe
+from .quick_init import quick_init
 from .specs import ActivationTerms, Finetune, ModelSpec, Precision, TrainingSpec
 
 
+@quick_init
 @dataclass(frozen=True)
 class MemoryBreakdown:
     """Bytes per rank at the peak moment, by category."""
@@ -31,9 +33,13 @@ class MemoryBreakdown:
                 + self.collective_buffers)
 
     def to_dict(self) -> dict:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        return {name: getattr(self, name) for name in _BREAKDOWN_FIELDS}
 
 
+_BREAKDOWN_FIELDS = tuple(f.name for f in fields(MemoryBreakdown))  # to_dict's keys, in the fields' order
+
+
+@quick_init
 @dataclass(frozen=True)
 class MemoryEstimate:
     breakdown: MemoryBreakdown       # at the peak phase
@@ -81,6 +87,7 @@ class MemoryEstimate:
         return self.peak_reserved_bytes - self.outside_allocator_bytes
 
 
+@quick_init
 @dataclass(frozen=True)
 class ParamCounts:
     """Parameters split the way memory cares: trainable (grads + optimizer) or frozen.

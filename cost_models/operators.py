@@ -48,9 +48,11 @@ from functools import lru_cache
 
 from . import activations_sinks, attention_flex, attention_kernels
 from . import moe as moe_model
+from .quick_init import quick_init
 from .specs import ModelSpec
 
 
+@quick_init
 @dataclass(frozen=True)
 class Matmul:
     """One product per token: y (n) = x (k) @ W (k x n), on `rows_per_token` rows per token (1 for a dense
@@ -74,6 +76,7 @@ class Matmul:
         return self.n * self.k * self.count
 
 
+@quick_init
 @dataclass(frozen=True)
 class MemoryOp:
     """A chain of pointwise / reduction kernels between matmuls: HBM bytes per token, eager and compiled."""

@@ -35,10 +35,12 @@ import math
 from dataclasses import dataclass
 
 from .mesh import mesh_of
+from .quick_init import quick_init
 from .specs import SpecError
 from .units import GiB, KiB, MiB
 
 
+@quick_init
 @dataclass(frozen=True)
 class OutsideTerm:
     name: str           # the key an override uses ("cuda_context", "nccl", ...)

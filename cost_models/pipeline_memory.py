@@ -10,6 +10,7 @@ from . import activation_notes, pipeline_techniques, tensor_parallel
 from .memory_types import MemoryEstimate
 from .outside_allocator import outside_allocator_terms
 from .pipeline_rank_memory import PipelineRankMemory, pipeline_ranks
+from .quick_init import replaced
 from .specs import FsdpConfig, ModelSpec, TrainingSpec
 
 
@@ -36,10 +37,10 @@ def with_outside_terms(memory: MemoryEstimate, terms: tuple) -> MemoryEstimate:
     difference (the search's memo reuses a pipeline's rank replays across Float8 and async TP, which change only
     these terms)."""
     delta = sum(t.bytes for t in terms) - memory.outside_allocator_bytes
-    ranks = tuple(dataclasses.replace(r, peak_reserved_bytes=r.peak_reserved_bytes + delta)
+    ranks = tuple(replaced(r, peak_reserved_bytes=r.peak_reserved_bytes + delta)
                   for r in memory.pipeline_ranks)
-    return dataclasses.replace(memory, peak_reserved_bytes=memory.peak_reserved_bytes + delta, pipeline_ranks=ranks,
-                               outside_allocator=tuple(terms))
+    return replaced(memory, peak_reserved_bytes=memory.peak_reserved_bytes + delta, pipeline_ranks=ranks,
+                    outside_allocator=tuple(terms))
 
 
 def _notes(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, d: int, top: PipelineRankMemory) -> tuple:

@@ -39,10 +39,12 @@ from .memory_types import MemoryBreakdown
 from .pipeline import rank_stages
 from .pipeline_rank_replay import replay, stage_layout, stage_values
 from .pipeline_stage_pieces import shape_key, shaped_stage_pieces
+from .quick_init import quick_init
 from .specs import FsdpConfig, ModelSpec, TrainingSpec
 from .units import DTYPE_BYTES
 
 
+@quick_init
 @dataclass(frozen=True)
 class PipelineRankMemory:
     """One pipeline rank (its dp / tp coordinate 0) at its own peak."""

@@ -39,11 +39,13 @@ from typing import NamedTuple
 from . import comm
 from .pipeline import stage_rank, stages
 from .pipeline_orders import orders
+from .quick_init import quick_init
 from .profile import Profile
 from .schedules import Schedule
 from .specs import ClusterSpec, FsdpConfig, ModelSpec
 
 
+@quick_init
 @dataclass(frozen=True)
 class StagePass:
     """One stage's seconds for one microbatch, and its FSDP collectives once per step."""

@@ -39,12 +39,12 @@ class Sharding(str, Enum):
 
     @property
     def is_hybrid(self) -> bool:
-        return self in (Sharding.HYBRID_SHARD, Sharding.HYBRID_SHARD_ZERO2)
+        return self in _HYBRID
 
     @property
     def reshards_after_forward(self) -> bool:
         """FULL_SHARD-like strategies free gathered params after each unit's forward (ZeRO-3)."""
-        return self in (Sharding.FULL_SHARD, Sharding.HYBRID_SHARD)
+        return self in _RESHARDING
 
 
 class Precision(str, Enum):
@@ -55,21 +55,30 @@ class Precision(str, Enum):
 
     @property
     def compute_dtype(self) -> str:
-        return {"fp32": "fp32", "bf16": "bf16", "bf16-pure": "bf16", "fp16": "fp16"}[self.value]
+        return _COMPUTE_DTYPE[self]
 
     @property
     def param_dtype(self) -> str:
         """dtype of the stored (sharded) parameters and their gradients."""
-        return "bf16" if self is Precision.BF16_PURE else "fp32"
+        return "bf16" if self is _BF16_PURE else "fp32"
 
     @property
     def reduce_dtype(self) -> str:
-        return "bf16" if self is Precision.BF16_PURE else "fp32"
+        return "bf16" if self is _BF16_PURE else "fp32"
 
     @property
     def mixed(self) -> bool:
         """True when compute uses a cast copy of the stored params (FSDP MixedPrecision)."""
-        return self in (Precision.BF16, Precision.FP16)
+        return self in _MIXED
+
+
+# what the properties above read, made once (a search reads them ~100,000 times: a member looked up on its class, or a
+# dict built per call, cost ~10x a set's or dict's lookup)
+_HYBRID = frozenset({Sharding.HYBRID_SHARD, Sharding.HYBRID_SHARD_ZERO2})
+_RESHARDING = frozenset({Sharding.FULL_SHARD, Sharding.HYBRID_SHARD})
+_COMPUTE_DTYPE = {Precision.FP32: "fp32", Precision.BF16: "bf16", Precision.BF16_PURE: "bf16", Precision.FP16: "fp16"}
+_BF16_PURE = Precision.BF16_PURE
+_MIXED = frozenset({Precision.BF16, Precision.FP16})
 
 
 class Optimizer(str, Enum):
@@ -79,9 +88,14 @@ class Optimizer(str, Enum):
     ADAMW_8BIT = "adamw-8bit"  # bitsandbytes-style: two 1-byte states per parameter
 
     def state_bytes_per_param(self, param_dtype: str) -> float:
-        """Persistent optimizer state per trainable parameter (ZeRO paper, formulas.md)."""
-        width = 4 if param_dtype == "fp32" else 2
-        return {"adamw": 2 * width, "adam": 2 * width, "sgd": width, "adamw-8bit": 2}[self.value]
+        """Persistent optimizer state per trainable parameter (ZeRO paper, formulas.md): states of the stored
+        params' width (adamw-8bit: two 1-byte states whatever the width)."""
+        states, width = _STATES[self]
+        return states * (width or (4 if param_dtype == "fp32" else 2))
+
+
+# (states, bytes each; 0: the stored params' width) of each optimizer
+_STATES = {Optimizer.ADAMW: (2, 0), Optimizer.ADAM: (2, 0), Optimizer.SGD: (1, 0), Optimizer.ADAMW_8BIT: (2, 1)}
 
 
 class OptimizerImpl(str, Enum):

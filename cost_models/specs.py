@@ -4,9 +4,10 @@ ModelSpec (what is trained), GpuSpec and ClusterSpec (where), TrainingSpec (how 
 optimizer, full or LoRA fine-tuning) and FsdpConfig (the FSDP knobs a candidate sets). Bad values raise
 SpecError naming the field and the valid choices; the CLI turns that into one line and exit code 2.
 
-TrainingSpec and FsdpConfig live here; the rest live in spec_values.py (SpecError, the enums, the field checks),
-model_spec.py (ModelSpec and its parts) and cluster_spec.py (GpuSpec, HostCpu, ClusterSpec), and are re-exported below
-so that `from cost_models.specs import X` keeps working for the ~120 modules and tests that import them.
+FsdpConfig lives here; the rest live in spec_values.py (SpecError, the enums, the field checks), training_spec.py
+(TrainingSpec), model_spec.py (ModelSpec and its parts) and cluster_spec.py (GpuSpec, HostCpu, ClusterSpec), and are
+re-exported below so that `from cost_models.specs import X` keeps working for the ~120 modules and tests that import
+them.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 from .caching_allocator import AllocatorSettings
 from .cluster_spec import ClusterSpec, GpuSpec, HostCpu
 from .model_spec import ActivationProfile, ActivationTerms, BackwardMoment, ModelSpec, MoeSpec, TracedOperators
+from .quick_init import quick_init
 from .schedules import Schedule
 from .spec_values import QUANT_STORAGE_DTYPES, MoeDispatch, QuantType, Routing
 from .spec_values import OptimizerImpl
@@ -23,6 +25,7 @@ from .spec_values import (SELECTIVE_OP, Attention, AttentionKernel, Finetune, Ke
                           Precision, Sharding,
                           SpecError, check_degree, check_positive, enum_choices, format_activation_checkpointing,
                           parse_activation_checkpointing, parse_enum)
+from .training_spec import TrainingSpec
 
 __all__ = [  # this module's own names and the re-exported ones (see the docstring)
     "TrainingSpec", "FsdpConfig", "REDUCE_DTYPES",
@@ -36,83 +39,6 @@ __all__ = [  # this module's own names and the re-exported ones (see the docstri
 ]
 
 
-@dataclass(frozen=True)
-class TrainingSpec:
-    seq_len: int = 2048
-    global_batch: int | None = None   # sequences per optimizer step; None = micro-batch x GPUs x accumulation
-    optimizer: Optimizer = Optimizer.ADAMW
-    # how torch runs the step (cost_models/optimizer_step.py): foreach, fused or for-loop; adamw-8bit is always
-    # fused (bitsandbytes' kernel): one spelling, so specs compare equal
-    optimizer_impl: OptimizerImpl = OptimizerImpl.FOREACH
-    finetune: Finetune = Finetune.FULL
-    lora_rank: int = 16
-    # QLoRA's base (finetune qlora; cost_models/qlora.py): bitsandbytes' 4-bit type, double quantization of the
-    # absmax (on: 0.127 bits a weight, off: 0.5) and bnb_4bit_quant_storage (the compute dtype's under FSDP)
-    quant: QuantType = QuantType.NF4
-    double_quant: bool = True
-    quant_storage: str = "bf16"
-    # expert parallelism: the busiest rank's routed rows over the mean (1 = balanced routing, what is priced by
-    # default); it scales that rank's grouped-GEMM rows, their saved activations and the all-to-all it waits on
-    routing_imbalance: float = 1.0
-    # the router: learned, or Automodel's FakeBalancedGate (round-robin: balanced, no gate matmul; expert_parallel.py)
-    routing: Routing = Routing.LEARNED
-
-    def __post_init__(self):
-        check_positive("seq_len", self.seq_len)
-        object.__setattr__(self, "routing", parse_enum(Routing, self.routing, "routing"))
-        if self.routing is Routing.ROUND_ROBIN and self.routing_imbalance != 1:
-            raise SpecError("routing_imbalance", "round-robin routing is balanced by construction: leave "
-                                                 "routing_imbalance at 1")
-        if not isinstance(self.routing_imbalance, (int, float)) or self.routing_imbalance < 1:
-            raise SpecError("routing_imbalance", f"must be >= 1 (the busiest rank's rows over the mean), got "
-                                                 f"{self.routing_imbalance!r}")
-        if self.global_batch is not None:
-            check_positive("global_batch", self.global_batch)
-        check_positive("lora_rank", self.lora_rank)
-        object.__setattr__(self, "optimizer", parse_enum(Optimizer, self.optimizer, "optimizer"))
-        impl = parse_enum(OptimizerImpl, self.optimizer_impl, "optimizer_impl")
-        object.__setattr__(self, "optimizer_impl", OptimizerImpl.FUSED if self.optimizer is Optimizer.ADAMW_8BIT
-                           else impl)
-        object.__setattr__(self, "finetune", parse_enum(Finetune, self.finetune, "finetune"))
-        object.__setattr__(self, "quant", parse_enum(QuantType, self.quant, "quant"))
-        if self.quant_storage not in QUANT_STORAGE_DTYPES:
-            raise SpecError("quant_storage", f"unknown value {self.quant_storage!r}; choose one of: "
-                                             f"{', '.join(QUANT_STORAGE_DTYPES)}")
-        if not isinstance(self.double_quant, bool):
-            raise SpecError("double_quant", f"must be true or false, got {self.double_quant!r}")
-
-    @property
-    def quantized(self) -> bool:
-        """The frozen base's linears are bitsandbytes 4-bit (QLoRA)."""
-        return self.finetune is Finetune.QLORA
-
-    def to_dict(self) -> dict:
-        """The training as the outputs name it (the JSON's "training"); keys at their defaults left out where
-        marked in planner/schemas/common.py's Training."""
-        return {"seq_len": self.seq_len,
-                **({"global_batch": self.global_batch} if self.global_batch is not None else {}),
-                "optimizer": self.optimizer.value, "optimizer_impl": self.optimizer_impl.value,
-                "finetune": self.finetune.value,
-                **({"lora_rank": self.lora_rank} if self.finetune.adapters else {}),
-                **({"quant": self.quant.value, "double_quant": self.double_quant, "quant_storage": self.quant_storage}
-                   if self.quantized else {}),
-                **({"routing_imbalance": self.routing_imbalance} if self.routing_imbalance != 1 else {}),
-                **({"routing": self.routing.value} if self.routing is not Routing.LEARNED else {})}
-
-    @property
-    def adapter_rank(self) -> int:
-        """The LoRA rank when fine-tuning with LoRA or QLoRA, else 0 (what the activation formulas take)."""
-        return self.lora_rank if self.finetune.adapters else 0
-
-    def grad_accum_for(self, micro_batch: int, data_parallel: int) -> int | None:
-        """Micro-steps that reach the global batch (1 without one); None when micro_batch x the data-parallel
-        ranks (the GPUs over tp x cp x pp) does not divide it."""
-        if self.global_batch is None:
-            return 1
-        per_step = micro_batch * data_parallel
-        return None if self.global_batch % per_step else self.global_batch // per_step
-
-
 REDUCE_DTYPES = ("fp32", "bf16")
 # FsdpConfig fields of FSDP's own: what a candidate's blocks compute and save (step_time._compute_parts, memory_shape)
 # never reads them; they price the collectives, the model states and the optimizer step around the blocks
@@ -120,6 +46,18 @@ FSDP_ONLY_FIELDS = frozenset({"sharding", "offload", "backward_prefetch", "forwa
                               "reshard_after_forward", "shard_group_gpus", "grad_accum", "reduce_dtype"})
 
 
+# What FsdpConfig.__post_init__ parses, in its order, and the members it compares with (looked up once)
+_PARSED_FIRST = (("sharding", Sharding), ("precision", Precision), ("attention", Attention),
+                 ("attention_kernel", AttentionKernel))
+_PARSED_KERNELS = (("norm_kernel", Kernel), ("rope_kernel", Kernel), ("swiglu_kernel", Kernel),
+                   ("loss_kernel", LossKernel), ("moe_dispatch", MoeDispatch))
+_SDPA, _FLASH2, _NO_SHARD = Attention.SDPA, AttentionKernel.FLASH2, Sharding.NO_SHARD
+_ALL_TO_ALL, _ONE_F_ONE_B = MoeDispatch.ALL_TO_ALL, Schedule.ONE_F_ONE_B
+_RESHARDING_INT = frozenset({Sharding.FULL_SHARD, Sharding.HYBRID_SHARD})  # an int reshard_after_forward's
+_HYBRIDS = frozenset(s for s in Sharding if s.is_hybrid)
+
+
+@quick_init
 @dataclass(frozen=True)
 class FsdpConfig:
     """One candidate: the knobs FSDP exposes, plus micro-batch and accumulation.
@@ -188,25 +126,27 @@ class FsdpConfig:
     alloc_conf: str = ""
 
     def __post_init__(self):
+        # A search builds ~5,000 of these (planner/search/): the fields set through the instance dict (what
+        # object.__setattr__ does on a frozen dataclass, at a fraction of its cost), and a field already of its type
+        # neither parsed nor set again; the checks and their order are the same.
+        fields_ = self.__dict__
         if isinstance(self.ac_every, str) and self.ac_every.strip().lower() == SELECTIVE_OP:
-            object.__setattr__(self, "ac_every", 0)
-            object.__setattr__(self, "selective_op_ac", True)
-        object.__setattr__(self, "sharding", parse_enum(Sharding, self.sharding, "sharding"))
-        object.__setattr__(self, "precision", parse_enum(Precision, self.precision, "precision"))
-        object.__setattr__(self, "attention", parse_enum(Attention, self.attention, "attention"))
-        object.__setattr__(self, "attention_kernel", parse_enum(AttentionKernel, self.attention_kernel,
-                                                                "attention_kernel"))
-        if self.attention is not Attention.SDPA:  # flex / eager run their own kernel: one spelling, configs equal
-            object.__setattr__(self, "attention_kernel", AttentionKernel.FLASH2)
-        object.__setattr__(self, "ac_every", parse_activation_checkpointing(self.ac_every))
+            fields_["ac_every"] = 0
+            fields_["selective_op_ac"] = True
+        for name, enum_cls in _PARSED_FIRST:
+            if fields_[name].__class__ is not enum_cls:
+                fields_[name] = parse_enum(enum_cls, fields_[name], name)
+        if fields_["attention"] is not _SDPA:  # flex / eager run their own kernel: one spelling, configs equal
+            fields_["attention_kernel"] = _FLASH2
+        if fields_["ac_every"].__class__ is not int or fields_["ac_every"] < 0:
+            fields_["ac_every"] = parse_activation_checkpointing(self.ac_every)
         check_positive("micro_batch", self.micro_batch)
         check_positive("grad_accum", self.grad_accum)
-        for name in ("norm_kernel", "rope_kernel", "swiglu_kernel"):
-            object.__setattr__(self, name, parse_enum(Kernel, getattr(self, name), name))
-        object.__setattr__(self, "loss_kernel", parse_enum(LossKernel, self.loss_kernel, "loss_kernel"))
-        object.__setattr__(self, "moe_dispatch", parse_enum(MoeDispatch, self.moe_dispatch, "moe_dispatch"))
+        for name, enum_cls in _PARSED_KERNELS:
+            if fields_[name].__class__ is not enum_cls:
+                fields_[name] = parse_enum(enum_cls, fields_[name], name)
         if not self.compile:  # compile_loss means nothing without compile: one spelling, so configs compare equal
-            object.__setattr__(self, "compile_loss", True)
+            fields_["compile_loss"] = True
         if self.expert_shard_dim not in (0, 1):
             raise SpecError("expert_shard_dim", f"{self.expert_shard_dim!r}; choose 0 (dim 0, padded) or 1")
         if self.reduce_dtype is not None and self.reduce_dtype not in REDUCE_DTYPES:
@@ -216,21 +156,23 @@ class FsdpConfig:
                             f"it cannot be combined with {format_activation_checkpointing(self.ac_every)}")
         if self.fp8_all_gather and not self.float8:
             raise SpecError("fp8_all_gather", "needs float8 (the FP8 all-gather moves Float8 linears' weights)")
-        if self.fp8_all_gather and self.sharding is Sharding.NO_SHARD:
+        if self.fp8_all_gather and self.sharding is _NO_SHARD:
             raise SpecError("fp8_all_gather", "NO_SHARD all-gathers nothing; choose FULL_SHARD, SHARD_GRAD_OP or a "
                                               "HYBRID_SHARD strategy")
         if self.reshard_after_forward < 0 or self.reshard_after_forward == 1:
             raise SpecError("reshard_after_forward", f"{self.reshard_after_forward}; give a group of >= 2 ranks "
                             "(a divisor of the shard group), or 0 for the strategy's own")
         for name in ("tp", "cp", "ep", "pp"):
-            check_degree(name, getattr(self, name))
+            degree = fields_[name]
+            if degree.__class__ is not int or degree < 1:
+                check_degree(name, degree)
         self._check_shard_group()
         if self.ep > 1:  # expert parallelism puts each rank's experts in a unit of their own (on the efsdp mesh)
-            object.__setattr__(self, "expert_units", True)
+            fields_["expert_units"] = True
         if self.ep == 1:  # nothing is dispatched without EP: one spelling, so configs compare equal
-            object.__setattr__(self, "moe_dispatch", MoeDispatch.ALL_TO_ALL)
+            fields_["moe_dispatch"] = _ALL_TO_ALL
         if self.tp == 1:  # sequence parallel means nothing without TP: one spelling, so configs compare equal
-            object.__setattr__(self, "sequence_parallel", True)
+            fields_["sequence_parallel"] = True
         if self.async_tp and self.tp == 1:
             raise SpecError("async_tp", "needs tensor parallelism (tp >= 2)")
         if self.async_tp and not self.compile:
@@ -238,16 +180,29 @@ class FsdpConfig:
         if self.async_tp and not self.sequence_parallel:
             raise SpecError("async_tp", "overlaps the sequence-parallel all-gathers and reduce-scatters; it needs "
                                         "sequence_parallel")
-        object.__setattr__(self, "pp_schedule", parse_enum(Schedule, self.pp_schedule, "pp_schedule"))
+        if fields_["pp_schedule"].__class__ is not Schedule:
+            fields_["pp_schedule"] = parse_enum(Schedule, self.pp_schedule, "pp_schedule")
         self._check_pipeline()
         if self.alloc_conf:
             self.allocator_settings  # noqa: B018 - refuses a bad PYTORCH_CUDA_ALLOC_CONF on construction
-        if self.cp > 1 and self.sharding is Sharding.NO_SHARD:
+        if self.cp > 1 and self.sharding is _NO_SHARD:
             raise SpecError("cp", "FSDP2 shards over dp_shard x cp even without data parallelism: with cp > 1 "
                                   "choose FULL_SHARD, SHARD_GRAD_OP or a HYBRID_SHARD strategy, not NO_SHARD")
-        if self.reshard_after_forward and self.sharding not in (Sharding.FULL_SHARD, Sharding.HYBRID_SHARD):
+        if self.reshard_after_forward and self.sharding not in _RESHARDING_INT:
             raise SpecError("reshard_after_forward", f"an int group needs FULL_SHARD or HYBRID_SHARD, not "
                             f"{self.sharding.value} (which keeps params gathered after forward)")
+
+    def with_batch(self, micro_batch: int, grad_accum: int, shard_group_gpus: int) -> FsdpConfig:
+        """This configuration with another micro-batch, accumulation and HSDP shard group, checked as __post_init__
+        checks them (nothing it derives reads them): what a search varies innermost (planner/search/, ~5,000 times a
+        search), without checking and normalising every other field again."""
+        check_positive("micro_batch", micro_batch)
+        check_positive("grad_accum", grad_accum)
+        new = object.__new__(FsdpConfig)
+        new.__dict__.update(self.__dict__, micro_batch=micro_batch, grad_accum=grad_accum,
+                            shard_group_gpus=shard_group_gpus)
+        new._check_shard_group()
+        return new
 
     def _check_shard_group(self) -> None:
         g = self.shard_group_gpus
@@ -268,11 +223,10 @@ class FsdpConfig:
         if not isinstance(v, int) or isinstance(v, bool) or v < 0:
             raise SpecError("pp_stages_per_rank", f"must be an integer >= 1 (0: the schedule's own), got {v!r}")
         if self.pp == 1:  # no pipeline: one spelling, so configs compare equal
-            object.__setattr__(self, "pp_schedule", Schedule.ONE_F_ONE_B)
-            object.__setattr__(self, "pp_stages_per_rank", 1)
+            self.__dict__.update(pp_schedule=_ONE_F_ONE_B, pp_stages_per_rank=1)
             return
         if v == 0:
-            object.__setattr__(self, "pp_stages_per_rank", v := schedule.default_stages_per_rank)
+            self.__dict__["pp_stages_per_rank"] = v = schedule.default_stages_per_rank
         if v > 1 and not schedule.looped:
             looped = ", ".join(s.value for s in Schedule if s.looped)
             raise SpecError("pp_stages_per_rank", f"{v} needs a looped schedule ({looped}); {schedule.value} runs "
@@ -331,11 +285,12 @@ class FsdpConfig:
         """(dp_replicate, dp_shard): FULL_SHARD-like strategies shard over all data-parallel ranks, HYBRID ones
         over those of a shard group (shard_group_gpus, else a node: its GPUs over tp x cp), NO_SHARD over none; the
         rest replicates."""
-        dp = max(1, n_gpus // self.model_parallel)
-        if self.sharding is Sharding.NO_SHARD:
+        tp_cp = self.tp * self.cp  # (the search asks ~15,000 times: the members and properties read once)
+        dp = max(1, n_gpus // (tp_cp * self.pp))
+        sharding = self.sharding
+        if sharding is _NO_SHARD:
             return dp, 1
-        group_gpus = self.shard_group_gpus or gpus_per_node
-        shard = max(1, min(dp, group_gpus // (self.tp * self.cp))) if self.sharding.is_hybrid else dp
+        shard = max(1, min(dp, (self.shard_group_gpus or gpus_per_node) // tp_cp)) if sharding in _HYBRIDS else dp
         return dp // shard, shard
 
     def dp_shard_size(self, cluster: ClusterSpec) -> int:

@@ -21,6 +21,7 @@ from dataclasses import dataclass, replace
 from . import comm
 from .activations import _norm_bytes
 from .operators import MemoryOp, _n_norms
+from .quick_init import quick_init
 from .specs import FsdpConfig, ModelSpec
 
 
@@ -140,6 +141,7 @@ TP_MLP_OUT = ("down", "fc2", "shared down")
 HEAD = ("output head",)
 
 
+@quick_init
 @dataclass(frozen=True)
 class TpCollective:
     """One collective of a TP group for one micro-batch: message_bytes is the full (unsharded) tensor."""

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+from .quick_init import quick_init
 
+
+@quick_init
 @dataclass(frozen=True)
 class TimeBreakdown:
     compute_s: float             # all micro-steps, recompute included: matmul + attention + memory-bound

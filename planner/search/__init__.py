@@ -173,21 +173,27 @@ def _cost_mesh(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, c
         if offload and sharding is Sharding.NO_SHARD:
             continue  # FSDP offloads shards; with nothing sharded DDP-style offload is not offered
         for kernels in kernel_sets:
+            # these knobs on the first group and micro-batch (the first candidate priced), the others through
+            # with_batch: only the group, micro-batch and accumulation vary below
+            groups = walked.get(sharding, (0,))
+            knobbed = FsdpConfig(sharding=sharding, precision=precision, offload=offload, ac_every=ac,
+                                 micro_batch=plans[0][0], grad_accum=plans[0][1], attention=space.attention,
+                                 backward_prefetch=prefetch, limit_all_gathers=limit, expert_shard_dim=dim,
+                                 expert_units=units, reduce_dtype=None if reduce == precision.reduce_dtype else reduce,
+                                 compile=compile_, compile_loss=space.compile_loss, float8=float8,
+                                 fp8_all_gather=fp8_all_gather, reshard_after_forward=reshard, tp=mesh.tp, cp=mesh.cp,
+                                 ep=mesh.ep, pp=pipe.pp, pp_schedule=pipe.schedule,
+                                 pp_stages_per_rank=pipe.stages_per_rank, async_tp=async_tp,
+                                 sequence_parallel=space.sequence_parallel, shard_group_gpus=groups[0],
+                                 **dict(kernels))
+
             def priced(group: int, mb: int, accum: int) -> FsdpConfig:
-                return FsdpConfig(sharding=sharding, precision=precision, offload=offload, ac_every=ac, micro_batch=mb,
-                                  grad_accum=accum, attention=space.attention, backward_prefetch=prefetch,
-                                  limit_all_gathers=limit, expert_shard_dim=dim, expert_units=units,
-                                  reduce_dtype=None if reduce == precision.reduce_dtype else reduce, compile=compile_,
-                                  compile_loss=space.compile_loss, float8=float8, fp8_all_gather=fp8_all_gather,
-                                  reshard_after_forward=reshard, tp=mesh.tp, cp=mesh.cp, ep=mesh.ep, pp=pipe.pp,
-                                  pp_schedule=pipe.schedule, pp_stages_per_rank=pipe.stages_per_rank,
-                                  async_tp=async_tp, sequence_parallel=space.sequence_parallel, shard_group_gpus=group,
-                                  **dict(kernels))
+                return knobbed.with_batch(mb, accum, group)
 
             # HYBRID: the node's shard group, then the larger ones worth walking (_worth_walking: the fastest, then
             # each holding less and running slower), those past the fastest from the first micro-batch the group
             # before missed, and none once the largest misses too (memory falls as the group grows)
-            groups, first = walked.get(sharding, (0,)), 0
+            first = 0
             for j, group in enumerate(groups):
                 start = first if j >= 2 else 0
                 if 1 <= j < len(groups) - 1 and not (peek := costing.evaluate(priced(groups[-1], *plans[start]))).fits:

@@ -19,7 +19,6 @@ its outside terms."""
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field, fields
 from operator import attrgetter
 
@@ -30,6 +29,7 @@ from cost_models.memory import MemoryEstimate, estimate_memory
 from cost_models.outside_allocator import outside_key
 from cost_models.pipeline_memory import pipeline_outside_terms, with_outside_terms
 from cost_models.profile import Profile
+from cost_models.quick_init import replaced
 from cost_models.specs import ClusterSpec, FsdpConfig, ModelSpec, TrainingSpec
 from cost_models.step_time import TimeBreakdown, estimate_step_time
 
@@ -99,7 +99,7 @@ class Costing:
             judged = self.verdicts.get(key)
             if judged is None:
                 judged = self.verdicts[key] = memory_verdict(
-                    dataclasses.replace(memory, host_ram=host), self.profile, self.cluster.gpu.memory_bytes,
+                    replaced(memory, host_ram=host), self.profile, self.cluster.gpu.memory_bytes,
                     self.cluster.cpu_ram_bytes_per_node, run.offload)
             e = self.evaluations[config] = evaluate(self.model, self.cluster, self.training, config, self.profile,
                                                     ways=self.ways, time=time,
