@@ -1,6 +1,7 @@
 """Whether a configuration can run on a cluster at all, whatever the memory: the one table of rules.
 
-Each rule reads (config, cluster) and returns a Refusal (the field at fault, the reason, the fix) or None.
+Each rule reads (config, cluster) and returns a Refusal (the field at fault, the reason, the fix) or None; none reads
+the micro-batch or the accumulation (the search checks a knob combination once for all its micro-batches).
 The estimate lists the reasons of a rejected candidate (cost_models.evaluate), the search skips such
 configurations, the API raises a PlannerError naming the field (planner.api.cluster_rejects) and `fsdp-plan
 check` turns each into an error finding with its fix (planner.doctor). What works but costs (Float8 linears
@@ -51,8 +52,11 @@ def _reshard_group(config: FsdpConfig, cluster: ClusterSpec) -> Refusal | None:
     """FSDP2's int reshard_after_forward must divide the shard group (torch.distributed.fsdp._fully_shard.
     _fsdp_init._get_post_forward_mesh_info raises "should be a factor of d" otherwise, and for one above d);
     equal to d it is True (as_run)."""
-    r, d = config.reshard_after_forward, config.shard_group_size(cluster)
-    if not r or d % r == 0:
+    r = config.reshard_after_forward
+    if not r:
+        return None
+    d = config.shard_group_size(cluster)
+    if d % r == 0:
         return None
     return Refusal("reshard_after_forward", "reshard-after-forward-not-a-divisor",
                    f"reshard_after_forward={r} does not divide the shard group of {d} ranks (FSDP2 raises 'should "
@@ -93,7 +97,7 @@ def _attention_kernel(config: FsdpConfig, cluster: ClusterSpec) -> Refusal | Non
     """flash-attention 3 and Transformer Engine's cuDNN fused attention as priced are Hopper kernels (wgmma, TMA:
     cost_models/attention_kernels.py); the catalog lists the kernels of each architecture."""
     kernel, gpu = config.attention_kernel.value, cluster.gpu
-    if kernel in gpu.attention_kernels():
+    if kernel == "flash2" or kernel in gpu.attention_kernels():  # (every part has flash2: the search's common case)
         return None
     return Refusal("attention_kernel", "attention-kernel-not-on-gpu",
                    f"{kernel} attention is priced on Hopper GPUs only (wgmma / TMA kernels); {gpu.id} "

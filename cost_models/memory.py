@@ -157,7 +157,7 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
         return counts.trainable_block * r + (dense_rs_delta if i + 1 in dense_blocks else -experts_rs)
 
     def gathered_below(i: int) -> int:
-        return i * block_c + n_dense_below(i) * dense_delta * c
+        return i * block_c + n_dense_below(i) * dense_delta * c if nd else i * block_c
 
     # reshard_after_forward=N (FSDP2 int): after its forward each block keeps an N-way shard of its params
     # (what its backward all-gathers among N ranks) until its backward
@@ -172,6 +172,8 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
 
     def grads_done(i: int) -> int:
         """Sharded gradients of blocks i+1 .. L-1, reduce-scattered already."""
+        if not nd:
+            return (L - 1 - i) * block_sharded_grad
         return (L - 1 - i) * block_sharded_grad + (nd - n_dense_below(i + 1)) * dense_grad_delta
 
     w_mlp, w_attn, freed_attn = s.w_mlp, s.w_attn, s.freed_attn
@@ -181,9 +183,10 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
                  + model.root_other_params)
     head_grad = min(head_grad, counts.trainable_root) * c
 
+    held_params, held_optimizer = gpu_states * sharded_params + quant_state, gpu_states * optimizer_state
+
     def states(sharded_grad_bytes: int) -> dict:
-        return dict(sharded_params=gpu_states * sharded_params + quant_state,
-                    optimizer_state=gpu_states * optimizer_state,
+        return dict(sharded_params=held_params, optimizer_state=held_optimizer,
                     sharded_grads=gpu_states * (accumulated or sharded_grad_bytes))
 
     moments: dict[str, _Moment] = {}
@@ -244,8 +247,9 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
                 mlp_first = at_mlp + mlp_grad >= at_attn + attn_grad + prefetch_below(i)  # (fsdp1_adapters.py)
                 buffers_adjust = -prefetch_below(i) if mlp_first else 0
             block_acts, block_grads = (at_mlp, mlp_grad) if mlp_first else (at_attn, attn_grad)
-        moments[label] = _Moment(
-            **states(grads_done(i)),
+        moments[label] = _Moment(  # (the states spelled out: the moment the search makes most, ~5 a ledger)
+            sharded_params=held_params, optimizer_state=held_optimizer,
+            sharded_grads=gpu_states * (accumulated or grads_done(i)),
             unsharded_params=params_at(i) + params_adjust,
             collective_buffers=prefetch_below(i) + reduce_scatter_above(i) + buffers_adjust,
             unsharded_grads=head_grad + block_grads,
@@ -297,7 +301,8 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
         unsharded_grads=counts.trainable_root * c,
         collective_buffers=root_rs,
     )
-    peak_moment = max(moments, key=lambda k: sum(moments[k]))
+    totals = {k: sum(m) for k, m in moments.items()}  # each moment's total_bytes
+    peak_moment = max(totals, key=totals.__getitem__)  # the first largest
     backward = MemoryBreakdown(*moments[peak_moment])
     step = MemoryBreakdown(
         sharded_params=gpu_states * sharded_params + quant_state,
@@ -305,14 +310,15 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
         optimizer_state=gpu_states * optimizer_state,
         optimizer_temporaries=gpu_states * step_temporaries,
     )
-    if step.total_bytes > backward.total_bytes:
-        breakdown, phase, peak_moment = step, "optimizer_step", "optimizer step"
+    step_total = step.total_bytes
+    if step_total > totals[peak_moment]:
+        breakdown, phase, peak_moment, peak_allocated = step, "optimizer_step", "optimizer step", step_total
     else:
         breakdown, phase = backward, "forward" if peak_moment.startswith("forward") else "backward"
-    peak_allocated = breakdown.total_bytes
+        peak_allocated = totals[peak_moment]
     # The loss's segments stay reserved once made (allocator.py): with its allocator-stranded bytes the loss
     # backward can set the reserved peak even where another moment allocates more.
-    loss_reserved = sum(moments["loss backward"]) + s.loss_reserved_extra
+    loss_reserved = totals["loss backward"] + s.loss_reserved_extra
     if outside is None:
         outside = outside_allocator_terms(cluster, config, profile, full_model, training,
                                           ep_view.outside_allocator_bytes(c) if ep_view is not None else 0)

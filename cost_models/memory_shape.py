@@ -17,7 +17,9 @@ from .quick_init import quick_init, replaced
 from .specs import FSDP_ONLY_FIELDS, FsdpConfig, ModelSpec, TrainingSpec
 from .units import DTYPE_BYTES
 
-_SHAPE_FIELDS = attrgetter(*(f.name for f in fields(FsdpConfig) if f.name not in FSDP_ONLY_FIELDS))
+# nor Float8 linears or async TP, which change the step alone (planner/search/memo.py's MEMORY_FREE_FIELDS)
+_SHAPE_FIELDS = attrgetter(*(f.name for f in fields(FsdpConfig)
+                             if f.name not in FSDP_ONLY_FIELDS | {"float8", "async_tp"}))
 
 
 @quick_init

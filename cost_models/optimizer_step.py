@@ -73,16 +73,21 @@ def for_loop_peak_elements(sizes: list[int], d: int) -> int:
     return max((prev + 2 * cur for prev, cur in zip([0] + local, local)), default=0)
 
 
+# the members step_temporary_bytes compares with, looked up once (a search asks ~3,000 times)
+_FP16, _ADAMS = Precision.FP16, frozenset({Optimizer.ADAM, Optimizer.ADAMW})
+_FUSED, _FOR_LOOP = OptimizerImpl.FUSED, OptimizerImpl.FOR_LOOP
+
+
 def step_temporary_bytes(model: ModelSpec, training: TrainingSpec, precision: Precision, d: int,
                          trainable_elements: int, embedding: bool = True, head: bool = True) -> int:
     """Bytes the optimizer step allocates beyond params, grads and state on one rank holding the 1/d shard of
     `trainable_elements` parameters (on the host with CPU offload; see the module docstring for each case);
     embedding / head False: a pipeline rank without them."""
-    scaler = GRAD_SCALER_BYTES if precision is Precision.FP16 else 0
-    if training.optimizer not in (Optimizer.ADAM, Optimizer.ADAMW) or training.optimizer_impl is OptimizerImpl.FUSED:
+    scaler = GRAD_SCALER_BYTES if precision is _FP16 else 0
+    if training.optimizer not in _ADAMS or training.optimizer_impl is _FUSED:
         return scaler  # SGD, bitsandbytes' 8-bit, the fused kernels: in place
     width = DTYPE_BYTES[precision.param_dtype]  # the state's dtype: the stored params'
-    if training.optimizer_impl is OptimizerImpl.FOR_LOOP:
+    if training.optimizer_impl is _FOR_LOOP:
         sizes = trainable_tensor_elements(model, training, embedding, head)
         return width * for_loop_peak_elements(sizes, d) + scaler
     return math.ceil(trainable_elements * width / d) + scaler  # foreach: the sqrt list, one state's worth

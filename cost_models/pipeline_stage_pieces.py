@@ -131,10 +131,13 @@ def stage_pieces(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, s
     norm_chain, rms = 4 * h * (4 + (c < 4)), model.norm == "rmsnorm" and not model.parallel_block
     mlp_grads = min(counts.block(), (3 if model.gated_mlp else 2) * h * f) * c
     blocks, working = [], []
+    below = [0]  # below[j]: sum(kept[:j]), the blocks below block j (a stage holds up to ~60 blocks: not summed each)
+    for x in kept:
+        below.append(below[-1] + x)
     for j in reversed(range(stage.n_blocks)):
         recomputed = bool(k) and (stage.first_block + j) % k == 0
         this = full + (input_extra if j or stage.embedding else 0) if recomputed else kept[j]
-        base = tokens * (sum(kept[:j]) + this) + shared - saved
+        base = tokens * (below[j] + this) + shared - saved
         at_attn = (base + tokens * (w_attn - freed), attn_grad)
         # MoE: the MoE MLP's own moments (moe.backward_moments) in place of fc2's
         at_mlp = pipeline_techniques.mlp_moment(model, c, tokens, s, counts.block(), recomputed, base,
@@ -156,7 +159,7 @@ def stage_pieces(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, s
         in_place = max((base + tokens * c * (h + f), mlp_grad), (at_attn[0], 0), key=sum)
         # its post-backward: the block's whole compute-dtype gradient (converted or added one parameter at a time)
         # beside the saved tensors below and the gradient passed down
-        post = tokens * (sum(kept[:j]) + h * c) + shared - saved
+        post = tokens * (below[j] + h * c) + shared - saved
         blocks.append((max(at_mlp, at_attn, at_norm, key=sum), max(in_place, (at_norm[0], 0), key=sum), post))
         working.insert(0, blocks[-1][0][0] - base)
     head_grad = head * c

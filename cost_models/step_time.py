@@ -42,8 +42,11 @@ __all__ = ["estimate_step_time", "TimeBreakdown", "mesh_tiers", "priced_block_op
 
 
 # the blocks' and the mesh's seconds (_compute_parts) never read FSDP's own knobs (specs.FSDP_ONLY_FIELDS), which
-# price the collectives around the blocks, the offload and the optimizer step (step_parts._shard_tiers, _optimizer_times)
-_PARTS_FIELDS = attrgetter(*(f.name for f in fields(FsdpConfig) if f.name not in FSDP_ONLY_FIELDS))
+# price the collectives around the blocks, the offload and the optimizer step (step_parts._shard_tiers,
+# _optimizer_times), nor the pipeline's (pipeline_step.py walks a stage's blocks at a block's seconds), nor of the
+# precision more than its compute dtype (c and the rates): the key holds that dtype and the other fields
+_PARTS_FIELDS = attrgetter(*(f.name for f in fields(FsdpConfig) if f.name not in FSDP_ONLY_FIELDS | {
+    "pp", "pp_schedule", "pp_stages_per_rank", "precision"}))
 
 
 def _compute_parts(full_model, model, training, config, cluster, profile, rates, c: int, tokens: int) -> tuple:
@@ -143,17 +146,17 @@ def estimate_step_time(model: ModelSpec, cluster: ClusterSpec, training: Trainin
     r = DTYPE_BYTES[config.gradient_reduce_dtype]
     L = model.n_layers
     # FSDP's collectives of a unit and what they move (_fsdp_collectives), priced once per what they read
-    fsdp_parts, key = {} if fsdp_parts is None else fsdp_parts, _FSDP_FIELDS(config)
-    if key not in fsdp_parts:
-        fsdp_parts[key] = _fsdp_collectives(model, cluster, training, config, profile, c, r)
+    fsdp_parts, fsdp_key = {} if fsdp_parts is None else fsdp_parts, _FSDP_FIELDS(config)
+    if fsdp_key not in fsdp_parts:
+        fsdp_parts[fsdp_key] = _fsdp_collectives(model, cluster, training, config, profile, c, r)
     (d, n_replicas, counts, shard_counts, ep_view, (packing_saving, fp8_saving), root_ag, root_rs, ag, rs, bwd_gather,
-     dense_collectives) = fsdp_parts[key]
+     dense_collectives) = fsdp_parts[fsdp_key]
     # a CP rank's share of each sequence; its queries still attend over all s keys (load-balanced causal: the
     # same FLOPs per token as the whole sequence), so the operators are priced at training.seq_len
     tokens = config.micro_batch * training.seq_len // config.cp
 
     # --- compute per micro-step: every operator priced by its class (kernel_time.py) -------------------
-    parts, key = {} if parts is None else parts, _PARTS_FIELDS(config)
+    parts, key = {} if parts is None else parts, (dtype, _PARTS_FIELDS(config))
     if key not in parts:  # the rates read the precision and the attention kernel, in the key
         rates = Rates.of(gpu, dtype, profile, config.attention_kernel.value)
         parts[key] = (rates, mfu_flops_per_token(full_model, training),
@@ -166,18 +169,23 @@ def estimate_step_time(model: ModelSpec, cluster: ClusterSpec, training: Trainin
     # FSDP's copies around its collectives, by API (fsdp_copies.py): the blocks gathered twice where they reshard
     # after forward (PP keeps them gathered), the root once (neither API reshards it: as root_ag is priced)
     gathers = 2 if config.sharding.reshards_after_forward and config.pp == 1 else 1
-    trained = counts.trainable(L) - counts.trainable_root  # the blocks' (dense ones' included)
-    block_gather = fsdp_copies.gather_copy_bytes(
-        fsdp2, precision, (counts.block() * L + dense_delta * nd) * c - L * (packing_saving + fp8_saving), trained,
-        trained * c - L * fp8_saving, d)
-    root_gather = fsdp_copies.gather_copy_bytes(fsdp2, precision, counts.root() * c, counts.trainable_root,
-                                                counts.trainable_root * c, d)
-    reduce = fsdp_copies.reduce_copy_bytes(fsdp2, precision, config.gradient_reduce_dtype, counts.trainable(L), d,
-                                           d * n_replicas)
+    copies_key = ("copies", fsdp_key, fsdp2)  # they read what the collectives do, and the API: once per these
+    if copies_key not in fsdp_parts:
+        trained = counts.trainable(L) - counts.trainable_root  # the blocks' (dense ones' included)
+        fsdp_parts[copies_key] = (
+            fsdp_copies.gather_copy_bytes(
+                fsdp2, precision, (counts.block() * L + dense_delta * nd) * c - L * (packing_saving + fp8_saving),
+                trained, trained * c - L * fp8_saving, d),
+            fsdp_copies.gather_copy_bytes(fsdp2, precision, counts.root() * c, counts.trainable_root,
+                                          counts.trainable_root * c, d),
+            fsdp_copies.reduce_copy_bytes(fsdp2, precision, config.gradient_reduce_dtype, counts.trainable(L), d,
+                                          d * n_replicas),
+            fsdp_copies.accumulate_bytes(precision, counts.trainable(L), d))
+    block_gather, root_gather, reduce, accumulate_bytes = fsdp_parts[copies_key]
     # a sharded gradient kept across micro-steps (PP's accumulate unsharded and reduce once)
     accumulated = (config.grad_accum - 1) / config.grad_accum if config.pp == 1 else 0.0
     fsdp_copy_s = rates.memory_s(gathers * block_gather + root_gather + reduce + accumulated
-                                 * fsdp_copies.accumulate_bytes(precision, counts.trainable(L), d)) if d > 1 else 0.0
+                                 * accumulate_bytes) if d > 1 else 0.0
     matmul_s = head_s + sum(n * (b.matmul_forward_s + b.matmul_backward_s) for n, b in blocks)
     attention_s = sum(n * (b.attention_forward_s + b.attention_backward_s) for n, b in blocks)
     # --- the mesh's collectives per micro-batch (_compute_parts): TP's per block and at the root, CP's ring -------
@@ -266,10 +274,14 @@ def estimate_step_time(model: ModelSpec, cluster: ClusterSpec, training: Trainin
                      cp=cp_t, a2a_s=a2a_s, ckpt_blocks=ckpt_blocks, recompute_s=block_recompute_s, head_s=head_s,
                      root_memory_s=root_memory_s, fsdp_copy_s=fsdp_copy_s, weight_casts_s=weight_casts_s)
 
-    # --- CPU offload and optimizer step ---------------------------------------------------------------
-    offload_copy_s, optimizer_s = _optimizer_times(shard_counts.trainable(L) / d, counts.trainable(L),
-                                                   counts.frozen(L), d, accum, 2 if gathers_in_backward else 1,
-                                                   cluster, training, config, profile)
+    # --- CPU offload and optimizer step: what the collectives read (their counts, d, the strategy, the precision),
+    # the accumulation and offload, so in their memo once per these ---------------------------------------------
+    optimizer_key = ("optimizer", fsdp_key, accum, config.offload)
+    if optimizer_key not in fsdp_parts:
+        fsdp_parts[optimizer_key] = _optimizer_times(shard_counts.trainable(L) / d, counts.trainable(L),
+                                                     counts.frozen(L), d, accum, 2 if gathers_in_backward else 1,
+                                                     cluster, training, config, profile)
+    offload_copy_s, optimizer_s = fsdp_parts[optimizer_key]
 
     overhead_s = accum * profile.microstep_overhead_s
     compute_total = accum * compute_s

@@ -200,10 +200,10 @@ def _cost_mesh(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, c
                     found.n_costed += 1
                     found.misses.append(peek)
                     break
+                if unsupported_reasons(cluster, priced(group, *plans[start])):
+                    continue  # (feasibility's rules read no micro-batch: once a group, not once a candidate)
                 for i, (mb, accum) in enumerate(plans[start:], start):
                     config = priced(group, mb, accum)
-                    if unsupported_reasons(cluster, config):
-                        break
                     e = costing.evaluate(config, runs=True)
                     found.n_costed += 1
                     if e.fits:

@@ -92,3 +92,12 @@ def test_float8_around_fp32_compute_runs_and_is_a_warning():
                                               seq_len=1024).findings}
     assert found["float8-without-bf16-compute"] == "warning"
     assert not {code for code, severity in found.items() if severity == "error"}
+
+
+@pytest.mark.parametrize("config,cluster,field,code", CASES)
+def test_no_rule_reads_the_micro_batch(config, cluster, field, code):
+    """The search checks a knob combination once for all its micro-batches (planner/search/__init__.py): every rule's
+    verdict is the same whatever the micro-batch and accumulation."""
+    verdicts = {tuple(r.code for r in refusals(cluster, config.with_batch(mb, accum, config.shard_group_gpus)))
+                for mb in (1, 3, 64) for accum in (1, 7)}
+    assert verdicts == {(code,)}

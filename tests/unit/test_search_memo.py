@@ -76,3 +76,21 @@ def test_ledger_without_a_pipeline_is_priced_once_across_float8_and_async_tp():
     assert len(costing.memories) == 1 and len(costing.estimates) == 4
     reserved = {c.async_tp: costing.evaluations[c].memory.peak_reserved_bytes for c in configs if not c.float8}
     assert reserved[True] - reserved[False] == 16_786_432
+
+
+def test_compute_parts_shared_across_one_compute_dtype_and_the_pipeline_fields():
+    """The blocks' and the mesh's seconds read of the precision its compute dtype alone, and no pipeline field
+    (step_time._PARTS_FIELDS): bf16 and bf16-pure, and a pipeline of the same blocks, share one priced compute part,
+    fp32 has its own; every evaluation equals evaluate()'s."""
+    model, cluster = load_preset("llama3-8b"), make_cluster(16, gpu="h100-80gb")
+    training = TrainingSpec(seq_len=2048, global_batch=32)
+    costing = Costing(model, cluster, training, DEFAULT_PROFILE)
+    configs = [FsdpConfig(micro_batch=1, grad_accum=4, tp=2, precision="bf16"),
+               FsdpConfig(micro_batch=1, grad_accum=4, tp=2, precision="bf16-pure"),
+               FsdpConfig(micro_batch=1, grad_accum=8, tp=2, precision="bf16", pp=2)]
+    for config in configs:
+        assert costing.evaluate(config) == evaluate(model, cluster, training, config, DEFAULT_PROFILE)
+    assert len(costing.step_parts) == 1 and len({costing.evaluations[c].time.step_s for c in configs}) == 3
+    fp32 = FsdpConfig(micro_batch=1, grad_accum=4, tp=2, precision="fp32")
+    assert costing.evaluate(fp32) == evaluate(model, cluster, training, fp32, DEFAULT_PROFILE)
+    assert len(costing.step_parts) == 2
