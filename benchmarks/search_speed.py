@@ -59,6 +59,24 @@ best of 5 / 3 / 3) gpt-175b 598-641 / 435-437 ms, llama3.1-405b TP meshes 1,338-
 pipelines line 608-613 / 464-473 ms; the TP line alone, 6 searches a process, 3 processes each (load 1.0): first
 search 1,702-1,747 / 1,279-1,847 ms, best 1,350-1,584 / 952-988 ms. The TP line's flat meshes alone take 713-731 ms
 of it now, its pipeline scouts ~230 ms (their memory ~150 ms: the 340 stage shapes' pieces ~45 ms, ~90 us a rank).
+
+Issue 27 item 6, fifth pass (8a308aa -> a9c88f6, f205606). Construction: the frozen dataclasses a search makes by the
+ten thousand (FsdpConfig, MemoryEstimate, MemoryBreakdown, TimeBreakdown, Evaluation, ...) get
+cost_models/quick_init.py's __init__ (the fields stored in the instance dict, not one object.__setattr__ each:
+FsdpConfig 26 -> 8 us) and replaced() for replace() where nothing is derived again; FsdpConfig.with_batch varies the
+micro-batch, accumulation and shard group of a knob combination. Memos by what they read: the compute parts by the
+compute dtype and without the pipeline's fields (680 -> 410 on the TP line), FSDP's copies and the optimizer seconds
+once per collectives key, feasibility once a knob combination and group; a stage's pieces with running sums, a rank's
+moments by np.einsum. Results byte-identical: every evaluation (config, memory, time) of the three searches and of 7
+more (Mixtral, DeepSeek-V2-Lite, QLoRA, LoRA 70B, CP 64k, Gemma 2, gpt-oss) dumped to JSON, fsdp-plan --format json of
+13 plans. Instructions of one warm search (valgrind --tool=callgrind, instrumented around search(): what the load on
+the 2 cores does not change), 8a308aa / now: gpt-175b 2,628 / 1,866 M (-29%), llama3.1-405b TP meshes 5,530 / 3,992 M
+(-28%), the pipelines line 2,862 / 2,201 M (-23%). CPU, this script (best of 5 / 3 / 3), three alternate runs each on
+the same 2 cores at load ~1.8: 8a308aa 419-665 / 899-1,405 / 478-810 ms, now 347-567 / 766-813 / 382-393 ms; the TP
+line alone (5 searches a process, 3 processes each, alternate) best 886, 938, 899 / 790, 747, 714 ms. Time falls less
+than the instructions (-15 to -20% against -28%) on these shared cores. Left on the TP line (py-spy): the flat ledgers
+~20% (2,490 at ~40 us), the pipeline scouts' memory ~22% (1,092 rank replays; stage pieces ~6%), the step times ~24%
+(their compute parts ~8%), evaluate's verdicts and the configurations ~10%.
 """
 
 from __future__ import annotations
