@@ -5,7 +5,13 @@ The shared launch: every test file whose worker serves plain cases (`run_case(ca
 them with `shared(__file__, worker, cases)` and gets a function returning their results. The first call starts ONE
 torchrun job per rank count for every registered file that pytest collected (worker_shared.py dispatches each case
 to its worker module), so the torchrun unit pays a job's start-up (~8 CPU s: torchrun and two ranks importing torch,
-measured 2026-12-06) and each worker's imports once instead of once per file."""
+measured 2026-12-06) and each worker's imports once instead of once per file.
+
+While the job runs, the test process would wait idle, then compute the in-process side of the tests (the traces
+the real runs are compared with, ~45 s of one core for the 2-rank files). A file gives that work as `while_launching`
+(a function warming its own cache): it runs in a thread of the test process during the launch, which returns when
+both are done, so no test runs beside it. The torchrun unit is the suite's longest (tests/conftest.py): this takes
+its traces off its critical path, onto the core the job leaves."""
 
 from __future__ import annotations
 
@@ -14,6 +20,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -86,6 +93,7 @@ class _Shared:
 
     def __init__(self):
         self.files: dict[str, tuple[str, list, float]] = {}  # test file -> (worker module, cases, timeout_s)
+        self.while_launching: dict[str, Callable[[], object]] = {}  # test file -> its in-process side
         self.results: dict[str, tuple[dict, ...]] = {}
         self.failure: str | None = None
         self.launched = False
@@ -97,15 +105,28 @@ _SHARED: dict[int, _Shared] = {}
 COLLECTED: set[str] | None = None
 
 
-def shared(test_file: str, worker: str, cases: list, timeout_s: float, nproc: int = 2, first: bool = False):
+def _quietly(work: list[Callable[[], object]]) -> None:
+    """Each function in turn; one that raises is left to the tests, which call it again and see the error."""
+    for fn in work:
+        try:
+            fn()
+        except Exception:  # noqa: BLE001 - raised again where a test asks for the result
+            pass
+
+
+def shared(test_file: str, worker: str, cases: list, timeout_s: float, nproc: int = 2, first: bool = False,
+           while_launching: Callable[[], object] | None = None):
     """Register `cases` of `worker` (a module of tests/distributed with `run_case(case, rank, world) -> dict`) for
     the shared `nproc`-rank launch of the test file `test_file` (its __file__); `first`: before every other file's
-    (a worker that reads the process's resident set wants a heap no other case has grown). Returns a function
-    that gives the cases' results (rank 0's, in order), launching the shared job on its first call."""
+    (a worker that reads the process's resident set wants a heap no other case has grown); `while_launching`: the
+    file's in-process work, run in a thread while the job runs (module docstring). Returns a function that gives
+    the cases' results (rank 0's, in order), launching the shared job on its first call."""
     pool = _SHARED.setdefault(nproc, _Shared())
     key = str(Path(test_file).resolve())
     entry = (worker, list(cases), timeout_s)
     pool.files = {key: entry, **pool.files} if first else {**pool.files, key: entry}
+    if while_launching is not None:
+        pool.while_launching[key] = while_launching
 
     def results() -> tuple[dict, ...]:
         if not pool.launched:
@@ -113,7 +134,11 @@ def shared(test_file: str, worker: str, cases: list, timeout_s: float, nproc: in
             files = [f for f in pool.files if COLLECTED is None or f in COLLECTED or f == key]
             batch = [{"worker": pool.files[f][0], "case": case} for f in files for case in pool.files[f][1]]
             timeout_s = sum(pool.files[f][2] for f in files)
+            beside = threading.Thread(target=_quietly, daemon=True, args=(
+                [pool.while_launching[f] for f in files if f in pool.while_launching],))
+            beside.start()
             got, pool.failure = _launch(Path(__file__).with_name("worker_shared.py"), batch, timeout_s, nproc)
+            beside.join()  # no test runs beside it
             start = 0
             for f in files:
                 n = len(pool.files[f][1])

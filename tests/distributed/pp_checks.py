@@ -32,6 +32,12 @@ def traced(config_json: str, world: int):
                           seq_len=SEQ_LEN, hf_config=dict(TINY))
 
 
+def trace_cases(cases: list[dict], world: int) -> None:
+    """Each case's trace into traced's cache (cases.shared's while_launching: while the real runs run)."""
+    for case in cases:
+        traced(json.dumps(case["config"], sort_keys=True), world)
+
+
 def check_against_trace(real: dict, case: dict, world: int) -> None:
     """Every global rank's real peak against its pipeline rank's traced one: the trace's, plus at most one stage
     output that gloo keeps after its send (test_torchrun_pp.py), within the real runs' jitter; the same peak

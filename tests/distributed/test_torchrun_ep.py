@@ -36,10 +36,10 @@ CASES = [
 ]
 
 
-launch = shared(__file__, "worker_ep", CASES, TIMEOUT_S)
+launch = shared(__file__, "worker_ep", CASES, TIMEOUT_S, while_launching=lambda: [traced(i) for i in (0, 1)])
 
 
-@functools.cache
+@functools.cache  # traced while the shared launch runs (cases.shared's while_launching)
 def traced(index: int):
     from calibration.trace import trace_memory
     from tests.distributed.cases import config_from_dict

@@ -29,6 +29,8 @@ in all on 2 shared cores.
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 
 from tests.distributed.cases import shared
@@ -73,15 +75,18 @@ def _id(case: dict) -> str:
 
 
 real_runs = shared(__file__, "worker_mesh",
-                   [{"hf_config": TINY, **case} for case in CASES + [GLOO_CASE, GRADIENT_CASE]], TIMEOUT_S)
+                   [{"hf_config": TINY, **case} for case in CASES + [GLOO_CASE, GRADIENT_CASE]], TIMEOUT_S,
+                   while_launching=lambda: [trace_case(i) for i in range(len(CASES))])
 
 
-def trace_case(case: dict):
+@functools.cache  # traced while the shared launch runs (cases.shared's while_launching)
+def trace_case(index: int):
     from calibration.build import build_model
     from calibration.trace import trace_memory
     from planner.models import from_module
     from tests.distributed.cases import config_from_dict
 
+    case = CASES[index]
     config = config_from_dict(case["config"])
     spec = from_module(build_model(None, TINY, device="meta"), name="tiny-llama-tp")
     return trace_memory(spec, config, n_gpus=2, gpus_per_node=2, seq_len=case["seq_len"], hf_config=dict(TINY))
@@ -90,7 +95,7 @@ def trace_case(case: dict):
 @pytest.mark.parametrize("index", range(len(CASES)), ids=[_id(c) for c in CASES])
 def test_mesh_trace_matches_the_real_run(index):
     real = real_runs()[index]
-    traced = trace_case(CASES[index])
+    traced = trace_case(index)
     measured = real["peak_allocated_bytes"]
     relative = traced.peak_allocated_bytes / measured - 1
     peak = max(real["phases"], key=lambda k: real["phases"][k]["peak_allocated_bytes"])
@@ -109,7 +114,7 @@ def test_gloo_reduce_scatter_copy_is_what_the_trace_leaves_out():
     and for the same run with the in-place reduce-scatter (+2,309,128, +16%), when this was written. The
     trace models NCCL's run: it equals the in-place one (test above), never gloo's."""
     in_place, gloo = real_runs()[len(CASES) - 1], real_runs()[len(CASES)]
-    traced = trace_case(CASES[-1])
+    traced = trace_case(len(CASES) - 1)
     assert traced.peak_allocated_bytes == in_place["peak_allocated_bytes"]
     assert gloo["peak_allocated_bytes"] > in_place["peak_allocated_bytes"]
     assert gloo["peak_phase"] == "backward"

@@ -18,6 +18,8 @@ then three traces (~3 s each).
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 
 from cost_models.specs import FsdpConfig, TrainingSpec
@@ -33,7 +35,7 @@ TOLERANCE = 0.001
 
 
 launch = shared(__file__, "worker_optimizer", [{"impl": impl, "config": CONFIG, "seq_len": SEQ_LEN} for impl in IMPLS],
-                timeout_s=300)
+                timeout_s=300, while_launching=lambda: [traced(impl) for impl in IMPLS])
 
 
 def real() -> dict:
@@ -60,12 +62,17 @@ def test_the_real_step_runs_the_implementation_and_the_estimate_prices_it(impl):
     assert step.total_bytes == pytest.approx(window["peak_allocated_bytes"], rel=TOLERANCE)
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-def test_the_trace_gives_each_implementations_step_window(impl):
+@functools.cache  # traced while the shared launch runs (cases.shared's while_launching)
+def traced(impl: str):
     from calibration.trace import trace_memory
 
-    traced = trace_memory(spec(), FsdpConfig(**CONFIG), n_gpus=2, gpus_per_node=2, seq_len=SEQ_LEN,
-                          optimizer_impl=impl).phases["optimizer_step"]
+    return trace_memory(spec(), FsdpConfig(**CONFIG), n_gpus=2, gpus_per_node=2, seq_len=SEQ_LEN,
+                        optimizer_impl=impl).phases["optimizer_step"]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_the_trace_gives_each_implementations_step_window(impl):
     window = real()[impl]["optimizer_step"]
-    assert traced.peak_allocated_bytes == pytest.approx(window["peak_allocated_bytes"], rel=TOLERANCE)
-    assert traced.breakdown["optimizer_temporaries"] == window["breakdown"]["optimizer_temporaries"]
+    step = traced(impl)
+    assert step.peak_allocated_bytes == pytest.approx(window["peak_allocated_bytes"], rel=TOLERANCE)
+    assert step.breakdown["optimizer_temporaries"] == window["breakdown"]["optimizer_temporaries"]

@@ -27,7 +27,7 @@ from __future__ import annotations
 import pytest
 
 from tests.distributed.cases import shared
-from tests.distributed.pp_checks import TIMEOUT_S, cases, check_against_trace, check_numerics
+from tests.distributed.pp_checks import TIMEOUT_S, cases, check_against_trace, check_numerics, trace_cases
 
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.distributed
@@ -37,7 +37,7 @@ CASES = cases(grad_accum=4)  # 4 microbatches of 1 x 64 tokens: 1F1B reaches its
 EMITTED = {**CASES[1], "emitted": {**CASES[1]["config"], "activation_checkpointing": "full"}}
 
 
-launch = shared(__file__, "worker_pp", CASES + [EMITTED], TIMEOUT_S)
+launch = shared(__file__, "worker_pp", CASES + [EMITTED], TIMEOUT_S, while_launching=lambda: trace_cases(CASES, 2))
 
 
 @pytest.mark.parametrize("index", range(len(CASES)), ids=[c["config"]["pp_schedule"] for c in CASES])

@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 
 from tests.distributed.cases import shared
-from tests.distributed.pp_checks import TIMEOUT_S, cases, check_against_trace, check_numerics
+from tests.distributed.pp_checks import TIMEOUT_S, cases, check_against_trace, check_numerics, trace_cases
 
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.distributed
@@ -25,7 +25,8 @@ CASES = cases(grad_accum=2)  # 2 microbatches per data-parallel rank
 EMITTED = {**CASES[0], "emitted": {**CASES[0]["config"], "tp": 2, "sequence_parallel": False}}
 
 
-launch = shared(__file__, "worker_pp", CASES + [EMITTED], TIMEOUT_S, nproc=4)
+launch = shared(__file__, "worker_pp", CASES + [EMITTED], TIMEOUT_S, nproc=4,
+                while_launching=lambda: trace_cases(CASES, 4))
 
 
 @pytest.mark.parametrize("index", range(len(CASES)), ids=[c["config"]["pp_schedule"] for c in CASES])

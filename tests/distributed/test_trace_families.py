@@ -17,6 +17,8 @@ The cases run in the shared 2-rank torchrun launch (cases.shared; ~14 CPU s of i
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 
 pytestmark = pytest.mark.distributed
@@ -42,7 +44,8 @@ def _id(case: dict) -> str:
     return "-".join([case["family"], *(str(v) for v in case["config"].values()), str(case["seq_len"])])
 
 
-_real_runs = shared(__file__, "worker_families", CASES, TIMEOUT_S)
+_real_runs = shared(__file__, "worker_families", CASES, TIMEOUT_S,
+                    while_launching=lambda: [trace_case(i) for i in range(len(CASES))])
 
 
 def real_runs() -> tuple[dict, ...]:
@@ -51,12 +54,14 @@ def real_runs() -> tuple[dict, ...]:
     return results
 
 
-def trace_case(case: dict):
+@functools.cache  # traced while the shared launch runs (cases.shared's while_launching)
+def trace_case(index: int):
     from calibration.build import build_model
     from calibration.trace import trace_memory
     from planner.models import from_module
     from tests.distributed.worker_train import config_from_dict
 
+    case = CASES[index]
     hf_config = FAMILIES[case["family"]]
     config = config_from_dict(case["config"])
     spec = from_module(build_model(None, hf_config, attention=config.attention.value, device="meta"),
@@ -68,7 +73,7 @@ def trace_case(case: dict):
 def test_trace_peak_matches_the_real_run(index):
     case = CASES[index]
     real = real_runs()[index]
-    traced = trace_case(case)
+    traced = trace_case(index)
     family = case["family"]
     # built as a GPU run builds it: eager where SDPA is refused, grouped_mm experts for MoE layers
     assert real["attention"] == traced.attention == ("eager" if family in EAGER_ONLY else "sdpa")
