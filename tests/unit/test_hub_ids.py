@@ -18,6 +18,7 @@ import pytest
 
 from planner.errors import ModelNotFound, PlannerError
 from planner.models.resolve import resolve_model
+from tests.doctor.cli_run import cli_process
 
 ROOT = Path(__file__).resolve().parents[2]
 CLI = [sys.executable, "-m", "planner.cli"]
@@ -127,26 +128,20 @@ def test_a_local_path_wins_then_presets_then_ids(hub_cache, tmp_path):
             resolve_model(text)
 
 
-@pytest.fixture
-def cli_env(hub_cache):
-    return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-
-
-def test_cli_plan_of_the_id_is_the_plan_of_its_config_path(hub_cache, cli_env, tmp_path):
+# The CLI in this process (tests/doctor/cli_run.py): hub_cache's environment is what resolve_model reads, at each call
+# (test_the_cache_is_hf_hub_cache_else_hf_home_hub); the download test below needs a process of its own.
+def test_cli_plan_of_the_id_is_the_plan_of_its_config_path(hub_cache, tmp_path):
     folder = tmp_path / "downloaded" / "Qwen3-8B"  # what `hf download --local-dir` would leave
     folder.mkdir(parents=True)
     (folder / "config.json").write_text(json.dumps(QWEN3_8B))
-    by_id = subprocess.run([*CLI, "--model", "Qwen/Qwen3-8B", "--gpus", "8"], capture_output=True, text=True,
-                           env=cli_env, timeout=300)
-    by_path = subprocess.run([*CLI, "--model", str(folder), "--gpus", "8"], capture_output=True, text=True,
-                             env=cli_env, timeout=300)
+    by_id = cli_process(["--model", "Qwen/Qwen3-8B", "--gpus", "8"])
+    by_path = cli_process(["--model", str(folder), "--gpus", "8"])
     assert by_id.returncode == 0, by_id.stderr[-2000:]
     assert by_id.stdout == by_path.stdout and "Qwen3-8B: 8.19B parameters" in by_id.stdout
 
 
-def test_cli_missing_id_exits_2_with_one_line(cli_env):
-    r = subprocess.run([*CLI, "--model", "Qwen/Qwen9-1B", "--gpus", "8"], capture_output=True, text=True,
-                       env=cli_env, timeout=120)
+def test_cli_missing_id_exits_2_with_one_line(hub_cache):
+    r = cli_process(["--model", "Qwen/Qwen9-1B", "--gpus", "8"])
     assert r.returncode == 2 and r.stdout == "" and len(r.stderr.strip().splitlines()) == 1
     assert r.stderr.startswith("error: model: Qwen/Qwen9-1B is not in the Hugging Face cache (")
     assert "`hf download Qwen/Qwen9-1B config.json`" in r.stderr
