@@ -60,7 +60,7 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
     if config.pp > 1:  # per pipeline rank: its stages and its schedule's in-flight microbatches; the largest leads
         from .pipeline_memory import pipeline_estimate
 
-        return pipeline_estimate(model, cluster, training, config, profile)
+        return pipeline_estimate(model, cluster, training, config, profile, outside)
     # The mesh's per-rank view: a TP rank's slice of the model (tensor_parallel.local_model) on a CP rank's
     # s / cp tokens of each sequence (SDPA keeps nothing that grows with the keys' length).
     full_model = model

@@ -66,10 +66,12 @@ def _notes(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, d: int,
     return tuple(notes)
 
 
-def pipeline_estimate(model: ModelSpec, cluster, training: TrainingSpec, config: FsdpConfig, profile):
+def pipeline_estimate(model: ModelSpec, cluster, training: TrainingSpec, config: FsdpConfig, profile,
+                      outside: tuple | None = None):
     """estimate_memory under pp > 1: the largest rank's figures as the headline (torchtitan reports the maximum
-    across ranks), every rank in pipeline_ranks."""
-    outside = pipeline_outside_terms(model, cluster, training, config, profile)
+    across ranks), every rank in pipeline_ranks. outside: the terms where the caller has them (a search's memo)."""
+    if outside is None:
+        outside = pipeline_outside_terms(model, cluster, training, config, profile)
     model, training = rank_inputs(model, training, config)
     d = config.shard_group_size(cluster)
     ranks = pipeline_ranks(model, training, config, d, profile, sum(t.bytes for t in outside))
