@@ -173,7 +173,7 @@ def actor_states(run: ActorRun, settings: RlSettings, batch: BatchPlan, profile:
         head, block = max((head, 0), (tokens * model.vocab_size * c, block), key=sum)
     loss = MemoryBreakdown(sharded_params=step.sharded_params * on_gpu, optimizer_state=step.optimizer_state * on_gpu,
                            sharded_grads=step.sharded_grads * on_gpu if accumulating else 0,
-                           unsharded_params=loss_root_bytes(model, settings, c), activations=saved,
+                           unsharded_params=loss_root_bytes(model, settings, c, size), activations=saved,
                            collective_buffers=block, logits_and_loss=head)
     steady = max(body, loss, key=lambda b: b.total_bytes)
     first = dataclasses.replace(steady, optimizer_state=0)

@@ -50,9 +50,15 @@ def separate_head_units(model: ModelSpec, settings) -> bool:
             and model.head_params > 0)
 
 
-def loss_root_bytes(model: ModelSpec, settings, c: int) -> int:
+def loss_root_bytes(model: ModelSpec, settings, c: int, shard_ranks: int) -> int:
     """The root's parameters gathered at the loss: FSDP1 the whole root; FSDP2 the root less the embedding (resharded
-    after its forward) - the head counted as gathered, an upper bound (its backward, just after, gathers it)."""
+    after its forward) - the head counted as gathered, an upper bound (its backward, just after, gathers it).
+    FSDP1 on a one-rank shard group runs NO_SHARD (torch/distributed/fsdp/_init_utils.py: world size 1) and holds
+    none: its compute-dtype copy is freed in every unit's post-forward, the root's too (_flat_param.py post_reshard:
+    "For NO_SHARD, _mp_shard is not freed in the post-unshard ... we delay the free until the reshard"), and re-made at its pre-backward; without mixed
+    precision there is no copy. Measured with verl's update on gloo (tests/distributed/test_torchrun_verl_actor.py)."""
+    if settings.strategy == "fsdp" and shard_ranks == 1:
+        return 0
     if separate_head_units(model, settings):
         return (model.head_params + model.root_other_params) * c
     return model.root_params * c

@@ -13,10 +13,13 @@ Measured 2026-12-07, per rank, the update's peak in the entropy's backward, agai
   leave out.
 Before this check we also priced the last block's all-gather at this moment (+1,476,608 B, +1.2% / +0.8%); it is
 not in flight: FSDP's root pre-backward prefetches it once the logits' gradient is complete, after the entropy's
-backward (cost_models/rl_actor.py). Not in this file (docs/rl.md): 2 ranks without Ulysses (-0.05%), one rank
-(FSDP1 NO_SHARD frees its bf16 copy of the root after forward: ours is 32,768,512 B over), the compiled entropy
+backward (cost_models/rl_actor.py). A second case, fsdp_size 1 (one-rank shard groups: FSDP1 runs NO_SHARD and
+frees the root's bf16 copy after forward), 256 / 512 tokens a rank: 190,328,240 / 305,624,528 B, ours 190,245,888 /
+305,460,224 (-0.04% / -0.05%; +17.2% / +10.7% before that rule). Not in this file (docs/rl.md): 2 ranks without
+Ulysses (-0.05%), the compiled entropy
 (measured from the CPU allocator's events: 3.06-3.10 [tokens, vocab] tensors a token against our 3). The case takes
-~25 s of wall time on 2 busy cores (verl's import ~7 s a rank, the checkpoint and the engine's build ~8 s).
+~25 s of wall time on 2 busy cores (verl's import ~7 s a rank, the checkpoint and the engine's build ~8 s), the
+second ~10 s more.
 """
 
 from __future__ import annotations
@@ -33,8 +36,9 @@ for module in ("verl", "peft", "tensordict"):
 
 MODEL = {"hidden": 256, "layers": 2, "heads": 4, "kv_heads": 2, "ffn": 704, "vocab": 32000}
 CASE = {**MODEL, "prompt": 32, "response": 96, "seqs": [2, 4], "sp": 2}
+NO_SHARD = {**CASE, "sp": 1, "fsdp_size": 1}   # each rank its own shard group: FSDP1 runs NO_SHARD
 
-launch = shared(__file__, "worker_verl_actor", [CASE], timeout_s=240)
+launch = shared(__file__, "worker_verl_actor", [CASE, NO_SHARD], timeout_s=300)
 
 
 @pytest.fixture(scope="module")
@@ -43,15 +47,21 @@ def measured() -> list[list[dict]]:
 
 
 @pytest.fixture(scope="module")
-def priced(tmp_path_factory) -> list:
-    from planner.rl import rl_estimate
-
+def config_json(tmp_path_factory) -> str:
     path = tmp_path_factory.mktemp("verl_actor") / "config.json"
     path.write_text(json.dumps({
         "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": MODEL["hidden"],
         "intermediate_size": MODEL["ffn"], "num_hidden_layers": MODEL["layers"],
         "num_attention_heads": MODEL["heads"], "num_key_value_heads": MODEL["kv_heads"],
         "vocab_size": MODEL["vocab"], "tie_word_embeddings": False, "hidden_act": "silu"}))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def priced(config_json) -> list:
+    from planner.rl import rl_estimate
+
+    path = config_json
     # one mini-batch of `seqs` sequences a data-parallel rank (one with Ulysses 2), one micro-batch
     return [rl_estimate(str(path), 2, gpu="h100-80gb", prompt_len=CASE["prompt"], response_len=CASE["response"],
                         train_batch=seqs, ppo_mini_batch_size=seqs, rollout_n=1, ppo_micro_batch_size_per_gpu=seqs,
@@ -79,3 +89,23 @@ def test_update_bytes_per_token_match_the_estimate(measured, priced):
         ours = (priced[1].total_bytes - priced[0].total_bytes) / tokens
         print(f"bytes a token: real {real:.0f}, ours {ours:.0f}")
         assert ours == pytest.approx(real, rel=0.003)
+
+
+def test_one_rank_shard_groups_hold_no_root_copy_at_the_loss(config_json):
+    """verl's fsdp_size 1 on 2 ranks: FSDP1 on one-rank shard groups runs NO_SHARD, which frees every unit's bf16
+    copy after its forward, the root's included (cost_models/rl_strategy.py loss_root_bytes). Before that rule we
+    priced the root's bf16 copy at the loss: 32,768,512 B over at 256 tokens (+17.2%, measured on one rank)."""
+    from planner.rl import rl_estimate
+
+    for rows in launch()[1]["ranks"]:
+        for row in rows:
+            seqs = row["seqs"]
+            ours = rl_estimate(config_json, 2, gpu="h100-80gb", prompt_len=NO_SHARD["prompt"],
+                               response_len=NO_SHARD["response"], train_batch=2 * seqs, ppo_mini_batch_size=2 * seqs,
+                               rollout_n=1, ppo_micro_batch_size_per_gpu=seqs, finetune="lora", lora_rank=32,
+                               fsdp_size=1, use_torch_compile=False, rollout_tp=1).memory.actor.update_steady
+            print(f"NO_SHARD {row['tokens']} tokens a rank: real {row['peak_allocated_bytes']} B, ours "
+                  f"{ours.total_bytes} B")
+            assert ours.unsharded_params == 0
+            assert ours.logits_and_loss == 7 * row["tokens"] * 32000 * 2
+            assert ours.total_bytes == pytest.approx(row["peak_allocated_bytes"], rel=0.002)
