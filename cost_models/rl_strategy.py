@@ -27,7 +27,9 @@ and the model only, FSDP1's root layout; its weight sync (generation/vllm_genera
 one at a time (full_tensor()) and FSDP1's units one at a time (summon_full_params(module, recurse=False), children
 first, in full precision), with no copy.
 
-So FSDP2 holds at most what FSDP1 holds in every phase (equal with tied embeddings, bar the weight sync's copy).
+So FSDP2 holds at most what FSDP1 holds in every phase (equal with tied embeddings, bar the weight sync's copy),
+except on one-rank shard groups (fsdp_size 1), where FSDP1 runs NO_SHARD and its update holds no root copy at the
+loss (loss_root_bytes) while FSDP2 holds its head.
 The update's step time is each API's (rl_time.micro_step: step_time's fsdp2, the copies around the collectives of
 fsdp_copies.py): FSDP2 copies every all-gather in and out and packs the gradients, FSDP1 gathers into its flat
 parameter but casts and divides its whole flat gradient. So FSDP2's update is the faster with an fp32 actor (bf16
