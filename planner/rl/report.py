@@ -176,17 +176,18 @@ def _knobs(e: RlEstimate) -> dict:
              if r.use_dynamic_bsz else
              f"{k['ppo_micro_batch_size_per_gpu']}/{k['log_prob_micro_batch_size_per_gpu']}")
     ckpt = "+".join(n for n, on in (("gc", r.gradient_checkpointing), ("ec", r.entropy_chunking)) if on) or "-"
-    return {"dtype": r.actor_dtype, "offload": offload, "ckpt": ckpt, "sp": str(r.ulysses_sequence_parallel_size),
-            "micro": micro, "TP": str(r.rollout_tp), "util": f"{r.gpu_memory_utilization}",
-            "seqs": str(r.max_num_seqs), "chunk": _budget(r.max_num_batched_tokens)}
+    return {"strategy": r.strategy, "dtype": r.actor_dtype, "offload": offload, "ckpt": ckpt,
+            "sp": str(r.ulysses_sequence_parallel_size), "micro": micro, "TP": str(r.rollout_tp),
+            "util": f"{r.gpu_memory_utilization}", "seqs": str(r.max_num_seqs),
+            "chunk": _budget(r.max_num_batched_tokens)}
 
 
-LEGEND = ("offload: p actor params, o Adam states, r reference, P / O the critic's; ckpt: gc gradient "
-          "checkpointing, ec entropy chunking; sp: Ulysses degree; micro: update / log-prob sequences per GPU "
-          "(dynamic batches: token budgets); TP: rollout TP; util: gpu_memory_utilization; seqs: max_num_seqs; "
-          "chunk: max_num_batched_tokens; "
-          "peak: GiB reserved; seconds (estimates): gen generation, logp log-probs, upd the update (PPO: and the "
-          "critic), sync weight sync and offload copies")
+LEGEND = ("strategy: actor.strategy, fsdp (FSDP1) or fsdp2; offload: p actor params, o Adam states, r reference, "
+          "P / O the critic's; ckpt: gc gradient checkpointing, ec entropy chunking; sp: Ulysses degree; micro: "
+          "update / log-prob sequences per GPU (dynamic batches: token budgets); TP: rollout TP; util: "
+          "gpu_memory_utilization; seqs: max_num_seqs; chunk: max_num_batched_tokens; peak: GiB reserved; seconds "
+          "(estimates): gen generation, logp log-probs, upd the update (PPO: and the critic), sync weight sync and "
+          "offload copies")
 
 
 def _times(e: RlEstimate) -> dict:
@@ -208,36 +209,45 @@ def ranked_table(shown: list[RlEstimate]) -> tuple[str, str]:
 
 
 def rl_plan_text(p: RlPlan) -> str:
-    from .search import NOT_SEARCHED
+    from .search import not_searched
 
     shown = list(p.ranked or p.misses)
-    title = (f"The fastest configuration of each dtype and offload choice that fits ({p.searched:,} configurations "
-             f"in the space, {p.priced:,} priced), by estimated step time (s):" if p.ranked else
+    kept = not_searched(p.request)
+    title = (f"The fastest configuration of each strategy, dtype and offload choice that fits ({p.searched:,} "
+             f"configurations in the space, {p.priced:,} priced), by estimated step time (s):" if p.ranked else
              f"Nothing fits ({p.searched:,} configurations in the space, {p.priced:,} priced); the smallest peaks:")
     table, every = ranked_table(shown)
-    notes = [every, LEGEND, NOT_SEARCHED and "not searched: " + "; ".join(f"{k}: {why}" for k, why in
-                                                                   NOT_SEARCHED.items())]
+    notes = [every, LEGEND, "not searched: " + "; ".join(f"{k}: {why}" for k, why in kept.items())]
     lines = [textwrap.fill(title, LINE_WIDTH), table,
              *(textwrap.fill(n, LINE_WIDTH, subsequent_indent="  ") for n in notes if n),
              "", "Best:" if p.ranked else "Nearest miss:", rl_text(shown[0])]
-    if shown[0].request.strategy != p.request.strategy:
+    best = shown[0]
+    if best.request.strategy != p.request.strategy:
         lines.insert(-1, textwrap.fill(
-            f"note: the actor wrapped with {shown[0].request.strategy}, not the request's {p.request.strategy} "
-            "(actor.strategy): FSDP2 holds at most FSDP1's memory in every phase (verl wraps the embedding and head "
-            "as their own units; FSDP1's weight sync keeps a copy of the shard); its copies around the collectives "
-            "make its update faster with an fp32 actor, slower with a bf16 one or LoRA",
+            f"note: the actor wrapped with {best.request.strategy}, not the request's {p.request.strategy} "
+            "(actor.strategy): both are searched; FSDP2 holds at most FSDP1's memory in every phase (verl wraps the "
+            "embedding and head as their own units; FSDP1's weight sync keeps a copy of the shard), and the copies "
+            "around the collectives make its update faster with an fp32 actor, slower with a bf16 one or LoRA",
             LINE_WIDTH, subsequent_indent="  "))
-    if shown[0].request.actor_dtype != p.request.actor_dtype:
+    summoned = next(ph.gpu_bytes.get("summoned params", 0) for ph in best.memory.phases if ph.name == "weight_sync")
+    # (where the weight sync is the peak, the estimate's own note says it: planner/rl/findings.py)
+    if summoned and not best.request.layered_summon and best.memory.peak.name != "weight_sync":
         lines.insert(-1, textwrap.fill(
-            f"note: the actor stored in {shown[0].request.actor_dtype}, not the request's {p.request.actor_dtype} "
+            f"note: FSDP1's LoRA weight sync gathers the whole model at once ({gib(summoned)} GiB, priced so); "
+            "verl's fix, --layered-summon (rollout.layered_summon with rollout.load_format safetensors), gathers one "
+            "unit at a time: the request's, not searched",
+            LINE_WIDTH, subsequent_indent="  "))
+    if best.request.actor_dtype != p.request.actor_dtype:
+        lines.insert(-1, textwrap.fill(
+            f"note: the actor stored in {best.request.actor_dtype}, not the request's {p.request.actor_dtype} "
             "(fsdp_config.model_dtype): bf16 keeps no fp32 master weights; the search prices its memory and time, "
             "not what it does to training", LINE_WIDTH, subsequent_indent="  "))
     return "\n".join(lines)
 
 
 def rl_plan_json(p: RlPlan) -> str:
-    from .search import NOT_SEARCHED
+    from .search import not_searched
 
     return json.dumps({"searched": p.searched, "priced": p.priced, "fits": bool(p.ranked),
-                       "not_searched": NOT_SEARCHED,
+                       "not_searched": not_searched(p.request),
                        "candidates": [rl_dict(e) for e in p.ranked or p.misses]}, indent=2)

@@ -2,8 +2,9 @@
 evaluate_rl and ranked by its estimated step time (cost_models/rl_time.py), then its peak, among those that fit.
 
 The knobs fall in three groups by what they change in the cost models:
-- shared (S): the actor's dtype and its param / optimizer offload, the reference's offload (full fine-tuning: a
-  LoRA actor is its own reference) and PPO's critic offloads - they change every phase and the offload copies;
+- shared (S): the actor's strategy (actor.strategy: fsdp, FSDP1, or fsdp2), dtype and param / optimizer offload,
+  and PPO's critic offloads - they change every phase, the offload copies and (strategy, dtype) the update's
+  seconds; the reference's offload is not a knob (verl offloads it whatever it says: NOT_SEARCHED);
 - engine (E): rollout TP, gpu_memory_utilization, max_num_seqs - they change only the phases with the engine
   awake (init, rollout, weight_sync: ENGINE_PHASES), the engine's refusals, host RAM and the generation time;
 - actor (A): gradient checkpointing, the Ulysses degree (dividing the heads and the GPUs; the KV heads divided
@@ -12,15 +13,25 @@ The knobs fall in three groups by what they change in the cost models:
   log-prob's apart (forward only: it takes more), and entropy chunking - they change only the other phases (the
   engine asleep), the batch refusals and the update / log-prob time.
 Given S, a configuration fits when its engine side and its actor side each fit, and its step time is f(S, E) +
-g(S's dtype, A) (rl_time.py: generation + weight sync + offload copies; update + log-probs + critic). So the best
-configuration of each S is the best E with the best A, found without their product (plan_rl): every E priced
-at one A, every A's time read once per dtype, then the A in time order until one fits. tests/unit/
-test_rl_search.py checks it against the whole product (exhaustive) on a small case.
+g(S's strategy and dtype, A) (rl_time.py: generation + weight sync + offload copies; update + log-probs + critic).
+So the best configuration of each S is the best E with the best A, found without their product (plan_rl): every E
+priced at one A, every A's time read once per (strategy, dtype), then the A in time order until one fits.
+tests/unit/test_rl_search.py checks it against the whole product (exhaustive) on a small case.
+
+The strategy: FSDP2 holds at most what FSDP1 holds in every phase (cost_models/rl_strategy.py: verl wraps the
+embedding and head as their own units; FSDP1's weight sync keeps a copy of the shard; tests/unit/
+test_rl_strategy.py checks it phase by phase) but the update on one-rank shard groups (fsdp_size 1: FSDP1 runs
+NO_SHARD), and its update is not always the faster: the copies around the collectives (cost_models/fsdp_copies.py)
+favour FSDP1 with a bf16 actor or LoRA, FSDP2 with an fp32 actor. So both are searched; FSDP1's engine side is
+priced only where FSDP2's fits, and (sharded) an actor choice whose actor side did not fit under FSDP2 is not
+priced under FSDP1 with as much offloaded. With --offload-policy the search keeps FSDP2 (verl's FSDP1 ignores
+CPUOffloadPolicy). FSDP1 LoRA's weight sync gathers the whole model unless rollout.layered_summon: the request's,
+never set by the search (verl refuses it at the first sync under rollout.load_format dummy, its default), said in
+the output where it applies.
 
 Entropy chunking changes memory, not time (its loop's cost is not priced): it is the request's unless the actor
 side does not fit without it (with_chunking_if_needed). The actor's dtype is searched for its memory and time only:
-bf16 keeps no fp32 master weights, which the output says when the best differs from the request. The actor's
-strategy is FSDP2 in every configuration (STRATEGY: it never holds more than FSDP1), said likewise. Not searched,
+bf16 keeps no fp32 master weights, which the output says when the best differs from the request. Not searched,
 and why: NOT_SEARCHED, said in the output.
 """
 
@@ -53,19 +64,24 @@ MAX_NUM_SEQS = (256, 512, 1024)
 # compute-bound (rl_time.prefill_s) in chunks above ~340 tokens on every GPU of the catalog (peak x efficiency / HBM)
 MAX_NUM_BATCHED_TOKENS = (2048, 4096, 8192)
 ENGINE_PHASES = ("init", "rollout", "weight_sync")
-# FSDP2 holds at most what FSDP1 holds in every phase (cost_models/rl_strategy.py: verl wraps the embedding and head
-# as their own units; FSDP1's weight sync keeps a copy of the shard), so every configuration is priced with it; the
-# output says so when the request asks for FSDP1 (tests/unit/test_rl_strategy.py checks the claim phase by phase).
-# Its step is not always the faster: the copies around the collectives (cost_models/fsdp_copies.py) favour FSDP1
-# with a bf16 actor or LoRA (the issue's job: 1.6% and 4.0% shorter steps), FSDP2 with an fp32 actor (1.9%).
-STRATEGY = "fsdp2"
+STRATEGIES = ("fsdp2", "fsdp")   # actor.strategy: FSDP2, FSDP1 (verl's names)
+OFFLOADS = ("param_offload", "optimizer_offload", "critic_param_offload", "critic_optimizer_offload")   # S's flags
 NOT_SEARCHED: dict = {
     "ref_param_offload": "verl offloads the reference whatever it says (FSDP's own CPU offload of a forward_only "
                          "model: cost_models/rl_settings.py reference_offloaded)",
     "offload_policy": "the request's (FSDP2's CPUOffloadPolicy, --offload-policy): its CPU Adam step rests on the "
                       "host's CPUs (--host-cores-per-node, --omp-num-threads; a thread's rate measured on one H100 "
                       "host: cost_models/host_optimizer.py), and it moves both sides of the split (the engine's start "
-                      "and host RAM, the update)"}
+                      "and host RAM, the update); with it the strategy stays fsdp2 (verl's FSDP1 ignores it)"}
+LORA_NOT_SEARCHED = {
+    "layered_summon": "the request's (rollout.layered_summon: FSDP1's LoRA weight sync then gathers one unit at a "
+                      "time, not the whole model; verl refuses it at the first sync under rollout.load_format dummy, "
+                      "its default)"}
+
+
+def not_searched(request: RlRequest) -> dict:
+    """The knobs kept at the request's value that bear on its pricing, each with why."""
+    return {**NOT_SEARCHED, **(LORA_NOT_SEARCHED if request.finetune == "lora" else {})}
 
 
 @dataclass(frozen=True)
@@ -107,12 +123,15 @@ def _divides_mini(request: RlRequest, n_gpus: int, sp: int, micro: int) -> bool:
 def spaces(request: RlRequest, model: ModelSpec, n_gpus: int) -> tuple[list[dict], list[dict], list[dict]]:
     """(shared, engine, actor) knob values. Pruned by construction: what verl or vLLM refuse (a TP or Ulysses
     degree not dividing the GPUs and heads, a micro-batch not dividing the mini-batch, a budget shorter than one
-    sequence / Ulysses) and max_num_seqs above a replica's sequences (the same speed, a larger sampler)."""
+    sequence / Ulysses), max_num_seqs above a replica's sequences (the same speed, a larger sampler) and FSDP1
+    under the request's offload_policy (verl's FSDP1 ignores it)."""
     heads, kv = model.n_heads, model.n_kv_heads
-    # under CPUOffloadPolicy verl forces the manual offloads off (cost_models/rl_settings.py)
+    # under CPUOffloadPolicy verl forces the manual offloads off (cost_models/rl_settings.py), and its FSDP1 ignores
+    # the policy: the request's policy keeps FSDP2
     offloads = ((False, False),) if request.offload_policy else itertools.product((False, True), (False, True))
-    shared = [dict(actor_dtype=d, param_offload=p, optimizer_offload=o)
-              for d, (p, o) in itertools.product(DTYPES, list(offloads))]
+    strategies = ("fsdp2",) if request.offload_policy else STRATEGIES
+    shared = [dict(strategy=st, actor_dtype=d, param_offload=p, optimizer_offload=o)
+              for st, d, (p, o) in itertools.product(strategies, DTYPES, list(offloads))]
     if request.algorithm == "ppo":
         shared = [dict(s, critic_param_offload=a, critic_optimizer_offload=b) for s in shared
                   for a, b in itertools.product((False, True), (False, True))]
@@ -162,10 +181,8 @@ def with_chunking_if_needed(price, request: RlRequest, knobs: dict) -> RlEstimat
 
 
 def _pricer(request: RlRequest, profile: Profile | None, model: ModelSpec, memo: dict):
-    """evaluate_rl on the request with some knobs changed, counted, sharing one memo; the actor wrapped with FSDP2
-    (STRATEGY)."""
+    """evaluate_rl on the request with some knobs changed, counted, sharing one memo."""
     count = [0]
-    request = dataclasses.replace(request, strategy=STRATEGY)
 
     def price(knobs: dict) -> RlEstimate:
         count[0] += 1
@@ -187,8 +204,9 @@ def plan_rl(request: RlRequest, profile: Profile | None = None, top: int = 10) -
     product's best). Per S: the engine choices priced at the first actor choice, rising utilizations of each TP
     and max_num_seqs until one fits at full speed (its KV cache runs every sequence it may: more only adds
     memory) or the engine side is over the GPU (more only adds memory); the best by (f, engine-side peak). Then
-    the actor choices in the order of their seconds (train_time_s, read once per dtype), each priced with S and
-    that engine choice until one fits; one that did not fit with more offloaded (same dtype) is not priced."""
+    the actor choices in the order of their seconds (train_time_s, read once per strategy and dtype), each priced
+    with S and that engine choice until one fits; one whose actor side did not fit with a choice holding no more
+    (_holds_no_more) is not priced."""
     if request.framework != "verl":   # the knobs and the engine side / actor side split are verl's
         raise PlannerError("framework", f"{request.framework}: `fsdp-plan rl` searches verl's knobs; price a TRL "
                                         "job with `fsdp-plan rl estimate --framework trl` or `fsdp-plan check`; "
@@ -199,21 +217,30 @@ def plan_rl(request: RlRequest, profile: Profile | None = None, top: int = 10) -
     actors = actors or [{}]   # none verl takes (a mini-batch of 0 sequences a rank): the request's, to say why
     memo: dict = {}
     price, count = _pricer(request, profile, model, memo)
-    order = {d: sorted(range(len(actors)), key=lambda i: (train_time_s(dataclasses.replace(  # as price() wraps it
-        request, **{"strategy": STRATEGY, "actor_dtype": d, **actors[i]}), model, profile, memo), i)) for d in DTYPES}
+    apis = {(t["strategy"], t["actor_dtype"]) for t in shared}   # the strategy and dtype change g: its order each
+    order = {api: sorted(range(len(actors)), key=lambda i: (train_time_s(dataclasses.replace(  # as price() runs it
+        request, **{"strategy": api[0], "actor_dtype": api[1], **actors[i]}), model, profile, memo), i))
+        for api in apis}
     priced: list[RlEstimate] = []
     failed: list[tuple[dict, set]] = []   # (S, the actor choices whose actor side did not fit with it)
     best = []
-    for s in sorted(shared, key=lambda s: -sum(v for k, v in s.items() if k != "actor_dtype")):
-        by_engine = _engine_side(price, s, engines, actors[0])
+    fsdp2_fitting: dict = {}   # S less its strategy -> FSDP2's engine choices that fit, as (f, index)
+    sharded = n_gpus > 1 and request.fsdp_size != 1   # else FSDP1 runs NO_SHARD (_holds_no_more)
+    # the choices that hold less first (more offloaded; FSDP2 before FSDP1), so their failures prune the others'
+    for s in sorted(shared, key=lambda s: (-sum(s[k] for k in OFFLOADS if k in s), s["strategy"] != "fsdp2")):
+        twin = tuple(sorted((k, v) for k, v in s.items() if k != "strategy"))
+        by_engine = (_engine_side(price, s, engines, actors[0]) if s["strategy"] == "fsdp2" else
+                     _engine_side_as_fsdp2(price, s, engines, actors[0], fsdp2_fitting[twin]))
         priced += [e for _, e in by_engine]
         fitting = [(i, e) for i, e in by_engine if side_fits(e, engine_side=True)]
+        if s["strategy"] == "fsdp2":
+            fsdp2_fitting[twin] = sorted((_f(e), i) for i, e in fitting)
         if not fitting:
             continue
         chosen = engines[min(fitting, key=lambda ie: (_f(ie[1]), _peak_mib(ie[1], True), ie[0]))[0]]
-        known = set().union(*(f for t, f in failed if _offloads_more(t, s)))
+        known = set().union(*(f for t, f in failed if _holds_no_more(t, s, sharded)))
         failing = set()
-        for i in order[s["actor_dtype"]]:
+        for i in order[s["strategy"], s["actor_dtype"]]:
             if i in known:
                 continue
             e = with_chunking_if_needed(price, request, {**s, **chosen, **actors[i]})
@@ -229,9 +256,13 @@ def plan_rl(request: RlRequest, profile: Profile | None = None, top: int = 10) -
     return RlPlan(request=request, ranked=tuple(ranked[:top]), misses=misses, searched=space, priced=count[0])
 
 
-def _offloads_more(t: dict, s: dict) -> bool:
-    """t offloads all that s does (the same dtype): every actor-side phase of t holds at most what s's holds."""
-    return t["actor_dtype"] == s["actor_dtype"] and all(t[k] >= v for k, v in s.items() if k != "actor_dtype")
+def _holds_no_more(t: dict, s: dict, sharded: bool) -> bool:
+    """Every actor-side phase of t holds at most what s's holds: the same dtype, all that s offloads offloaded, and
+    s's strategy or, where the actor is sharded, FSDP2 (it never holds more than FSDP1 there; on one-rank shard
+    groups FSDP1 runs NO_SHARD and its update holds less: cost_models/rl_strategy.py, tests/unit/
+    test_rl_strategy.py)."""
+    return (t["actor_dtype"] == s["actor_dtype"] and t["strategy"] in (s["strategy"], "fsdp2" if sharded else None)
+            and all(t[k] >= s[k] for k in OFFLOADS if k in s))
 
 
 def _engine_side(price, s: dict, engines: list[dict], actor: dict) -> list[tuple[int, RlEstimate]]:
@@ -251,6 +282,24 @@ def _engine_side(price, s: dict, engines: list[dict], actor: dict) -> list[tuple
         wanted = min(e["max_num_seqs"], est.batch.rollout_seqs_per_replica)
         if over or (side_fits(est, True) and est.memory.engine.max_concurrent_seqs >= wanted):
             stop = group
+    return out
+
+
+def _engine_side_as_fsdp2(price, s: dict, engines: list[dict], actor: dict, fsdp2: list[tuple[float, int]]
+                          ) -> list[tuple[int, RlEstimate]]:
+    """FSDP1's engine choices worth pricing, from FSDP2's with the same dtype and offloads (`fsdp2`: those that fit,
+    as (f, index), fastest first): FSDP1's engine side holds at least FSDP2's (its weight sync adds the shard's copy;
+    init, rollout, host RAM and the engine's refusals are the same) and its f is FSDP2's (tests/unit/
+    test_rl_strategy.py), so only those can fit, and the best is in the fastest f among them where one does: priced
+    in f's order to the end of that f."""
+    out, found = [], None
+    for f, i in fsdp2:
+        if found is not None and f > found:
+            break
+        est = price({**s, **engines[i], **actor})
+        out.append((i, est))
+        if found is None and side_fits(est, engine_side=True):
+            found = f
     return out
 
 

@@ -51,21 +51,25 @@ def test_rl_ranks_what_fits_by_step_time():
     RlPlanOutput.model_validate(out)
     steps = [c["time"]["step_s"] for c in out["candidates"]]
     assert out["fits"] and all(c["fits"] for c in out["candidates"]) and steps == sorted(steps)
-    # shared 8 x engine 90 x actor 252 (tests/unit/test_rl_search.py, by hand); under 2,000 priced
-    assert out["searched"] == 181_440 and out["priced"] < 2000
+    # shared 16 (FSDP1 and FSDP2) x engine 90 x actor 252 (tests/unit/test_rl_search.py, by hand); under 2,000 priced
+    assert out["searched"] == 362_880 and out["priced"] < 2000
     assert set(out["not_searched"]) == {"offload_policy", "ref_param_offload"}
     best = out["candidates"][0]["knobs"]
+    # the best is FSDP1's since the strategy is searched: bf16, whose update FSDP1 runs with fewer copies around the
+    # collectives (tests/unit/test_rl_strategy.py); FSDP2's best is ranked too, and the reference offloaded (verl)
+    assert (best["strategy"], best["actor_dtype"], best["ref_param_offload"]) == ("fsdp", "bf16", True)
+    assert {c["knobs"]["strategy"] for c in out["candidates"]} == {"fsdp", "fsdp2"}
     # the log-prob forward takes a larger micro-batch (or token budget) than the update, its logits then chunked to
     # fit (tests/unit/test_rl_search.py: 74.7 GB unchunked at 16 sequences)
     update, log_prob = (("ppo_max_token_len_per_gpu", "log_prob_max_token_len_per_gpu") if best["use_dynamic_bsz"] else
                         ("ppo_micro_batch_size_per_gpu", "log_prob_micro_batch_size_per_gpu"))
     assert best[log_prob] > best[update]
     assert best["entropy_chunking"] and best["max_num_seqs"] in (256, 512, 1024)
-    table = run("rl", *JOB[2:])
+    table = run("rl", *JOB[2:], "--strategy", "fsdp2")
     assert table.returncode == 0 and "by estimated step time" in table.stdout and "Best:" in table.stdout
     assert "every row: " in table.stdout and "knobs: actor " in table.stdout
     assert "not searched: ref_param_offload: verl offloads the reference" in table.stdout
-    assert "note: the actor wrapped with fsdp2, not the request's fsdp" in table.stdout
+    assert "note: the actor wrapped with fsdp, not the request's fsdp2" in table.stdout
     assert max(len(line) for line in table.stdout.splitlines()) <= LINE_WIDTH
 
 

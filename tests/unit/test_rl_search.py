@@ -18,14 +18,20 @@ def qwen7():
 
 
 def test_space_sizes(qwen7):
-    """The issue's job (Qwen2.5-7B: 28 heads, 4 KV heads; 8 GPUs; 2,048 sequences a step): shared 2 dtypes x 2 x 2
-    offloads = 8 (no reference offload: verl offloads it whatever the knob says); engine: TP 1 / 2 / 4 (8 does not divide 28 heads) with 256 / 512 / 1,024
-    sequences a replica, so max_num_seqs {256}, {256, 512}, {256, 512, 1024}, each with max_num_batched_tokens 8,192
-    (the request's), 2,048 and 4,096 (all >= max_num_seqs, as vLLM asks): 6 x 3 x 5 utilizations = 90; actor:
-    Ulysses 1 / 2 / 4 x checkpointing on / off x (5 micro-batches (all divide 256 x sp) x 6 log-prob ones, or
-    dynamic batches: 3 token budgets x 4 log-prob ones, each x sp holding one sequence of 5,120) = 6 x 42 = 252."""
+    """The issue's job (Qwen2.5-7B: 28 heads, 4 KV heads; 8 GPUs; 2,048 sequences a step): shared 2 strategies (fsdp,
+    fsdp2) x 2 dtypes x 2 x 2 offloads = 16 (no reference offload: verl offloads it whatever the knob says; under
+    offload_policy FSDP2 alone, no manual offload: 2); engine: TP 1 / 2 / 4 (8 does not divide 28 heads) with 256 /
+    512 / 1,024 sequences a replica, so max_num_seqs {256}, {256, 512}, {256, 512, 1024}, each with
+    max_num_batched_tokens 8,192 (the request's), 2,048 and 4,096 (all >= max_num_seqs, as vLLM asks): 6 x 3 x 5
+    utilizations = 90; actor: Ulysses 1 / 2 / 4 x checkpointing on / off x (5 micro-batches (all divide 256 x sp) x
+    6 log-prob ones, or dynamic batches: 3 token budgets x 4 log-prob ones, each x sp holding one sequence of 5,120)
+    = 6 x 42 = 252."""
     shared, engine, actor = search.spaces(rl_request("qwen2.5-7b", 8, **JOB), qwen7, 8)
-    assert (len(shared), len(engine), len(actor)) == (8, 90, 252)
+    assert (len(shared), len(engine), len(actor)) == (16, 90, 252)
+    assert sum(s["strategy"] == "fsdp" for s in shared) == 8
+    policy = search.spaces(rl_request("qwen2.5-7b", 8, **JOB, offload_policy=True), qwen7, 8)[0]
+    assert [(s["strategy"], s["actor_dtype"], s["param_offload"], s["optimizer_offload"]) for s in policy] == [
+        ("fsdp2", "fp32", False, False), ("fsdp2", "bf16", False, False)]
     assert sum(a["use_dynamic_bsz"] for a in actor) == 72
     assert {e["max_num_seqs"] for e in engine if e["rollout_tp"] == 2} == {256, 512}
     # vLLM refuses max_num_batched_tokens < max_num_seqs: with 1,024 sequences, 512 is not priced
@@ -34,8 +40,8 @@ def test_space_sizes(qwen7):
     assert [e["max_num_batched_tokens"] for e in low if e["max_num_seqs"] == 256 and e["rollout_tp"] == 1][::5] == [
         512, 2048, 4096, 8192]
     # LoRA the same; PPO: the critic's two offloads
-    assert len(search.spaces(rl_request("qwen2.5-7b", 8, **JOB, finetune="lora"), qwen7, 8)[0]) == 8
-    assert len(search.spaces(rl_request("qwen2.5-7b", 8, **JOB, algorithm="ppo"), qwen7, 8)[0]) == 32
+    assert len(search.spaces(rl_request("qwen2.5-7b", 8, **JOB, finetune="lora"), qwen7, 8)[0]) == 16
+    assert len(search.spaces(rl_request("qwen2.5-7b", 8, **JOB, algorithm="ppo"), qwen7, 8)[0]) == 64
     # dynamic, 1024 + 8192 tokens: a budget x sp holds one sequence of 9,216: sp 1 -> 16k, 32k; sp 2 and 4 -> all 3;
     # log-prob budgets likewise, 64k too (sp 1: 3 of 4, sp 2 / 4: 4)
     dynamic = [a for a in search.spaces(rl_request("qwen2.5-7b", 8, **{**JOB, "response_len": 8192}), qwen7, 8)[2]
@@ -58,22 +64,26 @@ def test_ulysses_degrees_follow_verls_rule(qwen7):
 
 
 def test_pruned_search_finds_the_exhaustive_best(monkeypatch):
-    """Qwen2.5-7B GRPO on 2 x H100 (fp32 states 15 + 30 GB a GPU: offloads matter), a space cut to 2,560
-    configurations: for every shared choice the pruned search's best has the step time and peak of the whole
-    product's best, pricing a twentieth of it. The best needs entropy chunking, so the chunking rule is exercised;
-    the fp32 actor's best without offloads takes dynamic batches (16k tokens: 5 sequences of 3,072 a micro-batch,
-    which static batches of 1 or 16 do not offer), so both batch modes are. max_num_batched_tokens 64 (with
-    max_num_seqs 64 only) trades vLLM's profile-run activations (more KV) against prefill chunks that read the
-    weights more often than they compute."""
+    """Qwen2.5-7B GRPO on 2 x H100 (fp32 states 15 + 30 GB a GPU: offloads matter) under vLLM 0.8 (its weight sync
+    wakes the KV cache too), a space cut to 5,120 configurations, FSDP1 and FSDP2: for every shared choice the
+    pruned search's best has the step time and peak of the whole product's best, pricing a twenty-fifth of it. The
+    best needs entropy chunking, so the chunking rule is exercised; both batch modes are (the fp32 actor's best
+    without offloads under FSDP2 takes dynamic batches: 16k tokens, 5 sequences of 3,072 a micro-batch, which static
+    batches of 1 or 16 do not offer). max_num_batched_tokens 64 (with max_num_seqs 64 only) trades vLLM's
+    profile-run activations (more KV) against prefill chunks that read the weights more often than they compute.
+    FSDP1's weight sync keeps a copy of the shard (15.2 GB with the fp32 actor) beside the engine awake: with neither
+    offload it is over the GPU where FSDP2's best engine choice runs (TP 2 at 0.6), so FSDP1's best runs a smaller
+    KV cache and generates slower; with the params offloaded and Adam's states not, no engine choice fits it (the
+    KV cache, sized at init with the params off the GPU, is awake when they come back for the sync)."""
     for name, values in dict(UTILIZATIONS=(0.3, 0.6), MICRO_BATCHES=(1, 16), LOG_PROB_MICRO_BATCHES=(2, 32),
                              MAX_NUM_SEQS=(64, 256), TOKEN_BUDGETS=(16384,), LOG_PROB_TOKEN_BUDGETS=(32768,),
                              MAX_NUM_BATCHED_TOKENS=(64, 16384)).items():
         monkeypatch.setattr(search, name, values)
     request = rl_request("qwen2.5-7b", 2, gpu="h100-80gb", prompt_len=1024, response_len=2048, rollout_n=4,
-                         train_batch=32)
+                         train_batch=32, engine_version="0.8")
     plan = search.plan_rl(request, top=100)
     everything = search.exhaustive(request)
-    assert plan.searched == len(everything) == 2560 and plan.priced < 300
+    assert plan.searched == len(everything) == 5120 and plan.priced < 5120 / 25
     shared = list(search.spaces(request, resolve_model("qwen2.5-7b"), 2)[0][0])
 
     def choice(e):
@@ -83,8 +93,12 @@ def test_pruned_search_finds_the_exhaustive_best(monkeypatch):
         if e.fits and (choice(e) not in exhaustive or search.key(e) < search.key(exhaustive[choice(e)])):
             exhaustive[choice(e)] = e
     assert {choice(e): search.key(e) for e in plan.ranked} == {c: search.key(e) for c, e in exhaustive.items()}
-    assert len(plan.ranked) == 8 and plan.ranked[0].request.entropy_chunking
+    assert len(plan.ranked) == 15 and ("fsdp", "fp32", True, False) not in exhaustive
+    assert plan.ranked[0].request.strategy == "fsdp" and plan.ranked[0].request.entropy_chunking
     assert {e.request.use_dynamic_bsz for e in plan.ranked} == {False, True}
+    fsdp1, fsdp2 = (exhaustive[s, "fp32", False, False] for s in ("fsdp", "fsdp2"))
+    assert (fsdp2.request.gpu_memory_utilization, fsdp1.request.gpu_memory_utilization) == (0.6, 0.3)
+    assert fsdp1.time.generation_s > 3 * fsdp2.time.generation_s
 
 
 BEST = dict(JOB, actor_dtype="bf16", gradient_checkpointing=False, rollout_tp=4,
@@ -124,8 +138,28 @@ def test_ulysses_is_what_fits_the_update_without_checkpointing():
 
 def test_a_batch_verl_refuses_is_still_priced_to_say_why():
     """1 prompt x 1 response on 8 GPUs: verl's normalised mini-batch is 1 // 8 = 0 sequences, so no micro-batch
-    divides it; the search prices the request's own batch (8 shared x 45 engine choices: TP 1 / 2 / 4 with
+    divides it; the search prices the request's own batch (16 shared x 45 engine choices: TP 1 / 2 / 4 with
     max_num_seqs 256, 3 max_num_batched_tokens, 5 utilizations) and the nearest miss names verl's assert."""
     plan = search.plan_rl(rl_request("qwen2.5-7b", 8, gpu="h100-80gb", train_batch=1, rollout_n=1))
-    assert not plan.ranked and plan.searched == 8 * 45
+    assert not plan.ranked and plan.searched == 16 * 45
     assert plan.misses[0].reasons[0].startswith("train_batch: real_train_batch_size (1) must be divisible")
+
+
+def test_lora_keeps_the_requests_layered_summon_and_says_so():
+    """LoRA on the issue's job: FSDP1's update is the faster (its copies: tests/unit/test_rl_strategy.py), so the
+    best is FSDP1's, whose weight sync summons the whole bf16 model unless rollout.layered_summon: 7,615,616,512 x 2
+    = 15,231,233,024 B (14.19 GiB), which the output notes as verl's fix; with --layered-summon the search keeps it
+    and prices the largest unit, the root: (2 x 544,997,376 + 3,584) x 2 = 2,179,996,672 B."""
+    from planner.rl.report import rl_plan_text
+
+    lora = dict(JOB, finetune="lora")
+    plain, layered = (search.plan_rl(rl_request("qwen2.5-7b", 8, layered_summon=x, **lora), top=3)
+                      for x in (False, True))
+    sync = [next(p.gpu_bytes for p in plan.ranked[0].memory.phases if p.name == "weight_sync")
+            for plan in (plain, layered)]
+    assert [plan.ranked[0].request.strategy for plan in (plain, layered)] == ["fsdp", "fsdp"]
+    assert [plan.ranked[0].request.layered_summon for plan in (plain, layered)] == [False, True]
+    assert [s["summoned params"] for s in sync] == [15_231_233_024, 2_179_996_672]
+    text = " ".join(rl_plan_text(plain).split())   # unwrapped
+    assert "gathers the whole model at once (14.19 GiB, priced so); verl's fix, --layered-summon" in text
+    assert "layered_summon: the request's" in text and "verl's fix" not in rl_plan_text(layered)

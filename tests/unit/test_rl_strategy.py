@@ -1,8 +1,9 @@
 """verl's actor strategy (cost_models/rl_strategy.py): FSDP1's root flat parameter and state-dict copy against FSDP2's
 separate embedding and head units, worked by hand from Qwen2.5-7B's config (embedding = head = 544,997,376
 parameters, final norm 3,584, a block 233,057,792, 28 blocks; 7,615,616,512 in all), and the claim the search rests
-on (planner/rl/search.py STRATEGY): FSDP2 never holds more, phase by phase; its update differs from FSDP1's by the
-copies around the collectives (cost_models/fsdp_copies.py), which favour either API by precision and finetune."""
+on (planner/rl/search.py prunes FSDP1's choices by FSDP2's): FSDP2 never holds more, phase by phase (but the update
+on a one-rank shard group), the engine and host RAM alike; its update differs from FSDP1's by the copies around the
+collectives (cost_models/fsdp_copies.py), which favour either API by precision and finetune."""
 
 import pytest
 
@@ -89,6 +90,7 @@ def test_fsdp2_holds_no_more_but_at_no_shard_and_only_the_trainer_passes_differ_
     if not sharded:
         one, two = fsdp1.memory.actor.update_steady, fsdp2.memory.actor.update_steady
         assert one.unsharded_params == 0 and two.total_bytes - one.total_bytes == two.unsharded_params > 0
+    assert (fsdp1.host.peak_bytes, fsdp1.memory.engine) == (fsdp2.host.peak_bytes, fsdp2.memory.engine)
     same = ("generation_s", "weight_sync_s", "offload_s", "reward_s")
     assert [getattr(fsdp1.time, f) for f in same] == [getattr(fsdp2.time, f) for f in same]
     assert (fsdp1.time.update_s != fsdp2.time.update_s) == sharded
