@@ -12,6 +12,8 @@ ALGORITHMS = ("grpo", "ppo")
 ACTOR_DTYPES = {"fp32": Precision.BF16, "bf16": Precision.BF16_PURE}  # stored dtype -> FSDP mixed precision
 STRATEGIES = ("fsdp", "fsdp2")
 FRAMEWORKS = ("verl", "trl")
+# what accelerate's fsdp_offload_params (TRL: --param-offload) offloads beside the actor's params and Adam states
+TRL_OFFLOAD_FOLLOWERS = ("offload_policy", "ref_param_offload")
 
 @dataclass(frozen=True)
 class RlSettings:
@@ -77,7 +79,7 @@ class RlSettings:
             raise SpecError("optimizer_offload", "accelerate's fsdp_offload_params offloads params and optimizer "
                                                  "together: set param_offload and optimizer_offload alike")
         policy = self.offload_policy or self.param_offload   # idempotent: a replace() keeps it
-        for name, value in (("offload_policy", policy), ("ref_param_offload", policy), ("sleep_level", 2)):
+        for name, value in (*((n, policy) for n in TRL_OFFLOAD_FOLLOWERS), ("sleep_level", 2)):
             object.__setattr__(self, name, value)
 
     @property

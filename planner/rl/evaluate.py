@@ -15,7 +15,7 @@ from cost_models.rl_critic import critic_states
 from cost_models.rl_host import HostRam, host_ram_per_node
 from cost_models.rl_actor import actor_run, actor_states
 from cost_models.rl_phases import RlMemory, rl_phases
-from cost_models.rl_settings import RlSettings
+from cost_models.rl_settings import TRL_OFFLOAD_FOLLOWERS, RlSettings
 from cost_models.rl_reward import RewardSettings
 from cost_models.rl_schedule import TRL_ENGINE, TRL_SETS, trl_max_num_seqs
 from cost_models.rl_time import RlTime, critic_seconds, rl_step_time, train_seconds
@@ -91,7 +91,7 @@ def _trl_engine(r: RlRequest, model: ModelSpec, batch: RlBatch, engine: EngineSe
     plan = batch_plan(batch, r.cluster.spec().n_gpus, model.n_heads, model.n_kv_heads, engine.tp)
     derived = {"max_num_seqs": trl_max_num_seqs(r.ppo_micro_batch_size_per_gpu, engine.tp, plan),
                "log_prob_micro_batch_size_per_gpu": r.ppo_micro_batch_size_per_gpu,
-               "ref_param_offload": r.param_offload, "offload_policy": r.param_offload}
+               **dict.fromkeys(TRL_OFFLOAD_FOLLOWERS, r.param_offload)}
     table = knob_table(RlRequest)
     for name, (runs, why) in TRL_SETS.items():
         value, runs = getattr(r, name), derived.get(name, runs)

@@ -11,7 +11,7 @@ from tabulate import tabulate
 from cost_models.units import GiB
 from planner.line_width import LINE_WIDTH
 
-from .evaluate import RlEstimate
+from .evaluate import RlEstimate, specs_of
 from .search import RlPlan
 
 # What the figures rest on beyond the engines' and verl's own code (said in every output).
@@ -31,16 +31,16 @@ SEARCHED = ("strategy", "actor_dtype", "param_offload", "optimizer_offload", "re
             "rollout_tp", "gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens")
 
 
-def knobs_dict(r, engine=None) -> dict:
+def knobs_dict(e: RlEstimate) -> dict:
     """The searched knobs' values as priced (a log-prob micro-batch or budget left unset is the update's; TRL: the
-    engine's knobs as TRL sets them, its reference offloaded with the actor)."""
+    engine's knobs as TRL sets them; the reference's offload as the priced settings hold it: specs_of's RlSettings,
+    reference_offloaded)."""
+    r, engine = e.request, e.engine_settings
     out = {k: getattr(r, k) for k in SEARCHED}
     out["log_prob_micro_batch_size_per_gpu"] = r.log_prob_micro_batch_size_per_gpu or r.ppo_micro_batch_size_per_gpu
     out["log_prob_max_token_len_per_gpu"] = r.log_prob_max_token_len_per_gpu or r.ppo_max_token_len_per_gpu
-    if engine is not None:
-        out.update(max_num_seqs=engine.max_num_seqs, max_num_batched_tokens=engine.max_num_batched_tokens)
-    # TRL offloads the reference with the actor; verl always (cost_models/rl_settings.py reference_offloaded)
-    out["ref_param_offload"] = r.param_offload if r.framework == "trl" else True
+    out.update(max_num_seqs=engine.max_num_seqs, max_num_batched_tokens=engine.max_num_batched_tokens,
+               ref_param_offload=specs_of(r, e.model)[2].reference_offloaded)
     return out
 
 
@@ -77,7 +77,7 @@ def rl_dict(e: RlEstimate) -> dict:
                   "update_tokens_per_gpu": e.batch.update_tokens_per_gpu,
                   "log_prob_tokens_per_gpu": e.batch.log_prob_tokens_per_gpu},
         "time": e.time.to_dict(),
-        "knobs": knobs_dict(e.request, e.engine_settings),
+        "knobs": knobs_dict(e),
         "estimates": list(ESTIMATES),
     }
 
@@ -167,7 +167,7 @@ def _budget(tokens: int) -> str:
 
 def _knobs(e: RlEstimate) -> dict:
     """A ranked row's knobs by column (LEGEND says what each holds)."""
-    r, k = e.request, knobs_dict(e.request)
+    r, k = e.request, knobs_dict(e)
     offload = "".join(c for c, on in (("p", r.param_offload), ("o", r.optimizer_offload),
                                        ("r", k["ref_param_offload"] and r.finetune == "full"),
                                        ("P", r.critic_param_offload and r.algorithm == "ppo"),

@@ -118,6 +118,18 @@ def test_the_reference_by_strategy_and_lora():
     assert "reference" not in lora["rollout"].gpu_bytes and "reference gathered" not in lora["ref_log_prob"].gpu_bytes
 
 
+def test_the_json_knobs_report_the_reference_offload_as_priced(defaults):
+    """knobs.ref_param_offload reads the priced settings (RlSettings.reference_offloaded): TRL's reference follows
+    the actor's fsdp_offload_params, its shard on the host with it (beta 0.04: the rollout holds none); verl's is
+    on the host whatever ref.fsdp_config.param_offload says."""
+    from planner.rl.report import rl_dict
+
+    offloaded = rl_estimate("qwen2.5-7b", 8, **TRL, beta=0.04, param_offload=True, optimizer_offload=True)
+    assert "reference" not in phases(offloaded)["rollout"].gpu_bytes
+    verl = rl_estimate("qwen2.5-7b", 8, gpu="h100-80gb", ref_param_offload=False)
+    assert [rl_dict(e)["knobs"]["ref_param_offload"] for e in (defaults, offloaded, verl)] == [False, True, True]
+
+
 def test_sleep_mode_frees_the_engine_outside_generation(defaults):
     """vllm_enable_sleep_mode: level 2 after each generation (the graph pool stays); the sync wakes the weights
     only, the KV cache after it; nothing backed up on the host (level 2 discards)."""
