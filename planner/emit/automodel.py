@@ -30,7 +30,7 @@ from cost_models.specs import (Attention, ClusterSpec, FsdpConfig, Kernel, LossK
 
 from cost_models.mesh import mesh_of
 
-from planner.emit.common import _comment, _summary, hub_id, yaml_lines
+from planner.emit.common import _comment, _summary, env_words, hub_id, launch_env, yaml_lines
 from planner.errors import PlannerError
 
 VERSION = "0.7.0"
@@ -144,8 +144,10 @@ def emit_automodel(config: FsdpConfig, model: ModelSpec, cluster: ClusterSpec,
                      ("num_samples", 1000000)], "random tokens: replace with your dataset, same seq_len"),
         ("optimizer", optimizer),
     ]
-    head = [f"NeMo Automodel {VERSION} recipe, run with: automodel recipe.yaml --nproc-per-node "
-            f"{cluster.gpus_per_node}", *_summary(config, model, cluster)]
+    # its launcher runs torch.distributed.run's: torchrun's thread default
+    launch = " ".join([*env_words(launch_env(config, cluster)), "automodel recipe.yaml --nproc-per-node",
+                       str(cluster.gpus_per_node)])
+    head = [f"NeMo Automodel {VERSION} recipe, run with: {launch}", *_summary(config, model, cluster)]
     return _comment(head) + "\n" + "\n".join(yaml_lines(body)) + "\n"
 
 

@@ -20,7 +20,7 @@ from cost_models.specs import ClusterSpec, FsdpConfig, ModelSpec, Optimizer, Pre
 
 from planner.emit import attention, optimizer, qlora
 from planner.emit.common import (_comment, _summary, hsdp_note, hub_id, multi_node_note, reshard_entry, torchrun_command,
-                                 yaml_lines)
+                                 launch_env, yaml_lines)
 from planner.errors import PlannerError
 
 VERSION = "0.21.0"
@@ -114,7 +114,7 @@ def emit_axolotl(config: FsdpConfig, model: ModelSpec, cluster: ClusterSpec,
         ("fsdp_config", fsdp),
         ("output_dir", "./outputs"),
     ]
-    launch = torchrun_command(cluster, "-m axolotl.cli.train config.yaml", config.alloc_conf)
+    launch = torchrun_command(cluster, "-m axolotl.cli.train config.yaml", launch_env(config, cluster))
     head = [f"axolotl {VERSION} config, run with: {launch}", *multi_node_note(cluster),
             *_summary(config, model, cluster)]
     return _comment(head) + "\n" + "\n".join(yaml_lines(body)) + "\n"

@@ -1,6 +1,6 @@
 """Pieces every emitter shares (planner/emit/ dispatches to the dialect modules, which import only this,
-never each other): the plan's summary comment, FSDP option spellings, the caveat notes and torchrun's
-arguments. Pure strings: no torch import.
+never each other): the plan's summary comment, FSDP option spellings, the caveat notes, torchrun's
+arguments and the launch's environment (launch_env). Pure strings: no torch import.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from planner.emit.code import techniques as tech
 
 RDZV_PORT = 29500
 ALLOC_CONF_VAR = "PYTORCH_CUDA_ALLOC_CONF"
+OMP_VAR = "OMP_NUM_THREADS"
 # Why training turns a Hugging Face model's KV cache off (calibration.apply.disable_kv_cache does the same).
 _KV_CACHE_WHY = ("no KV cache in training: left on (HF's default), each checkpointed recompute appends to it "
                  "until backward ends")
@@ -119,15 +120,47 @@ def torchrun_args(cluster: ClusterSpec, script: str = "train.py", *, nnodes: str
             "--rdzv_backend", "c10d", "--rdzv_endpoint", endpoint, "--rdzv_id", rdzv_id, script]
 
 
-def torchrun_command(cluster: ClusterSpec, script: str = "train.py", alloc_conf: str = "") -> str:
-    """The torchrun line; alloc_conf: PYTORCH_CUDA_ALLOC_CONF set for it (left out when PyTorch's default)."""
-    return " ".join([*alloc_env(alloc_conf), "torchrun", *torchrun_args(cluster, script)])
+def torchrun_command(cluster: ClusterSpec, script: str = "train.py", env: dict | None = None) -> str:
+    """The torchrun line; env: the variables set for it (launch_env), PyTorch's defaults left out."""
+    return " ".join([*env_words(env or {}), "torchrun", *torchrun_args(cluster, script)])
 
 
-def alloc_env(alloc_conf: str) -> list[str]:
-    """PYTORCH_CUDA_ALLOC_CONF as a shell assignment, [] for PyTorch's default (""): torchrun's workers inherit
-    it, and c10's allocator reads it once, at its first CUDA allocation."""
-    return [f"{ALLOC_CONF_VAR}={shlex.quote(alloc_conf)}"] if alloc_conf else []
+def env_words(env: dict) -> list[str]:
+    """Shell assignments of `env`, for a command's prefix or an `export`."""
+    return [f"{name}={shlex.quote(value)}" for name, value in env.items()]
+
+
+# What a launcher gives its ranks when OMP_NUM_THREADS is unset; None: a count that depends on the machine.
+LAUNCHER_THREADS = {
+    "accelerate": 1,   # accelerate launch: --num_cpu_threads_per_process, default 1 (accelerate/commands/launch.py)
+    "ray": 1,          # Ray, an actor without num_cpus (verl's workers): ray/_private/utils.py
+    #                    set_omp_num_threads_if_unset
+    "lightning": None,  # cpus / processes (lightning/fabric/utilities/distributed.py _set_num_threads_if_needed)
+}
+
+
+def launcher_threads(launcher: str, cluster: ClusterSpec) -> int | None:
+    """LAUNCHER_THREADS; torchrun sets 1 only with more than one process a node (torch/distributed/run.py
+    config_from_args): with one, torch runs a thread per core."""
+    if launcher == "torchrun":
+        return 1 if cluster.gpus_per_node > 1 else None
+    return LAUNCHER_THREADS[launcher]
+
+
+def cpu_step_threads(cluster: ClusterSpec, cpu_step: bool, launcher: str = "torchrun") -> dict:
+    """{OMP_NUM_THREADS: the threads each rank's optimizer step on the host is priced with} (HostCpu.threads_per_rank,
+    --omp-num-threads: cost_models/host_optimizer.py) where a step runs on the CPU and the launcher would give the
+    ranks another count; else {}. The one rule every launch line and environment follows."""
+    threads = cluster.host_cpu.threads_per_rank
+    return {OMP_VAR: str(threads)} if cpu_step and threads != launcher_threads(launcher, cluster) else {}
+
+
+def launch_env(config: FsdpConfig, cluster: ClusterSpec, launcher: str = "torchrun") -> dict:
+    """The variables a plan's launch sets: PYTORCH_CUDA_ALLOC_CONF where not PyTorch's default (c10's allocator reads
+    it once, at its first CUDA allocation), and OMP_NUM_THREADS for a CPU optimizer step (CPU offload:
+    cpu_step_threads). The launcher's workers inherit both."""
+    return {**({ALLOC_CONF_VAR: config.alloc_conf} if config.alloc_conf else {}),
+            **cpu_step_threads(cluster, config.offload, launcher)}
 
 
 def multi_node_note(cluster: ClusterSpec) -> list[str]:

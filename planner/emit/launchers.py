@@ -10,7 +10,7 @@ from cost_models.specs import ClusterSpec, FsdpConfig, ModelSpec
 
 from planner.emit.code import mesh as meshed
 from planner.emit.code import techniques as tech
-from planner.emit.common import (ALLOC_CONF_VAR, RDZV_PORT, _comment, _summary, multi_node_note, alloc_env,
+from planner.emit.common import (RDZV_PORT, _comment, _summary, env_words, launch_env, multi_node_note,
                                   torchrun_args, torchrun_command)
 
 
@@ -18,7 +18,7 @@ def emit_torchrun(config: FsdpConfig, model_spec: ModelSpec, cluster: ClusterSpe
     """torchrun command line: standalone on one node, c10d rendezvous on $MASTER_ADDR across nodes."""
     header = (_summary(config, model_spec, cluster) + tech.launcher_notes(config) + meshed.launcher_mesh_note(config)
               + multi_node_note(cluster))
-    return _comment(header) + "\n" + torchrun_command(cluster, script, config.alloc_conf) + "\n"
+    return _comment(header) + "\n" + torchrun_command(cluster, script, launch_env(config, cluster)) + "\n"
 
 
 def emit_slurm(config: FsdpConfig, model_spec: ModelSpec, cluster: ClusterSpec, script: str = "train.py") -> str:
@@ -34,7 +34,7 @@ def emit_slurm(config: FsdpConfig, model_spec: ModelSpec, cluster: ClusterSpec, 
         "#SBATCH --exclusive",
         "set -euo pipefail",
         "head_node=$(scontrol show hostnames \"$SLURM_JOB_NODELIST\" | head -n 1)",
-        *[f"export {a}" for a in alloc_env(config.alloc_conf)],  # srun passes the environment on (--export=ALL)
+        *[f"export {a}" for a in env_words(launch_env(config, cluster))],  # srun passes it on (--export=ALL)
         " ".join(["srun torchrun", *torchrun_args(cluster, script, nnodes='"$SLURM_NNODES"',
                                                   endpoint=f'"$head_node:{RDZV_PORT}"', rdzv_id='"$SLURM_JOB_ID"')]),
     ]) + "\n"
@@ -56,6 +56,7 @@ def emit_pytorchjob(config: FsdpConfig, model_spec: ModelSpec, cluster: ClusterS
     name = _k8s_name(f"fsdp-{model_spec.name}")
     # Kubernetes expands $(VAR) in a container's command from its environment, where the operator puts MASTER_ADDR.
     args = [a.replace("$MASTER_ADDR", "$(MASTER_ADDR)") for a in torchrun_args(cluster, script)]
+    env = [{"name": name, "value": value} for name, value in launch_env(config, cluster).items()]
 
     def replica(count: int) -> dict:
         return {"replicas": count, "restartPolicy": "OnFailure", "template": {"spec": {
@@ -63,7 +64,7 @@ def emit_pytorchjob(config: FsdpConfig, model_spec: ModelSpec, cluster: ClusterS
                 "name": "pytorch",  # the operator finds the training container by this name
                 "image": image,
                 "command": ["torchrun", *args],
-                **({"env": [{"name": ALLOC_CONF_VAR, "value": config.alloc_conf}]} if config.alloc_conf else {}),
+                **({"env": env} if env else {}),
                 "ports": [{"name": "pytorchjob-port", "containerPort": RDZV_PORT}],
                 "resources": {"limits": {"nvidia.com/gpu": cluster.gpus_per_node}},
                 "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}],

@@ -19,7 +19,7 @@ from planner.emit.code import techniques as tech
 from planner.emit.kernels import hf_kernel_notes, hf_liger_arguments
 from planner.emit.common import (_KV_CACHE_WHY, RDZV_PORT, _comment, hsdp_note, _expert_notes, _fsdp1_only_notes,
                                  _fsdp1_strategy, _mixed_dtypes, _notes, _summary, multi_node_note, reshard_entry,
-                                 torchrun_command)
+                                 env_words, launch_env, torchrun_command)
 
 _TORCH_DTYPE = {"fp32": "torch.float32", "bf16": "torch.bfloat16", "fp16": "torch.float16"}
 # transformers prefers FSDP's own checkpointing (fsdp_config) over its activation_checkpointing argument: that one
@@ -145,7 +145,7 @@ def emit_hf_trainer(config: FsdpConfig, model_spec: ModelSpec, cluster: ClusterS
     replicas, shard = _shard_layout(config, cluster)
     hsdp = version == 2 and replicas > 1
     reduce_lines, reduce_notes = _hf_reduce_policy(config, version)
-    launch = torchrun_command(cluster, script, config.alloc_conf)
+    launch = torchrun_command(cluster, script, launch_env(config, cluster))
     if config.compile:
         launch = "ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION=true " + launch
     loss_lines = tech.hf_compiled_loss_lines(config)
@@ -289,6 +289,9 @@ def emit_accelerate(config: FsdpConfig, model_spec: ModelSpec, cluster: ClusterS
         config, fsdp_version) + meshed.accelerate_notes(config) + [optimizer.script_note(training)]
     if qlora.applies(training, model_spec):
         header += qlora.yaml_notes(training, config)
+    env = launch_env(config, cluster, "accelerate")
+    if env:   # no config key holds them (accelerate's ClusterConfig): the launch line does
+        header.append(f"launch: {' '.join(env_words(env))} accelerate launch --config_file <this file> train.py")
     if cluster.n_nodes > 1:
         header.append("multi-node: pass --main_process_ip <address of machine_rank 0> to accelerate launch")
     if config.limit_all_gathers is False:
@@ -391,4 +394,7 @@ def emit_lightning(config: FsdpConfig, model_spec: ModelSpec, cluster: ClusterSp
         lines.append(f"# in the LightningModule: model.config.use_cache = False; {_KV_CACHE_WHY}")
     lines += [f"# {note}" for note in tech.lightning_unexpressed(config)]
     lines.append(f"# in configure_optimizers: {optimizer.script_note(training)}")
+    env = launch_env(config, cluster, "lightning")
+    if env:
+        lines.append(f"# launch: {' '.join(env_words(env))} python train.py (Lightning's workers inherit them)")
     return "\n".join(lines) + "\n"

@@ -29,7 +29,7 @@ from cost_models.pipeline import stages
 from cost_models.specs import ClusterSpec, FsdpConfig, ModelSpec, Precision, TrainingSpec
 
 from planner.emit.common import (RESHARD_NOTE, _comment, _expert_notes, _fsdp1_only_notes, _summary, hsdp_note,
-                                 multi_node_note, torchrun_command)
+                                 launch_env, multi_node_note, torchrun_command)
 from planner.errors import PlannerError
 from planner.emit.optimizer import torchtitan_optimizer
 from planner.emit.kernels import torchtitan_kernel_flags
@@ -330,7 +330,7 @@ def emit_torchtitan(config: FsdpConfig, model_spec: ModelSpec, cluster: ClusterS
                                         training)
     notes += tech.reshard_group_note(config, "fsdp_reshard_after_forward (default | always | never) cannot say")
     notes += _fsdp1_only_notes(config, "an FSDP1 dialect (--emit fsdp1)") + _expert_notes(config, "torchtitan")
-    launch = torchrun_command(cluster, script, config.alloc_conf)  # run_train.sh's PYTORCH_CUDA_ALLOC_CONF
+    launch = torchrun_command(cluster, script, launch_env(config, cluster))  # run_train.sh's PYTORCH_CUDA_ALLOC_CONF
     if version == "0.3":
         header = [
             f"torchtitan overrides in {TORCHTITAN_VERSIONS[version]} names: the config function (--module, "
