@@ -1,9 +1,10 @@
-"""PPO's critic in verl (workers/fsdp_workers.py CriticWorker): the actor's model with a value head
-(AutoModelForTokenClassification, num_labels 1: a Linear(hidden, 1) with its bias in place of the vocabulary
-head), trained in full by its own FSDP worker process on the same GPUs, with its own param / optimizer offload.
-Its memory is the actor's rules on that model (rl_actor.actor_states): the ledger's update at the same packed
-micro-batch (critic.ppo_micro_batch_size_per_gpu taken equal to the actor's), no vocabulary-sized logits, no
-entropy. Ignored: a reward model, a LoRA critic."""
+"""PPO's critic in verl (workers/fsdp_workers.py CriticWorker; 0.9.1: engine_workers.py on the same FSDP engine as
+the actor): the actor's model with a value head (AutoModelForTokenClassification, num_labels 1: a Linear(hidden, 1)
+with its bias in place of the vocabulary head), trained in full by its own FSDP worker process on the same GPUs,
+with its own param / optimizer offload and CPUOffloadPolicy (critic.fsdp.*: critic_settings). Its memory is the
+actor's rules on that model (rl_actor.actor_states): the ledger's update at the same packed micro-batch
+(critic.ppo_micro_batch_size_per_gpu taken equal to the actor's), no vocabulary-sized logits, no entropy.
+Ignored: a reward model, a LoRA critic."""
 
 from __future__ import annotations
 
@@ -25,10 +26,16 @@ def value_model(model: ModelSpec, role: str = "critic", bias: bool = True) -> Mo
                                vocab_size=1, tied_embeddings=False)
 
 
+def critic_settings(settings: RlSettings) -> RlSettings:
+    """The critic's worker as the actor's rules read it: full fine-tuning, no entropy, and its own offloads in the
+    actor's fields (its CPUOffloadPolicy: host_offload, the manual ones forced off under it as verl does)."""
+    return dataclasses.replace(settings, finetune=Finetune.FULL, entropy=False, entropy_chunking=False,
+                               param_offload=settings.critic_param_offload,
+                               optimizer_offload=settings.critic_optimizer_offload,
+                               offload_policy=settings.critic_offload_policy)
+
+
 def critic_states(model: ModelSpec, cluster: ClusterSpec, settings: RlSettings, batch: BatchPlan,
                   profile: Profile) -> ActorStates:
-    critic_settings = dataclasses.replace(settings, finetune=Finetune.FULL, entropy=False, entropy_chunking=False,
-                                          param_offload=settings.critic_param_offload,
-                                          optimizer_offload=settings.critic_optimizer_offload)
-    critic = value_model(model)
-    return actor_states(actor_run(critic, cluster, critic_settings, batch), critic_settings, batch, profile)
+    own = critic_settings(settings)
+    return actor_states(actor_run(value_model(model), cluster, own, batch), own, batch, profile)

@@ -9,6 +9,7 @@ checkpoint's staging, summed over the node's GPUs.
 - FSDP2's CPUOffloadPolicy (fsdp_config.offload_policy, pin_memory=True): the actor's params, grads and Adam states
   (and the CPU step's temporaries) on the host for the whole run; params and grads pinned (torch _fsdp_param.py,
   _fsdp_collectives.py: the grads' non-blocking D2H copy), Adam's states made by the CPU step beside the params;
+  PPO's critic likewise under its own (critic.fsdp.offload_policy);
 - the reference (FSDP1 CPUOffload(offload_params=True)): its bf16 shard stays on the host;
 - vLLM sleep level 1 (vllm/device_allocator/cumem.py CuMemAllocator.sleep(offload_tags="weights")): the engine's
   bf16 weights backed up to pinned host memory on every GPU, i.e. the model x GPUs per node / rollout TP; level 2
@@ -68,6 +69,14 @@ def _sizes(states: ActorStates, ranks: int) -> StateSizes:
                       ranks=ranks)
 
 
+def policy_terms(states: ActorStates, gpus: int, worker: str = "") -> dict:
+    """A worker's CPUOffloadPolicy on the node's host: its params, grads and Adam states and the CPU step's
+    temporaries, each GPU's shard (none where its states are on the GPU)."""
+    held = states.params_bytes + states.grads_bytes + states.optimizer_bytes
+    return {f"{worker}params, grads, Adam states (CPUOffloadPolicy)": held * gpus * states.on_host,
+            f"{worker}CPU optimizer step temporaries": states.step_temporary_bytes * gpus * states.on_host}
+
+
 def host_ram_per_node(model: ModelSpec, cluster: ClusterSpec, settings: RlSettings, actor: ActorStates,
                       engine: EngineMemory, critic: ActorStates | None = None,
                       reward: RewardModel | None = None) -> HostRam:
@@ -77,9 +86,7 @@ def host_ram_per_node(model: ModelSpec, cluster: ClusterSpec, settings: RlSettin
     terms = {
         "actor params (offloaded)": actor.params_bytes * gpus if settings.param_offload else 0,
         "Adam states (offloaded)": actor.optimizer_bytes * gpus if settings.optimizer_offload else 0,
-        "actor params, grads, Adam states (CPUOffloadPolicy)": (actor.params_bytes + actor.grads_bytes
-                                                                + actor.optimizer_bytes) * gpus * actor.on_host,
-        "CPU optimizer step temporaries": actor.step_temporary_bytes * gpus * actor.on_host,
+        **policy_terms(actor, gpus, "actor "),
         "reference (offloaded)": reference_bytes(model, cluster, settings) * gpus if settings.reference_offloaded else 0,
         "engine weight backup (sleep level 1)": engine.weights_bytes * gpus if settings.sleep_level == 1 else 0,
         "model copy in /dev/shm": model.n_params * 2 if settings.use_shm else 0,
@@ -88,6 +95,7 @@ def host_ram_per_node(model: ModelSpec, cluster: ClusterSpec, settings: RlSettin
     if critic is not None:
         terms["critic params (offloaded)"] = critic.params_bytes * gpus * settings.critic_param_offload
         terms["critic Adam states (offloaded)"] = critic.optimizer_bytes * gpus * settings.critic_optimizer_offload
+        terms.update(policy_terms(critic, gpus, "critic "))
         workers.append(critic)
     if reward is not None:
         terms["reward weight backup (sleep level 1)"] = reward.memory.weights_bytes * gpus

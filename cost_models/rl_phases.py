@@ -16,7 +16,8 @@ Sources (shared/reference/rl.md; verl of 2025, workers/fsdp_workers.py and shard
   too; later: weights first, KV after), and one gathered tensor at a time (full_tensor()): the largest one;
   FSDP1's state dict adds its copy of the shard and its walk over the units (rl_strategy.py).
 - FSDP2's CPUOffloadPolicy (settings.host_offload): the actor's params, grads and Adam states never on the GPU
-  (the ledger's CPU offload for the update; the other phases hold the gathered units only).
+  (the ledger's CPU offload for the update; the other phases hold the gathered units only); PPO's critic likewise
+  under its own (settings.critic_host_offload, critic.on_host).
 - Ulysses (batch.ulysses > 1): its all-to-alls' moment in the log-prob forward where it exceeds the block's
   bound, flash attention's repeated k, v in the update (rl_ulysses.py).
 Ignored: the attention's workspaces, gradients after the update (freed: verl's zero_grad
@@ -81,6 +82,7 @@ def _offloaded(settings: RlSettings, actor_loaded: bool, adam_loaded: bool, engi
         ("reference", settings.reference_offloaded and not settings.lora),
         ("critic params", settings.ppo and settings.critic_param_offload and not critic_loaded),
         ("critic Adam states", settings.ppo and settings.critic_optimizer_offload and not critic_loaded),
+        ("critic params, grads, Adam states (CPUOffloadPolicy)", settings.critic_host_offload),
         (f"engine asleep (level {settings.sleep_level})", engine_asleep)) if away)
 
 
@@ -96,12 +98,12 @@ def _phase(name: str, torch_terms: dict, engine_terms: dict, profile: Profile, o
 
 def critic_terms(critic: ActorStates | None, settings: RlSettings, outside_bytes: int) -> tuple[dict, dict, dict]:
     """PPO's critic (its own worker process, verl's CriticWorker) beside every phase: its params and, from step 2,
-    Adam's states unless offloaded (torch terms), and its process's CUDA context (outside this allocator);
-    at init, the params only. GRPO: nothing."""
+    Adam's states unless offloaded or under its CPUOffloadPolicy (torch terms), and its process's CUDA context
+    (outside this allocator); at init, the params only. GRPO: nothing."""
     if critic is None:
         return {}, {}, {}
-    params = 0 if settings.critic_param_offload else critic.params_bytes
-    adam = 0 if settings.critic_optimizer_offload else critic.optimizer_bytes
+    params = 0 if settings.critic_param_offload or critic.on_host else critic.params_bytes
+    adam = 0 if settings.critic_optimizer_offload or critic.on_host else critic.optimizer_bytes
     return ({"critic params": params}, {"critic params": params, "critic Adam states": adam},
             {"critic CUDA context": outside_bytes})
 
@@ -214,15 +216,19 @@ def reference_pass(model: ModelSpec, sched: Schedule, held: dict, gathered: dict
 
 def critic_rows(critic: ActorStates | None, resident: dict, critic_held: dict, fwd: dict, graphs: dict) -> list:
     """PPO's compute_values (the critic's forward: a value per token, no vocabulary) and update_critic (its ledger
-    update, or its optimizer step where larger), the critic loaded whole, the actor as between phases."""
+    update, or its optimizer step where larger), the critic loaded whole, the actor as between phases. Under its
+    CPUOffloadPolicy (critic.on_host) its params, grads and Adam states stay on the host: the gathered units and
+    the backward's working set only, the step on the CPU."""
     if critic is None:
         return []
-    values = {**resident, "critic params": critic.params_bytes, "critic gathered units": critic.unit_gather_bytes,
+    loaded = 0 if critic.on_host else critic.params_bytes
+    values = {**resident, "critic params": loaded, "critic gathered units": critic.unit_gather_bytes,
               "critic Adam states": critic_held["critic Adam states"],
               "forward activations": fwd["forward activations"]}
     backward = {f"critic {k.replace('_', ' ')}": v for k, v in critic.update_steady.to_dict().items()}
-    step = {"critic params": critic.params_bytes, "critic grads": critic.grads_bytes,
-            "critic Adam states": critic.optimizer_bytes, "critic step temporaries": critic.step_temporary_bytes}
+    step = {} if critic.on_host else {
+        "critic params": critic.params_bytes, "critic grads": critic.grads_bytes,
+        "critic Adam states": critic.optimizer_bytes, "critic step temporaries": critic.step_temporary_bytes}
     update = max(backward, step, key=lambda t: sum(t.values()))
     return [("critic_values", values, graphs, False, False, True, "PPO: the critic's forward"),
             ("critic_update", {**resident, **update}, graphs, False, False, True,

@@ -35,8 +35,9 @@ class RlSettings:
     sleep_level: int = 1               # vLLM sleep mode: 1 weights to host, 2 discarded
     use_shm: bool = False              # model.use_shm: the checkpoint copied to /dev/shm
     algorithm: str = "grpo"            # algorithm.adv_estimator: grpo (no critic) | ppo (gae: a critic)
-    critic_param_offload: bool = False     # critic.model.fsdp_config.param_offload
+    critic_param_offload: bool = False     # critic.fsdp.param_offload (verl 0.9; critic.model.fsdp_config before)
     critic_optimizer_offload: bool = False
+    critic_offload_policy: bool = False    # critic.fsdp.offload_policy: the critic's own CPUOffloadPolicy
     layered_summon: bool = False       # rollout.layered_summon: FSDP1 LoRA's sync gathers one unit at a time
     offload_policy: bool = False       # fsdp_config.offload_policy: FSDP2's CPUOffloadPolicy (host_offload)
     # TRL 1.16's GRPOConfig (trl/trainer/grpo_config.py defaults), read for framework trl only (rl_schedule.py)
@@ -65,9 +66,11 @@ class RlSettings:
             raise SpecError("num_iterations", f"must be >= 1, got {self.num_iterations}")
         if self.framework == "trl":
             self._trl()
-        if self.host_offload:  # verl forces the manual offloads off (FSDPEngine._build_fsdp_module, fsdp2 branch)
-            object.__setattr__(self, "param_offload", False)
-            object.__setattr__(self, "optimizer_offload", False)
+        # verl forces a worker's manual offloads off under its policy (FSDPEngine._build_fsdp_module, fsdp2 branch)
+        for policy, worker in ((self.host_offload, ""), (self.critic_host_offload, "critic_")):
+            if policy:
+                object.__setattr__(self, worker + "param_offload", False)
+                object.__setattr__(self, worker + "optimizer_offload", False)
 
     def _trl(self) -> None:
         """TRL's own rules: GRPO only; accelerate's fsdp_offload_params is FSDP's CPU offload of the actor and of the
@@ -88,6 +91,12 @@ class RlSettings:
         params, grads and Adam states on the host, the optimizer step on the CPU); FSDP1's ignores it. TRL: FSDP's
         own CPU offload under either version (FSDP1's CPUOffload also steps on the CPU)."""
         return self.offload_policy and (self.strategy == "fsdp2" or self.framework == "trl")
+
+    @property
+    def critic_host_offload(self) -> bool:
+        """PPO's critic under its own CPUOffloadPolicy (critic.fsdp.offload_policy): verl's critic worker runs the same
+        FSDP engine, so the same rule as the actor's, under the strategy the critic is priced with (the actor's)."""
+        return self.ppo and self.critic_offload_policy and self.strategy == "fsdp2"
 
     @property
     def reference_offloaded(self) -> bool:

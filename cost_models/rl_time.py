@@ -22,8 +22,9 @@ one job against each other, not to predict a wall clock:
 - weight sync: every actor parameter all-gathered over the shard group in its stored dtype (intra-node bus);
 - offload: the host<->device bytes each step moves: actor params in and out for log-prob, update and sync; Adam's
   states in and out for the update; the offloaded reference streamed in once; sleep level 1's weight backup
-  out and back; PPO's critic likewise for its values and update; FSDP2's CPUOffloadPolicy: the update's per-unit
-  H2D copies, gradient D2H copies and CPU Adam step as the step-time model prices CPU offload (the actor run's
+  out and back; PPO's critic likewise for its values and update (under its own CPUOffloadPolicy: its shard per
+  values micro-batch; its update's copies and CPU step in critic_seconds); FSDP2's CPUOffloadPolicy: the update's
+  per-unit H2D copies, gradient D2H copies and CPU Adam step as the step-time model prices CPU offload (the actor run's
   FsdpConfig.offload), the old log-prob's per-micro-batch and the sync's shard copies here (host_policy_bytes);
 - a reward model (rl_reward.py): a prefill over each sequence on its engine's replicas (prefill_s), and its
   weights back from the host and out again (woken at level 1 for compute_rm_score, then asleep).
@@ -41,6 +42,7 @@ from .model_spec import ModelSpec
 from .profile import Profile
 from .rl_batch import BatchPlan
 from .rl_actor import ActorStates, actor_run, reference_bytes
+from .rl_critic import critic_settings
 from .rl_settings import RlSettings
 from .rl_reward import RewardModel
 from .rl_schedule import schedule_of
@@ -186,14 +188,19 @@ def rl_step_time(model: ModelSpec, cluster: ClusterSpec, settings: RlSettings, e
              + 2 * e.weights_bytes * (settings.sleep_level == 1)
              + host_policy_bytes(settings, batch, actor, sum(trained or (prompt_tokens, response_tokens)), sp,
                                  sched.log_prob_passes))
-    if critic is not None:
+    if critic is not None:   # its CPUOffloadPolicy: the shard copied in for each values micro-batch's all-gathers
+        values = critic.params_bytes * critic.on_host * forward_micro_batches(
+            batch, sum(trained or (prompt_tokens, response_tokens)), sp,
+            batch.update_run_tokens_per_gpu or batch.update_tokens_per_gpu)
         moved += (2 * CRITIC_PASSES_PER_STEP * critic.params_bytes * settings.critic_param_offload
-                  + 2 * critic.optimizer_bytes * settings.critic_optimizer_offload)
+                  + 2 * critic.optimizer_bytes * settings.critic_optimizer_offload + values)
     return RlTime(generation_s=generation_s(model, cluster, engine, e, batch.rollout_seqs_per_replica, prompt_tokens,
                                             response_tokens),
                   log_prob_s=log_prob, update_s=update, weight_sync_s=sync,
                   offload_s=moved / cluster.gpu.pcie_bytes_per_s,
-                  critic_s=critic_seconds(update, log_prob) if critic is not None else 0.0,
+                  critic_s=critic_seconds(model, cluster, settings, batch, *(trained or (prompt_tokens,
+                                                                                    response_tokens)),
+                                          profile, sp, memo) if critic is not None else 0.0,
                   reward_s=0.0 if reward is None else reward_seconds(
                       cluster, reward, -(-batch.sequences_per_step // max(1, cluster.n_gpus // reward.settings.tp)),
                       prompt_tokens + response_tokens))
@@ -207,15 +214,27 @@ def host_policy_bytes(settings: RlSettings, batch: BatchPlan, actor: ActorStates
     TRL: each of its `passes` (the reference offloaded with the actor, in its dtype: a shard as large)."""
     if not actor.on_host:
         return 0
-    lp_tokens = batch.log_prob_run_tokens_per_gpu or batch.log_prob_tokens_per_gpu
-    micro_batches = -(-batch.step_seqs_per_rank * length // sp // max(1, lp_tokens))
+    micro_batches = forward_micro_batches(batch, length, sp,
+                                          batch.log_prob_run_tokens_per_gpu or batch.log_prob_tokens_per_gpu)
     per_micro_batch = passes if settings.framework == "trl" else 1 + settings.lora
     return actor.params_bytes * (micro_batches * per_micro_batch + 1)
 
 
-def critic_seconds(update_s: float, log_prob_s: float) -> float:
-    """PPO's critic: the actor's update and one forward (half the two log-prob passes), its head left out."""
-    return update_s + log_prob_s / 2
+def forward_micro_batches(batch: BatchPlan, length: int, sp: int, tokens_per_micro_batch: int) -> int:
+    """A rank's forward micro-batches over the step's sequences of `length` tokens (over sp with Ulysses)."""
+    return -(-batch.step_seqs_per_rank * length // sp // max(1, tokens_per_micro_batch))
+
+
+def critic_seconds(model: ModelSpec, cluster: ClusterSpec, settings: RlSettings, batch: BatchPlan, prompt_tokens: int,
+                   response_tokens: int, profile: Profile, sp: int, memo: dict | None = None) -> float:
+    """PPO's critic: its update and one forward (half the two log-prob passes), priced as the actor's are under the
+    critic's own settings (rl_critic.critic_settings: trained in full, its CPUOffloadPolicy's per-unit copies and
+    CPU Adam step: host_optimizer.py) on the actor's model and batch plan: the vocabulary head's FLOPs and, under
+    its policy, its parameters in the CPU step (vocab x hidden where the critic has hidden + 1) counted as the
+    actor's. With the actor's settings (a full actor, the same policy) it is the actor's update and a forward."""
+    update, log_prob = train_seconds(model, cluster, critic_settings(settings), batch, prompt_tokens,
+                                     response_tokens, profile, sp, memo)
+    return update + log_prob / 2
 
 
 def reward_seconds(cluster: ClusterSpec, rm: RewardModel, seqs_per_replica: int, seq_tokens: int) -> float:

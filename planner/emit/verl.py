@@ -8,11 +8,12 @@ This module owns both directions of the mapping: KEYS (verl key <-> request fiel
 
 from __future__ import annotations
 
+import json
 import shlex
 import textwrap
 
 from cost_models.units import GiB
-from planner.emit.common import _comment
+from planner.emit.common import _comment, cpu_step_threads
 from planner.emit.rl_flags import MARK, planner_flags
 from planner.line_width import LINE_WIDTH
 
@@ -48,6 +49,8 @@ KEYS = {
 # PPO's critic (verl 0.9 dp_critic.yaml: its FSDP engine config under critic.fsdp)
 CRITIC_KEYS = {"critic.fsdp.param_offload": "critic_param_offload",
                "critic.fsdp.optimizer_offload": "critic_optimizer_offload",
+               # FSDP2's CPUOffloadPolicy for the critic (read by verl's FSDP2 branch only, as the actor's)
+               "critic.fsdp.offload_policy": "critic_offload_policy",
                # verl's critic runs Ulysses 1 unless told (dp_critic.yaml): written always, the degree priced
                "critic.ulysses_sequence_parallel_size": "critic_ulysses_sequence_parallel_size"}
 # a reward model (verl 0.9.1: its own engine, reward.reward_model.*; the legacy reward_model.* keys are migrated
@@ -55,6 +58,9 @@ CRITIC_KEYS = {"critic.fsdp.param_offload": "critic_param_offload",
 RM = "reward.reward_model."
 REWARD_KEYS = {RM + "rollout.tensor_model_parallel_size": "reward_model_tp",
                RM + "rollout.gpu_memory_utilization": "reward_model_gpu_memory_utilization"}
+# the launch environment verl's workers get: Ray's job-wide env_vars (ray_env below), added with Hydra's `+`
+RAY_ENV = "ray_kwargs.ray_init.runtime_env.env_vars."
+ENV_KEYS = {RAY_ENV + "OMP_NUM_THREADS": "omp_num_threads"}
 # request fields verl has no key for: written as the planner's flags in the comment line
 COMMENTED = ("gpu", "gpu_memory", "cpu_ram_per_node", "internode_gbps", "intra_node_gb_per_s", "pcie_gb_per_s",
              "power_limit_w", "host_cores_per_node", "host_memory_gb_per_s", "host_thread_gb_per_s", "omp_num_threads",
@@ -115,6 +121,19 @@ def overrides(r, model_path: str) -> list[tuple[str, object]]:
     return out
 
 
+def ray_env(estimate) -> list[tuple[str, str]]:
+    """The variables verl's workers must run with (a CPU optimizer step's threads, common.cpu_step_threads: the actor's
+    or the critic's CPUOffloadPolicy) as (override, shell word). verl 0.9.1's main_ppo merges
+    ray_kwargs.ray_init.runtime_env over get_ppo_ray_runtime_env()'s into ray.init, and Ray merges those job-wide
+    env_vars key by key into each worker's own runtime_env (RayWorkerGroup._create_worker's RANK, WORLD_SIZE...;
+    ray/runtime_env/runtime_env.py _merge_runtime_env) on every node; Ray's default of 1 (set_omp_num_threads_if_unset)
+    applies only where unset. Ray takes strings only: Hydra's quoted "8", quoted again for the shell."""
+    m = estimate.memory
+    cpu_step = m.actor.on_host or (m.critic is not None and m.critic.on_host)
+    env = cpu_step_threads(estimate.cluster, cpu_step, "ray")
+    return [("+" + RAY_ENV + name, shlex.quote(json.dumps(value))) for name, value in env.items()]
+
+
 def emit_verl(estimate) -> str:
     """The launch script for an RlEstimate (planner/rl/evaluate.py)."""
     r, m = estimate.request, estimate.model
@@ -132,5 +151,6 @@ def emit_verl(estimate) -> str:
              "python3 -m verl.trainer.main_ppo \\"]
     for key, value in overrides(r, "$MODEL_PATH"):
         lines.append(f"    {key}={hydra_value(value)} \\")
+    lines += [f"    {key}={word} \\" for key, word in ray_env(estimate)]
     lines.append('    "$@"')
     return "\n".join(lines) + "\n"

@@ -79,7 +79,8 @@ def specs_of(r: RlRequest, model: ModelSpec) -> tuple[RlBatch, EngineSettings, R
                           entropy_compile=r.use_torch_compile, fsdp_size=r.fsdp_size,
                           sleep_level=r.sleep_level, use_shm=r.use_shm, algorithm=r.algorithm,
                           critic_param_offload=r.critic_param_offload,
-                          critic_optimizer_offload=r.critic_optimizer_offload, layered_summon=r.layered_summon,
+                          critic_optimizer_offload=r.critic_optimizer_offload,
+                          critic_offload_policy=r.critic_offload_policy, layered_summon=r.layered_summon,
                           offload_policy=r.offload_policy,
                           **{key: getattr(r, name) for name, key in TRL_KEYS.items() if getattr(r, name) is not None})
     return batch, _trl_engine(r, model, batch, engine) if trl else engine, settings
@@ -204,11 +205,12 @@ def train_time_s(request: RlRequest, model: ModelSpec, profile: Profile | None =
     batch, _, settings = specs_of(request, model)
     cluster = request.cluster.spec()
     plan = batch_plan(batch, cluster.n_gpus, model.n_heads, model.n_kv_heads, 1)
-    update, log_prob = train_seconds(model, cluster, settings, plan,
-                                     batch.mean_prompt_length or batch.max_prompt_length,
-                                     batch.mean_response_length or batch.max_response_length,
-                                     profile or DEFAULT_PROFILE, batch.ulysses_sequence_parallel_size, memo)
-    return update + log_prob + (critic_seconds(update, log_prob) if settings.ppo else 0.0)
+    lengths = (batch.mean_prompt_length or batch.max_prompt_length,
+               batch.mean_response_length or batch.max_response_length)
+    profile, sp = profile or DEFAULT_PROFILE, batch.ulysses_sequence_parallel_size
+    update, log_prob = train_seconds(model, cluster, settings, plan, *lengths, profile, sp, memo)
+    return update + log_prob + (critic_seconds(model, cluster, settings, plan, *lengths, profile, sp, memo)
+                                if settings.ppo else 0.0)
 
 
 def rl_estimate(model, gpus: int | None = None, *, profile: Profile | None = None, **knobs) -> RlEstimate:

@@ -72,7 +72,25 @@ def _trl(settings: RlSettings, memory: RlMemory, phases: dict) -> list[str]:
 
 
 def _offload_policy(settings: RlSettings, memory: RlMemory) -> list[str]:
-    """fsdp_config.offload_policy: what CPUOffloadPolicy moves, or that verl does not read it (its FSDP1 branch)."""
+    """fsdp_config.offload_policy: what CPUOffloadPolicy moves, or that verl does not read it (its FSDP1 branch);
+    then the critic's own (critic.fsdp.offload_policy)."""
+    return _actor_policy(settings, memory) + _critic_policy(settings, memory)
+
+
+def _critic_policy(settings: RlSettings, memory: RlMemory) -> list[str]:
+    c = memory.critic
+    if c is not None and c.on_host:
+        held = c.params_bytes + c.grads_bytes + c.optimizer_bytes
+        return [f"critic.fsdp.offload_policy: the critic's params, grads and Adam states ({held / GiB:.1f} GiB per "
+                "GPU) stay in pinned host memory, its Adam step on the CPU (its param_offload / optimizer_offload "
+                "forced off, as verl does)"]
+    if settings.ppo and settings.critic_offload_policy:
+        return ["critic offload_policy is ignored under strategy fsdp (verl reads it in its FSDP2 branch only): "
+                "--strategy fsdp2 (critic.strategy=fsdp2) applies it"]
+    return []
+
+
+def _actor_policy(settings: RlSettings, memory: RlMemory) -> list[str]:
     a = memory.actor
     if a.on_host:
         held = a.params_bytes + a.grads_bytes + a.optimizer_bytes

@@ -69,9 +69,14 @@ class RlRequest:
                                    "the entropy compiled (eager holds 7 [tokens, vocab] tensors at its backward)")
     fsdp_size: int = knob(-1, "--fsdp-size", help="fsdp_config.fsdp_size: -1 all GPUs, 1 no sharding")
     critic_param_offload: bool = knob(False, "--critic-param-offload/--no-critic-param-offload", help="PPO: "
-                                      "critic.model.fsdp_config.param_offload")
+                                      "critic.fsdp.param_offload (verl 0.9; critic.model.fsdp_config before)")
     critic_optimizer_offload: bool = knob(False, "--critic-optimizer-offload/--no-critic-optimizer-offload",
-                                          help="PPO: critic.model.fsdp_config.optimizer_offload")
+                                          help="PPO: critic.fsdp.optimizer_offload")
+    critic_offload_policy: bool = knob(False, "--critic-offload-policy/--no-critic-offload-policy", help="PPO: "
+                                       "critic.fsdp.offload_policy, the critic's own FSDP2 CPUOffloadPolicy: its "
+                                       "params, grads and Adam states on the host, its optimizer step on the CPU "
+                                       "(the critic's param / optimizer offload forced off; ignored under "
+                                       "--strategy fsdp)")
     critic_ulysses_sequence_parallel_size: int | None = knob(None, "--critic-ulysses-sequence-parallel-size",
                                                              help="PPO: critic.ulysses_sequence_parallel_size "
                                                              "(default: the actor's)")

@@ -187,6 +187,43 @@ def test_verls_critic_runs_the_ulysses_degree_the_plan_prices(tmp_path, monkeypa
     assert omega_conf_to_dataclass(composed.critic).ulysses_sequence_parallel_size == 2
 
 
+def test_verls_critic_offload_policy_and_the_workers_threads_reach_verl_and_ray(tmp_path, monkeypatch):
+    """PPO with the critic's own CPUOffloadPolicy priced at 8 threads a rank: critic.fsdp.offload_policy lands in the
+    FSDPCriticConfig verl's critic worker builds its engine from (FSDPEngine._build_fsdp_module reads it, fsdp2), and
+    the threads as Ray's job-wide env_vars: main_ppo merges ray_kwargs.ray_init.runtime_env over
+    get_ppo_ray_runtime_env(config) and passes it to ray.init; Ray's RuntimeEnv takes it (it refuses an int) and
+    merges it into each worker's own env_vars (RayWorkerGroup._create_worker's RANK ...), so every FSDP worker
+    starts with OMP_NUM_THREADS=8. Without a CPU step (no policy) the key is not written."""
+    from omegaconf import OmegaConf
+    from ray.runtime_env import RuntimeEnv
+    from ray.runtime_env.runtime_env import _merge_runtime_env
+
+    omega_conf_to_dataclass = _verl_validation()[0].omega_conf_to_dataclass
+    from verl.trainer.constants_ppo import get_ppo_ray_runtime_env
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    knobs = dict(gpu="h100-80gb", prompt_len=1024, response_len=1024, train_batch=64, rollout_n=8,
+                 strategy="fsdp2", algorithm="ppo", critic_offload_policy=True, omp_num_threads=8)
+    script = emit_verl(rl_estimate("qwen2.5-7b", 8, **knobs))
+    overrides = script_overrides(script.replace("MODEL_PATH=qwen2.5-7b", "MODEL_PATH=" + _model_dir(tmp_path,
+                                                                                                  "qwen2.5-7b")))
+    env_key = "ray_kwargs.ray_init.runtime_env.env_vars.OMP_NUM_THREADS"
+    assert overrides.pop(env_key) == '"8"'   # Hydra's quoted string; `+`: a key verl's config adds
+    composed = _validated(overrides, "+critic.model.load_tokenizer=False", f'+{env_key}="8"')
+    critic = omega_conf_to_dataclass(composed.critic)
+    assert (critic.strategy, critic.fsdp.offload_policy, critic.fsdp.param_offload) == ("fsdp2", True, False)
+    assert omega_conf_to_dataclass(composed.actor_rollout_ref.actor).fsdp_config.offload_policy is False
+    ray_init = composed.ray_kwargs.get("ray_init", {})   # as main_ppo.run_ppo builds ray.init's runtime_env
+    runtime_env = OmegaConf.to_container(OmegaConf.merge(get_ppo_ray_runtime_env(composed),
+                                                         ray_init.get("runtime_env", {})))
+    job = RuntimeEnv(**{k: v for k, v in runtime_env.items() if v is not None})
+    worker = _merge_runtime_env(dict(job), {"env_vars": {"RANK": "0", "WORLD_SIZE": "8"}})
+    assert worker["env_vars"]["OMP_NUM_THREADS"] == "8" and worker["env_vars"]["RANK"] == "0"
+    with pytest.raises(TypeError, match="Dict\\[str, str\\]"):
+        RuntimeEnv(env_vars={"OMP_NUM_THREADS": 8})
+    assert env_key not in emit_verl(rl_estimate("qwen2.5-7b", 8, **dict(knobs, critic_offload_policy=False)))
+
+
 @pytest.mark.parametrize("gpus, change, planner_reason, verl_error", [
     (2, {"train_batch": 128}, "ppo_mini_batch_size: 256 > train batch 128",
      "train_batch_size (128) must be >= actor.ppo_mini_batch_size (256)"),

@@ -101,13 +101,18 @@ TRL_PASSES = dict(TRL_CASE_1, param_offload=False, optimizer_offload=False, beta
 # FSDP2's CPUOffloadPolicy (fsdp_config.offload_policy): the actor's states on the host
 OFFLOAD_POLICY = dict(gpu="h100-80gb", prompt_len=1024, response_len=1024, train_batch=64, rollout_n=8,
                       strategy="fsdp2", actor_dtype="bf16", offload_policy=True)
+# PPO's critic under its own CPUOffloadPolicy (critic.fsdp.offload_policy), its CPU step priced at 8 threads a rank
+CRITIC_POLICY = dict(gpu="h100-80gb", prompt_len=1024, response_len=1024, train_batch=64, rollout_n=8,
+                     strategy="fsdp2", algorithm="ppo", critic_offload_policy=True, omp_num_threads=8)
 
 
 @pytest.mark.parametrize("emit, name, model, gpus, knobs", [
     (emit_verl, "job.sh", "qwen2-7b", 2, CASE_1), (emit_trl, "grpo.yaml", "qwen2-7b", 2, TRL_CASE_1),
     (emit_verl, "ppo.sh", "qwen2.5-7b", 16, PPO), (emit_trl, "lora.yaml", "qwen2-7b", 2, TRL_LORA),
-    (emit_verl, "policy.sh", "qwen2.5-7b", 8, OFFLOAD_POLICY), (emit_trl, "passes.yaml", "qwen2-7b", 2, TRL_PASSES)],
-    ids=["verl-case-1", "trl-case-1", "verl-ppo-lora", "trl-lora", "verl-offload-policy", "trl-passes"])
+    (emit_verl, "policy.sh", "qwen2.5-7b", 8, OFFLOAD_POLICY), (emit_trl, "passes.yaml", "qwen2-7b", 2, TRL_PASSES),
+    (emit_verl, "critic.sh", "qwen2.5-7b", 8, CRITIC_POLICY)],
+    ids=["verl-case-1", "trl-case-1", "verl-ppo-lora", "trl-lora", "verl-offload-policy", "trl-passes",
+         "verl-critic-policy"])
 def test_emit_then_check_prices_the_same_phases(tmp_path, emit, name, model, gpus, knobs):
     """Written by --emit and read back: every phase's bytes equal, the peak and host RAM too (case 1's peak: the
     weight sync, 77.97 GiB; tests/golden/test_rl_cases.py)."""
@@ -288,6 +293,27 @@ def test_a_critic_left_at_ulysses_1_is_priced_at_its_own_degree(tmp_path):
     assert checked == own and checked["critic_update"] > planned["critic_update"]
     assert {n: b for n, b in checked.items() if n != "critic_update"} == {
         n: b for n, b in planned.items() if n != "critic_update"}
+
+
+def test_the_critics_offload_policy_and_the_workers_threads_read_from_verls_keys(tmp_path):
+    """critic.fsdp.offload_policy and Ray's job-wide OMP_NUM_THREADS (what --emit verl writes for a CPU step: the
+    workers' threads) are read from verl's own keys, the `# fsdp-plan:` line's --omp-num-threads dropped: the same
+    host RAM and step time. verl reads the critic's policy under critic.strategy fsdp2 only (its default is fsdp):
+    there it is priced without, and said."""
+    e = rl_estimate("qwen2.5-7b", 8, **CRITIC_POLICY)
+    script = emit_verl(e)
+    assert " --omp-num-threads 8" in script and "    critic.fsdp.offload_policy=True \\\n" in script
+    assert "    +ray_kwargs.ray_init.runtime_env.env_vars.OMP_NUM_THREADS='\"8\"' \\\n" in script
+    path = tmp_path / "critic.sh"
+    path.write_text(script.replace(" --omp-num-threads 8", ""))
+    setup = read_rl_setup(path)
+    assert (setup.knobs["omp_num_threads"], setup.knobs["critic_offload_policy"]) == (8, True)
+    read = rl_estimate(setup.model, **setup.knobs)
+    assert read.host.terms == e.host.terms and read.time == e.time
+    path.write_text(script.replace("    critic.strategy=fsdp2 \\\n", ""))
+    setup = read_rl_setup(path)
+    assert setup.knobs["critic_offload_policy"] is False
+    assert any(n.startswith("critic.fsdp.offload_policy is ignored under critic.strategy fsdp") for n in setup.notes)
 
 
 REWARD = dict(gpu="h100-80gb", actor_dtype="bf16", prompt_len=1024, response_len=1024, train_batch=256,

@@ -46,7 +46,7 @@ def test_the_model_states_leave_the_gpu_for_the_host(pair):
     # quotient and two copies of the head's shard, bf16: 2 x (3,584 / 8 + 2 x 152,064 x 3,584 / 8) B a rank
     host, temporaries = policy.host.terms, 2 * (3_584 // 8 + 2 * 152_064 * 3_584 // 8)
     assert host["actor params, grads, Adam states (CPUOffloadPolicy)"] == 8 * STATES == 60_924_932_096
-    assert host["CPU optimizer step temporaries"] == 8 * temporaries == 2_179_996_672
+    assert host["actor CPU optimizer step temporaries"] == 8 * temporaries == 2_179_996_672
     assert policy.host.resident_bytes - plain.host.resident_bytes == 8 * (STATES + temporaries)
     assert any(n.startswith("offload_policy: FSDP2's CPUOffloadPolicy") for n in policy.notes)
 
@@ -90,3 +90,78 @@ def test_verls_reference_is_on_the_host_whatever_ref_param_offload_says(pair):
     assert asked.time.step_s == plain.time.step_s
     assert any(n.startswith("ref.fsdp_config.param_offload=False is ignored") for n in asked.notes)
     assert not any("param_offload=False is ignored" in n for n in plain.notes)
+
+
+# PPO's critic under its own CPUOffloadPolicy (critic.fsdp.offload_policy): the actor's model with a Linear(3,584, 1)
+# value head, 7,615,616,512 - 152,064 x 3,584 + 3,585 = 7,070,622,721 parameters, fp32 (verl's model_dtype), over 8
+# GPUs: params and grads 3,535,311,361 B each a GPU (rounded up), Adam's two fp32 states 7,070,622,721 B
+CRITIC_SHARD, CRITIC_ADAM = 3_535_311_361, 7_070_622_721
+PPO = dict(gpu="h100-80gb", prompt_len=1024, response_len=1024, train_batch=64, rollout_n=8, strategy="fsdp2",
+           algorithm="ppo")
+
+
+@pytest.fixture(scope="module")
+def critic_pair():
+    return rl_estimate("qwen2.5-7b", 8, **PPO), rl_estimate("qwen2.5-7b", 8, critic_offload_policy=True, **PPO)
+
+
+def test_the_critics_states_move_to_the_host(critic_pair):
+    plain, policy = critic_pair
+    c = policy.memory.critic
+    assert c.on_host and not plain.memory.critic.on_host and not policy.memory.actor.on_host
+    held = CRITIC_SHARD + CRITIC_SHARD + CRITIC_ADAM
+    assert (c.params_bytes, c.grads_bytes, c.optimizer_bytes) == (CRITIC_SHARD, CRITIC_SHARD, CRITIC_ADAM)
+    # host RAM per node: its fp32 params, grads and Adam states x 8 GPUs = 113,129,963,544 B, beside the CPU step's
+    # temporaries; the actor's own offloads unchanged
+    assert policy.host.terms["critic params, grads, Adam states (CPUOffloadPolicy)"] == 8 * held == 113_129_963_544
+    assert policy.host.terms["critic CPU optimizer step temporaries"] == 8 * c.step_temporary_bytes > 0
+    assert policy.host.resident_bytes - plain.host.resident_bytes == 8 * (held + c.step_temporary_bytes)
+    a, b = _phases(plain), _phases(policy)
+    # between its passes the critic's params and Adam's states leave every phase's GPU bytes: 10,605,934,082 B
+    for name in ("rollout", "log_prob", "update", "optimizer_step", "checkpoint"):
+        assert a[name].allocated_bytes - b[name].allocated_bytes == CRITIC_SHARD + CRITIC_ADAM, name
+    # its values pass holds the gathered units only; its update no params, grads or Adam states (the step on the CPU)
+    assert a["critic_values"].allocated_bytes - b["critic_values"].allocated_bytes == CRITIC_SHARD + CRITIC_ADAM
+    assert not {"critic params", "critic grads", "critic Adam states"} & set(b["critic_update"].gpu_bytes)
+    assert all("critic params, grads, Adam states (CPUOffloadPolicy)" in p.offloaded for p in policy.memory.phases)
+    assert any(n.startswith("critic.fsdp.offload_policy: the critic's params") for n in policy.notes)
+
+
+def test_the_critics_adam_steps_on_the_cpu_at_the_priced_threads(critic_pair):
+    """The critic's update priced as the actor's under the critic's settings (rl_time.critic_seconds): its Adam step
+    on the host (host_optimizer.py), per-parameter AdamW (verl's torch default on CPU tensors) at 12 of 20 passes of
+    4 B = 48 B a parameter over the actor-sized shard, 7,615,616,512 / 8 = 951,952,064 parameters, once a step (one
+    mini-batch). One thread: 13,352,229,935.75 B/s (PUBLISHED_H100_HOST_THREAD_BYTES_PER_S); 8 threads are capped
+    by the node's bandwidth shared by 8 ranks, 614.4e9 x 0.8 / 8 = 61.44e9 B/s: 2.6785 s less. The actor's update,
+    on the GPU, does not move."""
+    plain, policy = critic_pair
+    threaded = rl_estimate("qwen2.5-7b", 8, critic_offload_policy=True, omp_num_threads=8, **PPO)
+    moved = 951_952_064 * 48
+    saved = moved / (512 * 2 ** 20 * 12 * 4 / 1.93) - moved / 61.44e9
+    assert saved == pytest.approx(2.6785, abs=1e-4)
+    assert policy.time.critic_s - threaded.time.critic_s == pytest.approx(saved, rel=1e-9)
+    assert threaded.time.update_s == policy.time.update_s == plain.time.update_s
+    assert policy.time.critic_s > plain.time.critic_s
+    # the actor under the same policy is priced the same way: the critic's update is its update and one forward
+    actor = rl_estimate("qwen2.5-7b", 8, offload_policy=True, **{**PPO, "algorithm": "grpo"})
+    assert policy.time.critic_s == pytest.approx(actor.time.update_s + actor.time.log_prob_s / 2, rel=1e-12)
+    # outside its update: the shard copied in for each values micro-batch, 64 x 8 / 8 x 2,048 tokens / 8,192 = 16
+    assert policy.time.offload_s - plain.time.offload_s == pytest.approx(
+        16 * CRITIC_SHARD / policy.cluster.gpu.pcie_bytes_per_s, rel=1e-12)
+
+
+def test_verl_forces_the_critics_manual_offloads_off_and_fsdp1_ignores_it(critic_pair):
+    policy = critic_pair[1]
+    both = rl_estimate("qwen2.5-7b", 8, critic_offload_policy=True, critic_param_offload=True,
+                       critic_optimizer_offload=True, **PPO)
+    assert [p.gpu_bytes for p in both.memory.phases] == [p.gpu_bytes for p in policy.memory.phases]
+    assert both.host.terms == policy.host.terms and both.time == policy.time
+    knobs = dict(PPO, strategy="fsdp")
+    plain, asked = rl_estimate("qwen2.5-7b", 8, **knobs), rl_estimate("qwen2.5-7b", 8, critic_offload_policy=True,
+                                                                      **knobs)
+    assert [p.gpu_bytes for p in asked.memory.phases] == [p.gpu_bytes for p in plain.memory.phases]
+    assert not asked.memory.critic.on_host and asked.time == plain.time
+    assert any(n.startswith("critic offload_policy is ignored under strategy fsdp") for n in asked.notes)
+    # and the actor's own policy leaves the critic on the GPU
+    actor_only = rl_estimate("qwen2.5-7b", 8, offload_policy=True, **PPO)
+    assert actor_only.memory.actor.on_host and not actor_only.memory.critic.on_host

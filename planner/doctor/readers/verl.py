@@ -92,7 +92,7 @@ def from_overrides(o: dict, source: str, dialect: str, text: str = "") -> RlSetu
     if A + "rollout.name" not in o:   # '???' in verl's rollout.yaml: Hydra refuses to start without it
         raise PlannerError(A + "rollout.name", "missing: verl requires it; valid: vllm, sglang")
     knobs, notes = {}, []
-    for key, field in {**keys.KEYS, **keys.CRITIC_KEYS}.items():
+    for key, field in {**keys.KEYS, **keys.CRITIC_KEYS, **keys.ENV_KEYS}.items():
         if key in o:
             knobs[field] = _value(o, key, field)
     for key in (A + "actor.fsdp_config.ulysses_sequence_parallel_size",):  # verl 0.9's own place for it
@@ -102,6 +102,7 @@ def from_overrides(o: dict, source: str, dialect: str, text: str = "") -> RlSetu
     knobs["algorithm"] = "ppo" if adv == "gae" else "grpo"
     if adv == "gae":  # the critic's own Ulysses degree: verl's default 1 (dp_critic.yaml) unless the script says
         knobs.setdefault("critic_ulysses_sequence_parallel_size", 1)
+        _critic_strategy(o, knobs, notes)
     if adv not in ("gae", "grpo"):
         notes.append(f"algorithm.adv_estimator={adv}: priced as GRPO (no critic)")
     if A + "actor.ppo_mini_batch_size" in o:
@@ -128,12 +129,25 @@ def from_overrides(o: dict, source: str, dialect: str, text: str = "") -> RlSetu
     path = o.get(A + "model.path")
     if isinstance(path, str) and "$" in path:
         path = None if model else _value(o, A + "model.path", "model")   # unresolved: one line naming the key
-    named = {f: k for k, f in {**keys.KEYS, **keys.CRITIC_KEYS}.items()} | {
+    named = {f: k for k, f in {**keys.KEYS, **keys.CRITIC_KEYS, **keys.ENV_KEYS}.items()} | {
         "algorithm": "algorithm.adv_estimator", "actor_dtype": A + "actor.fsdp_config.model_dtype",
         "ppo_mini_batch_size": A + "actor.ppo_mini_batch_size", "lora_rank": A + "model.lora_rank",
         "reward_model": keys.RM + "model_path"}
     return RlSetup(knobs={**knobs, **flags}, source=source, dialect=dialect, model=model, model_path=path,
                    model_key=A + "model.path", notes=tuple(notes), keys=named)
+
+
+def _critic_strategy(o: dict, knobs: dict, notes: list) -> None:
+    """The critic is priced under the actor's strategy; verl runs critic.strategy (dp_critic.yaml: fsdp unless set),
+    and reads critic.fsdp.offload_policy in its FSDP2 branch only (FSDPEngine._build_fsdp_module)."""
+    critic = str(o.get("critic.strategy", "fsdp")).strip("'\"")
+    actor = str(o.get(A + "actor.strategy", "fsdp")).strip("'\"")
+    if knobs.get("critic_offload_policy") and critic != "fsdp2":
+        knobs["critic_offload_policy"] = False
+        notes.append(f"critic.fsdp.offload_policy is ignored under critic.strategy {critic} (verl reads it in its "
+                     "FSDP2 branch only): priced without it; critic.strategy=fsdp2 applies it")
+    if critic != actor:
+        notes.append(f"critic.strategy {critic}: the critic is priced under the actor's strategy ({actor})")
 
 
 def _reward(o: dict, knobs: dict) -> None:
