@@ -37,8 +37,11 @@ for module in ("verl", "peft", "tensordict"):
 MODEL = {"hidden": 256, "layers": 2, "heads": 4, "kv_heads": 2, "ffn": 704, "vocab": 32000}
 CASE = {**MODEL, "prompt": 32, "response": 96, "seqs": [2, 4], "sp": 2}
 NO_SHARD = {**CASE, "sp": 1, "fsdp_size": 1}   # each rank its own shard group: FSDP1 runs NO_SHARD
+# no checkpointing on a model whose blocks outweigh its head: the adapters' own units (fsdp1_adapters.py) show
+BLOCKS = {"hidden": 512, "layers": 2, "heads": 8, "kv_heads": 4, "ffn": 1408, "vocab": 1024, "prompt": 32,
+          "response": 96, "seqs": [2, 4], "sp": 1, "gc": False}
 
-launch = shared(__file__, "worker_verl_actor", [CASE, NO_SHARD], timeout_s=300)
+launch = shared(__file__, "worker_verl_actor", [CASE, NO_SHARD, BLOCKS], timeout_s=300)
 
 
 @pytest.fixture(scope="module")
@@ -46,15 +49,20 @@ def measured() -> list[list[dict]]:
     return launch()[0]["ranks"]
 
 
+def _config_json(folder, shape: dict) -> str:
+    """The case's Qwen2 as a config.json for `fsdp-plan rl estimate`."""
+    path = folder / "config.json"
+    path.write_text(json.dumps({
+        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": shape["hidden"],
+        "intermediate_size": shape["ffn"], "num_hidden_layers": shape["layers"],
+        "num_attention_heads": shape["heads"], "num_key_value_heads": shape["kv_heads"],
+        "vocab_size": shape["vocab"], "tie_word_embeddings": False, "hidden_act": "silu"}))
+    return str(path)
+
+
 @pytest.fixture(scope="module")
 def config_json(tmp_path_factory) -> str:
-    path = tmp_path_factory.mktemp("verl_actor") / "config.json"
-    path.write_text(json.dumps({
-        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": MODEL["hidden"],
-        "intermediate_size": MODEL["ffn"], "num_hidden_layers": MODEL["layers"],
-        "num_attention_heads": MODEL["heads"], "num_key_value_heads": MODEL["kv_heads"],
-        "vocab_size": MODEL["vocab"], "tie_word_embeddings": False, "hidden_act": "silu"}))
-    return str(path)
+    return _config_json(tmp_path_factory.mktemp("verl_actor"), MODEL)
 
 
 @pytest.fixture(scope="module")
@@ -109,3 +117,32 @@ def test_one_rank_shard_groups_hold_no_root_copy_at_the_loss(config_json):
             assert ours.unsharded_params == 0
             assert ours.logits_and_loss == 7 * row["tokens"] * 32000 * 2
             assert ours.total_bytes == pytest.approx(row["peak_allocated_bytes"], rel=0.002)
+
+
+def test_lora_blocks_without_checkpointing(tmp_path_factory):
+    """FSDP1 LoRA without checkpointing on a model whose blocks outweigh its head (h 512, V 1,024): the peak is a
+    block's backward. verl wraps every trainable leaf (lora_A, lora_B) as a unit of its own under autocast; the RL
+    actor prices the FSDP2-shaped ledger (the adapters inside their block's unit). Measured 2026-12-07, per rank:
+    256 tokens 42,245,564 B real, ours 43,919,360 (+4.0%: the block below prefetched, FSDP2's all-gather output
+    beside it); 512 tokens 53,942,776, ours 54,650,880 (+1.3%). The plain ledger's AdapterUnits.AUTOCAST
+    (fsdp1_adapters.py; measured there at the loss backward only) gives +0.5% / +3.2%: its parameters and buffers
+    equal the real ones at both moments (the prefetch at 256, none at 512), but its MLP moment holds ~1.7 MB more
+    (the block's adapter gradients, 598,016 B, which each adapter unit reduces at once, and ~1.1 MB of activations
+    not yet explained), so it is not adopted. Asserted: over, by less than 5% (the safe side)."""
+    from planner.rl import rl_estimate
+
+    path = _config_json(tmp_path_factory.mktemp("verl_blocks"), BLOCKS)
+    pairs = []
+    for rows in launch()[2]["ranks"]:
+        for row in rows:
+            seqs = row["seqs"]
+            ours = rl_estimate(path, 2, gpu="h100-80gb", prompt_len=BLOCKS["prompt"],
+                               response_len=BLOCKS["response"], train_batch=2 * seqs, ppo_mini_batch_size=2 * seqs,
+                               rollout_n=1, ppo_micro_batch_size_per_gpu=seqs, finetune="lora", lora_rank=32,
+                               gradient_checkpointing=False, use_torch_compile=False,
+                               rollout_tp=1).memory.actor.update_steady
+            print(f"blocks {row['tokens']} tokens a rank: real {row['peak_allocated_bytes']} B, ours {ours.total_bytes}")
+            assert row["peak_phase"] == "backward"
+            pairs.append((ours.total_bytes, row["peak_allocated_bytes"]))
+    for ours, real in pairs:
+        assert real < ours < real * 1.05
