@@ -99,19 +99,23 @@ def test_update_bytes_per_token_match_the_estimate(measured, priced):
         assert ours == pytest.approx(real, rel=0.003)
 
 
+def _update_per_rank(path: str, case: dict, seqs: int, **knobs):
+    """Our update's peak for a case run on 2 data-parallel ranks (sp 1): `seqs` sequences a rank, one micro-batch."""
+    from planner.rl import rl_estimate
+
+    return rl_estimate(path, 2, gpu="h100-80gb", prompt_len=case["prompt"], response_len=case["response"],
+                       train_batch=2 * seqs, ppo_mini_batch_size=2 * seqs, rollout_n=1,
+                       ppo_micro_batch_size_per_gpu=seqs, finetune="lora", lora_rank=32, use_torch_compile=False,
+                       rollout_tp=1, **knobs).memory.actor.update_steady
+
+
 def test_one_rank_shard_groups_hold_no_root_copy_at_the_loss(config_json):
     """verl's fsdp_size 1 on 2 ranks: FSDP1 on one-rank shard groups runs NO_SHARD, which frees every unit's bf16
     copy after its forward, the root's included (cost_models/rl_strategy.py loss_root_bytes). Before that rule we
     priced the root's bf16 copy at the loss: 32,768,512 B over at 256 tokens (+17.2%, measured on one rank)."""
-    from planner.rl import rl_estimate
-
     for rows in launch()[1]["ranks"]:
         for row in rows:
-            seqs = row["seqs"]
-            ours = rl_estimate(config_json, 2, gpu="h100-80gb", prompt_len=NO_SHARD["prompt"],
-                               response_len=NO_SHARD["response"], train_batch=2 * seqs, ppo_mini_batch_size=2 * seqs,
-                               rollout_n=1, ppo_micro_batch_size_per_gpu=seqs, finetune="lora", lora_rank=32,
-                               fsdp_size=1, use_torch_compile=False, rollout_tp=1).memory.actor.update_steady
+            ours = _update_per_rank(config_json, NO_SHARD, row["seqs"], fsdp_size=1)
             print(f"NO_SHARD {row['tokens']} tokens a rank: real {row['peak_allocated_bytes']} B, ours "
                   f"{ours.total_bytes} B")
             assert ours.unsharded_params == 0
@@ -129,18 +133,11 @@ def test_lora_blocks_without_checkpointing(tmp_path_factory):
     equal the real ones at both moments (the prefetch at 256, none at 512), but its MLP moment holds ~1.7 MB more
     (the block's adapter gradients, 598,016 B, which each adapter unit reduces at once, and ~1.1 MB of activations
     not yet explained), so it is not adopted. Asserted: over, by less than 5% (the safe side)."""
-    from planner.rl import rl_estimate
-
     path = _config_json(tmp_path_factory.mktemp("verl_blocks"), BLOCKS)
     pairs = []
     for rows in launch()[2]["ranks"]:
         for row in rows:
-            seqs = row["seqs"]
-            ours = rl_estimate(path, 2, gpu="h100-80gb", prompt_len=BLOCKS["prompt"],
-                               response_len=BLOCKS["response"], train_batch=2 * seqs, ppo_mini_batch_size=2 * seqs,
-                               rollout_n=1, ppo_micro_batch_size_per_gpu=seqs, finetune="lora", lora_rank=32,
-                               gradient_checkpointing=False, use_torch_compile=False,
-                               rollout_tp=1).memory.actor.update_steady
+            ours = _update_per_rank(path, BLOCKS, row["seqs"], gradient_checkpointing=False)
             print(f"blocks {row['tokens']} tokens a rank: real {row['peak_allocated_bytes']} B, ours {ours.total_bytes}")
             assert row["peak_phase"] == "backward"
             pairs.append((ours.total_bytes, row["peak_allocated_bytes"]))
