@@ -16,7 +16,8 @@ from .model_spec import ModelSpec
 from .profile import Profile
 from .rl_batch import BatchPlan
 from .rl_settings import ACTOR_DTYPES, RlSettings
-from .rl_strategy import forward_gathered_bytes, fsdp2_backward, loss_root_bytes, weight_sync_bytes
+from .rl_strategy import (forward_gathered_bytes, fsdp2_backward, head_backward_bytes, loss_root_bytes,
+                          weight_sync_bytes)
 from .rl_trl_head import trl_head_bytes
 from .spec_values import Attention, LossKernel, Sharding
 from .specs import FsdpConfig, TrainingSpec
@@ -169,12 +170,14 @@ def actor_states(run: ActorRun, settings: RlSettings, batch: BatchPlan, profile:
     saved = tokens * (model.n_layers * per_block + activations.root_bytes_per_token(model, c, lora=settings.lora))
     saved += 0 if ckpt else model.n_layers * surplus
     head, block = logits_bytes(model, tokens, c, settings, batch), model.block_params * c if size > 1 else 0
-    if settings.framework == "verl":
-        head, block = max((head, 0), (tokens * model.vocab_size * c, block), key=sum)
+    head_gathered = 0
+    if settings.framework == "verl":   # the entropy's backward, or the head's with the logits' gradient complete
+        head_gathered, head, block = max((0, head, 0), (head_backward_bytes(model, settings, c),
+                                                         tokens * model.vocab_size * c, block), key=sum)
     loss = MemoryBreakdown(sharded_params=step.sharded_params * on_gpu, optimizer_state=step.optimizer_state * on_gpu,
                            sharded_grads=step.sharded_grads * on_gpu if accumulating else 0,
-                           unsharded_params=loss_root_bytes(model, settings, c, size), activations=saved,
-                           collective_buffers=block, logits_and_loss=head)
+                           unsharded_params=loss_root_bytes(model, settings, c, size) + head_gathered,
+                           activations=saved, collective_buffers=block, logits_and_loss=head)
     steady = max(body, loss, key=lambda b: b.total_bytes)
     first = dataclasses.replace(steady, optimizer_state=0)
     p = DTYPE_BYTES[config.precision.param_dtype]

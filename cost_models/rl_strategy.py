@@ -53,17 +53,25 @@ def separate_head_units(model: ModelSpec, settings) -> bool:
 
 
 def loss_root_bytes(model: ModelSpec, settings, c: int, shard_ranks: int) -> int:
-    """The root's parameters gathered at the loss: FSDP1 the whole root; FSDP2 the root less the embedding (resharded
-    after its forward) - the head counted as gathered, an upper bound (its backward, just after, gathers it).
-    FSDP1 on a one-rank shard group runs NO_SHARD (torch/distributed/fsdp/_init_utils.py: world size 1) and holds
-    none: its compute-dtype copy is freed in every unit's post-forward, the root's too (_flat_param.py post_reshard:
-    "For NO_SHARD, _mp_shard is not freed in the post-unshard ... we delay the free until the reshard"), and re-made at its pre-backward; without mixed
-    precision there is no copy. Measured with verl's update on gloo (tests/distributed/test_torchrun_verl_actor.py)."""
+    """The root's parameters gathered at the loss (verl's entropy backward): FSDP1 the whole root. FSDP2 with the
+    embedding and head units of their own (verl): the root's own (the final norm) - each of those resharded after
+    its forward (a non-root unit's reshard_after_forward), the head gathered again at its pre-backward, once the
+    loss's backward reaches it (head_backward_bytes). FSDP1 on a one-rank shard group runs NO_SHARD
+    (torch/distributed/fsdp/_init_utils.py: world size 1) and holds none: its compute-dtype copy is freed in every
+    unit's post-forward, the root's too (_flat_param.py post_reshard: "For NO_SHARD, _mp_shard is not freed in the
+    post-unshard ... we delay the free until the reshard"), and re-made at its pre-backward; without mixed precision
+    there is no copy. Both measured with verl's own update on gloo (tests/distributed/test_torchrun_verl_actor.py)."""
     if settings.strategy == "fsdp" and shard_ranks == 1:
         return 0
     if separate_head_units(model, settings):
-        return (model.head_params + model.root_other_params) * c
+        return model.root_other_params * c
     return model.root_params * c
+
+
+def head_backward_bytes(model: ModelSpec, settings, c: int) -> int:
+    """The head gathered for its own backward where it is a unit of its own (FSDP2, verl), beside the logits'
+    gradient; 0 where the root holds it from the forward on (loss_root_bytes)."""
+    return model.head_params * c if separate_head_units(model, settings) else 0
 
 
 def forward_gathered_bytes(model: ModelSpec, settings, c: int) -> int:

@@ -24,7 +24,7 @@ runs beside it (tests/unit/test_rl_logits_trace.py).
 
 Case: {"hidden", "layers", "heads", "kv_heads", "ffn", "vocab", "prompt", "response", "seqs": [sequences per rank
 per measured micro-batch, ...], "sp": Ulysses degree, "fsdp_size" (optional, verl's default -1: every rank; 1: a
-one-rank shard group, which FSDP1 runs as NO_SHARD), "gc" (optional, default True: gradient checkpointing)}. Each sequence is prompt + response tokens, one micro-batch a
+one-rank shard group, which FSDP1 runs as NO_SHARD), "gc" (optional, default True: gradient checkpointing), "strategy" (fsdp, the default, or fsdp2)}. Each sequence is prompt + response tokens, one micro-batch a
 step; a warm-up step (Adam's states) runs first, then one measured step per entry of "seqs"."""
 
 from __future__ import annotations
@@ -191,7 +191,7 @@ def _checkpoint(case: dict, rank: int) -> str:
     return path[0]
 
 
-def _engine(verl_impl, path: str, sp: int, fsdp_size: int = -1, gc: bool = True):
+def _engine(verl_impl, path: str, sp: int, fsdp_size: int = -1, gc: bool = True, strategy: str = "fsdp"):
     """verl's actor engine as its worker builds it (LoRA 32 all-linear, fp32 model, FSDP1, remove-padding,
     gradient checkpointing), the entropy eager."""
     from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig
@@ -206,7 +206,7 @@ def _engine(verl_impl, path: str, sp: int, fsdp_size: int = -1, gc: bool = True)
     model = HFModelConfig(path=path, load_tokenizer=False, lora_rank=32, lora_alpha=32, target_modules="all-linear",
                           use_remove_padding=True, enable_gradient_checkpointing=gc,
                           override_config={"attn_implementation": "sdpa"})
-    engine = FSDPEngineConfig(strategy="fsdp", model_dtype="fp32", ulysses_sequence_parallel_size=sp,
+    engine = FSDPEngineConfig(strategy=strategy, model_dtype="fp32", ulysses_sequence_parallel_size=sp,
                               fsdp_size=fsdp_size, use_torch_compile=False, use_dynamic_bsz=False)
     built = Engine(model, engine, FSDPOptimizerConfig(lr=1e-5), CheckpointConfig())
     built.initialize()
@@ -246,8 +246,9 @@ def run_case(case: dict, rank: int, world: int) -> dict:
     rows = []
     try:
         with _on_cpu() as verl_impl:
-            engine = _engine(verl_impl, path, case["sp"], case.get("fsdp_size", -1), case.get("gc", True))
-            loss = partial(ppo_loss, config=FSDPActorConfig(strategy="fsdp", ppo_mini_batch_size=1,
+            engine = _engine(verl_impl, path, case["sp"], case.get("fsdp_size", -1), case.get("gc", True),
+                             case.get("strategy", "fsdp"))
+            loss = partial(ppo_loss, config=FSDPActorConfig(strategy=case.get("strategy", "fsdp"), ppo_mini_batch_size=1,
                                                             ppo_micro_batch_size_per_gpu=1, rollout_n=1))
             with engine.train_mode():
                 engine.train_batch(_batch(case, case["seqs"][0]), loss_function=loss)   # warm-up: Adam's states
