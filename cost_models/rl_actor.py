@@ -104,9 +104,9 @@ def actor_run(model: ModelSpec, cluster: ClusterSpec, settings: RlSettings, batc
               memo: dict | None = None) -> ActorRun:
     """FULL_SHARD over the GPUs (fsdp_size -1), NO_SHARD for fsdp_size 1, else HYBRID over fsdp_size; fp32 master
     weights with bf16 compute (or bf16 throughout); the loss priced apart (verl_logits_bytes). memo: a search's
-    cache for the actor (one model and cluster), keyed by what the run reads."""
+    cache (one cluster: the actor's model and the critic's value model), keyed by what the run reads."""
     if memo is not None:
-        key = ("actor_run", settings.finetune, settings.lora_rank, settings.actor_dtype,
+        key = ("actor_run", model.name, settings.finetune, settings.lora_rank, settings.actor_dtype,
                settings.gradient_checkpointing, settings.fsdp_size, batch.update_tokens_per_gpu, settings.host_offload,
                settings.optimizer_impl)
         if key not in memo:

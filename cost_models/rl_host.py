@@ -80,7 +80,8 @@ def policy_terms(states: ActorStates, gpus: int, worker: str = "") -> dict:
 def host_ram_per_node(model: ModelSpec, cluster: ClusterSpec, settings: RlSettings, actor: ActorStates,
                       engine: EngineMemory, critic: ActorStates | None = None,
                       reward: RewardModel | None = None) -> HostRam:
-    """`critic`: PPO's (rl_critic.py), its process, offloads and checkpoint like the actor's; `reward`: a reward
+    """`critic`: PPO's (rl_critic.py), its process, offloads and checkpoint like the actor's (its load by its own
+    strategy, critic.strategy); `reward`: a reward
     model's engine (its weight backup and processes)."""
     gpus, ranks = cluster.gpus_per_node, cluster.n_gpus
     terms = {
@@ -91,17 +92,17 @@ def host_ram_per_node(model: ModelSpec, cluster: ClusterSpec, settings: RlSettin
         "engine weight backup (sleep level 1)": engine.weights_bytes * gpus if settings.sleep_level == 1 else 0,
         "model copy in /dev/shm": model.n_params * 2 if settings.use_shm else 0,
     }
-    workers = [actor]
+    workers = [(actor, settings.strategy)]
     if critic is not None:
         terms["critic params (offloaded)"] = critic.params_bytes * gpus * settings.critic_param_offload
         terms["critic Adam states (offloaded)"] = critic.optimizer_bytes * gpus * settings.critic_optimizer_offload
         terms.update(policy_terms(critic, gpus, "critic "))
-        workers.append(critic)
+        workers.append((critic, settings.critic_strategy))
     if reward is not None:
         terms["reward weight backup (sleep level 1)"] = reward.memory.weights_bytes * gpus
-    staging = sum(save_bytes(SaveWay.DCP_ASYNC, _sizes(w, ranks)).node_bytes(gpus) for w in workers)
-    load = max(load_bytes(LoadWay.RANK0_BROADCAST, _sizes(w, ranks), fsdp2=settings.strategy == "fsdp2")
-               .node_bytes(gpus) for w in workers)
+    staging = sum(save_bytes(SaveWay.DCP_ASYNC, _sizes(w, ranks)).node_bytes(gpus) for w, _ in workers)
+    load = max(load_bytes(LoadWay.RANK0_BROADCAST, _sizes(w, ranks), fsdp2=strategy == "fsdp2").node_bytes(gpus)
+               for w, strategy in workers)
     processes = len(workers) + (reward is not None)
     return HostRam(terms={k: v for k, v in terms.items() if v}, process_bytes=PROCESS_BYTES_PER_RANK * gpus
                    * processes, load_bytes=load, checkpoint_staging_bytes=staging)

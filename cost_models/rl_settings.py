@@ -38,6 +38,11 @@ class RlSettings:
     critic_param_offload: bool = False     # critic.fsdp.param_offload (verl 0.9; critic.model.fsdp_config before)
     critic_optimizer_offload: bool = False
     critic_offload_policy: bool = False    # critic.fsdp.offload_policy: the critic's own CPUOffloadPolicy
+    # critic.strategy / critic.fsdp.model_dtype (verl 0.9.1 defaults fsdp / fp32, dp_critic.yaml and engine/fsdp.yaml:
+    # what a script leaving them out runs); None: the actor's, resolved on construction (a replace() of the actor's
+    # strategy or dtype keeps the critic's)
+    critic_strategy: str | None = None
+    critic_dtype: str | None = None
     layered_summon: bool = False       # rollout.layered_summon: FSDP1 LoRA's sync gathers one unit at a time
     offload_policy: bool = False       # fsdp_config.offload_policy: FSDP2's CPUOffloadPolicy (host_offload)
     # TRL 1.16's GRPOConfig (trl/trainer/grpo_config.py defaults), read for framework trl only (rl_schedule.py)
@@ -53,6 +58,13 @@ class RlSettings:
             raise SpecError("framework", f"unknown value {self.framework!r}; choose one of: {', '.join(FRAMEWORKS)}")
         if self.actor_dtype not in ACTOR_DTYPES:
             raise SpecError("actor_dtype", f"unknown value {self.actor_dtype!r}; choose one of: fp32, bf16")
+        for name, actor, valid in (("critic_strategy", self.strategy, STRATEGIES),
+                                   ("critic_dtype", self.actor_dtype, tuple(ACTOR_DTYPES))):
+            value = getattr(self, name)
+            if value is None:
+                object.__setattr__(self, name, actor)
+            elif value not in valid:
+                raise SpecError(name, f"unknown value {value!r}; choose one of: {', '.join(valid)}")
         object.__setattr__(self, "finetune", parse_enum(Finetune, self.finetune, "finetune"))
         if self.finetune is Finetune.QLORA:
             raise SpecError("finetune", "qlora is not a verl mode; choose one of: full, lora")
@@ -95,8 +107,9 @@ class RlSettings:
     @property
     def critic_host_offload(self) -> bool:
         """PPO's critic under its own CPUOffloadPolicy (critic.fsdp.offload_policy): verl's critic worker runs the same
-        FSDP engine, so the same rule as the actor's, under the strategy the critic is priced with (the actor's)."""
-        return self.ppo and self.critic_offload_policy and self.strategy == "fsdp2"
+        FSDP engine, so the same rule as the actor's, under the critic's own strategy (FSDPCriticConfig.__post_init__
+        hands critic.strategy to its engine config)."""
+        return self.ppo and self.critic_offload_policy and self.critic_strategy == "fsdp2"
 
     @property
     def reference_offloaded(self) -> bool:

@@ -42,7 +42,7 @@ from .model_spec import ModelSpec
 from .profile import Profile
 from .rl_batch import BatchPlan
 from .rl_actor import ActorStates, actor_run, reference_bytes
-from .rl_critic import critic_settings
+from .rl_critic import critic_settings, value_model
 from .rl_settings import RlSettings
 from .rl_reward import RewardModel
 from .rl_schedule import schedule_of
@@ -119,13 +119,13 @@ def micro_step(model: ModelSpec, cluster: ClusterSpec, settings: RlSettings, bat
                mean_len: int, profile: Profile, sp: int, memo: dict | None = None) -> tuple[TimeBreakdown, int]:
     """The FSDP step model on one micro-batch of `tokens` tokens per GPU, priced as the sequences it packs
     (flash-attention's varlen kernel attends within each): whole sequences of their mean length (over sp with
-    Ulysses); with the tokens as priced (whole sequences). memo: one search's cache (one model, cluster and
-    profile), keyed by the step's inputs."""
+    Ulysses); with the tokens as priced (whole sequences). memo: one search's cache (one cluster and profile; the
+    actor's model and the critic's value model), keyed by the step's inputs."""
     run = actor_run(model, cluster, settings, batch, memo)
     seq = max(1, min(tokens, mean_len // sp))
     seqs = max(1, round(tokens / seq))
     fsdp2 = settings.strategy == "fsdp2"  # the copies around the collectives differ by API (fsdp_copies.py)
-    key = (run.config, run.training, seq, seqs, fsdp2)
+    key = (run.model.name, run.config, run.training, seq, seqs, fsdp2)
     if memo is not None and key in memo:
         return memo[key]
     step = estimate_step_time(run.model, run.cluster, dataclasses.replace(run.training, seq_len=seq),
@@ -140,7 +140,7 @@ def train_seconds(model: ModelSpec, cluster: ClusterSpec, settings: RlSettings, 
     """(update, log-probs) seconds of a step: the update's micro-steps and one optimizer step per mini-batch; the
     old and reference log-probs, each the forward of the rank's tokens at the log-prob micro-batch. memo: a search's
     cache (micro_step's), which holds the result too."""
-    key = ("train_seconds", settings.strategy, settings.finetune, settings.lora_rank, settings.actor_dtype,
+    key = ("train_seconds", model.name, settings.strategy, settings.finetune, settings.lora_rank, settings.actor_dtype,
            settings.gradient_checkpointing, settings.fsdp_size, settings.host_offload, batch, prompt_tokens,
            response_tokens, sp)
     if memo is not None and key in memo:
@@ -228,11 +228,10 @@ def forward_micro_batches(batch: BatchPlan, length: int, sp: int, tokens_per_mic
 def critic_seconds(model: ModelSpec, cluster: ClusterSpec, settings: RlSettings, batch: BatchPlan, prompt_tokens: int,
                    response_tokens: int, profile: Profile, sp: int, memo: dict | None = None) -> float:
     """PPO's critic: its update and one forward (half the two log-prob passes), priced as the actor's are under the
-    critic's own settings (rl_critic.critic_settings: trained in full, its CPUOffloadPolicy's per-unit copies and
-    CPU Adam step: host_optimizer.py) on the actor's model and batch plan: the vocabulary head's FLOPs and, under
-    its policy, its parameters in the CPU step (vocab x hidden where the critic has hidden + 1) counted as the
-    actor's. With the actor's settings (a full actor, the same policy) it is the actor's update and a forward."""
-    update, log_prob = train_seconds(model, cluster, critic_settings(settings), batch, prompt_tokens,
+    critic's own settings (rl_critic.critic_settings: trained in full at its strategy and dtype, its
+    CPUOffloadPolicy's per-unit copies and CPU Adam step: host_optimizer.py) on the value model (a hidden x 1 head:
+    no vocabulary FLOPs, its own parameters in the CPU step) and the actor's batch plan."""
+    update, log_prob = train_seconds(value_model(model), cluster, critic_settings(settings), batch, prompt_tokens,
                                      response_tokens, profile, sp, memo)
     return update + log_prob / 2
 

@@ -71,6 +71,15 @@ VERL_DEFAULTS = {"data.max_prompt_length": 512, "data.max_response_length": 512,
                  A + "rollout.n": 1, A + "actor.ppo_mini_batch_size": 256, A + "ref.fsdp_config.param_offload": False,
                  "algorithm.adv_estimator": "gae"}
 ADV_ESTIMATORS = {"grpo": "grpo", "ppo": "gae"}   # algorithm.adv_estimator (verl core_algos.AdvantageEstimator)
+# verl 0.9.1's critic where a script leaves it out (critic/dp_critic.yaml strategy, engine/fsdp.yaml model_dtype):
+# check prices these (--emit verl writes the priced ones always)
+CRITIC_DEFAULTS = {"critic.strategy": "fsdp", "critic.fsdp.model_dtype": "fp32"}
+# rollout.load_format under rollout.layered_summon: verl 0.9.1 starts the engine's weights as load_format says
+# (rollout.yaml: dummy, random) and syncs a LoRA actor's base at the first sync only where "dummy" is in it
+# (engine_workers.py base_sync_done); there utils/fsdp_utils.py collect_lora_params(layered_summon=True,
+# base_sync_done=False) raises "To use layered_summon, you must make sure base-model is preloaded in vllm, e.g. let
+# rollout.load_format=safetensors". With it the engine loads the checkpoint's weights from disk at its start.
+LAYERED_LOAD_FORMAT = "safetensors"
 
 
 def hydra_value(value) -> str:
@@ -78,8 +87,9 @@ def hydra_value(value) -> str:
     return str(value)
 
 
-def overrides(r, model_path: str) -> list[tuple[str, object]]:
-    """Every priced knob as (verl key, value), in the order of verl's examples."""
+def overrides(r, model_path: str, settings) -> list[tuple[str, object]]:
+    """Every priced knob as (verl key, value), in the order of verl's examples; `settings`: the priced RlSettings
+    (the critic's strategy and dtype as resolved)."""
     mini = r.ppo_mini_batch_size or r.train_batch
     out = [("algorithm.adv_estimator", ADV_ESTIMATORS[r.algorithm]), (A + "model.path", model_path)]
     out += [(k, getattr(r, f)) for k, f in KEYS.items()]
@@ -92,6 +102,8 @@ def overrides(r, model_path: str) -> list[tuple[str, object]]:
             (A + "model.lora_rank", r.lora_rank if r.finetune == "lora" else 0)]
     if r.finetune == "lora":
         out.append((A + "model.target_modules", "all-linear"))
+    if r.layered_summon:   # verl 0.9.1 raises at the first LoRA sync under its default dummy (LAYERED_LOAD_FORMAT)
+        out.append((A + "rollout.load_format", LAYERED_LOAD_FORMAT))
     if r.use_dynamic_bsz:
         budget = r.log_prob_max_token_len_per_gpu or r.ppo_max_token_len_per_gpu
         out += [(A + "actor.ppo_max_token_len_per_gpu", r.ppo_max_token_len_per_gpu),
@@ -102,8 +114,9 @@ def overrides(r, model_path: str) -> list[tuple[str, object]]:
         out += [(A + "actor.ppo_micro_batch_size_per_gpu", r.ppo_micro_batch_size_per_gpu),
                 (A + "rollout.log_prob_micro_batch_size_per_gpu", micro),
                 (A + "ref.log_prob_micro_batch_size_per_gpu", micro)]
-    if r.algorithm == "ppo":  # the critic: the actor's model, batch and strategy (cost_models/rl_critic.py)
-        out += [("critic.model.path", model_path), ("critic.strategy", r.strategy),
+    if r.algorithm == "ppo":  # the critic: the actor's model and batch, its own strategy and dtype as priced
+        out += [("critic.model.path", model_path), ("critic.strategy", settings.critic_strategy),
+                ("critic.fsdp.model_dtype", settings.critic_dtype),
                 ("critic.model.enable_gradient_checkpointing", r.gradient_checkpointing),
                 ("critic.model.use_remove_padding", r.use_remove_padding)]
         out += [(k, getattr(r, f)) for k, f in CRITIC_KEYS.items() if getattr(r, f) is not None]
@@ -149,7 +162,7 @@ def emit_verl(estimate) -> str:
     lines = ["#!/usr/bin/env bash", _comment(wrapped), f"# {MARK} {planner_flags(r, COMMENTED)}",
              "set -euo pipefail", "", f"MODEL_PATH={shlex.quote(str(r.model))}", "",
              "python3 -m verl.trainer.main_ppo \\"]
-    for key, value in overrides(r, "$MODEL_PATH"):
+    for key, value in overrides(r, "$MODEL_PATH", estimate.settings):
         lines.append(f"    {key}={hydra_value(value)} \\")
     lines += [f"    {key}={word} \\" for key, word in ray_env(estimate)]
     lines.append('    "$@"')

@@ -39,6 +39,7 @@ class RlEstimate:
     memory: RlMemory
     host: HostRam
     time: RlTime
+    settings: RlSettings           # the FSDP side as priced (specs_of: the critic's strategy and dtype resolved)
     reasons: tuple[str, ...]
     notes: tuple[str, ...] = ()    # planner/rl/findings.py
 
@@ -80,7 +81,8 @@ def specs_of(r: RlRequest, model: ModelSpec) -> tuple[RlBatch, EngineSettings, R
                           sleep_level=r.sleep_level, use_shm=r.use_shm, algorithm=r.algorithm,
                           critic_param_offload=r.critic_param_offload,
                           critic_optimizer_offload=r.critic_optimizer_offload,
-                          critic_offload_policy=r.critic_offload_policy, layered_summon=r.layered_summon,
+                          critic_offload_policy=r.critic_offload_policy, critic_strategy=r.critic_strategy,
+                          critic_dtype=r.critic_dtype, layered_summon=r.layered_summon,
                           offload_policy=r.offload_policy,
                           **{key: getattr(r, name) for name, key in TRL_KEYS.items() if getattr(r, name) is not None})
     return batch, _trl_engine(r, model, batch, engine) if trl else engine, settings
@@ -159,7 +161,7 @@ def evaluate_rl(request: RlRequest, profile: Profile | None = None, model: Model
         reasons.append(f"host RAM: needs {host.peak_bytes / GiB:.0f} GiB per node > {ram / GiB:.0f} GiB "
                        f"(--cpu-ram-per-node)")
     return RlEstimate(request=request, model=spec, cluster=cluster, batch=plan, engine_settings=engine,
-                      memory=memory, host=host, time=time, reasons=tuple(reasons),
+                      memory=memory, host=host, time=time, settings=settings, reasons=tuple(reasons),
                       notes=findings(settings, engine, memory, plan.rollout_seqs_per_replica, capacity))
 
 

@@ -85,8 +85,9 @@ def _critic_policy(settings: RlSettings, memory: RlMemory) -> list[str]:
                 "GPU) stay in pinned host memory, its Adam step on the CPU (its param_offload / optimizer_offload "
                 "forced off, as verl does)"]
     if settings.ppo and settings.critic_offload_policy:
-        return ["critic offload_policy is ignored under strategy fsdp (verl reads it in its FSDP2 branch only): "
-                "--strategy fsdp2 (critic.strategy=fsdp2) applies it"]
+        return [f"critic.fsdp.offload_policy is ignored under critic.strategy {settings.critic_strategy} (verl "
+                "reads it in its FSDP2 branch only): priced without it; --critic-strategy fsdp2 (critic.strategy="
+                "fsdp2) applies it"]
     return []
 
 

@@ -11,7 +11,7 @@ from tabulate import tabulate
 from cost_models.units import GiB
 from planner.line_width import LINE_WIDTH
 
-from .evaluate import RlEstimate, specs_of
+from .evaluate import RlEstimate
 from .search import RlPlan
 
 # What the figures rest on beyond the engines' and verl's own code (said in every output).
@@ -31,16 +31,23 @@ SEARCHED = ("strategy", "actor_dtype", "param_offload", "optimizer_offload", "re
             "rollout_tp", "gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens")
 
 
+# the priced settings' (RlSettings) fields in the JSON's "knobs" beside SEARCHED: the offloads as verl runs them
+# (forced off under a CPUOffloadPolicy), the critic's strategy and dtype as resolved (the actor's where unset)
+PRICED = ("param_offload", "optimizer_offload", "critic_param_offload", "critic_optimizer_offload", "critic_strategy",
+          "critic_dtype")
+
+
 def knobs_dict(e: RlEstimate) -> dict:
     """The searched knobs' values as priced (a log-prob micro-batch or budget left unset is the update's; TRL: the
-    engine's knobs as TRL sets them; the reference's offload as the priced settings hold it: specs_of's RlSettings,
-    reference_offloaded)."""
-    r, engine = e.request, e.engine_settings
+    engine's knobs as TRL sets them; the offloads, the critic's strategy and dtype, and whether a policy or the
+    reference's offload applies, as the priced settings hold them: e.settings)."""
+    r, engine, s = e.request, e.engine_settings, e.settings
     out = {k: getattr(r, k) for k in SEARCHED}
     out["log_prob_micro_batch_size_per_gpu"] = r.log_prob_micro_batch_size_per_gpu or r.ppo_micro_batch_size_per_gpu
     out["log_prob_max_token_len_per_gpu"] = r.log_prob_max_token_len_per_gpu or r.ppo_max_token_len_per_gpu
-    out.update(max_num_seqs=engine.max_num_seqs, max_num_batched_tokens=engine.max_num_batched_tokens,
-               ref_param_offload=specs_of(r, e.model)[2].reference_offloaded)
+    out.update({k: getattr(s, k) for k in PRICED}, max_num_seqs=engine.max_num_seqs,
+               max_num_batched_tokens=engine.max_num_batched_tokens, ref_param_offload=s.reference_offloaded,
+               critic_offload_policy=s.critic_host_offload)
     return out
 
 
@@ -168,10 +175,10 @@ def _budget(tokens: int) -> str:
 def _knobs(e: RlEstimate) -> dict:
     """A ranked row's knobs by column (LEGEND says what each holds)."""
     r, k = e.request, knobs_dict(e)
-    offload = "".join(c for c, on in (("p", r.param_offload), ("o", r.optimizer_offload),
+    offload = "".join(c for c, on in (("p", k["param_offload"]), ("o", k["optimizer_offload"]),
                                        ("r", k["ref_param_offload"] and r.finetune == "full"),
-                                       ("P", r.critic_param_offload and r.algorithm == "ppo"),
-                                       ("O", r.critic_optimizer_offload and r.algorithm == "ppo")) if on) or "-"
+                                       ("P", k["critic_param_offload"] and r.algorithm == "ppo"),
+                                       ("O", k["critic_optimizer_offload"] and r.algorithm == "ppo")) if on) or "-"
     micro = (f"{_budget(k['ppo_max_token_len_per_gpu'])}/{_budget(k['log_prob_max_token_len_per_gpu'])}"
              if r.use_dynamic_bsz else
              f"{k['ppo_micro_batch_size_per_gpu']}/{k['log_prob_micro_batch_size_per_gpu']}")

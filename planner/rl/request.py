@@ -76,7 +76,13 @@ class RlRequest:
                                        "critic.fsdp.offload_policy, the critic's own FSDP2 CPUOffloadPolicy: its "
                                        "params, grads and Adam states on the host, its optimizer step on the CPU "
                                        "(the critic's param / optimizer offload forced off; ignored under "
-                                       "--strategy fsdp)")
+                                       "critic strategy fsdp)")
+    critic_strategy: str | None = knob(None, "--critic-strategy", help="PPO: critic.strategy, fsdp or fsdp2 "
+                                       "(default: the actor's --strategy, and --emit verl writes it; verl's own "
+                                       "default, in a script that leaves it out, is fsdp)")
+    critic_dtype: str | None = knob(None, "--critic-dtype", help="PPO: critic.fsdp.model_dtype, fp32 or bf16 "
+                                    "(default: the actor's --actor-dtype, and --emit verl writes it; verl's own "
+                                    "default is fp32)")
     critic_ulysses_sequence_parallel_size: int | None = knob(None, "--critic-ulysses-sequence-parallel-size",
                                                              help="PPO: critic.ulysses_sequence_parallel_size "
                                                              "(default: the actor's)")

@@ -3,8 +3,9 @@ evaluate_rl and ranked by its estimated step time (cost_models/rl_time.py), then
 
 The knobs fall in three groups by what they change in the cost models:
 - shared (S): the actor's strategy (actor.strategy: fsdp, FSDP1, or fsdp2), dtype and param / optimizer offload,
-  and PPO's critic offloads - they change every phase, the offload copies and (strategy, dtype) the update's
-  seconds; the reference's offload is not a knob (verl offloads it whatever it says: NOT_SEARCHED);
+  and PPO's critic offloads (its strategy and dtype the actor's unless --critic-strategy / --critic-dtype set them)
+  - they change every phase, the offload copies and (strategy, dtype) the update's seconds; the reference's
+  offload is not a knob (verl offloads it whatever it says: NOT_SEARCHED);
 - engine (E): rollout TP, gpu_memory_utilization, max_num_seqs - they change only the phases with the engine
   awake (init, rollout, weight_sync: ENGINE_PHASES), the engine's refusals, host RAM and the generation time;
 - actor (A): gradient checkpointing, the Ulysses degree (dividing the heads and the GPUs; the KV heads divided
@@ -25,9 +26,10 @@ NO_SHARD), and its update is not always the faster: the copies around the collec
 favour FSDP1 with a bf16 actor or LoRA, FSDP2 with an fp32 actor. So both are searched; FSDP1's engine side is
 priced only where FSDP2's fits, and (sharded) an actor choice whose actor side did not fit under FSDP2 is not
 priced under FSDP1 with as much offloaded. With --offload-policy the search keeps FSDP2 (verl's FSDP1 ignores
-CPUOffloadPolicy). FSDP1 LoRA's weight sync gathers the whole model unless rollout.layered_summon: the request's,
-never set by the search (verl refuses it at the first sync under rollout.load_format dummy, its default), said in
-the output where it applies.
+CPUOffloadPolicy), and with --critic-offload-policy where the critic follows the actor's strategy. FSDP1 LoRA's
+weight sync gathers the whole model unless rollout.layered_summon: the request's, never set by the search (verl
+refuses it at the first sync under rollout.load_format dummy, its default; --emit verl writes load_format
+safetensors with it), said in the output where it applies.
 
 Entropy chunking changes memory, not time (its loop's cost is not priced): it is the request's unless the actor
 side does not fit without it (with_chunking_if_needed). The actor's dtype is searched for its memory and time only:
@@ -123,18 +125,25 @@ def _divides_mini(request: RlRequest, n_gpus: int, sp: int, micro: int) -> bool:
 def spaces(request: RlRequest, model: ModelSpec, n_gpus: int) -> tuple[list[dict], list[dict], list[dict]]:
     """(shared, engine, actor) knob values. Pruned by construction: what verl or vLLM refuse (a TP or Ulysses
     degree not dividing the GPUs and heads, a micro-batch not dividing the mini-batch, a budget shorter than one
-    sequence / Ulysses), max_num_seqs above a replica's sequences (the same speed, a larger sampler) and FSDP1
-    under the request's offload_policy (verl's FSDP1 ignores it)."""
+    sequence / Ulysses), max_num_seqs above a replica's sequences (the same speed, a larger sampler), FSDP1
+    under the request's offload_policy or the critic's (verl's FSDP1 ignores it) and the manual offloads a policy
+    forces off."""
     heads, kv = model.n_heads, model.n_kv_heads
     # under CPUOffloadPolicy verl forces the manual offloads off (cost_models/rl_settings.py), and its FSDP1 ignores
-    # the policy: the request's policy keeps FSDP2
-    offloads = ((False, False),) if request.offload_policy else itertools.product((False, True), (False, True))
-    strategies = ("fsdp2",) if request.offload_policy else STRATEGIES
+    # the policy: the request's policy keeps FSDP2 - the critic's too where the critic follows the actor's strategy
+    # (else FSDP1's critic would differ from FSDP2's in host RAM and offload time, which plan_rl's pruning assumes
+    # equal); a critic strategy the request sets is the same under both
+    ppo = request.algorithm == "ppo"
+    critic_policy = ppo and request.critic_offload_policy and request.critic_strategy in (None, "fsdp2")
+    pairs = list(itertools.product((False, True), (False, True)))
+    offloads = ((False, False),) if request.offload_policy else pairs
+    strategies = ("fsdp2",) if request.offload_policy or (critic_policy and request.critic_strategy is None) \
+        else STRATEGIES
     shared = [dict(strategy=st, actor_dtype=d, param_offload=p, optimizer_offload=o)
-              for st, d, (p, o) in itertools.product(strategies, DTYPES, list(offloads))]
-    if request.algorithm == "ppo":
-        shared = [dict(s, critic_param_offload=a, critic_optimizer_offload=b) for s in shared
-                  for a, b in itertools.product((False, True), (False, True))]
+              for st, d, (p, o) in itertools.product(strategies, DTYPES, offloads)]
+    if ppo:
+        critic = ((False, False),) if critic_policy else pairs
+        shared = [dict(s, critic_param_offload=a, critic_optimizer_offload=b) for s in shared for a, b in critic]
     seqs = request.train_batch * request.rollout_n
     engine = []
     for tp in (t for t in TPS if n_gpus % t == 0 and heads % t == 0):

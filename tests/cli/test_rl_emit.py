@@ -173,6 +173,11 @@ def test_verl_validates_the_script_and_its_dataclasses_carry_the_plan(tmp_path, 
         assert (critic.strategy, critic.fsdp.param_offload, critic.fsdp.optimizer_offload, critic.use_dynamic_bsz,
                 critic.ppo_max_token_len_per_gpu) == ("fsdp2", True, False, True, 16384)
         assert critic.model.hf_config.num_attention_heads == 28
+        # the critic's strategy and dtype as priced (the actor's here), not verl's defaults fsdp / fp32: its
+        # engine config (FSDPCriticConfig.__post_init__ hands it the strategy) is what FSDPEngine builds from
+        assert (critic.fsdp.strategy, critic.fsdp.model_dtype) == ("fsdp2", "bf16")
+        base = omega_conf_to_dataclass(_compose(["algorithm.adv_estimator=gae"]).critic.fsdp)
+        assert (base.strategy, base.model_dtype) == ("fsdp", "fp32")
 
 
 def test_verls_critic_runs_the_ulysses_degree_the_plan_prices(tmp_path, monkeypatch):
@@ -222,6 +227,33 @@ def test_verls_critic_offload_policy_and_the_workers_threads_reach_verl_and_ray(
     with pytest.raises(TypeError, match="Dict\\[str, str\\]"):
         RuntimeEnv(env_vars={"OMP_NUM_THREADS": 8})
     assert env_key not in emit_verl(rl_estimate("qwen2.5-7b", 8, **dict(knobs, critic_offload_policy=False)))
+
+
+def test_layered_summon_is_emitted_with_the_load_format_verl_needs_for_it(tmp_path, monkeypatch):
+    """FSDP1 LoRA with --layered-summon: the script writes rollout.load_format=safetensors, which reaches verl's
+    RolloutConfig. Under verl's default, dummy, its worker sets base_sync_done = "dummy" not in load_format
+    (engine_workers.py) = False and its first weight sync asks collect_lora_params for the base with layered_summon,
+    which raises (utils/fsdp_utils.py; the module is one verl takes for FSDP1's: fsdp_version patched to 1, the
+    check comes before the module is read)."""
+    omega_conf_to_dataclass = _verl_validation()[0].omega_conf_to_dataclass
+    import torch
+    from verl.utils import fsdp_utils
+
+    knobs = dict(CASE_1, finetune="lora", layered_summon=True)
+    script = emit_verl(rl_estimate("qwen2-7b", 2, **knobs))
+    assert "    actor_rollout_ref.rollout.load_format=safetensors \\\n" in script
+    assert "load_format" not in emit_verl(rl_estimate("qwen2-7b", 2, **dict(knobs, layered_summon=False)))
+    # composed, not validated: validate_config checks a LoRA rank against vLLM's own limit, and vLLM is not here
+    overrides = script_overrides(script)
+    rollout = omega_conf_to_dataclass(_compose([f"{k}={v}" for k, v in overrides.items()]).actor_rollout_ref.rollout)
+    assert (rollout.layered_summon, rollout.load_format) == (True, "safetensors")
+    assert "dummy" not in rollout.load_format
+    default = omega_conf_to_dataclass(_compose(["actor_rollout_ref.rollout.name=vllm"]).actor_rollout_ref.rollout)
+    assert default.load_format == "dummy"
+    monkeypatch.setattr(fsdp_utils, "fsdp_version", lambda module: 1)
+    with pytest.raises(ValueError, match="rollout.load_format=safetensors"):
+        fsdp_utils.collect_lora_params(torch.nn.Linear(2, 2), layered_summon=True,
+                                       base_sync_done="dummy" not in default.load_format)
 
 
 @pytest.mark.parametrize("gpus, change, planner_reason, verl_error", [

@@ -240,6 +240,7 @@ def test_keys_left_out_take_verls_defaults(tmp_path):
         512, 512, 1024, 1, 256)
     assert (k["ref_param_offload"], k["algorithm"], k["gpus"]) == (False, "ppo", 8)
     assert k["critic_ulysses_sequence_parallel_size"] == 1   # dp_critic.yaml's, whatever the actor runs
+    assert (k["critic_strategy"], k["critic_dtype"]) == ("fsdp", "fp32")   # dp_critic.yaml's, engine/fsdp.yaml's
     path.write_text("actor_rollout_ref.rollout.name=vllm")
     with pytest.raises(PlannerError, match="actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu"):
         read_rl_setup(path)
@@ -299,7 +300,8 @@ def test_the_critics_offload_policy_and_the_workers_threads_read_from_verls_keys
     """critic.fsdp.offload_policy and Ray's job-wide OMP_NUM_THREADS (what --emit verl writes for a CPU step: the
     workers' threads) are read from verl's own keys, the `# fsdp-plan:` line's --omp-num-threads dropped: the same
     host RAM and step time. verl reads the critic's policy under critic.strategy fsdp2 only (its default is fsdp):
-    there it is priced without, and said."""
+    with the key dropped the critic is priced as FSDP1's without it (the plan without the policy, under the same
+    strategies), and said."""
     e = rl_estimate("qwen2.5-7b", 8, **CRITIC_POLICY)
     script = emit_verl(e)
     assert " --omp-num-threads 8" in script and "    critic.fsdp.offload_policy=True \\\n" in script
@@ -312,8 +314,59 @@ def test_the_critics_offload_policy_and_the_workers_threads_read_from_verls_keys
     assert read.host.terms == e.host.terms and read.time == e.time
     path.write_text(script.replace("    critic.strategy=fsdp2 \\\n", ""))
     setup = read_rl_setup(path)
-    assert setup.knobs["critic_offload_policy"] is False
-    assert any(n.startswith("critic.fsdp.offload_policy is ignored under critic.strategy fsdp") for n in setup.notes)
+    assert (setup.knobs["critic_offload_policy"], setup.knobs["critic_strategy"]) == (True, "fsdp")
+    read = rl_estimate(setup.model, **setup.knobs)
+    plain = rl_estimate("qwen2.5-7b", 8, **dict(CRITIC_POLICY, critic_offload_policy=False, critic_strategy="fsdp"))
+    assert not read.memory.critic.on_host and read.host.terms == plain.host.terms and read.time == plain.time
+    assert any(n.startswith("critic.fsdp.offload_policy is ignored under critic.strategy fsdp") for n in read.notes)
+
+
+def test_a_critic_left_at_verls_defaults_is_priced_as_verl_runs_it(tmp_path):
+    """The PPO script as --emit verl writes it (an FSDP2 bf16 actor; the critic as priced, the actor's strategy and
+    dtype: critic.strategy=fsdp2, critic.fsdp.model_dtype=bf16) read back prices the same critic; with both keys
+    dropped verl runs its defaults, FSDP1 and fp32, and check prices those: the critic's 7,070,622,721 parameters
+    over 16 GPUs, 4 B each, 1,767,655,681 B a GPU (not bf16's 883,827,841), Adam's 8 B, 3,535,311,361 (not
+    1,767,655,681); the actor's phases as before."""
+    e = rl_estimate("qwen2.5-7b", 16, **PPO)
+    script = emit_verl(e)
+    lines = ("    critic.strategy=fsdp2 \\\n", "    critic.fsdp.model_dtype=bf16 \\\n")
+    assert all(line in script for line in lines)
+    c = e.memory.critic
+    assert (c.params_bytes, c.optimizer_bytes) == (883_827_841, 1_767_655_681)
+    for line in lines:
+        script = script.replace(line, "")
+    (tmp_path / "ppo.sh").write_text(script)
+    setup = read_rl_setup(tmp_path / "ppo.sh")
+    assert (setup.knobs["critic_strategy"], setup.knobs["critic_dtype"]) == ("fsdp", "fp32")
+    read = rl_estimate(setup.model, **setup.knobs)
+    assert (read.memory.critic.params_bytes, read.memory.critic.optimizer_bytes) == (1_767_655_681, 3_535_311_361)
+    assert read.memory.phases == rl_estimate("qwen2.5-7b", 16, critic_strategy="fsdp", critic_dtype="fp32",
+                                             **PPO).memory.phases
+    actor = ("log_prob", "ref_log_prob", "update")
+    assert [p.gpu_bytes.get("actor params") for p in read.memory.phases if p.name in actor] == [
+        p.gpu_bytes.get("actor params") for p in e.memory.phases if p.name in actor]
+
+
+def test_layered_summon_under_verls_dummy_load_format_is_a_finding(tmp_path):
+    """FSDP1 LoRA with rollout.layered_summon: --emit verl writes rollout.load_format=safetensors with it, and check
+    says nothing; the same script without that key runs verl's dummy, under which verl 0.9.1 raises at the first
+    weight sync (tests/cli/test_rl_emit.py): said, with the key that fixes it. Merged LoRA (model.lora.merge) syncs
+    otherwise: nothing said."""
+    script = emit_verl(rl_estimate("qwen2-7b", 2, **dict(CASE_1, finetune="lora", layered_summon=True)))
+    line = "    actor_rollout_ref.rollout.load_format=safetensors \\\n"
+    assert line in script
+    path = tmp_path / "lora.sh"
+    path.write_text(script)
+    assert not any("layered_summon" in n for n in read_rl_setup(path).notes)
+    path.write_text(script.replace(line, ""))
+    notes = [n for n in read_rl_setup(path).notes if "layered_summon" in n]
+    assert notes == ["rollout.layered_summon=True under rollout.load_format dummy (verl's default): verl 0.9.1 raises "
+                     "at the first weight sync (collect_lora_params: the LoRA base must be preloaded in the engine); "
+                     "set actor_rollout_ref.rollout.load_format=safetensors"]
+    checked = json.loads(run(path, "--format", "json").stdout)
+    assert notes[0] in checked["notes"]
+    path.write_text(script.replace(line, "    actor_rollout_ref.model.lora.merge=True \\\n"))
+    assert not any("layered_summon" in n for n in read_rl_setup(path).notes)
 
 
 REWARD = dict(gpu="h100-80gb", actor_dtype="bf16", prompt_len=1024, response_len=1024, train_batch=256,

@@ -39,9 +39,16 @@ def test_space_sizes(qwen7):
     assert [e["max_num_batched_tokens"] for e in low if e["max_num_seqs"] == 1024][::5] == [2048, 4096, 8192]
     assert [e["max_num_batched_tokens"] for e in low if e["max_num_seqs"] == 256 and e["rollout_tp"] == 1][::5] == [
         512, 2048, 4096, 8192]
-    # LoRA the same; PPO: the critic's two offloads
+    # LoRA the same; PPO: the critic's two offloads; under the critic's CPUOffloadPolicy (its manual offloads forced
+    # off) FSDP2 alone where the critic follows the actor's strategy (verl's FSDP1 would ignore it), both where
+    # --critic-strategy fsdp2 fixes the critic, and the critic's offloads too where --critic-strategy fsdp ignores it
     assert len(search.spaces(rl_request("qwen2.5-7b", 8, **JOB, finetune="lora"), qwen7, 8)[0]) == 16
     assert len(search.spaces(rl_request("qwen2.5-7b", 8, **JOB, algorithm="ppo"), qwen7, 8)[0]) == 64
+    ppo = dict(JOB, algorithm="ppo", critic_offload_policy=True)
+    sizes = [search.spaces(rl_request("qwen2.5-7b", 8, **ppo, critic_strategy=c), qwen7, 8)[0]
+             for c in (None, "fsdp2", "fsdp")]
+    assert [len(s) for s in sizes] == [8, 16, 64]
+    assert {s["strategy"] for s in sizes[0]} == {"fsdp2"} and not any(s["critic_param_offload"] for s in sizes[1])
     # dynamic, 1024 + 8192 tokens: a budget x sp holds one sequence of 9,216: sp 1 -> 16k, 32k; sp 2 and 4 -> all 3;
     # log-prob budgets likewise, 64k too (sp 1: 3 of 4, sp 2 / 4: 4)
     dynamic = [a for a in search.spaces(rl_request("qwen2.5-7b", 8, **{**JOB, "response_len": 8192}), qwen7, 8)[2]
@@ -63,6 +70,31 @@ def test_ulysses_degrees_follow_verls_rule(qwen7):
     assert degrees(24, 2) == [1, 2, 4, 8]
 
 
+SMALL = dict(UTILIZATIONS=(0.3, 0.6), MICRO_BATCHES=(1, 16), LOG_PROB_MICRO_BATCHES=(2, 32), MAX_NUM_SEQS=(64, 256),
+             TOKEN_BUDGETS=(16384,), LOG_PROB_TOKEN_BUDGETS=(32768,), MAX_NUM_BATCHED_TOKENS=(64, 16384))
+# Qwen2.5-7B on 2 x H100 under vLLM 0.8, 32 prompts x 4 responses of 1,024 + 2,048 tokens
+SMALL_JOB = dict(gpu="h100-80gb", prompt_len=1024, response_len=2048, rollout_n=4, train_batch=32, engine_version="0.8")
+
+
+def _pruned_and_exhaustive(monkeypatch, request):
+    """(plan_rl's plan, the whole product's best of each shared choice that fits, the product's size) on SMALL."""
+    for name, values in SMALL.items():
+        monkeypatch.setattr(search, name, values)
+    plan = search.plan_rl(request, top=100)
+    everything = search.exhaustive(request)
+    shared = list(search.spaces(request, resolve_model("qwen2.5-7b"), 2)[0][0])
+
+    def choice(e):
+        return tuple(getattr(e.request, k) for k in shared)
+    exhaustive = {}
+    for e in everything:
+        if e.fits and (choice(e) not in exhaustive or search.key(e) < search.key(exhaustive[choice(e)])):
+            exhaustive[choice(e)] = e
+    assert plan.searched == len(everything)
+    assert {choice(e): search.key(e) for e in plan.ranked} == {c: search.key(e) for c, e in exhaustive.items()}
+    return plan, exhaustive, len(everything)
+
+
 def test_pruned_search_finds_the_exhaustive_best(monkeypatch):
     """Qwen2.5-7B GRPO on 2 x H100 (fp32 states 15 + 30 GB a GPU: offloads matter) under vLLM 0.8 (its weight sync
     wakes the KV cache too), a space cut to 5,120 configurations, FSDP1 and FSDP2: for every shared choice the
@@ -75,24 +107,8 @@ def test_pruned_search_finds_the_exhaustive_best(monkeypatch):
     offload it is over the GPU where FSDP2's best engine choice runs (TP 2 at 0.6), so FSDP1's best runs a smaller
     KV cache and generates slower; with the params offloaded and Adam's states not, no engine choice fits it (the
     KV cache, sized at init with the params off the GPU, is awake when they come back for the sync)."""
-    for name, values in dict(UTILIZATIONS=(0.3, 0.6), MICRO_BATCHES=(1, 16), LOG_PROB_MICRO_BATCHES=(2, 32),
-                             MAX_NUM_SEQS=(64, 256), TOKEN_BUDGETS=(16384,), LOG_PROB_TOKEN_BUDGETS=(32768,),
-                             MAX_NUM_BATCHED_TOKENS=(64, 16384)).items():
-        monkeypatch.setattr(search, name, values)
-    request = rl_request("qwen2.5-7b", 2, gpu="h100-80gb", prompt_len=1024, response_len=2048, rollout_n=4,
-                         train_batch=32, engine_version="0.8")
-    plan = search.plan_rl(request, top=100)
-    everything = search.exhaustive(request)
-    assert plan.searched == len(everything) == 5120 and plan.priced < 5120 / 25
-    shared = list(search.spaces(request, resolve_model("qwen2.5-7b"), 2)[0][0])
-
-    def choice(e):
-        return tuple(getattr(e.request, k) for k in shared)
-    exhaustive = {}
-    for e in everything:
-        if e.fits and (choice(e) not in exhaustive or search.key(e) < search.key(exhaustive[choice(e)])):
-            exhaustive[choice(e)] = e
-    assert {choice(e): search.key(e) for e in plan.ranked} == {c: search.key(e) for c, e in exhaustive.items()}
+    plan, exhaustive, size = _pruned_and_exhaustive(monkeypatch, rl_request("qwen2.5-7b", 2, **SMALL_JOB))
+    assert size == 5120 and plan.priced < 5120 / 25
     assert len(plan.ranked) == 15 and ("fsdp", "fp32", True, False) not in exhaustive
     assert plan.ranked[0].request.strategy == "fsdp" and plan.ranked[0].request.entropy_chunking
     assert {e.request.use_dynamic_bsz for e in plan.ranked} == {False, True}
@@ -163,3 +179,29 @@ def test_lora_keeps_the_requests_layered_summon_and_says_so():
     text = " ".join(rl_plan_text(plain).split())   # unwrapped
     assert "gathers the whole model at once (14.19 GiB, priced so); verl's fix, --layered-summon" in text
     assert "layered_summon: the request's" in text and "verl's fix" not in rl_plan_text(layered)
+
+
+def test_the_critics_offload_policy_keeps_the_pruning_exact(monkeypatch):
+    """PPO under the critic's CPUOffloadPolicy on SMALL_JOB. Where the critic follows the actor's strategy, an FSDP1
+    actor would mean an FSDP1 critic, which verl runs without the policy: its states on the GPU, not the host, so
+    FSDP1's engine side fits where FSDP2's does not (160 GiB of host RAM, bf16, TP 2 at 0.3: 166.2 GiB needed
+    under FSDP2, 111.5 under FSDP1) - against the pruning's premise (FSDP1's engine side priced only where FSDP2's
+    fits). So the search keeps FSDP2 there: 8 shared choices, each the product's best (2,560 configurations). With
+    --critic-strategy fsdp2 the critic is on the host under both actor strategies and both are searched: 16 shared
+    choices (5,120 configurations), each the product's best, FSDP1's included."""
+    from planner.rl import rl_estimate
+
+    knobs = dict(SMALL_JOB, algorithm="ppo", critic_offload_policy=True, actor_dtype="bf16", rollout_tp=2,
+                 gpu_memory_utilization=0.3, cpu_ram_per_node="160GiB")
+    fsdp2, fsdp1 = (rl_estimate("qwen2.5-7b", 2, strategy=s, **knobs) for s in ("fsdp2", "fsdp"))
+    assert (fsdp2.memory.critic.on_host, fsdp1.memory.critic.on_host) == (True, False)
+    assert (search.side_fits(fsdp2, engine_side=True), search.side_fits(fsdp1, engine_side=True)) == (False, True)
+    assert round(fsdp2.host.peak_bytes / 2 ** 30, 1) == 166.2 and round(fsdp1.host.peak_bytes / 2 ** 30, 1) == 111.5
+    ppo = dict(SMALL_JOB, algorithm="ppo", critic_offload_policy=True)
+    plan, exhaustive, size = _pruned_and_exhaustive(monkeypatch, rl_request("qwen2.5-7b", 2, **ppo))
+    assert size == 2560 and len(exhaustive) == 8 and {e.request.strategy for e in plan.ranked} == {"fsdp2"}
+    assert all(e.memory.critic.on_host for e in plan.ranked)
+    plan, exhaustive, size = _pruned_and_exhaustive(monkeypatch, rl_request("qwen2.5-7b", 2, critic_strategy="fsdp2",
+                                                                             **ppo))
+    assert size == 5120 and len(exhaustive) == 15 and {e.request.strategy for e in plan.ranked} == {"fsdp", "fsdp2"}
+    assert all(e.memory.critic.on_host for e in plan.ranked)

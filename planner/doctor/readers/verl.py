@@ -102,22 +102,18 @@ def from_overrides(o: dict, source: str, dialect: str, text: str = "") -> RlSetu
     knobs["algorithm"] = "ppo" if adv == "gae" else "grpo"
     if adv == "gae":  # the critic's own Ulysses degree: verl's default 1 (dp_critic.yaml) unless the script says
         knobs.setdefault("critic_ulysses_sequence_parallel_size", 1)
-        _critic_strategy(o, knobs, notes)
+        _critic(o, knobs)
     if adv not in ("gae", "grpo"):
         notes.append(f"algorithm.adv_estimator={adv}: priced as GRPO (no critic)")
     if A + "actor.ppo_mini_batch_size" in o:
         knobs["ppo_mini_batch_size"] = _value(o, A + "actor.ppo_mini_batch_size", "ppo_mini_batch_size")
     if A + "actor.fsdp_config.model_dtype" in o:
-        dtype = str(o[A + "actor.fsdp_config.model_dtype"]).strip("'\"").lower()
-        dtypes = {"fp32": "fp32", "float32": "fp32", "bf16": "bf16", "bfloat16": "bf16"}
-        if dtype not in dtypes:
-            raise PlannerError(A + "actor.fsdp_config.model_dtype", f"unknown value {dtype!r}; choose one of: fp32, "
-                                                                    "bf16")
-        knobs["actor_dtype"] = dtypes[dtype]
+        knobs["actor_dtype"] = _dtype(o, A + "actor.fsdp_config.model_dtype")
     rank = _value(o, A + "model.lora_rank", "lora_rank") if A + "model.lora_rank" in o else 0
     knobs["finetune"] = "lora" if rank > 0 else "full"
     if rank > 0:
         knobs["lora_rank"] = rank
+        _layered_summon(o, knobs, notes)
     _batches(o, knobs)
     _entropy(o, knobs, notes)
     _reward(o, knobs)
@@ -131,23 +127,42 @@ def from_overrides(o: dict, source: str, dialect: str, text: str = "") -> RlSetu
         path = None if model else _value(o, A + "model.path", "model")   # unresolved: one line naming the key
     named = {f: k for k, f in {**keys.KEYS, **keys.CRITIC_KEYS, **keys.ENV_KEYS}.items()} | {
         "algorithm": "algorithm.adv_estimator", "actor_dtype": A + "actor.fsdp_config.model_dtype",
+        "critic_strategy": "critic.strategy", "critic_dtype": "critic.fsdp.model_dtype",
         "ppo_mini_batch_size": A + "actor.ppo_mini_batch_size", "lora_rank": A + "model.lora_rank",
         "reward_model": keys.RM + "model_path"}
     return RlSetup(knobs={**knobs, **flags}, source=source, dialect=dialect, model=model, model_path=path,
                    model_key=A + "model.path", notes=tuple(notes), keys=named)
 
 
-def _critic_strategy(o: dict, knobs: dict, notes: list) -> None:
-    """The critic is priced under the actor's strategy; verl runs critic.strategy (dp_critic.yaml: fsdp unless set),
-    and reads critic.fsdp.offload_policy in its FSDP2 branch only (FSDPEngine._build_fsdp_module)."""
-    critic = str(o.get("critic.strategy", "fsdp")).strip("'\"")
-    actor = str(o.get(A + "actor.strategy", "fsdp")).strip("'\"")
-    if knobs.get("critic_offload_policy") and critic != "fsdp2":
-        knobs["critic_offload_policy"] = False
-        notes.append(f"critic.fsdp.offload_policy is ignored under critic.strategy {critic} (verl reads it in its "
-                     "FSDP2 branch only): priced without it; critic.strategy=fsdp2 applies it")
-    if critic != actor:
-        notes.append(f"critic.strategy {critic}: the critic is priced under the actor's strategy ({actor})")
+def _dtype(o: dict, key: str) -> str:
+    """A model_dtype as verl's PrecisionType reads it (fp32 / float32, bf16 / bfloat16), as the request names it."""
+    dtype = str(o[key]).strip("'\"").lower()
+    dtypes = {"fp32": "fp32", "float32": "fp32", "bf16": "bf16", "bfloat16": "bf16"}
+    if dtype not in dtypes:
+        raise PlannerError(key, f"unknown value {dtype!r}; choose one of: fp32, bf16")
+    return dtypes[dtype]
+
+
+def _critic(o: dict, knobs: dict) -> None:
+    """The critic's strategy and stored dtype as verl runs them, whatever the actor runs: critic.strategy and
+    critic.fsdp.model_dtype, verl's defaults where the script leaves them out (keys.CRITIC_DEFAULTS). Its
+    offload_policy under critic.strategy fsdp is priced ignored, and said (planner/rl/findings.py), as verl reads it
+    in its FSDP2 branch only (FSDPEngine._build_fsdp_module)."""
+    o = {**keys.CRITIC_DEFAULTS, **o}
+    knobs["critic_strategy"] = _value(o, "critic.strategy", "critic_strategy")
+    knobs["critic_dtype"] = _dtype(o, "critic.fsdp.model_dtype")
+
+
+def _layered_summon(o: dict, knobs: dict, notes: list) -> None:
+    """A LoRA actor's rollout.layered_summon under rollout.load_format dummy (verl's default): verl 0.9.1 raises at
+    the first weight sync (keys.LAYERED_LOAD_FORMAT says where); merged LoRA (model.lora.merge) takes another path.
+    Said with its fix; the sync priced as written."""
+    load_format = str(o.get(A + "rollout.load_format", "dummy")).strip("'\"")
+    merged = A + "model.lora.merge" in o and typed("layered_summon", o[A + "model.lora.merge"], A + "model.lora.merge")
+    if knobs.get("layered_summon") and "dummy" in load_format and not merged:
+        notes.append(f"rollout.layered_summon=True under rollout.load_format {load_format} (verl's default): verl "
+                     "0.9.1 raises at the first weight sync (collect_lora_params: the LoRA base must be preloaded in "
+                     f"the engine); set actor_rollout_ref.rollout.load_format={keys.LAYERED_LOAD_FORMAT}")
 
 
 def _reward(o: dict, knobs: dict) -> None:
