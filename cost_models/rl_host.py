@@ -11,17 +11,19 @@ checkpoint's staging, summed over the node's GPUs.
   _fsdp_collectives.py: the grads' non-blocking D2H copy), Adam's states made by the CPU step beside the params;
   PPO's critic likewise under its own (critic.fsdp.offload_policy);
 - the reference (FSDP1 CPUOffload(offload_params=True)): its bf16 shard stays on the host;
-- vLLM sleep level 1 (vllm/device_allocator/cumem.py CuMemAllocator.sleep(offload_tags="weights")): the engine's
-  bf16 weights backed up to pinned host memory on every GPU, i.e. the model x GPUs per node / rollout TP; level 2
-  discards them;
+- the engine asleep at the level the framework runs (rl_sleep.py): vLLM's level 1 (vllm/device_allocator/cumem.py
+  CuMemAllocator.sleep(offload_tags="weights"), verl's for a LoRA adapter) backs its bf16 weights up to pinned host
+  memory on every GPU, i.e. the model x GPUs per node / rollout TP; level 2 (verl's otherwise, TRL's) discards
+  them; SGLang under verl backs them up at level 2 (enable_weights_cpu_backup) and keeps them on the GPU at 1;
 - model.use_shm: the checkpoint copied once per node to /dev/shm (its bf16 size);
 - loading (verl builds the actor on rank 0 and broadcasts it: sync_module_states): rank 0 holds the whole actor
   in its dtype, before anything is offloaded (outside_step.load_bytes, RANK0_BROADCAST);
 - checkpoint save (verl FSDPCheckpointManager.save_checkpoint: a sharded state dict with offload_to_cpu, then
   torch.save per rank): each rank's params and optimizer shards staged on the host at once, on top of the
   resident terms (outside_step.save_bytes, DCP_ASYNC: "the shard staged to host").
-- a reward model (rl_reward.py): its engine asleep at level 1 between scorings, its bf16 weights backed up to
-  pinned host memory on every GPU, and its processes (one per GPU).
+- a reward model (rl_reward.py) on the actor's GPUs: its engine asleep at level 1 between scorings, its bf16
+  weights backed up to pinned host memory on every GPU, and its processes (one per GPU); on its own pool, none of
+  it on the trainer's nodes (its pool's nodes: awake, no backup, not priced here).
 Ignored: the page cache, the dataloader, Ray's object store.
 """
 
@@ -36,7 +38,8 @@ from .outside_step import LoadWay, SaveWay, StateSizes, load_bytes, save_bytes
 from .rl_actor import ActorStates, reference_bytes
 from .rl_settings import RlSettings
 from .rl_reward import RewardModel
-from .rollout_engine import EngineMemory
+from .rl_sleep import EngineSleep, engine_sleep
+from .rollout_engine import Engine, EngineMemory
 
 
 @dataclass(frozen=True)
@@ -79,17 +82,18 @@ def policy_terms(states: ActorStates, gpus: int, worker: str = "") -> dict:
 
 def host_ram_per_node(model: ModelSpec, cluster: ClusterSpec, settings: RlSettings, actor: ActorStates,
                       engine: EngineMemory, critic: ActorStates | None = None,
-                      reward: RewardModel | None = None) -> HostRam:
+                      reward: RewardModel | None = None, sleep: EngineSleep | None = None) -> HostRam:
     """`critic`: PPO's (rl_critic.py), its process, offloads and checkpoint like the actor's (its load by its own
-    strategy, critic.strategy); `reward`: a reward
-    model's engine (its weight backup and processes)."""
+    strategy, critic.strategy); `reward`: a reward model's engine (its weight backup and processes, where it shares
+    the actor's GPUs); `sleep`: the engine's (RlMemory.sleep; default: vLLM's at the settings' level)."""
     gpus, ranks = cluster.gpus_per_node, cluster.n_gpus
+    sleep = sleep or engine_sleep(settings.sleep_level, Engine.VLLM)
     terms = {
         "actor params (offloaded)": actor.params_bytes * gpus if settings.param_offload else 0,
         "Adam states (offloaded)": actor.optimizer_bytes * gpus if settings.optimizer_offload else 0,
         **policy_terms(actor, gpus, "actor "),
         "reference (offloaded)": reference_bytes(model, cluster, settings) * gpus if settings.reference_offloaded else 0,
-        "engine weight backup (sleep level 1)": engine.weights_bytes * gpus if settings.sleep_level == 1 else 0,
+        f"engine weight backup (sleep level {sleep.level})": engine.weights_bytes * gpus * sleep.weights_to_host,
         "model copy in /dev/shm": model.n_params * 2 if settings.use_shm else 0,
     }
     workers = [(actor, settings.strategy)]
@@ -98,11 +102,12 @@ def host_ram_per_node(model: ModelSpec, cluster: ClusterSpec, settings: RlSettin
         terms["critic Adam states (offloaded)"] = critic.optimizer_bytes * gpus * settings.critic_optimizer_offload
         terms.update(policy_terms(critic, gpus, "critic "))
         workers.append((critic, settings.critic_strategy))
-    if reward is not None:
+    colocated = reward is not None and not reward.own_pool
+    if colocated:
         terms["reward weight backup (sleep level 1)"] = reward.memory.weights_bytes * gpus
     staging = sum(save_bytes(SaveWay.DCP_ASYNC, _sizes(w, ranks)).node_bytes(gpus) for w, _ in workers)
     load = max(load_bytes(LoadWay.RANK0_BROADCAST, _sizes(w, ranks), fsdp2=strategy == "fsdp2").node_bytes(gpus)
                for w, strategy in workers)
-    processes = len(workers) + (reward is not None)
+    processes = len(workers) + colocated
     return HostRam(terms={k: v for k, v in terms.items() if v}, process_bytes=PROCESS_BYTES_PER_RANK * gpus
                    * processes, load_bytes=load, checkpoint_staging_bytes=staging)

@@ -11,7 +11,8 @@ Sources (shared/reference/rl.md; verl of 2025, workers/fsdp_workers.py and shard
   next rollout unless offloaded (verl PR 1349).
 - the engine (rollout_engine.py) is built after the actor and the reference (ray_trainer.init_workers: "create
   rollout at the end so that vllm can have a better estimation of kv cache memory"): its KV budget sees what is
-  resident then, never Adam's states. Asleep (level 1 or 2) it frees weights and KV; its CUDA-graph pool stays.
+  resident then, never Adam's states. Asleep it frees weights and KV, at the level the framework runs
+  (rl_sleep.py: SGLang's LoRA adapter keeps its weights); its CUDA-graph pool stays.
 - weight sync: the actor's shard loaded, the engine's weights awake (0.8-era verl: wake_up() wakes the KV cache
   too; later: weights first, KV after), and one gathered tensor at a time (full_tensor()): the largest one;
   FSDP1's state dict adds its copy of the shard and its walk over the units (rl_strategy.py).
@@ -38,6 +39,7 @@ from .rl_batch import BatchPlan
 from .rl_reward import RewardModel, RewardSettings, reward_engine, reward_row
 from .rl_schedule import Schedule, schedule_of
 from .rl_settings import RlSettings
+from .rl_sleep import EngineSleep, engine_sleep
 from .rl_strategy import sync_moment
 from .rollout_engine import EngineMemory, EngineSettings, engine_memory
 
@@ -66,6 +68,7 @@ class RlMemory:
     refusals: tuple[Refusal, ...]
     critic: ActorStates | None = None   # PPO
     reward: RewardModel | None = None   # reward_model.enable
+    sleep: EngineSleep | None = None    # the engine's sleep as the framework runs it
 
     @property
     def peak(self) -> Phase:
@@ -140,16 +143,19 @@ def rl_phases(model: ModelSpec, cluster: ClusterSpec, settings: RlSettings, engi
     critic_init, critic_held, critic_outside = critic_terms(critic, settings, outside)
     at_init = 0 if sched.engine_first else (params_resident + ref_resident + sum(critic_init.values())
                                             + sum(critic_outside.values()))
-    rm = reward and reward_engine(reward, engine, cluster.gpu.memory_bytes, at_init, outside)
-    e = engine_memory(model, engine, cluster.gpu.memory_bytes, at_init + (rm.context_bytes if rm else 0), outside)
-    graphs = {"engine CUDA graphs": e.cuda_graph_bytes, **critic_outside, **(rm.asleep() if rm else {})}
+    rm = reward and reward_engine(reward, engine, cluster, at_init, outside)
+    beside = rm.beside_actor() if rm else {}   # a colocated reward engine's context (its own pool: none)
+    e = engine_memory(model, engine, cluster.gpu.memory_bytes, at_init + sum(beside.values()), outside)
+    graphs = {"engine CUDA graphs": e.cuda_graph_bytes, **critic_outside, **beside}
     awake = {"engine weights": e.weights_bytes, "engine KV cache": e.kv_bytes,
              "engine activations": e.activation_peak_bytes, **graphs}
     sync_engine = {"engine weights": e.weights_bytes, **graphs,
                    **({"engine KV cache": e.kv_bytes} if sched.sync_wakes_kv else {})}
     # outside generation: asleep, its CUDA-graph pool only; or (TRL without sleep mode) its weights and KV cache
+    sleep = engine_sleep(settings.sleep_level, engine.engine)
+    kept = {"engine weights": e.weights_bytes} if sleep.weights_on_gpu else {}   # SGLang's LoRA adapter
     idle = {"engine weights": e.weights_bytes, "engine KV cache": e.kv_bytes, **graphs} if sched.engine_idle \
-        else graphs
+        else {**kept, **graphs}
     asleep = not sched.engine_idle
     held = {"actor params": params_resident, "reference": ref_resident}
     resident = {**held, "Adam states": adam_resident}
@@ -198,7 +204,7 @@ def rl_phases(model: ModelSpec, cluster: ClusterSpec, settings: RlSettings, engi
                           _offloaded(settings, loaded, adam, asleep, critic_loaded=name.startswith("critic")), note)
                    for name, torch, eng, loaded, adam, asleep, note in rows)
     return RlMemory(phases=phases, engine=e, actor=actor, refusals=batch.refusals + e.refusals + (rm.memory.refusals if rm else ()),
-                    critic=critic, reward=rm)
+                    critic=critic, reward=rm, sleep=sleep)
 
 
 def reference_pass(model: ModelSpec, sched: Schedule, held: dict, gathered: dict, adam: int, fwd: dict,

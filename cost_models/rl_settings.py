@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .rl_sleep import verl_sleep_level
 from .spec_values import Finetune, OptimizerImpl, Precision, SpecError, parse_enum
 
 ALGORITHMS = ("grpo", "ppo")
@@ -32,7 +33,9 @@ class RlSettings:
     entropy_chunking: bool = False     # actor.entropy_from_logits_with_chunking
     entropy_compile: bool = True       # actor.use_torch_compile: entropy_from_logits compiled (verl's default)
     fsdp_size: int = -1                # fsdp_config.fsdp_size: -1 all GPUs, 1 each GPU holds the whole actor
-    sleep_level: int = 1               # vLLM sleep mode: 1 weights to host, 2 discarded
+    # the level the engine sleeps at as the framework runs it (rl_sleep.py): verl 1 for a LoRA adapter, else 2; TRL
+    # 2. Another one asked is resolved here, as TRL's is (planner/rl/verl_notes.py says so)
+    sleep_level: int | None = None
     use_shm: bool = False              # model.use_shm: the checkpoint copied to /dev/shm
     algorithm: str = "grpo"            # algorithm.adv_estimator: grpo (no critic) | ppo (gae: a critic)
     critic_param_offload: bool = False     # critic.fsdp.param_offload (verl 0.9; critic.model.fsdp_config before)
@@ -70,8 +73,10 @@ class RlSettings:
             raise SpecError("finetune", "qlora is not a verl mode; choose one of: full, lora")
         if self.algorithm not in ALGORITHMS:
             raise SpecError("algorithm", f"unknown value {self.algorithm!r}; choose one of: {', '.join(ALGORITHMS)}")
-        if self.sleep_level not in (1, 2):
+        if self.sleep_level is not None and self.sleep_level not in (1, 2):
             raise SpecError("sleep_level", f"must be 1 or 2, got {self.sleep_level}")
+        if self.framework == "verl":
+            object.__setattr__(self, "sleep_level", verl_sleep_level(self.lora))
         if self.fsdp_size == 0 or self.fsdp_size < -1:
             raise SpecError("fsdp_size", f"must be -1 (all GPUs) or >= 1, got {self.fsdp_size}")
         if self.num_iterations < 1:

@@ -27,7 +27,9 @@ one job against each other, not to predict a wall clock:
   per-unit H2D copies, gradient D2H copies and CPU Adam step as the step-time model prices CPU offload (the actor run's
   FsdpConfig.offload), the old log-prob's per-micro-batch and the sync's shard copies here (host_policy_bytes);
 - a reward model (rl_reward.py): a prefill over each sequence on its engine's replicas (prefill_s), and its
-  weights back from the host and out again (woken at level 1 for compute_rm_score, then asleep).
+  weights back from the host and out again (woken at level 1 for compute_rm_score, then asleep); on its own pool,
+  awake, scoring each response as it finishes: overlapped with generation, only what outlasts it on the step
+  (streamed; the last responses' scoring after the rollout ends is not counted).
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from .rl_actor import ActorStates, actor_run, reference_bytes
 from .rl_critic import critic_settings, value_model
 from .rl_settings import RlSettings
 from .rl_reward import RewardModel
+from .rl_sleep import engine_sleep
 from .rl_schedule import schedule_of
 from .rollout_engine import Engine, EngineMemory, EngineSettings, KvShape
 from .step_time import TimeBreakdown, estimate_step_time
@@ -63,6 +66,7 @@ class RlTime:
     offload_s: float
     critic_s: float = 0.0   # PPO: the critic's values and update (the actor's body, no vocabulary head)
     reward_s: float = 0.0   # a reward model's scoring: its engine's prefill and wake / sleep copies
+    reward_overlapped_s: float = 0.0   # its own pool's scoring hidden behind generation (not in step_s)
 
     @property
     def step_s(self) -> float:
@@ -185,7 +189,7 @@ def rl_step_time(model: ModelSpec, cluster: ClusterSpec, settings: RlSettings, e
     moved = (2 * PASSES_PER_STEP * actor.params_bytes * settings.param_offload
              + 2 * actor.optimizer_bytes * settings.optimizer_offload
              + reference_bytes(model, cluster, settings) * settings.reference_offloaded * (settings.framework == "verl")
-             + 2 * e.weights_bytes * (settings.sleep_level == 1)
+             + 2 * e.weights_bytes * engine_sleep(settings.sleep_level, engine.engine).weights_to_host
              + host_policy_bytes(settings, batch, actor, sum(trained or (prompt_tokens, response_tokens)), sp,
                                  sched.log_prob_passes))
     if critic is not None:   # its CPUOffloadPolicy: the shard copied in for each values micro-batch's all-gathers
@@ -194,7 +198,7 @@ def rl_step_time(model: ModelSpec, cluster: ClusterSpec, settings: RlSettings, e
             batch.update_run_tokens_per_gpu or batch.update_tokens_per_gpu)
         moved += (2 * CRITIC_PASSES_PER_STEP * critic.params_bytes * settings.critic_param_offload
                   + 2 * critic.optimizer_bytes * settings.critic_optimizer_offload + values)
-    return RlTime(generation_s=generation_s(model, cluster, engine, e, batch.rollout_seqs_per_replica, prompt_tokens,
+    time = RlTime(generation_s=generation_s(model, cluster, engine, e, batch.rollout_seqs_per_replica, prompt_tokens,
                                             response_tokens),
                   log_prob_s=log_prob, update_s=update, weight_sync_s=sync,
                   offload_s=moved / cluster.gpu.pcie_bytes_per_s,
@@ -202,8 +206,9 @@ def rl_step_time(model: ModelSpec, cluster: ClusterSpec, settings: RlSettings, e
                                                                                     response_tokens)),
                                           profile, sp, memo) if critic is not None else 0.0,
                   reward_s=0.0 if reward is None else reward_seconds(
-                      cluster, reward, -(-batch.sequences_per_step // max(1, cluster.n_gpus // reward.settings.tp)),
+                      cluster, reward, -(-batch.sequences_per_step // reward.replicas),
                       prompt_tokens + response_tokens))
+    return streamed(time) if reward is not None and reward.own_pool else time
 
 
 def host_policy_bytes(settings: RlSettings, batch: BatchPlan, actor: ActorStates, length: int, sp: int,
@@ -237,7 +242,14 @@ def critic_seconds(model: ModelSpec, cluster: ClusterSpec, settings: RlSettings,
 
 
 def reward_seconds(cluster: ClusterSpec, rm: RewardModel, seqs_per_replica: int, seq_tokens: int) -> float:
-    """A reward model's compute_rm_score: each replica's sequences prefilled whole (one score each: no decode), and
-    its level-1 sleep's weights copied in and out over PCIe."""
+    """A reward model's scoring: each replica's sequences prefilled whole (one score each: no decode); colocated
+    (compute_rm_score), its level-1 sleep's weights copied in and out over PCIe too."""
     return (prefill_s(rm.model, cluster, rm.settings, rm.memory, seqs_per_replica * seq_tokens)
-            + 2 * rm.memory.weights_bytes / cluster.gpu.pcie_bytes_per_s)
+            + 2 * rm.memory.weights_bytes / cluster.gpu.pcie_bytes_per_s * (not rm.own_pool))
+
+
+def streamed(time: RlTime) -> RlTime:
+    """A reward pool's scoring as verl streams it (rl_reward.py): beside the rollout, on the step only where it
+    outlasts generation."""
+    return dataclasses.replace(time, reward_s=max(0.0, time.reward_s - time.generation_s),
+                               reward_overlapped_s=min(time.reward_s, time.generation_s))

@@ -1,8 +1,9 @@
 """`--emit verl`: an RL configuration as verl's launch script, `python3 -m verl.trainer.main_ppo` with one Hydra
 override per knob the plan priced, under verl 0.9's key names (verl/trainer/config/ppo_trainer.yaml and the
 actor / ref / rollout / critic / model YAMLs it composes). What verl has no key for (the GPU type, the vLLM
-version, sleep level, mean lengths) rides in a `# fsdp-plan:` comment line of the planner's own flags, which
-`fsdp-plan check` reads back (planner/doctor/readers/verl.py), so the round trip prices what was planned.
+version, mean lengths) rides in a `# fsdp-plan:` comment line of the planner's own flags, which `fsdp-plan check`
+reads back (planner/doctor/readers/verl.py), so the round trip prices what was planned. The engine's sleep level is
+verl's own choice (cost_models/rl_sleep.py): not written.
 
 This module owns both directions of the mapping: KEYS (verl key <-> request field) and the comment's flags."""
 
@@ -58,13 +59,19 @@ CRITIC_KEYS = {"critic.fsdp.param_offload": "critic_param_offload",
 RM = "reward.reward_model."
 REWARD_KEYS = {RM + "rollout.tensor_model_parallel_size": "reward_model_tp",
                RM + "rollout.gpu_memory_utilization": "reward_model_gpu_memory_utilization"}
+# its own resource pool (written with it only; verl's trainer otherwise sets n_gpus_per_node / nnodes to the trainer's)
+POOL_KEYS = {RM + "enable_resource_pool": "reward_model_enable_resource_pool",
+             RM + "n_gpus_per_node": "reward_model_n_gpus_per_node", RM + "nnodes": "reward_model_nnodes"}
+# on its own pool the engine must stay awake: RewardModelManager sleeps it at start under free_cache_engine (true by
+# default) and the streaming path that scores there never wakes it (cost_models/rl_reward.py)
+POOL_AWAKE = RM + "rollout.free_cache_engine"
 # the launch environment verl's workers get: Ray's job-wide env_vars (ray_env below), added with Hydra's `+`
 RAY_ENV = "ray_kwargs.ray_init.runtime_env.env_vars."
 ENV_KEYS = {RAY_ENV + "OMP_NUM_THREADS": "omp_num_threads"}
 # request fields verl has no key for: written as the planner's flags in the comment line
 COMMENTED = ("gpu", "gpu_memory", "cpu_ram_per_node", "internode_gbps", "intra_node_gb_per_s", "pcie_gb_per_s",
              "power_limit_w", "host_cores_per_node", "host_memory_gb_per_s", "host_thread_gb_per_s", "omp_num_threads",
-             "engine_version", "sleep_level", "mean_prompt_len", "mean_response_len")
+             "engine_version", "mean_prompt_len", "mean_response_len")
 # verl 0.9's defaults (verl/trainer/config/_generated_ppo_trainer.yaml) where they differ from the request's: a
 # script that leaves a key out runs verl's value, and check prices that
 VERL_DEFAULTS = {"data.max_prompt_length": 512, "data.max_response_length": 512, "data.train_batch_size": 1024,
@@ -128,6 +135,8 @@ def overrides(r, model_path: str, settings) -> list[tuple[str, object]]:
         out += [(RM + "enable", True), (RM + "model_path", r.reward_model), (RM + "rollout.name", r.engine),
                 *((k, getattr(r, f)) for k, f in REWARD_KEYS.items()),
                 (RM + "rollout.prompt_length", r.prompt_len), (RM + "rollout.response_length", r.response_len)]
+        if r.reward_model_enable_resource_pool:
+            out += [*((k, getattr(r, f)) for k, f in POOL_KEYS.items()), (POOL_AWAKE, False)]
     c = r.cluster
     per_node = c.gpus_per_node or min(c.gpus, 8)
     out += [("trainer.n_gpus_per_node", per_node), ("trainer.nnodes", c.gpus // per_node)]

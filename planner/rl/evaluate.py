@@ -27,6 +27,7 @@ from ..models import resolve_model
 from ..request.knobs import knob_table
 from .findings import findings
 from .request import RlRequest, rl_request
+from .verl_notes import verl_notes
 
 
 @dataclass(frozen=True)
@@ -140,7 +141,8 @@ def evaluate_rl(request: RlRequest, profile: Profile | None = None, model: Model
                        lambda: critic_states(spec, cluster, settings, critic_plan, profile)) if settings.ppo else None
     memory = rl_phases(spec, cluster, settings, engine, plan, profile, critic, actor=states, memo=memo,
                        reward=reward_settings(request))
-    host = host_ram_per_node(spec, cluster, settings, memory.actor, memory.engine, critic, memory.reward)
+    host = host_ram_per_node(spec, cluster, settings, memory.actor, memory.engine, critic, memory.reward,
+                             sleep=memory.sleep)
     prompt, response = (batch.mean_prompt_length or batch.max_prompt_length,
                         batch.mean_response_length or batch.max_response_length)
     # TRL pads each micro-batch to the generation batch's longest prompt and completion: its passes at the maxima
@@ -162,7 +164,8 @@ def evaluate_rl(request: RlRequest, profile: Profile | None = None, model: Model
                        f"(--cpu-ram-per-node)")
     return RlEstimate(request=request, model=spec, cluster=cluster, batch=plan, engine_settings=engine,
                       memory=memory, host=host, time=time, settings=settings, reasons=tuple(reasons),
-                      notes=findings(settings, engine, memory, plan.rollout_seqs_per_replica, capacity))
+                      notes=findings(settings, engine, memory, plan.rollout_seqs_per_replica, capacity)
+                      + verl_notes(request, settings, memory, time))
 
 
 def _trl_fix(refusal) -> str:
@@ -175,11 +178,17 @@ def _trl_fix(refusal) -> str:
 
 
 def reward_settings(r: RlRequest) -> RewardSettings | None:
-    """The reward model (reward_model.enable with reward_model.model.path), resolved as --model is."""
+    """The reward model (reward_model.enable with reward_model.model.path), resolved as --model is, on the actor's
+    GPUs or its own pool (reward_model.enable_resource_pool)."""
     if r.reward_model is None:
+        if r.reward_model_enable_resource_pool:
+            raise PlannerError("reward_model_enable_resource_pool", "a reward model's pool: valid with --reward-model "
+                                                                    "only")
         return None
     return RewardSettings(model=resolve_model(r.reward_model), tp=r.reward_model_tp,
-                          gpu_memory_utilization=r.reward_model_gpu_memory_utilization)
+                          gpu_memory_utilization=r.reward_model_gpu_memory_utilization,
+                          own_pool=r.reward_model_enable_resource_pool,
+                          pool_gpus_per_node=r.reward_model_n_gpus_per_node, pool_nodes=r.reward_model_nnodes)
 
 
 def _critic_plan(r: RlRequest, batch: RlBatch, plan: BatchPlan, cluster: ClusterSpec, spec: ModelSpec,

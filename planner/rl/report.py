@@ -86,7 +86,20 @@ def rl_dict(e: RlEstimate) -> dict:
         "time": e.time.to_dict(),
         "knobs": knobs_dict(e),
         "estimates": list(ESTIMATES),
+        **({"reward_pool": reward_pool_dict(e.memory.reward)} if _own_pool(e) else {}),
     }
+
+
+def _own_pool(e: RlEstimate) -> bool:
+    return e.memory.reward is not None and e.memory.reward.own_pool
+
+
+def reward_pool_dict(rm) -> dict:
+    """A reward model on its own pool (cost_models/rl_reward.py): its GPUs and one GPU's memory, its engine awake."""
+    held = {k: v for k, v in rm.awake().items() if v}
+    return {"gpus": rm.gpus, "tp": rm.settings.tp, "replicas": rm.replicas,
+            "gpu_memory_utilization": rm.settings.gpu_memory_utilization, "reserved_bytes": sum(held.values()),
+            "gpu_bytes": held}
 
 
 def rl_json(e: RlEstimate) -> str:
@@ -107,12 +120,17 @@ def rl_text(e: RlEstimate) -> str:
         f"{e.model.name} ({e.model.n_params / 1e9:.2f}B) {r.algorithm.upper()} on {e.cluster.n_gpus} x "
         f"{e.cluster.gpu.id}: {r.strategy} actor {r.actor_dtype} ({r.finetune}), {r.engine} {r.engine_version} "
         f"TP {r.rollout_tp} at {r.gpu_memory_utilization}",
-        trl_knob_words(e) if r.framework == "trl" else knob_words(r),
+        trl_knob_words(e) if r.framework == "trl" else knob_words(r, e.settings),
         f"batch: {b.sequences_per_step} sequences per step, {b.mini_batch_seqs_per_rank} per rank per mini-batch; "
         f"update micro-batch {b.update_tokens_per_gpu:,} tokens per GPU, log-prob {b.log_prob_tokens_per_gpu:,}",
         f"engine: weights {gib(eng.weights_bytes)} GiB, KV cache {gib(eng.kv_bytes)} GiB ({eng.kv_tokens:,} tokens, "
         f"{eng.max_concurrent_seqs} sequences of {r.prompt_len + r.response_len} at once)",
     ]
+    if _own_pool(e):
+        pool = reward_pool_dict(e.memory.reward)
+        head.append(f"reward pool: {pool['gpus']} GPUs of their own, {pool['replicas']} replicas of TP {pool['tp']} "
+                    f"at {pool['gpu_memory_utilization']}: {gib(pool['reserved_bytes'])} GiB per GPU (" + ", ".join(
+                        f"{k.removeprefix('reward ')} {gib(v)}" for k, v in pool["gpu_bytes"].items()) + ")")
     lines = [
         *(textwrap.fill(line, LINE_WIDTH, subsequent_indent="  ") for line in head),
         "",
@@ -133,16 +151,20 @@ def rl_text(e: RlEstimate) -> str:
     return "\n".join(lines)
 
 
-def knob_words(r) -> str:
-    """Every knob the search sets, as a sentence (the best plan's description)."""
+def knob_words(r, settings) -> str:
+    """Every knob the search sets, as a sentence (the best plan's description); PPO's critic's strategy and dtype
+    where they are not the actor's (settings: the priced ones, the critic's resolved)."""
     def on(flag: bool) -> str:
         return "on" if flag else "off"
     batch = (f"token budget per GPU: update {r.ppo_max_token_len_per_gpu:,}, log-prob "
              f"{(r.log_prob_max_token_len_per_gpu or r.ppo_max_token_len_per_gpu):,}" if r.use_dynamic_bsz else
              f"sequences per GPU a micro-batch: update {r.ppo_micro_batch_size_per_gpu}, log-prob "
              f"{r.log_prob_micro_batch_size_per_gpu or r.ppo_micro_batch_size_per_gpu}")
+    own = "".join(f", critic {name} {mine}" for name, mine, actor in (
+        ("strategy", settings.critic_strategy, settings.strategy), ("dtype", settings.critic_dtype,
+                                                                    settings.actor_dtype)) if mine != actor)
     critic = (f", critic param offload {on(r.critic_param_offload)}, critic optimizer offload "
-              f"{on(r.critic_optimizer_offload)}" if r.algorithm == "ppo" else "")
+              f"{on(r.critic_optimizer_offload)}{own}" if r.algorithm == "ppo" else "")
     return (f"knobs: actor {r.actor_dtype}, param offload {on(r.param_offload)}, optimizer offload "
             f"{on(r.optimizer_offload)}, reference offload {on(r.ref_param_offload)}{critic}, gradient checkpointing "
             f"{on(r.gradient_checkpointing)}, entropy chunking {on(r.entropy_chunking)}, Ulysses "

@@ -92,6 +92,15 @@ class RlRequest:
     reward_model_tp: int = knob(2, "--reward-model-tp", help="reward_model.rollout.tensor_model_parallel_size")
     reward_model_gpu_memory_utilization: float = knob(0.5, "--reward-model-gpu-memory-utilization",
                                                       help="reward_model.rollout.gpu_memory_utilization")
+    reward_model_enable_resource_pool: bool = knob(
+        False, "--reward-model-enable-resource-pool/--no-reward-model-enable-resource-pool",
+        help="reward_model.enable_resource_pool: the reward engine on GPUs of its own (--reward-model-n-gpus-per-node "
+             "x --reward-model-nnodes beside the --gpus trainers), scoring each response as it finishes, beside the "
+             "rollout")
+    reward_model_n_gpus_per_node: int = knob(8, "--reward-model-n-gpus-per-node",
+                                             help="reward_model.n_gpus_per_node: its own pool's GPUs per node")
+    reward_model_nnodes: int = knob(1, "--reward-model-nnodes", help="reward_model.nnodes: its own pool's nodes "
+                                    "(verl's default 0 refuses to start with a pool)")
     use_shm: bool = knob(False, "--use-shm/--no-use-shm", help="model.use_shm: the model copied to /dev/shm")
     # the rollout engine (actor_rollout_ref.rollout.*)
     engine: str = knob("vllm", "--engine", help="rollout.name: vllm or sglang")
@@ -103,7 +112,9 @@ class RlRequest:
     max_num_seqs: int = knob(256, "--max-num-seqs", help="rollout.max_num_seqs")
     max_num_batched_tokens: int = knob(8192, "--max-num-batched-tokens", help="rollout.max_num_batched_tokens")
     enforce_eager: bool = knob(False, "--enforce-eager/--no-enforce-eager", help="No CUDA graphs")
-    sleep_level: int = knob(1, "--sleep-level", help="vLLM sleep mode: 1 weights to host, 2 discarded")
+    sleep_level: int | None = knob(None, "--sleep-level", help="The engine's sleep level: 1 (its weights backed up "
+                                   "to the host) or 2 (discarded). The framework decides it (verl 0.9.1: 1 for a LoRA "
+                                   "adapter, else 2; TRL: 2): another one is noted and priced as it runs")
     layered_summon: bool = knob(False, "--layered-summon/--no-layered-summon", help="rollout.layered_summon: FSDP1 "
                                 "LoRA's weight sync gathers one unit at a time, not the whole model")
     # TRL 1.16's GRPOConfig keys (--framework trl only; unset: TRL's defaults): cost_models/rl_schedule.py

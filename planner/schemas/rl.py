@@ -8,7 +8,7 @@ from typing import Literal
 from pydantic import Field
 
 from cost_models.rl_phases import PHASES
-from planner.schemas.common import Bytes, ModelSummary, _Out
+from planner.schemas.common import Bytes, ModelSummary, _Out, absent_or
 
 
 class RlPhase(_Out):
@@ -81,8 +81,23 @@ class RlTime(_Out):
     offload_s: float
     critic_s: float = Field(description="PPO's critic (values and update); 0 for GRPO")
     reward_s: float = Field(description="a reward model's scoring (its engine's prefill, wake and sleep); 0 without "
-                                        "one")
+                                        "one. On its own pool: only what outlasts generation")
+    reward_overlapped_s: float = Field(description="a reward model on its own pool: its scoring overlapped with "
+                                                   "generation (verl streams it beside the rollout), not in step_s")
     step_s: float
+
+
+class RlRewardPool(_Out):
+    """A reward model on its own pool (reward_model.enable_resource_pool, cost_models/rl_reward.py): one of its GPUs,
+    its engine awake."""
+
+    gpus: int = Field(description="reward_model.n_gpus_per_node x nnodes, beside the trainer's")
+    tp: int
+    replicas: int
+    gpu_memory_utilization: float
+    reserved_bytes: Bytes = Field(description="its engine (weights, KV cache, profile-run peak, CUDA graphs) and its "
+                                              "process's CUDA context")
+    gpu_bytes: dict[str, Bytes]
 
 
 class RlEstimateOutput(_Out):
@@ -99,6 +114,7 @@ class RlEstimateOutput(_Out):
     knobs: dict[str, bool | int | float | str] = Field(description="the knobs the search sets, by the request's "
                                                        "names (verl's: planner/emit/verl.py KEYS)")
     estimates: list[str] = Field(description="which figures are estimates rather than the engines' or verl's code")
+    reward_pool: absent_or(RlRewardPool, "a reward model on GPUs of its own; absent otherwise")
 
 
 class RlPlanOutput(_Out):

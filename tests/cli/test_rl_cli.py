@@ -33,8 +33,8 @@ def test_json_follows_its_schema_and_names_the_peak(as_json):
     assert (m["peak_phase"], m["peak_reserved_bytes"]) == (worst["name"], worst["reserved_bytes"])
     # the rollout holds Adam's fp32 states (7,615,616,512 x 8 B / 8 GPUs) beside the engine: the worst phase here
     assert m["peak_phase"] == "rollout" and m["phases"][1]["gpu_bytes"]["Adam states"] == 7_615_616_512
-    # level-1 weight backup: 7,615,616,512 x 2 B / TP 2 x 8 GPUs
-    assert m["host"]["terms"]["engine weight backup (sleep level 1)"] == 60_924_932_096
+    # verl sleeps a full model's engine at level 2: no weight backup on the host
+    assert not any("backup" in term for term in m["host"]["terms"])
     assert as_json["fits"] is True
     # current vLLM: 0.5 x 81,559 MiB = 42,760,527,872 B - weights 7,615,616,512 - profile run 932,184,064 =
     # 34,212,727,296 B // 16,384 // 28 = 74,577 blocks; 5,120 tokens = 320 blocks: 233 sequences (< max_num_seqs 256)
@@ -87,7 +87,21 @@ def test_table_fits_the_terminal():
     ("--engine-version", "0.9", "error: engine_version: '0.9' for vllm; choose one of: 0.8, current"),
     ("--strategy", "ddp", "error: strategy: unknown value 'ddp'; choose one of: fsdp, fsdp2"),
     ("--gpu-memory-utilization", "1.2", "error: gpu_memory_utilization: must be in (0, 1], got 1.2"),
+    ("--sleep-level", "3", "error: sleep_level: must be 1 or 2, got 3"),
 ])
 def test_bad_input_is_one_line_exit_2(flag, value, message):
     r = run(*JOB, flag, value)
     assert r.returncode == 2 and r.stderr.strip() == message and r.stdout == ""
+
+
+def test_the_knob_words_name_a_critic_that_is_not_the_actors():
+    """PPO's critic strategy and dtype printed where they are not the actor's (the JSON's knobs hold them always)."""
+    ppo = [*JOB, "--algorithm", "ppo", "--strategy", "fsdp2", "--actor-dtype", "bf16"]
+    own = run(*ppo, "--critic-strategy", "fsdp", "--critic-dtype", "fp32")
+    same = run(*ppo)
+    assert own.returncode == same.returncode == 0, own.stderr + same.stderr
+    words = " ".join(own.stdout.split())
+    assert "critic optimizer offload off, critic strategy fsdp, critic dtype fp32, gradient checkpointing" in words
+    assert "critic strategy" not in same.stdout and "critic dtype" not in same.stdout
+    only = " ".join(run(*ppo, "--critic-dtype", "fp32").stdout.split())
+    assert "critic dtype fp32" in only and "critic strategy" not in only

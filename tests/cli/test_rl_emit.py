@@ -401,3 +401,30 @@ def test_verl_validates_the_reward_model_keys_and_its_migration_reads_the_legacy
     for gone in ("reward_model.micro_batch_size_per_gpu=4", "reward_model.model.fsdp_config.param_offload=True"):
         with pytest.raises(ConfigCompositionException):
             _compose([gone])
+
+
+def test_verl_takes_the_reward_pool_and_no_sleep_level_is_written(tmp_path, monkeypatch):
+    """--reward-model-enable-resource-pool's overrides compose and validate in verl 0.9.1 and convert to the
+    RewardModelConfig whose n_gpus_per_node x nnodes the trainer makes its reward_pool ([4] * 1 GPUs), with the
+    engine kept awake (free_cache_engine False: RewardModelManager sleeps it at start otherwise). Their legacy
+    spelling migrates to the same. The engine's sleep level is verl's: a --sleep-level asked writes nothing."""
+    omega_conf_to_dataclass = _verl_validation()[0].omega_conf_to_dataclass
+    from verl.experimental.reward_loop import migrate_legacy_reward_impl
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    knobs = dict(CASE_1, reward_model="qwen2-7b", reward_model_enable_resource_pool=True,
+                 reward_model_n_gpus_per_node=4, sleep_level=1, engine_version="current")
+    script = emit_verl(rl_estimate("qwen2-7b", 2, **knobs))
+    assert "sleep" not in script.split("set -euo")[0]
+    overrides = script_overrides(script)
+    reward = {k: v for k, v in overrides.items() if "reward" in k}
+    assert len(reward) == 11
+    composed = _validated(overrides)
+    rm = omega_conf_to_dataclass(composed.reward.reward_model)
+    assert (rm.enable, rm.enable_resource_pool, [rm.n_gpus_per_node] * rm.nnodes, rm.rollout.free_cache_engine,
+            rm.rollout.tensor_model_parallel_size) == (True, True, [4], False, 2)
+    legacy = {k.replace("reward.reward_model.model_path", "reward_model.model.path")
+               .replace("reward.reward_model.", "reward_model."): v for k, v in reward.items()}
+    migrated = migrate_legacy_reward_impl(_compose([f"{k}={v}" for k, v in {**overrides, **legacy}.items()
+                                                    if not k.startswith("reward.")]))
+    assert migrated.reward.reward_model == composed.reward.reward_model

@@ -399,3 +399,42 @@ def test_the_legacy_reward_model_keys_read_as_verl_migrates_them(tmp_path):
     (tmp_path / "nopath.sh").write_text(LEGACY_REWARD.replace(" reward_model.model.path=qwen2.5-7b", ""))
     r = run(tmp_path / "nopath.sh", "--model", "qwen2.5-7b")
     assert r.returncode == 2 and r.stderr.strip().startswith("error: reward.reward_model.model_path: missing")
+
+
+def test_a_reward_pool_emitted_then_checked_prices_the_same_and_its_gaps_are_said(tmp_path):
+    """reward.reward_model.enable_resource_pool / n_gpus_per_node / nnodes written and read back: the actor's phases,
+    the pool's GPU and the streamed time equal. Its legacy spelling reads alike. A pool left at verl's nnodes 0 is
+    one line naming the key (verl raises too); free_cache_engine left at verl's true is said (the engine would
+    sleep at start, never woken by the streaming path)."""
+    e = rl_estimate("qwen2.5-7b", 8, **REWARD, reward_model_enable_resource_pool=True, reward_model_n_gpus_per_node=4)
+    script = emit_verl(e)
+    (tmp_path / "pool.sh").write_text(script)
+    checked = json.loads(run_cli(["check", str(tmp_path / "pool.sh"), "--format", "json"]))
+    same_memory(checked, e)
+    assert (checked["time"], checked["reward_pool"]) == (rl_dict(e)["time"], rl_dict(e)["reward_pool"])
+    assert checked["time"]["reward_overlapped_s"] > 0
+    assert "reward" not in [p["name"] for p in checked["memory"]["phases"]]
+    awake = "    reward.reward_model.rollout.free_cache_engine=False \\\n"
+    (tmp_path / "legacy.sh").write_text(LEGACY_REWARD.rstrip() + " reward_model.enable_resource_pool=True "
+                                        "reward_model.n_gpus_per_node=4 reward_model.nnodes=1\n")
+    setup = read_rl_setup(str(tmp_path / "legacy.sh"))
+    assert (setup.knobs["reward_model_enable_resource_pool"], setup.knobs["reward_model_n_gpus_per_node"],
+            setup.knobs["reward_model_nnodes"]) == (True, 4, 1)
+    assert any(n.startswith("reward.reward_model.rollout.free_cache_engine is true") for n in setup.notes)
+    assert not any("free_cache_engine is true" in n for n in read_rl_setup(str(tmp_path / "pool.sh")).notes)
+    (tmp_path / "nonodes.sh").write_text(script.replace(awake, "").replace("    reward.reward_model.nnodes=1 \\\n", ""))
+    r = run(tmp_path / "nonodes.sh")
+    assert r.returncode == 2 and r.stderr.strip() == "error: reward.reward_model.nnodes: must be > 0, got 0"
+
+
+def test_a_sleep_level_verl_does_not_run_is_read_and_said(tmp_path):
+    """verl has no key for the engine's sleep level: a `# fsdp-plan:` line asking for level 1 on a full model is
+    read, priced at verl's level 2 (no host backup) and said in one note."""
+    e = rl_estimate("qwen2.5-7b", 8, **REWARD)
+    script = emit_verl(e).replace("# fsdp-plan: --model qwen2.5-7b", "# fsdp-plan: --model qwen2.5-7b --sleep-level 1")
+    (tmp_path / "level.sh").write_text(script)
+    checked = json.loads(run_cli(["check", str(tmp_path / "level.sh"), "--format", "json"]))
+    same_memory(checked, e)
+    assert not any("engine weight backup" in t for t in checked["memory"]["host"]["terms"])
+    said = [n for n in checked["notes"] if n.startswith("--sleep-level 1 is not what verl runs")]
+    assert len(said) == 1 and "priced at level 2" in said[0]

@@ -116,7 +116,7 @@ def from_overrides(o: dict, source: str, dialect: str, text: str = "") -> RlSetu
         _layered_summon(o, knobs, notes)
     _batches(o, knobs)
     _entropy(o, knobs, notes)
-    _reward(o, knobs)
+    _reward(o, knobs, notes)
     gpus_per_node = _value(o, "trainer.n_gpus_per_node", "gpus_per_node") if "trainer.n_gpus_per_node" in o else 8
     nnodes = _value(o, "trainer.nnodes", "gpus") if "trainer.nnodes" in o else 1
     knobs.update(gpus=gpus_per_node * nnodes, gpus_per_node=gpus_per_node)
@@ -129,7 +129,7 @@ def from_overrides(o: dict, source: str, dialect: str, text: str = "") -> RlSetu
         "algorithm": "algorithm.adv_estimator", "actor_dtype": A + "actor.fsdp_config.model_dtype",
         "critic_strategy": "critic.strategy", "critic_dtype": "critic.fsdp.model_dtype",
         "ppo_mini_batch_size": A + "actor.ppo_mini_batch_size", "lora_rank": A + "model.lora_rank",
-        "reward_model": keys.RM + "model_path"}
+        "reward_model": keys.RM + "model_path", **{f: k for k, f in keys.POOL_KEYS.items()}}
     return RlSetup(knobs={**knobs, **flags}, source=source, dialect=dialect, model=model, model_path=path,
                    model_key=A + "model.path", notes=tuple(notes), keys=named)
 
@@ -165,9 +165,11 @@ def _layered_summon(o: dict, knobs: dict, notes: list) -> None:
                      f"the engine); set actor_rollout_ref.rollout.load_format={keys.LAYERED_LOAD_FORMAT}")
 
 
-def _reward(o: dict, knobs: dict) -> None:
+def _reward(o: dict, knobs: dict, notes: list) -> None:
     """A reward model: verl 0.9.1's reward.reward_model.* keys, or the legacy reward_model.* ones it migrates
-    (enable, model.path, rollout.*); the later spelling wins, as migrate_legacy_reward_impl writes it."""
+    (enable, model.path, rollout.*, its pool's enable_resource_pool / n_gpus_per_node / nnodes); the later
+    spelling wins, as migrate_legacy_reward_impl writes it. Its own pool with nnodes left out is verl's default 0
+    (which verl refuses); with free_cache_engine left true its engine sleeps at start and is never woken: said."""
     def key(new: str, old: str):
         return _first(o, keys.RM + new, "reward_model." + old)
     enable = key("enable", "enable")
@@ -183,6 +185,21 @@ def _reward(o: dict, knobs: dict) -> None:
         found = key("rollout." + name, "rollout." + name)
         if found is not None:
             knobs[field] = _value(o, found, field)
+    pool = key("enable_resource_pool", "enable_resource_pool")
+    if pool is None or not _value(o, pool, "reward_model_enable_resource_pool"):
+        return
+    for name, field in keys.POOL_KEYS.items():
+        found = key(name.removeprefix(keys.RM), name.removeprefix(keys.RM))
+        knobs[field] = _value(o, found, field) if found is not None else POOL_DEFAULTS.get(field, True)
+    awake = key("rollout.free_cache_engine", "rollout.free_cache_engine")
+    if awake is None or _value(o, awake, "reward_model_enable_resource_pool"):
+        notes.append(f"{keys.POOL_AWAKE} is true (verl's default): on its own pool the reward engine sleeps at start "
+                     "(RewardModelManager) and the agent loop's streaming scoring never wakes it; set "
+                     f"{keys.POOL_AWAKE}=False (priced awake)")
+
+
+# verl 0.9.1's reward.yaml where a script with a pool leaves them out (nnodes 0: verl raises, and so does the planner)
+POOL_DEFAULTS = {"reward_model_n_gpus_per_node": 8, "reward_model_nnodes": 0}
 
 
 def _batches(o: dict, knobs: dict) -> None:
