@@ -19,6 +19,7 @@ from .rl_settings import ACTOR_DTYPES, RlSettings
 from .rl_strategy import (forward_gathered_bytes, fsdp2_backward, head_backward_bytes, loss_root_bytes,
                           weight_sync_bytes)
 from .rl_trl_head import trl_head_bytes
+from .rl_trl_server import sync_tensor_bytes
 from .spec_values import Attention, LossKernel, Sharding
 from .specs import FsdpConfig, TrainingSpec
 from .units import DTYPE_BYTES
@@ -185,8 +186,18 @@ def actor_states(run: ActorRun, settings: RlSettings, batch: BatchPlan, profile:
     return ActorStates(params_bytes=step.sharded_params, grads_bytes=step.sharded_grads,
                        optimizer_bytes=step.optimizer_state, step_temporary_bytes=step.optimizer_temporaries,
                        update_first=first, update_steady=steady, largest_tensor_bytes=largest,
-                       sync_bytes=weight_sync_bytes(model, settings, step.sharded_params, p, size),
+                       sync_bytes=weight_sync_bytes(model, settings, step.sharded_params, p, size,
+                                                    sent_tensors(model, settings)),
                        unit_gather_bytes=forward_gathered_bytes(model, settings, c), on_host=not on_gpu)
+
+
+def sent_tensors(model: ModelSpec, settings: RlSettings) -> tuple[int, ...]:
+    """The tensors TRL's server-mode sync sends, in its order and the actor's stored dtype (rl_trl_server.py); none
+    otherwise (the colocated syncs hold one tensor or unit at a time)."""
+    if not (settings.framework == "trl" and settings.server):
+        return ()
+    p = DTYPE_BYTES[ACTOR_DTYPES[settings.actor_dtype].param_dtype]
+    return tuple(sync_tensor_bytes(model, all_linear_lora(model).lora_target_shapes, p))
 
 
 def forward_only_bytes(model: ModelSpec, tokens: int, c: int, settings: RlSettings, sp: int = 1,

@@ -125,8 +125,12 @@ def _micro_tokens(dynamic: bool, micro_seqs: int, budget: int, seqs_per_rank: in
     return -(-tokens // sp)
 
 
-def batch_plan(b: RlBatch, n_gpus: int, heads: int, kv_heads: int, rollout_tp: int) -> BatchPlan:
-    """The per-rank batch of one step and the refusals verl (or vLLM, for the rollout TP) would raise."""
+def batch_plan(b: RlBatch, n_gpus: int, heads: int, kv_heads: int, rollout_tp: int, several_generations: bool = False,
+               engine_gpus: int | None = None) -> BatchPlan:
+    """The per-rank batch of one step (one train batch: a generation) and the refusals verl (or vLLM, for the rollout
+    TP) would raise. several_generations (TRL): a train batch below the mini-batch is TRL's steps_per_generation
+    below gradient_accumulation_steps, several generations per optimizer step (rl_schedule.trl_cycle), not verl's
+    refusal. engine_gpus: the GPUs the engine runs on, where not the trainer's (TRL's vLLM server: TP x DP)."""
     sp = b.ulysses_sequence_parallel_size
     dp = max(1, n_gpus // sp)
     refusals = _ulysses_refusals(sp, n_gpus, heads, kv_heads, b.use_remove_padding)
@@ -135,7 +139,7 @@ def batch_plan(b: RlBatch, n_gpus: int, heads: int, kv_heads: int, rollout_tp: i
         refusals.append(Refusal("train_batch", "batch-gpus", f"real_train_batch_size ({seqs}) must be divisible by "
                                 f"minimal possible batch size ({n_gpus})", "make train batch x rollout n a multiple "
                                 "of the GPUs"))
-    if b.train_batch_size < b.ppo_mini_batch_size:
+    if b.train_batch_size < b.ppo_mini_batch_size and not several_generations:
         refusals.append(Refusal("ppo_mini_batch_size", "mini-batch", f"{b.ppo_mini_batch_size} > train batch "
                                 f"{b.train_batch_size}", "choose a mini-batch <= the train batch"))
     mini = b.ppo_mini_batch_size * b.rollout_n // dp
@@ -151,9 +155,10 @@ def batch_plan(b: RlBatch, n_gpus: int, heads: int, kv_heads: int, rollout_tp: i
         refusals += _budget_refusal("ppo_max_token_len_per_gpu", b.ppo_max_token_len_per_gpu * sp, b.max_seq_len)
         refusals += _budget_refusal("log_prob_max_token_len_per_gpu", b.log_prob_max_token_len_per_gpu * sp,
                                     b.max_seq_len)
-    if n_gpus % rollout_tp or heads % rollout_tp:
+    engine_gpus = engine_gpus or n_gpus
+    if engine_gpus % rollout_tp or heads % rollout_tp:
         refusals.append(Refusal("rollout_tp", "rollout-tp", f"tensor_model_parallel_size {rollout_tp} must divide the "
-                                f"{n_gpus} GPUs and the {heads} attention heads", "choose a common divisor"))
+                                f"{engine_gpus} GPUs and the {heads} attention heads", "choose a common divisor"))
     step_seqs = -(-seqs // dp)
     update = _micro_tokens(b.use_dynamic_bsz, micro, b.ppo_max_token_len_per_gpu, max(mini, 1), b, sp)
     log_prob = _micro_tokens(b.use_dynamic_bsz, b.log_prob_micro_batch_size_per_gpu,
@@ -169,7 +174,7 @@ def batch_plan(b: RlBatch, n_gpus: int, heads: int, kv_heads: int, rollout_tp: i
                      mini_batches_per_step=max(1, b.train_batch_size // b.ppo_mini_batch_size),
                      mini_batch_seqs_per_rank=mini, micro_batches_per_mini=micro_count,
                      update_tokens_per_gpu=update, log_prob_tokens_per_gpu=log_prob, step_seqs_per_rank=step_seqs,
-                     rollout_seqs_per_replica=-(-seqs // max(1, n_gpus // rollout_tp)), refusals=tuple(refusals),
+                     rollout_seqs_per_replica=-(-seqs // max(1, engine_gpus // rollout_tp)), refusals=tuple(refusals),
                      update_run_tokens_per_gpu=run, log_prob_run_tokens_per_gpu=lp_run, ulysses=sp,
                      seq_tokens=b.seq_tokens, response_tokens=b.seq_response_tokens)
 

@@ -21,6 +21,8 @@ Sources (shared/reference/rl.md; verl of 2025, workers/fsdp_workers.py and shard
   under its own (settings.critic_host_offload, critic.on_host).
 - Ulysses (batch.ulysses > 1): its all-to-alls' moment in the log-prob forward where it exceeds the block's
   bound, flash attention's repeated k, v in the update (rl_ulysses.py).
+- TRL's vLLM server (rl_schedule: engine_on_trainer False): no engine term on the trainer's GPUs at any phase; the
+  sync's rank 0 packs what it gathers; the server's GPU and layout as refusals (rl_trl_server.py).
 Ignored: the attention's workspaces, gradients after the update (freed: verl's zero_grad
 / offload). PPO's critic (rl_critic.py) adds critic_values / critic_update, a reward model (rl_reward.py) `reward`.
 """
@@ -34,13 +36,15 @@ from .feasibility import Refusal
 from .model_spec import ModelSpec
 from .outside_allocator import outside_allocator_terms
 from .profile import Profile
-from .rl_actor import ActorRun, ActorStates, actor_run, actor_states, forward_only_bytes, reference_bytes
+from .rl_actor import (ActorRun, ActorStates, actor_run, actor_states, forward_only_bytes, reference_bytes,
+                       sent_tensors)
 from .rl_batch import BatchPlan
 from .rl_reward import RewardModel, RewardSettings, reward_engine, reward_row
 from .rl_schedule import Schedule, schedule_of
 from .rl_settings import RlSettings
 from .rl_sleep import EngineSleep, engine_sleep
 from .rl_strategy import sync_moment
+from .rl_trl_server import server_gpu_bytes, server_refusals
 from .rollout_engine import EngineMemory, EngineSettings, engine_memory
 
 PHASES = ("init", "rollout", "weight_sync", "reward", "log_prob", "ref_log_prob", "critic_values", "critic_update",
@@ -141,8 +145,8 @@ def rl_phases(model: ModelSpec, cluster: ClusterSpec, settings: RlSettings, engi
     params_resident = 0 if settings.param_offload else loaded
     adam_resident = 0 if settings.optimizer_offload or actor.on_host else actor.optimizer_bytes
     critic_init, critic_held, critic_outside = critic_terms(critic, settings, outside)
-    at_init = 0 if sched.engine_first else (params_resident + ref_resident + sum(critic_init.values())
-                                            + sum(critic_outside.values()))
+    at_init = 0 if sched.engine_first or not sched.engine_on_trainer else (
+        params_resident + ref_resident + sum(critic_init.values()) + sum(critic_outside.values()))
     rm = reward and reward_engine(reward, engine, cluster, at_init, outside)
     beside = rm.beside_actor() if rm else {}   # a colocated reward engine's context (its own pool: none)
     e = engine_memory(model, engine, cluster.gpu.memory_bytes, at_init + sum(beside.values()), outside)
@@ -156,7 +160,14 @@ def rl_phases(model: ModelSpec, cluster: ClusterSpec, settings: RlSettings, engi
     kept = {"engine weights": e.weights_bytes} if sleep.weights_on_gpu else {}   # SGLang's LoRA adapter
     idle = {"engine weights": e.weights_bytes, "engine KV cache": e.kv_bytes, **graphs} if sched.engine_idle \
         else {**kept, **graphs}
-    asleep = not sched.engine_idle
+    walk_engine = graphs if engine.version == "0.8" else {"engine weights": e.weights_bytes, **graphs}
+    server = ()
+    if not sched.engine_on_trainer:   # TRL's vLLM server, on GPUs of its own (rl_trl_server.py)
+        graphs = awake = sync_engine = idle = walk_engine = {}
+        server = tuple(server_refusals(model, cluster, settings.strategy, engine.tp, settings.server_data_parallel,
+                                       settings.server_local,
+                                       server_gpu_bytes(e, list(sent_tensors(model, settings)), outside)))
+    asleep = sched.engine_on_trainer and not sched.engine_idle
     held = {"actor params": params_resident, "reference": ref_resident}
     resident = {**held, "Adam states": adam_resident}
     fwd = forward_only_bytes(model, batch.log_prob_tokens_per_gpu, c, settings, batch.ulysses, batch)
@@ -174,14 +185,16 @@ def rl_phases(model: ModelSpec, cluster: ClusterSpec, settings: RlSettings, engi
     rows = [
         ("init", {} if sched.engine_first else {**held, **critic_init}, awake, False, False, False,
          "the engine starts before the actor and reference are sharded onto the GPU" if sched.engine_first else
+         "no engine here: the vLLM server starts on its own GPUs" if not sched.engine_on_trainer else
          "the engine sizes its KV cache beside what is resident"),
         ("rollout", {**resident, **critic_held}, awake, False, False, False,
+         "the vLLM server generates; the trainer waits" if not sched.engine_on_trainer else
          "from step 2: Adam's states resident unless offloaded (the KV budget never saw them)"),
         ("weight_sync", *sync_moment(*actor.sync_bytes, {"actor params": loaded, "reference": ref_resident,
                                                          "Adam states": adam_resident, **critic_held},
-                                     graphs if engine.version == "0.8" else {"engine weights": e.weights_bytes,
-                                                                             **graphs}, sync_engine, reserved),
-         True, False, False, "one parameter gathered at a time into the engine"),
+                                     walk_engine, sync_engine, reserved),
+         True, False, False, "one parameter gathered at a time into the engine" if sched.engine_on_trainer else
+         "rank 0 packs the gathered parameters into 1 GiB buffers for its NCCL broadcast to the server"),
         *reward_row(rm, {**resident, **critic_held}, idle),
         ("log_prob", {"actor params": loaded, **gathered, "reference": ref_resident,
                       "Adam states": adam_resident, **fwd, **critic_held}, idle, True, False, asleep, "forward only"),
@@ -203,7 +216,7 @@ def rl_phases(model: ModelSpec, cluster: ClusterSpec, settings: RlSettings, engi
     phases = tuple(_phase(name, torch, eng, profile, outside,
                           _offloaded(settings, loaded, adam, asleep, critic_loaded=name.startswith("critic")), note)
                    for name, torch, eng, loaded, adam, asleep, note in rows)
-    return RlMemory(phases=phases, engine=e, actor=actor, refusals=batch.refusals + e.refusals + (rm.memory.refusals if rm else ()),
+    return RlMemory(phases=phases, engine=e, actor=actor, refusals=batch.refusals + e.refusals + server + (rm.memory.refusals if rm else ()),
                     critic=critic, reward=rm, sleep=sleep)
 
 

@@ -5,7 +5,11 @@ GRPOTrainer with vLLM colocated, each rule read from TRL's installed code:
 - order (grpo_trainer.py _prepare_inputs: a generation every steps_per_generation x num_iterations micro-steps):
   the weight sync (_generate_single_turn: sync_weights when global_step moved), the generation, the old log-probs,
   the reference's (_generate_and_score_completions), then the micro-steps (update, gradients accumulated) with an
-  optimizer step every gradient_accumulation_steps (transformers' Trainer), the checkpoint at save_steps;
+  optimizer step every gradient_accumulation_steps (transformers' Trainer), the checkpoint at save_steps. A priced
+  step is the longer of a generation's micro-steps and an optimizer step's (trl_cycle): with steps_per_generation x
+  num_iterations below gradient_accumulation_steps, several generations (each its old / reference passes) per
+  optimizer step, one sync (global_step moves once) - one a generation with the colocated engine asleep
+  (generate() pushes the weights again after a level-2 sleep);
 - the old log-probs (_generate_and_score_completions): when gradient_accumulation_steps % (steps_per_generation x
   num_iterations) != 0, or with vLLM and vllm_importance_sampling_correction (GRPOConfig's default True: with vLLM
   they always run); else _compute_loss uses per_token_logps.detach();
@@ -21,6 +25,7 @@ GRPOTrainer with vLLM colocated, each rule read from TRL's installed code:
   states. vllm_enable_sleep_mode (False by default): without it the engine's weights and KV cache stay on the GPU
   through every phase; with it sleep(level=2) after its start and after each generation, and the sync wakes the
   weights only (sync_weights: wake_up(tags=["weights"])), generate() the KV cache after (tags=["kv_cache"]).
+  vllm_mode="server": no engine on the trainer's GPUs at any phase (rl_trl_server.py).
 """
 
 from __future__ import annotations
@@ -40,13 +45,31 @@ class Schedule:
     log_prob_passes: int = 2        # forward-only passes over the step's sequences: the old log-probs, the reference
     updates_per_generation: int = 1     # passes of the update over one generation batch
     whole_reference: bool = False   # the reference's forward gathers it whole (one FSDP2 unit)
+    # TRL (trl_cycle): generations in a priced step, its update's (micro-steps, optimizer steps: its iterations
+    # counted; None: the batch plan's mini-batches, updates_per_generation times) and its weight syncs
+    generations: float = 1.0
+    update_steps: tuple[float, float] | None = None
+    syncs: float = 1.0
+    engine_on_trainer: bool = True  # False: TRL's vLLM server, on GPUs of its own
 
 
 def trl_steps(batch: BatchPlan) -> tuple[int, int]:
     """(gradient_accumulation_steps, steps_per_generation) in TRL's terms: micro-steps per optimizer step and per
-    generation (planner/emit/trl.py writes them from the same batch plan)."""
+    generation (planner/emit/trl.py writes them from the same batch plan): a rank's sequences of a mini-batch and of
+    a generation over those of a micro-batch."""
     accumulation = max(1, batch.micro_batches_per_mini)
-    return accumulation, accumulation * batch.mini_batches_per_step
+    return accumulation, max(1, batch.step_seqs_per_rank * accumulation // max(1, batch.mini_batch_seqs_per_rank))
+
+
+def trl_cycle(settings: RlSettings, batch: BatchPlan) -> tuple[float, float, float]:
+    """(generations, micro-steps, optimizer steps) in one priced step of TRL: a generation batch serves
+    steps_per_generation x num_iterations micro-steps (grpo_trainer.py _prepare_inputs: generate_every), an optimizer
+    step takes gradient_accumulation_steps; the step is the longer of the two, so one of generations and optimizer
+    steps is 1 (an average where neither divides the other)."""
+    accumulation, per_generation = trl_steps(batch)
+    served = per_generation * settings.num_iterations
+    micro_steps = max(served, accumulation)
+    return micro_steps / served, micro_steps, micro_steps / accumulation
 
 
 def trl_old_log_probs(settings: RlSettings, batch: BatchPlan) -> bool:
@@ -61,10 +84,14 @@ def schedule_of(settings: RlSettings, engine_version: str, batch: BatchPlan) -> 
     old, ref = trl_old_log_probs(settings, batch), settings.beta != 0
     phases = ("init", "weight_sync", "rollout") + ("log_prob",) * old + ("ref_log_prob",) * ref + (
         "update", "optimizer_step", "checkpoint")
-    return Schedule(phases=phases, engine_first=True, engine_idle=not settings.sleep_mode,
-                    sync_wakes_kv=not settings.sleep_mode, log_prob_passes=old + ref,
+    generations, micro_steps, optimizer_steps = trl_cycle(settings, batch)
+    colocated = not settings.server
+    return Schedule(phases=phases, engine_first=colocated, engine_idle=colocated and not settings.sleep_mode,
+                    sync_wakes_kv=colocated and not settings.sleep_mode, log_prob_passes=old + ref,
                     updates_per_generation=settings.num_iterations,
-                    whole_reference=ref and not settings.lora and settings.strategy == "fsdp2")
+                    whole_reference=ref and not settings.lora and settings.strategy == "fsdp2",
+                    generations=generations, update_steps=(micro_steps, optimizer_steps),
+                    syncs=generations if colocated and settings.sleep_mode else 1.0, engine_on_trainer=colocated)
 
 
 # What TRL's engine runs whatever the request says (vllm_generation.py _init_vllm; trl/import_utils.py accepts vLLM
@@ -86,6 +113,9 @@ TRL_CANNOT = {
     "ulysses_sequence_parallel_size": (1, "grpo_config.py refuses sp_size > 1"),
     "use_dynamic_bsz": (False, "TRL packs no token budgets"),
 }
+# TRL_SETS' knobs a vLLM server takes from its own command line (vllm_mode="server": trl vllm-serve forwards them to
+# vllm serve; TRL passes none)
+TRL_SERVER_OWN = ("max_num_seqs", "max_num_batched_tokens", "enforce_eager")
 TRL_SETS = {
     **TRL_CANNOT,
     "engine_version": ("current", "TRL 1.16 runs vLLM 0.22-0.31 (trl/import_utils.py)"),

@@ -13,6 +13,7 @@ ALGORITHMS = ("grpo", "ppo")
 ACTOR_DTYPES = {"fp32": Precision.BF16, "bf16": Precision.BF16_PURE}  # stored dtype -> FSDP mixed precision
 STRATEGIES = ("fsdp", "fsdp2")
 FRAMEWORKS = ("verl", "trl")
+VLLM_MODES = ("colocate", "server")   # TRL's GRPOConfig.vllm_mode
 # what accelerate's fsdp_offload_params (TRL: --param-offload) offloads beside the actor's params and Adam states
 TRL_OFFLOAD_FOLLOWERS = ("offload_policy", "ref_param_offload")
 
@@ -53,6 +54,9 @@ class RlSettings:
     num_iterations: int = 1            # updates per generation batch (GRPO's mu)
     importance_sampling: bool = True   # vllm_importance_sampling_correction: the old log-probs always computed
     sleep_mode: bool = False           # vllm_enable_sleep_mode: the engine asleep (level 2) outside generation
+    vllm_mode: str = "colocate"        # colocate (vLLM in the trainer processes) | server (rl_trl_server.py)
+    server_data_parallel: int = 1      # server: trl vllm-serve --data-parallel-size (its TP: the engine's)
+    server_local: bool = True          # server: on the trainer's first node (vllm_server_host local, TRL's default)
 
     def __post_init__(self):
         if self.strategy not in STRATEGIES:
@@ -81,8 +85,14 @@ class RlSettings:
             raise SpecError("fsdp_size", f"must be -1 (all GPUs) or >= 1, got {self.fsdp_size}")
         if self.num_iterations < 1:
             raise SpecError("num_iterations", f"must be >= 1, got {self.num_iterations}")
+        if self.vllm_mode not in VLLM_MODES:
+            raise SpecError("vllm_mode", f"unknown value {self.vllm_mode!r}; choose one of: {', '.join(VLLM_MODES)}")
+        if self.server_data_parallel < 1:
+            raise SpecError("vllm_server_data_parallel_size", f"must be >= 1, got {self.server_data_parallel}")
         if self.framework == "trl":
             self._trl()
+        elif self.server:
+            raise SpecError("vllm_mode", "server: TRL's; verl's engine is colocated; choose one of: colocate")
         # verl forces a worker's manual offloads off under its policy (FSDPEngine._build_fsdp_module, fsdp2 branch)
         for policy, worker in ((self.host_offload, ""), (self.critic_host_offload, "critic_")):
             if policy:
@@ -101,6 +111,13 @@ class RlSettings:
         policy = self.offload_policy or self.param_offload   # idempotent: a replace() keeps it
         for name, value in (*((n, policy) for n in TRL_OFFLOAD_FOLLOWERS), ("sleep_level", 2)):
             object.__setattr__(self, name, value)
+        if self.server:   # vllm_enable_sleep_mode is read in colocate mode only (vllm_generation.py)
+            object.__setattr__(self, "sleep_mode", False)
+
+    @property
+    def server(self) -> bool:
+        """TRL's vllm_mode server: no engine on the trainer's GPUs (rl_trl_server.py)."""
+        return self.vllm_mode == "server"
 
     @property
     def host_offload(self) -> bool:

@@ -25,7 +25,11 @@ each (workers/engine/fsdp/transformer_impl.py _build_fsdp_module; utils/fsdp_uti
 TRL (1.16, framework trl): accelerate's FSDP2 (utils/fsdp_utils.py fsdp2_prepare_model) wraps the decoder layers
 and the model only, FSDP1's root layout; its weight sync (generation/vllm_generation.py) gathers FSDP2's parameters
 one at a time (full_tensor()) and FSDP1's units one at a time (summon_full_params(module, recurse=False), children
-first, in full precision), with no copy.
+first, in full precision), with no copy. With PEFT the same walk, between merge_adapter() and unmerge_adapter()
+(_iter_named_params: "with self._dist.gather_params(...)", a no-op under FSDP): the merge runs on the sharded
+parameters - under FSDP2 each linear's delta (lora_B @ lora_A, DTensor Shard(0)) is a shard of the weight, freed
+after its in-place add, below the whole tensors the walk gathers next - and the merged base is sent, the adapters
+skipped. In server mode rank 0 packs what it gathers (rl_trl_server.py).
 
 So FSDP2 holds at most what FSDP1 holds in every phase (equal with tied embeddings, bar the weight sync's copy),
 except on one-rank shard groups (fsdp_size 1), where FSDP1 runs NO_SHARD and its update holds no root copy at the
@@ -42,6 +46,7 @@ import dataclasses
 
 from .memory_types import MemoryBreakdown
 from .model_spec import ModelSpec
+from .rl_trl_server import packed_send_peak_bytes
 
 # `settings` below: rl_settings.RlSettings (its strategy, framework and lora)
 
@@ -108,23 +113,30 @@ def fsdp2_backward(body: MemoryBreakdown, moment: str, model: ModelSpec, setting
 
 
 def weight_sync_bytes(model: ModelSpec, settings, params_bytes: int, p: int,
-                      shard_ranks: int) -> tuple[dict, dict]:
+                      shard_ranks: int, sent: tuple[int, ...] = ()) -> tuple[dict, dict]:
     """The actor's transients in the weight sync beside its loaded shard, (the state-dict walk's, the send's), in the
     stored dtype p. FSDP2 (or LoRA, or unsharded): no walk; the send gathers one tensor at a time, the largest
     (embedding or head). verl's FSDP1 sharded: the walk holds the root unsharded beside its children's turns and a
     parameter's full clone before its chunk is kept (tensor/placement_types.py _replicate_to_shard: the chunk
     cloned, the whole freed) - the root with the largest tensor, or with a block and a clone no larger than it -
     while the copy of the shard grows; the send keeps that copy beside the tensor gathered. TRL's FSDP1: one unit
-    at a time, the root or a block. verl's FSDP1 LoRA: the whole model summoned (layered_summon: its largest unit),
-    the adapters sent from the host."""
+    at a time, the root or a block, LoRA's merged units alike (vllm_generation.py _iter_named_params: PEFT walks
+    _iter_fsdp_params too); TRL's server mode (settings.server): rank 0 packs the `sent` tensors as it gathers them
+    (rl_trl_server.packed_send_peak_bytes), beside FSDP1's unit. verl's FSDP1 LoRA: the whole model summoned
+    (layered_summon: its largest unit), the adapters sent from the host."""
     largest = max(model.embedding_params, model.head_params) * p
+    unit = max(model.root_params, model.block_params) * p
+    trl_units = settings.framework == "trl" and settings.strategy != "fsdp2" and shard_ranks > 1
+    if settings.framework == "trl" and settings.server:
+        packed = {"packed broadcast buffers (rank 0)": packed_send_peak_bytes(list(sent), gathered=shard_ranks > 1)}
+        return {}, {"gathered units": unit, **packed} if trl_units else packed
+    if trl_units:
+        return {}, {"gathered units": unit}
     if settings.lora and settings.strategy != "fsdp2" and settings.framework == "verl" and shard_ranks > 1:
         held = max(model.root_params, model.block_params) if settings.layered_summon else model.n_params
         return {"summoned params": held * p}, {}
     if settings.strategy == "fsdp2" or settings.lora or shard_ranks <= 1:
         return {}, {"gathered tensor": largest}
-    if settings.framework == "trl":
-        return {}, {"gathered units": max(model.root_params, model.block_params) * p}
     walk = (model.root_params * p + max(largest, 2 * model.block_params * p))
     copy = {"state-dict shard copy": params_bytes}
     return {**copy, "gathered units": walk}, {**copy, "gathered tensor": largest}

@@ -19,7 +19,11 @@ one job against each other, not to predict a wall clock:
   attention, KV heads repeated to sp where fewer; the output after) forward, four backward, four more in a
   checkpointed block's recompute, on the critical path over the Ulysses group's tier (ulysses_s). Ignored: the
   attention kernel's higher rate at the full length, position_ids' all-gather;
-- weight sync: every actor parameter all-gathered over the shard group in its stored dtype (intra-node bus);
+- weight sync: every actor parameter all-gathered over the shard group in its stored dtype (intra-node bus); TRL's
+  vLLM server: the larger of that and rank 0's broadcast of the model to the server (rl_trl_server.send_s: its
+  packed buffers double-buffered beside the gathers), once a step;
+- TRL's steps (rl_schedule.trl_cycle): several generations per optimizer step each generate and run their log-prob
+  passes; the update's micro-steps and optimizer steps as TRL counts them;
 - offload: the host<->device bytes each step moves: actor params in and out for log-prob, update and sync; Adam's
   states in and out for the update; the offloaded reference streamed in once; sleep level 1's weight backup
   out and back; PPO's critic likewise for its values and update (under its own CPUOffloadPolicy: its shard per
@@ -43,12 +47,13 @@ from .cluster_spec import ClusterSpec
 from .model_spec import ModelSpec
 from .profile import Profile
 from .rl_batch import BatchPlan
-from .rl_actor import ActorStates, actor_run, reference_bytes
+from .rl_actor import ActorStates, actor_run, reference_bytes, sent_tensors
 from .rl_critic import critic_settings, value_model
 from .rl_settings import RlSettings
 from .rl_reward import RewardModel
 from .rl_sleep import engine_sleep
 from .rl_schedule import schedule_of
+from .rl_trl_server import send_s
 from .rollout_engine import Engine, EngineMemory, EngineSettings, KvShape
 from .step_time import TimeBreakdown, estimate_step_time
 
@@ -140,13 +145,15 @@ def micro_step(model: ModelSpec, cluster: ClusterSpec, settings: RlSettings, bat
 
 
 def train_seconds(model: ModelSpec, cluster: ClusterSpec, settings: RlSettings, batch: BatchPlan, prompt_tokens: int,
-                  response_tokens: int, profile: Profile, sp: int, memo: dict | None = None) -> tuple[float, float]:
-    """(update, log-probs) seconds of a step: the update's micro-steps and one optimizer step per mini-batch; the
-    old and reference log-probs, each the forward of the rank's tokens at the log-prob micro-batch. memo: a search's
-    cache (micro_step's), which holds the result too."""
+                  response_tokens: int, profile: Profile, sp: int, memo: dict | None = None,
+                  steps: tuple[float, float] | None = None) -> tuple[float, float]:
+    """(update, log-probs) seconds of a step: the update's micro-steps and one optimizer step per mini-batch (steps:
+    (micro-steps, optimizer steps) where the schedule counts them: TRL's rl_schedule.trl_cycle); the old and
+    reference log-probs, each the forward of the rank's tokens at the log-prob micro-batch. memo: a search's cache
+    (micro_step's), which holds the result too."""
     key = ("train_seconds", model.name, settings.strategy, settings.finetune, settings.lora_rank, settings.actor_dtype,
            settings.gradient_checkpointing, settings.fsdp_size, settings.host_offload, batch, prompt_tokens,
-           response_tokens, sp)
+           response_tokens, sp, steps)
     if memo is not None and key in memo:
         return memo[key]
     length, gc = prompt_tokens + response_tokens, settings.gradient_checkpointing
@@ -155,8 +162,9 @@ def train_seconds(model: ModelSpec, cluster: ClusterSpec, settings: RlSettings, 
     micro, seqs_x_seq = micro_step(model, cluster, settings, batch, tokens, length, profile, sp, memo)
     per_token = (micro.step_s - micro.optimizer_s + ulysses_s(model, cluster, profile, micro, seqs_x_seq, sp, gc)) \
         / seqs_x_seq
-    per_step = max(1, batch.micro_batches_per_mini) * batch.mini_batches_per_step
-    update = per_step * tokens * per_token + batch.mini_batches_per_step * micro.optimizer_s
+    per_step, optimizer_steps = steps or (max(1, batch.micro_batches_per_mini) * batch.mini_batches_per_step,
+                                          batch.mini_batches_per_step)
+    update = per_step * tokens * per_token + optimizer_steps * micro.optimizer_s
     lp_tokens = batch.log_prob_run_tokens_per_gpu or batch.log_prob_tokens_per_gpu
     fwd, fwd_tokens = (micro, seqs_x_seq) if lp_tokens == tokens else micro_step(
         model, cluster, settings, batch, lp_tokens, length, profile, sp, memo)
@@ -181,25 +189,31 @@ def rl_step_time(model: ModelSpec, cluster: ClusterSpec, settings: RlSettings, e
     run = actor_run(model, cluster, settings, batch, memo)
     sched = schedule_of(settings, engine.version, batch)
     update, log_prob = train_seconds(model, cluster, settings, batch, *(trained or (prompt_tokens, response_tokens)),
-                                     profile, sp, memo)
-    update, log_prob = update * sched.updates_per_generation, log_prob * sched.log_prob_passes / 2
+                                     profile, sp, memo, steps=sched.update_steps)
+    # TRL: update_steps counts its iterations; each generation runs its log-prob passes
+    update *= 1 if sched.update_steps else sched.updates_per_generation
+    log_prob *= sched.log_prob_passes / 2 * sched.generations
     d = run.shard_ranks
     bus = cluster.gpu.intra_node_bus_bytes_per_s
     sync = actor.params_bytes * (d - 1) / bus if d > 1 else actor.params_bytes / cluster.gpu.hbm_bytes_per_s
+    if not sched.engine_on_trainer:   # TRL's server: rank 0's broadcast, double-buffered beside the gathers
+        sync = max(sync, send_s(cluster, profile, sum(sent_tensors(model, settings)), settings.server_local))
+    sync *= sched.syncs
     moved = (2 * PASSES_PER_STEP * actor.params_bytes * settings.param_offload
              + 2 * actor.optimizer_bytes * settings.optimizer_offload
              + reference_bytes(model, cluster, settings) * settings.reference_offloaded * (settings.framework == "verl")
              + 2 * e.weights_bytes * engine_sleep(settings.sleep_level, engine.engine).weights_to_host
              + host_policy_bytes(settings, batch, actor, sum(trained or (prompt_tokens, response_tokens)), sp,
-                                 sched.log_prob_passes))
+                                 sched.log_prob_passes * sched.generations))
     if critic is not None:   # its CPUOffloadPolicy: the shard copied in for each values micro-batch's all-gathers
         values = critic.params_bytes * critic.on_host * forward_micro_batches(
             batch, sum(trained or (prompt_tokens, response_tokens)), sp,
             batch.update_run_tokens_per_gpu or batch.update_tokens_per_gpu)
         moved += (2 * CRITIC_PASSES_PER_STEP * critic.params_bytes * settings.critic_param_offload
                   + 2 * critic.optimizer_bytes * settings.critic_optimizer_offload + values)
-    time = RlTime(generation_s=generation_s(model, cluster, engine, e, batch.rollout_seqs_per_replica, prompt_tokens,
-                                            response_tokens),
+    time = RlTime(generation_s=sched.generations * generation_s(model, cluster, engine, e,
+                                                                 batch.rollout_seqs_per_replica, prompt_tokens,
+                                                                 response_tokens),
                   log_prob_s=log_prob, update_s=update, weight_sync_s=sync,
                   offload_s=moved / cluster.gpu.pcie_bytes_per_s,
                   critic_s=critic_seconds(model, cluster, settings, batch, *(trained or (prompt_tokens,

@@ -1,5 +1,6 @@
 """`--emit trl`: an RL configuration as TRL 1.16's GRPOConfig (YAML, `trl grpo --config` / GRPOConfig(**yaml))
-for vLLM colocated in the trainer processes, and the accelerate FSDP2 config that shards the actor
+for vLLM colocated in the trainer processes (or, vllm_mode server, the `trl vllm-serve` line as a comment:
+planner/emit/trl_server.py), and the accelerate FSDP2 config that shards the actor
 (planner/emit/trainers.emit_accelerate), as two YAML documents. The batch in TRL's terms (trl/trainer/
 grpo_config.py __post_init__): per_device_train_batch_size completions per micro-step, gradient_accumulation_steps
 micro-steps per optimizer step (verl's mini-batch), steps_per_generation micro-steps per generation (verl's
@@ -17,6 +18,7 @@ import yaml
 from cost_models.rl_schedule import TRL_CANNOT
 from cost_models.units import GiB
 from planner.emit.rl_flags import MARK, planner_flags
+from planner.emit.trl_server import serve_line
 from planner.errors import PlannerError
 from planner.line_width import LINE_WIDTH
 
@@ -49,11 +51,14 @@ def grpo_config(e) -> dict:
     """GRPOConfig's fields for the estimate (its batch plan gives the micro-steps)."""
     r, b = e.request, e.batch
     per_generation = r.train_batch * r.rollout_n // (b.data_parallel * r.ppo_micro_batch_size_per_gpu)
+    # server mode (TRL's vllm_mode): the server's TP and utilization are its launch line's (trl_server.serve_line)
+    engine = ({"vllm_mode": "server", **({"vllm_server_host": r.vllm_server_host} if r.vllm_server_host else {})}
+              if r.vllm_mode == "server" else
+              {"vllm_mode": "colocate", "vllm_gpu_memory_utilization": r.gpu_memory_utilization,
+               "vllm_tensor_parallel_size": r.rollout_tp})
     return {
         "output_dir": f"grpo-{e.model.name}",
-        "use_vllm": True, "vllm_mode": "colocate",
-        "vllm_gpu_memory_utilization": r.gpu_memory_utilization,
-        "vllm_tensor_parallel_size": r.rollout_tp,
+        "use_vllm": True, **engine,
         "vllm_max_model_length": r.prompt_len + r.response_len,
         "num_generations": r.rollout_n,
         "per_device_train_batch_size": r.ppo_micro_batch_size_per_gpu,
@@ -84,14 +89,21 @@ def emit_trl(e) -> str:
     if r.param_offload != r.optimizer_offload:
         raise PlannerError("optimizer_offload", "accelerate's fsdp_offload_params offloads params and optimizer "
                                                 "together: set --param-offload and --optimizer-offload alike")
-    notes = [f"TRL GRPO for {e.model.name} on {e.cluster.n_gpus} x {e.cluster.gpu.id}, vLLM colocated, priced by "
+    notes = [f"TRL GRPO for {e.model.name} on {e.cluster.n_gpus} x {e.cluster.gpu.id}, vLLM "
+             f"{'server' if r.vllm_mode == 'server' else 'colocated'}, priced by "
              f"fsdp-plan: peak {e.memory.peak.reserved_bytes / GiB:.1f} GiB per GPU in {e.memory.peak.name}",
              "two files: the first document is the GRPOConfig (trl grpo --config, or GRPOConfig(**it)), the second "
              "accelerate's (accelerate launch --config_file)"]
     if r.finetune == "lora":
         notes.append(f"LoRA: pass peft_config=LoraConfig(r={r.lora_rank}, target_modules='all-linear') to "
                      "GRPOTrainer")
+    if r.vllm_mode == "server":
+        notes.append(f"vllm_mode server: start the server first, on {r.rollout_tp * (r.vllm_server_data_parallel_size or 1)}"
+                     " GPUs the trainer does not use (CUDA_VISIBLE_DEVICES), on the host vllm_server_host names "
+                     "(--model: set your checkpoint's path or Hub id), with:")
     comment = "\n".join(f"# {line}" for n in notes for line in textwrap.wrap(n, LINE_WIDTH - 2))
+    if r.vllm_mode == "server":
+        comment += f"\n#   {serve_line(r)}"
     flags = planner_flags(r, COMMENTED)
     grpo = yaml.safe_dump(grpo_config(e), sort_keys=False, width=LINE_WIDTH)
     # a TRL estimate's own FSDP version; a verl plan in TRL's terms: FSDP2 (it holds at most FSDP1's memory)

@@ -17,7 +17,8 @@ from cost_models.rl_actor import actor_run, actor_states
 from cost_models.rl_phases import RlMemory, rl_phases
 from cost_models.rl_settings import TRL_OFFLOAD_FOLLOWERS, RlSettings
 from cost_models.rl_reward import RewardSettings
-from cost_models.rl_schedule import TRL_ENGINE, TRL_SETS, trl_max_num_seqs
+from cost_models.rl_schedule import TRL_ENGINE, TRL_SERVER_OWN, TRL_SETS, trl_max_num_seqs
+from cost_models.rl_trl_server import is_local_host
 from cost_models.rl_time import RlTime, critic_seconds, rl_step_time, train_seconds
 from cost_models.rollout_engine import EngineSettings
 from cost_models.units import GiB
@@ -50,7 +51,9 @@ class RlEstimate:
 
 
 TRL_KEYS = {"beta": "beta", "num_iterations": "num_iterations", "vllm_importance_sampling_correction":
-            "importance_sampling", "vllm_enable_sleep_mode": "sleep_mode"}   # request -> RlSettings (TRL's keys)
+            "importance_sampling", "vllm_enable_sleep_mode": "sleep_mode", "vllm_mode": "vllm_mode",
+            "vllm_server_data_parallel_size": "server_data_parallel",
+            "vllm_server_host": "server_local"}   # request -> RlSettings (TRL's keys)
 
 
 def specs_of(r: RlRequest, model: ModelSpec) -> tuple[RlBatch, EngineSettings, RlSettings]:
@@ -60,6 +63,10 @@ def specs_of(r: RlRequest, model: ModelSpec) -> tuple[RlBatch, EngineSettings, R
         for name in TRL_KEYS:
             if getattr(r, name) is not None:
                 raise PlannerError(name, "a TRL GRPOConfig key: valid with --framework trl only")
+    if r.vllm_mode != "server":
+        for name in ("vllm_server_host", "vllm_server_data_parallel_size"):
+            if getattr(r, name) is not None:
+                raise PlannerError(name, "a vLLM server's: valid with --vllm-mode server only")
     batch = RlBatch(train_batch_size=r.train_batch, rollout_n=r.rollout_n,
                     ppo_mini_batch_size=r.ppo_mini_batch_size or r.train_batch, max_prompt_length=r.prompt_len,
                     max_response_length=r.response_len, ppo_micro_batch_size_per_gpu=r.ppo_micro_batch_size_per_gpu,
@@ -85,23 +92,38 @@ def specs_of(r: RlRequest, model: ModelSpec) -> tuple[RlBatch, EngineSettings, R
                           critic_offload_policy=r.critic_offload_policy, critic_strategy=r.critic_strategy,
                           critic_dtype=r.critic_dtype, layered_summon=r.layered_summon,
                           offload_policy=r.offload_policy,
-                          **{key: getattr(r, name) for name, key in TRL_KEYS.items() if getattr(r, name) is not None})
+                          **{key: getattr(r, name) for name, key in TRL_KEYS.items()
+                             if getattr(r, name) is not None and name != "vllm_server_host"},
+                          server_local=is_local_host(r.vllm_server_host))
     return batch, _trl_engine(r, model, batch, engine) if trl else engine, settings
+
+
+def plan_of(batch: RlBatch, cluster: ClusterSpec, model: ModelSpec, engine: EngineSettings, r: RlRequest) -> BatchPlan:
+    """The batch plan as the framework runs it: TRL's several generations per optimizer step, its vLLM server's own
+    GPUs (TP x DP) for the rollout's replicas."""
+    trl, server = r.framework == "trl", r.vllm_mode == "server"
+    return batch_plan(batch, cluster.n_gpus, model.n_heads, model.n_kv_heads, engine.tp, several_generations=trl,
+                      engine_gpus=engine.tp * (r.vllm_server_data_parallel_size or 1) if server else None)
 
 
 def _trl_engine(r: RlRequest, model: ModelSpec, batch: RlBatch, engine: EngineSettings) -> EngineSettings:
     """What TRL runs of the knobs it sets itself (cost_models/rl_schedule.py TRL_SETS): a request value TRL does not
     run is one line naming the field; the engine as TRL builds it."""
-    plan = batch_plan(batch, r.cluster.spec().n_gpus, model.n_heads, model.n_kv_heads, engine.tp)
+    plan = plan_of(batch, r.cluster.spec(), model, engine, r)
     derived = {"max_num_seqs": trl_max_num_seqs(r.ppo_micro_batch_size_per_gpu, engine.tp, plan),
                "log_prob_micro_batch_size_per_gpu": r.ppo_micro_batch_size_per_gpu,
                **dict.fromkeys(TRL_OFFLOAD_FOLLOWERS, r.param_offload)}
     table = knob_table(RlRequest)
+    server = r.vllm_mode == "server"
     for name, (runs, why) in TRL_SETS.items():
+        if server and name in TRL_SERVER_OWN:   # vllm serve's own flags, not TRL's
+            continue
         value, runs = getattr(r, name), derived.get(name, runs)
         if value != table[name].default and value != runs:
             valid = f"{runs!r}, or leave it out" if runs is not None else "leave it out"
             raise PlannerError(name, f"{value!r}: not what TRL runs ({why}); valid with --framework trl: {valid}")
+    if server:
+        return dataclasses.replace(engine, version=TRL_ENGINE["version"])
     return dataclasses.replace(engine, max_num_seqs=derived["max_num_seqs"], **TRL_ENGINE)
 
 
@@ -133,7 +155,7 @@ def evaluate_rl(request: RlRequest, profile: Profile | None = None, model: Model
     spec = model or resolve_model(request.model)
     cluster = request.cluster.spec()
     batch, engine, settings = specs_of(request, spec)
-    plan = batch_plan(batch, cluster.n_gpus, spec.n_heads, spec.n_kv_heads, engine.tp)
+    plan = plan_of(batch, cluster, spec, engine, request)
     states = _memoized(memo, "actor", settings, plan,
                        lambda: actor_states(actor_run(spec, cluster, settings, plan, memo), settings, plan, profile))
     critic_plan = _critic_plan(request, batch, plan, cluster, spec, engine)

@@ -11,6 +11,8 @@ from cost_models.rl_settings import RlSettings
 from cost_models.rollout_engine import EngineSettings
 from cost_models.units import GiB
 
+from .trl_notes import trl_sync_notes
+
 
 def findings(settings: RlSettings, engine: EngineSettings, memory: RlMemory, seqs_per_replica: int,
              capacity_bytes: int) -> tuple[str, ...]:
@@ -22,8 +24,8 @@ def findings(settings: RlSettings, engine: EngineSettings, memory: RlMemory, seq
         out.append(f"the KV cache holds {e.max_concurrent_seqs} sequences of {engine.max_model_len} tokens at once, "
                    f"fewer than the {wanted} a replica is asked to run: the engine queues or preempts the rest "
                    "(slower); raise --gpu-memory-utilization or lower " + (
-                       "per_device_train_batch_size x steps_per_generation (TRL's max_num_seqs)" if trl else
-                       "--max-num-seqs"))
+                       "per_device_train_batch_size x steps_per_generation (TRL's max_num_seqs)" if trl and
+                       not settings.server else "--max-num-seqs"))
     adam = phases["rollout"].gpu_bytes.get("Adam states", 0)
     if adam and memory.peak.name == "rollout":
         out.append(f"Adam's states ({adam / GiB:.1f} GiB) are created at the first step, after the engine sized its "
@@ -39,7 +41,7 @@ def findings(settings: RlSettings, engine: EngineSettings, memory: RlMemory, seq
         out.append("ref.fsdp_config.param_offload=False is ignored: verl builds the reference forward_only "
                    "(ref/dp_ref.yaml) and wraps it with FSDP's own CPU offload whatever it says; priced offloaded "
                    "(its params copied to the GPU unit by unit in its log-prob pass)")
-    out += _trl(settings, memory, phases) if trl else []
+    out += _trl(settings, memory, phases) + trl_sync_notes(settings, engine, memory) if trl else []
     summoned = phases["weight_sync"].gpu_bytes.get("summoned params", 0)
     if summoned and not settings.layered_summon and memory.peak.name == "weight_sync":
         out.append(f"the LoRA weight sync under FSDP1 gathers the whole model at once ({summoned / GiB:.1f} GiB, "

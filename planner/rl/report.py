@@ -185,9 +185,13 @@ def trl_knob_words(e: RlEstimate) -> str:
             f"{accumulation}, steps_per_generation {per_generation}, num_iterations {r.num_iterations or 1}, beta "
             f"{beta}, vllm_importance_sampling_correction {on[r.vllm_importance_sampling_correction is not False]}, "
             f"vllm_enable_sleep_mode {on[bool(r.vllm_enable_sleep_mode)]}, fsdp_offload_params {on[r.param_offload]}, "
-            f"gradient_checkpointing {on[r.gradient_checkpointing]}; vllm_tensor_parallel_size {r.rollout_tp}, "
-            f"vllm_gpu_memory_utilization {r.gpu_memory_utilization} (TRL's max_num_seqs {s.max_num_seqs}, "
-            f"max_num_batched_tokens {s.max_num_batched_tokens})")
+            f"gradient_checkpointing {on[r.gradient_checkpointing]}; " + (
+                f"vllm_mode server: trl vllm-serve --tensor-parallel-size {r.rollout_tp} --data-parallel-size "
+                f"{r.vllm_server_data_parallel_size or 1} --gpu-memory-utilization {r.gpu_memory_utilization} "
+                f"--max-num-seqs {s.max_num_seqs} --max-num-batched-tokens {s.max_num_batched_tokens}"
+                if r.vllm_mode == "server" else
+                f"vllm_tensor_parallel_size {r.rollout_tp}, vllm_gpu_memory_utilization {r.gpu_memory_utilization} "
+                f"(TRL's max_num_seqs {s.max_num_seqs}, max_num_batched_tokens {s.max_num_batched_tokens})"))
 
 
 def _budget(tokens: int) -> str:

@@ -128,6 +128,18 @@ class RlRequest:
     vllm_enable_sleep_mode: bool | None = knob(None, "--vllm-enable-sleep-mode/--no-vllm-enable-sleep-mode",
                                                help="TRL: the engine asleep (level 2) outside generation (default "
                                                "off: its weights and KV cache stay on the GPU)")
+    vllm_mode: str | None = knob(None, "--vllm-mode", help="TRL: GRPOConfig.vllm_mode, colocate (default: vLLM in the "
+                                 "trainer processes) or server (`trl vllm-serve` on GPUs of its own: --rollout-tp x "
+                                 "--vllm-server-data-parallel-size of them beside the --gpus trainers; "
+                                 "--gpu-memory-utilization, --max-num-seqs, --max-num-batched-tokens and "
+                                 "--enforce-eager are its vllm serve flags)")
+    vllm_server_host: str | None = knob(None, "--vllm-server-host", help="TRL server mode: GRPOConfig.vllm_server_host"
+                                        "; 0.0.0.0 (TRL's default) or a loopback address puts the server on the "
+                                        "trainer's first node (weights over its NVLink), any other host on a node of "
+                                        "its own (over the network)")
+    vllm_server_data_parallel_size: int | None = knob(None, "--vllm-server-data-parallel-size", help="TRL server "
+                                                      "mode: trl vllm-serve --data-parallel-size, engine replicas of "
+                                                      "--rollout-tp GPUs (default 1; TRL: above 1 for MoE only)")
 
 
 RL_KNOBS = tuple(knob_table(RlRequest))

@@ -428,3 +428,35 @@ def test_verl_takes_the_reward_pool_and_no_sleep_level_is_written(tmp_path, monk
     migrated = migrate_legacy_reward_impl(_compose([f"{k}={v}" for k, v in {**overrides, **legacy}.items()
                                                     if not k.startswith("reward.")]))
     assert migrated.reward.reward_model == composed.reward.reward_model
+
+
+def test_trl_server_config_and_launch_line_accepted_by_trl():
+    """vllm_mode server (cost_models/rl_trl_server.py): GRPOConfig takes the document (TRL's server keys; the colocated
+    engine's left out), and TRL's own `trl vllm-serve` parser takes the commented launch line - its TP, DP,
+    utilization and length, the vllm serve flags it forwards as they are (build_command appends them). A generation
+    batch below the mini-batch is TRL's steps_per_generation below gradient_accumulation_steps: 128 x 5 / 2 / 16 =
+    20 against 40, two generations an optimizer step."""
+    trl = pytest.importorskip("trl")
+    import shlex
+
+    from trl.scripts.vllm_serve import build_command, make_parser
+
+    job = dict(CASE_1, framework="trl", strategy="fsdp2", engine_version="current", enforce_eager=False,
+               max_num_seqs=512, vllm_mode="server", vllm_server_host="10.0.0.2", rollout_tp=2,
+               vllm_server_data_parallel_size=1, gpu_memory_utilization=0.85)
+    text = emit_trl(rl_estimate("qwen2-7b", 2, **job))
+    grpo, accelerate = yaml.safe_load_all(text)
+    config = trl.GRPOConfig(**grpo, use_cpu=True)
+    assert (config.vllm_mode, config.vllm_server_host, config.vllm_max_model_length) == ("server", "10.0.0.2", 2048)
+    assert "vllm_tensor_parallel_size" not in grpo and "vllm_gpu_memory_utilization" not in grpo
+    line = next(ln for ln in text.splitlines() if "trl vllm-serve" in ln).lstrip("# ")
+    args, extra = make_parser().parse_args_and_config(shlex.split(line)[2:], return_remaining_strings=True)
+    assert (args.model, args.tensor_parallel_size, args.data_parallel_size, args.gpu_memory_utilization,
+            args.max_model_len) == ("qwen2-7b", 2, 1, 0.85, 2048)
+    assert extra == ["--max-num-seqs", "512", "--max-num-batched-tokens", "8192"]
+    assert build_command(args, extra)[-4:] == extra
+    several = dict(CASE_1, framework="trl", strategy="fsdp2", engine_version="current", enforce_eager=False,
+                   max_num_seqs=256, train_batch=128)
+    config = trl.GRPOConfig(**next(yaml.safe_load_all(emit_trl(rl_estimate("qwen2-7b", 2, **several)))),
+                            use_cpu=True)
+    assert (config.steps_per_generation, config.gradient_accumulation_steps) == (20, 40)

@@ -438,3 +438,50 @@ def test_a_sleep_level_verl_does_not_run_is_read_and_said(tmp_path):
     assert not any("engine weight backup" in t for t in checked["memory"]["host"]["terms"])
     said = [n for n in checked["notes"] if n.startswith("--sleep-level 1 is not what verl runs")]
     assert len(said) == 1 and "priced at level 2" in said[0]
+
+
+# TRL's vllm_mode server (cost_models/rl_trl_server.py): TP 2 on a node of its own, vllm serve's own batch knobs;
+# and several generations per optimizer step (steps_per_generation 16 < gradient_accumulation_steps 40)
+TRL_SERVER = dict(TRL_CASE_1, vllm_mode="server", vllm_server_host="10.0.0.2", gpu_memory_utilization=0.85,
+                  max_num_seqs=512, max_num_batched_tokens=8192)
+TRL_GENERATIONS = dict(TRL_CASE_1, train_batch=128, param_offload=False, optimizer_offload=False)
+
+
+@pytest.mark.parametrize("knobs", [TRL_SERVER, TRL_GENERATIONS], ids=["trl-server", "trl-generations"])
+def test_trl_server_and_generations_emitted_then_checked_price_the_same(tmp_path, knobs):
+    """--emit trl writes vllm_mode server with the server's `trl vllm-serve` line as a comment, or a generation batch
+    below the mini-batch (TRL's steps_per_generation 128 x 5 / 2 / 16 = 20 < 40); check reads them back: every
+    phase, the engine and the step time equal."""
+    e = rl_estimate("qwen2-7b", 2, **knobs)
+    (tmp_path / "grpo.yaml").write_text(emit_trl(e))
+    r = run(tmp_path / "grpo.yaml", "--format", "json")
+    assert r.returncode == (0 if e.fits else 1), r.stderr
+    checked = json.loads(r.stdout)
+    same_memory(checked, e)
+    assert checked["engine"] == rl_dict(e)["engine"] and checked["time"] == rl_dict(e)["time"]
+
+
+def test_a_hand_written_server_config_reads_trls_keys_and_vllms_line(tmp_path):
+    """A GRPOConfig of TRL's own keys: vllm_server_base_url's host (another node) over vllm_server_host, the server
+    from a `vllm serve` line (its dashes or TRL's underscores), vllm serve's defaults where the line is missing
+    (with a note); an optimizer step of part of a group is one line naming gradient_accumulation_steps."""
+    grpo = ("use_vllm: true\nvllm_mode: server\nvllm_server_base_url: http://10.1.2.3:8000\nnum_generations: 8\n"
+            "per_device_train_batch_size: 4\ngradient_accumulation_steps: 4\nsteps_per_generation: 2\n"
+            "max_completion_length: 512\nvllm_max_model_length: 1024\n")
+    path = tmp_path / "server.yaml"
+    path.write_text("# VLLM_SERVER_DEV_MODE=1 vllm serve Qwen/Qwen2.5-7B --tensor-parallel-size 2 "
+                    "--data_parallel_size=1 --gpu-memory-utilization 0.8 --enforce-eager --max-num-seqs 64\n" + grpo)
+    k = read_rl_setup(path, gpus=4).knobs
+    assert (k["vllm_mode"], k["vllm_server_host"], k["rollout_tp"], k["vllm_server_data_parallel_size"],
+            k["gpu_memory_utilization"], k["enforce_eager"], k["max_num_seqs"]) == ("server", "10.1.2.3", 2, 1, 0.8,
+                                                                                   True, 64)
+    assert (k["train_batch"], k["ppo_mini_batch_size"]) == (4, 8)   # 2 x 4 x 4 / 8 prompts a generation, 4 x ...
+    path.write_text(grpo)
+    setup = read_rl_setup(path, gpus=4)
+    assert (setup.knobs["rollout_tp"], setup.knobs["gpu_memory_utilization"]) == (1, 0.9)
+    assert any("no `trl vllm-serve` line" in n for n in setup.notes)
+    path.write_text(grpo.replace("gradient_accumulation_steps: 4", "gradient_accumulation_steps: 1")
+                    .replace("per_device_train_batch_size: 4", "per_device_train_batch_size: 2"))
+    r = run(path, "--model", "qwen2.5-7b", "--gpus", "2")
+    assert r.returncode == 2 and r.stderr.strip().startswith("error: gradient_accumulation_steps: 1: an optimizer")
+    assert len(r.stderr.strip().splitlines()) == 1

@@ -2,14 +2,18 @@
 and the accelerate config after it where --emit trl wrote one (a second YAML document): the batch back in verl's
 terms (planner/emit/trl.py writes the other direction), the actor's FSDP version and offload from accelerate's
 keys, the keys that decide TRL's passes (beta, num_iterations, vllm_importance_sampling_correction,
-vllm_enable_sleep_mode: TRL's defaults where left out), the `# fsdp-plan:` line for what neither has a key for."""
+vllm_enable_sleep_mode: TRL's defaults where left out), the `# fsdp-plan:` line for what neither has a key for;
+vllm_mode server: the server's host and its commented `trl vllm-serve` line (planner/emit/trl_server.py)."""
 
 from __future__ import annotations
 
 import json
+import math
+from urllib.parse import urlparse
 
 from planner.emit.rl_flags import read_planner_flags, typed
 from planner.emit.trl import DTYPES
+from planner.emit.trl_server import DEFAULTS, read_serve_line
 from planner.errors import PlannerError
 
 from .rl_setup import RlSetup
@@ -23,6 +27,10 @@ KEYS = {"rollout_n": "num_generations", "ppo_micro_batch_size_per_gpu": "per_dev
 PASSES = {"beta": 0.0, "num_iterations": 1, "vllm_importance_sampling_correction": True,
           "vllm_enable_sleep_mode": False}
 KEYS.update({name: name for name in PASSES})
+# server mode: the engine's knobs are its launch line's
+SERVER_KEYS = {"rollout_tp": "trl vllm-serve --tensor-parallel-size",
+               "gpu_memory_utilization": "trl vllm-serve --gpu-memory-utilization",
+               "vllm_server_data_parallel_size": "trl vllm-serve --data-parallel-size"}
 _MARKERS = ("num_generations", "vllm_mode", "max_completion_length", "steps_per_generation")
 
 
@@ -53,12 +61,11 @@ def from_trl_grpo(docs: list, source: str, text: str = "", gpus: int | None = No
     process, so the prompts per step follow the GPU count)."""
     g = docs[0]
     if not g.get("use_vllm", False):
-        raise PlannerError("use_vllm", "false: check prices generation in a vLLM engine on the training GPUs; valid: "
-                                       "true with vllm_mode colocate")
+        raise PlannerError("use_vllm", "false: check prices generation in a vLLM engine (colocated or a server); "
+                                       "valid: true")
     mode = str(g.get("vllm_mode") or "colocate")   # TRL 1.16's default
-    if mode != "colocate":
-        raise PlannerError("vllm_mode", f"{mode!r}: a vLLM server runs on other GPUs, outside what check prices; "
-                                        "valid: colocate")
+    if mode not in ("colocate", "server"):
+        raise PlannerError("vllm_mode", f"{mode!r}; valid: colocate, server (grpo_config.py)")
     flags = read_planner_flags(text)
     model = flags.pop("model", None)
     notes = []
@@ -70,6 +77,11 @@ def from_trl_grpo(docs: list, source: str, text: str = "", gpus: int | None = No
     micro = _get(g, "per_device_train_batch_size", "ppo_micro_batch_size_per_gpu", 8)   # TrainingArguments' default
     accum = _get(g, "gradient_accumulation_steps", "ppo_micro_batch_size_per_gpu", 1)
     n = _get(g, "num_generations", "rollout_n", 8)
+    if accum * micro * gpus % n:   # TRL steps over part of a group; the plan counts its batches in prompts
+        raise PlannerError("gradient_accumulation_steps", f"{accum}: an optimizer step's {accum * micro * gpus} "
+                           f"completions (x per_device_train_batch_size {micro} x {gpus} processes) are not whole "
+                           f"groups of num_generations {n}, which the plan cannot price; valid: a multiple of "
+                           f"{n // math.gcd(n, micro * gpus)}")
     if g.get("generation_batch_size") is not None:
         per_generation = typed("train_batch", g["generation_batch_size"], "generation_batch_size") // (micro * gpus)
     else:
@@ -94,10 +106,26 @@ def from_trl_grpo(docs: list, source: str, text: str = "", gpus: int | None = No
         notes.append(f"model_init_kwargs.dtype {dtype}: the checkpoint's dtype, priced as bf16")
     knobs["actor_dtype"] = by_name.get(dtype, "bf16")
     knobs.update({name: _get(g, name, name, default) for name, default in PASSES.items()})
+    if mode == "server":
+        knobs.update(_server(g, text, notes))
     knobs.update(_accelerate(docs[1]) if len(docs) > 1 else {})
     return RlSetup(knobs={"framework": "trl", **knobs, **flags}, source=source, dialect="trl-grpo", model=model,
                    model_path=g.get("model_name_or_path"), model_key="model_name_or_path", notes=tuple(notes),
-                   keys=KEYS)
+                   keys={**KEYS, **(SERVER_KEYS if mode == "server" else {})})
+
+
+def _server(g: dict, text: str, notes: list) -> dict:
+    """vllm_mode server: where the server runs (vllm_server_base_url's host, else vllm_server_host: TRL's default
+    0.0.0.0 is this node) and its knobs from the commented launch line (planner/emit/trl_server.py), else trl
+    vllm-serve's defaults (TP 1, DP 1, utilization 0.9). TRL ignores the colocated engine's keys there."""
+    url = g.get("vllm_server_base_url")
+    host = urlparse(str(url)).hostname if url else g.get("vllm_server_host")
+    line = read_serve_line(text)
+    if line is None:
+        notes.append("vllm_mode server: no `trl vllm-serve` line in the file; priced at its defaults (TP 1, DP 1, "
+                     "gpu_memory_utilization 0.9): add the server's line as a comment")
+        line = dict(DEFAULTS)
+    return {"vllm_mode": "server", **({"vllm_server_host": str(host)} if host is not None else {}), **line}
 
 
 def _cluster(accelerate: dict, flags: dict) -> tuple[int, int | None]:
