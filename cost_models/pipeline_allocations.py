@@ -206,6 +206,8 @@ class _RankWalk:
         post-backward adds them into the reduce-dtype sums (made at the stage's first backward: with `made` in the
         trace's order, each sum beside its gradient, which goes at once)."""
         unit = self.units[s][u]
+        if u == 0 and self.root_units(s):  # TP with sequence parallel: the embedding's gradient the whole table
+            unit = [unit[0] + self.pieces[s].grad_extra] + unit[1:]
         first = u not in self.accumulated[s]
         self.accumulated[s].add(u)
         for i, n in enumerate(unit if not made else ()):

@@ -61,8 +61,9 @@ def _notes(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, d: int,
     notes += pipeline_techniques.moe_notes(model, config, d)
     if config.cp > 1 or config.tp > 1 and config.sequence_parallel:
         notes.append("TP with sequence parallel / CP inside a stage: a TP rank's slice of the model on s / cp tokens, "
-                     "the residual stream on s / tp (the rule traced at pp = 1); not traced under PP (TP without "
-                     "sequence parallel is: docs/accuracy.md)")
+                     "the residual stream on s / tp, ring attention's saved and working bytes (the rules traced at "
+                     "pp = 1), the embedding's gradient the whole table under sequence parallel; traced under PP and "
+                     "run for real on 4 gloo ranks at pp 2 x tp 2 and pp 2 x cp 2, not together (docs/accuracy.md)")
     return tuple(notes)
 
 

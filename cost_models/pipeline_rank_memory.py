@@ -5,7 +5,8 @@ What torch.distributed.pipelining and FSDP2 do in one schedule step (torch 2.13 
 torchtitan 0.3's FSDP policy under PP; checked against the trace tier, calibration/trace_pipeline.py,
 docs/accuracy.md):
 - model states: each stage's parameters (its blocks; the embedding on the first stage, the final norm and head on
-  the last) sharded over dp_shard x cp with their optimizer state; gradients set to None between steps;
+  the last) sharded over dp_shard x cp with their optimizer state; gradients set to None between steps; under TP
+  with sequence parallel the embedding's gradient is the whole table (tensor_parallel.embedding_grad_extra_params);
 - reshard_after_forward=False and, for every microbatch but the last, no gradient sync and no reshard after
   backward (PipelineStage.backward_maybe_with_nosync): from a stage's first forward to the step's end its
   parameters stay gathered (compute dtype), and from its first backward on FSDP2 keeps the unsharded gradients

@@ -76,10 +76,11 @@ def stage_values(x, c: int, p: int, r: int, d: int) -> list[int]:
     for group in groups:
         shards.append(math.ceil(done * p / d))
         done += group
-    return [x.saved, x.output, x.loss_saved, x.weight_inputs, x.logits, x.params * c, x.params * r, x.gathered,
+    grads, root_grads = x.params + x.grad_extra, root + x.grad_extra  # the elements the gradients hold
+    return [x.saved, x.output, x.loss_saved, x.weight_inputs, x.logits, grads * c, grads * r, x.gathered,
             math.ceil(x.params * p / d), x.loss_peak, x.head_grad, x.root_gathered, x.block_gathered,
-            x.block_params * c, x.block_params * r, root * r, math.ceil(root * r / d),
-            math.ceil(x.block_params * r / d), (x.params - root) * r + root * (c + r), root * c,
+            x.block_params * c, x.block_params * r, root_grads * r, math.ceil(root * r / d),
+            math.ceil(x.block_params * r / d), (x.params - root) * r + root_grads * (c + r), root_grads * c,
             *moments, *x.input_pass, *shards]
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass
 
-from . import activations, operators, pipeline_techniques, tensor_parallel
+from . import activations, context_parallel, operators, pipeline_techniques, tensor_parallel
 from .memory_types import ParamCounts
 from .pipeline import Stage
 from .specs import FsdpConfig, ModelSpec, TrainingSpec
@@ -44,6 +44,8 @@ class StagePieces:
     block_full: int = 0        # per token, a block's tensors saved without checkpointing (made again in recompute)
     checkpointed: tuple = ()   # per block (model order): whether it is checkpointed (recomputed in backward)
     working: tuple = ()        # per block (model order): its backward's largest working set above its own tensors
+    grad_extra: int = 0        # elements the root's gradients hold beyond its parameters: TP with sequence parallel
+    #                            makes the embedding's gradient the whole table (embedding_grad_extra_params)
 
     @property
     def gathered(self) -> int:
@@ -99,6 +101,8 @@ def stage_pieces(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, s
     if sp > 1:  # the root's residual-stream share only where the root is (it made a stage without one negative)
         full, ckpt, root_sp = tensor_parallel.sequence_parallel_saved_bytes(model, c, sp, full, ckpt, root_saved)
         root_saved = root_sp if stage.head else 0
+    # CP: ring attention's merged output, a copy the o-projection saves beside it (the pp = 1 rule, memory_shape.py)
+    full += context_parallel.ring_saved_bytes_per_token(model, config.cp, c)
     kept = [ckpt if k and i % k == 0 else full for i in stage.blocks]
     # so does a first block whose first norm saves the block input itself (fp32 RMSNorm: no upcast copy; LayerNorm)
     if kept and not stage.embedding and (k and stage.first_block % k == 0
@@ -120,6 +124,7 @@ def stage_pieces(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, s
     # relative to the microbatch's whole `saved` (the root's and the kept output are gone by then)
     w_mlp = activations.mlp_backward_working_bytes_per_token(model, c)
     w_attn = activations.attention_backward_working_bytes_per_token(model, c, attn, s)
+    w_attn += context_parallel.ring_working_bytes_per_token(model, config.cp, c)  # CP: the ring's transients
     freed = activations.attention_freed_before_backward_bytes_per_token(model, c, attention=attn, micro_batch=mb)
     mlp_grad = min(counts.block(), h * f) * c
     attn_grad = pipeline_techniques.attention_grad_bytes(  # MoE: every expert's, as memory.py counts them
@@ -154,9 +159,11 @@ def stage_pieces(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, s
         # middle stage, +0.4% now (benchmarks/pipeline_replay_wide.py)
         at_norm = (base + tokens * (norm_chain + 4 * h + c * h) // sp - tokens * freed, mlp_grads) if rms else at_attn
         # without a dtype change AccumulateGrad adds into the kept gradients in place, but autograd makes each weight's
-        # gradient whole first: the MLP's moment is fc2's (h x f) beside the incoming gradient and fc2's input's (the
-        # activation's factors' gradients come after); the attention's as in the other cases, without one
-        in_place = max((base + tokens * c * (h + f), mlp_grad), (at_attn[0], 0), key=sum)
+        # gradient whole first: the MLP's moment is fc2's (h x f) beside the incoming gradient and fc2's input's; then,
+        # fc2's gradient added and freed, the activation's factors' gradients beside fc2's input's (the first
+        # backward's MLP working set, no gradient: the larger at the tiny Llama's shapes, pp 2 fp32 in the trace's
+        # timeline, 2 f against h + f and h x f); the attention's as in the other cases, without one
+        in_place = max((base + tokens * c * (h + f), mlp_grad), (at_mlp[0], 0), (at_attn[0], 0), key=sum)
         # its post-backward: the block's whole compute-dtype gradient (converted or added one parameter at a time)
         # beside the saved tensors below and the gradient passed down
         post = tokens * (below[j] + h * c) + shared - saved
@@ -183,4 +190,5 @@ def stage_pieces(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, s
                         counts.block(), head_grad, (params - stage.n_blocks * counts.block()) * c,
                         counts.block() * c - (operators.fp8_all_gather_saving_bytes(model, c, s)
                                               if config.fp8_all_gather else 0),
-                        tuple(kept), full, tuple(bool(k) and i % k == 0 for i in stage.blocks), tuple(working))
+                        tuple(kept), full, tuple(bool(k) and i % k == 0 for i in stage.blocks), tuple(working),
+                        tensor_parallel.embedding_grad_extra_params(model, config) if stage.embedding else 0)

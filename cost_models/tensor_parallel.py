@@ -309,6 +309,17 @@ def sequence_parallel(config: FsdpConfig) -> bool:
     return config.tp > 1 and config.sequence_parallel
 
 
+def embedding_grad_extra_params(model: ModelSpec, config: FsdpConfig) -> int:
+    """Elements the embedding's gradient holds beyond its vocabulary shard (model: a TP rank's). Under sequence
+    parallel torchtitan shards the embedding row-wise over the vocabulary, but DTensor's embedding_dense_backward has
+    no vocabulary-sharded strategy (torch/distributed/tensor/_ops/_embedding_ops.py, torch 2.13: column-wise, batch-
+    sharded to Partial, or Partial): with the ids replicated it all-gathers the output gradient and makes the whole
+    V x h table, Replicate, which FSDP2 keeps as the unit's unsharded gradient (accumulated across a pipeline's
+    microbatches) until its reduce-scatter takes the rank's rows. Traced, and on 4 gloo ranks (pp 2 x tp 2, tests/
+    distributed/test_emit_pp_sp_torchrun.py): a [256, 64] fp32 gradient, 65,536 B, beside the 32,768 B shard."""
+    return model.embedding_params * (config.tp - 1) if sequence_parallel(config) else 0
+
+
 def loss_parallel(config: FsdpConfig) -> bool:
     """Whether the loss runs as loss parallel on vocab / tp logits (torchtitan's with sequence parallel), eager."""
     return sequence_parallel(config) and not config.loss_compiled

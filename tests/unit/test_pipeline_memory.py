@@ -176,3 +176,33 @@ def test_stages_of_one_shape_share_their_pieces():
     for st in stages(spec, cfg):
         assert shaped_stage_pieces(spec, training, cfg, st, shapes) == stage_pieces(spec, training, cfg, st)
     assert len(stages(spec, cfg)) == 8 and len(shapes) == 4
+
+
+def test_sequence_parallel_embedding_gradient_is_the_whole_table():
+    """DTensor's embedding_dense_backward has no vocabulary-sharded strategy: under TP 2 with sequence parallel the
+    first stage's embedding gradient is the whole 8,000 x 256 table, 1,024,000 elements beyond the rank's
+    4,000 x 256 shard (the tiny Llama's trace: a [256, 64] fp32 gradient, 65,536 B, beside its 32,768 B shard).
+    The last stage, and TP without sequence parallel (the embedding replicated), hold none."""
+    from cost_models.pipeline import rank_stages
+    from cost_models.pipeline_memory import rank_inputs
+    from cost_models.pipeline_stage_pieces import stage_pieces
+
+    spec, _, training = specs(8)
+    for sp, expected in ((True, [1_024_000, 0]), (False, [0, 0])):
+        config = FsdpConfig(pp=2, tp=2, sequence_parallel=sp, pp_schedule="1f1b", micro_batch=2, grad_accum=4)
+        local, local_training = rank_inputs(spec, training, config)
+        stages = [rank_stages(local, config, r)[0] for r in range(2)]
+        assert [stage_pieces(local, local_training, config, s).grad_extra for s in stages] == expected
+
+
+def test_first_stage_at_405b_widths_under_tp_8_within_two_percent_of_its_trace():
+    """benchmarks/pipeline_replay_wide.py's model (Llama 3.1 405B's widths, 8 blocks, V 128,256), pipeline rank 0 of
+    pp 4 x TP 8 (sequence parallel) x FSDP 2, 1F1B, 8 microbatches of 4 x 8,192, full checkpointing, bf16: traced
+    29,487,039,052 B (trace_pipeline, ranks=(0,), 2026-12-07; `python benchmarks/pipeline_replay_wide.py`, its tp 8 rank
+    0 row: 27.46 GiB). The ledger +1.02% (-23.9% before the embedding's whole-table gradient: 7.35 GB of it)."""
+    from benchmarks.pipeline_replay_wide import ARCH, FSDP, PP, SEQ_LEN
+
+    spec, cluster, training = resolve_inputs(dict(ARCH), PP * 8 * FSDP, gpus_per_node=8, seq_len=SEQ_LEN)
+    config = FsdpConfig(precision="bf16", ac_every=1, micro_batch=4, grad_accum=8, pp=PP, tp=8, pp_schedule="1f1b")
+    rank0 = estimate_memory(spec, cluster, training, config, DEFAULT_PROFILE).pipeline_ranks[0]
+    assert rank0.peak_allocated_bytes == pytest.approx(29_487_039_052, rel=0.02)
