@@ -90,3 +90,15 @@ def cpu_ring_attention():
         yield
     finally:
         dispatcher._custom_op_handlers = before
+
+
+@contextmanager
+def sequence_sharded(cp_mesh, buffers: list[torch.Tensor]):
+    """torch's context_parallel on `cp_mesh` with `buffers` (token ids, labels, position ids: their dim 1 the
+    sequence) sharded in place with its load balancing (rank r keeps chunks r and 2 cp - 1 - r of 2 cp) and not
+    restored, and ring attention reaching the CPU SDPA kernel (cpu_ring_attention)."""
+    from torch.distributed.tensor.experimental import context_parallel
+
+    with context_parallel(cp_mesh, buffers=list(buffers), buffer_seq_dims=[1] * len(buffers),
+                          no_restore_buffers=set(buffers)), cpu_ring_attention():
+        yield

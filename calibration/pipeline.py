@@ -22,6 +22,12 @@ the residual stream a DTensor, so Hugging Face code reading the sequence length 
 what it sends; the last stage returns the vocab-sharded logits, for loss parallel's cross-entropy
 (tensor_parallel.loss_context around the schedule). `--emit fsdp2` writes the same (planner/emit/code/pipeline.py).
 
+With context parallelism (stage_context_parallel around the schedule) torch's context_parallel shards the token ids,
+the labels and one position tensor every stage reads (its rotary angles) on the sequence, load-balanced, and the
+ring reaches the CPU SDPA kernel (calibration/context_parallel.py): stages exchange (micro_batch, s / cp, hidden)
+tensors, and the loss takes labels shifted before the sharding (next_token_loss), as torchtitan's datasets give them.
+Run for real on 4 gloo ranks (pp 2 x cp 2) against the unsplit model: tests/distributed/test_pp_cp_torchrun.py.
+
 The schedule is torch.distributed.pipelining's class for config.pp_schedule (cost_models/schedules.py), with
 scale_grads=False as torchtitan builds it (its loss is already divided by the microbatches). Every PipelineStage
 gets static input / output metadata (microbatch x seq_len x hidden in the compute dtype, the logits last), so
@@ -29,6 +35,8 @@ torch's warm-up vote is STATIC on every rank and no shapes travel between ranks.
 """
 
 from __future__ import annotations
+
+from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -61,6 +69,7 @@ class StageModule(nn.Module):
         self.norm = base.norm if head else None
         self.lm_head = causal_lm.get_output_embeddings() if head else None
         self.sequence_mesh = None  # sequence parallel: the tp sub-mesh (apply_stage_tensor_parallel sets it)
+        self.position_ids = None   # context parallel: the rank's (1, s / cp) positions (stage_context_parallel)
         if head and self.lm_head.weight is base.embed_tokens.weight:
             # tied embeddings: the last stage trains its own copy of the table (torchtitan's _split_module
             # deep-copies the model per stage), also where one rank holds both ends (DualPipeV's rank 0). A new
@@ -83,6 +92,8 @@ class StageModule(nn.Module):
         positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
         mask = create_causal_mask(config=self.config, inputs_embeds=hidden, attention_mask=None, cache=None,
                                   position_ids=positions)
+        if self.position_ids is not None:  # CP: the rotary angles of the rank's load-balanced tokens
+            positions = self.position_ids
         rotary = self.rotary_emb(hidden, position_ids=positions)
         for layer in self.layers.values():
             hidden = layer(hidden, attention_mask=mask, position_embeddings=rotary, position_ids=positions)
@@ -139,6 +150,42 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return ForCausalLMLoss(logits, labels, vocab_size=logits.shape[-1])
 
 
+def next_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """causal_lm_loss on labels shifted before the sequence was sharded (transformers' shift_labels, as accelerate's
+    context parallelism passes them; torchtitan's datasets shift too): under CP a rank holds load-balanced chunks of
+    each sequence, so a shift inside its tokens would pair tokens of different chunks. The same tensors but the
+    padded labels (one int64 per token)."""
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    return ForCausalLMLoss(logits, None, vocab_size=logits.shape[-1], shift_labels=labels)
+
+
+def stage_loss(config: FsdpConfig):
+    """The loss a pipeline's last stage computes: causal_lm_loss on the token ids, next_token_loss on labels shifted
+    beforehand under context parallelism."""
+    return next_token_loss if config.cp > 1 else causal_lm_loss
+
+
+@contextmanager
+def stage_context_parallel(modules: list[nn.Module], cp_mesh, buffers: list[torch.Tensor]):
+    """Context parallelism inside the stages (cp_mesh of size > 1; else nothing): torch's context_parallel around the
+    schedule with `buffers` (the token ids, the labels) and one (1, s) position tensor sharded in place on the
+    sequence, load-balanced, the ring reaching the CPU SDPA kernel (calibration/context_parallel.sequence_sharded).
+    Every StageModule of the rank reads those positions for its rotary angles (torchtitan shards its freqs_cis the
+    same way); its causal mask is still decided on the local order (none: SDPA with is_causal, what the ring takes).
+    Stages exchange plain (micro_batch, s / cp, hidden) tensors, as torchtitan's do."""
+    if cp_mesh.size() == 1:
+        yield
+        return
+    from .context_parallel import sequence_sharded
+
+    positions = torch.arange(buffers[0].shape[1], device=buffers[0].device).unsqueeze(0)
+    for module in modules:
+        module.position_ids = positions
+    with sequence_sharded(cp_mesh, [*buffers, positions]):
+        yield
+
+
 def _schedule_class(schedule: Schedule):
     from torch.distributed.pipelining import schedules
 
@@ -148,15 +195,16 @@ def _schedule_class(schedule: Schedule):
 def build_schedule(stage_modules: list[nn.Module], stage_indices: list[int], config: FsdpConfig, pp_group,
                    device: torch.device | str, loss_fn, *, seq_len: int, hidden_size: int, vocab_size: int,
                    dtype: torch.dtype, sequence_shards: int = 1):
-    """torch's schedule for config.pp_schedule over this rank's stages (PipelineStage each, static metadata:
-    (micro_batch, seq_len / sequence_shards, hidden) activations in `dtype` - sequence_shards = tp under
-    sequence parallel, else 1 -, token ids into the first stage, (micro_batch, seq_len, vocab) logits out of the
-    last). n_microbatches = config.pp_microbatches."""
+    """torch's schedule for config.pp_schedule over this rank's stages (PipelineStage each, static metadata on a CP
+    rank's s / cp tokens of the seq_len: (micro_batch, s / cp / sequence_shards, hidden) activations in `dtype` -
+    sequence_shards = tp under sequence parallel, else 1 -, token ids into the first stage, (micro_batch, s / cp,
+    vocab) logits out of the last). n_microbatches = config.pp_microbatches."""
     from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining.schedules import PipelineScheduleMulti
 
     n_stages = config.pp_stages
     mb = config.micro_batch
+    seq_len //= config.cp  # context parallel: the rank's tokens of each sequence (stage_context_parallel)
     stages = []
     for module, index in zip(stage_modules, stage_indices):
         ids = torch.zeros(mb, seq_len, dtype=torch.long, device=device)
@@ -174,4 +222,5 @@ def build_schedule(stage_modules: list[nn.Module], stage_indices: list[int], con
     return cls(stages[0], n_microbatches=config.pp_microbatches, loss_fn=loss_fn, scale_grads=False)
 
 
-__all__ = ["StageModule", "PipelineSplitError", "split_stages", "stage_indices", "build_schedule", "causal_lm_loss"]
+__all__ = ["StageModule", "PipelineSplitError", "split_stages", "stage_indices", "build_schedule", "causal_lm_loss",
+           "next_token_loss", "stage_loss", "stage_context_parallel"]

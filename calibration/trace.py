@@ -229,12 +229,9 @@ def _shard_context_parallel_inputs(stack, ids: torch.Tensor, config: FsdpConfig,
         return
     if mesh is None or "cp" not in (mesh.mesh_dim_names or ()):
         raise TraceError(f"cp={config.cp} needs the N-D mesh with a 'cp' dim (calibration.apply.make_mesh)")
-    from torch.distributed.tensor.experimental import context_parallel
+    from .context_parallel import sequence_sharded
 
-    from .context_parallel import cpu_ring_attention
-
-    stack.enter_context(context_parallel(mesh["cp"], buffers=[ids], buffer_seq_dims=[1], no_restore_buffers={ids}))
-    stack.enter_context(cpu_ring_attention())
+    stack.enter_context(sequence_sharded(mesh["cp"], [ids]))
 
 
 def _measured_steps(model, optimizer, ids, config, tracker, is_hf, optimizer_impl) -> dict[str, MemorySnapshot]:

@@ -25,9 +25,11 @@ autograd.grad refuses them, and they form a reference cycle no real run has).
 The tracker files the schedule's receive buffers and the stage inputs kept for backward as activations.
 
 Tensor parallelism inside a stage runs as calibration.pipeline.apply_stage_tensor_parallel applies it (transformers'
-tp_plan, or torchtitan's with sequence parallel: local (mb, s / tp, h) shards between stages, loss parallel).
+tp_plan, or torchtitan's with sequence parallel: local (mb, s / tp, h) shards between stages, loss parallel);
+context parallelism as calibration.pipeline.stage_context_parallel does (torch's context_parallel around the schedule,
+the ids and each stage's positions sharded, ring attention on the CPU kernel; (mb, s / cp, h) between stages).
 
-Limits (TraceUnsupported): context / expert parallelism inside a stage, LoRA, offload and 8-bit Adam,
+Limits (TraceUnsupported): expert parallelism inside a stage, LoRA, offload and 8-bit Adam,
 a model without transformers' base_model_pp_plan (calibration.pipeline.PipelineSplitError).
 """
 
@@ -128,8 +130,8 @@ def make_pipeline_mesh(config: FsdpConfig, world_size: int, gpus_per_node: int, 
 def _check_pipeline(spec: ModelSpec, config: FsdpConfig, hf_config: dict | None) -> None:
     if config.pp < 2:
         raise TraceError("trace_pipeline needs pp >= 2; calibration.trace.trace_memory traces pp = 1")
-    if config.cp > 1 or config.ep > 1:
-        raise TraceUnsupported("the pipeline trace runs FSDP and tensor parallelism inside each stage; cp = ep = 1")
+    if config.ep > 1:
+        raise TraceUnsupported("the pipeline trace runs FSDP, tensor and context parallelism inside each stage; ep = 1")
     if config.tp > 1 and not config.sequence_parallel and spec.tied_embeddings:
         raise TraceUnsupported("tensor parallel without sequence parallel: tied embeddings are not supported")
     if hf_config is None:
@@ -154,7 +156,7 @@ def trace_pipeline(spec: ModelSpec, config: FsdpConfig, *, n_gpus: int, gpus_per
     _check_supported(config, training)
     _check_pipeline(spec, config, hf_config)
     if n_gpus % (config.pp * config.tp * config.cp):
-        raise TraceError(f"pp x tp = {config.pp * config.tp} does not divide the {n_gpus} GPUs")
+        raise TraceError(f"pp x tp x cp = {config.pp * config.tp * config.cp} does not divide the {n_gpus} GPUs")
     _require_transformers()
     import transformers
 
@@ -174,7 +176,8 @@ def _trace_rank(spec, config, training, n_gpus, gpus_per_node, seq_len, hf_confi
     from .apply import TORCH_DTYPES, apply_fsdp2
     from .build import build_model
     from .memtrack import MemoryTracker
-    from .pipeline import apply_stage_tensor_parallel, build_schedule, causal_lm_loss, split_stages, stage_indices
+    from .pipeline import apply_stage_tensor_parallel, build_schedule, split_stages, stage_context_parallel, \
+        stage_indices, stage_loss
     from .model_blocks import block_classes
     from .tensor_parallel import local_vocab_size, loss_context
 
@@ -201,20 +204,22 @@ def _trace_rank(spec, config, training, n_gpus, gpus_per_node, seq_len, hf_confi
                 apply_fsdp2(module, dataclasses.replace(config, tp=1) if config.tp > 1 else config, classes, mesh)
             stages = nn.ModuleList(modules)
             opt = make_optimizer(stages.parameters(), training.optimizer)
-            schedule = build_schedule(modules, indices, config, mesh.get_group("pp"), "cpu", causal_lm_loss,
+            schedule = build_schedule(modules, indices, config, mesh.get_group("pp"), "cpu", stage_loss(config),
                                       seq_len=seq_len, hidden_size=spec.hidden_size, vocab_size=spec.vocab_size,
                                       dtype=TORCH_DTYPES[config.precision.compute_dtype],
                                       sequence_shards=config.tp if config.sequence_parallel else 1)
             ids = torch.randint(0, spec.vocab_size, (config.micro_batch * config.pp_microbatches, seq_len))
             vocab = local_vocab_size(spec.vocab_size, config.tp, config.sequence_parallel)  # a TP rank's logits
-            tracker = MemoryTracker(stages, opt, vocab_size=vocab if vocab != seq_len else None)
-            allocations = record_allocations(tracker)
-            tracker.track_inputs(ids)
-            try:
-                with loss_context(config.tp, config.sequence_parallel):
-                    phases = _measured_steps(schedule, opt, ids, tracker, first, last, training.optimizer_impl)
-            except Exception as exc:  # noqa: BLE001
-                raise _untraceable(f"the {config.pp_schedule.value} schedule of {spec.name}", exc) from exc
+            # CP: the ids (the labels too: their values do not change the memory) sharded before the tracker sees them
+            with stage_context_parallel(modules, mesh["cp"], [ids]):
+                tracker = MemoryTracker(stages, opt, vocab_size=vocab if vocab != seq_len // config.cp else None)
+                allocations = record_allocations(tracker)
+                tracker.track_inputs(ids)
+                try:
+                    with loss_context(config.tp, config.sequence_parallel):
+                        phases = _measured_steps(schedule, opt, ids, tracker, first, last, training.optimizer_impl)
+                except Exception as exc:  # noqa: BLE001
+                    raise _untraceable(f"the {config.pp_schedule.value} schedule of {spec.name}", exc) from exc
     peak = max(phases.values(), key=lambda s: s.peak_allocated_bytes)
     notes = (f"pipeline rank {pp_rank} of {config.pp}: stages {', '.join(map(str, indices))}",)
     return TraceResult(peak_allocated_bytes=peak.peak_allocated_bytes, breakdown=dict(peak.breakdown),
@@ -224,11 +229,14 @@ def _trace_rank(spec, config, training, n_gpus, gpus_per_node, seq_len, hf_confi
                        allocator=caching_allocator.replay(allocations), allocation_events=tuple(allocations))
 
 
-def _measured_steps(schedule, optimizer, ids, tracker, first: bool, last: bool, impl) -> dict:
-    """The second of two steps: its schedule window and its optimizer window (`impl`'s temporaries)."""
+def _measured_steps(schedule, optimizer, ids, tracker, first: bool, last: bool, impl, labels=None) -> dict:
+    """The second of two steps: its schedule window and its optimizer window (`impl`'s temporaries). labels: the
+    last stage's targets (default the ids: causal_lm_loss shifts them)."""
+    target = ids if labels is None else labels
+
     def run_schedule():
         with cuda_kernel_choices():
-            schedule.step(*((ids,) if first else ()), **({"target": ids, "losses": []} if last else {}))
+            schedule.step(*((ids,) if first else ()), **({"target": target, "losses": []} if last else {}))
 
     with tracker:
         run_schedule()  # warm-up: optimizer state, first all-gathers

@@ -20,7 +20,9 @@ runs on each side).
   gradients against the unsplit model (check_numerics). When written: pp rank 0 (both tp ranks) 1,689,740 B real vs
   1,681,548 traced (+8,192 B: one sent [1, 32, 64] fp32 shard, gloo's last send), pp rank 1 1,561,204 vs 1,561,200;
   losses within 5e-7, gradients within 1.3e-8. The estimate of the same configuration: 1,620,992 / 1,523,456 B,
-  -3.60% / -2.42% of the trace (cost_models prices PP + SP; not changed here).
+  -3.60% / -2.42% of the trace when written; 1,637,376 / 1,556,224 (-2.63% / -0.32%) on 2026-12-07, then
+  1,670,144 (-0.68%) on pp rank 0 once the embedding's gradient is priced as the whole table, as the trace's
+  timeline shows it (cost_models/tensor_parallel.embedding_grad_extra_params).
 
 The shared 4-rank launch (cases.shared, with test_torchrun_pp_dp.py's cases; about 100 s of it on 2 shared cores),
 then two ~5 s traces.
@@ -31,7 +33,7 @@ from __future__ import annotations
 import pytest
 
 from tests.distributed.cases import shared
-from tests.distributed.pp_checks import SEQ_LEN, TIMEOUT_S, TINY, check_against_trace, check_numerics
+from tests.distributed.pp_checks import SEQ_LEN, TIMEOUT_S, TINY, check_against_trace, check_estimate, check_numerics
 
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.distributed
@@ -70,3 +72,8 @@ def test_traced_code_path_matches_its_trace_on_every_rank():
 
 def test_traced_code_path_computes_the_unsplit_loss_and_gradients():
     check_numerics(launch()[1])
+
+
+def test_the_estimate_prices_each_pipeline_rank_as_traced():
+    # -0.68% / -0.32% when written (rank 0 was -2.63% before the embedding's whole-table gradient was priced)
+    check_estimate(CASES[1], 4, rel=0.01)

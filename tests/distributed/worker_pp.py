@@ -66,13 +66,18 @@ def batch(vocab: int, rows: int, seq_len: int, dp_rank: int) -> torch.Tensor:
     return torch.randint(0, vocab, (rows, seq_len), generator=torch.Generator().manual_seed(1 + dp_rank))
 
 
-def reference_losses(reference: nn.Module, ids: torch.Tensor, steps: int) -> list[float]:
+def reference_losses(reference: nn.Module, ids: torch.Tensor, steps: int,
+                     labels: torch.Tensor | None = None) -> list[float]:
     """The unsplit model's loss on `ids` at each of `steps` steps, AdamW (the trace's, foreach=False) between
-    them; the last step's gradients are left in place."""
+    them; the last step's gradients are left in place. labels: targets already shifted (calibration.pipeline.
+    next_token_loss), else the model's own loss on the ids."""
+    from calibration.pipeline import next_token_loss
+
     optimizer = make_optimizer(reference.parameters(), "adamw")
     losses = []
     for step in range(steps):
-        loss = reference(input_ids=ids, labels=ids).loss
+        loss = (reference(input_ids=ids, labels=ids).loss if labels is None
+                else next_token_loss(reference(input_ids=ids).logits, labels))
         loss.backward()
         losses.append(loss.item())
         if step < steps - 1:

@@ -1,5 +1,6 @@
-"""torchrun worker: pipeline x tensor parallel with sequence parallel for real (gloo, CPU, 4 ranks: pp 2 x tp 2), the
-emitted snippet and the trace tier's code path, each against the same tiny Llama unsplit.
+"""torchrun worker: pipeline x tensor parallel with sequence parallel, or x context parallel, for real (gloo, CPU, 4
+ranks: pp 2 x tp 2 or pp 2 x cp 2), the emitted snippet (TP) and the trace tier's code path, each against the same
+tiny Llama unsplit.
 
     torchrun --standalone --nproc_per_node=4 tests/distributed/worker_pp_sp.py --case '{"hf_config": {...},
         "config": {"pp": 2, "tp": 2, "pp_schedule": "1f1b", ...}, "seq_len": 64[, "emitted": true]}'
@@ -9,11 +10,14 @@ emitted snippet and the trace tier's code path, each against the same tiny Llama
   three SGD steps (lr 0.5: a gradient off by any factor moves the next loss) against the unsplit model on the same
   sequences, and every gradient of the first step (full_tensor of the stage's shards) against the unsplit model's.
 - otherwise what calibration/trace_pipeline.py traces, on real tensors: torchtitan's mesh (make_pipeline_mesh),
-  this rank's StageModules (split_stages), apply_stage_tensor_parallel with sequence parallel then apply_fsdp2
-  (tp 1: the TP is applied), build_schedule with sequence_shards = tp, the trace's measuring loop
-  (_measured_steps: two steps of schedule + AdamW under calibration.memtrack) inside loss_parallel, then a third
-  forward / backward whose loss and gradients are compared with the unsplit model's (worker_pp.py's comparison;
-  the result has its fields, so pp_checks.check_against_trace / check_numerics read it).
+  this rank's StageModules (split_stages), apply_stage_tensor_parallel with sequence parallel (tp > 1) then
+  apply_fsdp2 (tp 1: the TP is applied; FSDP over dp_shard x cp), build_schedule with sequence_shards = tp, the
+  trace's measuring loop (_measured_steps: two steps of schedule + AdamW under calibration.memtrack) inside
+  loss_parallel and, with cp > 1, inside calibration.pipeline.stage_context_parallel (the ids, the labels - the next
+  token of each, shifted before the sequence is sharded - and the stages' positions sharded, ring attention; the
+  loss next_token_loss), then a third forward / backward whose loss and gradients are compared with the unsplit
+  model's on the whole sequences (worker_pp.py's comparison; the result has its fields, so
+  pp_checks.check_against_trace / check_numerics read it).
 
 FSDP2's collectives run through worker_families.like_nccl, as in worker_pp.py. Rank 0 prints one JSON line a case.
 """
@@ -31,8 +35,8 @@ from torch.distributed.tensor import DTensor
 from calibration.apply import TORCH_DTYPES, apply_fsdp2
 from calibration.build import build_model
 from calibration.memtrack import MemoryTracker
-from calibration.pipeline import apply_stage_tensor_parallel, build_schedule, causal_lm_loss, split_stages, \
-    stage_indices
+from calibration.pipeline import apply_stage_tensor_parallel, build_schedule, split_stages, stage_context_parallel, \
+    stage_indices, stage_loss
 from calibration.tensor_parallel import local_vocab_size, loss_context
 from calibration.trace import make_optimizer
 from calibration.trace_pipeline import _measured_steps, leaf_inputs_untracked, make_pipeline_mesh
@@ -118,32 +122,42 @@ def run_traced_path(case: dict, rank: int, world: int) -> dict:
     model_names = {id(p): n for n, p in model.named_parameters()}
     modules = split_stages(model, spec, config, pp_rank)
     names = _stage_names(modules, model_names)
-    for module in modules:  # as trace_pipeline._trace_rank: TP (with sequence parallel), then FSDP on dp_shard
-        apply_stage_tensor_parallel(module, mesh["tp"], classes, config.sequence_parallel)
+    for module in modules:  # as trace_pipeline._trace_rank: TP (with sequence parallel), then FSDP on dp_shard x cp
+        if config.tp > 1:
+            apply_stage_tensor_parallel(module, mesh["tp"], classes, config.sequence_parallel)
         apply_fsdp2(module, dataclasses.replace(config, tp=1), classes, mesh)
         like_nccl(module)
     m = config.pp_microbatches
+    loss_fn = stage_loss(config)
     schedule = RecordingSchedule(build_schedule(
-        modules, indices, config, mesh.get_group("pp"), "cpu", lambda logits, ids: causal_lm_loss(logits, ids) / m,
+        modules, indices, config, mesh.get_group("pp"), "cpu", lambda logits, labels: loss_fn(logits, labels) / m,
         seq_len=seq_len, hidden_size=spec.hidden_size, vocab_size=spec.vocab_size,
         dtype=TORCH_DTYPES[config.precision.compute_dtype], sequence_shards=config.tp))
     stages = nn.ModuleList(modules)
     optimizer = make_optimizer(stages.parameters(), "adamw")
     ids = batch(spec.vocab_size, config.micro_batch * m, seq_len, 0)
-    tracker = MemoryTracker(stages, optimizer, vocab_size=local_vocab_size(spec.vocab_size, config.tp, True))
-    tracker.track_inputs(ids)
-    with leaf_inputs_untracked(), loss_context(config.tp, config.sequence_parallel):
-        phases = _measured_steps(schedule, optimizer, ids, tracker, first, last, TrainingSpec().optimizer_impl)
-        schedule.step(*((ids,) if first else ()), **({"target": ids} if last else {}))  # step 3: gradients only
+    # CP: the next token of each (the first token's wrapping round) as labels, shifted before the sequence is sharded
+    labels = torch.roll(ids, -1, 1) if config.cp > 1 else None
+    whole = (ids.clone(), None if labels is None else labels.clone())  # the unsplit model's (CP shards them in place)
+    with stage_context_parallel(modules, mesh["cp"], [ids] + ([] if labels is None else [labels])):
+        tracker = MemoryTracker(stages, optimizer, vocab_size=local_vocab_size(spec.vocab_size, config.tp, True))
+        tracker.track_inputs(ids)
+        with leaf_inputs_untracked(), loss_context(config.tp, config.sequence_parallel):
+            phases = _measured_steps(schedule, optimizer, ids, tracker, first, last, TrainingSpec().optimizer_impl,
+                                     labels)
+            target = ids if labels is None else labels
+            schedule.step(*((ids,) if first else ()), **({"target": target} if last else {}))  # step 3: gradients
     peak = max(phases.values(), key=lambda s: s.peak_allocated_bytes)
-    expected_losses = reference_losses(reference, ids, 3)
+    expected_losses = reference_losses(reference, whole[0], 3, whole[1])
     grad_error, max_grad = _grad_error(modules, names, reference)
-    # the losses live on the last stage's ranks, tp 2 of them (the same loss): their mean
+    # the losses live on the last stage's ranks: tp of them (the same loss), cp of them (each its tokens' mean, of
+    # as many tokens): their mean
     losses = torch.tensor(schedule.steps + [1.0] if last else [0.0] * 4, dtype=torch.float64)
     dist.all_reduce(losses)
     errors = torch.tensor([grad_error, max_grad], dtype=torch.float64)
     dist.all_reduce(errors, op=dist.ReduceOp.MAX)
-    mine = {"rank": rank, "pp_rank": pp_rank, "tp_rank": mesh["tp"].get_local_rank(), "stages": indices,
+    mine = {"rank": rank, "pp_rank": pp_rank, "tp_rank": mesh["tp"].get_local_rank(),
+            "cp_rank": mesh["cp"].get_local_rank(), "stages": indices,
             "peak_allocated_bytes": peak.peak_allocated_bytes, "peak_phase": peak.peak_phase,
             "phases": {k: v.to_dict() for k, v in phases.items()}}
     ranks = [None] * world
