@@ -111,8 +111,10 @@ def test_case_3_between_micro_batches_and_update_peak():
     """Measured after the fix: 16.2 GiB allocated between micro-batches, 31.5 GiB peak in the update. Between
     micro-batches we hold the bf16 base (15.26 GiB), the LoRA adapters, their gradients and Adam's states: 15.9
     GiB, within 5%. The update's allocated peak depends on whether the entropy is computed (the issue does not
-    say): without it 27.6 GiB (-12%), with it 36.9 GiB (+17%, two more [16k, vocab] tensors); the measurement
-    lies between, and each is within 20%."""
+    say): without it 26.5 GiB (-16%: the head's backward, the head gathered beside the logits' gradient), with it
+    34.6 GiB (+9.7%: the entropy's backward, two more [16k, vocab] tensors, the head not gathered: FSDP2 reshards
+    its unit after forward, measured on verl's engine in tests/distributed/test_torchrun_verl_actor.py); the
+    measurement lies between, and each is within 20%."""
     plain, with_entropy = case_3(entropy=False), case_3(entropy=True)
     a = plain.memory.actor
     between = a.params_bytes + a.grads_bytes + a.optimizer_bytes
