@@ -63,14 +63,17 @@ ENTROPY_TENSORS_EAGER_GRAD = 7
 ENTROPY_TENSORS_COMPILED_GRAD = 3
 
 
-def verl_logits_bytes(model: ModelSpec, tokens: int, c: int, settings: RlSettings, grad: bool = True) -> int:
+def verl_logits_bytes(model: ModelSpec, tokens: int, c: int, settings: RlSettings, grad: bool = True,
+                      entropy: bool | None = None) -> int:
     """verl's dp_actor._forward_micro_batch on remove-padded tokens: the logits [tokens, vocab] in compute dtype
     (transformers' lm_head, no upcast); log-probs by flash-attn's cross_entropy_loss (its gradient in place);
     the entropy (verl torch_functional.entropy_from_logits) as traced or compiled (ENTROPY_TENSORS_*), or with
-    chunking (entropy_from_logits_with_chunking) three fp32 chunks of ENTROPY_CHUNK_ROWS rows beside the logits."""
+    chunking (entropy_from_logits_with_chunking) three fp32 chunks of ENTROPY_CHUNK_ROWS rows beside the logits.
+    entropy: whether this pass computes it (None: the update's, settings.entropy; forward_only_bytes says which
+    log-prob pass does)."""
     v = model.vocab_size
     logits = tokens * v * c
-    if not settings.entropy:
+    if not (settings.entropy if entropy is None else entropy):
         return logits
     if settings.entropy_chunking:
         return logits + 3 * min(tokens, ENTROPY_CHUNK_ROWS) * v * 4
@@ -201,16 +204,18 @@ def sent_tensors(model: ModelSpec, settings: RlSettings) -> tuple[int, ...]:
 
 
 def forward_only_bytes(model: ModelSpec, tokens: int, c: int, settings: RlSettings, sp: int = 1,
-                       batch: BatchPlan | None = None) -> dict:
+                       batch: BatchPlan | None = None, reference: bool = False) -> dict:
     """A log-prob forward under no_grad on `tokens` tokens per GPU: one block's working set (bounded by what it
     would save for backward), the residual stream in and out, and verl's logits path (TRL: its fused head on the
     batch's response tokens); Ulysses (sp > 1): what its attention's all-to-all moment adds over that bound
-    (rl_ulysses.py)."""
+    (rl_ulysses.py). verl computes the entropy in the old log-prob pass always and never in the reference's
+    (ray_trainer.py _compute_old_log_prob: calculate_entropy=True; _compute_ref_log_prob: False): `reference`."""
     bound = activations.block_bytes_per_token(model, c, Attention.SDPA, tokens, 1) + 2 * c * model.hidden_size
     ulysses = rl_ulysses.forward_only_extra_bytes(model, tokens, c, sp, bound)
     head = ({"log-prob head (fused)": logits_bytes(model, tokens, c, settings, batch, grad=False)}
             if settings.framework == "trl" else
-            {"logits and entropy": verl_logits_bytes(model, tokens, c, settings, grad=False)})
+            {"logits": verl_logits_bytes(model, tokens, c, settings, grad=False, entropy=False)} if reference else
+            {"logits and entropy": verl_logits_bytes(model, tokens, c, settings, grad=False, entropy=True)})
     return {"forward activations": tokens * bound, **({"Ulysses all-to-all": ulysses} if ulysses else {}), **head}
 
 

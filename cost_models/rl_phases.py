@@ -171,6 +171,8 @@ def rl_phases(model: ModelSpec, cluster: ClusterSpec, settings: RlSettings, engi
     held = {"actor params": params_resident, "reference": ref_resident}
     resident = {**held, "Adam states": adam_resident}
     fwd = forward_only_bytes(model, batch.log_prob_tokens_per_gpu, c, settings, batch.ulysses, batch)
+    ref_fwd = forward_only_bytes(model, batch.log_prob_tokens_per_gpu, c, settings, batch.ulysses, batch,
+                                 reference=True)
     gathered = {"gathered units": actor.unit_gather_bytes}
     ref_actor = {"actor params": loaded} if settings.lora else {"actor params": params_resident}
     update = {"reference": ref_resident, **actor.update_steady.to_dict()}
@@ -199,7 +201,7 @@ def rl_phases(model: ModelSpec, cluster: ClusterSpec, settings: RlSettings, engi
         ("log_prob", {"actor params": loaded, **gathered, "reference": ref_resident,
                       "Adam states": adam_resident, **fwd, **critic_held}, idle, True, False, asleep, "forward only"),
         ("ref_log_prob", reference_pass(model, sched, {**ref_actor, "reference": ref_resident}, gathered,
-                                        adam_resident, fwd, critic_held, c), idle, settings.lora, False, asleep,
+                                        adam_resident, ref_fwd, critic_held, c), idle, settings.lora, False, asleep,
          "LoRA: the actor without its adapter" if settings.lora else
          "the reference one FSDP2 unit: gathered whole" if sched.whole_reference else ""),
         *critic_rows(critic, resident, critic_held, fwd, idle),

@@ -30,7 +30,7 @@ class RlSettings:
     optimizer_offload: bool = False
     ref_param_offload: bool = True     # ref.fsdp_config.param_offload: read by TRL's mapping only (reference_offloaded)
     gradient_checkpointing: bool = True
-    entropy: bool = True               # entropy computed in log-prob / update (entropy_coeff != 0 or logged)
+    entropy: bool = True               # entropy computed in the update (calculate_entropy / entropy_coeff != 0)
     entropy_chunking: bool = False     # actor.entropy_from_logits_with_chunking
     entropy_compile: bool = True       # actor.use_torch_compile: entropy_from_logits compiled (verl's default)
     fsdp_size: int = -1                # fsdp_config.fsdp_size: -1 all GPUs, 1 each GPU holds the whole actor

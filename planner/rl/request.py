@@ -62,7 +62,9 @@ class RlRequest:
                                    "host (FSDP CPUOffload)")
     gradient_checkpointing: bool = knob(True, "--gradient-checkpointing/--no-gradient-checkpointing",
                                         help="model.enable_gradient_checkpointing")
-    entropy: bool = knob(True, "--entropy/--no-entropy", help="The entropy computed in log-prob and update")
+    entropy: bool = knob(True, "--entropy/--no-entropy", help="The entropy computed in the update (verl: "
+                         "actor.calculate_entropy, which --emit verl writes; the old log-prob pass always "
+                         "computes it, the reference's never)")
     entropy_chunking: bool = knob(False, "--entropy-chunking/--no-entropy-chunking",
                                   help="actor.entropy_from_logits_with_chunking")
     use_torch_compile: bool = knob(True, "--use-torch-compile/--no-use-torch-compile", help="actor.use_torch_compile: "

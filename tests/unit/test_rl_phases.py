@@ -29,15 +29,18 @@ def qwen7():
 def job(qwen7):
     """Qwen2.5-7B, full fine-tuning, fp32 actor on 8 x H100, vLLM current TP 2 at 0.5, nothing offloaded but the
     reference; mean lengths 300 + 500 so the micro-batch (4 x 800 = 3,200 tokens) is small."""
-    cluster = make_cluster(8, gpu="h100-80gb")
+    cluster, settings = make_cluster(8, gpu="h100-80gb"), RlSettings()
+    return cluster, settings, _phases(qwen7, cluster, settings)
+
+
+def _phases(model, cluster, settings):
+    """The job's phases under these settings (the job fixture's batch and engine)."""
     batch = RlBatch(train_batch_size=64, rollout_n=8, ppo_mini_batch_size=32, max_prompt_length=1024,
                     max_response_length=1024, ppo_micro_batch_size_per_gpu=4, log_prob_micro_batch_size_per_gpu=4,
                     mean_prompt_length=300, mean_response_length=500)
-    plan = batch_plan(batch, 8, qwen7.n_heads, qwen7.n_kv_heads, 2)
-    settings = RlSettings()
+    plan = batch_plan(batch, 8, model.n_heads, model.n_kv_heads, 2)
     engine = EngineSettings(gpu_memory_utilization=0.5, tp=2, max_model_len=2048)
-    memory = rl_phases(qwen7, cluster, settings, engine, plan, DEFAULT_PROFILE)
-    return cluster, settings, memory
+    return rl_phases(model, cluster, settings, engine, plan, DEFAULT_PROFILE)
 
 
 def test_verl_logits_path():
@@ -79,6 +82,20 @@ def test_phases_in_verls_order_and_adam_beside_the_engine(job):
     assert abs(rollout.reserved_bytes - init.reserved_bytes - adam * 1.05) <= 1   # int() rounding of each
     assert "engine KV cache" not in memory.phases[2].gpu_bytes   # current vLLM wakes the KV after the sync
     assert "engine asleep (level 2)" in memory.phases[3].offloaded   # verl's level for a full model (rl_sleep.py)
+
+
+def test_the_old_log_probs_compute_the_entropy_the_references_do_not(job, qwen7):
+    """verl (ray_trainer.py): _compute_old_log_prob sets calculate_entropy=True, _compute_ref_log_prob False, the
+    update follows actor.calculate_entropy / entropy_coeff (settings.entropy). 4 x 800 = 3,200 tokens a micro-batch,
+    logits 3,200 x 152,064 x 2 B = 973,209,600: the old pass holds three (no-grad entropy, traced), the reference's
+    one, whatever the update does."""
+    cluster, _, memory = job
+    logits = 3_200 * 152_064 * 2
+    log_prob, ref = (next(p for p in memory.phases if p.name == n) for n in ("log_prob", "ref_log_prob"))
+    assert log_prob.gpu_bytes["logits and entropy"] == 3 * logits
+    assert ref.gpu_bytes["logits"] == logits and "logits and entropy" not in ref.gpu_bytes
+    off = _phases(qwen7, cluster, RlSettings(entropy=False))
+    assert next(p for p in off.phases if p.name == "log_prob").gpu_bytes["logits and entropy"] == 3 * logits
 
 
 def test_host_ram_per_node(job, qwen7):
