@@ -2,10 +2,10 @@
 
     add_lora(model, spec, rank=16, block_classes={LlamaDecoderLayer}, precision=Precision.BF16)
 
-The adapted linears are those of ModelSpec.lora_target_shapes ((in, out) of each block linear: the
-attention projections for every architecture the planner knows), found in the first block by shape, in
-module order, and named to peft by their path inside the block ("self_attn.q_proj"), which peft matches
-in every block. The base model is frozen (peft marks only the adapters trainable).
+The adapted linears are those of ModelSpec.lora_shapes ((in, out) of each block linear: the attention
+projections for every architecture the planner knows, and under all-linear the MLP's), found in the first
+block by shape, in module order, and named to peft by their path inside the block ("self_attn.q_proj"), which
+peft matches in every block. The base model is frozen (peft marks only the adapters trainable).
 
 Dtypes follow peft's defaults for a base model loaded in a low precision (lora_dtypes): under mixed
 precision the frozen weights are in the compute dtype (what `from_pretrained(dtype=torch.bfloat16)`
@@ -47,7 +47,7 @@ def lora_target_names(block: nn.Module, shapes: tuple[tuple[int, int], ...]) -> 
     missing = +wanted
     if missing:
         raise ValueError(f"LoRA: no linear of shape(s) {sorted(missing)} (in, out) in {type(block).__name__}; "
-                         f"the model spec's lora_target_shapes do not match the model")
+                         f"the model spec's lora_target_shapes / mlp_linear_shapes do not match the model")
     return names
 
 
@@ -68,12 +68,12 @@ def add_lora(model: nn.Module, spec: ModelSpec, rank: int, block_classes: set[ty
         from peft import LoraConfig, inject_adapter_in_model
     except ImportError:
         raise RuntimeError("LoRA runs need peft: pip install 'fsdp-planner[lora]'") from None
-    if not spec.lora_target_shapes:
+    if not spec.lora_shapes:
         raise ValueError(f"{spec.name}: the model spec names no LoRA target linears (lora_target_shapes)")
     block = next((m for m in model.modules() if isinstance(m, tuple(block_classes))), None)
     if block is None:
         raise ValueError(f"no block of class {sorted(c.__name__ for c in block_classes)} in {type(model).__name__}")
-    targets = lora_target_names(block, spec.lora_target_shapes)
+    targets = lora_target_names(block, spec.lora_shapes)
     frozen_dtype, adapter_dtype = lora_dtypes(parse_enum(Precision, precision, "precision"))
     for param in model.parameters():  # parameters only: buffers such as rotary tables keep their dtype
         if param.dtype != frozen_dtype:

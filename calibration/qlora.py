@@ -1,5 +1,5 @@
 """QLoRA as the cost model prices it (cost_models/qlora.py): a transformers checkpoint loaded with bitsandbytes'
-4-bit base (BitsAndBytesConfig), LoRA adapters by peft on the block linears of ModelSpec.lora_target_shapes.
+4-bit base (BitsAndBytesConfig), LoRA adapters by peft on the block linears of ModelSpec.lora_shapes.
 
     config = bnb_config(training, precision)          # transformers.BitsAndBytesConfig
     model = load_qlora(path, spec, training, precision)
@@ -35,7 +35,7 @@ def bnb_config(training: TrainingSpec, precision: Precision | str):
 
 def load_qlora(path: str, spec: ModelSpec, training: TrainingSpec, precision: Precision | str) -> nn.Module:
     """The causal LM at `path` (a saved transformers checkpoint) with its block linears in 4 bits, frozen, and
-    rank training.lora_rank adapters on the lora_target_shapes linears of every block."""
+    rank training.lora_rank adapters on the lora_shapes linears of every block."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
@@ -44,7 +44,7 @@ def load_qlora(path: str, spec: ModelSpec, training: TrainingSpec, precision: Pr
     model = AutoModelForCausalLM.from_pretrained(path, quantization_config=bnb_config(training, precision),
                                                  dtype=frozen_dtype, device_map="cpu")
     block = model.model.layers[0]
-    targets = lora_target_names(block, spec.lora_target_shapes)  # Linear4bit is an nn.Linear
+    targets = lora_target_names(block, spec.lora_shapes)  # Linear4bit is an nn.Linear
     config = LoraConfig(r=training.lora_rank, lora_alpha=2 * training.lora_rank, lora_dropout=0.0, bias="none",
                         target_modules=targets)
     model = get_peft_model(model, config, autocast_adapter_dtype=adapter_dtype == torch.float32)

@@ -43,16 +43,18 @@ of its widest op. For the MLP that is the gradient of fc2's input and of the two
 product (3*c*f, while fc2's saved input c*f is already freed); eager attention holds the probabilities'
 gradient in fp32 next to the saved softmax output. See backward_working_bytes_per_token.
 
-LoRA (lora_rank > 0; adapters on the attention projections, ModelSpec.lora_target_shapes): autograd
+LoRA (lora_rank > 0; adapters on ModelSpec.lora_shapes: the attention projections, or all-linear): autograd
 saves a tensor only for a gradient someone needs, and frozen weights need none. So a frozen linear does
 not save its input, and a frozen norm weight does not keep the normalised tensor it multiplies (frozen
 RMSNorm saves just its fp32 input, 4h; LayerNorm its input, c*h). The attention norm's output is still
-saved, by the q/k/v adapters' lora_A; the MLP keeps only what its activation function needs (SwiGLU:
-gate, act(gate), up; GELU/SiLU its input; ReLU its output; gelu_new its four Python-op tensors), not
-its norm's output nor fc2's input; the root keeps the final norm's input, not the LM head's. Each
-adapter saves its lora_A output (r values) for lora_B. Nothing before the first adapter needs a
-gradient: the embedding dropout keeps no mask, the first block's first norm (and a parallel block's
-MLP) saves nothing (first_block_lora_savings).
+saved, by the q/k/v adapters' lora_A; an MLP without adapters keeps only what its activation function needs
+(SwiGLU: gate, act(gate), up; GELU/SiLU its input; ReLU its output; gelu_new its four Python-op tensors),
+not its norm's output nor fc2's input; with adapters (all-linear) the gate / up (fc1) adapters' lora_A saves
+the norm's output and the down (fc2) adapter's its input, as a full fine-tune's linears do (peft 0.21
+tuners/lora/layer.py Linear.forward: lora_A(dropout(x)), the dropout an identity at lora_dropout 0, so x
+itself); the root keeps the final norm's input, not the LM head's. Each adapter saves its lora_A output (r
+values) for lora_B. Nothing before the first adapter needs a gradient: the embedding dropout keeps no mask,
+the first block's first norm (and a parallel block's frozen MLP) saves nothing (first_block_lora_savings).
 
 Ignored: per-token scalars smaller than a hidden vector other than the logsumexp (norm statistics), the
 allocator's 512-byte rounding. The trace tier (`fsdp-plan trace`) measures the exact figure.
@@ -108,21 +110,27 @@ def _norm_bytes(model: ModelSpec, c: int, lora: bool = False, width: int = 0, fu
     return c * w
 
 
+def _frozen_mlp(model: ModelSpec, lora: bool) -> bool:
+    """Under LoRA, an MLP without adapters (attention targets): its linears save no input."""
+    return lora and not model.lora_mlp
+
+
 def _norms_bytes(model: ModelSpec, c: int, lora: bool = False, fused: bool = False) -> int:
-    """Both norms of a block with the outputs the linear layers save (under LoRA only the attention
-    norm's, which the q/k/v adapters read)."""
+    """Both norms of a block with the outputs the linear layers save (under LoRA without MLP adapters only
+    the attention norm's, which the q/k/v adapters read)."""
     h = model.hidden_size
     norm = _norm_bytes(model, c, lora, fused=fused)
+    outputs = 1 if _frozen_mlp(model, lora) else 2
     if model.parallel_block and model.family == "falcon":
         return norm + c * h                            # one norm feeds attention and MLP
     if model.parallel_block:
-        return norm + (1 if lora else 2) * c * h       # two norms of one input: the input saved once
+        return norm + outputs * c * h                  # two norms of one input: the input saved once
     if model.norm_layout == "sandwich":
         # four norms; only the two before the sublayers have outputs the linears save (the two after feed
         # the residual adds)
-        return 4 * norm + (1 if lora else 2) * c * h
+        return 4 * norm + outputs * c * h
     # pre-norms: the two norm outputs; post-norms (OLMo 2): the two sublayer inputs, saved by the linears
-    return 2 * norm + (1 if lora else 2) * c * h
+    return 2 * norm + outputs * c * h
 
 
 def _qk_norm_bytes(model: ModelSpec, c: int, lora: bool = False) -> int:
@@ -207,13 +215,13 @@ def _attention_bytes(model: ModelSpec, c: int, attention: Attention, seq_len: in
 
 
 def _mlp_bytes(model: ModelSpec, c: int, lora: bool = False, fused_swiglu: bool = False) -> int:
-    """Saved bytes per token of the MLP, excluding its (normed) input. Under LoRA the MLP is frozen:
-    fc2 does not save its input."""
+    """Saved bytes per token of the MLP, excluding its (normed) input. Under LoRA without MLP adapters the MLP
+    is frozen: fc2 does not save its input."""
     if model.moe is not None:
         # router and routed token rows (cost_models/moe.py), DeepSeek's router's own (activations_mla.py)
         return moe.mlp_bytes_per_token(model, c, lora) + activations_mla.router_extra_bytes(model, c)
     f = model.ffn_hidden_size
-    fc2_input = 0 if lora else c * f
+    fc2_input = 0 if _frozen_mlp(model, lora) else c * f
     if model.gated_mlp:
         return (2 if fused_swiglu else 3) * c * f + fc2_input   # gate, act(gate) but Liger / TE, up (+ act * up)
     if model.activation in PYTHON_OP_ACTIVATIONS:
@@ -225,7 +233,7 @@ def _mlp_bytes(model: ModelSpec, c: int, lora: bool = False, fused_swiglu: bool 
 
 def lora_adapter_bytes(model: ModelSpec, c: int, lora_rank: int) -> int:
     """Each adapter's lora_A output (r values), saved for lora_B's weight gradient."""
-    return len(model.lora_target_shapes) * lora_rank * c
+    return len(model.lora_shapes) * lora_rank * c
 
 
 def block_bytes_per_token(model: ModelSpec, compute_bytes: int, attention: Attention, seq_len: int,
@@ -280,11 +288,37 @@ def first_block_lora_savings(model: ModelSpec, compute_bytes: int, fused_norm: b
     """Under LoRA the first block's input needs no gradient (frozen embeddings), so its first norm saves
     nothing, nor does a parallel block's MLP branch (it reads the block input, not the attention's
     output): bytes per token the first block saves less than block_bytes_per_token says (unless
-    checkpointed). A post-norm block (OLMo 2) has no norm before its attention: nothing to save."""
+    checkpointed). A post-norm block (OLMo 2) has no norm before its attention: nothing to save. A parallel
+    block's MLP with adapters (all-linear) saves as in any block: its adapters' outputs need gradients."""
     savings = _norm_bytes(model, compute_bytes, lora=True, fused=fused_norm) if model.norm_layout != "post" else 0
-    if model.parallel_block:
+    if model.parallel_block and not model.lora_mlp:
         savings += _mlp_bytes(model, compute_bytes, lora=True)
     return savings
+
+
+def output_projection_forward_held_bytes_per_token(model: ModelSpec, compute_bytes: int, embeddings_held: bool,
+                                                   mlp_inputs_saved: bool) -> int:
+    """At the forward (or a checkpointed block's recompute) of a block's MLP output projection, what the block's
+    saved tensors leave out but the forward still holds, per token: the block's input (the model's loop keeps it
+    until the block returns), the attention's residual sum (for the add after the MLP), the MLP's input and the
+    projection's input (transformers 5 LlamaDecoderLayer / LlamaMLP.forward's locals) unless saved already
+    (mlp_inputs_saved: by the MLP's adapters, all-linear, where no copy replaces them); embeddings_held: the
+    embedding's output too, which transformers' model forward keeps in inputs_embeds until it returns (LlamaModel:
+    `hidden_states = inputs_embeds`, then the blocks), a tensor of its own from the second block on. Measured at
+    the last block's forward: tests/distributed/test_torchrun_qlora.py (a dequantized weight beside it),
+    test_torchrun_autocast_lora.py (LoRA all-linear: the down projection's adapter)."""
+    h = model.hidden_size
+    mlp_inputs = 0 if mlp_inputs_saved else h + model.ffn_hidden_size
+    return compute_bytes * (2 * h + mlp_inputs + (h if embeddings_held else 0))
+
+
+def lora_output_projection_in_flight_bytes_per_token(model: ModelSpec, compute_bytes: int, copy_bytes: int) -> int:
+    """peft's Linear.forward on the MLP's output projection (all-linear; peft 0.21 tuners/lora/layer.py), beside
+    its input: the frozen base's output, lora_B's output scaled by alpha / r and their sum (three h-wide tensors at
+    once: lora_B's own output dies at the scaling, before the add), and the input cast to the adapters' dtype
+    (_cast_input_dtype: x, held until the forward returns), copy_bytes a value: a new tensor where the adapter's
+    weight is seen in another dtype (FSDP1's adapter units, fsdp1_adapters.py), else 0."""
+    return 3 * compute_bytes * model.hidden_size + copy_bytes * model.ffn_hidden_size
 
 
 def shared_bytes(model: ModelSpec, compute_bytes: int, seq_len: int) -> int:
@@ -318,11 +352,12 @@ def mlp_backward_working_bytes_per_token(model: ModelSpec, compute_bytes: int, l
                                          kernels: Kernels = EAGER_KERNELS) -> int:
     """Bytes the MLP's backward holds above the block's saved tensors: the incoming gradient (c*h) and
     the gradients of fc2's input and of the activation's factors, minus fc2's freed input (which a
-    frozen fc2, LoRA, never saved)."""
+    frozen fc2, LoRA without MLP adapters, never saved; with an adapter, its lora_A's backward frees it before
+    the activation's)."""
     if model.moe is not None:
         return moe.mlp_backward_working_bytes_per_token(model, compute_bytes, lora)
     c, h, f = compute_bytes, model.hidden_size, model.ffn_hidden_size
-    freed = 0 if lora else c * f
+    freed = 0 if _frozen_mlp(model, lora) else c * f
     if model.gated_mlp and kernels.swiglu is Kernel.LIGER:
         return c * h + c * f              # fc2's input gradient; Liger writes da, db into the saved gate, up
     if model.gated_mlp:
@@ -359,11 +394,11 @@ def attention_freed_before_backward_bytes_per_token(model: ModelSpec, compute_by
                                                     kernels: Kernels = EAGER_KERNELS) -> int:
     """What a block has freed when its attention backward peaks: the MLP branch runs its backward first
     (its ops were recorded last), freeing the MLP's saved tensors and the second norm's (a parallel
-    block's second norm shares its input with the first: only its output goes; under LoRA the MLP norm's
-    output was never saved). Eager attention peaks at the softmax backward, after the o-projection's and
+    block's second norm shares its input with the first: only its output goes; under LoRA without MLP adapters
+    the MLP norm's output was never saved). Eager attention peaks at the softmax backward, after the o-projection's and
     P @ V's backward: see _eager_freed_before_softmax_backward."""
     c, h = compute_bytes, model.hidden_size
-    norm_out = 0 if lora else c * h
+    norm_out = 0 if _frozen_mlp(model, lora) else c * h
     mlp, norm = _mlp_bytes(model, c, lora, kernels.fused_swiglu), _norm_bytes(model, c, lora, fused=kernels.fused_norm)
     if model.parallel_block:
         freed = mlp + (norm_out if model.family != "falcon" else 0)

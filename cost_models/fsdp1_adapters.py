@@ -41,10 +41,16 @@ as accelerate wraps it, 2 gloo ranks, 2 x 128 tokens, the loss backward): plain 
 ledger gave -4.7% and +5.7%; QLoRA (h 256, peft's autocast check read as on a GPU) 6,910,112 with the QuantStates,
 786,560 B below the same model under CAST (the six copies, 786,432 B): 6,903,768 (-0.09%), the copies left out
 where casts_inputs says (memory_shape.py; with them: 7,690,200, +11.3%).
+All-linear (the MLP's linears adapted too, 2026-12-07, the same file, h 256, 2 x 32 and 2 x 128 tokens): the gate /
+up / down adapters' copies of their inputs, the MLP norm's output and the down projection's input then kept by
+adapters only: 5,853,432 B real against 5,861,120 (+0.13%, a block's backward). The fp32 copy peft's x holds
+while an adapter runs (tokens x in x 4 B) sets the peak in the last block's down projection's forward, beside every
+saved tensor (memory.py's forward moment: activations.lora_output_projection_in_flight_bytes_per_token): 10,198,004
+against 10,193,664 (-0.04%, V 256).
 Not priced: Lightning's FSDPStrategy as emitted (auto_wrap_policy={Block}: the adapters inside their block's unit,
 which FSDP1 flattens only in one dtype, fsdp/_flat_param.py "uniform dtype": an fp32 model, FSDP2-shaped adapters),
-the fp32 copy alive while an adapter runs (tokens x in x 4 B, in the forward, under both ways: peft's local x holds
-it through lora_A and lora_B; these runs peak in the backward), FSDP1's per-parameter alignment padding.
+the fp32 copy of an attention adapter's input in the forward (below the down projection's moment), FSDP1's
+per-parameter alignment padding.
 """
 
 from __future__ import annotations
@@ -70,13 +76,19 @@ def casts_inputs(units, quantized: bool) -> bool:
 def saved_copies_bytes_per_token(model: ModelSpec, compute_bytes: int, mixed: bool, s2_attention: bool) -> int:
     """What a block saves per token on top of the FSDP2-shaped LoRA ledger (activations.py: the attention norm's
     output kept once for the q / k / v adapters; the o-projection's input, SDPA's saved output, or under eager
-    attention P @ V's copy): each adapter's own copy of its input, less the originals only adapters kept (the
-    normed input; eager's P @ V copy). mixed: adapters stored in another dtype than the compute dtype; s2_attention:
-    eager attention (activations.uses_s2_attention)."""
+    attention P @ V's copy; all-linear: the MLP norm's output kept once for the gate / up adapters, the down
+    projection's input for its adapter): each adapter's own copy of its input, less the originals only adapters
+    kept (the normed inputs; eager's P @ V copy; the down projection's input, which the activation function does
+    not save, but ReLU's output is its own saved tensor). mixed: adapters stored in another dtype than the compute
+    dtype; s2_attention: eager attention (activations.uses_s2_attention)."""
     if not mixed or not model.lora_target_shapes:
         return 0
-    copies = sum(n_in for n_in, _ in model.lora_target_shapes)
+    copies = sum(n_in for n_in, _ in model.lora_shapes)
     kept_by_adapters_only = model.hidden_size + (model.lora_target_shapes[-1][0] if s2_attention else 0)
+    if model.lora_mlp:
+        shared_norm = model.parallel_block and model.family == "falcon"  # one norm feeds attention and MLP
+        kept_by_adapters_only += (0 if shared_norm else model.hidden_size) + (
+            0 if model.activation == "relu" else model.ffn_hidden_size)
     return compute_bytes * (copies - kept_by_adapters_only)
 
 

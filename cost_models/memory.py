@@ -255,30 +255,32 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
             unsharded_grads=head_grad + block_grads,
             activations=block_acts + shared,
         )
-        if quantized and recomputed:
+        if s.out_proj_in_flight and recomputed:
             # a checkpointed block's recompute of its MLP output projection (the forward moment below, in the
             # backward): the block's saved tensors remade, the residual sum, the MLP's and the projection's inputs
-            # and the incoming gradient, its weight dequantized; the gradients and buffers of its backward moment (under
-            # FSDP1's adapter units without the block below, prefetched later in the attention's backward)
+            # and the incoming gradient, its weight dequantized or its adapter running; the gradients and buffers of
+            # its backward moment (under FSDP1's adapter units without the block below, prefetched later in the
+            # attention's backward)
             moments[f"recompute of block {i}'s MLP output projection"] = _Moment(
                 **states(grads_done(i)), unsharded_params=params_at(i),
                 collective_buffers=(0 if adapter_units else prefetch_below(i)) + reduce_scatter_above(i),
                 unsharded_grads=head_grad,
-                activations=tokens * (below + this + qlora.forward_held_bytes_per_token(h, f, c)) + shared
-                + qlora.forward_in_flight_bytes(f, h, c, training.double_quant, tokens),
+                activations=tokens * (below + this + activations.output_projection_forward_held_bytes_per_token(
+                    model, c, False, s.mlp_inputs_saved)) + shared + s.out_proj_in_flight,
             )
-    if quantized and not is_ckpt(L - 1):
-        # bitsandbytes' forward of the last block's MLP output projection (qlora.forward_in_flight_bytes says what it
-        # holds); FSDP2's all-gather output of the block kept as in "loss in forward" (FSDP1 gathers into the unit's
-        # flat parameter: fsdp1_adapters.py). A checkpointed last block's forward keeps less: its recompute leads.
+    if s.out_proj_in_flight and not is_ckpt(L - 1):
+        # the forward of the last block's MLP output projection: bitsandbytes' (qlora.forward_in_flight_bytes says what
+        # it holds), or peft's adapter on it (activations.lora_output_projection_in_flight_bytes_per_token); FSDP2's
+        # all-gather output of the block kept as in "loss in forward" (FSDP1 gathers into the unit's flat parameter:
+        # fsdp1_adapters.py). A checkpointed last block's forward keeps less: its recompute leads.
         i = L - 1
         moments[f"forward of block {i}'s MLP output projection"] = _Moment(
             **states(0),
             unsharded_params=params_at(i),
             collective_buffers=gathered(i) if d > 1 and not keeps_gathered and not adapter_units else 0,
             activations=tokens * (saved_below(i) + full - (first_less if i == 0 else 0)
-                                  + qlora.forward_held_bytes_per_token(h, f, c)) + shared
-            + qlora.forward_in_flight_bytes(f, h, c, training.double_quant, tokens),
+                                  + activations.output_projection_forward_held_bytes_per_token(
+                                      model, c, i > 0, s.mlp_inputs_saved)) + shared + s.out_proj_in_flight,
         )
     if config.expert_shard_dim and d > 1 and model.moe is not None and not keeps_gathered and ep_view is None:
         # FSDP2 copies a dim-1 shard's all-gather out through a temporary as large as the tensor (chunk-cat

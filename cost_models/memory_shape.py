@@ -58,6 +58,10 @@ class LedgerShape:
     ckpt_input_extra: int
     loss_peak: int
     loss_reserved_extra: int
+    # the forward (and a checkpointed block's recompute) of the MLP's output projection, where it can peak: QLoRA's
+    # weight dequantized, LoRA's adapter on it (all-linear); 0: no such moment. Bytes beside what the block holds
+    out_proj_in_flight: int
+    mlp_inputs_saved: bool      # ... the MLP's and that projection's inputs saved (its adapters', no copies)
     # the blocks whose backward moments can peak, top first: (block, its moment's name, whether it is checkpointed,
     # the saved bytes per token of the blocks below it, its own at its backward)
     blocks: tuple
@@ -122,8 +126,8 @@ def ledger_shape(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, e
             model, c, config.tp, full, ckpt, root_saved, lora=bool(lora_rank), selective_op=config.selective_op_ac)
     if config.cp > 1 and traced is None:  # ring attention's output and the o-projection's copy of it
         full += context_parallel.ring_saved_bytes_per_token(model, config.cp, c)
+    casts = adapter_units and precision.mixed and fsdp1_adapters.casts_inputs(fsdp1_adapter_units, training.quantized)
     if adapter_units:  # each adapter's own copy of its input (not bitsandbytes' under autocast: casts_inputs)
-        casts = precision.mixed and fsdp1_adapters.casts_inputs(fsdp1_adapter_units, training.quantized)
         full += fsdp1_adapters.saved_copies_bytes_per_token(model, c, casts,
                                                             activations.uses_s2_attention(model, attn))
     K = 1 if config.selective_op_ac else config.ac_every
@@ -188,6 +192,14 @@ def ledger_shape(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, e
     loss_reserved_extra = kernels.loss_reserved_extra_bytes(
         model, c, config, kern, tokens, tokens * activations.logits_reserved_extra_bytes_per_token(
             model, c, config.loss_compiled))
+    out_proj_in_flight = qlora.forward_in_flight_bytes(f, h, c, training.double_quant, tokens) if quantized else 0
+    if lora_rank and model.lora_mlp:
+        # peft runs the adapter after the base's forward (its dequantized weight freed), so what the adapter saves
+        # (lora_A's output; under FSDP1's adapter units its input's copy: fsdp1_adapters.py), in `full`, is not there
+        # yet while the base runs
+        not_yet_saved = tokens * c * (lora_rank + (f if casts else 0))
+        out_proj_in_flight = max(out_proj_in_flight - not_yet_saved, tokens * (
+            activations.lora_output_projection_in_flight_bytes_per_token(model, c, p if casts else 0)))
     shape = LedgerShape(
         c=c, p=p, frozen_p=c if precision.mixed else p, real=real,
         opt_per_param=training.optimizer.state_bytes_per_param(precision.param_dtype), quantized=quantized,
@@ -197,7 +209,8 @@ def ledger_shape(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, e
         full_dense=full_dense, traced_dense=traced_dense, dense_blocks=dense_blocks, leading=leading,
         dense_prefix=tuple(dense_prefix), w_mlp=w_mlp, w_attn=w_attn, freed_attn=freed_attn,
         mlp_grad=mlp_grad, attn_grad=attn_grad, mlp_moments=mlp_moments, ckpt_input_extra=ckpt_input_extra,
-        loss_peak=loss_peak, loss_reserved_extra=loss_reserved_extra, blocks=(),
+        loss_peak=loss_peak, loss_reserved_extra=loss_reserved_extra, out_proj_in_flight=out_proj_in_flight,
+        mlp_inputs_saved=bool(lora_rank) and model.lora_mlp and not casts, blocks=(),
         quirks=tuple(activation_notes.quirks(model, config.attention, training.seq_len)), n_layers=L, n_dense=nd)
     # A checkpointed block re-runs its forward; its saved input stays (unless the first norm saves that very tensor).
     blocks = tuple((i, f"backward of block {i}" + (" (recomputed)" if shape.is_ckpt(i) else ""), shape.is_ckpt(i),

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from .spec_values import Attention, SpecError, check_positive, enum_choices
+from .spec_values import Attention, LoraTargets, SpecError, check_positive, enum_choices, parse_enum
 
 
 @dataclass(frozen=True)
@@ -151,6 +151,10 @@ class ActivationProfile:
         return replace(self, terms=tuple((d, a, replace(t, operators=None)) for d, a, t in self.terms))
 
 
+# Families whose MLP gate and up projections are one linear (h, 2f): Phi-3's gate_up_proj
+FUSED_GATE_UP_FAMILIES = {"phi3"}
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """A decoder (or encoder) transformer: L identical blocks plus a root (embeddings, final norm, head).
@@ -186,7 +190,8 @@ class ModelSpec:
     dropout: bool = False            # dropout with p > 0 in training (masks are saved for backward)
     attention_dropout: bool | None = None  # dropout on the attention probabilities; None = as `dropout` (Phi-2: off)
     causal: bool = True              # False for encoders (BERT): no causal LM loss shift
-    lora_target_shapes: tuple[tuple[int, int], ...] = ()  # (in, out) of each block linear LoRA adapts
+    lora_target_shapes: tuple[tuple[int, int], ...] = ()  # (in, out) of the attention projections LoRA adapts
+    lora_targets: LoraTargets = LoraTargets.ATTENTION  # those only, or all-linear: the MLP's too (lora_shapes)
     max_seq_len: int = 0             # 0 = unknown / unlimited (rotary, ALiBi)
     sliding_window: int = 0          # attention window in tokens (Mistral 7B v0.1: 4096); 0 = full attention
     full_attention_layers: int = 0   # with a window: layers that still attend fully (Gemma 2/3, gpt-oss alternate)
@@ -217,6 +222,10 @@ class ModelSpec:
                                                       f"n_layers={self.n_layers}")
         if self.rope not in ("eager", "fused"):
             raise SpecError("model.rope", f"{self.rope!r}; choose one of: eager, fused")
+        object.__setattr__(self, "lora_targets", parse_enum(LoraTargets, self.lora_targets, "lora_targets"))
+        if self.lora_targets is LoraTargets.ALL_LINEAR and self.moe is not None:
+            raise SpecError("lora_targets", "all-linear is priced for dense blocks (an MoE's stacked experts are no "
+                                            "nn.Linear); choose attention")
         unknown = set(self.attention_choices) - {a.value for a in Attention}
         if not self.attention_choices or unknown:
             raise SpecError("model.attention_choices", f"{self.attention_choices!r}; choose from: {enum_choices(Attention)}")
@@ -268,6 +277,8 @@ class ModelSpec:
         out["priced_by"] = self.priced_by
         if self.activation_profile is not None:
             out["activation_profile"] = self.activation_profile.source
+        if self.lora_mlp:
+            out["lora_targets"] = self.lora_targets.value
         return out
 
     @property
@@ -284,5 +295,24 @@ class ModelSpec:
     def q_dim(self) -> int:
         return self.n_heads * self.head_dim
 
+    @property
+    def mlp_linear_shapes(self) -> tuple[tuple[int, int], ...]:
+        """(in, out) of the MLP's linears, in module order: gate, up, down (SwiGLU; Phi-3's gate_up_proj fused, as
+        its qkv_proj is: planner/models/family_table.py fused_projections) or fc1, fc2."""
+        h, f = self.hidden_size, self.ffn_hidden_size
+        if self.gated_mlp and self.family in FUSED_GATE_UP_FAMILIES:
+            return (h, 2 * f), (f, h)
+        return ((h, f), (h, f), (f, h)) if self.gated_mlp else ((h, f), (f, h))
+
+    @property
+    def lora_mlp(self) -> bool:
+        """LoRA adapts the MLP's linears too (all-linear): their inputs are saved, for the adapters' gradients."""
+        return self.lora_targets is LoraTargets.ALL_LINEAR
+
+    @property
+    def lora_shapes(self) -> tuple[tuple[int, int], ...]:
+        """(in, out) of every block linear LoRA adapts: the attention's, and under all-linear the MLP's."""
+        return tuple(self.lora_target_shapes) + (self.mlp_linear_shapes if self.lora_mlp else ())
+
     def lora_params_per_block(self, rank: int) -> int:
-        return sum(rank * (i + o) for i, o in self.lora_target_shapes)
+        return sum(rank * (i + o) for i, o in self.lora_shapes)

@@ -263,7 +263,7 @@ def _formula_block_ops(model: ModelSpec, c: int, seq_len: int, lora_rank: int = 
     matmuls = _fit_to_params(model, _attention_matmuls(model) + _mlp_matmuls(model))
     if lora_rank:
         matmuls = [replace(m, trainable=False) for m in matmuls]
-        for i, o in model.lora_target_shapes:
+        for i, o in model.lora_shapes:
             matmuls += [Matmul("lora A", lora_rank, i, float8=False), Matmul("lora B", o, lora_rank, float8=False)]
     ops = [norm_op(model, c, h, f"norm {i + 1}") for i in range(_n_norms(model))]
     if model.qk_norm:

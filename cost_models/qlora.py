@@ -45,10 +45,8 @@ FP32_BYTES = 4
 
 def linear_shapes(model: ModelSpec) -> tuple[tuple[int, int], ...]:
     """(in, out) of every linear of one block that bitsandbytes quantizes: the attention projections
-    (lora_target_shapes: q, k, v, o) and the MLP's (gate, up, down; or fc1, fc2)."""
-    h, f = model.hidden_size, model.ffn_hidden_size
-    mlp = ((h, f), (h, f), (f, h)) if model.gated_mlp else ((h, f), (f, h))
-    return tuple(model.lora_target_shapes) + mlp
+    (lora_target_shapes: q, k, v, o) and the MLP's (mlp_linear_shapes: gate, up, down; or fc1, fc2)."""
+    return tuple(model.lora_target_shapes) + model.mlp_linear_shapes
 
 
 def quantized_per_block(model: ModelSpec) -> int:
@@ -103,14 +101,6 @@ def forward_in_flight_bytes(n_in: int, n_out: int, compute_bytes: int, double_qu
     n = n_in * n_out
     return n * compute_bytes + 2 * absmax_dequantized_bytes(n, double_quant) + tokens * n_out * compute_bytes
 
-
-def forward_held_bytes_per_token(hidden: int, ffn: int, compute_bytes: int) -> int:
-    """At the forward (or a checkpointed block's recompute) of a block's MLP output projection, what no bitsandbytes
-    linear saves but the forward still holds, per token: the block's input (the model's loop keeps it until the block
-    returns), the attention's residual sum (for the add after the MLP), the MLP's input and the projection's input.
-    Measured with the dequantized weight: -1.0% at h 1024 (tests/distributed/test_torchrun_qlora.py), the forward
-    being the step's peak there."""
-    return compute_bytes * (3 * hidden + ffn)
 
 
 def backward_in_flight_bytes(n_in: int, n_out: int, compute_bytes: int, double_quant: bool, tokens: int) -> int:

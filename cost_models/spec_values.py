@@ -142,6 +142,17 @@ class Finetune(str, Enum):
         return self is not Finetune.FULL
 
 
+class LoraTargets(str, Enum):
+    """The linears LoRA adapts, in its users' words. ATTENTION: the attention projections (q, k, v, o as the family
+    names them: ModelSpec.lora_target_shapes), an upper bound of peft's own default (LoraConfig(target_modules=None):
+    its per-family table, q_proj and v_proj for Llama; TRL's ModelConfig and HF's examples inherit it). ALL_LINEAR:
+    every linear of a block, the MLP's too (peft's target_modules="all-linear", axolotl's lora_target_linear, the
+    QLoRA paper's setup, verl's default)."""
+
+    ATTENTION = "attention"
+    ALL_LINEAR = "all-linear"
+
+
 class QuantType(str, Enum):
     """bitsandbytes' 4-bit data types (BitsAndBytesConfig bnb_4bit_quant_type): NormalFloat4 or plain FP4."""
 

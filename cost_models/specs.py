@@ -19,7 +19,7 @@ from .cluster_spec import ClusterSpec, GpuSpec, HostCpu
 from .model_spec import ActivationProfile, ActivationTerms, BackwardMoment, ModelSpec, MoeSpec, TracedOperators
 from .quick_init import quick_init
 from .schedules import Schedule
-from .spec_values import QUANT_STORAGE_DTYPES, MoeDispatch, QuantType, Routing
+from .spec_values import QUANT_STORAGE_DTYPES, LoraTargets, MoeDispatch, QuantType, Routing
 from .spec_values import OptimizerImpl
 from .spec_values import (SELECTIVE_OP, Attention, AttentionKernel, Finetune, Kernel, LossKernel, Optimizer,
                           Precision, Sharding,
@@ -30,7 +30,7 @@ from .training_spec import TrainingSpec
 __all__ = [  # this module's own names and the re-exported ones (see the docstring)
     "TrainingSpec", "FsdpConfig", "REDUCE_DTYPES",
     "ClusterSpec", "GpuSpec", "HostCpu", "OptimizerImpl",
-    "MoeDispatch", "Routing", "QuantType", "QUANT_STORAGE_DTYPES",
+    "MoeDispatch", "Routing", "QuantType", "QUANT_STORAGE_DTYPES", "LoraTargets",
     "ActivationProfile", "ActivationTerms", "BackwardMoment", "ModelSpec", "MoeSpec", "TracedOperators",
     "SELECTIVE_OP", "Attention", "AttentionKernel", "Finetune", "Kernel", "LossKernel", "Optimizer", "Precision",
     "Sharding", "SpecError",

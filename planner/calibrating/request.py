@@ -21,8 +21,8 @@ from ..request import ClusterRequest, TrainingRequest, knob
 _LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers")
 _CLUSTER = ("gpus", "gpus_per_node", "gpu", "internode_gbps", "gpu_memory", "intra_node_gb_per_s", "pcie_gb_per_s",
             "cpu_ram_per_node")
-_TRAINING = ("seq_len", "global_batch", "optimizer", "optimizer_impl", "finetune", "lora_rank", "quant", "double_quant",
-             "quant_storage", "routing_imbalance")
+_TRAINING = ("seq_len", "global_batch", "optimizer", "optimizer_impl", "finetune", "lora_rank", "lora_targets", "quant",
+             "double_quant", "quant_storage", "routing_imbalance")
 
 
 @dataclass
@@ -161,6 +161,7 @@ class CalibrationReport:
 def resolve_target(request: CalibrationRequest) -> Target:
     from ..models import hf_config_of, resolve_model
     from ..models.resolve import names_preset
+    from ..request.resolve import with_lora_targets
 
     if request.factory:
         spec = _factory_spec(request.factory)
@@ -175,6 +176,7 @@ def resolve_target(request: CalibrationRequest) -> Target:
             hf = None
     else:
         raise PlannerError("model", "missing: pass --model (preset or config.json) or --factory pkg.module:function")
+    spec = with_lora_targets(spec, request.training)
     run_spec = spec
     if request.layers is not None:
         if request.layers < 1:

@@ -82,6 +82,10 @@ class TrainingRequest:
                                       "(foreach)")
     finetune: str = knob("full", "--finetune", help="full, lora, or qlora (LoRA on a bitsandbytes 4-bit base)")
     lora_rank: int = knob(16, "--lora-rank", help="LoRA rank")
+    lora_targets: str | None = knob(None, "--lora-targets", help="The linears LoRA / QLoRA adapts: attention (q, k, "
+                                    "v, o; peft's own default, q and v, is priced as these) or all-linear (the "
+                                    "MLP's too: peft's target_modules=\"all-linear\", axolotl's lora_target_linear, "
+                                    "the QLoRA paper). Default: attention (a model spec given whole: its own)")
     quant: str = knob("nf4", "--quant", help="With --finetune qlora: the 4-bit type, nf4 or fp4 "
                       "(bnb_4bit_quant_type)")
     double_quant: bool = knob(True, "--double-quant/--no-double-quant", help="With --finetune qlora: quantize the "

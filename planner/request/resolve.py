@@ -6,13 +6,14 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from cost_models.specs import Attention, AttentionKernel, ClusterSpec, Finetune, ModelSpec, TrainingSpec, parse_enum
+from cost_models.specs import (Attention, AttentionKernel, ClusterSpec, Finetune, LoraTargets, ModelSpec, TrainingSpec,
+                               parse_enum)
 
 from ..errors import PlannerError
 from ..models import resolve_model
 from ..trainers import model_for, trainer_named
 from .build import build_request, knob_names
-from .groups import Request
+from .groups import Request, TrainingRequest
 
 RESOLVE_KNOBS = tuple(n for n in knob_names("", "cluster", "training") if n != "model") + ("attention",)
 
@@ -41,7 +42,17 @@ def resolve_request(request: Request, attention: str | None = None) -> tuple[Mod
         if needs_block_profile(spec, hf_config):
             spec = with_block_profile(spec, hf_config, training.seq_len,
                                       attentions=(model_attention(spec, attention),))
+    spec = with_lora_targets(spec, request.training)
     return model_for(trainer_named(request.trainer), spec), cluster, training  # the trainer's own implementation
+
+
+def with_lora_targets(spec: ModelSpec, training: TrainingRequest) -> ModelSpec:
+    """The spec with the linears LoRA adapts that the request names (ModelSpec.lora_targets; a SpecError naming
+    lora_targets where they cannot be priced: MoE); the knob is validated even where nothing trains adapters."""
+    if training.lora_targets is None:
+        return spec
+    targets = parse_enum(LoraTargets, training.lora_targets, "lora_targets")
+    return replace(spec, lora_targets=targets) if parse_enum(Finetune, training.finetune, "finetune").adapters else spec
 
 
 def fused_attention_kernel(request: Request, pinned: str | None, attention: str, gpu) -> Request:

@@ -12,7 +12,7 @@ from cost_models.schedules import Schedule
 from cost_models.spec_values import QUANT_STORAGE_DTYPES, Finetune, Optimizer, OptimizerImpl, QuantType
 from cost_models.specs import Attention, AttentionKernel, Kernel, LossKernel, Precision, Sharding
 
-SCHEMA_VERSION = 12  # 12: the rl outputs' reward_pool and time.reward_overlapped_s (a reward model on its own pool, issue 28); 11: the rl outputs' `reward` phase and time.reward_s (a reward model, issue 28); 10: cluster.power_limit_w / tdp_w (a power-capped GPU, issue 27); 9: memory.first_step (issue 29: the first step against the steady one); 8: config.shard_group_gpus (HSDP's shard group in GPUs, issue 26); 7: memory.outside_allocator_bytes (issue 27: the memory outside the caching allocator, term by term); 6: config.alloc_conf (PYTORCH_CUDA_ALLOC_CONF, issue 27); 5: host RAM per node (issue 29): memory.host_ram; QLoRA's training fields; the rl and rl-estimate outputs (issue 28); 4: trainers and kernels (issue 26): config.norm_kernel / rope_kernel / swiglu_kernel / loss_kernel / attention_kernel, candidate.trainer; the trace's reserved from the allocator replay (issue 27): peak_reserved_flat_bytes, reserved_from, trace.allocator; 3: pipelines (issue 18): config.pp_schedule / pp_stages_per_rank, "pipeline", memory.pipeline_ranks, the time breakdown's pp terms, calibrate's measured.pipeline_ranks
+SCHEMA_VERSION = 13  # 13: model.lora_targets (LoRA on every block linear, all-linear); 12: the rl outputs' reward_pool and time.reward_overlapped_s (a reward model on its own pool, issue 28); 11: the rl outputs' `reward` phase and time.reward_s (a reward model, issue 28); 10: cluster.power_limit_w / tdp_w (a power-capped GPU, issue 27); 9: memory.first_step (issue 29: the first step against the steady one); 8: config.shard_group_gpus (HSDP's shard group in GPUs, issue 26); 7: memory.outside_allocator_bytes (issue 27: the memory outside the caching allocator, term by term); 6: config.alloc_conf (PYTORCH_CUDA_ALLOC_CONF, issue 27); 5: host RAM per node (issue 29): memory.host_ram; QLoRA's training fields; the rl and rl-estimate outputs (issue 28); 4: trainers and kernels (issue 26): config.norm_kernel / rope_kernel / swiglu_kernel / loss_kernel / attention_kernel, candidate.trainer; the trace's reserved from the allocator replay (issue 27): peak_reserved_flat_bytes, reserved_from, trace.allocator; 3: pipelines (issue 18): config.pp_schedule / pp_stages_per_rank, "pipeline", memory.pipeline_ranks, the time breakdown's pp terms, calibrate's measured.pipeline_ranks
 
 Bytes = Annotated[int, Field(description="bytes per rank (GPU) unless said otherwise")]
 Seconds = Annotated[float, Field(description="seconds")]
@@ -42,6 +42,8 @@ class ModelSummary(_Out):
     priced_by: Literal["formula", "block memory profile"] = Field(
         description="which activation model prices it: the family's formulas or a traced block profile")
     activation_profile: absent_or(str, "where the traced block memory profile comes from (when there is one)")
+    lora_targets: absent_or(Literal["all-linear"], "LoRA / QLoRA: adapters on every block linear, the MLP's too "
+                                                   "(absent: on the attention projections)")
 
 
 _KERNELS = Literal[tuple(k.value for k in Kernel if k is not Kernel.EAGER)]  # FsdpConfig.to_dict leaves eager out

@@ -44,7 +44,7 @@ def lora_model(path: str, case: dict):
     if case.get("qlora"):
         return load_qlora(path, spec, TrainingSpec(seq_len=case["seq"], finetune="qlora", lora_rank=LORA_RANK), "bf16")
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, device_map="cpu")
-    targets = lora_target_names(model.model.layers[0], spec.lora_target_shapes)
+    targets = lora_target_names(model.model.layers[0], spec.lora_shapes)
     config = LoraConfig(r=LORA_RANK, lora_alpha=2 * LORA_RANK, lora_dropout=0.0, bias="none", target_modules=targets)
     return get_peft_model(model, config)
 

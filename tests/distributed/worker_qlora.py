@@ -27,11 +27,15 @@ LORA_RANK = 8
 
 
 def spec_of(case: dict):
+    """The case's tiny Llama, its LoRA on the case's "targets" (attention, the default, or all-linear)."""
+    from dataclasses import replace
+
     from calibration.reference import tiny_llama_spec
 
     h = case["hidden"]
-    return tiny_llama_spec(hidden_size=h, n_heads=4, n_kv_heads=2, head_dim=h // 4, ffn_hidden_size=2 * h,
+    spec = tiny_llama_spec(hidden_size=h, n_heads=4, n_kv_heads=2, head_dim=h // 4, ffn_hidden_size=2 * h,
                            vocab_size=case.get("vocab", VOCAB), n_layers=case["layers"])
+    return replace(spec, lora_targets=case.get("targets", "attention"))
 
 
 _OUT: list[str] = []

@@ -1,5 +1,6 @@
 """Cost-model figures checked by hand on small, round specs."""
 
+import dataclasses
 import math
 
 import pytest
@@ -160,6 +161,34 @@ def test_lora_activation_bytes_llama_block_by_hand():
     # root: the final norm's fp32 input and the labels; no LM-head input. Block 0's input needs no grad.
     assert root_bytes_per_token(TOY, c, lora=True) == 4 * h + 8
     assert first_block_lora_savings(TOY, c) == 4 * h
+
+
+def test_all_linear_lora_by_hand():
+    """LoRA on every linear (lora_targets all-linear): the MLP's adapters keep its norm's output (gate / up lora_A)
+    and down_proj's input (its lora_A), as a full fine-tune's linears do; each adds its lora_A output; the MLP's
+    backward frees down_proj's input again; the adapters' parameters, optimizer state and FLOPs cover 7 linears."""
+    from cost_models.activations import (attention_freed_before_backward_bytes_per_token,
+                                         block_bytes_per_token, mlp_backward_working_bytes_per_token)
+    from cost_models.compute import attention_flops_per_token_per_layer, model_flops_per_token
+    from cost_models.specs import Attention
+
+    every = dataclasses.replace(TOY, lora_targets="all-linear")
+    h, f, c, r = 8, 16, 2, 4
+    attention_only = block_bytes_per_token(TOY, c, Attention.SDPA, 128, lora_rank=r)
+    assert block_bytes_per_token(every, c, Attention.SDPA, 128, lora_rank=r) - attention_only == \
+        c * h + c * f + 3 * r * c
+    assert mlp_backward_working_bytes_per_token(every, c, lora=True) == c * h + 3 * c * f - c * f
+    assert mlp_backward_working_bytes_per_token(TOY, c, lora=True) == c * h + 3 * c * f
+    assert attention_freed_before_backward_bytes_per_token(every, c, lora=True) - \
+        attention_freed_before_backward_bytes_per_token(TOY, c, lora=True) == c * f + c * h
+    lora_per_block = 2 * ((8 + 8) + 2 * (8 + 4) + (8 + 8) + 2 * (8 + 16) + (16 + 8))  # q, k, v, o, gate, up, down
+    assert every.lora_params_per_block(2) == lora_per_block == 256
+    trainable = 4 * lora_per_block
+    m = estimate_memory(every, cluster(4), TrainingSpec(seq_len=1, finetune="lora", lora_rank=2),
+                        FsdpConfig(precision="fp32"), DEFAULT_PROFILE)
+    assert m.phases["optimizer_step"].optimizer_state == math.ceil(trainable * 8 / 4)
+    flops = model_flops_per_token(every, TrainingSpec(seq_len=16, finetune="lora", lora_rank=2))
+    assert flops == 4 * 4100 + 6 * trainable + 4 * attention_flops_per_token_per_layer(TOY, 16)
 
 
 def test_eager_attention_backward_peaks_after_v_and_the_o_input_are_freed():
