@@ -13,6 +13,8 @@ tier, docs/accuracy.md) decides what else is alive, moment by moment:
   reduce-scatter input (reduce dtype), and the sharded gradients of the blocks done. The first and last
   blocks processed and the highest checkpointed one are the candidates (with checkpointing the last
   ones can peak: each block done adds its sharded gradient, each block below saves only its input);
+- TP with sequence parallel, the embedding's backward: its whole V x h gradient, then the rank's rows copied out of
+  it, beside the gathered root and its other gradients;
 - end of backward: the root's gradients and their reduce-scatter, with every block's sharded gradient;
 - optimizer step: stored params, gradients, optimizer state and the step's temporaries (optimizer_step.py:
   foreach, fused or for-loop).
@@ -295,6 +297,24 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
                 unsharded_grads=head_grad,   # the temporary is an ordinary allocation (as the trace files it)
                 activations=tokens * (saved_below(i) + (ckpt if is_ckpt(i) else full)) + shared + temp,
             )
+    if tensor_parallel.sequence_parallel(config) and counts.trainable_root:
+        # TP with sequence parallel: the embedding's backward, the step's last op, makes the whole V x h table
+        # (tensor_parallel.embedding_grad_extra_params) from its output's gradient all-gathered over the sequence
+        # (tokens x h); the root still gathered, its other gradients made, block 0's reduce-scatter input kept. Then
+        # DTensor copies the rank's rows out of it while it is alive: at the root's post-backward (torch 2.13
+        # _fsdp_param_group.py:629-630 unsharded_grad_data, then .grad = None; _fsdp_param.py:965 redistribute to
+        # Shard(0); placement_types.py:619 _replicate_to_shard, clone=True), or, tied to the head, when
+        # AccumulateGrad adds it to the head's Shard(0) gradient (the rows copied, the sum a new tensor: two
+        # rank-shard allocations beside the table in the trace). Traced (tests/unit/test_mesh_trace.py): V 32,000,
+        # h 128, tp 2, fp32, the table 16,384,000 B and the copy 8,192,000 B at the peak.
+        whole = model.embedding_params + tensor_parallel.embedding_grad_extra_params(model, config)
+        root_grads = head_grad + whole * c
+        at_table = _Moment(**states(grads_done(-1)), unsharded_params=root_c,
+                           collective_buffers=reduce_scatter_above(-1), unsharded_grads=root_grads)
+        moments["embedding backward"] = at_table._replace(activations=tokens * h * c)
+        copies = 2 if model.tied_embeddings else 1
+        moments["embedding's gradient, its rows copied"] = at_table._replace(
+            unsharded_grads=root_grads + copies * model.embedding_params * c)
     # The root's post-backward reshards its parameters before it reduce-scatters their gradients (FSDP2's
     # FSDPParamGroup.post_backward): the gathered root is gone when its reduce-scatter input is built.
     moments["end of backward"] = _Moment(

@@ -206,3 +206,27 @@ def test_gemma2_loss_parallel_keeps_the_soft_caps_output():
     r = trace(gemma, 2, tp=2, seq_len=1024, micro_batch=2, precision="bf16", gpu="h100-80gb")
     assert r.candidate.memory.peak_moment == "loss backward"
     assert abs(r.relative_error) <= TOLERANCE, r.difference()
+
+
+def test_sequence_parallel_embedding_gradient_is_the_whole_table():
+    """Under sequence parallel the embedding's backward makes the whole V x h table on each TP rank (DTensor's
+    embedding_dense_backward has no vocabulary-sharded strategy: tensor_parallel.embedding_grad_extra_params), and
+    the root's post-backward copies the rank's rows out of it before dropping it. On a vocabulary-heavy tiny Llama
+    (V 32,000, h 128, tp 2 over 4 ranks, fp32, 1 x 64 tokens) that is the step's peak: the table 32,000 x 128 x 4 =
+    16,384,000 B beside the head's gradient and the copy, 8,192,000 B each, and the norm's 512 (the ledger without
+    it: 59,621,120 B at the loss against the trace's 75,578,780, -21.1%; with it 75,578,112, -0.001%)."""
+    from cost_models import tensor_parallel
+
+    v, h = 32_000, 128
+    r = trace({**TINY, "_name_or_path": "tiny-llama-vocab", "vocab_size": v}, 4, tp=2, micro_batch=1, seq_len=64,
+              precision="fp32")
+    table, shard = v * h * F32, v * h * F32 // 2
+    local = tensor_parallel.local_model(r.candidate.model, r.candidate.config)
+    assert tensor_parallel.embedding_grad_extra_params(local, r.candidate.config) * F32 == shard
+    memory = r.candidate.memory
+    assert memory.peak_moment == "embedding's gradient, its rows copied"
+    assert memory.breakdown.unsharded_grads == table + shard + shard + h * F32
+    # the trace files the copy as an activation: the same bytes
+    traced = r.traced.breakdown
+    assert traced["unsharded_grads"] + traced["activations"] == pytest.approx(table + 2 * shard + h * F32, abs=64)
+    assert abs(r.relative_error) <= TOLERANCE, r.difference()
