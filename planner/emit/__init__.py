@@ -45,7 +45,8 @@ def _emit_artifact(kind: str, candidate) -> str:
         return emit_pytorchjob(config, spec, cluster)
     if kind in ("fsdp1", "fsdp2"):  # QLoRA: then how to load the 4-bit base (BitsAndBytesConfig, LoraConfig)
         emit = emit_fsdp1 if kind == "fsdp1" else emit_fsdp2
-        loading = qlora.python_lines(candidate.training, config) if qlora.applies(candidate.training, spec) else []
+        training = candidate.training
+        loading = qlora.python_lines(training, config, spec) if qlora.applies(training, spec) else []
         code = emit(config, spec, cluster, candidate.training)
         return code.rstrip("\n") + "\n\n\n" + "\n".join(loading) + "\n" if loading else code
     if kind == "accelerate":

@@ -4,7 +4,8 @@ axolotl's own pydantic model (validate_config) in tests/doctor/test_axolotl.py a
 planner/doctor/readers/axolotl.py (`fsdp-plan check config.yaml`) as the same plan.
 
 Keys as axolotl 0.21.0 spells them (utils/schemas/): base_model (model.py); adapter lora | qlora, load_in_4bit,
-lora_r / lora_alpha / lora_dropout / lora_target_modules and bnb_config_kwargs, merged over its own
+lora_r / lora_alpha / lora_dropout / lora_target_modules or lora_target_linear (loaders/adapter.py: every linear
+find_all_linear_names finds, the output layer left out) and bnb_config_kwargs, merged over its own
 BitsAndBytesConfig (peft.py; loaders/model.py: nf4, double quantization, bf16 storage by default);
 micro_batch_size, gradient_accumulation_steps, optimizer (training.py); sequence_len, bf16 / fp16,
 attn_implementation, gradient_checkpointing, dp_replicate_size / dp_shard_size, fsdp_version and fsdp_config
@@ -50,8 +51,9 @@ def _refuse(config: FsdpConfig, training: TrainingSpec) -> None:
             raise PlannerError(knob, why)
 
 
-def _finetune(training: TrainingSpec) -> list:
-    """adapter, 4-bit loading and LoRA's keys; nothing for full fine-tuning."""
+def _finetune(training: TrainingSpec, model: ModelSpec) -> list:
+    """adapter, 4-bit loading and LoRA's keys (its targets: those priced, ModelSpec.lora_targets); nothing for full
+    fine-tuning."""
     if not training.finetune.adapters:
         return []
     r = training.lora_rank
@@ -59,6 +61,7 @@ def _finetune(training: TrainingSpec) -> list:
     if training.quantized:
         entries.append(("load_in_4bit", True, "bitsandbytes"))
     entries += [("lora_r", r), ("lora_alpha", 2 * r), ("lora_dropout", 0.0),
+                ("lora_target_linear", True, "every linear of the blocks, as priced") if model.lora_mlp else
                 ("lora_target_modules", qlora.TARGET_MODULES, "the attention projections, as priced")]
     if training.quantized:  # over axolotl's own BitsAndBytesConfig (loaders/model.py): the plan's values
         entries.append(("bnb_config_kwargs", [
@@ -96,7 +99,7 @@ def emit_axolotl(config: FsdpConfig, model: ModelSpec, cluster: ClusterSpec,
     ]
     body = [
         ("base_model", hub_id(model)),
-        *_finetune(training),
+        *_finetune(training, model),
         ("datasets", (DATASET,), "a stand-in: your dataset"),
         ("sequence_len", training.seq_len),
         ("micro_batch_size", config.micro_batch, "the plan's micro-batch per GPU"),

@@ -13,6 +13,7 @@ from cost_models import fsdp_options
 from cost_models.mesh import mesh_of
 from cost_models.specs import ClusterSpec, FsdpConfig, ModelSpec, Precision, TrainingSpec
 
+from planner.emit import qlora
 from planner.emit.code import techniques as tech
 
 RDZV_PORT = 29500
@@ -86,7 +87,7 @@ def _fsdp1_strategy(config: FsdpConfig, cluster: ClusterSpec) -> tuple[str, str]
     return fsdp_options.fsdp1_strategy(config, cluster.gpus_per_node)
 
 
-def _notes(config: FsdpConfig, training: TrainingSpec | None = None) -> list[str]:
+def _notes(config: FsdpConfig, training: TrainingSpec | None = None, model_spec: ModelSpec | None = None) -> list[str]:
     """Caveats that change the training loop rather than the wrapping."""
     notes = []
     if config.precision is Precision.FP16:
@@ -97,10 +98,12 @@ def _notes(config: FsdpConfig, training: TrainingSpec | None = None) -> list[str
         notes.append("offload: create the optimizer after wrapping; its step runs on the CPU (often the "
                      "bottleneck), and CPU RAM per node must hold the params, grads and optimizer state.")
     if training is not None and training.finetune.value == "lora":
-        notes.append("LoRA: apply the adapters (get_peft_model) before wrapping; the plan counts the frozen base in "
-                     "the compute dtype (from_pretrained(dtype=torch.bfloat16)) and peft's fp32 adapters. FSDP1 needs "
-                     "the adapters in units of their own (the fsdp1 snippet's CustomPolicy; HF Trainer does it for "
-                     "PEFT models; plain accelerate: auto_wrap_policy=peft.utils.other.fsdp_auto_wrap_policy(model)).")
+        targets = f", LoraConfig(target_modules={qlora.target_modules_text(model_spec)}): as priced" if model_spec \
+            else ""
+        notes.append(f"LoRA: apply the adapters (get_peft_model{targets}) before wrapping; the plan counts the frozen "
+                     "base in the compute dtype (from_pretrained(dtype=torch.bfloat16)) and peft's fp32 adapters. "
+                     "FSDP1 needs the adapters in units of their own (the fsdp1 snippet's CustomPolicy; HF Trainer "
+                     "does it for PEFT models; plain accelerate: auto_wrap_policy=peft.utils.other.fsdp_auto_wrap_policy(model)).")
     if config.loss_compiled:
         notes.append(tech.COMPILED_LOSS_NOTE)
     if config.expert_units:

@@ -182,8 +182,9 @@ def emit_hf_trainer(config: FsdpConfig, model_spec: ModelSpec, cluster: ClusterS
     if version == 2:
         notes += _fsdp1_only_notes(config, "--emit hf-trainer-fsdp1")
     if training is not None and training.finetune.adapters:
-        notes.append("LoRA: apply the adapters (get_peft_model) before Trainer(...); the Trainer wraps PEFT adapters "
-                     "in FSDP units of their own by itself")
+        targets = qlora.target_modules_text(model_spec)
+        notes.append(f"LoRA: apply the adapters (get_peft_model, LoraConfig(target_modules={targets}): as priced) "
+                     "before Trainer(...); the Trainer wraps PEFT adapters in FSDP units of their own by itself")
     if config.offload:
         notes.append("offload: the optimizer step runs on the CPU (often the bottleneck), and CPU RAM per node must "
                      "hold the params, grads and optimizer state")
@@ -199,7 +200,7 @@ def emit_hf_trainer(config: FsdpConfig, model_spec: ModelSpec, cluster: ClusterS
         *reduce_lines,
         *loss_lines,
         *attention.hf_trainer_lines(config),
-        *(qlora.python_lines(training, config) if qlora.applies(training, model_spec) else []),
+        *(qlora.python_lines(training, config, model_spec) if qlora.applies(training, model_spec) else []),
         *([_comment(notes)] if notes else []),
         _comment([f"launch (Trainer builds the accelerator from these arguments; `accelerate launch` works too): "
                   f"{launch}"] + multi_node_note(cluster)),
@@ -284,11 +285,12 @@ def emit_accelerate(config: FsdpConfig, model_spec: ModelSpec, cluster: ClusterS
             ("parallelism_config_dp_shard_size", layout["shape"][1], "shard group"),
         ], ""))
     top += tech.accelerate_dynamo(config) + tech.accelerate_fp8(config, fsdp_version)
-    header = _summary(config, model_spec, cluster) + [attention.yaml_comment(config)] + _notes(config, training) + \
+    header = _summary(config, model_spec, cluster) + [attention.yaml_comment(config)] + \
+        _notes(config, training, model_spec) + \
         tech.accelerate_unexpressed(
         config, fsdp_version) + meshed.accelerate_notes(config) + [optimizer.script_note(training)]
     if qlora.applies(training, model_spec):
-        header += qlora.yaml_notes(training, config)
+        header += qlora.yaml_notes(training, config, model_spec)
     env = launch_env(config, cluster, "accelerate")
     if env:   # no config key holds them (accelerate's ClusterConfig): the launch line does
         header.append(f"launch: {' '.join(env_words(env))} accelerate launch --config_file <this file> train.py")

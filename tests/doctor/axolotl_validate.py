@@ -11,7 +11,8 @@ from __future__ import annotations
 import json
 import sys
 
-KEYS = ("base_model", "adapter", "load_in_4bit", "lora_r", "lora_alpha", "lora_target_modules", "bnb_config_kwargs",
+KEYS = ("base_model", "adapter", "load_in_4bit", "lora_r", "lora_alpha", "lora_target_modules", "lora_target_linear",
+        "bnb_config_kwargs",
         "sequence_len", "micro_batch_size", "gradient_accumulation_steps", "optimizer", "optim_args", "bf16", "fp16",
         "attn_implementation", "gradient_checkpointing", "dp_replicate_size", "dp_shard_size", "fsdp_version",
         "fsdp_config", "qlora_sharded_model_loading")

@@ -6,6 +6,7 @@ is priced with axolotl's defaults, and its QLoRA pitfalls are found."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib.util
 import json
@@ -39,17 +40,21 @@ def picked(finetune: str):
 
 
 # the settings the picks above leave out, each written and read back: fp16 with offload, checkpointing and SGD under
-# LoRA on one node; fp32 full fine-tuning over HSDP 2 x 8 with eager attention
+# LoRA on one node; fp32 full fine-tuning over HSDP 2 x 8 with eager attention; QLoRA on every linear (all-linear)
 VARIANTS = {
     "fp16-offload-ac-sgd-lora": (FsdpConfig(precision="fp16", offload=True, ac_every=1, micro_batch=4, grad_accum=8),
                                  8, TrainingSpec(finetune="lora", optimizer="sgd")),
     "fp32-hsdp-eager": (FsdpConfig(precision="fp32", sharding="HYBRID_SHARD", attention="eager"), 16, TrainingSpec()),
+    "qlora-all-linear": (FsdpConfig(), 8, TrainingSpec(finetune="qlora")),
 }
 
 
 def variant_text(name: str) -> str:
     config, gpus, training = VARIANTS[name]
-    return emit_axolotl(config, load_preset(MODEL), make_cluster(gpus), training)
+    spec = load_preset(MODEL)
+    if name.endswith("all-linear"):
+        spec = dataclasses.replace(spec, lora_targets="all-linear")
+    return emit_axolotl(config, spec, make_cluster(gpus), training)
 
 
 @pytest.fixture(scope="module")
@@ -77,6 +82,9 @@ def test_the_other_settings_validate_and_read_back(validated, tmp_path):
     assert (full["bf16"], full["fp16"], full["attn_implementation"]) == (False, None, "eager")
     assert (full["dp_replicate_size"], full["dp_shard_size"], full["fsdp_config"]["reshard_after_forward"]) == (
         2, 8, True)
+    every = validated["qlora-all-linear"]
+    assert "error" not in every, every
+    assert (every["lora_target_linear"], every["lora_target_modules"]) == (True, None)
     for name, (config, _, training) in VARIANTS.items():
         path = tmp_path / f"{name}.yaml"
         path.write_text(variant_text(name))
@@ -87,6 +95,8 @@ def test_the_other_settings_validate_and_read_back(validated, tmp_path):
                                     config.micro_batch, config.grad_accum, config.attention), name
         knobs = dict(setup.training)
         assert (knobs["finetune"], knobs["optimizer"]) == (training.finetune.value, training.optimizer.value), name
+        assert knobs.get("lora_targets") == ({"full": None, "lora": "attention", "qlora": "all-linear"}[
+            training.finetune.value]), name
 
 
 @pytest.mark.parametrize("finetune", FINETUNES)
@@ -106,7 +116,7 @@ def test_axolotl_validates_the_emitted_config_with_the_plans_values(validated, f
         assert got["adapter"] is None and got["lora_r"] is None
         return
     assert (got["adapter"], got["lora_r"], got["lora_alpha"]) == (finetune, 16, 32)
-    assert got["lora_target_modules"] == ["q_proj", "k_proj", "v_proj", "o_proj"]
+    assert got["lora_target_modules"] == ["q_proj", "k_proj", "v_proj", "o_proj"] and not got["lora_target_linear"]
     if finetune == "qlora":
         assert got["load_in_4bit"] is True and got["qlora_sharded_model_loading"] is True  # rank 0 stages NF4
         assert got["bnb_config_kwargs"] == {"bnb_4bit_quant_type": "nf4", "bnb_4bit_use_double_quant": True,
@@ -157,8 +167,8 @@ def _checked(tmp_path, text: str):
 
 def test_an_example_config_is_priced_with_axolotls_defaults(tmp_path):
     """axolotl's defaults where the file is silent: micro-batch 1, sequence_len 512, FSDP2 resharding after forward;
-    its BitsAndBytesConfig (nf4, double quantization, bf16 storage); lora_r 8 as written; the FULL_STATE_DICT
-    save gathered on rank 0 is found."""
+    its BitsAndBytesConfig (nf4, double quantization, bf16 storage); lora_r 8 as written, on every linear
+    (lora_target_linear); the FULL_STATE_DICT save gathered on rank 0 is found."""
     r = _checked(tmp_path, EXAMPLE)
     c, t = r.candidate.config, r.candidate.training
     assert (c.micro_batch, c.sharding.value, c.offload, c.ac_every, c.precision.value) == (
@@ -167,7 +177,9 @@ def test_an_example_config_is_priced_with_axolotls_defaults(tmp_path):
         512, "qlora", 8, "nf4", True, "bf16")
     codes = {f.code for f in r.findings}
     assert "full-state-dict-save" in codes and not {c for c in codes if c.startswith("qlora-")}
-    assert any("attention projections" in note for note in r.setup.notes)  # lora_target_linear: priced on q, k, v, o
+    # lora_target_linear: adapters on q, o (4096 -> 4096), k, v (4096 -> 1024), gate, up (4096 -> 14336), down
+    assert r.candidate.model.lora_targets.value == "all-linear" and not r.setup.notes
+    assert r.candidate.model.lora_params_per_block(8) == 8 * (2 * 8192 + 2 * 5120 + 3 * 18432) == 655_360
 
 
 @pytest.mark.parametrize("edit, code", [
@@ -217,19 +229,23 @@ def test_what_axolotl_refuses_is_one_line(training, field):
 
 
 def test_the_cli_round_trip_of_a_qlora_plan(tmp_path):
-    """`fsdp-plan --trainer axolotl --finetune qlora` then `--emit axolotl` and `fsdp-plan check` of that file, as a
-    user runs them: llama3.1-70b on 2 x RTX 4090 reads back as the plan (20,311,986,019 B reserved per GPU when
-    written, under the card's 24 GB), with no finding."""
+    """`fsdp-plan --trainer axolotl --finetune qlora --lora-targets all-linear` then `--emit axolotl` and `fsdp-plan
+    check` of that file, as a user runs them: llama3.1-70b on 2 x RTX 4090 reads back as the plan (its adapters on
+    every linear: lora_target_linear; 19,978,427,439 B reserved per GPU when written, 19,974,711,548 with the attention
+    projections' alone: offloaded, checkpointed), under the card's 24 GB, with no finding."""
     from tests.doctor.cli_run import run_cli as run
 
     args = ["--model", "llama3.1-70b", "--gpus", "2", "--gpu", "rtx4090-24gb"]
+    qlora = ["--finetune", "qlora", "--lora-targets", "all-linear"]
 
-    planned = json.loads(run([*args, "--trainer", "axolotl", "--finetune", "qlora", "--format", "json"]))
+    planned = json.loads(run([*args, "--trainer", "axolotl", *qlora, "--format", "json"]))
     path = tmp_path / "config.yaml"
-    path.write_text(run([*args, "--finetune", "qlora", "--emit", "axolotl"]))
+    path.write_text(run([*args, *qlora, "--emit", "axolotl"]))
+    assert "lora_target_linear: true" in path.read_text()
     checked = json.loads(run(["check", str(path), *args, "--format", "json"]))
     best = planned["candidates"][0]
     for key in ("trainer", "config", "training", "memory", "time"):
         assert checked[key] == best[key], key
+    assert checked["model"] == planned["model"] and checked["model"]["lora_targets"] == "all-linear"
     assert checked["memory"]["peak_reserved_bytes"] < 24 * 10**9  # the RTX 4090's 24 GB
     assert checked["findings"] == []

@@ -13,12 +13,11 @@ from dataclasses import replace
 
 from cost_models.specs import FsdpConfig, Precision
 
-from planner.doctor.readers import python_qlora
+from planner.doctor.readers import peft_targets, python_qlora
 from planner.doctor.readers.common import (UserSetup, _bool, _int, _int_or_none, _positive_int, _strip, fsdp2_sharding,
                                           hsdp_fields)
 from planner.emit import attention
 from planner.emit.optimizer import from_hf_optim
-from planner.emit.qlora import TARGET_MODULES
 from planner.errors import PlannerError
 
 # axolotl's FSDPConfig fields (utils/schemas/fsdp.py), without the fsdp_ prefix its validator strips
@@ -106,11 +105,11 @@ def _finetune(data: dict, precision: Precision, rank0: bool, reentrant: bool) ->
     quantized = adapter == "qlora"
     if quantized and not _bool("load_in_4bit", data.get("load_in_4bit", False)):
         raise PlannerError("load_in_4bit", "adapter qlora loads no 4-bit base without load_in_4bit: true")
-    knobs = (("finetune", adapter), ("lora_rank", _positive_int(data, "lora_r", 8)))  # peft's LoraConfig r
-    targets = data.get("lora_target_modules")
-    targets = [targets] if isinstance(targets, str) else list(targets or [])
-    notes = () if not data.get("lora_target_linear") and set(targets) <= set(TARGET_MODULES) else (
-        f"LoRA adapters beyond the attention projections ({', '.join(TARGET_MODULES)}) are priced on those only",)
+    # lora_target_linear: every linear but the output layer (loaders/adapter.py find_all_linear_names), beside the list
+    targets, notes = peft_targets.lora_targets(
+        data.get("lora_target_modules"), _bool("lora_target_linear", data.get("lora_target_linear") or False))
+    knobs = (("finetune", adapter), ("lora_rank", _positive_int(data, "lora_r", 8)),  # peft's LoraConfig r
+             ("lora_targets", targets))
     if not quantized:
         return knobs, None, notes
     kwargs = data.get("bnb_config_kwargs") or {}

@@ -44,8 +44,10 @@ def from_python(text: str, source: str = "python"):
         setup = python_fsdp.from_fsdp1(snippet)
     else:
         setup = None
-    if setup is not None:  # a QLoRA base the script loads (BitsAndBytesConfig): for rules_qlora
+    if setup is not None:  # a QLoRA base the script loads (BitsAndBytesConfig): for rules_qlora; peft's targets
         qlora, knobs = python_qlora.read_qlora(snippet)
-        return dataclasses.replace(setup, qlora=qlora, training=setup.training + knobs) if qlora else setup
+        targets, notes = python_qlora.read_lora_targets(snippet)
+        return dataclasses.replace(setup, qlora=qlora or setup.qlora, training=setup.training + knobs + targets,
+                                   notes=setup.notes + notes)
     raise PlannerError("config", f"{source} calls none of fully_shard, FullyShardedDataParallel (FSDP), "
                                  "FSDPStrategy: fsdp-plan check reads the code of --emit fsdp2, fsdp1 or lightning")

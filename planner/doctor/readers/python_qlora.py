@@ -5,7 +5,8 @@ default), transformers' gradient checkpointing (gradient_checkpointing_enable / 
 reentrant unless gradient_checkpointing_kwargs says use_reentrant False) and its input-grad hook
 (enable_input_require_grads, or peft's prepare_model_for_kbit_training which calls it), and whether the ranks
 load the checkpoint once: a meta device (torch.device("meta"), device_map "meta", accelerate's
-init_empty_weights) or rank 0's state dict broadcast (StateDictOptions(broadcast_from_rank0=True))."""
+init_empty_weights) or rank 0's state dict broadcast (StateDictOptions(broadcast_from_rank0=True)). And, LoRA or
+QLoRA, the linears peft's LoraConfig(target_modules=...) adapts (peft_targets.py: the lora_targets knob)."""
 
 from __future__ import annotations
 
@@ -13,8 +14,9 @@ import ast
 
 from dataclasses import dataclass
 
-from planner.doctor.readers import common
+from planner.doctor.readers import common, peft_targets
 from planner.doctor.readers.python_ast import Snippet
+from planner.errors import PlannerError
 
 # the readers' dtype names with and without torch's prefix, and bitsandbytes' integer storage
 DTYPES = {prefix + name: short for name, short in {**common.DTYPES, "uint8": "uint8"}.items()
@@ -75,6 +77,21 @@ def read_qlora(snippet: Snippet) -> tuple[QloraSetup | None, tuple]:
         values, base_dtype=base, adapter_dtype=adapters, checkpointing=checkpointing and reentrant,
         input_grads_hook=bool(snippet.named("enable_input_require_grads", "prepare_model_for_kbit_training")),
         rank0_loading=meta or broadcast or bool(snippet.named("init_empty_weights")))
+
+
+def read_lora_targets(snippet: Snippet) -> tuple[tuple, tuple[str, ...]]:
+    """(the lora_targets knob, notes) of the script's LoraConfig(target_modules=...), or ((), ()) without one."""
+    configs = snippet.named("LoraConfig")
+    if not configs:
+        return (), ()
+    node = configs[0].kwargs.get("target_modules")
+    try:
+        written = None if node is None else snippet.value(node, "target_modules")
+    except PlannerError:  # computed in the script: not a literal this reader can price
+        return (), (f"LoraConfig's target_modules={ast.unparse(node)} is not a literal: LoRA priced on the attention "
+                    "projections (--lora-targets all-linear for every linear)",)
+    targets, notes = peft_targets.lora_targets(written)
+    return (("lora_targets", targets),), notes
 
 
 def from_model_init_kwargs(kwargs: dict, rank0_loading: bool) -> tuple[QloraSetup | None, tuple]:

@@ -263,7 +263,7 @@ def _moe_padding_fix(config: FsdpConfig, model_spec: ModelSpec, cluster: Cluster
 
 def _render(config, model_spec, cluster, imports: list[str], body: list[str],
             training: TrainingSpec | None = None, extra_notes: list[str] = (), module_level: list[str] = ()) -> str:
-    notes = _notes(config, training) + list(extra_notes)
+    notes = _notes(config, training, model_spec) + list(extra_notes)
     lines = [
         _comment(_summary(config, model_spec, cluster)),
         *imports,
