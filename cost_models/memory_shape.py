@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from operator import attrgetter
 
-from . import (activation_notes, activations, context_parallel, fsdp1_adapters, kernels, moe, operators, qlora,
-               tensor_parallel)
+from . import (activation_notes, activations, activations_backward, context_parallel, fsdp1_adapters, kernels, moe,
+               operators, qlora, tensor_parallel)
 from .memory_types import ParamCounts, traced_block_terms
 from .quick_init import quick_init, replaced
 from .specs import FSDP_ONLY_FIELDS, FsdpConfig, ModelSpec, TrainingSpec
@@ -159,10 +159,10 @@ def ledger_shape(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, e
     # loss parallel (vocab / tp): its own events, as the pipeline ledger reads them (loss_memory.events)
     _, logits_peak = activations.logits_bytes_per_token(model, c, config.loss_compiled,
                                                         tensor_parallel.loss_parallel(config))
-    w_mlp = activations.mlp_backward_working_bytes_per_token(model, c, lora=bool(lora_rank), kernels=kern)
-    w_attn = activations.attention_backward_working_bytes_per_token(model, c, attn, training.seq_len)
+    w_mlp = activations_backward.mlp_backward_working_bytes_per_token(model, c, lora=bool(lora_rank), kernels=kern)
+    w_attn = activations_backward.attention_backward_working_bytes_per_token(model, c, attn, training.seq_len)
     w_attn += context_parallel.ring_working_bytes_per_token(model, config.cp, c)  # CP: the ring's transients
-    freed_attn = activations.attention_freed_before_backward_bytes_per_token(
+    freed_attn = activations_backward.attention_freed_before_backward_bytes_per_token(
         model, c, lora=bool(lora_rank), attention=attn, kernels=kern, micro_batch=config.micro_batch)
     h, f = model.hidden_size, model.ffn_hidden_size
     real = ParamCounts.of(model, training)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass
 
-from . import activations, context_parallel, operators, pipeline_techniques, tensor_parallel
+from . import activations, activations_backward, context_parallel, operators, pipeline_techniques, tensor_parallel
 from .memory_types import ParamCounts
 from .pipeline import Stage
 from .specs import FsdpConfig, ModelSpec, TrainingSpec
@@ -122,10 +122,11 @@ def stage_pieces(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, s
     # each block's backward, top first (memory.py's moments): the saved tensors of the blocks below it, its own
     # (recomputed when checkpointed), the larger of its MLP's and attention's working sets with their gradients;
     # relative to the microbatch's whole `saved` (the root's and the kept output are gone by then)
-    w_mlp = activations.mlp_backward_working_bytes_per_token(model, c)
-    w_attn = activations.attention_backward_working_bytes_per_token(model, c, attn, s)
+    w_mlp = activations_backward.mlp_backward_working_bytes_per_token(model, c)
+    w_attn = activations_backward.attention_backward_working_bytes_per_token(model, c, attn, s)
     w_attn += context_parallel.ring_working_bytes_per_token(model, config.cp, c)  # CP: the ring's transients
-    freed = activations.attention_freed_before_backward_bytes_per_token(model, c, attention=attn, micro_batch=mb)
+    freed = activations_backward.attention_freed_before_backward_bytes_per_token(model, c, attention=attn,
+                                                                                 micro_batch=mb)
     mlp_grad = min(counts.block(), h * f) * c
     attn_grad = pipeline_techniques.attention_grad_bytes(  # MoE: every expert's, as memory.py counts them
         model, c, counts.block(), min(counts.block(), (3 if model.gated_mlp else 2) * h * f + model.q_dim * h) * c)

@@ -12,7 +12,8 @@ from planner.emit.axolotl import emit_axolotl
 from planner.emit.code.fsdp import emit_fsdp1, emit_fsdp2
 from planner.emit.launchers import emit_pytorchjob, emit_slurm, emit_torchrun
 from planner.emit.torchtitan.job import emit_torchtitan
-from planner.emit.trainers import emit_accelerate, emit_hf_trainer, emit_lightning
+from planner.emit.lightning import emit_lightning
+from planner.emit.trainers import emit_accelerate, emit_hf_trainer
 from planner.errors import PlannerError
 
 __all__ = ["ARTIFACTS", "emit_artifact", "recommendation_text", "emit_fsdp1", "emit_fsdp2", "emit_accelerate",

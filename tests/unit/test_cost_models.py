@@ -167,8 +167,9 @@ def test_all_linear_lora_by_hand():
     """LoRA on every linear (lora_targets all-linear): the MLP's adapters keep its norm's output (gate / up lora_A)
     and down_proj's input (its lora_A), as a full fine-tune's linears do; each adds its lora_A output; the MLP's
     backward frees down_proj's input again; the adapters' parameters, optimizer state and FLOPs cover 7 linears."""
-    from cost_models.activations import (attention_freed_before_backward_bytes_per_token,
-                                         block_bytes_per_token, mlp_backward_working_bytes_per_token)
+    from cost_models.activations import block_bytes_per_token
+    from cost_models.activations_backward import (attention_freed_before_backward_bytes_per_token,
+                                                  mlp_backward_working_bytes_per_token)
     from cost_models.compute import attention_flops_per_token_per_layer, model_flops_per_token
     from cost_models.specs import Attention
 
@@ -195,7 +196,7 @@ def test_eager_attention_backward_peaks_after_v_and_the_o_input_are_freed():
     """At the softmax backward (eager attention's peak) the o-projection's input copy and v are gone:
     Llama-style separate projections free c*q + c*q (v repeated per head, or as wide under MHA); a fused
     rotary projection with one sequence and MHA frees the copy and the fused output v is a view of."""
-    from cost_models.activations import attention_freed_before_backward_bytes_per_token as freed
+    from cost_models.activations_backward import attention_freed_before_backward_bytes_per_token as freed
     from cost_models.specs import Attention
 
     c, q = 2, TOY.q_dim

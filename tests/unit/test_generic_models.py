@@ -17,7 +17,7 @@ pytest.importorskip("transformers")
 
 import torch  # noqa: E402
 
-from cost_models import activations  # noqa: E402
+from cost_models import activations, activations_backward  # noqa: E402
 from cost_models.specs import Attention  # noqa: E402
 from planner.api import estimate  # noqa: E402
 from planner.errors import PlannerError, UnsupportedModel  # noqa: E402
@@ -135,7 +135,7 @@ def test_block_profile_of_a_family_with_formulas_matches_them():
     # backward: the MLP moment of an sdpa block holds c*h + 2*c*f above the saved tensors, with fc2's
     # weight gradient (h x f) accumulated
     acts, grads = profiled.activation_profile.get("bf16", "sdpa").backward_peak(4 * seq, seq)
-    assert acts / (4 * seq) == pytest.approx(activations.mlp_backward_working_bytes_per_token(spec, 2), rel=0.02)
+    assert acts / (4 * seq) == pytest.approx(activations_backward.mlp_backward_working_bytes_per_token(spec, 2), rel=0.02)
     assert grads == 256 * 704 * 2
 
 

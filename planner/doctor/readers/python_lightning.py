@@ -1,6 +1,6 @@
 """`fsdp-plan check` on Lightning code (planner/doctor/readers/python_code.py dispatches here): FSDPStrategy(...)
 (Lightning 2.x lightning/pytorch/strategies/fsdp.py, FSDP1 underneath) and the Trainer(...) it is given to, as
-planner/emit/trainers.py emit_lightning writes them.
+planner/emit/lightning.py emit_lightning writes them.
 
 - precision: the strategy's mixed_precision where given, else what Lightning derives from the Trainer's precision
   (lightning/fabric/plugins/precision/fsdp.py mixed_precision_config: "bf16-mixed" / "bf16-true" -> param, reduce
