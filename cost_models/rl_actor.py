@@ -44,11 +44,8 @@ class ActorStates:
 
 def all_linear_lora(model: ModelSpec) -> ModelSpec:
     """LoRA on every linear of a block (PEFT's target_modules="all-linear", verl's examples): q, k, v, o and the
-    MLP's gate / up / down. The repo's presets list the attention's only."""
-    h, f = model.hidden_size, model.ffn_hidden_size
-    mlp = ((h, f), (h, f), (f, h)) if model.gated_mlp else ((h, f), (f, h))
-    attention = ((h, model.q_dim), (h, model.kv_dim), (h, model.kv_dim), (model.q_dim, h))
-    return dataclasses.replace(model, lora_target_shapes=attention + mlp)
+    MLP's (ModelSpec.lora_targets all-linear: their adapters and the inputs they save)."""
+    return dataclasses.replace(model, lora_targets="all-linear")
 
 
 # [tokens, vocab] tensors of the compute dtype alive at the entropy path's peak, traced with torch 2.13's eager
@@ -200,7 +197,7 @@ def sent_tensors(model: ModelSpec, settings: RlSettings) -> tuple[int, ...]:
     if not (settings.framework == "trl" and settings.server):
         return ()
     p = DTYPE_BYTES[ACTOR_DTYPES[settings.actor_dtype].param_dtype]
-    return tuple(sync_tensor_bytes(model, all_linear_lora(model).lora_target_shapes, p))
+    return tuple(sync_tensor_bytes(model, all_linear_lora(model).lora_shapes, p))
 
 
 def forward_only_bytes(model: ModelSpec, tokens: int, c: int, settings: RlSettings, sp: int = 1,
