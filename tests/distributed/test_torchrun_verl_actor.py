@@ -18,8 +18,9 @@ frees the root's bf16 copy after forward), 256 / 512 tokens a rank: 190,328,240 
 305,460,224 (-0.04% / -0.05%; +17.2% / +10.7% before that rule). A fourth, verl's FSDP2 (strategy fsdp2: the embedding
 and the head units of their own, resharded after their forward, so neither is gathered at the entropy's backward),
 128 / 256 tokens: 95,172,784 / 152,829,392 B, ours 95,123,456 / 152,730,624 (-0.05% / -0.06%; +17.2% at 128 while we
-counted the head gathered). Two more without checkpointing on a model whose blocks outweigh its head (FSDP1 and FSDP2
-LoRA all-linear: their tests say the figures). Not in this file (docs/rl.md): 2 ranks without
+counted the head gathered). One more, FSDP2 LoRA all-linear without checkpointing on a model whose blocks outweigh its
+head (its test says the figures); FSDP1's the same way (+6.9% / +5.9%, measured 2026-12-07) is in docs/rl.md, its
+case dropped to keep the suite's time. Not in this file (docs/rl.md): 2 ranks without
 Ulysses (-0.05%), the compiled entropy
 (measured from the CPU allocator's events: 3.06-3.10 [tokens, vocab] tensors a token against our 3). The case takes
 ~25 s of wall time on 2 busy cores (verl's import ~7 s a rank, the checkpoint and the engine's build ~8 s), the
@@ -41,15 +42,12 @@ for module in ("verl", "peft", "tensordict"):
 MODEL = {"hidden": 256, "layers": 2, "heads": 4, "kv_heads": 2, "ffn": 704, "vocab": 32000}
 CASE = {**MODEL, "prompt": 32, "response": 96, "seqs": [2, 4], "sp": 2}
 NO_SHARD = {**CASE, "sp": 1, "fsdp_size": 1}   # each rank its own shard group: FSDP1 runs NO_SHARD
-# no checkpointing on a model whose blocks outweigh its head: the adapters' own units (fsdp1_adapters.py) show
-BLOCKS = {"hidden": 512, "layers": 2, "heads": 8, "kv_heads": 4, "ffn": 1408, "vocab": 1024, "prompt": 32,
-          "response": 96, "seqs": [2, 4], "sp": 1, "gc": False}
-
 FSDP2 = {**CASE, "strategy": "fsdp2"}   # verl's fully_shard wrapping (embedding and head units of their own)
+# no checkpointing on a model whose blocks outweigh its head: a block's backward peaks
+BLOCKS_FSDP2 = {"hidden": 512, "layers": 2, "heads": 8, "kv_heads": 4, "ffn": 1408, "vocab": 1024, "prompt": 32,
+                "response": 96, "seqs": [2, 4], "sp": 1, "gc": False, "strategy": "fsdp2"}
 
-BLOCKS_FSDP2 = {**BLOCKS, "strategy": "fsdp2"}
-
-launch = shared(__file__, "worker_verl_actor", [CASE, NO_SHARD, BLOCKS, FSDP2, BLOCKS_FSDP2], timeout_s=420)
+launch = shared(__file__, "worker_verl_actor", [CASE, NO_SHARD, FSDP2, BLOCKS_FSDP2], timeout_s=360)
 
 
 @pytest.fixture(scope="module")
@@ -131,31 +129,11 @@ def test_one_rank_shard_groups_hold_no_root_copy_at_the_loss(config_json):
             assert ours.total_bytes == pytest.approx(row["peak_allocated_bytes"], rel=0.002)
 
 
-def test_lora_blocks_without_checkpointing(tmp_path_factory):
-    """FSDP1 LoRA all-linear without checkpointing on a model whose blocks outweigh its head (h 512, V 1,024): the
-    peak is a block's backward. verl wraps every trainable leaf (lora_A, lora_B) as a unit of its own under autocast;
-    the RL actor prices the FSDP2-shaped ledger (the adapters inside their block's unit) with the MLP adapters'
-    saved inputs (ModelSpec.lora_targets all-linear). Measured 2026-12-07, per rank: 256 tokens 42,245,564 B real,
-    ours 45,164,544 (+6.9%); 512 tokens 53,942,776, ours 57,141,248 (+5.9%) (+4.0% / +1.3% while the MLP adapters'
-    inputs were left out, which verl's FSDP2 below shows they hold). The plain ledger's AdapterUnits.AUTOCAST
-    (fsdp1_adapters.py) gives -0.9% / +7.9%: not adopted. Asserted: over, by less than 8% (the safe side)."""
-    path = _config_json(tmp_path_factory.mktemp("verl_blocks"), BLOCKS)
-    pairs = []
-    for rows in launch()[2]["ranks"]:
-        for row in rows:
-            ours = _update_per_rank(path, BLOCKS, row["seqs"], gradient_checkpointing=False)
-            print(f"blocks {row['tokens']} tokens a rank: real {row['peak_allocated_bytes']} B, ours {ours.total_bytes}")
-            assert row["peak_phase"] == "backward"
-            pairs.append((ours.total_bytes, row["peak_allocated_bytes"]))
-    for ours, real in pairs:
-        assert real < ours < real * 1.08
-
-
 def test_fsdp2_update_peak(config_json):
     """verl's FSDP2 engine (strategy fsdp2), case 2's path otherwise (LoRA, Ulysses 2, checkpointing)."""
     from planner.rl import rl_estimate
 
-    for rows in launch()[3]["ranks"]:
+    for rows in launch()[2]["ranks"]:
         for row in rows:
             seqs = row["seqs"]
             ours = rl_estimate(config_json, 2, gpu="h100-80gb", prompt_len=FSDP2["prompt"],
@@ -173,11 +151,11 @@ def test_fsdp2_lora_blocks_without_checkpointing(tmp_path_factory):
     2026-12-07, per rank: 256 / 512 tokens 45,085,128 / 56,427,000 B real, ours 43,067,392 / 55,044,096 (-4.5% /
     -2.5%; -8.9% / -9.5% before the MLP adapters' saved inputs were priced): ~2.0 MB under at 256 tokens, about four
     [tokens, h] bf16 tensors a block not yet found (the OOM side: asserted under by less than 6%, to be closed)."""
-    path = _config_json(tmp_path_factory.mktemp("verl_blocks_fsdp2"), BLOCKS)
+    path = _config_json(tmp_path_factory.mktemp("verl_blocks_fsdp2"), BLOCKS_FSDP2)
     pairs = []
-    for rows in launch()[4]["ranks"]:
+    for rows in launch()[3]["ranks"]:
         for row in rows:
-            ours = _update_per_rank(path, BLOCKS, row["seqs"], gradient_checkpointing=False, strategy="fsdp2")
+            ours = _update_per_rank(path, BLOCKS_FSDP2, row["seqs"], gradient_checkpointing=False, strategy="fsdp2")
             print(f"FSDP2 blocks {row['tokens']} tokens a rank: real {row['peak_allocated_bytes']} B, ours "
                   f"{ours.total_bytes}")
             pairs.append((ours.total_bytes, row["peak_allocated_bytes"]))
