@@ -33,7 +33,7 @@ skipped. In server mode rank 0 packs what it gathers (rl_trl_server.py).
 
 So FSDP2 holds at most what FSDP1 holds in every phase (equal with tied embeddings, bar the weight sync's copy),
 except on one-rank shard groups (fsdp_size 1), where FSDP1 runs NO_SHARD and its update holds no root copy at the
-loss (loss_root_bytes) while FSDP2 holds its head.
+loss (loss_root_bytes) while FSDP2 keeps the root's own (the final norm) gathered.
 The update's step time is each API's (rl_time.micro_step: step_time's fsdp2, the copies around the collectives of
 fsdp_copies.py): FSDP2 copies every all-gather in and out and packs the gradients, FSDP1 gathers into its flat
 parameter but casts and divides its whole flat gradient. So FSDP2's update is the faster with an fp32 actor (bf16

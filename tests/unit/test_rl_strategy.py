@@ -86,7 +86,7 @@ def test_fsdp2_holds_no_more_but_at_no_shard_and_only_the_trainer_passes_differ_
     assert [p.name for p in fsdp1.memory.phases] == [p.name for p in fsdp2.memory.phases]
     sharded = knobs.get("fsdp_size", -1) != 1  # fsdp_size 1: each GPU holds the actor, nothing gathered
     # except fsdp_size 1's update: FSDP1 runs NO_SHARD there and frees the root's bf16 copy after forward
-    # (rl_strategy.loss_root_bytes), FSDP2 holds its head at the loss: FSDP1 holds that much less
+    # (rl_strategy.loss_root_bytes), FSDP2 keeps its root's own (the final norm) gathered: FSDP1 holds that much less
     assert all(b.reserved_bytes <= a.reserved_bytes for a, b in zip(fsdp1.memory.phases, fsdp2.memory.phases)
                if sharded or a.name != "update")
     if not sharded:
