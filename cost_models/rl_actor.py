@@ -113,7 +113,7 @@ def actor_run(model: ModelSpec, cluster: ClusterSpec, settings: RlSettings, batc
         if key not in memo:
             memo[key] = actor_run(model, cluster, settings, batch)
         return memo[key]
-    size = cluster.n_gpus if settings.fsdp_size == -1 else min(settings.fsdp_size, cluster.n_gpus)
+    size = shard_group_ranks(cluster.n_gpus, settings.fsdp_size)
     sharding = Sharding.FULL_SHARD if size == cluster.n_gpus else Sharding.NO_SHARD if size == 1 \
         else Sharding.HYBRID_SHARD
     config = FsdpConfig(sharding=sharding, precision=ACTOR_DTYPES[settings.actor_dtype],
@@ -125,6 +125,13 @@ def actor_run(model: ModelSpec, cluster: ClusterSpec, settings: RlSettings, batc
                                                          finetune=settings.finetune, lora_rank=settings.lora_rank,
                                                          optimizer_impl=settings.optimizer_impl),
                     shard_ranks=size)
+
+
+def shard_group_ranks(n_gpus: int, fsdp_size: int) -> int:
+    """The actor's shard group (fsdp_config.fsdp_size, -1: all GPUs), at most the GPUs. A group of one rank shards
+    nothing: FSDP1 runs NO_SHARD there (rl_strategy.loss_root_bytes), which the search's pruning reads
+    (planner/rl/search.py _holds_no_more)."""
+    return n_gpus if fsdp_size == -1 else min(fsdp_size, n_gpus)
 
 
 def _shard_group_nodes(cluster: ClusterSpec, size: int) -> ClusterSpec:

@@ -45,6 +45,7 @@ from dataclasses import dataclass
 
 from cost_models.model_spec import ModelSpec
 from cost_models.profile import Profile
+from cost_models.rl_actor import shard_group_ranks
 from cost_models.units import MiB
 
 from ..errors import PlannerError
@@ -234,7 +235,7 @@ def plan_rl(request: RlRequest, profile: Profile | None = None, top: int = 10) -
     failed: list[tuple[dict, set]] = []   # (S, the actor choices whose actor side did not fit with it)
     best = []
     fsdp2_fitting: dict = {}   # S less its strategy -> FSDP2's engine choices that fit, as (f, index)
-    sharded = n_gpus > 1 and request.fsdp_size != 1   # else FSDP1 runs NO_SHARD (_holds_no_more)
+    sharded = shard_group_ranks(n_gpus, request.fsdp_size) > 1   # else FSDP1 runs NO_SHARD (_holds_no_more)
     # the choices that hold less first (more offloaded; FSDP2 before FSDP1), so their failures prune the others'
     for s in sorted(shared, key=lambda s: (-sum(s[k] for k in OFFLOADS if k in s), s["strategy"] != "fsdp2")):
         twin = tuple(sorted((k, v) for k, v in s.items() if k != "strategy"))

@@ -205,3 +205,21 @@ def test_the_critics_offload_policy_keeps_the_pruning_exact(monkeypatch):
                                                                              **ppo))
     assert size == 5120 and len(exhaustive) == 15 and {e.request.strategy for e in plan.ranked} == {"fsdp", "fsdp2"}
     assert all(e.memory.critic.on_host for e in plan.ranked)
+
+
+def test_the_pruning_reads_the_actors_shard_group(monkeypatch):
+    """fsdp_size gives the actor's shard group (rl_actor.shard_group_ranks, which actor_run prices: -1 all GPUs, at
+    most the GPUs). A group of one rank shards nothing and FSDP1 runs NO_SHARD there, holding less than FSDP2 in the
+    update, so FSDP2's failures must not prune FSDP1's choices: _holds_no_more is told `sharded` from the same
+    function (the pruned search equal to the product at fsdp_size 1 too)."""
+    from cost_models.rl_actor import shard_group_ranks
+
+    assert [shard_group_ranks(n, f) for n, f in ((8, -1), (8, 1), (8, 4), (8, 16), (1, -1))] == [8, 1, 4, 8, 1]
+    told = []
+    holds = search._holds_no_more
+    monkeypatch.setattr(search, "_holds_no_more", lambda t, s, sharded: told.append(sharded) or holds(t, s, sharded))
+    _pruned_and_exhaustive(monkeypatch, rl_request("qwen2.5-7b", 2, fsdp_size=1, **SMALL_JOB))
+    assert told and not any(told)
+    told.clear()
+    search.plan_rl(rl_request("qwen2.5-7b", 2, fsdp_size=2, **SMALL_JOB))
+    assert told and all(told)
