@@ -73,6 +73,22 @@ def test_verl_script_composes_in_verls_own_config(model, gpus, knobs):
         assert OmegaConf.select(composed, "algorithm.adv_estimator") == "gae"
 
 
+def test_max_num_seqs_defaults_are_what_verl_passes_to_vllm():
+    """verl 0.9.1 hands rollout.max_num_seqs to vLLM's engine args itself (workers/rollout/vllm_rollout/
+    vllm_async_server.py launch_server: args["max_num_seqs"] = self.config.max_num_seqs), so vLLM's own default
+    (EngineArgs: 1024 for its API server on a >= 70 GiB GPU in v1) never applies, whatever the vLLM version. The value
+    is the YAML's (trainer/config/rollout/rollout.yaml: 256; RolloutConfig's dataclass default 1024 only for a config
+    built without it) and the reward model's (reward/reward.yaml: 1024): the planner's defaults."""
+    from omegaconf import OmegaConf
+
+    from cost_models.rl_reward import REWARD_MAX_NUM_SEQS
+    from planner.rl.request import RlRequest
+
+    base = _compose([])
+    assert OmegaConf.select(base, "actor_rollout_ref.rollout.max_num_seqs") == RlRequest().max_num_seqs == 256
+    assert OmegaConf.select(base, "reward.reward_model.rollout.max_num_seqs") == REWARD_MAX_NUM_SEQS == 1024
+
+
 def test_hydra_refuses_a_key_verl_does_not_have():
     """What makes the test above a check: a misspelt key does not compose."""
     from hydra.errors import ConfigCompositionException
