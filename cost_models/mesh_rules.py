@@ -33,9 +33,15 @@ def _list(values) -> str:
 
 
 # Dense families whose blocks the TP plan splits (calibration/tensor_parallel.py, --emit fsdp2): separate q, k, v, o
-# and gate / up / down projections under those names. Fused q/k/v (GPT-2, GPT-NeoX, Phi-3, Falcon, BLOOM, MPT) and
-# other layouts have no plan here; MoE models take TP beside EP only (torchtitan's etp = 1: --emit torchtitan).
-TP_PLAN_FAMILIES = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "olmo2"})
+# (self_attn.{q,k,v,o}_proj) and the MLP's linears, each as transformers' base_model_tp_plan names them: Llama's
+# gate / up column-wise and down row-wise; Starcoder2's plain MLP c_fc column-wise (its bias split) and c_proj
+# row-wise (its bias replicated). Fused q/k/v (GPT-2, GPT-NeoX, Phi-3, Falcon, BLOOM, MPT) and other layouts have no
+# plan here; MoE models take TP beside EP only (torchtitan's etp = 1: --emit torchtitan).
+LLAMA_MLP_PLAN = (("mlp.gate_proj", "colwise"), ("mlp.up_proj", "colwise"), ("mlp.down_proj", "rowwise"))
+TP_MLP_PLANS = {**dict.fromkeys(("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "olmo2"),
+                                LLAMA_MLP_PLAN),
+                "starcoder2": (("mlp.c_fc", "colwise"), ("mlp.c_proj", "rowwise"))}
+TP_PLAN_FAMILIES = frozenset(TP_MLP_PLANS)
 
 
 def tp_plannable(model: ModelSpec, ep: int = 1) -> bool:
@@ -83,7 +89,7 @@ def mesh_refusals(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec
         why = ("tensor parallelism of routed experts is not planned: split them with --ep (TP then splits the "
                "attention, torchtitan's layout)" if model.moe is not None else
                f"{model.name}'s blocks ({model.family}) have no TP plan here (it splits separate q/k/v/o and "
-               f"gate/up/down projections: {', '.join(sorted(TP_PLAN_FAMILIES))})")
+               f"MLP projections, named as transformers' tp_plan names them: {', '.join(sorted(TP_PLAN_FAMILIES))})")
         out.append(Refusal("tp", "tp-not-planned-for-model", f"tp={tp}: {why}", "use tp 1", priced=False))
     elif tp > 1:
         valid = tp_degrees(model, ep)

@@ -2,8 +2,10 @@
 tiny transformers Llama trained in one process (worker_emit_mesh.py). Sequence parallel with loss parallel
 (through the snippet's forward_backward), transformers' plan without it, and with full checkpointing: the
 losses of 3 SGD steps (lr 0.5, so a wrong gradient shows by the second) agree to 1e-5 relative; when this was
-written they agreed to 1e-7 (4.871611 / 4.813029 / 4.785713 on both sides). The cases run in the shared 2-rank
-launch (cases.shared): ~4 CPU s of it, both ranks (measured 2026-12-06)."""
+written they agreed to 1e-7 (4.871611 / 4.813029 / 4.785713 on both sides). Two cases run the snippet's plan in
+Starcoder2's names on a tiny Starcoder2 (SGD lr 0.2): 4.893991 / 4.884990 / 4.851935 with sequence parallel (tied),
+4.883359 / 4.873281 / 4.836015 without (untied), parallel and one process within 1e-7. The cases run in the
+shared 2-rank launch (cases.shared): ~4 CPU s of it for the first three, both ranks (measured 2026-12-06)."""
 
 from __future__ import annotations
 
@@ -15,7 +17,10 @@ pytestmark = pytest.mark.distributed
 pytest.importorskip("transformers")
 
 CASES = [{"tp": 2, "precision": "fp32"}, {"tp": 2, "precision": "fp32", "sequence_parallel": False},
-         {"tp": 2, "precision": "fp32", "ac_every": 1}]
+         {"tp": 2, "precision": "fp32", "ac_every": 1},
+         # Starcoder2's own names (c_fc / c_proj), biases and LayerNorms; tied under sequence parallel
+         {"tp": 2, "precision": "fp32", "family": "starcoder2"},
+         {"tp": 2, "precision": "fp32", "sequence_parallel": False, "family": "starcoder2-untied"}]
 launch = shared(__file__, "worker_emit_mesh", CASES, timeout_s=600)
 
 

@@ -65,6 +65,8 @@ def test_tp_degrees_follow_heads_kv_heads_and_mlp():
     # GPT-2 blocks fuse q, k and v in one projection (c_attn): no TP plan, so no TP degree but 1; MoE models
     # take TP beside EP only
     assert tp_degrees(load_preset("gpt-175b")) == [1]
+    # starcoder2-15b: 48 heads, 4 KV heads, MLP 24576 = 2^13 x 3 (its plain MLP c_fc / c_proj, transformers' names)
+    assert tp_degrees(load_preset("starcoder2-15b"))[:4] == [1, 2, 4, 8]
     assert tp_degrees(load_preset("mixtral-8x7b")) == [1] and tp_degrees(load_preset("mixtral-8x7b"), ep=2)[:3] == [1, 2, 4]
 
 
@@ -103,8 +105,9 @@ def test_pinned_degrees_are_searched_alone():
 
 BAD = [
     (["estimate", "--model", "gpt-13b", "--gpus", "8", "--tp", "2"],
-     "error: tp: tp=2: gpt-13b's blocks (gpt2) have no TP plan here (it splits separate q/k/v/o and gate/up/down "
-     "projections: gemma, gemma2, gemma3_text, llama, mistral, olmo2, qwen2, qwen3); use tp 1"),
+     "error: tp: tp=2: gpt-13b's blocks (gpt2) have no TP plan here (it splits separate q/k/v/o and MLP "
+     "projections, named as transformers' tp_plan names them: gemma, gemma2, gemma3_text, llama, mistral, olmo2, "
+     "qwen2, qwen3, starcoder2); use tp 1"),
     (["estimate", "--model", "mixtral-8x7b", "--gpus", "16", "--tp", "2"],
      "error: tp: tp=2: tensor parallelism of routed experts is not planned: split them with --ep (TP then splits "
      "the attention, torchtitan's layout); use tp 1"),

@@ -3,7 +3,8 @@
 sub-mesh), accelerate's ParallelismConfig, and the one-line refusal of a dialect that cannot hold a mesh.
 
 The TP plan is the one calibration/tensor_parallel.py applies (torchtitan's parallelize_llama in transformers'
-Llama names, which Llama, Mistral, Qwen2/3 and the reference model share):
+names: Llama's, which Mistral, Qwen2/3, Gemma, OLMo 2 and the reference model share, or Starcoder2's MLP c_fc /
+c_proj; cost_models/mesh_rules.TP_MLP_PLANS):
 - sequence_parallel (torchtitan's): the embedding row-wise with its output on sequence shards (Shard(1)), each
   block's norms SequenceParallel, the attention's and the MLP's input all-gathered (PrepareModuleInput), q/k/v,
   gate, up column-wise, o, down row-wise reducing back onto the sequence shards, the final norm
@@ -18,6 +19,7 @@ Pure strings: no torch import.
 from __future__ import annotations
 
 from cost_models.mesh import Mesh, mesh_of
+from cost_models.mesh_rules import LLAMA_MLP_PLAN, TP_MLP_PLANS
 from cost_models.specs import ClusterSpec, FsdpConfig, ModelSpec, TrainingSpec
 
 from planner.emit.code import pipeline as piped
@@ -96,7 +98,7 @@ def fsdp2_module_level(config: FsdpConfig, cluster: ClusterSpec, model_spec: Mod
              f"MESH_SHAPE = ({shape},)" if len(dims) == 1 else f"MESH_SHAPE = ({shape})",
              f"MESH_DIMS = ({names},)" if len(dims) == 1 else f"MESH_DIMS = ({names})", ""]
     if config.tp > 1:
-        lines += ["", *_block_tp_plan(config), ""]
+        lines += ["", *_block_tp_plan(config, model_spec), ""]
     if config.ep > 1:
         lines += ["", *_expert_parallel(mesh), ""]
     if _needs_step(config):
@@ -152,23 +154,27 @@ def expert_unit_lines(config: FsdpConfig, cluster: ClusterSpec, unit_kwargs: str
             f"        experts.set_gradient_divide_factor({dp}.0)"]
 
 
-def _block_tp_plan(config: FsdpConfig) -> list[str]:
+def _block_tp_plan(config: FsdpConfig, model_spec: ModelSpec | None) -> list[str]:
+    """One block's TP plan, its MLP's linears under the model's own names (TP_MLP_PLANS; Llama's by default)."""
+    mlp = TP_MLP_PLANS.get(model_spec.family, LLAMA_MLP_PLAN) if model_spec is not None else LLAMA_MLP_PLAN
+    names = "Llama names" if mlp == LLAMA_MLP_PLAN else f"{model_spec.family}'s names"
+    row = "RowwiseParallel(output_layouts=Shard(1), use_local_output=False)" if config.sequence_parallel \
+        else "RowwiseParallel()"
+    mlp_lines = [f"        \"{name}\": {'ColwiseParallel()' if style == 'colwise' else row}," for name, style in mlp]
     if not config.sequence_parallel:
         return [
             "def block_tp_plan():",
-            "    \"\"\"One block's TP plan: transformers' base_model_tp_plan (Llama names; no sequence parallel).\"\"\"",
+            f"    \"\"\"One block's TP plan: transformers' base_model_tp_plan ({names}; no sequence parallel).\"\"\"",
             "    return {",
             *(f"        \"{name}\": ColwiseParallel()," for name in
               ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
             "        \"self_attn.o_proj\": RowwiseParallel(),",
-            "        \"mlp.gate_proj\": ColwiseParallel(),",
-            "        \"mlp.up_proj\": ColwiseParallel(),",
-            "        \"mlp.down_proj\": RowwiseParallel(),",
+            *mlp_lines,
             "    }",
         ]
     return [
         "def block_tp_plan():",
-        "    \"\"\"One block's TP plan: torchtitan's parallelize_llama in transformers' Llama names. Norms",
+        f"    \"\"\"One block's TP plan: torchtitan's parallelize_llama in transformers' {names}. Norms",
         "    on s/tp tokens (sequence parallel), inputs all-gathered, row-wise outputs reduce-scattered.\"\"\"",
         "    gather_input = dict(desired_input_layouts=(Replicate(),), use_local_output=True)",
         "    return {",
@@ -181,9 +187,7 @@ def _block_tp_plan(config: FsdpConfig) -> list[str]:
         "        \"self_attn.o_proj\": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),",
         "        \"post_attention_layernorm\": SequenceParallel(),",
         "        \"mlp\": PrepareModuleInput(input_layouts=(Shard(1),), **gather_input),",
-        "        \"mlp.gate_proj\": ColwiseParallel(),",
-        "        \"mlp.up_proj\": ColwiseParallel(),",
-        "        \"mlp.down_proj\": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),",
+        *mlp_lines,
         "    }",
     ]
 
