@@ -24,22 +24,30 @@ checkpoint's staging, summed over the node's GPUs.
 - a reward model (rl_reward.py) on the actor's GPUs: its engine asleep at level 1 between scorings, its bf16
   weights backed up to pinned host memory on every GPU, and its processes (one per GPU); on its own pool, none of
   it on the trainer's nodes (its pool's nodes: awake, no backup, not priced here).
+- the weight sync (verl 0.9.1, a LoRA actor; sync_terms): served as an adapter under rollout.load_format dummy (verl's default; engine_workers.py base_sync_done is
+  False until the first sync), the first sync sends the base too: collect_lora_params(base_sync_done=False) moves
+  the model to the host (model.to("cpu"), FSDP1 inside summon_full_params, FSDP2 its shards) and keeps every
+  parameter whole there (full_tensor() over the gloo group, .cpu()) on every rank while the bucketed sender copies
+  them out - the whole base in the stored dtype per GPU, once. With rollout.layered_summon (load_format
+  safetensors: the engine loads the base from disk) no base is sent. Meanwhile the actor's offloaded params are on
+  the GPU (load_fsdp_model_to_gpu) and the engine's level-1 backup woken into it (resume(tags=["weights"])).
 Ignored: the page cache, the dataloader, Ray's object store.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .cluster_spec import ClusterSpec
 from .host_ram import PROCESS_BYTES_PER_RANK
 from .model_spec import ModelSpec
 from .outside_step import LoadWay, SaveWay, StateSizes, load_bytes, save_bytes
 from .rl_actor import ActorStates, reference_bytes
-from .rl_settings import RlSettings
+from .rl_settings import ACTOR_DTYPES, RlSettings
 from .rl_reward import RewardModel
 from .rl_sleep import EngineSleep, engine_sleep
 from .rollout_engine import Engine, EngineMemory
+from .units import DTYPE_BYTES
 
 
 @dataclass(frozen=True)
@@ -54,6 +62,8 @@ class HostRam:
     process_bytes: int          # the workers' processes (a floor)
     load_bytes: int             # loading the actor on rank 0's node, before the terms exist
     checkpoint_staging_bytes: int
+    sync_terms: dict = field(default_factory=dict)   # name -> bytes per node the weight sync adds (module docstring)
+    sync_bytes: int = 0         # the weight sync's moment: the terms it leaves on the host and sync_terms
 
     @property
     def resident_bytes(self) -> int:
@@ -61,8 +71,9 @@ class HostRam:
 
     @property
     def peak_bytes(self) -> int:
-        """The processes with the larger of loading and a checkpoint save beside the resident terms."""
-        return self.process_bytes + max(self.load_bytes, self.resident_bytes + self.checkpoint_staging_bytes)
+        """The processes with the largest of loading, a checkpoint save beside the resident terms, the weight sync."""
+        return self.process_bytes + max(self.load_bytes, self.resident_bytes + self.checkpoint_staging_bytes,
+                                        self.sync_bytes)
 
 
 def _sizes(states: ActorStates, ranks: int) -> StateSizes:
@@ -109,5 +120,19 @@ def host_ram_per_node(model: ModelSpec, cluster: ClusterSpec, settings: RlSettin
     load = max(load_bytes(LoadWay.RANK0_BROADCAST, _sizes(w, ranks), fsdp2=strategy == "fsdp2").node_bytes(gpus)
                for w, strategy in workers)
     processes = len(workers) + colocated
+    sync = {k: v for k, v in sync_host_terms(model, settings, actor, gpus).items() if v}
+    # at the sync the offloaded actor params are on the GPU and the engine's backup woken into it
+    moved = {"actor params (offloaded)", f"engine weight backup (sleep level {sleep.level})"}
+    at_sync = sum(v for k, v in terms.items() if k not in moved) + sum(sync.values()) if sync else 0
     return HostRam(terms={k: v for k, v in terms.items() if v}, process_bytes=PROCESS_BYTES_PER_RANK * gpus
-                   * processes, load_bytes=load, checkpoint_staging_bytes=staging)
+                   * processes, load_bytes=load, checkpoint_staging_bytes=staging, sync_terms=sync, sync_bytes=at_sync)
+
+
+def sync_host_terms(model: ModelSpec, settings: RlSettings, actor: ActorStates, gpus: int) -> dict:
+    """What verl 0.9.1's weight sync of a LoRA actor puts on a node's host (module docstring), each GPU's: the first
+    sync's whole base in the stored dtype (measured with verl's own function on 2 gloo ranks:
+    benchmarks/verl_sync_check.py)."""
+    if settings.framework != "verl" or not settings.lora:
+        return {}
+    stored = DTYPE_BYTES[ACTOR_DTYPES[settings.actor_dtype].param_dtype]
+    return {"LoRA base sent from the host (first sync)": model.n_params * stored * gpus * (not settings.layered_summon)}

@@ -15,7 +15,8 @@ Sources (shared/reference/rl.md; verl of 2025, workers/fsdp_workers.py and shard
   (rl_sleep.py: SGLang's LoRA adapter keeps its weights); its CUDA-graph pool stays.
 - weight sync: the actor's shard loaded, the engine's weights awake (0.8-era verl: wake_up() wakes the KV cache
   too; later: weights first, KV after), and one gathered tensor at a time (full_tensor()): the largest one;
-  FSDP1's state dict adds its copy of the shard and its walk over the units (rl_strategy.py).
+  FSDP1's state dict adds its copy of the shard and its walk over the units; verl 0.9.1 sends through a 2 GiB
+  bucket (rl_strategy.py sync_bucket).
 - FSDP2's CPUOffloadPolicy (settings.host_offload): the actor's params, grads and Adam states never on the GPU
   (the ledger's CPU offload for the update; the other phases hold the gathered units only); PPO's critic likewise
   under its own (settings.critic_host_offload, critic.on_host).
@@ -43,7 +44,7 @@ from .rl_reward import RewardModel, RewardSettings, reward_engine, reward_row
 from .rl_schedule import Schedule, schedule_of
 from .rl_settings import RlSettings
 from .rl_sleep import EngineSleep, engine_sleep
-from .rl_strategy import sync_moment
+from .rl_strategy import sync_bucket, sync_moment
 from .rl_trl_server import server_gpu_bytes, server_refusals
 from .rollout_engine import EngineMemory, EngineSettings, engine_memory
 
@@ -168,6 +169,9 @@ def rl_phases(model: ModelSpec, cluster: ClusterSpec, settings: RlSettings, engi
                                        settings.server_local,
                                        server_gpu_bytes(e, list(sent_tensors(model, settings)), outside)))
     asleep = sched.engine_on_trainer and not sched.engine_idle
+    # the sender's bucket beside the send
+    walk, send = actor.sync_bytes
+    sync_bytes = walk, {**send, **sync_bucket(settings, engine.version)}
     held = {"actor params": params_resident, "reference": ref_resident}
     resident = {**held, "Adam states": adam_resident}
     fwd = forward_only_bytes(model, batch.log_prob_tokens_per_gpu, c, settings, batch.ulysses, batch)
@@ -192,7 +196,7 @@ def rl_phases(model: ModelSpec, cluster: ClusterSpec, settings: RlSettings, engi
         ("rollout", {**resident, **critic_held}, awake, False, False, False,
          "the vLLM server generates; the trainer waits" if not sched.engine_on_trainer else
          "from step 2: Adam's states resident unless offloaded (the KV budget never saw them)"),
-        ("weight_sync", *sync_moment(*actor.sync_bytes, {"actor params": loaded, "reference": ref_resident,
+        ("weight_sync", *sync_moment(*sync_bytes, {"actor params": loaded, "reference": ref_resident,
                                                          "Adam states": adam_resident, **critic_held},
                                      walk_engine, sync_engine, reserved),
          True, False, False, "one parameter gathered at a time into the engine" if sched.engine_on_trainer else

@@ -142,6 +142,24 @@ def weight_sync_bytes(model: ModelSpec, settings, params_bytes: int, p: int,
     return {**copy, "gathered units": walk}, {**copy, "gathered tensor": largest}
 
 
+# verl 0.9.1's rollout.checkpoint_engine.update_weights_bucket_megabytes (trainer/config/rollout/rollout.yaml: 2048)
+SYNC_BUCKET_BYTES = 2048 << 20
+
+
+def sync_bucket(settings, engine_version: str) -> dict:
+    """The weight sync's transfer bucket on the trainer's GPU (verl 0.9.1, the engine in its own server process):
+    vLLM, workers/rollout/vllm_rollout/vllm_rollout.py update_weights -> bucketed_weight_transfer.py
+    BucketedWeightSender._init_buffer, torch.empty(bucket_size, uint8) on the GPU, shared with vLLM's worker by CUDA
+    IPC, each tensor copied into it (one larger than it sent by its own IPC handle), freed after the sync; SGLang,
+    sglang_rollout.py update_weights -> get_named_tensor_buckets: the gathered tensors themselves held up to that
+    size (a bound). Allocated before the sender draws the first tensor: beside the send (the state-dict walks run
+    before update_weights). verl of 2025 (engine version
+    0.8) loaded each tensor in-process: none. TRL: its own sync (rl_trl_server.py)."""
+    if settings.framework != "verl" or engine_version == "0.8":
+        return {}
+    return {"weight-transfer bucket": SYNC_BUCKET_BYTES}
+
+
 def sync_moment(walk: dict, send: dict, held: dict, walk_engine: dict, send_engine: dict, reserved) -> tuple:
     """The weight sync's larger moment, (torch terms, engine terms): the walk (where there is one) beside the engine
     as verl wakes it first (verl 0.9.1 engine_workers.py: the weights resumed before get_per_tensor_param; 2025's

@@ -71,7 +71,8 @@ def rl_dict(e: RlEstimate) -> dict:
                         "gpu_bytes": dict(p.gpu_bytes), "offloaded": list(p.offloaded), "note": p.note}
                        for p in e.memory.phases],
             "host": {"terms": dict(e.host.terms), "process_bytes": e.host.process_bytes,
-                     "load_bytes": e.host.load_bytes, "checkpoint_staging_bytes": e.host.checkpoint_staging_bytes},
+                     "load_bytes": e.host.load_bytes, "checkpoint_staging_bytes": e.host.checkpoint_staging_bytes,
+                     "sync_terms": dict(e.host.sync_terms), "sync_bytes": e.host.sync_bytes},
         },
         "engine": {"engine": s.engine.value, "version": s.version, "gpu_memory_utilization": s.gpu_memory_utilization,
                    "tp": s.tp, "weights_bytes": eng.weights_bytes, "kv_bytes": eng.kv_bytes,
@@ -115,7 +116,8 @@ def rl_text(e: RlEstimate) -> str:
     host = [[k, gib(v)] for k, v in e.host.terms.items()]
     host += [["workers' processes (a floor)", gib(e.host.process_bytes)],
              ["loading (rank 0 builds the actor)", gib(e.host.load_bytes)],
-             ["checkpoint staging", gib(e.host.checkpoint_staging_bytes)], ["peak", gib(e.host.peak_bytes)]]
+             ["checkpoint staging", gib(e.host.checkpoint_staging_bytes)],
+             *([f"weight sync: {k}", gib(v)] for k, v in e.host.sync_terms.items()), ["peak", gib(e.host.peak_bytes)]]
     head = [
         f"{e.model.name} ({e.model.n_params / 1e9:.2f}B) {r.algorithm.upper()} on {e.cluster.n_gpus} x "
         f"{e.cluster.gpu.id}: {r.strategy} actor {r.actor_dtype} ({r.finetune}), {r.engine} {r.engine_version} "

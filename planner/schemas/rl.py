@@ -24,12 +24,17 @@ class RlPhase(_Out):
 
 
 class RlHost(_Out):
-    """cost_models.rl_host.HostRam: peak = process_bytes + max(load_bytes, sum(terms) + checkpoint_staging_bytes)."""
+    """cost_models.rl_host.HostRam: peak = process_bytes + max(load_bytes, sum(terms) + checkpoint_staging_bytes,
+    sync_bytes)."""
 
     terms: dict[str, int] = Field(description="term -> bytes per node held on the host between phases")
     process_bytes: int = Field(description="the workers' processes per node (a floor)")
     load_bytes: int = Field(description="rank 0's node loading the actor, before anything is offloaded")
     checkpoint_staging_bytes: int = Field(description="bytes per node a checkpoint save stages on top")
+    sync_terms: dict[str, int] = Field(description="term -> bytes per node a LoRA actor's weight sync adds on the host "
+                                                   "(verl: the first sync's base)")
+    sync_bytes: int = Field(description="the weight sync's moment per node: the terms it leaves on the host and "
+                                        "sync_terms (0: none)")
 
 
 class RlMemory(_Out):
