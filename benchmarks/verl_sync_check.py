@@ -1,6 +1,6 @@
 """verl 0.9.1's LoRA weight-sync paths on real FSDP ranks (CPU, gloo), with verl's own functions
-(verl/utils/fsdp_utils.py): what cost_models/rl_host.py (sync_host_terms: the first sync's base, the merge's backup)
-rests on. A tiny Qwen2 (h 256, 2 layers, V 1,024, fp32) with PEFT LoRA all-linear (r 8), wrapped FSDP2
+(verl/utils/fsdp_utils.py): what cost_models/rl_host.py (sync_host_terms) and rl_strategy.py (merged_sync_bytes)
+rest on. A tiny Qwen2 (h 256, 2 layers, V 1,024, fp32) with PEFT LoRA all-linear (r 8), wrapped FSDP2
 (fully_shard per layer, then the root) or FSDP1 (the layer wrap, use_orig_params=True - verl's own default is False
 with a LoRA wrap policy - SHARDED_STATE_DICT on a device mesh, as verl sets it). Run:
 

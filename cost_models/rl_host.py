@@ -24,7 +24,9 @@ checkpoint's staging, summed over the node's GPUs.
 - a reward model (rl_reward.py) on the actor's GPUs: its engine asleep at level 1 between scorings, its bf16
   weights backed up to pinned host memory on every GPU, and its processes (one per GPU); on its own pool, none of
   it on the trainer's nodes (its pool's nodes: awake, no backup, not priced here).
-- the weight sync (verl 0.9.1, a LoRA actor; sync_terms): served as an adapter under rollout.load_format dummy (verl's default; engine_workers.py base_sync_done is
+- the weight sync (verl 0.9.1, a LoRA actor; sync_terms): with model.lora.merge, merged_lora_context's backup of the
+  base (utils/fsdp_utils.py backup_base_model_weights: every base parameter's shard cloned to the host) at every
+  sync; served as an adapter under rollout.load_format dummy (verl's default; engine_workers.py base_sync_done is
   False until the first sync), the first sync sends the base too: collect_lora_params(base_sync_done=False) moves
   the model to the host (model.to("cpu"), FSDP1 inside summon_full_params, FSDP2 its shards) and keeps every
   parameter whole there (full_tensor() over the gloo group, .cpu()) on every rank while the bucketed sender copies
@@ -42,7 +44,7 @@ from .cluster_spec import ClusterSpec
 from .host_ram import PROCESS_BYTES_PER_RANK
 from .model_spec import ModelSpec
 from .outside_step import LoadWay, SaveWay, StateSizes, load_bytes, save_bytes
-from .rl_actor import ActorStates, reference_bytes
+from .rl_actor import ActorStates, all_linear_lora, reference_bytes
 from .rl_settings import ACTOR_DTYPES, RlSettings
 from .rl_reward import RewardModel
 from .rl_sleep import EngineSleep, engine_sleep
@@ -128,11 +130,23 @@ def host_ram_per_node(model: ModelSpec, cluster: ClusterSpec, settings: RlSettin
                    * processes, load_bytes=load, checkpoint_staging_bytes=staging, sync_terms=sync, sync_bytes=at_sync)
 
 
+def merge_backup_bytes(model: ModelSpec, settings: RlSettings, actor: ActorStates) -> int:
+    """One rank's base backup under model.lora.merge (sync_host_terms): FSDP1 its whole shard, FSDP2 the shard's
+    base share."""
+    if settings.strategy == "fsdp":
+        return actor.params_bytes
+    adapters = model.n_layers * all_linear_lora(model).lora_params_per_block(settings.lora_rank)
+    return actor.params_bytes * model.n_params // (model.n_params + adapters)
+
+
 def sync_host_terms(model: ModelSpec, settings: RlSettings, actor: ActorStates, gpus: int) -> dict:
-    """What verl 0.9.1's weight sync of a LoRA actor puts on a node's host (module docstring), each GPU's: the first
-    sync's whole base in the stored dtype (measured with verl's own function on 2 gloo ranks:
-    benchmarks/verl_sync_check.py)."""
+    """What verl 0.9.1's weight sync of a LoRA actor puts on a node's host (module docstring), each GPU's: the
+    merge's base backup - the rank's shard: FSDP1's flat parameters, adapters too; FSDP2's base parameters alone
+    (under disable_adapter, "lora" names skipped), the shard's base share - or the first sync's whole base in the
+    stored dtype. Both measured with verl's functions on 2 gloo ranks (benchmarks/verl_sync_check.py)."""
     if settings.framework != "verl" or not settings.lora:
         return {}
+    if settings.lora_merged:
+        return {"LoRA merge's base backup (each sync)": merge_backup_bytes(model, settings, actor) * gpus}
     stored = DTYPE_BYTES[ACTOR_DTYPES[settings.actor_dtype].param_dtype]
     return {"LoRA base sent from the host (first sync)": model.n_params * stored * gpus * (not settings.layered_summon)}

@@ -16,7 +16,7 @@ Sources (shared/reference/rl.md; verl of 2025, workers/fsdp_workers.py and shard
 - weight sync: the actor's shard loaded, the engine's weights awake (0.8-era verl: wake_up() wakes the KV cache
   too; later: weights first, KV after), and one gathered tensor at a time (full_tensor()): the largest one;
   FSDP1's state dict adds its copy of the shard and its walk over the units; verl 0.9.1 sends through a 2 GiB
-  bucket (rl_strategy.py sync_bucket).
+  bucket (rl_strategy.py: sync_bucket, merged_sync_bytes for model.lora.merge).
 - FSDP2's CPUOffloadPolicy (settings.host_offload): the actor's params, grads and Adam states never on the GPU
   (the ledger's CPU offload for the update; the other phases hold the gathered units only); PPO's critic likewise
   under its own (settings.critic_host_offload, critic.on_host).
@@ -169,9 +169,10 @@ def rl_phases(model: ModelSpec, cluster: ClusterSpec, settings: RlSettings, engi
                                        settings.server_local,
                                        server_gpu_bytes(e, list(sent_tensors(model, settings)), outside)))
     asleep = sched.engine_on_trainer and not sched.engine_idle
-    # the sender's bucket beside the send
+    # the sender's bucket beside the send, and beside a merged LoRA's walk (drawn from the sender's generator)
     walk, send = actor.sync_bytes
-    sync_bytes = walk, {**send, **sync_bucket(settings, engine.version)}
+    bucket = sync_bucket(settings, engine.version)
+    sync_bytes = ({**walk, **bucket} if walk and settings.lora_merged else walk), {**send, **bucket}
     held = {"actor params": params_resident, "reference": ref_resident}
     resident = {**held, "Adam states": adam_resident}
     fwd = forward_only_bytes(model, batch.log_prob_tokens_per_gpu, c, settings, batch.ulysses, batch)

@@ -135,6 +135,8 @@ TRL_SETS = {
     "offload_policy": (None, "accelerate's fsdp_offload_params: --param-offload --optimizer-offload"),
     "fsdp_size": (-1, "accelerate shards over every process"),
     "layered_summon": (False, "verl's FSDP1 LoRA sync; TRL merges the adapters and sends one tensor at a time"),
+    "lora_merge": (True, "verl's model.lora.merge; TRL merges the adapters at every sync (vllm_generation.py "
+                         "merge_adapter), priced so"),
     "use_shm": (False, "verl's /dev/shm copy"),
     "reward_model": (None, "TRL's reward models run inside the trainer, not priced here"),
 }

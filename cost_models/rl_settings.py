@@ -48,6 +48,9 @@ class RlSettings:
     critic_strategy: str | None = None
     critic_dtype: str | None = None
     layered_summon: bool = False       # rollout.layered_summon: FSDP1 LoRA's sync gathers one unit at a time
+    # model.lora.merge: verl merges the adapters into the base at each sync and sends the whole merged weights, not
+    # the adapters (rl_strategy.py, rl_sleep.py); read for a verl LoRA actor only (TRL merges always)
+    lora_merge: bool = False
     offload_policy: bool = False       # fsdp_config.offload_policy: FSDP2's CPUOffloadPolicy (host_offload)
     # TRL 1.16's GRPOConfig (trl/trainer/grpo_config.py defaults), read for framework trl only (rl_schedule.py)
     beta: float = 0.0                  # KL coefficient: a reference (and its pass) only when != 0
@@ -80,7 +83,7 @@ class RlSettings:
         if self.sleep_level is not None and self.sleep_level not in (1, 2):
             raise SpecError("sleep_level", f"must be 1 or 2, got {self.sleep_level}")
         if self.framework == "verl":
-            object.__setattr__(self, "sleep_level", verl_sleep_level(self.lora))
+            object.__setattr__(self, "sleep_level", verl_sleep_level(self.lora_adapter))
         if self.fsdp_size == 0 or self.fsdp_size < -1:
             raise SpecError("fsdp_size", f"must be -1 (all GPUs) or >= 1, got {self.fsdp_size}")
         if self.num_iterations < 1:
@@ -156,6 +159,16 @@ class RlSettings:
     @property
     def lora(self) -> bool:
         return self.finetune is Finetune.LORA
+
+    @property
+    def lora_merged(self) -> bool:
+        """verl's LoRA with model.lora.merge: the merged base is synced and served, no adapter in the engine."""
+        return self.lora and self.lora_merge and self.framework == "verl"
+
+    @property
+    def lora_adapter(self) -> bool:
+        """verl's LoRA served as an adapter (model.lora.merge off): the engine keeps the base, only adapters synced."""
+        return self.lora and not self.lora_merged
 
     @property
     def ppo(self) -> bool:

@@ -33,9 +33,9 @@ class EngineSleep:
     weights_on_gpu: bool    # kept on the GPU while asleep
 
 
-def verl_sleep_level(lora: bool) -> int:
+def verl_sleep_level(lora_adapter: bool) -> int:
     """The level verl 0.9.1 sleeps its engine at (module docstring): 1 for a LoRA adapter, else 2."""
-    return 1 if lora else 2
+    return 1 if lora_adapter else 2
 
 
 def engine_sleep(level: int, engine: Engine) -> EngineSleep:

@@ -123,9 +123,11 @@ def weight_sync_bytes(model: ModelSpec, settings, params_bytes: int, p: int,
     at a time, the root or a block, LoRA's merged units alike (vllm_generation.py _iter_named_params: PEFT walks
     _iter_fsdp_params too); TRL's server mode (settings.server): rank 0 packs the `sent` tensors as it gathers them
     (rl_trl_server.packed_send_peak_bytes), beside FSDP1's unit. verl's FSDP1 LoRA: the whole model summoned
-    (layered_summon: its largest unit), the adapters sent from the host."""
+    (layered_summon: its largest unit), the adapters sent from the host; with model.lora.merge: merged_sync_bytes."""
     largest = max(model.embedding_params, model.head_params) * p
     unit = max(model.root_params, model.block_params) * p
+    if settings.lora_merged:
+        return merged_sync_bytes(model, settings.strategy, params_bytes, p, shard_ranks)
     trl_units = settings.framework == "trl" and settings.strategy != "fsdp2" and shard_ranks > 1
     if settings.framework == "trl" and settings.server:
         packed = {"packed broadcast buffers (rank 0)": packed_send_peak_bytes(list(sent), gathered=shard_ranks > 1)}
@@ -137,9 +139,39 @@ def weight_sync_bytes(model: ModelSpec, settings, params_bytes: int, p: int,
         return {"summoned params": held * p}, {}
     if settings.strategy == "fsdp2" or settings.lora or shard_ranks <= 1:
         return {}, {"gathered tensor": largest}
-    walk = (model.root_params * p + max(largest, 2 * model.block_params * p))
     copy = {"state-dict shard copy": params_bytes}
-    return {**copy, "gathered units": walk}, {**copy, "gathered tensor": largest}
+    return {**copy, "gathered units": fsdp1_walk_bytes(model, p)}, {**copy, "gathered tensor": largest}
+
+
+def fsdp1_walk_bytes(model: ModelSpec, p: int) -> int:
+    """FSDP1's SHARDED_STATE_DICT walk (weight_sync_bytes): the root unsharded beside its largest tensor's full
+    clone, or beside a block and a clone no larger than it."""
+    return model.root_params * p + max(max(model.embedding_params, model.head_params) * p, 2 * model.block_params * p)
+
+
+def merged_sync_bytes(model: ModelSpec, strategy: str, params_bytes: int, p: int,
+                      shard_ranks: int) -> tuple[dict, dict]:
+    """verl 0.9.1's LoRA sync with model.lora.merge (workers/engine/fsdp/transformer_impl.py
+    get_per_tensor_param -> _merged_lora_per_tensor_param, a generator the bucketed sender drains): inside
+    utils/fsdp_utils.py merged_lora_context(backup_adapters=True) the base is backed up to the host
+    (backup_base_model_weights: each shard cloned, then .cpu(); rl_host.py), PEFT merges every adapter
+    (fsdp_merge_unmerge), state_dict() is walked and each tensor sent as .full_tensor().to(torch.bfloat16), then the
+    base restored from the host. FSDP1 (sharded) merges inside FSDP.summon_full_params(module): the whole model
+    unsharded in full precision at once beside PEFT's delta of the largest linear (peft lora/layer.py
+    get_delta_weight: lora_B @ lora_A, then x scaling: two [out, in] tensors before the in-place add); its
+    state-dict walk and send are then the full actor's (SHARDED_STATE_DICT). FSDP2: that summon is FSDP1's API, a
+    no-op on FSDP2 modules, and the merge runs on the DTensor shards (each delta Shard(0): a shard of the weight);
+    its send is the full actor's. Each sent tensor gathered in the stored dtype p and its bf16 copy (p = 4). Not
+    counted: the backup's and the restore's one-shard GPU copies (one parameter's shard at a time)."""
+    largest = max(model.embedding_params, model.head_params)
+    send = {"gathered tensor": largest * p, **({"its bf16 copy": largest * 2} if p != 2 else {})}
+    if strategy == "fsdp2" or shard_ranks <= 1:
+        return {}, send
+    linear = max((i * o for i, o in (*model.lora_target_shapes, *model.mlp_linear_shapes)), default=0)
+    merge = {"summoned params (merge)": model.n_params * p, "LoRA delta": 2 * linear * p}
+    copy = {"state-dict shard copy": params_bytes}
+    walk = {**copy, "gathered units": fsdp1_walk_bytes(model, p)}
+    return max(merge, walk, key=lambda d: sum(d.values())), {**copy, **send}
 
 
 # verl 0.9.1's rollout.checkpoint_engine.update_weights_bucket_megabytes (trainer/config/rollout/rollout.yaml: 2048)
@@ -152,8 +184,8 @@ def sync_bucket(settings, engine_version: str) -> dict:
     BucketedWeightSender._init_buffer, torch.empty(bucket_size, uint8) on the GPU, shared with vLLM's worker by CUDA
     IPC, each tensor copied into it (one larger than it sent by its own IPC handle), freed after the sync; SGLang,
     sglang_rollout.py update_weights -> get_named_tensor_buckets: the gathered tensors themselves held up to that
-    size (a bound). Allocated before the sender draws the first tensor: beside the send (the state-dict walks run
-    before update_weights). verl of 2025 (engine version
+    size (a bound). Allocated before the sender draws the first tensor: beside the send, and beside the walk of a
+    merged LoRA (drawn from the generator; the other walks run before update_weights). verl of 2025 (engine version
     0.8) loaded each tensor in-process: none. TRL: its own sync (rl_trl_server.py)."""
     if settings.framework != "verl" or engine_version == "0.8":
         return {}

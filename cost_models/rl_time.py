@@ -19,14 +19,16 @@ one job against each other, not to predict a wall clock:
   attention, KV heads repeated to sp where fewer; the output after) forward, four backward, four more in a
   checkpointed block's recompute, on the critical path over the Ulysses group's tier (ulysses_s). Ignored: the
   attention kernel's higher rate at the full length, position_ids' all-gather;
-- weight sync: every actor parameter all-gathered over the shard group in its stored dtype (intra-node bus); TRL's
+- weight sync: every actor parameter all-gathered over the shard group in its stored dtype (intra-node bus), twice
+  for verl's FSDP1 LoRA with model.lora.merge (its merge summons the model, then its state dict is walked); TRL's
   vLLM server: the larger of that and rank 0's broadcast of the model to the server (rl_trl_server.send_s: its
   packed buffers double-buffered beside the gathers), once a step;
 - TRL's steps (rl_schedule.trl_cycle): several generations per optimizer step each generate and run their log-prob
   passes; the update's micro-steps and optimizer steps as TRL counts them;
 - offload: the host<->device bytes each step moves: actor params in and out for log-prob, update and sync; Adam's
   states in and out for the update; the offloaded reference streamed in once; sleep level 1's weight backup
-  out and back; PPO's critic likewise for its values and update (under its own CPUOffloadPolicy: its shard per
+  out and back; a merged LoRA's base shard out and back (merged_lora_context's backup and restore); PPO's
+  critic likewise for its values and update (under its own CPUOffloadPolicy: its shard per
   values micro-batch; its update's copies and CPU step in critic_seconds); FSDP2's CPUOffloadPolicy: the update's
   per-unit H2D copies, gradient D2H copies and CPU Adam step as the step-time model prices CPU offload (the actor run's
   FsdpConfig.offload), the old log-prob's per-micro-batch and the sync's shard copies here (host_policy_bytes);
@@ -49,6 +51,7 @@ from .profile import Profile
 from .rl_batch import BatchPlan
 from .rl_actor import ActorStates, actor_run, reference_bytes, sent_tensors
 from .rl_critic import critic_settings, value_model
+from .rl_host import merge_backup_bytes
 from .rl_settings import RlSettings
 from .rl_reward import RewardModel
 from .rl_sleep import engine_sleep
@@ -196,6 +199,8 @@ def rl_step_time(model: ModelSpec, cluster: ClusterSpec, settings: RlSettings, e
     d = run.shard_ranks
     bus = cluster.gpu.intra_node_bus_bytes_per_s
     sync = actor.params_bytes * (d - 1) / bus if d > 1 else actor.params_bytes / cluster.gpu.hbm_bytes_per_s
+    # verl's FSDP1 merged LoRA: the merge's summon_full_params gathers the model once more (rl_strategy.py)
+    sync *= 1 + (settings.lora_merged and settings.strategy == "fsdp" and d > 1)
     if not sched.engine_on_trainer:   # TRL's server: rank 0's broadcast, double-buffered beside the gathers
         sync = max(sync, send_s(cluster, profile, sum(sent_tensors(model, settings)), settings.server_local))
     sync *= sched.syncs
@@ -203,6 +208,7 @@ def rl_step_time(model: ModelSpec, cluster: ClusterSpec, settings: RlSettings, e
              + 2 * actor.optimizer_bytes * settings.optimizer_offload
              + reference_bytes(model, cluster, settings) * settings.reference_offloaded * (settings.framework == "verl")
              + 2 * e.weights_bytes * engine_sleep(settings.sleep_level, engine.engine).weights_to_host
+             + 2 * merge_backup_bytes(model, settings, actor) * settings.lora_merged   # the merge's, out and back
              + host_policy_bytes(settings, batch, actor, sum(trained or (prompt_tokens, response_tokens)), sp,
                                  sched.log_prob_passes * sched.generations))
     if critic is not None:   # its CPUOffloadPolicy: the shard copied in for each values micro-batch's all-gathers

@@ -87,6 +87,8 @@ CRITIC_DEFAULTS = {"critic.strategy": "fsdp", "critic.fsdp.model_dtype": "fp32"}
 # base_sync_done=False) raises "To use layered_summon, you must make sure base-model is preloaded in vllm, e.g. let
 # rollout.load_format=safetensors". With it the engine loads the checkpoint's weights from disk at its start.
 LAYERED_LOAD_FORMAT = "safetensors"
+# model.lora.merge (trainer/config/model/hf_model.yaml, default False): written and read for a LoRA actor only
+LORA_MERGE = A + "model.lora.merge"
 
 
 def hydra_value(value) -> str:
@@ -108,7 +110,7 @@ def overrides(r, model_path: str, settings) -> list[tuple[str, object]]:
             (A + "actor.calculate_entropy", r.entropy),
             (A + "model.lora_rank", r.lora_rank if r.finetune == "lora" else 0)]
     if r.finetune == "lora":
-        out.append((A + "model.target_modules", "all-linear"))
+        out += [(A + "model.target_modules", "all-linear"), (LORA_MERGE, r.lora_merge)]
     if r.layered_summon:   # verl 0.9.1 raises at the first LoRA sync under its default dummy (LAYERED_LOAD_FORMAT)
         out.append((A + "rollout.load_format", LAYERED_LOAD_FORMAT))
     if r.use_dynamic_bsz:

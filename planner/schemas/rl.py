@@ -32,7 +32,7 @@ class RlHost(_Out):
     load_bytes: int = Field(description="rank 0's node loading the actor, before anything is offloaded")
     checkpoint_staging_bytes: int = Field(description="bytes per node a checkpoint save stages on top")
     sync_terms: dict[str, int] = Field(description="term -> bytes per node a LoRA actor's weight sync adds on the host "
-                                                   "(verl: the first sync's base)")
+                                                   "(verl: the merge's base backup, or the first sync's base)")
     sync_bytes: int = Field(description="the weight sync's moment per node: the terms it leaves on the host and "
                                         "sync_terms (0: none)")
 

@@ -89,6 +89,21 @@ def test_max_num_seqs_defaults_are_what_verl_passes_to_vllm():
     assert OmegaConf.select(base, "reward.reward_model.rollout.max_num_seqs") == REWARD_MAX_NUM_SEQS == 1024
 
 
+def test_lora_merge_is_written_under_verls_key():
+    """--lora-merge: model.lora.merge (trainer/config/model/hf_model.yaml, default False) composes as a bool in
+    verl's config, for a LoRA actor only."""
+    from omegaconf import OmegaConf
+
+    knobs = dict(OFFLOAD_POLICY, offload_policy=False, finetune="lora", lora_merge=True)
+    overrides = script_overrides(emit_verl(rl_estimate("qwen2.5-7b", 8, **knobs)))
+    assert overrides["actor_rollout_ref.model.lora.merge"] == "True"
+    composed = _compose([f"{k}={v}" for k, v in overrides.items()])
+    assert OmegaConf.select(composed, "actor_rollout_ref.model.lora.merge") is True
+    assert OmegaConf.select(_compose([]), "actor_rollout_ref.model.lora.merge") is False
+    full = script_overrides(emit_verl(rl_estimate("qwen2.5-7b", 8, **OFFLOAD_POLICY)))
+    assert "actor_rollout_ref.model.lora.merge" not in full
+
+
 def test_hydra_refuses_a_key_verl_does_not_have():
     """What makes the test above a check: a misspelt key does not compose."""
     from hydra.errors import ConfigCompositionException

@@ -101,6 +101,9 @@ TRL_PASSES = dict(TRL_CASE_1, param_offload=False, optimizer_offload=False, beta
 # FSDP2's CPUOffloadPolicy (fsdp_config.offload_policy): the actor's states on the host
 OFFLOAD_POLICY = dict(gpu="h100-80gb", prompt_len=1024, response_len=1024, train_batch=64, rollout_n=8,
                       strategy="fsdp2", actor_dtype="bf16", offload_policy=True)
+# LoRA merged at each weight sync (model.lora.merge): the engine at level 2, the merge's host backup
+LORA_MERGE = dict(gpu="h100-80gb", prompt_len=1024, response_len=1024, train_batch=64, rollout_n=8, finetune="lora",
+                  lora_merge=True)
 # PPO's critic under its own CPUOffloadPolicy (critic.fsdp.offload_policy), its CPU step priced at 8 threads a rank
 CRITIC_POLICY = dict(gpu="h100-80gb", prompt_len=1024, response_len=1024, train_batch=64, rollout_n=8,
                      strategy="fsdp2", algorithm="ppo", critic_offload_policy=True, omp_num_threads=8)
@@ -110,9 +113,9 @@ CRITIC_POLICY = dict(gpu="h100-80gb", prompt_len=1024, response_len=1024, train_
     (emit_verl, "job.sh", "qwen2-7b", 2, CASE_1), (emit_trl, "grpo.yaml", "qwen2-7b", 2, TRL_CASE_1),
     (emit_verl, "ppo.sh", "qwen2.5-7b", 16, PPO), (emit_trl, "lora.yaml", "qwen2-7b", 2, TRL_LORA),
     (emit_verl, "policy.sh", "qwen2.5-7b", 8, OFFLOAD_POLICY), (emit_trl, "passes.yaml", "qwen2-7b", 2, TRL_PASSES),
-    (emit_verl, "critic.sh", "qwen2.5-7b", 8, CRITIC_POLICY)],
+    (emit_verl, "critic.sh", "qwen2.5-7b", 8, CRITIC_POLICY), (emit_verl, "merge.sh", "qwen2.5-7b", 8, LORA_MERGE)],
     ids=["verl-case-1", "trl-case-1", "verl-ppo-lora", "trl-lora", "verl-offload-policy", "trl-passes",
-         "verl-critic-policy"])
+         "verl-critic-policy", "verl-lora-merge"])
 def test_emit_then_check_prices_the_same_phases(tmp_path, emit, name, model, gpus, knobs):
     """Written by --emit and read back: every phase's bytes equal, the peak and host RAM too (case 1's peak: the
     weight sync, 77.97 GiB; tests/golden/test_rl_cases.py)."""
@@ -366,7 +369,8 @@ def test_layered_summon_under_verls_dummy_load_format_is_a_finding(tmp_path):
     checked = json.loads(run(path, "--format", "json").stdout)
     assert notes[0] in checked["notes"]
     path.write_text(script.replace(line, "    actor_rollout_ref.model.lora.merge=True \\\n"))
-    assert not any("layered_summon" in n for n in read_rl_setup(path).notes)
+    merged = read_rl_setup(path)
+    assert not any("layered_summon" in n for n in merged.notes) and merged.knobs["lora_merge"] is True
 
 
 REWARD = dict(gpu="h100-80gb", actor_dtype="bf16", prompt_len=1024, response_len=1024, train_batch=256,

@@ -113,6 +113,8 @@ def from_overrides(o: dict, source: str, dialect: str, text: str = "") -> RlSetu
     knobs["finetune"] = "lora" if rank > 0 else "full"
     if rank > 0:
         knobs["lora_rank"] = rank
+        if keys.LORA_MERGE in o:
+            knobs["lora_merge"] = typed("lora_merge", o[keys.LORA_MERGE], keys.LORA_MERGE)
         _layered_summon(o, knobs, notes)
     _batches(o, knobs)
     _entropy(o, knobs, notes)
@@ -129,6 +131,7 @@ def from_overrides(o: dict, source: str, dialect: str, text: str = "") -> RlSetu
         "algorithm": "algorithm.adv_estimator", "actor_dtype": A + "actor.fsdp_config.model_dtype",
         "critic_strategy": "critic.strategy", "critic_dtype": "critic.fsdp.model_dtype",
         "ppo_mini_batch_size": A + "actor.ppo_mini_batch_size", "lora_rank": A + "model.lora_rank",
+        "lora_merge": keys.LORA_MERGE,
         "reward_model": keys.RM + "model_path", **{f: k for k, f in keys.POOL_KEYS.items()}}
     return RlSetup(knobs={**knobs, **flags}, source=source, dialect=dialect, model=model, model_path=path,
                    model_key=A + "model.path", notes=tuple(notes), keys=named)
@@ -158,8 +161,7 @@ def _layered_summon(o: dict, knobs: dict, notes: list) -> None:
     the first weight sync (keys.LAYERED_LOAD_FORMAT says where); merged LoRA (model.lora.merge) takes another path.
     Said with its fix; the sync priced as written."""
     load_format = str(o.get(A + "rollout.load_format", "dummy")).strip("'\"")
-    merged = A + "model.lora.merge" in o and typed("layered_summon", o[A + "model.lora.merge"], A + "model.lora.merge")
-    if knobs.get("layered_summon") and "dummy" in load_format and not merged:
+    if knobs.get("layered_summon") and "dummy" in load_format and not knobs.get("lora_merge"):
         notes.append(f"rollout.layered_summon=True under rollout.load_format {load_format} (verl's default): verl "
                      "0.9.1 raises at the first weight sync (collect_lora_params: the LoRA base must be preloaded in "
                      f"the engine); set actor_rollout_ref.rollout.load_format={keys.LAYERED_LOAD_FORMAT}")
