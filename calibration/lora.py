@@ -58,9 +58,10 @@ def lora_dtypes(precision: Precision) -> tuple[torch.dtype, torch.dtype]:
 
 
 def add_lora(model: nn.Module, spec: ModelSpec, rank: int, block_classes: set[type],
-             precision: Precision | str = Precision.FP32) -> nn.Module:
+             precision: Precision | str = Precision.FP32, dropout: float = 0.0) -> nn.Module:
     """Freeze `model` and inject rank-`rank` LoRA adapters into its blocks' target linears (in place),
-    with the dtypes of lora_dtypes(precision).
+    with the dtypes of lora_dtypes(precision); dropout: peft's lora_dropout (an nn.Dropout on each adapter's
+    input when > 0, which the cost model prices: activations.lora_dropout_bytes).
 
     Works on real and meta parameters, not on fake ones (peft moves adapters with Module.to(), which
     cannot swap fake tensors): traces build on meta, add LoRA, then materialise under FakeTensorMode."""
@@ -79,7 +80,7 @@ def add_lora(model: nn.Module, spec: ModelSpec, rank: int, block_classes: set[ty
         if param.dtype != frozen_dtype:
             param.data = param.data.to(frozen_dtype)
     conv1d = any(type(block.get_submodule(t)).__name__ == "Conv1D" for t in targets)  # GPT-2: (in, out) weights
-    config = LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, bias="none", target_modules=targets,
+    config = LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=dropout, bias="none", target_modules=targets,
                         fan_in_fan_out=conv1d)
     model = inject_adapter_in_model(config, model)
     # peft gave each adapter its base layer's device and dtype; remake the adapters in adapter_dtype,

@@ -45,8 +45,8 @@ def load_qlora(path: str, spec: ModelSpec, training: TrainingSpec, precision: Pr
                                                  dtype=frozen_dtype, device_map="cpu")
     block = model.model.layers[0]
     targets = lora_target_names(block, spec.lora_shapes)  # Linear4bit is an nn.Linear
-    config = LoraConfig(r=training.lora_rank, lora_alpha=2 * training.lora_rank, lora_dropout=0.0, bias="none",
-                        target_modules=targets)
+    config = LoraConfig(r=training.lora_rank, lora_alpha=2 * training.lora_rank, lora_dropout=training.lora_dropout,
+                        bias="none", target_modules=targets)
     model = get_peft_model(model, config, autocast_adapter_dtype=adapter_dtype == torch.float32)
     for name, param in model.named_parameters():
         if param.requires_grad and param.dtype != adapter_dtype:

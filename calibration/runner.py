@@ -140,7 +140,8 @@ def run(job: dict) -> None:
     if lora:
         from calibration.lora import add_lora
 
-        model = add_lora(model, _model_spec(job["model"]["spec"]), job["lora_rank"], classes, config.precision)
+        model = add_lora(model, _model_spec(job["model"]["spec"]), job["lora_rank"], classes, config.precision,
+                         job.get("lora_dropout", 0.0))  # jobs written before it: peft's identity
     pipeline = None
     if config.pp > 1:  # this rank's stages and torch's schedule (calibration/runner_pipeline.py)
         from calibration.runner_pipeline import PipelineRun

@@ -84,7 +84,7 @@ def _loss(model: nn.Module, ids: torch.Tensor, is_hf: bool, compiled: bool) -> t
 
 def trace_memory(spec: ModelSpec, config: FsdpConfig, *, n_gpus: int, gpus_per_node: int, seq_len: int,
                  optimizer: Optimizer | str = Optimizer.ADAMW, hf_config: dict | None = None,
-                 finetune: Finetune | str = Finetune.FULL, lora_rank: int = 16,
+                 finetune: Finetune | str = Finetune.FULL, lora_rank: int = 16, lora_dropout: float = 0.0,
                  routing_imbalance: float = 1.0,
                  optimizer_impl: OptimizerImpl | str = OptimizerImpl.FOREACH) -> TraceResult:
     """Run two FSDP2 training steps of `spec` under FakeTensorMode on rank 0 of `n_gpus`; see the module
@@ -92,7 +92,8 @@ def trace_memory(spec: ModelSpec, config: FsdpConfig, *, n_gpus: int, gpus_per_n
     it the reference Llama is built from `spec`. routing_imbalance (EP): rank 0's experts receive that many
     times the balanced rows (calibration/expert_parallel.py). optimizer_impl: whose step window is reported."""
     training = TrainingSpec(seq_len=seq_len, optimizer=optimizer, finetune=finetune, lora_rank=lora_rank,
-                            routing_imbalance=routing_imbalance, optimizer_impl=optimizer_impl)
+                            lora_dropout=lora_dropout, routing_imbalance=routing_imbalance,
+                            optimizer_impl=optimizer_impl)
     _check_supported(config, training)
     _check_mesh(spec, config, n_gpus)
     if n_gpus < 1 or gpus_per_node < 1:
@@ -142,7 +143,7 @@ def _trace(spec, config, training, n_gpus, gpus_per_node, seq_len, hf_config, st
                 model = build_model(spec, hf_config, attention=config.attention.value, device="meta",
                                     dtype=TORCH_DTYPES[config.precision.param_dtype])
                 classes = block_classes(model, spec.block_class)
-                model = add_lora(model, spec, training.lora_rank, classes, config.precision)
+                model = add_lora(model, spec, training.lora_rank, classes, config.precision, training.lora_dropout)
             except Exception as exc:  # noqa: BLE001 - any failure of foreign model code is reported as such
                 raise _untraceable(f"building {spec.name} with LoRA", exc) from exc
         with FakeTensorMode(allow_non_fake_inputs=False):

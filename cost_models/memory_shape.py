@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from operator import attrgetter
 
-from . import (activation_notes, activations, activations_backward, context_parallel, fsdp1_adapters, kernels, moe,
-               operators, qlora, tensor_parallel)
+from . import (activation_notes, activations, activations_backward, context_parallel, fsdp1_adapters, kernels,
+               lora_dropout, moe, operators, qlora, tensor_parallel)
 from .memory_types import ParamCounts, traced_block_terms
 from .quick_init import quick_init, replaced
 from .specs import FSDP_ONLY_FIELDS, FsdpConfig, ModelSpec, TrainingSpec
@@ -130,6 +130,9 @@ def ledger_shape(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, e
     if adapter_units:  # each adapter's own copy of its input (not bitsandbytes' under autocast: casts_inputs)
         full += fsdp1_adapters.saved_copies_bytes_per_token(model, c, casts,
                                                             activations.uses_s2_attention(model, attn))
+    dropout = training.adapter_dropout > 0  # each adapter's dropout mask and output (lora_dropout.py)
+    if dropout:  # where each adapter saves its own copy of its input (casts), the dropout's output replaces it
+        full += lora_dropout.saved_bytes_per_token(model, c, casts, activations.uses_s2_attention(model, attn))
     K = 1 if config.selective_op_ac else config.ac_every
     shared = activations.shared_bytes(model, c, training.seq_len)
     if K and traced is not None:  # the blocks' other inputs (masks, rotary tables), kept for the recompute
@@ -138,6 +141,8 @@ def ledger_shape(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, e
         shared += activations.eager_mask_bytes(model, c, training.seq_len, config.micro_batch, attn)
     # LoRA without checkpointing: block 0's first norm saves nothing (its input needs no gradient).
     first_less = activations.first_block_lora_savings(model, c, kern.fused_norm) if lora_rank and not K else 0
+    if lora_rank and not K and dropout:  # nor do the dropouts of its adapters on that input save masks
+        first_less += lora_dropout.first_block_masks_bytes_per_token(model)
 
     # MoE models' leading dense blocks (n_dense_layers): their own saved bytes at their own moment
     nd = model.n_dense_layers
@@ -197,7 +202,8 @@ def ledger_shape(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, e
         # peft runs the adapter after the base's forward (its dequantized weight freed), so what the adapter saves
         # (lora_A's output; under FSDP1's adapter units its input's copy: fsdp1_adapters.py), in `full`, is not there
         # yet while the base runs
-        not_yet_saved = tokens * c * (lora_rank + (f if casts else 0))
+        not_yet_saved = tokens * (c * (lora_rank + (f if casts else 0))
+                                  + (lora_dropout.down_projection_bytes_per_token(model, c, casts) if dropout else 0))
         out_proj_in_flight = max(out_proj_in_flight - not_yet_saved, tokens * (
             activations.lora_output_projection_in_flight_bytes_per_token(model, c, p if casts else 0)))
     shape = LedgerShape(
@@ -210,7 +216,7 @@ def ledger_shape(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, e
         dense_prefix=tuple(dense_prefix), w_mlp=w_mlp, w_attn=w_attn, freed_attn=freed_attn,
         mlp_grad=mlp_grad, attn_grad=attn_grad, mlp_moments=mlp_moments, ckpt_input_extra=ckpt_input_extra,
         loss_peak=loss_peak, loss_reserved_extra=loss_reserved_extra, out_proj_in_flight=out_proj_in_flight,
-        mlp_inputs_saved=bool(lora_rank) and model.lora_mlp and not casts, blocks=(),
+        mlp_inputs_saved=bool(lora_rank) and model.lora_mlp and not casts and not dropout, blocks=(),
         quirks=tuple(activation_notes.quirks(model, config.attention, training.seq_len)), n_layers=L, n_dense=nd)
     # A checkpointed block re-runs its forward; its saved input stays (unless the first norm saves that very tensor).
     blocks = tuple((i, f"backward of block {i}" + (" (recomputed)" if shape.is_ckpt(i) else ""), shape.is_ckpt(i),

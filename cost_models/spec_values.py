@@ -241,3 +241,10 @@ def check_degree(field_name: str, value) -> None:
 def check_positive(field_name: str, value, allow_zero: bool = False) -> None:
     if value is None or value < 0 or (value == 0 and not allow_zero):
         raise SpecError(field_name, f"must be {'>= 0' if allow_zero else '> 0'}, got {value}")
+
+
+def check_probability(field_name: str, value) -> float:
+    """A dropout probability (peft's lora_dropout): a number 0 <= p < 1, as a float."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
+        raise SpecError(field_name, f"must be a probability 0 <= p < 1, got {value!r}")
+    return float(value)

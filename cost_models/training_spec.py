@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .spec_values import (QUANT_STORAGE_DTYPES, Finetune, Optimizer, OptimizerImpl, QuantType, Routing, SpecError,
-                          check_positive, parse_enum)
+                          check_positive, check_probability, parse_enum)
 
 
 @dataclass(frozen=True)
@@ -20,6 +20,9 @@ class TrainingSpec:
     optimizer_impl: OptimizerImpl = OptimizerImpl.FOREACH
     finetune: Finetune = Finetune.FULL
     lora_rank: int = 16
+    # peft's lora_dropout: p > 0 puts an nn.Dropout on each adapter's input, whose mask and output are saved
+    # (cost_models/lora_dropout.py); 0 is nn.Identity
+    lora_dropout: float = 0.0
     # QLoRA's base (finetune qlora; cost_models/qlora.py): bitsandbytes' 4-bit type, double quantization of the
     # absmax (on: 0.127 bits a weight, off: 0.5) and bnb_4bit_quant_storage (the compute dtype's under FSDP)
     quant: QuantType = QuantType.NF4
@@ -43,6 +46,7 @@ class TrainingSpec:
         if self.global_batch is not None:
             check_positive("global_batch", self.global_batch)
         check_positive("lora_rank", self.lora_rank)
+        object.__setattr__(self, "lora_dropout", check_probability("lora_dropout", self.lora_dropout))
         object.__setattr__(self, "optimizer", parse_enum(Optimizer, self.optimizer, "optimizer"))
         impl = parse_enum(OptimizerImpl, self.optimizer_impl, "optimizer_impl")
         object.__setattr__(self, "optimizer_impl", OptimizerImpl.FUSED if self.optimizer is Optimizer.ADAMW_8BIT
@@ -68,6 +72,7 @@ class TrainingSpec:
                 "optimizer": self.optimizer.value, "optimizer_impl": self.optimizer_impl.value,
                 "finetune": self.finetune.value,
                 **({"lora_rank": self.lora_rank} if self.finetune.adapters else {}),
+                **({"lora_dropout": self.lora_dropout} if self.adapter_dropout else {}),
                 **({"quant": self.quant.value, "double_quant": self.double_quant, "quant_storage": self.quant_storage}
                    if self.quantized else {}),
                 **({"routing_imbalance": self.routing_imbalance} if self.routing_imbalance != 1 else {}),
@@ -77,6 +82,11 @@ class TrainingSpec:
     def adapter_rank(self) -> int:
         """The LoRA rank when fine-tuning with LoRA or QLoRA, else 0 (what the activation formulas take)."""
         return self.lora_rank if self.finetune.adapters else 0
+
+    @property
+    def adapter_dropout(self) -> float:
+        """peft's lora_dropout when fine-tuning with LoRA or QLoRA, else 0."""
+        return self.lora_dropout if self.finetune.adapters else 0.0
 
     def grad_accum_for(self, micro_batch: int, data_parallel: int) -> int | None:
         """Micro-steps that reach the global batch (1 without one); None when micro_batch x the data-parallel

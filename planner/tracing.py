@@ -179,6 +179,7 @@ def trace_candidate(candidate: Candidate, hf_config: dict | None, profile: Profi
                                       seq_len=candidate.training.seq_len, optimizer=candidate.training.optimizer,
                                       hf_config=hf_config, finetune=candidate.training.finetune,
                                       lora_rank=candidate.training.lora_rank,
+                                      lora_dropout=candidate.training.lora_dropout,
                                       routing_imbalance=candidate.training.routing_imbalance,
                                       optimizer_impl=candidate.training.optimizer_impl)
     except TraceError as exc:

@@ -116,7 +116,7 @@ def _training_dict(training: TrainingSpec) -> dict:
     return {"seq_len": training.seq_len, "global_batch": training.global_batch,
             "optimizer": training.optimizer.value, "optimizer_impl": training.optimizer_impl.value,
             "finetune": training.finetune.value,
-            "lora_rank": training.lora_rank}
+            "lora_rank": training.lora_rank, "lora_dropout": training.lora_dropout}
 
 
 def _predicted(evaluation: Evaluation, profile: Profile) -> store.Predicted:
@@ -262,7 +262,8 @@ def _job(request: CalibrationRequest, out: Path, target: Target, config: FsdpCon
            "gpus_per_node": setup.gpus_per_node, "seq_len": setup.training["seq_len"],
            "optimizer": setup.training["optimizer"], "finetune": setup.training["finetune"],
            "optimizer_impl": setup.training.get("optimizer_impl", "foreach"),  # results written before it: foreach
-           "lora_rank": setup.training["lora_rank"], "steps": setup.steps, "warmup": setup.warmup,
+           "lora_rank": setup.training["lora_rank"], "lora_dropout": setup.training.get("lora_dropout", 0.0),
+           "steps": setup.steps, "warmup": setup.warmup,
            "device": setup.device, "emulate_world_size": request.emulate_world_size,
            "result_path": str(run_dir / "result.json"), "error_dir": str(run_dir / "errors"),
            "fault": fault, "measure_comm": True, "seed": 0,

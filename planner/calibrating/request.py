@@ -21,8 +21,8 @@ from ..request import ClusterRequest, TrainingRequest, knob
 _LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers")
 _CLUSTER = ("gpus", "gpus_per_node", "gpu", "internode_gbps", "gpu_memory", "intra_node_gb_per_s", "pcie_gb_per_s",
             "cpu_ram_per_node")
-_TRAINING = ("seq_len", "global_batch", "optimizer", "optimizer_impl", "finetune", "lora_rank", "lora_targets", "quant",
-             "double_quant", "quant_storage", "routing_imbalance")
+_TRAINING = ("seq_len", "global_batch", "optimizer", "optimizer_impl", "finetune", "lora_rank", "lora_dropout",
+             "lora_targets", "quant", "double_quant", "quant_storage", "routing_imbalance")
 
 
 @dataclass

@@ -40,6 +40,7 @@ _OWN = {
     # the file's fine-tuning (peft adapters, a BitsAndBytesConfig 4-bit base) unless a flag says otherwise
     "finetune": As(default=None, help="full, lora or qlora [default: the file's, else full]"),
     "lora_rank": As(default=None, help="LoRA rank [default: 16]"),
+    "lora_dropout": As(default=None, help="peft's lora_dropout [default: the file's, else 0]"),
     "quant": As(default=None, help="qlora: nf4 or fp4 [default: the file's BitsAndBytesConfig]"),
     "double_quant": As(default=None, help="qlora: double quantization [default: the file's BitsAndBytesConfig]"),
     "quant_storage": As(default=None, help="qlora: bnb_4bit_quant_storage [default: the file's BitsAndBytesConfig]"),

@@ -32,8 +32,8 @@ ForceProfile = Annotated[bool, typer.Option("--force-profile", help="Use a profi
 CLUSTER = ("model", "gpus", "gpus_per_node", "gpu", "internode_gbps", "gpu_memory", "intra_node_gb_per_s",
            "pcie_gb_per_s", "cpu_ram_per_node", "power_limit_w", "host_cores_per_node", "host_memory_gb_per_s",
            "host_thread_gb_per_s", "omp_num_threads")
-TRAINING = ("seq_len", "global_batch", "optimizer", "optimizer_impl", "finetune", "lora_rank", "lora_targets", "quant",
-            "double_quant", "quant_storage")
+TRAINING = ("seq_len", "global_batch", "optimizer", "optimizer_impl", "finetune", "lora_rank", "lora_dropout",
+            "lora_targets", "quant", "double_quant", "quant_storage")
 MESH = ("tp", "cp", "ep", "pp", "pp_schedule", "pp_stages_per_rank")
 CONFIG = ("sharding", "precision", "activation_checkpointing", "micro_batch", "grad_accum", "offload",
           "backward_prefetch", "limit_all_gathers", "expert_shard_dim", "expert_units", "reduce_dtype", "moe_dispatch",

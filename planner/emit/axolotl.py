@@ -60,7 +60,8 @@ def _finetune(training: TrainingSpec, model: ModelSpec) -> list:
     entries = [("adapter", training.finetune.value, "LoRA on a 4-bit base" if training.quantized else "")]
     if training.quantized:
         entries.append(("load_in_4bit", True, "bitsandbytes"))
-    entries += [("lora_r", r), ("lora_alpha", 2 * r), ("lora_dropout", 0.0),
+    dropout_note = "as priced: each adapter's dropout mask and output" if training.lora_dropout else ""
+    entries += [("lora_r", r), ("lora_alpha", 2 * r), ("lora_dropout", training.lora_dropout, dropout_note),
                 ("lora_target_linear", True, "every linear of the blocks, as priced") if model.lora_mlp else
                 ("lora_target_modules", qlora.TARGET_MODULES, "the attention projections, as priced")]
     if training.quantized:  # over axolotl's own BitsAndBytesConfig (loaders/model.py): the plan's values

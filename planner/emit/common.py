@@ -98,8 +98,8 @@ def _notes(config: FsdpConfig, training: TrainingSpec | None = None, model_spec:
         notes.append("offload: create the optimizer after wrapping; its step runs on the CPU (often the "
                      "bottleneck), and CPU RAM per node must hold the params, grads and optimizer state.")
     if training is not None and training.finetune.value == "lora":
-        targets = f", LoraConfig(target_modules={qlora.target_modules_text(model_spec)}): as priced" if model_spec \
-            else ""
+        kwargs = qlora.priced_lora_kwargs_text(training, model_spec)
+        targets = f", LoraConfig({kwargs}): as priced" if kwargs else ""
         notes.append(f"LoRA: apply the adapters (get_peft_model{targets}) before wrapping; the plan counts the frozen "
                      "base in the compute dtype (from_pretrained(dtype=torch.bfloat16)) and peft's fp32 adapters. "
                      "FSDP1 needs the adapters in units of their own (the fsdp1 snippet's CustomPolicy; HF Trainer "

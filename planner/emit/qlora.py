@@ -29,6 +29,13 @@ def target_modules_text(model_spec: ModelSpec) -> str:
     return repr(targets) if isinstance(targets, str) else repr(list(targets))
 
 
+def priced_lora_kwargs_text(training: TrainingSpec, model_spec: ModelSpec | None) -> str:
+    """LoraConfig's arguments the plan priced beside r, as Python source: target_modules (with a model spec) and a
+    lora_dropout above peft's 0 (cost_models/lora_dropout.py)."""
+    kwargs = [f"target_modules={target_modules_text(model_spec)}"] if model_spec else []
+    return ", ".join(kwargs + ([f"lora_dropout={training.lora_dropout}"] if training.lora_dropout else []))
+
+
 def python_lines(training: TrainingSpec, config: FsdpConfig, model_spec: ModelSpec) -> list[str]:
     """bnb_config and lora_config as Python, with how to load the model through them."""
     compute = TORCH_NAMES[config.precision.compute_dtype]
@@ -51,8 +58,8 @@ def python_lines(training: TrainingSpec, config: FsdpConfig, model_spec: ModelSp
         f"    bnb_4bit_compute_dtype=torch.{compute},",
         f"    bnb_4bit_quant_storage=torch.{storage},  # the compute dtype: FSDP gathers it with the rest",
         ")",
-        f"lora_config = LoraConfig(r={r}, lora_alpha={2 * r}, lora_dropout=0.0, bias=\"none\", "
-        "task_type=\"CAUSAL_LM\",",
+        f"lora_config = LoraConfig(r={r}, lora_alpha={2 * r}, lora_dropout={training.lora_dropout},",
+        "                         bias=\"none\", task_type=\"CAUSAL_LM\",",
         f"                         target_modules={target_modules_text(model_spec)})",
     ]
 

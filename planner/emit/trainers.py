@@ -182,8 +182,8 @@ def emit_hf_trainer(config: FsdpConfig, model_spec: ModelSpec, cluster: ClusterS
     if version == 2:
         notes += _fsdp1_only_notes(config, "--emit hf-trainer-fsdp1")
     if training is not None and training.finetune.adapters:
-        targets = qlora.target_modules_text(model_spec)
-        notes.append(f"LoRA: apply the adapters (get_peft_model, LoraConfig(target_modules={targets}): as priced) "
+        kwargs = qlora.priced_lora_kwargs_text(training, model_spec)
+        notes.append(f"LoRA: apply the adapters (get_peft_model, LoraConfig({kwargs}): as priced) "
                      "before Trainer(...); the Trainer wraps PEFT adapters in FSDP units of their own by itself")
     if config.offload:
         notes.append("offload: the optimizer step runs on the CPU (often the bottleneck), and CPU RAM per node must "

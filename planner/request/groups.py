@@ -82,6 +82,9 @@ class TrainingRequest:
                                       "(foreach)")
     finetune: str = knob("full", "--finetune", help="full, lora, or qlora (LoRA on a bitsandbytes 4-bit base)")
     lora_rank: int = knob(16, "--lora-rank", help="LoRA rank")
+    lora_dropout: float = knob(0.0, "--lora-dropout", help="peft's lora_dropout, 0 <= p < 1: above 0 each adapter "
+                               "saves a one-byte mask and its own dropped input (axolotl's examples and TRL's "
+                               "ModelConfig: 0.05)")
     lora_targets: str | None = knob(None, "--lora-targets", help="The linears LoRA / QLoRA adapts: attention (q, k, "
                                     "v, o; peft's own default, q and v, is priced as these) or all-linear (the "
                                     "MLP's too: peft's target_modules=\"all-linear\", axolotl's lora_target_linear, "
@@ -101,8 +104,8 @@ class TrainingRequest:
     def spec(self) -> TrainingSpec:
         return TrainingSpec(seq_len=self.seq_len, global_batch=self.global_batch, optimizer=self.optimizer,
                             optimizer_impl=self.optimizer_impl or "foreach", finetune=self.finetune,
-                            lora_rank=self.lora_rank, quant=self.quant, double_quant=self.double_quant,
-                            quant_storage=self.quant_storage,
+                            lora_rank=self.lora_rank, lora_dropout=self.lora_dropout, quant=self.quant,
+                            double_quant=self.double_quant, quant_storage=self.quant_storage,
                             routing_imbalance=self.routing_imbalance, routing=self.routing)
 
 

@@ -62,6 +62,8 @@ class Training(_Out):
                     "adamw-8bit: fused (bitsandbytes' kernel)")
     finetune: Literal[tuple(f.value for f in Finetune)]
     lora_rank: absent_or(int, "LoRA adapters' rank (LoRA and QLoRA only)")
+    lora_dropout: absent_or(float, "peft's lora_dropout, LoRA and QLoRA only (absent: 0, nn.Identity): each "
+                                   "adapter's dropout mask and output priced (cost_models/lora_dropout.py)")
     quant: absent_or(Literal[tuple(q.value for q in QuantType)], "QLoRA only: bitsandbytes' 4-bit type")
     double_quant: absent_or(bool, "QLoRA only: the absmax quantized too (0.127 bits a weight, else 0.5)")
     quant_storage: absent_or(Literal[QUANT_STORAGE_DTYPES], "QLoRA only: bnb_4bit_quant_storage, the dtype the "

@@ -109,7 +109,7 @@ def _finetune(data: dict, precision: Precision, rank0: bool, reentrant: bool) ->
     targets, notes = peft_targets.lora_targets(
         data.get("lora_target_modules"), _bool("lora_target_linear", data.get("lora_target_linear") or False))
     knobs = (("finetune", adapter), ("lora_rank", _positive_int(data, "lora_r", 8)),  # peft's LoraConfig r
-             ("lora_targets", targets))
+             ("lora_targets", targets), peft_targets.lora_dropout(data.get("lora_dropout"), "lora_dropout"))
     if not quantized:
         return knobs, None, notes
     kwargs = data.get("bnb_config_kwargs") or {}

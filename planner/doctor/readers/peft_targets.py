@@ -1,6 +1,7 @@
 """peft's target_modules as a setup writes it -> the lora_targets knob the plan prices (ModelSpec.lora_targets):
-attention (the attention projections) or all-linear (the MLP's linears too). Read by axolotl.py (lora_target_modules,
-lora_target_linear) and python_qlora.py (a script's LoraConfig(target_modules=...)).
+attention (the attention projections) or all-linear (the MLP's linears too); and its lora_dropout -> the knob of that
+name (cost_models/lora_dropout.py). Read by axolotl.py (lora_target_modules, lora_target_linear, lora_dropout) and
+python_qlora.py (a script's LoraConfig(target_modules=..., lora_dropout=...)).
 
 Names are transformers' module names of the families the planner prices. peft's own default (target_modules
 None: its per-family table, q_proj and v_proj for Llama) and any subset of the attention projections are priced
@@ -10,6 +11,7 @@ in a note when only some are named); names of neither kind are left unpriced, sa
 
 from __future__ import annotations
 
+from cost_models.spec_values import check_probability
 from cost_models.specs import LoraTargets
 
 ALL_LINEAR = LoraTargets.ALL_LINEAR.value  # peft's word; axolotl's lora_target_linear: true means the same
@@ -35,3 +37,8 @@ def lora_targets(target_modules, all_linear: bool = False) -> tuple[str, tuple[s
         notes += (f"LoRA adapters on {', '.join(sorted(other))} are not priced (the blocks' attention and MLP "
                   "linears are)",)
     return (ALL_LINEAR if mlp else LoraTargets.ATTENTION.value), notes
+
+
+def lora_dropout(value, field: str) -> tuple[str, float]:
+    """The lora_dropout knob of what a setup writes under `field` (None: peft's and axolotl's default, 0)."""
+    return "lora_dropout", check_probability(field, 0.0 if value is None else value)

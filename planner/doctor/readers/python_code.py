@@ -46,7 +46,7 @@ def from_python(text: str, source: str = "python"):
         setup = None
     if setup is not None:  # a QLoRA base the script loads (BitsAndBytesConfig): for rules_qlora; peft's targets
         qlora, knobs = python_qlora.read_qlora(snippet)
-        targets, notes = python_qlora.read_lora_targets(snippet)
+        targets, notes = python_qlora.read_lora_config(snippet)
         return dataclasses.replace(setup, qlora=qlora or setup.qlora, training=setup.training + knobs + targets,
                                    notes=setup.notes + notes)
     raise PlannerError("config", f"{source} calls none of fully_shard, FullyShardedDataParallel (FSDP), "

@@ -6,7 +6,8 @@ reentrant unless gradient_checkpointing_kwargs says use_reentrant False) and its
 (enable_input_require_grads, or peft's prepare_model_for_kbit_training which calls it), and whether the ranks
 load the checkpoint once: a meta device (torch.device("meta"), device_map "meta", accelerate's
 init_empty_weights) or rank 0's state dict broadcast (StateDictOptions(broadcast_from_rank0=True)). And, LoRA or
-QLoRA, the linears peft's LoraConfig(target_modules=...) adapts (peft_targets.py: the lora_targets knob)."""
+QLoRA, the linears peft's LoraConfig(target_modules=...) adapts and its lora_dropout (peft_targets.py: the
+lora_targets and lora_dropout knobs)."""
 
 from __future__ import annotations
 
@@ -79,19 +80,27 @@ def read_qlora(snippet: Snippet) -> tuple[QloraSetup | None, tuple]:
         rank0_loading=meta or broadcast or bool(snippet.named("init_empty_weights")))
 
 
-def read_lora_targets(snippet: Snippet) -> tuple[tuple, tuple[str, ...]]:
-    """(the lora_targets knob, notes) of the script's LoraConfig(target_modules=...), or ((), ()) without one."""
+def read_lora_config(snippet: Snippet) -> tuple[tuple, tuple[str, ...]]:
+    """(the lora_targets and lora_dropout knobs, notes) of the script's LoraConfig(target_modules=...,
+    lora_dropout=...), or ((), ()) without one."""
     configs = snippet.named("LoraConfig")
     if not configs:
         return (), ()
+    dropout, notes = configs[0].kwargs.get("lora_dropout"), ()
+    try:
+        written = None if dropout is None else snippet.value(dropout, "lora_dropout")
+    except PlannerError:  # computed in the script
+        written, notes = None, (f"LoraConfig's lora_dropout={ast.unparse(dropout)} is not a literal: priced at 0 "
+                                "(--lora-dropout to price it)",)
+    knobs = (peft_targets.lora_dropout(written, "lora_dropout"),)
     node = configs[0].kwargs.get("target_modules")
     try:
         written = None if node is None else snippet.value(node, "target_modules")
     except PlannerError:  # computed in the script: not a literal this reader can price
-        return (), (f"LoraConfig's target_modules={ast.unparse(node)} is not a literal: LoRA priced on the attention "
-                    "projections (--lora-targets all-linear for every linear)",)
-    targets, notes = peft_targets.lora_targets(written)
-    return (("lora_targets", targets),), notes
+        return knobs, notes + (f"LoraConfig's target_modules={ast.unparse(node)} is not a literal: LoRA priced on "
+                               "the attention projections (--lora-targets all-linear for every linear)",)
+    targets, more = peft_targets.lora_targets(written)
+    return (("lora_targets", targets),) + knobs, notes + more
 
 
 def from_model_init_kwargs(kwargs: dict, rank0_loading: bool) -> tuple[QloraSetup | None, tuple]:
