@@ -289,7 +289,8 @@ def first_block_lora_savings(model: ModelSpec, compute_bytes: int, fused_norm: b
     nothing, nor does a parallel block's MLP branch (it reads the block input, not the attention's
     output): bytes per token the first block saves less than block_bytes_per_token says (unless
     checkpointed). A post-norm block (OLMo 2) has no norm before its attention: nothing to save. A parallel
-    block's MLP with adapters (all-linear) saves as in any block: its adapters' outputs need gradients."""
+    block's MLP with adapters (all-linear) saves as in any block: its adapters' outputs need gradients. Not where
+    the trainer calls PEFT's enable_input_require_grads (verl: memory.estimate_memory's input_requires_grad)."""
     savings = _norm_bytes(model, compute_bytes, lora=True, fused=fused_norm) if model.norm_layout != "post" else 0
     if model.parallel_block and not model.lora_mlp:
         savings += _mlp_bytes(model, compute_bytes, lora=True)

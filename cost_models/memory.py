@@ -15,6 +15,9 @@ tier, docs/accuracy.md) decides what else is alive, moment by moment:
   ones can peak: each block done adds its sharded gradient, each block below saves only its input);
 - TP with sequence parallel, the embedding's backward: its whole V x h gradient, then the rank's rows copied out of
   it, beside the gathered root and its other gradients;
+- FSDP2's all-gather transients (fsdp2_gathers.py): a block's pre-backward, its prefetch of the block below issued
+  (the all-gather output beside the copy-in source of shards cast to the compute dtype), and the last block's
+  forward copy-out beside its all-gather output and the block below's (a deferred free);
 - end of backward: the root's gradients and their reduce-scatter, with every block's sharded gradient;
 - optimizer step: stored params, gradients, optimizer state and the step's temporaries (optimizer_step.py:
   foreach, fused or for-loop).
@@ -34,7 +37,8 @@ import dataclasses
 import math
 from collections import namedtuple
 
-from . import activations, context_parallel, expert_parallel, kernels, moe, optimizer_step, qlora, tensor_parallel
+from . import (activations, context_parallel, expert_parallel, fsdp2_gathers, kernels, moe, optimizer_step, qlora,
+               tensor_parallel)
 from .fsdp1_adapters import AdapterUnits
 from .memory_shape import ledger_shape, shape_key
 from .memory_types import MemoryBreakdown, MemoryEstimate, ParamCounts
@@ -55,10 +59,14 @@ def _shard(n_bytes: float, d: int) -> int:
 
 def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, config: FsdpConfig,
                     profile: Profile, fsdp1_adapter_units: bool | AdapterUnits = False, shapes: dict | None = None,
-                    outside: tuple | None = None) -> MemoryEstimate:
+                    outside: tuple | None = None, frozen_stored_bytes: int | None = None,
+                    input_requires_grad: bool = False) -> MemoryEstimate:
     """shapes: a memo of memory_shape.ledger_shape for this model, training and profile (a search's candidates share
     them across FSDP's own knobs: planner/search/memo.py); outside: the memory outside the allocator where the caller
-    has it (outside_allocator_terms, without a DeepEP buffer)."""
+    has it (outside_allocator_terms, without a DeepEP buffer). A trainer's own ways with LoRA (verl's engine,
+    rl_actor.py): frozen_stored_bytes, the frozen base's stored width where it is not the ledger's compute dtype
+    (FSDP2 casts it at every all-gather: fsdp2_gathers.py; its sharded bytes stay the caller's to add);
+    input_requires_grad, PEFT's enable_input_require_grads (see the moments' end)."""
     if config.pp > 1:  # per pipeline rank: its stages and its schedule's in-flight microbatches; the largest leads
         from .pipeline_memory import pipeline_estimate
 
@@ -315,6 +323,34 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
         copies = 2 if model.tied_embeddings else 1
         moments["embedding's gradient, its rows copied"] = at_table._replace(
             unsharded_grads=root_grads + copies * model.embedding_params * c)
+    if prefetches and not adapter_units and not experts_c and L > 1 and not tensor_parallel.sequence_parallel(config):
+        # FSDP2's transients around a block's all-gather (fsdp2_gathers.py). Backward: block i's pre-backward issues
+        # block i-1's prefetch beside block i gathered, the copy-in source (shards cast to c) and the all-gather
+        # output at once, before block i's backward adds its working set; a checkpointed block holds its input yet
+        copy_in = fsdp2_gathers.copy_in_bytes(counts.trainable_block, counts.frozen_block, p,
+                                              frozen_stored_bytes or frozen_p, c, d)
+        for i, label, recomputed, below, this in s.blocks:
+            if i > 0 and copy_in:
+                moments[f"backward of block {i} (its prefetch issued)"] = _Moment(
+                    **states(grads_done(i)), unsharded_params=params_at(i),
+                    collective_buffers=prefetch_below(i) + copy_in + reduce_scatter_above(i),
+                    unsharded_grads=head_grad,
+                    activations=tokens * (below + (ckpt if recomputed else this) + c * h) + shared)
+        # Forward: the last block's copy-out beside its all-gather output and the block below's (deferred free); its
+        # input and the embedding's output held (activations.output_projection_forward_held_bytes_per_token)
+        i = L - 1
+        moments[f"forward all-gather copy-out of block {i}"] = _Moment(
+            **states(0), unsharded_params=params_at(i), collective_buffers=gathered(i - 1) + gathered(i),
+            activations=tokens * (saved_below(i) + 2 * c * h) + shared)
+    if input_requires_grad and training.adapter_rank and not s.K:
+        # PEFT's enable_input_require_grads (verl's LoRA engine) makes the embedding's output a leaf that needs a
+        # gradient: block 0's first norm saves its input as any block's (no first_less), and the leaf's AccumulateGrad
+        # node keeps it until block 0's backward is done (a forward moment holds it already). Checkpointed, it is
+        # block 0's saved input anyway. Measured: tests/distributed/test_torchrun_verl_actor.py (FSDP2 LoRA)
+        for k, m in moments.items():
+            if k != "end of backward" and not k.startswith("embedding"):
+                moments[k] = m._replace(activations=m.activations + tokens * (
+                    s.first_less + (0 if k.startswith("forward") else c * h)))
     # The root's post-backward reshards its parameters before it reduce-scatters their gradients (FSDP2's
     # FSDPParamGroup.post_backward): the gathered root is gone when its reduce-scatter input is built.
     moments["end of backward"] = _Moment(

@@ -17,7 +17,7 @@ from .profile import Profile
 from .rl_batch import BatchPlan
 from .rl_settings import ACTOR_DTYPES, RlSettings
 from .rl_strategy import (forward_gathered_bytes, fsdp2_backward, head_backward_bytes, loss_root_bytes,
-                          weight_sync_bytes)
+                          separate_head_units, weight_sync_bytes)
 from .rl_trl_head import trl_head_bytes
 from .rl_trl_server import sync_tensor_bytes
 from .spec_values import Attention, LossKernel, Sharding
@@ -149,22 +149,32 @@ def actor_states(run: ActorRun, settings: RlSettings, batch: BatchPlan, profile:
     accumulating = batch.micro_batches_per_mini > 1
     tokens = training.seq_len
     accum_config = dataclasses.replace(config, grad_accum=1 + accumulating)
-    est = estimate_memory(model, run.cluster, training, accum_config, profile)
+    # verl builds the actor in its model_dtype (fp32 by default) and PEFT keeps the base in it (below), which FSDP2
+    # casts at every all-gather; verl's LoRA engine calls PEFT's enable_input_require_grads (workers/engine/fsdp/
+    # transformer_impl.py _build_lora_module)
+    fp32_base = settings.lora and config.precision.mixed
+    input_leaf = settings.lora and settings.framework == "verl"
+    est = estimate_memory(model, run.cluster, training, accum_config, profile,
+                          frozen_stored_bytes=4 if fp32_base else None, input_requires_grad=input_leaf)
     body = est.phases["backward"]
     # CPU offload (FSDP2's CPUOffloadPolicy): the ledger keeps the model states off the GPU; their sizes, for the
     # host and the copies, from the ledger without it
     on_gpu = not config.offload
     step = est.phases["optimizer_step"] if on_gpu else estimate_memory(
         model, run.cluster, training, dataclasses.replace(accum_config, offload=False), profile).phases["optimizer_step"]
-    if settings.lora and config.precision.mixed:
-        # verl builds the actor in its model_dtype (fp32 by default) and PEFT keeps the base in it: the frozen
-        # shard is stored in fp32, where the ledger keeps a frozen base in the compute dtype
+    if fp32_base:
+        # the frozen shard is stored in fp32, where the ledger keeps a frozen base in the compute dtype
         frozen = ParamCounts.of(model, training).frozen(model.n_layers)
         extra = -(-frozen * (4 - DTYPE_BYTES[config.precision.compute_dtype]) // size)
         step = dataclasses.replace(step, sharded_params=step.sharded_params + extra)
         body = dataclasses.replace(body, sharded_params=body.sharded_params + extra * on_gpu)
     c = DTYPE_BYTES[config.precision.compute_dtype]
     body = fsdp2_backward(body, est.peak_moment, model, settings, c, DTYPE_BYTES[config.gradient_reduce_dtype], size)
+    if est.peak_moment.startswith("forward") and separate_head_units(model, settings):
+        # a block's forward under verl's FSDP2: the embedding resharded after its forward, the head not gathered yet;
+        # the root's own parameters only (beside fsdp2_backward's backward moments)
+        body = dataclasses.replace(body, unsharded_params=body.unsharded_params
+                                   - (model.embedding_params + model.head_params) * c)
     # the loss moment: every block's saved tensors (checkpointed: its input), the root's, the root gathered (as
     # the strategy wraps it: rl_strategy.py), and the verl logits path or, once the logits' gradient is complete,
     # that gradient and the last block's all-gather (the root's pre-backward prefetches it): verl's entropy backward
@@ -177,6 +187,8 @@ def actor_states(run: ActorRun, settings: RlSettings, batch: BatchPlan, profile:
     body = dataclasses.replace(body, activations=body.activations + surplus * (1 if ckpt else model.n_layers))
     saved = tokens * (model.n_layers * per_block + activations.root_bytes_per_token(model, c, lora=settings.lora))
     saved += 0 if ckpt else model.n_layers * surplus
+    # enable_input_require_grads without checkpointing: the embedding's output, a leaf, kept by its AccumulateGrad
+    saved += tokens * model.hidden_size * c if input_leaf and not ckpt else 0
     head, block = logits_bytes(model, tokens, c, settings, batch), model.block_params * c if size > 1 else 0
     head_gathered = 0
     if settings.framework == "verl":   # the entropy's backward, or the head's with the logits' gradient complete
