@@ -33,6 +33,9 @@ checkpoint's staging, summed over the node's GPUs.
   them out - the whole base in the stored dtype per GPU, once. With rollout.layered_summon (load_format
   safetensors: the engine loads the base from disk) no base is sent. Meanwhile the actor's offloaded params are on
   the GPU (load_fsdp_model_to_gpu) and the engine's level-1 backup woken into it (resume(tags=["weights"])).
+- a reward model on its own resource pool loads nothing on the host: its engine reads the checkpoint from disk
+  (vllm serve's load_format auto) and its HFModelConfig(path=...) (experimental/reward_loop/reward_model.py
+  RewardModelManager._initialize_llm_servers) leaves use_shm False: no /dev/shm copy, whatever model.use_shm says.
 Ignored: the page cache, the dataloader, Ray's object store.
 """
 

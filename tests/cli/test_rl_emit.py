@@ -104,6 +104,26 @@ def test_lora_merge_is_written_under_verls_key():
     assert "actor_rollout_ref.model.lora.merge" not in full
 
 
+def test_a_reward_pools_engine_loads_nothing_on_the_host():
+    """What cost_models/rl_host.py rests on for a reward model on its own pool: verl 0.9.1's RewardModelManager builds
+    its model config from the path alone (HFModelConfig's use_shm, False by default, not passed: no /dev/shm copy,
+    whatever actor_rollout_ref.model.use_shm says), and reward.yaml's engine loads with load_format auto (vllm serve
+    reads the checkpoint from disk)."""
+    import dataclasses
+    import inspect
+
+    from omegaconf import OmegaConf
+
+    _verl_validation()
+    from verl.experimental.reward_loop.reward_model import RewardModelManager
+    from verl.workers.config import HFModelConfig
+
+    source = inspect.getsource(RewardModelManager._initialize_llm_servers)
+    assert "HFModelConfig(path=self.config.model_path)" in source and "use_shm" not in source
+    assert next(f.default for f in dataclasses.fields(HFModelConfig) if f.name == "use_shm") is False
+    assert OmegaConf.select(_compose([]), "reward.reward_model.rollout.load_format") == "auto"
+
+
 def test_hydra_refuses_a_key_verl_does_not_have():
     """What makes the test above a check: a misspelt key does not compose."""
     from hydra.errors import ConfigCompositionException

@@ -93,3 +93,13 @@ def test_the_first_lora_sync_holds_the_whole_base_on_every_ranks_host(lora):
     layered = rl_estimate("qwen2.5-7b", 8, finetune="lora", layered_summon=True, **JOB)
     full = rl_estimate("qwen2.5-7b", 8, **JOB)
     assert layered.host.sync_terms == full.host.sync_terms == {} and full.host.sync_bytes == 0
+
+
+def test_a_reward_pool_puts_nothing_on_the_trainers_hosts():
+    """RewardModelManager builds HFModelConfig(path=...) with use_shm False and vllm serve loads from disk: its own
+    pool adds no host term on the trainer's nodes, and model.use_shm copies the actor's checkpoint only (2 x N B)."""
+    base = rl_estimate("qwen2.5-7b", 8, use_shm=True, **JOB)
+    pool = rl_estimate("qwen2.5-7b", 8, use_shm=True, reward_model="qwen2.5-7b", reward_model_enable_resource_pool=True,
+                       **JOB)
+    assert pool.host.terms == base.host.terms and base.host.terms["model copy in /dev/shm"] == 2 * N
+    assert pool.host.process_bytes == base.host.process_bytes
