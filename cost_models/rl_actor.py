@@ -220,19 +220,21 @@ def sent_tensors(model: ModelSpec, settings: RlSettings) -> tuple[int, ...]:
 
 
 def forward_only_bytes(model: ModelSpec, tokens: int, c: int, settings: RlSettings, sp: int = 1,
-                       batch: BatchPlan | None = None, reference: bool = False) -> dict:
-    """A log-prob forward under no_grad on `tokens` tokens per GPU: one block's working set (bounded by what it
-    would save for backward), the residual stream in and out, and verl's logits path (TRL: its fused head on the
-    batch's response tokens); Ulysses (sp > 1): what its attention's all-to-all moment adds over that bound
-    (rl_ulysses.py). verl computes the entropy in the old log-prob pass always and never in the reference's
-    (ray_trainer.py _compute_old_log_prob: calculate_entropy=True; _compute_ref_log_prob: False): `reference`."""
+                       batch: BatchPlan | None = None) -> tuple[dict, dict]:
+    """The log-prob forwards under no_grad on `tokens` tokens per GPU, (the old log-probs', the reference's), priced
+    once for both: one block's working set (bounded by what it would save for backward), the residual stream in and
+    out, Ulysses (sp > 1): what its attention's all-to-all moment adds over that bound (rl_ulysses.py); then each
+    pass's head: verl's logits path, with the entropy in the old pass only (ray_trainer.py _compute_old_log_prob:
+    calculate_entropy=True; _compute_ref_log_prob: False); TRL's fused head on the batch's response tokens, the same
+    in both."""
     bound = activations.block_bytes_per_token(model, c, Attention.SDPA, tokens, 1) + 2 * c * model.hidden_size
     ulysses = rl_ulysses.forward_only_extra_bytes(model, tokens, c, sp, bound)
-    head = ({"log-prob head (fused)": logits_bytes(model, tokens, c, settings, batch, grad=False)}
-            if settings.framework == "trl" else
-            {"logits": verl_logits_bytes(model, tokens, c, settings, grad=False, entropy=False)} if reference else
-            {"logits and entropy": verl_logits_bytes(model, tokens, c, settings, grad=False, entropy=True)})
-    return {"forward activations": tokens * bound, **({"Ulysses all-to-all": ulysses} if ulysses else {}), **head}
+    body = {"forward activations": tokens * bound, **({"Ulysses all-to-all": ulysses} if ulysses else {})}
+    if settings.framework == "trl":
+        head = {"log-prob head (fused)": logits_bytes(model, tokens, c, settings, batch, grad=False)}
+        return {**body, **head}, {**body, **head}
+    return ({**body, "logits and entropy": verl_logits_bytes(model, tokens, c, settings, grad=False, entropy=True)},
+            {**body, "logits": verl_logits_bytes(model, tokens, c, settings, grad=False, entropy=False)})
 
 
 def reference_bytes(model: ModelSpec, cluster: ClusterSpec, settings: RlSettings) -> int:

@@ -175,9 +175,7 @@ def rl_phases(model: ModelSpec, cluster: ClusterSpec, settings: RlSettings, engi
     sync_bytes = ({**walk, **bucket} if walk and settings.lora_merged else walk), {**send, **bucket}
     held = {"actor params": params_resident, "reference": ref_resident}
     resident = {**held, "Adam states": adam_resident}
-    fwd = forward_only_bytes(model, batch.log_prob_tokens_per_gpu, c, settings, batch.ulysses, batch)
-    ref_fwd = forward_only_bytes(model, batch.log_prob_tokens_per_gpu, c, settings, batch.ulysses, batch,
-                                 reference=True)
+    fwd, ref_fwd = forward_only_bytes(model, batch.log_prob_tokens_per_gpu, c, settings, batch.ulysses, batch)
     gathered = {"gathered units": actor.unit_gather_bytes}
     ref_actor = {"actor params": loaded} if settings.lora else {"actor params": params_resident}
     update = {"reference": ref_resident, **actor.update_steady.to_dict()}

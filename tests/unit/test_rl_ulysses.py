@@ -38,8 +38,12 @@ def test_attention_moment_by_hand(qwen7):
 
 def test_log_prob_bound_covers_the_moment(qwen7):
     # the block's bound (225,392 + 2 x 2 x 3584 = 239,728 B/token) is above 54,272: no term; a smaller bound shows it
-    fwd = forward_only_bytes(qwen7, 4_000, 2, RlSettings(), sp=2)
+    fwd, ref = forward_only_bytes(qwen7, 4_000, 2, RlSettings(), sp=2)
     assert "Ulysses all-to-all" not in fwd and fwd["forward activations"] == 4_000 * 239_728
+    # the reference's pass: the same forward, its logits without the entropy (4,000 x 152,064 x 2 B; the old pass's
+    # no-grad entropy x 3)
+    assert ref == {"forward activations": 4_000 * 239_728, "logits": 1_216_512_000}
+    assert fwd["logits and entropy"] == 3 * 1_216_512_000
     assert rl_ulysses.forward_only_extra_bytes(qwen7, 4_000, 2, 2, 50_000) == 4_000 * 4_272
     assert rl_ulysses.forward_only_extra_bytes(qwen7, 4_000, 2, 1, 0) == 0
 
