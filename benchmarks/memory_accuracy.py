@@ -1,7 +1,7 @@
 """Accuracy of the analytic memory model against the trace tier, over a grid of configurations.
 
     python benchmarks/memory_accuracy.py [--jobs 2] [--quick] [--json out.json] [--families 2026] [--profile-too]
-                                         [--finetune lora [--lora-targets all-linear]]
+                                         [--finetune lora [--lora-targets all-linear] [--lora-dropout 0.05]]
                                          [--expert-units] [--mesh] [--pp]
 
 For every configuration: the analytic estimate (planner.api.estimate) and the trace (planner.tracing.trace:
@@ -9,7 +9,8 @@ the real FSDP2 training step on fake tensors, rank 0 of the real world size) of 
 FsdpConfig. Prints one row per configuration, the error per memory category, and the median and maximum
 absolute relative error of the peak allocated memory ((estimate - trace) / trace). --finetune lora runs
 the same grid as LoRA fine-tuning (rank 16 on the attention projections, peft, frozen base in the compute
-dtype); --lora-targets all-linear puts the adapters on every block linear (the MLP's too).
+dtype); --lora-targets all-linear puts the adapters on every block linear (the MLP's too); --lora-dropout p gives each
+adapter peft's dropout (cost_models/lora_dropout.py).
 
 The architectures are real Hugging Face model types with their real module code (transformers
 from_config, no weights), scaled down in depth and width (4-8 layers, hidden 256-512) so the grid of 60
@@ -440,6 +441,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--profile-too", action="store_true",
                         help="also price each configuration from a traced block memory profile (the generic path)")
     parser.add_argument("--lora-rank", type=int, default=16)
+    parser.add_argument("--lora-dropout", type=float, default=0.0, help="with --finetune lora: peft's lora_dropout")
     parser.add_argument("--lora-targets", choices=("attention", "all-linear"), default="attention",
                         help="with --finetune lora: the linears the adapters are on")
     parser.add_argument("--mesh", action="store_true",
@@ -471,7 +473,8 @@ def main(argv: list[str] | None = None) -> None:
                 and any(k in archs[r["arch"]] for k in ("num_local_experts", "num_experts", "n_routed_experts"))]
     if args.finetune == "lora":
         rows = [{**r, "finetune": "lora", "lora_rank": args.lora_rank,
-                 **({"lora_targets": args.lora_targets} if args.lora_targets != "attention" else {})} for r in rows]
+                 **({"lora_targets": args.lora_targets} if args.lora_targets != "attention" else {}),
+                 **({"lora_dropout": args.lora_dropout} if args.lora_dropout else {})} for r in rows]
     if args.arch:
         rows = [r for r in rows if r["arch"] in args.arch]
     if args.profile_too:

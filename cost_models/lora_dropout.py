@@ -20,6 +20,7 @@ all-linear +5,952 B a token at fp32, +3,904 at bf16, +1,856 where peft casts x t
 autocast); attention only +3,712 / +2,176 / +640; the figures below to the byte (tests/unit/test_lora_dropout.py).
 Ignored: the dropout's output and mask in flight while its adapter's forward runs (the down projection's: the
 in-flight moment in memory_shape.py counts them), torch's CPU kernel (a mask in x's dtype, not the CUDA run priced).
+With checkpointing a block's recompute of its down projection can lead: priced over (docs/accuracy.md, LoRA's dropout).
 """
 
 from __future__ import annotations

@@ -153,12 +153,14 @@ def trainer_line(trainer_id: str) -> str:
 
 
 def training_line(training) -> str:
-    """"training: seq 2048, adamw (fused step), lora fine-tuning (rank 16), global batch 64"."""
+    """"training: seq 2048, adamw (fused step), lora fine-tuning (rank 16, dropout 0.05), global batch 64"."""
+    dropout = f", dropout {training.adapter_dropout:g}" if training.adapter_dropout else ""
     return (f"training: seq {training.seq_len}, {training.optimizer.value} ({training.optimizer_impl.value} step), "
             f"{training.finetune.value} fine-tuning"
-            + (f" (rank {training.lora_rank})" if training.finetune.value == "lora" else "")
-            + (f" (rank {training.lora_rank}, {training.quant.value}{', double quant' if training.double_quant else ''}"
-               f", {training.quant_storage} storage)" if training.quantized else "")
+            + (f" (rank {training.lora_rank}{dropout})" if training.finetune.value == "lora" else "")
+            + (f" (rank {training.lora_rank}{dropout}, {training.quant.value}"
+               f"{', double quant' if training.double_quant else ''}, {training.quant_storage} storage)"
+               if training.quantized else "")
             + (f", global batch {training.global_batch}" if training.global_batch else ""))
 
 
