@@ -30,9 +30,10 @@ checkpoint's staging, summed over the node's GPUs.
   False until the first sync), the first sync sends the base too: collect_lora_params(base_sync_done=False) moves
   the model to the host (model.to("cpu"), FSDP1 inside summon_full_params, FSDP2 its shards) and keeps every
   parameter whole there (full_tensor() over the gloo group, .cpu()) on every rank while the bucketed sender copies
-  them out - the whole base in the stored dtype per GPU, once. With rollout.layered_summon (load_format
-  safetensors: the engine loads the base from disk) no base is sent. Meanwhile the actor's offloaded params are on
-  the GPU (load_fsdp_model_to_gpu) and the engine's level-1 backup woken into it (resume(tags=["weights"])).
+  them out - the whole base in the stored dtype per GPU, once. Under another load_format (safetensors, auto, pt:
+  settings.base_preloaded) the engine loads the base from disk at its start and no base is sent (the page cache:
+  ignored). Meanwhile the actor's offloaded params are on the GPU (load_fsdp_model_to_gpu) and the engine's level-1
+  backup woken into it (resume(tags=["weights"])).
 - a reward model on its own resource pool loads nothing on the host: its engine reads the checkpoint from disk
   (vllm serve's load_format auto) and its HFModelConfig(path=...) (experimental/reward_loop/reward_model.py
   RewardModelManager._initialize_llm_servers) leaves use_shm False: no /dev/shm copy, whatever model.use_shm says.
@@ -152,4 +153,4 @@ def sync_host_terms(model: ModelSpec, settings: RlSettings, actor: ActorStates, 
     if settings.lora_merged:
         return {"LoRA merge's base backup (each sync)": merge_backup_bytes(model, settings, actor) * gpus}
     stored = DTYPE_BYTES[ACTOR_DTYPES[settings.actor_dtype].param_dtype]
-    return {"LoRA base sent from the host (first sync)": model.n_params * stored * gpus * (not settings.layered_summon)}
+    return {"LoRA base sent from the host (first sync)": model.n_params * stored * gpus * (not settings.base_preloaded)}

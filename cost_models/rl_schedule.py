@@ -138,5 +138,6 @@ TRL_SETS = {
     "lora_merge": (True, "verl's model.lora.merge; TRL merges the adapters at every sync (vllm_generation.py "
                          "merge_adapter), priced so"),
     "use_shm": (False, "verl's /dev/shm copy"),
+    "load_format": ("auto", "TRL's vLLM loads the checkpoint from disk (vllm_generation.py passes no load_format)"),
     "reward_model": (None, "TRL's reward models run inside the trainer, not priced here"),
 }

@@ -14,6 +14,10 @@ ACTOR_DTYPES = {"fp32": Precision.BF16, "bf16": Precision.BF16_PURE}  # stored d
 STRATEGIES = ("fsdp", "fsdp2")
 FRAMEWORKS = ("verl", "trl")
 VLLM_MODES = ("colocate", "server")   # TRL's GRPOConfig.vllm_mode
+# rollout.load_format, passed to the engine as is (verl 0.9.1 vllm_async_server.py / async_sglang_server.py
+# "load_format": self.config.load_format): dummy (rollout.yaml's default: random weights, no disk read) or a format
+# vLLM and SGLang both read from disk
+LOAD_FORMATS = ("dummy", "auto", "safetensors", "pt")
 # what accelerate's fsdp_offload_params (TRL: --param-offload) offloads beside the actor's params and Adam states
 TRL_OFFLOAD_FOLLOWERS = ("offload_policy", "ref_param_offload")
 
@@ -52,6 +56,7 @@ class RlSettings:
     # the adapters (rl_strategy.py, rl_sleep.py); read for a verl LoRA actor only (TRL merges always)
     lora_merge: bool = False
     offload_policy: bool = False       # fsdp_config.offload_policy: FSDP2's CPUOffloadPolicy (host_offload)
+    load_format: str = "dummy"         # rollout.load_format (LOAD_FORMATS; verl's default): base_preloaded
     # TRL 1.16's GRPOConfig (trl/trainer/grpo_config.py defaults), read for framework trl only (rl_schedule.py)
     beta: float = 0.0                  # KL coefficient: a reference (and its pass) only when != 0
     num_iterations: int = 1            # updates per generation batch (GRPO's mu)
@@ -88,6 +93,9 @@ class RlSettings:
             raise SpecError("fsdp_size", f"must be -1 (all GPUs) or >= 1, got {self.fsdp_size}")
         if self.num_iterations < 1:
             raise SpecError("num_iterations", f"must be >= 1, got {self.num_iterations}")
+        if self.load_format not in LOAD_FORMATS:
+            raise SpecError("load_format", f"unknown value {self.load_format!r}; choose one of: "
+                                           f"{', '.join(LOAD_FORMATS)}")
         if self.vllm_mode not in VLLM_MODES:
             raise SpecError("vllm_mode", f"unknown value {self.vllm_mode!r}; choose one of: {', '.join(VLLM_MODES)}")
         if self.server_data_parallel < 1:
@@ -169,6 +177,12 @@ class RlSettings:
     def lora_adapter(self) -> bool:
         """verl's LoRA served as an adapter (model.lora.merge off): the engine keeps the base, only adapters synced."""
         return self.lora and not self.lora_merged
+
+    @property
+    def base_preloaded(self) -> bool:
+        """Whether verl's engine starts with the checkpoint's weights, so a LoRA adapter's first sync sends no base:
+        verl 0.9.1 engine_workers.py `self.base_sync_done: bool = "dummy" not in self.config.rollout.load_format`."""
+        return "dummy" not in self.load_format
 
     @property
     def ppo(self) -> bool:

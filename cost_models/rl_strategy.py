@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from .feasibility import Refusal
 from .memory_types import MemoryBreakdown
 from .model_spec import ModelSpec
 from .rl_trl_server import packed_send_peak_bytes
@@ -190,6 +191,21 @@ def sync_bucket(settings, engine_version: str) -> dict:
     if settings.framework != "verl" or engine_version == "0.8":
         return {}
     return {"weight-transfer bucket": SYNC_BUCKET_BYTES}
+
+
+def sync_refusals(settings) -> tuple[Refusal, ...]:
+    """verl 0.9.1 raises at a LoRA adapter's first sync with rollout.layered_summon when the engine starts without
+    the base (load_format dummy: settings.base_preloaded): utils/fsdp_utils.py collect_lora_params(layered_summon=
+    True, base_sync_done=False), FSDP1 and FSDP2 alike, "To use layered_summon, you must make sure base-model is
+    preloaded in vllm, e.g. let rollout.load_format=safetensors". A merged LoRA never asks for the base (engine_
+    workers.py do_lora_base_sync only without model.lora.merge)."""
+    if settings.framework != "verl" or not settings.lora_adapter or not settings.layered_summon \
+            or settings.base_preloaded:
+        return ()
+    return (Refusal("load_format", "layered-summon-base",
+                    f"{settings.load_format} under layered_summon: verl 0.9.1 raises at the first weight sync "
+                    "(collect_lora_params: the LoRA base must be preloaded in the engine)",
+                    "set --load-format safetensors (rollout.load_format), or drop --layered-summon"),)
 
 
 def sync_moment(walk: dict, send: dict, held: dict, walk_engine: dict, send_engine: dict, reserved) -> tuple:

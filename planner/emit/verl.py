@@ -46,6 +46,10 @@ KEYS = {
     A + "rollout.max_num_batched_tokens": "max_num_batched_tokens",
     A + "rollout.enforce_eager": "enforce_eager",
     A + "rollout.layered_summon": "layered_summon",
+    # verl 0.9.1 passes it to the engine as is; dummy (rollout.yaml's default) starts it with random weights and
+    # makes a LoRA adapter's first sync send the base (engine_workers.py base_sync_done = "dummy" not in it), under
+    # which layered_summon raises (cost_models/rl_strategy.py sync_refusals)
+    A + "rollout.load_format": "load_format",
 }
 # PPO's critic (verl 0.9 dp_critic.yaml: its FSDP engine config under critic.fsdp)
 CRITIC_KEYS = {"critic.fsdp.param_offload": "critic_param_offload",
@@ -81,12 +85,6 @@ ADV_ESTIMATORS = {"grpo": "grpo", "ppo": "gae"}   # algorithm.adv_estimator (ver
 # verl 0.9.1's critic where a script leaves it out (critic/dp_critic.yaml strategy, engine/fsdp.yaml model_dtype):
 # check prices these (--emit verl writes the priced ones always)
 CRITIC_DEFAULTS = {"critic.strategy": "fsdp", "critic.fsdp.model_dtype": "fp32"}
-# rollout.load_format under rollout.layered_summon: verl 0.9.1 starts the engine's weights as load_format says
-# (rollout.yaml: dummy, random) and syncs a LoRA actor's base at the first sync only where "dummy" is in it
-# (engine_workers.py base_sync_done); there utils/fsdp_utils.py collect_lora_params(layered_summon=True,
-# base_sync_done=False) raises "To use layered_summon, you must make sure base-model is preloaded in vllm, e.g. let
-# rollout.load_format=safetensors". With it the engine loads the checkpoint's weights from disk at its start.
-LAYERED_LOAD_FORMAT = "safetensors"
 # model.lora.merge (trainer/config/model/hf_model.yaml, default False): written and read for a LoRA actor only
 LORA_MERGE = A + "model.lora.merge"
 
@@ -111,8 +109,6 @@ def overrides(r, model_path: str, settings) -> list[tuple[str, object]]:
             (A + "model.lora_rank", r.lora_rank if r.finetune == "lora" else 0)]
     if r.finetune == "lora":
         out += [(A + "model.target_modules", "all-linear"), (LORA_MERGE, r.lora_merge)]
-    if r.layered_summon:   # verl 0.9.1 raises at the first LoRA sync under its default dummy (LAYERED_LOAD_FORMAT)
-        out.append((A + "rollout.load_format", LAYERED_LOAD_FORMAT))
     if r.use_dynamic_bsz:
         budget = r.log_prob_max_token_len_per_gpu or r.ppo_max_token_len_per_gpu
         out += [(A + "actor.ppo_max_token_len_per_gpu", r.ppo_max_token_len_per_gpu),

@@ -16,6 +16,7 @@ from cost_models.rl_host import HostRam, host_ram_per_node
 from cost_models.rl_actor import actor_run, actor_states
 from cost_models.rl_phases import RlMemory, rl_phases
 from cost_models.rl_settings import TRL_OFFLOAD_FOLLOWERS, RlSettings
+from cost_models.rl_strategy import sync_refusals
 from cost_models.rl_reward import RewardSettings
 from cost_models.rl_schedule import TRL_ENGINE, TRL_SERVER_OWN, TRL_SETS, trl_max_num_seqs
 from cost_models.rl_trl_server import is_local_host
@@ -91,7 +92,7 @@ def specs_of(r: RlRequest, model: ModelSpec) -> tuple[RlBatch, EngineSettings, R
                           critic_optimizer_offload=r.critic_optimizer_offload,
                           critic_offload_policy=r.critic_offload_policy, critic_strategy=r.critic_strategy,
                           critic_dtype=r.critic_dtype, layered_summon=r.layered_summon,
-                          offload_policy=r.offload_policy,
+                          offload_policy=r.offload_policy, load_format=r.load_format,
                           **{key: getattr(r, name) for name, key in TRL_KEYS.items()
                              if getattr(r, name) is not None and name != "vllm_server_host"},
                           server_local=is_local_host(r.vllm_server_host))
@@ -172,7 +173,8 @@ def evaluate_rl(request: RlRequest, profile: Profile | None = None, model: Model
     time = rl_step_time(spec, cluster, settings, engine, memory.engine, plan, memory.actor, prompt, response, profile,
                         batch.ulysses_sequence_parallel_size, critic=critic, memo=memo, reward=memory.reward,
                         trained=trained)
-    refusals = memory.refusals + tuple(r for r in critic_plan.refusals if r not in plan.refusals)
+    refusals = memory.refusals + tuple(r for r in critic_plan.refusals if r not in plan.refusals) \
+        + sync_refusals(settings)
     reasons = [f"{r.field}: {r.reason}; {_trl_fix(r) if settings.framework == 'trl' else r.fix}" for r in refusals]
     capacity = cluster.gpu.memory_bytes
     for phase in memory.phases:

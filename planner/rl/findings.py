@@ -45,9 +45,9 @@ def findings(settings: RlSettings, engine: EngineSettings, memory: RlMemory, seq
     summoned = phases["weight_sync"].gpu_bytes.get("summoned params", 0)
     if summoned and not settings.layered_summon and memory.peak.name == "weight_sync":
         out.append(f"the LoRA weight sync under FSDP1 gathers the whole model at once ({summoned / GiB:.1f} GiB, "
-                   "verl's collect_lora_params): --layered-summon (rollout.layered_summon, with rollout.load_format "
-                   "safetensors: verl refuses it under dummy, its default) gathers one unit at a time, or --strategy "
-                   "fsdp2 gathers only the adapters")
+                   "verl's collect_lora_params): --layered-summon --load-format safetensors (rollout.layered_summon "
+                   "needs the base preloaded: verl raises under dummy, its default) gathers one unit at a time, or "
+                   "--strategy fsdp2 gathers only the adapters")
     out += _offload_policy(settings, memory)
     out += _engine_room(engine, memory, phases, capacity_bytes)
     if settings.actor_dtype == "fp32" and memory.peak.reserved_bytes > capacity_bytes:

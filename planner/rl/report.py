@@ -269,8 +269,8 @@ def rl_plan_text(p: RlPlan) -> str:
     if summoned and not best.request.layered_summon and best.memory.peak.name != "weight_sync":
         lines.insert(-1, textwrap.fill(
             f"note: FSDP1's LoRA weight sync gathers the whole model at once ({gib(summoned)} GiB, priced so); "
-            "verl's fix, --layered-summon (rollout.layered_summon with rollout.load_format safetensors), gathers one "
-            "unit at a time: the request's, not searched",
+            "verl's fix, --layered-summon --load-format safetensors (rollout.layered_summon needs the base preloaded), "
+            "gathers one unit at a time: the request's, not searched",
             LINE_WIDTH, subsequent_indent="  "))
     if best.request.actor_dtype != p.request.actor_dtype:
         lines.insert(-1, textwrap.fill(

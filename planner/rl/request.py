@@ -122,6 +122,10 @@ class RlRequest:
                                    "adapter, else 2; TRL: 2): another one is noted and priced as it runs")
     layered_summon: bool = knob(False, "--layered-summon/--no-layered-summon", help="rollout.layered_summon: FSDP1 "
                                 "LoRA's weight sync gathers one unit at a time, not the whole model")
+    load_format: str = knob("dummy", "--load-format", help="rollout.load_format: dummy (verl's default: the engine "
+                            "starts with random weights and a LoRA adapter's first sync sends the base from every "
+                            "rank's host), auto, safetensors or pt (the engine loads the checkpoint from disk; "
+                            "needed with --layered-summon)")
     # TRL 1.16's GRPOConfig keys (--framework trl only; unset: TRL's defaults): cost_models/rl_schedule.py
     beta: float | None = knob(None, "--beta", help="TRL: GRPOConfig.beta, the KL coefficient (default 0.0: no "
                               "reference model and no reference pass)")

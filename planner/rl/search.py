@@ -28,8 +28,8 @@ priced only where FSDP2's fits, and (sharded) an actor choice whose actor side d
 priced under FSDP1 with as much offloaded. With --offload-policy the search keeps FSDP2 (verl's FSDP1 ignores
 CPUOffloadPolicy), and with --critic-offload-policy where the critic follows the actor's strategy. FSDP1 LoRA's
 weight sync gathers the whole model unless rollout.layered_summon: the request's, never set by the search (verl
-refuses it at the first sync under rollout.load_format dummy, its default; --emit verl writes load_format
-safetensors with it), said in the output where it applies.
+raises at the first sync with it under rollout.load_format dummy, its default: --load-format, the request's too,
+and a refusal where they clash: cost_models/rl_strategy.py sync_refusals), said in the output where it applies.
 
 Entropy chunking changes memory, not time (its loop's cost is not priced): it is the request's unless the actor
 side does not fit without it (with_chunking_if_needed). The actor's dtype is searched for its memory and time only:
@@ -78,8 +78,11 @@ NOT_SEARCHED: dict = {
                       "and host RAM, the update); with it the strategy stays fsdp2 (verl's FSDP1 ignores it)"}
 LORA_NOT_SEARCHED = {
     "layered_summon": "the request's (rollout.layered_summon: FSDP1's LoRA weight sync then gathers one unit at a "
-                      "time, not the whole model; verl refuses it at the first sync under rollout.load_format dummy, "
-                      "its default)"}
+                      "time, not the whole model; verl raises at the first sync with it under rollout.load_format "
+                      "dummy, its default: --load-format safetensors)",
+    "load_format": "the request's (rollout.load_format: under dummy, verl's default, a LoRA adapter's first sync "
+                   "sends the whole base from every rank's host; another format loads it from disk at the engine's "
+                   "start)"}
 
 
 def not_searched(request: RlRequest) -> dict:

@@ -64,7 +64,7 @@ def test_verl_script_composes_in_verls_own_config(model, gpus, knobs):
         if default is not None:   # verl's YAML types: bool stays bool, 0.6 a float, 1024 an int
             assert type(got) is type(default), (key, got, default)
     if knobs is CASE_1:
-        assert len(overrides) == 36   # counted in the script by hand (actor.fsdp_config.offload_policy the 36th)
+        assert len(overrides) == 37   # counted in the script by hand (rollout.load_format=dummy the 37th)
         assert OmegaConf.select(composed, "actor_rollout_ref.actor.fsdp_config.param_offload") is True
         assert OmegaConf.select(composed, "actor_rollout_ref.rollout.gpu_memory_utilization") == 0.6
     else:   # the critic's keys are verl 0.9's (critic.fsdp.*), the nodes 16 / 8
@@ -280,27 +280,39 @@ def test_verls_critic_offload_policy_and_the_workers_threads_reach_verl_and_ray(
     assert env_key not in emit_verl(rl_estimate("qwen2.5-7b", 8, **dict(knobs, critic_offload_policy=False)))
 
 
-def test_layered_summon_is_emitted_with_the_load_format_verl_needs_for_it(tmp_path, monkeypatch):
-    """FSDP1 LoRA with --layered-summon: the script writes rollout.load_format=safetensors, which reaches verl's
-    RolloutConfig. Under verl's default, dummy, its worker sets base_sync_done = "dummy" not in load_format
-    (engine_workers.py) = False and its first weight sync asks collect_lora_params for the base with layered_summon,
-    which raises (utils/fsdp_utils.py; the module is one verl takes for FSDP1's: fsdp_version patched to 1, the
-    check comes before the module is read)."""
+def test_load_format_is_written_as_priced_and_verl_reads_it_as_the_plan_does(tmp_path, monkeypatch):
+    """--load-format reaches verl's RolloutConfig as written (rollout.load_format; the default dummy is rollout.yaml's
+    and RlRequest's). verl 0.9.1's worker sets base_sync_done = "dummy" not in load_format (engine_workers.py:673,
+    pinned below), which RlSettings.base_preloaded restates: False under dummy, where the first LoRA sync asks
+    collect_lora_params for the base, which raises with layered_summon (utils/fsdp_utils.py; the module is one verl
+    takes for FSDP1's: fsdp_version patched to 1, the check comes before the module is read) - the plan's refusal
+    (cost_models/rl_strategy.py sync_refusals); True under safetensors, where it runs."""
+    import pathlib
+
     omega_conf_to_dataclass = _verl_validation()[0].omega_conf_to_dataclass
     import torch
+    import verl
     from verl.utils import fsdp_utils
 
+    from planner.rl.request import RlRequest
+
+    # read, not imported (engine_workers imports its server stack, uvicorn, not in the test install)
+    workers = (pathlib.Path(verl.__file__).parent / "workers" / "engine_workers.py").read_text().splitlines()
+    assert workers[672].strip() == 'self.base_sync_done: bool = "dummy" not in self.config.rollout.load_format'
     knobs = dict(CASE_1, finetune="lora", layered_summon=True)
-    script = emit_verl(rl_estimate("qwen2-7b", 2, **knobs))
-    assert "    actor_rollout_ref.rollout.load_format=safetensors \\\n" in script
-    assert "load_format" not in emit_verl(rl_estimate("qwen2-7b", 2, **dict(knobs, layered_summon=False)))
-    # composed, not validated: validate_config checks a LoRA rank against vLLM's own limit, and vLLM is not here
-    overrides = script_overrides(script)
-    rollout = omega_conf_to_dataclass(_compose([f"{k}={v}" for k, v in overrides.items()]).actor_rollout_ref.rollout)
-    assert (rollout.layered_summon, rollout.load_format) == (True, "safetensors")
-    assert "dummy" not in rollout.load_format
+    for load_format, base_sync_done in (("safetensors", True), ("dummy", False)):
+        e = rl_estimate("qwen2-7b", 2, **dict(knobs, load_format=load_format))
+        script = emit_verl(e)
+        assert f"    actor_rollout_ref.rollout.load_format={load_format} \\\n" in script
+        # composed, not validated: validate_config checks a LoRA rank against vLLM's own limit, and vLLM is not here
+        overrides = script_overrides(script)
+        rollout = omega_conf_to_dataclass(_compose([f"{k}={v}" for k, v in overrides.items()]).actor_rollout_ref
+                                          .rollout)
+        assert (rollout.layered_summon, rollout.load_format) == (True, load_format)
+        assert ("dummy" not in rollout.load_format) is base_sync_done is e.settings.base_preloaded
+        assert e.fits is base_sync_done
     default = omega_conf_to_dataclass(_compose(["actor_rollout_ref.rollout.name=vllm"]).actor_rollout_ref.rollout)
-    assert default.load_format == "dummy"
+    assert default.load_format == RlRequest().load_format == "dummy"
     monkeypatch.setattr(fsdp_utils, "fsdp_version", lambda module: 1)
     with pytest.raises(ValueError, match="rollout.load_format=safetensors"):
         fsdp_utils.collect_lora_params(torch.nn.Linear(2, 2), layered_summon=True,

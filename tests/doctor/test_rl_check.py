@@ -350,27 +350,43 @@ def test_a_critic_left_at_verls_defaults_is_priced_as_verl_runs_it(tmp_path):
         p.gpu_bytes.get("actor params") for p in e.memory.phases if p.name in actor]
 
 
-def test_layered_summon_under_verls_dummy_load_format_is_a_finding(tmp_path):
-    """FSDP1 LoRA with rollout.layered_summon: --emit verl writes rollout.load_format=safetensors with it, and check
-    says nothing; the same script without that key runs verl's dummy, under which verl 0.9.1 raises at the first
-    weight sync (tests/cli/test_rl_emit.py): said, with the key that fixes it. Merged LoRA (model.lora.merge) syncs
-    otherwise: nothing said."""
-    script = emit_verl(rl_estimate("qwen2-7b", 2, **dict(CASE_1, finetune="lora", layered_summon=True)))
-    line = "    actor_rollout_ref.rollout.load_format=safetensors \\\n"
-    assert line in script
+def test_load_format_is_read_and_priced(tmp_path):
+    """rollout.load_format round-trips (--emit verl writes it, check reads it: equal figures). verl 0.9.1 starts a LoRA
+    adapter's engine without the base under dummy (engine_workers.py:673 base_sync_done = "dummy" not in
+    load_format), so its first sync sends the whole fp32 base from each rank's host: Qwen2-7B on 2 GPUs, 2 x 4 x
+    7,615,616,512 = 60,924,932,096 B per node; a hand-written script with load_format=safetensors and no
+    layered_summon (the 48f8ce1 case) is not charged it. layered_summon under dummy: verl raises at that first sync
+    (collect_lora_params), a refusal naming load_format, exit 1; merged LoRA (model.lora.merge) never asks for the
+    base apart: runs. A value verl's engines do not take: one line naming the key, exit 2."""
+    lora = dict(CASE_1, finetune="lora")
     path = tmp_path / "lora.sh"
-    path.write_text(script)
-    assert not any("layered_summon" in n for n in read_rl_setup(path).notes)
-    path.write_text(script.replace(line, ""))
-    notes = [n for n in read_rl_setup(path).notes if "layered_summon" in n]
-    assert notes == ["rollout.layered_summon=True under rollout.load_format dummy (verl's default): verl 0.9.1 raises "
-                     "at the first weight sync (collect_lora_params: the LoRA base must be preloaded in the engine); "
-                     "set actor_rollout_ref.rollout.load_format=safetensors"]
-    checked = json.loads(run(path, "--format", "json").stdout)
-    assert notes[0] in checked["notes"]
-    path.write_text(script.replace(line, "    actor_rollout_ref.model.lora.merge=True \\\n"))
+    for load_format, base in (("safetensors", 0), ("dummy", 2 * 4 * 7_615_616_512)):
+        e = rl_estimate("qwen2-7b", 2, **dict(lora, load_format=load_format))
+        path.write_text(emit_verl(e))
+        setup = read_rl_setup(path)
+        assert setup.knobs["load_format"] == load_format
+        read = rl_estimate(setup.model, **setup.knobs)
+        assert (read.host, read.memory.phases) == (e.host, e.memory.phases)
+        assert sum(read.host.sync_terms.values()) == base
+    assert base == 60_924_932_096
+    layered = emit_verl(rl_estimate("qwen2-7b", 2, **dict(lora, layered_summon=True, load_format="safetensors")))
+    line = "    actor_rollout_ref.rollout.load_format=safetensors \\\n"
+    assert line in layered
+    path.write_text(layered.replace(line, ""))   # verl's default, dummy
+    r = run(path, "--format", "json")
+    assert r.returncode == 1, r.stderr
+    assert json.loads(r.stdout)["reasons"] == [
+        "load_format: dummy under layered_summon: verl 0.9.1 raises at the first weight sync (collect_lora_params: "
+        "the LoRA base must be preloaded in the engine); set --load-format safetensors (rollout.load_format), or drop "
+        "--layered-summon"]
+    path.write_text(layered.replace(line, "").replace("lora.merge=False", "lora.merge=True"))
     merged = read_rl_setup(path)
-    assert not any("layered_summon" in n for n in merged.notes) and merged.knobs["lora_merge"] is True
+    assert merged.knobs["lora_merge"] is True and rl_estimate(merged.model, **merged.knobs).fits
+    path.write_text(layered.replace(line, "    actor_rollout_ref.rollout.load_format=dummy_dtensor \\\n"))
+    r = run(path)
+    assert r.returncode == 2 and r.stderr.strip() == (
+        "error: actor_rollout_ref.rollout.load_format: unknown value 'dummy_dtensor'; choose one of: dummy, auto, "
+        "safetensors, pt")
 
 
 REWARD = dict(gpu="h100-80gb", actor_dtype="bf16", prompt_len=1024, response_len=1024, train_batch=256,

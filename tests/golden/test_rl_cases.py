@@ -29,15 +29,17 @@ def case_1(**lengths):
 def case_2(prompts_per_gpu: int, layered_summon: bool = True, **lengths):
     """verl examples/tuning/14b/qwen2-14b_grpo-lora_2_h100_fsdp_vllm.sh (June 2025): train batch = mini-batch =
     prompts per GPU x 2 GPUs, micro-batch (update and log-prob) = prompts per GPU, Ulysses 2 (one data-parallel
-    rank), LoRA 32 all-linear, the actor fp32 (verl's default model_dtype). layered_summon is inferred, not read
-    from the script: without it verl's FSDP1 LoRA sync gathers the whole fp32 model at once (rl_strategy.py), which
-    no batch survives (test below), and the run fit at 58."""
+    rank), LoRA 32 all-linear, the actor fp32 (verl's default model_dtype), rollout.load_format=safetensors as the
+    script sets it (the engine loads the base from disk: no base sent from the host at the first sync). layered_summon
+    is inferred, not read from the script: without it verl's FSDP1 LoRA sync gathers the whole fp32 model at once
+    (rl_strategy.py), which no batch survives (test below), and the run fit at 58."""
     p = prompts_per_gpu
     return rl_estimate("qwen2.5-14b", 2, gpu="h100-80gb", prompt_len=512, response_len=1024, train_batch=2 * p,
                        ppo_mini_batch_size=2 * p, ppo_micro_batch_size_per_gpu=p, rollout_n=5, finetune="lora",
                        lora_rank=32, param_offload=True, optimizer_offload=True, ulysses_sequence_parallel_size=2,
                        rollout_tp=2, gpu_memory_utilization=0.25, engine_version="0.8", max_num_seqs=512,
-                       max_num_batched_tokens=1536, use_shm=True, layered_summon=layered_summon, **lengths)
+                       max_num_batched_tokens=1536, use_shm=True, layered_summon=layered_summon,
+                       load_format="safetensors", **lengths)
 
 
 def case_3(entropy: bool):
@@ -97,6 +99,9 @@ def test_case_2_without_layered_summon_fails_at_the_weight_sync_at_any_batch():
         assert not e.fits and e.memory.peak.name == "weight_sync"
         assert e.memory.phases[2].gpu_bytes["summoned params"] == 14_770_033_664 * 4
         assert any("--layered-summon" in n for n in e.notes)
+        # load_format safetensors: the engine starts with the base, so the first sync sends none from the host
+        # (under verl's dummy: 2 x 4 x 14,770,033,664 = 118,160,269,312 B per node, once)
+        assert e.host.sync_terms == {}
     # one unit at a time: the root (embedding and head, 2 x 152,064 x 5,120, and the norm) in fp32, 5.8 GiB, below
     # the engine's woken weights and KV cache, which then set the sync's peak
     from cost_models.rl_strategy import weight_sync_bytes

@@ -164,20 +164,22 @@ def test_a_batch_verl_refuses_is_still_priced_to_say_why():
 def test_lora_keeps_the_requests_layered_summon_and_says_so():
     """LoRA on the issue's job: FSDP1's update is the faster (its copies: tests/unit/test_rl_strategy.py), so the
     best is FSDP1's, whose weight sync summons the whole bf16 model unless rollout.layered_summon: 7,615,616,512 x 2
-    = 15,231,233,024 B (14.19 GiB), which the output notes as verl's fix; with --layered-summon the search keeps it
-    and prices the largest unit, the root: (2 x 544,997,376 + 3,584) x 2 = 2,179,996,672 B."""
+    = 15,231,233,024 B (14.19 GiB), which the output notes as verl's fix; with --layered-summon (and --load-format
+    safetensors, without which verl raises: test_rl_weight_sync.py) the search keeps it and prices the largest unit,
+    the root: (2 x 544,997,376 + 3,584) x 2 = 2,179,996,672 B."""
     from planner.rl.report import rl_plan_text
 
     lora = dict(JOB, finetune="lora")
-    plain, layered = (search.plan_rl(rl_request("qwen2.5-7b", 8, layered_summon=x, **lora), top=3)
-                      for x in (False, True))
+    plain, layered = (search.plan_rl(rl_request("qwen2.5-7b", 8, layered_summon=x, **lora, **more), top=3)
+                      for x, more in ((False, {}), (True, dict(load_format="safetensors"))))
     sync = [next(p.gpu_bytes for p in plan.ranked[0].memory.phases if p.name == "weight_sync")
             for plan in (plain, layered)]
     assert [plan.ranked[0].request.strategy for plan in (plain, layered)] == ["fsdp", "fsdp"]
     assert [plan.ranked[0].request.layered_summon for plan in (plain, layered)] == [False, True]
     assert [s["summoned params"] for s in sync] == [15_231_233_024, 2_179_996_672]
     text = " ".join(rl_plan_text(plain).split())   # unwrapped
-    assert "gathers the whole model at once (14.19 GiB, priced so); verl's fix, --layered-summon" in text
+    assert ("gathers the whole model at once (14.19 GiB, priced so); verl's fix, --layered-summon --load-format "
+            "safetensors") in text
     assert "layered_summon: the request's" in text and "verl's fix" not in rl_plan_text(layered)
 
 

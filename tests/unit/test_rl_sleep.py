@@ -18,7 +18,8 @@ def runs():
     return {name: rl_estimate("qwen2.5-7b", 8, **JOB, **knobs) for name, knobs in {
         "full": {}, "full asks 1": dict(sleep_level=1), "lora": dict(finetune="lora"),
         "lora asks 2": dict(finetune="lora", sleep_level=2), "lora layered": dict(finetune="lora",
-                                                                                 layered_summon=True)}.items()}
+                                                                                 layered_summon=True,
+                                                                                 load_format="safetensors")}.items()}
 
 
 def test_host_backup_appears_exactly_when_level_1_runs(runs):

@@ -7,7 +7,8 @@ head = 544,997,376; the largest linear the MLP's 18,944 x 3,584 = 67,895,296), a
   fsdp_utils.py merged_lora_context, fsdp_merge_unmerge): the merged weights sent, the engine without an adapter at
   level 2 (vllm_async_server.py lora_as_adapter), the base backed up to the host;
 - LoRA as an adapter under rollout.load_format dummy: the first sync's whole base on every rank's host
-  (engine_workers.py base_sync_done; utils/fsdp_utils.py collect_lora_params(base_sync_done=False)).
+  (engine_workers.py base_sync_done; utils/fsdp_utils.py collect_lora_params(base_sync_done=False)); none under
+  another load_format, and layered_summon refused under dummy (collect_lora_params raises).
 """
 
 import pytest
@@ -80,19 +81,42 @@ def test_merged_lora_serves_no_adapter_and_backs_the_base_up(lora):
 
 
 def test_the_first_lora_sync_holds_the_whole_base_on_every_ranks_host(lora):
-    """Adapter mode under load_format dummy: collect_lora_params(base_sync_done=False) keeps every parameter whole on
-    the host, per rank: 8 x 4 x 7,615,616,512 = 243,699,728,384 B per node (bf16: half), beside what stays on the
-    host (the engine's level-1 backup is woken into the GPU first); the node's peak. None with layered_summon (the
-    engine loads the base from disk: load_format safetensors) nor for a full actor."""
+    """Adapter mode under load_format dummy (verl's default): collect_lora_params(base_sync_done=False) keeps every
+    parameter whole on the host, per rank: 8 x 4 x 7,615,616,512 = 243,699,728,384 B per node (bf16: half), beside
+    what stays on the host (the engine's level-1 backup is woken into the GPU first); the node's peak. None under
+    load_format safetensors / auto / pt (engine_workers.py:673 `base_sync_done = "dummy" not in load_format`: the
+    engine loaded the base from disk) nor for a full actor; the GPU's phases are the same either way."""
     e = lora["fsdp2", False]
     assert e.host.sync_terms == {"LoRA base sent from the host (first sync)": 243_699_728_384}
     assert 8 * 4 * N == 243_699_728_384
     assert e.host.peak_bytes == e.host.process_bytes + 243_699_728_384
     bf16 = rl_estimate("qwen2.5-7b", 8, finetune="lora", actor_dtype="bf16", **JOB)
     assert sum(bf16.host.sync_terms.values()) == 8 * 2 * N
-    layered = rl_estimate("qwen2.5-7b", 8, finetune="lora", layered_summon=True, **JOB)
     full = rl_estimate("qwen2.5-7b", 8, **JOB)
-    assert layered.host.sync_terms == full.host.sync_terms == {} and full.host.sync_bytes == 0
+    assert full.host.sync_terms == {} and full.host.sync_bytes == 0
+    for load_format in ("safetensors", "auto", "pt"):
+        disk = rl_estimate("qwen2.5-7b", 8, finetune="lora", strategy="fsdp2", load_format=load_format, **JOB)
+        assert (disk.host.sync_terms, disk.host.sync_bytes) == ({}, 0)
+        assert disk.host.peak_bytes == disk.host.process_bytes + max(
+            disk.host.load_bytes, disk.host.resident_bytes + disk.host.checkpoint_staging_bytes) < e.host.peak_bytes
+        assert disk.memory.phases == e.memory.phases and disk.fits == e.fits
+
+
+def test_layered_summon_needs_the_base_preloaded():
+    """collect_lora_params(layered_summon=True, base_sync_done=False) raises ("To use layered_summon, you must make
+    sure base-model is preloaded in vllm", utils/fsdp_utils.py), FSDP1 and FSDP2 alike: under load_format dummy a
+    refusal naming load_format; with safetensors it runs. A merged LoRA never syncs the base apart (engine_workers.py
+    do_lora_base_sync only without model.lora.merge): not refused."""
+    for strategy in ("fsdp", "fsdp2"):
+        dummy = rl_estimate("qwen2.5-7b", 8, finetune="lora", strategy=strategy, layered_summon=True, **JOB)
+        assert dummy.reasons == ("load_format: dummy under layered_summon: verl 0.9.1 raises at the first weight "
+                                 "sync (collect_lora_params: the LoRA base must be preloaded in the engine); set "
+                                 "--load-format safetensors (rollout.load_format), or drop --layered-summon",)
+        disk = rl_estimate("qwen2.5-7b", 8, finetune="lora", strategy=strategy, layered_summon=True,
+                           load_format="safetensors", **JOB)
+        assert disk.fits and disk.host.sync_terms == {}
+    merged = rl_estimate("qwen2.5-7b", 8, finetune="lora", lora_merge=True, layered_summon=True, **JOB)
+    assert merged.fits
 
 
 def test_a_reward_pool_puts_nothing_on_the_trainers_hosts():

@@ -115,7 +115,6 @@ def from_overrides(o: dict, source: str, dialect: str, text: str = "") -> RlSetu
         knobs["lora_rank"] = rank
         if keys.LORA_MERGE in o:
             knobs["lora_merge"] = typed("lora_merge", o[keys.LORA_MERGE], keys.LORA_MERGE)
-        _layered_summon(o, knobs, notes)
     _batches(o, knobs)
     _entropy(o, knobs, notes)
     _reward(o, knobs, notes)
@@ -154,17 +153,6 @@ def _critic(o: dict, knobs: dict) -> None:
     o = {**keys.CRITIC_DEFAULTS, **o}
     knobs["critic_strategy"] = _value(o, "critic.strategy", "critic_strategy")
     knobs["critic_dtype"] = _dtype(o, "critic.fsdp.model_dtype")
-
-
-def _layered_summon(o: dict, knobs: dict, notes: list) -> None:
-    """A LoRA actor's rollout.layered_summon under rollout.load_format dummy (verl's default): verl 0.9.1 raises at
-    the first weight sync (keys.LAYERED_LOAD_FORMAT says where); merged LoRA (model.lora.merge) takes another path.
-    Said with its fix; the sync priced as written."""
-    load_format = str(o.get(A + "rollout.load_format", "dummy")).strip("'\"")
-    if knobs.get("layered_summon") and "dummy" in load_format and not knobs.get("lora_merge"):
-        notes.append(f"rollout.layered_summon=True under rollout.load_format {load_format} (verl's default): verl "
-                     "0.9.1 raises at the first weight sync (collect_lora_params: the LoRA base must be preloaded in "
-                     f"the engine); set actor_rollout_ref.rollout.load_format={keys.LAYERED_LOAD_FORMAT}")
 
 
 def _reward(o: dict, knobs: dict, notes: list) -> None:
