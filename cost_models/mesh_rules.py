@@ -2,7 +2,8 @@
 
 The estimate and the API raise the first refusal as one line naming the field and what would be valid
 (planner.api); the search only enumerates degrees that pass (planner/search/, `valid_degrees`). Rules:
-- tp only for models the TP plan splits (TP_PLAN_FAMILIES; MoE models beside EP);
+- tp only for models the TP plan splits (TP_PLAN_FAMILIES; MoE models beside EP; not OLMo 2, whose q/k norms span
+  the whole projection width);
 - tp divides the attention heads, and the KV heads divide by tp or tp by them (then each rank keeps one KV
   head, replicated as the TP plan does), and tp divides the MLP width;
 - without sequence parallel (transformers' tp_plan) the embedding is not tied to the head;
@@ -36,17 +37,24 @@ def _list(values) -> str:
 # (self_attn.{q,k,v,o}_proj) and the MLP's linears, each as transformers' base_model_tp_plan names them: Llama's
 # gate / up column-wise and down row-wise; Starcoder2's plain MLP c_fc column-wise (its bias split) and c_proj
 # row-wise (its bias replicated). Fused q/k/v (GPT-2, GPT-NeoX, Phi-3, Falcon, BLOOM, MPT) and other layouts have no
-# plan here; MoE models take TP beside EP only (torchtitan's etp = 1: --emit torchtitan).
+# plan here; MoE models take TP beside EP only (torchtitan's etp = 1: --emit torchtitan). OLMo 2 is left out: its
+# q / k norms span the whole projection width (qk_norm "full"), so transformers gathers q / k / v to every rank
+# (colwise_gather_output, o rowwise_split_input); a plain column-wise split would norm each rank's slice alone, and
+# neither the snippet nor the trace tier (calibration/tensor_parallel.py) writes the gathered plan.
 LLAMA_MLP_PLAN = (("mlp.gate_proj", "colwise"), ("mlp.up_proj", "colwise"), ("mlp.down_proj", "rowwise"))
-TP_MLP_PLANS = {**dict.fromkeys(("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "olmo2"),
+TP_MLP_PLANS = {**dict.fromkeys(("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text"),
                                 LLAMA_MLP_PLAN),
                 "starcoder2": (("mlp.c_fc", "colwise"), ("mlp.c_proj", "rowwise"))}
 TP_PLAN_FAMILIES = frozenset(TP_MLP_PLANS)
+# q / k norms over head_dim (qk_norm "head"; transformers' replicated_with_grad_allreduce): each rank norms its own
+# heads, so their weights' gradients are summed over tp. The dimension of the heads in the norm's input: Qwen3
+# norms q_proj(x).view(b, s, heads, head_dim), Gemma 3 after .transpose(1, 2), (b, heads, s, head_dim).
+TP_QK_NORM_HEADS_DIM = {"qwen3": 2, "gemma3_text": 1}
 
 
 def tp_plannable(model: ModelSpec, ep: int = 1) -> bool:
     """Whether tensor parallelism is planned for this model (with this expert-parallel degree)."""
-    return ep > 1 if model.moe is not None else model.family in TP_PLAN_FAMILIES
+    return ep > 1 if model.moe is not None else model.family in TP_PLAN_FAMILIES and model.qk_norm != "full"
 
 
 def tp_degrees(model: ModelSpec, ep: int = 1) -> list[int]:
@@ -88,6 +96,9 @@ def mesh_refusals(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec
     if tp > 1 and not tp_plannable(model, ep):
         why = ("tensor parallelism of routed experts is not planned: split them with --ep (TP then splits the "
                "attention, torchtitan's layout)" if model.moe is not None else
+               f"{model.name}'s q/k norms span the whole projection width ({model.family}): transformers gathers "
+               "q/k/v to every rank for them (colwise_gather_output), which this TP plan does not write"
+               if model.qk_norm == "full" else
                f"{model.name}'s blocks ({model.family}) have no TP plan here (it splits separate q/k/v/o and "
                f"MLP projections, named as transformers' tp_plan names them: {', '.join(sorted(TP_PLAN_FAMILIES))})")
         out.append(Refusal("tp", "tp-not-planned-for-model", f"tp={tp}: {why}", "use tp 1", priced=False))

@@ -4,7 +4,8 @@ tiny transformers Llama trained in one process.
     torchrun --standalone --nproc_per_node=2 tests/distributed/worker_emit_mesh.py --case '{"tp": 2}' [...]
 
 Each --case is FsdpConfig fields (tp = the world size: dp_shard 1), with "family": "starcoder2" (or
-"starcoder2-untied") for a tiny Starcoder2 (its MLP c_fc / c_proj, biases, LayerNorms) instead of the Llama. Both sides start from
+"starcoder2-untied") for a tiny Starcoder2 (its MLP c_fc / c_proj, biases, LayerNorms), or "qwen3" for a tiny
+Qwen3 (q / k norms over head_dim), instead of the Llama. Both sides start from
 the same weights (seed 0), see the same batches and take SGD steps; the snippet's micro-step is its own forward_backward with
 sequence parallel (context and loss parallel as written), else the plain next-token loss on the gathered
 logits. Rank 0 prints one JSON line per case: {"case": i, "parallel": [losses], "reference": [losses]}.
@@ -49,17 +50,29 @@ def tiny_starcoder2(tied: bool = True):
                                                   attn_implementation="sdpa"))
 
 
+def tiny_qwen3():
+    """Qwen3's q / k norms over head_dim on each rank's heads (transformers' replicated_with_grad_allreduce)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    return Qwen3ForCausalLM(Qwen3Config(hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                                        num_key_value_heads=2, head_dim=16, num_hidden_layers=2, vocab_size=128,
+                                        max_position_embeddings=256, tie_word_embeddings=False,
+                                        attn_implementation="sdpa"))
+
+
 def next_token_loss(logits, labels):
     return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100)
 
 
 def train_both(config: FsdpConfig, world: int, family: str = "llama") -> dict:
     starcoder2 = family.startswith("starcoder2")
-    reference = tiny_starcoder2(tied=family == "starcoder2") if starcoder2 else tiny_llama()
+    reference = tiny_starcoder2(tied=family == "starcoder2") if starcoder2 else \
+        tiny_qwen3() if family == "qwen3" else tiny_llama()
     reference.config.use_cache = False
     model = copy.deepcopy(reference)
     namespace: dict = {}
-    spec = from_hf_config(reference.config.to_dict()) if starcoder2 else load_preset("llama3-8b")
+    spec = load_preset("llama3-8b") if family == "llama" else from_hf_config(reference.config.to_dict())
     code = emit_fsdp2(config, spec, ClusterSpec(gpu=GPU, n_gpus=world, gpus_per_node=world,
                                                 internode_bytes_per_s=1e10))
     exec(compile(code, "<emitted fsdp2>", "exec"), namespace)

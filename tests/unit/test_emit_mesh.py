@@ -349,31 +349,77 @@ def test_fsdp2_tp_snippet_runs_a_training_step_on_a_tiny_llama(fake_group, seque
 
 @pytest.mark.parametrize("sequence_parallel", [True, False])
 def test_fsdp2_tp_plan_names_each_familys_linears_as_transformers_tp_plan_does(sequence_parallel):
-    """Every dense family TP is planned for (cost_models/mesh_rules.TP_MLP_PLANS): the snippet's block plan splits
-    the linears transformers 5.24's own base_model_tp_plan splits, under its names and in its direction (colwise /
-    rowwise; with sequence parallel the norms and module inputs beside them). Starcoder2's plain MLP is c_fc /
-    c_proj, not Llama's gate / up / down, which would name no module of its blocks. OLMo 2's attention is the one
-    difference: transformers gathers q / k / v (colwise_gather_output, rowwise_split_input) for its q / k norms
-    over the whole width, which this plan does not write (open: said in the commit)."""
+    """Every dense family TP is planned for (cost_models/mesh_rules.TP_MLP_PLANS): the snippet's block plan holds
+    exactly the entries transformers 5.24's own base_model_tp_plan holds, under its names and in its kind (colwise /
+    rowwise linears; with sequence parallel the norms and module inputs beside them). Starcoder2's plain MLP is
+    c_fc / c_proj, not Llama's gate / up / down, which would name no module of its blocks. Qwen3's and Gemma 3's
+    q / k norms ("replicated_with_grad_allreduce") are a norm inside the attention with replicated weights and
+    a local output (SequenceParallel on the heads: DTensor sums their gradients over tp); without them each rank's
+    norm weights learned from its own heads (tests/distributed/test_emit_mesh_torchrun.py's Qwen3 case). OLMo 2,
+    whose transformers plan gathers q / k / v (colwise_gather_output) for norms over the whole width, is refused
+    (test_olmo2_tp_is_refused_in_one_line)."""
     from transformers import CONFIG_MAPPING
 
     from cost_models.mesh_rules import TP_MLP_PLANS
     from planner.emit import emit_fsdp2
 
-    styles = {"colwise": "ColwiseParallel", "rowwise": "RowwiseParallel"}
+    def hf_kind(name, style):
+        kind = type(style).__name__
+        if kind == "SequenceParallel" and name.startswith("self_attn."):  # a norm on the attention's own heads
+            assert style.use_local_output, name   # the attention goes on with local tensors
+            return "replicated_with_grad_allreduce"
+        return {"ColwiseParallel": "colwise", "RowwiseParallel": "rowwise"}.get(kind)
+
+    assert "olmo2" not in TP_MLP_PLANS
     for family in TP_MLP_PLANS:
         code = emit_fsdp2(FsdpConfig(tp=2, sequence_parallel=sequence_parallel), replace(LLAMA, family=family),
                           make_cluster(4))
         namespace: dict = {}
         exec(compile(code, "<emitted fsdp2>", "exec"), namespace)
-        plan = {name: type(style).__name__ for name, style in namespace["block_tp_plan"]().items()
-                if type(style).__name__ in styles.values()}
-        hf = {key.removeprefix("layers.*."): styles[style]
-              for key, style in CONFIG_MAPPING[family].base_model_tp_plan.items() if style in styles}
-        if family == "olmo2":
-            plan, hf = ({k: v for k, v in p.items() if k.startswith("mlp.")} for p in (plan, hf))
+        plan = {name: hf_kind(name, style) for name, style in namespace["block_tp_plan"]().items()}
+        plan = {name: kind for name, kind in plan.items() if kind}
+        hf = {key.removeprefix("layers.*."): style for key, style in CONFIG_MAPPING[family].base_model_tp_plan.items()}
         assert plan == hf, family
     assert {"mlp.c_fc", "mlp.c_proj"} <= set(plan) and "mlp.gate_proj" not in plan   # the last: starcoder2
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gemma3_text"])
+def test_fsdp2_tp_qk_norms_are_sharded_on_the_heads_transformers_norms(family):
+    """The q / k norms' input is a DTensor sharded on the dimension that holds the heads in transformers' own
+    attention: a hook on a tiny model's q_norm / k_norm reads the input's shape (batch 3, 5 tokens, 4 query and 2
+    KV heads of 16): Qwen3 norms (b, s, heads, d) before its transpose, Gemma 3 (b, heads, s, d) after."""
+    import torch
+    from transformers import AutoModelForCausalLM, CONFIG_MAPPING
+
+    from planner.emit import emit_fsdp2
+
+    config = CONFIG_MAPPING[family](hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                                    num_key_value_heads=2, head_dim=16, num_hidden_layers=1, vocab_size=128,
+                                    attn_implementation="sdpa")
+    model = AutoModelForCausalLM.from_config(config)
+    attention = model.model.layers[0].self_attn
+    shapes = {}
+    for name, heads in (("q_norm", 4), ("k_norm", 2)):
+        getattr(attention, name).register_forward_pre_hook(
+            lambda m, args, name=name, heads=heads: shapes.update({name: list(args[0].shape).index(heads)}))
+    with torch.no_grad():
+        model(input_ids=torch.zeros(3, 5, dtype=torch.long))
+    namespace: dict = {}
+    exec(compile(emit_fsdp2(FsdpConfig(tp=2), replace(LLAMA, family=family), make_cluster(4)), "<fsdp2>", "exec"),
+         namespace)
+    plan = namespace["block_tp_plan"]()
+    assert {name: plan[f"self_attn.{name}"].sequence_sharding[0].dim for name in shapes} == shapes
+    assert shapes == ({"q_norm": 2, "k_norm": 2} if family == "qwen3" else {"q_norm": 1, "k_norm": 1})
+
+
+def test_olmo2_tp_is_refused_in_one_line():
+    """OLMo 2's q / k norms span the whole projection width: transformers gathers q / k / v to every rank
+    (colwise_gather_output); a plain column-wise split would norm each rank's slice alone, so TP is refused
+    (search: tp 1 only) rather than written or priced wrong."""
+    from cost_models.mesh_rules import tp_degrees
+
+    olmo2 = load_preset("olmo2-7b")
+    assert olmo2.qk_norm == "full" and tp_degrees(olmo2) == [1]
 
 
 # ---------------------------------------------------------------- accelerate / HF Trainer: ParallelismConfig

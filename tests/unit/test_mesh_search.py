@@ -106,8 +106,11 @@ def test_pinned_degrees_are_searched_alone():
 BAD = [
     (["estimate", "--model", "gpt-13b", "--gpus", "8", "--tp", "2"],
      "error: tp: tp=2: gpt-13b's blocks (gpt2) have no TP plan here (it splits separate q/k/v/o and MLP "
-     "projections, named as transformers' tp_plan names them: gemma, gemma2, gemma3_text, llama, mistral, olmo2, "
-     "qwen2, qwen3, starcoder2); use tp 1"),
+     "projections, named as transformers' tp_plan names them: gemma, gemma2, gemma3_text, llama, mistral, qwen2, "
+     "qwen3, starcoder2); use tp 1"),
+    (["estimate", "--model", "olmo2-7b", "--gpus", "8", "--tp", "2"],
+     "error: tp: tp=2: olmo2-7b's q/k norms span the whole projection width (olmo2): transformers gathers q/k/v to "
+     "every rank for them (colwise_gather_output), which this TP plan does not write; use tp 1"),
     (["estimate", "--model", "mixtral-8x7b", "--gpus", "16", "--tp", "2"],
      "error: tp: tp=2: tensor parallelism of routed experts is not planned: split them with --ep (TP then splits "
      "the attention, torchtitan's layout); use tp 1"),

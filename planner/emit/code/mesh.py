@@ -3,8 +3,9 @@
 sub-mesh), accelerate's ParallelismConfig, and the one-line refusal of a dialect that cannot hold a mesh.
 
 The TP plan is the one calibration/tensor_parallel.py applies (torchtitan's parallelize_llama in transformers'
-names: Llama's, which Mistral, Qwen2/3, Gemma, OLMo 2 and the reference model share, or Starcoder2's MLP c_fc /
-c_proj; cost_models/mesh_rules.TP_MLP_PLANS):
+names: Llama's, which Mistral, Qwen2/3, Gemma and the reference model share, or Starcoder2's MLP c_fc /
+c_proj; cost_models/mesh_rules.TP_MLP_PLANS; Qwen3's and Gemma 3's q / k norms over head_dim replicated with
+their gradients summed over tp, transformers' replicated_with_grad_allreduce):
 - sequence_parallel (torchtitan's): the embedding row-wise with its output on sequence shards (Shard(1)), each
   block's norms SequenceParallel, the attention's and the MLP's input all-gathered (PrepareModuleInput), q/k/v,
   gate, up column-wise, o, down row-wise reducing back onto the sequence shards, the final norm
@@ -19,7 +20,7 @@ Pure strings: no torch import.
 from __future__ import annotations
 
 from cost_models.mesh import Mesh, mesh_of
-from cost_models.mesh_rules import LLAMA_MLP_PLAN, TP_MLP_PLANS
+from cost_models.mesh_rules import LLAMA_MLP_PLAN, TP_MLP_PLANS, TP_QK_NORM_HEADS_DIM
 from cost_models.specs import ClusterSpec, FsdpConfig, ModelSpec, TrainingSpec
 
 from planner.emit.code import pipeline as piped
@@ -161,6 +162,7 @@ def _block_tp_plan(config: FsdpConfig, model_spec: ModelSpec | None) -> list[str
     row = "RowwiseParallel(output_layouts=Shard(1), use_local_output=False)" if config.sequence_parallel \
         else "RowwiseParallel()"
     mlp_lines = [f"        \"{name}\": {'ColwiseParallel()' if style == 'colwise' else row}," for name, style in mlp]
+    qk_norm_lines = _qk_norm_lines(model_spec)
     if not config.sequence_parallel:
         return [
             "def block_tp_plan():",
@@ -168,6 +170,7 @@ def _block_tp_plan(config: FsdpConfig, model_spec: ModelSpec | None) -> list[str
             "    return {",
             *(f"        \"{name}\": ColwiseParallel()," for name in
               ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+            *qk_norm_lines,
             "        \"self_attn.o_proj\": RowwiseParallel(),",
             *mlp_lines,
             "    }",
@@ -184,12 +187,27 @@ def _block_tp_plan(config: FsdpConfig, model_spec: ModelSpec | None) -> list[str
         "            desired_input_kwarg_layouts={\"hidden_states\": Replicate()}, use_local_output=True),",
         *(f"        \"{name}\": ColwiseParallel()," for name in
           ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+        *qk_norm_lines,
         "        \"self_attn.o_proj\": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),",
         "        \"post_attention_layernorm\": SequenceParallel(),",
         "        \"mlp\": PrepareModuleInput(input_layouts=(Shard(1),), **gather_input),",
         *mlp_lines,
         "    }",
     ]
+
+
+def _qk_norm_lines(model_spec: ModelSpec | None) -> list[str]:
+    """Qwen3's and Gemma 3's q / k norms over head_dim (transformers' replicated_with_grad_allreduce), as
+    torchtitan's Qwen3 plan writes them: SequenceParallel on the heads dimension makes the weights Replicate
+    DTensors and the input (this rank's heads, local after the column-wise q / k) a DTensor sharded on the heads,
+    so DTensor sums the weights' gradients over tp; the output is local again, as the attention expects.
+    Without it each rank's norm weights would learn from its own heads alone and drift apart."""
+    dim = TP_QK_NORM_HEADS_DIM.get(model_spec.family) if model_spec is not None else None
+    if dim is None:
+        return []
+    return ["        # q/k norms over head_dim on this rank's heads: weights replicated, gradients summed over tp",
+            *(f"        \"self_attn.{name}\": SequenceParallel(sequence_dim={dim}, use_local_output=True),  # heads"
+              for name in ("q_norm", "k_norm"))]
 
 
 def _micro_step(config: FsdpConfig) -> list[str]:
