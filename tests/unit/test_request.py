@@ -20,14 +20,14 @@ def test_every_knob_is_declared_once_in_one_group():
         groups.setdefault(k.group, []).append(k.name)
     assert len(groups["cluster"]) == 13 and groups["cluster"][:3] == ["gpus", "gpus_per_node", "gpu"]
     assert groups["training"] == ["seq_len", "global_batch", "optimizer", "optimizer_impl", "finetune", "lora_rank",
-                                  "lora_targets", "quant", "double_quant", "quant_storage", "routing_imbalance",
-                                  "routing"]
+                                  "lora_dropout", "lora_targets", "quant", "double_quant", "quant_storage",
+                                  "routing_imbalance", "routing"]
     assert groups["config.mesh"] == ["tp", "cp", "ep", "pp", "pp_schedule", "pp_stages_per_rank", "async_tp",
                                      "sequence_parallel", "shard_group_gpus"]
     assert groups["search"] == ["precisions", "reduce_dtypes"]
     # 66: the trainer (planner/trainers), alloc_conf (PYTORCH_CUDA_ALLOC_CONF) and outside_allocator at the top;
-    # lora_targets (the linears LoRA adapts) since 2026-12-07
-    assert len(groups["config"]) == 25 and len(table) == 66
+    # lora_targets (the linears LoRA adapts) and lora_dropout (peft's) since 2026-12-07
+    assert len(groups["config"]) == 25 and len(table) == 67
     # the flag of a knob is its name in kebab case, so a flag names one field per command
     for k in table.values():
         if k.flag.decls:
@@ -125,8 +125,8 @@ def test_every_flag_of_every_command_is_one_field():
     # config + 7 mesh + shard_group_gpus = 31 (and its own 19 from CalibrationRequest); check 10 + 9 + 6 config +
     # alloc_conf = 26; trace estimate's 56 (its --alloc-conf, once its own option, is the knob); rl 10 cluster +
     # finetune + lora_rank = 12 (the rest are verl's knobs, planner/rl/request.py); + lora_targets (2026-12-07) in
-    # every command that takes the training's knobs
-    assert from_request == {"plan": 48, "estimate": 63, "trace": 63, "explain": 45, "calibrate": 32, "check": 31,
+    # every command that takes the training's knobs, and lora_dropout (2026-12-07) beside it
+    assert from_request == {"plan": 49, "estimate": 64, "trace": 64, "explain": 46, "calibrate": 33, "check": 32,
                             "models": 0, "gpus": 0, "schema": 0, "rl": 16}
     assert own["calibrate"] == {"emit", "output_format", "fault"}  # the rest are CalibrationRequest's knobs
     assert own["estimate"] == {"output_format"} and own["check"] == {"dynamic_control_flow", "output_format"}
@@ -141,7 +141,7 @@ def test_a_knobs_default_is_the_apis_and_the_clis():
     for command, api, own in (("estimate", estimate, {"async_tp": False}), ("plan", plan, {})):
         signature = inspect.signature(api).parameters
         cli = {p.name: p.default for p in _cli_commands()[command].params if p.name in signature}
-        assert len(cli) == (64 if command == "estimate" else 49)  # the knobs, --profile; the model is positional
+        assert len(cli) == (65 if command == "estimate" else 50)  # the knobs, --profile; the model is positional
         for name, default in cli.items():
             if name != "model":
                 assert default == own.get(name, signature[name].default), (command, name)
