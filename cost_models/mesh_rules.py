@@ -50,6 +50,11 @@ TP_PLAN_FAMILIES = frozenset(TP_MLP_PLANS)
 # heads, so their weights' gradients are summed over tp. The dimension of the heads in the norm's input: Qwen3
 # norms q_proj(x).view(b, s, heads, head_dim), Gemma 3 after .transpose(1, 2), (b, heads, s, head_dim).
 TP_QK_NORM_HEADS_DIM = {"qwen3": 2, "gemma3_text": 1}
+# Under sequence parallel every norm on the residual stream runs on s / tp tokens: Gemma 2 / 3's sandwich adds two
+# to Llama's input_layernorm / post_attention_layernorm (one before and one after the MLP; left out, the first
+# meets the Shard(1) DTensor with a plain weight and fails).
+TP_SANDWICH_NORMS = dict.fromkeys(("gemma2", "gemma3_text"),
+                                  ("pre_feedforward_layernorm", "post_feedforward_layernorm"))
 
 
 def tp_plannable(model: ModelSpec, ep: int = 1) -> bool:

@@ -412,6 +412,31 @@ def test_fsdp2_tp_qk_norms_are_sharded_on_the_heads_transformers_norms(family):
     assert shapes == ({"q_norm": 2, "k_norm": 2} if family == "qwen3" else {"q_norm": 1, "k_norm": 1})
 
 
+def test_fsdp2_sp_plan_runs_every_norm_of_the_residual_stream_on_sequence_shards():
+    """With sequence parallel the block's norms between the residual stream and its modules take the Shard(1)
+    DTensor the row-wise outputs leave: every norm child of a tiny transformers block (one layer of each planned
+    family) is SequenceParallel in the snippet's plan - Gemma 2 / 3's sandwich four, not Llama's two (the other
+    two met the DTensor with a plain weight: 'aten.mul.Tensor got mixed torch.Tensor and DTensor' on 2 gloo ranks,
+    by hand; their losses now equal one process's within 5e-7)."""
+    from transformers import AutoModelForCausalLM, CONFIG_MAPPING
+
+    from cost_models.mesh_rules import TP_MLP_PLANS
+    from planner.emit import emit_fsdp2
+
+    for family in TP_MLP_PLANS:
+        config = CONFIG_MAPPING[family](hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                                        num_key_value_heads=2, head_dim=16, num_hidden_layers=1, vocab_size=128)
+        block = AutoModelForCausalLM.from_config(config).model.layers[0]
+        norms = {name for name, child in block.named_children() if "norm" in type(child).__name__.lower()}
+        namespace: dict = {}
+        exec(compile(emit_fsdp2(FsdpConfig(tp=2), replace(LLAMA, family=family), make_cluster(4)), "<fsdp2>",
+                     "exec"), namespace)
+        plan = namespace["block_tp_plan"]()
+        assert {name for name, style in plan.items() if "." not in name
+                and type(style).__name__ == "SequenceParallel"} == norms, family
+        assert len(norms) == (4 if family in ("gemma2", "gemma3_text") else 2), family
+
+
 def test_olmo2_tp_is_refused_in_one_line():
     """OLMo 2's q / k norms span the whole projection width: transformers gathers q / k / v to every rank
     (colwise_gather_output); a plain column-wise split would norm each rank's slice alone, so TP is refused

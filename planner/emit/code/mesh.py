@@ -20,7 +20,7 @@ Pure strings: no torch import.
 from __future__ import annotations
 
 from cost_models.mesh import Mesh, mesh_of
-from cost_models.mesh_rules import LLAMA_MLP_PLAN, TP_MLP_PLANS, TP_QK_NORM_HEADS_DIM
+from cost_models.mesh_rules import LLAMA_MLP_PLAN, TP_MLP_PLANS, TP_QK_NORM_HEADS_DIM, TP_SANDWICH_NORMS
 from cost_models.specs import ClusterSpec, FsdpConfig, ModelSpec, TrainingSpec
 
 from planner.emit.code import pipeline as piped
@@ -190,6 +190,8 @@ def _block_tp_plan(config: FsdpConfig, model_spec: ModelSpec | None) -> list[str
         *qk_norm_lines,
         "        \"self_attn.o_proj\": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),",
         "        \"post_attention_layernorm\": SequenceParallel(),",
+        *(f"        \"{name}\": SequenceParallel(),  # the sandwich's" for name in
+          TP_SANDWICH_NORMS.get(model_spec.family if model_spec is not None else "", ())),
         "        \"mlp\": PrepareModuleInput(input_layouts=(Shard(1),), **gather_input),",
         *mlp_lines,
         "    }",
