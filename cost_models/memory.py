@@ -382,9 +382,10 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
                                           ep_view.outside_allocator_bytes(c) if ep_view is not None else 0)
     peak_reserved = profile.reserved_bytes(max(peak_allocated, loss_reserved), sum(t.bytes for t in outside))
     cpu_per_rank = (sharded_params + sharded_grads + optimizer_state + step_temporaries) if config.offload else 0
+    forwards = [m for k, m in moments.items() if k.startswith("forward")]
     return MemoryEstimate(breakdown=breakdown, peak_phase=phase,
         phases={"backward": backward, "optimizer_step": step,
-                **{"forward": MemoryBreakdown(*m) for k, m in moments.items() if k.startswith("forward")}},  # QLoRA's
+                **({"forward": MemoryBreakdown(*max(forwards, key=sum))} if forwards else {})},  # the largest
         peak_allocated_bytes=peak_allocated, peak_reserved_bytes=peak_reserved,
         cpu_bytes_per_node=cpu_per_rank * cluster.gpus_per_node, cpu_ram_capacity_bytes=cluster.cpu_ram_bytes_per_node,
         notes=s.quirks

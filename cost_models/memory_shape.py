@@ -171,8 +171,12 @@ def ledger_shape(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, e
         model, c, lora=bool(lora_rank), attention=attn, kernels=kern, micro_batch=config.micro_batch)
     h, f = model.hidden_size, model.ffn_hidden_size
     real = ParamCounts.of(model, training)
-    # Gradients accumulated when the MLP's backward peaks (fc2's weight), and the attention's (the MLP's and o's)
+    # Gradients accumulated when the MLP's backward peaks (fc2's weight), and the attention's (the MLP's and o's).
+    # LoRA: only the down projection's adapter (all-linear; its lora_A and lora_B), none with attention targets, whose
+    # adapters' backward comes after the MLP's (measured: tests/distributed/test_torchrun_verl_actor.py)
     mlp_grad = min(real.trainable_block, h * f) * c
+    if lora_rank and model.moe is None:
+        mlp_grad = lora_rank * sum(model.mlp_linear_shapes[-1]) * c if model.lora_mlp else 0
     attn_grad = min(real.trainable_block, (3 if model.gated_mlp else 2) * h * f + model.q_dim * h) * c
     mlp_moments = ()
     if model.moe is not None:  # the MoE MLP's own moments (cost_models/moe.py); at the attention's, all its grads

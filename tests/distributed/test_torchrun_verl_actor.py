@@ -149,13 +149,13 @@ def test_fsdp2_update_peak(config_json):
 def test_fsdp2_lora_blocks_without_checkpointing(tmp_path_factory):
     """verl's FSDP2 LoRA all-linear without checkpointing (h 512, V 1,024; a block's all-gather 6,500,352 B in bf16,
     its shard stored in fp32). Measured 2026-12-07, per rank, 128 / 256 / 512 tokens: 39,981,472 / 45,085,128 /
-    56,427,000 B real, ours 39,970,816 / 45,064,192 / 56,616,960 (-0.03% / -0.05% / +0.34%; the last two were
+    56,427,000 B real, ours 39,970,816 / 45,064,192 / 56,385,536 (-0.03% / -0.05% / -0.07%; the last two were
     43,067,392 / 55,044,096, -4.5% / -2.5%, before FSDP2's all-gather transients and PEFT's input leaf were priced:
-    cost_models/fsdp2_gathers.py, memory.py). 128 tokens: the last block's forward copy-out beside its all-gather
-    output and the block below's (a deferred free); 256 and 512: the last block's pre-backward, block 0's prefetch
-    issued (its all-gather output and the fp32 shard's bf16 copy-in source, 3,250,176 B). At 512 we price the MLP's
-    backward higher (+0.34%): the ledger counts every adapter gradient of the block at that moment where only the
-    down projection's exist yet (memory_shape.py mlp_grad: 475,136 B over here)."""
+    cost_models/fsdp2_gathers.py, memory.py; 56,616,960 at 512, +0.34%, while the MLP's backward moment counted every
+    adapter gradient of the block, where only the down projection's exist: memory_shape.py mlp_grad). 128 tokens:
+    the last block's forward copy-out beside its all-gather output and the block below's (a deferred free); 256 and
+    512: the last block's pre-backward, block 0's prefetch issued (its all-gather output and the fp32 shard's bf16
+    copy-in source, 3,250,176 B). The rest (~60 B a token): verl's per-token int64 / fp32 vectors."""
     path = _config_json(tmp_path_factory.mktemp("verl_blocks_fsdp2"), BLOCKS_FSDP2)
     block_gather = 6_500_352   # 3,250,176 parameters of a block (adapters included) in bf16
     for rows in launch()[3]["ranks"]:
@@ -166,8 +166,7 @@ def test_fsdp2_lora_blocks_without_checkpointing(tmp_path_factory):
             assert row["breakdown"]["sharded_params"] == ours.sharded_params
             if row["tokens"] == 128:   # two all-gather outputs and the block copied out of the second
                 assert ours.collective_buffers == 2 * block_gather
-            if row["tokens"] == 256:   # block 0's all-gather output and its copy-in source, block 1 gathered
+            else:                      # block 0's all-gather output and its copy-in source, block 1 gathered
                 assert ours.collective_buffers == block_gather + block_gather // 2
                 assert row["breakdown"]["unsharded_params"] == ours.unsharded_params == block_gather + 1024
-            rel = 0.004 if row["tokens"] == 512 else 0.001
-            assert ours.total_bytes == pytest.approx(row["peak_allocated_bytes"], rel=rel)
+            assert row["peak_allocated_bytes"] * 0.999 < ours.total_bytes < row["peak_allocated_bytes"]
