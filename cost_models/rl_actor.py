@@ -17,7 +17,7 @@ from .profile import Profile
 from .rl_batch import BatchPlan
 from .rl_settings import ACTOR_DTYPES, RlSettings
 from .rl_strategy import (forward_gathered_bytes, fsdp2_backward, head_backward_bytes, loss_root_bytes,
-                          separate_head_units, weight_sync_bytes)
+                          weight_sync_bytes)
 from .rl_trl_head import trl_head_bytes
 from .rl_trl_server import sync_tensor_bytes
 from .spec_values import Attention, LossKernel, Sharding
@@ -170,11 +170,6 @@ def actor_states(run: ActorRun, settings: RlSettings, batch: BatchPlan, profile:
         body = dataclasses.replace(body, sharded_params=body.sharded_params + extra * on_gpu)
     c = DTYPE_BYTES[config.precision.compute_dtype]
     body = fsdp2_backward(body, est.peak_moment, model, settings, c, DTYPE_BYTES[config.gradient_reduce_dtype], size)
-    if est.peak_moment.startswith("forward") and separate_head_units(model, settings):
-        # a block's forward under verl's FSDP2: the embedding resharded after its forward, the head not gathered yet;
-        # the root's own parameters only (beside fsdp2_backward's backward moments)
-        body = dataclasses.replace(body, unsharded_params=body.unsharded_params
-                                   - (model.embedding_params + model.head_params) * c)
     # the loss moment: every block's saved tensors (checkpointed: its input), the root's, the root gathered (as
     # the strategy wraps it: rl_strategy.py), and the verl logits path or, once the logits' gradient is complete,
     # that gradient and the last block's all-gather (the root's pre-backward prefetches it): verl's entropy backward

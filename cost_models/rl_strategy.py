@@ -96,8 +96,9 @@ def fsdp2_backward(body: MemoryBreakdown, moment: str, model: ModelSpec, setting
     """The ledger's backward peak (FSDP1's root layout) for FSDP2's separate units, by the moment it is at
     (MemoryEstimate.peak_moment): a block's backward holds neither the embedding nor the head gathered, nor the
     head's unsharded gradient; during the last block's (d > 1) the head's reduce-scatter input is in flight, as a
-    block's is for the block below it (memory.py reduce_scatter_above). At the loss the embedding is resharded. Any
-    other moment (or an unnamed one) is left as FSDP1's: an upper bound."""
+    block's is for the block below it (memory.py reduce_scatter_above). At the loss the embedding is resharded. A
+    block's forward (a forward moment) holds the root's own parameters only: the embedding resharded after its
+    forward, the head not gathered yet. Any other moment (or an unnamed one) is left as FSDP1's: an upper bound."""
     if not separate_head_units(model, settings):
         return body
     head_trainable = not settings.lora   # PEFT's all-linear leaves the output layer out
@@ -110,6 +111,9 @@ def fsdp2_backward(body: MemoryBreakdown, moment: str, model: ModelSpec, setting
                                    collective_buffers=body.collective_buffers + rs)
     if moment == "loss backward":
         return dataclasses.replace(body, unsharded_params=body.unsharded_params - model.embedding_params * c)
+    if moment.startswith("forward"):
+        return dataclasses.replace(body, unsharded_params=body.unsharded_params - model.embedding_params * c
+                                   - model.head_params * c)
     return body
 
 
