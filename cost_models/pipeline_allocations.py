@@ -226,11 +226,7 @@ class _RankWalk:
     def pre_forward(self, s: int, u: int) -> None:
         pass
 
-    def post_forward(self, s: int, u: int) -> None:
-        pass
-
-    def pre_backward(self, s: int, u: int) -> None:
-        pass
+    post_forward = pre_backward = pre_forward
 
     def loss(self, events, s: int, mb: int) -> None:
         """The loss's tensors (loss_memory.events, V elements per token); the logits stay in output_chunks."""
@@ -301,7 +297,11 @@ class _RankWalk:
             self.alloc(("grad_in", s, mb, j), self.tokens * self.hs)
             self.free(grad_in)
             grad_in = ("grad_in", s, mb, j)
-        if root:
+        self.root_backward(s, grad_in)
+
+    def root_backward(self, s: int, grad_in) -> None:
+        """The stage root's backward (the embedding's: its weight gradients) from the gradient `grad_in` (freed)."""
+        if self.root_units(s):
             self.weight_grads(s, 0)
         self.free(grad_in)
 

@@ -83,9 +83,10 @@ def stage_pieces(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, s
     tokens = mb * s
     attn = config.attention
     counts = ParamCounts.of(model, training)
-    # tied embeddings: the last stage holds its own copy of the table (torchtitan's per-stage model copies)
-    head = ((model.head_params or (model.embedding_params if model.tied_embeddings else 0))
-            + model.root_other_params) if stage.head else 0
+    # tied embeddings: the last stage holds its own copy of the table (torchtitan's per-stage model copies); a stage
+    # with the embedding too (pp = 1, step_allocations.py) holds the one table
+    tied_copy = model.embedding_params if model.tied_embeddings and not stage.embedding else 0
+    head = ((model.head_params or tied_copy) + model.root_other_params) if stage.head else 0
     params = stage.n_blocks * counts.block() + (model.embedding_params if stage.embedding else 0) + head
     full = activations.block_bytes_per_token(model, c, attn, s, mb, 0)
     # selective-op: every block checkpointed, keeping the policy's saved outputs too (pipeline_techniques.py)
@@ -99,7 +100,8 @@ def stage_pieces(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, s
     # receive buffers) on s / tp tokens, by the rule the pp = 1 ledger is traced with (tensor_parallel.py)
     sp = config.tp if tensor_parallel.sequence_parallel(config) else 1
     if sp > 1:  # the root's residual-stream share only where the root is (it made a stage without one negative)
-        full, ckpt, root_sp = tensor_parallel.sequence_parallel_saved_bytes(model, c, sp, full, ckpt, root_saved)
+        full, ckpt, root_sp = tensor_parallel.sequence_parallel_saved_bytes(
+            model, c, sp, full, ckpt, root_saved, selective_op=config.selective_op_ac)
         root_saved = root_sp if stage.head else 0
     # CP: ring attention's merged output, a copy the o-projection saves beside it (the pp = 1 rule, memory_shape.py)
     full += context_parallel.ring_saved_bytes_per_token(model, config.cp, c)

@@ -14,23 +14,32 @@ where a pipeline stage stays gathered for the step:
   its unsharded parameters; the previous unit's all-gather output freed once this unit is copied out) and its
   post-forward reshards it (FULL_SHARD; SHARD_GRAD_OP keeps it gathered to its backward; reshard_after_forward=N
   keeps an N-way shard);
-- backward: the root's pre-backward prefetches the last block; a block's pre-backward copies it out and prefetches
-  the block below; its post-backward frees the previous unit's reduce-scatter input (FSDP2 keeps it until the next
+- backward: the root's pre-backward prefetches the last block; a block's pre-backward copies it out (its all-gather
+  output freed at once: wait_for_unshard defers the free in forward only) and prefetches the block below; its
+  post-backward reshards it, frees the previous unit's reduce-scatter input (FSDP2 keeps it until the next
   reduce-scatter), writes its own (reduce dtype, default stream) from the compute-dtype gradients, the output on the
-  reduce-scatter stream (the sharded gradient at the first microbatch; later ones added into it and freed), and
-  reshards;
-- the logits freed in forward (the loop drops the model output before backward: loss_memory.loss_events).
+  reduce-scatter stream (the sharded gradient at the first microbatch; later ones added into it and freed);
+- the logits freed in forward (the loop drops the model output before backward: loss_memory.loss_events); the
+  head's and final norm's gradients made at the head's backward and kept to the root's post-backward, which runs
+  once autograd is done (block 0's input gradient and eager attention's checkpointed mask gone by then).
 
 Where it runs (replays(config)): every dense pp = 1 configuration with a shard group of more than one rank - FSDP
-and HSDP (HSDP's all-reduce on the reduce-scatter output adds no tensor here) and CP (s / cp tokens; the ring's
-buffers are not in StagePieces: the ledger's allocated peak is the floor). The flat rule stays where the ledger
-has pieces StagePieces lacks: TP (loss parallel's tensors: the walk's loss is the eager one on the rank's vocabulary
-slice, 1,003 MiB allocated where the ledger and the trace hold 1,315 on memory_accuracy.py's qwen2-tp row), MoE and
-EP (the experts' units, padding and dispatch buffers), LoRA / QLoRA (frozen weights without gradients, packed 4-bit
-weights), CPU offload (gradients and states on the host), a shard group of one rank (no collectives), models priced
-from a traced block profile, and kernel knobs (Liger, Transformer Engine,
-torchtitan 0.3's chunked loss: the walk writes the eager ops' tensors; the B200 row of frontier_accuracy.py, chunked
-loss, replayed as eager reserved 48.9 GiB where 33.7 is published).
+and HSDP (HSDP's all-reduce on the reduce-scatter output adds no tensor here), CP (s / cp tokens; the ring's
+buffers are not in StagePieces: the ledger's allocated peak is the floor) and TP with and without sequence parallel
+(the rank's slice, tensor_parallel.local_model; with sequence parallel a checkpointed Llama block op by op,
+tp_block_events.py, loss parallel's tensors, loss_memory.loss_parallel_events, and the embedding's whole-table
+gradient, embedding_table_grad; without it the head's gathered logits and the eager loss on the whole vocabulary).
+Under TP the walk's live tensors peak at the ledger's allocated peak to the byte on the 27 TP rows of
+benchmarks/memory_accuracy.py --mesh --only tp with a shard group of more than one rank, and on llama3-8b's TP grid
+(tp 2 / 8, SP on / off, every checkpointing mode, FSDP / SHARD_GRAD_OP / HSDP, accumulation) but for the
+un-templated blocks (fp32, eager attention) at every-2 / selective-op checkpointing: -0.4 .. +0.6%, as at tp 1.
+The flat rule stays where the ledger has pieces StagePieces lacks or the walk does not yet match it: TP with CP
+(the ring beside TP's collectives: +0.2 .. +0.8% on llama3-8b), MoE and EP (the experts' units, padding and
+dispatch buffers), LoRA / QLoRA (frozen weights without gradients, packed 4-bit weights), CPU offload (gradients
+and states on the host), a shard group of one rank (no collectives), models priced from a traced block profile, and
+kernel knobs without TP (Liger, Transformer Engine, torchtitan 0.3's chunked loss: the walk writes the eager ops'
+tensors; the B200 row of frontier_accuracy.py, chunked loss, replayed as eager reserved 48.9 GiB where 33.7 is
+published; under TP the ledger prices the eager ops too, kernels.memory_kernels).
 """
 
 from __future__ import annotations
@@ -38,7 +47,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from . import kernels
+from . import activations, kernels
 from .caching_allocator import AllocatorSettings, ReplayResult, replay
 from .memory_types import MemoryEstimate
 from .pipeline_allocations import ALL_GATHER_STREAM, REDUCE_SCATTER_STREAM, _RankWalk, replay_notes
@@ -50,7 +59,8 @@ def replays(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, d: int
     """Why a pp = 1 configuration keeps the flat rule (module docstring), or None where its step is replayed."""
     why = [(model.moe is not None or config.ep > 1, "MoE / expert parallelism"),
            (training.finetune.adapters or training.quantized, "adapters (LoRA / QLoRA)"),
-           (config.tp > 1, "tensor parallelism"), (config.offload, "CPU offload"),
+           (config.tp > 1 and config.cp > 1, "tensor and context parallelism together"),
+           (config.offload, "CPU offload"),
            (d <= 1, "a shard group of one rank"),
            (kernels.memory_kernels(config) != kernels.EAGER, "kernels (Liger, Transformer Engine, the chunked loss)"),
            (model.activation_profile is not None, "a traced block profile")]
@@ -99,6 +109,10 @@ class _StepWalk(_RankWalk):
         self.has_grad: set[int] = set()     # units holding their sharded gradient this step
         self.gathered_units: set[int] = set()
         self.partials: set[int] = set()     # units keeping an N-way shard from forward to backward
+        # eager attention's causal mask, kept by checkpointing for the recompute (memory_shape.py's shared bytes)
+        k = 1 if config.selective_op_ac else config.ac_every
+        self.mask = k and activations.eager_mask_bytes(model, self.c, training.seq_len, config.micro_batch,
+                                                       config.attention)
 
     def all_gather(self, u: int) -> None:
         s = self.stage
@@ -108,8 +122,9 @@ class _StepWalk(_RankWalk):
         self.free(("all_gather_in", s, u))
         self.prefetched.add(u)
 
-    def unshard(self, u: int) -> None:
-        """Wait for the unit's all-gather (issued now unless prefetched), copy it out, free the previous output."""
+    def unshard(self, u: int, backward: bool = False) -> None:
+        """Wait for the unit's all-gather (issued now unless prefetched), copy it out; in forward free the previous
+        unit's output (its free deferred past this copy-out), in backward this one's at once (wait_for_unshard)."""
         if u in self.gathered_units:
             return
         s = self.stage
@@ -125,6 +140,9 @@ class _StepWalk(_RankWalk):
         if self.pending is not None:
             self.free(self.pending)
         self.pending = ("all_gather", s, u)
+        if backward:
+            self.free(self.pending)
+            self.pending = None
 
     def reshard_unit(self, u: int) -> None:
         s = self.stage
@@ -144,30 +162,92 @@ class _StepWalk(_RankWalk):
             self.partials.add(u)
 
     def pre_backward(self, s: int, u: int) -> None:
-        self.unshard(u)
+        self.unshard(u, backward=True)
         below = u - 1
         if below >= self.root_units(s) and below not in self.gathered_units:
             self.all_gather(below)
 
-    def weight_grads(self, s: int, u: int) -> None:
-        """The unit's compute-dtype gradients, then its post-backward: reduce-scatter and reshard."""
-        unit = self.units[s][u]
-        for i, n in enumerate(unit):
-            self.alloc(("wgrad", s, u, i), n * self.c)
+    def weight_grads(self, s: int, u: int, made: bool = False) -> None:
+        """The unit's compute-dtype gradients (made: already, by tp_block_events' products or, the root's, by
+        head_backward and root_backward), then its post-backward: reshard, then reduce-scatter."""
+        unit = self.root_grads(s) if u == 0 and self.root_units(s) else self.units[s][u]
+        for i, n in enumerate(unit if not made else ()):
+            self.alloc(("wgrad", s, u, i), n)
+        self.reshard_unit(u)  # post_backward reshards before foreach_reduce (_fsdp_param_group.py:637-638)
         if self.rs_in is not None:
             self.free(self.rs_in)
         self.rs_in = ("rs_in", s, u)
-        self.alloc(self.rs_in, sum(unit) * self.r)
-        for i in range(len(unit)):
-            self.free(("wgrad", s, u, i))
-        size = math.ceil(sum(unit) * self.r / self.d)
+        size = sum(self.units[s][u])
+        self.alloc(self.rs_in, size * self.r)
+        for key in self.root_keys if u == 0 and self.root_units(s) else [("wgrad", s, u, i) for i in range(len(unit))]:
+            self.free(key)
+        size = math.ceil(size * self.r / self.d)
         if u in self.has_grad:  # a later microbatch: added into the sharded gradient in place, then freed
             self.alloc(("new_grad", s, u), size, REDUCE_SCATTER_STREAM)
             self.free(("new_grad", s, u))
         else:
             self.alloc(("sharded_grad", s, u), size, REDUCE_SCATTER_STREAM)
             self.has_grad.add(u)
-        self.reshard_unit(u)
+
+    def root_grads(self, s: int) -> list[int]:
+        """The root's gradients in bytes (compute dtype): wgrad 0 the head's and the final norm's (tied: the norm's),
+        wgrad 1 the embedding's rows (tied: the head's, the one table)."""
+        emb = min(self.model.embedding_params, self.units[s][0][0])
+        return [(self.units[s][0][0] - emb) * self.c, emb * self.c]
+
+    def loss(self, events, s: int, mb: int) -> None:
+        """The loss's tensors; after its backward the head's: its gradients (and the final norm's, the table's rows
+        when tied) kept to the root's post-backward (memory.py's head_grad at every block's moment)."""
+        super().loss(events, s, mb)
+        if events is not self.loss_events[1] or not self.root_units(s):
+            return
+        head, emb = self.root_grads(s)
+        self.alloc(("wgrad", s, 0, 0), head)
+        if self.model.tied_embeddings:
+            self.alloc(("wgrad", s, 0, 1), emb)
+
+    def root_backward(self, s: int, grad_in) -> None:
+        """The embedding's backward from block 0's input gradient (grad_in), then the root's post-backward. Block 0's
+        all-gather output is gone by then (freed at its copy-out in backward: _fsdp_param_group.py
+        wait_for_unshard), and so is eager attention's mask, block 0's recompute input; grad_in goes as autograd ends, before the post-backward (the final callback). The
+        embedding's gradient: its rows (untied; tied, added into the head's in place: its transient not written, as
+        memory.py's "end of backward"), or under TP with sequence parallel the whole table first
+        (embedding_table_grad)."""
+        if self.pending is not None:
+            self.free(self.pending)
+            self.pending = None
+        self.free(("mask", grad_in[2]))  # grad_in: ("grad_in", s, mb, 0)
+        self.root_keys = [("wgrad", s, 0, 0), ("wgrad", s, 0, 1)]  # the root's gradients' keys (wgrad 1: its last)
+        if not self.root_units(s):
+            self.free(grad_in)
+            return
+        if self.pieces[s].grad_extra:
+            self.embedding_table_grad(s, grad_in)
+        else:
+            if not self.model.tied_embeddings:
+                self.alloc(("wgrad", s, 0, 1), self.root_grads(s)[1])
+            self.free(grad_in)
+        self.weight_grads(s, 0, made=True)
+
+    def embedding_table_grad(self, s: int, grad_in) -> None:
+        """TP with sequence parallel: the embedding's gradient as memory.py's "embedding backward" moments hold it
+        (tensor_parallel.embedding_grad_extra_params): its output gradient (grad_in) all-gathered over the sequence,
+        the whole V x h table it makes, grad_in freed, the rank's rows copied out of the table (untied: at the
+        post-backward's redistribute to Shard(0), wgrad 1; tied: AccumulateGrad's copy of them and its sum with the
+        head's rows, which replaces them), then the table freed."""
+        c, (_, rows), tied = self.c, self.root_grads(s), self.model.tied_embeddings
+        self.alloc(("embedding grad gathered", s), self.tokens * self.model.hidden_size * c)
+        self.alloc(("embedding table grad", s), rows + self.pieces[s].grad_extra * c)
+        self.free(("embedding grad gathered", s))
+        self.free(grad_in)
+        self.alloc(("embedding rows", s), rows)
+        self.root_keys[1] = ("embedding rows", s)
+        if tied:
+            self.alloc(("embedding rows sum", s), rows)
+            self.free(("embedding rows", s))
+            self.free(("wgrad", s, 0, 1))
+            self.root_keys[1] = ("embedding rows sum", s)
+        self.free(("embedding table grad", s))
 
     def step(self, first: bool) -> None:
         s, x = self.stage, self.pieces[self.stage]
@@ -175,6 +255,7 @@ class _StepWalk(_RankWalk):
         for mb in range(self.m):
             if root:
                 self.unshard(0)
+            self.alloc(("mask", mb), self.mask)  # freed with block 0's saved inputs (root_backward)
             self.forward_pass(x, mb)
             if self.pending is not None:  # the root's post-forward frees the last all-gather output
                 self.free(self.pending)
