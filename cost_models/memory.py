@@ -15,9 +15,10 @@ tier, docs/accuracy.md) decides what else is alive, moment by moment:
   ones can peak: each block done adds its sharded gradient, each block below saves only its input);
 - TP with sequence parallel, the embedding's backward: its whole V x h gradient, then the rank's rows copied out of
   it, beside the gathered root and its other gradients;
-- FSDP2's all-gather transients (fsdp2_gathers.py): a block's pre-backward, its prefetch of the block below issued
-  (the all-gather output beside the copy-in source of shards cast to the compute dtype), and the last block's
-  forward copy-out beside its all-gather output and the block below's (a deferred free);
+- FSDP2's all-gather transients (fsdp2_gathers.py): a block's pre-backward, its own all-gather output copied out
+  (output and unsharded parameters at once), then its prefetch of the block below issued (the all-gather output
+  beside the copy-in source of shards cast to the compute dtype); the last block's forward copy-out beside its
+  all-gather output and the block below's (a deferred free);
 - end of backward: the root's gradients and their reduce-scatter, with every block's sharded gradient;
 - optimizer step: stored params, gradients, optimizer state and the step's temporaries (optimizer_step.py:
   foreach, fused or for-loop).
@@ -330,12 +331,18 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
         copy_in = fsdp2_gathers.copy_in_bytes(counts.trainable_block, counts.frozen_block, p,
                                               frozen_stored_bytes or frozen_p, c, d)
         for i, label, recomputed, below, this in s.blocks:
+            held = tokens * (below + (ckpt if recomputed else this) + c * h) + shared
             if i > 0 and copy_in:
                 moments[f"backward of block {i} (its prefetch issued)"] = _Moment(
                     **states(grads_done(i)), unsharded_params=params_at(i),
                     collective_buffers=prefetch_below(i) + copy_in + reduce_scatter_above(i),
-                    unsharded_grads=head_grad,
-                    activations=tokens * (below + (ckpt if recomputed else this) + c * h) + shared)
+                    unsharded_grads=head_grad, activations=held)
+            if i < L - 1:  # ... and before it, its own prefetched all-gather output copied out (the last block's
+                # parameters stay gathered from its forward)
+                moments[f"backward of block {i} (its all-gather copied out)"] = _Moment(
+                    **states(grads_done(i)), unsharded_params=params_at(i),
+                    collective_buffers=gathered(i) + reduce_scatter_above(i), unsharded_grads=head_grad,
+                    activations=held)
         # Forward: the last block's copy-out beside its all-gather output and the block below's (deferred free); its
         # input and the embedding's output held (activations.output_projection_forward_held_bytes_per_token)
         i = L - 1

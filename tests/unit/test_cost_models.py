@@ -44,15 +44,15 @@ def test_bf16_gathers_two_blocks_and_root_in_compute_dtype():
     # FSDP2's schedule (checked against the trace tier): in a block's backward the block and the root are
     # gathered, the next block's all-gather output is in flight (a collective buffer until copied out), and
     # so is the fp32 reduce-scatter input of the block before. With one-token sequences activations are
-    # negligible, so the peak is the lowest block that still prefetches: block 1, after blocks 3 and 2 left
-    # their sharded gradients - at its pre-backward, where the prefetch's copy-in source (block 0's fp32 shard cast
-    # to bf16: cost_models/fsdp2_gathers.py) outweighs the MLP's gradients and working set its backward adds next.
+    # negligible and the states decide: block 0's pre-backward, as its prefetched all-gather output is copied out
+    # into its unsharded parameters (both alive), beside block 1's reduce-scatter input and the sharded gradients
+    # of blocks 3, 2 and 1 - above block 1's pre-backward issuing that prefetch (its copy-in source, block 0's shard
+    # cast to bf16, 500 B; one sharded gradient fewer: 500 B less in all) and block 1's backward.
     b = m.phases["backward"]
-    assert m.peak_moment == "backward of block 1 (its prefetch issued)"
+    assert m.peak_moment == "backward of block 0 (its all-gather copied out)"
     assert b.unsharded_params == 1000 * 2 + 200 * 2           # current block + root, bf16
-    # prefetched block 0 (bf16) and its copy-in source (its shard in bf16) + block 2's reduce-scatter (fp32)
-    assert b.collective_buffers == 1000 * 2 + 1000 * 2 // 4 + 1000 * 4
-    assert b.sharded_grads == 2 * 1000 * 4 // 4               # blocks 3 and 2's fp32 grads, sharded over 4
+    assert b.collective_buffers == 1000 * 2 + 1000 * 4        # block 0's all-gather output (bf16), block 1's RS (fp32)
+    assert b.sharded_grads == 3 * 1000 * 4 // 4               # blocks 3, 2 and 1's fp32 grads, sharded over 4
     # SHARD_GRAD_OP keeps every block gathered until backward
     sgo = mem(FsdpConfig(sharding="SHARD_GRAD_OP", precision="bf16", micro_batch=64), n=4)
     assert sgo.peak_phase == "backward"
