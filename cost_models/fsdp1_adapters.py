@@ -87,13 +87,14 @@ def saved_copies_bytes_per_token(model: ModelSpec, compute_bytes: int, mixed: bo
     return compute_bytes * (copies - inputs_kept_by_adapters_only(model, s2_attention))
 
 
-def inputs_kept_by_adapters_only(model: ModelSpec, s2_attention: bool) -> int:
+def inputs_kept_by_adapters_only(model: ModelSpec, o_input_copied: bool) -> int:
     """Values per token of a block's tensors that only its adapters' lora_A save, where the adapters share their
-    inputs (FSDP2-shaped): the attention norm's output, the o-projection's input under eager attention (P @ V's
-    copy; SDPA saves its own output), and under all-linear the MLP norm's output (not Falcon's one shared norm) and
-    the down projection's input (not ReLU's output, which ReLU saves itself). An adapter's own copy of its input
-    (FSDP1's adapter units) or its dropout's output (lora_dropout.py) frees them."""
-    kept = model.hidden_size + (model.lora_target_shapes[-1][0] if s2_attention else 0)
+    inputs (FSDP2-shaped): the attention norm's output; the o-projection's input where it is a copy of the attention's
+    output (o_input_copied: eager's P @ V copy; SDPA saves its own output); and under all-linear the MLP norm's
+    output (not Falcon's one shared norm) and the down projection's input (not ReLU's output, which ReLU saves
+    itself). An adapter's own copy of its input (FSDP1's adapter units) or its dropout's output (lora_dropout.py)
+    frees them."""
+    kept = model.hidden_size + (model.lora_target_shapes[-1][0] if o_input_copied else 0)
     if model.lora_mlp:
         shared_norm = model.parallel_block and model.family == "falcon"  # one norm feeds attention and MLP
         kept += (0 if shared_norm else model.hidden_size) + (0 if model.activation == "relu" else model.ffn_hidden_size)

@@ -25,17 +25,37 @@ With checkpointing a block's recompute of its down projection can lead: priced o
 
 from __future__ import annotations
 
+from .activations import _FUSED_ROTARY_FAMILIES, uses_s2_attention
 from .fsdp1_adapters import inputs_kept_by_adapters_only
 from .model_spec import ModelSpec
+from .specs import Attention
 
 
-def saved_bytes_per_token(model: ModelSpec, compute_bytes: int, copies: bool, s2_attention: bool) -> int:
+def o_input_copied(model: ModelSpec, attention: Attention) -> bool:
+    """The o-projection reads a copy of the attention's output that only its adapter saves: eager's P @ V copy, or a
+    fused rotary family's output copied into (b, s, heads x d) (activations._attention_bytes)."""
+    return uses_s2_attention(model, attention) or model.family in _FUSED_ROTARY_FAMILIES
+
+
+def saved_bytes_per_token(model: ModelSpec, compute_bytes: int, copies: bool, o_copied: bool) -> int:
     """Bytes a block saves more per token with LoRA's dropout on (every adapter's mask and output, less the inputs
     only adapters kept); copies: each adapter already saves its own copy of its input (fsdp1_adapters.casts_inputs
-    under FSDP1's adapter units); s2_attention: eager attention (activations.uses_s2_attention)."""
-    inputs = sum(n_in for n_in, _ in model.lora_shapes)
-    outputs = 0 if copies else compute_bytes * (inputs - inputs_kept_by_adapters_only(model, s2_attention))
-    return inputs + outputs
+    under FSDP1's adapter units); o_copied: o_input_copied."""
+    return _added(model, compute_bytes, copies, model.lora_shapes, inputs_kept_by_adapters_only(model, o_copied))
+
+
+def freed_before_attention_backward_bytes_per_token(model: ModelSpec, compute_bytes: int, copies: bool,
+                                                    o_copied: bool) -> int:
+    """Of saved_bytes_per_token, what the o-projection's and the MLP's adapters saved: their backward, before the
+    attention's, frees it (activations_backward.attention_freed_before_backward_bytes_per_token's moment)."""
+    kept = inputs_kept_by_adapters_only(model, o_copied) - model.hidden_size  # less the attention norm's output
+    return _added(model, compute_bytes, copies, model.lora_shapes[len(model.lora_target_shapes) - 1:], kept)
+
+
+def _added(model: ModelSpec, c: int, copies: bool, shapes, kept: int) -> int:
+    """The masks of these adapters' inputs, and unless they replace copies their outputs less the inputs kept."""
+    inputs = sum(n_in for n_in, _ in shapes)
+    return inputs + (0 if copies else c * (inputs - kept))
 
 
 def first_block_masks_bytes_per_token(model: ModelSpec) -> int:
@@ -48,6 +68,8 @@ def first_block_masks_bytes_per_token(model: ModelSpec) -> int:
 
 def down_projection_bytes_per_token(model: ModelSpec, compute_bytes: int, copies: bool) -> int:
     """What the MLP output projection's adapter dropout saves (mask and, unless it replaces a copy, output): not
-    there yet while the frozen base's forward runs (memory_shape.py's in-flight moment)."""
+    there yet while the frozen base's forward runs (memory_shape.py's in-flight moment); freed, with its lora_A's
+    backward, before the activation's backward (activations_backward.mlp_backward_working_bytes_per_token frees the
+    projection's saved input: the output here; the mask is freed too)."""
     f = model.ffn_hidden_size
     return f + (0 if copies else compute_bytes * f)

@@ -131,8 +131,9 @@ def ledger_shape(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, e
         full += fsdp1_adapters.saved_copies_bytes_per_token(model, c, casts,
                                                             activations.uses_s2_attention(model, attn))
     dropout = training.adapter_dropout > 0  # each adapter's dropout mask and output (lora_dropout.py)
+    o_copied = lora_dropout.o_input_copied(model, attn)
     if dropout:  # where each adapter saves its own copy of its input (casts), the dropout's output replaces it
-        full += lora_dropout.saved_bytes_per_token(model, c, casts, activations.uses_s2_attention(model, attn))
+        full += lora_dropout.saved_bytes_per_token(model, c, casts, o_copied)
     K = 1 if config.selective_op_ac else config.ac_every
     shared = activations.shared_bytes(model, c, training.seq_len)
     if K and traced is not None:  # the blocks' other inputs (masks, rotary tables), kept for the recompute
@@ -169,6 +170,10 @@ def ledger_shape(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, e
     w_attn += context_parallel.ring_working_bytes_per_token(model, config.cp, c)  # CP: the ring's transients
     freed_attn = activations_backward.attention_freed_before_backward_bytes_per_token(
         model, c, lora=bool(lora_rank), attention=attn, kernels=kern, micro_batch=config.micro_batch)
+    if dropout:  # the o-projection's and the MLP's adapters' dropout tensors, freed by their backward; the down
+        # projection's mask, with its output (w_mlp frees the projection's saved input), before the activation's
+        freed_attn += lora_dropout.freed_before_attention_backward_bytes_per_token(model, c, casts, o_copied)
+        w_mlp -= model.ffn_hidden_size if model.lora_mlp else 0
     h, f = model.hidden_size, model.ffn_hidden_size
     real = ParamCounts.of(model, training)
     # Gradients accumulated when the MLP's backward peaks (fc2's weight), and the attention's (the MLP's and o's).

@@ -1,7 +1,8 @@
 """LoRA's dropout (peft's lora_dropout > 0; cost_models/lora_dropout.py): the rule against a real CPU step's saved
 tensors and peak, the ledger and the trace tier on it, the knob's validation, and its readers and emitters.
 
-The real runs are transformers' tiny Llama of the trace tests (h 128, f 352, 2 blocks, V 3,000), 256 tokens, rank 8
+The real runs are transformers' tiny Llama of the trace tests (h 128, f 352, 2 blocks, V 3,000; and their GPT-NeoX and
+Phi-3), 256 tokens, rank 8
 through calibration.lora.add_lora (the adapters the trace tier and calibration runs build), dropout as a GPU runs it
 (calibration.gpu_run_choices: native_dropout's bool mask). Dropout 0 against 0.05: every saved-tensor storage once."""
 
@@ -21,7 +22,7 @@ from calibration.gpu_run_choices import cuda_kernel_choices  # noqa: E402
 from calibration.lora import add_lora  # noqa: E402
 from cost_models import lora_dropout  # noqa: E402
 from cost_models.spec_values import SpecError  # noqa: E402
-from cost_models.specs import TrainingSpec  # noqa: E402
+from cost_models.specs import Attention, TrainingSpec  # noqa: E402
 from planner.doctor import check  # noqa: E402
 from planner.doctor.readers import read_setup  # noqa: E402
 from planner.models import from_hf_config  # noqa: E402
@@ -31,19 +32,20 @@ LLAMA = TINY["llama"]
 TOKENS = 256
 
 
-def _model(precision: str, targets: str, p: float, attention: str):
+def _model(precision: str, targets: str, p: float, attention: str, arch: str = "llama"):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**LLAMA), attn_implementation=attention)
-    spec = dataclasses.replace(from_hf_config(dict(LLAMA)), lora_targets=targets)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**TINY[arch]), attn_implementation=attention)
+    spec = dataclasses.replace(from_hf_config(dict(TINY[arch])), lora_targets=targets)
     classes = {type(m) for m in model.modules() if type(m).__name__ == spec.block_class}
     return add_lora(model, spec, 8, classes, precision, dropout=p).train(), spec
 
 
-def _saved_bytes(precision: str, targets: str, p: float, attention: str = "sdpa", autocast: bool = False) -> int:
+def _saved_bytes(precision: str, targets: str, p: float, attention: str = "sdpa", autocast: bool = False,
+                 arch: str = "llama") -> int:
     """Bytes of the storages one forward saves for backward (each once)."""
-    model, _ = _model(precision, targets, p, attention)
+    model, _ = _model(precision, targets, p, attention, arch)
     ids = torch.randint(0, LLAMA["vocab_size"], (1, TOKENS), generator=torch.Generator().manual_seed(0))
     storages = {}
 
@@ -57,10 +59,10 @@ def _saved_bytes(precision: str, targets: str, p: float, attention: str = "sdpa"
     return sum(storages.values())
 
 
-def _priced(targets: str, c: int, copies: bool, s2_attention: bool) -> int:
+def _priced(targets: str, c: int, copies: bool, attention: str, arch: str = "llama") -> int:
     """The rule's bytes for the model's 2 blocks: every adapter's, less block 0's masks on its normed input."""
-    spec = dataclasses.replace(from_hf_config(dict(LLAMA)), lora_targets=targets)
-    per_block = lora_dropout.saved_bytes_per_token(spec, c, copies, s2_attention)
+    spec = dataclasses.replace(from_hf_config(dict(TINY[arch])), lora_targets=targets)
+    per_block = lora_dropout.saved_bytes_per_token(spec, c, copies, lora_dropout.o_input_copied(spec, Attention(attention)))
     return TOKENS * (spec.n_layers * per_block - lora_dropout.first_block_masks_bytes_per_token(spec))
 
 
@@ -68,16 +70,21 @@ def _priced(targets: str, c: int, copies: bool, s2_attention: bool) -> int:
 # block 0's 384, outputs 2 x 2 x 512); attention only, fp32, eager (o's input, P @ V's copy, freed too) +688,128 (masks
 # 2 x 512 - 384, outputs 2 x 4 x 256); fp32 adapters on a bf16 base, where peft casts x (each adapter saves its own
 # copy already), with or without autocast: the masks alone, +475,136 all-linear, +163,840 attention
-@pytest.mark.parametrize("precision, targets, attention, autocast, c, copies", [
-    ("bf16-pure", "all-linear", "sdpa", False, 2, False),
-    ("fp32", "attention", "eager", False, 4, False),
-    ("bf16", "all-linear", "sdpa", True, 2, True),
-    ("bf16", "attention", "sdpa", False, 2, True),
-], ids=["bf16-all-linear", "fp32-attention-eager", "fp32-adapters-autocast", "fp32-adapters-attention"])
-def test_the_rule_is_what_a_real_forward_saves(precision, targets, attention, autocast, c, copies):
-    added = (_saved_bytes(precision, targets, 0.05, attention, autocast)
-             - _saved_bytes(precision, targets, 0.0, attention, autocast))
-    assert added == _priced(targets, c, copies, attention == "eager") > 0
+# GPT-NeoX (parallel block: block 0's fused qkv and fc1 adapters on the normed input; fused rotary: o reads a copy of
+# the attention's output, which only its adapter kept) +393,216; Phi-3 (fused qkv and gate_up) +360,448
+@pytest.mark.parametrize("arch, precision, targets, attention, autocast, c, copies", [
+    ("llama", "bf16-pure", "all-linear", "sdpa", False, 2, False),
+    ("llama", "fp32", "attention", "eager", False, 4, False),
+    ("llama", "bf16", "all-linear", "sdpa", True, 2, True),
+    ("llama", "bf16", "attention", "sdpa", False, 2, True),
+    ("gpt_neox", "bf16-pure", "all-linear", "sdpa", False, 2, False),
+    ("phi3", "bf16-pure", "all-linear", "sdpa", False, 2, False),
+], ids=["bf16-all-linear", "fp32-attention-eager", "fp32-adapters-autocast", "fp32-adapters-attention",
+        "neox-parallel-fused-rotary", "phi3-fused"])
+def test_the_rule_is_what_a_real_forward_saves(arch, precision, targets, attention, autocast, c, copies):
+    added = (_saved_bytes(precision, targets, 0.05, attention, autocast, arch)
+             - _saved_bytes(precision, targets, 0.0, attention, autocast, arch))
+    assert added == _priced(targets, c, copies, attention, arch) > 0
 
 
 def test_the_real_peak_moves_by_the_rule_without_checkpointing():
@@ -97,7 +104,7 @@ def test_the_real_peak_moves_by_the_rule_without_checkpointing():
                     tracker.reset()
         return tracker.snapshot().peak_allocated_bytes
 
-    assert peak(0.05) - peak(0.0) == _priced("all-linear", 2, False, False) == 999_424
+    assert peak(0.05) - peak(0.0) == _priced("all-linear", 2, False, "sdpa") == 999_424
 
 
 def test_the_trace_counts_the_dropout_and_the_estimate_prices_it():
@@ -122,12 +129,14 @@ def test_the_trace_counts_the_dropout_and_the_estimate_prices_it():
 def test_the_ledger_prices_each_block_and_block_0_without_its_masks():
     """memory_shape: a block's saved bytes per token rise by the rule, with and without checkpointing (a recomputed
     block remakes them); without checkpointing block 0 saves its three attention-input masks less; the MLP inputs
-    the adapters no longer save are counted as held by the forward."""
+    the adapters no longer save are counted as held by the forward; the o-projection's and the MLP's adapters' share
+    is freed before the attention's backward (masks 128 + 2 x 128 + 352, outputs 2 x (736 - 128 - 352)), the down
+    projection's mask before the activation's."""
     from cost_models.memory_shape import ledger_shape
     from cost_models.specs import FsdpConfig
 
     spec = dataclasses.replace(from_hf_config(dict(LLAMA)), lora_targets="all-linear")
-    rule = lora_dropout.saved_bytes_per_token(spec, 2, copies=False, s2_attention=False)
+    rule = lora_dropout.saved_bytes_per_token(spec, 2, copies=False, o_copied=False)
     assert rule == 1120 + 2 * (1120 - 128 - 128 - 352) == 2144  # masks: q k v o gate up (128) + down (352)
     for ac in (0, 1):
         config = FsdpConfig(precision="bf16", ac_every=ac)
@@ -136,6 +145,8 @@ def test_the_ledger_prices_each_block_and_block_0_without_its_masks():
         assert on.full - off.full == rule
         assert on.first_less - off.first_less == (0 if ac else 3 * 128)
         assert off.mlp_inputs_saved and not on.mlp_inputs_saved
+        assert on.freed_attn - off.freed_attn == 736 + 2 * (736 - 128 - 352) == 1248
+        assert on.w_mlp - off.w_mlp == -352
 
 
 @pytest.mark.parametrize("value", [1.0, -0.1, "0.05", True])
@@ -174,7 +185,7 @@ def test_an_axolotl_lora_dropout_moves_the_checked_figure_by_the_priced_bytes(tm
         assert r.candidate.training.lora_dropout == (p or 0.0) and r.candidate.config.ac_every == 0
         figures[p] = r.candidate.memory.peak_allocated_bytes
         spec = r.candidate.model
-    per_block = lora_dropout.saved_bytes_per_token(spec, 2, copies=False, s2_attention=False)
+    per_block = lora_dropout.saved_bytes_per_token(spec, 2, copies=False, o_copied=False)
     assert per_block == 38_912 + 2 * 16_384
     priced = 512 * (32 * per_block - lora_dropout.first_block_masks_bytes_per_token(spec))
     assert figures[0.05] - figures[None] == priced == 1_168_113_664
