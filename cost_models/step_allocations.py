@@ -47,7 +47,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from . import activations, kernels
+from . import activations, kernels, tensor_parallel
 from .caching_allocator import AllocatorSettings, ReplayResult, replay
 from .memory_types import MemoryEstimate
 from .pipeline_allocations import ALL_GATHER_STREAM, REDUCE_SCATTER_STREAM, _RankWalk, replay_notes
@@ -109,6 +109,7 @@ class _StepWalk(_RankWalk):
         self.has_grad: set[int] = set()     # units holding their sharded gradient this step
         self.gathered_units: set[int] = set()
         self.partials: set[int] = set()     # units keeping an N-way shard from forward to backward
+        self.gathers_logits = config.tp > 1 and not tensor_parallel.sequence_parallel(config)
         # eager attention's causal mask, kept by checkpointing for the recompute (memory_shape.py's shared bytes)
         k = 1 if config.selective_op_ac else config.ac_every
         self.mask = k and activations.eager_mask_bytes(model, self.c, training.seq_len, config.micro_batch,
@@ -198,6 +199,9 @@ class _StepWalk(_RankWalk):
     def loss(self, events, s: int, mb: int) -> None:
         """The loss's tensors; after its backward the head's: its gradients (and the final norm's, the table's rows
         when tied) kept to the root's post-backward (memory.py's head_grad at every block's moment)."""
+        if events is self.loss_events[0] and self.gathers_logits:
+            self.gathered_logits(events, s, mb)
+            return
         super().loss(events, s, mb)
         if events is not self.loss_events[1] or not self.root_units(s):
             return
@@ -205,6 +209,19 @@ class _StepWalk(_RankWalk):
         self.alloc(("wgrad", s, 0, 0), head)
         if self.model.tied_embeddings:
             self.alloc(("wgrad", s, 0, 1), emb)
+
+    def gathered_logits(self, events, s: int, mb: int) -> None:
+        """TP without sequence parallel (transformers' tp_plan, the head column-wise with its output gathered): the
+        rank's vocab / tp logits, all_gather_into_tensor's output and the cat of its chunks along the vocabulary (the
+        logits), then the loss's other tensors; the trace's order (benchmarks/memory_accuracy.py's qwen2-tp tp 4 no-SP
+        row: 39.06, 156.25, 156.25 MiB before the fp32 copy)."""
+        c, v = self.c, self.model.vocab_size
+        self.alloc(("head shard", s, mb), self.tokens * -(-v // self.config.tp) * c)
+        self.alloc(("head gathered", s, mb), self.tokens * v * c)
+        super().loss(events[:1], s, mb)
+        self.free(("head gathered", s, mb))
+        self.free(("head shard", s, mb))
+        super().loss(events[1:], s, mb)
 
     def root_backward(self, s: int, grad_in) -> None:
         """The embedding's backward from block 0's input gradient (grad_in), then the root's post-backward. Block 0's
