@@ -10,14 +10,18 @@ So per adapter of input width `in`, per token:
   attention's input projections; a parallel block's MLP input projections too), nothing before them training;
 - the dropout's output, in the dtype the adapter sees: where the adapters share their input (FSDP2's gathered
   adapters, in the compute dtype) each saves c x in of its own, and the inputs only adapters saved are freed
-  (fsdp1_adapters.inputs_kept_by_adapters_only: the norms' outputs, the down projection's input); where each adapter
-  already saves its own copy (FSDP1's adapter units, peft casting x to the adapters' dtype: fsdp1_adapters.py), the
-  dropout's output replaces that copy, nothing more.
+  (fsdp1_adapters.inputs_kept_by_adapters_only: the norms' outputs, the down projection's input, o's input where it
+  is a copy: o_input_copied); where each adapter already saves its own copy (FSDP1's adapter units, peft casting x to
+  the adapters' dtype: fsdp1_adapters.py), the dropout's output replaces that copy, nothing more.
+
+The backward frees them adapter by adapter: the o-projection's and the MLP's before the attention's backward, the
+down projection's before the activation's (memory_shape.py adjusts those two moments).
 
 Measured (2026-12-07, a real CPU step, transformers' tiny Llama h 128, f 352, 2 blocks, 256 tokens, rank 8; the
 saved tensors by storage and calibration.memtrack's peak, both moving by the same bytes; the CUDA kernel choice):
 all-linear +5,952 B a token at fp32, +3,904 at bf16, +1,856 where peft casts x to fp32 adapters (with or without
-autocast); attention only +3,712 / +2,176 / +640; the figures below to the byte (tests/unit/test_lora_dropout.py).
+autocast); attention only +3,712 / +2,176 / +640; GPT-NeoX (parallel block, fused rotary) and Phi-3 (fused
+projections) too; the figures below to the byte (tests/unit/test_lora_dropout.py).
 Ignored: the dropout's output and mask in flight while its adapter's forward runs (the down projection's: the
 in-flight moment in memory_shape.py counts them), torch's CPU kernel (a mask in x's dtype, not the CUDA run priced).
 With checkpointing a block's recompute of its down projection can lead: priced over (docs/accuracy.md, LoRA's dropout).
