@@ -1,6 +1,8 @@
 """Issue 26 item 4, the named command: `fsdp-plan --model llama3.1-70b --gpus 64 --gpu h100-80gb --tp 8 --emit fsdp2`
-plans PP 2 with TP 8 and sequence parallel (the search's pick when this was written: pp 2 x dp_shard 4 x tp 8,
-interleaved 1F1B) and now prints it as FSDP2 code instead of exiting 2: parallelize_module on a 3-D
+plans TP 8 with sequence parallel and prints it as FSDP2 code. When this was written the search picked pp 2 x dp_shard 4 x
+tp 8 (interleaved 1F1B); since 7b48b3d priced selective-op's saved outputs on full tokens inside pipeline stages
+under sequence parallel (checked against a pp 2 x tp 2 trace: -6.3% -> -0.3%), it picks dp_shard 8 x tp 8, so the
+pipeline is pinned with --pp 2 to keep testing that code path: parallelize_module on a 3-D
 init_device_mesh (pp, dp_shard, tp), the stages sending local sequence shards of SEQ_LEN / 8 tokens and stepping
 under loss_parallel. One plan search (about 3 s); the snippet is compiled, not run (it imports torchao for the
 plan's Float8); tests/distributed/test_emit_pp_sp_torchrun.py runs the same code paths for real on a tiny model."""
@@ -15,6 +17,7 @@ import pytest
 from test_float_flags import invoke  # (exit code, stdout, stderr) of `fsdp-plan ARGV` (tests/cli is on sys.path)
 
 ISSUE_COMMAND = ["--model", "llama3.1-70b", "--gpus", "64", "--gpu", "h100-80gb", "--tp", "8", "--emit", "fsdp2"]
+PIPELINE_COMMAND = [*ISSUE_COMMAND, "--pp", "2"]
 
 
 def _constant(code: str, name: str):
@@ -24,8 +27,17 @@ def _constant(code: str, name: str):
     return ast.literal_eval(value)
 
 
-def test_the_issue_command_writes_the_pipeline_with_sequence_parallel(capsys):
+def test_the_issue_command_writes_tp_with_sequence_parallel(capsys):
     code, out, err = invoke(ISSUE_COMMAND, capsys)
+    assert code == 0, err
+    compile(out, "<emitted fsdp2>", "exec")
+    dims, shape = _constant(out, "MESH_DIMS"), _constant(out, "MESH_SHAPE")
+    assert dict(zip(dims, shape))["tp"] == 8 and math.prod(shape) == 64
+    assert '"input_layernorm": SequenceParallel(),' in out
+
+
+def test_a_pipeline_is_written_with_sequence_parallel(capsys):
+    code, out, err = invoke(PIPELINE_COMMAND, capsys)
     assert code == 0, err
     compile(out, "<emitted fsdp2>", "exec")  # valid Python
     dims, shape = _constant(out, "MESH_DIMS"), _constant(out, "MESH_SHAPE")
@@ -43,9 +55,10 @@ def test_the_issue_command_writes_the_pipeline_with_sequence_parallel(capsys):
 
 def test_the_issue_commands_snippet_fits_100_columns(capsys):
     """Every line of the mesh snippets at most 100 columns (planner/emit/code/fsdp.py fits them)."""
-    code, out, err = invoke(ISSUE_COMMAND, capsys)
-    assert code == 0, err
-    assert [line for line in out.splitlines() if len(line) > 100] == []
+    for command in (ISSUE_COMMAND, PIPELINE_COMMAND):
+        code, out, err = invoke(command, capsys)
+        assert code == 0, err
+        assert [line for line in out.splitlines() if len(line) > 100] == []
 
 
 def test_a_plan_no_dialect_writes_is_said_in_one_line_not_an_error(capsys):
