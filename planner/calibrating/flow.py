@@ -115,8 +115,7 @@ def _setup(request: CalibrationRequest, target: Target, cluster: ClusterSpec, tr
 def _training_dict(training: TrainingSpec) -> dict:
     return {"seq_len": training.seq_len, "global_batch": training.global_batch,
             "optimizer": training.optimizer.value, "optimizer_impl": training.optimizer_impl.value,
-            "finetune": training.finetune.value,
-            "lora_rank": training.lora_rank, "lora_dropout": training.lora_dropout}
+            "finetune": training.finetune.value, "lora_rank": training.lora_rank, "lora_dropout": training.lora_dropout}
 
 
 def _predicted(evaluation: Evaluation, profile: Profile) -> store.Predicted:
