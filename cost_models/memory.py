@@ -24,8 +24,7 @@ tier, docs/accuracy.md) decides what else is alive, moment by moment:
   foreach, fused or for-loop).
 SHARD_GRAD_OP-like strategies keep every block gathered from forward until its backward (no prefetch).
 fsdp1_adapter_units: LoRA / QLoRA under FSDP1, each adapter a unit (True or AdapterUnits.CAST: the planner's FSDP1
-code, casting its inputs; AdapterUnits.AUTOCAST: HF Trainer's / accelerate's): what that changes is in
-fsdp1_adapters.py.
+code, casting its inputs; AdapterUnits.AUTOCAST: HF Trainer's / accelerate's): fsdp1_adapters.py says what changes.
 A shard group of one rank (NO_SHARD) still copies params out to unsharded tensors but needs no
 collective buffers.
 Ignored: per-parameter padding to a multiple of d (at most d-1 rows per tensor), allocator rounding to
