@@ -4,8 +4,10 @@ The estimate and the API raise the first refusal as one line naming the field an
 (planner.api); the search only enumerates degrees that pass (planner/search/, `valid_degrees`). Rules:
 - tp only for models the TP plan splits (TP_PLAN_FAMILIES; MoE models beside EP; not OLMo 2, whose q/k norms span
   the whole projection width);
-- tp divides the attention heads, and the KV heads divide by tp or tp by them (then each rank keeps one KV
-  head, replicated as the TP plan does), and tp divides the MLP width;
+- tp divides the attention heads, the KV heads and the MLP width: k_proj / v_proj are split column-wise, so tp
+  above the KV heads would leave each rank part of a head (no dialect replicates KV heads: torchtitan refuses
+  n_kv_heads % tp, transformers' tp_plan and the --emit fsdp2 plan split them plainly and the model's
+  view(b, s, -1, head_dim) fails);
 - without sequence parallel (transformers' tp_plan) the embedding is not tied to the head;
 - cp: the sequence is a multiple of 2 x cp (load-balanced causal sharding gives each rank chunks i and
   2 cp - 1 - i); ring attention runs SDPA's fused kernels, not eager attention;
@@ -63,13 +65,14 @@ def tp_plannable(model: ModelSpec, ep: int = 1) -> bool:
 
 
 def tp_degrees(model: ModelSpec, ep: int = 1) -> list[int]:
-    """Tensor-parallel degrees the model's TP plan can split: heads, KV heads (or replicated) and MLP width."""
+    """Tensor-parallel degrees the model's TP plan can split: heads, KV heads and MLP width."""
     if not tp_plannable(model, ep):
         return [1]
-    kv = model.n_kv_heads
-    ffn = model.moe.expert_ffn_size if model.moe is not None and not model.ffn_hidden_size else model.ffn_hidden_size
-    return [t for t in divisors(model.n_heads)
-            if (kv % t == 0 or t % kv == 0) and ffn % t == 0]
+    return [t for t in divisors(model.n_heads) if model.n_kv_heads % t == 0 and _mlp_width(model) % t == 0]
+
+
+def _mlp_width(model: ModelSpec) -> int:
+    return model.moe.expert_ffn_size if model.moe is not None and not model.ffn_hidden_size else model.ffn_hidden_size
 
 
 def cp_degrees(seq_len: int, limit: int) -> list[int]:
@@ -109,11 +112,18 @@ def mesh_refusals(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec
         out.append(Refusal("tp", "tp-not-planned-for-model", f"tp={tp}: {why}", "use tp 1", priced=False))
     elif tp > 1:
         valid = tp_degrees(model, ep)
-        if tp not in valid:
+        choices = f"choose one of: {_list(v for v in valid if n % v == 0)}"
+        if tp not in valid and model.n_heads % tp == 0 and _mlp_width(model) % tp == 0:  # the KV heads alone
+            out.append(Refusal("tp", "tp-does-not-divide-kv-heads",
+                               f"tp={tp} does not divide {model.name}'s {model.n_kv_heads} KV heads: k_proj / v_proj "
+                               "split column-wise would leave a rank part of a head (torchtitan and transformers "
+                               "need n_kv_heads % tp == 0; no emitted plan replicates KV heads)", choices,
+                               priced=False))
+        elif tp not in valid:
             out.append(Refusal("tp", "tp-does-not-divide-heads",
                                f"tp={tp} does not split {model.name}'s {model.n_heads} attention heads, "
                                f"{model.n_kv_heads} KV heads and MLP width {model.ffn_hidden_size} evenly",
-                               f"choose one of: {_list(v for v in valid if n % v == 0)}", priced=False))
+                               choices, priced=False))
     if tp > 1 and not config.sequence_parallel and model.tied_embeddings:
         out.append(Refusal("sequence_parallel", "tp-plan-with-tied-embeddings",
                            f"{model.name} ties its embedding to the head: transformers' tp_plan (no sequence parallel) "

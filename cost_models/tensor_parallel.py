@@ -1,14 +1,14 @@
 """Tensor parallelism: what one rank of a TP group holds and computes (Megatron-LM's plan as torchtitan and
 transformers' base_model_tp_plan apply it; shared/reference/parallelism.md).
 
-The Llama-style plan splits q/k/v, gate and up column-wise and o and down row-wise: each rank has
-n_heads / tp heads (KV heads / tp, or one KV head replicated when there are fewer KV heads than ranks) and
-ffn / tp of the MLP; norms (and a row-wise layer's bias) stay replicated. The embedding is split row-wise
-over the vocabulary (torchtitan; transformers' tp_plan keeps it replicated) and the head column-wise; with
-loss parallel (torchtitan's default with sequence parallel) the cross-entropy runs on vocab / tp logits per
-rank, without it (transformers' tp_plan, `colwise_gather_output`) the logits are gathered to the full
-vocabulary. Routed experts are split over tp
-only without expert parallelism (ep = 1); with ep > 1 EP borrows the TP ranks (torchtitan's etp = 1).
+The Llama-style plan splits q/k/v, gate and up column-wise and o and down row-wise: each rank has n_heads / tp heads
+(KV heads / tp; one KV head replicated for a tp above them, which mesh_rules refuses and only `fsdp-plan check`
+prices) and ffn / tp of the MLP; norms (and a row-wise layer's bias) stay replicated. The embedding is split
+row-wise over the vocabulary (torchtitan; transformers' tp_plan keeps it replicated) and the head column-wise; with
+loss parallel (torchtitan's default with sequence parallel) the cross-entropy runs on vocab / tp logits per rank,
+without it (transformers' tp_plan, `colwise_gather_output`) the logits are gathered to the full vocabulary. Routed
+experts are split over tp only without expert parallelism (ep = 1); with ep > 1 EP borrows the TP ranks
+(torchtitan's etp = 1).
 
 `local_model` gives the per-rank ModelSpec: the memory ledger and the operator-level step time then read the
 per-rank parameters and the narrower matmuls as they read any model's.
@@ -33,7 +33,8 @@ def _norm_params(model: ModelSpec) -> int:
 
 
 def local_kv_heads(model: ModelSpec, tp: int) -> int:
-    """KV heads per rank: n_kv_heads / tp, or 1 (replicated) when tp exceeds them."""
+    """KV heads per rank: n_kv_heads / tp, or 1 (replicated) when tp exceeds them (refused by mesh_rules: no
+    dialect replicates them; kept so that `fsdp-plan check` can price a user's tp)."""
     return max(1, model.n_kv_heads // tp)
 
 

@@ -14,7 +14,7 @@ Above all of it, the device mesh (cost_models/mesh.py): tensor, context and expe
 cluster allow (cost_models/mesh_rules.py), each searched with the FSDP knobs FSDP2 has (the FSDP1-only ones -
 no backward prefetch, no rate limiter - only on the data-parallel-only mesh, which FSDP1 can run; CPU offload
 too, the other way out of memory):
-- tp: divisors of the heads (KV heads divided or replicated) and the MLP inside the scale-up domain (a TP group's
+- tp: divisors of the heads, the KV heads and the MLP inside the scale-up domain (a TP group's
   four collectives per block on the inter-node tier lose to FSDP alone), unless pinned;
 - cp: sequences of at least MIN_CP_TOKENS tokens per rank (ring attention's exchanges hide behind the attention
   only on long chunks), 2 x cp dividing the sequence;

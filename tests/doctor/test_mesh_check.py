@@ -58,6 +58,9 @@ def test_tp_across_nodes_is_a_warning_naming_the_inter_node_tier(tmp_path):
     assert ("run on the inter-node tier, 25 GB/s per GPU (the node's 200 GB/s of network shared by its 8 GPUs"
             in f.message and "against 230 GB/s inside the node" in f.message)
     assert f.fix.startswith("tp <= 8 (TP inside a node)")
+    # and torchtitan 0.3 refuses it: tp 16 does not divide llama3_8b's 8 KV heads (n_kv_heads % tp, decoder.py)
+    kv = _finding(r, "tp-does-not-divide-kv-heads")
+    assert kv.severity == "error" and kv.message.startswith("tp=16 does not divide llama3-8b's 8 KV heads: ")
     assert "tp-across-nodes" not in _codes(check(setup, "llama3-8b", 32, gpus_per_node=16))  # 16 GPUs a node
 
 
@@ -114,7 +117,7 @@ def test_torchtitan_emit_then_check_prices_the_plans_mesh_with_no_mesh_findings(
     assert r.candidate.config == expected and r.candidate.cluster.n_gpus == gpus
     assert r.candidate.training.seq_len == seq_len
     mesh_codes = {"tp-across-nodes", "cp-does-not-divide-sequence", "ep-on-dense-model", "tp-does-not-divide-heads",
-                  "mesh-does-not-divide-gpus"}
+                  "tp-does-not-divide-kv-heads", "mesh-does-not-divide-gpus"}
     assert not mesh_codes & set(_codes(r))
 
 

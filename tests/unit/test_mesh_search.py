@@ -13,6 +13,7 @@ from planner.cli import main
 from planner.errors import PlannerError
 from planner.hardware import make_cluster
 from planner.models import load_preset
+from planner.search.space import SearchSpace, mesh_choices
 
 
 def test_mesh_of_follows_torchtitans_layout():
@@ -42,7 +43,8 @@ def test_a_tp_rank_holds_its_slice_of_llama3_8b():
     # FULL_SHARD on 8 GPUs with tp 2: FSDP over 4 ranks; fp32 sharded params = 4,015,263,744 elements x 4 B / 4
     c = estimate(model, 8, gpu="h100-80gb", tp=2)
     assert c.memory.breakdown.sharded_params == 32 * 109_060_096 + 2 * 262_668_288 + 4096
-    # tp 16 keeps one of the 8 KV heads per rank (replicated), 2 query heads
+    # tp 16 would keep one of the 8 KV heads per rank (replicated), 2 query heads: mesh_rules refuses it (no
+    # dialect replicates KV heads), the slice stays priced for `fsdp-plan check`, which reports a user's tp 16
     assert local_model(model, FsdpConfig(tp=16)).n_kv_heads == 1
 
 
@@ -58,15 +60,16 @@ def test_global_batch_splits_over_data_parallel_ranks_only():
 
 
 def test_tp_degrees_follow_heads_kv_heads_and_mlp():
-    # llama3-8b: 32 heads, 8 KV heads, MLP 14336 = 2^11 x 7: 1, 2, 4, 8 divide all; 16 and 32 replicate KV heads
-    assert tp_degrees(load_preset("llama3-8b")) == [1, 2, 4, 8, 16, 32]
-    # llama3.1-405b: 128 heads over 8 KV heads, MLP 53248 = 2^12 x 13: powers of two up to 128
-    assert tp_degrees(load_preset("llama3.1-405b")) == [1, 2, 4, 8, 16, 32, 64, 128]
+    # llama3-8b: 32 heads, 8 KV heads, MLP 14336 = 2^11 x 7: 1, 2, 4, 8 divide all; 16 and 32 would split a KV
+    # head (k_proj / v_proj column-wise; torchtitan refuses n_kv_heads % tp, the emitted plan's view fails)
+    assert tp_degrees(load_preset("llama3-8b")) == [1, 2, 4, 8]
+    # llama3.1-405b: 128 heads over 8 KV heads, MLP 53248 = 2^12 x 13: the KV heads cap it at 8
+    assert tp_degrees(load_preset("llama3.1-405b")) == [1, 2, 4, 8]
     # GPT-2 blocks fuse q, k and v in one projection (c_attn): no TP plan, so no TP degree but 1; MoE models
     # take TP beside EP only
     assert tp_degrees(load_preset("gpt-175b")) == [1]
     # starcoder2-15b: 48 heads, 4 KV heads, MLP 24576 = 2^13 x 3 (its plain MLP c_fc / c_proj, transformers' names)
-    assert tp_degrees(load_preset("starcoder2-15b"))[:4] == [1, 2, 4, 8]
+    assert tp_degrees(load_preset("starcoder2-15b")) == [1, 2, 4]
     assert tp_degrees(load_preset("mixtral-8x7b")) == [1] and tp_degrees(load_preset("mixtral-8x7b"), ep=2)[:3] == [1, 2, 4]
 
 
@@ -98,6 +101,15 @@ def test_more_gpus_than_sequences_plans_a_mesh_and_says_why():
     assert all(512 % (c.config.micro_batch * 1024 // c.config.model_parallel) == 0 for c in p.candidates)
 
 
+def test_the_search_offers_no_tp_above_the_kv_heads():
+    # llama3-8b (8 KV heads) on 32 GB200s, one NVL72 scale-up domain: tp 16 and 32 divide the 32 heads, the MLP
+    # and the GPUs and fit the fast tier, but would split a KV head: the search tries 1, 2, 4, 8 only
+    cluster = make_cluster(32, gpu="gb200")
+    assert cluster.fast_tier_gpus == 32
+    tps = {m.tp for m in mesh_choices(load_preset("llama3-8b"), cluster, TrainingSpec(), SearchSpace())}
+    assert tps == {1, 2, 4, 8}
+
+
 def test_pinned_degrees_are_searched_alone():
     p = plan("llama3-8b", 16, gpu="h100-80gb", tp=2, cp=1)
     assert {(c.config.tp, c.config.cp) for c in p.candidates} == {(2, 1)}
@@ -117,9 +129,13 @@ BAD = [
     (["estimate", "--model", "llama3-8b", "--gpus", "8", "--tp", "3"],
      "error: tp: tp=3 does not split llama3-8b's 32 attention heads, 8 KV heads and MLP width 14336 evenly; "
      "choose one of: 1, 2, 4, 8"),
-    (["--model", "llama3-8b", "--gpus", "8", "--tp", "16"],
-     "error: tp: tp x cp x pp = 16 x 1 x 1 = 16 does not divide gpus=8; choose degrees whose product divides 8 "
-     "(divisors: 1, 2, 4, 8)"),
+    (["--model", "llama3-8b", "--gpus", "16", "--tp", "16"],
+     "error: tp: tp=16 does not divide llama3-8b's 8 KV heads: k_proj / v_proj split column-wise would leave a rank "
+     "part of a head (torchtitan and transformers need n_kv_heads % tp == 0; no emitted plan replicates KV heads); "
+     "choose one of: 1, 2, 4, 8"),
+    (["estimate", "--model", "qwen2.5-7b", "--gpus", "8", "--tp", "16"],  # 28 heads: the model's limits first
+     "error: tp: tp=16 does not split qwen2.5-7b's 28 attention heads, 4 KV heads and MLP width 18944 evenly; "
+     "choose one of: 1, 2, 4"),
     (["estimate", "--model", "llama3-8b", "--gpus", "8", "--cp", "3", "--seq-len", "8192"],
      "error: cp: cp=3: load-balanced ring attention splits each sequence into 2 x cp = 6 chunks, and "
      "seq_len=8192 is not a multiple of 6; choose one of: 1, 2, 4, 8"),
