@@ -97,6 +97,7 @@ class _RankWalk:
     """One pipeline rank's schedule (pipeline_orders.orders), action by action, written as allocations and frees."""
 
     keeps_logits = True   # the last stage's logits stay in output_chunks to the step's end, then are merged
+    late_post_backward = False  # weight_grads after the block's recompute and input go (pp = 1's post-backward)
 
     def __init__(self, model: ModelSpec, training: TrainingSpec, config: FsdpConfig, d: int, rank: int):
         self.model, self.training, self.config, self.d, self.rank = model, training, config, d, rank
@@ -134,8 +135,7 @@ class _RankWalk:
     def transient(self, key, sizes, stream=0) -> None:
         for i, size in enumerate(sizes):
             self.alloc((key, i), size, stream)
-        for i in range(len(sizes)):
-            self.free((key, i))
+        self.events += [("free", (key, i)) for i in range(len(sizes))]
 
     def tensors(self, per_token_bytes: int) -> list[int]:
         return [self.tokens * w for w in cut(per_token_bytes, self.widths)]
@@ -193,8 +193,7 @@ class _RankWalk:
         its output (the reduce-scatter stream) is the sharded gradient until the optimizer step."""
         for u, unit in enumerate(self.units[s]):
             self.alloc(("rs_in", s, u), sum(unit) * self.r)
-            for i in range(len(unit)):
-                self.free(("acc", s, u, i))
+            self.events += [("free", ("acc", s, u, i)) for i in range(len(unit))]
             self.alloc(("sharded_grad", s, u), math.ceil(sum(unit) * self.r / self.d) if self.d > 1 else 0,
                        REDUCE_SCATTER_STREAM)
             self.free(("rs_in", s, u))
@@ -289,13 +288,14 @@ class _RankWalk:
             for t, size in enumerate(recomputed):
                 self.alloc(("recompute", s, mb, j, t), size)
             self.transient(("backward", s, mb, j), self.tensors(max(0, x.working[j]) // self.tokens))
-            self.weight_grads(s, root + j)
-            for t in range(len(recomputed)):
-                self.free(("recompute", s, mb, j, t))
-            for t in range(len(self.inputs(x, j))):
-                self.free(("saved", s, mb, j, t))
+            if not self.late_post_backward:
+                self.weight_grads(s, root + j)
+            self.events += [("free", ("recompute", s, mb, j, t)) for t in range(len(recomputed))]
+            self.events += [("free", ("saved", s, mb, j, t)) for t in range(len(self.inputs(x, j)))]
             self.alloc(("grad_in", s, mb, j), self.tokens * self.hs)
             self.free(grad_in)
+            if self.late_post_backward:
+                self.weight_grads(s, root + j)
             grad_in = ("grad_in", s, mb, j)
         self.root_backward(s, grad_in)
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass
 
-from . import activations, activations_backward, context_parallel, operators, pipeline_techniques, tensor_parallel
+from . import (activations, activations_backward, context_parallel, kernels, operators, pipeline_techniques,
+               tensor_parallel)
 from .memory_types import ParamCounts
 from .pipeline import Stage
 from .specs import FsdpConfig, ModelSpec, TrainingSpec
@@ -46,6 +47,9 @@ class StagePieces:
     working: tuple = ()        # per block (model order): its backward's largest working set above its own tensors
     grad_extra: int = 0        # elements the root's gradients hold beyond its parameters: TP with sequence parallel
     #                            makes the embedding's gradient the whole table (embedding_grad_extra_params)
+    recomputed: int = 0        # per token, a checkpointed block's own tensors at its backward beyond its kept input
+    #                            (memory.py's: none twice where the first norm saves the input; a block above the first)
+    shared: int = 0            # the blocks' shared saved tensors (rotary tables), in `saved`
 
     @property
     def gathered(self) -> int:
@@ -83,19 +87,21 @@ def stage_pieces(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, s
     tokens = mb * s
     attn = config.attention
     counts = ParamCounts.of(model, training)
+    # Liger / TE kernels' saved tensors and working sets as memory.py prices them (pp = 1 without TP only: EAGER else)
+    kern = kernels.memory_kernels(config)
     # tied embeddings: the last stage holds its own copy of the table (torchtitan's per-stage model copies); a stage
     # with the embedding too (pp = 1, step_allocations.py) holds the one table
     tied_copy = model.embedding_params if model.tied_embeddings and not stage.embedding else 0
     head = ((model.head_params or tied_copy) + model.root_other_params) if stage.head else 0
     params = stage.n_blocks * counts.block() + (model.embedding_params if stage.embedding else 0) + head
-    full = activations.block_bytes_per_token(model, c, attn, s, mb, 0)
+    full = activations.block_bytes_per_token(model, c, attn, s, mb, 0, kern)
     # selective-op: every block checkpointed, keeping the policy's saved outputs too (pipeline_techniques.py)
     k, ckpt = pipeline_techniques.checkpoint_policy(model, c, config, s, config.ac_every,
                                                     activations.checkpointed_block_bytes_per_token(model, c))
     h, f = model.hidden_size, model.ffn_hidden_size
     # per token, each block's saved tensors in the model's order; a non-first stage's checkpointed first block keeps
     # its input, which is the receive buffer (counted with the buffers)
-    root_saved = activations.root_bytes_per_token(model, c) if stage.head else 0
+    root_saved = activations.root_bytes_per_token(model, c, fused_norm=kern.fused_norm) if stage.head else 0
     # TP with sequence parallel: the residual stream (each block's norms and input, the stage's output and the
     # receive buffers) on s / tp tokens, by the rule the pp = 1 ledger is traced with (tensor_parallel.py)
     sp = config.tp if tensor_parallel.sequence_parallel(config) else 1
@@ -124,19 +130,22 @@ def stage_pieces(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, s
     # each block's backward, top first (memory.py's moments): the saved tensors of the blocks below it, its own
     # (recomputed when checkpointed), the larger of its MLP's and attention's working sets with their gradients;
     # relative to the microbatch's whole `saved` (the root's and the kept output are gone by then)
-    w_mlp = activations_backward.mlp_backward_working_bytes_per_token(model, c)
+    w_mlp = activations_backward.mlp_backward_working_bytes_per_token(model, c, kernels=kern)
     w_attn = activations_backward.attention_backward_working_bytes_per_token(model, c, attn, s)
     w_attn += context_parallel.ring_working_bytes_per_token(model, config.cp, c)  # CP: the ring's transients
     freed = activations_backward.attention_freed_before_backward_bytes_per_token(model, c, attention=attn,
-                                                                                 micro_batch=mb)
+                                                                                 micro_batch=mb, kernels=kern)
     mlp_grad = min(counts.block(), h * f) * c
     attn_grad = pipeline_techniques.attention_grad_bytes(  # MoE: every expert's, as memory.py counts them
         model, c, counts.block(), min(counts.block(), (3 if model.gated_mlp else 2) * h * f + model.q_dim * h) * c)
-    input_extra = 0 if activations.input_saved_by_first_norm(model, c) else (  # selective-op: the input only
+    # selective-op: the input only
+    input_extra = 0 if activations.input_saved_by_first_norm(model, c, kern.fused_norm) else (
         pipeline_techniques.recompute_input_bytes_per_token(model, c, config, ckpt))
     # RMSNorm's fp32 backward chain: four h-sized fp32 gradients, and the upcast incoming one under a 16-bit compute
     # dtype (5 x 4 h per token in the trace's timelines)
-    norm_chain, rms = 4 * h * (4 + (c < 4)), model.norm == "rmsnorm" and not model.parallel_block
+    # (a fused RMSNorm kernel writes its input gradient in place: no chain)
+    norm_chain = 4 * h * (4 + (c < 4))
+    rms = model.norm == "rmsnorm" and not model.parallel_block and not kern.fused_norm
     mlp_grads = min(counts.block(), (3 if model.gated_mlp else 2) * h * f) * c
     blocks, working = [], []
     below = [0]  # below[j]: sum(kept[:j]), the blocks below block j (a stage holds up to ~60 blocks: not summed each)
@@ -194,4 +203,5 @@ def stage_pieces(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, s
                         counts.block() * c - (operators.fp8_all_gather_saving_bytes(model, c, s)
                                               if config.fp8_all_gather else 0),
                         tuple(kept), full, tuple(bool(k) and i % k == 0 for i in stage.blocks), tuple(working),
-                        tensor_parallel.embedding_grad_extra_params(model, config) if stage.embedding else 0)
+                        tensor_parallel.embedding_grad_extra_params(model, config) if stage.embedding else 0,
+                        full + input_extra - ckpt, shared)

@@ -33,13 +33,20 @@ Under TP the walk's live tensors peak at the ledger's allocated peak to the byte
 benchmarks/memory_accuracy.py --mesh --only tp with a shard group of more than one rank, and on llama3-8b's TP grid
 (tp 2 / 8, SP on / off, every checkpointing mode, FSDP / SHARD_GRAD_OP / HSDP, accumulation) but for the
 un-templated blocks (fp32, eager attention) at every-2 / selective-op checkpointing: -0.4 .. +0.6%, as at tp 1.
+Kernel knobs (kernels.memory_kernels: Liger's, Transformer Engine's RMSNorm / SwiGLU / RoPE, torchtitan 0.3's chunked
+loss) are replayed as the ledger prices them: the blocks' saved tensors and working sets through StagePieces, the
+loss kernel's own tensors (loss_kernel_events.py: Liger's grad_weight / grad_input / chunk logits, the chunked loss's
+fp32 accumulator and per-chunk head backward), the head's weight gradient made inside the loss. A block's gradients
+alive at its backward's largest moment are made before its working set (transient), the rest at its post-backward
+once its recompute is freed. llama3-8b on 8 x h100-80gb (micro-batch 1-4, every checkpointing mode, bf16 / fp32,
+compile on / off): walk == ledger in every eager, chunked-loss and TE RMSNorm config; with Liger 14 of 48 stay off
+(+0.4 .. +2.0%, walk above: micro-batch 1 or fp32, where the attention's or the RMSNorm's moment leads - the ledger
+frees the MLP's saved tensors there, which the walk holds as one sweep - and Liger's loss alone with selective-op
+-0.7 .. -1.2%); the default plan's top rows (Liger, Float8, compile) to within 6 B.
 The flat rule stays where the ledger has pieces StagePieces lacks or the walk does not yet match it: TP with CP
 (the ring beside TP's collectives: +0.2 .. +0.8% on llama3-8b), MoE and EP (the experts' units, padding and
 dispatch buffers), LoRA / QLoRA (frozen weights without gradients, packed 4-bit weights), CPU offload (gradients
-and states on the host), a shard group of one rank (no collectives), models priced from a traced block profile, and
-kernel knobs without TP (Liger, Transformer Engine, torchtitan 0.3's chunked loss: the walk writes the eager ops'
-tensors; the B200 row of frontier_accuracy.py, chunked loss, replayed as eager reserved 48.9 GiB where 33.7 is
-published; under TP the ledger prices the eager ops too, kernels.memory_kernels).
+and states on the host), a shard group of one rank (no collectives), models priced from a traced block profile.
 """
 
 from __future__ import annotations
@@ -48,11 +55,12 @@ import dataclasses
 import math
 
 from . import activations, kernels, tensor_parallel
+from .loss_kernel_events import loss_kernel_events
 from .caching_allocator import AllocatorSettings, ReplayResult, replay
 from .memory_types import MemoryEstimate
 from .pipeline_allocations import ALL_GATHER_STREAM, REDUCE_SCATTER_STREAM, _RankWalk, replay_notes
 from .pipeline_memory import rank_inputs
-from .specs import FsdpConfig, ModelSpec, Sharding, TrainingSpec
+from .specs import FsdpConfig, LossKernel, ModelSpec, Sharding, TrainingSpec
 
 
 def replays(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, d: int) -> str | None:
@@ -62,7 +70,6 @@ def replays(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, d: int
            (config.tp > 1 and config.cp > 1, "tensor and context parallelism together"),
            (config.offload, "CPU offload"),
            (d <= 1, "a shard group of one rank"),
-           (kernels.memory_kernels(config) != kernels.EAGER, "kernels (Liger, Transformer Engine, the chunked loss)"),
            (model.activation_profile is not None, "a traced block profile")]
     return next((reason for cond, reason in why if cond), None)
 
@@ -96,17 +103,24 @@ class _StepWalk(_RankWalk):
     """A pp = 1 rank: microbatch after microbatch, FSDP2's unshard / reshard / reduce-scatter around each unit."""
 
     keeps_logits = False
+    late_post_backward = True  # the post-backward hook runs once autograd is done with the block (its grad_in made)
 
     def __init__(self, model: ModelSpec, training: TrainingSpec, config: FsdpConfig, d: int, rank: int):
         super().__init__(model, training, config, d, rank)
         self.m = config.grad_accum
         self.stage = next(iter(self.pieces))
+        # as memory.py holds them: a checkpointed block's input once (its first norm's saved input, where it is that
+        # tensor) and the rotary tables to block 0's backward (freed with the mask, not with the root's saved tensors)
+        x = self.pieces[self.stage]
+        self.pieces[self.stage] = dataclasses.replace(x, block_full=x.recomputed, saved=x.saved - x.shared)
+        self.shared = x.shared
         self.keeps_gathered = config.sharding in (Sharding.SHARD_GRAD_OP, Sharding.HYBRID_SHARD_ZERO2)
         self.partial = 0 if self.keeps_gathered else config.reshard_after_forward  # an N-way shard kept
         self.pending: tuple | None = None   # the last all-gather output, freed once the next unit is copied out
         self.prefetched: set[int] = set()   # units whose all-gather was issued ahead (backward prefetch)
         self.rs_in: tuple | None = None     # the last reduce-scatter input, freed at the next post-backward
         self.has_grad: set[int] = set()     # units holding their sharded gradient this step
+        self.made: dict[int, set] = {}      # a block's gradients made at its backward's moment (transient)
         self.gathered_units: set[int] = set()
         self.partials: set[int] = set()     # units keeping an N-way shard from forward to backward
         self.gathers_logits = config.tp > 1 and not tensor_parallel.sequence_parallel(config)
@@ -114,6 +128,10 @@ class _StepWalk(_RankWalk):
         k = 1 if config.selective_op_ac else config.ac_every
         self.mask = k and activations.eager_mask_bytes(model, self.c, training.seq_len, config.micro_batch,
                                                        config.attention)
+        # a loss kernel (Liger, the chunked loss): its own tensors in whole bytes, the head's weight gradient among them
+        self.loss_kernel = kernels.memory_kernels(config).loss is not LossKernel.EAGER
+        if self.loss_kernel:
+            self.loss_events = loss_kernel_events(model, self.c, config, self.tokens)
 
     def all_gather(self, u: int) -> None:
         s = self.stage
@@ -168,12 +186,38 @@ class _StepWalk(_RankWalk):
         if below >= self.root_units(s) and below not in self.gathered_units:
             self.all_gather(below)
 
+    def transient(self, key, sizes, stream=0) -> None:
+        """A block's backward working set (key ("backward", s, mb, j)) amid its compute-dtype gradients: those alive
+        at its largest moment (StagePieces.blocks: fc2's at the MLP's, the MLP's and o's at the attention's, the
+        MLP's at the norm's; taken in backward order, down first) before it, the rest at its post-backward (once its
+        recomputed tensors and input are freed, as autograd frees them on the way)."""
+        if key[0] != "backward":
+            return super().transient(key, sizes, stream)
+        _, s, _, j = key
+        x, u = self.pieces[s], self.root_units(s) + j
+        left = x.blocks[x.stage.n_blocks - 1 - j][0][1]  # bytes of gradients at the moment
+        grads = [n * self.c for n in self.units[s][u]]
+        order = sorted(range(len(grads)), key=lambda i: (i >= 7, -i))  # down, up, gate, o, v, k, q, then the norms
+        early = []
+        for i in order:
+            if grads[i] <= left:
+                early.append(i)
+                left -= grads[i]
+        for i in early:
+            self.alloc(("wgrad", s, u, i), grads[i])
+        # the working set's incoming gradient (activations_backward's c*h) is the walk's grad_in, alive already
+        super().transient(key, self.tensors(max(0, x.working[j] // self.tokens - self.hs)), stream)
+        self.made[u] = set(early)
+
     def weight_grads(self, s: int, u: int, made: bool = False) -> None:
         """The unit's compute-dtype gradients (made: already, by tp_block_events' products or, the root's, by
-        head_backward and root_backward), then its post-backward: reshard, then reduce-scatter."""
-        unit = self.root_grads(s) if u == 0 and self.root_units(s) else self.units[s][u]
+        head_backward and root_backward; a block's made at its backward's moment by transient, the rest now), then its
+        post-backward: reshard, then reduce-scatter."""
+        unit = self.root_grads(s) if u == 0 and self.root_units(s) else [n * self.c for n in self.units[s][u]]
+        early = self.made.pop(u, ())
         for i, n in enumerate(unit if not made else ()):
-            self.alloc(("wgrad", s, u, i), n)
+            if i not in early:
+                self.alloc(("wgrad", s, u, i), n)
         self.reshard_unit(u)  # post_backward reshards before foreach_reduce (_fsdp_param_group.py:637-638)
         if self.rs_in is not None:
             self.free(self.rs_in)
@@ -202,13 +246,29 @@ class _StepWalk(_RankWalk):
         if events is self.loss_events[0] and self.gathers_logits:
             self.gathered_logits(events, s, mb)
             return
-        super().loss(events, s, mb)
+        if self.loss_kernel:
+            self.kernel_loss(events, s, mb)
+        else:
+            super().loss(events, s, mb)
         if events is not self.loss_events[1] or not self.root_units(s):
             return
         head, emb = self.root_grads(s)
+        if self.loss_kernel and not self.model.tied_embeddings:  # the rest of the root's (the final norm's)
+            head -= self.model.vocab_size * self.model.hidden_size * self.c
         self.alloc(("wgrad", s, 0, 0), head)
-        if self.model.tied_embeddings:
+        if self.model.tied_embeddings and not self.loss_kernel:
             self.alloc(("wgrad", s, 0, 1), emb)
+
+    def kernel_loss(self, events, s: int, mb: int) -> None:
+        """A loss kernel's tensors (loss_kernel_events, whole bytes): its "head grad" the head's weight gradient (tied:
+        the table's, wgrad 1; else wgrad 2, beside the final norm's wgrad 0), kept to the root's post-backward."""
+        head = ("wgrad", s, 0, 1 if self.model.tied_embeddings else 2)
+        for kind, name, size in events:
+            key = head if name == "head grad" else ("loss", name, s, mb)
+            if kind == "alloc":
+                self.alloc(key, size)
+            else:
+                self.free(key)
 
     def gathered_logits(self, events, s: int, mb: int) -> None:
         """TP without sequence parallel (transformers' tp_plan, the head column-wise with its output gathered): the
@@ -235,6 +295,8 @@ class _StepWalk(_RankWalk):
             self.pending = None
         self.free(("mask", grad_in[2]))  # grad_in: ("grad_in", s, mb, 0)
         self.root_keys = [("wgrad", s, 0, 0), ("wgrad", s, 0, 1)]  # the root's gradients' keys (wgrad 1: its last)
+        if self.loss_kernel and not self.model.tied_embeddings:  # the head's weight gradient, made by the loss kernel
+            self.root_keys.insert(1, ("wgrad", s, 0, 2))
         if not self.root_units(s):
             self.free(grad_in)
             return
@@ -272,7 +334,7 @@ class _StepWalk(_RankWalk):
         for mb in range(self.m):
             if root:
                 self.unshard(0)
-            self.alloc(("mask", mb), self.mask)  # freed with block 0's saved inputs (root_backward)
+            self.alloc(("mask", mb), self.mask + self.shared)  # freed with block 0's saved inputs (root_backward)
             self.forward_pass(x, mb)
             if self.pending is not None:  # the root's post-forward frees the last all-gather output
                 self.free(self.pending)

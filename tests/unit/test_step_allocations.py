@@ -185,3 +185,55 @@ def test_tied_embeddings_hold_one_table_at_pp_1():
     c = estimate("llama3.2-1b", 8, gpu="h100-80gb")
     events, _ = _walk(c)
     assert _events_peak(events) == c.memory.peak_allocated_bytes
+
+
+@pytest.mark.parametrize("knobs", [dict(liger=True), dict(loss_kernel="chunked", trainer="torchtitan"),
+                                   dict(norm_kernel="te", trainer="automodel")], ids=["liger", "chunked", "te-norm"])
+def test_kernel_knobs_walk_the_ledgers_peak(knobs):
+    """Llama 3 8B on 8 x h100-80gb, 2 x 2,048 tokens, full checkpointing, bf16: with Liger's kernels (RMSNorm, RoPE,
+    SwiGLU, fused linear cross-entropy), torchtitan's chunked loss or TE's RMSNorm the walk's live tensors peak at the
+    ledger's allocated peak to the byte, and the estimate reports the replay (the flat rule before)."""
+    c = estimate("llama3-8b", 8, gpu="h100-80gb", seq_len=2048, global_batch=64, micro_batch=2,
+                 activation_checkpointing="full", **knobs)
+    assert replays(c.model, c.training, c.config, 8) is None
+    events, _ = _walk(c)
+    assert _events_peak(events) == c.memory.peak_allocated_bytes
+    assert any("replayed through the caching allocator" in n for n in c.memory.notes)
+
+
+def test_loss_kernels_events_by_hand():
+    """Llama 3 8B (V 128,256, h 4,096), 2,048 bf16 tokens. Liger (fused_linear_cross_entropy_forward, 0.8.5):
+    grad_weight 128,256 x 4,096 x 2 = 1,050,673,152 B, grad_input 2,048 x 4,096 x 2 = 16,777,216, loss_1d 8,192, the
+    mask 2,048, then 32 chunks of 64 rows (V / h -> 32 row groups, 2,048 / 32 = 64) of logits 64 x 128,256 x 2 =
+    16,416,768 each: peak 1,083,877,376 = kernels.liger_loss_bytes. torchtitan's chunked loss, 8 chunks of 256 tokens:
+    the fp32 accumulator 4 x 4,096 x 2,048 = 33,554,432, then at a later chunk's head backward its logits and their
+    gradient (2 x 256 x 128,256 x 2 = 131,334,144), its input gradient (2,097,152) and the new head gradient beside the
+    accumulated one (2 x 1,050,673,152): peak 2,268,332,032 = kernels.chunked_loss_bytes."""
+    from cost_models.kernels import chunked_loss_bytes, liger_loss_bytes
+    from cost_models.loss_kernel_events import chunked_events, liger_events
+    from planner.models import resolve_model
+
+    model = resolve_model("llama3-8b")
+    forward, backward = liger_events(model, 2, 2048)
+    assert forward[:4] == (("alloc", "head grad", 1_050_673_152), ("alloc", "hidden grad", 16_777_216),
+                           ("alloc", "loss_1d", 8192), ("alloc", "target_mask", 2048))
+    chunks = [e for e in forward if e[1] == "chunk logits" and e[0] == "alloc"]
+    assert len(chunks) == 32 and {e[2] for e in chunks} == {16_416_768}
+    assert backward == (("free", "hidden grad", 0),)
+    peak = _named_peak(forward + backward)
+    assert peak == 1_083_877_376 == liger_loss_bytes(model, 2, 2048)
+    forward, backward = chunked_events(model, 2, 2048, compiled=False)
+    assert _named_peak(forward + backward) == 2_268_332_032 == chunked_loss_bytes(model, 2, 2048, False)
+    assert forward[-2:] == (("alloc", "hidden grad", 16_777_216), ("free", "grad acc", 0))
+
+
+def _named_peak(events):
+    live, now, peak = {}, 0, 0
+    for kind, name, size in events:
+        if kind == "alloc":
+            live[name] = size
+            now += size
+            peak = max(peak, now)
+        else:
+            now -= live.pop(name)
+    return peak
