@@ -27,8 +27,8 @@ _GIVEN = {name: As(default=None, help=f"config: {text}") for name, text in {**CO
 
 def _params():
     return [
-        *options(*CLUSTER, *TRAINING, "attention", *CONFIG_FLAGS, *MESH, *MESH_FLAGS, "alloc_conf",
-                  "outside_allocator", **_GIVEN),
+        *options(*CLUSTER, *TRAINING, "attention", *CONFIG_FLAGS, *MESH, *MESH_FLAGS, "trainer",
+                  "alloc_conf", "outside_allocator", **_GIVEN),
         param("plot", Annotated[Optional[str], typer.Option("--plot", help="Draw the step budget by operator class "
                                                             "to FILE.png or FILE.svg (the pick and the next 4, or "
                                                             "the given config; needs matplotlib)")], None),
