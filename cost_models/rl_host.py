@@ -13,7 +13,8 @@ checkpoint's staging, summed over the node's GPUs.
 - the reference (FSDP1 CPUOffload(offload_params=True)): its bf16 shard stays on the host;
 - the engine asleep at the level the framework runs (rl_sleep.py): vLLM's level 1 (vllm/device_allocator/cumem.py
   CuMemAllocator.sleep(offload_tags="weights"), verl's for a LoRA adapter) backs its bf16 weights up to pinned host
-  memory on every GPU, i.e. the model x GPUs per node / rollout TP; level 2 (verl's otherwise, TRL's) discards
+  memory on every GPU, i.e. the model x GPUs per node / rollout TP, with a served LoRA adapter's buffers (allocated
+  under the same "weights" tag: rollout_lora.py); level 2 (verl's otherwise, TRL's) discards
   them; SGLang under verl backs them up at level 2 (enable_weights_cpu_backup) and keeps them on the GPU at 1;
 - model.use_shm: the checkpoint copied once per node to /dev/shm (its bf16 size);
 - loading (verl builds the actor on rank 0 and broadcasts it: sync_module_states): rank 0 holds the whole actor
@@ -110,7 +111,8 @@ def host_ram_per_node(model: ModelSpec, cluster: ClusterSpec, settings: RlSettin
         "Adam states (offloaded)": actor.optimizer_bytes * gpus if settings.optimizer_offload else 0,
         **policy_terms(actor, gpus, "actor "),
         "reference (offloaded)": reference_bytes(model, cluster, settings) * gpus if settings.reference_offloaded else 0,
-        f"engine weight backup (sleep level {sleep.level})": engine.weights_bytes * gpus * sleep.weights_to_host,
+        f"engine weight backup (sleep level {sleep.level})":
+            engine.weights_pool_bytes * gpus * sleep.weights_to_host,
         "model copy in /dev/shm": model.n_params * 2 if settings.use_shm else 0,
     }
     workers = [(actor, settings.strategy)]

@@ -152,16 +152,16 @@ def rl_phases(model: ModelSpec, cluster: ClusterSpec, settings: RlSettings, engi
     beside = rm.beside_actor() if rm else {}   # a colocated reward engine's context (its own pool: none)
     e = engine_memory(model, engine, cluster.gpu.memory_bytes, at_init + sum(beside.values()), outside)
     graphs = {"engine CUDA graphs": e.cuda_graph_bytes, **critic_outside, **beside}
-    awake = {"engine weights": e.weights_bytes, "engine KV cache": e.kv_bytes,
-             "engine activations": e.activation_peak_bytes, **graphs}
-    sync_engine = {"engine weights": e.weights_bytes, **graphs,
-                   **({"engine KV cache": e.kv_bytes} if sched.sync_wakes_kv else {})}
+    # vLLM's weights pool: the weights and a served LoRA adapter's buffers (rollout_lora.py), woken and put to
+    # sleep together
+    weights = {"engine weights": e.weights_bytes, "engine LoRA buffers": e.lora_bytes}
+    awake = {**weights, "engine KV cache": e.kv_bytes, "engine activations": e.activation_peak_bytes, **graphs}
+    sync_engine = {**weights, **graphs, **({"engine KV cache": e.kv_bytes} if sched.sync_wakes_kv else {})}
     # outside generation: asleep, its CUDA-graph pool only; or (TRL without sleep mode) its weights and KV cache
     sleep = engine_sleep(settings.sleep_level, engine.engine)
-    kept = {"engine weights": e.weights_bytes} if sleep.weights_on_gpu else {}   # SGLang's LoRA adapter
-    idle = {"engine weights": e.weights_bytes, "engine KV cache": e.kv_bytes, **graphs} if sched.engine_idle \
-        else {**kept, **graphs}
-    walk_engine = graphs if engine.version == "0.8" else {"engine weights": e.weights_bytes, **graphs}
+    kept = weights if sleep.weights_on_gpu else {}   # SGLang's LoRA adapter
+    idle = {**weights, "engine KV cache": e.kv_bytes, **graphs} if sched.engine_idle else {**kept, **graphs}
+    walk_engine = graphs if engine.version == "0.8" else {**weights, **graphs}
     server = ()
     if not sched.engine_on_trainer:   # TRL's vLLM server, on GPUs of its own (rl_trl_server.py)
         graphs = awake = sync_engine = idle = walk_engine = {}

@@ -110,7 +110,7 @@ def reward_engine(r: RewardSettings, actor_engine: EngineSettings, cluster: Clus
     try:
         s = dataclasses.replace(actor_engine, tp=r.tp, gpu_memory_utilization=r.gpu_memory_utilization,
                                 enforce_eager=REWARD_ENFORCE_EAGER, max_num_seqs=REWARD_MAX_NUM_SEQS,
-                                max_num_batched_tokens=REWARD_MAX_NUM_BATCHED_TOKENS)
+                                max_num_batched_tokens=REWARD_MAX_NUM_BATCHED_TOKENS, max_lora_rank=0)
     except SpecError as err:   # named as the request names it
         raise SpecError(f"reward_model_{err.field}", str(err).split(": ", 1)[1]) from None
     rm = value_model(r.model, role="reward", bias=False)   # a bias-free score head

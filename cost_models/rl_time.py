@@ -207,7 +207,7 @@ def rl_step_time(model: ModelSpec, cluster: ClusterSpec, settings: RlSettings, e
     moved = (2 * PASSES_PER_STEP * actor.params_bytes * settings.param_offload
              + 2 * actor.optimizer_bytes * settings.optimizer_offload
              + reference_bytes(model, cluster, settings) * settings.reference_offloaded * (settings.framework == "verl")
-             + 2 * e.weights_bytes * engine_sleep(settings.sleep_level, engine.engine).weights_to_host
+             + 2 * e.weights_pool_bytes * engine_sleep(settings.sleep_level, engine.engine).weights_to_host
              + 2 * merge_backup_bytes(model, settings, actor) * settings.lora_merged   # the merge's, out and back
              + host_policy_bytes(settings, batch, actor, sum(trained or (prompt_tokens, response_tokens)), sp,
                                  sched.log_prob_passes * sched.generations))

@@ -17,6 +17,7 @@ from enum import Enum
 
 from .feasibility import Refusal
 from .model_spec import ModelSpec
+from .rollout_lora import vllm_lora_buffers
 from .spec_values import SpecError, check_positive, parse_enum
 from .units import GiB
 
@@ -73,6 +74,7 @@ class EngineSettings:
     kv_dtype_bytes: int = 2
     weight_dtype_bytes: int = 2           # bf16 rollout weights
     cuda_graph_bytes: int = CUDA_GRAPH_BYTES_ESTIMATE
+    max_lora_rank: int = 0                # enable_lora's (verl: a LoRA adapter served, rollout_lora.py); 0 = off
 
     def __post_init__(self):
         object.__setattr__(self, "engine", parse_enum(Engine, self.engine, "engine"))
@@ -108,11 +110,18 @@ class EngineMemory:
     max_concurrent_seqs: int      # sequences of max_model_len the KV cache holds at once (<= max_num_seqs)
     refusals: tuple[Refusal, ...] = ()
     available_bytes: int = 0      # what the rule left for the KV cache, before the blocks' floor
+    lora_bytes: int = 0           # vLLM's LoRA buffers (rollout_lora.py): counted as weights, in their sleep pool
 
     @property
     def awake_bytes(self) -> int:
         """What the engine holds on the GPU while generating."""
-        return self.weights_bytes + self.kv_bytes + self.activation_peak_bytes + self.cuda_graph_bytes
+        return self.weights_pool_bytes + self.kv_bytes + self.activation_peak_bytes + self.cuda_graph_bytes
+
+    @property
+    def weights_pool_bytes(self) -> int:
+        """What vLLM allocates in load_model under its sleep allocator's "weights" tag: the weights and the LoRA
+        buffers (level 1 backs them up to the host, level 2 discards them)."""
+        return self.weights_bytes + self.lora_bytes
 
 
 def weight_bytes_per_gpu(model: ModelSpec, tp: int, dtype_bytes: int = 2) -> int:
@@ -211,6 +220,10 @@ def engine_memory(model: ModelSpec, s: EngineSettings, total_bytes: int, residen
     """The engine on one GPU, started beside `resident_bytes` of the trainer's tensors (allocated by torch in the
     same process) with `non_torch_bytes` outside torch (CUDA context, NCCL): its rule by engine and version."""
     weights = weight_bytes_per_gpu(model, s.tp, s.weight_dtype_bytes)
+    # vLLM's LoRA buffers, allocated in load_model beside the weights: its model_memory_usage (current) or torch's
+    # peak (0.8) counts them, so they come out of the KV budget (rollout_lora.py)
+    lora = vllm_lora_buffers(model, s.tp, s.max_lora_rank, s.weight_dtype_bytes, s.version, s.max_num_batched_tokens,
+                             s.max_num_seqs).total_bytes if s.max_lora_rank and s.engine is Engine.VLLM else 0
     acts = profile_run_peak_bytes(model, s)
     shape = KvShape.of(model)
     refusals: list[Refusal] = []
@@ -219,10 +232,10 @@ def engine_memory(model: ModelSpec, s: EngineSettings, total_bytes: int, residen
         available = sglang_rule(free_before, free_before - weights, s.gpu_memory_utilization)
         acts = 0  # SGLang keeps its activations in the (1 - fraction) left outside the static pool
     elif s.version == "0.8":
-        available = vllm_rule_v08(total_bytes, s, resident_bytes + weights + acts, non_torch_bytes)
+        available = vllm_rule_v08(total_bytes, s, resident_bytes + weights + lora + acts, non_torch_bytes)
     else:
         available, refused = vllm_rule_current(total_bytes, total_bytes - resident_bytes - non_torch_bytes, s,
-                                               weights, acts, 0)
+                                               weights + lora, acts, 0)
         refusals += [refused] if refused else []
     page = kv_page_bytes(shape, s.page_tokens, s.tp, s.kv_dtype_bytes)
     blocks = num_kv_blocks(max(available, 0), page, shape.layers)
@@ -234,4 +247,4 @@ def engine_memory(model: ModelSpec, s: EngineSettings, total_bytes: int, residen
     return EngineMemory(weights_bytes=weights, activation_peak_bytes=acts, cuda_graph_bytes=s.graph_bytes,
                         kv_bytes=kv, kv_blocks=blocks, page_bytes=page, kv_tokens=blocks * s.page_tokens,
                         max_concurrent_seqs=min(s.max_num_seqs, blocks // seq_pages), refusals=tuple(refusals),
-                        available_bytes=available)
+                        available_bytes=available, lora_bytes=lora)

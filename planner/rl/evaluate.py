@@ -22,6 +22,7 @@ from cost_models.rl_schedule import TRL_ENGINE, TRL_SERVER_OWN, TRL_SETS, trl_ma
 from cost_models.rl_trl_server import is_local_host
 from cost_models.rl_time import RlTime, critic_seconds, rl_step_time, train_seconds
 from cost_models.rollout_engine import EngineSettings
+from cost_models.rollout_lora import served_max_lora_rank
 from cost_models.units import GiB
 
 from ..errors import PlannerError
@@ -96,7 +97,11 @@ def specs_of(r: RlRequest, model: ModelSpec) -> tuple[RlBatch, EngineSettings, R
                           **{key: getattr(r, name) for name, key in TRL_KEYS.items()
                              if getattr(r, name) is not None and name != "vllm_server_host"},
                           server_local=is_local_host(r.vllm_server_host))
-    return batch, _trl_engine(r, model, batch, engine) if trl else engine, settings
+    if trl:
+        return batch, _trl_engine(r, model, batch, engine), settings
+    # verl serves a LoRA adapter with enable_lora and max_lora_rank (vllm_async_server.py launch_server)
+    lora_rank = served_max_lora_rank(settings.lora_rank) if settings.lora_adapter else 0
+    return batch, dataclasses.replace(engine, max_lora_rank=lora_rank), settings
 
 
 def plan_of(batch: RlBatch, cluster: ClusterSpec, model: ModelSpec, engine: EngineSettings, r: RlRequest) -> BatchPlan:

@@ -125,7 +125,9 @@ def rl_text(e: RlEstimate) -> str:
         trl_knob_words(e) if r.framework == "trl" else knob_words(r, e.settings),
         f"batch: {b.sequences_per_step} sequences per step, {b.mini_batch_seqs_per_rank} per rank per mini-batch; "
         f"update micro-batch {b.update_tokens_per_gpu:,} tokens per GPU, log-prob {b.log_prob_tokens_per_gpu:,}",
-        f"engine: weights {gib(eng.weights_bytes)} GiB, KV cache {gib(eng.kv_bytes)} GiB ({eng.kv_tokens:,} tokens, "
+        f"engine: weights {gib(eng.weights_bytes)} GiB, "
+        + (f"LoRA buffers {gib(eng.lora_bytes)} GiB, " if eng.lora_bytes else "")
+        + f"KV cache {gib(eng.kv_bytes)} GiB ({eng.kv_tokens:,} tokens, "
         f"{eng.max_concurrent_seqs} sequences of {r.prompt_len + r.response_len} at once)",
     ]
     if _own_pool(e):

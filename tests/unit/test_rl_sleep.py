@@ -1,7 +1,9 @@
 """The engine's sleep at the level the framework runs (cost_models/rl_sleep.py), not the one asked: verl 0.9.1 sleeps
 vLLM at level 1 for a LoRA adapter (vllm_async_server._resolve_sleep_level) and at 2 otherwise; TRL at 2. Worked by
 hand on Qwen2.5-7B (7,615,616,512 parameters) on 8 x H100 80GB, rollout TP 2: the engine's bf16 weights are
-7,615,616,512 x 2 B / 2 = 7,615,616,512 B a GPU; host copies at 50 GB/s."""
+7,615,616,512 x 2 B / 2 = 7,615,616,512 B a GPU; host copies at 50 GB/s. A LoRA adapter's vLLM buffers sleep with
+them (allocated under the same "weights" tag, cost_models/rollout_lora.py): 103,618,616 B a GPU at rank 32
+(tests/unit/test_rollout_lora.py works them out)."""
 
 import pytest
 
@@ -10,6 +12,7 @@ from cost_models.spec_values import SpecError
 from planner.rl import rl_estimate
 
 P7 = 7_615_616_512
+LORA_TP2 = 103_618_616   # vLLM's LoRA buffers at TP 2, rank 32 (test_rollout_lora.py)
 JOB = dict(gpu="h100-80gb")
 
 
@@ -23,18 +26,19 @@ def runs():
 
 
 def test_host_backup_appears_exactly_when_level_1_runs(runs):
-    """Level 1 backs the engine's weights up on the host (8 GPUs x 7,615,616,512 B = 60,924,932,096 B per node) and
-    copies them out and back each step (2 x 7,615,616,512 B, 0.305 s at 50 GB/s: all a LoRA job's offload copies
-    here, its reference being the actor); level 2 discards them: no term, and the full job's only copy is its bf16
-    reference shard streamed in (1,903,904,128 B)."""
+    """Level 1 backs the engine's weights and LoRA buffers up on the host (8 GPUs x (7,615,616,512 + 103,618,616) B
+    = 61,753,881,024 B per node) and copies them out and back each step (2 x 7,719,235,128 B, 0.309 s at 50 GB/s:
+    all a LoRA job's offload copies here, its reference being the actor); level 2 discards them: no term, and the
+    full job's only copy is its bf16 reference shard streamed in (1,903,904,128 B)."""
+    pool = P7 + LORA_TP2
     for name, e in runs.items():
         level = e.settings.sleep_level
         assert level == (1 if name.startswith("lora") else 2), name
         backup = {k: v for k, v in e.host.terms.items() if "backup" in k}
-        assert backup == ({"engine weight backup (sleep level 1)": 8 * P7} if level == 1 else {}), name
+        assert backup == ({"engine weight backup (sleep level 1)": 8 * pool} if level == 1 else {}), name
         assert f"engine asleep (level {level})" in e.memory.phases[3].offloaded
-        assert e.time.offload_s * 50e9 == pytest.approx(2 * P7 if level == 1 else 1_903_904_128, rel=1e-12)
-    assert 8 * P7 == 60_924_932_096
+        assert e.time.offload_s * 50e9 == pytest.approx(2 * pool if level == 1 else 1_903_904_128, rel=1e-12)
+    assert 8 * P7 == 60_924_932_096 and 8 * pool == 61_753_881_024
 
 
 def test_a_level_verl_does_not_run_is_one_note_and_priced_as_verl_runs(runs):

