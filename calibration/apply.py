@@ -264,10 +264,13 @@ def dim1_placement(d: int):
     return placement
 
 
-def apply_fsdp2(model: nn.Module, config: FsdpConfig, block_classes: set[type], mesh: DeviceMesh) -> nn.Module:
+def apply_fsdp2(model: nn.Module, config: FsdpConfig, block_classes: set[type], mesh: DeviceMesh,
+                edge_units: bool = False) -> nn.Module:
     """torchtitan-style: the mesh's other parallelisms (apply_mesh_parallelisms: TP), Float8 linears, checkpoint every K-th block (or every block by op), compile each
     block, fully_shard each block (the checkpoint wrapper when there is one, so recompute stays inside the
-    unit), then the root. Returns the same module."""
+    unit), then the root. edge_units (ModelSpec.split_edge_units): first the embedding as a unit resharded after
+    forward as the root would be, and [final norm, head] as one kept gathered to its backward (torchtitan 0.3's
+    distributed/fsdp.py apply_fsdp_to_decoder, untied). Returns the same module."""
     disable_kv_cache(model)
     if config.float8:  # a model converter, before any parallelism (torchtitan)
         convert_to_float8(model, block_classes, config, mesh.device_type)
@@ -279,6 +282,10 @@ def apply_fsdp2(model: nn.Module, config: FsdpConfig, block_classes: set[type], 
         from .expert_parallel import apply_expert_parallel
 
         apply_expert_parallel(model, config, mesh, block_kwargs)
+    if edge_units:
+        embedding, norm, head = edge_modules(model)
+        fully_shard(embedding, **kwargs)
+        fully_shard([norm, head], **{**kwargs, "reshard_after_forward": False})
     for parent, name in _block_slots(model, block_classes):
         block = getattr(parent, name)
         if config.compile:  # in place (nn.Module.compile): names, state dict keys and FSDP's hooks unchanged
@@ -289,6 +296,16 @@ def apply_fsdp2(model: nn.Module, config: FsdpConfig, block_classes: set[type], 
         fully_shard(block, **block_kwargs)
     fully_shard(model, **kwargs)
     return model
+
+
+def edge_modules(model: nn.Module) -> tuple[nn.Module, nn.Module, nn.Module]:
+    """The embedding, final norm and head of a transformers causal LM (its decoder's `norm`) or the reference Llama."""
+    if hasattr(model, "get_output_embeddings"):
+        base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+        if not isinstance(getattr(base, "norm", None), nn.Module):
+            raise ValueError(f"{type(model).__name__}: no final `norm` on its decoder to wrap with the head")
+        return model.get_input_embeddings(), base.norm, model.get_output_embeddings()
+    return model.embed_tokens, model.norm, model.lm_head
 
 
 # ---------------------------------------------------------------- shared helpers

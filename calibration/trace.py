@@ -70,14 +70,15 @@ from .trace_optimizer import foreach_temporary_bytes, make_optimizer, step_windo
 from .trace_result import TraceError, TraceResult, TraceUnsupported, UntraceableModel, _untraceable
 
 
-def _loss(model: nn.Module, ids: torch.Tensor, is_hf: bool, compiled: bool) -> torch.Tensor:
+def _loss(model: nn.Module, ids: torch.Tensor, is_hf: bool, compiled: bool, outside: bool = False) -> torch.Tensor:
     """The model's own loss, or with a compiled loss (config.loss_compiled) the fused cross-entropy of its
-    logits (calibration/fused_loss.py: the compiled kernel's memory, runnable on fake tensors)."""
-    if compiled:  # as calibration runs it, with the fused loss standing for the compiled one
+    logits (calibration/fused_loss.py: the compiled kernel's memory, runnable on fake tensors); outside: the eager
+    loss on the logits the model returns (torchtitan's loop, after the root's post-forward), not in its forward."""
+    if compiled or outside:  # as calibration runs it, with the fused loss standing for the compiled one
         from calibration.fused_loss import fused_causal_lm_loss
-        from calibration.worker_step import loss_of
+        from calibration.worker_step import causal_lm_loss, loss_of
 
-        return loss_of(model, ids, fused_causal_lm_loss)
+        return loss_of(model, ids, fused_causal_lm_loss if compiled else causal_lm_loss)
     out = model(input_ids=ids, labels=ids) if is_hf else model(ids, labels=ids)
     return out.loss if hasattr(out, "loss") else out[0]
 
@@ -163,14 +164,14 @@ def _trace(spec, config, training, n_gpus, gpus_per_node, seq_len, hf_config, st
             if is_hf and hasattr(model, "config"):
                 model.config.use_cache = False  # no KV cache in training (HF warns and drops it with AC)
             name, (attention, experts) = type(model).__name__, model_kernels(model, config.attention.value)
-            apply_fsdp2(model, config, classes, mesh)
+            apply_fsdp2(model, config, classes, mesh, edge_units=spec.split_edge_units)
             opt = make_optimizer(model.parameters(), training.optimizer)
             ids = torch.randint(0, spec.vocab_size, (config.micro_batch, seq_len))
             allocations = []
             try:
                 phases = measure_training_steps(model, opt, ids, config, vocab_size=spec.vocab_size, is_hf=is_hf,
                                                 mesh=mesh, optimizer_impl=training.optimizer_impl,
-                                                allocations=allocations)
+                                                allocations=allocations, loss_outside=spec.split_edge_units)
             except Exception as exc:  # noqa: BLE001
                 raise _untraceable(f"the training step of {spec.name}", exc) from exc
     if attention != config.attention.value:
@@ -193,7 +194,7 @@ def _trace(spec, config, training, n_gpus, gpus_per_node, seq_len, hf_config, st
 def measure_training_steps(model: nn.Module, optimizer: torch.optim.Optimizer, ids: torch.Tensor, config: FsdpConfig,
                            *, vocab_size: int, is_hf: bool, mesh=None,
                            optimizer_impl: OptimizerImpl | str = OptimizerImpl.FOREACH,
-                           allocations: list | None = None) -> dict[str, MemorySnapshot]:
+                           allocations: list | None = None, loss_outside: bool = False) -> dict[str, MemorySnapshot]:
     """Two training steps of an FSDP2-wrapped `model` on `ids` (labels = ids) under calibration.memtrack:
     the second step's "forward_backward" window (min(grad_accum, 2) micro-steps) and its "optimizer_step"
     window of `optimizer_impl`: measured when `optimizer` runs it, else from a foreach=False step with its
@@ -202,7 +203,8 @@ def measure_training_steps(model: nn.Module, optimizer: torch.optim.Optimizer, i
     real memory. Tensors whose last dimension is the vocabulary (a TP rank's vocab / tp with loss parallel) count as
     logits_and_loss, unless it equals the sequence length. With tensor parallelism the step runs inside
     loss_parallel() when the config has sequence parallel (calibration/tensor_parallel.loss_context).
-    allocations: a list to fill with both steps' ordered allocations and frees (calibration/alloc_sequence.py)."""
+    allocations: a list to fill with both steps' ordered allocations and frees (calibration/alloc_sequence.py).
+    loss_outside: the loss computed on the returned logits (_loss's outside)."""
     from contextlib import ExitStack
 
     from .tensor_parallel import local_vocab_size
@@ -215,7 +217,7 @@ def measure_training_steps(model: nn.Module, optimizer: torch.optim.Optimizer, i
         if allocations is not None:
             record_allocations(tracker, allocations)
         tracker.track_inputs(ids)
-        return _measured_steps(model, optimizer, ids, config, tracker, is_hf, optimizer_impl)
+        return _measured_steps(model, optimizer, ids, config, tracker, is_hf, optimizer_impl, loss_outside)
 
 
 def _shard_context_parallel_inputs(stack, ids: torch.Tensor, config: FsdpConfig, mesh) -> None:
@@ -235,7 +237,8 @@ def _shard_context_parallel_inputs(stack, ids: torch.Tensor, config: FsdpConfig,
     stack.enter_context(sequence_sharded(mesh["cp"], [ids]))
 
 
-def _measured_steps(model, optimizer, ids, config, tracker, is_hf, optimizer_impl) -> dict[str, MemorySnapshot]:
+def _measured_steps(model, optimizer, ids, config, tracker, is_hf, optimizer_impl,
+                    loss_outside=False) -> dict[str, MemorySnapshot]:
     from .tensor_parallel import loss_context
 
     phases = {}
@@ -248,7 +251,7 @@ def _measured_steps(model, optimizer, ids, config, tracker, is_hf, optimizer_imp
                     tracker.next_microstep()
                 # also in backward: checkpoint recompute runs there, and loss parallel's backward
                 with cuda_kernel_choices(), loss_context(config.tp, config.sequence_parallel):
-                    loss = _loss(model, ids, is_hf, config.loss_compiled)
+                    loss = _loss(model, ids, is_hf, config.loss_compiled, loss_outside)
                     loss.backward()
                     del loss
             if step == 1:

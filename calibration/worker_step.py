@@ -105,5 +105,7 @@ def loss_of(model, ids: torch.Tensor, loss_fn=None) -> torch.Tensor:
     loss = getattr(output, "loss", None)
     if loss is not None:
         return loss
-    logits = output[0] if isinstance(output, (tuple, list)) else getattr(output, "logits", output)
+    logits = getattr(output, "logits", None)  # the reference Llama's (loss, logits) named tuple too
+    if logits is None:
+        logits = output[0] if isinstance(output, (tuple, list)) else output
     return (loss_fn or causal_lm_loss)(logits, ids)

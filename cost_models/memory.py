@@ -19,16 +19,15 @@ tier, docs/accuracy.md) decides what else is alive, moment by moment:
   (output and unsharded parameters at once), then its prefetch of the block below issued (the all-gather output
   beside the copy-in source of shards cast to the compute dtype); the last block's forward copy-out beside its
   all-gather output and the block below's (a deferred free);
-- end of backward: the root's gradients and their reduce-scatter, with every block's sharded gradient;
+- end of backward: the root's gradients and their reduce-scatter, with every block's sharded gradient (torchtitan
+  0.3's edge units, the embedding's only: edge_units.py, with the head's unit gathered again at the norm's backward);
 - optimizer step: stored params, gradients, optimizer state and the step's temporaries (optimizer_step.py:
   foreach, fused or for-loop).
 SHARD_GRAD_OP-like strategies keep every block gathered from forward until its backward (no prefetch).
-fsdp1_adapter_units: LoRA / QLoRA under FSDP1, each adapter a unit (True or AdapterUnits.CAST: the planner's FSDP1
-code, casting its inputs; AdapterUnits.AUTOCAST: HF Trainer's / accelerate's): fsdp1_adapters.py says what changes.
-A shard group of one rank (NO_SHARD) still copies params out to unsharded tensors but needs no
-collective buffers.
-Ignored: per-parameter padding to a multiple of d (at most d-1 rows per tensor), allocator rounding to
-512 bytes; reserved adds the profile's fragmentation and the memory outside the allocator (outside_allocator.py).
+fsdp1_adapter_units: LoRA / QLoRA under FSDP1, each adapter a unit (fsdp1_adapters.py says what changes). A shard
+group of one rank (NO_SHARD) copies params out to unsharded tensors but needs no collective buffers. Ignored:
+per-parameter padding to a multiple of d, allocator rounding to 512 bytes; reserved adds the profile's fragmentation
+and the memory outside the allocator (outside_allocator.py).
 """
 
 from __future__ import annotations
@@ -37,8 +36,8 @@ import dataclasses
 import math
 from collections import namedtuple
 
-from . import (activations, context_parallel, expert_parallel, fsdp2_gathers, kernels, moe, optimizer_step, qlora,
-               tensor_parallel)
+from . import (activations, context_parallel, edge_units, expert_parallel, fsdp2_gathers, kernels, moe,
+               optimizer_step, qlora, tensor_parallel)
 from .fsdp1_adapters import AdapterUnits
 from .memory_shape import ledger_shape, shape_key
 from .memory_types import MemoryBreakdown, MemoryEstimate, ParamCounts
@@ -108,20 +107,19 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
     # what the step allocates on top, by optimizer and implementation (foreach: one state's worth; fused: none)
     step_temporaries = optimizer_step.step_temporary_bytes(model, training, precision, d, trainable)
     block_sharded_grad = _shard(shard_counts.trainable_block * p, d)
-    # earlier micro-steps' sharded grads: the whole shard, into which FSDP adds each unit's new reduce-scattered
-    # shard in place (FSDP2 FSDPParam: sharded_param.grad._local_tensor += new_sharded_grad; the new one is the
+    # earlier micro-steps' sharded grads: the whole shard, into which FSDP2 adds each unit's new one in place (the
     # reduce-scatter's output, freed after the add), so the blocks done in this micro-step add nothing
     accumulated = sharded_grads if config.grad_accum > 1 else 0
 
     # --- gathered params and collective buffers ------------------------------------------------------
-    block_c, root_c = counts.block() * c - qlora.saving_bytes(quantized, c), counts.root() * c
+    block_c = counts.block() * c - qlora.saving_bytes(quantized, c)
     adapter_units = s.adapter_units  # FSDP1: each adapter a unit of its own
     block_c -= s.adapter_bytes if adapter_units else 0
     if config.fp8_all_gather:  # FSDP2 gathers the Float8 linears' weights in FP8: 1 byte each, not c
         block_c -= s.fp8_saving
     keeps_gathered = config.sharding in (Sharding.SHARD_GRAD_OP, Sharding.HYBRID_SHARD_ZERO2)
     prefetches = not keeps_gathered and d > 1
-    root_rs = counts.trainable_root * r if d > 1 else 0
+    root = edge_units.root_terms(model, counts.trainable_root, counts.root(), c, r, p, d, keeps_gathered)
 
     # --- activations, per token of the micro-batch (memory_shape.py) ----------------------------------
     tokens, kern = s.tokens, s.kern
@@ -155,15 +153,16 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
 
     def prefetch_below(i: int) -> int:
         """The backward prefetch's all-gather outputs at block i's moment: block i-1's (and i-2's without
-        limit_all_gathers); at the loss backward (i = L) the last blocks'."""
+        limit_all_gathers), block 0's the embedding unit's (edge_units.py); at the loss backward (i = L) the last
+        blocks'."""
         if not prefetches or i <= 0:
-            return 0
+            return root.prefetch_at_first if i == 0 else 0
         return prefetched(i - 1) + (0 if config.limit_all_gathers else prefetched(max(i - 2, 0)))
 
     def reduce_scatter_above(i: int) -> int:
         """The reduce-scatter input of block i+1, done just before block i's backward."""
         if d == 1 or i >= L - 1:
-            return 0
+            return root.rs_at_last_block if i == L - 1 else 0
         return counts.trainable_block * r + (dense_rs_delta if i + 1 in dense_blocks else -experts_rs)
 
     def gathered_below(i: int) -> int:
@@ -178,20 +177,17 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
 
     def params_at(i: int) -> int:
         """Gathered parameters at block i's moments: the root, block i, what stays gathered or partly so below."""
-        return root_c + gathered(i) + (gathered_below(i) if keeps_gathered else 0) + partial_below(i)
+        return root.at_blocks + gathered(i) + (gathered_below(i) if keeps_gathered else 0) + partial_below(i)
 
     def grads_done(i: int) -> int:
-        """Sharded gradients of blocks i+1 .. L-1, reduce-scattered already."""
-        if not nd:
-            return (L - 1 - i) * block_sharded_grad
-        return (L - 1 - i) * block_sharded_grad + (nd - n_dense_below(i + 1)) * dense_grad_delta
+        """Sharded gradients of blocks i+1 .. L-1 (and of the head unit: edge_units.py), reduce-scattered already."""
+        done = (L - 1 - i) * block_sharded_grad + root.done_grads
+        return done + (nd - n_dense_below(i + 1)) * dense_grad_delta if nd else done
 
     w_mlp, w_attn, freed_attn = s.w_mlp, s.w_attn, s.freed_attn
     h, f = model.hidden_size, model.ffn_hidden_size
     mlp_grad, attn_grad, mlp_moments = s.mlp_grad, s.attn_grad, s.mlp_moments
-    head_grad = ((model.head_params or (model.embedding_params if model.tied_embeddings else 0))
-                 + model.root_other_params)
-    head_grad = min(head_grad, counts.trainable_root) * c
+    head_grad = root.head_grad
 
     held_params, held_optimizer = gpu_states * sharded_params + quant_state, gpu_states * optimizer_state
 
@@ -202,17 +198,20 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
     moments: dict[str, _Moment] = {}
     moments["loss backward"] = _Moment(
         **states(0),
-        unsharded_params=root_c + (gathered_below(L) if keeps_gathered else 0) + partial_below(L),
-        collective_buffers=prefetch_below(L),
+        unsharded_params=root.at_loss + (gathered_below(L) if keeps_gathered else 0) + partial_below(L),
+        collective_buffers=prefetch_below(L) if root.prefetch_at_loss else 0,
         activations=tokens * (saved_below(L) + root_saved) + shared,
         logits_and_loss=s.loss_peak,
     )
-    if config.loss_compiled and not keeps_gathered and d > 1:
+    if root.regather:  # edge units: the final norm's backward gathers the head's unit again (edge_units.py)
+        moments["final norm's backward"] = moments["loss backward"]._replace(**states(root.done_at_regather),
+            collective_buffers=root.regather + root.rs_at_regather, logits_and_loss=0)
+    if config.loss_compiled and not keeps_gathered and d > 1 and root.prefetch_at_loss:
         # A compiled loss runs outside the model (on its logits): the root's FSDP2 post-forward has
         # resharded it (reshard_after_forward is explicit, so the root's keep-gathered default is off), and
         # its pre-backward hook, on the logits, gathers it only once the loss's backward is done.
         loss_moment = moments["loss backward"]
-        moments["loss backward"] = loss_moment._replace(unsharded_params=loss_moment.unsharded_params - root_c,
+        moments["loss backward"] = loss_moment._replace(unsharded_params=loss_moment.unsharded_params - root.at_loss,
                                                         collective_buffers=0)
         moments["head backward"] = loss_moment._replace(logits_and_loss=tokens * c * model.vocab_size)
     if experts_c and (prefetches or keeps_gathered and d > 1) and L - 1 not in dense_blocks:  # (ZeRO-2: deferred too)
@@ -300,24 +299,21 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
         for i, *_ in s.blocks:
             moments[f"all-gather copy-out of block {i}"] = _Moment(
                 **states(grads_done(i)),
-                unsharded_params=root_c + gathered(i),
+                unsharded_params=root.at_blocks + gathered(i),
                 collective_buffers=gathered(i) + reduce_scatter_above(i),
                 unsharded_grads=head_grad,   # the temporary is an ordinary allocation (as the trace files it)
                 activations=tokens * (saved_below(i) + (ckpt if is_ckpt(i) else full)) + shared + temp,
             )
     if tensor_parallel.sequence_parallel(config) and counts.trainable_root:
         # TP with sequence parallel: the embedding's backward, the step's last op, makes the whole V x h table
-        # (tensor_parallel.embedding_grad_extra_params) from its output's gradient all-gathered over the sequence
-        # (tokens x h); the root still gathered, its other gradients made, block 0's reduce-scatter input kept. Then
-        # DTensor copies the rank's rows out of it while it is alive: at the root's post-backward (torch 2.13
-        # _fsdp_param_group.py:629-630 unsharded_grad_data, then .grad = None; _fsdp_param.py:965 redistribute to
-        # Shard(0); placement_types.py:619 _replicate_to_shard, clone=True), or, tied to the head, when
-        # AccumulateGrad adds it to the head's Shard(0) gradient (the rows copied, the sum a new tensor: two
-        # rank-shard allocations beside the table in the trace). Traced (tests/unit/test_mesh_trace.py): V 32,000,
-        # h 128, tp 2, fp32, the table 16,384,000 B and the copy 8,192,000 B at the peak.
+        # (tensor_parallel.embedding_grad_extra_params) from its output's gradient all-gathered over the sequence;
+        # the root still gathered, its other gradients made, block 0's reduce-scatter input kept. DTensor copies the
+        # rank's rows out of it while it is alive: at the root's post-backward (torch 2.13 _fsdp_param.py:965
+        # redistribute to Shard(0), placement_types.py:619 clone=True), or, tied, when AccumulateGrad adds it to the
+        # head's gradient (two rank-shard allocations beside the table). Traced (tests/unit/test_mesh_trace.py).
         whole = model.embedding_params + tensor_parallel.embedding_grad_extra_params(model, config)
         root_grads = head_grad + whole * c
-        at_table = _Moment(**states(grads_done(-1)), unsharded_params=root_c,
+        at_table = _Moment(**states(grads_done(-1)), unsharded_params=root.at_blocks + root.prefetch_at_first,
                            collective_buffers=reduce_scatter_above(-1), unsharded_grads=root_grads)
         moments["embedding backward"] = at_table._replace(activations=tokens * h * c)
         copies = 2 if model.tied_embeddings else 1
@@ -342,6 +338,10 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
                     **states(grads_done(i)), unsharded_params=params_at(i),
                     collective_buffers=gathered(i) + reduce_scatter_above(i), unsharded_grads=head_grad,
                     activations=held)
+        if root.prefetch_at_first:  # the embedding's unit copied out at its pre-backward (edge_units.py)
+            moments["embedding's all-gather copied out"] = _Moment(
+                **states(grads_done(-1)), unsharded_params=root.prefetch_at_first,
+                collective_buffers=root.prefetch_at_first + reduce_scatter_above(-1), activations=tokens * h * c)
         # Forward: the last block's copy-out beside its all-gather output and the block below's (deferred free); its
         # input and the embedding's output held (activations.output_projection_forward_held_bytes_per_token)
         i = L - 1
@@ -361,9 +361,9 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
     # FSDPParamGroup.post_backward): the gathered root is gone when its reduce-scatter input is built.
     moments["end of backward"] = _Moment(
         **states(grads_done(-1)),
-        unsharded_params=root_c if d == 1 else 0,
-        unsharded_grads=counts.trainable_root * c,
-        collective_buffers=root_rs,
+        unsharded_params=root.end_params,
+        unsharded_grads=root.end_grads,
+        collective_buffers=root.end_rs,
     )
     totals = {k: sum(m) for k, m in moments.items()}  # each moment's total_bytes
     peak_moment = max(totals, key=totals.__getitem__)  # the first largest

@@ -205,6 +205,11 @@ class ModelSpec:
     qk_rope_head_dim: int = 0        # the rotated part of each q/k head
     v_head_dim: int = 0              # each value head's width
     activation_profile: ActivationProfile | None = None     # traced per-block activations (families without a formula)
+    # FSDP units as the trainer wraps the model (torchtitan 0.3's apply_fsdp_to_decoder): the embedding a unit of its
+    # own, resharded after forward, and [final norm, head] another, kept gathered to its backward, where the rest
+    # wrap the root (embedding, norm, head; FSDP2 keeps it gathered from forward to the end of backward). Tied
+    # embeddings stay one unit either way (torchtitan groups them): see split_edge_units
+    edge_units: bool = False
 
     def __post_init__(self):
         for name in ("n_layers", "hidden_size", "n_heads", "n_kv_heads", "head_dim", "ffn_hidden_size",
@@ -229,6 +234,11 @@ class ModelSpec:
         unknown = set(self.attention_choices) - {a.value for a in Attention}
         if not self.attention_choices or unknown:
             raise SpecError("model.attention_choices", f"{self.attention_choices!r}; choose from: {enum_choices(Attention)}")
+
+    @property
+    def split_edge_units(self) -> bool:
+        """The embedding and [final norm, head] are FSDP units apart from the root (edge_units, untied)."""
+        return self.edge_units and not self.tied_embeddings and self.head_params > 0
 
     @property
     def root_params(self) -> int:

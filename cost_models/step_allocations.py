@@ -23,30 +23,25 @@ where a pipeline stage stays gathered for the step:
   head's and final norm's gradients made at the head's backward and kept to the root's post-backward, which runs
   once autograd is done (block 0's input gradient and eager attention's checkpointed mask gone by then).
 
-Where it runs (replays(config)): every dense pp = 1 configuration with a shard group of more than one rank - FSDP
-and HSDP (HSDP's all-reduce on the reduce-scatter output adds no tensor here), CP (s / cp tokens; the ring's
-buffers are not in StagePieces: the ledger's allocated peak is the floor) and TP with and without sequence parallel
-(the rank's slice, tensor_parallel.local_model; with sequence parallel a checkpointed Llama block op by op,
-tp_block_events.py, loss parallel's tensors, loss_memory.loss_parallel_events, and the embedding's whole-table
-gradient, embedding_table_grad; without it the head's gathered logits and the eager loss on the whole vocabulary).
-Under TP the walk's live tensors peak at the ledger's allocated peak to the byte on the 27 TP rows of
-benchmarks/memory_accuracy.py --mesh --only tp with a shard group of more than one rank, and on llama3-8b's TP grid
+Where it runs (replays(config)): every dense pp = 1 configuration with a shard group of more than one rank - FSDP,
+HSDP (its all-reduce adds no tensor), CP (s / cp tokens; the ring's buffers not in StagePieces: the ledger's
+allocated peak is the floor) and TP with and without sequence parallel (the rank's slice; with SP a checkpointed
+Llama block op by op, tp_block_events.py, loss parallel's tensors and the embedding's whole-table gradient,
+embedding_table_grad; without it the head's gathered logits). Under TP the walk peaks at the ledger's allocated
+peak to the byte on the 27 TP rows of benchmarks/memory_accuracy.py --mesh --only tp and on llama3-8b's TP grid
 (tp 2 / 8, SP on / off, every checkpointing mode, FSDP / SHARD_GRAD_OP / HSDP, accumulation) but for the
 un-templated blocks (fp32, eager attention) at every-2 / selective-op checkpointing: -0.4 .. +0.6%, as at tp 1.
-Kernel knobs (kernels.memory_kernels: Liger's, Transformer Engine's RMSNorm / SwiGLU / RoPE, torchtitan 0.3's chunked
-loss) are replayed as the ledger prices them: the blocks' saved tensors and working sets through StagePieces, the
-loss kernel's own tensors (loss_kernel_events.py: Liger's grad_weight / grad_input / chunk logits, the chunked loss's
-fp32 accumulator and per-chunk head backward), the head's weight gradient made inside the loss. A block's gradients
-alive at its backward's largest moment are made before its working set (transient), the rest at its post-backward
-once its recompute is freed. llama3-8b on 8 x h100-80gb (micro-batch 1-4, every checkpointing mode, bf16 / fp32,
-compile on / off): walk == ledger in every eager, chunked-loss and TE RMSNorm config; with Liger 14 of 48 stay off
-(+0.4 .. +2.0%, walk above: micro-batch 1 or fp32, where the attention's or the RMSNorm's moment leads - the ledger
-frees the MLP's saved tensors there, which the walk holds as one sweep - and Liger's loss alone with selective-op
--0.7 .. -1.2%); the default plan's top rows (Liger, Float8, compile) to within 6 B.
+Kernel knobs (kernels.memory_kernels: Liger's, Transformer Engine's, torchtitan 0.3's chunked loss) are replayed as
+the ledger prices them: the blocks' tensors through StagePieces, the loss kernel's own (loss_kernel_events.py), the
+head's weight gradient made inside the loss. A block's gradients alive at its backward's largest moment are made
+before its working set (transient), the rest at its post-backward. llama3-8b on 8 x h100-80gb (micro-batch 1-4,
+every checkpointing mode, bf16 / fp32, compile on / off): walk == ledger in every eager, chunked-loss and TE
+RMSNorm config; with Liger 14 of 48 stay off (+0.4 .. +2.0%, walk above: micro-batch 1 or fp32, where the
+attention's or the RMSNorm's moment leads, which the walk holds as one sweep; Liger's loss alone with selective-op
+-0.7 .. -1.2%). torchtitan 0.3's edge units (edge_units.py) walk apart from the root (edge_unit_events.py).
 The flat rule stays where the ledger has pieces StagePieces lacks or the walk does not yet match it: TP with CP
-(the ring beside TP's collectives: +0.2 .. +0.8% on llama3-8b), MoE and EP (the experts' units, padding and
-dispatch buffers), LoRA / QLoRA (frozen weights without gradients, packed 4-bit weights), CPU offload (gradients
-and states on the host), a shard group of one rank (no collectives), models priced from a traced block profile.
+(+0.2 .. +0.8% on llama3-8b), MoE and EP, LoRA / QLoRA, CPU offload, a shard group of one rank, models priced from
+a traced block profile.
 """
 
 from __future__ import annotations
@@ -57,6 +52,7 @@ import math
 from . import activations, kernels, tensor_parallel
 from .loss_kernel_events import loss_kernel_events
 from .caching_allocator import AllocatorSettings, ReplayResult, replay
+from .edge_unit_events import EdgeUnitsWalk
 from .memory_types import MemoryEstimate
 from .pipeline_allocations import ALL_GATHER_STREAM, REDUCE_SCATTER_STREAM, _RankWalk, replay_notes
 from .pipeline_memory import rank_inputs
@@ -99,7 +95,7 @@ def step_replay(model: ModelSpec, cluster, training: TrainingSpec, config: FsdpC
     return replay_step(local, training, config, config.shard_group_size(cluster), settings, snapshots)
 
 
-class _StepWalk(_RankWalk):
+class _StepWalk(EdgeUnitsWalk, _RankWalk):
     """A pp = 1 rank: microbatch after microbatch, FSDP2's unshard / reshard / reduce-scatter around each unit."""
 
     keeps_logits = False
@@ -132,8 +128,12 @@ class _StepWalk(_RankWalk):
         self.loss_kernel = kernels.memory_kernels(config).loss is not LossKernel.EAGER
         if self.loss_kernel:
             self.loss_events = loss_kernel_events(model, self.c, config, self.tokens)
+        self.init_edges(model, x, d)
 
-    def all_gather(self, u: int) -> None:
+    def unsharded(self, s: int, u) -> list[int]:
+        return [self.edge_bytes[u]] if isinstance(u, str) else super().unsharded(s, u)
+
+    def all_gather(self, u) -> None:
         s = self.stage
         size = sum(self.unsharded(s, u))
         self.alloc(("all_gather_in", s, u), math.ceil(size / self.d))
@@ -141,7 +141,7 @@ class _StepWalk(_RankWalk):
         self.free(("all_gather_in", s, u))
         self.prefetched.add(u)
 
-    def unshard(self, u: int, backward: bool = False) -> None:
+    def unshard(self, u, backward: bool = False) -> None:
         """Wait for the unit's all-gather (issued now unless prefetched), copy it out; in forward free the previous
         unit's output (its free deferred past this copy-out), in backward this one's at once (wait_for_unshard)."""
         if u in self.gathered_units:
@@ -163,9 +163,9 @@ class _StepWalk(_RankWalk):
             self.free(self.pending)
             self.pending = None
 
-    def reshard_unit(self, u: int) -> None:
+    def reshard_unit(self, u) -> None:
         s = self.stage
-        for i in range(len(self.units[s][u])):
+        for i in range(len(self.unsharded(s, u))):
             self.free(("unsharded", s, u, i))
         self.gathered_units.discard(u)
 
@@ -185,6 +185,8 @@ class _StepWalk(_RankWalk):
         below = u - 1
         if below >= self.root_units(s) and below not in self.gathered_units:
             self.all_gather(below)
+        elif below == 0 and self.edges and "emb" not in self.gathered_units:  # block 0 prefetches the embedding
+            self.all_gather("emb")
 
     def transient(self, key, sizes, stream=0) -> None:
         """A block's backward working set (key ("backward", s, mb, j)) amid its compute-dtype gradients: those alive
@@ -243,6 +245,10 @@ class _StepWalk(_RankWalk):
     def loss(self, events, s: int, mb: int) -> None:
         """The loss's tensors; after its backward the head's: its gradients (and the final norm's, the table's rows
         when tied) kept to the root's post-backward (memory.py's head_grad at every block's moment)."""
+        if events is self.loss_events[0] and self.edges:  # the head's unit gathered, then the root's post-forward
+            self.unshard("head")
+            self.free(self.pending)
+            self.pending = None
         if events is self.loss_events[0] and self.gathers_logits:
             self.gathered_logits(events, s, mb)
             return
@@ -250,6 +256,9 @@ class _StepWalk(_RankWalk):
             self.kernel_loss(events, s, mb)
         else:
             super().loss(events, s, mb)
+        if self.edges:
+            self.edge_head_backward(events, s)
+            return
         if events is not self.loss_events[1] or not self.root_units(s):
             return
         head, emb = self.root_grads(s)
@@ -262,7 +271,7 @@ class _StepWalk(_RankWalk):
     def kernel_loss(self, events, s: int, mb: int) -> None:
         """A loss kernel's tensors (loss_kernel_events, whole bytes): its "head grad" the head's weight gradient (tied:
         the table's, wgrad 1; else wgrad 2, beside the final norm's wgrad 0), kept to the root's post-backward."""
-        head = ("wgrad", s, 0, 1 if self.model.tied_embeddings else 2)
+        head = ("wgrad", s, "head", 0) if self.edges else ("wgrad", s, 0, 1 if self.model.tied_embeddings else 2)
         for kind, name, size in events:
             key = head if name == "head grad" else ("loss", name, s, mb)
             if kind == "alloc":
@@ -294,6 +303,9 @@ class _StepWalk(_RankWalk):
             self.free(self.pending)
             self.pending = None
         self.free(("mask", grad_in[2]))  # grad_in: ("grad_in", s, mb, 0)
+        if self.edges:
+            self.edge_embedding_backward(s, grad_in)
+            return
         self.root_keys = [("wgrad", s, 0, 0), ("wgrad", s, 0, 1)]  # the root's gradients' keys (wgrad 1: its last)
         if self.loss_kernel and not self.model.tied_embeddings:  # the head's weight gradient, made by the loss kernel
             self.root_keys.insert(1, ("wgrad", s, 0, 2))
@@ -308,19 +320,20 @@ class _StepWalk(_RankWalk):
             self.free(grad_in)
         self.weight_grads(s, 0, made=True)
 
-    def embedding_table_grad(self, s: int, grad_in) -> None:
+    def embedding_table_grad(self, s: int, grad_in, rows_key=None) -> None:
         """TP with sequence parallel: the embedding's gradient as memory.py's "embedding backward" moments hold it
         (tensor_parallel.embedding_grad_extra_params): its output gradient (grad_in) all-gathered over the sequence,
         the whole V x h table it makes, grad_in freed, the rank's rows copied out of the table (untied: at the
         post-backward's redistribute to Shard(0), wgrad 1; tied: AccumulateGrad's copy of them and its sum with the
-        head's rows, which replaces them), then the table freed."""
+        head's rows, which replaces them), then the table freed. rows_key: the rows' key (an edge unit's gradient)."""
         c, (_, rows), tied = self.c, self.root_grads(s), self.model.tied_embeddings
         self.alloc(("embedding grad gathered", s), self.tokens * self.model.hidden_size * c)
         self.alloc(("embedding table grad", s), rows + self.pieces[s].grad_extra * c)
         self.free(("embedding grad gathered", s))
         self.free(grad_in)
-        self.alloc(("embedding rows", s), rows)
-        self.root_keys[1] = ("embedding rows", s)
+        self.alloc(rows_key or ("embedding rows", s), rows)
+        if rows_key is None:
+            self.root_keys[1] = ("embedding rows", s)
         if tied:
             self.alloc(("embedding rows sum", s), rows)
             self.free(("embedding rows", s))
@@ -332,7 +345,11 @@ class _StepWalk(_RankWalk):
         s, x = self.stage, self.pieces[self.stage]
         root = self.root_units(s)
         for mb in range(self.m):
-            if root:
+            if root and self.edges:  # the embedding's unit, resharded after its forward unless ZeRO-2
+                self.unshard("emb")
+                if not self.keeps_gathered:
+                    self.reshard_unit("emb")
+            elif root:
                 self.unshard(0)
             self.alloc(("mask", mb), self.mask + self.shared)  # freed with block 0's saved inputs (root_backward)
             self.forward_pass(x, mb)
@@ -340,7 +357,7 @@ class _StepWalk(_RankWalk):
                 self.free(self.pending)
                 self.pending = None
             last = len(self.units[s]) - 1
-            if last >= root and last not in self.gathered_units:  # the root's pre-backward prefetches the last block
+            if last >= root and last not in self.gathered_units and not self.edges:  # the root's pre-backward prefetches it
                 self.all_gather(last)
             self.backward_pass(x, mb)
             if self.pending is not None:
@@ -351,6 +368,9 @@ class _StepWalk(_RankWalk):
                 self.rs_in = None
         self.has_grad.clear()
         self.optimizer_step(first)
+        if self.edges:  # the head unit's sharded gradients (the embedding's are unit 0's)
+            self.free(("sharded_grad", s, "head"))
+            self.free(("sharded_grad", s, "norm"))
 
 
 def step_replayed_reserved(memory: MemoryEstimate, model: ModelSpec, cluster, training: TrainingSpec,

@@ -62,11 +62,17 @@ def memory_terms(c: Candidate, profile: Profile = DEFAULT_PROFILE) -> list[tuple
         ("sharded gradients", f"{trainable:,} x {p} B / {d} = {_gib(math.ceil(trainable * p / d))} once complete; "
          f"at the peak {_gib(b.sharded_grads)} (the units already reduced)",
          "FSDP reduce-scatters each unit's gradient after its backward"),
-        ("gathered parameters", (f"the root ({counts.root():,} x {cb} B, kept gathered through backward) and the "
+        ("gathered parameters", (f"torchtitan 0.3's edge units: the embedding resharded after forward (gathered again "
+                                 f"for its backward), [final norm, head] ({counts.root() - m.embedding_params:,} x {cb} "
+                                 "B) from the loss to the norm's backward, and the block in compute "
+                                 f"({counts.block():,} x {cb} B)" if m.split_edge_units and d > 1
+                                 else f"the root ({counts.root():,} x {cb} B, kept gathered through backward) and the "
                                  f"block in compute ({counts.block():,} x {cb} B)" if cfg.sharding.reshards_after_forward
                                  else f"the root and every block not yet through backward ({cfg.sharding.value} "
                                       "keeps them gathered from forward") + f" = {_gib(b.unsharded_params)}",
-         "FSDP paper: peak parameter memory = sharded + the units in flight"),
+         "FSDP paper: peak parameter memory = sharded + the units in flight"
+         + ("; cost_models/edge_units.py (torchtitan distributed/fsdp.py apply_fsdp_to_decoder)"
+            if m.split_edge_units and d > 1 else "")),
         ("compute-dtype gradients", f"the root's and the current block's gradients before reduce-scatter = "
                                     f"{_gib(b.unsharded_grads)}", "autograd writes gradients in the compute dtype"),
         ("collective buffers", f"the next block's all-gather output ({counts.block():,} x {cb} B) and the previous "

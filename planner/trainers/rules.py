@@ -44,12 +44,14 @@ def resolve_trainer(trainer: str | None, artifact: str | None = None) -> Trainer
 
 
 def model_for(trainer: Trainer, spec):
-    """The model as the trainer's own implementation runs it: torchtitan's models their RMSNorm; a model type the
-    trainer implements itself (Trainer.own_models) its fused RoPE, and it keeps its traced block memory profile,
-    whose saved bytes the formulas match, but not the traced transformers block's operators: its step is priced
-    from the structure."""
+    """The model as the trainer's own implementation runs and wraps it: torchtitan's models their RMSNorm and 0.3's
+    embedding and head units (ModelSpec.edge_units); a model type the trainer implements itself (Trainer.own_models)
+    its fused RoPE, and it keeps its traced block memory profile, whose saved bytes the formulas match, but not the
+    traced transformers block's operators: its step is priced from the structure."""
     if trainer.norm is not None and spec.norm == "rmsnorm":
         spec = dataclasses.replace(spec, norm=trainer.norm)
+    if trainer.edge_units != spec.edge_units:
+        spec = dataclasses.replace(spec, edge_units=trainer.edge_units)
     if spec.family in trainer.own_models:
         profile = spec.activation_profile
         spec = dataclasses.replace(spec, rope="fused",

@@ -81,6 +81,7 @@ class Trainer:
     mesh_exclusions: tuple[tuple[str, str], ...] = ()  # axes it cannot combine above 1
     precisions: tuple[Precision, ...] = tuple(Precision)
     norm: str | None = None  # the blocks' RMSNorm as its own model runs it (ModelSpec.norm); None: the model's
+    edge_units: bool = False  # the embedding and [final norm, head] FSDP units of their own (ModelSpec.edge_units)
     # HF model types it runs with its own modelling code, not transformers': priced with a fused RoPE (ModelSpec.rope)
     # and from the structure (cost_models/operators.py), not from a traced transformers block's operator inventory
     own_models: tuple[str, ...] = ()
@@ -224,14 +225,17 @@ TRAINERS: dict[str, Trainer] = {t.id: t for t in (
         # Its own models norm with torch.nn.RMSNorm (models/common/nn_modules.py RMSNorm), one fused kernel on
         # CUDA in torch 2.13 (aten._fused_rms_norm): priced as ModelSpec norm "fused_rmsnorm". Every model config of
         # 0.3 (models/*/config_registry.py: llama3, qwen3, deepseek_v3, gpt_oss, ...) takes ChunkedLossWrapper (8
-        # chunks, components/loss.py); plain CrossEntropyLoss only in a debug config, no flag: the loss is chunked
+        # chunks, components/loss.py); plain CrossEntropyLoss only in a debug config, no flag: the loss is chunked.
+        # distributed/fsdp.py apply_fsdp_to_decoder: fully_shard(tok_embeddings, reshard_after_forward=not pp),
+        # fully_shard([norm, lm_head], reshard_after_forward=False) (tied: the three as one unit), then each block
+        # and the model (no parameters left)
         id="torchtitan", title="torchtitan 0.3",
         source="torchtitan 0.3.0: config/configs.py, components/optimizer/optimizer.py, components/quantization/"
                "float8.py, distributed/activation_checkpoint.py",
         artifacts=("torchtitan", *LAUNCHERS), model_impl="torchtitan", mesh_dims=MESH_DIMS,
         checkpointing=("none", "full", "selective-op"), compile_scopes=("blocks+loss", "blocks"), async_tp=True,
         precisions=NO_FP16, shard_groups=True,  # data_parallel_replicate_degree / data_parallel_shard_degree
-        lora=False, norm="fused_rmsnorm", kernels=_defaults(loss_kernel=("chunked",)),
+        lora=False, norm="fused_rmsnorm", edge_units=True, kernels=_defaults(loss_kernel=("chunked",)),
         defaults=_defaults(optimizer_impl="fused", alloc_conf=TORCHTITAN_ALLOC_CONF),
         load_way="meta-dcp"),  # meta init, then its checkpoint (DCP)
     Trainer(
