@@ -5,8 +5,9 @@ one job against each other, not to predict a wall clock:
 - generation: a decode roofline per engine replica (rollout TP GPUs): each decode step reads the weights on a GPU
   and the KV cache of the sequences running (HBM-bound), sequences run in waves of the KV capacity (or
   max_num_seqs); prefill at the bf16 peak x the GPU's measured matmul efficiency, in vLLM's chunks of
-  max_num_batched_tokens each reading the weights at least. Ignored: preemption, the sampler, the scheduler's
-  gaps, the unequal lengths that leave the last wave's tail;
+  max_num_batched_tokens each reading the weights at least (and a served LoRA adapter's buffers: vLLM's LoRA
+  kernels read them each step). Ignored: preemption, the sampler, the scheduler's gaps, the unequal lengths that
+  leave the last wave's tail;
 - update: the FSDP step-time model (step_time.py) of one micro-batch, times the micro-batches of a step, plus one
   optimizer step per mini-batch;
 - log-probs (old and reference): the forward of a log-prob micro-batch (its own micro-batch or token budget, priced
@@ -20,7 +21,8 @@ one job against each other, not to predict a wall clock:
   checkpointed block's recompute, on the critical path over the Ulysses group's tier (ulysses_s). Ignored: the
   attention kernel's higher rate at the full length, position_ids' all-gather;
 - weight sync: every actor parameter all-gathered over the shard group in its stored dtype (intra-node bus), twice
-  for verl's FSDP1 LoRA with model.lora.merge (its merge summons the model, then its state dict is walked); TRL's
+  for verl's FSDP1 LoRA with model.lora.merge (its merge summons the model, then its state dict is walked); only
+  the adapters for verl's FSDP2 LoRA served as an adapter (synced_bytes); TRL's
   vLLM server: the larger of that and rank 0's broadcast of the model to the server (rl_trl_server.send_s: its
   packed buffers double-buffered beside the gathers), once a step;
 - TRL's steps (rl_schedule.trl_cycle): several generations per optimizer step each generate and run their log-prob
@@ -92,9 +94,10 @@ def generation_s(model: ModelSpec, cluster: ClusterSpec, s: EngineSettings, e: E
     waves = math.ceil(seqs_per_replica / running)
     kv_token_bytes = KvShape.of(model).token_bytes_per_layer(s.tp, s.kv_dtype_bytes) * model.n_layers
     context = prompt_tokens + response_tokens / 2   # the mean context a decode step reads
-    # each decode step reads the weights once for the sequences running; each sequence reads its own context at
-    # each of its steps (a last wave not full reads only its sequences')
-    decode = response_tokens * (waves * e.weights_bytes + seqs_per_replica * context * kv_token_bytes) \
+    # each decode step reads the weights once for the sequences running - and a served adapter's LoRA buffers,
+    # which vLLM's punica kernels read for every wrapped linear (rollout_lora.py; their launches not priced); each
+    # sequence reads its own context at each of its steps (a last wave not full reads only its sequences')
+    decode = response_tokens * (waves * e.weights_pool_bytes + seqs_per_replica * context * kv_token_bytes) \
         / gpu.hbm_bytes_per_s
     return decode + prefill_s(model, cluster, s, e, seqs_per_replica * prompt_tokens)
 
@@ -109,7 +112,7 @@ def prefill_s(model: ModelSpec, cluster: ClusterSpec, s: EngineSettings, e: Engi
     compute = flops / (gpu.priced_peak_flops("bf16") * gpu.matmul_fraction(0.8))
     if s.engine is not Engine.VLLM:
         return compute
-    return max(compute, math.ceil(tokens / s.max_num_batched_tokens) * e.weights_bytes / gpu.hbm_bytes_per_s)
+    return max(compute, math.ceil(tokens / s.max_num_batched_tokens) * e.weights_pool_bytes / gpu.hbm_bytes_per_s)
 
 
 def ulysses_s(model: ModelSpec, cluster: ClusterSpec, profile: Profile, micro: TimeBreakdown, tokens: int, sp: int,
@@ -198,7 +201,8 @@ def rl_step_time(model: ModelSpec, cluster: ClusterSpec, settings: RlSettings, e
     log_prob *= sched.log_prob_passes / 2 * sched.generations
     d = run.shard_ranks
     bus = cluster.gpu.intra_node_bus_bytes_per_s
-    sync = actor.params_bytes * (d - 1) / bus if d > 1 else actor.params_bytes / cluster.gpu.hbm_bytes_per_s
+    synced = synced_bytes(model, settings, actor)
+    sync = synced * (d - 1) / bus if d > 1 else synced / cluster.gpu.hbm_bytes_per_s
     # verl's FSDP1 merged LoRA: the merge's summon_full_params gathers the model once more (rl_strategy.py)
     sync *= 1 + (settings.lora_merged and settings.strategy == "fsdp" and d > 1)
     if not sched.engine_on_trainer:   # TRL's server: rank 0's broadcast, double-buffered beside the gathers
@@ -229,6 +233,17 @@ def rl_step_time(model: ModelSpec, cluster: ClusterSpec, settings: RlSettings, e
                       cluster, reward, -(-batch.sequences_per_step // reward.replicas),
                       prompt_tokens + response_tokens))
     return streamed(time) if reward is not None and reward.own_pool else time
+
+
+def synced_bytes(model: ModelSpec, settings: RlSettings, actor: ActorStates) -> int:
+    """A rank's shard bytes each weight sync gathers. verl 0.9.1's FSDP2 LoRA served as an adapter: the adapters'
+    share alone (workers/engine/fsdp/transformer_impl.py get_per_tensor_param(base_sync_done=True) ->
+    utils/fsdp_utils.py collect_lora_params: get_peft_model_state_dict's tensors, each .full_tensor(); its
+    FSDP.summon_full_params is FSDP1's API, a no-op on FSDP2 modules; the first sync's base, once, is not a step's).
+    Otherwise the whole shard: FSDP1's summon (whole or layered_summon's units) or a state-dict walk."""
+    if settings.framework == "verl" and settings.lora_adapter and settings.strategy == "fsdp2":
+        return actor.params_bytes - merge_backup_bytes(model, settings, actor)   # less the base's share
+    return actor.params_bytes
 
 
 def host_policy_bytes(settings: RlSettings, batch: BatchPlan, actor: ActorStates, length: int, sp: int,
