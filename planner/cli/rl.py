@@ -114,7 +114,8 @@ def register(app) -> None:
     rl_app.callback()(command([context, *shared, param("top", TopOpt, 5)], _plan,
                               "Rank verl GRPO configurations (actor dtype, offloads, checkpointing, entropy "
                               "chunking, Ulysses, update and log-prob micro-batches, rollout TP, "
-                              "gpu_memory_utilization, max_num_seqs) by estimated step time among those that fit; "
+                              "gpu_memory_utilization, max_num_seqs, max_num_batched_tokens; LoRA: model.lora.merge) "
+                              "by estimated step time among those that fit; "
                               "then `rl estimate` one."))
     rl_app.command("estimate")(command(shared, _estimate, "Price one verl GRPO configuration: every phase's GPU "
                                                           "memory, the engine's KV cache, host RAM per node."))

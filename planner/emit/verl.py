@@ -108,7 +108,7 @@ def overrides(r, model_path: str, settings) -> list[tuple[str, object]]:
             (A + "actor.calculate_entropy", r.entropy),
             (A + "model.lora_rank", r.lora_rank if r.finetune == "lora" else 0)]
     if r.finetune == "lora":
-        out += [(A + "model.target_modules", "all-linear"), (LORA_MERGE, r.lora_merge)]
+        out += [(A + "model.target_modules", "all-linear"), (LORA_MERGE, settings.lora_merge)]
     if r.use_dynamic_bsz:
         budget = r.log_prob_max_token_len_per_gpu or r.ppo_max_token_len_per_gpu
         out += [(A + "actor.ppo_max_token_len_per_gpu", r.ppo_max_token_len_per_gpu),

@@ -83,7 +83,7 @@ def specs_of(r: RlRequest, model: ModelSpec) -> tuple[RlBatch, EngineSettings, R
                             tp=r.rollout_tp, max_model_len=r.prompt_len + r.response_len, max_num_seqs=r.max_num_seqs,
                             max_num_batched_tokens=r.max_num_batched_tokens, enforce_eager=r.enforce_eager)
     settings = RlSettings(strategy=r.strategy, framework=r.framework, actor_dtype=r.actor_dtype, finetune=r.finetune,
-                          lora_rank=r.lora_rank, lora_merge=r.lora_merge,
+                          lora_rank=r.lora_rank, lora_merge=bool(r.lora_merge),   # None: verl's default
                           param_offload=r.param_offload, optimizer_offload=r.optimizer_offload,
                           ref_param_offload=r.ref_param_offload, gradient_checkpointing=r.gradient_checkpointing,
                           entropy=r.entropy, entropy_chunking=r.entropy_chunking,

@@ -48,6 +48,8 @@ def knobs_dict(e: RlEstimate) -> dict:
     out.update({k: getattr(s, k) for k in PRICED}, max_num_seqs=engine.max_num_seqs,
                max_num_batched_tokens=engine.max_num_batched_tokens, ref_param_offload=s.reference_offloaded,
                critic_offload_policy=s.critic_host_offload)
+    if s.lora and s.framework == "verl":   # model.lora.merge, searched for a LoRA actor (search.lora_merges)
+        out["lora_merge"] = s.lora_merge
     return out
 
 
@@ -174,7 +176,7 @@ def knob_words(r, settings) -> str:
             f"{on(r.gradient_checkpointing)}, entropy chunking {on(r.entropy_chunking)}, Ulysses "
             f"{r.ulysses_sequence_parallel_size}, {batch}; rollout TP {r.rollout_tp}, gpu_memory_utilization "
             f"{r.gpu_memory_utilization}, max_num_seqs {r.max_num_seqs}, max_num_batched_tokens "
-            f"{r.max_num_batched_tokens}")
+            f"{r.max_num_batched_tokens}" + (f", LoRA merge {on(settings.lora_merge)}" if settings.lora else ""))
 
 
 def trl_knob_words(e: RlEstimate) -> str:
@@ -213,10 +215,11 @@ def _knobs(e: RlEstimate) -> dict:
              if r.use_dynamic_bsz else
              f"{k['ppo_micro_batch_size_per_gpu']}/{k['log_prob_micro_batch_size_per_gpu']}")
     ckpt = "+".join(n for n, on in (("gc", r.gradient_checkpointing), ("ec", r.entropy_chunking)) if on) or "-"
+    merge = {"merge": "on" if k["lora_merge"] else "off"} if "lora_merge" in k else {}
     return {"strategy": r.strategy, "dtype": r.actor_dtype, "offload": offload, "ckpt": ckpt,
             "sp": str(r.ulysses_sequence_parallel_size), "micro": micro, "TP": str(r.rollout_tp),
             "util": f"{r.gpu_memory_utilization}", "seqs": str(r.max_num_seqs),
-            "chunk": _budget(r.max_num_batched_tokens)}
+            "chunk": _budget(r.max_num_batched_tokens), **merge}
 
 
 LEGEND = ("strategy: actor.strategy, fsdp (FSDP1) or fsdp2; offload: p actor params, o Adam states, r reference, "
@@ -225,6 +228,7 @@ LEGEND = ("strategy: actor.strategy, fsdp (FSDP1) or fsdp2; offload: p actor par
           "gpu_memory_utilization; seqs: max_num_seqs; chunk: max_num_batched_tokens; peak: GiB reserved; seconds "
           "(estimates): gen generation, logp log-probs, upd the update (PPO: and the critic), sync weight sync and "
           "offload copies")
+LORA_LEGEND = "merge: model.lora.merge (the adapters merged into the base and the whole model sent at each sync)"
 
 
 def _times(e: RlEstimate) -> dict:
@@ -254,7 +258,8 @@ def rl_plan_text(p: RlPlan) -> str:
              f"configurations in the space, {p.priced:,} priced), by estimated step time (s):" if p.ranked else
              f"Nothing fits ({p.searched:,} configurations in the space, {p.priced:,} priced); the smallest peaks:")
     table, every = ranked_table(shown)
-    notes = [every, LEGEND, "not searched: " + "; ".join(f"{k}: {why}" for k, why in kept.items())]
+    legend = LEGEND + ("; " + LORA_LEGEND if "lora_merge" in knobs_dict(shown[0]) else "")
+    notes = [every, legend, "not searched: " + "; ".join(f"{k}: {why}" for k, why in kept.items())]
     lines = [textwrap.fill(title, LINE_WIDTH), table,
              *(textwrap.fill(n, LINE_WIDTH, subsequent_indent="  ") for n in notes if n),
              "", "Best:" if p.ranked else "Nearest miss:", rl_text(shown[0])]

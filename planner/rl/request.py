@@ -51,9 +51,10 @@ class RlRequest:
                             "bf16")
     finetune: str = knob("full", "--finetune", help="full or lora (all-linear)")
     lora_rank: int = knob(32, "--lora-rank", help="model.lora_rank")
-    lora_merge: bool = knob(False, "--lora-merge/--no-lora-merge", help="model.lora.merge: verl merges the adapters "
-                            "into the base at each weight sync and sends the whole merged weights (the engine serves "
-                            "no adapter and sleeps at level 2), not the adapters")
+    lora_merge: bool | None = knob(None, "--lora-merge/--no-lora-merge", help="model.lora.merge: verl merges the "
+                                   "adapters into the base at each weight sync and sends the whole merged weights "
+                                   "(the engine serves no adapter and sleeps at level 2), not the adapters (default: "
+                                   "`rl` tries both, `rl estimate` and check price verl's False)")
     param_offload: bool = knob(False, "--param-offload/--no-param-offload", help="Actor params on the host "
                                "between phases")
     optimizer_offload: bool = knob(False, "--optimizer-offload/--no-optimizer-offload", help="Adam states on the "

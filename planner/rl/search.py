@@ -6,8 +6,11 @@ The knobs fall in three groups by what they change in the cost models:
   and PPO's critic offloads (its strategy and dtype the actor's unless --critic-strategy / --critic-dtype set them)
   - they change every phase, the offload copies and (strategy, dtype) the update's seconds; the reference's
   offload is not a knob (verl offloads it whatever it says: NOT_SEARCHED);
-- engine (E): rollout TP, gpu_memory_utilization, max_num_seqs - they change only the phases with the engine
-  awake (init, rollout, weight_sync: ENGINE_PHASES), the engine's refusals, host RAM and the generation time;
+- engine (E): rollout TP, gpu_memory_utilization, max_num_seqs, max_num_batched_tokens and, for a LoRA actor,
+  model.lora.merge (lora_merges) - they change only the phases with the engine awake (init, rollout, weight_sync:
+  ENGINE_PHASES), the engine's refusals, host RAM, the generation time and the weight sync (merged: vLLM without
+  enable_lora at sleep level 2, the merged model sent and the base backed up on the host at each sync; unmerged:
+  vLLM's LoRA buffers out of its KV cache, the weights backed up at level 1, the adapters sent);
 - actor (A): gradient checkpointing, the Ulysses degree (dividing the heads and the GPUs; the KV heads divided
   by it or dividing it, verl's repeat_kv), static micro-batches or dynamic ones (use_dynamic_bsz: packed to a
   token budget, held at the budget, run on the real tokens: cost_models/rl_batch.py), the update's and the
@@ -22,14 +25,16 @@ tests/unit/test_rl_search.py checks it against the whole product (exhaustive) on
 The strategy: FSDP2 holds at most what FSDP1 holds in every phase (cost_models/rl_strategy.py: verl wraps the
 embedding and head as their own units; FSDP1's weight sync keeps a copy of the shard; tests/unit/
 test_rl_strategy.py checks it phase by phase) but the update on one-rank shard groups (fsdp_size 1: FSDP1 runs
-NO_SHARD), and its update is not always the faster: the copies around the collectives (cost_models/fsdp_copies.py)
-favour FSDP1 with a bf16 actor or LoRA, FSDP2 with an fp32 actor. So both are searched; FSDP1's engine side is
-priced only where FSDP2's fits, and (sharded) an actor choice whose actor side did not fit under FSDP2 is not
-priced under FSDP1 with as much offloaded. With --offload-policy the search keeps FSDP2 (verl's FSDP1 ignores
-CPUOffloadPolicy), and with --critic-offload-policy where the critic follows the actor's strategy. FSDP1 LoRA's
-weight sync gathers the whole model unless rollout.layered_summon: the request's, never set by the search (verl
-raises at the first sync with it under rollout.load_format dummy, its default: --load-format, the request's too,
-and a refusal where they clash: cost_models/rl_strategy.py sync_refusals), said in the output where it applies.
+NO_SHARD), its engine side's seconds no more than FSDP1's (a LoRA's FSDP1 sync summons the whole model, twice
+when merged, and a merge backs up the whole shard), and its update is not always the faster: the copies around the
+collectives (cost_models/fsdp_copies.py) favour FSDP1 with a bf16 actor or LoRA, FSDP2 with an fp32 actor. So both
+are searched; FSDP1's engine side is priced only where FSDP2's fits, and (sharded) an actor choice whose actor
+side did not fit under FSDP2 is not priced under FSDP1 with as much offloaded. With --offload-policy the search
+keeps FSDP2 (verl's FSDP1 ignores CPUOffloadPolicy), and with --critic-offload-policy where the critic follows the
+actor's strategy. FSDP1 LoRA's weight sync gathers the whole model unless rollout.layered_summon: the request's,
+never set by the search (verl raises at the first sync with it under rollout.load_format dummy, its default:
+--load-format, the request's too, and a refusal where they clash: cost_models/rl_strategy.py sync_refusals, which
+leaves a merged LoRA alone), said in the output where it applies.
 
 Entropy chunking changes memory, not time (its loop's cost is not priced): it is the request's unless the actor
 side does not fit without it (with_chunking_if_needed). The actor's dtype is searched for its memory and time only:
@@ -46,6 +51,7 @@ from dataclasses import dataclass
 from cost_models.model_spec import ModelSpec
 from cost_models.profile import Profile
 from cost_models.rl_actor import shard_group_ranks
+from cost_models.rl_strategy import sync_refusals
 from cost_models.units import MiB
 
 from ..errors import PlannerError
@@ -87,7 +93,18 @@ LORA_NOT_SEARCHED = {
 
 def not_searched(request: RlRequest) -> dict:
     """The knobs kept at the request's value that bear on its pricing, each with why."""
-    return {**NOT_SEARCHED, **(LORA_NOT_SEARCHED if request.finetune == "lora" else {})}
+    pinned = {"lora_merge": f"the request's ({request.lora_merge}: --lora-merge / --no-lora-merge pins it)"} \
+        if request.finetune == "lora" and request.lora_merge is not None else {}
+    return {**NOT_SEARCHED, **(LORA_NOT_SEARCHED if request.finetune == "lora" else {}), **pinned}
+
+
+def lora_merges(request: RlRequest) -> tuple[bool, ...]:
+    """model.lora.merge's values to try: both for a verl LoRA actor whose request leaves it unset (verl's default,
+    False, first: it wins ties), else none (the request's, or no adapter). verl 0.9.1 refuses neither value under
+    either strategy or load_format (workers/engine/fsdp/transformer_impl.py get_per_tensor_param: merged, FSDP1
+    and FSDP2 alike, whatever layered_summon says); an adapter under layered_summon and load_format dummy raises at
+    its first sync (utils/fsdp_utils.py collect_lora_params: rl_strategy.sync_refusals), which side_fits reads."""
+    return (False, True) if request.finetune == "lora" and request.lora_merge is None else ()
 
 
 @dataclass(frozen=True)
@@ -106,8 +123,9 @@ def key(e: RlEstimate) -> tuple:
 
 
 def side_fits(e: RlEstimate, engine_side: bool) -> bool:
-    """The engine side (ENGINE_PHASES, the engine's refusals, rollout TP, host RAM) or the actor side (the other
-    phases, the batch's and a reward engine's refusals): a configuration fits when both do (evaluate_rl's reasons, split)."""
+    """The engine side (ENGINE_PHASES, the engine's refusals, rollout TP, the weight sync's refusals, host RAM) or
+    the actor side (the other phases, the batch's and a reward engine's refusals): a configuration fits when both do
+    (evaluate_rl's reasons, split)."""
     cap = e.cluster.gpu.memory_bytes
     if any(p.reserved_bytes > cap for p in e.memory.phases if (p.name in ENGINE_PHASES) == engine_side):
         return False
@@ -116,7 +134,8 @@ def side_fits(e: RlEstimate, engine_side: bool) -> bool:
         reward = e.memory.reward.memory.refusals if e.memory.reward else ()
         return not reward and not any(r.field != "rollout_tp" for r in e.batch.refusals)
     ram = e.cluster.cpu_ram_bytes_per_node
-    return not (e.memory.engine.refusals or tp_refusal or (ram and e.host.peak_bytes > ram))
+    return not (e.memory.engine.refusals or tp_refusal or sync_refusals(e.settings)
+                or (ram and e.host.peak_bytes > ram))
 
 
 def _divides_mini(request: RlRequest, n_gpus: int, sp: int, micro: int) -> bool:
@@ -150,12 +169,14 @@ def spaces(request: RlRequest, model: ModelSpec, n_gpus: int) -> tuple[list[dict
         shared = [dict(s, critic_param_offload=a, critic_optimizer_offload=b) for s in shared for a, b in critic]
     seqs = request.train_batch * request.rollout_n
     engine = []
+    merges = [dict(lora_merge=m) for m in lora_merges(request)] or [{}]
     for tp in (t for t in TPS if n_gpus % t == 0 and heads % t == 0):
         per_replica = -(-seqs // (n_gpus // tp))
         wanted = [m for m in MAX_NUM_SEQS if m < per_replica] + [next((m for m in MAX_NUM_SEQS if m >= per_replica),
                                                                       MAX_NUM_SEQS[-1])]
-        engine += [dict(rollout_tp=tp, max_num_seqs=m, max_num_batched_tokens=b, gpu_memory_utilization=u)
-                   for m in dict.fromkeys(wanted) for b in _batched_tokens(request, m) for u in UTILIZATIONS]
+        engine += [dict(rollout_tp=tp, max_num_seqs=m, max_num_batched_tokens=b, **merge, gpu_memory_utilization=u)
+                   for m in dict.fromkeys(wanted) for b in _batched_tokens(request, m) for merge in merges
+                   for u in UTILIZATIONS]
     longest = request.prompt_len + request.response_len
     actor = []
     for sp in (s for s in ULYSSES if n_gpus % s == 0 and heads % s == 0 and (kv % s == 0 or s % kv == 0)):
@@ -285,7 +306,7 @@ def _engine_side(price, s: dict, engines: list[dict], actor: dict) -> list[tuple
     (more: over still)."""
     out, stop = [], None
     for i, e in enumerate(engines):
-        group = (e["rollout_tp"], e["max_num_seqs"], e["max_num_batched_tokens"])
+        group = (e["rollout_tp"], e["max_num_seqs"], e["max_num_batched_tokens"], e.get("lora_merge"))
         if group == stop:
             continue
         est = price({**s, **e, **actor})
@@ -302,17 +323,19 @@ def _engine_side_as_fsdp2(price, s: dict, engines: list[dict], actor: dict, fsdp
                           ) -> list[tuple[int, RlEstimate]]:
     """FSDP1's engine choices worth pricing, from FSDP2's with the same dtype and offloads (`fsdp2`: those that fit,
     as (f, index), fastest first): FSDP1's engine side holds at least FSDP2's (its weight sync adds the shard's copy;
-    init, rollout, host RAM and the engine's refusals are the same) and its f is FSDP2's (tests/unit/
-    test_rl_strategy.py), so only those can fit, and the best is in the fastest f among them where one does: priced
-    in f's order to the end of that f."""
+    init, rollout, host RAM and the engine's refusals are the same; a merged LoRA's base backup is the whole shard)
+    and its f at least FSDP2's (equal for a full actor; a LoRA's FSDP1 sync summons the whole model, twice merged,
+    where FSDP2's gathers the adapters or walks the shards once: tests/unit/test_rl_strategy.py), so only those can
+    fit, and none whose FSDP2 f is above the fastest FSDP1 f found can beat it: priced in FSDP2's f order until
+    then (tests/unit/test_rl_lora_merge_search.py)."""
     out, found = [], None
     for f, i in fsdp2:
         if found is not None and f > found:
             break
         est = price({**s, **engines[i], **actor})
         out.append((i, est))
-        if found is None and side_fits(est, engine_side=True):
-            found = f
+        if side_fits(est, engine_side=True):
+            found = min(_f(est), found if found is not None else _f(est))
     return out
 
 

@@ -169,7 +169,7 @@ def test_lora_keeps_the_requests_layered_summon_and_says_so():
     the root: (2 x 544,997,376 + 3,584) x 2 = 2,179,996,672 B."""
     from planner.rl.report import rl_plan_text
 
-    lora = dict(JOB, finetune="lora")
+    lora = dict(JOB, finetune="lora", lora_merge=False)   # served as an adapter (merged: no summon)
     plain, layered = (search.plan_rl(rl_request("qwen2.5-7b", 8, layered_summon=x, **lora, **more), top=3)
                       for x, more in ((False, {}), (True, dict(load_format="safetensors"))))
     sync = [next(p.gpu_bytes for p in plan.ranked[0].memory.phases if p.name == "weight_sync")
