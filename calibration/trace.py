@@ -74,7 +74,7 @@ def _loss(model: nn.Module, ids: torch.Tensor, is_hf: bool, compiled: bool, outs
     """The model's own loss, or with a compiled loss (config.loss_compiled) the fused cross-entropy of its
     logits (calibration/fused_loss.py: the compiled kernel's memory, runnable on fake tensors); outside: the eager
     loss on the logits the model returns (torchtitan's loop, after the root's post-forward), not in its forward."""
-    if compiled or outside:  # as calibration runs it, with the fused loss standing for the compiled one
+    if compiled or outside:  # as calibration runs it (the fused loss standing for the compiled one)
         from calibration.fused_loss import fused_causal_lm_loss
         from calibration.worker_step import causal_lm_loss, loss_of
 

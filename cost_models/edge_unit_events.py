@@ -1,11 +1,7 @@
 """The step walk's events for torchtitan 0.3's edge units (cost_models/edge_units.py says what FSDP2 does with them;
-step_allocations._StepWalk sets `edges`, `edge_params` and `edge_bytes` and calls these where the root's hooks run)."""
+step_allocations._StepWalk calls these where the root's hooks run; its reduce_scatter reduces each gradient)."""
 
 from __future__ import annotations
-
-import math
-
-from .pipeline_allocations import REDUCE_SCATTER_STREAM
 
 
 class EdgeUnitsWalk:
@@ -21,6 +17,19 @@ class EdgeUnitsWalk:
             self.edge_bytes = {"emb": embedding * self.c, "head": pieces.root_gathered - embedding * self.c}
             self.edge_params = {"emb": embedding, "norm": model.root_other_params,
                                 "head": self.units[self.stage][0][0] - embedding - model.root_other_params}
+
+    def edge_embedding_forward(self) -> None:
+        """The embedding's unit at a microbatch's start: gathered, resharded after its forward unless ZeRO-2."""
+        self.unshard("emb")
+        if not self.keeps_gathered:
+            self.reshard_unit("emb")
+
+    def optimizer_step(self, first: bool) -> None:
+        """The rank's optimizer step, then the head unit's sharded gradients dropped too (the embedding's: unit 0's)."""
+        super().optimizer_step(first)
+        if self.edges:
+            self.free(("sharded_grad", self.stage, "head"))
+            self.free(("sharded_grad", self.stage, "norm"))
 
     def edge_head_backward(self, events, s: int) -> None:
         """Edge units: the head's gradient (made inside a loss kernel's forward, else after the loss's backward), its
@@ -52,19 +61,7 @@ class EdgeUnitsWalk:
 
     def edge_post_backward(self, s: int, part: str) -> None:
         """An edge unit's post-backward for the gradient of `part` (emb, head or norm): reshard, then reduce-scatter,
-        the gradient freed once the output is made; the embedding's sharded gradient keyed as unit 0's."""
+        the one gradient freed once the output is made; the embedding's sharded gradient keyed as unit 0's."""
         self.reshard_unit("emb" if part == "emb" else "head")
-        if self.rs_in is not None:
-            self.free(self.rs_in)
-        n = self.edge_params[part]
-        self.rs_in = ("rs_in", s, part)
-        self.alloc(self.rs_in, n * self.r)
-        size = math.ceil(n * self.r / self.d)
-        if part in self.has_grad:
-            self.alloc(("new_grad", s, part), size, REDUCE_SCATTER_STREAM)
-        else:
-            self.alloc(("sharded_grad", s, 0 if part == "emb" else part), size, REDUCE_SCATTER_STREAM)
-        self.free(("wgrad", s, part, 0))  # the unit's one gradient, kept past the output (edge_units.py)
-        if part in self.has_grad:
-            self.free(("new_grad", s, part))
-        self.has_grad.add(part)
+        self.reduce_scatter(s, part, self.edge_params[part], [("wgrad", s, part, 0)], kept=True,
+                            shard_unit=0 if part == "emb" else part)

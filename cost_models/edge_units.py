@@ -14,10 +14,11 @@
   the norm's gradient (whose small input stays to the last block's post-backward). Block 0's pre-backward
   prefetches the embedding, whose post-backward ends the step: its one gradient outlives the reduce-scatter's output
   (torch 2.13 _fsdp_collectives.py foreach_reduce: its first loop's variable `unsharded_grad` keeps a unit's last
-  gradient after unsharded_grads.clear(); a root's last, the head's, is no larger than the rest freed). Traced (calibration/apply.py edge_units, the loss
-  outside the model): Llama 3 8B on 8 ranks at 8,192 tokens, selective-op, eager loss, the loss backward's peak
-  1,486,897,152 B below the root layout's (the embedding's 1,050,673,152 and the last block's 436,224,000
-  prefetch); at 2,048 tokens without checkpointing (4 blocks) the norm's regather leads, 9,164,191,908 B.
+  gradient after unsharded_grads.clear(); a root's last, the head's, is no larger than the rest freed). Traced
+  (calibration/apply.py edge_units, the loss outside the model): Llama 3 8B on 8 ranks at 8,192 tokens, selective-op,
+  eager loss, the loss backward's peak 1,486,897,152 B below the root layout's (the embedding's 1,050,673,152 and
+  the last block's 436,224,000 prefetch); at 2,048 tokens without checkpointing (4 blocks) the norm's regather
+  leads, 9,164,191,908 B.
 With one rank in the shard group nothing is resharded: the root layout's figures stand.
 """
 
@@ -57,8 +58,7 @@ def root_terms(model: ModelSpec, trainable_root: int, root_params: int, c: int, 
         head = (model.head_params or (model.embedding_params if model.tied_embeddings else 0)) + model.root_other_params
         return RootTerms(at_blocks=root_c, head_grad=min(head, trainable_root) * c, done_grads=0, rs_at_last_block=0,
                          prefetch_at_first=0, at_loss=root_c, prefetch_at_loss=True, regather=0, rs_at_regather=0,
-                         done_at_regather=0,
-                         end_grads=trainable_root * c,
+                         done_at_regather=0, end_grads=trainable_root * c,
                          end_rs=trainable_root * r if d > 1 else 0, end_params=root_c if d == 1 else 0)
     embedding_c = model.embedding_params * c
     head_unit = root_params - model.embedding_params

@@ -16,9 +16,8 @@ where a pipeline stage stays gathered for the step:
   keeps an N-way shard);
 - backward: the root's pre-backward prefetches the last block; a block's pre-backward copies it out (its all-gather
   output freed at once: wait_for_unshard defers the free in forward only) and prefetches the block below; its
-  post-backward reshards it, frees the previous unit's reduce-scatter input (FSDP2 keeps it until the next
-  reduce-scatter), writes its own (reduce dtype, default stream) from the compute-dtype gradients, the output on the
-  reduce-scatter stream (the sharded gradient at the first microbatch; later ones added into it and freed);
+  post-backward reshards it, then reduce-scatters its gradients (reduce_scatter: input on the default stream, output
+  on the reduce-scatter stream);
 - the logits freed in forward (the loop drops the model output before backward: loss_memory.loss_events); the
   head's and final norm's gradients made at the head's backward and kept to the root's post-backward, which runs
   once autograd is done (block 0's input gradient and eager attention's checkpointed mask gone by then).
@@ -221,20 +220,27 @@ class _StepWalk(EdgeUnitsWalk, _RankWalk):
             if i not in early:
                 self.alloc(("wgrad", s, u, i), n)
         self.reshard_unit(u)  # post_backward reshards before foreach_reduce (_fsdp_param_group.py:637-638)
+        grads = self.root_keys if u == 0 and self.root_units(s) else [("wgrad", s, u, i) for i in range(len(unit))]
+        self.reduce_scatter(s, u, sum(self.units[s][u]), grads)
+
+    def reduce_scatter(self, s: int, u, n: int, grads, kept: bool = False, shard_unit=None) -> None:
+        """foreach_reduce of unit u's n gradient elements: the previous input freed (FSDP2 keeps it to the next), this
+        one's (reduce dtype), the gradients `grads` (keys) freed (kept: after the output, edge_units.py), the output the
+        sharded gradient (keyed by shard_unit, default u) or, at a later microbatch, added into it and freed."""
         if self.rs_in is not None:
             self.free(self.rs_in)
         self.rs_in = ("rs_in", s, u)
-        size = sum(self.units[s][u])
-        self.alloc(self.rs_in, size * self.r)
-        for key in self.root_keys if u == 0 and self.root_units(s) else [("wgrad", s, u, i) for i in range(len(unit))]:
+        self.alloc(self.rs_in, n * self.r)
+        for key in () if kept else grads:
             self.free(key)
-        size = math.ceil(size * self.r / self.d)
-        if u in self.has_grad:  # a later microbatch: added into the sharded gradient in place, then freed
-            self.alloc(("new_grad", s, u), size, REDUCE_SCATTER_STREAM)
-            self.free(("new_grad", s, u))
-        else:
-            self.alloc(("sharded_grad", s, u), size, REDUCE_SCATTER_STREAM)
-            self.has_grad.add(u)
+        later = u in self.has_grad
+        output = ("new_grad", s, u) if later else ("sharded_grad", s, u if shard_unit is None else shard_unit)
+        self.alloc(output, math.ceil(n * self.r / self.d), REDUCE_SCATTER_STREAM)
+        for key in grads if kept else ():
+            self.free(key)
+        if later:
+            self.free(output)
+        self.has_grad.add(u)
 
     def root_grads(self, s: int) -> list[int]:
         """The root's gradients in bytes (compute dtype): wgrad 0 the head's and the final norm's (tied: the norm's),
@@ -345,10 +351,8 @@ class _StepWalk(EdgeUnitsWalk, _RankWalk):
         s, x = self.stage, self.pieces[self.stage]
         root = self.root_units(s)
         for mb in range(self.m):
-            if root and self.edges:  # the embedding's unit, resharded after its forward unless ZeRO-2
-                self.unshard("emb")
-                if not self.keeps_gathered:
-                    self.reshard_unit("emb")
+            if root and self.edges:
+                self.edge_embedding_forward()
             elif root:
                 self.unshard(0)
             self.alloc(("mask", mb), self.mask + self.shared)  # freed with block 0's saved inputs (root_backward)
@@ -368,9 +372,6 @@ class _StepWalk(EdgeUnitsWalk, _RankWalk):
                 self.rs_in = None
         self.has_grad.clear()
         self.optimizer_step(first)
-        if self.edges:  # the head unit's sharded gradients (the embedding's are unit 0's)
-            self.free(("sharded_grad", s, "head"))
-            self.free(("sharded_grad", s, "norm"))
 
 
 def step_replayed_reserved(memory: MemoryEstimate, model: ModelSpec, cluster, training: TrainingSpec,

@@ -44,6 +44,7 @@ def memory_terms(c: Candidate, profile: Profile = DEFAULT_PROFILE) -> list[tuple
     opt = c.training.optimizer.state_bytes_per_param(cfg.precision.param_dtype)
     tokens = cfg.micro_batch * c.training.seq_len
     where = "CPU RAM (offloaded)" if cfg.offload else "GPU"
+    edges = m.split_edge_units and d > 1  # torchtitan 0.3's embedding and head units (cost_models/edge_units.py)
     terms = [
         ("peak moment", f"{c.memory.peak_moment} ({c.memory.peak_phase.replace('_', ' ')})",
          "the largest of the moments where FSDP2's schedule can peak (cost_models/memory.py)"),
@@ -65,14 +66,14 @@ def memory_terms(c: Candidate, profile: Profile = DEFAULT_PROFILE) -> list[tuple
         ("gathered parameters", (f"torchtitan 0.3's edge units: the embedding resharded after forward (gathered again "
                                  f"for its backward), [final norm, head] ({counts.root() - m.embedding_params:,} x {cb} "
                                  "B) from the loss to the norm's backward, and the block in compute "
-                                 f"({counts.block():,} x {cb} B)" if m.split_edge_units and d > 1
+                                 f"({counts.block():,} x {cb} B)" if edges
                                  else f"the root ({counts.root():,} x {cb} B, kept gathered through backward) and the "
                                  f"block in compute ({counts.block():,} x {cb} B)" if cfg.sharding.reshards_after_forward
                                  else f"the root and every block not yet through backward ({cfg.sharding.value} "
                                       "keeps them gathered from forward") + f" = {_gib(b.unsharded_params)}",
          "FSDP paper: peak parameter memory = sharded + the units in flight"
          + ("; cost_models/edge_units.py (torchtitan distributed/fsdp.py apply_fsdp_to_decoder)"
-            if m.split_edge_units and d > 1 else "")),
+            if edges else "")),
         ("compute-dtype gradients", f"the root's and the current block's gradients before reduce-scatter = "
                                     f"{_gib(b.unsharded_grads)}", "autograd writes gradients in the compute dtype"),
         ("collective buffers", f"the next block's all-gather output ({counts.block():,} x {cb} B) and the previous "
