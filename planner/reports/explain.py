@@ -74,8 +74,10 @@ def memory_terms(c: Candidate, profile: Profile = DEFAULT_PROFILE) -> list[tuple
          "FSDP paper: peak parameter memory = sharded + the units in flight"
          + ("; cost_models/edge_units.py (torchtitan distributed/fsdp.py apply_fsdp_to_decoder)"
             if edges else "")),
-        ("compute-dtype gradients", f"the root's and the current block's gradients before reduce-scatter = "
-                                    f"{_gib(b.unsharded_grads)}", "autograd writes gradients in the compute dtype"),
+        ("compute-dtype gradients", ("the current block's gradients before reduce-scatter (edge units: the head unit's reduced after "
+                                     "its own backward, the embedding's at the end of backward)" if edges else
+                                     "the root's and the current block's gradients before reduce-scatter")
+         + f" = {_gib(b.unsharded_grads)}", "autograd writes gradients in the compute dtype"),
         ("collective buffers", f"the next block's all-gather output ({counts.block():,} x {cb} B) and the previous "
                                f"block's reduce-scatter input ({counts.trainable_block:,} x {r} B) = "
                                f"{_gib(b.collective_buffers)}",
