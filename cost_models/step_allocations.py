@@ -24,23 +24,17 @@ where a pipeline stage stays gathered for the step:
 
 Where it runs (replays(config)): every dense pp = 1 configuration with a shard group of more than one rank - FSDP,
 HSDP (its all-reduce adds no tensor), CP (s / cp tokens; the ring's buffers not in StagePieces: the ledger's
-allocated peak is the floor) and TP with and without sequence parallel (the rank's slice; with SP a checkpointed
-Llama block op by op, tp_block_events.py, loss parallel's tensors and the embedding's whole-table gradient,
-embedding_table_grad; without it the head's gathered logits). Under TP the walk peaks at the ledger's allocated
-peak to the byte on the 27 TP rows of benchmarks/memory_accuracy.py --mesh --only tp and on llama3-8b's TP grid
-(tp 2 / 8, SP on / off, every checkpointing mode, FSDP / SHARD_GRAD_OP / HSDP, accumulation) but for the
-un-templated blocks (fp32, eager attention) at every-2 / selective-op checkpointing: -0.4 .. +0.6%, as at tp 1.
-Kernel knobs (kernels.memory_kernels: Liger's, Transformer Engine's, torchtitan 0.3's chunked loss) are replayed as
-the ledger prices them: the blocks' tensors through StagePieces, the loss kernel's own (loss_kernel_events.py), the
-head's weight gradient made inside the loss. A block's gradients alive at its backward's largest moment are made
-before its working set (transient), the rest at its post-backward. llama3-8b on 8 x h100-80gb (micro-batch 1-4,
-every checkpointing mode, bf16 / fp32, compile on / off): walk == ledger in every eager, chunked-loss and TE
-RMSNorm config; with Liger 14 of 48 stay off (+0.4 .. +2.0%, walk above: micro-batch 1 or fp32, where the
-attention's or the RMSNorm's moment leads, which the walk holds as one sweep; Liger's loss alone with selective-op
--0.7 .. -1.2%). torchtitan 0.3's edge units (edge_units.py) walk apart from the root (edge_unit_events.py).
-The flat rule stays where the ledger has pieces StagePieces lacks or the walk does not yet match it: TP with CP
-(+0.2 .. +0.8% on llama3-8b), MoE and EP, LoRA / QLoRA, CPU offload, a shard group of one rank, models priced from
-a traced block profile.
+allocated peak is the floor), TP with and without sequence parallel (the rank's slice; with SP a checkpointed Llama
+block op by op, tp_block_events.py, loss parallel's tensors and the embedding's whole-table gradient; without it the
+head's gathered logits: walk == ledger on the 27 TP rows of memory_accuracy.py --mesh --only tp and llama3-8b's TP
+grid but fp32 / eager blocks at every-2 / selective-op, -0.4 .. +0.6%), kernel knobs (kernels.memory_kernels: the
+blocks' tensors through StagePieces, the loss kernel's own, loss_kernel_events.py; llama3-8b on 8 x h100-80gb: walk
+== ledger in every eager, chunked-loss and TE RMSNorm config, Liger's 14 of 48 off by -1.2 .. +2.0%), torchtitan
+0.3's edge units (edge_unit_events.py) and LoRA (lora_events.py: docs/accuracy.md, "LoRA's step replayed"). A
+block's gradients alive at its backward's largest moment are made before its working set (transient), the rest at
+its post-backward. The flat rule stays where the ledger has pieces StagePieces lacks or the walk does not yet match
+it: TP with CP (+0.2 .. +0.8% on llama3-8b), MoE and EP, QLoRA, LoRA with FSDP1's adapter units, edge units or a
+loss kernel, CPU offload, a shard group of one rank, models priced from a traced block profile.
 """
 
 from __future__ import annotations
@@ -52,16 +46,19 @@ from . import activations, kernels, tensor_parallel
 from .loss_kernel_events import loss_kernel_events
 from .caching_allocator import AllocatorSettings, ReplayResult, replay
 from .edge_unit_events import EdgeUnitsWalk
+from .lora_events import LoraWalk, lora_flat_reason
 from .memory_types import MemoryEstimate
 from .pipeline_allocations import ALL_GATHER_STREAM, REDUCE_SCATTER_STREAM, _RankWalk, replay_notes
 from .pipeline_memory import rank_inputs
 from .specs import FsdpConfig, LossKernel, ModelSpec, Sharding, TrainingSpec
 
 
-def replays(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, d: int) -> str | None:
-    """Why a pp = 1 configuration keeps the flat rule (module docstring), or None where its step is replayed."""
-    why = [(model.moe is not None or config.ep > 1, "MoE / expert parallelism"),
-           (training.finetune.adapters or training.quantized, "adapters (LoRA / QLoRA)"),
+def replays(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, d: int,
+            adapter_units: bool = False) -> str | None:
+    """Why a pp = 1 configuration keeps the flat rule (module docstring), or None where its step is replayed
+    (adapter_units: FSDP1's, each LoRA adapter a unit of its own: fsdp1_adapters.py)."""
+    why = [(model.moe is not None or config.ep > 1, "MoE / expert parallelism"), (training.quantized, "QLoRA"),
+           (lora := lora_flat_reason(model, training, config, adapter_units), lora),
            (config.tp > 1 and config.cp > 1, "tensor and context parallelism together"),
            (config.offload, "CPU offload"),
            (d <= 1, "a shard group of one rank"),
@@ -79,7 +76,7 @@ def replay_step(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, d:
 
 def step_events(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, d: int) -> tuple[list[tuple], int]:
     """Two steps' events, and how many of them are the first step's."""
-    walk = _StepWalk(model, training, config, d, 0)
+    walk = (_LoraStepWalk if training.finetune.adapters else _StepWalk)(model, training, config, d, 0)
     walk.step(first=True)
     first = len(walk.events)
     walk.step(first=False)
@@ -374,8 +371,13 @@ class _StepWalk(EdgeUnitsWalk, _RankWalk):
         self.optimizer_step(first)
 
 
+class _LoraStepWalk(LoraWalk, _StepWalk):
+    """A LoRA step: the base frozen, the adapters trained (lora_events.py)."""
+
+
 def step_replayed_reserved(memory: MemoryEstimate, model: ModelSpec, cluster, training: TrainingSpec,
-                           config: FsdpConfig, profile, settings: AllocatorSettings | None = None) -> MemoryEstimate:
+                           config: FsdpConfig, profile, settings: AllocatorSettings | None = None,
+                           adapter_units: bool = False) -> MemoryEstimate:
     """A pp = 1 estimate (memory.estimate_memory) with its reserved peak from the replay of its step under the
     config's alloc_conf, + the memory outside the allocator, in place of allocated x (1 + fragmentation); never below
     the ledger's allocated peak. Run for the candidates reported, not inside the search (a Llama 3.1 8B step: ~0.3 s).
@@ -384,7 +386,7 @@ def step_replayed_reserved(memory: MemoryEstimate, model: ModelSpec, cluster, tr
     replayed_reserved), so the replay is the reserved a run shows with room to spare - the figure to compare with
     torch.cuda.max_memory_reserved - and a replay above the GPU is a warning note (slower steps), not a refusal."""
     d = config.shard_group_size(cluster)
-    if config.pp > 1 or replays(model, training, config, d) is not None:
+    if config.pp > 1 or replays(model, training, config, d, adapter_units) is not None:
         return memory
     settings = config.allocator_settings if settings is None else settings
     replayed = step_replay(model, cluster, training, config, settings, snapshots=False)

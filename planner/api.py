@@ -190,7 +190,7 @@ class Plan:
         for i in range(self.replayed, min(top, len(self.candidates))):
             c = self.candidates[i]
             self.candidates[i] = replace(c, evaluation=replayed(c.evaluation, c.model, c.cluster, c.training,
-                                                                self.profile))
+                                                                self.profile, trainer_named(self.trainer).host_ways()))
         self.replayed = max(self.replayed, min(top, len(self.candidates)))
 
     def to_dict(self, top: int | None = None) -> dict:
@@ -355,7 +355,7 @@ def estimate_config(spec: ModelSpec, cluster: ClusterSpec, training: TrainingSpe
     raise_refused(spec, cluster, training, config)
     profile = profile or DEFAULT_PROFILE
     evaluation = evaluate(spec, cluster, training, config, profile, None, ways)
-    return Candidate(replayed(evaluation, spec, cluster, training, profile), spec, cluster, training)
+    return Candidate(replayed(evaluation, spec, cluster, training, profile, ways), spec, cluster, training)
 
 
 def raise_refused(spec: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, config: FsdpConfig) -> None:
@@ -369,12 +369,17 @@ def raise_refused(spec: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
 
 
 def replayed(evaluation: Evaluation, spec: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
-             profile: Profile) -> Evaluation:
+             profile: Profile, ways=None) -> Evaluation:
     """A reported estimate's reserved from a replay of its allocations under its alloc_conf (not in the search: slow):
     each pipeline rank's (cost_models/pipeline_allocations.py), a plain step's (cost_models/step_allocations.py;
-    the configurations it leaves on the flat rule as they are)."""
-    replay = replayed_reserved if evaluation.config.pp > 1 else step_replayed_reserved
-    return replace(evaluation, memory=replay(evaluation.memory, spec, cluster, training, evaluation.config, profile))
+    the configurations it leaves on the flat rule as they are, LoRA under FSDP1's adapter units (ways) among
+    them)."""
+    if evaluation.config.pp > 1:
+        memory = replayed_reserved(evaluation.memory, spec, cluster, training, evaluation.config, profile)
+    else:
+        memory = step_replayed_reserved(evaluation.memory, spec, cluster, training, evaluation.config, profile,
+                                        adapter_units=bool(ways is not None and ways.fsdp1_adapter_units))
+    return replace(evaluation, memory=memory)
 
 
 def _signatures() -> None:

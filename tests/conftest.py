@@ -224,12 +224,12 @@ _REPLAYS: dict[str, object] = {}
 
 
 def _shared_replay(replayed):
-    def shared(evaluation, spec, cluster, training, profile):
-        key = repr((evaluation, spec, cluster, training, profile))
+    def shared(evaluation, spec, cluster, training, profile, ways=None):
+        key = repr((evaluation, spec, cluster, training, profile, ways))
         if " at 0x" in key:
-            return replayed(evaluation, spec, cluster, training, profile)
+            return replayed(evaluation, spec, cluster, training, profile, ways)
         if key not in _REPLAYS:
-            _REPLAYS[key] = replayed(evaluation, spec, cluster, training, profile)
+            _REPLAYS[key] = replayed(evaluation, spec, cluster, training, profile, ways)
         return _REPLAYS[key]
     return shared
 

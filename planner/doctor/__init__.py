@@ -132,7 +132,7 @@ def check(setup: UserSetup, model, gpus: int | None = None, *, gpus_per_node: in
     extra = unwrapped_extra_bytes(setup, spec, cluster, config, memory)
     evaluation = evaluate(spec, cluster, training, config, profile, _as_one_unit(memory, extra, profile), ways)
     if not extra:  # the step replay walks the per-block units: a root-only unit keeps the flat rule
-        evaluation = replayed(evaluation, spec, cluster, training, profile)
+        evaluation = replayed(evaluation, spec, cluster, training, profile, ways)
     candidate = Candidate(evaluation, spec, cluster, training, trainer.id)
     # what the trainer could run
     best = plan_for(spec, cluster, training, profile, search_space(trainer, training), trainer.id, alloc_conf)

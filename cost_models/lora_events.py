@@ -1,0 +1,148 @@
+"""The step walk's events under LoRA at pp = 1 (step_allocations._LoraStepWalk runs these in place of _StepWalk's own):
+peft's adapters trained inside their block's FSDP2 unit, the base frozen, as memory.py prices them.
+
+- parameters: a block's unit holds its base tensors (stored in the compute dtype under mixed precision:
+  memory_shape.LedgerShape.frozen_p) and its adapters' lora_A (r x in) and lora_B (out x r) per target
+  (ModelSpec.lora_shapes), stored in the parameter dtype; the root (embedding, final norm, head) frozen;
+- all-gathers: the copy-in source is the shards stored in another dtype than the compute dtype, cast
+  (fsdp2_gathers.copy_in_bytes: at bf16 the adapters only, at fp32 none), not the whole unit;
+- gradients, reduce-scatter, Adam's states and the optimizer's temporaries: the adapters' only. The root has none,
+  so its post-backward reshards and returns before foreach_reduce (torch 2.13 _fsdp_param_group.py post_backward:
+  `if len(fsdp_params_with_grad) == 0: return`), and the loss's backward leaves no head gradient;
+- activations: the ledger's LoRA shape (memory_shape.ledger_shape: what the adapters save, block 0's first norm
+  saving nothing without checkpointing, the backward's working sets with lora=True, the dropout's tensors); a block's
+  backward moment is the ledger's (the MLP's where its working set is the larger, with the down projection's
+  adapter gradients under all-linear, else the attention's with every adapter gradient).
+Not here (replays keeps the flat rule): QLoRA, LoRA with a loss kernel (Liger's and the chunked loss's priced with the
+head's weight gradient), under TP, with torchtitan's edge units, and FSDP1's adapter units (fsdp1_adapters.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from . import kernels, optimizer_step
+from .fsdp2_gathers import copy_in_bytes
+from .memory_shape import ledger_shape
+from .pipeline_allocations import ALL_GATHER_STREAM, _RankWalk, param_tensors
+from .specs import LossKernel
+
+
+def lora_flat_reason(model, training, config, adapter_units: bool) -> str | None:
+    """Why a LoRA step keeps the flat rule (step_allocations.replays), or None (not LoRA, or walked here)."""
+    if not training.finetune.adapters:
+        return None
+    if adapter_units:
+        return "LoRA's adapters as FSDP1 units of their own"
+    if model.split_edge_units or kernels.memory_kernels(config).loss is not LossKernel.EAGER:
+        return "LoRA with edge units or a loss kernel (its head's gradient priced though the head is frozen)"
+    return None
+
+
+class LoraWalk:
+    """The hooks of _StepWalk that change under LoRA (a mixin ahead of it)."""
+
+    def _units(self, x) -> list[list[int]]:
+        """The root as one frozen tensor, then each block's base tensors and its adapters' (trainable from n_base)."""
+        r = self.training.lora_rank
+        adapters = [n for i, o in self.model.lora_shapes for n in (r * i, o * r)]
+        base = param_tensors(self.model, x.block_params - sum(adapters))
+        self.n_base = len(base)
+        root = x.params - x.stage.n_blocks * x.block_params
+        return ([[root]] if root else []) + [base + adapters] * x.stage.n_blocks
+
+    def __init__(self, model, training, config, d: int, rank: int):
+        shape = ledger_shape(model, training, config, None, False)
+        self.frozen_p = shape.frozen_p  # read by alloc as _RankWalk's __init__ writes the parameters' shards
+        super().__init__(model, training, config, d, rank)
+        x, tokens, n = self.pieces[self.stage], self.tokens, self.pieces[self.stage].stage.n_blocks
+        kept = [shape.ckpt if shape.is_ckpt(j) else shape.full for j in range(n)]
+        kept[0] -= shape.first_less  # block 0's first norm saves nothing (its input needs no gradient)
+        self.pieces[self.stage] = dataclasses.replace(
+            x, kept=tuple(kept), block_full=shape.full + shape.ckpt_input_extra - shape.ckpt,
+            saved=tokens * (sum(kept) + shape.root_saved), checkpointed=tuple(shape.is_ckpt(j) for j in range(n)))
+        # each block's backward moment as memory.py picks it (by activations): the MLP's or the attention's
+        mlp_first = shape.w_mlp >= shape.w_attn - shape.freed_attn
+        self.moment = ((shape.w_mlp, shape.mlp_grad) if mlp_first
+                       else (shape.w_attn - shape.freed_attn, shape.attn_grad))
+
+    def trainable(self, s: int, u) -> list[int]:
+        """Unit u's trainable tensors (indexes): a block's adapters, none of the root's."""
+        return list(range(self.n_base, len(self.units[s][u]))) if u >= self.root_units(s) else []
+
+    def alloc(self, key, size_bytes: int, stream=0) -> None:
+        if key[0] == "param" and key[3] not in self.trainable(key[1], key[2]):  # a frozen shard: frozen_p bytes
+            size_bytes = math.ceil(self.units[key[1]][key[2]][key[3]] * self.frozen_p / self.d)
+        super().alloc(key, size_bytes, stream)
+
+    def all_gather(self, u) -> None:
+        """The copy-in source (what is cast to the compute dtype), the all-gather output on the copy-in stream."""
+        s, unit = self.stage, self.units[self.stage][u]
+        trained = sum(unit[i] for i in self.trainable(s, u))
+        self.alloc(("all_gather_in", s, u), copy_in_bytes(trained, sum(unit) - trained, self.p, self.frozen_p,
+                                                          self.c, self.d))
+        self.alloc(("all_gather", s, u), sum(self.unsharded(s, u)), ALL_GATHER_STREAM)
+        self.free(("all_gather_in", s, u))
+        self.prefetched.add(u)
+
+    def transient(self, key, sizes, stream=0) -> None:
+        """A block's backward working set beside the adapter gradients of its moment (made before it, the down
+        projection's first), the rest of them made at its post-backward."""
+        if key[0] != "backward":
+            return _RankWalk.transient(self, key, sizes, stream)
+        s, j = key[1], key[3]
+        u = self.root_units(s) + j
+        working, left = self.moment
+        early = []
+        for i in reversed(self.trainable(s, u)):
+            if self.units[s][u][i] * self.c <= left:
+                early.append(i)
+                left -= self.units[s][u][i] * self.c
+        for i in early:
+            self.alloc(("wgrad", s, u, i), self.units[s][u][i] * self.c)
+        # the incoming gradient (the working set's c*h) is the walk's grad_in, alive already
+        _RankWalk.transient(self, key, self.tensors(max(0, working - self.hs)), stream)
+        self.made[u] = set(early)
+
+    def weight_grads(self, s: int, u: int, made: bool = False) -> None:
+        """The post-backward: the adapters' gradients not made yet, reshard, reduce-scatter them (a frozen unit:
+        reshard only)."""
+        early, trained = self.made.pop(u, ()), self.trainable(s, u)
+        for i in trained:
+            if i not in early:
+                self.alloc(("wgrad", s, u, i), self.units[s][u][i] * self.c)
+        self.reshard_unit(u)
+        if trained:
+            self.reduce_scatter(s, u, sum(self.units[s][u][i] for i in trained),
+                                [("wgrad", s, u, i) for i in trained])
+
+    def loss(self, events, s: int, mb: int) -> None:
+        _RankWalk.loss(self, events, s, mb)  # the loss's tensors; the frozen head leaves no gradient
+
+    def root_backward(self, s: int, grad_in) -> None:
+        """Autograd ends at block 0 (the embedding's output needs no gradient): its all-gather output, the mask and
+        grad_in go, then the root's post-backward (the final callback) reshards it."""
+        if self.pending is not None:
+            self.free(self.pending)
+            self.pending = None
+        self.free(("mask", grad_in[2]))
+        self.free(grad_in)
+        if self.root_units(s):
+            self.weight_grads(s, 0)
+
+    def optimizer_step(self, first: bool) -> None:
+        """Adam's states (made at the first step) and the step's temporaries for the adapters' shards, the sharded
+        gradients dropped."""
+        config, training, s = self.config, self.training, self.stage
+        shards = [(u, i, self.units[s][u][i]) for u in range(len(self.units[s])) for i in self.trainable(s, u)]
+        total = sum(n for *_, n in shards)
+        per_param = training.optimizer.state_bytes_per_param(config.precision.param_dtype)
+        n_states = 2 if per_param >= 2 * self.p else 1  # AdamW's exp_avg and exp_avg_sq, each a tensor
+        for u, i, n in shards if first else ():
+            for k in range(n_states):
+                self.alloc(("state", s, u, i, k), math.ceil(n * per_param / n_states / self.d))
+        temporaries = optimizer_step.step_temporary_bytes(self.model, training, config.precision, self.d, total)
+        self.transient(("optimizer", first), [temporaries * n // total for *_, n in shards])
+        for u in {u for u, *_ in shards}:
+            self.free(("sharded_grad", s, u))
