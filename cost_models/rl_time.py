@@ -94,10 +94,11 @@ def generation_s(model: ModelSpec, cluster: ClusterSpec, s: EngineSettings, e: E
     waves = math.ceil(seqs_per_replica / running)
     kv_token_bytes = KvShape.of(model).token_bytes_per_layer(s.tp, s.kv_dtype_bytes) * model.n_layers
     context = prompt_tokens + response_tokens / 2   # the mean context a decode step reads
-    # each decode step reads the weights once for the sequences running - and a served adapter's LoRA buffers,
-    # which vLLM's punica kernels read for every wrapped linear (rollout_lora.py; their launches not priced); each
+    # each decode step reads the weights once for the sequences running - and a served adapter's slot of the LoRA
+    # buffers, which vLLM's punica kernels (SGLang's: of its pool) read for every wrapped linear (rollout_lora.py,
+    # rollout_lora_sglang.py; their launches not priced); each
     # sequence reads its own context at each of its steps (a last wave not full reads only its sequences')
-    decode = response_tokens * (waves * e.weights_pool_bytes + seqs_per_replica * context * kv_token_bytes) \
+    decode = response_tokens * (waves * e.decode_read_bytes + seqs_per_replica * context * kv_token_bytes) \
         / gpu.hbm_bytes_per_s
     return decode + prefill_s(model, cluster, s, e, seqs_per_replica * prompt_tokens)
 

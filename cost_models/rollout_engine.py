@@ -18,6 +18,7 @@ from enum import Enum
 from .feasibility import Refusal
 from .model_spec import ModelSpec
 from .rollout_lora import vllm_lora_buffers
+from .rollout_lora_sglang import SGLANG_MAX_LORAS_PER_BATCH, sglang_lora_pool
 from .spec_values import SpecError, check_positive, parse_enum
 from .units import GiB
 
@@ -75,6 +76,7 @@ class EngineSettings:
     weight_dtype_bytes: int = 2           # bf16 rollout weights
     cuda_graph_bytes: int = CUDA_GRAPH_BYTES_ESTIMATE
     max_lora_rank: int = 0                # enable_lora's (verl: a LoRA adapter served, rollout_lora.py); 0 = off
+    max_loras_per_batch: int = SGLANG_MAX_LORAS_PER_BATCH   # SGLang's LoRA pool slots (rollout_lora_sglang.py)
 
     def __post_init__(self):
         object.__setattr__(self, "engine", parse_enum(Engine, self.engine, "engine"))
@@ -84,7 +86,8 @@ class EngineSettings:
         u = self.gpu_memory_utilization
         if not isinstance(u, (int, float)) or not 0 < u <= 1:
             raise SpecError("gpu_memory_utilization", f"must be in (0, 1], got {u!r}")
-        for name in ("tp", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size"):
+        for name in ("tp", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
+                     "max_loras_per_batch"):
             check_positive(name, getattr(self, name))
 
     @property
@@ -110,7 +113,10 @@ class EngineMemory:
     max_concurrent_seqs: int      # sequences of max_model_len the KV cache holds at once (<= max_num_seqs)
     refusals: tuple[Refusal, ...] = ()
     available_bytes: int = 0      # what the rule left for the KV cache, before the blocks' floor
-    lora_bytes: int = 0           # vLLM's LoRA buffers (rollout_lora.py): counted as weights, in their sleep pool
+    lora_bytes: int = 0           # the LoRA buffers: vLLM's (rollout_lora.py, counted as weights, in their sleep
+                                  # pool) or SGLang's pool (rollout_lora_sglang.py, never released)
+    lora_read_bytes: int = 0      # what a decode step reads of them: vLLM's one slot whole, SGLang's one slot of its
+                                  # max_loras_per_batch (verl's one adapter)
 
     @property
     def awake_bytes(self) -> int:
@@ -122,6 +128,11 @@ class EngineMemory:
         """What vLLM allocates in load_model under its sleep allocator's "weights" tag: the weights and the LoRA
         buffers (level 1 backs them up to the host, level 2 discards them)."""
         return self.weights_bytes + self.lora_bytes
+
+    @property
+    def decode_read_bytes(self) -> int:
+        """What each decode step reads besides the KV cache: the weights and the served adapter's slot."""
+        return self.weights_bytes + self.lora_read_bytes
 
 
 def weight_bytes_per_gpu(model: ModelSpec, tp: int, dtype_bytes: int = 2) -> int:
@@ -221,15 +232,15 @@ def engine_memory(model: ModelSpec, s: EngineSettings, total_bytes: int, residen
     same process) with `non_torch_bytes` outside torch (CUDA context, NCCL): its rule by engine and version."""
     weights = weight_bytes_per_gpu(model, s.tp, s.weight_dtype_bytes)
     # vLLM's LoRA buffers, allocated in load_model beside the weights: its model_memory_usage (current) or torch's
-    # peak (0.8) counts them, so they come out of the KV budget (rollout_lora.py)
-    lora = vllm_lora_buffers(model, s.tp, s.max_lora_rank, s.weight_dtype_bytes, s.version, s.max_num_batched_tokens,
-                             s.max_num_seqs).total_bytes if s.max_lora_rank and s.engine is Engine.VLLM else 0
+    # peak (0.8) counts them, so they come out of the KV budget (rollout_lora.py); SGLang's pool, built after the
+    # weights and before the KV cache is sized, likewise (rollout_lora_sglang.py)
+    lora, lora_read = lora_bytes(model, s)
     acts = profile_run_peak_bytes(model, s)
     shape = KvShape.of(model)
     refusals: list[Refusal] = []
     if s.engine is Engine.SGLANG:
         free_before = total_bytes - resident_bytes - non_torch_bytes
-        available = sglang_rule(free_before, free_before - weights, s.gpu_memory_utilization)
+        available = sglang_rule(free_before, free_before - weights - lora, s.gpu_memory_utilization)
         acts = 0  # SGLang keeps its activations in the (1 - fraction) left outside the static pool
     elif s.version == "0.8":
         available = vllm_rule_v08(total_bytes, s, resident_bytes + weights + lora + acts, non_torch_bytes)
@@ -247,4 +258,16 @@ def engine_memory(model: ModelSpec, s: EngineSettings, total_bytes: int, residen
     return EngineMemory(weights_bytes=weights, activation_peak_bytes=acts, cuda_graph_bytes=s.graph_bytes,
                         kv_bytes=kv, kv_blocks=blocks, page_bytes=page, kv_tokens=blocks * s.page_tokens,
                         max_concurrent_seqs=min(s.max_num_seqs, blocks // seq_pages), refusals=tuple(refusals),
-                        available_bytes=available, lora_bytes=lora)
+                        available_bytes=available, lora_bytes=lora, lora_read_bytes=lora_read)
+
+
+def lora_bytes(model: ModelSpec, s: EngineSettings) -> tuple[int, int]:
+    """(the engine's LoRA buffers on one GPU, what a decode step reads of them) where it serves an adapter."""
+    if not s.max_lora_rank:
+        return 0, 0
+    if s.engine is Engine.VLLM:   # verl's max_loras 1: one slot, read whole
+        total = vllm_lora_buffers(model, s.tp, s.max_lora_rank, s.weight_dtype_bytes, s.version,
+                                  s.max_num_batched_tokens, s.max_num_seqs).total_bytes
+        return total, total
+    pool = sglang_lora_pool(model, s.tp, s.max_lora_rank, s.weight_dtype_bytes, s.max_loras_per_batch).total_bytes
+    return pool, pool // s.max_loras_per_batch

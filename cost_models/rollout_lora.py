@@ -77,16 +77,21 @@ class LoraBuffers:
         return self.blocks_bytes + self.vocab_bytes + self.metadata_bytes
 
 
-def block_slices(model: ModelSpec, tp: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
-    """(in, out) per TP rank of one block's LoRA slices, as vLLM shards the base layers: the column-parallel
-    ones (out split; K and V: the rank's KV heads), then the row-parallel ones (in split)."""
+def block_slices(model: ModelSpec, tp: int, packed: bool | None = None
+                 ) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """(in, out) per TP rank of one block's LoRA slices, as vLLM and SGLang shard the base layers: the
+    column-parallel ones (out split; K and V: the rank's KV heads), then the row-parallel ones (in split).
+    packed: Phi-3's fused qkv_proj and gate_up_proj as one slice each (vLLM; None: by family) or apart (SGLang's
+    pool: rollout_lora_sglang.py)."""
     if model.moe is not None or model.kv_lora_rank:
-        raise SpecError("finetune", "vLLM's LoRA buffers are priced for dense blocks without MLA")
+        raise SpecError("finetune", "the rollout engine's LoRA buffers are priced for dense blocks without MLA")
     h, d = model.hidden_size, model.head_dim
     q, kv = model.n_heads // tp * d, max(1, model.n_kv_heads // tp) * d   # QKVParallelLinear's per-rank heads
-    fused = model.family in FUSED_GATE_UP_FAMILIES
+    fused = model.family in FUSED_GATE_UP_FAMILIES if packed is None else packed
     *mlp_column, (f, _) = model.mlp_linear_shapes
     column = [(h, q + 2 * kv)] if fused else [(h, q), (h, kv), (h, kv)]
+    if not fused and model.gated_mlp:   # gate and up apart, also where the family fuses them (Phi-3)
+        mlp_column = [(h, f), (h, f)]
     column += [(i, o // tp) for i, o in mlp_column]
     return column, [(q, h), (f // tp, h)]
 

@@ -21,7 +21,7 @@ from cost_models.rl_reward import RewardSettings
 from cost_models.rl_schedule import TRL_ENGINE, TRL_SERVER_OWN, TRL_SETS, trl_max_num_seqs
 from cost_models.rl_trl_server import is_local_host
 from cost_models.rl_time import RlTime, critic_seconds, rl_step_time, train_seconds
-from cost_models.rollout_engine import EngineSettings
+from cost_models.rollout_engine import Engine, EngineSettings
 from cost_models.rollout_lora import served_max_lora_rank
 from cost_models.units import GiB
 
@@ -99,8 +99,11 @@ def specs_of(r: RlRequest, model: ModelSpec) -> tuple[RlBatch, EngineSettings, R
                           server_local=is_local_host(r.vllm_server_host))
     if trl:
         return batch, _trl_engine(r, model, batch, engine), settings
-    # verl serves a LoRA adapter with enable_lora and max_lora_rank (vllm_async_server.py launch_server)
-    lora_rank = served_max_lora_rank(settings.lora_rank) if settings.lora_adapter else 0
+    # verl serves a LoRA adapter with enable_lora and max_lora_rank: vLLM's rounded up to one it allows
+    # (vllm_async_server.py launch_server), SGLang's the rank itself (async_sglang_server.py launch_server)
+    lora_rank = 0
+    if settings.lora_adapter:
+        lora_rank = settings.lora_rank if engine.engine is Engine.SGLANG else served_max_lora_rank(settings.lora_rank)
     return batch, dataclasses.replace(engine, max_lora_rank=lora_rank), settings
 
 

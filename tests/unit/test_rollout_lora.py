@@ -9,6 +9,7 @@ import pytest
 from cost_models.rl_actor import all_linear_lora
 from cost_models.rollout_engine import Engine, EngineSettings, engine_memory
 from cost_models.rollout_lora import served_max_lora_rank, vllm_lora_buffers
+from cost_models.rollout_lora_sglang import sglang_lora_pool
 from cost_models.spec_values import SpecError
 from cost_models.units import GiB
 from planner.models import resolve_model
@@ -73,7 +74,8 @@ def test_verl_rounds_the_rank_to_vllms():
 @pytest.mark.parametrize("version", ["current", "0.8"])
 def test_the_kv_cache_shrinks_by_exactly_the_buffers(version):
     """Allocated in load_model, vLLM counts them as weights (model_memory_usage; 0.8: torch's peak): what the rule
-    leaves for the KV cache drops by exactly the buffers; the blocks by its floor. SGLang: not priced (0)."""
+    leaves for the KV cache drops by exactly the buffers; the blocks by its floor. SGLang: its own pool
+    (tests/unit/test_rollout_lora_sglang.py)."""
     s = EngineSettings(version=version, tp=4, max_model_len=5120, max_num_batched_tokens=4096, max_num_seqs=512)
     plain = engine_memory(QWEN7, s, 80 * GiB, 2 * GiB, GiB)
     lora = engine_memory(QWEN7, dataclasses.replace(s, max_lora_rank=32), 80 * GiB, 2 * GiB, GiB)
@@ -83,7 +85,7 @@ def test_the_kv_cache_shrinks_by_exactly_the_buffers(version):
     assert plain.kv_blocks - lora.kv_blocks == pytest.approx(lora.lora_bytes / (lora.page_bytes * 28), abs=1)
     assert lora.awake_bytes - lora.kv_bytes == plain.awake_bytes - plain.kv_bytes + lora.lora_bytes
     sglang = dataclasses.replace(s, engine=Engine.SGLANG, version="current", max_lora_rank=32)
-    assert engine_memory(QWEN7, sglang, 80 * GiB, 0, GiB).lora_bytes == 0
+    assert engine_memory(QWEN7, sglang, 80 * GiB, 0, GiB).lora_bytes == sglang_lora_pool(QWEN7, 4, 32).total_bytes
 
 
 def test_only_a_served_adapter_brings_them():

@@ -1,0 +1,148 @@
+"""Our LoRA pool bytes (cost_models/rollout_lora_sglang.py) against the LoRAMemoryPool SGLang builds itself, for
+catalog models at several TP degrees and ranks. SGLang brings dependencies of its own (and pins torch 2.14.1): run it
+in an environment of its own that borrows the project's torch 2.13 and transformers, about 2 minutes to set up:
+
+    python3 -m venv /tmp/sglenv
+    echo "$PWD/.venv/lib/python3.11/site-packages" > /tmp/sglenv/lib/python3.11/site-packages/zz_project.pth
+    /tmp/sglenv/bin/pip install --no-deps sglang==0.5.23 pybase64 triton starlette msgspec pyzmq IPython \
+        apache-tvm-ffi==0.1.11 sentencepiece==0.2.1 compressed_tensors loguru gguf openai httpx2 partial_json_parser
+    PYTHONPATH=. /tmp/sglenv/bin/python benchmarks/sglang_lora_check.py
+    PYTHONPATH=. /tmp/sglenv/bin/python -m pytest -q -n 0 -p no:cacheprovider tests/unit/test_rl_sglang_lora.py
+
+What runs of SGLang's code: ServerArgs (enable_lora, tp_size) published as the process's runtime context (rank 0),
+the model class SGLang runs for the catalog's config.json (Qwen2ForCausalLM, Qwen3ForCausalLM, LlamaForCausalLM)
+built on the meta device with stand-in process groups of the TP size (its layers shard as on GPU rank 0), then
+LoRAManager.init_lora_shapes (verl's ["all"] resolved against the model, or a list normalised) and LoRAMemoryPool
+(init_buffers: every buffer it allocates, on the meta device); we sum them. Two imports SGLang makes at module level
+for code that never runs here are stand-ins: torchvision (multimodal processors; its wheels need a CUDA torch) and
+vllm (the CPU rotary kernel's import). The pool's shapes read neither.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import sys
+import tempfile
+from pathlib import Path
+from unittest import mock
+
+from benchmarks.vllm_kv_check import _config_dir
+from cost_models.rollout_lora_sglang import sglang_lora_pool, sglang_target_modules
+from planner.models import resolve_model
+
+# (model, TP, rank, slots, targets): verl's all-linear at its defaults, the rank unrounded (48), one slot, a list;
+# Llama 3 8B at 16: one KV head a rank, replicated; Llama 3.2 1B: the head tied to the embedding
+CASES = [("qwen2.5-7b", 1, 32, 8, "all-linear"), ("qwen2.5-7b", 2, 32, 8, "all-linear"),
+         ("qwen2.5-7b", 4, 48, 8, "all-linear"), ("qwen2.5-7b", 2, 32, 1, "all-linear"),
+         ("qwen2.5-7b", 2, 32, 8, ("q_proj", "v_proj")), ("qwen3-8b", 1, 64, 8, "all-linear"),
+         ("qwen3-8b", 8, 48, 8, "all-linear"), ("llama3-8b", 8, 32, 8, "all-linear"),
+         ("llama3-8b", 16, 32, 8, "all-linear"), ("qwen2.5-14b", 2, 16, 8, "all-linear"),
+         ("llama3.2-1b", 2, 32, 8, "all-linear")]
+MODEL_CLASSES = {"qwen2": ("sglang.srt.models.qwen2", "Qwen2ForCausalLM"),
+                 "qwen3": ("sglang.srt.models.qwen3", "Qwen3ForCausalLM"),
+                 "llama": ("sglang.srt.models.llama", "LlamaForCausalLM")}
+STAND_INS = ("torchvision", "vllm")
+
+
+class _StandIn(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Imports of STAND_INS get a MagicMock module (they are imported, never called, on the path we run)."""
+
+    def find_spec(self, name, path, target=None):
+        if name.split(".")[0] in STAND_INS:
+            return importlib.machinery.ModuleSpec(name, self, is_package=True)
+        return None
+
+    def create_module(self, spec):
+        module = mock.MagicMock(name=spec.name)
+        module.__path__, module.__spec__, module.__name__ = [], spec, spec.name
+        return module
+
+    def exec_module(self, module):
+        pass
+
+
+def _install_stand_ins() -> None:
+    """The stand-ins, and torchvision's metadata (transformers reads its version where it sees the module)."""
+    if any(isinstance(f, _StandIn) for f in sys.meta_path):
+        return
+    folder = Path(tempfile.mkdtemp(prefix="sgl-stand-ins-")) / "torchvision-0.28.0.dist-info"
+    folder.mkdir()
+    (folder / "METADATA").write_text("Metadata-Version: 2.1\nName: torchvision\nVersion: 0.28.0\n")
+    sys.path.insert(0, str(folder.parent))
+    sys.meta_path.insert(0, _StandIn())
+
+
+class _Group:
+    """What SGLang's layers read of a process group while they are built (rank 0 of `size`)."""
+
+    is_first_rank = is_last_rank = True
+    cpu_group = device_group = None
+
+    def __init__(self, size: int):
+        self.world_size, self.rank_in_group, self.rank, self.ranks = size, 0, 0, list(range(size))
+
+
+def sglang_bytes(name: str, tp: int, rank: int = 32, slots: int = 8, targets="all-linear") -> tuple[int, int]:
+    """(block buffers, vocabulary buffers) SGLang's LoRAMemoryPool allocates on TP rank 0 (meta tensors)."""
+    _install_stand_ins()
+    import importlib
+    from types import SimpleNamespace
+
+    import torch
+    from sglang.srt import runtime_context
+    from sglang.srt.lora.lora_manager import LoRAManager
+    from sglang.srt.lora.mem_pool import LoRAMemoryPool
+    from sglang.srt.server_args import ServerArgs
+    from sglang.srt.utils.hf_transformers_utils import AutoConfig
+
+    folder = _config_dir(name)
+    listed = ["all"] if targets == "all-linear" else list(targets)   # verl's sglang_lora_target_modules
+    args = ServerArgs(model_path=folder, tp_size=tp, enable_lora=True, max_lora_rank=rank, max_loras_per_batch=slots,
+                      lora_target_modules=listed, device="cpu", skip_tokenizer_init=True, load_format="dummy")
+    runtime_context.publish(args, role="scheduler", ranks=runtime_context.SpawnRanks(world_rank=0))
+    config = AutoConfig.from_pretrained(folder)
+    module, cls = MODEL_CLASSES[config.model_type]
+    groups = {g: _Group(tp) for g in ("tp_group", "attn_tp_group", "moe_tp_group", "world_group")}
+    groups.update({g: _Group(1) for g in ("pp_group", "attn_cp_group", "moe_ep_group", "moe_dp_group")})
+    with runtime_context.get_parallel().override(**groups):
+        with torch.device("meta"):
+            model = getattr(importlib.import_module(module), cls)(config, quant_config=None)
+        shapes = SimpleNamespace(base_model=model, configs={}, lora_refs={}, lora_added_tokens_size=None)
+        LoRAManager.init_lora_shapes(shapes, max_lora_rank=rank, target_modules=set(listed))
+        pool = LoRAMemoryPool(base_hf_config=config, max_loras_per_batch=slots, dtype=torch.bfloat16,
+                              max_lora_rank=shapes.max_lora_rank, target_modules=shapes.target_modules,
+                              base_model=model, eviction_policy="lru",
+                              lora_added_tokens_size=shapes.lora_added_tokens_size)
+    def size(tensors) -> int:
+        return sum(t.numel() * t.element_size() for t in tensors)
+    blocks = sum(size(layers) for buffer in (pool.A_buffer, pool.B_buffer) for layers in buffer.values())
+    vocab = sum(size(buffer.values()) for buffer in (pool.embedding_A_buffer, pool.embedding_B_buffer,
+                                                     pool.lm_head_A_buffer, pool.lm_head_B_buffer,
+                                                     pool.new_embeddings_buffer))
+    return blocks, vocab
+
+
+def ours(name: str, tp: int, rank: int = 32, slots: int = 8, targets="all-linear") -> tuple[int, int]:
+    b = sglang_lora_pool(resolve_model(name), tp, rank, max_loras_per_batch=slots,
+                         targets=sglang_target_modules(targets if isinstance(targets, str) else list(targets)))
+    return b.blocks_bytes, b.vocab_bytes
+
+
+def main() -> None:
+    _install_stand_ins()
+    import sglang
+
+    print(f"SGLang {sglang.__version__}: LoRAMemoryPool bytes on TP rank 0, bf16 (blocks + vocabulary)")
+    same = 0
+    for name, tp, rank, slots, targets in CASES:
+        a, b = ours(name, tp, rank, slots, targets), sglang_bytes(name, tp, rank, slots, targets)
+        same += a == b
+        shown = targets if isinstance(targets, str) else ",".join(targets)
+        print(f"{name:12} TP {tp:2} rank {rank:2} slots {slots} {shown:14} ours {a[0]:>13,} + {a[1]:>11,}  "
+              f"SGLang {b[0]:>13,} + {b[1]:>11,}  {'same' if a == b else 'DIFFERENT'}")
+    print(f"{same} of {len(CASES)} the same")
+
+
+if __name__ == "__main__":
+    main()
