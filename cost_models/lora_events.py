@@ -1,9 +1,11 @@
-"""The step walk's events under LoRA at pp = 1 (step_allocations._LoraStepWalk runs these in place of _StepWalk's own):
-peft's adapters trained inside their block's FSDP2 unit, the base frozen, as memory.py prices them.
+"""The step walk's events under LoRA and QLoRA at pp = 1 (step_allocations._LoraStepWalk runs these in place of
+_StepWalk's own): peft's adapters trained inside their block's FSDP2 unit, the base frozen, as memory.py prices them.
 
 - parameters: a block's unit holds its base tensors (stored in the compute dtype under mixed precision:
   memory_shape.LedgerShape.frozen_p) and its adapters' lora_A (r x in) and lora_B (out x r) per target
-  (ModelSpec.lora_shapes), stored in the parameter dtype; the root (embedding, final norm, head) frozen;
+  (ModelSpec.lora_shapes), stored in the parameter dtype; the root (embedding, final norm, head) frozen. QLoRA
+  (qlora.py): the block's linears packed, half a byte a weight, sharded and gathered so, and every linear's
+  QuantState on every rank;
 - all-gathers: the copy-in source is the shards stored in another dtype than the compute dtype, cast
   (fsdp2_gathers.copy_in_bytes: at bf16 the adapters only, at fp32 none), not the whole unit;
 - gradients, reduce-scatter, Adam's states and the optimizer's temporaries: the adapters' only. The root has none,
@@ -12,9 +14,12 @@ peft's adapters trained inside their block's FSDP2 unit, the base frozen, as mem
 - activations: the ledger's LoRA shape (memory_shape.ledger_shape: what the adapters save, block 0's first norm
   saving nothing without checkpointing, the backward's working sets with lora=True, the dropout's tensors); a block's
   backward moment is the ledger's (the MLP's where its working set is the larger, with the down projection's
-  adapter gradients under all-linear, else the attention's with every adapter gradient).
-Not here (replays keeps the flat rule): QLoRA, LoRA with a loss kernel (Liger's and the chunked loss's priced with the
-head's weight gradient), under TP, with torchtitan's edge units, and FSDP1's adapter units (fsdp1_adapters.py).
+  adapter gradients under all-linear, else the attention's with every adapter gradient; QLoRA's with the weight in
+  flight dequantized), and QLoRA dequantizes each linear's weight in its forward, one at a time.
+Not written: QLoRA's forward / recompute moment of the MLP's output projection (the ledger's, where it leads the
+walk is below it: docs/accuracy.md). Not here (replays keeps the flat rule): LoRA with a loss kernel (Liger's and the
+chunked loss's priced with the head's weight gradient), with torchtitan's edge units, and FSDP1's adapter units
+(fsdp1_adapters.py); TP / CP / PP with LoRA are not planned.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from . import kernels, optimizer_step
+from . import kernels, optimizer_step, qlora
 from .fsdp2_gathers import copy_in_bytes
 from .memory_shape import ledger_shape
 from .pipeline_allocations import ALL_GATHER_STREAM, _RankWalk, param_tensors
@@ -30,7 +35,7 @@ from .specs import LossKernel
 
 
 def lora_flat_reason(model, training, config, adapter_units: bool) -> str | None:
-    """Why a LoRA step keeps the flat rule (step_allocations.replays), or None (not LoRA, or walked here)."""
+    """Why a LoRA / QLoRA step keeps the flat rule (step_allocations.replays), or None (not LoRA, or walked here)."""
     if not training.finetune.adapters:
         return None
     if adapter_units:
@@ -49,6 +54,8 @@ class LoraWalk:
         adapters = [n for i, o in self.model.lora_shapes for n in (r * i, o * r)]
         base = param_tensors(self.model, x.block_params - sum(adapters))
         self.n_base = len(base)
+        # QLoRA: the block's linears (param_tensors' first: q, k, v, o, then the MLP's) packed in 4 bits
+        self.packed = set(range(len(qlora.linear_shapes(self.model)))) if self.training.quantized else set()
         root = x.params - x.stage.n_blocks * x.block_params
         return ([[root]] if root else []) + [base + adapters] * x.stage.n_blocks
 
@@ -56,16 +63,26 @@ class LoraWalk:
         shape = ledger_shape(model, training, config, None, False)
         self.frozen_p = shape.frozen_p  # read by alloc as _RankWalk's __init__ writes the parameters' shards
         super().__init__(model, training, config, d, rank)
+        for j, (i, o) in enumerate(qlora.linear_shapes(model) * model.n_layers if self.packed else ()):
+            # each linear's QuantState, on every rank (not an FSDP parameter), kept
+            self.alloc(("quant_state", j), qlora.quant_state_bytes(i * o, training.double_quant))
         x, tokens, n = self.pieces[self.stage], self.tokens, self.pieces[self.stage].stage.n_blocks
         kept = [shape.ckpt if shape.is_ckpt(j) else shape.full for j in range(n)]
         kept[0] -= shape.first_less  # block 0's first norm saves nothing (its input needs no gradient)
         self.pieces[self.stage] = dataclasses.replace(
             x, kept=tuple(kept), block_full=shape.full + shape.ckpt_input_extra - shape.ckpt,
             saved=tokens * (sum(kept) + shape.root_saved), checkpointed=tuple(shape.is_ckpt(j) for j in range(n)))
-        # each block's backward moment as memory.py picks it (by activations): the MLP's or the attention's
-        mlp_first = shape.w_mlp >= shape.w_attn - shape.freed_attn
-        self.moment = ((shape.w_mlp, shape.mlp_grad) if mlp_first
-                       else (shape.w_attn - shape.freed_attn, shape.attn_grad))
+        # each block's backward moment as memory.py picks it (by activations): the MLP's or the attention's, per
+        # token and in whole tensors beside them (QLoRA: the linear in flight dequantized, qlora.py)
+        mlp, attn = (shape.w_mlp, []), (shape.w_attn - shape.freed_attn, [])
+        if self.packed:
+            h, f, c, dq = model.hidden_size, model.ffn_hidden_size, self.c, training.double_quant
+            dequantized = [f * h * c, max(qlora.absmax_dequantized_bytes(f * h, dq), tokens * f * c)]
+            if tokens * h * c + sum(dequantized) > tokens * shape.w_mlp:  # the output projection's backward
+                mlp = (h * c, dequantized)
+            attn = (attn[0], [qlora.dequantized_attention_bytes(model, c)])
+        mlp_first = tokens * mlp[0] + sum(mlp[1]) >= tokens * attn[0] + sum(attn[1])
+        self.moment = (*mlp, shape.mlp_grad) if mlp_first else (*attn, shape.attn_grad)
 
     def trainable(self, s: int, u) -> list[int]:
         """Unit u's trainable tensors (indexes): a block's adapters, none of the root's."""
@@ -73,8 +90,19 @@ class LoraWalk:
 
     def alloc(self, key, size_bytes: int, stream=0) -> None:
         if key[0] == "param" and key[3] not in self.trainable(key[1], key[2]):  # a frozen shard: frozen_p bytes
-            size_bytes = math.ceil(self.units[key[1]][key[2]][key[3]] * self.frozen_p / self.d)
+            size_bytes = math.ceil(self.stored(key[1], key[2], key[3], self.frozen_p) / self.d)
         super().alloc(key, size_bytes, stream)
+
+    def stored(self, s: int, u, i: int, width: int) -> int:
+        """Bytes of unit u's tensor i at `width` bytes an element: half a byte where QLoRA packs it."""
+        n = self.units[s][u][i]
+        return qlora.packed_bytes(n) if u >= self.root_units(s) and i in self.packed else n * width
+
+    def unsharded(self, s: int, u) -> list[int]:
+        """QLoRA: a block's all-gather output holds its linears packed (memory.py's block_c), the rest in c."""
+        if not self.packed or isinstance(u, str) or u < self.root_units(s):
+            return super().unsharded(s, u)
+        return [self.stored(s, u, i, self.c) for i in range(len(self.units[s][u]))]
 
     def all_gather(self, u) -> None:
         """The copy-in source (what is cast to the compute dtype), the all-gather output on the copy-in stream."""
@@ -86,6 +114,17 @@ class LoraWalk:
         self.free(("all_gather_in", s, u))
         self.prefetched.add(u)
 
+    def post_forward(self, s: int, u: int) -> None:
+        """QLoRA: each linear's weight dequantized in its forward, one at a time, beside the nested absmax dequantized
+        and offset (qlora.forward_in_flight_bytes without the output, which the block's saved tensors hold); then
+        the unit's post-forward."""
+        if self.packed and u >= self.root_units(s):
+            c, dq = self.c, self.training.double_quant
+            for i, o in qlora.linear_shapes(self.model):
+                absmax = qlora.absmax_dequantized_bytes(i * o, dq)
+                _RankWalk.transient(self, ("dequantized", s, u, i, o), [absmax] * 2 * bool(absmax) + [i * o * c])
+        super().post_forward(s, u)
+
     def transient(self, key, sizes, stream=0) -> None:
         """A block's backward working set beside the adapter gradients of its moment (made before it, the down
         projection's first), the rest of them made at its post-backward."""
@@ -93,7 +132,7 @@ class LoraWalk:
             return _RankWalk.transient(self, key, sizes, stream)
         s, j = key[1], key[3]
         u = self.root_units(s) + j
-        working, left = self.moment
+        working, dequantized, left = self.moment
         early = []
         for i in reversed(self.trainable(s, u)):
             if self.units[s][u][i] * self.c <= left:
@@ -102,7 +141,7 @@ class LoraWalk:
         for i in early:
             self.alloc(("wgrad", s, u, i), self.units[s][u][i] * self.c)
         # the incoming gradient (the working set's c*h) is the walk's grad_in, alive already
-        _RankWalk.transient(self, key, self.tensors(max(0, working - self.hs)), stream)
+        _RankWalk.transient(self, key, self.tensors(max(0, working - self.hs)) + dequantized, stream)
         self.made[u] = set(early)
 
     def weight_grads(self, s: int, u: int, made: bool = False) -> None:

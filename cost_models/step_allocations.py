@@ -30,10 +30,10 @@ head's gathered logits: walk == ledger on the 27 TP rows of memory_accuracy.py -
 grid but fp32 / eager blocks at every-2 / selective-op, -0.4 .. +0.6%), kernel knobs (kernels.memory_kernels: the
 blocks' tensors through StagePieces, the loss kernel's own, loss_kernel_events.py; llama3-8b on 8 x h100-80gb: walk
 == ledger in every eager, chunked-loss and TE RMSNorm config, Liger's 14 of 48 off by -1.2 .. +2.0%), torchtitan
-0.3's edge units (edge_unit_events.py) and LoRA (lora_events.py: docs/accuracy.md, "LoRA's step replayed"). A
+0.3's edge units (edge_unit_events.py), LoRA and QLoRA (lora_events.py; docs/accuracy.md, "LoRA's step"). A
 block's gradients alive at its backward's largest moment are made before its working set (transient), the rest at
 its post-backward. The flat rule stays where the ledger has pieces StagePieces lacks or the walk does not yet match
-it: TP with CP (+0.2 .. +0.8% on llama3-8b), MoE and EP, QLoRA, LoRA with FSDP1's adapter units, edge units or a
+it: TP with CP (+0.2 .. +0.8% on llama3-8b), MoE and EP, LoRA with FSDP1's adapter units, edge units or a
 loss kernel, CPU offload, a shard group of one rank, models priced from a traced block profile.
 """
 
@@ -57,7 +57,7 @@ def replays(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, d: int
             adapter_units: bool = False) -> str | None:
     """Why a pp = 1 configuration keeps the flat rule (module docstring), or None where its step is replayed
     (adapter_units: FSDP1's, each LoRA adapter a unit of its own: fsdp1_adapters.py)."""
-    why = [(model.moe is not None or config.ep > 1, "MoE / expert parallelism"), (training.quantized, "QLoRA"),
+    why = [(model.moe is not None or config.ep > 1, "MoE / expert parallelism"),
            (lora := lora_flat_reason(model, training, config, adapter_units), lora),
            (config.tp > 1 and config.cp > 1, "tensor and context parallelism together"),
            (config.offload, "CPU offload"),

@@ -1,4 +1,4 @@
-"""A LoRA step's allocations (cost_models/lora_events.py under step_allocations._LoraStepWalk): the walk's live tensors
+"""A LoRA / QLoRA step's allocations (cost_models/lora_events.py under step_allocations._LoraStepWalk): the walk's live tensors
 peak at the memory ledger's allocated peak, its states are the adapters' alone, and the reserved figure the estimate
 reports is the replay's. No trace runs here: the traced figures are the trace tier's (planner.tracing.trace, fake
 tensors), quoted where they are used. Each estimate here takes ~0.3 s of CPU."""
@@ -71,13 +71,31 @@ def test_a_small_fp32_lora_step_against_its_trace():
     assert c.memory.allocator_reserved_bytes == replayed
 
 
+def test_qloras_packed_base_and_its_quant_state():
+    """QLoRA (bitsandbytes nf4, double quantization, qlora.py), the same Llama 3 8B step: each block's linears q, k,
+    v, o (4,096 x 4,096, 2 x 4,096 x 1,024) and gate, up, down (3 x 4,096 x 14,336) hold 218,103,808 weights, packed
+    two a byte and sharded over 8: 32 x 109,051,904 / 8 = 436,207,616 B; their QuantStates on every rank, per linear
+    n / 64 one-byte absmax + (n / 64 / 256 + 1 + 16 + 256) x 4 B: 3,468,764 B a block, 111,000,448 B in all. The walk
+    peaks at the ledger's allocated peak and the estimate reports its replay."""
+    c = estimate("llama3-8b", 8, micro_batch=2, global_batch=16, activation_checkpointing="full",
+                 **{**LLAMA_8B_LORA, "finetune": "qlora"})
+    events, first = _walk(c)
+    sizes = {e[1]: e[2] for e in events[:first] if e[0] == "alloc"}
+    assert sum(v for k, v in sizes.items() if k[0] == "param" and k[2] > 0 and k[3] < 7) == 436_207_616
+    assert sum(v for k, v in sizes.items() if k[0] == "quant_state") == 111_000_448
+    assert _events_peak(events) == c.memory.peak_allocated_bytes
+    assert replays(c.model, c.training, c.config, 8) is None
+    assert c.memory.allocator_reserved_bytes == step_replay(c.model, c.cluster, c.training, c.config,
+                                                            snapshots=False).peak_reserved_bytes
+
+
 def test_what_keeps_the_flat_rule_under_lora(lora8):
-    """QLoRA, a loss kernel (the ledger prices Liger's head gradient though the head is frozen) and FSDP1's adapter
-    units (accelerate: fsdp1_adapters.py) stay flat: allocated x 1.05 + outside, no replay note."""
+    """A loss kernel (the ledger prices Liger's head gradient though the head is frozen) and FSDP1's adapter units
+    (accelerate: fsdp1_adapters.py) stay flat: allocated x 1.05 + outside, no replay note."""
     spec, training, config = lora8.model, lora8.training, lora8.config
     assert replays(spec, training, config, 8) is None
     assert replays(spec, training, config, 8, adapter_units=True) == "LoRA's adapters as FSDP1 units of their own"
-    for knobs in (dict(trainer="accelerate"), dict(liger=True, trainer="hf"), dict(finetune="qlora")):
+    for knobs in (dict(trainer="accelerate"), dict(liger=True, trainer="hf"), dict(finetune="qlora", trainer="hf-fsdp1")):
         c = estimate("llama3-8b", 8, micro_batch=2, global_batch=16, activation_checkpointing="full",
                      **{**LLAMA_8B_LORA, **knobs})
         assert not any("replayed through" in n for n in c.memory.notes), knobs
