@@ -27,29 +27,24 @@ SHARD_GRAD_OP-like strategies keep every block gathered from forward until its b
 fsdp1_adapter_units: LoRA / QLoRA under FSDP1, each adapter a unit (fsdp1_adapters.py says what changes). A shard
 group of one rank (NO_SHARD) copies params out to unsharded tensors but needs no collective buffers. Ignored:
 per-parameter padding to a multiple of d, allocator rounding to 512 bytes; reserved adds the profile's fragmentation
-and the memory outside the allocator (outside_allocator.py).
+and the memory outside the allocator (outside_allocator.py). The peak among the moments: memory_peak.py.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections import namedtuple
 
 from . import (activations, context_parallel, edge_units, expert_parallel, fsdp2_gathers, kernels, moe,
                optimizer_step, qlora, tensor_parallel)
 from .fsdp1_adapters import AdapterUnits
+from .memory_peak import Moment as _Moment, peak_estimate
 from .memory_shape import ledger_shape, shape_key
 from .memory_types import MemoryBreakdown, MemoryEstimate, ParamCounts
 from .outside_allocator import outside_allocator_terms
 from .profile import Profile
 from .specs import ClusterSpec, FsdpConfig, ModelSpec, Sharding, TrainingSpec
 from .units import DTYPE_BYTES
-
-# A moment's MemoryBreakdown, cheaper to make (a ledger weighs ~7 moments to keep one): its fields in its order, so a
-# moment's sum() is the breakdown's total_bytes and MemoryBreakdown(*moment) the breakdown
-_Moment = namedtuple("_Moment", [f.name for f in dataclasses.fields(MemoryBreakdown)],
-                     defaults=(0,) * len(dataclasses.fields(MemoryBreakdown)))
 
 
 def _shard(n_bytes: float, d: int) -> int:
@@ -365,36 +360,16 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
         unsharded_grads=root.end_grads,
         collective_buffers=root.end_rs,
     )
-    totals = {k: sum(m) for k, m in moments.items()}  # each moment's total_bytes
-    peak_moment = max(totals, key=totals.__getitem__)  # the first largest
-    backward = MemoryBreakdown(*moments[peak_moment])
     step = MemoryBreakdown(
         sharded_params=gpu_states * sharded_params + quant_state,
         sharded_grads=gpu_states * sharded_grads,
         optimizer_state=gpu_states * optimizer_state,
         optimizer_temporaries=gpu_states * step_temporaries,
     )
-    step_total = step.total_bytes
-    if step_total > totals[peak_moment]:
-        breakdown, phase, peak_moment, peak_allocated = step, "optimizer_step", "optimizer step", step_total
-    else:
-        breakdown, phase = backward, "forward" if peak_moment.startswith("forward") else "backward"
-        peak_allocated = totals[peak_moment]
-    # The loss's segments stay reserved once made (allocator.py): with its allocator-stranded bytes the loss
-    # backward can set the reserved peak even where another moment allocates more.
-    loss_reserved = totals["loss backward"] + s.loss_reserved_extra
     if outside is None:
         outside = outside_allocator_terms(cluster, config, profile, full_model, training,
                                           ep_view.outside_allocator_bytes(c) if ep_view is not None else 0)
-    peak_reserved = profile.reserved_bytes(max(peak_allocated, loss_reserved), sum(t.bytes for t in outside))
     cpu_per_rank = (sharded_params + sharded_grads + optimizer_state + step_temporaries) if config.offload else 0
-    forwards = [m for k, m in moments.items() if k.startswith("forward")]
-    return MemoryEstimate(breakdown=breakdown, peak_phase=phase,
-        phases={"backward": backward, "optimizer_step": step,
-                **({"forward": MemoryBreakdown(*max(forwards, key=sum))} if forwards else {})},  # the largest
-        peak_allocated_bytes=peak_allocated, peak_reserved_bytes=peak_reserved,
-        cpu_bytes_per_node=cpu_per_rank * cluster.gpus_per_node, cpu_ram_capacity_bytes=cluster.cpu_ram_bytes_per_node,
-        notes=s.quirks
-        + tuple(n for n in [None if config.expert_shard_dim or ep_view else moe.padding_note(model, d, c)] if n)
-        + (ep_view.notes() if ep_view is not None else ()),
-        peak_moment=peak_moment, outside_allocator=outside)
+    notes = (s.quirks + tuple(n for n in [None if config.expert_shard_dim or ep_view else moe.padding_note(model, d, c)]
+                              if n) + (ep_view.notes() if ep_view is not None else ()))
+    return peak_estimate(moments, step, s.loss_reserved_extra, outside, profile, cluster, cpu_per_rank, notes)
