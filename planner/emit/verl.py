@@ -13,6 +13,7 @@ import json
 import shlex
 import textwrap
 
+from cost_models.rollout_lora_sglang import SGLANG_MAX_LORAS_PER_BATCH
 from cost_models.units import GiB
 from planner.emit.common import _comment, cpu_step_threads
 from planner.emit.rl_flags import MARK, planner_flags
@@ -87,6 +88,10 @@ ADV_ESTIMATORS = {"grpo": "grpo", "ppo": "gae"}   # algorithm.adv_estimator (ver
 CRITIC_DEFAULTS = {"critic.strategy": "fsdp", "critic.fsdp.model_dtype": "fp32"}
 # model.lora.merge (trainer/config/model/hf_model.yaml, default False): written and read for a LoRA actor only
 LORA_MERGE = A + "model.lora.merge"
+# SGLang's LoRA pool slots: verl 0.9.1 merges rollout.engine_kwargs.sglang into SGLang's ServerArgs as is
+# (async_sglang_server.py launch_server: **engine_kwargs, then enable_lora / max_lora_rank / lora_target_modules,
+# which leave it alone); rollout.yaml declares engine_kwargs.sglang empty, so the override adds the key: `+`
+MAX_LORAS = A + "rollout.engine_kwargs.sglang.max_loras_per_batch"
 
 
 def hydra_value(value) -> str:
@@ -109,6 +114,8 @@ def overrides(r, model_path: str, settings) -> list[tuple[str, object]]:
             (A + "model.lora_rank", r.lora_rank if r.finetune == "lora" else 0)]
     if r.finetune == "lora":
         out += [(A + "model.target_modules", "all-linear"), (LORA_MERGE, settings.lora_merge)]
+    if r.engine == "sglang" and r.max_loras_per_batch not in (None, SGLANG_MAX_LORAS_PER_BATCH):
+        out.append(("+" + MAX_LORAS, r.max_loras_per_batch))
     if r.use_dynamic_bsz:
         budget = r.log_prob_max_token_len_per_gpu or r.ppo_max_token_len_per_gpu
         out += [(A + "actor.ppo_max_token_len_per_gpu", r.ppo_max_token_len_per_gpu),

@@ -23,6 +23,7 @@ from cost_models.rl_trl_server import is_local_host
 from cost_models.rl_time import RlTime, critic_seconds, rl_step_time, train_seconds
 from cost_models.rollout_engine import Engine, EngineSettings
 from cost_models.rollout_lora import served_max_lora_rank
+from cost_models.rollout_lora_sglang import SGLANG_MAX_LORAS_PER_BATCH
 from cost_models.units import GiB
 
 from ..errors import PlannerError
@@ -79,9 +80,14 @@ def specs_of(r: RlRequest, model: ModelSpec) -> tuple[RlBatch, EngineSettings, R
                     ulysses_sequence_parallel_size=r.ulysses_sequence_parallel_size,
                     use_remove_padding=r.use_remove_padding and not trl, mean_prompt_length=r.mean_prompt_len,
                     mean_response_length=r.mean_response_len)
+    if r.max_loras_per_batch is not None and r.engine != "sglang":
+        raise PlannerError("max_loras_per_batch", "an SGLang server arg (rollout.engine_kwargs.sglang): valid with "
+                                                  "--engine sglang only (verl serves vLLM's adapter with max_loras 1)")
     engine = EngineSettings(engine=r.engine, version=r.engine_version, gpu_memory_utilization=r.gpu_memory_utilization,
                             tp=r.rollout_tp, max_model_len=r.prompt_len + r.response_len, max_num_seqs=r.max_num_seqs,
-                            max_num_batched_tokens=r.max_num_batched_tokens, enforce_eager=r.enforce_eager)
+                            max_num_batched_tokens=r.max_num_batched_tokens, enforce_eager=r.enforce_eager,
+                            max_loras_per_batch=SGLANG_MAX_LORAS_PER_BATCH if r.max_loras_per_batch is None
+                            else r.max_loras_per_batch)
     settings = RlSettings(strategy=r.strategy, framework=r.framework, actor_dtype=r.actor_dtype, finetune=r.finetune,
                           lora_rank=r.lora_rank, lora_merge=bool(r.lora_merge),   # None: verl's default
                           param_offload=r.param_offload, optimizer_offload=r.optimizer_offload,

@@ -1,8 +1,8 @@
 """What a priced RL configuration should hear beyond fits / does not fit (issue 28's findings): the KV cache
 holding fewer sequences than max_num_seqs, Adam's states appearing after the engine sized its KV cache, TRL's
 reference left on the GPU (verl's ref param_offload=False, which verl ignores), FSDP1 LoRA's whole-model weight sync, an fp32 actor where memory is short; TRL's engine
-left awake and its reference gathered whole. One line each, with the knob that changes it (TRL: its GRPOConfig's
-or accelerate's key)."""
+left awake and its reference gathered whole; SGLang's LoRA pool with slots verl never fills. One line each, with the
+knob that changes it (TRL: its GRPOConfig's or accelerate's key)."""
 
 from __future__ import annotations
 
@@ -50,6 +50,7 @@ def findings(settings: RlSettings, engine: EngineSettings, memory: RlMemory, seq
                    "--strategy fsdp2 gathers only the adapters")
     out += _offload_policy(settings, memory)
     out += _engine_room(engine, memory, phases, capacity_bytes)
+    out += _lora_slots(settings, engine, memory)
     if settings.actor_dtype == "fp32" and memory.peak.reserved_bytes > capacity_bytes:
         out.append("the actor is stored in fp32 (verl's 2025 default model_dtype): --actor-dtype bf16 halves its "
                    "params, gradients and Adam's states")
@@ -132,3 +133,24 @@ def _engine_room(engine: EngineSettings, memory: RlMemory, phases: dict, capacit
     return [f"gpu_memory_utilization {engine.gpu_memory_utilization} leaves the trainer no room in {worst.name}: "
             f"{worst.reserved_bytes / GiB:.1f} GiB > {capacity_bytes / GiB:.1f}; the KV cache shrinks with it byte "
             f"for byte: --gpu-memory-utilization {fits} (rollout.gpu_memory_utilization) or --param-offload"]
+
+
+def _lora_slots(settings: RlSettings, engine: EngineSettings, memory: RlMemory) -> list[str]:
+    """verl serving its adapter from SGLang with more than one LoRA pool slot (SGLang's default 8, which verl 0.9.1
+    leaves): verl serves one adapter - every generate request names it (async_sglang_server.py generate) and the
+    weight sync unloads the old one before loading the new (sglang_rollout.py ServerAdapter.update_weights; SGLang's
+    unload waits for the requests still using it: lora_registry.py wait_for_unload) - so one slot serves it and the
+    others only hold bytes out of the KV pool (cost_models/rollout_lora_sglang.py: the pool is linear in the slots;
+    EngineMemory.lora_read_bytes is one slot's)."""
+    e = memory.engine
+    if settings.framework != "verl" or engine.engine.value != "sglang" or not e.lora_bytes \
+            or engine.max_loras_per_batch == 1:
+        return []
+    from planner.emit.verl import MAX_LORAS   # the key's one home (it imports the emit package)
+
+    freed = e.lora_bytes - e.lora_read_bytes
+    tokens = freed * e.kv_tokens // e.kv_bytes if e.kv_bytes else 0   # SGLang's page: one token
+    return [f"SGLang's LoRA pool holds max_loras_per_batch {engine.max_loras_per_batch} adapter slots "
+            f"({e.lora_bytes:,} B a GPU, never released) and verl serves one adapter (its weight sync unloads the "
+            f"old before loading the new): +{MAX_LORAS}=1 (--max-loras-per-batch 1) frees {freed:,} B "
+            f"({freed / GiB:.2f} GiB) a GPU to the KV cache, about {tokens:,} tokens more"]

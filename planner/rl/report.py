@@ -50,6 +50,8 @@ def knobs_dict(e: RlEstimate) -> dict:
                critic_offload_policy=s.critic_host_offload)
     if s.lora and s.framework == "verl":   # model.lora.merge, searched for a LoRA actor (search.lora_merges)
         out["lora_merge"] = s.lora_merge
+    if engine.engine.value == "sglang" and engine.max_lora_rank:   # SGLang's LoRA pool slots (search: lora_slots)
+        out["max_loras_per_batch"] = engine.max_loras_per_batch
     return out
 
 
@@ -128,7 +130,7 @@ def rl_text(e: RlEstimate) -> str:
         f"batch: {b.sequences_per_step} sequences per step, {b.mini_batch_seqs_per_rank} per rank per mini-batch; "
         f"update micro-batch {b.update_tokens_per_gpu:,} tokens per GPU, log-prob {b.log_prob_tokens_per_gpu:,}",
         f"engine: weights {gib(eng.weights_bytes)} GiB, "
-        + (f"LoRA buffers {gib(eng.lora_bytes)} GiB, " if eng.lora_bytes else "")
+        + (f"LoRA buffers {gib(eng.lora_bytes)} GiB{_slots(e)}, " if eng.lora_bytes else "")
         + f"KV cache {gib(eng.kv_bytes)} GiB ({eng.kv_tokens:,} tokens, "
         f"{eng.max_concurrent_seqs} sequences of {r.prompt_len + r.response_len} at once)",
     ]
@@ -155,6 +157,13 @@ def rl_text(e: RlEstimate) -> str:
     lines += [textwrap.fill(t, LINE_WIDTH, subsequent_indent="  ") for t in (
         verdict, *(f"note: {n}" for n in e.notes), "estimates: " + "; ".join(ESTIMATES))]
     return "\n".join(lines)
+
+
+def _slots(e: RlEstimate) -> str:
+    """SGLang's LoRA pool: its adapter slots (max_loras_per_batch)."""
+    s = e.engine_settings
+    n = s.max_loras_per_batch
+    return f" ({n} slot{'s' if n > 1 else ''}: max_loras_per_batch)" if s.engine.value == "sglang" else ""
 
 
 def knob_words(r, settings) -> str:

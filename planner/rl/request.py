@@ -118,6 +118,10 @@ class RlRequest:
     max_num_seqs: int = knob(256, "--max-num-seqs", help="rollout.max_num_seqs")
     max_num_batched_tokens: int = knob(8192, "--max-num-batched-tokens", help="rollout.max_num_batched_tokens")
     enforce_eager: bool = knob(False, "--enforce-eager/--no-enforce-eager", help="No CUDA graphs")
+    max_loras_per_batch: int | None = knob(None, "--max-loras-per-batch", help="SGLang serving the LoRA adapter: "
+                                           "rollout.engine_kwargs.sglang.max_loras_per_batch, its LoRA pool's "
+                                           "adapter slots (default: `rl estimate` and check price SGLang's 8, which "
+                                           "verl leaves; `rl` takes 1, verl serving one adapter)")
     sleep_level: int | None = knob(None, "--sleep-level", help="The engine's sleep level: 1 (its weights backed up "
                                    "to the host) or 2 (discarded). The framework decides it (verl 0.9.1: 1 for a LoRA "
                                    "adapter, else 2; TRL: 2): another one is noted and priced as it runs")

@@ -7,10 +7,11 @@ The knobs fall in three groups by what they change in the cost models:
   - they change every phase, the offload copies and (strategy, dtype) the update's seconds; the reference's
   offload is not a knob (verl offloads it whatever it says: NOT_SEARCHED);
 - engine (E): rollout TP, gpu_memory_utilization, max_num_seqs, max_num_batched_tokens and, for a LoRA actor,
-  model.lora.merge (lora_merges) - they change only the phases with the engine awake (init, rollout, weight_sync:
-  ENGINE_PHASES), the engine's refusals, host RAM, the generation time and the weight sync (merged: vLLM without
-  enable_lora at sleep level 2, the merged model sent and the base backed up on the host at each sync; unmerged:
-  vLLM's LoRA buffers out of its KV cache, the weights backed up at level 1, the adapters sent);
+  model.lora.merge (lora_merges; SGLang's LoRA pool slots follow it: lora_slots) - they change only the phases
+  with the engine awake (init, rollout, weight_sync: ENGINE_PHASES), the engine's refusals, host RAM, the
+  generation time and the weight sync (merged: vLLM without enable_lora at sleep level 2, the merged model sent and
+  the base backed up on the host at each sync; unmerged: vLLM's LoRA buffers out of its KV cache, the weights
+  backed up at level 1, the adapters sent);
 - actor (A): gradient checkpointing, the Ulysses degree (dividing the heads and the GPUs; the KV heads divided
   by it or dividing it, verl's repeat_kv), static micro-batches or dynamic ones (use_dynamic_bsz: packed to a
   token budget, held at the budget, run on the real tokens: cost_models/rl_batch.py), the update's and the
@@ -91,11 +92,28 @@ LORA_NOT_SEARCHED = {
                    "start)"}
 
 
+SGLANG_LORA_SLOTS = ("1 where the request leaves it, not searched: SGLang's LoRA pool holds max_loras_per_batch "
+                     "slots of the adapter's size, out of the KV cache, and verl serves one adapter (every request "
+                     "names it; the weight sync unloads the old before loading the new: sglang_rollout.py "
+                     "update_weights), so SGLang's default 8 adds 7 empty slots at the same speed - never better")
+
+
 def not_searched(request: RlRequest) -> dict:
     """The knobs kept at the request's value that bear on its pricing, each with why."""
     pinned = {"lora_merge": f"the request's ({request.lora_merge}: --lora-merge / --no-lora-merge pins it)"} \
         if request.finetune == "lora" and request.lora_merge is not None else {}
+    if request.engine == "sglang" and request.finetune == "lora" and request.lora_merge is not True:
+        pinned["max_loras_per_batch"] = SGLANG_LORA_SLOTS if request.max_loras_per_batch is None else (
+            f"the request's ({request.max_loras_per_batch}: --max-loras-per-batch pins it)")
     return {**NOT_SEARCHED, **(LORA_NOT_SEARCHED if request.finetune == "lora" else {}), **pinned}
+
+
+def lora_slots(request: RlRequest, merge: dict) -> dict:
+    """SGLang's max_loras_per_batch for an engine choice: 1 where verl serves the adapter (merge off) from SGLang
+    and the request leaves it (SGLANG_LORA_SLOTS says why), else the request's."""
+    merged = merge.get("lora_merge", bool(request.lora_merge))
+    served = request.engine == "sglang" and request.finetune == "lora" and not merged
+    return {"max_loras_per_batch": 1} if served and request.max_loras_per_batch is None else {}
 
 
 def lora_merges(request: RlRequest) -> tuple[bool, ...]:
@@ -169,7 +187,7 @@ def spaces(request: RlRequest, model: ModelSpec, n_gpus: int) -> tuple[list[dict
         shared = [dict(s, critic_param_offload=a, critic_optimizer_offload=b) for s in shared for a, b in critic]
     seqs = request.train_batch * request.rollout_n
     engine = []
-    merges = [dict(lora_merge=m) for m in lora_merges(request)] or [{}]
+    merges = [dict(m, **lora_slots(request, m)) for m in ([dict(lora_merge=m) for m in lora_merges(request)] or [{}])]
     for tp in (t for t in TPS if n_gpus % t == 0 and heads % t == 0):
         per_replica = -(-seqs // (n_gpus // tp))
         wanted = [m for m in MAX_NUM_SEQS if m < per_replica] + [next((m for m in MAX_NUM_SEQS if m >= per_replica),

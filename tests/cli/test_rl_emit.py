@@ -523,3 +523,42 @@ def test_trl_server_config_and_launch_line_accepted_by_trl():
     config = trl.GRPOConfig(**next(yaml.safe_load_all(emit_trl(rl_estimate("qwen2-7b", 2, **several)))),
                             use_cpu=True)
     assert (config.steps_per_generation, config.gradient_accumulation_steps) == (20, 40)
+
+
+def test_sglangs_lora_slots_reach_the_server_args_verl_builds(tmp_path, monkeypatch):
+    """--max-loras-per-batch 1 (SGLang serving the adapter): the override --emit verl writes, with `+` (rollout.yaml
+    declares engine_kwargs.sglang empty: Hydra refuses to override a key it lacks, pinned below), composes, passes
+    verl's validation, and verl's RolloutConfig carries it in engine_kwargs["sglang"]. verl 0.9.1's launch_server
+    (async_sglang_server.py, read, not imported: it imports sglang) spreads that dict into ServerArgs' arguments and
+    its LoRA update sets the rank and targets, not the slots; one slot serves verl's one adapter: every generate
+    request names it, and the weight sync (sglang_rollout.py ServerAdapter.update_weights) unloads the old adapter
+    before loading the new one."""
+    import pathlib
+
+    from hydra.errors import ConfigCompositionException
+
+    from planner.emit.verl import MAX_LORAS
+
+    omega_conf_to_dataclass = _verl_validation()[0].omega_conf_to_dataclass
+    import verl
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    knobs = dict(OFFLOAD_POLICY, offload_policy=False, finetune="lora", engine="sglang", max_loras_per_batch=1)
+    script = emit_verl(rl_estimate("qwen2.5-7b", 8, **knobs))
+    assert f"    +{MAX_LORAS}=1 \\" in script.splitlines()
+    overrides = script_overrides(script.replace("MODEL_PATH=qwen2.5-7b", "MODEL_PATH=" + _model_dir(tmp_path,
+                                                                                                  "qwen2.5-7b")))
+    assert overrides.pop(MAX_LORAS) == "1"
+    composed = _validated(overrides, f"+{MAX_LORAS}=1")
+    rollout = omega_conf_to_dataclass(composed.actor_rollout_ref.rollout)
+    assert rollout.name == "sglang" and rollout.engine_kwargs["sglang"] == {"max_loras_per_batch": 1}
+    with pytest.raises(ConfigCompositionException):
+        _compose([f"{MAX_LORAS}=1"])
+    sglang = pathlib.Path(verl.__file__).parent / "workers" / "rollout" / "sglang_rollout"
+    server = (sglang / "async_sglang_server.py").read_text()
+    launch = server[server.index("async def launch_server"):server.index("server_args = ServerArgs(**args)")]
+    assert 'engine_kwargs = self.config.get("engine_kwargs", {}).get("sglang", {})' in launch
+    assert "**engine_kwargs," in launch and "max_loras_per_batch" not in launch
+    assert "generate_request.lora_path = SGLANG_LORA_NAME" in server
+    sync = (sglang / "sglang_rollout.py").read_text()
+    assert sync.index("unload_lora_adapter(SGLANG_LORA_NAME)") < sync.index("load_lora_adapter_from_tensor(req)")

@@ -115,6 +115,7 @@ def from_overrides(o: dict, source: str, dialect: str, text: str = "") -> RlSetu
         knobs["lora_rank"] = rank
         if keys.LORA_MERGE in o:
             knobs["lora_merge"] = typed("lora_merge", o[keys.LORA_MERGE], keys.LORA_MERGE)
+    _sglang_kwargs(o, knobs, notes)
     _batches(o, knobs)
     _entropy(o, knobs, notes)
     _reward(o, knobs, notes)
@@ -130,7 +131,7 @@ def from_overrides(o: dict, source: str, dialect: str, text: str = "") -> RlSetu
         "algorithm": "algorithm.adv_estimator", "actor_dtype": A + "actor.fsdp_config.model_dtype",
         "critic_strategy": "critic.strategy", "critic_dtype": "critic.fsdp.model_dtype",
         "ppo_mini_batch_size": A + "actor.ppo_mini_batch_size", "lora_rank": A + "model.lora_rank",
-        "lora_merge": keys.LORA_MERGE,
+        "lora_merge": keys.LORA_MERGE, "max_loras_per_batch": keys.MAX_LORAS,
         "reward_model": keys.RM + "model_path", **{f: k for k, f in keys.POOL_KEYS.items()}}
     return RlSetup(knobs={**knobs, **flags}, source=source, dialect=dialect, model=model, model_path=path,
                    model_key=A + "model.path", notes=tuple(notes), keys=named)
@@ -143,6 +144,19 @@ def _dtype(o: dict, key: str) -> str:
     if dtype not in dtypes:
         raise PlannerError(key, f"unknown value {dtype!r}; choose one of: fp32, bf16")
     return dtypes[dtype]
+
+
+def _sglang_kwargs(o: dict, knobs: dict, notes: list) -> None:
+    """rollout.engine_kwargs.sglang.max_loras_per_batch: SGLang's LoRA pool slots, passed to its ServerArgs
+    (keys.MAX_LORAS); verl reads engine_kwargs.sglang only when it starts SGLang, so under another engine it is
+    ignored, and said."""
+    if keys.MAX_LORAS not in o:
+        return
+    if knobs.get("engine") == "sglang":
+        knobs["max_loras_per_batch"] = _value(o, keys.MAX_LORAS, "max_loras_per_batch")
+    else:
+        notes.append(f"{keys.MAX_LORAS} is ignored: verl passes engine_kwargs.sglang to SGLang only, and "
+                     f"rollout.name is {knobs.get('engine')}")
 
 
 def _critic(o: dict, knobs: dict) -> None:
