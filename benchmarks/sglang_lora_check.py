@@ -83,8 +83,8 @@ class _Group:
         self.world_size, self.rank_in_group, self.rank, self.ranks = size, 0, 0, list(range(size))
 
 
-def sglang_bytes(name: str, tp: int, rank: int = 32, slots: int = 8, targets="all-linear") -> tuple[int, int]:
-    """(block buffers, vocabulary buffers) SGLang's LoRAMemoryPool allocates on TP rank 0 (meta tensors)."""
+def sglang_pool(name: str, tp: int, rank: int = 32, slots: int = 8, targets="all-linear"):
+    """The LoRAMemoryPool SGLang builds on TP rank 0 (meta tensors), from ServerArgs as verl passes them."""
     _install_stand_ins()
     import importlib
     from types import SimpleNamespace
@@ -114,6 +114,13 @@ def sglang_bytes(name: str, tp: int, rank: int = 32, slots: int = 8, targets="al
                               max_lora_rank=shapes.max_lora_rank, target_modules=shapes.target_modules,
                               base_model=model, eviction_policy="lru",
                               lora_added_tokens_size=shapes.lora_added_tokens_size)
+    return pool
+
+
+def sglang_bytes(name: str, tp: int, rank: int = 32, slots: int = 8, targets="all-linear") -> tuple[int, int]:
+    """(block buffers, vocabulary buffers) SGLang's LoRAMemoryPool allocates on TP rank 0 (meta tensors)."""
+    pool = sglang_pool(name, tp, rank, slots, targets)
+
     def size(tensors) -> int:
         return sum(t.numel() * t.element_size() for t in tensors)
     blocks = sum(size(layers) for buffer in (pool.A_buffer, pool.B_buffer) for layers in buffer.values())
