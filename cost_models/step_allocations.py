@@ -22,19 +22,19 @@ where a pipeline stage stays gathered for the step:
   head's and final norm's gradients made at the head's backward and kept to the root's post-backward, which runs
   once autograd is done (block 0's input gradient and eager attention's checkpointed mask gone by then).
 
-Where it runs (replays(config)): every dense pp = 1 configuration with a shard group of more than one rank - FSDP,
-HSDP (its all-reduce adds no tensor), CP (s / cp tokens; the ring's buffers not in StagePieces: the ledger's
-allocated peak is the floor), TP with and without sequence parallel (the rank's slice; with SP a checkpointed Llama
-block op by op, tp_block_events.py, loss parallel's tensors and the embedding's whole-table gradient; without it the
-head's gathered logits: walk == ledger on the 27 TP rows of memory_accuracy.py --mesh --only tp and llama3-8b's TP
-grid but fp32 / eager blocks at every-2 / selective-op, -0.4 .. +0.6%), kernel knobs (kernels.memory_kernels: the
-blocks' tensors through StagePieces, the loss kernel's own, loss_kernel_events.py; llama3-8b on 8 x h100-80gb: walk
-== ledger in every eager, chunked-loss and TE RMSNorm config, Liger's 14 of 48 off by -1.2 .. +2.0%), torchtitan
-0.3's edge units (edge_unit_events.py), LoRA and QLoRA (lora_events.py; docs/accuracy.md, "LoRA's step"). A
-block's gradients alive at its backward's largest moment are made before its working set (transient), the rest at
-its post-backward. The flat rule stays where the ledger has pieces StagePieces lacks or the walk does not yet match
-it: TP with CP (+0.2 .. +0.8% on llama3-8b), MoE and EP, LoRA with FSDP1's adapter units, edge units or a
-loss kernel, CPU offload, a shard group of one rank, models priced from a traced block profile.
+Where it runs (replays(config)): every dense pp = 1 configuration - FSDP, HSDP (its all-reduce adds no tensor), a
+shard group of one rank (one_rank_events.py), CPU offload (offload_events.py), CP (s / cp tokens; the ring's buffers
+not in StagePieces: the ledger's allocated peak is the floor), TP with and without sequence parallel (the rank's
+slice; with SP a checkpointed Llama block op by op, tp_block_events.py, loss parallel's tensors and the embedding's
+whole-table gradient; without it the head's gathered logits: walk == ledger on the 27 TP rows of memory_accuracy.py
+--mesh --only tp and llama3-8b's TP grid but fp32 / eager blocks at every-2 / selective-op, -0.4 .. +0.6%), kernel
+knobs (kernels.memory_kernels: the blocks' tensors through StagePieces, the loss kernel's own, loss_kernel_events.py;
+llama3-8b on 8 x h100-80gb: walk == ledger in every eager, chunked-loss and TE RMSNorm config, Liger's 14 of 48 off
+by -1.2 .. +2.0%), torchtitan 0.3's edge units (edge_unit_events.py), LoRA and QLoRA (lora_events.py;
+docs/accuracy.md, "LoRA's step"). A block's gradients alive at its backward's moment are made before its working
+set, the rest at its post-backward. Flat where the ledger has pieces StagePieces lacks or the walk does not yet
+match it: TP with CP (+0.2 .. +0.8% on llama3-8b), MoE and EP, LoRA with FSDP1's adapter units, edge units or a
+loss kernel, a traced block profile.
 """
 
 from __future__ import annotations
@@ -47,6 +47,8 @@ from .loss_kernel_events import loss_kernel_events
 from .caching_allocator import AllocatorSettings, ReplayResult, replay
 from .edge_unit_events import EdgeUnitsWalk
 from .lora_events import LoraWalk, lora_flat_reason
+from .offload_events import OffloadWalk
+from .one_rank_events import OneRankWalk
 from .memory_types import MemoryEstimate
 from .pipeline_allocations import ALL_GATHER_STREAM, REDUCE_SCATTER_STREAM, _RankWalk, replay_notes
 from .pipeline_memory import rank_inputs
@@ -60,8 +62,6 @@ def replays(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, d: int
     why = [(model.moe is not None or config.ep > 1, "MoE / expert parallelism"),
            (lora := lora_flat_reason(model, training, config, adapter_units), lora),
            (config.tp > 1 and config.cp > 1, "tensor and context parallelism together"),
-           (config.offload, "CPU offload"),
-           (d <= 1, "a shard group of one rank"),
            (model.activation_profile is not None, "a traced block profile")]
     return next((reason for cond, reason in why if cond), None)
 
@@ -76,7 +76,7 @@ def replay_step(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, d:
 
 def step_events(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, d: int) -> tuple[list[tuple], int]:
     """Two steps' events, and how many of them are the first step's."""
-    walk = (_LoraStepWalk if training.finetune.adapters else _StepWalk)(model, training, config, d, 0)
+    walk = (_LoraStepWalk if training.finetune.adapters else _FullStepWalk)(model, training, config, d, 0)
     walk.step(first=True)
     first = len(walk.events)
     walk.step(first=False)
@@ -371,8 +371,8 @@ class _StepWalk(EdgeUnitsWalk, _RankWalk):
         self.optimizer_step(first)
 
 
-class _LoraStepWalk(LoraWalk, _StepWalk):
-    """A LoRA step: the base frozen, the adapters trained (lora_events.py)."""
+_FullStepWalk = type("_FullStepWalk", (OffloadWalk, OneRankWalk, _StepWalk), {})  # the walks step_events runs
+_LoraStepWalk = type("_LoraStepWalk", (OffloadWalk, OneRankWalk, LoraWalk, _StepWalk), {})
 
 
 def step_replayed_reserved(memory: MemoryEstimate, model: ModelSpec, cluster, training: TrainingSpec,

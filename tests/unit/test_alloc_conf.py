@@ -127,5 +127,6 @@ def test_explain_shows_the_segments_at_the_peak(piped):
     assert "outside the allocator: pp_p2p: 0.01 GiB: 1 pipeline neighbour(s)" in text
     step = explain_text(estimate("gpt-125m", gpus=8))   # no pipeline: the step's own replay (step_allocations.py)
     assert "the step's allocations over two steps replayed" in step and "segments at the reserved peak" in step
-    flat = explain_text(estimate("gpt-125m", gpus=8, offload=True))   # CPU offload: the flat rule, the same outside
+    assert "segments at the reserved peak" in explain_text(estimate("gpt-125m", gpus=8, offload=True))  # offload too
+    flat = explain_text(estimate("llama3.2-1b", gpus=8, tp=2, cp=2))   # TP with CP: the flat rule, the same outside
     assert "segments at the reserved peak" not in flat and "outside the allocator: cuda_context" in flat
