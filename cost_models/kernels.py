@@ -127,7 +127,7 @@ def liger_chunk_rows(tokens: int, model: ModelSpec) -> int:
     return min(tokens, 1 << max(0, (-(-tokens // inc) - 1).bit_length()))
 
 
-def liger_loss_bytes(model: ModelSpec, c: int, tokens: int) -> int:
+def liger_loss_bytes(model: ModelSpec, c: int, tokens: int, head_grad: bool = True) -> int:
     """Bytes Liger's fused linear cross-entropy holds at its peak beyond the head's input (the hidden states,
     which the root's saved bytes count; the function frees them on return, keeping its grad_input instead).
 
@@ -136,12 +136,13 @@ def liger_loss_bytes(model: ModelSpec, c: int, tokens: int) -> int:
     dtype, c under mixed precision), both kept for backward, where they become the hidden states' and the
     head's gradients; loss_1d (fp32) and target_mask (bool) per row; one chunk's logits (chunk x V in c: the
     cross-entropy kernel writes their gradient in place, then two matmuls fold it into grad_input and
-    grad_weight)."""
+    grad_weight). head_grad False: a frozen head (LoRA) makes no grad_weight (0.8.5: `if weight_needs_grad else
+    None`, weight_needs_grad = weight.requires_grad)."""
     v, h = model.vocab_size, model.hidden_size
-    return tokens * (c * h + 5) + v * h * c + liger_chunk_rows(tokens, model) * v * c
+    return tokens * (c * h + 5) + v * h * c * head_grad + liger_chunk_rows(tokens, model) * v * c
 
 
-def chunked_loss_bytes(model: ModelSpec, c: int, tokens: int, compiled: bool) -> int:
+def chunked_loss_bytes(model: ModelSpec, c: int, tokens: int, compiled: bool, head_grad: bool = True) -> int:
     """Bytes torchtitan's ChunkedLossWrapper (torchtitan/components/loss.py, 0.3.0) holds at its peak beyond
     the hidden states it chunks (which the root's saved bytes count as the head's input).
 
@@ -151,10 +152,11 @@ def chunked_loss_bytes(model: ModelSpec, c: int, tokens: int, compiled: bool) ->
     loss's backward - the inner cross-entropy's peak per logit (loss_memory.loss_events; compiled: compile
     components "loss"), plus the chunk's logits, which the loop's `logits` keeps alive through it - or in
     lm_head's backward (the logits and their gradient in c, the chunk's input gradient c*h, and the new weight
-    gradient beside the accumulated one until AccumulateGrad adds it in place)."""
+    gradient beside the accumulated one until AccumulateGrad adds it in place). head_grad False: a frozen head
+    (LoRA), whose backward makes no weight gradient."""
     chunk = tokens / TORCHTITAN_LOSS_CHUNKS
     v, h = model.vocab_size, model.hidden_size
-    head = v * h * c
+    head = v * h * c * head_grad
     at_loss = chunk * v * (loss_memory._loss_bytes(c, compiled)[1] + (0 if compiled else c)) + head
     at_head = chunk * (2 * v * c + h * c) + 2 * head
     return round(4 * h * tokens + max(at_loss, at_head))
@@ -168,14 +170,14 @@ def memory_kernels(config: FsdpConfig) -> Kernels:
 
 
 def loss_peak_bytes(model: ModelSpec, c: int, config: FsdpConfig, kernels: Kernels, tokens: int,
-                    eager_peak_bytes: int) -> int:
+                    eager_peak_bytes: int, head_grad: bool = True) -> int:
     """The loss's bytes at its peak on `tokens` tokens: eager_peak_bytes (the model's own loss, the ledger's
-    figure) or the loss kernel's (liger_loss_bytes, chunked_loss_bytes)."""
+    figure) or the loss kernel's (liger_loss_bytes, chunked_loss_bytes; head_grad False: the head frozen)."""
     if kernels.loss is LossKernel.EAGER:
         return eager_peak_bytes
     if kernels.loss is LossKernel.LIGER:
-        return liger_loss_bytes(model, c, tokens)
-    return chunked_loss_bytes(model, c, tokens, config.compile and config.compile_loss)
+        return liger_loss_bytes(model, c, tokens, head_grad)
+    return chunked_loss_bytes(model, c, tokens, config.compile and config.compile_loss, head_grad)
 
 
 def loss_forward_bytes(model: ModelSpec, c: int, kernels: Kernels, tokens: int, eager_bytes: int) -> int:

@@ -17,9 +17,9 @@ _StepWalk's own): peft's adapters trained inside their block's FSDP2 unit, the b
   adapter gradients under all-linear, else the attention's with every adapter gradient; QLoRA's with the weight in
   flight dequantized), and QLoRA dequantizes each linear's weight in its forward, one at a time.
 Not written: QLoRA's forward / recompute moment of the MLP's output projection (the ledger's, where it leads the
-walk is below it: docs/accuracy.md). Not here (replays keeps the flat rule): LoRA with a loss kernel (Liger's and the
-chunked loss's priced with the head's weight gradient), with torchtitan's edge units, and FSDP1's adapter units
-(fsdp1_adapters.py); TP / CP / PP with LoRA are not planned.
+walk is below it: docs/accuracy.md). A loss kernel (Liger's, the chunked loss) writes its tensors without the frozen
+head's weight gradient (loss_kernel_events, head_grad=False). Not here (replays keeps the flat rule): LoRA with
+torchtitan's edge units, and FSDP1's adapter units (fsdp1_adapters.py); TP / CP / PP with LoRA are not planned.
 """
 
 from __future__ import annotations
@@ -27,11 +27,11 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from . import kernels, optimizer_step, qlora
+from . import optimizer_step, qlora
 from .fsdp2_gathers import copy_in_bytes
+from .loss_kernel_events import loss_kernel_events
 from .memory_shape import ledger_shape
 from .pipeline_allocations import ALL_GATHER_STREAM, _RankWalk, param_tensors
-from .specs import LossKernel
 
 
 def lora_flat_reason(model, training, config, adapter_units: bool) -> str | None:
@@ -40,8 +40,8 @@ def lora_flat_reason(model, training, config, adapter_units: bool) -> str | None
         return None
     if adapter_units:
         return "LoRA's adapters as FSDP1 units of their own"
-    if model.split_edge_units or kernels.memory_kernels(config).loss is not LossKernel.EAGER:
-        return "LoRA with edge units or a loss kernel (its head's gradient priced though the head is frozen)"
+    if model.split_edge_units:
+        return "LoRA with edge units"
     return None
 
 
@@ -66,6 +66,8 @@ class LoraWalk:
         for j, (i, o) in enumerate(qlora.linear_shapes(model) * model.n_layers if self.packed else ()):
             # each linear's QuantState, on every rank (not an FSDP parameter), kept
             self.alloc(("quant_state", j), qlora.quant_state_bytes(i * o, training.double_quant))
+        if self.loss_kernel:  # Liger's / the chunked loss's tensors without the frozen head's weight gradient
+            self.loss_events = loss_kernel_events(model, self.c, config, self.tokens, head_grad=False)
         x, tokens, n = self.pieces[self.stage], self.tokens, self.pieces[self.stage].stage.n_blocks
         kept = [shape.ckpt if shape.is_ckpt(j) else shape.full for j in range(n)]
         kept[0] -= shape.first_less  # block 0's first norm saves nothing (its input needs no gradient)
@@ -157,7 +159,11 @@ class LoraWalk:
                                 [("wgrad", s, u, i) for i in trained])
 
     def loss(self, events, s: int, mb: int) -> None:
-        _RankWalk.loss(self, events, s, mb)  # the loss's tensors; the frozen head leaves no gradient
+        """The loss's tensors (a loss kernel's: kernel_loss); the frozen head leaves no gradient."""
+        if self.loss_kernel:
+            self.kernel_loss(events, s, mb)
+        else:
+            _RankWalk.loss(self, events, s, mb)
 
     def root_backward(self, s: int, grad_in) -> None:
         """Autograd ends at block 0 (the embedding's output needs no gradient): its all-gather output, the mask and

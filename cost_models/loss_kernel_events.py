@@ -15,14 +15,16 @@ from . import kernels, loss_memory
 from .specs import FsdpConfig, LossKernel, ModelSpec
 
 
-def loss_kernel_events(model: ModelSpec, c: int, config: FsdpConfig, tokens: int) -> tuple[tuple, tuple]:
-    """(forward, backward) events of config.loss_kernel (liger or chunked) on `tokens` tokens."""
+def loss_kernel_events(model: ModelSpec, c: int, config: FsdpConfig, tokens: int,
+                       head_grad: bool = True) -> tuple[tuple, tuple]:
+    """(forward, backward) events of config.loss_kernel (liger or chunked) on `tokens` tokens (head_grad False: the
+    head frozen, LoRA's, which makes no "head grad")."""
     if config.loss_kernel is LossKernel.LIGER:
-        return liger_events(model, c, tokens)
-    return chunked_events(model, c, tokens, config.compile and config.compile_loss)
+        return liger_events(model, c, tokens, head_grad)
+    return chunked_events(model, c, tokens, config.compile and config.compile_loss, head_grad)
 
 
-def liger_events(model: ModelSpec, c: int, tokens: int) -> tuple[tuple, tuple]:
+def liger_events(model: ModelSpec, c: int, tokens: int, head_grad: bool = True) -> tuple[tuple, tuple]:
     """fused_linear_cross_entropy_forward (Liger Kernel 0.8.5): grad_weight and grad_input zeroed (kept for backward,
     where they are the head's and the hidden states' gradients: backward with grad_output 1 returns them as they are),
     loss_1d (fp32) and the target mask (bool) per row, then chunk by chunk the chunk's logits (the cross-entropy
@@ -31,7 +33,7 @@ def liger_events(model: ModelSpec, c: int, tokens: int) -> tuple[tuple, tuple]:
     kernels.liger_loss_bytes)."""
     v, h = model.vocab_size, model.hidden_size
     rows = kernels.liger_chunk_rows(tokens, model)
-    forward = [("alloc", "head grad", v * h * c), ("alloc", "hidden grad", tokens * c * h),
+    forward = [("alloc", "head grad", v * h * c)] * head_grad + [("alloc", "hidden grad", tokens * c * h),
                ("alloc", "loss_1d", tokens * 4), ("alloc", "target_mask", tokens)]
     for start in range(0, tokens, rows):
         forward += [("alloc", "chunk logits", min(rows, tokens - start) * v * c), ("free", "chunk logits", 0)]
@@ -39,7 +41,8 @@ def liger_events(model: ModelSpec, c: int, tokens: int) -> tuple[tuple, tuple]:
     return tuple(forward), (("free", "hidden grad", 0),)
 
 
-def chunked_events(model: ModelSpec, c: int, tokens: int, compiled: bool) -> tuple[tuple, tuple]:
+def chunked_events(model: ModelSpec, c: int, tokens: int, compiled: bool,
+                   head_grad: bool = True) -> tuple[tuple, tuple]:
     """torchtitan's ChunkedLossWrapper (torchtitan/components/loss.py, 0.3.0), all inside the loss call:
     GradAccumulator's fp32 buffer (4h per token), then per chunk of T / 8 tokens the head's logits (kept by the
     loop's `logits` through the loss's backward), the inner loss forward and backward (loss_memory.loss_events, its
@@ -58,9 +61,9 @@ def chunked_events(model: ModelSpec, c: int, tokens: int, compiled: bool) -> tup
         weight_grad = "new head grad" if k else "head grad"
         events += [("alloc", "chunk logits", chunk * v * c)]
         events += [(kind, name, chunk * v * size) for kind, name, size in inner]
-        events += [("alloc", "chunk input grad", chunk * h * c), ("alloc", weight_grad, v * h * c),
-                   ("free", logits_grad, 0), ("free", "chunk logits", 0)]
-        events += [("free", "new head grad", 0)] if k else []
+        events += [("alloc", "chunk input grad", chunk * h * c)] + [("alloc", weight_grad, v * h * c)] * head_grad
+        events += [("free", logits_grad, 0), ("free", "chunk logits", 0)]
+        events += [("free", "new head grad", 0)] if k and head_grad else []
         events += [("alloc", "chunk grad fp32", chunk * h * 4), ("free", "chunk grad fp32", 0)] if c != 4 else []
         events += [("free", "chunk input grad", 0)]
     if c == 4:

@@ -17,8 +17,9 @@ tier, docs/accuracy.md) decides what else is alive, moment by moment:
   it, beside the gathered root and its other gradients;
 - FSDP2's all-gather transients (fsdp2_gathers.py): a block's pre-backward, its own all-gather output copied out
   (output and unsharded parameters at once), then its prefetch of the block below issued (the all-gather output
-  beside the copy-in source of shards cast to the compute dtype); the last block's forward copy-out beside its
-  all-gather output and the block below's (a deferred free);
+  beside the copy-in source of shards cast to the compute dtype); in the forward (ZeRO-2's too) the last block's
+  copy-out beside its all-gather output and the block below's (a deferred free), block 0's beside the root's, and
+  under ZeRO-2 the loss inside the forward beside the last block's;
 - end of backward: the root's gradients and their reduce-scatter, with every block's sharded gradient (torchtitan
   0.3's edge units, the embedding's only: edge_units.py, with the head's unit gathered again at the norm's backward);
 - optimizer step: stored params, gradients, optimizer state and the step's temporaries (optimizer_step.py:
@@ -35,7 +36,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from . import (activations, context_parallel, edge_units, expert_parallel, fsdp2_gathers, kernels, moe,
+from . import (activations, context_parallel, edge_units, expert_parallel, fsdp2_gathers, moe,
                optimizer_step, qlora, tensor_parallel)
 from .fsdp1_adapters import AdapterUnits
 from .memory_peak import Moment as _Moment, peak_estimate
@@ -43,7 +44,7 @@ from .memory_shape import ledger_shape, shape_key
 from .memory_types import MemoryBreakdown, MemoryEstimate, ParamCounts
 from .outside_allocator import outside_allocator_terms
 from .profile import Profile
-from .specs import ClusterSpec, FsdpConfig, ModelSpec, Sharding, TrainingSpec
+from .specs import ClusterSpec, FsdpConfig, LossKernel, ModelSpec, Sharding, TrainingSpec
 from .units import DTYPE_BYTES
 
 
@@ -209,15 +210,18 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
         moments["loss backward"] = loss_moment._replace(unsharded_params=loss_moment.unsharded_params - root.at_loss,
                                                         collective_buffers=0)
         moments["head backward"] = loss_moment._replace(logits_and_loss=tokens * c * model.vocab_size)
-    if experts_c and (prefetches or keeps_gathered and d > 1) and L - 1 not in dense_blocks:  # (ZeRO-2: deferred too)
-        # The loss is computed inside the model's forward, before the root's post-forward frees the last
-        # unit's all-gather output (FSDP2 defers that free for an implicit prefetch): with expert units, the
-        # last block's experts', larger than the block the loss backward prefetches.
+    # The loss is computed inside the model's forward, before the root's post-forward frees the last unit's all-gather
+    # output (FSDP2 defers that free for an implicit prefetch): with expert units, the last block's experts', larger
+    # than the block the loss backward prefetches; under ZeRO-2 the last block's, which no backward prefetch replaces
+    # (a compiled loss runs outside the model, after that free; FSDP1 and edge units free it otherwise)
+    last_in_forward = experts_c if experts_c and L - 1 not in dense_blocks else (
+        gathered(L - 1) * (keeps_gathered and not adapter_units and not config.loss_compiled and not root.regather))
+    if last_in_forward and (prefetches or keeps_gathered and d > 1):
         moments["loss in forward"] = moments["loss backward"]._replace(
-            collective_buffers=experts_c,
-            logits_and_loss=kernels.loss_forward_bytes(
-                model, c, kern, tokens,
-                tokens * activations.forward_logits_bytes_per_token(model, c, config.loss_compiled)))
+            collective_buffers=last_in_forward,
+            # (a loss kernel runs its forward and backward there: its whole peak)
+            logits_and_loss=s.loss_peak if kern.loss is not LossKernel.EAGER else
+            tokens * activations.forward_logits_bytes_per_token(model, c, config.loss_compiled))
     for i, label, recomputed, below, this in s.blocks:  # the blocks whose moment can peak (memory_shape.py)
         own_traced = traced_dense if traced_dense is not None and i in dense_blocks else traced
         params_adjust = buffers_adjust = 0
@@ -281,7 +285,7 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
         moments[f"forward of block {i}'s MLP output projection"] = _Moment(
             **states(0),
             unsharded_params=params_at(i),
-            collective_buffers=gathered(i) if d > 1 and not keeps_gathered and not adapter_units else 0,
+            collective_buffers=gathered(i) if d > 1 and not adapter_units else 0,  # (ZeRO-2: deferred too)
             activations=tokens * (saved_below(i) + full - (first_less if i == 0 else 0)
                                   + activations.output_projection_forward_held_bytes_per_token(
                                       model, c, i > 0, s.mlp_inputs_saved)) + shared + s.out_proj_in_flight,
@@ -337,12 +341,18 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
             moments["embedding's all-gather copied out"] = _Moment(
                 **states(grads_done(-1)), unsharded_params=root.prefetch_at_first,
                 collective_buffers=root.prefetch_at_first + reduce_scatter_above(-1), activations=tokens * h * c)
-        # Forward: the last block's copy-out beside its all-gather output and the block below's (deferred free); its
-        # input and the embedding's output held (activations.output_projection_forward_held_bytes_per_token)
+    if d > 1 and not adapter_units and not experts_c and L > 1 and not tensor_parallel.sequence_parallel(config):
+        # Forward (ZeRO-2's too): the last block's copy-out beside its all-gather output and the block below's
+        # (deferred free); its input and the embedding's output held (output_projection_forward_held_bytes_per_token)
         i = L - 1
         moments[f"forward all-gather copy-out of block {i}"] = _Moment(
             **states(0), unsharded_params=params_at(i), collective_buffers=gathered(i - 1) + gathered(i),
             activations=tokens * (saved_below(i) + 2 * c * h) + shared)
+        if not model.split_edge_units:  # ... and block 0's beside the root's all-gather output (the same deferred
+            # free) and the embedding's output: where the root outweighs a block (fp32, small activations) it leads
+            moments["forward all-gather copy-out of block 0"] = _Moment(
+                **states(0), unsharded_params=params_at(0), collective_buffers=root.at_blocks + gathered(0),
+                activations=tokens * c * h + shared)
     if input_requires_grad and training.adapter_rank and not s.K:
         # PEFT's enable_input_require_grads (verl's LoRA engine) makes the embedding's output a leaf that needs a
         # gradient: block 0's first norm saves its input as any block's (no first_less), and the leaf's AccumulateGrad

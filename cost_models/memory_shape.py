@@ -202,7 +202,7 @@ def ledger_shape(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, e
             kinds.setdefault((bool(K) and i % K == 0, i in dense_blocks, i - 1 in dense_blocks, i + 1 in dense_blocks),
                              []).append(i)
         candidates |= {ends[0] for ends in kinds.values()} | {ends[-1] for ends in kinds.values()}
-    loss_peak = kernels.loss_peak_bytes(model, c, config, kern, tokens, tokens * logits_peak)
+    loss_peak = kernels.loss_peak_bytes(model, c, config, kern, tokens, tokens * logits_peak, not lora_rank)
     loss_reserved_extra = kernels.loss_reserved_extra_bytes(
         model, c, config, kern, tokens, tokens * activations.logits_reserved_extra_bytes_per_token(
             model, c, config.loss_compiled))
