@@ -132,12 +132,13 @@ def test_an_fsdp1_lora_plan_reads_back_with_its_adapter_units(tmp_path, hf_snipp
                                                               gpu, units):
     """--emit fsdp1 of a LoRA plan wraps each adapter as a unit casting its inputs (CustomPolicy(lora_unit)); HF
     Trainer and accelerate wrap them as units too (peft's fsdp_auto_wrap_policy), under autocast. The plan prices
-    them (cost_models/fsdp1_adapters.py: llama3-8b on 16 H100 at micro-batch 4 under fsdp1, 67.6 GiB allocated
-    where FSDP2-shaped adapters gave 55.6); check reads the file and prices the same."""
+    them (cost_models/fsdp1_adapters.py: llama3-8b on 16 H100 at micro-batch 4 under fsdp1, 66.8 GiB allocated
+    at block 31's backward; 67.6 at the loss backward while Liger's loss was priced with a head gradient the frozen
+    head does not make, 793914a); check reads the file and prices the same."""
     best = plan(MODEL, gpus=GPUS, gpu=gpu, seq_len=SEQ, trainer=trainer, finetune="lora").best
     path = written(artifact, emit_artifact(artifact, best), tmp_path, hf_snippet, load_accelerate)
     r = check(read_setup(path), MODEL, GPUS, gpu=gpu, seq_len=SEQ, micro_batch=best.config.micro_batch,
               grad_accum=best.config.grad_accum, finetune="lora")
     assert r.setup.adapter_units is units and r.candidate.to_dict() == best.to_dict()
     if trainer == "fsdp1":
-        assert best.memory.peak_allocated_bytes == pytest.approx(67.6 * 2**30, rel=2e-3)
+        assert best.memory.peak_allocated_bytes == pytest.approx(66.8 * 2**30, rel=2e-3)
