@@ -19,7 +19,11 @@
   eager loss, the loss backward's peak 1,486,897,152 B below the root layout's (the embedding's 1,050,673,152 and
   the last block's 436,224,000 prefetch); at 2,048 tokens without checkpointing (4 blocks) the norm's regather
   leads, 9,164,191,908 B.
-With one rank in the shard group nothing is resharded: the root layout's figures stand.
+With one rank in the shard group the root layout's figures stand (no unit split: edge_unit_events.init_edges), FSDP2's
+post-backward still reshards the root and runs foreach_reduce at world size 1 (torch 2.13 _fsdp_collectives.py: the
+input in the reduce dtype, then `reduce_output.copy_(reduce_scatter_input)`, a full-size output that becomes the
+sharded gradient); FSDP1's NO_SHARD keeps its flat parameters and all-reduces the gradient in place (fsdp1: no
+buffers, the root kept).
 """
 
 from __future__ import annotations
@@ -44,22 +48,24 @@ class RootTerms(NamedTuple):
     rs_at_regather: int     # the head's reduce-scatter input then
     done_at_regather: int   # and its sharded gradient
     end_grads: int          # unsharded gradients at the end of backward (the last unit's post-backward)
-    end_rs: int             # its reduce-scatter input (and output)
+    end_rs: int             # its reduce-scatter input (and output; at d = 1 memory.py adds its full-size output)
     end_params: int         # gathered then
 
 
 def root_terms(model: ModelSpec, trainable_root: int, root_params: int, c: int, r: int, p: int, d: int,
-               keeps_gathered: bool) -> RootTerms:
+               keeps_gathered: bool, fsdp1: bool = False) -> RootTerms:
     """The root's terms for a rank of `model` (its local widths under TP) sharded over d: trainable_root /
     root_params its root's trainable / all parameters, c / r / p the compute, reduce and stored bytes per element;
-    keeps_gathered: the ZeRO-2 forms (nothing resharded after forward)."""
+    keeps_gathered: the ZeRO-2 forms (nothing resharded after forward); fsdp1: FSDP1's adapter units
+    (fsdp1_adapters.py)."""
     root_c = root_params * c
     if not model.split_edge_units or d == 1:
         head = (model.head_params or (model.embedding_params if model.tied_embeddings else 0)) + model.root_other_params
         return RootTerms(at_blocks=root_c, head_grad=min(head, trainable_root) * c, done_grads=0, rs_at_last_block=0,
                          prefetch_at_first=0, at_loss=root_c, prefetch_at_loss=True, regather=0, rs_at_regather=0,
                          done_at_regather=0, end_grads=trainable_root * c,
-                         end_rs=trainable_root * r if d > 1 else 0, end_params=root_c if d == 1 else 0)
+                         end_rs=0 if fsdp1 and d == 1 else trainable_root * r,
+                         end_params=root_c if fsdp1 and d == 1 else 0)
     embedding_c = model.embedding_params * c
     head_unit = root_params - model.embedding_params
     trainable_head = min(head_unit, trainable_root)

@@ -26,7 +26,8 @@ tier, docs/accuracy.md) decides what else is alive, moment by moment:
   foreach, fused or for-loop).
 SHARD_GRAD_OP-like strategies keep every block gathered from forward until its backward (no prefetch).
 fsdp1_adapter_units: LoRA / QLoRA under FSDP1, each adapter a unit (fsdp1_adapters.py says what changes). A shard
-group of one rank (NO_SHARD) copies params out to unsharded tensors but needs no collective buffers. Ignored:
+group of one rank (NO_SHARD) copies params out to unsharded tensors, no all-gather buffers, but FSDP2 still runs
+foreach_reduce there: each unit's reduce-scatter input and a full-size output (edge_units.py; FSDP1: none). Ignored:
 per-parameter padding to a multiple of d, allocator rounding to 512 bytes; reserved adds the profile's fragmentation
 and the memory outside the allocator (outside_allocator.py). The peak among the moments: memory_peak.py.
 """
@@ -115,7 +116,8 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
         block_c -= s.fp8_saving
     keeps_gathered = config.sharding in (Sharding.SHARD_GRAD_OP, Sharding.HYBRID_SHARD_ZERO2)
     prefetches = not keeps_gathered and d > 1
-    root = edge_units.root_terms(model, counts.trainable_root, counts.root(), c, r, p, d, keeps_gathered)
+    root = edge_units.root_terms(model, counts.trainable_root, counts.root(), c, r, p, d, keeps_gathered,
+                                 fsdp1=bool(adapter_units))
 
     # --- activations, per token of the micro-batch (memory_shape.py) ----------------------------------
     tokens, kern = s.tokens, s.kern
@@ -128,7 +130,7 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
     traced_dense = s.traced_dense
     dense_delta = (counts.trainable_dense_delta + counts.frozen_dense_delta) // nd if nd else 0
     dense_grad_delta = (shard_counts.trainable_dense_delta // nd * p) // d if nd else 0
-    dense_rs_delta = counts.trainable_dense_delta // nd * r if nd and d > 1 else 0
+    dense_rs_delta = counts.trainable_dense_delta // nd * r if nd else 0
     dense_blocks = s.dense_blocks
 
     def gathered(i: int) -> int:
@@ -139,7 +141,7 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
     # the post-forwards (block_i, experts_i, block_i-1, ...), so the prefetched unit is a block without its
     # experts; after the experts' backward their unit has resharded and its reduce-scatter is the one in flight.
     experts_c = moe.experts_gathered_elements(model, d, bool(config.expert_shard_dim)) * c if config.expert_units else 0
-    experts_rs = experts_c // c * r if experts_c and not counts.frozen_block and d > 1 else 0
+    experts_rs = experts_c // c * r if experts_c and not counts.frozen_block else 0  # (d = 1: as reduce_scatter_above)
     if ep_view is not None:  # with EP the experts are always a unit of their own, on the efsdp mesh
         experts_c = ep_view.experts_gathered_elements() * c
         experts_rs = experts_c // c * r if ep_view.efsdp > 1 else 0
@@ -156,8 +158,9 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
         return prefetched(i - 1) + (0 if config.limit_all_gathers else prefetched(max(i - 2, 0)))
 
     def reduce_scatter_above(i: int) -> int:
-        """The reduce-scatter input of block i+1, done just before block i's backward."""
-        if d == 1 or i >= L - 1:
+        """The reduce-scatter input of block i+1, done just before block i's backward (FSDP2 makes it at d = 1 too;
+        FSDP1's NO_SHARD all-reduces the gradient in place)."""
+        if d == 1 and adapter_units or i >= L - 1:
             return root.rs_at_last_block if i == L - 1 else 0
         return counts.trainable_block * r + (dense_rs_delta if i + 1 in dense_blocks else -experts_rs)
 
@@ -370,6 +373,12 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
         unsharded_grads=root.end_grads,
         collective_buffers=root.end_rs,
     )
+    if d == 1 and not adapter_units and counts.trainable_root:
+        # FSDP2 at world size 1: once the gradients are copied in and freed, foreach_reduce's full-size output beside
+        # its input (the root's sharded gradient, not yet among grads_done; a new one added into it under accumulation;
+        # copied to the host under offload). Above the moment before where r > c (bf16 compute, fp32 reduce).
+        moments["end of backward (the root's reduce output)"] = _Moment(
+            **states(grads_done(-1)), collective_buffers=root.end_rs + counts.trainable_root * r)
     step = MemoryBreakdown(
         sharded_params=gpu_states * sharded_params + quant_state,
         sharded_grads=gpu_states * sharded_grads,
