@@ -6,7 +6,8 @@ the walk's live tensors peak where memory.py's "loss backward" moment does.
 
 Sizes are whole tensors in bytes (loss_memory.loss_events' are per logit element). "head grad" is the head's weight
 gradient (V x h in c) made inside the loss: the walk keeps it as the head's gradient to the root's post-backward;
-"hidden grad" is the gradient the loss hands the final norm (freed at its backward).
+"hidden grad" is the gradient the loss hands the final norm (freed at its backward). LossKernelWalk keys them in the
+step walk (a mixin of step_allocations._StepWalk).
 """
 
 from __future__ import annotations
@@ -70,3 +71,18 @@ def chunked_events(model: ModelSpec, c: int, tokens: int, compiled: bool,
         return tuple(events), (("free", "grad acc", 0),)
     events += [("alloc", "hidden grad", tokens * h * c), ("free", "grad acc", 0)]
     return tuple(events), (("free", "hidden grad", 0),)
+
+
+class LossKernelWalk:
+    """step_allocations._StepWalk's loss kernel (a mixin ahead of its bases)."""
+
+    def kernel_loss(self, events, s: int, mb: int) -> None:
+        """A loss kernel's tensors (loss_kernel_events, whole bytes): its "head grad" the head's weight gradient (tied:
+        the table's, wgrad 1; else wgrad 2, beside the final norm's wgrad 0), kept to the root's post-backward."""
+        head = ("wgrad", s, "head", 0) if self.edges else ("wgrad", s, 0, 1 if self.model.tied_embeddings else 2)
+        for kind, name, size in events:
+            key = head if name == "head grad" else ("loss", name, s, mb)
+            if kind == "alloc":
+                self.alloc(key, size)
+            else:
+                self.free(key)

@@ -43,7 +43,7 @@ import dataclasses
 import math
 
 from . import activations, kernels, tensor_parallel
-from .loss_kernel_events import loss_kernel_events
+from .loss_kernel_events import LossKernelWalk, loss_kernel_events
 from .caching_allocator import AllocatorSettings, ReplayResult, replay
 from .edge_unit_events import EdgeUnitsWalk
 from .lora_events import LoraWalk, lora_flat_reason
@@ -91,7 +91,7 @@ def step_replay(model: ModelSpec, cluster, training: TrainingSpec, config: FsdpC
     return replay_step(local, training, config, config.shard_group_size(cluster), settings, snapshots)
 
 
-class _StepWalk(EdgeUnitsWalk, _RankWalk):
+class _StepWalk(LossKernelWalk, EdgeUnitsWalk, _RankWalk):
     """A pp = 1 rank: microbatch after microbatch, FSDP2's unshard / reshard / reduce-scatter around each unit."""
 
     keeps_logits = False
@@ -166,7 +166,14 @@ class _StepWalk(EdgeUnitsWalk, _RankWalk):
         self.gathered_units.discard(u)
 
     def pre_forward(self, s: int, u: int) -> None:
+        # block 0's copy-out beside the embedding's output (made by the root's forward; forward_pass writes it as
+        # block 0's input after this hook): memory.py's "forward all-gather copy-out of block 0"
+        first = u == self.root_units(s) > 0
+        if first:
+            self.alloc(("block 0's input", s), self.tokens * self.hs)
         self.unshard(u)
+        if first:
+            self.free(("block 0's input", s))
 
     def post_forward(self, s: int, u: int) -> None:
         if self.keeps_gathered:
@@ -270,17 +277,6 @@ class _StepWalk(EdgeUnitsWalk, _RankWalk):
         self.alloc(("wgrad", s, 0, 0), head)
         if self.model.tied_embeddings and not self.loss_kernel:
             self.alloc(("wgrad", s, 0, 1), emb)
-
-    def kernel_loss(self, events, s: int, mb: int) -> None:
-        """A loss kernel's tensors (loss_kernel_events, whole bytes): its "head grad" the head's weight gradient (tied:
-        the table's, wgrad 1; else wgrad 2, beside the final norm's wgrad 0), kept to the root's post-backward."""
-        head = ("wgrad", s, "head", 0) if self.edges else ("wgrad", s, 0, 1 if self.model.tied_embeddings else 2)
-        for kind, name, size in events:
-            key = head if name == "head grad" else ("loss", name, s, mb)
-            if kind == "alloc":
-                self.alloc(key, size)
-            else:
-                self.free(key)
 
     def gathered_logits(self, events, s: int, mb: int) -> None:
         """TP without sequence parallel (transformers' tp_plan, the head column-wise with its output gathered): the

@@ -57,14 +57,15 @@ def test_a_small_fp32_lora_step_against_its_trace():
     finetune="lora", precision="fp32", activation_checkpointing="full", micro_batch=1, seq_len=256,
     sharding="FULL_SHARD", attention="sdpa")`) peaks in the forward at 181,900,032 B: block 0's copy-out beside the
     root's all-gather output, whose free FSDP2 defers past it (fsdp2_gathers.py). The ledger's moment for it: -0.003%
-    (before it: 155,857,152, -14.3%). The walk: 181,371,136 (-0.3%, without the embedding's output). Its replay
-    reserves 251,658,240 B against the trace's replay 253,755,392 (-0.8%; the flat rule 163,650,009, -35.5%)."""
+    (before it: 155,857,152, -14.3%). The walk the same, 181,895,424 B (-0.003%; it was 181,371,136, -0.3%, before
+    it held the embedding's output at that copy-out: step_allocations._StepWalk.pre_forward). Its replay reserves
+    251,658,240 B against the trace's replay 253,755,392 (-0.8%; the flat rule 163,650,009, -35.5%)."""
     from benchmarks.memory_accuracy import arch_config
 
     c = estimate(arch_config("llama3-gqa"), 8, finetune="lora", precision="fp32", activation_checkpointing="full",
                  micro_batch=1, seq_len=256, sharding="FULL_SHARD", attention="sdpa")
     events, _ = _walk(c)
-    assert _events_peak(events) == pytest.approx(181_900_032, rel=0.005)
+    assert _events_peak(events) == c.memory.peak_allocated_bytes
     assert c.memory.peak_moment == "forward all-gather copy-out of block 0"
     assert c.memory.peak_allocated_bytes == pytest.approx(181_900_032, rel=1e-4)
     replayed = step_replay(c.model, c.cluster, c.training, c.config, snapshots=False).peak_reserved_bytes
