@@ -48,7 +48,8 @@ def check_against_trace(real: dict, case: dict, world: int) -> None:
     output that gloo keeps after its send (test_torchrun_pp.py), within the real runs' jitter; the same peak
     phase; the counted states to the byte. The trace is of the pipeline rank's first CP rank, whose ring steps
     update half their queries (the merge's torch.cat: the larger transients); another CP rank's peak may only be
-    lower."""
+    lower, and its peak phase is not fixed: pp 2 x cp 2's CP rank 1 peaked in the forward in one run (3,909,260 B)
+    and in the backward in others (the suite's run at f274cd3 failed on it), so the phase is checked on CP rank 0."""
     trace = traced_case(case, world)
     config = case["config"]
     shards = config.get("cp", 1) * (config.get("tp", 1) if config.get("sequence_parallel", True) else 1)
@@ -59,7 +60,9 @@ def check_against_trace(real: dict, case: dict, world: int) -> None:
         below = float("inf") if rank.get("cp_rank", 0) else REAL_RUN_JITTER_BYTES
         assert -below <= extra <= sent_bytes + REAL_RUN_JITTER_BYTES, (
             rank["rank"], rank["peak_allocated_bytes"], t.peak_allocated_bytes, rank["phases"], t.to_dict()["phases"])
-        assert rank["peak_phase"] == t.peak_phase
+        if not rank.get("cp_rank", 0):  # another CP rank's lower transients may leave its peak in another phase
+            assert rank["peak_phase"] == t.peak_phase, (rank["rank"], rank["peak_phase"], t.peak_phase,
+                                                        rank["phases"], t.to_dict()["phases"])
         counted = rank["phases"]["optimizer_step"]["breakdown"]
         for key in ("sharded_params", "sharded_grads", "optimizer_state"):  # counted, not timed: to the byte
             assert counted[key] == t.phases["optimizer_step"].breakdown[key], key
