@@ -180,15 +180,6 @@ def loss_peak_bytes(model: ModelSpec, c: int, config: FsdpConfig, kernels: Kerne
     return chunked_loss_bytes(model, c, tokens, config.compile and config.compile_loss, head_grad)
 
 
-def loss_forward_bytes(model: ModelSpec, c: int, kernels: Kernels, tokens: int, eager_bytes: int) -> int:
-    """What the loss keeps at the end of the forward: eager_bytes (the model's own loss), Liger's grad_input
-    and grad_weight, torchtitan's chunked loss its accumulated input gradient (c*h per token)."""
-    if kernels.loss is LossKernel.EAGER:
-        return eager_bytes
-    h = model.hidden_size
-    return tokens * c * h + (model.vocab_size * h * c if kernels.loss is LossKernel.LIGER else 0)
-
-
 def loss_reserved_extra_bytes(model: ModelSpec, c: int, config: FsdpConfig, kernels: Kernels, tokens: int,
                               eager_bytes: int) -> int:
     """Bytes the caching allocator strands above the loss's peak (loss_memory): eager_bytes for the model's
