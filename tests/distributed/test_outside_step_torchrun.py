@@ -60,10 +60,19 @@ def transient_only(way: str, rank: int) -> bool:
     return rank > 0 and way in TRANSIENT_ONLY
 
 
+# --emit fsdp1's save gathers units through gloo beside the shard copy it keeps: gloo's worker thread holds the
+# tensor it was handed and frees it a moment after the call returns (found on test_torchrun_optimizer's buffers,
+# tests/distributed/worker_families.settled), so under load one gathered tensor can still be resident when the next
+# is made. One full-suite run (2026-12-07, 5cc9b35) read rank 1 at 44,929,024 B against the formula's 41,567,593
+# (+3.36 MB, under the 4.19 MB embedding); four earlier runs that day and every run before matched within 3 MB.
+LATE_GLOO_GATHER = {"emitted fsdp1 save_checkpoint"}
+
+
 def agrees(way: str, rank: int, real: int, formula: int, tolerance: int, reused: int = 0) -> bool:
     if transient_only(way, rank):  # two copies per gather (the formula), at most a third one alive
         return real <= 1.5 * formula + tolerance
-    return formula - tolerance - reused <= real <= formula + tolerance
+    late = reused if way in LATE_GLOO_GATHER else 0  # one gathered tensor (the largest) freed late by gloo's thread
+    return formula - tolerance - reused <= real <= formula + tolerance + late
 
 
 def formulas(shape: dict, ranks: int = 2) -> dict:
