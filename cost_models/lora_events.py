@@ -34,7 +34,7 @@ from .memory_shape import ledger_shape
 from .pipeline_allocations import ALL_GATHER_STREAM, _RankWalk, param_tensors
 
 
-def lora_flat_reason(model, training, config, adapter_units: bool) -> str | None:
+def lora_flat_reason(model, training, adapter_units: bool) -> str | None:
     """Why a LoRA / QLoRA step keeps the flat rule (step_allocations.replays), or None (not LoRA, or walked here)."""
     if not training.finetune.adapters:
         return None

@@ -33,8 +33,8 @@ llama3-8b on 8 x h100-80gb: walk == ledger in every eager, chunked-loss and TE R
 by -1.2 .. +2.0%), torchtitan 0.3's edge units (edge_unit_events.py), LoRA and QLoRA (lora_events.py;
 docs/accuracy.md, "LoRA's step"). A block's gradients alive at its backward's moment are made before its working
 set, the rest at its post-backward. Flat where the ledger has pieces StagePieces lacks or the walk does not yet
-match it: TP with CP (+0.2 .. +0.8% on llama3-8b), MoE and EP, LoRA with FSDP1's adapter units, edge units or a
-loss kernel, a traced block profile.
+match it: TP with CP (+0.2 .. +0.8% on llama3-8b), MoE and EP, LoRA with FSDP1's adapter units or edge units, a
+traced block profile.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def replays(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, d: int
     """Why a pp = 1 configuration keeps the flat rule (module docstring), or None where its step is replayed
     (adapter_units: FSDP1's, each LoRA adapter a unit of its own: fsdp1_adapters.py)."""
     why = [(model.moe is not None or config.ep > 1, "MoE / expert parallelism"),
-           (lora := lora_flat_reason(model, training, config, adapter_units), lora),
+           (lora := lora_flat_reason(model, training, adapter_units), lora),
            (config.tp > 1 and config.cp > 1, "tensor and context parallelism together"),
            (model.activation_profile is not None, "a traced block profile")]
     return next((reason for cond, reason in why if cond), None)

@@ -68,11 +68,12 @@ def transient_only(way: str, rank: int) -> bool:
 LATE_GLOO_GATHER = {"emitted fsdp1 save_checkpoint"}
 
 
-def agrees(way: str, rank: int, real: int, formula: int, tolerance: int, reused: int = 0) -> bool:
+def agrees(way: str, rank: int, real: int, formula: int, tolerance: int, largest_tensor: int = 0) -> bool:
+    """largest_tensor: what a reading may fall short by (pages reused), or exceed by under LATE_GLOO_GATHER."""
     if transient_only(way, rank):  # two copies per gather (the formula), at most a third one alive
         return real <= 1.5 * formula + tolerance
-    late = reused if way in LATE_GLOO_GATHER else 0  # one gathered tensor (the largest) freed late by gloo's thread
-    return formula - tolerance - reused <= real <= formula + tolerance + late
+    late = largest_tensor if way in LATE_GLOO_GATHER else 0  # one gathered tensor freed late by gloo's thread
+    return formula - tolerance - largest_tensor <= real <= formula + tolerance + late
 
 
 def formulas(shape: dict, ranks: int = 2) -> dict:
