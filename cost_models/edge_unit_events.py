@@ -1,5 +1,5 @@
 """The step walk's events for torchtitan 0.3's edge units (cost_models/edge_units.py says what FSDP2 does with them;
-step_allocations._StepWalk calls these where the root's hooks run; its reduce_scatter reduces each gradient)."""
+step_walk.StepWalk calls these where the root's hooks run; its reduce_scatter reduces each gradient)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The step walk's events under LoRA and QLoRA at pp = 1 (step_allocations._LoraStepWalk runs these in place of
-_StepWalk's own): peft's adapters trained inside their block's FSDP2 unit, the base frozen, as memory.py prices them.
+StepWalk's own): peft's adapters trained inside their block's FSDP2 unit, the base frozen, as memory.py prices them.
 
 - parameters: a block's unit holds its base tensors (stored in the compute dtype under mixed precision:
   memory_shape.LedgerShape.frozen_p) and its adapters' lora_A (r x in) and lora_B (out x r) per target
@@ -46,7 +46,7 @@ def lora_flat_reason(model, training, adapter_units: bool) -> str | None:
 
 
 class LoraWalk:
-    """The hooks of _StepWalk that change under LoRA (a mixin ahead of it)."""
+    """The hooks of StepWalk that change under LoRA (a mixin ahead of it)."""
 
     def _units(self, x) -> list[list[int]]:
         """The root as one frozen tensor, then each block's base tensors and its adapters' (trainable from n_base)."""
@@ -89,6 +89,13 @@ class LoraWalk:
     def trainable(self, s: int, u) -> list[int]:
         """Unit u's trainable tensors (indexes): a block's adapters, none of the root's."""
         return list(range(self.n_base, len(self.units[s][u]))) if u >= self.root_units(s) else []
+
+    def stored_width(self, s: int, u, i: int) -> int | None:
+        """Bytes an element of unit u's tensor i is stored in: the frozen root's and base weights' frozen_p (None:
+        QLoRA's packed weights, gathered as stored), the adapters' the param dtype."""
+        if u >= self.root_units(s) and i in self.trainable(s, u):
+            return self.p
+        return None if u >= self.root_units(s) and i in self.packed else self.frozen_p
 
     def alloc(self, key, size_bytes: int, stream=0) -> None:
         if key[0] == "param" and key[3] not in self.trainable(key[1], key[2]):  # a frozen shard: frozen_p bytes

@@ -7,7 +7,7 @@ the walk's live tensors peak where memory.py's "loss backward" moment does.
 Sizes are whole tensors in bytes (loss_memory.loss_events' are per logit element). "head grad" is the head's weight
 gradient (V x h in c) made inside the loss: the walk keeps it as the head's gradient to the root's post-backward;
 "hidden grad" is the gradient the loss hands the final norm (freed at its backward). LossKernelWalk keys them in the
-step walk (a mixin of step_allocations._StepWalk).
+step walk (a mixin of step_walk.StepWalk).
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ def chunked_events(model: ModelSpec, c: int, tokens: int, compiled: bool,
 
 
 class LossKernelWalk:
-    """step_allocations._StepWalk's loss kernel (a mixin ahead of its bases)."""
+    """step_walk.StepWalk's loss kernel (a mixin ahead of its bases)."""
 
     def kernel_loss(self, events, s: int, mb: int) -> None:
         """A loss kernel's tensors (loss_kernel_events, whole bytes): its "head grad" the head's weight gradient (tied:

@@ -26,7 +26,7 @@ from .pipeline_allocations import ALL_GATHER_STREAM
 
 
 class OffloadWalk:
-    """_StepWalk's model states and collectives under CPU offload (without it: theirs)."""
+    """StepWalk's model states and collectives under CPU offload (without it: theirs)."""
 
     def alloc(self, key, size_bytes: int, stream=0) -> None:
         if self.config.offload and key[0] == "param":  # the sharded parameters: on the host
@@ -62,7 +62,7 @@ class OffloadWalk:
 
     def reduce_scatter(self, s: int, u, n: int, grads, kept: bool = False, shard_unit=None) -> None:
         """foreach_reduce as without offload, its output freed once copied to the host: as a later microbatch's
-        output is, once added into the sharded gradient (_StepWalk.reduce_scatter's `later`)."""
+        output is, once added into the sharded gradient (StepWalk.reduce_scatter's `later`)."""
         if self.config.offload:
             self.has_grad.add(u)
         super().reduce_scatter(s, u, n, grads, kept, shard_unit)

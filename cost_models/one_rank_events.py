@@ -25,7 +25,7 @@ import math
 
 
 class OneRankWalk:
-    """_StepWalk's all_gather / unshard / unsharded at d = 1 (d > 1: theirs)."""
+    """StepWalk's all_gather / unshard / unsharded at d = 1 (d > 1: theirs)."""
 
     def all_gather(self, u) -> None:
         if self.d > 1:
@@ -43,19 +43,10 @@ class OneRankWalk:
         parts = [n for n in (emb, other, root - emb - other) if n]
         return [sizes[0] * n // root for n in parts[:-1]] + [sizes[0] - sum(sizes[0] * n // root for n in parts[:-1])]
 
-    def stored_width(self, s: int, u, i: int) -> int | None:
-        """Bytes an element of unit u's tensor i is stored in (None: QLoRA's packed weights, gathered as stored)."""
-        if not hasattr(self, "frozen_p"):  # full fine-tuning: every parameter trained, stored in the param dtype
-            return self.p
-        if u < self.root_units(s):
-            return self.frozen_p  # LoRA's root is frozen
-        if i in self.trainable(s, u):
-            return self.p
-        return None if i in self.packed else self.frozen_p
-
     def param_input(self, s: int, u, i: int, size: int, stream=0):
         """One parameter's all-gather input (size: its unsharded bytes): its shard cast to the compute dtype where
-        stored in another (the key of that tensor), else the shard itself (None)."""
+        stored in another (the key of that tensor), else the shard itself (None). stored_width: the walk's (the step
+        walk's for full fine-tuning, LoraWalk's)."""
         width = self.stored_width(s, u, i)
         if width is None or width == self.c:
             return None

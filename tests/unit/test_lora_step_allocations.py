@@ -58,7 +58,7 @@ def test_a_small_fp32_lora_step_against_its_trace():
     sharding="FULL_SHARD", attention="sdpa")`) peaks in the forward at 181,900,032 B: block 0's copy-out beside the
     root's all-gather output, whose free FSDP2 defers past it (fsdp2_gathers.py). The ledger's moment for it: -0.003%
     (before it: 155,857,152, -14.3%). The walk the same, 181,895,424 B (-0.003%; it was 181,371,136, -0.3%, before
-    it held the embedding's output at that copy-out: step_allocations._StepWalk.pre_forward). Its replay reserves
+    it held the embedding's output at that copy-out: step_walk.StepWalk.pre_forward). Its replay reserves
     251,658,240 B against the trace's replay 253,755,392 (-0.8%; the flat rule 163,650,009, -35.5%)."""
     from benchmarks.memory_accuracy import arch_config
 
