@@ -2,7 +2,8 @@
 
     python3 -m venv /tmp/aoenv && /tmp/aoenv/bin/pip install torch==2.13.0 \
         && /tmp/aoenv/bin/pip install --no-deps torchao==0.18.0
-    /tmp/aoenv/bin/python benchmarks/float8_memory.py          # ~3 min of CPU, fake tensors
+    /tmp/aoenv/bin/python benchmarks/float8_memory.py          # ~30 s of CPU, fake tensors
+    /tmp/aoenv/bin/python benchmarks/float8_memory.py --compiled-linear   # inductor's buffers, ~1 min
 
 torchao is not in the project's environment (calibration/float8.py refuses Float8 on CPU), so this runs in a venv
 of its own and imports nothing from the project. torchao's Float8Linear (tensorwise dynamic scaling) and its
@@ -21,6 +22,8 @@ and the scaled cast's abs / fp32 upcast / clamp intermediates are not made (fuse
 them. SiLU's backward is one kernel each way as on CUDA (the CPU fake's decomposition writes an fp32 chain the GPU
 does not). Not modelled: inductor's buffer reuse and fusion of the rest of the block, async TP's fused
 all-gather + _scaled_mm, FSDP2's pre-all-gather cast of the shards (once a step under PP), the real allocator.
+`--compiled-linear` compiles one Float8Linear with inductor on real CPU tensors (64 tokens, 256 -> 512) and prints
+its forward's and backward's buffers as the generated wrapper makes, reuses and frees them.
 """
 
 from __future__ import annotations
@@ -230,7 +233,28 @@ def measure(h, q, kv, f, b, s, tp, variant) -> dict:
     return dict(weights=weights, above=mode.peak - held, fp8_at_peak=[e for e in fp8 if e[1] != "held"])
 
 
+def compiled_linear() -> None:
+    """One Float8Linear under torch.compile (inductor, CPU): the buffers of its forward and backward wrappers."""
+    import re
+
+    from torch._inductor.utils import run_and_get_code
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    linear = nn.Sequential(nn.Linear(256, 512, bias=False, dtype=torch.bfloat16))
+    convert_to_float8_training(linear, config=Float8LinearConfig())
+    compiled = torch.compile(linear)
+    x = torch.randn(64, 256, dtype=torch.bfloat16, requires_grad=True)
+    _, codes = run_and_get_code(lambda: compiled(x).sum().backward())
+    for name, code in zip(("forward", "backward"), codes):
+        print(f"{name} (x: 64 x 256 bf16 input, weight 512 x 256; tangents: the output's gradient)")
+        for line in code.split("def call(self, args):")[1].split("runner = Runner")[0].splitlines():
+            if re.match(r"\s*(buf\d+ = |del |return |extern_kernels|\w+(, \w+)* = args)", line):
+                print("   ", line.strip()[:150])
+
+
 def main() -> None:
+    if "--compiled-linear" in sys.argv:
+        compiled_linear()
+        return
     casts = contextlib.nullcontext() if "--eager-casts" in sys.argv else fused_casts()
     print(f"casts: {'eager' if '--eager-casts' in sys.argv else 'fused (as compiled)'}; MiB")
     with casts:
