@@ -256,7 +256,7 @@ def main() -> None:
         compiled_linear()
         return
     casts = contextlib.nullcontext() if "--eager-casts" in sys.argv else fused_casts()
-    print(f"casts: {'eager' if '--eager-casts' in sys.argv else 'fused (as compiled)'}; MiB")
+    print(f"casts: {'eager' if '--eager-casts' in sys.argv else 'fused (each writes only its output)'}; eager op order; MiB")
     with casts:
         for name, h, q, kv, f, b, s, tp in CASES:
             print(f"\n{name}: h {h:,}, q {q // tp:,}, kv {kv // tp:,}, MLP {f // tp:,} a rank, {b * s:,} tokens")
