@@ -195,7 +195,8 @@ def ledger_shape(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, e
     # Within blocks of one kind (checkpointed or not) a block's moment is linear in its index: the saved
     # tensors below it shrink going down while the sharded gradients of the blocks done grow. The extremes
     # of each kind, and the neighbours where the prefetch / reduce-scatter buffers start or stop, suffice.
-    candidates = {i for i in (0, 1, L - 2, L - 1, K * ((L - 1) // K) if K else 0, nd - 1, nd) if 0 <= i < L}
+    # (K: the lowest checkpointed block with a block below to prefetch; block 0 has none)
+    candidates = {i for i in (0, 1, L - 2, L - 1, K * ((L - 1) // K) if K else 0, K, nd - 1, nd) if 0 <= i < L}
     if dense_blocks and not leading:  # interleaved: the extremes of each kind of block and of its neighbours
         kinds: dict[tuple, list[int]] = {}
         for i in range(L):

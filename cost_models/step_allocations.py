@@ -27,6 +27,7 @@ import dataclasses
 from .caching_allocator import AllocatorSettings, ReplayResult, replay
 from .lora_events import LoraWalk, lora_flat_reason
 from .memory_types import MemoryEstimate
+from .moe_events import MoeWalk, moe_flat_reason
 from .offload_events import OffloadWalk
 from .one_rank_events import OneRankWalk
 from .pipeline_allocations import replay_notes
@@ -39,7 +40,7 @@ def replays(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, d: int
             adapter_units: bool = False) -> str | None:
     """Why a pp = 1 configuration keeps the flat rule (module docstring), or None where its step is replayed
     (adapter_units: FSDP1's, each LoRA adapter a unit of its own: fsdp1_adapters.py)."""
-    why = [(model.moe is not None or config.ep > 1, "MoE / expert parallelism"),
+    why = [(moe := moe_flat_reason(model, config, d), moe),
            (lora := lora_flat_reason(model, training, adapter_units), lora),
            (config.tp > 1 and config.cp > 1, "tensor and context parallelism together"),
            (model.activation_profile is not None, "a traced block profile")]
@@ -71,7 +72,7 @@ def step_replay(model: ModelSpec, cluster, training: TrainingSpec, config: FsdpC
     return replay_step(local, training, config, config.shard_group_size(cluster), settings, snapshots)
 
 
-class _FullStepWalk(OffloadWalk, OneRankWalk, StepWalk):
+class _FullStepWalk(OffloadWalk, OneRankWalk, MoeWalk, StepWalk):
     """The walk step_events runs for full fine-tuning."""
 
 

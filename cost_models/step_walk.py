@@ -111,14 +111,16 @@ class StepWalk(LossKernelWalk, EdgeUnitsWalk, _RankWalk):
         self.gathered_units.discard(u)
 
     def pre_forward(self, s: int, u: int) -> None:
-        # block 0's copy-out beside the embedding's output (made by the root's forward; forward_pass writes it as
-        # block 0's input after this hook): memory.py's "forward all-gather copy-out of block 0"
-        first = u == self.root_units(s) > 0
-        if first:
-            self.alloc(("block 0's input", s), self.tokens * self.hs)
+        # a block's copy-out beside what the forward holds (memory.py's "forward all-gather copy-out" moments): block 0
+        # the embedding's output (forward_pass writes it as block 0's input after this hook), a later block its input
+        # and the embedding's output (transformers' inputs_embeds, held apart; d > 1 without SP, as the ledger's)
+        root = self.root_units(s)
+        sp = tensor_parallel.sequence_parallel(self.config)
+        held = 1 if u == root > 0 else 2 * (u > root and self.d > 1 and not sp)
+        for i in range(held):
+            self.alloc(("held", s, i), self.tokens * self.hs)
         self.unshard(u)
-        if first:
-            self.free(("block 0's input", s))
+        self.events += [("free", ("held", s, i)) for i in range(held)]
 
     def post_forward(self, s: int, u: int) -> None:
         if self.keeps_gathered:

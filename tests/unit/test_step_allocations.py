@@ -41,11 +41,12 @@ def test_a_plain_step_reserves_what_the_traces_replay_does(fsdp16):
 
 
 def test_expandable_segments_strand_less(fsdp16):
-    # one segment per stream and pool mapped in 20 MiB pages: 28.26 GiB at this commit, between allocated and defaults
+    # one segment per stream and pool mapped in 20 MiB pages: 28.10 GiB at this commit, between allocated and defaults
+    # (28.26 before the forward's copy-outs held the block's input and inputs_embeds, step_walk.pre_forward)
     walk = step_replay(fsdp16.model, fsdp16.cluster, fsdp16.training, fsdp16.config,
                        AllocatorSettings(expandable_segments=True), snapshots=False)
     assert fsdp16.memory.peak_allocated_bytes < walk.peak_reserved_bytes < fsdp16.memory.allocator_reserved_bytes
-    assert walk.peak_reserved_bytes / GiB == pytest.approx(28.26, abs=0.05)
+    assert walk.peak_reserved_bytes / GiB == pytest.approx(28.10, abs=0.05)
 
 
 def test_fits_stays_on_the_flat_rule_with_a_warning():
@@ -63,7 +64,7 @@ def test_what_keeps_the_flat_rule(fsdp16):
     moe = estimate("mixtral-8x7b", 16, **LLAMA_8B)
     # the ledger's own figure: the flat rule, max(allocated, the loss backward's reserved) x 1.05 + outside
     ledger = estimate_memory(moe.model, moe.cluster, moe.training, moe.config, DEFAULT_PROFILE)
-    assert replays(moe.model, moe.training, moe.config, 16) == "MoE / expert parallelism"
+    assert replays(moe.model, moe.training, moe.config, 16) == "MoE experts padded on dim 0"  # 8 experts on 16
     assert moe.memory.peak_reserved_bytes == ledger.peak_reserved_bytes
     assert moe.memory.allocator_reserved_bytes >= int(moe.memory.peak_allocated_bytes * 1.05)
     assert not any("replayed through" in n for n in moe.memory.notes)
