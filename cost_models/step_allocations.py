@@ -14,10 +14,12 @@ whole-table gradient; without it the head's gathered logits: walk == ledger on t
 knobs (kernels.memory_kernels: the blocks' tensors through StagePieces, the loss kernel's own, loss_kernel_events.py;
 llama3-8b on 8 x h100-80gb: walk == ledger in every eager, chunked-loss and TE RMSNorm config, Liger's 14 of 48 off
 by -1.2 .. +2.0%), torchtitan 0.3's edge units (edge_unit_events.py), LoRA and QLoRA (lora_events.py;
-docs/accuracy.md, "LoRA's step"). A block's gradients alive at its backward's moment are made before its working
-set, the rest at its post-backward. Flat where the ledger has pieces StagePieces lacks or the walk does not yet
-match it: TP with CP (+0.2 .. +0.8% on llama3-8b), MoE and EP, LoRA with FSDP1's adapter units or edge units, a
-traced block profile.
+docs/accuracy.md, "LoRA's step"), TP with CP (walk == ledger in 95 of llama3-8b's 96 TP x CP configurations at 8,192
+tokens, 81 at 2,048; the misses fp32, +0.8 .. +2.1%, as TP alone at s / cp tokens, the trace siding with the walk), a
+traced block profile (profile_events.py: its saved bytes, checkpoint-held inputs and backward moment;
+docs/accuracy.md, "TP with CP, and traced block profiles"). A block's gradients alive at its backward's moment are
+made before its working set, the rest at its post-backward. Flat where the ledger has pieces StagePieces lacks or
+the walk does not yet match it: MoE and EP, LoRA with FSDP1's adapter units or edge units.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from .memory_types import MemoryEstimate
 from .moe_events import MoeWalk, moe_flat_reason
 from .offload_events import OffloadWalk
 from .one_rank_events import OneRankWalk
+from .profile_events import ProfileWalk
 from .pipeline_allocations import replay_notes
 from .pipeline_memory import rank_inputs
 from .specs import FsdpConfig, ModelSpec, TrainingSpec
@@ -41,9 +44,7 @@ def replays(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, d: int
     """Why a pp = 1 configuration keeps the flat rule (module docstring), or None where its step is replayed
     (adapter_units: FSDP1's, each LoRA adapter a unit of its own: fsdp1_adapters.py)."""
     why = [(moe := moe_flat_reason(model, config, d), moe),
-           (lora := lora_flat_reason(model, training, adapter_units), lora),
-           (config.tp > 1 and config.cp > 1, "tensor and context parallelism together"),
-           (model.activation_profile is not None, "a traced block profile")]
+           (lora := lora_flat_reason(model, training, adapter_units), lora)]
     return next((reason for cond, reason in why if cond), None)
 
 
@@ -72,7 +73,7 @@ def step_replay(model: ModelSpec, cluster, training: TrainingSpec, config: FsdpC
     return replay_step(local, training, config, config.shard_group_size(cluster), settings, snapshots)
 
 
-class _FullStepWalk(OffloadWalk, OneRankWalk, MoeWalk, StepWalk):
+class _FullStepWalk(OffloadWalk, OneRankWalk, MoeWalk, ProfileWalk, StepWalk):
     """The walk step_events runs for full fine-tuning."""
 
 
