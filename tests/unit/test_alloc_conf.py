@@ -128,5 +128,5 @@ def test_explain_shows_the_segments_at_the_peak(piped):
     step = explain_text(estimate("gpt-125m", gpus=8))   # no pipeline: the step's own replay (step_allocations.py)
     assert "the step's allocations over two steps replayed" in step and "segments at the reserved peak" in step
     assert "segments at the reserved peak" in explain_text(estimate("gpt-125m", gpus=8, offload=True))  # offload too
-    flat = explain_text(estimate("llama3.2-1b", gpus=8, tp=2, cp=2))   # TP with CP: the flat rule, the same outside
+    flat = explain_text(estimate("mixtral-8x7b", gpus=8, ep=8))   # expert parallelism: the flat rule, the same outside
     assert "segments at the reserved peak" not in flat and "outside the allocator: cuda_context" in flat
