@@ -12,13 +12,15 @@ Three parts, all on memory_accuracy.py's small configs (arch_config), LoRA rank 
    and w3 / gate and up fused). gpt-oss has no v4 -> v5 conversion (its experts were always stacked parameters), so
    all-linear there is the nn.Linear modules alone: the attention.
 2. block: one MoE block (layers[1].mlp) on real CPU tensors, T tokens, one forward and backward (the output's
-   gradient all ones): bytes saved for backward (saved_tensors_hooks, storages that are not parameters, each once),
+   gradient all ones): bytes saved for backward (saved_tensors_hooks: storages that are not parameters, each once,
+   still alive when the forward returns),
    and the live bytes of the tensors the block's ops make (a dispatch mode counting storages as ops make them and as
    they are freed; parameters and the input not counted): the forward's peak, the forward + backward peak, and each
    baddbmm (peft's W + s * B @ A over the whole expert stack). Attention-only LoRA (the block has no adapter) against
    all-linear; the all-linear excess of saved bytes against
        p [3 E f h + S (h + f) + T h + E h]  (+ p rE(5f + 3h) when the adapters are kept in another dtype)
-   with p the base weight's bytes per element and S = T k the routed rows.
+   with p the base weight's bytes per element and S = T k the routed rows; a shared expert (Qwen2-MoE, DeepSeek-V3)
+   adds p T (fs + n r), n its adapted linears (4 with Qwen2-MoE's shared_expert_gate, else 3).
 3. model: the whole qwen3-moe model, one forward + backward of one sequence of T tokens, its peak through
    calibration/memtrack.py's MemoryTracker, attention-only against all-linear.
 """
@@ -44,7 +46,10 @@ def dims(cfg: dict) -> dict:
     experts = cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts")
     inter = cfg.get("moe_intermediate_size") or cfg["intermediate_size"]
     shared = cfg.get("shared_expert_intermediate_size") or inter * cfg.get("n_shared_experts", 0)
-    return dict(E=experts, h=cfg["hidden_size"], f=inter, k=cfg["num_experts_per_tok"], fs=shared)
+    # adapted shared-expert linears: gate, up, down, and Qwen2-MoE's shared_expert_gate (h -> 1)
+    shared_linears = (4 if "shared_expert_intermediate_size" in cfg else 3) if shared else 0
+    return dict(E=experts, h=cfg["hidden_size"], f=inter, k=cfg["num_experts_per_tok"], fs=shared,
+                shared_linears=shared_linears)
 
 
 def build(arch: str, targets: str, device: str, dtype: torch.dtype):
@@ -132,12 +137,12 @@ def measure_block(arch: str, targets: str, dtype: torch.dtype, tokens: int, hidd
     block = peft.base_model.model.model.layers[1].mlp
     x = torch.randn(1, tokens, hidden, dtype=dtype, requires_grad=True)
     params = {id(p.untyped_storage()) for p in peft.parameters()}
-    saved: dict[int, int] = {}
+    saved: dict[int, weakref.ref] = {}   # by id: an id is reused only once its storage is gone
 
     def pack(t):
         storage = t.untyped_storage()
         if id(storage) not in params:
-            saved[id(storage)] = storage.nbytes()
+            saved[id(storage)] = weakref.ref(storage)
         return t
 
     mode = LiveBytes([*peft.parameters(), *peft.buffers(), x])
@@ -146,9 +151,11 @@ def measure_block(arch: str, targets: str, dtype: torch.dtype, tokens: int, hidd
         y = y[0] if isinstance(y, tuple) else y
         forward_peak = mode.peak
         forward_ops = len(mode.made)
+        # what the forward left for the backward (storages saved by graphs already dropped, e.g. the routing's, not)
+        kept = sum(ref().nbytes() for ref in saved.values() if ref() is not None)
         y.backward(torch.ones_like(y))
     stacks = [(shape, n) for op, shape, n in mode.made[:forward_ops] if op == "baddbmm"]
-    return dict(saved=sum(saved.values()), forward_peak=forward_peak, peak=mode.peak, baddbmm=stacks,
+    return dict(saved=kept, forward_peak=forward_peak, peak=mode.peak, baddbmm=stacks,
                 adapter_dtype=next((p.dtype for n, p in peft.named_parameters() if "lora_" in n), None))
 
 
@@ -157,16 +164,20 @@ def expected_excess_saved(d: dict, tokens: int, p: int, adapters_cast: bool, r: 
     E, h, f, k = d["E"], d["h"], d["f"], d["k"]
     rows = tokens * k
     cast = r * E * (5 * f + 3 * h) if adapters_cast else 0
-    return p * (3 * E * f * h + rows * (h + f) + tokens * h + E * h + cast)
+    # a shared expert's plain lora.Linears: down's input (the others' is the block input, saved for the router) and
+    # each lora_A's output
+    shared = tokens * (d["fs"] + d["shared_linears"] * r) if d["fs"] else 0
+    return p * (3 * E * f * h + rows * (h + f) + tokens * h + E * h + cast + shared)
 
 
 def block_part(tokens: int) -> None:
     from benchmarks.memory_accuracy import arch_config
 
     print(f"\n== 2. one MoE block (layers.1.mlp), {tokens} tokens, forward + backward, real CPU tensors")
-    for arch in ("qwen3-moe", "mixtral"):
+    for arch, dtypes in (("qwen3-moe", (torch.float32, torch.bfloat16)), ("mixtral", (torch.float32, torch.bfloat16)),
+                         ("qwen2-moe", (torch.float32,)), ("deepseek-v3", (torch.float32,))):
         d = dims(arch_config(arch))
-        for dtype in (torch.float32, torch.bfloat16):
+        for dtype in dtypes:
             base = measure_block(arch, "attention", dtype, tokens, d["h"])
             full = measure_block(arch, "all-linear", dtype, tokens, d["h"])
             p = torch.tensor([], dtype=dtype).element_size()
