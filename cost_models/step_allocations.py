@@ -43,7 +43,7 @@ def replays(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, d: int
             adapter_units: bool = False) -> str | None:
     """Why a pp = 1 configuration keeps the flat rule (module docstring), or None where its step is replayed
     (adapter_units: FSDP1's, each LoRA adapter a unit of its own: fsdp1_adapters.py)."""
-    why = [(moe := moe_flat_reason(model, config, d), moe),
+    why = [(moe := moe_flat_reason(model, training, config, d), moe),
            (lora := lora_flat_reason(model, training, adapter_units), lora)]
     return next((reason for cond, reason in why if cond), None)
 

@@ -74,6 +74,10 @@ class StepWalk(LossKernelWalk, EdgeUnitsWalk, _RankWalk):
     def unsharded(self, s: int, u) -> list[int]:
         return [self.edge_bytes[u]] if isinstance(u, str) else super().unsharded(s, u)
 
+    def grad_bytes(self, s: int, u) -> list[int]:
+        """Unit u's compute-dtype gradients in bytes, one per tensor (MoeWalk: unpadded where its shards are padded)."""
+        return [n * self.c for n in self.units[s][u]]
+
     def all_gather(self, u) -> None:
         s = self.stage
         size = sum(self.unsharded(s, u))
@@ -148,7 +152,7 @@ class StepWalk(LossKernelWalk, EdgeUnitsWalk, _RankWalk):
         _, s, _, j = key
         x, u = self.pieces[s], self.root_units(s) + j
         left = x.blocks[x.stage.n_blocks - 1 - j][0][1]  # bytes of gradients at the moment
-        grads = [n * self.c for n in self.units[s][u]]
+        grads = self.grad_bytes(s, u)
         order = sorted(range(len(grads)), key=lambda i: (i >= 7, -i))  # down, up, gate, o, v, k, q, then the norms
         early = []
         for i in order:
@@ -165,7 +169,7 @@ class StepWalk(LossKernelWalk, EdgeUnitsWalk, _RankWalk):
         """The unit's compute-dtype gradients (made: already, by tp_block_events' products or, the root's, by
         head_backward and root_backward; a block's made at its backward's moment by transient, the rest now), then its
         post-backward: reshard, then reduce-scatter."""
-        unit = self.root_grads(s) if u == 0 and self.root_units(s) else [n * self.c for n in self.units[s][u]]
+        unit = self.root_grads(s) if u == 0 and self.root_units(s) else self.grad_bytes(s, u)
         early = self.made.pop(u, ())
         for i, n in enumerate(unit if not made else ()):
             if i not in early:

@@ -23,14 +23,18 @@ ON_8 = dict(gpu="h100-80gb", seq_len=2048)
     # every-2: block 2 (checkpointed, block 1 prefetched) leads; the ledger's candidates lacked it (+0.54%)
     ("mixtral-8x7b", dict(micro_batch=1, activation_checkpointing="every-2", precision="fp32")),
     ("qwen3-30b-a3b", dict(micro_batch=1, activation_checkpointing="none", precision="fp32")),
-], ids=["mixtral-fp32-full", "mixtral-lora-none", "mixtral-fp32-every-2", "qwen3-fp32-none"])
+    # 8 experts on 16 ranks: the stacked experts and the router padded to 16 rows (their shards, all-gathers,
+    # reduce-scatters and states twice their size), the gradients not
+    ("mixtral-8x7b", dict(micro_batch=2, activation_checkpointing="full", precision="fp32", gpus=16)),
+], ids=["mixtral-fp32-full", "mixtral-lora-none", "mixtral-fp32-every-2", "qwen3-fp32-none", "mixtral-padded-on-16"])
 def test_an_moe_step_allocates_the_ledgers_peak(model, knobs):
     """8 x h100-80gb, 2,048 tokens a sequence: the walk's live tensors peak at the ledger's allocated peak to the byte
     (docs/accuracy.md "MoE's step replayed": 126 of 128 of micro-batch 1 / 2 x every checkpointing mode x bf16 / fp32 x
     FSDP / SHARD_GRAD_OP x full / LoRA on Mixtral 8x7B and Qwen3 30B-A3B), and the estimate reports the replay's
     reserved."""
-    c = estimate(model, 8, **{**ON_8, **knobs})
-    assert replays(c.model, c.training, c.config, 8) is None
+    knobs = {**ON_8, **knobs}
+    c = estimate(model, knobs.pop("gpus", 8), **knobs)
+    assert replays(c.model, c.training, c.config, c.config.shard_group_size(c.cluster)) is None
     events, _ = _walk(c)
     assert _events_peak(events) == c.memory.peak_allocated_bytes
     assert any("replayed through the caching allocator" in n for n in c.memory.notes)
@@ -50,17 +54,27 @@ def test_a_sparse_blocks_tensors():
 
 
 def test_what_keeps_moe_on_the_flat_rule():
-    """Expert parallelism (its dispatch buffers and expert shard groups are not in the walk: -1.1 .. +7.6% on
-    memory_accuracy.py --mesh --only ep), experts padded on dim 0 (Mixtral's 8 on 16 ranks: the walk -10.6%),
-    DeepSeek's leading dense blocks, experts as units of their own."""
+    """Expert parallelism (its dispatch buffers and expert shard groups are not in the walk: -20.8 .. +7.6% on
+    memory_accuracy.py --mesh --only ep), dense blocks (DeepSeek's leading), LoRA with padded experts (LoraWalk's
+    units are unpadded), experts as units of their own. Padded full fine-tuning is walked (Qwen2-MoE's 1 x 2,048
+    shared-expert gate padded to 4 rows, Mixtral's 8 experts on 16)."""
     def why(model, gpus, **knobs):
         c = estimate(model, gpus, **{**ON_8, **knobs})
         return replays(c.model, c.training, c.config, c.config.shard_group_size(c.cluster))
 
     assert why("mixtral-8x7b", 16, ep=2) == "expert parallelism"
-    assert why("mixtral-8x7b", 16) == "MoE experts padded on dim 0"
-    assert why("deepseek-v2-lite", 8) == "MoE with leading dense blocks"
+    assert why("mixtral-8x7b", 16) is None and why("qwen2-moe-a2.7b", 4) is None
+    assert why("mixtral-8x7b", 16, finetune="lora") == "LoRA with MoE experts padded on dim 0"
+    assert why("deepseek-v2-lite", 8) == "MoE with dense blocks"
     assert why("mixtral-8x7b", 8, expert_units=True) == "MoE experts as units of their own / sharded on dim 1"
+
+
+def test_padded_tensors():
+    """Mixtral on 16 ranks by hand: the router 16 x 4,096 (8 rows padded), gate_up 16 x 28,672 x 4,096 and down
+    16 x 4,096 x 14,336; attention and norms unpadded (the ledger's rule: moe.small_dim0_tensors)."""
+    c = estimate("mixtral-8x7b", 16, **ON_8)
+    assert moe_block_tensors(c.model, c.model.block_params, 16) == [
+        16_777_216, 4_194_304, 4_194_304, 16_777_216, 65_536, 1_879_048_192, 939_524_096, 4_096, 4_096]
 
 
 def test_against_the_traces_replay():
