@@ -17,9 +17,11 @@ by -1.2 .. +2.0%), torchtitan 0.3's edge units (edge_unit_events.py), LoRA and Q
 docs/accuracy.md, "LoRA's step"), TP with CP (walk == ledger in 95 of llama3-8b's 96 TP x CP configurations at 8,192
 tokens, 81 at 2,048; the misses fp32, +0.8 .. +2.1%, as TP alone at s / cp tokens, the trace siding with the walk), a
 traced block profile (profile_events.py: its saved bytes, checkpoint-held inputs and backward moment;
-docs/accuracy.md, "TP with CP, and traced block profiles"). A block's gradients alive at its backward's moment are
-made before its working set, the rest at its post-backward. Flat where the ledger has pieces StagePieces lacks or
-the walk does not yet match it: MoE and EP, LoRA with FSDP1's adapter units or edge units.
+docs/accuracy.md, "TP with CP, and traced block profiles"), MoE (moe_events.py: a sparse block's own tensors, dim-0
+padding; docs/accuracy.md, "MoE's step replayed"). A block's gradients alive at its backward's moment are made before
+its working set, the rest at its post-backward. Flat where the ledger has pieces StagePieces lacks or the walk does
+not yet match it: expert parallelism, MoE's dense blocks, expert units and LoRA with padded experts
+(moe_events.moe_flat_reason), LoRA with FSDP1's adapter units or edge units.
 """
 
 from __future__ import annotations
