@@ -306,21 +306,24 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
                 unsharded_grads=head_grad,   # the temporary is an ordinary allocation (as the trace files it)
                 activations=tokens * (saved_below(i) + (ckpt if is_ckpt(i) else full)) + shared + temp,
             )
-    if tensor_parallel.sequence_parallel(config) and counts.trainable_root:
-        # TP with sequence parallel: the embedding's backward, the step's last op, makes the whole V x h table
-        # (tensor_parallel.embedding_grad_extra_params) from its output's gradient all-gathered over the sequence;
-        # the root still gathered, its other gradients made, block 0's reduce-scatter input kept. DTensor copies the
-        # rank's rows out of it while it is alive: at the root's post-backward (torch 2.13 _fsdp_param.py:965
-        # redistribute to Shard(0), placement_types.py:619 clone=True), or, tied, when AccumulateGrad adds it to the
-        # head's gradient (two rank-shard allocations beside the table). Traced (tests/unit/test_mesh_trace.py).
-        whole = model.embedding_params + tensor_parallel.embedding_grad_extra_params(model, config)
+    sp = tensor_parallel.sequence_parallel(config)
+    if counts.trainable_root and (sp or not (model.split_edge_units or adapter_units)):
+        # The embedding's backward, the step's last op: the root still gathered, its other gradients made, block 0's
+        # reduce-scatter input kept, beside its input gradient and its rows' (tied without SP: added into the head's;
+        # traced, docs/accuracy.md "TP with CP, and traced block profiles"). TP with sequence parallel makes the whole
+        # V x h table (tensor_parallel.embedding_grad_extra_params) from its output's gradient all-gathered over the
+        # sequence. DTensor copies the rank's rows out of it while it is alive: at the root's post-backward (torch 2.13
+        # _fsdp_param.py:965 redistribute to Shard(0), placement_types.py:619 clone=True), or, tied, when AccumulateGrad
+        # adds it to the head's gradient (two rank-shard allocations beside the table). Traced (test_mesh_trace.py).
+        whole = model.embedding_params * (sp or not model.tied_embeddings) + \
+            tensor_parallel.embedding_grad_extra_params(model, config)
         root_grads = head_grad + whole * c
         at_table = _Moment(**states(grads_done(-1)), unsharded_params=root.at_blocks + root.prefetch_at_first,
                            collective_buffers=reduce_scatter_above(-1), unsharded_grads=root_grads)
         moments["embedding backward"] = at_table._replace(activations=tokens * h * c)
         copies = 2 if model.tied_embeddings else 1
-        moments["embedding's gradient, its rows copied"] = at_table._replace(
-            unsharded_grads=root_grads + copies * model.embedding_params * c)
+        moments.update({"embedding's gradient, its rows copied": at_table._replace(
+            unsharded_grads=root_grads + copies * model.embedding_params * c)} if sp else {})
     if prefetches and not adapter_units and not experts_c and L > 1 and not tensor_parallel.sequence_parallel(config):
         # FSDP2's transients around a block's all-gather (fsdp2_gathers.py). Backward: block i's pre-backward issues
         # block i-1's prefetch beside block i gathered, the copy-in source (shards cast to c) and the all-gather

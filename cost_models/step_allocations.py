@@ -14,8 +14,8 @@ whole-table gradient; without it the head's gathered logits: walk == ledger on t
 knobs (kernels.memory_kernels: the blocks' tensors through StagePieces, the loss kernel's own, loss_kernel_events.py;
 llama3-8b on 8 x h100-80gb: walk == ledger in every eager, chunked-loss and TE RMSNorm config, Liger's 14 of 48 off
 by -1.2 .. +2.0%), torchtitan 0.3's edge units (edge_unit_events.py), LoRA and QLoRA (lora_events.py;
-docs/accuracy.md, "LoRA's step"), TP with CP (walk == ledger in 95 of llama3-8b's 96 TP x CP configurations at 8,192
-tokens, 81 at 2,048; the misses fp32, +0.8 .. +2.1%, as TP alone at s / cp tokens, the trace siding with the walk), a
+docs/accuracy.md, "LoRA's step"), TP with CP (walk == ledger in all 96 of llama3-8b's TP x CP configurations at 8,192
+tokens, 92 at 2,048; the misses fp32 without checkpointing, +0.8%, as TP alone at s / cp tokens), a
 traced block profile (profile_events.py: its saved bytes, checkpoint-held inputs and backward moment;
 docs/accuracy.md, "TP with CP, and traced block profiles"), MoE (moe_events.py: a sparse block's own tensors, dim-0
 padding; docs/accuracy.md, "MoE's step replayed"). A block's gradients alive at its backward's moment are made before
