@@ -170,7 +170,7 @@ class LoraWalk:
         if self.loss_kernel:
             self.kernel_loss(events, s, mb)
         else:
-            _RankWalk.loss(self, events, s, mb)
+            self.model_loss(events, s, mb)
 
     def root_backward(self, s: int, grad_in) -> None:
         """Autograd ends at block 0 (the embedding's output needs no gradient): its all-gather output, the mask and

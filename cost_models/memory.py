@@ -5,8 +5,8 @@ are divided by the shard-group size d. FSDP2's schedule (the emitted config; che
 tier, docs/accuracy.md) decides what else is alive, moment by moment:
 
 - loss backward: everything the forward saved, the loss's three fp32 (b*s, V) tensors (log-softmax
-  output, its gradient, the logits' gradient), the root unit gathered (FSDP2 never reshards the root
-  after forward) and the last block's all-gather prefetched for its backward;
+  output, its gradient, the logits' gradient), the root unit gathered (resharded after forward under FULL_SHARD
+  and gathered again at its pre-backward: root_regather.py) and the last block's all-gather prefetched for its backward;
 - a block's backward: the saved tensors of the blocks below it and its own (re-computed when
   checkpointed), the backward's working set (activations.py), the root's and this block's gathered
   params and compute-dtype gradients, the next block's all-gather prefetch, the previous block's
@@ -38,7 +38,7 @@ import dataclasses
 import math
 
 from . import (activations, context_parallel, edge_units, expert_parallel, fsdp2_gathers, moe,
-               optimizer_step, qlora, tensor_parallel)
+               optimizer_step, qlora, root_regather, tensor_parallel)
 from .fsdp1_adapters import AdapterUnits
 from .memory_peak import Moment as _Moment, peak_estimate
 from .memory_shape import ledger_shape, shape_key
@@ -205,14 +205,16 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
     if root.regather:  # edge units: the final norm's backward gathers the head's unit again (edge_units.py)
         moments["final norm's backward"] = moments["loss backward"]._replace(**states(root.done_at_regather),
             collective_buffers=root.regather + root.rs_at_regather, logits_and_loss=0)
-    if config.loss_compiled and not keeps_gathered and d > 1 and root.prefetch_at_loss:
-        # A compiled loss runs outside the model (on its logits): the root's FSDP2 post-forward has
-        # resharded it (reshard_after_forward is explicit, so the root's keep-gathered default is off), and
-        # its pre-backward hook, on the logits, gathers it only once the loss's backward is done.
+    if not keeps_gathered and d > 1 and root.prefetch_at_loss and not adapter_units:
+        # The root's post-forward reshards it (reshard_after_forward is explicit: root_regather.py), its pre-backward
+        # gathers it again: before the loss's backward, or after a compiled loss's (run on the logits, outside)
         loss_moment = moments["loss backward"]
-        moments["loss backward"] = loss_moment._replace(unsharded_params=loss_moment.unsharded_params - root.at_loss,
-                                                        collective_buffers=0)
-        moments["head backward"] = loss_moment._replace(logits_and_loss=tokens * c * model.vocab_size)
+        moments["root gathered again in backward"] = root_regather.regather_moment(loss_moment, root.at_loss,
+            root_regather.loss_bytes_at_regather(model, c, config, kern, tokens, not training.finetune.adapters))
+        if config.loss_compiled:
+            moments["loss backward"] = loss_moment._replace(
+                unsharded_params=loss_moment.unsharded_params - root.at_loss, collective_buffers=0)
+            moments["head backward"] = loss_moment._replace(logits_and_loss=tokens * c * model.vocab_size)
     # The loss is computed inside the model's forward, before the root's post-forward frees the last unit's all-gather
     # output (FSDP2 defers that free for an implicit prefetch): with expert units, the last block's experts', larger
     # than the block the loss backward prefetches; under ZeRO-2 the last block's, which no backward prefetch replaces

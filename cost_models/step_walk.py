@@ -6,8 +6,9 @@ backward one after another: pipeline_allocations._RankWalk writes the tensors (t
 tensor, activations cut into the model's widths, the loss's events, the optimizer's foreach temporaries), and this
 walk gives it FSDP2's hooks around each unit (torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py, torch 2.13),
 where a pipeline stage stays gathered for the step:
-- the root (embedding, final norm, head) unsharded at each microbatch's forward and kept to its post-backward
-  (FSDP2 never reshards the root after forward);
+- the root (embedding, final norm, head) unsharded at each microbatch's forward and kept to its post-backward, but
+  where its explicit reshard_after_forward reshards it after forward and its pre-backward gathers it again
+  (root_regather.py);
 - a block's pre-forward all-gathers it (input on the default stream, output on the copy-in stream, copied out into
   its unsharded parameters; the previous unit's all-gather output freed once this unit is copied out) and its
   post-forward reshards it (FULL_SHARD; SHARD_GRAD_OP keeps it gathered to its backward; reshard_after_forward=N
@@ -67,6 +68,8 @@ class StepWalk(LossKernelWalk, EdgeUnitsWalk, _RankWalk):
         if self.loss_kernel:
             self.loss_events = loss_kernel_events(model, self.c, config, self.tokens)
         self.init_edges(model, x, d)
+        # the root's post-forward reshards it, its pre-backward gathers it again (root_regather.py)
+        self.root_regathers = not self.keeps_gathered and d > 1 and not self.edges
 
     def stored_width(self, s: int, u, i: int) -> int | None:
         return self.p  # full fine-tuning: every parameter trained, stored in the param dtype (LoraWalk: its own)
@@ -216,7 +219,7 @@ class StepWalk(LossKernelWalk, EdgeUnitsWalk, _RankWalk):
         if self.loss_kernel:
             self.kernel_loss(events, s, mb)
         else:
-            super().loss(events, s, mb)
+            self.model_loss(events, s, mb)
         if self.edges:
             self.edge_head_backward(events, s)
             return
@@ -228,6 +231,15 @@ class StepWalk(LossKernelWalk, EdgeUnitsWalk, _RankWalk):
         self.alloc(("wgrad", s, 0, 0), head)
         if self.model.tied_embeddings and not self.loss_kernel:
             self.alloc(("wgrad", s, 0, 1), emb)
+
+    def model_loss(self, events, s: int, mb: int) -> None:
+        """The model's own loss (loss_memory.events); a compiled loss's backward runs before the root's pre-backward
+        hook on the logits, which fires beside their gradient (its last free)."""
+        if events is self.loss_events[1] and self.root_units(s) and self.root_regathers and self.config.loss_compiled:
+            _RankWalk.loss(self, events[:-1], s, mb)
+            self.root_pre_backward(s)
+            events = events[-1:]
+        _RankWalk.loss(self, events, s, mb)
 
     def gathered_logits(self, events, s: int, mb: int) -> None:
         """TP without sequence parallel (transformers' tp_plan, the head column-wise with its output gathered): the
@@ -291,6 +303,14 @@ class StepWalk(LossKernelWalk, EdgeUnitsWalk, _RankWalk):
             self.root_keys[1] = ("embedding rows sum", s)
         self.free(("embedding table grad", s))
 
+    def root_pre_backward(self, s: int) -> None:
+        """The root's pre-backward: the root gathered again (root_regathers), then the last block prefetched."""
+        root, last = self.root_units(s), len(self.units[s]) - 1
+        if root and self.root_regathers:
+            self.unshard(0, backward=True)
+        if last >= root and last not in self.gathered_units and not self.edges:
+            self.all_gather(last)
+
     def step(self, first: bool) -> None:
         s, x = self.stage, self.pieces[self.stage]
         root = self.root_units(s)
@@ -304,9 +324,10 @@ class StepWalk(LossKernelWalk, EdgeUnitsWalk, _RankWalk):
             if self.pending is not None:  # the root's post-forward frees the last all-gather output
                 self.free(self.pending)
                 self.pending = None
-            last = len(self.units[s]) - 1
-            if last >= root and last not in self.gathered_units and not self.edges:  # the root's pre-backward prefetches it
-                self.all_gather(last)
+            if root and self.root_regathers:
+                self.reshard_unit(0)
+            if not (root and self.root_regathers and self.config.loss_compiled):  # a compiled loss's: after its backward
+                self.root_pre_backward(s)
             self.backward_pass(x, mb)
             if self.pending is not None:
                 self.free(self.pending)

@@ -50,7 +50,8 @@ def test_liger_under_lora_makes_no_head_gradient():
     (weight.requires_grad). Llama 3 8B, bf16, 2 x 2,048 tokens: 4,096 x (2 x 4,096 + 5) = 33,574,912 B of grad_input,
     loss_1d and mask, one chunk of 128 rows x 128,256 x 2 = 32,833,536 B, and the head's 128,256 x 4,096 x 2 =
     1,050,673,152 B only where the head trains. LoRA's step with Liger is replayed, the walk makes no root gradient
-    and peaks at the ledger's peak (llama3-8b 8 x h100-80gb, micro-batch 1, no checkpointing)."""
+    and peaks at the ledger's peak (llama3-8b 8 x h100-80gb, micro-batch 1, no checkpointing): the root gathered again
+    at its pre-backward (root_regather.py, 2026-12-07; 14,851,220,480 B before, block 31's backward)."""
     c = estimate("llama3-8b", 8, gpu="h100-80gb", seq_len=2048, finetune="lora", loss_kernel="liger", micro_batch=1,
                  global_batch=16, activation_checkpointing="none")
     assert liger_loss_bytes(c.model, 2, 4096) == 1_117_081_600
@@ -58,5 +59,5 @@ def test_liger_under_lora_makes_no_head_gradient():
     assert replays(c.model, c.training, c.config, 8) is None
     events, _ = _walk(c)
     assert not any(e[1][0] == "wgrad" and e[1][2] == 0 for e in events if e[0] == "alloc")
-    assert _events_peak(events) == c.memory.peak_allocated_bytes == 14_851_220_480
+    assert _events_peak(events) == c.memory.peak_allocated_bytes == 15_935_833_088
     assert any("replayed through the caching allocator" in n for n in c.memory.notes)
