@@ -24,7 +24,6 @@ torchtitan's edge units, and FSDP1's adapter units (fsdp1_adapters.py); TP / CP 
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 from . import optimizer_step, qlora
@@ -68,12 +67,8 @@ class LoraWalk:
             self.alloc(("quant_state", j), qlora.quant_state_bytes(i * o, training.double_quant))
         if self.loss_kernel:  # Liger's / the chunked loss's tensors without the frozen head's weight gradient
             self.loss_events = loss_kernel_events(model, self.c, config, self.tokens, head_grad=False)
-        x, tokens, n = self.pieces[self.stage], self.tokens, self.pieces[self.stage].stage.n_blocks
-        kept = [shape.ckpt if shape.is_ckpt(j) else shape.full for j in range(n)]
-        kept[0] -= shape.first_less  # block 0's first norm saves nothing (its input needs no gradient)
-        self.pieces[self.stage] = dataclasses.replace(
-            x, kept=tuple(kept), block_full=shape.full + shape.ckpt_input_extra - shape.ckpt,
-            saved=tokens * (sum(kept) + shape.root_saved), checkpointed=tuple(shape.is_ckpt(j) for j in range(n)))
+        tokens = self.tokens  # block 0's first norm saves nothing (its input needs no gradient): first_less
+        self.pieces[self.stage] = self.pieces[self.stage].with_ledger_saved(shape, tokens, shape.first_less)
         # each block's backward moment as memory.py picks it (by activations): the MLP's or the attention's, per
         # token and in whole tensors beside them (QLoRA: the linear in flight dequantized, qlora.py)
         mlp, attn = (shape.w_mlp, []), (shape.w_attn - shape.freed_attn, [])

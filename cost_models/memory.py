@@ -326,7 +326,8 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
         copies = 2 if model.tied_embeddings else 1
         moments.update({"embedding's gradient, its rows copied": at_table._replace(
             unsharded_grads=root_grads + copies * model.embedding_params * c)} if sp else {})
-    if prefetches and not adapter_units and not experts_c and L > 1 and not tensor_parallel.sequence_parallel(config):
+    block_gathers = d > 1 and not adapter_units and not experts_c and L > 1 and not sp  # FSDP2's per-block all-gathers
+    if block_gathers and not keeps_gathered:
         # FSDP2's transients around a block's all-gather (fsdp2_gathers.py). Backward: block i's pre-backward issues
         # block i-1's prefetch beside block i gathered, the copy-in source (shards cast to c) and the all-gather
         # output at once, before block i's backward adds its working set; a checkpointed block holds its input yet
@@ -349,7 +350,7 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
             moments["embedding's all-gather copied out"] = _Moment(
                 **states(grads_done(-1)), unsharded_params=root.prefetch_at_first,
                 collective_buffers=root.prefetch_at_first + reduce_scatter_above(-1), activations=tokens * h * c)
-    if d > 1 and not adapter_units and not experts_c and L > 1 and not tensor_parallel.sequence_parallel(config):
+    if block_gathers:
         # Forward (ZeRO-2's too): the last block's copy-out beside its all-gather output and the block below's
         # (deferred free); its input and the embedding's output held (output_projection_forward_held_bytes_per_token)
         i = L - 1

@@ -9,7 +9,7 @@ cost_models/pipeline_rank_memory.py (the replay); the per-token pieces are the s
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from . import (activations, activations_backward, context_parallel, kernels, operators, pipeline_techniques,
                tensor_parallel)
@@ -55,6 +55,18 @@ class StagePieces:
     def gathered(self) -> int:
         """The stage's unsharded parameters while it keeps them gathered (reshard_after_forward=False)."""
         return self.root_gathered + self.stage.n_blocks * self.block_gathered
+
+    def with_ledger_saved(self, shape, tokens: int, first_less: int = 0) -> StagePieces:
+        """These pieces with each block's saved tensors as memory.py's ledger holds them (shape: a
+        memory_shape.LedgerShape; the pp = 1 walks of lora_events.py and profile_events.py): per token a checkpointed
+        block's input, another block's whole set (block 0 less first_less), a recomputed block's tensors, and the
+        stage's saved bytes on `tokens` tokens (the root's among them)."""
+        n = self.stage.n_blocks
+        kept = [shape.ckpt if shape.is_ckpt(j) else shape.full for j in range(n)]
+        kept[0] -= first_less
+        return replace(self, kept=tuple(kept), block_full=shape.full + shape.ckpt_input_extra - shape.ckpt,
+                       saved=tokens * (sum(kept) + shape.root_saved),
+                       checkpointed=tuple(shape.is_ckpt(j) for j in range(n)))
 
 
 def shape_key(config: FsdpConfig, stage: Stage) -> tuple:

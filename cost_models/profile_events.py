@@ -27,12 +27,13 @@ class ProfileWalk:
 
     def __init__(self, model, training, config, d: int, rank: int):
         super().__init__(model, training, config, d, rank)
-        shape = ledger_shape(model, training, config, None, False)
         self.profile_rest = None  # per block: the working set's bytes below a whole tensor per token
+        if model.activation_profile is None:  # (the formulas' widths: StepWalk's own)
+            return
+        shape = ledger_shape(model, training, config, None, False)
         if shape.traced is None:
             return
         x, tokens, n = self.pieces[self.stage], self.tokens, self.pieces[self.stage].stage.n_blocks
-        kept = [shape.ckpt if shape.is_ckpt(j) else shape.full for j in range(n)]
         acts, grads = shape.traced.backward_peak(tokens, training.seq_len)
         grads = min(grads, shape.real.trainable_block * self.c)
         # the moment's activations above the block's saved tensors (the incoming gradient among them, as the
@@ -40,9 +41,8 @@ class ProfileWalk:
         working = round(acts) + tokens * context_parallel.ring_working_bytes_per_token(model, config.cp, self.c)
         self.profile_rest = working % tokens
         self.pieces[self.stage] = dataclasses.replace(
-            x, kept=tuple(kept), block_full=shape.full + shape.ckpt_input_extra - shape.ckpt,
-            saved=tokens * (sum(kept) + shape.root_saved), checkpointed=tuple(shape.is_ckpt(j) for j in range(n)),
-            working=(working - self.profile_rest,) * n, blocks=tuple(((0, grads), *b[1:]) for b in x.blocks))
+            x.with_ledger_saved(shape, tokens), working=(working - self.profile_rest,) * n,
+            blocks=tuple(((0, grads), *b[1:]) for b in x.blocks))
         # the checkpoint-held inputs (masks, rotary tables: the profile's), or without checkpointing the formula's
         # rotary tables: memory_shape.py's shared bytes, held from the forward to block 0's backward
         self.shared, self.mask = shape.shared, 0
