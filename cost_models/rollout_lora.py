@@ -114,6 +114,12 @@ def attention_slices(model: ModelSpec, tp: int, fused: bool = False) -> tuple[li
     return ([(h, q + 2 * kv)] if fused else [(h, q), (h, kv), (h, kv)]), (q, h)
 
 
+def slice_elements(column, row, r: int, split: int) -> int:
+    """A's and B's elements over (in, out) slices of rank r for one adapter slot: column-parallel slices (A r x in, B
+    out x r; fully_sharded_loras, split = tp, splits A's rank) and row-parallel ones (B's out split)."""
+    return sum(r // split * i + o * r for i, o in column) + sum(r * i + o // split * r for i, o in row)
+
+
 def moe_block_elements(model: ModelSpec, tp: int, r: int, fully_sharded: bool) -> int:
     """One sparse block's LoRA buffer elements for one adapter slot (module docstring): q / k / v / o as a dense
     block's, the router's, every expert's w13 and w2 (vLLM without expert parallelism: all experts local)."""
@@ -121,8 +127,8 @@ def moe_block_elements(model: ModelSpec, tp: int, r: int, fully_sharded: bool) -
     if model.kv_lora_rank or moe.shared_ffn_size or moe.n_dense_layers or not model.gated_mlp:
         raise SpecError("finetune", "vLLM's LoRA buffers are priced for MoE blocks of routed gated experts alone "
                                     "(no shared experts, dense MLP layers or MLA)")
-    column, (o_in, o) = attention_slices(model, tp)
-    attention = sum(r // split * i + out * r for i, out in column) + r * o_in + o // split * r
+    column, o_proj = attention_slices(model, tp)
+    attention = slice_elements(column, [o_proj], r, split)
     router = r * h + moe.n_experts * r
     f = moe.expert_ffn_size // tp   # intermediate_size_per_partition
     w13_slices = 1 if model.family in THREE_D_MOE_FAMILIES else 2   # 3D: one w13 slice, its B 2 f wide
@@ -142,7 +148,7 @@ def vllm_lora_buffers(model: ModelSpec, tp: int, max_lora_rank: int, dtype_bytes
         per_block = moe_block_elements(model, tp, r, fully_sharded)
     else:
         column, row = block_slices(model, tp)
-        per_block = sum(r // split * i + o * r for i, o in column) + sum(r * i + o // split * r for i, o in row)
+        per_block = slice_elements(column, row, r, split)
     blocks = model.n_layers * max_loras * per_block * dtype_bytes
     v, h = model.vocab_size, model.hidden_size
     vocab = 0
