@@ -5,17 +5,18 @@
     /tmp/aoenv/bin/python benchmarks/float8_memory.py          # ~30 s of CPU, fake tensors
     /tmp/aoenv/bin/python benchmarks/float8_memory.py --compiled-linear   # inductor's buffers, ~1 min
 
-torchao is not in the project's environment (calibration/float8.py refuses Float8 on CPU), so this runs in a venv
-of its own and imports nothing from the project. torchao's Float8Linear (tensorwise dynamic scaling) and its
-torch._scaled_mm run on CPU fake tensors (FakeTensorMode), where the live bytes are counted per storage as each op
-makes it (LiveBytes: it sees every plain aten op, those inside torchao's tensor subclasses included). One block,
-whole-block non-reentrant checkpoint, its no-grad forward then its recompute and backward, each weight gradient
-dropped as it lands (FSDP reduce-scatters it); three variants: bf16 linears; Float8 linears (the bf16 weight cast
-in each use); Float8 with FSDP2's FP8 all-gather (the gathered weight a 1-byte Float8TrainingTensor, as
-fsdp_post_all_gather leaves it). With tp > 1 the block is one TP rank's slice under sequence parallel, its
-collectives written as new tensors of their outputs' sizes, and Float8 as torchtitan's Float8 TP of Dec 2024
-(torchao's PrepareFloat8ModuleInput / Float8ColwiseParallel / Float8RowwiseParallel: inputs cast to FP8 before
-their all-gather, output gradients cast to FP8 e5m2 before theirs, NoopFwToFloat8BwDynamic).
+torchao is not in the project's environment (calibration/float8.py refuses Float8 on CPU), so this runs in a venv of
+its own and imports nothing from the project but benchmarks/live_bytes.py beside it (torch alone). torchao's
+Float8Linear (tensorwise dynamic scaling) and its torch._scaled_mm run on CPU fake tensors (FakeTensorMode), where
+the live bytes are counted per storage as each op makes it (live_bytes.FakeLiveBytes: it sees every plain aten op,
+those inside torchao's tensor subclasses included). One block, whole-block non-reentrant checkpoint, its no-grad
+forward then its recompute and backward, each weight gradient dropped as it lands (FSDP reduce-scatters it); three
+variants: bf16 linears; Float8 linears (the bf16 weight cast in each use); Float8 with FSDP2's FP8 all-gather (the
+gathered weight a 1-byte Float8TrainingTensor, as fsdp_post_all_gather leaves it). With tp > 1 the block is one TP
+rank's slice under sequence parallel, its collectives written as new tensors of their outputs' sizes, and Float8 as
+torchtitan's Float8 TP of Dec 2024 (torchao's PrepareFloat8ModuleInput / Float8ColwiseParallel /
+Float8RowwiseParallel: inputs cast to FP8 before their all-gather, output gradients cast to FP8 e5m2 before theirs,
+NoopFwToFloat8BwDynamic).
 
 As torch.compile runs them (the published runs compile the blocks), the casts write only their outputs: the amax
 and the scaled cast's abs / fp32 upcast / clamp intermediates are not made (fused_casts); `--eager-casts` keeps
@@ -31,13 +32,11 @@ from __future__ import annotations
 import contextlib
 import sys
 import warnings
-import weakref
 
 import torch
 import torch.nn.functional as F
+from live_bytes import FakeLiveBytes   # benchmarks/live_bytes.py, beside this script (torch alone)
 from torch import nn
-from torch._subclasses import FakeTensorMode
-from torch.utils._pytree import tree_flatten
 
 warnings.filterwarnings("ignore")
 MiB = 2**20
@@ -47,40 +46,6 @@ CASES = (("Llama 3.1 8B widths, no TP, 2 x 8,192", 4096, 4096, 1024, 14336, 2, 8
          ("Llama 3.1 70B widths, TP 8, 4 x 8,192", 8192, 8192, 1024, 28672, 4, 8192, 8),
          ("Llama 3.1 405B widths, TP 8, 4 x 8,192 (the pp 8 rows)", 16384, 16384, 1024, 53248, 4, 8192, 8))
 VARIANTS = ("bf16", "float8", "float8 + FP8 all-gather")
-
-
-class LiveBytes(FakeTensorMode):
-    """Live tensor storages by bytes, counted once each as the op that makes them returns, freed when the last
-    reference goes; the peak, what was live at it, and the FP8 storages among them."""
-
-    def __init__(self):
-        super().__init__()
-        self.live, self._refs, self.on = {}, {}, False
-        self.current = self.peak = 0
-        self.peak_live: list = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = super().__torch_dispatch__(func, types, args, kwargs)
-        if self.on and out is not NotImplemented:
-            for t in tree_flatten(out)[0]:
-                if type(t).__name__ == "FakeTensor":
-                    self.track(t, func.overloadpacket.__name__)
-        return out
-
-    def track(self, t: torch.Tensor, made_by: str) -> None:
-        storage = t.untyped_storage()
-        key = id(storage)
-        if key in self.live:
-            return
-        self.live[key] = (storage.nbytes(), made_by, tuple(t.shape), str(t.dtype).replace("torch.", ""))
-
-        def freed(_, key=key):
-            self.current -= self.live.pop(key)[0]
-
-        self._refs[key] = weakref.ref(storage, freed)
-        self.current += storage.nbytes()
-        if self.current > self.peak:
-            self.peak, self.peak_live = self.current, list(self.live.values())
 
 
 class FusedSilu(torch.autograd.Function):
@@ -206,7 +171,7 @@ def measure(h, q, kv, f, b, s, tp, variant) -> dict:
     """One block's checkpointed forward, recompute and backward: bytes held before it (weights, its input and
     output gradient) and its peak above them, with the FP8 storages live at the peak."""
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
-    mode = LiveBytes()
+    mode = FakeLiveBytes(on=False)
     with mode:
         torch.set_default_dtype(torch.bfloat16)
         block = Block(h, q, kv, f, tp, variant != "bf16")

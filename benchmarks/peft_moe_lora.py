@@ -14,10 +14,10 @@ Three parts, all on memory_accuracy.py's small configs (arch_config), LoRA rank 
 2. block: one MoE block (layers[1].mlp) on real CPU tensors, T tokens, one forward and backward (the output's
    gradient all ones): bytes saved for backward (saved_tensors_hooks: storages that are not parameters, each once,
    still alive when the forward returns),
-   and the live bytes of the tensors the block's ops make (a dispatch mode counting storages as ops make them and as
-   they are freed; parameters and the input not counted): the forward's peak, the forward + backward peak, and each
-   baddbmm (peft's W + s * B @ A over the whole expert stack). Attention-only LoRA (the block has no adapter) against
-   all-linear; the all-linear excess of saved bytes against
+   and the live bytes of the tensors the block's ops make (benchmarks/live_bytes.py: a dispatch mode counting storages
+   as ops make them and as they are freed; parameters and the input not counted): the forward's peak, the forward +
+   backward peak, and each baddbmm (peft's W + s * B @ A over the whole expert stack). Attention-only LoRA (the block
+   has no adapter) against all-linear; the all-linear excess of saved bytes against
        p [3 E f h + S (h + f) + T h + E h]  (+ p rE(5f + 3h) when the adapters are kept in another dtype)
    with p the base weight's bytes per element and S = T k the routed rows; a shared expert (Qwen2-MoE, DeepSeek-V3)
    adds p T (fs + n r), n its adapted linears (4 with Qwen2-MoE's shared_expert_gate, else 3).
@@ -32,8 +32,8 @@ import warnings
 import weakref
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+
+from benchmarks.live_bytes import LiveBytes
 
 warnings.filterwarnings("ignore")
 RANK, ALPHA = 4, 8
@@ -98,38 +98,6 @@ def targets_part() -> None:
         shared_note = f"; shared expert linears {shared:,}" if d["fs"] else ""
         print(f"   router + stacked experts: {moe:,} elements, formula {formula:,} {want}{shared_note}" if moe else
               "   no MoE adapter (the router and the experts are not nn.Linear and not converted)")
-
-
-class LiveBytes(TorchDispatchMode):
-    """Storages the ops make, counted once each as they are made and as their last reference goes."""
-
-    def __init__(self, ignored):
-        super().__init__()
-        self.ignored = {id(t.untyped_storage()) for t in ignored}
-        self.live, self._refs = {}, {}
-        self.current = self.peak = 0
-        self.made: list[tuple[str, tuple, int]] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor):
-                self._track(t, func.overloadpacket.__name__)
-        return out
-
-    def _track(self, t: torch.Tensor, op: str) -> None:
-        storage = t.untyped_storage()
-        key = id(storage)
-        if key in self.live or key in self.ignored:
-            return
-        self.live[key] = storage.nbytes()
-        self._refs[key] = weakref.ref(storage, lambda _, key=key: self._free(key))
-        self.current += storage.nbytes()
-        self.peak = max(self.peak, self.current)
-        self.made.append((op, tuple(t.shape), storage.nbytes()))
-
-    def _free(self, key) -> None:
-        self.current -= self.live.pop(key)
 
 
 def measure_block(arch: str, targets: str, dtype: torch.dtype, tokens: int, hidden: int) -> dict:
