@@ -210,7 +210,7 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
         # gathers it again: before the loss's backward, or after a compiled loss's (run on the logits, outside)
         loss_moment = moments["loss backward"]
         moments["root gathered again in backward"] = root_regather.regather_moment(loss_moment, root.at_loss,
-            root_regather.loss_bytes_at_regather(model, c, config, kern, tokens, not training.finetune.adapters))
+                                                                                   s.loss_at_regather)
         if config.loss_compiled:
             moments["loss backward"] = loss_moment._replace(
                 unsharded_params=loss_moment.unsharded_params - root.at_loss, collective_buffers=0)

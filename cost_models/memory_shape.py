@@ -11,7 +11,7 @@ from dataclasses import dataclass, fields
 from operator import attrgetter
 
 from . import (activation_notes, activations, activations_backward, context_parallel, fsdp1_adapters, kernels,
-               lora_dropout, moe, operators, qlora, tensor_parallel)
+               lora_dropout, moe, operators, qlora, root_regather, tensor_parallel)
 from .memory_types import ParamCounts, traced_block_terms
 from .quick_init import quick_init, replaced
 from .specs import FSDP_ONLY_FIELDS, FsdpConfig, ModelSpec, TrainingSpec
@@ -58,6 +58,7 @@ class LedgerShape:
     ckpt_input_extra: int
     loss_peak: int
     loss_reserved_extra: int
+    loss_at_regather: int       # the loss's tensors at the root's pre-backward gather (root_regather.py)
     # the forward (and a checkpointed block's recompute) of the MLP's output projection, where it can peak: QLoRA's
     # weight dequantized, LoRA's adapter on it (all-linear); 0: no such moment. Bytes beside what the block holds
     out_proj_in_flight: int
@@ -207,6 +208,8 @@ def ledger_shape(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, e
     loss_reserved_extra = kernels.loss_reserved_extra_bytes(
         model, c, config, kern, tokens, tokens * activations.logits_reserved_extra_bytes_per_token(
             model, c, config.loss_compiled))
+    loss_at_regather = root_regather.loss_bytes_at_regather(model, c, config, kern, tokens,
+                                                            not training.finetune.adapters)
     out_proj_in_flight = qlora.forward_in_flight_bytes(f, h, c, training.double_quant, tokens) if quantized else 0
     if lora_rank and model.lora_mlp:
         # peft runs the adapter after the base's forward (its dequantized weight freed), so what the adapter saves
@@ -225,7 +228,8 @@ def ledger_shape(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, e
         full_dense=full_dense, traced_dense=traced_dense, dense_blocks=dense_blocks, leading=leading,
         dense_prefix=tuple(dense_prefix), w_mlp=w_mlp, w_attn=w_attn, freed_attn=freed_attn,
         mlp_grad=mlp_grad, attn_grad=attn_grad, mlp_moments=mlp_moments, ckpt_input_extra=ckpt_input_extra,
-        loss_peak=loss_peak, loss_reserved_extra=loss_reserved_extra, out_proj_in_flight=out_proj_in_flight,
+        loss_peak=loss_peak, loss_reserved_extra=loss_reserved_extra, loss_at_regather=loss_at_regather,
+        out_proj_in_flight=out_proj_in_flight,
         mlp_inputs_saved=bool(lora_rank) and model.lora_mlp and not casts and not dropout, blocks=(),
         quirks=tuple(activation_notes.quirks(model, config.attention, training.seq_len)), n_layers=L, n_dense=nd)
     # A checkpointed block re-runs its forward; its saved input stays (unless the first norm saves that very tensor).

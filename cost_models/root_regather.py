@@ -16,34 +16,42 @@ tokens on 8 ranks, the trace's peak 166,702,928 B is this moment (docs/accuracy.
 
 from __future__ import annotations
 
+import functools
+
 from . import loss_memory, tensor_parallel
 from .kernels import Kernels
 from .loss_kernel_events import loss_kernel_events
 from .specs import FsdpConfig, LossKernel, ModelSpec
 
 
-def _net_bytes(events, scale: int = 1) -> int:
+def _net_bytes(events) -> int:
     """Bytes an event list leaves allocated (frees named after their alloc; a free's own size is ignored)."""
     live: dict[str, int] = {}
     for kind, name, size in events:
         if kind == "alloc":
-            live[name] = live.get(name, 0) + size * scale
+            live[name] = live.get(name, 0) + size
         else:
             live.pop(name, None)
     return sum(live.values())
+
+
+@functools.lru_cache(maxsize=None)
+def _eager_bytes_per_logit(c: int, compiled: bool, parallel: bool) -> int:
+    """Bytes per logit element the eager (or compiled) loss's forward leaves allocated (loss_memory.events)."""
+    return _net_bytes(loss_memory.events(c, compiled, parallel)[0])
 
 
 def loss_bytes_at_regather(model: ModelSpec, c: int, config: FsdpConfig, kernels: Kernels, tokens: int,
                            head_grad: bool) -> int:
     """The loss's tensors alive at the root's pre-backward: what its forward leaves for its backward (eager: the
     log-softmax output; a loss kernel: its gradients, loss_kernel_events), or after a compiled loss's backward the
-    logits' gradient (c per logit, the bytes its forward kept); a soft-capped model's tanh output beside them."""
+    logits' gradient (c per logit, the bytes its forward kept); a soft-capped model's tanh output beside them. Priced
+    once per ledger shape (memory_shape.LedgerShape.loss_at_regather), the eager loss's bytes once per logit width."""
     v = model.vocab_size
     softcap = tokens * c * v if model.logit_softcap else 0
     if kernels.loss is not LossKernel.EAGER:
         return _net_bytes(loss_kernel_events(model, c, config, tokens, head_grad)[0]) + softcap
-    forward, _ = loss_memory.events(c, config.loss_compiled, tensor_parallel.loss_parallel(config))
-    return _net_bytes(forward, tokens * v) + softcap
+    return _eager_bytes_per_logit(c, config.loss_compiled, tensor_parallel.loss_parallel(config)) * tokens * v + softcap
 
 
 def regather_moment(loss_moment, root_gathered: int, loss_bytes: int):
