@@ -372,16 +372,21 @@ def view(model: ModelSpec, config: FsdpConfig, cluster: ClusterSpec, training) -
     from .mesh import mesh_of
 
     mesh = mesh_of(config, cluster)
+    return rank_view(model, config, mesh.fsdp, training)
+
+
+def rank_view(model: ModelSpec, config: FsdpConfig, d: int, training) -> ExpertParallelView:
+    """view() from the dense shard group d = dp_shard x cp (efsdp = d x tp / ep: mesh.Mesh.efsdp)."""
     E, ep = model.moe.n_experts, config.ep
     mo = model.moe
     local_rows = tuple((rows // ep, per_row) for rows, per_row in mo.stacked_expert_tensors)
     others = (E - E // ep) * mo.expert_params
     local = replace(model, block_params=model.block_params - others,
                     moe=replace(mo, stacked_expert_tensors=local_rows))
-    return ExpertParallelView(model=local, ep=ep, efsdp=mesh.efsdp, d=mesh.fsdp,
+    return ExpertParallelView(model=local, ep=ep, efsdp=d * config.tp // ep, d=d,
                               imbalance=float(getattr(training, "routing_imbalance", 1.0)),
                               dispatch=config.moe_dispatch, routing=getattr(training, "routing", Routing.LEARNED))
 
 
-__all__ = ["ExpertParallelView", "view", "expert_parallel_ops", "ep_tier", "all_to_all_seconds",
+__all__ = ["ExpertParallelView", "view", "rank_view", "expert_parallel_ops", "ep_tier", "all_to_all_seconds",
            "deepep_spanning_seconds", "expert_fsdp_seconds", "ranks_per_token", "routing_ops", "deepep_ops"]

@@ -155,18 +155,23 @@ class StepWalk(LossKernelWalk, EdgeUnitsWalk, _RankWalk):
         _, s, _, j = key
         x, u = self.pieces[s], self.root_units(s) + j
         left = x.blocks[x.stage.n_blocks - 1 - j][0][1]  # bytes of gradients at the moment
+        early = self.early_grads(s, u, left, range(len(self.grad_bytes(s, u))))
+        # the working set's incoming gradient (activations_backward's c*h) is the walk's grad_in, alive already
+        super().transient(key, self.tensors(max(0, x.working[j] // self.tokens - self.hs)), stream)
+        self.made[u] = early
+
+    def early_grads(self, s: int, u, left: int, among) -> set[int]:
+        """Unit u's gradients (indices among `among`) made before a backward moment of `left` gradient bytes: taken
+        in backward order (down, up, gate, o, v, k, q, then the norms), each that fits, allocated now."""
         grads = self.grad_bytes(s, u)
-        order = sorted(range(len(grads)), key=lambda i: (i >= 7, -i))  # down, up, gate, o, v, k, q, then the norms
         early = []
-        for i in order:
+        for i in sorted(among, key=lambda i: (i >= 7, -i)):
             if grads[i] <= left:
                 early.append(i)
                 left -= grads[i]
         for i in early:
             self.alloc(("wgrad", s, u, i), grads[i])
-        # the working set's incoming gradient (activations_backward's c*h) is the walk's grad_in, alive already
-        super().transient(key, self.tensors(max(0, x.working[j] // self.tokens - self.hs)), stream)
-        self.made[u] = set(early)
+        return set(early)
 
     def weight_grads(self, s: int, u: int, made: bool = False) -> None:
         """The unit's compute-dtype gradients (made: already, by tp_block_events' products or, the root's, by
@@ -193,7 +198,12 @@ class StepWalk(LossKernelWalk, EdgeUnitsWalk, _RankWalk):
             self.free(key)
         later = u in self.has_grad
         output = ("new_grad", s, u) if later else ("sharded_grad", s, u if shard_unit is None else shard_unit)
-        self.alloc(output, math.ceil(n * self.r / self.d), REDUCE_SCATTER_STREAM)
+        if self.r != self.p:  # the output cast to the parameters' dtype, the reduce-dtype one freed (torch 2.13
+            # _fsdp_collectives.py:696 _to_dtype_if_needed(reduce_output, orig_dtype)): the sharded gradient's bytes
+            self.alloc(("rs_out", s, u), math.ceil(n * self.r / self.d), REDUCE_SCATTER_STREAM)
+        self.alloc(output, math.ceil(n * (self.p if self.r != self.p else self.r) / self.d), REDUCE_SCATTER_STREAM)
+        if self.r != self.p:
+            self.free(("rs_out", s, u))
         for key in grads if kept else ():
             self.free(key)
         if later:

@@ -128,5 +128,6 @@ def test_explain_shows_the_segments_at_the_peak(piped):
     step = explain_text(estimate("gpt-125m", gpus=8))   # no pipeline: the step's own replay (step_allocations.py)
     assert "the step's allocations over two steps replayed" in step and "segments at the reserved peak" in step
     assert "segments at the reserved peak" in explain_text(estimate("gpt-125m", gpus=8, offload=True))  # offload too
-    flat = explain_text(estimate("mixtral-8x7b", gpus=8, ep=8))   # expert parallelism: the flat rule, the same outside
+    # EP with CPU offload (expert_unit_events.py walks EP on the device): the flat rule, the same outside
+    flat = explain_text(estimate("mixtral-8x7b", gpus=8, ep=8, offload=True))
     assert "segments at the reserved peak" not in flat and "outside the allocator: cuda_context" in flat

@@ -9,7 +9,7 @@ from benchmarks.memory_accuracy import arch_config
 from cost_models.moe_events import moe_block_tensors
 from cost_models.step_allocations import replays, step_replay
 from planner.api import estimate
-from tests.unit.test_step_allocations import _events_peak, _walk  # the walk's live peak, the walk of a candidate
+from tests.unit.test_step_allocations import EP_FLAT, _events_peak, _walk  # (the live peak, a candidate's walk)
 
 ON_8 = dict(gpu="h100-80gb", seq_len=2048)
 
@@ -54,15 +54,16 @@ def test_a_sparse_blocks_tensors():
 
 
 def test_what_keeps_moe_on_the_flat_rule():
-    """Expert parallelism (its dispatch buffers and expert shard groups are not in the walk: -20.8 .. +7.6% on
-    memory_accuracy.py --mesh --only ep), dense blocks (DeepSeek's leading), LoRA with padded experts (LoraWalk's
-    units are unpadded), experts as units of their own. Padded full fine-tuning is walked (Qwen2-MoE's 1 x 2,048
-    shared-expert gate padded to 4 rows, Mixtral's 8 experts on 16)."""
+    """Dense blocks (DeepSeek's leading), LoRA with padded experts (LoraWalk's units are unpadded), experts as units
+    of their own without EP, EP with CPU offload. Padded full fine-tuning is walked (Qwen2-MoE's 1 x 2,048
+    shared-expert gate padded to 4 rows, Mixtral's 8 experts on 16), and so is expert parallelism
+    (expert_unit_events.py; tests/unit/test_ep_step_allocations.py)."""
     def why(model, gpus, **knobs):
         c = estimate(model, gpus, **{**ON_8, **knobs})
         return replays(c.model, c.training, c.config, c.config.shard_group_size(c.cluster))
 
-    assert why("mixtral-8x7b", 16, ep=2) == "expert parallelism"
+    assert why("mixtral-8x7b", 16, ep=2) is None
+    assert why("mixtral-8x7b", 16, ep=2, offload=True) == EP_FLAT
     assert why("mixtral-8x7b", 16) is None and why("qwen2-moe-a2.7b", 4) is None
     assert why("mixtral-8x7b", 16, finetune="lora") == "LoRA with MoE experts padded on dim 0"
     assert why("deepseek-v2-lite", 8) == "MoE with dense blocks"

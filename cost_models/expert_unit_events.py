@@ -1,0 +1,187 @@
+"""The step walk's expert parallelism at pp = 1 (step_allocations' full fine-tuning walk; a mixin ahead of the others):
+each sparse block's routed experts an FSDP unit of their own on the efsdp mesh, as transformers' EP path runs them
+(calibration/expert_parallel.py: the experts module `fully_shard`ed over efsdp = dp_shard x cp x tp / ep inside the
+block's unit on dp_shard x cp; expert_parallel.py prices it).
+
+The rank's model is expert_parallel.rank_view's: its E / ep experts stacked. A sparse block's parameter tensors are
+moe_events.moe_block_tensors' with the stacked expert tensors as the ledger's shard counts hold them (the efsdp shard,
+its rows padded to efsdp x ceil(E / ep / efsdp), scaled by d), so that the sharded parameters, optimizer states and
+the optimizer's foreach temporaries (/ d) are the ledger's (ExpertParallelView.param_counts). The block's unit
+gathers and reduces the rest (router padded at d); the experts' unit ("experts", u) gathers E / ep rows padded at
+efsdp and reduces them over efsdp. FSDP2's hooks in the trace's order (memory_accuracy.py --mesh --only ep, row 1's
+allocation events; torch 2.13 _fsdp_state.py / _fsdp_param_group.py):
+- forward: the block's pre-forward gathers it; the experts' pre-forward (inside the MLP, after the router) gathers
+  them and frees the block's all-gather output (the deferred free of the previous unit's); their post-forward
+  reshards them; the next block's copy-out frees the experts' all-gather output (the last one's: the root's
+  post-forward, after the loss: the ledger's "loss in forward");
+- backward: prefetch follows the post-forward order reversed (block i, experts i, block i-1, ...): block i's
+  pre-backward prefetches its experts, the experts' pre-backward (the MLP's backward starts with them) prefetches
+  block i-1. The MLP's moments (the MoE backward_moments before experts_done) with the experts gathered and their
+  gradients made; the experts' post-backward reshards them and reduce-scatters their gradients (reduce dtype, input
+  kept to the next reduce-scatter, output the efsdp shard); then the block's other moments (the attention's, the
+  norm's: experts_done), its gradients, its post-backward.
+The saved tensors and moments are the ledger's (memory_shape.ledger_shape with the EP view: the dispatch / combine's
+saved bytes per routed row, ExpertParallelView.backward_moments). Not here (step_allocations.replays keeps the flat
+rule, moe_events.moe_flat_reason): EP with LoRA, CPU offload, an efsdp group of one rank, dense blocks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+from .expert_parallel import rank_view
+from .memory_shape import ledger_shape
+from .moe_events import moe_block_tensors, stacked_matrices
+
+
+class ExpertUnitsWalk:
+    """StepWalk with each sparse block's experts a unit of their own over efsdp (config.ep > 1; else theirs)."""
+
+    def __init__(self, model, training, config, d: int, rank: int):
+        self.ep_view = rank_view(model, config, d, training) if config.ep > 1 and model.moe is not None else None
+        if self.ep_view is not None:
+            model = self.ep_view.model
+            n = stacked_matrices(model)
+            self.expert_index = range(5, 5 + n)  # q, k, v, o, the router, then the stacked expert tensors
+        super().__init__(model, training, config, d, rank)
+        if self.ep_view is None:
+            return
+        view, s, c = self.ep_view, self.stage, self.c
+        self.efsdp = view.efsdp
+        gathered = moe_block_tensors(model, model.block_params, self.efsdp)
+        self.experts_bytes = [gathered[i] * c for i in self.expert_index]
+        shape = ledger_shape(model, training, config, view, False)
+        x = self.pieces[s]
+        self.pieces[s] = x.with_ledger_saved(shape, self.tokens)
+        self.shape = shape
+
+    def _units(self, x) -> list[list[int]]:
+        units = super()._units(x)
+        if getattr(self, "ep_view", None) is None:
+            return units
+        efsdp = self.ep_view.efsdp
+        gathered = moe_block_tensors(self.model, x.block_params, efsdp)
+        blocks = []
+        for unit in units[len(units) - x.stage.n_blocks:]:
+            unit = list(unit)
+            for i in self.expert_index:  # the efsdp shard scaled by d: / d it is the rank's shard
+                unit[i] = gathered[i] // efsdp * self.d
+            blocks.append(unit)
+        return units[:len(units) - x.stage.n_blocks] + blocks
+
+    def is_block(self, u) -> bool:
+        return self.ep_view is not None and isinstance(u, int) and u >= self.root_units(self.stage)
+
+    @contextlib.contextmanager
+    def _experts_group(self):
+        """The experts' collectives: over efsdp ranks in place of d."""
+        d, self.d = self.d, self.efsdp
+        try:
+            yield
+        finally:
+            self.d = d
+
+    def unsharded(self, s: int, u) -> list[int]:
+        if isinstance(u, tuple):  # ("experts", block unit)
+            return self.experts_bytes
+        sizes = super().unsharded(s, u)
+        return [n for i, n in enumerate(sizes) if i not in self.expert_index] if self.is_block(u) else sizes
+
+    def all_gather(self, u) -> None:
+        if not isinstance(u, tuple):
+            return super().all_gather(u)
+        with self._experts_group():
+            super().all_gather(u)
+
+    def unshard(self, u, backward: bool = False) -> None:
+        """The experts' wait_for_unshard over efsdp; on an efsdp group of one rank (OneRankWalk's copies, no
+        all-gather output) the forward's deferred all-gather output (the block's) freed first (_fsdp_param_group.py
+        wait_for_unshard: the previous all_gather_state dropped before the copy-out, no new one at world size 1)."""
+        if not isinstance(u, tuple) or u in self.gathered_units:
+            return super().unshard(u, backward)
+        with self._experts_group():
+            if self.d == 1 and self.pending is not None:
+                self.free(self.pending)
+                self.pending = None
+            super().unshard(u, backward)
+
+    def post_forward(self, s: int, u) -> None:
+        """The experts' pre-forward and post-forward at the block's end (the walk writes a block's forward in one
+        sweep: a checkpointed block's whole forward before its experts are gathered), then the block's post-forward."""
+        if self.is_block(u):
+            self.unshard(("experts", u))
+            if not self.keeps_gathered:
+                self.reshard_unit(("experts", u))
+        super().post_forward(s, u)
+
+    def pre_backward(self, s: int, u) -> None:
+        """Block u's pre-backward prefetching its experts, then theirs: gathered, block u - 1 prefetched."""
+        if not self.is_block(u):
+            return super().pre_backward(s, u)
+        experts = ("experts", u)
+        self.unshard(u, backward=True)
+        if experts not in self.gathered_units:
+            self.all_gather(experts)
+        self.unshard(experts, backward=True)
+        super().pre_backward(s, u)  # block u gathered already: block u - 1 prefetched
+
+    def grad_bytes(self, s: int, u) -> list[int]:
+        """A block's gradients: its real tensors (the rank's E / ep experts unpadded), whatever its shards."""
+        return [n * self.c for n in self.real_block] if self.is_block(u) else super().grad_bytes(s, u)
+
+    def transient(self, key, sizes, stream=0) -> None:
+        """A block's backward (key ("backward", s, mb, j)): the MLP's largest moment with the experts' gradients,
+        the experts' post-backward, then the block's other moments (module docstring)."""
+        if key[0] != "backward" or self.ep_view is None:
+            return super().transient(key, sizes, stream)
+        _, s, mb, j = key
+        u = self.root_units(s) + j
+        x, shape = self.pieces[s], self.shape
+        grads = self.grad_bytes(s, u)
+        experts_grads = sum(grads[i] for i in self.expert_index)
+        moments = shape.mlp_moments[x.checkpointed[j]]
+        cap = shape.real.trainable_block * self.c
+        seq = self.training.seq_len
+
+        def best(candidates):
+            return max(candidates, key=sum, default=(0, 0))
+
+        mlp = best((round(m.activation_bytes(self.tokens, seq)), min(m.grad_bytes, cap))
+                   for m in moments if not m.experts_done)
+        later = best([(round(m.activation_bytes(self.tokens, seq)), max(0, min(m.grad_bytes, cap) - experts_grads))
+                      for m in moments if m.experts_done]
+                     + [(self.tokens * (shape.w_attn - shape.freed_attn), max(0, shape.attn_grad - experts_grads))])
+        made = self.moment(("experts backward", s, mb, j), s, u, mlp, self.expert_index)
+        for i in self.expert_index:  # the rest of the experts' gradients, then their post-backward
+            if i not in made:
+                self.alloc(("wgrad", s, u, i), grads[i])
+        experts = ("experts", u)
+        self.reshard_unit(experts)
+        with self._experts_group():
+            self.reduce_scatter(s, experts, sum(self.experts_bytes) // self.c,
+                                [("wgrad", s, u, i) for i in self.expert_index])
+        others = [i for i in range(len(grads)) if i not in self.expert_index]
+        self.made[u] = set(self.expert_index) | self.moment(("block backward", s, mb, j), s, u, later, others)
+
+    def moment(self, key, s: int, u, moment: tuple[int, int], among) -> set:
+        """One backward moment: the gradients among `among` that fit its gradient bytes (StepWalk.early_grads),
+        then its working set above the incoming gradient (alive already) made and freed; the gradients' indices."""
+        acts, left = moment
+        early = self.early_grads(s, u, left, among)
+        per_token, rest = divmod(max(0, acts - self.tokens * self.hs), self.tokens)
+        super().transient(key, self.tensors(per_token) + ([rest] if rest else []))
+        return early
+
+    def reduce_scatter(self, s: int, u, n: int, grads, kept: bool = False, shard_unit=None) -> None:
+        if self.is_block(u):  # the block's unit without its experts (theirs reduced at their post-backward)
+            n -= sum(self.units[s][u][i] for i in self.expert_index)
+            grads = [g for g in grads if g[3] not in self.expert_index]
+        super().reduce_scatter(s, u, n, grads, kept, shard_unit)
+
+    def optimizer_step(self, first: bool) -> None:
+        super().optimizer_step(first)
+        if self.ep_view is not None:
+            s = self.stage
+            for u in range(self.root_units(s), len(self.units[s])):
+                self.free(("sharded_grad", s, ("experts", u)))
+
