@@ -74,12 +74,18 @@ def add_lora(model: nn.Module, spec: ModelSpec, rank: int, block_classes: set[ty
     block = next((m for m in model.modules() if isinstance(m, tuple(block_classes))), None)
     if block is None:
         raise ValueError(f"no block of class {sorted(c.__name__ for c in block_classes)} in {type(model).__name__}")
-    targets = lora_target_names(block, spec.lora_shapes)
     frozen_dtype, adapter_dtype = lora_dtypes(parse_enum(Precision, precision, "precision"))
     for param in model.parameters():  # parameters only: buffers such as rotary tables keep their dtype
         if param.dtype != frozen_dtype:
             param.data = param.data.to(frozen_dtype)
-    conv1d = any(type(block.get_submodule(t)).__name__ == "Conv1D" for t in targets)  # GPT-2: (in, out) weights
+    if spec.moe is not None and spec.lora_mlp:
+        # an MoE's all-linear is peft's own: its transformers-5 conversion (inject_adapter ->
+        # convert_peft_config_for_transformers) adds the router and the stacked experts as ParamWrappers
+        # (cost_models/moe_lora.py), which no list of nn.Linear names reaches
+        targets, conv1d = "all-linear", False
+    else:
+        targets = lora_target_names(block, spec.lora_shapes)
+        conv1d = any(type(block.get_submodule(t)).__name__ == "Conv1D" for t in targets)  # GPT-2: (in, out) weights
     config = LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=dropout, bias="none", target_modules=targets,
                         fan_in_fan_out=conv1d)
     model = inject_adapter_in_model(config, model)
@@ -105,7 +111,8 @@ def _base_weight(model: nn.Module, adapter_path: str) -> torch.Tensor:
     """The frozen weight of the layer an adapter belongs to ("...q_proj.lora_A.default" -> q_proj)."""
     parts = adapter_path.split(".")
     layer = model.get_submodule(".".join(parts[:next(i for i, p in enumerate(parts) if p.startswith("lora_"))]))
-    return layer.get_base_layer().weight
+    base = layer.get_base_layer()   # an MoE's ParamWrapper: the experts module, its stacks and no `weight`
+    return base.weight if hasattr(base, "weight") else next(base.parameters())
 
 
 @torch.no_grad()

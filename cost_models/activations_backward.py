@@ -18,7 +18,7 @@ def mlp_backward_working_bytes_per_token(model: ModelSpec, compute_bytes: int, l
     frozen fc2, LoRA without MLP adapters, never saved; with an adapter, its lora_A's backward frees it before
     the activation's)."""
     if model.moe is not None:
-        return moe.mlp_backward_working_bytes_per_token(model, compute_bytes, lora)
+        return moe.mlp_backward_working_bytes_per_token(model, compute_bytes, _frozen_mlp(model, lora))
     c, h, f = compute_bytes, model.hidden_size, model.ffn_hidden_size
     freed = 0 if _frozen_mlp(model, lora) else c * f
     if model.gated_mlp and kernels.swiglu is Kernel.LIGER:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 
+from . import moe_lora
 from .moe import active_block_params
 from .operators import block_ops
 from .specs import FsdpConfig, ModelSpec, TrainingSpec
@@ -29,8 +30,12 @@ def attention_flops_per_token_per_layer(model: ModelSpec, seq_len: int) -> float
 
 def _training_flops(params: float, model: ModelSpec, training: TrainingSpec) -> float:
     if training.finetune.adapters:
-        lora = model.n_layers * model.lora_params_per_block(training.lora_rank)
+        r = training.lora_rank
+        lora = model.n_layers * sum(r * (i + o) for i, o in model.lora_shapes)
         matmul = 4 * params + 6 * lora  # frozen weights: forward 2 + input-gradient 2; adapters train (6)
+        if model.lora_moe:  # all-linear on an MoE: the experts' and router's merged weights train (moe_lora.py)
+            matmul += (model.n_layers - model.n_dense_layers) * moe_lora.trained_flops_per_token(model, r,
+                                                                                                 training.seq_len)
     else:
         matmul = 6 * params
     return matmul + model.n_layers * attention_flops_per_token_per_layer(model, training.seq_len)

@@ -11,7 +11,7 @@ from dataclasses import dataclass, fields
 from operator import attrgetter
 
 from . import (activation_notes, activations, activations_backward, context_parallel, fsdp1_adapters, kernels,
-               lora_dropout, moe, operators, qlora, root_regather, tensor_parallel)
+               lora_dropout, moe, moe_lora, operators, qlora, root_regather, tensor_parallel)
 from .memory_types import ParamCounts, traced_block_terms
 from .quick_init import quick_init, replaced
 from .specs import FSDP_ONLY_FIELDS, FsdpConfig, ModelSpec, TrainingSpec
@@ -116,6 +116,11 @@ def ledger_shape(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, e
     traced = traced_block_terms(model, precision, attn) if not lora_rank else None
     if traced is not None:
         full = round(traced.saved_bytes_per_token(training.seq_len))
+    # all-linear on an MoE: peft's merged expert stacks and router weight (moe_lora.py), a block's, per token; freed
+    # with the MLP's nodes, before the attention's backward
+    merged = -(-moe_lora.merged_weight_bytes(model, c if precision.mixed else p, c, lora_rank) // tokens) \
+        if lora_rank and model.lora_moe else 0
+    full += merged
     if ep_view is not None:  # the dispatch / combine's own saved tensors, the busiest rank's extra rows
         full += round(ep_view.saved_delta_bytes_per_token(c))
     ckpt = activations.checkpointed_block_bytes_per_token(model, c)
@@ -170,7 +175,7 @@ def ledger_shape(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, e
     w_attn = activations_backward.attention_backward_working_bytes_per_token(model, c, attn, training.seq_len)
     w_attn += context_parallel.ring_working_bytes_per_token(model, config.cp, c)  # CP: the ring's transients
     freed_attn = activations_backward.attention_freed_before_backward_bytes_per_token(
-        model, c, lora=bool(lora_rank), attention=attn, kernels=kern, micro_batch=config.micro_batch)
+        model, c, lora=bool(lora_rank), attention=attn, kernels=kern, micro_batch=config.micro_batch) + merged
     if dropout:  # the o-projection's and the MLP's adapters' dropout tensors, freed by their backward; the down
         # projection's mask, with its output (w_mlp frees the projection's saved input), before the activation's
         freed_attn += lora_dropout.freed_before_attention_backward_bytes_per_token(model, c, casts, o_copied)
@@ -186,7 +191,8 @@ def ledger_shape(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, e
     attn_grad = min(real.trainable_block, (3 if model.gated_mlp else 2) * h * f + model.q_dim * h) * c
     mlp_moments = ()
     if model.moe is not None:  # the MoE MLP's own moments (cost_models/moe.py); at the attention's, all its grads
-        mlp_moments = {ck: moe.backward_moments(model, c, lora=bool(lora_rank), recomputed=ck) for ck in (False, True)}
+        mlp_moments = {ck: moe_lora.backward_moments(model, c, recomputed=ck) if lora_rank and model.lora_moe
+                       else moe.backward_moments(model, c, lora=bool(lora_rank), recomputed=ck) for ck in (False, True)}
         attn_grad = min(real.trainable_block, moe.mlp_param_elements(model) + model.q_dim * h) * c
         if ep_view is not None:
             mlp_moments = {ck: ep_view.backward_moments(c, recomputed=ck) for ck in (False, True)}

@@ -20,7 +20,7 @@ The model's own limits come first, so `--tp 3` on 32 heads names the heads, not 
 
 from __future__ import annotations
 
-from . import qlora
+from . import moe_lora, qlora
 from .feasibility import Refusal
 from .pipeline import pipeline_refusals
 from .specs import Attention, ClusterSpec, FsdpConfig, ModelSpec, TrainingSpec
@@ -168,6 +168,7 @@ def mesh_refusals(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec
                            "use tp = cp = ep = pp = 1 with LoRA",
                            priced=False))
     out.extend(qlora.refusals(model, training, config))
+    out.extend(moe_lora.refusals(model, training))
     if pp > 1 and config.offload:  # no pipeline trace or run prices it (calibration/trace_pipeline.py refuses offload)
         out.append(Refusal("offload", "pipeline-with-offload", "CPU offload with pipeline parallelism is not priced "
                            "(no pipeline trace or run measures FSDP2's CPUOffloadPolicy per stage under a schedule)",

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from . import moe_lora
 from .spec_values import Attention, LoraTargets, SpecError, check_positive, enum_choices, parse_enum
 
 
@@ -228,9 +229,8 @@ class ModelSpec:
         if self.rope not in ("eager", "fused"):
             raise SpecError("model.rope", f"{self.rope!r}; choose one of: eager, fused")
         object.__setattr__(self, "lora_targets", parse_enum(LoraTargets, self.lora_targets, "lora_targets"))
-        if self.lora_targets is LoraTargets.ALL_LINEAR and self.moe is not None:
-            raise SpecError("lora_targets", "all-linear is priced for dense blocks (an MoE's stacked experts are no "
-                                            "nn.Linear); choose attention")
+        if self.lora_targets is LoraTargets.ALL_LINEAR and self.moe is not None and moe_lora.unpriced_reason(self):
+            raise SpecError("lora_targets", moe_lora.unpriced_reason(self))
         unknown = set(self.attention_choices) - {a.value for a in Attention}
         if not self.attention_choices or unknown:
             raise SpecError("model.attention_choices", f"{self.attention_choices!r}; choose from: {enum_choices(Attention)}")
@@ -321,8 +321,20 @@ class ModelSpec:
 
     @property
     def lora_shapes(self) -> tuple[tuple[int, int], ...]:
-        """(in, out) of every block linear LoRA adapts: the attention's, and under all-linear the MLP's."""
-        return tuple(self.lora_target_shapes) + (self.mlp_linear_shapes if self.lora_mlp else ())
+        """(in, out) of every block linear peft's lora.Linear adapts: the attention's, and under all-linear a dense
+        MLP's (an MoE's router and stacked experts are ParamWrappers instead: lora_tensor_elements)."""
+        return tuple(self.lora_target_shapes) + (self.mlp_linear_shapes if self.lora_mlp and not self.moe else ())
+
+    @property
+    def lora_moe(self) -> bool:
+        """all-linear on an MoE: peft's router and stacked-expert adapters (cost_models/moe_lora.py)."""
+        return self.lora_mlp and self.moe is not None
+
+    def lora_tensor_elements(self, rank: int) -> list[int]:
+        """Elements of each adapter tensor of a block, lora_A then lora_B: every lora_shapes linear's, then an MoE's
+        router and stacked experts' under all-linear (moe_lora.adapter_tensor_elements)."""
+        linears = [n for i, o in self.lora_shapes for n in (rank * i, o * rank)]
+        return linears + (moe_lora.adapter_tensor_elements(self, rank) if self.lora_moe else [])
 
     def lora_params_per_block(self, rank: int) -> int:
-        return sum(rank * (i + o) for i, o in self.lora_shapes)
+        return sum(self.lora_tensor_elements(rank))

@@ -46,7 +46,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from functools import lru_cache
 
-from . import activations_sinks, attention_flex, attention_kernels
+from . import activations_sinks, attention_flex, attention_kernels, moe_lora
 from . import moe as moe_model
 from .quick_init import quick_init
 from .specs import ModelSpec
@@ -262,9 +262,13 @@ def _formula_block_ops(model: ModelSpec, c: int, seq_len: int, lora_rank: int = 
     h, q, kv, f = model.hidden_size, model.q_dim, model.kv_dim, model.ffn_hidden_size
     matmuls = _fit_to_params(model, _attention_matmuls(model) + _mlp_matmuls(model))
     if lora_rank:
-        matmuls = [replace(m, trainable=False) for m in matmuls]
+        trained = moe_lora.TRAINED_MATMULS if model.lora_moe else ()  # all-linear on an MoE: W_eff's gradients
+        matmuls = [m if m.name in trained else replace(m, trainable=False) for m in matmuls]
         for i, o in model.lora_shapes:
             matmuls += [Matmul("lora A", lora_rank, i, float8=False), Matmul("lora B", o, lora_rank, float8=False)]
+        if model.lora_moe:  # peft's merges, once per forward: per sequence (moe_lora.trained_flops_per_token)
+            matmuls += [Matmul(name, n, k, rows / seq_len, count, float8=False)
+                        for name, rows, k, n, count in moe_lora.merge_products(model, lora_rank)]
     ops = [norm_op(model, c, h, f"norm {i + 1}") for i in range(_n_norms(model))]
     if model.qk_norm:
         ops.append(norm_op(model, c, q + kv, "q/k norms"))

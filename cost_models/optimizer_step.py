@@ -53,8 +53,7 @@ def trainable_tensor_elements(model: ModelSpec, training: TrainingSpec, embeddin
     (lora_A r x in, lora_B out x r per target). A block's two norms follow its MLP and the final norm precedes the
     head (Llama's order); biases are left out. embedding / head False: a pipeline stage without them."""
     if training.finetune.adapters:
-        r = training.lora_rank
-        return [n for i, o in model.lora_shapes for n in (r * i, o * r)]
+        return model.lora_tensor_elements(training.lora_rank)
     h = model.hidden_size
     attention = [model.q_dim * h, model.kv_dim * h, model.kv_dim * h, h * model.q_dim]
     if model.moe is not None and model.moe.stacked_expert_tensors:

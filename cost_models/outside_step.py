@@ -148,7 +148,7 @@ def _state_keys(model: ModelSpec, training: TrainingSpec) -> tuple[int, int]:
 
     root = 1 + (model.head_params > 0) + (model.root_other_params > 0)
     tensors = model.n_layers * len(param_tensors(model, model.block_params)) + root
-    trained = model.n_layers * 2 * len(model.lora_shapes) if training.finetune.adapters else tensors
+    trained = model.n_layers * len(model.lora_tensor_elements(1)) if training.finetune.adapters else tensors
     adam = training.optimizer.name.startswith("ADAM")  # AdamW 8-bit counted as AdamW
     return tensors + (2 if adam else 1) * trained, (trained if adam else 0) + PARAM_GROUP_KEYS
 

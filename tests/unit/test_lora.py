@@ -54,7 +54,7 @@ def test_all_linear_adapters_are_peft_all_linear(name):
     cfg = dict(SMALL_CONFIGS[name])
     spec = from_hf_config(dict(cfg))
     if spec.moe is not None:
-        pytest.skip("all-linear is priced for dense blocks")
+        pytest.skip("an MoE's all-linear: test_all_linear_on_an_moe_is_peft_all_linear")
     spec = dataclasses.replace(spec, lora_targets="all-linear")
     model = build_on_meta(cfg)
     classes = {type(m) for m in model.modules() if type(m).__name__ == spec.block_class}
@@ -76,21 +76,47 @@ def test_targets_are_found_by_shape_in_module_order():
         lora_target_names(block, ((8, 8), (8, 16)))
 
 
-@pytest.mark.parametrize("arch, beyond", [("mixtral", True), ("qwen3-moe", True), ("gpt-oss", False)])
-def test_all_linear_on_an_moe_is_refused(arch, beyond):
-    """Why all-linear stays refused on an MoE (ModelSpec.__post_init__): transformers 5 keeps the routed experts
-    stacked and the router's weight as parameters, yet peft 0.22's all-linear adapts them too on Mixtral and Qwen3-MoE
-    (the router as a linear, the stacked gate_up / down through its parameter wrapper: memory_accuracy.py's configs,
-    rank 4, ~17x the attention's adapters), not on gpt-oss (attention alone). Pricing those adapters is open."""
+# one MoE block's router and stacked-expert adapters at rank 4 (benchmarks/peft_moe_lora.py part 1, docs/accuracy.md
+# "peft's all-linear on an MoE"): r (h + E) + 2r E (h + 2f) + r E (f + h)
+MOE_ADAPTERS = {"mixtral": 4 * (256 + 8) + 2 * 4 * 8 * (256 + 1024) + 4 * 8 * (512 + 256),          # 107,552
+                "qwen3-moe": 4 * (256 + 16) + 2 * 4 * 16 * (256 + 256) + 4 * 16 * (128 + 256)}   # 91,200
+
+
+@pytest.mark.parametrize("arch", sorted(MOE_ADAPTERS))
+def test_all_linear_on_an_moe_is_peft_all_linear(arch):
+    """Mixtral and Qwen3-MoE under all-linear: the priced adapters are the attention's plus the router's and the stacked
+    experts' (peft 0.22's transformers-5 conversion: ParamWrappers, gate_up at rank 2r; cost_models/moe_lora.py),
+    107,552 / 91,200 elements a block as benchmarks/peft_moe_lora.py counted; add_lora (the trace's adapters) and
+    peft's own get_peft_model(target_modules="all-linear") adapt exactly that many."""
+    from peft import LoraConfig, get_peft_model
+
+    from benchmarks.memory_accuracy import arch_config
+
+    spec = from_hf_config(arch_config(arch))
+    wide = dataclasses.replace(spec, lora_targets="all-linear")
+    assert wide.lora_params_per_block(RANK) - spec.lora_params_per_block(RANK) == MOE_ADAPTERS[arch]
+    priced = spec.n_layers * wide.lora_params_per_block(RANK)
+    model = build_on_meta(arch_config(arch))
+    classes = {type(m) for m in model.modules() if type(m).__name__ == spec.block_class}
+    model = add_lora(model, wide, RANK, classes, "bf16")
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    assert sum(p.numel() for p in trainable) == priced and all(p.dtype == torch.float32 for p in trainable)
+    assert len(trainable) == spec.n_layers * len(wide.lora_tensor_elements(RANK))
+    peft = get_peft_model(build_on_meta(arch_config(arch)), LoraConfig(r=RANK, target_modules="all-linear"))
+    assert sum(p.numel() for n, p in peft.named_parameters() if "lora_" in n) == priced
+
+
+def test_all_linear_on_gpt_oss_is_refused():
+    """gpt-oss has no transformers-5 conversion: peft's all-linear adapts its attention alone (its router and experts
+    are no nn.Linear), which lora_targets attention prices; all-linear is refused in one line naming the field."""
     from peft import LoraConfig, get_peft_model
 
     from benchmarks.memory_accuracy import arch_config
     from cost_models.spec_values import SpecError
 
-    spec = from_hf_config(arch_config(arch))
-    with pytest.raises(SpecError, match="lora_targets"):
+    spec = from_hf_config(arch_config("gpt-oss"))
+    with pytest.raises(SpecError, match="lora_targets.*attention alone.*choose attention"):
         dataclasses.replace(spec, lora_targets="all-linear")
-    peft = get_peft_model(build_on_meta(arch_config(arch)), LoraConfig(r=RANK, target_modules="all-linear"))
+    peft = get_peft_model(build_on_meta(arch_config("gpt-oss")), LoraConfig(r=RANK, target_modules="all-linear"))
     adapters = sum(p.numel() for n, p in peft.named_parameters() if "lora_" in n)
-    attention = spec.n_layers * spec.lora_params_per_block(RANK)   # attention targets: q, k, v, o
-    assert (adapters > 2 * attention) if beyond else (adapters == attention)
+    assert adapters == spec.n_layers * spec.lora_params_per_block(RANK)   # attention targets: q, k, v, o

@@ -1,0 +1,130 @@
+"""peft's target_modules="all-linear" on a mixture-of-experts block (issue 28): the router and the stacked experts.
+
+peft 0.22 resolves all-linear on a model with a transformers v4 -> v5 checkpoint conversion (Mixtral, Qwen3-MoE:
+utils/transformers_weight_conversion.py convert_peft_config_for_transformers, _convert_peft_config_moe) to the
+attention's nn.Linear plus three target parameters per MoE block, each a ParamWrapper (tuners/lora/layer.py):
+
+    tensor                                 lora_A            lora_B            elements
+    router mlp.gate.weight (E, h)          (r, h)            (E, r)            r (h + E)
+    mlp.experts gate_up_proj (E, 2f, h)    (2r E, h)         (2f, 2r E)        2r E (h + 2f)   (rank_pattern 2r)
+    mlp.experts down_proj (E, h, f)        (r E, f)          (h, r E)          r E (f + h)
+
+ParamWrapper.forward parametrizes the parameter for the wrapped module's forward: on a stacked (3-D) parameter with
+one adapter _LoraFactorsProxy makes W_eff = baddbmm(W, B', A', alpha=s), a new tensor the size of the whole stack,
+and grouped_mm saves it for its input gradient; the router's 2-D weight W + B @ A, saved by F.linear. So a block
+saves, beside full fine-tuning's routed rows and the router's input (the experts and the router need weight
+gradients: moe.mlp_bytes_per_token without LoRA's frozen-expert savings), p (3 E f h + E h) of merged weights, and
+where the adapters are fp32 on a bf16 base, the factors cast to the base dtype (p r E (5f + 3h): lhs / rhs of both
+stacks; under FSDP2's mixed precision the adapters are gathered in the compute dtype, so none). Measured equal to the
+byte against peft itself: benchmarks/peft_moe_lora.py, docs/accuracy.md "peft's all-linear on an MoE". No lora_A
+output is saved (a ParamWrapper adapts the weight, not the output). The ledger (memory_shape.ledger_shape) spreads a
+block's merged weights over its tokens in its saved bytes, frees them with the MLP before the attention's backward,
+and takes the MLP backward's moments from backward_moments below; the allocator walk keeps the flat rule here
+(lora_events.lora_flat_reason). Time: the experts' and router's weight gradients for each token's k experts and the
+merges once per sequence (operators._formula_block_ops, compute._training_flops).
+
+Priced where that conversion exists and the block is routed experts alone: Mixtral and Qwen3-MoE (a shared expert's
+plain lora.Linears, Qwen2-MoE / DeepSeek, and a leading dense block's MLP adapters are not priced yet); gpt-oss has no
+conversion, so peft's all-linear adapts its attention alone (lora_targets attention prices exactly that).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # model_spec imports this module (ModelSpec.lora_tensor_elements, its check)
+    from .model_spec import BackwardMoment, ModelSpec
+
+# families whose routed experts peft's transformers-5 conversion adapts (get_checkpoint_conversion_mapping) and whose
+# MoE block the ledger prices whole (no shared expert, every block sparse)
+PRICED_FAMILIES = ("mixtral", "qwen3_moe")
+
+
+def unpriced_reason(model: ModelSpec) -> str:
+    """Why all-linear LoRA on this MoE is refused ("" where it is priced)."""
+    moe = model.moe
+    if model.family == "gpt_oss":
+        return ("peft 0.22's all-linear adapts gpt-oss's attention alone (its router and experts are no nn.Linear and "
+                "have no transformers-5 conversion); choose attention, which prices exactly that")
+    if model.family not in PRICED_FAMILIES:
+        return (f"all-linear on an MoE is priced for {', '.join(PRICED_FAMILIES)} (peft's router and stacked-expert "
+                f"adapters); {model.family} is not; choose attention")
+    if moe.shared_ffn_size or moe.n_dense_layers or not model.gated_mlp:
+        return ("all-linear on an MoE is priced for blocks of routed gated experts alone (no shared expert, no dense "
+                "block); choose attention")
+    return ""
+
+
+def refusals(model: ModelSpec, training) -> list:
+    """peft's ParamWrapper refuses a dropout (tuners/lora/layer.py: `lora.ParamWrapper does not work with
+    lora_dropout != 0`: x cannot be factored out of the merged weight), so all-linear on an MoE trains without."""
+    from .feasibility import Refusal
+
+    if not (training.finetune.adapters and model.lora_moe and training.adapter_dropout > 0):
+        return []
+    return [Refusal("lora_dropout", "moe-all-linear-dropout", f"lora_dropout {training.adapter_dropout} with all-linear "
+                    "on an MoE: peft's ParamWrapper (the router and stacked experts) raises for a dropout above 0",
+                    "use --lora-dropout 0, or --lora-targets attention", priced=False)]
+
+
+def adapter_tensor_elements(model: ModelSpec, rank: int) -> list[int]:
+    """Elements of each adapter tensor of one MoE block (lora_A, lora_B): the router's, gate_up's, down's."""
+    E, h, f = model.moe.n_experts, model.hidden_size, model.moe.expert_ffn_size
+    return [rank * h, E * rank, 2 * rank * E * h, 2 * f * 2 * rank * E, rank * E * f, h * rank * E]
+
+
+# the MoE MLP's products (operators._mlp_matmuls) whose weights train through W_eff under all-linear: each token's
+# k experts and the router compute a weight gradient (grouped_mm's, F.linear's) that baddbmm's backward reduces
+TRAINED_MATMULS = ("router", "experts gate|up", "experts down")
+
+
+def merge_products(model: ModelSpec, rank: int) -> list[tuple[str, int, int, int, int]]:
+    """The merges one forward runs, as (name, rows, k, n, count) products y (n) = x (k) @ W (k x n) on `rows` rows
+    each: baddbmm's B' (E, out, r') @ A' (E, r', in) per stack (gate_up r' = 2r, down r) and the router's
+    B (E, r) @ A (r, h); their backward makes both factors' gradients (two products each)."""
+    E, h, f = model.moe.n_experts, model.hidden_size, model.moe.expert_ffn_size
+    return [("lora merge gate|up", 2 * f, 2 * rank, h, E), ("lora merge down", h, rank, f, E),
+            ("lora merge router", E, rank, h, 1)]
+
+
+def trained_flops_per_token(model: ModelSpec, rank: int, seq_len: int) -> float:
+    """FLOPs per token one sparse block adds under all-linear over LoRA's frozen MoE MLP: the weight gradients of
+    each token's k experts and the router (2 a weight), and the merges (forward 2, backward 4 a product element)
+    once per sequence (a micro-batch of several shares them: this counts micro-batch 1)."""
+    moe = model.moe
+    merges = sum(2 * rows * k * n * count for _, rows, k, n, count in merge_products(model, rank))
+    return 2 * (moe.router_params + moe.experts_per_token * moe.expert_params) + 3 * merges / seq_len
+
+
+def merged_weight_bytes(model: ModelSpec, base_bytes: int, adapter_bytes: int, rank: int) -> int:
+    """What one MoE block saves beyond full fine-tuning's tensors: the merged stacks and router weight (base dtype),
+    and the factors' casts where the adapters are kept in another dtype (peft's fp32 adapters on a bf16 base)."""
+    E, h, f = model.moe.n_experts, model.hidden_size, model.moe.expert_ffn_size
+    cast = rank * E * (5 * f + 3 * h) if adapter_bytes != base_bytes else 0
+    return base_bytes * (3 * E * f * h + E * h + cast)
+
+
+def backward_moments(model: ModelSpec, c: int, recomputed: bool = False) -> tuple[BackwardMoment, ...]:
+    """The MoE MLP backward's moments under all-linear: moe.backward_moments' with the experts training (their
+    gathered inputs saved), but no weight gradient accumulates (the block's adapter gradients are tiny): each
+    grouped_mm backward makes W_eff's gradient, a stack-sized transient its baddbmm backward turns into the factors'
+    gradients and frees, and each saved W_eff goes with its grouped_mm's node (measured op by op on a Mixtral block,
+    torch dispatch: benchmarks/peft_moe_lora.py's blocks):
+    - down's grouped_mm backward: the incoming gradient (c h, the inverse permutation freed), W_eff's gradient
+      (E h f) and the rows' gradient (k f);
+    - the activation's backward: down's W_eff and its gradient gone (- E h f);
+    - gate_up's grouped_mm backward: its W_eff's gradient (E 2f h), down's W_eff gone (+ E h f net);
+    - the norm's backward after the MLP: every merged weight gone (- (3 E f h + E h))."""
+    from . import moe
+    from .model_spec import BackwardMoment
+
+    E, h, f, k = model.moe.n_experts, model.hidden_size, model.moe.expert_ffn_size, model.moe.experts_per_token
+    full = moe.backward_moments(model, c, lora=False, recomputed=recomputed)
+    unpermute, activation, up = full[0], full[1], full[2]
+    down = BackwardMoment(0, E * h * f * c, c * h + k * c * f - moe.INDEX_BYTES * k, 0)
+    moments = [replace(unpermute, grad_bytes=0, const_bytes=0), down,
+               replace(activation, grad_bytes=0, const_bytes=-E * h * f * c),
+               replace(up, grad_bytes=0, const_bytes=E * h * f * c)]
+    moments += [replace(m, grad_bytes=0, const_bytes=-(3 * E * f * h + E * h) * c) for m in full[3:]]
+    return tuple(moments)
