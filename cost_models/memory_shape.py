@@ -116,10 +116,15 @@ def ledger_shape(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, e
     traced = traced_block_terms(model, precision, attn) if not lora_rank else None
     if traced is not None:
         full = round(traced.saved_bytes_per_token(training.seq_len))
+    # LoRA on a generic family: its block traced under the adapters (planner/models/block_profiles.py) saves what the
+    # formulas, reading a guessed spec, do not see (Llama 4's experts run every token); its saved bytes, formulas the rest
+    lora_traced = traced_block_terms(model, precision, attn, lora=True) if lora_rank and ep_view is None \
+        and config.tp == config.cp == 1 and not training.adapter_dropout else None
+    if lora_traced is not None:
+        full = round(lora_traced.saved_bytes_per_token(training.seq_len))
     # all-linear on an MoE: peft's merged expert stacks and router weight (moe_lora.py), a block's, per token; freed
     # with the MLP's nodes, before the attention's backward
-    merged = -(-moe_lora.merged_weight_bytes(model, c if precision.mixed else p, c, lora_rank) // tokens) \
-        if lora_rank and model.lora_moe else 0
+    merged = moe_lora.merged_bytes_per_token(model, c if precision.mixed else p, c, lora_rank, tokens)
     full += merged
     if ep_view is not None:  # the dispatch / combine's own saved tensors, the busiest rank's extra rows
         full += round(ep_view.saved_delta_bytes_per_token(c))
@@ -159,8 +164,10 @@ def ledger_shape(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, e
     traced_dense = traced.dense if traced is not None and nd else None
     if traced_dense is not None:
         full_dense = round(traced_dense.saved_bytes_per_token(training.seq_len))
-    elif traced is not None:
+    elif traced is not None or lora_traced is not None:
         full_dense = full  # interleaved dense blocks (Llama 4): the profile's mean over the pattern covers them
+        if lora_traced is not None and lora_traced.dense is not None and nd:  # leading ones, profiled apart
+            full_dense = round(lora_traced.dense.saved_bytes_per_token(training.seq_len))
     # Which blocks are dense: all leading (DeepSeek) or interleaved (Llama 4, Qwen's decoder_sparse_step).
     dense_blocks = model.dense_block_indices()
     leading = dense_blocks == frozenset(range(nd))

@@ -105,6 +105,21 @@ def merged_weight_bytes(model: ModelSpec, base_bytes: int, adapter_bytes: int, r
     return base_bytes * (3 * E * f * h + E * h + cast)
 
 
+def merge_delta_elements(model: ModelSpec) -> int:
+    """peft's merge_adapter on the stacked experts (ParamWrapper.merge, verl's model.lora.merge): each stack's delta
+    B' @ A' made whole (one bmm output of E x out x in) and added in place, one stack at a time: the largest, gate_up's
+    E 2f h (measured on a Mixtral model: its merge's peak is that one bmm output, 8,388,608 B in fp32)."""
+    return model.moe.n_experts * 2 * model.moe.expert_ffn_size * model.hidden_size
+
+
+def merged_bytes_per_token(model: ModelSpec, base_bytes: int, adapter_bytes: int, rank: int, tokens: int) -> int:
+    """merged_weight_bytes spread over a block's tokens (the ledger's saved bytes per token), 0 but under all-linear
+    on an MoE with adapters (rank > 0)."""
+    if not (rank and model.lora_moe):
+        return 0
+    return -(-merged_weight_bytes(model, base_bytes, adapter_bytes, rank) // tokens)
+
+
 def backward_moments(model: ModelSpec, c: int, recomputed: bool = False) -> tuple[BackwardMoment, ...]:
     """The MoE MLP backward's moments under all-linear: moe.backward_moments' with the experts training (their
     gathered inputs saved), but no weight gradient accumulates (the block's adapter gradients are tiny): each

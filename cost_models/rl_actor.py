@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from . import activations, host_optimizer, rl_ulysses
+from . import activations, host_optimizer, moe_lora, rl_ulysses
 from .cluster_spec import ClusterSpec
 from .memory import estimate_memory
 from .memory_types import MemoryBreakdown, ParamCounts
@@ -175,7 +175,9 @@ def actor_states(run: ActorRun, settings: RlSettings, batch: BatchPlan, profile:
     # that gradient and the last block's all-gather (the root's pre-backward prefetches it): verl's entropy backward
     # peaks before it (FSDP1 traced with verl's own update: tests/distributed/test_torchrun_verl_actor.py)
     per_block = (activations.checkpointed_block_bytes_per_token(model, c) if settings.gradient_checkpointing else
-                 activations.block_bytes_per_token(model, c, Attention.SDPA, tokens, 1, training.adapter_rank))
+                 activations.block_bytes_per_token(model, c, Attention.SDPA, tokens, 1, training.adapter_rank)
+                 # all-linear on an MoE: peft's merged expert stacks, FSDP2 gathering base and adapters in c
+                 + moe_lora.merged_bytes_per_token(model, c, c, training.adapter_rank, tokens))
     # Ulysses: flash attention saves the repeated k, v (rl_ulysses.py): every layer's, or the recomputed block's
     surplus = tokens * rl_ulysses.saved_surplus_bytes_per_token(model, c, batch.ulysses)
     ckpt = settings.gradient_checkpointing
@@ -221,14 +223,19 @@ def forward_only_bytes(model: ModelSpec, tokens: int, c: int, settings: RlSettin
     out, Ulysses (sp > 1): what its attention's all-to-all moment adds over that bound (rl_ulysses.py); then each
     pass's head: verl's logits path, with the entropy in the old pass only (ray_trainer.py _compute_old_log_prob:
     calculate_entropy=True; _compute_ref_log_prob: False); TRL's fused head on the batch's response tokens, the same
-    in both."""
+    in both. All-linear LoRA on an MoE: the actor's pass runs its adapters, peft's merged expert stacks alive through
+    the experts' forward (parametrize.cached() holds both: moe_lora.py; +3 E f h x c measured under no_grad on a
+    Mixtral block); the reference's disables them (verl: disable_adapter)."""
     bound = activations.block_bytes_per_token(model, c, Attention.SDPA, tokens, 1) + 2 * c * model.hidden_size
     ulysses = rl_ulysses.forward_only_extra_bytes(model, tokens, c, sp, bound)
     body = {"forward activations": tokens * bound, **({"Ulysses all-to-all": ulysses} if ulysses else {})}
+    wide = all_linear_lora(model) if settings.lora else model
+    merged = moe_lora.merged_weight_bytes(wide, c, c, settings.lora_rank) if wide.lora_moe else 0
+    actor = {**body, **({"merged expert stacks (peft)": merged} if merged else {})}
     if settings.framework == "trl":
         head = {"log-prob head (fused)": logits_bytes(model, tokens, c, settings, batch, grad=False)}
-        return {**body, **head}, {**body, **head}
-    return ({**body, "logits and entropy": verl_logits_bytes(model, tokens, c, settings, grad=False, entropy=True)},
+        return {**actor, **head}, {**body, **head}
+    return ({**actor, "logits and entropy": verl_logits_bytes(model, tokens, c, settings, grad=False, entropy=True)},
             {**body, "logits": verl_logits_bytes(model, tokens, c, settings, grad=False, entropy=False)})
 
 

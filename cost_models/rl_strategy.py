@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from . import moe_lora
 from .feasibility import Refusal
 from .memory_types import MemoryBreakdown
 from .model_spec import ModelSpec
@@ -167,13 +168,16 @@ def merged_sync_bytes(model: ModelSpec, strategy: str, params_bytes: int, p: int
     state-dict walk and send are then the full actor's (SHARDED_STATE_DICT). FSDP2: that summon is FSDP1's API, a
     no-op on FSDP2 modules, and the merge runs on the DTensor shards (each delta Shard(0): a shard of the weight);
     its send is the full actor's. Each sent tensor gathered in the stored dtype p and its bf16 copy (p = 4). Not
-    counted: the backup's and the restore's one-shard GPU copies (one parameter's shard at a time)."""
+    counted: the backup's and the restore's one-shard GPU copies (one parameter's shard at a time). All-linear on an
+    MoE: PEFT merges each expert stack's delta whole (moe_lora.merge_delta_elements)."""
     largest = max(model.embedding_params, model.head_params)
     send = {"gathered tensor": largest * p, **({"its bf16 copy": largest * 2} if p != 2 else {})}
     if strategy == "fsdp2" or shard_ranks <= 1:
         return {}, send
     linear = max((i * o for i, o in (*model.lora_target_shapes, *model.mlp_linear_shapes)), default=0)
-    merge = {"summoned params (merge)": model.n_params * p, "LoRA delta": 2 * linear * p}
+    # all-linear on an MoE: a stacked expert's delta, one stack at a time (moe_lora.merge_delta_elements)
+    delta = max(2 * linear, moe_lora.merge_delta_elements(model) if model.lora_moe else 0)
+    merge = {"summoned params (merge)": model.n_params * p, "LoRA delta": delta * p}
     copy = {"state-dict shard copy": params_bytes}
     walk = {**copy, "gathered units": fsdp1_walk_bytes(model, p)}
     return max(merge, walk, key=lambda d: sum(d.values())), {**copy, **send}

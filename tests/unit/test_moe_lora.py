@@ -108,3 +108,32 @@ def test_a_dropout_is_refused():
         peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules="all-linear", lora_dropout=0.05))
     with pytest.raises(SpecError, match="^lora_dropout: .*ParamWrapper"):
         estimate("qwen3-30b-a3b", 8, lora_dropout=0.05, **LORA)
+
+
+def test_the_rl_actor_prices_them():
+    """verl's actor (rank 32, cost_models/rl_actor.py) on Qwen3-30B-A3B (h 2,048, q 4,096, kv 512, E 128, f 768): 32 x
+    (6,144 + 2,560 + 2,560 + 6,144) = 557,056 attention elements a block, router 32 x 2,176 = 69,632, gate_up 2 x 32 x
+    128 x 3,584 = 29,360,128, down 32 x 128 x 2,816 = 11,534,336: 41,521,152. The old log-prob pass (adapters on) holds
+    the merged stacks and router weight, (3 x 128 x 768 x 2,048 + 128 x 2,048) x 2 = 1,208,483,840 B in bf16 (both stacks
+    cached through the experts' forward); the reference's pass (adapter disabled) does not."""
+    from cost_models.rl_actor import all_linear_lora, forward_only_bytes
+    from cost_models.rl_settings import RlSettings
+    from planner.models import resolve_model
+
+    model = resolve_model("qwen3-30b-a3b")
+    assert all_linear_lora(model).lora_params_per_block(32) == 41_521_152
+    old, ref = forward_only_bytes(model, 4096, 2, RlSettings(finetune="lora"))
+    assert old["merged expert stacks (peft)"] == 1_208_483_840 and "merged expert stacks (peft)" not in ref
+
+
+def test_a_merged_sync_holds_one_stacks_delta():
+    """verl's model.lora.merge under FSDP1: PEFT's merge_adapter makes each expert stack's delta whole, one at a time
+    (measured on the Mixtral small config: the merge's peak is gate_up's bmm output, 8 x 1,024 x 256 x 4 = 8,388,608 B).
+    Mixtral 8x7B in fp32: 8 x 2 x 14,336 x 4,096 x 4 = 3,758,096,384 B, above twice its largest linear's."""
+    from cost_models.rl_actor import all_linear_lora
+    from cost_models.rl_strategy import merged_sync_bytes
+    from planner.models import resolve_model
+
+    model = all_linear_lora(resolve_model("mixtral-8x7b"))
+    walk, _ = merged_sync_bytes(model, "fsdp", 0, 4, 8)
+    assert walk["LoRA delta"] == 3_758_096_384
