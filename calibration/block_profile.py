@@ -178,9 +178,13 @@ def _fit_held(points: list[tuple[int, int]], held: list[int]) -> tuple[float, fl
 
 
 def profile_block(hf_config: dict, *, block_class: str, compute_dtype: str, attention: str, seq_len: int,
-                  hidden_size: int, vocab_size: int, n_dense_layers: int = 0) -> tuple[ActivationTerms, float]:
+                  hidden_size: int, vocab_size: int, n_dense_layers: int = 0, lora_spec=None,
+                  lora_rank: int = 0) -> tuple[ActivationTerms, float]:
     """Fitted per-token terms of one block (see the module docstring) and the seconds the profile took.
-    With n_dense_layers (an MoE's leading dense blocks) the sparse blocks after them are profiled."""
+    With n_dense_layers (an MoE's leading dense blocks) the sparse blocks after them are profiled. lora_rank > 0:
+    the block under LoRA, peft's rank-r adapters on lora_spec's (a ModelSpec) lora_shapes and the base frozen
+    (calibration/lora.py, as the trace tier adds them), adapters in the compute dtype (FSDP gathers them so);
+    no operator inventory."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from .apply import TORCH_DTYPES
@@ -194,8 +198,15 @@ def profile_block(hf_config: dict, *, block_class: str, compute_dtype: str, atte
     long_s = max(MIN_SEQ_LEN, seq_len)
     points = ((1, max(MIN_SEQ_LEN, long_s // 2)), (1, long_s), (2, long_s))
     saved, backward = [], []
+    lora_model = _lora_model(config, attention, compute_dtype, block_class, lora_spec, lora_rank) if lora_rank else None
     with _real_run_masking(True), _grouped_mm_shapes_any_dtype(), FakeTensorMode(allow_non_fake_inputs=False):
-        model = build_model(None, config, attention=attention, device="cpu", dtype=TORCH_DTYPES[compute_dtype])
+        if lora_model is not None:
+            from .fake_world import _meta_to_fake
+
+            model = lora_model
+            _meta_to_fake(model)
+        else:
+            model = build_model(None, config, attention=attention, device="cpu", dtype=TORCH_DTYPES[compute_dtype])
         model.train()
         blocks = _blocks(model, block_class)
         if len(blocks) - n_dense_layers < 3:
@@ -216,9 +227,11 @@ def profile_block(hf_config: dict, *, block_class: str, compute_dtype: str, atte
         with _held_by_checkpointing(blocks, storages), torch.no_grad():
             model(input_ids=torch.randint(0, vocab_size, held_points[-1]))
         held = _fit_held(held_points, [*held, sum(storages.values())])
+        operators = dense_operators = None
         with cuda_kernel_choices():  # the step-time inventory of a steady-state block (and of a dense one)
             counted = [blocks[max(n_dense_layers, 1)]] + ([blocks[0]] if n_dense_layers else [])
-            operators, dense_operators = [*count_block_operators(model, counted, vocab_size, 1, long_s), None][:2]
+            if not lora_rank:
+                operators, dense_operators = [*count_block_operators(model, counted, vocab_size, 1, long_s), None][:2]
     tokens = [b * s for b, s in points]
     seqs = [s for _, s in points]
     terms = dataclasses.replace(_terms(tokens, seqs, sparse, long_s), checkpoint_held=held, operators=operators)
@@ -226,6 +239,17 @@ def profile_block(hf_config: dict, *, block_class: str, compute_dtype: str, atte
         terms = dataclasses.replace(terms, dense=dataclasses.replace(_terms(tokens, seqs, dense, long_s),
                                                                      operators=dense_operators))
     return terms, time.perf_counter() - started
+
+
+def _lora_model(config: dict, attention: str, compute_dtype: str, block_class: str, spec, rank: int):
+    """The reduced model on meta with peft's adapters (calibration.lora.add_lora: it cannot move fake tensors), every
+    weight in the compute dtype (a pure-precision build: mixed precision gathers the adapters in it too)."""
+    from .apply import TORCH_DTYPES
+    from .lora import add_lora
+
+    model = build_model(None, config, attention=attention, device="meta", dtype=TORCH_DTYPES[compute_dtype])
+    classes = {type(m) for m in _blocks(model, block_class)}
+    return add_lora(model, spec, rank, classes, "fp32" if compute_dtype == "fp32" else f"{compute_dtype}-pure")
 
 
 def _terms(tokens: list[int], seqs: list[int], measured: list, seq_len: int) -> ActivationTerms:

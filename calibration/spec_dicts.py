@@ -31,9 +31,10 @@ def model_spec_from_dict(data: dict) -> ModelSpec:
         moe["stacked_expert_tensors"] = tuple(tuple(x) for x in moe.get("stacked_expert_tensors", ()))
         moe["dense_layers"] = tuple(moe.get("dense_layers", ()))
         fields_["moe"] = MoeSpec(**moe)
-    if fields_.get("activation_profile") is not None:
-        profile = dict(fields_["activation_profile"])
-        profile["terms"] = tuple((dtype, attention, _activation_terms(terms))
-                                 for dtype, attention, terms in profile.get("terms", ()))
-        fields_["activation_profile"] = ActivationProfile(**profile)
+    for key in ("activation_profile", "lora_activation_profile"):
+        if fields_.get(key) is not None:
+            profile = dict(fields_[key])
+            profile["terms"] = tuple((dtype, attention, _activation_terms(terms))
+                                     for dtype, attention, terms in profile.get("terms", ()))
+            fields_[key] = ActivationProfile(**profile)
     return ModelSpec(**fields_)

@@ -128,10 +128,11 @@ class ParamCounts:
         return self.trainable_root + self.frozen_root
 
 
-def traced_block_terms(model: ModelSpec, precision: Precision, attention) -> ActivationTerms | None:
+def traced_block_terms(model: ModelSpec, precision: Precision, attention, lora: bool = False) -> ActivationTerms | None:
     """The block memory profile's terms for this compute dtype and attention (fp16 reuses bf16's: same
-    widths), or None when the model is priced by the formulas."""
-    if model.activation_profile is None:
+    widths), or None when the model is priced by the formulas; lora: the block's profile under LoRA."""
+    profile = model.lora_activation_profile if lora else model.activation_profile
+    if profile is None:
         return None
     dtype = "bf16" if precision.compute_dtype == "fp16" else precision.compute_dtype
-    return model.activation_profile.get(dtype, attention.value)
+    return profile.get(dtype, attention.value)

@@ -206,6 +206,7 @@ class ModelSpec:
     qk_rope_head_dim: int = 0        # the rotated part of each q/k head
     v_head_dim: int = 0              # each value head's width
     activation_profile: ActivationProfile | None = None     # traced per-block activations (families without a formula)
+    lora_activation_profile: ActivationProfile | None = None  # the same traced under LoRA (generic families)
     # FSDP units as the trainer wraps the model (torchtitan 0.3's apply_fsdp_to_decoder): the embedding a unit of its
     # own, resharded after forward, and [final norm, head] another, kept gathered to its backward, where the rest
     # wrap the root (embedding, norm, head; FSDP2 keeps it gathered from forward to the end of backward). Tied

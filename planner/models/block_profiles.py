@@ -125,8 +125,9 @@ class ShippedProfiles(BaseModel):
     profiles: list[BlockProfileFile]
 
 
-def profile_key(hf_config: dict, compute_dtype: str, attention: str, seq_len: int) -> str:
-    return _config_key("block-profile", hf_config, dtype=compute_dtype, attention=attention, seq_len=seq_len)
+def profile_key(hf_config: dict, compute_dtype: str, attention: str, seq_len: int, lora_rank: int = 0) -> str:
+    lora = {"lora_rank": lora_rank} if lora_rank else {}  # (a full fine-tuning profile's key unchanged)
+    return _config_key("block-profile", hf_config, dtype=compute_dtype, attention=attention, seq_len=seq_len, **lora)
 
 
 def shipped_key(hf_config: dict, compute_dtype: str, attention: str, seq_len: int) -> str:
@@ -177,20 +178,21 @@ def _read(path: Path, key: str) -> BlockProfileFile | None:
 
 
 def load_or_profile(spec: ModelSpec, hf_config: dict, compute_dtype: str, attention: str,
-                    seq_len: int) -> tuple[BlockProfileFile, str]:
+                    seq_len: int, lora_rank: int = 0) -> tuple[BlockProfileFile, str]:
     """The shipped profile for this (config, dtype, attention), else the cached one for this seq_len too, else
-    a new one written to the cache; with where it came from: "shipped", "cached" or "made"."""
-    shipped = shipped_profile(hf_config, compute_dtype, attention, seq_len)
+    a new one written to the cache; with where it came from: "shipped", "cached" or "made". lora_rank > 0: the
+    block under LoRA (none shipped)."""
+    shipped = None if lora_rank else shipped_profile(hf_config, compute_dtype, attention, seq_len)
     if shipped is not None:
         return shipped[0], "shipped"
-    key = profile_key(hf_config, compute_dtype, attention, seq_len)
+    key = profile_key(hf_config, compute_dtype, attention, seq_len, lora_rank)
     path = cache_dir() / f"{key}.json"
     cached = _read(path, key)
     if cached is not None:
         return cached, "cached"
     from calibration.store import write_atomic
 
-    profile = trace_profile(spec, hf_config, compute_dtype, attention, seq_len, key)
+    profile = trace_profile(spec, hf_config, compute_dtype, attention, seq_len, key, lora_rank)
     try:
         write_atomic(path, profile.model_dump_json(indent=1))
     except OSError:
@@ -199,7 +201,7 @@ def load_or_profile(spec: ModelSpec, hf_config: dict, compute_dtype: str, attent
 
 
 def trace_profile(spec: ModelSpec, hf_config: dict, compute_dtype: str, attention: str, seq_len: int,
-                  key: str) -> BlockProfileFile:
+                  key: str, lora_rank: int = 0) -> BlockProfileFile:
     """A new profile from a trace of the block (torch, transformers), stored under `key`."""
     from calibration.block_profile import profile_block  # torch, transformers
 
@@ -209,7 +211,8 @@ def trace_profile(spec: ModelSpec, hf_config: dict, compute_dtype: str, attentio
             terms, seconds = profile_block(copy.deepcopy(hf_config), block_class=spec.block_class,
                                            compute_dtype=compute_dtype, attention=attention, seq_len=seq_len,
                                            hidden_size=spec.hidden_size, vocab_size=spec.vocab_size,
-                                           n_dense_layers=spec.moe.first_sparse_layer if spec.moe else 0)
+                                           n_dense_layers=spec.moe.first_sparse_layer if spec.moe else 0,
+                                           lora_spec=spec, lora_rank=lora_rank)
     except Exception as exc:  # noqa: BLE001 - foreign model code: report it as one line
         text = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
         raise PlannerError("model", f"tracing a block of {spec.name} for its memory profile failed "
@@ -222,8 +225,9 @@ def trace_profile(spec: ModelSpec, hf_config: dict, compute_dtype: str, attentio
 
 
 def with_block_profile(spec: ModelSpec, hf_config: dict, seq_len: int,
-                       attentions: tuple[str, ...] | None = None) -> ModelSpec:
-    """spec with activation_profile set for every profiled dtype x attention (default: all the model runs)."""
+                       attentions: tuple[str, ...] | None = None, lora_rank: int = 0) -> ModelSpec:
+    """spec with activation_profile set for every profiled dtype x attention (default: all the model runs);
+    lora_rank > 0: lora_activation_profile, the block's under LoRA (its saved bytes price the ledger's blocks)."""
     started = time.perf_counter()
     entries, origins, first_seconds = [], [], 0.0
     attentions = tuple(a for a in attentions or spec.attention_choices if a in TRACED_ATTENTIONS)
@@ -232,8 +236,10 @@ def with_block_profile(spec: ModelSpec, hf_config: dict, seq_len: int,
     for attention in attentions:
         for dtype in PROFILED_DTYPES:
             try:
-                profile, origin = load_or_profile(spec, hf_config, dtype, attention, seq_len)
+                profile, origin = load_or_profile(spec, hf_config, dtype, attention, seq_len, lora_rank)
             except PlannerError as exc:
+                if lora_rank:  # the formulas price LoRA's blocks, as without a profile
+                    return spec
                 # model code that does not run on fake tensors: priced by the generic recipe, and said so
                 failed = ActivationProfile(terms=(), source=f"no block memory profile: {exc.args[0].split(': ', 1)[-1]}")
                 return dataclasses.replace(spec, activation_profile=failed)
@@ -251,6 +257,10 @@ def with_block_profile(spec: ModelSpec, hf_config: dict, seq_len: int,
         source = (f"traced block memory profile ({len(entries)} dtype x attention, seq {seq_len}): "
                   + (f"made in {took:.1f} s, cached in {cache_dir()}" if any(o == "made" for o, _ in origins)
                      else f"cached in {cache_dir()} (first made in {first_seconds:.1f} s)"))
+    if lora_rank:
+        return dataclasses.replace(spec, lora_activation_profile=ActivationProfile(
+            terms=tuple(entries), source=f"{source.replace('block memory profile', 'LoRA block memory profile')} "
+                                         f"(rank {lora_rank})"))
     return dataclasses.replace(spec, activation_profile=ActivationProfile(terms=tuple(entries), source=source))
 
 

@@ -32,7 +32,11 @@ def resolve_request(request: Request, attention: str | None = None) -> tuple[Mod
     spec = model if isinstance(model, ModelSpec) else resolve_model(model, trust_remote_code=request.trust_remote_code)
     cluster = request.cluster.spec()
     training = request.training.spec()
-    if training.finetune is Finetune.FULL and not isinstance(model, ModelSpec):
+    # LoRA on a generic family (attention targets, no dropout): its block traced under the adapters, whose saved
+    # bytes price the ledger's blocks (memory_shape.py); the formulas would read a spec the generic path guessed
+    lora = (training.finetune is Finetune.LORA and spec.family == "generic" and not training.adapter_dropout
+            and request.training.lora_targets in (None, LoraTargets.ATTENTION.value))
+    if (training.finetune is Finetune.FULL or lora) and not isinstance(model, ModelSpec):
         from ..models import hf_config_of
         from ..models.block_profiles import needs_block_profile, with_block_profile
 
@@ -40,8 +44,8 @@ def resolve_request(request: Request, attention: str | None = None) -> tuple[Mod
 
         hf_config = hf_config_dict(model) or hf_config_of(model)  # a transformers module's config, or the file's
         if needs_block_profile(spec, hf_config):
-            spec = with_block_profile(spec, hf_config, training.seq_len,
-                                      attentions=(model_attention(spec, attention),))
+            spec = with_block_profile(spec, hf_config, training.seq_len, attentions=(model_attention(spec, attention),),
+                                      lora_rank=training.lora_rank if lora else 0)
     spec = with_lora_targets(spec, request.training)
     return model_for(trainer_named(request.trainer), spec), cluster, training  # the trainer's own implementation
 
