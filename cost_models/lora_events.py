@@ -20,7 +20,7 @@ Not written: QLoRA's forward / recompute moment of the MLP's output projection (
 walk is below it: docs/accuracy.md). A loss kernel (Liger's, the chunked loss) writes its tensors without the frozen
 head's weight gradient (loss_kernel_events, head_grad=False). Not here (replays keeps the flat rule): LoRA with
 torchtitan's edge units, FSDP1's adapter units (fsdp1_adapters.py), and all-linear on an MoE (the merged expert
-stacks and their transient gradients of moe_lora.py are the ledger's; the walk's MoE block is LoRA's frozen one: -0.6
+stacks and their transient gradients of moe_lora.py are the ledger's; the walk's MoE block is LoRA's frozen one: -0.25
 .. -6.0% below the ledger on Mixtral 8x7B / Qwen3-30B-A3B); TP / CP / PP with LoRA are not planned.
 """
 

@@ -63,8 +63,9 @@ def refusals(model: ModelSpec, training) -> list:
 
     if not (training.finetune.adapters and model.lora_moe and training.adapter_dropout > 0):
         return []
-    return [Refusal("lora_dropout", "moe-all-linear-dropout", f"lora_dropout {training.adapter_dropout} with all-linear "
-                    "on an MoE: peft's ParamWrapper (the router and stacked experts) raises for a dropout above 0",
+    return [Refusal("lora_dropout", "moe-all-linear-dropout", f"lora_dropout {training.adapter_dropout} with "
+                    "all-linear on an MoE: peft's ParamWrapper (the router and stacked experts) raises for a dropout "
+                    "above 0",
                     "use --lora-dropout 0, or --lora-targets attention", priced=False)]
 
 

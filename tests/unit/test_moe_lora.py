@@ -1,5 +1,5 @@
-"""peft's all-linear LoRA on an MoE, priced (cost_models/moe_lora.py): the router and the stacked experts adapted through
-ParamWrappers, their merged weights W_eff saved, the routed rows' inputs saved for W_eff's gradients. Truth: the
+"""peft's all-linear LoRA on an MoE, priced (cost_models/moe_lora.py): the router and the stacked experts adapted
+through ParamWrappers, their merged weights W_eff saved, the routed rows' inputs saved for W_eff's gradients. Truth: the
 trace tier (planner.tracing.trace: the FSDP2 step on fake tensors with peft's own all-linear adapters, calibration/
 lora.add_lora) and peft measured block by block (benchmarks/peft_moe_lora.py). One trace runs here (~2-5 s); the
 other traced figures are quoted from `planner.tracing.trace(arch_config(arch), gpus, finetune="lora", lora_rank=4,
@@ -79,9 +79,9 @@ def test_a_blocks_excess_is_pefts(arch, c, adapters, measured):
 
 def test_flops_count_each_tokens_experts_and_the_merges():
     """Qwen3-30B-A3B (48 blocks, E 128, k 8, h 2,048, f 768), rank 16, 4,096 tokens: per block and token the weight
-    gradients of the router (262,144) and 8 experts (4,718,592 each), 2 x 38,010,880 = 76,021,760, and the merges (gate_up
-    2 x 1,536 x 32 x 2,048 x 128, down 2 x 2,048 x 16 x 768 x 128, router 2 x 128 x 16 x 2,048 = 32,220,643,328) x 3 /
-    4,096 = 23,599,104: 48 x 99,620,864 = 4,781,801,472 FLOPs a token over attention-only LoRA."""
+    gradients of the router (262,144) and 8 experts (4,718,592 each), 2 x 38,010,880 = 76,021,760, and the merges
+    (gate_up 2 x 1,536 x 32 x 2,048 x 128, down 2 x 2,048 x 16 x 768 x 128, router 2 x 128 x 16 x 2,048 =
+    32,220,643,328) x 3 / 4,096 = 23,599,104: 48 x 99,620,864 = 4,781,801,472 FLOPs a token over attention-only LoRA."""
     spec = estimate("qwen3-30b-a3b", 8, gpu="h100-80gb", finetune="lora", lora_rank=16).model
     training = TrainingSpec(seq_len=4096, finetune="lora", lora_rank=16)
     wide = dataclasses.replace(spec, lora_targets="all-linear")
@@ -89,9 +89,9 @@ def test_flops_count_each_tokens_experts_and_the_merges():
 
 
 def test_the_walk_keeps_the_flat_rule_and_gpt_oss_is_refused():
-    """The allocator walk's MoE block is LoRA's frozen one (-0.6 .. -6.0% below the ledger on Mixtral 8x7B): the
-    reserved stays the flat rule's, with its reason; gpt-oss (no conversion: peft adapts its attention alone) is refused
-    in one line naming lora_targets."""
+    """The allocator walk's MoE block is LoRA's frozen one (-0.25 .. -6.0% below the ledger on Mixtral 8x7B /
+    Qwen3-30B-A3B): the reserved stays the flat rule's, with its reason; gpt-oss (no conversion: peft adapts its
+    attention alone) is refused in one line naming lora_targets."""
     c = estimate("mixtral-8x7b", 8, gpu="h100-80gb", seq_len=2048, **LORA)
     assert replays(c.model, c.training, c.config, 8) == "all-linear LoRA on an MoE (peft's merged expert stacks)"
     with pytest.raises(SpecError, match="lora_targets.*attention alone"):
@@ -114,8 +114,8 @@ def test_the_rl_actor_prices_them():
     """verl's actor (rank 32, cost_models/rl_actor.py) on Qwen3-30B-A3B (h 2,048, q 4,096, kv 512, E 128, f 768): 32 x
     (6,144 + 2,560 + 2,560 + 6,144) = 557,056 attention elements a block, router 32 x 2,176 = 69,632, gate_up 2 x 32 x
     128 x 3,584 = 29,360,128, down 32 x 128 x 2,816 = 11,534,336: 41,521,152. The old log-prob pass (adapters on) holds
-    the merged stacks and router weight, (3 x 128 x 768 x 2,048 + 128 x 2,048) x 2 = 1,208,483,840 B in bf16 (both stacks
-    cached through the experts' forward); the reference's pass (adapter disabled) does not."""
+    the merged stacks and router weight, (3 x 128 x 768 x 2,048 + 128 x 2,048) x 2 = 1,208,483,840 B in bf16 (both
+    stacks cached through the experts' forward); the reference's pass (adapter disabled) does not."""
     from cost_models.rl_actor import all_linear_lora, forward_only_bytes
     from cost_models.rl_settings import RlSettings
     from planner.models import resolve_model
