@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 
+from . import context_parallel
 from .expert_parallel import rank_view
 from .memory_shape import ledger_shape
 from .moe_events import moe_block_tensors, stacked_matrices
@@ -38,16 +39,17 @@ class ExpertUnitsWalk:
     """StepWalk with each sparse block's experts a unit of their own over efsdp (config.ep > 1; else theirs)."""
 
     def __init__(self, model, training, config, d: int, rank: int):
-        self.ep_view = rank_view(model, config, d, training) if config.ep > 1 and model.moe is not None else None
-        if self.ep_view is not None:
-            model = self.ep_view.model
-            n = stacked_matrices(model)
-            self.expert_index = range(5, 5 + n)  # q, k, v, o, the router, then the stacked expert tensors
+        self.expert_units = model.moe is not None and (config.ep > 1 or config.expert_units
+                                                       and not config.expert_shard_dim)
+        self.ep_view = rank_view(model, config, d, training) if self.expert_units and config.ep > 1 else None
+        if self.expert_units:
+            model = self.ep_view.model if self.ep_view is not None else model
+            self.expert_index = range(5, 5 + stacked_matrices(model))  # q, k, v, o, the router, the stacked experts
+            self.efsdp = self.ep_view.efsdp if self.ep_view is not None else d  # (without EP: over d, padded)
         super().__init__(model, training, config, d, rank)
-        if self.ep_view is None:
+        if not self.expert_units:
             return
         view, s, c = self.ep_view, self.stage, self.c
-        self.efsdp = view.efsdp
         gathered = moe_block_tensors(model, model.block_params, self.efsdp)
         self.experts_bytes = [gathered[i] * c for i in self.expert_index]
         shape = ledger_shape(model, training, config, view, False)
@@ -57,9 +59,9 @@ class ExpertUnitsWalk:
 
     def _units(self, x) -> list[list[int]]:
         units = super()._units(x)
-        if getattr(self, "ep_view", None) is None:
+        if not getattr(self, "expert_units", False):
             return units
-        efsdp = self.ep_view.efsdp
+        efsdp = self.efsdp
         gathered = moe_block_tensors(self.model, x.block_params, efsdp)
         blocks = []
         for unit in units[len(units) - x.stage.n_blocks:]:
@@ -70,7 +72,7 @@ class ExpertUnitsWalk:
         return units[:len(units) - x.stage.n_blocks] + blocks
 
     def is_block(self, u) -> bool:
-        return self.ep_view is not None and isinstance(u, int) and u >= self.root_units(self.stage)
+        return self.expert_units and isinstance(u, int) and u >= self.root_units(self.stage)
 
     @contextlib.contextmanager
     def _experts_group(self):
@@ -132,26 +134,32 @@ class ExpertUnitsWalk:
     def transient(self, key, sizes, stream=0) -> None:
         """A block's backward (key ("backward", s, mb, j)): the MLP's largest moment with the experts' gradients,
         the experts' post-backward, then the block's other moments (module docstring)."""
-        if key[0] != "backward" or self.ep_view is None:
+        if key[0] != "backward" or not self.expert_units:
             return super().transient(key, sizes, stream)
         _, s, mb, j = key
         u = self.root_units(s) + j
         x, shape = self.pieces[s], self.shape
         grads = self.grad_bytes(s, u)
         experts_grads = sum(grads[i] for i in self.expert_index)
-        moments = shape.mlp_moments[x.checkpointed[j]]
+        # a traced block profile (ProfileWalk's models): its moments (memory.py takes their largest, CP's ring
+        # transients on top), with the experts gathered; else the MoE MLP's, then the attention's
+        traced = shape.traced
+        moments = traced.backward_moments if traced is not None else shape.mlp_moments[x.checkpointed[j]]
+        ring = self.tokens * context_parallel.ring_working_bytes_per_token(self.model, self.config.cp, self.c)
         cap = shape.real.trainable_block * self.c
         seq = self.training.seq_len
 
         def best(candidates):
             return max(candidates, key=sum, default=(0, 0))
 
-        mlp = best((round(m.activation_bytes(self.tokens, seq)), min(m.grad_bytes, cap))
+        mlp = best((round(m.activation_bytes(self.tokens, seq)) + (ring if traced else 0), min(m.grad_bytes, cap))
                    for m in moments if not m.experts_done)
         later = best([(round(m.activation_bytes(self.tokens, seq)), max(0, min(m.grad_bytes, cap) - experts_grads))
                       for m in moments if m.experts_done]
-                     + [(self.tokens * (shape.w_attn - shape.freed_attn), max(0, shape.attn_grad - experts_grads))])
-        made = self.moment(("experts backward", s, mb, j), s, u, mlp, self.expert_index)
+                     + ([] if traced else [(self.tokens * (shape.w_attn - shape.freed_attn),
+                                            max(0, shape.attn_grad - experts_grads))]))
+        made = self.moment(("experts backward", s, mb, j), s, u, mlp,
+                           range(len(grads)) if traced else self.expert_index)
         for i in self.expert_index:  # the rest of the experts' gradients, then their post-backward
             if i not in made:
                 self.alloc(("wgrad", s, u, i), grads[i])
@@ -160,8 +168,8 @@ class ExpertUnitsWalk:
         with self._experts_group():
             self.reduce_scatter(s, experts, sum(self.experts_bytes) // self.c,
                                 [("wgrad", s, u, i) for i in self.expert_index])
-        others = [i for i in range(len(grads)) if i not in self.expert_index]
-        self.made[u] = set(self.expert_index) | self.moment(("block backward", s, mb, j), s, u, later, others)
+        others = [i for i in range(len(grads)) if i not in made and i not in self.expert_index]
+        self.made[u] = made | set(self.expert_index) | self.moment(("block backward", s, mb, j), s, u, later, others)
 
     def moment(self, key, s: int, u, moment: tuple[int, int], among) -> set:
         """One backward moment: the gradients among `among` that fit its gradient bytes (StepWalk.early_grads),
@@ -180,7 +188,7 @@ class ExpertUnitsWalk:
 
     def optimizer_step(self, first: bool) -> None:
         super().optimizer_step(first)
-        if self.ep_view is not None:
+        if self.expert_units:
             s = self.stage
             for u in range(self.root_units(s), len(self.units[s])):
                 self.free(("sharded_grad", s, ("experts", u)))

@@ -18,10 +18,10 @@ to d x ceil(rows / d): their shards, optimizer states, all-gather outputs (the u
 it), reduce-scatter inputs and sharded gradients are the padded sizes, their gradients (StepWalk.grad_bytes) and the
 optimizer's foreach temporaries over the padded shards (step_temporary_bytes of the ledger's trainable elements).
 
-Expert parallelism: expert_unit_events.py (each block's experts a unit of their own over efsdp), ahead of this.
+Experts as FSDP units of their own, with expert parallelism or without: expert_unit_events.py, ahead of this.
 Not here (step_allocations.replays keeps the flat rule, moe_flat_reason): dense blocks (DeepSeek's leading, Llama 4's
-interleaved), LoRA with padded experts (LoraWalk's own units, unpadded), experts as FSDP units of their own or
-sharded on dim 1 without EP, and EP with LoRA, CPU offload or a traced block profile.
+interleaved), LoRA with padded experts (LoraWalk's own units, unpadded), experts sharded on dim 1, and expert units
+(EP among them) with LoRA or CPU offload.
 """
 
 from __future__ import annotations
@@ -38,13 +38,13 @@ def moe_flat_reason(model, training, config, d: int) -> str | None:
         return None
     if moe.n_dense_layers:
         return "MoE with dense blocks"  # leading (DeepSeek's first_k_dense_replace) or interleaved (Llama 4)
-    if config.ep > 1 and (training.finetune.adapters or config.offload or model.activation_profile is not None):
-        # (expert_unit_events.py walks EP for full fine-tuning on the device, from the formulas' widths)
-        return "expert parallelism with LoRA, CPU offload or a traced block profile"
+    if (config.ep > 1 or config.expert_units) and (training.finetune.adapters or config.offload):
+        # (expert_unit_events.py walks them for full fine-tuning on the device)
+        return "MoE experts as units of their own (expert parallelism) with LoRA or CPU offload"
     if training.finetune.adapters and d > 1 and block_gathered_elements(model, d) != model.block_params:
         return "LoRA with MoE experts padded on dim 0"  # (LoraWalk's units: unpadded)
-    if config.ep <= 1 and (config.expert_units or config.expert_shard_dim):  # (with EP: units, on dim 0)
-        return "MoE experts as units of their own / sharded on dim 1"
+    if config.ep <= 1 and config.expert_shard_dim:  # (with EP: on dim 0)
+        return "MoE experts sharded on dim 1"
     return None
 
 

@@ -18,12 +18,12 @@ docs/accuracy.md, "LoRA's step"), TP with CP (walk == ledger in all 96 of llama3
 tokens, 92 at 2,048; the misses fp32 without checkpointing, +0.8%, as TP alone at s / cp tokens), a
 traced block profile (profile_events.py: its saved bytes, checkpoint-held inputs and backward moment;
 docs/accuracy.md, "TP with CP, and traced block profiles"), MoE (moe_events.py: a sparse block's own tensors, dim-0
-padding; docs/accuracy.md, "MoE's step replayed"), expert parallelism (expert_unit_events.py: each block's experts a
-unit of their own over efsdp; docs/accuracy.md, "2026-12-07 night: expert parallelism replayed"). A block's
-gradients alive at its backward's moment are made before its working set, the rest at its post-backward. Flat where
-the ledger has pieces StagePieces lacks or the walk does not yet match it: MoE's dense blocks, expert units without
-EP, LoRA with padded experts, EP with CPU offload or a traced block profile (moe_events.moe_flat_reason), LoRA with
-FSDP1's adapter units or edge units.
+padding; docs/accuracy.md, "MoE's step replayed"), experts as units of their own and expert parallelism
+(expert_unit_events.py: each block's experts a unit over efsdp; docs/accuracy.md, "2026-12-07 night: expert
+parallelism replayed"). A block's gradients alive at its backward's moment are made before its working set, the rest
+at its post-backward. Flat where the ledger has pieces StagePieces lacks or the walk does not yet match it: MoE's
+dense blocks, experts on dim 1, LoRA with padded experts, expert units (EP among them) with LoRA or CPU offload
+(moe_events.moe_flat_reason), LoRA with FSDP1's adapter units or edge units.
 """
 
 from __future__ import annotations

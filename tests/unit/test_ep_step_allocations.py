@@ -88,3 +88,33 @@ def test_full_size_and_what_stays_flat():
     assert replays(offload.model, offload.training, offload.config, 16) == EP_FLAT
     deepseek = estimate(arch_config("deepseek-v3"), 16, ep=2, gpus_per_node=8)
     assert replays(deepseek.model, deepseek.training, deepseek.config, 16) == "MoE with dense blocks"
+
+
+def test_experts_as_units_without_ep():
+    """memory_accuracy.py --families 2026 --expert-units (the experts of each block an FSDP unit of their own over d,
+    no EP): Mixtral (h 512, 8 experts, 4 blocks) on 8, FULL_SHARD bf16, no AC, 2 x 2,048 tokens: walk == ledger
+    694,719,360 B (trace 694,801,700). On 128 ranks fp32 every-2 eager, 1 x 2,048, block 3's backward leads: the ledger
+    counts the experts' gradients beside their reduce-scatter input after their post-backward (FSDP2 frees them once
+    copied in), 895,866,072 B, +1.19% over the trace's 885,323,292; the walk 884,856,024 (-0.05%)."""
+    row = dict(sharding="FULL_SHARD", seq_len=2048, expert_units=True, gpus_per_node=8)
+    c = estimate(arch_config("mixtral"), 8, precision="bf16", activation_checkpointing="none", micro_batch=2,
+                 attention="sdpa", **row)
+    assert replays(c.model, c.training, c.config, 8) is None
+    assert _events_peak(_walk(c)[0]) == c.memory.peak_allocated_bytes == 694_719_360
+    c = estimate(arch_config("mixtral"), 128, precision="fp32", activation_checkpointing="every-2", micro_batch=1,
+                 attention="eager", **row)
+    assert _events_peak(_walk(c)[0]) == pytest.approx(885_323_292, rel=0.001)
+    assert c.memory.peak_allocated_bytes == pytest.approx(885_323_292 * 1.0119, rel=0.001)
+
+
+def test_ep_with_a_traced_block_profile():
+    """gpt-oss (memory_accuracy.py's: attention sinks, priced from its traced block profile) EP 4 on 32, bf16-pure,
+    full AC, 1 x 8,192 tokens, eager: block 3's recomputed backward leads, the profile's moments with the experts
+    gathered; walk = ledger 3,588,520,782 B (+6 B, the shards' ceil), the trace 3,589,249,124 (-0.02%); the replay
+    5,404,360,704 B against the trace's replay 5,930,745,856 (-8.9%; the flat rule ~ -36% on such rows)."""
+    c = estimate(arch_config("gpt-oss"), 32, ep=4, gpus_per_node=8, sharding="FULL_SHARD", precision="bf16-pure",
+                 activation_checkpointing="full", micro_batch=1, seq_len=8192, attention="eager")
+    assert replays(c.model, c.training, c.config, 32) is None and c.model.activation_profile is not None
+    assert _events_peak(_walk(c)[0]) == pytest.approx(c.memory.peak_allocated_bytes, abs=16)
+    assert c.memory.peak_allocated_bytes == pytest.approx(3_589_249_124, rel=0.0005)
+    assert c.memory.allocator_reserved_bytes == pytest.approx(5_930_745_856 * (1 - 0.089), rel=0.005)
