@@ -19,10 +19,17 @@ allocation events; torch 2.13 _fsdp_state.py / _fsdp_param_group.py):
   block i-1. The MLP's moments (the MoE backward_moments before experts_done) with the experts gathered and their
   gradients made; the experts' post-backward reshards them and reduce-scatters their gradients (reduce dtype, input
   kept to the next reduce-scatter, output the efsdp shard); then the block's other moments (the attention's, the
-  norm's: experts_done), its gradients, its post-backward.
+  norm's: experts_done), its gradients, its post-backward. The walk writes a block's forward in one sweep, so the
+  experts' forward hooks run at its end (a checkpointed block's whole forward before its experts are gathered).
+  On an efsdp group of one rank the experts are copied out parameter by parameter (OneRankWalk's unshard).
 The saved tensors and moments are the ledger's (memory_shape.ledger_shape with the EP view: the dispatch / combine's
-saved bytes per routed row, ExpertParallelView.backward_moments). Not here (step_allocations.replays keeps the flat
-rule, moe_events.moe_flat_reason): EP with LoRA, CPU offload, an efsdp group of one rank, dense blocks.
+saved bytes per routed row, ExpertParallelView.backward_moments; a traced block profile's moments where the model has
+one, with the experts gathered). After the experts' post-backward FSDP2 has freed their gradients (copied into the
+reduce-scatter input): the walk's later moments hold the block's others only, where memory.py still counts them
+(docs/accuracy.md, "2026-12-07 night: expert parallelism replayed": the trace sides with the walk).
+Experts as units of their own without EP (FsdpConfig.expert_units) are this walk at efsdp = d, the model unsliced.
+Not here (step_allocations.replays keeps the flat rule, moe_events.moe_flat_reason): expert units with LoRA or CPU
+offload, experts sharded on dim 1, dense blocks.
 """
 
 from __future__ import annotations
@@ -36,7 +43,7 @@ from .moe_events import moe_block_tensors, stacked_matrices
 
 
 class ExpertUnitsWalk:
-    """StepWalk with each sparse block's experts a unit of their own over efsdp (config.ep > 1; else theirs)."""
+    """StepWalk with each sparse block's experts a unit of their own over efsdp (ep > 1 or expert_units; else theirs)."""
 
     def __init__(self, model, training, config, d: int, rank: int):
         self.expert_units = model.moe is not None and (config.ep > 1 or config.expert_units
