@@ -43,7 +43,7 @@ from .moe_events import moe_block_tensors, stacked_matrices
 
 
 class ExpertUnitsWalk:
-    """StepWalk with each sparse block's experts a unit of their own over efsdp (ep > 1 or expert_units; else theirs)."""
+    """StepWalk with each sparse block's experts a unit of their own over efsdp (ep > 1 or expert_units)."""
 
     def __init__(self, model, training, config, d: int, rank: int):
         self.expert_units = model.moe is not None and (config.ep > 1 or config.expert_units
