@@ -210,7 +210,7 @@ def ledger_shape(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, e
     # tensors below it shrink going down while the sharded gradients of the blocks done grow. The extremes
     # of each kind, and the neighbours where the prefetch / reduce-scatter buffers start or stop, suffice.
     # (K: the lowest checkpointed block with a block below to prefetch; block 0 has none)
-    candidates = {i for i in (0, 1, L - 2, L - 1, K * ((L - 1) // K) if K else 0, K, nd - 1, nd) if 0 <= i < L}
+    candidates = {i for i in (0, 1, L - 2, L - 1, K * ((L - 1) // K) if K else 0, K, nd - 1, nd, nd + 1) if 0 <= i < L}
     if dense_blocks and not leading:  # interleaved: the extremes of each kind of block and of its neighbours
         kinds: dict[tuple, list[int]] = {}
         for i in range(L):
@@ -224,7 +224,7 @@ def ledger_shape(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, e
     loss_at_regather = root_regather.loss_bytes_at_regather(model, c, config, kern, tokens,
                                                             not training.finetune.adapters)
     out_proj_in_flight = qlora.forward_in_flight_bytes(f, h, c, training.double_quant, tokens) if quantized else 0
-    if lora_rank and model.lora_mlp:
+    if lora_rank and model.lora_mlp and model.moe is None:   # (an MoE's experts: moe_lora.py)
         # peft runs the adapter after the base's forward (its dequantized weight freed), so what the adapter saves
         # (lora_A's output; under FSDP1's adapter units its input's copy: fsdp1_adapters.py), in `full`, is not there
         # yet while the base runs
@@ -243,7 +243,8 @@ def ledger_shape(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, e
         mlp_grad=mlp_grad, attn_grad=attn_grad, mlp_moments=mlp_moments, ckpt_input_extra=ckpt_input_extra,
         loss_peak=loss_peak, loss_reserved_extra=loss_reserved_extra, loss_at_regather=loss_at_regather,
         out_proj_in_flight=out_proj_in_flight,
-        mlp_inputs_saved=bool(lora_rank) and model.lora_mlp and not casts and not dropout, blocks=(),
+        mlp_inputs_saved=bool(lora_rank) and model.lora_mlp and model.moe is None and not casts and not dropout,
+        blocks=(),
         quirks=tuple(activation_notes.quirks(model, config.attention, training.seq_len)), n_layers=L, n_dense=nd)
     # A checkpointed block re-runs its forward; its saved input stays (unless the first norm saves that very tensor).
     blocks = tuple((i, f"backward of block {i}" + (" (recomputed)" if shape.is_ckpt(i) else ""), shape.is_ckpt(i),

@@ -23,9 +23,11 @@ and takes the MLP backward's moments from backward_moments below; the allocator 
 (lora_events.lora_flat_reason). Time: the experts' and router's weight gradients for each token's k experts and the
 merges once per sequence (operators._formula_block_ops, compute._training_flops).
 
-Priced where that conversion exists and the block is routed experts alone: Mixtral and Qwen3-MoE (a shared expert's
-plain lora.Linears, Qwen2-MoE / DeepSeek, and a leading dense block's MLP adapters are not priced yet); gpt-oss has no
-conversion, so peft's all-linear adapts its attention alone (lora_targets attention prices exactly that).
+Priced where that conversion exists and every block is sparse: Mixtral, Qwen3-MoE, and Qwen2-MoE, whose shared
+expert's nn.Linears (gate, up, down, shared_expert_gate) get plain lora.Linear adapters (ModelSpec.lora_shapes:
+shared_expert_shapes; their lora_A outputs and down's input saved, p T (fs + 4r), equal to peft's measured excess).
+DeepSeek / OLMoE / GLM-4 MoE and a leading dense block's MLP adapters are not priced yet; gpt-oss has no conversion, so
+peft's all-linear adapts its attention alone (lora_targets attention prices exactly that).
 """
 
 from __future__ import annotations
@@ -37,8 +39,8 @@ if TYPE_CHECKING:  # model_spec imports this module (ModelSpec.lora_tensor_eleme
     from .model_spec import BackwardMoment, ModelSpec
 
 # families whose routed experts peft's transformers-5 conversion adapts (get_checkpoint_conversion_mapping) and whose
-# MoE block the ledger prices whole (no shared expert, every block sparse)
-PRICED_FAMILIES = ("mixtral", "qwen3_moe")
+# MoE block the ledger prices whole (every block sparse; Qwen2-MoE's gated shared expert)
+PRICED_FAMILIES = ("mixtral", "qwen3_moe", "qwen2_moe")
 
 
 def unpriced_reason(model: ModelSpec) -> str:
@@ -50,9 +52,9 @@ def unpriced_reason(model: ModelSpec) -> str:
     if model.family not in PRICED_FAMILIES:
         return (f"all-linear on an MoE is priced for {', '.join(PRICED_FAMILIES)} (peft's router and stacked-expert "
                 f"adapters); {model.family} is not; choose attention")
-    if moe.shared_ffn_size or moe.n_dense_layers or not model.gated_mlp:
-        return ("all-linear on an MoE is priced for blocks of routed gated experts alone (no shared expert, no dense "
-                "block); choose attention")
+    if moe.n_dense_layers or not model.gated_mlp:
+        return ("all-linear on an MoE is priced for blocks of routed gated experts (and Qwen2-MoE's shared expert), no "
+                "dense block; choose attention")
     return ""
 
 
@@ -67,6 +69,17 @@ def refusals(model: ModelSpec, training) -> list:
                     "all-linear on an MoE: peft's ParamWrapper (the router and stacked experts) raises for a dropout "
                     "above 0",
                     "use --lora-dropout 0, or --lora-targets attention", priced=False)]
+
+
+def shared_expert_shapes(model: ModelSpec) -> tuple[tuple[int, int], ...]:
+    """(in, out) of a shared expert's nn.Linears, which all-linear adapts with plain lora.Linear (Qwen2-MoE: gate, up,
+    down, and shared_expert_gate h -> 1): their lora_A outputs and down's input saved, as a dense MLP's adapters."""
+    fs, h = model.moe.shared_ffn_size, model.hidden_size
+    if not fs:
+        return ()
+    from . import moe
+
+    return ((h, fs), (h, fs), (fs, h)) + (((h, 1),) if moe._shared_gate(model) else ())
 
 
 def adapter_tensor_elements(model: ModelSpec, rank: int) -> list[int]:
@@ -131,16 +144,20 @@ def backward_moments(model: ModelSpec, c: int, recomputed: bool = False) -> tupl
       (E h f) and the rows' gradient (k f);
     - the activation's backward: down's W_eff and its gradient gone (- E h f);
     - gate_up's grouped_mm backward: its W_eff's gradient (E 2f h), down's W_eff gone (+ E h f net);
-    - the norm's backward after the MLP: every merged weight gone (- (3 E f h + E h))."""
+    - the moments after the routed experts' backward (the norm's; Qwen2-MoE's gated shared expert's, whose lora.Linear
+      adapters' gradients are negligible): every merged weight gone (- (3 E f h + E h)).
+    (A gated shared expert's output gradient, c h, waits through the routed moments: moe.backward_moments.)"""
     from . import moe
     from .model_spec import BackwardMoment
 
     E, h, f, k = model.moe.n_experts, model.hidden_size, model.moe.expert_ffn_size, model.moe.experts_per_token
     full = moe.backward_moments(model, c, lora=False, recomputed=recomputed)
-    unpermute, activation, up = full[0], full[1], full[2]
-    down = BackwardMoment(0, E * h * f * c, c * h + k * c * f - moe.INDEX_BYTES * k, 0)
+    done = [m for m in full if m.experts_done]
+    unpermute, activation, up = [m for m in full if not m.experts_done]   # (no DeepSeek's shared moment: refused)
+    waiting = c * h if moe._shared_gate(model) else 0
+    down = BackwardMoment(0, E * h * f * c, c * h + k * c * f - moe.INDEX_BYTES * k + waiting, 0)
     moments = [replace(unpermute, grad_bytes=0, const_bytes=0), down,
                replace(activation, grad_bytes=0, const_bytes=-E * h * f * c),
                replace(up, grad_bytes=0, const_bytes=E * h * f * c)]
-    moments += [replace(m, grad_bytes=0, const_bytes=-(3 * E * f * h + E * h) * c) for m in full[3:]]
+    moments += [replace(m, grad_bytes=0, const_bytes=-(3 * E * f * h + E * h) * c) for m in done]
     return tuple(moments)

@@ -79,15 +79,19 @@ def test_targets_are_found_by_shape_in_module_order():
 # one MoE block's router and stacked-expert adapters at rank 4 (benchmarks/peft_moe_lora.py part 1, docs/accuracy.md
 # "peft's all-linear on an MoE"): r (h + E) + 2r E (h + 2f) + r E (f + h)
 MOE_ADAPTERS = {"mixtral": 4 * (256 + 8) + 2 * 4 * 8 * (256 + 1024) + 4 * 8 * (512 + 256),          # 107,552
-                "qwen3-moe": 4 * (256 + 16) + 2 * 4 * 16 * (256 + 256) + 4 * 16 * (128 + 256)}   # 91,200
+                "qwen3-moe": 4 * (256 + 16) + 2 * 4 * 16 * (256 + 256) + 4 * 16 * (128 + 256),   # 91,200
+                # 46,112, and the shared expert's lora.Linears: gate, up, down 3r (h + fs) and shared_expert_gate r (h + 1)
+                "qwen2-moe": 4 * (256 + 8) + 2 * 4 * 8 * (256 + 256) + 4 * 8 * (128 + 256) + 3 * 4 * (256 + 512)
+                + 4 * (256 + 1)}
 
 
 @pytest.mark.parametrize("arch", sorted(MOE_ADAPTERS))
 def test_all_linear_on_an_moe_is_peft_all_linear(arch):
-    """Mixtral and Qwen3-MoE under all-linear: the priced adapters are the attention's plus the router's and the stacked
-    experts' (peft 0.22's transformers-5 conversion: ParamWrappers, gate_up at rank 2r; cost_models/moe_lora.py),
-    107,552 / 91,200 elements a block as benchmarks/peft_moe_lora.py counted; add_lora (the trace's adapters) and
-    peft's own get_peft_model(target_modules="all-linear") adapt exactly that many."""
+    """Mixtral, Qwen3-MoE and Qwen2-MoE under all-linear: the priced adapters are the attention's plus the router's and
+    the stacked experts' (peft 0.22's transformers-5 conversion: ParamWrappers, gate_up at rank 2r; cost_models/
+    moe_lora.py), 107,552 / 91,200 / 46,112 elements a block as benchmarks/peft_moe_lora.py counted, and Qwen2-MoE's
+    shared expert's plain lora.Linears; add_lora (the trace's adapters) and peft's own get_peft_model(target_modules=
+    "all-linear") adapt exactly that many."""
     from peft import LoraConfig, get_peft_model
 
     from benchmarks.memory_accuracy import arch_config
