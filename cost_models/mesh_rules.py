@@ -168,7 +168,7 @@ def mesh_refusals(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec
                            "use tp = cp = ep = pp = 1 with LoRA",
                            priced=False))
     out.extend(qlora.refusals(model, training, config))
-    out.extend(moe_lora.refusals(model, training))
+    out.extend(moe_lora.refusals(model, training, config))
     if pp > 1 and config.offload:  # no pipeline trace or run prices it (calibration/trace_pipeline.py refuses offload)
         out.append(Refusal("offload", "pipeline-with-offload", "CPU offload with pipeline parallelism is not priced "
                            "(no pipeline trace or run measures FSDP2's CPUOffloadPolicy per stage under a schedule)",

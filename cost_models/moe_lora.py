@@ -58,17 +58,34 @@ def unpriced_reason(model: ModelSpec) -> str:
     return ""
 
 
-def refusals(model: ModelSpec, training) -> list:
-    """peft's ParamWrapper refuses a dropout (tuners/lora/layer.py: `lora.ParamWrapper does not work with
-    lora_dropout != 0`: x cannot be factored out of the merged weight), so all-linear on an MoE trains without."""
+def selective_op_refused(model: ModelSpec, training) -> bool:
+    """All-linear LoRA on an MoE: no selective op-level checkpointing, nor a dropout (refusals); the search leaves
+    selective-op out for it."""
+    return bool(training.finetune.adapters and model.lora_moe)
+
+
+def refusals(model: ModelSpec, training, config) -> list:
+    """What all-linear on an MoE cannot run: a dropout (peft's ParamWrapper raises, tuners/lora/layer.py: `does not work
+    with lora_dropout != 0`: x cannot be factored out of the merged weight), and torchtitan's selective op-level
+    checkpointing (torch/utils/checkpoint.py raises "Tensor cached during selective activation checkpoint has been
+    mutated" in the backward of a block whose ParamWrappers merge under it: seen on real CPU tensors, a Mixtral block
+    under calibration/checkpointing.selective_op_context, and in the trace tier)."""
     from .feasibility import Refusal
 
-    if not (training.finetune.adapters and model.lora_moe and training.adapter_dropout > 0):
+    if not selective_op_refused(model, training):
         return []
-    return [Refusal("lora_dropout", "moe-all-linear-dropout", f"lora_dropout {training.adapter_dropout} with "
-                    "all-linear on an MoE: peft's ParamWrapper (the router and stacked experts) raises for a dropout "
-                    "above 0",
-                    "use --lora-dropout 0, or --lora-targets attention", priced=False)]
+    out = []
+    if training.adapter_dropout > 0:
+        out.append(Refusal("lora_dropout", "moe-all-linear-dropout", f"lora_dropout {training.adapter_dropout} with "
+                           "all-linear on an MoE: peft's ParamWrapper (the router and stacked experts) raises for a "
+                           "dropout above 0", "use --lora-dropout 0, or --lora-targets attention", priced=False))
+    if config.selective_op_ac:
+        out.append(Refusal("activation_checkpointing", "moe-all-linear-selective-op", "selective-op checkpointing "
+                           "with all-linear on an MoE: torch's selective checkpoint raises in the backward (a cached "
+                           "tensor mutated under peft's merged expert weights)",
+                           "use --activation-checkpointing full or every-k, or --lora-targets attention",
+                           priced=False))
+    return out
 
 
 def shared_expert_shapes(model: ModelSpec) -> tuple[tuple[int, int], ...]:

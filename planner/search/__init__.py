@@ -32,11 +32,11 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field, replace
 
-from cost_models import moe
+from cost_models import moe, moe_lora
 from cost_models.evaluate import Evaluation, evaluate, unsupported_reasons
 from cost_models.mesh_rules import checkpointing_priced, mesh_refusals
 from cost_models.profile import Profile
-from cost_models.specs import ClusterSpec, FsdpConfig, ModelSpec, Precision, Sharding, TrainingSpec
+from cost_models.specs import SELECTIVE_OP, ClusterSpec, FsdpConfig, ModelSpec, Precision, Sharding, TrainingSpec
 
 from planner.search.memo import Costing
 from planner.search.pipeline import PP_SHARDINGS, microbatch_plans
@@ -161,6 +161,8 @@ def _cost_mesh(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, c
     offloads = space.offload if plain else (False,)
     ac_choices = space.ac_every if checkpointing_priced(pipe.pp, pipe.schedule) else \
         tuple(a for a in space.ac_every if not a)
+    if moe_lora.selective_op_refused(model, training):  # peft's MoE ParamWrappers under SAC raise (moe_lora.refusals)
+        ac_choices = tuple(a for a in ac_choices if a != SELECTIVE_OP)
     sizes = space.shard_groups_for(cluster, mesh.model_parallel, pipe.pp)
     walked = {s: _worth_walking(costing, replace(probe(s, *plans[0]), precision=space.precisions_for(cluster)[0]),
                                 sizes, found, mesh_shardings) if space.shard_group_gpus is None else sizes

@@ -101,16 +101,37 @@ def test_the_walk_keeps_the_flat_rule_and_gpt_oss_is_refused():
         estimate("gpt-oss-20b", 8, gpu="h100-80gb", **LORA)
 
 
-def test_a_dropout_is_refused():
-    """peft's ParamWrapper raises for lora_dropout > 0 (tuners/lora/layer.py), and the refusal names the field."""
+def test_what_peft_cannot_run_is_refused():
+    """peft's ParamWrapper raises for lora_dropout > 0 (tuners/lora/layer.py), and torch's selective checkpoint raises
+    in the backward of an adapted Mixtral block under torchtitan's op-level policy (real CPU tensors, 32 tokens;
+    attention-only LoRA runs): both refused in one line naming the field, and the search leaves selective-op out."""
     peft = pytest.importorskip("peft")
+    import torch
+    from torch.utils.checkpoint import checkpoint
+
+    from benchmarks.peft_moe_lora import build
     from calibration.build import build_model
+    from calibration.checkpointing import selective_op_context
+    from planner.api import plan
 
     model = build_model(None, arch_config("qwen3-moe"), device="meta")
     with pytest.raises(ValueError, match="lora_dropout"):
         peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules="all-linear", lora_dropout=0.05))
     with pytest.raises(SpecError, match="^lora_dropout: .*ParamWrapper"):
         estimate("qwen3-30b-a3b", 8, lora_dropout=0.05, **LORA)
+    for targets, raises in (("attention", False), ("all-linear", True)):
+        block = build("mixtral", targets, "cpu", torch.float32).base_model.model.model.layers[1].mlp
+        x = torch.randn(1, 32, 256, requires_grad=True)
+        try:
+            checkpoint(block, x, use_reentrant=False, context_fn=selective_op_context)[0].sum().backward()
+            raised = False
+        except RuntimeError as exc:
+            raised = "selective activation checkpoint has been mutated" in str(exc)
+        assert raised == raises
+    with pytest.raises(SpecError, match="^activation_checkpointing: selective-op"):
+        estimate("qwen3-30b-a3b", 8, activation_checkpointing="selective-op", **LORA)
+    ranked = plan("qwen3-30b-a3b", 8, gpu="h100-80gb", seq_len=4096, **LORA).candidates
+    assert ranked and not any(c.config.selective_op_ac for c in ranked)
 
 
 def test_the_rl_actor_prices_them():
