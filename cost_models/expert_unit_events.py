@@ -46,8 +46,8 @@ class ExpertUnitsWalk:
     """StepWalk with each sparse block's experts a unit of their own over efsdp (ep > 1 or expert_units)."""
 
     def __init__(self, model, training, config, d: int, rank: int):
-        self.expert_units = model.moe is not None and (config.ep > 1 or config.expert_units
-                                                       and not config.expert_shard_dim)
+        self.expert_units = model.moe is not None and not model.n_dense_layers and (
+            config.ep > 1 or config.expert_units and not config.expert_shard_dim)
         self.ep_view = rank_view(model, config, d, training) if self.expert_units and config.ep > 1 else None
         if self.expert_units:
             model = self.ep_view.model if self.ep_view is not None else model

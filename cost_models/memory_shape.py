@@ -209,7 +209,9 @@ def ledger_shape(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, e
     # Within blocks of one kind (checkpointed or not) a block's moment is linear in its index: the saved
     # tensors below it shrink going down while the sharded gradients of the blocks done grow. The extremes
     # of each kind, and the neighbours where the prefetch / reduce-scatter buffers start or stop, suffice.
-    # (K: the lowest checkpointed block with a block below to prefetch; block 0 has none)
+    # (K: the lowest checkpointed block with a block below to prefetch; block 0 has none; nd + 1: the lowest sparse
+    # block prefetching a sparse one, where the blocks done's sharded gradients outweigh the inputs kept: traced,
+    # tests/unit/test_moe_dense_blocks_allocations.py)
     candidates = {i for i in (0, 1, L - 2, L - 1, K * ((L - 1) // K) if K else 0, K, nd - 1, nd, nd + 1) if 0 <= i < L}
     if dense_blocks and not leading:  # interleaved: the extremes of each kind of block and of its neighbours
         kinds: dict[tuple, list[int]] = {}

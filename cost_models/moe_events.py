@@ -18,17 +18,24 @@ to d x ceil(rows / d): their shards, optimizer states, all-gather outputs (the u
 it), reduce-scatter inputs and sharded gradients are the padded sizes, their gradients (StepWalk.grad_bytes) and the
 optimizer's foreach temporaries over the padded shards (step_temporary_bytes of the ledger's trainable elements).
 
+Dense blocks (DeepSeek's leading first_k_dense_replace, Llama 4's interleaved): a dense model's tensors
+(pipeline_allocations.param_tensors of moe.dense_block_spec) and, not checkpointed, the dense block's own saved bytes
+(memory_shape's full_dense), as the ledger's ParamCounts and saved_below hold them; their moments the MoE block's, as
+memory.py's formulas take them. DeepSeek's MLA attention is not q / kv_dim x h: moe_block_tensors gives its four
+tensors the elements the block's count leaves.
 Experts as FSDP units of their own, with expert parallelism or without: expert_unit_events.py, ahead of this.
-Not here (step_allocations.replays keeps the flat rule, moe_flat_reason): dense blocks (DeepSeek's leading, Llama 4's
-interleaved), LoRA with padded experts (LoraWalk's own units, unpadded), experts sharded on dim 1, and expert units
-(EP among them) with LoRA or CPU offload.
+Not here (step_allocations.replays keeps the flat rule, moe_flat_reason): dense blocks with expert units (EP among
+them) or LoRA, LoRA with padded experts (LoraWalk's own units, unpadded), experts sharded on dim 1, and expert units
+with LoRA or CPU offload.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-from .moe import _is_matrix, block_gathered_elements, rows_per_rank, small_dim0_tensors
+from .memory_shape import ledger_shape
+from .moe import _is_matrix, block_gathered_elements, dense_block_spec, rows_per_rank, small_dim0_tensors
+from .pipeline_allocations import param_tensors
 
 
 def moe_flat_reason(model, training, config, d: int) -> str | None:
@@ -36,8 +43,9 @@ def moe_flat_reason(model, training, config, d: int) -> str | None:
     moe = model.moe
     if moe is None:
         return None
-    if moe.n_dense_layers:
-        return "MoE with dense blocks"  # leading (DeepSeek's first_k_dense_replace) or interleaved (Llama 4)
+    if moe.n_dense_layers and (training.finetune.adapters or config.ep > 1 or config.expert_units):
+        # (leading: DeepSeek's first_k_dense_replace, or interleaved: Llama 4; walked by MoeWalk for full fine-tuning)
+        return "MoE with dense blocks under LoRA or with expert units (expert parallelism)"
     if (config.ep > 1 or config.expert_units) and (training.finetune.adapters or config.offload):
         # (expert_unit_events.py walks them for full fine-tuning on the device)
         return "MoE experts as units of their own (expert parallelism) with LoRA or CPU offload"
@@ -73,6 +81,11 @@ def moe_block_tensors(model, block_params: int, d: int = 1) -> list[int]:
     router = rows(moe.n_experts, moe.router_params // moe.n_experts) if moe.router_params else 0
     gate = rows(1, h) - h if (1, h) in small_dim0_tensors(model) else 0  # padded rows of the shared-expert gate
     shared = [moe.shared_params + gate] if moe.shared_params else []
+    # attention of other shapes (DeepSeek's MLA: low-rank q and kv projections) in four tensors of its elements
+    budget = block_params - moe.router_params - sum(n * per_row for n, per_row in moe.stacked_expert_tensors) \
+        - 2 * h - moe.shared_params
+    if sum(attention) > budget > 0:
+        attention = [max(1, a * budget // sum(attention)) for a in attention]
     tensors = attention + [router] + matrices + [h, h] + shared
     rest = block_params - sum(moe_block_tensors(model, block_params)[:len(tensors)] if d > 1 else tensors)  # unpadded
     return tensors + ([rest] if rest > 0 else [])
@@ -85,23 +98,45 @@ class MoeWalk:
     def _units(self, x) -> list[list[int]]:
         if self.model.moe is None:
             return super()._units(x)
+        model = self.model
         root = x.params - x.stage.n_blocks * x.block_params
-        self.real_block = moe_block_tensors(self.model, x.block_params)
-        return ([[root]] if root else []) + [moe_block_tensors(self.model, x.block_params, self.d)] * x.stage.n_blocks
+        self.real_block = moe_block_tensors(model, x.block_params)
+        self.dense = model.dense_block_indices()  # a dense block's tensors as a dense model's (pipeline_allocations)
+        self.real_dense = param_tensors(dense_block_spec(model), model.moe.dense_block_params) if self.dense else []
+        sparse = moe_block_tensors(model, x.block_params, self.d)
+        return ([[root]] if root else []) + [self.real_dense if x.stage.first_block + j in self.dense else sparse
+                                             for j in range(x.stage.n_blocks)]
 
     def __init__(self, model, training, config, d: int, rank: int):
         super().__init__(model, training, config, d, rank)
-        x = self.pieces[self.stage]
-        self.padding = 0 if model.moe is None else sum(self.units[self.stage][-1]) - x.block_params
-        if self.padding:  # the optimizer step's temporaries over the padded shards (the ledger's trainable)
-            self.pieces[self.stage] = dataclasses.replace(x, params=x.params + x.stage.n_blocks * self.padding)
+        s = self.stage
+        x = self.pieces[s]
+        self.padding = 0 if model.moe is None else sum(moe_block_tensors(model, x.block_params, d)) - x.block_params
+        total = sum(sum(unit) for unit in self.units[s])
+        if model.moe is not None and total != x.params:
+            # the optimizer step's temporaries over the padded shards and the dense blocks (the ledger's trainable)
+            x = self.pieces[s] = dataclasses.replace(x, params=total)
+        if model.moe is not None and self.dense:  # a dense block keeps its own saved tensors (memory_shape's
+            shape = ledger_shape(model, training, config, None, False)   # full_dense; checkpointed: its input)
+            less = [shape.full - shape.full_dense if x.stage.first_block + j in self.dense and not x.checkpointed[j]
+                    else 0 for j in range(x.stage.n_blocks)]
+            self.pieces[s] = dataclasses.replace(x, kept=tuple(k - n for k, n in zip(x.kept, less)),
+                                                 saved=x.saved - self.tokens * sum(less))
 
-    def padded_block(self, s: int, u) -> bool:
-        return self.padding and not isinstance(u, str) and u >= self.root_units(s)
+    def block_unit(self, s: int, u) -> int | None:
+        """The model index of the block unit u is, or None (the root, an edge unit, an experts unit)."""
+        return u - self.root_units(s) + self.pieces[s].stage.first_block \
+            if isinstance(u, int) and u >= self.root_units(s) else None
 
     def grad_bytes(self, s: int, u) -> list[int]:
-        return [n * self.c for n in self.real_block] if self.padded_block(s, u) else super().grad_bytes(s, u)
+        i = self.block_unit(s, u) if self.model.moe is not None else None
+        if i is None or not (self.padding or i in self.dense):
+            return super().grad_bytes(s, u)
+        return [n * self.c for n in (self.real_dense if i in self.dense else self.real_block)]
 
     def unsharded(self, s: int, u) -> list[int]:
-        """A padded block's all-gather output and unsharded storage: the padded tensors (memory.py's block_c)."""
-        return [n * self.c for n in self.units[s][u]] if self.padded_block(s, u) else super().unsharded(s, u)
+        """A padded or dense block's all-gather output and unsharded storage: its tensors (memory.py's block_c)."""
+        i = self.block_unit(s, u) if self.model.moe is not None else None
+        if i is None or not (self.padding or i in self.dense):
+            return super().unsharded(s, u)
+        return [n * self.c for n in self.units[s][u]]

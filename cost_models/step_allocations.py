@@ -13,17 +13,17 @@ whole-table gradient; without it the head's gathered logits: walk == ledger on t
 --mesh --only tp and llama3-8b's TP grid but fp32 / eager blocks at every-2 / selective-op, -0.4 .. +0.6%), kernel
 knobs (kernels.memory_kernels: the blocks' tensors through StagePieces, the loss kernel's own, loss_kernel_events.py;
 llama3-8b on 8 x h100-80gb: walk == ledger in every eager, chunked-loss and TE RMSNorm config, Liger's 14 of 48 off
-by -1.2 .. +2.0%), torchtitan 0.3's edge units (edge_unit_events.py), LoRA and QLoRA (lora_events.py;
+by -1.2 .. +2.0%), torchtitan 0.3's edge units (edge_unit_events.py; under LoRA lora_edge_events.py), LoRA and QLoRA (lora_events.py;
 docs/accuracy.md, "LoRA's step"), TP with CP (walk == ledger in all 96 of llama3-8b's TP x CP configurations at 8,192
 tokens, 92 at 2,048; the misses fp32 without checkpointing, +0.8%, as TP alone at s / cp tokens), a
 traced block profile (profile_events.py: its saved bytes, checkpoint-held inputs and backward moment;
-docs/accuracy.md, "TP with CP, and traced block profiles"), MoE (moe_events.py: a sparse block's own tensors, dim-0
-padding; docs/accuracy.md, "MoE's step replayed"), experts as units of their own and expert parallelism
+docs/accuracy.md, "TP with CP, and traced block profiles"), MoE (moe_events.py: a sparse block's own tensors, dense
+blocks, dim-0 padding; docs/accuracy.md, "MoE's step replayed"), experts as units of their own and expert parallelism
 (expert_unit_events.py: each block's experts a unit over efsdp; docs/accuracy.md, "2026-12-07 night: expert
 parallelism replayed"). A block's gradients alive at its backward's moment are made before its working set, the rest
 at its post-backward. Flat where the ledger has pieces StagePieces lacks or the walk does not yet match it: MoE's
-dense blocks, experts on dim 1, LoRA with padded experts, expert units (EP among them) with LoRA or CPU offload
-(moe_events.moe_flat_reason), LoRA with FSDP1's adapter units or edge units.
+dense blocks with expert units or LoRA, experts on dim 1, LoRA with padded experts, expert units (EP among them) with
+LoRA or CPU offload (moe_events.moe_flat_reason), LoRA with FSDP1's adapter units.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ import dataclasses
 
 from .caching_allocator import AllocatorSettings, ReplayResult, replay
 from .expert_unit_events import ExpertUnitsWalk
+from .lora_edge_events import LoraEdgeUnitsWalk
 from .lora_events import LoraWalk, lora_flat_reason
 from .memory_types import MemoryEstimate
 from .moe_events import MoeWalk, moe_flat_reason
@@ -82,7 +83,7 @@ class _FullStepWalk(ExpertUnitsWalk, OffloadWalk, OneRankWalk, MoeWalk, ProfileW
     """The walk step_events runs for full fine-tuning."""
 
 
-class _LoraStepWalk(OffloadWalk, OneRankWalk, LoraWalk, StepWalk):
+class _LoraStepWalk(OffloadWalk, OneRankWalk, LoraEdgeUnitsWalk, LoraWalk, StepWalk):
     """The walk step_events runs under LoRA and QLoRA."""
 
 
