@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from cost_models import moe_lora
 from cost_models.cluster_spec import ClusterSpec
 from cost_models.evaluate import gpu_memory_reason
 from cost_models.model_spec import ModelSpec
@@ -188,7 +189,8 @@ def evaluate_rl(request: RlRequest, profile: Profile | None = None, model: Model
                         batch.ulysses_sequence_parallel_size, critic=critic, memo=memo, reward=memory.reward,
                         trained=trained)
     refusals = memory.refusals + tuple(r for r in critic_plan.refusals if r not in plan.refusals) \
-        + sync_refusals(settings)
+        + sync_refusals(settings) + tuple(moe_lora.fsdp1_refusals(spec, settings.lora, settings.strategy == "fsdp",
+                                                                  "strategy", "use --strategy fsdp2"))
     reasons = [f"{r.field}: {r.reason}; {_trl_fix(r) if settings.framework == 'trl' else r.fix}" for r in refusals]
     capacity = cluster.gpu.memory_bytes
     for phase in memory.phases:

@@ -49,6 +49,7 @@ import dataclasses
 import itertools
 from dataclasses import dataclass
 
+from cost_models import moe_lora
 from cost_models.model_spec import ModelSpec
 from cost_models.profile import Profile
 from cost_models.rl_actor import shard_group_ranks
@@ -180,6 +181,8 @@ def spaces(request: RlRequest, model: ModelSpec, n_gpus: int) -> tuple[list[dict
     offloads = ((False, False),) if request.offload_policy else pairs
     strategies = ("fsdp2",) if request.offload_policy or (critic_policy and request.critic_strategy is None) \
         else STRATEGIES
+    if moe_lora.fsdp1_refusals(model, request.finetune == "lora", True, "strategy", ""):   # FSDP1 fails there
+        strategies = ("fsdp2",)
     shared = [dict(strategy=st, actor_dtype=d, param_offload=p, optimizer_offload=o)
               for st, d, (p, o) in itertools.product(strategies, DTYPES, offloads)]
     if ppo:

@@ -161,3 +161,22 @@ def test_a_merged_sync_holds_one_stacks_delta():
     model = all_linear_lora(resolve_model("mixtral-8x7b"))
     walk, _ = merged_sync_bytes(model, "fsdp", 0, 4, 8)
     assert walk["LoRA delta"] == 3_758_096_384
+
+
+def test_fsdp1_is_refused_for_the_rl_actor():
+    """FSDP1 fails with all-linear on an MoE (benchmarks/peft_moe_fsdp1.py, a 2-rank gloo run of the Mixtral small
+    config, 2026-12-07: peft's fsdp_auto_wrap_policy, as verl's is_lora policy, with use_orig_params False and True, and
+    the blocks alone as units; attention-only LoRA runs: moe_lora.fsdp1_refusals): verl's actor.strategy fsdp is refused in one line naming the
+    field, and the search keeps fsdp2 only."""
+    from planner.rl.evaluate import evaluate_rl
+    from planner.rl.request import rl_request
+    from planner.rl.search import spaces
+    from planner.models import resolve_model
+
+    job = dict(gpu="h100-80gb", finetune="lora", prompt_len=1024, response_len=2048, rollout_n=8, train_batch=64)
+    refused = evaluate_rl(rl_request("qwen3-30b-a3b", 8, **job))
+    assert any(r.startswith("strategy: FSDP1 with all-linear LoRA on an MoE") for r in refused.reasons)
+    fsdp2 = evaluate_rl(rl_request("qwen3-30b-a3b", 8, strategy="fsdp2", **job))
+    assert not any(r.startswith("strategy:") for r in fsdp2.reasons)
+    shared, _, _ = spaces(rl_request("qwen3-30b-a3b", 8, **job), resolve_model("qwen3-30b-a3b"), 8)
+    assert {s["strategy"] for s in shared} == {"fsdp2"}
