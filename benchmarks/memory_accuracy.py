@@ -311,10 +311,10 @@ EAGER_ONLY = {"gemma2", "gpt_oss"}  # transformers' model classes declare no SDP
 def run_one(row: dict) -> dict:
     from planner.tracing import trace
 
-    kwargs = {k: v for k, v in row.items() if k not in ("arch", "gpus", "profile_too")}
+    kwargs = {k: v for k, v in row.items() if k not in ("arch", "gpus", "profile_too", "edge_units")}
     t0 = time.perf_counter()
     try:
-        r = trace(arch_config(row["arch"]), row["gpus"], **kwargs)
+        r = (edge_units_trace if row.get("edge_units") else trace)(arch_config(row["arch"]), row["gpus"], **kwargs)
     except Exception as exc:  # noqa: BLE001 - a failed row is reported, the grid goes on
         return {**row, "error": f"{type(exc).__name__}: {exc}"}
     est = r.candidate.memory
@@ -333,6 +333,24 @@ def run_one(row: dict) -> dict:
             "trace_phase": r.traced.peak_phase, "estimate_phase": est.peak_phase, "estimate_moment": est.peak_moment,
             "trace_breakdown": dict(r.traced.breakdown), "estimate_breakdown": est.breakdown.to_dict(),
             "relative_error": r.relative_error, "seconds": time.perf_counter() - t0}
+
+
+def edge_units_trace(hf_config: dict, gpus: int, **kwargs):
+    """planner.tracing.trace of the row with torchtitan 0.3's edge units (ModelSpec.edge_units: the embedding and
+    [final norm, head] FSDP units of their own, cost_models/edge_units.py) on the default trainer's estimate, re-priced
+    (torchtitan itself refuses LoRA: a row of what the estimate does with the spec; the trace wraps them so)."""
+    from dataclasses import replace
+
+    from planner.api import estimate, estimate_config
+    from planner.tracing import trace_candidate
+    from planner.trainers import DEFAULT_TRAINER, trainer_named
+
+    c = estimate(hf_config, gpus, **kwargs)
+    spec = replace(c.model, edge_units=True)
+    if not spec.split_edge_units:
+        raise ValueError(f"{spec.name}: tied embeddings, no edge units (ModelSpec.split_edge_units)")
+    priced = estimate_config(spec, c.cluster, c.training, c.config, None, trainer_named(DEFAULT_TRAINER).host_ways())
+    return trace_candidate(replace(priced, trainer=c.trainer), hf_config)
 
 
 def _profile_path(report, hf_config: dict) -> dict:
@@ -451,6 +469,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="with --mesh: only the rows with this degree > 1 (repeatable)")
     parser.add_argument("--expert-units", action="store_true",
                         help="MoE architectures' FULL_SHARD / HYBRID_SHARD rows only, with the experts as FSDP units")
+    parser.add_argument("--edge-units", action="store_true",
+                        help="torchtitan 0.3's embedding and [final norm, head] FSDP units (untied architectures, "
+                             "sharded rows; with --finetune lora: the LoRA walk's edge units)")
     parser.add_argument("--pp", action="store_true",
                         help="the pipeline grid instead (benchmarks/memory_accuracy_pp.py: every pipeline rank)")
     args = parser.parse_args(argv)
@@ -471,6 +492,9 @@ def main(argv: list[str] | None = None) -> None:
         archs = {**ARCHS, **ARCHS_2026}
         rows = [{**r, "expert_units": True} for r in rows if r["sharding"] in ("FULL_SHARD", "HYBRID_SHARD")
                 and any(k in archs[r["arch"]] for k in ("num_local_experts", "num_experts", "n_routed_experts"))]
+    if args.edge_units:  # untied heads only (ModelSpec.split_edge_units), sharded over more than one rank
+        tied = lambda a: arch_config(a).get("tie_word_embeddings", arch_config(a)["model_type"] == "gpt2")  # noqa: E731
+        rows = [{**r, "edge_units": True} for r in rows if r["sharding"] != "NO_SHARD" and not tied(r["arch"])]
     if args.finetune == "lora":
         rows = [{**r, "finetune": "lora", "lora_rank": args.lora_rank,
                  **({"lora_targets": args.lora_targets} if args.lora_targets != "attention" else {}),

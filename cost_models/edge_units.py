@@ -78,3 +78,21 @@ def root_terms(model: ModelSpec, trainable_root: int, root_params: int, c: int, 
                      rs_at_regather=(trainable_head - trainable_norm) * r,
                      done_at_regather=-(-(trainable_head - trainable_norm) * p // d), end_grads=trainable_embedding * c,
                      end_rs=trainable_embedding * r + -(-trainable_embedding * r // d), end_params=0)
+
+
+def edge_moments(loss_backward, done_states: dict, root: RootTerms, last_gathered: int) -> dict:
+    """Edge units' moments beside the ledger's loss backward (memory.py's, a memory_peak.Moment): the final norm's
+    backward, its pre-backward having gathered the head's unit again (its all-gather output, the head's reduce-scatter
+    input, the head's sharded gradient done: done_states); and with FSDP2's per-block all-gathers (last_gathered, the
+    last block's all-gather output) the head's unit copied out in forward beside that output, whose free FSDP2 defers
+    past the next unit's copy-out (fsdp2_gathers.py), the blocks' saved tensors held and no logits yet: below the loss
+    backward under the eager loss, the step's peak where a loss kernel keeps no logits (Liger under LoRA). Traced
+    (planner.tracing's edge-unit step, llama3-gqa LoRA fp32 on 8, 256 tokens: the head's 32,770,048 B all-gather
+    output and 32,768,000 B copy-out beside block 7's 13,848,576 B output, 169,803,264 B live; the walk 169,261,312,
+    -0.32%, the ledger's offset from the trace at its peak)."""
+    moments = {"final norm's backward": loss_backward._replace(
+        **done_states, collective_buffers=root.regather + root.rs_at_regather, logits_and_loss=0)}
+    if last_gathered:
+        moments["forward all-gather copy-out of the head's unit"] = loss_backward._replace(
+            collective_buffers=root.regather + last_gathered, logits_and_loss=0)
+    return moments

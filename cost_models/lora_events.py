@@ -18,8 +18,8 @@ StepWalk's own): peft's adapters trained inside their block's FSDP2 unit, the ba
   flight dequantized), and QLoRA dequantizes each linear's weight in its forward, one at a time.
 Not written: QLoRA's forward / recompute moment of the MLP's output projection (the ledger's, where it leads the
 walk is below it: docs/accuracy.md). A loss kernel (Liger's, the chunked loss) writes its tensors without the frozen
-head's weight gradient (loss_kernel_events, head_grad=False). Not here (replays keeps the flat rule): LoRA with
-torchtitan's edge units, FSDP1's adapter units (fsdp1_adapters.py), and all-linear on an MoE (the merged expert
+head's weight gradient (loss_kernel_events, head_grad=False). Edge units: lora_edge_events.py. Not here (replays
+keeps the flat rule): FSDP1's adapter units (fsdp1_adapters.py), and all-linear on an MoE (the merged expert
 stacks and their transient gradients of moe_lora.py are the ledger's; the walk's MoE block is LoRA's frozen one: -0.25
 .. -6.0% below the ledger on Mixtral 8x7B / Qwen3-30B-A3B); TP / CP / PP with LoRA are not planned.
 """
@@ -41,8 +41,6 @@ def lora_flat_reason(model, training, adapter_units: bool) -> str | None:
         return None
     if adapter_units:
         return "LoRA's adapters as FSDP1 units of their own"
-    if model.split_edge_units:
-        return "LoRA with edge units"
     if model.lora_moe:  # the ledger's moe_lora.backward_moments: W_eff's stacks and their gradients, not walked
         return "all-linear LoRA on an MoE (peft's merged expert stacks)"
     return None

@@ -16,10 +16,10 @@ tier, docs/accuracy.md) decides what else is alive, moment by moment:
 - TP with sequence parallel, the embedding's backward: its whole V x h gradient, then the rank's rows copied out of
   it, beside the gathered root and its other gradients;
 - FSDP2's all-gather transients (fsdp2_gathers.py): a block's pre-backward, its own all-gather output copied out
-  (output and unsharded parameters at once), then its prefetch of the block below issued (the all-gather output
-  beside the copy-in source of shards cast to the compute dtype); in the forward (ZeRO-2's too) the last block's
-  copy-out beside its all-gather output and the block below's (a deferred free), block 0's beside the root's, and
-  under ZeRO-2 the loss inside the forward beside the last block's;
+  (output and unsharded parameters at once), then its prefetch of the block below issued (the all-gather output beside
+  the copy-in source of shards cast to the compute dtype); in the forward (ZeRO-2's too) the last block's copy-out
+  beside its all-gather output and the block below's (a deferred free), block 0's beside the root's (edge units: the
+  head's unit beside the last block's), and under ZeRO-2 the loss inside the forward beside the last block's;
 - end of backward: the root's gradients and their reduce-scatter, with every block's sharded gradient (torchtitan
   0.3's edge units, the embedding's only: edge_units.py, with the head's unit gathered again at the norm's backward);
 - optimizer step: stored params, gradients, optimizer state and the step's temporaries (optimizer_step.py:
@@ -202,9 +202,6 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
         activations=tokens * (saved_below(L) + root_saved) + shared,
         logits_and_loss=s.loss_peak,
     )
-    if root.regather:  # edge units: the final norm's backward gathers the head's unit again (edge_units.py)
-        moments["final norm's backward"] = moments["loss backward"]._replace(**states(root.done_at_regather),
-            collective_buffers=root.regather + root.rs_at_regather, logits_and_loss=0)
     if not keeps_gathered and d > 1 and root.prefetch_at_loss and not adapter_units:
         # The root's post-forward reshards it (reshard_after_forward is explicit: root_regather.py), its pre-backward
         # gathers it again: before the loss's backward, or after a compiled loss's (run on the logits, outside)
@@ -327,6 +324,9 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
         moments.update({"embedding's gradient, its rows copied": at_table._replace(
             unsharded_grads=root_grads + copies * model.embedding_params * c)} if sp else {})
     block_gathers = d > 1 and not adapter_units and not experts_c and L > 1 and not sp  # FSDP2's per-block all-gathers
+    if root.regather:  # edge units: the final norm's backward, the head's unit copied out in forward (edge_units.py)
+        moments.update(edge_units.edge_moments(moments["loss backward"], states(root.done_at_regather), root,
+                                               gathered(L - 1) if block_gathers else 0))
     if block_gathers and not keeps_gathered:
         # FSDP2's transients around a block's all-gather (fsdp2_gathers.py). Backward: block i's pre-backward issues
         # block i-1's prefetch beside block i gathered, the copy-in source (shards cast to c) and the all-gather

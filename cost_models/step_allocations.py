@@ -13,7 +13,7 @@ whole-table gradient; without it the head's gathered logits: walk == ledger on t
 --mesh --only tp and llama3-8b's TP grid but fp32 / eager blocks at every-2 / selective-op, -0.4 .. +0.6%), kernel
 knobs (kernels.memory_kernels: the blocks' tensors through StagePieces, the loss kernel's own, loss_kernel_events.py;
 llama3-8b on 8 x h100-80gb: walk == ledger in every eager, chunked-loss and TE RMSNorm config, Liger's 14 of 48 off
-by -1.2 .. +2.0%), torchtitan 0.3's edge units (edge_unit_events.py; under LoRA lora_edge_events.py), LoRA and QLoRA (lora_events.py;
+by -1.2 .. +2.0%), torchtitan 0.3's edge units (edge_unit_events.py, lora_edge_events.py), LoRA / QLoRA (lora_events.py;
 docs/accuracy.md, "LoRA's step"), TP with CP (walk == ledger in all 96 of llama3-8b's TP x CP configurations at 8,192
 tokens, 92 at 2,048; the misses fp32 without checkpointing, +0.8%, as TP alone at s / cp tokens), a
 traced block profile (profile_events.py: its saved bytes, checkpoint-held inputs and backward moment;

@@ -102,3 +102,65 @@ def test_what_keeps_the_flat_rule_under_lora(lora8):
                      **{**LLAMA_8B_LORA, **knobs})
         assert not any("replayed through" in n for n in c.memory.notes), knobs
         assert c.memory.allocator_reserved_bytes >= int(c.memory.peak_allocated_bytes * 1.05)
+
+
+def _with_edge_units(c):
+    """The candidate's model as torchtitan 0.3 wraps it (ModelSpec.edge_units: the embedding and [final norm, head]
+    units of their own), re-priced: the ledger's estimate."""
+    import dataclasses
+
+    from planner.api import estimate_config
+
+    spec = dataclasses.replace(c.model, edge_units=True)
+    return dataclasses.replace(c, evaluation=estimate_config(spec, c.cluster, c.training, c.config).evaluation,
+                               model=spec)
+
+
+@pytest.mark.parametrize("knobs", [
+    dict(activation_checkpointing="none", micro_batch=1, global_batch=16),                  # accumulation 2
+    dict(activation_checkpointing="full", precision="fp32", sharding="shard_grad_op"),
+    dict(activation_checkpointing="full", finetune="qlora"),
+    dict(activation_checkpointing="full", loss_kernel="liger"),
+], ids=["accum-2", "zero2-fp32", "qlora", "liger"])
+def test_lora_with_edge_units_allocates_the_ledgers_peak(knobs):
+    """Llama 3 8B on 8 x h100-80gb, 1,024 tokens, LoRA with edge units (lora_edge_events.py): walk == ledger to the
+    byte (48 / 48 of llama3-8b's LoRA / QLoRA x bf16 / fp32 x none / full x 1 / 8 GPUs x FSDP / ZeRO-2 x micro-batch
+    1 / 2, every dense 2026 grid architecture and Liger: docs/accuracy.md 2026-12-07 night), and it is replayed."""
+    c = _with_edge_units(estimate("llama3-8b", 8, **{**dict(LLAMA_8B_LORA, seq_len=1024, micro_batch=2,
+                                                            global_batch=16), **knobs}))
+    assert c.model.split_edge_units and replays(c.model, c.training, c.config, 8) is None
+    assert _events_peak(_walk(c)[0]) == c.memory.peak_allocated_bytes
+
+
+def test_the_head_units_forward_copy_out_under_liger():
+    """With Liger's loss (no logits kept) the step peaks at the head's unit copied out beside the last block's
+    all-gather output, whose free FSDP2 defers past it (edge_units.edge_moments): llama3-8b LoRA bf16, full
+    checkpointing, 2 x 1,024 tokens on 8. By hand: the head's unit (128,256 x 4,096 head + 4,096 norm) in bf16,
+    1,050,681,344 B, gathered and copied out; the last block's all-gather output, its 218,112,000 frozen values and
+    425,984 adapter values in bf16, 437,075,968 B; the 32 blocks' checkpointed inputs, 32 x 2,048 x 4,096 x 2 B =
+    536,870,912 B among the activations. The ledger missed it (final norm's backward, 4,700,341,248 B, the walk 9.3%
+    above)."""
+    c = _with_edge_units(estimate("llama3-8b", 8, seq_len=1024, micro_batch=2, global_batch=16, gpu="h100-80gb",
+                                  finetune="lora", activation_checkpointing="full", loss_kernel="liger"))
+    m = c.memory
+    assert m.peak_moment == "forward all-gather copy-out of the head's unit"
+    assert m.breakdown.unsharded_params == 1_050_681_344
+    assert m.breakdown.collective_buffers == 1_050_681_344 + 437_075_968
+    assert m.breakdown.activations >= 536_870_912
+    assert m.peak_allocated_bytes == _events_peak(_walk(c)[0]) == 5_137_417_216
+
+
+def test_a_small_lora_step_with_edge_units_against_its_trace():
+    """memory_accuracy.py's llama3-gqa (h 512, V 16,000, 8 blocks), LoRA, 8 ranks, FULL_SHARD fp32, no checkpointing,
+    1 x 256 tokens, with edge units: the trace tier (`PYTHONPATH=$PWD .venv/bin/python benchmarks/memory_accuracy.py
+    --edge-units --finetune lora`'s path, memory_accuracy.edge_units_trace) peaks at 172,763,904 B, the ledger
+    172,220,672 (-0.31%) and the walk the same; its replay reserves 287,309,824 B, the trace's own replay the same to
+    the byte (the flat rule 180,831,705, -37.1%)."""
+    from benchmarks.memory_accuracy import arch_config
+
+    c = _with_edge_units(estimate(arch_config("llama3-gqa"), 8, finetune="lora", precision="fp32",
+                                  activation_checkpointing="none", micro_batch=1, seq_len=256, sharding="FULL_SHARD",
+                                  attention="sdpa"))
+    assert c.memory.peak_allocated_bytes == _events_peak(_walk(c)[0]) == pytest.approx(172_763_904, rel=0.004)
+    replayed = step_replay(c.model, c.cluster, c.training, c.config, snapshots=False).peak_reserved_bytes
+    assert replayed == pytest.approx(287_309_824, rel=1e-3)
