@@ -64,7 +64,8 @@ def fsdp1_refusals(model: ModelSpec, lora: bool, fsdp1: bool, field: str, fix: s
     is_lora policy is the same lambda: every leaf with a trainable weight a unit, and the blocks) with use_orig_params
     False ("Output 0 of View is a view ... modified inplace") and True ("inconsistent tensor size"), and with the blocks
     alone as units (use_orig_params True: the same view error); attention-only LoRA runs (benchmarks/peft_moe_fsdp1.py).
-    FSDP2 runs it (the trace). lora / fsdp1: the configuration's; field / fix: the caller's names (verl's strategy)."""
+    FSDP2 runs it (the trace). lora: all-linear LoRA trains (verl's always does); fsdp1: the configuration's; field /
+    fix: the caller's names (verl's strategy, the doctor's)."""
     from .feasibility import Refusal
 
     if not (lora and fsdp1 and model.moe is not None and not unpriced_reason(model)):

@@ -256,10 +256,10 @@ def plan_request(request: Request, profile: Profile | None = None, space: Search
             pp_schedule=parse_enum(Schedule, mesh.pp_schedule, "pp_schedule") if mesh.pp_schedule is not None
             else None, pp_stages_per_rank=mesh.pp_stages_per_rank,
             kernel_sets=kernel_sets(request, trainer, kernels_pinned, spec.family))
-        space = narrow_space(space, trainer, training)
+        space = narrow_space(space, trainer, training, spec)
         pinned.check_mesh(spec, cluster, training, space)
     elif request.trainer is not None:
-        space = narrow_space(space, trainer, training)
+        space = narrow_space(space, trainer, training, spec)
     return plan_for(spec, cluster, training, request.profile(profile), space, trainer.id, request.alloc_conf or "")
 
 
@@ -342,7 +342,7 @@ def estimate_request(request: Request, profile: Profile | None = None) -> Candid
         raise PlannerError("expert_units", f"{spec.name} has no routed experts (a dense model): drop --expert-units")
     if (kernel_refused := kernel_refusal(spec, config)) is not None:  # a kernel for an op the model lacks
         raise PlannerError(*kernel_refused)
-    refused = refusal(trainer, config, training, spec.family)
+    refused = refusal(trainer, config, training, spec.family, spec)
     if refused is not None:
         raise refused
     return replace(estimate_config(spec, cluster, training, config, request.profile(profile), trainer.host_ways()),

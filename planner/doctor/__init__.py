@@ -21,7 +21,7 @@ from planner.doctor.host_ways import full_state_dict_save, setup_ways
 from planner.doctor.readers import UserSetup, model_use_cache
 from planner.doctor.findings import ERROR, SEVERITY_ORDER, Context, Finding, _techniques
 from planner.doctor.rules_settings import (fp16_scaler, lora_without_orig_params, lora_adapters_share_units,
-                                           wrap_policy, hybrid_single_node, sync_module_states,
+                                           moe_all_linear_fsdp1, wrap_policy, hybrid_single_node, sync_module_states,
                                            forward_prefetch_dynamic, limit_all_gathers, fsdp2_removed_settings)
 from planner.doctor.rules_mesh import cannot_run, mesh_rules_broken, pipeline_split, tp_across_nodes
 from planner.doctor.rules_cost import (does_not_fit, micro_batch_headroom, slower_than_plan,
@@ -32,7 +32,7 @@ from planner.doctor.rules_techniques import (float8_support, reshard_group, comp
 
 RULES = (cannot_run, mesh_rules_broken, pipeline_split, tp_across_nodes, float8_support, reshard_group, compile_dynamic_shapes, selective_op_unexpressed,
          attention_unset, checkpointing_outside_units, does_not_fit, fp16_scaler, lora_without_orig_params,
-         lora_adapters_share_units, wrap_policy,
+         lora_adapters_share_units, moe_all_linear_fsdp1, wrap_policy,
          hybrid_single_node, sync_module_states, forward_prefetch_dynamic, limit_all_gathers, fsdp2_removed_settings,
          reduce_in_low_precision, kv_cache_with_checkpointing, micro_batch_headroom, slower_than_plan, *QLORA_RULES,
          full_state_dict_save)

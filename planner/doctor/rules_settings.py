@@ -5,6 +5,7 @@ FSDP2 removed. Each rule takes the Context and returns zero or more Findings (pl
 from __future__ import annotations
 
 
+from cost_models import moe_lora
 from cost_models.specs import Precision
 from cost_models.units import DTYPE_BYTES, GiB
 
@@ -32,6 +33,16 @@ def lora_without_orig_params(ctx: Context):
                       "use_orig_params=True FSDP1 flattens them into one FlatParameter, which must be uniformly "
                       "trainable, so wrapping fails (or everything trains).",
                       "set use_orig_params=True (accelerate: fsdp_use_orig_params: true)")
+
+
+def moe_all_linear_fsdp1(ctx: Context):
+    """All-linear LoRA on an MoE under FSDP1 fails in every wrapping (moe_lora.fsdp1_refusals,
+    benchmarks/peft_moe_fsdp1.py)."""
+    all_linear = ctx.training.finetune.adapters and ctx.model.lora_mlp
+    for r in moe_lora.fsdp1_refusals(ctx.model, all_linear, ctx.setup.fsdp_version == 1,
+                                     "fsdp_version", "use FSDP2 (fully_shard; accelerate: fsdp_version: 2), or LoRA on "
+                                     "the attention alone"):
+        yield Finding(r.code, ERROR, r.reason[0].upper() + r.reason[1:] + ".", r.fix)
 
 
 def lora_adapters_share_units(ctx: Context):

@@ -126,9 +126,11 @@ def trainer_kernel_refusal(trainer: Trainer, knob: str, value: str | None) -> Pl
                               + (f"; choose a --trainer that has it: {', '.join(able)}" if able else ""))
 
 
-def narrow_space(space, trainer: Trainer, training: TrainingSpec | None = None):
+def narrow_space(space, trainer: Trainer, training: TrainingSpec | None = None, spec=None):
     """The search space without what the trainer cannot run (for `training`: a QLoRA base); a pinned mesh degree it
-    has no axis for is one line."""
+    has no axis for is one line, and so is a model it cannot train (spec: model_refusal)."""
+    if spec is not None and training is not None and (refused := model_refusal(trainer, spec, training)) is not None:
+        raise refused
     for name in ("tp", "cp", "ep", "pp"):
         pinned = getattr(space, name)
         if pinned is not None and pinned > 1 and name not in trainer.mesh_dims:
@@ -187,10 +189,24 @@ def _combination(trainer: Trainer, a: str, b: str) -> PlannerError:
                            f"a --trainer that has it: {', '.join(able)}")
 
 
-def refusal(trainer: Trainer, config: FsdpConfig, training: TrainingSpec, family: str | None = None
+def model_refusal(trainer: Trainer, spec, training: TrainingSpec) -> PlannerError | None:
+    """What the trainer cannot run on this model whatever the configuration: all-linear LoRA on an MoE under FSDP1
+    (cost_models/moe_lora.fsdp1_refusals: the step fails)."""
+    from cost_models.moe_lora import fsdp1_refusals
+
+    fsdp2 = [t.id for t in TRAINERS.values() if t.fsdp_version == 2 and t.lora]
+    for r in fsdp1_refusals(spec, training.finetune.adapters and spec.lora_mlp, trainer.fsdp_version == 1, "trainer",
+                            f"choose an FSDP2 --trainer ({', '.join(fsdp2)}), or --lora-targets attention"):
+        return PlannerError(r.field, f"{trainer.title}: {r.reason}; {r.fix}")
+    return None
+
+
+def refusal(trainer: Trainer, config: FsdpConfig, training: TrainingSpec, family: str | None = None, spec=None
             ) -> PlannerError | None:
     """Why the trainer cannot run `config` as priced (its field, the reason, what to do), or None; `family`: the
-    model's (Liger Kernel patches only the families it knows)."""
+    model's (Liger Kernel patches only the families it knows); spec: the model's (model_refusal)."""
+    if spec is not None and (refused := model_refusal(trainer, spec, training)) is not None:
+        return refused
     from planner.emit.kernels import LIGER_FAMILIES
 
     name = trainer.title

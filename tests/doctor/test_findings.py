@@ -236,3 +236,14 @@ def test_use_cache_must_be_a_boolean():
 
     with pytest.raises(PlannerError, match="use_cache"):
         from_kwargs({**GOOD, "use_cache": "sometimes"})
+
+
+def test_moe_all_linear_under_fsdp1():
+    """All-linear LoRA on an MoE fails under FSDP1 in every wrapping (benchmarks/peft_moe_fsdp1.py: 2 gloo ranks, the
+    Mixtral small config); attention-only LoRA and FSDP2 run it."""
+    kw = dict(finetune="lora", gpu="h100-80gb")
+    assert codes(GOOD, "mixtral-8x7b", 16, lora_targets="all-linear", **kw)["moe-all-linear-fsdp1"] == "error"
+    assert "moe-all-linear-fsdp1" not in codes(GOOD, "mixtral-8x7b", 16, lora_targets="attention", **kw)
+    fsdp2 = from_accelerate({"distributed_type": "FSDP", "fsdp_config": {"fsdp_version": 2}})
+    assert "moe-all-linear-fsdp1" not in {f.code for f in check(fsdp2, "mixtral-8x7b", 16, lora_targets="all-linear",
+                                                                 **kw).findings}

@@ -163,7 +163,7 @@ def test_a_merged_sync_holds_one_stacks_delta():
     assert walk["LoRA delta"] == 3_758_096_384
 
 
-def test_fsdp1_is_refused_for_the_rl_actor():
+def test_fsdp1_is_refused():
     """FSDP1 fails with all-linear on an MoE (benchmarks/peft_moe_fsdp1.py, a 2-rank gloo run of the Mixtral small
     config, 2026-12-07: peft's fsdp_auto_wrap_policy, as verl's is_lora policy, with use_orig_params False and True, and
     the blocks alone as units; attention-only LoRA runs: moe_lora.fsdp1_refusals): verl's actor.strategy fsdp is refused in one line naming the
@@ -180,3 +180,7 @@ def test_fsdp1_is_refused_for_the_rl_actor():
     assert not any(r.startswith("strategy:") for r in fsdp2.reasons)
     shared, _, _ = spaces(rl_request("qwen3-30b-a3b", 8, **job), resolve_model("qwen3-30b-a3b"), 8)
     assert {s["strategy"] for s in shared} == {"fsdp2"}
+    # the trainers: an FSDP1 one is refused in one line naming the field, an FSDP2 one prices it
+    with pytest.raises(SpecError, match="^trainer: the planner's FSDP1 code: FSDP1 with all-linear LoRA on an MoE"):
+        estimate("mixtral-8x7b", 8, gpu="h100-80gb", trainer="fsdp1", **LORA)
+    assert estimate("mixtral-8x7b", 8, gpu="h100-80gb", trainer="fsdp2", **LORA).trainer == "fsdp2"
