@@ -15,13 +15,13 @@ StepWalk's own): peft's adapters trained inside their block's FSDP2 unit, the ba
   saving nothing without checkpointing, the backward's working sets with lora=True, the dropout's tensors); a block's
   backward moment is the ledger's (the MLP's where its working set is the larger, with the down projection's
   adapter gradients under all-linear, else the attention's with every adapter gradient; QLoRA's with the weight in
-  flight dequantized), and QLoRA dequantizes each linear's weight in its forward, one at a time.
+  flight dequantized; all-linear on an MoE: the largest of moe_lora.backward_moments, W_eff's stack-sized gradient a
+  tensor beside its working set, no adapter gradient yet), and QLoRA dequantizes each linear's weight in its
+  forward, one at a time.
 Not written: QLoRA's forward / recompute moment of the MLP's output projection (the ledger's, where it leads the
 walk is below it: docs/accuracy.md). A loss kernel (Liger's, the chunked loss) writes its tensors without the frozen
 head's weight gradient (loss_kernel_events, head_grad=False). Edge units: lora_edge_events.py. Not here (replays
-keeps the flat rule): FSDP1's adapter units (fsdp1_adapters.py), and all-linear on an MoE (the merged expert
-stacks and their transient gradients of moe_lora.py are the ledger's; the walk's MoE block is LoRA's frozen one: -0.25
-.. -6.0% below the ledger on Mixtral 8x7B / Qwen3-30B-A3B); TP / CP / PP with LoRA are not planned.
+keeps the flat rule): FSDP1's adapter units (fsdp1_adapters.py); TP / CP / PP with LoRA are not planned.
 """
 
 from __future__ import annotations
@@ -41,8 +41,6 @@ def lora_flat_reason(model, training, adapter_units: bool) -> str | None:
         return None
     if adapter_units:
         return "LoRA's adapters as FSDP1 units of their own"
-    if model.lora_moe:  # the ledger's moe_lora.backward_moments: W_eff's stacks and their gradients, not walked
-        return "all-linear LoRA on an MoE (peft's merged expert stacks)"
     return None
 
 
@@ -80,8 +78,12 @@ class LoraWalk:
             if tokens * h * c + sum(dequantized) > tokens * shape.w_mlp:  # the output projection's backward
                 mlp = (h * c, dequantized)
             attn = (attn[0], [qlora.dequantized_attention_bytes(model, c)])
+        mlp_grad = shape.mlp_grad
+        if model.lora_moe:  # all-linear on an MoE: the ledger's largest MLP moment, W_eff's gradient a tensor beside it
+            m = max(shape.mlp_moments[False], key=lambda m: m.activation_bytes(tokens, training.seq_len))
+            mlp, mlp_grad = (m.per_token, [m.const_bytes] if m.const_bytes > 0 else []), 0
         mlp_first = tokens * mlp[0] + sum(mlp[1]) >= tokens * attn[0] + sum(attn[1])
-        self.moment = (*mlp, shape.mlp_grad) if mlp_first else (*attn, shape.attn_grad)
+        self.moment = (*mlp, mlp_grad) if mlp_first else (*attn, shape.attn_grad)
 
     def trainable(self, s: int, u) -> list[int]:
         """Unit u's trainable tensors (indexes): a block's adapters, none of the root's."""

@@ -91,12 +91,25 @@ def test_flops_count_each_tokens_experts_and_the_merges():
     assert model_flops_per_token(wide, training) - model_flops_per_token(spec, training) == 4_781_801_472
 
 
-def test_the_walk_keeps_the_flat_rule_and_gpt_oss_is_refused():
-    """The allocator walk's MoE block is LoRA's frozen one (-0.25 .. -6.0% below the ledger on Mixtral 8x7B /
-    Qwen3-30B-A3B): the reserved stays the flat rule's, with its reason; gpt-oss (no conversion: peft adapts its
-    attention alone) is refused in one line naming lora_targets."""
-    c = estimate("mixtral-8x7b", 8, gpu="h100-80gb", seq_len=2048, **LORA)
-    assert replays(c.model, c.training, c.config, 8) == "all-linear LoRA on an MoE (peft's merged expert stacks)"
+@pytest.mark.parametrize("model, knobs", [
+    ("mixtral-8x7b", dict(micro_batch=1, activation_checkpointing="none")),
+    ("mixtral-8x7b", dict(micro_batch=2, activation_checkpointing="full", precision="fp32")),
+    ("qwen3-30b-a3b", dict(micro_batch=1, activation_checkpointing="full", precision="fp32")),
+], ids=["mixtral-none", "mixtral-fp32-full", "qwen3-fp32-full"])
+def test_the_walk_allocates_the_ledgers_peak_and_gpt_oss_is_refused(model, knobs):
+    """8 x h100-80gb, 2,048 tokens: the allocator walk (LoraWalk with the ledger's largest moe_lora moment, W_eff's
+    gradient a tensor) peaks at the ledger's allocated peak to the byte, at a block's backward (24 / 24 of Mixtral 8x7B
+    / Qwen3-30B-A3B x mb 1 / 2 x none / full / every-2 x bf16 / fp32; before, with LoRA's frozen MoE block, 7 / 24,
+    -0.25 .. -6.0%), and the estimate reports the replay's reserved. gpt-oss (no conversion: peft adapts its attention
+    alone) is refused in one line naming lora_targets."""
+    from tests.unit.test_step_allocations import _events_peak, _walk
+
+    c = estimate(model, 8, gpu="h100-80gb", seq_len=2048, **knobs, **LORA)
+    assert replays(c.model, c.training, c.config, 8) is None
+    events, _ = _walk(c)
+    assert _events_peak(events) == c.memory.peak_allocated_bytes
+    assert c.memory.peak_moment.startswith("backward of block")
+    assert any("replayed through the caching allocator" in n for n in c.memory.notes)
     with pytest.raises(SpecError, match="lora_targets.*attention alone"):
         estimate("gpt-oss-20b", 8, gpu="h100-80gb", **LORA)
 
