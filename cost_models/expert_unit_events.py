@@ -28,8 +28,9 @@ one, with the experts gathered). After the experts' post-backward FSDP2 has free
 reduce-scatter input): the walk's later moments hold the block's others only, where memory.py still counts them
 (docs/accuracy.md, "2026-12-07 night: expert parallelism replayed": the trace sides with the walk).
 Experts as units of their own without EP (FsdpConfig.expert_units) are this walk at efsdp = d, the model unsliced.
+A dense block (DeepSeek's leading, Llama 4's interleaved) has no experts: MoeWalk's unit, StepWalk's backward.
 Not here (step_allocations.replays keeps the flat rule, moe_events.moe_flat_reason): expert units with LoRA or CPU
-offload, experts sharded on dim 1, dense blocks.
+offload, experts sharded on dim 1.
 """
 
 from __future__ import annotations
@@ -46,8 +47,8 @@ class ExpertUnitsWalk:
     """StepWalk with each sparse block's experts a unit of their own over efsdp (ep > 1 or expert_units)."""
 
     def __init__(self, model, training, config, d: int, rank: int):
-        self.expert_units = model.moe is not None and not model.n_dense_layers and (
-            config.ep > 1 or config.expert_units and not config.expert_shard_dim)
+        self.expert_units = model.moe is not None and (config.ep > 1 or config.expert_units
+                                                       and not config.expert_shard_dim)
         self.ep_view = rank_view(model, config, d, training) if self.expert_units and config.ep > 1 else None
         if self.expert_units:
             model = self.ep_view.model if self.ep_view is not None else model
@@ -60,8 +61,8 @@ class ExpertUnitsWalk:
         gathered = moe_block_tensors(model, model.block_params, self.efsdp)
         self.experts_bytes = [gathered[i] * c for i in self.expert_index]
         shape = ledger_shape(model, training, config, view, False)
-        x = self.pieces[s]
-        self.pieces[s] = x.with_ledger_saved(shape, self.tokens)
+        self.pieces[s] = self.pieces[s].with_ledger_saved(shape, self.tokens)
+        self.dense_saved(shape)  # (MoeWalk: a dense block's own)
         self.shape = shape
 
     def _units(self, x) -> list[list[int]]:
@@ -71,15 +72,16 @@ class ExpertUnitsWalk:
         efsdp = self.efsdp
         gathered = moe_block_tensors(self.model, x.block_params, efsdp)
         blocks = []
-        for unit in units[len(units) - x.stage.n_blocks:]:
+        for j, unit in enumerate(units[len(units) - x.stage.n_blocks:]):
             unit = list(unit)
-            for i in self.expert_index:  # the efsdp shard scaled by d: / d it is the rank's shard
-                unit[i] = gathered[i] // efsdp * self.d
+            for i in self.expert_index if x.stage.first_block + j not in self.dense else ():
+                unit[i] = gathered[i] // efsdp * self.d  # the efsdp shard scaled by d: / d it is the rank's shard
             blocks.append(unit)
         return units[:len(units) - x.stage.n_blocks] + blocks
 
     def is_block(self, u) -> bool:
-        return self.expert_units and isinstance(u, int) and u >= self.root_units(self.stage)
+        """Whether unit u is a sparse block's (its experts a unit of their own; MoeWalk's dense blocks are not)."""
+        return self.expert_units and self.block_unit(self.stage, u) not in (None, *self.dense)
 
     @contextlib.contextmanager
     def _experts_group(self):
@@ -141,7 +143,7 @@ class ExpertUnitsWalk:
     def transient(self, key, sizes, stream=0) -> None:
         """A block's backward (key ("backward", s, mb, j)): the MLP's largest moment with the experts' gradients,
         the experts' post-backward, then the block's other moments (module docstring)."""
-        if key[0] != "backward" or not self.expert_units:
+        if key[0] != "backward" or not self.is_block(self.root_units(key[1]) + key[3]):
             return super().transient(key, sizes, stream)
         _, s, mb, j = key
         u = self.root_units(s) + j
@@ -198,5 +200,6 @@ class ExpertUnitsWalk:
         if self.expert_units:
             s = self.stage
             for u in range(self.root_units(s), len(self.units[s])):
-                self.free(("sharded_grad", s, ("experts", u)))
+                if self.is_block(u):
+                    self.free(("sharded_grad", s, ("experts", u)))
 

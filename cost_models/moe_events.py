@@ -24,9 +24,8 @@ Dense blocks (DeepSeek's leading first_k_dense_replace, Llama 4's interleaved): 
 memory.py's formulas take them. DeepSeek's MLA attention is not q / kv_dim x h: moe_block_tensors gives its four
 tensors the elements the block's count leaves.
 Experts as FSDP units of their own, with expert parallelism or without: expert_unit_events.py, ahead of this.
-Not here (step_allocations.replays keeps the flat rule, moe_flat_reason): dense blocks with expert units (EP among
-them) or LoRA, LoRA with padded experts (LoraWalk's own units, unpadded), experts sharded on dim 1, and expert units
-with LoRA or CPU offload.
+Not here (step_allocations.replays keeps the flat rule, moe_flat_reason): dense blocks under LoRA, LoRA with padded
+experts (LoraWalk's own units, unpadded), experts sharded on dim 1, and expert units with LoRA or CPU offload.
 """
 
 from __future__ import annotations
@@ -43,9 +42,9 @@ def moe_flat_reason(model, training, config, d: int) -> str | None:
     moe = model.moe
     if moe is None:
         return None
-    if moe.n_dense_layers and (training.finetune.adapters or config.ep > 1 or config.expert_units):
+    if moe.n_dense_layers and training.finetune.adapters:
         # (leading: DeepSeek's first_k_dense_replace, or interleaved: Llama 4; walked by MoeWalk for full fine-tuning)
-        return "MoE with dense blocks under LoRA or with expert units (expert parallelism)"
+        return "MoE with dense blocks under LoRA"
     if (config.ep > 1 or config.expert_units) and (training.finetune.adapters or config.offload):
         # (expert_unit_events.py walks them for full fine-tuning on the device)
         return "MoE experts as units of their own (expert parallelism) with LoRA or CPU offload"
@@ -111,17 +110,26 @@ class MoeWalk:
         super().__init__(model, training, config, d, rank)
         s = self.stage
         x = self.pieces[s]
-        self.padding = 0 if model.moe is None else sum(moe_block_tensors(model, x.block_params, d)) - x.block_params
+        # a sparse block's unit (padded; EP's experts scaled: expert_unit_events) beyond its parameters
+        sparse = [unit for j, unit in enumerate(self.units[s][self.root_units(s):])
+                  if model.moe is not None and x.stage.first_block + j not in self.dense]
+        self.padding = sum(sparse[0]) - x.block_params if sparse else 0
         total = sum(sum(unit) for unit in self.units[s])
         if model.moe is not None and total != x.params:
             # the optimizer step's temporaries over the padded shards and the dense blocks (the ledger's trainable)
             x = self.pieces[s] = dataclasses.replace(x, params=total)
-        if model.moe is not None and self.dense:  # a dense block keeps its own saved tensors (memory_shape's
-            shape = ledger_shape(model, training, config, None, False)   # full_dense; checkpointed: its input)
-            less = [shape.full - shape.full_dense if x.stage.first_block + j in self.dense and not x.checkpointed[j]
-                    else 0 for j in range(x.stage.n_blocks)]
-            self.pieces[s] = dataclasses.replace(x, kept=tuple(k - n for k, n in zip(x.kept, less)),
-                                                 saved=x.saved - self.tokens * sum(less))
+        if model.moe is not None and self.dense:
+            self.dense_saved(ledger_shape(model, training, config, None, False))
+
+    def dense_saved(self, shape) -> None:
+        """A dense block keeps its own saved tensors (shape: a memory_shape.LedgerShape, its full_dense; checkpointed:
+        its input, as any block)."""
+        s = self.stage
+        x = self.pieces[s]
+        less = [shape.full - shape.full_dense if x.stage.first_block + j in self.dense and not x.checkpointed[j]
+                else 0 for j in range(x.stage.n_blocks)]
+        self.pieces[s] = dataclasses.replace(x, kept=tuple(k - n for k, n in zip(x.kept, less)),
+                                             saved=x.saved - self.tokens * sum(less))
 
     def block_unit(self, s: int, u) -> int | None:
         """The model index of the block unit u is, or None (the root, an edge unit, an experts unit)."""

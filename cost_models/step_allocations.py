@@ -22,7 +22,7 @@ blocks, dim-0 padding; docs/accuracy.md, "MoE's step replayed"), experts as unit
 (expert_unit_events.py: each block's experts a unit over efsdp; docs/accuracy.md, "2026-12-07 night: expert
 parallelism replayed"). A block's gradients alive at its backward's moment are made before its working set, the rest
 at its post-backward. Flat where the ledger has pieces StagePieces lacks or the walk does not yet match it: MoE's
-dense blocks with expert units or LoRA, experts on dim 1, LoRA with padded experts, expert units (EP among them) with
+dense blocks under LoRA, experts on dim 1, LoRA with padded experts, expert units (EP among them) with
 LoRA or CPU offload (moe_events.moe_flat_reason), LoRA with FSDP1's adapter units.
 """
 

@@ -54,7 +54,7 @@ def test_a_sparse_blocks_tensors():
 
 
 def test_what_keeps_moe_on_the_flat_rule():
-    """Dense blocks with expert units or LoRA, LoRA with padded experts (LoraWalk's units are unpadded), experts sharded
+    """Dense blocks under LoRA, LoRA with padded experts (LoraWalk's units are unpadded), experts sharded
     on dim 1, expert units (EP among them) with CPU offload or LoRA. Padded full fine-tuning is walked (Qwen2-MoE's
     1 x 2,048 shared-expert gate padded to 4 rows, Mixtral's 8 experts on 16), and so are experts as units of their
     own, with expert parallelism or without (expert_unit_events.py; tests/unit/test_ep_step_allocations.py)."""
@@ -67,7 +67,7 @@ def test_what_keeps_moe_on_the_flat_rule():
     assert why("mixtral-8x7b", 16) is None and why("qwen2-moe-a2.7b", 4) is None
     assert why("mixtral-8x7b", 16, finetune="lora") == "LoRA with MoE experts padded on dim 0"
     assert why("deepseek-v2-lite", 8) is None  # dense blocks walked (test_moe_dense_blocks_allocations.py)
-    assert why("deepseek-v2-lite", 16, ep=2) == DENSE_FLAT
+    assert why("deepseek-v2-lite", 8, finetune="lora") == DENSE_FLAT and why("deepseek-v2-lite", 16, ep=2) is None
     assert why("mixtral-8x7b", 8, expert_units=True) is None
     assert why("mixtral-8x7b", 16, expert_units=True, finetune="lora") == EP_FLAT
     assert why("mixtral-8x7b", 16, expert_shard_dim=1) == "MoE experts sharded on dim 1"
