@@ -55,9 +55,17 @@ def loss_parallel_events(compute_bytes: int) -> tuple[tuple, tuple]:
     return forward, backward
 
 
-def events(compute_bytes: int, compiled: bool, parallel: bool = False) -> tuple[tuple, tuple]:
-    """The loss's events: loss parallel's (parallel, an eager loss on vocab / tp logits), else loss_events'."""
-    return loss_parallel_events(compute_bytes) if parallel and not compiled else loss_events(compute_bytes, compiled)
+def events(compute_bytes: int, compiled: bool, parallel: bool = False,
+           model: ModelSpec | None = None) -> tuple[tuple, tuple]:
+    """The loss's events: loss parallel's (parallel, an eager loss on vocab / tp logits), else loss_events'. With a
+    model that soft-caps its logits (Gemma 2: cap * tanh(logits / cap) inside the model; the allocation walks pass
+    it) tanh's saved output too, c per logit (logits_bytes_per_token's c*V), made before the logits and freed by
+    tanh's backward, which runs on the logits' gradient (before its last free)."""
+    c = compute_bytes
+    forward, backward = loss_parallel_events(c) if parallel and not compiled else loss_events(c, compiled)
+    if model is None or not model.logit_softcap:
+        return forward, backward
+    return (("alloc", "softcap tanh", c), *forward), (*backward[:-1], ("free", "softcap tanh", c), backward[-1])
 
 
 @functools.lru_cache(maxsize=None)

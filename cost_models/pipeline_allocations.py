@@ -111,7 +111,7 @@ class _RankWalk:
         self.widths = [x * c for x in [f] * (3 if model.gated_mlp else 2) + [q, kv, kv, q, h, h]]
         sp = config.tp if tensor_parallel.sequence_parallel(config) else 1
         self.hs = -(-h * c // sp)  # the residual stream per token (sequence parallel: on s / tp tokens)
-        self.loss_events = loss_memory.events(c, config.loss_compiled, tensor_parallel.loss_parallel(config))
+        self.loss_events = loss_memory.events(c, config.loss_compiled, tensor_parallel.loss_parallel(config), model)
         # TP with sequence parallel: a checkpointed Llama block op by op (tp_block_events), not as one sweep
         self.block = BlockWidths.of(model, config, self.tokens) if applies(model, config) else None
         self.events: list[tuple] = []
