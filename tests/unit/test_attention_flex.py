@@ -214,17 +214,21 @@ def _row(attention: str, checkpointing: str):
 
 
 def test_gpt_oss_120b_memory_eager_and_flex():
-    """Eager (the only choice before) is unchanged: 147.44 GiB reserved, the recomputed block 0's backward the peak
-    (25.26 GiB of activations: its s x s scores and their fp32 gradients). Flex: the optimizer step leads (143.83
-    GiB: parameters, gradients and AdamW's bf16 states, the same under either attention). Without checkpointing
+    """Eager (the only choice before): the recomputed block 0's backward the peak (25.26 GiB of activations: its
+    s x s scores and their fp32 gradients). Flex: the optimizer step leads (parameters, gradients and AdamW's bf16
+    states, the same under either attention). Reserved is the allocator replay's (EP with a traced block profile is
+    walked since 1186070; it was the flat rule's 147.44 / 143.83 GiB): eager 191.08, flex 190.95 GiB, of which the
+    reduce-scatter stream's pool caches 27.2 GiB (flex): the sharded gradients FSDP2 makes on that stream, cached once
+    zero_grad frees them, where the next forward's default-stream blocks cannot reuse them (explain's
+    segments). Without checkpointing
     every layer's saved bytes differ by eager's c H (s + 1) + 4 c q + 8 H less flex's c (3 q + 2 kv) + 4 H + 4 c H
     = 557,696 - 27,392 = 530,304 B a token (the shipped profiles' terms differ by the same), over 36 layers and
     16,384 tokens: 291.30 GiB of the activations."""
     eager, flex = _row("eager", "full"), _row("flex", "full")
-    assert eager.peak_reserved_bytes / GIB == pytest.approx(147.44, abs=0.01)
+    assert eager.peak_reserved_bytes / GIB == pytest.approx(191.08, abs=0.01)
     assert eager.breakdown.activations / GIB == pytest.approx(25.26, abs=0.01)
     assert eager.peak_moment == "backward of block 0 (recomputed)" and flex.peak_moment == "optimizer step"
-    assert flex.peak_reserved_bytes / GIB == pytest.approx(143.83, abs=0.01)
+    assert flex.peak_reserved_bytes / GIB == pytest.approx(190.95, abs=0.01)
     from planner.models.resolve import load_preset
 
     spec, c, s = load_preset("gpt-oss-120b"), 2, 4096
@@ -234,7 +238,7 @@ def test_gpt_oss_120b_memory_eager_and_flex():
     gone = eager.breakdown.activations - flex.breakdown.activations
     assert gone == pytest.approx(36 * 4 * s * per_token, rel=1e-3)
     reserved = (eager.peak_reserved_bytes / GIB, flex.peak_reserved_bytes / GIB)
-    assert reserved == pytest.approx((609.21, 303.34), abs=0.01)
+    assert reserved == pytest.approx((616.22, 320.81), abs=0.01)
 
 
 def test_small_gpt_oss_flex_estimate_against_the_trace_tier():
