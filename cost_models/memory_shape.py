@@ -198,7 +198,7 @@ def ledger_shape(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, e
     attn_grad = min(real.trainable_block, (3 if model.gated_mlp else 2) * h * f + model.q_dim * h) * c
     mlp_moments = ()
     if model.moe is not None:  # the MoE MLP's own moments (cost_models/moe.py); at the attention's, all its grads
-        mlp_moments = {ck: moe_lora.backward_moments(model, c, recomputed=ck) if lora_rank and model.lora_moe
+        mlp_moments = {ck: moe_lora.backward_moments(model, c, ck, lora_rank) if lora_rank and model.lora_moe
                        else moe.backward_moments(model, c, lora=bool(lora_rank), recomputed=ck) for ck in (False, True)}
         attn_grad = min(real.trainable_block, moe.mlp_param_elements(model) + model.q_dim * h) * c
         if ep_view is not None:

@@ -110,9 +110,9 @@ class ParamCounts:
         block = moe.block_gathered_elements(model, shard_group, dim1)
         delta = model.n_dense_layers * (model.moe.dense_block_params - block) if model.n_dense_layers else 0
         if training.finetune.adapters:
-            lora = model.lora_params_per_block(training.lora_rank)
-            return cls(trainable_block=lora, frozen_block=block, trainable_root=0,
-                       frozen_root=model.root_params, frozen_dense_delta=delta)
+            lora = model.lora_params_per_block(training.lora_rank)  # all-linear: a dense block's MLP adapters apart
+            return cls(trainable_block=lora, frozen_block=block, trainable_root=0, frozen_root=model.root_params,
+                       trainable_dense_delta=model.lora_dense_delta(training.lora_rank), frozen_dense_delta=delta)
         return cls(block, 0, model.root_params, 0, trainable_dense_delta=delta)
 
     def trainable(self, n_layers: int) -> int:

@@ -340,4 +340,19 @@ class ModelSpec:
         return linears + (moe_lora.adapter_tensor_elements(self, rank) if self.lora_moe else [])
 
     def lora_params_per_block(self, rank: int) -> int:
+        """A (for an MoE: sparse) block's adapter elements."""
         return sum(self.lora_tensor_elements(rank))
+
+    def lora_dense_delta(self, rank: int, tensors: bool = False) -> int:
+        """What an MoE's dense blocks add to n_layers sparse blocks' adapter elements (tensors: adapter tensors):
+        under all-linear their MLP's lora.Linear adapters, not the router's and stacks' (moe.dense_block_spec)."""
+        if not self.n_dense_layers:
+            return 0
+        from .moe import dense_block_spec
+
+        dense, count = dense_block_spec(self), (len if tensors else sum)
+        return self.n_dense_layers * (count(dense.lora_tensor_elements(rank)) - count(self.lora_tensor_elements(rank)))
+
+    def lora_params(self, rank: int) -> int:
+        """Every block's adapter elements (peft's trainable parameters)."""
+        return self.n_layers * self.lora_params_per_block(rank) + self.lora_dense_delta(rank)

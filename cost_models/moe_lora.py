@@ -23,11 +23,15 @@ and takes the MLP backward's moments from backward_moments below; the allocator 
 (lora_events.lora_flat_reason). Time: the experts' and router's weight gradients for each token's k experts and the
 merges once per sequence (operators._formula_block_ops, compute._training_flops).
 
-Priced where that conversion exists and every block is sparse: Mixtral, Qwen3-MoE, and Qwen2-MoE, whose shared
-expert's nn.Linears (gate, up, down, shared_expert_gate) get plain lora.Linear adapters (ModelSpec.lora_shapes:
-shared_expert_shapes; their lora_A outputs and down's input saved, p T (fs + 4r), equal to peft's measured excess).
-DeepSeek / OLMoE / GLM-4 MoE and a leading dense block's MLP adapters are not priced yet; gpt-oss has no conversion, so
-peft's all-linear adapts its attention alone (lora_targets attention prices exactly that).
+Priced where that conversion exists: Mixtral, Qwen3-MoE, Qwen2-MoE, whose shared expert's nn.Linears (gate, up, down,
+shared_expert_gate) get plain lora.Linear adapters (ModelSpec.lora_shapes: shared_expert_shapes; their lora_A outputs
+and down's input saved, p T (fs + 4r), equal to peft's measured excess), and DeepSeek-V2 / V3, whose MLA projections and
+shared experts take lora.Linear too (the shared experts' backward runs before the routed one: backward_moments). Dense
+blocks (DeepSeek's first_k_dense_replace, Qwen's mlp_only_layers / decoder_sparse_step) take a dense model's all-linear:
+their MLP's lora.Linear (moe.dense_block_spec; ModelSpec.lora_dense_delta in the ledger's counts). Counts equal peft's
+get_peft_model to the element (tests/unit/test_moe_lora.py). Refused: gpt-oss has no conversion, so peft's all-linear
+adapts its attention alone (lora_targets attention prices exactly that); Llama 4 has none either, and peft's lora.Linear
+on its router (an nn.Linear returning a tuple) raises; OLMoE / GLM-4 MoE are read by the generic path (not priced).
 """
 
 from __future__ import annotations
@@ -39,22 +43,26 @@ if TYPE_CHECKING:  # model_spec imports this module (ModelSpec.lora_tensor_eleme
     from .model_spec import BackwardMoment, ModelSpec
 
 # families whose routed experts peft's transformers-5 conversion adapts (get_checkpoint_conversion_mapping) and whose
-# MoE block the ledger prices whole (every block sparse; Qwen2-MoE's gated shared expert)
-PRICED_FAMILIES = ("mixtral", "qwen3_moe", "qwen2_moe")
+# MoE block the ledger prices whole (Qwen2-MoE's gated shared expert; DeepSeek's shared experts and MLA; the dense
+# blocks of DeepSeek's first_k_dense_replace and Qwen's mlp_only_layers / decoder_sparse_step, a dense model's
+# all-linear: moe.dense_block_spec)
+PRICED_FAMILIES = ("mixtral", "qwen3_moe", "qwen2_moe", "deepseek_v2", "deepseek_v3")
 
 
 def unpriced_reason(model: ModelSpec) -> str:
     """Why all-linear LoRA on this MoE is refused ("" where it is priced)."""
-    moe = model.moe
     if model.family == "gpt_oss":
         return ("peft 0.22's all-linear adapts gpt-oss's attention alone (its router and experts are no nn.Linear and "
                 "have no transformers-5 conversion); choose attention, which prices exactly that")
+    if model.block_class.startswith("Llama4"):
+        return ("peft 0.22's all-linear fails on Llama 4: its router (Llama4Router, an nn.Linear) gets a lora.Linear, "
+                "whose forward reads the base layer's tuple output as a tensor (peft tuners/lora/layer.py:1192 "
+                "'tuple' object has no attribute 'dtype'); choose attention")
     if model.family not in PRICED_FAMILIES:
         return (f"all-linear on an MoE is priced for {', '.join(PRICED_FAMILIES)} (peft's router and stacked-expert "
                 f"adapters); {model.family} is not; choose attention")
-    if moe.n_dense_layers or not model.gated_mlp:
-        return ("all-linear on an MoE is priced for blocks of routed gated experts (and Qwen2-MoE's shared expert), no "
-                "dense block; choose attention")
+    if not model.gated_mlp:
+        return "all-linear on an MoE is priced for blocks of routed gated experts; choose attention"
     return ""
 
 
@@ -168,7 +176,7 @@ def merged_bytes_per_token(model: ModelSpec, base_bytes: int, adapter_bytes: int
     return -(-merged_weight_bytes(model, base_bytes, adapter_bytes, rank) // tokens)
 
 
-def backward_moments(model: ModelSpec, c: int, recomputed: bool = False) -> tuple[BackwardMoment, ...]:
+def backward_moments(model: ModelSpec, c: int, recomputed: bool = False, rank: int = 0) -> tuple[BackwardMoment, ...]:
     """The MoE MLP backward's moments under all-linear: moe.backward_moments' with the experts training (their
     gathered inputs saved), but no weight gradient accumulates (the block's adapter gradients are tiny): each
     grouped_mm backward makes W_eff's gradient, a stack-sized transient its baddbmm backward turns into the factors'
@@ -180,18 +188,26 @@ def backward_moments(model: ModelSpec, c: int, recomputed: bool = False) -> tupl
     - gate_up's grouped_mm backward: its W_eff's gradient (E 2f h), down's W_eff gone (+ E h f net);
     - the moments after the routed experts' backward (the norm's; Qwen2-MoE's gated shared expert's, whose lora.Linear
       adapters' gradients are negligible): every merged weight gone (- (3 E f h + E h)).
-    (A gated shared expert's output gradient, c h, waits through the routed moments: moe.backward_moments.)"""
+    (A gated shared expert's output gradient, c h, waits through the routed moments: moe.backward_moments.)
+    DeepSeek's shared experts ran after the routed ones, so their backward comes first: full fine-tuning's dense-MLP
+    moment (their lora.Linear adapters save the inputs the weights would: down's lora_A its input) without the weight
+    gradient and with down's lora_A output (rank r: the adapters') gone; by the routed moments their saved tensors,
+    the three lora_A outputs included, are gone (moe.backward_moments subtracts the rest)."""
     from . import moe
     from .model_spec import BackwardMoment
 
     E, h, f, k = model.moe.n_experts, model.hidden_size, model.moe.expert_ffn_size, model.moe.experts_per_token
     full = moe.backward_moments(model, c, lora=False, recomputed=recomputed)
-    done = [m for m in full if m.experts_done]
-    unpermute, activation, up = [m for m in full if not m.experts_done]   # (no DeepSeek's shared moment: refused)
-    waiting = c * h if moe._shared_gate(model) else 0
-    down = BackwardMoment(0, E * h * f * c, c * h + k * c * f - moe.INDEX_BYTES * k + waiting, 0)
-    moments = [replace(unpermute, grad_bytes=0, const_bytes=0), down,
-               replace(activation, grad_bytes=0, const_bytes=-E * h * f * c),
-               replace(up, grad_bytes=0, const_bytes=E * h * f * c)]
-    moments += [replace(m, grad_bytes=0, const_bytes=-(3 * E * f * h + E * h) * c) for m in done]
-    return tuple(moments)
+    first = [m for m in full if not m.experts_done]
+    unpermute, activation, up = first[0], first[-2], first[-1]
+    deepseek = [] if moe._shared_gate(model) else first[1:-2]  # DeepSeek's shared experts' moment, if any
+    waiting = c * h if moe._shared_gate(model) else 0  # Qwen's gated shared output's gradient
+    less = len(shared_expert_shapes(model)) * rank * c if deepseek else 0  # their lora_A outputs, freed with them
+    shared = [replace(m, grad_bytes=0, per_token=m.per_token - rank * c) for m in deepseek]
+    shared_saved = moe._shared_expert_bytes(model, c, False) if deepseek else 0
+    down = BackwardMoment(0, E * h * f * c, c * h + k * c * f - moe.INDEX_BYTES * k + waiting - shared_saved, 0)
+    routed = [replace(unpermute, grad_bytes=0, const_bytes=0), down,
+              replace(activation, grad_bytes=0, const_bytes=-E * h * f * c),
+              replace(up, grad_bytes=0, const_bytes=E * h * f * c)]
+    routed += [replace(m, grad_bytes=0, const_bytes=-(3 * E * f * h + E * h) * c) for m in full if m.experts_done]
+    return tuple(shared + [replace(m, per_token=m.per_token - less) for m in routed])

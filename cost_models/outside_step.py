@@ -125,7 +125,7 @@ class StateSizes:
         keys = _state_keys(model, training)
         if training.finetune.adapters:
             adapters_block = model.lora_params_per_block(training.lora_rank)
-            adapters = model.n_layers * adapters_block
+            adapters = model.lora_params(training.lora_rank)  # an MoE's dense blocks' own (all-linear)
             base, block = model.n_params * f, model.block_params * f
             if training.finetune is Finetune.QLORA:  # block linears packed 4-bit + their QuantStates (qlora.py)
                 base = qlora.stored_base_bytes(model, f) + qlora.replicated_bytes(model, training.double_quant)
@@ -148,7 +148,8 @@ def _state_keys(model: ModelSpec, training: TrainingSpec) -> tuple[int, int]:
 
     root = 1 + (model.head_params > 0) + (model.root_other_params > 0)
     tensors = model.n_layers * len(param_tensors(model, model.block_params)) + root
-    trained = model.n_layers * len(model.lora_tensor_elements(1)) if training.finetune.adapters else tensors
+    trained = model.n_layers * len(model.lora_tensor_elements(1)) + model.lora_dense_delta(1, tensors=True) \
+        if training.finetune.adapters else tensors
     adam = training.optimizer.name.startswith("ADAM")  # AdamW 8-bit counted as AdamW
     return tensors + (2 if adam else 1) * trained, (trained if adam else 0) + PARAM_GROUP_KEYS
 

@@ -141,7 +141,7 @@ def merge_backup_bytes(model: ModelSpec, settings: RlSettings, actor: ActorState
     base share."""
     if settings.strategy == "fsdp":
         return actor.params_bytes
-    adapters = model.n_layers * all_linear_lora(model).lora_params_per_block(settings.lora_rank)
+    adapters = all_linear_lora(model).lora_params(settings.lora_rank)
     return actor.params_bytes * model.n_params // (model.n_params + adapters)
 
 

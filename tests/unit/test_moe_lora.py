@@ -68,11 +68,13 @@ def test_traced_rows(arch, gpus, knobs, traced):
 
 @pytest.mark.parametrize("arch, c, adapters, measured", [
     ("qwen3-moe", 4, 4, 13_647_872), ("qwen3-moe", 2, 4, 7_004_160),
-    ("mixtral", 4, 4, 19_931_136), ("mixtral", 2, 4, 10_178_560), ("qwen2-moe", 4, 4, 9_510_912)])
+    ("mixtral", 4, 4, 19_931_136), ("mixtral", 2, 4, 10_178_560), ("qwen2-moe", 4, 4, 9_510_912),
+    ("deepseek-v3", 4, 4, 7_921_664)])
 def test_a_blocks_excess_is_pefts(arch, c, adapters, measured):
     """What one MoE block saves beyond attention-only LoRA at 1,024 tokens, as benchmarks/peft_moe_lora.py measured it
     on peft itself (saved_tensors_hooks, rank 4; bf16 base with fp32 adapters cast at the merge): p [3 E f h + T k (h +
-    f) + T h + E h] (+ p r E (5f + 3h)), and Qwen2-MoE's shared expert's lora.Linears p T (fs + 4r), to the byte."""
+    f) + T h + E h] (+ p r E (5f + 3h)), and a shared expert's lora.Linears p T (fs + n r) (n 4 with Qwen2-MoE's gate, 3
+    on DeepSeek-V3), to the byte."""
     spec = from_hf_config(arch_config(arch))
     wide = dataclasses.replace(spec, lora_targets="all-linear")
     per_token = (activations.block_bytes_per_token(wide, c, Attention.SDPA, 1024, 1, 4)
@@ -197,3 +199,81 @@ def test_fsdp1_is_refused():
     with pytest.raises(SpecError, match="^trainer: the planner's FSDP1 code: FSDP1 with all-linear LoRA on an MoE"):
         estimate("mixtral-8x7b", 8, gpu="h100-80gb", trainer="fsdp1", **LORA)
     assert estimate("mixtral-8x7b", 8, gpu="h100-80gb", trainer="fsdp2", **LORA).trainer == "fsdp2"
+
+
+# MoE families with dense blocks: DeepSeek's first_k_dense_replace, Qwen's mlp_only_layers / decoder_sparse_step
+QWEN3_DENSE_0 = {**arch_config("qwen3-moe"), "mlp_only_layers": [0]}
+QWEN2_STEP_2 = {**arch_config("qwen2-moe"), "decoder_sparse_step": 2}
+DENSE_BLOCK_CONFIGS = {"deepseek-v3": arch_config("deepseek-v3"), "qwen3-moe-dense-0": QWEN3_DENSE_0,
+                       "qwen2-moe-step-2": QWEN2_STEP_2}
+
+
+@pytest.mark.parametrize("name, elements, tensors, dense_delta", [
+    ("deepseek-v3", 200_544, 82, 21_312 - 59_744),
+    ("qwen3-moe-dense-0", 312_512, 56, 12_288 - 91_200),
+    ("qwen2-moe-step-2", 170_056, 72, 2 * (12_288 - 46_112 - 10_244)),
+])
+def test_dense_blocks_adapters_are_pefts(name, elements, tensors, dense_delta):
+    """peft 0.22's get_peft_model(target_modules="all-linear") on the meta device, rank 4: a dense block's MLP takes
+    plain lora.Linear adapters (gate, up, down: 3 r (h + f), f the dense width 768: 12,288), a sparse block the router's
+    and stacks' ParamWrappers and its shared expert's lora.Linears. DeepSeek-V3 (block 0 dense): MLA attention 9,024 a
+    block; 21,312 dense + 3 x 59,744 sparse (9,024 + 46,112 + shared 4,608) = 200,544 elements, 82 tensors; Qwen3-MoE
+    with mlp_only_layers [0]: attention 6,656, 18,944 + 3 x 97,856 = 312,512; Qwen2-MoE with decoder_sparse_step 2
+    (blocks 0 and 2 dense): attention 8,192, 2 x 20,480 + 2 x (8,192 + 46,112 + gated shared expert 10,244) = 170,056.
+    The ledger's count (ModelSpec.lora_params, the dense blocks' delta in ParamCounts) is peft's, to the element."""
+    peft = pytest.importorskip("peft")
+    from calibration.build import build_model
+
+    cfg = DENSE_BLOCK_CONFIGS[name]
+    spec = dataclasses.replace(from_hf_config(cfg), lora_targets="all-linear")
+    model = peft.get_peft_model(build_model(None, cfg, device="meta"),
+                                peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    adapters = [p.numel() for n, p in model.named_parameters() if "lora_" in n]
+    assert (sum(adapters), len(adapters)) == (elements, tensors)
+    assert spec.lora_params(4) == elements and spec.lora_dense_delta(4) == dense_delta
+    assert spec.n_layers * len(spec.lora_tensor_elements(4)) + spec.lora_dense_delta(4, tensors=True) == tensors
+
+
+@pytest.mark.parametrize("name, gpus, knobs, traced", [
+    ("deepseek-v3", 8, dict(precision="fp32", activation_checkpointing="none", seq_len=32, sharding="NO_SHARD"),
+     85_389_520),
+    ("deepseek-v3", 8, dict(precision="bf16", activation_checkpointing="full", seq_len=32), 30_676_312),
+    ("deepseek-v3", 8, dict(precision="bf16", activation_checkpointing="none", seq_len=1024, micro_batch=2),
+     427_342_528),
+    ("deepseek-v3", 16, dict(precision="bf16", activation_checkpointing="none", seq_len=512,
+                             sharding="HYBRID_SHARD"), 123_495_104),
+    ("qwen3-moe-dense-0", 8, dict(precision="fp32", activation_checkpointing="none", seq_len=32), 92_651_604),
+    ("qwen3-moe-dense-0", 8, dict(precision="bf16", activation_checkpointing="full", seq_len=128), 46_422_024),
+    ("qwen2-moe-step-2", 8, dict(precision="bf16", activation_checkpointing="full", seq_len=128), 45_240_872),
+    ("qwen2-moe-step-2", 4, dict(precision="fp32", activation_checkpointing="full", seq_len=512,
+                                 sharding="NO_SHARD"), 176_794_888),
+], ids=["deepseek-noshard-block-3", "deepseek-bf16-full", "deepseek-mb2-1024", "deepseek-hsdp-16",
+        "qwen3-dense-fp32", "qwen3-dense-bf16-full", "qwen2-step2-bf16-full", "qwen2-step2-noshard"])
+def test_traced_rows_with_dense_blocks(name, gpus, knobs, traced):
+    """The ledger within 0.3% of the trace, `planner.tracing.trace(cfg, gpus, finetune="lora", lora_rank=4,
+    lora_targets="all-linear", **knobs)` at 2026-12-07 (peft's own all-linear through calibration/lora.add_lora): -0.275
+    .. +0.018%. The first row peaks at DeepSeek's block 3 backward, where the shared experts' backward runs before the
+    routed one (moe_lora.backward_moments; before: refused, lora_targets). Dense blocks under LoRA keep the flat
+    reserved rule (the allocator walk's named reason)."""
+    knobs = {"sharding": "FULL_SHARD", "micro_batch": 1, **knobs}
+    c = estimate(DENSE_BLOCK_CONFIGS[name], gpus, gpus_per_node=min(gpus, 8), **knobs, **LORA)
+    assert c.memory.peak_allocated_bytes == pytest.approx(traced, rel=3e-3)
+    if name == "deepseek-v3" and gpus == 8 and knobs["sharding"] == "NO_SHARD":
+        assert c.memory.peak_moment == "backward of block 3"
+        assert replays(c.model, c.training, c.config, gpus) == "MoE with dense blocks under LoRA"
+
+
+def test_llama4_is_refused_where_peft_raises():
+    """Llama 4 has no transformers-5 conversion, so peft's all-linear takes its nn.Linears, the router (Llama4Router,
+    an nn.Linear returning (scores, logits)) among them: lora.Linear's forward then fails on the tuple (peft
+    tuners/lora/layer.py:1192). Refused in one line naming lora_targets."""
+    pytest.importorskip("peft")
+    import torch
+
+    from benchmarks.peft_moe_lora import build
+
+    model = build("llama4", "all-linear", "cpu", torch.float32)
+    with pytest.raises(AttributeError, match="'tuple' object has no attribute 'dtype'"):
+        model(input_ids=torch.zeros(1, 8, dtype=torch.long))
+    with pytest.raises(SpecError, match="^lora_targets: peft 0.22's all-linear fails on Llama 4"):
+        estimate(arch_config("llama4"), 8, **LORA)
