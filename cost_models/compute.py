@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 
 from . import moe_lora
-from .moe import active_block_params
+from .moe import active_block_params, dense_block_spec
 from .operators import block_ops
 from .specs import FsdpConfig, ModelSpec, TrainingSpec
 
@@ -32,6 +32,9 @@ def _training_flops(params: float, model: ModelSpec, training: TrainingSpec) -> 
     if training.finetune.adapters:
         r = training.lora_rank
         lora = model.n_layers * sum(r * (i + o) for i, o in model.lora_shapes)
+        if model.lora_moe and model.n_dense_layers:  # all-linear: the dense blocks' MLP adapters, no sparse MLP's
+            dense = dense_block_spec(model)
+            lora += model.n_dense_layers * r * (sum(map(sum, dense.lora_shapes)) - sum(map(sum, model.lora_shapes)))
         matmul = 4 * params + 6 * lora  # frozen weights: forward 2 + input-gradient 2; adapters train (6)
         if model.lora_moe:  # all-linear on an MoE: the experts' and router's merged weights train (moe_lora.py)
             matmul += (model.n_layers - model.n_dense_layers) * moe_lora.trained_flops_per_token(model, r,

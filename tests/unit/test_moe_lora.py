@@ -277,3 +277,20 @@ def test_llama4_is_refused_where_peft_raises():
         model(input_ids=torch.zeros(1, 8, dtype=torch.long))
     with pytest.raises(SpecError, match="^lora_targets: peft 0.22's all-linear fails on Llama 4"):
         estimate(arch_config("llama4"), 8, **LORA)
+
+
+def test_dense_blocks_adapters_train_in_the_flops():
+    """DeepSeek-V3's small config (block 0 dense, f 768), rank 4, 1,024 tokens: the lora.Linear adapters are MLA's and
+    the shared expert's in the 3 sparse blocks (9,024 + 4,608 elements each) and MLA's and the MLP's in the dense one
+    (9,024 + 12,288): 62,208 elements, 6 FLOPs each a token; the dense block's MLP adapters over a sparse block's
+    shared ones, 21,312 - 13,632 = 7,680 elements, add 46,080 FLOPs a token to what n_layers sparse blocks count."""
+    spec = dataclasses.replace(from_hf_config(arch_config("deepseek-v3")), lora_targets="all-linear")
+    training = TrainingSpec(seq_len=1024, finetune="lora", lora_rank=4)
+    as_sparse = dataclasses.replace(spec, moe=dataclasses.replace(spec.moe, n_dense_layers=0, dense_layers=(),
+                                                                   dense_block_params=0, first_sparse_layer=0))
+    sparse_lora = 4 * 4 * sum(map(sum, spec.lora_shapes))
+    assert sparse_lora == 4 * 13_632
+    dense_flops = model_flops_per_token(spec, training) - model_flops_per_token(as_sparse, training)
+    trained = moe_lora.trained_flops_per_token(spec, 4, 1024)  # one sparse block's merges and expert gradients
+    params = spec.moe.dense_block_params - spec.block_params + spec.moe.inactive_params  # active params' change
+    assert dense_flops == pytest.approx(4 * params + 46_080 - trained)
