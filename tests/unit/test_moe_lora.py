@@ -294,3 +294,11 @@ def test_dense_blocks_adapters_train_in_the_flops():
     trained = moe_lora.trained_flops_per_token(spec, 4, 1024)  # one sparse block's merges and expert gradients
     params = spec.moe.dense_block_params - spec.block_params + spec.moe.inactive_params  # active params' change
     assert dense_flops == pytest.approx(4 * params + 46_080 - trained)
+
+
+def test_fsdp1_is_refused_on_deepseek_too():
+    """benchmarks/peft_moe_fsdp1.py's run with the DeepSeek-V3 small config (2 gloo ranks, 2026-12-07): attention-only
+    LoRA runs (loss 9.4668), all-linear fails under peft's wrap policy with flat ("Output 0 of View is a view ...") and
+    original parameters ("inconsistent tensor size"), as Mixtral's: FSDP1 refused in one line naming the field."""
+    with pytest.raises(SpecError, match="^trainer: the planner's FSDP1 code: FSDP1 with all-linear LoRA on an MoE"):
+        estimate(arch_config("deepseek-v3"), 8, trainer="fsdp1", **LORA)
