@@ -25,8 +25,9 @@ allocation events; torch 2.13 _fsdp_state.py / _fsdp_param_group.py):
 The saved tensors and moments are the ledger's (memory_shape.ledger_shape with the EP view: the dispatch / combine's
 saved bytes per routed row, ExpertParallelView.backward_moments; a traced block profile's moments where the model has
 one, with the experts gathered). After the experts' post-backward FSDP2 has freed their gradients (copied into the
-reduce-scatter input): the walk's later moments hold the block's others only, where memory.py still counts them
-(docs/accuracy.md, "2026-12-07 night: expert parallelism replayed": the trace sides with the walk).
+reduce-scatter input) and made their new shard: the walk's later moments hold the block's others only, as memory.py
+does (expert_unit_terms.py). Not here: the MLP's saved tensors, freed in the experts' backward (traced), stay to the
+block's end (docs/accuracy.md, "2026-12-07 night: the experts' reduce-scatter in the ledger").
 Experts as units of their own without EP (FsdpConfig.expert_units) are this walk at efsdp = d, the model unsliced.
 A dense block (DeepSeek's leading, Llama 4's interleaved) has no experts: MoeWalk's unit, StepWalk's backward.
 Not here (step_allocations.replays keeps the flat rule, moe_events.moe_flat_reason): expert units with LoRA or CPU

@@ -39,6 +39,7 @@ import math
 
 from . import (activations, context_parallel, edge_units, expert_parallel, fsdp2_gathers, moe,
                optimizer_step, qlora, root_regather, tensor_parallel)
+from .expert_unit_terms import NONE as expert_unit_terms_none, expert_unit_terms
 from .fsdp1_adapters import AdapterUnits
 from .memory_peak import Moment as _Moment, peak_estimate
 from .memory_shape import ledger_shape, shape_key
@@ -140,11 +141,8 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
     # Routed experts as units of their own (expert_units): FSDP2's backward prefetches in reverse order of
     # the post-forwards (block_i, experts_i, block_i-1, ...), so the prefetched unit is a block without its
     # experts; after the experts' backward their unit has resharded and its reduce-scatter is the one in flight.
-    experts_c = moe.experts_gathered_elements(model, d, bool(config.expert_shard_dim)) * c if config.expert_units else 0
-    experts_rs = experts_c // c * r if experts_c and not counts.frozen_block else 0  # (d = 1: as reduce_scatter_above)
-    if ep_view is not None:  # with EP the experts are always a unit of their own, on the efsdp mesh
-        experts_c = ep_view.experts_gathered_elements() * c
-        experts_rs = experts_c // c * r if ep_view.efsdp > 1 else 0
+    experts = expert_unit_terms(model, config, ep_view, d, c, r, p, bool(counts.frozen_block))
+    experts_c, experts_rs = experts.gathered, experts.reduce_input
 
     def prefetched(i: int) -> int:
         return gathered(i) - (0 if i in dense_blocks else experts_c)
@@ -226,7 +224,7 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
             tokens * activations.forward_logits_bytes_per_token(model, c, config.loss_compiled))
     for i, label, recomputed, below, this in s.blocks:  # the blocks whose moment can peak (memory_shape.py)
         own_traced = traced_dense if traced_dense is not None and i in dense_blocks else traced
-        params_adjust = buffers_adjust = 0
+        params_adjust = buffers_adjust = shard_adjust = 0
         if own_traced is not None:  # the traced block's own backward moments
             w_acts, w_grads = own_traced.backward_peak(tokens, training.seq_len)
             block_acts, block_grads = tokens * (below + this) + round(w_acts), min(w_grads, real.trainable_block * c)
@@ -239,12 +237,14 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
                 buffers_adjust = max(0, experts_rs - reduce_scatter_above(i) - experts_c)
         elif mlp_moments:  # MoE: the largest of its MLP's moments and the attention's, gradients included
             at_attn = tokens * (below + this - freed_attn + w_attn)
-            # expert units, after the experts' backward: their unit resharded, its reduce-scatter in flight
-            done = (-experts_c, experts_rs - reduce_scatter_above(i)) if experts_c and i not in dense_blocks else (0, 0)
-            block_acts, block_grads, params_adjust, buffers_adjust = max(
+            # expert units, after the experts' post-backward: resharded, their reduce-scatter input in flight, their
+            # gradients freed, their new shard made (expert_unit_terms.py)
+            ex, above = experts if i not in dense_blocks else expert_unit_terms_none, reduce_scatter_above(i)
+            block_acts, block_grads, params_adjust, buffers_adjust, shard_adjust = max(
                 [(tokens * (below + this) + m.activation_bytes(tokens, training.seq_len),
-                  min(m.grad_bytes, real.trainable_block * c), *(done if m.experts_done else (0, 0)))
-                 for m in mlp_moments[recomputed]] + [(at_attn, attn_grad, *done)], key=sum)
+                  *ex.at_moment(min(m.grad_bytes, real.trainable_block * c), above, bool(accumulated), m.experts_done))
+                 for m in mlp_moments[recomputed]] + [(at_attn, *ex.at_moment(attn_grad, above, bool(accumulated),
+                                                                                True))], key=sum)
         else:
             at_mlp = tokens * (below + this + w_mlp)
             at_attn = tokens * (below + this - freed_attn + w_attn)
@@ -259,7 +259,7 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
             block_acts, block_grads = (at_mlp, mlp_grad) if mlp_first else (at_attn, attn_grad)
         moments[label] = _Moment(  # (the states spelled out: the moment the search makes most, ~5 a ledger)
             sharded_params=held_params, optimizer_state=held_optimizer,
-            sharded_grads=gpu_states * (accumulated or grads_done(i)),
+            sharded_grads=gpu_states * ((accumulated or grads_done(i)) + shard_adjust),
             unsharded_params=params_at(i) + params_adjust,
             collective_buffers=prefetch_below(i) + reduce_scatter_above(i) + buffers_adjust,
             unsharded_grads=head_grad + block_grads,

@@ -1,0 +1,57 @@
+"""The memory ledger's terms for a sparse block whose routed experts are an FSDP unit of their own (memory.py): EP's
+experts on the efsdp mesh (expert_parallel.py), or FsdpConfig.expert_units over d without EP.
+
+FSDP2 runs the experts' post-backward once their backward is done, inside the block's (torch 2.13
+_fsdp_param_group.py post_backward -> foreach_reduce, _fsdp_collectives.py): it reshards their parameters, allocates
+the reduce-scatter input (reduce dtype, every padded row) and copies their gradients into it, frees them (the
+compute-dtype gradients, the rank's real experts: autograd's), and makes the reduce-scatter output, the experts' new
+sharded gradient (ceil(rows / efsdp) of the padded rows, cast to the parameters' dtype where the reduce dtype is not
+theirs: _fsdp_collectives.py:696). So the block's later moments (the router's, the norm's, the attention's) hold the
+reduce-scatter input in place of the block above's, the experts' new shard, and none of the experts' gradients.
+Traced: docs/accuracy.md "2026-12-07 night: the experts' reduce-scatter in the ledger"."""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+from . import moe
+
+
+class ExpertUnitTerms(NamedTuple):
+    """Bytes of one sparse block's experts unit on this rank (0 where the experts are not a unit of their own)."""
+
+    gathered: int       # their all-gather output (compute dtype, padded rows)
+    reduce_input: int   # their reduce-scatter input (reduce dtype, padded rows), kept to the next reduce-scatter
+    new_shard: int      # their reduce-scatter output: the new sharded gradient (parameter dtype)
+    grads: int          # their compute-dtype gradients before the post-backward (the real experts, unpadded)
+
+    def at_moment(self, grads: int, reduce_above: int, accumulated: bool, after: bool) -> tuple[int, int, int, int]:
+        """A block backward moment's (unsharded grads, and the adjustments of its unsharded params, collective buffers
+        and sharded grads) from its gradient bytes `grads`: after the experts' post-backward (`after`: the moments
+        with experts_done) resharded, their reduce-scatter input in place of the block above's (reduce_above), their
+        gradients freed, their new shard made (under accumulation added into the whole shard, counted already)."""
+        if not after or not self.gathered:
+            return grads, 0, 0, 0
+        return (max(0, grads - self.grads), -self.gathered, self.reduce_input - reduce_above,
+                0 if accumulated else self.new_shard)
+
+
+NONE = ExpertUnitTerms(0, 0, 0, 0)
+
+
+def expert_unit_terms(model, config, ep_view, d: int, c: int, r: int, p: int, frozen: bool) -> ExpertUnitTerms:
+    """model: the rank's (EP: ep_view.model, E / ep experts); d: the dense shard group; c / r / p: the compute,
+    reduce and parameter dtypes' bytes; frozen: the block's weights frozen (LoRA: nothing reduced)."""
+    if ep_view is not None:  # with EP the experts are always a unit of their own, on the efsdp mesh
+        group, gathered = ep_view.efsdp, ep_view.experts_gathered_elements()
+        reduced = group > 1
+    elif config.expert_units:
+        group, gathered = d, moe.experts_gathered_elements(model, d, bool(config.expert_shard_dim))
+        reduced = not frozen  # (d = 1: as memory.py's reduce_scatter_above)
+    else:
+        return NONE
+    if not reduced:
+        return ExpertUnitTerms(gathered * c, 0, 0, 0)
+    return ExpertUnitTerms(gathered * c, gathered * r, math.ceil(gathered * p / max(1, group)),
+                           moe.experts_gathered_elements(model, 1) * c)
