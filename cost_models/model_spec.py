@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from . import moe_lora
+from . import moe_lora_targets
 from .spec_values import Attention, LoraTargets, SpecError, check_positive, enum_choices, parse_enum
 
 
@@ -230,8 +230,8 @@ class ModelSpec:
         if self.rope not in ("eager", "fused"):
             raise SpecError("model.rope", f"{self.rope!r}; choose one of: eager, fused")
         object.__setattr__(self, "lora_targets", parse_enum(LoraTargets, self.lora_targets, "lora_targets"))
-        if self.lora_targets is LoraTargets.ALL_LINEAR and self.moe is not None and moe_lora.unpriced_reason(self):
-            raise SpecError("lora_targets", moe_lora.unpriced_reason(self))
+        if self.lora_targets is LoraTargets.ALL_LINEAR and self.moe is not None and moe_lora_targets.unpriced_reason(self):
+            raise SpecError("lora_targets", moe_lora_targets.unpriced_reason(self))
         unknown = set(self.attention_choices) - {a.value for a in Attention}
         if not self.attention_choices or unknown:
             raise SpecError("model.attention_choices", f"{self.attention_choices!r}; choose from: {enum_choices(Attention)}")
@@ -324,9 +324,16 @@ class ModelSpec:
     def lora_shapes(self) -> tuple[tuple[int, int], ...]:
         """(in, out) of every block linear peft's lora.Linear adapts: the attention's, and under all-linear a dense
         MLP's (an MoE's router and stacked experts are ParamWrappers instead: lora_tensor_elements)."""
-        if self.lora_mlp and self.moe:  # a shared expert's linears (moe_lora.shared_expert_shapes)
-            return tuple(self.lora_target_shapes) + moe_lora.shared_expert_shapes(self)
+        if self.lora_mlp and self.moe:  # a shared expert's linears (moe_lora_targets.shared_expert_shapes)
+            return tuple(self.lora_target_shapes) + moe_lora_targets.shared_expert_shapes(self)
         return tuple(self.lora_target_shapes) + (self.mlp_linear_shapes if self.lora_mlp else ())
+
+    @property
+    def shared_expert_gated(self) -> bool:
+        """Qwen-MoE's shared expert is scaled by sigmoid(Linear(h -> 1)): its parameters are the MLP's + h."""
+        moe, h = self.moe, self.hidden_size
+        fs = moe.shared_ffn_size if moe is not None else 0
+        return bool(fs) and moe.shared_params - (3 if self.gated_mlp else 2) * h * fs == h
 
     @property
     def lora_moe(self) -> bool:
@@ -335,9 +342,9 @@ class ModelSpec:
 
     def lora_tensor_elements(self, rank: int) -> list[int]:
         """Elements of each adapter tensor of a block, lora_A then lora_B: every lora_shapes linear's, then an MoE's
-        router and stacked experts' under all-linear (moe_lora.adapter_tensor_elements)."""
+        router and stacked experts' under all-linear (moe_lora_targets.adapter_tensor_elements)."""
         linears = [n for i, o in self.lora_shapes for n in (rank * i, o * rank)]
-        return linears + (moe_lora.adapter_tensor_elements(self, rank) if self.lora_moe else [])
+        return linears + (moe_lora_targets.adapter_tensor_elements(self, rank) if self.lora_moe else [])
 
     def lora_params_per_block(self, rank: int) -> int:
         """A (for an MoE: sparse) block's adapter elements."""
@@ -345,14 +352,25 @@ class ModelSpec:
 
     def lora_dense_delta(self, rank: int, tensors: bool = False) -> int:
         """What an MoE's dense blocks add to n_layers sparse blocks' adapter elements (tensors: adapter tensors):
-        under all-linear their MLP's lora.Linear adapters, not the router's and stacks' (moe.dense_block_spec)."""
+        under all-linear their MLP's lora.Linear adapters, not the router's and stacks' (dense_block_spec)."""
         if not self.n_dense_layers:
             return 0
-        from .moe import dense_block_spec
-
         dense, count = dense_block_spec(self), (len if tensors else sum)
         return self.n_dense_layers * (count(dense.lora_tensor_elements(rank)) - count(self.lora_tensor_elements(rank)))
 
     def lora_params(self, rank: int) -> int:
         """Every block's adapter elements (peft's trainable parameters)."""
         return self.n_layers * self.lora_params_per_block(rank) + self.lora_dense_delta(rank)
+
+
+def dense_block_spec(model: ModelSpec) -> ModelSpec | None:
+    """The leading dense blocks of an MoE model (DeepSeek's first_k_dense_replace) as a dense ModelSpec,
+    or None when every block is sparse."""
+    moe = model.moe
+    if moe is None or not moe.n_dense_layers:
+        return None
+    profile = model.activation_profile  # a traced profile's dense-block terms become the dense spec's own
+    if profile is not None:
+        profile = ActivationProfile(terms=tuple((d, a, t.dense or t) for d, a, t in profile.terms), source=profile.source)
+    return replace(model, moe=None, block_params=moe.dense_block_params,
+                   ffn_hidden_size=moe.dense_ffn_size or model.ffn_hidden_size, activation_profile=profile)

@@ -51,6 +51,7 @@ softmax router), leading dense blocks at their own index (priced as sparse at th
 from __future__ import annotations
 
 from .fsdp_options import DIM1_PLACEMENT
+from .model_spec import dense_block_spec  # noqa: F401  (its home is model_spec, which ModelSpec's counts need)
 from .specs import BackwardMoment, ModelSpec, MoeSpec
 
 INDEX_BYTES = 8  # int64 routing indices
@@ -69,7 +70,7 @@ def small_dim0_tensors(model: ModelSpec, dim1: bool = False) -> tuple[tuple[int,
     dim1: without the stacked expert matrices, which shard_placement_fn then shards on dim 1 unpadded."""
     moe = model.moe
     router = ((moe.n_experts, moe.router_params // moe.n_experts),) if moe.router_params else ()
-    gate = ((1, model.hidden_size),) if _shared_gate(model) else ()
+    gate = ((1, model.hidden_size),) if model.shared_expert_gated else ()
     stacked = tuple(t for t in moe.stacked_expert_tensors if not (dim1 and _is_matrix(model, t)))
     return stacked + router + gate
 
@@ -135,23 +136,6 @@ def dim1_shardable(model: ModelSpec, d: int) -> bool:
             and moe.expert_ffn_size % d == 0)
 
 
-def dense_block_spec(model: ModelSpec) -> ModelSpec | None:
-    """The leading dense blocks of an MoE model (DeepSeek's first_k_dense_replace) as a dense ModelSpec,
-    or None when every block is sparse."""
-    moe = model.moe
-    if moe is None or not moe.n_dense_layers:
-        return None
-    from dataclasses import replace
-
-    from .specs import ActivationProfile
-
-    profile = model.activation_profile  # a traced profile's dense-block terms become the dense spec's own
-    if profile is not None:
-        profile = ActivationProfile(terms=tuple((d, a, t.dense or t) for d, a, t in profile.terms), source=profile.source)
-    return replace(model, moe=None, block_params=moe.dense_block_params,
-                   ffn_hidden_size=moe.dense_ffn_size or model.ffn_hidden_size, activation_profile=profile)
-
-
 # ---------------------------------------------------------------- activations (grouped_mm experts)
 
 def router_bytes_per_token(moe: MoeSpec, c: int) -> int:
@@ -178,20 +162,13 @@ def _expert_activation_bytes(model: ModelSpec, c: int, lora: bool) -> int:
     return (3 * c * f if model.gated_mlp else c * f) + down_input
 
 
-def _shared_gate(model: ModelSpec) -> bool:
-    """Qwen-MoE's shared expert is scaled by sigmoid(Linear(h -> 1)): its parameters are the MLP's + h."""
-    moe, h = model.moe, model.hidden_size
-    fs = moe.shared_ffn_size
-    return bool(fs) and moe.shared_params - (3 if model.gated_mlp else 2) * h * fs == h
-
-
 def _shared_expert_bytes(model: ModelSpec, c: int, lora: bool) -> int:
     """Always-active shared expert(s): a dense MLP of shared_ffn_size (gated like the routed ones); with
     Qwen's sigmoid gate also the gate (c) and the shared output it scales (c*h)."""
     fs = model.moe.shared_ffn_size
     if not fs:
         return 0
-    gate = c * model.hidden_size + c if _shared_gate(model) else 0
+    gate = c * model.hidden_size + c if model.shared_expert_gated else 0
     return (3 * c * fs if model.gated_mlp else c * fs) + (0 if lora else c * fs) + gate
 
 
@@ -239,7 +216,7 @@ def backward_moments(model: ModelSpec, c: int, lora: bool = False, recomputed: b
     routed = [unpermute, activation, up]
     shared = []
     fs = moe.shared_ffn_size
-    if fs and _shared_gate(model):
+    if fs and model.shared_expert_gated:
         # Qwen: the gated shared output was computed last, so its gradient (c*h) waits for the shared MLP's
         # backward, which runs after the routed experts' (it was computed first). Its act(gate) backward
         # then holds that gradient, the block input's accumulated one and two f-sized gradients, with every

@@ -39,32 +39,10 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # model_spec imports this module (ModelSpec.lora_tensor_elements, its check)
-    from .model_spec import BackwardMoment, ModelSpec
+from .moe_lora_targets import shared_expert_shapes, unpriced_reason
 
-# families whose routed experts peft's transformers-5 conversion adapts (get_checkpoint_conversion_mapping) and whose
-# MoE block the ledger prices whole (Qwen2-MoE's gated shared expert; DeepSeek's shared experts and MLA; the dense
-# blocks of DeepSeek's first_k_dense_replace and Qwen's mlp_only_layers / decoder_sparse_step, a dense model's
-# all-linear: moe.dense_block_spec)
-PRICED_FAMILIES = ("mixtral", "qwen3_moe", "qwen2_moe", "deepseek_v2", "deepseek_v3")
-
-
-def unpriced_reason(model: ModelSpec) -> str:
-    """Why all-linear LoRA on this MoE is refused ("" where it is priced)."""
-    if model.family == "gpt_oss":
-        return ("peft 0.22's all-linear adapts gpt-oss's attention alone (its router and experts are no nn.Linear and "
-                "have no transformers-5 conversion); choose attention, which prices exactly that")
-    if model.block_class.startswith("Llama4"):
-        return ("peft 0.22's all-linear fails on Llama 4: its router (Llama4Router, an nn.Linear) gets a lora.Linear, "
-                "whose forward reads the base layer's tuple output as a tensor (peft tuners/lora/layer.py:1192 "
-                "'tuple' object has no attribute 'dtype'); choose attention")
-    if model.family not in PRICED_FAMILIES:
-        return (f"all-linear on an MoE is priced for {', '.join(PRICED_FAMILIES)} (peft's router and stacked-expert "
-                f"adapters); {model.family} is not; choose attention")
-    if not model.gated_mlp:
-        return "all-linear on an MoE is priced for blocks of routed gated experts; choose attention"
-    return ""
-
+if TYPE_CHECKING:
+    from .model_spec import ModelSpec
 
 def fsdp1_refusals(model: ModelSpec, lora: bool, fsdp1: bool, field: str, fix: str) -> list:
     """FSDP1 cannot run all-linear LoRA on an MoE: a 2-rank gloo run of the Mixtral small config (peft's
@@ -111,23 +89,6 @@ def refusals(model: ModelSpec, training, config) -> list:
                            "use --activation-checkpointing full or every-k, or --lora-targets attention",
                            priced=False))
     return out
-
-
-def shared_expert_shapes(model: ModelSpec) -> tuple[tuple[int, int], ...]:
-    """(in, out) of a shared expert's nn.Linears, which all-linear adapts with plain lora.Linear (Qwen2-MoE: gate, up,
-    down, and shared_expert_gate h -> 1): their lora_A outputs and down's input saved, as a dense MLP's adapters."""
-    fs, h = model.moe.shared_ffn_size, model.hidden_size
-    if not fs:
-        return ()
-    from . import moe
-
-    return ((h, fs), (h, fs), (fs, h)) + (((h, 1),) if moe._shared_gate(model) else ())
-
-
-def adapter_tensor_elements(model: ModelSpec, rank: int) -> list[int]:
-    """Elements of each adapter tensor of one MoE block (lora_A, lora_B): the router's, gate_up's, down's."""
-    E, h, f = model.moe.n_experts, model.hidden_size, model.moe.expert_ffn_size
-    return [rank * h, E * rank, 2 * rank * E * h, 2 * f * 2 * rank * E, rank * E * f, h * rank * E]
 
 
 # the MoE MLP's products (operators._mlp_matmuls) whose weights train through W_eff under all-linear: each token's
@@ -194,14 +155,14 @@ def backward_moments(model: ModelSpec, c: int, recomputed: bool = False, rank: i
     gradient and with down's lora_A output (rank r: the adapters') gone; by the routed moments their saved tensors,
     the three lora_A outputs included, are gone (moe.backward_moments subtracts the rest)."""
     from . import moe
-    from .model_spec import BackwardMoment
+    from .specs import BackwardMoment
 
     E, h, f, k = model.moe.n_experts, model.hidden_size, model.moe.expert_ffn_size, model.moe.experts_per_token
     full = moe.backward_moments(model, c, lora=False, recomputed=recomputed)
     first = [m for m in full if not m.experts_done]
     unpermute, activation, up = first[0], first[-2], first[-1]
-    deepseek = [] if moe._shared_gate(model) else first[1:-2]  # DeepSeek's shared experts' moment, if any
-    waiting = c * h if moe._shared_gate(model) else 0  # Qwen's gated shared output's gradient
+    deepseek = [] if model.shared_expert_gated else first[1:-2]  # DeepSeek's shared experts' moment, if any
+    waiting = c * h if model.shared_expert_gated else 0  # Qwen's gated shared output's gradient
     less = len(shared_expert_shapes(model)) * rank * c if deepseek else 0  # their lora_A outputs, freed with them
     shared = [replace(m, grad_bytes=0, per_token=m.per_token - rank * c) for m in deepseek]
     shared_saved = moe._shared_expert_bytes(model, c, False) if deepseek else 0
