@@ -24,8 +24,9 @@ Dense blocks (DeepSeek's leading first_k_dense_replace, Llama 4's interleaved): 
 memory.py's formulas take them. DeepSeek's MLA attention is not q / kv_dim x h: moe_block_tensors gives its four
 tensors the elements the block's count leaves.
 Experts as FSDP units of their own, with expert parallelism or without: expert_unit_events.py, ahead of this.
-Not here (step_allocations.replays keeps the flat rule, moe_flat_reason): dense blocks under LoRA, LoRA with padded
-experts (LoraWalk's own units, unpadded), experts sharded on dim 1, and expert units with LoRA or CPU offload.
+Under LoRA the dense blocks are lora_dense_events.py's. Not here (step_allocations.replays keeps the flat rule,
+moe_flat_reason): LoRA with padded experts (LoraWalk's own units, unpadded), experts sharded on dim 1, and expert units
+with LoRA or CPU offload.
 """
 
 from __future__ import annotations
@@ -42,9 +43,6 @@ def moe_flat_reason(model, training, config, d: int) -> str | None:
     moe = model.moe
     if moe is None:
         return None
-    if moe.n_dense_layers and training.finetune.adapters:
-        # (leading: DeepSeek's first_k_dense_replace, or interleaved: Llama 4; walked by MoeWalk for full fine-tuning)
-        return "MoE with dense blocks under LoRA"
     if (config.ep > 1 or config.expert_units) and (training.finetune.adapters or config.offload):
         # (expert_unit_events.py walks them for full fine-tuning on the device)
         return "MoE experts as units of their own (expert parallelism) with LoRA or CPU offload"

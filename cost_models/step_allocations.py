@@ -21,9 +21,9 @@ docs/accuracy.md, "TP with CP, and traced block profiles"), MoE (moe_events.py: 
 blocks, dim-0 padding; docs/accuracy.md, "MoE's step replayed"), experts as units of their own and expert parallelism
 (expert_unit_events.py: each block's experts a unit over efsdp; docs/accuracy.md, "2026-12-07 night: expert
 parallelism replayed"). A block's gradients alive at its backward's moment are made before its working set, the rest
-at its post-backward. Flat where the ledger has pieces StagePieces lacks or the walk does not yet match it: MoE's
-dense blocks under LoRA, experts on dim 1, LoRA with padded experts, expert units (EP among them) with
-LoRA or CPU offload (moe_events.moe_flat_reason), LoRA with FSDP1's adapter units.
+at its post-backward. MoE's dense blocks under LoRA: lora_dense_events.py. Flat where the ledger has pieces
+StagePieces lacks or the walk does not yet match it: experts on dim 1, LoRA with padded experts, expert units (EP among
+them) with LoRA or CPU offload (moe_events.moe_flat_reason), LoRA with FSDP1's adapter units.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ import dataclasses
 
 from .caching_allocator import AllocatorSettings, ReplayResult, replay
 from .expert_unit_events import ExpertUnitsWalk
+from .lora_dense_events import LoraDenseBlocksWalk
 from .lora_edge_events import LoraEdgeUnitsWalk
 from .lora_events import LoraWalk, lora_flat_reason
 from .memory_types import MemoryEstimate
@@ -83,7 +84,7 @@ class _FullStepWalk(ExpertUnitsWalk, OffloadWalk, OneRankWalk, MoeWalk, ProfileW
     """The walk step_events runs for full fine-tuning."""
 
 
-class _LoraStepWalk(OffloadWalk, OneRankWalk, LoraEdgeUnitsWalk, LoraWalk, StepWalk):
+class _LoraStepWalk(OffloadWalk, OneRankWalk, LoraEdgeUnitsWalk, LoraDenseBlocksWalk, LoraWalk, StepWalk):
     """The walk step_events runs under LoRA and QLoRA."""
 
 

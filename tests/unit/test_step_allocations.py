@@ -19,7 +19,6 @@ from planner.api import estimate, plan
 
 LLAMA_8B = dict(gpu="h100-80gb", seq_len=8192, micro_batch=1, global_batch=64, activation_checkpointing="full")
 EP_FLAT = "MoE experts as units of their own (expert parallelism) with LoRA or CPU offload"
-DENSE_FLAT = "MoE with dense blocks under LoRA"
 TRACED_ALLOCATED_GIB, TRACED_REPLAY_GIB = 23.84, 30.35 - 0.75   # the full-size trace's, context taken out
 
 
