@@ -230,8 +230,9 @@ class ModelSpec:
         if self.rope not in ("eager", "fused"):
             raise SpecError("model.rope", f"{self.rope!r}; choose one of: eager, fused")
         object.__setattr__(self, "lora_targets", parse_enum(LoraTargets, self.lora_targets, "lora_targets"))
-        if self.lora_targets is LoraTargets.ALL_LINEAR and self.moe is not None and moe_lora_targets.unpriced_reason(self):
-            raise SpecError("lora_targets", moe_lora_targets.unpriced_reason(self))
+        if self.lora_targets is LoraTargets.ALL_LINEAR and self.moe is not None and (
+                why := moe_lora_targets.unpriced_reason(self)):
+            raise SpecError("lora_targets", why)
         unknown = set(self.attention_choices) - {a.value for a in Attention}
         if not self.attention_choices or unknown:
             raise SpecError("model.attention_choices", f"{self.attention_choices!r}; choose from: {enum_choices(Attention)}")
