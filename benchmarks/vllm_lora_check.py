@@ -24,8 +24,8 @@ CASES = [("qwen2.5-7b", 1), ("qwen2.5-7b", 4), ("qwen3-8b", 1), ("qwen3-8b", 2),
          ("llama3-8b", 8), ("llama3-8b", 16), ("qwen2.5-14b", 2),   # Llama at 16: one KV head on each rank, replicated
          ("qwen3-30b-a3b", 1), ("qwen3-30b-a3b", 4), ("mixtral-8x7b", 2), ("gpt-oss-20b", 1), ("gpt-oss-20b", 2),
          ("deepseek-v2-lite", 1), ("deepseek-v2-lite", 2), ("deepseek-v2-lite", 8),   # MLA without q_lora_rank
-         ("deepseek-v3", 1), ("deepseek-v3", 8),
-         ("qwen2-moe-a2.7b", 1), ("qwen2-moe-a2.7b", 2)]   # a gated shared expert   # fused_qkv_a_proj; both: shared experts, leading dense blocks
+         ("deepseek-v3", 1), ("deepseek-v3", 8),   # fused_qkv_a_proj; both: shared experts, leading dense blocks
+         ("qwen2-moe-a2.7b", 1), ("qwen2-moe-a2.7b", 2)]   # a gated shared expert
 # FusedMoEWithLoRA / FusedMoE3DWithLoRA's buffers (tuples of tensors; their lora_a_stacked are lists of views)
 MOE_BUFFERS = ("w13_lora_a_stacked", "w13_lora_b_stacked", "w2_lora_a_stacked", "w2_lora_b_stacked")
 

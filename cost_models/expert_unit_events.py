@@ -68,7 +68,7 @@ class ExpertUnitsWalk:
 
     def _units(self, x) -> list[list[int]]:
         units = super()._units(x)
-        if not getattr(self, "expert_units", False):
+        if not self.expert_units:
             return units
         efsdp = self.efsdp
         gathered = moe_block_tensors(self.model, x.block_params, efsdp)

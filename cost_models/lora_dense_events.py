@@ -10,7 +10,6 @@ ParamWrappers: the ledger's trainable_dense_delta); not checkpointed, it keeps i
 
 from __future__ import annotations
 
-from .memory_shape import ledger_shape
 from .model_spec import dense_block_spec
 from .moe_events import MoeWalk
 from .pipeline_allocations import param_tensors
@@ -35,7 +34,7 @@ class LoraDenseBlocksWalk:
     def __init__(self, model, training, config, d: int, rank: int):
         super().__init__(model, training, config, d, rank)
         if self.dense:
-            MoeWalk.dense_saved(self, ledger_shape(model, training, config, None, False))
+            MoeWalk.dense_saved(self, self.shape)
 
     def dense_unit(self, s: int, u) -> bool:
         """Whether unit u is a dense block's."""

@@ -59,7 +59,7 @@ class LoraWalk:
         return ([[root]] if root else []) + [base + adapters] * x.stage.n_blocks
 
     def __init__(self, model, training, config, d: int, rank: int):
-        shape = ledger_shape(model, training, config, None, False)
+        self.shape = shape = ledger_shape(model, training, config, None, False)  # (LoraDenseBlocksWalk reads it too)
         self.frozen_p = shape.frozen_p  # read by alloc as _RankWalk's __init__ writes the parameters' shards
         super().__init__(model, training, config, d, rank)
         for j, (i, o) in enumerate(qlora.linear_shapes(model) * model.n_layers if self.packed else ()):

@@ -201,7 +201,7 @@ class StepWalk(LossKernelWalk, EdgeUnitsWalk, _RankWalk):
         if self.r != self.p:  # the output cast to the parameters' dtype, the reduce-dtype one freed (torch 2.13
             # _fsdp_collectives.py:696 _to_dtype_if_needed(reduce_output, orig_dtype)): the sharded gradient's bytes
             self.alloc(("rs_out", s, u), math.ceil(n * self.r / self.d), REDUCE_SCATTER_STREAM)
-        self.alloc(output, math.ceil(n * (self.p if self.r != self.p else self.r) / self.d), REDUCE_SCATTER_STREAM)
+        self.alloc(output, math.ceil(n * self.p / self.d), REDUCE_SCATTER_STREAM)
         if self.r != self.p:
             self.free(("rs_out", s, u))
         for key in grads if kept else ():
