@@ -5,17 +5,17 @@ A dense block's FSDP unit holds a dense model's base tensors (pipeline_allocatio
 moe.dense_block_spec, MoeSpec.dense_block_params: the ledger's ParamCounts.frozen_dense_delta) and that spec's
 adapters (ModelSpec.lora_tensor_elements: under all-linear its MLP's lora.Linear, not the router's and stacks'
 ParamWrappers: the ledger's trainable_dense_delta); not checkpointed, it keeps its own saved bytes
-(memory_shape's full_dense: moe_events.MoeWalk.dense_saved, as for full fine-tuning).
+(memory_shape's full_dense: moe_events.DenseBlocks.dense_saved, as for full fine-tuning).
 """
 
 from __future__ import annotations
 
 from .model_spec import dense_block_spec
-from .moe_events import MoeWalk
+from .moe_events import DenseBlocks
 from .pipeline_allocations import param_tensors
 
 
-class LoraDenseBlocksWalk:
+class LoraDenseBlocksWalk(DenseBlocks):
     """LoraWalk's units, trainable tensors and saved bytes with an MoE's dense blocks (no dense block: LoraWalk's)."""
 
     def _units(self, x) -> list[list[int]]:
@@ -34,12 +34,11 @@ class LoraDenseBlocksWalk:
     def __init__(self, model, training, config, d: int, rank: int):
         super().__init__(model, training, config, d, rank)
         if self.dense:
-            MoeWalk.dense_saved(self, self.shape)
+            self.dense_saved(self.shape)
 
     def dense_unit(self, s: int, u) -> bool:
         """Whether unit u is a dense block's."""
-        return bool(self.dense) and isinstance(u, int) and u >= self.root_units(s) \
-            and u - self.root_units(s) + self.pieces[s].stage.first_block in self.dense
+        return self.block_unit(s, u) in self.dense
 
     def trainable(self, s: int, u) -> list[int]:
         """A dense block's adapters (after its base tensors), else LoraWalk's."""

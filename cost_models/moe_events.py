@@ -88,7 +88,27 @@ def moe_block_tensors(model, block_params: int, d: int = 1) -> list[int]:
     return tensors + ([rest] if rest > 0 else [])
 
 
-class MoeWalk:
+class DenseBlocks:
+    """A dense block's unit and saved bytes among sparse ones (`dense`: the model's dense block indices), shared by
+    MoeWalk and lora_dense_events.LoraDenseBlocksWalk."""
+
+    def dense_saved(self, shape) -> None:
+        """A dense block keeps its own saved tensors (shape: a memory_shape.LedgerShape, its full_dense; checkpointed:
+        its input, as any block)."""
+        s = self.stage
+        x = self.pieces[s]
+        less = [shape.full - shape.full_dense if x.stage.first_block + j in self.dense and not x.checkpointed[j]
+                else 0 for j in range(x.stage.n_blocks)]
+        self.pieces[s] = dataclasses.replace(x, kept=tuple(k - n for k, n in zip(x.kept, less)),
+                                             saved=x.saved - self.tokens * sum(less))
+
+    def block_unit(self, s: int, u) -> int | None:
+        """The model index of the block unit u is, or None (the root, an edge unit, an experts unit)."""
+        return u - self.root_units(s) + self.pieces[s].stage.first_block \
+            if isinstance(u, int) and u >= self.root_units(s) else None
+
+
+class MoeWalk(DenseBlocks):
     """_RankWalk's _units for a sparse model (dense: theirs); with padded shards (d > 1), the padded tensors'
     shards, all-gathers, reduce-scatters and optimizer states beside the real gradients."""
 
@@ -118,21 +138,6 @@ class MoeWalk:
             x = self.pieces[s] = dataclasses.replace(x, params=total)
         if model.moe is not None and self.dense:
             self.dense_saved(ledger_shape(model, training, config, None, False))
-
-    def dense_saved(self, shape) -> None:
-        """A dense block keeps its own saved tensors (shape: a memory_shape.LedgerShape, its full_dense; checkpointed:
-        its input, as any block)."""
-        s = self.stage
-        x = self.pieces[s]
-        less = [shape.full - shape.full_dense if x.stage.first_block + j in self.dense and not x.checkpointed[j]
-                else 0 for j in range(x.stage.n_blocks)]
-        self.pieces[s] = dataclasses.replace(x, kept=tuple(k - n for k, n in zip(x.kept, less)),
-                                             saved=x.saved - self.tokens * sum(less))
-
-    def block_unit(self, s: int, u) -> int | None:
-        """The model index of the block unit u is, or None (the root, an edge unit, an experts unit)."""
-        return u - self.root_units(s) + self.pieces[s].stage.first_block \
-            if isinstance(u, int) and u >= self.root_units(s) else None
 
     def grad_bytes(self, s: int, u) -> list[int]:
         i = self.block_unit(s, u) if self.model.moe is not None else None
