@@ -58,13 +58,16 @@ class ExpertUnitsWalk:
         super().__init__(model, training, config, d, rank)
         if not self.expert_units:
             return
-        view, s, c = self.ep_view, self.stage, self.c
         gathered = moe_block_tensors(model, model.block_params, self.efsdp)
-        self.experts_bytes = [gathered[i] * c for i in self.expert_index]
-        shape = ledger_shape(model, training, config, view, False)
-        self.pieces[s] = self.pieces[s].with_ledger_saved(shape, self.tokens)
-        self.dense_saved(shape)  # (MoeWalk: a dense block's own)
-        self.shape = shape
+        self.experts_bytes = [gathered[i] * self.c for i in self.expert_index]
+
+    def ledger_saved(self, model, training, config) -> None:
+        """The saved tensors as the ledger holds them with the EP view (MoeWalk's hook; a dense block's own too)."""
+        if not self.expert_units:
+            return super().ledger_saved(model, training, config)
+        self.shape = ledger_shape(model, training, config, self.ep_view, False)
+        self.pieces[self.stage] = self.pieces[self.stage].with_ledger_saved(self.shape, self.tokens)
+        self.dense_saved(self.shape)
 
     def _units(self, x) -> list[list[int]]:
         units = super()._units(x)

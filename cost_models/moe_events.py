@@ -135,8 +135,13 @@ class MoeWalk(DenseBlocks):
         total = sum(sum(unit) for unit in self.units[s])
         if model.moe is not None and total != x.params:
             # the optimizer step's temporaries over the padded shards and the dense blocks (the ledger's trainable)
-            x = self.pieces[s] = dataclasses.replace(x, params=total)
-        if model.moe is not None and self.dense:
+            self.pieces[s] = dataclasses.replace(x, params=total)
+        if model.moe is not None:
+            self.ledger_saved(model, training, config)
+
+    def ledger_saved(self, model, training, config) -> None:
+        """The blocks' saved bytes as the ledger holds them: a dense block's own (expert_unit_events: the EP view's)."""
+        if self.dense:
             self.dense_saved(ledger_shape(model, training, config, None, False))
 
     def grad_bytes(self, s: int, u) -> list[int]:
