@@ -44,21 +44,28 @@ from .moe_lora_targets import shared_expert_shapes, unpriced_reason
 if TYPE_CHECKING:
     from .model_spec import ModelSpec
 
-def fsdp1_refusals(model: ModelSpec, lora: bool, fsdp1: bool, field: str, fix: str) -> list:
+FSDP1_FAILURE = ("FSDP1 with all-linear LoRA on an MoE: the step fails with peft's router and stacked-expert "
+                 "ParamWrappers (a 2-rank run, peft's wrap policy as verl's)")
+
+
+def fsdp1_fails(model: ModelSpec, all_linear: bool) -> bool:
     """FSDP1 cannot run all-linear LoRA on an MoE: a 2-rank gloo run of the Mixtral small config (peft's
     get_peft_model, FSDP1 on CPU ranks) fails in its forward / backward under peft's fsdp_auto_wrap_policy (verl's
     is_lora policy is the same lambda: every leaf with a trainable weight a unit, and the blocks) with use_orig_params
     False ("Output 0 of View is a view ... modified inplace") and True ("inconsistent tensor size"), and with the blocks
     alone as units (use_orig_params True: the same view error); attention-only LoRA runs (benchmarks/peft_moe_fsdp1.py).
-    FSDP2 runs it (the trace). lora: all-linear LoRA trains (verl's always does); fsdp1: the configuration's; field /
-    fix: the caller's names (verl's strategy, the doctor's)."""
+    FSDP2 runs it (the trace). all_linear: all-linear LoRA trains (verl's always does)."""
+    return bool(all_linear) and model.moe is not None and not unpriced_reason(model)
+
+
+def fsdp1_refusals(model: ModelSpec, lora: bool, fsdp1: bool, field: str, fix: str) -> list:
+    """fsdp1_fails as a refusal where the configuration is FSDP1 (fsdp1); lora: all-linear LoRA trains; field / fix:
+    the caller's names (verl's strategy, the doctor's)."""
     from .feasibility import Refusal
 
-    if not (lora and fsdp1 and model.moe is not None and not unpriced_reason(model)):
+    if not (fsdp1 and fsdp1_fails(model, lora)):
         return []
-    return [Refusal(field, "moe-all-linear-fsdp1", "FSDP1 with all-linear LoRA on an MoE: the step fails with peft's "
-                    "router and stacked-expert ParamWrappers (a 2-rank run, peft's wrap policy as verl's)", fix,
-                    priced=False)]
+    return [Refusal(field, "moe-all-linear-fsdp1", FSDP1_FAILURE, fix, priced=False)]
 
 
 def selective_op_refused(model: ModelSpec, training) -> bool:

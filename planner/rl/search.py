@@ -181,7 +181,7 @@ def spaces(request: RlRequest, model: ModelSpec, n_gpus: int) -> tuple[list[dict
     offloads = ((False, False),) if request.offload_policy else pairs
     strategies = ("fsdp2",) if request.offload_policy or (critic_policy and request.critic_strategy is None) \
         else STRATEGIES
-    if moe_lora.fsdp1_refusals(model, request.finetune == "lora", True, "strategy", ""):   # FSDP1 fails there
+    if moe_lora.fsdp1_fails(model, request.finetune == "lora"):
         strategies = ("fsdp2",)
     shared = [dict(strategy=st, actor_dtype=d, param_offload=p, optimizer_offload=o)
               for st, d, (p, o) in itertools.product(strategies, DTYPES, offloads)]

@@ -191,14 +191,14 @@ def _combination(trainer: Trainer, a: str, b: str) -> PlannerError:
 
 def model_refusal(trainer: Trainer, spec, training: TrainingSpec) -> PlannerError | None:
     """What the trainer cannot run on this model whatever the configuration: all-linear LoRA on an MoE under FSDP1
-    (cost_models/moe_lora.fsdp1_refusals: the step fails)."""
-    from cost_models.moe_lora import fsdp1_refusals
+    (cost_models/moe_lora.fsdp1_fails: the step fails)."""
+    from cost_models.moe_lora import FSDP1_FAILURE, fsdp1_fails
 
+    if not (trainer.fsdp_version == 1 and fsdp1_fails(spec, training.finetune.adapters and spec.lora_mlp)):
+        return None
     fsdp2 = [t.id for t in TRAINERS.values() if t.fsdp_version == 2 and t.lora]
-    for r in fsdp1_refusals(spec, training.finetune.adapters and spec.lora_mlp, trainer.fsdp_version == 1, "trainer",
-                            f"choose an FSDP2 --trainer ({', '.join(fsdp2)}), or --lora-targets attention"):
-        return PlannerError(r.field, f"{trainer.title}: {r.reason}; {r.fix}")
-    return None
+    return PlannerError("trainer", f"{trainer.title}: {FSDP1_FAILURE}; choose an FSDP2 --trainer ({', '.join(fsdp2)}), "
+                                   "or --lora-targets attention")
 
 
 def refusal(trainer: Trainer, config: FsdpConfig, training: TrainingSpec, family: str | None = None, spec=None
