@@ -41,7 +41,7 @@ import contextlib
 from . import context_parallel
 from .expert_parallel import rank_view
 from .memory_shape import ledger_shape
-from .moe_events import moe_block_tensors, stacked_matrices
+from .moe_events import expert_indices, moe_block_tensors
 
 
 class ExpertUnitsWalk:
@@ -53,7 +53,7 @@ class ExpertUnitsWalk:
         self.ep_view = rank_view(model, config, d, training) if self.expert_units and config.ep > 1 else None
         if self.expert_units:
             model = self.ep_view.model if self.ep_view is not None else model
-            self.expert_index = range(5, 5 + stacked_matrices(model))  # q, k, v, o, the router, the stacked experts
+            self.expert_index = expert_indices(model)
             self.efsdp = self.ep_view.efsdp if self.ep_view is not None else d  # (without EP: over d, padded)
         super().__init__(model, training, config, d, rank)
         if not self.expert_units:

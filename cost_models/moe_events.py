@@ -53,9 +53,21 @@ def moe_flat_reason(model, training, config, d: int) -> str | None:
     return None
 
 
-def stacked_matrices(model) -> int:
-    """How many tensors moe_block_tensors makes of the stacked experts (each matrix with its stacked bias)."""
-    return sum(1 for i, t in enumerate(model.moe.stacked_expert_tensors) if i == 0 or _is_matrix(model, t))
+def _stacked_groups(model) -> list[list[tuple[int, int]]]:
+    """The stacked expert tensors ((rows, per row)) grouped as moe_block_tensors makes them: gate_up before down
+    (transformers' order), each matrix with the stacked bias after it (gpt-oss's): one tensor, its gradient made with
+    the matrix's (the ledger's moments count them together)."""
+    groups: list[list[tuple[int, int]]] = []
+    for t in model.moe.stacked_expert_tensors:
+        if _is_matrix(model, t) or not groups:
+            groups.append([])
+        groups[-1].append(t)
+    return groups
+
+
+def expert_indices(model) -> range:
+    """The stacked experts' indices among moe_block_tensors' (after q, k, v, o and the router)."""
+    return range(5, 5 + len(_stacked_groups(model)))
 
 
 def moe_block_tensors(model, block_params: int, d: int = 1) -> list[int]:
@@ -67,13 +79,7 @@ def moe_block_tensors(model, block_params: int, d: int = 1) -> list[int]:
     def rows(n: int, per_row: int) -> int:
         return d * rows_per_rank(n, d) * per_row
 
-    # the stacked matrices, gate_up before down (transformers' order), each with the stacked bias after it (gpt-oss's):
-    # one tensor, its gradient made with the matrix's (the ledger's moments count them together)
-    matrices = []
-    for n, per_row in moe.stacked_expert_tensors:
-        if _is_matrix(model, (n, per_row)) or not matrices:
-            matrices.append(0)
-        matrices[-1] += rows(n, per_row)
+    matrices = [sum(rows(n, per_row) for n, per_row in group) for group in _stacked_groups(model)]
     attention = [model.q_dim * h, model.kv_dim * h, model.kv_dim * h, model.q_dim * h]
     router = rows(moe.n_experts, moe.router_params // moe.n_experts) if moe.router_params else 0
     gate = rows(1, h) - h if (1, h) in small_dim0_tensors(model) else 0  # padded rows of the shared-expert gate
@@ -83,7 +89,7 @@ def moe_block_tensors(model, block_params: int, d: int = 1) -> list[int]:
         - 2 * h - moe.shared_params
     if sum(attention) > budget > 0:
         attention = [max(1, a * budget // sum(attention)) for a in attention]
-    tensors = attention + [router] + matrices + [h, h] + shared
+    tensors = attention + [router] + matrices + [h, h] + shared  # (the matrices at expert_indices)
     rest = block_params - sum(moe_block_tensors(model, block_params)[:len(tensors)] if d > 1 else tensors)  # unpadded
     return tensors + ([rest] if rest > 0 else [])
 
