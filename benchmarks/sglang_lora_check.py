@@ -5,23 +5,30 @@ in an environment of its own that borrows the project's torch 2.13 and transform
     python3 -m venv /tmp/sglenv
     echo "$PWD/.venv/lib/python3.11/site-packages" > /tmp/sglenv/lib/python3.11/site-packages/zz_project.pth
     /tmp/sglenv/bin/pip install --no-deps sglang==0.5.23 pybase64 triton starlette msgspec pyzmq IPython \
-        apache-tvm-ffi==0.1.11 sentencepiece==0.2.1 compressed_tensors loguru gguf openai httpx2 partial_json_parser
+        apache-tvm-ffi==0.1.11 sentencepiece==0.2.1 compressed_tensors loguru gguf openai httpx2 partial_json_parser \
+        traitlets decorator matplotlib-inline pexpect ptyprocess prompt_toolkit wcwidth stack_data executing \
+        asttokens pure_eval jedi parso ipython-pygments-lexers   # IPython's own (sglang/utils.py imports it)
     PYTHONPATH=. /tmp/sglenv/bin/python benchmarks/sglang_lora_check.py
     PYTHONPATH=. /tmp/sglenv/bin/python -m pytest -q -n 0 -p no:cacheprovider tests/unit/test_rl_sglang_lora.py
 
 What runs of SGLang's code: ServerArgs (enable_lora, tp_size) published as the process's runtime context (rank 0),
-the model class SGLang runs for the catalog's config.json (Qwen2ForCausalLM, Qwen3ForCausalLM, LlamaForCausalLM)
-built on the meta device with stand-in process groups of the TP size (its layers shard as on GPU rank 0), then
-LoRAManager.init_lora_shapes (verl's ["all"] resolved against the model, or a list normalised) and LoRAMemoryPool
-(init_buffers: every buffer it allocates, on the meta device); we sum them. Two imports SGLang makes at module level
-for code that never runs here are stand-ins: torchvision (multimodal processors; its wheels need a CUDA torch) and
-vllm (the CPU rotary kernel's import). The pool's shapes read neither.
+its ModelConfig of the catalog's config.json (as ModelRunner has it: head_dim filled in where the config has none,
+Mixtral's), the model class SGLang runs for it (Qwen2ForCausalLM, Qwen3ForCausalLM, LlamaForCausalLM; the MoE
+Qwen3MoeForCausalLM, Qwen2MoeForCausalLM, MixtralForCausalLM, GptOssForCausalLM; DeepseekV2ForCausalLM and
+DeepseekV3ForCausalLM with MLA) built on the meta device with stand-in process groups of the TP size (its layers
+shard as on GPU rank 0), then LoRAManager.init_lora_shapes (verl's ["all"] resolved against the model, or a list
+normalised) and LoRAMemoryPool (init_buffers: every buffer it allocates, on the meta device, the MoE's 4D expert
+buffers included); we sum them. Built on the CPU, DeepSeek-V3 keeps its shared expert apart (fused into the FusedMoE
+on a CUDA GPU): the pool is sized from the config either way (cost_models/rollout_lora_sglang.py). Two imports
+SGLang makes at module level for code that never runs here are stand-ins: torchvision (multimodal processors; its
+wheels need a CUDA torch) and vllm (the CPU rotary kernel's import). The pool's shapes read neither.
 """
 
 from __future__ import annotations
 
 import importlib.abc
 import importlib.machinery
+import json
 import sys
 import tempfile
 from pathlib import Path
@@ -39,9 +46,28 @@ CASES = [("qwen2.5-7b", 1, 32, 8, "all-linear"), ("qwen2.5-7b", 2, 32, 8, "all-l
          ("qwen3-8b", 8, 48, 8, "all-linear"), ("llama3-8b", 8, 32, 8, "all-linear"),
          ("llama3-8b", 16, 32, 8, "all-linear"), ("qwen2.5-14b", 2, 16, 8, "all-linear"),
          ("llama3.2-1b", 2, 32, 8, "all-linear")]
+# Mixtures of experts (every routed expert's 4D buffers on every layer; Qwen2-MoE's and DeepSeek's shared experts and
+# DeepSeek's leading dense block 3D) and MLA (DeepSeek-V2-Lite without q_lora_rank, V3 with): verl's all-linear and
+# lists; Mixtral at TP 8 one KV head a rank
+MOE_CASES = [("qwen3-30b-a3b", 1, 32, 8, "all-linear"), ("qwen3-30b-a3b", 4, 64, 8, "all-linear"),
+             ("qwen3-30b-a3b", 2, 16, 8, ("q_proj", "v_proj", "gate_proj", "up_proj", "down_proj")),
+             ("qwen2-moe-a2.7b", 2, 32, 8, "all-linear"), ("mixtral-8x7b", 2, 32, 8, "all-linear"),
+             ("mixtral-8x7b", 8, 16, 4, "all-linear"), ("gpt-oss-20b", 2, 32, 8, "all-linear"),
+             ("deepseek-v2-lite", 1, 32, 8, "all-linear"), ("deepseek-v2-lite", 2, 32, 8, "all-linear"),
+             ("deepseek-v2-lite", 2, 16, 8, ("q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")),
+             ("deepseek-v3", 8, 32, 8, "all-linear"), ("deepseek-v3", 16, 16, 8, ("q_a_proj", "q_b_proj",
+                                                                                 "gate_proj", "down_proj"))]
 MODEL_CLASSES = {"qwen2": ("sglang.srt.models.qwen2", "Qwen2ForCausalLM"),
                  "qwen3": ("sglang.srt.models.qwen3", "Qwen3ForCausalLM"),
-                 "llama": ("sglang.srt.models.llama", "LlamaForCausalLM")}
+                 "llama": ("sglang.srt.models.llama", "LlamaForCausalLM"),
+                 "qwen3_moe": ("sglang.srt.models.qwen3_moe", "Qwen3MoeForCausalLM"),
+                 "qwen2_moe": ("sglang.srt.models.qwen2_moe", "Qwen2MoeForCausalLM"),
+                 "mixtral": ("sglang.srt.models.mixtral", "MixtralForCausalLM"),
+                 "gpt_oss": ("sglang.srt.models.gpt_oss", "GptOssForCausalLM"),
+                 "deepseek_v2": ("sglang.srt.models.deepseek_v2", "DeepseekV2ForCausalLM"),
+                 "deepseek_v3": ("sglang.srt.models.deepseek_v2", "DeepseekV3ForCausalLM")}
+# Keys of the real config.json the catalog leaves out that SGLang's class reads (DeepSeek-V2-Lite's router)
+LEFT_OUT = {"deepseek-v2-lite": {"scoring_func": "softmax"}}
 STAND_INS = ("torchvision", "vllm")
 
 
@@ -91,17 +117,20 @@ def sglang_pool(name: str, tp: int, rank: int = 32, slots: int = 8, targets="all
 
     import torch
     from sglang.srt import runtime_context
+    from sglang.srt.configs.model_config import ModelConfig
     from sglang.srt.lora.lora_manager import LoRAManager
     from sglang.srt.lora.mem_pool import LoRAMemoryPool
     from sglang.srt.server_args import ServerArgs
-    from sglang.srt.utils.hf_transformers_utils import AutoConfig
 
     folder = _config_dir(name)
+    if name in LEFT_OUT:
+        path = Path(folder) / "config.json"
+        path.write_text(json.dumps(json.loads(path.read_text()) | LEFT_OUT[name]))
     listed = ["all"] if targets == "all-linear" else list(targets)   # verl's sglang_lora_target_modules
     args = ServerArgs(model_path=folder, tp_size=tp, enable_lora=True, max_lora_rank=rank, max_loras_per_batch=slots,
                       lora_target_modules=listed, device="cpu", skip_tokenizer_init=True, load_format="dummy")
     runtime_context.publish(args, role="scheduler", ranks=runtime_context.SpawnRanks(world_rank=0))
-    config = AutoConfig.from_pretrained(folder)
+    config = ModelConfig(folder).hf_config   # as ModelRunner passes it: head_dim / v_head_dim filled in
     module, cls = MODEL_CLASSES[config.model_type]
     groups = {g: _Group(tp) for g in ("tp_group", "attn_tp_group", "moe_tp_group", "world_group")}
     groups.update({g: _Group(1) for g in ("pp_group", "attn_cp_group", "moe_ep_group", "moe_dp_group")})
@@ -131,8 +160,9 @@ def sglang_bytes(name: str, tp: int, rank: int = 32, slots: int = 8, targets="al
 
 
 def ours(name: str, tp: int, rank: int = 32, slots: int = 8, targets="all-linear") -> tuple[int, int]:
-    b = sglang_lora_pool(resolve_model(name), tp, rank, max_loras_per_batch=slots,
-                         targets=sglang_target_modules(targets if isinstance(targets, str) else list(targets)))
+    model = resolve_model(name)
+    b = sglang_lora_pool(model, tp, rank, max_loras_per_batch=slots,
+                         targets=sglang_target_modules(targets if isinstance(targets, str) else list(targets), model))
     return b.blocks_bytes, b.vocab_bytes
 
 
@@ -142,13 +172,13 @@ def main() -> None:
 
     print(f"SGLang {sglang.__version__}: LoRAMemoryPool bytes on TP rank 0, bf16 (blocks + vocabulary)")
     same = 0
-    for name, tp, rank, slots, targets in CASES:
+    for name, tp, rank, slots, targets in CASES + MOE_CASES:
         a, b = ours(name, tp, rank, slots, targets), sglang_bytes(name, tp, rank, slots, targets)
         same += a == b
         shown = targets if isinstance(targets, str) else ",".join(targets)
-        print(f"{name:12} TP {tp:2} rank {rank:2} slots {slots} {shown:14} ours {a[0]:>13,} + {a[1]:>11,}  "
+        print(f"{name:16} TP {tp:2} rank {rank:2} slots {slots} {shown:14} ours {a[0]:>13,} + {a[1]:>11,}  "
               f"SGLang {b[0]:>13,} + {b[1]:>11,}  {'same' if a == b else 'DIFFERENT'}")
-    print(f"{same} of {len(CASES)} the same")
+    print(f"{same} of {len(CASES + MOE_CASES)} the same")
 
 
 if __name__ == "__main__":

@@ -104,21 +104,15 @@ class LoraBuffers:
         return self.blocks_bytes + self.vocab_bytes + self.metadata_bytes
 
 
-def block_slices(model: ModelSpec, tp: int, packed: bool | None = None
-                 ) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
-    """(in, out) per TP rank of one block's LoRA slices, as vLLM and SGLang shard the base layers: the
-    column-parallel ones (out split; K and V: the rank's KV heads), then the row-parallel ones (in split).
-    packed: Phi-3's fused qkv_proj and gate_up_proj as one slice each (vLLM; None: by family) or apart (SGLang's
-    pool: rollout_lora_sglang.py)."""
+def block_slices(model: ModelSpec, tp: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """(in, out) per TP rank of one dense block's vLLM LoRA slices, as it shards the base layers: the column-parallel
+    ones (out split; K and V: the rank's KV heads; Phi-3's fused qkv_proj and gate_up_proj one slice each), then the
+    row-parallel ones (in split). SGLang's pool: rollout_lora_sglang.py."""
     if model.moe is not None or model.kv_lora_rank:
-        raise SpecError("finetune", "the rollout engine's LoRA buffers are priced for dense blocks without MLA "
-                                    "(vLLM's: MoE blocks too)")
+        raise SpecError("finetune", "vLLM's LoRA buffers are priced for dense blocks without MLA, and MoE blocks")
     h, f = model.hidden_size, model.ffn_hidden_size
-    fused = model.family in FUSED_GATE_UP_FAMILIES if packed is None else packed
-    column, (o_in, o) = attention_slices(model, tp, fused)
+    column, (o_in, o) = attention_slices(model, tp, model.family in FUSED_GATE_UP_FAMILIES)
     *mlp_column, _ = model.mlp_linear_shapes
-    if not fused and model.gated_mlp:   # gate and up apart, also where the family fuses them (Phi-3)
-        mlp_column = [(h, f), (h, f)]
     return column + [(i, out // tp) for i, out in mlp_column], [(o_in, o), (f // tp, h)]
 
 

@@ -36,6 +36,27 @@ What SGLang 0.5.23 allocates (python/sglang/srt/lora/):
   of the KV pool byte for byte. It is allocated outside every torch_memory_saver region (only the weights', the
   KV cache's and the CUDA graphs' are tagged), so release_memory_occupation never frees it: it stays on the GPU
   in every phase.
+- A mixture of experts (the model holds a FusedMoE: Qwen3-MoE, Qwen2-MoE, Mixtral, gpt-oss, DeepSeek-V2 / V3):
+  auto_detect_lora_target_modules names every FusedMoE gate_up_proj and down_proj (the router, "gate", and Qwen2-MoE's
+  shared_expert_gate are not in _KNOWN_LORA_TARGET_MODULES: never adapted). mem_pool.py init_buffer allocates for
+  each of the two, for every layer (the dense ones too): a 4D expert buffer "<name>_moe" (S, experts, rank x
+  stacked, in) / (S, experts, out, rank), every routed expert (_get_num_local_experts: no expert parallelism) at
+  moe_intermediate_size (else intermediate_size) / moe_tp_size (= tp without EP); and a 3D one "<name>" only where
+  the config has shared experts (shared_expert_intermediate_size or n_shared_experts), shaped by the layer's own
+  linear (_dense_local_dim): the shared expert's on a sparse layer, the MLP's on a dense one (DeepSeek's leading
+  blocks). LoRAManager.init_lora_modules wraps the FusedMoE (FusedMoEWithLoRA, layers.py) where both are targets;
+  with the default csgmv backend and MoE runner it runs on the legacy Triton path: SGLang refuses nothing here.
+- MLA (DeepSeek-V2 / V3, use_mla): auto_detect normalises q_a_proj / kv_a_proj_with_mqa to
+  fused_qkv_a_proj_with_mqa (REPLICATED_LINEAR_LORA_NAMES: whole on every rank; stacked 2: A 2 x rank, B q_lora_rank
+  + kv_lora_rank + qk_rope_head_dim), q_b_proj (B the rank's heads x (qk_nope + qk_rope)), kv_b_proj (A kv_lora_rank,
+  B the rank's heads x (qk_nope + v)), o_proj (A the rank's heads x v). DeepSeek-V2-Lite (no q_lora_rank) has a
+  q_proj, which normalises to qkv_proj: its buffer is sized by get_default_hidden_dim for a dense qkv_proj (A 3 x rank
+  by hidden; B head_dim x (heads + 2 x KV heads) / tp, head_dim transformers' DeepseekV2Config.head_dim =
+  qk_rope_head_dim) and never read (no module is named qkv_proj, so nothing is wrapped), nor is kv_a_proj_with_mqa
+  (only a module named fused_qkv_a_proj_with_mqa is): both buffers are allocated all the same.
+  On a CUDA GPU SGLang fuses DeepSeek-V3's one shared expert into the FusedMoE (deepseek_v2.py
+  shared_experts_fusion_disable_reason); the pool is sized from the config, not the FusedMoE, so its bytes are the
+  same (the sparse layers' 3D buffers fall back to get_default_hidden_dim's moe_intermediate_size x n_shared_experts).
 Not priced: the LoRA backend's batch metadata (lora/backend/chunked_backend.py, csgmv: int32 rows of the CUDA
 graphs' batch sizes and tokens, allocated with the graphs after the KV cache, inside the (1 - fraction) slack).
 """
@@ -43,32 +64,50 @@ graphs' batch sizes and tokens, allocated with the graphs after the KV cache, in
 from __future__ import annotations
 
 from .model_spec import ModelSpec
-from .rollout_lora import LoraBuffers, block_slices
+from .rollout_lora import MLA_FAMILIES, LoraBuffers, attention_slices
 from .spec_values import SpecError
 
 SGLANG_MAX_LORAS_PER_BATCH = 8   # srt/arg_groups/fields/lora.py Lora.max_loras_per_batch (verl leaves it)
 DEFAULT_VOCAB_PADDING_SIZE = 64  # srt/layers/vocab_parallel_embedding.py: the head's vocabulary rows padded to it
 BLOCK_TARGETS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 EMBEDDING_NAMES = ("embed_tokens", "lm_head")
-# LoRAManager.init_lora_shapes for lora_target_modules ["all"] (verl's all-linear) on a dense gated-MLP model
+MLA_TARGETS = ("fused_qkv_a_proj_with_mqa", "q_b_proj", "kv_b_proj")
+# LoRAManager.init_lora_shapes for lora_target_modules ["all"] (verl's all-linear) on a dense gated-MLP model, a
+# mixture of experts without MLA too (auto_detect_lora_target_modules: FusedMoE -> gate_up_proj, down_proj)
 ALL_TARGETS = frozenset(BLOCK_TARGETS + EMBEDDING_NAMES)
+KNOWN_TARGETS = ALL_TARGETS | frozenset(MLA_TARGETS)
 # utils.py get_normalized_target_modules: PEFT names -> the pool's (the rest keep their own)
 NORMALIZED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj",
-              "up_proj": "gate_up_proj"}
+              "up_proj": "gate_up_proj", "q_a_proj": "fused_qkv_a_proj_with_mqa",
+              "kv_a_proj_with_mqa": "fused_qkv_a_proj_with_mqa"}
+# SGLang model classes whose MoE LoRA pool is read (no get_hidden_dim of their own; benchmarks/sglang_lora_check.py
+# builds each): qwen3_moe.py, qwen2_moe.py, mixtral.py, gpt_oss.py, deepseek_v2.py (V3 its subclass)
+MOE_FAMILIES = frozenset({"qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss"}) | MLA_FAMILIES
 
 
-def sglang_target_modules(target_modules: str | list[str]) -> frozenset[str]:
-    """The pool's targets for verl's model.target_modules: "all-linear" -> SGLang's "all" (ALL_TARGETS, the
-    embedding and head included); a list of module names normalised (get_normalized_target_modules)."""
+def all_targets(model: ModelSpec) -> frozenset[str]:
+    """SGLang's "all" for the model (init_lora_shapes: auto_detect_lora_target_modules + EMBEDDING_NAMES): MLA's
+    projections in place of qkv_proj, DeepSeek-V2-Lite's q_proj (no q_lora_rank) normalised to qkv_proj."""
+    if not model.kv_lora_rank:
+        return ALL_TARGETS
+    query = "q_b_proj" if model.q_lora_rank else "qkv_proj"
+    return frozenset({query, "fused_qkv_a_proj_with_mqa", "kv_b_proj", "o_proj", "gate_up_proj", "down_proj",
+                      *EMBEDDING_NAMES})
+
+
+def sglang_target_modules(target_modules: str | list[str], model: ModelSpec | None = None) -> frozenset[str]:
+    """The pool's targets for verl's model.target_modules: "all-linear" -> SGLang's "all" (all_targets of the model,
+    a dense one's where none is given: the embedding and head included); a list of module names normalised
+    (get_normalized_target_modules)."""
     if isinstance(target_modules, str):
         if target_modules not in ("all-linear", "all"):
             raise SpecError("target_modules", f"{target_modules!r}: SGLang serves all-linear or a list of modules "
                                               "(verl's sglang_lora_target_modules raises on a regex)")
-        return ALL_TARGETS
+        return all_targets(model) if model is not None else ALL_TARGETS
     names = frozenset(NORMALIZED.get(n.split(".")[-1], n.split(".")[-1]) for n in target_modules)
-    unknown = names - ALL_TARGETS
+    unknown = names - KNOWN_TARGETS
     if unknown:
-        raise SpecError("target_modules", f"{sorted(unknown)}; priced for: {', '.join(sorted(ALL_TARGETS))}")
+        raise SpecError("target_modules", f"{sorted(unknown)}; priced for: {', '.join(sorted(KNOWN_TARGETS))}")
     return names
 
 
@@ -82,17 +121,65 @@ def head_rows_per_rank(vocab: int, tp: int) -> int:
     return min(-(-vocab // pad) * pad // tp, vocab)
 
 
+def _ab(stacked: int, fan_in: int, fan_out: int, r: int) -> int:
+    """One slot's A (rank x stacked, in) and B (out, rank) elements: mem_pool.py get_lora_A_shape / get_lora_B_shape."""
+    return r * (stacked * fan_in + fan_out)
+
+
+def attention_elements(model: ModelSpec, tp: int, r: int, name: str) -> int:
+    """One layer's, one slot's elements of an attention target (module docstring), on TP rank 0."""
+    h, heads = model.hidden_size, model.n_heads // tp
+    if not model.kv_lora_rank:
+        column, (o_in, _) = attention_slices(model, tp)   # q, k, v apart: one A each
+        return {"qkv_proj": _ab(3, h, sum(out for _, out in column), r), "o_proj": _ab(1, o_in, h, r)}.get(name, 0)
+    rope, nope, v = model.qk_rope_head_dim, model.head_dim - model.qk_rope_head_dim, model.v_head_dim
+    if name == "q_b_proj" and not model.q_lora_rank:
+        raise SpecError("target_modules", "q_b_proj: the model has no q_lora_rank (SGLang's lora/utils.py "
+                                          "get_default_hidden_dim reads config.q_lora_rank, None: it raises)")
+    # qkv_proj (V2-Lite's q_proj): a dense qkv_proj's shape at transformers' head_dim (qk_rope_head_dim), KV heads
+    # as QKVParallelLinear's (_column_parallel_lora_b_per_rank_dim)
+    qkv_out = heads * rope + 2 * max(1, model.n_kv_heads // tp) * rope
+    return {"qkv_proj": _ab(3, h, qkv_out, r), "o_proj": _ab(1, heads * v, h, r),
+            "fused_qkv_a_proj_with_mqa": _ab(2, h, model.q_lora_rank + model.kv_lora_rank + rope, r),
+            "q_b_proj": _ab(1, model.q_lora_rank, heads * model.head_dim, r),
+            "kv_b_proj": _ab(1, model.kv_lora_rank, heads * (nope + v), r)}.get(name, 0)
+
+
+def mlp_elements(model: ModelSpec, tp: int, r: int, name: str) -> int:
+    """Every layer's elements, one slot, of gate_up_proj (stacked 2) or down_proj (module docstring): a dense
+    model's MLP; a mixture of experts' 4D expert buffers on every layer and, where it has shared experts, the 3D ones
+    shaped by each layer's linear (the shared expert's, or a dense block's MLP)."""
+    h, L = model.hidden_size, model.n_layers
+
+    def linear(f: int) -> int:   # MergedColumnParallelLinear gate_up (out split) or RowParallelLinear down (in)
+        return _ab(2, h, 2 * (f // tp), r) if name == "gate_up_proj" else _ab(1, f // tp, h, r)
+    if model.moe is None:
+        return L * linear(model.ffn_hidden_size)
+    moe, dense = model.moe, model.n_dense_layers
+    shared = (dense * linear(moe.dense_ffn_size) + (L - dense) * linear(moe.shared_ffn_size)
+              if moe.shared_ffn_size else 0)
+    return shared + L * moe.n_experts * linear(moe.expert_ffn_size)
+
+
 def sglang_lora_pool(model: ModelSpec, tp: int, max_lora_rank: int, dtype_bytes: int = 2,
                      max_loras_per_batch: int = SGLANG_MAX_LORAS_PER_BATCH,
-                     targets: frozenset[str] = ALL_TARGETS) -> LoraBuffers:
+                     targets: frozenset[str] | None = None) -> LoraBuffers:
     """The bytes of SGLang's LoRA memory pool on TP rank 0 (module docstring): max_loras_per_batch slots of
-    max_lora_rank for `targets` (the pool's names), dtype of `dtype_bytes`."""
+    max_lora_rank for `targets` (the pool's names; None: SGLang's "all" for the model), dtype of `dtype_bytes`."""
     if not model.gated_mlp:
-        raise SpecError("finetune", "SGLang's LoRA pool is priced for gated-MLP blocks (gate_up_proj, down_proj)")
+        raise SpecError("finetune", "SGLang's LoRA pool is priced for gated-MLP blocks (gate_up_proj, down_proj); "
+                                    f"{model.family}'s MLP is not")
+    if model.moe is not None and model.family not in MOE_FAMILIES:
+        read = ", ".join(sorted(MOE_FAMILIES))
+        raise SpecError("finetune", f"SGLang's LoRA pool is priced for the MoE classes read ({read}); "
+                                    f"{model.family}'s is not")
+    if model.kv_lora_rank and model.family not in MLA_FAMILIES:
+        raise SpecError("finetune", f"SGLang's LoRA pool is priced for DeepSeek's MLA; {model.family}'s is not")
+    targets = all_targets(model) if targets is None else targets
     r, slots = max_lora_rank, max_loras_per_batch
-    (q, k, v, gate, up), (o, down) = block_slices(model, tp, packed=False)
-    by_target = {"qkv_proj": (q, k, v), "o_proj": (o,), "gate_up_proj": (gate, up), "down_proj": (down,)}
-    per_layer = sum(r * i + out * r for name in targets & by_target.keys() for i, out in by_target[name])
+    blocks = sum(model.n_layers * attention_elements(model, tp, r, name) for name in targets
+                 if name not in ("gate_up_proj", "down_proj") + EMBEDDING_NAMES)
+    blocks += sum(mlp_elements(model, tp, r, name) for name in targets & {"gate_up_proj", "down_proj"})
     vocab, h = model.vocab_size, model.hidden_size
     embed = (r * vocab + h * r) if "embed_tokens" in targets else 0
     head_rows = vocab if model.tied_embeddings else head_rows_per_rank(vocab, tp)
@@ -101,5 +188,5 @@ def sglang_lora_pool(model: ModelSpec, tp: int, max_lora_rank: int, dtype_bytes:
     # (lm_head_A/B_buffer) where lm_head is, each with a buffer for every embedding name targeted: both named, each
     # buffer is allocated twice
     copies = ("embed_tokens" in targets) + ("lm_head" in targets)
-    return LoraBuffers(blocks_bytes=model.n_layers * slots * per_layer * dtype_bytes,
+    return LoraBuffers(blocks_bytes=slots * blocks * dtype_bytes,
                        vocab_bytes=copies * slots * (embed + head) * dtype_bytes, metadata_bytes=0)

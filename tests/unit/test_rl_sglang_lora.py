@@ -1,21 +1,99 @@
-"""Our LoRA pool bytes (cost_models/rollout_lora_sglang.py) against the LoRAMemoryPool SGLang 0.5.23 builds itself for
-the catalog's models on the meta device at each TP degree (benchmarks/sglang_lora_check.py: SGLang's model class,
-LoRAManager.init_lora_shapes, LoRAMemoryPool.init_buffers). SGLang installs in an environment of its own (the
-benchmark says how); here it is skipped. With sglang 0.5.23: 11 of 11 the same (2026-12-07)."""
+"""SGLang's LoRA pool on mixtures of experts and MLA (cost_models/rollout_lora_sglang.py), and our pool bytes against
+the LoRAMemoryPool SGLang 0.5.23 builds itself for the catalog's models on the meta device at each TP degree
+(benchmarks/sglang_lora_check.py: SGLang's ModelConfig and model class, LoRAManager.init_lora_shapes,
+LoRAMemoryPool.init_buffers). SGLang installs in an environment of its own (the benchmark says how); here those tests
+are skipped, the by-hand ones run. With sglang 0.5.23: 11 of 11 dense cases the same (2026-12-07), and 12 of 12 MoE /
+MLA cases (Qwen3-MoE, Qwen2-MoE, Mixtral, gpt-oss, DeepSeek-V2-Lite and V3; 2026-12-08).
+
+By hand, from SGLang 0.5.23's python/sglang/srt/lora/: mem_pool.py init_buffer gives gate_up_proj and down_proj, on a
+model holding a FusedMoE, a 4D buffer per layer (every layer, the dense ones too) of (slots, experts, rank x stacked,
+in) / (slots, experts, out, rank), at moe_intermediate_size / tp, and a 3D one only where the config has shared
+experts (the layer's own linear: the shared expert, or a dense block's MLP); utils.py auto_detect_lora_target_modules
+normalises DeepSeek's q_a_proj / kv_a_proj_with_mqa to fused_qkv_a_proj_with_mqa (replicated, stacked 2) and V2-Lite's
+q_proj to qkv_proj (get_default_hidden_dim at transformers' head_dim, qk_rope_head_dim)."""
 
 import importlib.util
 
 import pytest
 
-if importlib.util.find_spec("sglang") is None:   # before the stand-ins: they must not reach other tests' imports
-    pytest.skip("SGLang is not importable in this environment: it installs in one of its own "
-                "(benchmarks/sglang_lora_check.py says how)", allow_module_level=True)
+from cost_models.rollout_lora_sglang import all_targets, sglang_lora_pool, sglang_target_modules
+from cost_models.spec_values import SpecError
+from planner.models import resolve_model
+from planner.rl import rl_estimate
 
-from benchmarks.sglang_lora_check import CASES, ours, sglang_bytes  # noqa: E402
+needs_sglang = pytest.mark.skipif(importlib.util.find_spec("sglang") is None,
+                                  reason="SGLang is not importable in this environment: it installs in one of its "
+                                         "own (benchmarks/sglang_lora_check.py says how)")
 
 
+def test_qwen3_30b_a3b_tp1_rank32_by_hand():
+    """Qwen3-30B-A3B (h 2,048, 32 heads / 4 KV of 128, 128 experts of 768, 48 layers, vocab 151,936 untied), TP 1, rank
+    32, 8 slots, bf16. Per slot and layer: qkv A 96 x 2,048 = 196,608, B (4,096 + 2 x 512) x 32 = 163,840; o A 32 x
+    4,096 = 131,072, B 65,536; an expert: gate_up A 64 x 2,048 = 131,072, B 1,536 x 32 = 49,152, down A 32 x 768 =
+    24,576, B 65,536 = 270,336, x 128 = 34,603,008 (no router buffer: "gate" is not a LoRA target). 35,160,064 x 48 x 8
+    x 2 B = 27,002,929,152 B (25.1 GiB, 8 x vLLM's one slot of experts). Vocabulary (4,861,952 + 65,536 + 65,536 +
+    4,861,952) x 8 x 2 B, twice = 315,359,232 B. SGLang's own pool: the same (benchmarks/sglang_lora_check.py)."""
+    expert = 131_072 + 49_152 + 24_576 + 65_536
+    per_layer = 196_608 + 163_840 + 131_072 + 65_536 + 128 * expert
+    b = sglang_lora_pool(resolve_model("qwen3-30b-a3b"), tp=1, max_lora_rank=32)
+    assert (b.blocks_bytes, b.vocab_bytes) == (per_layer * 48 * 16, 9_854_976 * 32) == (27_002_929_152, 315_359_232)
+
+
+def test_deepseek_v2_lite_tp2_rank32_by_hand():
+    """DeepSeek-V2-Lite (h 2,048, 16 heads, MLA without q_lora_rank: kv_lora_rank 512, qk 128 + 64, v 128; 64 experts
+    of 1,408, 2 shared (2,816); block 0 dense, FFN 10,944; 27 layers, vocab 102,400), TP 2, rank 32, 8 slots. Per slot
+    and layer: qkv_proj (q_proj's, never read) A 96 x 2,048 = 196,608, B 64 x (16 + 32) / 2 x 32 = 49,152;
+    fused_qkv_a A 64 x 2,048 = 131,072, B 576 x 32 = 18,432; kv_b A 32 x 512 = 16,384, B 8 x 256 x 32 = 65,536; o A 32
+    x 1,024 = 32,768, B 65,536: 575,488. 3D MLP: block 0 (5,472 a rank) 131,072 + 350,208 + 175,104 + 65,536 =
+    721,920, the others' shared experts (1,408 a rank) 131,072 + 90,112 + 45,056 + 65,536 = 331,776; 4D on all 27: an
+    expert (704 a rank) 131,072 + 45,056 + 22,528 + 65,536 = 264,192 x 64. (27 x 575,488 + 721,920 + 26 x 331,776 + 27
+    x 16,908,288) x 8 x 2 B = 7,702,560,768 B; vocabulary (3,276,800 + 65,536 + 65,536 + 51,200 x 32) x 32 =
+    161,480,704 B; both SGLang's own. vLLM's one slot (tests/unit/test_rollout_lora.py) 921,901,056 B."""
+    per_slot = 27 * 575_488 + 721_920 + 26 * 331_776 + 27 * 64 * 264_192
+    b = sglang_lora_pool(resolve_model("deepseek-v2-lite"), tp=2, max_lora_rank=32)
+    assert (b.blocks_bytes, b.vocab_bytes) == (per_slot * 16, 5_046_272 * 32) == (7_702_560_768, 161_480_704)
+
+
+def test_targets_of_all_and_refusals():
+    """"all" resolves by the model (V3: q_b_proj; V2-Lite: its q_proj as qkv_proj); q_b_proj named on a model without
+    q_lora_rank is refused as SGLang's get_default_hidden_dim fails on it; an MoE family whose SGLang class is not
+    read, or a non-gated MLP, is refused: one line naming the field."""
+    v3, lite = resolve_model("deepseek-v3"), resolve_model("deepseek-v2-lite")
+    assert all_targets(v3) - all_targets(lite) == {"q_b_proj"} and all_targets(lite) - all_targets(v3) == {"qkv_proj"}
+    assert sglang_target_modules("all-linear", v3) == all_targets(v3)
+    assert sglang_target_modules(["q_a_proj", "kv_a_proj_with_mqa"]) == {"fused_qkv_a_proj_with_mqa"}
+    with pytest.raises(SpecError, match="target_modules: q_b_proj"):
+        sglang_lora_pool(lite, 2, 32, targets=frozenset({"q_b_proj"}))
+    with pytest.raises(SpecError, match="finetune.*phi"):
+        sglang_lora_pool(resolve_model("phi-2"), 1, 32)
+
+
+def test_verl_sglang_moe_lora_priced_in_every_phase():
+    """verl with SGLang serving DeepSeek-V2-Lite's adapter (rollout TP 2, rank 32): the pool, never released, in
+    every phase - no longer refused."""
+    e = rl_estimate("deepseek-v2-lite", 8, gpu="h100-80gb", engine="sglang", finetune="lora")
+    assert (e.engine_settings.tp, e.engine_settings.max_lora_rank) == (2, 32)
+    assert e.memory.engine.lora_bytes == 7_702_560_768 + 161_480_704
+    assert all(p.gpu_bytes.get("engine LoRA buffers") == 7_864_041_472 for p in e.memory.phases)
+
+
+if importlib.util.find_spec("sglang") is not None:
+    from benchmarks.sglang_lora_check import CASES, MOE_CASES, ours, sglang_bytes
+else:
+    CASES = MOE_CASES = ()
+
+
+@needs_sglang
 @pytest.mark.parametrize("name, tp, rank, slots, targets", CASES)
 def test_lora_pool_is_sglangs(name, tp, rank, slots, targets):
     """Qwen2.5-7B / 14B, Qwen3-8B, Llama 3 8B (at TP 16 one KV head a rank, replicated), Llama 3.2 1B (the head tied
     to the embedding), verl's all-linear and a list of targets, 8 slots or 1, ranks 16-64: the same bytes."""
+    assert ours(name, tp, rank, slots, targets) == sglang_bytes(name, tp, rank, slots, targets)
+
+
+@needs_sglang
+@pytest.mark.parametrize("name, tp, rank, slots, targets", MOE_CASES)
+def test_moe_and_mla_lora_pool_is_sglangs(name, tp, rank, slots, targets):
+    """Every routed expert's 4D buffers on every layer, the shared experts' and DeepSeek's dense block's 3D ones,
+    MLA's projections (V2-Lite's q_proj as a qkv_proj), all-linear and lists, TP 1-16: the same bytes."""
     assert ours(name, tp, rank, slots, targets) == sglang_bytes(name, tp, rank, slots, targets)

@@ -131,7 +131,8 @@ def test_gpt_oss_has_one_w13_slice():
 
 def test_moe_refusals_name_the_field():
     """Shared experts of a family whose vLLM class is not read (here a Qwen3-MoE given one) and vLLM 0.8 (no MoE
-    LoRA) are not priced: one SpecError naming the field."""
+    LoRA) are not priced, nor SGLang's pool for an MoE family whose SGLang class is not read (here OLMoE's): one
+    SpecError naming the field."""
     qwen3 = resolve_model("qwen3-30b-a3b")
     shared = dataclasses.replace(qwen3, moe=dataclasses.replace(qwen3.moe, shared_ffn_size=768))
     with pytest.raises(SpecError, match="finetune"):
@@ -139,7 +140,7 @@ def test_moe_refusals_name_the_field():
     with pytest.raises(SpecError, match="engine_version"):
         vllm_lora_buffers(resolve_model("qwen3-30b-a3b"), tp=1, max_lora_rank=32, version="0.8")
     with pytest.raises(SpecError, match="finetune"):
-        sglang_lora_pool(resolve_model("qwen3-30b-a3b"), tp=1, max_lora_rank=32)
+        sglang_lora_pool(dataclasses.replace(qwen3, family="olmoe"), tp=1, max_lora_rank=32)
 
 
 def test_deepseek_v2_lite_mla_shared_experts_and_dense_block_by_hand():
