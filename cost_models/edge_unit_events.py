@@ -38,15 +38,19 @@ class EdgeUnitsWalk:
         then the norm's gradient and the unit's second post-backward (edge_units.py)."""
         if events is self.loss_events[0] and self.loss_kernel or events is self.loss_events[1] and not self.loss_kernel:
             if not self.loss_kernel:
-                self.alloc(("wgrad", s, "head", 0), self.edge_params["head"] * self.c)
+                self.edge_grad(s, "head")
             self.edge_post_backward(s, "head")
         if events is self.loss_events[1]:
             self.unshard("head", backward=True)
             last = len(self.units[s]) - 1
             if last not in self.gathered_units:
                 self.all_gather(last)
-            self.alloc(("wgrad", s, "norm", 0), self.edge_params["norm"] * self.c)
+            self.edge_grad(s, "norm")
             self.edge_post_backward(s, "norm")
+
+    def edge_grad(self, s: int, part: str) -> None:
+        """The gradient of `part` (head or norm; lora_edge_events: frozen, none)."""
+        self.alloc(("wgrad", s, part, 0), self.edge_params[part] * self.c)
 
     def edge_embedding_backward(self, s: int, grad_in) -> None:
         """The embedding unit's pre-backward (its prefetched all-gather copied out), its gradient from block 0's input

@@ -26,7 +26,8 @@ from .pipeline_allocations import ALL_GATHER_STREAM
 
 
 class LoraEdgeUnitsWalk:
-    """The hooks of LoraWalk that change with edge units (a mixin ahead of it; `edges` from EdgeUnitsWalk)."""
+    """EdgeUnitsWalk's hooks with the edge units frozen (a mixin ahead of LoraWalk, whose loss and root_backward run
+    StepWalk's with edge units)."""
 
     def all_gather(self, u) -> None:
         """An edge unit's all-gather: the frozen shards' copy-in (cast where stored in another dtype than c), the
@@ -40,39 +41,20 @@ class LoraEdgeUnitsWalk:
         self.free(("all_gather_in", s, u))
         self.prefetched.add(u)
 
-    def loss(self, events, s: int, mb: int) -> None:
-        """The head's unit gathered before the loss (then the root's post-forward); after the head's backward (a loss
-        kernel's: inside its forward) its post-backward reshards it; at the loss's backward the final norm's
-        pre-backward gathers it again and prefetches the last block, its post-backward reshards it."""
-        if not self.edges:
-            return super().loss(events, s, mb)
-        forward = events is self.loss_events[0]
-        if forward:
-            self.unshard("head")
-            self.free(self.pending)
-            self.pending = None
-        super().loss(events, s, mb)
-        if forward == self.loss_kernel:  # the head's post-backward: reshard, nothing to reduce
-            self.reshard_unit("head")
-        if not forward:
-            self.unshard("head", backward=True)
-            last = len(self.units[s]) - 1
-            if last not in self.gathered_units:
-                self.all_gather(last)
-            self.reshard_unit("head")
+    def edge_grad(self, s: int, part: str) -> None:
+        """Frozen: no gradient."""
 
-    def root_backward(self, s: int, grad_in) -> None:
+    def edge_post_backward(self, s: int, part: str) -> None:
+        """The head's or the embedding's post-backward: reshard, nothing to reduce (_fsdp_param_group.py post_backward
+        returns before foreach_reduce)."""
+        self.reshard_unit("emb" if part == "emb" else "head")
+
+    def edge_embedding_backward(self, s: int, grad_in) -> None:
         """Autograd ends at block 0 (its input gradient freed); the final callback's post-backward of the embedding's
         unit then drops block 0's prefetch of it uncopied (ZeRO-2: reshards it, gathered since the forward)."""
-        if not self.edges:
-            return super().root_backward(s, grad_in)
-        if self.pending is not None:
-            self.free(self.pending)
-            self.pending = None
-        self.free(("mask", grad_in[2]))
         self.free(grad_in)
         if "emb" in self.prefetched:
-            self.free(("all_gather", s, "emb"))
+            self.free(("all_gather", self.stage, "emb"))
             self.prefetched.discard("emb")
         if "emb" in self.gathered_units:
             self.reshard_unit("emb")

@@ -165,7 +165,10 @@ class LoraWalk:
                                 [("wgrad", s, u, i) for i in trained])
 
     def loss(self, events, s: int, mb: int) -> None:
-        """The loss's tensors (a loss kernel's: kernel_loss); the frozen head leaves no gradient."""
+        """The loss's tensors (a loss kernel's: kernel_loss); the frozen head leaves no gradient (edge units: StepWalk's
+        head unit hooks, lora_edge_events.py's frozen)."""
+        if self.edges:
+            return super().loss(events, s, mb)
         if self.loss_kernel:
             self.kernel_loss(events, s, mb)
         else:
@@ -173,7 +176,10 @@ class LoraWalk:
 
     def root_backward(self, s: int, grad_in) -> None:
         """Autograd ends at block 0 (the embedding's output needs no gradient): its all-gather output, the mask and
-        grad_in go, then the root's post-backward (the final callback) reshards it."""
+        grad_in go, then the root's post-backward (the final callback) reshards it (edge units: StepWalk's
+        edge_embedding_backward hook, lora_edge_events.py's frozen)."""
+        if self.edges:
+            return super().root_backward(s, grad_in)
         if self.pending is not None:
             self.free(self.pending)
             self.pending = None
