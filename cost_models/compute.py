@@ -18,7 +18,8 @@ from __future__ import annotations
 import math
 
 from . import moe_lora
-from .moe import active_block_params, dense_block_spec
+from .model_spec import dense_block_spec
+from .moe import active_block_params
 from .operators import block_ops
 from .specs import FsdpConfig, ModelSpec, TrainingSpec
 

@@ -2,7 +2,7 @@
 4's interleaved ones; a mixin ahead of lora_events.LoraWalk in step_allocations._LoraStepWalk).
 
 A dense block's FSDP unit holds a dense model's base tensors (pipeline_allocations.param_tensors of
-moe.dense_block_spec, MoeSpec.dense_block_params: the ledger's ParamCounts.frozen_dense_delta) and that spec's
+model_spec.dense_block_spec, MoeSpec.dense_block_params: the ledger's ParamCounts.frozen_dense_delta) and that spec's
 adapters (ModelSpec.lora_tensor_elements: under all-linear its MLP's lora.Linear, not the router's and stacks'
 ParamWrappers: the ledger's trainable_dense_delta); not checkpointed, it keeps its own saved bytes
 (memory_shape's full_dense: moe_events.DenseBlocks.dense_saved, as for full fine-tuning).

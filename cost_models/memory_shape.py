@@ -13,6 +13,7 @@ from operator import attrgetter
 from . import (activation_notes, activations, activations_backward, context_parallel, fsdp1_adapters, kernels,
                lora_dropout, moe, moe_lora, operators, qlora, root_regather, tensor_parallel)
 from .memory_types import ParamCounts, traced_block_terms
+from .model_spec import dense_block_spec
 from .quick_init import quick_init, replaced
 from .specs import FSDP_ONLY_FIELDS, FsdpConfig, ModelSpec, TrainingSpec
 from .units import DTYPE_BYTES
@@ -158,7 +159,7 @@ def ledger_shape(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, e
 
     # MoE models' leading dense blocks (n_dense_layers): their own saved bytes at their own moment
     nd = model.n_dense_layers
-    dense = moe.dense_block_spec(model)
+    dense = dense_block_spec(model)
     full_dense = activations.block_bytes_per_token(dense, c, attn, training.seq_len, config.micro_batch,
                                                    lora_rank, kern) if dense else full
     traced_dense = traced.dense if traced is not None and nd else None

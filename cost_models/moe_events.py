@@ -34,7 +34,8 @@ from __future__ import annotations
 import dataclasses
 
 from .memory_shape import ledger_shape
-from .moe import _is_matrix, block_gathered_elements, dense_block_spec, rows_per_rank, small_dim0_tensors
+from .model_spec import dense_block_spec
+from .moe import _is_matrix, block_gathered_elements, rows_per_rank, small_dim0_tensors
 from .pipeline_allocations import param_tensors
 
 

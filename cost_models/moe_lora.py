@@ -28,8 +28,8 @@ shared_expert_gate) get plain lora.Linear adapters (ModelSpec.lora_shapes: share
 and down's input saved, p T (fs + 4r), equal to peft's measured excess), and DeepSeek-V2 / V3, whose MLA projections and
 shared experts take lora.Linear too (the shared experts' backward runs before the routed one: backward_moments). Dense
 blocks (DeepSeek's first_k_dense_replace, Qwen's mlp_only_layers / decoder_sparse_step) take a dense model's all-linear:
-their MLP's lora.Linear (moe.dense_block_spec; ModelSpec.lora_dense_delta in the ledger's counts). Counts equal peft's
-get_peft_model to the element (tests/unit/test_moe_lora.py). Refused: gpt-oss has no conversion, so peft's all-linear
+their MLP's lora.Linear (model_spec.dense_block_spec; ModelSpec.lora_dense_delta in the ledger's counts). Counts equal
+peft's get_peft_model to the element (tests/unit/test_moe_lora.py). Refused: gpt-oss has no conversion, so peft's all-linear
 adapts its attention alone (lora_targets attention prices exactly that); Llama 4 has none either, and peft's lora.Linear
 on its router (an nn.Linear returning a tuple) raises; OLMoE / GLM-4 MoE are read by the generic path (not priced).
 """

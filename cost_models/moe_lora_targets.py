@@ -8,7 +8,7 @@ from __future__ import annotations
 # families whose routed experts peft's transformers-5 conversion adapts (get_checkpoint_conversion_mapping) and whose
 # MoE block the ledger prices whole (Qwen2-MoE's gated shared expert; DeepSeek's shared experts and MLA; the dense
 # blocks of DeepSeek's first_k_dense_replace and Qwen's mlp_only_layers / decoder_sparse_step, a dense model's
-# all-linear: moe.dense_block_spec)
+# all-linear: model_spec.dense_block_spec)
 PRICED_FAMILIES = ("mixtral", "qwen3_moe", "qwen2_moe", "deepseek_v2", "deepseek_v3")
 
 

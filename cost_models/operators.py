@@ -208,7 +208,7 @@ def attention_forward_flops(model: ModelSpec, seq_len: int) -> tuple[float, floa
 
 @lru_cache(maxsize=256)  # the search prices thousands of configurations of one model
 def block_ops(model: ModelSpec, c: int, seq_len: int, lora_rank: int = 0, attention: str = "sdpa") -> BlockOps:
-    """The (sparse, for MoE) block's operators; moe.dense_block_spec(model) gives the dense blocks'. A model
+    """The (sparse, for MoE) block's operators; model_spec.dense_block_spec(model) gives the dense blocks'. A model
     priced by a traced block memory profile takes the operators counted in that trace (full fine-tuning;
     LoRA's frozen products are priced from the structure)."""
     formula = _formula_block_ops(model, c, seq_len, lora_rank, attention)

@@ -7,9 +7,10 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
-from . import (attention_kernels, comm, context_parallel, expert_parallel, host_optimizer, kernels, moe, operators,
-               qlora, tensor_parallel)
+from . import (attention_kernels, comm, context_parallel, expert_parallel, host_optimizer, kernels, operators, qlora,
+               tensor_parallel)
 from .kernel_time import BlockTime, Rates, eager_attention_ops, price_block
+from .model_spec import dense_block_spec
 from .profile import Profile
 from .specs import Attention, ClusterSpec, FsdpConfig, ModelSpec, MoeDispatch, TrainingSpec
 from .units import DTYPE_BYTES
@@ -91,7 +92,7 @@ def _block_times(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, r
         return price_block(ops, rates, tokens, **kw), price_block(ops, rates, tokens, recompute=recompute, **kw), casts
 
     plain, ckpt, casts = price(model)
-    dense_spec = moe.dense_block_spec(model)
+    dense_spec = dense_block_spec(model)
     dense = price(dense_spec) if dense_spec is not None else None
     recompute_s = n_ckpt * ckpt.recompute_s / model.n_layers if recompute else 0.0
     if dense is not None and recompute:

@@ -13,6 +13,7 @@ from cost_models import context_parallel, host_optimizer, moe, operators, tensor
 from cost_models.compute import mfu_flops_per_token, model_flops_per_token, recompute_flops_per_token
 from cost_models.kernel_time import Rates
 from cost_models.memory import ParamCounts
+from cost_models.model_spec import dense_block_spec
 from cost_models.pipeline import stages
 from cost_models.pipeline_time import largest_rank_params
 from cost_models.profile import DEFAULT_PROFILE, Profile
@@ -73,7 +74,7 @@ def _block_kinds(c, m=None) -> list[tuple[int, object, tuple]]:
     MoE model's leading dense blocks (m: the model to price, c.model by default; a TP rank's slice for the mesh)."""
     m, cfg = m or c.model, c.config
     cb = DTYPE_BYTES[cfg.precision.compute_dtype]
-    dense = moe.dense_block_spec(m)
+    dense = dense_block_spec(m)
     kinds = []
     for n, spec in [(m.n_layers - m.n_dense_layers, m)] + ([(m.n_dense_layers, dense)] if dense else []):
         ops, eager = priced_block_ops(spec, c.training, cfg, cb)

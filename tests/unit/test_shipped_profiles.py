@@ -21,7 +21,8 @@ import sys
 import pytest
 
 from cost_models import activations as A
-from cost_models import activations_mla, activations_sinks, moe
+from cost_models import activations_mla, activations_sinks
+from cost_models.model_spec import dense_block_spec
 from cost_models.specs import Attention
 from planner.api import estimate
 from planner.models.block_profiles import (MAKE_COMMAND, PROFILED_DTYPES, SCHEMA_VERSION, SHIPPED_DIR,
@@ -139,7 +140,7 @@ def test_block_formula_against_every_shipped_profile(preset):
     (the formula counts each micro-batch as the block saves it; docs/accuracy.md)."""
     spec, hf_config = load_preset(preset), preset_hf_config(preset)
     attention = spec.attention_choices[0]
-    dense = moe.dense_block_spec(spec)
+    dense = dense_block_spec(spec)
     for seq_len in SHIPPED_SEQ_LENS:
         for dtype, c in (("bf16", 2), ("fp32", 4)):
             terms = shipped_profile(hf_config, dtype, attention, seq_len)[0].terms.activation_terms()
