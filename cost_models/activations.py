@@ -220,7 +220,8 @@ def _mlp_bytes(model: ModelSpec, c: int, lora: bool = False, fused_swiglu: bool 
     if model.moe is not None:
         # router and routed token rows (cost_models/moe.py), DeepSeek's router's own (activations_mla.py)
         # experts frozen under LoRA but all-linear's (moe_lora.py: the router and stacks train through W_eff)
-        return moe.mlp_bytes_per_token(model, c, _frozen_mlp(model, lora)) + activations_mla.router_extra_bytes(model, c)
+        frozen = _frozen_mlp(model, lora)
+        return moe.mlp_bytes_per_token(model, c, frozen) + activations_mla.router_extra_bytes(model, c, not frozen)
     f = model.ffn_hidden_size
     fc2_input = 0 if _frozen_mlp(model, lora) else c * f
     if model.gated_mlp:

@@ -20,7 +20,9 @@ r_q / r_kv the q / kv ranks (ModelSpec.q_lora_rank, kv_lora_rank).
   input; none in fp32), v (its kv_b_proj output with one sequence; with more, bmm copies v alone, c H d_v)
   and the output copied for the o-projection (c H d_v). DeepSeek's configs train without attention dropout.
 - Router (DeepSeek's TopkRouter, beyond what cost_models/moe.py counts for a softmax router - scores 4E, top-k
-  ids 8k, renormalised weights 4k + 4): F.linear on an fp32 copy of its input (4h; none in fp32); group-limited routing
+  ids 8k, renormalised weights 4k + 4): F.linear on an fp32 copy of its input (4h; none in fp32), saved for the
+  weight's gradient alone, so not when the router is frozen (LoRA without MLP targets: torch's mm backward keeps
+  mat1 only where mat2 requires grad, tools/autograd/derivatives.yaml `mm`); group-limited routing
   saves each group's top-2 ids (V3's sigmoid: 16 B a group) or max id (V2's group_limited_greedy: 8 B), the
   kept groups' ids (8 B each) and the boolean expert mask (E B).
 """
@@ -55,13 +57,13 @@ def latent_attention_bytes(model: ModelSpec, c: int, attention: Attention, seq_l
     return saved + kv_b_out + c * H * d_v + 4 * H               # v's kv_b_proj output, the output, logsumexp
 
 
-def router_extra_bytes(model: ModelSpec, c: int) -> int:
+def router_extra_bytes(model: ModelSpec, c: int, router_trains: bool = True) -> int:
     """What DeepSeek's router saves per token beyond a softmax router (cost_models/moe.py); in fp32 its input
-    is already fp32 (no copy)."""
+    is already fp32 (no copy), and a frozen router (router_trains False) saves no input."""
     moe = model.moe
     if moe is None:
         return 0
-    extra = 4 * model.hidden_size if moe.fp32_router_input and c != 4 else 0
+    extra = 4 * model.hidden_size if moe.fp32_router_input and c != 4 and router_trains else 0
     if moe.router_groups:
         per_group = 16 if moe.router_kind == "sigmoid" else 8
         extra += per_group * moe.router_groups + 8 * moe.router_topk_groups + moe.n_experts
