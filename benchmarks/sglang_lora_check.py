@@ -57,6 +57,10 @@ MOE_CASES = [("qwen3-30b-a3b", 1, 32, 8, "all-linear"), ("qwen3-30b-a3b", 4, 64,
              ("deepseek-v2-lite", 2, 16, 8, ("q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")),
              ("deepseek-v3", 8, 32, 8, "all-linear"), ("deepseek-v3", 16, 16, 8, ("q_a_proj", "q_b_proj",
                                                                                  "gate_proj", "down_proj"))]
+# The backend's CUDA-graph metadata (name, TP, slots, the decode graph's largest batch): csgmv's rows, and the MoE
+# routing buffers where the FusedMoE is wrapped
+METADATA_CASES = [("qwen2.5-7b", 2, 8, 256), ("qwen2.5-7b", 2, 1, 512), ("qwen3-30b-a3b", 2, 8, 256),
+                  ("mixtral-8x7b", 8, 4, 160), ("deepseek-v2-lite", 2, 1, 100), ("deepseek-v3", 8, 8, 256)]
 MODEL_CLASSES = {"qwen2": ("sglang.srt.models.qwen2", "Qwen2ForCausalLM"),
                  "qwen3": ("sglang.srt.models.qwen3", "Qwen3ForCausalLM"),
                  "llama": ("sglang.srt.models.llama", "LlamaForCausalLM"),
@@ -159,6 +163,34 @@ def sglang_bytes(name: str, tp: int, rank: int = 32, slots: int = 8, targets="al
     return blocks, vocab
 
 
+def sglang_metadata_bytes(name: str, tp: int, slots: int, max_bs: int) -> int:
+    """The int32 / fp32 rows SGLang's default LoRA backend (csgmv) allocates for the decode CUDA graphs of `max_bs`
+    requests (ChunkedSgmvLoRABackend.init_decode_cuda_graph_batch_info, one token a request), and on a mixture of
+    experts the routing buffers for the first FusedMoE (base_backend.py init_cuda_graph_moe_buffers, as
+    lora_manager.py init_lora_cuda_graph_moe_buffers calls it: the wrapper's w13 weight as its device), on the meta
+    device for verl's all-linear pool at rank 32."""
+    from types import SimpleNamespace
+
+    import torch
+    from sglang.srt.layers.moe.fused_moe_triton.layer import FusedMoE
+    from sglang.srt.lora.backend.chunked_backend import ChunkedSgmvLoRABackend
+
+    pool = sglang_pool(name, tp, 32, slots)
+    backend = ChunkedSgmvLoRABackend(max_loras_per_batch=slots, device=torch.device("meta"), server_args=None)
+    backend.init_decode_cuda_graph_batch_info(max_bs_in_cuda_graph=max_bs, num_tokens_per_req=1)
+    tensors = [v for v in vars(backend.cuda_graph_batch_info).values() if isinstance(v, torch.Tensor)]
+    moe = next((m for m in pool.base_model.modules() if isinstance(m, FusedMoE)), None)
+    if moe is not None and {"gate_up_proj", "down_proj"} <= pool.target_modules:
+        wrapper = SimpleNamespace(base_layer=moe, _quant_info=SimpleNamespace(w13_weight=moe.w13_weight))
+        backend.init_cuda_graph_moe_buffers(max_bs, slots, torch.bfloat16, wrapper)
+        tensors += list(backend.moe_cg_buffers.values())
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def our_metadata_bytes(name: str, tp: int, slots: int, max_bs: int) -> int:
+    return sglang_lora_pool(resolve_model(name), tp, 32, max_loras_per_batch=slots, max_bs=max_bs).metadata_bytes
+
+
 def ours(name: str, tp: int, rank: int = 32, slots: int = 8, targets="all-linear") -> tuple[int, int]:
     model = resolve_model(name)
     b = sglang_lora_pool(model, tp, rank, max_loras_per_batch=slots,
@@ -179,6 +211,14 @@ def main() -> None:
         print(f"{name:16} TP {tp:2} rank {rank:2} slots {slots} {shown:14} ours {a[0]:>13,} + {a[1]:>11,}  "
               f"SGLang {b[0]:>13,} + {b[1]:>11,}  {'same' if a == b else 'DIFFERENT'}")
     print(f"{same} of {len(CASES + MOE_CASES)} the same")
+    print("The LoRA backend's CUDA-graph metadata (csgmv; MoE routing buffers), bytes")
+    same = 0
+    for name, tp, slots, max_bs in METADATA_CASES:
+        a, b = our_metadata_bytes(name, tp, slots, max_bs), sglang_metadata_bytes(name, tp, slots, max_bs)
+        same += a == b
+        print(f"{name:16} TP {tp:2} slots {slots} decode batch {max_bs:3}  ours {a:>9,}  SGLang {b:>9,}  "
+              f"{'same' if a == b else 'DIFFERENT'}")
+    print(f"{same} of {len(METADATA_CASES)} the same")
 
 
 if __name__ == "__main__":

@@ -269,5 +269,9 @@ def lora_bytes(model: ModelSpec, s: EngineSettings) -> tuple[int, int]:
         total = vllm_lora_buffers(model, s.tp, s.max_lora_rank, s.weight_dtype_bytes, s.version,
                                   s.max_num_batched_tokens, s.max_num_seqs).total_bytes
         return total, total
-    pool = sglang_lora_pool(model, s.tp, s.max_lora_rank, s.weight_dtype_bytes, s.max_loras_per_batch).total_bytes
-    return pool, pool // s.max_loras_per_batch
+    # the backend's graph metadata at the decode graph's largest batch, max_running_requests (verl's max_num_seqs) at
+    # most; a decode step reads one slot's pool and its metadata: the pool at one slot
+    def pool(slots: int) -> int:
+        return sglang_lora_pool(model, s.tp, s.max_lora_rank, s.weight_dtype_bytes, slots,
+                                max_bs=0 if s.enforce_eager else s.max_num_seqs).total_bytes
+    return pool(s.max_loras_per_batch), pool(1)

@@ -57,8 +57,21 @@ What SGLang 0.5.23 allocates (python/sglang/srt/lora/):
   On a CUDA GPU SGLang fuses DeepSeek-V3's one shared expert into the FusedMoE (deepseek_v2.py
   shared_experts_fusion_disable_reason); the pool is sized from the config, not the FusedMoE, so its bytes are the
   same (the sparse layers' 3D buffers fall back to get_default_hidden_dim's moe_intermediate_size x n_shared_experts).
-Not priced: the LoRA backend's batch metadata (lora/backend/chunked_backend.py, csgmv: int32 rows of the CUDA
-graphs' batch sizes and tokens, allocated with the graphs after the KV cache, inside the (1 - fraction) slack).
+- The LoRA backend's batch metadata where CUDA graphs are captured (verl's enforce_eager is SGLang's
+  disable_cuda_graph), at the decode graph's largest batch, max_running_requests at most (verl passes max_num_seqs;
+  SGLang's own cuda_graph_max_bs may be lower: priced at max_num_seqs, a bound): lora/backend/chunked_backend.py
+  (csgmv, the default lora_backend) init_decode_cuda_graph_batch_info, one token a request: seg_lens,
+  weight_indices, permutation, req_weight_indices (batch), seg_indptr, req_seg_indptr (batch + 1), int32, and
+  lora_ranks / scalings (slots, int32 / fp32) - 6 KiB at 256; allocated with the graphs after the KV cache is sized,
+  counted here with the pool (less than one token's KV: the token count moves by one at most). On a mixture of
+  experts whose FusedMoE is wrapped (gate_up_proj and down_proj both targets), lora_manager.py
+  init_lora_cuda_graph_moe_buffers, before the KV cache is sized: base_backend.py init_cuda_graph_moe_buffers, one
+  set for every layer, int32 - sorted_token_ids_lora (slots x padded, padded = batch x top-k + experts x 63 rounded
+  up to 64), expert_ids_lora (slots x padded / 64), three rows of slots, cumsum_buffer (slots x (experts + 1)),
+  token_mask (slots x batch x top-k), token_lora_mapping (batch); the decode runner may shrink it later
+  (resize_cuda_graph_moe_buffers), not below this start. DeepSeek-V3's shared expert fused on a GPU adds one expert
+  and one top-k slot (a few KiB, not priced). Per-batch metadata outside graphs (torch.empty per forward) and the MoE
+  LoRA kernels' intermediates are transient, inside the (1 - fraction) slack: not priced.
 """
 
 from __future__ import annotations
@@ -83,6 +96,8 @@ NORMALIZED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", 
 # SGLang model classes whose MoE LoRA pool is read (no get_hidden_dim of their own; benchmarks/sglang_lora_check.py
 # builds each): qwen3_moe.py, qwen2_moe.py, mixtral.py, gpt_oss.py, deepseek_v2.py (V3 its subclass)
 MOE_FAMILIES = frozenset({"qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss"}) | MLA_FAMILIES
+INT32 = 4
+MOE_BLOCK_M = 64   # lora/backend/base_backend.py init_cuda_graph_moe_buffers block_size_m
 
 
 def all_targets(model: ModelSpec) -> frozenset[str]:
@@ -161,11 +176,24 @@ def mlp_elements(model: ModelSpec, tp: int, r: int, name: str) -> int:
     return shared + L * moe.n_experts * linear(moe.expert_ffn_size)
 
 
+def csgmv_graph_metadata_bytes(slots: int, max_bs: int) -> int:
+    """chunked_backend.py init_decode_cuda_graph_batch_info at one token a request (module docstring)."""
+    return INT32 * (6 * max_bs + 2 + 2 * slots)
+
+
+def moe_graph_buffers_bytes(model: ModelSpec, slots: int, max_bs: int) -> int:
+    """base_backend.py init_cuda_graph_moe_buffers for `max_bs` tokens (module docstring)."""
+    experts, tokens = model.moe.n_experts, max_bs * model.moe.experts_per_token
+    padded = -(-(tokens + experts * (MOE_BLOCK_M - 1)) // MOE_BLOCK_M) * MOE_BLOCK_M
+    return INT32 * (slots * (padded + padded // MOE_BLOCK_M + 3 + experts + 1 + tokens) + max_bs)
+
+
 def sglang_lora_pool(model: ModelSpec, tp: int, max_lora_rank: int, dtype_bytes: int = 2,
                      max_loras_per_batch: int = SGLANG_MAX_LORAS_PER_BATCH,
-                     targets: frozenset[str] | None = None) -> LoraBuffers:
+                     targets: frozenset[str] | None = None, max_bs: int = 0) -> LoraBuffers:
     """The bytes of SGLang's LoRA memory pool on TP rank 0 (module docstring): max_loras_per_batch slots of
-    max_lora_rank for `targets` (the pool's names; None: SGLang's "all" for the model), dtype of `dtype_bytes`."""
+    max_lora_rank for `targets` (the pool's names; None: SGLang's "all" for the model), dtype of `dtype_bytes`; and
+    the backend's CUDA-graph metadata at the decode graph's largest batch `max_bs` (0: no CUDA graphs)."""
     if not model.gated_mlp:
         raise SpecError("finetune", "SGLang's LoRA pool is priced for gated-MLP blocks (gate_up_proj, down_proj); "
                                     f"{model.family}'s MLP is not")
@@ -188,5 +216,8 @@ def sglang_lora_pool(model: ModelSpec, tp: int, max_lora_rank: int, dtype_bytes:
     # (lm_head_A/B_buffer) where lm_head is, each with a buffer for every embedding name targeted: both named, each
     # buffer is allocated twice
     copies = ("embed_tokens" in targets) + ("lm_head" in targets)
+    metadata = csgmv_graph_metadata_bytes(slots, max_bs) if max_bs else 0
+    if max_bs and model.moe is not None and {"gate_up_proj", "down_proj"} <= targets:   # FusedMoEWithLoRA
+        metadata += moe_graph_buffers_bytes(model, slots, max_bs)
     return LoraBuffers(blocks_bytes=slots * blocks * dtype_bytes,
-                       vocab_bytes=copies * slots * (embed + head) * dtype_bytes, metadata_bytes=0)
+                       vocab_bytes=copies * slots * (embed + head) * dtype_bytes, metadata_bytes=metadata)

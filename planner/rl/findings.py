@@ -141,7 +141,7 @@ def _lora_slots(settings: RlSettings, engine: EngineSettings, memory: RlMemory) 
     weight sync unloads the old one before loading the new (sglang_rollout.py ServerAdapter.update_weights; SGLang's
     unload waits for the requests still using it: lora_registry.py wait_for_unload) - so one slot serves it and the
     others only hold bytes out of the KV pool (cost_models/rollout_lora_sglang.py: the pool is linear in the slots;
-    EngineMemory.lora_read_bytes is one slot's)."""
+    EngineMemory.lora_read_bytes is the pool at one slot, its backend graph rows included)."""
     e = memory.engine
     if settings.framework != "verl" or engine.engine.value != "sglang" or not e.lora_bytes \
             or engine.max_loras_per_batch == 1:

@@ -6,19 +6,23 @@ SGLang's 8 and the search's 1.
 By hand (tests/unit/test_rollout_lora_sglang.py, the pool checked byte for byte against SGLang 0.5.23's own):
 Qwen2.5-7B at TP 2, rank 32, 8 slots: 1,066,663,936 B a GPU, linear in the slots (every buffer's first dimension is
 max_loras_per_batch: mem_pool.py get_lora_A_shape / get_lora_B_shape / the embedding's), so one slot is
-1,066,663,936 / 8 = 133,332,992 B and one slot frees 7 of them, 933,330,944 B."""
+1,066,663,936 / 8 = 133,332,992 B; with the csgmv backend's decode-graph rows at max_num_seqs 256 (4 x (6 x 256 + 2 +
+2 x slots): 6,216 B at 8 slots, 6,160 at 1; tests/unit/test_rl_sglang_lora.py) 1,066,670,152 and 133,339,152 B, and
+one slot frees 933,331,000 B."""
 
 import dataclasses
 import json
 
 import pytest
 
+from cost_models.rollout_lora_sglang import csgmv_graph_metadata_bytes
 from planner.emit.verl import MAX_LORAS, emit_verl
 from planner.rl import rl_estimate
 from tests.doctor.cli_run import cli_process
 from tests.doctor.test_rl_check import run, same_memory
 
-POOL_8, SLOT, FREED = 1_066_663_936, 133_332_992, 933_330_944
+POOL_8, SLOT, FREED = 1_066_670_152, 133_339_152, 933_331_000
+META_8, META_1 = 6_216, 6_160   # the pool's graph rows at 8 slots and 1
 # the issue's job (docs/rl.md "SGLang's LoRA memory pool"): fp32 actor, rollout TP 2 at 0.5
 JOB = dict(gpu="h100-80gb", prompt_len=1024, response_len=4096, rollout_n=8, train_batch=256, finetune="lora",
            engine="sglang")
@@ -36,11 +40,11 @@ def one():
 
 
 def test_the_finding_says_the_bytes_one_slot_frees_and_the_override(left, one):
-    """Left at SGLang's 8: the pool is 1,066,663,936 B and the finding gives 933,330,944 B freed with the exact
+    """Left at SGLang's 8: the pool is 1,066,670,152 B and the finding gives 933,331,000 B freed with the exact
     override line; the KV tokens it names are what the estimate at one slot gains (SGLang pages one token: 32,552,
-    here exactly). At one slot: the pool is one slot's 133,332,992 B, the KV cache holds the 933,330,944 B more
+    here exactly). At one slot: the pool is one slot's 133,339,152 B, the KV cache holds the 933,331,000 B more
     (its tokens x bytes a token), and the finding is gone."""
-    assert POOL_8 - SLOT == FREED and POOL_8 == 8 * SLOT
+    assert POOL_8 - SLOT == FREED and POOL_8 - META_8 == 8 * (SLOT - META_1)
     assert (left.memory.engine.lora_bytes, one.memory.engine.lora_bytes) == (POOL_8, SLOT)
     gained = one.memory.engine.kv_tokens - left.memory.engine.kv_tokens
     per_token = left.memory.engine.kv_bytes // left.memory.engine.kv_tokens
@@ -122,9 +126,11 @@ def test_the_search_serves_the_adapter_from_one_slot():
     r = best.request
     assert (best.engine_settings.max_loras_per_batch, r.rollout_tp, r.lora_merge) == (1, 4, False)
     eight = evaluate_rl(dataclasses.replace(r, max_loras_per_batch=8))
-    assert eight.memory.engine.lora_bytes == 8 * best.memory.engine.lora_bytes
+    rows = [csgmv_graph_metadata_bytes(slots, best.engine_settings.max_num_seqs) for slots in (8, 1)]
+    assert eight.memory.engine.lora_bytes - rows[0] == 8 * (best.memory.engine.lora_bytes - rows[1])
     assert best.memory.engine.kv_bytes - eight.memory.engine.kv_bytes == pytest.approx(
-        7 * best.memory.engine.lora_bytes, abs=best.memory.engine.kv_bytes // best.memory.engine.kv_tokens)
+        eight.memory.engine.lora_bytes - best.memory.engine.lora_bytes,
+        abs=best.memory.engine.kv_bytes // best.memory.engine.kv_tokens)
     assert best.time.generation_s <= eight.time.generation_s
     out = cli_process(["rl", "--model", "qwen2.5-7b", "--gpus", "8", "--gpu", "h100-80gb", "--prompt-len", "1024",
                        "--response-len", "4096", "--finetune", "lora", "--engine", "sglang", "--format", "json",

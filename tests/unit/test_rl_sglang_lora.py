@@ -3,7 +3,8 @@ the LoRAMemoryPool SGLang 0.5.23 builds itself for the catalog's models on the m
 (benchmarks/sglang_lora_check.py: SGLang's ModelConfig and model class, LoRAManager.init_lora_shapes,
 LoRAMemoryPool.init_buffers). SGLang installs in an environment of its own (the benchmark says how); here those tests
 are skipped, the by-hand ones run. With sglang 0.5.23: 11 of 11 dense cases the same (2026-12-07), and 12 of 12 MoE /
-MLA cases (Qwen3-MoE, Qwen2-MoE, Mixtral, gpt-oss, DeepSeek-V2-Lite and V3; 2026-12-08).
+MLA cases (Qwen3-MoE, Qwen2-MoE, Mixtral, gpt-oss, DeepSeek-V2-Lite and V3) and 6 of 6 of the backend's CUDA-graph
+metadata (2026-12-08).
 
 By hand, from SGLang 0.5.23's python/sglang/srt/lora/: mem_pool.py init_buffer gives gate_up_proj and down_proj, on a
 model holding a FusedMoE, a 4D buffer per layer (every layer, the dense ones too) of (slots, experts, rank x stacked,
@@ -16,7 +17,8 @@ import importlib.util
 
 import pytest
 
-from cost_models.rollout_lora_sglang import all_targets, sglang_lora_pool, sglang_target_modules
+from cost_models.rollout_lora_sglang import (all_targets, csgmv_graph_metadata_bytes, moe_graph_buffers_bytes,
+                                             sglang_lora_pool, sglang_target_modules)
 from cost_models.spec_values import SpecError
 from planner.models import resolve_model
 from planner.rl import rl_estimate
@@ -68,19 +70,35 @@ def test_targets_of_all_and_refusals():
         sglang_lora_pool(resolve_model("phi-2"), 1, 32)
 
 
+def test_backend_graph_metadata_by_hand():
+    """csgmv's decode-graph rows (chunked_backend.py init_decode_cuda_graph_batch_info, one token a request): 6 int32
+    rows of the batch (+ 1 on the two indptrs) and 2 of the slots: 4 x (6 x 256 + 2 + 16) = 6,216 B. DeepSeek-V2-Lite's
+    MoE routing buffers (base_backend.py init_cuda_graph_moe_buffers, 64 experts, top-6, 256 requests, 8 slots): 1,536
+    tokens, padded (1,536 + 64 x 63 = 5,568, a multiple of 64) 5,568 and 87 blocks: 4 x (8 x (5,568 + 87 + 3 + 65 +
+    1,536) + 256) = 233,312 B. A dense model, or an MoE whose experts are not both targets: csgmv's rows alone; no CUDA
+    graphs (max_bs 0): none. SGLang's own code allocates the same (benchmarks/sglang_lora_check.py, 6 of 6)."""
+    lite = resolve_model("deepseek-v2-lite")
+    assert (csgmv_graph_metadata_bytes(8, 256), moe_graph_buffers_bytes(lite, 8, 256)) == (6_216, 233_312)
+    assert sglang_lora_pool(lite, 2, 32, max_bs=256).metadata_bytes == 239_528
+    listed = sglang_target_modules(["q_proj", "down_proj"])
+    assert sglang_lora_pool(lite, 2, 32, targets=listed, max_bs=256).metadata_bytes == 6_216
+    assert sglang_lora_pool(lite, 2, 32).metadata_bytes == 0
+
+
 def test_verl_sglang_moe_lora_priced_in_every_phase():
-    """verl with SGLang serving DeepSeek-V2-Lite's adapter (rollout TP 2, rank 32): the pool, never released, in
-    every phase - no longer refused."""
+    """verl with SGLang serving DeepSeek-V2-Lite's adapter (rollout TP 2, rank 32, max_num_seqs 256): the pool and
+    the backend's graph metadata, never released, in every phase - no longer refused."""
     e = rl_estimate("deepseek-v2-lite", 8, gpu="h100-80gb", engine="sglang", finetune="lora")
-    assert (e.engine_settings.tp, e.engine_settings.max_lora_rank) == (2, 32)
-    assert e.memory.engine.lora_bytes == 7_702_560_768 + 161_480_704
-    assert all(p.gpu_bytes.get("engine LoRA buffers") == 7_864_041_472 for p in e.memory.phases)
+    assert (e.engine_settings.tp, e.engine_settings.max_lora_rank, e.engine_settings.max_num_seqs) == (2, 32, 256)
+    assert e.memory.engine.lora_bytes == 7_702_560_768 + 161_480_704 + 239_528 == 7_864_281_000
+    assert all(p.gpu_bytes.get("engine LoRA buffers") == 7_864_281_000 for p in e.memory.phases)
 
 
 if importlib.util.find_spec("sglang") is not None:
-    from benchmarks.sglang_lora_check import CASES, MOE_CASES, ours, sglang_bytes
+    from benchmarks.sglang_lora_check import (CASES, METADATA_CASES, MOE_CASES, our_metadata_bytes, ours,
+                                              sglang_bytes, sglang_metadata_bytes)
 else:
-    CASES = MOE_CASES = ()
+    CASES = MOE_CASES = METADATA_CASES = ()
 
 
 @needs_sglang
@@ -97,3 +115,11 @@ def test_moe_and_mla_lora_pool_is_sglangs(name, tp, rank, slots, targets):
     """Every routed expert's 4D buffers on every layer, the shared experts' and DeepSeek's dense block's 3D ones,
     MLA's projections (V2-Lite's q_proj as a qkv_proj), all-linear and lists, TP 1-16: the same bytes."""
     assert ours(name, tp, rank, slots, targets) == sglang_bytes(name, tp, rank, slots, targets)
+
+
+@needs_sglang
+@pytest.mark.parametrize("name, tp, slots, max_bs", METADATA_CASES)
+def test_backend_graph_metadata_is_sglangs(name, tp, slots, max_bs):
+    """csgmv's decode-graph rows and, on an MoE, the routing buffers SGLang allocates for the first wrapped FusedMoE:
+    dense and MoE, 1-8 slots, 100-512 requests: the same bytes."""
+    assert our_metadata_bytes(name, tp, slots, max_bs) == sglang_metadata_bytes(name, tp, slots, max_bs)

@@ -86,7 +86,8 @@ def test_the_kv_cache_shrinks_by_exactly_the_buffers(version):
     assert plain.kv_blocks - lora.kv_blocks == pytest.approx(lora.lora_bytes / (lora.page_bytes * 28), abs=1)
     assert lora.awake_bytes - lora.kv_bytes == plain.awake_bytes - plain.kv_bytes + lora.lora_bytes
     sglang = dataclasses.replace(s, engine=Engine.SGLANG, version="current", max_lora_rank=32)
-    assert engine_memory(QWEN7, sglang, 80 * GiB, 0, GiB).lora_bytes == sglang_lora_pool(QWEN7, 4, 32).total_bytes
+    assert engine_memory(QWEN7, sglang, 80 * GiB, 0, GiB).lora_bytes == sglang_lora_pool(QWEN7, 4, 32,
+                                                                                         max_bs=512).total_bytes
 
 
 def test_only_a_served_adapter_brings_them():

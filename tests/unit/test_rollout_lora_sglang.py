@@ -32,6 +32,9 @@ QWEN7 = resolve_model("qwen2.5-7b")
 QWEN3 = resolve_model("qwen3-8b")
 LLAMA1 = resolve_model("llama3.2-1b")
 QWEN7_TP2_R32 = 825_753_600 + 240_910_336   # the first test's pool
+# the csgmv backend's decode-graph rows at 256 requests (max_num_seqs; tests/unit/test_rl_sglang_lora.py):
+# 4 x (6 x 256 + 2 + 2 x slots) B
+META_8, META_1 = 6_216, 6_160
 
 
 def test_qwen25_7b_tp2_rank32_by_hand():
@@ -85,15 +88,19 @@ def test_head_rows_per_rank():
 
 def test_the_kv_pool_shrinks_by_the_lora_pool():
     """Built after the weights, before the KV cache is sized: rest = free after both - free before x (1 - f), so
-    the KV pool loses exactly the LoRA pool's bytes (tokens: its floor); a decode step reads one slot of eight."""
+    the KV pool loses exactly the LoRA pool's bytes (tokens: its floor), with the backend's graph rows (counted with
+    it: under one token's KV); a decode step reads one slot of eight and the rows of one."""
     s = EngineSettings(engine=Engine.SGLANG, tp=2, max_model_len=5120)
     plain = engine_memory(QWEN7, s, 80 * GiB, 2 * GiB, GiB)
     lora = engine_memory(QWEN7, dataclasses.replace(s, max_lora_rank=32), 80 * GiB, 2 * GiB, GiB)
-    assert lora.lora_bytes == QWEN7_TP2_R32 and plain.available_bytes - lora.available_bytes == QWEN7_TP2_R32
-    assert plain.kv_tokens - lora.kv_tokens == pytest.approx(QWEN7_TP2_R32 / lora.page_bytes / 28, abs=1)
-    assert lora.decode_read_bytes - lora.weights_bytes == QWEN7_TP2_R32 // 8
+    pool = QWEN7_TP2_R32 + META_8
+    assert lora.lora_bytes == pool and plain.available_bytes - lora.available_bytes == pool
+    assert plain.kv_tokens - lora.kv_tokens == pytest.approx(pool / lora.page_bytes / 28, abs=1)
+    assert lora.decode_read_bytes - lora.weights_bytes == QWEN7_TP2_R32 // 8 + META_1
     one = engine_memory(QWEN7, dataclasses.replace(s, max_lora_rank=32, max_loras_per_batch=1), 80 * GiB, 0, GiB)
-    assert one.lora_bytes == QWEN7_TP2_R32 // 8 == one.decode_read_bytes - one.weights_bytes
+    assert one.lora_bytes == QWEN7_TP2_R32 // 8 + META_1 == one.decode_read_bytes - one.weights_bytes
+    eager = engine_memory(QWEN7, dataclasses.replace(s, max_lora_rank=32, enforce_eager=True), 80 * GiB, 0, GiB)
+    assert eager.lora_bytes == QWEN7_TP2_R32   # no CUDA graphs (disable_cuda_graph): no graph rows
 
 
 def test_verl_sglang_lora_in_every_phase():
@@ -101,8 +108,8 @@ def test_verl_sglang_lora_in_every_phase():
     the weights; the pool is in no memory-saver region), the rank unrounded; merged or full fine-tuning: none."""
     job = dict(gpu="h100-80gb", engine="sglang", finetune="lora")
     adapter = rl_estimate("qwen2.5-7b", 8, **job)
-    assert adapter.memory.engine.lora_bytes == QWEN7_TP2_R32
-    assert all(p.gpu_bytes.get("engine LoRA buffers") == QWEN7_TP2_R32 for p in adapter.memory.phases)
+    assert adapter.memory.engine.lora_bytes == QWEN7_TP2_R32 + META_8
+    assert all(p.gpu_bytes.get("engine LoRA buffers") == QWEN7_TP2_R32 + META_8 for p in adapter.memory.phases)
     assert rl_estimate("qwen2.5-7b", 8, **job, lora_rank=48).engine_settings.max_lora_rank == 48
     for other in (dict(job, lora_merge=True), dict(gpu="h100-80gb", engine="sglang")):
         assert rl_estimate("qwen2.5-7b", 8, **other).memory.engine.lora_bytes == 0, other
