@@ -228,9 +228,9 @@ def profile_block(hf_config: dict, *, block_class: str, compute_dtype: str, atte
             model(input_ids=torch.randint(0, vocab_size, held_points[-1]))
         held = _fit_held(held_points, [*held, sum(storages.values())])
         operators = dense_operators = None
-        with cuda_kernel_choices():  # the step-time inventory of a steady-state block (and of a dense one)
-            counted = [blocks[max(n_dense_layers, 1)]] + ([blocks[0]] if n_dense_layers else [])
-            if not lora_rank:
+        if not lora_rank:  # the step-time inventory of a steady-state block (and of a dense one); under LoRA none
+            with cuda_kernel_choices():
+                counted = [blocks[max(n_dense_layers, 1)]] + ([blocks[0]] if n_dense_layers else [])
                 operators, dense_operators = [*count_block_operators(model, counted, vocab_size, 1, long_s), None][:2]
     tokens = [b * s for b, s in points]
     seqs = [s for _, s in points]
@@ -246,10 +246,11 @@ def _lora_model(config: dict, attention: str, compute_dtype: str, block_class: s
     weight in the compute dtype (a pure-precision build: mixed precision gathers the adapters in it too)."""
     from .apply import TORCH_DTYPES
     from .lora import add_lora
+    from .model_blocks import block_classes
 
     model = build_model(None, config, attention=attention, device="meta", dtype=TORCH_DTYPES[compute_dtype])
-    classes = {type(m) for m in _blocks(model, block_class)}
-    return add_lora(model, spec, rank, classes, "fp32" if compute_dtype == "fp32" else f"{compute_dtype}-pure")
+    return add_lora(model, spec, rank, block_classes(model, block_class),
+                    "fp32" if compute_dtype == "fp32" else f"{compute_dtype}-pure")
 
 
 def _terms(tokens: list[int], seqs: list[int], measured: list, seq_len: int) -> ActivationTerms:

@@ -247,20 +247,20 @@ def with_block_profile(spec: ModelSpec, hf_config: dict, seq_len: int,
             origins.append((origin, profile))
             first_seconds += profile.seconds
     took = time.perf_counter() - started
+    kind = "LoRA block memory profile" if lora_rank else "block memory profile"
     shipped = [profile for origin, profile in origins if origin == "shipped"]
     if len(shipped) == len(origins):
         file = shipped_profile(hf_config, shipped[0].compute_dtype, shipped[0].attention, seq_len)[1]
-        source = (f"shipped block memory profile ({len(entries)} dtype x attention, traced at seq "
+        source = (f"shipped {kind} ({len(entries)} dtype x attention, traced at seq "
                   f"{shipped[0].seq_len} with torch {shipped[0].torch_version}, transformers "
                   f"{shipped[0].transformers_version}: planner/catalog/block_profiles/{file})")
     else:
-        source = (f"traced block memory profile ({len(entries)} dtype x attention, seq {seq_len}): "
+        source = (f"traced {kind} ({len(entries)} dtype x attention, seq {seq_len}): "
                   + (f"made in {took:.1f} s, cached in {cache_dir()}" if any(o == "made" for o, _ in origins)
                      else f"cached in {cache_dir()} (first made in {first_seconds:.1f} s)"))
     if lora_rank:
         return dataclasses.replace(spec, lora_activation_profile=ActivationProfile(
-            terms=tuple(entries), source=f"{source.replace('block memory profile', 'LoRA block memory profile')} "
-                                         f"(rank {lora_rank})"))
+            terms=tuple(entries), source=f"{source} (rank {lora_rank})"))
     return dataclasses.replace(spec, activation_profile=ActivationProfile(terms=tuple(entries), source=source))
 
 
