@@ -155,10 +155,11 @@ def attention_elements(model: ModelSpec, tp: int, r: int, split: int) -> int:
     return slice_elements(column, [o_proj], r, split)
 
 
-def moe_block_elements(model: ModelSpec, tp: int, r: int, fully_sharded: bool) -> int:
+def moe_block_elements(model: ModelSpec, tp: int, r: int, split: int) -> int:
     """One sparse block's LoRA buffer elements for one adapter slot (module docstring): the attention's, the
-    router's, DeepSeek's shared experts', every expert's w13 and w2 (vLLM without expert parallelism: all local)."""
-    moe, h, split = model.moe, model.hidden_size, tp if fully_sharded else 1
+    router's, DeepSeek's shared experts', every expert's w13 and w2 (vLLM without expert parallelism: all local).
+    split: fully_sharded_loras' (tp, else 1)."""
+    moe, h = model.moe, model.hidden_size
     deepseek = model.family in MLA_FAMILIES
     if (not deepseek and (model.kv_lora_rank or moe.n_dense_layers) or not model.gated_mlp
             or moe.shared_ffn_size and model.family not in SHARED_EXPERT_FAMILIES):
@@ -184,7 +185,7 @@ def vllm_lora_buffers(model: ModelSpec, tp: int, max_lora_rank: int, dtype_bytes
         raise SpecError("engine_version", f"{version}: vLLM's MoE LoRA buffers are priced for current (>= 0.10)")
     dense = model.n_dense_layers   # DeepSeek's leading dense blocks: attention and a dense MLP
     if model.moe is not None:
-        elements = (model.n_layers - dense) * moe_block_elements(model, tp, r, fully_sharded)
+        elements = (model.n_layers - dense) * moe_block_elements(model, tp, r, split)
         if dense:
             elements += dense * (attention_elements(model, tp, r, split)
                                  + mlp_elements(model.hidden_size, model.moe.dense_ffn_size, tp, r, split))
