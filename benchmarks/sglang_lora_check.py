@@ -35,7 +35,7 @@ from pathlib import Path
 from unittest import mock
 
 from benchmarks.vllm_kv_check import _config_dir
-from cost_models.rollout_lora_sglang import sglang_lora_pool, sglang_target_modules
+from cost_models.rollout_lora_sglang import adapter_refusals, sglang_lora_pool, sglang_target_modules
 from planner.models import resolve_model
 
 # (model, TP, rank, slots, targets): verl's all-linear at its defaults, the rank unrounded (48), one slot, a list;
@@ -61,6 +61,8 @@ MOE_CASES = [("qwen3-30b-a3b", 1, 32, 8, "all-linear"), ("qwen3-30b-a3b", 4, 64,
 # routing buffers where the FusedMoE is wrapped
 METADATA_CASES = [("qwen2.5-7b", 2, 8, 256), ("qwen2.5-7b", 2, 1, 512), ("qwen3-30b-a3b", 2, 8, 256),
                   ("mixtral-8x7b", 8, 4, 160), ("deepseek-v2-lite", 2, 1, 100), ("deepseek-v3", 8, 8, 256)]
+# Whose all-linear adapter SGLang's loader takes (MLA with and without q_lora_rank, GQA)
+ADAPTER_CASES = ["deepseek-v2-lite", "deepseek-v3", "qwen3-30b-a3b", "qwen2.5-7b"]
 MODEL_CLASSES = {"qwen2": ("sglang.srt.models.qwen2", "Qwen2ForCausalLM"),
                  "qwen3": ("sglang.srt.models.qwen3", "Qwen3ForCausalLM"),
                  "llama": ("sglang.srt.models.llama", "LlamaForCausalLM"),
@@ -187,6 +189,29 @@ def sglang_metadata_bytes(name: str, tp: int, slots: int, max_bs: int) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
+def sglang_adapter_load_error(name: str) -> str:
+    """What SGLang's adapter loader (lora/lora.py LoRAAdapter.normalize_qkv_proj, run on each layer's weights at every
+    load_lora_adapter_from_tensors) raises on one layer of verl's all-linear attention adapter for the model (PEFT's
+    names of its attention linears; zero tensors: the shapes do not matter to it), or "" where it loads."""
+    _install_stand_ins()
+    import torch
+    from sglang.srt.lora.lora import LoRAAdapter
+
+    model = resolve_model(name)
+    if model.kv_lora_rank:   # DeepSeek's attention linears (transformers' DeepseekV2Attention)
+        linears = ["q_a_proj", "q_b_proj"] if model.q_lora_rank else ["q_proj"]
+        linears += ["kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]
+    else:
+        linears = ["q_proj", "k_proj", "v_proj", "o_proj"]
+    weights = {f"base_model.model.model.layers.0.self_attn.{linear}.lora_{ab}.weight": torch.zeros(1, 1)
+               for linear in linears for ab in "AB"}
+    try:
+        LoRAAdapter.normalize_qkv_proj(None, list(weights), weights)
+    except Exception as error:   # what its caller, _load_lora_adapter_from_tensors, turns into a failed load
+        return type(error).__name__
+    return ""
+
+
 def our_metadata_bytes(name: str, tp: int, slots: int, max_bs: int) -> int:
     return sglang_lora_pool(resolve_model(name), tp, 32, max_loras_per_batch=slots, max_bs=max_bs).metadata_bytes
 
@@ -219,6 +244,12 @@ def main() -> None:
         print(f"{name:16} TP {tp:2} slots {slots} decode batch {max_bs:3}  ours {a:>9,}  SGLang {b:>9,}  "
               f"{'same' if a == b else 'DIFFERENT'}")
     print(f"{same} of {len(METADATA_CASES)} the same")
+    print("verl's all-linear attention adapter through SGLang's loader (normalize_qkv_proj)")
+    for name in ADAPTER_CASES:
+        refused = bool(adapter_refusals(resolve_model(name)))
+        error = sglang_adapter_load_error(name)
+        print(f"{name:16} SGLang {error or 'loads':8}  ours {'refused' if refused else 'priced':8}  "
+              f"{'same' if refused == bool(error) else 'DIFFERENT'}")
 
 
 if __name__ == "__main__":

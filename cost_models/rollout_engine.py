@@ -18,7 +18,7 @@ from enum import Enum
 from .feasibility import Refusal
 from .model_spec import ModelSpec
 from .rollout_lora import vllm_lora_buffers
-from .rollout_lora_sglang import SGLANG_MAX_LORAS_PER_BATCH, sglang_lora_pool
+from .rollout_lora_sglang import SGLANG_MAX_LORAS_PER_BATCH, adapter_refusals, sglang_lora_pool
 from .spec_values import SpecError, check_positive, parse_enum
 from .units import GiB
 
@@ -255,6 +255,8 @@ def engine_memory(model: ModelSpec, s: EngineSettings, total_bytes: int, residen
     if not refusals:
         refusals += kv_fit_refusals(s.engine, kv, seq_pages * page * shape.layers, s.max_model_len)
     refusals = scheduler_refusals(s) + refusals
+    if s.engine is Engine.SGLANG and s.max_lora_rank:   # an adapter SGLang's loader raises on
+        refusals += adapter_refusals(model)
     return EngineMemory(weights_bytes=weights, activation_peak_bytes=acts, cuda_graph_bytes=s.graph_bytes,
                         kv_bytes=kv, kv_blocks=blocks, page_bytes=page, kv_tokens=blocks * s.page_tokens,
                         max_concurrent_seqs=min(s.max_num_seqs, blocks // seq_pages), refusals=tuple(refusals),

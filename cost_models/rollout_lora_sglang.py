@@ -76,6 +76,7 @@ What SGLang 0.5.23 allocates (python/sglang/srt/lora/):
 
 from __future__ import annotations
 
+from .feasibility import Refusal
 from .model_spec import ModelSpec
 from .rollout_lora import MLA_FAMILIES, LoraBuffers, attention_slices
 from .spec_values import SpecError
@@ -174,6 +175,20 @@ def mlp_elements(model: ModelSpec, tp: int, r: int, name: str) -> int:
     shared = (dense * linear(moe.dense_ffn_size) + (L - dense) * linear(moe.shared_ffn_size)
               if moe.shared_ffn_size else 0)
     return shared + L * moe.n_experts * linear(moe.expert_ffn_size)
+
+
+def adapter_refusals(model: ModelSpec) -> list[Refusal]:
+    """What SGLang refuses of verl's all-linear adapter when it loads it (each weight sync:
+    load_lora_adapter_from_tensors -> lora/lora.py LoRAAdapter._normalize_weights): normalize_qkv_proj stacks every
+    q_proj with its v_proj (and k_proj, or zeros shaped as v_proj's), so an MLA model with a q_proj (no q_lora_rank:
+    DeepSeek-V2-Lite) and no v_proj raises KeyError on it (benchmarks/sglang_lora_check.py's environment, on SGLang
+    0.5.23's own function) and the adapter never loads."""
+    if not model.kv_lora_rank or model.q_lora_rank:
+        return []
+    return [Refusal("lora_merge", "engine-lora-adapter",
+                    "SGLang: its LoRA loader (lora/lora.py normalize_qkv_proj) stacks the adapter's q_proj with a "
+                    "v_proj, which MLA without q_lora_rank has none of: KeyError at the first weight sync",
+                    "--lora-merge (model.lora.merge: the merged weights sent, no adapter) or --engine vllm")]
 
 
 def csgmv_graph_metadata_bytes(slots: int, max_bs: int) -> int:

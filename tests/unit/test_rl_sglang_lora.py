@@ -3,8 +3,8 @@ the LoRAMemoryPool SGLang 0.5.23 builds itself for the catalog's models on the m
 (benchmarks/sglang_lora_check.py: SGLang's ModelConfig and model class, LoRAManager.init_lora_shapes,
 LoRAMemoryPool.init_buffers). SGLang installs in an environment of its own (the benchmark says how); here those tests
 are skipped, the by-hand ones run. With sglang 0.5.23: 11 of 11 dense cases the same (2026-12-07), and 12 of 12 MoE /
-MLA cases (Qwen3-MoE, Qwen2-MoE, Mixtral, gpt-oss, DeepSeek-V2-Lite and V3) and 6 of 6 of the backend's CUDA-graph
-metadata (2026-12-08).
+MLA cases (Qwen3-MoE, Qwen2-MoE, Mixtral, gpt-oss, DeepSeek-V2-Lite and V3), 6 of 6 of the backend's CUDA-graph
+metadata and 4 of 4 adapters refused where SGLang's loader raises (2026-12-08).
 
 By hand, from SGLang 0.5.23's python/sglang/srt/lora/: mem_pool.py init_buffer gives gate_up_proj and down_proj, on a
 model holding a FusedMoE, a 4D buffer per layer (every layer, the dense ones too) of (slots, experts, rank x stacked,
@@ -17,8 +17,8 @@ import importlib.util
 
 import pytest
 
-from cost_models.rollout_lora_sglang import (all_targets, csgmv_graph_metadata_bytes, moe_graph_buffers_bytes,
-                                             sglang_lora_pool, sglang_target_modules)
+from cost_models.rollout_lora_sglang import (adapter_refusals, all_targets, csgmv_graph_metadata_bytes,
+                                             moe_graph_buffers_bytes, sglang_lora_pool, sglang_target_modules)
 from cost_models.spec_values import SpecError
 from planner.models import resolve_model
 from planner.rl import rl_estimate
@@ -87,18 +87,26 @@ def test_backend_graph_metadata_by_hand():
 
 def test_verl_sglang_moe_lora_priced_in_every_phase():
     """verl with SGLang serving DeepSeek-V2-Lite's adapter (rollout TP 2, rank 32, max_num_seqs 256): the pool and
-    the backend's graph metadata, never released, in every phase - no longer refused."""
+    the backend's graph metadata, never released, in every phase - priced, no longer an error. SGLang's loader
+    raises on the adapter all the same (its q_proj has no v_proj to stack with: lora/lora.py normalize_qkv_proj), so
+    the estimate does not fit and names lora_merge; merged, no adapter, no refusal. DeepSeek-V3 (q_a_proj / q_b_proj)
+    and GQA models load."""
     e = rl_estimate("deepseek-v2-lite", 8, gpu="h100-80gb", engine="sglang", finetune="lora")
     assert (e.engine_settings.tp, e.engine_settings.max_lora_rank, e.engine_settings.max_num_seqs) == (2, 32, 256)
     assert e.memory.engine.lora_bytes == 7_702_560_768 + 161_480_704 + 239_528 == 7_864_281_000
     assert all(p.gpu_bytes.get("engine LoRA buffers") == 7_864_281_000 for p in e.memory.phases)
+    assert not e.fits and [(r.field, r.code) for r in e.memory.engine.refusals] == [("lora_merge",
+                                                                                      "engine-lora-adapter")]
+    merged = rl_estimate("deepseek-v2-lite", 8, gpu="h100-80gb", engine="sglang", finetune="lora", lora_merge=True)
+    assert merged.memory.engine.lora_bytes == 0 and not merged.memory.engine.refusals
+    assert [bool(adapter_refusals(resolve_model(n))) for n in ("deepseek-v3", "qwen3-30b-a3b")] == [False, False]
 
 
 if importlib.util.find_spec("sglang") is not None:
-    from benchmarks.sglang_lora_check import (CASES, METADATA_CASES, MOE_CASES, our_metadata_bytes, ours,
-                                              sglang_bytes, sglang_metadata_bytes)
+    from benchmarks.sglang_lora_check import (ADAPTER_CASES, CASES, METADATA_CASES, MOE_CASES, our_metadata_bytes,
+                                              ours, sglang_adapter_load_error, sglang_bytes, sglang_metadata_bytes)
 else:
-    CASES = MOE_CASES = METADATA_CASES = ()
+    CASES = MOE_CASES = METADATA_CASES = ADAPTER_CASES = ()
 
 
 @needs_sglang
@@ -123,3 +131,11 @@ def test_backend_graph_metadata_is_sglangs(name, tp, slots, max_bs):
     """csgmv's decode-graph rows and, on an MoE, the routing buffers SGLang allocates for the first wrapped FusedMoE:
     dense and MoE, 1-8 slots, 100-512 requests: the same bytes."""
     assert our_metadata_bytes(name, tp, slots, max_bs) == sglang_metadata_bytes(name, tp, slots, max_bs)
+
+
+@needs_sglang
+@pytest.mark.parametrize("name", ADAPTER_CASES)
+def test_adapter_refused_where_sglangs_loader_raises(name):
+    """SGLang's own normalize_qkv_proj on verl's all-linear attention adapter: KeyError for DeepSeek-V2-Lite (q_proj,
+    no v_proj), loads for DeepSeek-V3, Qwen3-MoE, Qwen2.5: we refuse exactly where it raises."""
+    assert bool(adapter_refusals(resolve_model(name))) == bool(sglang_adapter_load_error(name))
