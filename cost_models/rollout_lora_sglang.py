@@ -53,7 +53,8 @@ What SGLang 0.5.23 allocates (python/sglang/srt/lora/):
   q_proj, which normalises to qkv_proj: its buffer is sized by get_default_hidden_dim for a dense qkv_proj (A 3 x rank
   by hidden; B head_dim x (heads + 2 x KV heads) / tp, head_dim transformers' DeepseekV2Config.head_dim =
   qk_rope_head_dim) and never read (no module is named qkv_proj, so nothing is wrapped), nor is kv_a_proj_with_mqa
-  (only a module named fused_qkv_a_proj_with_mqa is): both buffers are allocated all the same.
+  (only a module named fused_qkv_a_proj_with_mqa is): both buffers are allocated all the same. Its adapter then
+  never loads (adapter_refusals: SGLang's loader raises on a q_proj without v_proj).
   On a CUDA GPU SGLang fuses DeepSeek-V3's one shared expert into the FusedMoE (deepseek_v2.py
   shared_experts_fusion_disable_reason); the pool is sized from the config, not the FusedMoE, so its bytes are the
   same (the sparse layers' 3D buffers fall back to get_default_hidden_dim's moe_intermediate_size x n_shared_experts).
