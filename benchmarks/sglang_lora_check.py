@@ -1,5 +1,7 @@
 """Our LoRA pool bytes (cost_models/rollout_lora_sglang.py) against the LoRAMemoryPool SGLang builds itself, for
-catalog models at several TP degrees and ranks. SGLang brings dependencies of its own (and pins torch 2.14.1): run it
+catalog models at several TP degrees and ranks; then the csgmv backend's CUDA-graph metadata and the MoE routing
+buffers against SGLang's own allocations (sglang_metadata_bytes), and our adapter refusal against what SGLang's adapter
+loader raises (sglang_adapter_load_error). SGLang brings dependencies of its own (and pins torch 2.14.1): run it
 in an environment of its own that borrows the project's torch 2.13 and transformers, about 2 minutes to set up:
 
     python3 -m venv /tmp/sglenv
