@@ -51,7 +51,6 @@ softmax router), leading dense blocks at their own index (priced as sparse at th
 from __future__ import annotations
 
 from .fsdp_options import DIM1_PLACEMENT
-from .model_spec import dense_block_spec  # noqa: F401  (its home is model_spec, which ModelSpec's counts need)
 from .specs import BackwardMoment, ModelSpec, MoeSpec
 
 INDEX_BYTES = 8  # int64 routing indices
@@ -316,6 +315,7 @@ def active_block_params(model: ModelSpec) -> int:
 
 
 __all__ = ["rows_per_rank", "small_dim0_tensors", "padded_shard_elements", "padding_factor", "block_shard_elements",
-           "block_gathered_elements", "experts_gathered_elements", "dim1_elements", "dim1_shardable", "dense_block_spec", "router_bytes_per_token", "mlp_bytes_per_token",
+           "block_gathered_elements", "experts_gathered_elements", "dim1_elements", "dim1_shardable",
+           "router_bytes_per_token", "mlp_bytes_per_token",
            "backward_moments", "mlp_backward_working_bytes_per_token", "mlp_param_elements", "padding_note",
            "comm_bound_note", "active_block_params"]
