@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from . import dim0_padding
 from .specs import ModelSpec
 
 
@@ -59,15 +60,17 @@ def root_terms(model: ModelSpec, trainable_root: int, root_params: int, c: int, 
     keeps_gathered: the ZeRO-2 forms (nothing resharded after forward); fsdp1: FSDP1's adapter units
     (fsdp1_adapters.py)."""
     root_c = root_params * c
+    # the counts pad the tables to d x ceil(rows / d) rows (dim0_padding.py); their gradients are the real tables
+    embedding_pad, rest_pad = dim0_padding.root_padding_elements(model, d)
     if not model.split_edge_units or d == 1:
         head = (model.head_params or (model.embedding_params if model.tied_embeddings else 0)) + model.root_other_params
         return RootTerms(at_blocks=root_c, head_grad=min(head, trainable_root) * c, done_grads=0, rs_at_last_block=0,
                          prefetch_at_first=0, at_loss=root_c, prefetch_at_loss=True, regather=0, rs_at_regather=0,
-                         done_at_regather=0, end_grads=trainable_root * c,
+                         done_at_regather=0, end_grads=max(0, trainable_root - embedding_pad - rest_pad) * c,
                          end_rs=0 if fsdp1 and d == 1 else trainable_root * r,
                          end_params=root_c if fsdp1 and d == 1 else 0)
-    embedding_c = model.embedding_params * c
-    head_unit = root_params - model.embedding_params
+    embedding_c = (model.embedding_params + embedding_pad) * c
+    head_unit = root_params - model.embedding_params - embedding_pad
     trainable_head = min(head_unit, trainable_root)
     trainable_norm = min(model.root_other_params, trainable_head)
     trainable_embedding = trainable_root - trainable_head
@@ -76,7 +79,8 @@ def root_terms(model: ModelSpec, trainable_root: int, root_params: int, c: int, 
                      rs_at_last_block=trainable_norm * r, prefetch_at_first=0 if keeps_gathered else embedding_c,
                      at_loss=head_unit * c + kept, prefetch_at_loss=False, regather=head_unit * c,
                      rs_at_regather=(trainable_head - trainable_norm) * r,
-                     done_at_regather=-(-(trainable_head - trainable_norm) * p // d), end_grads=trainable_embedding * c,
+                     done_at_regather=-(-(trainable_head - trainable_norm) * p // d),
+                     end_grads=max(0, trainable_embedding - embedding_pad) * c,
                      end_rs=trainable_embedding * r + -(-trainable_embedding * r // d), end_params=0)
 
 

@@ -121,8 +121,8 @@ class ExpertParallelView:
         shard_block = block - experts_d + self.experts_shard_elements() * self.d
         nd = self.model.n_dense_layers
 
-        def counts(b: int) -> ParamCounts:
-            delta = nd * (self.model.moe.dense_block_params - b) if nd else 0
+        def counts(b: int) -> ParamCounts:  # (the dense blocks' own dim-0 padding kept: gathered's delta)
+            delta = gathered.trainable_dense_delta + nd * (gathered.trainable_block - b) if nd else 0
             return replace(gathered, trainable_block=b, trainable_dense_delta=delta)
 
         return counts(block), counts(shard_block)

@@ -27,9 +27,9 @@ tier, docs/accuracy.md) decides what else is alive, moment by moment:
 SHARD_GRAD_OP-like strategies keep every block gathered from forward until its backward (no prefetch).
 fsdp1_adapter_units: LoRA / QLoRA under FSDP1, each adapter a unit (fsdp1_adapters.py says what changes). A shard
 group of one rank (NO_SHARD) copies params out to unsharded tensors, no all-gather buffers, but FSDP2 still runs
-foreach_reduce there: each unit's reduce-scatter input and a full-size output (edge_units.py; FSDP1: none). Ignored:
-per-parameter padding to a multiple of d, allocator rounding to 512 bytes; reserved adds the profile's fragmentation
-and the memory outside the allocator (outside_allocator.py). The peak among the moments: memory_peak.py.
+foreach_reduce there: each unit's reduce-scatter input and a full-size output (edge_units.py; FSDP1: none). Each
+tensor's dim-0 padding to d x ceil(rows / d) rows is counted (dim0_padding.py), allocator rounding not; reserved adds
+the profile's fragmentation and the memory outside the allocator (outside_allocator.py). Peak: memory_peak.py.
 """
 
 from __future__ import annotations

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from . import moe
+from . import dim0_padding, moe
+from .model_spec import dense_block_spec
 from .quick_init import quick_init
 from .specs import ActivationTerms, Finetune, ModelSpec, Precision, TrainingSpec
 
@@ -104,16 +105,22 @@ class ParamCounts:
 
     @classmethod
     def of(cls, model: ModelSpec, training: TrainingSpec, shard_group: int = 1, dim1: bool = False) -> "ParamCounts":
-        """shard_group d > 1: a sparse block's stacked expert tensors padded to a multiple of d rows, as FSDP2
-        shards, gathers and reduce-scatters them (cost_models/moe.py; dim1: the expert matrices sharded on dim 1,
-        unpadded); d = 1: the real counts."""
-        block = moe.block_gathered_elements(model, shard_group, dim1)
-        delta = model.n_dense_layers * (model.moe.dense_block_params - block) if model.n_dense_layers else 0
+        """shard_group d > 1: every tensor padded to a multiple of d rows, as FSDP2 shards, gathers and
+        reduce-scatters it: a sparse block's stacked experts (cost_models/moe.py; dim1: the expert matrices sharded
+        on dim 1, unpadded), the dense ones and the root's (dim0_padding.py); d = 1: the real counts."""
+        d = shard_group
+        dense_pad = d > 1 and not training.quantized  # (QLoRA's packed linears: (n / 2, 1) rows, padding < d)
+        block = moe.block_gathered_elements(model, d, dim1) + (
+            dim0_padding.block_padding_elements(model, d) if dense_pad else 0)
+        delta = model.n_dense_layers * (model.moe.dense_block_params - block + (
+            dim0_padding.block_padding_elements(dense_block_spec(model), d) if dense_pad else 0)) \
+            if model.n_dense_layers else 0
+        root = model.root_params + sum(dim0_padding.root_padding_elements(model, d))
         if training.finetune.adapters:
             lora = model.lora_params_per_block(training.lora_rank)  # all-linear: a dense block's MLP adapters apart
-            return cls(trainable_block=lora, frozen_block=block, trainable_root=0, frozen_root=model.root_params,
+            return cls(trainable_block=lora, frozen_block=block, trainable_root=0, frozen_root=root,
                        trainable_dense_delta=model.lora_dense_delta(training.lora_rank), frozen_dense_delta=delta)
-        return cls(block, 0, model.root_params, 0, trainable_dense_delta=delta)
+        return cls(block, 0, root, 0, trainable_dense_delta=delta)
 
     def trainable(self, n_layers: int) -> int:
         return n_layers * self.trainable_block + self.trainable_root + self.trainable_dense_delta

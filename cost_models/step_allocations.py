@@ -18,7 +18,8 @@ docs/accuracy.md, "LoRA's step"), TP with CP (walk == ledger in all 96 of llama3
 tokens, 92 at 2,048; the misses fp32 without checkpointing, +0.8%, as TP alone at s / cp tokens), a
 traced block profile (profile_events.py: its saved bytes, checkpoint-held inputs and backward moment;
 docs/accuracy.md, "TP with CP, and traced block profiles"), MoE (moe_events.py: a sparse block's own tensors, dense
-blocks, dim-0 padding; docs/accuracy.md, "MoE's step replayed"), experts as units of their own and expert parallelism
+blocks, dim-0 padding; docs/accuracy.md, "MoE's step replayed"), every tensor's dim-0 padding (dim0_padding_events.py),
+experts as units of their own and expert parallelism
 (expert_unit_events.py: each block's experts a unit over efsdp; docs/accuracy.md, "2026-12-07 night: expert
 parallelism replayed"). A block's gradients alive at its backward's moment are made before its working set, the rest
 at its post-backward. MoE's dense blocks under LoRA: lora_dense_events.py. Flat where the ledger has pieces
@@ -31,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 
 from .caching_allocator import AllocatorSettings, ReplayResult, replay
+from .dim0_padding_events import Dim0PaddingWalk
 from .expert_unit_events import ExpertUnitsWalk
 from .lora_dense_events import LoraDenseBlocksWalk
 from .lora_edge_events import LoraEdgeUnitsWalk
@@ -80,11 +82,12 @@ def step_replay(model: ModelSpec, cluster, training: TrainingSpec, config: FsdpC
     return replay_step(local, training, config, config.shard_group_size(cluster), settings, snapshots)
 
 
-class _FullStepWalk(ExpertUnitsWalk, OffloadWalk, OneRankWalk, MoeWalk, ProfileWalk, StepWalk):
+class _FullStepWalk(ExpertUnitsWalk, OffloadWalk, OneRankWalk, Dim0PaddingWalk, MoeWalk, ProfileWalk, StepWalk):
     """The walk step_events runs for full fine-tuning."""
 
 
-class _LoraStepWalk(OffloadWalk, OneRankWalk, LoraEdgeUnitsWalk, LoraDenseBlocksWalk, LoraWalk, StepWalk):
+class _LoraStepWalk(OffloadWalk, OneRankWalk, LoraEdgeUnitsWalk, Dim0PaddingWalk, LoraDenseBlocksWalk, LoraWalk,
+                    StepWalk):
     """The walk step_events runs under LoRA and QLoRA."""
 
 

@@ -1,0 +1,109 @@
+"""The step walk's dim-0 padding of a dense model's parameters (a mixin ahead of StepWalk; dim0_padding.py says
+what FSDP2 pads and why): at shard group d > 1 each block unit's tensors (pipeline_allocations.param_tensors) and the
+root's are padded to d x ceil(rows / d) rows, as the ledger's ParamCounts count them: their shards, optimizer states,
+all-gather inputs and outputs (the unsharded storage), reduce-scatter inputs and sharded gradients, and the
+optimizer's foreach temporaries over the padded shards. The gradients autograd makes stay the real tensors.
+
+A tensor of the walk's block takes the padding of the ledger's tensor of its size (dim0_padding.block_tensors: q, k,
+v, o, the MLP's linears, the norms, where the layouts agree); what the walk's layout does not match (a fused qkv, the
+ledger's q / k norms) goes to its largest tensor, so that a block's padded sum is the ledger's. Not here: MoE models
+(MoeWalk's units pad the experts; their attention's padding is the ledger's alone), LoRA (LoraWalk's own units), and
+the root under edge units (edge_unit_events.py splits unit 0 by the real counts): the ledger's alone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+
+from . import dim0_padding
+from .model_spec import dense_block_spec
+
+
+def _padded(tensors: list[int], ledger_tensors, d: int) -> list[int]:
+    """A block's tensors (elements) padded as the ledger pads the block (module docstring)."""
+    out, todo = list(tensors), list(ledger_tensors)
+    left = dim0_padding.padding_elements(todo, d)
+    for i, n in enumerate(tensors):
+        match = next(((rows, per_row) for rows, per_row in todo if rows * per_row == n), None)
+        if match is not None:
+            todo.remove(match)
+            pad = dim0_padding.padding_elements([match], d)
+            out[i] += pad
+            left -= pad
+    out[max(range(min(4, len(out))), key=out.__getitem__)] += left
+    return out
+
+
+class Dim0PaddingWalk:
+    """StepWalk's units with FSDP2's dim-0 padding (module docstring): padding_added, the elements it added to each
+    tensor of a unit, keyed (stage, unit); the walk's own reads of a unit's gradients and unsharded bytes see the
+    tensors without it, the padding added after."""
+
+    def _units(self, x) -> list[list[int]]:
+        units = super()._units(x)
+        model, d = self.model, self.d
+        if d <= 1:
+            return units
+        root = len(units) - x.stage.n_blocks
+        dense = getattr(self, "dense", ())  # MoeWalk's dense blocks (MoE models): moe.dense_block_spec's tensors
+        ledger = {False: () if self.training.quantized else dim0_padding.block_tensors(model)}  # (ParamCounts.of)
+        if dense and not self.training.quantized:
+            ledger[True] = dim0_padding.block_tensors(dense_block_spec(model))
+        self.padding_added = getattr(self, "padding_added", {})
+        out = [list(unit) for unit in units]
+        for j, unit in enumerate(units[root:]):
+            out[root + j] = _padded(unit, ledger.get(x.stage.first_block + j in dense, ()), d)
+        if root and not model.split_edge_units:  # (edge units split unit 0 by the real counts: edge_unit_events.py)
+            out[0][0] += sum(dim0_padding.root_padding_elements(model, d))
+        for u, (padded, real) in enumerate(zip(out, units)):
+            if padded != list(real):
+                self.padding_added[x.stage.index, u] = [p - r for p, r in zip(padded, real)]
+        return out
+
+    def __init__(self, model, training, config, d: int, rank: int):
+        super().__init__(model, training, config, d, rank)
+        s = self.stage
+        total = sum(sum(unit) for unit in self.units[s])
+        if any(k[0] == s for k in getattr(self, "padding_added", {})) and total != self.pieces[s].params:
+            # the optimizer step's temporaries over the padded shards (the ledger's trainable elements)
+            self.pieces[s] = dataclasses.replace(self.pieces[s], params=total)
+
+    def _added(self, s: int, u) -> list[int] | None:
+        """The elements the padding added to unit u's tensors, None where it added none."""
+        return self.padding_added.get((s, u)) if isinstance(u, int) and hasattr(self, "padding_added") else None
+
+    @contextlib.contextmanager
+    def _unpadded(self, s: int, u):
+        """Unit u's tensors without the padding, for the walk's reads of it."""
+        padded = self.units[s][u]
+        self.units[s][u] = [n - a for n, a in zip(padded, self.padding_added[s, u])]
+        try:
+            yield
+        finally:
+            self.units[s][u] = padded
+
+    def grad_bytes(self, s: int, u) -> list[int]:
+        if self._added(s, u) is None:
+            return super().grad_bytes(s, u)
+        with self._unpadded(s, u):
+            return super().grad_bytes(s, u)
+
+    def root_grads(self, s: int) -> list[int]:
+        if self._added(s, 0) is None:
+            return super().root_grads(s)
+        with self._unpadded(s, 0):
+            return super().root_grads(s)
+
+    def unsharded(self, s: int, u) -> list[int]:
+        """The unit's all-gather output without the padding (StagePieces' gathered bytes over its tensors), each
+        tensor's padding added in the compute dtype."""
+        added = self._added(s, u)
+        if added is None:
+            return super().unsharded(s, u)
+        with self._unpadded(s, u):
+            sizes = super().unsharded(s, u)
+        return [n + a * self.c for n, a in zip(sizes, added)]
+
+
+__all__ = ["Dim0PaddingWalk"]
