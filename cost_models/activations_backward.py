@@ -82,6 +82,10 @@ def _eager_freed_before_softmax_backward(model: ModelSpec, c: int, micro_batch: 
     output (v is its view) unless v was copied to a contiguous tensor (then that copy, c*q); nothing for
     GPT-2, whose q and k are views of the same fused output. Families checked against the trace only."""
     q, kv = model.q_dim, model.kv_dim
+    if model.kv_lora_rank:  # MLA: P @ V read v as a view of kv_b_proj's output (one sequence) or a copy of it
+        H, d_v = model.n_heads, model.v_head_dim
+        kv_b_out = c * H * (model.head_dim - model.qk_rope_head_dim + d_v)
+        return c * H * d_v + (kv_b_out if micro_batch == 1 else c * H * d_v)
     if model.family in _SEPARATE_QKV_FAMILIES:
         return c * q + c * q
     if model.family in _FUSED_ROTARY_FAMILIES:

@@ -26,8 +26,15 @@ The saved tensors and moments are the ledger's (memory_shape.ledger_shape with t
 saved bytes per routed row, ExpertParallelView.backward_moments; a traced block profile's moments where the model has
 one, with the experts gathered). After the experts' post-backward FSDP2 has freed their gradients (copied into the
 reduce-scatter input) and made their new shard: the walk's later moments hold the block's others only, as memory.py
-does (expert_unit_terms.py). Not here: the MLP's saved tensors, freed in the experts' backward (traced), stay to the
-block's end (docs/accuracy.md, "2026-12-07 night: the experts' reduce-scatter in the ledger").
+does (expert_unit_terms.py). The MoE MLP's saved tensors (moe.mlp_bytes_per_token) go as the trace frees them
+(planner.tracing.trace's allocation events, mixtral-blocks EP 8 on 512, bf16, no AC: test_ep_step_allocations.py;
+docs/accuracy.md "2026-12-08: the MLP's saved tensors in the experts' backward"): the routed rows' made inside the
+experts' forward (after their all-gather) and freed in their backward, before their reshard and reduce-scatter; the
+router's made before the experts' all-gather and freed after that reduce-scatter (the router's backward follows the
+experts'), before the post-attention norm's backward - where the ledger's later moments have them freed. Not apart
+(to the block's end, as before): with activation checkpointing (a recomputed MLP stays whole, and checkpointed blocks
+beside blocks with their MLP apart fragmented the replay where the trace's does not), a traced block profile's saved
+bytes, the dispatch / combine's (the ledger keeps them too).
 Experts as units of their own without EP (FsdpConfig.expert_units) are this walk at efsdp = d, the model unsliced.
 A dense block (DeepSeek's leading, Llama 4's interleaved) has no experts: MoeWalk's unit, StepWalk's backward.
 Not here (step_allocations.replays keeps the flat rule, moe_events.moe_flat_reason): expert units with LoRA or CPU
@@ -37,8 +44,9 @@ offload, experts sharded on dim 1.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
-from . import context_parallel
+from . import context_parallel, moe
 from .expert_parallel import rank_view
 from .memory_shape import ledger_shape
 from .moe_events import expert_indices, moe_block_tensors
@@ -68,6 +76,35 @@ class ExpertUnitsWalk:
         self.shape = ledger_shape(model, training, config, self.ep_view, False)
         self.pieces[self.stage] = self.pieces[self.stage].with_ledger_saved(self.shape, self.tokens)
         self.dense_saved(self.shape)
+        self.mlp_saved_apart()
+
+    def mlp_saved_apart(self) -> None:
+        """Without activation checkpointing a sparse block keeps its MoE MLP's saved tensors (moe.mlp_bytes_per_token,
+        as the ledger's moments after the experts' backward free them) apart from its others: the routed rows'
+        (`experts`) made in the experts' forward and freed in their backward, the router's (`router`) made before them
+        and freed after their post-backward (module docstring). A traced block profile's saved bytes stay whole."""
+        s, x = self.stage, self.pieces[self.stage]
+        mlp = moe.mlp_bytes_per_token(self.model, self.c) if self.shape.traced is None else 0
+        router = moe.router_bytes_per_token(self.model.moe, self.c)
+        self.mlp_saved_per_token = {"router": router, "experts": mlp - router}
+        # (none where a block is checkpointed: its recompute keeps the MLP's whole, and with both kinds of block the
+        # replay fragmented where the trace's does not, the expert-units grid's every-2 rows +16 .. +30 points over
+        # the trace's replay: docs/accuracy.md "2026-12-08: the MLP's saved tensors in the experts' backward")
+        self.apart = set() if any(x.checkpointed) else {j for j in range(x.stage.n_blocks) if mlp
+                                                         and x.stage.first_block + j not in self.dense}
+        less = [mlp * (j in self.apart) for j in range(x.stage.n_blocks)]
+        self.pieces[s] = dataclasses.replace(x, kept=tuple(k - n for k, n in zip(x.kept, less)),
+                                             saved=x.saved - self.tokens * sum(less))
+
+    def mlp_saved_tensors(self, s: int, u, part: str, free: bool = False) -> None:
+        """Block unit u's MLP saved tensors of `part` (mlp_saved_apart) made, or freed."""
+        if u - self.root_units(s) not in self.apart:
+            return
+        for t, size in enumerate(self.tensors(self.mlp_saved_per_token[part])):
+            if free:
+                self.free(("mlp saved", s, u, part, t))
+            else:
+                self.alloc(("mlp saved", s, u, part, t), size)
 
     def _units(self, x) -> list[list[int]]:
         units = super()._units(x)
@@ -124,7 +161,9 @@ class ExpertUnitsWalk:
         """The experts' pre-forward and post-forward at the block's end (the walk writes a block's forward in one
         sweep: a checkpointed block's whole forward before its experts are gathered), then the block's post-forward."""
         if self.is_block(u):
+            self.mlp_saved_tensors(s, u, "router")
             self.unshard(("experts", u))
+            self.mlp_saved_tensors(s, u, "experts")
             if not self.keeps_gathered:
                 self.reshard_unit(("experts", u))
         super().post_forward(s, u)
@@ -167,12 +206,16 @@ class ExpertUnitsWalk:
 
         mlp = best((round(m.activation_bytes(self.tokens, seq)) + (ring if traced else 0), min(m.grad_bytes, cap))
                    for m in moments if not m.experts_done)
-        later = best([(round(m.activation_bytes(self.tokens, seq)), max(0, min(m.grad_bytes, cap) - experts_grads))
-                      for m in moments if m.experts_done]
-                     + ([] if traced else [(self.tokens * (shape.w_attn - shape.freed_attn),
+        # the ledger's later moments are above the block's whole saved tensors, the MLP's freed by then: here above
+        # what the block holds once they are freed (mlp_saved_apart)
+        freed = self.tokens * sum(self.mlp_saved_per_token.values()) * (j in self.apart)
+        later = best([(round(m.activation_bytes(self.tokens, seq)) + freed,
+                       max(0, min(m.grad_bytes, cap) - experts_grads)) for m in moments if m.experts_done]
+                     + ([] if traced else [(self.tokens * (shape.w_attn - shape.freed_attn) + freed,
                                             max(0, shape.attn_grad - experts_grads))]))
         made = self.moment(("experts backward", s, mb, j), s, u, mlp,
                            range(len(grads)) if traced else self.expert_index)
+        self.mlp_saved_tensors(s, u, "experts", free=True)
         for i in self.expert_index:  # the rest of the experts' gradients, then their post-backward
             if i not in made:
                 self.alloc(("wgrad", s, u, i), grads[i])
@@ -181,6 +224,7 @@ class ExpertUnitsWalk:
         with self._experts_group():
             self.reduce_scatter(s, experts, sum(self.experts_bytes) // self.c,
                                 [("wgrad", s, u, i) for i in self.expert_index])
+        self.mlp_saved_tensors(s, u, "router", free=True)
         others = [i for i in range(len(grads)) if i not in made and i not in self.expert_index]
         self.made[u] = made | set(self.expert_index) | self.moment(("block backward", s, mb, j), s, u, later, others)
 
