@@ -7,6 +7,7 @@ blocks', so the walk's live tensors peak at the memory ledger's allocated peak. 
 import pytest
 
 from benchmarks.memory_accuracy import arch_config
+from cost_models.activations_backward import _eager_freed_before_softmax_backward
 from cost_models.moe_events import moe_block_tensors
 from cost_models.step_allocations import replays
 from planner.api import estimate
@@ -94,4 +95,22 @@ def test_a_frozen_router_saves_no_fp32_input(row, traced):
                  **row)
     assert c.memory.peak_moment == "loss backward"
     assert c.memory.peak_allocated_bytes == pytest.approx(traced, rel=5e-4)
+    assert _events_peak(_walk(c)[0]) == pytest.approx(c.memory.peak_allocated_bytes, abs=4)
+
+
+def test_mla_eager_softmax_backward_after_v_and_the_o_input_freed():
+    """Eager MLA's attention backward peaks at the softmax backward, after the o-projection's and P @ V's backward have
+    freed the o-projection's input copy (c H d_v) and v: with one sequence a view of kv_b_proj's output, kept whole
+    (c H (qk_nope + d_v)). Live tensors on a real CPU layer (the small config, fp32, LoRA attention, 1,024 tokens).
+    Attention-only LoRA on DeepSeek-V3, FULL_SHARD fp32 every-2 eager, 1 x 4,096 on 8 (block 3's attention leads): the
+    trace 2,370,617,896 B (planner.tracing.trace, 2026-12-08, quoted); the ledger was +0.59% (2,384,704,704), now within
+    0.1%; the walk the ledger's. (The 2026 grid's row 7, 1 x 2,048 on 128, experts padded: +0.81% -> -0.04%.)"""
+    c = estimate(arch_config("deepseek-v3"), 8, finetune="lora", lora_targets="attention", sharding="FULL_SHARD",
+                 precision="fp32", activation_checkpointing="every-2", attention="eager", micro_batch=1, seq_len=4096,
+                 gpus_per_node=8)
+    H, d_v, qk_nope = 8, 32, 32
+    assert _eager_freed_before_softmax_backward(c.model, 4, 1) == 4 * H * d_v + 4 * H * (qk_nope + d_v)
+    assert _eager_freed_before_softmax_backward(c.model, 4, 2) == 2 * 4 * H * d_v   # bmm's copy of v instead
+    assert c.memory.peak_moment == "backward of block 3"
+    assert c.memory.peak_allocated_bytes == pytest.approx(2_370_617_896, rel=1e-3)
     assert _events_peak(_walk(c)[0]) == pytest.approx(c.memory.peak_allocated_bytes, abs=4)
