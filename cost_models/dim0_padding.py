@@ -15,8 +15,11 @@ tensors of few rows (stacked experts, router, shared-expert gate) the same way; 
 attention (q / k / v / o, fused qkv, DeepSeek's MLA projections), its MLP or shared expert, its norms, and the
 root's embedding and head. A TP rank's slice (tensor_parallel.local_model) is what FSDP shards: its rows are the
 slice's (q / k / v / gate / up column-wise: the rank's heads and ffn / tp; o / down row-wise: h).
-Not padded here: biases, sinks, position tables (at most d - 1 elements each), and a layout the spec's widths do
-not account for (block_tensors gives () where the listed tensors exceed the block's count).
+LoRA's adapters are padded too (adapter_tensors: lora_A's rank rows; 16 rows gather d at d > 16). Not padded here:
+biases, sinks, position tables (at most d - 1 elements each), an MoE's router and stacked-expert adapters, and a
+layout the spec's widths do not account for (block_tensors gives () where the listed tensors exceed the block's
+count). FSDP1's flat parameters pad each unit's concatenation to a multiple of d instead (< d elements): priced as
+FSDP2's, as the stacked experts were.
 """
 
 from __future__ import annotations
@@ -76,6 +79,13 @@ def block_tensors(model: ModelSpec) -> tuple[tuple[int, int], ...]:
     return tuple(tensors)
 
 
+def adapter_tensors(model: ModelSpec, rank: int) -> tuple[tuple[int, int], ...]:
+    """(rows, elements per row) of a block's peft lora.Linear adapters: lora_A (rank, in) and lora_B (out, rank) of
+    each adapted linear (ModelSpec.lora_shapes; an MoE's router and stacked-expert adapters not listed): at a shard
+    group above the rank, lora_A's rank rows are padded to d."""
+    return tuple(t for i, o in model.lora_shapes for t in ((rank, i), (o, rank)))
+
+
 def padding_elements(tensors, d: int) -> int:
     """Elements FSDP2 adds to these (rows, elements per row) tensors at shard group d: (d x ceil(rows / d) - rows)
     rows of each."""
@@ -118,4 +128,5 @@ def root_padding_elements(model: ModelSpec, d: int) -> tuple[int, int]:
     return emb, padding_elements(tensors, d) - emb
 
 
-__all__ = ["block_tensors", "padding_elements", "block_padding_elements", "root_tensors", "root_padding_elements"]
+__all__ = ["block_tensors", "adapter_tensors", "padding_elements", "block_padding_elements", "root_tensors",
+           "root_padding_elements"]

@@ -117,9 +117,14 @@ class ParamCounts:
             if model.n_dense_layers else 0
         root = model.root_params + sum(dim0_padding.root_padding_elements(model, d))
         if training.finetune.adapters:
-            lora = model.lora_params_per_block(training.lora_rank)  # all-linear: a dense block's MLP adapters apart
+            rank = training.lora_rank  # all-linear: a dense block's MLP adapters apart; lora_A's rank rows padded
+            lora = model.lora_params_per_block(rank) + dim0_padding.padding_elements(
+                dim0_padding.adapter_tensors(model, rank), d)
+            lora_delta = model.lora_dense_delta(rank) + (model.n_dense_layers * (dim0_padding.padding_elements(
+                dim0_padding.adapter_tensors(dense_block_spec(model), rank), d) - lora + model.lora_params_per_block(
+                rank)) if model.n_dense_layers and d > 1 else 0)
             return cls(trainable_block=lora, frozen_block=block, trainable_root=0, frozen_root=root,
-                       trainable_dense_delta=model.lora_dense_delta(training.lora_rank), frozen_dense_delta=delta)
+                       trainable_dense_delta=lora_delta, frozen_dense_delta=delta)
         return cls(block, 0, root, 0, trainable_dense_delta=delta)
 
     def trainable(self, n_layers: int) -> int:

@@ -58,3 +58,36 @@ def test_no_padding_where_the_shard_group_divides_every_dimension():
     assert dim0_padding.root_padding_elements(c.model, 8) == (0, 0)
     assert c.memory.phases["optimizer_step"].sharded_params == c.model.n_params * 4 // 8
 
+
+
+def test_lora_adapters_rank_rows_padded():
+    """llama3-gqa LoRA (rank 16 on q / k / v / o, the base frozen in bf16) on 512 ranks, bf16, full checkpointing,
+    1 x 256 tokens: each lora_A (16, 512) holds one padded row of 512 a rank, each lora_B (out, 16) one row of 16, so a
+    block's adapter shard is 4 x 512 + 4 x 16 = 2,112 fp32 elements (104 unpadded); with the base's 7,938 a block and
+    the root's 32,769 in bf16, sharded parameters (8 x 7,938 + 32,769) x 2 + 8 x 2,112 x 4 = 260,130 B and Adam's two
+    states 135,168: the trace tier's 260,130 / 135,424 (its 64 fp32 step counters), its peak 96,086,570 B (the ledger
+    91,714,850 before any dim-0 padding, 93,834,018 with the base's alone)."""
+    c = estimate(arch_config("llama3-gqa"), 512, gpus_per_node=8, precision="bf16", activation_checkpointing="full",
+                 micro_batch=1, seq_len=256, finetune="lora", attention="sdpa")
+    step = c.memory.phases["optimizer_step"]
+    assert step.sharded_params == (8 * 7_938 + 32_769) * 2 + 8 * 2_112 * 4 == 260_130
+    assert step.optimizer_state == 2 * 8 * 2_112 * 4
+    assert c.memory.peak_allocated_bytes == pytest.approx(96_086_570, rel=1e-4)
+    assert _walk_peak(c) == c.memory.peak_allocated_bytes
+
+
+def test_edge_units_pad_the_embedding_and_the_head_units():
+    """torchtitan 0.3's edge units (the embedding a unit, [final norm, head] another) of llama3-gqa fp32 on 512, no
+    checkpointing, 1 x 256 tokens: the final norm's backward leads, the head's unit gathered again (16,384 padded rows
+    of the 16,000); the trace tier's peak 198,049,536 B (benchmarks/memory_accuracy.py's edge_units_trace), the ledger
+    195,538,636 (-1.27%) without the padding, 198,031,564 (-0.009%) with it; the walk the ledger's."""
+    from dataclasses import replace
+
+    from planner.api import estimate_config
+
+    c = estimate(arch_config("llama3-gqa"), 512, gpus_per_node=8, precision="fp32", activation_checkpointing="none",
+                 micro_batch=1, seq_len=256, attention="sdpa")
+    c = estimate_config(replace(c.model, edge_units=True), c.cluster, c.training, c.config)
+    assert c.memory.peak_moment == "final norm's backward"
+    assert c.memory.peak_allocated_bytes == pytest.approx(198_049_536, rel=2e-4)
+    assert _walk_peak(c) == c.memory.peak_allocated_bytes
