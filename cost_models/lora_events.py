@@ -85,6 +85,9 @@ class LoraWalk:
         mlp_first = tokens * mlp[0] + sum(mlp[1]) >= tokens * attn[0] + sum(attn[1])
         self.moment = (*mlp, mlp_grad) if mlp_first else (*attn, shape.attn_grad)
 
+    def templated(self, x, j: int) -> bool:
+        return False  # the adapters' tensors are not tp_block_events' (full fine-tuning's block): the ledger's shape
+
     def trainable(self, s: int, u) -> list[int]:
         """Unit u's trainable tensors (indexes): a block's adapters, none of the root's."""
         return list(range(self.n_base, len(self.units[s][u]))) if u >= self.root_units(s) else []

@@ -24,8 +24,8 @@ compute dtype). Coarser variants checked against the traces (docs/accuracy.md): 
 block do about as well; parameters as one tensor per FSDP unit miss by up to 9%.
 
 Not modelled: the split backward's I / W passes (priced as one backward at W), the op order inside a block (its
-tensors made in one sweep and freed in one; under TP with sequence parallel a checkpointed Llama block's are written
-op by op, tp_block_events.py), prefetching across stages, the CUDA context (added by the caller).
+tensors made in one sweep and freed in one; under TP with sequence parallel or without TP a checkpointed Llama
+block's are written op by op, tp_block_events.py), prefetching across stages, the CUDA context (added by the caller).
 """
 
 from __future__ import annotations
@@ -112,7 +112,7 @@ class _RankWalk:
         sp = config.tp if tensor_parallel.sequence_parallel(config) else 1
         self.hs = -(-h * c // sp)  # the residual stream per token (sequence parallel: on s / tp tokens)
         self.loss_events = loss_memory.events(c, config.loss_compiled, tensor_parallel.loss_parallel(config), model)
-        # TP with sequence parallel: a checkpointed Llama block op by op (tp_block_events), not as one sweep
+        # TP with sequence parallel, or no TP: a checkpointed Llama block op by op (tp_block_events), not one sweep
         self.block = BlockWidths.of(model, config, self.tokens) if applies(model, config) else None
         self.events: list[tuple] = []
         self.gathered: set[int] = set()

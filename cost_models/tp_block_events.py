@@ -1,4 +1,5 @@
-"""A Llama block's tensors under TP with sequence parallel, op by op, as torch makes and frees them (issue 27).
+"""A Llama block's tensors under TP with sequence parallel or without TP, op by op, as torch makes and frees them
+(issue 27).
 
     widths = BlockWidths.of(model, config, tokens)       # model: the TP rank's slice (tensor_parallel.local_model)
     forward_events(widths)      # a checkpointed block's no-grad forward: [("alloc", name, bytes) | ("free", name)]
@@ -29,6 +30,14 @@ pipeline_allocations.param_tensors' order q, k, v, o, gate, up, down, the two no
   the forward's last saved tensor, down's input).
 Eager ops, as the rest of the walk writes (kernels.memory_kernels: the pipeline ledger prices eager ops under
 compile and Float8 too).
+
+Without TP (tp = 1, FSDP alone) the same block is these events less the collectives (the trace of a 4-rank FSDP2
+step, llama3-gqa of benchmarks/memory_accuracy.py, aten ops beside their allocations; tests/unit/
+test_tp1_block_events.py): each all-gather's output is its input under a second name (q/k/v read the norm's output,
+the MLP's backward the block's output gradient), o's and down's products are the (b, s, h) outputs, each column-wise
+linear's input gradient is its own (no all-reduce), their sum is the norm's gradient (no reduce-scatter). A tensor
+with two names is freed at the drop of its last: the recompute's norm output stays to q's backward, the output
+gradient to the residual's sum.
 """
 
 from __future__ import annotations
@@ -38,6 +47,7 @@ from functools import cached_property, lru_cache
 
 from . import kernels, tensor_parallel
 from .spec_values import Attention
+from .model_spec import FUSED_GATE_UP_FAMILIES
 from .specs import FsdpConfig, ModelSpec
 from .units import DTYPE_BYTES
 
@@ -45,16 +55,17 @@ FP32_BYTES = DTYPE_BYTES["fp32"]   # the RMSNorm's upcast, its statistics, SDPA'
 
 
 def applies(model: ModelSpec, config: FsdpConfig) -> bool:
-    """Whether a checkpointed block of this TP rank's slice runs as these events: sequence parallel without CP, a
-    Llama block (eager fp32-upcast RMSNorm before each sublayer, SiLU-gated MLP, eager RoPE, no biases, no q/k norm,
-    no dropout, dense), SDPA without a window or soft-cap, a 16-bit compute dtype, whole-block checkpointing."""
+    """Whether a checkpointed block of this TP rank's slice runs as these events: sequence parallel or no TP, without
+    CP, a Llama block (eager fp32-upcast RMSNorm before each sublayer, SiLU-gated MLP, eager RoPE, no biases, no q/k
+    norm, no dropout, dense, q / k / v and gate / up linears of their own), SDPA without a window or soft-cap, a 16-bit compute dtype, whole-block checkpointing."""
     llama = (model.norm == "rmsnorm" and model.norm_layout == "pre" and model.gated_mlp and model.activation == "silu"
              and not model.parallel_block and not model.dropout and not model.qk_norm and model.rope == "eager"
              and model.moe is None and not model.kv_lora_rank and model.activation_profile is None
-             and not model.sliding_window and not model.attn_softcap)
+             and not model.sliding_window and not model.attn_softcap
+             and model.family not in FUSED_GATE_UP_FAMILIES)   # Phi-3: one qkv_proj and one gate_up_proj
     h, f = model.hidden_size, model.ffn_hidden_size
     no_bias = model.block_params == 2 * (model.q_dim + model.kv_dim) * h + 3 * h * f + 2 * h
-    return (llama and no_bias and tensor_parallel.sequence_parallel(config) and config.cp == 1
+    return (llama and no_bias and (tensor_parallel.sequence_parallel(config) or config.tp == 1) and config.cp == 1
             and config.attention == Attention.SDPA and not config.selective_op_ac
             and kernels.memory_kernels(config) == kernels.EAGER
             and DTYPE_BYTES[config.precision.compute_dtype] == 2)
@@ -142,13 +153,36 @@ class _Events:
                      "Kh": t * (w.kv // 2) * c, "F": t * w.f * c, "lse": t * w.heads * FP32_BYTES}
         self.size.update({f"w{i}": n for i, n in enumerate(w.weight_grads)})
         self.events: list[tuple] = []
+        self.tp1 = w.tp == 1   # no collectives: a gathered or reduced tensor is its input under a second name
+        self.names: dict[str, set] = {}   # tp = 1: a tensor's names not yet dropped, by the name it was made under
+        self.alias: dict[str, str] = {}   # tp = 1: a second name -> the tensor's own
 
     def make(self, name: str, kind: str) -> str:
         self.events.append(("alloc", name, self.size[kind]))
         return name
 
     def drop(self, *names: str) -> None:
-        self.events.extend(("free", n) for n in names)
+        for n in names:
+            own = self.alias.pop(n, n)
+            left = self.names.get(own, {own})
+            left.discard(n)
+            if not left:
+                self.names.pop(own, None)
+                self.events.append(("free", own))
+
+    def rename(self, name: str, source: str) -> None:
+        """tp = 1: `name` is `source` (freed once both are dropped)."""
+        self.alias[name] = source
+        self.names.setdefault(source, {source}).add(name)
+
+    def reduced(self, name: str, source: str) -> None:
+        """The column-wise linears' summed input gradient `source` reduce-scattered to the s / tp tokens (`name`),
+        `source` freed: funcol.reduce_scatter_tensor's output (tp = 1: `source` itself)."""
+        if self.tp1:
+            self.rename(name, source)
+        else:
+            self.make(name, "S")
+        self.drop(source)
 
     def norm(self, p: str, keep: bool) -> None:
         """RMSNorm's forward on the rank's tokens; keep (with grad): its fp32 input, rsqrt and bf16 product saved."""
@@ -164,9 +198,12 @@ class _Events:
             self.drop(p + "bf")
         self.drop(p + "mul32", p + "mean")
 
-    def gather(self, name: str) -> None:
-        """A Shard(1) -> Replicate all-gather: all_gather_into_tensor's output, the cat of its chunks along dim 1
-        (torch._utils._maybe_view_chunk_cat: a view where b = 1)."""
+    def gather(self, name: str, source: str) -> None:
+        """A Shard(1) -> Replicate all-gather of `source`: all_gather_into_tensor's output, the cat of its chunks
+        along dim 1 (torch._utils._maybe_view_chunk_cat: a view where b = 1); tp = 1: `source` itself."""
+        if self.tp1:
+            self.rename(name, source)
+            return
         if self.viewed:
             self.make(name, "X")
             return
@@ -189,13 +226,16 @@ class _Events:
 
     def row_out(self, name: str) -> None:
         """A row-wise linear's Partial (b, s, h) output reduce-scattered to Shard(1): the product, the cat of its
-        chunks along dim 0, the s / tp output."""
+        chunks along dim 0, the s / tp output (tp = 1: the product itself)."""
+        if self.tp1:
+            self.make(name, "S")
+            return
         self.make(name + ".mm", "X"), self.make(name + ".cat", "X"), self.make(name, "S")
         self.drop(name + ".cat", name + ".mm")
 
     def attention(self, keep: bool) -> None:
         self.norm("n1.", keep)
-        self.gather("xa")
+        self.gather("xa", "n1.out")
         self.make("q", "Q"), self.make("k", "K"), self.make("v", "K")
         self.rope("q.", "Q"), self.rope("k.", "K")
         self.drop("q", "k")
@@ -233,9 +273,12 @@ class _Events:
 
     def column_grad(self, w: str, grad: str, frees: tuple[str, ...] = ()) -> str:
         """A column-wise linear's backward: its weight's gradient, its Partial input gradient (b, s, h), `grad` and
-        `frees` then `grad` dropped, the input gradient all-reduced into a new tensor (returned)."""
+        `frees` then `grad` dropped, the input gradient all-reduced into a new tensor (returned; tp = 1: the input
+        gradient)."""
         self.make(w, w), self.make(w + ".dx", "X")
         self.drop(*frees, grad)
+        if self.tp1:
+            return w + ".dx"
         self.make(w + ".ar", "X")
         self.drop(w + ".dx")
         return w + ".ar"
@@ -265,7 +308,7 @@ def forward_events(w: BlockWidths) -> BlockEvents:
     e = _Events(w)
     e.attention(keep=False)
     e.norm("n2.", keep=False)
-    e.gather("xm")
+    e.gather("xm", "n2.out")
     e.make("gate", "F"), e.make("silu", "F")
     e.drop("gate")
     e.make("up", "F"), e.make("mul", "F")
@@ -283,10 +326,10 @@ def backward_events(w: BlockWidths) -> BlockEvents:
     gradient "dx" (left made): the gradient's all-gather for down, the recompute, the MLP's, the norms' and the
     attention's backward; the block's input "x" freed in the first norm's backward; w0..w8 left made."""
     e = _Events(w)
-    e.gather("dy.g")
+    e.gather("dy.g", "dy")
     e.attention(keep=True)
     e.norm("n2.", keep=True)
-    e.gather("xm")
+    e.gather("xm", "n2.out")
     e.make("gate", "F"), e.make("silu", "F"), e.make("up", "F"), e.make("mul", "F")
     e.drop("n2.out", "h1")
     # the MLP: down's weight and input gradients, the gate product's two factors, up's, silu's, gate's
@@ -300,13 +343,12 @@ def backward_events(w: BlockWidths) -> BlockEvents:
     gate = e.column_grad("w4", "dsb", ("xm",))
     e.make("dxm", "X")
     e.drop(up, gate)
-    e.make("dn2", "S")
-    e.drop("dxm")
+    e.reduced("dn2", "dxm")
     dn = e.norm_backward("n2.", "dn2")
     e.make("dh1", "S")
     e.drop("dy", dn)
     # attention: o's output gradient all-gathered, o's gradients, SDPA's, RoPE's, v's, k's, q's
-    e.gather("do")
+    e.gather("do", "dh1")
     e.make("w3", "w3"), e.make("dattn", "Q")
     e.drop("do")
     e.make("dq", "Q"), e.make("dk", "K"), e.make("dv", "K")
@@ -320,8 +362,7 @@ def backward_events(w: BlockWidths) -> BlockEvents:
     q = e.column_grad("w0", e.contiguous(dq, "Q", w.heads), ("xa",))
     e.make("dxa", "X")
     e.drop("dxkv", q)
-    e.make("dn1", "S")
-    e.drop("dxa")
+    e.reduced("dn1", "dxa")
     dn = e.norm_backward("n1.", "dn1", ("x",))
     e.make("dx", "S")
     e.drop("dh1", dn)
