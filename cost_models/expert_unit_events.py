@@ -37,8 +37,9 @@ beside blocks with their MLP apart fragmented the replay where the trace's does 
 bytes, the dispatch / combine's (the ledger keeps them too).
 Experts as units of their own without EP (FsdpConfig.expert_units) are this walk at efsdp = d, the model unsliced.
 A dense block (DeepSeek's leading, Llama 4's interleaved) has no experts: MoeWalk's unit, StepWalk's backward.
-Not here (step_allocations.replays keeps the flat rule, moe_events.moe_flat_reason): expert units with LoRA or CPU
-offload, experts sharded on dim 1.
+Under LoRA (frozen experts, no EP): lora_expert_unit_events.py, its hooks these. Not here (step_allocations.replays
+keeps the flat rule, moe_events.moe_flat_reason): expert units with CPU offload, EP with LoRA, experts sharded on
+dim 1.
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ tensors the elements the block's count leaves.
 Experts as FSDP units of their own, with expert parallelism or without: expert_unit_events.py, ahead of this.
 Under LoRA the dense blocks are lora_dense_events.py's. Not here (step_allocations.replays keeps the flat rule,
 moe_flat_reason): LoRA with padded experts (LoraWalk's own units, unpadded), experts sharded on dim 1, and expert units
-with LoRA or CPU offload.
+with CPU offload or EP with LoRA (lora_expert_unit_events.py walks LoRA's expert units without EP).
 """
 
 from __future__ import annotations
@@ -44,8 +44,9 @@ def moe_flat_reason(model, training, config, d: int) -> str | None:
     moe = model.moe
     if moe is None:
         return None
-    if (config.ep > 1 or config.expert_units) and (training.finetune.adapters or config.offload):
-        # (expert_unit_events.py walks them for full fine-tuning on the device)
+    if (config.ep > 1 or config.expert_units) and (config.offload or training.finetune.adapters and config.ep > 1):
+        # (expert_unit_events.py walks them for full fine-tuning, lora_expert_unit_events.py under LoRA without EP;
+        # LoRA with EP is refused, mesh_rules "mesh-with-lora", and QLoRA on an MoE, qlora.py)
         return "MoE experts as units of their own (expert parallelism) with LoRA or CPU offload"
     if training.finetune.adapters and d > 1 and block_gathered_elements(model, d) != model.block_params:
         return "LoRA with MoE experts padded on dim 0"  # (LoraWalk's units: unpadded)

@@ -25,7 +25,8 @@ experts as units of their own and expert parallelism
 parallelism replayed"). A block's gradients alive at its backward's moment are made before its working set, the rest
 at its post-backward. MoE's dense blocks under LoRA: lora_dense_events.py. Flat where the ledger has pieces
 StagePieces lacks or the walk does not yet match it: experts on dim 1, LoRA with padded experts, expert units (EP among
-them) with LoRA or CPU offload (moe_events.moe_flat_reason), LoRA with FSDP1's adapter units.
+them) with CPU offload, EP with LoRA (moe_events.moe_flat_reason; LoRA's expert units: lora_expert_unit_events.py),
+LoRA with FSDP1's adapter units.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from .expert_unit_events import ExpertUnitsWalk
 from .lora_dense_events import LoraDenseBlocksWalk
 from .lora_edge_events import LoraEdgeUnitsWalk
 from .lora_events import LoraWalk, lora_flat_reason
+from .lora_expert_unit_events import LoraExpertUnitsWalk
 from .memory_types import MemoryEstimate
 from .moe_events import MoeWalk, moe_flat_reason
 from .offload_events import OffloadWalk
@@ -87,8 +89,8 @@ class _FullStepWalk(ExpertUnitsWalk, OffloadWalk, OneRankWalk, Dim0PaddingWalk, 
     """The walk step_events runs for full fine-tuning."""
 
 
-class _LoraStepWalk(OffloadWalk, OneRankWalk, LoraEdgeUnitsWalk, Dim0PaddingWalk, LoraDenseBlocksWalk, LoraWalk,
-                    StepWalk):
+class _LoraStepWalk(OffloadWalk, OneRankWalk, LoraEdgeUnitsWalk, Dim0PaddingWalk, LoraExpertUnitsWalk,
+                    LoraDenseBlocksWalk, LoraWalk, StepWalk):
     """The walk step_events runs under LoRA and QLoRA."""
 
 

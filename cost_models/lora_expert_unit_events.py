@@ -1,0 +1,105 @@
+"""The LoRA step walk with each sparse block's routed experts an FSDP unit of their own (FsdpConfig.expert_units, no
+EP: LoRA with EP is refused, mesh_rules "mesh-with-lora"); a mixin in step_allocations._LoraStepWalk, after
+Dim0PaddingWalk (which pads its units) and ahead of LoraDenseBlocksWalk / LoraWalk.
+
+calibration/apply.py fully_shards the module holding a block's stacked expert tensors (model_blocks.expert_modules:
+the 3-D parameters' module; under peft's all-linear the ParamWrappers' base layer, their lora_A / lora_B in the
+block's unit) inside the block's unit. So the experts' unit holds frozen tensors only (attention-only and all-linear
+alike): it is gathered (the copy-in cast where stored in another dtype than the compute dtype) and resharded, never
+reduced (FSDP2's post_backward returns before foreach_reduce without gradients, torch 2.13 _fsdp_param_group.py),
+and the block above's reduce-scatter input stays alive through the block's later moments (expert_unit_terms.py's
+frozen terms). FSDP2's hook order is expert_unit_events.ExpertUnitsWalk's (its unsharded / all_gather / unshard /
+post_forward / pre_backward here as they are): the block gathered without its experts, the experts gathered at the
+block's forward end, their all-gather output the deferred free of the next copy-out (the last through the loss in
+forward); in backward block i prefetches its experts, they prefetch block i - 1. A sparse block's base tensors are
+moe_events.moe_block_tensors' (q, k, v, o, router, the stacks, ...) so that the stacks are tensors of their own.
+
+A sparse block's backward: the ledger's moments (memory_shape.ledger_shape's mlp_moments under LoRA, moe_lora's
+under all-linear) - the largest of the MoE MLP's with the experts gathered, the adapter gradients that fit it made
+first; the experts' post-backward (reshard); then the largest of the later ones (the norm's, the attention's) with
+the rest of the adapter gradients that fit it. Flat still (moe_events.moe_flat_reason): EP, QLoRA, CPU offload,
+padded experts.
+"""
+
+from __future__ import annotations
+
+from .expert_unit_events import ExpertUnitsWalk
+from .fsdp2_gathers import copy_in_bytes
+from .moe_events import moe_block_tensors
+from .pipeline_allocations import ALL_GATHER_STREAM
+
+
+class LoraExpertUnitsWalk(ExpertUnitsWalk):
+    """ExpertUnitsWalk's FSDP2 hooks around frozen experts; its full fine-tuning hooks (units, gradients, moments,
+    reduce-scatter, optimizer) skipped for LoraWalk's (super(ExpertUnitsWalk, self))."""
+
+    def __init__(self, model, training, config, d: int, rank: int):
+        super().__init__(model, training, config, d, rank)
+        self.apart = set()  # the MLP's saved tensors stay whole (ExpertUnitsWalk.mlp_saved_apart: full fine-tuning)
+
+    def _units(self, x) -> list[list[int]]:
+        """LoraWalk's units (Dim0PaddingWalk pads them after), a sparse block's base cut as moe_block_tensors."""
+        units = super(ExpertUnitsWalk, self)._units(x)
+        if not self.expert_units:
+            return units
+        root = len(units) - x.stage.n_blocks
+        out = list(units)
+        self.n_sparse_base = self.n_base
+        for j, unit in enumerate(units[root:]):
+            if x.stage.first_block + j not in self.dense:
+                base = moe_block_tensors(self.model, sum(unit[:self.n_base]))
+                out[root + j] = base + list(unit[self.n_base:])
+                self.n_sparse_base = len(base)
+        return out
+
+    def trainable(self, s: int, u) -> list[int]:
+        """A sparse block's adapters: after its moe_block_tensors base."""
+        if self.expert_units and self.block_unit(s, u) not in (None, *self.dense):  # (before StepWalk's self.stage)
+            return list(range(self.n_sparse_base, len(self.units[s][u])))
+        return super().trainable(s, u)
+
+    def all_gather(self, u) -> None:
+        """The experts' unit: frozen, its copy-in source cast where stored in another dtype (LoraWalk.all_gather)."""
+        if not isinstance(u, tuple):
+            return super().all_gather(u)
+        s, n = self.stage, sum(self.experts_bytes) // self.c
+        self.alloc(("all_gather_in", s, u), copy_in_bytes(0, n, self.p, self.frozen_p, self.c, self.d))
+        self.alloc(("all_gather", s, u), sum(self.experts_bytes), ALL_GATHER_STREAM)
+        self.free(("all_gather_in", s, u))
+        self.prefetched.add(u)
+
+    def grad_bytes(self, s: int, u) -> list[int]:
+        return super(ExpertUnitsWalk, self).grad_bytes(s, u)
+
+    def reduce_scatter(self, s: int, u, n: int, grads, kept: bool = False, shard_unit=None) -> None:
+        super(ExpertUnitsWalk, self).reduce_scatter(s, u, n, grads, kept, shard_unit)  # (the adapters' only)
+
+    def optimizer_step(self, first: bool) -> None:
+        super(ExpertUnitsWalk, self).optimizer_step(first)  # (no experts' sharded gradient)
+
+    def transient(self, key, sizes, stream=0) -> None:
+        """A sparse block's backward (module docstring); else LoraWalk's."""
+        if key[0] != "backward" or not self.is_block(self.root_units(key[1]) + key[3]):
+            return super(ExpertUnitsWalk, self).transient(key, sizes, stream)
+        _, s, mb, j = key
+        u = self.root_units(s) + j
+        x, shape, seq = self.pieces[s], self.shape, self.training.seq_len
+        cap = shape.real.trainable_block * self.c
+        moments = shape.mlp_moments[x.checkpointed[j]]
+
+        def best(candidates):
+            return max(candidates, key=sum, default=(0, 0))
+
+        mlp = best((round(m.activation_bytes(self.tokens, seq)), min(m.grad_bytes, cap))
+                   for m in moments if not m.experts_done)
+        later = best([(round(m.activation_bytes(self.tokens, seq)), min(m.grad_bytes, cap))
+                      for m in moments if m.experts_done]
+                     + [(self.tokens * (shape.w_attn - shape.freed_attn), shape.attn_grad)])
+        adapters = self.trainable(s, u)
+        # (ExpertUnitsWalk.moment by name: LoraWalk's instance attribute `moment` holds its one moment)
+        made = ExpertUnitsWalk.moment(self, ("experts backward", s, mb, j), s, u, mlp, adapters)
+        self.reshard_unit(("experts", u))  # their post-backward: frozen, nothing reduced
+        grads = self.grad_bytes(s, u)
+        left = (later[0], max(0, later[1] - sum(grads[i] for i in made)))  # (the ledger's: every gradient by then)
+        self.made[u] = made | ExpertUnitsWalk.moment(self, ("block backward", s, mb, j), s, u, left,
+                                          [i for i in adapters if i not in made])
