@@ -45,6 +45,7 @@ from .moe_events import MoeWalk, moe_flat_reason
 from .offload_events import OffloadWalk
 from .one_rank_events import OneRankWalk
 from .profile_events import ProfileWalk
+from .score_events import EagerScoresWalk
 from .pipeline_allocations import replay_notes
 from .pipeline_memory import rank_inputs
 from .specs import FsdpConfig, ModelSpec, TrainingSpec
@@ -85,12 +86,13 @@ def step_replay(model: ModelSpec, cluster, training: TrainingSpec, config: FsdpC
     return replay_step(local, training, config, config.shard_group_size(cluster), settings, snapshots)
 
 
-class _FullStepWalk(ExpertUnitsWalk, OffloadWalk, OneRankWalk, Dim0PaddingWalk, MoeWalk, ProfileWalk, StepWalk):
+class _FullStepWalk(ExpertUnitsWalk, OffloadWalk, OneRankWalk, Dim0PaddingWalk, MoeWalk, ProfileWalk,
+                    EagerScoresWalk, StepWalk):
     """The walk step_events runs for full fine-tuning."""
 
 
 class _LoraStepWalk(OffloadWalk, OneRankWalk, LoraEdgeUnitsWalk, Dim0PaddingWalk, LoraExpertUnitsWalk,
-                    LoraDenseBlocksWalk, LoraWalk, StepWalk):
+                    LoraDenseBlocksWalk, LoraWalk, EagerScoresWalk, StepWalk):
     """The walk step_events runs under LoRA and QLoRA."""
 
 

@@ -1,0 +1,138 @@
+"""Eager attention's (s, s) tensors in the pp = 1 step walk (a mixin ahead of step_walk.StepWalk in both of
+step_allocations' walks; issue 27 item 1).
+
+transformers' eager attention (eager_attention_forward, models/llama/modeling_llama.py 4.57; Gemma 2's soft-capping,
+DeepSeek's MLA alike) makes the scores, each elementwise op on them (scaling, soft-capping, the mask), the softmax and
+its cast back as tensors of heads x s x s per sequence, and the softmax's backward its gradients as two more. The walk
+cut a block's bytes into the model's widths (f, q, kv, h) with these left in one remainder tensor; the trace makes
+and frees them one by one, so the walk's segments were other sizes (a 100 MiB remainder that no 64 MiB segment
+holds: +26.9% over the trace's replay on llama4's NO_SHARD fp32 full-AC LoRA row). Here, at the ledger's bytes:
+- a block's saved bytes (and its recompute) are cut into the (s, s) tensors it saves first (activations._probs_bytes:
+  the softmax output, Gemma 2's tanh output, the fp32 softmax's cast back or dropout's mask and dropped probabilities);
+- each block's forward (a checkpointed block's no-grad one too) makes, before its softmax output, two compute-dtype
+  scores (an elementwise op's input and output; the first freed as the second is made) and, for an fp32 softmax on
+  bf16 scores, their fp32 copy (aten/src/ATen/native/SoftMax.cpp softmax(): input_.toType(dtype) but for a CUDA Half
+  input, half_to_float); the last scores and the copy are freed once the softmax output (the first tensor cut) is
+  made. Not in the ledger: that moment is below the block's backward moments, which hold the same saved tensors and
+  two (s, s) gradients. The recompute's softmax is not written: the backward's working set follows it;
+- the softmax backward's working set is cut into its two softmax-dtype gradients first; where the softmax is fp32 and
+  its cast back saved, that copy is freed first (activations_backward: "both fp32 ..., whose cast-back copy of the
+  probabilities is freed by then"), so the working set is its bytes + the copy's, as two fp32 gradients.
+"""
+
+from __future__ import annotations
+
+from .activations import _attention_dropout, _softmax_bytes, uses_s2_attention
+from .activations_mla import is_latent
+from .activations_sinks import has_sinks
+from .specs import ModelSpec
+
+
+def score_widths(model: ModelSpec, compute_dtype_bytes: int, attention, seq_len: int,
+                 fp16: bool = False) -> tuple[list[int], list[int], list[int], int]:
+    """Bytes per token of the rank of eager attention's (s, s) tensors: (saved: what a block keeps, largest first;
+    working: the softmax backward's two gradients; held: the forward's tensors up to its softmax output; cast: the
+    saved cast back the softmax backward frees first, 0 if none). All empty / 0 without (s, s) scores, and where this
+    composition is not the block's: attention sinks (gpt-oss: s x (s + 1) scores, the sink column sliced off after the
+    softmax) and a traced block profile (its bytes measured, not composed; gpt-oss EP 4 on 32 read -8.9% -> -23.8%
+    against the trace's replay with these widths)."""
+    if not uses_s2_attention(model, attention) or has_sinks(model) or model.activation_profile is not None:
+        return [], [], [], 0
+    c, scores = compute_dtype_bytes, model.n_heads * seq_len
+    soft = 4 if is_latent(model) else _softmax_bytes(model, c)   # MLA's softmax is fp32 always
+    dropout = _attention_dropout(model)
+    saved = [soft] + [c] * bool(model.attn_softcap) + ([c, 1] if dropout else [c] * (soft != c))
+    held = [c, c] + [soft] * (soft != c and not fp16)
+    cast = c if soft != c and not dropout else 0
+    return [w * scores for w in saved], [soft * scores] * 2, [w * scores for w in held], cast * scores
+
+
+class EagerScoresWalk:
+    """StepWalk with eager attention's (s, s) tensors as tensors of their own (module docstring)."""
+
+    scores_open = None   # the key of a block's softmax output while its forward runs: the held tensors go before it
+    lend = 0             # bytes per token tensors() adds: the cast back freed before the softmax backward
+    backward = False     # tensors() cuts a backward working set: its (s, s) gradients first
+
+    def __init__(self, model, training, config, d: int, rank: int):
+        super().__init__(model, training, config, d, rank)
+        self.saved, self.working, held, self.cast = score_widths(model, self.c, config.attention, training.seq_len,
+                                                                 config.precision.compute_dtype == "fp16")
+        self.held = [self.tokens * w for w in held]
+        # _RankWalk.widths: [f] * 2 or 3, then q, kv, kv, q, h, h: q, k, v and the attention norm's output come first
+        k = len(self.widths) - 6
+        self.attention_inputs = {k, k + 1, k + 2, k + 4}
+
+    def tensors(self, per_token_bytes: int) -> list[int]:
+        """The (s, s) tensors that fit cut first, then the model's widths as _RankWalk.tensors cuts them. A working
+        set's gradients come first; a block's saved (s, s) tensors after its attention's inputs (q, k, v and the
+        attention norm's output, made before the scores) and before the rest (the output, the MLP's, the remainder)."""
+        if not self.held:
+            return super().tensors(per_token_bytes)
+        left, self.lend = per_token_bytes + self.lend, 0
+        scores, before, after = [], [], []
+        for w in self.working if self.backward else self.saved:
+            if w <= left:
+                scores.append(w)
+                left -= w
+        for i, w in enumerate(self.widths):   # pipeline_allocations.cut's rule, each width kept with its place
+            if 0 < w <= left:
+                (before if i in self.attention_inputs else after).append(w)
+                left -= w
+        after += [left] * (left > 0)
+        if self.backward:
+            return [self.tokens * w for w in scores + before + after]
+        return [self.tokens * w for w in before + scores + after]
+
+    def pre_forward(self, s: int, u: int) -> None:
+        super().pre_forward(s, u)
+        j = u - self.root_units(s) if isinstance(u, int) else -1
+        x = self.pieces[s]
+        if self.held and 0 <= j < x.stage.n_blocks and not self.templated(x, j):
+            tensors = self.tensors(x.block_full) if x.checkpointed[j] else self.inputs(x, j)
+            t = next((t for t, size in enumerate(tensors) if size == self.tokens * self.saved[0]), None)
+            if t is not None:   # the softmax output: the block's first (s, s) tensor
+                self.scores_open = (("forward", s), j, t) if x.checkpointed[j] else ("saved", s, j, t)
+
+    def alloc(self, key, size_bytes: int, stream=0) -> None:
+        opened = self.scores_open is not None and self._softmax_output(key)
+        if opened:
+            for i, size in enumerate(self.held):
+                super().alloc(("scores", key, i), size)   # the scores chain: the first freed as the next is made
+                if i == 1:
+                    self.free(("scores", key, 0))
+        super().alloc(key, size_bytes, stream)
+        if opened:
+            self.scores_open = None
+            self.events += [("free", ("scores", key, i)) for i in range(1, len(self.held))]
+
+    def _softmax_output(self, key) -> bool:
+        head, j, t = self.scores_open[:-2], self.scores_open[-2], self.scores_open[-1]
+        if isinstance(head[0], tuple):   # a checkpointed block's forward tensor: ((forward, s, mb, j), t)
+            return isinstance(key[0], tuple) and key[0][:2] == head[0] and key[0][3] == j and key[1] == t
+        return key[0] == "saved" and key[1] == head[1] and key[3] == j and key[4] == t
+
+    def post_forward(self, s: int, u: int) -> None:
+        self.scores_open = None
+        super().post_forward(s, u)
+
+    def transient(self, key, sizes, stream=0) -> None:
+        """A block's backward working set cut into the softmax's two gradients first, its saved cast back freed
+        before them (module docstring)."""
+        if key[0] != "backward" or not self.held:
+            return super().transient(key, sizes, stream)
+        _, s, mb, j = key
+        x, t = self.pieces[s], None
+        if self.cast and not self.templated(x, j):
+            kept = self.tensors(x.block_full) if x.checkpointed[j] else self.inputs(x, j)
+            name = "recompute" if x.checkpointed[j] else "saved"
+            probs = next((t for t, size in enumerate(kept) if size == self.tokens * self.saved[0]), len(kept))
+            t = next((t for t in range(probs + 1, len(kept)) if kept[t] == self.tokens * self.cast), None)
+            if t is not None:
+                self.free((name, s, mb, j, t))
+                self.lend = self.cast
+        self.backward = True
+        super().transient(key, sizes, stream)
+        self.backward, self.lend = False, 0
+        if self.cast and t is not None:   # made again for the walk's own free at the block's end (its bytes the ledger's)
+            self.alloc((name, s, mb, j, t), self.tokens * self.cast)
