@@ -3,9 +3,7 @@ EP: LoRA with EP is refused, mesh_rules "mesh-with-lora"); a mixin in step_alloc
 Dim0PaddingWalk (which pads its units) and ahead of LoraDenseBlocksWalk / LoraWalk.
 
 calibration/apply.py fully_shards the module holding a block's stacked expert tensors (model_blocks.expert_modules:
-the 3-D parameters' module; under peft's all-linear the ParamWrappers' base layer, their lora_A / lora_B in the
-block's unit) inside the block's unit. So the experts' unit holds frozen tensors only (attention-only and all-linear
-alike): it is gathered (the copy-in cast where stored in another dtype than the compute dtype) and resharded, never
+the 3-D parameters' module) inside the block's unit. So the experts' unit holds frozen tensors only: it is gathered (the copy-in cast where stored in another dtype than the compute dtype) and resharded, never
 reduced (FSDP2's post_backward returns before foreach_reduce without gradients, torch 2.13 _fsdp_param_group.py),
 and the block above's reduce-scatter input stays alive through the block's later moments (expert_unit_terms.py's
 frozen terms). FSDP2's hook order is expert_unit_events.ExpertUnitsWalk's (its unsharded / all_gather / unshard /
@@ -17,8 +15,10 @@ moe_events.moe_block_tensors' (q, k, v, o, router, the stacks, ...) so that the 
 A sparse block's backward: the ledger's moments (memory_shape.ledger_shape's mlp_moments under LoRA, moe_lora's
 under all-linear) - the largest of the MoE MLP's with the experts gathered, the adapter gradients that fit it made
 first; the experts' post-backward (reshard); then the largest of the later ones (the norm's, the attention's) with
-the rest of the adapter gradients that fit it. Flat still (moe_events.moe_flat_reason): EP, QLoRA, CPU offload,
-padded experts.
+the rest of the adapter gradients that fit it. Flat still (moe_events.moe_flat_reason): CPU offload, padded experts
+(EP with LoRA and QLoRA on an MoE are refused). All-linear on an MoE with expert units is refused (moe_lora.refusals:
+peft's ParamWrapper merges the experts' weights before their FSDP2 pre-forward gathers them, so the trace's step
+fails); the moments above still take moe_lora's where asked (replays, step_events).
 """
 
 from __future__ import annotations

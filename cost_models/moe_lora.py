@@ -76,10 +76,11 @@ def selective_op_refused(model: ModelSpec, training) -> bool:
 
 def refusals(model: ModelSpec, training, config) -> list:
     """What all-linear on an MoE cannot run: a dropout (peft's ParamWrapper raises, tuners/lora/layer.py: `does not work
-    with lora_dropout != 0`: x cannot be factored out of the merged weight), and torchtitan's selective op-level
-    checkpointing (torch/utils/checkpoint.py raises "Tensor cached during selective activation checkpoint has been
-    mutated" in the backward of a block whose ParamWrappers merge under it: seen on real CPU tensors, a Mixtral block
-    under calibration/checkpointing.selective_op_context, and in the trace tier)."""
+    with lora_dropout != 0`: x cannot be factored out of the merged weight), the experts as FSDP units of their own
+    (the search leaves them out too), and torchtitan's selective op-level checkpointing (torch/utils/checkpoint.py
+    raises "Tensor cached during selective activation checkpoint has been mutated" in the backward of a block whose
+    ParamWrappers merge under it: seen on real CPU tensors, a Mixtral block under
+    calibration/checkpointing.selective_op_context, and in the trace tier)."""
     from .feasibility import Refusal
 
     if not selective_op_refused(model, training):
@@ -95,6 +96,13 @@ def refusals(model: ModelSpec, training, config) -> list:
                            "tensor mutated under peft's merged expert weights)",
                            "use --activation-checkpointing full or every-k, or --lora-targets attention",
                            priced=False))
+    if config.expert_units:
+        out.append(Refusal("expert_units", "moe-all-linear-expert-units", "experts as FSDP units of their own with "
+                           "all-linear on an MoE: peft's ParamWrapper registers its merged-weight parametrization on "
+                           "the experts module before that module's FSDP2 pre-forward gathers it, so baddbmm gets the "
+                           "sharded DTensor (the trace tier: 'aten.baddbmm.default got mixed torch.Tensor and "
+                           "DTensor'; peft 0.22 tuners/lora/layer.py ParamWrapper.forward -> _activate_lora)",
+                           "leave expert_units off, or use --lora-targets attention", priced=False))
     return out
 
 

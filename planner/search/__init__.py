@@ -163,6 +163,7 @@ def _cost_mesh(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, c
         tuple(a for a in space.ac_every if not a)
     if moe_lora.selective_op_refused(model, training):  # peft's MoE ParamWrappers under SAC raise (moe_lora.refusals)
         ac_choices = tuple(a for a in ac_choices if a != SELECTIVE_OP)
+        space = replace(space, expert_units=(False,))  # and with the experts as units of their own
     sizes = space.shard_groups_for(cluster, mesh.model_parallel, pipe.pp)
     walked = {s: _worth_walking(costing, replace(probe(s, *plans[0]), precision=space.precisions_for(cluster)[0]),
                                 sizes, found, mesh_shardings) if space.shard_group_gpus is None else sizes
