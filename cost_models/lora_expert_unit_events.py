@@ -1,24 +1,29 @@
 """The LoRA step walk with each sparse block's routed experts an FSDP unit of their own (FsdpConfig.expert_units, no
-EP: LoRA with EP is refused, mesh_rules "mesh-with-lora"); a mixin in step_allocations._LoraStepWalk, after
-Dim0PaddingWalk (which pads its units) and ahead of LoraDenseBlocksWalk / LoraWalk.
+EP: LoRA with EP is refused, mesh_rules "mesh-with-lora"): two mixins in step_allocations._LoraStepWalk,
+LoraExpertUnitsWalk (the FSDP2 hooks) ahead of Dim0PaddingWalk, as ExpertUnitsWalk is in the full walk (its unsharded
+drops the experts from a block's padded tensors), and LoraSparseBlocksWalk (the units) after it, ahead of
+LoraDenseBlocksWalk / LoraWalk (so that Dim0PaddingWalk pads its units).
 
 calibration/apply.py fully_shards the module holding a block's stacked expert tensors (model_blocks.expert_modules:
-the 3-D parameters' module) inside the block's unit. So the experts' unit holds frozen tensors only: it is gathered (the copy-in cast where stored in another dtype than the compute dtype) and resharded, never
-reduced (FSDP2's post_backward returns before foreach_reduce without gradients, torch 2.13 _fsdp_param_group.py),
-and the block above's reduce-scatter input stays alive through the block's later moments (expert_unit_terms.py's
-frozen terms). FSDP2's hook order is expert_unit_events.ExpertUnitsWalk's (its unsharded / all_gather / unshard /
-post_forward / pre_backward here as they are): the block gathered without its experts, the experts gathered at the
-block's forward end, their all-gather output the deferred free of the next copy-out (the last through the loss in
-forward); in backward block i prefetches its experts, they prefetch block i - 1. A sparse block's base tensors are
-moe_events.moe_block_tensors' (q, k, v, o, router, the stacks, ...) so that the stacks are tensors of their own.
+the 3-D parameters' module) inside the block's unit. So the experts' unit holds frozen tensors only: it is gathered
+(the copy-in cast where stored in another dtype than the compute dtype) and resharded, never reduced (FSDP2's
+post_backward returns before foreach_reduce without gradients, torch 2.13 _fsdp_param_group.py), and the block
+above's reduce-scatter input stays alive through the block's later moments. FSDP2's hook order is
+expert_unit_events.ExpertUnitsWalk's (its unsharded / all_gather / unshard / post_forward / pre_backward here as they
+are), read again off the trace's allocation events (Mixtral of memory_accuracy.py on 8, LoRA, expert units, 1 x 256
+tokens): the block gathered without its experts, the experts gathered at the block's forward end, their all-gather
+output the deferred free of the next copy-out (the last through the loss in forward); in backward block i prefetches
+its experts, they prefetch block i - 1, their reshard after the MLP's backward. A sparse block's base tensors are
+moe_events.moe_block_tensors' (q, k, v, o, router, the stacks, ...; at shard group d the router and the stacks padded
+to d x ceil(rows / d) rows, as the ledger's ParamCounts) so that the stacks are tensors of their own.
 
 A sparse block's backward: the ledger's moments (memory_shape.ledger_shape's mlp_moments under LoRA, moe_lora's
 under all-linear) - the largest of the MoE MLP's with the experts gathered, the adapter gradients that fit it made
 first; the experts' post-backward (reshard); then the largest of the later ones (the norm's, the attention's) with
-the rest of the adapter gradients that fit it. Flat still (moe_events.moe_flat_reason): CPU offload, padded experts
-(EP with LoRA and QLoRA on an MoE are refused). All-linear on an MoE with expert units is refused (moe_lora.refusals:
-peft's ParamWrapper merges the experts' weights before their FSDP2 pre-forward gathers them, so the trace's step
-fails); the moments above still take moe_lora's where asked (replays, step_events).
+the rest of the adapter gradients that fit it. Flat still (moe_events.moe_flat_reason): CPU offload (EP with LoRA and
+QLoRA on an MoE are refused). All-linear on an MoE with expert units is refused (moe_lora.refusals: peft's
+ParamWrapper merges the experts' weights before their FSDP2 pre-forward gathers them, so the trace's step fails); the
+moments above still take moe_lora's where asked (replays, step_events).
 """
 
 from __future__ import annotations
@@ -37,27 +42,6 @@ class LoraExpertUnitsWalk(ExpertUnitsWalk):
         super().__init__(model, training, config, d, rank)
         self.apart = set()  # the MLP's saved tensors stay whole (ExpertUnitsWalk.mlp_saved_apart: full fine-tuning)
 
-    def _units(self, x) -> list[list[int]]:
-        """LoraWalk's units (Dim0PaddingWalk pads them after), a sparse block's base cut as moe_block_tensors."""
-        units = super(ExpertUnitsWalk, self)._units(x)
-        if not self.expert_units:
-            return units
-        root = len(units) - x.stage.n_blocks
-        out = list(units)
-        self.n_sparse_base = self.n_base
-        for j, unit in enumerate(units[root:]):
-            if x.stage.first_block + j not in self.dense:
-                base = moe_block_tensors(self.model, sum(unit[:self.n_base]))
-                out[root + j] = base + list(unit[self.n_base:])
-                self.n_sparse_base = len(base)
-        return out
-
-    def trainable(self, s: int, u) -> list[int]:
-        """A sparse block's adapters: after its moe_block_tensors base."""
-        if self.expert_units and self.block_unit(s, u) not in (None, *self.dense):  # (before StepWalk's self.stage)
-            return list(range(self.n_sparse_base, len(self.units[s][u])))
-        return super().trainable(s, u)
-
     def all_gather(self, u) -> None:
         """The experts' unit: frozen, its copy-in source cast where stored in another dtype (LoraWalk.all_gather)."""
         if not isinstance(u, tuple):
@@ -67,6 +51,13 @@ class LoraExpertUnitsWalk(ExpertUnitsWalk):
         self.alloc(("all_gather", s, u), sum(self.experts_bytes), ALL_GATHER_STREAM)
         self.free(("all_gather_in", s, u))
         self.prefetched.add(u)
+
+    def unsharded(self, s: int, u) -> list[int]:
+        """A sparse block's all-gather output without its experts: its tensors as sharded (padded: LoraSparseBlocksWalk,
+        Dim0PaddingWalk) in the compute dtype, as memory.py's block_c less the experts' (MoeWalk.unsharded's rule)."""
+        if not self.is_block(u):
+            return super().unsharded(s, u)
+        return [n * self.c for i, n in enumerate(self.units[s][u]) if i not in self.expert_index]
 
     def grad_bytes(self, s: int, u) -> list[int]:
         return super(ExpertUnitsWalk, self).grad_bytes(s, u)
@@ -101,5 +92,30 @@ class LoraExpertUnitsWalk(ExpertUnitsWalk):
         self.reshard_unit(("experts", u))  # their post-backward: frozen, nothing reduced
         grads = self.grad_bytes(s, u)
         left = (later[0], max(0, later[1] - sum(grads[i] for i in made)))  # (the ledger's: every gradient by then)
-        self.made[u] = made | ExpertUnitsWalk.moment(self, ("block backward", s, mb, j), s, u, left,
-                                          [i for i in adapters if i not in made])
+        rest = [i for i in adapters if i not in made]
+        self.made[u] = made | ExpertUnitsWalk.moment(self, ("block backward", s, mb, j), s, u, left, rest)
+
+
+class LoraSparseBlocksWalk:
+    """A sparse block's unit under LoRA with expert units (module docstring; reads ExpertUnitsWalk's expert_units)."""
+
+    def _units(self, x) -> list[list[int]]:
+        """LoraWalk's units, a sparse block's base cut as moe_block_tensors (its router and stacks padded at d)."""
+        units = super()._units(x)
+        if not self.expert_units:
+            return units
+        root = len(units) - x.stage.n_blocks
+        out = list(units)
+        self.n_sparse_base = self.n_base
+        for j, unit in enumerate(units[root:]):
+            if x.stage.first_block + j not in self.dense:
+                base = moe_block_tensors(self.model, sum(unit[:self.n_base]), self.d)
+                out[root + j] = base + list(unit[self.n_base:])
+                self.n_sparse_base = len(base)
+        return out
+
+    def trainable(self, s: int, u) -> list[int]:
+        """A sparse block's adapters: after its moe_block_tensors base."""
+        if self.expert_units and self.block_unit(s, u) not in (None, *self.dense):  # (before StepWalk's self.stage)
+            return list(range(self.n_sparse_base, len(self.units[s][u])))
+        return super().trainable(s, u)

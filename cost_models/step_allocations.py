@@ -39,7 +39,7 @@ from .expert_unit_events import ExpertUnitsWalk
 from .lora_dense_events import LoraDenseBlocksWalk
 from .lora_edge_events import LoraEdgeUnitsWalk
 from .lora_events import LoraWalk, lora_flat_reason
-from .lora_expert_unit_events import LoraExpertUnitsWalk
+from .lora_expert_unit_events import LoraExpertUnitsWalk, LoraSparseBlocksWalk
 from .memory_types import MemoryEstimate
 from .moe_events import MoeWalk, moe_flat_reason
 from .offload_events import OffloadWalk
@@ -91,8 +91,8 @@ class _FullStepWalk(ExpertUnitsWalk, OffloadWalk, OneRankWalk, Dim0PaddingWalk, 
     """The walk step_events runs for full fine-tuning."""
 
 
-class _LoraStepWalk(OffloadWalk, OneRankWalk, LoraEdgeUnitsWalk, Dim0PaddingWalk, LoraExpertUnitsWalk,
-                    LoraDenseBlocksWalk, LoraWalk, EagerScoresWalk, StepWalk):
+class _LoraStepWalk(LoraExpertUnitsWalk, OffloadWalk, OneRankWalk, LoraEdgeUnitsWalk, Dim0PaddingWalk,
+                    LoraSparseBlocksWalk, LoraDenseBlocksWalk, LoraWalk, EagerScoresWalk, StepWalk):
     """The walk step_events runs under LoRA and QLoRA."""
 
 
