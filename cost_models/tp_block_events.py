@@ -57,7 +57,8 @@ FP32_BYTES = DTYPE_BYTES["fp32"]   # the RMSNorm's upcast, its statistics, SDPA'
 def applies(model: ModelSpec, config: FsdpConfig) -> bool:
     """Whether a checkpointed block of this TP rank's slice runs as these events: sequence parallel or no TP, without
     CP, a Llama block (eager fp32-upcast RMSNorm before each sublayer, SiLU-gated MLP, eager RoPE, no biases, no q/k
-    norm, no dropout, dense, q / k / v and gate / up linears of their own), SDPA without a window or soft-cap, a 16-bit compute dtype, whole-block checkpointing."""
+    norm, no dropout, dense, q / k / v and gate / up linears of their own), SDPA without a window or soft-cap, a
+    16-bit compute dtype (or fp32 without TP), whole-block checkpointing."""
     llama = (model.norm == "rmsnorm" and model.norm_layout == "pre" and model.gated_mlp and model.activation == "silu"
              and not model.parallel_block and not model.dropout and not model.qk_norm and model.rope == "eager"
              and model.moe is None and not model.kv_lora_rank and model.activation_profile is None
@@ -68,7 +69,7 @@ def applies(model: ModelSpec, config: FsdpConfig) -> bool:
     return (llama and no_bias and (tensor_parallel.sequence_parallel(config) or config.tp == 1) and config.cp == 1
             and config.attention == Attention.SDPA and not config.selective_op_ac
             and kernels.memory_kernels(config) == kernels.EAGER
-            and DTYPE_BYTES[config.precision.compute_dtype] == 2)
+            and DTYPE_BYTES[config.precision.compute_dtype] in ((2, FP32_BYTES) if config.tp == 1 else (2,)))
 
 
 class BlockEvents(tuple):
@@ -153,6 +154,7 @@ class _Events:
                      "Kh": t * (w.kv // 2) * c, "F": t * w.f * c, "lse": t * w.heads * FP32_BYTES}
         self.size.update({f"w{i}": n for i, n in enumerate(w.weight_grads)})
         self.events: list[tuple] = []
+        self.fp32 = w.c == FP32_BYTES   # fp32 compute (tp = 1): the RMSNorm's casts are no-ops
         self.tp1 = w.tp == 1   # no collectives: a gathered or reduced tensor is its input under a second name
         self.names: dict[str, set] = {}   # tp = 1: a tensor's names not yet dropped, by the name it was made under
         self.alias: dict[str, str] = {}   # tp = 1: a second name -> the tensor's own
@@ -184,16 +186,27 @@ class _Events:
             self.make(name, "S")
         self.drop(source)
 
-    def norm(self, p: str, keep: bool) -> None:
-        """RMSNorm's forward on the rank's tokens; keep (with grad): its fp32 input, rsqrt and bf16 product saved."""
-        self.make(p + "x32", "S32"), self.make(p + "pow", "S32"), self.make(p + "mean", "stat")
+    def cast(self, name: str, kind: str, source: str) -> None:
+        """`source` cast to fp32 or back (`name`): a copy, or in fp32 compute `source` itself (.to() of the same
+        dtype returns its input)."""
+        if self.fp32:
+            self.rename(name, source)
+        else:
+            self.make(name, kind)
+
+    def norm(self, p: str, keep: bool, source: str) -> None:
+        """RMSNorm's forward of `source` on the rank's tokens; keep (with grad): its fp32 input, rsqrt and 16-bit
+        product saved."""
+        self.cast(p + "x32", "S32", source)
+        self.make(p + "pow", "S32"), self.make(p + "mean", "stat")
         self.drop(p + "pow")
         self.make(p + "eps", "stat"), self.make(p + "rsqrt", "stat")
         self.drop(p + "eps")
         self.make(p + "mul32", "S32")
         if not keep:
             self.drop(p + "rsqrt", p + "x32")
-        self.make(p + "bf", "S"), self.make(p + "out", "S")
+        self.cast(p + "bf", "S", p + "mul32")
+        self.make(p + "out", "S")
         if not keep:
             self.drop(p + "bf")
         self.drop(p + "mul32", p + "mean")
@@ -234,7 +247,7 @@ class _Events:
         self.drop(name + ".cat", name + ".mm")
 
     def attention(self, keep: bool) -> None:
-        self.norm("n1.", keep)
+        self.norm("n1.", keep, "x")
         self.gather("xa", "n1.out")
         self.make("q", "Q"), self.make("k", "K"), self.make("v", "K")
         self.rope("q.", "Q"), self.rope("k.", "K")
@@ -247,29 +260,40 @@ class _Events:
         self.make("h1", "S")
         self.drop("o")
 
-    def norm_backward(self, p: str, grad: str, then: tuple[str, ...] = ()) -> str:
+    def norm_backward(self, p: str, grad: str, residual: str, out: str, then: tuple[str, ...] = ()) -> None:
         """RMSNorm's backward from the gradient `grad` (freed): the weight's gradient (a sum), the fp32 chain, the
-        input's gradient cast back (returned); `then` freed once its saved fp32 input is."""
+        input's gradient cast back and added to the residual's gradient `residual` (freed) into `out`; `then`
+        freed once its saved fp32 input is. In fp32 compute autograd sums the input's gradients as they come
+        (torch/csrc/autograd/input_buffer.cpp, InputBuffer::add): the residual's with the direct product's, then
+        that with the statistics' path."""
         self.make(p + "a", "S"), self.make(p + "b", "S")
         self.drop(p + "bf")
         weight = "w7" if p == "n1." else "w8"
         self.make(weight, weight)
         self.drop(p + "b", grad)
-        self.make(p + "a32", "S32")
+        self.cast(p + "a32", "S32", p + "a")
         self.drop(p + "a")
         self.make(p + "m1", "S32"), self.make(p + "m2", "S32"), self.make(p + "s1", "stat")
         self.drop(p + "m1", p + "a32")
+        if self.fp32:
+            self.make(p + "acc", "S")
+            self.drop(residual, p + "m2")
         self.make(p + "p", "stat"), self.make(p + "m3", "stat"), self.make(p + "m4", "stat")
         self.drop(p + "m3", p + "p", p + "rsqrt", p + "s1")
         self.make(p + "d", "S32")
         self.drop(p + "m4")
         self.make(p + "p2", "S32"), self.make(p + "m5", "S32"), self.make(p + "m6", "S32")
         self.drop(p + "m5", p + "p2", p + "x32", p + "d", *then)
+        if self.fp32:
+            self.make(out, "S")
+            self.drop(p + "acc", p + "m6")
+            return
         self.make(p + "sum", "S32")
         self.drop(p + "m2", p + "m6")
         self.make(p + "dx", "S")
         self.drop(p + "sum")
-        return p + "dx"
+        self.make(out, "S")
+        self.drop(residual, p + "dx")
 
     def column_grad(self, w: str, grad: str, frees: tuple[str, ...] = ()) -> str:
         """A column-wise linear's backward: its weight's gradient, its Partial input gradient (b, s, h), `grad` and
@@ -307,7 +331,7 @@ def forward_events(w: BlockWidths) -> BlockEvents:
     """A checkpointed block's forward under no_grad, from its input "x" (kept) to its output "out" (left made)."""
     e = _Events(w)
     e.attention(keep=False)
-    e.norm("n2.", keep=False)
+    e.norm("n2.", False, "h1")
     e.gather("xm", "n2.out")
     e.make("gate", "F"), e.make("silu", "F")
     e.drop("gate")
@@ -328,7 +352,7 @@ def backward_events(w: BlockWidths) -> BlockEvents:
     e = _Events(w)
     e.gather("dy.g", "dy")
     e.attention(keep=True)
-    e.norm("n2.", keep=True)
+    e.norm("n2.", True, "h1")
     e.gather("xm", "n2.out")
     e.make("gate", "F"), e.make("silu", "F"), e.make("up", "F"), e.make("mul", "F")
     e.drop("n2.out", "h1")
@@ -344,9 +368,7 @@ def backward_events(w: BlockWidths) -> BlockEvents:
     e.make("dxm", "X")
     e.drop(up, gate)
     e.reduced("dn2", "dxm")
-    dn = e.norm_backward("n2.", "dn2")
-    e.make("dh1", "S")
-    e.drop("dy", dn)
+    e.norm_backward("n2.", "dn2", "dy", "dh1")
     # attention: o's output gradient all-gathered, o's gradients, SDPA's, RoPE's, v's, k's, q's
     e.gather("do", "dh1")
     e.make("w3", "w3"), e.make("dattn", "Q")
@@ -363,7 +385,5 @@ def backward_events(w: BlockWidths) -> BlockEvents:
     e.make("dxa", "X")
     e.drop("dxkv", q)
     e.reduced("dn1", "dxa")
-    dn = e.norm_backward("n1.", "dn1", ("x",))
-    e.make("dx", "S")
-    e.drop("dh1", dn)
+    e.norm_backward("n1.", "dn1", "dh1", "dx", ("x",))
     return BlockEvents(e.events)

@@ -2,10 +2,13 @@
 the trace of a small FSDP2 step.
 
 The traced config: 2 ranks FULL_SHARD, 2 blocks, h 256, MLP 640, 4 heads of 64 over 2 KV heads (so q's and k's
-gradients are copied to contiguous), 1 x 384 tokens, full checkpointing, bf16, SDPA: a (b, s, h) tensor is 192 KiB.
+gradients are copied to contiguous), 1 x 384 tokens, full checkpointing, SDPA, bf16 (a (b, s, h) tensor 192 KiB) and
+fp32 (the RMSNorm's casts no-ops, the input's gradients summed as autograd gets them).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 
@@ -24,25 +27,37 @@ CONFIG = dict(sharding="FULL_SHARD", precision="bf16", activation_checkpointing=
 WIDTHS = BlockWidths(tokens=384, tp=1, h=256, q=256, kv=128, f=640, heads=4, kv_heads=2, c=2, b=1)
 
 
-@pytest.fixture(scope="module")
-def candidate():
-    return estimate(dict(ARCH), 2, **CONFIG)
+COMPUTE_BYTES = {"bf16": 2, "fp32": 4}
+
+
+@pytest.fixture(scope="module", params=list(COMPUTE_BYTES))
+def precision(request):
+    return request.param
 
 
 @pytest.fixture(scope="module")
-def traced():
-    """The step's trace (~4 s of CPU)."""
+def candidate(precision):
+    return estimate(dict(ARCH), 2, **dict(CONFIG, precision=precision))
+
+
+@pytest.fixture(scope="module")
+def traced(precision):
+    """The step's trace (~4 s of CPU each)."""
     pytest.importorskip("transformers")
     from planner.tracing import trace
 
-    return trace(dict(ARCH), 2, **CONFIG)
+    return trace(dict(ARCH), 2, **dict(CONFIG, precision=precision))
 
 
-def test_the_widths_and_the_rule(candidate):
+def widths(precision: str) -> BlockWidths:
+    return dataclasses.replace(WIDTHS, c=COMPUTE_BYTES[precision])
+
+
+def test_the_widths_and_the_rule(candidate, precision):
     from cost_models.pipeline_memory import rank_inputs
 
     local, _ = rank_inputs(candidate.model, candidate.training, candidate.config)
-    assert applies(local, candidate.config) and BlockWidths.of(local, candidate.config, 384) == WIDTHS
+    assert applies(local, candidate.config) and BlockWidths.of(local, candidate.config, 384) == widths(precision)
 
 
 def test_one_blocks_forward_and_backward_by_hand():
@@ -60,20 +75,21 @@ def test_one_blocks_forward_and_backward_by_hand():
     assert not any(name.endswith((".ag", ".ar", ".mm")) for name in made) and "o.cat" not in made   # no collective
 
 
-def test_the_trace_makes_and_frees_each_blocks_tensors_in_this_order(traced):
+def test_the_trace_makes_and_frees_each_blocks_tensors_in_this_order(traced, precision):
     """Each block's no-grad forward and its backward (2 blocks x 2 steps), size for size and free for free."""
     events = [tuple(e) for e in traced.traced.allocation_events]
-    assert occurrences(forward_events(WIDTHS), events) == 4
-    assert occurrences(backward_events(WIDTHS), events) == 4
+    assert occurrences(forward_events(widths(precision)), events) == 4
+    assert occurrences(backward_events(widths(precision)), events) == 4
 
 
 def test_the_walk_allocates_the_ledgers_peak_and_reserves_what_the_trace_does(candidate, traced):
     """The walk's live tensors peak at the last block's MLP backward (dsilu made), the ledger's moment there plus the
     two norms' saved fp32 statistics (rsqrt, 4 B a token each), which the trace makes and the ledger leaves out
     (activations.py: per-token scalars ignored). Its replay against the trace's, measured at this commit: allocated
-    28,931,584 vs 28,950,528 B (-0.1%); reserved 81,788,928 vs 90,177,536 (-9.3%; -11.6% with the block as one
-    sweep, before): at these widths every tensor is in the small pool (< 1 MiB, 2 MiB segments), whose caching the
-    walk's other tensors decide. Tolerance 1% allocated, 10% reserved."""
+    28,931,584 vs 28,950,528 B (-0.1%; fp32 38,133,248 vs 38,152,192); reserved 81,788,928 vs 90,177,536 (-9.3%;
+    -11.6% with the block as one sweep, before; fp32 88,080,384 vs 94,371,840, -6.7%, -11.1% before): at these
+    widths every tensor is in the small pool (< 1 MiB, 2 MiB segments), whose caching the walk's other tensors
+    decide. Tolerance 1% allocated, 10% reserved."""
     events, _ = _walk(candidate)
     assert _events_peak(events) == candidate.memory.peak_allocated_bytes + 2 * 4 * 384
     walk, trace = replay(events), traced.replayed
