@@ -1,5 +1,7 @@
 """The LoRA step walk with each sparse block's routed experts an FSDP unit of their own (FsdpConfig.expert_units, no
-EP: LoRA with EP is refused, mesh_rules "mesh-with-lora"): two mixins in step_allocations._LoraStepWalk,
+EP: LoRA with EP is refused, mesh_rules "mesh-with-lora"), and with its router and stacks padded on dim 0 at shard
+group d (FSDP2's ceil(rows / d) rows a rank, as the ledger's ParamCounts; without expert units the whole block one
+unit, its tensors moe_block_tensors' padded, gathered in the compute dtype: MoeWalk's rule): two mixins in step_allocations._LoraStepWalk,
 LoraExpertUnitsWalk (the FSDP2 hooks) ahead of Dim0PaddingWalk, as ExpertUnitsWalk is in the full walk (its unsharded
 drops the experts from a block's padded tensors), and LoraSparseBlocksWalk (the units) after it, ahead of
 LoraDenseBlocksWalk / LoraWalk (so that Dim0PaddingWalk pads its units).
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 from .expert_unit_events import ExpertUnitsWalk
 from .fsdp2_gathers import copy_in_bytes
+from .moe import block_gathered_elements
 from .moe_events import moe_block_tensors
 from .pipeline_allocations import ALL_GATHER_STREAM
 
@@ -55,9 +58,11 @@ class LoraExpertUnitsWalk(ExpertUnitsWalk):
     def unsharded(self, s: int, u) -> list[int]:
         """A sparse block's all-gather output without its experts: its tensors as sharded (padded: LoraSparseBlocksWalk,
         Dim0PaddingWalk) in the compute dtype, as memory.py's block_c less the experts' (MoeWalk.unsharded's rule)."""
-        if not self.is_block(u):
-            return super().unsharded(s, u)
-        return [n * self.c for i, n in enumerate(self.units[s][u]) if i not in self.expert_index]
+        if self.is_block(u):
+            return [n * self.c for i, n in enumerate(self.units[s][u]) if i not in self.expert_index]
+        if self.sparse_cut and self.block_unit(s, u) not in (None, *self.dense):  # (padded, the experts its own)
+            return [n * self.c for n in self.units[s][u]]
+        return super().unsharded(s, u)
 
     def grad_bytes(self, s: int, u) -> list[int]:
         return super(ExpertUnitsWalk, self).grad_bytes(s, u)
@@ -97,12 +102,16 @@ class LoraExpertUnitsWalk(ExpertUnitsWalk):
 
 
 class LoraSparseBlocksWalk:
-    """A sparse block's unit under LoRA with expert units (module docstring; reads ExpertUnitsWalk's expert_units)."""
+    """A sparse block's unit under LoRA with expert units, or with its router / stacks padded at d (module docstring;
+    reads ExpertUnitsWalk's expert_units)."""
 
     def _units(self, x) -> list[list[int]]:
         """LoraWalk's units, a sparse block's base cut as moe_block_tensors (its router and stacks padded at d)."""
         units = super()._units(x)
-        if not self.expert_units:
+        model = self.model
+        self.sparse_cut = model.moe is not None and (self.expert_units or self.d > 1 and block_gathered_elements(
+            model, self.d) != model.block_params)
+        if not self.sparse_cut:
             return units
         root = len(units) - x.stage.n_blocks
         out = list(units)
@@ -116,6 +125,6 @@ class LoraSparseBlocksWalk:
 
     def trainable(self, s: int, u) -> list[int]:
         """A sparse block's adapters: after its moe_block_tensors base."""
-        if self.expert_units and self.block_unit(s, u) not in (None, *self.dense):  # (before StepWalk's self.stage)
+        if self.sparse_cut and self.block_unit(s, u) not in (None, *self.dense):  # (before StepWalk's self.stage)
             return list(range(self.n_sparse_base, len(self.units[s][u])))
         return super().trainable(s, u)

@@ -25,9 +25,8 @@ memory.py's formulas take them. DeepSeek's MLA attention is not q / kv_dim x h: 
 tensors the elements the block's count leaves.
 Experts as FSDP units of their own, with expert parallelism or without: expert_unit_events.py, ahead of this.
 Under LoRA the dense blocks are lora_dense_events.py's. Not here (step_allocations.replays keeps the flat rule,
-moe_flat_reason): LoRA with padded experts (LoraWalk's own units, unpadded; with expert units, lora_expert_unit_events.py
-pads them), experts sharded on dim 1, and expert units with CPU offload or EP with LoRA (lora_expert_unit_events.py
-walks LoRA's expert units without EP).
+moe_flat_reason): experts sharded on dim 1, and expert units with CPU offload or EP with LoRA (LoRA's padded sparse
+blocks and its expert units without EP: lora_expert_unit_events.py).
 """
 
 from __future__ import annotations
@@ -36,7 +35,7 @@ import dataclasses
 
 from .memory_shape import ledger_shape
 from .model_spec import dense_block_spec
-from .moe import _is_matrix, block_gathered_elements, rows_per_rank, small_dim0_tensors
+from .moe import _is_matrix, rows_per_rank, small_dim0_tensors
 from .pipeline_allocations import param_tensors
 
 
@@ -49,9 +48,6 @@ def moe_flat_reason(model, training, config, d: int) -> str | None:
         # (expert_unit_events.py walks them for full fine-tuning, lora_expert_unit_events.py under LoRA without EP;
         # LoRA with EP is refused, mesh_rules "mesh-with-lora", and QLoRA on an MoE, qlora.py)
         return "MoE experts as units of their own (expert parallelism) with LoRA or CPU offload"
-    if training.finetune.adapters and d > 1 and block_gathered_elements(model, d) != model.block_params and not (
-            config.expert_units and not config.expert_shard_dim):
-        return "LoRA with MoE experts padded on dim 0"  # (LoraWalk's units: unpadded; lora_expert_unit_events' padded)
     if config.ep <= 1 and config.expert_shard_dim:  # (with EP: on dim 0)
         return "MoE experts sharded on dim 1"
     return None

@@ -20,8 +20,9 @@ byte against peft itself: benchmarks/peft_moe_lora.py, docs/accuracy.md "peft's 
 output is saved (a ParamWrapper adapts the weight, not the output). The ledger (memory_shape.ledger_shape) spreads a
 block's merged weights over its tokens in its saved bytes, frees them with the MLP before the attention's backward,
 and takes the MLP backward's moments from backward_moments below; the allocator walk replays it (lora_events.py,
-dense blocks lora_dense_events.py; padded experts flat: moe_events.moe_flat_reason). Time: the experts' and router's weight gradients for each token's k experts and the
-merges once per sequence (operators._formula_block_ops, compute._training_flops).
+dense blocks lora_dense_events.py, padded experts lora_expert_unit_events.py). Time: the experts' and router's weight
+gradients for each token's k experts and the merges once per sequence (operators._formula_block_ops,
+compute._training_flops).
 
 Priced where that conversion exists: Mixtral, Qwen3-MoE, Qwen2-MoE, whose shared expert's nn.Linears (gate, up, down,
 shared_expert_gate) get plain lora.Linear adapters (ModelSpec.lora_shapes: shared_expert_shapes; their lora_A outputs

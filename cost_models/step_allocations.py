@@ -24,9 +24,9 @@ experts as units of their own and expert parallelism
 (expert_unit_events.py: each block's experts a unit over efsdp; docs/accuracy.md, "2026-12-07 night: expert
 parallelism replayed"). A block's gradients alive at its backward's moment are made before its working set, the rest
 at its post-backward. MoE's dense blocks under LoRA: lora_dense_events.py. Flat where the ledger has pieces
-StagePieces lacks or the walk does not yet match it: experts on dim 1, LoRA with padded experts, expert units (EP among
-them) with CPU offload, EP with LoRA (moe_events.moe_flat_reason; LoRA's expert units: lora_expert_unit_events.py),
-LoRA with FSDP1's adapter units.
+StagePieces lacks or the walk does not yet match it: experts on dim 1, expert units (EP among them) with CPU offload,
+EP with LoRA (moe_events.moe_flat_reason; LoRA's expert units and padded experts: lora_expert_unit_events.py), LoRA with
+FSDP1's adapter units.
 """
 
 from __future__ import annotations

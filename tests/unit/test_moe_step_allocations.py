@@ -54,10 +54,10 @@ def test_a_sparse_blocks_tensors():
 
 
 def test_what_keeps_moe_on_the_flat_rule():
-    """Dense blocks under LoRA, LoRA with padded experts (LoraWalk's units are unpadded; with expert units walked),
-    experts sharded on dim 1, expert units (EP among them) with CPU offload, EP with LoRA. Padded full fine-tuning is
-    walked (Qwen2-MoE's 1 x 2,048 shared-expert gate padded to 4 rows, Mixtral's 8 experts on 16), and so are experts
-    as units of their own, with expert parallelism or without (expert_unit_events.py; test_ep_step_allocations.py)."""
+    """Flat: experts sharded on dim 1, expert units (EP among them) with CPU offload, EP with LoRA. Walked: dense blocks
+    and padded experts under LoRA (lora_dense_events.py, lora_expert_unit_events.py), padded full fine-tuning (Qwen2-MoE's
+    1 x 2,048 shared-expert gate padded to 4 rows, Mixtral's 8 experts on 16), experts as units of their own, with
+    expert parallelism or without (expert_unit_events.py; test_ep_step_allocations.py)."""
     def why(model, gpus, **knobs):
         c = estimate(model, gpus, **{**ON_8, **knobs})
         return replays(c.model, c.training, c.config, c.config.shard_group_size(c.cluster))
@@ -65,7 +65,7 @@ def test_what_keeps_moe_on_the_flat_rule():
     assert why("mixtral-8x7b", 16, ep=2) is None
     assert why("mixtral-8x7b", 16, ep=2, offload=True) == EP_FLAT
     assert why("mixtral-8x7b", 16) is None and why("qwen2-moe-a2.7b", 4) is None
-    assert why("mixtral-8x7b", 16, finetune="lora") == "LoRA with MoE experts padded on dim 0"
+    assert why("mixtral-8x7b", 16, finetune="lora") is None  # padded experts under LoRA walked (lora_expert_unit_events)
     assert why("deepseek-v2-lite", 8) is None  # dense blocks walked (test_moe_dense_blocks_allocations.py)
     # dense blocks under LoRA walked (lora_dense_events.py)
     assert why("deepseek-v2-lite", 8, finetune="lora") is None and why("deepseek-v2-lite", 16, ep=2) is None
