@@ -61,3 +61,16 @@ def test_padded_experts_under_lora():
         walk = _events_peak(_walk(c)[0])
         assert walk - c.memory.peak_allocated_bytes == pytest.approx(over_ledger, abs=16)
         assert walk == pytest.approx(traced, rel=0.02)
+
+
+def test_padded_experts_under_lora_without_expert_units():
+    """Qwen2-MoE (memory_accuracy.py's, its 1 x h shared-expert gate padded to d rows) on 8, the expert-units grid's row
+    3 settings without expert units (row 23 of --families 2026 --finetune lora): its sparse blocks cut as
+    moe_block_tensors padded at d, walk == ledger 939,912,512 B (trace 940,043,976); reserved 1,134,559,232 B against
+    the trace's replay 1,149,239,296 (-1.3%) where LoRA with padded experts kept the flat rule (1,115,932,137, -2.9%)."""
+    row = {k: v for k, v in ROW_3.items() if k != "expert_units"}
+    c = estimate(arch_config("qwen2-moe"), 8, **row)
+    assert replays(c.model, c.training, c.config, 8) is None
+    assert _events_peak(_walk(c)[0]) == c.memory.peak_allocated_bytes == 939_912_512
+    assert c.memory.allocator_reserved_bytes == 1_134_559_232
+    assert c.memory.allocator_reserved_bytes == pytest.approx(1_149_239_296, rel=0.02)
