@@ -113,7 +113,10 @@ def root_tensors(model: ModelSpec) -> tuple[tuple[int, int], ...]:
     """(rows, elements per row) of the root's tables: the token embedding (its vocabulary rows; a TP rank's slice)
     and an untied head; the final norm's weight."""
     h = model.hidden_size
-    emb_rows = min(model.vocab_size, model.embedding_params // h)
+    # embedding_params // h counts position / token-type rows too: the vocabulary's rows, where vocab_size is the
+    # vocabulary's. A value model's vocab_size is its head's one label (rl_critic.value_model), not its table's rows.
+    table_rows = model.embedding_params // h
+    emb_rows = table_rows if model.vocab_size == 1 else min(model.vocab_size, table_rows)
     head = ((model.head_params // h, h),) if model.head_params else ()
     return ((emb_rows, h),) * bool(emb_rows) + head + ((h, 1),) * bool(model.root_other_params >= h)
 

@@ -328,21 +328,24 @@ def test_a_critic_left_at_verls_defaults_is_priced_as_verl_runs_it(tmp_path):
     """The PPO script as --emit verl writes it (an FSDP2 bf16 actor; the critic as priced, the actor's strategy and
     dtype: critic.strategy=fsdp2, critic.fsdp.model_dtype=bf16) read back prices the same critic; with both keys
     dropped verl runs its defaults, FSDP1 and fp32, and check prices those: the critic's 7,070,622,721 parameters
-    over 16 GPUs, 4 B each, 1,767,655,681 B a GPU (not bf16's 883,827,841), Adam's 8 B, 3,535,311,361 (not
-    1,767,655,681); the actor's phases as before."""
+    and its value head's dim-0 padding (FSDP2 pads the 1 x 3,584 weight to 16 rows at d = 16, torch 2.13
+    _fsdp_param.py padded_sharded_param_size: + 15 x 3,584 = 53,760, so 7,070,676,481) over 16 GPUs, 4 B each,
+    1,767,669,121 B a GPU (not bf16's 883,834,561), Adam's 8 B, 3,535,338,241 (not 1,767,669,121); the actor's
+    phases as before. (FSDP1 is priced with FSDP2's padding, cost_models/dim0_padding.py: its flat parameter pads
+    a unit to a multiple of 16 elements, 3,360 parameters a GPU fewer.)"""
     e = rl_estimate("qwen2.5-7b", 16, **PPO)
     script = emit_verl(e)
     lines = ("    critic.strategy=fsdp2 \\\n", "    critic.fsdp.model_dtype=bf16 \\\n")
     assert all(line in script for line in lines)
     c = e.memory.critic
-    assert (c.params_bytes, c.optimizer_bytes) == (883_827_841, 1_767_655_681)
+    assert (c.params_bytes, c.optimizer_bytes) == (883_834_561, 1_767_669_121)
     for line in lines:
         script = script.replace(line, "")
     (tmp_path / "ppo.sh").write_text(script)
     setup = read_rl_setup(tmp_path / "ppo.sh")
     assert (setup.knobs["critic_strategy"], setup.knobs["critic_dtype"]) == ("fsdp", "fp32")
     read = rl_estimate(setup.model, **setup.knobs)
-    assert (read.memory.critic.params_bytes, read.memory.critic.optimizer_bytes) == (1_767_655_681, 3_535_311_361)
+    assert (read.memory.critic.params_bytes, read.memory.critic.optimizer_bytes) == (1_767_669_121, 3_535_338_241)
     assert read.memory.phases == rl_estimate("qwen2.5-7b", 16, critic_strategy="fsdp", critic_dtype="fp32",
                                              **PPO).memory.phases
     actor = ("log_prob", "ref_log_prob", "update")

@@ -26,14 +26,17 @@ def test_the_value_model_has_a_hidden_by_one_head():
 
 
 @pytest.mark.parametrize("knobs, shard, adam, load", [
-    ({}, 1_767_655_681, 3_535_311_361, 15_231_233_024),
-    ({"critic_dtype": "fp32"}, 3_535_311_361, 7_070_622_721, 28_282_490_888)], ids=["bf16-as-actor", "fp32"])
+    ({}, 1_767_661_953, 3_535_323_905, 15_231_233_024),
+    ({"critic_dtype": "fp32"}, 3_535_323_905, 7_070_647_809, 28_282_591_240)], ids=["bf16-as-actor", "fp32"])
 def test_the_critic_is_stored_in_its_own_dtype(knobs, shard, adam, load):
-    """Per GPU, 7,070,622,721 parameters over 8 ranks, rounded up: bf16 (the actor's, the default) 2 B each,
-    1,767,655,681 B, and pure-bf16 Adam 2 x 2 B, 3,535,311,361; fp32 (verl's default, a script without the key)
-    4 B, 3,535,311,361, and Adam 2 x 4 B, 7,070,622,721. Host RAM's load (rank 0 builds a worker whole): the larger
-    of the bf16 actor, 7,615,616,512 x 2 = 15,231,233,024 B, and the critic, fp32 3,535,311,361 x 8 =
-    28,282,490,888 B."""
+    """Per GPU, 7,070,622,721 parameters and the value head's dim-0 padding (FSDP2 pads its 1 x 3,584 weight to
+    d x ceil(1 / d) = 8 rows, torch 2.13 _fsdp_param.py padded_sharded_param_size: + 7 x 3,584 = 25,088, so
+    7,070,647,809; every other table's rows divide by 8) over 8 ranks, rounded up: bf16 (the actor's, the default)
+    2 B each, 1,767,661,953 B, and pure-bf16 Adam 2 x 2 B, 3,535,323,905; fp32 (verl's default, a script without the
+    key) 4 B, 3,535,323,905, and Adam 2 x 4 B, 7,070,647,809. Host RAM's load (rank 0 builds a worker whole): the larger
+    of the bf16 actor, 7,615,616,512 x 2 = 15,231,233,024 B, and the critic, fp32 3,535,323,905 x 8 =
+    28,282,591,240 B (rl_host._sizes: the whole as shard x ranks, so the head's padding, 25,088 x 4 = 100,352 B, is
+    counted though rank 0 builds the real, unpadded model: 0.0004% over)."""
     e = rl_estimate("qwen2.5-7b", 8, **PPO, **knobs)
     c = e.memory.critic
     assert (c.params_bytes, c.grads_bytes, c.optimizer_bytes) == (shard, shard, adam)
