@@ -18,6 +18,12 @@ GPU = GpuSpec(id="test", name="test", memory_bytes=80 * 2**30, hbm_bytes_per_s=2
               peak_flops={"bf16": 300e12, "fp32": 20e12}, intra_node_bus_bytes_per_s=200e9)
 # 4 blocks of 1,000 params and a 200-param root: Psi = 4,200 (too small for activations to matter
 # unless asked for; sequences of 1 token keep them out of the model-state checks).
+# FSDP2 pads each tensor to d x ceil(rows / d) rows (torch 2.13 _fsdp_param.py padded_sharded_param_size; cost_models/
+# dim0_padding.py), so what FSDP shards, gathers and reduces is Psi_d: d = 2: nothing pads, 4,200; d = 4: the root's
+# 10-row embedding (100 // 8 = 12 rows, vocabulary 10) and 10-row head pad to 12 rows, 2 x 2 x 8 = 32 more, 4,232
+# (the blocks' rows, q 8, k / v 4, o 8, gate / up 16, down 8, norms 8, divide by 4); d = 8: the tables to 16 rows,
+# 2 x 6 x 8 = 96, and each block's k and v, 4 rows, to 8, 2 x 4 x 8 = 64 a block: 4,200 + 96 + 4 x 64 = 4,552.
+PSI_4, PSI_8 = 4200 + 32, 4200 + 96 + 4 * 64
 TOY = ModelSpec(name="toy", family="llama", n_layers=4, hidden_size=8, n_heads=2, n_kv_heads=1, head_dim=4,
                 ffn_hidden_size=16, vocab_size=10, block_params=1000, embedding_params=100, head_params=80,
                 root_other_params=20, block_class="Block", gated_mlp=True, norm="rmsnorm", activation="silu",
@@ -34,9 +40,11 @@ def mem(config, n=4, per_node=4, **training):
 
 def test_full_shard_model_states_fp32_adam():
     m = estimate_memory(TOY, cluster(4), TrainingSpec(seq_len=1), FsdpConfig(precision="fp32"), DEFAULT_PROFILE)
-    # step phase: params 4 B, grads 4 B, Adam 8 B, foreach temporaries 4 B per param, all / 4 ranks
+    # step phase: params 4 B, grads 4 B, Adam 8 B, foreach temporaries 4 B per param, all / 4 ranks, of the padded
+    # 4,232 (PSI_4: rank 0 holds 3 of each 10-row table's rows; the sharded grad is the reduce-scatter's padded output)
     b = m.phases["optimizer_step"]
-    assert (b.sharded_params, b.sharded_grads, b.optimizer_state, b.optimizer_temporaries) == (4200, 4200, 8400, 4200)
+    assert (b.sharded_params, b.sharded_grads, b.optimizer_state, b.optimizer_temporaries) == (4232, 4232, 8464, 4232)
+    assert PSI_4 * 4 // 4 == 4232
 
 
 def test_bf16_gathers_two_blocks_and_root_in_compute_dtype():
@@ -50,13 +58,14 @@ def test_bf16_gathers_two_blocks_and_root_in_compute_dtype():
     # cast to bf16, 500 B; one sharded gradient fewer: 500 B less in all) and block 1's backward.
     b = m.phases["backward"]
     assert m.peak_moment == "backward of block 0 (its all-gather copied out)"
-    assert b.unsharded_params == 1000 * 2 + 200 * 2           # current block + root, bf16
+    assert b.unsharded_params == 1000 * 2 + 232 * 2           # current block + root (its tables' all-gather output
+    #                                                          padded to 12 rows: 200 + 32), bf16
     assert b.collective_buffers == 1000 * 2 + 1000 * 4        # block 0's all-gather output (bf16), block 1's RS (fp32)
     assert b.sharded_grads == 3 * 1000 * 4 // 4               # blocks 3, 2 and 1's fp32 grads, sharded over 4
     # SHARD_GRAD_OP keeps every block gathered until backward
     sgo = mem(FsdpConfig(sharding="SHARD_GRAD_OP", precision="bf16", micro_batch=64), n=4)
     assert sgo.peak_phase == "backward"
-    assert sgo.breakdown.unsharded_params == 4 * 1000 * 2 + 200 * 2
+    assert sgo.breakdown.unsharded_params == 4 * 1000 * 2 + 232 * 2  # the root padded, as above
 
 
 def test_no_shard_holds_full_states():
@@ -69,8 +78,8 @@ def test_hybrid_shards_within_node_only():
     # 8 GPUs, 4 per node: HYBRID shards over d=4, FULL_SHARD over d=8
     hy = mem(FsdpConfig(sharding="HYBRID_SHARD", precision="fp32"), n=8, per_node=4)
     fs = mem(FsdpConfig(sharding="FULL_SHARD", precision="fp32"), n=8, per_node=4)
-    assert hy.phases["optimizer_step"].optimizer_state == 4200 * 8 / 4
-    assert fs.phases["optimizer_step"].optimizer_state == math.ceil(4200 * 8 / 8)
+    assert hy.phases["optimizer_step"].optimizer_state == PSI_4 * 8 / 4 == 8464
+    assert fs.phases["optimizer_step"].optimizer_state == math.ceil(PSI_8 * 8 / 8) == 4552
 
 
 def test_hsdp_shard_group_of_gpus_shards_as_fsdp_at_that_size():
@@ -80,11 +89,11 @@ def test_hsdp_shard_group_of_gpus_shards_as_fsdp_at_that_size():
     two_nodes = mem(FsdpConfig(sharding="HYBRID_SHARD", precision="fp32", shard_group_gpus=8), n=16, per_node=4)
     assert two_nodes.phases["optimizer_step"] == mem(FsdpConfig(precision="fp32"), n=8, per_node=4).phases[
         "optimizer_step"]
-    assert two_nodes.phases["optimizer_step"].optimizer_state == 4200 * 8 // 8
+    assert two_nodes.phases["optimizer_step"].optimizer_state == PSI_8 * 8 // 8
     part = mem(FsdpConfig(sharding="HYBRID_SHARD", precision="fp32", shard_group_gpus=2), n=4, per_node=4)
-    assert part.phases["optimizer_step"].optimizer_state == 4200 * 8 // 2
+    assert part.phases["optimizer_step"].optimizer_state == 4200 * 8 // 2  # d = 2 pads nothing
     node = mem(FsdpConfig(sharding="HYBRID_SHARD", precision="fp32"), n=16, per_node=4)
-    assert node.phases["optimizer_step"].optimizer_state == 4200 * 8 // 4
+    assert node.phases["optimizer_step"].optimizer_state == PSI_4 * 8 // 4
 
 
 def test_hsdp_shard_group_collectives_by_hand():
@@ -97,31 +106,39 @@ def test_hsdp_shard_group_collectives_by_hand():
     and all-reduces 1/4 over 4 replicas; a group of 2 inside a 4-GPU node all-reduces on NVLink too."""
     prof = Profile(intra_node_comm_efficiency=1.0, inter_node_comm_efficiency=1.0, intra_node_latency_s=0.0,
                    inter_node_latency_s=0.0)
-    m, gathered = 4200 * 4, (2 * 4000 + 200) * 4  # the root gathered once: FSDP2 keeps it for backward
+    # the root gathered once: FSDP2 keeps it for backward. Padded at the group's d (PSI_4 / PSI_8 above): a block
+    # 1,000 + 64 and the root 200 + 96 at 8; the root 200 + 32 at 4; nothing at 2
+    m, gathered = 4200 * 4, (2 * 4000 + 200) * 4
+    m8, gathered8 = PSI_8 * 4, (2 * 4 * 1064 + 296) * 4
+    m4, gathered4 = PSI_4 * 4, (2 * 4000 + 232) * 4
 
     def total_comm_s(n, per_node, group):
         config = FsdpConfig(sharding="HYBRID_SHARD", precision="fp32", shard_group_gpus=group)
         return estimate_step_time(TOY, cluster(n, per_node), TrainingSpec(seq_len=1), config, prof).total_comm_s
 
     ring = lambda n, message, bw: (n - 1) / n * message / bw  # noqa: E731 - all-gather / reduce-scatter
-    assert total_comm_s(16, 4, 8) == pytest.approx(ring(8, gathered + m, 100e9) + 2 * ring(2, m / 8, 25e9))
-    assert total_comm_s(16, 4, 0) == pytest.approx(ring(4, gathered + m, 200e9) + 2 * ring(4, m / 4, 25e9))
+    assert total_comm_s(16, 4, 8) == pytest.approx(ring(8, gathered8 + m8, 100e9) + 2 * ring(2, m8 / 8, 25e9))
+    assert total_comm_s(16, 4, 0) == pytest.approx(ring(4, gathered4 + m4, 200e9) + 2 * ring(4, m4 / 4, 25e9))
     assert total_comm_s(4, 4, 2) == pytest.approx(ring(2, gathered + m, 200e9) + 2 * ring(2, m / 2, 200e9))
 
 
 def test_offload_moves_states_to_cpu_ram_per_node():
     m = mem(FsdpConfig(precision="bf16", offload=True))
     assert m.breakdown.sharded_params == m.breakdown.optimizer_state == 0
-    # per rank: params 4 + grads 4 + Adam 8 + temporaries 4 = 20 B/param / 4 ranks, 4 ranks per node
-    assert m.cpu_bytes_per_node == 4 * (4200 * 20 // 4)
+    # per rank: params 4 + grads 4 + Adam 8 + temporaries 4 = 20 B/param of PSI_4 (4,232) / 4 ranks (rank 0's
+    # shard: the busiest), 4 ranks per node
+    assert m.cpu_bytes_per_node == 4 * (PSI_4 * 20 // 4) == 84640
 
 
 def test_lora_frozen_weights_have_no_grads_or_optimizer_state():
     m = mem(FsdpConfig(precision="fp32"), finetune="lora", lora_rank=2)
     lora_per_block = 2 * (16 + 12 + 12 + 16)  # r * (in + out) summed over q, k, v, o = 112
     trainable = 4 * lora_per_block
-    assert m.phases["optimizer_step"].optimizer_state == math.ceil(trainable * 8 / 4)
-    assert m.phases["optimizer_step"].sharded_grads == math.ceil(trainable * 4 / 4)
+    # FSDP2 pads each lora_A (r = 2 rows, in = 8) to 4 rows at d = 4: + 2 x 8 for each of q, k, v, o; the lora_B
+    # (out = 8, 4, 4, 8 rows) divide by 4: 112 + 64 = 176 a block, 704 sharded (rank 0 holds one row of each lora_A)
+    padded = 4 * (lora_per_block + 4 * 2 * 8)
+    assert m.phases["optimizer_step"].optimizer_state == math.ceil(padded * 8 / 4) == 1408
+    assert m.phases["optimizer_step"].sharded_grads == math.ceil(padded * 4 / 4) == 704
     assert TOY.lora_params_per_block(2) == lora_per_block
 
 
@@ -189,7 +206,9 @@ def test_all_linear_lora_by_hand():
     trainable = 4 * lora_per_block
     m = estimate_memory(every, cluster(4), TrainingSpec(seq_len=1, finetune="lora", lora_rank=2),
                         FsdpConfig(precision="fp32"), DEFAULT_PROFILE)
-    assert m.phases["optimizer_step"].optimizer_state == math.ceil(trainable * 8 / 4)
+    # lora_A padded to 4 rows at d = 4 (2 x in more): q, k, v, o, gate, up (in 8): 6 x 16, down (in 16): 32
+    padded = 4 * (lora_per_block + 6 * 2 * 8 + 2 * 16)
+    assert m.phases["optimizer_step"].optimizer_state == math.ceil(padded * 8 / 4) == 3072
     flops = model_flops_per_token(every, TrainingSpec(seq_len=16, finetune="lora", lora_rank=2))
     assert flops == 4 * 4100 + 6 * trainable + 4 * attention_flops_per_token_per_layer(TOY, 16)
 
