@@ -191,29 +191,9 @@ class ExpertUnitsWalk:
             return super().transient(key, sizes, stream)
         _, s, mb, j = key
         u = self.root_units(s) + j
-        x, shape = self.pieces[s], self.shape
         grads = self.grad_bytes(s, u)
-        experts_grads = sum(grads[i] for i in self.expert_index)
-        # a traced block profile (ProfileWalk's models): its moments (memory.py takes their largest, CP's ring
-        # transients on top), with the experts gathered; else the MoE MLP's, then the attention's
-        traced = shape.traced
-        moments = traced.backward_moments if traced is not None else shape.mlp_moments[x.checkpointed[j]]
-        ring = self.tokens * context_parallel.ring_working_bytes_per_token(self.model, self.config.cp, self.c)
-        cap = shape.real.trainable_block * self.c
-        seq = self.training.seq_len
-
-        def best(candidates):
-            return max(candidates, key=sum, default=(0, 0))
-
-        mlp = best((round(m.activation_bytes(self.tokens, seq)) + (ring if traced else 0), min(m.grad_bytes, cap))
-                   for m in moments if not m.experts_done)
-        # the ledger's later moments are above the block's whole saved tensors, the MLP's freed by then: here above
-        # what the block holds once they are freed (mlp_saved_apart)
-        freed = self.tokens * sum(self.mlp_saved_per_token.values()) * (j in self.apart)
-        later = best([(round(m.activation_bytes(self.tokens, seq)) + freed,
-                       max(0, min(m.grad_bytes, cap) - experts_grads)) for m in moments if m.experts_done]
-                     + ([] if traced else [(self.tokens * (shape.w_attn - shape.freed_attn) + freed,
-                                            max(0, shape.attn_grad - experts_grads))]))
+        traced = self.shape.traced
+        mlp, later = self.backward_moments(s, j, sum(grads[i] for i in self.expert_index))
         made = self.moment(("experts backward", s, mb, j), s, u, mlp,
                            range(len(grads)) if traced else self.expert_index)
         self.mlp_saved_tensors(s, u, "experts", free=True)
@@ -228,6 +208,33 @@ class ExpertUnitsWalk:
         self.mlp_saved_tensors(s, u, "router", free=True)
         others = [i for i in range(len(grads)) if i not in made and i not in self.expert_index]
         self.made[u] = made | set(self.expert_index) | self.moment(("block backward", s, mb, j), s, u, later, others)
+
+    def backward_moments(self, s: int, j: int, experts_grads: int) -> tuple[tuple[int, int], tuple[int, int]]:
+        """Block j's largest MoE MLP moment (the experts gathered) and largest later one (the norm's, the attention's),
+        each (working bytes, gradient bytes that fit it), the later ones' gradients less the experts'
+        (experts_grads, reduced at their post-backward): a traced block profile's moments (memory.py takes their
+        largest, CP's ring transients on top) where the model has one, else the ledger's (LoRA's too:
+        lora_expert_unit_events.py)."""
+        x, shape = self.pieces[s], self.shape
+        traced = shape.traced
+        moments = traced.backward_moments if traced is not None else shape.mlp_moments[x.checkpointed[j]]
+        ring = self.tokens * context_parallel.ring_working_bytes_per_token(self.model, self.config.cp, self.c)
+        cap = shape.real.trainable_block * self.c
+        seq = self.training.seq_len
+
+        def best(candidates):
+            return max(candidates, key=sum, default=(0, 0))
+
+        mlp = best((round(m.activation_bytes(self.tokens, seq)) + (ring if traced else 0), min(m.grad_bytes, cap))
+                   for m in moments if not m.experts_done)
+        # the ledger's later moments are above the block's whole saved tensors, the MLP's freed by then: here above
+        # what the block holds once they are freed (mlp_saved_apart)
+        freed = self.tokens * sum(self.mlp_saved_per_token.values()) if j in self.apart else 0
+        later = best([(round(m.activation_bytes(self.tokens, seq)) + freed,
+                       max(0, min(m.grad_bytes, cap) - experts_grads)) for m in moments if m.experts_done]
+                     + ([] if traced else [(self.tokens * (shape.w_attn - shape.freed_attn) + freed,
+                                            max(0, shape.attn_grad - experts_grads))]))
+        return mlp, later
 
     def moment(self, key, s: int, u, moment: tuple[int, int], among) -> set:
         """One backward moment: the gradients among `among` that fit its gradient bytes (StepWalk.early_grads),

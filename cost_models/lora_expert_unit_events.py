@@ -1,10 +1,10 @@
 """The LoRA step walk with each sparse block's routed experts an FSDP unit of their own (FsdpConfig.expert_units, no
 EP: LoRA with EP is refused, mesh_rules "mesh-with-lora"), and with its router and stacks padded on dim 0 at shard
 group d (FSDP2's ceil(rows / d) rows a rank, as the ledger's ParamCounts; without expert units the whole block one
-unit, its tensors moe_block_tensors' padded, gathered in the compute dtype: MoeWalk's rule): two mixins in step_allocations._LoraStepWalk,
-LoraExpertUnitsWalk (the FSDP2 hooks) ahead of Dim0PaddingWalk, as ExpertUnitsWalk is in the full walk (its unsharded
-drops the experts from a block's padded tensors), and LoraSparseBlocksWalk (the units) after it, ahead of
-LoraDenseBlocksWalk / LoraWalk (so that Dim0PaddingWalk pads its units).
+unit, its tensors moe_block_tensors' padded, gathered in the compute dtype: MoeWalk's rule): two mixins in
+step_allocations._LoraStepWalk, LoraExpertUnitsWalk (the FSDP2 hooks) ahead of Dim0PaddingWalk, as ExpertUnitsWalk is
+in the full walk (its unsharded drops the experts from a block's padded tensors), and LoraSparseBlocksWalk (the units)
+after it, ahead of LoraDenseBlocksWalk / LoraWalk (so that Dim0PaddingWalk pads its units).
 
 calibration/apply.py fully_shards the module holding a block's stacked expert tensors (model_blocks.expert_modules:
 the 3-D parameters' module) inside the block's unit. So the experts' unit holds frozen tensors only: it is gathered
@@ -79,18 +79,7 @@ class LoraExpertUnitsWalk(ExpertUnitsWalk):
             return super(ExpertUnitsWalk, self).transient(key, sizes, stream)
         _, s, mb, j = key
         u = self.root_units(s) + j
-        x, shape, seq = self.pieces[s], self.shape, self.training.seq_len
-        cap = shape.real.trainable_block * self.c
-        moments = shape.mlp_moments[x.checkpointed[j]]
-
-        def best(candidates):
-            return max(candidates, key=sum, default=(0, 0))
-
-        mlp = best((round(m.activation_bytes(self.tokens, seq)), min(m.grad_bytes, cap))
-                   for m in moments if not m.experts_done)
-        later = best([(round(m.activation_bytes(self.tokens, seq)), min(m.grad_bytes, cap))
-                      for m in moments if m.experts_done]
-                     + [(self.tokens * (shape.w_attn - shape.freed_attn), shape.attn_grad)])
+        mlp, later = self.backward_moments(s, j, 0)  # (the ledger's: its shape is never a traced profile's under LoRA)
         adapters = self.trainable(s, u)
         # (ExpertUnitsWalk.moment by name: LoraWalk's instance attribute `moment` holds its one moment)
         made = ExpertUnitsWalk.moment(self, ("experts backward", s, mb, j), s, u, mlp, adapters)
