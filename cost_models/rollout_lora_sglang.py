@@ -19,8 +19,8 @@ What SGLang 0.5.23 allocates (python/sglang/srt/lora/):
   qkv_proj, 2 for gate_up_proj (utils.py get_stacked_multiply: one rank-r A per packed projection). in / out from
   the base layer on this rank (_dense_local_dim: input_size_per_partition of the row-parallel o_proj / down_proj,
   the sum of output_partition_sizes of the column-parallel ones - QKVParallelLinear's K and V as the rank's KV
-  heads, max(1, kv_heads // tp): _column_parallel_lora_b_per_rank_dim says the same). These are the slices of
-  rollout_lora.block_slices unpacked (q, k, v and gate, up apart: one A each), so the blocks share its shapes.
+  heads, max(1, kv_heads // tp): _column_parallel_lora_b_per_rank_dim says the same). The attention's are
+  rollout_lora.attention_slices unfused (q, k, v apart: one A each, Phi-3's fused qkv_proj too: attention_elements).
   The embedding (get_embedding_lora_A_shape: (S, rank, vocab + lora_added_tokens_size), not split by TP;
   get_embedding_lora_B_shape: (S, hidden, rank)) and the head ((S, rank, hidden); B (S, vocab rows, rank): the
   rank's rows of the ParallelLMHead, get_lm_head_lora_b_shard_size(shard_indices.num_org_elements) - the whole
@@ -66,10 +66,11 @@ What SGLang 0.5.23 allocates (python/sglang/srt/lora/):
   lora_ranks / scalings (slots, int32 / fp32) - 6 KiB at 256; allocated with the graphs after the KV cache is sized,
   counted here with the pool (less than one token's KV: the token count moves by one at most). On a mixture of
   experts whose FusedMoE is wrapped (gate_up_proj and down_proj both targets), lora_manager.py
-  init_lora_cuda_graph_moe_buffers, before the KV cache is sized: base_backend.py init_cuda_graph_moe_buffers, one
-  set for every layer, int32 - sorted_token_ids_lora (slots x padded, padded = batch x top-k + experts x 63 rounded
-  up to 64), expert_ids_lora (slots x padded / 64), three rows of slots, cumsum_buffer (slots x (experts + 1)),
-  token_mask (slots x batch x top-k), token_lora_mapping (batch); the decode runner may shrink it later
+  init_lora_cuda_graph_moe_buffers, before the KV cache is sized: base_backend.py init_cuda_graph_moe_buffers for
+  the first FusedMoEWithLoRA only (lora_manager.py:1202-1244, its loop breaks there: "Layers reuse these buffers
+  sequentially"), int32 - sorted_token_ids_lora (slots x padded, padded = batch x top-k + experts x 63 rounded up to
+  64), expert_ids_lora (slots x padded / 64), three rows of slots, cumsum_buffer (slots x (experts + 1)), token_mask
+  (slots x batch x top-k), token_lora_mapping (batch); the decode runner may shrink it later
   (resize_cuda_graph_moe_buffers), not below this start. DeepSeek-V3's shared expert fused on a GPU adds one expert
   and one top-k slot (a few KiB, not priced). Per-batch metadata outside graphs (torch.empty per forward) and the MoE
   LoRA kernels' intermediates are transient, inside the (1 - fraction) slack: not priced.
