@@ -7,6 +7,7 @@ from __future__ import annotations
 from . import moe
 from .activations import (PYTHON_OP_ACTIVATIONS, _FUSED_ROTARY_FAMILIES, _SEPARATE_QKV_FAMILIES, _attention_dropout,
                           _frozen_mlp, _mlp_bytes, _norm_bytes, _softmax_bytes, uses_s2_attention)
+from .activations_mla import eager_v_and_output_bytes
 from .kernels import EAGER as EAGER_KERNELS, Kernels
 from .specs import Attention, Kernel, ModelSpec
 
@@ -83,9 +84,7 @@ def _eager_freed_before_softmax_backward(model: ModelSpec, c: int, micro_batch: 
     GPT-2, whose q and k are views of the same fused output. Families checked against the trace only."""
     q, kv = model.q_dim, model.kv_dim
     if model.kv_lora_rank:  # MLA: P @ V read v as a view of kv_b_proj's output (one sequence) or a copy of it
-        H, d_v = model.n_heads, model.v_head_dim
-        kv_b_out = c * H * (model.head_dim - model.qk_rope_head_dim + d_v)
-        return c * H * d_v + (kv_b_out if micro_batch == 1 else c * H * d_v)
+        return eager_v_and_output_bytes(model, c, micro_batch)
     if model.family in _SEPARATE_QKV_FAMILIES:
         return c * q + c * q
     if model.family in _FUSED_ROTARY_FAMILIES:

@@ -52,9 +52,17 @@ def latent_attention_bytes(model: ModelSpec, c: int, attention: Attention, seq_l
     saved += 2 * c * H * d_qk                                   # q and k, as the attention reads them
     if attention is Attention.EAGER:
         probs = (4 + (c if c != 4 else 0)) * H * seq_len       # fp32 softmax and its cast back
-        v = kv_b_out if micro_batch == 1 else c * H * d_v
-        return saved + probs + v + c * H * d_v
+        return saved + probs + eager_v_and_output_bytes(model, c, micro_batch)
     return saved + kv_b_out + c * H * d_v + 4 * H               # v's kv_b_proj output, the output, logsumexp
+
+
+def eager_v_and_output_bytes(model: ModelSpec, c: int, micro_batch: int) -> int:
+    """What eager MLA saves per token for P @ V and the o-projection: v (a view of kv_b_proj's output, kept whole,
+    with one sequence; with more, bmm's copy of v alone, c H d_v) and the output copied for the o-projection (c H d_v).
+    Both go before the softmax backward (activations_backward._eager_freed_before_softmax_backward)."""
+    H, d_v = model.n_heads, model.v_head_dim
+    kv_b_out = c * H * (model.head_dim - model.qk_rope_head_dim + d_v)
+    return (kv_b_out if micro_batch == 1 else c * H * d_v) + c * H * d_v
 
 
 def router_extra_bytes(model: ModelSpec, c: int, router_trains: bool = True) -> int:
