@@ -30,9 +30,10 @@ and down's input saved, p T (fs + 4r), equal to peft's measured excess), and Dee
 shared experts take lora.Linear too (the shared experts' backward runs before the routed one: backward_moments). Dense
 blocks (DeepSeek's first_k_dense_replace, Qwen's mlp_only_layers / decoder_sparse_step) take a dense model's all-linear:
 their MLP's lora.Linear (model_spec.dense_block_spec; ModelSpec.lora_dense_delta in the ledger's counts). Counts equal
-peft's get_peft_model to the element (tests/unit/test_moe_lora.py). Refused: gpt-oss has no conversion, so peft's all-linear
-adapts its attention alone (lora_targets attention prices exactly that); Llama 4 has none either, and peft's lora.Linear
-on its router (an nn.Linear returning a tuple) raises; OLMoE / GLM-4 MoE are read by the generic path (not priced).
+peft's get_peft_model to the element (tests/unit/test_moe_lora.py). Refused: gpt-oss has no conversion, so peft's
+all-linear adapts its attention alone (lora_targets attention prices exactly that); Llama 4 has none either, and peft's
+lora.Linear on its router (an nn.Linear returning a tuple) raises; OLMoE / GLM-4 MoE are read by the generic path (not
+priced).
 """
 
 from __future__ import annotations
@@ -59,12 +60,12 @@ def fsdp1_fails(model: ModelSpec, all_linear: bool) -> bool:
     return bool(all_linear) and model.moe is not None and not unpriced_reason(model)
 
 
-def fsdp1_refusals(model: ModelSpec, lora: bool, fsdp1: bool, field: str, fix: str) -> list:
-    """fsdp1_fails as a refusal where the configuration is FSDP1 (fsdp1); lora: all-linear LoRA trains; field / fix:
-    the caller's names (verl's strategy, the doctor's)."""
+def fsdp1_refusals(model: ModelSpec, all_linear: bool, fsdp1: bool, field: str, fix: str) -> list:
+    """fsdp1_fails as a refusal where the configuration is FSDP1 (fsdp1); all_linear: all-linear LoRA trains (verl's
+    LoRA always does); field / fix: the caller's names (verl's strategy, the doctor's)."""
     from .feasibility import Refusal
 
-    if not (fsdp1 and fsdp1_fails(model, lora)):
+    if not (fsdp1 and fsdp1_fails(model, all_linear)):
         return []
     return [Refusal(field, "moe-all-linear-fsdp1", FSDP1_FAILURE, fix, priced=False)]
 
