@@ -46,14 +46,19 @@ class LoraExpertUnitsWalk(ExpertUnitsWalk):
         self.apart = set()  # the MLP's saved tensors stay whole (ExpertUnitsWalk.mlp_saved_apart: full fine-tuning)
 
     def all_gather(self, u) -> None:
-        """The experts' unit: frozen, its copy-in source cast where stored in another dtype (LoraWalk.all_gather)."""
-        if not isinstance(u, tuple):
+        """The experts' unit: frozen, its copy-in source cast where stored in another dtype (LoraWalk.all_gather); on a
+        shard group of one rank nothing (OneRankWalk's)."""
+        if not isinstance(u, tuple) or self.d == 1:
             return super().all_gather(u)
         s, n = self.stage, sum(self.experts_bytes) // self.c
         self.alloc(("all_gather_in", s, u), copy_in_bytes(0, n, self.p, self.frozen_p, self.c, self.d))
         self.alloc(("all_gather", s, u), sum(self.experts_bytes), ALL_GATHER_STREAM)
         self.free(("all_gather_in", s, u))
         self.prefetched.add(u)
+
+    def stored_width(self, s: int, u, i: int) -> int | None:
+        """The experts' tensors: frozen, stored in frozen_p (OneRankWalk.param_input's cast at d = 1)."""
+        return self.frozen_p if isinstance(u, tuple) else super().stored_width(s, u, i)
 
     def unsharded(self, s: int, u) -> list[int]:
         """A sparse block's all-gather output without its experts: its tensors as sharded (padded: LoraSparseBlocksWalk,

@@ -74,3 +74,16 @@ def test_padded_experts_under_lora_without_expert_units():
     assert _events_peak(_walk(c)[0]) == c.memory.peak_allocated_bytes == 939_912_512
     assert c.memory.allocator_reserved_bytes == 1_134_559_232
     assert c.memory.allocator_reserved_bytes == pytest.approx(1_149_239_296, rel=0.02)
+
+
+@pytest.mark.parametrize("arch, traced", [("mixtral", 622_613_896), ("qwen3-moe", 957_962_248)])
+def test_lora_expert_units_on_a_shard_group_of_one(arch, traced):
+    """Row 3's settings on 1 GPU (a shard group of one rank: FSDP2 gathers nothing, wait_for_unshard casts and copies
+    each parameter, one_rank_events.py): the experts' unit goes through OneRankWalk as the block's does, its frozen
+    tensors cast from frozen_p (the walk raised TypeError there: LoraWalk.stored_width compared the experts' unit key,
+    a tuple, with an int). Walk == ledger; the trace (planner.tracing.trace, memory_accuracy.run_one on this row,
+    2026-12-08, quoted) 622,613,896 / 957,962,248 B allocated, the ledger -0.01% of it."""
+    c = estimate(arch_config(arch), 1, **{**ROW_3, "gpus_per_node": 1})
+    assert replays(c.model, c.training, c.config, 1) is None
+    assert _events_peak(_walk(c)[0]) == c.memory.peak_allocated_bytes
+    assert c.memory.peak_allocated_bytes == pytest.approx(traced, rel=0.0005)
