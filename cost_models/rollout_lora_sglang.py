@@ -153,7 +153,8 @@ def attention_elements(model: ModelSpec, tp: int, r: int, name: str) -> int:
     rope, nope, v = model.qk_rope_head_dim, model.head_dim - model.qk_rope_head_dim, model.v_head_dim
     if name == "q_b_proj" and not model.q_lora_rank:
         raise SpecError("target_modules", "q_b_proj: the model has no q_lora_rank (SGLang's lora/utils.py "
-                                          "get_default_hidden_dim reads config.q_lora_rank, None: it raises)")
+                                          "get_default_hidden_dim reads config.q_lora_rank, None: it raises); its "
+                                          "query is q_proj, or use all-linear")
     # qkv_proj (V2-Lite's q_proj): a dense qkv_proj's shape at transformers' head_dim (qk_rope_head_dim), KV heads
     # as QKVParallelLinear's (_column_parallel_lora_b_per_rank_dim)
     qkv_out = heads * rope + 2 * max(1, model.n_kv_heads // tp) * rope
