@@ -87,21 +87,21 @@ class ExpertUnitsWalk:
         s, x = self.stage, self.pieces[self.stage]
         mlp = moe.mlp_bytes_per_token(self.model, self.c) if self.shape.traced is None else 0
         router = moe.router_bytes_per_token(self.model.moe, self.c)
-        self.mlp_saved_per_token = {"router": router, "experts": mlp - router}
+        self.mlp_saved_bytes_per_token = {"router": router, "experts": mlp - router}
         # (none where a block is checkpointed: its recompute keeps the MLP's whole, and with both kinds of block the
         # replay fragmented where the trace's does not, the expert-units grid's every-2 rows +16 .. +30 points over
         # the trace's replay: docs/accuracy.md "2026-12-08: the MLP's saved tensors in the experts' backward")
-        self.apart = set() if any(x.checkpointed) else {j for j in range(x.stage.n_blocks) if mlp
+        self.mlp_apart_blocks = set() if any(x.checkpointed) else {j for j in range(x.stage.n_blocks) if mlp
                                                          and x.stage.first_block + j not in self.dense}
-        less = [mlp * (j in self.apart) for j in range(x.stage.n_blocks)]
+        less = [mlp * (j in self.mlp_apart_blocks) for j in range(x.stage.n_blocks)]
         self.pieces[s] = dataclasses.replace(x, kept=tuple(k - n for k, n in zip(x.kept, less)),
                                              saved=x.saved - self.tokens * sum(less))
 
     def mlp_saved_tensors(self, s: int, u, part: str, free: bool = False) -> None:
         """Block unit u's MLP saved tensors of `part` (mlp_saved_apart) made, or freed."""
-        if u - self.root_units(s) not in self.apart:
+        if u - self.root_units(s) not in self.mlp_apart_blocks:
             return
-        for t, size in enumerate(self.tensors(self.mlp_saved_per_token[part])):
+        for t, size in enumerate(self.tensors(self.mlp_saved_bytes_per_token[part])):
             if free:
                 self.free(("mlp saved", s, u, part, t))
             else:
@@ -229,10 +229,10 @@ class ExpertUnitsWalk:
                    for m in moments if not m.experts_done)
         # the ledger's later moments are above the block's whole saved tensors, the MLP's freed by then: here above
         # what the block holds once they are freed (mlp_saved_apart)
-        freed = self.tokens * sum(self.mlp_saved_per_token.values()) if j in self.apart else 0
-        later = best([(round(m.activation_bytes(self.tokens, seq)) + freed,
+        mlp_freed = self.tokens * sum(self.mlp_saved_bytes_per_token.values()) if j in self.mlp_apart_blocks else 0
+        later = best([(round(m.activation_bytes(self.tokens, seq)) + mlp_freed,
                        max(0, min(m.grad_bytes, cap) - experts_grads)) for m in moments if m.experts_done]
-                     + ([] if traced else [(self.tokens * (shape.w_attn - shape.freed_attn) + freed,
+                     + ([] if traced else [(self.tokens * (shape.w_attn - shape.freed_attn) + mlp_freed,
                                             max(0, shape.attn_grad - experts_grads))]))
         return mlp, later
 

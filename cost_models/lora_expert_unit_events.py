@@ -43,7 +43,8 @@ class LoraExpertUnitsWalk(ExpertUnitsWalk):
 
     def __init__(self, model, training, config, d: int, rank: int):
         super().__init__(model, training, config, d, rank)
-        self.apart = set()  # the MLP's saved tensors stay whole (ExpertUnitsWalk.mlp_saved_apart: full fine-tuning)
+        # the MLP's saved tensors whole: ExpertUnitsWalk.mlp_saved_apart is full fine-tuning's
+        self.mlp_apart_blocks = set()
 
     def all_gather(self, u) -> None:
         """The experts' unit: frozen, its copy-in source cast where stored in another dtype (LoraWalk.all_gather); on a
