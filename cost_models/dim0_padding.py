@@ -24,6 +24,7 @@ FSDP2's, as the stacked experts were.
 
 from __future__ import annotations
 
+from .identity_memo import IdentityMemo
 from .model_spec import FUSED_GATE_UP_FAMILIES, ModelSpec
 
 # families whose q / k / v are one (q + 2 kv, h) linear (cost_models/operators.py's fused attention)
@@ -92,7 +93,7 @@ def padding_elements(tensors, d: int) -> int:
     return sum((_padded_rows(rows, d) - rows) * per_row for rows, per_row in tensors) if d > 1 else 0
 
 
-_BLOCK: dict[tuple, int] = {}  # (id(model), d) -> (model, padding): the search prices thousands of configurations
+_BLOCK = IdentityMemo(limit=1024)   # (model, d) -> padding: the search prices thousands of configurations
 
 
 def block_padding_elements(model: ModelSpec, d: int) -> int:
@@ -100,13 +101,7 @@ def block_padding_elements(model: ModelSpec, d: int) -> int:
     shared expert and norms; moe.block_gathered_elements pads the rest)."""
     if d <= 1:
         return 0
-    key = (id(model), d)
-    cached = _BLOCK.get(key)
-    if cached is None or cached[0] is not model:
-        if len(_BLOCK) > 1024:
-            _BLOCK.clear()
-        cached = _BLOCK[key] = (model, padding_elements(block_tensors(model), d))
-    return cached[1]
+    return _BLOCK.get(model, (d,), lambda: padding_elements(block_tensors(model), d))
 
 
 def root_tensors(model: ModelSpec) -> tuple[tuple[int, int], ...]:

@@ -70,6 +70,7 @@ import math
 from dataclasses import dataclass, replace
 
 from . import moe
+from .identity_memo import IdentityMemo
 from .specs import BackwardMoment, ClusterSpec, FsdpConfig, ModelSpec, MoeDispatch, Routing
 
 INDEX_BYTES = moe.INDEX_BYTES
@@ -375,14 +376,21 @@ def view(model: ModelSpec, config: FsdpConfig, cluster: ClusterSpec, training) -
     return rank_view(model, config, mesh.fsdp, training)
 
 
-def rank_view(model: ModelSpec, config: FsdpConfig, d: int, training) -> ExpertParallelView:
-    """view() from the dense shard group d = dp_shard x cp (efsdp = d x tp / ep: mesh.Mesh.efsdp)."""
-    E, ep = model.moe.n_experts, config.ep
-    mo = model.moe
+_LOCAL = IdentityMemo(limit=256)   # (model, ep) -> its E / ep experts: ParamCounts.of pads each block's tensors
+
+
+def _local_experts(model: ModelSpec, ep: int) -> ModelSpec:
+    """The model with a rank's E / ep experts."""
+    E, mo = model.moe.n_experts, model.moe
     local_rows = tuple((rows // ep, per_row) for rows, per_row in mo.stacked_expert_tensors)
     others = (E - E // ep) * mo.expert_params
-    local = replace(model, block_params=model.block_params - others,
-                    moe=replace(mo, stacked_expert_tensors=local_rows))
+    return replace(model, block_params=model.block_params - others, moe=replace(mo, stacked_expert_tensors=local_rows))
+
+
+def rank_view(model: ModelSpec, config: FsdpConfig, d: int, training) -> ExpertParallelView:
+    """view() from the dense shard group d = dp_shard x cp (efsdp = d x tp / ep: mesh.Mesh.efsdp)."""
+    ep = config.ep
+    local = _LOCAL.get(model, (ep,), lambda: _local_experts(model, ep))
     return ExpertParallelView(model=local, ep=ep, efsdp=d * config.tp // ep, d=d,
                               imbalance=float(getattr(training, "routing_imbalance", 1.0)),
                               dispatch=config.moe_dispatch, routing=getattr(training, "routing", Routing.LEARNED))

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from . import moe_lora_targets
+from .identity_memo import IdentityMemo
 from .spec_values import Attention, LoraTargets, SpecError, check_positive, enum_choices, parse_enum
 
 
@@ -364,12 +365,20 @@ class ModelSpec:
         return self.n_layers * self.lora_params_per_block(rank) + self.lora_dense_delta(rank)
 
 
+_DENSE_BLOCK_SPECS = IdentityMemo(limit=256)   # ParamCounts.of reads it at every shard group the search prices
+
+
 def dense_block_spec(model: ModelSpec) -> ModelSpec | None:
     """The leading dense blocks of an MoE model (DeepSeek's first_k_dense_replace) as a dense ModelSpec,
     or None when every block is sparse."""
     moe = model.moe
     if moe is None or not moe.n_dense_layers:
         return None
+    return _DENSE_BLOCK_SPECS.get(model, (), lambda: _dense_block_spec(model))
+
+
+def _dense_block_spec(model: ModelSpec) -> ModelSpec:
+    moe = model.moe
     profile = model.activation_profile  # a traced profile's dense-block terms become the dense spec's own
     if profile is not None:
         profile = ActivationProfile(terms=tuple((d, a, t.dense or t) for d, a, t in profile.terms), source=profile.source)

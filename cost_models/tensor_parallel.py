@@ -20,6 +20,7 @@ from dataclasses import dataclass, replace
 
 from . import comm
 from .activations import _norm_bytes
+from .identity_memo import IdentityMemo
 from .operators import MemoryOp, _n_norms
 from .quick_init import quick_init
 from .specs import FsdpConfig, ModelSpec
@@ -38,21 +39,14 @@ def local_kv_heads(model: ModelSpec, tp: int) -> int:
     return max(1, model.n_kv_heads // tp)
 
 
-_LOCAL: dict[tuple, tuple[ModelSpec, ModelSpec]] = {}  # (id(model), tp, ep, sp) -> (model, its slice): the search
-#                                                        prices thousands of configurations of one model
+_LOCAL = IdentityMemo(limit=256)   # (model, tp, ep, sp) -> its slice
 
 
 def local_model(model: ModelSpec, config: FsdpConfig) -> ModelSpec:
     """The ModelSpec one rank of a TP group of config.tp holds (the model itself when tp = 1)."""
     if config.tp == 1:
         return model
-    key = (id(model), config.tp, config.ep, config.sequence_parallel)
-    cached = _LOCAL.get(key)
-    if cached is None or cached[0] is not model:
-        if len(_LOCAL) > 256:
-            _LOCAL.clear()
-        cached = _LOCAL[key] = (model, _local_model(model, config))
-    return cached[1]
+    return _LOCAL.get(model, (config.tp, config.ep, config.sequence_parallel), lambda: _local_model(model, config))
 
 
 def _local_model(model: ModelSpec, config: FsdpConfig) -> ModelSpec:
