@@ -26,14 +26,11 @@ from __future__ import annotations
 
 from .identity_memo import IdentityMemo
 from .model_spec import FUSED_GATE_UP_FAMILIES, ModelSpec
+from .moe import rows_per_rank
 
 # families whose q / k / v are one (q + 2 kv, h) linear (cost_models/operators.py's fused attention)
 _FUSED_QKV = frozenset({"gpt2", "gpt_neox", "phi3", "falcon", "bloom", "mpt"})
 _CONV1D = frozenset({"gpt2"})  # transformers' Conv1D stores (in, out): dim 0 is the input
-
-
-def _padded_rows(rows: int, d: int) -> int:
-    return -(-rows // d) * d
 
 
 def _linears(model: ModelSpec) -> list[tuple[int, int]]:
@@ -54,8 +51,8 @@ def _linears(model: ModelSpec) -> list[tuple[int, int]]:
         mlp = list(model.mlp_linear_shapes)
     elif moe.shared_ffn_size:
         fs = moe.shared_ffn_size
-        mlp = ([(h, 2 * fs)] if model.family in FUSED_GATE_UP_FAMILIES else [(h, fs), (h, fs)]) + [(fs, h)] \
-            if model.gated_mlp else [(h, fs), (fs, h)]
+        gate_up = [(h, 2 * fs)] if model.family in FUSED_GATE_UP_FAMILIES else [(h, fs), (h, fs)]
+        mlp = gate_up + [(fs, h)] if model.gated_mlp else [(h, fs), (fs, h)]
     else:
         mlp = []
     return attention + mlp
@@ -90,7 +87,7 @@ def adapter_tensors(model: ModelSpec, rank: int) -> tuple[tuple[int, int], ...]:
 def padding_elements(tensors, d: int) -> int:
     """Elements FSDP2 adds to these (rows, elements per row) tensors at shard group d: (d x ceil(rows / d) - rows)
     rows of each."""
-    return sum((_padded_rows(rows, d) - rows) * per_row for rows, per_row in tensors) if d > 1 else 0
+    return sum((d * rows_per_rank(rows, d) - rows) * per_row for rows, per_row in tensors) if d > 1 else 0
 
 
 _BLOCK = IdentityMemo(limit=1024)   # (model, d) -> padding: the search prices thousands of configurations
@@ -102,6 +99,16 @@ def block_padding_elements(model: ModelSpec, d: int) -> int:
     if d <= 1:
         return 0
     return _BLOCK.get(model, (d,), lambda: padding_elements(block_tensors(model), d))
+
+
+_ADAPTERS = IdentityMemo(limit=1024)   # (model, rank, d) -> padding
+
+
+def adapter_padding_elements(model: ModelSpec, rank: int, d: int) -> int:
+    """Elements of one block's LoRA adapters' dim-0 padding at shard group d (adapter_tensors: lora_A's rank rows)."""
+    if d <= 1:
+        return 0
+    return _ADAPTERS.get(model, (rank, d), lambda: padding_elements(adapter_tensors(model, rank), d))
 
 
 def root_tensors(model: ModelSpec) -> tuple[tuple[int, int], ...]:
@@ -126,5 +133,5 @@ def root_padding_elements(model: ModelSpec, d: int) -> tuple[int, int]:
     return emb, padding_elements(tensors, d) - emb
 
 
-__all__ = ["block_tensors", "adapter_tensors", "padding_elements", "block_padding_elements", "root_tensors",
-           "root_padding_elements"]
+__all__ = ["block_tensors", "adapter_tensors", "padding_elements", "block_padding_elements",
+           "adapter_padding_elements", "root_tensors", "root_padding_elements"]

@@ -109,20 +109,21 @@ class ParamCounts:
         reduce-scatters it: a sparse block's stacked experts (cost_models/moe.py; dim1: the expert matrices sharded
         on dim 1, unpadded), the dense ones and the root's (dim0_padding.py); d = 1: the real counts."""
         d = shard_group
-        dense_pad = d > 1 and not training.quantized  # (QLoRA's packed linears: (n / 2, 1) rows, padding < d)
-        block = moe.block_gathered_elements(model, d, dim1) + (
-            dim0_padding.block_padding_elements(model, d) if dense_pad else 0)
-        delta = model.n_dense_layers * (model.moe.dense_block_params - block + (
-            dim0_padding.block_padding_elements(dense_block_spec(model), d) if dense_pad else 0)) \
-            if model.n_dense_layers else 0
+        dense = dense_block_spec(model)  # an MoE's leading dense blocks (None: none)
+
+        def base_padding(spec: ModelSpec) -> int:  # QLoRA's packed linears: (n / 2, 1) rows, padding < d, unpriced
+            return 0 if training.quantized else dim0_padding.block_padding_elements(spec, d)
+
+        block = moe.block_gathered_elements(model, d, dim1) + base_padding(model)
+        delta = model.n_dense_layers * (model.moe.dense_block_params + base_padding(dense) - block) \
+            if dense is not None else 0
         root = model.root_params + sum(dim0_padding.root_padding_elements(model, d))
         if training.finetune.adapters:
-            rank = training.lora_rank  # all-linear: a dense block's MLP adapters apart; lora_A's rank rows padded
-            lora = model.lora_params_per_block(rank) + dim0_padding.padding_elements(
-                dim0_padding.adapter_tensors(model, rank), d)
-            lora_delta = model.lora_dense_delta(rank) + (model.n_dense_layers * (dim0_padding.padding_elements(
-                dim0_padding.adapter_tensors(dense_block_spec(model), rank), d) - lora + model.lora_params_per_block(
-                rank)) if model.n_dense_layers and d > 1 else 0)
+            rank = training.lora_rank  # all-linear: a dense block's MLP adapters apart
+            adapter_padding = dim0_padding.adapter_padding_elements(model, rank, d)
+            lora = model.lora_params_per_block(rank) + adapter_padding
+            lora_delta = model.lora_dense_delta(rank) + (model.n_dense_layers * (
+                dim0_padding.adapter_padding_elements(dense, rank, d) - adapter_padding) if dense is not None else 0)
             return cls(trainable_block=lora, frozen_block=block, trainable_root=0, frozen_root=root,
                        trainable_dense_delta=lora_delta, frozen_dense_delta=delta)
         return cls(block, 0, root, 0, trainable_dense_delta=delta)
