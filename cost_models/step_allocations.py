@@ -4,7 +4,7 @@
     step_replayed_reserved(memory, model, cluster, training, config, profile)   # a pp = 1 MemoryEstimate, replayed
 
 The walk itself: step_walk.StepWalk, with the mixins below ahead of it; a checkpointed Llama block (full fine-tuning,
-16-bit compute, SDPA, no TP or TP with sequence parallel) op by op, tp_block_events.py.
+SDPA; 16-bit compute with TP and sequence parallel, 16-bit or fp32 without TP) op by op, tp_block_events.py.
 
 Where it runs (replays(config)): every dense pp = 1 configuration - FSDP, HSDP (its all-reduce adds no tensor), a
 shard group of one rank (one_rank_events.py), CPU offload (offload_events.py), CP (s / cp tokens; the ring's buffers

@@ -31,13 +31,13 @@ pipeline_allocations.param_tensors' order q, k, v, o, gate, up, down, the two no
 Eager ops, as the rest of the walk writes (kernels.memory_kernels: the pipeline ledger prices eager ops under
 compile and Float8 too).
 
-Without TP (tp = 1, FSDP alone) the same block is these events less the collectives (the trace of a 4-rank FSDP2
-step, llama3-gqa of benchmarks/memory_accuracy.py, aten ops beside their allocations; tests/unit/
-test_tp1_block_events.py): each all-gather's output is its input under a second name (q/k/v read the norm's output,
-the MLP's backward the block's output gradient), o's and down's products are the (b, s, h) outputs, each column-wise
-linear's input gradient is its own (no all-reduce), their sum is the norm's gradient (no reduce-scatter). A tensor
-with two names is freed at the drop of its last: the recompute's norm output stays to q's backward, the output
-gradient to the residual's sum.
+Without TP (tp = 1, FSDP alone) the same block is these events less the collectives (traces of FSDP2 steps, aten ops
+beside their allocations: a 4-rank step of llama3-gqa of benchmarks/memory_accuracy.py, and the 2-rank bf16 and fp32
+steps tests/unit/test_tp1_block_events.py checks event for event): each all-gather's output is its input under a
+second name (q/k/v read the norm's output, the MLP's backward the block's output gradient), o's and down's products
+are the (b, s, h) outputs, each column-wise linear's input gradient is its own (no all-reduce), their sum is the
+norm's gradient (no reduce-scatter). A tensor with two names is freed at the drop of its last: the recompute's norm
+output stays to q's backward, the output gradient to the residual's sum.
 """
 
 from __future__ import annotations
@@ -46,8 +46,8 @@ from dataclasses import dataclass
 from functools import cached_property, lru_cache
 
 from . import kernels, tensor_parallel
-from .spec_values import Attention
 from .model_spec import FUSED_GATE_UP_FAMILIES
+from .spec_values import Attention
 from .specs import FsdpConfig, ModelSpec
 from .units import DTYPE_BYTES
 

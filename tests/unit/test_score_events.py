@@ -9,9 +9,9 @@ attention's scores in the walk").
 import pytest
 
 from benchmarks.memory_accuracy import arch_config
-from cost_models.pipeline_memory import rank_inputs
-from cost_models.step_allocations import step_events, step_replay
+from cost_models.step_allocations import step_replay
 from planner.api import estimate
+from tests.unit.test_step_allocations import _walk
 
 # row #17 of the LoRA grid: llama4 NO_SHARD fp32, full checkpointing, eager, 2 x 1,024 tokens on 4
 LLAMA4_ROW = dict(sharding="NO_SHARD", precision="fp32", activation_checkpointing="full", attention="eager",
@@ -28,17 +28,12 @@ def llama4():
     return estimate(arch_config("llama4"), 4, **LLAMA4_ROW)
 
 
-def _walk(c):
-    local, training = rank_inputs(c.model, c.training, c.config)
-    return step_events(local, training, c.config, c.config.shard_group_size(c.cluster))[0]
-
-
 def test_the_walk_makes_the_traces_score_tensors(llama4):
     """The trace's largest block tensors on this row are 2 x 8 heads x 1,024 x 1,024 fp32 = 64 MiB: the scores, the
     softmax output and its two gradients. The walk cut them into a 91.5 MiB forward and a 100.9 MiB backward remainder
     (no 64 MiB segment held the latter: +26.9% over the trace's replay); now each is a 64 MiB tensor of its own."""
     scores = 2 * 8 * 1024 * 1024 * 4
-    sizes = [e[2] for e in _walk(llama4) if e[0] == "alloc" and e[1][0] not in ("logits", "loss")]
+    sizes = [e[2] for e in _walk(llama4)[0] if e[0] == "alloc" and e[1][0] not in ("logits", "loss")]
     assert max(sizes) == scores
     assert sizes.count(scores) >= 4 * 3   # each block's forward: two scores and the softmax output, at least
 
