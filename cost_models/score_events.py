@@ -53,6 +53,7 @@ class EagerScoresWalk:
     scores_open = None   # the key of a block's softmax output while its forward runs: the held tensors go before it
     lend = 0             # bytes per token tensors() adds: the cast back freed before the softmax backward
     backward = False     # tensors() cuts a backward working set: its (s, s) gradients first
+    softmax_at = None    # the index of the softmax output in tensors()' last forward cut (None: not cut)
 
     def __init__(self, model, training, config, d: int, rank: int):
         super().__init__(model, training, config, d, rank)
@@ -82,6 +83,8 @@ class EagerScoresWalk:
         after += [left] * (left > 0)
         if self.backward:
             return [self.tokens * w for w in scores + before + after]
+        # by place, not size: q, k, v or the norm's output can be the softmax output's size (s = head_dim, fp32)
+        self.softmax_at = len(before) if scores and scores[0] == self.saved[0] else None
         return [self.tokens * w for w in before + scores + after]
 
     def pre_forward(self, s: int, u: int) -> None:
@@ -89,10 +92,14 @@ class EagerScoresWalk:
         j = u - self.root_units(s) if isinstance(u, int) else -1
         x = self.pieces[s]
         if self.held and 0 <= j < x.stage.n_blocks and not self.templated(x, j):
-            tensors = self.tensors(x.block_full) if x.checkpointed[j] else self.inputs(x, j)
-            t = next((t for t, size in enumerate(tensors) if size == self.tokens * self.saved[0]), None)
+            t = self._kept(x, j)[1]
             if t is not None:   # the softmax output: the block's first (s, s) tensor
                 self.scores_open = (("forward", s), j, t) if x.checkpointed[j] else ("saved", s, j, t)
+
+    def _kept(self, x, j: int) -> tuple[list[int], int | None]:
+        """Block j's saved tensors (checkpointed: its recompute's) and its softmax output's index among them."""
+        self.softmax_at = None
+        return self.tensors(x.block_full) if x.checkpointed[j] else self.inputs(x, j), self.softmax_at
 
     def alloc(self, key, size_bytes: int, stream=0) -> None:
         opened = self.scores_open is not None and self._softmax_output(key)
@@ -124,9 +131,9 @@ class EagerScoresWalk:
         _, s, mb, j = key
         x, t = self.pieces[s], None
         if self.cast and not self.templated(x, j):
-            kept = self.tensors(x.block_full) if x.checkpointed[j] else self.inputs(x, j)
+            kept, probs = self._kept(x, j)
             name = "recompute" if x.checkpointed[j] else "saved"
-            probs = next((t for t, size in enumerate(kept) if size == self.tokens * self.saved[0]), len(kept))
+            probs = len(kept) if probs is None else probs
             t = next((t for t in range(probs + 1, len(kept)) if kept[t] == self.tokens * self.cast), None)
             if t is not None:
                 self.free((name, s, mb, j, t))
