@@ -50,16 +50,18 @@ def score_widths(model: ModelSpec, compute_dtype_bytes: int, attention, seq_len:
 class EagerScoresWalk:
     """StepWalk with eager attention's (s, s) tensors as tensors of their own (module docstring)."""
 
-    scores_open = None   # the key of a block's softmax output while its forward runs: the held tensors go before it
-    lend = 0             # bytes per token tensors() adds: the cast back freed before the softmax backward
-    backward = False     # tensors() cuts a backward working set: its (s, s) gradients first
-    softmax_at = None    # the index of the softmax output in tensors()' last forward cut (None: not cut)
+    # per token: scores_saved, scores_working (score_widths' lists), scores_cast and scores_lend (bytes per token
+    # tensors() adds: the cast back freed before the softmax backward); scores_held_bytes: bytes
+    scores_open = None        # the key of a block's softmax output while its forward runs: the held scores before it
+    scores_lend = 0
+    scores_backward = False   # tensors() cuts a backward working set: its (s, s) gradients first
+    softmax_at = None         # the index of the softmax output in tensors()' last forward cut (None: not cut)
 
     def __init__(self, model, training, config, d: int, rank: int):
         super().__init__(model, training, config, d, rank)
-        self.saved, self.working, held, self.cast = score_widths(model, self.c, config.attention, training.seq_len,
-                                                                 config.precision.compute_dtype == "fp16")
-        self.held = [self.tokens * w for w in held]
+        self.scores_saved, self.scores_working, held, self.scores_cast = score_widths(
+            model, self.c, config.attention, training.seq_len, config.precision.compute_dtype == "fp16")
+        self.scores_held_bytes = [self.tokens * w for w in held]
         # _RankWalk.widths: [f] * 2 or 3, then q, kv, kv, q, h, h: q, k, v and the attention norm's output come first
         k = len(self.widths) - 6
         self.attention_inputs = {k, k + 1, k + 2, k + 4}
@@ -68,11 +70,11 @@ class EagerScoresWalk:
         """The (s, s) tensors that fit cut first, then the model's widths as _RankWalk.tensors cuts them. A working
         set's gradients come first; a block's saved (s, s) tensors after its attention's inputs (q, k, v and the
         attention norm's output, made before the scores) and before the rest (the output, the MLP's, the remainder)."""
-        if not self.held:
+        if not self.scores_held_bytes:
             return super().tensors(per_token_bytes)
-        left, self.lend = per_token_bytes + self.lend, 0
+        left, self.scores_lend = per_token_bytes + self.scores_lend, 0
         scores, before, after = [], [], []
-        for w in self.working if self.backward else self.saved:
+        for w in self.scores_working if self.scores_backward else self.scores_saved:
             if w <= left:
                 scores.append(w)
                 left -= w
@@ -81,17 +83,17 @@ class EagerScoresWalk:
                 (before if i in self.attention_inputs else after).append(w)
                 left -= w
         after += [left] * (left > 0)
-        if self.backward:
+        if self.scores_backward:
             return [self.tokens * w for w in scores + before + after]
         # by place, not size: q, k, v or the norm's output can be the softmax output's size (s = head_dim, fp32)
-        self.softmax_at = len(before) if scores and scores[0] == self.saved[0] else None
+        self.softmax_at = len(before) if scores and scores[0] == self.scores_saved[0] else None
         return [self.tokens * w for w in before + scores + after]
 
     def pre_forward(self, s: int, u: int) -> None:
         super().pre_forward(s, u)
         j = u - self.root_units(s) if isinstance(u, int) else -1
         x = self.pieces[s]
-        if self.held and 0 <= j < x.stage.n_blocks and not self.templated(x, j):
+        if self.scores_held_bytes and 0 <= j < x.stage.n_blocks and not self.templated(x, j):
             t = self._kept(x, j)[1]
             if t is not None:   # the softmax output: the block's first (s, s) tensor
                 self.scores_open = (("forward", s), j, t) if x.checkpointed[j] else ("saved", s, j, t)
@@ -104,14 +106,14 @@ class EagerScoresWalk:
     def alloc(self, key, size_bytes: int, stream=0) -> None:
         opened = self.scores_open is not None and self._softmax_output(key)
         if opened:
-            for i, size in enumerate(self.held):
+            for i, size in enumerate(self.scores_held_bytes):
                 super().alloc(("scores", key, i), size)   # the scores chain: the first freed as the next is made
                 if i == 1:
                     self.free(("scores", key, 0))
         super().alloc(key, size_bytes, stream)
         if opened:
             self.scores_open = None
-            self.events += [("free", ("scores", key, i)) for i in range(1, len(self.held))]
+            self.events += [("free", ("scores", key, i)) for i in range(1, len(self.scores_held_bytes))]
 
     def _softmax_output(self, key) -> bool:
         head, j, t = self.scores_open[:-2], self.scores_open[-2], self.scores_open[-1]
@@ -126,20 +128,20 @@ class EagerScoresWalk:
     def transient(self, key, sizes, stream=0) -> None:
         """A block's backward working set cut into the softmax's two gradients first, its saved cast back freed
         before them (module docstring)."""
-        if key[0] != "backward" or not self.held:
+        if key[0] != "backward" or not self.scores_held_bytes:
             return super().transient(key, sizes, stream)
         _, s, mb, j = key
         x, t = self.pieces[s], None
-        if self.cast and not self.templated(x, j):
+        if self.scores_cast and not self.templated(x, j):
             kept, probs = self._kept(x, j)
             name = "recompute" if x.checkpointed[j] else "saved"
             probs = len(kept) if probs is None else probs
-            t = next((t for t in range(probs + 1, len(kept)) if kept[t] == self.tokens * self.cast), None)
+            t = next((t for t in range(probs + 1, len(kept)) if kept[t] == self.tokens * self.scores_cast), None)
             if t is not None:
                 self.free((name, s, mb, j, t))
-                self.lend = self.cast
-        self.backward = True
+                self.scores_lend = self.scores_cast
+        self.scores_backward = True
         super().transient(key, sizes, stream)
-        self.backward, self.lend = False, 0
-        if self.cast and t is not None:   # made again for the walk's own free at the block's end (its bytes the ledger's)
-            self.alloc((name, s, mb, j, t), self.tokens * self.cast)
+        self.scores_backward, self.scores_lend = False, 0
+        if self.scores_cast and t is not None:   # made again for the walk's own free at the block's end (the ledger's)
+            self.alloc((name, s, mb, j, t), self.tokens * self.scores_cast)
