@@ -8,7 +8,8 @@ compute-dtype gradients, the rank's real experts: autograd's), and makes the red
 sharded gradient (ceil(rows / efsdp) of the padded rows, cast to the parameters' dtype where the reduce dtype is not
 theirs: _fsdp_collectives.py:696). So the block's later moments (the router's, the norm's, the attention's) hold the
 reduce-scatter input in place of the block above's, the experts' new shard, and none of the experts' gradients.
-Traced: docs/accuracy.md "2026-12-07 night: the experts' reduce-scatter in the ledger"."""
+Traced: docs/accuracy.md "2026-12-07 night: the experts' reduce-scatter in the ledger". The experts' unit gathered
+again at the last block's backward, its all-gather output beside the copy-out: copy_out_moment."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import math
 from typing import NamedTuple
 
 from . import moe
+from .memory_peak import Moment
 
 
 class ExpertUnitTerms(NamedTuple):
@@ -55,3 +57,20 @@ def expert_unit_terms(model, config, ep_view, d: int, c: int, r: int, p: int, fr
         return ExpertUnitTerms(gathered * c, 0, 0, 0)
     return ExpertUnitTerms(gathered * c, gathered * r, math.ceil(gathered * p / max(1, group)),
                            moe.experts_gathered_elements(model, 1) * c)
+
+
+def copy_out_moment(blocks: tuple, L: int, experts: ExpertUnitTerms, states: dict, params: int, reduce_above: int,
+                    head_grad: int, tokens: int, ckpt: int, h_c: int, shared: int) -> dict:
+    """The last block's experts gathered again at their pre-backward (their unit resharded after its forward), the
+    all-gather output copied out into their unsharded parameters, both alive (torch 2.13 _fsdp_param_group.py:463
+    wait_for_unshard -> _fsdp_collectives.py:431 foreach_all_gather_copy_out; the output freed after it), beside the
+    block gathered (`params`, the experts in it), the block above's reduce-scatter input, the saved tensors and the
+    incoming gradient (h_c per token), before the block below is prefetched. blocks: memory_shape.py's, top first;
+    ckpt: a checkpointed block's saved bytes per token. Padded experts (16 x the rank's rows on 128 ranks) make it the
+    peak: docs/accuracy.md "2026-12-08: the padded experts' all-gather copied out at the last block's backward"."""
+    i, _, recomputed, below, this = blocks[0]
+    if not experts.gathered or i != L - 1:
+        return {}
+    return {f"backward of block {i}'s experts (their all-gather copied out)": Moment(
+        **states, unsharded_params=params, collective_buffers=experts.gathered + reduce_above,
+        unsharded_grads=head_grad, activations=tokens * (below + (ckpt if recomputed else this) + h_c) + shared)}

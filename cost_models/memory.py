@@ -39,7 +39,7 @@ import math
 
 from . import (activations, context_parallel, edge_units, expert_parallel, fsdp2_gathers, moe,
                optimizer_step, qlora, root_regather, tensor_parallel)
-from .expert_unit_terms import NONE as expert_unit_terms_none, expert_unit_terms
+from .expert_unit_terms import NONE as expert_unit_terms_none, copy_out_moment, expert_unit_terms
 from .fsdp1_adapters import AdapterUnits
 from .memory_peak import Moment as _Moment, peak_estimate
 from .memory_shape import ledger_shape, shape_key
@@ -83,17 +83,15 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
         s = ledger_shape(model, training, config, ep_view, fsdp1_adapter_units)
         if shapes is not None:
             shapes[key] = s
-    L = model.n_layers
-    d = config.shard_group_size(cluster)
+    L, d = model.n_layers, config.shard_group_size(cluster)
     precision = config.precision
-    c, p, frozen_p = s.c, s.p, s.frozen_p
+    c, p, frozen_p, real = s.c, s.p, s.frozen_p, s.real
     r = DTYPE_BYTES[config.gradient_reduce_dtype]   # reduce-scatter / all-reduce buffers
     # MoE: stacked experts padded as FSDP2 pads them on dim 0 (the matrices unpadded when sharded on dim 1)
     counts = ParamCounts.of(model, training, d, dim1=bool(config.expert_shard_dim))
     shard_counts = counts  # what the model states divide by d (EP: the experts' efsdp shard, scaled to d)
     if ep_view is not None:
         counts, shard_counts = ep_view.param_counts(training)
-    real = s.real
     trainable, frozen = shard_counts.trainable(L), shard_counts.frozen(L)
     gpu_states = 0 if config.offload else 1
     quantized, quant_state = s.quantized, s.quant_state  # QLoRA (qlora.py, memory_shape.py)
@@ -183,8 +181,7 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
 
     w_mlp, w_attn, freed_attn = s.w_mlp, s.w_attn, s.freed_attn
     h, f = model.hidden_size, model.ffn_hidden_size
-    mlp_grad, attn_grad, mlp_moments = s.mlp_grad, s.attn_grad, s.mlp_moments
-    head_grad = root.head_grad
+    mlp_grad, attn_grad, mlp_moments, head_grad = s.mlp_grad, s.attn_grad, s.mlp_moments, root.head_grad
 
     held_params, held_optimizer = gpu_states * sharded_params + quant_state, gpu_states * optimizer_state
 
@@ -292,6 +289,9 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
                                   + activations.output_projection_forward_held_bytes_per_token(
                                       model, c, i > 0, s.mlp_inputs_saved)) + shared + s.out_proj_in_flight,
         )
+    if experts_c and prefetches and ep_view is None and L - 1 not in dense_blocks:  # (expert_unit_terms.py)
+        moments.update(copy_out_moment(s.blocks, L, experts, states(grads_done(L - 1)), params_at(L - 1),
+                                       reduce_scatter_above(L - 1), head_grad, tokens, ckpt, c * h, shared))
     if config.expert_shard_dim and d > 1 and model.moe is not None and not keeps_gathered and ep_view is None:
         # FSDP2 copies a dim-1 shard's all-gather out through a temporary as large as the tensor (chunk-cat
         # into the unsharded parameter): at a block's pre-backward its flat all-gather output, the temporary
