@@ -21,25 +21,18 @@ at the end of backward with no copy-out; the head's unit resharded after the los
 
 from __future__ import annotations
 
-from .fsdp2_gathers import copy_in_bytes
-from .pipeline_allocations import ALL_GATHER_STREAM
-
 
 class LoraEdgeUnitsWalk:
     """EdgeUnitsWalk's hooks with the edge units frozen (a mixin ahead of LoraWalk, whose loss and root_backward run
     StepWalk's with edge units)."""
 
-    def all_gather(self, u) -> None:
-        """An edge unit's all-gather: the frozen shards' copy-in (cast where stored in another dtype than c), the
-        output on the copy-in stream; a block's as LoraWalk's."""
+    def gathered_elements(self, s: int, u) -> tuple[int, int]:
+        """An edge unit's all-gather copies in frozen shards only (LoraWalk.all_gather: cast where stored in another
+        dtype than c); a block's as LoraWalk's."""
         if not isinstance(u, str):
-            return super().all_gather(u)
-        s, p = self.stage, self.edge_params
-        frozen = p["emb"] if u == "emb" else p["head"] + p["norm"]
-        self.alloc(("all_gather_in", s, u), copy_in_bytes(0, frozen, self.p, self.frozen_p, self.c, self.d))
-        self.alloc(("all_gather", s, u), sum(self.unsharded(s, u)), ALL_GATHER_STREAM)
-        self.free(("all_gather_in", s, u))
-        self.prefetched.add(u)
+            return super().gathered_elements(s, u)
+        p = self.edge_params
+        return 0, p["emb"] if u == "emb" else p["head"] + p["norm"]
 
     def edge_grad(self, s: int, part: str) -> None:
         """Frozen: no gradient."""

@@ -117,13 +117,19 @@ class LoraWalk:
 
     def all_gather(self, u) -> None:
         """The copy-in source (what is cast to the compute dtype), the all-gather output on the copy-in stream."""
-        s, unit = self.stage, self.units[self.stage][u]
-        trained = sum(unit[i] for i in self.trainable(s, u))
-        self.alloc(("all_gather_in", s, u), copy_in_bytes(trained, sum(unit) - trained, self.p, self.frozen_p,
-                                                          self.c, self.d))
+        s = self.stage
+        trained, frozen = self.gathered_elements(s, u)
+        self.alloc(("all_gather_in", s, u), copy_in_bytes(trained, frozen, self.p, self.frozen_p, self.c, self.d))
         self.alloc(("all_gather", s, u), sum(self.unsharded(s, u)), ALL_GATHER_STREAM)
         self.free(("all_gather_in", s, u))
         self.prefetched.add(u)
+
+    def gathered_elements(self, s: int, u) -> tuple[int, int]:
+        """Unit u's trained and frozen elements, the all-gather's copy-in source (lora_edge_events' edge units and
+        lora_expert_unit_events' experts: all frozen)."""
+        unit = self.units[s][u]
+        trained = sum(unit[i] for i in self.trainable(s, u))
+        return trained, sum(unit) - trained
 
     def post_forward(self, s: int, u: int) -> None:
         """QLoRA: each linear's weight dequantized in its forward, one at a time, beside the nested absmax dequantized

@@ -31,10 +31,8 @@ moments above still take moe_lora's where asked (replays, step_events).
 from __future__ import annotations
 
 from .expert_unit_events import ExpertUnitsWalk
-from .fsdp2_gathers import copy_in_bytes
 from .moe import block_gathered_elements
 from .moe_events import moe_block_tensors
-from .pipeline_allocations import ALL_GATHER_STREAM
 
 
 class LoraExpertUnitsWalk(ExpertUnitsWalk):
@@ -46,16 +44,9 @@ class LoraExpertUnitsWalk(ExpertUnitsWalk):
         # the MLP's saved tensors whole: ExpertUnitsWalk.mlp_saved_apart is full fine-tuning's
         self.mlp_apart_blocks = set()
 
-    def all_gather(self, u) -> None:
-        """The experts' unit: frozen, its copy-in source cast where stored in another dtype (LoraWalk.all_gather); on a
-        shard group of one rank nothing (OneRankWalk's)."""
-        if not isinstance(u, tuple) or self.d == 1:
-            return super().all_gather(u)
-        s, n = self.stage, sum(self.experts_bytes) // self.c
-        self.alloc(("all_gather_in", s, u), copy_in_bytes(0, n, self.p, self.frozen_p, self.c, self.d))
-        self.alloc(("all_gather", s, u), sum(self.experts_bytes), ALL_GATHER_STREAM)
-        self.free(("all_gather_in", s, u))
-        self.prefetched.add(u)
+    def gathered_elements(self, s: int, u) -> tuple[int, int]:
+        """The experts' unit: frozen, its copy-in source cast where stored in another dtype (LoraWalk.all_gather)."""
+        return (0, sum(self.experts_bytes) // self.c) if isinstance(u, tuple) else super().gathered_elements(s, u)
 
     def stored_width(self, s: int, u, i: int) -> int | None:
         """The experts' tensors: frozen, stored in frozen_p (OneRankWalk.param_input's cast at d = 1)."""
