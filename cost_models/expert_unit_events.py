@@ -45,7 +45,6 @@ dim 1.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 
 from . import context_parallel, moe
 from .expert_parallel import rank_view
@@ -84,7 +83,7 @@ class ExpertUnitsWalk:
         as the ledger's moments after the experts' backward free them) apart from its others: the routed rows'
         (`experts`) made in the experts' forward and freed in their backward, the router's (`router`) made before them
         and freed after their post-backward (module docstring). A traced block profile's saved bytes stay whole."""
-        s, x = self.stage, self.pieces[self.stage]
+        x = self.pieces[self.stage]
         mlp = moe.mlp_bytes_per_token(self.model, self.c) if self.shape.traced is None else 0
         router = moe.router_bytes_per_token(self.model.moe, self.c)
         self.mlp_saved_bytes_per_token = {"router": router, "experts": mlp - router}
@@ -93,9 +92,7 @@ class ExpertUnitsWalk:
         # the trace's replay: docs/accuracy.md "2026-12-08: the MLP's saved tensors in the experts' backward")
         self.mlp_apart_blocks = set() if any(x.checkpointed) else {j for j in range(x.stage.n_blocks) if mlp
                                                          and x.stage.first_block + j not in self.dense}
-        less = [mlp * (j in self.mlp_apart_blocks) for j in range(x.stage.n_blocks)]
-        self.pieces[s] = dataclasses.replace(x, kept=tuple(k - n for k, n in zip(x.kept, less)),
-                                             saved=x.saved - self.tokens * sum(less))
+        self.saved_less([mlp * (j in self.mlp_apart_blocks) for j in range(x.stage.n_blocks)])  # (DenseBlocks')
 
     def mlp_saved_tensors(self, s: int, u, part: str, free: bool = False) -> None:
         """Block unit u's MLP saved tensors of `part` (mlp_saved_apart) made, or freed."""

@@ -101,10 +101,14 @@ class DenseBlocks:
     def dense_saved(self, shape) -> None:
         """A dense block keeps its own saved tensors (shape: a memory_shape.LedgerShape, its full_dense; checkpointed:
         its input, as any block)."""
+        x = self.pieces[self.stage]
+        dense = [x.stage.first_block + j in self.dense and not x.checkpointed[j] for j in range(x.stage.n_blocks)]
+        self.saved_less([(shape.full - shape.full_dense) * own for own in dense])
+
+    def saved_less(self, less: list[int]) -> None:
+        """Each block's kept saved bytes per token less `less` (one a block), the stage's saved bytes with them."""
         s = self.stage
         x = self.pieces[s]
-        less = [shape.full - shape.full_dense if x.stage.first_block + j in self.dense and not x.checkpointed[j]
-                else 0 for j in range(x.stage.n_blocks)]
         self.pieces[s] = dataclasses.replace(x, kept=tuple(k - n for k, n in zip(x.kept, less)),
                                              saved=x.saved - self.tokens * sum(less))
 
