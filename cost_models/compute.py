@@ -17,8 +17,7 @@ from __future__ import annotations
 
 import math
 
-from . import moe_lora
-from .model_spec import dense_block_spec
+from . import moe_lora, moe_lora_targets
 from .moe import active_block_params
 from .operators import block_ops
 from .specs import FsdpConfig, ModelSpec, TrainingSpec
@@ -29,22 +28,15 @@ def attention_flops_per_token_per_layer(model: ModelSpec, seq_len: int) -> float
     return 12 * model.q_dim * seq_len
 
 
-def _linear_adapter_elements(model: ModelSpec, rank: int) -> int:
-    """A block's lora.Linear adapter elements (A r x in, B out x r): an MoE's router and stacked experts aside."""
-    return rank * sum(i + o for i, o in model.lora_shapes)
-
-
 def _training_flops(params: float, model: ModelSpec, training: TrainingSpec) -> float:
     if training.finetune.adapters:
-        r = training.lora_rank
-        lora = model.n_layers * _linear_adapter_elements(model, r)
-        if model.lora_moe and model.n_dense_layers:  # all-linear: the dense blocks' MLP adapters, no sparse MLP's
-            lora += model.n_dense_layers * (_linear_adapter_elements(dense_block_spec(model), r)
-                                            - _linear_adapter_elements(model, r))
-        matmul = 4 * params + 6 * lora  # frozen weights: forward 2 + input-gradient 2; adapters train (6)
+        r, sparse = training.lora_rank, model.n_layers - model.n_dense_layers
+        lora = model.lora_params(r)  # the lora.Linear adapters' elements: the router's and stacks' train via W_eff
         if model.lora_moe:  # all-linear on an MoE: the experts' and router's merged weights train (moe_lora.py)
-            matmul += (model.n_layers - model.n_dense_layers) * moe_lora.trained_flops_per_token(model, r,
-                                                                                                 training.seq_len)
+            lora -= sparse * sum(moe_lora_targets.adapter_tensor_elements(model, r))
+        matmul = 4 * params + 6 * lora  # frozen weights: forward 2 + input-gradient 2; adapters train (6)
+        if model.lora_moe:
+            matmul += sparse * moe_lora.trained_flops_per_token(model, r, training.seq_len)
     else:
         matmul = 6 * params
     return matmul + model.n_layers * attention_flops_per_token_per_layer(model, training.seq_len)
