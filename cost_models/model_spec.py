@@ -326,7 +326,7 @@ class ModelSpec:
     def lora_shapes(self) -> tuple[tuple[int, int], ...]:
         """(in, out) of every block linear peft's lora.Linear adapts: the attention's, and under all-linear a dense
         MLP's (an MoE's router and stacked experts are ParamWrappers instead: lora_tensor_elements)."""
-        if self.lora_mlp and self.moe:  # a shared expert's linears (moe_lora_targets.shared_expert_shapes)
+        if self.lora_moe:  # a shared expert's linears (moe_lora_targets.shared_expert_shapes)
             return tuple(self.lora_target_shapes) + moe_lora_targets.shared_expert_shapes(self)
         return tuple(self.lora_target_shapes) + (self.mlp_linear_shapes if self.lora_mlp else ())
 
