@@ -154,15 +154,19 @@ class MoeWalk(DenseBlocks):
         if self.dense:
             self.dense_saved(ledger_shape(model, training, config, None, False))
 
-    def grad_bytes(self, s: int, u) -> list[int]:
+    def own_block(self, s: int, u) -> int | None:
+        """The model index of block unit u where its tensors are its own (padded, or a dense block's), else None."""
         i = self.block_unit(s, u) if self.model.moe is not None else None
-        if i is None or not (self.padding or i in self.dense):
+        return i if i is not None and (self.padding or i in self.dense) else None
+
+    def grad_bytes(self, s: int, u) -> list[int]:
+        i = self.own_block(s, u)
+        if i is None:
             return super().grad_bytes(s, u)
         return [n * self.c for n in (self.real_dense if i in self.dense else self.real_block)]
 
     def unsharded(self, s: int, u) -> list[int]:
         """A padded or dense block's all-gather output and unsharded storage: its tensors (memory.py's block_c)."""
-        i = self.block_unit(s, u) if self.model.moe is not None else None
-        if i is None or not (self.padding or i in self.dense):
+        if self.own_block(s, u) is None:
             return super().unsharded(s, u)
         return [n * self.c for n in self.units[s][u]]
