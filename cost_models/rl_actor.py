@@ -229,7 +229,7 @@ def forward_only_bytes(model: ModelSpec, tokens: int, c: int, settings: RlSettin
     bound = activations.block_bytes_per_token(model, c, Attention.SDPA, tokens, 1) + 2 * c * model.hidden_size
     ulysses = rl_ulysses.forward_only_extra_bytes(model, tokens, c, sp, bound)
     body = {"forward activations": tokens * bound, **({"Ulysses all-to-all": ulysses} if ulysses else {})}
-    lora_moe = (settings.lora or model.lora_mlp) and model.moe is not None   # all_linear_lora(model).lora_moe
+    lora_moe = model.lora_moe or settings.lora and model.moe is not None   # the actor's: all-linear under lora
     merged = moe_lora.merged_weight_bytes(model, c, c, settings.lora_rank) if lora_moe else 0
     actor = {**body, **({"merged expert stacks (peft)": merged} if merged else {})}
     if settings.framework == "trl":
