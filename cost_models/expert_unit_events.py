@@ -120,7 +120,7 @@ class ExpertUnitsWalk:
 
     def is_block(self, u) -> bool:
         """Whether unit u is a sparse block's (its experts a unit of their own; MoeWalk's dense blocks are not)."""
-        return self.expert_units and self.block_unit(self.stage, u) not in (None, *self.dense)
+        return self.expert_units and self.sparse_unit(self.stage, u)
 
     @contextlib.contextmanager
     def _experts_group(self):

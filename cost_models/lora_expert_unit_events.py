@@ -57,7 +57,7 @@ class LoraExpertUnitsWalk(ExpertUnitsWalk):
         Dim0PaddingWalk) in the compute dtype, as memory.py's block_c less the experts' (MoeWalk.unsharded's rule)."""
         if self.is_block(u):
             return [n * self.c for i, n in enumerate(self.units[s][u]) if i not in self.expert_index]
-        if self.sparse_cut and self.block_unit(s, u) not in (None, *self.dense):  # (padded, the experts its own)
+        if self.sparse_cut and self.sparse_unit(s, u):  # (padded, the experts its own)
             return [n * self.c for n in self.units[s][u]]
         return super().unsharded(s, u)
 
@@ -111,6 +111,6 @@ class LoraSparseBlocksWalk:
 
     def trainable(self, s: int, u) -> list[int]:
         """A sparse block's adapters: after its moe_block_tensors base."""
-        if self.sparse_cut and self.block_unit(s, u) not in (None, *self.dense):  # (before StepWalk's self.stage)
+        if self.sparse_cut and self.sparse_unit(s, u):  # (before StepWalk's self.stage)
             return list(range(self.n_sparse_base, len(self.units[s][u])))
         return super().trainable(s, u)

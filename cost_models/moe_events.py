@@ -117,6 +117,10 @@ class DenseBlocks:
         return u - self.root_units(s) + self.pieces[s].stage.first_block \
             if isinstance(u, int) and u >= self.root_units(s) else None
 
+    def sparse_unit(self, s: int, u) -> bool:
+        """Whether unit u is a sparse block's (not the root's, an edge or experts unit's, nor a dense block's)."""
+        return self.block_unit(s, u) not in (None, *self.dense)
+
 
 class MoeWalk(DenseBlocks):
     """_RankWalk's _units for a sparse model (dense: theirs); with padded shards (d > 1), the padded tensors'
