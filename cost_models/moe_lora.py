@@ -39,12 +39,11 @@ priced).
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import TYPE_CHECKING
 
+from . import moe
+from .feasibility import Refusal
 from .moe_lora_targets import shared_expert_shapes, unpriced_reason
-
-if TYPE_CHECKING:
-    from .model_spec import ModelSpec
+from .specs import BackwardMoment, ModelSpec
 
 FSDP1_FAILURE = ("FSDP1 with all-linear LoRA on an MoE: the step fails with peft's router and stacked-expert "
                  "ParamWrappers (a 2-rank run, peft's wrap policy as verl's)")
@@ -63,8 +62,6 @@ def fsdp1_fails(model: ModelSpec, all_linear: bool) -> bool:
 def fsdp1_refusals(model: ModelSpec, all_linear: bool, fsdp1: bool, field: str, fix: str) -> list:
     """fsdp1_fails as a refusal where the configuration is FSDP1 (fsdp1); all_linear: all-linear LoRA trains (verl's
     LoRA always does); field / fix: the caller's names (verl's strategy, the doctor's)."""
-    from .feasibility import Refusal
-
     if not (fsdp1 and fsdp1_fails(model, all_linear)):
         return []
     return [Refusal(field, "moe-all-linear-fsdp1", FSDP1_FAILURE, fix, priced=False)]
@@ -83,8 +80,6 @@ def refusals(model: ModelSpec, training, config) -> list:
     raises "Tensor cached during selective activation checkpoint has been mutated" in the backward of a block whose
     ParamWrappers merge under it: seen on real CPU tensors, a Mixtral block under
     calibration/checkpointing.selective_op_context, and in the trace tier)."""
-    from .feasibility import Refusal
-
     if not selective_op_refused(model, training):
         return []
     out = []
@@ -126,9 +121,9 @@ def trained_flops_per_token(model: ModelSpec, rank: int, seq_len: int) -> float:
     """FLOPs per token one sparse block adds under all-linear over LoRA's frozen MoE MLP: the weight gradients of
     each token's k experts and the router (2 a weight), and the merges (forward 2, backward 4 a product element)
     once per sequence (a micro-batch of several shares them: this counts micro-batch 1)."""
-    moe = model.moe
+    spec = model.moe
     merges = sum(2 * rows * k * n * count for _, rows, k, n, count in merge_products(model, rank))
-    return 2 * (moe.router_params + moe.experts_per_token * moe.expert_params) + 3 * merges / seq_len
+    return 2 * (spec.router_params + spec.experts_per_token * spec.expert_params) + 3 * merges / seq_len
 
 
 def merged_weight_bytes(model: ModelSpec, base_bytes: int, adapter_bytes: int, rank: int) -> int:
@@ -171,9 +166,6 @@ def backward_moments(model: ModelSpec, c: int, recomputed: bool = False, rank: i
     moment (their lora.Linear adapters save the inputs the weights would: down's lora_A its input) without the weight
     gradient and with down's lora_A output (rank r: the adapters') gone; by the routed moments their saved tensors,
     the three lora_A outputs included, are gone (moe.backward_moments subtracts the rest)."""
-    from . import moe
-    from .specs import BackwardMoment
-
     E, h, f, k = model.moe.n_experts, model.hidden_size, model.moe.expert_ffn_size, model.moe.experts_per_token
     full = moe.backward_moments(model, c, lora=False, recomputed=recomputed)
     first = [m for m in full if not m.experts_done]
