@@ -170,11 +170,8 @@ class ExpertUnitsWalk:
         """Block u's pre-backward prefetching its experts, then theirs: gathered, block u - 1 prefetched."""
         if not self.is_block(u):
             return super().pre_backward(s, u)
-        experts = ("experts", u)
         self.unshard(u, backward=True)
-        if experts not in self.gathered_units:
-            self.all_gather(experts)
-        self.unshard(experts, backward=True)
+        self.unshard(("experts", u), backward=True)  # (its all-gather issued there: StepWalk.unshard)
         super().pre_backward(s, u)  # block u gathered already: block u - 1 prefetched
 
     def grad_bytes(self, s: int, u) -> list[int]:
