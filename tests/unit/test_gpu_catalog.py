@@ -25,7 +25,7 @@ DESCRIBED = ("name", "source", "cpu_ram_source", "nic", "host_link", "scale_up_l
 
 def test_the_parts_of_today_are_there():
     assert set(IDS) >= {"h100-80gb", "h100-96gb", "h100-pcie", "h100-nvl", "h200-141gb", "gh200", "h20", "b200",
-                        "gb200", "l40s", "mi300x-192gb", "mi325x", "mi355x"}
+                        "b300", "gb200", "l40s", "mi300x-192gb", "mi325x", "mi355x"}
     assert len(IDS) == len(set(IDS))
 
 
@@ -53,7 +53,7 @@ def test_fp8_exactly_on_parts_with_fp8_tensor_cores(entry):
 def test_fp8_by_part():
     catalog = gpu_catalog()
     with_fp8 = {"h100-80gb", "h100-96gb", "h100-pcie", "h100-nvl", "h200-141gb", "gh200", "gh200-144gb", "h20",
-                "b200", "gb200", "l4-24gb", "l40s", "rtx4090-24gb", "mi300x-192gb", "mi325x", "mi355x"}
+                "b200", "b300", "gb200", "l4-24gb", "l40s", "rtx4090-24gb", "mi300x-192gb", "mi325x", "mi355x"}
     without = {"a100-40gb", "a100-80gb", "a10g-24gb", "v100-16gb", "v100-32gb"}
     assert with_fp8 | without == set(catalog)
     assert all(catalog[i].supports("fp8") for i in with_fp8)
@@ -73,6 +73,10 @@ def test_figures_checked_by_hand_against_hardware_md():
     assert c["b200"].hbm_bytes_per_s == 8 * TB
     assert c["b200"].peak_flops["bf16"] == 2250 * TF and c["b200"].peak_flops["fp8"] == 4500 * TF
     assert c["gb200"].scale_up_domain_gpus == 72
+    # Blackwell Ultra (HGX B300 table: 36 / 72 PFLOP/s bf16 / fp8 sparse for 8 GPUs): B200's dense GEMM peaks, 288 GB,
+    # ConnectX-8's 800 Gb/s a GPU
+    assert c["b300"].peak_flops == c["b200"].peak_flops and c["b300"].memory_bytes == 288 * GiB
+    assert c["b300"].default_internode_gbit_per_s == 8 * 800 and c["b300"].tdp_w == 1100
     assert c["gb200"].peak_flops["bf16"] == 2500 * TF
     assert c["h200-141gb"].memory_bytes / GiB == pytest.approx(141, rel=0.005)   # nvidia-smi: 143771 MiB
     assert c["h100-nvl"].hbm_bytes_per_s == 3.9 * TB and c["h100-nvl"].peak_flops["fp8"] == 1671 * TF
@@ -168,7 +172,7 @@ def test_an_unknown_gpu_names_every_choice_on_one_line():
         get_gpu("b100")
     message = str(err.value)
     assert "\n" not in message and message.startswith("gpu: unknown GPU 'b100'")
-    assert "did you mean b200" in message
+    assert "b200" in message.split("did you mean ")[1].split("?")[0].split(", ")
     assert all(gpu_id in message.split("choose one of: ")[1].split(", ") for gpu_id in IDS)
 
 
