@@ -145,13 +145,8 @@ class ExpertParallelView:
 
     def backward_moments(self, c: int, recomputed: bool) -> tuple[BackwardMoment, ...]:
         """moe.backward_moments with this rank's experts' weight gradients (E / ep of them), the expert-side
-        working bytes scaled by the imbalance."""
-        m = self.model
-        local = replace(m, moe=replace(m.moe, n_experts=self.local_experts,
-                                       experts_per_token=min(m.moe.experts_per_token, self.local_experts)))
-        per_token = moe.backward_moments(m, c, recomputed=recomputed)
-        grads = moe.backward_moments(local, c, recomputed=recomputed)
-        return tuple(replace(t, grad_bytes=g.grad_bytes) for t, g in zip(per_token, grads))
+        working bytes scaled by the imbalance; once per (model, ep, c, recomputed): every ledger shape reads them."""
+        return _LOCAL.get(self.model, ("moments", self.ep, c, recomputed), lambda: _local_moments(self, c, recomputed))
 
     # ------------------------------------------------------------ compute and communication
 
@@ -252,21 +247,19 @@ def deepep_ops(ops, model: ModelSpec, c: int, rows_per_token: float):
     of the eager routing chain, 2c h (k + rows_per_token) per token each way; a gated SwiGLU expert activation at
     its fused bytes (WeightedSwiGLUFunction, or gpt-oss' compiled swiglu_oai_deepep). A traced inventory swaps the
     formula's routing chain for the permute and keeps its traced expert activation (no op to swap by name)."""
-    m = model.moe
-    h, k = model.hidden_size, m.experts_per_token
+    h, k = model.hidden_size, model.moe.experts_per_token
     permute = 2 * c * h * (k + rows_per_token)
     if ops.traced:
         from .operators import MemoryOp
 
         deepep = MemoryOp("DeepEP permute / unpermute", permute, permute, permute, permute)
         return _traced_swap(ops, _formula_op(model, c, ops.seq_len, "expert routing"), deepep)
-    fused_swiglu = model.gated_mlp
 
     def one(o):
         if o.name == "expert routing":
             return replace(o, name="DeepEP permute / unpermute", forward_bytes=permute, backward_bytes=permute,
                            fused_forward_bytes=permute, fused_backward_bytes=permute)
-        if o.name == "MLP activation" and fused_swiglu:
+        if o.name == "MLP activation" and model.gated_mlp:  # fused SwiGLU
             return replace(o, forward_bytes=o.fused_forward_bytes, backward_bytes=o.fused_backward_bytes)
         return o
 
@@ -376,7 +369,7 @@ def view(model: ModelSpec, config: FsdpConfig, cluster: ClusterSpec, training) -
     return rank_view(model, config, mesh.fsdp, training)
 
 
-_LOCAL = IdentityMemo(limit=256)   # (model, ep) -> its E / ep experts: ParamCounts.of pads each block's tensors
+_LOCAL = IdentityMemo(limit=256)   # (model, ep) -> its E / ep experts (ParamCounts.of pads each block's tensors)
 
 
 def _local_experts(model: ModelSpec, ep: int) -> ModelSpec:
@@ -385,6 +378,13 @@ def _local_experts(model: ModelSpec, ep: int) -> ModelSpec:
     local_rows = tuple((rows // ep, per_row) for rows, per_row in mo.stacked_expert_tensors)
     others = (E - E // ep) * mo.expert_params
     return replace(model, block_params=model.block_params - others, moe=replace(mo, stacked_expert_tensors=local_rows))
+
+
+def _local_moments(view: ExpertParallelView, c: int, recomputed: bool) -> tuple[BackwardMoment, ...]:
+    m, e = view.model, view.local_experts
+    local = replace(m, moe=replace(m.moe, n_experts=e, experts_per_token=min(m.moe.experts_per_token, e)))
+    per_token, grads = (moe.backward_moments(x, c, recomputed=recomputed) for x in (m, local))
+    return tuple(replace(t, grad_bytes=g.grad_bytes) for t, g in zip(per_token, grads))
 
 
 def rank_view(model: ModelSpec, config: FsdpConfig, d: int, training) -> ExpertParallelView:

@@ -51,9 +51,11 @@ softmax router), leading dense blocks at their own index (priced as sparse at th
 from __future__ import annotations
 
 from .fsdp_options import DIM1_PLACEMENT
+from .identity_memo import IdentityMemo
 from .specs import BackwardMoment, ModelSpec, MoeSpec
 
 INDEX_BYTES = 8  # int64 routing indices
+_MOMENTS = IdentityMemo(limit=256)  # (model, c, lora, recomputed) -> backward_moments: read by every ledger's shape
 
 
 # ---------------------------------------------------------------- sharding with padding
@@ -197,6 +199,10 @@ def backward_moments(model: ModelSpec, c: int, lora: bool = False, recomputed: b
     Frozen experts (LoRA) compute no weight gradients. recomputed (activation checkpointing): a recomputed
     tensor is dropped by the checkpoint as its node unpacks it, so the fp32 product's backward has already
     let go of the expert output and the routing weights when it casts its gradient back."""
+    return _MOMENTS.get(model, (c, lora, recomputed), lambda: _backward_moments(model, c, lora, recomputed))
+
+
+def _backward_moments(model: ModelSpec, c: int, lora: bool, recomputed: bool) -> tuple[BackwardMoment, ...]:
     moe = model.moe
     h, f, k = model.hidden_size, moe.expert_ffn_size, moe.experts_per_token
     wo = _weighted_output_bytes(moe, c)
