@@ -59,6 +59,12 @@ def fsdp1_fails(model: ModelSpec, all_linear: bool) -> bool:
     return bool(all_linear) and model.moe is not None and not unpriced_reason(model)
 
 
+def trains_all_linear(model: ModelSpec, training) -> bool:
+    """All-linear LoRA trains: the training's adapters (finetune.adapters) on the model's all-linear targets
+    (ModelSpec.lora_mlp) - fsdp1_fails' all_linear for a TrainingSpec (the trainers' and the doctor's rules)."""
+    return bool(training.finetune.adapters and model.lora_mlp)
+
+
 def fsdp1_refusals(model: ModelSpec, all_linear: bool, fsdp1: bool, field: str, fix: str) -> list:
     """fsdp1_fails as a refusal where the configuration is FSDP1 (fsdp1); all_linear: all-linear LoRA trains (verl's
     LoRA always does); field / fix: the caller's names (verl's strategy, the doctor's)."""

@@ -18,7 +18,7 @@ from enum import Enum
 from .feasibility import Refusal
 from .model_spec import ModelSpec
 from .rollout_lora import vllm_lora_buffers
-from .rollout_lora_sglang import SGLANG_MAX_LORAS_PER_BATCH, adapter_refusals, sglang_lora_pool
+from .rollout_lora_sglang import SGLANG_MAX_LORAS_PER_BATCH, adapter_refusals, one_slot_bytes, sglang_lora_pool
 from .spec_values import SpecError, check_positive, parse_enum
 from .units import GiB
 
@@ -272,8 +272,7 @@ def lora_bytes(model: ModelSpec, s: EngineSettings) -> tuple[int, int]:
                                   s.max_num_batched_tokens, s.max_num_seqs).total_bytes
         return total, total
     # the backend's graph metadata at the decode graph's largest batch, max_running_requests (verl's max_num_seqs) at
-    # most; a decode step reads one slot's pool and its metadata: the pool at one slot
-    def pool(slots: int) -> int:
-        return sglang_lora_pool(model, s.tp, s.max_lora_rank, s.weight_dtype_bytes, slots,
-                                max_bs=0 if s.enforce_eager else s.max_num_seqs).total_bytes
-    return pool(s.max_loras_per_batch), pool(1)
+    # most; a decode step reads one slot's pool and its metadata
+    max_bs = 0 if s.enforce_eager else s.max_num_seqs
+    pool = sglang_lora_pool(model, s.tp, s.max_lora_rank, s.weight_dtype_bytes, s.max_loras_per_batch, max_bs=max_bs)
+    return pool.total_bytes, one_slot_bytes(model, pool, s.max_loras_per_batch, max_bs)

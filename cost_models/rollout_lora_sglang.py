@@ -234,8 +234,25 @@ def sglang_lora_pool(model: ModelSpec, tp: int, max_lora_rank: int, dtype_bytes:
     # (lm_head_A/B_buffer) where lm_head is, each with a buffer for every embedding name targeted: both named, each
     # buffer is allocated twice
     copies = ("embed_tokens" in targets) + ("lm_head" in targets)
-    metadata = csgmv_graph_metadata_bytes(slots, max_bs) if max_bs else 0
-    if max_bs and model.moe is not None and {"gate_up_proj", "down_proj"} <= targets:   # FusedMoEWithLoRA
-        metadata += moe_graph_buffers_bytes(model, slots, max_bs)
     return LoraBuffers(blocks_bytes=slots * blocks * dtype_bytes,
-                       vocab_bytes=copies * slots * (embed + head) * dtype_bytes, metadata_bytes=metadata)
+                       vocab_bytes=copies * slots * (embed + head) * dtype_bytes,
+                       metadata_bytes=graph_metadata_bytes(model, targets, slots, max_bs))
+
+
+def graph_metadata_bytes(model: ModelSpec, targets: frozenset[str], slots: int, max_bs: int) -> int:
+    """The backend's CUDA-graph metadata for `slots` at the decode graph's largest batch `max_bs` (0: no CUDA graphs):
+    csgmv's rows, and the MoE routing buffers where the FusedMoE is wrapped (module docstring)."""
+    if not max_bs:
+        return 0
+    metadata = csgmv_graph_metadata_bytes(slots, max_bs)
+    if model.moe is not None and {"gate_up_proj", "down_proj"} <= targets:   # FusedMoEWithLoRA
+        metadata += moe_graph_buffers_bytes(model, slots, max_bs)
+    return metadata
+
+
+def one_slot_bytes(model: ModelSpec, pool: LoraBuffers, slots: int, max_bs: int,
+                   targets: frozenset[str] | None = None) -> int:
+    """What a decode step reads of a pool of `slots` (sglang_lora_pool of the same targets and max_bs): one slot's
+    buffers (every buffer is slots x one slot's) and the graph metadata at one slot."""
+    targets = all_targets(model) if targets is None else targets
+    return (pool.blocks_bytes + pool.vocab_bytes) // slots + graph_metadata_bytes(model, targets, 1, max_bs)

@@ -38,7 +38,7 @@ def lora_without_orig_params(ctx: Context):
 def moe_all_linear_fsdp1(ctx: Context):
     """All-linear LoRA on an MoE under FSDP1 fails in every wrapping (moe_lora.fsdp1_refusals,
     benchmarks/peft_moe_fsdp1.py)."""
-    all_linear = ctx.training.finetune.adapters and ctx.model.lora_mlp
+    all_linear = moe_lora.trains_all_linear(ctx.model, ctx.training)
     for r in moe_lora.fsdp1_refusals(ctx.model, all_linear, ctx.setup.fsdp_version == 1,
                                      "fsdp_version", "use FSDP2 (fully_shard; accelerate: fsdp_version: 2), or LoRA on "
                                      "the attention alone"):

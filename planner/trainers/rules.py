@@ -192,9 +192,9 @@ def _combination(trainer: Trainer, a: str, b: str) -> PlannerError:
 def model_refusal(trainer: Trainer, spec, training: TrainingSpec) -> PlannerError | None:
     """What the trainer cannot run on this model whatever the configuration: all-linear LoRA on an MoE under FSDP1
     (cost_models/moe_lora.fsdp1_fails: the step fails)."""
-    from cost_models.moe_lora import FSDP1_FAILURE, fsdp1_fails
+    from cost_models.moe_lora import FSDP1_FAILURE, fsdp1_fails, trains_all_linear
 
-    if not (trainer.fsdp_version == 1 and fsdp1_fails(spec, training.finetune.adapters and spec.lora_mlp)):
+    if not (trainer.fsdp_version == 1 and fsdp1_fails(spec, trains_all_linear(spec, training))):
         return None
     fsdp2 = [t.id for t in TRAINERS.values() if t.fsdp_version == 2 and t.lora]
     return PlannerError("trainer", f"{trainer.title}: {FSDP1_FAILURE}; choose an FSDP2 --trainer ({', '.join(fsdp2)}), "
