@@ -37,7 +37,8 @@ beside blocks with their MLP apart fragmented the replay where the trace's does 
 bytes, the dispatch / combine's (the ledger keeps them too).
 Experts as units of their own without EP (FsdpConfig.expert_units) are this walk at efsdp = d, the model unsliced.
 A dense block (DeepSeek's leading, Llama 4's interleaved) has no experts: MoeWalk's unit, StepWalk's backward.
-Under LoRA (frozen experts, no EP): lora_expert_unit_events.py, its hooks these. Not here (step_allocations.replays
+The FSDP2 hooks are ExpertUnitsHooks, what the trained experts add ExpertUnitsWalk; under LoRA (frozen experts, no
+EP) lora_expert_unit_events.LoraExpertUnitsWalk composes the hooks with its own. Not here (step_allocations.replays
 keeps the flat rule, moe_events.moe_flat_reason): expert units with CPU offload, EP with LoRA, experts sharded on
 dim 1.
 """
@@ -52,8 +53,12 @@ from .memory_shape import ledger_shape
 from .moe_events import expert_indices, moe_block_tensors
 
 
-class ExpertUnitsWalk:
-    """StepWalk with each sparse block's experts a unit of their own over efsdp (ep > 1 or expert_units)."""
+class ExpertUnitsHooks:
+    """FSDP2's hooks for each sparse block's experts as a unit of their own over efsdp (ep > 1 or expert_units): their
+    shard, all-gathers, reshard and prefetch order around the block's, and the block's backward moments. What the
+    experts' training adds: ExpertUnitsWalk (trained), lora_expert_unit_events.LoraExpertUnitsWalk (frozen)."""
+
+    mlp_apart_blocks: frozenset = frozenset()   # blocks whose MLP saved tensors go apart (ExpertUnitsWalk's)
 
     def __init__(self, model, training, config, d: int, rank: int):
         self.expert_units = model.moe is not None and (config.ep > 1 or config.expert_units
@@ -68,41 +73,6 @@ class ExpertUnitsWalk:
             return
         gathered = moe_block_tensors(model, model.block_params, self.efsdp)
         self.experts_bytes = [gathered[i] * self.c for i in self.expert_index]
-
-    def ledger_saved(self, model, training, config) -> None:
-        """The saved tensors as the ledger holds them with the EP view (MoeWalk's hook; a dense block's own too)."""
-        if not self.expert_units:
-            return super().ledger_saved(model, training, config)
-        self.shape = ledger_shape(model, training, config, self.ep_view, False)
-        self.pieces[self.stage] = self.pieces[self.stage].with_ledger_saved(self.shape, self.tokens)
-        self.dense_saved(self.shape)
-        self.mlp_saved_apart()
-
-    def mlp_saved_apart(self) -> None:
-        """Without activation checkpointing a sparse block keeps its MoE MLP's saved tensors (moe.mlp_bytes_per_token,
-        as the ledger's moments after the experts' backward free them) apart from its others: the routed rows'
-        (`experts`) made in the experts' forward and freed in their backward, the router's (`router`) made before them
-        and freed after their post-backward (module docstring). A traced block profile's saved bytes stay whole."""
-        x = self.pieces[self.stage]
-        mlp = moe.mlp_bytes_per_token(self.model, self.c) if self.shape.traced is None else 0
-        router = moe.router_bytes_per_token(self.model.moe, self.c)
-        self.mlp_saved_bytes_per_token = {"router": router, "experts": mlp - router}
-        # (none where a block is checkpointed: its recompute keeps the MLP's whole, and with both kinds of block the
-        # replay fragmented where the trace's does not, the expert-units grid's every-2 rows +16 .. +30 points over
-        # the trace's replay: docs/accuracy.md "2026-12-08: the MLP's saved tensors in the experts' backward")
-        self.mlp_apart_blocks = set() if any(x.checkpointed) else {j for j in range(x.stage.n_blocks) if mlp
-                                                         and x.stage.first_block + j not in self.dense}
-        self.saved_less([mlp * (j in self.mlp_apart_blocks) for j in range(x.stage.n_blocks)])  # (DenseBlocks')
-
-    def mlp_saved_tensors(self, s: int, u, part: str, free: bool = False) -> None:
-        """Block unit u's MLP saved tensors of `part` (mlp_saved_apart) made, or freed."""
-        if u - self.root_units(s) not in self.mlp_apart_blocks:
-            return
-        for t, size in enumerate(self.tensors(self.mlp_saved_bytes_per_token[part])):
-            if free:
-                self.free(("mlp saved", s, u, part, t))
-            else:
-                self.alloc(("mlp saved", s, u, part, t), size)
 
     def _units(self, x) -> list[list[int]]:
         units = super()._units(x)
@@ -166,6 +136,10 @@ class ExpertUnitsWalk:
                 self.reshard_unit(("experts", u))
         super().post_forward(s, u)
 
+    def mlp_saved_tensors(self, s: int, u, part: str, free: bool = False) -> None:
+        """Block unit u's MLP saved tensors of `part` made apart, or freed: none here (the block's whole; full
+        fine-tuning's apart: ExpertUnitsWalk.mlp_saved_apart)."""
+
     def pre_backward(self, s: int, u) -> None:
         """Block u's pre-backward prefetching its experts, then theirs: gathered, block u - 1 prefetched."""
         if not self.is_block(u):
@@ -173,35 +147,6 @@ class ExpertUnitsWalk:
         self.unshard(u, backward=True)
         self.unshard(("experts", u), backward=True)  # (its all-gather issued there: StepWalk.unshard)
         super().pre_backward(s, u)  # block u gathered already: block u - 1 prefetched
-
-    def grad_bytes(self, s: int, u) -> list[int]:
-        """A block's gradients: its real tensors (the rank's E / ep experts unpadded), whatever its shards."""
-        return [n * self.c for n in self.real_block] if self.is_block(u) else super().grad_bytes(s, u)
-
-    def transient(self, key, sizes, stream=0) -> None:
-        """A block's backward (key ("backward", s, mb, j)): the MLP's largest moment with the experts' gradients,
-        the experts' post-backward, then the block's other moments (module docstring)."""
-        if key[0] != "backward" or not self.is_block(self.root_units(key[1]) + key[3]):
-            return super().transient(key, sizes, stream)
-        _, s, mb, j = key
-        u = self.root_units(s) + j
-        grads = self.grad_bytes(s, u)
-        traced = self.shape.traced
-        mlp, later = self.backward_moments(s, j, sum(grads[i] for i in self.expert_index))
-        made = self.moment(("experts backward", s, mb, j), s, u, mlp,
-                           range(len(grads)) if traced else self.expert_index)
-        self.mlp_saved_tensors(s, u, "experts", free=True)
-        for i in self.expert_index:  # the rest of the experts' gradients, then their post-backward
-            if i not in made:
-                self.alloc(("wgrad", s, u, i), grads[i])
-        experts = ("experts", u)
-        self.reshard_unit(experts)
-        with self._experts_group():
-            self.reduce_scatter(s, experts, sum(self.experts_bytes) // self.c,
-                                [("wgrad", s, u, i) for i in self.expert_index])
-        self.mlp_saved_tensors(s, u, "router", free=True)
-        others = [i for i in range(len(grads)) if i not in made and i not in self.expert_index]
-        self.made[u] = made | set(self.expert_index) | self.moment(("block backward", s, mb, j), s, u, later, others)
 
     def backward_moments(self, s: int, j: int, experts_grads: int) -> tuple[tuple[int, int], tuple[int, int]]:
         """Block j's largest MoE MLP moment (the experts gathered) and largest later one (the norm's, the attention's),
@@ -230,7 +175,7 @@ class ExpertUnitsWalk:
                                             max(0, shape.attn_grad - experts_grads))]))
         return mlp, later
 
-    def moment(self, key, s: int, u, moment: tuple[int, int], among) -> set:
+    def write_moment(self, key, s: int, u, moment: tuple[int, int], among) -> set:
         """One backward moment: the gradients among `among` that fit its gradient bytes (StepWalk.early_grads),
         then its working set above the incoming gradient (alive already) made and freed; the gradients' indices."""
         acts, left = moment
@@ -238,6 +183,77 @@ class ExpertUnitsWalk:
         per_token, rest = divmod(max(0, acts - self.tokens * self.hs), self.tokens)
         super().transient(key, self.tensors(per_token) + ([rest] if rest else []))
         return early
+
+
+class ExpertUnitsWalk(ExpertUnitsHooks):
+    """StepWalk with each sparse block's experts a unit of their own over efsdp, trained (full fine-tuning): their
+    gradients made in the MLP's backward and reduce-scattered over efsdp at their post-backward, their sharded
+    gradients, the MLP's saved tensors apart (module docstring)."""
+
+    def ledger_saved(self, model, training, config) -> None:
+        """The saved tensors as the ledger holds them with the EP view (MoeWalk's hook; a dense block's own too)."""
+        if not self.expert_units:
+            return super().ledger_saved(model, training, config)
+        self.shape = ledger_shape(model, training, config, self.ep_view, False)
+        self.pieces[self.stage] = self.pieces[self.stage].with_ledger_saved(self.shape, self.tokens)
+        self.dense_saved(self.shape)
+        self.mlp_saved_apart()
+
+    def mlp_saved_apart(self) -> None:
+        """Without activation checkpointing a sparse block keeps its MoE MLP's saved tensors (moe.mlp_bytes_per_token,
+        as the ledger's moments after the experts' backward free them) apart from its others: the routed rows'
+        (`experts`) made in the experts' forward and freed in their backward, the router's (`router`) made before them
+        and freed after their post-backward (module docstring). A traced block profile's saved bytes stay whole."""
+        x = self.pieces[self.stage]
+        mlp = moe.mlp_bytes_per_token(self.model, self.c) if self.shape.traced is None else 0
+        router = moe.router_bytes_per_token(self.model.moe, self.c)
+        self.mlp_saved_bytes_per_token = {"router": router, "experts": mlp - router}
+        # (none where a block is checkpointed: its recompute keeps the MLP's whole, and with both kinds of block the
+        # replay fragmented where the trace's does not, the expert-units grid's every-2 rows +16 .. +30 points over
+        # the trace's replay: docs/accuracy.md "2026-12-08: the MLP's saved tensors in the experts' backward")
+        self.mlp_apart_blocks = set() if any(x.checkpointed) else {j for j in range(x.stage.n_blocks) if mlp
+                                                         and x.stage.first_block + j not in self.dense}
+        self.saved_less([mlp * (j in self.mlp_apart_blocks) for j in range(x.stage.n_blocks)])  # (DenseBlocks')
+
+    def mlp_saved_tensors(self, s: int, u, part: str, free: bool = False) -> None:
+        """Block unit u's MLP saved tensors of `part` (mlp_saved_apart) made, or freed."""
+        if u - self.root_units(s) not in self.mlp_apart_blocks:
+            return
+        for t, size in enumerate(self.tensors(self.mlp_saved_bytes_per_token[part])):
+            if free:
+                self.free(("mlp saved", s, u, part, t))
+            else:
+                self.alloc(("mlp saved", s, u, part, t), size)
+
+    def grad_bytes(self, s: int, u) -> list[int]:
+        """A block's gradients: its real tensors (the rank's E / ep experts unpadded), whatever its shards."""
+        return [n * self.c for n in self.real_block] if self.is_block(u) else super().grad_bytes(s, u)
+
+    def transient(self, key, sizes, stream=0) -> None:
+        """A block's backward (key ("backward", s, mb, j)): the MLP's largest moment with the experts' gradients,
+        the experts' post-backward, then the block's other moments (module docstring)."""
+        if key[0] != "backward" or not self.is_block(self.root_units(key[1]) + key[3]):
+            return super().transient(key, sizes, stream)
+        _, s, mb, j = key
+        u = self.root_units(s) + j
+        grads = self.grad_bytes(s, u)
+        traced = self.shape.traced
+        mlp, later = self.backward_moments(s, j, sum(grads[i] for i in self.expert_index))
+        made = self.write_moment(("experts backward", s, mb, j), s, u, mlp,
+                                 range(len(grads)) if traced else self.expert_index)
+        self.mlp_saved_tensors(s, u, "experts", free=True)
+        for i in self.expert_index:  # the rest of the experts' gradients, then their post-backward
+            if i not in made:
+                self.alloc(("wgrad", s, u, i), grads[i])
+        experts = ("experts", u)
+        self.reshard_unit(experts)
+        with self._experts_group():
+            self.reduce_scatter(s, experts, sum(self.experts_bytes) // self.c,
+                                [("wgrad", s, u, i) for i in self.expert_index])
+        self.mlp_saved_tensors(s, u, "router", free=True)
+        others = [i for i in range(len(grads)) if i not in made and i not in self.expert_index]
+        later_made = self.write_moment(("block backward", s, mb, j), s, u, later, others)
+        self.made[u] = made | set(self.expert_index) | later_made
 
     def reduce_scatter(self, s: int, u, n: int, grads, kept: bool = False, shard_unit=None) -> None:
         if self.is_block(u):  # the block's unit without its experts (theirs reduced at their post-backward)
@@ -252,4 +268,5 @@ class ExpertUnitsWalk:
             for u in range(self.root_units(s), len(self.units[s])):
                 if self.is_block(u):
                     self.free(("sharded_grad", s, ("experts", u)))
+
 

@@ -11,13 +11,14 @@ the 3-D parameters' module) inside the block's unit. So the experts' unit holds 
 (the copy-in cast where stored in another dtype than the compute dtype) and resharded, never reduced (FSDP2's
 post_backward returns before foreach_reduce without gradients, torch 2.13 _fsdp_param_group.py), and the block
 above's reduce-scatter input stays alive through the block's later moments. FSDP2's hook order is
-expert_unit_events.ExpertUnitsWalk's (its unsharded / all_gather / unshard / post_forward / pre_backward here as they
-are), read again off the trace's allocation events (Mixtral of memory_accuracy.py on 8, LoRA, expert units, 1 x 256
-tokens): the block gathered without its experts, the experts gathered at the block's forward end, their all-gather
-output the deferred free of the next copy-out (the last through the loss in forward); in backward block i prefetches
-its experts, they prefetch block i - 1, their reshard after the MLP's backward. A sparse block's base tensors are
-moe_events.moe_block_tensors' (q, k, v, o, router, the stacks, ...; at shard group d the router and the stacks padded
-to d x ceil(rows / d) rows, as the ledger's ParamCounts) so that the stacks are tensors of their own.
+expert_unit_events.ExpertUnitsHooks' (the experts' shard, unsharded / all_gather / unshard / post_forward /
+pre_backward; not ExpertUnitsWalk's trained experts), read again off the trace's allocation events (Mixtral of
+memory_accuracy.py on 8, LoRA, expert units, 1 x 256 tokens): the block gathered without its experts, the experts
+gathered at the block's forward end, their all-gather output the deferred free of the next copy-out (the last through
+the loss in forward); in backward block i prefetches its experts, they prefetch block i - 1, their reshard after the
+MLP's backward. A sparse block's base tensors are moe_events.moe_block_tensors' (q, k, v, o, router, the stacks, ...;
+at shard group d the router and the stacks padded to d x ceil(rows / d) rows, as the ledger's ParamCounts) so that
+the stacks are tensors of their own.
 
 A sparse block's backward: the ledger's moments (memory_shape.ledger_shape's mlp_moments under LoRA, moe_lora's
 under all-linear) - the largest of the MoE MLP's with the experts gathered, the adapter gradients that fit it made
@@ -30,19 +31,15 @@ moments above still take moe_lora's where asked (replays, step_events).
 
 from __future__ import annotations
 
-from .expert_unit_events import ExpertUnitsWalk
+from .expert_unit_events import ExpertUnitsHooks
 from .moe import block_gathered_elements
 from .moe_events import moe_block_tensors
 
 
-class LoraExpertUnitsWalk(ExpertUnitsWalk):
-    """ExpertUnitsWalk's FSDP2 hooks around frozen experts; its full fine-tuning hooks (units, gradients, moments,
-    reduce-scatter, optimizer) skipped for LoraWalk's (super(ExpertUnitsWalk, self))."""
-
-    def __init__(self, model, training, config, d: int, rank: int):
-        super().__init__(model, training, config, d, rank)
-        # the MLP's saved tensors whole: ExpertUnitsWalk.mlp_saved_apart is full fine-tuning's
-        self.mlp_apart_blocks = set()
+class LoraExpertUnitsWalk(ExpertUnitsHooks):
+    """ExpertUnitsHooks (FSDP2's hooks) around frozen experts: their unit gathered from frozen storage, resharded at
+    their post-backward, never reduced; a sparse block's backward the ledger's moments with its adapters' gradients
+    (the units, gradients, reduce-scatters and optimizer step LoraWalk's)."""
 
     def gathered_elements(self, s: int, u) -> tuple[int, int]:
         """The experts' unit: frozen, its copy-in source cast where stored in another dtype (LoraWalk.all_gather)."""
@@ -61,35 +58,25 @@ class LoraExpertUnitsWalk(ExpertUnitsWalk):
             return [n * self.c for n in self.units[s][u]]
         return super().unsharded(s, u)
 
-    def grad_bytes(self, s: int, u) -> list[int]:
-        return super(ExpertUnitsWalk, self).grad_bytes(s, u)
-
-    def reduce_scatter(self, s: int, u, n: int, grads, kept: bool = False, shard_unit=None) -> None:
-        super(ExpertUnitsWalk, self).reduce_scatter(s, u, n, grads, kept, shard_unit)  # (the adapters' only)
-
-    def optimizer_step(self, first: bool) -> None:
-        super(ExpertUnitsWalk, self).optimizer_step(first)  # (no experts' sharded gradient)
-
     def transient(self, key, sizes, stream=0) -> None:
         """A sparse block's backward (module docstring); else LoraWalk's."""
         if key[0] != "backward" or not self.is_block(self.root_units(key[1]) + key[3]):
-            return super(ExpertUnitsWalk, self).transient(key, sizes, stream)
+            return super().transient(key, sizes, stream)
         _, s, mb, j = key
         u = self.root_units(s) + j
         mlp, later = self.backward_moments(s, j, 0)  # (the ledger's: its shape is never a traced profile's under LoRA)
         adapters = self.trainable(s, u)
-        # (ExpertUnitsWalk.moment by name: LoraWalk's instance attribute `moment` holds its one moment)
-        made = ExpertUnitsWalk.moment(self, ("experts backward", s, mb, j), s, u, mlp, adapters)
+        made = self.write_moment(("experts backward", s, mb, j), s, u, mlp, adapters)
         self.reshard_unit(("experts", u))  # their post-backward: frozen, nothing reduced
         grads = self.grad_bytes(s, u)
         left = (later[0], max(0, later[1] - sum(grads[i] for i in made)))  # (the ledger's: every gradient by then)
         rest = [i for i in adapters if i not in made]
-        self.made[u] = made | ExpertUnitsWalk.moment(self, ("block backward", s, mb, j), s, u, left, rest)
+        self.made[u] = made | self.write_moment(("block backward", s, mb, j), s, u, left, rest)
 
 
 class LoraSparseBlocksWalk:
     """A sparse block's unit under LoRA with expert units, or with its router / stacks padded at d (module docstring;
-    reads ExpertUnitsWalk's expert_units)."""
+    reads ExpertUnitsHooks' expert_units)."""
 
     def _units(self, x) -> list[list[int]]:
         """LoraWalk's units, a sparse block's base cut as moe_block_tensors (its router and stacks padded at d)."""
