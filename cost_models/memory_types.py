@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from . import dim0_padding, moe
+from .identity_memo import IdentityMemo
 from .model_spec import dense_block_spec
 from .quick_init import quick_init
 from .specs import ActivationTerms, Finetune, ModelSpec, Precision, TrainingSpec
@@ -107,8 +108,13 @@ class ParamCounts:
     def of(cls, model: ModelSpec, training: TrainingSpec, shard_group: int = 1, dim1: bool = False) -> "ParamCounts":
         """shard_group d > 1: every tensor padded to a multiple of d rows, as FSDP2 shards, gathers and
         reduce-scatters it: a sparse block's stacked experts (cost_models/moe.py; dim1: the expert matrices sharded
-        on dim 1, unpadded), the dense ones and the root's (dim0_padding.py); d = 1: the real counts."""
-        d = shard_group
+        on dim 1, unpadded), the dense ones and the root's (dim0_padding.py); d = 1: the real counts. Once per model,
+        d, dim1 and what they read of training (a search's ledgers read them ~2 times each)."""
+        return _COUNTS.get(model, (shard_group, dim1, training.finetune, training.lora_rank),
+                           lambda: cls._of(model, training, shard_group, dim1))
+
+    @classmethod
+    def _of(cls, model: ModelSpec, training: TrainingSpec, d: int, dim1: bool) -> "ParamCounts":
         dense = dense_block_spec(model)  # an MoE's leading dense blocks (None: none)
 
         def base_padding(spec: ModelSpec) -> int:  # QLoRA's packed linears: (n / 2, 1) rows, padding < d, unpriced
@@ -139,6 +145,9 @@ class ParamCounts:
 
     def root(self) -> int:
         return self.trainable_root + self.frozen_root
+
+
+_COUNTS = IdentityMemo(limit=1024)  # (model, d, dim1, finetune, rank) -> ParamCounts.of
 
 
 def traced_block_terms(model: ModelSpec, precision: Precision, attention, lora: bool = False) -> ActivationTerms | None:

@@ -14,8 +14,8 @@ prefetch and rate limiter double the plain mesh's candidates, each costed whole 
 prefetch (read by the step time alone, step_time.py / step_timeline.py: BACKWARD_PRE moves no bytes), the step time
 across the rate limiter (read by the memory ledger alone, memory.prefetch_below: it bounds the all-gathers in flight,
 not their seconds), the host RAM (host_ram.host_ram: the precision, the replicas, offload and the offloaded bytes);
-and the ledger without a pipeline shares Float8 and async TP as a pipeline's does where no DeepEP buffer (EP) is among
-its outside terms."""
+and the ledger without a pipeline shares Float8 and async TP as a pipeline's does where no DeepEP buffer is among its
+outside terms (EP's all-to-all dispatch, as a pipeline's, holds none: expert_parallel.outside_allocator_bytes)."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ from cost_models.outside_allocator import outside_key
 from cost_models.pipeline_memory import pipeline_outside_terms, with_outside_terms
 from cost_models.profile import Profile
 from cost_models.quick_init import replaced
-from cost_models.specs import ClusterSpec, FsdpConfig, ModelSpec, TrainingSpec
+from cost_models.specs import ClusterSpec, FsdpConfig, ModelSpec, MoeDispatch, TrainingSpec
 from cost_models.step_time import TimeBreakdown, estimate_step_time
 
 MEMORY_FREE_FIELDS = frozenset({"float8", "async_tp"})  # FsdpConfig fields the ledger never reads (outside terms do)
@@ -113,8 +113,8 @@ class Costing:
         memory = self.estimates.get(key)
         if memory is not None:
             return memory
-        # without a pipeline, the outside terms are pipeline_outside_terms' too where no DeepEP buffer joins them (ep 1)
-        shares = run.pp > 1 or run.ep == 1
+        # without a pipeline, the outside terms are pipeline_outside_terms' too where no DeepEP buffer joins them
+        shares = run.pp > 1 or run.ep == 1 or run.moe_dispatch is not MoeDispatch.DEEPEP
         outside = None
         if shares:  # priced once per what they read (outside_allocator.outside_key)
             outside_at = outside_key(run)
