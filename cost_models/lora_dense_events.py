@@ -46,9 +46,7 @@ class LoraDenseBlocksWalk(DenseBlocks):
             return list(range(self.n_dense_base, len(self.units[s][u])))
         return super().trainable(s, u)
 
-    def unsharded(self, s: int, u) -> list[int]:
-        """A dense block's all-gather output and unsharded storage: its tensors in the compute dtype (memory.py's
-        gathered(i): block_c + dense_delta x c), not the sparse block's StagePieces.block_gathered."""
-        if self.dense_unit(s, u):
-            return [n * self.c for n in self.units[s][u]]
-        return super().unsharded(s, u)
+    def gathers_own_tensors(self, s: int, u) -> bool:
+        """A dense block's all-gather output and unsharded storage: its tensors (DenseBlocks.unsharded), not the
+        sparse block's StagePieces.block_gathered."""
+        return self.dense_unit(s, u)

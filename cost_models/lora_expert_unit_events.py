@@ -1,7 +1,7 @@
 """The LoRA step walk with each sparse block's routed experts an FSDP unit of their own (FsdpConfig.expert_units, no
 EP: LoRA with EP is refused, mesh_rules "mesh-with-lora"), and with its router and stacks padded on dim 0 at shard
 group d (FSDP2's ceil(rows / d) rows a rank, as the ledger's ParamCounts; without expert units the whole block one
-unit, its tensors moe_block_tensors' padded, gathered in the compute dtype: MoeWalk's rule): two mixins in
+unit, its tensors moe_block_tensors' padded, gathered in the compute dtype: DenseBlocks.unsharded's rule): two mixins in
 step_allocations._LoraStepWalk, LoraExpertUnitsWalk (the FSDP2 hooks) ahead of Dim0PaddingWalk, as ExpertUnitsWalk is
 in the full walk (its unsharded drops the experts from a block's padded tensors), and LoraSparseBlocksWalk (the units)
 after it, ahead of LoraDenseBlocksWalk / LoraWalk (so that Dim0PaddingWalk pads its units).
@@ -49,15 +49,6 @@ class LoraExpertUnitsWalk(ExpertUnitsHooks):
         """The experts' tensors: frozen, stored in frozen_p (OneRankWalk.param_input's cast at d = 1)."""
         return self.frozen_p if isinstance(u, tuple) else super().stored_width(s, u, i)
 
-    def unsharded(self, s: int, u) -> list[int]:
-        """A sparse block's all-gather output without its experts: its tensors as sharded (padded: LoraSparseBlocksWalk,
-        Dim0PaddingWalk) in the compute dtype, as memory.py's block_c less the experts' (MoeWalk.unsharded's rule)."""
-        if self.is_block(u):
-            return [n * self.c for i, n in enumerate(self.units[s][u]) if i not in self.expert_index]
-        if self.sparse_cut and self.sparse_unit(s, u):  # (padded, the experts its own)
-            return [n * self.c for n in self.units[s][u]]
-        return super().unsharded(s, u)
-
     def transient(self, key, sizes, stream=0) -> None:
         """A sparse block's backward (module docstring); else LoraWalk's."""
         if key[0] != "backward" or not self.is_block(self.root_units(key[1]) + key[3]):
@@ -95,6 +86,12 @@ class LoraSparseBlocksWalk:
                 out[root + j] = base + list(unit[self.n_base:])
                 self.n_sparse_base = len(base)
         return out
+
+    def gathers_own_tensors(self, s: int, u) -> bool:
+        """A sparse block's all-gather output: its moe_block_tensors base (padded) and adapters, in the compute dtype
+        (DenseBlocks.unsharded: memory.py's block_c; ExpertUnitsHooks.unsharded drops the experts'), else
+        LoraDenseBlocksWalk's."""
+        return self.sparse_cut and self.sparse_unit(s, u) or super().gathers_own_tensors(s, u)
 
     def trainable(self, s: int, u) -> list[int]:
         """A sparse block's adapters: after its moe_block_tensors base."""

@@ -95,8 +95,9 @@ def moe_block_tensors(model, block_params: int, d: int = 1) -> list[int]:
 
 
 class DenseBlocks:
-    """A dense block's unit and saved bytes among sparse ones (`dense`: the model's dense block indices), shared by
-    MoeWalk and lora_dense_events.LoraDenseBlocksWalk."""
+    """A dense block's unit and saved bytes among sparse ones (`dense`: the model's dense block indices), and the
+    all-gather output of a block of tensors of its own (unsharded), shared by MoeWalk and
+    lora_dense_events.LoraDenseBlocksWalk."""
 
     def dense_saved(self, shape) -> None:
         """A dense block keeps its own saved tensors (shape: a memory_shape.LedgerShape, its full_dense; checkpointed:
@@ -120,6 +121,14 @@ class DenseBlocks:
     def sparse_unit(self, s: int, u) -> bool:
         """Whether unit u is a sparse block's (not the root's, an edge or experts unit's, nor a dense block's)."""
         return self.block_unit(s, u) not in (None, *self.dense)
+
+    def unsharded(self, s: int, u) -> list[int]:
+        """A block unit of tensors of its own (gathers_own_tensors: padded, a dense block's) gathers them in the
+        compute dtype (memory.py's block_c; gathered(i): block_c + dense_delta x c); else StagePieces.block_gathered
+        over its tensors (a dense model's block, an unpadded sparse one's)."""
+        if not self.gathers_own_tensors(s, u):
+            return super().unsharded(s, u)
+        return [n * self.c for n in self.units[s][u]]
 
 
 class MoeWalk(DenseBlocks):
@@ -169,8 +178,6 @@ class MoeWalk(DenseBlocks):
             return super().grad_bytes(s, u)
         return [n * self.c for n in (self.real_dense if i in self.dense else self.real_block)]
 
-    def unsharded(self, s: int, u) -> list[int]:
-        """A padded or dense block's all-gather output and unsharded storage: its tensors (memory.py's block_c)."""
-        if self.own_block(s, u) is None:
-            return super().unsharded(s, u)
-        return [n * self.c for n in self.units[s][u]]
+    def gathers_own_tensors(self, s: int, u) -> bool:
+        """A padded or dense block's all-gather output and unsharded storage: its tensors (DenseBlocks.unsharded)."""
+        return self.own_block(s, u) is not None
