@@ -133,5 +133,14 @@ def root_padding_elements(model: ModelSpec, d: int) -> tuple[int, int]:
     return emb, padding_elements(tensors, d) - emb
 
 
+def stage_root_padding_elements(model: ModelSpec, d: int, embedding: bool, head: bool) -> int:
+    """Elements of a pipeline stage root's dim-0 padding at shard group d: the embedding's on the stage holding it,
+    the head's and the final norm's on the last; a last stage without the embedding holds its own copy of a tied
+    table (pipeline_stage_pieces' tied_copy: torchtitan's per-stage model copies), padded as the embedding."""
+    emb, rest = root_padding_elements(model, d)
+    return emb * embedding + (rest + emb * (model.tied_embeddings and not embedding)) * head
+
+
 __all__ = ["block_tensors", "adapter_tensors", "padding_elements", "block_padding_elements",
-           "adapter_padding_elements", "root_tensors", "root_padding_elements"]
+           "adapter_padding_elements", "root_tensors", "root_padding_elements",
+           "stage_root_padding_elements"]

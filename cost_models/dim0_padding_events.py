@@ -1,5 +1,6 @@
-"""The step walk's dim-0 padding of the parameters (a mixin of both pp = 1 walks, step_allocations.py;
-dim0_padding.py says what FSDP2 pads and why): at shard group d > 1 each block unit's tensors
+"""The step walk's dim-0 padding of the parameters (a mixin of both pp = 1 walks, step_allocations.py, and of the
+pipeline ranks' walk, pipeline_allocations.py; dim0_padding.py says what FSDP2 pads and why): at shard group d > 1
+each block unit's tensors
 (pipeline_allocations.param_tensors, LoRA's adapters after them) and the root's are padded to d x ceil(rows / d)
 rows, as the ledger's ParamCounts count them: their shards, optimizer states,
 all-gather inputs and outputs (the unsharded storage), reduce-scatter inputs and sharded gradients, and the
@@ -10,7 +11,9 @@ v, o, the MLP's linears, the norms, where the layouts agree); what the walk's la
 ledger's q / k norms) goes to its largest attention tensor, so that a block's padded sum is the ledger's (an MoE's
 sparse block: MoeWalk's units with the experts padded already, ExpertUnitsWalk's experts over efsdp). LoRA: the base
 tensors and the adapters (dim0_padding.adapter_tensors), the gradients the adapters' real ones. Edge units: the
-embedding's padding on its unit, the head's and the final norm's on the head's (edge_units.root_terms).
+embedding's padding on its unit, the head's and the final norm's on the head's (edge_units.root_terms). A pipeline
+stage's root: its own tables' (dim0_padding.stage_root_padding_elements); a sparse block's stacked experts there are
+not padded (one "rest" tensor, pipeline_allocations.param_tensors), as the pipeline ledger pads them (StagePieces).
 """
 
 from __future__ import annotations
@@ -60,7 +63,7 @@ class Dim0PaddingWalk:
         for j, unit in enumerate(units[root:]):
             out[root + j] = _padded(unit, ledger.get(x.stage.first_block + j in dense, ()), d)
         if root:
-            out[0][0] += sum(dim0_padding.root_padding_elements(model, d))
+            out[0][0] += dim0_padding.stage_root_padding_elements(model, d, x.stage.embedding, x.stage.head)
         for u, (padded, real) in enumerate(zip(out, units)):
             if padded != list(real):
                 self.padding_added[x.stage.index, u] = [p - r for p, r in zip(padded, real)]
@@ -68,7 +71,6 @@ class Dim0PaddingWalk:
 
     def __init__(self, model, training, config, d: int, rank: int):
         super().__init__(model, training, config, d, rank)
-        s = self.stage
         self.edge_padding = {}
         if getattr(self, "edges", False):  # edge units (edge_unit_events.init_edges read unit 0 padded): the
             # embedding's unit and the head's gathered and reduce-scattered padded, their gradients real
@@ -77,10 +79,11 @@ class Dim0PaddingWalk:
             self.edge_bytes = {"emb": self.edge_bytes["emb"] + emb * self.c,
                                "head": self.edge_bytes["head"] + rest * self.c}
             self.edge_params = dict(self.edge_params, head=self.edge_params["head"] - emb - rest)
-        total = sum(sum(unit) for unit in self.units[s])
-        if any(k[0] == s for k in getattr(self, "padding_added", {})) and total != self.pieces[s].params:
-            # the optimizer step's temporaries over the padded shards (the ledger's trainable elements)
-            self.pieces[s] = dataclasses.replace(self.pieces[s], params=total)
+        for s in self.pieces:  # (a pipeline rank: each of its stages)
+            total = sum(sum(unit) for unit in self.units[s])
+            if any(k[0] == s for k in getattr(self, "padding_added", {})) and total != self.pieces[s].params:
+                # the optimizer step's temporaries over the padded shards (the ledger's trainable elements)
+                self.pieces[s] = dataclasses.replace(self.pieces[s], params=total)
 
     def _added(self, s: int, u) -> list[int] | None:
         """The elements the padding added to unit u's tensors, None where it added none."""

@@ -18,7 +18,8 @@ does) and writes, at the granularity the trace's events show (calibration/alloc_
   fwd_cache until its backward; the receive buffers (made at the first step, kept); on the last stage the logits
   (to the step's end, then merged) and the loss's tensors (loss_memory.events: loss parallel's under TP);
 - the reduce-scatter input (default stream) and output (the reduce-scatter stream, the sharded gradient until the
-  optimizer step), unit by unit; the optimizer's foreach temporaries, one per parameter shard.
+  optimizer step), unit by unit; the optimizer's foreach temporaries, one per parameter shard;
+- FSDP2's dim-0 padding of each tensor in its shard, states, all-gather and reduce-scatter (dim0_padding_events.py).
 Sizes are the ledger's (StagePieces), activations cut into tensors of the model's widths (f, q, kv, h in the
 compute dtype). Coarser variants checked against the traces (docs/accuracy.md): activations as one tensor per
 block do about as well; parameters as one tensor per FSDP unit miss by up to 9%.
@@ -35,13 +36,15 @@ import math
 
 from . import loss_memory, optimizer_step, pipeline_memory, tensor_parallel
 from .caching_allocator import AllocatorSettings, ReplayResult, replay
+from .dim0_padding_events import Dim0PaddingWalk
 from .memory_types import MemoryEstimate
 from .pipeline import rank_stages
 from .pipeline_orders import active_stages, orders
 from .pipeline_stage_pieces import stage_pieces
+from .replay_notes import replay_notes
 from .specs import FsdpConfig, ModelSpec, TrainingSpec
 from .tp_block_events import BlockWidths, applies, backward_events, forward_events, keyed
-from .units import DTYPE_BYTES, GiB
+from .units import DTYPE_BYTES
 
 ALL_GATHER_STREAM, REDUCE_SCATTER_STREAM = "all_gather_copy_in", "reduce_scatter"  # alloc_sequence.py's names
 
@@ -87,7 +90,7 @@ def rank_replay(model: ModelSpec, cluster, training: TrainingSpec, config: FsdpC
 def rank_events(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, d: int, rank: int,
                 steps: int = 2) -> list[tuple]:
     """Pipeline rank `rank`'s allocations and frees over `steps` training steps (d: the FSDP shard group)."""
-    walk = _RankWalk(model, training, config, d, rank)
+    walk = _PaddedRankWalk(model, training, config, d, rank)
     for step in range(steps):
         walk.step(first=step == 0)
     return walk.events
@@ -355,6 +358,10 @@ class _RankWalk:
             self.accumulated[s].clear()
 
 
+class _PaddedRankWalk(Dim0PaddingWalk, _RankWalk):
+    """The rank's walk with FSDP2's dim-0 padding of its stages' tensors (dim0_padding_events.py)."""
+
+
 def replayed_reserved(memory: MemoryEstimate, model: ModelSpec, cluster, training: TrainingSpec, config: FsdpConfig,
                       profile, settings: AllocatorSettings | None = None) -> MemoryEstimate:
     """A pipeline estimate (pipeline_memory.pipeline_estimate) with each rank's reserved peak from its replay, plus
@@ -380,21 +387,3 @@ def replayed_reserved(memory: MemoryEstimate, model: ModelSpec, cluster, trainin
                          settings, profile, cluster.gpu.memory_bytes)
     return dataclasses.replace(memory, peak_reserved_bytes=top.peak_reserved_bytes, pipeline_ranks=ranks,
                                notes=memory.notes + notes)
-
-
-def replay_notes(memory: MemoryEstimate, reserved_bytes: int, what: str, settings: AllocatorSettings, profile,
-                 capacity_bytes: int) -> tuple[str, ...]:
-    """The estimate's notes on a replayed reserved figure (what: whose allocations), and the warning where it passes
-    the GPU's memory while the flat rule (memory.peak_reserved_bytes) decides that it fits."""
-    conf = (f"PYTORCH_CUDA_ALLOC_CONF={settings.conf()}" if settings != AllocatorSettings()
-            else "PyTorch's default allocator settings")
-    flat = f"allocated x {1 + profile.fragmentation:.2f} + outside, {memory.peak_reserved_bytes / GiB:.1f} GiB"
-    notes = (f"reserved {reserved_bytes / GiB:.1f} GiB{what} replayed through the caching allocator model under "
-             f"{conf}, + {memory.outside_allocator_bytes / GiB:.2f} GiB outside the allocator; the flat rule "
-             f"({flat}) decides whether it fits, as the allocator frees its cached segments and retries before an "
-             "out-of-memory error",)
-    if reserved_bytes > capacity_bytes:
-        notes += (f"warning: the replay's reserved {reserved_bytes / GiB:.1f} GiB > the GPU's "
-                  f"{capacity_bytes / GiB:.1f} GiB: expect the allocator to free cached segments and retry "
-                  "(slower steps)",)
-    return notes

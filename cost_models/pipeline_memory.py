@@ -43,7 +43,7 @@ def with_outside_terms(memory: MemoryEstimate, terms: tuple) -> MemoryEstimate:
                     outside_allocator=tuple(terms))
 
 
-def _notes(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, d: int, top: PipelineRankMemory) -> tuple:
+def _notes(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, top: PipelineRankMemory) -> tuple:
     """The estimate's notes: the formulas' quirks, the rank that leads, and what pp > 1 prices roughly or not yet."""
     notes = list(activation_notes.quirks(model, config.attention, training.seq_len))
     notes.append(f"pipeline rank {top.rank} ({top.description}) has the largest peak, at its {top.peak_moment}")
@@ -58,7 +58,7 @@ def _notes(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, d: int,
     for what, on in (("CPU offload", config.offload), ("LoRA", training.finetune.value == "lora")):
         if on:
             notes.append(f"pp > 1 does not price {what} yet: priced as without it")
-    notes += pipeline_techniques.moe_notes(model, config, d)
+    notes += pipeline_techniques.moe_notes(model)
     if config.cp > 1 or config.tp > 1 and config.sequence_parallel:
         notes.append("TP with sequence parallel / CP inside a stage: a TP rank's slice of the model on s / cp tokens, "
                      "the residual stream on s / tp, ring attention's saved and working bytes (the rules traced at "
@@ -81,6 +81,6 @@ def pipeline_estimate(model: ModelSpec, cluster, training: TrainingSpec, config:
     return MemoryEstimate(breakdown=top.breakdown, peak_phase=phase, phases=dict(top.phases),
                           peak_allocated_bytes=top.peak_allocated_bytes, peak_reserved_bytes=top.peak_reserved_bytes,
                           cpu_bytes_per_node=0, cpu_ram_capacity_bytes=cluster.cpu_ram_bytes_per_node,
-                          notes=_notes(model, training, config, d, top),
+                          notes=_notes(model, training, config, top),
                           peak_moment=f"{top.peak_moment} (pipeline rank {top.rank})", pipeline_ranks=ranks,
                           outside_allocator=outside)

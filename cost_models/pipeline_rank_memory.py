@@ -5,7 +5,8 @@ What torch.distributed.pipelining and FSDP2 do in one schedule step (torch 2.13 
 torchtitan 0.3's FSDP policy under PP; checked against the trace tier, calibration/trace_pipeline.py,
 docs/accuracy.md):
 - model states: each stage's parameters (its blocks; the embedding on the first stage, the final norm and head on
-  the last) sharded over dp_shard x cp with their optimizer state; gradients set to None between steps; under TP
+  the last) sharded over dp_shard x cp with their optimizer state, each tensor padded to d x ceil(rows / d) rows in
+  the shards, states, all-gathers and reduce-scatters (dim0_padding.py); gradients set to None between steps; under TP
   with sequence parallel the embedding's gradient is the whole table (tensor_parallel.embedding_grad_extra_params);
 - reshard_after_forward=False and, for every microbatch but the last, no gradient sync and no reshard after
   backward (PipelineStage.backward_maybe_with_nosync): from a stage's first forward to the step's end its
@@ -81,8 +82,8 @@ def rank_memory(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, d:
     m = config.pp_microbatches
     shapes = {} if shapes is None else shapes
     stages_of = rank_stages(model, config, rank)
-    pieces = {st.index: shaped_stage_pieces(model, training, config, st, shapes) for st in stages_of}
-    total_params = sum(x.params for x in pieces.values())
+    pieces = {st.index: shaped_stage_pieces(model, training, config, st, shapes, d) for st in stages_of}
+    total_params = sum(x.padded_params for x in pieces.values())  # the shards: dim-0 padded (dim0_padding.py)
     opt_per_param = training.optimizer.state_bytes_per_param(precision.param_dtype)
     sharded_params = math.ceil(total_params * p / d)
     optimizer_state = math.ceil(total_params * opt_per_param / d)

@@ -27,7 +27,7 @@ GLOBALS = ("sharded_params", "optimizer_state", "buffers", "tokens_h")
 # block's input-pass moment, then one per FSDP unit's shards reduced before it (stage root first)
 STAGE_VARS = ("saved", "output", "loss_saved", "weight_inputs", "logits", "params_c", "params_r", "gathered",
               "shard", "loss_peak", "head_grad", "root_gathered", "block_gathered", "block_c", "block_r", "root_r",
-              "rs_root", "rs_block", "root_grads_first", "root_grads_later",
+              "rs_root", "rs_block", "rs_in_root", "rs_in_block", "root_grads_first", "root_grads_later",
               "first_backward_acts", "first_backward_grads", "first_post_acts", "first_post_grads",
               "later_backward_acts", "later_backward_grads", "later_post_acts", "later_post_grads")
 _AT = {name: i for i, name in enumerate(STAGE_VARS)}
@@ -71,16 +71,20 @@ def stage_values(x, c: int, p: int, r: int, d: int) -> list[int]:
     for case in cases.values():
         for _, acts, grads in case or [(None, 0, 0)] * 2:
             moments += [acts, grads]
-    groups = ([root] if root else []) + [x.block_params] * x.stage.n_blocks
+    # what FSDP2 shards, gathers and reduce-scatters: each unit's tensors dim-0 padded (x.root_padding / block_padding);
+    # the gradients autograd makes and FSDP2 accumulates: the real ones
+    padded_root, padded_block = root + x.root_padding if root else 0, x.block_params + x.block_padding
+    groups = ([padded_root] if root else []) + [padded_block] * x.stage.n_blocks
     done, shards = 0, []
     for group in groups:
         shards.append(math.ceil(done * p / d))
         done += group
     grads, root_grads = x.params + x.grad_extra, root + x.grad_extra  # the elements the gradients hold
     return [x.saved, x.output, x.loss_saved, x.weight_inputs, x.logits, grads * c, grads * r, x.gathered,
-            math.ceil(x.params * p / d), x.loss_peak, x.head_grad, x.root_gathered, x.block_gathered,
-            x.block_params * c, x.block_params * r, root_grads * r, math.ceil(root * r / d),
-            math.ceil(x.block_params * r / d), (x.params - root) * r + root_grads * (c + r), root_grads * c,
+            math.ceil(x.padded_params * p / d), x.loss_peak, x.head_grad, x.root_gathered, x.block_gathered,
+            x.block_params * c, x.block_params * r, root_grads * r, math.ceil(padded_root * r / d),
+            math.ceil(padded_block * r / d), (root_grads + padded_root - root) * r, padded_block * r,
+            (x.params - root) * r + root_grads * (c + r), root_grads * c,
             *moments, *x.input_pass, *shards]
 
 
@@ -223,7 +227,7 @@ def replay(schedule, pp: int, v: int, m: int, rank: int, layout: tuple, same_dty
                          (GATHERED, ix(s, "block_gathered"), -resharded[1]),
                          (SHARDED, offsets[s] + len(STAGE_VARS) + nip + i, 1)]
                 if sharded:
-                    extra.append((BUFFERS, ix(s, group + "_r"), 1))
+                    extra.append((BUFFERS, ix(s, "rs_in_" + group), 1))
                     if second or is_root:
                         extra.append((BUFFERS, ix(s, "rs_" + group), 1))
                 moment(("reduce-scatter", None, s), extra)

@@ -11,8 +11,8 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass, replace
 
-from . import (activations, activations_backward, context_parallel, kernels, operators, pipeline_techniques,
-               tensor_parallel)
+from . import (activations, activations_backward, context_parallel, dim0_padding, kernels, operators,
+               pipeline_techniques, tensor_parallel)
 from .memory_types import ParamCounts
 from .pipeline import Stage
 from .specs import FsdpConfig, ModelSpec, TrainingSpec
@@ -50,11 +50,19 @@ class StagePieces:
     recomputed: int = 0        # per token, a checkpointed block's own tensors at its backward beyond its kept input
     #                            (memory.py's: none twice where the first norm saves the input; a block above the first)
     shared: int = 0            # the blocks' shared saved tensors (rotary tables), in `saved`
+    root_padding: int = 0      # elements FSDP2's dim-0 padding adds to the stage root's tensors (dim0_padding.py):
+    block_padding: int = 0     # and to one block's; in the shards, states, all-gathers and reduce-scatters, not in
+    #                            the gradients autograd makes (stage_pieces at shard group d > 1)
 
     @property
     def gathered(self) -> int:
         """The stage's unsharded parameters while it keeps them gathered (reshard_after_forward=False)."""
         return self.root_gathered + self.stage.n_blocks * self.block_gathered
+
+    @property
+    def padded_params(self) -> int:
+        """The elements FSDP2 shards: the stage's parameters with their dim-0 padding."""
+        return self.params + self.root_padding + self.stage.n_blocks * self.block_padding
 
     def with_ledger_saved(self, shape, tokens: int, first_less: int = 0) -> StagePieces:
         """These pieces with each block's saved tensors as memory.py's ledger holds them (shape: a
@@ -77,14 +85,14 @@ def shape_key(config: FsdpConfig, stage: Stage) -> tuple:
 
 
 def shaped_stage_pieces(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, stage: Stage,
-                        shapes: dict) -> StagePieces:
+                        shapes: dict, d: int = 1) -> StagePieces:
     """stage_pieces, priced once per stage shape in `shapes` (a memo for one model, training and config): the pieces
     read of the stage only its blocks' count, whether it holds the embedding and the head, and which of its blocks are
     checkpointed (every k-th of the model: its first block modulo k); the stage itself put in."""
     key = shape_key(config, stage)
     pieces = shapes.get(key)
     if pieces is None:
-        pieces = shapes[key] = stage_pieces(model, training, config, stage)
+        pieces = shapes[key] = stage_pieces(model, training, config, stage, d)
     if pieces.stage == stage:
         return pieces
     # the same pieces with the stage swapped: a copy (replace() would run __init__ over 20 fields again, for each rank)
@@ -93,12 +101,20 @@ def shaped_stage_pieces(model: ModelSpec, training: TrainingSpec, config: FsdpCo
     return pieces
 
 
-def stage_pieces(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, stage: Stage) -> StagePieces:
+def stage_pieces(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, stage: Stage,
+                 d: int = 1) -> StagePieces:
+    """The stage's pieces; d: the FSDP shard group, whose dim-0 padding the all-gather outputs and the padding fields
+    count (d = 1: none; the walks pad their own tensors, dim0_padding_events.py)."""
     c = DTYPE_BYTES[config.precision.compute_dtype]
     s, mb = training.seq_len, config.micro_batch
     tokens = mb * s
     attn = config.attention
     counts = ParamCounts.of(model, training)
+    # FSDP2 pads every tensor to d x ceil(rows / d) rows (dim0_padding.py): the pp = 1 ledger's padded counts, a
+    # sparse block's stacked experts among them (moe.py), less the real ones
+    block_padding = ParamCounts.of(model, training, d, dim1=bool(config.expert_shard_dim)).block() - counts.block() \
+        if d > 1 else 0
+    root_padding = dim0_padding.stage_root_padding_elements(model, d, stage.embedding, stage.head)
     # Liger / TE kernels' saved tensors and working sets as memory.py prices them (pp = 1 without TP only: EAGER else)
     kern = kernels.memory_kernels(config)
     # tied embeddings: the last stage holds its own copy of the table (torchtitan's per-stage model copies); a stage
@@ -211,9 +227,9 @@ def stage_pieces(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, s
     return StagePieces(stage, params, head, saved, output, logits, loss_saved, loss_peak, tuple(blocks),
                         tokens * activations.logits_reserved_extra_bytes_per_token(model, c, config.loss_compiled)
                         if stage.head else 0, weight_inputs * stage.n_blocks + head_inputs, input_pass,
-                        counts.block(), head_grad, (params - stage.n_blocks * counts.block()) * c,
-                        counts.block() * c - (operators.fp8_all_gather_saving_bytes(model, c, s)
-                                              if config.fp8_all_gather else 0),
+                        counts.block(), head_grad, (params - stage.n_blocks * counts.block() + root_padding) * c,
+                        (counts.block() + block_padding) * c - (operators.fp8_all_gather_saving_bytes(model, c, s)
+                                                                if config.fp8_all_gather else 0),
                         tuple(kept), full, tuple(bool(k) and i % k == 0 for i in stage.blocks), tuple(working),
                         tensor_parallel.embedding_grad_extra_params(model, config) if stage.embedding else 0,
-                        full + input_extra - ckpt, shared)
+                        full + input_extra - ckpt, shared, root_padding, block_padding)

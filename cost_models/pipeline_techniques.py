@@ -51,19 +51,13 @@ def recompute_input_bytes_per_token(model: ModelSpec, c: int, config: FsdpConfig
     return c * model.hidden_size if config.selective_op_ac else ckpt_bytes_per_token
 
 
-def moe_notes(model: ModelSpec, config: FsdpConfig, d: int) -> tuple[str, ...]:
-    """What a stage's MoE pricing leaves out, said in the estimate (the pp = 1 ledger counts both)."""
-    if model.moe is None:
+def moe_notes(model: ModelSpec) -> tuple[str, ...]:
+    """What a stage's MoE pricing leaves out, said in the estimate (the pp = 1 ledger counts it; the stacked experts'
+    dim-0 padding is counted, StagePieces.block_padding)."""
+    if model.moe is None or not model.n_dense_layers:
         return ()
-    notes = []
-    if model.n_dense_layers:
-        notes.append(f"pp > 1 prices {model.name}'s {model.n_dense_layers} dense blocks as sparse ones (their "
-                     "parameters, saved tensors and moments): an over-estimate of the stages that hold them")
-    if d > 1 and model.moe.n_experts % d and not config.expert_shard_dim:
-        notes.append(f"pp > 1 does not count FSDP2's dim-0 padding of the stacked experts ({model.moe.n_experts} "
-                     f"experts on a shard group of {d}): an under-estimate; shard them on dim 1 (expert_shard_dim=1) "
-                     "or use a shard group that divides the experts")
-    return tuple(notes)
+    return (f"pp > 1 prices {model.name}'s {model.n_dense_layers} dense blocks as sparse ones (their parameters, "
+            "saved tensors and moments): an over-estimate of the stages that hold them",)
 
 
 def loss_bytes(model: ModelSpec, c: int, tokens: int, compiled: bool, parallel: bool = False) -> tuple[int, int]:

@@ -46,8 +46,8 @@ from .offload_events import OffloadWalk
 from .one_rank_events import OneRankWalk
 from .profile_events import ProfileWalk
 from .score_events import EagerScoresWalk
-from .pipeline_allocations import replay_notes
 from .pipeline_memory import rank_inputs
+from .replay_notes import replay_notes
 from .specs import FsdpConfig, ModelSpec, TrainingSpec
 from .step_walk import StepWalk
 
