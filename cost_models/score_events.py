@@ -52,10 +52,9 @@ class EagerScoresWalk:
 
     # per token: scores_saved, scores_working (score_widths' lists), scores_cast and scores_lend (bytes per token
     # tensors() adds: the cast back freed before the softmax backward); scores_held_bytes: bytes
-    scores_open = None        # the key of a block's softmax output while its forward runs: the held scores before it
+    scores_open = None        # (kind, s, j, t) of a block's softmax output while its forward runs (_softmax_output)
     scores_lend = 0
-    scores_backward = False   # tensors() cuts a backward working set: its (s, s) gradients first
-    softmax_at = None         # the index of the softmax output in tensors()' last forward cut (None: not cut)
+    scores_backward = False   # tensors() cuts StepWalk.transient's backward working set: its (s, s) gradients first
 
     def __init__(self, model, training, config, d: int, rank: int):
         super().__init__(model, training, config, d, rank)
@@ -67,14 +66,20 @@ class EagerScoresWalk:
         self.attention_inputs = {k, k + 1, k + 2, k + 4}
 
     def tensors(self, per_token_bytes: int) -> list[int]:
-        """The (s, s) tensors that fit cut first, then the model's widths as _RankWalk.tensors cuts them. A working
-        set's gradients come first; a block's saved (s, s) tensors after its attention's inputs (q, k, v and the
-        attention norm's output, made before the scores) and before the rest (the output, the MLP's, the remainder)."""
+        """_cut's tensors; a backward working set's with the cast back lent to it (transient)."""
         if not self.scores_held_bytes:
             return super().tensors(per_token_bytes)
-        left, self.scores_lend = per_token_bytes + self.scores_lend, 0
+        per_token_bytes, self.scores_lend = per_token_bytes + self.scores_lend, 0
+        return self._cut(per_token_bytes, self.scores_backward)[0]
+
+    def _cut(self, per_token_bytes: int, working: bool) -> tuple[list[int], int | None]:
+        """The (s, s) tensors that fit cut first, then the model's widths as _RankWalk.tensors cuts them; and the
+        softmax output's index among them (None: not cut, or a working set). A working set's gradients come first; a
+        block's saved (s, s) tensors after its attention's inputs (q, k, v and the attention norm's output, made
+        before the scores) and before the rest (the output, the MLP's, the remainder)."""
+        left = per_token_bytes
         scores, before, after = [], [], []
-        for w in self.scores_working if self.scores_backward else self.scores_saved:
+        for w in self.scores_working if working else self.scores_saved:
             if w <= left:
                 scores.append(w)
                 left -= w
@@ -83,11 +88,11 @@ class EagerScoresWalk:
                 (before if i in self.attention_inputs else after).append(w)
                 left -= w
         after += [left] * (left > 0)
-        if self.scores_backward:
-            return [self.tokens * w for w in scores + before + after]
+        if working:
+            return [self.tokens * w for w in scores + before + after], None
         # by place, not size: q, k, v or the norm's output can be the softmax output's size (s = head_dim, fp32)
-        self.softmax_at = len(before) if scores and scores[0] == self.scores_saved[0] else None
-        return [self.tokens * w for w in before + scores + after]
+        softmax_at = len(before) if scores and scores[0] == self.scores_saved[0] else None
+        return [self.tokens * w for w in before + scores + after], softmax_at
 
     def pre_forward(self, s: int, u: int) -> None:
         super().pre_forward(s, u)
@@ -96,12 +101,12 @@ class EagerScoresWalk:
         if self.scores_held_bytes and 0 <= j < x.stage.n_blocks and not self.templated(x, j):
             t = self._kept(x, j)[1]
             if t is not None:   # the softmax output: the block's first (s, s) tensor
-                self.scores_open = (("forward", s), j, t) if x.checkpointed[j] else ("saved", s, j, t)
+                self.scores_open = ("forward" if x.checkpointed[j] else "saved", s, j, t)
 
     def _kept(self, x, j: int) -> tuple[list[int], int | None]:
-        """Block j's saved tensors (checkpointed: its recompute's) and its softmax output's index among them."""
-        self.softmax_at = None
-        return self.tensors(x.block_full) if x.checkpointed[j] else self.inputs(x, j), self.softmax_at
+        """Block j's saved tensors (checkpointed: its recompute's; not templated: inputs() cuts them as tensors())
+        and its softmax output's index among them."""
+        return self._cut(x.block_full if x.checkpointed[j] else x.kept[j], False)
 
     def alloc(self, key, size_bytes: int, stream=0) -> None:
         opened = self.scores_open is not None and self._softmax_output(key)
@@ -116,10 +121,10 @@ class EagerScoresWalk:
             self.events += [("free", ("scores", key, i)) for i in range(1, len(self.scores_held_bytes))]
 
     def _softmax_output(self, key) -> bool:
-        head, j, t = self.scores_open[:-2], self.scores_open[-2], self.scores_open[-1]
-        if isinstance(head[0], tuple):   # a checkpointed block's forward tensor: ((forward, s, mb, j), t)
-            return isinstance(key[0], tuple) and key[0][:2] == head[0] and key[0][3] == j and key[1] == t
-        return key[0] == "saved" and key[1] == head[1] and key[3] == j and key[4] == t
+        kind, s, j, t = self.scores_open
+        if kind == "forward":   # a checkpointed block's forward tensor: ((forward, s, mb, j), t)
+            return isinstance(key[0], tuple) and key[0][:2] == (kind, s) and key[0][3] == j and key[1] == t
+        return key[0] == kind and key[1] == s and key[3] == j and key[4] == t   # (saved, s, mb, j, t)
 
     def post_forward(self, s: int, u: int) -> None:
         self.scores_open = None
