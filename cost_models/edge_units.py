@@ -31,6 +31,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from . import dim0_padding
+from .identity_memo import IdentityMemo
 from .specs import ModelSpec
 
 
@@ -58,7 +59,16 @@ def root_terms(model: ModelSpec, trainable_root: int, root_params: int, c: int, 
     """The root's terms for a rank of `model` (its local widths under TP) sharded over d: trainable_root /
     root_params its root's trainable / all parameters, c / r / p the compute, reduce and stored bytes per element;
     keeps_gathered: the ZeRO-2 forms (nothing resharded after forward); fsdp1: FSDP1's adapter units
-    (fsdp1_adapters.py)."""
+    (fsdp1_adapters.py). Once per model and these (a search's ledgers share them across most knobs)."""
+    return _ROOT_TERMS.get(model, (trainable_root, root_params, c, r, p, d, keeps_gathered, fsdp1),
+                           lambda: _root_terms(model, trainable_root, root_params, c, r, p, d, keeps_gathered, fsdp1))
+
+
+_ROOT_TERMS = IdentityMemo(limit=1024)
+
+
+def _root_terms(model: ModelSpec, trainable_root: int, root_params: int, c: int, r: int, p: int, d: int,
+                keeps_gathered: bool, fsdp1: bool) -> RootTerms:
     root_c = root_params * c
     # the counts pad the tables to d x ceil(rows / d) rows (dim0_padding.py); their gradients are the real tables
     embedding_pad, rest_pad = dim0_padding.root_padding_elements(model, d)

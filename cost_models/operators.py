@@ -48,6 +48,7 @@ from functools import lru_cache
 
 from . import activations_sinks, attention_flex, attention_kernels, moe_lora
 from . import moe as moe_model
+from .identity_memo import IdentityMemo
 from .quick_init import quick_init
 from .specs import ModelSpec
 
@@ -352,8 +353,16 @@ def fp8_all_gather_saving_bytes(model: ModelSpec, c: int, seq_len: int) -> int:
     return (c - 1) * float8_weight_elements(model, c, seq_len)
 
 
+_SELECTIVE_SAVED = IdentityMemo(limit=256)  # (model, seq_len, rank): every ledger shape under selective-op reads it
+
+
 def selective_op_saved_elements(model: ModelSpec, seq_len: int, lora_rank: int = 0) -> float:
     """Per token: outputs of the matmuls torchtitan's selective-op policy saves (the 1st, 3rd, ... aten.mm)."""
+    return _SELECTIVE_SAVED.get(model, (seq_len, lora_rank), lambda: _selective_op_saved_elements(model, seq_len,
+                                                                                                  lora_rank))
+
+
+def _selective_op_saved_elements(model: ModelSpec, seq_len: int, lora_rank: int) -> float:
     ops = block_ops(model, 2, seq_len, lora_rank)
     recomputed = ops.selective_op_recomputed()
     return sum(m.n * m.rows_per_token * m.count for m in ops.matmuls if m not in recomputed)

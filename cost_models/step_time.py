@@ -204,7 +204,10 @@ def estimate_step_time(model: ModelSpec, cluster: ClusterSpec, training: Trainin
     # EP: a sparse block's dispatch and combine all-to-alls, forward, backward and in a checkpointed block's
     # recompute, between the router and the experts (nothing to overlap them with): in the block's windows
     # (a TP group's ranks dispatch disjoint slices of the tokens they share: tokens / tp each)
-    a2a_s = expert_parallel.all_to_all_seconds(ep_view, cluster, profile, tokens // config.tp, c) if ep_view else 0.0
+    a2a_key = ("all-to-all", fsdp_key, tokens)  # they read EP's view (fsdp_key's) and the tokens: once per these
+    if ep_view and a2a_key not in fsdp_parts:
+        fsdp_parts[a2a_key] = expert_parallel.all_to_all_seconds(ep_view, cluster, profile, tokens // config.tp, c)
+    a2a_s = fsdp_parts[a2a_key] if ep_view else 0.0
     ckpt_blocks = L if config.selective_op_ac else (math.ceil(L / config.ac_every) if config.ac_every else 0)
     block_fwd_s += 2 * a2a_s
     block_bwd_s += 2 * a2a_s * (1 + ckpt_blocks / L)

@@ -267,7 +267,8 @@ def search(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, profi
     for mesh in mesh_choices(model, cluster, training, space):
         flat = cost(mesh)
         found.append(flat)
-        best_known = max(best_known, (flat.best_tokens_per_s() or 0.0) if flat else 0.0)
+        flat_best = flat.best_tokens_per_s() if flat else None  # (read again by each schedule's walk below)
+        best_known = max(best_known, flat_best or 0.0)
         if mesh.pipeline.pp > 1:
             continue  # pinned pp: mesh_choices gave the pipelines themselves
         if space.pp != 1:  # like with like (0.2 ms a candidate; counted once, with the mesh's own)
@@ -294,7 +295,7 @@ def search(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, profi
                 best_known = max(best_known, best)
             least = min((overshoot(e)[0] for e in piped.misses), default=None) if piped is not None else None
             go_on, walks[key] = walk_on(best, least, piped is not None,
-                                        walks.get(key, Walk(flat.best_tokens_per_s() if flat else None)))
+                                        walks.get(key, Walk(flat_best)))
             if not go_on:
                 stopped.add(key)
     if scouted:  # the whole knob space on the fastest scouted pipeline, where it beats no PP on the same knobs
