@@ -13,7 +13,7 @@ sparse block: MoeWalk's units with the experts padded already, ExpertUnitsWalk's
 tensors and the adapters (dim0_padding.adapter_tensors), the gradients the adapters' real ones. Edge units: the
 embedding's padding on its unit, the head's and the final norm's on the head's (edge_units.root_terms). A pipeline
 stage's root: its own tables' (dim0_padding.stage_root_padding_elements); a sparse block's stacked experts there are
-not padded (one "rest" tensor, pipeline_allocations.param_tensors), as the pipeline ledger pads them (StagePieces).
+padded on its "rest" tensor (pipeline_allocations._PaddedRankWalk), as the pipeline ledger pads them (StagePieces).
 """
 
 from __future__ import annotations

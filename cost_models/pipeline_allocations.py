@@ -34,7 +34,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from . import loss_memory, optimizer_step, pipeline_memory, tensor_parallel
+from . import loss_memory, moe, optimizer_step, pipeline_memory, tensor_parallel
 from .caching_allocator import AllocatorSettings, ReplayResult, replay
 from .dim0_padding_events import Dim0PaddingWalk
 from .memory_types import MemoryEstimate
@@ -360,6 +360,16 @@ class _RankWalk:
 
 class _PaddedRankWalk(Dim0PaddingWalk, _RankWalk):
     """The rank's walk with FSDP2's dim-0 padding of its stages' tensors (dim0_padding_events.py)."""
+
+    def _units(self, x) -> list[list[int]]:
+        """A sparse block's stacked experts padded too (moe.py; StagePieces.block_padding), on param_tensors' rest."""
+        units, model = super()._units(x), self.model
+        extra = moe.block_gathered_elements(model, self.d, bool(self.config.expert_shard_dim)) - model.block_params
+        for u in range(len(units) - x.stage.n_blocks, len(units)) if extra else ():
+            units[u] = units[u][:-1] + [units[u][-1] + extra]
+            added = self.padding_added.setdefault((x.stage.index, u), [0] * len(units[u]))
+            added[-1] += extra
+        return units
 
 
 def replayed_reserved(memory: MemoryEstimate, model: ModelSpec, cluster, training: TrainingSpec, config: FsdpConfig,
