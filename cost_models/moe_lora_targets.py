@@ -12,12 +12,18 @@ from __future__ import annotations
 PRICED_FAMILIES = ("mixtral", "qwen3_moe", "qwen2_moe", "deepseek_v2", "deepseek_v3")
 
 
+def is_llama4(model) -> bool:
+    """Llama 4's text blocks (transformers' Llama4TextDecoderLayer: interleaved MoE and dense blocks, a shared expert
+    its config names by no key of its own), read by the generic path (family "generic")."""
+    return model.block_class.startswith("Llama4")
+
+
 def unpriced_reason(model) -> str:
     """Why all-linear LoRA on this MoE is refused ("" where it is priced)."""
     if model.family == "gpt_oss":
         return ("peft 0.22's all-linear adapts gpt-oss's attention alone (its router and experts are no nn.Linear and "
                 "have no transformers-5 conversion); choose attention, which prices exactly that")
-    if model.block_class.startswith("Llama4"):
+    if is_llama4(model):
         return ("peft 0.22's all-linear fails on Llama 4: its router (Llama4Router, an nn.Linear) gets a lora.Linear, "
                 "whose forward reads the base layer's tuple output as a tensor (peft tuners/lora/layer.py:1192 "
                 "'tuple' object has no attribute 'dtype'); choose attention")

@@ -46,6 +46,20 @@ What SGLang 0.5.23 allocates (python/sglang/srt/lora/):
   linear (_dense_local_dim): the shared expert's on a sparse layer, the MLP's on a dense one (DeepSeek's leading
   blocks). LoRAManager.init_lora_modules wraps the FusedMoE (FusedMoEWithLoRA, layers.py) where both are targets;
   with the default csgmv backend and MoE runner it runs on the legacy Triton path: SGLang refuses nothing here.
+- Llama 4 (models/llama4.py Llama4ForCausalLM; models/mllama4.py Llama4ForConditionalGeneration, the published
+  checkpoints' class, wraps it): the FusedMoE (Llama4MoE.experts, num_local_experts of config.intermediate_size) on
+  the MoE blocks, a LlamaMLP shared expert beside it (shared_expert.gate_up_proj / down_proj) and a LlamaMLP of
+  intermediate_size_mlp on the dense blocks of interleave_moe_layer_step; the router (ReplicatedLinear "router") is no
+  known target. auto_detect gives qkv_proj, o_proj, gate_up_proj, down_proj: init_buffer allocates the 4D expert
+  buffers on every layer and, as the config has neither shared_expert_intermediate_size nor n_shared_experts, no 3D
+  gate_up_proj / down_proj buffer - yet init_lora_modules wraps every dense and shared-expert gate_up_proj /
+  down_proj (their leaf names are targets), and LoRAManager.init_state's update_lora_info then asks the pool for them
+  (lora_manager.py:672 -> mem_pool.py get_tensor: KeyError 'gate_up_proj', or 'down_proj' on a list naming only
+  down_proj) at the engine's start, after the pool is allocated. Llama4ForConditionalGeneration fails earlier, in the
+  pool: its get_hidden_dim (mllama4.py:1000) knows qkv_proj, o_proj, gate_up_proj, down_proj and raises
+  NotImplementedError for gate_up_proj_moe. Priced as Llama4ForCausalLM allocates it (the attention's buffers as a
+  dense model's, 4D experts on every layer, the vocabulary's) and refused (adapter_refusals) wherever gate_up_proj or
+  down_proj is a target; attention alone (q, k, v, o) starts under either class: priced, no refusal.
 - MLA (DeepSeek-V2 / V3, use_mla): auto_detect normalises q_a_proj / kv_a_proj_with_mqa to
   fused_qkv_a_proj_with_mqa (REPLICATED_LINEAR_LORA_NAMES: whole on every rank; stacked 2: A 2 x rank, B q_lora_rank
   + kv_lora_rank + qk_rope_head_dim), q_b_proj (B the rank's heads x (qk_nope + qk_rope)), kv_b_proj (A kv_lora_rank,
@@ -80,6 +94,7 @@ from __future__ import annotations
 
 from .feasibility import Refusal
 from .model_spec import ModelSpec
+from .moe_lora_targets import is_llama4
 from .rollout_lora import MLA_FAMILIES, LoraBuffers, attention_slices
 from .spec_values import SpecError
 
@@ -97,7 +112,8 @@ NORMALIZED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", 
               "up_proj": "gate_up_proj", "q_a_proj": "fused_qkv_a_proj_with_mqa",
               "kv_a_proj_with_mqa": "fused_qkv_a_proj_with_mqa"}
 # SGLang model classes whose MoE LoRA pool is read (no get_hidden_dim of their own; benchmarks/sglang_lora_check.py
-# builds each): qwen3_moe.py, qwen2_moe.py, mixtral.py, gpt_oss.py, deepseek_v2.py (V3 its subclass)
+# builds each): qwen3_moe.py, qwen2_moe.py, mixtral.py, gpt_oss.py, deepseek_v2.py (V3 its subclass); and Llama 4
+# (is_llama4: family "generic"), llama4.py / mllama4.py
 MOE_FAMILIES = frozenset({"qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss"}) | MLA_FAMILIES
 INT32 = 4
 MOE_BLOCK_M = 64   # lora/backend/base_backend.py init_cuda_graph_moe_buffers block_size_m
@@ -175,23 +191,44 @@ def mlp_elements(model: ModelSpec, tp: int, r: int, name: str) -> int:
     if model.moe is None:
         return L * linear(model.ffn_hidden_size)
     moe, dense = model.moe, model.n_dense_layers
+    # init_buffer's has_shared_experts reads the config's shared_expert_intermediate_size / n_shared_experts: Llama
+    # 4's has neither (its shared expert and dense MLPs get no 3D buffer: adapter_refusals)
     shared = (dense * linear(moe.dense_ffn_size) + (L - dense) * linear(moe.shared_ffn_size)
-              if moe.shared_ffn_size else 0)
+              if moe.shared_ffn_size and not is_llama4(model) else 0)
     return shared + L * moe.n_experts * linear(moe.expert_ffn_size)
 
 
-def adapter_refusals(model: ModelSpec) -> list[Refusal]:
-    """What SGLang refuses of verl's all-linear adapter when it loads it (each weight sync:
-    load_lora_adapter_from_tensors -> lora/lora.py LoRAAdapter._normalize_weights): normalize_qkv_proj stacks every
-    q_proj with its v_proj (and k_proj, or zeros shaped as v_proj's), so an MLA model with a q_proj (no q_lora_rank:
-    DeepSeek-V2-Lite) and no v_proj raises KeyError on it (benchmarks/sglang_lora_check.py's environment, on SGLang
-    0.5.23's own function) and the adapter never loads."""
-    if not model.kv_lora_rank or model.q_lora_rank:
+def start_refusals(model: ModelSpec, targets: frozenset[str] | None = None) -> list[Refusal]:
+    """What SGLang raises at its start serving LoRA of `targets` (the pool's names; None: "all"): Llama 4 with
+    gate_up_proj or down_proj a target (module docstring; benchmarks/sglang_lora_check.py runs LoRAManager's
+    init_lora_modules and update_lora_info on SGLang 0.5.23's own classes)."""
+    targets = all_targets(model) if targets is None else targets
+    if not (is_llama4(model) and targets & {"gate_up_proj", "down_proj"}):
         return []
-    return [Refusal("lora_merge", "engine-lora-adapter",
-                    "SGLang: its LoRA loader (lora/lora.py normalize_qkv_proj) stacks the adapter's q_proj with a "
-                    "v_proj, which MLA without q_lora_rank has none of: KeyError at the first weight sync",
-                    "--lora-merge (model.lora.merge: the merged weights sent, no adapter) or --engine vllm")]
+    return [Refusal("lora_merge", "engine-lora-start",
+                    "SGLang: its LoRA pool holds no buffer for Llama 4's dense and shared-expert MLPs (no "
+                    "shared-expert key in the config) while it wraps them: LoRAManager.update_lora_info raises "
+                    "KeyError 'gate_up_proj' at the engine's start (Llama4ForConditionalGeneration: get_hidden_dim "
+                    "NotImplementedError for gate_up_proj_moe)",
+                    "--lora-merge (model.lora.merge: the merged weights sent, no adapter), or target_modules of the "
+                    "attention alone (q_proj, k_proj, v_proj, o_proj)")]
+
+
+def adapter_refusals(model: ModelSpec, targets: frozenset[str] | None = None) -> list[Refusal]:
+    """What SGLang refuses of verl's adapter (`targets` as start_refusals'): at its start (start_refusals), or when
+    it loads the adapter (each weight sync: load_lora_adapter_from_tensors -> lora/lora.py
+    LoRAAdapter._normalize_weights): normalize_qkv_proj stacks every q_proj with its v_proj (and k_proj, or zeros
+    shaped as v_proj's), so an MLA model with a q_proj (no q_lora_rank: DeepSeek-V2-Lite) and no v_proj raises
+    KeyError on it (benchmarks/sglang_lora_check.py's environment, on SGLang 0.5.23's own function) and the adapter
+    never loads."""
+    refusals = start_refusals(model, targets)
+    if model.kv_lora_rank and not model.q_lora_rank:
+        refusals.append(Refusal(
+            "lora_merge", "engine-lora-adapter",
+            "SGLang: its LoRA loader (lora/lora.py normalize_qkv_proj) stacks the adapter's q_proj with a v_proj, "
+            "which MLA without q_lora_rank has none of: KeyError at the first weight sync",
+            "--lora-merge (model.lora.merge: the merged weights sent, no adapter) or --engine vllm"))
+    return refusals
 
 
 def csgmv_graph_metadata_bytes(slots: int, max_bs: int) -> int:
@@ -215,8 +252,8 @@ def sglang_lora_pool(model: ModelSpec, tp: int, max_lora_rank: int, dtype_bytes:
     if not model.gated_mlp:
         raise SpecError("finetune", "SGLang's LoRA pool is priced for gated-MLP blocks (gate_up_proj, down_proj); "
                                     f"{model.family}'s MLP is not")
-    if model.moe is not None and model.family not in MOE_FAMILIES:
-        read = ", ".join(sorted(MOE_FAMILIES))
+    if model.moe is not None and model.family not in MOE_FAMILIES and not is_llama4(model):
+        read = ", ".join(sorted(MOE_FAMILIES)) + ", Llama 4"
         raise SpecError("finetune", f"SGLang's LoRA pool is priced for the MoE classes read ({read}); "
                                     f"{model.family}'s is not")
     if model.kv_lora_rank and model.family not in MLA_FAMILIES:

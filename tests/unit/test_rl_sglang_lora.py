@@ -4,7 +4,8 @@ the LoRAMemoryPool SGLang 0.5.23 builds itself for the catalog's models on the m
 LoRAMemoryPool.init_buffers). SGLang installs in an environment of its own (the benchmark says how); here those tests
 are skipped, the by-hand ones run. With sglang 0.5.23: 11 of 11 dense cases the same (2026-12-07), and 12 of 12 MoE /
 MLA cases (Qwen3-MoE, Qwen2-MoE, Mixtral, gpt-oss, DeepSeek-V2-Lite and V3), 6 of 6 of the backend's CUDA-graph
-metadata and 4 of 4 adapters refused where SGLang's loader raises (2026-12-08).
+metadata and 4 of 4 adapters refused where SGLang's loader raises (2026-12-08); 7 of 7 Llama 4 pools and 9 of 9
+engine starts refused where SGLang raises (2026-12-08).
 
 By hand, from SGLang 0.5.23's python/sglang/srt/lora/: mem_pool.py init_buffer gives gate_up_proj and down_proj, on a
 model holding a FusedMoE, a 4D buffer per layer (every layer, the dense ones too) of (slots, experts, rank x stacked,
@@ -17,8 +18,10 @@ import importlib.util
 
 import pytest
 
+from benchmarks.sglang_lora_check import our_model
 from cost_models.rollout_lora_sglang import (adapter_refusals, all_targets, csgmv_graph_metadata_bytes,
-                                             moe_graph_buffers_bytes, sglang_lora_pool, sglang_target_modules)
+                                             moe_graph_buffers_bytes, sglang_lora_pool, sglang_target_modules,
+                                             start_refusals)
 from cost_models.spec_values import SpecError
 from planner.models import resolve_model
 from planner.rl import rl_estimate
@@ -54,6 +57,29 @@ def test_deepseek_v2_lite_tp2_rank32_by_hand():
     per_slot = 27 * 575_488 + 721_920 + 26 * 331_776 + 27 * 64 * 264_192
     b = sglang_lora_pool(resolve_model("deepseek-v2-lite"), tp=2, max_lora_rank=32)
     assert (b.blocks_bytes, b.vocab_bytes) == (per_slot * 16, 5_046_272 * 32) == (7_702_560_768, 161_480_704)
+
+
+def test_llama4_pool_by_hand_and_refused_at_start():
+    """Llama 4 Maverick's text config (benchmarks/sglang_lora_check.py LLAMA4_CONFIGS: h 5,120, 40 heads / 8 KV of 128,
+    48 blocks, 128 experts of 8,192 on every other one, dense MLPs of 16,384 between, vocab 202,048 untied), TP 8, rank
+    32, 8 slots. Per slot and layer: qkv A 96 x 5,120 = 491,520, B (640 + 2 x 128) x 32 = 28,672; o A 32 x 640 =
+    20,480, B 163,840; an expert (1,024 a rank): gate_up A 64 x 5,120 = 327,680, B 2,048 x 32 = 65,536, down A 32 x
+    1,024 = 32,768, B 163,840 = 589,824, x 128 on all 48 layers (the dense ones too); no 3D buffer (the config names no
+    shared expert). (704,512 + 75,497,472) x 48 x 8 x 2 B = 58,523,123,712 B; vocabulary (6,465,536 + 163,840 + 163,840
+    + 25,256 x 32) x 8 x 2 B, twice = 243,245,056 B: SGLang's own Llama4ForCausalLM pool. Its start then raises
+    (update_lora_info: KeyError 'gate_up_proj', the dense and shared-expert MLPs wrapped without a buffer), as on a
+    list with down_proj: refused, lora_merge; the attention alone starts (654,311,424 B at TP 2, no refusal); an MoE
+    whose config names its shared experts (Qwen2-MoE), or has none and no dense MLP (Qwen3-MoE), starts."""
+    maverick = our_model("llama4-maverick")
+    b = sglang_lora_pool(maverick, tp=8, max_lora_rank=32)
+    per_layer = 491_520 + 28_672 + 20_480 + 163_840 + 128 * (327_680 + 65_536 + 32_768 + 163_840)
+    assert (b.blocks_bytes, b.vocab_bytes) == (per_layer * 48 * 16, 7_601_408 * 32) == (58_523_123_712, 243_245_056)
+    assert [(r.field, r.code) for r in adapter_refusals(maverick)] == [("lora_merge", "engine-lora-start")]
+    attention = sglang_target_modules(["q_proj", "k_proj", "v_proj", "o_proj"], maverick)
+    assert sglang_lora_pool(maverick, 2, 32, targets=attention).total_bytes == 654_311_424
+    assert not adapter_refusals(maverick, attention)
+    assert start_refusals(maverick, sglang_target_modules(["q_proj", "v_proj", "down_proj"], maverick))
+    assert not any(start_refusals(resolve_model(n)) for n in ("qwen2-moe-a2.7b", "qwen3-30b-a3b", "qwen2.5-7b"))
 
 
 def test_targets_of_all_and_refusals():
@@ -103,10 +129,12 @@ def test_verl_sglang_moe_lora_priced_in_every_phase():
 
 
 if importlib.util.find_spec("sglang") is not None:
-    from benchmarks.sglang_lora_check import (ADAPTER_CASES, CASES, METADATA_CASES, MOE_CASES, our_metadata_bytes,
-                                              ours, sglang_adapter_load_error, sglang_bytes, sglang_metadata_bytes)
+    from benchmarks.sglang_lora_check import (ADAPTER_CASES, CASES, LLAMA4_CASES, METADATA_CASES, MOE_CASES,
+                                              START_CASES, our_metadata_bytes, our_start_refused, ours,
+                                              sglang_adapter_load_error, sglang_bytes, sglang_metadata_bytes,
+                                              sglang_start_error)
 else:
-    CASES = MOE_CASES = METADATA_CASES = ADAPTER_CASES = ()
+    CASES = MOE_CASES = LLAMA4_CASES = START_CASES = METADATA_CASES = ADAPTER_CASES = ()
 
 
 @needs_sglang
@@ -123,6 +151,24 @@ def test_moe_and_mla_lora_pool_is_sglangs(name, tp, rank, slots, targets):
     """Every routed expert's 4D buffers on every layer, the shared experts' and DeepSeek's dense block's 3D ones,
     MLA's projections (V2-Lite's q_proj as a qkv_proj), all-linear and lists, TP 1-16: the same bytes."""
     assert ours(name, tp, rank, slots, targets) == sglang_bytes(name, tp, rank, slots, targets)
+
+
+@needs_sglang
+@pytest.mark.parametrize("name, tp, rank, slots, targets", LLAMA4_CASES)
+def test_llama4_lora_pool_is_sglangs(name, tp, rank, slots, targets):
+    """Llama 4 Scout (16 experts on every block) and Maverick (128 on every other, dense blocks between; its
+    checkpoint's Llama4ForConditionalGeneration too): all-linear (the pool SGLang allocates before its start fails),
+    a list with down_proj, the attention alone, TP 1-8, 1 or 8 slots: the same bytes."""
+    assert ours(name, tp, rank, slots, targets) == sglang_bytes(name, tp, rank, slots, targets)
+
+
+@needs_sglang
+@pytest.mark.parametrize("name, tp, targets", START_CASES)
+def test_refused_where_sglangs_lora_start_raises(name, tp, targets):
+    """SGLang's own LoRAManager.init_lora_modules and update_lora_info on the pool: Llama 4 raises (KeyError
+    'gate_up_proj' / 'down_proj'; its checkpoint class NotImplementedError in get_hidden_dim) wherever gate_up_proj or
+    down_proj is a target, starts on the attention alone; Qwen3-MoE, Qwen2-MoE, Qwen2.5 start: refused exactly there."""
+    assert our_start_refused(name, targets) == bool(sglang_start_error(name, tp, targets))
 
 
 @needs_sglang
