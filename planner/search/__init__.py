@@ -32,17 +32,17 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field, replace
 
-from cost_models import moe, moe_lora
+from cost_models import moe
 from cost_models.evaluate import Evaluation, evaluate, unsupported_reasons
 from cost_models.mesh_rules import checkpointing_priced, mesh_refusals
 from cost_models.profile import Profile
-from cost_models.specs import SELECTIVE_OP, ClusterSpec, FsdpConfig, ModelSpec, Precision, Sharding, TrainingSpec
+from cost_models.specs import ClusterSpec, FsdpConfig, ModelSpec, Sharding, TrainingSpec
 
 from planner.search.memo import Costing
 from planner.search.pipeline import PP_SHARDINGS, microbatch_plans
 from planner.search.walk import Walk, per_token_compute_s, pipeline_ceiling, scout_space, walk_on
 from planner.search.space import (FLOAT8_PRECISIONS, FP8_ALL_GATHER_SHARDINGS, MeshChoice, SearchSpace, mesh_choices,
-                                  pipeline_meshes)
+                                  pipeline_meshes, training_space)
 from planner.search.ranking import SearchResult, _distinct, overshoot, rank_key
 from planner.search.words import describe, describe_mesh
 
@@ -161,9 +161,6 @@ def _cost_mesh(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, c
     offloads = space.offload if plain else (False,)
     ac_choices = space.ac_every if checkpointing_priced(pipe.pp, pipe.schedule) else \
         tuple(a for a in space.ac_every if not a)
-    if moe_lora.selective_op_refused(model, training):  # peft's MoE ParamWrappers under SAC raise (moe_lora.refusals)
-        ac_choices = tuple(a for a in ac_choices if a != SELECTIVE_OP)
-        space = replace(space, expert_units=(False,))  # and with the experts as units of their own
     sizes = space.shard_groups_for(cluster, mesh.model_parallel, pipe.pp)
     walked = {s: _worth_walking(costing, replace(probe(s, *plans[0]), precision=space.precisions_for(cluster)[0]),
                                 sizes, found, mesh_shardings) if space.shard_group_gpus is None else sizes
@@ -248,11 +245,7 @@ def search(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, profi
     then the whole knob space on the fastest scouted pipeline where it beats the meshes without PP on the same knobs."""
     found: list[_Found] = []
     skipped: list[str] = []
-    if training.quantized:  # QLoRA's 4-bit linears take no Float8; FSDP needs them stored in the compute dtype
-        storage = training.quant_storage     # (cost_models/qlora.refusals): the precisions that compute in it
-        matching = tuple(p for p in space.precisions_for(cluster) if p.compute_dtype == storage) or tuple(
-            p for p in (Precision.BF16, Precision.FP16, Precision.FP32) if p.compute_dtype == storage)
-        space = replace(space, float8=(False,), fp8_all_gather=(False,), precisions=matching or None)
+    space = training_space(space, model, cluster, training)  # (QLoRA's precisions, all-linear LoRA on an MoE)
     shardings = space.shardings_for(cluster)
     if len(shardings) < len(space.shardings):
         skipped.append("HYBRID strategies: single node (or GPUs not divisible by GPUs per node), "

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from cost_models import moe_lora
 from cost_models.mesh_rules import cp_degrees, ep_degrees, tp_degrees
 from cost_models.schedules import Schedule
 from cost_models.specs import SELECTIVE_OP, Attention, ClusterSpec, ModelSpec, Precision, Sharding, TrainingSpec
@@ -100,6 +101,21 @@ class SearchSpace:
         node, stage, inner = cluster.gpus_per_node, cluster.n_gpus // pp, model_parallel // pp
         return (0,) + tuple(k * node for k in range(2, stage // node // 2 + 1)
                             if stage % (k * node) == 0 and (k * node) % inner == 0)
+
+
+def training_space(space: SearchSpace, model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec) -> SearchSpace:
+    """The space without what the training runs on no mesh: QLoRA's 4-bit linears take no Float8, and FSDP needs them
+    stored in the compute dtype (cost_models/qlora.refusals): the precisions that compute in it; all-linear LoRA on an
+    MoE no selective op-level checkpointing (peft's MoE ParamWrappers under SAC raise), nor the experts as units of
+    their own (cost_models/moe_lora.refusals)."""
+    if training.quantized:
+        storage = training.quant_storage
+        matching = tuple(p for p in space.precisions_for(cluster) if p.compute_dtype == storage) or tuple(
+            p for p in (Precision.BF16, Precision.FP16, Precision.FP32) if p.compute_dtype == storage)
+        space = replace(space, float8=(False,), fp8_all_gather=(False,), precisions=matching or None)
+    if moe_lora.selective_op_refused(model, training):
+        space = replace(space, ac_every=tuple(a for a in space.ac_every if a != SELECTIVE_OP), expert_units=(False,))
+    return space
 
 
 @dataclass(frozen=True)
