@@ -38,6 +38,7 @@ from cost_models.mesh_rules import checkpointing_priced, mesh_refusals
 from cost_models.profile import Profile
 from cost_models.specs import ClusterSpec, FsdpConfig, ModelSpec, Sharding, TrainingSpec
 
+from planner.search.gc_pause import gc_paused
 from planner.search.memo import Costing
 from planner.search.pipeline import PP_SHARDINGS, microbatch_plans
 from planner.search.walk import Walk, per_token_compute_s, pipeline_ceiling, scout_space, walk_on
@@ -242,7 +243,14 @@ def search(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, profi
     schedule until a degree fits no faster than the best before it (walk_on) or cannot beat the fastest candidate
     so far (pipeline_ceiling: the mesh's own compute with the textbook bubble), each degree on the scout knobs
     (scout_space: a pipeline candidate prices every rank's schedule, 5-60 ms at pp 8-32 against 0.5 ms without);
-    then the whole knob space on the fastest scouted pipeline where it beats the meshes without PP on the same knobs."""
+    then the whole knob space on the fastest scouted pipeline where it beats the meshes without PP on the same knobs.
+    The cyclic garbage collector is paused meanwhile (planner/search/gc_pause.py: the search makes no cycles)."""
+    with gc_paused():
+        return _search(model, cluster, training, profile, space)
+
+
+def _search(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, profile: Profile,
+            space: SearchSpace) -> SearchResult:
     found: list[_Found] = []
     skipped: list[str] = []
     space = training_space(space, model, cluster, training)  # (QLoRA's precisions, all-linear LoRA on an MoE)
