@@ -19,7 +19,8 @@ does) and writes, at the granularity the trace's events show (calibration/alloc_
   (to the step's end, then merged) and the loss's tensors (loss_memory.events: loss parallel's under TP);
 - the reduce-scatter input (default stream) and output (the reduce-scatter stream, the sharded gradient until the
   optimizer step), unit by unit; the optimizer's foreach temporaries, one per parameter shard;
-- FSDP2's dim-0 padding of each tensor in its shard, states, all-gather and reduce-scatter (dim0_padding_events.py).
+- FSDP2's dim-0 padding of each tensor in its shard, states, all-gather and reduce-scatter (dim0_padding_events.py);
+  each unit unsharded at its pre-forward, the head's weight gradient made at its backward (pipeline_stage_events.py).
 Sizes are the ledger's (StagePieces), activations cut into tensors of the model's widths (f, q, kv, h in the
 compute dtype). Coarser variants checked against the traces (docs/accuracy.md): activations as one tensor per
 block do about as well; parameters as one tensor per FSDP unit miss by up to 9%.
@@ -40,13 +41,13 @@ from .dim0_padding_events import Dim0PaddingWalk
 from .memory_types import MemoryEstimate
 from .pipeline import rank_stages
 from .pipeline_orders import active_stages, orders
+from .pipeline_stage_events import ALL_GATHER_STREAM, REDUCE_SCATTER_STREAM, StageUnitsWalk  # (streams: step_walk.py)
 from .pipeline_stage_pieces import stage_pieces
 from .replay_notes import replay_notes
 from .specs import FsdpConfig, ModelSpec, TrainingSpec
 from .tp_block_events import BlockWidths, applies, backward_events, forward_events, keyed
 from .units import DTYPE_BYTES
 
-ALL_GATHER_STREAM, REDUCE_SCATTER_STREAM = "all_gather_copy_in", "reduce_scatter"  # alloc_sequence.py's names
 
 
 def param_tensors(model: ModelSpec, block_params: int) -> list[int]:
@@ -163,27 +164,6 @@ class _RankWalk:
         total = x.root_gathered if u == 0 and len(self.units[s]) > x.stage.n_blocks else x.block_gathered
         return [total * n // sum(unit) for n in unit]
 
-    def gather(self, stages) -> None:
-        """Per unit: the all-gather input (default stream), its output on the copy-in stream, the copy-out into each
-        parameter. One stage: a unit's output goes once the next unit's parameters are copied out (the trace's
-        order); a multi-stage rank unshards the stages ahead at once (active_stages), their outputs held until used."""
-        todo = [(s, u) for s in sorted(stages) if s not in self.gathered for u in range(len(self.units[s]))]
-        self.gathered.update(stages)
-        held = len(stages) > 1
-        for n, (s, u) in enumerate(todo):
-            self.alloc(("all_gather_in", s, u), math.ceil(sum(self.unsharded(s, u)) / self.d))
-            self.alloc(("all_gather", s, u), sum(self.unsharded(s, u)), ALL_GATHER_STREAM)
-            self.free(("all_gather_in", s, u))
-            if not held:
-                for i, size in enumerate(self.unsharded(s, u)):
-                    self.alloc(("unsharded", s, u, i), size)
-                if n:
-                    self.free(("all_gather", *todo[n - 1]))
-        for s, u in todo:
-            for i, size in enumerate(self.unsharded(s, u) if held else ()):
-                self.alloc(("unsharded", s, u, i), size)
-            self.free(("all_gather", s, u))
-
     def reshard(self, s: int) -> None:
         if s in self.gathered:
             self.gathered.discard(s)
@@ -192,16 +172,21 @@ class _RankWalk:
                     self.free(("unsharded", s, u, i))
 
     def reduce(self, s: int) -> None:
-        """perform_reduce_grad, unit by unit: the reduce-scatter input (default stream) takes the summed gradients,
-        its output (the reduce-scatter stream) is the sharded gradient until the optimizer step."""
+        """perform_reduce_grad, unit by unit (root first), each unit's post_backward (torch 2.13 _fsdp_param_group.py:
+        588-688): its unsharded parameters freed (reshard, :637-638), then foreach_reduce: the reduce-scatter input
+        (default stream) takes the summed gradients, kept to the next unit's (reduce_scatter_states), its output (the
+        reduce-scatter stream) the sharded gradient until the optimizer step."""
+        gathered = s in self.gathered
+        self.gathered.discard(s)
         for u, unit in enumerate(self.units[s]):
+            self.events += [("free", ("unsharded", s, u, i)) for i in range(len(unit) if gathered else 0)]
+            self.events += [("free", ("rs_in", s, u - 1))] * bool(u)
             self.alloc(("rs_in", s, u), sum(unit) * self.r)
             self.events += [("free", ("acc", s, u, i)) for i in range(len(unit))]
             self.alloc(("sharded_grad", s, u), math.ceil(sum(unit) * self.r / self.d) if self.d > 1 else 0,
                        REDUCE_SCATTER_STREAM)
-            self.free(("rs_in", s, u))
+        self.free(("rs_in", s, len(self.units[s]) - 1))
         self.accumulated[s].clear()
-        self.reshard(s)
 
     def weight_grads(self, s: int, u: int, made: bool = False) -> None:
         """A unit's backward leaves compute-dtype gradients (made: already, by tp_block_events' products); its
@@ -358,8 +343,9 @@ class _RankWalk:
             self.accumulated[s].clear()
 
 
-class _PaddedRankWalk(Dim0PaddingWalk, _RankWalk):
-    """The rank's walk with FSDP2's dim-0 padding of its stages' tensors (dim0_padding_events.py)."""
+class _PaddedRankWalk(Dim0PaddingWalk, StageUnitsWalk, _RankWalk):
+    """The rank's walk: its stages' unshards and head gradient (pipeline_stage_events.py), FSDP2's dim-0 padding of
+    their tensors (dim0_padding_events.py)."""
 
     def _units(self, x) -> list[list[int]]:
         """A sparse block's stacked experts padded too (moe.py; StagePieces.block_padding), on param_tensors' rest."""

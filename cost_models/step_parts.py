@@ -9,6 +9,7 @@ from dataclasses import replace
 
 from . import (attention_kernels, comm, context_parallel, expert_parallel, host_optimizer, kernels, operators, qlora,
                tensor_parallel)
+from .identity_memo import IdentityMemo
 from .kernel_time import BlockTime, Rates, eager_attention_ops, price_block
 from .model_spec import dense_block_spec
 from .profile import Profile
@@ -54,9 +55,21 @@ def root_memory_bytes_per_token(model: ModelSpec, config: FsdpConfig, c: int) ->
     return tuple((op.name, *(share[op.name] * b for b in kernels.root_op_bytes(op, model, config, c))) for op in ops)
 
 
+_PRICED = IdentityMemo(limit=1024)  # (spec, what priced_block_ops reads) -> its ops
+
+
 def priced_block_ops(spec: ModelSpec, training: TrainingSpec, config: FsdpConfig, c: int):
     """(BlockOps, eager attention's products and score traffic or None) of one block as the step prices it:
-    Float8's casts among the memory-bound ops; a traced inventory already holds eager attention's work."""
+    Float8's casts among the memory-bound ops; a traced inventory already holds eager attention's work. Once per spec
+    and what it reads: a search's compute parts price the block at each micro-batch and checkpointing choice, and the
+    same object lets price_block's cache find its key by identity."""
+    return _PRICED.get(spec, (c, training.seq_len, training.adapter_rank, training.routing, training.routing_imbalance,
+                              config.attention, config.attention_kernel, config.norm_kernel, config.rope_kernel,
+                              config.swiglu_kernel, config.loss_kernel, config.tp, config.sequence_parallel, config.ep,
+                              config.moe_dispatch, config.float8), lambda: _priced_block_ops(spec, training, config, c))
+
+
+def _priced_block_ops(spec: ModelSpec, training: TrainingSpec, config: FsdpConfig, c: int):
     ops = operators.block_ops(spec, c, training.seq_len, training.adapter_rank, config.attention.value)
     ops = kernels.kernel_block_ops(ops, kernels.Kernels.of(config))  # Liger / TE kernels: one kernel each way
     ops = attention_kernels.without_layout_copy(ops, config.attention_kernel.value, config.attention.value)
