@@ -77,6 +77,20 @@ line alone (5 searches a process, 3 processes each, alternate) best 886, 938, 89
 than the instructions (-15 to -20% against -28%) on these shared cores. Left on the TP line (py-spy): the flat ledgers
 ~20% (2,490 at ~40 us), the pipeline scouts' memory ~22% (1,092 rank replays; stage pieces ~6%), the step times ~24%
 (their compute parts ~8%), evaluate's verdicts and the configurations ~10%.
+
+Issue 27 item 6, sixth pass (c096ad2 -> f550632): the DeepSeek-V2-Lite line (9,382 costed over 6 EP meshes and their
+pipelines) at 1.5 s. What its ~4,800 ledgers and ~5,000 step times derived again, priced once per what it reads
+(cost_models/identity_memo.IdentityMemo): the MoE MLP's backward moments (moe.backward_moments, and the EP view's,
+which built its E / ep model at every ledger shape), ParamCounts.of, edge_units.root_terms,
+operators.selective_op_saved_elements, step_parts.priced_block_ops (so price_block's cache matches its key by
+identity), EP's all-to-all seconds; the search memo shares EP meshes' ledgers across Float8 as the others' (no DeepEP
+buffer under the all-to-all). And the cyclic garbage collector is paused while search() runs (planner/search/
+gc_pause.py): the search makes no cycles, but its passes over the live memo took ~250 ms of the 1.6 s. Results
+byte-identical (every candidate and miss of the four searches and of 8 plans, config, memory and time reprs:
+/tmp/fp_search/fp.py; 3 QLoRA / all-linear LoRA plans). CPU, this script, best of 5 / 3 / 3 / 3, three alternate runs
+each on the same 2 cores (load ~4.7): 7eede2d 258-281 / 576-600 / 302-304 / 1,501-1,558 ms, f550632 235-240 /
+465-486 / 293-311 / 931-934 ms. Left on the DeepSeek line (sampled): the ledger (memory.py) ~50%, its MoE moments
+~6%; the step times ~19%; the pipeline scouts' memory ~7%.
 """
 
 from __future__ import annotations
