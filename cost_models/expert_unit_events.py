@@ -219,7 +219,9 @@ class ExpertUnitsWalk(ExpertUnitsHooks):
         """Block unit u's MLP saved tensors of `part` (mlp_saved_apart) made, or freed."""
         if u - self.root_units(s) not in self.mlp_apart_blocks:
             return
-        for t, size in enumerate(self.tensors(self.mlp_saved_bytes_per_token[part])):
+        with self.without_scores():
+            sizes = self.tensors(self.mlp_saved_bytes_per_token[part])
+        for t, size in enumerate(sizes):
             if free:
                 self.free(("mlp saved", s, u, part, t))
             else:
@@ -239,8 +241,9 @@ class ExpertUnitsWalk(ExpertUnitsHooks):
         grads = self.grad_bytes(s, u)
         traced = self.shape.traced
         mlp, later = self.backward_moments(s, j, sum(grads[i] for i in self.expert_index))
-        made = self.write_moment(("experts backward", s, mb, j), s, u, mlp,
-                                 range(len(grads)) if traced else self.expert_index)
+        with self.without_scores():
+            made = self.write_moment(("experts backward", s, mb, j), s, u, mlp,
+                                     range(len(grads)) if traced else self.expert_index)
         self.mlp_saved_tensors(s, u, "experts", free=True)
         for i in self.expert_index:  # the rest of the experts' gradients, then their post-backward
             if i not in made:
@@ -252,7 +255,8 @@ class ExpertUnitsWalk(ExpertUnitsHooks):
                                 [("wgrad", s, u, i) for i in self.expert_index])
         self.mlp_saved_tensors(s, u, "router", free=True)
         others = [i for i in range(len(grads)) if i not in made and i not in self.expert_index]
-        later_made = self.write_moment(("block backward", s, mb, j), s, u, later, others)
+        with self.softmax_backward(key):   # the attention's among the later moments (score_events)
+            later_made = self.write_moment(("block backward", s, mb, j), s, u, later, others)
         self.made[u] = made | set(self.expert_index) | later_made
 
     def reduce_scatter(self, s: int, u, n: int, grads, kept: bool = False, shard_unit=None) -> None:

@@ -157,8 +157,10 @@ class LoraWalk:
                 left -= self.units[s][u][i] * self.c
         for i in early:
             self.alloc(("wgrad", s, u, i), self.units[s][u][i] * self.c)
-        # the incoming gradient (the working set's c*h) is the walk's grad_in, alive already
-        _RankWalk.transient(self, key, self.tensors(max(0, working - self.hs)) + dequantized, stream)
+        # the incoming gradient (the working set's c*h) is the walk's grad_in, alive already; eager attention's (s, s)
+        # gradients cut first (score_events: StepWalk.transient, which writes it under full fine-tuning, is skipped)
+        with self.softmax_backward(key):
+            _RankWalk.transient(self, key, self.tensors(max(0, working - self.hs)) + dequantized, stream)
         self.made[u] = set(early)
 
     def weight_grads(self, s: int, u: int, made: bool = False) -> None:

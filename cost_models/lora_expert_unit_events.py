@@ -57,12 +57,14 @@ class LoraExpertUnitsWalk(ExpertUnitsHooks):
         u = self.root_units(s) + j
         mlp, later = self.backward_moments(s, j, 0)  # (the ledger's: its shape is never a traced profile's under LoRA)
         adapters = self.trainable(s, u)
-        made = self.write_moment(("experts backward", s, mb, j), s, u, mlp, adapters)
+        with self.without_scores():
+            made = self.write_moment(("experts backward", s, mb, j), s, u, mlp, adapters)
         self.reshard_unit(("experts", u))  # their post-backward: frozen, nothing reduced
         grads = self.grad_bytes(s, u)
         left = (later[0], max(0, later[1] - sum(grads[i] for i in made)))  # (the ledger's: every gradient by then)
         rest = [i for i in adapters if i not in made]
-        self.made[u] = made | self.write_moment(("block backward", s, mb, j), s, u, left, rest)
+        with self.softmax_backward(key):   # the attention's among the later moments (score_events)
+            self.made[u] = made | self.write_moment(("block backward", s, mb, j), s, u, left, rest)
 
 
 class LoraSparseBlocksWalk:

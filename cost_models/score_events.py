@@ -17,10 +17,17 @@ holds: +26.9% over the trace's replay on llama4's NO_SHARD fp32 full-AC LoRA row
   two (s, s) gradients. The recompute's softmax is not written: the backward's working set follows it;
 - the softmax backward's working set is cut into its two softmax-dtype gradients first; where the softmax is fp32 and
   its cast back saved, that copy is freed first (activations_backward: "both fp32 ..., whose cast-back copy of the
-  probabilities is freed by then"), so the working set is its bytes + the copy's, as two fp32 gradients.
+  probabilities is freed by then"), so the working set is its bytes + the copy's, as two fp32 gradients (those of
+  them that fit: the ledger's moment is net of what the block freed before it, the MLP's saved tensors, which the walk
+  keeps to the block's end). Under LoRA (LoraWalk.transient) and in a sparse block whose experts are a unit of their
+  own (the "block backward" moment after the experts') too, through softmax_backward; the MoE MLP's saved tensors and
+  its moment with the experts gathered cut no (s, s) tensor (without_scores). The trace's order, gemma2 LoRA and
+  Mixtral with expert units: tests/unit/test_score_events.py.
 """
 
 from __future__ import annotations
+
+from contextlib import contextmanager
 
 from .activations import _attention_dropout, _softmax_bytes, uses_s2_attention
 from .activations_mla import is_latent
@@ -55,6 +62,7 @@ class EagerScoresWalk:
     scores_open = None        # (kind, s, j, t) of a block's softmax output while its forward runs (_softmax_output)
     scores_lend = 0
     scores_backward = False   # tensors() cuts StepWalk.transient's backward working set: its (s, s) gradients first
+    scores_none = False       # tensors() cuts no (s, s) tensor (without_scores)
 
     def __init__(self, model, training, config, d: int, rank: int):
         super().__init__(model, training, config, d, rank)
@@ -66,8 +74,9 @@ class EagerScoresWalk:
         self.attention_inputs = {k, k + 1, k + 2, k + 4}
 
     def tensors(self, per_token_bytes: int) -> list[int]:
-        """_cut's tensors; a backward working set's with the cast back lent to it (transient)."""
-        if not self.scores_held_bytes:
+        """_cut's tensors; a backward working set's with the cast back lent to it (transient); the model's widths
+        alone within without_scores."""
+        if not self.scores_held_bytes or self.scores_none:
             return super().tensors(per_token_bytes)
         per_token_bytes, self.scores_lend = per_token_bytes + self.scores_lend, 0
         return self._cut(per_token_bytes, self.scores_backward)[0]
@@ -133,8 +142,28 @@ class EagerScoresWalk:
     def transient(self, key, sizes, stream=0) -> None:
         """A block's backward working set cut into the softmax's two gradients first, its saved cast back freed
         before them (module docstring)."""
-        if key[0] != "backward" or not self.scores_held_bytes:
+        if key[0] != "backward":
             return super().transient(key, sizes, stream)
+        with self.softmax_backward(key):
+            super().transient(key, sizes, stream)
+
+    @contextmanager
+    def without_scores(self):
+        """tensors() cut as the model's widths alone: what an MoE MLP saves and its backward moment with the experts
+        gathered (expert_unit_events, lora_expert_unit_events) hold no (s, s) tensor, as the trace's do not."""
+        self.scores_none = True
+        yield
+        self.scores_none = False
+
+    @contextmanager
+    def softmax_backward(self, key):
+        """Around the backward moment `key` ((kind, s, mb, j)) of block j that holds its softmax's backward: its saved
+        cast back freed before it, its working set (tensors()) cut into the two gradients first. Entered by this
+        transient and by the walks whose own transient writes a block's moments without it (lora_events.LoraWalk,
+        expert_unit_events / lora_expert_unit_events: the "block backward" moment after the experts')."""
+        if not self.scores_held_bytes:
+            yield
+            return
         _, s, mb, j = key
         x, t = self.pieces[s], None
         if self.scores_cast and not self.templated(x, j):
@@ -146,7 +175,7 @@ class EagerScoresWalk:
                 self.free((name, s, mb, j, t))
                 self.scores_lend = self.scores_cast
         self.scores_backward = True
-        super().transient(key, sizes, stream)
+        yield
         self.scores_backward, self.scores_lend = False, 0
-        if self.scores_cast and t is not None:   # made again for the walk's own free at the block's end (the ledger's)
+        if t is not None:   # made again for the walk's own free at the block's end (the ledger's)
             self.alloc((name, s, mb, j, t), self.tokens * self.scores_cast)

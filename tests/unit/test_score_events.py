@@ -11,7 +11,7 @@ import pytest
 from benchmarks.memory_accuracy import arch_config
 from cost_models.step_allocations import step_replay
 from planner.api import estimate
-from tests.unit.test_step_allocations import _walk
+from tests.unit.test_step_allocations import _events_peak, _walk
 
 # row #17 of the LoRA grid: llama4 NO_SHARD fp32, full checkpointing, eager, 2 x 1,024 tokens on 4
 LLAMA4_ROW = dict(sharding="NO_SHARD", precision="fp32", activation_checkpointing="full", attention="eager",
@@ -48,3 +48,50 @@ def test_eager_rows_reserve_what_the_traces_replay_does(arch, gpus, row, traced)
     walk = step_replay(c.model, c.cluster, c.training, c.config, snapshots=False)
     assert walk.peak_requested_bytes == c.memory.peak_allocated_bytes
     assert c.memory.allocator_reserved_bytes == pytest.approx(traced, rel=0.05)
+
+
+# Small rows traced for the softmax's backward (planner.tracing.trace(arch_config(arch), 2, **row), fake tensors,
+# 2026-12-08; quoted, not run here): after the loss, the last block's backward frees its forward's bf16 cast back
+# of the probabilities, then makes the softmax's first fp32 gradient; no other (s, s) tensor of the forward freed
+# between. s 384 / 336 so that no other tensor of these models is an (s, s) tensor's size (Mixtral's routed rows at
+# 384 tokens are).
+SMALL = dict(sharding="FULL_SHARD", precision="bf16", activation_checkpointing="none", attention="eager",
+             micro_batch=1, gpus_per_node=2)
+LORA = dict(finetune="lora", lora_rank=16)
+
+
+def _softmax_backward(events: list, first: int, scores: int, vocab: int, tokens: int) -> list[tuple[str, int]]:
+    """From the loss (the logits' allocation: every block's forward done) to the first fp32 (s, s) gradient (scores
+    elements x 4 B): the frees of bf16 / fp32 (s, s)-sized tensors made in the forward, then that gradient."""
+    events = events[:first]
+    logits = {tokens * vocab * w for w in (2, 4)}
+    loss = next(i for i, e in enumerate(events) if e[0] == "alloc" and e[2] in logits)
+    made, out = {}, []
+    for i, e in enumerate(events):
+        if e[0] == "alloc":
+            if i > loss and e[2] == 4 * scores:
+                return out + [("alloc", e[2])]
+            made[e[1]] = (e[2], i)
+        else:
+            size, at = made.pop(e[1], (0, 0))
+            if i > loss and at < loss and size in (2 * scores, 4 * scores):
+                out.append(("free", size))
+    return out
+
+
+@pytest.mark.parametrize("arch, seq, knobs, traced", [
+    ("gemma2", 384, LORA, [("free", 1_179_648), ("alloc", 2_359_296)]),             # 4 heads x 384 x 384
+    ("mixtral", 336, dict(expert_units=True), [("free", 1_806_336), ("alloc", 3_612_672)]),   # 8 heads x 336 x 336
+    ("mixtral", 336, dict(expert_units=True, **LORA), [("free", 1_806_336), ("alloc", 3_612_672)]),
+], ids=["gemma2-lora", "mixtral-expert-units", "mixtral-expert-units-lora"])
+def test_the_softmax_backward_frees_the_cast_back_first_as_the_trace_does(arch, seq, knobs, traced):
+    """Under LoRA (LoraWalk.transient) and in a sparse block whose experts are a unit of their own ("block backward")
+    the walk wrote no softmax backward (score_events.softmax_backward not reached): gemma2 LoRA made its first fp32
+    (s, s) tensor with the cast back still alive ([("alloc", 2,359,296)]), and Mixtral's cut an (s, s)-sized tensor
+    into its MLP's saved tensors, freed before the cast ([free 1,806,336] x 2 with expert units). The walk stays the
+    ledger's allocated peak to the byte. Replays (walk / trace's, B): Mixtral expert units 276,824,064 -> 281,018,368
+    (trace 281,018,368); LoRA 161,480,704 -> 163,577,856 (trace 159,383,552); gemma2 LoRA unchanged."""
+    c = estimate(arch_config(arch), 2, seq_len=seq, **SMALL, **knobs)
+    events, first = _walk(c)
+    assert _softmax_backward(events, first, c.model.n_heads * seq * seq, c.model.vocab_size, seq) == traced
+    assert _events_peak(events) == c.memory.peak_allocated_bytes
