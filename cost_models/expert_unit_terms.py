@@ -9,7 +9,7 @@ sharded gradient (ceil(rows / efsdp) of the padded rows, cast to the parameters'
 theirs: _fsdp_collectives.py:696). So the block's later moments (the router's, the norm's, the attention's) hold the
 reduce-scatter input in place of the block above's, the experts' new shard, and none of the experts' gradients.
 Traced: docs/accuracy.md "2026-12-07 night: the experts' reduce-scatter in the ledger". The experts' unit gathered
-again at the last block's backward, its all-gather output beside the copy-out: copy_out_moment."""
+again at the last block's backward, its all-gather output beside the copy-out, and in forward: copy_out_moment."""
 
 from __future__ import annotations
 
@@ -59,18 +59,30 @@ def expert_unit_terms(model, config, ep_view, d: int, c: int, r: int, p: int, fr
                            moe.experts_gathered_elements(model, 1) * c)
 
 
-def copy_out_moment(blocks: tuple, L: int, experts: ExpertUnitTerms, states: dict, params: int, reduce_above: int,
-                    head_grad: int, tokens: int, ckpt: int, h_c: int, shared: int) -> dict:
+def copy_out_moment(s, model, experts: ExpertUnitTerms, states, grads_done: int, params: int, reduce_above: int,
+                    head_grad: int, lora: bool) -> dict:
     """The last block's experts gathered again at their pre-backward (their unit resharded after its forward), the
     all-gather output copied out into their unsharded parameters, both alive (torch 2.13 _fsdp_param_group.py:463
     wait_for_unshard -> _fsdp_collectives.py:431 foreach_all_gather_copy_out; the output freed after it), beside the
     block gathered (`params`, the experts in it), the block above's reduce-scatter input, the saved tensors and the
-    incoming gradient (h_c per token), before the block below is prefetched. blocks: memory_shape.py's, top first;
-    ckpt: a checkpointed block's saved bytes per token. Padded experts (16 x the rank's rows on 128 ranks) make it the
-    peak: docs/accuracy.md "2026-12-08: the padded experts' all-gather copied out at the last block's backward"."""
-    i, _, recomputed, below, this = blocks[0]
-    if not experts.gathered or i != L - 1:
+    incoming gradient, before the block below is prefetched. s: memory_shape.LedgerShape (its blocks top first);
+    states: memory.py's states(sharded grad bytes). Padded experts (16 x the rank's rows on 128 ranks) make it the
+    peak: docs/accuracy.md "2026-12-08: the padded experts' all-gather copied out at the last block's backward".
+    And the same in forward: the experts' all-gather output kept after their copy-out (FSDP2 frees a forward
+    all-gather's output at the next unit's copy-out: _fsdp_param_group.py wait_for_unshard keeps it in
+    comm_ctx.all_gather_state; the block's own freed at this one), beside the saved tensors of the blocks below and
+    the last block's own, at the experts' un-permute (moe.forward_unpermute_bytes_per_token); formulas' families
+    only (a traced profile's forward working set is not known), the last block not checkpointed (its forward
+    saves nothing, its recompute is the backward moment's)."""
+    i, _, recomputed, below, this = s.blocks[0]
+    if not experts.gathered or i != s.n_layers - 1:
         return {}
-    return {f"backward of block {i}'s experts (their all-gather copied out)": Moment(
-        **states, unsharded_params=params, collective_buffers=experts.gathered + reduce_above,
-        unsharded_grads=head_grad, activations=tokens * (below + (ckpt if recomputed else this) + h_c) + shared)}
+    tokens, h_c = s.tokens, s.c * model.hidden_size
+    out = {f"backward of block {i}'s experts (their all-gather copied out)": Moment(
+        **states(grads_done), unsharded_params=params, collective_buffers=experts.gathered + reduce_above,
+        unsharded_grads=head_grad, activations=tokens * (below + (s.ckpt if recomputed else this) + h_c) + s.shared)}
+    if not recomputed and model.activation_profile is None:
+        out[f"forward of block {i}'s experts (their all-gather copied out)"] = Moment(
+            **states(0), unsharded_params=params, collective_buffers=experts.gathered,
+            activations=tokens * (below + this + moe.forward_unpermute_bytes_per_token(model, s.c, lora)) + s.shared)
+    return out

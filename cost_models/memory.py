@@ -290,8 +290,8 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
                                       model, c, i > 0, s.mlp_inputs_saved)) + shared + s.out_proj_in_flight,
         )
     if experts_c and prefetches and ep_view is None and L - 1 not in dense_blocks:  # (expert_unit_terms.py)
-        moments.update(copy_out_moment(s.blocks, L, experts, states(grads_done(L - 1)), params_at(L - 1),
-                                       reduce_scatter_above(L - 1), head_grad, tokens, ckpt, c * h, shared))
+        moments.update(copy_out_moment(s, model, experts, states, grads_done(L - 1), params_at(L - 1),
+                                       reduce_scatter_above(L - 1), head_grad, bool(training.adapter_rank)))
     if config.expert_shard_dim and d > 1 and model.moe is not None and not keeps_gathered and ep_view is None:
         # FSDP2 copies a dim-1 shard's all-gather out through a temporary as large as the tensor (chunk-cat
         # into the unsharded parameter): at a block's pre-backward its flat all-gather output, the temporary

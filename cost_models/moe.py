@@ -262,6 +262,23 @@ def mlp_backward_working_bytes_per_token(model: ModelSpec, c: int, lora: bool = 
     return max(m.per_token for m in backward_moments(model, c, lora))
 
 
+def forward_unpermute_bytes_per_token(model: ModelSpec, c: int, lora: bool = False) -> int:
+    """Bytes per token the MoE MLP's forward holds at its un-permute (transformers 5.24 integrations/moe.py:528,
+    weighted_out[inv_perm]) beyond the block's saved tensors: the weighted rows (moe.py:524, saved by nothing) and
+    their un-permuted copy (2 k h wo), the router's logits (returned), top-k weights, the sorted expert ids (moe.py:440)
+    and histc's input (moe.py:448); under LoRA (frozen router and experts) also the router's input and the gathered
+    rows (moe.py:441), locals that nothing saves; less what the shared experts save after the routed ones (DeepSeek's
+    run after, Qwen's before but for their sigmoid gate). Traced: docs/accuracy.md "2026-12-08: the padded experts'
+    forward copy-out"."""
+    moe = model.moe
+    h, k = model.hidden_size, moe.experts_per_token
+    wo, w = _weighted_output_bytes(moe, c), _routing_weight_bytes(moe, c)
+    logits = moe.n_experts * (4 if moe.fp32_router_input else c)
+    locals_ = (c * h + k * c * h) if lora else (c * h if moe.fp32_router_input and c != 4 else 0)
+    later = (c if moe.shared_ffn_size else 0) if model.shared_expert_gated else _shared_expert_bytes(model, c, lora)
+    return 2 * k * h * wo + logits + k * (w + INDEX_BYTES + 4) + locals_ - later
+
+
 def mlp_param_elements(model: ModelSpec) -> int:
     """Parameters of one sparse layer's MLP: routed experts, router, shared experts."""
     moe = model.moe
