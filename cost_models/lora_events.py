@@ -69,6 +69,9 @@ class LoraWalk:
             self.loss_events = loss_kernel_events(model, self.c, config, self.tokens, head_grad=False)
         tokens = self.tokens  # block 0's first norm saves nothing (its input needs no gradient): first_less
         self.pieces[self.stage] = self.pieces[self.stage].with_ledger_saved(shape, tokens, shape.first_less)
+        # the checkpoint-held inputs as the ledger holds them (the formulas' rotary tables and eager mask, which StepWalk
+        # makes the same; a generic family's block traced under LoRA: its own, Llama 4's chunked mask: memory_shape.py)
+        self.shared, self.mask = shape.shared, 0
         # each block's backward moment as memory.py picks it (by activations): the MLP's or the attention's, per
         # token and in whole tensors beside them (QLoRA: the linear in flight dequantized, qlora.py)
         mlp, attn = (shape.w_mlp, []), (shape.w_attn - shape.freed_attn, [])

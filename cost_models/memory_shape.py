@@ -148,8 +148,11 @@ def ledger_shape(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, e
         full += lora_dropout.saved_bytes_per_token(model, c, casts, o_copied)
     K = 1 if config.selective_op_ac else config.ac_every
     shared = activations.shared_bytes(model, c, training.seq_len)
-    if K and traced is not None:  # the blocks' other inputs (masks, rotary tables), kept for the recompute
-        shared = round(traced.checkpoint_held_bytes(config.micro_batch, training.seq_len))
+    held = traced if traced is not None else lora_traced  # (under LoRA the block traced under peft's adapters: its
+    # masks too, e.g. Llama 4's chunked-attention mask, which SDPA gets from a chunk no longer than the sequence on,
+    # transformers 5.24 masking_utils.py:286, s x s bool: docs/accuracy.md "2026-12-08: llama4 LoRA's held mask")
+    if K and held is not None:  # the blocks' other inputs (masks, rotary tables), kept for the recompute
+        shared = round(held.checkpoint_held_bytes(config.micro_batch, training.seq_len))
     elif K:
         shared += activations.eager_mask_bytes(model, c, training.seq_len, config.micro_batch, attn)
     # LoRA without checkpointing: block 0's first norm saves nothing (its input needs no gradient).
