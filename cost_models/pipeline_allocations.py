@@ -15,8 +15,9 @@ does) and writes, at the granularity the trace's events show (calibration/alloc_
   copy-in stream, each backward's compute-dtype weight gradients and the reduce-dtype sums they are added into;
 - per microbatch and block, what its forward keeps (a checkpointed block: its input, its other tensors made and
   freed), in backward its recompute, its largest working set and the gradient passed down; the stage output in
-  fwd_cache until its backward; the receive buffers (made at the first step, kept); on the last stage the logits
-  (to the step's end, then merged) and the loss's tensors (loss_memory.events: loss parallel's under TP);
+  fwd_cache to its backward's end; the receive buffers (made at the first step, kept; a backward's output gradient
+  is one); on the last stage the logits (to the step's end, then merged) and the loss's tensors (loss_memory.events:
+  loss parallel's under TP);
 - the reduce-scatter input (default stream) and output (the reduce-scatter stream, the sharded gradient until the
   optimizer step), unit by unit; the optimizer's foreach temporaries, one per parameter shard;
 - FSDP2's dim-0 padding of each tensor in its shard, states, all-gather and reduce-scatter (dim0_padding_events.py);
@@ -240,15 +241,18 @@ class _RankWalk:
             out = None
             if self.templated(x, j):
                 nxt = j + 1 < len(x.kept) and self.templated(x, j + 1) and x.kept[j + 1]
-                out = ("saved", s, mb, j + 1, 0) if nxt else ("block_out", s, mb)
+                # the stage's last block's output is the stage output (fwd_cache holds that tensor, no copy)
+                last = j + 1 == len(x.kept) and x.output == self.tokens * self.hs
+                out = ("saved", s, mb, j + 1, 0) if nxt else ("output", s, mb) if last else ("block_out", s, mb)
                 self.events += keyed(forward_events(self.block), {"x": None, "out": out})
             elif x.checkpointed[j]:
                 self.transient(("forward", s, mb, j), self.tensors(x.block_full))
             self.post_forward(s, root + j)
         # the rotary tables, and on the last stage the final norm's saved tensors and the labels
         self.alloc(("rest", s, mb), x.saved - self.tokens * sum(x.kept) - x.output)
-        self.alloc(("output", s, mb), x.output)
-        self.events += [("free", out)] * (out is not None)
+        if out != ("output", s, mb):
+            self.alloc(("output", s, mb), x.output)
+            self.events += [("free", out)] * (out is not None)
         if x.stage.head:
             self.loss(self.loss_events[0], s, mb)
 
@@ -256,13 +260,15 @@ class _RankWalk:
         """Its backward: the loss's, then top block first its recompute (checkpointed), its largest working set
         (StagePieces.working), its weight gradients and the gradient passed down; its saved tensors freed as it ends."""
         s = x.stage.index
-        self.free(("output", s, mb))
-        if x.stage.head:
+        if x.stage.head:  # (its output none: the logits are the loss's)
+            self.free(("output", s, mb))
             self.loss(self.loss_events[1], s, mb)
         self.free(("rest", s, mb))
         root = self.root_units(s)
-        grad_in = ("grad_in", s, mb, x.stage.n_blocks)
-        self.alloc(grad_in, self.tokens * self.hs)
+        # a non-last stage's output gradient is its receive buffer (stage.py _retrieve_recv_grads), kept
+        grad_in = ("grad_in", s, mb, x.stage.n_blocks) if x.stage.head else None
+        if grad_in is not None:
+            self.alloc(grad_in, self.tokens * self.hs)
         for j in reversed(range(x.stage.n_blocks)):
             self.pre_backward(s, root + j)
             if self.templated(x, j):  # its input freed in its first norm's backward, its output gradient before
@@ -281,17 +287,21 @@ class _RankWalk:
             self.events += [("free", ("recompute", s, mb, j, t)) for t in range(len(recomputed))]
             self.events += [("free", ("saved", s, mb, j, t)) for t in range(len(self.inputs(x, j)))]
             self.alloc(("grad_in", s, mb, j), self.tokens * self.hs)
-            self.free(grad_in)
+            self.events += [("free", grad_in)] * (grad_in is not None)
             if self.late_post_backward:
                 self.weight_grads(s, root + j)
             grad_in = ("grad_in", s, mb, j)
         self.root_backward(s, grad_in)
+        if not x.stage.head:  # the stage output (fwd_cache) goes as backward_one_chunk returns (stage.py:964-966)
+            self.free(("output", s, mb))
 
     def root_backward(self, s: int, grad_in) -> None:
-        """The stage root's backward (the embedding's: its weight gradients) from the gradient `grad_in` (freed)."""
+        """The stage root's backward (the embedding's) from the gradient `grad_in`: its weight gradient made, grad_in
+        freed as autograd ends, then the root's post-backward (the final callback) adds it into the sum."""
+        start = len(self.events)
         if self.root_units(s):
-            self.weight_grads(s, 0)
-        self.free(grad_in)
+            self.weight_grads(s, 0)  # (the root is one tensor: its gradient's allocation the first event)
+        self.events.insert(start + bool(self.root_units(s)), ("free", grad_in))
 
     def step(self, first: bool) -> None:
         """One schedule step (torch's order; a multi-stage rank keeps the stages ahead gathered), the merge of the

@@ -167,15 +167,15 @@ SETTINGS = {"defaults": AllocatorSettings(), "expandable": AllocatorSettings(exp
 @pytest.mark.parametrize("name", SETTINGS)
 def test_the_walks_replay_reserves_what_the_traces_does(traced, name):
     """Measured at this commit, trace vs walk: allocated 5,755,324,416 vs 5,736,243,200 B (-0.3%); reserved
-    8,369,733,632 vs 8,336,179,200 (defaults, -0.4%), 7,809,794,048 vs 8,055,160,832 (expandable, +3.1%; +0.1% /
-    -0.6% before the stage's units were unsharded at their pre-forwards, pipeline_stage_events.py, torch's order,
-    which brought 36 traced pipeline rows' mean |error| from 1.8% to 1.3%, max 16% to 5.3%: docs/accuracy.md, "the
-    pipeline walk's unshards"). With the block as one sweep: allocated +1.1%, reserved -0.5% / -4.9%. Tolerance 4%
-    (the 405B-width middle stage of benchmarks/pipeline_replay_wide.py: +0.7% / +3.5%)."""
+    8,369,733,632 vs 8,411,676,672 (defaults, +0.5%), 7,809,794,048 vs 7,782,531,072 (expandable, -0.3%; -0.4% /
+    +3.1% before a non-last stage's output was its last block's and its output gradient the receive buffer, the
+    output kept through the backward: docs/accuracy.md, "a pipeline stage's output and output gradient"). With the
+    block as one sweep: allocated +1.1%, reserved -0.5% / -4.9%. Tolerance 2% (the 405B-width middle stage of
+    benchmarks/pipeline_replay_wide.py: -0.1% / +0.5%)."""
     spec, _, training = specs()
     local, local_training = rank_inputs(spec, training, CONFIG)
     settings = SETTINGS[name]
     trace = replay(traced.allocation_events, settings, snapshots=False)
     walk = replay_rank(local, local_training, CONFIG, FSDP, RANK, settings)
     assert walk.peak_allocated_bytes == pytest.approx(trace.peak_allocated_bytes, rel=0.01)
-    assert walk.peak_reserved_bytes == pytest.approx(trace.peak_reserved_bytes, rel=0.04)
+    assert walk.peak_reserved_bytes == pytest.approx(trace.peak_reserved_bytes, rel=0.02)
