@@ -31,10 +31,10 @@ does (expert_unit_terms.py). The MoE MLP's saved tensors (moe.mlp_bytes_per_toke
 docs/accuracy.md "2026-12-08: the MLP's saved tensors in the experts' backward"): the routed rows' made inside the
 experts' forward (after their all-gather) and freed in their backward, before their reshard and reduce-scatter; the
 router's made before the experts' all-gather and freed after that reduce-scatter (the router's backward follows the
-experts'), before the post-attention norm's backward - where the ledger's later moments have them freed. Not apart
-(to the block's end, as before): with activation checkpointing (a recomputed MLP stays whole, and checkpointed blocks
-beside blocks with their MLP apart fragmented the replay where the trace's does not), a traced block profile's saved
-bytes, the dispatch / combine's (the ledger keeps them too).
+experts'), before the post-attention norm's backward - where the ledger's later moments have them freed; a
+checkpointed block's beside them too (every-2). Not apart (to the block's end, as before): a checkpointed block's (its
+recompute keeps the MLP's whole), a traced block profile's saved bytes, the dispatch / combine's (the ledger keeps them
+too). Without EP the experts' forward ends with the un-permute's working set (forward_unpermute).
 Experts as units of their own without EP (FsdpConfig.expert_units) are this walk at efsdp = d, the model unsliced.
 A dense block (DeepSeek's leading, Llama 4's interleaved) has no experts: MoeWalk's unit, StepWalk's backward.
 The FSDP2 hooks are ExpertUnitsHooks, what the trained experts add ExpertUnitsWalk; under LoRA (frozen experts, no
@@ -132,9 +132,28 @@ class ExpertUnitsHooks:
             self.mlp_saved_tensors(s, u, "router")
             self.unshard(("experts", u))
             self.mlp_saved_tensors(s, u, "experts")
+            self.forward_unpermute(s, u)
             if not self.keeps_gathered:
                 self.reshard_unit(("experts", u))
         super().post_forward(s, u)
+
+    def forward_unpermute(self, s: int, u) -> None:
+        """The MoE MLP's un-permute with the experts gathered (no EP), before their post-forward reshards them: the
+        weighted rows (transformers 5.24 integrations/moe.py:524) and their un-permuted copy (:528), k x h each in the
+        product's dtype, the routing's small tensors (router logits, top-k weights, sorted ids, histc's input, :440-448;
+        under LoRA the router's input and gathered rows) in one; made and freed (moe.forward_unpermute_bytes_per_token,
+        the ledger's forward copy-out moment, expert_unit_terms.copy_out_moment)."""
+        if self.ep_view is not None:
+            return
+        model, key = self.model, ("unpermute", s, u)
+        rows = self.tokens * model.moe.experts_per_token * model.hidden_size * moe.weighted_output_bytes(model.moe,
+                                                                                                      self.c)
+        total = self.tokens * moe.forward_unpermute_bytes_per_token(model, self.c, self.training.finetune.adapters)
+        sizes = [rows, rows, total - 2 * rows] if total > 2 * rows else [total]
+        for t, size in enumerate(sizes):
+            self.alloc(key + (t,), size)
+        for t in range(len(sizes)):
+            self.free(key + (t,))
 
     def mlp_saved_tensors(self, s: int, u, part: str, free: bool = False) -> None:
         """Block unit u's MLP saved tensors of `part` made apart, or freed: none here (the block's whole; full
@@ -208,11 +227,10 @@ class ExpertUnitsWalk(ExpertUnitsHooks):
         mlp = moe.mlp_bytes_per_token(self.model, self.c) if self.shape.traced is None else 0
         router = moe.router_bytes_per_token(self.model.moe, self.c)
         self.mlp_saved_bytes_per_token = {"router": router, "experts": mlp - router}
-        # (none where a block is checkpointed: its recompute keeps the MLP's whole, and with both kinds of block the
-        # replay fragmented where the trace's does not, the expert-units grid's every-2 rows +16 .. +30 points over
-        # the trace's replay: docs/accuracy.md "2026-12-08: the MLP's saved tensors in the experts' backward")
-        self.mlp_apart_blocks = set() if any(x.checkpointed) else {j for j in range(x.stage.n_blocks) if mlp
-                                                         and x.stage.first_block + j not in self.dense}
+        # (not a checkpointed block's: its recompute keeps the MLP's whole; beside checkpointed blocks the others' go
+        # apart too, as autograd frees them: docs/accuracy.md "2026-12-08: the experts' forward un-permute ...")
+        self.mlp_apart_blocks = {j for j in range(x.stage.n_blocks) if mlp and not x.checkpointed[j]
+                                 and x.stage.first_block + j not in self.dense}
         self.saved_less([mlp * (j in self.mlp_apart_blocks) for j in range(x.stage.n_blocks)])  # (DenseBlocks')
 
     def mlp_saved_tensors(self, s: int, u, part: str, free: bool = False) -> None:

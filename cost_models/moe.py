@@ -185,7 +185,7 @@ def mlp_bytes_per_token(model: ModelSpec, c: int, lora: bool = False) -> int:
     return router_bytes_per_token(moe, c) + k * per_row + _shared_expert_bytes(model, c, lora)
 
 
-def _weighted_output_bytes(moe: MoeSpec, c: int) -> int:
+def weighted_output_bytes(moe: MoeSpec, c: int) -> int:
     """dtype width of expert output x routing weight: fp32 routing weights promote it to fp32."""
     return max(c, _routing_weight_bytes(moe, c))
 
@@ -205,7 +205,7 @@ def backward_moments(model: ModelSpec, c: int, lora: bool = False, recomputed: b
 def _backward_moments(model: ModelSpec, c: int, lora: bool, recomputed: bool) -> tuple[BackwardMoment, ...]:
     moe = model.moe
     h, f, k = model.hidden_size, moe.expert_ffn_size, moe.experts_per_token
-    wo = _weighted_output_bytes(moe, c)
+    wo = weighted_output_bytes(moe, c)
     unpermute = c * h + 3 * k * h * wo
     if wo != c:  # the fp32 product's backward: two fp32 products and the cast back, inverse permutation freed
         product = unpermute + k * h * c - INDEX_BYTES * k
@@ -272,7 +272,7 @@ def forward_unpermute_bytes_per_token(model: ModelSpec, c: int, lora: bool = Fal
     forward copy-out"."""
     moe = model.moe
     h, k = model.hidden_size, moe.experts_per_token
-    wo, w = _weighted_output_bytes(moe, c), _routing_weight_bytes(moe, c)
+    wo, w = weighted_output_bytes(moe, c), _routing_weight_bytes(moe, c)
     logits = moe.n_experts * (4 if moe.fp32_router_input else c)
     locals_ = (c * h + k * c * h) if lora else (c * h if moe.fp32_router_input and c != 4 else 0)
     later = (c if moe.shared_ffn_size else 0) if model.shared_expert_gated else _shared_expert_bytes(model, c, lora)
