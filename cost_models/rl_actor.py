@@ -1,7 +1,7 @@
-"""verl's actor as the FSDP models price it: the model as trained (all-linear LoRA), its FSDP configuration and packed
-micro-batch (ActorRun), its per-GPU states and update peak from the repo's ledger with verl's log-prob path in place
-of the cross-entropy (ActorStates), a no-grad log-prob forward, and the reference's shard. rl_phases.py places
-them in verl's phases."""
+"""verl's actor as the FSDP models price it: the model as trained (LoRA on its target_modules: rl_lora_targets.py),
+its FSDP configuration and packed micro-batch (ActorRun), its per-GPU states and update peak from the repo's ledger
+with verl's log-prob path in place of the cross-entropy (ActorStates), a no-grad log-prob forward, and the
+reference's shard. rl_phases.py places them in verl's phases."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from .memory_types import MemoryBreakdown, ParamCounts
 from .model_spec import ModelSpec
 from .profile import Profile
 from .rl_batch import BatchPlan
+from .rl_lora_targets import lora_model
 from .rl_settings import ACTOR_DTYPES, RlSettings
 from .rl_strategy import (forward_gathered_bytes, fsdp2_backward, head_backward_bytes, loss_root_bytes,
                           weight_sync_bytes)
@@ -43,8 +44,9 @@ class ActorStates:
 
 
 def all_linear_lora(model: ModelSpec) -> ModelSpec:
-    """LoRA on every linear of a block (PEFT's target_modules="all-linear", verl's examples): q, k, v, o and the
-    MLP's (ModelSpec.lora_targets all-linear: their adapters and the inputs they save)."""
+    """LoRA on every linear of a block (PEFT's target_modules="all-linear", verl's default): q, k, v, o and the
+    MLP's (ModelSpec.lora_targets all-linear: their adapters and the inputs they save); the block's linears TRL's
+    server sync sends (sent_tensors)."""
     return dataclasses.replace(model, lora_targets="all-linear")
 
 
@@ -90,8 +92,8 @@ def logits_bytes(model: ModelSpec, tokens: int, c: int, settings: RlSettings, ba
 
 @dataclass(frozen=True)
 class ActorRun:
-    """What the FSDP models price for verl's actor: the model as trained (all-linear LoRA adapters), the cluster
-    its shard group sees (HYBRID over fsdp_size: a node of fsdp_size GPUs), the FsdpConfig and the packed
+    """What the FSDP models price for verl's actor: the model as trained (LoRA adapters on its target_modules), the
+    cluster its shard group sees (HYBRID over fsdp_size: a node of fsdp_size GPUs), the FsdpConfig and the packed
     micro-batch (micro_batch 1 of the micro-batch's tokens per GPU)."""
 
     model: ModelSpec
@@ -107,9 +109,9 @@ def actor_run(model: ModelSpec, cluster: ClusterSpec, settings: RlSettings, batc
     weights with bf16 compute (or bf16 throughout); the loss priced apart (verl_logits_bytes). memo: a search's
     cache (one cluster: the actor's model and the critic's value model), keyed by what the run reads."""
     if memo is not None:
-        key = ("actor_run", model.name, settings.finetune, settings.lora_rank, settings.actor_dtype,
-               settings.gradient_checkpointing, settings.fsdp_size, batch.update_tokens_per_gpu, settings.host_offload,
-               settings.optimizer_impl)
+        key = ("actor_run", model.name, settings.finetune, settings.lora_rank, settings.lora_targets,
+               settings.actor_dtype, settings.gradient_checkpointing, settings.fsdp_size, batch.update_tokens_per_gpu,
+               settings.host_offload, settings.optimizer_impl)
         if key not in memo:
             memo[key] = actor_run(model, cluster, settings, batch)
         return memo[key]
@@ -119,7 +121,7 @@ def actor_run(model: ModelSpec, cluster: ClusterSpec, settings: RlSettings, batc
     config = FsdpConfig(sharding=sharding, precision=ACTOR_DTYPES[settings.actor_dtype],
                         ac_every=int(settings.gradient_checkpointing), micro_batch=1, grad_accum=1,
                         attention=Attention.SDPA, loss_kernel=LossKernel.LIGER, offload=settings.host_offload)
-    return ActorRun(model=all_linear_lora(model) if settings.lora else model,
+    return ActorRun(model=lora_model(model, settings),
                     cluster=_shard_group_nodes(cluster, size) if 1 < size < cluster.n_gpus else cluster,
                     config=config, training=TrainingSpec(seq_len=batch.update_tokens_per_gpu,
                                                          finetune=settings.finetune, lora_rank=settings.lora_rank,
@@ -225,11 +227,11 @@ def forward_only_bytes(model: ModelSpec, tokens: int, c: int, settings: RlSettin
     calculate_entropy=True; _compute_ref_log_prob: False); TRL's fused head on the batch's response tokens, the same
     in both. All-linear LoRA on an MoE: the actor's pass runs its adapters, peft's merged expert stacks alive through
     the experts' forward (parametrize.cached() holds both: moe_lora.py; +3 E f h x c measured under no_grad on a
-    Mixtral block); the reference's disables them (verl: disable_adapter)."""
+    Mixtral block); the reference's disables them (verl: disable_adapter). Attention-only LoRA: no merged stacks."""
     bound = activations.block_bytes_per_token(model, c, Attention.SDPA, tokens, 1) + 2 * c * model.hidden_size
     ulysses = rl_ulysses.forward_only_extra_bytes(model, tokens, c, sp, bound)
     body = {"forward activations": tokens * bound, **({"Ulysses all-to-all": ulysses} if ulysses else {})}
-    lora_moe = model.lora_moe or settings.lora and model.moe is not None   # the actor's: all-linear under lora
+    lora_moe = lora_model(model, settings).lora_moe   # the actor's, on its target_modules
     merged = moe_lora.merged_weight_bytes(model, c, c, settings.lora_rank) if lora_moe else 0
     actor = {**body, **({"merged expert stacks (peft)": merged} if merged else {})}
     if settings.framework == "trl":

@@ -49,7 +49,8 @@ from .cluster_spec import ClusterSpec
 from .host_ram import PROCESS_BYTES_PER_RANK
 from .model_spec import ModelSpec
 from .outside_step import LoadWay, SaveWay, StateSizes, load_bytes, save_bytes
-from .rl_actor import ActorStates, all_linear_lora, reference_bytes
+from .rl_actor import ActorStates, reference_bytes
+from .rl_lora_targets import lora_model
 from .rl_settings import ACTOR_DTYPES, RlSettings
 from .rl_reward import RewardModel
 from .rl_sleep import EngineSleep, engine_sleep
@@ -141,7 +142,7 @@ def merge_backup_bytes(model: ModelSpec, settings: RlSettings, actor: ActorState
     base share."""
     if settings.strategy == "fsdp":
         return actor.params_bytes
-    adapters = all_linear_lora(model).lora_params(settings.lora_rank)
+    adapters = lora_model(model, settings).lora_params(settings.lora_rank)
     return actor.params_bytes * model.n_params // (model.n_params + adapters)
 
 

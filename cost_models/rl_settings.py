@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .rl_sleep import verl_sleep_level
-from .spec_values import Finetune, OptimizerImpl, Precision, SpecError, parse_enum
+from .spec_values import Finetune, LoraTargets, OptimizerImpl, Precision, SpecError, parse_enum
 
 ALGORITHMS = ("grpo", "ppo")
 ACTOR_DTYPES = {"fp32": Precision.BF16, "bf16": Precision.BF16_PURE}  # stored dtype -> FSDP mixed precision
@@ -29,7 +29,9 @@ class RlSettings:
     framework: str = "verl"            # verl | trl (GRPOTrainer with accelerate's FSDP)
     actor_dtype: str = "fp32"          # fsdp_config.model_dtype: fp32 master weights (2025 default) or bf16
     finetune: Finetune = Finetune.FULL
-    lora_rank: int = 32                # model.lora_rank, target_modules all-linear
+    lora_rank: int = 32                # model.lora_rank
+    # model.target_modules as priced (rl_lora_targets.py): all-linear (verl's default) or the attention projections
+    lora_targets: LoraTargets = LoraTargets.ALL_LINEAR
     param_offload: bool = False
     optimizer_offload: bool = False
     ref_param_offload: bool = True     # ref.fsdp_config.param_offload: read by TRL's mapping only (reference_offloaded)
@@ -81,6 +83,7 @@ class RlSettings:
             elif value not in valid:
                 raise SpecError(name, f"unknown value {value!r}; choose one of: {', '.join(valid)}")
         object.__setattr__(self, "finetune", parse_enum(Finetune, self.finetune, "finetune"))
+        object.__setattr__(self, "lora_targets", parse_enum(LoraTargets, self.lora_targets, "lora_targets"))
         if self.finetune is Finetune.QLORA:
             raise SpecError("finetune", "qlora is not a verl mode; choose one of: full, lora")
         if self.algorithm not in ALGORITHMS:
@@ -167,6 +170,11 @@ class RlSettings:
     @property
     def lora(self) -> bool:
         return self.finetune is Finetune.LORA
+
+    @property
+    def lora_all_linear(self) -> bool:
+        """LoRA on every block linear (target_modules all-linear): an MoE's router and stacked experts too."""
+        return self.lora and self.lora_targets is LoraTargets.ALL_LINEAR
 
     @property
     def lora_merged(self) -> bool:

@@ -174,7 +174,9 @@ def merged_sync_bytes(model: ModelSpec, strategy: str, params_bytes: int, p: int
     send = {"gathered tensor": largest * p, **({"its bf16 copy": largest * 2} if p != 2 else {})}
     if strategy == "fsdp2" or shard_ranks <= 1:
         return {}, send
-    linear = max((i * o for i, o in (*model.lora_target_shapes, *model.mlp_linear_shapes)), default=0)
+    # the largest adapted linear's delta (model: as trained; attention-only LoRA merges no MLP linear)
+    adapted = (*model.lora_target_shapes, *(model.mlp_linear_shapes if model.lora_mlp else ()))
+    linear = max((i * o for i, o in adapted), default=0)
     # all-linear on an MoE: a stacked expert's delta, one stack at a time (moe_lora.merge_delta_elements)
     delta = max(2 * linear, moe_lora.merge_delta_elements(model) if model.lora_moe else 0)
     merge = {"summoned params (merge)": model.n_params * p, "LoRA delta": delta * p}

@@ -141,7 +141,7 @@ def micro_step(model: ModelSpec, cluster: ClusterSpec, settings: RlSettings, bat
     seq = max(1, min(tokens, mean_len // sp))
     seqs = max(1, round(tokens / seq))
     fsdp2 = settings.strategy == "fsdp2"  # the copies around the collectives differ by API (fsdp_copies.py)
-    key = (run.model.name, run.config, run.training, seq, seqs, fsdp2)
+    key = (run.model.name, run.model.lora_targets, run.config, run.training, seq, seqs, fsdp2)
     if memo is not None and key in memo:
         return memo[key]
     step = estimate_step_time(run.model, run.cluster, dataclasses.replace(run.training, seq_len=seq),
@@ -158,9 +158,9 @@ def train_seconds(model: ModelSpec, cluster: ClusterSpec, settings: RlSettings, 
     (micro-steps, optimizer steps) where the schedule counts them: TRL's rl_schedule.trl_cycle); the old and
     reference log-probs, each the forward of the rank's tokens at the log-prob micro-batch. memo: a search's cache
     (micro_step's), which holds the result too."""
-    key = ("train_seconds", model.name, settings.strategy, settings.finetune, settings.lora_rank, settings.actor_dtype,
-           settings.gradient_checkpointing, settings.fsdp_size, settings.host_offload, batch, prompt_tokens,
-           response_tokens, sp, steps)
+    key = ("train_seconds", model.name, settings.strategy, settings.finetune, settings.lora_rank,
+           settings.lora_targets, settings.actor_dtype, settings.gradient_checkpointing, settings.fsdp_size,
+           settings.host_offload, batch, prompt_tokens, response_tokens, sp, steps)
     if memo is not None and key in memo:
         return memo[key]
     length, gc = prompt_tokens + response_tokens, settings.gradient_checkpointing

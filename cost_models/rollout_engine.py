@@ -77,6 +77,9 @@ class EngineSettings:
     cuda_graph_bytes: int = CUDA_GRAPH_BYTES_ESTIMATE
     max_lora_rank: int = 0                # enable_lora's (verl: a LoRA adapter served, rollout_lora.py); 0 = off
     max_loras_per_batch: int = SGLANG_MAX_LORAS_PER_BATCH   # SGLang's LoRA pool slots (rollout_lora_sglang.py)
+    # SGLang's lora_target_modules as its pool names them (rollout_lora_sglang.sglang_target_modules of verl's
+    # model.target_modules); None: "all" (verl's all-linear). vLLM takes none: its buffers wrap every linear
+    lora_target_modules: frozenset[str] | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "engine", parse_enum(Engine, self.engine, "engine"))
@@ -256,7 +259,7 @@ def engine_memory(model: ModelSpec, s: EngineSettings, total_bytes: int, residen
         refusals += kv_fit_refusals(s.engine, kv, seq_pages * page * shape.layers, s.max_model_len)
     refusals = scheduler_refusals(s) + refusals
     if s.engine is Engine.SGLANG and s.max_lora_rank:   # an adapter SGLang's loader raises on
-        refusals += adapter_refusals(model)
+        refusals += adapter_refusals(model, s.lora_target_modules)
     return EngineMemory(weights_bytes=weights, activation_peak_bytes=acts, cuda_graph_bytes=s.graph_bytes,
                         kv_bytes=kv, kv_blocks=blocks, page_bytes=page, kv_tokens=blocks * s.page_tokens,
                         max_concurrent_seqs=min(s.max_num_seqs, blocks // seq_pages), refusals=tuple(refusals),
@@ -274,5 +277,6 @@ def lora_bytes(model: ModelSpec, s: EngineSettings) -> tuple[int, int]:
     # the backend's graph metadata at the decode graph's largest batch, max_running_requests (verl's max_num_seqs) at
     # most; a decode step reads one slot's pool and its metadata
     max_bs = 0 if s.enforce_eager else s.max_num_seqs
-    pool = sglang_lora_pool(model, s.tp, s.max_lora_rank, s.weight_dtype_bytes, s.max_loras_per_batch, max_bs=max_bs)
-    return pool.total_bytes, one_slot_bytes(model, pool, s.max_loras_per_batch, max_bs)
+    pool = sglang_lora_pool(model, s.tp, s.max_lora_rank, s.weight_dtype_bytes, s.max_loras_per_batch,
+                            targets=s.lora_target_modules, max_bs=max_bs)
+    return pool.total_bytes, one_slot_bytes(model, pool, s.max_loras_per_batch, max_bs, s.lora_target_modules)

@@ -15,6 +15,7 @@ import textwrap
 
 import yaml
 
+from cost_models.rl_lora_targets import verl_value
 from cost_models.rl_schedule import TRL_CANNOT
 from cost_models.units import GiB
 from planner.emit.rl_flags import MARK, planner_flags
@@ -26,7 +27,7 @@ from planner.line_width import LINE_WIDTH
 # written: a TRL estimate holds TRL's values, and a verl plan in TRL's terms runs them)
 COMMENTED = ("gpu", "gpu_memory", "cpu_ram_per_node", "internode_gbps", "intra_node_gb_per_s", "pcie_gb_per_s",
              "power_limit_w", "host_cores_per_node", "host_memory_gb_per_s", "host_thread_gb_per_s", "omp_num_threads",
-             "mean_prompt_len", "mean_response_len", "finetune", "lora_rank")
+             "mean_prompt_len", "mean_response_len", "finetune", "lora_rank", "lora_targets")
 DTYPES = {"fp32": "float32", "bf16": "bfloat16"}   # model_init_kwargs.dtype, as transformers names them
 KL_BETA = 0.001   # a verl plan's reference: a KL term, so that TRL loads it (verl's kl_loss_coef in its examples)
 
@@ -95,7 +96,8 @@ def emit_trl(e) -> str:
              "two files: the first document is the GRPOConfig (trl grpo --config, or GRPOConfig(**it)), the second "
              "accelerate's (accelerate launch --config_file)"]
     if r.finetune == "lora":
-        notes.append(f"LoRA: pass peft_config=LoraConfig(r={r.lora_rank}, target_modules='all-linear') to "
+        targets = verl_value(e.settings.lora_targets, e.model)   # peft's LoraConfig takes verl's values
+        notes.append(f"LoRA: pass peft_config=LoraConfig(r={r.lora_rank}, target_modules={targets!r}) to "
                      "GRPOTrainer")
     if r.vllm_mode == "server":
         notes.append(f"vllm_mode server: start the server first, on {r.rollout_tp * (r.vllm_server_data_parallel_size or 1)}"

@@ -13,6 +13,7 @@ import json
 import shlex
 import textwrap
 
+from cost_models.rl_lora_targets import verl_value
 from cost_models.rollout_lora_sglang import SGLANG_MAX_LORAS_PER_BATCH
 from cost_models.units import GiB
 from planner.emit.common import _comment, cpu_step_threads
@@ -88,6 +89,8 @@ ADV_ESTIMATORS = {"grpo": "grpo", "ppo": "gae"}   # algorithm.adv_estimator (ver
 CRITIC_DEFAULTS = {"critic.strategy": "fsdp", "critic.fsdp.model_dtype": "fp32"}
 # model.lora.merge (trainer/config/model/hf_model.yaml, default False): written and read for a LoRA actor only
 LORA_MERGE = A + "model.lora.merge"
+# model.target_modules (hf_model.yaml, default all-linear; cost_models/rl_lora_targets.py): a LoRA actor's, as priced
+TARGET_MODULES = A + "model.target_modules"
 # SGLang's LoRA pool slots: verl 0.9.1 merges rollout.engine_kwargs.sglang into SGLang's ServerArgs as is
 # (async_sglang_server.py launch_server: **engine_kwargs, then enable_lora / max_lora_rank / lora_target_modules,
 # which leave it alone); rollout.yaml declares engine_kwargs.sglang empty, so the override adds the key: `+`
@@ -95,13 +98,21 @@ MAX_LORAS = A + "rollout.engine_kwargs.sglang.max_loras_per_batch"
 
 
 def hydra_value(value) -> str:
-    """As verl's example scripts write values (Hydra's override grammar reads True / False)."""
-    return str(value)
+    """As verl's example scripts write values (Hydra's override grammar reads True / False, [a,b] a list: quoted for
+    the shell, whose globbing would read the brackets)."""
+    text = str(value)
+    return shlex.quote(text) if text.startswith("[") else text
 
 
-def overrides(r, model_path: str, settings) -> list[tuple[str, object]]:
+def target_modules_value(settings, model) -> str:
+    """model.target_modules as priced, in Hydra's words: all-linear, or the list of the attention projections."""
+    value = verl_value(settings.lora_targets, model)
+    return value if isinstance(value, str) else "[" + ",".join(value) + "]"
+
+
+def overrides(r, model_path: str, settings, model) -> list[tuple[str, object]]:
     """Every priced knob as (verl key, value), in the order of verl's examples; `settings`: the priced RlSettings
-    (the critic's strategy and dtype as resolved)."""
+    (the critic's strategy and dtype as resolved, the LoRA targets), `model` its ModelSpec."""
     mini = r.ppo_mini_batch_size or r.train_batch
     out = [("algorithm.adv_estimator", ADV_ESTIMATORS[r.algorithm]), (A + "model.path", model_path)]
     out += [(k, getattr(r, f)) for k, f in KEYS.items()]
@@ -113,7 +124,7 @@ def overrides(r, model_path: str, settings) -> list[tuple[str, object]]:
             (A + "actor.calculate_entropy", r.entropy),
             (A + "model.lora_rank", r.lora_rank if r.finetune == "lora" else 0)]
     if r.finetune == "lora":
-        out += [(A + "model.target_modules", "all-linear"), (LORA_MERGE, settings.lora_merge)]
+        out += [(TARGET_MODULES, target_modules_value(settings, model)), (LORA_MERGE, settings.lora_merge)]
     if r.engine == "sglang" and r.max_loras_per_batch not in (None, SGLANG_MAX_LORAS_PER_BATCH):
         out.append(("+" + MAX_LORAS, r.max_loras_per_batch))
     if r.use_dynamic_bsz:
@@ -176,7 +187,7 @@ def emit_verl(estimate) -> str:
     lines = ["#!/usr/bin/env bash", _comment(wrapped), f"# {MARK} {planner_flags(r, COMMENTED)}",
              "set -euo pipefail", "", f"MODEL_PATH={shlex.quote(str(r.model))}", "",
              "python3 -m verl.trainer.main_ppo \\"]
-    for key, value in overrides(r, "$MODEL_PATH", estimate.settings):
+    for key, value in overrides(r, "$MODEL_PATH", estimate.settings, m):
         lines.append(f"    {key}={hydra_value(value)} \\")
     lines += [f"    {key}={word} \\" for key, word in ray_env(estimate)]
     lines.append('    "$@"')

@@ -14,6 +14,7 @@ from cost_models.profile import DEFAULT_PROFILE, Profile
 from cost_models.rl_batch import BatchPlan, RlBatch, batch_plan
 from cost_models.rl_critic import critic_states
 from cost_models.rl_host import HostRam, host_ram_per_node
+from cost_models.rl_lora_targets import lora_model, lora_targets, verl_value
 from cost_models.rl_actor import actor_run, actor_states
 from cost_models.rl_phases import RlMemory, rl_phases
 from cost_models.rl_settings import TRL_OFFLOAD_FOLLOWERS, RlSettings
@@ -24,7 +25,8 @@ from cost_models.rl_trl_server import is_local_host
 from cost_models.rl_time import RlTime, critic_seconds, rl_step_time, train_seconds
 from cost_models.rollout_engine import Engine, EngineSettings
 from cost_models.rollout_lora import served_max_lora_rank
-from cost_models.rollout_lora_sglang import SGLANG_MAX_LORAS_PER_BATCH
+from cost_models.rollout_lora_sglang import SGLANG_MAX_LORAS_PER_BATCH, sglang_target_modules
+from cost_models.spec_values import LoraTargets
 from cost_models.units import GiB
 
 from ..errors import PlannerError
@@ -91,6 +93,7 @@ def specs_of(r: RlRequest, model: ModelSpec) -> tuple[RlBatch, EngineSettings, R
                             else r.max_loras_per_batch)
     settings = RlSettings(strategy=r.strategy, framework=r.framework, actor_dtype=r.actor_dtype, finetune=r.finetune,
                           lora_rank=r.lora_rank, lora_merge=bool(r.lora_merge),   # None: verl's default
+                          lora_targets=lora_targets(r.lora_targets, model),
                           param_offload=r.param_offload, optimizer_offload=r.optimizer_offload,
                           ref_param_offload=r.ref_param_offload, gradient_checkpointing=r.gradient_checkpointing,
                           entropy=r.entropy, entropy_chunking=r.entropy_chunking,
@@ -104,14 +107,18 @@ def specs_of(r: RlRequest, model: ModelSpec) -> tuple[RlBatch, EngineSettings, R
                           **{key: getattr(r, name) for name, key in TRL_KEYS.items()
                              if getattr(r, name) is not None and name != "vllm_server_host"},
                           server_local=is_local_host(r.vllm_server_host))
+    lora_model(model, settings)   # targets the actor cannot train are refused here, naming lora_targets
     if trl:
         return batch, _trl_engine(r, model, batch, engine), settings
     # verl serves a LoRA adapter with enable_lora and max_lora_rank: vLLM's rounded up to one it allows
-    # (vllm_async_server.py launch_server), SGLang's the rank itself (async_sglang_server.py launch_server)
-    lora_rank = 0
+    # (vllm_async_server.py launch_server), SGLang's the rank itself, its pool for lora_target_modules
+    # (async_sglang_server.py launch_server; vLLM takes no targets)
+    lora_rank, targets = 0, None
     if settings.lora_adapter:
         lora_rank = settings.lora_rank if engine.engine is Engine.SGLANG else served_max_lora_rank(settings.lora_rank)
-    return batch, dataclasses.replace(engine, max_lora_rank=lora_rank), settings
+        if engine.engine is Engine.SGLANG and settings.lora_targets is not LoraTargets.ALL_LINEAR:
+            targets = sglang_target_modules(verl_value(settings.lora_targets, model), model)
+    return batch, dataclasses.replace(engine, max_lora_rank=lora_rank, lora_target_modules=targets), settings
 
 
 def plan_of(batch: RlBatch, cluster: ClusterSpec, model: ModelSpec, engine: EngineSettings, r: RlRequest) -> BatchPlan:
@@ -189,8 +196,9 @@ def evaluate_rl(request: RlRequest, profile: Profile | None = None, model: Model
                         batch.ulysses_sequence_parallel_size, critic=critic, memo=memo, reward=memory.reward,
                         trained=trained)
     refusals = memory.refusals + tuple(r for r in critic_plan.refusals if r not in plan.refusals) \
-        + sync_refusals(settings) + tuple(moe_lora.fsdp1_refusals(spec, settings.lora, settings.strategy == "fsdp",
-                                                                  "strategy", "use --strategy fsdp2"))
+        + sync_refusals(settings) + tuple(moe_lora.fsdp1_refusals(spec, settings.lora_all_linear,
+                                                                  settings.strategy == "fsdp", "strategy",
+                                                                  "use --strategy fsdp2"))
     reasons = [f"{r.field}: {r.reason}; {_trl_fix(r) if settings.framework == 'trl' else r.fix}" for r in refusals]
     capacity = cluster.gpu.memory_bytes
     for phase in memory.phases:

@@ -124,7 +124,8 @@ def rl_text(e: RlEstimate) -> str:
              *([f"weight sync: {k}", gib(v)] for k, v in e.host.sync_terms.items()), ["peak", gib(e.host.peak_bytes)]]
     head = [
         f"{e.model.name} ({e.model.n_params / 1e9:.2f}B) {r.algorithm.upper()} on {e.cluster.n_gpus} x "
-        f"{e.cluster.gpu.id}: {r.strategy} actor {r.actor_dtype} ({r.finetune}), {r.engine} {r.engine_version} "
+        f"{e.cluster.gpu.id}: {r.strategy} actor {r.actor_dtype} ({r.finetune}{_targets(e)}), {r.engine} "
+        f"{r.engine_version} "
         f"TP {r.rollout_tp} at {r.gpu_memory_utilization}",
         trl_knob_words(e) if r.framework == "trl" else knob_words(r, e.settings),
         f"batch: {b.sequences_per_step} sequences per step, {b.mini_batch_seqs_per_rank} per rank per mini-batch; "
@@ -186,6 +187,12 @@ def knob_words(r, settings) -> str:
             f"{r.ulysses_sequence_parallel_size}, {batch}; rollout TP {r.rollout_tp}, gpu_memory_utilization "
             f"{r.gpu_memory_utilization}, max_num_seqs {r.max_num_seqs}, max_num_batched_tokens "
             f"{r.max_num_batched_tokens}" + (f", LoRA merge {on(settings.lora_merge)}" if settings.lora else ""))
+
+
+def _targets(e: RlEstimate) -> str:
+    """LoRA's targets where they are not verl's default all-linear (model.target_modules)."""
+    s = e.settings
+    return f" on {s.lora_targets.value}" if s.lora and not s.lora_all_linear else ""
 
 
 def trl_knob_words(e: RlEstimate) -> str:

@@ -49,8 +49,13 @@ class RlRequest:
     strategy: str = knob("fsdp", "--strategy", help="actor.strategy: fsdp (FSDP1) or fsdp2")
     actor_dtype: str = knob("fp32", "--actor-dtype", help="fsdp_config.model_dtype: fp32 (verl's 2025 default) or "
                             "bf16")
-    finetune: str = knob("full", "--finetune", help="full or lora (all-linear)")
+    finetune: str = knob("full", "--finetune", help="full or lora (on --lora-targets)")
     lora_rank: int = knob(32, "--lora-rank", help="model.lora_rank")
+    lora_targets: str = knob("all-linear", "--lora-targets", help="model.target_modules, the linears LoRA adapts: "
+                             "all-linear (verl's default: every block linear, an MoE's router and experts too) or "
+                             "attention (the attention projections alone, written as their list: [q_proj,k_proj,"
+                             "v_proj,o_proj]; the list, comma-separated, reads the same; Llama 4 and gpt-oss are "
+                             "priced with attention only)")
     lora_merge: bool | None = knob(None, "--lora-merge/--no-lora-merge", help="model.lora.merge: verl merges the "
                                    "adapters into the base at each weight sync and sends the whole merged weights "
                                    "(the engine serves no adapter and sleeps at level 2), not the adapters (default: "

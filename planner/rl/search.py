@@ -53,7 +53,9 @@ from cost_models import moe_lora
 from cost_models.model_spec import ModelSpec
 from cost_models.profile import Profile
 from cost_models.rl_actor import shard_group_ranks
+from cost_models.rl_lora_targets import lora_targets
 from cost_models.rl_strategy import sync_refusals
+from cost_models.spec_values import LoraTargets
 from cost_models.units import MiB
 
 from ..errors import PlannerError
@@ -181,7 +183,8 @@ def spaces(request: RlRequest, model: ModelSpec, n_gpus: int) -> tuple[list[dict
     offloads = ((False, False),) if request.offload_policy else pairs
     strategies = ("fsdp2",) if request.offload_policy or (critic_policy and request.critic_strategy is None) \
         else STRATEGIES
-    if moe_lora.fsdp1_fails(model, request.finetune == "lora"):
+    if moe_lora.fsdp1_fails(model, request.finetune == "lora" and lora_targets(request.lora_targets, model)
+                            is LoraTargets.ALL_LINEAR):
         strategies = ("fsdp2",)
     shared = [dict(strategy=st, actor_dtype=d, param_offload=p, optimizer_offload=o)
               for st, d, (p, o) in itertools.product(strategies, DTYPES, offloads)]

@@ -562,3 +562,44 @@ def test_sglangs_lora_slots_reach_the_server_args_verl_builds(tmp_path, monkeypa
     assert "generate_request.lora_path = SGLANG_LORA_NAME" in server
     sync = (sglang / "sglang_rollout.py").read_text()
     assert sync.index("unload_lora_adapter(SGLANG_LORA_NAME)") < sync.index("load_lora_adapter_from_tensor(req)")
+
+
+def test_attention_lora_targets_reach_verls_model_config_and_sglangs_pool(tmp_path, monkeypatch):
+    """--lora-targets attention (issue 28): --emit verl writes model.target_modules as the attention projections'
+    list, quoted for the shell; it composes, passes verl's validation, and HFModelConfig (its __post_init__ takes a
+    string or a list of strings) holds the list verl hands PEFT; verl's own sglang_lora_target_modules passes it to
+    SGLang as is, which the planner's pool read as priced (rollout_lora_sglang.sglang_target_modules: qkv_proj,
+    o_proj). All-linear stays verl's default word."""
+    from omegaconf import OmegaConf
+
+    import ast
+    import pathlib
+
+    omega_conf_to_dataclass = _verl_validation()[0].omega_conf_to_dataclass
+    import verl
+
+    from cost_models.rollout_lora_sglang import sglang_target_modules
+    from planner.emit.verl import TARGET_MODULES
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    knobs = dict(OFFLOAD_POLICY, offload_policy=False, finetune="lora", engine="sglang", lora_targets="attention")
+    e = rl_estimate("qwen2.5-7b", 8, **knobs)
+    script = emit_verl(e)
+    assert f"    {TARGET_MODULES}='[q_proj,k_proj,v_proj,o_proj]' \\" in script.splitlines()
+    overrides = script_overrides(script.replace("MODEL_PATH=qwen2.5-7b", "MODEL_PATH=" + _model_dir(tmp_path,
+                                                                                                  "qwen2.5-7b")))
+    assert overrides[TARGET_MODULES] == "[q_proj,k_proj,v_proj,o_proj]"
+    composed = _validated(overrides, "+actor_rollout_ref.model.load_tokenizer=False")
+    assert list(OmegaConf.select(composed, TARGET_MODULES)) == ["q_proj", "k_proj", "v_proj", "o_proj"]
+    model = omega_conf_to_dataclass(composed.actor_rollout_ref.model)
+    assert type(model).__name__ == "HFModelConfig" and model.lora_rank == 32
+    # verl's function, run from its source (its module imports the server stack, not in the test install)
+    utils = pathlib.Path(verl.__file__).parent / "workers" / "rollout" / "sglang_rollout" / "utils.py"
+    source = next(n for n in ast.parse(utils.read_text()).body
+                  if isinstance(n, ast.FunctionDef) and n.name == "sglang_lora_target_modules")
+    scope = {"Any": object}
+    exec(compile(ast.Module([source], []), str(utils), "exec"), scope)
+    served = scope["sglang_lora_target_modules"](model.target_modules)
+    assert sglang_target_modules(served) == e.engine_settings.lora_target_modules == {"qkv_proj", "o_proj"}
+    default = script_overrides(emit_verl(rl_estimate("qwen2.5-7b", 8, **dict(knobs, lora_targets="all-linear"))))
+    assert default[TARGET_MODULES] == "all-linear" == OmegaConf.select(_compose([]), TARGET_MODULES)

@@ -107,15 +107,20 @@ LORA_MERGE = dict(gpu="h100-80gb", prompt_len=1024, response_len=1024, train_bat
 # PPO's critic under its own CPUOffloadPolicy (critic.fsdp.offload_policy), its CPU step priced at 8 threads a rank
 CRITIC_POLICY = dict(gpu="h100-80gb", prompt_len=1024, response_len=1024, train_batch=64, rollout_n=8,
                      strategy="fsdp2", algorithm="ppo", critic_offload_policy=True, omp_num_threads=8)
+# attention-only LoRA (model.target_modules, --lora-targets): an MoE served by SGLang; TRL's in its fsdp-plan line
+ATTENTION_LORA = dict(LORA_MERGE, lora_merge=False, strategy="fsdp2", engine="sglang", lora_targets="attention")
+TRL_ATTENTION = dict(TRL_LORA, lora_targets="attention")
 
 
 @pytest.mark.parametrize("emit, name, model, gpus, knobs", [
     (emit_verl, "job.sh", "qwen2-7b", 2, CASE_1), (emit_trl, "grpo.yaml", "qwen2-7b", 2, TRL_CASE_1),
     (emit_verl, "ppo.sh", "qwen2.5-7b", 16, PPO), (emit_trl, "lora.yaml", "qwen2-7b", 2, TRL_LORA),
     (emit_verl, "policy.sh", "qwen2.5-7b", 8, OFFLOAD_POLICY), (emit_trl, "passes.yaml", "qwen2-7b", 2, TRL_PASSES),
-    (emit_verl, "critic.sh", "qwen2.5-7b", 8, CRITIC_POLICY), (emit_verl, "merge.sh", "qwen2.5-7b", 8, LORA_MERGE)],
+    (emit_verl, "critic.sh", "qwen2.5-7b", 8, CRITIC_POLICY), (emit_verl, "merge.sh", "qwen2.5-7b", 8, LORA_MERGE),
+    (emit_verl, "attention.sh", "qwen3-30b-a3b", 8, ATTENTION_LORA),
+    (emit_trl, "attention.yaml", "qwen2-7b", 2, TRL_ATTENTION)],
     ids=["verl-case-1", "trl-case-1", "verl-ppo-lora", "trl-lora", "verl-offload-policy", "trl-passes",
-         "verl-critic-policy", "verl-lora-merge"])
+         "verl-critic-policy", "verl-lora-merge", "verl-attention-lora", "trl-attention-lora"])
 def test_emit_then_check_prices_the_same_phases(tmp_path, emit, name, model, gpus, knobs):
     """Written by --emit and read back: every phase's bytes equal, the peak and host RAM too (case 1's peak: the
     weight sync, 77.97 GiB; tests/golden/test_rl_cases.py)."""
@@ -508,3 +513,45 @@ def test_a_hand_written_server_config_reads_trls_keys_and_vllms_line(tmp_path):
     r = run(path, "--model", "qwen2.5-7b", "--gpus", "2")
     assert r.returncode == 2 and r.stderr.strip().startswith("error: gradient_accumulation_steps: 1: an optimizer")
     assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_verls_target_modules_list_prices_attention_only_lora(tmp_path):
+    """Case 1's script made LoRA on Qwen3-30B-A3B served by SGLang (FSDP2, 8 GPUs) with model.target_modules the
+    attention projections, as a Hydra list in a script and a YAML list (any order): priced as `rl estimate
+    --lora-targets attention`, phase for phase - the actor's shard (30,532,122,624 + 48 x 557,056) x 4 / 8 =
+    15,279,430,656 B (tests/unit/test_rl_lora_targets.py by hand) and SGLang's pool for qkv_proj and o_proj alone,
+    every phase below all-linear's. A list that is not the attention projections, or a string (a regex to PEFT):
+    one line naming the key, exit 2."""
+    lora = VERL_EXAMPLE.replace("model_path=Qwen/Qwen2-7B-Instruct", "model_path=qwen3-30b-a3b").replace(
+        "trainer.n_gpus_per_node=2", "trainer.n_gpus_per_node=8").replace("rollout.name=vllm", "rollout.name=sglang")
+    lr = "    actor_rollout_ref.actor.optim.lr=1e-6 \\\n"
+    lora = lora.replace(lr, lr + "    actor_rollout_ref.actor.strategy=fsdp2 \\\n"
+                        "    actor_rollout_ref.model.lora_rank=32 \\\n"
+                        "    actor_rollout_ref.model.target_modules=TARGETS \\\n")
+    knobs = dict(CASE_1, gpu="h100-80gb", engine="sglang", engine_version="current", enforce_eager=False,
+                 finetune="lora", strategy="fsdp2")
+    for key in ("max_num_seqs", "mean_prompt_len", "mean_response_len"):
+        knobs.pop(key)
+    attention = rl_estimate("qwen3-30b-a3b", 8, **knobs, lora_targets="attention")
+    all_linear = rl_estimate("qwen3-30b-a3b", 8, **knobs)
+    assert attention.memory.actor.params_bytes == 15_279_430_656
+    (tmp_path / "run.sh").write_text(lora.replace("TARGETS", "'[q_proj,k_proj,v_proj,o_proj]'"))
+    checked = json.loads(run(tmp_path / "run.sh", "--gpu", "h100-80gb", "--format", "json").stdout)
+    same_memory(checked, attention)
+    assert all(a["reserved_bytes"] < b["reserved_bytes"] for a, b in zip(checked["memory"]["phases"],
+                                                                        rl_dict(all_linear)["memory"]["phases"]))
+    read = read_rl_setup(tmp_path / "run.sh")
+    nested = {"actor_rollout_ref": {"model": {"lora_rank": 32, "target_modules": ["o_proj", "q_proj", "k_proj",
+                                                                                "v_proj"]},
+                                    "rollout": {"name": "sglang"}, "actor": {"ppo_micro_batch_size_per_gpu": 16}}}
+    (tmp_path / "job.yaml").write_text(json.dumps(nested))   # JSON is YAML
+    assert read.knobs["lora_targets"] == "q_proj,k_proj,v_proj,o_proj"
+    assert read_rl_setup(tmp_path / "job.yaml").knobs["lora_targets"] == "o_proj,q_proj,k_proj,v_proj"
+    for bad, said in (("[q_proj,v_proj]", "[q_proj,v_proj] is not priced; choose one of: all-linear, attention (the "
+                                          "attention projections alone: [q_proj,k_proj,v_proj,o_proj] for "
+                                          "qwen3-30b-a3b)"),
+                      ("attention", "'attention' is a regex to PEFT, not priced; choose one of: all-linear, or the "
+                                    "attention projections as a list, e.g. [q_proj,k_proj,v_proj,o_proj]")):
+        (tmp_path / "bad.sh").write_text(lora.replace("TARGETS", bad))
+        r = run(tmp_path / "bad.sh")
+        assert (r.returncode, r.stderr) == (2, f"error: actor_rollout_ref.model.target_modules: {said}\n")

@@ -126,9 +126,10 @@ def test_every_flag_of_every_command_is_one_field():
     # alloc_conf = 26; trace estimate's 56 (its --alloc-conf, once its own option, is the knob); rl 10 cluster +
     # finetune + lora_rank = 12 (the rest are verl's knobs, planner/rl/request.py); + lora_targets (2026-12-07) in
     # every command that takes the training's knobs, and lora_dropout (2026-12-07) beside it; explain's trainer
-    # (2026-12-07: a torchtitan / Liger configuration explained as estimate prices it)
+    # (2026-12-07: a torchtitan / Liger configuration explained as estimate prices it); rl's lora_targets (2026-12-08:
+    # verl's model.target_modules, the single-run planner's field and flag)
     assert from_request == {"plan": 49, "estimate": 64, "trace": 64, "explain": 47, "calibrate": 33, "check": 32,
-                            "models": 0, "gpus": 0, "schema": 0, "rl": 16}
+                            "models": 0, "gpus": 0, "schema": 0, "rl": 17}
     assert own["calibrate"] == {"emit", "output_format", "fault"}  # the rest are CalibrationRequest's knobs
     assert own["estimate"] == {"output_format"} and own["check"] == {"dynamic_control_flow", "output_format"}
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import re
 import shlex
 
+from cost_models.rl_lora_targets import module_names
 from planner.emit import verl as keys
 from planner.emit.rl_flags import read_planner_flags, typed
 from planner.errors import PlannerError
@@ -115,6 +116,8 @@ def from_overrides(o: dict, source: str, dialect: str, text: str = "") -> RlSetu
         knobs["lora_rank"] = rank
         if keys.LORA_MERGE in o:
             knobs["lora_merge"] = typed("lora_merge", o[keys.LORA_MERGE], keys.LORA_MERGE)
+        if keys.TARGET_MODULES in o:
+            knobs["lora_targets"] = _targets(o)
     _sglang_kwargs(o, knobs, notes)
     _batches(o, knobs)
     _entropy(o, knobs, notes)
@@ -131,7 +134,7 @@ def from_overrides(o: dict, source: str, dialect: str, text: str = "") -> RlSetu
         "algorithm": "algorithm.adv_estimator", "actor_dtype": A + "actor.fsdp_config.model_dtype",
         "critic_strategy": "critic.strategy", "critic_dtype": "critic.fsdp.model_dtype",
         "ppo_mini_batch_size": A + "actor.ppo_mini_batch_size", "lora_rank": A + "model.lora_rank",
-        "lora_merge": keys.LORA_MERGE, "max_loras_per_batch": keys.MAX_LORAS,
+        "lora_merge": keys.LORA_MERGE, "lora_targets": keys.TARGET_MODULES, "max_loras_per_batch": keys.MAX_LORAS,
         "reward_model": keys.RM + "model_path", **{f: k for k, f in keys.POOL_KEYS.items()}}
     return RlSetup(knobs={**knobs, **flags}, source=source, dialect=dialect, model=model, model_path=path,
                    model_key=A + "model.path", notes=tuple(notes), keys=named)
@@ -144,6 +147,19 @@ def _dtype(o: dict, key: str) -> str:
     if dtype not in dtypes:
         raise PlannerError(key, f"unknown value {dtype!r}; choose one of: fp32, bf16")
     return dtypes[dtype]
+
+
+def _targets(o: dict) -> str:
+    """model.target_modules as the request takes it: all-linear, or a list (YAML; a script's Hydra [a,b]) as its
+    names comma-separated, priced by the model (cost_models/rl_lora_targets.py). Any other string PEFT matches as a
+    regex against every module's whole name (verl utils/model.py check_target_modules: re.fullmatch): refused."""
+    value = o[keys.TARGET_MODULES]
+    names = module_names(_value(o, keys.TARGET_MODULES, "lora_targets") if isinstance(value, str) else value)
+    if isinstance(names, str) and names != "all-linear":
+        raise PlannerError(keys.TARGET_MODULES, f"{names!r} is a regex to PEFT, not priced; choose one of: all-linear, "
+                                                "or the attention projections as a list, e.g. "
+                                                "[q_proj,k_proj,v_proj,o_proj]")
+    return names if isinstance(names, str) else ",".join(names)
 
 
 def _sglang_kwargs(o: dict, knobs: dict, notes: list) -> None:
