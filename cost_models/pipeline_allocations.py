@@ -21,14 +21,13 @@ does) and writes, at the granularity the trace's events show (calibration/alloc_
 - the reduce-scatter input (default stream) and output (the reduce-scatter stream, the sharded gradient until the
   optimizer step), unit by unit; the optimizer's foreach temporaries, one per parameter shard;
 - FSDP2's dim-0 padding of each tensor in its shard, states, all-gather and reduce-scatter (dim0_padding_events.py);
-  each unit unsharded at its pre-forward, the head's weight gradient made at its backward (pipeline_stage_events.py).
-Sizes are the ledger's (StagePieces), activations cut into tensors of the model's widths (f, q, kv, h in the
-compute dtype). Coarser variants checked against the traces (docs/accuracy.md): activations as one tensor per
-block do about as well; parameters as one tensor per FSDP unit miss by up to 9%.
+  each unit unsharded at its pre-forward, the head's weight gradient made at its backward (pipeline_stage_events.py);
+  a checkpointed Llama block (tp_block_events.py) and the final norm (final_norm_events.py) op by op.
+Sizes are the ledger's (StagePieces), activations cut into tensors of the model's widths (f, q, kv, h in the compute
+dtype). Coarser variants against the traces (docs/accuracy.md): parameters as one tensor per FSDP unit miss by 9%.
 
-Not modelled: the split backward's I / W passes (priced as one backward at W), the op order inside a block (its
-tensors made in one sweep and freed in one; under TP with sequence parallel or without TP a checkpointed Llama
-block's are written op by op, tp_block_events.py), prefetching across stages, the CUDA context (added by the caller).
+Not modelled: the split backward's I / W passes (priced as one backward at W), prefetching across stages, the CUDA
+context (added by the caller); elsewhere a block's tensors are made in one sweep and freed in one.
 """
 
 from __future__ import annotations
@@ -39,6 +38,7 @@ import math
 from . import loss_memory, moe, optimizer_step, pipeline_memory, tensor_parallel
 from .caching_allocator import AllocatorSettings, ReplayResult, replay
 from .dim0_padding_events import Dim0PaddingWalk
+from .final_norm_events import FinalNormWalk
 from .memory_types import MemoryEstimate
 from .pipeline import rank_stages
 from .pipeline_orders import active_stages, orders
@@ -48,7 +48,6 @@ from .replay_notes import replay_notes
 from .specs import FsdpConfig, ModelSpec, TrainingSpec
 from .tp_block_events import BlockWidths, applies, backward_events, forward_events, keyed
 from .units import DTYPE_BYTES
-
 
 
 def param_tensors(model: ModelSpec, block_params: int) -> list[int]:
@@ -209,10 +208,9 @@ class _RankWalk:
         """1 where the stage has a root unit (embedding, final norm, head) before its blocks, else 0."""
         return 1 if len(self.units[s]) > self.pieces[s].stage.n_blocks else 0
 
-    # FSDP2's hooks around each unit: none inside a pipeline stage, gathered whole for the step (step_allocations.py
-    # gives them a plain FSDP step's unshard / reshard)
     def pre_forward(self, s: int, u: int) -> None:
-        pass
+        """FSDP2's hooks around each unit: none inside a pipeline stage, gathered whole for the step
+        (step_allocations.py gives them a plain FSDP step's unshard / reshard)."""
 
     post_forward = pre_backward = pre_forward
 
@@ -248,7 +246,11 @@ class _RankWalk:
             elif x.checkpointed[j]:
                 self.transient(("forward", s, mb, j), self.tensors(x.block_full))
             self.post_forward(s, root + j)
-        # the rotary tables, and on the last stage the final norm's saved tensors and the labels
+        self.stage_end(x, mb, out)
+
+    def stage_end(self, x, mb: int, out) -> None:
+        """After the blocks (out: the last one's, templated): the rest saved (rotary tables; final norm, labels)."""
+        s = x.stage.index
         self.alloc(("rest", s, mb), x.saved - self.tokens * sum(x.kept) - x.output)
         if out != ("output", s, mb):
             self.alloc(("output", s, mb), x.output)
@@ -264,11 +266,7 @@ class _RankWalk:
             self.free(("output", s, mb))
             self.loss(self.loss_events[1], s, mb)
         self.free(("rest", s, mb))
-        root = self.root_units(s)
-        # a non-last stage's output gradient is its receive buffer (stage.py _retrieve_recv_grads), kept
-        grad_in = ("grad_in", s, mb, x.stage.n_blocks) if x.stage.head else None
-        if grad_in is not None:
-            self.alloc(grad_in, self.tokens * self.hs)
+        root, grad_in = self.root_units(s), self.output_grad(x, mb)
         for j in reversed(range(x.stage.n_blocks)):
             self.pre_backward(s, root + j)
             if self.templated(x, j):  # its input freed in its first norm's backward, its output gradient before
@@ -294,6 +292,13 @@ class _RankWalk:
         self.root_backward(s, grad_in)
         if not x.stage.head:  # the stage output (fwd_cache) goes as backward_one_chunk returns (stage.py:964-966)
             self.free(("output", s, mb))
+
+    def output_grad(self, x, mb: int):
+        """The last block's output gradient: the last stage's made here, else the receive buffer (stage.py
+        _retrieve_recv_grads, kept: None)."""
+        if x.stage.head:
+            self.alloc(("grad_in", x.stage.index, mb, x.stage.n_blocks), self.tokens * self.hs)
+            return "grad_in", x.stage.index, mb, x.stage.n_blocks
 
     def root_backward(self, s: int, grad_in) -> None:
         """The stage root's backward (the embedding's) from the gradient `grad_in`: its weight gradient made, grad_in
@@ -353,9 +358,9 @@ class _RankWalk:
             self.accumulated[s].clear()
 
 
-class _PaddedRankWalk(Dim0PaddingWalk, StageUnitsWalk, _RankWalk):
-    """The rank's walk: its stages' unshards and head gradient (pipeline_stage_events.py), FSDP2's dim-0 padding of
-    their tensors (dim0_padding_events.py)."""
+class _PaddedRankWalk(Dim0PaddingWalk, StageUnitsWalk, FinalNormWalk, _RankWalk):
+    """The rank's walk: its stages' unshards and head gradient (pipeline_stage_events.py), the final norm
+    (final_norm_events.py), FSDP2's dim-0 padding of their tensors (dim0_padding_events.py)."""
 
     def _units(self, x) -> list[list[int]]:
         """A sparse block's stacked experts padded too (moe.py; StagePieces.block_padding), on param_tensors' rest."""
