@@ -13,6 +13,7 @@ from .cluster_spec import ClusterSpec
 from .memory import estimate_memory
 from .memory_types import MemoryBreakdown, ParamCounts
 from .model_spec import ModelSpec
+from .moe_lora_targets import shared_expert_shapes
 from .profile import Profile
 from .rl_batch import BatchPlan
 from .rl_lora_targets import lora_model
@@ -45,8 +46,7 @@ class ActorStates:
 
 def all_linear_lora(model: ModelSpec) -> ModelSpec:
     """LoRA on every linear of a block (PEFT's target_modules="all-linear", verl's default): q, k, v, o and the
-    MLP's (ModelSpec.lora_targets all-linear: their adapters and the inputs they save); the block's linears TRL's
-    server sync sends (sent_tensors)."""
+    MLP's (ModelSpec.lora_targets all-linear: their adapters and the inputs they save)."""
     return dataclasses.replace(model, lora_targets="all-linear")
 
 
@@ -215,7 +215,10 @@ def sent_tensors(model: ModelSpec, settings: RlSettings) -> tuple[int, ...]:
     if not (settings.framework == "trl" and settings.server):
         return ()
     p = DTYPE_BYTES[ACTOR_DTYPES[settings.actor_dtype].param_dtype]
-    return tuple(sync_tensor_bytes(model, all_linear_lora(model).lora_shapes, p))
+    # the block's nn.Linear weights, whatever LoRA trains: all-linear's lora.Linear targets (ModelSpec.lora_shapes),
+    # read without building that spec, which gpt-oss and Llama 4 refuse (an MoE's stacked experts: one tensor)
+    mlp = shared_expert_shapes(model) if model.moe is not None else model.mlp_linear_shapes
+    return tuple(sync_tensor_bytes(model, (*model.lora_target_shapes, *mlp), p))
 
 
 def forward_only_bytes(model: ModelSpec, tokens: int, c: int, settings: RlSettings, sp: int = 1,

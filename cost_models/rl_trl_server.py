@@ -52,7 +52,7 @@ def sync_tensor_bytes(model: ModelSpec, linear_shapes, p: int) -> list[int]:
     """The tensors the sync sends, in TRL's order (FSDP2's module.named_parameters(): the embedding, each block's
     linears then the rest of it - norms, biases, a MoE block's stacked experts - as one tensor, the final norm and
     an untied head), in the stored dtype p. linear_shapes: a dense block's (in, out) linears (rl_actor's
-    all_linear_lora); a block they do not fit is one tensor."""
+    sent_tensors); a block they do not fit is one tensor."""
     out = [model.embedding_params * p]
     dense = model.dense_block_indices()
     for layer in range(model.n_layers):

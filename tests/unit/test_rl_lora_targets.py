@@ -80,6 +80,10 @@ def test_llama4_and_gpt_oss_are_planned_with_attention_and_refused_with_all_line
     assert rl_estimate("gpt-oss-20b", 8, **H100, strategy="fsdp2", lora_targets="attention").fits
     fsdp1 = rl_estimate("gpt-oss-20b", 8, **H100, lora_targets="attention")   # the summoned actor does not fit
     assert [r.split(" (")[0] for r in fsdp1.reasons] == ["needs 113.5 GiB per GPU > 79.6 GiB"]
+    # TRL's server sync sends the blocks' linears one by one (rl_actor.sent_tensors): read without an all-linear spec
+    trl = rl_estimate("gpt-oss-20b", 4, **H100, framework="trl", vllm_mode="server", strategy="fsdp2",
+                      lora_targets="attention")
+    assert trl.fits and trl.memory.peak.name == "weight_sync"
 
 
 def test_target_lists_read_by_the_model():
