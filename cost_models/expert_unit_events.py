@@ -20,7 +20,8 @@ allocation events; torch 2.13 _fsdp_state.py / _fsdp_param_group.py):
   gradients made; the experts' post-backward reshards them and reduce-scatters their gradients (reduce dtype, input
   kept to the next reduce-scatter, output the efsdp shard); then the block's other moments (the attention's, the
   norm's: experts_done), its gradients, its post-backward. The walk writes a block's forward in one sweep, so the
-  experts' forward hooks run at its end (a checkpointed block's whole forward before its experts are gathered).
+  experts' forward hooks run at its end (a checkpointed block's no-grad forward before its experts are gathered, less
+  its MoE MLP's bytes: made with the experts gathered, cut as the trace's routed rows, routed_tensors).
   On an efsdp group of one rank the experts are copied out parameter by parameter (OneRankWalk's unshard).
 The saved tensors and moments are the ledger's (memory_shape.ledger_shape with the EP view: the dispatch / combine's
 saved bytes per routed row, ExpertParallelView.backward_moments; a traced block profile's moments where the model has
@@ -51,6 +52,7 @@ from . import context_parallel, moe
 from .expert_parallel import rank_view
 from .memory_shape import ledger_shape
 from .moe_events import expert_indices, moe_block_tensors
+from .pipeline_allocations import cut
 
 
 class ExpertUnitsHooks:
@@ -127,7 +129,8 @@ class ExpertUnitsHooks:
 
     def post_forward(self, s: int, u) -> None:
         """The experts' pre-forward and post-forward at the block's end (the walk writes a block's forward in one
-        sweep: a checkpointed block's whole forward before its experts are gathered), then the block's post-forward."""
+        sweep: a checkpointed block's forward but its MoE MLP's before its experts are gathered), then the block's
+        post-forward."""
         if self.is_block(u):
             self.mlp_saved_tensors(s, u, "router")
             self.unshard(("experts", u))
@@ -227,6 +230,7 @@ class ExpertUnitsWalk(ExpertUnitsHooks):
         mlp = moe.mlp_bytes_per_token(self.model, self.c) if self.shape.traced is None else 0
         router = moe.router_bytes_per_token(self.model.moe, self.c)
         self.mlp_saved_bytes_per_token = {"router": router, "experts": mlp - router}
+        self.experts_forward: list[int] = []   # a checkpointed block's no-grad MLP tensors (at its experts' forward)
         # (not a checkpointed block's: its recompute keeps the MLP's whole; beside checkpointed blocks the others' go
         # apart too, as autograd frees them: docs/accuracy.md "2026-12-08: the experts' forward un-permute ...")
         self.mlp_apart_blocks = {j for j in range(x.stage.n_blocks) if mlp and not x.checkpointed[j]
@@ -245,13 +249,37 @@ class ExpertUnitsWalk(ExpertUnitsHooks):
             else:
                 self.alloc(("mlp saved", s, u, part, t), size)
 
+    def routed_tensors(self, per_token_bytes: int) -> list[int]:
+        """A no-grad MoE MLP's bytes as the trace's experts make them (transformers 5.24 integrations/moe.py:455-528):
+        the k routed rows' gate|up product (2f), activation (f) and its product with up (f), their gathered input and
+        output (h each), in the compute dtype; the rest (routing, shared experts) in one."""
+        k, f, h = self.model.moe.experts_per_token, self.model.moe.expert_ffn_size, self.model.hidden_size
+        widths = [k * w * self.c for w in (2 * f, f, f, h, h)]
+        return [self.tokens * w for w in cut(per_token_bytes, widths)] if per_token_bytes > 0 else []
+
+    def forward_unpermute(self, s: int, u) -> None:
+        """A checkpointed block's MoE MLP tensors (transient's) made with the experts gathered, freed after the
+        un-permute."""
+        sizes, self.experts_forward = self.experts_forward, []
+        for t, size in enumerate(sizes):
+            self.alloc(("experts forward", s, u, t), size)
+        super().forward_unpermute(s, u)
+        for t in range(len(sizes)):
+            self.free(("experts forward", s, u, t))
+
     def grad_bytes(self, s: int, u) -> list[int]:
         """A block's gradients: its real tensors (the rank's E / ep experts unpadded), whatever its shards."""
         return [n * self.c for n in self.real_block] if self.is_block(u) else super().grad_bytes(s, u)
 
     def transient(self, key, sizes, stream=0) -> None:
         """A block's backward (key ("backward", s, mb, j)): the MLP's largest moment with the experts' gradients,
-        the experts' post-backward, then the block's other moments (module docstring)."""
+        the experts' post-backward, then the block's other moments (module docstring). A checkpointed sparse block's
+        no-grad forward (("forward", s, mb, j)): its MoE MLP's bytes made at the experts' forward (forward_unpermute),
+        the rest here."""
+        if key[0] == "forward" and self.is_block(self.root_units(key[1]) + key[3]) and self.ep_view is None:
+            mlp = min(self.pieces[key[1]].block_full, self.mlp_saved_bytes_per_token["experts"])
+            self.experts_forward = self.routed_tensors(mlp)
+            return super().transient(key, self.tensors(self.pieces[key[1]].block_full - mlp), stream)
         if key[0] != "backward" or not self.is_block(self.root_units(key[1]) + key[3]):
             return super().transient(key, sizes, stream)
         _, s, mb, j = key

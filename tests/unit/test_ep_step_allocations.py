@@ -163,3 +163,20 @@ def test_expert_units_beside_checkpointed_blocks_against_the_traces_replay(arch,
     assert replays(c.model, c.training, c.config, 128) is None
     assert c.memory.allocator_reserved_bytes == replay
     assert replay == pytest.approx(traced_replay, rel=0.12)
+
+
+def test_a_checkpointed_blocks_experts_forward_against_the_traces_replay():
+    """The expert-units grid's row 1 (Mixtral on 4, bf16-pure, full AC, SDPA, 1 x 8,192; the trace's replay
+    1,126,170,624 B quoted, 2026-12-08): a checkpointed block's no-grad forward made its MoE MLP's bytes as one
+    82 MiB remainder before the experts were gathered, where the trace's experts make their gate|up product (32 MiB),
+    activation and product (16 MiB each) and the weighted rows (16 MiB, fp32 routing weights) with the experts gathered;
+    now at the experts' forward, cut so (ExpertUnitsWalk.routed_tensors): the replay 1,226,833,920 (+8.9%) ->
+    1,159,725,056 (+3.0%), the flat rule -8.0%. Tolerance 5%: the trace's root and masks are two tensors each."""
+    c = estimate(arch_config("mixtral"), 4, sharding="FULL_SHARD", precision="bf16-pure",
+                 activation_checkpointing="full", attention="sdpa", micro_batch=1, seq_len=8192, gpus_per_node=4,
+                 expert_units=True)
+    events = _walk(c)[0]
+    made = [e[2] for e in events if e[0] == "alloc" and e[1][0] == "experts forward" and e[1][2] == 1]
+    assert made[:3] == [33_554_432, 16_777_216, 16_777_216]
+    assert c.memory.allocator_reserved_bytes == 1_159_725_056
+    assert c.memory.allocator_reserved_bytes == pytest.approx(1_126_170_624, rel=0.05)
