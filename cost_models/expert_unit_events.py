@@ -75,6 +75,7 @@ class ExpertUnitsHooks:
             return
         gathered = moe_block_tensors(model, model.block_params, self.efsdp)
         self.experts_bytes = [gathered[i] * self.c for i in self.expert_index]
+        self.experts_forward: list[int] = []   # a checkpointed block's no-grad MLP tensors (at its experts' forward)
 
     def _units(self, x) -> list[list[int]]:
         units = super()._units(x)
@@ -140,6 +141,31 @@ class ExpertUnitsHooks:
                 self.reshard_unit(("experts", u))
         super().post_forward(s, u)
 
+    def transient(self, key, sizes, stream=0) -> None:
+        """A checkpointed sparse block's no-grad forward (("forward", s, mb, j); no EP): its MoE MLP's bytes made at
+        the experts' forward (forward_unpermute), the rest here."""
+        if key[0] != "forward" or self.ep_view is not None or not self.is_block(self.root_units(key[1]) + key[3]):
+            return super().transient(key, sizes, stream)
+        x = self.pieces[key[1]]
+        mlp = min(x.block_full, self.no_grad_mlp_bytes())
+        self.experts_forward = self.routed_tensors(mlp)
+        super().transient(key, self.tensors(x.block_full - mlp), stream)
+
+    def no_grad_mlp_bytes(self) -> int:
+        """Per token, the MoE MLP's bytes of a block's saved ones but the router's (none from a traced profile)."""
+        if self.shape.traced is not None:
+            return 0
+        lora = self.training.finetune.adapters
+        return moe.mlp_bytes_per_token(self.model, self.c, lora) - moe.router_bytes_per_token(self.model.moe, self.c)
+
+    def routed_tensors(self, per_token_bytes: int) -> list[int]:
+        """A no-grad MoE MLP's bytes as the trace's experts make them (transformers 5.24 integrations/moe.py:455-528):
+        the k routed rows' gate|up product (2f), activation (f) and its product with up (f), their gathered input and
+        output (h each), in the compute dtype; the rest (routing, shared experts) in one."""
+        k, f, h = self.model.moe.experts_per_token, self.model.moe.expert_ffn_size, self.model.hidden_size
+        widths = [k * w * self.c for w in (2 * f, f, f, h, h)]
+        return [self.tokens * w for w in cut(per_token_bytes, widths)] if per_token_bytes > 0 else []
+
     def forward_unpermute(self, s: int, u) -> None:
         """The MoE MLP's un-permute with the experts gathered (no EP), before their post-forward reshards them: the
         weighted rows (transformers 5.24 integrations/moe.py:524) and their un-permuted copy (:528), k x h each in the
@@ -148,6 +174,9 @@ class ExpertUnitsHooks:
         the ledger's forward copy-out moment, expert_unit_terms.copy_out_moment)."""
         if self.ep_view is not None:
             return
+        routed, self.experts_forward = self.experts_forward, []   # a checkpointed block's (transient's), made first
+        for t, size in enumerate(routed):
+            self.alloc(("experts forward", s, u, t), size)
         model, key = self.model, ("unpermute", s, u)
         rows = self.tokens * model.moe.experts_per_token * model.hidden_size * moe.weighted_output_bytes(model.moe,
                                                                                                       self.c)
@@ -157,6 +186,8 @@ class ExpertUnitsHooks:
             self.alloc(key + (t,), size)
         for t in range(len(sizes)):
             self.free(key + (t,))
+        for t in range(len(routed)):
+            self.free(("experts forward", s, u, t))
 
     def mlp_saved_tensors(self, s: int, u, part: str, free: bool = False) -> None:
         """Block unit u's MLP saved tensors of `part` made apart, or freed: none here (the block's whole; full
@@ -230,7 +261,6 @@ class ExpertUnitsWalk(ExpertUnitsHooks):
         mlp = moe.mlp_bytes_per_token(self.model, self.c) if self.shape.traced is None else 0
         router = moe.router_bytes_per_token(self.model.moe, self.c)
         self.mlp_saved_bytes_per_token = {"router": router, "experts": mlp - router}
-        self.experts_forward: list[int] = []   # a checkpointed block's no-grad MLP tensors (at its experts' forward)
         # (not a checkpointed block's: its recompute keeps the MLP's whole; beside checkpointed blocks the others' go
         # apart too, as autograd frees them: docs/accuracy.md "2026-12-08: the experts' forward un-permute ...")
         self.mlp_apart_blocks = {j for j in range(x.stage.n_blocks) if mlp and not x.checkpointed[j]
@@ -249,37 +279,13 @@ class ExpertUnitsWalk(ExpertUnitsHooks):
             else:
                 self.alloc(("mlp saved", s, u, part, t), size)
 
-    def routed_tensors(self, per_token_bytes: int) -> list[int]:
-        """A no-grad MoE MLP's bytes as the trace's experts make them (transformers 5.24 integrations/moe.py:455-528):
-        the k routed rows' gate|up product (2f), activation (f) and its product with up (f), their gathered input and
-        output (h each), in the compute dtype; the rest (routing, shared experts) in one."""
-        k, f, h = self.model.moe.experts_per_token, self.model.moe.expert_ffn_size, self.model.hidden_size
-        widths = [k * w * self.c for w in (2 * f, f, f, h, h)]
-        return [self.tokens * w for w in cut(per_token_bytes, widths)] if per_token_bytes > 0 else []
-
-    def forward_unpermute(self, s: int, u) -> None:
-        """A checkpointed block's MoE MLP tensors (transient's) made with the experts gathered, freed after the
-        un-permute."""
-        sizes, self.experts_forward = self.experts_forward, []
-        for t, size in enumerate(sizes):
-            self.alloc(("experts forward", s, u, t), size)
-        super().forward_unpermute(s, u)
-        for t in range(len(sizes)):
-            self.free(("experts forward", s, u, t))
-
     def grad_bytes(self, s: int, u) -> list[int]:
         """A block's gradients: its real tensors (the rank's E / ep experts unpadded), whatever its shards."""
         return [n * self.c for n in self.real_block] if self.is_block(u) else super().grad_bytes(s, u)
 
     def transient(self, key, sizes, stream=0) -> None:
         """A block's backward (key ("backward", s, mb, j)): the MLP's largest moment with the experts' gradients,
-        the experts' post-backward, then the block's other moments (module docstring). A checkpointed sparse block's
-        no-grad forward (("forward", s, mb, j)): its MoE MLP's bytes made at the experts' forward (forward_unpermute),
-        the rest here."""
-        if key[0] == "forward" and self.is_block(self.root_units(key[1]) + key[3]) and self.ep_view is None:
-            mlp = min(self.pieces[key[1]].block_full, self.mlp_saved_bytes_per_token["experts"])
-            self.experts_forward = self.routed_tensors(mlp)
-            return super().transient(key, self.tensors(self.pieces[key[1]].block_full - mlp), stream)
+        the experts' post-backward, then the block's other moments (module docstring)."""
         if key[0] != "backward" or not self.is_block(self.root_units(key[1]) + key[3]):
             return super().transient(key, sizes, stream)
         _, s, mb, j = key
