@@ -17,6 +17,7 @@ import math
 from typing import NamedTuple
 
 from . import moe
+from .identity_memo import IdentityMemo
 from .memory_peak import Moment
 
 
@@ -86,3 +87,19 @@ def copy_out_moment(s, model, experts: ExpertUnitTerms, states, grads_done: int,
             **states(0), unsharded_params=params, collective_buffers=experts.gathered,
             activations=tokens * (below + this + moe.forward_unpermute_bytes_per_token(model, s.c, lora)) + s.shared)
     return out
+
+
+_CHOSEN = IdentityMemo(limit=4096)  # a sparse block's moment by its MLP's moments and what else it reads
+
+
+def sparse_block_moment(mlp_moments: tuple, tokens: int, seq_len: int, base: int, at_attn: int, attn_grad: int,
+                        grad_cap: int, experts: ExpertUnitTerms, reduce_above: int, accumulated: bool) -> tuple:
+    """memory.py's MoE block backward: the largest of its MLP's moments (moe.backward_moments; base: the saved bytes
+    alive, grad_cap: the block's trainable gradient bytes) and the attention's (at_attn, attn_grad), the first
+    largest by total, as (activations, unsharded grads, and ExpertUnitTerms.at_moment's adjustments). Once per
+    what it reads: a search's ledgers ask again across the FSDP knobs that leave the block's terms alone."""
+    return _CHOSEN.get(mlp_moments, (tokens, seq_len, base, at_attn, attn_grad, grad_cap, experts, reduce_above,
+                                     accumulated), lambda: max(
+        [(base + m.activation_bytes(tokens, seq_len),
+          *experts.at_moment(min(m.grad_bytes, grad_cap), reduce_above, accumulated, m.experts_done))
+         for m in mlp_moments] + [(at_attn, *experts.at_moment(attn_grad, reduce_above, accumulated, True))], key=sum))

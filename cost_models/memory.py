@@ -39,11 +39,13 @@ import math
 
 from . import (activations, context_parallel, edge_units, expert_parallel, fsdp2_gathers, moe,
                optimizer_step, qlora, root_regather, tensor_parallel)
-from .expert_unit_terms import NONE as expert_unit_terms_none, copy_out_moment, expert_unit_terms
+from .expert_unit_terms import (NONE as expert_unit_terms_none, copy_out_moment, expert_unit_terms,
+                                sparse_block_moment)
 from .fsdp1_adapters import AdapterUnits
 from .memory_peak import Moment as _Moment, peak_estimate
 from .memory_shape import ledger_shape, shape_key
 from .memory_types import MemoryBreakdown, MemoryEstimate, ParamCounts
+from .offload_moments import moments_key, offloaded
 from .outside_allocator import outside_allocator_terms
 from .profile import Profile
 from .specs import ClusterSpec, FsdpConfig, LossKernel, ModelSpec, Sharding, TrainingSpec
@@ -57,10 +59,11 @@ def _shard(n_bytes: float, d: int) -> int:
 def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, config: FsdpConfig,
                     profile: Profile, fsdp1_adapter_units: bool | AdapterUnits = False, shapes: dict | None = None,
                     outside: tuple | None = None, frozen_stored_bytes: int | None = None,
-                    input_requires_grad: bool = False) -> MemoryEstimate:
+                    input_requires_grad: bool = False, ledgers: dict | None = None) -> MemoryEstimate:
     """shapes: a memo of memory_shape.ledger_shape for this model, training and profile (a search's candidates share
-    them across FSDP's own knobs: planner/search/memo.py); outside: the memory outside the allocator where the caller
-    has it (outside_allocator_terms, without a DeepEP buffer). A trainer's own ways with LoRA (verl's engine,
+    them across FSDP's own knobs: planner/search/memo.py), ledgers: of the moments without offload, likewise
+    (offload_moments.py); outside: the memory outside the allocator where the caller has it (outside_allocator_terms,
+    without a DeepEP buffer). A trainer's own ways with LoRA (verl's engine,
     rl_actor.py): frozen_stored_bytes, the frozen base's stored width where it is not the ledger's compute dtype
     (FSDP2 casts it at every all-gather: fsdp2_gathers.py; its sharded bytes stay the caller's to add);
     input_requires_grad, PEFT's enable_input_require_grads (see the moments' end)."""
@@ -106,6 +109,20 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
     # earlier micro-steps' sharded grads: the whole shard, into which FSDP2 adds each unit's new one in place (the
     # reduce-scatter's output, freed after the add), so the blocks done in this micro-step add nothing
     accumulated = sharded_grads if config.grad_accum > 1 else 0
+    step = MemoryBreakdown(sharded_params=gpu_states * sharded_params + quant_state,
+                           sharded_grads=gpu_states * sharded_grads, optimizer_state=gpu_states * optimizer_state,
+                           optimizer_temporaries=gpu_states * step_temporaries)
+    if outside is None:
+        outside = outside_allocator_terms(cluster, config, profile, full_model, training,
+                                          ep_view.outside_allocator_bytes(c) if ep_view is not None else 0)
+    cpu_per_rank = (sharded_params + sharded_grads + optimizer_state + step_temporaries) if config.offload else 0
+    notes = (s.quirks + tuple(n for n in [None if config.expert_shard_dim or ep_view else moe.padding_note(model, d, c)]
+                              if n) + (ep_view.notes() if ep_view is not None else ()))
+    ledger_key = ledgers is not None and moments_key(config, fsdp1_adapter_units, frozen_stored_bytes,
+                                                     input_requires_grad)
+    if config.offload and ledger_key in (ledgers or ()):  # the same ledger's moments without offload
+        moments = offloaded(ledgers[ledger_key], quant_state)
+        return peak_estimate(moments, step, s.loss_reserved_extra, outside, profile, cluster, cpu_per_rank, notes)
 
     # --- gathered params and collective buffers ------------------------------------------------------
     block_c = counts.block() * c - qlora.saving_bytes(quantized, c)
@@ -234,14 +251,11 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
                 buffers_adjust = max(0, experts_rs - reduce_scatter_above(i) - experts_c)
         elif mlp_moments:  # MoE: the largest of its MLP's moments and the attention's, gradients included
             at_attn = tokens * (below + this - freed_attn + w_attn)
-            # expert units, after the experts' post-backward: resharded, their reduce-scatter input in flight, their
-            # gradients freed, their new shard made (expert_unit_terms.py)
-            ex, above = experts if i not in dense_blocks else expert_unit_terms_none, reduce_scatter_above(i)
-            block_acts, block_grads, params_adjust, buffers_adjust, shard_adjust = max(
-                [(tokens * (below + this) + m.activation_bytes(tokens, training.seq_len),
-                  *ex.at_moment(min(m.grad_bytes, real.trainable_block * c), above, bool(accumulated), m.experts_done))
-                 for m in mlp_moments[recomputed]] + [(at_attn, *ex.at_moment(attn_grad, above, bool(accumulated),
-                                                                                True))], key=sum)
+            # (expert units: after the experts' post-backward, expert_unit_terms.py)
+            block_acts, block_grads, params_adjust, buffers_adjust, shard_adjust = sparse_block_moment(
+                mlp_moments[recomputed], tokens, training.seq_len, tokens * (below + this), at_attn, attn_grad,
+                real.trainable_block * c, experts if i not in dense_blocks else expert_unit_terms_none,
+                reduce_scatter_above(i), bool(accumulated))
         else:
             at_mlp = tokens * (below + this + w_mlp)
             at_attn = tokens * (below + this - freed_attn + w_attn)
@@ -298,13 +312,10 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
         # and the unsharded block are alive at once, with the saved tensors of the blocks up to it.
         temp = moe.dim1_elements(model, d) * c
         for i, *_ in s.blocks:
-            moments[f"all-gather copy-out of block {i}"] = _Moment(
-                **states(grads_done(i)),
-                unsharded_params=root.at_blocks + gathered(i),
-                collective_buffers=gathered(i) + reduce_scatter_above(i),
-                unsharded_grads=head_grad,   # the temporary is an ordinary allocation (as the trace files it)
-                activations=tokens * (saved_below(i) + (ckpt if is_ckpt(i) else full)) + shared + temp,
-            )
+            moments[f"all-gather copy-out of block {i}"] = _Moment(  # (the temporary: an ordinary allocation, as
+                **states(grads_done(i)), unsharded_params=root.at_blocks + gathered(i),  # the trace files it)
+                collective_buffers=gathered(i) + reduce_scatter_above(i), unsharded_grads=head_grad,
+                activations=tokens * (saved_below(i) + (ckpt if is_ckpt(i) else full)) + shared + temp)
     sp = tensor_parallel.sequence_parallel(config)
     if counts.trainable_root and (sp or not (model.split_edge_units or adapter_units)):
         # The embedding's backward, the step's last op: the root still gathered, its other gradients made, block 0's
@@ -373,28 +384,14 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
                     s.first_less + (0 if k.startswith("forward") else c * h)))
     # The root's post-backward reshards its parameters before it reduce-scatters their gradients (FSDP2's
     # FSDPParamGroup.post_backward): the gathered root is gone when its reduce-scatter input is built.
-    moments["end of backward"] = _Moment(
-        **states(grads_done(-1)),
-        unsharded_params=root.end_params,
-        unsharded_grads=root.end_grads,
-        collective_buffers=root.end_rs,
-    )
+    moments["end of backward"] = _Moment(**states(grads_done(-1)), unsharded_params=root.end_params,
+                                         unsharded_grads=root.end_grads, collective_buffers=root.end_rs)
     if d == 1 and not adapter_units and counts.trainable_root:
         # FSDP2 at world size 1: once the gradients are copied in and freed, foreach_reduce's full-size output beside
         # its input (the root's sharded gradient, not yet among grads_done; a new one added into it under accumulation;
         # copied to the host under offload). Above the moment before where r > c (bf16 compute, fp32 reduce).
         moments["end of backward (the root's reduce output)"] = _Moment(
             **states(grads_done(-1)), collective_buffers=root.end_rs + counts.trainable_root * r)
-    step = MemoryBreakdown(
-        sharded_params=gpu_states * sharded_params + quant_state,
-        sharded_grads=gpu_states * sharded_grads,
-        optimizer_state=gpu_states * optimizer_state,
-        optimizer_temporaries=gpu_states * step_temporaries,
-    )
-    if outside is None:
-        outside = outside_allocator_terms(cluster, config, profile, full_model, training,
-                                          ep_view.outside_allocator_bytes(c) if ep_view is not None else 0)
-    cpu_per_rank = (sharded_params + sharded_grads + optimizer_state + step_temporaries) if config.offload else 0
-    notes = (s.quirks + tuple(n for n in [None if config.expert_shard_dim or ep_view else moe.padding_note(model, d, c)]
-                              if n) + (ep_view.notes() if ep_view is not None else ()))
+    if ledger_key and not config.offload:
+        ledgers[ledger_key] = moments
     return peak_estimate(moments, step, s.loss_reserved_extra, outside, profile, cluster, cpu_per_rank, notes)

@@ -74,6 +74,7 @@ class Costing:
     step_parts: dict[tuple, tuple] = field(default_factory=dict)  # step_time._compute_parts, across FSDP's own knobs
     fsdp_parts: dict[tuple, tuple] = field(default_factory=dict)  # step_time._fsdp_collectives, across the compute's
     shapes: dict[tuple, object] = field(default_factory=dict)  # memory_shape.ledger_shape, likewise
+    ledgers: dict[tuple, dict] = field(default_factory=dict)  # a ledger's moments without offload (offload_moments.py)
     outsides: dict[tuple, tuple] = field(default_factory=dict)  # outside_allocator_terms by outside_key
     verdicts: dict[tuple, tuple] = field(default_factory=dict)  # evaluate.memory_verdict by memory and host RAM
 
@@ -128,7 +129,7 @@ class Costing:
         if memory is None:  # priced for this run: its outside terms are its own
             memory = estimate_memory(self.model, self.cluster, self.training, run, self.profile,
                                      fsdp1_adapter_units=self.ways is not None and self.ways.fsdp1_adapter_units,
-                                     shapes=self.shapes, outside=outside)
+                                     shapes=self.shapes, outside=outside, ledgers=self.ledgers)
             if shares:
                 self.memories[memory_key(run)] = memory
         self.estimates[key] = memory

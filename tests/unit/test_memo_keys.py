@@ -11,7 +11,7 @@ from dataclasses import fields
 
 import pytest
 
-from cost_models import memory, memory_shape, outside_allocator, pipeline_memory, step_time
+from cost_models import memory, memory_shape, offload_moments, outside_allocator, pipeline_memory, step_time
 from cost_models.specs import FsdpConfig
 from planner import api
 from planner.search import memo
@@ -100,5 +100,6 @@ def test_a_search_shares_a_ledger_only_across_fields_it_does_not_read(reads):
     assert _names(memo._KEY_FIELDS) == ALL - memo.MEMORY_FREE_FIELDS - memo.LEDGER_FREE_FIELDS
     assert reads[GIVEN_OUTSIDE], "no search handed estimate_memory its outside terms"
     assert reads[GIVEN_OUTSIDE] <= _names(memo._KEY_FIELDS)
+    assert _names(offload_moments._KEY_FIELDS) == _names(memo._KEY_FIELDS) - {"offload"}  # (the ledgers' twins)
     fake = type("C", (), {n: n for n in OUTSIDE_KEY_FIELDS})()
     assert set(outside_allocator.outside_key(fake)) == OUTSIDE_KEY_FIELDS
