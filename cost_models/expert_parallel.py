@@ -110,23 +110,10 @@ class ExpertParallelView:
         return self.experts_gathered_elements() // max(1, self.efsdp)
 
     def param_counts(self, training):
-        """(gathered, shard) ParamCounts of the per-rank model: gathered counts the block's all-gather outputs
-        (the rest padded at d, the experts at efsdp); shard counts are those whose / d is a rank's shard (the
-        experts' efsdp shard scaled by d), which the ledger's model states divide by d."""
-        from .memory_types import ParamCounts
+        """(gathered, shard) ParamCounts of the per-rank model (expert_parallel_counts.py)."""
+        from .expert_parallel_counts import param_counts
 
-        gathered = ParamCounts.of(self.model, training, self.d)
-        g_experts = moe.experts_gathered_elements(self.model, self.d)
-        experts_d = self.experts_gathered_elements()
-        block = gathered.trainable_block - g_experts + experts_d
-        shard_block = block - experts_d + self.experts_shard_elements() * self.d
-        nd = self.model.n_dense_layers
-
-        def counts(b: int) -> ParamCounts:  # (the dense blocks' own dim-0 padding kept: gathered's delta)
-            delta = gathered.trainable_dense_delta + nd * (gathered.trainable_block - b) if nd else 0
-            return replace(gathered, trainable_block=b, trainable_dense_delta=delta)
-
-        return counts(block), counts(shard_block)
+        return param_counts(self, training)
 
     # ------------------------------------------------------------ activations
 
@@ -388,12 +375,13 @@ def _local_moments(view: ExpertParallelView, c: int, recomputed: bool) -> tuple[
 
 
 def rank_view(model: ModelSpec, config: FsdpConfig, d: int, training) -> ExpertParallelView:
-    """view() from the dense shard group d = dp_shard x cp (efsdp = d x tp / ep: mesh.Mesh.efsdp)."""
-    ep = config.ep
-    local = _LOCAL.get(model, (ep,), lambda: _local_experts(model, ep))
-    return ExpertParallelView(model=local, ep=ep, efsdp=d * config.tp // ep, d=d,
-                              imbalance=float(getattr(training, "routing_imbalance", 1.0)),
-                              dispatch=config.moe_dispatch, routing=getattr(training, "routing", Routing.LEARNED))
+    """view() from the dense shard group d = dp_shard x cp (efsdp = d x tp / ep: mesh.Mesh.efsdp); one object per
+    what it reads (a search's ledgers and step times ask ~10,000 times)."""
+    ep, tp, dispatch, routing = config.ep, config.tp, config.moe_dispatch, getattr(training, "routing", Routing.LEARNED)
+    imbalance = float(getattr(training, "routing_imbalance", 1.0))
+    return _LOCAL.get(model, ("view", ep, tp, d, dispatch, imbalance, routing), lambda: ExpertParallelView(
+        model=_LOCAL.get(model, (ep,), lambda: _local_experts(model, ep)), ep=ep, efsdp=d * tp // ep, d=d,
+        imbalance=imbalance, dispatch=dispatch, routing=routing))
 
 
 __all__ = ["ExpertParallelView", "view", "rank_view", "expert_parallel_ops", "ep_tier", "all_to_all_seconds",
