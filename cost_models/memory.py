@@ -37,7 +37,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from . import (activations, context_parallel, edge_units, expert_parallel, fsdp2_gathers, moe,
+from . import (activations, context_parallel, edge_units, expert_parallel, fsdp2_gathers, moe, operators,
                optimizer_step, qlora, root_regather, tensor_parallel)
 from .expert_unit_terms import (NONE as expert_unit_terms_none, copy_out_moment, expert_unit_terms,
                                 sparse_block_moment)
@@ -129,7 +129,7 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
     adapter_units = s.adapter_units  # FSDP1: each adapter a unit of its own
     block_c -= s.adapter_bytes if adapter_units else 0
     if config.fp8_all_gather:  # FSDP2 gathers the Float8 linears' weights in FP8: 1 byte each, not c
-        block_c -= s.fp8_saving
+        block_c -= operators.fp8_all_gather_saving_bytes(model, c, training.seq_len)
     keeps_gathered = config.sharding in (Sharding.SHARD_GRAD_OP, Sharding.HYBRID_SHARD_ZERO2)
     prefetches = not keeps_gathered and d > 1
     root = edge_units.root_terms(model, counts.trainable_root, counts.root(), c, r, p, d, keeps_gathered,

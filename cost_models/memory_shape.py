@@ -18,9 +18,10 @@ from .quick_init import quick_init, replaced
 from .specs import FSDP_ONLY_FIELDS, FsdpConfig, ModelSpec, TrainingSpec
 from .units import DTYPE_BYTES
 
-# nor Float8 linears or async TP, which change the step alone (planner/search/memo.py's MEMORY_FREE_FIELDS)
+# nor Float8 linears or async TP, which change the step alone (planner/search/memo.py's MEMORY_FREE_FIELDS), nor the
+# FP8 all-gather, which memory.py takes off the gathered bytes (operators.fp8_all_gather_saving_bytes)
 _SHAPE_FIELDS = attrgetter(*(f.name for f in fields(FsdpConfig)
-                             if f.name not in FSDP_ONLY_FIELDS | {"float8", "async_tp"}))
+                             if f.name not in FSDP_ONLY_FIELDS | {"float8", "async_tp", "fp8_all_gather"}))
 
 
 @quick_init
@@ -35,7 +36,6 @@ class LedgerShape:
     quant_state: int
     adapter_units: bool         # FSDP1: each adapter a unit of its own
     adapter_bytes: int          # what a block's all-gather output holds less: its adapters as units of their own,
-    fp8_saving: int             # the Float8 linears' weights gathered in FP8
     tokens: int
     kern: kernels.Kernels
     full: int                   # saved bytes per token of a block, not checkpointed
@@ -106,8 +106,6 @@ def ledger_shape(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, e
     quantized = qlora.quantized_per_block(model) if training.quantized else 0
     adapter_units = fsdp1_adapter_units and training.adapter_rank > 0
     adapter_bytes = fsdp1_adapters.block_adapter_bytes(model, training.adapter_rank, c) if adapter_units else 0
-    # FSDP2 gathers the Float8 linears' weights in FP8: 1 byte each, not c
-    fp8_saving = operators.fp8_all_gather_saving_bytes(model, c, training.seq_len) if config.fp8_all_gather else 0
 
     # --- activations, per token of the micro-batch ----------------------------------------------------
     tokens = config.micro_batch * training.seq_len
@@ -242,7 +240,7 @@ def ledger_shape(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, e
         c=c, p=p, frozen_p=c if precision.mixed else p, real=real,
         opt_per_param=training.optimizer.state_bytes_per_param(precision.param_dtype), quantized=quantized,
         quant_state=qlora.replicated_bytes(model, training.double_quant) if quantized else 0,
-        adapter_units=adapter_units, adapter_bytes=adapter_bytes, fp8_saving=fp8_saving, tokens=tokens, kern=kern,
+        adapter_units=adapter_units, adapter_bytes=adapter_bytes, tokens=tokens, kern=kern,
         full=full, traced=traced, ckpt=ckpt, root_saved=root_saved, K=K, shared=shared, first_less=first_less,
         full_dense=full_dense, traced_dense=traced_dense, dense_blocks=dense_blocks, leading=leading,
         dense_prefix=tuple(dense_prefix), w_mlp=w_mlp, w_attn=w_attn, freed_attn=freed_attn,

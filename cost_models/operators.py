@@ -347,10 +347,13 @@ def float8_weight_elements(model: ModelSpec, c: int, seq_len: int) -> int:
     return sum(m.weight_elements for m in block_ops(model, c, seq_len).matmuls if m.float8)
 
 
+_FP8_SAVING = IdentityMemo(limit=256)  # (model, c, seq_len): the ledgers under the FP8 all-gather read it
+
+
 def fp8_all_gather_saving_bytes(model: ModelSpec, c: int, seq_len: int) -> int:
     """Bytes one block's all-gather (and its output) moves less with FSDP2's FP8 all-gather: the Float8
     linears' weights in 1 byte instead of c."""
-    return (c - 1) * float8_weight_elements(model, c, seq_len)
+    return _FP8_SAVING.get(model, (c, seq_len), lambda: (c - 1) * float8_weight_elements(model, c, seq_len))
 
 
 _SELECTIVE_SAVED = IdentityMemo(limit=256)  # (model, seq_len, rank): every ledger shape under selective-op reads it
