@@ -19,9 +19,10 @@ from .specs import FSDP_ONLY_FIELDS, FsdpConfig, ModelSpec, TrainingSpec
 from .units import DTYPE_BYTES
 
 # nor Float8 linears or async TP, which change the step alone (planner/search/memo.py's MEMORY_FREE_FIELDS), nor the
-# FP8 all-gather, which memory.py takes off the gathered bytes (operators.fp8_all_gather_saving_bytes)
-_SHAPE_FIELDS = attrgetter(*(f.name for f in fields(FsdpConfig)
-                             if f.name not in FSDP_ONLY_FIELDS | {"float8", "async_tp", "fp8_all_gather"}))
+# FP8 all-gather, which memory.py takes off the gathered bytes (operators.fp8_all_gather_saving_bytes), nor how the
+# experts are sharded (their own units, dim 1), which memory.py's counts and expert_unit_terms.py read
+_SHAPE_FIELDS = attrgetter(*(f.name for f in fields(FsdpConfig) if f.name not in FSDP_ONLY_FIELDS | {
+    "float8", "async_tp", "fp8_all_gather", "expert_units", "expert_shard_dim"}))
 
 
 @quick_init

@@ -51,7 +51,8 @@ def test_moe_qlora_and_mesh_shapes_price_the_same():
     mixtral = load_preset("mixtral-8x7b")
     moe = [FsdpConfig(sharding=sh, expert_units=True, expert_shard_dim=dim, ac_every=ac)
            for sh, dim, ac in itertools.product(("FULL_SHARD", "HYBRID_SHARD"), (0, 1), (0, 1))]
-    assert len(_shared_equals_whole(mixtral, cluster, TrainingSpec(seq_len=4096), moe)) == 4  # dim x checkpointing
+    # one shape per checkpointing: the experts' sharding (dim 0 or 1) is memory.py's counts', not the shape's
+    assert len(_shared_equals_whole(mixtral, cluster, TrainingSpec(seq_len=4096), moe)) == 2
     llama = load_preset("llama3-8b")
     qlora = TrainingSpec(seq_len=2048, finetune=Finetune.QLORA)
     assert len(_shared_equals_whole(llama, cluster, qlora, [FsdpConfig(sharding=sh, ac_every=ac) for sh, ac in
