@@ -49,6 +49,7 @@ from __future__ import annotations
 import contextlib
 
 from . import context_parallel, moe
+from .ep_forward_events import ep_no_grad_forward_plan, plan_peak
 from .expert_parallel import rank_view
 from .memory_shape import ledger_shape
 from .moe_events import expert_indices, moe_block_tensors
@@ -144,11 +145,16 @@ class ExpertUnitsHooks:
     def transient(self, key, sizes, stream=0) -> None:
         """A checkpointed sparse block's no-grad forward (("forward", s, mb, j); no EP): its MoE MLP's bytes made at
         the experts' forward (forward_unpermute), the rest here."""
-        if key[0] != "forward" or self.ep_view is not None or not self.is_block(self.root_units(key[1]) + key[3]):
+        if key[0] != "forward" or not self.is_block(self.root_units(key[1]) + key[3]):
             return super().transient(key, sizes, stream)
         x = self.pieces[key[1]]
         mlp = min(x.block_full, self.no_grad_mlp_bytes())
-        self.experts_forward = self.routed_tensors(mlp)
+        if self.ep_view is not None:
+            self.experts_forward = self.ep_forward_plan(mlp)
+            if not self.experts_forward:
+                return super().transient(key, sizes, stream)
+        else:
+            self.experts_forward = self.routed_tensors(mlp)
         super().transient(key, self.tensors(x.block_full - mlp), stream)
 
     def no_grad_mlp_bytes(self) -> int:
@@ -166,6 +172,26 @@ class ExpertUnitsHooks:
         widths = [k * w * self.c for w in (2 * f, f, f, h, h)]
         return [self.tokens * w for w in cut(per_token_bytes, widths)] if per_token_bytes > 0 else []
 
+    def ep_forward_plan(self, per_token_bytes: int) -> list[tuple]:
+        """Under EP, a no-grad MoE MLP's bytes as the trace's dispatch, experts and combine make them
+        (ep_forward_events), the rest (routing, shared experts) held across in one; none where they do not fit."""
+        m = self.model.moe
+        plan = ep_no_grad_forward_plan(m.experts_per_token, self.ep_view.expert_rows_per_token(),
+                                       self.model.hidden_size, m.expert_ffn_size, self.c)
+        rest = per_token_bytes - plan_peak(plan)
+        if per_token_bytes <= 0 or rest < 0:
+            return []
+        return [("alloc", "rest", rest)] * (rest > 0) + plan + [("free", "rest")] * (rest > 0)
+
+    def ep_forward(self, s: int, u) -> None:
+        """A checkpointed sparse block's no-grad MoE MLP under EP (transient's plan), with the experts gathered."""
+        plan, self.experts_forward = self.experts_forward, []
+        for step in plan:
+            if step[0] == "alloc":
+                self.alloc(("experts forward", s, u, step[1]), round(self.tokens * step[2]))
+            else:
+                self.free(("experts forward", s, u, step[1]))
+
     def forward_unpermute(self, s: int, u) -> None:
         """The MoE MLP's un-permute with the experts gathered (no EP), before their post-forward reshards them: the
         weighted rows (transformers 5.24 integrations/moe.py:524) and their un-permuted copy (:528), k x h each in the
@@ -173,7 +199,7 @@ class ExpertUnitsHooks:
         under LoRA the router's input and gathered rows) in one; made and freed (moe.forward_unpermute_bytes_per_token,
         the ledger's forward copy-out moment, expert_unit_terms.copy_out_moment)."""
         if self.ep_view is not None:
-            return
+            return self.ep_forward(s, u)
         routed, self.experts_forward = self.experts_forward, []   # a checkpointed block's (transient's), made first
         for t, size in enumerate(routed):
             self.alloc(("experts forward", s, u, t), size)
