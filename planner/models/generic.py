@@ -154,6 +154,44 @@ def _moe_layout(model, blocks: list, cfg: dict) -> dict | None:
                 dense_layers=tuple(i for i in range(len(blocks)) if i not in sparse_indices))
 
 
+def _mlp_widths(moe: dict, hidden: int) -> dict:
+    """The MoE block's shared expert(s) and the dense blocks' MLP as the module holds them: the MoE module is the
+    parent of the stacked experts' holder (Llama 4's feed_forward: transformers modeling_llama4.py Llama4TextMoe,
+    whose shared_expert is a Llama4TextMLP of intermediate_size); its children that hold no expert-count rows (not
+    the experts, not the router) are the shared expert(s) and their gate. A dense block's MLP is its submodule at the
+    same path (Llama 4's dense feed_forward: a Llama4TextMLP of intermediate_size_mlp). A width is the input of an
+    MLP's last linear back to the hidden size (its down projection); 0 where there is none."""
+    holder = moe["stacked"][0][0].rpartition(".")[0]   # the experts' module; the MoE module its parent
+    if "." not in holder:  # experts held by the block's MoE module itself (or the block): no siblings to read
+        return dict(shared_width=0, dense_width=0, shared_params=0)
+    path = holder.rpartition(".")[0]
+    shared = [child for child in moe["block"].get_submodule(path).children()
+              if not any(p.dim() >= 1 and p.shape[0] == moe["n_experts"] for p in child.parameters())]
+    shared_width = sum(_down_width(child, hidden) for child in shared)
+    dense_mlps = [b.get_submodule(path) for b in moe["dense"] if _has_submodule(b, path)]
+    dense_width = _down_width(dense_mlps[0], hidden) if dense_mlps else 0
+    return dict(shared_width=shared_width, dense_width=dense_width,
+                shared_params=sum(_numel(child) for child in shared) if shared_width else 0)
+
+
+def _has_submodule(module, path: str) -> bool:
+    try:
+        module.get_submodule(path)
+    except AttributeError:
+        return False
+    return True
+
+
+def _down_width(mlp, hidden: int) -> int:
+    """in_features of an MLP's last nn.Linear that returns to the hidden size (gate, up, then down, as transformers
+    registers them); 0 for a module with none (a router, a scalar gate)."""
+    import torch
+
+    linears = [m for m in mlp.modules() if isinstance(m, torch.nn.Linear)]
+    last = linears[-1] if linears else None
+    return last.in_features if last is not None and last.out_features == hidden else 0
+
+
 def _numel(module) -> int:
     return sum(p.numel() for p in module.parameters())
 
@@ -176,10 +214,12 @@ def _with_moe(spec: ModelSpec, moe: dict, blocks: list) -> ModelSpec:
     blocks_total = sum(_numel(b) for b in blocks)
     other = spec.root_other_params + spec.n_layers * spec.block_params - blocks_total
     remainder = blocks_total - n_dense * dense_params - (spec.n_layers - n_dense) * sparse_params
+    widths = _mlp_widths(moe, spec.hidden_size)
     moe_spec = MoeSpec(n_experts=moe["n_experts"], experts_per_token=moe["top_k"], expert_ffn_size=width,
                        expert_params=expert_params, stacked_expert_tensors=stacked, router_params=router,
                        n_dense_layers=n_dense, first_sparse_layer=moe["first_sparse"], dense_block_params=dense_params,
-                       dense_layers=moe["dense_layers"],
-                       dense_ffn_size=spec.ffn_hidden_size if n_dense else 0)
+                       dense_layers=moe["dense_layers"], shared_ffn_size=widths["shared_width"],
+                       shared_params=widths["shared_params"],
+                       dense_ffn_size=(widths["dense_width"] or spec.ffn_hidden_size) if n_dense else 0)
     return dataclasses.replace(spec, moe=moe_spec, block_params=sparse_params,
                                ffn_hidden_size=width, root_other_params=other + remainder)

@@ -15,6 +15,9 @@ from pathlib import Path
 from cost_models.specs import ModelSpec
 
 SCHEMA_VERSION = 5  # 2: dense-block terms; 3: terms nested; 4: specs hold MoE dense-layer indices, terms the checkpoint-held inputs; 5: the traced operator inventory
+# the cached specs' alone (a shipped profile keeps its key): 2: an MoE's shared-expert and dense-MLP widths read from
+# the module (generic._mlp_widths)
+SPEC_READER_VERSION = 2
 
 
 def cache_dir() -> Path:
@@ -43,7 +46,7 @@ def _config_key(kind: str, hf_config: dict, versions: bool = True, **extra) -> s
 def cached_spec(hf_config: dict, name: str, make) -> ModelSpec:
     """The ModelSpec transformers' meta build gives for this config (`make()`), cached like the profiles:
     a later run neither imports torch nor builds the model."""
-    key = _config_key("spec", hf_config)
+    key = _config_key("spec", hf_config, reader=SPEC_READER_VERSION)
     path = cache_dir() / f"spec-{key}.json"
     from calibration.store import model_spec_from_dict  # pydantic, no torch
 

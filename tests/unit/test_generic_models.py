@@ -90,6 +90,22 @@ def test_interleaved_moe_layout_read_from_the_built_model():
     assert moe.dense_layers == (0, 2)  # moe_layers = [1, 3]
     # a token visits 1 of 4 experts in each of the 2 sparse layers
     assert spec.n_params - spec.active_params == 2 * 3 * moe.expert_params
+    # Llama4TextMoe's shared_expert is a Llama4TextMLP of intermediate_size (256), the dense blocks' MLP one of
+    # intermediate_size_mlp (768): gate, up, down each, read from the module (no config key names the first)
+    assert (moe.shared_ffn_size, moe.shared_params, moe.dense_ffn_size) == (256, 3 * 256 * 256, 768)
+    assert not spec.shared_expert_gated
+
+
+def test_a_gated_shared_expert_is_read_from_the_built_model():
+    """Qwen3-Next (no reader): its shared expert (shared_expert_intermediate_size) and the sigmoid gate beside it
+    (shared_expert_gate, h -> 1) are the MoE module's children that hold no expert-count rows."""
+    cfg = {"model_type": "qwen3_next", "hidden_size": 256, "intermediate_size": 768, "moe_intermediate_size": 128,
+           "shared_expert_intermediate_size": 384, "num_hidden_layers": 4, "num_attention_heads": 8,
+           "num_key_value_heads": 2, "head_dim": 32, "vocab_size": 3000, "num_experts": 8, "num_experts_per_tok": 2,
+           "linear_num_value_heads": 4, "linear_num_key_heads": 2}
+    spec = from_hf_config(cfg, name="qwen3-next")
+    assert (spec.moe.shared_ffn_size, spec.moe.shared_params) == (384, 3 * 256 * 384 + 256)
+    assert spec.shared_expert_gated and spec.moe.n_dense_layers == 0
 
 
 def test_profile_sees_the_layer_pattern_transformers_derives():
