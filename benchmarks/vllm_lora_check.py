@@ -16,16 +16,24 @@ absent on CPU: handed to it), the GPU tensors it holds summed.
 
 from __future__ import annotations
 
-from benchmarks.vllm_kv_check import _config_dir
+import json
+import tempfile
+from pathlib import Path
+
+from benchmarks.sglang_lora_check import LLAMA4_CONFIGS
+from benchmarks.vllm_kv_check import _config_dir as _catalog_config_dir
 from cost_models.rollout_lora import vllm_lora_buffers
-from planner.models import resolve_model
+from planner.models import from_hf_config, resolve_model
 
 CASES = [("qwen2.5-7b", 1), ("qwen2.5-7b", 4), ("qwen3-8b", 1), ("qwen3-8b", 2), ("qwen3-8b", 8),
          ("llama3-8b", 8), ("llama3-8b", 16), ("qwen2.5-14b", 2),   # Llama at 16: one KV head on each rank, replicated
          ("qwen3-30b-a3b", 1), ("qwen3-30b-a3b", 4), ("mixtral-8x7b", 2), ("gpt-oss-20b", 1), ("gpt-oss-20b", 2),
          ("deepseek-v2-lite", 1), ("deepseek-v2-lite", 2), ("deepseek-v2-lite", 8),   # MLA without q_lora_rank
          ("deepseek-v3", 1), ("deepseek-v3", 8),   # fused_qkv_a_proj; both: shared experts, leading dense blocks
-         ("qwen2-moe-a2.7b", 1), ("qwen2-moe-a2.7b", 2)]   # a gated shared expert
+         ("qwen2-moe-a2.7b", 1), ("qwen2-moe-a2.7b", 2),   # a gated shared expert
+         # not in the catalog (the generic reader): a shared expert in every sparse block; Maverick's interleaved
+         # dense blocks (intermediate_size_mlp); Llama4ForCausalLM is a LlamaForCausalLM (embedding_modules)
+         ("llama4-scout", 1), ("llama4-scout", 4), ("llama4-maverick", 8)]
 # FusedMoEWithLoRA / FusedMoE3DWithLoRA's buffers (tuples of tensors; their lora_a_stacked are lists of views)
 MOE_BUFFERS = ("w13_lora_a_stacked", "w13_lora_b_stacked", "w2_lora_a_stacked", "w2_lora_b_stacked")
 
@@ -64,6 +72,19 @@ def _moe_lora_without_its_kernel() -> None:
     without_kernel.cpu_stand_in = True
     FusedMoEWithLoRA.__init__ = without_kernel
     FusedMoEWithLoRA.set_mapping = BaseLayerWithLoRA.set_mapping
+
+
+def _config_dir(name: str) -> str:
+    """config.json of a catalog preset, or of Llama 4's text configs (benchmarks/sglang_lora_check.py)."""
+    if name not in LLAMA4_CONFIGS:
+        return _catalog_config_dir(name)
+    folder = Path(tempfile.mkdtemp(prefix=f"vllm-lora-{name}-"))
+    (folder / "config.json").write_text(json.dumps({**LLAMA4_CONFIGS[name], "torch_dtype": "bfloat16"}))
+    return str(folder)
+
+
+def _spec(name: str):
+    return from_hf_config(dict(LLAMA4_CONFIGS[name]), name=name) if name in LLAMA4_CONFIGS else resolve_model(name)
 
 
 def vllm_bytes(name: str, tp: int, rank: int = 32, fully_sharded: bool = False) -> int:
@@ -114,7 +135,7 @@ def vllm_punica_bytes(max_num_batched_tokens: int = 8192, max_num_seqs: int = 25
 
 def ours(name: str, tp: int, rank: int = 32, fully_sharded: bool = False) -> int:
     """Ours without the punica wrapper's index buffers (not built here)."""
-    b = vllm_lora_buffers(resolve_model(name), tp, rank, fully_sharded=fully_sharded)
+    b = vllm_lora_buffers(_spec(name), tp, rank, fully_sharded=fully_sharded)
     return b.blocks_bytes + b.vocab_bytes
 
 

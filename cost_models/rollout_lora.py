@@ -61,6 +61,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .model_spec import FUSED_GATE_UP_FAMILIES, ModelSpec
+from .moe_lora_targets import is_llama4
 from .spec_values import SpecError
 
 # vllm/config/lora.py MaxLoRARanks; verl's get_vllm_max_lora_rank rounds the rank up to one of these
@@ -78,7 +79,8 @@ THREE_D_MOE_FAMILIES = frozenset({"gpt_oss"})
 # vLLM's DeepseekV2ForCausalLM (DeepseekV3ForCausalLM its subclass): MLA, shared experts, leading dense blocks
 MLA_FAMILIES = frozenset({"deepseek_v2", "deepseek_v3"})
 # vLLM classes whose MoE blocks' shared experts are priced: DeepSeek's and Qwen2MoeForCausalLM's (qwen2_moe.py: a
-# Qwen2MoeMLP gate_up_proj / down_proj and its shared_expert_gate, a ReplicatedLinear h -> 1)
+# Qwen2MoeMLP gate_up_proj / down_proj and its shared_expert_gate, a ReplicatedLinear h -> 1); and Llama 4's (generic
+# family, is_llama4: llama4.py Llama4MoE's shared_expert and the interleaved dense blocks' feed_forward, LlamaMLPs)
 SHARED_EXPERT_FAMILIES = MLA_FAMILIES | {"qwen2_moe"}
 
 
@@ -160,11 +162,11 @@ def moe_block_elements(model: ModelSpec, tp: int, r: int, split: int) -> int:
     router's, DeepSeek's shared experts', every expert's w13 and w2 (vLLM without expert parallelism: all local).
     split: fully_sharded_loras' (tp, else 1)."""
     moe, h = model.moe, model.hidden_size
-    deepseek = model.family in MLA_FAMILIES
-    if (not deepseek and (model.kv_lora_rank or moe.n_dense_layers) or not model.gated_mlp
-            or moe.shared_ffn_size and model.family not in SHARED_EXPERT_FAMILIES):
+    deepseek, llama4 = model.family in MLA_FAMILIES, is_llama4(model)
+    if (not deepseek and (model.kv_lora_rank or moe.n_dense_layers and not llama4) or not model.gated_mlp
+            or moe.shared_ffn_size and model.family not in SHARED_EXPERT_FAMILIES and not llama4):
         raise SpecError("finetune", "vLLM's LoRA buffers are priced for MoE blocks of routed gated experts alone, "
-                                    "Qwen2-MoE's and DeepSeek-V2 / V3's (MLA, shared experts, leading dense blocks); "
+                                    "Qwen2-MoE's, Llama 4's and DeepSeek-V2 / V3's (MLA, shared experts, dense blocks); "
                                     f"{model.family}'s shared experts or dense blocks are not")
     shared = mlp_elements(h, moe.shared_ffn_size, tp, r, split) if moe.shared_ffn_size else 0
     shared += r * h + r if model.shared_expert_gated else 0   # Qwen2-MoE's shared_expert_gate, whole
@@ -194,7 +196,7 @@ def vllm_lora_buffers(model: ModelSpec, tp: int, max_lora_rank: int, dtype_bytes
     blocks = max_loras * elements * dtype_bytes
     v, h = model.vocab_size, model.hidden_size
     vocab = 0
-    if model.family in VOCAB_LORA_FAMILIES[version]:
+    if model.family in VOCAB_LORA_FAMILIES[version] or is_llama4(model):   # Llama4ForCausalLM(LlamaForCausalLM)
         if version == "0.8":   # extra vocab rows; the head's B padded; two embeddings_tensors
             extra, padded = EXTRA_VOCAB_08, -(-v // EXTRA_VOCAB_08) * EXTRA_VOCAB_08
             vocab = max_loras * ((v + extra) * r + h * r + r * h + padded * r + 2 * extra * h) * dtype_bytes
