@@ -118,10 +118,12 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
     cpu_per_rank = (sharded_params + sharded_grads + optimizer_state + step_temporaries) if config.offload else 0
     notes = (s.quirks + tuple(n for n in [None if config.expert_shard_dim or ep_view else moe.padding_note(model, d, c)]
                               if n) + (ep_view.notes() if ep_view is not None else ()))
-    ledger_key = ledgers is not None and moments_key(config, fsdp1_adapter_units, frozen_stored_bytes,
-                                                     input_requires_grad)
-    if config.offload and ledger_key in (ledgers or ()):  # the same ledger's moments without offload
-        moments = offloaded(ledgers[ledger_key], quant_state)
+    keeps_gathered = config.sharding in (Sharding.SHARD_GRAD_OP, Sharding.HYBRID_SHARD_ZERO2)
+    prefetches = not keeps_gathered and d > 1  # (the rate limiter bounds the backward prefetch alone: prefetch_below)
+    ledger_key = ledgers is not None and moments_key(config, prefetches and config.limit_all_gathers,
+                                                     fsdp1_adapter_units, frozen_stored_bytes, input_requires_grad)
+    if ledger_key in (ledgers or ()):  # the same ledger's moments (without offload: offload_moments.py)
+        moments = offloaded(ledgers[ledger_key], quant_state) if config.offload else ledgers[ledger_key]
         return peak_estimate(moments, step, s.loss_reserved_extra, outside, profile, cluster, cpu_per_rank, notes)
 
     # --- gathered params and collective buffers ------------------------------------------------------
@@ -130,8 +132,6 @@ def estimate_memory(model: ModelSpec, cluster: ClusterSpec, training: TrainingSp
     block_c -= s.adapter_bytes if adapter_units else 0
     if config.fp8_all_gather:  # FSDP2 gathers the Float8 linears' weights in FP8: 1 byte each, not c
         block_c -= operators.fp8_all_gather_saving_bytes(model, c, training.seq_len)
-    keeps_gathered = config.sharding in (Sharding.SHARD_GRAD_OP, Sharding.HYBRID_SHARD_ZERO2)
-    prefetches = not keeps_gathered and d > 1
     root = edge_units.root_terms(model, counts.trainable_root, counts.root(), c, r, p, d, keeps_gathered,
                                  fsdp1=bool(adapter_units))
 

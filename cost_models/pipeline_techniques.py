@@ -14,6 +14,7 @@ LoRA (refused with a mesh), the FP8 all-gather and the compiled loss (see pipeli
 from __future__ import annotations
 
 from . import activations, moe
+from .identity_memo import IdentityMemo
 from .specs import FsdpConfig, ModelSpec
 
 
@@ -32,8 +33,15 @@ def mlp_moment(model: ModelSpec, c: int, tokens: int, seq_len: int, block_params
     bytes of the block alive then). dense: the dense MLP's moment, returned for a dense model."""
     if model.moe is None:
         return dense
-    return max(((base_bytes + round(m.activation_bytes(tokens, seq_len)), min(m.grad_bytes, block_params * c))
-                for m in moe.backward_moments(model, c, recomputed=recomputed)), key=sum)
+    terms = _MLP_TERMS.get(model, (c, tokens, seq_len, block_params, recomputed), lambda: tuple(
+        (round(m.activation_bytes(tokens, seq_len)), min(m.grad_bytes, block_params * c))
+        for m in moe.backward_moments(model, c, recomputed=recomputed)))
+    return max(((base_bytes + activation_bytes, grad_bytes) for activation_bytes, grad_bytes in terms), key=sum)
+
+
+# (model, c, tokens, s, block params, recomputed) -> each MLP moment's (activation, gradient) bytes: a stage's pieces
+# ask for every block (~10,000 times in a DeepSeek-V2-Lite search's pipeline scouts)
+_MLP_TERMS = IdentityMemo(limit=256)
 
 
 def attention_grad_bytes(model: ModelSpec, c: int, block_params: int, dense: int) -> int:

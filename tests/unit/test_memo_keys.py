@@ -100,6 +100,6 @@ def test_a_search_shares_a_ledger_only_across_fields_it_does_not_read(reads):
     assert _names(memo._KEY_FIELDS) == ALL - memo.MEMORY_FREE_FIELDS - memo.LEDGER_FREE_FIELDS
     assert reads[GIVEN_OUTSIDE], "no search handed estimate_memory its outside terms"
     assert reads[GIVEN_OUTSIDE] <= _names(memo._KEY_FIELDS)
-    assert _names(offload_moments._KEY_FIELDS) == _names(memo._KEY_FIELDS) - {"offload"}  # (the ledgers' twins)
+    assert _names(offload_moments._KEY_FIELDS) == _names(memo._KEY_FIELDS) - {"offload", "limit_all_gathers"}
     fake = type("C", (), {n: n for n in OUTSIDE_KEY_FIELDS})()
     assert set(outside_allocator.outside_key(fake)) == OUTSIDE_KEY_FIELDS

@@ -98,21 +98,22 @@ def test_compute_parts_shared_across_one_compute_dtype_and_the_pipeline_fields()
 
 def test_a_ledger_with_offload_is_its_twin_without_offload_with_the_states_on_the_host():
     """cost_models/offload_moments.py: a search's ledger with CPU offload is made from the same configuration's without
-    it (its moments less the sharded states), equal to evaluate()'s to the byte (repr: ints stay ints); QLoRA's
-    QuantState stays on the GPU. Llama3-8B full fine-tuning on 16 GPUs, FULL_SHARD mb 2: both peak at the same moment,
+    it (its moments less the sharded states), and one without a backward prefetch is the same with or without the rate
+    limiter; equal to evaluate()'s to the byte (repr: ints stay ints); QLoRA's QuantState stays on the GPU. Llama3-8B full fine-tuning on 16 GPUs, FULL_SHARD mb 2: both peak at the same moment,
     before any sharded gradient is made; offload takes the fp32 params' and Adam's two states' shards off the GPU,
     12 B x 8,030,261,248 / 16 = 6,022,695,936 B of the peak."""
     cluster = make_cluster(16, gpu="h100-80gb")
-    for name, training, twins in (("llama3-8b", TrainingSpec(seq_len=2048), 4),
-                                  ("llama3-8b", TrainingSpec(seq_len=2048, finetune="qlora"), 4)):
+    for name, training in (("llama3-8b", TrainingSpec(seq_len=2048)),
+                           ("llama3-8b", TrainingSpec(seq_len=2048, finetune="qlora"))):
         model = load_preset(name)
         costing = Costing(model, cluster, training, DEFAULT_PROFILE)
-        configs = [FsdpConfig(micro_batch=mb, sharding=s, offload=o) for mb, s, o in itertools.product(
-            (1, 2), ("FULL_SHARD", "SHARD_GRAD_OP"), (False, True))]
+        configs = [FsdpConfig(micro_batch=mb, sharding=s, offload=o, limit_all_gathers=lim) for mb, s, o, lim in
+                   itertools.product((1, 2), ("FULL_SHARD", "SHARD_GRAD_OP"), (False, True), (True, False))]
         for config in configs:
             memo, alone = costing.evaluate(config), evaluate(model, cluster, training, config, DEFAULT_PROFILE)
             assert repr(memo) == repr(alone)
-        assert len(costing.ledgers) == twins
+        # per micro-batch FULL_SHARD's with and without the rate limiter, SHARD_GRAD_OP's one (nothing prefetched)
+        assert len(costing.ledgers) == 2 * 3
     full = load_preset("llama3-8b")
     costing = Costing(full, cluster, TrainingSpec(seq_len=2048), DEFAULT_PROFILE)
     on, off = (costing.evaluate(FsdpConfig(micro_batch=2, offload=o)).memory for o in (False, True))
