@@ -49,6 +49,13 @@ def ep_no_grad_forward_plan(sent: float, received: float, h: int, f: int, c: int
     ]
 
 
+def ep_saved_widths(sent: float, received: float, h: int, f: int, c: int) -> list[int]:
+    """Bytes per token of what the same forward under autograd keeps for the backward, in the order it makes them
+    (the trace's: the sorted rows, the masked gate|up product, the activation and gated product on the received rows,
+    the combine's token outputs on the sent; the rest it frees on the way)."""
+    return [round(w * c) for w in (received * h, 2 * received * f, received * f, received * f, sent * h)]
+
+
 def plan_peak(plan: list[tuple]) -> float:
     """The plan's largest live bytes per token (each name made once)."""
     sizes = {step[1]: step[2] for step in plan if step[0] == "alloc"}

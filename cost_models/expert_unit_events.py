@@ -49,11 +49,11 @@ from __future__ import annotations
 import contextlib
 
 from . import context_parallel, moe
-from .ep_forward_events import ep_no_grad_forward_plan, plan_peak
+from .ep_forward_events import ep_no_grad_forward_plan, ep_saved_widths, plan_peak
 from .expert_parallel import rank_view
 from .memory_shape import ledger_shape
 from .moe_events import expert_indices, moe_block_tensors
-from .pipeline_allocations import cut
+from .tensor_cut import cut
 
 
 class ExpertUnitsHooks:
@@ -182,6 +182,19 @@ class ExpertUnitsHooks:
         if per_token_bytes <= 0 or rest < 0:
             return []
         return [("alloc", "rest", rest)] * (rest > 0) + plan + [("free", "rest")] * (rest > 0)
+
+    def recomputed(self, x, j: int) -> list[int]:
+        """Under EP, a checkpointed sparse block's recompute: its MoE MLP's bytes cut as the trace's saved tensors
+        (ep_forward_events.ep_saved_widths, after the attention's), the rest of the block's first."""
+        if self.ep_view is None or not self.is_block(self.root_units(x.stage.index) + j):
+            return super().recomputed(x, j)
+        mlp = min(x.block_full, self.no_grad_mlp_bytes())
+        if mlp <= 0:
+            return super().recomputed(x, j)
+        m = self.model.moe
+        widths = ep_saved_widths(m.experts_per_token, self.ep_view.expert_rows_per_token(), self.model.hidden_size,
+                                 m.expert_ffn_size, self.c)
+        return self.tensors(x.block_full - mlp) + [self.tokens * w for w in cut(mlp, widths)]
 
     def ep_forward(self, s: int, u) -> None:
         """A checkpointed sparse block's no-grad MoE MLP under EP (transient's plan), with the experts gathered."""

@@ -46,6 +46,7 @@ from .pipeline_stage_events import ALL_GATHER_STREAM, REDUCE_SCATTER_STREAM, Sta
 from .pipeline_stage_pieces import stage_pieces
 from .replay_notes import replay_notes
 from .specs import FsdpConfig, ModelSpec, TrainingSpec
+from .tensor_cut import cut  # (re-exported: tests import it from here)
 from .tp_block_events import BlockWidths, applies, backward_events, forward_events, keyed
 from .units import DTYPE_BYTES
 
@@ -60,16 +61,6 @@ def param_tensors(model: ModelSpec, block_params: int) -> list[int]:
         shapes = [max(1, x * block_params // total) for x in shapes]
     rest = block_params - sum(shapes)
     return shapes + ([rest] if rest > 0 else [])
-
-
-def cut(per_token_bytes: int, widths: list[int]) -> list[int]:
-    """Per-token bytes as tensors: each width (bytes per token) while it fits, then the remainder as one."""
-    out, left = [], per_token_bytes
-    for w in widths:
-        if 0 < w <= left:
-            out.append(w)
-            left -= w
-    return out + ([left] if left > 0 else [])
 
 
 def replay_rank(model: ModelSpec, training: TrainingSpec, config: FsdpConfig, d: int, rank: int,
@@ -148,6 +139,9 @@ class _RankWalk:
         """Whether block j of stage x is written op by op (tp_block_events): checkpointed, keeping its input alone
         (a residual-stream tensor; none where it is the stage's receive buffer)."""
         return self.block is not None and x.checkpointed[j] and x.kept[j] in (0, self.hs)
+
+    def recomputed(self, x, j: int) -> list[int]:  # checkpointed block j's recompute: what its forward saves
+        return self.tensors(x.block_full)
 
     def inputs(self, x, j: int) -> list[int]:  # what block j keeps to its backward (templated: its input, whole)
         return [self.tokens * x.kept[j]] * bool(x.kept[j]) if self.templated(x, j) else self.tensors(x.kept[j])
@@ -276,7 +270,7 @@ class _RankWalk:
                 self.weight_grads(s, root + j, made=True)
                 grad_in = ("grad_in", s, mb, j)
                 continue
-            recomputed = self.tensors(x.block_full) if x.checkpointed[j] else ()
+            recomputed = self.recomputed(x, j) if x.checkpointed[j] else ()
             for t, size in enumerate(recomputed):
                 self.alloc(("recompute", s, mb, j, t), size)
             self.transient(("backward", s, mb, j), self.tensors(max(0, x.working[j]) // self.tokens))
