@@ -91,6 +91,20 @@ byte-identical (every candidate and miss of the four searches and of 8 plans, co
 each on the same 2 cores (load ~4.7): 7eede2d 258-281 / 576-600 / 302-304 / 1,501-1,558 ms, f550632 235-240 /
 465-486 / 293-311 / 931-934 ms. Left on the DeepSeek line (sampled): the ledger (memory.py) ~50%, its MoE moments
 ~6%; the step times ~19%; the pipeline scouts' memory ~7%.
+
+Issue 27 item 6, seventh pass (3056741 -> d381790): what the DeepSeek-V2-Lite line's ledgers derived again. A ledger
+with CPU offload is the same configuration's without it less the sharded states (cost_models/offload_moments.py: 1,120
+of its 1,196 offload ledgers), and one without a backward prefetch the same with or without the rate limiter (70
+more); the ledger's shape leaves out the FP8 all-gather (its saving applied in memory.py) and the experts' sharding
+(expert units, dim 1), which it never read; a sparse block's moment (expert_unit_terms.sparse_block_moment), the EP
+view and its parameter counts (expert_parallel_counts.py), a block's priced time (step_parts._timed: price_block's
+lru_cache hashed every operator of its key) and a pipeline stage's MoE MLP moments once per what they read. Results
+byte-identical: /tmp/fp_search/fp.py (every candidate and miss of the four searches and of 8 plans) 25853058... and
+fpq.py (3 QLoRA / LoRA plans) 2b975afc... at 2554fd7 and after each commit. CPU, this script (best of 5 / 3 / 3 / 3),
+three alternate runs on the same 2 cores (load 1.9-2.2): 2554fd7 219-232 / 449-458 / 273-279 / 856-872 ms, d381790
+200-210 / 430-439 / 260-279 / 686-705 ms (DeepSeek -19 to -21%). Left on the DeepSeek line (sampled): the ~3,000
+ledgers priced whole ~40% (~70 us each; their peak_estimate ~6%), the step times ~18%, the pipeline scouts' memory
+~8% (their stage pieces ~5.5%, no two configurations' alike).
 """
 
 from __future__ import annotations
