@@ -53,6 +53,7 @@ from .ep_forward_events import ep_no_grad_forward_plan, ep_saved_widths, plan_pe
 from .expert_parallel import rank_view
 from .memory_shape import ledger_shape
 from .moe_events import expert_indices, moe_block_tensors
+from .spec_values import MoeDispatch
 from .tensor_cut import cut
 
 
@@ -150,7 +151,7 @@ class ExpertUnitsHooks:
         x = self.pieces[key[1]]
         mlp = min(x.block_full, self.no_grad_mlp_bytes())
         if self.ep_view is not None:
-            self.experts_forward = self.ep_forward_plan(mlp)
+            self.experts_forward = self.ep_forward_plan(mlp) if self.ep_planned() else []
             if not self.experts_forward:
                 return super().transient(key, sizes, stream)
         else:
@@ -172,12 +173,20 @@ class ExpertUnitsHooks:
         widths = [k * w * self.c for w in (2 * f, f, f, h, h)]
         return [self.tokens * w for w in cut(per_token_bytes, widths)] if per_token_bytes > 0 else []
 
+    def ep_planned(self) -> bool:
+        """EP through transformers' AllToAllEP (the trace's, ep_forward_events); DeepEP's tensors not read (lumps)."""
+        return self.ep_view is not None and self.ep_view.dispatch is MoeDispatch.ALL_TO_ALL
+
+    def ep_args(self) -> tuple:
+        """ep_forward_events' rows (sent, received per token), widths and dtype for this rank."""
+        m = self.model.moe
+        return (m.experts_per_token, self.ep_view.expert_rows_per_token(), self.model.hidden_size, m.expert_ffn_size,
+                self.c)
+
     def ep_forward_plan(self, per_token_bytes: int) -> list[tuple]:
         """Under EP, a no-grad MoE MLP's bytes as the trace's dispatch, experts and combine make them
         (ep_forward_events), the rest (routing, shared experts) held across in one; none where they do not fit."""
-        m = self.model.moe
-        plan = ep_no_grad_forward_plan(m.experts_per_token, self.ep_view.expert_rows_per_token(),
-                                       self.model.hidden_size, m.expert_ffn_size, self.c)
+        plan = ep_no_grad_forward_plan(*self.ep_args())
         rest = per_token_bytes - plan_peak(plan)
         if per_token_bytes <= 0 or rest < 0:
             return []
@@ -186,24 +195,25 @@ class ExpertUnitsHooks:
     def recomputed(self, x, j: int) -> list[int]:
         """Under EP, a checkpointed sparse block's recompute: its MoE MLP's bytes cut as the trace's saved tensors
         (ep_forward_events.ep_saved_widths, after the attention's), the rest of the block's first."""
-        if self.ep_view is None or not self.is_block(self.root_units(x.stage.index) + j):
+        if not self.ep_planned() or not self.is_block(self.root_units(x.stage.index) + j):
             return super().recomputed(x, j)
         mlp = min(x.block_full, self.no_grad_mlp_bytes())
         if mlp <= 0:
             return super().recomputed(x, j)
-        m = self.model.moe
-        widths = ep_saved_widths(m.experts_per_token, self.ep_view.expert_rows_per_token(), self.model.hidden_size,
-                                 m.expert_ffn_size, self.c)
-        return self.tensors(x.block_full - mlp) + [self.tokens * w for w in cut(mlp, widths)]
+        return self.tensors(x.block_full - mlp) + [self.tokens * w for w in cut(mlp, ep_saved_widths(*self.ep_args()))]
+
+    def write_plan(self, key, plan: list[tuple]) -> None:
+        """An ep_forward_events plan's allocations and frees, named (key + (name,))."""
+        for step in plan:
+            if step[0] == "alloc":
+                self.alloc(key + (step[1],), round(self.tokens * step[2]))
+            else:
+                self.free(key + (step[1],))
 
     def ep_forward(self, s: int, u) -> None:
         """A checkpointed sparse block's no-grad MoE MLP under EP (transient's plan), with the experts gathered."""
         plan, self.experts_forward = self.experts_forward, []
-        for step in plan:
-            if step[0] == "alloc":
-                self.alloc(("experts forward", s, u, step[1]), round(self.tokens * step[2]))
-            else:
-                self.free(("experts forward", s, u, step[1]))
+        self.write_plan(("experts forward", s, u), plan)
 
     def forward_unpermute(self, s: int, u) -> None:
         """The MoE MLP's un-permute with the experts gathered (no EP), before their post-forward reshards them: the
@@ -310,6 +320,10 @@ class ExpertUnitsWalk(ExpertUnitsHooks):
         """Block unit u's MLP saved tensors of `part` (mlp_saved_apart) made, or freed."""
         if u - self.root_units(s) not in self.mlp_apart_blocks:
             return
+        if self.ep_planned() and part == "experts" and not free:
+            # EP: the dispatch / experts / combine's working set, in the trace's order with its saved tensors, made
+            # and freed first (ep_forward_events' plan; their saved bytes stay the ledger's, cut below)
+            self.write_plan(("experts working", s, u), ep_no_grad_forward_plan(*self.ep_args()))
         with self.without_scores():
             sizes = self.tensors(self.mlp_saved_bytes_per_token[part])
         for t, size in enumerate(sizes):
