@@ -149,7 +149,10 @@ def _windowed_layers(model: ModelSpec) -> tuple[int, int]:
 
 
 def _softmax_bytes(model: ModelSpec, c: int) -> int:
-    return 4 if model.family in _FP32_SOFTMAX_FAMILIES else c
+    """Eager attention's softmax output: fp32 where the model's eager attention asks for it (the generic reader reads
+    it off the module: Llama 4's eager_attention_forward does not), else the family's rule."""
+    fp32 = model.eager_softmax_fp32
+    return 4 if (model.family in _FP32_SOFTMAX_FAMILIES if fp32 is None else fp32) else c
 
 
 def _attention_dropout(model: ModelSpec) -> bool:

@@ -201,6 +201,7 @@ class ModelSpec:
     logit_softcap: bool = False      # tanh soft-capping of the logits (Gemma 2)
     moe: MoeSpec | None = None       # mixture-of-experts shape of the sparse blocks; None = dense
     attention_choices: tuple[str, ...] = ("sdpa", "eager")  # implementations the family runs (Gemma 2: eager only)
+    eager_softmax_fp32: bool | None = None  # eager attention's softmax in fp32; None: the family's (activations.py)
     # DeepSeek's multi-head latent attention (kv_lora_rank > 0): head_dim is the q/k width, qk_nope + qk_rope
     kv_lora_rank: int = 0            # kv_a_proj's latent width (0 = not MLA)
     q_lora_rank: int = 0             # q_a_proj's rank (0 = a plain q_proj: V2-Lite)

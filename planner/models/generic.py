@@ -109,7 +109,8 @@ def refine_from_module(spec: ModelSpec, model, blocks: list, cfg: dict) -> Model
     implementations its class runs and its mixture-of-experts layout."""
     moe = _moe_layout(model, blocks, cfg)
     try:
-        spec = dataclasses.replace(spec, attention_choices=attention_choices(model))
+        spec = dataclasses.replace(spec, attention_choices=attention_choices(model),
+                                   eager_softmax_fp32=eager_softmax_fp32(blocks))
         return _with_moe(spec, moe, blocks) if moe else spec
     except SpecError as e:
         raise PlannerError("model", f"config of {spec.name!r}: {e}") from None
@@ -119,6 +120,38 @@ def attention_choices(model) -> tuple[str, ...]:
     """The implementations this model class runs in training: sdpa only where the class declares support
     (Gemma 2 and gpt-oss do not), eager always."""
     return ("sdpa", "eager") if getattr(type(model), "_supports_sdpa", False) else ("eager",)
+
+
+def eager_softmax_fp32(blocks: list) -> bool | None:
+    """Whether the model's eager attention takes its softmax in fp32 on bf16 scores: transformers'
+    eager_attention_forward of the first attention module's file run on small CPU tensors with that module (Llama's
+    softmax(..., dtype=torch.float32); Llama 4's plain softmax, modeling_llama4.py:267). None where it cannot be run."""
+    import sys
+
+    import torch
+
+    attention = next((m for b in blocks for m in b.modules() if type(m).__name__.endswith("Attention")), None)
+    eager = getattr(sys.modules.get(type(attention).__module__), "eager_attention_forward", None)
+    groups = getattr(attention, "num_key_value_groups", None)
+    if eager is None or not isinstance(groups, int):
+        return None
+    q = torch.zeros(1, groups, 4, 8, dtype=torch.bfloat16)
+    kv = torch.zeros(1, 1, 4, 8, dtype=torch.bfloat16)
+    softmax_dtypes = []
+    real_softmax = torch.nn.functional.softmax
+
+    def recorded(*args, **kwargs):
+        out = real_softmax(*args, **kwargs)
+        softmax_dtypes.append(out.dtype)
+        return out
+    try:
+        torch.nn.functional.softmax = recorded
+        eager(attention, q, kv, kv, None, scaling=1.0, dropout=0.0)
+    except Exception:  # noqa: BLE001 - foreign code that needs more than these tensors: the family's rule
+        return None
+    finally:
+        torch.nn.functional.softmax = real_softmax
+    return softmax_dtypes[0] == torch.float32 if softmax_dtypes else None
 
 
 def _config_int(cfg: dict, keys: tuple[str, ...]) -> int | None:

@@ -16,8 +16,8 @@ from cost_models.specs import ModelSpec
 
 SCHEMA_VERSION = 5  # 2: dense-block terms; 3: terms nested; 4: specs hold MoE dense-layer indices, terms the checkpoint-held inputs; 5: the traced operator inventory
 # the cached specs' alone (a shipped profile keeps its key): 2: an MoE's shared-expert and dense-MLP widths read from
-# the module (generic._mlp_widths)
-SPEC_READER_VERSION = 2
+# the module (generic._mlp_widths); 3: its eager softmax's dtype (generic.eager_softmax_fp32)
+SPEC_READER_VERSION = 3
 
 
 def cache_dir() -> Path:

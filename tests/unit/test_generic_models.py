@@ -94,6 +94,8 @@ def test_interleaved_moe_layout_read_from_the_built_model():
     # intermediate_size_mlp (768): gate, up, down each, read from the module (no config key names the first)
     assert (moe.shared_ffn_size, moe.shared_params, moe.dense_ffn_size) == (256, 3 * 256 * 256, 768)
     assert not spec.shared_expert_gated
+    # its eager_attention_forward's softmax keeps the scores' dtype (modeling_llama4.py:267); Granite's is fp32
+    assert spec.eager_softmax_fp32 is False and from_hf_config(dict(GRANITE), name="granite").eager_softmax_fp32
 
 
 def test_a_gated_shared_expert_is_read_from_the_built_model():

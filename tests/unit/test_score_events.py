@@ -38,6 +38,20 @@ def test_the_walk_makes_the_traces_score_tensors(llama4):
     assert sizes.count(scores) >= 4 * 3   # each block's forward: two scores and the softmax output, at least
 
 
+def test_llama4s_softmax_keeps_the_scores_dtype():
+    """Llama 4's eager_attention_forward takes a plain softmax (transformers modeling_llama4.py:267, no fp32): the
+    generic reader reads that off the module, so its bf16 LoRA walk makes bf16 (s, s) tensors and no fp32 one (the
+    fp32 softmax gradients were a 512 MiB segment of their own on the LoRA grid's HSDP every-2 row: +16.3% -> -0.6%
+    against the trace's replay, docs/accuracy.md "2026-12-08: Llama 4's shared expert and softmax read from the
+    module"). Row 1 of that grid: NO_SHARD bf16-pure every-2 eager, 1 x 512 tokens on 2."""
+    c = estimate(arch_config("llama4"), 2, sharding="NO_SHARD", precision="bf16-pure", activation_checkpointing="every-2",
+                 attention="eager", micro_batch=1, seq_len=512, gpus_per_node=2, finetune="lora", lora_rank=16)
+    assert c.model.eager_softmax_fp32 is False
+    scores = 8 * 512 * 512   # heads x s x s of the one sequence
+    sizes = [e[2] for e in _walk(c)[0] if e[0] == "alloc" and e[1][0] not in ("logits", "loss")]
+    assert sizes.count(2 * scores) >= 4 and 4 * scores not in sizes
+
+
 @pytest.mark.parametrize("arch, gpus, row, traced, tolerance", [
     ("llama4", 4, LLAMA4_ROW, LLAMA4_TRACE_REPLAY, 0.05),   # measured -1.1% (+8.7% before the shared expert was read)
     ("gemma2", 128, GEMMA2_ROW, GEMMA2_TRACE_REPLAY, 0.05)])
