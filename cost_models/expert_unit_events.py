@@ -21,7 +21,9 @@ allocation events; torch 2.13 _fsdp_state.py / _fsdp_param_group.py):
   kept to the next reduce-scatter, output the efsdp shard); then the block's other moments (the attention's, the
   norm's: experts_done), its gradients, its post-backward. The walk writes a block's forward in one sweep, so the
   experts' forward hooks run at its end (a checkpointed block's no-grad forward before its experts are gathered, less
-  its MoE MLP's bytes: made with the experts gathered, cut as the trace's routed rows, routed_tensors).
+  its MoE MLP's bytes: made with the experts gathered, cut as the trace's routed rows, routed_tensors; under EP as
+  AllToAllEP's dispatch / experts / combine make them, ep_forward_events, whose saved tensors cut its recompute and
+  whose working set goes ahead of a non-checkpointed block's MLP saved tensors).
   On an efsdp group of one rank the experts are copied out parameter by parameter (OneRankWalk's unshard).
 The saved tensors and moments are the ledger's (memory_shape.ledger_shape with the EP view: the dispatch / combine's
 saved bytes per routed row, ExpertParallelView.backward_moments; a traced block profile's moments where the model has
