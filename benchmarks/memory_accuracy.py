@@ -514,4 +514,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
+    from calibration.hash_seed import pin_hash_seed
+
+    pin_hash_seed()  # the traced allocation order follows the hash seed (calibration/hash_seed.py)
     main()
