@@ -125,10 +125,12 @@ def attention_choices(model) -> tuple[str, ...]:
 def eager_softmax_fp32(blocks: list) -> bool | None:
     """Whether the model's eager attention takes its softmax in fp32 on bf16 scores: transformers'
     eager_attention_forward of the first attention module's file run on small CPU tensors with that module (Llama's
-    softmax(..., dtype=torch.float32); Llama 4's plain softmax, modeling_llama4.py:267). None where it cannot be run."""
+    softmax(..., dtype=torch.float32); Llama 4's plain softmax, modeling_llama4.py:267), the softmax's output dtype read
+    at aten (however the file spells it: F.softmax, torch.softmax, Tensor.softmax). None where it cannot be run."""
     import sys
 
     import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
 
     attention = next((m for b in blocks for m in b.modules() if type(m).__name__.endswith("Attention")), None)
     eager = getattr(sys.modules.get(type(attention).__module__), "eager_attention_forward", None)
@@ -137,21 +139,23 @@ def eager_softmax_fp32(blocks: list) -> bool | None:
         return None
     q = torch.zeros(1, groups, 4, 8, dtype=torch.bfloat16)
     kv = torch.zeros(1, 1, 4, 8, dtype=torch.bfloat16)
-    softmax_dtypes = []
-    real_softmax = torch.nn.functional.softmax
 
-    def recorded(*args, **kwargs):
-        out = real_softmax(*args, **kwargs)
-        softmax_dtypes.append(out.dtype)
-        return out
+    class SoftmaxDtypes(TorchDispatchMode):
+        dtypes: list = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func.overloadpacket is torch.ops.aten._softmax:
+                self.dtypes = self.dtypes + [out.dtype]
+            return out
+
+    recorded = SoftmaxDtypes()
     try:
-        torch.nn.functional.softmax = recorded
-        eager(attention, q, kv, kv, None, scaling=1.0, dropout=0.0)
+        with recorded:
+            eager(attention, q, kv, kv, None, scaling=1.0, dropout=0.0)
     except Exception:  # noqa: BLE001 - foreign code that needs more than these tensors: the family's rule
         return None
-    finally:
-        torch.nn.functional.softmax = real_softmax
-    return softmax_dtypes[0] == torch.float32 if softmax_dtypes else None
+    return recorded.dtypes[0] == torch.float32 if recorded.dtypes else None
 
 
 def _config_int(cfg: dict, keys: tuple[str, ...]) -> int | None:
