@@ -40,3 +40,17 @@ def sink_attention_bytes(model: ModelSpec, c: int, seq_len: int, attention: Atte
         kernel = attention_flex.kernel_saved_bytes_per_token(c, q, model.kv_dim, H)
         return kernel + 4 * c * H + c * q
     return 4 * c * q + 8 * H + c * H * (seq_len + 1)
+
+
+def sink_score_widths(model: ModelSpec, c: int, seq_len: int) -> tuple[list[int], list[int], list[int], dict]:
+    """Eager attention with sinks' (s, s) tensors per token, as score_events.score_widths lays them out (saved,
+    working, held, held_frees: made index -> the held index freed as it is made), read off eager_attention_forward
+    (transformers 5 modeling_gpt_oss.py:239-253) and its trace on a small gpt-oss (aten ops): forward, the matmul's
+    scores (bmm), * scaling (mul; bmm's freed), + mask (add; mul's freed), cat with the sinks (s x (s + 1)), minus its
+    max (sub; cat's freed), then the softmax in their dtype (its output saved; the slice a view, dropout at p = 0 and
+    .to(c) no copies), after which the add's and sub's are freed. Backward: P @ V's gradient (bmm, s x s),
+    slice_backward's and _softmax_backward_data's (s x (s + 1)), the max's scatter: two s x (s + 1) gradients at once
+    beside the softmax's (the ledger's working set holds two: activations_backward)."""
+    scores, sink_scores = c * model.n_heads * seq_len, c * model.n_heads * (seq_len + 1)
+    held = [scores] * 3 + [sink_scores] * 2
+    return [sink_scores], [sink_scores] * 2, held, {1: 0, 2: 1, 4: 3}

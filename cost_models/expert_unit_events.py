@@ -348,7 +348,8 @@ class ExpertUnitsWalk(ExpertUnitsHooks):
         grads = self.grad_bytes(s, u)
         traced = self.shape.traced
         mlp, later = self.backward_moments(s, j, sum(grads[i] for i in self.expert_index))
-        with self.without_scores():
+        # a traced profile's moment is the whole block's, its attention's softmax backward in it (score_events)
+        with self.softmax_backward(key) if traced else self.without_scores():
             made = self.write_moment(("experts backward", s, mb, j), s, u, mlp,
                                      range(len(grads)) if traced else self.expert_index)
         self.mlp_saved_tensors(s, u, "experts", free=True)

@@ -23,6 +23,11 @@ holds: +26.9% over the trace's replay on llama4's NO_SHARD fp32 full-AC LoRA row
   own (the "block backward" moment after the experts') too, through softmax_backward; the MoE MLP's saved tensors and
   its moment with the experts gathered cut no (s, s) tensor (without_scores). The trace's order, gemma2 LoRA and
   Mixtral with expert units: tests/unit/test_score_events.py.
+- attention sinks (gpt-oss; activations_sinks.sink_score_widths): the trace's chain of five tensors (three (s, s), two
+  (s, s + 1)) before the softmax output, in each forward and (unlike the other families, not measured there) each
+  recompute; its softmax backward lent the block's tensors cut after the softmax output, which the trace's MLP and
+  o-projection backward have freed by then. A traced profile's experts-backward moment (expert_unit_events) is cut
+  as a softmax backward too. docs/accuracy.md "2026-12-08: gpt-oss's sinks' score tensors".
 """
 
 from __future__ import annotations
@@ -31,27 +36,33 @@ from contextlib import contextmanager
 
 from .activations import _attention_dropout, _softmax_bytes, uses_s2_attention
 from .activations_mla import is_latent
-from .activations_sinks import has_sinks
+from .activations_sinks import has_sinks, sink_score_widths
 from .specs import ModelSpec
 
 
 def score_widths(model: ModelSpec, compute_dtype_bytes: int, attention, seq_len: int,
-                 fp16: bool = False) -> tuple[list[int], list[int], list[int], int]:
+                 fp16: bool = False) -> tuple[list[int], list[int], list[int], int, dict]:
     """Bytes per token of the rank of eager attention's (s, s) tensors: (saved: what a block keeps, largest first;
     working: the softmax backward's two gradients; held: the forward's tensors up to its softmax output; cast: the
-    saved cast back the softmax backward frees first, 0 if none). All empty / 0 without (s, s) scores, and where this
-    composition is not the block's: attention sinks (gpt-oss: s x (s + 1) scores, the sink column sliced off after the
-    softmax) and a traced block profile (its bytes measured, not composed; gpt-oss EP 4 on 32 read -8.9% -> -23.8%
-    against the trace's replay with these widths)."""
-    if not uses_s2_attention(model, attention) or has_sinks(model) or model.activation_profile is not None:
-        return [], [], [], 0
+    saved cast back the softmax backward frees first, 0 if none; held_frees: a held tensor's index -> the held one
+    freed as it is made, the rest freed once the softmax output is made). All empty / 0 without (s, s) scores and
+    for a traced block profile (its bytes measured, not composed; gpt-oss EP 4 on 32 read -8.9% -> -23.8% against the
+    trace's replay with these widths), but for attention sinks (gpt-oss's s x (s + 1) scores, its profile's or not:
+    activations_sinks.sink_score_widths, the trace's ops)."""
+    if not uses_s2_attention(model, attention):
+        return [], [], [], 0, {}
+    if has_sinks(model):
+        saved, working, held, held_frees = sink_score_widths(model, compute_dtype_bytes, seq_len)
+        return saved, working, held, 0, held_frees
+    if model.activation_profile is not None:
+        return [], [], [], 0, {}
     c, scores = compute_dtype_bytes, model.n_heads * seq_len
     soft = 4 if is_latent(model) else _softmax_bytes(model, c)   # MLA's softmax is fp32 always
     dropout = _attention_dropout(model)
     saved = [soft] + [c] * bool(model.attn_softcap) + ([c, 1] if dropout else [c] * (soft != c))
     held = [c, c] + [soft] * (soft != c and not fp16)
     cast = c if soft != c and not dropout else 0
-    return [w * scores for w in saved], [soft * scores] * 2, [w * scores for w in held], cast * scores
+    return [w * scores for w in saved], [soft * scores] * 2, [w * scores for w in held], cast * scores, {1: 0}
 
 
 class EagerScoresWalk:
@@ -63,12 +74,18 @@ class EagerScoresWalk:
     scores_lend = 0
     scores_backward = False   # tensors() cuts StepWalk.transient's backward working set: its (s, s) gradients first
     scores_none = False       # tensors() cuts no (s, s) tensor (without_scores)
+    scores_recompute = False  # sinks alone: a recompute makes the forward's scores chain; the softmax backward is
+                              # lent what the block freed before it (_freed_before_softmax_backward)
+    scores_recomputed = None  # ("recompute", s, mb, j) whose chain is written
 
     def __init__(self, model, training, config, d: int, rank: int):
         super().__init__(model, training, config, d, rank)
-        self.scores_saved, self.scores_working, held, self.scores_cast = score_widths(
+        self.scores_saved, self.scores_working, held, self.scores_cast, self.scores_held_frees = score_widths(
             model, self.c, config.attention, training.seq_len, config.precision.compute_dtype == "fp16")
         self.scores_held_bytes = [self.tokens * w for w in held]
+        # the trace's recompute makes the chain again (gpt-oss, activations_sinks.sink_score_widths); other families'
+        # recomputes are not written so (their walks kept as they were: not measured)
+        self.scores_recompute = bool(held) and has_sinks(model)
         # _RankWalk.widths: [f] * 2 or 3, then q, kv, kv, q, h, h: q, k, v and the attention norm's output come first
         k = len(self.widths) - 6
         self.attention_inputs = {k, k + 1, k + 2, k + 4}
@@ -118,22 +135,35 @@ class EagerScoresWalk:
         return self._cut(x.block_full if x.checkpointed[j] else x.kept[j], False)
 
     def alloc(self, key, size_bytes: int, stream=0) -> None:
-        opened = self.scores_open is not None and self._softmax_output(key)
+        opened = self.scores_open is not None and self._softmax_output(key) or self._recomputed_softmax(key, size_bytes)
         if opened:
             for i, size in enumerate(self.scores_held_bytes):
-                super().alloc(("scores", key, i), size)   # the scores chain: the first freed as the next is made
-                if i == 1:
-                    self.free(("scores", key, 0))
+                super().alloc(("scores", key, i), size)   # the scores chain: an op's input freed as its output is made
+                if i in self.scores_held_frees:
+                    self.free(("scores", key, self.scores_held_frees[i]))
         super().alloc(key, size_bytes, stream)
         if opened:
             self.scores_open = None
-            self.events += [("free", ("scores", key, i)) for i in range(1, len(self.scores_held_bytes))]
+            freed = set(self.scores_held_frees.values())
+            self.events += [("free", ("scores", key, i)) for i in range(len(self.scores_held_bytes)) if i not in freed]
 
     def _softmax_output(self, key) -> bool:
         kind, s, j, t = self.scores_open
         if kind == "forward":   # a checkpointed block's forward tensor: ((forward, s, mb, j), t)
             return isinstance(key[0], tuple) and key[0][:2] == (kind, s) and key[0][3] == j and key[1] == t
         return key[0] == kind and key[1] == s and key[3] == j and key[4] == t   # (saved, s, mb, j, t)
+
+    def _recomputed_softmax(self, key, size_bytes: int) -> bool:
+        """Whether `key` is a checkpointed block's recomputed softmax output (its first tensor of that size) where the
+        recompute's scores are written (attention sinks: scores_recompute)."""
+        if not self.scores_recompute or key[0] != "recompute":
+            return False
+        if key[4] == 0:
+            self.scores_recomputed = None
+        if self.scores_recomputed == key[:4] or size_bytes != self.tokens * self.scores_saved[0]:
+            return False
+        self.scores_recomputed = key[:4]
+        return True
 
     def post_forward(self, s: int, u: int) -> None:
         self.scores_open = None
@@ -165,17 +195,32 @@ class EagerScoresWalk:
             yield
             return
         _, s, mb, j = key
-        x, t = self.pieces[s], None
+        x, lent = self.pieces[s], []
         if self.scores_cast and not self.templated(x, j):
             kept, probs = self._kept(x, j)
             name = "recompute" if x.checkpointed[j] else "saved"
             probs = len(kept) if probs is None else probs
             t = next((t for t in range(probs + 1, len(kept)) if kept[t] == self.tokens * self.scores_cast), None)
-            if t is not None:
-                self.free((name, s, mb, j, t))
-                self.scores_lend = self.scores_cast
+            lent = [((name, s, mb, j, t), kept[t])] * (t is not None)
+        elif self.scores_recompute and not self.templated(x, j):
+            lent = self._freed_before_softmax_backward(x, s, mb, j)
+        for lent_key, size in lent:
+            self.free(lent_key)
+        self.scores_lend = sum(size for _, size in lent) // self.tokens
         self.scores_backward = True
         yield
         self.scores_backward, self.scores_lend = False, 0
-        if t is not None:   # made again for the walk's own free at the block's end (the ledger's)
-            self.alloc((name, s, mb, j, t), self.tokens * self.scores_cast)
+        for lent_key, size in lent:   # made again for the walk's own free at the block's end (the ledger's)
+            self.alloc(lent_key, size)
+
+    def _freed_before_softmax_backward(self, x, s: int, mb: int, j: int) -> list[tuple[tuple, int]]:
+        """Attention sinks: block j's kept tensors cut after its softmax output (the output, the MLP's, the rest),
+        which the trace's backward has freed by its softmax backward (the MLP's and the o-projection's backward run
+        first); the ledger's moment is net of them (activations_backward), so lent to the working set it holds the
+        trace's s x (s + 1) gradients (gpt-oss, s 8,192: the third (s, s + 1) segment of the trace)."""
+        name = "recompute" if x.checkpointed[j] else "saved"
+        kept = self.recomputed(x, j) if x.checkpointed[j] else self.inputs(x, j)
+        probs = self.tokens * self.scores_saved[0]
+        if probs not in kept:
+            return []
+        return [((name, s, mb, j, t), size) for t, size in enumerate(kept) if t > kept.index(probs)]

@@ -140,13 +140,15 @@ def test_ep_with_a_traced_block_profile():
     """gpt-oss (memory_accuracy.py's: attention sinks, priced from its traced block profile) EP 4 on 32, bf16-pure,
     full AC, 1 x 8,192 tokens, eager: block 3's recomputed backward leads, the profile's moments with the experts
     gathered; walk = ledger 3,588,520,782 B (+6 B, the shards' ceil), the trace 3,589,249,124 (-0.02%); the replay
-    5,404,360,704 B against the trace's replay 5,930,745,856 (-8.9%; the flat rule ~ -36% on such rows)."""
+    5,729,419,264 B against the trace's replay 5,930,745,856 (-3.4%; -8.9% before the sinks' (s, s + 1) tensors were
+    written as the trace's, score_events / activations_sinks; the rest is the mask, which the trace makes in five
+    64-128 MiB pieces; the flat rule ~ -36% on such rows)."""
     c = estimate(arch_config("gpt-oss"), 32, ep=4, gpus_per_node=8, sharding="FULL_SHARD", precision="bf16-pure",
                  activation_checkpointing="full", micro_batch=1, seq_len=8192, attention="eager")
     assert replays(c.model, c.training, c.config, 32) is None and c.model.activation_profile is not None
     assert _events_peak(_walk(c)[0]) == pytest.approx(c.memory.peak_allocated_bytes, abs=16)
     assert c.memory.peak_allocated_bytes == pytest.approx(3_589_249_124, rel=0.0005)
-    assert c.memory.allocator_reserved_bytes == pytest.approx(5_930_745_856 * (1 - 0.089), rel=0.005)
+    assert c.memory.allocator_reserved_bytes == pytest.approx(5_930_745_856 * (1 - 0.034), rel=0.005)
 
 
 @pytest.mark.parametrize("arch, replay, traced_replay", [("qwen3-moe", 1_098_907_648, 1_214_251_008),

@@ -113,3 +113,49 @@ def test_the_softmax_backward_frees_the_cast_back_first_as_the_trace_does(arch, 
     events, first = _walk(c)
     assert _softmax_backward(events, first, c.model.n_heads * seq * seq, c.model.vocab_size, seq) == traced
     assert _events_peak(events) == c.memory.peak_allocated_bytes
+
+
+# gpt-oss's eager attention with sinks (transformers modeling_gpt_oss.py:239-253), row 24 of `memory_accuracy.py --mesh
+# --only ep` (EP 8 on 256, bf16, full AC, 1 x 2,048 tokens, 8 heads): the trace's allocations of 32 MiB and more,
+# labelled by aten op (planner.tracing.trace at PYTHONHASHSEED=0, calibration's tracker wrapped as docs/accuracy.md
+# "2026-12-08: gpt-oss's sinks' score tensors" describes), quoted: block 0's no-grad forward, then block 3's
+# recompute and softmax backward (sizes in bytes; ss = 8 x 2,048 x 2,048 x 2, ss1 = 8 x 2,048 x 2,049 x 2).
+SS, SS1 = 67_108_864, 67_141_632
+TRACED_FORWARD = [("alloc", SS), ("alloc", SS), ("free", SS), ("alloc", SS), ("free", SS), ("alloc", SS1),
+                  ("alloc", SS1), ("free", SS1), ("alloc", SS1), ("free", SS), ("free", SS1), ("free", SS1)]
+# bmm, mul (bmm's freed), add (mul's), cat, sub (cat's), _softmax, then add's and sub's freed (the recompute keeps
+# the softmax's output); backward: bmm, slice_backward, _softmax_backward_data (the softmax output freed), the max's
+# new_zeros / scatter, add: at most three s x (s + 1) tensors at once
+TRACED_RECOMPUTE = TRACED_FORWARD[:-1]
+
+
+def _large_events(events: list, lo: int = 32 << 20) -> list[tuple[str, int]]:
+    live, out = {}, []
+    for e in events:
+        if e[0] == "alloc":
+            live[e[1]] = e[2]
+            out += [("alloc", e[2])] * (e[2] >= lo)
+        elif e[0] == "free" and live.get(e[1], 0) >= lo:
+            out.append(("free", live.pop(e[1])))
+    return out
+
+
+def test_gpt_oss_sinks_score_tensors_are_the_traces():
+    """The walk makes gpt-oss's (s, s) and (s, s + 1) tensors in the trace's order and sizes (TRACED_FORWARD), in
+    each no-grad forward and recompute; the ledger's allocated peak and the walk's stay equal (to the shards' ceil).
+    Reserved 660 -> 906 MiB against the trace's replay of 926 MiB (970,981,376 B): -28.7% -> -2.2%; tolerance 5%
+    (the replays' band on traced rows). ~0.1 s once gpt-oss's block profile is in the session's cache (its trace,
+    ~12 s, is shared with test_ep_step_allocations' gpt-oss row)."""
+    from benchmarks.memory_accuracy import ep_grid
+    row = dict(ep_grid()[23])
+    assert (row.pop("arch"), row.pop("gpus"), row["seq_len"]) == ("gpt-oss", 256, 2048)
+    c = estimate(arch_config("gpt-oss"), 256, **row)
+    events = _walk(c)[0]
+    forward = [e for e in events if e[1][0] == "scores" and e[1][1][0][:2] == ("forward", 0) or
+               e[1][0] == ("forward", 0, 0, 0)]
+    assert _large_events(forward)[:len(TRACED_FORWARD)] == TRACED_FORWARD
+    recompute = [e for e in events if e[1][0] == "scores" and e[1][1][:4] == ("recompute", 0, 0, 3) or
+                 e[1][:4] == ("recompute", 0, 0, 3)]
+    assert _large_events(recompute)[:len(TRACED_RECOMPUTE)] == TRACED_RECOMPUTE
+    assert _events_peak(events) == pytest.approx(c.memory.peak_allocated_bytes, abs=16)
+    assert c.memory.allocator_reserved_bytes == pytest.approx(970_981_376, rel=0.05)
