@@ -555,3 +555,27 @@ def test_verls_target_modules_list_prices_attention_only_lora(tmp_path):
         (tmp_path / "bad.sh").write_text(lora.replace("TARGETS", bad))
         r = run(tmp_path / "bad.sh")
         assert (r.returncode, r.stderr) == (2, f"error: actor_rollout_ref.model.target_modules: {said}\n")
+
+
+def test_trls_model_config_lora_keys_price_the_adapters(tmp_path):
+    """TRL's GRPO script reads ModelConfig's keys from the same YAML as GRPOConfig's (trl/scripts/grpo.py's
+    TrlParser; get_peft_config: LoraConfig(r=lora_r, target_modules=lora_target_modules) where use_peft): check
+    prices LoRA at lora_r on those targets, phase for phase as the same file saying it on its `# fsdp-plan:` line;
+    use_peft left out (ModelConfig's default false) is full fine-tuning, whose actor holds more."""
+    from trl import ModelConfig
+
+    peft = {"use_peft": True, "lora_r": 32, "lora_target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}
+    ModelConfig(**peft)   # TRL's own names and types
+    grpo = ("use_vllm: true\nnum_generations: 8\nper_device_train_batch_size: 4\ngradient_accumulation_steps: 4\n"
+            "max_completion_length: 512\nvllm_max_model_length: 1024\nmodel_init_kwargs:\n  dtype: bfloat16\n")
+    model_keys = "use_peft: true\nlora_r: 32\nlora_target_modules: [q_proj, k_proj, v_proj, o_proj]\n"
+    (tmp_path / "keys.yaml").write_text(grpo + model_keys)
+    k = read_rl_setup(tmp_path / "keys.yaml", gpus=4).knobs
+    assert (k["finetune"], k["lora_rank"], k["lora_targets"]) == ("lora", 32, "attention")
+    (tmp_path / "line.yaml").write_text("# fsdp-plan: --finetune lora --lora-rank 32 --lora-targets attention\n" + grpo)
+    (tmp_path / "full.yaml").write_text(grpo)
+    checked = {name: json.loads(run(tmp_path / f"{name}.yaml", "--model", "qwen2.5-7b", "--gpus", "4",
+                                    "--format", "json").stdout) for name in ("keys", "line", "full")}
+    assert checked["keys"]["memory"] == checked["line"]["memory"]
+    assert "finetune" not in read_rl_setup(tmp_path / "full.yaml", gpus=4).knobs
+    assert checked["full"]["memory"]["peak_reserved_bytes"] > checked["keys"]["memory"]["peak_reserved_bytes"]

@@ -2,7 +2,8 @@
 and the accelerate config after it where --emit trl wrote one (a second YAML document): the batch back in verl's
 terms (planner/emit/trl.py writes the other direction), the actor's FSDP version and offload from accelerate's
 keys, the keys that decide TRL's passes (beta, num_iterations, vllm_importance_sampling_correction,
-vllm_enable_sleep_mode: TRL's defaults where left out), the `# fsdp-plan:` line for what neither has a key for;
+vllm_enable_sleep_mode: TRL's defaults where left out), TRL's ModelConfig LoRA keys in the same YAML (use_peft,
+lora_r, lora_target_modules), the `# fsdp-plan:` line for what none has a key for;
 vllm_mode server: the server's host and its commented `trl vllm-serve` line (planner/emit/trl_server.py)."""
 
 from __future__ import annotations
@@ -16,12 +17,14 @@ from planner.emit.trl import DTYPES
 from planner.emit.trl_server import DEFAULTS, read_serve_line
 from planner.errors import PlannerError
 
+from .peft_targets import lora_targets
 from .rl_setup import RlSetup
 
 # request field -> GRPOConfig's key, to name it in an error
 KEYS = {"rollout_n": "num_generations", "ppo_micro_batch_size_per_gpu": "per_device_train_batch_size",
         "gpu_memory_utilization": "vllm_gpu_memory_utilization", "rollout_tp": "vllm_tensor_parallel_size",
-        "response_len": "max_completion_length", "prompt_len": "vllm_max_model_length"}
+        "response_len": "max_completion_length", "prompt_len": "vllm_max_model_length", "lora_rank": "lora_r",
+        "lora_targets": "lora_target_modules", "finetune": "use_peft"}
 # GRPOConfig's keys that decide TRL's passes (cost_models/rl_schedule.py; the request's names are TRL's), with TRL
 # 1.16's defaults
 PASSES = {"beta": 0.0, "num_iterations": 1, "vllm_importance_sampling_correction": True,
@@ -106,12 +109,25 @@ def from_trl_grpo(docs: list, source: str, text: str = "", gpus: int | None = No
         notes.append(f"model_init_kwargs.dtype {dtype}: the checkpoint's dtype, priced as bf16")
     knobs["actor_dtype"] = by_name.get(dtype, "bf16")
     knobs.update({name: _get(g, name, name, default) for name, default in PASSES.items()})
+    knobs.update(_peft(g, notes))
     if mode == "server":
         knobs.update(_server(g, text, notes))
     knobs.update(_accelerate(docs[1]) if len(docs) > 1 else {})
     return RlSetup(knobs={"framework": "trl", **knobs, **flags}, source=source, dialect="trl-grpo", model=model,
                    model_path=g.get("model_name_or_path"), model_key="model_name_or_path", notes=tuple(notes),
                    keys={**KEYS, **(SERVER_KEYS if mode == "server" else {})})
+
+
+def _peft(g: dict, notes: list) -> dict:
+    """TRL's ModelConfig keys in the same YAML (TRL 1.16's trl/scripts/grpo.py parses ScriptArguments, GRPOConfig and
+    ModelConfig from one file; get_peft_config: LoraConfig(r=lora_r, target_modules=lora_target_modules) where
+    use_peft): LoRA at lora_r (ModelConfig's default 16) on its targets as peft_targets reads them (None: peft's
+    per-family default, priced as the attention projections); use_peft false (the default): full fine-tuning."""
+    if not typed("param_offload", g.get("use_peft", False), "use_peft"):   # a bool field's type, named use_peft
+        return {}
+    targets, said = lora_targets(g.get("lora_target_modules"))
+    notes.extend(said)
+    return {"finetune": "lora", "lora_rank": _get(g, "lora_r", "lora_rank", 16), "lora_targets": targets}
 
 
 def _server(g: dict, text: str, notes: list) -> dict:
