@@ -49,7 +49,8 @@ def check_against_trace(real: dict, case: dict, world: int) -> None:
     phase; the counted states to the byte. The trace is of the pipeline rank's first CP rank, whose ring steps
     update half their queries (the merge's torch.cat: the larger transients); another CP rank's peak may only be
     lower, and its peak phase is not fixed: pp 2 x cp 2's CP rank 1 peaked in the forward in one run (3,909,260 B)
-    and in the backward in others (the suite's run at f274cd3 failed on it), so the phase is checked on CP rank 0."""
+    and in the backward in others (the suite's run at f274cd3 failed on it), so the phase is checked on CP rank 0
+    (a forward allowed where the real peak holds gloo's kept send: below)."""
     trace = traced_case(case, world)
     config = case["config"]
     shards = config.get("cp", 1) * (config.get("tp", 1) if config.get("sequence_parallel", True) else 1)
@@ -60,9 +61,14 @@ def check_against_trace(real: dict, case: dict, world: int) -> None:
         below = float("inf") if rank.get("cp_rank", 0) else REAL_RUN_JITTER_BYTES
         assert -below <= extra <= sent_bytes + REAL_RUN_JITTER_BYTES, (
             rank["rank"], rank["peak_allocated_bytes"], t.peak_allocated_bytes, rank["phases"], t.to_dict()["phases"])
-        if not rank.get("cp_rank", 0):  # another CP rank's lower transients may leave its peak in another phase
-            assert rank["peak_phase"] == t.peak_phase, (rank["rank"], rank["peak_phase"], t.peak_phase,
-                                                        rank["phases"], t.to_dict()["phases"])
+        # another CP rank's lower transients may leave its peak in another phase; and where the real peak holds the
+        # stage output gloo keeps after its send (extra of about sent_bytes), that output can lift a forward peak
+        # above the trace's backward one (pp 2 x cp 2 rank 0 at 1a20401: forward 4,040,332 B = the trace's backward
+        # 4,007,564 + 32,768, one output): then the forward is the other phase allowed
+        phases = {t.peak_phase} | ({"forward"} if extra > sent_bytes // 2 else set())
+        if not rank.get("cp_rank", 0):
+            assert rank["peak_phase"] in phases, (rank["rank"], rank["peak_phase"], t.peak_phase,
+                                                  rank["phases"], t.to_dict()["phases"])
         counted = rank["phases"]["optimizer_step"]["breakdown"]
         for key in ("sharded_params", "sharded_grads", "optimizer_state"):  # counted, not timed: to the byte
             assert counted[key] == t.phases["optimizer_step"].breakdown[key], key
