@@ -46,7 +46,7 @@ from .pipeline_stage_events import ALL_GATHER_STREAM, REDUCE_SCATTER_STREAM, Sta
 from .pipeline_stage_pieces import stage_pieces
 from .replay_notes import replay_notes
 from .specs import FsdpConfig, ModelSpec, TrainingSpec
-from .tensor_cut import cut  # (re-exported: tests import it from here)
+from .tensor_cut import cut
 from .tp_block_events import BlockWidths, applies, backward_events, forward_events, keyed
 from .units import DTYPE_BYTES
 

@@ -1,5 +1,5 @@
-"""Per-token bytes cut into tensors of given widths, as the allocation walks write a lump of activations (moved out of
-pipeline_allocations.py, which re-exports it)."""
+"""Per-token bytes cut into tensors of given widths, as the allocation walks write a lump of activations
+(pipeline_allocations' walks, expert_unit_events)."""
 
 from __future__ import annotations
 

@@ -12,7 +12,8 @@ from __future__ import annotations
 import pytest
 
 from cost_models.caching_allocator import AllocatorSettings, replay
-from cost_models.pipeline_allocations import cut, param_tensors, rank_events, replay_rank
+from cost_models.pipeline_allocations import param_tensors, rank_events, replay_rank
+from cost_models.tensor_cut import cut
 from cost_models.pipeline_memory import rank_inputs
 from cost_models.specs import FsdpConfig
 from cost_models.units import MiB
